@@ -1,0 +1,213 @@
+"""Configuration groups, named and spelled as upstream fairseq names them.
+
+Each field becomes a command-line flag (`max_tokens` -> `--max-tokens`) through
+`fairseq.dataclass.utils.add_dataclass_to_parser`. Every mutable or nested default goes through
+`field(default_factory=...)` (upstream 0.12.2's shared mutable defaults are what break it on Python 3.11).
+"""
+
+from dataclasses import dataclass, field
+from typing import Any, List, Literal, Optional
+
+
+def opt(default=None, help: str = "", **metadata):
+    """A config field with its help text; list defaults are copied per instance."""
+    metadata["help"] = help
+    if isinstance(default, (list, dict)):
+        value = default
+        return field(default_factory=lambda: type(value)(value), metadata=metadata)
+    return field(default=default, metadata=metadata)
+
+
+LOG_FORMATS = Literal["json", "simple", "tqdm", "none"]
+DDP_BACKENDS = Literal["pytorch_ddp", "fully_sharded", "c10d", "no_c10d", "legacy_ddp"]
+
+
+@dataclass
+class CommonConfig:
+    no_progress_bar: bool = opt(False, "disable the progress bar (same as --log-format none for tqdm)")
+    log_interval: int = opt(100, "log progress every N updates")
+    log_format: Optional[LOG_FORMATS] = opt(None, "log format (default: tqdm on a terminal, else simple)")
+    log_file: Optional[str] = opt(None, "also write the log lines to this file")
+    tensorboard_logdir: Optional[str] = opt(None, "write tensorboard event files under this directory")
+    wandb_project: Optional[str] = opt(None, "log to this Weights & Biases project (honours WANDB_MODE)")
+    seed: int = opt(1, "pseudo random number generator seed")
+    cpu: bool = opt(False, "train on the CPU even when CUDA is available")
+    fp16: bool = opt(False, "fp16 mixed precision with dynamic loss scaling")
+    bf16: bool = opt(False, "bf16 mixed precision")
+    memory_efficient_fp16: bool = opt(False, "accepted for upstream recipes; same as --fp16 here")
+    memory_efficient_bf16: bool = opt(False, "accepted for upstream recipes; same as --bf16 here")
+    fp16_no_flatten_grads: bool = opt(False, "accepted for upstream compatibility; gradients are never flattened")
+    fp16_init_scale: float = opt(2.0**7, "initial fp16 loss scale")
+    fp16_scale_window: Optional[int] = opt(None, "updates without overflow before the loss scale doubles")
+    fp16_scale_tolerance: float = opt(0.0, "fraction of overflowing updates tolerated before the scale halves")
+    min_loss_scale: float = opt(1e-4, "stop training when the loss scale falls below this")
+    threshold_loss_scale: Optional[float] = opt(None, "never raise the loss scale above this")
+    user_dir: Optional[str] = opt(None, "directory of plug-in modules (tasks, models, ...) to import")
+    empty_cache_freq: int = opt(0, "empty the CUDA cache every N updates (0: never)")
+    suppress_crashes: bool = opt(False, "accepted for upstream compatibility")
+    profile: bool = opt(False, "accepted for upstream compatibility")
+    reset_logging: bool = opt(False, "accepted for upstream compatibility")
+    peak_tflops: Optional[float] = opt(
+        None, "peak dense bf16/fp16 TFLOP/s of one accelerator for the mfu stat (default: from the device name)"
+    )
+    trust_legacy_checkpoint: bool = opt(
+        False,
+        "allow loading upstream fairseq checkpoints, which contain pickled Python objects; "
+        "only pass this for files you trust, since unpickling can run arbitrary code",
+    )
+
+
+@dataclass
+class DistributedTrainingConfig:
+    distributed_world_size: int = opt(1, "total number of processes across all nodes")
+    distributed_num_procs: Optional[int] = opt(None, "processes to spawn on this node (default: all GPUs)")
+    distributed_rank: Optional[int] = opt(0, "rank of this process")
+    distributed_backend: str = opt("nccl", "process-group backend (gloo is used on CPU)")
+    distributed_init_method: Optional[str] = opt(None, "init method URL, e.g. tcp://host:port")
+    distributed_port: int = opt(-1, "port for the rendezvous under SLURM (required on several nodes)")
+    device_id: int = opt(0, "which local GPU to use (set automatically by launchers)")
+    distributed_no_spawn: bool = opt(False, "do not spawn processes even if several GPUs are visible")
+    ddp_backend: DDP_BACKENDS = opt("pytorch_ddp", "data-parallel engine")
+    bucket_cap_mb: int = opt(25, "DDP bucket size in MB")
+    fix_batches_to_gpus: bool = opt(False, "accepted for upstream compatibility")
+    find_unused_parameters: bool = opt(False, "let DDP find parameters that receive no gradient")
+    heartbeat_timeout: int = opt(
+        -1, "seconds before a stuck collective or process-group creation fails the job (-1: 600 s)"
+    )
+    broadcast_buffers: bool = opt(False, "DDP: copy non-parameter buffers from rank 0 each forward")
+    fp32_reduce_scatter: bool = opt(False, "reduce gradients in fp32 (always the case here)")
+    cpu_offload: bool = opt(False, "fully_sharded: keep sharded parameters, gradients and optimizer state on CPU")
+    use_sharded_state: bool = opt(False, "fully_sharded: save checkpoints as per-rank shards (DCP directory)")
+    no_reshard_after_forward: bool = opt(False, "fully_sharded: keep full parameters from forward to backward")
+    min_params_to_wrap: int = opt(int(1e8), "accepted for upstream compatibility; every layer is its own unit")
+    fsdp_forward_prefetch: bool = opt(
+        False, "fully_sharded: explicitly prefetch the next layer's all-gather in forward (and in backward)"
+    )
+    fsdp_prefetch_depth: int = opt(1, "fully_sharded: how many layers ahead --fsdp-forward-prefetch gathers")
+    fsdp_sync_free: bool = opt(
+        False,
+        "fully_sharded: before gathering layer i, wait on the CUDA event recorded when layer i-2 freed its "
+        "full parameters (bounds reserved memory and how far the CPU runs ahead)",
+    )
+    compile: bool = opt(False, "torch.compile each transformer layer before sharding")
+
+
+@dataclass
+class DatasetConfig:
+    num_workers: int = opt(1, "data-loading worker processes")
+    skip_invalid_size_inputs_valid_test: bool = opt(False, "ignore too-long or too-short examples")
+    max_tokens: Optional[int] = opt(None, "maximum tokens in a batch")
+    batch_size: Optional[int] = opt(None, "number of examples in a batch", aliases=["--max-sentences"])
+    required_batch_size_multiple: int = opt(8, "batch size will be a multiple of this")
+    dataset_impl: Optional[str] = opt(None, "accepted for upstream compatibility; mmap is the only format")
+    data_buffer_size: int = opt(10, "batches to prefetch per loader")
+    train_subset: str = opt("train", "data subset to train on")
+    valid_subset: str = opt("valid", "comma-separated data subsets to validate on")
+    combine_valid_subsets: Optional[bool] = opt(None, "accepted for upstream compatibility")
+    ignore_unused_valid_subsets: bool = opt(False, "accepted for upstream compatibility")
+    validate_interval: int = opt(1, "validate every N epochs")
+    validate_interval_updates: int = opt(0, "validate every N updates (0: only at epoch ends)")
+    validate_after_updates: int = opt(0, "do not validate before this many updates")
+    fixed_validation_seed: Optional[int] = opt(None, "accepted for upstream compatibility")
+    disable_validation: bool = opt(False, "never validate")
+    max_tokens_valid: Optional[int] = opt(None, "maximum tokens in a validation batch (default: --max-tokens)")
+    batch_size_valid: Optional[int] = opt(None, "validation batch size (default: --batch-size)")
+    max_valid_steps: Optional[int] = opt(None, "validate on at most this many batches")
+    curriculum: int = opt(0, "accepted for upstream compatibility")
+    gen_subset: str = opt("test", "data subset to evaluate (fairseq-eval-lm)")
+    num_shards: int = opt(1, "accepted for upstream compatibility")
+    shard_id: int = opt(0, "accepted for upstream compatibility")
+
+
+@dataclass
+class OptimizationConfig:
+    max_epoch: int = opt(0, "stop after this epoch (0: no limit)")
+    max_update: int = opt(0, "stop after this many updates (0: no limit)")
+    stop_time_hours: float = opt(0.0, "stop after this many hours of training (0: no limit)")
+    clip_norm: float = opt(0.0, "clip gradients to this global L2 norm (0: no clipping)")
+    sentence_avg: bool = opt(False, "normalize the loss by sentences instead of tokens")
+    update_freq: List[int] = opt([1], "accumulate gradients over N batches before each update")
+    lr: List[float] = opt([0.25], "learning rate (upstream takes a list; the first value is used)")
+    stop_min_lr: float = opt(-1.0, "stop when the learning rate falls to this value")
+    use_bmuf: bool = opt(False, "accepted for upstream compatibility; not supported")
+
+
+@dataclass
+class CheckpointConfig:
+    save_dir: str = opt("checkpoints", "where to save checkpoints")
+    restore_file: str = opt("checkpoint_last.pt", "checkpoint to resume from (in --save-dir unless a path)")
+    finetune_from_model: Optional[str] = opt(
+        None, "start from this model's weights with a fresh optimizer, scheduler, meters and data iterator"
+    )
+    reset_dataloader: bool = opt(False, "do not restore the data iterator position")
+    reset_lr_scheduler: bool = opt(False, "do not restore the learning-rate scheduler")
+    reset_meters: bool = opt(False, "do not restore the meters")
+    reset_optimizer: bool = opt(False, "do not restore the optimizer state")
+    optimizer_overrides: str = opt("{}", "accepted for upstream compatibility")
+    save_interval: int = opt(1, "save a checkpoint every N epochs")
+    save_interval_updates: int = opt(0, "save a checkpoint every N updates (0: only at epoch ends)")
+    keep_interval_updates: int = opt(-1, "keep only the last N update checkpoints (-1: all)")
+    keep_interval_updates_pattern: int = opt(-1, "keep update checkpoints whose update count is a multiple of N")
+    keep_last_epochs: int = opt(-1, "keep only the last N epoch checkpoints (-1: all)")
+    keep_best_checkpoints: int = opt(-1, "keep only the best N checkpoints by the metric (-1: all)")
+    no_save: bool = opt(False, "do not save checkpoints")
+    no_epoch_checkpoints: bool = opt(False, "only keep checkpoint_last and checkpoint_best")
+    no_last_checkpoints: bool = opt(False, "do not write checkpoint_last")
+    no_save_optimizer_state: bool = opt(False, "do not save the optimizer state")
+    best_checkpoint_metric: str = opt("loss", "metric that defines checkpoint_best")
+    maximize_best_checkpoint_metric: bool = opt(False, "a larger metric is better")
+    patience: int = opt(-1, "stop after N validations without improvement (-1: never)")
+    checkpoint_suffix: str = opt("", "suffix added to checkpoint file names")
+    load_checkpoint_on_all_dp_ranks: bool = opt(False, "accepted for upstream compatibility")
+    write_checkpoints_asynchronously: bool = opt(False, "accepted for upstream compatibility; saves are synchronous")
+
+
+@dataclass
+class EvalLMConfig:
+    output_word_probs: bool = opt(False, "print each word's log probability")
+    output_word_stats: bool = opt(False, "accepted for upstream compatibility")
+    context_window: int = opt(0, "tokens of left context scored but not counted, for sliding-window evaluation")
+    softmax_batch: int = opt(2**62, "accepted for upstream compatibility")
+
+
+@dataclass
+class CommonEvalConfig:
+    path: Optional[str] = opt(None, "checkpoint to evaluate: a .pt file or a sharded checkpoint directory")
+    quiet: bool = opt(False, "only print the final scores")
+    model_overrides: str = opt("{}", "Python dict literal of model config values to override when loading")
+    results_path: Optional[str] = opt(None, "also write the results to this directory")
+
+
+@dataclass
+class PreprocessConfig:
+    source_lang: Optional[str] = opt(None, "source language (translation; unused for language modeling)")
+    target_lang: Optional[str] = opt(None, "target language (translation; unused for language modeling)")
+    trainpref: Optional[str] = opt(None, "train file prefix (also used to build the dictionary)")
+    validpref: Optional[str] = opt(None, "comma-separated valid file prefixes")
+    testpref: Optional[str] = opt(None, "comma-separated test file prefixes")
+    destdir: str = opt("data-bin", "destination directory")
+    only_source: bool = opt(False, "only process the source language (language modeling)")
+    srcdict: Optional[str] = opt(None, "reuse this dictionary instead of building one")
+    thresholdsrc: int = opt(0, "map words appearing at most this many times to <unk>")
+    nwordssrc: int = opt(-1, "keep at most this many words in the dictionary (-1: all)")
+    padding_factor: int = opt(8, "pad the dictionary size to a multiple of this")
+    workers: int = opt(1, "number of parallel workers")
+    dict_only: bool = opt(False, "only build the dictionary")
+    dataset_impl: str = opt("mmap", "output format (mmap is the only one)")
+
+
+@dataclass
+class FairseqConfig:
+    common: CommonConfig = field(default_factory=CommonConfig)
+    distributed_training: DistributedTrainingConfig = field(default_factory=DistributedTrainingConfig)
+    dataset: DatasetConfig = field(default_factory=DatasetConfig)
+    optimization: OptimizationConfig = field(default_factory=OptimizationConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    eval_lm: EvalLMConfig = field(default_factory=EvalLMConfig)
+    common_eval: CommonEvalConfig = field(default_factory=CommonEvalConfig)
+    # Component configs: the registered component's own dataclass instance, chosen by name.
+    task: Any = None
+    model: Any = None
+    criterion: Any = None
+    optimizer: Any = None
+    lr_scheduler: Any = None

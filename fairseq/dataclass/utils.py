@@ -1,0 +1,112 @@
+"""Generate argparse flags from config dataclasses and build configs back from parsed flags."""
+
+import argparse
+import ast
+import dataclasses
+import types
+import typing
+from typing import Any, Literal, Optional, Union, get_args, get_origin
+
+
+def _unwrap_optional(tp):
+    """Optional[X] -> (X, True); X -> (X, False)."""
+    if get_origin(tp) in (Union, getattr(types, "UnionType", Union)):
+        args = [a for a in get_args(tp) if a is not type(None)]
+        if len(args) == 1:
+            return args[0], True
+    return tp, False
+
+
+def _list_parser(item_type):
+    def parse(text: str):
+        text = text.strip()
+        if text.startswith(("[", "(")):  # upstream also accepts a Python literal
+            value = ast.literal_eval(text)
+            value = value if isinstance(value, (list, tuple)) else [value]
+            return [item_type(v) for v in value]
+        return [item_type(v) for v in text.split(",") if v.strip()]
+
+    parse.__name__ = f"list of {item_type.__name__}"
+    return parse
+
+
+def flag_name(field_name: str) -> str:
+    return "--" + field_name.replace("_", "-")
+
+
+def add_dataclass_to_parser(parser, dc, suppress_defaults: bool = False, positional=("data",)):
+    """Add one flag per field of dataclass `dc` to `parser` (an ArgumentParser or argument group).
+
+    Flags that the parser already has are skipped, so a field shared by two groups is one flag.
+    With `suppress_defaults`, unset flags stay absent from the namespace (so architecture presets can
+    tell what the user set).
+    """
+    hints = typing.get_type_hints(dc)
+    for f in dataclasses.fields(dc):
+        if f.name.startswith("_"):
+            continue
+        name = flag_name(f.name)
+        if name in parser._option_string_actions:
+            continue
+        tp, optional = _unwrap_optional(hints[f.name])
+        kwargs = {"help": f.metadata.get("help", "")}
+        default = f.default if f.default is not dataclasses.MISSING else (
+            f.default_factory() if f.default_factory is not dataclasses.MISSING else None
+        )
+        if f.name in positional:
+            parser.add_argument(f.name, nargs="?", default=default, help=kwargs["help"])
+            continue
+        origin = get_origin(tp)
+        if tp is bool:
+            kwargs["action"] = "store_true"
+        elif origin is Literal:
+            kwargs["choices"] = list(get_args(tp))
+            kwargs["type"] = type(get_args(tp)[0])
+        elif origin in (list, typing.List):
+            (item,) = get_args(tp)
+            kwargs["type"] = _list_parser(item)
+        elif tp in (int, float, str):
+            kwargs["type"] = tp
+        else:
+            kwargs["type"] = str
+        if default is not None and not isinstance(default, bool):
+            kwargs["help"] += f" (default: {default})"
+        kwargs["default"] = argparse.SUPPRESS if suppress_defaults else default
+        names = [name] + list(f.metadata.get("aliases", []))
+        parser.add_argument(*names, dest=f.name, **kwargs)
+
+
+def config_from_namespace(dc, args: argparse.Namespace, name: Optional[str] = None):
+    """Instantiate dataclass `dc` from the namespace's attributes of the same names (defaults elsewhere)."""
+    values = {}
+    for f in dataclasses.fields(dc):
+        if f.init and hasattr(args, f.name):
+            values[f.name] = getattr(args, f.name)
+    cfg = dc(**values)
+    if name is not None:
+        cfg._name = name
+    return cfg
+
+
+def config_to_dict(cfg) -> Any:
+    """Plain nested dict of a config (keeps `_name`), safe for `torch.load(weights_only=True)`."""
+    if dataclasses.is_dataclass(cfg):
+        out = {f.name: config_to_dict(getattr(cfg, f.name)) for f in dataclasses.fields(cfg)}
+        if hasattr(cfg, "_name"):
+            out["_name"] = cfg._name
+        return out
+    if isinstance(cfg, (list, tuple)):
+        return [config_to_dict(v) for v in cfg]
+    if isinstance(cfg, dict):
+        return {k: config_to_dict(v) for k, v in cfg.items()}
+    return cfg
+
+
+def config_from_dict(dc, values: dict, name: Optional[str] = None):
+    """Inverse of config_to_dict for one flat component config; unknown keys are ignored."""
+    names = {f.name for f in dataclasses.fields(dc) if f.init}
+    cfg = dc(**{k: v for k, v in values.items() if k in names})
+    name = name or values.get("_name")
+    if name is not None:
+        cfg._name = name
+    return cfg

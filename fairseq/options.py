@@ -1,0 +1,157 @@
+"""Command-line parsers, generated from the config dataclasses.
+
+`parse_args_and_arch` parses in two passes, as upstream does: the first pass reads which task, architecture,
+criterion, optimizer and scheduler were chosen (and `--user-dir`), the second adds those components' own
+flags and parses everything, rejecting unknown flags.
+"""
+
+import argparse
+import sys
+from typing import List, Optional
+
+from fairseq import registry
+from fairseq.dataclass import configs
+from fairseq.dataclass.utils import add_dataclass_to_parser, config_from_namespace
+from fairseq.utils import import_user_module
+
+# Group name in FairseqConfig -> dataclass, in the order they appear in --help.
+TRAIN_GROUPS = {
+    "common": configs.CommonConfig,
+    "dataset": configs.DatasetConfig,
+    "distributed_training": configs.DistributedTrainingConfig,
+    "optimization": configs.OptimizationConfig,
+    "checkpoint": configs.CheckpointConfig,
+}
+# Component selector: (config attribute, flag dest, registry, default)
+COMPONENTS = (
+    ("task", "task", registry.TASK_REGISTRY, "language_modeling"),
+    ("criterion", "criterion", registry.CRITERION_REGISTRY, "cross_entropy"),
+    ("optimizer", "optimizer", registry.OPTIMIZER_REGISTRY, None),
+    ("lr_scheduler", "lr_scheduler", registry.LR_SCHEDULER_REGISTRY, "fixed"),
+)
+
+
+def _base_parser(description: str, groups: dict, default_task: str, components=("task",)):
+    # A pre-pass reads --user-dir before anything else, so plug-ins can register choices.
+    pre = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    pre.add_argument("--user-dir", default=None)
+    user_args, _ = pre.parse_known_args()
+    if user_args.user_dir:
+        import_user_module(user_args.user_dir)
+
+    parser = argparse.ArgumentParser(description=description, allow_abbrev=False)
+    parser.set_defaults(_groups=tuple(groups))
+    for name, dc in groups.items():
+        add_dataclass_to_parser(parser.add_argument_group(name.replace("_", " ")), dc)
+    for attr, dest, reg, default in COMPONENTS:
+        if attr not in components:
+            continue
+        d = default_task if attr == "task" else default
+        parser.add_argument(
+            f"--{dest.replace('_', '-')}", dest=dest, default=d, metavar=dest.upper(),
+            help=f"{reg.kind} to use: {', '.join(reg.choices())}" + (f" (default: {d})" if d else ""),
+        )
+    return parser
+
+
+def get_preprocessing_parser(default_task: str = "translation"):
+    groups = {"common": configs.CommonConfig, "preprocess": configs.PreprocessConfig}
+    return _base_parser("fairseq-preprocess: build a dictionary and binarize text", groups, default_task)
+
+
+def get_training_parser(default_task: str = "language_modeling"):
+    parser = _base_parser(
+        "fairseq-train: train a model", TRAIN_GROUPS, default_task,
+        components=tuple(c[0] for c in COMPONENTS),
+    )
+    parser.add_argument("--arch", "-a", metavar="ARCH", default=None,
+                        help=f"model architecture: {', '.join(registry.architectures())}")
+    return parser
+
+
+def get_eval_lm_parser(default_task: str = "language_modeling"):
+    groups = dict(TRAIN_GROUPS)
+    groups["common_eval"] = configs.CommonEvalConfig
+    groups["eval_lm"] = configs.EvalLMConfig
+    return _base_parser("fairseq-eval-lm: evaluate a language model", groups, default_task)
+
+
+def parse_args_and_arch(parser: argparse.ArgumentParser, input_args: Optional[List[str]] = None,
+                        parse_known: bool = False):
+    """Parse flags, adding the chosen components' flags and applying the architecture preset."""
+    input_args = sys.argv[1:] if input_args is None else input_args
+    if "--user-dir" in input_args:  # a plug-in named on an explicit argument list
+        import_user_module(input_args[input_args.index("--user-dir") + 1])
+    first, _ = parser.parse_known_args(input_args)
+
+    try:
+        arch_fn = _add_component_flags(parser, first)
+    except ValueError as e:  # unknown task/arch/criterion/...: usage error naming the flag and choices
+        parser.error(str(e))
+
+    if parse_known:
+        args, extra = parser.parse_known_args(input_args)
+    else:
+        args, extra = parser.parse_args(input_args), None
+
+    if arch_fn is not None:
+        arch_fn(args)
+        model_dc = registry.dataclass_of(registry.arch_model(args.arch))
+        if model_dc is not None:  # whatever neither the user nor the preset set takes the default
+            defaults = model_dc()
+            for name in vars(defaults):
+                if not name.startswith("_") and not hasattr(args, name):
+                    setattr(args, name, getattr(defaults, name))
+    try:
+        _check_args(args)
+    except ValueError as e:
+        parser.error(str(e))
+    return (args, extra) if parse_known else args
+
+
+def _add_component_flags(parser, first):
+    # Components first: a model field that shares a task flag (tokens_per_sample) reads the task's value.
+    for attr, dest, reg, _ in COMPONENTS:
+        name = getattr(first, dest, None)
+        if name is None:
+            continue
+        dc = reg.dataclass(name)  # raises a clear error for an unknown name
+        if dc is not None:
+            add_dataclass_to_parser(parser.add_argument_group(f"{reg.kind} ({name})"), dc)
+    arch_fn = None
+    if getattr(first, "arch", None) is not None:
+        model_cls = registry.arch_model(first.arch)
+        model_dc = registry.dataclass_of(model_cls)
+        if model_dc is not None:
+            group = parser.add_argument_group("model-specific configuration")
+            # Unset model flags stay absent, so the preset below can fill exactly those.
+            add_dataclass_to_parser(group, model_dc, suppress_defaults=True)
+        arch_fn = registry.ARCH_CONFIG_REGISTRY[first.arch]
+    return arch_fn
+
+
+def _check_args(args):
+    if getattr(args, "bf16", False) and getattr(args, "fp16", False):
+        raise ValueError("--fp16 and --bf16 cannot be combined; pass one of them")
+    if getattr(args, "memory_efficient_fp16", False):
+        args.fp16 = True
+    if getattr(args, "memory_efficient_bf16", False):
+        args.bf16 = True
+
+
+def convert_namespace_to_config(args: argparse.Namespace) -> configs.FairseqConfig:
+    """Structured config from parsed flags: one dataclass per group, one per chosen component."""
+    cfg = configs.FairseqConfig()
+    for group in ("common", "dataset", "distributed_training", "optimization", "checkpoint",
+                  "eval_lm", "common_eval"):
+        dc = type(getattr(cfg, group))
+        setattr(cfg, group, config_from_namespace(dc, args))
+    for attr, dest, reg, _ in COMPONENTS:
+        name = getattr(args, dest, None)
+        if name is not None:
+            dc = reg.dataclass(name)
+            setattr(cfg, attr, config_from_namespace(dc, args, name))
+    if getattr(args, "arch", None) is not None:
+        model_dc = registry.dataclass_of(registry.arch_model(args.arch))
+        cfg.model = config_from_namespace(model_dc, args, args.arch)
+    return cfg

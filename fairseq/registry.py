@@ -1,0 +1,127 @@
+"""One generic registry for every pluggable component (tasks, models, criterions, ...).
+
+A component registers itself with a decorator and, optionally, the dataclass that holds its
+configuration; the dataclass is what generates the component's command-line flags.
+Built-in components live in known packages that are imported the first time a registry is read,
+so `import fairseq` stays cheap.
+"""
+
+import importlib
+import pkgutil
+from dataclasses import is_dataclass
+from typing import Callable, Dict, Optional, Type
+
+
+class Registry:
+    def __init__(self, kind: str, packages: tuple, flag: str, base_class: Optional[type] = None):
+        self.kind = kind
+        self.flag = flag  # the command-line flag that selects a component, e.g. --task
+        self.base_class = base_class
+        self._packages = packages
+        self._classes: Dict[str, type] = {}
+        self._dataclasses: Dict[str, type] = {}
+        self._loaded = False
+
+    def register(self, name: str, dataclass: Optional[type] = None) -> Callable[[type], type]:
+        def wrap(cls):
+            if name in self._classes:
+                raise ValueError(f"cannot register duplicate {self.kind} {name!r}")
+            if self.base_class is not None and not issubclass(cls, self.base_class):
+                raise ValueError(f"{self.kind} {name!r} ({cls.__name__}) must extend {self.base_class.__name__}")
+            if dataclass is not None and not is_dataclass(dataclass):
+                raise ValueError(f"{self.kind} {name!r}: {dataclass} is not a dataclass")
+            self._classes[name] = cls
+            if dataclass is not None:
+                self._dataclasses[name] = dataclass
+                cls.config_class = dataclass
+            cls.registry_name = name
+            return cls
+
+        return wrap
+
+    def _load_builtins(self):
+        if self._loaded:
+            return
+        self._loaded = True
+        for package in self._packages:
+            import_package_modules(package)
+
+    def get(self, name: str) -> type:
+        self._load_builtins()
+        if name not in self._classes:
+            raise ValueError(
+                f"unknown {self.kind} {name!r} for {self.flag}; choose one of: {', '.join(self.choices())}"
+                " (or load a plug-in with --user-dir)"
+            )
+        return self._classes[name]
+
+    def dataclass(self, name: str) -> Optional[type]:
+        self.get(name)
+        return self._dataclasses.get(name)
+
+    def choices(self):
+        self._load_builtins()
+        return sorted(self._classes)
+
+    def __contains__(self, name):
+        self._load_builtins()
+        return name in self._classes
+
+
+def import_package_modules(package: str):
+    """Import every module of `package` (one level deep, plus sub-packages) so their decorators run."""
+    pkg = importlib.import_module(package)
+    for info in pkgutil.iter_modules(pkg.__path__):
+        if not info.name.startswith("_"):
+            importlib.import_module(f"{package}.{info.name}")
+
+
+TASK_REGISTRY = Registry("task", ("fairseq.tasks",), "--task")
+MODEL_REGISTRY = Registry("model", ("fairseq.models",), "--arch")
+CRITERION_REGISTRY = Registry("criterion", ("fairseq.criterions",), "--criterion")
+OPTIMIZER_REGISTRY = Registry("optimizer", ("fairseq.optim",), "--optimizer")
+LR_SCHEDULER_REGISTRY = Registry("lr_scheduler", ("fairseq.optim.lr_scheduler",), "--lr-scheduler")
+
+# Architectures: name -> model class, and name -> function that fills unset hyper-parameters.
+ARCH_MODEL_REGISTRY: Dict[str, type] = {}
+ARCH_CONFIG_REGISTRY: Dict[str, Callable] = {}
+
+register_task = TASK_REGISTRY.register
+register_criterion = CRITERION_REGISTRY.register
+register_optimizer = OPTIMIZER_REGISTRY.register
+register_lr_scheduler = LR_SCHEDULER_REGISTRY.register
+register_model = MODEL_REGISTRY.register
+
+
+def register_model_architecture(model_name: str, arch_name: str):
+    """Register a named preset of a model: `fn(args)` sets only the hyper-parameters still unset."""
+
+    def wrap(fn):
+        if arch_name in ARCH_MODEL_REGISTRY:
+            raise ValueError(f"cannot register duplicate architecture {arch_name!r}")
+        if model_name not in MODEL_REGISTRY._classes:
+            raise ValueError(f"architecture {arch_name!r} names unknown model {model_name!r}")
+        ARCH_MODEL_REGISTRY[arch_name] = MODEL_REGISTRY._classes[model_name]
+        ARCH_CONFIG_REGISTRY[arch_name] = fn
+        return fn
+
+    return wrap
+
+
+def architectures():
+    MODEL_REGISTRY._load_builtins()
+    return sorted(ARCH_MODEL_REGISTRY)
+
+
+def arch_model(arch: str) -> type:
+    MODEL_REGISTRY._load_builtins()
+    if arch not in ARCH_MODEL_REGISTRY:
+        raise ValueError(
+            f"unknown architecture {arch!r} for --arch; choose one of: {', '.join(architectures())}"
+            " (or load a plug-in with --user-dir)"
+        )
+    return ARCH_MODEL_REGISTRY[arch]
+
+
+def dataclass_of(cls) -> Optional[Type]:
+    return getattr(cls, "config_class", None)

@@ -1,0 +1,25 @@
+"""Small helpers shared by the command-line tools."""
+
+import importlib
+import os
+import sys
+
+
+def import_user_module(user_dir: str):
+    """Import a plug-in directory (a Python package) so that its register_* decorators run."""
+    path = os.path.abspath(os.path.expanduser(user_dir))
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"--user-dir {user_dir!r}: no such directory")
+    parent, name = os.path.split(path)
+    if name in sys.modules:
+        loaded = getattr(sys.modules[name], "__file__", None) or ""
+        if os.path.dirname(os.path.abspath(loaded)) == path:
+            return  # already imported
+        raise ImportError(
+            f"--user-dir {user_dir!r}: a module named {name!r} is already imported from elsewhere; rename the directory"
+        )
+    sys.path.insert(0, parent)
+    try:
+        importlib.import_module(name)
+    finally:
+        sys.path.remove(parent)
