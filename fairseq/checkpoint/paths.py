@@ -1,0 +1,95 @@
+"""Checkpoint names (upstream's) and retention of old checkpoints.
+
+A checkpoint is either a file `<stem>.pt` or, with --use-sharded-state, a directory `<stem>` written by
+torch.distributed.checkpoint. Naming and retention treat both the same way.
+"""
+
+import os
+import re
+import shutil
+from typing import List, Optional
+
+
+def checkpoint_stems(ckpt_cfg, epoch: int, updates: int, end_of_epoch: bool, is_best: bool,
+                     val_loss: Optional[float] = None) -> List[str]:
+    """Stems (names without `.pt`) to write for this save point, most specific first."""
+    suffix = ckpt_cfg.checkpoint_suffix
+    stems = []
+    if end_of_epoch and not ckpt_cfg.no_epoch_checkpoints and epoch % ckpt_cfg.save_interval == 0:
+        stems.append(f"checkpoint{epoch}{suffix}")
+    if (not end_of_epoch and ckpt_cfg.save_interval_updates > 0
+            and updates % ckpt_cfg.save_interval_updates == 0):
+        stems.append(f"checkpoint_{epoch}_{updates}{suffix}")
+    if is_best:
+        stems.append(f"checkpoint_best{suffix}")
+        if ckpt_cfg.keep_best_checkpoints > 0 and val_loss is not None:
+            stems.append(f"checkpoint.best_{ckpt_cfg.best_checkpoint_metric}_{val_loss:.4f}{suffix}")
+    if not ckpt_cfg.no_last_checkpoints:
+        stems.append(f"checkpoint_last{suffix}")  # last, so it always points at a complete save
+    return stems
+
+
+def _entries(save_dir: str, pattern: str):
+    """(match, path) for checkpoint files and sharded directories whose stem matches `pattern`."""
+    if not os.path.isdir(save_dir):
+        return []
+    regex = re.compile(pattern + r"(\.pt)?$")
+    found = []
+    for name in os.listdir(save_dir):
+        m = regex.fullmatch(name)
+        if m and not name.startswith("."):
+            found.append((m, os.path.join(save_dir, name)))
+    return found
+
+
+def remove_checkpoint(path: str):
+    if os.path.isdir(path):
+        shutil.rmtree(path)
+    elif os.path.lexists(path):
+        os.remove(path)
+
+
+def prune_checkpoints(ckpt_cfg, save_dir: str) -> List[str]:
+    """Apply --keep-interval-updates, --keep-last-epochs and --keep-best-checkpoints; returns removed paths."""
+    suffix = re.escape(ckpt_cfg.checkpoint_suffix)
+    removed = []
+    if ckpt_cfg.keep_interval_updates > 0:
+        entries = _entries(save_dir, rf"checkpoint_\d+_(\d+){suffix}")
+        entries.sort(key=lambda e: int(e[0].group(1)), reverse=True)
+        pattern = ckpt_cfg.keep_interval_updates_pattern
+        for m, path in entries[ckpt_cfg.keep_interval_updates:]:
+            if pattern > 0 and int(m.group(1)) % pattern == 0:
+                continue  # kept by --keep-interval-updates-pattern
+            removed.append(path)
+    if ckpt_cfg.keep_last_epochs > 0:
+        entries = _entries(save_dir, rf"checkpoint(\d+){suffix}")
+        entries.sort(key=lambda e: int(e[0].group(1)), reverse=True)
+        removed += [path for _, path in entries[ckpt_cfg.keep_last_epochs:]]
+    if ckpt_cfg.keep_best_checkpoints > 0:
+        metric = re.escape(ckpt_cfg.best_checkpoint_metric)
+        entries = _entries(save_dir, rf"checkpoint\.best_{metric}_(-?[\d.]+){suffix}")
+        entries.sort(key=lambda e: float(e[0].group(1)), reverse=ckpt_cfg.maximize_best_checkpoint_metric)
+        removed += [path for _, path in entries[ckpt_cfg.keep_best_checkpoints:]]
+    for path in removed:
+        remove_checkpoint(path)
+    return removed
+
+
+def resolve_restore_path(ckpt_cfg) -> str:
+    """--restore-file relative to --save-dir unless it is a path of its own (upstream's rule)."""
+    restore = ckpt_cfg.restore_file
+    if restore == "checkpoint_last.pt":
+        return os.path.join(ckpt_cfg.save_dir, f"checkpoint_last{ckpt_cfg.checkpoint_suffix}.pt")
+    if os.path.dirname(restore) == "" and not os.path.exists(restore):
+        return os.path.join(ckpt_cfg.save_dir, restore)
+    return restore
+
+
+def existing_checkpoint(path: str) -> Optional[str]:
+    """The file `x.pt`, or the sharded directory `x`, whichever exists (file preferred)."""
+    if os.path.isfile(path):
+        return path
+    stem = path[:-3] if path.endswith(".pt") else path
+    if os.path.isdir(stem):
+        return stem
+    return None
