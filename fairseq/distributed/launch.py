@@ -1,0 +1,235 @@
+"""Start the processes a job needs and give each its process group.
+
+`call_main(cfg, main_fn)` is what the command-line tools call: it detects the launch (see
+`fairseq.distributed.env`), then either runs `main_fn(cfg, **kwargs)` here (single process, or one rank
+started by torchrun / srun / the user) or spawns the local processes and runs it in each.
+
+Failures never hang silently:
+- every process group gets a timeout (`--heartbeat-timeout`, default 600 s) that also bounds collectives;
+- spawned processes are watched by torch.multiprocessing: when one fails the rest are killed and this
+  process exits non-zero, showing the failed rank's traceback;
+- a rank started by torchrun or srun that fails logs its error with its rank, shuts its process group down
+  (bounded wait) and exits non-zero, so torchrun tears the others down (under SLURM, run srun with
+  --kill-on-bad-exit=1 to get the same).
+"""
+
+import logging
+import os
+import sys
+import threading
+from datetime import timedelta
+from typing import Callable, MutableMapping, Tuple
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing
+
+from fairseq.distributed.env import LaunchPlan, detect_launch
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_TIMEOUT_S = 600
+# How long a failing rank waits for its process group to shut down before leaving without it.
+SHUTDOWN_WAIT_S = 10.0
+
+_DEFAULT_ENV = {
+    # Cheap insurance against fragmentation on long runs; must be set before the first CUDA allocation.
+    "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True",
+    # On an NCCL error or collective timeout, abort the communicators and end the process instead of
+    # leaving it blocked in a collective.
+    "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",
+}
+# A user who already set either spelling of a variable has chosen; we leave both spellings alone then.
+_ALSO_SPELLED = {
+    "PYTORCH_CUDA_ALLOC_CONF": ("PYTORCH_ALLOC_CONF",),
+    "TORCH_NCCL_ASYNC_ERROR_HANDLING": ("NCCL_ASYNC_ERROR_HANDLING",),
+}
+
+
+def apply_default_env(environ: MutableMapping[str, str] = os.environ) -> dict:
+    """Set the launcher's environment defaults where the user has not set them; return what was set.
+
+    - PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (skipped if it or PYTORCH_ALLOC_CONF is set);
+    - TORCH_NCCL_ASYNC_ERROR_HANDLING=1 (skipped if it or the older NCCL_ASYNC_ERROR_HANDLING is set) so a
+      failed or timed-out NCCL collective ends the process.
+    NCCL_NVLS_ENABLE is deliberately never touched: NVLink SHARP must stay whatever the machine set.
+    Called by `call_main` before anything touches CUDA; spawned processes inherit the result.
+    """
+    applied = {}
+    for name, value in _DEFAULT_ENV.items():
+        if any(environ.get(n) for n in (name, *_ALSO_SPELLED.get(name, ()))):
+            continue
+        environ[name] = value
+        applied[name] = value
+    return applied
+
+
+def process_group_timeout(cfg_distributed) -> timedelta:
+    """--heartbeat-timeout seconds (600 when unset or not positive): bounds group creation and collectives."""
+    seconds = cfg_distributed.heartbeat_timeout
+    return timedelta(seconds=seconds if seconds and seconds > 0 else DEFAULT_TIMEOUT_S)
+
+
+def _use_cuda(cfg) -> bool:
+    return not cfg.common.cpu and torch.cuda.is_available()
+
+
+def init_distributed(cfg, plan: LaunchPlan) -> Tuple[int, int]:
+    """Create the default process group for this rank; record rank, world size and device in the config.
+
+    Backend: --distributed-backend (nccl by default) on GPU, gloo on CPU (--cpu or no CUDA). On GPU the
+    device is cuda:<local rank>. Returns (rank, world_size).
+    """
+    dt = cfg.distributed_training
+    timeout = process_group_timeout(dt)
+    if _use_cuda(cfg):
+        visible = torch.cuda.device_count()
+        if plan.local_rank >= visible:
+            raise RuntimeError(
+                f"rank {plan.rank} has local rank {plan.local_rank} but only {visible} GPU(s) are visible "
+                f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}); start at most one "
+                "process per GPU on each node, or pass --cpu"
+            )
+        torch.cuda.set_device(plan.local_rank)
+        device = torch.device("cuda", plan.local_rank)
+        backend = dt.distributed_backend or "nccl"
+    else:
+        device = torch.device("cpu")
+        backend = "gloo"
+
+    if dist.is_initialized():
+        if (dist.get_rank(), dist.get_world_size()) != (plan.rank, plan.world_size):
+            raise RuntimeError(
+                f"a process group already exists as rank {dist.get_rank()} of {dist.get_world_size()}, but "
+                f"the launch plan says rank {plan.rank} of {plan.world_size}; destroy it before relaunching"
+            )
+    else:
+        options = dict(
+            backend=backend, init_method=plan.init_method, rank=plan.rank, world_size=plan.world_size,
+            timeout=timeout,
+        )
+        if backend == "nccl":
+            options["device_id"] = device  # binds the group to this GPU and creates the communicator now
+        try:
+            dist.init_process_group(**options)
+        except (RuntimeError, TimeoutError, ValueError) as err:
+            raise RuntimeError(
+                f"rank {plan.rank} of {plan.world_size} ({plan.mode} launch) could not create the {backend} "
+                f"process group at {plan.init_method} within {timeout.total_seconds():.0f} s: {err}. "
+                "Check that every rank started, that the master address and --distributed-port are "
+                "reachable from all nodes, and raise --heartbeat-timeout if start-up is just slow"
+            ) from err
+
+    # One tiny collective right away: a rank that can join the store but not reach its peers fails here,
+    # within the timeout, rather than at the first training step.
+    probe = torch.ones(1, device=device)
+    dist.all_reduce(probe)
+    if int(probe.item()) != plan.world_size:
+        raise RuntimeError(f"rank {plan.rank}: probe all-reduce gave {probe.item()}, expected {plan.world_size}")
+
+    dt.distributed_rank = plan.rank
+    dt.distributed_world_size = plan.world_size
+    dt.device_id = plan.local_rank
+    logger.info(
+        "rank %d of %d ready (%s launch, %s backend, device %s, init method %s)",
+        plan.rank, plan.world_size, plan.mode, backend, device, plan.init_method,
+    )
+    return plan.rank, plan.world_size
+
+
+def _shutdown_process_group(wait_s: float = SHUTDOWN_WAIT_S) -> bool:
+    """Destroy the default process group, waiting at most `wait_s`; True if it is gone."""
+    if not dist.is_initialized():
+        return True
+
+    def destroy():
+        try:
+            dist.destroy_process_group()
+        except Exception as err:  # already broken by the failure we are reporting; nothing more to do
+            logger.debug("destroy_process_group failed: %s", err)
+
+    # A thread because destroying a group whose peers are gone can block inside the backend.
+    worker = threading.Thread(target=destroy, name="destroy_process_group", daemon=True)
+    worker.start()
+    worker.join(wait_s)
+    return not worker.is_alive()
+
+
+def _record_for_torchrun(exc: BaseException) -> None:
+    """Put the error where torchrun's end-of-run summary looks for the root cause."""
+    if not os.environ.get("TORCHELASTIC_ERROR_FILE"):
+        return
+    try:
+        from torch.distributed.elastic.multiprocessing.errors import get_error_handler
+
+        get_error_handler().record_exception(exc)
+    except Exception as err:  # reporting must not mask the original failure
+        logger.debug("could not write the torchrun error file: %s", err)
+
+
+def _run_launched_rank(cfg, main_fn: Callable, kwargs: dict, plan: LaunchPlan):
+    """One rank started by torchrun, srun or the user: run it, and on failure exit non-zero promptly."""
+    try:
+        init_distributed(cfg, plan)
+        result = main_fn(cfg, **kwargs)
+    except (Exception, KeyboardInterrupt) as exc:
+        logger.error("rank %d of %d failed", plan.rank, plan.world_size, exc_info=True)
+        _record_for_torchrun(exc)
+        if not _shutdown_process_group():
+            # The backend is stuck; a normal interpreter exit could block on it too.
+            sys.stderr.write(f"[rank {plan.rank}] process group did not shut down; exiting hard\n")
+            sys.stderr.flush()
+            os._exit(1)
+        raise SystemExit(f"[rank {plan.rank}] {type(exc).__name__}: {exc}") from exc
+    _shutdown_process_group()
+    return result
+
+
+def _run_spawned_process(index: int, cfg, main_fn: Callable, kwargs: dict, plan: LaunchPlan) -> None:
+    """Entry point of a spawned process (module level so that it pickles)."""
+    own_plan = plan.for_spawned_process(index)
+    try:
+        init_distributed(cfg, own_plan)
+        main_fn(cfg, **kwargs)
+    except BaseException:
+        # torch.multiprocessing sends the traceback to the parent, which then stops the other processes.
+        _shutdown_process_group()
+        raise
+    _shutdown_process_group()
+
+
+def _spawn(cfg, main_fn: Callable, kwargs: dict, plan: LaunchPlan) -> None:
+    logger.info(
+        "spawning %d processes (%s launch, ranks %d-%d of %d, init method %s)",
+        plan.nprocs_to_spawn, plan.mode, plan.rank, plan.rank + plan.nprocs_to_spawn - 1, plan.world_size,
+        plan.init_method,
+    )
+    try:
+        torch.multiprocessing.start_processes(
+            _run_spawned_process,
+            args=(cfg, main_fn, kwargs, plan),
+            nprocs=plan.nprocs_to_spawn,
+            join=True,
+            start_method="spawn",
+        )
+    except torch.multiprocessing.ProcessRaisedException as err:
+        rank = plan.rank + err.error_index
+        raise SystemExit(f"rank {rank} of {plan.world_size} failed; the other processes were stopped.{err.msg}")
+    except torch.multiprocessing.ProcessExitedException as err:
+        rank = plan.rank + err.error_index
+        raise SystemExit(f"rank {rank} of {plan.world_size} died ({err.msg}); the other processes were stopped")
+
+
+def call_main(cfg, main_fn: Callable, **kwargs):
+    """Run `main_fn(cfg, **kwargs)` on every rank of the job this process belongs to.
+
+    Returns main_fn's result when it ran in this process; None when this process only spawned the ranks.
+    Raises SystemExit (non-zero, with the failing rank's error) when any rank fails.
+    """
+    apply_default_env()
+    plan = detect_launch(cfg.distributed_training, os.environ, cpu=not _use_cuda(cfg))
+    if plan.nprocs_to_spawn > 0:
+        return _spawn(cfg, main_fn, kwargs, plan)
+    if not plan.is_distributed:
+        return main_fn(cfg, **kwargs)
+    return _run_launched_rank(cfg, main_fn, kwargs, plan)

@@ -1,0 +1,56 @@
+"""Small collective helpers that also work in a plain single process (no process group: world size 1)."""
+
+import torch
+import torch.distributed as dist
+
+from fairseq.distributed.env import get_free_port
+
+__all__ = [
+    "all_reduce_max",
+    "all_reduce_sum",
+    "barrier",
+    "get_free_port",
+    "get_rank",
+    "get_world_size",
+    "is_distributed",
+    "is_master",
+]
+
+
+def is_distributed() -> bool:
+    """True once a default process group exists."""
+    return dist.is_available() and dist.is_initialized()
+
+
+def get_rank() -> int:
+    return dist.get_rank() if is_distributed() else 0
+
+
+def get_world_size() -> int:
+    return dist.get_world_size() if is_distributed() else 1
+
+
+def is_master() -> bool:
+    """Rank 0: the process that writes logs and full checkpoints."""
+    return get_rank() == 0
+
+
+def barrier() -> None:
+    if get_world_size() > 1:
+        dist.barrier()
+
+
+def _all_reduce(tensor: torch.Tensor, op) -> torch.Tensor:
+    if get_world_size() > 1:
+        dist.all_reduce(tensor, op=op)
+    return tensor
+
+
+def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
+    """Sum `tensor` over all ranks, in place; returns it for chaining."""
+    return _all_reduce(tensor, dist.ReduceOp.SUM)
+
+
+def all_reduce_max(tensor: torch.Tensor) -> torch.Tensor:
+    """Element-wise maximum of `tensor` over all ranks, in place; returns it for chaining."""
+    return _all_reduce(tensor, dist.ReduceOp.MAX)
