@@ -1,0 +1,19 @@
+"""Training criterions (losses), chosen with --criterion.
+
+Kept free of heavy imports: the criterion registry imports every module of this package to find
+the built-in criterions.
+"""
+
+from fairseq.registry import CRITERION_REGISTRY, register_criterion  # noqa: F401 (re-exported)
+
+
+def build_criterion(cfg, task, optimization_cfg):
+    """Build the criterion named by `cfg._name` (--criterion) for `task`.
+
+    `optimization_cfg` (OptimizationConfig) supplies --sentence-avg, which upstream's criterion configs
+    read by interpolation. A criterion class provides `build_criterion(cfg, task, optimization_cfg)`.
+    """
+    from fairseq.optim import component_name
+
+    name = component_name(cfg, CRITERION_REGISTRY)
+    return CRITERION_REGISTRY.get(name).build_criterion(cfg, task, optimization_cfg)

@@ -1,0 +1,101 @@
+"""--criterion cross_entropy: next-token cross-entropy, summed in nats, logged in base 2 as upstream."""
+
+import math
+from dataclasses import dataclass
+from typing import Dict, List
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fairseq.dataclass.configs import opt
+from fairseq.criterions import register_criterion
+
+
+@dataclass
+class CrossEntropyCriterionConfig:
+    # The same flag as the optimization group's, which is the one parsed; read from there at build time.
+    sentence_avg: bool = opt(False, "normalize the loss by sentences instead of tokens")
+
+
+@register_criterion("cross_entropy", dataclass=CrossEntropyCriterionConfig)
+class CrossEntropyCriterion(nn.Module):
+    def __init__(self, task, sentence_avg: bool):
+        super().__init__()
+        self.task = task
+        self.sentence_avg = sentence_avg
+        dictionary = getattr(task, "target_dictionary", None) if task is not None else None
+        # -100 is F.cross_entropy's own default ignore index, used when there is no dictionary.
+        self.padding_idx = dictionary.pad() if dictionary is not None else -100
+
+    @classmethod
+    def build_criterion(cls, cfg, task, optimization_cfg):
+        return cls(task, bool(optimization_cfg.sentence_avg))
+
+    def forward(self, model, sample, reduce: bool = True):
+        """Returns (loss, sample_size, logging_output); loss is the sum over target tokens in nats, fp32.
+
+        Nothing here waits for the device: logging values stay tensors or plain ints.
+        """
+        net_output = model(**sample["net_input"])
+        logits = net_output[0] if isinstance(net_output, tuple) else net_output
+        target = sample["target"]
+        loss = F.cross_entropy(
+            logits.reshape(-1, logits.size(-1)).float(),  # upcast: bf16/fp16 log-softmax loses precision
+            target.reshape(-1),
+            ignore_index=self.padding_idx,
+            reduction="sum" if reduce else "none",
+        )
+        nsentences = target.size(0)
+        ntokens = sample["ntokens"]
+        sample_size = nsentences if self.sentence_avg else ntokens
+        logging_output = {
+            "loss": loss.detach(),
+            "ntokens": ntokens,
+            "nsentences": nsentences,
+            "sample_size": sample_size,
+        }
+        return loss, sample_size, logging_output
+
+    @staticmethod
+    def reduce_metrics(logging_outputs: List[Dict]) -> Dict[str, float]:
+        """Loss per sample_size unit in base 2 and perplexity, from the summed logging outputs.
+
+        Meant for log intervals: each summed tensor is read from the device once. When sample_size is not
+        the token count (--sentence-avg), `nll_loss` is the per-token loss and perplexity follows it, as
+        upstream.
+        """
+        loss_sum = _sum_to_float([log.get("loss", 0.0) for log in logging_outputs])
+        ntokens = _sum_to_float([log.get("ntokens", 0) for log in logging_outputs])
+        sample_size = _sum_to_float([log.get("sample_size", 0) for log in logging_outputs])
+        metrics = {"loss": _base2_mean(loss_sum, sample_size)}
+        if sample_size != ntokens:
+            metrics["nll_loss"] = _base2_mean(loss_sum, ntokens)
+            metrics["ppl"] = perplexity(metrics["nll_loss"])
+        else:
+            metrics["ppl"] = perplexity(metrics["loss"])
+        return metrics
+
+    @staticmethod
+    def logging_outputs_can_be_summed() -> bool:
+        """Every logging value is a sum, so outputs of several workers may be summed before reducing."""
+        return True
+
+
+def _sum_to_float(values) -> float:
+    tensors = [v for v in values if isinstance(v, torch.Tensor)]
+    total = sum(float(v) for v in values if not isinstance(v, torch.Tensor))
+    if tensors:
+        total += torch.stack([t.detach().reshape(()).double() for t in tensors]).sum().item()
+    return total
+
+
+def _base2_mean(total_nats: float, count: float) -> float:
+    return total_nats / count / math.log(2) if count else float("nan")
+
+
+def perplexity(loss_base2: float) -> float:
+    try:
+        return 2.0**loss_base2
+    except OverflowError:
+        return float("inf")

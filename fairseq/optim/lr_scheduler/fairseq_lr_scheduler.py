@@ -1,0 +1,58 @@
+"""Base class of the learning-rate schedulers: the interface the trainer calls."""
+
+from typing import List, Optional
+
+
+class FairseqLRScheduler:
+    """Sets the learning rate of a torch optimizer as training advances.
+
+    The trainer calls, as upstream's does: `step_begin_epoch(epoch)` when an epoch starts, `step(epoch,
+    val_loss)` when it ends, and `step_update(num_updates)` after every update (and after each of the
+    other two, since the update count is what most schedules follow). Each returns the new learning rate.
+    Epochs are numbered from 1.
+
+    Subclasses take (cfg, optimizer, lrs, max_update): their config dataclass, the optimizer, the --lr list
+    and --max-update.
+    """
+
+    def __init__(self, cfg, optimizer, lrs: List[float], max_update: int):
+        self.cfg = cfg
+        self.optimizer = optimizer
+        self.lrs = list(lrs)
+        self.max_update = max_update
+        self.best: Optional[float] = None  # lowest validation loss seen, saved in checkpoints as upstream
+
+    def state_dict(self) -> dict:
+        return {"best": self.best}
+
+    def load_state_dict(self, state_dict: dict):
+        self.best = state_dict.get("best")
+
+    def get_lr(self) -> float:
+        from fairseq.optim import get_lr
+
+        return get_lr(self.optimizer)
+
+    def set_lr(self, lr: float):
+        from fairseq.optim import set_lr
+
+        set_lr(self.optimizer, lr)
+
+    def step_begin_epoch(self, epoch: int) -> float:
+        return self.get_lr()
+
+    def step(self, epoch: int, val_loss: Optional[float] = None) -> float:
+        if val_loss is not None:
+            self.best = val_loss if self.best is None else min(self.best, val_loss)
+        return self.get_lr()
+
+    def step_update(self, num_updates: int) -> float:
+        return self.get_lr()
+
+    def _single_lr(self, scheduler_name: str) -> float:
+        if len(self.lrs) > 1:
+            raise ValueError(
+                f"--lr {','.join(map(str, self.lrs))}: {scheduler_name} takes one learning rate; "
+                "pass one value, or use --lr-scheduler fixed for a learning rate per epoch"
+            )
+        return self.lrs[0]
