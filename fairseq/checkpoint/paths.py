@@ -89,7 +89,7 @@ def existing_checkpoint(path: str) -> Optional[str]:
     """The file `x.pt`, or the sharded directory `x`, whichever exists (file preferred)."""
     if os.path.isfile(path):
         return path
+    from fairseq.checkpoint.sharded import resolve_sharded
+
     stem = path[:-3] if path.endswith(".pt") else path
-    if os.path.isdir(stem):
-        return stem
-    return None
+    return resolve_sharded(stem)

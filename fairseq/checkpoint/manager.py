@@ -1,0 +1,201 @@
+"""Save and restore training checkpoints: which names to write, what goes in them, and how to resume.
+
+Layout of a single-file checkpoint (upstream's keys, plain containers only):
+  cfg, model, criterion, optimizer_history [{criterion_name, optimizer_name, lr_scheduler_state, num_updates}],
+  task_state, extra_state {metrics, previous_training_time, train_iterator, val_loss, best, trainer},
+  last_optimizer_state.
+"""
+
+import logging
+import os
+from typing import Any, Dict, List, Optional
+
+import torch.distributed as dist
+
+from fairseq.checkpoint import sharded
+from fairseq.checkpoint.io import CheckpointError, atomic_copy, atomic_torch_save, load_checkpoint_file
+from fairseq.checkpoint.legacy import is_legacy_checkpoint, upgrade_legacy_checkpoint
+from fairseq.checkpoint.paths import (
+    checkpoint_stems,
+    existing_checkpoint,
+    prune_checkpoints,
+    resolve_restore_path,
+)
+from fairseq.dataclass.utils import config_to_dict
+
+logger = logging.getLogger(__name__)
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def _barrier():
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+
+
+class CheckpointManager:
+    def __init__(self, cfg):
+        self.cfg = cfg
+        self.ckpt_cfg = cfg.checkpoint
+        self.sharded = cfg.distributed_training.use_sharded_state
+        if self.sharded and cfg.distributed_training.ddp_backend != "fully_sharded":
+            raise ValueError("--use-sharded-state needs --ddp-backend fully_sharded")
+        self.best: Optional[float] = None
+
+    def _is_better(self, a: float, b: float) -> bool:
+        return a > b if self.ckpt_cfg.maximize_best_checkpoint_metric else a < b
+
+    # ------------------------------------------------------------------ save
+    def save(self, trainer, epoch_itr, val_loss: Optional[float], end_of_epoch: bool,
+             metrics_state: Optional[dict] = None) -> List[str]:
+        """Write the checkpoints due at this point; every rank must call this (state gathering is collective)."""
+        if self.ckpt_cfg.no_save:
+            return []
+        is_best = val_loss is not None and (self.best is None or self._is_better(val_loss, self.best))
+        if is_best:
+            self.best = val_loss
+        stems = checkpoint_stems(self.ckpt_cfg, epoch_itr.epoch, trainer.num_updates, end_of_epoch, is_best,
+                                 val_loss)
+        if not stems:
+            return []
+        save_dir = self.ckpt_cfg.save_dir
+        os.makedirs(save_dir, exist_ok=True)
+        extra_state = {
+            "train_iterator": epoch_itr.state_dict(),
+            "val_loss": val_loss,
+            "best": self.best,
+            "metrics": metrics_state or {},
+            "previous_training_time": trainer.train_time,
+            "trainer": trainer.trainer_state(),
+        }
+        if self.sharded:
+            paths = [os.path.join(save_dir, s) for s in stems]
+            model_state, optim_state = trainer.model_and_optimizer_state(full=False)
+            if self.ckpt_cfg.no_save_optimizer_state:
+                optim_state = None
+            sharded.save_sharded(paths[0], model_state, optim_state, self._metadata(trainer, extra_state))
+            if _rank() == 0:
+                for path in paths[1:]:
+                    sharded.copy_sharded(paths[0], path)
+        else:
+            paths = [os.path.join(save_dir, s + ".pt") for s in stems]
+            model_state, optim_state = trainer.model_and_optimizer_state(full=True)
+            if _rank() == 0:
+                state = self._metadata(trainer, extra_state)
+                state["model"] = model_state
+                if not self.ckpt_cfg.no_save_optimizer_state:
+                    state["last_optimizer_state"] = optim_state
+                atomic_torch_save(state, paths[0])
+                for path in paths[1:]:
+                    atomic_copy(paths[0], path)
+        if _rank() == 0:
+            for removed in prune_checkpoints(self.ckpt_cfg, save_dir):
+                logger.info(f"removed old checkpoint {removed}")
+            logger.info(
+                f"saved checkpoint {paths[0]} (epoch {epoch_itr.epoch} @ {trainer.num_updates} updates, "
+                f"score {val_loss})"
+            )
+        _barrier()
+        return paths
+
+    def _metadata(self, trainer, extra_state) -> Dict[str, Any]:
+        return {
+            "cfg": config_to_dict(self.cfg),
+            "criterion": {},
+            "optimizer_history": [{
+                "criterion_name": type(trainer.criterion).__name__,
+                "optimizer_name": type(trainer.optimizer).__name__,
+                "lr_scheduler_state": trainer.lr_scheduler.state_dict(),
+                "num_updates": trainer.num_updates,
+            }],
+            "task_state": {},
+            "extra_state": extra_state,
+        }
+
+    # ------------------------------------------------------------------ load
+    def load(self, trainer) -> Optional[Dict[str, Any]]:
+        """Resume from --restore-file (default checkpoint_last) or start from --finetune-from-model.
+
+        Returns the checkpoint's extra_state (iterator position, meters, ...) or None for a fresh start.
+        """
+        ck = self.ckpt_cfg
+        path = existing_checkpoint(resolve_restore_path(ck))
+        default_restore = ck.restore_file == "checkpoint_last.pt"
+        if path is None:
+            if not default_restore:
+                raise FileNotFoundError(
+                    f"--restore-file {ck.restore_file}: no such checkpoint (looked for "
+                    f"{resolve_restore_path(ck)}); check the path or drop the flag to start from scratch"
+                )
+            if ck.finetune_from_model:
+                self._load_weights_only(trainer, ck.finetune_from_model)
+            return None
+        if ck.finetune_from_model and default_restore:
+            logger.info(f"found {path}: resuming it and ignoring --finetune-from-model")
+        logger.info(f"loading checkpoint {path}")
+        state = self.read(path, trainer)
+        optim_state = None if ck.reset_optimizer else state.get("last_optimizer_state")
+        if optim_state is None and not ck.reset_optimizer:
+            raise CheckpointError(f"{path} has no optimizer state; pass --reset-optimizer to start a new one")
+        trainer.load_model_and_optimizer_state(state["model"], optim_state, full=not os.path.isdir(path))
+        extra = state.get("extra_state") or {}
+        if "trainer" in extra:
+            trainer.load_trainer_state(extra["trainer"], reset_lr_scheduler=ck.reset_lr_scheduler)
+        self.best = extra.get("best")
+        if ck.reset_dataloader:
+            extra.pop("train_iterator", None)
+        if ck.reset_meters:
+            extra.pop("metrics", None)
+        logger.info(f"loaded checkpoint {path} ({trainer.num_updates} updates)")
+        return extra
+
+    def read(self, path: str, trainer) -> Dict[str, Any]:
+        """Read a checkpoint file or sharded directory and check it fits the model."""
+        if os.path.isdir(path):
+            model_state, optim_state = trainer.model_and_optimizer_state(full=False)
+            state = sharded.load_sharded(path, model_state, optim_state if not self.ckpt_cfg.reset_optimizer
+                                         else None)
+        else:
+            state = load_checkpoint_file(path, trust_legacy=self.cfg.common.trust_legacy_checkpoint)
+            if is_legacy_checkpoint(state):
+                state = upgrade_legacy_checkpoint(state)
+        check_architecture(path, state, trainer)
+        return state
+
+    def _load_weights_only(self, trainer, path: str):
+        found = existing_checkpoint(path)
+        if found is None:
+            raise FileNotFoundError(f"--finetune-from-model {path}: no such checkpoint")
+        state = self.read(found, trainer)
+        trainer.load_model_and_optimizer_state(state["model"], None, full=not os.path.isdir(found))
+        logger.info(f"loaded model weights from {found} (--finetune-from-model)")
+
+
+def check_architecture(path: str, state: Dict[str, Any], trainer) -> None:
+    """Fail with a readable message when the checkpoint's parameters do not fit the model."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    expected = get_model_state_dict(trainer.model, options=StateDictOptions(full_state_dict=False))
+    expected_shapes = {k: tuple(v.shape) for k, v in expected.items()}
+    found_shapes = {k: tuple(v.shape) for k, v in state["model"].items() if hasattr(v, "shape")}
+    missing = sorted(set(expected_shapes) - set(found_shapes))
+    unexpected = sorted(set(found_shapes) - set(expected_shapes))
+    mismatched = [k for k in expected_shapes if k in found_shapes and expected_shapes[k] != found_shapes[k]]
+    if missing or unexpected or mismatched:
+        saved_arch = (state.get("cfg") or {}).get("model", {}) or {}
+        saved_arch = saved_arch.get("_name", "unknown") if isinstance(saved_arch, dict) else "unknown"
+        details = []
+        if mismatched:
+            k = mismatched[0]
+            details.append(f"{k} is {found_shapes[k]} in the checkpoint but {expected_shapes[k]} in the model")
+        if missing:
+            details.append(f"missing {len(missing)} parameter(s), e.g. {missing[0]}")
+        if unexpected:
+            details.append(f"{len(unexpected)} unexpected parameter(s), e.g. {unexpected[0]}")
+        raise CheckpointError(
+            f"{path} was saved from a different architecture ({saved_arch}) than the model built from the "
+            f"command line: {'; '.join(details)}. Use the same --arch and model flags as the checkpoint, or "
+            "start elsewhere with a different --save-dir."
+        )

@@ -1,0 +1,106 @@
+"""Sharded checkpoints: one directory per checkpoint, written by torch.distributed.checkpoint (DCP).
+
+Every rank writes its own shards of the model and optimizer; rank 0 adds `metadata.pt` (config, scheduler,
+iterator position: plain values). A save goes to `<stem>.tmp` and is renamed into place only once every
+rank has finished, so a crash mid-save leaves the previous checkpoint untouched. DCP reshards on load, so a
+checkpoint saved by N ranks resumes on M.
+"""
+
+import os
+import shutil
+from typing import Any, Dict, Optional
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+
+from fairseq.checkpoint.io import _fsync_dir, atomic_torch_save
+
+METADATA = "metadata.pt"
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def _barrier():
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+
+
+def _swap_into_place(tmp: str, path: str):
+    """Replace directory `path` by `tmp` (a directory cannot be atomically replaced when non-empty:
+    the old one is moved aside first, and `resolve_sharded` falls back to it if we die in between)."""
+    old = path + ".old"
+    if os.path.isdir(old):
+        shutil.rmtree(old)
+    if os.path.isdir(path):
+        os.replace(path, old)
+    os.replace(tmp, path)
+    _fsync_dir(os.path.dirname(os.path.abspath(path)))
+    if os.path.isdir(old):
+        shutil.rmtree(old)
+
+
+def save_sharded(path: str, model_state, optim_state, metadata: Dict[str, Any]) -> None:
+    """Collective: every rank calls this with its local (sharded) state dicts."""
+    tmp = path + ".tmp"
+    if _rank() == 0 and os.path.isdir(tmp):
+        shutil.rmtree(tmp)  # leftover of an interrupted save
+    _barrier()
+    state = {"model": model_state}
+    if optim_state is not None:
+        state["optimizer"] = optim_state
+    dcp.save(state, checkpoint_id=tmp)
+    if _rank() == 0:
+        atomic_torch_save(metadata, os.path.join(tmp, METADATA))
+    _barrier()
+    if _rank() == 0:
+        _swap_into_place(tmp, path)
+    _barrier()
+
+
+def copy_sharded(src: str, dst: str) -> None:
+    """Give `dst` the content of `src` (hard links where possible), atomically."""
+    tmp = dst + ".tmp"
+    if os.path.isdir(tmp):
+        shutil.rmtree(tmp)
+    shutil.copytree(src, tmp, copy_function=_link_or_copy)
+    _swap_into_place(tmp, dst)
+
+
+def _link_or_copy(src, dst):
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copy2(src, dst)
+
+
+def resolve_sharded(path: str) -> Optional[str]:
+    if os.path.isfile(os.path.join(path, METADATA)):
+        return path
+    if os.path.isfile(os.path.join(path + ".old", METADATA)):
+        return path + ".old"  # a save died between moving the old copy aside and renaming the new one
+    return None
+
+
+def read_metadata(path: str) -> Dict[str, Any]:
+    meta = os.path.join(path, METADATA)
+    if not os.path.isfile(meta):
+        raise FileNotFoundError(f"{path} is not a complete sharded checkpoint (no {METADATA})")
+    return torch.load(meta, map_location="cpu", weights_only=True)
+
+
+def load_sharded(path: str, model_state, optim_state=None) -> Dict[str, Any]:
+    """Fill `model_state` (and `optim_state`) in place from the shards; works on any world size."""
+    metadata = read_metadata(path)
+    state = {"model": model_state}
+    if optim_state is not None:
+        state["optimizer"] = optim_state
+        stored = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+        if not any(k.startswith("optimizer") for k in stored):
+            raise FileNotFoundError(f"{path} has no optimizer state; pass --reset-optimizer to start a new one")
+    dcp.load(state, checkpoint_id=path)
+    metadata["model"] = state["model"]
+    metadata["last_optimizer_state"] = state.get("optimizer")
+    return metadata

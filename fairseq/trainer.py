@@ -1,0 +1,159 @@
+"""The trainer orchestrates: it owns the model, optimizer, scheduler and precision, and delegates the
+update (fairseq.train_step), parallelism (fairseq.distributed.parallelize), checkpoint I/O
+(fairseq.checkpoint) and memory statistics (fairseq.logging.memory) to their modules."""
+
+import logging
+import math
+import time
+from typing import Any, Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+
+from fairseq.criterions import build_criterion  # noqa: F401  (re-exported for the CLI)
+from fairseq.distributed.parallelize import parallelize_model
+from fairseq.optim import build_optimizer
+from fairseq.optim.lr_scheduler import build_lr_scheduler
+from fairseq.precision import Precision
+from fairseq.logging.logging_outputs import LoggingOutputSums
+from fairseq.train_step import run_update, run_valid_step
+
+logger = logging.getLogger(__name__)
+
+# Per-update statistics that every rank computes identically (the gradient norm is global).
+REPLICATED_STATS = ("gnorm", "nonfinite_gnorm", "clip", "updates", "overflows")
+
+
+def select_device(cfg) -> torch.device:
+    if cfg.common.cpu or not torch.cuda.is_available():
+        return torch.device("cpu")
+    return torch.device("cuda", cfg.distributed_training.device_id)
+
+
+def data_parallel_world_size() -> int:
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+class Trainer:
+    def __init__(self, cfg, task, model, criterion):
+        self.cfg = cfg
+        self.task = task
+        self.device = select_device(cfg)
+        self.data_parallel_size = data_parallel_world_size()
+        self.is_sharded = cfg.distributed_training.ddp_backend == "fully_sharded"
+        self.criterion = criterion.to(self.device)
+        self.model = parallelize_model(model, cfg, self.device)
+        self.precision = Precision(
+            cfg.common, self.device, sharded=self.is_sharded, data_parallel_size=self.data_parallel_size,
+            update_freq=cfg.optimization.update_freq[0],
+        )
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = build_optimizer(cfg.optimizer, params, cfg.optimization)
+        self.lr_scheduler = build_lr_scheduler(cfg.lr_scheduler, self.optimizer, cfg.optimization)
+        self.num_updates = 0
+        self.lr = self.lr_scheduler.step_update(0)
+        self.train_stats = LoggingOutputSums()
+        self.valid_stats = LoggingOutputSums()
+        self.train_time = 0.0  # seconds spent in train steps (train_wall), carried across restarts
+        self._interval_train_time = 0.0
+
+    # ---------------------------------------------------------------- training
+    def train_step(self, samples: List[dict]) -> None:
+        """One update; sets the seed from the update count (upstream's rule), so that a resumed run draws
+        the same dropout masks as an uninterrupted one."""
+        torch.manual_seed(self.cfg.common.seed + self.num_updates)
+        start = time.perf_counter()
+        grad_norm = run_update(
+            self.model, self.criterion, self.optimizer, self.precision, samples, self.train_stats,
+            clip_norm=self.cfg.optimization.clip_norm, sentence_avg=self.cfg.optimization.sentence_avg,
+            device=self.device, data_parallel_size=self.data_parallel_size,
+        )
+        if grad_norm is not None or self.precision.scaler is None:
+            self.num_updates += 1
+            self.lr = self.lr_scheduler.step_update(self.num_updates)
+        elapsed = time.perf_counter() - start
+        self.train_time += elapsed
+        self._interval_train_time += elapsed
+        if self.cfg.common.empty_cache_freq > 0 and self.num_updates % self.cfg.common.empty_cache_freq == 0:
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+
+    def read_train_stats(self) -> Dict[str, float]:
+        """Interval statistics, read with one transfer and one all-reduce; raises on a non-finite loss."""
+        sums = self.train_stats.reduce(all_reduce=True, device=self.device)
+        for key in REPLICATED_STATS:  # the same on every rank: undo the sum over ranks
+            if key in sums:
+                sums[key] /= self.data_parallel_size
+        sums["train_wall"] = self._interval_train_time
+        self._interval_train_time = 0.0
+        check_finite(sums, self.num_updates)
+        return sums
+
+    def valid_step(self, sample: dict) -> None:
+        run_valid_step(self.model, self.criterion, self.precision, sample, self.valid_stats)
+
+    def read_valid_stats(self) -> Dict[str, float]:
+        return self.valid_stats.reduce(all_reduce=True, device=self.device)
+
+    def step_epoch_end(self, epoch: int, val_loss: Optional[float]) -> None:
+        self.lr = self.lr_scheduler.step(epoch, val_loss)
+
+    def begin_epoch(self, epoch: int) -> None:
+        if hasattr(self.lr_scheduler, "step_begin_epoch"):
+            self.lr = self.lr_scheduler.step_begin_epoch(epoch)
+
+    # ---------------------------------------------------------------- state
+    def _state_dict_options(self, full: bool) -> StateDictOptions:
+        return StateDictOptions(full_state_dict=full, cpu_offload=full)
+
+    def model_and_optimizer_state(self, full: bool = True):
+        """Model and optimizer state keyed by parameter names (so they load on any world size).
+        With `full`, FSDP gathers everything to rank 0 (other ranks get empty dicts)."""
+        model_state, optim_state = get_state_dict(self.model, self.optimizer, options=self._state_dict_options(full))
+        return model_state, optim_state
+
+    def load_model_and_optimizer_state(self, model_state, optim_state, full: bool = True) -> None:
+        options = self._state_dict_options(full)
+        options = StateDictOptions(full_state_dict=options.full_state_dict, strict=True)
+        if optim_state is None:
+            from torch.distributed.checkpoint.state_dict import set_model_state_dict
+
+            set_model_state_dict(self.model, model_state, options=options)
+        else:
+            set_state_dict(self.model, self.optimizer, model_state_dict=model_state, optim_state_dict=optim_state,
+                           options=options)
+
+    def trainer_state(self) -> Dict[str, Any]:
+        """Everything besides model and optimizer that an exact resume needs (plain Python values)."""
+        return {
+            "num_updates": self.num_updates,
+            "lr_scheduler": self.lr_scheduler.state_dict(),
+            "loss_scaler": self.precision.state_dict(),
+            "train_time": self.train_time,
+        }
+
+    def load_trainer_state(self, state: Dict[str, Any], reset_lr_scheduler: bool = False) -> None:
+        self.num_updates = state["num_updates"]
+        if not reset_lr_scheduler:
+            self.lr_scheduler.load_state_dict(state["lr_scheduler"])
+        self.precision.load_state_dict(state.get("loss_scaler", {}))
+        self.train_time = state.get("train_time", 0.0)
+        self.lr = self.lr_scheduler.step_update(self.num_updates)
+
+    def get_lr(self) -> float:
+        return self.optimizer.param_groups[0]["lr"]
+
+
+def check_finite(sums: Dict[str, float], num_updates: int) -> None:
+    loss = sums.get("loss")
+    if loss is not None and not math.isfinite(loss):
+        raise FloatingPointError(
+            f"the training loss became {loss} by update {num_updates}. Lower --lr or raise --warmup-updates, "
+            "set --clip-norm, or use --bf16 instead of --fp16; resume from the last good checkpoint."
+        )
+    if sums.get("nonfinite_gnorm", 0) > 0:
+        raise FloatingPointError(
+            f"the gradient norm was inf/nan in {int(sums['nonfinite_gnorm'])} update(s) before update {num_updates}."
+            " Lower --lr, set --clip-norm, or use --bf16; resume from the last good checkpoint."
+        )

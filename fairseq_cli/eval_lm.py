@@ -1,0 +1,129 @@
+"""fairseq-eval-lm: loss (base 2) and perplexity of a language model on a data split."""
+
+import ast
+import logging
+import math
+import sys
+import time
+from typing import List, Optional
+
+import torch
+
+from fairseq import options
+from fairseq.checkpoint.inference import build_from_saved_config, load_model_weights, read_checkpoint_config
+from fairseq.logging import progress_bar
+from fairseq.precision import compute_dtype
+
+logger = logging.getLogger("fairseq_cli.eval_lm")
+
+
+def with_context_window(batches, context_window: int, pad: int):
+    """Give each block up to `context_window` tokens of the text before it as left context.
+
+    The context tokens are scored by the model but their targets are padding, so they are not counted: each
+    token is evaluated once, with more history than its block alone gives. Blocks must come in corpus order.
+    """
+    history = torch.empty(0, dtype=torch.long)
+    for sample in batches:
+        src, tgt = sample["net_input"]["src_tokens"], sample["target"]
+        rows_src, rows_tgt = [], []
+        for i in range(src.size(0)):
+            n = int(tgt[i].ne(pad).sum())
+            tokens, targets = src[i, :n], tgt[i, :n]
+            ctx = history[-context_window:] if context_window > 0 else history[:0]
+            rows_src.append(torch.cat([ctx, tokens]))
+            rows_tgt.append(torch.cat([torch.full_like(ctx, pad), targets]))
+            history = torch.cat([history, tokens])[-context_window:] if context_window > 0 else history
+        width = max(len(r) for r in rows_src)
+        new_src = torch.full((len(rows_src), width), pad, dtype=torch.long)
+        new_tgt = torch.full((len(rows_src), width), pad, dtype=torch.long)
+        for i, (s, t) in enumerate(zip(rows_src, rows_tgt)):
+            new_src[i, : len(s)] = s
+            new_tgt[i, : len(t)] = t
+        sample = dict(sample)
+        sample["net_input"] = dict(sample["net_input"], src_tokens=new_src,
+                                   src_lengths=torch.tensor([len(r) for r in rows_src]))
+        sample["target"] = new_tgt
+        yield sample
+
+
+@torch.no_grad()
+def evaluate(model, batches, pad: int, device, dtype) -> tuple:
+    """(sum of -log2 p over counted target tokens, number of counted tokens)."""
+    nll_sum = torch.zeros((), dtype=torch.float64, device=device)
+    count = 0
+    autocast = torch.autocast(device.type, dtype=dtype) if dtype != torch.float32 else None
+    for sample in batches:
+        if sample.get("is_dummy", False):
+            continue
+        src = sample["net_input"]["src_tokens"].to(device, non_blocking=True)
+        target = sample["target"].to(device, non_blocking=True)
+        if autocast is not None:
+            with autocast:
+                logits = model(src)
+        else:
+            logits = model(src)
+        lprobs = torch.log_softmax(logits.float(), dim=-1)
+        mask = target.ne(pad)
+        token_lprobs = lprobs.gather(-1, target.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+        nll_sum -= (token_lprobs * mask).sum().double()
+        count += int(mask.sum())
+    return float(nll_sum) / math.log(2), count
+
+
+def main(cfg) -> dict:
+    progress_bar.setup_logging(cfg.common.log_file)
+    path = cfg.common_eval.path
+    if not path:
+        raise ValueError("no checkpoint given: pass --path CHECKPOINT.pt (or a sharded checkpoint directory)")
+    device = torch.device("cpu") if cfg.common.cpu or not torch.cuda.is_available() else torch.device("cuda")
+    context_window = cfg.eval_lm.context_window
+    if context_window > 0:  # the block plus its context must fit the model, as upstream does
+        if context_window >= cfg.task.tokens_per_sample:
+            raise ValueError(f"--context-window {context_window} must be smaller than --tokens-per-sample "
+                             f"{cfg.task.tokens_per_sample}")
+        cfg.task.tokens_per_sample -= context_window
+
+    saved_cfg, state = read_checkpoint_config(path, trust_legacy=cfg.common.trust_legacy_checkpoint)
+    overrides = ast.literal_eval(cfg.common_eval.model_overrides)
+    task, model = build_from_saved_config(saved_cfg, cfg.task, overrides)
+    load_model_weights(model, path, state)
+    model.to(device).eval()
+    logger.info(f"loaded {path}: {sum(p.numel() for p in model.parameters()):,} parameters")
+
+    task.load_dataset(cfg.dataset.gen_subset)
+    dataset = task.dataset(cfg.dataset.gen_subset)
+    itr = task.get_batch_iterator(
+        dataset=dataset, max_tokens=cfg.dataset.max_tokens, max_sentences=cfg.dataset.batch_size,
+        max_positions=None, ignore_invalid_inputs=True, seed=cfg.common.seed,
+        num_workers=cfg.dataset.num_workers, epoch=1,
+    ).next_epoch_itr(shuffle=False)
+    pad = task.source_dictionary.pad()
+    batches = with_context_window(itr, context_window, pad) if context_window > 0 else itr
+    start = time.perf_counter()
+    nll_bits, count = evaluate(model, batches, pad, device, compute_dtype(cfg.common))
+    elapsed = time.perf_counter() - start
+    if count == 0:
+        raise ValueError(f"split {cfg.dataset.gen_subset!r} has no tokens to evaluate")
+    loss = nll_bits / count
+    ppl = 2**loss
+    logger.info(f"Evaluated {count:,} tokens in {elapsed:.1f}s ({count / max(elapsed, 1e-9):.2f} tokens/s)")
+    logger.info(f"Loss (base 2): {loss:.4f}, Perplexity: {ppl:.2f}")
+    return {"loss": loss, "perplexity": ppl, "tokens": count}
+
+
+def cli_main(argv: Optional[List[str]] = None) -> None:
+    parser = options.get_eval_lm_parser()
+    args = options.parse_args_and_arch(parser, argv)
+    cfg = options.convert_namespace_to_config(args)
+    if cfg.dataset.max_tokens is None and cfg.dataset.batch_size is None:
+        cfg.dataset.batch_size = 1  # upstream evaluates one block at a time by default
+    try:
+        main(cfg)
+    except (ValueError, FileNotFoundError) as e:
+        logger.error(str(e))
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    cli_main(sys.argv[1:])

@@ -1,0 +1,250 @@
+"""fairseq-train: train a model (upstream's command line, flags and log lines)."""
+
+import logging
+import math
+import sys
+import time
+from typing import List, Optional, Tuple
+
+import torch
+
+from fairseq import options, registry
+from fairseq.checkpoint.manager import CheckpointManager
+from fairseq.distributed import utils as dist_utils
+from fairseq.distributed.launch import call_main
+from fairseq.logging import metrics, progress_bar
+from fairseq.trainer import Trainer
+from fairseq.training_stats import log_train_interval, log_valid, train_log_line, valid_log_line
+
+logger = logging.getLogger("fairseq_cli.train")
+
+
+def check_config(cfg) -> None:
+    if cfg.dataset.max_tokens is None and cfg.dataset.batch_size is None:
+        raise ValueError("give a batch size with --max-tokens or --batch-size")
+    if cfg.optimizer is None:
+        raise ValueError("no --optimizer given; e.g. --optimizer adam")
+    if cfg.model is None:
+        raise ValueError("no --arch given; e.g. --arch transformer_lm")
+
+
+def main(cfg) -> None:
+    progress_bar.setup_logging(cfg.common.log_file)
+    if not dist_utils.is_master():
+        logging.getLogger().setLevel(logging.WARNING)  # one log, from rank 0
+    check_config(cfg)
+    metrics.reset()
+    torch.manual_seed(cfg.common.seed)
+
+    task = registry.TASK_REGISTRY.get(cfg.task._name).setup_task(cfg.task)
+    for subset in cfg.dataset.valid_subset.split(","):
+        if not cfg.dataset.disable_validation:
+            task.load_dataset(subset, combine=False, epoch=1)
+    model = task.build_model(cfg.model)
+    criterion = task.build_criterion(cfg.criterion, cfg.optimization)
+    logger.info(f"task: {type(task).__name__}, model: {type(model).__name__} ({cfg.model._name}), "
+                f"criterion: {type(criterion).__name__}")
+    num_params = sum(p.numel() for p in model.parameters())
+    logger.info(f"num. model params: {num_params:,} (num. trained: "
+                f"{sum(p.numel() for p in model.parameters() if p.requires_grad):,})")
+
+    trainer = Trainer(cfg, task, model, criterion)
+    logger.info(f"training on {dist_utils.get_world_size()} device(s) ({trainer.device.type}); "
+                f"max tokens per device = {cfg.dataset.max_tokens} and max sentences per device = "
+                f"{cfg.dataset.batch_size}")
+    checkpoints = CheckpointManager(cfg)
+    extra_state = checkpoints.load(trainer)
+    epoch = extra_state["train_iterator"]["epoch"] if extra_state and "train_iterator" in extra_state else 1
+    epoch_itr = trainer_iterator(cfg, task, trainer, epoch)
+    if extra_state and "train_iterator" in extra_state:
+        epoch_itr.load_state_dict(extra_state["train_iterator"])
+    if extra_state and extra_state.get("metrics"):
+        metrics.load_state_dict(extra_state["metrics"])
+
+    max_epoch = cfg.optimization.max_epoch or math.inf
+    start = time.time()
+    metrics.log_start_time("wall", priority=790, round=0)  # "default" aggregator: never reset
+    while epoch_itr.next_epoch_idx <= max_epoch:
+        if trainer.get_lr() <= cfg.optimization.stop_min_lr:
+            logger.info(f"stopping training because the learning rate {trainer.get_lr()} fell to "
+                        f"--stop-min-lr {cfg.optimization.stop_min_lr}")
+            break
+        valid_losses, should_stop = train_epoch(cfg, trainer, task, epoch_itr, checkpoints)
+        if should_stop:
+            break
+        trainer.step_epoch_end(epoch_itr.epoch, valid_losses[0])
+        epoch_itr = trainer_iterator(cfg, task, trainer, epoch_itr.next_epoch_idx)
+    logger.info(f"done training in {time.time() - start:.1f} seconds")
+
+
+def trainer_iterator(cfg, task, trainer, epoch: int):
+    """The training batch iterator for `epoch` (shards of `DATA` rotate by epoch)."""
+    task.load_dataset(cfg.dataset.train_subset, epoch=epoch, combine=True)
+    return task.get_batch_iterator(
+        dataset=task.dataset(cfg.dataset.train_subset),
+        max_tokens=cfg.dataset.max_tokens,
+        max_sentences=cfg.dataset.batch_size,
+        max_positions=task.max_positions(),
+        ignore_invalid_inputs=True,
+        required_batch_size_multiple=cfg.dataset.required_batch_size_multiple,
+        seed=cfg.common.seed,
+        num_shards=dist_utils.get_world_size(),
+        shard_id=dist_utils.get_rank(),
+        num_workers=cfg.dataset.num_workers,
+        epoch=epoch,
+        pin_memory=trainer.device.type == "cuda",
+    )
+
+
+def _progress(cfg, itr, epoch=None, prefix=None):
+    master = dist_utils.is_master()
+    return progress_bar.progress_bar(
+        itr,
+        log_format=cfg.common.log_format,
+        log_interval=cfg.common.log_interval,
+        epoch=epoch,
+        prefix=prefix,
+        default_log_format="simple" if cfg.common.no_progress_bar else "tqdm",
+        tensorboard_logdir=cfg.common.tensorboard_logdir if master else None,
+        wandb_project=cfg.common.wandb_project if master else None,
+    )
+
+
+def train_epoch(cfg, trainer, task, epoch_itr, checkpoints) -> Tuple[List[Optional[float]], bool]:
+    from fairseq.data.iterators import GroupedIterator
+
+    epoch = epoch_itr.next_epoch_idx
+    itr = epoch_itr.next_epoch_itr(shuffle=epoch > cfg.dataset.curriculum)
+    freqs = cfg.optimization.update_freq
+    update_freq = freqs[epoch - 1] if epoch <= len(freqs) else freqs[-1]
+    itr = GroupedIterator(itr, update_freq)
+    progress = _progress(cfg, itr, epoch=epoch_itr.epoch)
+    trainer.begin_epoch(epoch_itr.epoch)
+    valid_losses, should_stop = [None], False
+    interval_start = time.perf_counter()
+    with metrics.aggregate("train"):
+        for samples in progress:
+            with metrics.aggregate("train_inner"):
+                trainer.train_step(samples)
+            num_updates = trainer.num_updates
+            end_of_epoch = not itr.has_next()
+            at_log = num_updates % cfg.common.log_interval == 0 or end_of_epoch
+            if at_log and num_updates > 0:
+                now = time.perf_counter()
+                log_train_interval(trainer, trainer.read_train_stats(), now - interval_start)
+                interval_start = now
+                if num_updates % cfg.common.log_interval == 0:
+                    progress.log(train_log_line("train_inner", trainer), tag="train_inner", step=num_updates)
+                    metrics.reset_meters("train_inner")
+            valid_losses, should_stop = validate_and_save(cfg, trainer, task, epoch_itr, checkpoints, end_of_epoch)
+            if should_stop:
+                break
+    if trainer.train_stats:  # a stop mid-interval: fold what is left into the epoch line
+        log_train_interval(trainer, trainer.read_train_stats(), time.perf_counter() - interval_start)
+    progress.print(train_log_line("train", trainer), tag="train", step=trainer.num_updates)
+    metrics.reset_meters("train")
+    metrics.reset_meters("train_inner")
+    return valid_losses, should_stop
+
+
+def validate_and_save(cfg, trainer, task, epoch_itr, checkpoints, end_of_epoch: bool):
+    num_updates = trainer.num_updates
+    max_update = cfg.optimization.max_update or math.inf
+    should_stop = False
+    if num_updates >= max_update:
+        should_stop = True
+        logger.info(f"stopping training: num_updates {num_updates} >= max_update {max_update}")
+    hours = trainer.train_time / 3600
+    if cfg.optimization.stop_time_hours > 0 and hours > cfg.optimization.stop_time_hours:
+        should_stop = True
+        logger.info(f"stopping training: {hours:.2f} h >= --stop-time-hours {cfg.optimization.stop_time_hours}")
+    ck, ds = cfg.checkpoint, cfg.dataset
+    do_save = (
+        (end_of_epoch and epoch_itr.epoch % ck.save_interval == 0)
+        or should_stop
+        or (ck.save_interval_updates > 0 and num_updates > 0 and num_updates % ck.save_interval_updates == 0
+            and num_updates >= ds.validate_after_updates)
+    )
+    do_validate = (
+        ((not end_of_epoch and do_save)
+         or (end_of_epoch and epoch_itr.epoch % ds.validate_interval == 0)
+         or should_stop
+         or (ds.validate_interval_updates > 0 and num_updates > 0
+             and num_updates % ds.validate_interval_updates == 0))
+        and not ds.disable_validation
+        and num_updates >= ds.validate_after_updates
+    )
+    valid_losses = [None]
+    if do_validate:
+        valid_losses = validate(cfg, trainer, task, epoch_itr, checkpoints)
+    should_stop |= stop_early(cfg, checkpoints, valid_losses[0])
+    if do_save or should_stop:
+        checkpoints.save(trainer, epoch_itr, valid_losses[0], end_of_epoch, metrics_state=metrics.state_dict())
+    return valid_losses, should_stop
+
+
+_patience = {"best": None, "bad": 0}
+
+
+def stop_early(cfg, checkpoints, valid_loss) -> bool:
+    """--patience: stop after that many validations without improvement."""
+    patience = cfg.checkpoint.patience
+    if valid_loss is None or patience <= 0:
+        return False
+    best = _patience["best"]
+    better = best is None or (valid_loss > best if cfg.checkpoint.maximize_best_checkpoint_metric
+                              else valid_loss < best)
+    if better:
+        _patience["best"], _patience["bad"] = valid_loss, 0
+        return False
+    _patience["bad"] += 1
+    if _patience["bad"] >= patience:
+        logger.info(f"early stop since valid performance hasn't improved for the last {patience} runs")
+        return True
+    return False
+
+
+def validate(cfg, trainer, task, epoch_itr, checkpoints) -> List[Optional[float]]:
+    valid_losses = []
+    for subset in cfg.dataset.valid_subset.split(","):
+        itr = task.get_batch_iterator(
+            dataset=task.dataset(subset),
+            max_tokens=cfg.dataset.max_tokens_valid or cfg.dataset.max_tokens,
+            max_sentences=cfg.dataset.batch_size_valid or cfg.dataset.batch_size,
+            max_positions=task.max_positions(),
+            ignore_invalid_inputs=cfg.dataset.skip_invalid_size_inputs_valid_test,
+            required_batch_size_multiple=cfg.dataset.required_batch_size_multiple,
+            seed=cfg.common.seed,
+            num_shards=dist_utils.get_world_size(),
+            shard_id=dist_utils.get_rank(),
+            num_workers=cfg.dataset.num_workers,
+            epoch=1,
+            pin_memory=trainer.device.type == "cuda",
+        ).next_epoch_itr(shuffle=False)
+        progress = _progress(cfg, itr, epoch=epoch_itr.epoch, prefix=f"valid on '{subset}' subset")
+        start = time.perf_counter()
+        with metrics.aggregate(new_root=True) as agg:
+            for i, sample in enumerate(progress):
+                if cfg.dataset.max_valid_steps is not None and i >= cfg.dataset.max_valid_steps:
+                    break
+                trainer.valid_step(sample)
+            log_valid(trainer.read_valid_stats(), time.perf_counter() - start)
+            stats = valid_log_line(agg, trainer, cfg.checkpoint, checkpoints.best)
+        progress.print(stats, tag=subset, step=trainer.num_updates)
+        valid_losses.append(stats.get(cfg.checkpoint.best_checkpoint_metric))
+    return valid_losses
+
+
+def cli_main(argv: Optional[List[str]] = None) -> None:
+    parser = options.get_training_parser()
+    args = options.parse_args_and_arch(parser, argv)
+    cfg = options.convert_namespace_to_config(args)
+    try:
+        check_config(cfg)
+    except ValueError as e:
+        parser.error(str(e))
+    call_main(cfg, main)
+
+
+if __name__ == "__main__":
+    cli_main(sys.argv[1:])
