@@ -247,19 +247,23 @@ class MMapIndexedDatasetBuilder:
 
     def merge_file_(self, another_file: str) -> None:
         """Append the items of the dataset at prefix `another_file` (same dtype required)."""
-        index = MMapIndex(index_file_path(another_file))
+        self.merge_files_(data_file_path(another_file), index_file_path(another_file))
+
+    def merge_files_(self, bin_path: str, idx_path: str) -> None:
+        """`merge_file_` for a pair of explicitly named files (e.g. a worker's temporary output)."""
+        index = MMapIndex(idx_path)
         if index.dtype != self._dtype:
-            raise ValueError(
-                f"cannot merge {index_file_path(another_file)} ({index.dtype}) into {self._out_file} ({self._dtype})"
+            raise ValueError(f"cannot merge {idx_path} ({index.dtype}) into {self._out_file} ({self._dtype})")
+        bin_size = os.path.getsize(bin_path)
+        if bin_size != index.data_nbytes():
+            raise CorruptDatasetError(
+                f"{bin_path}: {bin_size} bytes, but {idx_path} describes {index.data_nbytes()}; cannot merge it"
             )
-        bin_path = data_file_path(another_file)
-        if os.path.getsize(bin_path) != index.data_nbytes():
-            raise CorruptDatasetError(f"{bin_path}: size does not match {index_file_path(another_file)}")
         for start in range(0, len(index), _CHUNK_ITEMS):
             self._write_sizes(index.sizes[start: start + _CHUNK_ITEMS])
         with open(bin_path, "rb") as f:
             shutil.copyfileobj(f, self._data_file, 16 << 20)
-        self._num_tokens += index.data_nbytes() // self._dtype.itemsize
+        self._num_tokens += bin_size // self._dtype.itemsize
 
     def _write_sizes(self, sizes: np.ndarray) -> None:
         self._flush_pending()  # keep the order of items added one by one and in bulk
