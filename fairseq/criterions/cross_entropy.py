@@ -8,8 +8,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fairseq.dataclass.configs import opt
 from fairseq.criterions import register_criterion
+from fairseq.dataclass.configs import opt
+from fairseq.logging import metrics
 
 
 @dataclass
@@ -61,20 +62,26 @@ class CrossEntropyCriterion(nn.Module):
     def reduce_metrics(logging_outputs: List[Dict]) -> Dict[str, float]:
         """Loss per sample_size unit in base 2 and perplexity, from the summed logging outputs.
 
-        Meant for log intervals: each summed tensor is read from the device once. When sample_size is not
-        the token count (--sentence-avg), `nll_loss` is the per-token loss and perplexity follows it, as
-        upstream.
+        Meant for log intervals (e.g. given `LoggingOutputSums.reduce()`): each summed tensor is read from
+        the device once. The values are also logged into the active `fairseq.logging.metrics` aggregators as
+        upstream does (loss weighted by sample_size, ppl derived from the averaged loss). When sample_size is
+        not the token count (--sentence-avg), `nll_loss` is the per-token loss and perplexity follows it.
         """
         loss_sum = _sum_to_float([log.get("loss", 0.0) for log in logging_outputs])
         ntokens = _sum_to_float([log.get("ntokens", 0) for log in logging_outputs])
         sample_size = _sum_to_float([log.get("sample_size", 0) for log in logging_outputs])
-        metrics = {"loss": _base2_mean(loss_sum, sample_size)}
+        values = {"loss": _base2_mean(loss_sum, sample_size)}
+        per_token_key = "loss"
         if sample_size != ntokens:
-            metrics["nll_loss"] = _base2_mean(loss_sum, ntokens)
-            metrics["ppl"] = perplexity(metrics["nll_loss"])
-        else:
-            metrics["ppl"] = perplexity(metrics["loss"])
-        return metrics
+            values["nll_loss"] = _base2_mean(loss_sum, ntokens)
+            per_token_key = "nll_loss"
+        values["ppl"] = perplexity(values[per_token_key])
+        if sample_size > 0:
+            metrics.log_scalar("loss", values["loss"], sample_size, round=3)
+            if per_token_key == "nll_loss":
+                metrics.log_scalar("nll_loss", values["nll_loss"], ntokens, round=3)
+            metrics.log_derived("ppl", lambda meters: metrics.get_perplexity(meters[per_token_key].avg))
+        return values
 
     @staticmethod
     def logging_outputs_can_be_summed() -> bool:

@@ -150,6 +150,8 @@ def test_polynomial_decay_step_begin_epoch_keeps_warmup_factor():
     sched, opt = build("polynomial_decay", [1.0], warmup_updates=4, total_num_update=100)
     lr_at(sched, opt, 1)
     assert sched.step_begin_epoch(1) == 0.25  # lr [min(1, 0)] times the current warmup factor 1/4
+    lr_at(sched, opt, 4)  # the last warmup update sets the factor to 1
+    assert sched.step_begin_epoch(2) == 1.0
 
 
 def test_polynomial_decay_needs_a_length():

@@ -1,0 +1,128 @@
+"""--criterion cross_entropy: summed next-token loss in nats, padding ignored, logged in base 2."""
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from fairseq.criterions import build_criterion
+from fairseq.criterions.cross_entropy import CrossEntropyCriterion, CrossEntropyCriterionConfig
+from fairseq.dataclass.configs import OptimizationConfig
+from fairseq.logging import metrics
+
+PAD = 1
+VOCAB = 7
+
+
+class PadOnlyDictionary:
+    def pad(self):
+        return PAD
+
+
+class TinyTask:
+    target_dictionary = PadOnlyDictionary()
+
+
+class TinyLM(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Embedding(VOCAB, 4)
+        self.out = nn.Linear(4, VOCAB)
+
+    def forward(self, src_tokens, src_lengths=None):
+        return self.out(self.embed(src_tokens))
+
+
+def make_sample():
+    src = torch.tensor([[0, 4, 5, 6], [0, 6, 4, PAD]])
+    target = torch.tensor([[4, 5, 6, 2], [6, 4, 2, PAD]])
+    return {
+        "id": torch.tensor([0, 1]),
+        "nsentences": 2,
+        "ntokens": 7,
+        "net_input": {"src_tokens": src, "src_lengths": torch.tensor([4, 3])},
+        "target": target,
+    }
+
+
+def manual_loss(model, sample):
+    logits = model(sample["net_input"]["src_tokens"]).double()
+    total = 0.0
+    for b, row in enumerate(sample["target"].tolist()):
+        for t, tok in enumerate(row):
+            if tok != PAD:
+                total += (torch.logsumexp(logits[b, t], 0) - logits[b, t, tok]).item()
+    return total
+
+
+def test_loss_is_summed_nats_with_padding_ignored():
+    model, sample = TinyLM(), make_sample()
+    criterion = CrossEntropyCriterion(TinyTask(), sentence_avg=False)
+    loss, sample_size, log = criterion(model, sample)
+    assert loss.dtype == torch.float32 and loss.dim() == 0 and loss.requires_grad
+    assert loss.item() == pytest.approx(manual_loss(model, sample), rel=1e-6)
+    assert sample_size == 7
+    assert set(log) == {"loss", "ntokens", "nsentences", "sample_size"}
+    assert torch.is_tensor(log["loss"]) and not log["loss"].requires_grad
+    assert (log["ntokens"], log["nsentences"], log["sample_size"]) == (7, 2, 7)
+
+
+def test_changing_a_padded_position_does_not_change_the_loss():
+    model, sample = TinyLM(), make_sample()
+    criterion = CrossEntropyCriterion(TinyTask(), sentence_avg=False)
+    before = criterion(model, sample)[0].item()
+    sample["net_input"]["src_tokens"][1, 3] = 5  # the input whose target is padding
+    assert criterion(model, sample)[0].item() == before
+
+
+def test_unreduced_loss_is_per_token_with_zero_at_padding():
+    model, sample = TinyLM(), make_sample()
+    criterion = CrossEntropyCriterion(TinyTask(), sentence_avg=False)
+    per_token, _, _ = criterion(model, sample, reduce=False)
+    assert per_token.shape == (8,) and per_token[7].item() == 0.0
+    assert per_token.sum().item() == pytest.approx(criterion(model, sample)[0].item(), rel=1e-6)
+
+
+def test_low_precision_logits_are_upcast():
+    model, sample = TinyLM().to(torch.bfloat16), make_sample()
+    loss, _, _ = CrossEntropyCriterion(TinyTask(), sentence_avg=False)(model, sample)
+    assert loss.dtype == torch.float32
+    assert loss.item() == pytest.approx(manual_loss(model, sample), rel=1e-6)
+
+
+def test_build_criterion_reads_sentence_avg_from_optimization_group():
+    cfg = CrossEntropyCriterionConfig()
+    cfg._name = "cross_entropy"
+    criterion = build_criterion(cfg, TinyTask(), OptimizationConfig(sentence_avg=True))
+    assert isinstance(criterion, CrossEntropyCriterion) and criterion.padding_idx == PAD
+    _, sample_size, log = criterion(TinyLM(), make_sample())
+    assert sample_size == 2 and log["sample_size"] == 2
+
+
+def test_reduce_metrics_base2_and_ppl():
+    metrics.reset()
+    logs = [
+        {"loss": torch.tensor(10.0), "ntokens": 4, "nsentences": 1, "sample_size": 4},
+        {"loss": torch.tensor(6.0), "ntokens": 4, "nsentences": 1, "sample_size": 4},
+    ]
+    with metrics.aggregate("train_inner"):
+        values = CrossEntropyCriterion.reduce_metrics(logs)
+    assert set(values) == {"loss", "ppl"}
+    assert values["loss"] == pytest.approx(2.0 / math.log(2), rel=1e-12)  # 16 nats / 8 tokens, in bits
+    assert values["ppl"] == pytest.approx(math.e**2, rel=1e-12)
+    logged = metrics.get_smoothed_values("train_inner")
+    assert logged["loss"] == 2.885 and logged["ppl"] == 7.39  # upstream's rounding: 3 and 2 digits
+
+
+def test_reduce_metrics_with_sentence_avg_reports_per_token_nll():
+    metrics.reset()
+    summed = {"loss": 16.0, "ntokens": 8, "nsentences": 2, "sample_size": 2}  # already summed, host numbers
+    with metrics.aggregate("train_inner"):
+        values = CrossEntropyCriterion.reduce_metrics([summed])
+    assert values["loss"] == pytest.approx(8.0 / math.log(2), rel=1e-12)
+    assert values["nll_loss"] == pytest.approx(2.0 / math.log(2), rel=1e-12)
+    assert values["ppl"] == pytest.approx(math.e**2, rel=1e-12)
+    assert metrics.get_smoothed_values("train_inner")["ppl"] == 7.39
+    assert CrossEntropyCriterion.logging_outputs_can_be_summed() is True
