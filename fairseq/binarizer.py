@@ -1,0 +1,290 @@
+"""Streaming text -> token-id binarization and dictionary counting, split among worker processes.
+
+A file is cut into byte ranges at line boundaries (`find_offsets`); each range is read in blocks of a few
+MB that end at a newline, so memory stays bounded whatever the file size. Lines are what upstream's
+text-mode reading yields: `\\n`, `\\r\\n` and a lone `\\r` all end a line; each line is split on
+whitespace and followed by `</s>`. Whole blocks are encoded at once (one `str.split`, one dict lookup per
+token into a numpy array) instead of line by line into tensors, which is where the speed comes from.
+
+Outputs go to hidden `*.part` names in the destination directory and are renamed into place only when
+complete, the `.idx` last; an interrupted run never leaves a `<prefix>.bin`/`.idx` pair behind.
+"""
+
+import multiprocessing
+import os
+from collections import Counter
+from dataclasses import dataclass
+from itertools import repeat
+from typing import Dict, Iterator, List, Optional, Tuple
+
+import numpy as np
+
+from fairseq.data.indexed_dataset import (
+    MMapIndexedDatasetBuilder, best_fitting_dtype, data_file_path, index_file_path,
+)
+
+BLOCK_BYTES = 2 << 20  # text decoded and encoded at once; bounds a worker's memory to ~30 MB
+_LINE_MARK = "\x00"  # stands for a line end inside a block; never whitespace, so split() keeps it a token
+
+
+@dataclass
+class BinarizeSummary:
+    num_seq: int = 0
+    num_tok: int = 0  # including the </s> of every line
+    num_replaced: int = 0  # words mapped to <unk> (the literal <unk> token does not count)
+
+    def merge(self, other: "BinarizeSummary") -> None:
+        self.num_seq += other.num_seq
+        self.num_tok += other.num_tok
+        self.num_replaced += other.num_replaced
+
+    @property
+    def replaced_percent(self) -> float:
+        return 100.0 * self.num_replaced / self.num_tok if self.num_tok else 0.0
+
+    def __str__(self) -> str:  # upstream's wording and its 3-significant-digit percentage
+        return f"{self.num_seq} sents, {self.num_tok} tokens, {self.replaced_percent:.3}% replaced"
+
+
+# ---- reading ----------------------------------------------------------------------------------------------
+def find_offsets(path: str, num_chunks: int) -> List[int]:
+    """`num_chunks + 1` byte offsets splitting `path` into ranges that start at line beginnings."""
+    size = os.path.getsize(path)
+    offsets = [0]
+    with open(path, "rb") as f:
+        for i in range(1, num_chunks):
+            f.seek(max(size * i // num_chunks, offsets[-1]))
+            f.readline()  # move to the start of the next line
+            offsets.append(min(f.tell(), size))
+    offsets.append(size)
+    return offsets
+
+
+def iter_text_blocks(path: str, start: int, end: int, block_bytes: Optional[int] = None) -> Iterator[str]:
+    """Decoded text of bytes [start, end) in pieces that each end at a line end (or at `end`), with
+    `\\r\\n` and lone `\\r` turned into `\\n`."""
+    block_bytes = block_bytes or BLOCK_BYTES
+    with open(path, "rb") as f:
+        f.seek(start)
+        pos = block_start = start
+        parts: List[bytes] = []  # read but not yet yielded: no complete line end among them
+        while pos < end:
+            data = f.read(min(block_bytes, end - pos))
+            if not data:
+                break
+            pos += len(data)
+            cut = len(data) if pos >= end else data.rfind(b"\n") + 1
+            if cut == 0:  # a lone \r also ends a line, unless it is the last byte (it may start \r\n)
+                cut = data.rfind(b"\r", 0, len(data) - 1) + 1
+            if cut == 0:  # still inside a line longer than a block: keep reading
+                parts.append(data)
+                continue
+            parts.append(data[:cut])
+            block = b"".join(parts)
+            yield _decode(block, path, block_start)
+            block_start += len(block)
+            parts = [data[cut:]] if cut < len(data) else []
+        if parts:  # the file shrank while being read
+            yield _decode(b"".join(parts), path, block_start)
+
+
+def _decode(buf: bytes, path: str, offset: int) -> str:
+    try:
+        text = buf.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(
+            f"{path}: invalid UTF-8 at byte {offset + e.start} ({e.reason}); convert the file to UTF-8"
+        ) from None
+    if "\r" in text:
+        text = text.replace("\r\n", "\n").replace("\r", "\n")
+    return text
+
+
+def _count_lines(text: str) -> int:
+    return text.count("\n") + (1 if text and not text.endswith("\n") else 0)
+
+
+# ---- dictionary counting ----------------------------------------------------------------------------------
+def count_words_range(path: str, start: int, end: int) -> Tuple[Counter, int]:
+    """Word counts and number of lines in bytes [start, end) of `path`."""
+    counter: Counter = Counter()
+    lines = 0
+    for text in iter_text_blocks(path, start, end):
+        counter.update(text.split())
+        lines += _count_lines(text)
+    return counter, lines
+
+
+def count_words(path: str, num_workers: int = 1, pool=None) -> Tuple[Counter, int]:
+    """Word counts and line count of a whole file, the work split by byte ranges among workers."""
+    offsets = find_offsets(path, num_workers)
+    ranges = list(zip(offsets, offsets[1:]))
+    if num_workers <= 1 or len(ranges) <= 1:
+        return count_words_range(path, 0, offsets[-1])
+    with _maybe_pool(pool, num_workers - 1) as p:
+        pending = [p.apply_async(count_words_range, (path, s, e)) for s, e in ranges[1:]]
+        counter, lines = count_words_range(path, *ranges[0])  # the first range in this process
+        for r in pending:
+            c, n = r.get()
+            counter.update(c)
+            lines += n
+    return counter, lines
+
+
+def build_dictionary(paths: List[str], num_workers: int = 1, threshold: int = -1, nwords: int = -1,
+                     padding_factor: int = 8, pool=None):
+    """A finalized Dictionary counted from text files, as upstream's task.build_dictionary builds it."""
+    from fairseq.data.dictionary import Dictionary
+
+    d = Dictionary()
+    for path in paths:
+        counter, lines = count_words(path, num_workers, pool)
+        counter[d.eos_word] += lines  # upstream counts one </s> per line
+        d.add_counts(counter)
+    d.finalize(threshold=threshold, nwords=nwords, padding_factor=padding_factor)
+    return d
+
+
+# ---- encoding ---------------------------------------------------------------------------------------------
+def encode_block(text: str, indices: Dict[str, int], marked: Dict[str, int], unk: int, eos: int,
+                 unk_word: str) -> Tuple[np.ndarray, np.ndarray, int]:
+    """(token ids int64, sizes per line, words replaced by unk) of a block of whole lines.
+
+    `marked` is `indices` plus `_LINE_MARK -> -1`: line ends become marker tokens, so one split and one
+    lookup pass encode the whole block, and the markers give both the line sizes and the </s> slots.
+    """
+    if not text:
+        return np.zeros(0, np.int64), np.zeros(0, np.int64), 0
+    if not text.endswith("\n"):
+        text += "\n"
+    if _LINE_MARK in text:  # the marker would be ambiguous: encode line by line
+        return _encode_lines(text, indices, unk, eos, unk_word)
+    words = text.replace("\n", " \x00 ").split()
+    ids = np.fromiter(map(marked.get, words, repeat(unk)), dtype=np.int64, count=len(words))
+    ends = np.flatnonzero(ids < 0)
+    sizes = np.diff(ends, prepend=-1)
+    ids[ends] = eos
+    replaced = int(np.count_nonzero(ids == unk)) - words.count(unk_word)
+    return ids, sizes, replaced
+
+
+def _encode_lines(text, indices, unk, eos, unk_word):
+    ids: List[int] = []
+    sizes = []
+    replaced = 0
+    get = indices.get
+    for line in text[:-1].split("\n"):
+        words = line.split()
+        line_ids = [get(w, unk) for w in words]
+        replaced += line_ids.count(unk) - words.count(unk_word)
+        ids.extend(line_ids)
+        ids.append(eos)
+        sizes.append(len(words) + 1)
+    return np.asarray(ids, dtype=np.int64), np.asarray(sizes, dtype=np.int64), replaced
+
+
+def binarize_range(path: str, start: int, end: int, indices: Dict[str, int], unk: int, eos: int,
+                   unk_word: str, dtype, out_bin: str, out_idx: str) -> BinarizeSummary:
+    """Encode bytes [start, end) of `path` into a .bin/.idx pair at the given paths."""
+    marked = dict(indices)
+    marked[_LINE_MARK] = -1
+    builder = MMapIndexedDatasetBuilder(out_bin, dtype=dtype)
+    try:
+        summary = _encode_into(builder, path, start, end, indices, marked, unk, eos, unk_word)
+        builder.finalize(out_idx)
+    except BaseException:
+        builder.close()
+        raise
+    return summary
+
+
+def _encode_into(builder, path, start, end, indices, marked, unk, eos, unk_word) -> BinarizeSummary:
+    summary = BinarizeSummary()
+    for text in iter_text_blocks(path, start, end):
+        ids, sizes, replaced = encode_block(text, indices, marked, unk, eos, unk_word)
+        builder.add_items(ids.astype(builder.dtype), sizes)
+        summary.num_seq += len(sizes)
+        summary.num_tok += len(ids)
+        summary.num_replaced += replaced
+    return summary
+
+
+def binarize_file(path: str, dictionary, output_prefix: str, num_workers: int = 1, pool=None) -> BinarizeSummary:
+    """Binarize a text file into `output_prefix.bin/.idx` (dtype from the dictionary size, as upstream).
+
+    The result does not depend on `num_workers`. Files appear under their final names only once both
+    are complete: the `.bin` is renamed first, the `.idx` last (a reader needs both).
+    """
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"input file {path} does not exist")
+    dtype = best_fitting_dtype(len(dictionary))
+    offsets = find_offsets(path, max(1, num_workers))
+    ranges = list(zip(offsets, offsets[1:]))
+    dest_dir, base = os.path.split(output_prefix)
+    stem = os.path.join(dest_dir, f".{base}.{os.getpid()}")
+    part_bin, part_idx = stem + ".bin.part", stem + ".idx.part"
+    worker_parts = [(f"{stem}.w{k}.bin.part", f"{stem}.w{k}.idx.part") for k in range(1, len(ranges))]
+    args = (dictionary.indices, dictionary.unk_index, dictionary.eos_index, dictionary.unk_word, dtype)
+    builder = MMapIndexedDatasetBuilder(part_bin, dtype=dtype)
+    pending = []
+    try:
+        with _maybe_pool(pool if worker_parts else False, len(worker_parts)) as p:
+            pending = [
+                p.apply_async(binarize_range, (path, s, e, *args, wb, wi))
+                for (s, e), (wb, wi) in zip(ranges[1:], worker_parts)
+            ]
+            marked = dict(dictionary.indices)
+            marked[_LINE_MARK] = -1
+            summary = _encode_into(builder, path, *ranges[0], dictionary.indices, marked, *args[1:4])
+            for r, (wb, wi) in zip(pending, worker_parts):
+                summary.merge(r.get())
+                builder.merge_files_(wb, wi)
+                os.remove(wb)
+                os.remove(wi)
+        builder.finalize(part_idx)
+        final_bin, final_idx = data_file_path(output_prefix), index_file_path(output_prefix)
+        if os.path.exists(final_idx):
+            os.remove(final_idx)  # an old index must never pair with the new .bin
+        os.replace(part_bin, final_bin)
+        os.replace(part_idx, final_idx)
+    except BaseException:
+        builder.close()
+        if pool:  # a caller's pool keeps running: let our tasks end before removing their files
+            for r in pending:
+                r.wait()
+        for leftover in [part_bin, part_idx] + [f for pair in worker_parts for f in pair]:
+            if os.path.exists(leftover):
+                os.remove(leftover)
+        raise
+    return summary
+
+
+# ---- processes --------------------------------------------------------------------------------------------
+def make_pool(processes: int):
+    """A process pool; fork where the platform has it (workers need only numpy and the stdlib)."""
+    method = "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn"
+    return multiprocessing.get_context(method).Pool(processes=processes)
+
+
+class _maybe_pool:
+    """Use the caller's pool, or own one for the duration of a `with` block (False: no pool needed)."""
+
+    def __init__(self, pool, processes: int):
+        self._given, self._processes, self._owned = pool, processes, None
+
+    def __enter__(self):
+        if self._given is False:
+            return None
+        if self._given is not None:
+            return self._given
+        self._owned = make_pool(max(1, self._processes))
+        return self._owned
+
+    def __exit__(self, exc_type, *_):
+        if self._owned is not None:
+            if exc_type is None:
+                self._owned.close()
+            else:
+                self._owned.terminate()
+            self._owned.join()
+        return False

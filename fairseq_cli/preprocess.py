@@ -1,0 +1,141 @@
+"""fairseq-preprocess: build (or reuse) a dictionary and binarize text for language modeling.
+
+Writes `DESTDIR/dict.txt`, `DESTDIR/{train,valid,valid1,...,test,...}.{bin,idx}` and appends its log
+lines to `DESTDIR/preprocess.log`, as upstream fairseq does. Only source-side data (`--only-source`)
+is supported: this fork is for language models.
+"""
+
+import logging
+import os
+import sys
+from argparse import Namespace
+from typing import List, Optional
+
+from fairseq import binarizer, options
+from fairseq.data import Dictionary
+from fairseq.utils import import_user_module
+
+logger = logging.getLogger("fairseq_cli.preprocess")
+
+
+class PreprocessError(ValueError):
+    """Bad flags or inputs; the message says which and what to do."""
+
+
+def _input_path(prefix: str, lang: Optional[str]) -> str:
+    return prefix + (f".{lang}" if lang else "")
+
+
+def _dest_prefix(args: Namespace, split: str, lang: Optional[str]) -> str:
+    # Upstream's names: `train` for plain LM data, `train.SRC-TGT.LANG` when a language is given.
+    suffix = f".{args.source_lang}-{args.target_lang}.{lang}" if lang else ""
+    return os.path.join(args.destdir, split + suffix)
+
+
+def _dict_path(args: Namespace, lang: Optional[str]) -> str:
+    return os.path.join(args.destdir, f"dict.{lang}.txt" if lang else "dict.txt")
+
+
+def _splits(args: Namespace, lang: Optional[str]) -> List[tuple]:
+    """(input file, output prefix) for every split to binarize, in upstream's order."""
+    out = []
+    if args.trainpref:
+        out.append((_input_path(args.trainpref, lang), _dest_prefix(args, "train", lang)))
+    for flag, name in ((args.validpref, "valid"), (args.testpref, "test")):
+        if flag:
+            for k, prefix in enumerate(flag.split(",")):
+                out.append((_input_path(prefix, lang), _dest_prefix(args, f"{name}{k}" if k else name, lang)))
+    return out
+
+
+def check_args(args: Namespace) -> None:
+    if not args.only_source:
+        raise PreprocessError(
+            "fairseq-preprocess: only language-modeling data is supported here; pass --only-source "
+            "(translation pairs with --target-lang are not)"
+        )
+    if args.workers < 1:
+        raise PreprocessError(f"--workers {args.workers}: must be at least 1")
+    if args.padding_factor < 1:
+        raise PreprocessError(f"--padding-factor {args.padding_factor}: must be at least 1")
+    if args.dataset_impl not in (None, "mmap"):
+        raise PreprocessError(f"--dataset-impl {args.dataset_impl}: only 'mmap' is supported")
+    if not args.srcdict and not args.trainpref:
+        raise PreprocessError("--trainpref is required to build a dictionary (or pass an existing one with --srcdict)")
+    if args.srcdict and not os.path.isfile(args.srcdict):
+        raise PreprocessError(f"--srcdict {args.srcdict}: file does not exist")
+    lang = args.source_lang
+    inputs = [] if args.dict_only else [path for path, _ in _splits(args, lang)]
+    if not args.srcdict:
+        inputs.insert(0, _input_path(args.trainpref, lang))
+    for path in inputs:
+        if not os.path.isfile(path):
+            raise PreprocessError(f"input file {path} does not exist (check --trainpref/--validpref/--testpref)")
+
+
+def main(args: Namespace) -> None:
+    if getattr(args, "user_dir", None):
+        import_user_module(args.user_dir)
+    check_args(args)
+    os.makedirs(args.destdir, exist_ok=True)
+    log_handler = logging.FileHandler(os.path.join(args.destdir, "preprocess.log"), encoding="utf-8")
+    logger.addHandler(log_handler)
+    pool = binarizer.make_pool(args.workers - 1) if args.workers > 1 else None
+    try:
+        logger.info(args)
+        _run(args, pool)
+        if pool is not None:
+            pool.close()
+    except BaseException:
+        if pool is not None:
+            pool.terminate()
+        raise
+    finally:
+        if pool is not None:
+            pool.join()
+        logger.removeHandler(log_handler)
+        log_handler.close()
+
+
+def _run(args: Namespace, pool) -> None:
+    lang = args.source_lang
+    if args.srcdict:
+        vocab = Dictionary.load(args.srcdict)
+    else:
+        vocab = binarizer.build_dictionary(
+            [_input_path(args.trainpref, lang)], num_workers=args.workers, threshold=args.thresholdsrc,
+            nwords=args.nwordssrc, padding_factor=args.padding_factor, pool=pool,
+        )
+    dict_path = _dict_path(args, lang)
+    tmp = os.path.join(args.destdir, f".{os.path.basename(dict_path)}.{os.getpid()}.part")
+    vocab.save(tmp)
+    os.replace(tmp, dict_path)
+    if args.dict_only:
+        return
+    for input_file, out_prefix in _splits(args, lang):
+        logger.info(f"[{lang}] Dictionary: {len(vocab)} types")
+        summary = binarizer.binarize_file(input_file, vocab, out_prefix, num_workers=args.workers, pool=pool)
+        logger.info(f"[{lang}] {input_file}: {summary} (by {vocab.unk_word})")
+    logger.info(f"Wrote preprocessed data to {args.destdir}")
+
+
+def parse_args(argv: Optional[List[str]] = None) -> Namespace:
+    parser = options.get_preprocessing_parser(default_task="language_modeling")
+    return parser.parse_args(argv)
+
+
+def cli_main(argv: Optional[List[str]] = None) -> None:
+    logging.basicConfig(
+        format="%(asctime)s | %(levelname)s | %(name)s | %(message)s", datefmt="%Y-%m-%d %H:%M:%S",
+        level=os.environ.get("LOGLEVEL", "INFO").upper(), stream=sys.stdout,
+    )
+    args = parse_args(argv)
+    try:
+        main(args)
+    except (PreprocessError, FileNotFoundError, ValueError) as e:
+        print(f"fairseq-preprocess: error: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    cli_main()
