@@ -7,11 +7,12 @@ the built-in criterions.
 from fairseq.registry import CRITERION_REGISTRY, register_criterion  # noqa: F401 (re-exported)
 
 
-def build_criterion(cfg, task, optimization_cfg):
+def build_criterion(cfg, task, optimization_cfg=None):
     """Build the criterion named by `cfg._name` (--criterion) for `task`.
 
     `optimization_cfg` (OptimizationConfig) supplies --sentence-avg, which upstream's criterion configs
-    read by interpolation. A criterion class provides `build_criterion(cfg, task, optimization_cfg)`.
+    read by interpolation (without it, the criterion config's own copy is used). A criterion class
+    provides `build_criterion(cfg, task, optimization_cfg=None)`.
     """
     from fairseq.optim import component_name
 

@@ -30,8 +30,10 @@ class CrossEntropyCriterion(nn.Module):
         self.padding_idx = dictionary.pad() if dictionary is not None else -100
 
     @classmethod
-    def build_criterion(cls, cfg, task, optimization_cfg):
-        return cls(task, bool(optimization_cfg.sentence_avg))
+    def build_criterion(cls, cfg, task, optimization_cfg=None):
+        # --sentence-avg is parsed once, into the optimization group; the criterion config mirrors it.
+        source = optimization_cfg if optimization_cfg is not None else cfg
+        return cls(task, bool(source.sentence_avg))
 
     def forward(self, model, sample, reduce: bool = True):
         """Returns (loss, sample_size, logging_output); loss is the sum over target tokens in nats, fp32.

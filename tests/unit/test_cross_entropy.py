@@ -126,3 +126,10 @@ def test_reduce_metrics_with_sentence_avg_reports_per_token_nll():
     assert values["ppl"] == pytest.approx(math.e**2, rel=1e-12)
     assert metrics.get_smoothed_values("train_inner")["ppl"] == 7.39
     assert CrossEntropyCriterion.logging_outputs_can_be_summed() is True
+
+
+def test_build_criterion_without_optimization_group_reads_the_config_copy():
+    cfg = CrossEntropyCriterionConfig(sentence_avg=True)
+    cfg._name = "cross_entropy"
+    assert build_criterion(cfg, TinyTask()).sentence_avg is True
+    assert build_criterion(cfg, TinyTask(), OptimizationConfig(sentence_avg=False)).sentence_avg is False

@@ -146,12 +146,24 @@ def test_polynomial_decay_zero_lr_warmup_steps():
     assert lr_at(sched, opt, 65) == pytest.approx(0.5, rel=1e-12)
 
 
-def test_polynomial_decay_step_begin_epoch_keeps_warmup_factor():
+def test_epoch_calls_return_the_rate_of_the_current_update():
+    # Upstream's trainer follows step_begin_epoch / step with step_update(num_updates); here they do it
+    # themselves, so a new epoch in the decay phase does not jump back to the peak rate.
     sched, opt = build("polynomial_decay", [1.0], warmup_updates=4, total_num_update=100)
     lr_at(sched, opt, 1)
-    assert sched.step_begin_epoch(1) == 0.25  # lr [min(1, 0)] times the current warmup factor 1/4
-    lr_at(sched, opt, 4)  # the last warmup update sets the factor to 1
-    assert sched.step_begin_epoch(2) == 1.0
+    assert sched.step_begin_epoch(1) == 0.25
+    assert lr_at(sched, opt, 52) == 0.5  # 1.0 * (1 - 48 / 96)
+    assert sched.step_begin_epoch(2) == 0.5 and opt.param_groups[0]["lr"] == 0.5
+    assert sched.step(2, val_loss=1.0) == 0.5
+    fixed, fixed_opt = build("fixed", [1.0, 0.5], warmup_updates=10)
+    lr_at(fixed, fixed_opt, 4)
+    assert fixed.step_begin_epoch(2) == 0.25  # epoch 2's rate 0.5, still warming up: (4 + 1) / 10
+
+
+def test_polynomial_decay_force_anneal_keeps_current_rate_as_peak():
+    sched, opt = build("polynomial_decay", [1.0], total_num_update=100, force_anneal=2)
+    lr_at(sched, opt, 50)  # 0.5
+    assert sched.step_begin_epoch(2) == pytest.approx(0.25, rel=1e-12)  # new peak 0.5, decayed halfway
 
 
 def test_polynomial_decay_needs_a_length():

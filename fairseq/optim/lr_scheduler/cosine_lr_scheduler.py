@@ -46,7 +46,7 @@ class CosineLRSchedule(FairseqLRScheduler):
         self.lr = self.warmup_init_lr
         self.set_lr(self.lr)
 
-    def step_update(self, num_updates):
+    def _lr_for_update(self, num_updates):
         if num_updates < self.warmup_updates:
             self.lr = self.warmup_init_lr + num_updates * self.lr_step
         else:

@@ -6,13 +6,15 @@ from typing import List, Optional
 class FairseqLRScheduler:
     """Sets the learning rate of a torch optimizer as training advances.
 
-    The trainer calls, as upstream's does: `step_begin_epoch(epoch)` when an epoch starts, `step(epoch,
-    val_loss)` when it ends, and `step_update(num_updates)` after every update (and after each of the
-    other two, since the update count is what most schedules follow). Each returns the new learning rate.
-    Epochs are numbered from 1.
+    The trainer calls `step_begin_epoch(epoch)` when an epoch starts (epochs count from 1), `step(epoch,
+    val_loss)` when it ends, and `step_update(num_updates)` after every update. Each sets and returns the
+    learning rate for the next update. Upstream's trainer follows the two epoch calls with
+    `step_update(num_updates)`, because the update count is what most schedules follow; here the epoch
+    calls do that themselves with the last count seen, so callers get upstream's rates either way.
 
     Subclasses take (cfg, optimizer, lrs, max_update): their config dataclass, the optimizer, the --lr list
-    and --max-update.
+    and --max-update, and implement `_lr_for_update(num_updates)` (set the rate and return it) and, when
+    the epoch matters, `_begin_epoch(epoch)`.
     """
 
     def __init__(self, cfg, optimizer, lrs: List[float], max_update: int):
@@ -20,6 +22,7 @@ class FairseqLRScheduler:
         self.optimizer = optimizer
         self.lrs = list(lrs)
         self.max_update = max_update
+        self.num_updates = 0  # the last count given to step_update
         self.best: Optional[float] = None  # lowest validation loss seen, saved in checkpoints as upstream
 
     def state_dict(self) -> dict:
@@ -39,14 +42,22 @@ class FairseqLRScheduler:
         set_lr(self.optimizer, lr)
 
     def step_begin_epoch(self, epoch: int) -> float:
-        return self.get_lr()
+        self._begin_epoch(epoch)
+        return self.step_update(self.num_updates)
 
     def step(self, epoch: int, val_loss: Optional[float] = None) -> float:
         if val_loss is not None:
             self.best = val_loss if self.best is None else min(self.best, val_loss)
-        return self.get_lr()
+        return self.step_update(self.num_updates)
 
     def step_update(self, num_updates: int) -> float:
+        self.num_updates = num_updates
+        return self._lr_for_update(num_updates)
+
+    def _begin_epoch(self, epoch: int):
+        """Epoch-start hook of schedules that follow epochs."""
+
+    def _lr_for_update(self, num_updates: int) -> float:
         return self.get_lr()
 
     def _single_lr(self, scheduler_name: str) -> float:

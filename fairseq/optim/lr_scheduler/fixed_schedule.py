@@ -41,12 +41,10 @@ class FixedLRSchedule(FairseqLRScheduler):
             return self.lrs[min(max(epoch - 1, 0), len(self.lrs) - 1)]
         return self.lrs[-1] * self.cfg.lr_shrink ** (epoch + 1 - force_anneal)
 
-    def step_begin_epoch(self, epoch):
+    def _begin_epoch(self, epoch):
         self.lr = self.lr_of_epoch(epoch)
-        self.set_lr(self.warmup_factor * self.lr)
-        return self.get_lr()
 
-    def step_update(self, num_updates):
+    def _lr_for_update(self, num_updates):
         warmup = self.cfg.warmup_updates
         if warmup > 0 and num_updates < warmup:
             self.warmup_factor = (num_updates + 1) / float(warmup)

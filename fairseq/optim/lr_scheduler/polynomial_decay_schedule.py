@@ -48,12 +48,10 @@ class PolynomialDecayLRSchedule(FairseqLRScheduler):
             return self.lrs[min(epoch, len(self.lrs) - 1)]
         return self.get_lr()
 
-    def step_begin_epoch(self, epoch):
+    def _begin_epoch(self, epoch):
         self.lr = self.lr_of_epoch(epoch)
-        self.set_lr(self.warmup_factor * self.lr)
-        return self.get_lr()
 
-    def step_update(self, num_updates):
+    def _lr_for_update(self, num_updates):
         zero_steps = self.cfg.zero_lr_warmup_steps
         warmup = self.cfg.warmup_updates
         if zero_steps > 0 and num_updates <= zero_steps:
