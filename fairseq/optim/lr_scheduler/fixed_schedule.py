@@ -25,7 +25,6 @@ class FixedLRSchedule(FairseqLRScheduler):
         if cfg.warmup_updates < 0:
             raise ValueError(f"--warmup-updates {cfg.warmup_updates} is negative; pass 0 or more")
         self.lr = self.lrs[0]
-        self.warmup_factor = 1.0 / cfg.warmup_updates if cfg.warmup_updates > 0 else 1.0
 
     def state_dict(self):
         return {"best": self.best, "lr": self.lr}
@@ -47,8 +46,7 @@ class FixedLRSchedule(FairseqLRScheduler):
     def _lr_for_update(self, num_updates):
         warmup = self.cfg.warmup_updates
         if warmup > 0 and num_updates < warmup:
-            self.warmup_factor = (num_updates + 1) / float(warmup)
-            self.set_lr(self.warmup_factor * self.lr)
+            self.set_lr((num_updates + 1) / float(warmup) * self.lr)
         else:
             self.set_lr(self.lr)
         return self.get_lr()

@@ -38,8 +38,8 @@ class PolynomialDecayLRSchedule(FairseqLRScheduler):
             )
         self.total_num_update = total
         self.lr = self.lrs[0]
-        self.warmup_factor = 1.0 / cfg.warmup_updates if cfg.warmup_updates > 0 else 1.0
-        self.set_lr(self.warmup_factor * self.lr)
+        # Upstream's initial rate; the builder's step_update(0) then sets update 0's rate.
+        self.set_lr(self.lr / cfg.warmup_updates if cfg.warmup_updates > 0 else self.lr)
 
     def lr_of_epoch(self, epoch: int) -> float:
         # Upstream indexes --lr by the epoch number itself here (fixed uses epoch - 1); kept as is.
@@ -57,8 +57,7 @@ class PolynomialDecayLRSchedule(FairseqLRScheduler):
         if zero_steps > 0 and num_updates <= zero_steps:
             lr = 0.0
         elif warmup > 0 and num_updates <= warmup + zero_steps:
-            self.warmup_factor = (num_updates - zero_steps) / float(warmup)
-            lr = self.warmup_factor * self.lr
+            lr = (num_updates - zero_steps) / float(warmup) * self.lr
         elif num_updates >= self.total_num_update:
             lr = self.cfg.end_learning_rate
         else:
