@@ -11,7 +11,6 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
-from fairseq.criterions import build_criterion  # noqa: F401  (re-exported for the CLI)
 from fairseq.distributed.parallelize import parallelize_model
 from fairseq.optim import build_optimizer
 from fairseq.optim.lr_scheduler import build_lr_scheduler
@@ -52,7 +51,7 @@ class Trainer:
         self.optimizer = build_optimizer(cfg.optimizer, params, cfg.optimization)
         self.lr_scheduler = build_lr_scheduler(cfg.lr_scheduler, self.optimizer, cfg.optimization)
         self.num_updates = 0
-        self.lr = self.lr_scheduler.step_update(0)
+        self.lr = self.get_lr()
         self.train_stats = LoggingOutputSums()
         self.valid_stats = LoggingOutputSums()
         self.train_time = 0.0  # seconds spent in train steps (train_wall), carried across restarts

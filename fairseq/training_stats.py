@@ -4,22 +4,16 @@ The meters' priorities give upstream's key order: loss, ppl, wps, ups, wpb, bsz,
 clip, loss_scale, train_wall, memory (gb_free ...), wall.
 """
 
-import math
 from collections import OrderedDict
 from typing import Dict, Optional
 
 from fairseq.logging import metrics
 
-LN2 = math.log(2)
-
 
 def log_train_interval(trainer, sums: Dict[str, float], elapsed: float) -> None:
     """Log one interval's sums into the active aggregators (train_inner and train)."""
     updates = sums.get("updates", 0.0)
-    sample_size = sums.get("sample_size", 0.0)
-    if sample_size > 0:
-        metrics.log_scalar("loss", sums["loss"] / sample_size / LN2, sample_size, priority=10, round=3)
-        metrics.log_derived("ppl", lambda m: metrics.get_perplexity(m["loss"].avg), priority=20)
+    trainer.criterion.reduce_metrics([sums])  # loss (base 2) and ppl, as the criterion defines them
     if elapsed > 0:
         # value/elapsed weighted by elapsed: the epoch line then shows total tokens / total time
         metrics.log_scalar("wps", sums.get("ntokens", 0.0) / elapsed, elapsed, priority=30, round=1)
@@ -61,11 +55,8 @@ def train_log_line(aggregator: str, trainer) -> Dict[str, object]:
     return _with_wall(stats)
 
 
-def log_valid(sums: Dict[str, float], elapsed: float) -> None:
-    sample_size = sums.get("sample_size", 0.0)
-    if sample_size > 0:
-        metrics.log_scalar("loss", sums["loss"] / sample_size / LN2, sample_size, priority=10, round=3)
-        metrics.log_derived("ppl", lambda m: metrics.get_perplexity(m["loss"].avg), priority=20)
+def log_valid(criterion, sums: Dict[str, float], elapsed: float) -> None:
+    criterion.reduce_metrics([sums])
     if elapsed > 0:
         metrics.log_scalar("wps", sums.get("ntokens", 0.0) / elapsed, elapsed, priority=30, round=1)
     batches = sums.get("batches", 0.0)

@@ -10,6 +10,7 @@ import torch
 
 from fairseq import options, registry
 from fairseq.checkpoint.manager import CheckpointManager
+from fairseq.criterions import build_criterion
 from fairseq.distributed import utils as dist_utils
 from fairseq.distributed.launch import call_main
 from fairseq.logging import metrics, progress_bar
@@ -41,7 +42,7 @@ def main(cfg) -> None:
         if not cfg.dataset.disable_validation:
             task.load_dataset(subset, combine=False, epoch=1)
     model = task.build_model(cfg.model)
-    criterion = task.build_criterion(cfg.criterion, cfg.optimization)
+    criterion = build_criterion(cfg.criterion, task, cfg.optimization)
     logger.info(f"task: {type(task).__name__}, model: {type(model).__name__} ({cfg.model._name}), "
                 f"criterion: {type(criterion).__name__}")
     num_params = sum(p.numel() for p in model.parameters())
@@ -228,7 +229,7 @@ def validate(cfg, trainer, task, epoch_itr, checkpoints) -> List[Optional[float]
                 if cfg.dataset.max_valid_steps is not None and i >= cfg.dataset.max_valid_steps:
                     break
                 trainer.valid_step(sample)
-            log_valid(trainer.read_valid_stats(), time.perf_counter() - start)
+            log_valid(trainer.criterion, trainer.read_valid_stats(), time.perf_counter() - start)
             stats = valid_log_line(agg, trainer, cfg.checkpoint, checkpoints.best)
         progress.print(stats, tag=subset, step=trainer.num_updates)
         valid_losses.append(stats.get(cfg.checkpoint.best_checkpoint_metric))
