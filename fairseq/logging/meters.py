@@ -330,7 +330,10 @@ class MetersDict(dict):
     def reset(self) -> None:
         self.window_start = time.perf_counter()
         for meter in self.values():
-            meter.reset()
+            if isinstance(meter, TimeMeter):
+                meter.reset(start=self.window_start)
+            else:
+                meter.reset()
 
     def state_dict(self) -> list:
         """[(priority, key, meter class name, meter state), ...] (upstream fairseq's layout)."""
