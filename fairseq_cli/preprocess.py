@@ -80,6 +80,9 @@ def main(args: Namespace) -> None:
     os.makedirs(args.destdir, exist_ok=True)
     log_handler = logging.FileHandler(os.path.join(args.destdir, "preprocess.log"), encoding="utf-8")
     logger.addHandler(log_handler)
+    old_level = logger.level
+    if logger.getEffectiveLevel() > logging.INFO:  # preprocess.log always gets the INFO lines
+        logger.setLevel(logging.INFO)
     pool = binarizer.make_pool(args.workers - 1) if args.workers > 1 else None
     try:
         logger.info(args)
@@ -93,6 +96,7 @@ def main(args: Namespace) -> None:
     finally:
         if pool is not None:
             pool.join()
+        logger.setLevel(old_level)
         logger.removeHandler(log_handler)
         log_handler.close()
 
