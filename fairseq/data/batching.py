@@ -1,0 +1,162 @@
+"""Mini-batches by size: `--max-tokens`, `--batch-size` and `--required-batch-size-multiple`.
+
+`batch_by_size` yields the same batches as upstream fairseq's `batch_by_size_vec`: walking the indices in
+the given order, a batch takes as many items as fit (count * longest item <= max_tokens and
+count <= max_sentences); if that count n is at least the multiple, the batch is cut down to the largest
+multiple of it and the rest starts the next batch; a final leftover forms its own smaller batch.
+
+Everything is vectorized: the count that fits from every position is found with binary lifting over
+range-maximum tables (computed in bounded chunks), then one cheap step per batch follows the chain.
+Batches are stored compactly (`Batches`: one index array plus boundaries), never as millions of objects.
+"""
+
+from typing import Iterator, Optional, Sequence, Tuple, Union
+
+import numpy as np
+
+_CHUNK = 1 << 16  # start positions processed at once while finding how many items fit
+
+
+class Batches:
+    """A list of batches stored as one array of dataset indices and `len + 1` boundaries."""
+
+    def __init__(self, indices: np.ndarray, bounds: np.ndarray):
+        self.indices = np.asarray(indices, dtype=np.int64)
+        self.bounds = np.asarray(bounds, dtype=np.int64)
+        if self.bounds[0] != 0 or self.bounds[-1] != len(self.indices) or np.any(np.diff(self.bounds) < 0):
+            raise ValueError("Batches: bounds must rise from 0 to the number of indices")
+
+    @classmethod
+    def from_list(cls, batches: Sequence[Sequence[int]]) -> "Batches":
+        if isinstance(batches, Batches):
+            return batches
+        lengths = np.fromiter((len(b) for b in batches), dtype=np.int64, count=len(batches))
+        bounds = np.zeros(len(batches) + 1, dtype=np.int64)
+        np.cumsum(lengths, out=bounds[1:])
+        flat = [np.asarray(b, dtype=np.int64).reshape(-1) for b in batches if len(b)]
+        indices = np.concatenate(flat) if flat else np.zeros(0, dtype=np.int64)
+        return cls(indices, bounds)
+
+    def __len__(self) -> int:
+        return len(self.bounds) - 1
+
+    def __getitem__(self, i: int) -> np.ndarray:
+        if not -len(self) <= i < len(self):
+            raise IndexError(f"batch {i} out of range ({len(self)} batches)")
+        i %= len(self)
+        return self.indices[self.bounds[i]: self.bounds[i + 1]]
+
+    def __iter__(self) -> Iterator[np.ndarray]:
+        for i in range(len(self)):
+            yield self[i]
+
+    def sizes(self) -> np.ndarray:
+        """Number of items in each batch."""
+        return np.diff(self.bounds)
+
+    def to_list(self) -> list:
+        return [b.tolist() for b in self]
+
+
+def _fit_counts(sizes: np.ndarray, max_tokens: int, max_sentences: int) -> np.ndarray:
+    """For every start s: the largest n with n <= max_sentences, s + n <= len and n * max(sizes[s:s+n]) <= max_tokens."""
+    n = len(sizes)
+    limit = max_sentences if max_sentences > 0 else n
+    remaining = n - np.arange(n, dtype=np.int64)
+    if max_tokens <= 0:
+        return np.minimum(remaining, limit)
+    smallest, largest = int(sizes.min()), int(sizes.max())
+    if smallest == largest:  # all items the same size: no range maxima needed
+        per_batch = max_tokens // smallest if smallest > 0 else limit
+        return np.minimum(remaining, min(limit, per_batch))
+    window = min(limit, n, max_tokens // smallest if smallest > 0 else n)
+    levels = max(1, window.bit_length())
+    counts = np.zeros(n, dtype=np.int64)
+    for a in range(0, n, _CHUNK):
+        b = min(n, a + _CHUNK)
+        segment = sizes[a: min(n, b + window)].astype(np.int64)
+        tables = [segment]  # tables[j][p] = max(segment[p : p + 2**j])
+        for j in range(1, levels):
+            prev, half = tables[-1], 1 << (j - 1)
+            tables.append(np.maximum(prev[:-half], prev[half:]) if len(prev) > half else prev[:0])
+        local = np.arange(b - a, dtype=np.int64)
+        count = np.zeros(b - a, dtype=np.int64)
+        longest = np.zeros(b - a, dtype=np.int64)
+        for j in reversed(range(levels)):
+            step = 1 << j
+            table = tables[j]
+            candidate = count + step
+            valid = (candidate <= limit) & (candidate <= remaining[a:b])
+            if not valid.any() or len(table) == 0:
+                continue
+            window_max = table[np.minimum(local + count, len(table) - 1)]
+            new_longest = np.maximum(longest, window_max)
+            ok = valid & (new_longest * candidate <= max_tokens)
+            count = np.where(ok, candidate, count)
+            longest = np.where(ok, new_longest, longest)
+        counts[a:b] = count
+    return counts
+
+
+def batch_by_size(indices, num_tokens, max_tokens: Optional[int] = None, max_sentences: Optional[int] = None,
+                  required_batch_size_multiple: int = 1) -> Batches:
+    """Group `indices` (in the given order) into batches; `num_tokens[k]` is the size of `indices[k]`.
+
+    Items larger than `max_tokens` must have been filtered out before (see `filter_by_size`).
+    """
+    indices = np.asarray(indices, dtype=np.int64)
+    sizes = np.asarray(num_tokens, dtype=np.int64)
+    if len(sizes) != len(indices):
+        raise ValueError(f"batch_by_size: {len(sizes)} sizes for {len(indices)} indices")
+    max_tokens = max_tokens or 0
+    max_sentences = max_sentences or 0
+    multiple = max(1, required_batch_size_multiple)
+    n = len(indices)
+    if n == 0:
+        return Batches(indices, np.zeros(1, dtype=np.int64))
+    if max_tokens > 0 and sizes.max() > max_tokens:
+        k = int(np.argmax(sizes > max_tokens))
+        raise ValueError(f"item {int(indices[k])} has {int(sizes[k])} tokens, more than --max-tokens {max_tokens}; "
+                         "raise --max-tokens or pass --skip-invalid-size-inputs-valid-test to skip such items")
+    fit = _fit_counts(sizes, max_tokens, max_sentences)
+    take = np.where(fit < multiple, fit, fit - fit % multiple)
+    next_start = np.arange(n, dtype=np.int64) + take
+    bounds = [0]
+    s = 0
+    while s < n:  # one step per batch
+        s = int(next_start[s])
+        bounds.append(s)
+    return Batches(indices, np.asarray(bounds, dtype=np.int64))
+
+
+def filter_by_size(indices, sizes, limit: Optional[int], ignore_invalid: bool,
+                   flag: str = "--max-positions") -> Tuple[np.ndarray, np.ndarray]:
+    """Drop indices whose size exceeds `limit`; without `ignore_invalid`, fail naming `flag` instead.
+
+    Returns (kept indices, dropped indices). `sizes` is indexed by dataset index.
+    """
+    indices = np.asarray(indices, dtype=np.int64)
+    if limit is None or len(indices) == 0:
+        return indices, indices[:0]
+    item_sizes = np.asarray(sizes)[indices]
+    too_long = item_sizes > limit
+    if not too_long.any():
+        return indices, indices[:0]
+    if not ignore_invalid:
+        k = int(np.argmax(too_long))
+        raise ValueError(
+            f"item {int(indices[k])} has {int(item_sizes[k])} tokens, more than {flag} {limit}; raise {flag} "
+            "or pass --skip-invalid-size-inputs-valid-test to skip such items"
+        )
+    return indices[~too_long], indices[too_long]
+
+
+def resolve_limit(*limits: Union[int, None, Tuple]) -> Optional[int]:
+    """The smallest of the given size limits (None: no limit; tuples contribute their first entry)."""
+    values = []
+    for limit in limits:
+        if isinstance(limit, (tuple, list)):
+            limit = limit[0] if limit else None
+        if limit is not None:
+            values.append(int(limit))
+    return min(values) if values else None

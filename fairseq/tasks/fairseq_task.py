@@ -1,0 +1,136 @@
+"""Base class of tasks: which data, which dictionaries, how to batch it, and how to build model and criterion."""
+
+import inspect
+import logging
+import os
+from typing import Any, Dict, Optional
+
+import numpy as np
+
+from fairseq import registry
+from fairseq.data.batching import Batches, batch_by_size, filter_by_size, resolve_limit
+from fairseq.data.iterators import EpochBatchIterator
+
+logger = logging.getLogger(__name__)
+
+
+class FairseqTask:
+    """A task holds its config (`cfg`), its loaded datasets by split, and cached batch iterators."""
+
+    def __init__(self, cfg, **kwargs):
+        self.cfg = cfg
+        self.datasets: Dict[str, Any] = {}
+        self._epoch_iterators: Dict[tuple, EpochBatchIterator] = {}
+
+    @classmethod
+    def setup_task(cls, cfg, **kwargs) -> "FairseqTask":
+        return cls(cfg, **kwargs)
+
+    # ---- data ---------------------------------------------------------------------------------------
+    def load_dataset(self, split: str, epoch: int = 1, combine: bool = False, **kwargs) -> None:
+        raise NotImplementedError(f"task {type(self).__name__} does not implement load_dataset")
+
+    def dataset(self, split: str):
+        """The loaded dataset of `split` (after `load_dataset(split)`)."""
+        if split not in self.datasets:
+            loaded = ", ".join(sorted(self.datasets)) or "none"
+            raise KeyError(f"dataset split {split!r} is not loaded (loaded: {loaded}); call load_dataset({split!r}) first")
+        return self.datasets[split]
+
+    def has_sharded_data(self, split: str) -> bool:
+        """Whether DATA names several directories (`path1:path2`), so each epoch loads a different one."""
+        return os.pathsep in (getattr(self.cfg, "data", None) or "")
+
+    def max_positions(self) -> Optional[int]:
+        return None
+
+    @property
+    def source_dictionary(self):
+        return getattr(self, "dictionary", None)
+
+    @property
+    def target_dictionary(self):
+        return getattr(self, "output_dictionary", self.source_dictionary)
+
+    def get_batch_iterator(self, dataset, max_tokens: Optional[int] = None, max_sentences: Optional[int] = None,
+                           max_positions=None, ignore_invalid_inputs: bool = False,
+                           required_batch_size_multiple: int = 1, seed: int = 1, num_shards: int = 1,
+                           shard_id: int = 0, num_workers: int = 0, epoch: int = 1, data_buffer_size: int = 0,
+                           disable_iterator_cache: bool = False, pin_memory: bool = False) -> EpochBatchIterator:
+        """Batches of `dataset` as a resumable iterator over epochs.
+
+        Items are ordered by size (ties broken from `seed`), items longer than `max_positions` or
+        `max_tokens` are dropped with `ignore_invalid_inputs` (an error otherwise), and batches hold at most
+        `max_tokens` tokens (count * longest item) and `max_sentences` items, in multiples of
+        `required_batch_size_multiple`. The iterator is cached: the same dataset and arguments return the
+        same object (whatever `epoch`), as upstream does, so a trainer may ask for it every epoch.
+        """
+        if max_tokens is None and max_sentences is None:
+            raise ValueError("set --max-tokens or --batch-size to say how large batches are")
+        key = (id(dataset), max_tokens, max_sentences, str(max_positions), ignore_invalid_inputs,
+               required_batch_size_multiple, seed, num_shards, shard_id, num_workers, pin_memory)
+        if not disable_iterator_cache and key in self._epoch_iterators:
+            cached = self._epoch_iterators[key]
+            if cached.dataset is dataset:
+                return cached
+        if hasattr(dataset, "set_epoch"):
+            dataset.set_epoch(epoch)
+        sizes = np.asarray(dataset.sizes)
+        indices = dataset.ordered_indices(seed=seed) if _takes_seed(dataset) else dataset.ordered_indices()
+        limit = resolve_limit(max_positions)
+        indices, dropped = filter_by_size(indices, sizes, limit, ignore_invalid_inputs)
+        if len(dropped):
+            logger.warning(f"{len(dropped):,} items longer than max positions {limit} are skipped, "
+                           f"e.g. {dropped[:10].tolist()}")
+        indices, dropped = filter_by_size(indices, sizes, max_tokens, ignore_invalid_inputs, flag="--max-tokens")
+        if len(dropped):
+            logger.warning(f"{len(dropped):,} items longer than --max-tokens {max_tokens} are skipped, "
+                           f"e.g. {dropped[:10].tolist()}")
+        batches: Batches = batch_by_size(indices, sizes[indices], max_tokens=max_tokens,
+                                         max_sentences=max_sentences,
+                                         required_batch_size_multiple=required_batch_size_multiple)
+        epoch_iter = EpochBatchIterator(
+            dataset, collate_fn=dataset.collater, batch_sampler=batches, seed=seed, num_shards=num_shards,
+            shard_id=shard_id, num_workers=num_workers, epoch=epoch, pin_memory=pin_memory,
+            buffer_size=data_buffer_size,
+        )
+        if not disable_iterator_cache:
+            # Forget iterators of datasets since replaced (sharded data loads a new one each epoch).
+            live = {id(d) for d in self.datasets.values()} | {id(dataset)}
+            self._epoch_iterators = {k: v for k, v in self._epoch_iterators.items() if k[0] in live}
+            self._epoch_iterators[key] = epoch_iter
+        return epoch_iter
+
+    # ---- model and criterion ------------------------------------------------------------------------
+    def build_model(self, model_cfg, from_checkpoint: bool = False):
+        """The model of architecture `model_cfg._name` (e.g. transformer_lm_gpt3_small)."""
+        arch = getattr(model_cfg, "_name", None)
+        if arch is None:
+            raise ValueError("the model config has no architecture name (_name); pass --arch")
+        return registry.arch_model(arch).build_model(model_cfg, self)
+
+    def build_criterion(self, criterion_cfg, optimization_cfg=None):
+        """The criterion `criterion_cfg` names (--criterion); `optimization_cfg` supplies --sentence-avg."""
+        from fairseq.criterions import build_criterion
+
+        return build_criterion(criterion_cfg, self, optimization_cfg)
+
+    # ---- hooks the trainer may call -----------------------------------------------------------------
+    def begin_epoch(self, epoch: int, model) -> None:
+        pass
+
+    def begin_valid_epoch(self, epoch: int, model) -> None:
+        pass
+
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        pass
+
+
+def _takes_seed(dataset) -> bool:
+    try:
+        return "seed" in inspect.signature(dataset.ordered_indices).parameters
+    except (TypeError, ValueError):
+        return False

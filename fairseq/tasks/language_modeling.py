@@ -1,0 +1,149 @@
+"""`--task language_modeling`: next-token prediction over binarized text (upstream's flags and data path).
+
+DATA is a directory written by fairseq-preprocess (`dict.txt`, `train.bin/.idx`, `valid.bin/.idx`, ...)
+or several such directories joined by `:`; epoch e reads the directory `paths[(e - 1) % len(paths)]`
+(the dictionary always comes from the first one).
+"""
+
+import logging
+import os
+from dataclasses import dataclass
+from typing import Literal, Optional
+
+from fairseq.data.data_utils import load_indexed_dataset
+from fairseq.data.dictionary import Dictionary
+from fairseq.data.monolingual_dataset import MonolingualDataset
+from fairseq.data.token_block_dataset import TokenBlockDataset, maybe_shorten_dataset
+from fairseq.dataclass.configs import opt
+from fairseq.registry import register_task
+from fairseq.tasks.fairseq_task import FairseqTask
+
+logger = logging.getLogger(__name__)
+
+SAMPLE_BREAK_MODES = Literal["none", "complete", "complete_doc", "eos"]
+SHORTEN_METHODS = Literal["none", "truncate", "random_crop"]
+
+
+@dataclass
+class LanguageModelingConfig:
+    data: Optional[str] = opt(None, "path to the data directory (several: path1:path2, one per epoch in turn)")
+    sample_break_mode: SAMPLE_BREAK_MODES = opt(
+        "none",
+        "none: fill each sample with --tokens-per-sample tokens, crossing sentence ends; complete: samples of "
+        "whole sentences, up to --tokens-per-sample tokens; complete_doc: the same without crossing documents "
+        "(separated by empty lines); eos: one sentence per sample",
+    )
+    tokens_per_sample: int = opt(1024, "maximum tokens per sample")
+    output_dictionary_size: int = opt(-1, "predict only the first N symbols; later ones become <unk> (-1: all)")
+    self_target: bool = opt(False, "not supported: language models here predict the next token only")
+    future_target: bool = opt(False, "predict the next token (the default)")
+    past_target: bool = opt(False, "not supported: language models here predict the next token only")
+    add_bos_token: bool = opt(False, "prepend <s> to every sample (to the source and the target, as upstream)")
+    max_target_positions: Optional[int] = opt(None, "maximum sequence length the model handles")
+    shorten_method: SHORTEN_METHODS = opt(
+        "none", "shorten sentences longer than --tokens-per-sample before blocking: truncate or random_crop"
+    )
+    shorten_data_split_list: str = opt("", "comma-separated splits to shorten (empty: all splits)")
+    pad_to_fixed_length: bool = opt(False, "pad every batch to --tokens-per-sample positions")
+    pad_to_fixed_bsz: bool = opt(False, "pad every batch to --batch-size rows (--batch-size-valid for valid)")
+    # Shared with the common and dataset groups (one flag each: --seed, --batch-size, --batch-size-valid).
+    seed: int = opt(1, "pseudo random number generator seed")
+    batch_size: Optional[int] = opt(None, "number of examples in a batch")
+    batch_size_valid: Optional[int] = opt(None, "validation batch size")
+
+
+class TruncatedDictionary:
+    """The first `length` symbols of a dictionary (`--output-dictionary-size`); other lookups delegate."""
+
+    def __init__(self, wrapped: Dictionary, length: int):
+        self.wrapped = wrapped
+        self.length = min(len(wrapped), length)
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, idx: int) -> str:
+        return self.wrapped[idx] if idx < self.length else self.wrapped.unk_word
+
+    def __getattr__(self, name):
+        return getattr(self.wrapped, name)
+
+
+def split_paths(data: str):
+    return [p for p in data.split(os.pathsep) if p]
+
+
+@register_task("language_modeling", dataclass=LanguageModelingConfig)
+class LanguageModelingTask(FairseqTask):
+    """Train or evaluate a left-to-right language model."""
+
+    def __init__(self, cfg: LanguageModelingConfig, dictionary: Dictionary, output_dictionary=None):
+        super().__init__(cfg)
+        self.dictionary = dictionary
+        self.output_dictionary = output_dictionary if output_dictionary is not None else dictionary
+
+    @classmethod
+    def setup_task(cls, cfg: LanguageModelingConfig, **kwargs) -> "LanguageModelingTask":
+        if cfg.self_target or cfg.past_target:
+            raise ValueError("--self-target and --past-target are not supported: language models here predict "
+                             "the next token (--future-target, the default); drop those flags")
+        if not cfg.data:
+            raise ValueError("--task language_modeling needs a data directory: fairseq-train DATA_DIR ... "
+                             "(a directory written by fairseq-preprocess)")
+        dictionary = load_dictionary(split_paths(cfg.data)[0])
+        output_dictionary = dictionary
+        if cfg.output_dictionary_size >= 0:
+            output_dictionary = TruncatedDictionary(dictionary, cfg.output_dictionary_size)
+        return cls(cfg, dictionary, output_dictionary)
+
+    def load_dataset(self, split: str, epoch: int = 1, combine: bool = False, **kwargs) -> MonolingualDataset:
+        """Load `split` from the data directory of `epoch`, as token blocks with next-token targets."""
+        cfg = self.cfg
+        paths = split_paths(cfg.data)
+        data_path = paths[(epoch - 1) % len(paths)]
+        split_path = os.path.join(data_path, split)
+        dataset = load_indexed_dataset(split_path, self.dictionary, combine=combine)
+        if dataset is None:
+            raise FileNotFoundError(
+                f"Dataset not found: {split} ({split_path}.bin/.idx); check DATA and --train-subset/--valid-subset "
+                "or run fairseq-preprocess for this split"
+            )
+        dataset = maybe_shorten_dataset(dataset, split, cfg.shorten_data_split_list, cfg.shorten_method,
+                                        cfg.tokens_per_sample, cfg.seed)
+        blocks = TokenBlockDataset(
+            dataset, dataset.sizes, cfg.tokens_per_sample, pad=self.dictionary.pad(), eos=self.dictionary.eos(),
+            break_mode=cfg.sample_break_mode, include_targets=True,
+        )
+        pad_to_bsz = None
+        if cfg.pad_to_fixed_bsz:
+            pad_to_bsz = cfg.batch_size_valid if "valid" in split else cfg.batch_size
+        self.datasets[split] = MonolingualDataset(
+            blocks, blocks.sizes, self.dictionary, self.output_dictionary, shuffle=True,
+            add_bos_token=cfg.add_bos_token,
+            fixed_pad_length=cfg.tokens_per_sample if cfg.pad_to_fixed_length else None,
+            pad_to_bsz=pad_to_bsz,
+        )
+        logger.info(f"{split_path}: {len(dataset):,} sentences, {len(blocks):,} blocks "
+                    f"(--sample-break-mode {cfg.sample_break_mode}, --tokens-per-sample {cfg.tokens_per_sample})")
+        return self.datasets[split]
+
+    def max_positions(self) -> Optional[int]:
+        return self.cfg.max_target_positions
+
+    @property
+    def source_dictionary(self):
+        return self.dictionary
+
+    @property
+    def target_dictionary(self):
+        return self.output_dictionary
+
+
+def load_dictionary(data_dir: str) -> Dictionary:
+    path = os.path.join(data_dir, "dict.txt")
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"no dict.txt in {data_dir}; run fairseq-preprocess first "
+                                "(it writes dict.txt next to the binarized data)")
+    dictionary = Dictionary.load(path)
+    logger.info(f"dictionary: {len(dictionary):,} types")
+    return dictionary
