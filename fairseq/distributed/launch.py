@@ -13,12 +13,16 @@ Failures never hang silently:
   --kill-on-bad-exit=1 to get the same).
 """
 
+import json
 import logging
 import os
 import sys
+import tempfile
 import threading
+import time
+import traceback
 from datetime import timedelta
-from typing import Callable, MutableMapping, Tuple
+from typing import Callable, List, MutableMapping, Tuple
 
 import torch
 import torch.distributed as dist
@@ -27,6 +31,9 @@ import torch.multiprocessing
 from fairseq.distributed.env import LaunchPlan, detect_launch
 
 logger = logging.getLogger(__name__)
+
+# What torch.multiprocessing raises in the launcher when a spawned process fails.
+_SPAWN_FAILURES = (torch.multiprocessing.ProcessRaisedException, torch.multiprocessing.ProcessExitedException)
 
 DEFAULT_TIMEOUT_S = 600
 # How long a failing rank waits for its process group to shut down before leaving without it.
@@ -185,14 +192,35 @@ def _run_launched_rank(cfg, main_fn: Callable, kwargs: dict, plan: LaunchPlan):
     return result
 
 
-def _run_spawned_process(index: int, cfg, main_fn: Callable, kwargs: dict, plan: LaunchPlan) -> None:
+def _write_failure_report(report_dir: str, rank: int) -> None:
+    """Leave this rank's traceback, stamped with the time, for the launcher (call inside `except`)."""
+    report = {"rank": rank, "time_ns": time.time_ns(), "traceback": traceback.format_exc()}
+    path = os.path.join(report_dir, f"rank{rank}.json")
+    with open(path + ".tmp", "w") as f:
+        json.dump(report, f)
+    os.replace(path + ".tmp", path)
+
+
+def _read_failure_reports(report_dir: str) -> List[dict]:
+    """Reports of the ranks that failed, earliest first."""
+    reports = []
+    for name in os.listdir(report_dir):
+        if name.endswith(".json"):
+            with open(os.path.join(report_dir, name)) as f:
+                reports.append(json.load(f))
+    return sorted(reports, key=lambda report: report["time_ns"])
+
+
+def _run_spawned_process(index: int, cfg, main_fn: Callable, kwargs: dict, plan: LaunchPlan, report_dir: str):
     """Entry point of a spawned process (module level so that it pickles)."""
     own_plan = plan.for_spawned_process(index)
     try:
         init_distributed(cfg, own_plan)
         main_fn(cfg, **kwargs)
-    except BaseException:
-        # torch.multiprocessing sends the traceback to the parent, which then stops the other processes.
+    except Exception:
+        # The report goes first: once this rank lets go of its peers they fail too, and the launcher must
+        # still be able to tell which rank failed first.
+        _write_failure_report(report_dir, own_plan.rank)
         _shutdown_process_group()
         raise
     _shutdown_process_group()
@@ -204,20 +232,30 @@ def _spawn(cfg, main_fn: Callable, kwargs: dict, plan: LaunchPlan) -> None:
         plan.nprocs_to_spawn, plan.mode, plan.rank, plan.rank + plan.nprocs_to_spawn - 1, plan.world_size,
         plan.init_method,
     )
-    try:
-        torch.multiprocessing.start_processes(
-            _run_spawned_process,
-            args=(cfg, main_fn, kwargs, plan),
-            nprocs=plan.nprocs_to_spawn,
-            join=True,
-            start_method="spawn",
-        )
-    except torch.multiprocessing.ProcessRaisedException as err:
-        rank = plan.rank + err.error_index
-        raise SystemExit(f"rank {rank} of {plan.world_size} failed; the other processes were stopped.{err.msg}")
-    except torch.multiprocessing.ProcessExitedException as err:
-        rank = plan.rank + err.error_index
-        raise SystemExit(f"rank {rank} of {plan.world_size} died ({err.msg}); the other processes were stopped")
+    with tempfile.TemporaryDirectory(prefix="fairseq-rank-failures-") as report_dir:
+        try:
+            torch.multiprocessing.start_processes(
+                _run_spawned_process,
+                args=(cfg, main_fn, kwargs, plan, report_dir),
+                nprocs=plan.nprocs_to_spawn,
+                join=True,
+                start_method="spawn",
+            )
+        except _SPAWN_FAILURES as err:
+            # torch names the process it noticed first, which may be a peer that failed because of the real
+            # culprit; the reports order the failures by when they happened.
+            reports = _read_failure_reports(report_dir)
+            if not reports:
+                rank = plan.rank + err.error_index
+                raise SystemExit(
+                    f"rank {rank} of {plan.world_size} failed; the other processes were stopped.{err.msg}"
+                ) from None
+            first, later = reports[0], [report["rank"] for report in reports[1:]]
+            after = f" (then rank(s) {', '.join(map(str, later))} failed too)" if later else ""
+            raise SystemExit(
+                f"rank {first['rank']} of {plan.world_size} failed{after}; the other processes were stopped.\n"
+                f"{first['traceback']}"
+            ) from None
 
 
 def call_main(cfg, main_fn: Callable, **kwargs):
