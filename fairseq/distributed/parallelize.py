@@ -1,0 +1,306 @@
+"""Turn a freshly built model into the one that trains, in a fixed order:
+
+1. activation checkpointing per decoder layer (--checkpoint-activations, --offload-activations),
+2. torch.compile per decoder layer (--compile),
+3. the data-parallel engine: FSDP2 (--ddp-backend fully_sharded, see fsdp.py) or DistributedDataParallel
+   (pytorch_ddp / c10d, see ddp.py); a single process without fully_sharded keeps the model as it is.
+
+Also here: building a model on the meta device and materializing it, and the gradient operations whose
+meaning depends on the engine (global norm clipping over sharded gradients, the cross-rank finiteness
+check for fp16 loss scaling, skipping the gradient all-reduce between micro-batches).
+
+Model files hold no distributed code; everything here is a function of (model, cfg).
+"""
+
+import contextlib
+import logging
+from typing import Iterable, List, Optional, Union
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.autograd.graph import saved_tensors_hooks
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper, checkpoint_wrapper
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.checkpoint import checkpoint
+
+from fairseq.distributed.ddp import apply_ddp
+from fairseq.distributed.fsdp import apply_fsdp, check_fsdp_flags, decoder_layers
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "apply_activation_checkpointing",
+    "apply_compile",
+    "clip_grad_norm_",
+    "data_parallel_mesh",
+    "gradient_sync",
+    "grads_finite",
+    "materialize",
+    "parallelize_model",
+    "unwrap_model",
+]
+
+
+def parallelize_model(model: nn.Module, cfg, device: torch.device, world_mesh: Optional[DeviceMesh] = None):
+    """Apply checkpointing, compilation and the data-parallel engine to `model`; returns the model to train
+    (the same object, or a DistributedDataParallel around it).
+
+    A model built on the meta device is materialized here (see `materialize`): after sharding under
+    fully_sharded, so that no rank ever holds all full parameters, and before wrapping otherwise.
+    `world_mesh` is the 1-D data-parallel mesh for FSDP2 (default: every rank of the default group).
+    """
+    check_fsdp_flags(cfg)
+    dt = cfg.distributed_training
+    fully_sharded = dt.ddp_backend == "fully_sharded"
+    on_meta = any(t.is_meta for t in _params_and_buffers(model))
+    if on_meta and not fully_sharded:
+        materialize(model, device)
+
+    model_cfg = cfg.model
+    offload = bool(getattr(model_cfg, "offload_activations", False))
+    if offload or getattr(model_cfg, "checkpoint_activations", False):
+        apply_activation_checkpointing(model, offload_to_cpu=offload)
+    if dt.compile:
+        apply_compile(model)
+
+    if fully_sharded:
+        mesh = world_mesh if world_mesh is not None else data_parallel_mesh(device)
+        apply_fsdp(model, cfg, mesh)
+        if on_meta:
+            materialize(model, device, params_on_cpu=dt.cpu_offload)
+        return model
+    if not on_meta:
+        model.to(device)
+    world_size = dist.get_world_size() if dist.is_initialized() else 1
+    if world_size == 1:
+        return model
+    return apply_ddp(model, cfg, device)
+
+
+def data_parallel_mesh(device: torch.device) -> DeviceMesh:
+    """A 1-D mesh over every rank. FSDP2 needs a process group even on one process: when none exists
+    (a single-process run), a one-rank group is created on an in-memory store."""
+    if not dist.is_initialized():
+        logger.info("fully_sharded on a single process: creating a one-rank process group for FSDP2")
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1)
+    return init_device_mesh(device.type, (dist.get_world_size(),), mesh_dim_names=("dp",))
+
+
+def unwrap_model(model: nn.Module) -> nn.Module:
+    """The model itself, without a DistributedDataParallel wrapper (FSDP2 shards in place: no wrapper)."""
+    return model.module if isinstance(model, DistributedDataParallel) else model
+
+
+# -------------------------------------------------------------------------------- meta-device models
+
+
+def _params_and_buffers(model: nn.Module):
+    yield from model.parameters()
+    yield from model.buffers()
+
+
+def materialize(model: nn.Module, device: torch.device, params_on_cpu: bool = False) -> nn.Module:
+    """Allocate a model built on the meta device and initialize it with `model.reset_parameters()`.
+
+    Works before or after sharding (after fully_shard, each rank allocates and initializes only its
+    shards, so values differ from an unsharded initialization with the same seed). With
+    `params_on_cpu` (FSDP2 CPU offload) the parameters are allocated on the CPU and buffers on `device`.
+    A model with nothing on meta is returned untouched.
+    """
+    if not any(t.is_meta for t in _params_and_buffers(model)):
+        return model
+    if not callable(getattr(model, "reset_parameters", None)):
+        raise TypeError(f"{type(model).__name__} was built on the meta device but has no reset_parameters()")
+    model.to_empty(device=torch.device("cpu") if params_on_cpu else device)
+    if params_on_cpu:
+        for module in model.modules():
+            for name, buffer in module.named_buffers(recurse=False):
+                module._buffers[name] = buffer.to(device)
+    with torch.no_grad():
+        model.reset_parameters()
+    return model
+
+
+# ----------------------------------------------------------------------- activation checkpointing
+
+
+def _pack_to_cpu(tensor: torch.Tensor):
+    if tensor.device.type == "cpu":
+        return tensor
+    packed = torch.empty(tensor.size(), dtype=tensor.dtype, layout=tensor.layout, pin_memory=True)
+    # Non-blocking into pinned memory: the copy is ordered on the stream, and the CPU never reads it.
+    packed.copy_(tensor, non_blocking=True)
+    return tensor.device, packed
+
+
+def _unpack_from_cpu(packed):
+    if isinstance(packed, torch.Tensor):
+        return packed
+    device, tensor = packed
+    return tensor.to(device, non_blocking=True)
+
+
+def _checkpointed(module: nn.Module, *args, **kwargs):
+    return checkpoint(module, *args, use_reentrant=False, **kwargs)
+
+
+def _checkpointed_offloaded(module: nn.Module, *args, **kwargs):
+    # Non-reentrant checkpoint saves the layer's inputs through the saved-tensor hooks in effect around
+    # it and nothing else (the layer's own activations are recomputed), so these hooks move exactly the
+    # layer-boundary activations to CPU and bring them back for the recomputation in backward.
+    with saved_tensors_hooks(_pack_to_cpu, _unpack_from_cpu):
+        return checkpoint(module, *args, use_reentrant=False, **kwargs)
+
+
+def apply_activation_checkpointing(model: nn.Module, offload_to_cpu: bool = False) -> nn.Module:
+    """Recompute each decoder layer's activations in backward instead of keeping them.
+
+    Each layer is replaced by a CheckpointWrapper around it (state-dict keys are unchanged: the wrapper
+    strips its prefix, and torch.distributed.checkpoint understands it). With `offload_to_cpu`
+    (--offload-activations, which implies checkpointing as upstream) the layer inputs that checkpointing
+    keeps are also held in pinned CPU memory between forward and backward.
+    """
+    layers = decoder_layers(model)
+    checkpoint_fn = _checkpointed_offloaded if offload_to_cpu else _checkpointed
+    for index, layer in enumerate(layers):
+        if isinstance(layer, CheckpointWrapper):
+            raise ValueError(f"decoder layer {index} is already checkpointed")
+        layers[index] = checkpoint_wrapper(layer, checkpoint_fn=checkpoint_fn)
+    return model
+
+
+# ----------------------------------------------------------------------------------------- compile
+
+
+def apply_compile(model: nn.Module, backend: str = "inductor") -> nn.Module:
+    """torch.compile each decoder layer's forward, in place (parameter names do not change).
+
+    The layer's own `forward` is compiled, inside any checkpoint wrapper, so that FSDP2's and the
+    checkpoint's hooks stay outside the compiled code and recomputation runs the compiled forward.
+    """
+    for layer in decoder_layers(model):
+        inner = layer._checkpoint_wrapped_module if isinstance(layer, CheckpointWrapper) else layer
+        inner.forward = torch.compile(inner.forward, backend=backend)
+    return model
+
+
+# ----------------------------------------------------------------------------------------- gradients
+
+
+def _grads(params: Union[torch.Tensor, Iterable[torch.Tensor]]) -> List[torch.Tensor]:
+    params = [params] if isinstance(params, torch.Tensor) else list(params)
+    return [p.grad for p in params if p.grad is not None]
+
+
+def _collective_device(mesh: DeviceMesh) -> torch.device:
+    if mesh.device_type == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device(mesh.device_type)
+
+
+def _local_groups(grads: List[torch.Tensor]):
+    """Split gradients by how their local pieces combine into the global vector.
+
+    Returns [(mesh or None, sharded mesh dims, local tensors)]: plain tensors (DDP, one process) are whole
+    on every rank; a DTensor's local pieces are disjoint along its Shard mesh dims and equal along its
+    Replicate ones.
+    """
+    groups = {}
+    for grad in grads:
+        if isinstance(grad, DTensor):
+            if any(p.is_partial() for p in grad.placements):
+                raise ValueError("gradient norm of a Partial DTensor: reduce the gradient first")
+            dims = tuple(i for i, p in enumerate(grad.placements) if p.is_shard())
+            key = (id(grad.device_mesh), dims)
+            groups.setdefault(key, (grad.device_mesh, dims, []))[2].append(grad.to_local())
+        else:
+            groups.setdefault(None, (None, (), []))[2].append(grad)
+    return list(groups.values())
+
+
+def _reduce_over_shards(value: torch.Tensor, mesh: Optional[DeviceMesh], dims, op) -> torch.Tensor:
+    if mesh is None or not dims:
+        return value
+    value = value.to(_collective_device(mesh))
+    for dim in dims:
+        dist.all_reduce(value, op=op, group=mesh.get_group(dim))
+    return value
+
+
+@torch.no_grad()
+def clip_grad_norm_(params, max_norm: float, foreach: Optional[bool] = None) -> torch.Tensor:
+    """Clip gradients to a global L2 norm of `max_norm` and return the norm before clipping.
+
+    Correct for FSDP2's sharded gradients (DTensors: local sums of squares are all-reduced over the mesh
+    dims they are sharded on) and for plain ones. Everything stays in tensors (the clip coefficient is
+    applied through clamp, not a Python branch), so nothing waits for the device. max_norm <= 0 only
+    computes the norm. A non-finite norm scales the gradients to non-finite values, as torch does.
+    """
+    grads = _grads(params)
+    if not grads:
+        return torch.zeros(())
+    total_squared = None
+    for mesh, dims, local in _local_groups(grads):
+        norm = torch.nn.utils.get_total_norm(local, 2.0, foreach=foreach).float()
+        squared = _reduce_over_shards(norm * norm, mesh, dims, dist.ReduceOp.SUM)
+        total_squared = squared if total_squared is None else total_squared + squared.to(total_squared.device)
+    total_norm = total_squared.sqrt()
+    if max_norm > 0:
+        clip_coef = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
+        _scale_(grads, clip_coef, foreach)
+    return total_norm
+
+
+def _scale_(grads: List[torch.Tensor], factor: torch.Tensor, foreach: Optional[bool]) -> None:
+    by_device = {}
+    for grad in grads:
+        local = grad.to_local() if isinstance(grad, DTensor) else grad
+        by_device.setdefault(local.device, []).append(local)
+    for device, tensors in by_device.items():
+        device_factor = factor.to(device, non_blocking=True)
+        if foreach is False:
+            for tensor in tensors:
+                tensor.mul_(device_factor.to(tensor.dtype))
+        else:
+            torch._foreach_mul_(tensors, device_factor)
+
+
+@torch.no_grad()
+def grads_finite(params) -> torch.Tensor:
+    """A 0-dim bool tensor: True when no gradient element on any rank is inf or nan.
+
+    For sharded gradients the check is combined across the ranks holding the shards (one small
+    all-reduce), so every rank reaches the same verdict without a host sync; reading it with .item() is
+    the one sync the fp16 loss scaler needs to decide whether to skip the update.
+    """
+    grads = _grads(params)
+    if not grads:
+        return torch.ones((), dtype=torch.bool)
+    overflow = None
+    for mesh, dims, local in _local_groups(grads):
+        # The max-abs norm is nan or inf exactly when an element is (no squaring that could overflow).
+        local_max = torch.nn.utils.get_total_norm(local, float("inf"), foreach=None)
+        bad = (~torch.isfinite(local_max)).float()
+        bad = _reduce_over_shards(bad, mesh, dims, dist.ReduceOp.MAX)
+        overflow = bad if overflow is None else torch.maximum(overflow, bad.to(overflow.device))
+    return overflow == 0
+
+
+@contextlib.contextmanager
+def gradient_sync(model: nn.Module, enabled: bool):
+    """Context for one micro-batch's forward and backward: with enabled=False (every micro-batch but the
+    last of an update) DistributedDataParallel skips its all-reduce and accumulates locally.
+
+    Under FSDP2 gradients are reduce-scattered after every micro-batch, as upstream fairseq does with
+    fully_sharded: skipping it would keep full unsharded gradients for every layer until the last one,
+    which defeats sharding for the models FSDP is used for.
+    """
+    if not enabled and isinstance(model, DistributedDataParallel):
+        with model.no_sync():
+            yield
+    else:
+        yield
