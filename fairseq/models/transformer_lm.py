@@ -1,0 +1,399 @@
+"""Decoder-only transformer language models (`--arch transformer_lm*`), compatible with upstream fairseq.
+
+Flag names, defaults and architecture presets are upstream's, so the same command line builds a model
+with the same parameter names and shapes, and upstream state dicts load (see `upgrade_state_dict`).
+
+Presets (`--arch`), each filling only what the command line leaves unset:
+
+- `transformer_lm`: the config defaults as they stand: 6 x 512, ffn 2048, 8 heads, sinusoidal positions,
+  post-norm, no final layer norm, `--decoder-input-dim`/`--decoder-output-dim` 512 whatever the embed dim
+  (a different `--decoder-embed-dim` adds the bias-free `project_in_dim`/`project_out_dim`).
+- every other preset goes through upstream's `base_lm_architecture`, which forces pre-norm
+  (`decoder_normalize_before = True`, upstream's "training is not stable without this") and derives the
+  input/output dims from the embed dim:
+  `transformer_lm_big` (12 x 1024, ffn 4096, 16 heads), `transformer_lm_gbw` / `transformer_lm_baevski_gbw`
+  (big at 512, no final norm), `transformer_lm_wiki103` / `transformer_lm_baevski_wiki103` (adaptive
+  input and softmax: registered so upstream recipes fail with a clear message, not buildable here),
+  `transformer_lm_gpt` (12 x 768), `transformer_lm_gpt2_tiny/small/medium/big/big_wide/bigger`;
+- GPT-3 family (learned positions, gelu, dropout 0, ffn 4 x d, shared input/output embeddings, input and
+  output dims forced to the embed dim): `transformer_lm_gpt3_small` (125M: 12 x 768, 12 heads),
+  `_medium` (350M: 24 x 1024, 16), `_large` (760M: 24 x 1536, 16), `_xl` (1.3B: 24 x 2048, 32),
+  `_2_7` (32 x 2560, 32), `_6_7` (32 x 4096, 32), `_13` (40 x 5120, 40), `_175` (96 x 12288, 96), and two
+  OPT sizes upstream lacks: `transformer_lm_gpt3_30` (30B: 48 x 7168, 56 heads) and
+  `transformer_lm_gpt3_66` (66B: 64 x 9216, 72 heads).
+
+The model holds no distributed or precision code: activation checkpointing (`--checkpoint-activations`),
+compilation and FSDP are applied per layer from outside.
+"""
+
+import argparse
+import dataclasses
+import logging
+from dataclasses import dataclass
+from typing import Literal, Optional
+
+import torch
+import torch.nn as nn
+
+from fairseq import registry
+from fairseq.dataclass.configs import opt
+from fairseq.dataclass.utils import config_from_namespace, flag_name
+from fairseq.modules.transformer_decoder import TransformerDecoder
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MAX_TARGET_POSITIONS = 1024
+
+ACTIVATION_CHOICES = Literal["relu", "gelu", "gelu_fast", "gelu_accurate", "tanh", "linear"]
+
+
+@dataclass
+class TransformerLanguageModelConfig:
+    activation_fn: ACTIVATION_CHOICES = opt("relu", "activation function to use")
+    dropout: float = opt(0.1, "dropout probability")
+    attention_dropout: float = opt(0.0, "dropout probability for attention weights")
+    activation_dropout: float = opt(0.0, "dropout probability after the activation in the FFN")
+    relu_dropout: float = opt(0.0, "old name of --activation-dropout, used when that is 0")
+    decoder_embed_dim: int = opt(512, "decoder embedding dimension")
+    decoder_output_dim: int = opt(512, "decoder output dimension (adds project_out_dim when not the embed dim)")
+    decoder_input_dim: int = opt(512, "decoder input dimension (adds project_in_dim when not the embed dim)")
+    decoder_ffn_embed_dim: int = opt(2048, "decoder embedding dimension for FFN")
+    decoder_layers: int = opt(6, "number of decoder layers")
+    decoder_attention_heads: int = opt(8, "number of decoder attention heads")
+    decoder_normalize_before: bool = opt(False, "apply layernorm before each decoder block")
+    no_decoder_final_norm: bool = opt(False, "don't add an extra layernorm after the last decoder block")
+    no_token_positional_embeddings: bool = opt(False, "disable positional embeddings")
+    share_decoder_input_output_embed: bool = opt(False, "share decoder input and output embeddings")
+    decoder_learned_pos: bool = opt(False, "use learned positional embeddings in the decoder")
+    layernorm_embedding: bool = opt(False, "add layernorm to embedding")
+    no_scale_embedding: bool = opt(False, "do not scale embeddings by sqrt(embed dim)")
+    checkpoint_activations: bool = opt(False, "checkpoint activations at each layer (recompute in backward)")
+    offload_activations: bool = opt(False, "move checkpointed activations to CPU (implies --checkpoint-activations)")
+    # Shared with the task's flags of the same names (the task's are added first, so they win).
+    add_bos_token: bool = opt(False, "prepend the beginning-of-sentence symbol (task option)")
+    tokens_per_sample: int = opt(DEFAULT_MAX_TARGET_POSITIONS, "max tokens per sample (task option)")
+    max_target_positions: Optional[int] = opt(None, "max positions the model supports (default: --tokens-per-sample)")
+    # Upstream features this project does not implement: accepted at their defaults, rejected when set.
+    adaptive_softmax_cutoff: Optional[str] = opt(None, "not supported: adaptive softmax cutoffs")
+    adaptive_softmax_dropout: float = opt(0.0, "not supported: adaptive softmax tail dropout")
+    adaptive_softmax_factor: float = opt(4.0, "not supported: adaptive softmax factor")
+    adaptive_input: bool = opt(False, "not supported: adaptive input embeddings")
+    adaptive_input_factor: float = opt(4.0, "not supported: adaptive input factor")
+    adaptive_input_cutoff: Optional[str] = opt(None, "not supported: adaptive input cutoffs")
+    tie_adaptive_weights: bool = opt(False, "not supported: tie adaptive input and softmax weights")
+    tie_adaptive_proj: bool = opt(False, "not supported: tie adaptive input and softmax projections")
+    character_embeddings: bool = opt(False, "not supported: character CNN token embeddings")
+    decoder_layerdrop: float = opt(0.0, "not supported: LayerDrop probability")
+    decoder_layers_to_keep: Optional[str] = opt(None, "not supported: layers to keep when pruning")
+    quant_noise_pq: float = opt(0.0, "not supported: iterative PQ quantization noise")
+    quant_noise_pq_block_size: int = opt(8, "not supported: block size of PQ quantization noise")
+    quant_noise_scalar: float = opt(0.0, "not supported: scalar quantization noise")
+    base_layers: int = opt(0, "not supported: number of BASE layers")
+    scale_fc: bool = opt(False, "not supported: NormFormer layernorm between the FFN layers")
+    scale_attn: bool = opt(False, "not supported: NormFormer layernorm after attention")
+    scale_heads: bool = opt(False, "not supported: NormFormer per-head scale")
+    scale_resids: bool = opt(False, "not supported: NormFormer residual scale")
+
+
+# (field, predicate on its value) for upstream features that are not implemented here.
+_UNSUPPORTED = (
+    ("adaptive_softmax_cutoff", lambda v: v is not None),
+    ("adaptive_input", bool),
+    ("tie_adaptive_weights", bool),
+    ("character_embeddings", bool),
+    ("decoder_layerdrop", lambda v: v > 0),
+    ("decoder_layers_to_keep", lambda v: v is not None),
+    ("quant_noise_pq", lambda v: v > 0),
+    ("quant_noise_scalar", lambda v: v > 0),
+    ("base_layers", lambda v: v > 0),
+    ("scale_fc", bool),
+    ("scale_attn", bool),
+    ("scale_heads", bool),
+    ("scale_resids", bool),
+)
+
+
+def check_config(cfg) -> None:
+    """Reject configurations this model cannot build, naming the flag and what to do instead."""
+    for name, is_set in _UNSUPPORTED:
+        value = getattr(cfg, name, None)
+        if value is not None and is_set(value):
+            hint = ""
+            if name.startswith(("adaptive", "tie_adaptive")):
+                hint = " (the transformer_lm_wiki103 presets turn it on; use transformer_lm_big or a gpt preset)"
+            raise ValueError(f"{flag_name(name)} {value!r} is not supported by this fairseq{hint}; "
+                             f"leave {flag_name(name)} at its default")
+    for name in ("decoder_embed_dim", "decoder_input_dim", "decoder_output_dim", "decoder_ffn_embed_dim",
+                 "decoder_attention_heads"):
+        if getattr(cfg, name) <= 0:
+            raise ValueError(f"{flag_name(name)} must be positive, got {getattr(cfg, name)}")
+    if cfg.decoder_layers < 0:
+        raise ValueError(f"--decoder-layers must be >= 0, got {cfg.decoder_layers}")
+    if cfg.decoder_embed_dim % cfg.decoder_attention_heads != 0:
+        raise ValueError(
+            f"--decoder-embed-dim {cfg.decoder_embed_dim} is not divisible by --decoder-attention-heads "
+            f"{cfg.decoder_attention_heads}; pick a head count that divides the embedding dim"
+        )
+    if cfg.share_decoder_input_output_embed and cfg.decoder_input_dim != cfg.decoder_output_dim:
+        raise ValueError(
+            "--share-decoder-input-output-embed needs --decoder-input-dim == --decoder-output-dim "
+            f"(got {cfg.decoder_input_dim} and {cfg.decoder_output_dim}); set them equal or drop the flag"
+        )
+    for name in ("dropout", "attention_dropout", "activation_dropout", "relu_dropout"):
+        if not 0.0 <= getattr(cfg, name) < 1.0:
+            raise ValueError(f"{flag_name(name)} must be in [0, 1), got {getattr(cfg, name)}")
+    max_positions = resolve_max_target_positions(cfg)
+    if max_positions <= 0:
+        raise ValueError(f"--max-target-positions / --tokens-per-sample must be positive, got {max_positions}")
+
+
+def resolve_max_target_positions(cfg) -> int:
+    """--max-target-positions, else --tokens-per-sample, else upstream's 1024."""
+    if getattr(cfg, "max_target_positions", None) is not None:
+        return cfg.max_target_positions
+    tokens_per_sample = getattr(cfg, "tokens_per_sample", None)
+    return tokens_per_sample if tokens_per_sample is not None else DEFAULT_MAX_TARGET_POSITIONS
+
+
+@registry.register_model("transformer_lm", dataclass=TransformerLanguageModelConfig)
+class TransformerLanguageModel(nn.Module):
+    """`model(src_tokens) -> logits [B, T, V]`; the layers are `model.decoder.layers` (an nn.ModuleList)."""
+
+    def __init__(self, decoder: TransformerDecoder):
+        super().__init__()
+        self.decoder = decoder
+
+    @classmethod
+    def build_model(cls, cfg, task) -> "TransformerLanguageModel":
+        dictionary = task.source_dictionary
+        return cls.build(cfg, len(dictionary), dictionary.pad())
+
+    @classmethod
+    def build(cls, cfg, vocab_size: int, padding_idx: int = 1) -> "TransformerLanguageModel":
+        """Build from a config and a vocabulary size. Works under `with torch.device("meta"):`.
+
+        As upstream, an unset `cfg.max_target_positions` is filled in place from --tokens-per-sample, so
+        the config saved with the model says how many positions it has.
+        """
+        check_config(cfg)
+        cfg.max_target_positions = resolve_max_target_positions(cfg)
+        return cls(TransformerDecoder(cfg, vocab_size, padding_idx))
+
+    def forward(self, src_tokens: torch.Tensor, src_lengths: Optional[torch.Tensor] = None,
+                features_only: bool = False) -> torch.Tensor:
+        """Logits [B, T, V] (or features with `features_only`); `src_lengths` is accepted and unused.
+
+        Attention is causal only: as in upstream, right padding never changes the outputs at real tokens.
+        """
+        return self.decoder(src_tokens, features_only=features_only)
+
+    def max_positions(self) -> int:
+        return self.decoder.max_positions()
+
+    def reset_parameters(self) -> None:
+        """Re-initialize all weights from the torch RNG (e.g. after `to_empty` on a meta-built model)."""
+        self.decoder.reset_parameters()
+
+    def tie_weights(self) -> None:
+        self.decoder.tie_weights()
+
+
+# ---------------------------------------------------------------------------------------------------
+# Architecture presets. Each fills attributes the namespace does not have yet, in upstream's order.
+
+
+def _fill(args, **defaults) -> None:
+    for name, value in defaults.items():
+        if not hasattr(args, name):
+            setattr(args, name, value)
+
+
+def _force(args, name: str, value) -> None:
+    # Upstream sets a few values whatever the command line says; mirrored so that the same command
+    # line builds the same model, but never silently.
+    if hasattr(args, name) and getattr(args, name) != value:
+        logger.warning(f"{flag_name(name)} {getattr(args, name)!r} is overridden to {value!r} by the "
+                       f"architecture preset (as in upstream fairseq)")
+    setattr(args, name, value)
+
+
+@registry.register_model_architecture("transformer_lm", "transformer_lm")
+def transformer_lm(args) -> None:
+    """Upstream registers the bare model name as a no-op preset: the config defaults apply as they are."""
+
+
+def base_lm_architecture(args) -> None:
+    _fill(args, dropout=0.1, attention_dropout=0.0, decoder_embed_dim=512, decoder_ffn_embed_dim=2048,
+          decoder_layers=6, decoder_attention_heads=8, adaptive_softmax_cutoff=None, adaptive_softmax_dropout=0.0,
+          adaptive_softmax_factor=4.0, decoder_learned_pos=False, activation_fn="relu", decoder_layerdrop=0.0,
+          decoder_layers_to_keep=None, quant_noise_pq=0.0, quant_noise_pq_block_size=8, quant_noise_scalar=0.0,
+          base_layers=0, add_bos_token=False, no_token_positional_embeddings=False,
+          share_decoder_input_output_embed=False, character_embeddings=False)
+    _fill(args, decoder_output_dim=args.decoder_embed_dim, decoder_input_dim=args.decoder_embed_dim)
+    _force(args, "decoder_normalize_before", True)  # upstream: "training is not stable without this"
+    _fill(args, no_decoder_final_norm=False, adaptive_input=False, adaptive_input_factor=4.0,
+          adaptive_input_cutoff=None, tie_adaptive_weights=False, tie_adaptive_proj=False,
+          no_scale_embedding=False, layernorm_embedding=False, checkpoint_activations=False,
+          offload_activations=False, scale_fc=False, scale_attn=False, scale_heads=False, scale_resids=False)
+    if args.offload_activations:
+        args.checkpoint_activations = True
+
+
+@registry.register_model_architecture("transformer_lm", "transformer_lm_big")
+def transformer_lm_big(args) -> None:
+    _fill(args, decoder_layers=12, decoder_embed_dim=1024, decoder_ffn_embed_dim=4096, decoder_attention_heads=16)
+    base_lm_architecture(args)
+
+
+@registry.register_model_architecture("transformer_lm", "transformer_lm_wiki103")
+@registry.register_model_architecture("transformer_lm", "transformer_lm_baevski_wiki103")
+def transformer_lm_baevski_wiki103(args) -> None:
+    _fill(args, decoder_layers=16, decoder_attention_heads=8, dropout=0.3, adaptive_input=True,
+          tie_adaptive_weights=True, adaptive_input_cutoff="20000,60000", adaptive_softmax_cutoff="20000,60000",
+          adaptive_softmax_dropout=0.2, attention_dropout=0.1, activation_dropout=0.1,
+          no_decoder_final_norm=True, tie_adaptive_proj=True)
+    transformer_lm_big(args)
+
+
+@registry.register_model_architecture("transformer_lm", "transformer_lm_gbw")
+@registry.register_model_architecture("transformer_lm", "transformer_lm_baevski_gbw")
+def transformer_lm_baevski_gbw(args) -> None:
+    _fill(args, decoder_embed_dim=512, dropout=0.1, attention_dropout=0.1, no_decoder_final_norm=True)
+    transformer_lm_big(args)
+
+
+def _gpt_family(args, embed_dim: int, ffn_dim: int, layers: int, heads: int) -> None:
+    # Upstream's GPT / GPT-2 presets differ only in these four numbers.
+    _fill(args, decoder_embed_dim=embed_dim, decoder_ffn_embed_dim=ffn_dim, decoder_layers=layers,
+          decoder_attention_heads=heads, dropout=0.1, attention_dropout=0.1, activation_fn="gelu")
+    base_lm_architecture(args)
+
+
+_GPT_SIZES = {  # name: (embed dim, ffn dim, layers, heads)
+    "transformer_lm_gpt": (768, 3072, 12, 12),
+    "transformer_lm_gpt2_tiny": (64, 64, 2, 1),
+    "transformer_lm_gpt2_small": (1024, 4096, 24, 16),
+    "transformer_lm_gpt2_medium": (1280, 5120, 36, 20),
+    "transformer_lm_gpt2_big": (1600, 6400, 48, 25),
+    "transformer_lm_gpt2_big_wide": (2048, 8192, 24, 32),
+    "transformer_lm_gpt2_bigger": (2048, 8192, 48, 32),
+}
+
+
+def base_gpt3_architecture(args) -> None:
+    _force(args, "decoder_input_dim", args.decoder_embed_dim)
+    _force(args, "decoder_output_dim", args.decoder_embed_dim)
+    _fill(args, decoder_ffn_embed_dim=args.decoder_embed_dim * 4, decoder_learned_pos=True, dropout=0.0,
+          attention_dropout=0.0, activation_fn="gelu")
+    _force(args, "share_decoder_input_output_embed", True)
+    base_lm_architecture(args)
+
+
+_GPT3_SIZES = {  # name: (layers, embed dim, heads); _30 and _66 are OPT sizes upstream lacks
+    "transformer_lm_gpt3_small": (12, 768, 12),
+    "transformer_lm_gpt3_medium": (24, 1024, 16),
+    "transformer_lm_gpt3_large": (24, 1536, 16),
+    "transformer_lm_gpt3_xl": (24, 2048, 32),
+    "transformer_lm_gpt3_2_7": (32, 2560, 32),
+    "transformer_lm_gpt3_6_7": (32, 4096, 32),
+    "transformer_lm_gpt3_13": (40, 5120, 40),
+    "transformer_lm_gpt3_30": (48, 7168, 56),
+    "transformer_lm_gpt3_66": (64, 9216, 72),
+    "transformer_lm_gpt3_175": (96, 12288, 96),
+}
+
+
+def _register_sized_presets():
+    for arch, (embed_dim, ffn_dim, layers, heads) in _GPT_SIZES.items():
+        def gpt_preset(args, _dims=(embed_dim, ffn_dim, layers, heads)):
+            _gpt_family(args, *_dims)
+
+        gpt_preset.__name__ = gpt_preset.__qualname__ = arch
+        registry.register_model_architecture("transformer_lm", arch)(gpt_preset)
+    for arch, (layers, embed_dim, heads) in _GPT3_SIZES.items():
+        def gpt3_preset(args, _dims=(layers, embed_dim, heads)):
+            _fill(args, decoder_layers=_dims[0], decoder_embed_dim=_dims[1], decoder_attention_heads=_dims[2])
+            base_gpt3_architecture(args)
+
+        gpt3_preset.__name__ = gpt3_preset.__qualname__ = arch
+        registry.register_model_architecture("transformer_lm", arch)(gpt3_preset)
+
+
+_register_sized_presets()
+
+
+def preset_config(arch: str, **overrides) -> TransformerLanguageModelConfig:
+    """The config `--arch ARCH` plus the given flags would produce (e.g. for tests and memory planning).
+
+    `overrides` play the part of the command line: the preset fills only what they leave unset, then the
+    config defaults fill the rest.
+    """
+    if registry.arch_model(arch) is not TransformerLanguageModel:  # raises for an unknown arch
+        raise ValueError(f"--arch {arch} is not a transformer_lm architecture")
+    known = {f.name for f in dataclasses.fields(TransformerLanguageModelConfig)}
+    unknown = sorted(set(overrides) - known)
+    if unknown:
+        raise ValueError(f"unknown transformer_lm option(s): {', '.join(unknown)}")
+    args = argparse.Namespace(**overrides)
+    registry.ARCH_CONFIG_REGISTRY[arch](args)
+    return config_from_namespace(TransformerLanguageModelConfig, args, name=arch)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Upstream state dicts.
+
+
+def upgrade_state_dict(state_dict: dict, cfg=None) -> dict:
+    """Map an upstream transformer_lm state dict (any vintage) to this model's keys; returns a new dict.
+
+    - `decoder.embed_out` (older output matrix) -> `decoder.output_projection.weight`; with shared
+      embeddings and no output key, the embedding matrix is used, as upstream does;
+    - fused `self_attn.in_proj_weight/bias` -> `q_proj`, `k_proj`, `v_proj` (upstream's row order);
+    - `layers.N.layer_norms.{0,1,2}` -> `self_attn_layer_norm`, `encoder_attn_layer_norm`,
+      `final_layer_norm`;
+    - a saved sinusoidal table `embed_positions.weights` -> the `_float_tensor` placeholder;
+    - `decoder.version` <= 2 (or missing, with no `decoder.layer_norm.*`) marks a checkpoint from before
+      the final layer norm existed: as upstream, the version becomes 1 and `cfg` (a dict or config
+      object, when given) gets `no_decoder_final_norm = True` so the model is built to match; a missing
+      version next to a final layer norm is restored as 3.
+    """
+    out = dict(state_dict)
+    if "decoder.embed_out" in out:
+        out["decoder.output_projection.weight"] = out.pop("decoder.embed_out")
+    elif "decoder.output_projection.weight" not in out and "decoder.embed_tokens.weight" in out:
+        out["decoder.output_projection.weight"] = out["decoder.embed_tokens.weight"]
+
+    for key in [k for k in out if k.endswith((".in_proj_weight", ".in_proj_bias"))]:
+        prefix, kind = key.rsplit(".in_proj_", 1)
+        fused = out.pop(key)
+        if fused.size(0) % 3 != 0:
+            raise ValueError(f"{key}: fused projection of {fused.size(0)} rows cannot be split into q, k, v")
+        for name, part in zip(("q_proj", "k_proj", "v_proj"), fused.chunk(3, dim=0)):
+            out[f"{prefix}.{name}.{kind}"] = part.clone()
+
+    old_norm_names = {"0": "self_attn_layer_norm", "1": "encoder_attn_layer_norm", "2": "final_layer_norm"}
+    for key in [k for k in out if ".layer_norms." in k]:
+        head, tail = key.split(".layer_norms.", 1)
+        index, param = tail.split(".", 1)
+        if index in old_norm_names:
+            out[f"{head}.{old_norm_names[index]}.{param}"] = out.pop(key)
+
+    if "decoder.embed_positions.weights" in out:
+        del out["decoder.embed_positions.weights"]
+        out["decoder.embed_positions._float_tensor"] = torch.zeros(1)
+
+    version = out.get("decoder.version")
+    has_final_norm = any(k.startswith("decoder.layer_norm.") for k in out)
+    if version is None and has_final_norm:
+        out["decoder.version"] = torch.tensor([3.0])  # only the buffer was dropped by whoever saved it
+    elif version is None or float(version.flatten()[0]) <= 2:
+        if has_final_norm:
+            raise ValueError("decoder.version <= 2 says this checkpoint has no final layer norm, yet it holds "
+                             "decoder.layer_norm.*; the file is inconsistent (upstream refuses it too)")
+        out["decoder.version"] = torch.tensor([1.0])
+        if cfg is not None:
+            if isinstance(cfg, dict):
+                cfg["no_decoder_final_norm"] = True
+            else:
+                cfg.no_decoder_final_norm = True
+    return out

@@ -1,0 +1,100 @@
+"""Position embeddings with upstream fairseq's padding offset.
+
+Positions are counted over non-padding tokens and start at `padding_idx + 1`; padding tokens get position
+`padding_idx`, whose row is zero. So a table for `max_positions` positions has
+`max_positions + padding_idx + 1` rows, which is what upstream checkpoints hold.
+"""
+
+import math
+from typing import Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+def make_positions(tokens: torch.Tensor, padding_idx: int) -> torch.Tensor:
+    """Position ids [B, T]: padding_idx + 1, + 2, ... over non-pad tokens; padding_idx at pads."""
+    not_pad = tokens.ne(padding_idx).long()
+    return torch.cumsum(not_pad, dim=1) * not_pad + padding_idx
+
+
+def sinusoidal_table(num_embeddings: int, embedding_dim: int, padding_idx: Optional[int] = None,
+                     device=None) -> torch.Tensor:
+    """Upstream's sinusoidal table [num_embeddings, embedding_dim] (float32).
+
+    Row p is [sin(p * f_0) .. sin(p * f_{h-1}), cos(p * f_0) .. cos(p * f_{h-1})] with h = dim // 2 and
+    f_i = exp(-i * ln(10000) / (h - 1)); an odd dim gets a zero last column; the padding row is zero.
+    """
+    half_dim = embedding_dim // 2
+    if half_dim < 2:
+        raise ValueError(f"sinusoidal positions need an embedding dim of at least 4, got {embedding_dim}")
+    step = math.log(10000) / (half_dim - 1)
+    freqs = torch.exp(torch.arange(half_dim, dtype=torch.float32, device=device) * -step)
+    angles = torch.arange(num_embeddings, dtype=torch.float32, device=device).unsqueeze(1) * freqs.unsqueeze(0)
+    table = torch.cat([torch.sin(angles), torch.cos(angles)], dim=1)
+    if embedding_dim % 2 == 1:
+        table = torch.cat([table, table.new_zeros(num_embeddings, 1)], dim=1)
+    if padding_idx is not None:
+        table[padding_idx] = 0
+    return table
+
+
+class LearnedPositionalEmbedding(nn.Embedding):
+    """Learned positions for up to `max_positions` tokens (rows include the padding offset)."""
+
+    def __init__(self, max_positions: int, embedding_dim: int, padding_idx: int):
+        super().__init__(max_positions + padding_idx + 1, embedding_dim, padding_idx=padding_idx)
+        self.max_positions = max_positions
+
+    def reset_parameters(self):
+        nn.init.normal_(self.weight, mean=0.0, std=self.embedding_dim**-0.5)
+        with torch.no_grad():
+            self.weight[self.padding_idx].zero_()
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        if tokens.size(1) > self.max_positions:
+            raise ValueError(
+                f"input of {tokens.size(1)} tokens is longer than the {self.max_positions} learned positions; "
+                "lower --tokens-per-sample or build the model with a larger --max-target-positions"
+            )
+        return F.embedding(make_positions(tokens, self.padding_idx), self.weight, self.padding_idx)
+
+
+class SinusoidalPositionalEmbedding(nn.Module):
+    """Fixed sinusoidal positions of any length; the table is recomputed, never saved.
+
+    `_float_tensor` is a one-element buffer that upstream keeps in its state dicts; it is kept so that
+    state dicts load both ways.
+    """
+
+    max_positions = 100_000  # upstream's nominal limit
+
+    def __init__(self, embedding_dim: int, padding_idx: int, init_size: int = 1024):
+        super().__init__()
+        self.embedding_dim = embedding_dim
+        self.padding_idx = padding_idx
+        self.init_size = init_size
+        self.register_buffer("table", sinusoidal_table(init_size, embedding_dim, padding_idx), persistent=False)
+        self.register_buffer("_float_tensor", torch.zeros(1))
+
+    def reset_parameters(self):
+        with torch.no_grad():
+            self.table.copy_(sinusoidal_table(self.init_size, self.embedding_dim, self.padding_idx,
+                                              device=self.table.device))
+            self._float_tensor.zero_()
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        table = self.table
+        rows_needed = self.padding_idx + 1 + tokens.size(1)
+        if rows_needed > table.size(0):  # longer than the precomputed table: compute a bigger one
+            table = sinusoidal_table(rows_needed, self.embedding_dim, self.padding_idx,
+                                     device=tokens.device).to(table.dtype)
+        return F.embedding(make_positions(tokens, self.padding_idx), table)
+
+
+def build_positional_embedding(max_positions: int, embedding_dim: int, padding_idx: int, learned: bool = False):
+    """Learned or sinusoidal positions sized as upstream sizes them."""
+    if learned:
+        return LearnedPositionalEmbedding(max_positions, embedding_dim, padding_idx)
+    return SinusoidalPositionalEmbedding(embedding_dim, padding_idx, init_size=max_positions + padding_idx + 1)

@@ -1,0 +1,148 @@
+"""The decoder stack of a transformer language model, with upstream fairseq's module names.
+
+State-dict keys (under the model's `decoder.` prefix): `embed_tokens.weight`, `project_in_dim.weight`
+(only when the input dim differs from the embed dim), `embed_positions.weight` (learned) or
+`embed_positions._float_tensor` (sinusoidal), `layernorm_embedding.*` (optional), `layers.N.*`,
+`layer_norm.*` (pre-norm without --no-decoder-final-norm), `project_out_dim.weight` (output dim differs
+from the embed dim), `output_projection.weight` (the embedding matrix itself when input and output
+embeddings are shared) and `version` (upstream's loader reads a missing version as a pre-2019
+checkpoint and drops the final layer norm, so it is kept).
+"""
+
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from fairseq.modules.positional_embedding import build_positional_embedding
+from fairseq.modules.transformer_layer import TransformerDecoderLayer
+
+
+class TransformerDecoder(nn.Module):
+    """Token embeddings -> positions -> N decoder layers -> final norm -> vocabulary logits.
+
+    `cfg` holds the hyper-parameters named as in `TransformerLanguageModelConfig` (read by attribute);
+    `max_target_positions` must already be resolved to an int.
+    """
+
+    def __init__(self, cfg, vocab_size: int, padding_idx: int):
+        super().__init__()
+        self.register_buffer("version", torch.tensor([3.0]))
+        self.padding_idx = padding_idx
+        self.vocab_size = vocab_size
+        self.dropout = cfg.dropout
+        self.share_input_output_embed = cfg.share_decoder_input_output_embed
+        self.input_embed_dim = cfg.decoder_input_dim
+        self.embed_dim = cfg.decoder_embed_dim
+        self.output_embed_dim = cfg.decoder_output_dim
+        self.max_target_positions = cfg.max_target_positions
+        self.embed_scale = 1.0 if cfg.no_scale_embedding else math.sqrt(self.embed_dim)
+
+        self.embed_tokens = nn.Embedding(vocab_size, self.input_embed_dim, padding_idx=padding_idx)
+        self.project_in_dim = (
+            nn.Linear(self.input_embed_dim, self.embed_dim, bias=False)
+            if self.input_embed_dim != self.embed_dim else None
+        )
+        self.embed_positions = (
+            build_positional_embedding(self.max_target_positions, self.embed_dim, padding_idx,
+                                       learned=cfg.decoder_learned_pos)
+            if not cfg.no_token_positional_embeddings else None
+        )
+        self.layernorm_embedding = nn.LayerNorm(self.embed_dim) if cfg.layernorm_embedding else None
+
+        # Upstream: a dropout of 0 after the activation falls back to --relu-dropout.
+        activation_dropout = cfg.activation_dropout or cfg.relu_dropout or 0.0
+        self.layers = nn.ModuleList(
+            TransformerDecoderLayer(
+                self.embed_dim, cfg.decoder_attention_heads, cfg.decoder_ffn_embed_dim,
+                dropout=cfg.dropout, attention_dropout=cfg.attention_dropout,
+                activation_dropout=activation_dropout, activation_fn=cfg.activation_fn,
+                normalize_before=cfg.decoder_normalize_before,
+            )
+            for _ in range(cfg.decoder_layers)
+        )
+        self.layer_norm = (
+            nn.LayerNorm(self.embed_dim)
+            if cfg.decoder_normalize_before and not cfg.no_decoder_final_norm else None
+        )
+        self.project_out_dim = (
+            nn.Linear(self.embed_dim, self.output_embed_dim, bias=False)
+            if self.embed_dim != self.output_embed_dim else None
+        )
+        if self.share_input_output_embed:
+            if self.input_embed_dim != self.output_embed_dim:
+                raise ValueError(
+                    "--share-decoder-input-output-embed needs --decoder-input-dim == --decoder-output-dim "
+                    f"(got {self.input_embed_dim} and {self.output_embed_dim}); set them equal or drop the flag"
+                )
+            # Its own weight is replaced by the embedding matrix at once: never allocate it.
+            self.output_projection = nn.Linear(self.output_embed_dim, vocab_size, bias=False, device="meta")
+        else:
+            self.output_projection = nn.Linear(self.output_embed_dim, vocab_size, bias=False)
+        self.tie_weights()
+        # The layers initialized themselves when built; the rest differs from PyTorch's defaults.
+        self._init_outside_layers()
+
+    def tie_weights(self):
+        """Share the output projection with the token embeddings when configured to.
+
+        Moving a meta-device model with `to_empty` unties them; `reset_parameters` calls this again.
+        """
+        if self.share_input_output_embed and self.output_projection.weight is not self.embed_tokens.weight:
+            self.output_projection.weight = self.embed_tokens.weight
+
+    def reset_parameters(self):
+        """Initialize every parameter and buffer as upstream does, drawing from the torch RNG."""
+        self.tie_weights()
+        for module in (self.embed_positions, self.layernorm_embedding, self.layer_norm):
+            if module is not None:
+                module.reset_parameters()
+        for layer in self.layers:
+            layer.reset_parameters()
+        self._init_outside_layers()
+
+    def _init_outside_layers(self):
+        with torch.no_grad():
+            self.version.fill_(3.0)
+            nn.init.normal_(self.embed_tokens.weight, mean=0.0, std=self.input_embed_dim**-0.5)
+            self.embed_tokens.weight[self.padding_idx].zero_()
+        for projection in (self.project_in_dim, self.project_out_dim):
+            if projection is not None:
+                nn.init.xavier_uniform_(projection.weight)
+        if not self.share_input_output_embed:
+            nn.init.normal_(self.output_projection.weight, mean=0.0, std=self.output_embed_dim**-0.5)
+
+    def max_positions(self) -> int:
+        if self.embed_positions is None:
+            return self.max_target_positions
+        return min(self.max_target_positions, self.embed_positions.max_positions)
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Scaled token embeddings plus positions, [B, T] -> [B, T, embed_dim], before the layers."""
+        x = self.embed_scale * self.embed_tokens(tokens)
+        if self.project_in_dim is not None:
+            x = self.project_in_dim(x)
+        if self.embed_positions is not None:
+            x = x + self.embed_positions(tokens).to(x.dtype)
+        if self.layernorm_embedding is not None:
+            x = self.layernorm_embedding(x)
+        return F.dropout(x, self.dropout, self.training)
+
+    def extract_features(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Hidden states after the last layer (and final norm / output-dim projection), [B, T, output_dim]."""
+        x = self.embed(tokens)
+        for layer in self.layers:
+            x = layer(x)
+        if self.layer_norm is not None:
+            x = self.layer_norm(x)
+        if self.project_out_dim is not None:
+            x = self.project_out_dim(x)
+        return x
+
+    def output_layer(self, features: torch.Tensor) -> torch.Tensor:
+        return self.output_projection(features)
+
+    def forward(self, tokens: torch.Tensor, features_only: bool = False) -> torch.Tensor:
+        features = self.extract_features(tokens)
+        return features if features_only else self.output_layer(features)
