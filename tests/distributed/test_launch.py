@@ -27,7 +27,7 @@ FAIL_WITHIN_S = 45
 DEFAULTED_ENV = ("TORCH_NCCL_ASYNC_ERROR_HANDLING", "PYTORCH_CUDA_ALLOC_CONF")
 
 # The program each launched process runs: it builds a config from key=value arguments (fields of
-# distributed_training), then call_main runs `main` on every rank.
+# distributed_training, plus cpu=0|1), then call_main runs `main` on every rank.
 WORKER_SCRIPT = textwrap.dedent(
     """
     import json, os, sys, time
@@ -42,9 +42,10 @@ WORKER_SCRIPT = textwrap.dedent(
             raise ValueError("rank one exploded on purpose")
         if behaviour == "stall" and rank == 1:
             time.sleep(120)  # never reaches the all-reduce rank 0 waits in
-        total = dist_utils.all_reduce_sum(torch.tensor([float(rank + 1)]))
-        largest = dist_utils.all_reduce_max(torch.tensor([float(rank)]))
         dt = cfg.distributed_training
+        device = "cpu" if cfg.common.cpu else f"cuda:{dt.device_id}"
+        total = dist_utils.all_reduce_sum(torch.tensor([float(rank + 1)], device=device))
+        largest = dist_utils.all_reduce_max(torch.tensor([float(rank)], device=device))
         record = dict(
             rank=rank, world=dist_utils.get_world_size(), total=total.item(), largest=largest.item(),
             cfg_rank=dt.distributed_rank, cfg_world=dt.distributed_world_size, device_id=dt.device_id,
@@ -59,6 +60,9 @@ WORKER_SCRIPT = textwrap.dedent(
         cfg.common.cpu = True
         for setting in settings:
             name, value = setting.split("=", 1)
+            if name == "cpu":  # cpu=0 runs the same program on GPUs (NCCL), for checks on a GPU machine
+                cfg.common.cpu = bool(int(value))
+                continue
             setattr(cfg.distributed_training, name, value if name == "distributed_init_method" else int(value))
         call_main(cfg, main, out_dir=out_dir, behaviour=behaviour)
     """
