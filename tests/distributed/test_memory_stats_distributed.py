@@ -6,6 +6,7 @@ import os
 import socket
 from datetime import timedelta
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -40,17 +41,8 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_ranks(worker, port, out_dir):
-    # fork: the children reuse the imported torch instead of importing it again (seconds each)
-    mp.start_processes(worker, args=(port, str(out_dir)), nprocs=WORLD_SIZE, join=True, start_method="fork")
-    results = []
-    for rank in range(WORLD_SIZE):
-        with open(os.path.join(out_dir, f"rank{rank}.json")) as f:
-            results.append(json.load(f))
-    return results
-
-
-def _init(rank, port):
+def worker(rank, port, out_dir):
+    """One log boundary on each rank: memory statistics, then the interval's logging-output sums."""
     dist.init_process_group(
         backend="gloo",
         init_method=f"tcp://127.0.0.1:{port}",
@@ -58,36 +50,33 @@ def _init(rank, port):
         world_size=WORLD_SIZE,
         timeout=timedelta(seconds=30),
     )
-
-
-def memory_worker(rank, port, out_dir):
-    _init(rank, port)
     try:
         gib, retries = RANK_MEMORY[rank]
         reader = FixedReader(gib, retries)
-        stats = CudaMemoryStats(reader, min_excess_gib=1000.0)
-        result = {"stats": stats.interval_stats(), "reset_calls": reader.reset_calls}
-    finally:
-        dist.destroy_process_group()
-    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-        json.dump(result, f)
-
-
-def sums_worker(rank, port, out_dir):
-    _init(rank, port)
-    try:
+        memory = CudaMemoryStats(reader, min_excess_gib=1000.0).interval_stats()
         sums = LoggingOutputSums()
         for step in range(3):
             sums.add({"loss": torch.tensor(1.5 * (rank + 1)), "ntokens": 100 * (rank + 1) + step})
-        result = sums.reduce(all_reduce=True)
+        result = {"memory": memory, "reset_calls": reader.reset_calls, "sums": sums.reduce(all_reduce=True)}
     finally:
         dist.destroy_process_group()
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(result, f)
 
 
-def test_memory_stats_are_the_maximum_over_ranks_and_free_the_minimum(tmp_path):
-    results = run_ranks(memory_worker, free_port(), tmp_path)
+@pytest.fixture(scope="module")
+def rank_results(tmp_path_factory):
+    """Both ranks' results; the processes are started once for the module (starting one costs seconds)."""
+    out_dir = tmp_path_factory.mktemp("ranks")
+    mp.spawn(worker, args=(free_port(), str(out_dir)), nprocs=WORLD_SIZE, join=True)
+    results = []
+    for rank in range(WORLD_SIZE):
+        with open(out_dir / f"rank{rank}.json") as f:
+            results.append(json.load(f))
+    return results
+
+
+def test_memory_stats_are_the_maximum_over_ranks_and_free_the_minimum(rank_results):
     expected = {
         "max_cuda_gb_allocated": 12.0,
         "max_cuda_gb_reserved": 30.0,
@@ -97,10 +86,9 @@ def test_memory_stats_are_the_maximum_over_ranks_and_free_the_minimum(tmp_path):
         "gb_free": 20.0,
         "cuda_alloc_retries": 4,
     }
-    assert results == [{"stats": expected, "reset_calls": 1}] * WORLD_SIZE
+    assert [(r["memory"], r["reset_calls"]) for r in rank_results] == [(expected, 1)] * WORLD_SIZE
 
 
-def test_logging_output_sums_are_added_across_ranks(tmp_path):
-    results = run_ranks(sums_worker, free_port(), tmp_path)
+def test_logging_output_sums_are_added_across_ranks(rank_results):
     # loss: 3 steps x (1.5 + 3.0); ntokens: (100 + 101 + 102) + (200 + 201 + 202)
-    assert results == [{"loss": 13.5, "ntokens": 906}] * WORLD_SIZE
+    assert [r["sums"] for r in rank_results] == [{"loss": 13.5, "ntokens": 906}] * WORLD_SIZE

@@ -269,3 +269,19 @@ def test_logging_output_sums_feed_criterion_style_reduction():
         "loss": round(1383.0 / 1000 / math.log(2), 3),
         "ppl": round(2 ** (1383.0 / 1000 / math.log(2)), 2),
     }
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_logging_output_sums_add_never_waits_for_the_gpu():
+    device = torch.device("cuda", torch.cuda.current_device())
+    losses = [torch.tensor(float(i), device=device) for i in range(5)]
+    one = torch.tensor(1, device=device)
+    sums = LoggingOutputSums()
+    torch.cuda.set_sync_debug_mode("error")  # any host synchronization raises
+    try:
+        for loss in losses:
+            sums.add({"loss": loss * 2, "ntokens": 10, "nsentences": one})
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert sums.reduce() == {"loss": 20.0, "ntokens": 50, "nsentences": 5}

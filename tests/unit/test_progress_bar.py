@@ -234,3 +234,31 @@ def test_tensorboard_writes_scalars_per_tag(tmp_path, log_lines):
     assert [(e.step, e.value) for e in events.Scalars("loss")] == [(1, 9.0), (2, 8.0), (3, 7.0), (4, 6.0)]
     # the wrapped json bar still writes its interval lines
     assert len([line for line in log_lines() if " | train_inner | " in line]) == 2
+
+
+def test_wandb_offline_run_gets_tagged_scalars(tmp_path, monkeypatch, log_lines):
+    wandb = pytest.importorskip("wandb")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path))
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    bar = pb.progress_bar(list(range(4)), log_format="json", log_interval=2, epoch=1,
+                          wandb_project="lm", wandb_run_name="run-a")
+    try:
+        assert type(bar) is pb.WandBProgressBarWrapper
+        run = wandb.run
+        assert (run.project, run.name, run.offline) == ("lm", "run-a", True)
+        for i, _ in enumerate(bar):
+            if (i + 1) % 2 == 0:
+                bar.log({"loss": 9.0 - i, "lr": 0.25, "num_updates": i + 1}, tag="train_inner", step=i + 1)
+        # a second bar of the same process (next epoch, validation) logs into the same run
+        valid = pb.progress_bar([], log_format="json", epoch=1, wandb_project="lm", wandb_run_name="run-a")
+        valid.print({"loss": 7.5, "num_updates": 4}, tag="valid")
+        assert wandb.run is run
+        # wandb commits a step once a later step arrives: step 2 is complete, step 4 still open
+        summary = dict(run.summary)
+        assert summary["_step"] == 2
+        assert (summary["train_inner/loss"], summary["train_inner/lr"]) == (8.0, 0.25)
+        assert not any("num_updates" in key for key in summary)
+    finally:
+        wandb.finish()
+    assert len([line for line in log_lines() if " | train_inner | " in line]) == 2
