@@ -169,8 +169,12 @@ class EpochBatchIterator:
             return self.epoch + 1
         return self.epoch
 
-    def next_epoch_itr(self, shuffle: bool = True, set_dataset_epoch: bool = True) -> CountingIterator:
-        """An iterator over the next epoch's batches (the rest of the epoch after `load_state_dict`)."""
+    def next_epoch_itr(self, shuffle: bool = True, fix_batches_to_gpus: bool = False,
+                       set_dataset_epoch: bool = True) -> CountingIterator:
+        """An iterator over the next epoch's batches (the rest of the epoch after `load_state_dict`).
+
+        `fix_batches_to_gpus` is accepted for upstream callers; it has no effect (nothing is prefetched).
+        """
         self.epoch = self.next_epoch_idx
         if set_dataset_epoch and hasattr(self.dataset, "set_epoch"):
             self.dataset.set_epoch(self.epoch)

@@ -19,13 +19,12 @@ Boundaries are computed with vectorized numpy (plus one cheap step per block for
 stored as four small integer arrays per block; tokens are read lazily from the dataset.
 """
 
-import logging
 from typing import Optional, Tuple
 
 import numpy as np
 import torch
 
-logger = logging.getLogger(__name__)
+from fairseq.data.indexed_dataset import MMapIndexedDataset
 
 BREAK_MODES = ("none", "complete", "complete_doc", "eos")
 
@@ -143,17 +142,16 @@ class TokenBlockDataset(torch.utils.data.Dataset):
 
     def _read(self, first: int, last: int, begin: int, length: int) -> torch.Tensor:
         """Tokens `[begin, begin + length)` of the stream that starts at item `first`'s first token."""
-        get_numpy = getattr(self.dataset, "get_numpy", None)
-        if get_numpy is not None:  # views into the memmap: only the needed tokens are copied
-            pieces = []
-            need, skip = length, begin
-            for k in range(first, last + 1):
-                arr = get_numpy(k)[skip: skip + need]
-                pieces.append(arr)
-                need -= len(arr)
-                skip = 0
-            arr = pieces[0] if len(pieces) == 1 else np.concatenate(pieces)
-            return torch.from_numpy(arr.astype(np.int64))
+        if isinstance(self.dataset, MMapIndexedDataset):
+            # Views of the first and last items (only the needed tokens are copied, however long the
+            # items), and one contiguous read for the items in between.
+            head = self.dataset.get_numpy(first)[begin: begin + length]
+            if first == last:
+                return torch.from_numpy(head.astype(np.int64))
+            middle = self.dataset[first + 1: last]
+            tail = self.dataset.get_numpy(last)[: length - len(head) - len(middle)]
+            return torch.cat([torch.from_numpy(head.astype(np.int64)), middle,
+                              torch.from_numpy(tail.astype(np.int64))])
         buffer = torch.cat([torch.as_tensor(self.dataset[k]).long() for k in range(first, last + 1)])
         return buffer[begin: begin + length]
 
