@@ -23,7 +23,7 @@ from fairseq.data.indexed_dataset import (
     MMapIndexedDatasetBuilder, best_fitting_dtype, data_file_path, index_file_path,
 )
 
-BLOCK_BYTES = 2 << 20  # text decoded and encoded at once; bounds a worker's memory to ~30 MB
+BLOCK_BYTES = 1 << 20  # text decoded and encoded at once; a worker holds ~20x this in word objects
 _LINE_MARK = "\x00"  # stands for a line end inside a block; never whitespace, so split() keeps it a token
 
 
@@ -164,7 +164,9 @@ def encode_block(text: str, indices: Dict[str, int], marked: Dict[str, int], unk
     ends = np.flatnonzero(ids < 0)
     sizes = np.diff(ends, prepend=-1)
     ids[ends] = eos
-    replaced = int(np.count_nonzero(ids == unk)) - words.count(unk_word)
+    replaced = int(np.count_nonzero(ids == unk))
+    if marked.get(unk_word) == unk:  # the literal <unk> token maps to <unk> but was not replaced
+        replaced -= words.count(unk_word)
     return ids, sizes, replaced
 
 
@@ -176,7 +178,7 @@ def _encode_lines(text, indices, unk, eos, unk_word):
     for line in text[:-1].split("\n"):
         words = line.split()
         line_ids = [get(w, unk) for w in words]
-        replaced += line_ids.count(unk) - words.count(unk_word)
+        replaced += sum(1 for w, i in zip(words, line_ids) if i == unk and w != unk_word)
         ids.extend(line_ids)
         ids.append(eos)
         sizes.append(len(words) + 1)

@@ -28,7 +28,7 @@ CODE_TO_DTYPE = {
 }
 
 # Streaming chunk (items) for index writing and scans: bounded memory on any dataset size.
-_CHUNK_ITEMS = 1 << 20
+_CHUNK_ITEMS = 1 << 18
 
 
 def dtype_code(dtype) -> int:
