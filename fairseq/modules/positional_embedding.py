@@ -40,6 +40,17 @@ def sinusoidal_table(num_embeddings: int, embedding_dim: int, padding_idx: Optio
     return table
 
 
+def zero_row_(weight: torch.Tensor, row: int) -> None:
+    """weight[row] = 0 in place, with whole-tensor ops only.
+
+    Indexing one row of a sharded parameter (FSDP2's DTensor) writes to a temporary copy and leaves the
+    parameter unchanged; a row mask built from the tensor itself is applied shard by shard.
+    """
+    with torch.no_grad():
+        row_ids = torch.cumsum(torch.ones_like(weight[:, :1], dtype=torch.long), dim=0) - 1
+        weight.mul_(row_ids.ne(row))
+
+
 class LearnedPositionalEmbedding(nn.Embedding):
     """Learned positions for up to `max_positions` tokens (rows include the padding offset)."""
 
@@ -49,8 +60,7 @@ class LearnedPositionalEmbedding(nn.Embedding):
 
     def reset_parameters(self):
         nn.init.normal_(self.weight, mean=0.0, std=self.embedding_dim**-0.5)
-        with torch.no_grad():
-            self.weight[self.padding_idx].zero_()
+        zero_row_(self.weight, self.padding_idx)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         if tokens.size(1) > self.max_positions:

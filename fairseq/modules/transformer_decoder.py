@@ -15,7 +15,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from fairseq.modules.positional_embedding import build_positional_embedding
+from fairseq.modules.positional_embedding import build_positional_embedding, zero_row_
 from fairseq.modules.transformer_layer import TransformerDecoderLayer
 
 
@@ -105,8 +105,8 @@ class TransformerDecoder(nn.Module):
     def _init_outside_layers(self):
         with torch.no_grad():
             self.version.fill_(3.0)
-            nn.init.normal_(self.embed_tokens.weight, mean=0.0, std=self.input_embed_dim**-0.5)
-            self.embed_tokens.weight[self.padding_idx].zero_()
+        nn.init.normal_(self.embed_tokens.weight, mean=0.0, std=self.input_embed_dim**-0.5)
+        zero_row_(self.embed_tokens.weight, self.padding_idx)
         for projection in (self.project_in_dim, self.project_out_dim):
             if projection is not None:
                 nn.init.xavier_uniform_(projection.weight)

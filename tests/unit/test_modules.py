@@ -14,6 +14,7 @@ from fairseq.modules import (
     make_positions,
     sinusoidal_table,
 )
+from fairseq.modules.positional_embedding import zero_row_
 
 
 def naive_causal_attention(attn: MultiheadAttention, x: torch.Tensor) -> torch.Tensor:
@@ -134,3 +135,9 @@ def test_decoder_layer_matches_a_handwritten_block(normalize_before):
             h = ln1(x + naive_causal_attention(layer.self_attn, x))
             expected = ln2(h + layer.fc2(torch.nn.functional.gelu(layer.fc1(h))))
         torch.testing.assert_close(layer(x), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_zero_row_hits_exactly_one_row_even_past_bf16_integer_precision():
+    weight = torch.ones(70_000, 2, dtype=torch.bfloat16)
+    zero_row_(weight, 65_537)
+    assert weight.sum(dim=1).eq(0).nonzero().flatten().tolist() == [65_537]

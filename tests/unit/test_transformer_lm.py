@@ -149,9 +149,12 @@ def test_bare_transformer_lm_preset_changes_nothing():
     assert not cfg.decoder_normalize_before and not cfg.decoder_learned_pos
 
 
-def test_preset_values_upstream_forces_override_the_given_ones():
-    cfg = preset_config("transformer_lm_gpt3_small", decoder_input_dim=512, decoder_normalize_before=False)
+def test_preset_values_upstream_forces_override_the_given_ones_with_a_warning(caplog):
+    with caplog.at_level("WARNING"):
+        cfg = preset_config("transformer_lm_gpt3_small", decoder_input_dim=512, decoder_normalize_before=False)
     assert cfg.decoder_input_dim == 768 and cfg.decoder_normalize_before
+    assert "--decoder-input-dim 512 is overridden to 768" in caplog.text
+    assert "--decoder-normalize-before False is overridden to True" in caplog.text
 
 
 @pytest.mark.parametrize("arch,layers,dim,heads,ffn", [
@@ -471,3 +474,65 @@ def test_upgrade_state_dict_old_sinusoidal_table_and_version_without_final_norm(
     bad = dict(with_norm.state_dict(), **{"decoder.version": torch.tensor([2.0])})
     with pytest.raises(ValueError, match="inconsistent"):
         upgrade_state_dict(bad)
+
+
+# ----------------------------------------------------------------------------- init of a sharded (FSDP2) model
+
+SHARDED_INIT_SCRIPT = '''
+import json, os, sys
+import torch, torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+
+def run(rank, out_dir):
+    # A file rendezvous: no port to race other tests for.
+    dist.init_process_group("gloo", init_method="file://" + os.path.join(out_dir, "rendezvous"),
+                            rank=rank, world_size=2)
+    from fairseq.models.transformer_lm import TransformerLanguageModel, preset_config
+    cfg = preset_config("transformer_lm_gpt3_small", decoder_layers=1, decoder_embed_dim=32,
+                        decoder_attention_heads=2, tokens_per_sample=8)
+    with torch.device("meta"):
+        model = TransformerLanguageModel.build(cfg, 64, 1)
+    mesh = init_device_mesh("cpu", (2,))
+    fully_shard(model.decoder.layers[0], mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    model.to_empty(device="cpu")
+    with torch.no_grad():
+        model.reset_parameters()
+    dec = model.decoder
+    record = dict(
+        tied=dec.output_projection.weight is dec.embed_tokens.weight,
+        token_pad_row=dec.embed_tokens.weight.full_tensor()[1].abs().sum().item(),
+        token_other_row=dec.embed_tokens.weight.full_tensor()[2].abs().sum().item(),
+        position_pad_row=dec.embed_positions.weight.full_tensor()[1].abs().sum().item(),
+    )
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(record, f)
+    dist.destroy_process_group()
+
+if __name__ == "__main__":
+    run(int(sys.argv[1]), sys.argv[2])
+'''
+
+
+def test_reset_parameters_on_fsdp2_shards_zeroes_padding_rows_and_keeps_tying(tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    script = tmp_path / "sharded_init.py"
+    script.write_text(SHARDED_INIT_SCRIPT)
+    ranks = [subprocess.Popen([sys.executable, str(script), str(rank), str(tmp_path)],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for rank in (0, 1)]
+    try:
+        outputs = [rank.communicate(timeout=180) for rank in ranks]
+    finally:
+        for rank in ranks:
+            rank.kill()
+    for rank, (_, stderr) in zip(ranks, outputs):
+        assert rank.returncode == 0, stderr[-3000:]
+    for rank in (0, 1):
+        record = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert record["tied"]
+        assert record["token_pad_row"] == 0.0 and record["position_pad_row"] == 0.0
+        assert record["token_other_row"] > 0.0
