@@ -5,7 +5,6 @@ import math
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from fairseq import registry
 from fairseq.models.transformer_lm import (
