@@ -29,6 +29,7 @@ CODE_TO_DTYPE = {
 
 # Streaming chunk (items) for index writing and scans: bounded memory on any dataset size.
 _CHUNK_ITEMS = 1 << 18
+_COPY_BYTES = 1 << 20  # buffer for copying .bin data and spilled sizes
 
 
 def dtype_code(dtype) -> int:
@@ -259,10 +260,11 @@ class MMapIndexedDatasetBuilder:
             raise CorruptDatasetError(
                 f"{bin_path}: {bin_size} bytes, but {idx_path} describes {index.data_nbytes()}; cannot merge it"
             )
-        for start in range(0, len(index), _CHUNK_ITEMS):
-            self._write_sizes(index.sizes[start: start + _CHUNK_ITEMS])
+        for start in range(0, len(index), _CHUNK_ITEMS):  # plain reads: no memmapped pages stay resident
+            count = min(_CHUNK_ITEMS, len(index) - start)
+            self._write_sizes(np.fromfile(idx_path, dtype=np.int32, count=count, offset=HEADER_SIZE + 4 * start))
         with open(bin_path, "rb") as f:
-            shutil.copyfileobj(f, self._data_file, 16 << 20)
+            shutil.copyfileobj(f, self._data_file, _COPY_BYTES)
         self._num_tokens += bin_size // self._dtype.itemsize
 
     def _write_sizes(self, sizes: np.ndarray) -> None:
@@ -290,7 +292,7 @@ class MMapIndexedDatasetBuilder:
         with open(index_file, "wb") as out:
             out.write(struct.pack(HEADER_FORMAT, HDR_MAGIC, VERSION, self._code, self._num_items))
             spill.seek(0)
-            shutil.copyfileobj(spill, out, 16 << 20)
+            shutil.copyfileobj(spill, out, _COPY_BYTES)
             spill.seek(0)
             offset = 0
             while True:
