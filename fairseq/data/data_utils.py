@@ -16,13 +16,20 @@ logger = logging.getLogger(__name__)
 _checked_datasets: Dict[Tuple[str, int, int, int], bool] = {}
 
 
+# The max-id check reads every token of a dataset up to this size; a larger one is checked on evenly
+# spaced windows (beginning and end included), so opening a 100 GB dataset does not read 100 GB.
+FULL_SCAN_MAX_TOKENS = 1 << 27
+SAMPLE_WINDOWS = 64
+SAMPLE_WINDOW_TOKENS = 1 << 18
+
+
 def load_indexed_dataset(path: str, dictionary=None, dataset_impl: Optional[str] = None,
                          combine: bool = False) -> Optional[MMapIndexedDataset]:
     """Open the MMIDIDX dataset at prefix `path` (`path.bin` + `path.idx`), or return None if absent.
 
     With a `dictionary`, fails if the data holds an id the dictionary does not have (a dict.txt from
     another preprocessing run). The check costs nothing when the stored dtype cannot represent such an
-    id; otherwise the token stream is scanned once per process, in bounded chunks.
+    id; otherwise the tokens are scanned once per process (see FULL_SCAN_MAX_TOKENS), in bounded chunks.
     """
     if dataset_impl not in (None, "mmap"):
         raise ValueError(f"--dataset-impl {dataset_impl!r} is not supported: only 'mmap' (MMIDIDX) datasets exist here")
@@ -36,10 +43,23 @@ def load_indexed_dataset(path: str, dictionary=None, dataset_impl: Optional[str]
     return dataset
 
 
+def _token_windows(tokens: np.ndarray):
+    n = len(tokens)
+    if n <= FULL_SCAN_MAX_TOKENS:
+        for start in range(0, n, 1 << 24):
+            yield tokens[start: start + (1 << 24)]
+        return
+    last = n - SAMPLE_WINDOW_TOKENS
+    for k in range(SAMPLE_WINDOWS):
+        start = last * k // (SAMPLE_WINDOWS - 1)
+        yield tokens[start: start + SAMPLE_WINDOW_TOKENS]
+
+
 def check_dictionary_matches(dataset: MMapIndexedDataset, dictionary, dict_name: Optional[str] = None) -> None:
+    """Raise if `dataset` holds token ids outside `dictionary` (see FULL_SCAN_MAX_TOKENS for the cost)."""
     vocab = len(dictionary)
     dtype = dataset.dtype
-    if dtype.kind in "iu" and np.iinfo(dtype).max < vocab and (dtype.kind == "u" or np.iinfo(dtype).min >= 0):
+    if dtype.kind == "u" and np.iinfo(dtype).max < vocab:
         return  # no storable id can reach past the dictionary
     bin_path = data_file_path(dataset.path)
     st = os.stat(bin_path)
@@ -47,7 +67,7 @@ def check_dictionary_matches(dataset: MMapIndexedDataset, dictionary, dict_name:
     if key in _checked_datasets:
         return
     max_id, min_id = -1, 0
-    for chunk in dataset.iter_token_chunks():
+    for chunk in _token_windows(dataset.tokens):
         if chunk.size:
             max_id = max(max_id, int(chunk.max()))
             min_id = min(min_id, int(chunk.min()))

@@ -37,6 +37,7 @@ class Dictionary:
         for symbol in extra_special_symbols or ():
             self.add_symbol(symbol)
         self.nspecial = len(self.symbols)
+        self.path: Optional[str] = None  # the dict.txt this was loaded from, for error messages
 
     # ---- lookups ------------------------------------------------------------------------------------
     def __eq__(self, other) -> bool:
@@ -144,9 +145,10 @@ class Dictionary:
 
     def add_from_file(self, f: Union[str, os.PathLike, TextIO]) -> None:
         if isinstance(f, (str, os.PathLike)):
+            self.path = os.fspath(f)
             try:
                 with open(f, "r", encoding="utf-8") as fd:
-                    self._add_lines(fd, str(f))
+                    self._add_lines(fd, self.path)
             except UnicodeDecodeError as e:
                 raise ValueError(f"dictionary {f}: not valid UTF-8 ({e}); rebuild it with fairseq-preprocess") from e
             return

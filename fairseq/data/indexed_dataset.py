@@ -10,7 +10,7 @@ import os
 import shutil
 import struct
 import tempfile
-from typing import Iterator, Union
+from typing import Union
 
 import numpy as np
 import torch
@@ -191,10 +191,10 @@ class MMapIndexedDataset(torch.utils.data.Dataset):
         begin = int(self._index.pointers[i]) // self.dtype.itemsize
         return self._data[begin: begin + int(self._index.sizes[i])]
 
-    def iter_token_chunks(self, chunk_tokens: int = 1 << 24) -> Iterator[np.ndarray]:
-        """The whole token stream in bounded pieces (for scans such as the max id)."""
-        for start in range(0, len(self._data), chunk_tokens):
-            yield self._data[start: start + chunk_tokens]
+    @property
+    def tokens(self) -> np.ndarray:
+        """All items' tokens back to back, in the stored dtype (the memmapped `.bin`: no copy)."""
+        return self._data
 
     def prefetch(self, indices) -> None:
         raise NotImplementedError("MMapIndexedDataset does not need prefetching (supports_prefetch is False)")

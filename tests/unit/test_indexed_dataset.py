@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from fairseq.data import Dictionary, indexed_dataset
+from fairseq.data import Dictionary, data_utils, indexed_dataset
 from fairseq.data.data_utils import collate_tokens, load_indexed_dataset
 from fairseq.data.indexed_dataset import (
     CorruptDatasetError, MMapIndexedDataset, MMapIndexedDatasetBuilder, best_fitting_dtype,
@@ -241,6 +241,30 @@ def test_load_indexed_dataset_checks_the_dictionary(tmp_path):
     with pytest.raises(ValueError, match=r"dictionary does not match the data: .*train\.bin holds token id 6 .*"
                                          r"dict\.txt\) has 6 entries"):
         load_indexed_dataset(str(tmp_path / "train"), small_dict(2))
+
+
+def test_mismatch_error_names_the_loaded_dict_file(tmp_path):
+    write_by_hand(str(tmp_path / "train"), 8, [[9, 2]])
+    (tmp_path / "my_dict.txt").write_text("a 1\nb 1\n")
+    d = Dictionary.load(str(tmp_path / "my_dict.txt"))
+    with pytest.raises(ValueError, match=r"holds token id 9 but the dictionary \(.*my_dict\.txt\) has 6 entries"):
+        load_indexed_dataset(str(tmp_path / "train"), d)
+
+
+def test_large_datasets_are_checked_on_spread_windows(tmp_path, monkeypatch):
+    monkeypatch.setattr(data_utils, "FULL_SCAN_MAX_TOKENS", 50)
+    monkeypatch.setattr(data_utils, "SAMPLE_WINDOWS", 3)
+    monkeypatch.setattr(data_utils, "SAMPLE_WINDOW_TOKENS", 10)
+    # 100 tokens; windows cover [0, 10), [45, 55), [90, 100)
+    for name, bad_at, detected in (("first", 3, True), ("middle", 50, True), ("last", 99, True), ("gap", 20, False)):
+        tokens = [4] * 100
+        tokens[bad_at] = 50
+        write_by_hand(str(tmp_path / name), 8, [tokens[:60], tokens[60:]])
+        if detected:
+            with pytest.raises(ValueError, match="dictionary does not match the data"):
+                load_indexed_dataset(str(tmp_path / name), small_dict(4))
+        else:
+            assert load_indexed_dataset(str(tmp_path / name), small_dict(4)) is not None
 
 
 def test_narrow_dtype_needs_no_scan(tmp_path):
