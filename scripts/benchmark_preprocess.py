@@ -119,8 +119,8 @@ def main():
         if args.memory_scale > 0:
             big = build_corpus(workdir, args.size_mb * args.memory_scale)
             runs.append(best_of(1, big, max(args.workers), workdir))
-        header = (f"| corpus MB | workers | sents | tokens | main s | process s | tok/s (main) | "
-                  f"vs upstream 0.24M | RSS MB import / main / worker |")
+        header = ("| corpus MB | workers | sents | tokens | main s | process s | tok/s (main) | "
+                  "vs upstream 0.24M | RSS MB import / main / worker |")
         print(header)
         print("|" + "---|" * 9)
         for r in runs:
