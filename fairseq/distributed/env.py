@@ -200,7 +200,8 @@ def _explicit_plan(cfg, gpus: int) -> LaunchPlan:
     if base_rank + nprocs > world:
         raise ValueError(
             f"--distributed-rank {base_rank} plus {nprocs} local processes exceeds --distributed-world-size "
-            f"{world}; lower --distributed-num-procs or fix the rank/world size"
+            f"{world}; to start one rank per command pass --distributed-no-spawn, otherwise give each node "
+            "the rank of its first process and --distributed-num-procs"
         )
     return LaunchPlan(
         "explicit", rank=base_rank, local_rank=0, world_size=world,

@@ -36,8 +36,9 @@ logger = logging.getLogger(__name__)
 _SPAWN_FAILURES = (torch.multiprocessing.ProcessRaisedException, torch.multiprocessing.ProcessExitedException)
 
 DEFAULT_TIMEOUT_S = 600
-# How long a failing rank waits for its process group to shut down before leaving without it.
-SHUTDOWN_WAIT_S = 10.0
+# How long a rank waits for its process group to shut down before leaving without it (seen on GPUs: NCCL's
+# shutdown can block while a peer still has a collective outstanding).
+SHUTDOWN_WAIT_S = 5.0
 
 _DEFAULT_ENV = {
     # Cheap insurance against fragmentation on long runs; must be set before the first CUDA allocation.
@@ -45,6 +46,9 @@ _DEFAULT_ENV = {
     # On an NCCL error or collective timeout, abort the communicators and end the process instead of
     # leaving it blocked in a collective.
     "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",
+    # After a collective times out, NCCL's watchdog waits 4x this long for debug dumps before ending the
+    # process; torch's 15 s default adds a silent minute to every timeout.
+    "TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC": "1000",
 }
 # A user who already set either spelling of a variable has chosen; we leave both spellings alone then.
 _ALSO_SPELLED = {
@@ -58,7 +62,9 @@ def apply_default_env(environ: MutableMapping[str, str] = os.environ) -> dict:
 
     - PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (skipped if it or PYTORCH_ALLOC_CONF is set);
     - TORCH_NCCL_ASYNC_ERROR_HANDLING=1 (skipped if it or the older NCCL_ASYNC_ERROR_HANDLING is set) so a
-      failed or timed-out NCCL collective ends the process.
+      failed or timed-out NCCL collective ends the process;
+    - TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC=1000 so that ending comes about 4 s after --heartbeat-timeout
+      rather than 60 s (raise it when collecting NCCL flight-recorder dumps).
     NCCL_NVLS_ENABLE is deliberately never touched: NVLink SHARP must stay whatever the machine set.
     Called by `call_main` before anything touches CUDA; spawned processes inherit the result.
     """
@@ -183,13 +189,19 @@ def _run_launched_rank(cfg, main_fn: Callable, kwargs: dict, plan: LaunchPlan):
         logger.error("rank %d of %d failed", plan.rank, plan.world_size, exc_info=True)
         _record_for_torchrun(exc)
         if not _shutdown_process_group():
-            # The backend is stuck; a normal interpreter exit could block on it too.
-            sys.stderr.write(f"[rank {plan.rank}] process group did not shut down; exiting hard\n")
-            sys.stderr.flush()
-            os._exit(1)
+            _exit_now(plan.rank, f"{type(exc).__name__}: {exc}")
         raise SystemExit(f"[rank {plan.rank}] {type(exc).__name__}: {exc}") from exc
-    _shutdown_process_group()
+    if not _shutdown_process_group():
+        logger.warning("rank %d: the process group did not shut down within %.0f s", plan.rank, SHUTDOWN_WAIT_S)
     return result
+
+
+def _exit_now(rank: int, reason: str) -> None:
+    """Leave at once: the backend is stuck, and a normal interpreter exit could block on it too."""
+    sys.stderr.write(f"[rank {rank}] {reason}\n[rank {rank}] process group did not shut down; exiting now\n")
+    sys.stderr.flush()
+    logging.shutdown()  # flush log files; os._exit skips the usual clean-up
+    os._exit(1)
 
 
 def _write_failure_report(report_dir: str, rank: int) -> None:
@@ -221,9 +233,11 @@ def _run_spawned_process(index: int, cfg, main_fn: Callable, kwargs: dict, plan:
         # The report goes first: once this rank lets go of its peers they fail too, and the launcher must
         # still be able to tell which rank failed first.
         _write_failure_report(report_dir, own_plan.rank)
-        _shutdown_process_group()
+        if not _shutdown_process_group():
+            _exit_now(own_plan.rank, "failed (see the launcher's report)")
         raise
-    _shutdown_process_group()
+    if not _shutdown_process_group():
+        logger.warning("rank %d: the process group did not shut down in %.0f s", own_plan.rank, SHUTDOWN_WAIT_S)
 
 
 def _spawn(cfg, main_fn: Callable, kwargs: dict, plan: LaunchPlan) -> None:

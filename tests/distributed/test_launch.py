@@ -24,7 +24,11 @@ PROCESS_TIMEOUT_S = 60
 # A failure must end the job well before PROCESS_TIMEOUT_S; the margin absorbs process start-up on a
 # loaded 2-core machine (a hang would run into the 120 s stall or the 600 s default timeout instead).
 FAIL_WITHIN_S = 45
-DEFAULTED_ENV = ("TORCH_NCCL_ASYNC_ERROR_HANDLING", "PYTORCH_CUDA_ALLOC_CONF")
+DEFAULT_ENV = {
+    "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",
+    "TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC": "1000",
+    "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True",
+}
 
 # The program each launched process runs: it builds a config from key=value arguments (fields of
 # distributed_training, plus cpu=0|1), then call_main runs `main` on every rank.
@@ -142,7 +146,7 @@ def all_reduce_main(cfg, out_dir):
     record = dict(
         rank=rank, world=dist_utils.get_world_size(), total=total.item(), largest=largest.item(),
         cfg_rank=dt.distributed_rank, cfg_world=dt.distributed_world_size, device_id=dt.device_id,
-        pid=os.getpid(), master=dist_utils.is_master(), env={name: os.environ.get(name) for name in DEFAULTED_ENV},
+        pid=os.getpid(), master=dist_utils.is_master(), env={name: os.environ.get(name) for name in DEFAULT_ENV},
     )
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(record, f)
@@ -153,7 +157,7 @@ def test_spawn_two_cpu_processes_all_reduce(out_dir, monkeypatch):
     for name in LAUNCH_VARS:
         monkeypatch.delenv(name, raising=False)
     monkeypatch.delenv("SLURM_JOB_ID", raising=False)
-    for name in DEFAULTED_ENV:  # unset for the test, restored afterwards
+    for name in DEFAULT_ENV:  # unset for the test, restored afterwards
         monkeypatch.setenv(name, "placeholder")
         monkeypatch.delenv(name)
     cfg = FairseqConfig()
@@ -166,9 +170,7 @@ def test_spawn_two_cpu_processes_all_reduce(out_dir, monkeypatch):
     records = read_records(out_dir)
     assert [r["device_id"] for r in records] == [0, 1]
     for record in records:  # the launcher's defaults reach the processes it starts
-        assert record["env"] == {
-            "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1", "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"
-        }
+        assert record["env"] == DEFAULT_ENV
     assert len({r["pid"] for r in records} | {os.getpid()}) == 3  # two fresh processes, not this one
     assert dist_utils.get_world_size() == 1  # the launcher itself never joined a process group
 

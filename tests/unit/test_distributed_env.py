@@ -78,6 +78,12 @@ def test_explicit_init_method_beats_torchrun_and_slurm():
     assert plan.nprocs_to_spawn == 0
 
 
+def test_explicit_init_method_rank_past_world_suggests_no_spawn():
+    cfg = dist_cfg(distributed_init_method="tcp://h:1", distributed_world_size=2, distributed_rank=1)
+    with pytest.raises(ValueError, match="--distributed-no-spawn"):
+        detect_launch(cfg, environ={}, gpu_count=2)
+
+
 def test_explicit_init_method_spawns_one_process_per_gpu():
     cfg = dist_cfg(distributed_init_method="tcp://10.0.0.1:4000", distributed_world_size=8, distributed_rank=4)
     plan = detect_launch(cfg, environ={}, gpu_count=4)
@@ -208,15 +214,19 @@ def test_spawned_process_index_out_of_range():
 def test_apply_default_env_sets_only_what_is_unset():
     environ = {"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:128"}
     applied = apply_default_env(environ)
-    assert applied == {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"}
+    assert applied == {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "1", "TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC": "1000"}
     assert environ["PYTORCH_CUDA_ALLOC_CONF"] == "max_split_size_mb:128"
     assert "NCCL_NVLS_ENABLE" not in environ
 
 
 def test_apply_default_env_respects_legacy_spellings_and_nvls():
-    environ = {"NCCL_ASYNC_ERROR_HANDLING": "0", "PYTORCH_ALLOC_CONF": "x", "NCCL_NVLS_ENABLE": "0"}
+    environ = {
+        "NCCL_ASYNC_ERROR_HANDLING": "0", "PYTORCH_ALLOC_CONF": "x", "NCCL_NVLS_ENABLE": "0",
+        "TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC": "60000",
+    }
+    before = dict(environ)
     assert apply_default_env(environ) == {}
-    assert environ == {"NCCL_ASYNC_ERROR_HANDLING": "0", "PYTORCH_ALLOC_CONF": "x", "NCCL_NVLS_ENABLE": "0"}
+    assert environ == before
 
 
 def test_apply_default_env_on_empty_environment():
@@ -225,6 +235,7 @@ def test_apply_default_env_on_empty_environment():
     assert environ == {
         "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True",
         "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",
+        "TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC": "1000",
     }
 
 
