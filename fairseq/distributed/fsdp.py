@@ -132,11 +132,12 @@ class ReshardEventLimiter:
     Every all-gather of a layer gets the next sequence number. When the layer's full parameters are freed
     (`on_reshard`), an event is recorded on the current (compute) stream; it completes once the GPU has
     finished everything that used them. Before all-gather number s is issued (`before_unshard`), the CPU
-    waits on the event of all-gather s - max_in_flight (or, if that one is not freed yet, the newest older
-    one that is). Events on one stream complete in recording order, so after the wait every all-gather up
-    to s - max_in_flight has been freed on the GPU too: at most `max_in_flight` layers' full parameters
-    exist, and the CPU runs at most that many layers ahead. Only that event is waited on; the device as a
-    whole is never synchronized.
+    waits on the event of all-gather s - max_in_flight; more precisely on the most recently recorded
+    event among those of all-gathers s - max_in_flight and older (normally that very one; they differ when
+    frees come out of gathering order, as with --no-reshard-after-forward). Events on one stream complete
+    in recording order, so after the wait every all-gather up to s - max_in_flight has been freed on the
+    GPU too: at most `max_in_flight` layers' full parameters exist, and the CPU runs at most that many
+    layers ahead. Only that event is waited on; the device as a whole is never synchronized.
 
     Layer indices are those of model.decoder.layers; the sequence runs on across forward, backward and
     iterations (in backward, the layer two all-gathers back is layer i+2). A layer already gathered (by a

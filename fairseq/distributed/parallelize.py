@@ -261,7 +261,9 @@ def _scale_(grads: List[torch.Tensor], factor: torch.Tensor, foreach: Optional[b
         local = grad.to_local() if isinstance(grad, DTensor) else grad
         by_device.setdefault(local.device, []).append(local)
     for device, tensors in by_device.items():
-        device_factor = factor.to(device, non_blocking=True)
+        # Gradients offloaded to the CPU (--cpu-offload) need the factor's value on the host: that copy
+        # must complete before the CPU multiplies (a non-blocking device-to-host copy would race).
+        device_factor = factor.to(device, non_blocking=device.type != "cpu")
         if foreach is False:
             for tensor in tensors:
                 tensor.mul_(device_factor.to(tensor.dtype))
