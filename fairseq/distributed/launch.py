@@ -7,7 +7,8 @@ started by torchrun / srun / the user) or spawns the local processes and runs it
 Failures never hang silently:
 - every process group gets a timeout (`--heartbeat-timeout`, default 600 s) that also bounds collectives;
 - spawned processes are watched by torch.multiprocessing: when one fails the rest are killed and this
-  process exits non-zero, showing the failed rank's traceback;
+  process exits non-zero, showing the traceback of the rank that failed first (each failing rank leaves a
+  time-stamped report, since its peers fail right after it and torch may notice one of them first);
 - a rank started by torchrun or srun that fails logs its error with its rank, shuts its process group down
   (bounded wait) and exits non-zero, so torchrun tears the others down (under SLURM, run srun with
   --kill-on-bad-exit=1 to get the same).
