@@ -4,13 +4,12 @@ No host synchronization happens here except the fp16 overflow check (the update 
 skipped). Statistics are added to a `LoggingOutputSums` as device tensors and read at log intervals.
 """
 
-import contextlib
 from typing import List, Optional
 
 import torch
 import torch.distributed as dist
 
-from fairseq.distributed.gradients import clip_grad_norm_
+from fairseq.distributed.parallelize import clip_grad_norm_, gradient_sync
 from fairseq.precision import Precision
 from fairseq.logging.logging_outputs import LoggingOutputSums
 
@@ -30,14 +29,6 @@ def _sample_size(sample, sentence_avg: bool) -> int:
     return sample["nsentences"] if sentence_avg else sample["ntokens"]
 
 
-def _grad_sync(model, enabled: bool):
-    """DDP skips the all-reduce on all but the last micro-batch; FSDP2 reduce-scatters every micro-batch
-    (sharded gradient accumulation keeps memory flat)."""
-    if not enabled and hasattr(model, "no_sync"):
-        return model.no_sync()
-    return contextlib.nullcontext()
-
-
 def run_update(model, criterion, optimizer, precision: Precision, samples: List[dict], stats: LoggingOutputSums,
                clip_norm: float, sentence_avg: bool, device: torch.device,
                data_parallel_size: int) -> Optional[torch.Tensor]:
@@ -51,7 +42,7 @@ def run_update(model, criterion, optimizer, precision: Precision, samples: List[
     loss_scale = precision.loss_scale
     for i, sample in enumerate(samples):
         is_dummy = sample.get("is_dummy", False)
-        with _grad_sync(model, i == len(samples) - 1), precision.autocast():
+        with gradient_sync(model, i == len(samples) - 1), precision.autocast():
             loss, sample_size, logging_output = criterion(model, sample)
         if is_dummy:  # keeps collectives in step on ranks with fewer batches; contributes nothing
             loss = loss * 0.0

@@ -58,11 +58,19 @@ class Trainer:
         self._interval_train_time = 0.0
 
     # ---------------------------------------------------------------- training
-    def train_step(self, samples: List[dict]) -> None:
+    def prepare_sample(self, sample: dict, batch_source) -> dict:
+        """Move a batch to the device. An empty batch pads a rank that ran out of data: it becomes a dummy
+        batch (a real one, weighted 0) so every rank joins the same collectives."""
+        if not sample:
+            sample = dict(batch_source.first_batch, is_dummy=True)
+        return move_to_device(sample, self.device)
+
+    def train_step(self, samples: List[dict], batch_source) -> None:
         """One update; sets the seed from the update count (upstream's rule), so that a resumed run draws
         the same dropout masks as an uninterrupted one."""
         torch.manual_seed(self.cfg.common.seed + self.num_updates)
         start = time.perf_counter()
+        samples = [self.prepare_sample(s, batch_source) for s in samples]
         grad_norm = run_update(
             self.model, self.criterion, self.optimizer, self.precision, samples, self.train_stats,
             clip_norm=self.cfg.optimization.clip_norm, sentence_avg=self.cfg.optimization.sentence_avg,
@@ -89,7 +97,8 @@ class Trainer:
         check_finite(sums, self.num_updates)
         return sums
 
-    def valid_step(self, sample: dict) -> None:
+    def valid_step(self, sample: dict, batch_source) -> None:
+        sample = self.prepare_sample(sample, batch_source)
         run_valid_step(self.model, self.criterion, self.precision, sample, self.valid_stats)
 
     def read_valid_stats(self) -> Dict[str, float]:
@@ -142,6 +151,16 @@ class Trainer:
 
     def get_lr(self) -> float:
         return self.optimizer.param_groups[0]["lr"]
+
+
+def move_to_device(obj, device: torch.device):
+    if isinstance(obj, torch.Tensor):
+        return obj.to(device, non_blocking=True)
+    if isinstance(obj, dict):
+        return {k: move_to_device(v, device) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(move_to_device(v, device) for v in obj)
+    return obj
 
 
 def check_finite(sums: Dict[str, float], num_updates: int) -> None:

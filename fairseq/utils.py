@@ -23,3 +23,17 @@ def import_user_module(user_dir: str):
         importlib.import_module(name)
     finally:
         sys.path.remove(parent)
+
+
+def run_console_script(name: str, main_fn, argv=None):
+    """Run an entry point; errors about the user's input print one line and exit 1 (no traceback)."""
+    import logging
+
+    from fairseq.checkpoint.io import CheckpointError
+
+    try:
+        return main_fn(argv)
+    except (ValueError, FileNotFoundError, CheckpointError, FloatingPointError) as e:
+        logging.getLogger(name).error(f"{type(e).__name__}: {e}")
+        print(f"{name}: error: {e}", file=sys.stderr)
+        sys.exit(1)

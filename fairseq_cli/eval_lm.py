@@ -7,14 +7,37 @@ import sys
 import time
 from typing import List, Optional
 
+import numpy as np
 import torch
 
 from fairseq import options
+from fairseq.utils import run_console_script
 from fairseq.checkpoint.inference import build_from_saved_config, load_model_weights, read_checkpoint_config
 from fairseq.logging import progress_bar
 from fairseq.precision import compute_dtype
 
 logger = logging.getLogger("fairseq_cli.eval_lm")
+
+
+class InCorpusOrder:
+    """A dataset view whose batches come in corpus order (no size sorting, no shuffling), as the
+    sliding-window evaluation needs: each block's context is the text just before it."""
+
+    def __init__(self, dataset):
+        self.dataset = dataset
+        self.sizes = dataset.sizes
+
+    def __len__(self):
+        return len(self.dataset)
+
+    def __getitem__(self, index):
+        return self.dataset[index]
+
+    def collater(self, samples):
+        return self.dataset.collater(samples)
+
+    def ordered_indices(self):
+        return np.arange(len(self.dataset))
 
 
 def with_context_window(batches, context_window: int, pad: int):
@@ -93,6 +116,8 @@ def main(cfg) -> dict:
 
     task.load_dataset(cfg.dataset.gen_subset)
     dataset = task.dataset(cfg.dataset.gen_subset)
+    if context_window > 0:
+        dataset = InCorpusOrder(dataset)
     itr = task.get_batch_iterator(
         dataset=dataset, max_tokens=cfg.dataset.max_tokens, max_sentences=cfg.dataset.batch_size,
         max_positions=None, ignore_invalid_inputs=True, seed=cfg.common.seed,
@@ -118,12 +143,12 @@ def cli_main(argv: Optional[List[str]] = None) -> None:
     cfg = options.convert_namespace_to_config(args)
     if cfg.dataset.max_tokens is None and cfg.dataset.batch_size is None:
         cfg.dataset.batch_size = 1  # upstream evaluates one block at a time by default
-    try:
-        main(cfg)
-    except (ValueError, FileNotFoundError) as e:
-        logger.error(str(e))
-        sys.exit(1)
+    main(cfg)
+
+
+def console_main() -> None:
+    run_console_script("fairseq-eval-lm", cli_main)
 
 
 if __name__ == "__main__":
-    cli_main(sys.argv[1:])
+    console_main()

@@ -8,7 +8,9 @@ from typing import List, Optional, Tuple
 
 import torch
 
-from fairseq import options, registry
+from fairseq import options
+from fairseq import registry
+from fairseq.utils import run_console_script
 from fairseq.checkpoint.manager import CheckpointManager
 from fairseq.criterions import build_criterion
 from fairseq.distributed import utils as dist_utils
@@ -30,7 +32,16 @@ def check_config(cfg) -> None:
 
 
 def main(cfg) -> None:
-    progress_bar.setup_logging(cfg.common.log_file)
+    log_file_handler = progress_bar.setup_logging(cfg.common.log_file)
+    try:
+        _train(cfg)
+    finally:
+        if log_file_handler is not None:  # in-process callers (tests) start the next run with a clean root logger
+            logging.getLogger().removeHandler(log_file_handler)
+            log_file_handler.close()
+
+
+def _train(cfg) -> None:
     if not dist_utils.is_master():
         logging.getLogger().setLevel(logging.WARNING)  # one log, from rank 0
     check_config(cfg)
@@ -80,7 +91,7 @@ def main(cfg) -> None:
 
 def trainer_iterator(cfg, task, trainer, epoch: int):
     """The training batch iterator for `epoch` (shards of `DATA` rotate by epoch)."""
-    task.load_dataset(cfg.dataset.train_subset, epoch=epoch, combine=True)
+    task.load_dataset(cfg.dataset.train_subset, epoch=epoch)
     return task.get_batch_iterator(
         dataset=task.dataset(cfg.dataset.train_subset),
         max_tokens=cfg.dataset.max_tokens,
@@ -123,10 +134,9 @@ def train_epoch(cfg, trainer, task, epoch_itr, checkpoints) -> Tuple[List[Option
     trainer.begin_epoch(epoch_itr.epoch)
     valid_losses, should_stop = [None], False
     interval_start = time.perf_counter()
-    with metrics.aggregate("train"):
+    with metrics.aggregate("train"), metrics.aggregate("train_inner"):
         for samples in progress:
-            with metrics.aggregate("train_inner"):
-                trainer.train_step(samples)
+            trainer.train_step(samples, epoch_itr)
             num_updates = trainer.num_updates
             end_of_epoch = not itr.has_next()
             at_log = num_updates % cfg.common.log_interval == 0 or end_of_epoch
@@ -140,8 +150,8 @@ def train_epoch(cfg, trainer, task, epoch_itr, checkpoints) -> Tuple[List[Option
             valid_losses, should_stop = validate_and_save(cfg, trainer, task, epoch_itr, checkpoints, end_of_epoch)
             if should_stop:
                 break
-    if trainer.train_stats:  # a stop mid-interval: fold what is left into the epoch line
-        log_train_interval(trainer, trainer.read_train_stats(), time.perf_counter() - interval_start)
+        if trainer.train_stats:  # a stop mid-interval: fold what is left into the epoch line
+            log_train_interval(trainer, trainer.read_train_stats(), time.perf_counter() - interval_start)
     progress.print(train_log_line("train", trainer), tag="train", step=trainer.num_updates)
     metrics.reset_meters("train")
     metrics.reset_meters("train_inner")
@@ -208,7 +218,7 @@ def stop_early(cfg, checkpoints, valid_loss) -> bool:
 def validate(cfg, trainer, task, epoch_itr, checkpoints) -> List[Optional[float]]:
     valid_losses = []
     for subset in cfg.dataset.valid_subset.split(","):
-        itr = task.get_batch_iterator(
+        batches = task.get_batch_iterator(
             dataset=task.dataset(subset),
             max_tokens=cfg.dataset.max_tokens_valid or cfg.dataset.max_tokens,
             max_sentences=cfg.dataset.batch_size_valid or cfg.dataset.batch_size,
@@ -221,14 +231,15 @@ def validate(cfg, trainer, task, epoch_itr, checkpoints) -> List[Optional[float]
             num_workers=cfg.dataset.num_workers,
             epoch=1,
             pin_memory=trainer.device.type == "cuda",
-        ).next_epoch_itr(shuffle=False)
+        )
+        itr = batches.next_epoch_itr(shuffle=False)
         progress = _progress(cfg, itr, epoch=epoch_itr.epoch, prefix=f"valid on '{subset}' subset")
         start = time.perf_counter()
         with metrics.aggregate(new_root=True) as agg:
             for i, sample in enumerate(progress):
                 if cfg.dataset.max_valid_steps is not None and i >= cfg.dataset.max_valid_steps:
                     break
-                trainer.valid_step(sample)
+                trainer.valid_step(sample, batches)
             log_valid(trainer.criterion, trainer.read_valid_stats(), time.perf_counter() - start)
             stats = valid_log_line(agg, trainer, cfg.checkpoint, checkpoints.best)
         progress.print(stats, tag=subset, step=trainer.num_updates)
@@ -247,5 +258,9 @@ def cli_main(argv: Optional[List[str]] = None) -> None:
     call_main(cfg, main)
 
 
+def console_main() -> None:
+    run_console_script("fairseq-train", cli_main)
+
+
 if __name__ == "__main__":
-    cli_main(sys.argv[1:])
+    console_main()

@@ -44,7 +44,7 @@ def upgrade_legacy_checkpoint(state: Dict[str, Any]) -> Dict[str, Any]:
         task_cfg = dict(args, _name=args.get("task"))
     upgraded = {
         "cfg": {"model": model_cfg, "task": task_cfg},
-        "model": upgrade_state_dict(state["model"]),
+        "model": upgrade_state_dict(state["model"], model_cfg),
         "last_optimizer_state": None,
         "extra_state": {},
         "legacy": True,

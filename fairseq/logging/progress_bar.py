@@ -37,6 +37,7 @@ def add_log_file(log_file: str) -> logging.FileHandler:
     for handler in root.handlers:
         if isinstance(handler, logging.FileHandler) and handler.baseFilename == path:
             return handler
+    os.makedirs(os.path.dirname(path), exist_ok=True)
     handler = logging.FileHandler(path)
     handler.setFormatter(make_formatter())
     root.addHandler(handler)

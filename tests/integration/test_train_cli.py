@@ -1,0 +1,219 @@
+"""fairseq-train and fairseq-eval-lm through their real entry points on a tiny model (CPU)."""
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from fairseq_cli import eval_lm, train
+
+TINY_MODEL = [
+    "--arch", "transformer_lm", "--decoder-layers", "2", "--decoder-embed-dim", "32",
+    "--decoder-ffn-embed-dim", "64", "--decoder-attention-heads", "2", "--decoder-input-dim", "32",
+    "--decoder-output-dim", "32", "--share-decoder-input-output-embed",
+]
+
+
+def train_args(data, save_dir, *extra, max_update=8):
+    return [
+        "--task", "language_modeling", str(data), "--save-dir", str(save_dir), *TINY_MODEL,
+        "--dropout", "0.1", "--optimizer", "adam", "--adam-betas", "(0.9, 0.98)", "--weight-decay", "0.01",
+        "--clip-norm", "1.0", "--lr", "0.002", "--lr-scheduler", "inverse_sqrt", "--warmup-updates", "4",
+        "--tokens-per-sample", "32", "--sample-break-mode", "none", "--max-tokens", "256",
+        "--max-update", str(max_update), "--log-format", "json", "--log-interval", "1",
+        "--log-file", str(save_dir / "train.log"), "--num-workers", "0", "--cpu", "--seed", "3", *extra,
+    ]
+
+
+def train_inner_lines(log_file):
+    lines = []
+    with open(log_file) as f:
+        for line in f:
+            if "| train_inner |" in line:
+                lines.append(json.loads(line.split("| train_inner |", 1)[1]))
+    return lines
+
+
+def load(path):
+    return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def test_resume_is_bitwise(tiny_data, tmp_path):
+    straight = tmp_path / "straight"
+    train.cli_main(train_args(tiny_data, straight, max_update=12))
+    resumed = tmp_path / "resumed"
+    train.cli_main(train_args(tiny_data, resumed, max_update=7))  # stops mid-epoch
+    first = load(resumed / "checkpoint_last.pt")
+    assert first["extra_state"]["trainer"]["num_updates"] == 7
+    assert first["extra_state"]["train_iterator"]["iterations_in_epoch"] > 0
+    train.cli_main(train_args(tiny_data, resumed, max_update=12))
+
+    a, b = load(straight / "checkpoint_last.pt"), load(resumed / "checkpoint_last.pt")
+    assert a["model"].keys() == b["model"].keys()
+    for key in a["model"]:
+        assert torch.equal(a["model"][key], b["model"][key]), key
+    for name, state in a["last_optimizer_state"]["state"].items():
+        for k, v in state.items():
+            assert torch.equal(v, b["last_optimizer_state"]["state"][name][k]), (name, k)
+    losses_straight = [(r["num_updates"], r["loss"]) for r in train_inner_lines(straight / "train.log")]
+    losses_resumed = [(r["num_updates"], r["loss"]) for r in train_inner_lines(resumed / "train.log")]
+    assert losses_straight == losses_resumed
+    assert [u for u, _ in losses_straight] == [str(i) for i in range(1, 13)]
+
+
+def test_checkpoint_is_plain_and_has_upstream_keys(tiny_data, tmp_path):
+    train.cli_main(train_args(tiny_data, tmp_path, max_update=3))
+    state = load(tmp_path / "checkpoint_last.pt")  # weights_only=True: no pickled objects inside
+    for key in ("cfg", "model", "criterion", "optimizer_history", "task_state", "extra_state",
+                "last_optimizer_state"):
+        assert key in state
+    assert state["optimizer_history"][-1]["num_updates"] == 3
+    assert state["cfg"]["model"]["_name"] == "transformer_lm"
+    assert "decoder.layers.1.self_attn.q_proj.weight" in state["model"]
+    assert set(state["extra_state"]) >= {"metrics", "previous_training_time", "train_iterator", "val_loss", "best"}
+
+
+def test_loss_falls_and_eval_lm_matches_independent_computation(tiny_data, tmp_path):
+    train.cli_main(train_args(tiny_data, tmp_path, "--validate-interval-updates", "10", max_update=60))
+    rows = train_inner_lines(tmp_path / "train.log")
+    assert float(rows[-1]["loss"]) < float(rows[0]["loss"]) - 1.0
+
+    ckpt = tmp_path / "checkpoint_last.pt"
+    result = eval_lm.main(_eval_cfg(tiny_data, ckpt))
+    # Independent computation: the same blocks, model loaded by hand, cross entropy in float64.
+    from fairseq import registry
+    from fairseq.checkpoint.inference import build_from_saved_config
+    from fairseq.tasks.language_modeling import LanguageModelingConfig
+
+    state = load(ckpt)
+    task_cfg = LanguageModelingConfig(data=str(tiny_data), tokens_per_sample=32)
+    task_cfg._name = "language_modeling"
+    task, model = build_from_saved_config(state["cfg"], task_cfg)
+    model.load_state_dict(state["model"])
+    model.eval()
+    task.load_dataset("test")
+    ds = task.dataset("test")
+    pad = task.source_dictionary.pad()
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for i in range(len(ds)):
+            item = ds[i]
+            src, tgt = item["source"].unsqueeze(0), item["target"].unsqueeze(0)
+            logp = torch.log_softmax(model(src).double(), -1)
+            mask = tgt.ne(pad)
+            total -= logp.gather(-1, tgt.unsqueeze(-1)).squeeze(-1)[mask].sum().item()
+            count += int(mask.sum())
+    mean_bits = total / count / math.log(2)
+    assert result["tokens"] == count
+    assert result["loss"] == pytest.approx(mean_bits, rel=1e-6)  # fp32 logits vs float64: 1e-6 relative
+    assert result["perplexity"] == pytest.approx(2 ** mean_bits, rel=1e-5)
+
+
+def _eval_cfg(data, path, *extra):
+    from fairseq import options
+
+    parser = options.get_eval_lm_parser()
+    args = options.parse_args_and_arch(parser, [str(data), "--path", str(path), "--gen-subset", "test",
+                                                "--tokens-per-sample", "32", "--batch-size", "4", "--cpu", *extra])
+    return options.convert_namespace_to_config(args)
+
+
+def test_eval_lm_context_window_scores_every_token_once(tiny_data, tmp_path):
+    train.cli_main(train_args(tiny_data, tmp_path, max_update=5))
+    ckpt = tmp_path / "checkpoint_last.pt"
+    plain = eval_lm.main(_eval_cfg(tiny_data, ckpt))
+    windowed = eval_lm.main(_eval_cfg(tiny_data, ckpt, "--context-window", "16"))
+    assert windowed["tokens"] == plain["tokens"]
+    assert windowed["loss"] != plain["loss"]
+
+
+def test_upstream_wikitext_command_line_runs(tiny_data, tmp_path):
+    """FAIRSEQ_COMPAT.md's language-model example, unchanged apart from sizes, --cpu, and no --fp16
+    (fp16 needs a GPU; tests/gpu covers it)."""
+    argv = [
+        "--task", "language_modeling", str(tiny_data), "--save-dir", str(tmp_path),
+        "--arch", "transformer_lm", "--share-decoder-input-output-embed", "--dropout", "0.1",
+        "--optimizer", "adam", "--adam-betas", "(0.9, 0.98)", "--weight-decay", "0.01", "--clip-norm", "0.0",
+        "--lr", "0.0005", "--lr-scheduler", "inverse_sqrt", "--warmup-updates", "4000", "--warmup-init-lr",
+        "1e-07", "--tokens-per-sample", "64", "--sample-break-mode", "none", "--max-tokens", "512",
+        "--update-freq", "2", "--max-update", "2",
+        "--decoder-layers", "1", "--decoder-embed-dim", "64", "--decoder-ffn-embed-dim", "128",  # size
+        "--cpu", "--num-workers", "0",
+    ]
+    train.cli_main(argv)
+    state = load(tmp_path / "checkpoint_last.pt")
+    assert state["extra_state"]["trainer"]["num_updates"] == 2
+    # transformer_lm's default input/output dims are 512 whatever the embed dim: projections appear
+    assert state["model"]["decoder.project_in_dim.weight"].shape == (64, 512)
+
+
+def _run_train(argv, **kw):
+    return subprocess.run([sys.executable, "-m", "fairseq_cli.train", *argv], capture_output=True, text=True,
+                          timeout=300, **kw)
+
+
+def test_missing_dict_is_a_clear_error(tmp_path):
+    (tmp_path / "data").mkdir()
+    proc = _run_train(train_args(tmp_path / "data", tmp_path / "ck"))
+    assert proc.returncode != 0
+    assert "dict.txt" in proc.stderr + proc.stdout
+
+
+def test_unknown_arch_is_a_usage_error(tiny_data, tmp_path):
+    argv = train_args(tiny_data, tmp_path)
+    argv[argv.index("transformer_lm")] = "transformer_lm_nonexistent"
+    proc = _run_train(argv)
+    assert proc.returncode == 2
+    assert "unknown architecture 'transformer_lm_nonexistent'" in proc.stderr
+
+
+def test_unknown_flag_is_a_usage_error(tiny_data, tmp_path):
+    proc = _run_train(train_args(tiny_data, tmp_path, "--no-such-flag"))
+    assert proc.returncode == 2
+    assert "--no-such-flag" in proc.stderr
+
+
+def test_checkpoint_of_another_architecture_is_rejected(tiny_data, tmp_path):
+    train.cli_main(train_args(tiny_data, tmp_path, max_update=1))
+    argv = train_args(tiny_data, tmp_path, max_update=2)
+    argv[argv.index("--decoder-layers") + 1] = "3"
+    with pytest.raises(Exception, match="different architecture"):
+        train.cli_main(argv)
+
+
+def test_missing_restore_file_is_a_clear_error(tiny_data, tmp_path):
+    with pytest.raises(FileNotFoundError, match="--restore-file"):
+        train.cli_main(train_args(tiny_data, tmp_path, "--restore-file", "nope.pt"))
+
+
+NAN_PLUGIN = '''
+import torch
+from fairseq.registry import register_criterion
+from fairseq.criterions.cross_entropy import CrossEntropyCriterion, CrossEntropyCriterionConfig
+
+@register_criterion("nan_after_two", dataclass=CrossEntropyCriterionConfig)
+class NanAfterTwo(CrossEntropyCriterion):
+    calls = 0
+    def forward(self, model, sample, reduce=True):
+        loss, size, log = super().forward(model, sample, reduce)
+        NanAfterTwo.calls += 1
+        if NanAfterTwo.calls > 2:
+            loss = loss * float("nan")
+            log = dict(log, loss=log["loss"] * float("nan"))
+        return loss, size, log
+'''
+
+
+def test_nan_loss_stops_with_a_clear_error(tiny_data, tmp_path):
+    plugin = tmp_path / "nan_plugin"
+    plugin.mkdir()
+    (plugin / "__init__.py").write_text(NAN_PLUGIN)
+    argv = train_args(tiny_data, tmp_path / "ck", "--user-dir", str(plugin), "--criterion", "nan_after_two",
+                      max_update=6)
+    proc = _run_train(argv)
+    assert proc.returncode != 0
+    assert "loss became nan" in proc.stderr + proc.stdout
