@@ -32,5 +32,8 @@ def apply_ddp(model: nn.Module, cfg, device: torch.device) -> DistributedDataPar
         device_ids=device_ids,
         bucket_cap_mb=dt.bucket_cap_mb,
         find_unused_parameters=dt.find_unused_parameters,
-        broadcast_buffers=dt.broadcast_buffers,
+        # --broadcast-buffers is upstream's name for copying buffers from rank 0 before each forward
+        # (DDP's old `broadcast_buffers`, deprecated in favour of this). Buffers are also synchronized once
+        # at construction; this model's buffers are identical on every rank, so that changes nothing.
+        forward_sync_buffers=dt.broadcast_buffers,
     )
