@@ -16,6 +16,8 @@ from fairseq.optim import build_optimizer
 from fairseq.optim.lr_scheduler import build_lr_scheduler
 from fairseq.precision import Precision
 from fairseq.logging.logging_outputs import LoggingOutputSums
+from fairseq.logging.memory import CudaMemoryStats
+from fairseq.logging.throughput import Throughput, default_peak_tflops, flops_per_token
 from fairseq.train_step import run_update, run_valid_step
 
 logger = logging.getLogger(__name__)
@@ -42,6 +44,8 @@ class Trainer:
         self.data_parallel_size = data_parallel_world_size()
         self.is_sharded = cfg.distributed_training.ddp_backend == "fully_sharded"
         self.criterion = criterion.to(self.device)
+        self.throughput = _throughput(cfg, model, self.device, self.data_parallel_size)
+        self.memory_stats = CudaMemoryStats.for_device(self.device)
         self.model = parallelize_model(model, cfg, self.device)
         self.precision = Precision(
             cfg.common, self.device, sharded=self.is_sharded, data_parallel_size=self.data_parallel_size,
@@ -151,6 +155,17 @@ class Trainer:
 
     def get_lr(self) -> float:
         return self.optimizer.param_groups[0]["lr"]
+
+
+def _throughput(cfg, model, device, world_size) -> Optional[Throughput]:
+    """tflops/mfu for models that say their depth and width (the transformer_lm family)."""
+    layers = getattr(cfg.model, "decoder_layers", None)
+    width = getattr(cfg.model, "decoder_embed_dim", None)
+    seq_len = getattr(cfg.task, "tokens_per_sample", None)
+    if not (layers and width and seq_len):
+        return None
+    peak = cfg.common.peak_tflops or default_peak_tflops(device)
+    return Throughput(flops_per_token(model, layers, width, seq_len), world_size, peak)
 
 
 def move_to_device(obj, device: torch.device):

@@ -8,6 +8,7 @@ from collections import OrderedDict
 from typing import Dict, Optional
 
 from fairseq.logging import metrics
+from fairseq.logging.memory import log_memory_stats
 
 
 def log_train_interval(trainer, sums: Dict[str, float], elapsed: float) -> None:
@@ -29,14 +30,15 @@ def log_train_interval(trainer, sums: Dict[str, float], elapsed: float) -> None:
     if trainer.precision.scaler is not None:
         metrics.log_scalar("loss_scale", trainer.precision.loss_scale, weight=0, priority=110, round=4)
     metrics.log_scalar_sum("train_wall", sums.get("train_wall", 0.0), priority=120, round=0)
-    throughput = getattr(trainer, "throughput", None)
-    if throughput is not None and elapsed > 0 and updates > 0:
-        throughput.log(sums.get("ntokens", 0.0), elapsed)
-    memory = getattr(trainer, "memory_stats", None)
-    if memory is not None and memory.available:
-        from fairseq.logging.memory import log_memory_stats
+    if trainer.throughput is not None and elapsed > 0 and updates > 0:
+        trainer.throughput.log(sums.get("ntokens", 0.0), elapsed)
+    log_memory(trainer)
 
-        log_memory_stats(memory.interval_stats())
+
+def log_memory(trainer) -> None:
+    """CUDA memory over the interval (a collective: every rank calls it at the same boundary)."""
+    if trainer.memory_stats.available:
+        log_memory_stats(trainer.memory_stats.interval_stats())
 
 
 def _with_wall(stats) -> Dict[str, object]:
@@ -55,14 +57,15 @@ def train_log_line(aggregator: str, trainer) -> Dict[str, object]:
     return _with_wall(stats)
 
 
-def log_valid(criterion, sums: Dict[str, float], elapsed: float) -> None:
-    criterion.reduce_metrics([sums])
+def log_valid(trainer, sums: Dict[str, float], elapsed: float) -> None:
+    trainer.criterion.reduce_metrics([sums])
     if elapsed > 0:
         metrics.log_scalar("wps", sums.get("ntokens", 0.0) / elapsed, elapsed, priority=30, round=1)
     batches = sums.get("batches", 0.0)
     if batches > 0:
         metrics.log_scalar("wpb", sums.get("ntokens", 0.0) / batches, batches, priority=50, round=1)
         metrics.log_scalar("bsz", sums.get("nsentences", 0.0) / batches, batches, priority=60, round=1)
+    log_memory(trainer)
 
 
 def valid_log_line(agg, trainer, ckpt_cfg, best: Optional[float]) -> Dict[str, object]:

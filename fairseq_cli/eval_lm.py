@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from fairseq import options
-from fairseq.utils import run_console_script
+from fairseq.utils import import_user_module, run_console_script
 from fairseq.checkpoint.inference import build_from_saved_config, load_model_weights, read_checkpoint_config
 from fairseq.logging import progress_bar
 from fairseq.precision import compute_dtype
@@ -96,6 +96,8 @@ def evaluate(model, batches, pad: int, device, dtype) -> tuple:
 
 def main(cfg) -> dict:
     progress_bar.setup_logging(cfg.common.log_file)
+    if cfg.common.user_dir:
+        import_user_module(cfg.common.user_dir)
     path = cfg.common_eval.path
     if not path:
         raise ValueError("no checkpoint given: pass --path CHECKPOINT.pt (or a sharded checkpoint directory)")

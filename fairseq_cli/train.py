@@ -10,12 +10,13 @@ import torch
 
 from fairseq import options
 from fairseq import registry
-from fairseq.utils import run_console_script
+from fairseq.utils import import_user_module, run_console_script
 from fairseq.checkpoint.manager import CheckpointManager
 from fairseq.criterions import build_criterion
 from fairseq.distributed import utils as dist_utils
 from fairseq.distributed.launch import call_main
 from fairseq.logging import metrics, progress_bar
+from fairseq.preemption import EXIT_REQUEUED, Preempted, PreemptionWatcher, requeue_slurm_job
 from fairseq.trainer import Trainer
 from fairseq.training_stats import log_train_interval, log_valid, train_log_line, valid_log_line
 
@@ -31,17 +32,23 @@ def check_config(cfg) -> None:
         raise ValueError("no --arch given; e.g. --arch transformer_lm")
 
 
-def main(cfg) -> None:
+def main(cfg) -> Optional[str]:
+    """Train; returns REQUEUED when a preemption signal stopped training after saving checkpoint_last."""
     log_file_handler = progress_bar.setup_logging(cfg.common.log_file)
+    if cfg.common.user_dir:  # spawned ranks start fresh interpreters: register the plug-ins there too
+        import_user_module(cfg.common.user_dir)
     try:
-        _train(cfg)
+        return _train(cfg)
     finally:
         if log_file_handler is not None:  # in-process callers (tests) start the next run with a clean root logger
             logging.getLogger().removeHandler(log_file_handler)
             log_file_handler.close()
 
 
-def _train(cfg) -> None:
+REQUEUED = "requeued"
+
+
+def _train(cfg) -> Optional[str]:
     if not dist_utils.is_master():
         logging.getLogger().setLevel(logging.WARNING)  # one log, from rank 0
     check_config(cfg)
@@ -52,7 +59,7 @@ def _train(cfg) -> None:
     for subset in cfg.dataset.valid_subset.split(","):
         if not cfg.dataset.disable_validation:
             task.load_dataset(subset, combine=False, epoch=1)
-    model = task.build_model(cfg.model)
+    model = build_model(cfg, task)
     criterion = build_criterion(cfg.criterion, task, cfg.optimization)
     logger.info(f"task: {type(task).__name__}, model: {type(model).__name__} ({cfg.model._name}), "
                 f"criterion: {type(criterion).__name__}")
@@ -69,24 +76,68 @@ def _train(cfg) -> None:
     epoch = extra_state["train_iterator"]["epoch"] if extra_state and "train_iterator" in extra_state else 1
     epoch_itr = trainer_iterator(cfg, task, trainer, epoch)
     if extra_state and "train_iterator" in extra_state:
-        epoch_itr.load_state_dict(extra_state["train_iterator"])
+        epoch_itr.load_state_dict(iterator_state_for_world_size(extra_state, dist_utils.get_world_size()))
     if extra_state and extra_state.get("metrics"):
         metrics.load_state_dict(extra_state["metrics"])
 
     max_epoch = cfg.optimization.max_epoch or math.inf
     start = time.time()
     metrics.log_start_time("wall", priority=790, round=0)  # "default" aggregator: never reset
-    while epoch_itr.next_epoch_idx <= max_epoch:
-        if trainer.get_lr() <= cfg.optimization.stop_min_lr:
-            logger.info(f"stopping training because the learning rate {trainer.get_lr()} fell to "
-                        f"--stop-min-lr {cfg.optimization.stop_min_lr}")
-            break
-        valid_losses, should_stop = train_epoch(cfg, trainer, task, epoch_itr, checkpoints)
-        if should_stop:
-            break
-        trainer.step_epoch_end(epoch_itr.epoch, valid_losses[0])
-        epoch_itr = trainer_iterator(cfg, task, trainer, epoch_itr.next_epoch_idx)
+    preemption = PreemptionWatcher(trainer.device)
+    try:
+        while epoch_itr.next_epoch_idx <= max_epoch:
+            if trainer.get_lr() <= cfg.optimization.stop_min_lr:
+                logger.info(f"stopping training because the learning rate {trainer.get_lr()} fell to "
+                            f"--stop-min-lr {cfg.optimization.stop_min_lr}")
+                break
+            valid_losses, should_stop = train_epoch(cfg, trainer, task, epoch_itr, checkpoints, preemption)
+            if should_stop:
+                break
+            trainer.step_epoch_end(epoch_itr.epoch, valid_losses[0])
+            epoch_itr = trainer_iterator(cfg, task, trainer, epoch_itr.next_epoch_idx)
+        preemption.drain()
+    except Preempted:
+        logger.warning(f"preempted: saved checkpoint_last at update {trainer.num_updates}")
+        if dist_utils.is_master():
+            requeue_slurm_job()
+        dist_utils.barrier()
+        return REQUEUED
+    finally:
+        preemption.restore()
     logger.info(f"done training in {time.time() - start:.1f} seconds")
+    return None
+
+
+# Under fully_sharded, models at least this large are built on the meta device and each rank initializes only
+# its shards after sharding (fast, and no rank ever holds the whole model). Smaller ones are built whole on
+# the CPU first, so that their initial weights are identical to a single-process run with the same seed.
+META_INIT_MIN_PARAMS = 1_000_000_000
+
+
+def build_model(cfg, task):
+    if cfg.distributed_training.ddp_backend == "fully_sharded":
+        with torch.device("meta"):
+            model = task.build_model(cfg.model)
+        if sum(p.numel() for p in model.parameters()) >= META_INIT_MIN_PARAMS:
+            return model
+    return task.build_model(cfg.model)
+
+
+def iterator_state_for_world_size(extra_state, world_size: int) -> dict:
+    """The saved data position, re-expressed for this world size: ranks take batches round-robin, so N ranks
+    that each consumed k batches consumed N*k batches of the epoch together."""
+    state = dict(extra_state["train_iterator"])
+    saved_world = extra_state.get("data_parallel_size", world_size)
+    if saved_world != world_size:
+        consumed = state["iterations_in_epoch"] * saved_world
+        state["iterations_in_epoch"] = consumed // world_size
+        logger.warning(
+            f"resuming a checkpoint saved by {saved_world} ranks on {world_size}: continuing after batch {consumed} "
+            f"of the epoch. Keep --batch-size/--max-tokens x --update-freq x ranks the same to keep the "
+            f"same global batch" + ("" if consumed % world_size == 0 else f" ({consumed % world_size} batch(es) "
+                                    "of this epoch are skipped)")
+        )
+    return state
 
 
 def trainer_iterator(cfg, task, trainer, epoch: int):
@@ -122,7 +173,7 @@ def _progress(cfg, itr, epoch=None, prefix=None):
     )
 
 
-def train_epoch(cfg, trainer, task, epoch_itr, checkpoints) -> Tuple[List[Optional[float]], bool]:
+def train_epoch(cfg, trainer, task, epoch_itr, checkpoints, preemption) -> Tuple[List[Optional[float]], bool]:
     from fairseq.data.iterators import GroupedIterator
 
     epoch = epoch_itr.next_epoch_idx
@@ -150,6 +201,9 @@ def train_epoch(cfg, trainer, task, epoch_itr, checkpoints) -> Tuple[List[Option
             valid_losses, should_stop = validate_and_save(cfg, trainer, task, epoch_itr, checkpoints, end_of_epoch)
             if should_stop:
                 break
+            if preemption.should_stop():
+                checkpoints.save_last(trainer, epoch_itr, metrics_state=metrics.state_dict())
+                raise Preempted()
         if trainer.train_stats:  # a stop mid-interval: fold what is left into the epoch line
             log_train_interval(trainer, trainer.read_train_stats(), time.perf_counter() - interval_start)
     progress.print(train_log_line("train", trainer), tag="train", step=trainer.num_updates)
@@ -240,7 +294,7 @@ def validate(cfg, trainer, task, epoch_itr, checkpoints) -> List[Optional[float]
                 if cfg.dataset.max_valid_steps is not None and i >= cfg.dataset.max_valid_steps:
                     break
                 trainer.valid_step(sample, batches)
-            log_valid(trainer.criterion, trainer.read_valid_stats(), time.perf_counter() - start)
+            log_valid(trainer, trainer.read_valid_stats(), time.perf_counter() - start)
             stats = valid_log_line(agg, trainer, cfg.checkpoint, checkpoints.best)
         progress.print(stats, tag=subset, step=trainer.num_updates)
         valid_losses.append(stats.get(cfg.checkpoint.best_checkpoint_metric))
@@ -255,7 +309,8 @@ def cli_main(argv: Optional[List[str]] = None) -> None:
         check_config(cfg)
     except ValueError as e:
         parser.error(str(e))
-    call_main(cfg, main)
+    if call_main(cfg, main) == REQUEUED:
+        sys.exit(EXIT_REQUEUED)
 
 
 def console_main() -> None:

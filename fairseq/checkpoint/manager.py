@@ -58,6 +58,15 @@ class CheckpointManager:
             self.best = val_loss
         stems = checkpoint_stems(self.ckpt_cfg, epoch_itr.epoch, trainer.num_updates, end_of_epoch, is_best,
                                  val_loss)
+        return self._write(stems, trainer, epoch_itr, val_loss, metrics_state)
+
+    def save_last(self, trainer, epoch_itr, metrics_state: Optional[dict] = None) -> List[str]:
+        """checkpoint_last only (preemption): even with --no-save or --no-last-checkpoints, since the
+        restarted job needs it to continue."""
+        return self._write([f"checkpoint_last{self.ckpt_cfg.checkpoint_suffix}"], trainer, epoch_itr, None,
+                           metrics_state)
+
+    def _write(self, stems, trainer, epoch_itr, val_loss, metrics_state) -> List[str]:
         if not stems:
             return []
         save_dir = self.ckpt_cfg.save_dir
@@ -69,6 +78,7 @@ class CheckpointManager:
             "metrics": metrics_state or {},
             "previous_training_time": trainer.train_time,
             "trainer": trainer.trainer_state(),
+            "data_parallel_size": trainer.data_parallel_size,
         }
         if self.sharded:
             paths = [os.path.join(save_dir, s) for s in stems]

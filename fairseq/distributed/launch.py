@@ -14,9 +14,11 @@ Failures never hang silently:
   --kill-on-bad-exit=1 to get the same).
 """
 
+import contextlib
 import json
 import logging
 import os
+import signal
 import sys
 import tempfile
 import threading
@@ -30,6 +32,7 @@ import torch.distributed as dist
 import torch.multiprocessing
 
 from fairseq.distributed.env import LaunchPlan, detect_launch
+from fairseq.preemption import EXIT_REQUEUED, PREEMPTION_SIGNALS
 
 logger = logging.getLogger(__name__)
 
@@ -248,14 +251,18 @@ def _spawn(cfg, main_fn: Callable, kwargs: dict, plan: LaunchPlan) -> None:
         plan.init_method,
     )
     with tempfile.TemporaryDirectory(prefix="fairseq-rank-failures-") as report_dir:
+        forwarded = []
         try:
-            torch.multiprocessing.start_processes(
+            context = torch.multiprocessing.start_processes(
                 _run_spawned_process,
                 args=(cfg, main_fn, kwargs, plan, report_dir),
                 nprocs=plan.nprocs_to_spawn,
-                join=True,
+                join=False,
                 start_method="spawn",
             )
+            with _forward_preemption_signals(context, forwarded):
+                while not context.join():
+                    pass
         except _SPAWN_FAILURES as err:
             # torch names the process it noticed first, which may be a peer that failed because of the real
             # culprit; the reports order the failures by when they happened.
@@ -271,6 +278,31 @@ def _spawn(cfg, main_fn: Callable, kwargs: dict, plan: LaunchPlan) -> None:
                 f"rank {first['rank']} of {plan.world_size} failed{after}; the other processes were stopped.\n"
                 f"{first['traceback']}"
             ) from None
+    if forwarded:  # the ranks saved checkpoint_last and stopped because of the signal
+        raise SystemExit(EXIT_REQUEUED)
+
+
+@contextlib.contextmanager
+def _forward_preemption_signals(context, forwarded: list):
+    """SLURM (or a user) signals the process it started; the spawned ranks are the ones that must save."""
+
+    def forward(signum, frame):
+        forwarded.append(signum)
+        for process in context.processes:
+            if process.is_alive():
+                os.kill(process.pid, signum)
+
+    previous = {}
+    for sig in PREEMPTION_SIGNALS:
+        try:
+            previous[sig] = signal.signal(sig, forward)
+        except ValueError:  # not the main thread
+            pass
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def call_main(cfg, main_fn: Callable, **kwargs):

@@ -1,0 +1,79 @@
+"""Preemption under (simulated) SLURM: SIGUSR1 -> save checkpoint_last -> scontrol requeue -> exit 3,
+and the restarted job continues exactly as an uninterrupted one."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from test_train_distributed import _env, _free_port, losses
+
+pytestmark = pytest.mark.timeout(900)
+
+MODEL = ["--arch", "transformer_lm_gpt", "--decoder-layers", "2", "--decoder-embed-dim", "32",
+         "--decoder-ffn-embed-dim", "64", "--decoder-attention-heads", "2", "--dropout", "0.1",
+         "--optimizer", "adam", "--lr", "0.003", "--lr-scheduler", "polynomial_decay", "--warmup-updates", "2",
+         "--total-num-update", "40", "--tokens-per-sample", "32", "--batch-size", "4",
+         "--required-batch-size-multiple", "1", "--num-workers", "0", "--cpu", "--seed", "5",
+         "--disable-validation", "--ddp-backend", "fully_sharded", "--log-format", "json", "--log-interval", "1"]
+
+
+def start_slurm_ranks(data, save_dir, max_update, port, fake_bin, scontrol_log):
+    procs = []
+    for rank in range(2):
+        env = _env({
+            "SLURM_JOB_ID": "4242", "SLURM_PROCID": str(rank), "SLURM_LOCALID": str(rank), "SLURM_NTASKS": "2",
+            "SLURM_NNODES": "1", "SLURM_NTASKS_PER_NODE": "2", "SLURM_JOB_NODELIST": "localhost",
+            "PATH": f"{fake_bin}:{os.environ['PATH']}", "SCONTROL_LOG": str(scontrol_log),
+        })
+        argv = [sys.executable, "-m", "fairseq_cli.train", "--task", "language_modeling", str(data),
+                "--save-dir", str(save_dir), *MODEL, "--max-update", str(max_update),
+                "--log-file", str(save_dir / "train.log"), "--distributed-port", str(port),
+                "--heartbeat-timeout", "120"]
+        procs.append(subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    return procs
+
+
+def test_sigusr1_saves_requeues_and_resumes_exactly(tiny_data, tmp_path):
+    fake_bin = tmp_path / "bin"
+    fake_bin.mkdir()
+    scontrol = fake_bin / "scontrol"
+    scontrol.write_text('#!/bin/sh\necho "$@" >> "$SCONTROL_LOG"\n')
+    scontrol.chmod(0o755)
+    scontrol_log = tmp_path / "scontrol.log"
+
+    straight = tmp_path / "straight"
+    straight.mkdir()
+    # The uninterrupted reference: the same two SLURM ranks, no signal.
+    procs = start_slurm_ranks(tiny_data, straight, 12, _free_port(), fake_bin, scontrol_log)
+    outs = [p.communicate(timeout=600)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs
+    assert not scontrol_log.exists()
+
+    preempted = tmp_path / "preempted"
+    preempted.mkdir()
+    procs = start_slurm_ranks(tiny_data, preempted, 400, _free_port(), fake_bin, scontrol_log)
+    deadline = time.time() + 300
+    while time.time() < deadline:
+        got = losses(preempted / "train.log") if (preempted / "train.log").exists() else {}
+        if got and max(got) >= 4:
+            break
+        time.sleep(0.2)
+    for p in procs:
+        p.send_signal(signal.SIGUSR1)
+    outs = [p.communicate(timeout=300)[0] for p in procs]
+    assert [p.returncode for p in procs] == [3, 3], outs  # EXIT_REQUEUED
+    assert scontrol_log.read_text().split("\n")[0] == "requeue 4242"  # rank 0 only, once
+    assert scontrol_log.read_text().count("requeue") == 1
+    stopped_at = max(losses(preempted / "train.log"))
+    assert 4 <= stopped_at < 12
+    assert (preempted / "checkpoint_last.pt").exists()
+
+    # The requeued job: the same command, nothing added; it continues from checkpoint_last.
+    procs = start_slurm_ranks(tiny_data, preempted, 12, _free_port(), fake_bin, scontrol_log)
+    outs = [p.communicate(timeout=600)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs
+    assert losses(preempted / "train.log") == losses(straight / "train.log")

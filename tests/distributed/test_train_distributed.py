@@ -1,0 +1,233 @@
+"""fairseq-train on 2 CPU processes (gloo): DDP and fully_sharded against one process, the FSDP flags,
+sharded checkpoints (resume on the same and on another world size), consolidation, simulated SLURM.
+
+Each run is a real `python -m fairseq_cli.train` subprocess. Dropout is 0 so that the only differences
+between layouts are floating-point summation order.
+"""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.timeout(900)
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# Summation order differs between one process accumulating two micro-batches and two ranks averaging
+# gradients: a few fp32 ulps per step, compounded by Adam over a handful of updates.
+ATOL = 2e-5
+
+
+def _env(extra=None):
+    env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
+    env.update(extra or {})
+    return env
+
+
+def run_train(data, save_dir, *extra, world_size=1, max_update=6, env=None, check=True):
+    argv = [
+        "--task", "language_modeling", str(data), "--save-dir", str(save_dir),
+        "--arch", "transformer_lm_gpt", "--decoder-layers", "2", "--decoder-embed-dim", "32",
+        "--decoder-ffn-embed-dim", "64", "--decoder-attention-heads", "2", "--dropout", "0",
+        "--attention-dropout", "0", "--optimizer", "adam", "--lr", "0.003", "--lr-scheduler", "polynomial_decay",
+        "--warmup-updates", "2", "--total-num-update", "20", "--clip-norm", "0.5",
+        "--tokens-per-sample", "32", "--batch-size", "4", "--required-batch-size-multiple", "1",
+        "--max-update", str(max_update), "--log-format", "json", "--log-interval", "1",
+        "--log-file", str(save_dir / "train.log"), "--num-workers", "0", "--cpu", "--seed", "5",
+        "--heartbeat-timeout", "120", "--disable-validation", *extra,
+    ]
+    if world_size > 1:
+        argv += ["--distributed-world-size", str(world_size)]
+    proc = subprocess.run([sys.executable, "-m", "fairseq_cli.train", *argv], capture_output=True, text=True,
+                          timeout=600, env=_env(env))
+    if check and proc.returncode != 0:
+        raise AssertionError(f"fairseq-train failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")
+    return proc
+
+
+def losses(log_file):
+    out = {}
+    with open(log_file) as f:
+        for line in f:
+            if "| train_inner |" in line:
+                row = json.loads(line.split("| train_inner |", 1)[1])
+                out[int(row["num_updates"])] = float(row["loss"])
+    return out
+
+
+def model_state(path):
+    return torch.load(path, map_location="cpu", weights_only=True)["model"]
+
+
+# Softmax ignores a shift shared by all of a query's scores, so the key-projection bias gets a gradient that
+# is zero up to rounding noise; Adam divides that noise by its own magnitude and moves the bias by about lr
+# per step in a direction set by the noise. It is compared only where arithmetic is identical (exact=True).
+NOISE_ONLY = (".self_attn.k_proj.bias",)
+
+
+def assert_states_close(a, b, atol=ATOL, exact=False):
+    assert a.keys() == b.keys()
+    for k in a:
+        if not exact and k.endswith(NOISE_ONLY):
+            continue
+        if exact:
+            assert torch.equal(a[k], b[k]), k
+        else:
+            torch.testing.assert_close(a[k], b[k], atol=atol, rtol=0, msg=k)
+
+
+@pytest.fixture(scope="module")
+def single_reference(tiny_data, tmp_path_factory):
+    """One process, two micro-batches per update: the same global batch as 2 ranks x 1 micro-batch."""
+    out = tmp_path_factory.mktemp("single")
+    run_train(tiny_data, out, "--update-freq", "2")
+    return out
+
+
+def test_ddp_matches_single_process(tiny_data, tmp_path, single_reference):
+    run_train(tiny_data, tmp_path, "--ddp-backend", "pytorch_ddp", world_size=2)
+    assert_states_close(model_state(tmp_path / "checkpoint_last.pt"),
+                        model_state(single_reference / "checkpoint_last.pt"))
+    ref, got = losses(single_reference / "train.log"), losses(tmp_path / "train.log")
+    assert ref.keys() == got.keys() == set(range(1, 7))
+    for k in ref:
+        assert abs(ref[k] - got[k]) <= 0.0015, (k, ref[k], got[k])  # logged with 3 decimals
+
+
+@pytest.fixture(scope="module")
+def fsdp_runs(tiny_data, tmp_path_factory):
+    """fully_sharded on 2 ranks with each combination of --fsdp-forward-prefetch / --fsdp-sync-free."""
+    runs = {}
+    for prefetch in (False, True):
+        for sync_free in (False, True):
+            out = tmp_path_factory.mktemp(f"fsdp_p{int(prefetch)}_s{int(sync_free)}")
+            flags = ["--ddp-backend", "fully_sharded"]
+            flags += ["--fsdp-forward-prefetch"] if prefetch else []
+            flags += ["--fsdp-sync-free"] if sync_free else []
+            proc = run_train(tiny_data, out, *flags, world_size=2)
+            runs[(prefetch, sync_free)] = (out, proc)
+    return runs
+
+
+def test_fully_sharded_matches_single_process(fsdp_runs, single_reference):
+    out, _ = fsdp_runs[(False, False)]
+    assert_states_close(model_state(out / "checkpoint_last.pt"), model_state(single_reference / "checkpoint_last.pt"))
+
+
+def test_fsdp_flags_change_scheduling_not_arithmetic(fsdp_runs):
+    base = model_state(fsdp_runs[(False, False)][0] / "checkpoint_last.pt")
+    base_losses = losses(fsdp_runs[(False, False)][0] / "train.log")
+    for key, (out, proc) in fsdp_runs.items():
+        assert_states_close(model_state(out / "checkpoint_last.pt"), base, exact=True)
+        assert losses(out / "train.log") == base_losses
+        if key[1]:
+            assert "no CUDA streams on CPU" in proc.stdout + proc.stderr
+
+
+def test_sharded_checkpoint_resume_is_bitwise_and_reshards(tiny_data, tmp_path, single_reference):
+    sharded = ["--ddp-backend", "fully_sharded", "--use-sharded-state", "--fsdp-forward-prefetch",
+               "--fsdp-sync-free"]
+    straight = tmp_path / "straight"
+    run_train(tiny_data, straight, *sharded, world_size=2, max_update=6)
+    resumed = tmp_path / "resumed"
+    run_train(tiny_data, resumed, *sharded, world_size=2, max_update=3)
+    assert (resumed / "checkpoint_last").is_dir() and not (resumed / "checkpoint_last.pt").exists()
+    run_train(tiny_data, resumed, *sharded, world_size=2, max_update=6)
+    assert losses(straight / "train.log") == losses(resumed / "train.log")
+
+    # Consolidated, the sharded checkpoint equals the single-process run's parameters...
+    consolidated = tmp_path / "consolidated.pt"
+    subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "consolidate_fsdp_shards.py"),
+                    str(straight / "checkpoint_last"), str(consolidated)], check=True, env=_env(), timeout=300)
+    resumed_state = model_state(consolidated)
+    assert_states_close(resumed_state, model_state(single_reference / "checkpoint_last.pt"))
+
+    # ... and fairseq-eval-lm gives the same perplexity from the directory and from the consolidated file.
+    def ppl(path):
+        proc = subprocess.run([sys.executable, "-m", "fairseq_cli.eval_lm", str(tiny_data), "--path", str(path),
+                               "--gen-subset", "test", "--tokens-per-sample", "32", "--batch-size", "4", "--cpu"],
+                              capture_output=True, text=True, env=_env(), timeout=300, check=True)
+        line = [l for l in (proc.stdout + proc.stderr).splitlines() if "Perplexity" in l][-1]
+        return line.split("Loss (base 2):")[1]
+
+    assert ppl(straight / "checkpoint_last") == ppl(consolidated)
+
+    # 2 ranks -> 1 rank and 1 rank -> 2 ranks: training continues from the resharded state.
+    two_to_one = tmp_path / "two_to_one"
+    os.makedirs(two_to_one)
+    subprocess.run(["cp", "-r", str(resumed / "checkpoint_last"), str(two_to_one / "checkpoint_last")], check=True)
+    run_train(tiny_data, two_to_one, *sharded, "--update-freq", "2", world_size=1, max_update=8)
+    one = losses(two_to_one / "train.log")
+    assert set(one) == {7, 8}
+    run_train(tiny_data, straight, *sharded, world_size=2, max_update=8)
+    two = losses(straight / "train.log")
+    for k in (7, 8):  # same global batch (1 rank x 2 micro-batches): only summation order differs
+        assert abs(one[k] - two[k]) <= 0.002, (k, one[k], two[k])
+    one_to_two = tmp_path / "one_to_two"
+    run_train(tiny_data, one_to_two, *sharded, "--update-freq", "2", world_size=1, max_update=3)
+    run_train(tiny_data, one_to_two, *sharded, world_size=2, max_update=6)
+    got = losses(one_to_two / "train.log")
+    ref = losses(resumed / "train.log")
+    for k in range(1, 7):
+        assert abs(got[k] - ref[k]) <= 0.002, (k, got[k], ref[k])
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_simulated_slurm_job_trains_with_two_ranks(tiny_data, tmp_path, single_reference):
+    port = str(_free_port())
+    procs = []
+    for rank in range(2):
+        env = _env({
+            "SLURM_JOB_ID": "4242", "SLURM_PROCID": str(rank), "SLURM_LOCALID": str(rank), "SLURM_NTASKS": "2",
+            "SLURM_NNODES": "1", "SLURM_NTASKS_PER_NODE": "2", "SLURM_JOB_NODELIST": "localhost",
+            "SLURM_STEP_NODELIST": "localhost",
+        })
+        argv = [sys.executable, "-m", "fairseq_cli.train", "--task", "language_modeling", str(tiny_data),
+                "--save-dir", str(tmp_path), "--arch", "transformer_lm_gpt", "--decoder-layers", "2",
+                "--decoder-embed-dim", "32", "--decoder-ffn-embed-dim", "64", "--decoder-attention-heads", "2",
+                "--dropout", "0", "--attention-dropout", "0", "--optimizer", "adam", "--lr", "0.003",
+                "--lr-scheduler", "polynomial_decay", "--warmup-updates", "2", "--total-num-update", "20",
+                "--clip-norm", "0.5", "--tokens-per-sample", "32", "--batch-size", "4",
+                "--required-batch-size-multiple", "1", "--max-update", "6", "--num-workers", "0", "--cpu",
+                "--seed", "5", "--disable-validation", "--distributed-port", port, "--heartbeat-timeout", "120",
+                "--ddp-backend", "fully_sharded"]
+        procs.append(subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    outputs = [p.communicate(timeout=600)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outputs
+    assert_states_close(model_state(tmp_path / "checkpoint_last.pt"),
+                        model_state(single_reference / "checkpoint_last.pt"))
+
+
+FAILING_PLUGIN = '''
+import torch.distributed as dist
+from fairseq.registry import register_criterion
+from fairseq.criterions.cross_entropy import CrossEntropyCriterion, CrossEntropyCriterionConfig
+
+@register_criterion("fails_on_rank1", dataclass=CrossEntropyCriterionConfig)
+class FailsOnRank1(CrossEntropyCriterion):
+    calls = 0
+    def forward(self, model, sample, reduce=True):
+        FailsOnRank1.calls += 1
+        if dist.get_rank() == 1 and FailsOnRank1.calls == 3:
+            raise RuntimeError("rank 1 broke on purpose")
+        return super().forward(model, sample, reduce)
+'''
+
+
+def test_a_failing_rank_fails_the_whole_job(tiny_data, tmp_path):
+    plugin = tmp_path / "fail_plugin"
+    plugin.mkdir()
+    (plugin / "__init__.py").write_text(FAILING_PLUGIN)
+    proc = run_train(tiny_data, tmp_path / "ck", "--user-dir", str(plugin), "--criterion", "fails_on_rank1",
+                     "--heartbeat-timeout", "20", "--ddp-backend", "fully_sharded", world_size=2, check=False)
+    assert proc.returncode != 0
+    assert "rank 1 broke on purpose" in proc.stdout + proc.stderr
