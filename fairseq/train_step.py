@@ -6,12 +6,16 @@ skipped). Statistics are added to a `LoggingOutputSums` as device tensors and re
 
 from typing import List, Optional
 
+import logging
+
 import torch
 import torch.distributed as dist
 
 from fairseq.distributed.parallelize import clip_grad_norm_, gradient_sync
 from fairseq.precision import Precision
 from fairseq.logging.logging_outputs import LoggingOutputSums
+
+logger = logging.getLogger(__name__)
 
 
 def _global_sample_size(samples, sentence_avg: bool, device) -> torch.Tensor:
@@ -59,6 +63,8 @@ def run_update(model, criterion, optimizer, precision: Precision, samples: List[
     if precision.scaler is not None:
         overflow = not bool(torch.isfinite(grad_norm))  # the one host sync of an fp16 update
         if precision.scaler.update(overflow):
+            logger.info("gradient overflow detected, ignoring gradient, setting loss scale to: "
+                        f"{precision.scaler.loss_scale:g}")
             optimizer.zero_grad(set_to_none=True)
             stats.add({"overflows": 1})
             return None

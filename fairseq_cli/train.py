@@ -187,10 +187,14 @@ def train_epoch(cfg, trainer, task, epoch_itr, checkpoints, preemption) -> Tuple
     interval_start = time.perf_counter()
     with metrics.aggregate("train"), metrics.aggregate("train_inner"):
         for samples in progress:
+            updates_before = trainer.num_updates
             trainer.train_step(samples, epoch_itr)
             num_updates = trainer.num_updates
+            stepped = num_updates != updates_before  # False when fp16 overflow skipped the update
             end_of_epoch = not itr.has_next()
-            at_log = num_updates % cfg.common.log_interval == 0 or end_of_epoch
+            if not (stepped or end_of_epoch):
+                continue
+            at_log = (stepped and num_updates % cfg.common.log_interval == 0) or end_of_epoch
             if at_log and num_updates > 0:
                 now = time.perf_counter()
                 log_train_interval(trainer, trainer.read_train_stats(), now - interval_start)

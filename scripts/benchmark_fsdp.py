@@ -1,0 +1,266 @@
+#!/usr/bin/env python3
+"""FSDP benchmark: fairseq-train under the four combinations of --fsdp-forward-prefetch / --fsdp-sync-free
+(optionally with --compile), against a plain FSDP2 training loop of the identical model, on the GPUs at hand.
+
+    python scripts/benchmark_fsdp.py --nproc 2 --layers 12 --embed-dim 6144 --heads 48 --seq 2048 --batch 8
+    python scripts/benchmark_fsdp.py --nproc 2 --arch transformer_lm_gpt3_medium --seq 2048 --batch 1
+
+Every run is `torchrun --nproc_per_node N -m fairseq_cli.train --task dummy_lm ...` (bf16, fully_sharded,
+AdamW), logged as JSON every --log-interval updates; the first interval is warm-up and is not counted. The
+reference loop runs in this same script under torchrun (`--reference-worker`): fully_shard on every layer
+and the root with the same mixed precision, fused AdamW, the same loss, no fairseq code in the loop.
+Prints one table: tokens/s per GPU, MFU, peak allocated, peak reserved, reserved/allocated, alloc retries,
+loss at the last step. Runs on CPU too (gloo, tiny dims) to check the script itself.
+"""
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+GIB = 1024**3
+
+
+def model_flags(args):
+    flags = ["--arch", args.arch]
+    if args.layers:
+        flags += ["--decoder-layers", str(args.layers)]
+    if args.embed_dim:
+        flags += ["--decoder-embed-dim", str(args.embed_dim), "--decoder-ffn-embed-dim", str(4 * args.embed_dim)]
+    if args.heads:
+        flags += ["--decoder-attention-heads", str(args.heads)]
+    return flags
+
+
+def train_command(args, extra, log_file):
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(args.nproc),
+        "-m", "fairseq_cli.train", "--task", "dummy_lm", "--dict-size", str(args.vocab - 4),
+        "--tokens-per-sample", str(args.seq), "--batch-size", str(args.batch), *model_flags(args),
+        "--dropout", "0", "--attention-dropout", "0", "--optimizer", "adam", "--adam-betas", "(0.9, 0.95)",
+        "--lr", "1e-4", "--lr-scheduler", "fixed", "--clip-norm", "1.0", "--ddp-backend", "fully_sharded",
+        "--max-update", str(args.log_interval * (args.intervals + 1)), "--log-format", "json",
+        "--log-interval", str(args.log_interval), "--log-file", log_file, "--no-save", "--disable-validation",
+        "--num-workers", str(args.num_workers), "--seed", "1", "--required-batch-size-multiple", "1",
+        "--max-tokens", str(args.seq * args.batch),
+    ]
+    cmd += ["--cpu"] if args.cpu else ["--bf16"]
+    return cmd + extra
+
+
+def parse_log(log_file, nproc):
+    rows = []
+    with open(log_file) as f:
+        for line in f:
+            if "| train_inner |" in line:
+                rows.append(json.loads(line.split("| train_inner |", 1)[1]))
+    measured = rows[1:] or rows  # the first interval includes start-up and warm-up
+    get = lambda r, k: float(r[k]) if k in r else None  # noqa: E731
+    wps = [get(r, "wps") for r in measured]
+    mfu = [get(r, "mfu") for r in measured if "mfu" in r]
+    alloc = [get(r, "max_cuda_gb_allocated") for r in measured if "max_cuda_gb_allocated" in r]
+    reserved = [get(r, "max_cuda_gb_reserved") for r in measured if "max_cuda_gb_reserved" in r]
+    retries = sum(get(r, "cuda_alloc_retries") or 0 for r in rows)
+    return {
+        "tokens_per_s_per_gpu": sum(wps) / len(wps) / nproc if wps else None,
+        "mfu": sum(mfu) / len(mfu) if mfu else None,
+        "peak_alloc_gib": max(alloc) if alloc else None,
+        "peak_reserved_gib": max(reserved) if reserved else None,
+        "alloc_retries": retries if alloc else None,
+        "loss": rows[-1].get("loss") if rows else None,
+    }
+
+
+def run_fairseq(args, name, extra, env):
+    slug = "".join(c if c.isalnum() else "_" for c in name).strip("_")
+    log_file = os.path.join(args.out, f"{slug}.log")
+    if os.path.exists(log_file):
+        os.remove(log_file)
+    start = time.time()
+    proc = subprocess.run(train_command(args, extra, log_file), env=env, capture_output=True, text=True)
+    if proc.returncode != 0:
+        sys.stderr.write(proc.stdout[-3000:] + proc.stderr[-6000:])
+        return {"name": name, "error": f"exit {proc.returncode}"}
+    result = parse_log(log_file, args.nproc)
+    result.update(name=name, wall_s=round(time.time() - start, 1))
+    return result
+
+
+def run_reference(args, compile_layers, env):
+    name = "plain FSDP2 loop" + (" + compile" if compile_layers else "")
+    result_file = os.path.join(args.out, f"reference{'_compile' if compile_layers else ''}.json")
+    # The worker's settings travel in the environment: torchrun would try to parse flags placed after the script.
+    worker_args = dict(vars(args), compile=compile_layers, result_file=result_file)
+    env = dict(env, FAIRSEQ_BENCHMARK_ARGS=json.dumps(worker_args))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(args.nproc),
+           os.path.abspath(__file__), "--reference-worker"]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    if proc.returncode != 0:
+        sys.stderr.write(proc.stdout[-3000:] + proc.stderr[-6000:])
+        return {"name": name, "error": f"exit {proc.returncode}"}
+    with open(result_file) as f:
+        result = json.load(f)
+    result["name"] = name
+    return result
+
+
+# --------------------------------------------------------------------------------------- reference loop
+def reference_worker(args):
+    """A plain FSDP2 loop: the same model and loss, fully_shard per layer + root, fused AdamW."""
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    from fairseq import options
+    from fairseq.logging.throughput import default_peak_tflops, flops_per_token
+    from fairseq.models.transformer_lm import TransformerLanguageModel
+
+    cpu = args.cpu or not torch.cuda.is_available()
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    device = torch.device("cpu") if cpu else torch.device("cuda", local_rank)
+    if not cpu:
+        torch.cuda.set_device(device)
+    dist.init_process_group("gloo" if cpu else "nccl")
+    world = dist.get_world_size()
+
+    parser = options.get_training_parser()
+    targs = options.parse_args_and_arch(parser, ["--task", "dummy_lm", "--tokens-per-sample", str(args.seq),
+                                                 *model_flags(args), "--dropout", "0", "--attention-dropout", "0"])
+    cfg = options.convert_namespace_to_config(targs)
+    torch.manual_seed(1)
+    with torch.device("meta"):
+        model = TransformerLanguageModel.build(cfg.model, args.vocab, 1)
+    flops = flops_per_token(model, cfg.model.decoder_layers, cfg.model.decoder_embed_dim, args.seq)
+    mp = None if cpu else MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    kwargs = {"mp_policy": mp} if mp else {}
+    for i, layer in enumerate(model.decoder.layers):
+        if args.compile:
+            layer.compile()
+        fully_shard(layer, **kwargs)
+    fully_shard(model, **kwargs)
+    model.to_empty(device=device)
+    with torch.no_grad():
+        model.reset_parameters()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.0, fused=not cpu)
+    gen = torch.Generator(device="cpu").manual_seed(1 + dist.get_rank())
+    steps = args.log_interval * (args.intervals + 1)
+    warmup = args.log_interval
+    tokens = torch.randint(4, args.vocab, (steps, args.batch, args.seq + 1), generator=gen)
+    loss = None
+    for step in range(steps):
+        if step == warmup:
+            if not cpu:
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+            start = time.perf_counter()
+        batch = tokens[step].to(device, non_blocking=True)
+        logits = model(batch[:, :-1])
+        loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), batch[:, 1:].reshape(-1))
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    loss_value = loss.item()  # synchronizes: the timed span ends when the GPU is done
+    elapsed = time.perf_counter() - start
+    tokens_per_s = (steps - warmup) * args.batch * args.seq / elapsed
+    result = {"tokens_per_s_per_gpu": tokens_per_s, "loss": f"{loss_value / 0.6931471805599453:.3f}"}
+    peak = None if cpu else default_peak_tflops(device)
+    result["mfu"] = 100.0 * flops * tokens_per_s / 1e12 / peak if peak else None
+    if not cpu:
+        stats = torch.cuda.memory_stats(device)
+        values = torch.tensor([stats["allocated_bytes.all.peak"], stats["reserved_bytes.all.peak"],
+                               stats.get("num_alloc_retries", 0)], dtype=torch.float64, device=device)
+        dist.all_reduce(values, op=dist.ReduceOp.MAX)
+        result.update(peak_alloc_gib=round(values[0].item() / GIB, 1), peak_reserved_gib=round(values[1].item() / GIB, 1),
+                      alloc_retries=int(values[2].item()))
+    if dist.get_rank() == 0:
+        with open(args.result_file, "w") as f:
+            json.dump(result, f)
+    dist.destroy_process_group()
+
+
+# --------------------------------------------------------------------------------------------- table
+def fmt(value, spec):
+    return "-" if value is None else format(value, spec)
+
+
+def print_table(args, results, reference):
+    ref_tps = reference.get("tokens_per_s_per_gpu") if reference else None
+    header = ("| run | tokens/s/GPU | vs plain loop | MFU % | peak alloc GiB | peak reserved GiB | reserved/alloc "
+              "| alloc retries | last loss |")
+    print(f"\nmodel: {' '.join(model_flags(args))}, seq {args.seq}, batch {args.batch}/GPU, {args.nproc} "
+          f"{'CPU processes' if args.cpu else 'GPUs'}, bf16={not args.cpu}")
+    print(header)
+    print("|" + "---|" * 9)
+    for r in results:
+        if "error" in r:
+            print(f"| {r['name']} | failed: {r['error']} |||||||")
+            continue
+        tps = r.get("tokens_per_s_per_gpu")
+        alloc, res = r.get("peak_alloc_gib"), r.get("peak_reserved_gib")
+        print(f"| {r['name']} | {fmt(tps, ',.0f')} | "
+              f"{fmt(tps / ref_tps if tps and ref_tps else None, '.3f')}x | {fmt(r.get('mfu'), '.1f')} | "
+              f"{fmt(alloc, '.1f')} | {fmt(res, '.1f')} | {fmt(res / alloc if alloc and res else None, '.2f')} | "
+              f"{fmt(r.get('alloc_retries'), '.0f')} | {r.get('loss', '-')} |")
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--nproc", type=int, default=None, help="processes (default: all GPUs, or 2 on CPU)")
+    parser.add_argument("--arch", default="transformer_lm_gpt", help="preset; dims below override it")
+    parser.add_argument("--layers", type=int)
+    parser.add_argument("--embed-dim", type=int)
+    parser.add_argument("--heads", type=int)
+    parser.add_argument("--seq", type=int, default=2048)
+    parser.add_argument("--batch", type=int, default=1, help="sequences per GPU")
+    parser.add_argument("--vocab", type=int, default=50272)
+    parser.add_argument("--log-interval", type=int, default=5)
+    parser.add_argument("--intervals", type=int, default=2, help="measured log intervals after the warm-up one")
+    parser.add_argument("--num-workers", type=int, default=1)
+    parser.add_argument("--compile", action="store_true", help="also run --compile (and the compiled loop)")
+    parser.add_argument("--combos", default="all", choices=["all", "none", "both"],
+                        help="flag combinations to run: all four, neither flag, or both flags")
+    parser.add_argument("--no-reference", action="store_true")
+    parser.add_argument("--cpu", action="store_true", help="gloo on CPU, fp32 (to test this script)")
+    parser.add_argument("--out", default="benchmark_out")
+    parser.add_argument("--reference-worker", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.reference_worker:
+        return reference_worker(argparse.Namespace(**json.loads(os.environ["FAIRSEQ_BENCHMARK_ARGS"])))
+    import torch
+
+    args.cpu = args.cpu or not torch.cuda.is_available()
+    args.nproc = args.nproc or (2 if args.cpu else torch.cuda.device_count())
+    os.makedirs(args.out, exist_ok=True)
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env.setdefault("OMP_NUM_THREADS", "1")
+    combos = {"all": [(False, False), (True, False), (False, True), (True, True)],
+              "none": [(False, False)], "both": [(True, True)]}[args.combos]
+    results = []
+    reference = None
+    if not args.no_reference:
+        reference = run_reference(args, False, env)
+        results.append(reference)
+    for prefetch, sync_free in combos:
+        extra = (["--fsdp-forward-prefetch"] if prefetch else []) + (["--fsdp-sync-free"] if sync_free else [])
+        name = "fairseq-train " + (" ".join(extra) or "(no flags)")
+        results.append(run_fairseq(args, name.replace("--fsdp-", "").strip(), extra, env))
+        print_table(args, results, reference)
+    if args.compile:
+        if not args.no_reference:
+            results.append(run_reference(args, True, env))
+        for prefetch, sync_free in combos[-1:]:
+            extra = ["--compile"] + (["--fsdp-forward-prefetch"] if prefetch else []) + (
+                ["--fsdp-sync-free"] if sync_free else [])
+            results.append(run_fairseq(args, "fairseq-train " + " ".join(extra).replace("--fsdp-", ""), extra, env))
+    print_table(args, results, reference)
+    with open(os.path.join(args.out, "results.json"), "w") as f:
+        json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
