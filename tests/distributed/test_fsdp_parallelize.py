@@ -53,6 +53,16 @@ RTOL, ATOL = 1e-5, 1e-6
 CKPT = "_checkpoint_wrapped_module."
 
 
+
+def fsdp_param_groups(layer):
+    """FSDP2's parameter groups of one sharded module (a list in torch >= 2.12, one group before)."""
+    state = layer._get_fsdp_state()
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is None:
+        group = getattr(state, "_fsdp_param_group", None)
+        groups = [] if group is None else [group]
+    return groups
+
 def build_model(meta=False):
     torch.manual_seed(0)
     cfg = preset_config(
@@ -248,7 +258,7 @@ def scenario_wait_order(rank):
         model = build_model()
         apply_fsdp(model, make_cfg(fsdp_forward_prefetch=prefetch, fsdp_sync_free=True), _mesh(), limiter=limiter)
         for index, layer in enumerate(decoder_layers(model)):
-            for group in layer._get_fsdp_state()._fsdp_param_groups:
+            for group in fsdp_param_groups(layer):
                 _instrument(group, index, log)
         tokens, targets = local_batch(rank)
         for _ in range(2):

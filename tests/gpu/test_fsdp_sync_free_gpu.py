@@ -83,6 +83,16 @@ class SlowModel(nn.Module):
         return torch.tanh(self.head(x))  # not a view of Linear's 2-D result (FSDP2 warns about views)
 
 
+
+def fsdp_param_groups(layer):
+    """FSDP2's parameter groups of one sharded module (a list in torch >= 2.12, one group before)."""
+    state = layer._get_fsdp_state()
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is None:
+        group = getattr(state, "_fsdp_param_group", None)
+        groups = [] if group is None else [group]
+    return groups
+
 def real_model():
     from fairseq.models.transformer_lm import TransformerLanguageModel, preset_config
 
@@ -99,7 +109,7 @@ class AliveCounter:
 
     def instrument(self, model):
         for index, layer in enumerate(decoder_layers(model)):
-            for group in layer._get_fsdp_state()._fsdp_param_groups:
+            for group in fsdp_param_groups(layer):
                 self._wrap(group, index)
 
     def _wrap(self, group, layer):
