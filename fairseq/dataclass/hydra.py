@@ -1,0 +1,341 @@
+"""Hydra/YAML configs -> FairseqConfig, the same object `fairseq-train`'s command line produces.
+
+A config is upstream fairseq's yaml layout: the top-level groups `common`, `dataset`,
+`distributed_training`, `optimization`, `checkpoint`, and the components `task`, `model`, `criterion`,
+`optimizer`, `lr_scheduler`, each a mapping with `_name` (the registered name; for `model`, the
+architecture) plus that component's fields:
+
+    task: {_name: language_modeling, data: ???, tokens_per_sample: 2048}
+    model: {_name: transformer_lm_gpt3_small, activation_fn: relu}
+
+`fairseq_config_from_dict` checks every key against the dataclasses, then goes through the command line's
+own path: the set values go into one flat `argparse.Namespace` (a name shared by several groups, such as
+`seed` or `tokens_per_sample`, is one flag there and so one value here), the architecture preset fills
+what is still unset, the defaults fill the rest, and `options.convert_namespace_to_config` builds the
+config. A YAML file and the equivalent `fairseq-train` flags therefore give equal configs.
+
+Conventions beyond upstream's layout:
+- `???` (omegaconf's "missing") marks a value the user must give, e.g. `task.data: ???`. It is an error
+  when the chosen component has that field, and is dropped when it does not (so `task._name=dummy_lm`
+  needs no data path).
+- the top-level `_recipe` mapping is recipe metadata (the GPU count the batch was chosen for, ...), not an
+  option; it is returned separately by `split_recipe`.
+- `${fairseq.mul:A,B}` multiplies two numbers (e.g. an end learning rate that follows `optimization.lr`;
+  a list counts as its first item).
+"""
+
+import argparse
+import dataclasses
+import difflib
+import os
+import typing
+from typing import Any, Dict, List, Literal, Optional, Sequence, Tuple, get_args, get_origin
+
+from omegaconf import DictConfig, ListConfig, OmegaConf
+
+from fairseq import options, registry
+from fairseq.dataclass.configs import FairseqConfig
+from fairseq.dataclass.utils import _unwrap_optional, flag_name
+
+MISSING = "???"
+RECIPE_KEY = "_recipe"
+TRAIN_GROUPS = options.TRAIN_GROUPS  # group name -> dataclass, in the command line's order
+COMPONENT_DEFAULTS = {attr: default for attr, _, _, default in options.COMPONENTS}
+COMPONENT_REGISTRIES = {attr: reg for attr, _, reg, _ in options.COMPONENTS}
+COMPONENTS = ("task", "model", "criterion", "optimizer", "lr_scheduler")
+
+
+def _multiply(a, b) -> float:
+    """`${fairseq.mul:${optimization.lr},0.1}`; a list stands for its first item (the learning rate fairseq
+    uses), so the expression works whether lr is written as [x] or x."""
+    a, b = (v[0] if isinstance(v, (list, tuple, ListConfig)) else v for v in (a, b))
+    # 12 significant digits: 6e-4 * 0.1 reads 6e-05, not 5.9999999999999995e-05.
+    return float(f"{float(a) * float(b):.12g}")
+
+
+def register_resolvers() -> None:
+    """Register `${fairseq.mul:A,B}`; safe to call more than once."""
+    if not OmegaConf.has_resolver("fairseq.mul"):
+        OmegaConf.register_new_resolver("fairseq.mul", _multiply)
+
+
+register_resolvers()
+
+
+# ---------------------------------------------------------------------------------------- overrides
+
+
+def as_hydra_overrides(overrides: Sequence[str]) -> List[str]:
+    """Let `group.key=value` set any key, whether or not the YAML file spells it out.
+
+    Hydra composes in struct mode, where `model.decoder_layers=2` fails unless the file already has that
+    key (hydra wants `++model.decoder_layers=2`). Every key is checked against the dataclasses afterwards
+    anyway, so plain dotted overrides become `++` ("add or override"). Left alone: overrides with a prefix
+    (`+`, `++`, `~`), hydra's own (`hydra.*`), config-group choices (`a/b=c`, `a@p=c`) and undotted keys.
+    """
+    rewritten = []
+    for item in overrides:
+        key = item.split("=", 1)[0]
+        plain = "=" in item and not item.startswith(("+", "~")) and "." in key
+        if plain and not key.startswith("hydra.") and "/" not in key and "@" not in key:
+            item = "++" + item
+        rewritten.append(item)
+    return rewritten
+
+
+def compose_dict(config_dir: str, config_name: str, overrides: Sequence[str] = ()) -> Dict[str, Any]:
+    """Compose `config_dir/config_name.yaml` with `key=value` overrides (hydra's compose API), resolved."""
+    from hydra import compose, initialize_config_dir
+
+    with initialize_config_dir(config_dir=os.path.abspath(config_dir), version_base="1.3"):
+        cfg = compose(config_name=config_name, overrides=as_hydra_overrides(overrides))
+    return to_plain_dict(cfg)
+
+
+def to_plain_dict(cfg: DictConfig) -> Dict[str, Any]:
+    """Plain nested containers with interpolations resolved; missing values stay `???`."""
+    values = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=False)
+    values.pop("hydra", None)
+    return values
+
+
+def split_recipe(values: Dict[str, Any]) -> Tuple[Dict[str, Any], Dict[str, Any]]:
+    """(options, recipe metadata): the `_recipe` mapping taken out of a composed config."""
+    values = dict(values)
+    recipe = values.pop(RECIPE_KEY, None) or {}
+    if not isinstance(recipe, dict):
+        raise ValueError(f"{RECIPE_KEY} must be a mapping (recipe metadata), got {recipe!r}")
+    return values, recipe
+
+
+# ---------------------------------------------------------------------------------------- validation
+
+
+def _fields(dc) -> Dict[str, dataclasses.Field]:
+    return {f.name: f for f in dataclasses.fields(dc) if f.init and not f.name.startswith("_")}
+
+
+def _default(f: dataclasses.Field):
+    if f.default is not dataclasses.MISSING:
+        return f.default
+    if f.default_factory is not dataclasses.MISSING:
+        return f.default_factory()
+    return None
+
+
+def _unknown_key_error(where: str, key: str, known, owner: str) -> ValueError:
+    close = difflib.get_close_matches(key, list(known), n=1)
+    hint = f" (did you mean '{where}.{close[0]}'?)" if close else ""
+    return ValueError(
+        f"unknown key '{where}.{key}'{hint}: {owner} has no option '{key}'; remove it or fix its name "
+        "(fairseq-train --help lists the options as flags, with '-' for '_')"
+    )
+
+
+def _coerce(where: str, value, tp, default):
+    """Check one value against its field type; returns the value converted where that is lossless."""
+    inner, optional = _unwrap_optional(tp)
+    if value is None:
+        if optional or default is None:
+            return None
+        raise ValueError(f"{where} must not be null (it is a {getattr(inner, '__name__', inner)} option)")
+    origin = get_origin(inner)
+    if origin is Literal:
+        choices = get_args(inner)
+        if value not in choices:
+            raise ValueError(f"{where}={value!r} is not a valid choice; choose one of: {', '.join(map(str, choices))}")
+        return value
+    if origin in (list, typing.List):
+        (item_type,) = get_args(inner) or (Any,)
+        items = value if isinstance(value, (list, tuple)) else [value]  # `lr: 0.001` means [0.001]
+        return [_coerce(f"{where}[{i}]", v, item_type, None) for i, v in enumerate(items)]
+    if inner is bool:
+        if not isinstance(value, bool):
+            raise ValueError(f"{where}={value!r}: expected true or false")
+        return value
+    if inner is int:
+        if isinstance(value, float) and value.is_integer():
+            return int(value)  # YAML reads 1e8 as a float
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ValueError(f"{where}={value!r}: expected an integer")
+        return value
+    if inner is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ValueError(f"{where}={value!r}: expected a number")
+        return float(value)
+    if inner is str:
+        if isinstance(value, (list, tuple)):  # adam_betas: [0.9, 0.95] -> "(0.9, 0.95)", as upstream accepts
+            return str(tuple(value))
+        if isinstance(value, dict):
+            raise ValueError(f"{where}: expected a string, got a mapping")
+        return value if isinstance(value, str) else str(value)
+    return value
+
+
+def _check_group(where: str, values, dc, owner: str, skip_missing: bool = False) -> Dict[str, Any]:
+    """Validated {field: value} of one group or component (without `_name`)."""
+    if values is None:
+        return {}
+    if not isinstance(values, dict):
+        raise ValueError(f"'{where}' must be a mapping of {owner}'s options, got {values!r}")
+    fields = _fields(dc) if dc is not None else {}
+    hints = typing.get_type_hints(dc) if dc is not None else {}
+    checked = {}
+    for key, value in values.items():
+        if key == "_name":
+            continue
+        if key not in fields:
+            if skip_missing and value == MISSING:
+                continue  # `task.data: ???` after switching to a task without data
+            raise _unknown_key_error(where, key, fields, owner)
+        if value == MISSING:
+            raise ValueError(
+                f"{where}.{key} is required (it is ??? in the config): add {where}.{key}=VALUE to the command "
+                f"line (fairseq-train spells it {flag_name(key) if key != 'data' else 'DATA, the positional argument'})"
+            )
+        checked[key] = _coerce(f"{where}.{key}", value, hints[key], _default(fields[key]))
+    return checked
+
+
+def _component_name(attr: str, values) -> Optional[str]:
+    if isinstance(values, str):  # `optimizer: adam` is short for `optimizer: {_name: adam}`
+        return values
+    name = values.get("_name") if isinstance(values, dict) else None
+    if name is None:
+        name = COMPONENT_DEFAULTS.get(attr)
+    if name is None:
+        example = "transformer_lm_gpt3_small" if attr == "model" else "adam"
+        raise ValueError(f"{attr}._name is missing: the config must choose a {attr}, e.g. {attr}._name={example}")
+    if not isinstance(name, str):
+        raise ValueError(f"{attr}._name must be a string, got {name!r}")
+    return name
+
+
+def _component_dataclass(attr: str, name: str):
+    if attr == "model":
+        if name not in registry.architectures():
+            raise ValueError(f"model._name={name!r} is not an architecture; choose one of: "
+                             f"{', '.join(registry.architectures())} (or load a plug-in with common.user_dir)")
+        return registry.dataclass_of(registry.arch_model(name))
+    reg = COMPONENT_REGISTRIES[attr]
+    if name not in reg:
+        raise ValueError(f"{attr}._name={name!r} is not a registered {reg.kind}; choose one of: "
+                         f"{', '.join(reg.choices())} (or load a plug-in with common.user_dir)")
+    return reg.dataclass(name)
+
+
+# ---------------------------------------------------------------------------------------- conversion
+
+
+def fairseq_config_from_dict(values: Dict[str, Any]) -> FairseqConfig:
+    """A FairseqConfig from a composed config (plain dict), as `fairseq-train` would build it from flags.
+
+    Raises ValueError naming the key for unknown groups or keys, bad values, a missing required value,
+    or one option set to two different values in two groups.
+    """
+    values, _ = split_recipe(values)
+    allowed = list(TRAIN_GROUPS) + list(COMPONENTS)
+    for key in values:
+        if key not in allowed:
+            close = difflib.get_close_matches(key, allowed, n=1)
+            hint = f" (did you mean '{close[0]}'?)" if close else ""
+            raise ValueError(f"unknown top-level key '{key}'{hint}; the config's groups are: {', '.join(allowed)}")
+    user_dir = (values.get("common") or {}).get("user_dir")
+    if user_dir:  # plug-ins register their components before the component names are looked up
+        from fairseq.utils import import_user_module
+
+        import_user_module(user_dir)
+
+    explicit: Dict[str, Tuple[Any, str]] = {}  # flag dest -> (value, "group.key" that set it)
+
+    def collect(where: str, checked: Dict[str, Any]):
+        for key, value in checked.items():
+            if key in explicit and explicit[key][0] != value:
+                other, first = explicit[key][0], explicit[key][1]
+                raise ValueError(
+                    f"{first}={other!r} and {where}.{key}={value!r} set the same option ({flag_name(key)}) to "
+                    "different values; fairseq-train has one flag for both, so set it in one place"
+                )
+            explicit.setdefault(key, (value, f"{where}.{key}"))
+
+    for group, dc in TRAIN_GROUPS.items():
+        collect(group, _check_group(group, values.get(group), dc, f"the {group} group ({dc.__name__})"))
+    names, dataclasses_ = {}, {}
+    for attr in COMPONENTS:
+        raw = values.get(attr)
+        names[attr] = _component_name(attr, raw)
+        dataclasses_[attr] = _component_dataclass(attr, names[attr])
+        owner = f"{attr} {names[attr]!r}" + (f" ({dataclasses_[attr].__name__})" if dataclasses_[attr] else "")
+        collect(attr, _check_group(attr, raw if isinstance(raw, dict) else None, dataclasses_[attr], owner,
+                                   skip_missing=True))
+
+    args = argparse.Namespace(**{key: value for key, (value, _) in explicit.items()})
+    # Defaults, first definition wins, in the order the command line adds its flags: groups, then
+    # components; the model's flags are added without defaults so that its preset sees what is unset.
+    sources = list(TRAIN_GROUPS.values())
+    sources += [dataclasses_[attr] for attr in ("task", "criterion", "optimizer", "lr_scheduler")]
+    for dc in sources:
+        for name, f in (_fields(dc).items() if dc is not None else ()):
+            if not hasattr(args, name):
+                setattr(args, name, _default(f))
+    args.task, args.criterion, args.optimizer = names["task"], names["criterion"], names["optimizer"]
+    args.lr_scheduler, args.arch = names["lr_scheduler"], names["model"]
+    registry.ARCH_CONFIG_REGISTRY[args.arch](args)
+    model_dc = dataclasses_["model"]
+    if model_dc is not None:
+        for name, f in _fields(model_dc).items():
+            if not hasattr(args, name):
+                setattr(args, name, _default(f))
+    options._check_args(args)  # the command line's cross-flag rules (fp16 vs bf16, memory_efficient_*)
+    return options.convert_namespace_to_config(args)
+
+
+def resolve_paths(values: Dict[str, Any], base_dir: str) -> Dict[str, Any]:
+    """Make the config's relative paths absolute against `base_dir` (the directory the user ran from).
+
+    Covers checkpoint.save_dir, checkpoint.finetune_from_model, checkpoint.restore_file when it names a
+    directory (a bare file name is looked up in save_dir), every `:`-separated task.data shard,
+    common.log_file, common.tensorboard_logdir and common.user_dir. Returns a new dict.
+    """
+    out = {key: (dict(value) if isinstance(value, dict) else value) for key, value in values.items()}
+
+    def absolute(path):
+        if not isinstance(path, str) or path == MISSING or path == "":
+            return path
+        path = os.path.expanduser(path)
+        return path if os.path.isabs(path) else os.path.normpath(os.path.join(base_dir, path))
+
+    for group, keys in (("checkpoint", ("save_dir", "finetune_from_model")),
+                        ("common", ("log_file", "tensorboard_logdir", "user_dir"))):
+        section = out.get(group)
+        for key in keys if isinstance(section, dict) else ():
+            if section.get(key) is not None:
+                section[key] = absolute(section[key])
+    checkpoint = out.get("checkpoint")
+    if isinstance(checkpoint, dict) and isinstance(checkpoint.get("restore_file"), str):
+        if os.path.dirname(checkpoint["restore_file"]):
+            checkpoint["restore_file"] = absolute(checkpoint["restore_file"])
+    task = out.get("task")
+    if isinstance(task, dict) and isinstance(task.get("data"), str) and task["data"] != MISSING:
+        task["data"] = ":".join(absolute(part) for part in task["data"].split(":"))
+    return out
+
+
+# ---------------------------------------------------------------------------------------- recipes
+
+
+def recipe_update_freq(recipe: Dict[str, Any], batch_size: int, tokens_per_sample: int, world_size: int) -> int:
+    """The update_freq that keeps a recipe's global batch (`_recipe.global_batch_tokens`) on `world_size`
+    GPUs of `batch_size` sequences of `tokens_per_sample` tokens; ValueError when none does."""
+    target = recipe.get("global_batch_tokens")
+    if not target:
+        raise ValueError(f"the recipe has no {RECIPE_KEY}.global_batch_tokens")
+    per_step = batch_size * tokens_per_sample * world_size
+    if per_step <= 0 or target % per_step != 0:
+        sequences = target // tokens_per_sample
+        raise ValueError(
+            f"no update_freq gives the recipe's global batch of {target:,} tokens ({sequences} sequences) with "
+            f"dataset.batch_size {batch_size} on {world_size} GPU(s): pick a GPU count and batch size whose "
+            f"product divides {sequences}, or set dataset.batch_size and optimization.update_freq yourself"
+        )
+    return target // per_step

@@ -1,0 +1,127 @@
+"""fairseq-hydra-train end to end on CPU: the 125m recipe shrunk by overrides trains for 2 updates on the
+tiny preprocessed corpus; errors, the requeue status and path resolution through the real entry point."""
+
+import json
+import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from fairseq_cli import hydra_train
+
+REPO = Path(__file__).resolve().parents[2]
+CONFIG_DIR = REPO / "examples" / "large_lm" / "config"
+
+SHRINK_125M = [
+    "model.decoder_layers=2", "model.decoder_embed_dim=32", "model.decoder_ffn_embed_dim=64",
+    "model.decoder_attention_heads=2", "task.tokens_per_sample=32", "dataset.batch_size=4",
+    "dataset.num_workers=0", "optimization.update_freq=[1]", "optimization.max_update=2",
+    "lr_scheduler.warmup_updates=1", "lr_scheduler.total_num_update=2", "common.cpu=true", "common.bf16=false",
+    "common.log_interval=1", "distributed_training.ddp_backend=pytorch_ddp",
+]
+
+
+def hydra_args(*overrides, size="125m"):
+    return ["--config-dir", str(CONFIG_DIR), "--config-name", size, *SHRINK_125M, *overrides]
+
+
+@pytest.fixture
+def restore_logging():
+    """Hydra configures the root logger of the process it runs in; put it back for the next tests."""
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    yield
+    for handler in root.handlers:
+        if handler not in handlers:
+            root.removeHandler(handler)
+            handler.close()
+    for handler in handlers:
+        if handler not in root.handlers:
+            root.addHandler(handler)
+    root.setLevel(level)
+
+
+def test_console_script_is_registered():
+    text = (REPO / "pyproject.toml").read_text()
+    scripts = text.split("[project.scripts]", 1)[1].split("\n[", 1)[0]  # tomllib needs Python 3.11
+    assert 'fairseq-hydra-train = "fairseq_cli.hydra_train:cli_main"' in scripts.splitlines()
+
+
+def test_trains_two_updates_and_writes_run_directory(tiny_data, tmp_path):
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "RANK", "LOCAL_RANK", "WORLD_SIZE"))}
+    result = subprocess.run(
+        [sys.executable, "-m", "fairseq_cli.hydra_train",
+         *hydra_args(f"task.data={tiny_data}", "checkpoint.save_dir=ck", "common.log_format=json")],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-3000:] + result.stdout[-3000:]
+    checkpoint = torch.load(tmp_path / "ck" / "checkpoint_last.pt", map_location="cpu", weights_only=True)
+    assert checkpoint["optimizer_history"][-1]["num_updates"] == 2
+    model_cfg = checkpoint["cfg"]["model"]
+    assert (model_cfg["_name"], model_cfg["decoder_layers"], model_cfg["activation_fn"]) == (
+        "transformer_lm_gpt3_small", 2, "relu")
+    assert checkpoint["cfg"]["checkpoint"]["save_dir"] == str(tmp_path / "ck")  # relative to where it ran
+
+    (run_dir,) = [p for p in (tmp_path / "outputs").glob("*/*") if p.is_dir()]  # hydra's default run dir
+    composed = yaml.safe_load((run_dir / ".hydra" / "config.yaml").read_text())
+    assert composed["model"]["decoder_layers"] == 2 and composed["task"]["data"] == str(tiny_data)
+    resolved = yaml.safe_load((run_dir / ".hydra" / "fairseq_config.yaml").read_text())
+    assert resolved["lr_scheduler"]["end_learning_rate"] == pytest.approx(6e-5)
+    assert resolved["model"]["share_decoder_input_output_embed"] is True
+    log_lines = (run_dir / "hydra_train.log").read_text().splitlines()
+    train_inner = [json.loads(line.split("| train_inner |", 1)[1]) for line in log_lines if "| train_inner |" in line]
+    assert [row["num_updates"] for row in train_inner] == ["1", "2"]  # fairseq-train's line format
+    assert "the global batch is 128 tokens" in result.stdout  # the recipe's batch is not what this run used
+
+
+def test_unknown_key_is_a_one_line_error(tmp_path, monkeypatch, capsys, restore_logging):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as exit_info:
+        hydra_train.cli_main(hydra_args("task.data=/nowhere", "optimization.lrr=[1]"))
+    assert exit_info.value.code == 1
+    err = capsys.readouterr().err
+    assert "fairseq-hydra-train: error: unknown key 'optimization.lrr' (did you mean 'optimization.lr'?)" in err
+    assert "Traceback" not in err
+
+
+def test_requeued_training_exits_with_status_3(tmp_path, monkeypatch, restore_logging):
+    from fairseq_cli import train
+
+    seen = []
+    monkeypatch.setattr(train, "main", lambda cfg: seen.append(cfg) or train.REQUEUED)
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as exit_info:
+        hydra_train.cli_main(hydra_args("task._name=dummy_lm", "hydra/job_logging=none"))
+    assert exit_info.value.code == 3
+    assert seen[0].task._name == "dummy_lm" and seen[0].model.decoder_layers == 2
+
+
+def test_relative_paths_stay_relative_to_the_launch_directory_with_chdir(tmp_path, monkeypatch, restore_logging):
+    from fairseq_cli import train
+
+    seen = []
+    monkeypatch.setattr(train, "main", lambda cfg: seen.append((cfg, os.getcwd())))
+    monkeypatch.chdir(tmp_path)
+    hydra_train.cli_main(hydra_args("task.data=data-bin", "checkpoint.save_dir=ck", "hydra.job.chdir=true",
+                                    "hydra.run.dir=runs/one", "hydra/job_logging=none"))
+    cfg, cwd_during_training = seen[0]
+    assert cwd_during_training == str(tmp_path / "runs" / "one")  # hydra did change directory
+    assert cfg.checkpoint.save_dir == str(tmp_path / "ck")
+    assert cfg.task.data == str(tmp_path / "data-bin")
+    assert (tmp_path / "runs" / "one" / ".hydra" / "fairseq_config.yaml").is_file()
+
+
+def test_only_the_first_process_writes_the_run_directory():
+    args = ["--config-dir", "d", "--config-name", "125m", "model.decoder_layers=2", "hydra.run.dir=x"]
+    first = hydra_train.hydra_argv(args, environ={"SLURM_PROCID": "0"})
+    assert first == ["--config-dir", "d", "--config-name", "125m", "++model.decoder_layers=2", "hydra.run.dir=x",
+                     "hydra/job_logging=fairseq"]
+    later = hydra_train.hydra_argv(args, environ={"SLURM_PROCID": "5"})
+    assert later[-2:] == ["hydra/job_logging=fairseq_console", "hydra.output_subdir=null"]
+    assert hydra_train.hydra_argv(args + ["hydra/job_logging=none"], environ={"RANK": "1"})[-2:] == [
+        "hydra/job_logging=none", "hydra.output_subdir=null"]
