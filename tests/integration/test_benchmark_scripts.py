@@ -1,0 +1,46 @@
+"""The benchmark and plotting scripts run end to end (on CPU with gloo and tiny dimensions)."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+@pytest.mark.timeout(300)
+def test_benchmark_fsdp_prints_a_table_for_fairseq_and_the_plain_loop(tmp_path):
+    out = tmp_path / "bench"
+    proc = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "scripts", "benchmark_fsdp.py"), "--cpu", "--nproc", "2",
+         "--layers", "2", "--embed-dim", "32", "--heads", "2", "--seq", "32", "--batch", "2", "--vocab", "200",
+         "--log-interval", "2", "--intervals", "1", "--num-workers", "0", "--combos", "both", "--out", str(out)],
+        capture_output=True, text=True, timeout=280, env=dict(os.environ, PYTHONPATH=ROOT))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "| plain FSDP2 loop | " in proc.stdout
+    assert "| fairseq-train forward-prefetch sync-free | " in proc.stdout
+    results = json.loads((out / "results.json").read_text())
+    assert [r["name"] for r in results] == ["plain FSDP2 loop", "fairseq-train forward-prefetch sync-free"]
+    assert all(r["tokens_per_s_per_gpu"] > 0 for r in results)
+
+
+def test_plot_log_draws_a_png_from_a_json_log(tmp_path):
+    pytest.importorskip("matplotlib")
+    log = tmp_path / "train.log"
+    lines = []
+    for n in range(1, 4):
+        stats = {"epoch": 1, "update": n / 10, "loss": str(10 - n), "wps": "1000", "num_updates": str(n),
+                 "max_cuda_gb_allocated": "10.0", "max_cuda_gb_reserved": "12.0", "cuda_gb_free": "128.0"}
+        lines.append(f"2026-11-30 00:00:0{n} | INFO | train_inner | {json.dumps(stats)}\n")
+    log.write_text("".join(lines))
+    png = tmp_path / "out.png"
+    subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "plot_log.py"), str(log), str(png)], check=True,
+                   timeout=120)
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    empty = tmp_path / "empty.log"
+    empty.write_text("nothing here\n")
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "plot_log.py"), str(empty), str(png)],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0 and "no train_inner lines" in proc.stderr
