@@ -21,7 +21,8 @@ logger = logging.getLogger(__name__)
 def _global_sample_size(samples, sentence_avg: bool, device) -> torch.Tensor:
     """Sum of the normalizer over micro-batches and ranks, as a device tensor (no host sync)."""
     local = sum(_sample_size(s, sentence_avg) for s in samples)
-    total = torch.tensor(float(local), device=device)
+    # From pinned memory without blocking: a plain torch.tensor(..., device="cuda") would wait for the GPU.
+    total = torch.tensor(float(local), pin_memory=device.type == "cuda").to(device, non_blocking=True)
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(total)
     return total

@@ -231,3 +231,18 @@ def test_a_failing_rank_fails_the_whole_job(tiny_data, tmp_path):
                      "--heartbeat-timeout", "20", "--ddp-backend", "fully_sharded", world_size=2, check=False)
     assert proc.returncode != 0
     assert "rank 1 broke on purpose" in proc.stdout + proc.stderr
+
+
+def test_torchrun_fairseq_train_fully_sharded_with_both_flags(tiny_data, tmp_path):
+    """The issue's command shape: torchrun --nproc_per_node 2 fairseq-train ... (CPU, gloo)."""
+    argv = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--master-port", str(_free_port()),
+            "--nproc_per_node", "2",
+            "-m", "fairseq_cli.train", "--task", "language_modeling", str(tiny_data), "--save-dir", str(tmp_path),
+            "--arch", "transformer_lm_gpt", "--decoder-layers", "2", "--decoder-embed-dim", "32",
+            "--decoder-ffn-embed-dim", "64", "--decoder-attention-heads", "2", "--optimizer", "adam", "--lr", "0.003",
+            "--tokens-per-sample", "32", "--batch-size", "4", "--max-update", "3", "--num-workers", "0", "--cpu",
+            "--disable-validation", "--ddp-backend", "fully_sharded", "--fsdp-forward-prefetch", "--fsdp-sync-free",
+            "--use-sharded-state", "--heartbeat-timeout", "120"]
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=300, env=_env())
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert (tmp_path / "checkpoint_last" / "metadata.pt").is_file()
