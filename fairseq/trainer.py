@@ -8,10 +8,10 @@ import time
 from typing import Any, Dict, List, Optional
 
 import torch
-import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from fairseq.distributed.parallelize import parallelize_model
+from fairseq.distributed.utils import get_world_size
 from fairseq.optim import build_optimizer
 from fairseq.optim.lr_scheduler import build_lr_scheduler
 from fairseq.precision import Precision
@@ -32,16 +32,12 @@ def select_device(cfg) -> torch.device:
     return torch.device("cuda", cfg.distributed_training.device_id)
 
 
-def data_parallel_world_size() -> int:
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-
-
 class Trainer:
     def __init__(self, cfg, task, model, criterion):
         self.cfg = cfg
         self.task = task
         self.device = select_device(cfg)
-        self.data_parallel_size = data_parallel_world_size()
+        self.data_parallel_size = get_world_size()
         self.is_sharded = cfg.distributed_training.ddp_backend == "fully_sharded"
         self.criterion = criterion.to(self.device)
         self.throughput = _throughput(cfg, model, self.device, self.data_parallel_size)

@@ -3,7 +3,6 @@
 import ast
 import logging
 import math
-import sys
 import time
 from typing import List, Optional
 

@@ -125,7 +125,6 @@ def reference_worker(args):
     if not cpu:
         torch.cuda.set_device(device)
     dist.init_process_group("gloo" if cpu else "nccl")
-    world = dist.get_world_size()
 
     parser = options.get_training_parser()
     targs = options.parse_args_and_arch(parser, ["--task", "dummy_lm", "--tokens-per-sample", str(args.seq),

@@ -10,7 +10,6 @@ import logging
 import os
 from typing import Any, Dict, List, Optional
 
-import torch.distributed as dist
 
 from fairseq.checkpoint import sharded
 from fairseq.checkpoint.io import CheckpointError, atomic_copy, atomic_torch_save, load_checkpoint_file
@@ -22,17 +21,9 @@ from fairseq.checkpoint.paths import (
     resolve_restore_path,
 )
 from fairseq.dataclass.utils import config_to_dict
+from fairseq.distributed.utils import barrier, get_rank
 
 logger = logging.getLogger(__name__)
-
-
-def _rank() -> int:
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-
-
-def _barrier():
-    if dist.is_available() and dist.is_initialized():
-        dist.barrier()
 
 
 class CheckpointManager:
@@ -86,13 +77,13 @@ class CheckpointManager:
             if self.ckpt_cfg.no_save_optimizer_state:
                 optim_state = None
             sharded.save_sharded(paths[0], model_state, optim_state, self._metadata(trainer, extra_state))
-            if _rank() == 0:
+            if get_rank() == 0:
                 for path in paths[1:]:
                     sharded.copy_sharded(paths[0], path)
         else:
             paths = [os.path.join(save_dir, s + ".pt") for s in stems]
             model_state, optim_state = trainer.model_and_optimizer_state(full=True)
-            if _rank() == 0:
+            if get_rank() == 0:
                 state = self._metadata(trainer, extra_state)
                 state["model"] = model_state
                 if not self.ckpt_cfg.no_save_optimizer_state:
@@ -100,14 +91,14 @@ class CheckpointManager:
                 atomic_torch_save(state, paths[0])
                 for path in paths[1:]:
                     atomic_copy(paths[0], path)
-        if _rank() == 0:
+        if get_rank() == 0:
             for removed in prune_checkpoints(self.ckpt_cfg, save_dir):
                 logger.info(f"removed old checkpoint {removed}")
             logger.info(
                 f"saved checkpoint {paths[0]} (epoch {epoch_itr.epoch} @ {trainer.num_updates} updates, "
                 f"score {val_loss})"
             )
-        _barrier()
+        barrier()
         return paths
 
     def _metadata(self, trainer, extra_state) -> Dict[str, Any]:

@@ -11,21 +11,12 @@ import shutil
 from typing import Any, Dict, Optional
 
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from fairseq.checkpoint.io import _fsync_dir, atomic_torch_save
+from fairseq.distributed.utils import barrier, get_rank
 
 METADATA = "metadata.pt"
-
-
-def _rank() -> int:
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-
-
-def _barrier():
-    if dist.is_available() and dist.is_initialized():
-        dist.barrier()
 
 
 def _swap_into_place(tmp: str, path: str):
@@ -45,19 +36,19 @@ def _swap_into_place(tmp: str, path: str):
 def save_sharded(path: str, model_state, optim_state, metadata: Dict[str, Any]) -> None:
     """Collective: every rank calls this with its local (sharded) state dicts."""
     tmp = path + ".tmp"
-    if _rank() == 0 and os.path.isdir(tmp):
+    if get_rank() == 0 and os.path.isdir(tmp):
         shutil.rmtree(tmp)  # leftover of an interrupted save
-    _barrier()
+    barrier()
     state = {"model": model_state}
     if optim_state is not None:
         state["optimizer"] = optim_state
     dcp.save(state, checkpoint_id=tmp)
-    if _rank() == 0:
+    if get_rank() == 0:
         atomic_torch_save(metadata, os.path.join(tmp, METADATA))
-    _barrier()
-    if _rank() == 0:
+    barrier()
+    if get_rank() == 0:
         _swap_into_place(tmp, path)
-    _barrier()
+    barrier()
 
 
 def copy_sharded(src: str, dst: str) -> None:
