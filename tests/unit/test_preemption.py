@@ -1,0 +1,118 @@
+"""fairseq.preemption in one process: signal handling and `scontrol requeue` (2 ranks: tests/distributed)."""
+
+import logging
+import os
+import signal
+import stat
+
+import pytest
+import torch
+
+from fairseq.preemption import EXIT_REQUEUED, PreemptionWatcher, requeue_slurm_job
+
+
+@pytest.fixture
+def watcher():
+    w = PreemptionWatcher(torch.device("cpu"))
+    yield w
+    w.restore()
+
+
+def test_no_signal_no_stop(watcher):
+    assert watcher.should_stop() is False
+    assert watcher.should_stop() is False
+    assert watcher.drain() is False
+
+
+@pytest.mark.parametrize("sig", [signal.SIGUSR1, signal.SIGTERM])
+def test_signal_stops(watcher, sig, caplog):
+    with caplog.at_level(logging.WARNING, logger="fairseq.preemption"):
+        os.kill(os.getpid(), sig)
+    assert watcher.received == sig
+    assert watcher.should_stop() is True
+    assert watcher.should_stop() is True  # stays set
+    assert signal.Signals(sig).name in caplog.text
+
+
+def test_second_signal_keeps_stopping(watcher):
+    os.kill(os.getpid(), signal.SIGUSR1)
+    os.kill(os.getpid(), signal.SIGTERM)
+    assert watcher.should_stop() is True
+
+
+def test_restore_reinstates_previous_handlers():
+    seen = []
+
+    def mine(signum, frame):
+        seen.append(signum)
+
+    old_usr1 = signal.signal(signal.SIGUSR1, mine)
+    old_term = signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    try:
+        w = PreemptionWatcher(torch.device("cpu"))
+        assert signal.getsignal(signal.SIGUSR1) == w._on_signal
+        assert signal.getsignal(signal.SIGTERM) == w._on_signal
+        os.kill(os.getpid(), signal.SIGUSR1)
+        assert seen == [] and w.should_stop()
+        w.restore()
+        assert signal.getsignal(signal.SIGUSR1) is mine
+        assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
+        os.kill(os.getpid(), signal.SIGUSR1)
+        assert seen == [signal.SIGUSR1]
+    finally:
+        signal.signal(signal.SIGUSR1, old_usr1)
+        signal.signal(signal.SIGTERM, old_term)
+
+
+def test_exit_code_for_requeue():
+    assert EXIT_REQUEUED == 3
+
+
+# ----------------------------------------------------------------------------- scontrol
+
+
+def fake_scontrol(tmp_path, monkeypatch, exit_code=0):
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    record = tmp_path / "calls.txt"
+    script = bin_dir / "scontrol"
+    script.write_text(f'#!/bin/sh\necho "$@" >> "{record}"\necho "scontrol says no" >&2\nexit {exit_code}\n')
+    script.chmod(script.stat().st_mode | stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    return record
+
+
+def test_requeue_calls_scontrol(tmp_path, monkeypatch, caplog):
+    record = fake_scontrol(tmp_path, monkeypatch)
+    monkeypatch.setenv("SLURM_JOB_ID", "424242")
+    with caplog.at_level(logging.INFO, logger="fairseq.preemption"):
+        assert requeue_slurm_job() is True
+    assert record.read_text() == "requeue 424242\n"
+    assert "requeued SLURM job 424242" in caplog.text
+
+
+def test_requeue_outside_slurm_does_nothing(tmp_path, monkeypatch):
+    record = fake_scontrol(tmp_path, monkeypatch)
+    monkeypatch.delenv("SLURM_JOB_ID", raising=False)
+    assert requeue_slurm_job() is False
+    assert not record.exists()
+
+
+def test_requeue_failure_is_logged(tmp_path, monkeypatch, caplog):
+    record = fake_scontrol(tmp_path, monkeypatch, exit_code=1)
+    monkeypatch.setenv("SLURM_JOB_ID", "7")
+    with caplog.at_level(logging.ERROR, logger="fairseq.preemption"):
+        assert requeue_slurm_job() is False
+    assert record.read_text() == "requeue 7\n"
+    errors = [r for r in caplog.records if r.levelno == logging.ERROR]
+    assert len(errors) == 1
+    assert "scontrol requeue 7 failed (1)" in errors[0].getMessage()
+    assert "scontrol says no" in errors[0].getMessage()
+
+
+def test_requeue_without_scontrol_is_logged(tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv("PATH", str(tmp_path))  # no scontrol anywhere
+    monkeypatch.setenv("SLURM_JOB_ID", "9")
+    with caplog.at_level(logging.ERROR, logger="fairseq.preemption"):
+        assert requeue_slurm_job() is False
+    assert "scontrol requeue 9 failed" in caplog.text
