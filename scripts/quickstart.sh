@@ -6,7 +6,7 @@ set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/_venv.sh"
 cd "$ROOT"
 WORK="${WORK:-work/quickstart}"
-MAX_UPDATE="${MAX_UPDATE:-400}"
+MAX_UPDATE="${MAX_UPDATE:-300}"
 mkdir -p "$WORK"
 
 echo "== 1/4 sample corpus -> $WORK/text"
@@ -25,7 +25,7 @@ fairseq-train --task language_modeling "$WORK/data-bin" --save-dir "$WORK/checkp
     --optimizer adam --adam-betas '(0.9, 0.98)' --weight-decay 0.01 --clip-norm 1.0 \
     --lr 0.002 --lr-scheduler inverse_sqrt --warmup-updates 100 --warmup-init-lr 1e-07 \
     --tokens-per-sample 128 --sample-break-mode none --max-tokens 4096 \
-    --max-update "$MAX_UPDATE" --save-interval-updates 200 --keep-interval-updates 1 \
+    --max-update "$MAX_UPDATE" --validate-interval 4 --save-interval 4 --save-interval-updates 150 --keep-interval-updates 1 \
     --log-format simple --log-interval 50 --num-workers 0 --cpu --seed 1
 
 echo "== 4/4 fairseq-eval-lm on the test split"

@@ -5,6 +5,7 @@ leaves the previous checkpoint intact. Reads never unpickle code (`weights_only=
 passed --trust-legacy-checkpoint for an upstream fairseq file.
 """
 
+import glob
 import logging
 import os
 import pickle
@@ -37,7 +38,10 @@ def _fsync_dir(path: str):
 def atomic_torch_save(obj: Any, path: str):
     directory = os.path.dirname(os.path.abspath(path))
     os.makedirs(directory, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=directory)
+    prefix = f".{os.path.basename(path)}."
+    for stale in glob.glob(os.path.join(glob.escape(directory), glob.escape(prefix) + "*.tmp")):
+        os.remove(stale)  # left by a save that was killed; one writer per path, so none is in use
+    fd, tmp = tempfile.mkstemp(prefix=prefix, suffix=".tmp", dir=directory)
     try:
         with os.fdopen(fd, "wb") as f:
             torch.save(obj, f)
@@ -84,7 +88,9 @@ def load_checkpoint_file(path: str, trust_legacy: bool = False) -> Dict[str, Any
                 "arbitrary code when loaded. If you trust this file, pass --trust-legacy-checkpoint. "
                 f"(torch said: {str(e).splitlines()[0]})"
             ) from None
-    except (RuntimeError, EOFError) as e:
-        raise CheckpointError(f"cannot read checkpoint {path}: {e}. The file is truncated or not a checkpoint.") from e
+    except (RuntimeError, EOFError, OSError, KeyError, ValueError) as e:
+        raise CheckpointError(
+            f"cannot read checkpoint {path}: {type(e).__name__}: {e}. The file is truncated or not a checkpoint."
+        ) from e
     logger.warning(f"loading {path} with pickle because --trust-legacy-checkpoint was given")
     return torch.load(path, map_location="cpu", weights_only=False)

@@ -55,12 +55,11 @@ def prune_checkpoints(ckpt_cfg, save_dir: str) -> List[str]:
     removed = []
     if ckpt_cfg.keep_interval_updates > 0:
         entries = _entries(save_dir, rf"checkpoint_\d+_(\d+){suffix}")
-        entries.sort(key=lambda e: int(e[0].group(1)), reverse=True)
         pattern = ckpt_cfg.keep_interval_updates_pattern
-        for m, path in entries[ckpt_cfg.keep_interval_updates:]:
-            if pattern > 0 and int(m.group(1)) % pattern == 0:
-                continue  # kept by --keep-interval-updates-pattern
-            removed.append(path)
+        if pattern > 0:  # multiples of the pattern are kept apart from the newest N (upstream's rule)
+            entries = [e for e in entries if int(e[0].group(1)) % pattern != 0]
+        entries.sort(key=lambda e: int(e[0].group(1)), reverse=True)
+        removed += [path for _, path in entries[ckpt_cfg.keep_interval_updates:]]
     if ckpt_cfg.keep_last_epochs > 0:
         entries = _entries(save_dir, rf"checkpoint(\d+){suffix}")
         entries.sort(key=lambda e: int(e[0].group(1)), reverse=True)

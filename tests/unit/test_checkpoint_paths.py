@@ -147,11 +147,6 @@ def test_keep_interval_updates_pattern_spares_multiples(tmp_path):
         assert f"checkpoint_1_{u}.pt" not in kept
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BUG: upstream fairseq (checkpoint_utils.save_checkpoint) first drops the checkpoints whose update count "
-    "is a multiple of --keep-interval-updates-pattern from the candidate list and then keeps the newest "
-    "--keep-interval-updates of the REST, so pattern checkpoints do not count toward N; "
-    "prune_checkpoints counts them (keeps {1000, 900, 500} instead of upstream's {1000, 900, 800, 500})"))
 def test_keep_interval_updates_pattern_as_upstream(tmp_path):
     prune_checkpoints(ck(keep_interval_updates=2, keep_interval_updates_pattern=500), _interval_dir(tmp_path))
     assert listing(tmp_path) == [f"checkpoint_1_{u}.pt" for u in (1000, 500, 800, 900)]
