@@ -246,31 +246,10 @@ def validate_and_save(cfg, trainer, task, epoch_itr, checkpoints, end_of_epoch: 
     valid_losses = [None]
     if do_validate:
         valid_losses = validate(cfg, trainer, task, epoch_itr, checkpoints)
-    should_stop |= stop_early(cfg, checkpoints, valid_losses[0])
+    should_stop |= checkpoints.should_stop_early(valid_losses[0])
     if do_save or should_stop:
         checkpoints.save(trainer, epoch_itr, valid_losses[0], end_of_epoch, metrics_state=metrics.state_dict())
     return valid_losses, should_stop
-
-
-_patience = {"best": None, "bad": 0}
-
-
-def stop_early(cfg, checkpoints, valid_loss) -> bool:
-    """--patience: stop after that many validations without improvement."""
-    patience = cfg.checkpoint.patience
-    if valid_loss is None or patience <= 0:
-        return False
-    best = _patience["best"]
-    better = best is None or (valid_loss > best if cfg.checkpoint.maximize_best_checkpoint_metric
-                              else valid_loss < best)
-    if better:
-        _patience["best"], _patience["bad"] = valid_loss, 0
-        return False
-    _patience["bad"] += 1
-    if _patience["bad"] >= patience:
-        logger.info(f"early stop since valid performance hasn't improved for the last {patience} runs")
-        return True
-    return False
 
 
 def validate(cfg, trainer, task, epoch_itr, checkpoints) -> List[Optional[float]]:

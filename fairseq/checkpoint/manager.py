@@ -34,9 +34,25 @@ class CheckpointManager:
         if self.sharded and cfg.distributed_training.ddp_backend != "fully_sharded":
             raise ValueError("--use-sharded-state needs --ddp-backend fully_sharded")
         self.best: Optional[float] = None
+        self._patience_best: Optional[float] = None
+        self._validations_without_improvement = 0
 
     def _is_better(self, a: float, b: float) -> bool:
         return a > b if self.ckpt_cfg.maximize_best_checkpoint_metric else a < b
+
+    def should_stop_early(self, valid_loss: Optional[float]) -> bool:
+        """--patience: True after that many validations in a row without improvement."""
+        patience = self.ckpt_cfg.patience
+        if valid_loss is None or patience <= 0:
+            return False
+        if self._patience_best is None or self._is_better(valid_loss, self._patience_best):
+            self._patience_best, self._validations_without_improvement = valid_loss, 0
+            return False
+        self._validations_without_improvement += 1
+        if self._validations_without_improvement >= patience:
+            logger.info(f"early stop since valid performance hasn't improved for the last {patience} runs")
+            return True
+        return False
 
     # ------------------------------------------------------------------ save
     def save(self, trainer, epoch_itr, val_loss: Optional[float], end_of_epoch: bool,
