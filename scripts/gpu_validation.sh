@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One-call GPU validation on a 2-GPU machine (used with the device tool; any 2-GPU box works).
-#   bash scripts/gpu_validation.sh tests|bench-a|bench-rest|175b   (OUT=dir for logs, default gpu_out)
+#   bash scripts/gpu_validation.sh tests|resume|bench-a|bench-rest|175b   (OUT=dir for logs, default gpu_out)
 # Installs nothing: expects torch, numpy, omegaconf, hydra, sentencepiece, tqdm (puts the repo on PYTHONPATH).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -15,6 +15,22 @@ python3 -c 'import torch; print("torch", torch.__version__, "gpus", torch.cuda.d
 case "${1:-tests}" in
   tests)
     step gpu_tests 300 python3 -m pytest -q -p no:cacheprovider -m gpu tests -rs --basetemp "$WORK/pytest"
+    ;;
+  resume)  # issue 4 on GPUs: 2 GPUs -> save sharded -> resume on 1 GPU -> consolidate -> eval-lm (dir and file)
+    D="$WORK/data"; python3 examples/language_model/prepare_sample_corpus.py "$D/text" >/dev/null
+    python3 -m fairseq_cli.preprocess --only-source --trainpref "$D/text/train.txt" --validpref "$D/text/valid.txt" \
+      --testpref "$D/text/test.txt" --destdir "$D/bin" --workers 4 >/dev/null 2>&1
+    T="-m fairseq_cli.train --task language_modeling $D/bin --save-dir $WORK/ck --arch transformer_lm_gpt2_small
+       --decoder-layers 4 --bf16 --ddp-backend fully_sharded --fsdp-forward-prefetch --fsdp-sync-free
+       --use-sharded-state --optimizer adam --lr 3e-4 --tokens-per-sample 512 --batch-size 8 --log-format json
+       --log-interval 5 --log-file $WORK/ck/train.log --num-workers 1"
+    step two_gpus 240 python3 -m torch.distributed.run --standalone --nproc_per_node 2 $T --max-update 40
+    step one_gpu 240 python3 $T --update-freq 2 --max-update 60
+    step consolidate 120 python3 scripts/consolidate_fsdp_shards.py "$WORK/ck/checkpoint_last" "$WORK/ck/full.pt"
+    for p in "$WORK/ck/checkpoint_last" "$WORK/ck/full.pt"; do
+      step eval 120 python3 -m fairseq_cli.eval_lm "$D/bin" --path "$p" --gen-subset test --tokens-per-sample 512 --batch-size 8
+    done
+    step distributed_tests 400 python3 -m pytest -q -p no:cacheprovider tests/distributed -x
     ;;
   bench-a)
     step bench_a_b8 420 $B --layers 12 --embed-dim 6144 --heads 48 --seq 2048 --batch 8 --log-interval 4 --intervals 2 --compile --combos all --out "$WORK/a_b8"
