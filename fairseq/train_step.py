@@ -45,6 +45,7 @@ def run_update(model, criterion, optimizer, precision: Precision, samples: List[
     # the factor data_parallel_size.
     normalizer = data_parallel_size / _global_sample_size(samples, sentence_avg, device).clamp(min=1.0)
     loss_scale = precision.loss_scale
+    outputs = []
     for i, sample in enumerate(samples):
         is_dummy = sample.get("is_dummy", False)
         with gradient_sync(model, i == len(samples) - 1), precision.autocast():
@@ -54,7 +55,7 @@ def run_update(model, criterion, optimizer, precision: Precision, samples: List[
         (loss * (normalizer * loss_scale)).backward()
         if is_dummy:  # zeros keep every rank's keys identical for the interval all-reduce
             logging_output = {k: v * 0 for k, v in logging_output.items()}
-        stats.add(logging_output)
+        outputs.append(logging_output)
 
     params = [p for p in model.parameters() if p.grad is not None]
     if loss_scale != 1.0:
@@ -67,8 +68,10 @@ def run_update(model, criterion, optimizer, precision: Precision, samples: List[
             logger.info("gradient overflow detected, ignoring gradient, setting loss scale to: "
                         f"{precision.scaler.loss_scale:g}")
             optimizer.zero_grad(set_to_none=True)
-            stats.add({"overflows": 1})
+            stats.add({"overflows": 1})  # the skipped update's losses and tokens are not counted (upstream)
             return None
+    for logging_output in outputs:
+        stats.add(logging_output)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     update_stats = {"gnorm": grad_norm.detach(), "nonfinite_gnorm": (~torch.isfinite(grad_norm)).float(), "updates": 1}

@@ -10,6 +10,7 @@ from typing import Any, Dict, List, Optional
 import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
+from fairseq.data.batching import resolve_limit
 from fairseq.distributed.parallelize import parallelize_model
 from fairseq.distributed.utils import get_world_size
 from fairseq.optim import build_optimizer
@@ -41,6 +42,8 @@ class Trainer:
         self.is_sharded = cfg.distributed_training.ddp_backend == "fully_sharded"
         self.criterion = criterion.to(self.device)
         self.throughput = _throughput(cfg, model, self.device, self.data_parallel_size)
+        # Longest item the model accepts (upstream filters longer ones out of every batch iterator).
+        self.max_positions = resolve_limit(task.max_positions(), model.max_positions())
         self.memory_stats = CudaMemoryStats.for_device(self.device)
         self.model = parallelize_model(model, cfg, self.device)
         self.precision = Precision(
@@ -54,8 +57,12 @@ class Trainer:
         self.lr = self.get_lr()
         self.train_stats = LoggingOutputSums()
         self.valid_stats = LoggingOutputSums()
-        self.train_time = 0.0  # seconds spent in train steps (train_wall), carried across restarts
-        self._interval_train_time = 0.0
+        self.previous_training_time = 0.0  # wall-clock seconds of earlier runs of this training (checkpoint)
+        self._start_time = time.time()
+        self._interval_train_time = 0.0  # seconds inside train steps this log interval (train_wall)
+        # Updates whose gradient norm was inf/nan (fp16 skips them; otherwise they are applied): counted on
+        # the device, read before any checkpoint is written so that none holds diverged weights.
+        self._nonfinite_updates = torch.zeros((), device=self.device)
 
     # ---------------------------------------------------------------- training
     def prepare_sample(self, sample: dict, batch_source) -> dict:
@@ -79,12 +86,25 @@ class Trainer:
         if grad_norm is not None or self.precision.scaler is None:
             self.num_updates += 1
             self.lr = self.lr_scheduler.step_update(self.num_updates)
-        elapsed = time.perf_counter() - start
-        self.train_time += elapsed
-        self._interval_train_time += elapsed
+            self._nonfinite_updates += (~torch.isfinite(grad_norm)).float()
+        self._interval_train_time += time.perf_counter() - start
         if self.cfg.common.empty_cache_freq > 0 and self.num_updates % self.cfg.common.empty_cache_freq == 0:
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
+
+    def cumulative_training_time(self) -> float:
+        """Wall-clock seconds of this training so far, earlier (resumed) runs included."""
+        return self.previous_training_time + time.time() - self._start_time
+
+    def check_weights_finite(self) -> None:
+        """Raise before a checkpoint or validation if any update applied an inf/nan gradient (one sync)."""
+        bad = int(self._nonfinite_updates.item())
+        if bad:
+            raise FloatingPointError(
+                f"the gradient norm was inf/nan in {bad} update(s) by update {self.num_updates}; the weights are "
+                "no longer finite, so no checkpoint was written. Lower --lr, set --clip-norm, or use --bf16 "
+                "instead of --fp16, and resume from the last checkpoint."
+            )
 
     def read_train_stats(self) -> Dict[str, float]:
         """Interval statistics, read with one transfer and one all-reduce; raises on a non-finite loss."""
@@ -138,15 +158,19 @@ class Trainer:
             "num_updates": self.num_updates,
             "lr_scheduler": self.lr_scheduler.state_dict(),
             "loss_scaler": self.precision.state_dict(),
-            "train_time": self.train_time,
+            "train_time": self.cumulative_training_time(),
         }
 
-    def load_trainer_state(self, state: Dict[str, Any], reset_lr_scheduler: bool = False) -> None:
-        self.num_updates = state["num_updates"]
-        if not reset_lr_scheduler:
-            self.lr_scheduler.load_state_dict(state["lr_scheduler"])
+    def load_trainer_state(self, state: Dict[str, Any], reset_optimizer: bool = False,
+                           reset_lr_scheduler: bool = False) -> None:
+        """As upstream, --reset-optimizer also restarts the update count and the schedule (fine-tuning)."""
+        if not reset_optimizer:
+            self.num_updates = state["num_updates"]
+            if not reset_lr_scheduler:
+                self.lr_scheduler.load_state_dict(state["lr_scheduler"])
         self.precision.load_state_dict(state.get("loss_scaler", {}))
-        self.train_time = state.get("train_time", 0.0)
+        self.previous_training_time = state.get("train_time", 0.0)
+        self._start_time = time.time()
         self.lr = self.lr_scheduler.step_update(self.num_updates)
 
     def get_lr(self) -> float:

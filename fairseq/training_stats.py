@@ -35,10 +35,10 @@ def log_train_interval(trainer, sums: Dict[str, float], elapsed: float) -> None:
     log_memory(trainer)
 
 
-def log_memory(trainer) -> None:
+def log_memory(trainer, start_next_interval: bool = True) -> None:
     """CUDA memory over the interval (a collective: every rank calls it at the same boundary)."""
     if trainer.memory_stats.available:
-        log_memory_stats(trainer.memory_stats.interval_stats())
+        log_memory_stats(trainer.memory_stats.interval_stats(start_next_interval))
 
 
 def _with_wall(stats) -> Dict[str, object]:
@@ -65,7 +65,7 @@ def log_valid(trainer, sums: Dict[str, float], elapsed: float) -> None:
     if batches > 0:
         metrics.log_scalar("wpb", sums.get("ntokens", 0.0) / batches, batches, priority=50, round=1)
         metrics.log_scalar("bsz", sums.get("nsentences", 0.0) / batches, batches, priority=60, round=1)
-    log_memory(trainer)
+    log_memory(trainer, start_next_interval=False)
 
 
 def valid_log_line(agg, trainer, ckpt_cfg, best: Optional[float]) -> Dict[str, object]:

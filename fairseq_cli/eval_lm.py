@@ -1,8 +1,10 @@
 """fairseq-eval-lm: loss (base 2) and perplexity of a language model on a data split."""
 
 import ast
+import json
 import logging
 import math
+import os
 import time
 from typing import List, Optional
 
@@ -39,11 +41,12 @@ class InCorpusOrder:
         return np.arange(len(self.dataset))
 
 
-def with_context_window(batches, context_window: int, pad: int):
+def with_context_window(batches, context_window: int, pad: int, bos: Optional[int] = None):
     """Give each block up to `context_window` tokens of the text before it as left context.
 
     The context tokens are scored by the model but their targets are padding, so they are not counted: each
     token is evaluated once, with more history than its block alone gives. Blocks must come in corpus order.
+    With `bos` (--add-bos-token), only the first block keeps its leading <s>: later blocks continue the text.
     """
     history = torch.empty(0, dtype=torch.long)
     for sample in batches:
@@ -52,6 +55,8 @@ def with_context_window(batches, context_window: int, pad: int):
         for i in range(src.size(0)):
             n = int(tgt[i].ne(pad).sum())
             tokens, targets = src[i, :n], tgt[i, :n]
+            if bos is not None and len(history) and n and tokens[0] == bos:
+                tokens, targets = tokens[1:], targets[1:]
             ctx = history[-context_window:] if context_window > 0 else history[:0]
             rows_src.append(torch.cat([ctx, tokens]))
             rows_tgt.append(torch.cat([torch.full_like(ctx, pad), targets]))
@@ -70,8 +75,11 @@ def with_context_window(batches, context_window: int, pad: int):
 
 
 @torch.no_grad()
-def evaluate(model, batches, pad: int, device, dtype) -> tuple:
-    """(sum of -log2 p over counted target tokens, number of counted tokens)."""
+def evaluate(model, batches, pad: int, device, dtype, bos: Optional[int] = None) -> tuple:
+    """(sum of -log2 p over counted target tokens, number of counted tokens).
+
+    With `bos` (models trained with --add-bos-token), predicting the prepended <s> is not counted, as
+    upstream's eval-lm drops it."""
     nll_sum = torch.zeros((), dtype=torch.float64, device=device)
     count = 0
     autocast = torch.autocast(device.type, dtype=dtype) if dtype != torch.float32 else None
@@ -87,6 +95,8 @@ def evaluate(model, batches, pad: int, device, dtype) -> tuple:
             logits = model(src)
         lprobs = torch.log_softmax(logits.float(), dim=-1)
         mask = target.ne(pad)
+        if bos is not None:
+            mask &= target.ne(bos)
         token_lprobs = lprobs.gather(-1, target.clamp(min=0).unsqueeze(-1)).squeeze(-1)
         nll_sum -= (token_lprobs * mask).sum().double()
         count += int(mask.sum())
@@ -97,6 +107,8 @@ def main(cfg) -> dict:
     progress_bar.setup_logging(cfg.common.log_file)
     if cfg.common.user_dir:
         import_user_module(cfg.common.user_dir)
+    if cfg.eval_lm.output_word_probs or cfg.eval_lm.output_word_stats:
+        raise ValueError("--output-word-probs / --output-word-stats are not supported yet; drop the flag")
     path = cfg.common_eval.path
     if not path:
         raise ValueError("no checkpoint given: pass --path CHECKPOINT.pt (or a sharded checkpoint directory)")
@@ -110,6 +122,9 @@ def main(cfg) -> dict:
 
     saved_cfg, state = read_checkpoint_config(path, trust_legacy=cfg.common.trust_legacy_checkpoint)
     overrides = ast.literal_eval(cfg.common_eval.model_overrides)
+    # A model trained with --add-bos-token expects <s> first, whether or not this command line says so.
+    if (saved_cfg.get("task") or {}).get("add_bos_token") and hasattr(cfg.task, "add_bos_token"):
+        cfg.task.add_bos_token = True
     task, model = build_from_saved_config(saved_cfg, cfg.task, overrides)
     load_model_weights(model, path, state)
     model.to(device).eval()
@@ -125,9 +140,10 @@ def main(cfg) -> dict:
         num_workers=cfg.dataset.num_workers, epoch=1,
     ).next_epoch_itr(shuffle=False)
     pad = task.source_dictionary.pad()
-    batches = with_context_window(itr, context_window, pad) if context_window > 0 else itr
+    bos = task.source_dictionary.bos() if getattr(cfg.task, "add_bos_token", False) else None
+    batches = with_context_window(itr, context_window, pad, bos) if context_window > 0 else itr
     start = time.perf_counter()
-    nll_bits, count = evaluate(model, batches, pad, device, compute_dtype(cfg.common))
+    nll_bits, count = evaluate(model, batches, pad, device, compute_dtype(cfg.common), bos=bos)
     elapsed = time.perf_counter() - start
     if count == 0:
         raise ValueError(f"split {cfg.dataset.gen_subset!r} has no tokens to evaluate")
@@ -135,7 +151,14 @@ def main(cfg) -> dict:
     ppl = 2**loss
     logger.info(f"Evaluated {count:,} tokens in {elapsed:.1f}s ({count / max(elapsed, 1e-9):.2f} tokens/s)")
     logger.info(f"Loss (base 2): {loss:.4f}, Perplexity: {ppl:.2f}")
-    return {"loss": loss, "perplexity": ppl, "tokens": count}
+    result = {"loss": loss, "perplexity": ppl, "tokens": count}
+    if cfg.common_eval.results_path:
+        os.makedirs(cfg.common_eval.results_path, exist_ok=True)
+        out = os.path.join(cfg.common_eval.results_path, f"eval_lm.{cfg.dataset.gen_subset}.json")
+        with open(out, "w") as f:
+            json.dump(dict(result, path=path, gen_subset=cfg.dataset.gen_subset), f, indent=1)
+        logger.info(f"wrote {out}")
+    return result
 
 
 def cli_main(argv: Optional[List[str]] = None) -> None:

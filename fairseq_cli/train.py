@@ -13,11 +13,12 @@ from fairseq import registry
 from fairseq.utils import import_user_module, run_console_script
 from fairseq.checkpoint.manager import CheckpointManager
 from fairseq.criterions import build_criterion
+from fairseq.data.batching import resolve_limit
 from fairseq.distributed import utils as dist_utils
 from fairseq.distributed.launch import call_main
 from fairseq.logging import metrics, progress_bar
 from fairseq.preemption import EXIT_REQUEUED, Preempted, PreemptionWatcher, requeue_slurm_job
-from fairseq.trainer import Trainer
+from fairseq.trainer import Trainer, select_device
 from fairseq.training_stats import log_train_interval, log_valid, train_log_line, valid_log_line
 
 logger = logging.getLogger("fairseq_cli.train")
@@ -30,6 +31,8 @@ def check_config(cfg) -> None:
         raise ValueError("no --optimizer given; e.g. --optimizer adam")
     if cfg.model is None:
         raise ValueError("no --arch given; e.g. --arch transformer_lm")
+    if cfg.optimization.use_bmuf:
+        raise ValueError("--use-bmuf (block-wise model update filtering) is not supported; drop the flag")
 
 
 def main(cfg) -> Optional[str]:
@@ -49,6 +52,15 @@ REQUEUED = "requeued"
 
 
 def _train(cfg) -> Optional[str]:
+    # Installed first: a preemption signal during start-up must not kill the job without a requeue.
+    preemption = PreemptionWatcher(select_device(cfg))
+    try:
+        return _train_with(cfg, preemption)
+    finally:
+        preemption.restore()
+
+
+def _train_with(cfg, preemption) -> Optional[str]:
     if not dist_utils.is_master():
         logging.getLogger().setLevel(logging.WARNING)  # one log, from rank 0
     check_config(cfg)
@@ -77,13 +89,14 @@ def _train(cfg) -> Optional[str]:
     epoch_itr = trainer_iterator(cfg, task, trainer, epoch)
     if extra_state and "train_iterator" in extra_state:
         epoch_itr.load_state_dict(iterator_state_for_world_size(extra_state, dist_utils.get_world_size()))
-    if extra_state and extra_state.get("metrics"):
+    # At an epoch boundary the saved meters belong to the finished epoch: start the new one afresh (upstream).
+    mid_epoch = bool(extra_state and extra_state.get("train_iterator", {}).get("iterations_in_epoch", 0) > 0)
+    if mid_epoch and extra_state.get("metrics"):
         metrics.load_state_dict(extra_state["metrics"])
 
     max_epoch = cfg.optimization.max_epoch or math.inf
     start = time.time()
     metrics.log_start_time("wall", priority=790, round=0)  # "default" aggregator: never reset
-    preemption = PreemptionWatcher(trainer.device)
     try:
         while epoch_itr.next_epoch_idx <= max_epoch:
             if trainer.get_lr() <= cfg.optimization.stop_min_lr:
@@ -102,8 +115,6 @@ def _train(cfg) -> Optional[str]:
             requeue_slurm_job()
         dist_utils.barrier()
         return REQUEUED
-    finally:
-        preemption.restore()
     logger.info(f"done training in {time.time() - start:.1f} seconds")
     return None
 
@@ -147,7 +158,7 @@ def trainer_iterator(cfg, task, trainer, epoch: int):
         dataset=task.dataset(cfg.dataset.train_subset),
         max_tokens=cfg.dataset.max_tokens,
         max_sentences=cfg.dataset.batch_size,
-        max_positions=task.max_positions(),
+        max_positions=resolve_limit(trainer.max_positions, cfg.dataset.max_tokens),
         ignore_invalid_inputs=True,
         required_batch_size_multiple=cfg.dataset.required_batch_size_multiple,
         seed=cfg.common.seed,
@@ -156,6 +167,7 @@ def trainer_iterator(cfg, task, trainer, epoch: int):
         num_workers=cfg.dataset.num_workers,
         epoch=epoch,
         pin_memory=trainer.device.type == "cuda",
+        data_buffer_size=cfg.dataset.data_buffer_size,
     )
 
 
@@ -223,10 +235,13 @@ def validate_and_save(cfg, trainer, task, epoch_itr, checkpoints, end_of_epoch: 
     if num_updates >= max_update:
         should_stop = True
         logger.info(f"stopping training: num_updates {num_updates} >= max_update {max_update}")
-    hours = trainer.train_time / 3600
-    if cfg.optimization.stop_time_hours > 0 and hours > cfg.optimization.stop_time_hours:
-        should_stop = True
-        logger.info(f"stopping training: {hours:.2f} h >= --stop-time-hours {cfg.optimization.stop_time_hours}")
+    if cfg.optimization.stop_time_hours > 0:
+        # Ranks must stop at the same update: take the largest clock (one small all-reduce, only with this flag).
+        clock = torch.tensor(trainer.cumulative_training_time() / 3600, dtype=torch.float64, device=trainer.device)
+        hours = dist_utils.all_reduce_max(clock).item()
+        if hours > cfg.optimization.stop_time_hours:
+            should_stop = True
+            logger.info(f"stopping training: {hours:.2f} h >= --stop-time-hours {cfg.optimization.stop_time_hours}")
     ck, ds = cfg.checkpoint, cfg.dataset
     do_save = (
         (end_of_epoch and epoch_itr.epoch % ck.save_interval == 0)
@@ -259,7 +274,7 @@ def validate(cfg, trainer, task, epoch_itr, checkpoints) -> List[Optional[float]
             dataset=task.dataset(subset),
             max_tokens=cfg.dataset.max_tokens_valid or cfg.dataset.max_tokens,
             max_sentences=cfg.dataset.batch_size_valid or cfg.dataset.batch_size,
-            max_positions=task.max_positions(),
+            max_positions=trainer.max_positions,
             ignore_invalid_inputs=cfg.dataset.skip_invalid_size_inputs_valid_test,
             required_batch_size_multiple=cfg.dataset.required_batch_size_multiple,
             seed=cfg.common.seed,
@@ -268,6 +283,7 @@ def validate(cfg, trainer, task, epoch_itr, checkpoints) -> List[Optional[float]
             num_workers=cfg.dataset.num_workers,
             epoch=1,
             pin_memory=trainer.device.type == "cuda",
+            data_buffer_size=cfg.dataset.data_buffer_size,
         )
         itr = batches.next_epoch_itr(shuffle=False)
         progress = _progress(cfg, itr, epoch=epoch_itr.epoch, prefix=f"valid on '{subset}' subset")

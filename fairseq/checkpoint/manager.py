@@ -37,7 +37,9 @@ class CheckpointManager:
         self._patience_best: Optional[float] = None
         self._validations_without_improvement = 0
 
-    def _is_better(self, a: float, b: float) -> bool:
+    def _is_better(self, a: float, b: float, ties: bool = False) -> bool:
+        if ties and a == b:
+            return True
         return a > b if self.ckpt_cfg.maximize_best_checkpoint_metric else a < b
 
     def should_stop_early(self, valid_loss: Optional[float]) -> bool:
@@ -58,11 +60,11 @@ class CheckpointManager:
     def save(self, trainer, epoch_itr, val_loss: Optional[float], end_of_epoch: bool,
              metrics_state: Optional[dict] = None) -> List[str]:
         """Write the checkpoints due at this point; every rank must call this (state gathering is collective)."""
+        is_best = val_loss is not None and (self.best is None or self._is_better(val_loss, self.best, ties=True))
+        if is_best:  # tracked even with --no-save: the valid lines report best_loss
+            self.best = val_loss
         if self.ckpt_cfg.no_save:
             return []
-        is_best = val_loss is not None and (self.best is None or self._is_better(val_loss, self.best))
-        if is_best:
-            self.best = val_loss
         stems = checkpoint_stems(self.ckpt_cfg, epoch_itr.epoch, trainer.num_updates, end_of_epoch, is_best,
                                  val_loss)
         return self._write(stems, trainer, epoch_itr, val_loss, metrics_state)
@@ -76,6 +78,7 @@ class CheckpointManager:
     def _write(self, stems, trainer, epoch_itr, val_loss, metrics_state) -> List[str]:
         if not stems:
             return []
+        trainer.check_weights_finite()
         save_dir = self.ckpt_cfg.save_dir
         os.makedirs(save_dir, exist_ok=True)
         extra_state = {
@@ -83,7 +86,7 @@ class CheckpointManager:
             "val_loss": val_loss,
             "best": self.best,
             "metrics": metrics_state or {},
-            "previous_training_time": trainer.train_time,
+            "previous_training_time": trainer.cumulative_training_time(),
             "trainer": trainer.trainer_state(),
             "data_parallel_size": trainer.data_parallel_size,
         }
@@ -159,7 +162,8 @@ class CheckpointManager:
         trainer.load_model_and_optimizer_state(state["model"], optim_state, full=not os.path.isdir(path))
         extra = state.get("extra_state") or {}
         if "trainer" in extra:
-            trainer.load_trainer_state(extra["trainer"], reset_lr_scheduler=ck.reset_lr_scheduler)
+            trainer.load_trainer_state(extra["trainer"], reset_optimizer=ck.reset_optimizer,
+                                       reset_lr_scheduler=ck.reset_lr_scheduler)
         self.best = extra.get("best")
         if ck.reset_dataloader:
             extra.pop("train_iterator", None)

@@ -100,7 +100,7 @@ class DatasetConfig:
     batch_size: Optional[int] = opt(None, "number of examples in a batch", aliases=["--max-sentences"])
     required_batch_size_multiple: int = opt(8, "batch size will be a multiple of this")
     dataset_impl: Optional[str] = opt(None, "accepted for upstream compatibility; mmap is the only format")
-    data_buffer_size: int = opt(10, "batches to prefetch per loader")
+    data_buffer_size: int = opt(10, "batches each data-loading worker prepares ahead (with --num-workers > 0)")
     train_subset: str = opt("train", "data subset to train on")
     valid_subset: str = opt("valid", "comma-separated data subsets to validate on")
     combine_valid_subsets: Optional[bool] = opt(None, "accepted for upstream compatibility")
@@ -129,7 +129,7 @@ class OptimizationConfig:
     update_freq: List[int] = opt([1], "accumulate gradients over N batches before each update")
     lr: List[float] = opt([0.25], "learning rate (upstream takes a list; the first value is used)")
     stop_min_lr: float = opt(-1.0, "stop when the learning rate falls to this value")
-    use_bmuf: bool = opt(False, "accepted for upstream compatibility; not supported")
+    use_bmuf: bool = opt(False, "not supported: an error if set")
 
 
 @dataclass
@@ -164,8 +164,8 @@ class CheckpointConfig:
 
 @dataclass
 class EvalLMConfig:
-    output_word_probs: bool = opt(False, "print each word's log probability")
-    output_word_stats: bool = opt(False, "accepted for upstream compatibility")
+    output_word_probs: bool = opt(False, "print each word's log probability (not supported yet: an error)")
+    output_word_stats: bool = opt(False, "word statistics (not supported yet: an error)")
     context_window: int = opt(0, "tokens of left context scored but not counted, for sliding-window evaluation")
     softmax_batch: int = opt(2**62, "accepted for upstream compatibility")
 
@@ -175,7 +175,7 @@ class CommonEvalConfig:
     path: Optional[str] = opt(None, "checkpoint to evaluate: a .pt file or a sharded checkpoint directory")
     quiet: bool = opt(False, "only print the final scores")
     model_overrides: str = opt("{}", "Python dict literal of model config values to override when loading")
-    results_path: Optional[str] = opt(None, "also write the results to this directory")
+    results_path: Optional[str] = opt(None, "also write the results to this directory (eval_lm.SPLIT.json)")
 
 
 @dataclass

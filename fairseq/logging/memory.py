@@ -116,14 +116,18 @@ class CudaMemoryStats:
     def available(self) -> bool:
         return self.reader is not None
 
-    def interval_stats(self) -> Dict[str, float]:
-        """Read this interval's numbers, start the next interval, reduce over ranks, warn if needed."""
+    def interval_stats(self, start_next_interval: bool = True) -> Dict[str, float]:
+        """Read this interval's numbers, start the next interval, reduce over ranks, warn if needed.
+
+        With `start_next_interval=False` (a validation line in the middle of a log interval) the numbers so
+        far are reported and the interval goes on: peaks are reset only at log boundaries."""
         if self.reader is None:
             return {}
         raw = self.reader.read()
-        self.reader.reset_peaks()
         retries = raw.alloc_retries - self._retries_at_last_boundary
-        self._retries_at_last_boundary = raw.alloc_retries
+        if start_next_interval:
+            self.reader.reset_peaks()
+            self._retries_at_last_boundary = raw.alloc_retries
         free_at_peak = raw.total - raw.peak_reserved
         # negated free: one MAX reduction yields the minimum free memory over ranks
         values = [raw.peak_allocated, raw.peak_reserved, raw.allocated, raw.reserved, -free_at_peak, retries, raw.total]

@@ -166,10 +166,11 @@ class TransformerLanguageModel(nn.Module):
     @classmethod
     def build_model(cls, cfg, task) -> "TransformerLanguageModel":
         dictionary = task.source_dictionary
-        return cls.build(cfg, len(dictionary), dictionary.pad())
+        return cls.build(cfg, len(dictionary), dictionary.pad(), output_vocab_size=len(task.target_dictionary))
 
     @classmethod
-    def build(cls, cfg, vocab_size: int, padding_idx: int = 1) -> "TransformerLanguageModel":
+    def build(cls, cfg, vocab_size: int, padding_idx: int = 1,
+              output_vocab_size: Optional[int] = None) -> "TransformerLanguageModel":
         """Build from a config and a vocabulary size. Works under `with torch.device("meta"):`.
 
         As upstream, an unset `cfg.max_target_positions` is filled in place from --tokens-per-sample, so
@@ -177,7 +178,7 @@ class TransformerLanguageModel(nn.Module):
         """
         check_config(cfg)
         cfg.max_target_positions = resolve_max_target_positions(cfg)
-        return cls(TransformerDecoder(cfg, vocab_size, padding_idx))
+        return cls(TransformerDecoder(cfg, vocab_size, padding_idx, output_vocab_size))
 
     def forward(self, src_tokens: torch.Tensor, src_lengths: Optional[torch.Tensor] = None,
                 features_only: bool = False) -> torch.Tensor:

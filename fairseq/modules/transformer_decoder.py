@@ -11,6 +11,8 @@ checkpoint and drops the final layer norm, so it is kept).
 
 import math
 
+from typing import Optional
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -26,7 +28,9 @@ class TransformerDecoder(nn.Module):
     `max_target_positions` must already be resolved to an int.
     """
 
-    def __init__(self, cfg, vocab_size: int, padding_idx: int):
+    def __init__(self, cfg, vocab_size: int, padding_idx: int, output_vocab_size: Optional[int] = None):
+        """`output_vocab_size` (--output-dictionary-size) narrows the softmax to the first symbols; it applies
+        only to an untied output projection, as upstream (a tied one is the whole embedding matrix)."""
         super().__init__()
         self.register_buffer("version", torch.tensor([3.0]))
         self.padding_idx = padding_idx
@@ -79,7 +83,8 @@ class TransformerDecoder(nn.Module):
             # Its own weight is replaced by the embedding matrix at once: never allocate it.
             self.output_projection = nn.Linear(self.output_embed_dim, vocab_size, bias=False, device="meta")
         else:
-            self.output_projection = nn.Linear(self.output_embed_dim, vocab_size, bias=False)
+            out_size = vocab_size if output_vocab_size is None else output_vocab_size
+            self.output_projection = nn.Linear(self.output_embed_dim, out_size, bias=False)
         self.tie_weights()
         # The layers initialized themselves when built; the rest differs from PyTorch's defaults.
         self._init_outside_layers()

@@ -1,0 +1,100 @@
+"""Resume, reset and stop edge cases of fairseq-train, and eval-lm's optional outputs."""
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from fairseq_cli import eval_lm, train
+from test_train_cli import NAN_PLUGIN, _eval_cfg, _run_train, load, train_args, train_inner_lines
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def test_no_checkpoint_is_written_with_non_finite_weights(tiny_data, tmp_path):
+    plugin = tmp_path / "nan_plugin"
+    plugin.mkdir()
+    (plugin / "__init__.py").write_text(NAN_PLUGIN)
+    save_dir = tmp_path / "ck"
+    argv = train_args(tiny_data, save_dir, "--user-dir", str(plugin), "--criterion", "nan_after_two",
+                      "--save-interval-updates", "4", max_update=8)
+    argv[argv.index("--log-interval") + 1] = "10"  # the NaN must be caught before the log boundary
+    proc = _run_train(argv)
+    assert proc.returncode != 0
+    assert "no checkpoint was written" in proc.stderr + proc.stdout
+    for name in os.listdir(save_dir):
+        if name.endswith(".pt"):
+            state = load(save_dir / name)
+            assert all(torch.isfinite(v).all() for v in state["model"].values()), name
+
+
+def test_reset_optimizer_restarts_updates_and_schedule(tiny_data, tmp_path):
+    train.cli_main(train_args(tiny_data, tmp_path, max_update=6))
+    train.cli_main(train_args(tiny_data, tmp_path, "--reset-optimizer", max_update=3))
+    state = load(tmp_path / "checkpoint_last.pt")
+    assert state["extra_state"]["trainer"]["num_updates"] == 3
+    lrs = [float(r["lr"]) for r in train_inner_lines(tmp_path / "train.log")]
+    # inverse_sqrt warm-up over 4 updates: the second run starts its warm-up again
+    assert lrs[6:9] == lrs[0:3]
+
+
+def test_best_loss_is_tracked_with_no_save(tiny_data, tmp_path):
+    argv = train_args(tiny_data, tmp_path, "--no-save", "--validate-interval-updates", "2", max_update=6)
+    train.cli_main(argv)
+    valid = []
+    with open(tmp_path / "train.log") as f:
+        for line in f:
+            if "| valid |" in line:
+                valid.append(json.loads(line.split("| valid |", 1)[1]))
+    losses = [float(v["valid_loss"]) for v in valid]
+    assert [float(v["valid_best_loss"]) for v in valid] == [min(losses[: i + 1]) for i in range(len(losses))]
+    assert not any(name.endswith(".pt") for name in os.listdir(tmp_path))
+
+
+def test_resuming_at_an_epoch_boundary_starts_the_epoch_meters_afresh(tiny_data, tmp_path):
+    def epoch_lines(log):
+        rows = []
+        with open(log) as f:
+            for line in f:
+                if "| train |" in line:
+                    rows.append(json.loads(line.split("| train |", 1)[1]))
+        return rows
+
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    train.cli_main(train_args(tiny_data, straight, "--max-epoch", "2", max_update=0))
+    train.cli_main(train_args(tiny_data, resumed, "--max-epoch", "1", max_update=0))
+    train.cli_main(train_args(tiny_data, resumed, "--max-epoch", "2", max_update=0))
+    a, b = epoch_lines(straight / "train.log"), epoch_lines(resumed / "train.log")
+    assert [r["train_loss"] for r in a] == [r["train_loss"] for r in b]
+
+
+def test_stop_time_hours_stops_every_rank_at_the_same_update(tiny_data, tmp_path):
+    argv = train_args(tiny_data, tmp_path, "--stop-time-hours", "0.0004", "--distributed-world-size", "2",
+                      "--max-epoch", "50", "--disable-validation", max_update=0)
+    proc = subprocess.run([sys.executable, "-m", "fairseq_cli.train", *argv], capture_output=True, text=True,
+                          timeout=300, env=dict(os.environ, PYTHONPATH=ROOT))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "stopping training:" in proc.stdout + proc.stderr
+    assert load(tmp_path / "checkpoint_last.pt")["extra_state"]["trainer"]["num_updates"] > 0
+
+
+def test_eval_lm_results_path_and_unsupported_word_probs(tiny_data, tmp_path):
+    train.cli_main(train_args(tiny_data, tmp_path, max_update=2))
+    ckpt = tmp_path / "checkpoint_last.pt"
+    result = eval_lm.main(_eval_cfg(tiny_data, ckpt, "--results-path", str(tmp_path / "results"), "--quiet"))
+    written = json.loads((tmp_path / "results" / "eval_lm.test.json").read_text())
+    assert written["tokens"] == result["tokens"] and math.isclose(written["loss"], result["loss"])
+    with pytest.raises(ValueError, match="--output-word-probs"):
+        eval_lm.main(_eval_cfg(tiny_data, ckpt, "--output-word-probs"))
+
+
+def test_context_window_with_bos_counts_each_text_token_once(tiny_data, tmp_path):
+    train.cli_main(train_args(tiny_data, tmp_path / "bos", "--add-bos-token", max_update=2))
+    ckpt = tmp_path / "bos" / "checkpoint_last.pt"
+    plain = eval_lm.main(_eval_cfg(tiny_data, ckpt))
+    windowed = eval_lm.main(_eval_cfg(tiny_data, ckpt, "--context-window", "8"))
+    assert windowed["tokens"] == plain["tokens"]
