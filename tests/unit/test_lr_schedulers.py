@@ -201,9 +201,13 @@ def test_cosine_explicit_warmup_init_lr():
     assert lr_at(sched, opt, 4) == pytest.approx(0.4, rel=1e-12)
 
 
+def test_cosine_min_lr_at_or_above_lr_gives_a_constant_rate():
+    for min_lr in (0.1, 0.2):  # upstream lowers --min-lr to --lr
+        sched, opt = build("cosine", [0.1], max_update=10, min_lr=min_lr)
+        assert [lr_at(sched, opt, n) for n in (0, 3, 7)] == [0.1, 0.1, 0.1]
+
+
 def test_cosine_rejects_bad_settings():
-    with pytest.raises(ValueError, match="--lr 0.1 must be greater than --min-lr 0.2"):
-        build("cosine", [0.1], max_update=10, min_lr=0.2)
     with pytest.raises(ValueError, match="--lr-period-updates"):
         build("cosine", [0.1])
     with pytest.raises(ValueError, match="one learning rate"):

@@ -26,12 +26,12 @@ class CosineLRSchedule(FairseqLRScheduler):
     def __init__(self, cfg, optimizer, lrs, max_update):
         super().__init__(cfg, optimizer, lrs, max_update)
         self.max_lr = self._single_lr("cosine")
-        if self.max_lr <= cfg.min_lr:
-            raise ValueError(f"--lr {self.max_lr} must be greater than --min-lr {cfg.min_lr} for the cosine schedule")
+        # As upstream: a --min-lr above --lr is lowered to it (equal values give a constant rate).
+        self.min_lr = min(cfg.min_lr, self.max_lr)
         if cfg.warmup_updates < 0:
             raise ValueError(f"--warmup-updates {cfg.warmup_updates} is negative; pass 0 or more")
         self.warmup_updates = cfg.warmup_updates
-        self.warmup_init_lr = cfg.warmup_init_lr if cfg.warmup_init_lr >= 0 else cfg.min_lr
+        self.warmup_init_lr = cfg.warmup_init_lr if cfg.warmup_init_lr >= 0 else self.min_lr
         self.period = cfg.lr_period_updates
         if self.period <= 0:
             self.period = max_update - cfg.warmup_updates
@@ -62,7 +62,7 @@ class CosineLRSchedule(FairseqLRScheduler):
                 cycle_length = period
                 position = since_warmup - period * cycle
             shrink = self.cfg.lr_shrink**cycle
-            low, high = self.cfg.min_lr * shrink, self.max_lr * shrink
+            low, high = self.min_lr * shrink, self.max_lr * shrink
             self.lr = low + 0.5 * (high - low) * (1 + math.cos(math.pi * position / cycle_length))
         self.set_lr(self.lr)
         return self.lr
