@@ -32,7 +32,10 @@ import torch.distributed as dist
 import torch.multiprocessing
 
 from fairseq.distributed.env import LaunchPlan, detect_launch
-from fairseq.preemption import EXIT_REQUEUED, PREEMPTION_SIGNALS
+from fairseq.preemption import PREEMPTION_SIGNALS
+
+# Written by the first spawned rank: main_fn's return value (JSON), returned by call_main in the parent.
+RESULT_FILE = "main_result.txt"
 
 logger = logging.getLogger(__name__)
 
@@ -232,7 +235,11 @@ def _run_spawned_process(index: int, cfg, main_fn: Callable, kwargs: dict, plan:
     own_plan = plan.for_spawned_process(index)
     try:
         init_distributed(cfg, own_plan)
-        main_fn(cfg, **kwargs)
+        result = main_fn(cfg, **kwargs)
+        if own_plan.rank == plan.rank:  # the first spawned rank's result is what call_main returns
+            with open(os.path.join(report_dir, RESULT_FILE + ".tmp"), "w") as f:
+                json.dump(result if isinstance(result, (str, int, float, bool, type(None))) else repr(result), f)
+            os.replace(os.path.join(report_dir, RESULT_FILE + ".tmp"), os.path.join(report_dir, RESULT_FILE))
     except Exception:
         # The report goes first: once this rank lets go of its peers they fail too, and the launcher must
         # still be able to tell which rank failed first.
@@ -244,14 +251,13 @@ def _run_spawned_process(index: int, cfg, main_fn: Callable, kwargs: dict, plan:
         logger.warning("rank %d: the process group did not shut down in %.0f s", own_plan.rank, SHUTDOWN_WAIT_S)
 
 
-def _spawn(cfg, main_fn: Callable, kwargs: dict, plan: LaunchPlan) -> None:
+def _spawn(cfg, main_fn: Callable, kwargs: dict, plan: LaunchPlan):
     logger.info(
         "spawning %d processes (%s launch, ranks %d-%d of %d, init method %s)",
         plan.nprocs_to_spawn, plan.mode, plan.rank, plan.rank + plan.nprocs_to_spawn - 1, plan.world_size,
         plan.init_method,
     )
     with tempfile.TemporaryDirectory(prefix="fairseq-rank-failures-") as report_dir:
-        forwarded = []
         try:
             context = torch.multiprocessing.start_processes(
                 _run_spawned_process,
@@ -260,9 +266,14 @@ def _spawn(cfg, main_fn: Callable, kwargs: dict, plan: LaunchPlan) -> None:
                 join=False,
                 start_method="spawn",
             )
-            with _forward_preemption_signals(context, forwarded):
+            with _forward_preemption_signals(context):
                 while not context.join():
                     pass
+            result_file = os.path.join(report_dir, RESULT_FILE)
+            if os.path.exists(result_file):
+                with open(result_file) as f:
+                    return json.load(f)
+            return None
         except _SPAWN_FAILURES as err:
             # torch names the process it noticed first, which may be a peer that failed because of the real
             # culprit; the reports order the failures by when they happened.
@@ -278,16 +289,13 @@ def _spawn(cfg, main_fn: Callable, kwargs: dict, plan: LaunchPlan) -> None:
                 f"rank {first['rank']} of {plan.world_size} failed{after}; the other processes were stopped.\n"
                 f"{first['traceback']}"
             ) from None
-    if forwarded:  # the ranks saved checkpoint_last and stopped because of the signal
-        raise SystemExit(EXIT_REQUEUED)
 
 
 @contextlib.contextmanager
-def _forward_preemption_signals(context, forwarded: list):
+def _forward_preemption_signals(context):
     """SLURM (or a user) signals the process it started; the spawned ranks are the ones that must save."""
 
     def forward(signum, frame):
-        forwarded.append(signum)
         for process in context.processes:
             if process.is_alive():
                 os.kill(process.pid, signum)
@@ -308,7 +316,7 @@ def _forward_preemption_signals(context, forwarded: list):
 def call_main(cfg, main_fn: Callable, **kwargs):
     """Run `main_fn(cfg, **kwargs)` on every rank of the job this process belongs to.
 
-    Returns main_fn's result when it ran in this process; None when this process only spawned the ranks.
+    Returns main_fn's result (when spawning: the first spawned rank's, if it is a plain JSON value).
     Raises SystemExit (non-zero, with the failing rank's error) when any rank fails.
     """
     apply_default_env()

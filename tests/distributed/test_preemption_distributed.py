@@ -77,3 +77,28 @@ def test_sigusr1_saves_requeues_and_resumes_exactly(tiny_data, tmp_path):
     outs = [p.communicate(timeout=600)[0] for p in procs]
     assert [p.returncode for p in procs] == [0, 0], outs
     assert losses(preempted / "train.log") == losses(straight / "train.log")
+
+
+def test_spawned_ranks_get_the_signal_sent_to_the_launcher(tiny_data, tmp_path):
+    """One SLURM task per node: the signal reaches the launching process, which forwards it to its ranks."""
+    fake_bin = tmp_path / "bin"
+    fake_bin.mkdir()
+    (fake_bin / "scontrol").write_text('#!/bin/sh\necho "$@" >> "$SCONTROL_LOG"\n')
+    (fake_bin / "scontrol").chmod(0o755)
+    log = tmp_path / "scontrol.log"
+    env = _env({"PATH": f"{fake_bin}:{os.environ['PATH']}", "SCONTROL_LOG": str(log), "SLURM_JOB_ID": "77"})
+    argv = [sys.executable, "-m", "fairseq_cli.train", "--task", "language_modeling", str(tiny_data),
+            "--save-dir", str(tmp_path / "ck"), *MODEL, "--max-update", "400", "--log-file",
+            str(tmp_path / "ck" / "train.log"), "--distributed-world-size", "2", "--heartbeat-timeout", "120"]
+    proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.time() + 300
+    while time.time() < deadline:
+        got = losses(tmp_path / "ck" / "train.log") if (tmp_path / "ck" / "train.log").exists() else {}
+        if got and max(got) >= 3:
+            break
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGUSR1)
+    out = proc.communicate(timeout=300)[0]
+    assert proc.returncode == 3, out[-3000:]
+    assert log.read_text().strip() == "requeue 77"
+    assert (tmp_path / "ck" / "checkpoint_last.pt").exists()
