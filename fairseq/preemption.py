@@ -2,8 +2,9 @@
 
 SLURM sends the signal shortly before it stops a job (`#SBATCH --signal=B:USR1@180`). Ranks may receive it
 at slightly different times, so each rank contributes its flag to a tiny all-reduce at every step boundary.
-The all-reduce is started without waiting and read one step later, so the CPU never waits for the GPU
-because of it; all ranks read the same results in the same order and therefore stop after the same update.
+The all-reduce runs on a CPU (gloo) group, is started without waiting and read one step later, so the CPU
+never waits for the GPU because of it; all ranks read the same results in the same order and therefore stop
+after the same update.
 Rank 0 then runs `scontrol requeue $SLURM_JOB_ID` (inside SLURM) and every process exits with
 EXIT_REQUEUED. The restarted job resumes from checkpoint_last with no flag needed.
 """
@@ -28,9 +29,16 @@ class Preempted(Exception):
 
 
 class PreemptionWatcher:
-    def __init__(self, device: torch.device):
-        self.device = device
+    def __init__(self, timeout=None, separate_group: Optional[bool] = None):
         self.received: Optional[int] = None
+        # The flags travel through a CPU (gloo) group: reading the result then never waits for the GPU, as
+        # reading an NCCL result on a CUDA tensor would. Collective: every rank creates the watcher.
+        # `separate_group` (default: when the default group is not gloo already) exists for tests.
+        self._group = None
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            if separate_group if separate_group is not None else dist.get_backend() != "gloo":
+                kwargs = {"timeout": timeout} if timeout is not None else {}
+                self._group = dist.new_group(backend="gloo", **kwargs)
         self._pending = None  # (work handle, flag tensor) of the all-reduce started at the last boundary
         self._previous = {}
         for sig in PREEMPTION_SIGNALS:
@@ -53,14 +61,13 @@ class PreemptionWatcher:
         local = 1 if self.received is not None else 0
         if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
             return bool(local)
-        flag_device = self.device if dist.get_backend() == "nccl" else torch.device("cpu")
-        flag = torch.tensor([local], dtype=torch.int32, device=flag_device)
-        work = dist.all_reduce(flag, op=dist.ReduceOp.MAX, async_op=True)
+        flag = torch.tensor([local], dtype=torch.int32)
+        work = dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group, async_op=True)
         previous, self._pending = self._pending, (work, flag)
         if previous is None:
             return False
         previous[0].wait()
-        return bool(previous[1].item())  # result of the previous boundary: the GPU is past that step
+        return bool(previous[1].item())  # the previous boundary's result: waits for peers, never the GPU
 
     def drain(self) -> bool:
         """At the end of training: finish the outstanding all-reduce (no collective left hanging)."""

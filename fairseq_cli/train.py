@@ -15,10 +15,10 @@ from fairseq.checkpoint.manager import CheckpointManager
 from fairseq.criterions import build_criterion
 from fairseq.data.batching import resolve_limit
 from fairseq.distributed import utils as dist_utils
-from fairseq.distributed.launch import call_main
+from fairseq.distributed.launch import call_main, process_group_timeout
 from fairseq.logging import metrics, progress_bar
 from fairseq.preemption import EXIT_REQUEUED, Preempted, PreemptionWatcher, requeue_slurm_job
-from fairseq.trainer import Trainer, select_device
+from fairseq.trainer import Trainer
 from fairseq.training_stats import log_train_interval, log_valid, train_log_line, valid_log_line
 
 logger = logging.getLogger("fairseq_cli.train")
@@ -53,7 +53,7 @@ REQUEUED = "requeued"
 
 def _train(cfg) -> Optional[str]:
     # Installed first: a preemption signal during start-up must not kill the job without a requeue.
-    preemption = PreemptionWatcher(select_device(cfg))
+    preemption = PreemptionWatcher(timeout=process_group_timeout(cfg.distributed_training))
     try:
         return _train_with(cfg, preemption)
     finally:

@@ -102,3 +102,36 @@ def test_spawned_ranks_get_the_signal_sent_to_the_launcher(tiny_data, tmp_path):
     assert proc.returncode == 3, out[-3000:]
     assert log.read_text().strip() == "requeue 77"
     assert (tmp_path / "ck" / "checkpoint_last.pt").exists()
+
+
+def _agreement_worker(rank, init_file, results):
+    import datetime
+
+    import torch.distributed as dist
+
+    from fairseq.preemption import PreemptionWatcher
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2,
+                            timeout=datetime.timedelta(seconds=60))
+    watcher = PreemptionWatcher(separate_group=True)  # the path NCCL jobs take: a gloo group of its own
+    assert watcher._group is not None
+    decisions = []
+    for step in range(6):
+        if rank == 1 and step == 2:
+            watcher._on_signal(signal.SIGUSR1, None)  # only rank 1 is told
+        decisions.append(watcher.should_stop())
+    watcher.drain()
+    watcher.restore()
+    results[rank] = decisions
+    dist.destroy_process_group()
+
+
+def test_ranks_agree_on_the_stop_through_a_separate_cpu_group(tmp_path):
+    import torch.multiprocessing as mp
+
+    with mp.Manager() as manager:
+        results = manager.dict()
+        mp.spawn(_agreement_worker, args=(str(tmp_path / "init"), results), nprocs=2, join=True)
+        got = dict(results)
+    # rank 1 sets its flag before boundary 2; the all-reduce of boundary 2 is read at boundary 3
+    assert got[0] == got[1] == [False, False, False, True, True, True]

@@ -6,14 +6,13 @@ import signal
 import stat
 
 import pytest
-import torch
 
 from fairseq.preemption import EXIT_REQUEUED, PreemptionWatcher, requeue_slurm_job
 
 
 @pytest.fixture
 def watcher():
-    w = PreemptionWatcher(torch.device("cpu"))
+    w = PreemptionWatcher()
     yield w
     w.restore()
 
@@ -49,7 +48,7 @@ def test_restore_reinstates_previous_handlers():
     old_usr1 = signal.signal(signal.SIGUSR1, mine)
     old_term = signal.signal(signal.SIGTERM, signal.SIG_DFL)
     try:
-        w = PreemptionWatcher(torch.device("cpu"))
+        w = PreemptionWatcher()
         assert signal.getsignal(signal.SIGUSR1) == w._on_signal
         assert signal.getsignal(signal.SIGTERM) == w._on_signal
         os.kill(os.getpid(), signal.SIGUSR1)
