@@ -74,7 +74,7 @@ def run_update(model, criterion, optimizer, precision: Precision, samples: List[
         stats.add(logging_output)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    update_stats = {"gnorm": grad_norm.detach(), "nonfinite_gnorm": (~torch.isfinite(grad_norm)).float(), "updates": 1}
+    update_stats = {"gnorm": grad_norm.detach(), "updates": 1}
     if clip_norm > 0:
         update_stats["clip"] = (grad_norm > clip_norm).float()
     stats.add(update_stats)

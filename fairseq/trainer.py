@@ -24,7 +24,7 @@ from fairseq.train_step import run_update, run_valid_step
 logger = logging.getLogger(__name__)
 
 # Per-update statistics that every rank computes identically (the gradient norm is global).
-REPLICATED_STATS = ("gnorm", "nonfinite_gnorm", "clip", "updates", "overflows")
+REPLICATED_STATS = ("gnorm", "clip", "updates", "overflows")
 
 
 def select_device(cfg) -> torch.device:
@@ -54,7 +54,6 @@ class Trainer:
         self.optimizer = build_optimizer(cfg.optimizer, params, cfg.optimization)
         self.lr_scheduler = build_lr_scheduler(cfg.lr_scheduler, self.optimizer, cfg.optimization)
         self.num_updates = 0
-        self.lr = self.get_lr()
         self.train_stats = LoggingOutputSums()
         self.valid_stats = LoggingOutputSums()
         self.previous_training_time = 0.0  # wall-clock seconds of earlier runs of this training (checkpoint)
@@ -85,7 +84,7 @@ class Trainer:
         )
         if grad_norm is not None or self.precision.scaler is None:
             self.num_updates += 1
-            self.lr = self.lr_scheduler.step_update(self.num_updates)
+            self.lr_scheduler.step_update(self.num_updates)
             self._nonfinite_updates += (~torch.isfinite(grad_norm)).float()
         self._interval_train_time += time.perf_counter() - start
         if self.cfg.common.empty_cache_freq > 0 and self.num_updates % self.cfg.common.empty_cache_freq == 0:
@@ -97,7 +96,7 @@ class Trainer:
         return self.previous_training_time + time.time() - self._start_time
 
     def check_weights_finite(self) -> None:
-        """Raise before a checkpoint or validation if any update applied an inf/nan gradient (one sync)."""
+        """Raise at a log boundary or before a checkpoint if any update applied an inf/nan gradient (one sync)."""
         bad = int(self._nonfinite_updates.item())
         if bad:
             raise FloatingPointError(
@@ -115,6 +114,7 @@ class Trainer:
         sums["train_wall"] = self._interval_train_time
         self._interval_train_time = 0.0
         check_finite(sums, self.num_updates)
+        self.check_weights_finite()
         return sums
 
     def valid_step(self, sample: dict, batch_source) -> None:
@@ -125,11 +125,10 @@ class Trainer:
         return self.valid_stats.reduce(all_reduce=True, device=self.device)
 
     def step_epoch_end(self, epoch: int, val_loss: Optional[float]) -> None:
-        self.lr = self.lr_scheduler.step(epoch, val_loss)
+        self.lr_scheduler.step(epoch, val_loss)
 
     def begin_epoch(self, epoch: int) -> None:
-        if hasattr(self.lr_scheduler, "step_begin_epoch"):
-            self.lr = self.lr_scheduler.step_begin_epoch(epoch)
+        self.lr_scheduler.step_begin_epoch(epoch)
 
     # ---------------------------------------------------------------- state
     def _state_dict_options(self, full: bool) -> StateDictOptions:
@@ -171,7 +170,7 @@ class Trainer:
         self.precision.load_state_dict(state.get("loss_scaler", {}))
         self.previous_training_time = state.get("train_time", 0.0)
         self._start_time = time.time()
-        self.lr = self.lr_scheduler.step_update(self.num_updates)
+        self.lr_scheduler.step_update(self.num_updates)
 
     def get_lr(self) -> float:
         return self.optimizer.param_groups[0]["lr"]
@@ -204,9 +203,4 @@ def check_finite(sums: Dict[str, float], num_updates: int) -> None:
         raise FloatingPointError(
             f"the training loss became {loss} by update {num_updates}. Lower --lr or raise --warmup-updates, "
             "set --clip-norm, or use --bf16 instead of --fp16; resume from the last good checkpoint."
-        )
-    if sums.get("nonfinite_gnorm", 0) > 0:
-        raise FloatingPointError(
-            f"the gradient norm was inf/nan in {int(sums['nonfinite_gnorm'])} update(s) before update {num_updates}."
-            " Lower --lr, set --clip-norm, or use --bf16; resume from the last good checkpoint."
         )
