@@ -52,11 +52,9 @@ def train_command(args, extra, log_file):
 
 
 def parse_log(log_file, nproc):
-    rows = []
-    with open(log_file) as f:
-        for line in f:
-            if "| train_inner |" in line:
-                rows.append(json.loads(line.split("| train_inner |", 1)[1]))
+    from fairseq.logging.progress_bar import read_json_log
+
+    rows = read_json_log(log_file, "train_inner")
     measured = rows[1:] or rows  # the first interval includes start-up and warm-up
     get = lambda r, k: float(r[k]) if k in r else None  # noqa: E731
     wps = [get(r, "wps") for r in measured]

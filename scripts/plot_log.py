@@ -9,16 +9,13 @@ use is visible. Needs matplotlib.
 """
 
 import argparse
-import json
 import sys
+
+from fairseq.logging.progress_bar import read_json_log
 
 
 def read_train_inner(path):
-    rows = []
-    with open(path) as f:
-        for line in f:
-            if "| train_inner |" in line:
-                rows.append(json.loads(line.split("| train_inner |", 1)[1]))
+    rows = read_json_log(path, "train_inner")
     if not rows:
         raise SystemExit(f"{path}: no train_inner lines (was it written with --log-format json?)")
     return rows

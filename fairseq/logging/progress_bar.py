@@ -103,6 +103,13 @@ def progress_bar(
     return bar
 
 
+def read_json_log(path: str, tag: str = "train_inner") -> list:
+    """The stats dicts of the `tag` lines of a log written with --log-format json, in order."""
+    marker = f"| {tag} | "
+    with open(path) as f:
+        return [json.loads(line.split(marker, 1)[1]) for line in f if marker in line]
+
+
 def format_stat(stat):
     """A stat as it appears in a log line: numbers with "{:g}" (after the meters' rounding), meters by
     their kind, one-element or larger tensors as Python values; anything else unchanged."""
