@@ -9,6 +9,7 @@ from fairseq import registry
 from fairseq.checkpoint import sharded
 from fairseq.checkpoint.io import load_checkpoint_file
 from fairseq.checkpoint.legacy import is_legacy_checkpoint, upgrade_legacy_checkpoint
+from fairseq.checkpoint.manager import check_architecture
 from fairseq.dataclass.utils import config_from_dict
 
 
@@ -43,4 +44,5 @@ def load_model_weights(model: torch.nn.Module, path: str, state: Optional[Dict])
         sharded.load_sharded(sharded.resolve_sharded(path), model_state)
         model.load_state_dict(model_state)
     else:
+        check_architecture(path, state, model.state_dict())
         model.load_state_dict(state["model"], strict=True)

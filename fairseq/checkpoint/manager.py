@@ -182,7 +182,7 @@ class CheckpointManager:
             state = load_checkpoint_file(path, trust_legacy=self.cfg.common.trust_legacy_checkpoint)
             if is_legacy_checkpoint(state):
                 state = upgrade_legacy_checkpoint(state)
-        check_architecture(path, state, trainer)
+        check_architecture(path, state, model_state_for_checking(trainer.model))
         return state
 
     def _load_weights_only(self, trainer, path: str):
@@ -194,11 +194,16 @@ class CheckpointManager:
         logger.info(f"loaded model weights from {found} (--finetune-from-model)")
 
 
-def check_architecture(path: str, state: Dict[str, Any], trainer) -> None:
-    """Fail with a readable message when the checkpoint's parameters do not fit the model."""
+def model_state_for_checking(model) -> Dict[str, Any]:
+    """The model's state under checkpoint names (no DDP/FSDP prefixes), without gathering shards."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    expected = get_model_state_dict(trainer.model, options=StateDictOptions(full_state_dict=False))
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=False))
+
+
+def check_architecture(path: str, state: Dict[str, Any], expected: Dict[str, Any]) -> None:
+    """Fail with a readable message when the checkpoint's parameters do not fit the model's state `expected`
+    (global shapes: a sharded parameter counts with its full shape)."""
     expected_shapes = {k: tuple(v.shape) for k, v in expected.items()}
     found_shapes = {k: tuple(v.shape) for k, v in state["model"].items() if hasattr(v, "shape")}
     missing = sorted(set(expected_shapes) - set(found_shapes))

@@ -98,3 +98,12 @@ def test_context_window_with_bos_counts_each_text_token_once(tiny_data, tmp_path
     plain = eval_lm.main(_eval_cfg(tiny_data, ckpt))
     windowed = eval_lm.main(_eval_cfg(tiny_data, ckpt, "--context-window", "8"))
     assert windowed["tokens"] == plain["tokens"]
+
+
+def test_eval_lm_names_an_architecture_mismatch(tiny_data, tmp_path):
+    from fairseq.checkpoint.io import CheckpointError
+
+    train.cli_main(train_args(tiny_data, tmp_path, max_update=1))
+    cfg = _eval_cfg(tiny_data, tmp_path / "checkpoint_last.pt", "--model-overrides", "{'decoder_layers': 3}")
+    with pytest.raises(CheckpointError, match="different architecture .*missing 16 parameter"):
+        eval_lm.main(cfg)
