@@ -21,6 +21,8 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
+from fairseq.criterions.cross_entropy import chunk_rows
+
 GIB = 2**30
 
 # ------------------------------------------------------------------------------------ calibration constants
@@ -37,7 +39,9 @@ MASTER_PARAM_BYTES = 4  # fp32 parameters (FSDP2 keeps the sharded parameters in
 GRAD_BYTES = 4  # sharded gradients: FSDP2's fp32 reduce-scatter output becomes the .grad (no cast back)
 REDUCE_BYTES = 4  # FSDP2 reduce-scatter input buffer: reduce_dtype is fp32 (fairseq.distributed.fsdp)
 ADAM_STATE_BYTES = 8  # torch.optim.AdamW: exp_avg and exp_avg_sq in fp32; fused kernel, no temporaries
-LOSS_FP32_COPIES = 3  # log_softmax backward: saved fp32 log-probs, their gradient, and the logits' gradient
+# The loss backward (fairseq.criterions.cross_entropy) holds two fp32 copies of one chunk of logits rows:
+# the upcast rows and their softmax.
+LOSS_FP32_CHUNK_COPIES = 2
 
 # FSDP2 (torch 2.13, _fsdp_param_group.py) in forward keeps the previous layer's flat all-gather output alive
 # until the next all-gather has been copied out, so a layer in forward holds its unsharded parameters plus
@@ -242,10 +246,10 @@ def root_activation_bytes(shape: ModelShape, setup: TrainingSetup) -> int:
 
 
 def logits_bytes(shape: ModelShape, setup: TrainingSetup) -> int:
-    """The loss backward's peak: cross_entropy.py upcasts the logits to fp32; log_softmax saves its fp32
-    output, and its backward holds that, the incoming fp32 gradient and the fp32 result at once (12*T*V
-    bytes, more than the forward's compute-dtype logits + fp32 copy + fp32 log-probs)."""
-    return LOSS_FP32_COPIES * 4 * setup.tokens * shape.vocab_size
+    """The loss backward's peak: the compute-dtype logits (saved by the loss), their gradient being written
+    in the same dtype, and one chunk of rows in fp32 (cross_entropy.py upcasts a chunk at a time)."""
+    rows = min(setup.tokens, chunk_rows(shape.vocab_size))
+    return (2 * setup.compute_bytes * setup.tokens + LOSS_FP32_CHUNK_COPIES * 4 * rows) * shape.vocab_size
 
 
 # ------------------------------------------------------------------------------------------ the walk

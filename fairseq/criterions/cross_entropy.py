@@ -43,12 +43,9 @@ class CrossEntropyCriterion(nn.Module):
         net_output = model(**sample["net_input"])
         logits = net_output[0] if isinstance(net_output, tuple) else net_output
         target = sample["target"]
-        loss = F.cross_entropy(
-            logits.reshape(-1, logits.size(-1)).float(),  # upcast: bf16/fp16 log-softmax loses precision
-            target.reshape(-1),
-            ignore_index=self.padding_idx,
-            reduction="sum" if reduce else "none",
-        )
+        loss = token_cross_entropy(logits.reshape(-1, logits.size(-1)), target.reshape(-1), self.padding_idx)
+        if reduce:
+            loss = loss.sum()
         nsentences = target.size(0)
         ntokens = sample["ntokens"]
         sample_size = nsentences if self.sentence_avg else ntokens
@@ -89,6 +86,54 @@ class CrossEntropyCriterion(nn.Module):
     def logging_outputs_can_be_summed() -> bool:
         """Every logging value is a sum, so outputs of several workers may be summed before reducing."""
         return True
+
+
+# Rows of logits upcast to fp32 at once. The fp32 log-softmax of all [tokens, vocab] logits is the largest
+# transient of a large-vocabulary step (8 x 2048 tokens x 50k vocab: 3.1 GiB, and its backward holds three
+# such tensors); computed a chunk at a time, only one chunk of fp32 values exists. 2**26 fp32 = 256 MiB.
+FP32_CHUNK_ELEMENTS = 2**26
+
+
+def chunk_rows(vocab_size: int, chunk_elements: int = FP32_CHUNK_ELEMENTS) -> int:
+    return max(1, chunk_elements // vocab_size)
+
+
+def token_cross_entropy(logits: torch.Tensor, target: torch.Tensor, ignore_index: int,
+                        chunk_elements: int = FP32_CHUNK_ELEMENTS) -> torch.Tensor:
+    """Per-token cross-entropy in nats (fp32, 0 at `ignore_index`) of [N, V] logits in any float dtype.
+
+    The same values as `F.cross_entropy(logits.float(), target, reduction="none")`, computed in fp32 a chunk
+    of rows at a time; backward recomputes each chunk's softmax instead of keeping fp32 log-probs, so the
+    memory beyond the logits themselves is one chunk plus the logits' gradient (in the logits' dtype).
+    """
+    return _ChunkedCrossEntropy.apply(logits, target, ignore_index, chunk_rows(logits.size(-1), chunk_elements))
+
+
+class _ChunkedCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, target, ignore_index, rows):
+        ctx.save_for_backward(logits, target)
+        ctx.ignore_index, ctx.rows = ignore_index, rows
+        return torch.cat([
+            F.cross_entropy(chunk.float(), chunk_target, ignore_index=ignore_index, reduction="none")
+            for chunk, chunk_target in zip(logits.split(rows), target.split(rows))
+        ])
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        logits, target = ctx.saved_tensors
+        grad_logits = torch.empty_like(logits)
+        for start in range(0, logits.size(0), ctx.rows):
+            rows = slice(start, start + ctx.rows)
+            chunk_target = target[rows]
+            # d(-log softmax(x)[t]) / dx = softmax(x) - onehot(t), scaled by the incoming gradient.
+            grad = torch.softmax(logits[rows].float(), dim=-1)
+            ignored = chunk_target == ctx.ignore_index
+            safe_target = chunk_target.masked_fill(ignored, 0).unsqueeze(1)
+            grad.scatter_add_(1, safe_target, torch.full_like(safe_target, -1.0, dtype=grad.dtype))
+            scale = grad_loss[rows].float().masked_fill(ignored, 0.0)
+            grad_logits[rows] = grad.mul_(scale.unsqueeze(1))
+        return grad_logits, None, None, None
 
 
 def _sum_to_float(values) -> float:

@@ -133,3 +133,54 @@ def test_build_criterion_without_optimization_group_reads_the_config_copy():
     cfg._name = "cross_entropy"
     assert build_criterion(cfg, TinyTask()).sentence_avg is True
     assert build_criterion(cfg, TinyTask(), OptimizationConfig(sentence_avg=False)).sentence_avg is False
+
+
+# ---------------------------------------------------------------------------- chunked fp32 cross-entropy
+from fairseq.criterions.cross_entropy import chunk_rows, token_cross_entropy  # noqa: E402
+
+
+def _reference(logits, target, ignore_index):
+    return torch.nn.functional.cross_entropy(logits.float(), target, ignore_index=ignore_index, reduction="none")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("chunk_elements", [3 * 11, 10**6])  # 3 rows per chunk (a ragged last chunk); one chunk
+def test_chunked_cross_entropy_matches_fp32_cross_entropy(dtype, chunk_elements):
+    torch.manual_seed(0)
+    n, vocab = 10, 11
+    logits = (torch.randn(n, vocab) * 3).to(dtype).requires_grad_()
+    target = torch.randint(0, vocab, (n,))
+    target[[2, 7]] = PAD
+    weights = torch.rand(n)  # a non-uniform incoming gradient, as reduce=False followed by a weighted sum gives
+
+    losses = token_cross_entropy(logits, target, PAD, chunk_elements=chunk_elements)
+    (losses * weights).sum().backward()
+    grad = logits.grad.clone()
+    logits.grad = None
+    expected = _reference(logits, target, PAD)
+    (expected * weights).sum().backward()
+
+    assert losses.dtype == torch.float32
+    # Forward: the same fp32 kernel on the same rows, so the per-token values are bitwise equal.
+    assert torch.equal(losses, expected)
+    assert torch.equal(losses[[2, 7]], torch.zeros(2))
+    # Backward: softmax - onehot written directly vs autograd through log_softmax and nll: equal up to fp32
+    # rounding before the cast to the logits' dtype, so at most one unit in the last place of that dtype.
+    assert grad.dtype == dtype
+    tol = {torch.float32: 1e-6, torch.bfloat16: 2**-8, torch.float16: 2**-11}[dtype]
+    torch.testing.assert_close(grad.float(), logits.grad.float(), rtol=tol, atol=tol)
+    assert torch.equal(grad[[2, 7]], torch.zeros(2, vocab, dtype=dtype))
+
+
+def test_chunk_rows_bounds_the_fp32_chunk():
+    assert chunk_rows(50272) == 2**26 // 50272 == 1334  # 256 MiB of fp32 at GPT-2's vocabulary
+    assert chunk_rows(2**30) == 1  # never zero rows
+    assert chunk_rows(11, chunk_elements=33) == 3
+
+
+def test_chunked_cross_entropy_of_no_tokens_is_empty():
+    logits = torch.zeros(0, 5, requires_grad=True)
+    losses = token_cross_entropy(logits, torch.zeros(0, dtype=torch.long), PAD)
+    assert losses.shape == (0,)
+    losses.sum().backward()
+    assert logits.grad.shape == (0, 5)
