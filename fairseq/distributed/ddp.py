@@ -1,5 +1,6 @@
 """DistributedDataParallel for --ddp-backend pytorch_ddp (and upstream's other replicated spellings)."""
 
+import inspect
 import logging
 
 import torch
@@ -12,6 +13,15 @@ logger = logging.getLogger(__name__)
 # results are those of DistributedDataParallel, which overlaps the all-reduce with backward instead.
 LEGACY_BACKENDS = ("no_c10d", "legacy_ddp")
 REPLICATED_BACKENDS = ("pytorch_ddp", "c10d") + LEGACY_BACKENDS
+
+# --broadcast-buffers is upstream's name for copying buffers from rank 0 before each forward. torch 2.13
+# calls that DDP argument `forward_sync_buffers` and deprecates `broadcast_buffers`, the only name torch
+# 2.11 and 2.12 know.
+SYNC_BUFFERS_ARGUMENT = (
+    "forward_sync_buffers"
+    if "forward_sync_buffers" in inspect.signature(DistributedDataParallel.__init__).parameters
+    else "broadcast_buffers"
+)
 
 
 def apply_ddp(model: nn.Module, cfg, device: torch.device) -> DistributedDataParallel:
@@ -32,8 +42,7 @@ def apply_ddp(model: nn.Module, cfg, device: torch.device) -> DistributedDataPar
         device_ids=device_ids,
         bucket_cap_mb=dt.bucket_cap_mb,
         find_unused_parameters=dt.find_unused_parameters,
-        # --broadcast-buffers is upstream's name for copying buffers from rank 0 before each forward
-        # (DDP's old `broadcast_buffers`, deprecated in favour of this). Buffers are also synchronized once
-        # at construction; this model's buffers are identical on every rank, so that changes nothing.
-        forward_sync_buffers=dt.broadcast_buffers,
+        # Buffers are also synchronized once at construction; this model's buffers are identical on every
+        # rank, so that changes nothing.
+        **{SYNC_BUFFERS_ARGUMENT: dt.broadcast_buffers},
     )
