@@ -45,14 +45,6 @@ def test_sigusr1_saves_requeues_and_resumes_exactly(tiny_data, tmp_path):
     scontrol.chmod(0o755)
     scontrol_log = tmp_path / "scontrol.log"
 
-    straight = tmp_path / "straight"
-    straight.mkdir()
-    # The uninterrupted reference: the same two SLURM ranks, no signal.
-    procs = start_slurm_ranks(tiny_data, straight, 12, _free_port(), fake_bin, scontrol_log)
-    outs = [p.communicate(timeout=600)[0] for p in procs]
-    assert [p.returncode for p in procs] == [0, 0], outs
-    assert not scontrol_log.exists()
-
     preempted = tmp_path / "preempted"
     preempted.mkdir()
     procs = start_slurm_ranks(tiny_data, preempted, 400, _free_port(), fake_bin, scontrol_log)
@@ -68,15 +60,30 @@ def test_sigusr1_saves_requeues_and_resumes_exactly(tiny_data, tmp_path):
     assert [p.returncode for p in procs] == [3, 3], outs  # EXIT_REQUEUED
     assert scontrol_log.read_text().split("\n")[0] == "requeue 4242"  # rank 0 only, once
     assert scontrol_log.read_text().count("requeue") == 1
+    # Where the signal lands depends on the machine's speed (13 updates on a fast GPU host, ~5 here), so
+    # the comparison below is made from wherever it stopped.
     stopped_at = max(losses(preempted / "train.log"))
-    assert 4 <= stopped_at < 12
+    assert 4 <= stopped_at < 400
     assert (preempted / "checkpoint_last.pt").exists()
+    end_at = stopped_at + 6
 
-    # The requeued job: the same command, nothing added; it continues from checkpoint_last.
-    procs = start_slurm_ranks(tiny_data, preempted, 12, _free_port(), fake_bin, scontrol_log)
+    # The requeued job: the same command (with a nearer --max-update, which the schedule does not depend
+    # on: --total-num-update is fixed); it continues from checkpoint_last.
+    procs = start_slurm_ranks(tiny_data, preempted, end_at, _free_port(), fake_bin, scontrol_log)
     outs = [p.communicate(timeout=600)[0] for p in procs]
     assert [p.returncode for p in procs] == [0, 0], outs
-    assert losses(preempted / "train.log") == losses(straight / "train.log")
+
+    # The uninterrupted reference: the same two SLURM ranks, no signal.
+    straight = tmp_path / "straight"
+    straight.mkdir()
+    scontrol_log.unlink()
+    procs = start_slurm_ranks(tiny_data, straight, end_at, _free_port(), fake_bin, scontrol_log)
+    outs = [p.communicate(timeout=600)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs
+    assert not scontrol_log.exists()
+    resumed = losses(preempted / "train.log")
+    assert max(resumed) == end_at
+    assert resumed == losses(straight / "train.log")
 
 
 def test_spawned_ranks_get_the_signal_sent_to_the_launcher(tiny_data, tmp_path):
