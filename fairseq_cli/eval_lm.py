@@ -14,6 +14,7 @@ import torch
 from fairseq import options
 from fairseq.utils import import_user_module, run_console_script
 from fairseq.checkpoint.inference import build_from_saved_config, load_model_weights, read_checkpoint_config
+from fairseq.criterions.cross_entropy import token_cross_entropy
 from fairseq.logging import progress_bar
 from fairseq.precision import compute_dtype
 
@@ -93,12 +94,12 @@ def evaluate(model, batches, pad: int, device, dtype, bos: Optional[int] = None)
                 logits = model(src)
         else:
             logits = model(src)
-        lprobs = torch.log_softmax(logits.float(), dim=-1)
         mask = target.ne(pad)
         if bos is not None:
             mask &= target.ne(bos)
-        token_lprobs = lprobs.gather(-1, target.clamp(min=0).unsqueeze(-1)).squeeze(-1)
-        nll_sum -= (token_lprobs * mask).sum().double()
+        # The training loss's per-token fp32 cross-entropy (0 at pad), one chunk of fp32 rows at a time.
+        token_nll = token_cross_entropy(logits.reshape(-1, logits.size(-1)), target.reshape(-1), pad)
+        nll_sum += (token_nll * mask.reshape(-1)).sum().double()
         count += int(mask.sum())
     return float(nll_sum) / math.log(2), count
 
