@@ -37,7 +37,6 @@ __all__ = [
     "clip_grad_norm_",
     "data_parallel_mesh",
     "gradient_sync",
-    "grads_finite",
     "materialize",
     "parallelize_model",
     "unwrap_model",
@@ -269,27 +268,6 @@ def _scale_(grads: List[torch.Tensor], factor: torch.Tensor, foreach: Optional[b
                 tensor.mul_(device_factor.to(tensor.dtype))
         else:
             torch._foreach_mul_(tensors, device_factor)
-
-
-@torch.no_grad()
-def grads_finite(params) -> torch.Tensor:
-    """A 0-dim bool tensor: True when no gradient element on any rank is inf or nan.
-
-    For sharded gradients the check is combined across the ranks holding the shards (one small
-    all-reduce), so every rank reaches the same verdict without a host sync; reading it with .item() is
-    the one sync the fp16 loss scaler needs to decide whether to skip the update.
-    """
-    grads = _grads(params)
-    if not grads:
-        return torch.ones((), dtype=torch.bool)
-    overflow = None
-    for mesh, dims, local in _local_groups(grads):
-        # The max-abs norm is nan or inf exactly when an element is (no squaring that could overflow).
-        local_max = torch.nn.utils.get_total_norm(local, float("inf"), foreach=None)
-        bad = (~torch.isfinite(local_max)).float()
-        bad = _reduce_over_shards(bad, mesh, dims, dist.ReduceOp.MAX)
-        overflow = bad if overflow is None else torch.maximum(overflow, bad.to(overflow.device))
-    return overflow == 0
 
 
 @contextlib.contextmanager
