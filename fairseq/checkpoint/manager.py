@@ -16,12 +16,13 @@ from fairseq.checkpoint.io import CheckpointError, atomic_copy, atomic_torch_sav
 from fairseq.checkpoint.legacy import is_legacy_checkpoint, upgrade_legacy_checkpoint
 from fairseq.checkpoint.paths import (
     checkpoint_stems,
+    enters_kept_best,
     existing_checkpoint,
     prune_checkpoints,
     resolve_restore_path,
 )
 from fairseq.dataclass.utils import config_to_dict
-from fairseq.distributed.utils import barrier, get_rank
+from fairseq.distributed.utils import barrier, broadcast_from_master, get_rank
 
 logger = logging.getLogger(__name__)
 
@@ -65,8 +66,12 @@ class CheckpointManager:
             self.best = val_loss
         if self.ckpt_cfg.no_save:
             return []
+        # Rank 0's listing decides: on node-local disks other ranks see other directories, and every rank
+        # must write the same stems.
+        among_kept_best = broadcast_from_master(
+            enters_kept_best(self.ckpt_cfg, self.ckpt_cfg.save_dir, val_loss) if get_rank() == 0 else None)
         stems = checkpoint_stems(self.ckpt_cfg, epoch_itr.epoch, trainer.num_updates, end_of_epoch, is_best,
-                                 val_loss)
+                                 val_loss, among_kept_best)
         return self._write(stems, trainer, epoch_itr, val_loss, metrics_state)
 
     def save_last(self, trainer, epoch_itr, metrics_state: Optional[dict] = None) -> List[str]:

@@ -11,8 +11,10 @@ from typing import List, Optional
 
 
 def checkpoint_stems(ckpt_cfg, epoch: int, updates: int, end_of_epoch: bool, is_best: bool,
-                     val_loss: Optional[float] = None) -> List[str]:
-    """Stems (names without `.pt`) to write for this save point, most specific first."""
+                     val_loss: Optional[float] = None, among_kept_best: bool = False) -> List[str]:
+    """Stems (names without `.pt`) to write for this save point, most specific first.
+
+    `among_kept_best`: `val_loss` ranks among the --keep-best-checkpoints best (see `enters_kept_best`)."""
     suffix = ckpt_cfg.checkpoint_suffix
     stems = []
     if end_of_epoch and not ckpt_cfg.no_epoch_checkpoints and epoch % ckpt_cfg.save_interval == 0:
@@ -22,8 +24,8 @@ def checkpoint_stems(ckpt_cfg, epoch: int, updates: int, end_of_epoch: bool, is_
         stems.append(f"checkpoint_{epoch}_{updates}{suffix}")
     if is_best:
         stems.append(f"checkpoint_best{suffix}")
-        if ckpt_cfg.keep_best_checkpoints > 0 and val_loss is not None:
-            stems.append(f"checkpoint.best_{ckpt_cfg.best_checkpoint_metric}_{val_loss:.4f}{suffix}")
+    if among_kept_best and ckpt_cfg.keep_best_checkpoints > 0 and val_loss is not None:
+        stems.append(f"checkpoint.best_{ckpt_cfg.best_checkpoint_metric}_{val_loss:.4f}{suffix}")
     if not ckpt_cfg.no_last_checkpoints:
         stems.append(f"checkpoint_last{suffix}")  # last, so it always points at a complete save
     return stems
@@ -40,6 +42,30 @@ def _entries(save_dir: str, pattern: str):
         if m and not name.startswith("."):
             found.append((m, os.path.join(save_dir, name)))
     return found
+
+
+def _kept_best_entries(ckpt_cfg, save_dir: str):
+    """(value, path) of the --keep-best-checkpoints files in `save_dir`, best first."""
+    metric = re.escape(ckpt_cfg.best_checkpoint_metric)
+    suffix = re.escape(ckpt_cfg.checkpoint_suffix)
+    entries = [(float(m.group(1)), path)
+               for m, path in _entries(save_dir, rf"checkpoint\.best_{metric}_(-?[\d.]+){suffix}")]
+    entries.sort(key=lambda e: e[0], reverse=ckpt_cfg.maximize_best_checkpoint_metric)
+    return entries
+
+
+def enters_kept_best(ckpt_cfg, save_dir: str, val_loss: Optional[float]) -> bool:
+    """True when `val_loss` belongs among the --keep-best-checkpoints best of those kept in `save_dir`: fewer
+    than N are kept, or it is strictly better than the worst kept (so the N best values seen are kept, not
+    only the N most recent records)."""
+    keep = ckpt_cfg.keep_best_checkpoints
+    if keep <= 0 or val_loss is None:
+        return False
+    values = [value for value, _ in _kept_best_entries(ckpt_cfg, save_dir)]
+    if len(values) < keep:
+        return True
+    worst = values[keep - 1]
+    return val_loss > worst if ckpt_cfg.maximize_best_checkpoint_metric else val_loss < worst
 
 
 def remove_checkpoint(path: str):
@@ -65,10 +91,7 @@ def prune_checkpoints(ckpt_cfg, save_dir: str) -> List[str]:
         entries.sort(key=lambda e: int(e[0].group(1)), reverse=True)
         removed += [path for _, path in entries[ckpt_cfg.keep_last_epochs:]]
     if ckpt_cfg.keep_best_checkpoints > 0:
-        metric = re.escape(ckpt_cfg.best_checkpoint_metric)
-        entries = _entries(save_dir, rf"checkpoint\.best_{metric}_(-?[\d.]+){suffix}")
-        entries.sort(key=lambda e: float(e[0].group(1)), reverse=ckpt_cfg.maximize_best_checkpoint_metric)
-        removed += [path for _, path in entries[ckpt_cfg.keep_best_checkpoints:]]
+        removed += [path for _, path in _kept_best_entries(ckpt_cfg, save_dir)[ckpt_cfg.keep_best_checkpoints:]]
     for path in removed:
         remove_checkpoint(path)
     return removed

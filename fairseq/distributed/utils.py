@@ -9,6 +9,7 @@ __all__ = [
     "all_reduce_max",
     "all_reduce_sum",
     "barrier",
+    "broadcast_from_master",
     "get_free_port",
     "get_rank",
     "get_world_size",
@@ -38,6 +39,15 @@ def is_master() -> bool:
 def barrier() -> None:
     if get_world_size() > 1:
         dist.barrier()
+
+
+def broadcast_from_master(obj):
+    """Rank 0's `obj` (a small picklable value) on every rank: one decision all ranks must share."""
+    if get_world_size() == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
 
 
 def _all_reduce(tensor: torch.Tensor, op) -> torch.Tensor:

@@ -28,7 +28,7 @@ def _env(extra=None):
     return env
 
 
-def run_train(data, save_dir, *extra, world_size=1, max_update=6, env=None, check=True):
+def run_train(data, save_dir, *extra, world_size=1, max_update=6, env=None, check=True, validate=False):
     argv = [
         "--task", "language_modeling", str(data), "--save-dir", str(save_dir),
         "--arch", "transformer_lm_gpt", "--decoder-layers", "2", "--decoder-embed-dim", "32",
@@ -38,7 +38,7 @@ def run_train(data, save_dir, *extra, world_size=1, max_update=6, env=None, chec
         "--tokens-per-sample", "32", "--batch-size", "4", "--required-batch-size-multiple", "1",
         "--max-update", str(max_update), "--log-format", "json", "--log-interval", "1",
         "--log-file", str(save_dir / "train.log"), "--num-workers", "0", "--cpu", "--seed", "5",
-        "--heartbeat-timeout", "120", "--disable-validation", *extra,
+        "--heartbeat-timeout", "120", *([] if validate else ["--disable-validation"]), *extra,
     ]
     if world_size > 1:
         argv += ["--distributed-world-size", str(world_size)]
@@ -180,6 +180,25 @@ def _free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def test_keep_best_sharded_checkpoints_on_two_ranks(tiny_data, tmp_path):
+    """Both ranks write the same --keep-best-checkpoints directories (rank 0's listing decides)."""
+    run_train(tiny_data, tmp_path, "--ddp-backend", "fully_sharded", "--use-sharded-state",
+              "--validate-interval-updates", "2", "--save-interval-updates", "2", "--keep-best-checkpoints", "2",
+              "--no-epoch-checkpoints", world_size=2, max_update=10, validate=True)
+    valid = []
+    with open(tmp_path / "train.log") as f:
+        for line in f:
+            if "| valid |" in line:
+                valid.append(float(json.loads(line.split("| valid |", 1)[1])["valid_loss"]))
+    assert len(valid) == 5
+    kept = sorted(n for n in os.listdir(tmp_path) if n.startswith("checkpoint.best_loss_"))
+    assert len(kept) == 2
+    assert all(os.path.isfile(tmp_path / n / ".metadata") for n in kept)  # complete DCP directories
+    values = sorted(float(n[len("checkpoint.best_loss_"):]) for n in kept)
+    # names carry 4 decimals, the log 3: equal within the two roundings
+    assert all(abs(v - w) <= 6e-4 for v, w in zip(values, sorted(valid)[:2])), (values, valid)
 
 
 def test_simulated_slurm_job_trains_with_two_ranks(tiny_data, tmp_path, single_reference):

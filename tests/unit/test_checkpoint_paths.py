@@ -7,6 +7,7 @@ import torch
 
 from fairseq.checkpoint.paths import (
     checkpoint_stems,
+    enters_kept_best,
     existing_checkpoint,
     prune_checkpoints,
     resolve_restore_path,
@@ -52,13 +53,43 @@ def test_best_comes_before_last():
 
 def test_keep_best_naming():
     cfg = ck(keep_best_checkpoints=2)
-    assert checkpoint_stems(cfg, 1, 10, True, True, val_loss=3.14159265) == [
+    assert checkpoint_stems(cfg, 1, 10, True, True, val_loss=3.14159265, among_kept_best=True) == [
         "checkpoint1", "checkpoint_best", "checkpoint.best_loss_3.1416", "checkpoint_last"]
     cfg = ck(keep_best_checkpoints=2, best_checkpoint_metric="accuracy", maximize_best_checkpoint_metric=True)
-    assert checkpoint_stems(cfg, 1, 10, True, True, val_loss=71.0) == [
+    assert checkpoint_stems(cfg, 1, 10, True, True, val_loss=71.0, among_kept_best=True) == [
         "checkpoint1", "checkpoint_best", "checkpoint.best_accuracy_71.0000", "checkpoint_last"]
-    # not best: no best file
+    # among the kept best without being the overall best: a best file, no checkpoint_best
+    assert checkpoint_stems(cfg, 1, 10, True, False, val_loss=70.0, among_kept_best=True) == [
+        "checkpoint1", "checkpoint.best_accuracy_70.0000", "checkpoint_last"]
+    # not among them: no best file
     assert checkpoint_stems(cfg, 1, 10, True, False, val_loss=71.0) == ["checkpoint1", "checkpoint_last"]
+
+
+def test_keep_best_keeps_the_n_best_values_not_the_n_latest_records(tmp_path):
+    cfg = ck(keep_best_checkpoints=2)
+    saved = []
+    for val_loss in [5.0, 3.0, 4.0, 4.5, 2.0]:
+        if enters_kept_best(cfg, str(tmp_path), val_loss):
+            stem = checkpoint_stems(cfg, 1, 1, False, False, val_loss, among_kept_best=True)[0]
+            make(tmp_path, [stem])
+            saved.append(val_loss)
+            prune_checkpoints(cfg, str(tmp_path))
+    # 4.0 is not a record (3.0 came before) but ranks second; 4.5 no longer ranks among the two best
+    assert saved == [5.0, 3.0, 4.0, 2.0]
+    assert listing(tmp_path) == ["checkpoint.best_loss_2.0000.pt", "checkpoint.best_loss_3.0000.pt"]
+
+
+def test_enters_kept_best_edges(tmp_path):
+    make(tmp_path, ["checkpoint.best_acc_70.0000", "checkpoint.best_acc_80.0000", "checkpoint.best_loss_1.0000"])
+    maximize = ck(keep_best_checkpoints=2, best_checkpoint_metric="acc", maximize_best_checkpoint_metric=True)
+    assert enters_kept_best(maximize, str(tmp_path), 75.0)
+    assert not enters_kept_best(maximize, str(tmp_path), 70.0)  # a tie with the worst kept does not enter
+    assert not enters_kept_best(maximize, str(tmp_path), 60.0)
+    assert enters_kept_best(ck(keep_best_checkpoints=3, best_checkpoint_metric="acc",
+                               maximize_best_checkpoint_metric=True), str(tmp_path), 1.0)  # room left
+    assert not enters_kept_best(maximize, str(tmp_path), None)
+    assert not enters_kept_best(ck(), str(tmp_path), 0.1)  # --keep-best-checkpoints off
+    assert enters_kept_best(ck(keep_best_checkpoints=1), str(tmp_path / "missing"), 9.0)
 
 
 def test_no_epoch_and_no_last_checkpoints():
@@ -71,7 +102,7 @@ def test_no_epoch_and_no_last_checkpoints():
 
 def test_checkpoint_suffix_everywhere():
     cfg = ck(checkpoint_suffix="-x", save_interval_updates=10, keep_best_checkpoints=1)
-    assert checkpoint_stems(cfg, 2, 20, False, True, 1.5) == [
+    assert checkpoint_stems(cfg, 2, 20, False, True, 1.5, among_kept_best=True) == [
         "checkpoint_2_20-x", "checkpoint_best-x", "checkpoint.best_loss_1.5000-x", "checkpoint_last-x"]
     assert checkpoint_stems(cfg, 2, 20, True, False) == ["checkpoint2-x", "checkpoint_last-x"]
 
