@@ -6,7 +6,8 @@ import logging
 import math
 import os
 import time
-from typing import List, Optional
+from dataclasses import dataclass
+from typing import Dict, List, Optional
 
 import numpy as np
 import torch
@@ -75,12 +76,117 @@ def with_context_window(batches, context_window: int, pad: int, bos: Optional[in
         yield sample
 
 
+def bpe_continuation(post_process: Optional[str]) -> Optional[str]:
+    """The marker that ends a non-final BPE piece, from --remove-bpe / --post-process (None: no BPE)."""
+    if post_process is None:
+        return None
+    if post_process == "subword_nmt":
+        return "@@"
+    if post_process in ("sentencepiece", "letter", "wordpiece", "_EOW", "none"):
+        raise ValueError(f"--post-process {post_process}: eval-lm joins words only for BPE continuation markers "
+                         "(--remove-bpe, or --remove-bpe '@@ ')")
+    return post_process.rstrip()
+
+
+@dataclass
+class WordStat:
+    """One word's line of --output-word-stats (log probabilities in nats, summed over occurrences)."""
+
+    word: str
+    is_bpe: bool
+    log_prob: float = 0.0
+    next_word_prob: float = 0.0
+    count: int = 0
+    missing_next_words: int = 0
+
+    def add(self, log_prob: float, next_word_prob: Optional[float]) -> None:
+        self.log_prob += log_prob
+        self.count += 1
+        if next_word_prob is None:
+            self.missing_next_words += 1
+        else:
+            self.next_word_prob += next_word_prob
+
+    def __str__(self) -> str:
+        return "\t".join(str(v) for v in (self.word, self.count, self.log_prob, self.is_bpe, self.next_word_prob,
+                                           self.count - self.missing_next_words))
+
+
+class BPE:
+    """--remove-bpe: which dictionary entries are non-final pieces of a word (they end with the marker)."""
+
+    def __init__(self, dictionary, marker: str):
+        self.marker_len = len(marker)
+        self.pieces = {i for i in range(len(dictionary)) if dictionary[i].endswith(marker)}
+        self.is_piece = torch.zeros(len(dictionary), dtype=torch.bool)
+        self.is_piece[sorted(self.pieces)] = True
+
+    def merged_pieces(self, target: torch.Tensor, mask: torch.Tensor) -> int:
+        """Counted tokens whose score joins the next token's word: non-final pieces, except a sample's last
+        counted token (a word cut off there still counts as one). Perplexity is then per word, as upstream."""
+        last = mask & (mask.cumsum(-1) == mask.sum(-1, keepdim=True))
+        return int((self.is_piece.to(target.device)[target] & mask & ~last).sum())
+
+
+class WordOutput:
+    """--output-word-probs / --output-word-stats: counted target tokens joined into words.
+
+    With --remove-bpe a token ending with the marker continues into the next one (the marker is dropped). A
+    word's log probability is the sum over its pieces, and its "next" log probability that of the word after
+    it in the same sample. A word cut off at the end of a sample is not listed, but is the "next" of the word
+    before it (as upstream)."""
+
+    def __init__(self, dictionary, bpe: Optional[BPE], log_words: bool):
+        self.dictionary = dictionary
+        self.bpe = bpe
+        self.log_words = log_words
+        self.stats: Dict[str, WordStat] = {}
+
+    def _words(self, tokens: List[int], scores: List[float]):
+        """[word, summed log p, has several pieces, complete] for one sample's counted tokens."""
+        words, current = [], None
+        for token, score in zip(tokens, scores):
+            piece = self.dictionary[token]
+            continues = self.bpe is not None and token in self.bpe.pieces
+            if continues:
+                piece = piece[: len(piece) - self.bpe.marker_len]
+            if current is None:
+                current = ["", 0.0, False, False]
+            current[0] += piece
+            current[1] += score
+            current[2] = current[2] or continues
+            if not continues:
+                current[3] = True
+                words.append(current)
+                current = None
+        return words + ([current] if current is not None else [])
+
+    def add_batch(self, ids: torch.Tensor, target: torch.Tensor, lprobs: torch.Tensor, mask: torch.Tensor):
+        for row in range(target.size(0)):
+            words = self._words(target[row][mask[row]].tolist(), lprobs[row][mask[row]].tolist())
+            listed = []
+            for k, (word, log_prob, is_bpe, complete) in enumerate(words):
+                if not complete:
+                    continue
+                next_log_prob = words[k + 1][1] if k + 1 < len(words) else None
+                self.stats.setdefault(word, WordStat(word, is_bpe)).add(log_prob, next_log_prob)
+                listed.append((word, log_prob))
+            if self.log_words:
+                logger.info(f"{int(ids[row])} " + "\t".join(f"{w} [{lp:2f}]" for w, lp in listed))
+
+    def log_stats(self) -> None:
+        for stat in sorted(self.stats.values(), key=lambda s: s.count, reverse=True):
+            logger.info(str(stat))
+
+
 @torch.no_grad()
-def evaluate(model, batches, pad: int, device, dtype, bos: Optional[int] = None) -> tuple:
-    """(sum of -log2 p over counted target tokens, number of counted tokens).
+def evaluate(model, batches, pad: int, device, dtype, bos: Optional[int] = None, bpe: Optional[BPE] = None,
+             words: Optional[WordOutput] = None) -> tuple:
+    """(sum of -log2 p over counted target tokens, number of counted tokens, or of words with `bpe`).
 
     With `bos` (models trained with --add-bos-token), predicting the prepended <s> is not counted, as
-    upstream's eval-lm drops it."""
+    upstream's eval-lm drops it. With `words`, each batch's token log probabilities are also handed to it
+    (a copy to the host per batch)."""
     nll_sum = torch.zeros((), dtype=torch.float64, device=device)
     count = 0
     autocast = torch.autocast(device.type, dtype=dtype) if dtype != torch.float32 else None
@@ -101,6 +207,10 @@ def evaluate(model, batches, pad: int, device, dtype, bos: Optional[int] = None)
         token_nll = token_cross_entropy(logits.reshape(-1, logits.size(-1)), target.reshape(-1), pad)
         nll_sum += (token_nll * mask.reshape(-1)).sum().double()
         count += int(mask.sum())
+        if bpe is not None:
+            count -= bpe.merged_pieces(target, mask)
+        if words is not None:
+            words.add_batch(sample["id"], target.cpu(), -token_nll.view_as(target).cpu(), mask.cpu())
     return float(nll_sum) / math.log(2), count
 
 
@@ -108,8 +218,6 @@ def main(cfg) -> dict:
     progress_bar.setup_logging(cfg.common.log_file)
     if cfg.common.user_dir:
         import_user_module(cfg.common.user_dir)
-    if cfg.eval_lm.output_word_probs or cfg.eval_lm.output_word_stats:
-        raise ValueError("--output-word-probs / --output-word-stats are not supported yet; drop the flag")
     path = cfg.common_eval.path
     if not path:
         raise ValueError("no checkpoint given: pass --path CHECKPOINT.pt (or a sharded checkpoint directory)")
@@ -143,8 +251,14 @@ def main(cfg) -> dict:
     pad = task.source_dictionary.pad()
     bos = task.source_dictionary.bos() if getattr(cfg.task, "add_bos_token", False) else None
     batches = with_context_window(itr, context_window, pad, bos) if context_window > 0 else itr
+    marker = bpe_continuation(cfg.common_eval.post_process)
+    bpe = BPE(task.source_dictionary, marker) if marker else None
+    words = None
+    if cfg.eval_lm.output_word_probs or cfg.eval_lm.output_word_stats:
+        words = WordOutput(task.source_dictionary, bpe, log_words=cfg.eval_lm.output_word_probs)
     start = time.perf_counter()
-    nll_bits, count = evaluate(model, batches, pad, device, compute_dtype(cfg.common), bos=bos)
+    nll_bits, count = evaluate(model, batches, pad, device, compute_dtype(cfg.common), bos=bos, bpe=bpe,
+                               words=words)
     elapsed = time.perf_counter() - start
     if count == 0:
         raise ValueError(f"split {cfg.dataset.gen_subset!r} has no tokens to evaluate")
@@ -152,6 +266,8 @@ def main(cfg) -> dict:
     ppl = 2**loss
     logger.info(f"Evaluated {count:,} tokens in {elapsed:.1f}s ({count / max(elapsed, 1e-9):.2f} tokens/s)")
     logger.info(f"Loss (base 2): {loss:.4f}, Perplexity: {ppl:.2f}")
+    if words is not None and cfg.eval_lm.output_word_stats:
+        words.log_stats()
     result = {"loss": loss, "perplexity": ppl, "tokens": count}
     if cfg.common_eval.results_path:
         os.makedirs(cfg.common_eval.results_path, exist_ok=True)

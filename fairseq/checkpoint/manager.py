@@ -68,8 +68,10 @@ class CheckpointManager:
             return []
         # Rank 0's listing decides: on node-local disks other ranks see other directories, and every rank
         # must write the same stems.
-        among_kept_best = broadcast_from_master(
-            enters_kept_best(self.ckpt_cfg, self.ckpt_cfg.save_dir, val_loss) if get_rank() == 0 else None)
+        among_kept_best = False
+        if self.ckpt_cfg.keep_best_checkpoints > 0 and val_loss is not None:  # the same on every rank
+            among_kept_best = broadcast_from_master(
+                enters_kept_best(self.ckpt_cfg, self.ckpt_cfg.save_dir, val_loss) if get_rank() == 0 else None)
         stems = checkpoint_stems(self.ckpt_cfg, epoch_itr.epoch, trainer.num_updates, end_of_epoch, is_best,
                                  val_loss, among_kept_best)
         return self._write(stems, trainer, epoch_itr, val_loss, metrics_state)

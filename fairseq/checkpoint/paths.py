@@ -4,6 +4,7 @@ A checkpoint is either a file `<stem>.pt` or, with --use-sharded-state, a direct
 torch.distributed.checkpoint. Naming and retention treat both the same way.
 """
 
+import math
 import os
 import re
 import shutil
@@ -49,7 +50,7 @@ def _kept_best_entries(ckpt_cfg, save_dir: str):
     metric = re.escape(ckpt_cfg.best_checkpoint_metric)
     suffix = re.escape(ckpt_cfg.checkpoint_suffix)
     entries = [(float(m.group(1)), path)
-               for m, path in _entries(save_dir, rf"checkpoint\.best_{metric}_(-?[\d.]+){suffix}")]
+               for m, path in _entries(save_dir, rf"checkpoint\.best_{metric}_(-?\d+(?:\.\d+)?){suffix}")]
     entries.sort(key=lambda e: e[0], reverse=ckpt_cfg.maximize_best_checkpoint_metric)
     return entries
 
@@ -59,13 +60,16 @@ def enters_kept_best(ckpt_cfg, save_dir: str, val_loss: Optional[float]) -> bool
     than N are kept, or it is strictly better than the worst kept (so the N best values seen are kept, not
     only the N most recent records)."""
     keep = ckpt_cfg.keep_best_checkpoints
-    if keep <= 0 or val_loss is None:
+    if keep <= 0 or val_loss is None or not math.isfinite(val_loss):
         return False
     values = [value for value, _ in _kept_best_entries(ckpt_cfg, save_dir)]
+    named = float(f"{val_loss:.4f}")  # compared as named: the file names carry 4 decimals
+    if named in values:  # an equal result is kept already; its name would overwrite that file
+        return False
     if len(values) < keep:
         return True
     worst = values[keep - 1]
-    return val_loss > worst if ckpt_cfg.maximize_best_checkpoint_metric else val_loss < worst
+    return named > worst if ckpt_cfg.maximize_best_checkpoint_metric else named < worst
 
 
 def remove_checkpoint(path: str):

@@ -7,6 +7,7 @@ from typing import Dict, List
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.autograd.function import once_differentiable
 
 from fairseq.criterions import register_criterion
 from fairseq.dataclass.configs import opt
@@ -120,6 +121,7 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
         ])
 
     @staticmethod
+    @once_differentiable  # first-order only: the softmax below is modified in place
     def backward(ctx, grad_loss):
         logits, target = ctx.saved_tensors
         grad_logits = torch.empty_like(logits)
@@ -133,6 +135,7 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
             grad.scatter_add_(1, safe_target, torch.full_like(safe_target, -1.0, dtype=grad.dtype))
             scale = grad_loss[rows].float().masked_fill(ignored, 0.0)
             grad_logits[rows] = grad.mul_(scale.unsqueeze(1))
+            del grad  # else the next chunk's upcast and softmax are made while this one is still alive
         return grad_logits, None, None, None
 
 

@@ -164,8 +164,10 @@ class CheckpointConfig:
 
 @dataclass
 class EvalLMConfig:
-    output_word_probs: bool = opt(False, "print each word's log probability (not supported yet: an error)")
-    output_word_stats: bool = opt(False, "word statistics (not supported yet: an error)")
+    output_word_probs: bool = opt(False, "log each sample's words with their log probabilities (natural log; "
+                                         "BPE pieces joined with --remove-bpe)")
+    output_word_stats: bool = opt(False, "log per-word statistics at the end: word, count, summed log probability, "
+                                         "is BPE, summed log probability of the next token, count with a next token")
     context_window: int = opt(0, "tokens of left context scored but not counted, for sliding-window evaluation")
     softmax_batch: int = opt(2**62, "accepted for upstream compatibility")
 
@@ -176,6 +178,9 @@ class CommonEvalConfig:
     quiet: bool = opt(False, "only print the final scores")
     model_overrides: str = opt("{}", "Python dict literal of model config values to override when loading")
     results_path: Optional[str] = opt(None, "also write the results to this directory (eval_lm.SPLIT.json)")
+    post_process: Optional[str] = opt(
+        None, "BPE continuation marker for eval-lm's word output: the flag alone (subword_nmt) means '@@ '; "
+              "any other value is the marker itself", aliases=["--remove-bpe"], const="subword_nmt")
 
 
 @dataclass

@@ -72,6 +72,8 @@ def add_dataclass_to_parser(parser, dc, suppress_defaults: bool = False, positio
         if default is not None and not isinstance(default, bool):
             kwargs["help"] += f" (default: {default})"
         kwargs["default"] = argparse.SUPPRESS if suppress_defaults else default
+        if "const" in f.metadata:  # the flag alone means this value (upstream's --remove-bpe)
+            kwargs.update(nargs="?", const=f.metadata["const"])
         names = [name] + list(f.metadata.get("aliases", []))
         parser.add_argument(*names, dest=f.name, **kwargs)
 

@@ -1,6 +1,7 @@
 """Preemption under (simulated) SLURM: SIGUSR1 -> save checkpoint_last -> scontrol requeue -> exit 3,
 and the restarted job continues exactly as an uninterrupted one."""
 
+import json
 import os
 import signal
 import subprocess
@@ -84,6 +85,14 @@ def test_sigusr1_saves_requeues_and_resumes_exactly(tiny_data, tmp_path):
     resumed = losses(preempted / "train.log")
     assert max(resumed) == end_at
     assert resumed == losses(straight / "train.log")
+    # each update logged once: the requeued job continued after the saved update instead of redoing it
+    assert logged_updates(preempted / "train.log") == list(range(1, end_at + 1))
+
+
+def logged_updates(log_file):
+    with open(log_file) as f:
+        return [int(json.loads(line.split("| train_inner |", 1)[1])["num_updates"])
+                for line in f if "| train_inner |" in line]
 
 
 def test_spawned_ranks_get_the_signal_sent_to_the_launcher(tiny_data, tmp_path):

@@ -183,7 +183,8 @@ def _free_port():
 
 
 def test_keep_best_sharded_checkpoints_on_two_ranks(tiny_data, tmp_path):
-    """Both ranks write the same --keep-best-checkpoints directories (rank 0's listing decides)."""
+    """--keep-best-checkpoints with sharded saves on 2 ranks: the decision is broadcast from rank 0 and
+    the kept directories are complete (the selection rule itself: tests/unit/test_checkpoint_paths.py)."""
     run_train(tiny_data, tmp_path, "--ddp-backend", "fully_sharded", "--use-sharded-state",
               "--validate-interval-updates", "2", "--save-interval-updates", "2", "--keep-best-checkpoints", "2",
               "--no-epoch-checkpoints", world_size=2, max_update=10, validate=True)

@@ -82,14 +82,34 @@ def test_stop_time_hours_stops_every_rank_at_the_same_update(tiny_data, tmp_path
     assert load(tmp_path / "checkpoint_last.pt")["extra_state"]["trainer"]["num_updates"] > 0
 
 
-def test_eval_lm_results_path_and_unsupported_word_probs(tiny_data, tmp_path):
+def test_eval_lm_results_path_and_word_output(tiny_data, tmp_path, caplog):
     train.cli_main(train_args(tiny_data, tmp_path, max_update=2))
     ckpt = tmp_path / "checkpoint_last.pt"
     result = eval_lm.main(_eval_cfg(tiny_data, ckpt, "--results-path", str(tmp_path / "results"), "--quiet"))
     written = json.loads((tmp_path / "results" / "eval_lm.test.json").read_text())
     assert written["tokens"] == result["tokens"] and math.isclose(written["loss"], result["loss"])
-    with pytest.raises(ValueError, match="--output-word-probs"):
-        eval_lm.main(_eval_cfg(tiny_data, ckpt, "--output-word-probs"))
+
+    caplog.clear()
+    with caplog.at_level("INFO", logger="fairseq_cli.eval_lm"):
+        again = eval_lm.main(_eval_cfg(tiny_data, ckpt, "--output-word-probs", "--output-word-stats"))
+    assert again == result
+    messages = [r.getMessage() for r in caplog.records if r.name == "fairseq_cli.eval_lm"]
+    # "<sample id> word [log p]\tword [log p]..." per sample; this corpus has no BPE, so a word is a token
+    sample_lines = [m for m in messages if m.split(" ", 1)[0].isdigit() and "[" in m]
+    words = [w for line in sample_lines for w in line.split(" ", 1)[1].split("\t")]
+    assert len(words) == result["tokens"]
+    total_nats = sum(float(w.rsplit("[", 1)[1].rstrip("]")) for w in words)
+    # printed with 6 decimals per word: the sum matches the loss to well within 1e-6 per word
+    assert total_nats == pytest.approx(-result["loss"] * math.log(2) * result["tokens"], abs=1e-6 * len(words))
+    stats = [m.split("\t") for m in messages if m.count("\t") == 5 and "[" not in m]
+    assert sum(int(s[1]) for s in stats) == result["tokens"]
+    assert [int(s[1]) for s in stats] == sorted((int(s[1]) for s in stats), reverse=True)
+    assert sum(float(s[2]) for s in stats) == pytest.approx(total_nats, abs=1e-6 * len(words))
+
+    # --remove-bpe MARKER: tokens ending with it join the next one; the same total, counted per word
+    merged = eval_lm.main(_eval_cfg(tiny_data, ckpt, "--remove-bpe", "1"))  # w1, w11, w21, ... are pieces
+    assert merged["tokens"] < result["tokens"]
+    assert merged["loss"] * merged["tokens"] == pytest.approx(result["loss"] * result["tokens"], rel=1e-9)
 
 
 def test_context_window_with_bos_counts_each_text_token_once(tiny_data, tmp_path):

@@ -90,6 +90,12 @@ def test_enters_kept_best_edges(tmp_path):
     assert not enters_kept_best(maximize, str(tmp_path), None)
     assert not enters_kept_best(ck(), str(tmp_path), 0.1)  # --keep-best-checkpoints off
     assert enters_kept_best(ck(keep_best_checkpoints=1), str(tmp_path / "missing"), 9.0)
+    loss = ck(keep_best_checkpoints=3)
+    assert not enters_kept_best(loss, str(tmp_path), float("nan"))  # its name would never be pruned
+    assert not enters_kept_best(loss, str(tmp_path), float("inf"))
+    # equal to a kept result once named with 4 decimals: would overwrite that file, so it does not enter
+    assert not enters_kept_best(loss, str(tmp_path), 1.00004)
+    assert enters_kept_best(loss, str(tmp_path), 1.00006)  # named 1.0001: a new file
 
 
 def test_no_epoch_and_no_last_checkpoints():
