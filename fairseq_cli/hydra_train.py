@@ -18,6 +18,7 @@ Under a launcher that starts one process per GPU (srun, torchrun) only the first
 run directory; the others log to the console only.
 """
 
+import contextlib
 import logging
 import os
 import sys
@@ -31,6 +32,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from fairseq.dataclass.hydra import (
     as_hydra_overrides, fairseq_config_from_dict, recipe_update_freq, resolve_paths, split_recipe, to_plain_dict,
+    without_group_package_headers,
 )
 from fairseq.dataclass.utils import config_to_dict
 from fairseq.logging import progress_bar
@@ -80,18 +82,51 @@ def hydra_argv(argv: List[str], environ: Mapping[str, str] = os.environ) -> List
     from hydra._internal.utils import get_args_parser  # hydra's own parser, so options are read as hydra reads them
 
     overrides = get_args_parser().parse_args(argv).overrides
-    rewritten, pending = [], list(overrides)
+    rewritten, pending, after_last_override = [], list(overrides), len(argv)
     for item in argv:
         if pending and item == pending[0]:
             pending.pop(0)
             item = as_hydra_overrides([item])[0]
+            after_last_override = len(rewritten) + 1
         rewritten.append(item)
     first = is_first_process(environ)
+    added = []
     if not any(o.split("=", 1)[0] in ("hydra/job_logging", "+hydra/job_logging") for o in overrides):
-        rewritten.append(f"hydra/job_logging={_LOGGING_WITH_FILE if first else _LOGGING_CONSOLE}")
+        added.append(f"hydra/job_logging={_LOGGING_WITH_FILE if first else _LOGGING_CONSOLE}")
     if not first:
-        rewritten.append("hydra.output_subdir=null")
-    return rewritten
+        added.append("hydra.output_subdir=null")
+    # Beside the user's overrides: argparse takes one run of positional overrides, so appending them after
+    # options that follow the overrides (`task.data=x --config-dir d`) would make a second run, an error.
+    return rewritten[:after_last_override] + added + rewritten[after_last_override:]
+
+
+@contextlib.contextmanager
+def _readable_config_dir(argv: List[str]):
+    """`argv` with --config-dir/--config-path pointing at a copy without upstream's `# @package _group_`
+    headers, when the directory has any (see `without_group_package_headers`)."""
+    from hydra._internal.utils import get_args_parser
+
+    parsed = get_args_parser().parse_args(argv)
+    given = parsed.config_dir or parsed.config_path
+    if not given or not os.path.isdir(given):
+        yield argv
+        return
+    with without_group_package_headers(given) as readable:
+        if readable == given:
+            yield argv
+            return
+        rewritten = []
+        for i, item in enumerate(argv):
+            flag, _, value = item.partition("=")
+            if flag in _CONFIG_DIR_FLAGS and value == given:
+                item = f"{flag}={readable}"
+            elif item == given and i > 0 and argv[i - 1] in _CONFIG_DIR_FLAGS:
+                item = readable
+            rewritten.append(item)
+        yield rewritten
+
+
+_CONFIG_DIR_FLAGS = ("--config-dir", "-cd", "--config-path", "-cp")
 
 
 def warn_if_global_batch_differs(cfg, recipe: Dict, world_size: int) -> Optional[str]:
@@ -177,12 +212,13 @@ def _main(argv: Optional[List[str]]) -> None:
     argv = sys.argv[1:] if argv is None else list(argv)
     _register_logging_configs()
     saved_argv = sys.argv
-    sys.argv = [saved_argv[0] if saved_argv else "fairseq-hydra-train"] + hydra_argv(argv)
     _OUTCOME.clear()
-    try:
-        _hydra_task()  # hydra reads sys.argv
-    finally:
-        sys.argv = saved_argv
+    with _readable_config_dir(argv) as argv:
+        sys.argv = [saved_argv[0] if saved_argv else "fairseq-hydra-train"] + hydra_argv(argv)
+        try:
+            _hydra_task()  # hydra reads sys.argv
+        finally:
+            sys.argv = saved_argv
     if "error" in _OUTCOME:
         raise _OUTCOME["error"]
     if _OUTCOME.get("result") == REQUEUED:

@@ -14,6 +14,10 @@ own path: the set values go into one flat `argparse.Namespace` (a name shared by
 what is still unset, the defaults fill the rest, and `options.convert_namespace_to_config` builds the
 config. A YAML file and the equivalent `fairseq-train` flags therefore give equal configs.
 
+Upstream's files are read as upstream's hydra 1.0 read them: their `# @package _group_` headers are dropped
+(`without_group_package_headers`), and the groups upstream lists with null defaults (`bpe: null`,
+`tokenizer: null`, ...) are accepted when null.
+
 Conventions beyond upstream's layout:
 - `???` (omegaconf's "missing") marks a value the user must give, e.g. `task.data: ???`. It is an error
   when the chosen component has that field, and is dropped when it does not (so `task._name=dummy_lm`
@@ -25,10 +29,15 @@ Conventions beyond upstream's layout:
 """
 
 import argparse
+import contextlib
 import dataclasses
 import difflib
 import os
+import re
+import shutil
+import tempfile
 import typing
+from pathlib import Path
 from typing import Any, Dict, List, Literal, Optional, Sequence, Tuple, get_args, get_origin
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
@@ -87,8 +96,9 @@ def compose_dict(config_dir: str, config_name: str, overrides: Sequence[str] = (
     """Compose `config_dir/config_name.yaml` with `key=value` overrides (hydra's compose API), resolved."""
     from hydra import compose, initialize_config_dir
 
-    with initialize_config_dir(config_dir=os.path.abspath(config_dir), version_base="1.3"):
-        cfg = compose(config_name=config_name, overrides=as_hydra_overrides(overrides))
+    with without_group_package_headers(os.path.abspath(config_dir)) as readable_dir:
+        with initialize_config_dir(config_dir=readable_dir, version_base="1.3"):
+            cfg = compose(config_name=config_name, overrides=as_hydra_overrides(overrides))
     return to_plain_dict(cfg)
 
 
@@ -97,6 +107,29 @@ def to_plain_dict(cfg: DictConfig) -> Dict[str, Any]:
     values = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=False)
     values.pop("hydra", None)
     return values
+
+
+GROUP_PACKAGE_HEADER = re.compile(r"^#\s*@package\s+_group_\s*$", re.MULTILINE)
+
+
+@contextlib.contextmanager
+def without_group_package_headers(config_dir: str):
+    """`config_dir`, or a temporary copy of it without upstream's `# @package _group_` header lines.
+
+    Every upstream fairseq YAML file starts with that header, which under hydra 1.0 meant "this file's own
+    package" (the root for the primary config, `model` for model/x.yaml). Hydra >= 1.1 reads `_group_` as a
+    plain name and nests every file's content under one `_group_` key, which mixes them up. Without the line,
+    hydra 1.3's default package is what the header meant, so the copy composes as upstream's files did."""
+    root = Path(config_dir)
+    files = list(root.rglob("*.yaml")) if root.is_dir() else []
+    if not any(GROUP_PACKAGE_HEADER.search(f.read_text()) for f in files):
+        yield config_dir
+        return
+    with tempfile.TemporaryDirectory(prefix="fairseq-hydra-config-") as tmp:
+        shutil.copytree(root, tmp, dirs_exist_ok=True)
+        for f in Path(tmp).rglob("*.yaml"):
+            f.write_text(GROUP_PACKAGE_HEADER.sub("", f.read_text()))
+        yield tmp
 
 
 def split_recipe(values: Dict[str, Any]) -> Tuple[Dict[str, Any], Dict[str, Any]]:
@@ -227,6 +260,25 @@ def _component_dataclass(attr: str, name: str):
 # ---------------------------------------------------------------------------------------- conversion
 
 
+# Upstream's config.yaml lists these with null defaults; training a language model here uses none of them.
+UNUSED_UPSTREAM_GROUPS = ("bpe", "tokenizer", "scoring", "generation", "interactive", "bmuf", "ema")
+
+
+def _without_unused_upstream_groups(values: Dict[str, Any]) -> Dict[str, Any]:
+    """Drop upstream groups that are null (or `{_name: null}`); a set one is an error naming the key."""
+    out = dict(values)
+    for key in UNUSED_UPSTREAM_GROUPS:
+        if key not in out:
+            continue
+        value = out.pop(key)
+        unset = value is None or (isinstance(value, dict) and value.get("_name") is None and len(value) <= 1)
+        if not unset:
+            raise ValueError(f"'{key}' is set to {value!r}, but fairseq-hydra-train here has no {key} "
+                             f"options (language-model training does not use them): remove '{key}' or set it "
+                             "to null")
+    return out
+
+
 def fairseq_config_from_dict(values: Dict[str, Any]) -> FairseqConfig:
     """A FairseqConfig from a composed config (plain dict), as `fairseq-train` would build it from flags.
 
@@ -234,6 +286,7 @@ def fairseq_config_from_dict(values: Dict[str, Any]) -> FairseqConfig:
     or one option set to two different values in two groups.
     """
     values, _ = split_recipe(values)
+    values = _without_unused_upstream_groups(values)
     allowed = list(TRAIN_GROUPS) + list(COMPONENTS)
     for key in values:
         if key not in allowed:

@@ -125,3 +125,92 @@ def test_only_the_first_process_writes_the_run_directory():
     assert later[-2:] == ["hydra/job_logging=fairseq_console", "hydra.output_subdir=null"]
     assert hydra_train.hydra_argv(args + ["hydra/job_logging=none"], environ={"RANK": "1"})[-2:] == [
         "hydra/job_logging=none", "hydra.output_subdir=null"]
+
+
+def test_overrides_may_come_before_the_options():
+    """Upstream's docs write `fairseq-hydra-train task.data=X --config-dir D --config-name N`."""
+    from hydra._internal.utils import get_args_parser
+
+    args = ["task.data=x", "model.decoder_layers=2", "--config-dir", "d", "--config-name", "125m"]
+    for environ in ({"RANK": "0"}, {"RANK": "3"}):
+        parsed = get_args_parser().parse_args(hydra_train.hydra_argv(args, environ=environ))  # hydra's parser
+        assert parsed.config_dir == "d" and parsed.config_name == "125m"
+        assert parsed.overrides[:3] == ["++task.data=x", "++model.decoder_layers=2", "hydra/job_logging=" +
+                                        ("fairseq" if environ["RANK"] == "0" else "fairseq_console")]
+
+
+UPSTREAM_STYLE_CONFIG = """# @package _group_
+defaults:
+  - model: tiny
+common:
+  log_format: json
+  log_interval: 1
+  cpu: true
+checkpoint:
+  save_dir: ck
+  no_epoch_checkpoints: true
+dataset:
+  max_tokens: 128
+  max_tokens_valid: ${dataset.max_tokens}
+  num_workers: 0
+optimization:
+  max_update: 2
+  lr: [0.0005]
+task:
+  _name: language_modeling
+  data: ???
+  tokens_per_sample: 32
+criterion: cross_entropy
+optimizer:
+  _name: adam
+  adam_betas: (0.9,0.98)
+lr_scheduler:
+  _name: inverse_sqrt
+  warmup_updates: 1
+bpe: null
+tokenizer: null
+"""
+
+UPSTREAM_STYLE_MODEL = """# @package _group_
+_name: transformer_lm
+decoder_layers: 2
+decoder_embed_dim: 32
+decoder_ffn_embed_dim: 64
+decoder_attention_heads: 2
+"""
+
+
+def test_upstream_style_yaml_with_group_package_headers(tiny_data, tmp_path, restore_logging):
+    """Upstream's YAML files begin with `# @package _group_` (hydra 1.0), which hydra 1.3 would nest under a
+    `_group_` key; here they train as written, overrides first, interpolation and null bpe included."""
+    config_dir = tmp_path / "config"
+    (config_dir / "model").mkdir(parents=True)
+    (config_dir / "lm.yaml").write_text(UPSTREAM_STYLE_CONFIG)
+    (config_dir / "model" / "tiny.yaml").write_text(UPSTREAM_STYLE_MODEL)
+    seen = []
+    os.chdir(tmp_path)
+    from fairseq_cli import train
+
+    original = train.main
+    try:
+        train.main = lambda cfg: seen.append(cfg) or original(cfg)
+        hydra_train.cli_main([f"task.data={tiny_data}", "model.decoder_layers=1", "hydra.run.dir=run",
+                              "hydra/job_logging=none", "--config-dir", str(config_dir), "--config-name", "lm"])
+    finally:
+        train.main = original
+    (cfg,) = seen
+    assert cfg.model._name == "transformer_lm" and cfg.model.decoder_embed_dim == 32
+    assert cfg.model.decoder_layers == 1  # the override wins over the group file
+    assert cfg.dataset.max_tokens_valid == 128  # ${dataset.max_tokens}, resolved after the move
+    assert cfg.optimization.max_update == 2 and cfg.task.tokens_per_sample == 32
+    assert torch.load(tmp_path / "ck" / "checkpoint_last.pt", weights_only=True)["extra_state"]["trainer"][
+        "num_updates"] == 2
+
+
+def test_unused_upstream_groups_must_be_null():
+    from fairseq.dataclass.hydra import fairseq_config_from_dict
+
+    base = {"task": {"_name": "dummy_lm"}, "model": {"_name": "transformer_lm"}, "optimizer": "adam"}
+    fairseq_config_from_dict(dict(base, bpe=None, tokenizer={"_name": None}))
+    with pytest.raises(ValueError, match="'bpe' is set to .*remove 'bpe' or set it to null"):
+        fairseq_config_from_dict(dict(base, bpe={"_name": "gpt2"}))
