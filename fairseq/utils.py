@@ -37,3 +37,15 @@ def run_console_script(name: str, main_fn, argv=None):
         logging.getLogger(name).error(f"{type(e).__name__}: {e}")
         print(f"{name}: error: {e}", file=sys.stderr)
         sys.exit(1)
+
+
+# Upstream's `fairseq.utils` helpers that plug-in criterions call in their reduce_metrics.
+def get_perplexity(loss, round: int = 2, base: float = 2):
+    from fairseq.logging.metrics import get_perplexity as perplexity
+
+    return perplexity(loss, round=round, base=base)
+
+
+def item(value):
+    """A Python number from a 0-dim tensor (a plain number passes through)."""
+    return value.item() if hasattr(value, "item") else value

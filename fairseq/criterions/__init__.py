@@ -18,3 +18,12 @@ def build_criterion(cfg, task, optimization_cfg=None):
 
     name = component_name(cfg, CRITERION_REGISTRY)
     return CRITERION_REGISTRY.get(name).build_criterion(cfg, task, optimization_cfg)
+
+
+def __getattr__(name):
+    # Upstream's `from fairseq.criterions import FairseqCriterion`, without importing torch here.
+    if name == "FairseqCriterion":
+        from fairseq.criterions.fairseq_criterion import FairseqCriterion
+
+        return FairseqCriterion
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -10,6 +10,7 @@ from torch import nn
 from torch.autograd.function import once_differentiable
 
 from fairseq.criterions import register_criterion
+from fairseq.criterions.fairseq_criterion import FairseqCriterion
 from fairseq.dataclass.configs import opt
 from fairseq.logging import metrics
 
@@ -21,20 +22,10 @@ class CrossEntropyCriterionConfig:
 
 
 @register_criterion("cross_entropy", dataclass=CrossEntropyCriterionConfig)
-class CrossEntropyCriterion(nn.Module):
+class CrossEntropyCriterion(FairseqCriterion):
     def __init__(self, task, sentence_avg: bool):
-        super().__init__()
-        self.task = task
-        self.sentence_avg = sentence_avg
-        dictionary = getattr(task, "target_dictionary", None) if task is not None else None
-        # -100 is F.cross_entropy's own default ignore index, used when there is no dictionary.
-        self.padding_idx = dictionary.pad() if dictionary is not None else -100
-
-    @classmethod
-    def build_criterion(cls, cfg, task, optimization_cfg=None):
-        # --sentence-avg is parsed once, into the optimization group; the criterion config mirrors it.
-        source = optimization_cfg if optimization_cfg is not None else cfg
-        return cls(task, bool(source.sentence_avg))
+        super().__init__(task)
+        self.sentence_avg = bool(sentence_avg)
 
     def forward(self, model, sample, reduce: bool = True):
         """Returns (loss, sample_size, logging_output); loss is the sum over target tokens in nats, fp32.

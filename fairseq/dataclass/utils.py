@@ -48,6 +48,8 @@ def add_dataclass_to_parser(parser, dc, suppress_defaults: bool = False, positio
         name = flag_name(f.name)
         if name in parser._option_string_actions:
             continue
+        if isinstance(f.default, str) and f.default.startswith("${"):
+            continue  # upstream plug-ins' II("group.key"): a value another group's flag sets
         tp, optional = _unwrap_optional(hints[f.name])
         kwargs = {"help": f.metadata.get("help", "")}
         default = f.default if f.default is not dataclasses.MISSING else (

@@ -1,2 +1,11 @@
 """Models. Each module here registers its model and architectures when the registry first loads it
 (build one with `task.build_model(cfg.model)`, which looks up `--arch`)."""
+
+# Upstream's names, for plug-ins (--user-dir) that import them from here.
+from fairseq.registry import (  # noqa: E402,F401
+    ARCH_CONFIG_REGISTRY,
+    ARCH_MODEL_REGISTRY,
+    MODEL_REGISTRY,
+    register_model,
+    register_model_architecture,
+)

@@ -34,6 +34,7 @@ from typing import Literal, Optional
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 from fairseq import registry
 from fairseq.dataclass.configs import opt
@@ -187,6 +188,14 @@ class TransformerLanguageModel(nn.Module):
         Attention is causal only: as in upstream, right padding never changes the outputs at real tokens.
         """
         return self.decoder(src_tokens, features_only=features_only)
+
+    def get_normalized_probs(self, net_output, log_probs: bool, sample=None) -> torch.Tensor:
+        """Upstream's model API, for criterions written against it: fp32 (log-)probabilities of the logits."""
+        logits = net_output[0] if isinstance(net_output, tuple) else net_output
+        return F.log_softmax(logits.float(), dim=-1) if log_probs else F.softmax(logits.float(), dim=-1)
+
+    def get_targets(self, sample, net_output) -> torch.Tensor:
+        return sample["target"]
 
     def max_positions(self) -> int:
         return self.decoder.max_positions()

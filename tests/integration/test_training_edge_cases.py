@@ -127,3 +127,89 @@ def test_eval_lm_names_an_architecture_mismatch(tiny_data, tmp_path):
     cfg = _eval_cfg(tiny_data, tmp_path / "checkpoint_last.pt", "--model-overrides", "{'decoder_layers': 3}")
     with pytest.raises(CheckpointError, match="different architecture .*missing 16 parameter"):
         eval_lm.main(cfg)
+
+
+UPSTREAM_STYLE_PLUGIN = '''
+import math
+from dataclasses import dataclass, field
+
+import torch.nn.functional as F
+from omegaconf import II
+
+from fairseq import metrics, utils
+from fairseq.criterions import FairseqCriterion, register_criterion
+from fairseq.dataclass import FairseqDataclass
+from fairseq.models import register_model_architecture
+from fairseq.models.transformer_lm import base_lm_architecture
+
+
+@dataclass
+class SmoothedLMConfig(FairseqDataclass):
+    smoothing: float = field(default=0.1, metadata={"help": "label smoothing"})
+    sentence_avg: bool = II("optimization.sentence_avg")
+
+
+@register_criterion("smoothed_lm", dataclass=SmoothedLMConfig)
+class SmoothedLM(FairseqCriterion):
+    def __init__(self, task, smoothing, sentence_avg):
+        super().__init__(task)
+        self.eps, self.sentence_avg = smoothing, sentence_avg
+
+    def forward(self, model, sample, reduce=True):
+        net_output = model(**sample["net_input"])
+        lprobs = model.get_normalized_probs(net_output, log_probs=True)
+        lprobs = lprobs.view(-1, lprobs.size(-1))
+        target = model.get_targets(sample, net_output).view(-1)
+        keep = target.ne(self.padding_idx)
+        nll = F.nll_loss(lprobs, target, ignore_index=self.padding_idx, reduction="sum")
+        smooth = -lprobs.sum(-1)[keep].sum() / lprobs.size(-1)
+        loss = (1 - self.eps) * nll + self.eps * smooth
+        sample_size = sample["target"].size(0) if self.sentence_avg else sample["ntokens"]
+        return loss, sample_size, {"loss": loss.data, "nll_loss": nll.data, "ntokens": sample["ntokens"],
+                                   "nsentences": sample["target"].size(0), "sample_size": sample_size}
+
+    @staticmethod
+    def reduce_metrics(logging_outputs):
+        loss = utils.item(sum(log.get("loss", 0) for log in logging_outputs))
+        nll = utils.item(sum(log.get("nll_loss", 0) for log in logging_outputs))
+        ntokens = utils.item(sum(log.get("ntokens", 0) for log in logging_outputs))
+        sample_size = utils.item(sum(log.get("sample_size", 0) for log in logging_outputs))
+        metrics.log_scalar("loss", loss / sample_size / math.log(2), sample_size, round=3)
+        metrics.log_scalar("nll_loss", nll / ntokens / math.log(2), ntokens, round=3)
+        metrics.log_derived("ppl", lambda meters: utils.get_perplexity(meters["nll_loss"].avg))
+
+    @staticmethod
+    def logging_outputs_can_be_summed():
+        return True
+
+
+@register_model_architecture("transformer_lm", "my_tiny_lm")
+def my_tiny_lm(args):
+    args.decoder_layers = getattr(args, "decoder_layers", 2)
+    args.decoder_embed_dim = getattr(args, "decoder_embed_dim", 32)
+    args.decoder_ffn_embed_dim = getattr(args, "decoder_ffn_embed_dim", 64)
+    args.decoder_attention_heads = getattr(args, "decoder_attention_heads", 2)
+    base_lm_architecture(args)
+'''
+
+
+def test_a_plugin_written_for_upstream_trains(tiny_data, tmp_path):
+    """--user-dir with upstream's imports (fairseq.metrics, fairseq.utils, FairseqCriterion, FairseqDataclass,
+    II(...) defaults, model.get_normalized_probs/get_targets, register_model_architecture from fairseq.models)."""
+    plugin = tmp_path / "upstream_plugin"
+    plugin.mkdir()
+    (plugin / "__init__.py").write_text(UPSTREAM_STYLE_PLUGIN)
+    save = tmp_path / "ck"
+    argv = ["--task", "language_modeling", str(tiny_data), "--save-dir", str(save), "--user-dir", str(plugin),
+            "--arch", "my_tiny_lm", "--criterion", "smoothed_lm", "--smoothing", "0.2", "--optimizer", "adam",
+            "--lr", "0.002", "--tokens-per-sample", "32", "--max-tokens", "256", "--max-update", "3", "--cpu",
+            "--log-format", "json", "--log-interval", "1", "--log-file", str(save / "train.log"),
+            "--num-workers", "0", "--no-save"]
+    proc = subprocess.run([sys.executable, "-m", "fairseq_cli.train", *argv], capture_output=True, text=True,
+                          timeout=300, env=dict(os.environ, PYTHONPATH=ROOT))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = train_inner_lines(save / "train.log")
+    assert len(rows) == 3
+    # smoothing spreads 20% of the target mass over the vocabulary: the loss is above the plain NLL
+    assert all(float(r["loss"]) > float(r["nll_loss"]) for r in rows)
+    assert float(rows[-1]["ppl"]) == pytest.approx(2 ** float(rows[-1]["nll_loss"]), rel=1e-2)

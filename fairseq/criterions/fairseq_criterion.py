@@ -1,0 +1,45 @@
+"""Base class of criterions, with upstream's construction rule, so that plug-ins written for upstream
+fairseq (`--user-dir`) keep working."""
+
+import inspect
+
+from torch import nn
+
+
+class FairseqCriterion(nn.Module):
+    """A criterion: `forward(model, sample, reduce=True) -> (loss, sample_size, logging_output)`, and
+    `reduce_metrics(logging_outputs)`, which logs into `fairseq.logging.metrics` (given one summed logging
+    output per log interval, so `logging_outputs_can_be_summed` must hold)."""
+
+    def __init__(self, task):
+        super().__init__()
+        self.task = task
+        dictionary = getattr(task, "target_dictionary", None) if task is not None else None
+        # -100 is F.cross_entropy's own default ignore index, used when there is no dictionary.
+        self.padding_idx = dictionary.pad() if dictionary is not None else -100
+
+    @classmethod
+    def build_criterion(cls, cfg, task, optimization_cfg=None):
+        """Upstream's rule: each `__init__` argument is `task`, or the config value of the same name. A name
+        the optimization group also has (`sentence_avg`) is read from there: that is where it is parsed."""
+        kwargs = {}
+        for name, param in list(inspect.signature(cls.__init__).parameters.items())[1:]:
+            if param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD):
+                continue
+            if name == "task":
+                kwargs[name] = task
+            elif optimization_cfg is not None and hasattr(optimization_cfg, name):
+                kwargs[name] = getattr(optimization_cfg, name)
+            elif hasattr(cfg, name):
+                kwargs[name] = getattr(cfg, name)
+            elif param.default is param.empty:
+                raise ValueError(f"criterion {cls.__name__} needs '{name}', which its config does not have")
+        return cls(**kwargs)
+
+    @staticmethod
+    def reduce_metrics(logging_outputs) -> None:
+        raise NotImplementedError
+
+    @staticmethod
+    def logging_outputs_can_be_summed() -> bool:
+        return False
