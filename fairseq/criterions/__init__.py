@@ -17,7 +17,14 @@ def build_criterion(cfg, task, optimization_cfg=None):
     from fairseq.optim import component_name
 
     name = component_name(cfg, CRITERION_REGISTRY)
-    return CRITERION_REGISTRY.get(name).build_criterion(cfg, task, optimization_cfg)
+    criterion_cls = CRITERION_REGISTRY.get(name)
+    if not criterion_cls.logging_outputs_can_be_summed():
+        raise ValueError(
+            f"--criterion {name}: its logging_outputs_can_be_summed() is False, but the trainer sums the logging "
+            "outputs of each log interval (on the device, across ranks) before calling reduce_metrics; make every "
+            "logging value a sum and return True"
+        )
+    return criterion_cls.build_criterion(cfg, task, optimization_cfg)
 
 
 def __getattr__(name):

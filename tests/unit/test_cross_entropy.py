@@ -184,3 +184,16 @@ def test_chunked_cross_entropy_of_no_tokens_is_empty():
     assert losses.shape == (0,)
     losses.sum().backward()
     assert logits.grad.shape == (0, 5)
+
+
+def test_a_criterion_whose_logging_outputs_cannot_be_summed_is_refused():
+    from fairseq.criterions import FairseqCriterion, register_criterion
+
+    @register_criterion("unsummable_for_test")
+    class Unsummable(FairseqCriterion):
+        pass
+
+    cfg = CrossEntropyCriterionConfig()
+    cfg._name = "unsummable_for_test"
+    with pytest.raises(ValueError, match="logging_outputs_can_be_summed.*return True"):
+        build_criterion(cfg, TinyTask())
