@@ -129,8 +129,12 @@ def batch_by_size(indices, num_tokens, max_tokens: Optional[int] = None, max_sen
     return Batches(indices, np.asarray(bounds, dtype=np.int64))
 
 
+# What sets the positions limit of a language model: the task's block size and the model's positions.
+POSITIONS_FLAGS = "--tokens-per-sample / --max-target-positions"
+
+
 def filter_by_size(indices, sizes, limit: Optional[int], ignore_invalid: bool,
-                   flag: str = "--max-positions") -> Tuple[np.ndarray, np.ndarray]:
+                   flag: str = POSITIONS_FLAGS) -> Tuple[np.ndarray, np.ndarray]:
     """Drop indices whose size exceeds `limit`; without `ignore_invalid`, fail naming `flag` instead.
 
     Returns (kept indices, dropped indices). `sizes` is indexed by dataset index.

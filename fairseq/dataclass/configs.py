@@ -47,6 +47,9 @@ class CommonConfig:
     suppress_crashes: bool = opt(False, "accepted for upstream compatibility")
     profile: bool = opt(False, "accepted for upstream compatibility")
     reset_logging: bool = opt(False, "accepted for upstream compatibility")
+    all_gather_list_size: int = opt(
+        16384, "accepted for upstream compatibility: statistics are all-reduced as tensors, no gather buffer is used"
+    )
     peak_tflops: Optional[float] = opt(
         None, "peak dense bf16/fp16 TFLOP/s of one accelerator for the mfu stat (default: from the device name)"
     )
@@ -70,6 +73,8 @@ class DistributedTrainingConfig:
     ddp_backend: DDP_BACKENDS = opt("pytorch_ddp", "data-parallel engine")
     bucket_cap_mb: int = opt(25, "DDP bucket size in MB")
     fix_batches_to_gpus: bool = opt(False, "accepted for upstream compatibility")
+    fast_stat_sync: bool = opt(False, "accepted for upstream compatibility (deprecated there too): statistics are "
+                                      "always reduced in one all-reduce per log interval")
     find_unused_parameters: bool = opt(False, "let DDP find parameters that receive no gradient")
     heartbeat_timeout: int = opt(
         -1, "seconds before a stuck collective or process-group creation fails the job (-1: 600 s)"

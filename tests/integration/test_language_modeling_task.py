@@ -119,7 +119,7 @@ def test_too_long_blocks_fail_or_are_skipped(data_dir):
     itr = task.get_batch_iterator(dataset, max_tokens=6, ignore_invalid_inputs=True)
     ids = sorted(i for s in itr.next_epoch_itr() for i in s["id"].tolist())
     assert ids == [0, 1, 2, 3, 5]  # block 4 (7 tokens) dropped
-    with pytest.raises(ValueError, match="more than --max-positions 5"):
+    with pytest.raises(ValueError, match="more than --tokens-per-sample / --max-target-positions 5"):
         task.get_batch_iterator(dataset, max_tokens=100, max_positions=5)
 
 

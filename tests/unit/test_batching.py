@@ -50,7 +50,7 @@ def test_filter_by_size_drops_or_fails():
     assert kept.tolist() == [0, 2] and dropped.tolist() == [1, 3]
     kept, dropped = filter_by_size([0, 2], np.array([5, 9, 3, 12]), None, ignore_invalid=False)
     assert kept.tolist() == [0, 2] and dropped.tolist() == []
-    with pytest.raises(ValueError, match="item 1 has 9 tokens, more than --max-positions 8"):
+    with pytest.raises(ValueError, match="item 1 has 9 tokens, more than --tokens-per-sample / --max-target-positions 8"):
         filter_by_size([0, 1], np.array([5, 9]), 8, ignore_invalid=False)
 
 

@@ -102,3 +102,10 @@ def test_user_dir_plugin_registers_a_component_with_its_own_flags(tmp_path):
 def test_user_dir_that_does_not_exist_is_a_clear_error():
     with pytest.raises(FileNotFoundError, match="--user-dir"):
         parse(["data", "--user-dir", "/nonexistent/plugins"])
+
+
+def test_flags_of_saved_upstream_command_lines_are_accepted():
+    # upstream 0.12 recipes and logged command lines carry these; here they change nothing (help says why)
+    args = parse(["data", "--arch", "transformer_lm", "--all-gather-list-size", "32768", "--fast-stat-sync"])
+    cfg = options.convert_namespace_to_config(args)
+    assert cfg.common.all_gather_list_size == 32768 and cfg.distributed_training.fast_stat_sync is True
