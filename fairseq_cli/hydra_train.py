@@ -14,6 +14,10 @@ from) receives `.hydra/config.yaml` (the composed config, as hydra saves it), `.
 format. The working directory is not changed (hydra's default since 1.2); relative paths in the config
 are resolved against the directory you ran from, even with hydra.job.chdir=true.
 
+Without --config-name, upstream's own primary config is used: its config groups choose components on the
+command line (`task=language_modeling model=transformer_lm/transformer_lm_gpt optimizer=adam`) and, as
+upstream's does, it runs in the current directory (`.hydra/`, `hydra_train.log`, `checkpoints/` there).
+
 Under a launcher that starts one process per GPU (srun, torchrun) only the first process writes the
 run directory; the others log to the console only.
 """
@@ -65,6 +69,31 @@ def _register_logging_configs() -> None:
     store = ConfigStore.instance()
     store.store(group="hydra/job_logging", name=_LOGGING_WITH_FILE, node=_job_logging(with_file=True))
     store.store(group="hydra/job_logging", name=_LOGGING_CONSOLE, node=_job_logging(with_file=False))
+
+
+DEFAULT_CONFIG_NAME = "config"  # upstream's primary config, used when the command line names none
+
+
+def _register_upstream_groups() -> None:
+    """Upstream's config groups and primary config, so its documented command line works as it is:
+    `fairseq-hydra-train task=language_modeling task.data=DIR model=transformer_lm/transformer_lm_gpt
+    optimizer=adam ...`. Each choice of group `task`, `criterion`, `optimizer`, `lr_scheduler` is a registered
+    name; `model=ARCH` and `model=MODEL/ARCH` choose an architecture. The primary config `config` selects
+    upstream's defaults (cross_entropy, fixed) and, as upstream's does, runs in the current directory."""
+    from fairseq import options, registry
+
+    store = ConfigStore.instance()
+    for attr, _, reg, _ in options.COMPONENTS:
+        for name in reg.choices():
+            store.store(group=attr, name=name, node={"_name": name})
+    model_names = {registry.MODEL_REGISTRY.get(name): name for name in registry.MODEL_REGISTRY.choices()}
+    for arch in registry.architectures():
+        store.store(group="model", name=arch, node={"_name": arch})
+        store.store(group=f"model/{model_names[registry.arch_model(arch)]}", name=arch, node={"_name": arch})
+    defaults = ["_self_"] + [{attr: default} for attr, default in (
+        ("task", None), ("model", None), ("criterion", "cross_entropy"), ("optimizer", None),
+        ("lr_scheduler", "fixed"))]
+    store.store(name=DEFAULT_CONFIG_NAME, node={"defaults": defaults, "hydra": {"run": {"dir": "."}}})
 
 
 def is_first_process(environ: Mapping[str, str] = os.environ) -> bool:
@@ -211,6 +240,11 @@ def _main(argv: Optional[List[str]]) -> None:
 
     argv = sys.argv[1:] if argv is None else list(argv)
     _register_logging_configs()
+    _register_upstream_groups()
+    from hydra._internal.utils import get_args_parser
+
+    if get_args_parser().parse_args(argv).config_name is None:
+        argv = argv + ["--config-name", DEFAULT_CONFIG_NAME]
     saved_argv = sys.argv
     _OUTCOME.clear()
     with _readable_config_dir(argv) as argv:

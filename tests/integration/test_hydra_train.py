@@ -214,3 +214,45 @@ def test_unused_upstream_groups_must_be_null():
     fairseq_config_from_dict(dict(base, bpe=None, tokenizer={"_name": None}))
     with pytest.raises(ValueError, match="'bpe' is set to .*remove 'bpe' or set it to null"):
         fairseq_config_from_dict(dict(base, bpe={"_name": "gpt2"}))
+
+
+def test_upstream_documented_command_with_config_groups(tiny_data, tmp_path, restore_logging):
+    """Upstream's hydra docs' first command: no config file, groups chosen on the command line
+    (`task=language_modeling`, `model=transformer_lm/transformer_lm_gpt`, `optimizer=adam`); as upstream's
+    bundled config does, the run directory is the current one."""
+    os.chdir(tmp_path)
+    hydra_train.cli_main([
+        "distributed_training.distributed_world_size=1", "dataset.batch_size=2", f"task.data={tiny_data}",
+        "model=transformer_lm/transformer_lm_gpt", "task=language_modeling", "optimization.max_update=2",
+        "optimizer=adam", "model.decoder_layers=1", "model.decoder_embed_dim=32", "model.decoder_ffn_embed_dim=64",
+        "model.decoder_attention_heads=2", "task.tokens_per_sample=32", "common.cpu=true", "dataset.num_workers=0",
+        "hydra/job_logging=none",
+    ])
+    saved = yaml.safe_load((tmp_path / ".hydra" / "fairseq_config.yaml").read_text())
+    assert saved["model"]["_name"] == "transformer_lm_gpt" and saved["model"]["decoder_layers"] == 1
+    assert saved["model"]["activation_fn"] == "gelu"  # the gpt preset filled what was not set
+    assert saved["optimizer"]["_name"] == "adam" and saved["criterion"]["_name"] == "cross_entropy"
+    assert saved["lr_scheduler"]["_name"] == "fixed"
+    state = torch.load(tmp_path / "checkpoints" / "checkpoint_last.pt", weights_only=True)
+    assert state["extra_state"]["trainer"]["num_updates"] == 2
+    # `model=ARCH` works too, and an unknown choice lists the architectures
+    assert "model/transformer_lm_gpt2_small" in _stored_options()
+    assert "model/transformer_lm/transformer_lm_gpt2_small" in _stored_options()
+
+
+def _stored_options():
+    from hydra.core.config_store import ConfigStore
+
+    repo = ConfigStore.instance().repo
+    found = []
+
+    def walk(node, prefix):
+        for key, value in node.items():
+            path = f"{prefix}/{key}" if prefix else key
+            if isinstance(value, dict):
+                walk(value, path)
+            else:
+                found.append(path[: -len(".yaml")] if path.endswith(".yaml") else path)
+
+    walk(repo, "")
+    return found
