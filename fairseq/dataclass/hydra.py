@@ -103,10 +103,51 @@ def compose_dict(config_dir: str, config_name: str, overrides: Sequence[str] = (
 
 
 def to_plain_dict(cfg: DictConfig) -> Dict[str, Any]:
-    """Plain nested containers with interpolations resolved; missing values stay `???`."""
-    values = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=False)
-    values.pop("hydra", None)
-    return values
+    """Plain nested containers of the keys the config writes, interpolations resolved; missing values stay
+    `???`. An interpolation may name an option the config does not write (`${dataset.batch_size}`): as with
+    upstream's schema, it resolves to that option's default."""
+    written = OmegaConf.to_container(cfg, resolve=False, throw_on_missing=False)
+    written.pop("hydra", None)
+    context = OmegaConf.create(_merged(_schema_defaults(written), written))
+    return _resolve_written(context, written)
+
+
+def _schema_defaults(written: Dict[str, Any]) -> Dict[str, Any]:
+    """Every group's defaults, and those of the components the config names (unknown names: none)."""
+    defaults = {group: {name: _default(f) for name, f in _fields(dc).items()} for group, dc in TRAIN_GROUPS.items()}
+    for attr in COMPONENTS:
+        raw = written.get(attr)
+        name = raw if isinstance(raw, str) else raw.get("_name") if isinstance(raw, dict) else None
+        name = COMPONENT_DEFAULTS.get(attr) if name is None else name
+        try:
+            dc = _component_dataclass(attr, name) if isinstance(name, str) else None
+        except ValueError:
+            dc = None  # reported with its fix when the config is checked
+        if dc is not None:
+            defaults[attr] = {key: _default(f) for key, f in _fields(dc).items()}
+    return defaults
+
+
+def _merged(base: Dict[str, Any], top: Dict[str, Any]) -> Dict[str, Any]:
+    out = dict(base)
+    for key, value in top.items():
+        both = isinstance(out.get(key), dict) and isinstance(value, dict)
+        out[key] = _merged(out[key], value) if both else value
+    return out
+
+
+def _resolve_written(node: DictConfig, written: Dict[str, Any]) -> Dict[str, Any]:
+    out = {}
+    for key, value in written.items():
+        if isinstance(value, dict):
+            out[key] = _resolve_written(node[key], value)
+        elif OmegaConf.is_missing(node, key):
+            out[key] = MISSING
+        else:
+            resolved = node[key]
+            is_container = isinstance(resolved, (DictConfig, ListConfig))
+            out[key] = OmegaConf.to_container(resolved, resolve=True) if is_container else resolved
+    return out
 
 
 GROUP_PACKAGE_HEADER = re.compile(r"^#\s*@package\s+_group_\s*$", re.MULTILINE)

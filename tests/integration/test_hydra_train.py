@@ -149,6 +149,7 @@ common:
 checkpoint:
   save_dir: ck
   no_epoch_checkpoints: true
+  keep_interval_updates: ${common.seed}
 dataset:
   max_tokens: 128
   max_tokens_valid: ${dataset.max_tokens}
@@ -201,7 +202,8 @@ def test_upstream_style_yaml_with_group_package_headers(tiny_data, tmp_path, res
     (cfg,) = seen
     assert cfg.model._name == "transformer_lm" and cfg.model.decoder_embed_dim == 32
     assert cfg.model.decoder_layers == 1  # the override wins over the group file
-    assert cfg.dataset.max_tokens_valid == 128  # ${dataset.max_tokens}, resolved after the move
+    assert cfg.dataset.max_tokens_valid == 128  # ${dataset.max_tokens}
+    assert cfg.checkpoint.keep_interval_updates == 1  # ${common.seed}: not in the file, so its default
     assert cfg.optimization.max_update == 2 and cfg.task.tokens_per_sample == 32
     assert torch.load(tmp_path / "ck" / "checkpoint_last.pt", weights_only=True)["extra_state"]["trainer"][
         "num_updates"] == 2
