@@ -166,7 +166,18 @@ class CheckpointManager:
         optim_state = None if ck.reset_optimizer else state.get("last_optimizer_state")
         if optim_state is None and not ck.reset_optimizer:
             raise CheckpointError(f"{path} has no optimizer state; pass --reset-optimizer to start a new one")
-        trainer.load_model_and_optimizer_state(state["model"], optim_state, full=not os.path.isdir(path))
+        try:
+            trainer.load_model_and_optimizer_state(state["model"], optim_state, full=not os.path.isdir(path))
+        except (RuntimeError, KeyError) as err:
+            if optim_state is None or "optimizer state" not in str(err):
+                raise
+            # Same parameter names and shapes (checked above) but other parameters to optimize: a tying flag
+            # such as --share-decoder-input-output-embed differs from the checkpoint's.
+            raise CheckpointError(
+                f"{path}: its optimizer state does not fit the model's parameters ({str(err).splitlines()[0]}); "
+                "the model flags differ from the checkpoint's (e.g. --share-decoder-input-output-embed): resume "
+                "with the same flags, or pass --reset-optimizer to keep the weights and start a new optimizer"
+            ) from err
         extra = state.get("extra_state") or {}
         if "trainer" in extra:
             trainer.load_trainer_state(extra["trainer"], reset_optimizer=ck.reset_optimizer,

@@ -185,6 +185,16 @@ def test_checkpoint_of_another_architecture_is_rejected(tiny_data, tmp_path):
         train.cli_main(argv)
 
 
+def test_resuming_with_another_tying_flag_names_the_fix(tiny_data, tmp_path):
+    train.cli_main(train_args(tiny_data, tmp_path, max_update=1))  # TINY_MODEL ties input and output embeddings
+    untied = train_args(tiny_data, tmp_path, max_update=2)
+    untied.remove("--share-decoder-input-output-embed")
+    with pytest.raises(Exception, match="optimizer state does not fit.*--reset-optimizer"):
+        train.cli_main(untied)
+    train.cli_main(untied + ["--reset-optimizer"])  # keeps the weights, starts a new optimizer
+    assert load(tmp_path / "checkpoint_last.pt")["extra_state"]["trainer"]["num_updates"] == 2
+
+
 def test_missing_restore_file_is_a_clear_error(tiny_data, tmp_path):
     with pytest.raises(FileNotFoundError, match="--restore-file"):
         train.cli_main(train_args(tiny_data, tmp_path, "--restore-file", "nope.pt"))
