@@ -6,12 +6,14 @@ flags and parses everything, rejecting unknown flags.
 """
 
 import argparse
+import dataclasses
+import re
 import sys
 from typing import List, Optional
 
 from fairseq import registry
 from fairseq.dataclass import configs
-from fairseq.dataclass.utils import add_dataclass_to_parser, config_from_namespace
+from fairseq.dataclass.utils import add_dataclass_to_parser, config_from_namespace, flag_name
 from fairseq.utils import import_user_module
 
 # Group name in FairseqConfig -> dataclass, in the order they appear in --help.
@@ -154,4 +156,27 @@ def convert_namespace_to_config(args: argparse.Namespace) -> configs.FairseqConf
     if getattr(args, "arch", None) is not None:
         model_dc = registry.dataclass_of(registry.arch_model(args.arch))
         cfg.model = config_from_namespace(model_dc, args, args.arch)
+    resolve_interpolated_defaults(cfg)
     return cfg
+
+
+_INTERPOLATION = re.compile(r"^\$\{(\w+)\.(\w+)\}$")
+
+
+def resolve_interpolated_defaults(cfg: configs.FairseqConfig) -> None:
+    """Plug-in configs written for upstream default some fields to `II("group.key")`, the string
+    "${group.key}", which upstream's omegaconf resolved; here such a value becomes that option's value."""
+    for section_name in [f.name for f in dataclasses.fields(cfg)]:
+        section = getattr(cfg, section_name)
+        if not dataclasses.is_dataclass(section):
+            continue
+        for f in dataclasses.fields(section):
+            value = getattr(section, f.name)
+            match = _INTERPOLATION.match(value) if isinstance(value, str) else None
+            if match is None:
+                continue
+            group, key = match.groups()
+            if not hasattr(getattr(cfg, group, None), key):
+                raise ValueError(f"{section_name}.{f.name} defaults to {value}, but there is no option {group}.{key}; "
+                                 f"set {flag_name(f.name)} explicitly")
+            setattr(section, f.name, getattr(getattr(cfg, group), key))

@@ -182,13 +182,14 @@ class WordOutput:
 @torch.no_grad()
 def evaluate(model, batches, pad: int, device, dtype, bos: Optional[int] = None, bpe: Optional[BPE] = None,
              words: Optional[WordOutput] = None) -> tuple:
-    """(sum of -log2 p over counted target tokens, number of counted tokens, or of words with `bpe`).
+    """(sum of -log2 p over counted target tokens, number of counted tokens, number of words: with `bpe`
+    the pieces of a word count once, else the same as tokens).
 
     With `bos` (models trained with --add-bos-token), predicting the prepended <s> is not counted, as
     upstream's eval-lm drops it. With `words`, each batch's token log probabilities are also handed to it
     (a copy to the host per batch)."""
     nll_sum = torch.zeros((), dtype=torch.float64, device=device)
-    count = 0
+    count = merged = 0
     autocast = torch.autocast(device.type, dtype=dtype) if dtype != torch.float32 else None
     for sample in batches:
         if sample.get("is_dummy", False):
@@ -208,10 +209,10 @@ def evaluate(model, batches, pad: int, device, dtype, bos: Optional[int] = None,
         nll_sum += (token_nll * mask.reshape(-1)).sum().double()
         count += int(mask.sum())
         if bpe is not None:
-            count -= bpe.merged_pieces(target, mask)
+            merged += bpe.merged_pieces(target, mask)
         if words is not None:
             words.add_batch(sample["id"], target.cpu(), -token_nll.view_as(target).cpu(), mask.cpu())
-    return float(nll_sum) / math.log(2), count
+    return float(nll_sum) / math.log(2), count, count - merged
 
 
 def main(cfg) -> dict:
@@ -257,18 +258,22 @@ def main(cfg) -> dict:
     if cfg.eval_lm.output_word_probs or cfg.eval_lm.output_word_stats:
         words = WordOutput(task.source_dictionary, bpe, log_words=cfg.eval_lm.output_word_probs)
     start = time.perf_counter()
-    nll_bits, count = evaluate(model, batches, pad, device, compute_dtype(cfg.common), bos=bos, bpe=bpe,
-                               words=words)
+    nll_bits, count, words_count = evaluate(model, batches, pad, device, compute_dtype(cfg.common), bos=bos,
+                                            bpe=bpe, words=words)
     elapsed = time.perf_counter() - start
     if count == 0:
         raise ValueError(f"split {cfg.dataset.gen_subset!r} has no tokens to evaluate")
-    loss = nll_bits / count
+    loss = nll_bits / words_count  # per token, or per word with --remove-bpe (as upstream)
     ppl = 2**loss
     logger.info(f"Evaluated {count:,} tokens in {elapsed:.1f}s ({count / max(elapsed, 1e-9):.2f} tokens/s)")
+    if bpe is not None:
+        logger.info(f"--remove-bpe: loss and perplexity per word ({words_count:,} words)")
     logger.info(f"Loss (base 2): {loss:.4f}, Perplexity: {ppl:.2f}")
     if words is not None and cfg.eval_lm.output_word_stats:
         words.log_stats()
     result = {"loss": loss, "perplexity": ppl, "tokens": count}
+    if bpe is not None:
+        result["words"] = words_count
     if cfg.common_eval.results_path:
         os.makedirs(cfg.common_eval.results_path, exist_ok=True)
         out = os.path.join(cfg.common_eval.results_path, f"eval_lm.{cfg.dataset.gen_subset}.json")

@@ -89,7 +89,9 @@ def _register_upstream_groups() -> None:
     model_names = {registry.MODEL_REGISTRY.get(name): name for name in registry.MODEL_REGISTRY.choices()}
     for arch in registry.architectures():
         store.store(group="model", name=arch, node={"_name": arch})
-        store.store(group=f"model/{model_names[registry.arch_model(arch)]}", name=arch, node={"_name": arch})
+        model_name = model_names.get(registry.arch_model(arch))
+        if model_name is not None:
+            store.store(group=f"model/{model_name}", name=arch, node={"_name": arch})
     defaults = ["_self_"] + [{attr: default} for attr, default in (
         ("task", None), ("model", None), ("criterion", "cross_entropy"), ("optimizer", None),
         ("lr_scheduler", "fixed"))]
@@ -136,7 +138,10 @@ def _readable_config_dir(argv: List[str]):
     from hydra._internal.utils import get_args_parser
 
     parsed = get_args_parser().parse_args(argv)
-    given = parsed.config_dir or parsed.config_path
+    # hydra reads a relative --config-path against this module's directory, so only an absolute one is a
+    # directory this process can copy
+    given = parsed.config_dir or (parsed.config_path if parsed.config_path and os.path.isabs(parsed.config_path)
+                                  else None)
     if not given or not os.path.isdir(given):
         yield argv
         return

@@ -20,14 +20,17 @@ class FairseqCriterion(nn.Module):
 
     @classmethod
     def build_criterion(cls, cfg, task, optimization_cfg=None):
-        """Upstream's rule: each `__init__` argument is `task`, or the config value of the same name. A name
-        the optimization group also has (`sentence_avg`) is read from there: that is where it is parsed."""
+        """Upstream's rule: each `__init__` argument is `task`, `cfg` (the criterion's config), or the config
+        value of the same name. A name the optimization group also has (`sentence_avg`) is read from there:
+        that is where it is parsed."""
         kwargs = {}
         for name, param in list(inspect.signature(cls.__init__).parameters.items())[1:]:
             if param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD):
                 continue
             if name == "task":
                 kwargs[name] = task
+            elif name == "cfg":
+                kwargs[name] = cfg
             elif optimization_cfg is not None and hasattr(optimization_cfg, name):
                 kwargs[name] = getattr(optimization_cfg, name)
             elif hasattr(cfg, name):

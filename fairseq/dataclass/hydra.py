@@ -153,6 +153,10 @@ def _resolve_written(node: DictConfig, written: Dict[str, Any]) -> Dict[str, Any
 GROUP_PACKAGE_HEADER = re.compile(r"^#\s*@package\s+_group_\s*$", re.MULTILINE)
 
 
+def _not_yaml(directory: str, names: List[str]) -> List[str]:
+    return [n for n in names if not os.path.isdir(os.path.join(directory, n)) and not n.endswith(".yaml")]
+
+
 @contextlib.contextmanager
 def without_group_package_headers(config_dir: str):
     """`config_dir`, or a temporary copy of it without upstream's `# @package _group_` header lines.
@@ -167,7 +171,8 @@ def without_group_package_headers(config_dir: str):
         yield config_dir
         return
     with tempfile.TemporaryDirectory(prefix="fairseq-hydra-config-") as tmp:
-        shutil.copytree(root, tmp, dirs_exist_ok=True)
+        # Only what hydra reads: a config directory may also hold data or checkpoints.
+        shutil.copytree(root, tmp, dirs_exist_ok=True, ignore=_not_yaml)
         for f in Path(tmp).rglob("*.yaml"):
             f.write_text(GROUP_PACKAGE_HEADER.sub("", f.read_text()))
         yield tmp

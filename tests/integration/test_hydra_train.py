@@ -258,3 +258,23 @@ def _stored_options():
 
     walk(repo, "")
     return found
+
+
+def test_the_header_free_copy_holds_only_the_yaml_files(tmp_path):
+    from fairseq.dataclass.hydra import without_group_package_headers
+
+    (tmp_path / "model").mkdir()
+    (tmp_path / "lm.yaml").write_text("# @package _group_\ncommon:\n  seed: 2\n")
+    (tmp_path / "model" / "tiny.yaml").write_text("# @package _group_\n_name: transformer_lm\n")
+    (tmp_path / "data.bin").write_bytes(b"\0" * 1024)  # data or checkpoints beside the configs stay put
+    with without_group_package_headers(str(tmp_path)) as copy:
+        assert copy != str(tmp_path)
+        files = sorted(str(p.relative_to(copy)) for p in Path(copy).rglob("*") if p.is_file())
+        assert files == ["lm.yaml", "model/tiny.yaml"]
+        assert (Path(copy) / "lm.yaml").read_text() == "\ncommon:\n  seed: 2\n"
+        assert (Path(copy) / "model" / "tiny.yaml").read_text() == "\n_name: transformer_lm\n"
+    assert not Path(copy).exists()  # removed afterwards
+    (tmp_path / "lm.yaml").write_text("common:\n  seed: 2\n")
+    (tmp_path / "model" / "tiny.yaml").write_text("_name: transformer_lm\n")
+    with without_group_package_headers(str(tmp_path)) as same:
+        assert same == str(tmp_path)  # nothing to strip: no copy

@@ -108,8 +108,8 @@ def test_eval_lm_results_path_and_word_output(tiny_data, tmp_path, caplog):
 
     # --remove-bpe MARKER: tokens ending with it join the next one; the same total, counted per word
     merged = eval_lm.main(_eval_cfg(tiny_data, ckpt, "--remove-bpe", "1"))  # w1, w11, w21, ... are pieces
-    assert merged["tokens"] < result["tokens"]
-    assert merged["loss"] * merged["tokens"] == pytest.approx(result["loss"] * result["tokens"], rel=1e-9)
+    assert merged["tokens"] == result["tokens"] and merged["words"] < result["tokens"]
+    assert merged["loss"] * merged["words"] == pytest.approx(result["loss"] * result["tokens"], rel=1e-9)
 
 
 def test_context_window_with_bos_counts_each_text_token_once(tiny_data, tmp_path):
@@ -147,12 +147,14 @@ from fairseq.models.transformer_lm import base_lm_architecture
 class SmoothedLMConfig(FairseqDataclass):
     smoothing: float = field(default=0.1, metadata={"help": "label smoothing"})
     sentence_avg: bool = II("optimization.sentence_avg")
+    block: int = II("task.tokens_per_sample")
 
 
 @register_criterion("smoothed_lm", dataclass=SmoothedLMConfig)
 class SmoothedLM(FairseqCriterion):
-    def __init__(self, task, smoothing, sentence_avg):
+    def __init__(self, task, smoothing, sentence_avg, block):
         super().__init__(task)
+        assert (smoothing, sentence_avg, block) == (0.2, False, 32), (smoothing, sentence_avg, block)
         self.eps, self.sentence_avg = smoothing, sentence_avg
 
     def forward(self, model, sample, reduce=True):

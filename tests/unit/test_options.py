@@ -109,3 +109,21 @@ def test_flags_of_saved_upstream_command_lines_are_accepted():
     args = parse(["data", "--arch", "transformer_lm", "--all-gather-list-size", "32768", "--fast-stat-sync"])
     cfg = options.convert_namespace_to_config(args)
     assert cfg.common.all_gather_list_size == 32768 and cfg.distributed_training.fast_stat_sync is True
+
+
+def test_interpolated_defaults_of_plugin_configs_take_the_named_option():
+    from dataclasses import dataclass as dc
+
+    @dc
+    class PluginConfig:
+        block: str = "${task.tokens_per_sample}"
+        other: str = "${common.no_such_option}"
+
+    args = parse(["data", "--arch", "transformer_lm", "--tokens-per-sample", "64"])
+    cfg = options.convert_namespace_to_config(args)
+    cfg.criterion = PluginConfig(other="set")
+    options.resolve_interpolated_defaults(cfg)
+    assert cfg.criterion.block == 64 and cfg.criterion.other == "set"
+    cfg.criterion = PluginConfig()
+    with pytest.raises(ValueError, match=r"criterion.other defaults to \$\{common.no_such_option\}.*--other"):
+        options.resolve_interpolated_defaults(cfg)
