@@ -9,7 +9,8 @@ from torch import nn
 class FairseqCriterion(nn.Module):
     """A criterion: `forward(model, sample, reduce=True) -> (loss, sample_size, logging_output)`, and
     `reduce_metrics(logging_outputs)`, which logs into `fairseq.logging.metrics` (given one summed logging
-    output per log interval, so `logging_outputs_can_be_summed` must hold)."""
+    output per log interval: subclasses whose logging values are sums say so in
+    `logging_outputs_can_be_summed`)."""
 
     def __init__(self, task):
         super().__init__()
