@@ -172,7 +172,7 @@ class EvalLMConfig:
     output_word_probs: bool = opt(False, "log each sample's words with their log probabilities (natural log; "
                                          "BPE pieces joined with --remove-bpe)")
     output_word_stats: bool = opt(False, "log per-word statistics at the end: word, count, summed log probability, "
-                                         "is BPE, summed log probability of the next token, count with a next token")
+                                         "is BPE, summed log probability of the next word, count with a next word")
     context_window: int = opt(0, "tokens of left context scored but not counted, for sliding-window evaluation")
     softmax_batch: int = opt(2**62, "accepted for upstream compatibility")
 
