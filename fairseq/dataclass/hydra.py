@@ -105,7 +105,8 @@ def compose_dict(config_dir: str, config_name: str, overrides: Sequence[str] = (
 def to_plain_dict(cfg: DictConfig) -> Dict[str, Any]:
     """Plain nested containers of the keys the config writes, interpolations resolved; missing values stay
     `???`. An interpolation may name an option the config does not write (`${dataset.batch_size}`): as with
-    upstream's schema, it resolves to that option's default."""
+    upstream's schema, it resolves to that option's default (for a model field: the model dataclass's default,
+    not the architecture preset's value, which is only applied later)."""
     written = OmegaConf.to_container(cfg, resolve=False, throw_on_missing=False)
     written.pop("hydra", None)
     context = OmegaConf.create(_merged(_schema_defaults(written), written))
