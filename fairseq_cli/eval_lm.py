@@ -124,8 +124,10 @@ class BPE:
     def merged_pieces(self, target: torch.Tensor, mask: torch.Tensor) -> int:
         """Counted tokens whose score joins the next token's word: non-final pieces, except a sample's last
         counted token (a word cut off there still counts as one). Perplexity is then per word, as upstream."""
+        if self.is_piece.device != target.device:  # moved once, not per batch
+            self.is_piece = self.is_piece.to(target.device)
         last = mask & (mask.cumsum(-1) == mask.sum(-1, keepdim=True))
-        return int((self.is_piece.to(target.device)[target] & mask & ~last).sum())
+        return int((self.is_piece[target] & mask & ~last).sum())
 
 
 class WordOutput:

@@ -78,15 +78,6 @@ class MonolingualDataset(torch.utils.data.Dataset):
             target = torch.cat([target.new_full((1,), self.tgt_vocab.bos()), target])
         return {"id": int(index), "source": source, "target": target}
 
-    def num_tokens(self, index: int) -> int:
-        return int(self.sizes[index])
-
-    def num_tokens_vec(self, indices) -> np.ndarray:
-        return self.sizes[indices]
-
-    def size(self, index: int) -> int:
-        return int(self.sizes[index])
-
     def ordered_indices(self, seed: int = 1) -> np.ndarray:
         """Indices sorted by size; equal sizes in a random order from `seed` (upstream's order)."""
         if self.shuffle:

@@ -76,15 +76,6 @@ class DummyLMDataset(torch.utils.data.Dataset):
             source, target = torch.cat([bos, source]), torch.cat([bos, target])
         return {"id": index, "source": source, "target": target}
 
-    def num_tokens(self, index: int) -> int:
-        return int(self.sizes[index])
-
-    def num_tokens_vec(self, indices) -> np.ndarray:
-        return self.sizes[indices]
-
-    def size(self, index: int) -> int:
-        return int(self.sizes[index])
-
     def ordered_indices(self, seed: int = 1) -> np.ndarray:
         return np.arange(len(self))  # all samples have the same size
 
