@@ -184,8 +184,9 @@ class CommonEvalConfig:
     model_overrides: str = opt("{}", "Python dict literal of model config values to override when loading")
     results_path: Optional[str] = opt(None, "also write the results to this directory (eval_lm.SPLIT.json)")
     post_process: Optional[str] = opt(
-        None, "BPE continuation marker for eval-lm's word output: the flag alone (subword_nmt) means '@@ '; "
-              "any other value is the marker itself", aliases=["--remove-bpe"], const="subword_nmt")
+        None, "eval-lm: BPE continuation marker; pieces are joined into words for the word output and loss and "
+              "perplexity are per word. The flag alone (subword_nmt) means '@@ '; any other value is the marker "
+              "itself", aliases=["--remove-bpe"], const="subword_nmt")
 
 
 @dataclass
