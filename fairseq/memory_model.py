@@ -112,7 +112,7 @@ def model_shape(cfg, vocab_size: int, padding_idx: int = 1) -> ModelShape:
     cfg = dataclasses.replace(cfg)  # build() fills max_target_positions in place
     with torch.device("meta"):
         model = TransformerLanguageModel.build(cfg, vocab_size, padding_idx)
-    layers = model.decoder.layers
+    layers = model.transformer_layers()
     layer_ids = {id(p) for p in layers.parameters()}
     layer_shapes = [tuple(tuple(p.shape) for p in layer.parameters()) for layer in layers]
     if any(s != layer_shapes[0] for s in layer_shapes):
@@ -123,14 +123,14 @@ def model_shape(cfg, vocab_size: int, padding_idx: int = 1) -> ModelShape:
     else:  # --decoder-layers 0: still know a layer's shape, for --max-layers-that-fit
         with torch.device("meta"):
             probe = TransformerLanguageModel.build(dataclasses.replace(cfg, decoder_layers=1), vocab_size, padding_idx)
-        layers = probe.decoder.layers
+        layers = probe.transformer_layers()
         one_layer = tuple(tuple(p.shape) for p in layers[0].parameters())
     norm_params = sum(p.numel() for m in layers[0].modules() if isinstance(m, torch.nn.LayerNorm)
                       for p in m.parameters())
     activation_dropout = cfg.activation_dropout or cfg.relu_dropout or 0.0
     shape = ModelShape(
         total_params=sum(p.numel() for p in model.parameters()),
-        num_layers=len(model.decoder.layers), layer_param_shapes=one_layer, layer_norm_params=norm_params,
+        num_layers=len(model.transformer_layers()), layer_param_shapes=one_layer, layer_norm_params=norm_params,
         root_param_shapes=root,
         vocab_size=vocab_size, embed_dim=cfg.decoder_embed_dim, ffn_dim=cfg.decoder_ffn_embed_dim,
         heads=cfg.decoder_attention_heads, output_dim=cfg.decoder_output_dim,

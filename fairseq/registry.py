@@ -13,10 +13,12 @@ from typing import Callable, Dict, Optional, Type
 
 
 class Registry:
-    def __init__(self, kind: str, packages: tuple, flag: str, base_class: Optional[type] = None):
+    def __init__(self, kind: str, packages: tuple, flag: str, base_class: Optional[str] = None):
         self.kind = kind
         self.flag = flag  # the command-line flag that selects a component, e.g. --task
-        self.base_class = base_class
+        # "module.Class" that every registered class must extend; imported on first use (the base classes'
+        # packages import this module).
+        self._base_class = base_class
         self._packages = packages
         self._classes: Dict[str, type] = {}
         self._dataclasses: Dict[str, type] = {}
@@ -26,8 +28,10 @@ class Registry:
         def wrap(cls):
             if name in self._classes:
                 raise ValueError(f"cannot register duplicate {self.kind} {name!r}")
-            if self.base_class is not None and not issubclass(cls, self.base_class):
-                raise ValueError(f"{self.kind} {name!r} ({cls.__name__}) must extend {self.base_class.__name__}")
+            base = self.base_class
+            if base is not None and not (isinstance(cls, type) and issubclass(cls, base)):
+                raise ValueError(f"{self.kind} {name!r} ({getattr(cls, '__name__', cls)}) must extend "
+                                 f"{base.__module__}.{base.__name__}")
             if dataclass is not None and not is_dataclass(dataclass):
                 raise ValueError(f"{self.kind} {name!r}: {dataclass} is not a dataclass")
             self._classes[name] = cls
@@ -38,6 +42,13 @@ class Registry:
             return cls
 
         return wrap
+
+    @property
+    def base_class(self) -> Optional[type]:
+        if self._base_class is None:
+            return None
+        module, name = self._base_class.rsplit(".", 1)
+        return getattr(importlib.import_module(module), name)
 
     def _load_builtins(self):
         if self._loaded:
@@ -77,7 +88,8 @@ def import_package_modules(package: str):
 
 
 TASK_REGISTRY = Registry("task", ("fairseq.tasks",), "--task")
-MODEL_REGISTRY = Registry("model", ("fairseq.models",), "--arch")
+MODEL_REGISTRY = Registry("model", ("fairseq.models",), "--arch",
+                          base_class="fairseq.models.fairseq_model.BaseFairseqModel")
 CRITERION_REGISTRY = Registry("criterion", ("fairseq.criterions",), "--criterion")
 OPTIMIZER_REGISTRY = Registry("optimizer", ("fairseq.optim",), "--optimizer")
 LR_SCHEDULER_REGISTRY = Registry("lr_scheduler", ("fairseq.optim.lr_scheduler",), "--lr-scheduler")

@@ -18,7 +18,7 @@ from fairseq.optim.lr_scheduler import build_lr_scheduler
 from fairseq.precision import Precision
 from fairseq.logging.logging_outputs import LoggingOutputSums
 from fairseq.logging.memory import CudaMemoryStats
-from fairseq.logging.throughput import Throughput, default_peak_tflops, flops_per_token
+from fairseq.logging.throughput import Throughput, default_peak_tflops
 from fairseq.train_step import run_update, run_valid_step
 
 logger = logging.getLogger(__name__)
@@ -177,14 +177,13 @@ class Trainer:
 
 
 def _throughput(cfg, model, device, world_size) -> Optional[Throughput]:
-    """tflops/mfu for models that say their depth and width (the transformer_lm family)."""
-    layers = getattr(cfg.model, "decoder_layers", None)
-    width = getattr(cfg.model, "decoder_embed_dim", None)
-    seq_len = getattr(cfg.task, "tokens_per_sample", None)
-    if not (layers and width and seq_len):
+    """tflops/mfu for models that know their FLOPs per token (the model contract's flops_per_token)."""
+    seq_len = getattr(cfg.task, "tokens_per_sample", None)  # plug-in tasks may have no such option
+    model_flops = model.flops_per_token(seq_len) if seq_len else None
+    if not model_flops:
         return None
     peak = cfg.common.peak_tflops or default_peak_tflops(device)
-    return Throughput(flops_per_token(model, layers, width, seq_len), world_size, peak)
+    return Throughput(model_flops, world_size, peak)
 
 
 def move_to_device(obj, device: torch.device):

@@ -28,7 +28,7 @@ def is_legacy_checkpoint(state: Dict[str, Any]) -> bool:
 
 
 def upgrade_legacy_checkpoint(state: Dict[str, Any]) -> Dict[str, Any]:
-    from fairseq.models.transformer_lm import upgrade_state_dict
+    from fairseq import registry
 
     if state.get("cfg") is not None:
         cfg = _plain(state["cfg"])
@@ -44,7 +44,7 @@ def upgrade_legacy_checkpoint(state: Dict[str, Any]) -> Dict[str, Any]:
         task_cfg = dict(args, _name=args.get("task"))
     upgraded = {
         "cfg": {"model": model_cfg, "task": task_cfg},
-        "model": upgrade_state_dict(state["model"], model_cfg),
+        "model": registry.arch_model(model_cfg["_name"]).upgrade_state_dict(state["model"], model_cfg),
         "last_optimizer_state": None,
         "extra_state": {},
         "legacy": True,

@@ -57,13 +57,16 @@ def check_fsdp_flags(cfg) -> None:
         raise ValueError(f"--fsdp-prefetch-depth must be at least 1 (got {dt.fsdp_prefetch_depth})")
 
 
-def decoder_layers(model: nn.Module) -> nn.ModuleList:
-    """The transformer layers that become one FSDP unit (and one checkpoint/compile region) each."""
-    layers = getattr(getattr(model, "decoder", None), "layers", None)
+def transformer_layers(model: nn.Module) -> nn.ModuleList:
+    """The repeated blocks that become one FSDP unit (and one checkpoint/compile region) each: the model
+    contract's `transformer_layers()` (fairseq.models.fairseq_model)."""
+    from fairseq.models.fairseq_model import BaseFairseqModel
+
+    layers = model.transformer_layers() if isinstance(model, BaseFairseqModel) else None
     if not isinstance(layers, nn.ModuleList):
         raise TypeError(
-            f"{type(model).__name__} has no decoder.layers ModuleList; parallelization needs one FSDP unit "
-            "per transformer layer at model.decoder.layers"
+            f"{type(model).__name__} does not follow the model contract: parallelization needs a "
+            "BaseFairseqModel whose transformer_layers() returns the nn.ModuleList of its blocks"
         )
     return layers
 
@@ -86,7 +89,7 @@ def mixed_precision_policy(common_cfg) -> MixedPrecisionPolicy:
 @dataclass(frozen=True)
 class PrefetchPlan:
     """Which decoder layers each FSDP unit all-gathers, besides its own parameters, when it starts its
-    forward or its backward. Layers are indices into model.decoder.layers; the root is the whole model."""
+    forward or its backward. Layers are indices into model.transformer_layers(); the root is the whole model."""
 
     root_forward: Tuple[int, ...]
     root_backward: Tuple[int, ...]
@@ -139,7 +142,7 @@ class ReshardEventLimiter:
     GPU too: at most `max_in_flight` layers' full parameters exist, and the CPU runs at most that many
     layers ahead. Only that event is waited on; the device as a whole is never synchronized.
 
-    Layer indices are those of model.decoder.layers; the sequence runs on across forward, backward and
+    Layer indices are those of model.transformer_layers(); the sequence runs on across forward, backward and
     iterations (in backward, the layer two all-gathers back is layer i+2). A layer already gathered (by a
     prefetch, or kept from forward with --no-reshard-after-forward) issues nothing and waits for nothing.
 
@@ -332,7 +335,7 @@ def apply_fsdp(
     `limiter` (only with --fsdp-sync-free) defaults to CUDA events on a CUDA mesh and to no waiting on CPU.
     """
     dt = cfg.distributed_training
-    layers = decoder_layers(model)
+    layers = transformer_layers(model)
     mp_policy = mixed_precision_policy(cfg.common)
     offload_policy = CPUOffloadPolicy(pin_memory=mesh.device_type == "cuda") if dt.cpu_offload else OffloadPolicy()
     reshard_after_forward = not dt.no_reshard_after_forward

@@ -27,7 +27,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.checkpoint import checkpoint
 
 from fairseq.distributed.ddp import apply_ddp
-from fairseq.distributed.fsdp import apply_fsdp, check_fsdp_flags, decoder_layers
+from fairseq.distributed.fsdp import apply_fsdp, check_fsdp_flags, transformer_layers
 
 logger = logging.getLogger(__name__)
 
@@ -163,7 +163,7 @@ def apply_activation_checkpointing(model: nn.Module, offload_to_cpu: bool = Fals
     (--offload-activations, which implies checkpointing as upstream) the layer inputs that checkpointing
     keeps are also held in pinned CPU memory between forward and backward.
     """
-    layers = decoder_layers(model)
+    layers = transformer_layers(model)
     checkpoint_fn = _checkpointed_offloaded if offload_to_cpu else _checkpointed
     for index, layer in enumerate(layers):
         if isinstance(layer, CheckpointWrapper):
@@ -181,7 +181,7 @@ def apply_compile(model: nn.Module, backend: str = "inductor") -> nn.Module:
     The layer's own `forward` is compiled, inside any checkpoint wrapper, so that FSDP2's and the
     checkpoint's hooks stay outside the compiled code and recomputation runs the compiled forward.
     """
-    for layer in decoder_layers(model):
+    for layer in transformer_layers(model):
         inner = layer._checkpoint_wrapped_module if isinstance(layer, CheckpointWrapper) else layer
         inner.forward = torch.compile(inner.forward, backend=backend)
     return model

@@ -2,6 +2,7 @@
 (build one with `task.build_model(cfg.model)`, which looks up `--arch`)."""
 
 # Upstream's names, for plug-ins (--user-dir) that import them from here.
+from fairseq.models.fairseq_model import BaseFairseqModel, FairseqLanguageModel  # noqa: E402,F401
 from fairseq.registry import (  # noqa: E402,F401
     ARCH_CONFIG_REGISTRY,
     ARCH_MODEL_REGISTRY,

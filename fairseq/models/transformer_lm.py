@@ -39,6 +39,8 @@ import torch.nn.functional as F
 from fairseq import registry
 from fairseq.dataclass.configs import opt
 from fairseq.dataclass.utils import config_from_namespace, flag_name
+from fairseq.logging.throughput import flops_per_token as transformer_flops_per_token
+from fairseq.models.fairseq_model import FairseqLanguageModel
 from fairseq.modules.transformer_decoder import TransformerDecoder
 
 logger = logging.getLogger(__name__)
@@ -157,12 +159,21 @@ def resolve_max_target_positions(cfg) -> int:
 
 
 @registry.register_model("transformer_lm", dataclass=TransformerLanguageModelConfig)
-class TransformerLanguageModel(nn.Module):
+class TransformerLanguageModel(FairseqLanguageModel):
     """`model(src_tokens) -> logits [B, T, V]`; the layers are `model.decoder.layers` (an nn.ModuleList)."""
 
+    # Options that define the function the network computes: a resumed run must keep them (checked against the
+    # checkpoint's config; several change no parameter shape, so the state dict alone would not tell). Tying
+    # (--share-decoder-input-output-embed) may change with --reset-optimizer: the same weights, untied.
+    architecture_options = (
+        "decoder_layers", "decoder_embed_dim", "decoder_input_dim", "decoder_output_dim", "decoder_ffn_embed_dim",
+        "decoder_attention_heads", "decoder_normalize_before", "no_decoder_final_norm",
+        "no_token_positional_embeddings", "decoder_learned_pos", "layernorm_embedding", "no_scale_embedding",
+        "activation_fn", "max_target_positions",
+    )
+
     def __init__(self, decoder: TransformerDecoder):
-        super().__init__()
-        self.decoder = decoder
+        super().__init__(decoder)
 
     @classmethod
     def build_model(cls, cfg, task) -> "TransformerLanguageModel":
@@ -189,23 +200,20 @@ class TransformerLanguageModel(nn.Module):
         """
         return self.decoder(src_tokens, features_only=features_only)
 
-    def get_normalized_probs(self, net_output, log_probs: bool, sample=None) -> torch.Tensor:
-        """Upstream's model API, for criterions written against it: fp32 (log-)probabilities of the logits."""
-        logits = net_output[0] if isinstance(net_output, tuple) else net_output
-        return F.log_softmax(logits.float(), dim=-1) if log_probs else F.softmax(logits.float(), dim=-1)
-
-    def get_targets(self, sample, net_output) -> torch.Tensor:
-        return sample["target"]
-
-    def max_positions(self) -> int:
-        return self.decoder.max_positions()
-
     def reset_parameters(self) -> None:
         """Re-initialize all weights from the torch RNG (e.g. after `to_empty` on a meta-built model)."""
         self.decoder.reset_parameters()
 
     def tie_weights(self) -> None:
         self.decoder.tie_weights()
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """6 x the matrix weights (forward + backward) plus the attention score and value products."""
+        return transformer_flops_per_token(self, len(self.transformer_layers()), self.decoder.embed_dim, seq_len)
+
+    @classmethod
+    def upgrade_state_dict(cls, state_dict: dict, cfg=None) -> dict:
+        return upgrade_state_dict(state_dict, cfg)
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -31,7 +31,7 @@ from fairseq.distributed.fsdp import (
     ReshardEventLimiter,
     apply_fsdp,
     check_fsdp_flags,
-    decoder_layers,
+    transformer_layers,
 )
 from fairseq.distributed.parallelize import (
     apply_activation_checkpointing,
@@ -65,7 +65,7 @@ def fsdp_param_groups(layer):
 def build_model(meta=False):
     torch.manual_seed(0)
     cfg = preset_config(
-        "transformer_lm_gpt3_small", decoder_layers=NUM_LAYERS, decoder_embed_dim=16,
+        "transformer_lm_gpt3_small", transformer_layers=NUM_LAYERS, decoder_embed_dim=16,
         decoder_attention_heads=2, dropout=0.0, tokens_per_sample=SEQ,
     )
     if meta:
@@ -248,7 +248,7 @@ def scenario_wait_order(rank):
         limiter.on_reshard = lambda layer: (log.append(("on_reshard", layer)), original_on(layer))[1]
         model = build_model()
         apply_fsdp(model, make_cfg(fsdp_forward_prefetch=prefetch, fsdp_sync_free=True), _mesh(), limiter=limiter)
-        for index, layer in enumerate(decoder_layers(model)):
+        for index, layer in enumerate(transformer_layers(model)):
             for group in fsdp_param_groups(layer):
                 _instrument(group, index, log)
         tokens, targets = local_batch(rank)

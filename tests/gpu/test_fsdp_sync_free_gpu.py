@@ -29,7 +29,7 @@ import torch.nn.functional as F
 
 from fairseq.dataclass.configs import FairseqConfig
 from fairseq.distributed.env import get_free_port
-from fairseq.distributed.fsdp import decoder_layers, sync_free_limiter
+from fairseq.distributed.fsdp import transformer_layers, sync_free_limiter
 from fairseq.distributed.parallelize import parallelize_model
 
 pytestmark = pytest.mark.gpu
@@ -96,7 +96,7 @@ def fsdp_param_groups(layer):
 def real_model():
     from fairseq.models.transformer_lm import TransformerLanguageModel, preset_config
 
-    cfg = preset_config("transformer_lm_gpt3_small", decoder_layers=NUM_LAYERS, decoder_embed_dim=1024,
+    cfg = preset_config("transformer_lm_gpt3_small", transformer_layers=NUM_LAYERS, decoder_embed_dim=1024,
                         decoder_attention_heads=16, dropout=0.0, tokens_per_sample=1024)
     return TransformerLanguageModel.build(cfg, 50272, 1)
 
@@ -108,7 +108,7 @@ class AliveCounter:
         self.max_alive = 0
 
     def instrument(self, model):
-        for index, layer in enumerate(decoder_layers(model)):
+        for index, layer in enumerate(transformer_layers(model)):
             for group in fsdp_param_groups(layer):
                 self._wrap(group, index)
 

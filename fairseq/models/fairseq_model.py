@@ -1,0 +1,77 @@
+"""The model contract: what the trainer, the parallelization functions, checkpointing, the memory planner and
+the throughput meter may ask of a model, and nothing more. The registry accepts only models deriving from
+BaseFairseqModel (upstream's base class name, so plug-ins written for upstream subclass it unchanged).
+
+A model provides:
+- `build_model(cfg, task)` (classmethod): the model for a config and a task (dictionaries, max positions);
+- `transformer_layers()`: the nn.ModuleList of repeated blocks. FSDP makes each one unit, activation
+  checkpointing and `--compile` wrap each one; the entries may be replaced by wrappers in place;
+- `reset_parameters()`: initialize every parameter (a model built on the meta device is allocated, then this
+  runs on each rank's shards);
+- `max_positions()`: the longest input it accepts (None: no limit);
+- `flops_per_token(seq_len)`: training FLOPs (forward + backward) per token, for tflops/mfu (None: unknown);
+- `upgrade_state_dict(state_dict, cfg)` (classmethod): an upstream or older state dict under today's names;
+- `architecture_options`: config fields that define the function computed; resuming must keep them.
+Model files hold no distributed or precision code: parallelism is applied to them from outside.
+"""
+
+from typing import Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class BaseFairseqModel(nn.Module):
+    architecture_options: Tuple[str, ...] = ()
+
+    @classmethod
+    def build_model(cls, cfg, task) -> "BaseFairseqModel":
+        raise NotImplementedError(f"{cls.__name__} must implement build_model(cfg, task)")
+
+    def transformer_layers(self) -> nn.ModuleList:
+        raise NotImplementedError(
+            f"{type(self).__name__} must implement transformer_layers(): the ModuleList of its repeated blocks, "
+            "which FSDP, activation checkpointing and --compile wrap one at a time"
+        )
+
+    def reset_parameters(self) -> None:
+        raise NotImplementedError(f"{type(self).__name__} must implement reset_parameters()")
+
+    def max_positions(self) -> Optional[int]:
+        return None
+
+    def flops_per_token(self, seq_len: int) -> Optional[float]:
+        return None
+
+    @classmethod
+    def upgrade_state_dict(cls, state_dict: dict, cfg=None) -> dict:
+        return state_dict
+
+    def get_normalized_probs(self, net_output, log_probs: bool, sample=None) -> torch.Tensor:
+        """Upstream's model API, for criterions written against it: fp32 (log-)probabilities of the logits."""
+        logits = net_output[0] if isinstance(net_output, tuple) else net_output
+        return F.log_softmax(logits.float(), dim=-1) if log_probs else F.softmax(logits.float(), dim=-1)
+
+    def get_targets(self, sample, net_output) -> torch.Tensor:
+        return sample["target"]
+
+
+class FairseqLanguageModel(BaseFairseqModel):
+    """A decoder-only language model: `model(src_tokens) -> logits [B, T, V]`, its blocks at `decoder.layers`."""
+
+    def __init__(self, decoder: nn.Module):
+        super().__init__()
+        self.decoder = decoder
+
+    def forward(self, src_tokens: torch.Tensor, src_lengths: Optional[torch.Tensor] = None, **kwargs):
+        return self.decoder(src_tokens, **kwargs)
+
+    def transformer_layers(self) -> nn.ModuleList:
+        return self.decoder.layers
+
+    def max_positions(self) -> Optional[int]:
+        return self.decoder.max_positions()
+
+    def reset_parameters(self) -> None:
+        self.decoder.reset_parameters()
