@@ -1,0 +1,119 @@
+#!/usr/bin/env python3
+"""Encode text with GPT-2's BPE: every line becomes its GPT-2 ids separated by spaces (upstream fairseq's
+examples/roberta/multiprocessing_bpe_encoder.py, same flags and output).
+
+    python examples/roberta/multiprocessing_bpe_encoder.py --encoder-json gpt2_bpe/encoder.json \\
+        --vocab-bpe gpt2_bpe/vocab.bpe --inputs train.raw --outputs train.bpe --keep-empty --workers 8
+
+Several inputs are read in step (line i of every input together, stopping at the shortest) and written
+to the outputs in the same order; `-` is stdin or stdout. Each line is stripped of surrounding whitespace
+first. Without --keep-empty, a line number where any input's line is empty is dropped from every output
+(and counted in the final "[num_filtered_EMPTY] filtered N lines" on stderr); with it, empty lines give
+empty output lines. stderr also gets "processed N lines" every 10,000 lines, as upstream prints them.
+
+Unlike upstream, encoding runs in the `tokenizers` library, whose BPE cache is bounded (upstream's grows
+with every distinct word, in every worker), at most two chunks of lines per worker are in flight, and an
+output file is replaced only once it is complete. Runs from a checkout without installing fairseq and
+without importing torch.
+"""
+
+import argparse
+import importlib.util
+import os
+import sys
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # one thread per worker process: --workers decides
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _load(name: str):
+    """fairseq/data/encoders/NAME.py by itself: importing the `fairseq.data` package would import torch."""
+    module_name = f"_fairseq_encoders_{name}"
+    if module_name not in sys.modules:
+        path = os.path.join(_ROOT, "fairseq", "data", "encoders", f"{name}.py")
+        spec = importlib.util.spec_from_file_location(module_name, path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[module_name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[module_name]
+
+
+gpt2_bpe_utils = _load("gpt2_bpe_utils")
+script_io = _load("_script_io")
+
+_bpe = None  # the encoder, in this process and (inherited or loaded) in every worker
+
+
+def _init_worker(encoder_json: str, vocab_bpe: str) -> None:
+    global _bpe
+    _bpe = gpt2_bpe_utils.get_encoder(encoder_json, vocab_bpe)
+
+
+def encode_chunk(args):
+    """(text per output, line tuples dropped as empty, line tuples read) for a chunk of line tuples."""
+    rows, keep_empty = args
+    kept = []
+    dropped = 0
+    for row in rows:
+        stripped = [line.strip() for line in row]
+        if not keep_empty and not all(stripped):
+            dropped += 1
+            continue
+        kept.append(stripped)
+    texts = []
+    for column in range(len(rows[0]) if rows else 0):
+        ids = _bpe.encode_batch([r[column] for r in kept])
+        texts.append("".join([" ".join(map(str, line_ids)) + "\n" for line_ids in ids]))
+    return texts, dropped, len(rows)
+
+
+def get_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--encoder-json", help="path to encoder.json")
+    parser.add_argument("--vocab-bpe", type=str, help="path to vocab.bpe")
+    parser.add_argument("--inputs", nargs="+", default=["-"], help="input files to filter/encode")
+    parser.add_argument("--outputs", nargs="+", default=["-"], help="path to save encoded outputs")
+    parser.add_argument("--keep-empty", action="store_true", help="keep empty lines")
+    parser.add_argument("--workers", type=int, default=20)
+    return parser
+
+
+def main(argv=None) -> None:
+    parser = get_parser()
+    args = parser.parse_args(argv)
+    if len(args.inputs) != len(args.outputs):
+        parser.error("number of input and output paths should match")
+    for flag, value in (("--encoder-json", args.encoder_json), ("--vocab-bpe", args.vocab_bpe)):
+        if not value:
+            parser.error(f"{flag} is required: {gpt2_bpe_utils.DOWNLOAD_HINT}")
+    if args.workers < 1:
+        parser.error(f"--workers {args.workers}: must be at least 1")
+
+    global _bpe
+    _bpe = gpt2_bpe_utils.get_encoder(args.encoder_json, args.vocab_bpe)  # errors here, once, not per worker
+    streams = [script_io.open_binary_input(p) for p in args.inputs]
+    try:
+        rows = script_io.iter_line_tuples(args.inputs, streams)
+        chunks = ((chunk, args.keep_empty) for chunk in script_io.chunked(rows))
+        lines = dropped = 0
+        with script_io.AtomicOutputs(args.outputs) as outputs:
+            results = script_io.ordered_map(encode_chunk, chunks, args.workers, initializer=_init_worker,
+                                            initargs=(args.encoder_json, args.vocab_bpe))
+            for texts, n_dropped, n_rows in results:
+                for i, text in enumerate(texts):
+                    outputs.write(i, text)
+                script_io.progress(lines, lines + n_rows)
+                lines += n_rows
+                dropped += n_dropped
+        if dropped:
+            print(f"[num_filtered_EMPTY] filtered {dropped} lines", file=sys.stderr)
+    finally:
+        for s in streams:
+            if s is not sys.stdin.buffer:
+                s.close()
+
+
+if __name__ == "__main__":
+    script_io.run_main(main, "multiprocessing_bpe_encoder.py")

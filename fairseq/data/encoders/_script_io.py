@@ -1,0 +1,204 @@
+"""Streaming text in and out for the data-preparation scripts (examples/roberta/multiprocessing_bpe_encoder.py,
+scripts/spm_encode.py, scripts/spm_decode.py).
+
+Only the standard library: the scripts load this file on its own (not through `fairseq.data`, which
+imports torch). Lines are read as Python's text mode reads them (`\\n`, `\\r\\n` and a lone `\\r` end a line),
+but decoded one line at a time so that invalid UTF-8 is reported with its file and line number. Outputs
+are written to a hidden temporary file beside the destination and renamed over it only once complete.
+"""
+
+import gc
+import io
+import multiprocessing
+import os
+import sys
+import tempfile
+from collections import deque
+from typing import Callable, Iterable, Iterator, List, Optional, Sequence, Tuple
+
+CHUNK_LINES = 4096  # lines (or line tuples) sent to a worker at once
+CHUNK_BYTES = 1 << 18  # ... or fewer, once they hold this much text (encoding a chunk takes ~20x this)
+
+
+class ScriptError(Exception):
+    """An error to print as one line (no traceback) before exiting with status 1."""
+
+
+def run_main(main: Callable[[], None], prog: str) -> None:
+    """Run `main()`; user errors (bad files, bad input) end the process with one line on stderr and status 1."""
+    try:
+        main()
+    except (ScriptError, ValueError, FileNotFoundError, IsADirectoryError, PermissionError, ImportError) as e:
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        sys.exit(1)
+    except BrokenPipeError:  # e.g. `... | head`: stop quietly, as a filter should
+        try:
+            sys.stdout = None
+        finally:
+            os._exit(1)
+
+
+# ---- reading ----------------------------------------------------------------------------------------------
+def open_binary_input(path: str):
+    """The byte stream of `path`, or of stdin for "-"."""
+    if path == "-":
+        return sys.stdin.buffer
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"input file {path} does not exist")
+    if os.path.isdir(path):
+        raise IsADirectoryError(f"input {path} is a directory, not a text file")
+    return open(path, "rb")
+
+
+def iter_lines(stream, name: str) -> Iterator[str]:
+    """Lines of a byte stream decoded as UTF-8, each ending in "\\n" (the last one may not), with `\\r\\n` and a
+    lone `\\r` read as line ends, exactly as iterating over `open(path, encoding="utf-8")` yields them."""
+    lineno = 0
+    for raw in iter(stream.readline, b""):
+        lineno += 1
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise ScriptError(f"{name}, line {lineno}: not valid UTF-8 ({e.reason} at byte {e.start} of the line: "
+                              f"{raw[max(0, e.start - 20):e.start + 20]!r}); convert the file to UTF-8 first "
+                              "(e.g. `iconv -f latin1 -t utf-8`)") from None
+        if "\r" not in text:
+            yield text
+            continue
+        # readline() split on "\n" only: a segment may hold lone "\r" line ends, and "\r\n" only at its end.
+        if text.endswith("\r\n"):
+            text = text[:-2] + "\n"
+        parts = text.split("\r")
+        for part in parts[:-1]:
+            yield part + "\n"
+        if parts[-1]:
+            yield parts[-1]
+
+
+def iter_line_tuples(paths: Sequence[str], streams) -> Iterator[Tuple[str, ...]]:
+    """One tuple of lines per line number, across all inputs, ending with the shortest input (as zip)."""
+    return zip(*(iter_lines(s, p if p != "-" else "<stdin>") for p, s in zip(paths, streams)))
+
+
+def chunked(rows: Iterable[Tuple[str, ...]], max_rows: int = CHUNK_LINES,
+            max_chars: int = CHUNK_BYTES) -> Iterator[List[Tuple[str, ...]]]:
+    """Lists of consecutive rows, each at most `max_rows` rows or about `max_chars` characters."""
+    chunk: List[Tuple[str, ...]] = []
+    size = 0
+    for row in rows:
+        chunk.append(row)
+        size += sum(map(len, row))
+        if len(chunk) >= max_rows or size >= max_chars:
+            yield chunk
+            chunk, size = [], 0
+    if chunk:
+        yield chunk
+
+
+# ---- writing ----------------------------------------------------------------------------------------------
+class AtomicOutputs:
+    """Text outputs that appear under their names only when complete ("-" is stdout, written as it comes).
+
+    Each file is written to a hidden temporary file in the destination directory and renamed over the
+    destination by `commit()`; on an error (leaving the `with` block by an exception) the temporary files
+    are removed and existing destinations are left as they were.
+    """
+
+    def __init__(self, paths: Sequence[str]):
+        self.paths = list(paths)
+        self.handles: List = []
+        self._tmp: List[Optional[str]] = []
+
+    def __enter__(self):
+        try:
+            for path in self.paths:
+                if path == "-":
+                    self.handles.append(sys.stdout)
+                    self._tmp.append(None)
+                    continue
+                directory = os.path.dirname(os.path.abspath(path))
+                if not os.path.isdir(directory):
+                    raise FileNotFoundError(f"output directory {directory} (for {path}) does not exist")
+                if os.path.isdir(path):
+                    raise IsADirectoryError(f"output {path} is a directory")
+                fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".part", dir=directory)
+                self._tmp.append(tmp)
+                self.handles.append(io.open(fd, "w", encoding="utf-8", newline="\n"))
+        except BaseException:
+            self._discard()
+            raise
+        return self
+
+    def write(self, index: int, text: str) -> None:
+        self.handles[index].write(text)
+
+    def commit(self) -> None:
+        umask = os.umask(0)
+        os.umask(umask)
+        for handle, tmp, path in zip(self.handles, self._tmp, self.paths):
+            handle.flush()
+            if tmp is None:
+                continue
+            os.fsync(handle.fileno())
+            handle.close()
+            os.chmod(tmp, 0o666 & ~umask)  # mkstemp made it 0600; give it a plain new file's mode
+            os.replace(tmp, path)
+        self._tmp = [None] * len(self._tmp)
+
+    def _discard(self) -> None:
+        for handle, tmp in zip(self.handles, self._tmp):
+            if tmp is not None:
+                try:
+                    handle.close()
+                finally:
+                    if os.path.exists(tmp):
+                        os.remove(tmp)
+        self._tmp = [None] * len(self._tmp)
+
+    def __exit__(self, exc_type, exc, tb):
+        if exc_type is None:
+            self.commit()
+        else:
+            self._discard()
+        return False
+
+
+# ---- work in order, in bounded memory -----------------------------------------------------------------------
+def ordered_map(func, items: Iterable, workers: int, initializer=None, initargs=(), max_pending: Optional[int] = None):
+    """`func(item)` for every item, yielded in input order, computed by `workers` processes (in this
+    process when `workers` <= 1). At most `max_pending` items (default 2 per worker) are read ahead, so
+    memory does not grow with the input.
+
+    Worker processes are forked where the platform can (they then share what this process loaded; no
+    initializer runs); elsewhere they are spawned and `initializer(*initargs)` runs in each.
+    """
+    if workers <= 1:
+        for item in items:
+            yield func(item)
+        return
+    fork = "fork" in multiprocessing.get_all_start_methods()
+    ctx = multiprocessing.get_context("fork" if fork else "spawn")
+    if fork:
+        gc.freeze()  # keep the garbage collector from touching (and so copying) the parent's objects in workers
+    pool = ctx.Pool(workers, initializer=None if fork else initializer, initargs=() if fork else initargs)
+    limit = max_pending or 2 * workers
+    try:
+        pending = deque()
+        for item in items:
+            pending.append(pool.apply_async(func, (item,)))
+            if len(pending) >= limit:
+                yield pending.popleft().get()
+        while pending:
+            yield pending.popleft().get()
+        pool.close()
+    except BaseException:
+        pool.terminate()
+        raise
+    finally:
+        pool.join()
+
+
+def progress(count_before: int, count_after: int, every: int = 10000) -> None:
+    """Upstream's "processed N lines" on stderr for every multiple of `every` passed."""
+    for k in range(count_before // every + 1, count_after // every + 1):
+        print(f"processed {k * every} lines", file=sys.stderr)

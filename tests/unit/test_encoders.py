@@ -1,0 +1,442 @@
+"""fairseq.data.encoders: GPT-2 BPE ids equal a pure-Python reference of the published algorithm, the other
+schemes behave as upstream's, the registry builds them from names, namespaces, dicts and dataclasses, and
+bad files fail with one clear error. No network: the BPE vocabulary and the sentencepiece model are
+trained here on the text behind the quickstart's sample corpus (pydoc_data.topics)."""
+
+import argparse
+import json
+import logging
+import sys
+import types
+import unicodedata
+
+import pytest
+
+regex = pytest.importorskip("regex")  # the reference needs \p{L} / \p{N} (dev extra)
+tokenizers = pytest.importorskip("tokenizers")
+
+from fairseq.data.encoders import BPE_REGISTRY, TOKENIZER_REGISTRY, build_bpe, build_tokenizer  # noqa: E402
+from fairseq.data.encoders import gpt2_bpe_utils  # noqa: E402
+from fairseq.data.encoders.gpt2_bpe import GPT2BPE, GPT2BPEConfig  # noqa: E402
+
+
+# ---- a pure-Python reference of GPT-2's published BPE --------------------------------------------------------
+REF_PATTERN = regex.compile(r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+""")
+
+
+def ref_byte_chars():
+    """Printable Latin-1 bytes map to themselves, the rest to chr(256), chr(257), ... in byte order."""
+    out, nxt = {}, 256
+    for b in range(256):
+        if 33 <= b <= 126 or 161 <= b <= 172 or 174 <= b <= 255:
+            out[b] = chr(b)
+        else:
+            out[b] = chr(nxt)
+            nxt += 1
+    return out
+
+
+class ReferenceGPT2:
+    """Straightforward version of the algorithm: regex pieces -> byte characters -> repeatedly merge every
+    occurrence of the lowest-ranked adjacent pair -> ids from encoder.json (KeyError when missing)."""
+
+    def __init__(self, encoder_path, vocab_path, use_cache=True):
+        with open(encoder_path, encoding="utf-8") as f:
+            self.encoder = json.load(f)
+        with open(vocab_path, encoding="utf-8") as f:
+            merge_lines = f.read().split("\n")[1:-1]
+        self.ranks = {}
+        for rank, line in enumerate(merge_lines):
+            self.ranks[tuple(line.split())] = rank
+        self.chars = ref_byte_chars()
+        self.cache = {} if use_cache else None
+
+    def merge(self, token):
+        if self.cache is not None and token in self.cache:
+            return self.cache[token]
+        symbols = list(token)
+        while len(symbols) > 1:
+            pairs = {(symbols[i], symbols[i + 1]) for i in range(len(symbols) - 1)}
+            best = min(pairs, key=lambda p: self.ranks.get(p, float("inf")))
+            if best not in self.ranks:
+                break
+            merged, i = [], 0
+            while i < len(symbols):
+                if i < len(symbols) - 1 and (symbols[i], symbols[i + 1]) == best:
+                    merged.append(symbols[i] + symbols[i + 1])
+                    i += 2
+                else:
+                    merged.append(symbols[i])
+                    i += 1
+            symbols = merged
+        if self.cache is not None:
+            self.cache[token] = symbols
+        return symbols
+
+    def encode(self, text):
+        ids = []
+        for piece in REF_PATTERN.findall(text):
+            token = "".join(self.chars[b] for b in piece.encode("utf-8"))
+            ids.extend(self.encoder[s] for s in self.merge(token))
+        return ids
+
+
+# ---- fixtures -----------------------------------------------------------------------------------------------
+def sample_text():
+    from pydoc_data.topics import topics
+
+    return "\n".join(topics[name] for name in sorted(topics))
+
+
+def write_gpt2_files(directory, vocab, merges, extra_tokens=("<|endoftext|>",)):
+    """encoder.json and vocab.bpe in GPT-2's format from a `tokenizers` BPE's vocab and merges."""
+    vocab = dict(vocab)
+    for tok in extra_tokens:
+        vocab.setdefault(tok, len(vocab))
+    enc, bpe = directory / "encoder.json", directory / "vocab.bpe"
+    enc.write_text(json.dumps(vocab, ensure_ascii=False), encoding="utf-8")
+    bpe.write_text("#version: 0.2\n" + "".join(f"{a} {b}\n" for a, b in merges), encoding="utf-8")
+    return enc, bpe
+
+
+def train_byte_level_bpe(text, vocab_size):
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)
+    tok.train_from_iterator(text.split("\n\n"), trainer=trainer)
+    model = json.loads(tok.to_str())["model"]
+    merges = [tuple(m) if isinstance(m, list) else tuple(m.split(" ")) for m in model["merges"]]
+    return model["vocab"], merges
+
+
+@pytest.fixture(scope="module")
+def gpt2_files(tmp_path_factory):
+    # The tricky strings join the training text so that merges of multi-byte characters exist too.
+    vocab, merges = train_byte_level_bpe(sample_text() + "\n\n" + "\n\n".join(TRICKY * 20), 2500)
+    return write_gpt2_files(tmp_path_factory.mktemp("gpt2_bpe"), vocab, merges)
+
+
+@pytest.fixture(scope="module")
+def fast(gpt2_files):
+    return gpt2_bpe_utils.get_encoder(*gpt2_files)
+
+
+@pytest.fixture(scope="module")
+def ref(gpt2_files):
+    return ReferenceGPT2(*gpt2_files)
+
+
+TRICKY = [
+    "", " ", "  ", "   ", "\t", "\n", "\n\n", "\n\n\n", " \n", "\n ", "  \n  x", "x  ", "x \n", "a\n\nb",
+    "Hello world", "Hello  world  ", "   leading spaces", "trailing spaces   ", "\t\ttabbed\tvalue\t",
+    "line one\nline two\n", "\r\n\r\n", "a\rb", "\x0b\x0c\x1c\x1d\x1e\x1f", "\x00\x01\x7f", "\u2028\u2029\x85",
+    "no\u00a0break\u00a0space", "ideographic\u3000space", "en\u2002em\u2003thin\u2009",
+    "don't I'll we've you're she'd he's I'm", "DON'T I'M 'S 'll", "it’s curly’s", "''s 'sss ' s '",
+    "12345 1,000.50 3.14e-10 007", "x²+y³ ½ ¾ Ⅻ ⅷ ٣٤ १२ 𝟘𝟙", "v1.2.3-rc4", "100%!!! ??? ... --- ***",
+    "naïve café résumé façade", "e\u0301 combining acute", "Ελληνικά Русский עברית العربية हिन्दी ไทย",
+    "日本語のテキスト、中文文本。한국어 텍스트", "𝐀𝐁𝐂 𒀀𒀁 astral letters", "😀 👍🏽 👨‍👩‍👧 🇫🇷 ❤️", "emoji😀inside",
+    "<|endoftext|>", "<s> </s> <unk> <pad>", "def f(x):\n    return x  # comment\n",
+    "<p class=\"x\">&amp;</p>", "https://example.com/a?b=c&d=e#f", "a" * 300, " " * 100 + "x",
+    "word\t \t word", "ſ ﬁ ﬂ ligatures", "\ufeffBOM", "\U0010fffd private", "\ue000 pua",
+]
+
+
+# ---- GPT-2: ids -------------------------------------------------------------------------------------------
+def test_trained_vocabulary_takes_the_rust_path(fast):
+    assert fast._fast and not fast._has_missing
+
+
+@pytest.mark.parametrize("text", TRICKY)
+def test_gpt2_ids_equal_the_reference_on_tricky_text(fast, ref, text):
+    assert fast.encode(text) == ref.encode(text)
+    assert fast.decode(fast.encode(text)) == text
+
+
+def test_gpt2_ids_equal_the_reference_on_the_sample_corpus(fast, ref):
+    text = sample_text()
+    lines = text.split("\n")
+    assert fast.encode_batch(lines) == [ref.encode(line) for line in lines]
+    assert fast.encode(text) == ref.encode(text)  # one long string: newlines and indentation runs inside
+
+
+def test_gpt2_ids_equal_the_reference_on_random_strings(fast, ref):
+    import random
+
+    rng = random.Random(0)
+    pool = list("aZé日😀1٣ \t\n\r'-.,!") + ["'s", "'ll", " the", "  ", "\u3000", "\u00a0", "e\u0301", "\U0001d400"]
+    texts = ["".join(rng.choice(pool) for _ in range(rng.randint(0, 40))) for _ in range(2000)]
+    assert fast.encode_batch(texts) == [ref.encode(t) for t in texts]
+
+
+def test_gpt2_results_do_not_depend_on_the_cache_or_the_batch(gpt2_files, fast):
+    texts = TRICKY + sample_text().split("\n")[:300]
+    first = [fast.encode(t) for t in texts]
+    assert fast.encode_batch(list(reversed(texts))) == list(reversed(first))
+    fresh = gpt2_bpe_utils.get_encoder(*gpt2_files)
+    assert fresh.encode_batch(texts) == first
+    uncached = ReferenceGPT2(*gpt2_files, use_cache=False)
+    assert [uncached.encode(t) for t in TRICKY] == first[: len(TRICKY)]
+
+
+def test_pretokenization_matches_the_regex_on_every_kind_of_code_point(fast):
+    """Every assigned code point of Python's Unicode database (every 61st of the big letter and private-use
+    ranges) in contexts where its class (letter, number, space, other) decides the split."""
+    if tuple(map(int, unicodedata.unidata_version.split("."))) > (15, 1):
+        pytest.skip("Python's Unicode database is newer than the tokenizers regex engine's (15.1)")
+    chars = ref_byte_chars()
+    cps = [cp for cp in range(0x110000) if unicodedata.category(chr(cp)) not in ("Cn", "Cs")
+           and (unicodedata.category(chr(cp)) not in ("Lo", "Co") or cp % 61 == 0)]
+    for i in range(0, len(cps), 4000):
+        s = "".join(f"a{c}\n1{c}\n {c}\n{c}a\n{c} \n {c}{c}1\n" for c in map(chr, cps[i:i + 4000]))
+        got = [p for p, _ in fast._pre_tokenizer.pre_tokenize_str(s)]
+        want = ["".join(chars[b] for b in p.encode("utf-8")) for p in REF_PATTERN.findall(s)]
+        assert got == want, f"code points {hex(cps[i])}..{hex(cps[min(i + 3999, len(cps) - 1)])}"
+
+
+def test_merge_order_that_the_rust_bpe_would_get_wrong_uses_the_python_loop(tmp_path, caplog):
+    # "ab a" ranks before "a b", which produces "ab": merging one pair at a time would turn "abab" into
+    # "aba b"; the published algorithm merges both "a b" first and ends with "abab".
+    chars = ref_byte_chars()
+    vocab = {c: i for i, c in enumerate(chars.values())}
+    for tok in ("ab", "aba", "abab"):
+        vocab[tok] = len(vocab)
+    enc, bpe = write_gpt2_files(tmp_path, vocab, [("ab", "a"), ("a", "b"), ("ab", "ab")], extra_tokens=())
+    with caplog.at_level(logging.WARNING):
+        e = gpt2_bpe_utils.get_encoder(enc, bpe)
+    assert not e._fast and "Python BPE loop" in caplog.text
+    r = ReferenceGPT2(enc, bpe)
+    for text in ["abab", "ababa", "aab abab ba", "", "x abab\n\n"]:
+        assert e.encode(text) == r.encode(text)
+    assert e.encode("abab") == [vocab["abab"]]
+
+
+def test_duplicate_merges_keep_their_last_rank_and_a_missing_final_newline_drops_the_last_merge(tmp_path):
+    chars = ref_byte_chars()
+    vocab = {c: i for i, c in enumerate(chars.values())}
+    for tok in ("ab", "bc", "cd", "abc"):
+        vocab[tok] = len(vocab)
+    enc = tmp_path / "encoder.json"
+    enc.write_text(json.dumps(vocab), encoding="utf-8")
+    bpe = tmp_path / "vocab.bpe"
+    bpe.write_text("#version: 0.2\na b\nb c\na b\nab c\nc d", encoding="utf-8")  # no final newline: "c d" unused
+    e, r = gpt2_bpe_utils.get_encoder(enc, bpe), ReferenceGPT2(enc, bpe)
+    for text in ["abc", "abcd", "ab", "cd", "bcd abcd"]:
+        assert e.encode(text) == r.encode(text)
+    assert e.encode("abc") == [vocab["a"], vocab["bc"]]  # "a b" ranks after "b c" (its last line)
+    assert e.encode("cd") == [vocab["c"], vocab["d"]]
+
+
+def test_a_token_missing_from_encoder_json_fails_only_where_upstream_fails(tmp_path, gpt2_files):
+    vocab = json.loads(gpt2_files[0].read_text(encoding="utf-8"))
+    merges = [tuple(line.split()) for line in gpt2_files[1].read_text(encoding="utf-8").split("\n")[1:-1]]
+    del vocab["Ġthe"]  # a merge result
+    del vocab[ref_byte_chars()[0]]  # the byte 0x00
+    enc, bpe = write_gpt2_files(tmp_path, vocab, merges, extra_tokens=())
+    e, r = gpt2_bpe_utils.get_encoder(enc, bpe), ReferenceGPT2(enc, bpe)
+    assert e._has_missing
+    assert e.encode("a cat sat") == r.encode("a cat sat")
+    for text in ["in the end", "a\x00b"]:
+        with pytest.raises(KeyError):
+            r.encode(text)
+        with pytest.raises(ValueError, match="has no id in .*encoder.json.*do not belong together"):
+            e.encode(text)
+    with pytest.raises(ValueError, match="'Ġthe'"):
+        e.encode_batch(["fine", "then the"])
+
+
+def test_lone_surrogates_are_a_value_error(fast):
+    with pytest.raises(ValueError, match="lone surrogate"):
+        fast.encode("abc\udc80def")
+    with pytest.raises(TypeError):
+        fast.encode_batch(["ok", b"bytes"])
+
+
+# ---- GPT-2: decoding and the `--bpe gpt2` object ----------------------------------------------------------
+def test_gpt2bpe_encode_decode_and_word_beginnings(gpt2_files, fast):
+    bpe = GPT2BPE(GPT2BPEConfig(gpt2_encoder_json=str(gpt2_files[0]), gpt2_vocab_bpe=str(gpt2_files[1])))
+    text = "Hello world, the  end.\n"
+    encoded = bpe.encode(text)
+    assert encoded == " ".join(map(str, fast.encode(text)))
+    assert all(tok.isdigit() for tok in encoded.split())
+    assert bpe.decode(encoded) == text
+    assert bpe.decode("<s> " + bpe.encode(" x") + " </s> <unk> <mask>") == "<s> x</s><unk><mask>"
+    the = str(fast.encoder["Ġthe"])
+    assert bpe.is_beginning_of_word(the) and not bpe.is_beginning_of_word(str(fast.encoder["the"]))
+    assert not bpe.is_beginning_of_word("<s>")
+    # a lone byte of a multi-byte character decodes to U+FFFD (upstream's errors="replace")
+    first_byte = str(fast.encoder[ref_byte_chars()["é".encode()[0]]])
+    assert bpe.decode(first_byte) == "\ufffd" and not bpe.is_beginning_of_word(first_byte)
+
+
+def test_gpt2_decode_errors(gpt2_files, fast):
+    bpe = GPT2BPE(GPT2BPEConfig(gpt2_encoder_json=str(gpt2_files[0]), gpt2_vocab_bpe=str(gpt2_files[1])))
+    with pytest.raises(ValueError, match=r"id 999999 is not in .*encoder.json"):
+        bpe.decode("31 999999")
+    with pytest.raises(ValueError, match="'madeupword0000' is not a GPT-2 id"):
+        bpe.decode("31 madeupword0000")
+    strict = gpt2_bpe_utils.Encoder(fast.encoder, list(fast.bpe_ranks), errors="strict")
+    with pytest.raises(ValueError, match="not form valid UTF-8"):
+        strict.decode([fast.encoder[ref_byte_chars()["é".encode()[0]]]])
+    assert fast.bpe("Ġthe") == "Ġthe" and fast.bpe("Ġthe").split() == [fast.decoder[i] for i in fast.encode(" the")]
+
+
+def test_gpt2_file_errors_name_the_file_and_the_fix(tmp_path, gpt2_files):
+    enc, bpe = gpt2_files
+    with pytest.raises(ValueError, match="--gpt2-encoder-json.*dl.fbaipublicfiles.com/fairseq/gpt2_bpe/encoder.json"):
+        build_bpe("gpt2")
+    with pytest.raises(ValueError, match="is a URL"):
+        GPT2BPE(GPT2BPEConfig(gpt2_encoder_json=gpt2_bpe_utils.ENCODER_JSON_URL, gpt2_vocab_bpe=str(bpe)))
+    missing = tmp_path / "nope" / "encoder.json"
+    with pytest.raises(FileNotFoundError, match=f"{missing}.*does not exist.*wget"):
+        gpt2_bpe_utils.get_encoder(missing, bpe)
+    cases = {
+        "not json {": "not valid JSON",
+        "[1, 2]": "must hold one JSON object",
+        '{"a": "1"}': "ids must be integers",
+        '{"a": 1, "b": 1}': "id 1 is given to both",
+    }
+    for content, message in cases.items():
+        bad = tmp_path / "bad_encoder.json"
+        bad.write_text(content, encoding="utf-8")
+        with pytest.raises(ValueError, match=f"bad_encoder.json.*{message}"):
+            gpt2_bpe_utils.get_encoder(bad, bpe)
+    bad = tmp_path / "bad.bpe"
+    bad.write_text("a b\nc d\n", encoding="utf-8")
+    with pytest.raises(ValueError, match="bad.bpe.*'#version: 0.2'"):
+        gpt2_bpe_utils.get_encoder(enc, bad)
+    bad.write_text("#version: 0.2\na b\nc d 17\n", encoding="utf-8")  # fastBPE codes are not vocab.bpe
+    with pytest.raises(ValueError, match="bad.bpe.*line 3.*two space-separated"):
+        gpt2_bpe_utils.get_encoder(enc, bad)
+    bad.write_bytes(b"#version: 0.2\n\xff\xfe b\n")
+    with pytest.raises(ValueError, match="bad.bpe.*not UTF-8"):
+        gpt2_bpe_utils.get_encoder(enc, bad)
+
+
+def test_byte_table_is_gpt2s():
+    table = gpt2_bpe_utils.bytes_to_unicode()
+    assert table == ref_byte_chars()
+    assert table[ord(" ")] == "Ġ" and table[ord("\n")] == "Ċ" and table[0] == "Ā" and table[0xAD] == "Ń"
+
+
+# ---- sentencepiece, bytes, characters, tokenizers -----------------------------------------------------------
+@pytest.fixture(scope="module")
+def spm_model(tmp_path_factory):
+    spm = pytest.importorskip("sentencepiece")
+    d = tmp_path_factory.mktemp("spm")
+    (d / "train.txt").write_text(sample_text(), encoding="utf-8")
+    spm.SentencePieceTrainer.Train(f"--input={d / 'train.txt'} --model_prefix={d / 'spm'} --vocab_size=300 "
+                                   "--model_type=bpe --minloglevel=2")
+    return d / "spm.model"
+
+
+def test_sentencepiece_bpe_as_upstream(spm_model):
+    import sentencepiece as spm
+
+    sp = spm.SentencePieceProcessor(model_file=str(spm_model))
+    bpe = build_bpe(argparse.Namespace(bpe="sentencepiece", sentencepiece_model=str(spm_model),
+                                       sentencepiece_enable_sampling=False, sentencepiece_alpha=None))
+    text = "The quick  brown fox, jumps."
+    assert bpe.encode(text) == " ".join(sp.encode(text, out_type=str))
+    assert bpe.decode(bpe.encode(text)) == "The quick brown fox, jumps."
+    assert bpe.decode("▁he llo ▁world") == "hello world"
+    assert bpe.is_beginning_of_word("▁the") and not bpe.is_beginning_of_word("ing")
+    assert all(bpe.is_beginning_of_word(s) for s in ("<unk>", "<s>", "</s>", "<pad>"))
+
+
+def test_sentencepiece_errors(tmp_path):
+    with pytest.raises(ValueError, match="--sentencepiece-model"):
+        build_bpe("sentencepiece")
+    with pytest.raises(FileNotFoundError, match="nope.model.*does not exist.*spm_train.py"):
+        build_bpe({"_name": "sentencepiece", "sentencepiece_model": str(tmp_path / "nope.model")})
+    junk = tmp_path / "junk.model"
+    junk.write_bytes(b"this is not a model")
+    with pytest.raises(ValueError, match="junk.model.*could not be loaded"):
+        build_bpe({"_name": "sentencepiece", "sentencepiece_model": str(junk)})
+
+
+def test_bytes_and_characters():
+    b, c = build_bpe("bytes"), build_bpe("characters")
+    assert b.encode("a b") == "a ▁ b"
+    assert b.encode("é\t\n x") == "Ã © ▁ x"  # the whitespace run becomes one space, shown as ▁
+    for text in ["hello world", "日本語 😀", "a b"]:
+        assert b.decode(b.encode(text)) == text
+        assert c.decode(c.encode(text)) == text
+    broken = b.encode("aé")  # "a Ã ©": drop the last byte of é
+    assert b.decode(broken.rsplit(" ", 1)[0]) == "a"
+    assert b.decode(b.encode("é") + " " + b.encode("x")) == "éx"
+    assert c.encode("ab c") == "a b ▁ c"
+    with pytest.raises(ValueError, match="not a byte character"):
+        b.decode("€")
+
+
+def test_bytes_encode_shows_non_printable_bytes_above_256():
+    b = build_bpe("bytes")
+    assert b.encode("\x00") == chr(256)
+    assert b.encode("\u00ad") == f"Â {chr(256 + 0xAD)}"  # soft hyphen: 0xC2 is printable, 0xAD is not
+    assert b.encode("\u00a0") == "▁"  # no-break space is whitespace: normalized to a space first
+
+
+def test_space_and_nltk_tokenizers(monkeypatch):
+    assert build_tokenizer("space").encode("a \t b\n") == "a b "
+    assert build_tokenizer(argparse.Namespace(tokenizer=None)) is None
+    monkeypatch.setitem(sys.modules, "nltk", None)
+    monkeypatch.setitem(sys.modules, "nltk.tokenize", None)
+    with pytest.raises(ImportError, match="pip install nltk"):
+        build_tokenizer("nltk")
+    fake = types.ModuleType("nltk.tokenize")
+    fake.word_tokenize = lambda s: s.replace(",", " ,").split()
+    monkeypatch.setitem(sys.modules, "nltk", types.ModuleType("nltk"))
+    monkeypatch.setitem(sys.modules, "nltk.tokenize", fake)
+    tok = build_tokenizer("nltk")
+    assert tok.encode("a, b") == "a , b" and tok.decode("a , b") == "a , b"
+
+
+# ---- the registry --------------------------------------------------------------------------------------------
+def test_registry_names_and_upstream_dict_access():
+    assert {"gpt2", "sentencepiece", "bytes", "characters"} <= set(BPE_REGISTRY.choices())
+    assert {"space", "nltk"} <= set(TOKENIZER_REGISTRY.choices())
+    assert "gpt2" in BPE_REGISTRY and BPE_REGISTRY["gpt2"] is GPT2BPE and "gpt2" in BPE_REGISTRY.keys()
+    assert BPE_REGISTRY.dataclass("gpt2") is GPT2BPEConfig
+    assert build_bpe(None) is None and build_bpe(argparse.Namespace(bpe=None)) is None
+    with pytest.raises(ValueError, match="unknown bpe 'gpt3' for --bpe; choose one of: bytes, characters, gpt2"):
+        build_bpe("gpt3")
+
+
+def test_build_bpe_from_every_kind_of_config(gpt2_files):
+    from omegaconf import OmegaConf
+
+    enc, bpe = map(str, gpt2_files)
+    configs = [
+        argparse.Namespace(bpe="gpt2", gpt2_encoder_json=enc, gpt2_vocab_bpe=bpe, other_flag=1),
+        {"_name": "gpt2", "gpt2_encoder_json": enc, "gpt2_vocab_bpe": bpe},
+        OmegaConf.create({"_name": "gpt2", "gpt2_encoder_json": enc, "gpt2_vocab_bpe": bpe}),
+        OmegaConf.create({"bpe": {"_name": "gpt2", "gpt2_encoder_json": enc, "gpt2_vocab_bpe": bpe}}),
+        GPT2BPEConfig(gpt2_encoder_json=enc, gpt2_vocab_bpe=bpe),
+    ]
+    for cfg in configs:
+        built = build_bpe(cfg)
+        assert isinstance(built, GPT2BPE)
+        assert built.decode(built.encode("Hello there")) == "Hello there"
+
+
+def test_scheme_dataclasses_generate_upstreams_flags(gpt2_files, spm_model):
+    """How the CLIs will add the flags: the chosen scheme's dataclass through add_dataclass_to_parser."""
+    from fairseq.dataclass.utils import add_dataclass_to_parser, config_from_namespace
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--bpe", choices=BPE_REGISTRY.choices())
+    for name in ("gpt2", "sentencepiece"):
+        add_dataclass_to_parser(parser, BPE_REGISTRY.dataclass(name))
+    flags = set(parser._option_string_actions)
+    assert {"--gpt2-encoder-json", "--gpt2-vocab-bpe", "--sentencepiece-model", "--sentencepiece-enable-sampling",
+            "--sentencepiece-alpha"} <= flags
+    args = parser.parse_args(["--bpe", "gpt2", "--gpt2-encoder-json", str(gpt2_files[0]),
+                              "--gpt2-vocab-bpe", str(gpt2_files[1])])
+    assert build_bpe(args).decode(build_bpe(args).encode("x y")) == "x y"
+    cfg = config_from_namespace(BPE_REGISTRY.dataclass(args.bpe), args, name=args.bpe)
+    assert isinstance(build_bpe(cfg), GPT2BPE)
+    args = parser.parse_args(["--bpe", "sentencepiece", "--sentencepiece-model", str(spm_model)])
+    assert build_bpe(args).encode("the").startswith("▁")
