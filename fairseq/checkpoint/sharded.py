@@ -6,15 +6,20 @@ rank has finished, so a crash mid-save leaves the previous checkpoint untouched.
 checkpoint saved by N ranks resumes on M.
 """
 
+import logging
 import os
+import pickle
 import shutil
 from typing import Any, Dict, Optional
 
 import torch
 import torch.distributed.checkpoint as dcp
 
-from fairseq.checkpoint.io import _fsync_dir, atomic_torch_save
+from fairseq.checkpoint import safe_dcp
+from fairseq.checkpoint.io import CheckpointError, _fsync_dir, atomic_torch_save
 from fairseq.distributed.utils import barrier, get_rank
+
+logger = logging.getLogger(__name__)
 
 METADATA = "metadata.pt"
 
@@ -75,23 +80,39 @@ def resolve_sharded(path: str) -> Optional[str]:
     return None
 
 
-def read_metadata(path: str) -> Dict[str, Any]:
+def read_metadata(path: str, trust_legacy: bool = False) -> Dict[str, Any]:
+    """`metadata.pt` of directory `path` (plain values, weights_only=True; with `trust_legacy` a file that
+    needs pickle is read with it)."""
     meta = os.path.join(path, METADATA)
     if not os.path.isfile(meta):
         raise FileNotFoundError(f"{path} is not a complete sharded checkpoint (no {METADATA})")
-    return torch.load(meta, map_location="cpu", weights_only=True)
+    try:
+        return torch.load(meta, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        if not trust_legacy:
+            raise CheckpointError(
+                f"{meta} contains pickled Python objects, which this project never writes there and which can run "
+                "arbitrary code when loaded. Pass --trust-legacy-checkpoint only if you trust this file. "
+                f"(torch said: {str(e).splitlines()[0]})"
+            ) from None
+    logger.warning(f"loading {meta} with pickle because --trust-legacy-checkpoint was given")
+    return torch.load(meta, map_location="cpu", weights_only=False)
 
 
-def load_sharded(path: str, model_state, optim_state=None) -> Dict[str, Any]:
-    """Fill `model_state` (and `optim_state`) in place from the shards; works on any world size."""
-    metadata = read_metadata(path)
+def load_sharded(path: str, model_state, optim_state=None, trust_legacy: bool = False) -> Dict[str, Any]:
+    """Fill `model_state` (and `optim_state`) in place from the shards; works on any world size.
+
+    DCP's index and the shards' non-tensor values are read without unpickling code (safe_dcp); a file that
+    would need more raises CheckpointError, unless `trust_legacy` (--trust-legacy-checkpoint) is given."""
+    metadata = read_metadata(path, trust_legacy=trust_legacy)
+    reader = safe_dcp.storage_reader(path, trust_legacy=trust_legacy)
+    stored = reader.read_metadata().state_dict_metadata  # a refused index fails here, before DCP's collectives
     state = {"model": model_state}
     if optim_state is not None:
         state["optimizer"] = optim_state
-        stored = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
         if not any(k.startswith("optimizer") for k in stored):
             raise FileNotFoundError(f"{path} has no optimizer state; pass --reset-optimizer to start a new one")
-    dcp.load(state, checkpoint_id=path)
+    safe_dcp.dcp_load(state, reader)
     metadata["model"] = state["model"]
     metadata["last_optimizer_state"] = state.get("optimizer")
     return metadata
