@@ -1,25 +1,39 @@
 """Reading and writing single-file checkpoints safely.
 
 Writes are atomic (temporary file in the same directory, fsync, rename), so a process killed during a save
-leaves the previous checkpoint intact. Reads never unpickle code (`weights_only=True`) unless the user
-passed --trust-legacy-checkpoint for an upstream fairseq file.
+leaves the previous checkpoint intact; a failed write (disk full, file-size limit, permissions) becomes one
+CheckpointSaveError naming the path and the errno. Reads never unpickle code (`weights_only=True`) unless the
+user passed --trust-legacy-checkpoint for an upstream fairseq file, and tell a truncated file, a file that is
+not a checkpoint at all and an upstream pickle apart.
 """
 
+import errno
 import glob
 import logging
 import os
 import pickle
-import shutil
 import tempfile
-from typing import Any, Dict
+import zipfile
+from typing import Any, Dict, Optional
 
 import torch
 
 logger = logging.getLogger(__name__)
 
+ZIP_MAGIC = b"PK\x03\x04"  # torch.save's format since torch 1.6
+PICKLE_MAGIC = b"\x80"  # torch's format before 1.6 (old upstream checkpoints): a pickle, protocol >= 2
+
 
 class CheckpointError(RuntimeError):
     pass
+
+
+class CorruptCheckpointError(CheckpointError):
+    """The file exists but is truncated or damaged (as opposed to: of another kind, or untrusted)."""
+
+
+class CheckpointSaveError(CheckpointError):
+    """Writing a checkpoint failed; the checkpoint previously at that path is intact."""
 
 
 def _fsync_dir(path: str):
@@ -35,40 +49,157 @@ def _fsync_dir(path: str):
         os.close(fd)
 
 
-def atomic_torch_save(obj: Any, path: str):
-    directory = os.path.dirname(os.path.abspath(path))
-    os.makedirs(directory, exist_ok=True)
-    prefix = f".{os.path.basename(path)}."
-    for stale in glob.glob(os.path.join(glob.escape(directory), glob.escape(prefix) + "*.tmp")):
-        os.remove(stale)  # left by a save that was killed; one writer per path, so none is in use
-    fd, tmp = tempfile.mkstemp(prefix=prefix, suffix=".tmp", dir=directory)
+def default_file_mode() -> int:
+    """The mode an ordinary `open(path, "w")` would give (0666 less the umask): checkpoint files and DCP shards
+    get the same permissions, not mkstemp's private 0600."""
+    mask = os.umask(0)
+    os.umask(mask)
+    return 0o666 & ~mask
+
+
+_HINTS = {
+    errno.ENOSPC: "free space on that file system or point --save-dir at another one",
+    errno.EDQUOT: "free space within your disk quota or point --save-dir at another file system",
+    errno.EFBIG: "the file is larger than this process may write (ulimit -f) or the file system allows",
+    errno.EACCES: "make the directory writable for this user or choose another --save-dir",
+    errno.EPERM: "make the directory writable for this user or choose another --save-dir",
+    errno.EROFS: "the file system is read-only: choose another --save-dir",
+    errno.ENOTDIR: "a part of the path is a file, not a directory: choose another --save-dir",
+}
+
+
+def save_error(path: str, err: OSError, previous_intact: bool = True,
+               what: str = "cannot write checkpoint") -> CheckpointSaveError:
+    """One line for a failed write: the path, the errno by name, what to do."""
+    code = errno.errorcode.get(err.errno, str(err.errno)) if err.errno is not None else "error"
+    hint = _HINTS.get(err.errno, "check the file system")
+    kept = "; the checkpoint previously at that path is intact" if previous_intact else ""
+    return CheckpointSaveError(
+        f"{what} {path}: {err.strerror or err} ({code}){kept}. Fix: {hint}"
+    )
+
+
+class _ErrorRecordingWriter:
+    """A file wrapper that remembers the first OSError of a write: torch.save turns it into an unreadable
+    'unexpected pos' RuntimeError, and the errno is what the user needs to see."""
+
+    def __init__(self, f):
+        self.f = f
+        self.error: Optional[OSError] = None
+
+    def write(self, data):
+        try:
+            return self.f.write(data)
+        except OSError as err:
+            self.error = self.error or err
+            raise
+
+    def flush(self):
+        return self.f.flush()
+
+
+def _make_dirs(directory: str, path: str):
     try:
+        os.makedirs(directory, exist_ok=True)
+    except OSError as err:
+        raise save_error(path, err, previous_intact=False) from None
+
+
+def _remove_stale_temporaries(directory: str, prefix: str):
+    # Left by a save that was killed; the --save-dir lock guarantees one writer, so none is in use.
+    for stale in glob.glob(os.path.join(glob.escape(directory), glob.escape(prefix) + "*.tmp")):
+        try:
+            os.remove(stale)
+        except OSError:
+            pass
+
+
+def _write_atomically(path: str, write_fn):
+    """Create a temporary file beside `path`, let `write_fn(file)` fill it, fsync and rename it into place."""
+    directory = os.path.dirname(os.path.abspath(path))
+    _make_dirs(directory, path)
+    prefix = f".{os.path.basename(path)}."
+    _remove_stale_temporaries(directory, prefix)
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=prefix, suffix=".tmp", dir=directory)
+    except OSError as err:
+        raise save_error(path, err) from None
+    writer = None
+    try:
+        os.fchmod(fd, default_file_mode())
         with os.fdopen(fd, "wb") as f:
-            torch.save(obj, f)
+            writer = _ErrorRecordingWriter(f)
+            write_fn(writer)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as err:
         if os.path.exists(tmp):
             os.remove(tmp)
+        os_error = (writer.error if writer is not None else None) or (err if isinstance(err, OSError) else None)
+        if os_error is not None and os_error.errno is not None:
+            raise save_error(path, os_error) from None
         raise
     _fsync_dir(directory)
 
 
+def atomic_torch_save(obj: Any, path: str):
+    _write_atomically(path, lambda f: torch.save(obj, f))
+
+
 def atomic_copy(src: str, dst: str):
-    """Give `dst` the content of `src` atomically; a hard link when possible (no extra disk space)."""
-    directory = os.path.dirname(os.path.abspath(dst))
-    tmp = os.path.join(directory, f".{os.path.basename(dst)}.{os.getpid()}.tmp")
-    if os.path.lexists(tmp):
-        os.remove(tmp)
+    """Give `dst` the content of `src` atomically, as an independent file (never a hard link: writing to one
+    name must not change another). The bytes are copied in the kernel (copy_file_range), which on file
+    systems with reflinks (XFS, btrfs, ...) shares blocks copy-on-write and costs no extra space or time."""
+
+    def copy(writer):
+        with open(src, "rb") as source:
+            out = writer.f
+            out.flush()
+            size = os.fstat(source.fileno()).st_size
+            copied = 0
+            try:
+                while copied < size:
+                    n = os.copy_file_range(source.fileno(), out.fileno(), size - copied)
+                    if n == 0:
+                        break
+                    copied += n
+            except OSError as err:
+                if err.errno not in (errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP) or copied:
+                    writer.error = err
+                    raise
+                copied = 0  # not supported between these files: copy through user space
+            if copied < size:
+                source.seek(copied)
+                out.seek(copied)
+                while True:
+                    chunk = source.read(1 << 24)
+                    if not chunk:
+                        break
+                    writer.write(chunk)
+
+    _write_atomically(dst, copy)
+
+
+def _head(path: str, n: int = 4) -> bytes:
+    with open(path, "rb") as f:
+        return f.read(n)
+
+
+def _corrupt(path: str, what: str) -> CorruptCheckpointError:
+    return CorruptCheckpointError(f"cannot read checkpoint {path}: {what}")
+
+
+def checkpoint_file_looks_intact(path: str) -> bool:
+    """Cheap check without reading the tensors: a complete zip archive (its central directory, written last, is
+    present) with torch's pickle inside."""
     try:
-        os.link(src, tmp)
-    except OSError:
-        shutil.copyfile(src, tmp)
-        with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())
-    os.replace(tmp, dst)
-    _fsync_dir(directory)
+        if _head(path) != ZIP_MAGIC:
+            return False
+        with zipfile.ZipFile(path) as archive:
+            return any(name.endswith("/data.pkl") or name == "data.pkl" for name in archive.namelist())
+    except (OSError, zipfile.BadZipFile):
+        return False
 
 
 def load_checkpoint_file(path: str, trust_legacy: bool = False) -> Dict[str, Any]:
@@ -76,9 +207,23 @@ def load_checkpoint_file(path: str, trust_legacy: bool = False) -> Dict[str, Any
 
     Files written by this project hold only tensors and plain containers and load with weights_only=True.
     Upstream fairseq files pickle argparse/omegaconf objects; they load only with `trust_legacy`.
+    Raises CorruptCheckpointError for a truncated or damaged file and CheckpointError for one that is not a
+    checkpoint or needs --trust-legacy-checkpoint.
     """
     if not os.path.exists(path):
         raise FileNotFoundError(f"checkpoint not found: {path}")
+    if os.path.getsize(path) == 0:
+        raise _corrupt(path, "the file is empty (truncated: a save that did not finish, or a failed copy)")
+    head = _head(path)
+    if head == ZIP_MAGIC:
+        if not zipfile.is_zipfile(path):  # the central directory is written last: a truncated archive lacks it
+            raise _corrupt(path, "the file is truncated (its zip archive has no end); it was cut short by a "
+                                 "failed copy or a full disk")
+    elif not head.startswith(PICKLE_MAGIC):
+        raise CheckpointError(
+            f"{path} is not a checkpoint: it starts with bytes {head!r}, neither a zip archive (torch.save since "
+            "torch 1.6) nor a pickle (older torch); check the path"
+        )
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
@@ -88,9 +233,11 @@ def load_checkpoint_file(path: str, trust_legacy: bool = False) -> Dict[str, Any
                 "arbitrary code when loaded. If you trust this file, pass --trust-legacy-checkpoint. "
                 f"(torch said: {str(e).splitlines()[0]})"
             ) from None
-    except (RuntimeError, EOFError, OSError, KeyError, ValueError) as e:
-        raise CheckpointError(
-            f"cannot read checkpoint {path}: {type(e).__name__}: {e}. The file is truncated or not a checkpoint."
-        ) from e
+    except (RuntimeError, EOFError, OSError, KeyError, ValueError, zipfile.BadZipFile) as e:
+        raise _corrupt(path, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}. The file is "
+                             "damaged or truncated") from e
     logger.warning(f"loading {path} with pickle because --trust-legacy-checkpoint was given")
-    return torch.load(path, map_location="cpu", weights_only=False)
+    try:
+        return torch.load(path, map_location="cpu", weights_only=False)
+    except (RuntimeError, EOFError, OSError, pickle.UnpicklingError) as e:
+        raise _corrupt(path, f"{type(e).__name__}: {e}. The file is damaged or truncated") from e

@@ -12,15 +12,23 @@ from typing import Any, Dict, List, Optional
 
 
 from fairseq.checkpoint import sharded
-from fairseq.checkpoint.io import CheckpointError, atomic_copy, atomic_torch_save, load_checkpoint_file
+from fairseq.checkpoint.io import (
+    CheckpointError,
+    CorruptCheckpointError,
+    atomic_copy,
+    atomic_torch_save,
+    load_checkpoint_file,
+)
 from fairseq.checkpoint.legacy import is_legacy_checkpoint, upgrade_legacy_checkpoint
 from fairseq.checkpoint.paths import (
     checkpoint_stems,
     enters_kept_best,
     existing_checkpoint,
+    intact_checkpoints,
     prune_checkpoints,
     resolve_restore_path,
 )
+from fairseq.checkpoint.save_dir import SaveDirLock, check_writable, remove_stale_temporaries
 from fairseq.dataclass.utils import config_to_dict
 from fairseq.distributed.utils import barrier, broadcast_from_master, get_rank
 
@@ -37,6 +45,28 @@ class CheckpointManager:
         self.best: Optional[float] = None
         self._patience_best: Optional[float] = None
         self._validations_without_improvement = 0
+        self._lock: Optional[SaveDirLock] = None
+
+    def open_save_dir(self) -> None:
+        """Start-up, on every rank: check that --save-dir is writable where this rank will write (rank 0; every
+        rank with sharded state), lock it against a second run (rank 0) and remove temporaries of killed saves.
+        With --no-save nothing is checked (a preemption save may then still fail, with a one-line error)."""
+        if self.ckpt_cfg.no_save:
+            return
+        save_dir = self.ckpt_cfg.save_dir
+        if get_rank() == 0 or self.sharded:
+            check_writable(save_dir)
+        if get_rank() == 0:
+            lock = SaveDirLock(save_dir)
+            lock.acquire()
+            self._lock = lock
+            remove_stale_temporaries(save_dir)
+
+    def close(self) -> None:
+        """Release the --save-dir lock (the end of the process releases it too)."""
+        if self._lock is not None:
+            self._lock.release()
+            self._lock = None
 
     def _is_better(self, a: float, b: float, ties: bool = False) -> bool:
         if ties and a == b:
@@ -103,9 +133,8 @@ class CheckpointManager:
             if self.ckpt_cfg.no_save_optimizer_state:
                 optim_state = None
             sharded.save_sharded(paths[0], model_state, optim_state, self._metadata(trainer, extra_state))
-            if get_rank() == 0:
-                for path in paths[1:]:
-                    sharded.copy_sharded(paths[0], path)
+            for path in paths[1:]:
+                sharded.copy_sharded(paths[0], path)
         else:
             paths = [os.path.join(save_dir, s + ".pt") for s in stems]
             model_state, optim_state = trainer.model_and_optimizer_state(full=True)
@@ -162,7 +191,10 @@ class CheckpointManager:
         if ck.finetune_from_model and default_restore:
             logger.info(f"found {path}: resuming it and ignoring --finetune-from-model")
         logger.info(f"loading checkpoint {path}")
-        state = self.read(path, trainer)
+        try:
+            state = self.read(path, trainer, resuming=True)
+        except CorruptCheckpointError as err:
+            raise CorruptCheckpointError(f"{err}. {self._alternatives(path)}") from None
         optim_state = None if ck.reset_optimizer else state.get("last_optimizer_state")
         if optim_state is None and not ck.reset_optimizer:
             raise CheckpointError(f"{path} has no optimizer state; pass --reset-optimizer to start a new one")
@@ -190,16 +222,29 @@ class CheckpointManager:
         logger.info(f"loaded checkpoint {path} ({trainer.num_updates} updates)")
         return extra
 
-    def read(self, path: str, trainer) -> Dict[str, Any]:
-        """Read a checkpoint file or sharded directory and check it fits the model."""
+    def _alternatives(self, damaged: str) -> str:
+        intact = intact_checkpoints(self.ckpt_cfg.save_dir, exclude=damaged)
+        if not intact:
+            return f"No other intact checkpoint is in {self.ckpt_cfg.save_dir}: start again with another --save-dir"
+        names = [os.path.basename(p) for p in intact[:5]]
+        more = f" and {len(intact) - 5} more" if len(intact) > 5 else ""
+        return (f"Intact checkpoints in {self.ckpt_cfg.save_dir}, newest first: {', '.join(names)}{more}; resume "
+                f"from one with --restore-file {names[0]}")
+
+    def read(self, path: str, trainer, resuming: bool = False) -> Dict[str, Any]:
+        """Read a checkpoint file or sharded directory and check it fits the model (`resuming`: and that the
+        model options are the checkpoint's)."""
+        trust_legacy = self.cfg.common.trust_legacy_checkpoint
         if os.path.isdir(path):
             model_state, optim_state = trainer.model_and_optimizer_state(full=False)
-            state = sharded.load_sharded(path, model_state, optim_state if not self.ckpt_cfg.reset_optimizer
-                                         else None)
+            state = sharded.load_sharded(path, model_state, None if self.ckpt_cfg.reset_optimizer else optim_state,
+                                         trust_legacy=trust_legacy)
         else:
-            state = load_checkpoint_file(path, trust_legacy=self.cfg.common.trust_legacy_checkpoint)
+            state = load_checkpoint_file(path, trust_legacy=trust_legacy)
             if is_legacy_checkpoint(state):
                 state = upgrade_legacy_checkpoint(state)
+        if resuming:
+            check_same_model_options(path, state, self.cfg)
         check_architecture(path, state, model_state_for_checking(trainer.model))
         return state
 
@@ -219,6 +264,28 @@ def model_state_for_checking(model) -> Dict[str, Any]:
     return get_model_state_dict(model, options=StateDictOptions(full_state_dict=False))
 
 
+def check_same_model_options(path: str, state: Dict[str, Any], cfg) -> None:
+    """Resuming with model options that change what the network computes (some change no parameter shape:
+    heads, normalization order, activation) would continue another model from these weights: refuse, naming
+    the option. The model class lists those options (`architecture_options`)."""
+    from fairseq import registry
+
+    saved = (state.get("cfg") or {}).get("model") or {}
+    if not isinstance(saved, dict) or cfg.model is None:
+        return
+    options = getattr(registry.arch_model(cfg.model._name), "architecture_options", ())
+    for name in options:
+        if name in saved and hasattr(cfg.model, name) and saved[name] != getattr(cfg.model, name):
+            flag = "--" + name.replace("_", "-")
+            if name == "max_target_positions":
+                flag += " (--tokens-per-sample when unset)"
+            raise CheckpointError(
+                f"{flag} is {getattr(cfg.model, name)!r} here but {saved[name]!r} in {path}: resuming would train "
+                f"another model from these weights. Resume with {flag} {saved[name]!r}, or start a new --save-dir "
+                "(with --finetune-from-model to begin from these weights)"
+            )
+
+
 def check_architecture(path: str, state: Dict[str, Any], expected: Dict[str, Any]) -> None:
     """Fail with a readable message when the checkpoint's parameters do not fit the model's state `expected`
     (global shapes: a sharded parameter counts with its full shape)."""
@@ -227,6 +294,15 @@ def check_architecture(path: str, state: Dict[str, Any], expected: Dict[str, Any
     missing = sorted(set(expected_shapes) - set(found_shapes))
     unexpected = sorted(set(found_shapes) - set(expected_shapes))
     mismatched = [k for k in expected_shapes if k in found_shapes and expected_shapes[k] != found_shapes[k]]
+    vocab_keys = [k for k in mismatched if k.endswith(("embed_tokens.weight", "output_projection.weight"))]
+    if vocab_keys and len(vocab_keys) == len(mismatched) and not (missing or unexpected):
+        k = vocab_keys[0]
+        if found_shapes[k][1:] == expected_shapes[k][1:]:
+            raise CheckpointError(
+                f"dictionary does not match the checkpoint: {path} was trained with a vocabulary of "
+                f"{found_shapes[k][0]} entries but the dictionary here (dict.txt of the data directory) has "
+                f"{expected_shapes[k][0]}; use the data directory (dict.txt) the checkpoint was trained with"
+            )
     if missing or unexpected or mismatched:
         saved_arch = (state.get("cfg") or {}).get("model", {}) or {}
         saved_arch = saved_arch.get("_name", "unknown") if isinstance(saved_arch, dict) else "unknown"

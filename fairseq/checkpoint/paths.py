@@ -111,6 +111,25 @@ def resolve_restore_path(ckpt_cfg) -> str:
     return restore
 
 
+def intact_checkpoints(save_dir: str, exclude: Optional[str] = None) -> List[str]:
+    """Checkpoints in `save_dir` that pass a cheap integrity check (complete zip file; sharded directory with
+    both metadata files), newest first: what a user can resume from when checkpoint_last is damaged."""
+    from fairseq.checkpoint.io import checkpoint_file_looks_intact
+    from fairseq.checkpoint.sharded import METADATA, resolve_sharded
+
+    found = []
+    for _, path in _entries(save_dir, r"checkpoint.*?"):
+        if path.endswith((".tmp", ".old")) or (exclude and os.path.abspath(path) == os.path.abspath(exclude)):
+            continue
+        if os.path.isdir(path):
+            complete = resolve_sharded(path) == path and os.path.isfile(os.path.join(path, ".metadata"))
+            if complete and checkpoint_file_looks_intact(os.path.join(path, METADATA)):
+                found.append(path)
+        elif path.endswith(".pt") and checkpoint_file_looks_intact(path):
+            found.append(path)
+    return sorted(found, key=os.path.getmtime, reverse=True)
+
+
 def existing_checkpoint(path: str) -> Optional[str]:
     """The file `x.pt`, or the sharded directory `x`, whichever exists (file preferred)."""
     if os.path.isfile(path):

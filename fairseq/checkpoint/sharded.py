@@ -16,8 +16,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from fairseq.checkpoint import safe_dcp
-from fairseq.checkpoint.io import CheckpointError, _fsync_dir, atomic_torch_save
-from fairseq.distributed.utils import barrier, get_rank
+from fairseq.checkpoint.io import CheckpointError, _fsync_dir, atomic_copy, atomic_torch_save, save_error
+from fairseq.distributed.utils import barrier, get_rank, get_world_size
 
 logger = logging.getLogger(__name__)
 
@@ -47,7 +47,13 @@ def save_sharded(path: str, model_state, optim_state, metadata: Dict[str, Any]) 
     state = {"model": model_state}
     if optim_state is not None:
         state["optimizer"] = optim_state
-    dcp.save(state, checkpoint_id=tmp)
+    try:
+        dcp.save(state, checkpoint_id=tmp)
+    except BaseException as err:  # DCP's CheckpointException is a BaseException
+        os_error = _os_error_in(err)
+        if os_error is None:
+            raise
+        raise save_error(path, os_error) from None
     if get_rank() == 0:
         atomic_torch_save(metadata, os.path.join(tmp, METADATA))
     barrier()
@@ -56,20 +62,42 @@ def save_sharded(path: str, model_state, optim_state, metadata: Dict[str, Any]) 
     barrier()
 
 
+def _os_error_in(err: BaseException) -> Optional[OSError]:
+    """The OSError behind a failed DCP save (it wraps each rank's exception), if any."""
+    seen = set()
+    pending = [err]
+    while pending:
+        e = pending.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno is not None:
+            return e
+        failures = getattr(e, "failures", None)
+        if isinstance(failures, dict):
+            pending += [pair[0] if isinstance(pair, tuple) else pair for pair in failures.values()]
+        pending += [e.__cause__, e.__context__]
+    return None
+
+
 def copy_sharded(src: str, dst: str) -> None:
-    """Give `dst` the content of `src` (hard links where possible), atomically."""
+    """Collective: give `dst` the content of `src` as independent files (never hard links: writing to one name
+    must not change another), atomically. Each rank copies its share of the files, in the kernel (reflinks
+    where the file system has them), so the copy runs as parallel as the save did."""
     tmp = dst + ".tmp"
-    if os.path.isdir(tmp):
-        shutil.rmtree(tmp)
-    shutil.copytree(src, tmp, copy_function=_link_or_copy)
-    _swap_into_place(tmp, dst)
-
-
-def _link_or_copy(src, dst):
-    try:
-        os.link(src, dst)
-    except OSError:
-        shutil.copy2(src, dst)
+    if get_rank() == 0:
+        if os.path.isdir(tmp):
+            shutil.rmtree(tmp)
+        os.makedirs(tmp)
+    barrier()
+    rank, world = get_rank(), get_world_size()
+    for i, name in enumerate(sorted(os.listdir(src))):
+        if i % world == rank:
+            atomic_copy(os.path.join(src, name), os.path.join(tmp, name))
+    barrier()
+    if get_rank() == 0:
+        _swap_into_place(tmp, dst)
+    barrier()
 
 
 def resolve_sharded(path: str) -> Optional[str]:
