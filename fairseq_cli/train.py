@@ -99,6 +99,13 @@ def _train_with(cfg, preemption) -> Optional[str]:
     metrics.log_start_time("wall", priority=790, round=0)  # "default" aggregator: never reset
     try:
         while epoch_itr.next_epoch_idx <= max_epoch:
+            # An epoch boundary (and the end of start-up): a signal that came while the next epoch's data was
+            # loaded stops here, not after its first update. The second call reads the all-reduce the first
+            # one started, so a flag raised on any rank before this point is seen now; both calls return the
+            # same on every rank, so every rank makes as many calls.
+            if preemption.should_stop() or preemption.should_stop():
+                checkpoints.save_last(trainer, epoch_itr, metrics_state=metrics.state_dict())
+                raise Preempted()
             if trainer.get_lr() <= cfg.optimization.stop_min_lr:
                 logger.info(f"stopping training because the learning rate {trainer.get_lr()} fell to "
                             f"--stop-min-lr {cfg.optimization.stop_min_lr}")
@@ -152,13 +159,19 @@ def iterator_state_for_world_size(extra_state, world_size: int) -> dict:
 
 
 def trainer_iterator(cfg, task, trainer, epoch: int):
-    """The training batch iterator for `epoch` (shards of `DATA` rotate by epoch)."""
-    task.load_dataset(cfg.dataset.train_subset, epoch=epoch)
-    return task.get_batch_iterator(
+    """The training batch iterator for `epoch` (shards of `DATA` rotate by epoch).
+
+    Raises ValueError (one line: the cause and the fix) when no training batch is left, or when a validation
+    subset has none: an epoch without batches would be followed by the next one, forever. The batch list
+    is the same on every rank (it is built before sharding), so every rank raises here together.
+    """
+    task.load_dataset(cfg.dataset.train_subset, epoch=epoch, for_training=True)
+    epoch_itr = task.get_batch_iterator(
         dataset=task.dataset(cfg.dataset.train_subset),
         max_tokens=cfg.dataset.max_tokens,
         max_sentences=cfg.dataset.batch_size,
-        max_positions=resolve_limit(trainer.max_positions, cfg.dataset.max_tokens),
+        # --max-tokens is applied (and named in messages) by get_batch_iterator itself.
+        max_positions=trainer.max_positions,
         ignore_invalid_inputs=True,
         required_batch_size_multiple=cfg.dataset.required_batch_size_multiple,
         seed=cfg.common.seed,
@@ -169,6 +182,11 @@ def trainer_iterator(cfg, task, trainer, epoch: int):
         pin_memory=trainer.device.type == "cuda",
         data_buffer_size=cfg.dataset.data_buffer_size,
     )
+    if len(epoch_itr.frozen_batches) == 0:
+        raise ValueError(task.no_batches_message(cfg.dataset.train_subset, epoch_itr, "training"))
+    if not cfg.dataset.disable_validation:  # cheap after the first time: the valid iterators are cached
+        validate(cfg, trainer, task, epoch_itr, None, check_only=True)
+    return epoch_itr
 
 
 def _progress(cfg, itr, epoch=None, prefix=None):
@@ -214,7 +232,8 @@ def train_epoch(cfg, trainer, task, epoch_itr, checkpoints, preemption) -> Tuple
                 if num_updates % cfg.common.log_interval == 0:
                     progress.log(train_log_line("train_inner", trainer), tag="train_inner", step=num_updates)
                     metrics.reset_meters("train_inner")
-            valid_losses, should_stop = validate_and_save(cfg, trainer, task, epoch_itr, checkpoints, end_of_epoch)
+            valid_losses, should_stop = validate_and_save(cfg, trainer, task, epoch_itr, checkpoints, end_of_epoch,
+                                                          preemption)
             if should_stop:
                 break
             if preemption.should_stop():
@@ -228,7 +247,7 @@ def train_epoch(cfg, trainer, task, epoch_itr, checkpoints, preemption) -> Tuple
     return valid_losses, should_stop
 
 
-def validate_and_save(cfg, trainer, task, epoch_itr, checkpoints, end_of_epoch: bool):
+def validate_and_save(cfg, trainer, task, epoch_itr, checkpoints, end_of_epoch: bool, preemption=None):
     num_updates = trainer.num_updates
     max_update = cfg.optimization.max_update or math.inf
     should_stop = False
@@ -260,15 +279,24 @@ def validate_and_save(cfg, trainer, task, epoch_itr, checkpoints, end_of_epoch: 
     )
     valid_losses = [None]
     if do_validate:
-        valid_losses = validate(cfg, trainer, task, epoch_itr, checkpoints)
+        valid_losses = validate(cfg, trainer, task, epoch_itr, checkpoints, preemption)
     should_stop |= checkpoints.should_stop_early(valid_losses[0])
     if do_save or should_stop:
         checkpoints.save(trainer, epoch_itr, valid_losses[0], end_of_epoch, metrics_state=metrics.state_dict())
     return valid_losses, should_stop
 
 
-def validate(cfg, trainer, task, epoch_itr, checkpoints) -> List[Optional[float]]:
-    valid_losses = []
+def validate(cfg, trainer, task, epoch_itr, checkpoints, preemption=None,
+             check_only: bool = False) -> List[Optional[float]]:
+    """The validation loss on each --valid-subset.
+
+    Every subset must yield a batch: a validation of nothing has no loss to report, to pick
+    checkpoint_best by or to stop early on, so a subset without one is a ValueError naming the cause
+    (`check_only`: only this check, made before training starts). With `preemption`, a stop signal is
+    honoured at every validation batch: checkpoint_last is saved and Preempted raised. Every rank has as many
+    validation batches (the iterator pads shards), so all ranks pass the same boundaries.
+    """
+    subsets = []
     for subset in cfg.dataset.valid_subset.split(","):
         batches = task.get_batch_iterator(
             dataset=task.dataset(subset),
@@ -285,16 +313,40 @@ def validate(cfg, trainer, task, epoch_itr, checkpoints) -> List[Optional[float]
             pin_memory=trainer.device.type == "cuda",
             data_buffer_size=cfg.dataset.data_buffer_size,
         )
+        if len(batches.frozen_batches) == 0:  # the same on every rank (built before sharding)
+            token_flag = "--max-tokens-valid" if cfg.dataset.max_tokens_valid else "--max-tokens"
+            raise ValueError(task.no_batches_message(subset, batches, "validation", token_flag))
+        subsets.append((subset, batches))
+    if check_only:
+        return []
+    valid_losses = []
+    for subset, batches in subsets:
         itr = batches.next_epoch_itr(shuffle=False)
         progress = _progress(cfg, itr, epoch=epoch_itr.epoch, prefix=f"valid on '{subset}' subset")
         start = time.perf_counter()
+        done, stopped = 0, False  # batches validated; whether a stop signal was agreed on
         with metrics.aggregate(new_root=True) as agg:
             for i, sample in enumerate(progress):
                 if cfg.dataset.max_valid_steps is not None and i >= cfg.dataset.max_valid_steps:
                     break
                 trainer.valid_step(sample, batches)
-            log_valid(trainer, trainer.read_valid_stats(), time.perf_counter() - start)
-            stats = valid_log_line(agg, trainer, cfg.checkpoint, checkpoints.best)
+                done = i + 1
+                if preemption is not None and preemption.should_stop():
+                    stopped = True
+                    break
+            if done and not stopped:
+                log_valid(trainer, trainer.read_valid_stats(), time.perf_counter() - start)
+                stats = valid_log_line(agg, trainer, cfg.checkpoint, checkpoints.best)
+        if stopped:
+            # The interrupted validation is not redone on resume (the data position is after the last update).
+            logger.warning(f"stopping validation on '{subset}' after {done} of {len(itr)} batches for preemption")
+            checkpoints.save_last(trainer, epoch_itr, metrics_state=metrics.state_dict())
+            raise Preempted()
+        if not done:  # --max-valid-steps 0: no loss to report (rather than a NaN one)
+            logger.warning(f"validation on '{subset}' ran no batch (--max-valid-steps "
+                           f"{cfg.dataset.max_valid_steps}): no valid loss")
+            valid_losses.append(None)
+            continue
         progress.print(stats, tag=subset, step=trainer.num_updates)
         valid_losses.append(stats.get(cfg.checkpoint.best_checkpoint_metric))
     return valid_losses

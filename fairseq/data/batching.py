@@ -10,6 +10,7 @@ range-maximum tables (computed in bounded chunks), then one cheap step per batch
 Batches are stored compactly (`Batches`: one index array plus boundaries), never as millions of objects.
 """
 
+from dataclasses import dataclass
 from typing import Iterator, Optional, Sequence, Tuple, Union
 
 import numpy as np
@@ -153,6 +154,51 @@ def filter_by_size(indices, sizes, limit: Optional[int], ignore_invalid: bool,
             "or pass --skip-invalid-size-inputs-valid-test to skip such items"
         )
     return indices[~too_long], indices[too_long]
+
+
+def size_limit(max_positions, max_tokens: Optional[int]) -> Tuple[Optional[int], str]:
+    """The longest item allowed in a batch and the flag that set that limit.
+
+    An item longer than --max-tokens fits in no batch (a batch holds count * longest tokens), so the limit
+    is the smaller of the positions limit (`max_positions`: the task's and the model's, POSITIONS_FLAGS)
+    and `max_tokens`. On a tie --max-tokens is named: callers written for upstream pass a positions limit
+    already lowered to --max-tokens (upstream's resolve_max_positions(..., max_tokens)), and raising
+    --max-tokens is needed in any case.
+    """
+    positions = resolve_limit(max_positions)
+    tokens = int(max_tokens) if max_tokens else None  # 0 or None: no token budget (as batch_by_size)
+    if tokens is not None and (positions is None or tokens <= positions):
+        return tokens, "--max-tokens"
+    return positions, POSITIONS_FLAGS
+
+
+@dataclass(frozen=True)
+class SizeFilterReport:
+    """What the size filter did to a dataset: its item count, and how many items `limit` (set by `flag`)
+    dropped, with the shortest and longest item sizes (0 without items)."""
+
+    num_items: int
+    num_dropped: int
+    limit: Optional[int]
+    flag: str
+    shortest: int
+    longest: int
+
+    @classmethod
+    def of(cls, sizes, num_dropped: int, limit: Optional[int], flag: str) -> "SizeFilterReport":
+        sizes = np.asarray(sizes)
+        if len(sizes) == 0:
+            return cls(0, num_dropped, limit, flag, 0, 0)
+        return cls(len(sizes), num_dropped, limit, flag, int(sizes.min()), int(sizes.max()))
+
+    def fix(self, token_flag: str = "--max-tokens") -> str:
+        """How to let items through (for a report where every item was dropped); `token_flag` is the flag
+        that gave the token budget (e.g. --max-tokens-valid)."""
+        if self.flag == "--max-tokens":
+            return f"raise {token_flag} to at least {self.longest} (the longest item)"
+        return (f"let the model take longer items (--max-target-positions at least {self.longest}, the longest "
+                f"item) or make the items shorter (--tokens-per-sample at most {self.limit}, or --shorten-method "
+                "truncate)")
 
 
 def resolve_limit(*limits: Union[int, None, Tuple]) -> Optional[int]:

@@ -11,9 +11,12 @@ from fairseq.data.indexed_dataset import MMapIndexedDataset, data_file_path
 
 logger = logging.getLogger(__name__)
 
-# (real .bin path, mtime_ns, size, dictionary length) of datasets already checked in this process, so the
-# max-id scan runs once per file however many epochs or shards reopen it.
-_checked_datasets: Dict[Tuple[str, int, int, int], bool] = {}
+# (real .bin path, mtime_ns, size) -> (smallest id, largest id, whether every token was read) of datasets
+# already scanned in this process, so the scan runs once per file however many epochs, shards or
+# dictionaries reopen it.
+_scanned_datasets: Dict[Tuple[str, int, int], Tuple[int, int, bool]] = {}
+# (real .bin path, mtime_ns, size, dictionary length) already warned about (see _warn_if_unused_entries).
+_warned_datasets: Dict[Tuple[str, int, int, int], bool] = {}
 
 
 # The max-id check reads every token of a dataset up to this size; a larger one is checked on evenly
@@ -22,14 +25,21 @@ FULL_SCAN_MAX_TOKENS = 1 << 27
 SAMPLE_WINDOWS = 64
 SAMPLE_WINDOW_TOKENS = 1 << 18
 
+# fairseq-preprocess stores ids as uint16 exactly when its dictionary has fewer entries than this
+# (best_fitting_dtype; upstream's and Megatron's binarizers follow the same rule), a wider type otherwise.
+UINT16_MAX_VOCAB = 65500
+
 
 def load_indexed_dataset(path: str, dictionary=None, dataset_impl: Optional[str] = None,
-                         combine: bool = False) -> Optional[MMapIndexedDataset]:
+                         combine: bool = False, expect_all_ids: bool = False) -> Optional[MMapIndexedDataset]:
     """Open the MMIDIDX dataset at prefix `path` (`path.bin` + `path.idx`), or return None if absent.
 
-    With a `dictionary`, fails if the data holds an id the dictionary does not have (a dict.txt from
-    another preprocessing run). The check costs nothing when the stored dtype cannot represent such an
-    id; otherwise the tokens are scanned once per process (see FULL_SCAN_MAX_TOKENS), in bounded chunks.
+    With a `dictionary`, fails if the data cannot have been binarized with it (an id the dictionary does
+    not have, or a dtype fairseq-preprocess does not write for a dictionary of its size), and with
+    `expect_all_ids` (a training split) warns when the dictionary has entries past the largest id the data
+    uses (see check_dictionary_matches). The dtype check costs nothing; the ids are scanned once per file
+    and process (see FULL_SCAN_MAX_TOKENS), in bounded chunks, and only where the dtype can hold an id past
+    the dictionary or `expect_all_ids` asks for the largest id.
     """
     if dataset_impl not in (None, "mmap"):
         raise ValueError(f"--dataset-impl {dataset_impl!r} is not supported: only 'mmap' (MMIDIDX) datasets exist here")
@@ -39,7 +49,7 @@ def load_indexed_dataset(path: str, dictionary=None, dataset_impl: Optional[str]
         return None
     dataset = MMapIndexedDataset(path)
     if dictionary is not None:
-        check_dictionary_matches(dataset, dictionary, getattr(dictionary, "path", None))
+        check_dictionary_matches(dataset, dictionary, getattr(dictionary, "path", None), expect_all_ids)
     return dataset
 
 
@@ -55,30 +65,91 @@ def _token_windows(tokens: np.ndarray):
         yield tokens[start: start + SAMPLE_WINDOW_TOKENS]
 
 
-def check_dictionary_matches(dataset: MMapIndexedDataset, dictionary, dict_name: Optional[str] = None) -> None:
-    """Raise if `dataset` holds token ids outside `dictionary` (see FULL_SCAN_MAX_TOKENS for the cost)."""
+def _file_key(bin_path: str) -> Tuple[str, int, int]:
+    st = os.stat(bin_path)
+    return os.path.realpath(bin_path), st.st_mtime_ns, st.st_size
+
+
+def _scan_ids(dataset: MMapIndexedDataset, key) -> Tuple[int, int, bool]:
+    """(smallest id, largest id, whether all tokens were read); -1 as the largest id of an empty dataset."""
+    if key not in _scanned_datasets:
+        max_id, min_id = -1, 0
+        for chunk in _token_windows(dataset.tokens):
+            if chunk.size:
+                max_id = max(max_id, int(chunk.max()))
+                min_id = min(min_id, int(chunk.min()))
+        _scanned_datasets[key] = (min_id, max_id, len(dataset.tokens) <= FULL_SCAN_MAX_TOKENS)
+    return _scanned_datasets[key]
+
+
+def check_dictionary_matches(dataset: MMapIndexedDataset, dictionary, dict_name: Optional[str] = None,
+                             expect_all_ids: bool = False) -> None:
+    """Raise if `dataset` cannot have been binarized with `dictionary`; with `expect_all_ids`, warn if the
+    dictionary looks larger than the one it was binarized with.
+
+    A dictionary SMALLER than the data's shows as an id >= len(dictionary) (an error). A LARGER one is
+    only proven by the dtype: fairseq-preprocess writes uint16 for fewer than UINT16_MAX_VOCAB entries, so
+    uint16 data with a dictionary at least that large is an error. The other direction (a wider dtype with
+    a small dictionary) proves nothing: int32 is upstream's dtype for a vocabulary of unknown size and int64
+    this builder's default, so scripts write them for any vocabulary.
+    """
     vocab = len(dictionary)
     dtype = dataset.dtype
-    if dtype.kind == "u" and np.iinfo(dtype).max < vocab:
-        return  # no storable id can reach past the dictionary
     bin_path = data_file_path(dataset.path)
-    st = os.stat(bin_path)
-    key = (os.path.realpath(bin_path), st.st_mtime_ns, st.st_size, vocab)
-    if key in _checked_datasets:
-        return
-    max_id, min_id = -1, 0
-    for chunk in _token_windows(dataset.tokens):
-        if chunk.size:
-            max_id = max(max_id, int(chunk.max()))
-            min_id = min(min_id, int(chunk.min()))
+    where = dict_name or os.path.join(os.path.dirname(dataset.path) or ".", "dict.txt")
+    if dtype == np.dtype(np.uint16) and vocab >= UINT16_MAX_VOCAB:
+        raise ValueError(
+            f"dictionary does not match the data: {bin_path} stores uint16 token ids, which fairseq-preprocess "
+            f"writes only for a dictionary of fewer than {UINT16_MAX_VOCAB:,} entries, but the dictionary "
+            f"({where}) has {vocab:,} entries; binarize the data with this dict.txt (fairseq-preprocess --srcdict "
+            f"{where})"
+        )
+    can_overflow = not (dtype.kind == "u" and np.iinfo(dtype).max < vocab)
+    if not (can_overflow or expect_all_ids):
+        return  # no storable id can reach past the dictionary, and the largest id is not asked for
+    key = _file_key(bin_path)
+    min_id, max_id, full = _scan_ids(dataset, key)
     if max_id >= vocab or min_id < 0:
-        where = dict_name or os.path.join(os.path.dirname(dataset.path) or ".", "dict.txt")
         bad = max_id if max_id >= vocab else min_id
         raise ValueError(
             f"dictionary does not match the data: {bin_path} holds token id {bad} but the dictionary "
             f"({where}) has {vocab} entries; binarize the data with this dict.txt (fairseq-preprocess --srcdict)"
         )
-    _checked_datasets[key] = True
+    if expect_all_ids and full and key + (vocab,) not in _warned_datasets:
+        _warned_datasets[key + (vocab,)] = True
+        _warn_if_unused_entries(bin_path, max_id, dictionary, where)
+
+
+def _warn_if_unused_entries(bin_path: str, max_id: int, dictionary, where: str) -> None:
+    """Warn when real entries of `dictionary` lie past the largest id of a fully scanned training split.
+
+    fairseq-preprocess builds a dictionary from the training text, so each of its entries occurs there, apart
+    from the count-0 padding (madeupwordNNNN) that rounds its size to a multiple of --padding-factor: data
+    binarized with its own dictionary uses the last real entry. Entries past the largest id therefore mean a
+    dictionary not built from this data: a larger dict.txt than the data's (its ids then name other words),
+    or a shared dictionary given with --srcdict, such as GPT-2's, whose rare entries a corpus may never use.
+    The second is legitimate and common for large LMs, and nothing in the files tells the two apart, so this is
+    a warning rather than an error (an error would refuse a correct setup, with no flag to overrule it).
+    """
+    counts = getattr(dictionary, "count", None)
+    real = len(dictionary)
+    if counts is not None and len(counts) == real:
+        nspecial = getattr(dictionary, "nspecial", 0)
+        while real > nspecial and counts[real - 1] == 0:  # trailing padding: never in any text
+            real -= 1
+    unused = real - 1 - max_id
+    if max_id < 0 or unused <= 0:  # no tokens at all (an empty split is reported where it is trained on)
+        return
+    if torch.distributed.is_available() and torch.distributed.is_initialized() and torch.distributed.get_rank():
+        return  # every rank reads the same files: one warning, from rank 0
+    logger.warning(
+        f"the dictionary may not be the one the data was binarized with: {bin_path} uses token ids up to "
+        f"{max_id} (a dictionary of {max_id + 1:,} entries suffices) but {where} has {len(dictionary):,} "
+        f"entries, {unused:,} of them used nowhere in this training data. If the data was binarized with "
+        f"another dict.txt, its ids name the wrong words: binarize it again with this one (fairseq-preprocess "
+        f"--srcdict {where}). A shared dictionary (e.g. GPT-2's, given with --srcdict) leaves entries unused: "
+        "then nothing is wrong."
+    )
 
 
 def collate_tokens(values: Sequence[torch.Tensor], pad_idx: int, eos_idx: Optional[int] = None,

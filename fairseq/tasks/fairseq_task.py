@@ -8,7 +8,7 @@ from typing import Any, Dict, Optional
 import numpy as np
 
 from fairseq import registry
-from fairseq.data.batching import Batches, batch_by_size, filter_by_size, resolve_limit
+from fairseq.data.batching import Batches, SizeFilterReport, batch_by_size, filter_by_size, size_limit
 from fairseq.data.iterators import EpochBatchIterator
 
 logger = logging.getLogger(__name__)
@@ -28,6 +28,8 @@ class FairseqTask:
 
     # ---- data ---------------------------------------------------------------------------------------
     def load_dataset(self, split: str, epoch: int = 1, combine: bool = False, **kwargs) -> None:
+        """Load `split` into `self.datasets`. The trainer passes `for_training=True` for its training split
+        (tasks written for upstream take it in **kwargs, as upstream's trainer passes extra keywords too)."""
         raise NotImplementedError(f"task {type(self).__name__} does not implement load_dataset")
 
     def dataset(self, split: str):
@@ -40,6 +42,37 @@ class FairseqTask:
     def has_sharded_data(self, split: str) -> bool:
         """Whether DATA names several directories (`path1:path2`), so each epoch loads a different one."""
         return os.pathsep in (getattr(self.cfg, "data", None) or "")
+
+    def describe_split(self, split: str) -> Optional[str]:
+        """Where the loaded `split` comes from, for messages (its file, item counts); None when unknown."""
+        return None
+
+    def no_batches_message(self, split: str, epoch_itr, purpose: str = "training",
+                           token_flag: str = "--max-tokens") -> str:
+        """One line saying why `epoch_itr` (get_batch_iterator's, for `split`) has no batch, and the fix.
+
+        `purpose` is "training" or "validation"; `token_flag` is the flag that gave get_batch_iterator its
+        max_tokens (validation: --max-tokens-valid when set).
+        """
+        source = self.describe_split(split)
+        where = f" ({source})" if source else ""
+        report = getattr(epoch_itr, "size_report", None)
+        if purpose == "training":
+            what, other_fix = f"the training split {split!r}", "check DATA and --train-subset"
+        else:
+            what, other_fix = (f"the validation subset {split!r}",
+                               "drop it from --valid-subset, or pass --disable-validation")
+        if report is None or report.num_items == 0:
+            fix = ("binarize a non-empty text with fairseq-preprocess, or " + other_fix if purpose == "training"
+                   else other_fix)
+            return f"no {purpose} batch: {what} is empty{where}; {fix}"
+        flag = token_flag if report.flag == "--max-tokens" else report.flag
+        fix = report.fix(token_flag)
+        if report.num_dropped >= report.num_items:
+            return (f"no {purpose} batch: all {report.num_items:,} items of {what}{where} are longer than {flag} "
+                    f"{report.limit} (the longest has {report.longest} tokens); {fix}"
+                    + ("" if purpose == "training" else f", or {other_fix}"))
+        return f"no {purpose} batch in {what}{where}"  # not reached by get_batch_iterator's batching
 
     def max_positions(self) -> Optional[int]:
         return None
@@ -77,14 +110,11 @@ class FairseqTask:
             dataset.set_epoch(epoch)
         sizes = np.asarray(dataset.sizes)
         indices = dataset.ordered_indices(seed=seed) if _takes_seed(dataset) else dataset.ordered_indices()
-        limit = resolve_limit(max_positions)
-        indices, dropped = filter_by_size(indices, sizes, limit, ignore_invalid_inputs)
+        # One limit, named after the flag that really set it (the positions limit or --max-tokens).
+        limit, flag = size_limit(max_positions, max_tokens)
+        indices, dropped = filter_by_size(indices, sizes, limit, ignore_invalid_inputs, flag=flag)
         if len(dropped):
-            logger.warning(f"{len(dropped):,} items longer than max positions {limit} are skipped, "
-                           f"e.g. {dropped[:10].tolist()}")
-        indices, dropped = filter_by_size(indices, sizes, max_tokens, ignore_invalid_inputs, flag="--max-tokens")
-        if len(dropped):
-            logger.warning(f"{len(dropped):,} items longer than --max-tokens {max_tokens} are skipped, "
+            logger.warning(f"{len(dropped):,} items longer than {flag} {limit} are skipped, "
                            f"e.g. {dropped[:10].tolist()}")
         batches: Batches = batch_by_size(indices, sizes[indices], max_tokens=max_tokens,
                                          max_sentences=max_sentences,
@@ -94,6 +124,8 @@ class FairseqTask:
             shard_id=shard_id, num_workers=num_workers, epoch=epoch, pin_memory=pin_memory,
             buffer_size=data_buffer_size,
         )
+        # Read by no_batches_message when no batch is left (a trainer must not run empty epochs).
+        epoch_iter.size_report = SizeFilterReport.of(sizes, len(dropped), limit, flag)
         if not disable_iterator_cache:
             # Forget iterators of datasets since replaced (sharded data loads a new one each epoch).
             live = {id(d) for d in self.datasets.values()} | {id(dataset)}

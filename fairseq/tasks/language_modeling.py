@@ -81,6 +81,7 @@ class LanguageModelingTask(FairseqTask):
         super().__init__(cfg)
         self.dictionary = dictionary
         self.output_dictionary = output_dictionary if output_dictionary is not None else dictionary
+        self._split_sources = {}  # split -> its file and counts, for messages (describe_split)
 
     @classmethod
     def setup_task(cls, cfg: LanguageModelingConfig, **kwargs) -> "LanguageModelingTask":
@@ -96,13 +97,18 @@ class LanguageModelingTask(FairseqTask):
             output_dictionary = TruncatedDictionary(dictionary, cfg.output_dictionary_size)
         return cls(cfg, dictionary, output_dictionary)
 
-    def load_dataset(self, split: str, epoch: int = 1, combine: bool = False, **kwargs) -> MonolingualDataset:
-        """Load `split` from the data directory of `epoch`, as token blocks with next-token targets."""
+    def load_dataset(self, split: str, epoch: int = 1, combine: bool = False, for_training: bool = False,
+                     **kwargs) -> MonolingualDataset:
+        """Load `split` from the data directory of `epoch`, as token blocks with next-token targets.
+
+        `for_training` (the trainer's training split) adds the check that the dictionary is not larger than
+        the one the data was binarized with (a warning: see fairseq.data.data_utils.check_dictionary_matches).
+        """
         cfg = self.cfg
         paths = split_paths(cfg.data)
         data_path = paths[(epoch - 1) % len(paths)]
         split_path = os.path.join(data_path, split)
-        dataset = load_indexed_dataset(split_path, self.dictionary, combine=combine)
+        dataset = load_indexed_dataset(split_path, self.dictionary, combine=combine, expect_all_ids=for_training)
         if dataset is None:
             raise FileNotFoundError(
                 f"Dataset not found: {split} ({split_path}.bin/.idx); check DATA and --train-subset/--valid-subset "
@@ -125,7 +131,13 @@ class LanguageModelingTask(FairseqTask):
         )
         logger.info(f"{split_path}: {len(dataset):,} sentences, {len(blocks):,} blocks "
                     f"(--sample-break-mode {cfg.sample_break_mode}, --tokens-per-sample {cfg.tokens_per_sample})")
+        shard = f"shard {(epoch - 1) % len(paths) + 1} of {len(paths)} in DATA: " if len(paths) > 1 else ""
+        self._split_sources[split] = (f"{shard}{split_path}.bin: {len(dataset):,} sentences, "
+                                      f"{len(blocks):,} blocks")
         return self.datasets[split]
+
+    def describe_split(self, split: str) -> Optional[str]:
+        return self._split_sources.get(split)
 
     def max_positions(self) -> Optional[int]:
         return self.cfg.max_target_positions

@@ -27,7 +27,7 @@ def test_items_longer_than_the_model_accepts_are_skipped_in_training(data_with_a
     with pytest.raises(ValueError, match="--skip-invalid-size-inputs-valid-test"):
         train.cli_main(argv)  # validation refuses it unless told to skip, as upstream
     train.cli_main(argv + ["--skip-invalid-size-inputs-valid-test"])
-    assert "1 items longer than max positions 16 are skipped" in caplog.text
+    assert "1 items longer than --tokens-per-sample / --max-target-positions 16 are skipped" in caplog.text
     assert load(tmp_path / "checkpoint_last.pt")["extra_state"]["trainer"]["num_updates"] == 3
 
 

@@ -93,3 +93,66 @@ def test_a_million_equal_blocks():
     sizes = np.full(1_000_000, 512)
     result = batch_by_size(np.arange(len(sizes)), sizes, max_tokens=4096, required_batch_size_multiple=8)
     assert len(result) == 125_000 and set(result.sizes().tolist()) == {8}
+
+
+# ---- which flag set the size limit (--max-tokens or the positions limit) -------------------------------
+def test_size_limit_names_the_flag_that_set_it():
+    from fairseq.data.batching import POSITIONS_FLAGS, size_limit
+
+    assert size_limit(1024, 256) == (256, "--max-tokens")
+    assert size_limit(128, 256) == (128, POSITIONS_FLAGS)
+    assert size_limit((512, 512), None) == (512, POSITIONS_FLAGS)
+    assert size_limit(None, 256) == (256, "--max-tokens")
+    assert size_limit(None, None) == (None, POSITIONS_FLAGS)
+    assert size_limit(None, 0) == (None, POSITIONS_FLAGS)  # 0: no token budget, as batch_by_size reads it
+    # a positions limit already lowered to --max-tokens (upstream's resolve_max_positions(..., max_tokens))
+    assert size_limit(resolve_limit(1024, 256), 256) == (256, "--max-tokens")
+
+
+class _Items:
+    def __init__(self, sizes):
+        self.sizes = np.asarray(sizes)
+
+    def __len__(self):
+        return len(self.sizes)
+
+    def __getitem__(self, i):
+        return {"id": i}
+
+    def ordered_indices(self):
+        return np.argsort(self.sizes, kind="stable")
+
+    def collater(self, items):
+        return items
+
+
+def test_skip_warning_names_max_tokens_when_it_set_the_limit(caplog):
+    from fairseq.tasks.fairseq_task import FairseqTask
+
+    task = FairseqTask(None)
+    data = _Items([4, 40, 8, 40])
+    with caplog.at_level("WARNING", logger="fairseq.tasks.fairseq_task"):
+        # what fairseq-train passed before: min(positions, --max-tokens) as the positions limit
+        itr = task.get_batch_iterator(data, max_tokens=16, max_positions=resolve_limit(1024, 16),
+                                      ignore_invalid_inputs=True)
+    assert "2 items longer than --max-tokens 16 are skipped" in caplog.text
+    assert "max positions" not in caplog.text
+    assert itr.size_report.num_dropped == 2 and itr.size_report.longest == 40
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="fairseq.tasks.fairseq_task"):
+        task.get_batch_iterator(data, max_tokens=64, max_positions=32, ignore_invalid_inputs=True)
+    assert "2 items longer than --tokens-per-sample / --max-target-positions 32 are skipped" in caplog.text
+
+
+def test_no_batches_message_names_the_cause_and_the_fix():
+    from fairseq.tasks.fairseq_task import FairseqTask
+
+    task = FairseqTask(None)
+    itr = task.get_batch_iterator(_Items([20, 40]), max_tokens=16, ignore_invalid_inputs=True)
+    assert len(itr.frozen_batches) == 0
+    assert task.no_batches_message("train", itr) == (
+        "no training batch: all 2 items of the training split 'train' are longer than --max-tokens 16 (the "
+        "longest has 40 tokens); raise --max-tokens to at least 40 (the longest item)")
+    empty = task.get_batch_iterator(_Items([]), max_tokens=16)
+    assert task.no_batches_message("valid", empty, "validation").startswith(
+        "no validation batch: the validation subset 'valid' is empty; drop it from --valid-subset")

@@ -1,0 +1,148 @@
+"""fairseq-train with no usable batch: it stops before the first epoch with one line naming the cause
+(an empty split, or every item longer than the limit and the flag that set it) instead of running empty
+epochs forever."""
+
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from fairseq_cli import preprocess
+from test_train_cli import train_args
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def run_train(argv, timeout=120):
+    """fairseq-train in a subprocess; a hang (the bug this file guards against) is killed and fails."""
+    proc = subprocess.Popen([sys.executable, "-m", "fairseq_cli.train", *argv], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True,
+                            env={**{k: v for k, v in os.environ.items() if not k.startswith("SLURM_")},
+                                 "PYTHONPATH": ROOT})
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, err = proc.communicate()
+        pytest.fail(f"fairseq-train did not stop within {timeout} s:\n{(out + err)[-2000:]}")
+    return proc.returncode, out, err
+
+
+def epoch_lines(log_file):
+    """The log's epoch summary lines ("| train |", JSON format)."""
+    return [line for line in open(log_file) if "| train |" in line]
+
+
+def error_lines(err):
+    return [line for line in err.splitlines() if line.startswith("fairseq-train: error:")]
+
+
+@pytest.fixture(scope="module")
+def empty_train_data(tiny_data, tmp_path_factory):
+    """tiny_data's dictionary and valid split, and a train split binarized from an empty text."""
+    root = tmp_path_factory.mktemp("empty_train")
+    (root / "empty.txt").write_text("")
+    dest = root / "bin"
+    preprocess.cli_main(["--only-source", "--srcdict", str(tiny_data / "dict.txt"), "--trainpref",
+                         str(root / "empty.txt"), "--destdir", str(dest), "--workers", "1"])
+    for name in ("valid.bin", "valid.idx"):
+        shutil.copy(tiny_data / name, dest / name)
+    return dest
+
+
+def test_empty_train_split_stops_at_once_naming_the_file(empty_train_data, tmp_path):
+    rc, out, err = run_train(train_args(empty_train_data, tmp_path / "ck"))
+    assert rc == 1
+    [line] = error_lines(err)
+    train_bin = os.path.join(str(empty_train_data), "train.bin")
+    assert f"no training batch: the training split 'train' is empty ({train_bin}: 0 sentences" in line
+    assert "fairseq-preprocess" in line
+    assert epoch_lines(tmp_path / "ck" / "train.log") == []  # stopped before the first epoch
+    assert not [n for n in os.listdir(tmp_path / "ck") if n.endswith(".pt")]
+
+
+def test_every_item_longer_than_max_tokens_names_the_flag_and_the_fix(tiny_data, tmp_path):
+    # The validation error for too-long items suggests --skip-invalid-size-inputs-valid-test: with it,
+    # every training item was skipped too and the run looped over empty epochs, ignoring SIGTERM.
+    argv = train_args(tiny_data, tmp_path / "ck", "--skip-invalid-size-inputs-valid-test")
+    argv[argv.index("--max-tokens") + 1] = "16"  # blocks have 32 tokens
+    rc, out, err = run_train(argv)
+    assert rc == 1
+    [line] = error_lines(err)
+    assert "no training batch: all 188 items of the training split 'train'" in line
+    assert "are longer than --max-tokens 16 (the longest has 32 tokens); raise --max-tokens to at least 32" in line
+    log = (tmp_path / "ck" / "train.log").read_text()
+    assert "188 items longer than --max-tokens 16 are skipped" in log  # the warning names the real flag
+    assert "max positions" not in log and epoch_lines(tmp_path / "ck" / "train.log") == []
+
+
+def test_every_item_longer_than_the_model_positions_names_those_flags(tiny_data, tmp_path):
+    rc, out, err = run_train(train_args(tiny_data, tmp_path / "ck", "--max-target-positions", "16"))
+    assert rc == 1
+    [line] = error_lines(err)
+    assert ("all 188 items of the training split 'train'" in line
+            and "longer than --tokens-per-sample / --max-target-positions 16 (the longest has 32 tokens)" in line)
+    assert "--max-target-positions at least 32" in line and "--tokens-per-sample at most 16" in line
+
+
+def test_an_empty_shard_stops_at_its_epoch_naming_it(tiny_data, empty_train_data, tmp_path):
+    data = f"{tiny_data}{os.pathsep}{empty_train_data}"
+    argv = train_args(data, tmp_path / "ck", "--max-epoch", "3", max_update=0)
+    argv[argv.index("--max-tokens") + 1] = "1024"  # 7 updates per epoch
+    rc, out, err = run_train(argv)
+    assert rc == 1
+    [line] = error_lines(err)
+    train_bin = os.path.join(str(empty_train_data), "train.bin")
+    assert f"the training split 'train' is empty (shard 2 of 2 in DATA: {train_bin}: 0 sentences" in line
+    [epoch1] = epoch_lines(tmp_path / "ck" / "train.log")  # the first shard trained, no empty epoch ran
+    assert '"epoch": 1' in epoch1
+    assert (tmp_path / "ck" / "checkpoint1.pt").exists()
+
+
+def test_an_empty_validation_subset_is_an_error_before_training(tiny_data, empty_train_data, tmp_path):
+    # empty_train_data's train split is empty: as a validation subset it can give no loss
+    data_dir = tmp_path / "data"
+    data_dir.mkdir()
+    for name in ("dict.txt", "train.bin", "train.idx", "valid.bin", "valid.idx"):
+        shutil.copy(tiny_data / name, data_dir / name)
+    for name in ("train.bin", "train.idx"):
+        shutil.copy(empty_train_data / name, data_dir / name.replace("train", "empty"))
+    rc, out, err = run_train(train_args(data_dir, tmp_path / "ck", "--valid-subset", "valid,empty"))
+    assert rc == 1
+    [line] = error_lines(err)
+    assert "no validation batch: the validation subset 'empty' is empty" in line
+    assert "drop it from --valid-subset, or pass --disable-validation" in line
+    assert epoch_lines(tmp_path / "ck" / "train.log") == []
+
+
+def test_validation_items_all_skipped_is_an_error_naming_max_tokens_valid(tiny_data, tmp_path):
+    argv = train_args(tiny_data, tmp_path / "ck", "--max-tokens-valid", "10",
+                      "--skip-invalid-size-inputs-valid-test")
+    rc, out, err = run_train(argv)
+    assert rc == 1
+    [line] = error_lines(err)
+    assert "no validation batch: all 20 items of the validation subset 'valid'" in line
+    assert "longer than --max-tokens-valid 10 (the longest has 32 tokens); raise --max-tokens-valid to at least 32" in line
+    # without validation the same run trains
+    rc, out, err = run_train(argv + ["--disable-validation", "--max-update", "1"])
+    assert rc == 0, err[-2000:]
+
+
+def test_two_ranks_stop_together_on_no_batch(tiny_data, tmp_path):
+    argv = train_args(tiny_data, tmp_path / "ck", "--skip-invalid-size-inputs-valid-test",
+                      "--distributed-world-size", "2")
+    argv[argv.index("--max-tokens") + 1] = "16"
+    rc, out, err = run_train(argv, timeout=240)
+    assert rc != 0
+    assert "no training batch: all 188 items of the training split 'train'" in out + err
+    assert epoch_lines(tmp_path / "ck" / "train.log") == []
+
+
+def test_validation_of_no_batch_logs_no_nan_loss(tiny_data, tmp_path):
+    rc, out, err = run_train(train_args(tiny_data, tmp_path / "ck", "--max-valid-steps", "0", max_update=2))
+    assert rc == 0, err[-2000:]
+    log = (tmp_path / "ck" / "train.log").read_text()
+    assert "validation on 'valid' ran no batch (--max-valid-steps 0): no valid loss" in log
+    assert "| valid |" not in log and "nan" not in log.lower()
