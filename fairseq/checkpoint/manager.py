@@ -280,9 +280,10 @@ def check_same_model_options(path: str, state: Dict[str, Any], cfg) -> None:
             if name == "max_target_positions":
                 flag += " (--tokens-per-sample when unset)"
             raise CheckpointError(
-                f"{flag} is {getattr(cfg.model, name)!r} here but {saved[name]!r} in {path}: resuming would train "
-                f"another model from these weights. Resume with {flag} {saved[name]!r}, or start a new --save-dir "
-                "(with --finetune-from-model to begin from these weights)"
+                f"{path} was saved from a different architecture: {flag} is {getattr(cfg.model, name)!r} here but "
+                f"{saved[name]!r} in the checkpoint, so resuming would train another model from these weights. "
+                f"Resume with {flag} {saved[name]!r}, or start a new --save-dir (with --finetune-from-model to "
+                "begin from these weights)"
             )
 
 
