@@ -6,9 +6,14 @@ started by torchrun / srun / the user) or spawns the local processes and runs it
 
 Failures never hang silently:
 - every process group gets a timeout (`--heartbeat-timeout`, default 600 s) that also bounds collectives;
-- spawned processes are watched by torch.multiprocessing: when one fails the rest are killed and this
-  process exits non-zero, showing the traceback of the rank that failed first (each failing rank leaves a
-  time-stamped report, since its peers fail right after it and torch may notice one of them first);
+- spawned processes are watched through their sentinels: when one fails, the others get a few seconds to
+  end by themselves and are then stopped (SIGINT, then SIGKILL), and this process exits non-zero with a
+  message that names the rank that failed first and how ("rank 1 of 2 was killed by signal SIGKILL",
+  "... exited with status 7", or "... failed" and its traceback), then the ranks that failed after it.
+  Its peers fail right after it, and may be noticed first, so the order comes from time-stamped reports:
+  a rank that raises (or calls sys.exit with a non-zero status) writes one, saying which of its peers had
+  already ended; a process killed by a signal writes none and is placed by those reports, or else by when
+  this process saw it end;
 - a rank started by torchrun or srun that fails logs its error with its rank, shuts its process group down
   (bounded wait) and exits non-zero, so torchrun tears the others down (under SLURM, run srun with
   --kill-on-bad-exit=1 to get the same).
@@ -18,6 +23,7 @@ import contextlib
 import gc
 import json
 import logging
+import multiprocessing.connection
 import os
 import signal
 import sys
@@ -26,7 +32,7 @@ import threading
 import time
 import traceback
 from datetime import timedelta
-from typing import Callable, List, MutableMapping, Tuple
+from typing import Callable, List, MutableMapping, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -39,9 +45,6 @@ from fairseq.preemption import PREEMPTION_SIGNALS
 RESULT_FILE = "main_result.txt"
 
 logger = logging.getLogger(__name__)
-
-# What torch.multiprocessing raises in the launcher when a spawned process fails.
-_SPAWN_FAILURES = (torch.multiprocessing.ProcessRaisedException, torch.multiprocessing.ProcessExitedException)
 
 DEFAULT_TIMEOUT_S = 600
 # How long a rank waits for its process group to shut down before leaving without it (seen on GPUs: NCCL's
@@ -207,17 +210,75 @@ def _run_launched_rank(cfg, main_fn: Callable, kwargs: dict, plan: LaunchPlan):
     return result
 
 
-def _exit_now(rank: int, reason: str) -> None:
+def _exit_now(rank: int, reason: str, status: int = 1) -> None:
     """Leave at once: the backend is stuck, and a normal interpreter exit could block on it too."""
     sys.stderr.write(f"[rank {rank}] {reason}\n[rank {rank}] process group did not shut down; exiting now\n")
     sys.stderr.flush()
     logging.shutdown()  # flush log files; os._exit skips the usual clean-up
-    os._exit(1)
+    os._exit(status)
 
 
-def _write_failure_report(report_dir: str, rank: int) -> None:
-    """Leave this rank's traceback, stamped with the time, for the launcher (call inside `except`)."""
-    report = {"rank": rank, "time_ns": time.time_ns(), "traceback": traceback.format_exc()}
+# Written by the launcher once the processes are started: {rank: pid} of every spawned process, so that a
+# rank that fails can tell which of its peers had already ended (see `_ended_peers`).
+PIDS_FILE = "pids.json"
+
+
+_PF_EXITING = 0x4  # Linux's per-task flag "getting shut down", set as a process starts to die (sched.h)
+
+
+def _process_ended(pid: int) -> Optional[bool]:
+    """Whether process `pid` has ended or is ending (dying, a zombie not yet reaped, or gone); None where
+    /proc cannot tell.
+
+    "Ending" counts: a process killed by a signal closes its sockets (which is how its peers fail) only
+    after its main thread has taken the exit path, flagged PF_EXITING; becoming a zombie comes later, and
+    the dying process may be descheduled in between on a busy machine."""
+    if not os.path.isdir("/proc/self"):
+        return None
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            # the command name, in parentheses, may hold spaces; then: state ppid pgrp session tty tpgid flags
+            fields = f.read().rsplit(")", 1)[1].split()
+    except FileNotFoundError:
+        return True  # already reaped by the launcher
+    except OSError:
+        return None
+    try:
+        state, flags = fields[0], int(fields[6])
+    except (IndexError, ValueError):
+        return None
+    return state in ("Z", "X", "x") or bool(flags & _PF_EXITING)
+
+
+def _ended_peers(report_dir: str, rank: int) -> Optional[List[int]]:
+    """Ranks of the other spawned processes that have ended by now; None if that cannot be told."""
+    try:
+        with open(os.path.join(report_dir, PIDS_FILE)) as f:
+            pids = {int(r): int(pid) for r, pid in json.load(f).items()}
+    except (OSError, ValueError):
+        return None
+    ended = []
+    for peer, pid in sorted(pids.items()):
+        if peer == rank:
+            continue
+        state = _process_ended(pid)
+        if state is None:
+            return None
+        if state:
+            ended.append(peer)
+    return ended
+
+
+def _write_failure_report(report_dir: str, rank: int, how: str = "failed", with_traceback: bool = True) -> None:
+    """Leave word of this rank's failure, stamped with the time, for the launcher (call inside `except`).
+
+    `how` completes "rank R of W ..." in the launcher's message ("failed", "exited with status 7"); the
+    traceback of the exception being handled goes with it unless `with_traceback` is False. The report also
+    names the peers that had already ended: a peer killed by a signal leaves no report, and this rank's
+    failure may be the consequence of its death, noticed by the launcher only later."""
+    ended_peers = _ended_peers(report_dir, rank)  # looked at before the time stamp: they ended before it
+    report = {"rank": rank, "time_ns": time.time_ns(), "how": how, "ended_peers": ended_peers,
+              "traceback": traceback.format_exc() if with_traceback else None}
     path = os.path.join(report_dir, f"rank{rank}.json")
     with open(path + ".tmp", "w") as f:
         json.dump(report, f)
@@ -228,10 +289,17 @@ def _read_failure_reports(report_dir: str) -> List[dict]:
     """Reports of the ranks that failed, earliest first."""
     reports = []
     for name in os.listdir(report_dir):
-        if name.endswith(".json"):
+        if name.startswith("rank") and name.endswith(".json"):
             with open(os.path.join(report_dir, name)) as f:
                 reports.append(json.load(f))
     return sorted(reports, key=lambda report: report["time_ns"])
+
+
+def _exit_status(exc: SystemExit) -> int:
+    """The status a process leaving with `exc` ends with (as Python decides it: None 0, an int itself, else 1)."""
+    if exc.code is None:
+        return 0
+    return exc.code if isinstance(exc.code, int) else 1
 
 
 def _run_spawned_process(index: int, cfg, main_fn: Callable, kwargs: dict, plan: LaunchPlan, report_dir: str):
@@ -251,8 +319,128 @@ def _run_spawned_process(index: int, cfg, main_fn: Callable, kwargs: dict, plan:
         if not _shutdown_process_group():
             _exit_now(own_plan.rank, "failed (see the launcher's report)")
         raise
+    except SystemExit as exc:  # sys.exit(N) in main_fn: the process ends only after interpreter teardown
+        status = _exit_status(exc)
+        if status != 0:
+            detail = "" if isinstance(exc.code, int) else f" ({exc.code})"
+            _write_failure_report(report_dir, own_plan.rank, f"exited with status {status}{detail}",
+                                  with_traceback=False)
+        if not _shutdown_process_group():
+            _exit_now(own_plan.rank, f"exiting with status {status}", status=status)
+        raise
     if not _shutdown_process_group():
         logger.warning("rank %d: the process group did not shut down in %.0f s", own_plan.rank, SHUTDOWN_WAIT_S)
+
+
+# After the first failure the other processes get this long to end by themselves (a peer of a failed rank
+# normally fails within seconds and leaves its own report); then they get SIGINT, and after as long again
+# SIGKILL. SIGINT rather than torch's SIGTERM: SIGTERM asks a training rank to save for preemption (see
+# fairseq.preemption), while SIGINT ends a spawned process quietly (torch's wrapper swallows the
+# KeyboardInterrupt, and no failure report is written for it).
+STOP_GRACE_S = 5.0
+# Only where a report cannot say which peers had ended (no /proc): the launcher notices a death a little
+# after it happens (it must be woken and scheduled; up to 12 ms seen on a busy 2-core machine), while a
+# report is stamped by the failing rank itself, so a death is taken to have happened this long before it
+# was noticed.
+DEATH_NOTICE_SLACK_NS = 50_000_000
+
+
+def _how_it_ended(exitcode: int) -> str:
+    if exitcode < 0:
+        try:
+            name = signal.Signals(-exitcode).name
+        except ValueError:
+            name = f"{-exitcode} (unknown)"
+        return f"was killed by signal {name}"
+    return f"exited with status {exitcode}"
+
+
+class _Watch:
+    """The spawned processes, watched through their sentinels: when each ended and how."""
+
+    def __init__(self, processes):
+        self.processes = processes
+        self.ended_ns = {}  # process index -> time.time_ns() when the launcher saw it end
+        self.stopped = set()  # indexes of processes this launcher stopped after the first failure
+
+    def running(self) -> List[int]:
+        return [i for i in range(len(self.processes)) if i not in self.ended_ns]
+
+    def wait(self, timeout: Optional[float]) -> None:
+        """Wait until some process ends (at most `timeout` s); record the ones that ended."""
+        sentinels = {self.processes[i].sentinel: i for i in self.running()}
+        if not sentinels:
+            return
+        ready = multiprocessing.connection.wait(list(sentinels), timeout=timeout)
+        now = time.time_ns()  # first: when each failure happened is what the launcher's message is about
+        for sentinel in ready:
+            index = sentinels[sentinel]
+            self.processes[index].join()
+            self.ended_ns[index] = now
+
+    def wait_all(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while self.running() and time.monotonic() < deadline:
+            self.wait(max(0.0, deadline - time.monotonic()))
+
+    def failed(self) -> bool:
+        return any(self.processes[i].exitcode != 0 for i in self.ended_ns)
+
+    def stop_the_rest(self, grace_s: float = STOP_GRACE_S) -> None:
+        """Give the processes still running `grace_s` to end, then SIGINT them, then (after `grace_s`) SIGKILL."""
+        self.wait_all(grace_s)
+        for sig, then_wait_s in ((signal.SIGINT, grace_s), (signal.SIGKILL, 60.0)):
+            for index in self.running():
+                self.stopped.add(index)
+                logger.warning("stopping rank process %d (pid %d) with %s", index, self.processes[index].pid,
+                               sig.name)
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(self.processes[index].pid, sig)
+            self.wait_all(then_wait_s)
+
+
+def _failure_events(watch: _Watch, reports: List[dict], first_rank: int) -> List[Tuple[int, int, dict]]:
+    """(time_ns, rank, report) of every failure, in the order they happened.
+
+    A report is stamped by its rank. A process that ended non-zero without a report (killed by a signal,
+    os._exit) gets a report here, timed by the reports that say whether it had ended when they were written,
+    or else by when the launcher noticed its end. Processes this launcher stopped are not failures."""
+    events = [(report["time_ns"], report["rank"], report) for report in reports]
+    reported = {report["rank"] for report in reports}
+    for index, noticed_ns in watch.ended_ns.items():
+        rank, exitcode = first_rank + index, watch.processes[index].exitcode
+        if rank in reported or exitcode == 0 or index in watch.stopped:
+            continue
+        told = [r for r in reports if r.get("ended_peers") is not None]
+        before = [r["time_ns"] for r in told if rank in r["ended_peers"]]  # it had ended when these were written
+        after = [r["time_ns"] for r in told if rank not in r["ended_peers"]]  # it was still running then
+        if before:
+            time_ns = min(min(before) - 1, noticed_ns)
+        elif after:
+            time_ns = max(max(after) + 1, noticed_ns - DEATH_NOTICE_SLACK_NS)
+        else:
+            time_ns = noticed_ns - DEATH_NOTICE_SLACK_NS
+        events.append((time_ns, rank, {"rank": rank, "how": _how_it_ended(exitcode), "traceback": None}))
+    return sorted(events, key=lambda event: (event[0], event[1]))
+
+
+def _failure_message(watch: _Watch, reports: List[dict], plan: LaunchPlan) -> str:
+    """Which rank failed first and how, then the others that failed before they were stopped."""
+    events = _failure_events(watch, reports, plan.rank)
+    if not events:  # not reached after a failure; kept so that the message is never empty
+        return f"a process of the {plan.world_size} failed"
+    (_, first_rank, first), later = events[0], [rank for _, rank, _ in events[1:]]
+    message = f"rank {first_rank} of {plan.world_size} {first.get('how', 'failed')}"
+    if later:
+        message += f", then rank(s) {', '.join(map(str, later))} failed too"
+    failed = {rank for _, rank, _ in events}
+    stopped = [plan.rank + i for i in sorted(watch.stopped) if plan.rank + i not in failed]
+    if stopped:
+        message += f"; rank(s) {', '.join(map(str, stopped))} {'was' if len(stopped) == 1 else 'were'} stopped"
+    message += "."
+    if first.get("traceback"):
+        message += f" Its traceback:\n{first['traceback']}"
+    return message
 
 
 def _spawn(cfg, main_fn: Callable, kwargs: dict, plan: LaunchPlan):
@@ -262,37 +450,37 @@ def _spawn(cfg, main_fn: Callable, kwargs: dict, plan: LaunchPlan):
         plan.init_method,
     )
     with tempfile.TemporaryDirectory(prefix="fairseq-rank-failures-") as report_dir:
+        context = torch.multiprocessing.start_processes(
+            _run_spawned_process,
+            args=(cfg, main_fn, kwargs, plan, report_dir),
+            nprocs=plan.nprocs_to_spawn,
+            join=False,
+            start_method="spawn",
+        )
+        pids_file = os.path.join(report_dir, PIDS_FILE)
+        with open(pids_file + ".tmp", "w") as f:  # long before any rank can fail: they are still importing
+            json.dump({plan.rank + i: process.pid for i, process in enumerate(context.processes)}, f)
+        os.replace(pids_file + ".tmp", pids_file)
+        watch = _Watch(context.processes)
         try:
-            context = torch.multiprocessing.start_processes(
-                _run_spawned_process,
-                args=(cfg, main_fn, kwargs, plan, report_dir),
-                nprocs=plan.nprocs_to_spawn,
-                join=False,
-                start_method="spawn",
-            )
             with _forward_preemption_signals(context):
-                while not context.join():
-                    pass
-            result_file = os.path.join(report_dir, RESULT_FILE)
-            if os.path.exists(result_file):
-                with open(result_file) as f:
-                    return json.load(f)
-            return None
-        except _SPAWN_FAILURES as err:
-            # torch names the process it noticed first, which may be a peer that failed because of the real
-            # culprit; the reports order the failures by when they happened.
-            reports = _read_failure_reports(report_dir)
-            if not reports:
-                rank = plan.rank + err.error_index
-                raise SystemExit(
-                    f"rank {rank} of {plan.world_size} failed; the other processes were stopped.{err.msg}"
-                ) from None
-            first, later = reports[0], [report["rank"] for report in reports[1:]]
-            after = f" (then rank(s) {', '.join(map(str, later))} failed too)" if later else ""
-            raise SystemExit(
-                f"rank {first['rank']} of {plan.world_size} failed{after}; the other processes were stopped.\n"
-                f"{first['traceback']}"
-            ) from None
+                while watch.running() and not watch.failed():
+                    watch.wait(timeout=None)
+                if watch.failed():
+                    watch.stop_the_rest()
+        finally:
+            if watch.running():  # leaving abnormally (e.g. Ctrl-C, which the ranks got too): leave none behind
+                watch.stop_the_rest(grace_s=1.0)
+            for error_file in context.error_files:  # torch's copies of the tracebacks, which are not read
+                with contextlib.suppress(OSError):
+                    os.remove(error_file)
+        if watch.failed():
+            raise SystemExit(_failure_message(watch, _read_failure_reports(report_dir), plan))
+        result_file = os.path.join(report_dir, RESULT_FILE)
+        if os.path.exists(result_file):
+            with open(result_file) as f:
+                return json.load(f)
+        return None
 
 
 @contextlib.contextmanager
@@ -302,7 +490,8 @@ def _forward_preemption_signals(context):
     def forward(signum, frame):
         for process in context.processes:
             if process.is_alive():
-                os.kill(process.pid, signum)
+                with contextlib.suppress(ProcessLookupError):  # it may end between the check and the kill
+                    os.kill(process.pid, signum)
 
     previous = {}
     for sig in PREEMPTION_SIGNALS:

@@ -7,6 +7,7 @@ instead of blocking the suite.
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -16,6 +17,7 @@ import pytest
 import torch
 
 from fairseq.dataclass.configs import FairseqConfig
+from fairseq.distributed import launch
 from fairseq.distributed import utils as dist_utils
 from fairseq.distributed.launch import call_main
 
@@ -247,6 +249,61 @@ def test_spawned_rank_stalling_a_collective_times_out(worker, out_dir):
     [(returncode, output)], elapsed = run_together([(cmd, clean_env())])
     assert returncode != 0
     assert "rank 0 of 2 failed" in output  # rank 0's all-reduce gave up; rank 1 was still asleep
+    assert elapsed < FAIL_WITHIN_S, f"took {elapsed:.1f} s to fail"
+
+
+def kill_or_exit_main(cfg, how):
+    """Rank 1 (how="sigkill") or rank 0 (how="exit7", "os_exit7") leaves after one all-reduce; its peer then blocks in the
+    next all-reduce and fails with a connection error."""
+    rank = dist_utils.get_rank()
+    dist_utils.all_reduce_sum(torch.tensor([1.0]))
+    if how == "sigkill" and rank == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    if how == "exit7" and rank == 0:
+        sys.exit(7)
+    if how == "os_exit7" and rank == 0:
+        os._exit(7)  # no Python clean-up, no report: only the process's end tells
+    dist_utils.all_reduce_sum(torch.tensor([1.0]))
+
+
+def spawn_two(monkeypatch, main_fn, **kwargs):
+    for name in LAUNCH_VARS:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.delenv("SLURM_JOB_ID", raising=False)
+    cfg = FairseqConfig()
+    cfg.common.cpu = True
+    cfg.distributed_training.distributed_world_size = 2
+    cfg.distributed_training.heartbeat_timeout = 20
+    start = time.monotonic()
+    with pytest.raises(SystemExit) as exit_info:
+        call_main(cfg, main_fn, **kwargs)
+    return str(exit_info.value.code), time.monotonic() - start
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("slack_ns", [None, 0])
+def test_spawned_rank_killed_by_a_signal_is_named_first(monkeypatch, slack_ns):
+    """Rank 0's connection error comes after rank 1's death but is often reported before the launcher notices
+    that death (by up to 12 ms on a busy machine): the message must still blame rank 1, and say how it died.
+    With no slack for the launcher's delay (slack_ns=0) the order must come from rank 0's report, which says
+    that rank 1 had already ended."""
+    if slack_ns is not None:
+        if not os.path.isdir("/proc/self"):
+            pytest.skip("the reports tell which peers had ended only where /proc exists")
+        monkeypatch.setattr(launch, "DEATH_NOTICE_SLACK_NS", slack_ns)
+    message, elapsed = spawn_two(monkeypatch, kill_or_exit_main, how="sigkill")
+    assert message.startswith("rank 1 of 2 was killed by signal SIGKILL, then rank(s) 0 failed too."), message
+    assert "Traceback" not in message  # rank 0's connection error is not what went wrong
+    assert elapsed < FAIL_WITHIN_S, f"took {elapsed:.1f} s to fail"
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("how", ["exit7", "os_exit7"])
+def test_spawned_rank_exiting_with_a_status_is_named_first(monkeypatch, how):
+    """sys.exit(7) ends the process only after interpreter teardown, long after its peer failed; os._exit(7)
+    leaves no report at all. Either way rank 0 is named, with its status."""
+    message, elapsed = spawn_two(monkeypatch, kill_or_exit_main, how=how)
+    assert message.startswith("rank 0 of 2 exited with status 7, then rank(s) 1 failed too."), message
     assert elapsed < FAIL_WITHIN_S, f"took {elapsed:.1f} s to fail"
 
 
