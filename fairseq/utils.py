@@ -26,16 +26,16 @@ def import_user_module(user_dir: str):
 
 
 def run_console_script(name: str, main_fn, argv=None):
-    """Run an entry point; errors about the user's input print one line and exit 1 (no traceback)."""
-    import logging
-
+    """Run an entry point; an error about the user's input is printed once, as the single line
+    `NAME: error: MESSAGE` on stderr (no traceback), and the process exits 1."""
     from fairseq.checkpoint.io import CheckpointError
 
     try:
         return main_fn(argv)
     except (ValueError, FileNotFoundError, CheckpointError, FloatingPointError) as e:
-        logging.getLogger(name).error(f"{type(e).__name__}: {e}")
-        print(f"{name}: error: {e}", file=sys.stderr)
+        message = " ".join(line.strip() for line in str(e).splitlines() if line.strip()) or type(e).__name__
+        sys.stdout.flush()  # what was logged before the error comes before it
+        print(f"{name}: error: {message}", file=sys.stderr, flush=True)
         sys.exit(1)
 
 
