@@ -7,13 +7,20 @@ never waits for the GPU because of it; all ranks read the same results in the sa
 after the same update.
 Rank 0 then runs `scontrol requeue $SLURM_JOB_ID` (inside SLURM) and every process exits with
 EXIT_REQUEUED. The restarted job resumes from checkpoint_last with no flag needed.
+
+Exit statuses after a preemption signal:
+- EXIT_REQUEUED (3): checkpoint_last saved, and the job requeued (inside SLURM) or ready to be restarted
+  with the same command (outside SLURM, nothing to requeue);
+- EXIT_REQUEUE_FAILED (4): checkpoint_last saved, but `scontrol requeue` failed (or could not run): SLURM
+  will not restart the job, so resubmit it; it resumes from checkpoint_last.
 """
 
 import logging
 import os
 import signal
 import subprocess
-from typing import Optional
+import sys
+from typing import NoReturn, Optional
 
 import torch
 import torch.distributed as dist
@@ -22,6 +29,9 @@ logger = logging.getLogger(__name__)
 
 PREEMPTION_SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
 EXIT_REQUEUED = 3  # "stopped for preemption, checkpoint saved, job requeued (or ready to be restarted)"
+EXIT_REQUEUE_FAILED = 4  # "stopped for preemption, checkpoint saved, but the SLURM requeue failed: resubmit"
+# What the training function returns in that case (fairseq_cli.train.REQUEUED when the requeue went through).
+REQUEUE_FAILED = "requeue failed"
 
 
 class Preempted(Exception):
@@ -77,6 +87,36 @@ class PreemptionWatcher:
         self._pending = None
         work.wait()
         return bool(flag.item())
+
+
+def requeue_after_preemption() -> bool:
+    """Rank 0, once checkpoint_last is saved: requeue the job if inside SLURM. False only when inside SLURM
+    and the requeue failed (outside SLURM there is nothing to requeue: the user restarts the command)."""
+    if not os.environ.get("SLURM_JOB_ID"):
+        requeue_slurm_job()  # says how to resume
+        return True
+    return requeue_slurm_job()
+
+
+def exit_requeue_failed(name: str) -> NoReturn:
+    """End a command whose training saved checkpoint_last for preemption but whose job was not requeued:
+    one error line (from the first process only, where a launcher started one per GPU), exit status 4."""
+    if _is_first_process():
+        job = " ".join(filter(None, ["the SLURM job", os.environ.get("SLURM_JOB_ID")]))
+        sys.stdout.flush()
+        print(f"{name}: error: checkpoint_last was saved, but {job} could not be requeued (scontrol requeue "
+              "failed; see the log above): resubmit the job, it resumes from checkpoint_last", file=sys.stderr,
+              flush=True)
+    sys.exit(EXIT_REQUEUE_FAILED)
+
+
+def _is_first_process() -> bool:
+    """False for the second and later processes a launcher started (torchrun's RANK, srun's SLURM_PROCID)."""
+    for name in ("RANK", "SLURM_PROCID"):
+        value = os.environ.get(name, "").strip()
+        if value.isdigit():
+            return int(value) == 0
+    return True
 
 
 def requeue_slurm_job() -> bool:

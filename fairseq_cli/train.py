@@ -117,11 +117,12 @@ def _train_with(cfg, preemption) -> Optional[str]:
             epoch_itr = trainer_iterator(cfg, task, trainer, epoch_itr.next_epoch_idx)
         preemption.drain()
     except Preempted:
+        from fairseq.preemption import REQUEUE_FAILED, requeue_after_preemption
+
         logger.warning(f"preempted: saved checkpoint_last at update {trainer.num_updates}")
-        if dist_utils.is_master():
-            requeue_slurm_job()
-        dist_utils.barrier()
-        return REQUEUED
+        requeued = requeue_after_preemption() if dist_utils.is_master() else None
+        # Every rank ends as rank 0's requeue went; like the barrier it replaces, this waits for rank 0.
+        return REQUEUED if dist_utils.broadcast_from_master(requeued) else REQUEUE_FAILED
     logger.info(f"done training in {time.time() - start:.1f} seconds")
     return None
 
@@ -360,8 +361,13 @@ def cli_main(argv: Optional[List[str]] = None) -> None:
         check_config(cfg)
     except ValueError as e:
         parser.error(str(e))
-    if call_main(cfg, main) == REQUEUED:
+    from fairseq.preemption import REQUEUE_FAILED, exit_requeue_failed
+
+    result = call_main(cfg, main)
+    if result == REQUEUED:
         sys.exit(EXIT_REQUEUED)
+    if result == REQUEUE_FAILED:  # checkpoint_last is saved, but SLURM will not restart the job
+        exit_requeue_failed("fairseq-train")
 
 
 def console_main() -> None:

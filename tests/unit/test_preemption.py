@@ -115,3 +115,75 @@ def test_requeue_without_scontrol_is_logged(tmp_path, monkeypatch, caplog):
     with caplog.at_level(logging.ERROR, logger="fairseq.preemption"):
         assert requeue_slurm_job() is False
     assert "scontrol requeue 9 failed" in caplog.text
+
+
+def test_requeue_after_preemption_fails_only_when_slurm_refuses(tmp_path, monkeypatch):
+    from fairseq.preemption import requeue_after_preemption
+
+    monkeypatch.delenv("SLURM_JOB_ID", raising=False)
+    assert requeue_after_preemption() is True  # nothing to requeue: the user restarts the command
+    monkeypatch.setenv("SLURM_JOB_ID", "11")
+    monkeypatch.setenv("PATH", str(tmp_path))  # no scontrol anywhere
+    assert requeue_after_preemption() is False
+
+
+def test_exit_code_for_failed_requeue_is_distinct():
+    from fairseq.preemption import EXIT_REQUEUE_FAILED
+
+    assert EXIT_REQUEUE_FAILED not in (0, 1, 2, EXIT_REQUEUED)  # 1: errors, 2: argparse's usage errors
+
+
+# ----------------------------------------------------------------------------- the real command line
+
+TINY_MODEL = ["--arch", "transformer_lm_gpt", "--decoder-layers", "2", "--decoder-embed-dim", "32",
+              "--decoder-ffn-embed-dim", "64", "--decoder-attention-heads", "2", "--optimizer", "adam",
+              "--lr", "0.003", "--tokens-per-sample", "32", "--batch-size", "4", "--required-batch-size-multiple",
+              "1", "--num-workers", "0", "--cpu", "--disable-validation", "--log-format", "json",
+              "--log-interval", "1"]
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("scontrol_status, expected", [(0, EXIT_REQUEUED), (1, 4)])
+def test_fairseq_train_exit_status_says_whether_the_requeue_worked(tiny_data, tmp_path, monkeypatch,
+                                                                   scontrol_status, expected):
+    """SIGUSR1 inside a SLURM job: checkpoint_last is saved either way; exit 3 only if `scontrol requeue`
+    worked, else exit 4 with one error line telling the user to resubmit."""
+    import subprocess
+    import sys
+    import time
+
+    record = fake_scontrol(tmp_path, monkeypatch, exit_code=scontrol_status)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "RANK", "LOCAL_RANK", "WORLD_SIZE"))}
+    env.update(SLURM_JOB_ID="5151", OMP_NUM_THREADS="1")  # a job id alone: one process, no SLURM launch
+    save_dir = tmp_path / "ck"
+    log_file = save_dir / "train.log"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "fairseq_cli.train", "--task", "language_modeling", str(tiny_data), "--save-dir",
+         str(save_dir), *TINY_MODEL, "--max-update", "100000", "--log-file", str(log_file)],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    try:
+        deadline = time.time() + 300
+        while time.time() < deadline and proc.poll() is None:
+            if log_file.exists() and "| train_inner |" in log_file.read_text():
+                break
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGUSR1)
+        out, err = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == expected, err[-3000:]
+    assert record.read_text() == "requeue 5151\n"
+    assert (save_dir / "checkpoint_last.pt").exists()
+    assert "Traceback" not in out + err
+    error_lines = [line for line in err.splitlines() if "error:" in line]
+    if expected == EXIT_REQUEUED:
+        assert error_lines == [], err[-3000:]
+    else:
+        assert error_lines == [
+            "fairseq-train: error: checkpoint_last was saved, but the SLURM job 5151 could not be requeued "
+            "(scontrol requeue failed; see the log above): resubmit the job, it resumes from checkpoint_last"
+        ], err[-3000:]
+        assert "scontrol requeue 5151 failed (1): scontrol says no" in out + err  # the log says why
