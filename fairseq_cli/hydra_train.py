@@ -5,8 +5,9 @@
 
 The config uses upstream fairseq's layout (see `fairseq.dataclass.hydra`); every key is checked against
 the config dataclasses, the architecture preset fills what the config leaves unset, and training runs
-exactly as `fairseq-train` with the equivalent flags would (same launcher, same exit status 3 after a
-preemption). Any `group.key=value` override may set a key the file does not spell out.
+exactly as `fairseq-train` with the equivalent flags would (same launcher, same exit status after a
+preemption: 3, or 4 when `scontrol requeue` failed). Any `group.key=value` override may set a key the
+file does not spell out.
 
 Hydra's run directory (`hydra.run.dir`, by default outputs/<date>/<time> under the directory you ran
 from) receives `.hydra/config.yaml` (the composed config, as hydra saves it), `.hydra/fairseq_config.yaml`
@@ -213,6 +214,109 @@ def _hydra_log_file() -> Optional[str]:
     return None
 
 
+_FULL_ERROR = "HYDRA_FULL_ERROR"  # hydra's switch: raise the errors it meets instead of printing them itself
+_USER_FULL_ERROR: Dict[str, Optional[str]] = {}  # the user's own setting while _main overrides it
+
+
+@contextlib.contextmanager
+def _hydra_raises_errors():
+    """Have hydra raise what goes wrong while it composes the config, rather than print a traceback and exit 1,
+    so that `_main` can turn a bad YAML file into one line. The task restores the user's setting first thing
+    (see `_restore_full_error`), so the ranks it spawns inherit the user's environment."""
+    _USER_FULL_ERROR["value"] = os.environ.get(_FULL_ERROR)
+    os.environ[_FULL_ERROR] = "1"
+    try:
+        yield
+    finally:
+        _restore_full_error()
+        _USER_FULL_ERROR.clear()
+
+
+def _restore_full_error() -> None:
+    if "value" not in _USER_FULL_ERROR:
+        return
+    if _USER_FULL_ERROR["value"] is None:
+        os.environ.pop(_FULL_ERROR, None)
+    else:
+        os.environ[_FULL_ERROR] = _USER_FULL_ERROR["value"]
+
+
+def _yaml_error_in(err: BaseException):
+    """The YAML parsing error that `err` is or was caused by, if any."""
+    import yaml
+
+    seen = set()
+    while err is not None and id(err) not in seen:
+        if isinstance(err, yaml.MarkedYAMLError):
+            return err
+        seen.add(id(err))
+        err = err.__cause__ or err.__context__
+    return None
+
+
+def _first_key_line(path: str, mapping_mark, key: str):
+    """(dotted path of `key`, 1-based line of its first occurrence) in the mapping that starts at `mapping_mark`
+    of the YAML file `path`; (key, None) when the file cannot be read again."""
+    import yaml
+
+    try:
+        with open(path) as f:
+            root = yaml.compose(f, Loader=yaml.SafeLoader)  # nodes only: duplicates are not checked here
+    except (OSError, yaml.YAMLError):
+        return key, None
+
+    def walk(node, prefix):
+        if isinstance(node, yaml.MappingNode):
+            if (node.start_mark.line, node.start_mark.column) == (mapping_mark.line, mapping_mark.column):
+                for key_node, _ in node.value:
+                    if isinstance(key_node, yaml.ScalarNode) and key_node.value == key:
+                        return prefix + [key], key_node.start_mark.line + 1
+            for key_node, value_node in node.value:
+                found = walk(value_node, prefix + [str(getattr(key_node, "value", "?"))])
+                if found:
+                    return found
+        elif isinstance(node, yaml.SequenceNode):
+            for i, item in enumerate(node.value):
+                found = walk(item, prefix + [str(i)])
+                if found:
+                    return found
+        return None
+
+    found = walk(root, []) if root is not None else None
+    return (".".join(found[0]), found[1]) if found else (key, None)
+
+
+def _describe_yaml_error(err, readable_dir: Optional[str], given_dir: Optional[str]) -> str:
+    """One line for a YAML file hydra could not read: the file (as the user named it), the line, the key."""
+    mark = err.problem_mark
+    path = mark.name if mark is not None else "?"
+    shown = path
+    if readable_dir and given_dir and readable_dir != given_dir and path.startswith(readable_dir + os.sep):
+        shown = os.path.join(given_dir, os.path.relpath(path, readable_dir))  # a header-free copy keeps lines
+    problem = err.problem or "invalid YAML"
+    duplicate = "found duplicate key "
+    if problem.startswith(duplicate) and err.context_mark is not None and mark is not None:
+        key = problem[len(duplicate):]
+        dotted, first_line = _first_key_line(path, err.context_mark, key)
+        first = f" (first set at line {first_line})" if first_line else ""
+        return f"{shown}, line {mark.line + 1}: duplicate key '{dotted}'{first}; each key may appear only once"
+    where = f"line {mark.line + 1}, column {mark.column + 1}" if mark is not None else "somewhere"
+    context = ""
+    if err.context and err.context_mark is not None:
+        context = f" ({err.context} at line {err.context_mark.line + 1})"
+    elif err.context:
+        context = f" ({err.context})"
+    return f"{shown}, {where}: {problem}{context}: not a valid YAML file"
+
+
+def _config_dir_of(argv: List[str]) -> Optional[str]:
+    from hydra._internal.utils import get_args_parser
+
+    parsed = get_args_parser().parse_args(argv)
+    given = parsed.config_dir or parsed.config_path
+    return os.path.abspath(given) if given else None
+
+
 _OUTCOME: Dict[str, object] = {}  # what the hydra task returned or raised, read after hydra returns
 
 
@@ -222,6 +326,7 @@ def _hydra_task(composed: DictConfig) -> None:
 
     # Hydra would catch an exception here, print it and exit 1; keep it for cli_main instead, so user
     # errors read as one line (as with fairseq-train) and the requeue status comes through.
+    _restore_full_error()  # the config is composed: from here on (and in spawned ranks) the user's setting
     try:
         hydra_cfg = HydraConfig.get()
         values = to_plain_dict(composed)
@@ -240,7 +345,7 @@ def _hydra_task(composed: DictConfig) -> None:
 
 
 def _main(argv: Optional[List[str]]) -> None:
-    from fairseq.preemption import EXIT_REQUEUED
+    from fairseq.preemption import EXIT_REQUEUED, REQUEUE_FAILED, exit_requeue_failed
     from fairseq_cli.train import REQUEUED
 
     argv = sys.argv[1:] if argv is None else list(argv)
@@ -252,16 +357,34 @@ def _main(argv: Optional[List[str]]) -> None:
         argv = argv + ["--config-name", DEFAULT_CONFIG_NAME]
     saved_argv = sys.argv
     _OUTCOME.clear()
+    given_dir = _config_dir_of(argv)
+    user_wants_traceback = os.environ.get(_FULL_ERROR) == "1"
     with _readable_config_dir(argv) as argv:
         sys.argv = [saved_argv[0] if saved_argv else "fairseq-hydra-train"] + hydra_argv(argv)
         try:
-            _hydra_task()  # hydra reads sys.argv
+            with _hydra_raises_errors():
+                _hydra_task()  # hydra reads sys.argv
+        except Exception as err:  # raised by hydra itself (the task keeps its own errors in _OUTCOME)
+            if user_wants_traceback:
+                raise
+            yaml_error = _yaml_error_in(err)
+            if yaml_error is not None:
+                raise ValueError(_describe_yaml_error(yaml_error, _config_dir_of(argv), given_dir)) from None
+            from hydra._internal.utils import run_and_report
+
+            def reraise():
+                raise err
+
+            run_and_report(reraise)  # anything else is reported as hydra reports it (and exits 1)
+            raise
         finally:
             sys.argv = saved_argv
     if "error" in _OUTCOME:
         raise _OUTCOME["error"]
     if _OUTCOME.get("result") == REQUEUED:
         sys.exit(EXIT_REQUEUED)
+    if _OUTCOME.get("result") == REQUEUE_FAILED:
+        exit_requeue_failed("fairseq-hydra-train")
 
 
 def cli_main(argv: Optional[List[str]] = None) -> None:

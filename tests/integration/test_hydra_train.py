@@ -278,3 +278,78 @@ def test_the_header_free_copy_holds_only_the_yaml_files(tmp_path):
     (tmp_path / "model" / "tiny.yaml").write_text("_name: transformer_lm\n")
     with without_group_package_headers(str(tmp_path)) as same:
         assert same == str(tmp_path)  # nothing to strip: no copy
+
+
+# ----------------------------------------------------------------------------- unreadable YAML
+
+
+def run_hydra_cli(*args, cwd):
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("SLURM_", "RANK", "LOCAL_RANK", "WORLD_SIZE")) and k != "HYDRA_FULL_ERROR"}
+    return subprocess.run([sys.executable, "-m", "fairseq_cli.hydra_train", "hydra/job_logging=none", *args],
+                          cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
+
+
+def test_duplicate_key_is_one_line_naming_file_key_and_line(tmp_path):
+    config_dir = tmp_path / "config"
+    config_dir.mkdir()
+    (config_dir / "lm.yaml").write_text(
+        "common:\n  cpu: true\noptimization:\n  max_update: 2\n  lr: [0.001]\n  max_update: 3\n"
+        "task:\n  _name: dummy_lm\n")
+    result = run_hydra_cli("--config-dir", str(config_dir), "--config-name", "lm", cwd=tmp_path)
+    assert result.returncode == 1, result.stderr[-3000:]
+    assert result.stderr.splitlines() == [
+        f"fairseq-hydra-train: error: {config_dir / 'lm.yaml'}, line 6: duplicate key 'optimization.max_update' "
+        "(first set at line 4); each key may appear only once"
+    ], result.stderr[-3000:]
+    assert result.stdout == ""
+
+
+def test_duplicate_key_in_an_upstream_style_group_file_names_the_users_file(tmp_path):
+    """Files with `# @package _group_` headers are read from a header-free copy; the message names the
+    user's file, and the line numbers are the user's."""
+    config_dir = tmp_path / "config"
+    (config_dir / "model").mkdir(parents=True)
+    (config_dir / "lm.yaml").write_text(UPSTREAM_STYLE_CONFIG)
+    (config_dir / "model" / "tiny.yaml").write_text(UPSTREAM_STYLE_MODEL + "decoder_layers: 4\n")
+    result = run_hydra_cli("task.data=x", "--config-dir", str(config_dir), "--config-name", "lm", cwd=tmp_path)
+    assert result.returncode == 1, result.stderr[-3000:]
+    errors = [line for line in result.stderr.splitlines() if "error:" in line]
+    assert errors == [
+        f"fairseq-hydra-train: error: {config_dir / 'model' / 'tiny.yaml'}, line 7: duplicate key 'decoder_layers' "
+        "(first set at line 3); each key may appear only once"
+    ], result.stderr[-3000:]
+    assert "Traceback" not in result.stderr
+
+
+def test_yaml_syntax_error_is_one_line(tmp_path, monkeypatch, capsys, restore_logging):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
+    (tmp_path / "bad.yaml").write_text("common:\n  cpu: [true\n")
+    with pytest.raises(SystemExit) as exit_info:
+        hydra_train.cli_main(["--config-dir", str(tmp_path), "--config-name", "bad", "hydra/job_logging=none"])
+    assert exit_info.value.code == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"fairseq-hydra-train: error: {tmp_path / 'bad.yaml'}, line 3, column 1: ") and \
+        err.count("\n") == 1, err
+    assert "HYDRA_FULL_ERROR" not in os.environ  # hydra's switch, set while composing, is put back
+
+
+def test_other_hydra_errors_are_reported_as_hydra_reports_them(tmp_path, monkeypatch, capsys, restore_logging):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
+    with pytest.raises(SystemExit) as exit_info:
+        hydra_train.cli_main(["--config-dir", str(tmp_path), "--config-name", "nowhere", "hydra/job_logging=none"])
+    assert exit_info.value.code == 1
+    err = capsys.readouterr().err
+    assert "Cannot find primary config 'nowhere'" in err and "Traceback" not in err
+    assert "HYDRA_FULL_ERROR" not in os.environ
+
+
+def test_hydra_full_error_still_gives_the_traceback(tmp_path, monkeypatch, restore_logging):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HYDRA_FULL_ERROR", "1")
+    (tmp_path / "dup.yaml").write_text("common:\n  seed: 1\n  seed: 2\n")
+    with pytest.raises(yaml.YAMLError, match="found duplicate key seed"):
+        hydra_train.cli_main(["--config-dir", str(tmp_path), "--config-name", "dup", "hydra/job_logging=none"])
+    assert os.environ["HYDRA_FULL_ERROR"] == "1"
