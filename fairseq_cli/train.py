@@ -13,13 +13,25 @@ from fairseq import registry
 from fairseq.utils import import_user_module, run_console_script
 from fairseq.checkpoint.manager import CheckpointManager
 from fairseq.criterions import build_criterion
-from fairseq.data.batching import resolve_limit
 from fairseq.distributed import utils as dist_utils
 from fairseq.distributed.launch import call_main, process_group_timeout
 from fairseq.logging import metrics, progress_bar
-from fairseq.preemption import EXIT_REQUEUED, Preempted, PreemptionWatcher, requeue_slurm_job
+from fairseq.preemption import (
+    EXIT_REQUEUED,
+    REQUEUE_FAILED,
+    Preempted,
+    PreemptionWatcher,
+    exit_requeue_failed,
+    requeue_after_preemption,
+)
 from fairseq.trainer import Trainer
-from fairseq.training_stats import log_train_interval, log_valid, train_log_line, valid_log_line
+from fairseq.logging.log_line import (
+    log_train_interval,
+    log_valid,
+    start_wall_clock,
+    train_log_line,
+    valid_log_line,
+)
 
 logger = logging.getLogger("fairseq_cli.train")
 
@@ -54,16 +66,19 @@ REQUEUED = "requeued"
 def _train(cfg) -> Optional[str]:
     # Installed first: a preemption signal during start-up must not kill the job without a requeue.
     preemption = PreemptionWatcher(timeout=process_group_timeout(cfg.distributed_training))
+    checkpoints = CheckpointManager(cfg)
     try:
-        return _train_with(cfg, preemption)
+        return _train_with(cfg, preemption, checkpoints)
     finally:
+        checkpoints.close()
         preemption.restore()
 
 
-def _train_with(cfg, preemption) -> Optional[str]:
+def _train_with(cfg, preemption, checkpoints) -> Optional[str]:
     if not dist_utils.is_master():
         logging.getLogger().setLevel(logging.WARNING)  # one log, from rank 0
     check_config(cfg)
+    checkpoints.open_save_dir()  # before any data is read or model built: a bad --save-dir fails now
     metrics.reset()
     torch.manual_seed(cfg.common.seed)
 
@@ -83,7 +98,6 @@ def _train_with(cfg, preemption) -> Optional[str]:
     logger.info(f"training on {dist_utils.get_world_size()} device(s) ({trainer.device.type}); "
                 f"max tokens per device = {cfg.dataset.max_tokens} and max sentences per device = "
                 f"{cfg.dataset.batch_size}")
-    checkpoints = CheckpointManager(cfg)
     extra_state = checkpoints.load(trainer)
     epoch = extra_state["train_iterator"]["epoch"] if extra_state and "train_iterator" in extra_state else 1
     epoch_itr = trainer_iterator(cfg, task, trainer, epoch)
@@ -96,7 +110,7 @@ def _train_with(cfg, preemption) -> Optional[str]:
 
     max_epoch = cfg.optimization.max_epoch or math.inf
     start = time.time()
-    metrics.log_start_time("wall", priority=790, round=0)  # "default" aggregator: never reset
+    start_wall_clock()
     try:
         while epoch_itr.next_epoch_idx <= max_epoch:
             # An epoch boundary (and the end of start-up): a signal that came while the next epoch's data was
@@ -117,8 +131,6 @@ def _train_with(cfg, preemption) -> Optional[str]:
             epoch_itr = trainer_iterator(cfg, task, trainer, epoch_itr.next_epoch_idx)
         preemption.drain()
     except Preempted:
-        from fairseq.preemption import REQUEUE_FAILED, requeue_after_preemption
-
         logger.warning(f"preempted: saved checkpoint_last at update {trainer.num_updates}")
         requeued = requeue_after_preemption() if dist_utils.is_master() else None
         # Every rank ends as rank 0's requeue went; like the barrier it replaces, this waits for rank 0.
@@ -361,8 +373,6 @@ def cli_main(argv: Optional[List[str]] = None) -> None:
         check_config(cfg)
     except ValueError as e:
         parser.error(str(e))
-    from fairseq.preemption import REQUEUE_FAILED, exit_requeue_failed
-
     result = call_main(cfg, main)
     if result == REQUEUED:
         sys.exit(EXIT_REQUEUED)

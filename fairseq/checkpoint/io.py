@@ -52,8 +52,12 @@ def _fsync_dir(path: str):
 def default_file_mode() -> int:
     """The mode an ordinary `open(path, "w")` would give (0666 less the umask): checkpoint files and DCP shards
     get the same permissions, not mkstemp's private 0600."""
-    mask = os.umask(0)
-    os.umask(mask)
+    try:  # read without changing it: os.umask(0) would briefly affect files other threads create
+        with open("/proc/self/status") as f:
+            mask = next(int(line.split()[1], 8) for line in f if line.startswith("Umask:"))
+    except (OSError, StopIteration, ValueError, IndexError):
+        mask = os.umask(0)
+        os.umask(mask)
     return 0o666 & ~mask
 
 

@@ -33,8 +33,6 @@ import torch.distributed as dist
 logger = logging.getLogger(__name__)
 
 GIB = 1024**3
-# gb_free is upstream's stat and priority; the others sit next to it in the log line
-MEMORY_STAT_PRIORITY = 1500
 
 
 @dataclass(frozen=True)
@@ -190,22 +188,3 @@ class CudaMemoryStats:
                 f"{round((self.fragmentation_ratio - 1) * 100)}% ({numbers}): {_gib(excess)} GiB is cached "
                 f"but not in use. {levers}"
             )
-
-
-def log_memory_stats(stats: Dict[str, float], priority: float = MEMORY_STAT_PRIORITY) -> None:
-    """Log `interval_stats()` output into the active metrics aggregators.
-
-    Within one log interval every meter shows the interval's value; over an epoch ("train") peaks show
-    the epoch's maximum, free memory its minimum, retries their sum and current values the latest.
-    """
-    from . import metrics
-
-    for key, value in stats.items():
-        if key.startswith("max_"):
-            metrics.log_max(key, value, priority=priority, round=1)
-        elif key in ("cuda_gb_free", "gb_free"):
-            metrics.log_min(key, value, priority=priority, round=1)
-        elif key == "cuda_alloc_retries":
-            metrics.log_scalar_sum(key, value, priority=priority)
-        else:
-            metrics.log_scalar(key, value, weight=0, priority=priority, round=1)

@@ -9,12 +9,11 @@ Activation recomputation (--checkpoint-activations) is not counted: this is *mod
 """
 
 import logging
-from typing import Optional
+from typing import Dict, Optional
 
 import torch
 import torch.nn as nn
 
-from fairseq.logging import metrics
 
 logger = logging.getLogger(__name__)
 
@@ -47,15 +46,16 @@ def flops_per_token(model: nn.Module, num_layers: int, width: int, seq_len: int)
 
 
 class Throughput:
-    """Logs tflops and mfu for an interval, given the tokens processed by all ranks."""
+    """tflops and mfu of an interval, given the tokens processed by all ranks (logged by log_line)."""
 
     def __init__(self, model_flops_per_token: float, world_size: int, peak_tflops: Optional[float]):
         self.flops_per_token = model_flops_per_token
         self.world_size = world_size
         self.peak_tflops = peak_tflops
 
-    def log(self, ntokens_all_ranks: float, elapsed: float) -> None:
+    def interval_values(self, ntokens_all_ranks: float, elapsed: float) -> Dict[str, float]:
         tflops = self.flops_per_token * ntokens_all_ranks / self.world_size / elapsed / 1e12
-        metrics.log_scalar("tflops", tflops, elapsed, priority=130, round=1)
+        values = {"tflops": tflops}
         if self.peak_tflops:
-            metrics.log_scalar("mfu", 100.0 * tflops / self.peak_tflops, elapsed, priority=131, round=1)
+            values["mfu"] = 100.0 * tflops / self.peak_tflops
+        return values

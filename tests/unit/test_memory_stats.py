@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from fairseq.logging import metrics
-from fairseq.logging.memory import GIB, CudaMemoryStats, RawMemoryCounters, log_memory_stats
+from fairseq.logging.log_line import log_memory_stats
+from fairseq.logging.memory import GIB, CudaMemoryStats, RawMemoryCounters
 
 
 class SimulatedAllocator:

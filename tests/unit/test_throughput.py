@@ -59,25 +59,49 @@ def test_default_peak_tflops_is_none_on_cpu():
     assert default_peak_tflops(torch.device("cpu")) is None
 
 
-def test_log_writes_tflops_and_mfu():
-    name = f"test_throughput_{uuid.uuid4().hex}"
+def test_interval_values_are_tflops_and_mfu():
     tp = Throughput(model_flops_per_token=1e9, world_size=4, peak_tflops=989.0)
+    values = tp.interval_values(ntokens_all_ranks=4e6, elapsed=2.0)  # 1e9 * 4e6 / 4 / 2 s = 500 TFLOP/s per GPU
+    assert values == {"tflops": 500.0, "mfu": pytest.approx(100 * 500 / 989)}
+    assert list(values) == ["tflops", "mfu"]
+
+
+def test_interval_values_without_peak_have_no_mfu():
+    assert Throughput(2e9, 1, None).interval_values(ntokens_all_ranks=3e5, elapsed=0.5) == {"tflops": 1200.0}
+
+
+class _Trainer:
+    """What log_train_interval reads of a trainer."""
+
+    def __init__(self, throughput):
+        from fairseq.criterions.cross_entropy import CrossEntropyCriterion
+
+        self.criterion = CrossEntropyCriterion.__new__(CrossEntropyCriterion)
+        self.throughput = throughput
+        self.num_updates = 3
+        self.precision = type("P", (), {"scaler": None})()
+        self.memory_stats = type("M", (), {"available": False})()
+
+    def get_lr(self):
+        return 0.001
+
+
+def test_log_line_time_weights_tflops_and_keeps_the_order():
+    from fairseq.logging.log_line import ORDER, log_train_interval
+
+    name = f"test_throughput_{uuid.uuid4().hex}"
+    trainer = _Trainer(Throughput(model_flops_per_token=1e9, world_size=4, peak_tflops=989.0))
+    sums = {"loss": 8.0, "nll_loss": 8.0, "ntokens": 4e6, "nsentences": 8.0, "sample_size": 4e6, "updates": 1.0,
+            "gnorm": 1.5, "train_wall": 2.0}
     with metrics.aggregate(name):
-        tp.log(ntokens_all_ranks=4e6, elapsed=2.0)  # 1e9 * 4e6 / 4 / 2 s = 500 TFLOP/s per GPU
-        values = metrics.get_smoothed_values(name)
-        assert values["tflops"] == 500.0
-        assert values["mfu"] == round(100 * 500 / 989, 1) == 50.6
-        assert list(values).index("tflops") < list(values).index("mfu")
-        tp.log(ntokens_all_ranks=1e6, elapsed=1.0)  # 250 TFLOP/s over 1 s: averaged weighted by time
+        log_train_interval(trainer, sums, elapsed=2.0)  # 500 TFLOP/s per GPU
+        log_train_interval(trainer, dict(sums, ntokens=1e6, sample_size=1e6), elapsed=1.0)  # 250 over 1 s
         values = metrics.get_smoothed_values(name)
     assert values["tflops"] == pytest.approx(round((500 * 2 + 250 * 1) / 3, 1)) == 416.7
     assert values["mfu"] == pytest.approx(round(100 * (500 * 2 + 250) / 3 / 989, 1))
+    keys = list(values)
+    assert keys[:keys.index("wps")] == ["loss", "ppl"]  # the criterion's keys first, as upstream
+    ordered = [k for k in keys if k in ORDER]
+    assert ordered == sorted(ordered, key=ORDER.get)
+    assert ordered == ["wps", "ups", "wpb", "bsz", "num_updates", "lr", "gnorm", "train_wall", "tflops", "mfu"]
     metrics.reset_meters(name)
-
-
-def test_log_without_peak_has_no_mfu():
-    name = f"test_throughput_{uuid.uuid4().hex}"
-    with metrics.aggregate(name):
-        Throughput(2e9, 1, None).log(ntokens_all_ranks=3e5, elapsed=0.5)
-        values = metrics.get_smoothed_values(name)
-    assert values == {"tflops": 1200.0}  # 2e9 * 3e5 / 0.5 s / 1e12

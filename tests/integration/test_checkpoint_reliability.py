@@ -1,0 +1,257 @@
+"""What a hostile-but-realistic user does to a --save-dir, through the real fairseq-train entry point:
+aliases edited in place, a full disk, an unwritable directory, two runs at once, killed saves, damaged files,
+another dictionary, changed model options."""
+
+import os
+import resource
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from fairseq.checkpoint.io import (
+    CheckpointError,
+    CheckpointSaveError,
+    CorruptCheckpointError,
+    atomic_torch_save,
+    default_file_mode,
+    load_checkpoint_file,
+)
+from fairseq.checkpoint.save_dir import LOCK_FILE, SaveDirInUse, SaveDirLock
+from fairseq.checkpoint.sharded import copy_sharded
+from fairseq_cli import train
+
+TINY_MODEL = [
+    "--arch", "transformer_lm", "--decoder-layers", "2", "--decoder-embed-dim", "32",
+    "--decoder-ffn-embed-dim", "64", "--decoder-attention-heads", "2", "--decoder-input-dim", "32",
+    "--decoder-output-dim", "32", "--share-decoder-input-output-embed",
+]
+
+
+def train_args(data, save_dir, *extra, max_update=4):
+    return [
+        "--task", "language_modeling", str(data), "--save-dir", str(save_dir), *TINY_MODEL,
+        "--optimizer", "adam", "--lr", "0.002", "--tokens-per-sample", "32", "--sample-break-mode", "none",
+        "--max-tokens", "256", "--max-update", str(max_update), "--log-format", "json", "--log-interval", "1",
+        "--num-workers", "0", "--cpu", "--seed", "3", *extra,
+    ]
+
+
+def load(path):
+    return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def num_updates(path):
+    return load(path)["extra_state"]["trainer"]["num_updates"]
+
+
+def run_cli(args, limit_file_size=None):
+    """fairseq-train in a subprocess (optionally under a file-size limit: writes past it fail with EFBIG)."""
+    def limit():
+        if limit_file_size is not None:
+            resource.setrlimit(resource.RLIMIT_FSIZE, (limit_file_size, limit_file_size))
+
+    code = "import sys; from fairseq_cli.train import console_main; sys.argv[0] = 'fairseq-train'; console_main()"
+    return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=300,
+                          preexec_fn=limit)
+
+
+# ----------------------------------------------------------------------------- aliases are independent
+
+
+def test_checkpoint_names_are_independent_files(tiny_data, tmp_path):
+    train.cli_main(train_args(tiny_data, tmp_path, "--save-interval-updates", "2", max_update=4))
+    names = ["checkpoint_1_4.pt", "checkpoint_best.pt", "checkpoint_last.pt"]
+    inodes = {os.stat(tmp_path / n).st_ino for n in names}
+    assert len(inodes) == 3 and all(os.stat(tmp_path / n).st_nlink == 1 for n in names)
+    assert open(tmp_path / "checkpoint_1_4.pt", "rb").read() == open(tmp_path / "checkpoint_last.pt", "rb").read()
+
+    # Strip the optimizer state from checkpoint_best in place (torch.save to the same path truncates and
+    # rewrites the file): the other names keep theirs.
+    best = load(tmp_path / "checkpoint_best.pt")
+    del best["last_optimizer_state"]
+    with open(tmp_path / "checkpoint_best.pt", "r+b") as f:
+        f.truncate(0)
+        torch.save(best, f)
+    assert "last_optimizer_state" in load(tmp_path / "checkpoint_last.pt")
+    assert "last_optimizer_state" in load(tmp_path / "checkpoint_1_4.pt")
+
+    # Roll back by copying an older checkpoint over checkpoint_last: the newest interval checkpoint is untouched.
+    before = open(tmp_path / "checkpoint_1_4.pt", "rb").read()
+    with open(tmp_path / "checkpoint_1_2.pt", "rb") as src, open(tmp_path / "checkpoint_last.pt", "r+b") as dst:
+        dst.truncate(0)
+        dst.write(src.read())
+    assert num_updates(tmp_path / "checkpoint_last.pt") == 2
+    assert open(tmp_path / "checkpoint_1_4.pt", "rb").read() == before
+
+
+def test_sharded_copy_is_independent(tmp_path):
+    src, dst = tmp_path / "checkpoint_1_4", tmp_path / "checkpoint_last"
+    src.mkdir()
+    for name, data in [(".metadata", b"m" * 100), ("__0_0.distcp", b"x" * 5000), ("metadata.pt", b"p" * 10)]:
+        (src / name).write_bytes(data)
+    copy_sharded(str(src), str(dst))  # no process group: one rank copies every file
+    for name in os.listdir(src):
+        assert (dst / name).read_bytes() == (src / name).read_bytes()
+        assert os.stat(dst / name).st_ino != os.stat(src / name).st_ino
+    with open(dst / "__0_0.distcp", "r+b") as f:
+        f.write(b"changed")
+    assert (src / "__0_0.distcp").read_bytes() == b"x" * 5000
+    assert sorted(os.listdir(tmp_path)) == ["checkpoint_1_4", "checkpoint_last"]  # no temporaries left
+
+
+def test_checkpoint_files_get_the_ordinary_file_mode(tmp_path):
+    path = tmp_path / "c.pt"
+    atomic_torch_save({"x": torch.ones(2)}, str(path))
+    assert os.stat(path).st_mode & 0o777 == default_file_mode()
+
+
+# ----------------------------------------------------------------------------- failed writes
+
+
+def test_disk_full_during_save_is_one_line_and_keeps_the_previous_checkpoint(tiny_data, tmp_path):
+    assert train.cli_main(train_args(tiny_data, tmp_path, max_update=1)) is None
+    before = open(tmp_path / "checkpoint_last.pt", "rb").read()
+    # A file-size limit below the checkpoint's size: the save fails with EFBIG as it would with ENOSPC.
+    result = run_cli(train_args(tiny_data, tmp_path, max_update=2), limit_file_size=len(before) // 2)
+    assert result.returncode == 1, result.stderr[-2000:]
+    errors = [line for line in result.stderr.splitlines() if "error:" in line]
+    assert len(errors) == 1 and "EFBIG" in errors[0] and str(tmp_path) in errors[0], result.stderr[-2000:]
+    assert "previously at that path is intact" in errors[0]
+    assert "Traceback" not in result.stderr and "unexpected pos" not in result.stderr
+    assert open(tmp_path / "checkpoint_last.pt", "rb").read() == before
+    assert not [n for n in os.listdir(tmp_path) if n.endswith(".tmp")]
+
+
+def test_unwritable_save_dir_fails_at_start_up(tiny_data, tmp_path):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a directory")
+    result = run_cli(train_args(tiny_data, blocker / "ckpt"))
+    assert result.returncode == 1
+    assert "--save-dir is not writable" in result.stderr and "ENOTDIR" in result.stderr, result.stderr[-2000:]
+    assert "num. model params" not in result.stderr  # found before the model is built, not at the first save
+    assert "Traceback" not in result.stderr
+
+
+def test_full_disk_is_found_at_start_up(tiny_data, tmp_path):
+    result = run_cli(train_args(tiny_data, tmp_path / "ckpt"), limit_file_size=100)  # the probe writes 1.2 kB
+    assert result.returncode == 1
+    assert "--save-dir is not writable" in result.stderr and "EFBIG" in result.stderr, result.stderr[-2000:]
+
+
+# ----------------------------------------------------------------------------- one run per directory
+
+
+def test_second_run_on_a_locked_save_dir_fails_naming_the_holder(tiny_data, tmp_path):
+    lock = SaveDirLock(str(tmp_path))
+    lock.acquire()  # stands for another run's rank 0
+    try:
+        with pytest.raises(SaveDirInUse, match=rf"in use by another training run \(pid {os.getpid()} on host"):
+            train.cli_main(train_args(tiny_data, tmp_path))
+        assert not os.path.exists(tmp_path / "checkpoint_last.pt")
+    finally:
+        lock.release()
+    train.cli_main(train_args(tiny_data, tmp_path, max_update=1))  # free again once the holder is gone
+    assert num_updates(tmp_path / "checkpoint_last.pt") == 1
+    train.cli_main(train_args(tiny_data, tmp_path, max_update=2))  # a finished run released it
+    assert os.path.exists(tmp_path / LOCK_FILE)
+
+
+def test_lock_is_released_when_the_holder_is_killed(tmp_path):
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time; from fairseq.checkpoint.save_dir import SaveDirLock; "
+         f"SaveDirLock({str(tmp_path)!r}).acquire(); print('held', flush=True); time.sleep(60)"],
+        stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline().strip() == "held"
+    with pytest.raises(SaveDirInUse, match=f"pid {holder.pid}"):
+        SaveDirLock(str(tmp_path)).acquire()
+    holder.kill()
+    holder.wait()
+    lock = SaveDirLock(str(tmp_path))
+    lock.acquire()
+    lock.release()
+
+
+def test_temporaries_of_killed_saves_are_removed_at_start(tiny_data, tmp_path):
+    (tmp_path / ".checkpoint_last.pt.k2j3.tmp").write_bytes(b"half a checkpoint")
+    (tmp_path / "checkpoint_last.tmp").mkdir()
+    (tmp_path / "checkpoint_last.tmp" / "__0_0.distcp").write_bytes(b"half a shard")
+    train.cli_main(train_args(tiny_data, tmp_path, max_update=1))
+    assert sorted(n for n in os.listdir(tmp_path) if "tmp" in n) == []
+
+
+# ----------------------------------------------------------------------------- damaged checkpoints
+
+
+def test_garbage_legacy_and_truncated_files_are_told_apart(tmp_path):
+    garbage = tmp_path / "garbage.pt"
+    garbage.write_bytes(os.urandom(4096).replace(b"PK", b"pk").lstrip(b"\x80") or b"x")
+    with pytest.raises(CheckpointError, match="is not a checkpoint") as info:
+        load_checkpoint_file(str(garbage))
+    assert "--trust-legacy-checkpoint" not in str(info.value)
+    with pytest.raises(CheckpointError, match="is not a checkpoint"):
+        load_checkpoint_file(str(garbage), trust_legacy=True)
+
+    good = tmp_path / "good.pt"
+    atomic_torch_save({"model": {"w": torch.zeros(5000)}}, str(good))
+    truncated = tmp_path / "truncated.pt"
+    truncated.write_bytes(good.read_bytes()[:-100])
+    with pytest.raises(CorruptCheckpointError, match="truncated"):
+        load_checkpoint_file(str(truncated))
+
+    import argparse
+    legacy = tmp_path / "legacy.pt"
+    torch.save({"args": argparse.Namespace(arch="x"), "model": {}}, str(legacy))
+    with pytest.raises(CheckpointError, match="--trust-legacy-checkpoint") as info:
+        load_checkpoint_file(str(legacy))
+    assert not isinstance(info.value, CorruptCheckpointError)
+
+
+def test_truncated_checkpoint_last_names_the_intact_ones_to_restore(tiny_data, tmp_path):
+    train.cli_main(train_args(tiny_data, tmp_path, "--save-interval-updates", "2", max_update=4))
+    last = tmp_path / "checkpoint_last.pt"
+    last.write_bytes(last.read_bytes()[:1000])
+    with pytest.raises(CorruptCheckpointError) as info:
+        train.cli_main(train_args(tiny_data, tmp_path, "--save-interval-updates", "2", max_update=6))
+    message = str(info.value)
+    assert "truncated" in message and "checkpoint_last.pt" in message
+    listed = message.split("newest first: ")[1].split(";")[0].split(", ")
+    assert sorted(listed) == ["checkpoint_1_2.pt", "checkpoint_1_4.pt", "checkpoint_best.pt"]
+    assert listed[-1] == "checkpoint_1_2.pt"  # the oldest last
+    suggested = message.split("--restore-file ")[1]
+    assert suggested in ("checkpoint_1_4.pt", "checkpoint_best.pt")  # both hold update 4
+    train.cli_main(train_args(tiny_data, tmp_path, "--save-interval-updates", "2", "--restore-file",
+                              suggested, max_update=6))
+    assert num_updates(last) == 6
+
+
+# ----------------------------------------------------------------------------- mismatches named as such
+
+
+def test_dictionary_that_does_not_match_the_checkpoint_is_named(tiny_data, tmp_path):
+    save = tmp_path / "ckpt"
+    train.cli_main(train_args(tiny_data, save, max_update=1))
+    other = tmp_path / "other-data"
+    other.mkdir()
+    for name in os.listdir(tiny_data):
+        os.symlink(os.path.join(tiny_data, name), other / name)
+    os.remove(other / "dict.txt")
+    with open(os.path.join(tiny_data, "dict.txt")) as f:
+        lines = f.readlines()
+    (other / "dict.txt").write_text("".join(lines) + "".join(f"extra{i} 1\n" for i in range(8)))
+    with pytest.raises(CheckpointError, match="dictionary does not match the checkpoint") as info:
+        train.cli_main(train_args(other, save, max_update=2))
+    assert "different architecture" not in str(info.value)
+
+
+@pytest.mark.parametrize("flag,value", [("--decoder-attention-heads", "4"), ("--decoder-ffn-embed-dim", "128"),
+                                        ("--tokens-per-sample", "16")])
+def test_changed_model_option_on_resume_is_refused_naming_it(tiny_data, tmp_path, flag, value):
+    train.cli_main(train_args(tiny_data, tmp_path, max_update=1))
+    args = train_args(tiny_data, tmp_path, max_update=2)
+    args[args.index(flag) + 1] = value
+    named = "--max-target-positions" if flag == "--tokens-per-sample" else flag
+    with pytest.raises(CheckpointError, match=named):
+        train.cli_main(args)
+    assert num_updates(tmp_path / "checkpoint_last.pt") == 1
