@@ -65,7 +65,7 @@ def fsdp_param_groups(layer):
 def build_model(meta=False):
     torch.manual_seed(0)
     cfg = preset_config(
-        "transformer_lm_gpt3_small", transformer_layers=NUM_LAYERS, decoder_embed_dim=16,
+        "transformer_lm_gpt3_small", decoder_layers=NUM_LAYERS, decoder_embed_dim=16,
         decoder_attention_heads=2, dropout=0.0, tokens_per_sample=SEQ,
     )
     if meta:

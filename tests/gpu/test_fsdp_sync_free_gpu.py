@@ -96,7 +96,7 @@ def fsdp_param_groups(layer):
 def real_model():
     from fairseq.models.transformer_lm import TransformerLanguageModel, preset_config
 
-    cfg = preset_config("transformer_lm_gpt3_small", transformer_layers=NUM_LAYERS, decoder_embed_dim=1024,
+    cfg = preset_config("transformer_lm_gpt3_small", decoder_layers=NUM_LAYERS, decoder_embed_dim=1024,
                         decoder_attention_heads=16, dropout=0.0, tokens_per_sample=1024)
     return TransformerLanguageModel.build(cfg, 50272, 1)
 
