@@ -133,8 +133,9 @@ def _add_component_flags(parser, first):
 
 
 def _check_args(args):
-    if getattr(args, "bf16", False) and getattr(args, "fp16", False):
-        raise ValueError("--fp16 and --bf16 cannot be combined; pass one of them")
+    from fairseq.dataclass.validate import check_precision
+
+    check_precision(args)
     if getattr(args, "memory_efficient_fp16", False):
         args.fp16 = True
     if getattr(args, "memory_efficient_bf16", False):

@@ -143,8 +143,9 @@ def parse(argv: Optional[List[str]] = None) -> Request:
 def _training_setup(args, cfg) -> mm.TrainingSetup:
     from fairseq.models.transformer_lm import resolve_max_target_positions
 
-    if (args.fp16 or args.memory_efficient_fp16) and (args.bf16 or args.memory_efficient_bf16):
-        raise ValueError("--fp16 and --bf16 cannot be combined; pass one of them")
+    from fairseq.dataclass.validate import check_precision
+
+    check_precision(args)
     dtype = "fp32"
     if args.fp16 or args.memory_efficient_fp16:
         dtype = "fp16"

@@ -13,6 +13,7 @@ from fairseq import registry
 from fairseq.utils import import_user_module, run_console_script
 from fairseq.checkpoint.manager import CheckpointManager
 from fairseq.criterions import build_criterion
+from fairseq.dataclass.validate import validate as validate_config
 from fairseq.distributed import utils as dist_utils
 from fairseq.distributed.launch import call_main, process_group_timeout
 from fairseq.logging import metrics, progress_bar
@@ -34,17 +35,6 @@ from fairseq.logging.log_line import (
 )
 
 logger = logging.getLogger("fairseq_cli.train")
-
-
-def check_config(cfg) -> None:
-    if cfg.dataset.max_tokens is None and cfg.dataset.batch_size is None:
-        raise ValueError("give a batch size with --max-tokens or --batch-size")
-    if cfg.optimizer is None:
-        raise ValueError("no --optimizer given; e.g. --optimizer adam")
-    if cfg.model is None:
-        raise ValueError("no --arch given; e.g. --arch transformer_lm")
-    if cfg.optimization.use_bmuf:
-        raise ValueError("--use-bmuf (block-wise model update filtering) is not supported; drop the flag")
 
 
 def main(cfg) -> Optional[str]:
@@ -77,7 +67,7 @@ def _train(cfg) -> Optional[str]:
 def _train_with(cfg, preemption, checkpoints) -> Optional[str]:
     if not dist_utils.is_master():
         logging.getLogger().setLevel(logging.WARNING)  # one log, from rank 0
-    check_config(cfg)
+    validate_config(cfg)  # again here: in-process and hydra callers reach main without cli_main
     checkpoints.open_save_dir()  # before any data is read or model built: a bad --save-dir fails now
     metrics.reset()
     torch.manual_seed(cfg.common.seed)
@@ -370,7 +360,7 @@ def cli_main(argv: Optional[List[str]] = None) -> None:
     args = options.parse_args_and_arch(parser, argv)
     cfg = options.convert_namespace_to_config(args)
     try:
-        check_config(cfg)
+        validate_config(cfg)  # before any process is spawned or data read
     except ValueError as e:
         parser.error(str(e))
     result = call_main(cfg, main)

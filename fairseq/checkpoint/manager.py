@@ -39,9 +39,7 @@ class CheckpointManager:
     def __init__(self, cfg):
         self.cfg = cfg
         self.ckpt_cfg = cfg.checkpoint
-        self.sharded = cfg.distributed_training.use_sharded_state
-        if self.sharded and cfg.distributed_training.ddp_backend != "fully_sharded":
-            raise ValueError("--use-sharded-state needs --ddp-backend fully_sharded")
+        self.sharded = cfg.distributed_training.use_sharded_state  # validate(cfg) checked it needs fully_sharded
         self.best: Optional[float] = None
         self._patience_best: Optional[float] = None
         self._validations_without_improvement = 0

@@ -4,6 +4,7 @@ BaseFairseqModel (upstream's base class name, so plug-ins written for upstream s
 
 A model provides:
 - `build_model(cfg, task)` (classmethod): the model for a config and a task (dictionaries, max positions);
+- `check_config(cfg)` (classmethod): the model's option checks, run by `validate(cfg)` before any work;
 - `transformer_layers()`: the nn.ModuleList of repeated blocks. FSDP makes each one unit, activation
   checkpointing and `--compile` wrap each one; the entries may be replaced by wrappers in place;
 - `reset_parameters()`: initialize every parameter (a model built on the meta device is allocated, then this
@@ -28,6 +29,10 @@ class BaseFairseqModel(nn.Module):
     @classmethod
     def build_model(cls, cfg, task) -> "BaseFairseqModel":
         raise NotImplementedError(f"{cls.__name__} must implement build_model(cfg, task)")
+
+    @classmethod
+    def check_config(cls, cfg) -> None:
+        """Raise ValueError naming the flag for options this model cannot build (run by validate(cfg))."""
 
     def transformer_layers(self) -> nn.ModuleList:
         raise NotImplementedError(

@@ -176,6 +176,10 @@ class TransformerLanguageModel(FairseqLanguageModel):
         super().__init__(decoder)
 
     @classmethod
+    def check_config(cls, cfg) -> None:
+        check_config(cfg)
+
+    @classmethod
     def build_model(cls, cfg, task) -> "TransformerLanguageModel":
         dictionary = task.source_dictionary
         return cls.build(cfg, len(dictionary), dictionary.pad(), output_vocab_size=len(task.target_dictionary))

@@ -1,0 +1,49 @@
+"""validate(cfg): every training entry point checks flag combinations before any process or data exists."""
+
+import subprocess
+import sys
+
+import pytest
+
+from fairseq import options
+from fairseq.dataclass.validate import validate
+from fairseq_cli import train
+
+BASE = ["--task", "language_modeling", "/nonexistent/data", "--arch", "transformer_lm", "--optimizer", "adam",
+        "--lr", "0.001", "--max-tokens", "64", "--tokens-per-sample", "16", "--cpu"]
+
+
+def config(*extra):
+    parser = options.get_training_parser()
+    return options.convert_namespace_to_config(options.parse_args_and_arch(parser, BASE + list(extra)))
+
+
+@pytest.mark.parametrize("extra,message", [
+    (["--use-sharded-state"], "--use-sharded-state needs --ddp-backend fully_sharded"),
+    (["--fsdp-sync-free"], "--fsdp-sync-free needs --ddp-backend fully_sharded"),
+    (["--ddp-backend", "fully_sharded", "--fsdp-forward-prefetch", "--fsdp-prefetch-depth", "0"],
+     "--fsdp-prefetch-depth must be at least 1"),
+    (["--decoder-layers", "-1"], "--decoder-layers must be >= 0"),
+    (["--use-bmuf"], "--use-bmuf"),
+    (["--batch-size", "0"], "--batch-size must be at least 1"),
+])
+def test_validate_names_the_flag(extra, message):
+    with pytest.raises(ValueError, match=message):
+        validate(config(*extra))
+
+
+def test_a_valid_config_passes():
+    validate(config())
+
+
+def test_main_validates_before_reading_data_or_spawning(tmp_path):
+    # The data directory does not exist: the flag error must come first, from the parser, in well under the
+    # time it takes to spawn processes.
+    args = BASE + ["--use-sharded-state", "--distributed-world-size", "2", "--save-dir", str(tmp_path)]
+    code = "import sys; from fairseq_cli.train import console_main; sys.argv[0] = 'fairseq-train'; console_main()"
+    result = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert "--use-sharded-state needs --ddp-backend fully_sharded" in result.stderr
+    assert "spawning" not in result.stderr and "Dataset not found" not in result.stderr
+    with pytest.raises(ValueError, match="--use-sharded-state needs"):  # in-process callers of main() too
+        train.main(config("--use-sharded-state", "--save-dir", str(tmp_path)))
