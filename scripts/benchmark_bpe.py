@@ -12,10 +12,15 @@ the peak of the summed proportional set size (PSS: shared pages split between th
 them) of all processes, both sampled from /proc every 50 ms.
 
 The reference (`--reference-child`, also runnable alone) is clean-room code of the published algorithm
-and of upstream's script structure: the GPT-2 regex (the `regex` package, in the dev extra), the byte to
-character table, a merge loop per piece with an unbounded per-process cache (upstream's: it grows with
-the number of distinct pieces seen), and `multiprocessing.Pool(workers).imap(encode_lines, zip(*inputs),
-100)` in the main process.
+in upstream's structure, so that it costs what upstream costs: the GPT-2 regex (the `regex` package, in
+the dev extra), the byte to character table, per piece a look-up in an unbounded per-process cache of
+space-joined symbols (upstream's: it grows with the number of distinct pieces seen) split again for the id
+look-ups, on a miss upstream's merge loop (tuple of symbols, set of pairs, `tuple.index` scan), and
+`multiprocessing.Pool(workers).imap(encode_lines, zip(*inputs), 100)` in the main process, printing each
+line and "processed N lines" as upstream does.
+
+The load average (1 minute) is sampled every 50 ms during each row; the table gives its range. The
+machine should be otherwise idle: on a shared one, wall times grow with the load, CPU seconds much less.
 
 Corpus: paragraphs of the text behind the quickstart's sample corpus (pydoc_data.topics) with a fraction of
 the words replaced by words drawn from a heavy-tailed distribution over a synthetic lexicon and by numbers,
@@ -39,8 +44,29 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENCODER_SCRIPT = os.path.join(ROOT, "examples", "roberta", "multiprocessing_bpe_encoder.py")
 
 
+def _load_encoder_module():
+    """fairseq/data/encoders/gpt2_bpe_utils.py by itself (importing `fairseq.data` would import torch)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "_bench_gpt2_bpe_utils", os.path.join(ROOT, "fairseq", "data", "encoders", "gpt2_bpe_utils.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 # ---- the reference: the published algorithm, as upstream's script runs it ----------------------------------
+def get_pairs(word):
+    """The set of adjacent symbol pairs of a word (a tuple of symbols)."""
+    return set(zip(word, word[1:]))
+
+
 class ReferenceEncoder:
+    """Upstream's encoder, in its structure: the GPT-2 regex (the `regex` package), bytes shown as characters,
+    and a per-process cache from piece to its space-joined BPE symbols that keeps every piece seen (it grows
+    with the number of distinct pieces); on a miss, the merge loop over a tuple of symbols, with the set of
+    pairs recomputed after each merge and each rank's occurrences found by `tuple.index`."""
+
     def __init__(self, encoder_json, vocab_bpe):
         import regex
 
@@ -48,45 +74,61 @@ class ReferenceEncoder:
             self.encoder = json.load(f)
         with open(vocab_bpe, encoding="utf-8") as f:
             lines = f.read().split("\n")[1:-1]
-        self.ranks = {tuple(line.split()): i for i, line in enumerate(lines)}
-        self.pattern = regex.compile(r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+""")
-        self.byte_chars = {}
+        merges = [tuple(line.split()) for line in lines]
+        self.bpe_ranks = dict(zip(merges, range(len(merges))))
+        self.pat = regex.compile(r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+""")
+        self.byte_encoder = {}
         extra = 256
         for b in range(256):
             if 33 <= b <= 126 or 161 <= b <= 172 or 174 <= b <= 255:
-                self.byte_chars[b] = chr(b)
+                self.byte_encoder[b] = chr(b)
             else:
-                self.byte_chars[b] = chr(extra)
+                self.byte_encoder[b] = chr(extra)
                 extra += 1
         self.cache = {}
 
-    def merge(self, token):
+    def bpe(self, token):
         if token in self.cache:
             return self.cache[token]
-        word = list(token)
-        inf = float("inf")
-        while len(word) > 1:
-            best = min(set(zip(word, word[1:])), key=lambda p: self.ranks.get(p, inf))
-            if best not in self.ranks:
+        word = tuple(token)
+        pairs = get_pairs(word)
+        if not pairs:
+            return token
+        while True:
+            bigram = min(pairs, key=lambda pair: self.bpe_ranks.get(pair, float("inf")))
+            if bigram not in self.bpe_ranks:
                 break
-            out, i = [], 0
+            first, second = bigram
+            new_word = []
+            i = 0
             while i < len(word):
-                if i + 1 < len(word) and word[i] == best[0] and word[i + 1] == best[1]:
-                    out.append(word[i] + word[i + 1])
+                try:
+                    j = word.index(first, i)
+                except ValueError:
+                    new_word.extend(word[i:])
+                    break
+                new_word.extend(word[i:j])
+                i = j
+                if word[i] == first and i < len(word) - 1 and word[i + 1] == second:
+                    new_word.append(first + second)
                     i += 2
                 else:
-                    out.append(word[i])
+                    new_word.append(word[i])
                     i += 1
-            word = out
+            word = tuple(new_word)
+            if len(word) == 1:
+                break
+            pairs = get_pairs(word)
+        word = " ".join(word)
         self.cache[token] = word
         return word
 
     def encode(self, text):
-        ids = []
-        for piece in self.pattern.findall(text):
-            token = "".join(self.byte_chars[b] for b in piece.encode("utf-8"))
-            ids.extend(self.encoder[s] for s in self.merge(token))
-        return ids
+        bpe_tokens = []
+        for token in self.pat.findall(text):
+            token = "".join(self.byte_encoder[b] for b in token.encode("utf-8"))
+            bpe_tokens.extend(self.encoder[bpe_token] for bpe_token in self.bpe(token).split(" "))
+        return bpe_tokens
 
 
 _reference = None
@@ -98,21 +140,23 @@ def _reference_init(encoder_json, vocab_bpe):
 
 
 def _reference_encode_lines(lines):
-    out = []
+    enc_lines = []
     for line in lines:
         line = line.strip()
-        if not line and not _keep_empty:
-            return "EMPTY", None
-        out.append(" ".join(map(str, _reference.encode(line))))
-    return "PASS", out
+        if len(line) == 0 and not _keep_empty:
+            return ["EMPTY", None]
+        tokens = list(map(str, _reference.encode(line)))
+        enc_lines.append(" ".join(tokens))
+    return ["PASS", enc_lines]
 
 
 _keep_empty = True
 
 
 def reference_main(argv):
-    """Upstream's script structure with the reference encoder (same flags as the real script)."""
+    """Upstream's script structure with the reference encoder (same flags and output as the real script)."""
     import contextlib
+    from collections import Counter
     from multiprocessing import Pool
 
     global _keep_empty
@@ -130,10 +174,18 @@ def reference_main(argv):
         outputs = [stack.enter_context(open(x, "w", encoding="utf-8")) if x != "-" else sys.stdout
                    for x in args.outputs]
         pool = Pool(args.workers, initializer=_reference_init, initargs=(args.encoder_json, args.vocab_bpe))
-        for status, lines in pool.imap(_reference_encode_lines, zip(*inputs), 100):
-            if status == "PASS":
-                for line, out in zip(lines, outputs):
-                    print(line, file=out)
+        encoded_lines = pool.imap(_reference_encode_lines, zip(*inputs), 100)
+        stats = Counter()
+        for i, (filt, enc_lines) in enumerate(encoded_lines, start=1):
+            if filt == "PASS":
+                for enc_line, output_h in zip(enc_lines, outputs):
+                    print(enc_line, file=output_h)
+            else:
+                stats["num_filtered_" + filt] += 1
+            if i % 10000 == 0:
+                print("processed {} lines".format(i), file=sys.stderr)
+        for k, v in stats.most_common():
+            print("[{}] filtered {} lines".format(k, v), file=sys.stderr)
         pool.close()
         pool.join()
 
@@ -240,7 +292,8 @@ def _hwm_kb(pid: int) -> int:
 
 
 def run_measured(cmd):
-    """(wall s, CPU s, largest-process peak RSS MB, peak summed PSS MB, returncode, stderr) of a command.
+    """(wall s, CPU s, largest-process peak RSS MB, peak summed PSS MB, returncode, stderr, (min, max) 1-minute
+    load average) of a command.
 
     CPU seconds are user + system time of the process and the workers it waited for (os.wait4), the
     measure that other load on a shared machine disturbs least.
@@ -251,10 +304,12 @@ def run_measured(cmd):
     start = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     peak_pss, peak_hwm = [0], {}
+    loads = [os.getloadavg()[0]]
     done = threading.Event()
 
     def sample():
         while not done.is_set():
+            loads.append(os.getloadavg()[0])
             pids, todo = [], [proc.pid]
             while todo:
                 p = todo.pop()
@@ -275,7 +330,7 @@ def run_measured(cmd):
     sampler.join()
     peak_rss = max(peak_hwm.values(), default=0)
     return (wall, usage.ru_utime + usage.ru_stime, peak_rss / 1024, peak_pss[0] / 1024, proc.returncode,
-            stderr.decode(errors="replace"))
+            stderr.decode(errors="replace"), (min(loads), max(loads)))
 
 
 def count_tokens(path: str) -> int:
@@ -317,14 +372,16 @@ def main(argv=None):
         enc, bpe, n_vocab, n_merges = train_bpe_files(full, work, args.vocab_size, args.bpe_train_mb)
         vocab_desc = (f"byte-level BPE trained on the first {args.bpe_train_mb:g} MB: {n_vocab} tokens, "
                       f"{n_merges} merges")
-    print(f"# corpus: {full}; BPE: {vocab_desc}; workers: {args.workers}", flush=True)
+    engine = _load_encoder_module().get_encoder(enc, bpe).engine
+    print(f"# corpus: {full}; BPE: {vocab_desc}; workers: {args.workers}; engine: {engine}; "
+          f"load average at the start: {' '.join(f'{x:.2f}' for x in os.getloadavg())}", flush=True)
 
     rows = []
     for size_mb in args.sizes_mb:
         corpus = os.path.join(work, f"corpus_{size_mb:g}MB.txt")
         prefix_file(full, corpus, int(size_mb * 1e6))
         nbytes = os.path.getsize(corpus)
-        impls = [("multiprocessing_bpe_encoder.py (tokenizers)", [sys.executable, ENCODER_SCRIPT])]
+        impls = [(f"multiprocessing_bpe_encoder.py ({engine})", [sys.executable, ENCODER_SCRIPT])]
         if not args.skip_reference:
             impls.append(("pure-Python reference, upstream's script", [sys.executable, os.path.abspath(__file__),
                                                                         "--reference-child"]))
@@ -333,14 +390,14 @@ def main(argv=None):
             out = os.path.join(work, f"out_{size_mb:g}MB_{len(outputs)}.bpe")
             flags = ["--encoder-json", enc, "--vocab-bpe", bpe, "--inputs", corpus, "--outputs", out,
                      "--keep-empty", "--workers", str(args.workers)]
-            wall, cpu, rss, pss, rc, err = run_measured(cmd + flags)
+            wall, cpu, rss, pss, rc, err, load = run_measured(cmd + flags)
             if rc != 0:
                 sys.exit(f"{name} failed ({rc}):\n{err[-3000:]}")
             tokens = count_tokens(out)
             outputs.append(out)
             rows.append((nbytes / 1e6, name, args.workers, wall, nbytes / 1e6 / wall, tokens / wall, cpu,
-                         nbytes / 1e6 / cpu, rss, pss, tokens))
-            print(f"# {size_mb:g} MB {name}: {wall:.1f} s", flush=True)
+                         nbytes / 1e6 / cpu, rss, pss, tokens, load))
+            print(f"# {size_mb:g} MB {name}: {wall:.1f} s, load {load[0]:.2f}-{load[1]:.2f}", flush=True)
         if len(outputs) == 2:
             with open(outputs[0], "rb") as a, open(outputs[1], "rb") as b:
                 if a.read() != b.read():
@@ -348,11 +405,11 @@ def main(argv=None):
 
     print()
     print("| corpus MB | implementation | workers | wall s | MB/s | tokens/s | CPU s | MB per CPU s "
-          "| peak RSS MB (largest process) | peak PSS MB (all processes) | tokens |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
-    for mb, name, w, wall, mbs, tps, cpu, mbc, rss, pss, tokens in rows:
-        print(f"| {mb:.1f} | {name} | {w} | {wall:.1f} | {mbs:.2f} | {tps / 1e3:.0f}k | {cpu:.1f} | {mbc:.2f} "
-              f"| {rss:.0f} | {pss:.0f} | {tokens} |")
+          "| peak RSS MB (largest process) | peak PSS MB (all processes) | tokens | load avg (1 min) |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for mb, name, w, wall, mbs, tps, cpu, mbc, rss, pss, tokens, load in rows:
+        print(f"| {mb:.1f} | {name} | {w} | {wall:.2f} | {mbs:.2f} | {tps / 1e3:.0f}k | {cpu:.2f} | {mbc:.2f} "
+              f"| {rss:.0f} | {pss:.0f} | {tokens} | {load[0]:.2f}-{load[1]:.2f} |")
     if not args.skip_reference:
         print()
         for i in range(0, len(rows), 2):

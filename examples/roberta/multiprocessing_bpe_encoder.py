@@ -11,10 +11,12 @@ first. Without --keep-empty, a line number where any input's line is empty is dr
 (and counted in the final "[num_filtered_EMPTY] filtered N lines" on stderr); with it, empty lines give
 empty output lines. stderr also gets "processed N lines" every 10,000 lines, as upstream prints them.
 
-Unlike upstream, encoding runs in the `tokenizers` library, whose BPE cache is bounded (upstream's grows
-with every distinct word, in every worker), at most two chunks of lines per worker are in flight, and an
-output file is replaced only once it is complete. Runs from a checkout without installing fairseq and
-without importing torch.
+Unlike upstream, encoding runs in Rust (tiktoken; see fairseq/data/encoders/gpt2_bpe_utils.py), with no
+cache that grows (upstream's grows with every distinct word, in every worker); a single input is sent to
+the workers as blocks of bytes (decoded, split, stripped and encoded there, a block's lines in one call)
+so that this process only reads and writes; at most two blocks per worker are in flight, and an output
+file is replaced only once it is complete. Runs from a checkout without installing fairseq and without
+importing torch.
 """
 
 import argparse
@@ -50,21 +52,31 @@ def _init_worker(encoder_json: str, vocab_bpe: str) -> None:
     _bpe = gpt2_bpe_utils.get_encoder(encoder_json, vocab_bpe)
 
 
+def _drop_empty(rows, keep_empty):
+    """Stripped rows, and how many were dropped for holding an empty line (unless `keep_empty`)."""
+    kept = [[line.strip() for line in row] for row in rows]
+    if keep_empty:
+        return kept, 0
+    full = [row for row in kept if all(row)]
+    return full, len(kept) - len(full)
+
+
+def encode_block(args):
+    """(encoded text per output, lines dropped as empty, lines read) for a block of whole lines of the
+    single input (the input's bytes: decoding and splitting happen here, in the worker)."""
+    block, first_lineno, name, keep_empty = args
+    lines = [line.strip() for line in script_io.split_lines(block, name, first_lineno)]
+    n_rows = len(lines)
+    if not keep_empty and not all(lines):
+        lines = [line for line in lines if line]
+    return [_bpe.encode_lines(lines)], n_rows - len(lines), n_rows
+
+
 def encode_chunk(args):
-    """(text per output, line tuples dropped as empty, line tuples read) for a chunk of line tuples."""
+    """(encoded text per output, line tuples dropped as empty, line tuples read) for a chunk of line tuples."""
     rows, keep_empty = args
-    kept = []
-    dropped = 0
-    for row in rows:
-        stripped = [line.strip() for line in row]
-        if not keep_empty and not all(stripped):
-            dropped += 1
-            continue
-        kept.append(stripped)
-    texts = []
-    for column in range(len(rows[0]) if rows else 0):
-        ids = _bpe.encode_batch([r[column] for r in kept])
-        texts.append("".join([" ".join(map(str, line_ids)) + "\n" for line_ids in ids]))
+    kept, dropped = _drop_empty(rows, keep_empty)
+    texts = [_bpe.encode_lines([row[column] for row in kept]) for column in range(len(rows[0]) if rows else 0)]
     return texts, dropped, len(rows)
 
 
@@ -93,17 +105,24 @@ def main(argv=None) -> None:
 
     global _bpe
     _bpe = gpt2_bpe_utils.get_encoder(args.encoder_json, args.vocab_bpe)  # errors here, once, not per worker
+    _bpe.prepare_encode_lines()  # before forking: the workers share it
     streams = [script_io.open_binary_input(p) for p in args.inputs]
     try:
-        rows = script_io.iter_line_tuples(args.inputs, streams)
-        chunks = ((chunk, args.keep_empty) for chunk in script_io.chunked(rows))
+        if len(streams) == 1:  # blocks of bytes: this process only reads and writes
+            name = args.inputs[0] if args.inputs[0] != "-" else "<stdin>"
+            func = encode_block
+            chunks = ((block, lineno, name, args.keep_empty) for block, lineno in script_io.iter_blocks(streams[0]))
+        else:  # line tuples, read here in step
+            func = encode_chunk
+            rows = script_io.iter_line_tuples(args.inputs, streams)
+            chunks = ((chunk, args.keep_empty) for chunk in script_io.chunked(rows))
         lines = dropped = 0
         with script_io.AtomicOutputs(args.outputs) as outputs:
-            results = script_io.ordered_map(encode_chunk, chunks, args.workers, initializer=_init_worker,
+            results = script_io.ordered_map(func, chunks, args.workers, initializer=_init_worker,
                                             initargs=(args.encoder_json, args.vocab_bpe))
             for texts, n_dropped, n_rows in results:
                 for i, text in enumerate(texts):
-                    outputs.write(i, text)
+                    outputs.write_bytes(i, text)
                 script_io.progress(lines, lines + n_rows)
                 lines += n_rows
                 dropped += n_dropped

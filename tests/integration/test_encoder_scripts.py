@@ -104,6 +104,35 @@ def test_bpe_encoder_matches_upstream_on_several_inputs_and_workers(tmp_path, gp
     assert not [p for p in os.listdir(tmp_path) if p.endswith(".part")]
 
 
+@pytest.mark.parametrize("keep_empty", [False, True])
+def test_bpe_encoder_single_input_in_blocks_matches_upstream(tmp_path, gpt2_files, encoder, keep_empty):
+    """One input goes to the workers as blocks of bytes (split into lines there): several blocks, line ends
+    \\n, \\r\\n and lone \\r, empty and blank lines, no final newline."""
+    body = sample_text().split("\n")
+    data = ("\r\n".join(body) + "\n" + AWKWARD + "\r" + "\n\n".join(reversed(body)) + "\n  \n\n" + AWKWARD)
+    a = tmp_path / "a.txt"
+    a.write_bytes(data.encode("utf-8"))
+    assert a.stat().st_size > (1 << 19)  # two blocks at least
+    want, dropped = upstream_bpe_output(encoder, [a], keep_empty)
+    for workers in (1, 2):
+        out = tmp_path / f"a{workers}.bpe"
+        flags = ["--keep-empty"] if keep_empty else []
+        proc = run(ENCODER_SCRIPT, "--encoder-json", gpt2_files[0], "--vocab-bpe", gpt2_files[1],
+                   "--inputs", a, "--outputs", out, "--workers", workers, *flags, cwd=tmp_path)
+        assert proc.returncode == 0, proc.stderr.decode()
+        assert out.read_text(encoding="utf-8") == want[0]
+        err = proc.stderr.decode()
+        assert "processed 10000 lines\nprocessed 20000 lines\n" in err
+        assert (f"[num_filtered_EMPTY] filtered {dropped} lines" in err) == (dropped > 0)
+    lines = data.encode("utf-8").replace(b"\r\n", b"\n").replace(b"\r", b"\n").split(b"\n")
+    lines[18000] = b"bad \xff byte"
+    a.write_bytes(b"\n".join(lines))
+    proc = run(ENCODER_SCRIPT, "--encoder-json", gpt2_files[0], "--vocab-bpe", gpt2_files[1],
+               "--inputs", a, "--outputs", tmp_path / "bad.bpe", "--workers", "2")
+    assert proc.returncode == 1 and "a.txt, line 18001: not valid UTF-8" in proc.stderr.decode()
+    assert "Traceback" not in proc.stderr.decode() and not (tmp_path / "bad.bpe").exists()
+
+
 def test_bpe_encoder_stdin_stdout(gpt2_files, encoder, tmp_path):
     proc = run(ENCODER_SCRIPT, "--encoder-json", gpt2_files[0], "--vocab-bpe", gpt2_files[1], "--workers", "1",
                stdin="Hello world\n\n  the end  \n".encode())
@@ -267,6 +296,6 @@ def test_benchmark_bpe_prints_its_table(tmp_path):
                "--vocab-size", "600", "--bpe-train-mb", "0.05", "--workdir", tmp_path)
     assert proc.returncode == 0, proc.stderr.decode()
     out = proc.stdout.decode()
-    assert "| 0.1 | multiprocessing_bpe_encoder.py (tokenizers) | 2 |" in out
+    assert "| 0.1 | multiprocessing_bpe_encoder.py (tiktoken) | 2 |" in out
     assert "| 0.1 | pure-Python reference, upstream's script | 2 |" in out
     assert out.count("outputs identical") == 2

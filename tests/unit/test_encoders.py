@@ -145,8 +145,10 @@ TRICKY = [
 
 
 # ---- GPT-2: ids -------------------------------------------------------------------------------------------
-def test_trained_vocabulary_takes_the_rust_path(fast):
-    assert fast._fast and not fast._has_missing
+def test_trained_vocabulary_takes_the_tiktoken_path(fast, gpt2_files):
+    assert fast.engine == "tiktoken" and fast._rank_to_id is None  # encoder.json's ids are tiktoken's ranks
+    merges = sorted(fast.bpe_ranks, key=fast.bpe_ranks.get)
+    assert len(gpt2_bpe_utils.producible_tokens(fast.bpe_ranks, merges, fast.byte_encoder.values())) == len(merges)
 
 
 @pytest.mark.parametrize("text", TRICKY)
@@ -181,19 +183,77 @@ def test_gpt2_results_do_not_depend_on_the_cache_or_the_batch(gpt2_files, fast):
     assert [uncached.encode(t) for t in TRICKY] == first[: len(TRICKY)]
 
 
-def test_pretokenization_matches_the_regex_on_every_kind_of_code_point(fast):
+def code_point_probe_texts():
     """Every assigned code point of Python's Unicode database (every 61st of the big letter and private-use
-    ranges) in contexts where its class (letter, number, space, other) decides the split."""
-    if tuple(map(int, unicodedata.unidata_version.split("."))) > (15, 1):
-        pytest.skip("Python's Unicode database is newer than the tokenizers regex engine's (15.1)")
-    chars = ref_byte_chars()
+    ranges) in contexts where its class (letter, number, space, other) decides the split, in blocks."""
     cps = [cp for cp in range(0x110000) if unicodedata.category(chr(cp)) not in ("Cn", "Cs")
            and (unicodedata.category(chr(cp)) not in ("Lo", "Co") or cp % 61 == 0)]
     for i in range(0, len(cps), 4000):
-        s = "".join(f"a{c}\n1{c}\n {c}\n{c}a\n{c} \n {c}{c}1\n" for c in map(chr, cps[i:i + 4000]))
-        got = [p for p, _ in fast._pre_tokenizer.pre_tokenize_str(s)]
-        want = ["".join(chars[b] for b in p.encode("utf-8")) for p in REF_PATTERN.findall(s)]
-        assert got == want, f"code points {hex(cps[i])}..{hex(cps[min(i + 3999, len(cps) - 1)])}"
+        block = cps[i:i + 4000]
+        text = "".join(f"a{c}\n1{c}\n {c}\n{c}a\n{c} \n {c}{c}1\n'{c}s\n{c}  x\n" for c in map(chr, block))
+        yield f"code points {hex(block[0])}..{hex(block[-1])}", text
+
+
+def test_pretokenization_matches_the_regex_on_every_kind_of_code_point(fast):
+    """tiktoken's split (through a probe table: every reference piece and every concatenation of two
+    neighbouring pieces is one token, so its output is the reference pieces exactly when it cuts the text
+    where the reference does) and the tokenizers pre-tokenizer of the fallback engines."""
+    import tiktoken
+
+    if tuple(map(int, unicodedata.unidata_version.split("."))) > (15, 1):
+        pytest.skip("Python's Unicode database is newer than the Rust regex engines' (15.1)")
+    chars = ref_byte_chars()
+    byte_level = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    for where, s in code_point_probe_texts():
+        pieces = REF_PATTERN.findall(s)
+        got = [p for p, _ in byte_level.pre_tokenize_str(s)]
+        assert got == ["".join(chars[b] for b in p.encode("utf-8")) for p in pieces], where
+        ranks = {bytes([b]): b for b in range(256)}
+        for p in pieces + [x + y for x, y in zip(pieces, pieces[1:])]:
+            ranks.setdefault(p.encode("utf-8"), len(ranks))
+        probe = tiktoken.Encoding("probe", pat_str=gpt2_bpe_utils.TIKTOKEN_PATTERN, mergeable_ranks=ranks,
+                                  special_tokens={})
+        assert probe.decode_tokens_bytes(probe.encode_ordinary(s)) == [p.encode("utf-8") for p in pieces], where
+
+
+def test_tiktoken_pattern_is_the_gpt2_pattern(fast):
+    """The rewritten pattern matches what GPT-2's matches (checked with the `regex` module, upstream's engine)."""
+    import random
+
+    fast_pattern = regex.compile(gpt2_bpe_utils.TIKTOKEN_PATTERN)
+    assert regex.compile(gpt2_bpe_utils.PRETOKENIZE_PATTERN).pattern == REF_PATTERN.pattern
+    for where, s in code_point_probe_texts():
+        assert fast_pattern.findall(s) == REF_PATTERN.findall(s), where
+    rng = random.Random(1)
+    pool = list("aZ1' \t\n.-") + ["'s", "'t", "'re", "'ve", "'m", "'ll", "'d", "'S", "'x", "\u3000", "\xa0", "\x1c"]
+    for _ in range(3000):
+        s = "".join(rng.choice(pool) for _ in range(rng.randint(0, 30)))
+        assert fast_pattern.findall(s) == REF_PATTERN.findall(s), repr(s)
+
+
+def test_rust_regex_whitespace_is_python_whitespace():
+    """`Encoder.encode_lines` joins stripped lines with "\\n": that is exact only if no character outside
+    `str.isspace` is whitespace (\\s) for tiktoken's regex. A whitespace character c makes "c\\n" one piece in
+    "ac\\ncb" (a probe table has that piece as one token); the check covers every code point of the
+    separator, control, format and unassigned categories, where whitespace lives."""
+    import tiktoken
+
+    candidates = [cp for cp in range(0x110000) if not (0xD800 <= cp < 0xE000) and not chr(cp).isspace()
+                  and unicodedata.category(chr(cp))[0] in "ZC" and (unicodedata.category(chr(cp)) != "Co"
+                                                                   and cp < 0x30000 or cp % 61 == 0)]
+    assert len(candidates) > 10000
+    ranks = {bytes([b]): b for b in range(256)}
+    for cp in candidates:
+        ranks[(chr(cp) + "\n").encode("utf-8")] = len(ranks)
+    probe = tiktoken.Encoding("probe", pat_str=gpt2_bpe_utils.TIKTOKEN_PATTERN, mergeable_ranks=ranks,
+                              special_tokens={})
+    text = "".join(f"a{chr(cp)}\n{chr(cp)}b" for cp in candidates)
+    assert [t for t in probe.encode_ordinary(text) if t >= 256] == []
+    control = tiktoken.Encoding("control", pat_str=gpt2_bpe_utils.TIKTOKEN_PATTERN,
+                                mergeable_ranks={**{bytes([b]): b for b in range(256)}, b"\x0b\n": 256},
+                                special_tokens={})
+    assert 256 in control.encode_ordinary("a\x0b\n\x0bb")  # (the probe does see whitespace)
+    assert all(c.isspace() for c in map(chr, range(0x110000)) if regex.match(r"\s", c))  # and for upstream's
 
 
 def test_merge_order_that_the_rust_bpe_would_get_wrong_uses_the_python_loop(tmp_path, caplog):
@@ -206,11 +266,148 @@ def test_merge_order_that_the_rust_bpe_would_get_wrong_uses_the_python_loop(tmp_
     enc, bpe = write_gpt2_files(tmp_path, vocab, [("ab", "a"), ("a", "b"), ("ab", "ab")], extra_tokens=())
     with caplog.at_level(logging.WARNING):
         e = gpt2_bpe_utils.get_encoder(enc, bpe)
-    assert not e._fast and "Python BPE loop" in caplog.text
+    assert e.engine == "python" and "Python BPE loop" in caplog.text
     r = ReferenceGPT2(enc, bpe)
     for text in ["abab", "ababa", "aab abab ba", "", "x abab\n\n"]:
         assert e.encode(text) == r.encode(text)
     assert e.encode("abab") == [vocab["abab"]]
+
+
+def byte_vocab():
+    chars = ref_byte_chars()
+    return chars, {c: i for i, c in enumerate(chars.values())}
+
+
+def test_merge_results_that_no_text_produces_are_left_out_of_tiktokens_table(tmp_path):
+    # "b c" ranks first, so "abc" alone becomes "a bc" and the merge "ab c" never applies: tiktoken, which
+    # merges any pair whose concatenation is in its table, would make "abc" one token if it were there.
+    # "x y" then "xy z" then "x yz" (after "y z"): two merges with the result "xyz"; only the first applies.
+    _, vocab = byte_vocab()
+    merges = [("b", "c"), ("a", "b"), ("ab", "c"), ("x", "y"), ("y", "z"), ("xy", "z"), ("x", "yz"), ("q", "abc")]
+    for a, b in merges:
+        vocab.setdefault(a + b, len(vocab))
+    enc, bpe = write_gpt2_files(tmp_path, vocab, merges, extra_tokens=())
+    e, r = gpt2_bpe_utils.get_encoder(enc, bpe), ReferenceGPT2(enc, bpe)
+    assert e.engine == "tiktoken"
+    live = gpt2_bpe_utils.producible_tokens(e.bpe_ranks, merges, e.byte_encoder.values())
+    assert live == {"bc": 0, "ab": 1, "xy": 3, "yz": 4, "xyz": 5}
+    assert e.encode("abc") == [vocab["a"], vocab["bc"]] == r.encode("abc")
+    import random
+
+    rng = random.Random(0)
+    texts = ["".join(rng.choice("abcqxyz ") for _ in range(rng.randint(0, 20))) for _ in range(3000)]
+    assert e.encode_batch(texts) == [r.encode(t) for t in texts]
+
+
+def random_vocabulary(rng, n_merges, letters="abcde"):
+    """A random BPE over a few letters: merges of existing tokens in random order (repeats and results made
+    twice included), so the merge order is sometimes unsafe and some merges can never apply."""
+    chars, vocab = byte_vocab()
+    tokens = list(letters)
+    merges = []
+    for _ in range(n_merges):
+        a, b = rng.choice(tokens), rng.choice(tokens)
+        if len(a + b) > 6:
+            continue
+        merges.append((a, b))
+        if a + b not in vocab:
+            vocab[a + b] = len(vocab)
+            tokens.append(a + b)
+    return vocab, merges
+
+
+def test_random_vocabularies_give_the_reference_ids_with_every_engine(tmp_path):
+    import random
+
+    rng = random.Random(0)
+    engines = set()
+    for trial in range(60):
+        vocab, merges = random_vocabulary(rng, rng.randint(1, 40))
+        if trial % 3 == 0:  # ids out of merge order: tiktoken's ranks are then mapped to them
+            ids = list(vocab.values())
+            rng.shuffle(ids)
+            vocab = dict(zip(vocab, ids))
+        d = tmp_path / str(trial)
+        d.mkdir()
+        enc, bpe = write_gpt2_files(d, vocab, merges, extra_tokens=())
+        e, r = gpt2_bpe_utils.get_encoder(enc, bpe), ReferenceGPT2(enc, bpe)
+        engines.add(e.engine)
+        texts = ["".join(rng.choice("abcde  x") for _ in range(rng.randint(0, 25))) for _ in range(300)]
+        assert e.encode_batch(texts) == [r.encode(t) for t in texts], (trial, e.engine, merges)
+        lines = [t.strip() for t in texts]
+        assert e.encode_lines(lines) == "".join(" ".join(map(str, r.encode(t))) + "\n" for t in lines).encode()
+    assert engines == {"tiktoken", "python"}
+
+
+def test_producible_tokens_are_those_whose_own_encoding_is_themselves():
+    """`producible_tokens` against the published algorithm run on each merge result alone (the reference's
+    loop), on random safe vocabularies over few letters, where repeated symbols make ties common."""
+    import random
+
+    rng = random.Random(2)
+    checked = 0
+    for _ in range(400):
+        vocab, merges = random_vocabulary(rng, rng.randint(1, 40), letters=rng.choice(["ab", "abc"]))
+        ranks = dict(zip(merges, range(len(merges))))
+        ordered = sorted(ranks, key=ranks.get)
+        if not gpt2_bpe_utils.merge_order_is_safe(ordered):
+            continue
+        live = gpt2_bpe_utils.producible_tokens(ranks, ordered, ref_byte_chars().values())
+        ref = ReferenceGPT2.__new__(ReferenceGPT2)
+        ref.ranks, ref.cache = ranks, None
+        first_rank = {}
+        for pair in ordered:
+            first_rank.setdefault(pair[0] + pair[1], ranks[pair])
+        want = {t: r for t, r in first_rank.items() if ref.merge(t) == [t]}
+        assert set(live) == set(want), ordered
+        checked += len(ordered)
+    assert checked > 1000
+
+
+def test_encode_lines_is_the_ids_of_each_line(fast, ref):
+    import random
+
+    rng = random.Random(3)
+    pool = list("aZé日😀1٣ \t'-.,!") + ["'s", "  ", "   ", "\u3000", "\u00a0", "e\u0301", "\x0b", "\x1c", " the"]
+    lines = [t.strip() for t in TRICKY if "\n" not in t.strip() and "\r" not in t.strip()]
+    lines += ["".join(rng.choice(pool) for _ in range(rng.randint(0, 30))).strip() for _ in range(3000)]
+    lines += sample_text().replace("\r", "").split("\n")[:2000]
+    lines = [line.strip() for line in lines]
+    want = "".join(" ".join(map(str, ref.encode(line))) + "\n" for line in lines).encode()
+    assert fast.encode_lines(lines) == want
+    kept = [line for line in lines if line]
+    assert fast.encode_lines(kept) == "".join(" ".join(map(str, ref.encode(line))) + "\n" for line in kept).encode()
+    assert fast.encode_lines([]) == b"" and fast.encode_lines(["", ""]) == b"\n\n"
+    for bad in [" x", "x ", "a\nb", "a\rb", "x\u3000"]:
+        with pytest.raises(ValueError, match="stripped lines"):
+            fast.encode_lines(["ok", bad])
+    with pytest.raises(ValueError, match="lone surrogate"):
+        fast.encode_lines(["ok", "a\udc80b"])
+
+
+def test_block_reading_gives_the_lines_of_iter_lines():
+    import io
+    import random
+
+    from fairseq.data.encoders import _script_io
+
+    rng = random.Random(4)
+    pieces = [b"a", b"bc", b" ", b"\n", b"\r", b"\r\n", b"\n\n", "é日\x85\u2028".encode(), b"\x0b", b"\x0c"]
+    for trial in range(300):
+        data = b"".join(rng.choice(pieces) for _ in range(rng.randint(0, 60)))
+        want = [line.rstrip("\r\n") for line in _script_io.iter_lines(io.BytesIO(data), "x")]
+        blocks = list(_script_io.iter_blocks(io.BytesIO(data), size=rng.randint(1, 8)))
+        assert b"".join(b for b, _ in blocks) == data
+        got, lineno = [], 0
+        for block, before in blocks:
+            assert before == lineno and (block.endswith(b"\n") or block is blocks[-1][0])
+            lines = _script_io.split_lines(block, "x", before)
+            assert len(lines) == _script_io.count_lines(block)
+            got += lines
+            lineno += len(lines)
+        assert got == want, data
+    with pytest.raises(_script_io.ScriptError, match="f.txt, line 7: not valid UTF-8"):
+        _script_io.split_lines(b"ok\r\nok\xff\n", "f.txt", 5)
 
 
 def test_duplicate_merges_keep_their_last_rank_and_a_missing_final_newline_drops_the_last_merge(tmp_path):
@@ -236,7 +433,7 @@ def test_a_token_missing_from_encoder_json_fails_only_where_upstream_fails(tmp_p
     del vocab[ref_byte_chars()[0]]  # the byte 0x00
     enc, bpe = write_gpt2_files(tmp_path, vocab, merges, extra_tokens=())
     e, r = gpt2_bpe_utils.get_encoder(enc, bpe), ReferenceGPT2(enc, bpe)
-    assert e._has_missing
+    assert e.engine == "tokenizers" and e._has_missing
     assert e.encode("a cat sat") == r.encode("a cat sat")
     for text in ["in the end", "a\x00b"]:
         with pytest.raises(KeyError):

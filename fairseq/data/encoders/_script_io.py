@@ -18,6 +18,7 @@ from typing import Callable, Iterable, Iterator, List, Optional, Sequence, Tuple
 
 CHUNK_LINES = 4096  # lines (or line tuples) sent to a worker at once
 CHUNK_BYTES = 1 << 18  # ... or fewer, once they hold this much text (encoding a chunk takes ~20x this)
+BLOCK_BYTES = 1 << 19  # bytes of a single input sent to a worker at once (`iter_blocks`)
 
 
 class ScriptError(Exception):
@@ -50,10 +51,11 @@ def open_binary_input(path: str):
     return open(path, "rb")
 
 
-def iter_lines(stream, name: str) -> Iterator[str]:
+def iter_lines(stream, name: str, first_lineno: int = 0) -> Iterator[str]:
     """Lines of a byte stream decoded as UTF-8, each ending in "\\n" (the last one may not), with `\\r\\n` and a
-    lone `\\r` read as line ends, exactly as iterating over `open(path, encoding="utf-8")` yields them."""
-    lineno = 0
+    lone `\\r` read as line ends, exactly as iterating over `open(path, encoding="utf-8")` yields them.
+    Errors count lines from `first_lineno` + 1."""
+    lineno = first_lineno
     for raw in iter(stream.readline, b""):
         lineno += 1
         try:
@@ -73,6 +75,45 @@ def iter_lines(stream, name: str) -> Iterator[str]:
             yield part + "\n"
         if parts[-1]:
             yield parts[-1]
+
+
+def count_lines(block: bytes) -> int:
+    """How many lines `iter_lines` reads from `block` (line ends "\\n", "\\r\\n" and "\\r"; a last line without one)."""
+    if not block:
+        return 0
+    n = block.count(b"\n") + block.count(b"\r") - block.count(b"\r\n")
+    return n if block.endswith((b"\n", b"\r")) else n + 1
+
+
+def iter_blocks(stream, size: int = BLOCK_BYTES) -> Iterator[Tuple[bytes, int]]:
+    """(block, lines before it) for consecutive blocks of a byte stream, each of about `size` bytes or one
+    line more, ending with "\\n" (the last one may not): whole lines, for `split_lines` in a worker."""
+    lineno = 0
+    while True:
+        block = stream.read(size)
+        if not block:
+            return
+        if not block.endswith(b"\n"):
+            block += stream.readline()
+        yield block, lineno
+        lineno += count_lines(block)
+
+
+def split_lines(block: bytes, name: str, first_lineno: int = 0) -> List[str]:
+    """The lines of a block of whole lines, without their line ends: `[l.rstrip("\\r\\n") for l in
+    iter_lines(block)]` (the same lines, the same error for invalid UTF-8), at the speed of str methods."""
+    try:
+        text = block.decode("utf-8")
+    except UnicodeDecodeError:
+        for _ in iter_lines(io.BytesIO(block), name, first_lineno):  # raises the error naming the line
+            pass
+        raise
+    if "\r" in text:
+        text = text.replace("\r\n", "\n").replace("\r", "\n")
+    lines = text.split("\n")
+    if lines[-1] == "":
+        lines.pop()  # the block ended with a line end
+    return lines
 
 
 def iter_line_tuples(paths: Sequence[str], streams) -> Iterator[Tuple[str, ...]]:
@@ -131,6 +172,12 @@ class AtomicOutputs:
 
     def write(self, index: int, text: str) -> None:
         self.handles[index].write(text)
+
+    def write_bytes(self, index: int, data: bytes) -> None:
+        """Write UTF-8 bytes (after any text written so far)."""
+        handle = self.handles[index]
+        handle.flush()
+        handle.buffer.write(data)
 
     def commit(self) -> None:
         umask = os.umask(0)

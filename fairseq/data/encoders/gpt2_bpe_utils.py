@@ -1,33 +1,50 @@
-"""GPT-2's byte-level BPE from `encoder.json` + `vocab.bpe`, encoded by the `tokenizers` library.
+"""GPT-2's byte-level BPE from `encoder.json` + `vocab.bpe`, encoded by tiktoken (or `tokenizers`).
 
 Upstream fairseq (and OpenAI's GPT-2 release before it) encode with a pure-Python loop; this module gives
-the same ids from the same two files with the Rust BPE of `tokenizers`:
+the same ids from the same two files in Rust:
 
 1. pre-tokenization: text is cut by the GPT-2 pattern `PRETOKENIZE_PATTERN` (contractions, optional space +
    letters, optional space + digits, optional space + other symbols, whitespace not followed by a
    non-space, whitespace); every piece becomes its UTF-8 bytes, each byte shown as one character of the
-   table `bytes_to_unicode()`. `tokenizers`' `ByteLevel(add_prefix_space=False, use_regex=True)` pre-tokenizer
-   applies exactly this pattern and table (its regex engine is Oniguruma, whose Unicode tables reach
-   Unicode 15.1; letters and digits added in Unicode 16 and later count as symbols there, as they do for
-   upstream with a `regex` release older than those Unicode versions).
+   table `bytes_to_unicode()`.
 2. BPE of each piece: repeatedly take the adjacent pair with the lowest rank (line number in vocab.bpe;
    a pair listed twice keeps its last rank) and merge all its occurrences left to right, until no pair
-   has a rank. `tokenizers` merges one occurrence at a time (lowest rank, then leftmost); the two orders
-   give the same result whenever every merge that uses a token comes after every merge that produces it,
-   which holds for GPT-2's vocab.bpe and for any file written by a BPE trainer. `Encoder` checks that on
-   loading and otherwise encodes with a Python loop over the same pre-tokenization (and logs a warning).
+   has a rank.
 3. Each resulting token's id is its value in encoder.json. Upstream raises KeyError when a token is
    missing there; so does this module (a ValueError naming the token and the files), only for text that
    produces such a token, as upstream.
 
-Results do not depend on any cache (the Rust BPE keeps a bounded one, upstream an unbounded dict).
-This module imports only the standard library and `tokenizers` (not torch), so the data-preparation
-scripts can load it on its own.
+Engines (`Encoder.engine`), the first that is exact for the vocabulary:
+
+- "tiktoken": OpenAI's tiktoken, given the GPT-2 pattern and a table of the 256 bytes and of every merge
+  result that step 2 can output (`producible_tokens`). Its regex engine is Rust's (fancy-regex over the
+  regex crate's Unicode tables). Its BPE differs from step 2 in form: it merges one occurrence at a time,
+  any adjacent pair whose concatenation is in its table, by the rank of the concatenation, and returns a
+  piece found in the table as one token. That gives step 2's result when (a) every merge that uses a token
+  ranks after every merge that produces it (`merge_order_is_safe`; true of GPT-2's vocab.bpe and of any
+  file a BPE trainer writes), and (b) the table holds exactly the producible merge results, ranked as
+  their merges: under (a) the merges apply in rank order, and two adjacent symbols whose concatenation
+  is a producible token t are always the two that t's own encoding merges last (see
+  `producible_tokens`), so the candidate pairs and their order are step 2's. encoder.json's ids are
+  used as tiktoken's ranks when they are in merge order (GPT-2's files, a trainer's), else a table maps
+  ranks to ids.
+- "tokenizers": Hugging Face `tokenizers`' BPE (Oniguruma regex, Unicode 15.1), exact under (a); used
+  when encoder.json lacks a byte or a producible token (the error above is raised after encoding).
+- "python": step 2 as a Python loop over `tokenizers`' pre-tokenization, when (a) does not hold (a warning
+  says so).
+
+Results do not depend on any cache (upstream's is an unbounded dict). The regex engines' Unicode tables
+are older than those of recent `regex` releases: a letter or digit assigned after them counts as a symbol.
+This module imports only the standard library, tiktoken and `tokenizers` (not torch), so the
+data-preparation scripts can load it on its own.
 """
 
+import gc
+import itertools
 import json
 import logging
 import os
+import re
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 logger = logging.getLogger(__name__)
@@ -42,6 +59,12 @@ DOWNLOAD_HINT = (
 
 # GPT-2's pre-tokenization pattern (\p{L}: letters, \p{N}: digits and other numbers).
 PRETOKENIZE_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
+# The same pattern, as given to tiktoken: it matches the same text at every position. The contractions
+# all start with "'" and differ in the next letter, so at most one of them matches anywhere and their
+# order does not matter; grouping the first branches does not change leftmost-first alternation. It is
+# twice as fast in fancy-regex, which hands the lookahead-free group to the regex crate in one piece
+# instead of trying eleven branches in its backtracking VM.
+TIKTOKEN_PATTERN = r"""(?:'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+)|\s+(?!\S)|\s+"""
 
 
 def bytes_to_unicode() -> Dict[int, str]:
@@ -131,12 +154,83 @@ def load_vocab_bpe(path) -> List[Tuple[str, str]]:
     return merges
 
 
+# ---- which tokens the published algorithm can produce ---------------------------------------------------------
+def merge_order_is_safe(merges: Sequence[Tuple[str, str]]) -> bool:
+    """True when every merge using a token ranks after every merge producing it (merges in rank order, without
+    repeats). Then the published algorithm applies the merges in rank order, each to all its occurrences, and
+    merging one occurrence at a time (lowest rank, leftmost first) gives the same result."""
+    used = set()
+    for a, b in merges:
+        if a + b in used:  # produced after a merge that uses it
+            return False
+        used.add(a)
+        used.add(b)
+    return True
+
+
+def producible_tokens(bpe_ranks: Dict[Tuple[str, str], int], merges: Sequence[Tuple[str, str]],
+                      alphabet: Iterable[str]) -> Dict[str, int]:
+    """Every merge result that the published algorithm can output, with the rank of the merge producing it,
+    for merges (`merges`: in rank order, without repeats; `bpe_ranks`: pair -> rank) whose order is safe
+    (`merge_order_is_safe`).
+
+    With a safe order the merges apply in rank order, so the symbols over a span of a piece evolve as the
+    span alone would while no merge joins a symbol inside it with one outside. Hence t = a + b (rank r) is
+    output somewhere only if encoding t alone ends in [t]: a and b are themselves producible (or bytes) and
+    no merge ranked below r joins the symbol that ends a's side with the one that starts b's side while
+    both exist. Those two symbols run through the suffixes and prefixes that a's and b's own encodings
+    build over time, recorded below; the pairs current at the same time are walked in time order. A later
+    merge with the same result never applies (two adjacent symbols that form t are always the pair that
+    t's own encoding merges last)."""
+    get = bpe_ranks.get
+    # token -> (symbols, ranks): the last (first) symbol of the token's own encoding, and from which rank on
+    suffixes = {c: ((c,), (-1,)) for c in alphabet}
+    prefixes = dict(suffixes)
+    live: Dict[str, int] = {}
+    for a, b in merges:
+        t = a + b
+        if t in live:
+            continue
+        left = suffixes.get(a)
+        right = prefixes.get(b)
+        if left is None or right is None:
+            continue
+        r = bpe_ranks[a, b]
+        ls, lf = left
+        rs, rf = right
+        nl, nr = len(ls) - 1, len(rs) - 1
+        i = j = 0
+        while i < nl or j < nr:  # (a, b) themselves, current last, are the merge of rank r
+            s_to = lf[i + 1] if i < nl else r
+            p_to = rf[j + 1] if j < nr else r
+            k = get((ls[i], rs[j]))
+            # At a tie (one merge y+y also turning b's first y into a longer prefix, or a's last y into a
+            # longer suffix) the leftmost occurrence merges first: across the boundary before b's, after a's.
+            if k is not None and lf[i] < k < s_to and rf[j] < k <= p_to:
+                break  # crossed: t is never output
+            if s_to <= p_to:
+                i += 1
+            if p_to <= s_to:
+                j += 1
+        else:
+            live[t] = r
+            ss, sf = suffixes[b]
+            suffixes[t] = (ss + (t,), sf + (r,))
+            ps, pf = prefixes[a]
+            prefixes[t] = (ps + (t,), pf + (r,))
+    return live
+
+
 # ---- the encoder ------------------------------------------------------------------------------------------
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
 class Encoder:
     """GPT-2 byte-level BPE: `encode(text) -> [ids]`, `decode(ids) -> text`, as upstream's `Encoder`.
 
     `errors` is how `decode` treats byte sequences that are not valid UTF-8 (a sequence of ids may end in
     the middle of a character): "replace" (upstream's default) gives U+FFFD, "strict" raises ValueError.
+    `engine` says what encodes: "tiktoken", "tokenizers" or "python" (see the module's docstring).
     """
 
     def __init__(self, encoder: Dict[str, int], bpe_merges: Sequence[Tuple[str, str]], errors: str = "replace",
@@ -151,7 +245,28 @@ class Encoder:
         self._encoder_path = encoder_path or "encoder.json"
         self._decoder: Optional[Dict[int, str]] = None  # built on first use: encoding needs neither table
         self._id_bytes: Optional[Dict[int, bytes]] = None
-        self._build_tokenizer()
+        self._cache: Dict[str, List[str]] = {}  # of `bpe`, the Python loop
+        self._line_format = None
+        merges = sorted(self.bpe_ranks, key=self.bpe_ranks.__getitem__)
+        gc_was_enabled = gc.isenabled()
+        gc.disable()  # (the tables below are 100,000s of small objects, none of them garbage)
+        try:
+            safe = merge_order_is_safe(merges)
+            self._tiktoken = self._build_tiktoken(merges) if safe else None
+        finally:
+            if gc_was_enabled:
+                gc.enable()
+        if self._tiktoken is not None:
+            self.engine = "tiktoken"
+        else:
+            self._build_tokenizer(merges, safe)
+            self.engine = "tokenizers" if safe else "python"
+            if not safe:
+                logger.warning(
+                    f"{self._where}: some merge uses a token before (at a lower rank than) a merge that produces "
+                    "it; the Rust BPEs could merge differently from upstream there, so this vocabulary is "
+                    "encoded with the (slow) Python BPE loop"
+                )
 
     @property
     def decoder(self) -> Dict[int, str]:
@@ -172,12 +287,63 @@ class Encoder:
         return self._id_bytes
 
     # -- construction --
-    def _build_tokenizer(self):
+    def _build_tiktoken(self, merges):
+        """tiktoken's Encoding over the byte tokens and the producible merge results, or None when this
+        vocabulary needs the tokenizers path (a byte or a producible token without an id in encoder.json:
+        upstream's KeyError, reported there; ids not distinct)."""
+        try:
+            import tiktoken
+        except ImportError:
+            logger.warning("GPT-2 BPE: tiktoken is not installed (pip install tiktoken); encoding with the slower "
+                           "tokenizers BPE")
+            return None
+        encoder = self.encoder
+        alphabet = list(self.byte_encoder.values())
+        if any(c not in encoder for c in alphabet):
+            return None
+        live = producible_tokens(self.bpe_ranks, merges, alphabet)
+        if any(t not in encoder for t in live):
+            return None
+        tokens = alphabet + sorted(live, key=live.__getitem__)
+        ids = [encoder[t] for t in tokens]
+        if len(set(ids)) != len(ids):
+            return None
+        # tiktoken merges by the rank of the concatenation and returns ranks as ids: use encoder.json's ids as
+        # ranks where their order is the merges' order (GPT-2's files, any trainer's), else 256 + the merge's
+        # place and a table back to ids. Bytes' ranks are never compared.
+        merge_ids = ids[256:]
+        if all(x < y for x, y in zip(merge_ids, merge_ids[1:])):
+            ranks, self._rank_to_id = ids, None
+        else:
+            ranks, self._rank_to_id = list(range(len(ids))), ids
+        self._tt_ranks, self._tt_ids = ranks, ids
+        # Each character stands for one byte: translate all tokens at once and cut by their lengths.
+        data = "".join(tokens).translate({ord(c): b for b, c in self.byte_encoder.items()}).encode("latin-1")
+        ends = list(itertools.accumulate(map(len, tokens)))
+        mergeable = dict(zip(map(data.__getitem__, map(slice, [0] + ends[:-1], ends)), ranks))
+        self._newline_rank = ranks[alphabet.index(self.byte_encoder[ord("\n")])]
+        encoding = tiktoken.Encoding(f"gpt2-bpe:{self._where}", pat_str=TIKTOKEN_PATTERN, mergeable_ranks=mergeable,
+                                     special_tokens={})
+        # The Rust call itself: Encoding.encode_ordinary would replace lone surrogates silently.
+        core = getattr(encoding, "_core_bpe", None)
+        self._tiktoken_encode = getattr(core, "encode_ordinary", None) or self._checked_encoder(encoding)
+        return encoding
+
+    @staticmethod
+    def _checked_encoder(encoding):
+        def encode(text):
+            if not isinstance(text, str):
+                raise TypeError(f"expected str, got {type(text).__name__}")
+            if not text.isascii() and _SURROGATE.search(text):
+                raise UnicodeEncodeError("utf-8", text, 0, 1, "surrogates not allowed")
+            return encoding.encode_ordinary(text)
+        return encode
+
+    def _build_tokenizer(self, merges, safe: bool):
         try:
             from tokenizers import Tokenizer, models, pre_tokenizers
         except ImportError:
             raise ImportError("GPT-2 BPE needs the `tokenizers` package: pip install tokenizers") from None
-        merges = sorted(self.bpe_ranks, key=self.bpe_ranks.__getitem__)
         # The Rust BPE needs every base symbol, merge operand and merge result in its vocabulary (a missing
         # base symbol would be dropped silently). Tokens that encoder.json lacks get ids above all of its
         # ids; producing one is upstream's KeyError, reported after encoding.
@@ -194,32 +360,12 @@ class Encoder:
         self._has_missing = bool(extra)
         self._token_of = {i: t for t, i in extra.items()}
         self._pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-        self._fast = self._merge_order_is_safe(merges)
-        model = models.BPE(vocab=vocab, merges=merges, dropout=None, unk_token=None, fuse_unk=False,
-                           byte_fallback=False, ignore_merges=False)
-        self._tokenizer = Tokenizer(model)
-        self._tokenizer.pre_tokenizer = self._pre_tokenizer
-        self._vocab = None if self._fast else vocab
-        if not self._fast:
-            logger.warning(
-                f"{self._where}: some merge uses a token before (at a lower rank than) a merge that produces "
-                "it; the Rust BPE could merge differently from upstream there, so this vocabulary is "
-                "encoded with the (slow) Python BPE loop"
-            )
-            self._cache: Dict[str, List[str]] = {}
-
-    @staticmethod
-    def _merge_order_is_safe(merges: Sequence[Tuple[str, str]]) -> bool:
-        """True when every merge using a token ranks after every merge producing it: then one-at-a-time
-        merging (lowest rank, leftmost first) equals upstream's all-occurrences-per-rank merging."""
-        last_made: Dict[str, int] = {}
-        for rank, (a, b) in enumerate(merges):
-            last_made[a + b] = rank
-        first_used: Dict[str, int] = {}
-        for rank, (a, b) in enumerate(merges):
-            first_used.setdefault(a, rank)
-            first_used.setdefault(b, rank)
-        return all(first_used[t] > r for t, r in last_made.items() if t in first_used)
+        self._vocab = vocab
+        if safe:
+            model = models.BPE(vocab=vocab, merges=merges, dropout=None, unk_token=None, fuse_unk=False,
+                               byte_fallback=False, ignore_merges=False)
+            self._tokenizer = Tokenizer(model)
+            self._tokenizer.pre_tokenizer = self._pre_tokenizer
 
     # -- encoding --
     def encode(self, text: str) -> List[int]:
@@ -227,9 +373,11 @@ class Encoder:
         return self.encode_batch([text])[0]
 
     def encode_batch(self, texts: Sequence[str]) -> List[List[int]]:
-        """`encode` of each text; one call into the Rust tokenizer for the whole batch."""
+        """`encode` of each text."""
         texts = list(texts)
-        if self._fast:
+        if self.engine == "tiktoken":
+            return [self._encode_tiktoken(t) for t in texts]
+        if self.engine == "tokenizers":
             try:
                 encodings = self._tokenizer.encode_batch_fast(texts, add_special_tokens=False)
             except TypeError:
@@ -245,6 +393,60 @@ class Encoder:
                     token = self._token_of[next(i for i in ids if i >= limit)]
                     self._raise_missing(token, text)
         return out
+
+    def _encode_tiktoken(self, text: str) -> List[int]:
+        try:
+            ids = self._tiktoken_encode(text)
+        except (TypeError, UnicodeEncodeError):
+            self._raise_bad_text([text])
+            raise
+        if self._rank_to_id is not None:
+            table = self._rank_to_id
+            ids = [table[i] for i in ids]
+        return ids
+
+    def encode_lines(self, lines: Sequence[str]) -> bytes:
+        """The ids of each line as one text line each (`" ".join(map(str, ids)) + "\\n"`), UTF-8 (ASCII) bytes:
+        what the data-preparation scripts write. Each line must be stripped (`str.strip`: no whitespace at
+        either end, so none of "\\n" or "\\r" either); an empty line gives an empty output line.
+
+        With tiktoken the lines are encoded as one text joined by "\\n": every whitespace character of the
+        GPT-2 pattern is whitespace for `str.strip`, so each "\\n" between two stripped non-empty lines is a
+        piece of its own (the id of the byte "\\n") and the other pieces are those of the lines alone; the ids
+        are turned into text by a second tiktoken table whose "token bytes" are the ids' decimal forms."""
+        if self.engine != "tiktoken":
+            return "".join([" ".join(map(str, ids)) + "\n" for ids in self.encode_batch(lines)]).encode("ascii")
+        for line in lines:
+            if "\n" in line or "\r" in line or line != line.strip():
+                raise ValueError(f"encode_lines takes stripped lines without line breaks, got {line[:80]!r}")
+        if self._line_format is None:
+            self.prepare_encode_lines()
+        kept = lines if all(lines) else [line for line in lines if line]
+        if not kept:
+            return b"\n" * len(lines)
+        text = "\n".join(kept)
+        try:
+            ids = self._tiktoken_encode(text)
+        except (TypeError, UnicodeEncodeError):
+            self._raise_bad_text(kept)
+            raise
+        out = self._line_format.decode_bytes(ids).replace(b" \n", b"\n")
+        out = out[:-1] + b"\n"  # the last line's last id was written as "N "
+        if len(kept) == len(lines):
+            return out
+        encoded = iter(out.split(b"\n"))
+        return b"".join([next(encoded) + b"\n" if line else b"\n" for line in lines])
+
+    def prepare_encode_lines(self) -> None:
+        """Build `encode_lines`' id -> text table now (else on first use; call it before forking workers)."""
+        if self.engine != "tiktoken" or self._line_format is not None:
+            return
+        import tiktoken
+
+        newline = self._newline_rank
+        table = {(b"\n" if r == newline else b"%d " % i): r for r, i in zip(self._tt_ranks, self._tt_ids)}
+        self._line_format = tiktoken.Encoding("gpt2-ids-as-text", pat_str=r"\n", mergeable_ranks=table,
+                                              special_tokens={})
 
     def _raise_bad_text(self, texts):
         for text in texts:
@@ -281,7 +483,7 @@ class Encoder:
         return ids
 
     def _bpe_symbols(self, token: str) -> List[str]:
-        """Upstream's merge loop on one byte-level piece (used when the Rust merge order is not safe)."""
+        """Upstream's merge loop on one byte-level piece (the "python" engine and `bpe`)."""
         cached = self._cache.get(token)
         if cached is not None:
             return cached
@@ -306,10 +508,9 @@ class Encoder:
         return word
 
     def bpe(self, token: str) -> str:
-        """The BPE symbols of one byte-level pre-tokenized piece, joined by spaces (upstream's `bpe`)."""
-        if not self._fast:
-            return " ".join(self._bpe_symbols(token))
-        return " ".join(t.value for t in self._tokenizer.model.tokenize(token))
+        """The BPE symbols of one byte-level pre-tokenized piece, joined by spaces (upstream's `bpe`, by the
+        Python loop whatever the engine)."""
+        return " ".join(self._bpe_symbols(token))
 
     # -- decoding --
     def decode(self, tokens: Iterable) -> str:
