@@ -12,6 +12,7 @@ import sys
 from typing import List, Optional
 
 from fairseq import registry
+from fairseq.data.encoders import BPE_REGISTRY, TOKENIZER_REGISTRY
 from fairseq.dataclass import configs
 from fairseq.dataclass.utils import add_dataclass_to_parser, config_from_namespace, flag_name
 from fairseq.utils import import_user_module
@@ -30,7 +31,12 @@ COMPONENTS = (
     ("criterion", "criterion", registry.CRITERION_REGISTRY, "cross_entropy"),
     ("optimizer", "optimizer", registry.OPTIMIZER_REGISTRY, None),
     ("lr_scheduler", "lr_scheduler", registry.LR_SCHEDULER_REGISTRY, "fixed"),
+    # Text encoders, as upstream's parsers have them: the chosen scheme's dataclass adds its flags
+    # (--gpt2-encoder-json, --sentencepiece-model, ...) and the config gets cfg.bpe / cfg.tokenizer.
+    ("bpe", "bpe", BPE_REGISTRY, None),
+    ("tokenizer", "tokenizer", TOKENIZER_REGISTRY, None),
 )
+ENCODER_COMPONENTS = ("bpe", "tokenizer")
 
 
 def _base_parser(description: str, groups: dict, default_task: str, components=("task",)):
@@ -58,7 +64,8 @@ def _base_parser(description: str, groups: dict, default_task: str, components=(
 
 def get_preprocessing_parser(default_task: str = "translation"):
     groups = {"common": configs.CommonConfig, "preprocess": configs.PreprocessConfig}
-    return _base_parser("fairseq-preprocess: build a dictionary and binarize text", groups, default_task)
+    return _base_parser("fairseq-preprocess: build a dictionary and binarize text", groups, default_task,
+                        components=("task",) + ENCODER_COMPONENTS)
 
 
 def get_training_parser(default_task: str = "language_modeling"):
@@ -75,7 +82,8 @@ def get_eval_lm_parser(default_task: str = "language_modeling"):
     groups = dict(TRAIN_GROUPS)
     groups["common_eval"] = configs.CommonEvalConfig
     groups["eval_lm"] = configs.EvalLMConfig
-    return _base_parser("fairseq-eval-lm: evaluate a language model", groups, default_task)
+    return _base_parser("fairseq-eval-lm: evaluate a language model", groups, default_task,
+                        components=("task",) + ENCODER_COMPONENTS)
 
 
 def parse_args_and_arch(parser: argparse.ArgumentParser, input_args: Optional[List[str]] = None,
@@ -111,9 +119,23 @@ def parse_args_and_arch(parser: argparse.ArgumentParser, input_args: Optional[Li
     return (args, extra) if parse_known else args
 
 
-def _add_component_flags(parser, first):
+def parse_args_with_encoders(parser: argparse.ArgumentParser, input_args: Optional[List[str]] = None):
+    """Parse flags, adding only the chosen --bpe/--tokenizer scheme's own flags (fairseq-preprocess, whose
+    task flags are not used)."""
+    input_args = sys.argv[1:] if input_args is None else input_args
+    first, _ = parser.parse_known_args(input_args)
+    try:
+        _add_component_flags(parser, first, only=ENCODER_COMPONENTS, arch=False)
+    except ValueError as e:
+        parser.error(str(e))
+    return parser.parse_args(input_args)
+
+
+def _add_component_flags(parser, first, only=None, arch=True):
     # Components first: a model field that shares a task flag (tokens_per_sample) reads the task's value.
     for attr, dest, reg, _ in COMPONENTS:
+        if only is not None and attr not in only:
+            continue
         name = getattr(first, dest, None)
         if name is None:
             continue
@@ -121,7 +143,7 @@ def _add_component_flags(parser, first):
         if dc is not None:
             add_dataclass_to_parser(parser.add_argument_group(f"{reg.kind} ({name})"), dc)
     arch_fn = None
-    if getattr(first, "arch", None) is not None:
+    if arch and getattr(first, "arch", None) is not None:
         model_cls = registry.arch_model(first.arch)
         model_dc = registry.dataclass_of(model_cls)
         if model_dc is not None:

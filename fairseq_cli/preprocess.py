@@ -125,7 +125,7 @@ def _run(args: Namespace, pool) -> None:
 
 def parse_args(argv: Optional[List[str]] = None) -> Namespace:
     parser = options.get_preprocessing_parser(default_task="language_modeling")
-    return parser.parse_args(argv)
+    return options.parse_args_with_encoders(parser, argv)
 
 
 def cli_main(argv: Optional[List[str]] = None) -> None:

@@ -222,3 +222,5 @@ class FairseqConfig:
     criterion: Any = None
     optimizer: Any = None
     lr_scheduler: Any = None
+    bpe: Any = None  # --bpe: the scheme's config (GPT2BPEConfig, SentencepieceConfig, ...), as upstream
+    tokenizer: Any = None  # --tokenizer
