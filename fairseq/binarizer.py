@@ -290,3 +290,319 @@ class _maybe_pool:
                 self._owned.terminate()
             self._owned.join()
         return False
+
+
+# ---- one pass: raw text -> --bpe -> token ids ------------------------------------------------------------
+# `fairseq-preprocess --bpe NAME` equals the two-step route (the encoder script with --keep-empty, then
+# fairseq-preprocess on its output): each line is stripped and encoded, an empty line stays an empty line
+# (`</s>` alone), and the encoded line is split on whitespace exactly as `encode_block` splits the encoded
+# text. An encoder gives, per block of lines, "local" ids of the tokens that split yields and the token of each
+# local id (`symbols`); local ids become dictionary indices through a lookup table, so GPT-2 ids never become
+# text at all, and building the dictionary counts local ids (np.bincount) instead of strings.
+
+_LINE_ENCODERS: Dict[tuple, "LineEncoder"] = {}  # built in the main process before forking the workers
+
+
+class LineEncoder:
+    """Generic: `bpe.encode(line)` per line, tokens split on whitespace, local ids in order of appearance."""
+
+    def __init__(self, bpe):
+        self.bpe = bpe
+        self._ids: Dict[str, int] = {}
+
+    def symbols(self) -> List[str]:
+        return list(self._ids)
+
+    def _local_ids(self, words: List[str]) -> np.ndarray:
+        table = self._ids
+        get = table.get
+        out = np.empty(len(words), dtype=np.int64)
+        for k, w in enumerate(words):
+            i = get(w)
+            if i is None:
+                i = table[w] = len(table)
+            out[k] = i
+        return out
+
+    def encoded_lines(self, lines: List[str]) -> List[str]:
+        return [self.bpe.encode(line) if line else "" for line in lines]
+
+    def encode(self, lines: List[str]) -> Tuple[np.ndarray, np.ndarray]:
+        """(local ids of all lines' tokens, number of tokens per line) of stripped lines."""
+        encoded = self.encoded_lines(lines)
+        per_line = [e.split() for e in encoded]
+        sizes = np.fromiter(map(len, per_line), dtype=np.int64, count=len(per_line))
+        words = [w for ws in per_line for w in ws]
+        return self._local_ids(words), sizes
+
+
+class SentencepieceLineEncoder(LineEncoder):
+    """--bpe sentencepiece: spm_encode.py's pieces (`sp.Encode(lines, out_type=str)`), joined and split as
+    the two-step route joins and splits them (a piece that holds whitespace becomes several tokens there)."""
+
+    def encoded_lines(self, lines: List[str]) -> List[str]:
+        todo = [line for line in lines if line]
+        pieces = iter(self.bpe.sp.Encode(todo, out_type=str, enable_sampling=self.bpe.enable_sampling,
+                                         alpha=self.bpe.alpha) if todo else [])
+        return [" ".join(next(pieces)) if line else "" for line in lines]
+
+
+class GPT2LineEncoder(LineEncoder):
+    """--bpe gpt2: local ids are GPT-2 ids (their tokens are the ids' decimal forms, as the encoder script
+    writes them)."""
+
+    def __init__(self, bpe):
+        super().__init__(bpe)
+        self.encoder = bpe.bpe
+        self._n = max(self.encoder.encoder.values()) + 1
+
+    def symbols(self) -> List[str]:
+        return [str(i) for i in range(self._n)]
+
+    def encode(self, lines):
+        return self.encoder.encode_lines_to_ids(lines, check=False)
+
+
+def make_line_encoder(bpe) -> LineEncoder:
+    from fairseq.data.encoders.gpt2_bpe import GPT2BPE
+    from fairseq.data.encoders.sentencepiece_bpe import SentencepieceBPE
+
+    if isinstance(bpe, GPT2BPE):
+        bpe.bpe.prepare_encode_lines()
+        return GPT2LineEncoder(bpe)
+    if isinstance(bpe, SentencepieceBPE):
+        return SentencepieceLineEncoder(bpe)
+    return LineEncoder(bpe)
+
+
+def register_line_encoder(spec: tuple, bpe) -> None:
+    """Make the encoder for `spec` (hashable: the scheme's name and config values) available to this process
+    and to workers forked after this call."""
+    _LINE_ENCODERS[spec] = make_line_encoder(bpe)
+
+
+def _line_encoder(spec: tuple) -> LineEncoder:
+    if spec not in _LINE_ENCODERS:  # a spawned worker: build it from the config values
+        from fairseq.data.encoders import build_bpe
+
+        name, values = spec
+        _LINE_ENCODERS[spec] = make_line_encoder(build_bpe(dict(values, _name=name)))
+    return _LINE_ENCODERS[spec]
+
+
+def bpe_spec(bpe_cfg) -> tuple:
+    """Hashable description of a --bpe config (its name and field values)."""
+    import dataclasses as dc
+
+    values = tuple(sorted((f.name, getattr(bpe_cfg, f.name)) for f in dc.fields(bpe_cfg) if not f.name.startswith("_")))
+    return (bpe_cfg._name, values)
+
+
+def _iter_encoded(path: str, start: int, end: int, encoder: LineEncoder) -> Iterator[Tuple[np.ndarray, np.ndarray]]:
+    """(local ids, tokens per line) for each block of bytes [start, end) of `path`: lines stripped, as the
+    encoder scripts strip them, and encoded."""
+    for text in iter_text_blocks(path, start, end):
+        lines = text.split("\n")
+        if lines[-1] == "":
+            lines.pop()
+        yield encoder.encode([line.strip() for line in lines])
+
+
+class _Table:
+    """local id -> dictionary index (and whether that is a replacement by <unk>), grown as symbols appear."""
+
+    def __init__(self, encoder: LineEncoder, indices: Dict[str, int], unk: int, unk_word: str):
+        self.encoder, self.indices, self.unk, self.unk_word = encoder, indices, unk, unk_word
+        self.index = np.zeros(0, dtype=np.int64)
+        self.replaced = np.zeros(0, dtype=bool)
+
+    def update(self, symbols: Optional[List[str]] = None):
+        symbols = self.encoder.symbols() if symbols is None else symbols
+        if len(symbols) > len(self.index):
+            new = symbols[len(self.index):]
+            idx = np.fromiter((self.indices.get(s, self.unk) for s in new), dtype=np.int64, count=len(new))
+            rep = (idx == self.unk) & np.fromiter((s != self.unk_word for s in new), dtype=bool, count=len(new))
+            self.index = np.concatenate([self.index, idx])
+            self.replaced = np.concatenate([self.replaced, rep])
+
+
+def _add_mapped(builder, summary: BinarizeSummary, local: np.ndarray, sizes: np.ndarray, table: _Table,
+                eos: int) -> None:
+    """Append lines given as local ids (`sizes` tokens each, no </s>) as dictionary indices plus </s>."""
+    if len(sizes) == 0:
+        return
+    if len(local) and int(local.max()) >= len(table.index):
+        table.update()
+    out_sizes = sizes + 1
+    ends = np.cumsum(out_sizes) - 1
+    out = np.full(int(ends[-1]) + 1 if len(ends) else 0, eos, dtype=np.int64)
+    keep = np.ones(len(out), dtype=bool)
+    keep[ends] = False
+    out[keep] = table.index[local]
+    builder.add_items(out.astype(builder.dtype), out_sizes)
+    summary.num_seq += len(sizes)
+    summary.num_tok += len(out)
+    summary.num_replaced += int(np.count_nonzero(table.replaced[local]))
+
+
+def encode_binarize_range(builder, path: str, start: int, end: int, spec: tuple, indices: Dict[str, int], unk: int,
+                          eos: int, unk_word: str) -> BinarizeSummary:
+    """Raw text bytes [start, end) of `path`, encoded with `spec`'s --bpe, into `builder`."""
+    encoder = _line_encoder(spec)
+    table = _Table(encoder, indices, unk, unk_word)
+    summary = BinarizeSummary()
+    for local, sizes in _iter_encoded(path, start, end, encoder):
+        _add_mapped(builder, summary, local, sizes, table, eos)
+    return summary
+
+
+def count_encode_range(path: str, start: int, end: int, spec: tuple, cache_prefix: str):
+    """Encode raw text bytes [start, end) once: the local ids and line sizes go to `cache_prefix`.ids/.sizes
+    (int32, to be binarized once the dictionary exists) and the token counts come back, with the line count."""
+    encoder = _line_encoder(spec)
+    counts = np.zeros(0, dtype=np.int64)
+    lines = 0
+    with open(cache_prefix + ".ids", "wb") as fi, open(cache_prefix + ".sizes", "wb") as fs:
+        for local, sizes in _iter_encoded(path, start, end, encoder):
+            block_counts = np.bincount(local)
+            if len(block_counts) > len(counts):
+                counts = np.concatenate([counts, np.zeros(len(block_counts) - len(counts), np.int64)])
+            counts[: len(block_counts)] += block_counts
+            local.astype(np.int32).tofile(fi)
+            sizes.astype(np.int32).tofile(fs)
+            lines += len(sizes)
+    symbols = encoder.symbols()
+    counter = Counter({symbols[i]: int(counts[i]) for i in np.flatnonzero(counts)})
+    return counter, lines, (cache_prefix, symbols if not isinstance(encoder, GPT2LineEncoder) else None)
+
+
+CACHE_LINES = 1 << 16  # lines of a cached range mapped at once
+
+
+def binarize_cached_range(builder, cache: tuple, spec: tuple, indices: Dict[str, int], unk: int, eos: int,
+                          unk_word: str) -> BinarizeSummary:
+    """Binarize a range cached by `count_encode_range` into `builder`."""
+    cache_prefix, symbols = cache
+    encoder = _line_encoder(spec)
+    table = _Table(encoder, indices, unk, unk_word)
+    table.update(symbols)
+    summary = BinarizeSummary()
+    sizes_all = np.fromfile(cache_prefix + ".sizes", dtype=np.int32).astype(np.int64)
+    if os.path.getsize(cache_prefix + ".ids") == 0:
+        ids_all = np.zeros(0, dtype=np.int32)
+    else:
+        ids_all = np.memmap(cache_prefix + ".ids", dtype=np.int32, mode="r")
+    pos = 0
+    for a in range(0, len(sizes_all), CACHE_LINES):
+        sizes = sizes_all[a:a + CACHE_LINES]
+        n = int(sizes.sum())
+        _add_mapped(builder, summary, np.asarray(ids_all[pos:pos + n], dtype=np.int64), sizes, table, eos)
+        pos += n
+    del ids_all
+    return summary
+
+
+def remove_cache(cache: tuple) -> None:
+    for ext in (".ids", ".sizes"):
+        if os.path.exists(cache[0] + ext):
+            os.remove(cache[0] + ext)
+
+
+def build_dictionary_encoded(path: str, spec: tuple, cache_stem: str, num_workers: int = 1, threshold: int = -1,
+                             nwords: int = -1, padding_factor: int = 8, pool=None):
+    """(Dictionary, caches): the dictionary of `path` as encoded by `spec` (what build_dictionary gives on the
+    encoder script's output), and the encoded ranges cached for `binarize_file_encoded(caches=...)`. The
+    caller removes the caches (`remove_cache`)."""
+    from fairseq.data.dictionary import Dictionary
+
+    offsets = find_offsets(path, max(1, num_workers))
+    ranges = list(zip(offsets, offsets[1:]))
+    prefixes = [f"{cache_stem}.c{k}" for k in range(len(ranges))]
+    caches = [(p, None) for p in prefixes]
+    try:
+        with _maybe_pool(pool if len(ranges) > 1 else False, len(ranges) - 1) as p:
+            pending = [p.apply_async(count_encode_range, (path, s, e, spec, c))
+                       for (s, e), c in zip(ranges[1:], prefixes[1:])]
+            results = [count_encode_range(path, *ranges[0], spec, prefixes[0])]
+            results += [r.get() for r in pending]
+    except BaseException:
+        for c in caches:
+            remove_cache(c)
+        raise
+    d = Dictionary()
+    counter: Counter = Counter()
+    lines = 0
+    caches = []
+    for c, n, cache in results:
+        counter.update(c)
+        lines += n
+        caches.append(cache)
+    counter[d.eos_word] += lines
+    d.add_counts(counter)
+    d.finalize(threshold=threshold, nwords=nwords, padding_factor=padding_factor)
+    return d, caches
+
+
+def _job_to_files(func, args, dtype, out_bin: str, out_idx: str) -> BinarizeSummary:
+    builder = MMapIndexedDatasetBuilder(out_bin, dtype=dtype)
+    try:
+        summary = func(builder, *args)
+        builder.finalize(out_idx)
+    except BaseException:
+        builder.close()
+        raise
+    return summary
+
+
+def _run_jobs_atomically(output_prefix: str, dtype, jobs: List[tuple], pool) -> BinarizeSummary:
+    """Run `jobs` ((func, args): func(builder, *args) -> summary), the first here and the rest in `pool`,
+    concatenated in order into `output_prefix.bin/.idx`, renamed into place only when complete (.idx last)."""
+    dest_dir, base = os.path.split(output_prefix)
+    stem = os.path.join(dest_dir, f".{base}.{os.getpid()}")
+    part_bin, part_idx = stem + ".bin.part", stem + ".idx.part"
+    worker_parts = [(f"{stem}.w{k}.bin.part", f"{stem}.w{k}.idx.part") for k in range(1, len(jobs))]
+    builder = MMapIndexedDatasetBuilder(part_bin, dtype=dtype)
+    pending = []
+    try:
+        with _maybe_pool(pool if worker_parts else False, len(worker_parts)) as p:
+            pending = [p.apply_async(_job_to_files, (func, args, dtype, wb, wi))
+                       for (func, args), (wb, wi) in zip(jobs[1:], worker_parts)]
+            func, args = jobs[0]
+            summary = func(builder, *args)
+            for r, (wb, wi) in zip(pending, worker_parts):
+                summary.merge(r.get())
+                builder.merge_files_(wb, wi)
+                os.remove(wb)
+                os.remove(wi)
+        builder.finalize(part_idx)
+        final_bin, final_idx = data_file_path(output_prefix), index_file_path(output_prefix)
+        if os.path.exists(final_idx):
+            os.remove(final_idx)
+        os.replace(part_bin, final_bin)
+        os.replace(part_idx, final_idx)
+    except BaseException:
+        builder.close()
+        if pool:
+            for r in pending:
+                r.wait()
+        for leftover in [part_bin, part_idx] + [f for pair in worker_parts for f in pair]:
+            if os.path.exists(leftover):
+                os.remove(leftover)
+        raise
+    return summary
+
+
+def binarize_file_encoded(path: str, dictionary, output_prefix: str, spec: tuple, num_workers: int = 1, pool=None,
+                          caches: Optional[List[tuple]] = None) -> BinarizeSummary:
+    """`binarize_file` of `path` as encoded by `spec`'s --bpe (one pass, no encoded text written), or of the
+    ranges `build_dictionary_encoded` cached. Byte-identical to binarizing the encoder script's output."""
+    if caches is None and not os.path.isfile(path):
+        raise FileNotFoundError(f"input file {path} does not exist")
+    dtype = best_fitting_dtype(len(dictionary))
+    common = (spec, dictionary.indices, dictionary.unk_index, dictionary.eos_index, dictionary.unk_word)
+    if caches is not None:
+        jobs = [(binarize_cached_range, (cache,) + common) for cache in caches]
+    else:
+        offsets = find_offsets(path, max(1, num_workers))
+        jobs = [(encode_binarize_range, (path, s, e) + common) for s, e in zip(offsets, offsets[1:])]
+    return _run_jobs_atomically(output_prefix, dtype, jobs, pool)

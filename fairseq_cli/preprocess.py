@@ -73,10 +73,32 @@ def check_args(args: Namespace) -> None:
             raise PreprocessError(f"input file {path} does not exist (check --trainpref/--validpref/--testpref)")
 
 
+def _bpe_spec(args: Namespace):
+    """Build the --bpe scheme (errors for missing/malformed files come here, before any output) and make it
+    available to the binarizer and its workers; None without --bpe."""
+    if not getattr(args, "bpe", None):
+        return None
+    from fairseq.data.encoders import BPE_REGISTRY, build_bpe
+    from fairseq.dataclass.utils import config_from_namespace
+
+    cfg = config_from_namespace(BPE_REGISTRY.dataclass(args.bpe), args, args.bpe)
+    if getattr(cfg, "sentencepiece_enable_sampling", False):
+        raise PreprocessError("--sentencepiece-enable-sampling: sampled encodings differ from run to run; "
+                              "fairseq-preprocess --bpe sentencepiece encodes deterministically (drop the flag)")
+    bpe = build_bpe(cfg)
+    spec = binarizer.bpe_spec(cfg)
+    binarizer.register_line_encoder(spec, bpe)
+    return spec
+
+
 def main(args: Namespace) -> None:
     if getattr(args, "user_dir", None):
         import_user_module(args.user_dir)
     check_args(args)
+    if getattr(args, "tokenizer", None):
+        logger.warning(f"--tokenizer {args.tokenizer} is accepted for upstream compatibility and not applied by "
+                       "fairseq-preprocess (as upstream); tokenize the text first")
+    spec = _bpe_spec(args)  # before the pool forks: the workers inherit the encoder
     os.makedirs(args.destdir, exist_ok=True)
     log_handler = logging.FileHandler(os.path.join(args.destdir, "preprocess.log"), encoding="utf-8")
     logger.addHandler(log_handler)
@@ -86,7 +108,7 @@ def main(args: Namespace) -> None:
     pool = binarizer.make_pool(args.workers - 1) if args.workers > 1 else None
     try:
         logger.info(args)
-        _run(args, pool)
+        _run(args, pool, spec)
         if pool is not None:
             pool.close()
     except BaseException:
@@ -101,13 +123,30 @@ def main(args: Namespace) -> None:
         log_handler.close()
 
 
-def _run(args: Namespace, pool) -> None:
+def _run(args: Namespace, pool, spec=None) -> None:
+    caches: list = []  # --bpe while building the dictionary: the train split encoded once, cached for binarizing
+    try:
+        _run_splits(args, pool, spec, caches)
+    finally:
+        for cache in caches:
+            binarizer.remove_cache(cache)
+
+
+def _run_splits(args: Namespace, pool, spec, caches: list) -> None:
     lang = args.source_lang
+    train_path = _input_path(args.trainpref, lang) if args.trainpref else None
     if args.srcdict:
         vocab = Dictionary.load(args.srcdict)
+    elif spec is not None:
+        stem = os.path.join(args.destdir, f".encoded.{os.getpid()}")
+        vocab, cached = binarizer.build_dictionary_encoded(
+            train_path, spec, stem, num_workers=args.workers, threshold=args.thresholdsrc, nwords=args.nwordssrc,
+            padding_factor=args.padding_factor, pool=pool,
+        )
+        caches.extend(cached)
     else:
         vocab = binarizer.build_dictionary(
-            [_input_path(args.trainpref, lang)], num_workers=args.workers, threshold=args.thresholdsrc,
+            [train_path], num_workers=args.workers, threshold=args.thresholdsrc,
             nwords=args.nwordssrc, padding_factor=args.padding_factor, pool=pool,
         )
     dict_path = _dict_path(args, lang)
@@ -116,10 +155,25 @@ def _run(args: Namespace, pool) -> None:
     os.replace(tmp, dict_path)
     if args.dict_only:
         return
+    replaced = []
     for input_file, out_prefix in _splits(args, lang):
         logger.info(f"[{lang}] Dictionary: {len(vocab)} types")
-        summary = binarizer.binarize_file(input_file, vocab, out_prefix, num_workers=args.workers, pool=pool)
+        if spec is None:
+            summary = binarizer.binarize_file(input_file, vocab, out_prefix, num_workers=args.workers, pool=pool)
+        else:
+            use_cache = caches and input_file == train_path and out_prefix == _dest_prefix(args, "train", lang)
+            summary = binarizer.binarize_file_encoded(input_file, vocab, out_prefix, spec, num_workers=args.workers,
+                                                      pool=pool, caches=list(caches) if use_cache else None)
+            if summary.num_replaced:
+                replaced.append(f"{summary.num_replaced} in {input_file}")
         logger.info(f"[{lang}] {input_file}: {summary} (by {vocab.unk_word})")
+    if replaced and args.srcdict:
+        # Upstream maps them to <unk> silently; say so once, with the count and the fix.
+        logger.warning(
+            f"--bpe {args.bpe}: the encoder produced tokens that {args.srcdict} does not have; they were mapped "
+            f"to {vocab.unk_word} ({', '.join(replaced)}). --srcdict must be the dictionary of this encoder "
+            f"(e.g. the dict.txt published with its encoder.json/model), or omit --srcdict to build one from the data"
+        )
     logger.info(f"Wrote preprocessed data to {args.destdir}")
 
 
