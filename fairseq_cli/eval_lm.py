@@ -113,21 +113,84 @@ class WordStat:
 
 
 class BPE:
-    """--remove-bpe: which dictionary entries are non-final pieces of a word (they end with the marker)."""
+    """--remove-bpe: how counted tokens join into words.
 
-    def __init__(self, dictionary, marker: str):
-        self.marker_len = len(marker)
-        self.pieces = {i for i in range(len(dictionary)) if dictionary[i].endswith(marker)}
-        self.is_piece = torch.zeros(len(dictionary), dtype=torch.bool)
-        self.is_piece[sorted(self.pieces)] = True
+    With a continuation `marker` (subword-nmt's "@@", upstream's only kind): a dictionary entry that ends with
+    it is a non-final piece and joins the next token. With `begins_word` (one bool per dictionary entry;
+    sentencepiece's U+2581 rule or a --bpe scheme's `is_beginning_of_word`): a token joins the word before it
+    unless it begins a word; `word_text` turns a word's pieces into its text."""
+
+    def __init__(self, dictionary, marker: Optional[str] = None, begins_word=None, word_text=None):
+        if (marker is None) == (begins_word is None):
+            raise ValueError("BPE: give a continuation marker or begins_word, not both")
+        self.dictionary = dictionary
+        self.word_text = word_text
+        if marker is not None:
+            self.marker_len = len(marker)
+            self.pieces = {i for i in range(len(dictionary)) if dictionary[i].endswith(marker)}
+            self.is_piece = torch.zeros(len(dictionary), dtype=torch.bool)
+            self.is_piece[sorted(self.pieces)] = True
+            self.begins = None
+        else:
+            self.marker_len = 0
+            self.pieces = set()
+            self.begins = torch.as_tensor(begins_word, dtype=torch.bool)
+            self.begin_ids = set(torch.nonzero(self.begins).flatten().tolist())
 
     def merged_pieces(self, target: torch.Tensor, mask: torch.Tensor) -> int:
         """Counted tokens whose score joins the next token's word: non-final pieces, except a sample's last
         counted token (a word cut off there still counts as one). Perplexity is then per word, as upstream."""
+        if self.begins is not None:
+            if self.begins.device != target.device:
+                self.begins = self.begins.to(target.device)
+            joins = mask[:, :-1] & mask[:, 1:] & ~self.begins[target[:, 1:]]
+            return int(joins.sum())
         if self.is_piece.device != target.device:  # moved once, not per batch
             self.is_piece = self.is_piece.to(target.device)
         last = mask & (mask.cumsum(-1) == mask.sum(-1, keepdim=True))
         return int((self.is_piece[target] & mask & ~last).sum())
+
+
+SPM_SPACE = "\u2581"  # sentencepiece's word-boundary mark
+
+
+def word_boundaries(post_process: Optional[str], dictionary, bpe_encoder=None, bpe_name: Optional[str] = None):
+    """The BPE word joiner for --remove-bpe VALUE (None without it).
+
+    - `sentencepiece`: a piece that starts with U+2581 begins a word (upstream's `post_process`
+      "sentencepiece": pieces concatenated, U+2581 read as a space); dictionary specials are words of their own.
+    - the flag alone (`subword_nmt`) or the scheme's name, with `--bpe NAME` (or the checkpoint's saved bpe):
+      the scheme's `is_beginning_of_word` on each dictionary entry, words decoded by the scheme.
+    - otherwise a continuation marker (`@@ `, upstream's `subword_nmt`)."""
+    if post_process is None:
+        return None
+    specials = set(range(dictionary.nspecial)) | {dictionary.eos()}
+    if bpe_encoder is not None and post_process in ("subword_nmt", bpe_name):
+        def begins(i):
+            if i in specials:
+                return True
+            try:
+                return bool(bpe_encoder.is_beginning_of_word(dictionary[i]))
+            except ValueError:  # not a token of the scheme (madeupword padding): a word of its own
+                return True
+
+        return BPE(dictionary, begins_word=[begins(i) for i in range(len(dictionary))],
+                   word_text=lambda pieces: _decode_word(bpe_encoder, pieces))
+    if post_process == "sentencepiece":
+        return BPE(dictionary, begins_word=[i in specials or dictionary[i].startswith(SPM_SPACE)
+                                            for i in range(len(dictionary))],
+                   word_text=lambda pieces: "".join(pieces).replace(SPM_SPACE, " ").strip())
+    if post_process == "gpt2":
+        raise ValueError("--remove-bpe gpt2: word boundaries come from the encoder; pass --bpe gpt2 "
+                         "--gpt2-encoder-json encoder.json --gpt2-vocab-bpe vocab.bpe")
+    return BPE(dictionary, bpe_continuation(post_process))
+
+
+def _decode_word(bpe_encoder, pieces: List[str]) -> str:
+    try:
+        return bpe_encoder.decode(" ".join(pieces)).strip()
+    except ValueError:
+        return "".join(pieces)
 
 
 class WordOutput:
@@ -146,6 +209,8 @@ class WordOutput:
 
     def _words(self, tokens: List[int], scores: List[float]):
         """[word, summed log p, has several pieces, complete] for one sample's counted tokens."""
+        if self.bpe is not None and self.bpe.begins is not None:
+            return self._words_by_beginnings(tokens, scores)
         words, current = [], None
         for token, score in zip(tokens, scores):
             piece = self.dictionary[token]
@@ -162,6 +227,16 @@ class WordOutput:
                 words.append(current)
                 current = None
         return words + ([current] if current is not None else [])
+
+    def _words_by_beginnings(self, tokens: List[int], scores: List[float]):
+        groups = []  # [pieces, summed log p]
+        begin_ids = self.bpe.begin_ids
+        for k, (token, score) in enumerate(zip(tokens, scores)):
+            if k == 0 or token in begin_ids:
+                groups.append([[], 0.0])
+            groups[-1][0].append(self.dictionary[token])
+            groups[-1][1] += score
+        return [[self.bpe.word_text(pieces), log_prob, len(pieces) > 1, True] for pieces, log_prob in groups]
 
     def add_batch(self, ids: torch.Tensor, target: torch.Tensor, lprobs: torch.Tensor, mask: torch.Tensor):
         for row in range(target.size(0)):
@@ -254,8 +329,8 @@ def main(cfg) -> dict:
     pad = task.source_dictionary.pad()
     bos = task.source_dictionary.bos() if getattr(cfg.task, "add_bos_token", False) else None
     batches = with_context_window(itr, context_window, pad, bos) if context_window > 0 else itr
-    marker = bpe_continuation(cfg.common_eval.post_process)
-    bpe = BPE(task.source_dictionary, marker) if marker else None
+    bpe = word_boundaries(cfg.common_eval.post_process, task.source_dictionary,
+                          *_bpe_encoder(cfg, saved_cfg))
     words = None
     if cfg.eval_lm.output_word_probs or cfg.eval_lm.output_word_stats:
         words = WordOutput(task.source_dictionary, bpe, log_words=cfg.eval_lm.output_word_probs)
@@ -283,6 +358,29 @@ def main(cfg) -> dict:
             json.dump(dict(result, path=path, gen_subset=cfg.dataset.gen_subset), f, indent=1)
         logger.info(f"wrote {out}")
     return result
+
+
+def _bpe_encoder(cfg, saved_cfg) -> tuple:
+    """(encoder, name) of --bpe, else of the bpe saved in the checkpoint's config when --remove-bpe asks for
+    word boundaries (the flag alone or the scheme's name); (None, None) otherwise."""
+    from fairseq.data.encoders import build_bpe
+
+    post_process = cfg.common_eval.post_process
+    if post_process is None:
+        return None, None
+    bpe_cfg = getattr(cfg, "bpe", None)
+    if bpe_cfg is not None:
+        return build_bpe(bpe_cfg), bpe_cfg._name
+    saved = saved_cfg.get("bpe") if isinstance(saved_cfg, dict) else None
+    if isinstance(saved, dict) and saved.get("_name") and post_process in ("subword_nmt", saved["_name"]):
+        try:
+            encoder = build_bpe(saved)
+        except (ValueError, OSError) as e:
+            raise ValueError(f"--remove-bpe: the checkpoint was trained with --bpe {saved['_name']}, whose files "
+                             f"could not be loaded ({e}); pass --bpe {saved['_name']} with its files") from None
+        logger.info(f"--remove-bpe: word boundaries from the checkpoint's --bpe {saved['_name']}")
+        return encoder, saved["_name"]
+    return None, None
 
 
 def cli_main(argv: Optional[List[str]] = None) -> None:

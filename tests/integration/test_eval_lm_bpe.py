@@ -1,0 +1,147 @@
+"""fairseq-eval-lm --remove-bpe sentencepiece and --bpe gpt2: per-word log probabilities are the sums of their
+pieces' log probabilities, the word count is the number of word beginnings; fairseq-train and fairseq-eval-lm
+accept --bpe and its scheme's flags, and the checkpoint keeps them. A tiny model trained here on data made by
+fairseq-preprocess --bpe (no network)."""
+
+import logging
+import math
+import re
+
+import pytest
+import torch
+
+from fairseq_cli import eval_lm, preprocess, train
+
+from tests.integration.test_preprocess_bpe import sample_text, train_gpt2_files
+
+SPACE = "\u2581"
+
+
+def _corpus(directory):
+    lines = [line.strip() for line in sample_text().split("\n") if line.strip()]
+    (directory / "train.txt").write_text("\n".join(lines[:3000]) + "\n", encoding="utf-8")
+    (directory / "test.txt").write_text("\n".join(lines[3000:3080]) + "\n", encoding="utf-8")
+    return directory / "train.txt", directory / "test.txt"
+
+
+def _prepare(root, bpe_flags):
+    train_txt, test_txt = _corpus(root)
+    dest = root / "data-bin"
+    preprocess.cli_main(["--only-source", "--trainpref", str(train_txt), "--validpref", str(test_txt),
+                         "--testpref", str(test_txt), "--destdir", str(dest), *map(str, bpe_flags)])
+    return dest
+
+
+@pytest.fixture(scope="module")
+def spm_setup(tmp_path_factory):
+    spm = pytest.importorskip("sentencepiece")
+    root = tmp_path_factory.mktemp("spm_lm")
+    (root / "spm_train.txt").write_text(sample_text(), encoding="utf-8")
+    spm.SentencePieceTrainer.Train(f"--input={root / 'spm_train.txt'} --model_prefix={root / 'spm'} "
+                                   "--vocab_size=300 --model_type=bpe --minloglevel=2")
+    flags = ["--bpe", "sentencepiece", "--sentencepiece-model", root / "spm.model"]
+    return _prepare(root, flags), flags, root
+
+
+@pytest.fixture(scope="module")
+def gpt2_setup(tmp_path_factory):
+    pytest.importorskip("tokenizers")
+    root = tmp_path_factory.mktemp("gpt2_lm")
+    enc, vocab = train_gpt2_files(root, sample_text(), vocab_size=600)
+    flags = ["--bpe", "gpt2", "--gpt2-encoder-json", enc, "--gpt2-vocab-bpe", vocab]
+    return _prepare(root, flags), flags, root
+
+
+def _train(data, save_dir, train_args, bpe_flags):
+    train.cli_main(train_args(data, save_dir, *map(str, bpe_flags), max_update=3))
+    return save_dir / "checkpoint_last.pt"
+
+
+def _eval(data, ckpt, caplog, *extra):
+    from fairseq import options
+
+    parser = options.get_eval_lm_parser()
+    args = options.parse_args_and_arch(parser, [str(data), "--path", str(ckpt), "--gen-subset", "test",
+                                                "--tokens-per-sample", "32", "--batch-size", "4", "--cpu",
+                                                "--output-word-probs", *map(str, extra)])
+    cfg = options.convert_namespace_to_config(args)
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="fairseq_cli.eval_lm"):
+        result = eval_lm.main(cfg)
+    rows = {}
+    for record in caplog.records:
+        m = re.match(r"^(\d+) (.*)$", record.getMessage(), re.S)
+        if m and "[" in m.group(2):
+            rows[int(m.group(1))] = [(w, float(s)) for w, s in re.findall(r"(.*?) \[(-?[\d.e+-]+|-?inf)\](?:\t|$)",
+                                                                          m.group(2))]
+    return result, rows
+
+
+def _check_words(token_rows, word_rows, begins, result_tokens, result):
+    """Group each sample's pieces where `begins(piece)` and compare with the word output."""
+    n_words = 0
+    for sid, tokens in token_rows.items():
+        groups = []
+        for k, (piece, score) in enumerate(tokens):
+            if k == 0 or begins(piece):
+                groups.append([[], 0.0])
+            groups[-1][0].append(piece)
+            groups[-1][1] += score
+        words = word_rows[sid]
+        assert len(words) == len(groups), sid
+        for (pieces, total), (_, word_score) in zip(groups, words):
+            assert word_score == pytest.approx(total, abs=1e-5 * len(pieces) + 1e-6)
+        n_words += len(groups)
+    assert result["words"] == n_words < result_tokens["tokens"] == result["tokens"]
+    # loss per word: the same summed bits over fewer units
+    assert result["loss"] * result["words"] == pytest.approx(result_tokens["loss"] * result_tokens["tokens"],
+                                                               rel=1e-6)
+
+
+def test_train_and_eval_lm_accept_bpe_flags_and_the_checkpoint_keeps_them(spm_setup, tmp_path, train_args):
+    data, flags, _ = spm_setup
+    ckpt = _train(data, tmp_path, train_args, flags)
+    saved = torch.load(ckpt, map_location="cpu", weights_only=True)["cfg"]["bpe"]
+    assert saved["_name"] == "sentencepiece" and saved["sentencepiece_model"] == str(flags[-1])
+
+
+def test_eval_lm_remove_bpe_sentencepiece_joins_pieces_into_words(spm_setup, tmp_path, train_args, caplog):
+    data, flags, _ = spm_setup
+    ckpt = _train(data, tmp_path, train_args, flags)
+    tok_result, tok_rows = _eval(data, ckpt, caplog)
+    word_result, word_rows = _eval(data, ckpt, caplog, "--remove-bpe", "sentencepiece")
+    assert "words" not in tok_result and tok_rows
+    specials = {"<s>", "</s>", "<pad>", "<unk>"}
+    _check_words(tok_rows, word_rows, lambda p: p.startswith(SPACE) or p in specials, tok_result, word_result)
+    # words are shown without the U+2581 marks
+    assert all(SPACE not in w for ws in word_rows.values() for w, _ in ws)
+    # the same boundaries from the sentencepiece model itself (--bpe sentencepiece with the bare --remove-bpe)
+    again, again_rows = _eval(data, ckpt, caplog, *flags, "--remove-bpe")
+    assert again["words"] == word_result["words"] and again["loss"] == pytest.approx(word_result["loss"])
+
+
+def test_eval_lm_bpe_gpt2_word_boundaries_from_the_encoder(gpt2_setup, tmp_path, train_args, caplog):
+    from fairseq.data.encoders import build_bpe
+
+    data, flags, _ = gpt2_setup
+    ckpt = _train(data, tmp_path, train_args, flags)
+    bpe = build_bpe({"_name": "gpt2", "gpt2_encoder_json": str(flags[3]), "gpt2_vocab_bpe": str(flags[5])})
+    tok_result, tok_rows = _eval(data, ckpt, caplog)
+
+    def begins(piece):
+        return not piece.isdigit() or bpe.is_beginning_of_word(piece)
+
+    word_result, word_rows = _eval(data, ckpt, caplog, *flags, "--remove-bpe")
+    _check_words(tok_rows, word_rows, begins, tok_result, word_result)
+    # words are decoded text; a word with a leading space in GPT-2 is shown without it
+    assert any(w.isalpha() for ws in word_rows.values() for w, _ in ws)
+    # without --bpe on the command line, --remove-bpe uses the bpe saved in the checkpoint
+    saved_result, _ = _eval(data, ckpt, caplog, "--remove-bpe")
+    assert saved_result["words"] == word_result["words"]
+
+
+def test_remove_bpe_gpt2_without_the_encoder_is_a_clear_error(spm_setup, tmp_path, train_args, caplog):
+    data, flags, _ = spm_setup
+    ckpt = _train(data, tmp_path, train_args, [])
+    with pytest.raises(ValueError, match="--gpt2-encoder-json"):
+        _eval(data, ckpt, caplog, "--remove-bpe", "gpt2")
