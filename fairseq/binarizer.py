@@ -307,22 +307,18 @@ class LineEncoder:
     """Generic: `bpe.encode(line)` per line, tokens split on whitespace, local ids in order of appearance."""
 
     def __init__(self, bpe):
+        from collections import defaultdict
+
         self.bpe = bpe
-        self._ids: Dict[str, int] = {}
+        self._ids: Dict[str, int] = defaultdict()
+        self._ids.default_factory = self._ids.__len__
 
     def symbols(self) -> List[str]:
         return list(self._ids)
 
     def _local_ids(self, words: List[str]) -> np.ndarray:
-        table = self._ids
-        get = table.get
-        out = np.empty(len(words), dtype=np.int64)
-        for k, w in enumerate(words):
-            i = get(w)
-            if i is None:
-                i = table[w] = len(table)
-            out[k] = i
-        return out
+        # A missing word gets the next id: the table's default factory is its own length.
+        return np.fromiter(map(self._ids.__getitem__, words), dtype=np.int64, count=len(words))
 
     def encoded_lines(self, lines: List[str]) -> List[str]:
         return [self.bpe.encode(line) if line else "" for line in lines]
@@ -337,14 +333,48 @@ class LineEncoder:
 
 
 class SentencepieceLineEncoder(LineEncoder):
-    """--bpe sentencepiece: spm_encode.py's pieces (`sp.Encode(lines, out_type=str)`), joined and split as
-    the two-step route joins and splits them (a piece that holds whitespace becomes several tokens there)."""
+    """--bpe sentencepiece: spm_encode.py's pieces (`sp.Encode(lines, out_type=str)`), as the two-step route
+    joins and splits them. Lines are encoded to sentencepiece ids (local ids 0..V-1: the pieces); a line with
+    an id whose text is not that piece alone (an unknown piece, shown as its surface text, or a piece that
+    holds whitespace, which the two-step route splits) is encoded again as text, its tokens getting ids from V."""
+
+    def __init__(self, bpe):
+        super().__init__(bpe)
+        sp = bpe.sp
+        self._pieces = [sp.IdToPiece(i) for i in range(sp.GetPieceSize())]
+        self._safe = np.array([p.split() == [p] and not sp.IsUnknown(i) for i, p in enumerate(self._pieces)],
+                              dtype=bool)
+        self._ids.default_factory = lambda: len(self._ids) + len(self._pieces)
+
+    def symbols(self) -> List[str]:
+        return self._pieces + list(self._ids)
 
     def encoded_lines(self, lines: List[str]) -> List[str]:
         todo = [line for line in lines if line]
         pieces = iter(self.bpe.sp.Encode(todo, out_type=str, enable_sampling=self.bpe.enable_sampling,
                                          alpha=self.bpe.alpha) if todo else [])
         return [" ".join(next(pieces)) if line else "" for line in lines]
+
+    def encode(self, lines):
+        from itertools import chain
+
+        todo = [line for line in lines if line]
+        encoded = self.bpe.sp.Encode(todo, out_type=int, enable_sampling=self.bpe.enable_sampling,
+                                     alpha=self.bpe.alpha) if todo else []
+        sizes = np.zeros(len(lines), dtype=np.int64)
+        nonempty = [i for i, line in enumerate(lines) if line]
+        sizes[nonempty] = np.fromiter(map(len, encoded), dtype=np.int64, count=len(encoded))
+        ids = np.fromiter(chain.from_iterable(encoded), dtype=np.int64, count=int(sizes.sum()))
+        if self._safe[ids].all():
+            return ids, sizes
+        # Some lines need their text: re-encode those as spm_encode.py writes them and split.
+        per_line = np.split(ids, np.cumsum(sizes)[:-1])
+        for k, line_ids in enumerate(per_line):
+            if not self._safe[line_ids].all():
+                words = self.encoded_lines([lines[k]])[0].split()
+                per_line[k] = self._local_ids(words)
+                sizes[k] = len(words)
+        return np.concatenate(per_line) if per_line else ids, sizes
 
 
 class GPT2LineEncoder(LineEncoder):
@@ -368,7 +398,6 @@ def make_line_encoder(bpe) -> LineEncoder:
     from fairseq.data.encoders.sentencepiece_bpe import SentencepieceBPE
 
     if isinstance(bpe, GPT2BPE):
-        bpe.bpe.prepare_encode_lines()
         return GPT2LineEncoder(bpe)
     if isinstance(bpe, SentencepieceBPE):
         return SentencepieceLineEncoder(bpe)
@@ -472,7 +501,9 @@ def count_encode_range(path: str, start: int, end: int, spec: tuple, cache_prefi
             sizes.astype(np.int32).tofile(fs)
             lines += len(sizes)
     symbols = encoder.symbols()
-    counter = Counter({symbols[i]: int(counts[i]) for i in np.flatnonzero(counts)})
+    counter: Counter = Counter()
+    for i in np.flatnonzero(counts):  # (a token can have two local ids: a piece and the same text re-encoded)
+        counter[symbols[i]] += int(counts[i])
     return counter, lines, (cache_prefix, symbols if not isinstance(encoder, GPT2LineEncoder) else None)
 
 

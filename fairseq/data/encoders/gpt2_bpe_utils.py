@@ -457,7 +457,12 @@ class Encoder:
         if not kept:
             return np.zeros(0, dtype=np.int64), sizes
         try:
-            ranks = np.asarray(self._tiktoken_encode("\n".join(kept)), dtype=np.int64)
+            text = "\n".join(kept)
+            to_buffer = getattr(getattr(self._tiktoken, "_core_bpe", None), "encode_to_tiktoken_buffer", None)
+            if to_buffer is not None:  # (no special tokens are registered: the same ids as encode_ordinary)
+                ranks = np.frombuffer(to_buffer(text, set()), dtype=np.uint32).astype(np.int64)
+            else:
+                ranks = np.asarray(self._tiktoken_encode(text), dtype=np.int64)
         except (TypeError, UnicodeEncodeError):
             self._raise_bad_text(kept)
             raise
