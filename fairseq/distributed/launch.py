@@ -333,11 +333,11 @@ def _run_spawned_process(index: int, cfg, main_fn: Callable, kwargs: dict, plan:
 
 
 # After the first failure the other processes get this long to end by themselves (a peer of a failed rank
-# normally fails within seconds and leaves its own report); then they get SIGINT, and after as long again
+# normally fails within a second and leaves its own report); then they get SIGINT, and after as long again
 # SIGKILL. SIGINT rather than torch's SIGTERM: SIGTERM asks a training rank to save for preemption (see
 # fairseq.preemption), while SIGINT ends a spawned process quietly (torch's wrapper swallows the
 # KeyboardInterrupt, and no failure report is written for it).
-STOP_GRACE_S = 5.0
+STOP_GRACE_S = 2.0
 # Only where a report cannot say which peers had ended (no /proc): the launcher notices a death a little
 # after it happens (it must be woken and scheduled; up to 12 ms seen on a busy 2-core machine), while a
 # report is stamped by the failing rank itself, so a death is taken to have happened this long before it
