@@ -151,8 +151,9 @@ class Trainer:
             set_state_dict(self.model, self.optimizer, model_state_dict=model_state, optim_state_dict=optim_state,
                            options=options)
 
-    def trainer_state(self) -> Dict[str, Any]:
-        """Everything besides model and optimizer that an exact resume needs (plain Python values)."""
+    def state_dict(self) -> Dict[str, Any]:
+        """Stateful: what an exact resume needs besides model and optimizer, each value once (plain Python
+        values): the update count, the scheduler, the loss scaler and the training time so far."""
         return {
             "num_updates": self.num_updates,
             "lr_scheduler": self.lr_scheduler.state_dict(),
@@ -160,17 +161,22 @@ class Trainer:
             "train_time": self.cumulative_training_time(),
         }
 
-    def load_trainer_state(self, state: Dict[str, Any], reset_optimizer: bool = False,
-                           reset_lr_scheduler: bool = False) -> None:
-        """As upstream, --reset-optimizer also restarts the update count and the schedule (fine-tuning)."""
-        if not reset_optimizer:
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        """Stateful. A key left out keeps its current value: the checkpoint manager leaves out the update count
+        and the scheduler for --reset-optimizer, the scheduler for --reset-lr-scheduler."""
+        if "num_updates" in state:
             self.num_updates = state["num_updates"]
-            if not reset_lr_scheduler:
-                self.lr_scheduler.load_state_dict(state["lr_scheduler"])
+        if "lr_scheduler" in state:
+            self.lr_scheduler.load_state_dict(state["lr_scheduler"])
         self.precision.load_state_dict(state.get("loss_scaler", {}))
         self.previous_training_time = state.get("train_time", 0.0)
         self._start_time = time.time()
         self.lr_scheduler.step_update(self.num_updates)
+
+    @property
+    def component_names(self) -> Dict[str, str]:
+        """Class names of the criterion and the optimizer (upstream records them in every checkpoint)."""
+        return {"criterion": type(self.criterion).__name__, "optimizer": type(self.optimizer).__name__}
 
     def get_lr(self) -> float:
         return self.optimizer.param_groups[0]["lr"]

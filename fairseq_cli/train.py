@@ -88,15 +88,7 @@ def _train_with(cfg, preemption, checkpoints) -> Optional[str]:
     logger.info(f"training on {dist_utils.get_world_size()} device(s) ({trainer.device.type}); "
                 f"max tokens per device = {cfg.dataset.max_tokens} and max sentences per device = "
                 f"{cfg.dataset.batch_size}")
-    extra_state = checkpoints.load(trainer)
-    epoch = extra_state["train_iterator"]["epoch"] if extra_state and "train_iterator" in extra_state else 1
-    epoch_itr = trainer_iterator(cfg, task, trainer, epoch)
-    if extra_state and "train_iterator" in extra_state:
-        epoch_itr.load_state_dict(iterator_state_for_world_size(extra_state, dist_utils.get_world_size()))
-    # At an epoch boundary the saved meters belong to the finished epoch: start the new one afresh (upstream).
-    mid_epoch = bool(extra_state and extra_state.get("train_iterator", {}).get("iterations_in_epoch", 0) > 0)
-    if mid_epoch and extra_state.get("metrics"):
-        metrics.load_state_dict(extra_state["metrics"])
+    epoch_itr = checkpoints.resume(trainer, lambda epoch: trainer_iterator(cfg, task, trainer, epoch)).epoch_itr
 
     max_epoch = cfg.optimization.max_epoch or math.inf
     start = time.time()
@@ -142,23 +134,6 @@ def build_model(cfg, task):
         if sum(p.numel() for p in model.parameters()) >= META_INIT_MIN_PARAMS:
             return model
     return task.build_model(cfg.model)
-
-
-def iterator_state_for_world_size(extra_state, world_size: int) -> dict:
-    """The saved data position, re-expressed for this world size: ranks take batches round-robin, so N ranks
-    that each consumed k batches consumed N*k batches of the epoch together."""
-    state = dict(extra_state["train_iterator"])
-    saved_world = extra_state.get("data_parallel_size", world_size)
-    if saved_world != world_size:
-        consumed = state["iterations_in_epoch"] * saved_world
-        state["iterations_in_epoch"] = consumed // world_size
-        logger.warning(
-            f"resuming a checkpoint saved by {saved_world} ranks on {world_size}: continuing after batch {consumed} "
-            f"of the epoch. Keep --batch-size/--max-tokens x --update-freq x ranks the same to keep the "
-            f"same global batch" + ("" if consumed % world_size == 0 else f" ({consumed % world_size} batch(es) "
-                                    "of this epoch are skipped)")
-        )
-    return state
 
 
 def trainer_iterator(cfg, task, trainer, epoch: int):

@@ -1,15 +1,27 @@
 """Save and restore training checkpoints: which names to write, what goes in them, and how to resume.
 
+A checkpoint is composed here, and only here, from the states of the Stateful parts of training (each one's
+`state_dict()` read once): the trainer (update count, scheduler, loss scaler, training time), the epoch batch
+iterator (data position) and the meters (fairseq.logging.metrics), beside model, optimizer and this manager's
+best validation value. `CheckpointManager.resume` gives each part its state back.
+
 Layout of a single-file checkpoint (upstream's keys, plain containers only):
-  cfg, model, criterion, optimizer_history [{criterion_name, optimizer_name, lr_scheduler_state, num_updates}],
-  task_state, extra_state {metrics, previous_training_time, train_iterator, val_loss, best, trainer},
-  last_optimizer_state.
+  cfg, criterion, optimizer_history [{criterion_name, optimizer_name, lr_scheduler_state, num_updates}],
+  task_state, extra_state {train_iterator, val_loss, best, metrics, previous_training_time, trainer,
+  data_parallel_size}, model, last_optimizer_state.
+extra_state.trainer is the trainer's state. optimizer_history[-1]'s lr_scheduler_state and num_updates and
+extra_state.previous_training_time are upstream's places for parts of it: written for upstream's tools, read
+only from files without extra_state.trainer. A sharded checkpoint has the same keys: model and optimizer in
+DCP shards, the others in its metadata.pt.
 """
 
+import copy
 import logging
 import os
-from typing import Any, Dict, List, Optional
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Optional
 
+from torch.distributed.checkpoint.stateful import Stateful
 
 from fairseq.checkpoint import sharded
 from fairseq.checkpoint.io import (
@@ -30,9 +42,34 @@ from fairseq.checkpoint.paths import (
 )
 from fairseq.checkpoint.save_dir import SaveDirLock, check_writable, remove_stale_temporaries
 from fairseq.dataclass.utils import config_to_dict
-from fairseq.distributed.utils import barrier, broadcast_from_master, get_rank
+from fairseq.distributed.utils import barrier, broadcast_from_master, get_rank, get_world_size
+from fairseq.logging import metrics
 
 logger = logging.getLogger(__name__)
+# fairseq-train resumed itself before resume moved here: the warning about another world size keeps its name.
+_train_logger = logging.getLogger("fairseq_cli.train")
+
+
+@dataclass
+class SavedState:
+    """The states a checkpoint holds for the Stateful parts of training (None: not in the file, or reset by a
+    --reset-* flag)."""
+
+    trainer: Optional[Dict[str, Any]] = None
+    train_iterator: Optional[Dict[str, Any]] = None
+    data_parallel_size: Optional[int] = None  # the world size whose data position train_iterator is
+    metrics: Optional[Dict[str, Any]] = None
+    best: Optional[float] = None
+
+
+@dataclass
+class Resumed:
+    """What training continues with: the epoch iterator at the checkpoint's data position, whether the meters
+    were restored (only from a checkpoint written mid-epoch), and the best validation value so far."""
+
+    epoch_itr: Any
+    meters_restored: bool = False
+    best: Optional[float] = None
 
 
 class CheckpointManager:
@@ -116,28 +153,19 @@ class CheckpointManager:
         trainer.check_weights_finite()
         save_dir = self.ckpt_cfg.save_dir
         os.makedirs(save_dir, exist_ok=True)
-        extra_state = {
-            "train_iterator": epoch_itr.state_dict(),
-            "val_loss": val_loss,
-            "best": self.best,
-            "metrics": metrics_state or {},
-            "previous_training_time": trainer.cumulative_training_time(),
-            "trainer": trainer.trainer_state(),
-            "data_parallel_size": trainer.data_parallel_size,
-        }
+        state = self._compose(trainer, epoch_itr, val_loss, metrics_state)
         if self.sharded:
             paths = [os.path.join(save_dir, s) for s in stems]
             model_state, optim_state = trainer.model_and_optimizer_state(full=False)
             if self.ckpt_cfg.no_save_optimizer_state:
                 optim_state = None
-            sharded.save_sharded(paths[0], model_state, optim_state, self._metadata(trainer, extra_state))
+            sharded.save_sharded(paths[0], model_state, optim_state, state)
             for path in paths[1:]:
                 sharded.copy_sharded(paths[0], path)
         else:
             paths = [os.path.join(save_dir, s + ".pt") for s in stems]
             model_state, optim_state = trainer.model_and_optimizer_state(full=True)
             if get_rank() == 0:
-                state = self._metadata(trainer, extra_state)
                 state["model"] = model_state
                 if not self.ckpt_cfg.no_save_optimizer_state:
                     state["last_optimizer_state"] = optim_state
@@ -154,26 +182,56 @@ class CheckpointManager:
         barrier()
         return paths
 
-    def _metadata(self, trainer, extra_state) -> Dict[str, Any]:
+    def _compose(self, trainer, epoch_itr, val_loss, metrics_state) -> Dict[str, Any]:
+        """Upstream's layout (the writer adds model and optimizer) from the parts' states."""
+        trainer_state = trainer.state_dict()
+        names = trainer.component_names
         return {
             "cfg": config_to_dict(self.cfg),
             "criterion": {},
             "optimizer_history": [{
-                "criterion_name": type(trainer.criterion).__name__,
-                "optimizer_name": type(trainer.optimizer).__name__,
-                "lr_scheduler_state": trainer.lr_scheduler.state_dict(),
-                "num_updates": trainer.num_updates,
+                "criterion_name": names["criterion"],
+                "optimizer_name": names["optimizer"],
+                # upstream's places for two of the trainer's values (extra_state.trainer), for upstream's tools
+                "lr_scheduler_state": copy.deepcopy(trainer_state["lr_scheduler"]),
+                "num_updates": trainer_state["num_updates"],
             }],
             "task_state": {},
-            "extra_state": extra_state,
+            "extra_state": {
+                "train_iterator": epoch_itr.state_dict(),
+                "val_loss": val_loss,
+                "best": self.best,
+                "metrics": metrics_state or {},
+                "previous_training_time": trainer_state["train_time"],
+                "trainer": trainer_state,
+                "data_parallel_size": trainer.data_parallel_size,
+            },
         }
 
-    # ------------------------------------------------------------------ load
-    def load(self, trainer) -> Optional[Dict[str, Any]]:
-        """Resume from --restore-file (default checkpoint_last) or start from --finetune-from-model.
+    # ------------------------------------------------------------------ resume
+    def resume(self, trainer, make_iterator: Callable[[int], Any], meters: Stateful = metrics) -> Resumed:
+        """Continue from --restore-file (default checkpoint_last), else start from --finetune-from-model's
+        weights or from scratch.
 
-        Returns the checkpoint's extra_state (iterator position, meters, ...) or None for a fresh start.
-        """
+        Restores model, optimizer, the trainer's state and the best validation value (as the --reset-* flags
+        allow), builds the iterator of the saved epoch with `make_iterator(epoch)` and puts it at the saved data
+        position (re-expressed for this world size), and restores `meters` when the checkpoint was written
+        mid-epoch: at an epoch boundary the saved meters belong to the finished epoch, and the new one starts
+        afresh (upstream)."""
+        saved = self._restore(trainer) or SavedState()
+        position = saved.train_iterator
+        epoch_itr = make_iterator(1 if position is None else position["epoch"])
+        if position is not None:
+            epoch_itr.load_state_dict(
+                iterator_state_for_world_size(position, saved.data_parallel_size, get_world_size()))
+        restore_meters = bool(position and position.get("iterations_in_epoch", 0) > 0 and saved.metrics)
+        if restore_meters:
+            meters.load_state_dict(saved.metrics)
+        return Resumed(epoch_itr, meters_restored=restore_meters, best=self.best)
+
+    def _restore(self, trainer) -> Optional[SavedState]:
+        """Load the checkpoint to resume into model, optimizer and trainer (or --finetune-from-model's weights
+        into the model); returns the states left for the other parts, None for a fresh start."""
         ck = self.ckpt_cfg
         path = existing_checkpoint(resolve_restore_path(ck))
         default_restore = ck.restore_file == "checkpoint_last.pt"
@@ -208,17 +266,20 @@ class CheckpointManager:
                 "the model flags differ from the checkpoint's (e.g. --share-decoder-input-output-embed): resume "
                 "with the same flags, or pass --reset-optimizer to keep the weights and start a new optimizer"
             ) from err
-        extra = state.get("extra_state") or {}
-        if "trainer" in extra:
-            trainer.load_trainer_state(extra["trainer"], reset_optimizer=ck.reset_optimizer,
-                                       reset_lr_scheduler=ck.reset_lr_scheduler)
-        self.best = extra.get("best")
+        saved = saved_state(state)
+        if saved.trainer is not None:
+            # As upstream, --reset-optimizer also restarts the update count and the schedule (fine-tuning).
+            reset = {"num_updates", "lr_scheduler"} if ck.reset_optimizer else set()
+            if ck.reset_lr_scheduler:
+                reset.add("lr_scheduler")
+            trainer.load_state_dict({k: v for k, v in saved.trainer.items() if k not in reset})
+        self.best = saved.best
         if ck.reset_dataloader:
-            extra.pop("train_iterator", None)
+            saved.train_iterator = None
         if ck.reset_meters:
-            extra.pop("metrics", None)
+            saved.metrics = None
         logger.info(f"loaded checkpoint {path} ({trainer.num_updates} updates)")
-        return extra
+        return saved
 
     def _alternatives(self, damaged: str) -> str:
         intact = intact_checkpoints(self.ckpt_cfg.save_dir, exclude=damaged)
@@ -253,6 +314,45 @@ class CheckpointManager:
         state = self.read(found, trainer)
         trainer.load_model_and_optimizer_state(state["model"], None, full=not os.path.isdir(found))
         logger.info(f"loaded model weights from {found} (--finetune-from-model)")
+
+
+def saved_state(state: Dict[str, Any]) -> SavedState:
+    """The parts' states in a checkpoint's `state` (upstream's layout)."""
+    extra = state.get("extra_state") or {}
+    return SavedState(trainer=_saved_trainer_state(state, extra), train_iterator=extra.get("train_iterator"),
+                      data_parallel_size=extra.get("data_parallel_size"), metrics=extra.get("metrics"),
+                      best=extra.get("best"))
+
+
+def _saved_trainer_state(state: Dict[str, Any], extra: Dict[str, Any]) -> Optional[Dict[str, Any]]:
+    """extra_state.trainer; from a file without it, what upstream's places hold (optimizer_history[-1]'s
+    num_updates and lr_scheduler_state, extra_state.previous_training_time)."""
+    if "trainer" in extra:
+        return extra["trainer"]
+    history = state.get("optimizer_history") or [{}]
+    last = history[-1] if isinstance(history[-1], dict) else {}
+    places = (("num_updates", last, "num_updates"), ("lr_scheduler", last, "lr_scheduler_state"),
+              ("train_time", extra, "previous_training_time"))
+    found = {key: where[name] for key, where, name in places if name in where}
+    return found or None
+
+
+def iterator_state_for_world_size(state: Dict[str, Any], saved_world: Optional[int], world_size: int) -> dict:
+    """The data position `state` saved by `saved_world` ranks (None: by this world size), re-expressed for
+    `world_size`: ranks take batches round-robin, so N ranks that each consumed k batches consumed N*k batches
+    of the epoch together."""
+    state = dict(state)
+    saved_world = world_size if saved_world is None else saved_world
+    if saved_world != world_size:
+        consumed = state["iterations_in_epoch"] * saved_world
+        state["iterations_in_epoch"] = consumed // world_size
+        _train_logger.warning(
+            f"resuming a checkpoint saved by {saved_world} ranks on {world_size}: continuing after batch {consumed} "
+            f"of the epoch. Keep --batch-size/--max-tokens x --update-freq x ranks the same to keep the "
+            f"same global batch" + ("" if consumed % world_size == 0 else f" ({consumed % world_size} batch(es) "
+                                    "of this epoch are skipped)")
+        )
+    return state
 
 
 def model_state_for_checking(model) -> Dict[str, Any]:
