@@ -69,14 +69,15 @@ def encode_block(args):
     n_rows = len(lines)
     if not keep_empty and not all(lines):
         lines = [line for line in lines if line]
-    return [_bpe.encode_lines(lines)], n_rows - len(lines), n_rows
+    return [_bpe.encode_lines(lines, check=False)], n_rows - len(lines), n_rows
 
 
 def encode_chunk(args):
     """(encoded text per output, line tuples dropped as empty, line tuples read) for a chunk of line tuples."""
     rows, keep_empty = args
     kept, dropped = _drop_empty(rows, keep_empty)
-    texts = [_bpe.encode_lines([row[column] for row in kept]) for column in range(len(rows[0]) if rows else 0)]
+    texts = [_bpe.encode_lines([row[column] for row in kept], check=False)
+             for column in range(len(rows[0]) if rows else 0)]
     return texts, dropped, len(rows)
 
 
