@@ -31,6 +31,7 @@ from fairseq.dataclass.configs import FairseqConfig
 from fairseq.distributed.env import get_free_port
 from fairseq.distributed.fsdp import transformer_layers, sync_free_limiter
 from fairseq.distributed.parallelize import parallelize_model
+from fairseq.models import BaseFairseqModel
 
 pytestmark = pytest.mark.gpu
 
@@ -68,8 +69,8 @@ class SlowDecoder(nn.Module):
         self.layers = nn.ModuleList(SlowLayer(dim) for _ in range(NUM_LAYERS))
 
 
-class SlowModel(nn.Module):
-    """The structure parallelize_model expects (decoder.layers), with GPU-bound layers."""
+class SlowModel(BaseFairseqModel):
+    """A model under the contract parallelize_model expects (transformer_layers()), with GPU-bound layers."""
 
     def __init__(self, dim=256):
         super().__init__()
@@ -81,6 +82,9 @@ class SlowModel(nn.Module):
         for layer in self.decoder.layers:
             x = layer(x)
         return torch.tanh(self.head(x))  # not a view of Linear's 2-D result (FSDP2 warns about views)
+
+    def transformer_layers(self):
+        return self.decoder.layers
 
 
 
