@@ -518,18 +518,18 @@ def binarize_cached_range(builder, cache: tuple, spec: tuple, indices: Dict[str,
     table = _Table(encoder, indices, unk, unk_word)
     table.update(symbols)
     summary = BinarizeSummary()
-    sizes_all = np.fromfile(cache_prefix + ".sizes", dtype=np.int32).astype(np.int64)
-    if os.path.getsize(cache_prefix + ".ids") == 0:
-        ids_all = np.zeros(0, dtype=np.int32)
-    else:
-        ids_all = np.memmap(cache_prefix + ".ids", dtype=np.int32, mode="r")
+    def mapped(ext):  # read in slices: memory stays bounded whatever the range's size
+        path = cache_prefix + ext
+        return np.memmap(path, dtype=np.int32, mode="r") if os.path.getsize(path) else np.zeros(0, np.int32)
+
+    sizes_all, ids_all = mapped(".sizes"), mapped(".ids")
     pos = 0
     for a in range(0, len(sizes_all), CACHE_LINES):
-        sizes = sizes_all[a:a + CACHE_LINES]
+        sizes = np.asarray(sizes_all[a:a + CACHE_LINES], dtype=np.int64)
         n = int(sizes.sum())
         _add_mapped(builder, summary, np.asarray(ids_all[pos:pos + n], dtype=np.int64), sizes, table, eos)
         pos += n
-    del ids_all
+    del sizes_all, ids_all
     return summary
 
 
