@@ -81,7 +81,13 @@ def _bpe_spec(args: Namespace):
     from fairseq.data.encoders import BPE_REGISTRY, build_bpe
     from fairseq.dataclass.utils import config_from_namespace
 
-    cfg = config_from_namespace(BPE_REGISTRY.dataclass(args.bpe), args, args.bpe)
+    dc = BPE_REGISTRY.dataclass(args.bpe)
+    if dc is None:  # a scheme without options (bytes, characters)
+        bpe = build_bpe(args.bpe)
+        spec = (args.bpe, ())
+        binarizer.register_line_encoder(spec, bpe)
+        return spec
+    cfg = config_from_namespace(dc, args, args.bpe)
     if getattr(cfg, "sentencepiece_enable_sampling", False):
         raise PreprocessError("--sentencepiece-enable-sampling: sampled encodings differ from run to run; "
                               "fairseq-preprocess --bpe sentencepiece encodes deterministically (drop the flag)")

@@ -257,3 +257,19 @@ def test_undecodable_bytes_fail_naming_the_file_and_keep_the_old_output(tmp_path
     assert "bad.raw" in err
     assert outputs(dest)["dict.txt"] == good["dict.txt"]
     assert not [n for n in os.listdir(dest) if n.startswith(".")]
+
+
+@pytest.mark.parametrize("scheme", ["characters", "bytes"])
+def test_schemes_without_options_equal_their_encode_then_preprocess(tmp_path, corpus, scheme):
+    from fairseq.data.encoders import build_bpe
+
+    bpe = build_bpe(scheme)
+    raw = corpus[1].read_text(encoding="utf-8").replace("\r\n", "\n").replace("\r", "\n")
+    lines = raw.split("\n")
+    if lines[-1] == "":
+        lines.pop()
+    encoded = tmp_path / "valid.enc"
+    encoded.write_text("".join(bpe.encode(line.strip()) + "\n" for line in lines), encoding="utf-8")
+    run_preprocess(["--trainpref", encoded, "--destdir", tmp_path / "two", "--workers", 2])
+    run_preprocess(["--trainpref", corpus[1], "--destdir", tmp_path / "one", "--workers", 2, "--bpe", scheme])
+    assert outputs(tmp_path / "two") == outputs(tmp_path / "one")
