@@ -550,6 +550,7 @@ def build_dictionary_encoded(path: str, spec: tuple, cache_stem: str, num_worker
     ranges = list(zip(offsets, offsets[1:]))
     prefixes = [f"{cache_stem}.c{k}" for k in range(len(ranges))]
     caches = [(p, None) for p in prefixes]
+    pending = []
     try:
         with _maybe_pool(pool if len(ranges) > 1 else False, len(ranges) - 1) as p:
             pending = [p.apply_async(count_encode_range, (path, s, e, spec, c))
@@ -557,6 +558,9 @@ def build_dictionary_encoded(path: str, spec: tuple, cache_stem: str, num_worker
             results = [count_encode_range(path, *ranges[0], spec, prefixes[0])]
             results += [r.get() for r in pending]
     except BaseException:
+        if pool:  # a caller's pool keeps running: let our tasks end before removing their files
+            for r in pending:
+                r.wait()
         for c in caches:
             remove_cache(c)
         raise
