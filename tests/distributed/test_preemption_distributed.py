@@ -1,7 +1,6 @@
 """Preemption under (simulated) SLURM: SIGUSR1 -> save checkpoint_last -> scontrol requeue -> exit 3,
 and the restarted job continues exactly as an uninterrupted one."""
 
-import json
 import os
 import signal
 import subprocess
@@ -10,19 +9,30 @@ import time
 
 import pytest
 
+from fairseq.logging.progress_bar import read_json_log
 from test_train_distributed import _env, _free_port, losses
 
 pytestmark = pytest.mark.timeout(900)
 
-MODEL = ["--arch", "transformer_lm_gpt", "--decoder-layers", "2", "--decoder-embed-dim", "32",
-         "--decoder-ffn-embed-dim", "64", "--decoder-attention-heads", "2", "--dropout", "0.1",
-         "--optimizer", "adam", "--lr", "0.003", "--lr-scheduler", "polynomial_decay", "--warmup-updates", "2",
-         "--total-num-update", "40", "--tokens-per-sample", "32", "--batch-size", "4",
-         "--required-batch-size-multiple", "1", "--num-workers", "0", "--cpu", "--seed", "5",
-         "--disable-validation", "--ddp-backend", "fully_sharded", "--log-format", "json", "--log-interval", "1"]
+# The tiny transformer_lm_gpt (tests/conftest.py) with dropout and a decaying schedule that --total-num-update
+# fixes (not --max-update), fully_sharded, no validation.
+FLAGS = ["--dropout", "0.1", "--lr-scheduler", "polynomial_decay", "--warmup-updates", "2", "--total-num-update",
+         "40", "--required-batch-size-multiple", "1", "--disable-validation", "--ddp-backend", "fully_sharded"]
 
 
-def start_slurm_ranks(data, save_dir, max_update, port, fake_bin, scontrol_log):
+@pytest.fixture(scope="session")
+def preemption_args(build_train_args):
+    """preemption_args(data, save_dir, max_update, *extra): this file's fairseq-train arguments (FLAGS, --seed 5,
+    a json --log-file in save_dir)."""
+    def args(data, save_dir, max_update, *extra):
+        return build_train_args(data, save_dir, *FLAGS, *extra, max_update=max_update, arch="transformer_lm_gpt",
+                                seed="5")
+
+    return args
+
+
+def start_slurm_ranks(train_argv, port, fake_bin, scontrol_log):
+    """Two simulated SLURM tasks of one node running `python -m fairseq_cli.train *train_argv`."""
     procs = []
     for rank in range(2):
         env = _env({
@@ -30,15 +40,13 @@ def start_slurm_ranks(data, save_dir, max_update, port, fake_bin, scontrol_log):
             "SLURM_NNODES": "1", "SLURM_NTASKS_PER_NODE": "2", "SLURM_JOB_NODELIST": "localhost",
             "PATH": f"{fake_bin}:{os.environ['PATH']}", "SCONTROL_LOG": str(scontrol_log),
         })
-        argv = [sys.executable, "-m", "fairseq_cli.train", "--task", "language_modeling", str(data),
-                "--save-dir", str(save_dir), *MODEL, "--max-update", str(max_update),
-                "--log-file", str(save_dir / "train.log"), "--distributed-port", str(port),
+        argv = [sys.executable, "-m", "fairseq_cli.train", *train_argv, "--distributed-port", str(port),
                 "--heartbeat-timeout", "120"]
         procs.append(subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     return procs
 
 
-def test_sigusr1_saves_requeues_and_resumes_exactly(tiny_data, tmp_path):
+def test_sigusr1_saves_requeues_and_resumes_exactly(tiny_data, tmp_path, preemption_args):
     fake_bin = tmp_path / "bin"
     fake_bin.mkdir()
     scontrol = fake_bin / "scontrol"
@@ -48,7 +56,7 @@ def test_sigusr1_saves_requeues_and_resumes_exactly(tiny_data, tmp_path):
 
     preempted = tmp_path / "preempted"
     preempted.mkdir()
-    procs = start_slurm_ranks(tiny_data, preempted, 400, _free_port(), fake_bin, scontrol_log)
+    procs = start_slurm_ranks(preemption_args(tiny_data, preempted, 400), _free_port(), fake_bin, scontrol_log)
     deadline = time.time() + 300
     while time.time() < deadline:
         got = losses(preempted / "train.log") if (preempted / "train.log").exists() else {}
@@ -70,7 +78,7 @@ def test_sigusr1_saves_requeues_and_resumes_exactly(tiny_data, tmp_path):
 
     # The requeued job: the same command (with a nearer --max-update, which the schedule does not depend
     # on: --total-num-update is fixed); it continues from checkpoint_last.
-    procs = start_slurm_ranks(tiny_data, preempted, end_at, _free_port(), fake_bin, scontrol_log)
+    procs = start_slurm_ranks(preemption_args(tiny_data, preempted, end_at), _free_port(), fake_bin, scontrol_log)
     outs = [p.communicate(timeout=600)[0] for p in procs]
     assert [p.returncode for p in procs] == [0, 0], outs
 
@@ -78,7 +86,7 @@ def test_sigusr1_saves_requeues_and_resumes_exactly(tiny_data, tmp_path):
     straight = tmp_path / "straight"
     straight.mkdir()
     scontrol_log.unlink()
-    procs = start_slurm_ranks(tiny_data, straight, end_at, _free_port(), fake_bin, scontrol_log)
+    procs = start_slurm_ranks(preemption_args(tiny_data, straight, end_at), _free_port(), fake_bin, scontrol_log)
     outs = [p.communicate(timeout=600)[0] for p in procs]
     assert [p.returncode for p in procs] == [0, 0], outs
     assert not scontrol_log.exists()
@@ -90,12 +98,10 @@ def test_sigusr1_saves_requeues_and_resumes_exactly(tiny_data, tmp_path):
 
 
 def logged_updates(log_file):
-    with open(log_file) as f:
-        return [int(json.loads(line.split("| train_inner |", 1)[1])["num_updates"])
-                for line in f if "| train_inner |" in line]
+    return [int(row["num_updates"]) for row in read_json_log(log_file)]
 
 
-def test_spawned_ranks_get_the_signal_sent_to_the_launcher(tiny_data, tmp_path):
+def test_spawned_ranks_get_the_signal_sent_to_the_launcher(tiny_data, tmp_path, preemption_args):
     """One SLURM task per node: the signal reaches the launching process, which forwards it to its ranks."""
     fake_bin = tmp_path / "bin"
     fake_bin.mkdir()
@@ -103,9 +109,9 @@ def test_spawned_ranks_get_the_signal_sent_to_the_launcher(tiny_data, tmp_path):
     (fake_bin / "scontrol").chmod(0o755)
     log = tmp_path / "scontrol.log"
     env = _env({"PATH": f"{fake_bin}:{os.environ['PATH']}", "SCONTROL_LOG": str(log), "SLURM_JOB_ID": "77"})
-    argv = [sys.executable, "-m", "fairseq_cli.train", "--task", "language_modeling", str(tiny_data),
-            "--save-dir", str(tmp_path / "ck"), *MODEL, "--max-update", "400", "--log-file",
-            str(tmp_path / "ck" / "train.log"), "--distributed-world-size", "2", "--heartbeat-timeout", "120"]
+    argv = [sys.executable, "-m", "fairseq_cli.train",
+            *preemption_args(tiny_data, tmp_path / "ck", 400, "--distributed-world-size", "2", "--heartbeat-timeout",
+                             "120")]
     proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     deadline = time.time() + 300
     while time.time() < deadline:

@@ -7,13 +7,13 @@ import time
 import pytest
 
 from fairseq.preemption import EXIT_REQUEUE_FAILED
-from test_preemption_distributed import start_slurm_ranks
+from test_preemption_distributed import preemption_args, start_slurm_ranks  # noqa: F401 (a fixture)
 from test_train_distributed import _free_port, losses
 
 pytestmark = pytest.mark.timeout(600)
 
 
-def test_every_rank_exits_4_when_scontrol_requeue_fails(tiny_data, tmp_path):
+def test_every_rank_exits_4_when_scontrol_requeue_fails(tiny_data, tmp_path, preemption_args):
     fake_bin = tmp_path / "bin"
     fake_bin.mkdir()
     scontrol = fake_bin / "scontrol"
@@ -23,7 +23,7 @@ def test_every_rank_exits_4_when_scontrol_requeue_fails(tiny_data, tmp_path):
     scontrol_log = tmp_path / "scontrol.log"
     save_dir = tmp_path / "ck"
     save_dir.mkdir()
-    procs = start_slurm_ranks(tiny_data, save_dir, 400, _free_port(), fake_bin, scontrol_log)
+    procs = start_slurm_ranks(preemption_args(tiny_data, save_dir, 400), _free_port(), fake_bin, scontrol_log)
     try:
         deadline = time.time() + 300
         while time.time() < deadline and all(p.poll() is None for p in procs):

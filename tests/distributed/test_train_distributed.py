@@ -5,7 +5,6 @@ Each run is a real `python -m fairseq_cli.train` subprocess. Dropout is 0 so tha
 between layouts are floating-point summation order.
 """
 
-import json
 import os
 import socket
 import subprocess
@@ -13,6 +12,8 @@ import sys
 
 import pytest
 import torch
+
+from fairseq.logging.progress_bar import read_json_log
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -28,35 +29,34 @@ def _env(extra=None):
     return env
 
 
-def run_train(data, save_dir, *extra, world_size=1, max_update=6, env=None, check=True, validate=False):
-    argv = [
-        "--task", "language_modeling", str(data), "--save-dir", str(save_dir),
-        "--arch", "transformer_lm_gpt", "--decoder-layers", "2", "--decoder-embed-dim", "32",
-        "--decoder-ffn-embed-dim", "64", "--decoder-attention-heads", "2", "--dropout", "0",
-        "--attention-dropout", "0", "--optimizer", "adam", "--lr", "0.003", "--lr-scheduler", "polynomial_decay",
-        "--warmup-updates", "2", "--total-num-update", "20", "--clip-norm", "0.5",
-        "--tokens-per-sample", "32", "--batch-size", "4", "--required-batch-size-multiple", "1",
-        "--max-update", str(max_update), "--log-format", "json", "--log-interval", "1",
-        "--log-file", str(save_dir / "train.log"), "--num-workers", "0", "--cpu", "--seed", "5",
-        "--heartbeat-timeout", "120", *([] if validate else ["--disable-validation"]), *extra,
-    ]
-    if world_size > 1:
-        argv += ["--distributed-world-size", str(world_size)]
-    proc = subprocess.run([sys.executable, "-m", "fairseq_cli.train", *argv], capture_output=True, text=True,
-                          timeout=600, env=_env(env))
-    if check and proc.returncode != 0:
-        raise AssertionError(f"fairseq-train failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")
-    return proc
+# The tiny transformer_lm_gpt of these runs (tests/conftest.py) with no dropout and a short decaying schedule.
+SCHEDULE = ["--dropout", "0", "--attention-dropout", "0", "--lr-scheduler", "polynomial_decay", "--warmup-updates",
+            "2", "--total-num-update", "20", "--clip-norm", "0.5", "--required-batch-size-multiple", "1"]
+
+
+@pytest.fixture(scope="session")
+def run_train(build_train_args):
+    """run_train(data, save_dir, *extra, world_size=1, max_update=6, env=None, check=True, validate=False):
+    python -m fairseq_cli.train with SCHEDULE, --seed 5 and a json --log-file in save_dir."""
+    def run(data, save_dir, *extra, world_size=1, max_update=6, env=None, check=True, validate=False):
+        argv = build_train_args(data, save_dir, *SCHEDULE, "--heartbeat-timeout", "120",
+                                *([] if validate else ["--disable-validation"]), *extra, max_update=max_update,
+                                arch="transformer_lm_gpt", seed="5")
+        if world_size > 1:
+            argv += ["--distributed-world-size", str(world_size)]
+        proc = subprocess.run([sys.executable, "-m", "fairseq_cli.train", *argv], capture_output=True, text=True,
+                              timeout=600, env=_env(env))
+        if check and proc.returncode != 0:
+            raise AssertionError(
+                f"fairseq-train failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")
+        return proc
+
+    return run
 
 
 def losses(log_file):
-    out = {}
-    with open(log_file) as f:
-        for line in f:
-            if "| train_inner |" in line:
-                row = json.loads(line.split("| train_inner |", 1)[1])
-                out[int(row["num_updates"])] = float(row["loss"])
-    return out
+    """{update: loss} of the log's train_inner lines."""
+    return {int(row["num_updates"]): float(row["loss"]) for row in read_json_log(log_file)}
 
 
 def model_state(path):
@@ -81,14 +81,14 @@ def assert_states_close(a, b, atol=ATOL, exact=False):
 
 
 @pytest.fixture(scope="module")
-def single_reference(tiny_data, tmp_path_factory):
+def single_reference(tiny_data, tmp_path_factory, run_train):
     """One process, two micro-batches per update: the same global batch as 2 ranks x 1 micro-batch."""
     out = tmp_path_factory.mktemp("single")
     run_train(tiny_data, out, "--update-freq", "2")
     return out
 
 
-def test_ddp_matches_single_process(tiny_data, tmp_path, single_reference):
+def test_ddp_matches_single_process(tiny_data, tmp_path, single_reference, run_train):
     run_train(tiny_data, tmp_path, "--ddp-backend", "pytorch_ddp", world_size=2)
     assert_states_close(model_state(tmp_path / "checkpoint_last.pt"),
                         model_state(single_reference / "checkpoint_last.pt"))
@@ -99,7 +99,7 @@ def test_ddp_matches_single_process(tiny_data, tmp_path, single_reference):
 
 
 @pytest.fixture(scope="module")
-def fsdp_runs(tiny_data, tmp_path_factory):
+def fsdp_runs(tiny_data, tmp_path_factory, run_train):
     """fully_sharded on 2 ranks with each combination of --fsdp-forward-prefetch / --fsdp-sync-free."""
     runs = {}
     for prefetch in (False, True):
@@ -128,7 +128,7 @@ def test_fsdp_flags_change_scheduling_not_arithmetic(fsdp_runs):
             assert "no CUDA streams on CPU" in proc.stdout + proc.stderr
 
 
-def test_sharded_checkpoint_resume_is_bitwise_and_reshards(tiny_data, tmp_path, single_reference):
+def test_sharded_checkpoint_resume_is_bitwise_and_reshards(tiny_data, tmp_path, single_reference, run_train):
     sharded = ["--ddp-backend", "fully_sharded", "--use-sharded-state", "--fsdp-forward-prefetch",
                "--fsdp-sync-free"]
     straight = tmp_path / "straight"
@@ -182,17 +182,13 @@ def _free_port():
         return s.getsockname()[1]
 
 
-def test_keep_best_sharded_checkpoints_on_two_ranks(tiny_data, tmp_path):
+def test_keep_best_sharded_checkpoints_on_two_ranks(tiny_data, tmp_path, run_train):
     """--keep-best-checkpoints with sharded saves on 2 ranks: the decision is broadcast from rank 0 and
     the kept directories are complete (the selection rule itself: tests/unit/test_checkpoint_paths.py)."""
     run_train(tiny_data, tmp_path, "--ddp-backend", "fully_sharded", "--use-sharded-state",
               "--validate-interval-updates", "2", "--save-interval-updates", "2", "--keep-best-checkpoints", "2",
               "--no-epoch-checkpoints", world_size=2, max_update=10, validate=True)
-    valid = []
-    with open(tmp_path / "train.log") as f:
-        for line in f:
-            if "| valid |" in line:
-                valid.append(float(json.loads(line.split("| valid |", 1)[1])["valid_loss"]))
+    valid = [float(row["valid_loss"]) for row in read_json_log(tmp_path / "train.log", "valid")]
     assert len(valid) == 5
     kept = sorted(n for n in os.listdir(tmp_path) if n.startswith("checkpoint.best_loss_"))
     assert len(kept) == 2
@@ -202,7 +198,7 @@ def test_keep_best_sharded_checkpoints_on_two_ranks(tiny_data, tmp_path):
     assert all(abs(v - w) <= 6e-4 for v, w in zip(values, sorted(valid)[:2])), (values, valid)
 
 
-def test_simulated_slurm_job_trains_with_two_ranks(tiny_data, tmp_path, single_reference):
+def test_simulated_slurm_job_trains_with_two_ranks(tiny_data, tmp_path, single_reference, build_train_args):
     port = str(_free_port())
     procs = []
     for rank in range(2):
@@ -211,15 +207,10 @@ def test_simulated_slurm_job_trains_with_two_ranks(tiny_data, tmp_path, single_r
             "SLURM_NNODES": "1", "SLURM_NTASKS_PER_NODE": "2", "SLURM_JOB_NODELIST": "localhost",
             "SLURM_STEP_NODELIST": "localhost",
         })
-        argv = [sys.executable, "-m", "fairseq_cli.train", "--task", "language_modeling", str(tiny_data),
-                "--save-dir", str(tmp_path), "--arch", "transformer_lm_gpt", "--decoder-layers", "2",
-                "--decoder-embed-dim", "32", "--decoder-ffn-embed-dim", "64", "--decoder-attention-heads", "2",
-                "--dropout", "0", "--attention-dropout", "0", "--optimizer", "adam", "--lr", "0.003",
-                "--lr-scheduler", "polynomial_decay", "--warmup-updates", "2", "--total-num-update", "20",
-                "--clip-norm", "0.5", "--tokens-per-sample", "32", "--batch-size", "4",
-                "--required-batch-size-multiple", "1", "--max-update", "6", "--num-workers", "0", "--cpu",
-                "--seed", "5", "--disable-validation", "--distributed-port", port, "--heartbeat-timeout", "120",
-                "--ddp-backend", "fully_sharded"]
+        argv = [sys.executable, "-m", "fairseq_cli.train",
+                *build_train_args(tiny_data, tmp_path, *SCHEDULE, "--disable-validation", "--distributed-port", port,
+                                  "--heartbeat-timeout", "120", "--ddp-backend", "fully_sharded", max_update=6,
+                                  arch="transformer_lm_gpt", seed="5", json_log=False, log_file=False)]
         procs.append(subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     outputs = [p.communicate(timeout=600)[0] for p in procs]
     assert [p.returncode for p in procs] == [0, 0], outputs
@@ -227,42 +218,22 @@ def test_simulated_slurm_job_trains_with_two_ranks(tiny_data, tmp_path, single_r
                         model_state(single_reference / "checkpoint_last.pt"))
 
 
-FAILING_PLUGIN = '''
-import torch.distributed as dist
-from fairseq.registry import register_criterion
-from fairseq.criterions.cross_entropy import CrossEntropyCriterion, CrossEntropyCriterionConfig
-
-@register_criterion("fails_on_rank1", dataclass=CrossEntropyCriterionConfig)
-class FailsOnRank1(CrossEntropyCriterion):
-    calls = 0
-    def forward(self, model, sample, reduce=True):
-        FailsOnRank1.calls += 1
-        if dist.get_rank() == 1 and FailsOnRank1.calls == 3:
-            raise RuntimeError("rank 1 broke on purpose")
-        return super().forward(model, sample, reduce)
-'''
-
-
-def test_a_failing_rank_fails_the_whole_job(tiny_data, tmp_path):
-    plugin = tmp_path / "fail_plugin"
-    plugin.mkdir()
-    (plugin / "__init__.py").write_text(FAILING_PLUGIN)
+def test_a_failing_rank_fails_the_whole_job(tiny_data, tmp_path, run_train, faulty_criterion):
+    plugin = faulty_criterion("fail_plugin", "fails_on_rank1", call=3, rank=1, error="rank 1 broke on purpose")
     proc = run_train(tiny_data, tmp_path / "ck", "--user-dir", str(plugin), "--criterion", "fails_on_rank1",
                      "--heartbeat-timeout", "20", "--ddp-backend", "fully_sharded", world_size=2, check=False)
     assert proc.returncode != 0
     assert "rank 1 broke on purpose" in proc.stdout + proc.stderr
 
 
-def test_torchrun_fairseq_train_fully_sharded_with_both_flags(tiny_data, tmp_path):
+def test_torchrun_fairseq_train_fully_sharded_with_both_flags(tiny_data, tmp_path, build_train_args):
     """The issue's command shape: torchrun --nproc_per_node 2 fairseq-train ... (CPU, gloo)."""
     argv = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--master-port", str(_free_port()),
-            "--nproc_per_node", "2",
-            "-m", "fairseq_cli.train", "--task", "language_modeling", str(tiny_data), "--save-dir", str(tmp_path),
-            "--arch", "transformer_lm_gpt", "--decoder-layers", "2", "--decoder-embed-dim", "32",
-            "--decoder-ffn-embed-dim", "64", "--decoder-attention-heads", "2", "--optimizer", "adam", "--lr", "0.003",
-            "--tokens-per-sample", "32", "--batch-size", "4", "--max-update", "3", "--num-workers", "0", "--cpu",
-            "--disable-validation", "--ddp-backend", "fully_sharded", "--fsdp-forward-prefetch", "--fsdp-sync-free",
-            "--use-sharded-state", "--heartbeat-timeout", "120"]
+            "--nproc_per_node", "2", "-m", "fairseq_cli.train",
+            *build_train_args(tiny_data, tmp_path, "--disable-validation", "--ddp-backend", "fully_sharded",
+                              "--fsdp-forward-prefetch", "--fsdp-sync-free", "--use-sharded-state",
+                              "--heartbeat-timeout", "120", max_update=3, arch="transformer_lm_gpt", seed=None,
+                              json_log=False, log_file=False)]
     proc = subprocess.run(argv, capture_output=True, text=True, timeout=300, env=_env())
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert (tmp_path / "checkpoint_last" / "metadata.pt").is_file()

@@ -1,6 +1,5 @@
 """fairseq-train on CUDA: fp16 overflow skipping, bf16/fp16 fully_sharded with both FSDP flags (save, resume)."""
 
-import json
 import os
 import subprocess
 import sys
@@ -8,32 +7,10 @@ import sys
 import pytest
 import torch
 
+from fairseq.logging.progress_bar import read_json_log
+
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(600)]
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-INF_PLUGIN = '''
-from fairseq.registry import register_criterion
-from fairseq.criterions.cross_entropy import CrossEntropyCriterion, CrossEntropyCriterionConfig
-
-@register_criterion("inf_on_third_call", dataclass=CrossEntropyCriterionConfig)
-class InfOnThirdCall(CrossEntropyCriterion):
-    calls = 0
-    def forward(self, model, sample, reduce=True):
-        loss, size, log = super().forward(model, sample, reduce)
-        InfOnThirdCall.calls += 1
-        if InfOnThirdCall.calls == 3:
-            loss = loss * float("inf")
-        return loss, size, log
-'''
-
-
-def rows(log_file):
-    out = []
-    with open(log_file) as f:
-        for line in f:
-            if "| train_inner |" in line:
-                out.append(json.loads(line.split("| train_inner |", 1)[1]))
-    return out
 
 
 def train(tmp_path, *extra, nproc=1):
@@ -51,14 +28,12 @@ def train(tmp_path, *extra, nproc=1):
     return proc
 
 
-def test_fp16_overflow_is_skipped_and_scale_halves(tmp_path):
-    plugin = tmp_path / "inf_plugin"
-    plugin.mkdir()
-    (plugin / "__init__.py").write_text(INF_PLUGIN)
+def test_fp16_overflow_is_skipped_and_scale_halves(tmp_path, faulty_criterion):
+    plugin = faulty_criterion("inf_plugin", "inf_on_third_call", call=3, factor="inf")  # the loss only, not the log
     proc = train(tmp_path, "--fp16", "--fp16-init-scale", "128", "--user-dir", str(plugin),
                  "--criterion", "inf_on_third_call", "--max-update", "4")
     assert "gradient overflow detected, ignoring gradient, setting loss scale to: 64" in proc.stdout + proc.stderr
-    log = rows(tmp_path / "train.log")
+    log = read_json_log(tmp_path / "train.log")
     assert [r["num_updates"] for r in log] == ["1", "2", "3", "4"]  # 5 steps ran, the overflowing one skipped
     assert [float(r["loss_scale"]) for r in log][-1] == 64.0
     state = torch.load(tmp_path / "checkpoint_last.pt", weights_only=True)
@@ -75,9 +50,9 @@ def test_fully_sharded_both_flags_saves_and_resumes(tmp_path, precision):
     train(tmp_path / "resumed", *flags, "--max-update", "4", nproc=2)
     assert (tmp_path / "resumed" / "checkpoint_last").is_dir()
     train(tmp_path / "resumed", *flags, "--max-update", "8", nproc=2)
-    straight = {r["num_updates"]: r["loss"] for r in rows(tmp_path / "straight" / "train.log")}
-    resumed = {r["num_updates"]: r["loss"] for r in rows(tmp_path / "resumed" / "train.log")}
+    straight = {r["num_updates"]: r["loss"] for r in read_json_log(tmp_path / "straight" / "train.log")}
+    resumed = {r["num_updates"]: r["loss"] for r in read_json_log(tmp_path / "resumed" / "train.log")}
     assert straight == resumed  # same kernels, same order: bitwise-equal losses on the same GPUs
-    log = rows(tmp_path / "straight" / "train.log")
+    log = read_json_log(tmp_path / "straight" / "train.log")
     assert all("max_cuda_gb_reserved" in r and "cuda_gb_free" in r and "gb_free" in r for r in log)
     assert all(float(r["max_cuda_gb_allocated"]) <= float(r["max_cuda_gb_reserved"]) for r in log)

@@ -22,20 +22,15 @@ from fairseq.checkpoint.save_dir import LOCK_FILE, SaveDirInUse, SaveDirLock
 from fairseq.checkpoint.sharded import copy_sharded
 from fairseq_cli import train
 
-TINY_MODEL = [
-    "--arch", "transformer_lm", "--decoder-layers", "2", "--decoder-embed-dim", "32",
-    "--decoder-ffn-embed-dim", "64", "--decoder-attention-heads", "2", "--decoder-input-dim", "32",
-    "--decoder-output-dim", "32", "--share-decoder-input-output-embed",
-]
 
+@pytest.fixture(scope="module")
+def train_args(build_train_args):
+    """This file's runs: the tiny transformer_lm with no schedule, dropout or --log-file, 4 updates by default."""
+    def args(data, save_dir, *extra, max_update=4):
+        return build_train_args(data, save_dir, "--sample-break-mode", "none", *extra, max_update=max_update,
+                                log_file=False)
 
-def train_args(data, save_dir, *extra, max_update=4):
-    return [
-        "--task", "language_modeling", str(data), "--save-dir", str(save_dir), *TINY_MODEL,
-        "--optimizer", "adam", "--lr", "0.002", "--tokens-per-sample", "32", "--sample-break-mode", "none",
-        "--max-tokens", "256", "--max-update", str(max_update), "--log-format", "json", "--log-interval", "1",
-        "--num-workers", "0", "--cpu", "--seed", "3", *extra,
-    ]
+    return args
 
 
 def load(path):
@@ -60,7 +55,7 @@ def run_cli(args, limit_file_size=None):
 # ----------------------------------------------------------------------------- aliases are independent
 
 
-def test_checkpoint_names_are_independent_files(tiny_data, tmp_path):
+def test_checkpoint_names_are_independent_files(tiny_data, tmp_path, train_args):
     train.cli_main(train_args(tiny_data, tmp_path, "--save-interval-updates", "2", max_update=4))
     names = ["checkpoint_1_4.pt", "checkpoint_best.pt", "checkpoint_last.pt"]
     inodes = {os.stat(tmp_path / n).st_ino for n in names}
@@ -110,7 +105,7 @@ def test_checkpoint_files_get_the_ordinary_file_mode(tmp_path):
 # ----------------------------------------------------------------------------- failed writes
 
 
-def test_disk_full_during_save_is_one_line_and_keeps_the_previous_checkpoint(tiny_data, tmp_path):
+def test_disk_full_during_save_is_one_line_and_keeps_the_previous_checkpoint(tiny_data, tmp_path, train_args):
     assert train.cli_main(train_args(tiny_data, tmp_path, max_update=1)) is None
     before = open(tmp_path / "checkpoint_last.pt", "rb").read()
     # A file-size limit below the checkpoint's size: the save fails with EFBIG as it would with ENOSPC.
@@ -124,7 +119,7 @@ def test_disk_full_during_save_is_one_line_and_keeps_the_previous_checkpoint(tin
     assert not [n for n in os.listdir(tmp_path) if n.endswith(".tmp")]
 
 
-def test_unwritable_save_dir_fails_at_start_up(tiny_data, tmp_path):
+def test_unwritable_save_dir_fails_at_start_up(tiny_data, tmp_path, train_args):
     blocker = tmp_path / "a_file"
     blocker.write_text("not a directory")
     result = run_cli(train_args(tiny_data, blocker / "ckpt"))
@@ -134,7 +129,7 @@ def test_unwritable_save_dir_fails_at_start_up(tiny_data, tmp_path):
     assert "Traceback" not in result.stderr
 
 
-def test_full_disk_is_found_at_start_up(tiny_data, tmp_path):
+def test_full_disk_is_found_at_start_up(tiny_data, tmp_path, train_args):
     result = run_cli(train_args(tiny_data, tmp_path / "ckpt"), limit_file_size=100)  # the probe writes 1.2 kB
     assert result.returncode == 1
     assert "--save-dir is not writable" in result.stderr and "EFBIG" in result.stderr, result.stderr[-2000:]
@@ -143,7 +138,7 @@ def test_full_disk_is_found_at_start_up(tiny_data, tmp_path):
 # ----------------------------------------------------------------------------- one run per directory
 
 
-def test_second_run_on_a_locked_save_dir_fails_naming_the_holder(tiny_data, tmp_path):
+def test_second_run_on_a_locked_save_dir_fails_naming_the_holder(tiny_data, tmp_path, train_args):
     lock = SaveDirLock(str(tmp_path))
     lock.acquire()  # stands for another run's rank 0
     try:
@@ -173,7 +168,7 @@ def test_lock_is_released_when_the_holder_is_killed(tmp_path):
     lock.release()
 
 
-def test_temporaries_of_killed_saves_are_removed_at_start(tiny_data, tmp_path):
+def test_temporaries_of_killed_saves_are_removed_at_start(tiny_data, tmp_path, train_args):
     (tmp_path / ".checkpoint_last.pt.k2j3.tmp").write_bytes(b"half a checkpoint")
     (tmp_path / "checkpoint_last.tmp").mkdir()
     (tmp_path / "checkpoint_last.tmp" / "__0_0.distcp").write_bytes(b"half a shard")
@@ -208,7 +203,7 @@ def test_garbage_legacy_and_truncated_files_are_told_apart(tmp_path):
     assert not isinstance(info.value, CorruptCheckpointError)
 
 
-def test_truncated_checkpoint_last_names_the_intact_ones_to_restore(tiny_data, tmp_path):
+def test_truncated_checkpoint_last_names_the_intact_ones_to_restore(tiny_data, tmp_path, train_args):
     train.cli_main(train_args(tiny_data, tmp_path, "--save-interval-updates", "2", max_update=4))
     last = tmp_path / "checkpoint_last.pt"
     last.write_bytes(last.read_bytes()[:1000])
@@ -229,7 +224,7 @@ def test_truncated_checkpoint_last_names_the_intact_ones_to_restore(tiny_data, t
 # ----------------------------------------------------------------------------- mismatches named as such
 
 
-def test_dictionary_that_does_not_match_the_checkpoint_is_named(tiny_data, tmp_path):
+def test_dictionary_that_does_not_match_the_checkpoint_is_named(tiny_data, tmp_path, train_args):
     save = tmp_path / "ckpt"
     train.cli_main(train_args(tiny_data, save, max_update=1))
     other = tmp_path / "other-data"
@@ -247,7 +242,7 @@ def test_dictionary_that_does_not_match_the_checkpoint_is_named(tiny_data, tmp_p
 
 @pytest.mark.parametrize("flag,value", [("--decoder-attention-heads", "4"), ("--decoder-ffn-embed-dim", "128"),
                                         ("--tokens-per-sample", "16")])
-def test_changed_model_option_on_resume_is_refused_naming_it(tiny_data, tmp_path, flag, value):
+def test_changed_model_option_on_resume_is_refused_naming_it(tiny_data, tmp_path, flag, value, train_args):
     train.cli_main(train_args(tiny_data, tmp_path, max_update=1))
     args = train_args(tiny_data, tmp_path, max_update=2)
     args[args.index(flag) + 1] = value

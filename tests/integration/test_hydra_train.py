@@ -1,7 +1,6 @@
 """fairseq-hydra-train end to end on CPU: the 125m recipe shrunk by overrides trains for 2 updates on the
 tiny preprocessed corpus; errors, the requeue status and path resolution through the real entry point."""
 
-import json
 import logging
 import os
 import subprocess
@@ -12,6 +11,7 @@ import pytest
 import torch
 import yaml
 
+from fairseq.logging.progress_bar import read_json_log
 from fairseq_cli import hydra_train
 
 REPO = Path(__file__).resolve().parents[2]
@@ -73,8 +73,7 @@ def test_trains_two_updates_and_writes_run_directory(tiny_data, tmp_path):
     resolved = yaml.safe_load((run_dir / ".hydra" / "fairseq_config.yaml").read_text())
     assert resolved["lr_scheduler"]["end_learning_rate"] == pytest.approx(6e-5)
     assert resolved["model"]["share_decoder_input_output_embed"] is True
-    log_lines = (run_dir / "hydra_train.log").read_text().splitlines()
-    train_inner = [json.loads(line.split("| train_inner |", 1)[1]) for line in log_lines if "| train_inner |" in line]
+    train_inner = read_json_log(run_dir / "hydra_train.log")
     assert [row["num_updates"] for row in train_inner] == ["1", "2"]  # fairseq-train's line format
     assert "the global batch is 128 tokens" in result.stdout  # the recipe's batch is not what this run used
 

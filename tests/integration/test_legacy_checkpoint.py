@@ -2,7 +2,6 @@
 layout), written by hand from a model of ours: evaluation, --finetune-from-model and --restore-file."""
 
 import argparse
-import json
 
 import pytest
 import torch
@@ -11,22 +10,16 @@ from omegaconf import DictConfig, OmegaConf
 from fairseq import options
 from fairseq.checkpoint.io import CheckpointError, load_checkpoint_file
 from fairseq.checkpoint.legacy import is_legacy_checkpoint, upgrade_legacy_checkpoint
+from fairseq.logging.progress_bar import read_json_log
 from fairseq_cli import eval_lm, train
 
-MODEL = [
-    "--arch", "transformer_lm", "--decoder-layers", "2", "--decoder-embed-dim", "32",
-    "--decoder-ffn-embed-dim", "64", "--decoder-attention-heads", "2", "--decoder-input-dim", "32",
-    "--decoder-output-dim", "32", "--share-decoder-input-output-embed",
-]
+@pytest.fixture(scope="module")
+def train_argv(build_train_args):
+    """This file's runs: the tiny transformer_lm at --lr 1e-3, --seed 5, 3 updates by default."""
+    def argv(data, save_dir, *extra, max_update=3):
+        return build_train_args(data, save_dir, *extra, max_update=max_update, lr="1e-3", seed="5")
 
-
-def train_argv(data, save_dir, *extra, max_update=3):
-    return [
-        "--task", "language_modeling", str(data), "--save-dir", str(save_dir), *MODEL,
-        "--tokens-per-sample", "32", "--max-tokens", "256", "--optimizer", "adam", "--lr", "1e-3",
-        "--max-update", str(max_update), "--cpu", "--num-workers", "0", "--seed", "5",
-        "--log-format", "json", "--log-interval", "1", "--log-file", str(save_dir / "train.log"), *extra,
-    ]
+    return argv
 
 
 def eval_cfg(data, path, *extra):
@@ -108,7 +101,7 @@ def write_args_checkpoint(ours, path):
 
 
 @pytest.fixture(scope="module")
-def files(tiny_data, tmp_path_factory):
+def files(tiny_data, tmp_path_factory, train_argv):
     root = tmp_path_factory.mktemp("legacy")
     save = root / "ours"
     save.mkdir()
@@ -176,23 +169,16 @@ def test_eval_lm_of_upstream_file_matches_ours_exactly(files, tiny_data, referen
 # ----------------------------------------------------------------------------- fairseq-train
 
 
-def train_inner(log_file):
-    rows = []
-    for line in open(log_file):
-        if "| train_inner |" in line:
-            rows.append(json.loads(line.split("| train_inner |", 1)[1]))
-    return rows
-
-
 @pytest.fixture(scope="module")
-def finetuned_from_ours(files, tiny_data):
+def finetuned_from_ours(files, tiny_data, train_argv):
     save = files["root"] / "ft_ours"
     save.mkdir()
     train.cli_main(train_argv(tiny_data, save, "--finetune-from-model", str(files["ours"]), max_update=2))
     return save
 
 
-def test_finetune_from_upstream_file_starts_from_its_weights(files, tiny_data, tmp_path, finetuned_from_ours):
+def test_finetune_from_upstream_file_starts_from_its_weights(files, tiny_data, tmp_path, finetuned_from_ours,
+                                                             train_argv):
     save = tmp_path / "ft_legacy"
     save.mkdir()
     train.cli_main(train_argv(tiny_data, save, "--finetune-from-model", str(files["args"]),
@@ -200,7 +186,7 @@ def test_finetune_from_upstream_file_starts_from_its_weights(files, tiny_data, t
     log = (save / "train.log").read_text()
     assert f"loaded model weights from {files['args']}" in log
     # the same run as fine-tuning from our own file: identical losses and identical weights after 2 updates
-    rows_legacy, rows_ours = train_inner(save / "train.log"), train_inner(finetuned_from_ours / "train.log")
+    rows_legacy, rows_ours = read_json_log(save / "train.log"), read_json_log(finetuned_from_ours / "train.log")
     assert [r["loss"] for r in rows_legacy] == [r["loss"] for r in rows_ours]
     assert len(rows_legacy) == 2
     a, b = load(save / "checkpoint_last.pt"), load(finetuned_from_ours / "checkpoint_last.pt")
@@ -210,24 +196,25 @@ def test_finetune_from_upstream_file_starts_from_its_weights(files, tiny_data, t
     scratch = tmp_path / "scratch"
     scratch.mkdir()
     train.cli_main(train_argv(tiny_data, scratch, max_update=1))
-    assert train_inner(scratch / "train.log")[0]["loss"] != rows_legacy[0]["loss"]
-    assert float(rows_legacy[0]["loss"]) < float(train_inner(scratch / "train.log")[0]["loss"])
+    assert read_json_log(scratch / "train.log")[0]["loss"] != rows_legacy[0]["loss"]
+    assert float(rows_legacy[0]["loss"]) < float(read_json_log(scratch / "train.log")[0]["loss"])
 
 
-def test_finetune_from_upstream_file_needs_trust(files, tiny_data, tmp_path):
+def test_finetune_from_upstream_file_needs_trust(files, tiny_data, tmp_path, train_argv):
     with pytest.raises(CheckpointError, match="--trust-legacy-checkpoint"):
         train.cli_main(train_argv(tiny_data, tmp_path, "--finetune-from-model", str(files["cfg"]), max_update=1))
     assert not (tmp_path / "checkpoint_last.pt").exists()
 
 
-def test_resume_from_upstream_file_needs_reset_optimizer(files, tiny_data, tmp_path):
+def test_resume_from_upstream_file_needs_reset_optimizer(files, tiny_data, tmp_path, train_argv):
     with pytest.raises(CheckpointError, match="--reset-optimizer"):
         train.cli_main(train_argv(tiny_data, tmp_path, "--restore-file", str(files["cfg"]),
                                   "--trust-legacy-checkpoint", max_update=4))
     assert not (tmp_path / "checkpoint_last.pt").exists()
 
 
-def test_resume_from_upstream_file_with_reset_optimizer_saves_a_plain_checkpoint(files, tiny_data, tmp_path):
+def test_resume_from_upstream_file_with_reset_optimizer_saves_a_plain_checkpoint(files, tiny_data, tmp_path,
+                                                                                 train_argv):
     train.cli_main(train_argv(tiny_data, tmp_path, "--restore-file", str(files["cfg"]),
                               "--trust-legacy-checkpoint", "--reset-optimizer", max_update=1))
     assert f"loading checkpoint {files['cfg']}" in (tmp_path / "train.log").read_text()

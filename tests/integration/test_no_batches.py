@@ -9,8 +9,8 @@ import sys
 
 import pytest
 
+from fairseq.logging.progress_bar import read_json_log
 from fairseq_cli import preprocess
-from test_train_cli import train_args
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -31,8 +31,8 @@ def run_train(argv, timeout=120):
 
 
 def epoch_lines(log_file):
-    """The log's epoch summary lines ("| train |", JSON format)."""
-    return [line for line in open(log_file) if "| train |" in line]
+    """The stats of the log's epoch summary lines ("| train |", JSON format)."""
+    return read_json_log(log_file, "train")
 
 
 def error_lines(err):
@@ -52,7 +52,7 @@ def empty_train_data(tiny_data, tmp_path_factory):
     return dest
 
 
-def test_empty_train_split_stops_at_once_naming_the_file(empty_train_data, tmp_path):
+def test_empty_train_split_stops_at_once_naming_the_file(empty_train_data, tmp_path, train_args):
     rc, out, err = run_train(train_args(empty_train_data, tmp_path / "ck"))
     assert rc == 1
     [line] = error_lines(err)
@@ -63,7 +63,7 @@ def test_empty_train_split_stops_at_once_naming_the_file(empty_train_data, tmp_p
     assert not [n for n in os.listdir(tmp_path / "ck") if n.endswith(".pt")]
 
 
-def test_every_item_longer_than_max_tokens_names_the_flag_and_the_fix(tiny_data, tmp_path):
+def test_every_item_longer_than_max_tokens_names_the_flag_and_the_fix(tiny_data, tmp_path, train_args):
     # The validation error for too-long items suggests --skip-invalid-size-inputs-valid-test: with it,
     # every training item was skipped too and the run looped over empty epochs, ignoring SIGTERM.
     argv = train_args(tiny_data, tmp_path / "ck", "--skip-invalid-size-inputs-valid-test")
@@ -78,7 +78,7 @@ def test_every_item_longer_than_max_tokens_names_the_flag_and_the_fix(tiny_data,
     assert "max positions" not in log and epoch_lines(tmp_path / "ck" / "train.log") == []
 
 
-def test_every_item_longer_than_the_model_positions_names_those_flags(tiny_data, tmp_path):
+def test_every_item_longer_than_the_model_positions_names_those_flags(tiny_data, tmp_path, train_args):
     rc, out, err = run_train(train_args(tiny_data, tmp_path / "ck", "--max-target-positions", "16"))
     assert rc == 1
     [line] = error_lines(err)
@@ -87,7 +87,7 @@ def test_every_item_longer_than_the_model_positions_names_those_flags(tiny_data,
     assert "--max-target-positions at least 32" in line and "--tokens-per-sample at most 16" in line
 
 
-def test_an_empty_shard_stops_at_its_epoch_naming_it(tiny_data, empty_train_data, tmp_path):
+def test_an_empty_shard_stops_at_its_epoch_naming_it(tiny_data, empty_train_data, tmp_path, train_args):
     data = f"{tiny_data}{os.pathsep}{empty_train_data}"
     argv = train_args(data, tmp_path / "ck", "--max-epoch", "3", max_update=0)
     argv[argv.index("--max-tokens") + 1] = "1024"  # 7 updates per epoch
@@ -97,11 +97,11 @@ def test_an_empty_shard_stops_at_its_epoch_naming_it(tiny_data, empty_train_data
     train_bin = os.path.join(str(empty_train_data), "train.bin")
     assert f"the training split 'train' is empty (shard 2 of 2 in DATA: {train_bin}: 0 sentences" in line
     [epoch1] = epoch_lines(tmp_path / "ck" / "train.log")  # the first shard trained, no empty epoch ran
-    assert '"epoch": 1' in epoch1
+    assert epoch1["epoch"] == 1
     assert (tmp_path / "ck" / "checkpoint1.pt").exists()
 
 
-def test_an_empty_validation_subset_is_an_error_before_training(tiny_data, empty_train_data, tmp_path):
+def test_an_empty_validation_subset_is_an_error_before_training(tiny_data, empty_train_data, tmp_path, train_args):
     # empty_train_data's train split is empty: as a validation subset it can give no loss
     data_dir = tmp_path / "data"
     data_dir.mkdir()
@@ -117,7 +117,7 @@ def test_an_empty_validation_subset_is_an_error_before_training(tiny_data, empty
     assert epoch_lines(tmp_path / "ck" / "train.log") == []
 
 
-def test_validation_items_all_skipped_is_an_error_naming_max_tokens_valid(tiny_data, tmp_path):
+def test_validation_items_all_skipped_is_an_error_naming_max_tokens_valid(tiny_data, tmp_path, train_args):
     argv = train_args(tiny_data, tmp_path / "ck", "--max-tokens-valid", "10",
                       "--skip-invalid-size-inputs-valid-test")
     rc, out, err = run_train(argv)
@@ -130,7 +130,7 @@ def test_validation_items_all_skipped_is_an_error_naming_max_tokens_valid(tiny_d
     assert rc == 0, err[-2000:]
 
 
-def test_two_ranks_stop_together_on_no_batch(tiny_data, tmp_path):
+def test_two_ranks_stop_together_on_no_batch(tiny_data, tmp_path, train_args):
     argv = train_args(tiny_data, tmp_path / "ck", "--skip-invalid-size-inputs-valid-test",
                       "--distributed-world-size", "2")
     argv[argv.index("--max-tokens") + 1] = "16"
@@ -140,7 +140,7 @@ def test_two_ranks_stop_together_on_no_batch(tiny_data, tmp_path):
     assert epoch_lines(tmp_path / "ck" / "train.log") == []
 
 
-def test_validation_of_no_batch_logs_no_nan_loss(tiny_data, tmp_path):
+def test_validation_of_no_batch_logs_no_nan_loss(tiny_data, tmp_path, train_args):
     rc, out, err = run_train(train_args(tiny_data, tmp_path / "ck", "--max-valid-steps", "0", max_update=2))
     assert rc == 0, err[-2000:]
     log = (tmp_path / "ck" / "train.log").read_text()

@@ -11,7 +11,7 @@ import time
 import pytest
 import torch
 
-from test_train_cli import load, train_args
+from test_train_cli import load
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -51,11 +51,8 @@ class SignalAtEpoch2(LanguageModelingTask):
 
 
 @pytest.fixture
-def plugin(tmp_path):
-    directory = tmp_path / "signal_plugin"
-    directory.mkdir()
-    (directory / "__init__.py").write_text(PLUGIN)
-    return directory
+def plugin(user_dir):
+    return user_dir("signal_plugin", PLUGIN)
 
 
 def start(argv, marks=None):
@@ -97,7 +94,7 @@ def assert_same_weights(a, b):
         assert torch.equal(a[key], b[key]), key
 
 
-def test_sigterm_during_validation_stops_at_once_and_resumes_exactly(tiny_data, tmp_path, plugin):
+def test_sigterm_during_validation_stops_at_once_and_resumes_exactly(tiny_data, tmp_path, plugin, train_args):
     # Validation at update 3: 20 batches of one block, 0.25 s each with the marks on (5 s in all).
     def argv(save_dir):
         return train_args(tiny_data, save_dir, "--user-dir", str(plugin), "--criterion", "slow_valid_ce",
@@ -129,7 +126,7 @@ def test_sigterm_during_validation_stops_at_once_and_resumes_exactly(tiny_data, 
     assert_same_weights(run / "checkpoint_last.pt", straight / "checkpoint_last.pt")
 
 
-def test_sigterm_between_epochs_stops_before_the_next_update(tiny_data, tmp_path, plugin):
+def test_sigterm_between_epochs_stops_before_the_next_update(tiny_data, tmp_path, plugin, train_args):
     def argv(save_dir):
         args = train_args(tiny_data, save_dir, "--user-dir", str(plugin), "--max-epoch", "2", max_update=0)
         args[args.index("language_modeling")] = "lm_signal_at_epoch_2"
@@ -156,7 +153,7 @@ def test_sigterm_between_epochs_stops_before_the_next_update(tiny_data, tmp_path
     assert_same_weights(run / "checkpoint_last.pt", straight / "checkpoint_last.pt")
 
 
-def test_two_ranks_stop_at_the_same_validation_batch(tiny_data, tmp_path, plugin):
+def test_two_ranks_stop_at_the_same_validation_batch(tiny_data, tmp_path, plugin, train_args):
     """The signal reaches the launcher, which forwards it to both ranks; they agree through the watcher's
     all-reduce at validation-batch boundaries and stop after the same batch."""
     marks = tmp_path / "marks"

@@ -1,6 +1,5 @@
 """fairseq-train and fairseq-eval-lm through their real entry points on a tiny model (CPU)."""
 
-import json
 import math
 import os
 import subprocess
@@ -9,40 +8,14 @@ import sys
 import pytest
 import torch
 
+from fairseq.logging.progress_bar import read_json_log
 from fairseq_cli import eval_lm, train
-
-TINY_MODEL = [
-    "--arch", "transformer_lm", "--decoder-layers", "2", "--decoder-embed-dim", "32",
-    "--decoder-ffn-embed-dim", "64", "--decoder-attention-heads", "2", "--decoder-input-dim", "32",
-    "--decoder-output-dim", "32", "--share-decoder-input-output-embed",
-]
-
-
-def train_args(data, save_dir, *extra, max_update=8):
-    return [
-        "--task", "language_modeling", str(data), "--save-dir", str(save_dir), *TINY_MODEL,
-        "--dropout", "0.1", "--optimizer", "adam", "--adam-betas", "(0.9, 0.98)", "--weight-decay", "0.01",
-        "--clip-norm", "1.0", "--lr", "0.002", "--lr-scheduler", "inverse_sqrt", "--warmup-updates", "4",
-        "--tokens-per-sample", "32", "--sample-break-mode", "none", "--max-tokens", "256",
-        "--max-update", str(max_update), "--log-format", "json", "--log-interval", "1",
-        "--log-file", str(save_dir / "train.log"), "--num-workers", "0", "--cpu", "--seed", "3", *extra,
-    ]
-
-
-def train_inner_lines(log_file):
-    lines = []
-    with open(log_file) as f:
-        for line in f:
-            if "| train_inner |" in line:
-                lines.append(json.loads(line.split("| train_inner |", 1)[1]))
-    return lines
-
 
 def load(path):
     return torch.load(path, map_location="cpu", weights_only=True)
 
 
-def test_resume_is_bitwise(tiny_data, tmp_path):
+def test_resume_is_bitwise(tiny_data, tmp_path, train_args):
     straight = tmp_path / "straight"
     train.cli_main(train_args(tiny_data, straight, max_update=12))
     resumed = tmp_path / "resumed"
@@ -59,13 +32,13 @@ def test_resume_is_bitwise(tiny_data, tmp_path):
     for name, state in a["last_optimizer_state"]["state"].items():
         for k, v in state.items():
             assert torch.equal(v, b["last_optimizer_state"]["state"][name][k]), (name, k)
-    losses_straight = [(r["num_updates"], r["loss"]) for r in train_inner_lines(straight / "train.log")]
-    losses_resumed = [(r["num_updates"], r["loss"]) for r in train_inner_lines(resumed / "train.log")]
+    losses_straight = [(r["num_updates"], r["loss"]) for r in read_json_log(straight / "train.log")]
+    losses_resumed = [(r["num_updates"], r["loss"]) for r in read_json_log(resumed / "train.log")]
     assert losses_straight == losses_resumed
     assert [u for u, _ in losses_straight] == [str(i) for i in range(1, 13)]
 
 
-def test_checkpoint_is_plain_and_has_upstream_keys(tiny_data, tmp_path):
+def test_checkpoint_is_plain_and_has_upstream_keys(tiny_data, tmp_path, train_args):
     train.cli_main(train_args(tiny_data, tmp_path, max_update=3))
     state = load(tmp_path / "checkpoint_last.pt")  # weights_only=True: no pickled objects inside
     for key in ("cfg", "model", "criterion", "optimizer_history", "task_state", "extra_state",
@@ -77,9 +50,9 @@ def test_checkpoint_is_plain_and_has_upstream_keys(tiny_data, tmp_path):
     assert set(state["extra_state"]) >= {"metrics", "previous_training_time", "train_iterator", "val_loss", "best"}
 
 
-def test_loss_falls_and_eval_lm_matches_independent_computation(tiny_data, tmp_path):
+def test_loss_falls_and_eval_lm_matches_independent_computation(tiny_data, tmp_path, train_args):
     train.cli_main(train_args(tiny_data, tmp_path, "--validate-interval-updates", "10", max_update=60))
-    rows = train_inner_lines(tmp_path / "train.log")
+    rows = read_json_log(tmp_path / "train.log")
     assert float(rows[-1]["loss"]) < float(rows[0]["loss"]) - 1.0
 
     ckpt = tmp_path / "checkpoint_last.pt"
@@ -122,7 +95,7 @@ def _eval_cfg(data, path, *extra):
     return options.convert_namespace_to_config(args)
 
 
-def test_eval_lm_context_window_scores_every_token_once(tiny_data, tmp_path):
+def test_eval_lm_context_window_scores_every_token_once(tiny_data, tmp_path, train_args):
     train.cli_main(train_args(tiny_data, tmp_path, max_update=5))
     ckpt = tmp_path / "checkpoint_last.pt"
     plain = eval_lm.main(_eval_cfg(tiny_data, ckpt))
@@ -156,14 +129,14 @@ def _run_train(argv, **kw):
                           timeout=300, **kw)
 
 
-def test_missing_dict_is_a_clear_error(tmp_path):
+def test_missing_dict_is_a_clear_error(tmp_path, train_args):
     (tmp_path / "data").mkdir()
     proc = _run_train(train_args(tmp_path / "data", tmp_path / "ck"))
     assert proc.returncode != 0
     assert "dict.txt" in proc.stderr + proc.stdout
 
 
-def test_unknown_arch_is_a_usage_error(tiny_data, tmp_path):
+def test_unknown_arch_is_a_usage_error(tiny_data, tmp_path, train_args):
     argv = train_args(tiny_data, tmp_path)
     argv[argv.index("transformer_lm")] = "transformer_lm_nonexistent"
     proc = _run_train(argv)
@@ -171,13 +144,13 @@ def test_unknown_arch_is_a_usage_error(tiny_data, tmp_path):
     assert "unknown architecture 'transformer_lm_nonexistent'" in proc.stderr
 
 
-def test_unknown_flag_is_a_usage_error(tiny_data, tmp_path):
+def test_unknown_flag_is_a_usage_error(tiny_data, tmp_path, train_args):
     proc = _run_train(train_args(tiny_data, tmp_path, "--no-such-flag"))
     assert proc.returncode == 2
     assert "--no-such-flag" in proc.stderr
 
 
-def test_checkpoint_of_another_architecture_is_rejected(tiny_data, tmp_path):
+def test_checkpoint_of_another_architecture_is_rejected(tiny_data, tmp_path, train_args):
     train.cli_main(train_args(tiny_data, tmp_path, max_update=1))
     argv = train_args(tiny_data, tmp_path, max_update=2)
     argv[argv.index("--decoder-layers") + 1] = "3"
@@ -185,8 +158,8 @@ def test_checkpoint_of_another_architecture_is_rejected(tiny_data, tmp_path):
         train.cli_main(argv)
 
 
-def test_resuming_with_another_tying_flag_names_the_fix(tiny_data, tmp_path):
-    train.cli_main(train_args(tiny_data, tmp_path, max_update=1))  # TINY_MODEL ties input and output embeddings
+def test_resuming_with_another_tying_flag_names_the_fix(tiny_data, tmp_path, train_args):
+    train.cli_main(train_args(tiny_data, tmp_path, max_update=1))  # the tiny model ties input and output embeddings
     untied = train_args(tiny_data, tmp_path, max_update=2)
     untied.remove("--share-decoder-input-output-embed")
     with pytest.raises(Exception, match="optimizer state does not fit.*--reset-optimizer"):
@@ -195,34 +168,13 @@ def test_resuming_with_another_tying_flag_names_the_fix(tiny_data, tmp_path):
     assert load(tmp_path / "checkpoint_last.pt")["extra_state"]["trainer"]["num_updates"] == 2
 
 
-def test_missing_restore_file_is_a_clear_error(tiny_data, tmp_path):
+def test_missing_restore_file_is_a_clear_error(tiny_data, tmp_path, train_args):
     with pytest.raises(FileNotFoundError, match="--restore-file"):
         train.cli_main(train_args(tiny_data, tmp_path, "--restore-file", "nope.pt"))
 
 
-NAN_PLUGIN = '''
-import torch
-from fairseq.registry import register_criterion
-from fairseq.criterions.cross_entropy import CrossEntropyCriterion, CrossEntropyCriterionConfig
-
-@register_criterion("nan_after_two", dataclass=CrossEntropyCriterionConfig)
-class NanAfterTwo(CrossEntropyCriterion):
-    calls = 0
-    def forward(self, model, sample, reduce=True):
-        loss, size, log = super().forward(model, sample, reduce)
-        NanAfterTwo.calls += 1
-        if NanAfterTwo.calls > 2:
-            loss = loss * float("nan")
-            log = dict(log, loss=log["loss"] * float("nan"))
-        return loss, size, log
-'''
-
-
-def test_nan_loss_stops_with_a_clear_error(tiny_data, tmp_path):
-    plugin = tmp_path / "nan_plugin"
-    plugin.mkdir()
-    (plugin / "__init__.py").write_text(NAN_PLUGIN)
-    argv = train_args(tiny_data, tmp_path / "ck", "--user-dir", str(plugin), "--criterion", "nan_after_two",
+def test_nan_loss_stops_with_a_clear_error(tiny_data, tmp_path, nan_after_two, train_args):
+    argv = train_args(tiny_data, tmp_path / "ck", "--user-dir", str(nan_after_two), "--criterion", "nan_after_two",
                       max_update=6)
     proc = _run_train(argv)
     assert proc.returncode != 0

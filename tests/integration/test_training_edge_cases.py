@@ -9,18 +9,16 @@ import sys
 import pytest
 import torch
 
+from fairseq.logging.progress_bar import read_json_log
 from fairseq_cli import eval_lm, train
-from test_train_cli import NAN_PLUGIN, _eval_cfg, _run_train, load, train_args, train_inner_lines
+from test_train_cli import _eval_cfg, _run_train, load
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def test_no_checkpoint_is_written_with_non_finite_weights(tiny_data, tmp_path):
-    plugin = tmp_path / "nan_plugin"
-    plugin.mkdir()
-    (plugin / "__init__.py").write_text(NAN_PLUGIN)
+def test_no_checkpoint_is_written_with_non_finite_weights(tiny_data, tmp_path, nan_after_two, train_args):
     save_dir = tmp_path / "ck"
-    argv = train_args(tiny_data, save_dir, "--user-dir", str(plugin), "--criterion", "nan_after_two",
+    argv = train_args(tiny_data, save_dir, "--user-dir", str(nan_after_two), "--criterion", "nan_after_two",
                       "--save-interval-updates", "4", max_update=8)
     argv[argv.index("--log-interval") + 1] = "10"  # the NaN must be caught before the log boundary
     proc = _run_train(argv)
@@ -32,47 +30,35 @@ def test_no_checkpoint_is_written_with_non_finite_weights(tiny_data, tmp_path):
             assert all(torch.isfinite(v).all() for v in state["model"].values()), name
 
 
-def test_reset_optimizer_restarts_updates_and_schedule(tiny_data, tmp_path):
+def test_reset_optimizer_restarts_updates_and_schedule(tiny_data, tmp_path, train_args):
     train.cli_main(train_args(tiny_data, tmp_path, max_update=6))
     train.cli_main(train_args(tiny_data, tmp_path, "--reset-optimizer", max_update=3))
     state = load(tmp_path / "checkpoint_last.pt")
     assert state["extra_state"]["trainer"]["num_updates"] == 3
-    lrs = [float(r["lr"]) for r in train_inner_lines(tmp_path / "train.log")]
+    lrs = [float(r["lr"]) for r in read_json_log(tmp_path / "train.log")]
     # inverse_sqrt warm-up over 4 updates: the second run starts its warm-up again
     assert lrs[6:9] == lrs[0:3]
 
 
-def test_best_loss_is_tracked_with_no_save(tiny_data, tmp_path):
+def test_best_loss_is_tracked_with_no_save(tiny_data, tmp_path, train_args):
     argv = train_args(tiny_data, tmp_path, "--no-save", "--validate-interval-updates", "2", max_update=6)
     train.cli_main(argv)
-    valid = []
-    with open(tmp_path / "train.log") as f:
-        for line in f:
-            if "| valid |" in line:
-                valid.append(json.loads(line.split("| valid |", 1)[1]))
+    valid = read_json_log(tmp_path / "train.log", "valid")
     losses = [float(v["valid_loss"]) for v in valid]
     assert [float(v["valid_best_loss"]) for v in valid] == [min(losses[: i + 1]) for i in range(len(losses))]
     assert not any(name.endswith(".pt") for name in os.listdir(tmp_path))
 
 
-def test_resuming_at_an_epoch_boundary_starts_the_epoch_meters_afresh(tiny_data, tmp_path):
-    def epoch_lines(log):
-        rows = []
-        with open(log) as f:
-            for line in f:
-                if "| train |" in line:
-                    rows.append(json.loads(line.split("| train |", 1)[1]))
-        return rows
-
+def test_resuming_at_an_epoch_boundary_starts_the_epoch_meters_afresh(tiny_data, tmp_path, train_args):
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     train.cli_main(train_args(tiny_data, straight, "--max-epoch", "2", max_update=0))
     train.cli_main(train_args(tiny_data, resumed, "--max-epoch", "1", max_update=0))
     train.cli_main(train_args(tiny_data, resumed, "--max-epoch", "2", max_update=0))
-    a, b = epoch_lines(straight / "train.log"), epoch_lines(resumed / "train.log")
+    a, b = read_json_log(straight / "train.log", "train"), read_json_log(resumed / "train.log", "train")
     assert [r["train_loss"] for r in a] == [r["train_loss"] for r in b]
 
 
-def test_stop_time_hours_stops_every_rank_at_the_same_update(tiny_data, tmp_path):
+def test_stop_time_hours_stops_every_rank_at_the_same_update(tiny_data, tmp_path, train_args):
     argv = train_args(tiny_data, tmp_path, "--stop-time-hours", "0.0004", "--distributed-world-size", "2",
                       "--max-epoch", "50", "--disable-validation", max_update=0)
     proc = subprocess.run([sys.executable, "-m", "fairseq_cli.train", *argv], capture_output=True, text=True,
@@ -82,7 +68,7 @@ def test_stop_time_hours_stops_every_rank_at_the_same_update(tiny_data, tmp_path
     assert load(tmp_path / "checkpoint_last.pt")["extra_state"]["trainer"]["num_updates"] > 0
 
 
-def test_eval_lm_results_path_and_word_output(tiny_data, tmp_path, caplog):
+def test_eval_lm_results_path_and_word_output(tiny_data, tmp_path, caplog, train_args):
     train.cli_main(train_args(tiny_data, tmp_path, max_update=2))
     ckpt = tmp_path / "checkpoint_last.pt"
     result = eval_lm.main(_eval_cfg(tiny_data, ckpt, "--results-path", str(tmp_path / "results"), "--quiet"))
@@ -112,7 +98,7 @@ def test_eval_lm_results_path_and_word_output(tiny_data, tmp_path, caplog):
     assert merged["loss"] * merged["words"] == pytest.approx(result["loss"] * result["tokens"], rel=1e-9)
 
 
-def test_context_window_with_bos_counts_each_text_token_once(tiny_data, tmp_path):
+def test_context_window_with_bos_counts_each_text_token_once(tiny_data, tmp_path, train_args):
     train.cli_main(train_args(tiny_data, tmp_path / "bos", "--add-bos-token", max_update=2))
     ckpt = tmp_path / "bos" / "checkpoint_last.pt"
     plain = eval_lm.main(_eval_cfg(tiny_data, ckpt))
@@ -120,7 +106,7 @@ def test_context_window_with_bos_counts_each_text_token_once(tiny_data, tmp_path
     assert windowed["tokens"] == plain["tokens"]
 
 
-def test_eval_lm_names_an_architecture_mismatch(tiny_data, tmp_path):
+def test_eval_lm_names_an_architecture_mismatch(tiny_data, tmp_path, train_args):
     from fairseq.checkpoint.io import CheckpointError
 
     train.cli_main(train_args(tiny_data, tmp_path, max_update=1))
@@ -195,12 +181,10 @@ def my_tiny_lm(args):
 '''
 
 
-def test_a_plugin_written_for_upstream_trains(tiny_data, tmp_path):
+def test_a_plugin_written_for_upstream_trains(tiny_data, tmp_path, user_dir):
     """--user-dir with upstream's imports (fairseq.metrics, fairseq.utils, FairseqCriterion, FairseqDataclass,
     II(...) defaults, model.get_normalized_probs/get_targets, register_model_architecture from fairseq.models)."""
-    plugin = tmp_path / "upstream_plugin"
-    plugin.mkdir()
-    (plugin / "__init__.py").write_text(UPSTREAM_STYLE_PLUGIN)
+    plugin = user_dir("upstream_plugin", UPSTREAM_STYLE_PLUGIN)
     save = tmp_path / "ck"
     argv = ["--task", "language_modeling", str(tiny_data), "--save-dir", str(save), "--user-dir", str(plugin),
             "--arch", "my_tiny_lm", "--criterion", "smoothed_lm", "--smoothing", "0.2", "--optimizer", "adam",
@@ -210,7 +194,7 @@ def test_a_plugin_written_for_upstream_trains(tiny_data, tmp_path):
     proc = subprocess.run([sys.executable, "-m", "fairseq_cli.train", *argv], capture_output=True, text=True,
                           timeout=300, env=dict(os.environ, PYTHONPATH=ROOT))
     assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = train_inner_lines(save / "train.log")
+    rows = read_json_log(save / "train.log")
     assert len(rows) == 3
     # smoothing spreads 20% of the target mass over the vocabulary: the loss is above the plain NLL
     assert all(float(r["loss"]) > float(r["nll_loss"]) for r in rows)

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from fairseq_cli import eval_lm, preprocess, train
-from test_train_cli import _eval_cfg, load, train_args
+from test_train_cli import _eval_cfg, load
 
 
 @pytest.fixture(scope="module")
@@ -31,7 +31,7 @@ def test_items_longer_than_the_model_accepts_are_skipped_in_training(data_with_a
     assert load(tmp_path / "checkpoint_last.pt")["extra_state"]["trainer"]["num_updates"] == 3
 
 
-def test_output_dictionary_size_narrows_an_untied_output_projection(tiny_data, tmp_path):
+def test_output_dictionary_size_narrows_an_untied_output_projection(tiny_data, tmp_path, train_args):
     argv = train_args(tiny_data, tmp_path, "--output-dictionary-size", "20", max_update=2)
     argv.remove("--share-decoder-input-output-embed")
     train.cli_main(argv)
@@ -40,7 +40,7 @@ def test_output_dictionary_size_narrows_an_untied_output_projection(tiny_data, t
     assert state["model"]["decoder.embed_tokens.weight"].shape[0] > 20
 
 
-def test_eval_lm_does_not_score_the_prepended_bos(tiny_data, tmp_path):
+def test_eval_lm_does_not_score_the_prepended_bos(tiny_data, tmp_path, train_args):
     train.cli_main(train_args(tiny_data, tmp_path / "plain", max_update=2))
     train.cli_main(train_args(tiny_data, tmp_path / "bos", "--add-bos-token", max_update=2))
     plain = eval_lm.main(_eval_cfg(tiny_data, tmp_path / "plain" / "checkpoint_last.pt"))

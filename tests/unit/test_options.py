@@ -89,10 +89,8 @@ class Scaled(CrossEntropyCriterion):
 '''
 
 
-def test_user_dir_plugin_registers_a_component_with_its_own_flags(tmp_path):
-    plugin = tmp_path / "my_plugin_for_options_test"
-    plugin.mkdir()
-    (plugin / "__init__.py").write_text(PLUGIN)
+def test_user_dir_plugin_registers_a_component_with_its_own_flags(user_dir):
+    plugin = user_dir("my_plugin_for_options_test", PLUGIN)
     args = parse(["data", "--user-dir", str(plugin), "--criterion", "scaled_cross_entropy_for_test",
                   "--loss-weight", "0.5"])
     cfg = options.convert_namespace_to_config(args)

@@ -135,16 +135,9 @@ def test_exit_code_for_failed_requeue_is_distinct():
 
 # ----------------------------------------------------------------------------- the real command line
 
-TINY_MODEL = ["--arch", "transformer_lm_gpt", "--decoder-layers", "2", "--decoder-embed-dim", "32",
-              "--decoder-ffn-embed-dim", "64", "--decoder-attention-heads", "2", "--optimizer", "adam",
-              "--lr", "0.003", "--tokens-per-sample", "32", "--batch-size", "4", "--required-batch-size-multiple",
-              "1", "--num-workers", "0", "--cpu", "--disable-validation", "--log-format", "json",
-              "--log-interval", "1"]
-
-
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("scontrol_status, expected", [(0, EXIT_REQUEUED), (1, 4)])
-def test_fairseq_train_exit_status_says_whether_the_requeue_worked(tiny_data, tmp_path, monkeypatch,
+def test_fairseq_train_exit_status_says_whether_the_requeue_worked(tiny_data, tmp_path, monkeypatch, build_train_args,
                                                                    scontrol_status, expected):
     """SIGUSR1 inside a SLURM job: checkpoint_last is saved either way; exit 3 only if `scontrol requeue`
     worked, else exit 4 with one error line telling the user to resubmit."""
@@ -158,8 +151,9 @@ def test_fairseq_train_exit_status_says_whether_the_requeue_worked(tiny_data, tm
     save_dir = tmp_path / "ck"
     log_file = save_dir / "train.log"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "fairseq_cli.train", "--task", "language_modeling", str(tiny_data), "--save-dir",
-         str(save_dir), *TINY_MODEL, "--max-update", "100000", "--log-file", str(log_file)],
+        [sys.executable, "-m", "fairseq_cli.train",
+         *build_train_args(tiny_data, save_dir, "--required-batch-size-multiple", "1", "--disable-validation",
+                           max_update=100000, arch="transformer_lm_gpt", seed=None)],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
     try:

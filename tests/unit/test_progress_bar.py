@@ -197,6 +197,25 @@ def test_setup_logging_log_file_gets_the_same_lines_once(tmp_path, root_logger_r
     assert log_file.read_text().splitlines() == [line, line, f"{stamp} | INFO | fairseq_cli.train | done training"]
 
 
+def test_read_json_log_gives_back_the_stats_of_one_tag_in_order(tmp_path, root_logger_restored):
+    """What every training test reads its log through: the lines written with --log-format json."""
+    log_file = tmp_path / "train.log"
+    file_handler = pb.setup_logging(log_file=str(log_file))
+    bar = pb.progress_bar(list(range(2)), log_format="json", log_interval=1, epoch=1, log_file=str(log_file))
+    for i, _ in enumerate(bar):
+        bar.log({"loss": 4.0 - i, "num_updates": i + 1}, tag="train_inner", step=i + 1)
+    bar.print({"loss": 3.5, "num_updates": 2}, tag="train", step=2)
+    logging.getLogger("fairseq_cli.train").info("end of epoch 1 (average epoch stats below)")
+    valid = pb.progress_bar([], log_format="json", epoch=1, prefix="valid on 'valid' subset", log_file=str(log_file))
+    valid.print({"loss": 3.75, "best_loss": 3.75}, tag="valid", step=2)
+    file_handler.flush()
+    assert pb.read_json_log(str(log_file)) == [{"epoch": 1, "update": 0.5, "loss": "4", "num_updates": "1"},
+                                               {"epoch": 1, "update": 1.0, "loss": "3", "num_updates": "2"}]
+    assert pb.read_json_log(log_file, "train") == [{"epoch": 1, "train_loss": "3.5", "train_num_updates": "2"}]
+    assert pb.read_json_log(log_file, "valid") == [{"epoch": 1, "valid_loss": "3.75", "valid_best_loss": "3.75"}]
+    assert pb.read_json_log(log_file, "test") == []
+
+
 def test_tensorboard_missing_warns_once_and_keeps_logging(monkeypatch, log_lines, fresh_warnings, caplog):
     monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)  # as if tensorboard were not installed
     for _ in range(2):

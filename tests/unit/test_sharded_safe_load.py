@@ -30,23 +30,21 @@ from fairseq.checkpoint.io import CheckpointError
 pytestmark = pytest.mark.timeout(600)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-MODEL = [
-    "--arch", "transformer_lm_gpt", "--decoder-layers", "2", "--decoder-embed-dim", "32",
-    "--decoder-ffn-embed-dim", "64", "--decoder-attention-heads", "2",
-]
 
 
 def _env():
     return dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
 
 
-def train_argv(data, save_dir, *extra, max_update=2):
-    return [
-        "--task", "language_modeling", str(data), "--save-dir", str(save_dir), *MODEL,
-        "--optimizer", "adam", "--lr", "0.003", "--tokens-per-sample", "32", "--batch-size", "4",
-        "--max-update", str(max_update), "--num-workers", "0", "--cpu", "--seed", "5", "--disable-validation",
-        "--ddp-backend", "fully_sharded", "--use-sharded-state", *extra,
-    ]
+@pytest.fixture(scope="module")
+def train_argv(build_train_args):
+    """One process writing sharded checkpoints: the tiny transformer_lm_gpt, --seed 5, no validation, no json log."""
+    def argv(data, save_dir, *extra, max_update=2):
+        return build_train_args(data, save_dir, "--disable-validation", "--ddp-backend", "fully_sharded",
+                                "--use-sharded-state", *extra, max_update=max_update, arch="transformer_lm_gpt",
+                                seed="5", json_log=False, log_file=False)
+
+    return argv
 
 
 def run(module_or_script, *argv):
@@ -55,7 +53,7 @@ def run(module_or_script, *argv):
 
 
 @pytest.fixture(scope="module")
-def pristine(tiny_data, tmp_path_factory):
+def pristine(tiny_data, tmp_path_factory, train_argv):
     """(sharded checkpoint directory written by fairseq-train, what DCP's own converter reads from it)."""
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
@@ -307,7 +305,7 @@ def test_eval_lm_refuses_a_tampered_directory(pristine, tiny_data, tmp_path):
 
 
 @pytest.mark.parametrize("flag", ["--finetune-from-model", "--restore-file"])
-def test_train_refuses_a_tampered_directory(pristine, tiny_data, tmp_path, flag):
+def test_train_refuses_a_tampered_directory(pristine, tiny_data, tmp_path, flag, train_argv):
     path, _ = pristine
     marker = tmp_path / "pwned"
     bad = tampered_index(path, tmp_path / "bad", marker, "system")
