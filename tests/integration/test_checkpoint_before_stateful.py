@@ -55,11 +55,16 @@ def after_update_3(rows):
     return rows[first_valid + 1:]
 
 
+# Config groups added since the stored checkpoint was written (upstream's cfg has them too); its groups must
+# all still be there.
+CFG_GROUPS_ADDED_SINCE = {"bpe", "tokenizer"}
+
+
 def layout(value):
-    """The keys, recursively (lists element by element), without the values. Of `cfg` only the groups: its
-    fields grow with every new flag, which changes no checkpoint layout."""
+    """The keys, recursively (lists element by element), without the values. Of `cfg` only the groups older
+    than the stored checkpoint: fields grow with every new flag, which changes no checkpoint layout."""
     if isinstance(value, dict):
-        return {k: (sorted(v) if k == "cfg" else layout(v)) for k, v in value.items()}
+        return {k: (sorted(set(v) - CFG_GROUPS_ADDED_SINCE) if k == "cfg" else layout(v)) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
         return [layout(v) for v in value]
     return None
