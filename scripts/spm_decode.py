@@ -32,22 +32,6 @@ script_io = _load("_script_io")
 CHUNK = 1024
 
 
-def load_model(path):
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"sentencepiece model {path} does not exist; train one with scripts/spm_train.py")
-    try:
-        import sentencepiece as spm
-    except ImportError:
-        raise ImportError("needs the sentencepiece package: pip install sentencepiece") from None
-    sp = spm.SentencePieceProcessor()
-    try:
-        sp.Load(path)
-    except (OSError, RuntimeError) as e:
-        raise ValueError(f"sentencepiece model {path} could not be loaded ({str(e).strip()}); pass the .model "
-                         "file written by spm_train.py (not the .vocab)") from None
-    return sp
-
-
 def get_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -69,7 +53,7 @@ def _tok2int(tok: str, lineno: int, name: str) -> int:
 
 def main(argv=None) -> None:
     args = get_parser().parse_args(argv)
-    sp = load_model(args.model)
+    sp = script_io.load_sentencepiece(args.model)
     name = "<stdin>" if args.input == "-" else args.input
     size = sp.GetPieceSize()
     stream = script_io.open_binary_input(args.input)

@@ -35,22 +35,6 @@ def _load(name: str):
 script_io = _load("_script_io")
 
 
-def load_model(path):
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"sentencepiece model {path} does not exist; train one with scripts/spm_train.py")
-    try:
-        import sentencepiece as spm
-    except ImportError:
-        raise ImportError("needs the sentencepiece package: pip install sentencepiece") from None
-    sp = spm.SentencePieceProcessor()
-    try:
-        sp.Load(path)
-    except (OSError, RuntimeError) as e:
-        raise ValueError(f"sentencepiece model {path} could not be loaded ({str(e).strip()}); pass the .model "
-                         "file written by spm_train.py (not the .vocab)") from None
-    return sp
-
-
 def get_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -68,7 +52,7 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     if len(args.inputs) != len(args.outputs):
         parser.error("number of input and output paths should match")
-    sp = load_model(args.model)
+    sp = script_io.load_sentencepiece(args.model)
     out_type = str if args.output_format == "piece" else int
     min_len, max_len = args.min_len, args.max_len
 

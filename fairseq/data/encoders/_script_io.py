@@ -249,3 +249,23 @@ def progress(count_before: int, count_after: int, every: int = 10000) -> None:
     """Upstream's "processed N lines" on stderr for every multiple of `every` passed."""
     for k in range(count_before // every + 1, count_after // every + 1):
         print(f"processed {k * every} lines", file=sys.stderr)
+
+
+def load_sentencepiece(path):
+    """A SentencePieceProcessor for `path`, with errors that name the file."""
+    path = os.fspath(path)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"sentencepiece model {path} does not exist; train one with "
+                                "`python scripts/spm_train.py --input=train.txt --model_prefix=spm --vocab_size=...`"
+                                " and pass the .model file")
+    try:
+        import sentencepiece as spm
+    except ImportError:
+        raise ImportError("needs the sentencepiece package: pip install sentencepiece") from None
+    sp = spm.SentencePieceProcessor()
+    try:
+        sp.Load(path)
+    except (OSError, RuntimeError) as e:
+        raise ValueError(f"sentencepiece model {path} could not be loaded ({str(e).strip()}); is it a "
+                         ".model file written by sentencepiece's trainer (not the .vocab)?") from None
+    return sp

@@ -1,11 +1,11 @@
 """`--bpe sentencepiece`: a sentencepiece model; a line of text <-> its pieces separated by spaces."""
 
-import os
 from dataclasses import dataclass, field
 from typing import Optional
 
 from fairseq.data.encoders import register_bpe
 from fairseq.dataclass import FairseqDataclass
+from fairseq.data.encoders._script_io import load_sentencepiece
 
 SPACE_MARK = "\u2581"  # sentencepiece's word-boundary mark
 
@@ -19,34 +19,14 @@ class SentencepieceConfig(FairseqDataclass):
         metadata={"help": "smoothing parameter for unigram sampling, and merge probability for BPE-dropout"})
 
 
-def load_sentencepiece(path):
-    """A SentencePieceProcessor for `path`, with errors that name the file."""
-    if not path:
-        raise ValueError("--bpe sentencepiece needs --sentencepiece-model PATH (a .model file written by "
-                         "scripts/spm_train.py or sentencepiece's trainer)")
-    path = os.fspath(path)
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"sentencepiece model {path!r} does not exist; train one with "
-                                "`python scripts/spm_train.py --input=train.txt --model_prefix=spm --vocab_size=...`"
-                                " and pass the .model file")
-    try:
-        import sentencepiece as spm
-    except ImportError:
-        raise ImportError("--bpe sentencepiece needs the sentencepiece package: pip install sentencepiece") from None
-    sp = spm.SentencePieceProcessor()
-    try:
-        sp.Load(path)
-    except (OSError, RuntimeError) as e:
-        raise ValueError(f"sentencepiece model {path!r} could not be loaded ({str(e).strip()}); is it a "
-                         ".model file written by sentencepiece's trainer (not the .vocab)?") from None
-    return sp
-
-
 @register_bpe("sentencepiece", dataclass=SentencepieceConfig)
 class SentencepieceBPE:
     def __init__(self, cfg):
         self.enable_sampling = cfg.sentencepiece_enable_sampling
         self.alpha = cfg.sentencepiece_alpha
+        if not cfg.sentencepiece_model:
+            raise ValueError("--bpe sentencepiece needs --sentencepiece-model PATH (a .model file written by "
+                             "scripts/spm_train.py or sentencepiece's trainer)")
         self.sp = load_sentencepiece(cfg.sentencepiece_model)
 
     def encode(self, x: str) -> str:
