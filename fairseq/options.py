@@ -7,14 +7,15 @@ flags and parses everything, rejecting unknown flags.
 
 import argparse
 import dataclasses
-import re
 import sys
 from typing import List, Optional
 
 from fairseq import registry
 from fairseq.data.encoders import BPE_REGISTRY, TOKENIZER_REGISTRY
 from fairseq.dataclass import configs
-from fairseq.dataclass.utils import add_dataclass_to_parser, config_from_namespace, flag_name
+from fairseq.dataclass.build import build_config, is_interpolated, model_config
+from fairseq.dataclass.utils import add_dataclass_to_parser
+from fairseq.dataclass.validate import check_precision
 from fairseq.utils import import_user_module
 
 # Group name in FairseqConfig -> dataclass, in the order they appear in --help.
@@ -95,7 +96,7 @@ def parse_args_and_arch(parser: argparse.ArgumentParser, input_args: Optional[Li
     first, _ = parser.parse_known_args(input_args)
 
     try:
-        arch_fn = _add_component_flags(parser, first)
+        has_arch = _add_component_flags(parser, first)
     except ValueError as e:  # unknown task/arch/criterion/...: usage error naming the flag and choices
         parser.error(str(e))
 
@@ -104,16 +105,13 @@ def parse_args_and_arch(parser: argparse.ArgumentParser, input_args: Optional[Li
     else:
         args, extra = parser.parse_args(input_args), None
 
-    if arch_fn is not None:
-        arch_fn(args)
-        model_dc = registry.dataclass_of(registry.arch_model(args.arch))
-        if model_dc is not None:  # whatever neither the user nor the preset set takes the default
-            defaults = model_dc()
-            for name in vars(defaults):
-                if not name.startswith("_") and not hasattr(args, name):
-                    setattr(args, name, getattr(defaults, name))
+    if has_arch:  # as upstream, the namespace gets the model's values after the preset
+        model_cfg = model_config(args.arch, vars(args))
+        for f in dataclasses.fields(model_cfg):
+            if not is_interpolated(f):
+                setattr(args, f.name, getattr(model_cfg, f.name))
     try:
-        _check_args(args)
+        check_precision(args)
     except ValueError as e:
         parser.error(str(e))
     return (args, extra) if parse_known else args
@@ -132,7 +130,7 @@ def parse_args_with_encoders(parser: argparse.ArgumentParser, input_args: Option
 
 
 def _add_component_flags(parser, first, only=None, arch=True):
-    # Components first: a model field that shares a task flag (tokens_per_sample) reads the task's value.
+    """Add the chosen components' and the model's flags; True when an --arch was chosen."""
     for attr, dest, reg, _ in COMPONENTS:
         if only is not None and attr not in only:
             continue
@@ -142,64 +140,17 @@ def _add_component_flags(parser, first, only=None, arch=True):
         dc = reg.dataclass(name)  # raises a clear error for an unknown name
         if dc is not None:
             add_dataclass_to_parser(parser.add_argument_group(f"{reg.kind} ({name})"), dc)
-    arch_fn = None
-    if arch and getattr(first, "arch", None) is not None:
-        model_cls = registry.arch_model(first.arch)
-        model_dc = registry.dataclass_of(model_cls)
-        if model_dc is not None:
-            group = parser.add_argument_group("model-specific configuration")
-            # Unset model flags stay absent, so the preset below can fill exactly those.
-            add_dataclass_to_parser(group, model_dc, suppress_defaults=True)
-        arch_fn = registry.ARCH_CONFIG_REGISTRY[first.arch]
-    return arch_fn
-
-
-def _check_args(args):
-    from fairseq.dataclass.validate import check_precision
-
-    check_precision(args)
-    if getattr(args, "memory_efficient_fp16", False):
-        args.fp16 = True
-    if getattr(args, "memory_efficient_bf16", False):
-        args.bf16 = True
+    if not arch or getattr(first, "arch", None) is None:
+        return False
+    model_dc = registry.dataclass_of(registry.arch_model(first.arch))  # raises for an unknown --arch
+    # Unset model flags stay absent, so the architecture preset can fill exactly those.
+    add_dataclass_to_parser(parser.add_argument_group("model-specific configuration"), model_dc,
+                            suppress_defaults=True)
+    return True
 
 
 def convert_namespace_to_config(args: argparse.Namespace) -> configs.FairseqConfig:
     """Structured config from parsed flags: one dataclass per group, one per chosen component."""
-    cfg = configs.FairseqConfig()
-    for group in ("common", "dataset", "distributed_training", "optimization", "checkpoint",
-                  "eval_lm", "common_eval"):
-        dc = type(getattr(cfg, group))
-        setattr(cfg, group, config_from_namespace(dc, args))
-    for attr, dest, reg, _ in COMPONENTS:
-        name = getattr(args, dest, None)
-        if name is not None:
-            dc = reg.dataclass(name)
-            setattr(cfg, attr, config_from_namespace(dc, args, name))
-    if getattr(args, "arch", None) is not None:
-        model_dc = registry.dataclass_of(registry.arch_model(args.arch))
-        cfg.model = config_from_namespace(model_dc, args, args.arch)
-    resolve_interpolated_defaults(cfg)
-    return cfg
-
-
-_INTERPOLATION = re.compile(r"^\$\{(\w+)\.(\w+)\}$")
-
-
-def resolve_interpolated_defaults(cfg: configs.FairseqConfig) -> None:
-    """Plug-in configs written for upstream default some fields to `II("group.key")`, the string
-    "${group.key}", which upstream's omegaconf resolved; here such a value becomes that option's value."""
-    for section_name in [f.name for f in dataclasses.fields(cfg)]:
-        section = getattr(cfg, section_name)
-        if not dataclasses.is_dataclass(section):
-            continue
-        for f in dataclasses.fields(section):
-            value = getattr(section, f.name)
-            match = _INTERPOLATION.match(value) if isinstance(value, str) else None
-            if match is None:
-                continue
-            group, key = match.groups()
-            if not hasattr(getattr(cfg, group, None), key):
-                raise ValueError(f"{section_name}.{f.name} defaults to {value}, but there is no option {group}.{key}; "
-                                 f"set {flag_name(f.name)} explicitly")
-            setattr(section, f.name, getattr(getattr(cfg, group), key))
+    components = {attr: getattr(args, dest, None) for attr, dest, _, _ in COMPONENTS}
+    components["model"] = getattr(args, "arch", None)
+    return build_config(vars(args), components)

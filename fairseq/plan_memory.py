@@ -86,7 +86,8 @@ def build_parser() -> argparse.ArgumentParser:
                          help="also report the largest --decoder-layers of this layer shape that fits")
     training = parser.add_argument_group("training (as fairseq-train spells them)")
     _add_fields(training, configs.DatasetConfig, ["batch_size", "max_tokens"])
-    _add_fields(training, LanguageModelingConfig, ["tokens_per_sample"], tokens_per_sample=DEFAULT_TOKENS_PER_SAMPLE)
+    _add_fields(training, LanguageModelingConfig, ["tokens_per_sample", "max_target_positions"],
+                tokens_per_sample=DEFAULT_TOKENS_PER_SAMPLE)
     _add_fields(training, configs.CommonConfig, ["fp16", "bf16", "memory_efficient_fp16", "memory_efficient_bf16"])
     _add_fields(training, configs.DistributedTrainingConfig,
                 ["ddp_backend", "cpu_offload", "no_reshard_after_forward", "fsdp_forward_prefetch",
@@ -120,7 +121,7 @@ def parse(argv: Optional[List[str]] = None) -> Request:
     try:
         model_fields = {f.name for f in dataclasses.fields(TransformerLanguageModelConfig)}
         overrides = {k: v for k, v in vars(args).items() if k in model_fields}
-        overrides["tokens_per_sample"] = args.tokens_per_sample
+        overrides.update(tokens_per_sample=args.tokens_per_sample, max_target_positions=args.max_target_positions)
         cfg = preset_config(args.arch, **overrides)
         if args.vocab_size < 2:
             raise ValueError(f"--vocab-size must be at least 2 (padding is symbol 1), got {args.vocab_size}")

@@ -11,14 +11,13 @@ from torch.autograd.function import once_differentiable
 
 from fairseq.criterions import register_criterion
 from fairseq.criterions.fairseq_criterion import FairseqCriterion
-from fairseq.dataclass.configs import opt
+from fairseq.dataclass.configs import II
 from fairseq.logging import metrics
 
 
 @dataclass
 class CrossEntropyCriterionConfig:
-    # The same flag as the optimization group's, which is the one parsed; read from there at build time.
-    sentence_avg: bool = opt(False, "normalize the loss by sentences instead of tokens")
+    sentence_avg: bool = II("optimization.sentence_avg", False)  # owned by the optimization group, as upstream
 
 
 @register_criterion("cross_entropy", dataclass=CrossEntropyCriterionConfig)

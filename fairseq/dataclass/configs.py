@@ -18,6 +18,13 @@ def opt(default=None, help: str = "", **metadata):
     return field(default=default, metadata=metadata)
 
 
+def II(key: str, default=None):
+    """A field whose value is another group's option `key` ("group.name"), as upstream's `II(...)` fields are:
+    no flag of its own; building the config copies the owner's value. `default` (the owner's default) is what a
+    dataclass built directly, outside a config, holds."""
+    return field(default=default, metadata={"interpolate": key, "help": f"the value of {key}"})
+
+
 LOG_FORMATS = Literal["json", "simple", "tqdm", "none"]
 DDP_BACKENDS = Literal["pytorch_ddp", "fully_sharded", "c10d", "no_c10d", "legacy_ddp"]
 

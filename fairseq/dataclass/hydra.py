@@ -8,11 +8,11 @@ architecture) plus that component's fields:
     task: {_name: language_modeling, data: ???, tokens_per_sample: 2048}
     model: {_name: transformer_lm_gpt3_small, activation_fn: relu}
 
-`fairseq_config_from_dict` checks every key against the dataclasses, then goes through the command line's
-own path: the set values go into one flat `argparse.Namespace` (a name shared by several groups, such as
-`seed` or `tokens_per_sample`, is one flag there and so one value here), the architecture preset fills
-what is still unset, the defaults fill the rest, and `options.convert_namespace_to_config` builds the
-config. A YAML file and the equivalent `fairseq-train` flags therefore give equal configs.
+`fairseq_config_from_dict` checks every key against the dataclasses, then hands the set values, as one flat
+mapping (a name several groups hold, such as `seed` or `tokens_per_sample`, is one option and so one value),
+to `fairseq.dataclass.build.build_config`, which `fairseq-train`'s flags go through too: the owner of each
+option takes its value, the architecture preset fills what is still unset, the defaults fill the rest. A
+YAML file and the equivalent `fairseq-train` flags therefore give equal configs.
 
 Upstream's files are read as upstream's hydra 1.0 read them: their `# @package _group_` headers are dropped
 (`without_group_package_headers`), and the groups upstream lists with null defaults (`bpe: null`,
@@ -28,7 +28,6 @@ Conventions beyond upstream's layout:
   a list counts as its first item).
 """
 
-import argparse
 import contextlib
 import dataclasses
 import difflib
@@ -43,6 +42,7 @@ from typing import Any, Dict, List, Literal, Optional, Sequence, Tuple, get_args
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from fairseq import options, registry
+from fairseq.dataclass.build import build_config
 from fairseq.dataclass.configs import FairseqConfig
 from fairseq.dataclass.utils import _unwrap_optional, flag_name
 
@@ -196,6 +196,8 @@ def _fields(dc) -> Dict[str, dataclasses.Field]:
 
 
 def _default(f: dataclasses.Field):
+    if "interpolate" in f.metadata:  # configs.II: in a YAML file's context, the owner's value (as upstream)
+        return "${" + f.metadata["interpolate"] + "}"
     if f.default is not dataclasses.MISSING:
         return f.default
     if f.default_factory is not dataclasses.MISSING:
@@ -369,25 +371,7 @@ def fairseq_config_from_dict(values: Dict[str, Any]) -> FairseqConfig:
         collect(attr, _check_group(attr, raw if isinstance(raw, dict) else None, dataclasses_[attr], owner,
                                    skip_missing=True))
 
-    args = argparse.Namespace(**{key: value for key, (value, _) in explicit.items()})
-    # Defaults, first definition wins, in the order the command line adds its flags: groups, then
-    # components; the model's flags are added without defaults so that its preset sees what is unset.
-    sources = list(TRAIN_GROUPS.values())
-    sources += [dataclasses_[attr] for attr in ("task", "criterion", "optimizer", "lr_scheduler")]
-    for dc in sources:
-        for name, f in (_fields(dc).items() if dc is not None else ()):
-            if not hasattr(args, name):
-                setattr(args, name, _default(f))
-    args.task, args.criterion, args.optimizer = names["task"], names["criterion"], names["optimizer"]
-    args.lr_scheduler, args.arch = names["lr_scheduler"], names["model"]
-    registry.ARCH_CONFIG_REGISTRY[args.arch](args)
-    model_dc = dataclasses_["model"]
-    if model_dc is not None:
-        for name, f in _fields(model_dc).items():
-            if not hasattr(args, name):
-                setattr(args, name, _default(f))
-    options._check_args(args)  # the command line's cross-flag rules (fp16 vs bf16, memory_efficient_*)
-    return options.convert_namespace_to_config(args)
+    return build_config({key: value for key, (value, _) in explicit.items()}, names)  # names["model"]: the arch
 
 
 def resolve_paths(values: Dict[str, Any], base_dir: str) -> Dict[str, Any]:

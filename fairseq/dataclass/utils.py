@@ -48,8 +48,8 @@ def add_dataclass_to_parser(parser, dc, suppress_defaults: bool = False, positio
         name = flag_name(f.name)
         if name in parser._option_string_actions:
             continue
-        if isinstance(f.default, str) and f.default.startswith("${"):
-            continue  # upstream plug-ins' II("group.key"): a value another group's flag sets
+        if "interpolate" in f.metadata or (isinstance(f.default, str) and f.default.startswith("${")):
+            continue  # II("group.key"): a value another group's flag sets
         tp, optional = _unwrap_optional(hints[f.name])
         kwargs = {"help": f.metadata.get("help", "")}
         default = f.default if f.default is not dataclasses.MISSING else (
@@ -81,15 +81,11 @@ def add_dataclass_to_parser(parser, dc, suppress_defaults: bool = False, positio
 
 
 def config_from_namespace(dc, args: argparse.Namespace, name: Optional[str] = None):
-    """Instantiate dataclass `dc` from the namespace's attributes of the same names (defaults elsewhere)."""
-    values = {}
-    for f in dataclasses.fields(dc):
-        if f.init and hasattr(args, f.name):
-            values[f.name] = getattr(args, f.name)
-    cfg = dc(**values)
-    if name is not None:
-        cfg._name = name
-    return cfg
+    """Instantiate dataclass `dc` from the namespace's attributes named as its own fields (defaults elsewhere;
+    `II(...)` fields keep their interpolation, which `build_config` resolves)."""
+    from fairseq.dataclass.build import component_config
+
+    return component_config(dc, vars(args), name)
 
 
 def config_to_dict(cfg) -> Any:

@@ -26,7 +26,6 @@ The model holds no distributed or precision code: activation checkpointing (`--c
 compilation and FSDP are applied per layer from outside.
 """
 
-import argparse
 import dataclasses
 import logging
 from dataclasses import dataclass
@@ -37,8 +36,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from fairseq import registry
-from fairseq.dataclass.configs import opt
-from fairseq.dataclass.utils import config_from_namespace, flag_name
+from fairseq.dataclass.configs import II, opt
+from fairseq.dataclass.build import model_config
+from fairseq.dataclass.utils import flag_name
 from fairseq.logging.throughput import flops_per_token as transformer_flops_per_token
 from fairseq.models.fairseq_model import FairseqLanguageModel
 from fairseq.modules.transformer_decoder import TransformerDecoder
@@ -72,10 +72,11 @@ class TransformerLanguageModelConfig:
     no_scale_embedding: bool = opt(False, "do not scale embeddings by sqrt(embed dim)")
     checkpoint_activations: bool = opt(False, "checkpoint activations at each layer (recompute in backward)")
     offload_activations: bool = opt(False, "move checkpointed activations to CPU (implies --checkpoint-activations)")
-    # Shared with the task's flags of the same names (the task's are added first, so they win).
-    add_bos_token: bool = opt(False, "prepend the beginning-of-sentence symbol (task option)")
-    tokens_per_sample: int = opt(DEFAULT_MAX_TARGET_POSITIONS, "max tokens per sample (task option)")
-    max_target_positions: Optional[int] = opt(None, "max positions the model supports (default: --tokens-per-sample)")
+    # The task's options, copied from there when the config is built (upstream keeps them here too, so saved
+    # configs hold them); the model reads max_target_positions, else tokens_per_sample.
+    add_bos_token: Optional[bool] = II("task.add_bos_token")
+    tokens_per_sample: Optional[int] = II("task.tokens_per_sample")
+    max_target_positions: Optional[int] = II("task.max_target_positions")
     # Upstream features this project does not implement: accepted at their defaults, rejected when set.
     adaptive_softmax_cutoff: Optional[str] = opt(None, "not supported: adaptive softmax cutoffs")
     adaptive_softmax_dropout: float = opt(0.0, "not supported: adaptive softmax tail dropout")
@@ -356,9 +357,10 @@ def preset_config(arch: str, **overrides) -> TransformerLanguageModelConfig:
     unknown = sorted(set(overrides) - known)
     if unknown:
         raise ValueError(f"unknown transformer_lm option(s): {', '.join(unknown)}")
-    args = argparse.Namespace(**overrides)
-    registry.ARCH_CONFIG_REGISTRY[arch](args)
-    return config_from_namespace(TransformerLanguageModelConfig, args, name=arch)
+    cfg = model_config(arch, overrides)
+    for name in ("add_bos_token", "tokens_per_sample", "max_target_positions"):  # the task's, if given
+        setattr(cfg, name, overrides.get(name))
+    return cfg
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -18,7 +18,7 @@ import torch
 
 from fairseq.data.dictionary import Dictionary
 from fairseq.data.monolingual_dataset import collate
-from fairseq.dataclass.configs import opt
+from fairseq.dataclass.configs import II, opt
 from fairseq.registry import register_task
 from fairseq.tasks.fairseq_task import FairseqTask
 
@@ -32,7 +32,7 @@ class DummyLMConfig:
     tokens_per_sample: int = opt(512, "tokens per sample")
     add_bos_token: bool = opt(False, "prepend <s> to every sample (to the source and the target)")
     max_target_positions: Optional[int] = opt(None, "maximum sequence length (default: --tokens-per-sample)")
-    seed: int = opt(1, "pseudo random number generator seed")
+    seed: int = II("common.seed", 1)
 
 
 def _mix64(values: np.ndarray) -> np.ndarray:

@@ -14,7 +14,7 @@ from fairseq.data.data_utils import load_indexed_dataset
 from fairseq.data.dictionary import Dictionary
 from fairseq.data.monolingual_dataset import MonolingualDataset
 from fairseq.data.token_block_dataset import TokenBlockDataset, maybe_shorten_dataset
-from fairseq.dataclass.configs import opt
+from fairseq.dataclass.configs import II, opt
 from fairseq.registry import register_task
 from fairseq.tasks.fairseq_task import FairseqTask
 
@@ -46,10 +46,10 @@ class LanguageModelingConfig:
     shorten_data_split_list: str = opt("", "comma-separated splits to shorten (empty: all splits)")
     pad_to_fixed_length: bool = opt(False, "pad every batch to --tokens-per-sample positions")
     pad_to_fixed_bsz: bool = opt(False, "pad every batch to --batch-size rows (--batch-size-valid for valid)")
-    # Shared with the common and dataset groups (one flag each: --seed, --batch-size, --batch-size-valid).
-    seed: int = opt(1, "pseudo random number generator seed")
-    batch_size: Optional[int] = opt(None, "number of examples in a batch")
-    batch_size_valid: Optional[int] = opt(None, "validation batch size")
+    # Owned by the common and dataset groups (--seed, --batch-size, --batch-size-valid), as upstream.
+    seed: int = II("common.seed", 1)
+    batch_size: Optional[int] = II("dataset.batch_size")
+    batch_size_valid: Optional[int] = II("dataset.batch_size_valid")
 
 
 class TruncatedDictionary:

@@ -112,6 +112,8 @@ def test_flags_of_saved_upstream_command_lines_are_accepted():
 def test_interpolated_defaults_of_plugin_configs_take_the_named_option():
     from dataclasses import dataclass as dc
 
+    from fairseq.dataclass.build import resolve_interpolated_defaults
+
     @dc
     class PluginConfig:
         block: str = "${task.tokens_per_sample}"
@@ -120,8 +122,8 @@ def test_interpolated_defaults_of_plugin_configs_take_the_named_option():
     args = parse(["data", "--arch", "transformer_lm", "--tokens-per-sample", "64"])
     cfg = options.convert_namespace_to_config(args)
     cfg.criterion = PluginConfig(other="set")
-    options.resolve_interpolated_defaults(cfg)
+    resolve_interpolated_defaults(cfg)
     assert cfg.criterion.block == 64 and cfg.criterion.other == "set"
     cfg.criterion = PluginConfig()
-    with pytest.raises(ValueError, match=r"criterion.other defaults to \$\{common.no_such_option\}.*--other"):
-        options.resolve_interpolated_defaults(cfg)
+    with pytest.raises(ValueError, match=r"criterion.other defaults to \$\{common.no_such_option\}.*set criterion.other"):
+        resolve_interpolated_defaults(cfg)

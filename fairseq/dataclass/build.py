@@ -1,0 +1,131 @@
+"""The one place a typed FairseqConfig is built: from `fairseq-train`'s parsed flags and from a YAML file alike.
+
+fairseq's options form one namespace: `--seed` is one flag whichever groups mention a seed. So the input is a
+flat mapping, option name -> value, holding what the user set (and, from argparse, the defaults of the flags it
+added). Each option has one owner, the dataclass that declares it as a plain field; another dataclass that needs
+the value declares the field as `II("owner.key")` (upstream's convention), which is no flag of its own and is
+copied from the owner once every group is built. The architecture preset (`--arch`) fills the model fields the
+user left unset, on a namespace of the model's fields only (upstream's preset interface).
+"""
+
+import argparse
+import dataclasses
+import re
+import typing
+from typing import Any, Mapping, Optional
+
+from fairseq import registry
+from fairseq.dataclass import configs
+from fairseq.dataclass.utils import _unwrap_optional
+from fairseq.dataclass.validate import check_precision
+
+# The plain groups of FairseqConfig (one dataclass each, always present).
+PLAIN_GROUPS = ("common", "dataset", "distributed_training", "optimization", "checkpoint", "eval_lm", "common_eval")
+
+_INTERPOLATION = re.compile(r"^\$\{(\w+)\.(\w+)\}$")
+
+
+def interpolation_of(f: dataclasses.Field) -> Optional[str]:
+    """"group.key" for a field whose value is another group's option: declared with this project's
+    `configs.II(...)`, or defaulting to omegaconf's "${group.key}" string (upstream plug-ins); else None."""
+    if "interpolate" in f.metadata:
+        return f.metadata["interpolate"]
+    match = _INTERPOLATION.match(f.default) if isinstance(f.default, str) else None
+    return f"{match.group(1)}.{match.group(2)}" if match else None
+
+
+def is_interpolated(f: dataclasses.Field) -> bool:
+    return interpolation_of(f) is not None
+
+
+def component_config(dc, values: Mapping[str, Any], name: Optional[str] = None):
+    """Dataclass `dc` from the values named as its own (not interpolated) fields; defaults for the rest."""
+    kwargs = {f.name: values[f.name] for f in dataclasses.fields(dc)
+              if f.init and f.name in values and not is_interpolated(f)}
+    cfg = dc(**kwargs)
+    if name is not None:
+        cfg._name = name
+    return cfg
+
+
+def model_config(arch: str, values: Mapping[str, Any], owners: Optional[configs.FairseqConfig] = None):
+    """The model config `--arch ARCH` gives with these values set: the preset fills what they leave unset, the
+    model dataclass's defaults the rest. `owners` (the config built so far) gives interpolated fields' values
+    to the preset, as upstream's presets saw them; they are copied from their owner afterwards anyway."""
+    model_dc = registry.dataclass_of(registry.arch_model(arch))  # raises for an unknown --arch
+    fields = dataclasses.fields(model_dc)
+    preset_args = argparse.Namespace(**{f.name: values[f.name] for f in fields
+                                        if f.name in values and not is_interpolated(f)})
+    if owners is not None:
+        for f in fields:
+            owner_value = _owner_value(owners, f) if is_interpolated(f) else None
+            if owner_value is not None:
+                setattr(preset_args, f.name, owner_value)
+    registry.ARCH_CONFIG_REGISTRY[arch](preset_args)
+    return component_config(model_dc, vars(preset_args), arch)
+
+
+def build_config(values: Mapping[str, Any], components: Mapping[str, Optional[str]]) -> configs.FairseqConfig:
+    """FairseqConfig from flat option values and the chosen components ({"task": "language_modeling",
+    "model": "transformer_lm_gpt3_small", "criterion": ..., "optimizer": ..., "lr_scheduler": ..., "bpe": ...,
+    "tokenizer": ...}; a None or missing entry leaves that component unset)."""
+    cfg = configs.FairseqConfig()
+    for group in PLAIN_GROUPS:
+        setattr(cfg, group, component_config(type(getattr(cfg, group)), values))
+    check_precision(cfg.common)  # before merging upstream's memory-efficient spellings, which mean the same here
+    cfg.common.fp16 = cfg.common.fp16 or cfg.common.memory_efficient_fp16
+    cfg.common.bf16 = cfg.common.bf16 or cfg.common.memory_efficient_bf16
+    for attr, reg in (("task", registry.TASK_REGISTRY), ("criterion", registry.CRITERION_REGISTRY),
+                      ("optimizer", registry.OPTIMIZER_REGISTRY), ("lr_scheduler", registry.LR_SCHEDULER_REGISTRY),
+                      ("bpe", _encoders().BPE_REGISTRY), ("tokenizer", _encoders().TOKENIZER_REGISTRY)):
+        name = components.get(attr)
+        if name is not None:
+            setattr(cfg, attr, component_config(reg.dataclass(name), values, name))
+    if components.get("model") is not None:
+        cfg.model = model_config(components["model"], values, owners=cfg)
+    resolve_interpolated_defaults(cfg)
+    return cfg
+
+
+def _encoders():
+    from fairseq.data import encoders  # registers the BPE and tokenizer schemes
+
+    return encoders
+
+
+def _owner_value(cfg, f: dataclasses.Field):
+    group, key = interpolation_of(f).split(".")
+    return getattr(getattr(cfg, group, None), key, None)
+
+
+def resolve_interpolated_defaults(cfg: configs.FairseqConfig) -> None:
+    """Copy each interpolated field's value from its owner. An owner that lacks the key (a plug-in task without
+    max_target_positions, say) leaves a `configs.II` field at its default and an Optional field None; any
+    other field is an error."""
+    for section_name in [f.name for f in dataclasses.fields(cfg)]:
+        section = getattr(cfg, section_name)
+        if not dataclasses.is_dataclass(section):
+            continue
+        for f in dataclasses.fields(section):
+            value = getattr(section, f.name)
+            declared = "interpolate" in f.metadata
+            match = _INTERPOLATION.match(value) if isinstance(value, str) else None
+            if not declared and match is None:
+                continue
+            group, key = interpolation_of(f).split(".") if declared else match.groups()
+            owner = getattr(cfg, group, None)
+            if hasattr(owner, key):
+                setattr(section, f.name, getattr(owner, key))
+            elif not declared and _is_optional(type(section), f.name):
+                setattr(section, f.name, None)
+            elif not declared:
+                raise ValueError(f"{section_name}.{f.name} defaults to {value}, but there is no option {group}.{key}; "
+                                 f"set {section_name}.{f.name} in the config, or give the field a plain default")
+
+
+def _is_optional(dc, name: str) -> bool:
+    try:
+        hints = typing.get_type_hints(dc)
+    except (NameError, TypeError):  # a plug-in's unresolvable annotation
+        return False
+    return _unwrap_optional(hints.get(name, Any))[1]
