@@ -15,8 +15,9 @@ option takes its value, the architecture preset fills what is still unset, the d
 YAML file and the equivalent `fairseq-train` flags therefore give equal configs.
 
 Upstream's files are read as upstream's hydra 1.0 read them: their `# @package _group_` headers are dropped
-(`without_group_package_headers`), and the groups upstream lists with null defaults (`bpe: null`,
-`tokenizer: null`, ...) are accepted when null.
+(`without_group_package_headers`); `bpe:` and `tokenizer:` choose the text encoders as `--bpe`/`--tokenizer`
+do (or are null), and the other groups upstream lists with null defaults (`scoring: null`, ...) are accepted
+when null.
 
 Conventions beyond upstream's layout:
 - `???` (omegaconf's "missing") marks a value the user must give, e.g. `task.data: ???`. It is an error
@@ -52,6 +53,9 @@ TRAIN_GROUPS = options.TRAIN_GROUPS  # group name -> dataclass, in the command l
 COMPONENT_DEFAULTS = {attr: default for attr, _, _, default in options.COMPONENTS}
 COMPONENT_REGISTRIES = {attr: reg for attr, _, reg, _ in options.COMPONENTS}
 COMPONENTS = ("task", "model", "criterion", "optimizer", "lr_scheduler")
+# Chosen or not (null / `{_name: null}`): the text encoders, recorded in the config (and the checkpoint) for
+# evaluation and generation, as `fairseq-train --bpe ...` records them.
+OPTIONAL_COMPONENTS = ("bpe", "tokenizer")
 
 
 def _multiply(a, b) -> float:
@@ -116,7 +120,7 @@ def to_plain_dict(cfg: DictConfig) -> Dict[str, Any]:
 def _schema_defaults(written: Dict[str, Any]) -> Dict[str, Any]:
     """Every group's defaults, and those of the components the config names (unknown names: none)."""
     defaults = {group: {name: _default(f) for name, f in _fields(dc).items()} for group, dc in TRAIN_GROUPS.items()}
-    for attr in COMPONENTS:
+    for attr in COMPONENTS + OPTIONAL_COMPONENTS:
         raw = written.get(attr)
         name = raw if isinstance(raw, str) else raw.get("_name") if isinstance(raw, dict) else None
         name = COMPONENT_DEFAULTS.get(attr) if name is None else name
@@ -309,8 +313,13 @@ def _component_dataclass(attr: str, name: str):
 # ---------------------------------------------------------------------------------------- conversion
 
 
-# Upstream's config.yaml lists these with null defaults; training a language model here uses none of them.
-UNUSED_UPSTREAM_GROUPS = ("bpe", "tokenizer", "scoring", "generation", "interactive", "bmuf", "ema")
+# Upstream's config.yaml lists these with null defaults; training a language model here uses none of them
+# (the generation options are fairseq-generate's flags).
+UNUSED_UPSTREAM_GROUPS = ("scoring", "generation", "interactive", "bmuf", "ema")
+
+
+def _is_unset(value) -> bool:
+    return value is None or (isinstance(value, dict) and value.get("_name") is None and len(value) <= 1)
 
 
 def _without_unused_upstream_groups(values: Dict[str, Any]) -> Dict[str, Any]:
@@ -320,8 +329,7 @@ def _without_unused_upstream_groups(values: Dict[str, Any]) -> Dict[str, Any]:
         if key not in out:
             continue
         value = out.pop(key)
-        unset = value is None or (isinstance(value, dict) and value.get("_name") is None and len(value) <= 1)
-        if not unset:
+        if not _is_unset(value):
             raise ValueError(f"'{key}' is set to {value!r}, but fairseq-hydra-train here has no {key} "
                              f"options (language-model training does not use them): remove '{key}' or set it "
                              "to null")
@@ -336,7 +344,7 @@ def fairseq_config_from_dict(values: Dict[str, Any]) -> FairseqConfig:
     """
     values, _ = split_recipe(values)
     values = _without_unused_upstream_groups(values)
-    allowed = list(TRAIN_GROUPS) + list(COMPONENTS)
+    allowed = list(TRAIN_GROUPS) + list(COMPONENTS) + list(OPTIONAL_COMPONENTS)
     for key in values:
         if key not in allowed:
             close = difflib.get_close_matches(key, allowed, n=1)
@@ -363,8 +371,10 @@ def fairseq_config_from_dict(values: Dict[str, Any]) -> FairseqConfig:
     for group, dc in TRAIN_GROUPS.items():
         collect(group, _check_group(group, values.get(group), dc, f"the {group} group ({dc.__name__})"))
     names, dataclasses_ = {}, {}
-    for attr in COMPONENTS:
+    for attr in COMPONENTS + OPTIONAL_COMPONENTS:
         raw = values.get(attr)
+        if attr in OPTIONAL_COMPONENTS and _is_unset(raw):
+            continue
         names[attr] = _component_name(attr, raw)
         dataclasses_[attr] = _component_dataclass(attr, names[attr])
         owner = f"{attr} {names[attr]!r}" + (f" ({dataclasses_[attr].__name__})" if dataclasses_[attr] else "")
@@ -379,7 +389,8 @@ def resolve_paths(values: Dict[str, Any], base_dir: str) -> Dict[str, Any]:
 
     Covers checkpoint.save_dir, checkpoint.finetune_from_model, checkpoint.restore_file when it names a
     directory (a bare file name is looked up in save_dir), every `:`-separated task.data shard,
-    common.log_file, common.tensorboard_logdir and common.user_dir. Returns a new dict.
+    common.log_file, common.tensorboard_logdir, common.user_dir and the bpe group's model files. Returns a new
+    dict.
     """
     out = {key: (dict(value) if isinstance(value, dict) else value) for key, value in values.items()}
 
@@ -399,6 +410,11 @@ def resolve_paths(values: Dict[str, Any], base_dir: str) -> Dict[str, Any]:
     if isinstance(checkpoint, dict) and isinstance(checkpoint.get("restore_file"), str):
         if os.path.dirname(checkpoint["restore_file"]):
             checkpoint["restore_file"] = absolute(checkpoint["restore_file"])
+    for group, keys in (("bpe", ("gpt2_encoder_json", "gpt2_vocab_bpe", "sentencepiece_model")),):
+        section = out.get(group)
+        for key in keys if isinstance(section, dict) else ():
+            if isinstance(section.get(key), str) and "://" not in section[key]:  # not upstream's download URLs
+                section[key] = absolute(section[key])
     task = out.get("task")
     if isinstance(task, dict) and isinstance(task.get("data"), str) and task["data"] != MISSING:
         task["data"] = ":".join(absolute(part) for part in task["data"].split(":"))

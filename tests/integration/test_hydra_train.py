@@ -212,9 +212,35 @@ def test_unused_upstream_groups_must_be_null():
     from fairseq.dataclass.hydra import fairseq_config_from_dict
 
     base = {"task": {"_name": "dummy_lm"}, "model": {"_name": "transformer_lm"}, "optimizer": "adam"}
-    fairseq_config_from_dict(dict(base, bpe=None, tokenizer={"_name": None}))
-    with pytest.raises(ValueError, match="'bpe' is set to .*remove 'bpe' or set it to null"):
-        fairseq_config_from_dict(dict(base, bpe={"_name": "gpt2"}))
+    cfg = fairseq_config_from_dict(dict(base, bpe=None, tokenizer={"_name": None}, scoring=None))
+    assert cfg.bpe is None and cfg.tokenizer is None
+    with pytest.raises(ValueError, match="'scoring' is set to .*remove 'scoring' or set it to null"):
+        fairseq_config_from_dict(dict(base, scoring={"_name": "bleu"}))
+
+
+def test_bpe_and_tokenizer_groups_give_the_command_lines_config(tmp_path, monkeypatch):
+    """`bpe:`/`tokenizer:` are the same components as fairseq-train's --bpe/--tokenizer: recorded in the config
+    (and so the checkpoint), their file paths taken relative to the launch directory."""
+    from fairseq import options
+    from fairseq.dataclass.hydra import fairseq_config_from_dict, resolve_paths
+    from fairseq.dataclass.utils import config_to_dict
+
+    monkeypatch.chdir(tmp_path)
+    base = {"task": {"_name": "dummy_lm"}, "model": {"_name": "transformer_lm"}, "optimizer": "adam"}
+    values = resolve_paths(dict(base, bpe={"_name": "gpt2", "gpt2_encoder_json": "gpt2/encoder.json",
+                                           "gpt2_vocab_bpe": "gpt2/vocab.bpe"}, tokenizer="space"), str(tmp_path))
+    from_yaml = fairseq_config_from_dict(values)
+    args = options.parse_args_and_arch(options.get_training_parser(), [
+        "--task", "dummy_lm", "--arch", "transformer_lm", "--optimizer", "adam", "--bpe", "gpt2",
+        "--gpt2-encoder-json", str(tmp_path / "gpt2/encoder.json"), "--gpt2-vocab-bpe",
+        str(tmp_path / "gpt2/vocab.bpe"), "--tokenizer", "space"])
+    from_flags = options.convert_namespace_to_config(args)
+    assert from_yaml.bpe._name == "gpt2" and from_yaml.bpe.gpt2_vocab_bpe == str(tmp_path / "gpt2" / "vocab.bpe")
+    assert config_to_dict(from_yaml) == config_to_dict(from_flags)
+    with pytest.raises(ValueError, match="bpe._name='gpt3' is not a registered"):
+        fairseq_config_from_dict(dict(base, bpe={"_name": "gpt3"}))
+    with pytest.raises(ValueError, match="unknown key 'bpe.gpt2_encoder'.*did you mean 'bpe.gpt2_encoder_json'"):
+        fairseq_config_from_dict(dict(base, bpe={"_name": "gpt2", "gpt2_encoder": "x"}))
 
 
 def test_upstream_documented_command_with_config_groups(tiny_data, tmp_path, restore_logging):
