@@ -82,9 +82,9 @@ def bpe_continuation(post_process: Optional[str]) -> Optional[str]:
         return None
     if post_process == "subword_nmt":
         return "@@"
-    if post_process in ("sentencepiece", "letter", "wordpiece", "_EOW", "none"):
-        raise ValueError(f"--post-process {post_process}: eval-lm joins words only for BPE continuation markers "
-                         "(--remove-bpe, or --remove-bpe '@@ ')")
+    if post_process in ("sentencepiece", "letter", "wordpiece", "_EOW", "none"):  # not marker schemes
+        raise ValueError(f"--post-process {post_process}: eval-lm joins words for --remove-bpe sentencepiece, for "
+                         "the --bpe scheme's pieces, or for continuation markers (--remove-bpe, --remove-bpe '@@ ')")
     return post_process.rstrip()
 
 
