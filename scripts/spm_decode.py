@@ -9,26 +9,15 @@ With `--input_format id`, the token `<<unk>>` (fairseq's escaped unknown word) i
 """
 
 import argparse
-import importlib.util
 import os
 import sys
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# fairseq/data/encoders holds these torch-free modules; importing the fairseq package would import torch.
+sys.path.append(os.path.join(_ROOT, "fairseq", "data", "encoders"))
+import _script_io as script_io  # noqa: E402
 
 
-def _load(name: str):
-    """fairseq/data/encoders/NAME.py by itself: importing the `fairseq.data` package would import torch."""
-    module_name = f"_fairseq_encoders_{name}"
-    if module_name not in sys.modules:
-        path = os.path.join(_ROOT, "fairseq", "data", "encoders", f"{name}.py")
-        spec = importlib.util.spec_from_file_location(module_name, path)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[module_name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[module_name]
-
-
-script_io = _load("_script_io")
 CHUNK = 1024
 
 

@@ -20,29 +20,17 @@ importing torch.
 """
 
 import argparse
-import importlib.util
 import os
 import sys
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # one thread per worker process: --workers decides
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# fairseq/data/encoders holds these torch-free modules; importing the fairseq package would import torch.
+sys.path.append(os.path.join(_ROOT, "fairseq", "data", "encoders"))
+import gpt2_bpe_utils  # noqa: E402
+import _script_io as script_io  # noqa: E402
 
-
-def _load(name: str):
-    """fairseq/data/encoders/NAME.py by itself: importing the `fairseq.data` package would import torch."""
-    module_name = f"_fairseq_encoders_{name}"
-    if module_name not in sys.modules:
-        path = os.path.join(_ROOT, "fairseq", "data", "encoders", f"{name}.py")
-        spec = importlib.util.spec_from_file_location(module_name, path)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[module_name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[module_name]
-
-
-gpt2_bpe_utils = _load("gpt2_bpe_utils")
-script_io = _load("_script_io")
 
 _bpe = None  # the encoder, in this process and (inherited or loaded) in every worker
 
