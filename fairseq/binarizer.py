@@ -185,19 +185,12 @@ def _encode_lines(text, indices, unk, eos, unk_word):
     return np.asarray(ids, dtype=np.int64), np.asarray(sizes, dtype=np.int64), replaced
 
 
-def binarize_range(path: str, start: int, end: int, indices: Dict[str, int], unk: int, eos: int,
-                   unk_word: str, dtype, out_bin: str, out_idx: str) -> BinarizeSummary:
-    """Encode bytes [start, end) of `path` into a .bin/.idx pair at the given paths."""
+def binarize_range(builder, path: str, start: int, end: int, indices: Dict[str, int], unk: int, eos: int,
+                   unk_word: str) -> BinarizeSummary:
+    """Encode bytes [start, end) of `path` into `builder` (one job of `_run_jobs_atomically`)."""
     marked = dict(indices)
     marked[_LINE_MARK] = -1
-    builder = MMapIndexedDatasetBuilder(out_bin, dtype=dtype)
-    try:
-        summary = _encode_into(builder, path, start, end, indices, marked, unk, eos, unk_word)
-        builder.finalize(out_idx)
-    except BaseException:
-        builder.close()
-        raise
-    return summary
+    return _encode_into(builder, path, start, end, indices, marked, unk, eos, unk_word)
 
 
 def _encode_into(builder, path, start, end, indices, marked, unk, eos, unk_word) -> BinarizeSummary:
@@ -221,44 +214,9 @@ def binarize_file(path: str, dictionary, output_prefix: str, num_workers: int = 
         raise FileNotFoundError(f"input file {path} does not exist")
     dtype = best_fitting_dtype(len(dictionary))
     offsets = find_offsets(path, max(1, num_workers))
-    ranges = list(zip(offsets, offsets[1:]))
-    dest_dir, base = os.path.split(output_prefix)
-    stem = os.path.join(dest_dir, f".{base}.{os.getpid()}")
-    part_bin, part_idx = stem + ".bin.part", stem + ".idx.part"
-    worker_parts = [(f"{stem}.w{k}.bin.part", f"{stem}.w{k}.idx.part") for k in range(1, len(ranges))]
-    args = (dictionary.indices, dictionary.unk_index, dictionary.eos_index, dictionary.unk_word, dtype)
-    builder = MMapIndexedDatasetBuilder(part_bin, dtype=dtype)
-    pending = []
-    try:
-        with _maybe_pool(pool if worker_parts else False, len(worker_parts)) as p:
-            pending = [
-                p.apply_async(binarize_range, (path, s, e, *args, wb, wi))
-                for (s, e), (wb, wi) in zip(ranges[1:], worker_parts)
-            ]
-            marked = dict(dictionary.indices)
-            marked[_LINE_MARK] = -1
-            summary = _encode_into(builder, path, *ranges[0], dictionary.indices, marked, *args[1:4])
-            for r, (wb, wi) in zip(pending, worker_parts):
-                summary.merge(r.get())
-                builder.merge_files_(wb, wi)
-                os.remove(wb)
-                os.remove(wi)
-        builder.finalize(part_idx)
-        final_bin, final_idx = data_file_path(output_prefix), index_file_path(output_prefix)
-        if os.path.exists(final_idx):
-            os.remove(final_idx)  # an old index must never pair with the new .bin
-        os.replace(part_bin, final_bin)
-        os.replace(part_idx, final_idx)
-    except BaseException:
-        builder.close()
-        if pool:  # a caller's pool keeps running: let our tasks end before removing their files
-            for r in pending:
-                r.wait()
-        for leftover in [part_bin, part_idx] + [f for pair in worker_parts for f in pair]:
-            if os.path.exists(leftover):
-                os.remove(leftover)
-        raise
-    return summary
+    common = (dictionary.indices, dictionary.unk_index, dictionary.eos_index, dictionary.unk_word)
+    jobs = [(binarize_range, (path, s, e) + common) for s, e in zip(offsets, offsets[1:])]
+    return _run_jobs_atomically(output_prefix, dtype, jobs, pool)
 
 
 # ---- processes --------------------------------------------------------------------------------------------
@@ -612,7 +570,7 @@ def _run_jobs_atomically(output_prefix: str, dtype, jobs: List[tuple], pool) -> 
         builder.finalize(part_idx)
         final_bin, final_idx = data_file_path(output_prefix), index_file_path(output_prefix)
         if os.path.exists(final_idx):
-            os.remove(final_idx)
+            os.remove(final_idx)  # an old index must never pair with the new .bin
         os.replace(part_bin, final_bin)
         os.replace(part_idx, final_idx)
     except BaseException:
