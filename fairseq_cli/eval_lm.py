@@ -14,7 +14,7 @@ import torch
 
 from fairseq import options
 from fairseq.utils import import_user_module, run_console_script
-from fairseq.checkpoint.inference import build_from_saved_config, load_model_weights, read_checkpoint_config
+from fairseq.checkpoint.inference import load_model
 from fairseq.criterions.cross_entropy import token_cross_entropy
 from fairseq.logging import progress_bar
 from fairseq.precision import compute_dtype
@@ -307,13 +307,10 @@ def main(cfg) -> dict:
                              f"{cfg.task.tokens_per_sample}")
         cfg.task.tokens_per_sample -= context_window
 
-    saved_cfg, state = read_checkpoint_config(path, trust_legacy=cfg.common.trust_legacy_checkpoint)
     overrides = ast.literal_eval(cfg.common_eval.model_overrides)
-    # A model trained with --add-bos-token expects <s> first, whether or not this command line says so.
-    if (saved_cfg.get("task") or {}).get("add_bos_token") and hasattr(cfg.task, "add_bos_token"):
-        cfg.task.add_bos_token = True
-    task, model = build_from_saved_config(saved_cfg, cfg.task, overrides)
-    load_model_weights(model, path, state)
+    # (the task gets --add-bos-token from the checkpoint: a model trained with it expects <s> first)
+    model, _, saved_cfg, task = load_model(path, task_cfg=cfg.task, overrides=overrides,
+                                           trust_legacy=cfg.common.trust_legacy_checkpoint)
     model.to(device).eval()
     logger.info(f"loaded {path}: {sum(p.numel() for p in model.parameters()):,} parameters")
 

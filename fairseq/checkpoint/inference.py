@@ -1,17 +1,27 @@
-"""Load a trained model (single file, sharded directory, or trusted upstream file) for evaluation."""
+"""Load a trained model (single file, sharded directory, or trusted upstream file) for evaluation and generation.
 
+The one loading path of fairseq-eval-lm, fairseq-generate, fairseq-interactive, `fairseq.checkpoint_utils` and
+`from_pretrained`: read the saved config and state without unpickling code (unless trusted), apply upstream-style
+overrides to the saved config, set up the task, build the model from the saved model config, fill its weights.
+"""
+
+import dataclasses
 import os
 from dataclasses import dataclass
-from typing import Any, Dict, Optional, Tuple, Union
+from typing import Any, Dict, NamedTuple, Optional, Tuple, Union
 
 import torch
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from fairseq import registry
-from fairseq.checkpoint import sharded
-from fairseq.checkpoint.io import load_checkpoint_file
+from fairseq.checkpoint import safe_dcp, sharded
+from fairseq.checkpoint.io import CheckpointError, load_checkpoint_file
 from fairseq.checkpoint.legacy import is_legacy_checkpoint, upgrade_legacy_checkpoint
 from fairseq.checkpoint.manager import check_architecture
 from fairseq.dataclass.utils import config_from_dict
+
+# Config groups chosen by name (`_name`), in FairseqConfig's order.
+COMPONENT_GROUPS = ("task", "model", "criterion", "optimizer", "lr_scheduler", "bpe", "tokenizer")
 
 
 @dataclass
@@ -26,15 +36,133 @@ def read_checkpoint_config(path: str, trust_legacy: bool = False
                            ) -> Tuple[Dict[str, Any], Union[Dict, ShardedCheckpoint]]:
     """(saved cfg as a plain dict, full state of a file or a ShardedCheckpoint for a sharded directory)."""
     if os.path.isdir(path):
-        resolved = sharded.resolve_sharded(path)
-        if resolved is None:
-            raise FileNotFoundError(f"{path} is not a complete sharded checkpoint (no {sharded.METADATA})")
+        resolved = _resolve_directory(path)
         cfg = sharded.read_metadata(resolved, trust_legacy=trust_legacy)["cfg"]
         return cfg, ShardedCheckpoint(resolved, trust_legacy)
-    state = load_checkpoint_file(path, trust_legacy=trust_legacy)
-    if is_legacy_checkpoint(state):
-        state = upgrade_legacy_checkpoint(state)
+    state = _upgraded(load_checkpoint_file(path, trust_legacy=trust_legacy))
     return state["cfg"], state
+
+
+def read_checkpoint_state(path: str, trust_legacy: bool = False) -> Dict[str, Any]:
+    """The whole state of a checkpoint file or sharded directory on the CPU, in upstream's layout ("cfg",
+    "model", ...). A directory's model tensors are allocated from DCP's index, at their full shapes."""
+    if not os.path.isdir(path):
+        return _upgraded(load_checkpoint_file(path, trust_legacy=trust_legacy))
+    resolved = _resolve_directory(path)
+    index = safe_dcp.read_dcp_metadata(resolved, trust_legacy=trust_legacy).state_dict_metadata
+    model_state = {key[len("model."):]: torch.empty(tuple(meta.size), dtype=meta.properties.dtype)
+                   for key, meta in index.items()
+                   if key.startswith("model.") and isinstance(meta, TensorStorageMetadata)}
+    return sharded.load_sharded(resolved, model_state, trust_legacy=trust_legacy)
+
+
+def _resolve_directory(path: str) -> str:
+    resolved = sharded.resolve_sharded(path)
+    if resolved is None:
+        raise FileNotFoundError(f"{path} is not a complete sharded checkpoint (no {sharded.METADATA})")
+    return resolved
+
+
+def _upgraded(state: Dict[str, Any]) -> Dict[str, Any]:
+    return upgrade_legacy_checkpoint(state) if is_legacy_checkpoint(state) else state
+
+
+# ---------------------------------------------------------------------------------------- saved configs
+
+
+def _group_types() -> Dict[str, type]:
+    """Groups of a full config that are not chosen by name: FairseqConfig's, then generation and interactive."""
+    from fairseq.dataclass.configs import FairseqConfig
+    from fairseq.dataclass.generation import GenerationConfig, InteractiveConfig
+
+    types = {f.name: f.default_factory for f in dataclasses.fields(FairseqConfig)
+             if f.default_factory is not dataclasses.MISSING}
+    types.update(generation=GenerationConfig, interactive=InteractiveConfig)
+    return types
+
+
+def component_dataclass(attr: str, name: Optional[str]) -> Optional[type]:
+    """The config dataclass of component `attr` registered as `name` (None: not registered or none)."""
+    if name is None:
+        return None
+    if attr == "model":
+        return registry.dataclass_of(registry.arch_model(name))
+    if attr in ("bpe", "tokenizer"):
+        from fairseq.data.encoders import BPE_REGISTRY, TOKENIZER_REGISTRY
+
+        reg = BPE_REGISTRY if attr == "bpe" else TOKENIZER_REGISTRY
+    else:
+        reg = {"task": registry.TASK_REGISTRY, "criterion": registry.CRITERION_REGISTRY,
+               "optimizer": registry.OPTIMIZER_REGISTRY, "lr_scheduler": registry.LR_SCHEDULER_REGISTRY}[attr]
+    return reg.dataclass(name) if name in reg else None
+
+
+def _option_names(attr: str, group: Dict[str, Any]) -> set:
+    dc = (component_dataclass(attr, group.get("_name")) if attr in COMPONENT_GROUPS
+          else _group_types().get(attr))
+    names = {f.name for f in dataclasses.fields(dc)} if dc is not None else set()
+    return {n for n in names | set(group) if not n.startswith("_")}
+
+
+def apply_overrides(saved_cfg: Dict[str, Any], overrides: Optional[Dict[str, Any]]) -> Dict[str, Any]:
+    """A copy of a saved config (a plain dict of groups) with upstream's `arg_overrides` applied.
+
+    A key sets that option in every group that has it (`{"data": DIR}` is task.data, `{"decoder_layers": 3}`
+    the model's). A component's name (`{"bpe": "gpt2"}`; None or "none" removes it) selects that component
+    with its defaults, whose options the other keys then set (`gpt2_encoder_json`). A key that is no option
+    of any group raises ValueError (upstream ignores it silently)."""
+    out = {key: (dict(value) if isinstance(value, dict) else value) for key, value in saved_cfg.items()}
+    for name in _group_types():
+        out.setdefault(name, {})
+    overrides = dict(overrides or {})
+    used = set()
+    for attr in COMPONENT_GROUPS:
+        if attr not in overrides:
+            continue
+        value, current = overrides[attr], out.get(attr)
+        current_name = current.get("_name") if isinstance(current, dict) else None
+        if isinstance(value, dict):
+            out[attr] = dict(current or {}, **value)
+        elif value is None or value == "none":
+            out[attr] = None
+        elif value != current_name:
+            out[attr] = {"_name": value}
+        used.add(attr)
+    for attr, group in out.items():
+        if not isinstance(group, dict):
+            continue
+        names = _option_names(attr, group)
+        for key, value in overrides.items():
+            if key in names and key not in COMPONENT_GROUPS:
+                group[key] = value
+                used.add(key)
+    unknown = sorted(set(overrides) - used)
+    if unknown:
+        raise ValueError(f"override {unknown[0]!r} is no option of the checkpoint's configuration (nor of its "
+                         "--bpe/--tokenizer); check the name, e.g. {'data': 'data-bin'} or {'bpe': 'gpt2'}")
+    return out
+
+
+def config_from_saved(saved_cfg: Dict[str, Any]):
+    """The FairseqConfig (plus `generation` and `interactive` groups) of a saved config dict. Components whose
+    names are not registered here (a plug-in not imported) stay plain dicts, except the model (an error)."""
+    from fairseq.dataclass.configs import FairseqConfig
+
+    cfg = FairseqConfig()
+    for name, dc in _group_types().items():
+        values = saved_cfg.get(name)
+        setattr(cfg, name, config_from_dict(dc, values if isinstance(values, dict) else {}))
+    for attr in COMPONENT_GROUPS:
+        values = saved_cfg.get(attr)
+        if not isinstance(values, dict) or values.get("_name") is None:
+            setattr(cfg, attr, None)
+            continue
+        dc = component_dataclass(attr, values["_name"])
+        setattr(cfg, attr, config_from_dict(dc, values) if dc is not None else dict(values))
+    return cfg
+
+
+# ---------------------------------------------------------------------------------------- models
 
 
 def build_from_saved_config(saved_cfg: Dict[str, Any], task_cfg, model_overrides: Optional[dict] = None):
@@ -48,14 +176,58 @@ def build_from_saved_config(saved_cfg: Dict[str, Any], task_cfg, model_overrides
     return task, task.build_model(model_cfg)
 
 
-def load_model_weights(model: torch.nn.Module, path: str, state: Union[Dict, ShardedCheckpoint, None]) -> None:
+def load_model_weights(model: torch.nn.Module, path: str, state: Union[Dict, ShardedCheckpoint, None],
+                       strict: bool = True) -> None:
     """Fill `model` from a single-file state or from the shards of directory `path` (any world size; None
-    stands for ShardedCheckpoint(path), read without trusting pickles)."""
+    stands for ShardedCheckpoint(path), read without trusting pickles). With `strict`, a checkpoint of another
+    architecture is a CheckpointError naming the first difference."""
     if state is None or isinstance(state, ShardedCheckpoint):
         shards = state or ShardedCheckpoint(sharded.resolve_sharded(path))
         model_state = model.state_dict()
         sharded.load_sharded(shards.path, model_state, trust_legacy=shards.trust_legacy)
         model.load_state_dict(model_state)
     else:
-        check_architecture(path, state, model.state_dict())
-        model.load_state_dict(state["model"], strict=True)
+        if strict:
+            check_architecture(path, state, model.state_dict())
+        model.load_state_dict(state["model"], strict=strict)
+
+
+class LoadedModel(NamedTuple):
+    model: torch.nn.Module  # on the CPU, in fp32, in training mode (as built)
+    cfg: Any  # config_from_saved of `saved_cfg`
+    saved_cfg: Dict[str, Any]  # the checkpoint's config dict, overrides applied
+    task: Any
+
+
+def load_model(path: str, task=None, task_cfg=None, overrides: Optional[Dict[str, Any]] = None,
+               trust_legacy: bool = False, strict: bool = True, state: Optional[Dict[str, Any]] = None
+               ) -> LoadedModel:
+    """Load the model saved at `path` (a .pt file or a sharded checkpoint directory).
+
+    The task is `task` if given, else set up from `task_cfg` (a command line's task config), else from the
+    checkpoint's task config (after `overrides`). A model trained with --add-bos-token expects <s> first, so a
+    command-line task config gets add_bos_token from the checkpoint. `state` is the checkpoint's already read
+    state (read_checkpoint_state), so the file is not read twice."""
+    if state is None:
+        saved, state = read_checkpoint_config(path, trust_legacy=trust_legacy)
+    else:
+        state = _upgraded(state)
+        saved = state["cfg"]
+    saved = apply_overrides(saved or {}, overrides)
+    arch = (saved.get("model") or {}).get("_name")
+    if arch not in registry.architectures():
+        raise CheckpointError(f"{path} holds a model of architecture {arch!r}, which is not registered here "
+                              f"(architectures: {', '.join(registry.architectures())}); load its plug-in with "
+                              "--user-dir, or pass a checkpoint of a language model trained with this fairseq")
+    cfg = config_from_saved(saved)
+    if task is None:
+        if task_cfg is None:
+            task_cfg = cfg.task
+        elif (saved.get("task") or {}).get("add_bos_token") and hasattr(task_cfg, "add_bos_token"):
+            task_cfg.add_bos_token = True
+        task = registry.TASK_REGISTRY.get(task_cfg._name).setup_task(task_cfg)
+    model = task.build_model(cfg.model)
+    load_model_weights(model, path, state, strict=strict)
+    if isinstance(state, dict) and state.get("task_state"):
+        task.load_state_dict(state["task_state"])
+    return LoadedModel(model, cfg, saved, task)

@@ -231,3 +231,6 @@ class FairseqConfig:
     lr_scheduler: Any = None
     bpe: Any = None  # --bpe: the scheme's config (GPT2BPEConfig, SentencepieceConfig, ...), as upstream
     tokenizer: Any = None  # --tokenizer
+
+
+from fairseq.dataclass.generation import GenerationConfig, InteractiveConfig  # noqa: E402,F401 (upstream's place)

@@ -1,0 +1,107 @@
+"""Generation flags (`GenerationConfig`, `InteractiveConfig`), upstream fairseq's names and defaults.
+
+Read by fairseq-generate, fairseq-interactive and the hub interface, which hand `GenerationConfig` to
+`task.build_generator`. Upstream features that decode something other than a left-to-right language model
+(alignments, lexical constraints, an extra fusion LM, diverse beam search, unknown-word replacement) are
+accepted at their defaults and rejected when set (`check_generation_config`).
+"""
+
+from dataclasses import dataclass, field
+from typing import List, Literal, Optional
+
+# Not `configs.opt`: configs.py re-exports these classes at its end, so this module must not import it.
+
+
+def _opt(default, help: str, **metadata):
+    metadata["help"] = help
+    return field(default=default, metadata=metadata)
+
+
+@dataclass
+class GenerationConfig:
+    beam: int = _opt(5, "beam size (1: greedy decoding)")
+    nbest: int = _opt(1, "number of hypotheses to output per input")
+    max_len_a: float = _opt(0, "generate at most a*x + b tokens, where x is the input length (the prompt "
+                               "counts as generated text for a language model)")
+    max_len_b: int = _opt(200, "generate at most a*x + b tokens, where x is the input length")
+    min_len: int = _opt(1, "minimum generation length (</s> is not allowed before)")
+    match_source_len: bool = _opt(False, "generate exactly as many tokens as the input has")
+    unnormalized: bool = _opt(False, "compare hypotheses by their summed scores, not per token")
+    no_early_stop: bool = _opt(False, "deprecated upstream; no effect")
+    no_beamable_mm: bool = _opt(False, "accepted for upstream compatibility; no effect")
+    lenpen: float = _opt(1, "length penalty: the score is divided by length**lenpen (<1 favours shorter, "
+                            ">1 longer hypotheses)")
+    unkpen: float = _opt(0, "unknown-word penalty subtracted from <unk>'s log probability (<0: more <unk>)")
+    replace_unk: Optional[str] = _opt(None, "not supported: unknown-word replacement needs source alignments",
+                                      const="@@ ")
+    sacrebleu: bool = _opt(False, "accepted for upstream compatibility; generated text is not scored here")
+    score_reference: bool = _opt(False, "score the given text instead of generating (the hub's score())")
+    prefix_size: int = _opt(0, "fairseq-generate: prompt each sample with its first N tokens (0: the whole "
+                               "sample but its last token)")
+    no_repeat_ngram_size: int = _opt(0, "never repeat an n-gram of this size (0: no blocking)")
+    sampling: bool = _opt(False, "sample each next token instead of beam search")
+    sampling_topk: int = _opt(-1, "sample from the K most likely next tokens (-1: all)")
+    sampling_topp: float = _opt(-1.0, "sample from the smallest set of next tokens whose probability exceeds "
+                                      "p (-1: all)")
+    constraints: Optional[Literal["ordered", "unordered"]] = _opt(
+        None, "not supported with --task language_modeling (as upstream): lexically constrained decoding",
+        const="ordered")
+    temperature: float = _opt(1.0, "divide the logits by this before the softmax (sampling and beam search)")
+    diverse_beam_groups: int = _opt(-1, "not supported: number of groups for diverse beam search")
+    diverse_beam_strength: float = _opt(0.5, "not supported: diversity penalty of diverse beam search")
+    diversity_rate: float = _opt(-1.0, "not supported: diversity penalty of diverse siblings search")
+    print_alignment: bool = _opt(False, "not supported: a language model has no source to align to")
+    print_step: bool = _opt(False, "not supported: the decoding step of iterative refinement")
+    lm_path: Optional[str] = _opt(None, "not supported: a second language model for shallow fusion")
+    lm_weight: float = _opt(0.0, "not supported: weight of the --lm-path model")
+    retain_dropout: bool = _opt(False, "keep dropout active while generating")
+    retain_dropout_modules: Optional[List[str]] = _opt(None, "accepted for upstream compatibility: with "
+                                                             "--retain-dropout every module keeps its dropout")
+    no_seed_provided: bool = _opt(False, "do not seed the random generators from --seed")
+
+
+@dataclass
+class InteractiveConfig:
+    buffer_size: int = _opt(0, "read this many input lines before generating for them (0 or 1: one at a time)")
+    input: str = _opt("-", "file to read prompts from, one per line ('-': standard input)")
+
+
+# (field, predicate on its value, what to do instead) for upstream options this fork does not implement.
+_UNSUPPORTED = (
+    ("replace_unk", lambda v: v is not None, "drop it"),
+    ("constraints", lambda v: v is not None, "drop it (upstream's language_modeling task refuses it too)"),
+    ("diverse_beam_groups", lambda v: v > 0, "use --beam or --sampling"),
+    ("diversity_rate", lambda v: v > 0, "use --beam or --sampling"),
+    ("print_alignment", bool, "drop it"),
+    ("print_step", bool, "drop it"),
+    ("lm_path", lambda v: v is not None, "drop it"),
+)
+
+
+def check_generation_config(generation: GenerationConfig, dataset=None, interactive=None) -> None:
+    """Raise ValueError naming the flag for generation options that cannot work together or are not
+    implemented here; `dataset` and `interactive` add fairseq-interactive's --batch-size/--buffer-size rule."""
+    for name, is_set, fix in _UNSUPPORTED:
+        value = getattr(generation, name)
+        if is_set(value):
+            flag = "--" + name.replace("_", "-")
+            raise ValueError(f"{flag} {value!r} is not supported by this fairseq's generator; {fix}")
+    if generation.beam < 1:
+        raise ValueError(f"--beam must be at least 1, got {generation.beam}")
+    if generation.nbest < 1:
+        raise ValueError(f"--nbest must be at least 1, got {generation.nbest}")
+    if generation.sampling and generation.nbest != generation.beam:
+        raise ValueError(f"--sampling requires --nbest to be equal to --beam (got --nbest {generation.nbest}, "
+                         f"--beam {generation.beam}): --beam N --nbest N draws N samples per prompt")
+    if generation.nbest > generation.beam:
+        raise ValueError(f"--nbest {generation.nbest} is larger than --beam {generation.beam}: a beam search "
+                         "returns at most --beam hypotheses; raise --beam or lower --nbest")
+    if generation.prefix_size < 0:
+        raise ValueError(f"--prefix-size must be >= 0, got {generation.prefix_size}")
+    if generation.temperature <= 0:
+        raise ValueError(f"--temperature must be greater than 0, got {generation.temperature}")
+    if interactive is not None and dataset is not None and dataset.batch_size:
+        if dataset.batch_size > max(interactive.buffer_size, 1):
+            raise ValueError(f"--batch-size/--max-sentences {dataset.batch_size} cannot be larger than "
+                             f"--buffer-size {interactive.buffer_size}; raise --buffer-size to at least "
+                             f"{dataset.batch_size}")
