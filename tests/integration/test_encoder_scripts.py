@@ -13,6 +13,8 @@ import pytest
 pytest.importorskip("tokenizers")
 spm = pytest.importorskip("sentencepiece")
 
+from tests.text_fixtures import sample_text, train_gpt2_files  # noqa: E402
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 ENCODER_SCRIPT = os.path.join(ROOT, "examples", "roberta", "multiprocessing_bpe_encoder.py")
 
@@ -23,26 +25,9 @@ def run(script, *args, stdin=None, cwd=None):
                           cwd=cwd, env=env, timeout=300)
 
 
-def sample_text():
-    from pydoc_data.topics import topics
-
-    return "\n".join(topics[name] for name in sorted(topics))
-
-
 @pytest.fixture(scope="module")
 def gpt2_files(tmp_path_factory):
-    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    tok.train_from_iterator(sample_text().split("\n\n"), trainer=trainers.BpeTrainer(
-        vocab_size=1000, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
-    model = json.loads(tok.to_str())["model"]
-    d = tmp_path_factory.mktemp("gpt2_bpe")
-    (d / "encoder.json").write_text(json.dumps(model["vocab"]), encoding="utf-8")
-    (d / "vocab.bpe").write_text("#version: 0.2\n" + "".join(f"{a} {b}\n" for a, b in model["merges"]),
-                                 encoding="utf-8")
-    return d / "encoder.json", d / "vocab.bpe"
+    return train_gpt2_files(tmp_path_factory.mktemp("gpt2_bpe"), sample_text(), vocab_size=1000)
 
 
 @pytest.fixture(scope="module")

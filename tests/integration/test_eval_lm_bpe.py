@@ -4,7 +4,6 @@ accept --bpe and its scheme's flags, and the checkpoint keeps them. A tiny model
 fairseq-preprocess --bpe (no network)."""
 
 import logging
-import math
 import re
 
 import pytest
@@ -12,7 +11,7 @@ import torch
 
 from fairseq_cli import eval_lm, preprocess, train
 
-from tests.integration.test_preprocess_bpe import sample_text, train_gpt2_files
+from tests.text_fixtures import sample_text, train_gpt2_files, train_spm_model
 
 SPACE = "\u2581"
 
@@ -34,12 +33,9 @@ def _prepare(root, bpe_flags):
 
 @pytest.fixture(scope="module")
 def spm_setup(tmp_path_factory):
-    spm = pytest.importorskip("sentencepiece")
+    pytest.importorskip("sentencepiece")
     root = tmp_path_factory.mktemp("spm_lm")
-    (root / "spm_train.txt").write_text(sample_text(), encoding="utf-8")
-    spm.SentencePieceTrainer.Train(f"--input={root / 'spm_train.txt'} --model_prefix={root / 'spm'} "
-                                   "--vocab_size=300 --model_type=bpe --minloglevel=2")
-    flags = ["--bpe", "sentencepiece", "--sentencepiece-model", root / "spm.model"]
+    flags = ["--bpe", "sentencepiece", "--sentencepiece-model", train_spm_model(root)]
     return _prepare(root, flags), flags, root
 
 

@@ -2,7 +2,6 @@
 script with --keep-empty, then fairseq-preprocess on its output) byte for byte; bad inputs fail with one line.
 No network: the GPT-2 files and the sentencepiece model are trained here on the quickstart's sample corpus."""
 
-import json
 import logging
 import os
 import subprocess
@@ -15,13 +14,9 @@ tokenizers = pytest.importorskip("tokenizers")
 
 from fairseq_cli import preprocess  # noqa: E402
 
+from tests.text_fixtures import sample_text, train_gpt2_files, train_spm_model  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def sample_text():
-    from pydoc_data.topics import topics
-
-    return "\n".join(topics[name] for name in sorted(topics))
 
 
 # Lines the two routes could treat differently: surrounding and unusual whitespace, empty lines, \r\n and a
@@ -35,24 +30,6 @@ def write_text(path, n_copies=1):
     text = sample_text()
     path.write_text((text + "\n" + TRICKY + "\n") * n_copies + TRICKY, encoding="utf-8", newline="")
     return path
-
-
-def train_gpt2_files(directory, text, vocab_size=1500):
-    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                  show_progress=False)
-    tok.train_from_iterator(text.split("\n\n"), trainer=trainer)
-    model = json.loads(tok.to_str())["model"]
-    merges = [tuple(m) if isinstance(m, list) else tuple(m.split(" ")) for m in model["merges"]]
-    vocab = dict(model["vocab"])
-    vocab.setdefault("<|endoftext|>", len(vocab))
-    enc, bpe = directory / "encoder.json", directory / "vocab.bpe"
-    enc.write_text(json.dumps(vocab, ensure_ascii=False), encoding="utf-8")
-    bpe.write_text("#version: 0.2\n" + "".join(f"{a} {b}\n" for a, b in merges), encoding="utf-8")
-    return enc, bpe
 
 
 def run_script(relpath, argv):
@@ -76,12 +53,8 @@ def gpt2_files(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def spm_model(tmp_path_factory):
-    spm = pytest.importorskip("sentencepiece")
-    d = tmp_path_factory.mktemp("spm")
-    (d / "train.txt").write_text(sample_text(), encoding="utf-8")
-    spm.SentencePieceTrainer.Train(f"--input={d / 'train.txt'} --model_prefix={d / 'spm'} --vocab_size=300 "
-                                   "--model_type=bpe --minloglevel=2")
-    return d / "spm.model"
+    pytest.importorskip("sentencepiece")
+    return train_spm_model(tmp_path_factory.mktemp("spm"))
 
 
 def outputs(destdir):

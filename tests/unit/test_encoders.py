@@ -19,6 +19,8 @@ from fairseq.data.encoders import BPE_REGISTRY, TOKENIZER_REGISTRY, build_bpe, b
 from fairseq.data.encoders import gpt2_bpe_utils  # noqa: E402
 from fairseq.data.encoders.gpt2_bpe import GPT2BPE, GPT2BPEConfig  # noqa: E402
 
+from tests.text_fixtures import sample_text, train_byte_level_bpe, train_spm_model, write_gpt2_files  # noqa: E402
+
 
 # ---- a pure-Python reference of GPT-2's published BPE --------------------------------------------------------
 REF_PATTERN = regex.compile(r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+""")
@@ -82,36 +84,6 @@ class ReferenceGPT2:
 
 
 # ---- fixtures -----------------------------------------------------------------------------------------------
-def sample_text():
-    from pydoc_data.topics import topics
-
-    return "\n".join(topics[name] for name in sorted(topics))
-
-
-def write_gpt2_files(directory, vocab, merges, extra_tokens=("<|endoftext|>",)):
-    """encoder.json and vocab.bpe in GPT-2's format from a `tokenizers` BPE's vocab and merges."""
-    vocab = dict(vocab)
-    for tok in extra_tokens:
-        vocab.setdefault(tok, len(vocab))
-    enc, bpe = directory / "encoder.json", directory / "vocab.bpe"
-    enc.write_text(json.dumps(vocab, ensure_ascii=False), encoding="utf-8")
-    bpe.write_text("#version: 0.2\n" + "".join(f"{a} {b}\n" for a, b in merges), encoding="utf-8")
-    return enc, bpe
-
-
-def train_byte_level_bpe(text, vocab_size):
-    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                  show_progress=False)
-    tok.train_from_iterator(text.split("\n\n"), trainer=trainer)
-    model = json.loads(tok.to_str())["model"]
-    merges = [tuple(m) if isinstance(m, list) else tuple(m.split(" ")) for m in model["merges"]]
-    return model["vocab"], merges
-
-
 @pytest.fixture(scope="module")
 def gpt2_files(tmp_path_factory):
     # The tricky strings join the training text so that merges of multi-byte characters exist too.
@@ -521,12 +493,8 @@ def test_byte_table_is_gpt2s():
 # ---- sentencepiece, bytes, characters, tokenizers -----------------------------------------------------------
 @pytest.fixture(scope="module")
 def spm_model(tmp_path_factory):
-    spm = pytest.importorskip("sentencepiece")
-    d = tmp_path_factory.mktemp("spm")
-    (d / "train.txt").write_text(sample_text(), encoding="utf-8")
-    spm.SentencePieceTrainer.Train(f"--input={d / 'train.txt'} --model_prefix={d / 'spm'} --vocab_size=300 "
-                                   "--model_type=bpe --minloglevel=2")
-    return d / "spm.model"
+    pytest.importorskip("sentencepiece")
+    return train_spm_model(tmp_path_factory.mktemp("spm"))
 
 
 def test_sentencepiece_bpe_as_upstream(spm_model):
