@@ -46,6 +46,18 @@ def start_slurm_ranks(train_argv, port, fake_bin, scontrol_log):
     return procs
 
 
+def signal_after_update(procs, log_path, update: int, sig=signal.SIGUSR1, timeout: float = 300):
+    """Send `sig` to every process once the json log at `log_path` reports `update` (or one has exited)."""
+    deadline = time.time() + timeout
+    while time.time() < deadline and all(p.poll() is None for p in procs):
+        got = losses(log_path) if log_path.exists() else {}
+        if got and max(got) >= update:
+            break
+        time.sleep(0.2)
+    for p in procs:
+        p.send_signal(sig)
+
+
 def test_sigusr1_saves_requeues_and_resumes_exactly(tiny_data, tmp_path, preemption_args):
     fake_bin = tmp_path / "bin"
     fake_bin.mkdir()
@@ -57,14 +69,7 @@ def test_sigusr1_saves_requeues_and_resumes_exactly(tiny_data, tmp_path, preempt
     preempted = tmp_path / "preempted"
     preempted.mkdir()
     procs = start_slurm_ranks(preemption_args(tiny_data, preempted, 400), _free_port(), fake_bin, scontrol_log)
-    deadline = time.time() + 300
-    while time.time() < deadline:
-        got = losses(preempted / "train.log") if (preempted / "train.log").exists() else {}
-        if got and max(got) >= 4:
-            break
-        time.sleep(0.2)
-    for p in procs:
-        p.send_signal(signal.SIGUSR1)
+    signal_after_update(procs, preempted / "train.log", 4)
     outs = [p.communicate(timeout=300)[0] for p in procs]
     assert [p.returncode for p in procs] == [3, 3], outs  # EXIT_REQUEUED
     assert scontrol_log.read_text().split("\n")[0] == "requeue 4242"  # rank 0 only, once

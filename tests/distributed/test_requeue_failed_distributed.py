@@ -1,14 +1,11 @@
 """Preemption under (simulated) SLURM when `scontrol requeue` fails: checkpoint_last is saved, every rank
 exits with EXIT_REQUEUE_FAILED (rank 0 decides and tells the others), and one error line says to resubmit."""
 
-import signal
-import time
-
 import pytest
 
 from fairseq.preemption import EXIT_REQUEUE_FAILED
-from test_preemption_distributed import preemption_args, start_slurm_ranks  # noqa: F401 (a fixture)
-from test_train_distributed import _free_port, losses
+from test_preemption_distributed import preemption_args, signal_after_update, start_slurm_ranks  # noqa: F401
+from test_train_distributed import _free_port
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -25,14 +22,7 @@ def test_every_rank_exits_4_when_scontrol_requeue_fails(tiny_data, tmp_path, pre
     save_dir.mkdir()
     procs = start_slurm_ranks(preemption_args(tiny_data, save_dir, 400), _free_port(), fake_bin, scontrol_log)
     try:
-        deadline = time.time() + 300
-        while time.time() < deadline and all(p.poll() is None for p in procs):
-            got = losses(save_dir / "train.log") if (save_dir / "train.log").exists() else {}
-            if got and max(got) >= 2:
-                break
-            time.sleep(0.2)
-        for p in procs:
-            p.send_signal(signal.SIGUSR1)
+        signal_after_update(procs, save_dir / "train.log", 2)
         outs = [p.communicate(timeout=300)[0] for p in procs]
     finally:
         for p in procs:
