@@ -2,6 +2,8 @@
 (build one with `task.build_model(cfg.model)`, which looks up `--arch`)."""
 
 # Upstream's names, for plug-ins (--user-dir) that import them from here.
+from fairseq.models.fairseq_decoder import FairseqDecoder  # noqa: E402,F401
+from fairseq.models.fairseq_incremental_decoder import FairseqIncrementalDecoder  # noqa: E402,F401
 from fairseq.models.fairseq_model import BaseFairseqModel, FairseqLanguageModel  # noqa: E402,F401
 from fairseq.registry import (  # noqa: E402,F401
     ARCH_CONFIG_REGISTRY,

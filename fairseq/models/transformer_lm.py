@@ -198,12 +198,25 @@ class TransformerLanguageModel(FairseqLanguageModel):
         return cls(TransformerDecoder(cfg, vocab_size, padding_idx, output_vocab_size))
 
     def forward(self, src_tokens: torch.Tensor, src_lengths: Optional[torch.Tensor] = None,
-                features_only: bool = False) -> torch.Tensor:
+                features_only: bool = False, incremental_state: Optional[dict] = None) -> torch.Tensor:
         """Logits [B, T, V] (or features with `features_only`); `src_lengths` is accepted and unused.
 
         Attention is causal only: as in upstream, right padding never changes the outputs at real tokens.
+        With `incremental_state` (a dict kept across calls) only the tokens past the cached ones are computed
+        and their logits returned (see TransformerDecoder).
         """
-        return self.decoder(src_tokens, features_only=features_only)
+        return self.decoder(src_tokens, incremental_state=incremental_state, features_only=features_only)
+
+    def reserve_incremental_state(self, incremental_state: dict, max_length: int, max_batch: int = 0) -> None:
+        """Allocate the decoder's KV cache once, for up to `max_length` tokens of `max_batch` rows."""
+        self.decoder.reserve_incremental_state(incremental_state, max_length, max_batch)
+
+    def reorder_incremental_state(self, incremental_state: dict, new_order: torch.Tensor) -> None:
+        """Row i of the cache continues row `new_order[i]` (beam search, dropped sentences)."""
+        self.decoder.reorder_incremental_state(incremental_state, new_order)
+
+    def max_decoder_positions(self) -> int:
+        return self.decoder.max_positions()
 
     def reset_parameters(self) -> None:
         """Re-initialize all weights from the torch RNG (e.g. after `to_empty` on a meta-built model)."""

@@ -3,16 +3,24 @@
 Parameter names and initialization follow upstream fairseq's MultiheadAttention (separate q/k/v/out
 projections with bias), so upstream state dicts load unchanged. No mask is materialized: SDPA's
 `is_causal=True` selects the fused kernels (flash / memory-efficient) where available.
+
+With an `incremental_state` the module caches keys and values across calls (see `_cache_entry` for the
+layout): each call computes only its new tokens and attends over everything cached so far.
 """
 
 import math
+from typing import Optional
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from fairseq.incremental_decoding_utils import FairseqIncrementalState, IncrementalState
 
-class MultiheadAttention(nn.Module):
+_CACHE_KEY = "attn_state"
+
+
+class MultiheadAttention(FairseqIncrementalState, nn.Module):
     def __init__(self, embed_dim: int, num_heads: int, dropout: float = 0.0, bias: bool = True):
         super().__init__()
         if embed_dim % num_heads != 0:
@@ -45,8 +53,11 @@ class MultiheadAttention(nn.Module):
         batch, length, _ = x.shape
         return x.view(batch, length, self.num_heads, self.head_dim).transpose(1, 2)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Causal self-attention over x [B, T, C] -> [B, T, C]."""
+    def forward(self, x: torch.Tensor, incremental_state: Optional[IncrementalState] = None) -> torch.Tensor:
+        """Causal self-attention over x [B, T, C] -> [B, T, C]; with `incremental_state`, x holds the tokens
+        that follow the cached ones."""
+        if incremental_state is not None:
+            return self._forward_incremental(x, incremental_state)
         batch, length, channels = x.shape
         q = self._split_heads(self.q_proj(x))
         k = self._split_heads(self.k_proj(x))
@@ -56,3 +67,80 @@ class MultiheadAttention(nn.Module):
         )
         attn = attn.transpose(1, 2).reshape(batch, length, channels)
         return self.out_proj(attn)
+
+    # ---- incremental decoding ---------------------------------------------------------------------------
+    def _cache_entry(self, incremental_state: IncrementalState) -> dict:
+        """This layer's entry of the incremental state, created empty on first use:
+
+        - "key_buffer", "value_buffer": [rows, num_heads, capacity, head_dim] tensors, allocated once (at the
+          reserved size, see `reserve_incremental_state`); batch row b's keys for its first `length` tokens
+          are `key_buffer[b, :, :length]`; rows past the current batch and slots past `length` are unused;
+        - "length": how many tokens are cached (a plain int, the same for every row);
+        - "reserved": (rows, capacity) to allocate on the first call, when someone said.
+        Without a reservation the buffers are allocated at the size the first call needs and grow by doubling.
+        """
+        entry = self.get_incremental_state(incremental_state, _CACHE_KEY)
+        if entry is None:
+            entry = {"key_buffer": None, "value_buffer": None, "length": 0, "reserved": (0, 0)}
+            self.set_incremental_state(incremental_state, _CACHE_KEY, entry)
+        return entry
+
+    def reserve_incremental_state(self, incremental_state: IncrementalState, max_length: int,
+                                  max_batch: int = 0) -> None:
+        """Say how many tokens (and batch rows) this state will hold, so the cache is allocated once."""
+        entry = self._cache_entry(incremental_state)
+        entry["reserved"] = (max(entry["reserved"][0], max_batch), max(entry["reserved"][1], max_length))
+
+    def _ensure_capacity(self, entry: dict, rows: int, length: int, like: torch.Tensor) -> None:
+        buffer = entry["key_buffer"]
+        have_rows, have_length = (0, 0) if buffer is None else (buffer.size(0), buffer.size(2))
+        if rows <= have_rows and length <= have_length:
+            return
+        reserved_rows, reserved_length = entry["reserved"]
+        new_rows = max(rows, have_rows, reserved_rows)
+        new_length = max(length, reserved_length, 2 * have_length if length > have_length else have_length)
+        filled, old_rows = entry["length"], have_rows
+        for name in ("key_buffer", "value_buffer"):
+            new = like.new_empty(new_rows, self.num_heads, new_length, self.head_dim)
+            if entry[name] is not None and filled:
+                new[:old_rows, :, :filled] = entry[name][:, :, :filled]
+            entry[name] = new
+
+    def _forward_incremental(self, x: torch.Tensor, incremental_state: IncrementalState) -> torch.Tensor:
+        batch, length, channels = x.shape
+        entry = self._cache_entry(incremental_state)
+        start = entry["length"]
+        end = start + length
+        q = self._split_heads(self.q_proj(x))
+        k = self._split_heads(self.k_proj(x))
+        v = self._split_heads(self.v_proj(x))
+        self._ensure_capacity(entry, batch, end, k)
+        entry["key_buffer"][:batch, :, start:end] = k
+        entry["value_buffer"][:batch, :, start:end] = v
+        keys = entry["key_buffer"][:batch, :, :end]
+        values = entry["value_buffer"][:batch, :, :end]
+        entry["length"] = end
+        dropout = self.dropout if self.training else 0.0
+        if length == 1 or start == 0:
+            # One new token sees every cached one; a first chunk is an ordinary causal square.
+            attn = F.scaled_dot_product_attention(q, keys, values, dropout_p=dropout, is_causal=length > 1)
+        else:
+            # A chunk after cached tokens: new token i (at start + i) sees keys 0 .. start + i.
+            mask = torch.ones(length, end, dtype=torch.bool, device=x.device).tril(diagonal=start)
+            attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, dropout_p=dropout)
+        attn = attn.transpose(1, 2).reshape(batch, length, channels)
+        return self.out_proj(attn)
+
+    def reorder_incremental_state(self, incremental_state: IncrementalState, new_order: torch.Tensor):
+        """Row i of the cache continues row `new_order[i]` (beams reordered, finished sentences dropped).
+
+        Done in place in the allocated buffers: only the filled part is copied."""
+        entry = self.get_incremental_state(incremental_state, _CACHE_KEY)
+        if entry is None or entry["key_buffer"] is None:
+            return incremental_state
+        rows, filled = new_order.numel(), entry["length"]
+        self._ensure_capacity(entry, rows, filled, entry["key_buffer"])
+        for name in ("key_buffer", "value_buffer"):
+            buffer = entry[name]
+            buffer[:rows, :, :filled] = buffer[:, :, :filled].index_select(0, new_order)
+        return incremental_state

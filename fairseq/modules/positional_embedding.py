@@ -3,10 +3,18 @@
 Positions are counted over non-padding tokens and start at `padding_idx + 1`; padding tokens get position
 `padding_idx`, whose row is zero. So a table for `max_positions` positions has
 `max_positions + padding_idx + 1` rows, which is what upstream checkpoints hold.
+
+Incremental decoding (see TransformerDecoder) reads `embed_range(start, length)`: the rows of tokens
+start .. start + length - 1 of a sequence without padding (position = padding_idx + 1 + index), a slice of
+the table with no index tensor. `forward(tokens, incremental_state=...)` keeps upstream's rule for callers
+that pass the whole prefix: the position of its last token, padding_idx + tokens.size(1), for every row
+(pads are not skipped there, as upstream does not skip them).
 """
 
 import math
 from typing import Optional
+
+from torch import Tensor
 
 import torch
 import torch.nn as nn
@@ -62,13 +70,27 @@ class LearnedPositionalEmbedding(nn.Embedding):
         nn.init.normal_(self.weight, mean=0.0, std=self.embedding_dim**-0.5)
         zero_row_(self.weight, self.padding_idx)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        if tokens.size(1) > self.max_positions:
+    def _check_length(self, length: int) -> None:
+        if length > self.max_positions:
             raise ValueError(
-                f"input of {tokens.size(1)} tokens is longer than the {self.max_positions} learned positions; "
+                f"input of {length} tokens is longer than the {self.max_positions} learned positions; "
                 "lower --tokens-per-sample or build the model with a larger --max-target-positions"
             )
+
+    def forward(self, tokens: torch.Tensor, incremental_state: Optional[dict] = None,
+                positions: Optional[Tensor] = None) -> torch.Tensor:
+        if positions is not None:
+            return F.embedding(positions, self.weight, self.padding_idx)
+        if incremental_state is not None:
+            return _last_position(self, tokens)
+        self._check_length(tokens.size(1))
         return F.embedding(make_positions(tokens, self.padding_idx), self.weight, self.padding_idx)
+
+    def embed_range(self, start: int, length: int) -> torch.Tensor:
+        """[length, dim]: the positions of tokens start .. start + length - 1 of an unpadded sequence."""
+        self._check_length(start + length)
+        first = self.padding_idx + 1 + start
+        return self.weight[first:first + length]
 
 
 class SinusoidalPositionalEmbedding(nn.Module):
@@ -94,13 +116,35 @@ class SinusoidalPositionalEmbedding(nn.Module):
                                               device=self.table.device))
             self._float_tensor.zero_()
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, incremental_state: Optional[dict] = None,
+                positions: Optional[Tensor] = None) -> torch.Tensor:
+        if incremental_state is not None and positions is None:
+            return _last_position(self, tokens)
         table = self.table
         rows_needed = self.padding_idx + 1 + tokens.size(1)
+        if positions is not None:
+            rows_needed = max(rows_needed, int(positions.max()) + 1)
         if rows_needed > table.size(0):  # longer than the precomputed table: compute a bigger one
             table = sinusoidal_table(rows_needed, self.embedding_dim, self.padding_idx,
                                      device=tokens.device).to(table.dtype)
-        return F.embedding(make_positions(tokens, self.padding_idx), table)
+        if positions is None:
+            positions = make_positions(tokens, self.padding_idx)
+        return F.embedding(positions, table)
+
+    def embed_range(self, start: int, length: int) -> torch.Tensor:
+        """[length, dim]: the positions of tokens start .. start + length - 1 of an unpadded sequence."""
+        first = self.padding_idx + 1 + start
+        if first + length > self.table.size(0):
+            # Decoding past the table: keep a larger one (doubling), so later steps slice it again.
+            rows = max(first + length, 2 * self.table.size(0))
+            self.table = sinusoidal_table(rows, self.embedding_dim, self.padding_idx,
+                                          device=self.table.device).to(self.table.dtype)
+        return self.table[first:first + length]
+
+
+def _last_position(module, tokens: torch.Tensor) -> torch.Tensor:
+    """Upstream's incremental rule: [B, 1, dim], the position padding_idx + T of the last of T tokens."""
+    return module.embed_range(tokens.size(1) - 1, 1).unsqueeze(0).expand(tokens.size(0), 1, -1)
 
 
 def build_positional_embedding(max_positions: int, embedding_dim: int, padding_idx: int, learned: bool = False):

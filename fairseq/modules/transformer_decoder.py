@@ -7,6 +7,15 @@ State-dict keys (under the model's `decoder.` prefix): `embed_tokens.weight`, `p
 from the embed dim), `output_projection.weight` (the embedding matrix itself when input and output
 embeddings are shared) and `version` (upstream's loader reads a missing version as a pre-2019
 checkpoint and drops the final layer norm, so it is kept).
+
+Incremental decoding (upstream's `incremental_state`): `decoder(tokens, incremental_state=state)` with the
+same dict every call, `tokens` [B, T] the whole sequence so far. Only `tokens[:, cached:]` is computed
+(several tokens at once, e.g. a prompt, or one per step), positions continue from the cached length, and
+the logits of those new tokens come back. Entries in `state`: this decoder's token count and, per layer,
+the attention's key/value buffers (see MultiheadAttention._cache_entry). The caller says the longest
+length with `reserve_incremental_state` so the buffers are allocated once; beams are reordered with
+`reorder_incremental_state`. All rows share one length: a batch must not be left-padded (upstream's
+generator forces prompts token by token instead, see fairseq.sequence_generator).
 """
 
 import math
@@ -17,11 +26,16 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from fairseq.incremental_decoding_utils import IncrementalState
+from fairseq.models.fairseq_incremental_decoder import FairseqIncrementalDecoder
+from fairseq.modules.multihead_attention import MultiheadAttention
 from fairseq.modules.positional_embedding import build_positional_embedding, zero_row_
 from fairseq.modules.transformer_layer import TransformerDecoderLayer
 
+_STATE_KEY = "decoder_state"
 
-class TransformerDecoder(nn.Module):
+
+class TransformerDecoder(FairseqIncrementalDecoder):
     """Token embeddings -> positions -> N decoder layers -> final norm -> vocabulary logits.
 
     `cfg` holds the hyper-parameters named as in `TransformerLanguageModelConfig` (read by attribute);
@@ -31,7 +45,7 @@ class TransformerDecoder(nn.Module):
     def __init__(self, cfg, vocab_size: int, padding_idx: int, output_vocab_size: Optional[int] = None):
         """`output_vocab_size` (--output-dictionary-size) narrows the softmax to the first symbols; it applies
         only to an untied output projection, as upstream (a tied one is the whole embedding matrix)."""
-        super().__init__()
+        super().__init__(dictionary=None)  # the model is built from sizes; its task holds the dictionary
         self.register_buffer("version", torch.tensor([3.0]))
         self.padding_idx = padding_idx
         self.vocab_size = vocab_size
@@ -123,31 +137,84 @@ class TransformerDecoder(nn.Module):
             return self.max_target_positions
         return min(self.max_target_positions, self.embed_positions.max_positions)
 
-    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Scaled token embeddings plus positions, [B, T] -> [B, T, embed_dim], before the layers."""
+    def embed(self, tokens: torch.Tensor, start: Optional[int] = None) -> torch.Tensor:
+        """Scaled token embeddings plus positions, [B, T] -> [B, T, embed_dim], before the layers.
+
+        `start`: the tokens follow `start` cached ones (incremental decoding), positions continue from there."""
         x = self.embed_scale * self.embed_tokens(tokens)
         if self.project_in_dim is not None:
             x = self.project_in_dim(x)
         if self.embed_positions is not None:
-            x = x + self.embed_positions(tokens).to(x.dtype)
+            if start is None:
+                positions = self.embed_positions(tokens)
+            else:
+                positions = self.embed_positions.embed_range(start, tokens.size(1))
+            x = x + positions.to(x.dtype)
         if self.layernorm_embedding is not None:
             x = self.layernorm_embedding(x)
         return F.dropout(x, self.dropout, self.training)
 
-    def extract_features(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Hidden states after the last layer (and final norm / output-dim projection), [B, T, output_dim]."""
-        x = self.embed(tokens)
-        for layer in self.layers:
-            x = layer(x)
+    def extract_features(self, prev_output_tokens: torch.Tensor, encoder_out=None,
+                         incremental_state: Optional[IncrementalState] = None) -> torch.Tensor:
+        """Hidden states after the last layer (and final norm / output-dim projection), [B, T, output_dim];
+        with `incremental_state`, of the tokens past the cached ones only."""
+        if encoder_out is not None:
+            raise ValueError("this decoder-only TransformerDecoder has no encoder attention; pass encoder_out=None")
+        if incremental_state is None:
+            x = self.embed(prev_output_tokens)
+            for layer in self.layers:
+                x = layer(x)
+        else:
+            x = self._layers_incremental(prev_output_tokens, incremental_state)
         if self.layer_norm is not None:
             x = self.layer_norm(x)
         if self.project_out_dim is not None:
             x = self.project_out_dim(x)
         return x
 
+    def _layers_incremental(self, tokens: torch.Tensor, incremental_state: IncrementalState) -> torch.Tensor:
+        entry = self.get_incremental_state(incremental_state, _STATE_KEY)
+        if entry is None:
+            entry = {"length": 0}
+            self.set_incremental_state(incremental_state, _STATE_KEY, entry)
+        start = entry["length"]
+        if tokens.size(1) <= start:
+            raise ValueError(f"incremental decoding: {tokens.size(1)} tokens given but {start} are cached already; "
+                             "pass the whole sequence so far plus at least one new token")
+        x = self.embed(tokens[:, start:], start=start)
+        for layer in self.layers:
+            x = layer(x, incremental_state=incremental_state)
+        entry["length"] = tokens.size(1)
+        return x
+
     def output_layer(self, features: torch.Tensor) -> torch.Tensor:
         return self.output_projection(features)
 
-    def forward(self, tokens: torch.Tensor, features_only: bool = False) -> torch.Tensor:
-        features = self.extract_features(tokens)
+    def forward(self, prev_output_tokens: torch.Tensor, encoder_out=None,
+                incremental_state: Optional[IncrementalState] = None, features_only: bool = False,
+                src_lengths: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Logits [B, T, V] (features with `features_only`), one tensor, not upstream's (logits, extra).
+        `src_lengths` is accepted for upstream callers and unused."""
+        features = self.extract_features(prev_output_tokens, encoder_out, incremental_state)
         return features if features_only else self.output_layer(features)
+
+    # ---- incremental state ------------------------------------------------------------------------------
+    def _attention_modules(self):
+        return [m for m in self.modules() if isinstance(m, MultiheadAttention)]
+
+    def reserve_incremental_state(self, incremental_state: IncrementalState, max_length: int,
+                                  max_batch: int = 0) -> None:
+        """Say, before the first call, that `incremental_state` will hold up to `max_length` tokens of up to
+        `max_batch` rows: every layer's cache is then allocated once, at that size, on the first call."""
+        for attention in self._attention_modules():
+            attention.reserve_incremental_state(incremental_state, max_length, max_batch)
+
+    def reorder_incremental_state(self, incremental_state: IncrementalState, new_order: torch.Tensor) -> None:
+        """Row i of every cache continues row `new_order[i]` (a LongTensor on the model's device)."""
+        for attention in self._attention_modules():
+            attention.reorder_incremental_state(incremental_state, new_order)
+
+    def reorder_incremental_state_scripting(self, incremental_state: IncrementalState,
+                                            new_order: torch.Tensor) -> None:
+        # The base class visits every submodule; here reorder_incremental_state already covers them all.
+        self.reorder_incremental_state(incremental_state, new_order)

@@ -6,6 +6,7 @@ import os
 from typing import Any, Dict, Optional
 
 import numpy as np
+import torch
 
 from fairseq import registry
 from fairseq.data.batching import Batches, SizeFilterReport, batch_by_size, filter_by_size, size_limit
@@ -146,6 +147,66 @@ class FairseqTask:
         from fairseq.criterions import build_criterion
 
         return build_criterion(criterion_cfg, self, optimization_cfg)
+
+    # ---- generation (upstream's names) --------------------------------------------------------------
+    def build_generator(self, models, args, seq_gen_cls=None, extra_gen_cls_kwargs=None,
+                        prefix_allowed_tokens_fn=None):
+        """A SequenceGenerator (or `seq_gen_cls`) for `models`, from upstream's generation options in `args`
+        (a GenerationConfig or any object with those attributes; missing ones take upstream's defaults):
+        beam, max_len_a, max_len_b, min_len, unnormalized, lenpen, unkpen, temperature, match_source_len,
+        no_repeat_ngram_size, sampling, sampling_topk, sampling_topp."""
+        from fairseq import search
+        from fairseq.sequence_generator import SequenceGenerator
+
+        def get(name, default):
+            value = getattr(args, name, default)
+            return default if value is None else value
+
+        if get("score_reference", False):  # score the given text instead (upstream's choice, made here too)
+            from fairseq.sequence_scorer import SequenceScorer
+
+            return SequenceScorer(self.target_dictionary, compute_alignment=get("print_alignment", False))
+        if prefix_allowed_tokens_fn is not None:
+            raise ValueError("prefix_allowed_tokens_fn (prefix-constrained decoding) is not supported by this "
+                             "fairseq's generator")
+        for name, is_set, fix in (("diverse_beam_groups", lambda v: v > 0, "use --beam or --sampling"),
+                                  ("diversity_rate", lambda v: v > 0, "use --beam or --sampling"),
+                                  ("constraints", bool, "drop it")):
+            if is_set(get(name, 0)):
+                raise ValueError(f"--{name.replace('_', '-')} is not supported by this fairseq's generator; {fix}")
+        sampling, match_source_len = get("sampling", False), get("match_source_len", False)
+        sampling_topk, sampling_topp = get("sampling_topk", -1), get("sampling_topp", -1.0)
+        if sampling and match_source_len:  # upstream: "search parameters are mutually exclusive"
+            raise ValueError("--sampling and --match-source-len cannot be combined (they are two search "
+                             "strategies); drop one")
+        if sampling_topk >= 0 and not sampling:
+            raise ValueError(f"--sampling-topk {sampling_topk} requires --sampling")
+        if sampling_topp >= 0 and not sampling:
+            raise ValueError(f"--sampling-topp {sampling_topp} requires --sampling")
+        if sampling:
+            search_strategy = search.Sampling(self.target_dictionary, sampling_topk, sampling_topp)
+        elif match_source_len:
+            # Outputs exactly as long as the source (upstream hard-codes these length constraints).
+            search_strategy = search.LengthConstrainedBeamSearch(
+                self.target_dictionary, min_len_a=1, min_len_b=0, max_len_a=1, max_len_b=0)
+        else:
+            search_strategy = search.BeamSearch(self.target_dictionary)
+        seq_gen_cls = SequenceGenerator if seq_gen_cls is None else seq_gen_cls
+        return seq_gen_cls(
+            models, self.target_dictionary,
+            beam_size=get("beam", 5), max_len_a=get("max_len_a", 0), max_len_b=get("max_len_b", 200),
+            min_len=get("min_len", 1), normalize_scores=not get("unnormalized", False),
+            len_penalty=get("lenpen", 1), unk_penalty=get("unkpen", 0), temperature=get("temperature", 1.0),
+            match_source_len=match_source_len, no_repeat_ngram_size=get("no_repeat_ngram_size", 0),
+            search_strategy=search_strategy, **(extra_gen_cls_kwargs or {}),
+        )
+
+    def build_dataset_for_inference(self, src_tokens, src_lengths, **kwargs):
+        raise NotImplementedError(f"task {type(self).__name__} does not build datasets for inference")
+
+    def inference_step(self, generator, models, sample, prefix_tokens=None, constraints=None):
+        with torch.no_grad():
+            return generator.generate(models, sample, prefix_tokens=prefix_tokens, constraints=constraints)
 
     # ---- hooks the trainer may call -----------------------------------------------------------------
     def begin_epoch(self, epoch: int, model) -> None:

@@ -8,7 +8,10 @@ or several such directories joined by `:`; epoch e reads the directory `paths[(e
 import logging
 import os
 from dataclasses import dataclass
-from typing import Literal, Optional
+from typing import List, Literal, Optional
+
+import numpy as np
+import torch
 
 from fairseq.data.data_utils import load_indexed_dataset
 from fairseq.data.dictionary import Dictionary
@@ -135,6 +138,39 @@ class LanguageModelingTask(FairseqTask):
         self._split_sources[split] = (f"{shard}{split_path}.bin: {len(dataset):,} sentences, "
                                       f"{len(blocks):,} blocks")
         return self.datasets[split]
+
+    def build_dataset_for_inference(self, src_tokens: List[torch.Tensor], src_lengths, **kwargs) -> MonolingualDataset:
+        """Prompts for generation or scoring, as upstream lays them out: each sentence without its trailing
+        </s>, as source behind </s> (<s> with --add-bos-token) and as target followed by <pad>; batches are
+        right-padded (`task.get_batch_iterator(dataset, ...)` batches it; `inference_step` reads it)."""
+        dictionary = self.source_dictionary
+        start = dictionary.bos() if self.cfg.add_bos_token else dictionary.eos()
+        items = []
+        for tokens in src_tokens:
+            tokens = torch.as_tensor(tokens, dtype=torch.long)
+            while len(tokens) and tokens[-1] == dictionary.eos():  # upstream strips </s> at both ends
+                tokens = tokens[:-1]
+            while len(tokens) and tokens[0] == dictionary.eos():
+                tokens = tokens[1:]
+            items.append((torch.cat([tokens.new_full((1,), start), tokens]),
+                          torch.cat([tokens, tokens.new_full((1,), dictionary.pad())]), None))
+        return MonolingualDataset(items, np.asarray(src_lengths), dictionary, self.output_dictionary,
+                                  shuffle=False, add_bos_token=False)
+
+    def inference_step(self, generator, models, sample, prefix_tokens=None, constraints=None):
+        """Continue each prompt of `sample` (from build_dataset_for_inference): its source without the leading
+        </s> (or <s>) is forced, generation starts from that token, as upstream."""
+        if constraints is not None:
+            raise ValueError("--constraints (lexically constrained decoding) is not supported with --task "
+                             "language_modeling (upstream refuses it too)")
+        bos_token = self.source_dictionary.bos() if self.cfg.add_bos_token else self.source_dictionary.eos()
+        with torch.no_grad():
+            src_tokens = sample["net_input"]["src_tokens"]
+            if prefix_tokens is None and src_tokens.nelement():
+                prefix_tokens = src_tokens
+                if prefix_tokens[:, 0].eq(bos_token).all():
+                    prefix_tokens = prefix_tokens[:, 1:]
+            return generator.generate(models, sample, prefix_tokens=prefix_tokens, bos_token=bos_token)
 
     def describe_split(self, split: str) -> Optional[str]:
         return self._split_sources.get(split)
