@@ -1,0 +1,1 @@
+"""Exporting trained models to other libraries' formats (`fairseq.export.hf`: Hugging Face transformers)."""
