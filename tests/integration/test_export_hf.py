@@ -271,32 +271,34 @@ def test_exported_kind_computes_the_same(kind, tmp_path):
     assert_same_greedy(fork, model, [r[:n] for r, n in zip(rows, (7, 4, 1))])  # left padding: 0, 3 and 6
 
 
-def test_sharded_checkpoint_and_weight_shards(tmp_path):
-    """fairseq-train --use-sharded-state writes a DCP directory; the export reads it (dict.txt from the
-    checkpoint's data directory) and splits the weights into several safetensors files with an index."""
-    from fairseq_cli import preprocess, train
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # DCP read in one process, as intended
+def test_sharded_checkpoint_and_weight_shards(tiny_data, build_train_args, tmp_path):
+    """fairseq-train --use-sharded-state (the conftest's tiny transformer_lm_gpt: sinusoidal, pre-norm, untied)
+    writes a DCP directory; the export reads it (dict.txt from the checkpoint's data directory) as XGLM and
+    splits the weights into several safetensors files with an index."""
+    import torch.distributed as dist
 
-    from tests.conftest import write_corpus
+    from fairseq_cli import train
 
-    write_corpus(tmp_path / "train.txt", 60, seed=1)
-    preprocess.cli_main(["--only-source", "--trainpref", str(tmp_path / "train.txt"), "--destdir",
-                         str(tmp_path / "data"), "--workers", "1"])
-    train.cli_main(["--task", "language_modeling", str(tmp_path / "data"), "--save-dir", str(tmp_path / "ck"),
-                    "--arch", "transformer_lm_gpt3_small", "--decoder-layers", "2", "--decoder-embed-dim", "32",
-                    "--decoder-attention-heads", "2", "--optimizer", "adam", "--lr", "0.003",
-                    "--tokens-per-sample", "16", "--batch-size", "4", "--max-update", "2", "--num-workers", "0",
-                    "--cpu", "--seed", "3", "--disable-validation", "--ddp-backend", "fully_sharded",
-                    "--use-sharded-state"])
+    was_initialized = dist.is_initialized()
+    try:
+        train.cli_main(build_train_args(tiny_data, tmp_path / "ck", "--disable-validation", "--ddp-backend",
+                                        "fully_sharded", "--use-sharded-state", max_update=2,
+                                        arch="transformer_lm_gpt", json_log=False, log_file=False))
+    finally:
+        if dist.is_initialized() and not was_initialized:  # the one-process group FSDP made: leave none behind
+            dist.destroy_process_group()
     checkpoint = tmp_path / "ck" / "checkpoint_last"
     assert checkpoint.is_dir()
     result = hf.export(str(checkpoint), str(tmp_path / "hf"), max_shard_size="20KB")
+    assert result["architecture"] == "XGLMForCausalLM"
     assert len(result["weights"]) > 2 and result["weights"][-1] == "model.safetensors.index.json"
     index = json.loads((tmp_path / "hf" / "model.safetensors.index.json").read_text())
     assert set(index["weight_map"].values()) == set(result["weights"][:-1])
-    dictionary = Dictionary.load(str(tmp_path / "data" / "dict.txt"))
+    dictionary = Dictionary.load(str(tiny_data / "dict.txt"))
     fork = fork_model(checkpoint, dictionary)
     model = load_hf(tmp_path / "hf")
-    assert_same_logits(fork, model, random_rows(len(dictionary), [16, 11, 3]))
+    assert_same_logits(fork, model, random_rows(len(dictionary), [32, 11, 3]))
 
 
 def test_dtype_and_bos_token(tmp_path):
