@@ -30,7 +30,8 @@ from fairseq.export import hf  # noqa: E402
 from fairseq.models.transformer_lm import (TransformerLanguageModel, TransformerLanguageModelConfig,  # noqa: E402
                                            preset_config)
 
-from tests.integration.test_preprocess_bpe import TRICKY, sample_text, train_gpt2_files  # noqa: E402
+from tests.integration.test_preprocess_bpe import TRICKY  # noqa: E402
+from tests.text_fixtures import sample_text, train_gpt2_files, train_spm_model  # noqa: E402
 
 ATOL = 1e-4
 EXTRA_TEXT = ["don't you'll I'M 1234567 3.14", "  two  spaces ", " \u00a0nbsp\u3000ideographic",
@@ -320,13 +321,13 @@ def test_dtype_and_bos_token(tmp_path):
 
 @pytest.fixture(scope="module")
 def spm_models(tmp_path_factory):
+    """{"bpe": the shared sentencepiece BPE model, "unigram": one of sentencepiece's default kind}."""
     spm = pytest.importorskip("sentencepiece")
     root = tmp_path_factory.mktemp("export_spm")
-    (root / "train.txt").write_text(sample_text(), encoding="utf-8")
-    for kind in ("bpe", "unigram"):
-        spm.SentencePieceTrainer.Train(f"--input={root / 'train.txt'} --model_prefix={root / kind} "
-                                       f"--vocab_size=300 --model_type={kind} --minloglevel=2")
-    return root
+    bpe_model = train_spm_model(root)
+    spm.SentencePieceTrainer.Train(f"--input={root / 'spm_train.txt'} --model_prefix={root / 'unigram'} "
+                                   "--vocab_size=300 --model_type=unigram --minloglevel=2")
+    return {"bpe": str(bpe_model), "unigram": str(root / "unigram.model")}
 
 
 def test_sentencepiece_tokenizer_gives_fairseq_ids(spm_models, tmp_path):
@@ -336,7 +337,7 @@ def test_sentencepiece_tokenizer_gives_fairseq_ids(spm_models, tmp_path):
 
     from fairseq.data.encoders.sentencepiece_bpe import SentencepieceBPE, SentencepieceConfig
 
-    model_file = str(spm_models / "bpe.model")
+    model_file = spm_models["bpe"]
     sp = spm.SentencePieceProcessor(model_file=model_file)
     pieces = [sp.IdToPiece(i) for i in range(3, sp.GetPieceSize())]
     random.Random(1).shuffle(pieces)
@@ -363,9 +364,9 @@ def test_sentencepiece_refusals(spm_models, tmp_path):
 
     d = Dictionary()
     with pytest.raises(ValueError, match="a unigram model .*--no-tokenizer"):
-        bpe_tokenizer({"_name": "sentencepiece", "sentencepiece_model": str(spm_models / "unigram.model")}, d, 2)
+        bpe_tokenizer({"_name": "sentencepiece", "sentencepiece_model": spm_models["unigram"]}, d, 2)
     with pytest.raises(ValueError, match="lacks 2\\d\\d of the 2\\d\\d tokens the sentencepiece model can output"):
-        bpe_tokenizer({"_name": "sentencepiece", "sentencepiece_model": str(spm_models / "bpe.model")}, d, 2)
+        bpe_tokenizer({"_name": "sentencepiece", "sentencepiece_model": spm_models["bpe"]}, d, 2)
     (tmp_path / "x.model").write_bytes(b"\xff\xff\xff")
     with pytest.raises(ValueError, match="is not a sentencepiece model file"):
         bpe_tokenizer({"_name": "sentencepiece", "sentencepiece_model": str(tmp_path / "x.model")}, d, 2)
