@@ -17,6 +17,15 @@ VOCAB, PAD = 24, 1
 ATOL = RTOL = 2e-5
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny models gain nothing from intra-op threads; on a shared machine waiting for them dominates."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def build(**overrides):
     options = dict(decoder_embed_dim=16, decoder_input_dim=16, decoder_output_dim=16, decoder_ffn_embed_dim=32,
                    decoder_layers=2, decoder_attention_heads=4, max_target_positions=40, dropout=0.0,

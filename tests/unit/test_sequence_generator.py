@@ -22,6 +22,15 @@ from fairseq.tasks.language_modeling import LanguageModelingConfig, LanguageMode
 ATOL = 2e-5
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny models gain nothing from intra-op threads; on a shared machine waiting for them dominates."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def make_dictionary(words=8):
     d = Dictionary()
     for i in range(words):
