@@ -154,3 +154,45 @@ def convert_namespace_to_config(args: argparse.Namespace) -> configs.FairseqConf
     components = {attr: getattr(args, dest, None) for attr, dest, _, _ in COMPONENTS}
     components["model"] = getattr(args, "arch", None)
     return build_config(vars(args), components)
+
+
+# ----------------------------------------------------------------------------- generation
+
+def _generation_groups(interactive: bool) -> dict:
+    from fairseq.dataclass.generation import GenerationConfig, InteractiveConfig
+
+    groups = {
+        "common": configs.CommonConfig, "dataset": configs.DatasetConfig,
+        "distributed_training": configs.DistributedTrainingConfig, "checkpoint": configs.CheckpointConfig,
+        "common_eval": configs.CommonEvalConfig, "generation": GenerationConfig,
+    }
+    if interactive:
+        groups["interactive"] = InteractiveConfig
+    return groups
+
+
+def get_generation_parser(interactive: bool = False, default_task: str = "language_modeling"):
+    """fairseq-generate's parser (fairseq-interactive's with `interactive`): upstream's groups; the model and
+    its flags come from the checkpoint (--path), changed only through --model-overrides."""
+    name = "fairseq-interactive: generate from prompts" if interactive else "fairseq-generate: generate for a split"
+    return _base_parser(name, _generation_groups(interactive), default_task,
+                        components=("task",) + ENCODER_COMPONENTS)
+
+
+def get_interactive_generation_parser(default_task: str = "language_modeling"):
+    return get_generation_parser(interactive=True, default_task=default_task)
+
+
+get_interactive_parser = get_interactive_generation_parser
+
+
+def convert_namespace_to_generation_config(args: argparse.Namespace) -> configs.FairseqConfig:
+    """convert_namespace_to_config plus the `generation` and `interactive` groups (upstream's cfg.generation,
+    cfg.interactive)."""
+    from fairseq.dataclass.generation import GenerationConfig, InteractiveConfig
+    from fairseq.dataclass.utils import config_from_namespace
+
+    cfg = convert_namespace_to_config(args)
+    cfg.generation = config_from_namespace(GenerationConfig, args)
+    cfg.interactive = config_from_namespace(InteractiveConfig, args)
+    return cfg

@@ -3,7 +3,8 @@
 Read by fairseq-generate, fairseq-interactive and the hub interface, which hand `GenerationConfig` to
 `task.build_generator`. Upstream features that decode something other than a left-to-right language model
 (alignments, lexical constraints, an extra fusion LM, diverse beam search, unknown-word replacement) are
-accepted at their defaults and rejected when set (`check_generation_config`).
+accepted at their defaults and rejected when set (here, `check_generation_config`, or by
+`task.build_generator` for the generator's own options).
 """
 
 from dataclasses import dataclass, field
@@ -67,11 +68,9 @@ class InteractiveConfig:
 
 
 # (field, predicate on its value, what to do instead) for upstream options this fork does not implement.
+# (The generator's own options are checked by task.build_generator and the SequenceGenerator.)
 _UNSUPPORTED = (
     ("replace_unk", lambda v: v is not None, "drop it"),
-    ("constraints", lambda v: v is not None, "drop it (upstream's language_modeling task refuses it too)"),
-    ("diverse_beam_groups", lambda v: v > 0, "use --beam or --sampling"),
-    ("diversity_rate", lambda v: v > 0, "use --beam or --sampling"),
     ("print_alignment", bool, "drop it"),
     ("print_step", bool, "drop it"),
     ("lm_path", lambda v: v is not None, "drop it"),
@@ -86,20 +85,16 @@ def check_generation_config(generation: GenerationConfig, dataset=None, interact
         if is_set(value):
             flag = "--" + name.replace("_", "-")
             raise ValueError(f"{flag} {value!r} is not supported by this fairseq's generator; {fix}")
-    if generation.beam < 1:
-        raise ValueError(f"--beam must be at least 1, got {generation.beam}")
     if generation.nbest < 1:
         raise ValueError(f"--nbest must be at least 1, got {generation.nbest}")
     if generation.sampling and generation.nbest != generation.beam:
         raise ValueError(f"--sampling requires --nbest to be equal to --beam (got --nbest {generation.nbest}, "
                          f"--beam {generation.beam}): --beam N --nbest N draws N samples per prompt")
-    if generation.nbest > generation.beam:
+    if generation.nbest > generation.beam >= 1:
         raise ValueError(f"--nbest {generation.nbest} is larger than --beam {generation.beam}: a beam search "
                          "returns at most --beam hypotheses; raise --beam or lower --nbest")
     if generation.prefix_size < 0:
         raise ValueError(f"--prefix-size must be >= 0, got {generation.prefix_size}")
-    if generation.temperature <= 0:
-        raise ValueError(f"--temperature must be greater than 0, got {generation.temperature}")
     if interactive is not None and dataset is not None and dataset.batch_size:
         if dataset.batch_size > max(interactive.buffer_size, 1):
             raise ValueError(f"--batch-size/--max-sentences {dataset.batch_size} cannot be larger than "

@@ -61,6 +61,16 @@ class BaseFairseqModel(nn.Module):
     def get_targets(self, sample, net_output) -> torch.Tensor:
         return sample["target"]
 
+    @classmethod
+    def from_pretrained(cls, model_name_or_path: str, checkpoint_file: str = "model.pt",
+                        data_name_or_path: str = ".", **kwargs):
+        """Upstream's hub entry point for a local directory: a fairseq.hub_utils.GeneratorHubInterface
+        (encode / decode / sample / score / generate) over the checkpoint(s); see hub_utils.from_pretrained."""
+        from fairseq import hub_utils
+
+        loaded = hub_utils.from_pretrained(model_name_or_path, checkpoint_file, data_name_or_path, **kwargs)
+        return hub_utils.GeneratorHubInterface(loaded["args"], loaded["task"], loaded["models"])
+
 
 class FairseqLanguageModel(BaseFairseqModel):
     """A decoder-only language model: `model(src_tokens) -> logits [B, T, V]`, its blocks at `decoder.layers`."""

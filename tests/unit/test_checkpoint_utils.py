@@ -1,12 +1,10 @@
 """fairseq.checkpoint_utils (upstream's loading names) on checkpoints written by the real fairseq-train: a
-single file (trained once in this module, in-process) and a sharded directory (--use-sharded-state, one
-subprocess). Weights come back bitwise as saved; arg_overrides act as upstream's; bad input is one clear error."""
+single file and a sharded directory (--use-sharded-state), each trained once in this module, in-process.
+Weights come back bitwise as saved; arg_overrides act as upstream's; bad input is one clear error."""
 
 import argparse
 import os
 import shutil
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -15,7 +13,14 @@ from fairseq import checkpoint_utils
 from fairseq.checkpoint.io import CheckpointError
 from fairseq_cli import train
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny models gain nothing from intra-op threads, and on a shared machine waiting for them dominates."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")
@@ -34,14 +39,16 @@ def trained(tiny_data, tmp_path_factory, train_args):
 @pytest.fixture(scope="module")
 def sharded_dir(tiny_data, tmp_path_factory, build_train_args):
     """(sharded checkpoint directory written by fairseq-train --use-sharded-state, DCP's own reading of it)."""
+    import torch.distributed as dist
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
     save_dir = tmp_path_factory.mktemp("ckpt_utils_sharded")
-    argv = build_train_args(tiny_data, save_dir, "--disable-validation", "--ddp-backend", "fully_sharded",
-                            "--use-sharded-state", max_update=2, json_log=False, log_file=False)
-    proc = subprocess.run([sys.executable, "-m", "fairseq_cli.train", *map(str, argv)], capture_output=True,
-                          text=True, env=dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1"), timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    try:
+        train.cli_main(build_train_args(tiny_data, save_dir, "--disable-validation", "--ddp-backend", "fully_sharded",
+                                        "--use-sharded-state", max_update=2, json_log=False, log_file=False))
+    finally:  # one process: fairseq-train made a one-rank process group for FSDP2; leave none behind
+        if dist.is_initialized():
+            dist.destroy_process_group()
     path = save_dir / "checkpoint_last"
     reference = save_dir / "reference.pt"
     dcp_to_torch_save(str(path), str(reference))  # written by us just now: trusted

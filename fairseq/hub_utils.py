@@ -1,0 +1,259 @@
+"""The hub interface: a trained model as an object that encodes, generates, scores and decodes text.
+
+    from fairseq.models.transformer_lm import TransformerLanguageModel
+    lm = TransformerLanguageModel.from_pretrained("checkpoints", "checkpoint_best.pt", data_name_or_path="data-bin",
+                                                  bpe="gpt2", gpt2_encoder_json="gpt2_bpe/encoder.json",
+                                                  gpt2_vocab_bpe="gpt2_bpe/vocab.bpe")
+    lm.sample("Barack Obama", beam=1, sampling=True, sampling_topk=10, temperature=0.8)
+    lm.score("Barack Obama is coming to Sydney")["positional_scores"]   # log p of each token (natural log)
+
+Upstream's `GeneratorHubInterface` and `from_pretrained`, for local directories only: nothing is downloaded.
+Text goes tokenizer -> BPE -> dictionary ids (`encode`) and back (`decode`); generation uses the task's
+`build_generator` / `build_dataset_for_inference` / `inference_step`, as fairseq-interactive does.
+"""
+
+import copy
+import logging
+import os
+from typing import Any, Dict, Iterator, List, Optional
+
+import torch
+from torch import nn
+
+from fairseq.data import encoders
+from fairseq.data.batching import resolve_limit
+from fairseq.dataclass.generation import check_generation_config
+from fairseq.sequence_scorer import SequenceScorer
+
+logger = logging.getLogger(__name__)
+
+# Encoder files found in a model directory -> the --bpe option that names them (applied when the chosen scheme
+# has that option and it is not given). Upstream's sentencepiece name, and GPT-2's two files (upstream fetches
+# those from a URL; here they must be local).
+MODEL_DIR_FILES = {
+    "sentencepiece.bpe.model": "sentencepiece_model",
+    "encoder.json": "gpt2_encoder_json",
+    "vocab.bpe": "gpt2_vocab_bpe",
+}
+
+
+def from_pretrained(model_name_or_path: str, checkpoint_file: str = "model.pt", data_name_or_path: str = ".",
+                    archive_map: Optional[Dict[str, Any]] = None, **kwargs) -> Dict[str, Any]:
+    """{"args": cfg, "task": task, "models": [model, ...]} for the checkpoint(s) `checkpoint_file`
+    (':'-separated for an ensemble) in directory `model_name_or_path`.
+
+    `data_name_or_path` is the directory of the dictionary (dict.txt): relative to the model directory when
+    it starts with "." (upstream's convention), else a path of its own. Other keyword arguments override the
+    checkpoint's options as `arg_overrides` (`bpe="gpt2"`, `gpt2_encoder_json=...`, `tokenizer="space"`,
+    `max_tokens=...`); `trust_legacy_checkpoint=True` reads an upstream fairseq file, which unpickles code."""
+    from fairseq import checkpoint_utils
+    from fairseq.checkpoint.inference import component_dataclass
+
+    if archive_map is not None:
+        model_name_or_path = archive_map.get(model_name_or_path, model_name_or_path)
+        if data_name_or_path is not None:
+            data_name_or_path = archive_map.get(data_name_or_path, data_name_or_path)
+        if isinstance(model_name_or_path, dict):  # upstream: an entry may also set default overrides
+            for key, value in model_name_or_path.items():
+                if key == "checkpoint_file":
+                    checkpoint_file = value
+                elif key != "path":
+                    kwargs.setdefault(key, value)
+            model_name_or_path = model_name_or_path["path"]
+    model_path = _local_directory(model_name_or_path, "model_name_or_path", checkpoint_file)
+    if data_name_or_path.startswith("."):
+        kwargs["data"] = os.path.abspath(os.path.join(model_path, data_name_or_path))
+    else:
+        kwargs["data"] = _local_directory(data_name_or_path, "data_name_or_path", "dict.txt")
+    trust_legacy = bool(kwargs.pop("trust_legacy_checkpoint", False))
+    if kwargs.get("user_dir"):
+        from fairseq.utils import import_user_module
+
+        import_user_module(kwargs["user_dir"])
+
+    paths = [os.path.join(model_path, name) for name in checkpoint_file.split(os.pathsep)]
+    state = checkpoint_utils.load_checkpoint_to_cpu(paths[0], trust_legacy_checkpoint=trust_legacy)
+    saved_bpe = state["cfg"].get("bpe") or {}
+    bpe_options = component_dataclass("bpe", kwargs.get("bpe", saved_bpe.get("_name")))
+    bpe_options = {f.name for f in _fields(bpe_options)}
+    for filename, option in MODEL_DIR_FILES.items():
+        found = os.path.join(model_path, filename)
+        if option in bpe_options and option not in kwargs and os.path.isfile(found):
+            kwargs[option] = found
+    models, cfg, task = checkpoint_utils.load_model_ensemble_and_task(
+        paths, arg_overrides=kwargs, state=state if len(paths) == 1 else None,
+        trust_legacy_checkpoint=trust_legacy)
+    return {"args": cfg, "task": task, "models": models}
+
+
+def _fields(dc) -> list:
+    import dataclasses
+
+    return list(dataclasses.fields(dc)) if dc is not None else []
+
+
+def _local_directory(path: str, argument: str, expected: str) -> str:
+    if os.path.isdir(path):
+        return path
+    if os.path.isfile(path) and path.endswith((".tar.gz", ".tgz", ".tar", ".zip")):
+        raise ValueError(f"from_pretrained: {argument}={path!r} is an archive; extract it and pass the directory "
+                         f"that holds {expected}")
+    raise ValueError(f"from_pretrained: {argument}={path!r} is not a local directory; this fairseq loads models "
+                     f"from disk only (no downloads): pass the directory that holds {expected}")
+
+
+def check_prompt_lengths(lengths: List[int], max_positions: Optional[int], skip_hint: str, first_id: int = 0) -> None:
+    """ValueError for the first prompt longer than the model's positions. `lengths` count the prompt's
+    tokens plus the </s> (or <s>) that generation starts from."""
+    if max_positions is None:
+        return
+    for i, n in enumerate(lengths):
+        if n > max_positions:
+            raise ValueError(
+                f"prompt {first_id + i} is {n} tokens long (with the </s> it starts from), more than the model's "
+                f"{max_positions} positions (the --tokens-per-sample / --max-target-positions it was trained "
+                f"with); shorten the prompt, or {skip_hint}")
+
+
+class GeneratorHubInterface(nn.Module):
+    """Upstream's interface for generating from (and scoring with) a language model or an ensemble.
+
+    An nn.Module, so `.cuda()`, `.half()`, `.to(torch.bfloat16)` move and cast every model; `device` is where
+    they are. Models are put in eval mode (dropout off, unless cfg.generation.retain_dropout)."""
+
+    def __init__(self, cfg, task, models):
+        super().__init__()
+        self.cfg = cfg
+        self.task = task
+        self.models = nn.ModuleList(models)
+        self.src_dict = task.source_dictionary
+        self.tgt_dict = task.target_dictionary
+        retain_dropout = bool(getattr(getattr(cfg, "generation", None), "retain_dropout", False))
+        for model in self.models:
+            model.train(retain_dropout)
+        self.tokenizer = encoders.build_tokenizer(getattr(cfg, "tokenizer", None))
+        self.bpe = encoders.build_bpe(getattr(cfg, "bpe", None))
+        self.max_positions = resolve_limit(task.max_positions(), *[m.max_positions() for m in models])
+        # tells the device (and dtype) the models are on
+        self.register_buffer("_float_tensor", torch.tensor([0], dtype=torch.float))
+
+    @property
+    def device(self) -> torch.device:
+        return self._float_tensor.device
+
+    # ---- text <-> ids -----------------------------------------------------------------------------
+    def encode(self, sentence: str) -> torch.LongTensor:
+        """Ids of `sentence` (tokenizer, then BPE, then the dictionary), ending with </s>, as upstream."""
+        return self.binarize(self.apply_bpe(self.tokenize(sentence)))
+
+    def decode(self, tokens: torch.LongTensor) -> str:
+        return self.detokenize(self.remove_bpe(self.string(tokens)))
+
+    def tokenize(self, sentence: str) -> str:
+        return self.tokenizer.encode(sentence) if self.tokenizer is not None else sentence
+
+    def detokenize(self, sentence: str) -> str:
+        return self.tokenizer.decode(sentence) if self.tokenizer is not None else sentence
+
+    def apply_bpe(self, sentence: str) -> str:
+        return self.bpe.encode(sentence) if self.bpe is not None else sentence
+
+    def remove_bpe(self, sentence: str) -> str:
+        return self.bpe.decode(sentence) if self.bpe is not None else sentence
+
+    def binarize(self, sentence: str) -> torch.LongTensor:
+        return self.src_dict.encode_line(sentence, add_if_not_exist=False).long()
+
+    def string(self, tokens: torch.LongTensor) -> str:
+        return self.tgt_dict.string(tokens)
+
+    # ---- generation -------------------------------------------------------------------------------
+    def translate(self, sentences: List[str], beam: int = 5, verbose: bool = False, **kwargs) -> List[str]:
+        return self.sample(sentences, beam, verbose, **kwargs)
+
+    def sample(self, sentences: List[str], beam: int = 1, verbose: bool = False, **kwargs) -> List[str]:
+        """The best hypothesis of each sentence as text: the prompt followed by its continuation."""
+        if isinstance(sentences, str):
+            return self.sample([sentences], beam=beam, verbose=verbose, **kwargs)[0]
+        tokenized = [self.encode(sentence) for sentence in sentences]
+        return [self.decode(hypos[0]["tokens"]) for hypos in self.generate(tokenized, beam, verbose, **kwargs)]
+
+    def score(self, sentences: List[str], replace_newline_with_eos: bool = False, **kwargs):
+        """Each sentence scored by the model, as upstream: a hypothesis dict whose `positional_scores` are the
+        natural-log probabilities of its tokens (the final </s> not included) given the ones before, from one
+        full forward; `score` is their mean. With `replace_newline_with_eos` the lines of a sentence are joined
+        by </s>."""
+        if isinstance(sentences, str):
+            return self.score([sentences], replace_newline_with_eos=replace_newline_with_eos, **kwargs)[0]
+
+        def encode(sentence):
+            if replace_newline_with_eos:
+                return torch.cat([self.encode(line) for line in sentence.splitlines()])
+            return self.encode(sentence)
+
+        tokenized = [encode(sentence) for sentence in sentences]
+        return [hypos[0] for hypos in self.generate(tokenized, score_reference=True, **kwargs)]
+
+    def generate(self, tokenized_sentences: List[torch.LongTensor], beam: int = 5, verbose: bool = False,
+                 skip_invalid_size_inputs: bool = False, inference_step_args: Optional[Dict[str, Any]] = None,
+                 prefix_allowed_tokens_fn=None, **kwargs) -> List[List[Dict[str, torch.Tensor]]]:
+        """Per input (ids from `encode`), its hypotheses, best first: dicts with "tokens" (the prompt and its
+        continuation), "score", "positional_scores" (natural log), "attention", "alignment". Keyword
+        arguments set generation options (upstream's names: sampling=True, sampling_topk=10, temperature=0.8,
+        max_len_b=50, lenpen=..., min_len=...). Inputs longer than the model's positions are an error, or
+        skipped (and missing from the result) with `skip_invalid_size_inputs`."""
+        if torch.is_tensor(tokenized_sentences) and tokenized_sentences.dim() == 1:
+            return self.generate(tokenized_sentences.unsqueeze(0), beam=beam, verbose=verbose,
+                                 skip_invalid_size_inputs=skip_invalid_size_inputs,
+                                 inference_step_args=inference_step_args,
+                                 prefix_allowed_tokens_fn=prefix_allowed_tokens_fn, **kwargs)[0]
+        gen_args = copy.deepcopy(self.cfg.generation)
+        gen_args.beam = beam
+        for key, value in kwargs.items():
+            if not hasattr(gen_args, key):
+                raise ValueError(f"generate(): {key}={value!r} is no generation option (options: "
+                                 f"{', '.join(sorted(vars(gen_args)))})")
+            setattr(gen_args, key, value)
+        check_generation_config(gen_args)
+        if gen_args.score_reference:  # upstream's build_generator makes this choice; here the scorer is separate
+            generator = SequenceScorer(self.tgt_dict)
+        else:
+            generator = self.task.build_generator(self.models, gen_args,
+                                                  prefix_allowed_tokens_fn=prefix_allowed_tokens_fn)
+
+        results = []
+        for batch in self._build_batches(tokenized_sentences, skip_invalid_size_inputs):
+            batch = move_to(batch, self.device)
+            hypos = self.task.inference_step(generator, self.models, batch, **(inference_step_args or {}))
+            results.extend(zip(batch["id"].tolist(), hypos))
+        outputs = [hypos for _, hypos in sorted(results, key=lambda pair: pair[0])]
+        if verbose:
+            for source, hypotheses in zip(tokenized_sentences, outputs):
+                logger.info(f"S\t{self.string(source)}")
+                for hypo in hypotheses:
+                    logger.info(f"H\t{float(hypo['score'])}\t{self.decode(hypo['tokens'])}")
+                    logger.info("P\t" + " ".join(f"{x:.4f}" for x in hypo["positional_scores"].tolist()))
+        return outputs
+
+    def _build_batches(self, tokens: List[torch.Tensor], skip_invalid_size_inputs: bool) -> Iterator[Dict[str, Any]]:
+        lengths = [t.numel() for t in tokens]
+        if not skip_invalid_size_inputs:
+            check_prompt_lengths(lengths, self.max_positions, "pass skip_invalid_size_inputs=True to skip it")
+        max_tokens, batch_size = self.cfg.dataset.max_tokens, self.cfg.dataset.batch_size
+        return self.task.get_batch_iterator(
+            dataset=self.task.build_dataset_for_inference(tokens, lengths),
+            max_tokens=max_tokens, max_sentences=batch_size if (max_tokens or batch_size) else 1,
+            max_positions=self.max_positions, ignore_invalid_inputs=skip_invalid_size_inputs,
+            disable_iterator_cache=True,
+        ).next_epoch_itr(shuffle=False)
+
+
+def move_to(sample, device: torch.device):
+    """A batch (nested dicts, lists and tensors) with every tensor on `device`."""
+    if torch.is_tensor(sample):
+        return sample.to(device)
+    if isinstance(sample, dict):
+        return {key: move_to(value, device) for key, value in sample.items()}
+    if isinstance(sample, (list, tuple)):
+        return type(sample)(move_to(value, device) for value in sample)
+    return sample

@@ -1,0 +1,233 @@
+"""fairseq-generate: continue the samples of a binarized split with a trained language model.
+
+    fairseq-generate data-bin --task language_modeling --path checkpoints/checkpoint_best.pt \
+        --gen-subset test --tokens-per-sample 512 --sample-break-mode eos --prefix-size 8 --beam 1 --max-len-b 64
+
+Each sample is a prompt: its first --prefix-size tokens, or (0, upstream's default) the whole sample but its
+last token (the model's input block). Output lines are upstream's, scores in base 2:
+`S-{id}\\t{input}`, `T-{id}\\t{sample}`, then per hypothesis `H-{id}\\t{score}\\t{tokens}`,
+`D-{id}\\t{score}\\t{detokenized}`, `P-{id}\\t{positional scores}`. Helpers shared with fairseq-interactive
+(loading the ensemble, the text codec, the hypothesis lines) live here, as upstream's interactive imports them.
+"""
+
+import ast
+import logging
+import math
+import os
+import sys
+import time
+from typing import List, Optional, TextIO
+
+import numpy as np
+import torch
+
+from fairseq import options
+from fairseq.checkpoint.inference import load_model
+from fairseq.data import encoders
+from fairseq.data.batching import resolve_limit
+from fairseq.dataclass.generation import check_generation_config
+from fairseq.hub_utils import move_to
+from fairseq.logging import progress_bar
+from fairseq.precision import compute_dtype
+from fairseq.utils import import_user_module, run_console_script
+
+logger = logging.getLogger("fairseq_cli.generate")
+
+
+# ----------------------------------------------------------------------------- shared with fairseq-interactive
+
+
+def load_ensemble(cfg):
+    """(models on the device in the compute dtype and eval mode, task, device) for --path (':'-separated
+    checkpoint files or sharded directories). The task is the command line's (DATA's dictionary), or with no
+    DATA the first checkpoint's, as saved at training."""
+    if not cfg.common_eval.path:
+        raise ValueError("no checkpoint given: pass --path CHECKPOINT.pt (or a sharded checkpoint directory; "
+                         "several joined by ':' for an ensemble)")
+    paths = [p for p in cfg.common_eval.path.split(os.pathsep) if p]
+    for path in paths:
+        if not os.path.exists(path):
+            raise FileNotFoundError(f"--path {path}: no such checkpoint file or sharded checkpoint directory")
+    overrides = ast.literal_eval(cfg.common_eval.model_overrides)
+    if not isinstance(overrides, dict):
+        raise ValueError(f"--model-overrides must be a Python dict literal, got {cfg.common_eval.model_overrides!r}")
+    use_cuda = torch.cuda.is_available() and not cfg.common.cpu
+    device = torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu")
+    dtype = compute_dtype(cfg.common)
+    retain_dropout = cfg.generation.retain_dropout
+    task_cfg = cfg.task if getattr(cfg.task, "data", None) else None
+    models, task, saved_bpe = [], None, None
+    for path in paths:
+        loaded = load_model(path, task=task, task_cfg=task_cfg, overrides=overrides,
+                            trust_legacy=cfg.common.trust_legacy_checkpoint)
+        task, task_cfg = loaded.task, None
+        saved_bpe = saved_bpe or (loaded.saved_cfg.get("bpe") or {}).get("_name")
+        models.append(loaded.model.to(device=device, dtype=dtype).train(retain_dropout))
+        logger.info(f"loaded {path}: {sum(p.numel() for p in loaded.model.parameters()):,} parameters, "
+                    f"{str(dtype).replace('torch.', '')} on {device}")
+    if saved_bpe and cfg.bpe is None:
+        logger.info(f"the model was trained on --bpe {saved_bpe} text; without --bpe here the input is read as "
+                    f"already encoded (pass --bpe {saved_bpe} and its files to encode raw text)")
+    return models, task, device
+
+
+def seed_everything(cfg) -> None:
+    if cfg.common.seed is not None and not cfg.generation.no_seed_provided:
+        np.random.seed(cfg.common.seed)
+        torch.manual_seed(cfg.common.seed)  # also seeds every CUDA device
+
+
+class TextCodec:
+    """--tokenizer and --bpe of the command line: text -> the dictionary's symbols and back."""
+
+    def __init__(self, cfg):
+        self.tokenizer = encoders.build_tokenizer(cfg.tokenizer)
+        self.bpe = encoders.build_bpe(cfg.bpe)
+
+    def encode(self, text: str) -> str:
+        if self.tokenizer is not None:
+            text = self.tokenizer.encode(text)
+        return self.bpe.encode(text) if self.bpe is not None else text
+
+    def decode(self, text: str) -> str:
+        if self.bpe is not None:
+            text = self.bpe.decode(text)
+        return self.tokenizer.decode(text) if self.tokenizer is not None else text
+
+
+def max_positions_of(task, models) -> Optional[int]:
+    return resolve_limit(task.max_positions(), *[model.max_positions() for model in models])
+
+
+def symbols_to_strip(generator, tgt_dict) -> set:
+    """Upstream's get_symbols_to_strip_from_output: the generator's own set, else {eos}."""
+    return set(getattr(generator, "symbols_to_strip_from_output", None) or {tgt_dict.eos()})
+
+
+def print_hypotheses(sample_id: int, hypos: list, nbest: int, tgt_dict, post_process: Optional[str], codec,
+                     strip: set, out: TextIO) -> None:
+    """Upstream's H- (tokens), D- (decoded text) and P- (per-token) lines of the `nbest` best hypotheses;
+    scores in base 2 (the generator's are natural logs)."""
+    for hypo in hypos[:nbest]:
+        hypo_str = tgt_dict.string(hypo["tokens"].int().cpu(), post_process, extra_symbols_to_ignore=strip)
+        score = hypo["score"] / math.log(2)
+        print(f"H-{sample_id}\t{score}\t{hypo_str}", file=out)
+        print(f"D-{sample_id}\t{score}\t{codec.decode(hypo_str)}", file=out)
+        positional = (hypo["positional_scores"] / math.log(2)).tolist()
+        print(f"P-{sample_id}\t" + " ".join(f"{x:.4f}" for x in positional), file=out)
+
+
+def setup(cfg, interactive=None):
+    """What both commands do first: logging, plug-ins, flag checks that need no model, seeds."""
+    progress_bar.setup_logging(cfg.common.log_file)
+    if cfg.common.user_dir:
+        import_user_module(cfg.common.user_dir)
+    check_generation_config(cfg.generation, cfg.dataset, interactive)
+    seed_everything(cfg)
+
+
+# ----------------------------------------------------------------------------- fairseq-generate
+
+
+def main(cfg) -> dict:
+    """Generate for every sample of --gen-subset; the lines go to stdout, or with --results-path to
+    RESULTS_PATH/generate-{gen_subset}.txt. Returns {"sentences", "tokens"} (tokens generated)."""
+    if cfg.common_eval.results_path is not None:
+        os.makedirs(cfg.common_eval.results_path, exist_ok=True)
+        path = os.path.join(cfg.common_eval.results_path, f"generate-{cfg.dataset.gen_subset}.txt")
+        with open(path, "w", buffering=1, encoding="utf-8") as out:
+            return _main(cfg, out)
+    return _main(cfg, sys.stdout)
+
+
+def _main(cfg, out: TextIO) -> dict:
+    setup(cfg)
+    if cfg.dataset.max_tokens is None and cfg.dataset.batch_size is None:
+        cfg.dataset.max_tokens = 12000  # upstream's default
+    if cfg.task is None or getattr(cfg.task, "data", None) is None:
+        raise ValueError("fairseq-generate reads a binarized split: pass the data directory (DATA) and "
+                         "--gen-subset (use fairseq-interactive for prompts given as text)")
+    models, task, device = load_ensemble(cfg)
+    split = cfg.dataset.gen_subset
+    task.load_dataset(split)
+    dataset = task.dataset(split)
+    max_positions = max_positions_of(task, models)
+    _check_sample_sizes(cfg, dataset, max_positions)
+    itr = task.get_batch_iterator(
+        dataset=dataset, max_tokens=cfg.dataset.max_tokens, max_sentences=cfg.dataset.batch_size,
+        max_positions=max_positions, ignore_invalid_inputs=cfg.dataset.skip_invalid_size_inputs_valid_test,
+        required_batch_size_multiple=cfg.dataset.required_batch_size_multiple, seed=cfg.common.seed,
+        num_shards=cfg.dataset.num_shards, shard_id=cfg.dataset.shard_id, num_workers=cfg.dataset.num_workers,
+        data_buffer_size=cfg.dataset.data_buffer_size,
+    ).next_epoch_itr(shuffle=False)
+    generator = task.build_generator(models, cfg.generation)
+    codec = TextCodec(cfg)
+    src_dict, tgt_dict = task.source_dictionary, task.target_dictionary
+    strip = symbols_to_strip(generator, tgt_dict)
+    post_process = cfg.common_eval.post_process
+    prefix_size = cfg.generation.prefix_size
+
+    sentences = generated = 0
+    elapsed = 0.0
+    for sample in itr:
+        if "net_input" not in sample:
+            continue
+        sample = move_to(sample, device)
+        prefix_tokens = sample["target"][:, :prefix_size] if prefix_size > 0 else None
+        start = time.perf_counter()
+        hypos = task.inference_step(generator, models, sample, prefix_tokens=prefix_tokens)
+        elapsed += time.perf_counter() - start
+        generated += sum(len(h[0]["tokens"]) for h in hypos)
+        for i, sample_id in enumerate(sample["id"].tolist()):
+            src_tokens = _strip_pad(sample["net_input"]["src_tokens"][i], tgt_dict.pad())
+            target = sample.get("target")
+            if not cfg.common_eval.quiet:
+                print(f"S-{sample_id}\t{codec.decode(src_dict.string(src_tokens, post_process))}", file=out)
+                if target is not None:
+                    target_str = tgt_dict.string(_strip_pad(target[i], tgt_dict.pad()).int().cpu(), post_process,
+                                                 escape_unk=True, extra_symbols_to_ignore=strip)
+                    print(f"T-{sample_id}\t{codec.decode(target_str)}", file=out)
+                print_hypotheses(sample_id, hypos[i], cfg.generation.nbest, tgt_dict, post_process, codec, strip,
+                                 out)
+        sentences += len(hypos)
+    logger.info("NOTE: hypothesis and token scores are output in base 2")
+    logger.info(f"Translated {sentences:,} sentences ({generated:,} tokens) in {elapsed:.1f}s "
+                f"({sentences / max(elapsed, 1e-9):.2f} sentences/s, {generated / max(elapsed, 1e-9):.2f} tokens/s)")
+    return {"sentences": sentences, "tokens": generated}
+
+
+def _check_sample_sizes(cfg, dataset, max_positions: Optional[int]) -> None:
+    """A sample longer than the model's positions: name the model's limit and the flags (the generic size
+    filter would suggest raising --tokens-per-sample, which cannot help past the model's positions)."""
+    if max_positions is None or cfg.dataset.skip_invalid_size_inputs_valid_test or len(dataset) == 0:
+        return
+    sizes = np.asarray(dataset.sizes)
+    longest = int(sizes.argmax())
+    if sizes[longest] > max_positions:
+        raise ValueError(
+            f"sample {longest} of {cfg.dataset.gen_subset!r} has {int(sizes[longest])} tokens, more than the "
+            f"model's {max_positions} positions: pass --tokens-per-sample {max_positions} (or less), or "
+            "--skip-invalid-size-inputs-valid-test to skip such samples")
+
+
+def _strip_pad(tokens: torch.Tensor, pad: int) -> torch.Tensor:
+    return tokens[tokens.ne(pad)]
+
+
+def cli_main(argv: Optional[List[str]] = None) -> None:
+    parser = options.get_generation_parser()
+    args = options.parse_args_and_arch(parser, argv)
+    cfg = options.convert_namespace_to_generation_config(args)
+    try:
+        check_generation_config(cfg.generation)
+    except ValueError as e:
+        parser.error(str(e))
+    main(cfg)
+
+
+def console_main() -> None:
+    run_console_script("fairseq-generate", cli_main)
+
+
+if __name__ == "__main__":
+    console_main()

@@ -1,0 +1,130 @@
+"""fairseq-interactive: continue prompts read from standard input (or --input) with a trained language model.
+
+    echo "the cat sat" | fairseq-interactive data-bin --task language_modeling \
+        --path checkpoints/checkpoint_best.pt --beam 1 --max-len-b 64
+
+Prompts are read --buffer-size lines at a time (each line stripped), encoded with --tokenizer/--bpe and the
+dictionary, batched (--batch-size/--max-tokens, default one prompt per batch) and generated from. Per prompt,
+in input order, upstream's lines: `S-{id}\\t{prompt tokens}`, `W-{id}\\t{seconds}\\tseconds`, then per hypothesis
+`H-`, `D-`, `P-` as fairseq-generate writes them (scores in base 2). An empty line is a prompt too: generation
+starts from </s> alone (an unconditional sample), as upstream.
+"""
+
+import logging
+import sys
+import time
+from contextlib import contextmanager
+from typing import Iterator, List, Optional
+
+from fairseq import options
+from fairseq.dataclass.generation import check_generation_config
+from fairseq.hub_utils import check_prompt_lengths, move_to
+from fairseq.utils import run_console_script
+from fairseq_cli.generate import TextCodec, load_ensemble, max_positions_of, print_hypotheses, setup, symbols_to_strip
+
+logger = logging.getLogger("fairseq_cli.interactive")
+
+SKIP_HINT = "pass --skip-invalid-size-inputs-valid-test to skip such prompts"
+
+
+@contextmanager
+def _open_input(path: str):
+    if path == "-":
+        yield sys.stdin
+        return
+    try:
+        handle = open(path, encoding="utf-8")
+    except FileNotFoundError:
+        raise FileNotFoundError(f"--input {path}: no such file (pass '-' to read standard input)") from None
+    with handle:
+        yield handle
+
+
+def buffered_read(path: str, buffer_size: int) -> Iterator[List[str]]:
+    """Lists of up to `buffer_size` stripped lines of file `path` ('-': standard input)."""
+    buffer = []
+    with _open_input(path) as lines:
+        for line in lines:
+            buffer.append(line.strip())
+            if len(buffer) >= buffer_size:
+                yield buffer
+                buffer = []
+    if buffer:
+        yield buffer
+
+
+def make_batches(lines: List[str], cfg, task, max_positions: Optional[int], codec, first_id: int):
+    """Batches of the encoded `lines`, ids counted within `lines` (upstream's make_batches)."""
+    tokens = [task.source_dictionary.encode_line(codec.encode(line), add_if_not_exist=False).long()
+              for line in lines]
+    lengths = [t.numel() for t in tokens]
+    skip = cfg.dataset.skip_invalid_size_inputs_valid_test
+    if not skip:
+        check_prompt_lengths(lengths, max_positions, SKIP_HINT, first_id=first_id)
+    return task.get_batch_iterator(
+        dataset=task.build_dataset_for_inference(tokens, lengths), max_tokens=cfg.dataset.max_tokens,
+        max_sentences=cfg.dataset.batch_size, max_positions=max_positions, ignore_invalid_inputs=skip,
+        disable_iterator_cache=True,
+    ).next_epoch_itr(shuffle=False)
+
+
+def main(cfg) -> int:
+    """Generate for every prompt of --input; returns the number of prompts read."""
+    start_time = time.perf_counter()
+    cfg.interactive.buffer_size = max(cfg.interactive.buffer_size, 1)
+    if cfg.dataset.max_tokens is None and cfg.dataset.batch_size is None:
+        cfg.dataset.batch_size = 1  # upstream's default
+    setup(cfg, cfg.interactive)
+    models, task, device = load_ensemble(cfg)
+    generator = task.build_generator(models, cfg.generation)
+    codec = TextCodec(cfg)
+    src_dict, tgt_dict = task.source_dictionary, task.target_dictionary
+    strip = symbols_to_strip(generator, tgt_dict)
+    post_process = cfg.common_eval.post_process
+    max_positions = max_positions_of(task, models)
+    if cfg.interactive.buffer_size > 1:
+        logger.info(f"Sentence buffer size: {cfg.interactive.buffer_size}")
+    logger.info("NOTE: hypothesis and token scores are output in base 2")
+    logger.info("Type the input sentence and press return:")
+    start_id, generate_time = 0, 0.0
+    for lines in buffered_read(cfg.interactive.input, cfg.interactive.buffer_size):
+        results = []
+        for batch in make_batches(lines, cfg, task, max_positions, codec, start_id):
+            batch = move_to(batch, device)
+            started = time.perf_counter()
+            hypos = task.inference_step(generator, models, batch)
+            seconds = time.perf_counter() - started
+            generate_time += seconds
+            for i, (sample_id, sample_hypos) in enumerate(zip(batch["id"].tolist(), hypos)):
+                src_tokens = batch["net_input"]["src_tokens"][i]
+                results.append((start_id + sample_id, src_tokens[src_tokens.ne(tgt_dict.pad())], sample_hypos,
+                                seconds / len(hypos)))
+        for sample_id, src_tokens, sample_hypos, seconds in sorted(results, key=lambda r: r[0]):
+            print(f"S-{sample_id}\t{src_dict.string(src_tokens, post_process)}")
+            print(f"W-{sample_id}\t{seconds:.3f}\tseconds")
+            print_hypotheses(sample_id, sample_hypos, cfg.generation.nbest, tgt_dict, post_process, codec, strip,
+                             sys.stdout)
+        sys.stdout.flush()
+        start_id += len(lines)
+    logger.info(f"Total time: {time.perf_counter() - start_time:.3f} seconds; translation time: "
+                f"{generate_time:.3f}")
+    return start_id
+
+
+def cli_main(argv: Optional[List[str]] = None) -> None:
+    parser = options.get_interactive_generation_parser()
+    args = options.parse_args_and_arch(parser, argv)
+    cfg = options.convert_namespace_to_generation_config(args)
+    try:
+        check_generation_config(cfg.generation, cfg.dataset, cfg.interactive)
+    except ValueError as e:
+        parser.error(str(e))
+    main(cfg)
+
+
+def console_main() -> None:
+    run_console_script("fairseq-interactive", cli_main)
+
+
+if __name__ == "__main__":
+    console_main()

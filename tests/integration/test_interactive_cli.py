@@ -1,0 +1,147 @@
+"""fairseq-interactive through its entry point (in-process, and once as a real process reading a pipe) on a
+tiny model trained here by fairseq-train: upstream's S-/W-/H-/D-/P- lines, in input order, equal to what the
+hub interface gives for the same prompts; bad input is one line naming the flag, exit status non-zero."""
+
+import io
+import math
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from fairseq import checkpoint_utils
+from fairseq.hub_utils import GeneratorHubInterface
+from fairseq.utils import run_console_script
+from fairseq_cli import interactive, train
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+LINE = re.compile(r"^([SWHDP])-(\d+)\t(.*)$")
+PROMPTS = ["w1 w2 w3", "", "w5 w1", "w9 w0 w0 w3"]  # the empty line: an unconditional sample, as upstream
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny models gain nothing from intra-op threads, and on a shared machine waiting for them dominates."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def ckpt(tiny_data, tmp_path_factory, train_args):
+    save_dir = tmp_path_factory.mktemp("interactive")
+    train.cli_main(train_args(tiny_data, save_dir, max_update=8))
+    return save_dir / "checkpoint_last.pt"
+
+
+def argv(tiny_data, ckpt, *extra):
+    return [str(tiny_data), "--task", "language_modeling", "--path", str(ckpt), "--cpu", "--num-workers", "0",
+            *map(str, extra)]
+
+
+def run(monkeypatch, capsys, args, stdin_text):
+    """fairseq-interactive's console entry point on `args` with `stdin_text` as standard input:
+    (exit status, stdout, stderr)."""
+    monkeypatch.setattr(sys, "stdin", io.StringIO(stdin_text))
+    capsys.readouterr()
+    try:
+        run_console_script("fairseq-interactive", interactive.cli_main, args)
+        status = 0
+    except SystemExit as e:
+        status = e.code
+    out, err = capsys.readouterr()
+    return status, out, err
+
+
+def parse(stdout):
+    """[(kind, id, fields)] of the S-/W-/H-/D-/P- lines, in order."""
+    rows = []
+    for line in stdout.splitlines():
+        m = LINE.match(line)
+        if m:
+            rows.append((m.group(1), int(m.group(2)), m.group(3).split("\t")))
+    return rows
+
+
+def test_lines_in_input_order_equal_the_hub(tiny_data, ckpt, monkeypatch, capsys):
+    status, out, _ = run(monkeypatch, capsys, argv(tiny_data, ckpt, "--beam", 2, "--nbest", 2, "--max-len-b", 12,
+                                                   "--buffer-size", 3, "--batch-size", 2), "\n".join(PROMPTS) + "\n")
+    assert status == 0
+    rows = parse(out)
+    assert [(kind, i) for kind, i, _ in rows] == [
+        (kind, i) for i in range(len(PROMPTS)) for kind in ("S", "W") + ("H", "D", "P") * 2]
+    models, cfg, task = checkpoint_utils.load_model_ensemble_and_task([str(ckpt)],
+                                                                      arg_overrides={"data": str(tiny_data)})
+    hub = GeneratorHubInterface(cfg, task, models)
+    for i, prompt in enumerate(PROMPTS):
+        mine = [fields for kind, j, fields in rows if j == i]
+        assert mine[0] == [prompt]  # S-: the prompt's dictionary tokens
+        assert mine[1][1] == "seconds" and float(mine[1][0]) >= 0
+        expected = hub.generate(hub.encode(prompt), beam=2, max_len_b=12)
+        for k, hypo in enumerate(expected[:2]):
+            (score, tokens), (d_score, text), (positional,) = mine[2 + 3 * k: 5 + 3 * k]
+            assert tokens == text == hub.string(hypo["tokens"])
+            assert tokens.startswith(prompt)
+            assert float(score) == float(d_score) == pytest.approx(float(hypo["score"]) / math.log(2), abs=1e-5)
+            base2 = [float(x) / math.log(2) for x in hypo["positional_scores"]]
+            assert [float(x) for x in positional.split()] == pytest.approx(base2, abs=6e-5)
+
+
+def test_console_script_reads_a_pipe_and_input_files(tiny_data, ckpt, tmp_path, monkeypatch, capsys):
+    args = argv(tiny_data, ckpt, "--beam", 1, "--max-len-b", 6)
+    env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
+    piped = subprocess.run([sys.executable, "-m", "fairseq_cli.interactive", *args], input="w1 w2\nw3\n",
+                           capture_output=True, text=True, env=env, timeout=300)
+    assert piped.returncode == 0, piped.stderr[-3000:]
+    hypotheses = {i: fields[1] for kind, i, fields in parse(piped.stdout) if kind == "H"}
+    assert hypotheses[0].startswith("w1 w2") and hypotheses[1].startswith("w3") and len(hypotheses) == 2
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("w1 w2\nw3\n", encoding="utf-8")
+    status, out, _ = run(monkeypatch, capsys, args + ["--input", str(prompts)], "")
+    assert status == 0
+    assert [r for r in parse(out) if r[0] != "W"] == [r for r in parse(piped.stdout) if r[0] != "W"]
+
+
+def test_prompt_longer_than_the_model(tiny_data, ckpt, monkeypatch, capsys):
+    long_prompt = " ".join(["w1"] * 40)
+    status, out, err = run(monkeypatch, capsys, argv(tiny_data, ckpt, "--beam", 1), long_prompt + "\nw2\n")
+    assert status == 1 and "Traceback" not in err
+    assert err.strip().splitlines()[-1] == (
+        "fairseq-interactive: error: prompt 0 is 41 tokens long (with the </s> it starts from), more than the "
+        "model's 32 positions (the --tokens-per-sample / --max-target-positions it was trained with); shorten the "
+        "prompt, or pass --skip-invalid-size-inputs-valid-test to skip such prompts")
+    status, out, _ = run(monkeypatch, capsys, argv(tiny_data, ckpt, "--beam", 1, "--max-len-b", 5,
+                                                   "--skip-invalid-size-inputs-valid-test"), long_prompt + "\nw2\n")
+    assert status == 0
+    assert [(kind, i) for kind, i, _ in parse(out) if kind in "SH"] == [("S", 1), ("H", 1)]
+
+
+@pytest.mark.parametrize("extra, stdin_text, status, message", [
+    (["--beam", 5, "--sampling"], "w1\n", 2, "--sampling requires --nbest to be equal to --beam"),
+    (["--sampling-topk", 5], "w1\n", 1, "--sampling-topk 5 requires --sampling"),
+    (["--batch-size", 4, "--buffer-size", 2], "w1\n", 2, "--batch-size/--max-sentences 4 cannot be larger than "
+                                                         "--buffer-size 2"),
+    (["--beams", 2], "w1\n", 2, "unrecognized arguments: --beams 2"),
+    (["--model-overrides", "{'decoder_layers': 3}"], "w1\n", 1, "was saved from a different architecture"),
+    (["--input", "missing.txt"], "", 1, "--input missing.txt: no such file"),
+    (["--max-len-b", 4], " ".join(["w1"] * 10) + "\n", 1, "a prompt of 10 tokens is longer than the longest output "
+                                                           "allowed, 4 tokens"),
+])
+def test_bad_input_is_one_line(tiny_data, ckpt, monkeypatch, capsys, extra, stdin_text, status, message):
+    got, _, err = run(monkeypatch, capsys, argv(tiny_data, ckpt, *extra), stdin_text)
+    assert got == status and "Traceback" not in err
+    last = err.strip().splitlines()[-1]  # argparse's (status 2) follows its usage lines; ours is the only line
+    assert ": error: " in last and message in last
+    if status == 1:
+        assert err.strip() == last
+
+
+def test_missing_checkpoint(tiny_data, tmp_path, monkeypatch, capsys):
+    status, _, err = run(monkeypatch, capsys, argv(tiny_data, tmp_path / "nope.pt"), "w1\n")
+    assert status == 1
+    assert err.strip() == f"fairseq-interactive: error: --path {tmp_path / 'nope.pt'}: no such checkpoint file or " \
+                          "sharded checkpoint directory"

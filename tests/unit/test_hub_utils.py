@@ -1,0 +1,191 @@
+"""fairseq.hub_utils: TransformerLanguageModel.from_pretrained on a tiny model trained here by the real
+fairseq-train on sentencepiece-encoded text (no network). encode/decode go through the checkpoint's
+sentencepiece model; score() equals the log-softmax of one full forward; greedy generation equals the argmax of
+full forwards; bad input is a clear error."""
+
+import math
+import shutil
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from fairseq.hub_utils import GeneratorHubInterface
+from fairseq.models.transformer_lm import TransformerLanguageModel
+from fairseq_cli import preprocess, train
+
+from tests.conftest import write_corpus
+
+PROMPTS = ["w1 w2 w3", "w5", "w0 w12 w1 w4 w3 w2 w1"]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny models gain nothing from intra-op threads, and on a shared machine waiting for them dominates."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def greedy_by_full_forwards(model, prompt, max_len, eos, pad, min_len=1):
+    """Upstream's greedy decoding without a cache: from </s> + `prompt` (ids without </s>), append the argmax
+    of a full forward over everything so far (never <pad>, no </s> before `min_len` tokens) until </s> or
+    `max_len` tokens, then </s>. Returns the hypothesis tokens (prompt included, ending with </s>)."""
+    tokens = [eos] + list(prompt)
+    with torch.no_grad():
+        while len(tokens) - 1 < max_len:
+            logits = model(torch.tensor([tokens]))[0, -1].float()
+            logits[pad] = -math.inf
+            if len(tokens) - 1 < min_len:
+                logits[eos] = -math.inf
+            tokens.append(int(logits.argmax()))
+            if tokens[-1] == eos:
+                return tokens[1:]
+    return tokens[1:] + [eos]
+
+
+def full_forward_log_probs(model, ids):
+    """log p(ids[k] | </s>, ids[:k]) for each k, from one forward in fp32."""
+    source = torch.cat([torch.tensor([2]), ids[:-1]]) if len(ids) else torch.tensor([2])
+    with torch.no_grad():
+        log_probs = F.log_softmax(model(source[None])[0].float(), dim=-1)
+    return log_probs.gather(1, ids[:, None]).squeeze(1)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory, train_args):
+    """(checkpoint directory, data directory, sentencepiece model): text -> spm -> fairseq-preprocess --bpe
+    sentencepiece -> fairseq-train --bpe sentencepiece (so the checkpoint's config names the spm model)."""
+    spm = pytest.importorskip("sentencepiece")
+    root = tmp_path_factory.mktemp("hub")
+    write_corpus(root / "train.txt", 400, seed=1)
+    write_corpus(root / "valid.txt", 40, seed=2)
+    spm.SentencePieceTrainer.Train(input=str(root / "train.txt"), model_prefix=str(root / "spm"), vocab_size=40,
+                                   model_type="bpe", minloglevel=2)
+    bpe = ["--bpe", "sentencepiece", "--sentencepiece-model", str(root / "spm.model")]
+    preprocess.cli_main(["--only-source", "--trainpref", str(root / "train.txt"), "--validpref",
+                         str(root / "valid.txt"), "--destdir", str(root / "data"), "--workers", "1", *bpe])
+    train.cli_main(train_args(root / "data", root / "model", *bpe, max_update=8))
+    return root / "model", root / "data", root / "spm.model"
+
+
+@pytest.fixture(scope="module")
+def hub(model_dir):
+    save_dir, data, _ = model_dir
+    return TransformerLanguageModel.from_pretrained(str(save_dir), "checkpoint_last.pt", data_name_or_path=str(data))
+
+
+def test_from_pretrained_gives_the_interface_with_the_checkpoints_sentencepiece(hub, model_dir):
+    import sentencepiece
+
+    _, _, spm_path = model_dir
+    assert isinstance(hub, GeneratorHubInterface) and hub.device == torch.device("cpu")
+    assert not hub.models[0].training
+    assert hub.cfg.bpe._name == "sentencepiece" and hub.cfg.bpe.sentencepiece_model == str(spm_path)
+    text = "w1 w22 w3"
+    ids = hub.encode(text)
+    pieces = sentencepiece.SentencePieceProcessor(model_file=str(spm_path)).encode(text, out_type=str)
+    assert ids.tolist() == [hub.src_dict.index(p) for p in pieces] + [hub.src_dict.eos()]
+    assert hub.src_dict.unk() not in ids.tolist()
+    assert hub.decode(ids) == text
+
+
+def test_score_equals_log_softmax_of_a_full_forward(hub):
+    model = hub.models[0]
+    results = hub.score(PROMPTS)  # one batch, right-padded
+    for text, hypo in zip(PROMPTS, results):
+        ids = hub.encode(text)[:-1]  # as upstream: the final </s> is not scored
+        assert hypo["tokens"].tolist() == ids.tolist()
+        expected = full_forward_log_probs(model, ids)
+        torch.testing.assert_close(hypo["positional_scores"], expected, rtol=0, atol=1e-5)
+        assert float(hypo["score"]) == pytest.approx(float(expected.mean()), abs=1e-5)
+    single = hub.score(PROMPTS[0])
+    torch.testing.assert_close(single["positional_scores"], results[0]["positional_scores"], rtol=0, atol=1e-5)
+    # lines joined by </s>
+    joined = hub.score("w1 w2\nw3", replace_newline_with_eos=True)
+    assert joined["tokens"].tolist() == torch.cat([hub.encode("w1 w2"), hub.encode("w3")])[:-1].tolist()
+
+
+def test_greedy_generation_is_the_argmax_of_full_forwards(hub):
+    model, d = hub.models[0], hub.tgt_dict
+    encoded = [hub.encode(p) for p in PROMPTS]
+    batched = hub.generate(encoded, beam=1, max_len_b=20)
+    for text, ids, hypos in zip(PROMPTS, encoded, batched):
+        expected = greedy_by_full_forwards(model, ids[:-1].tolist(), 20, d.eos(), d.pad())
+        assert hypos[0]["tokens"].tolist() == expected
+        # the prompt's continuation does not depend on what it was batched with
+        alone = hub.generate(ids, beam=1, max_len_b=20)
+        assert alone[0]["tokens"].tolist() == expected
+        assert hub.sample(text, beam=1, max_len_b=20) == hub.decode(hypos[0]["tokens"])
+        # the generator's per-token scores (KV cache) agree with scoring the same text in one forward
+        scored = full_forward_log_probs(model, hypos[0]["tokens"])
+        torch.testing.assert_close(hypos[0]["positional_scores"], scored, rtol=0, atol=1e-5)
+    assert hub.sample(PROMPTS, beam=1, max_len_b=20) == [hub.decode(h[0]["tokens"]) for h in batched]
+
+
+def test_sampling_follows_the_seed_and_beam_returns_beam_hypotheses(hub):
+    def draw():
+        torch.manual_seed(7)
+        return hub.sample(PROMPTS, beam=1, sampling=True, sampling_topk=10, temperature=0.9, max_len_b=16)
+
+    first = draw()
+    assert first == draw()
+    assert all(s.startswith(p) for s, p in zip(first, PROMPTS))
+    hypos = hub.generate(hub.encode(PROMPTS[0]), beam=3, max_len_b=12)
+    assert len(hypos) == 3
+    scores = [float(h["score"]) for h in hypos]
+    assert scores == sorted(scores, reverse=True)
+
+
+def test_prompt_longer_than_the_models_positions(hub):
+    long_prompt = hub.encode(" ".join(["w1"] * 40))  # 80 pieces, the model has 32 positions
+    short = hub.encode(PROMPTS[0])
+    with pytest.raises(ValueError, match=r"prompt 0 is 81 tokens long .* more than the model's 32 positions .*"
+                                         r"skip_invalid_size_inputs=True"):
+        hub.generate([long_prompt, short], beam=1)
+    kept = hub.generate([long_prompt, short], beam=1, max_len_b=10, skip_invalid_size_inputs=True)
+    assert len(kept) == 1 and kept[0][0]["tokens"][: len(short) - 1].tolist() == short[:-1].tolist()
+
+
+def test_bad_generation_options(hub):
+    with pytest.raises(ValueError, match="samplin=True is no generation option"):
+        hub.sample(PROMPTS[0], samplin=True)
+    with pytest.raises(ValueError, match="--sampling-topk 5 requires --sampling"):
+        hub.sample(PROMPTS[0], sampling_topk=5)
+    with pytest.raises(ValueError, match="--print-alignment"):
+        hub.sample(PROMPTS[0], print_alignment=True)
+
+
+def test_casting_and_moving_the_interface(model_dir):
+    save_dir, data, _ = model_dir
+    lm = TransformerLanguageModel.from_pretrained(str(save_dir), "checkpoint_last.pt", data_name_or_path=str(data))
+    greedy = lm.generate(lm.encode(PROMPTS[0]), beam=1, max_len_b=10)[0]
+    lm.to(torch.bfloat16)
+    assert next(lm.models[0].parameters()).dtype == torch.bfloat16 and lm.device == torch.device("cpu")
+    hypo = lm.generate(lm.encode(PROMPTS[0]), beam=1, max_len_b=10)[0]
+    assert hypo["positional_scores"].dtype == torch.float32
+    # bf16 keeps 8 bits of mantissa: the prompt's scores stay within a few hundredths of fp32's
+    n = len(lm.encode(PROMPTS[0])) - 1
+    torch.testing.assert_close(hypo["positional_scores"][:n], greedy["positional_scores"][:n], rtol=0, atol=0.1)
+
+
+def test_from_pretrained_bad_input_and_files_found_in_the_model_directory(model_dir, tmp_path):
+    save_dir, data, spm_path = model_dir
+    with pytest.raises(ValueError, match="'transformer_lm.gpt2.small' is not a local directory.*no downloads"):
+        TransformerLanguageModel.from_pretrained("transformer_lm.gpt2.small")
+    with pytest.raises(FileNotFoundError, match="no dict.txt"):  # data_name_or_path "." is the model directory
+        TransformerLanguageModel.from_pretrained(str(save_dir), "checkpoint_last.pt")
+    with pytest.raises(ValueError, match="--bpe gpt2 needs --gpt2-encoder-json"):
+        TransformerLanguageModel.from_pretrained(str(save_dir), "checkpoint_last.pt", data_name_or_path=str(data),
+                                                 bpe="gpt2")
+    # upstream's layout: model.pt, dict.txt and sentencepiece.bpe.model in one directory
+    packed = tmp_path / "packed"
+    packed.mkdir()
+    shutil.copy(save_dir / "checkpoint_last.pt", packed / "model.pt")
+    shutil.copy(data / "dict.txt", packed / "dict.txt")
+    shutil.copy(spm_path, packed / "sentencepiece.bpe.model")
+    lm = TransformerLanguageModel.from_pretrained(str(packed))
+    assert lm.cfg.bpe.sentencepiece_model == str(packed / "sentencepiece.bpe.model")
+    assert lm.cfg.task.data == str(packed)
+    assert lm.decode(lm.encode("w7 w1")) == "w7 w1"
