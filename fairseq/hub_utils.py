@@ -23,7 +23,6 @@ from torch import nn
 from fairseq.data import encoders
 from fairseq.data.batching import resolve_limit
 from fairseq.dataclass.generation import check_generation_config
-from fairseq.sequence_scorer import SequenceScorer
 
 logger = logging.getLogger(__name__)
 
@@ -215,11 +214,8 @@ class GeneratorHubInterface(nn.Module):
                                  f"{', '.join(sorted(vars(gen_args)))})")
             setattr(gen_args, key, value)
         check_generation_config(gen_args)
-        if gen_args.score_reference:  # upstream's build_generator makes this choice; here the scorer is separate
-            generator = SequenceScorer(self.tgt_dict)
-        else:
-            generator = self.task.build_generator(self.models, gen_args,
-                                                  prefix_allowed_tokens_fn=prefix_allowed_tokens_fn)
+        # (with score_reference, as score() sets it, the task gives a SequenceScorer)
+        generator = self.task.build_generator(self.models, gen_args, prefix_allowed_tokens_fn=prefix_allowed_tokens_fn)
 
         results = []
         for batch in self._build_batches(tokenized_sentences, skip_invalid_size_inputs):

@@ -86,7 +86,7 @@ def component_dataclass(attr: str, name: Optional[str]) -> Optional[type]:
     if name is None:
         return None
     if attr == "model":
-        return registry.dataclass_of(registry.arch_model(name))
+        return registry.dataclass_of(registry.arch_model(name)) if name in registry.architectures() else None
     if attr in ("bpe", "tokenizer"):
         from fairseq.data.encoders import BPE_REGISTRY, TOKENIZER_REGISTRY
 

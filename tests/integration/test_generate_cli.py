@@ -139,6 +139,28 @@ def test_sharded_directory_ensemble_and_bf16(tiny_data, ckpt, capsys, tmp_path):
         assert [float(x) for x in got] == pytest.approx([float(x) for x in want], abs=0.15)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("precision", [[], ["--fp16"], ["--bf16"]])
+def test_on_the_gpu(tiny_data, ckpt, capsys, precision):
+    flags = ("--prefix-size", 2, "--beam", 2, "--max-len-b", 6)
+    _, on_cpu, _ = run(capsys, argv(tiny_data, ckpt, *flags))
+    status, on_gpu, err = run(capsys, [a for a in argv(tiny_data, ckpt, *flags, *precision) if a != "--cpu"])
+    assert status == 0, err
+    cpu, gpu = parse(on_cpu), parse(on_gpu)
+    assert sorted(gpu) == sorted(cpu)
+    for i, sample in gpu.items():
+        assert sample["T"] == cpu[i]["T"]
+        best, reference = sample["H"][0], cpu[i]["H"][0]
+        assert best[1].split()[:2] == reference[1].split()[:2]  # the forced prompt
+        if not precision:  # fp32 (no TF32 by default): the same search, scores to rounding
+            assert [h[1] for h in sample["H"]] == [h[1] for h in cpu[i]["H"]]
+            assert float(best[0]) == pytest.approx(float(reference[0]), abs=1e-4)
+        else:  # the prompt's scores within half precision's
+            got, want = sample["P"][0][0].split()[:2], cpu[i]["P"][0][0].split()[:2]
+            assert [float(x) for x in got] == pytest.approx([float(x) for x in want], abs=0.15)
+
+
 @pytest.mark.parametrize("extra, status, message", [
     (["--tokens-per-sample", 1024, "--sample-break-mode", "none"], 1,
      "sample 0 of 'test' has 596 tokens, more than the model's 32 positions: pass --tokens-per-sample 32 (or less), "

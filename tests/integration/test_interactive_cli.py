@@ -106,6 +106,14 @@ def test_console_script_reads_a_pipe_and_input_files(tiny_data, ckpt, tmp_path, 
     assert [r for r in parse(out) if r[0] != "W"] == [r for r in parse(piped.stdout) if r[0] != "W"]
 
 
+def test_without_data_the_checkpoints_dictionary_is_used(tiny_data, ckpt, monkeypatch, capsys):
+    flags = ["--path", str(ckpt), "--cpu", "--beam", "2", "--max-len-b", "6"]
+    _, with_data, _ = run(monkeypatch, capsys, [str(tiny_data)] + flags, "w1 w2\n")
+    status, without, _ = run(monkeypatch, capsys, flags, "w1 w2\n")  # DATA saved in the checkpoint's config
+    assert status == 0
+    assert [r for r in parse(without) if r[0] != "W"] == [r for r in parse(with_data) if r[0] != "W"]
+
+
 def test_prompt_longer_than_the_model(tiny_data, ckpt, monkeypatch, capsys):
     long_prompt = " ".join(["w1"] * 40)
     status, out, err = run(monkeypatch, capsys, argv(tiny_data, ckpt, "--beam", 1), long_prompt + "\nw2\n")

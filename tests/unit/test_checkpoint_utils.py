@@ -126,6 +126,17 @@ def test_bad_paths_and_arguments(trained, tmp_path):
         checkpoint_utils.load_model_ensemble([str(tmp_path / "empty")])
 
 
+def test_an_architecture_not_registered_here(trained, tmp_path):
+    ckpt, data = trained
+    state = torch.load(ckpt, map_location="cpu", weights_only=True)
+    state["cfg"]["model"]["_name"] = "transformer_iwslt_de_en"  # a translation model of upstream's
+    other = tmp_path / "translation.pt"
+    torch.save(state, other)
+    with pytest.raises(CheckpointError, match="architecture 'transformer_iwslt_de_en', which is not registered "
+                                              "here .*--user-dir"):
+        checkpoint_utils.load_model_ensemble([str(other)], arg_overrides={"data": str(data)})
+
+
 def test_pickled_upstream_file_needs_trust(trained, tmp_path):
     ckpt, data = trained
     saved = torch.load(ckpt, map_location="cpu", weights_only=True)

@@ -170,6 +170,24 @@ def test_casting_and_moving_the_interface(model_dir):
     torch.testing.assert_close(hypo["positional_scores"][:n], greedy["positional_scores"][:n], rtol=0, atol=0.1)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_on_the_gpu_in_fp32_and_fp16(model_dir):
+    save_dir, data, _ = model_dir
+    lm = TransformerLanguageModel.from_pretrained(str(save_dir), "checkpoint_last.pt", data_name_or_path=str(data))
+    on_cpu = lm.score(PROMPTS)
+    greedy = lm.sample(PROMPTS, beam=1, max_len_b=16)
+    lm.cuda()
+    assert lm.device.type == "cuda"
+    for got, want in zip(lm.score(PROMPTS), on_cpu):
+        torch.testing.assert_close(got["positional_scores"].cpu(), want["positional_scores"], rtol=0, atol=1e-4)
+    assert lm.sample(PROMPTS, beam=1, max_len_b=16) == greedy
+    lm.half()
+    for got, want in zip(lm.score(PROMPTS), on_cpu):
+        assert got["positional_scores"].dtype == torch.float32
+        torch.testing.assert_close(got["positional_scores"].cpu(), want["positional_scores"], rtol=0, atol=0.05)
+
+
 def test_from_pretrained_bad_input_and_files_found_in_the_model_directory(model_dir, tmp_path):
     save_dir, data, spm_path = model_dir
     with pytest.raises(ValueError, match="'transformer_lm.gpt2.small' is not a local directory.*no downloads"):
