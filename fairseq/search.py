@@ -114,16 +114,12 @@ class Sampling(Search):
         self.sampling_topp = sampling_topp
 
     def _sample_topp(self, lprobs: Tensor):
-        """(probabilities with those outside the top-p set zeroed, their token ids), sorted, truncated to the
-        largest kept set of the batch."""
-        probs = lprobs.exp()
-        sorted_probs, sorted_indices = probs.sort(dim=2, descending=True)
+        """(probabilities sorted in decreasing order, those outside the top-p set zeroed; their token ids).
+        Not truncated to the largest kept set, as upstream does, which would cost a host sync per step."""
+        sorted_probs, sorted_indices = lprobs.exp().sort(dim=2, descending=True)
         # Keep the tokens before the cumulative mass reaches p, and the one that crosses it.
-        cumulative = sorted_probs.cumsum(dim=2)
-        keep = F.pad(cumulative[:, :, :-1], (1, 0)) < self.sampling_topp
-        kept = int(keep.sum(dim=2).max())
-        kept_probs = sorted_probs[:, :, :kept].masked_fill(~keep[:, :, :kept], 0.0)
-        return kept_probs, sorted_indices[:, :, :kept]
+        mass_before = F.pad(sorted_probs.cumsum(dim=2)[:, :, :-1], (1, 0))
+        return sorted_probs.masked_fill(mass_before >= self.sampling_topp, 0.0), sorted_indices
 
     def step(self, step: int, lprobs: Tensor, scores: Tensor, prev_output_tokens: Optional[Tensor] = None,
              original_batch_idxs: Optional[Tensor] = None):
