@@ -22,7 +22,7 @@ from torch import nn
 
 from fairseq.data import encoders
 from fairseq.data.batching import resolve_limit
-from fairseq.dataclass.generation import check_generation_config
+from fairseq.dataclass.generation import check_unsupported_options
 
 logger = logging.getLogger(__name__)
 
@@ -213,7 +213,7 @@ class GeneratorHubInterface(nn.Module):
                 raise ValueError(f"generate(): {key}={value!r} is no generation option (options: "
                                  f"{', '.join(sorted(vars(gen_args)))})")
             setattr(gen_args, key, value)
-        check_generation_config(gen_args)
+        check_unsupported_options(gen_args)
         # (with score_reference, as score() sets it, the task gives a SequenceScorer)
         generator = self.task.build_generator(self.models, gen_args, prefix_allowed_tokens_fn=prefix_allowed_tokens_fn)
 

@@ -77,14 +77,20 @@ _UNSUPPORTED = (
 )
 
 
-def check_generation_config(generation: GenerationConfig, dataset=None, interactive=None) -> None:
-    """Raise ValueError naming the flag for generation options that cannot work together or are not
-    implemented here; `dataset` and `interactive` add fairseq-interactive's --batch-size/--buffer-size rule."""
+def check_unsupported_options(generation) -> None:
+    """Raise ValueError naming the flag for an upstream option that is set but not implemented here."""
     for name, is_set, fix in _UNSUPPORTED:
-        value = getattr(generation, name)
-        if is_set(value):
+        value = getattr(generation, name, None)
+        if value is not None and is_set(value):
             flag = "--" + name.replace("_", "-")
             raise ValueError(f"{flag} {value!r} is not supported by this fairseq's generator; {fix}")
+
+
+def check_generation_config(generation: GenerationConfig, dataset=None, interactive=None) -> None:
+    """fairseq-generate's and fairseq-interactive's checks: unsupported options, then upstream's rules for
+    what is printed (--nbest against --beam; with `dataset` and `interactive`, --batch-size against
+    --buffer-size). The hub interface, which prints nothing, checks only the unsupported options."""
+    check_unsupported_options(generation)
     if generation.nbest < 1:
         raise ValueError(f"--nbest must be at least 1, got {generation.nbest}")
     if generation.sampling and generation.nbest != generation.beam:

@@ -136,6 +136,8 @@ def test_sampling_follows_the_seed_and_beam_returns_beam_hypotheses(hub):
     assert len(hypos) == 3
     scores = [float(h["score"]) for h in hypos]
     assert scores == sorted(scores, reverse=True)
+    # sampling with a beam of 3: three samples (upstream's hub does not tie --nbest to it, nor does this one)
+    assert len(hub.generate(hub.encode(PROMPTS[0]), beam=3, sampling=True, max_len_b=12)) == 3
 
 
 def test_prompt_longer_than_the_models_positions(hub):
