@@ -172,6 +172,28 @@ def test_casting_and_moving_the_interface(model_dir):
     torch.testing.assert_close(hypo["positional_scores"][:n], greedy["positional_scores"][:n], rtol=0, atol=0.1)
 
 
+def test_interactive_with_bpe_prints_what_the_hub_samples(hub, model_dir, monkeypatch, capsys):
+    import io
+    import sys
+
+    from fairseq_cli import interactive
+
+    save_dir, data, spm_path = model_dir
+    monkeypatch.setattr(sys, "stdin", io.StringIO("\n".join(PROMPTS) + "\n"))
+    capsys.readouterr()
+    interactive.cli_main([str(data), "--path", str(save_dir / "checkpoint_last.pt"), "--cpu", "--beam", "1",
+                          "--max-len-b", "20", "--bpe", "sentencepiece", "--sentencepiece-model", str(spm_path)])
+    lines = [line.split("\t") for line in capsys.readouterr().out.splitlines() if line[:2] in ("S-", "H-", "D-")]
+    assert [fields[0] for fields in lines] == [f"{kind}-{i}" for i in range(len(PROMPTS)) for kind in "SHD"]
+    hypos = hub.generate([hub.encode(p) for p in PROMPTS], beam=1, max_len_b=20)
+    for i, (prompt, (hypo,)) in enumerate(zip(PROMPTS, hypos)):
+        source, hypothesis, decoded = lines[3 * i: 3 * i + 3]
+        # as upstream: S- and H- show the dictionary's pieces, D- the text --bpe decodes them into
+        assert source[1] == hub.string(hub.encode(prompt))
+        assert hypothesis[2] == hub.string(hypo["tokens"]) and decoded[2] == hub.decode(hypo["tokens"])
+        assert decoded[2].startswith(prompt)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_on_the_gpu_in_fp32_and_fp16(model_dir):
