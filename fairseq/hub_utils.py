@@ -114,6 +114,25 @@ def check_prompt_lengths(lengths: List[int], max_positions: Optional[int], skip_
                 f"with); shorten the prompt, or {skip_hint}")
 
 
+class TextCodec:
+    """Text <-> the dictionary's symbols: --tokenizer, then --bpe (and back in the reverse order), as upstream's
+    commands and hub interface apply them. `tokenizer_cfg`/`bpe_cfg`: anything build_tokenizer/build_bpe take."""
+
+    def __init__(self, tokenizer_cfg=None, bpe_cfg=None):
+        self.tokenizer = encoders.build_tokenizer(tokenizer_cfg)
+        self.bpe = encoders.build_bpe(bpe_cfg)
+
+    def encode(self, text: str) -> str:
+        if self.tokenizer is not None:
+            text = self.tokenizer.encode(text)
+        return self.bpe.encode(text) if self.bpe is not None else text
+
+    def decode(self, text: str) -> str:
+        if self.bpe is not None:
+            text = self.bpe.decode(text)
+        return self.tokenizer.decode(text) if self.tokenizer is not None else text
+
+
 class GeneratorHubInterface(nn.Module):
     """Upstream's interface for generating from (and scoring with) a language model or an ensemble.
 
@@ -130,8 +149,8 @@ class GeneratorHubInterface(nn.Module):
         retain_dropout = bool(getattr(getattr(cfg, "generation", None), "retain_dropout", False))
         for model in self.models:
             model.train(retain_dropout)
-        self.tokenizer = encoders.build_tokenizer(getattr(cfg, "tokenizer", None))
-        self.bpe = encoders.build_bpe(getattr(cfg, "bpe", None))
+        self.codec = TextCodec(getattr(cfg, "tokenizer", None), getattr(cfg, "bpe", None))
+        self.tokenizer, self.bpe = self.codec.tokenizer, self.codec.bpe  # upstream's attributes
         self.max_positions = resolve_limit(task.max_positions(), *[m.max_positions() for m in models])
         # tells the device (and dtype) the models are on
         self.register_buffer("_float_tensor", torch.tensor([0], dtype=torch.float))
@@ -143,10 +162,10 @@ class GeneratorHubInterface(nn.Module):
     # ---- text <-> ids -----------------------------------------------------------------------------
     def encode(self, sentence: str) -> torch.LongTensor:
         """Ids of `sentence` (tokenizer, then BPE, then the dictionary), ending with </s>, as upstream."""
-        return self.binarize(self.apply_bpe(self.tokenize(sentence)))
+        return self.binarize(self.codec.encode(sentence))
 
     def decode(self, tokens: torch.LongTensor) -> str:
-        return self.detokenize(self.remove_bpe(self.string(tokens)))
+        return self.codec.decode(self.string(tokens))
 
     def tokenize(self, sentence: str) -> str:
         return self.tokenizer.encode(sentence) if self.tokenizer is not None else sentence

@@ -23,10 +23,9 @@ import torch
 
 from fairseq import options
 from fairseq.checkpoint.inference import load_model
-from fairseq.data import encoders
 from fairseq.data.batching import resolve_limit
 from fairseq.dataclass.generation import check_generation_config
-from fairseq.hub_utils import move_to
+from fairseq.hub_utils import TextCodec, move_to
 from fairseq.logging import progress_bar
 from fairseq.precision import compute_dtype
 from fairseq.utils import import_user_module, run_console_script
@@ -75,24 +74,6 @@ def seed_everything(cfg) -> None:
     if cfg.common.seed is not None and not cfg.generation.no_seed_provided:
         np.random.seed(cfg.common.seed)
         torch.manual_seed(cfg.common.seed)  # also seeds every CUDA device
-
-
-class TextCodec:
-    """--tokenizer and --bpe of the command line: text -> the dictionary's symbols and back."""
-
-    def __init__(self, cfg):
-        self.tokenizer = encoders.build_tokenizer(cfg.tokenizer)
-        self.bpe = encoders.build_bpe(cfg.bpe)
-
-    def encode(self, text: str) -> str:
-        if self.tokenizer is not None:
-            text = self.tokenizer.encode(text)
-        return self.bpe.encode(text) if self.bpe is not None else text
-
-    def decode(self, text: str) -> str:
-        if self.bpe is not None:
-            text = self.bpe.decode(text)
-        return self.tokenizer.decode(text) if self.tokenizer is not None else text
 
 
 def max_positions_of(task, models) -> Optional[int]:
@@ -161,7 +142,7 @@ def _main(cfg, out: TextIO) -> dict:
         data_buffer_size=cfg.dataset.data_buffer_size,
     ).next_epoch_itr(shuffle=False)
     generator = task.build_generator(models, cfg.generation)
-    codec = TextCodec(cfg)
+    codec = TextCodec(cfg.tokenizer, cfg.bpe)
     src_dict, tgt_dict = task.source_dictionary, task.target_dictionary
     strip = symbols_to_strip(generator, tgt_dict)
     post_process = cfg.common_eval.post_process

@@ -18,9 +18,9 @@ from typing import Iterator, List, Optional
 
 from fairseq import options
 from fairseq.dataclass.generation import check_generation_config
-from fairseq.hub_utils import check_prompt_lengths, move_to
+from fairseq.hub_utils import TextCodec, check_prompt_lengths, move_to
 from fairseq.utils import run_console_script
-from fairseq_cli.generate import TextCodec, load_ensemble, max_positions_of, print_hypotheses, setup, symbols_to_strip
+from fairseq_cli.generate import load_ensemble, max_positions_of, print_hypotheses, setup, symbols_to_strip
 
 logger = logging.getLogger("fairseq_cli.interactive")
 
@@ -77,7 +77,7 @@ def main(cfg) -> int:
     setup(cfg, cfg.interactive)
     models, task, device = load_ensemble(cfg)
     generator = task.build_generator(models, cfg.generation)
-    codec = TextCodec(cfg)
+    codec = TextCodec(cfg.tokenizer, cfg.bpe)
     src_dict, tgt_dict = task.source_dictionary, task.target_dictionary
     strip = symbols_to_strip(generator, tgt_dict)
     post_process = cfg.common_eval.post_process
