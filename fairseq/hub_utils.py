@@ -13,6 +13,7 @@ Text goes tokenizer -> BPE -> dictionary ids (`encode`) and back (`decode`); gen
 """
 
 import copy
+import dataclasses
 import logging
 import os
 from typing import Any, Dict, Iterator, List, Optional
@@ -73,8 +74,8 @@ def from_pretrained(model_name_or_path: str, checkpoint_file: str = "model.pt", 
     paths = [os.path.join(model_path, name) for name in checkpoint_file.split(os.pathsep)]
     state = checkpoint_utils.load_checkpoint_to_cpu(paths[0], trust_legacy_checkpoint=trust_legacy)
     saved_bpe = state["cfg"].get("bpe") or {}
-    bpe_options = component_dataclass("bpe", kwargs.get("bpe", saved_bpe.get("_name")))
-    bpe_options = {f.name for f in _fields(bpe_options)}
+    bpe_config = component_dataclass("bpe", kwargs.get("bpe", saved_bpe.get("_name")))
+    bpe_options = {f.name for f in dataclasses.fields(bpe_config)} if bpe_config is not None else set()
     for filename, option in MODEL_DIR_FILES.items():
         found = os.path.join(model_path, filename)
         if option in bpe_options and option not in kwargs and os.path.isfile(found):
@@ -83,12 +84,6 @@ def from_pretrained(model_name_or_path: str, checkpoint_file: str = "model.pt", 
         paths, arg_overrides=kwargs, state=state if len(paths) == 1 else None,
         trust_legacy_checkpoint=trust_legacy)
     return {"args": cfg, "task": task, "models": models}
-
-
-def _fields(dc) -> list:
-    import dataclasses
-
-    return list(dataclasses.fields(dc)) if dc is not None else []
 
 
 def _local_directory(path: str, argument: str, expected: str) -> str:
