@@ -6,8 +6,8 @@
 Prompts are read --buffer-size lines at a time (each line stripped), encoded with --tokenizer/--bpe and the
 dictionary, batched (--batch-size/--max-tokens, default one prompt per batch) and generated from. Per prompt,
 in input order, upstream's lines: `S-{id}\\t{prompt tokens}`, `W-{id}\\t{seconds}\\tseconds`, then per hypothesis
-`H-`, `D-`, `P-` as fairseq-generate writes them (scores in base 2). An empty line is a prompt too: generation
-starts from </s> alone (an unconditional sample), as upstream.
+`H-`, `D-`, `P-` as fairseq-generate writes them (scores in base 2). An empty line is refused (one error line
+naming it; upstream would sample from </s> alone, which is rarely what a blank line meant).
 """
 
 import logging
@@ -55,6 +55,10 @@ def buffered_read(path: str, buffer_size: int) -> Iterator[List[str]]:
 
 def make_batches(lines: List[str], cfg, task, max_positions: Optional[int], codec, first_id: int):
     """Batches of the encoded `lines`, ids counted within `lines` (upstream's make_batches)."""
+    for i, line in enumerate(lines):
+        if not line:
+            raise ValueError(f"prompt {first_id + i} is an empty line; give each prompt some text (blank lines "
+                             "are not prompts: remove them from the input)")
     tokens = [task.source_dictionary.encode_line(codec.encode(line), add_if_not_exist=False).long()
               for line in lines]
     lengths = [t.numel() for t in tokens]

@@ -19,7 +19,7 @@ from fairseq_cli import interactive, train
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 LINE = re.compile(r"^([SWHDP])-(\d+)\t(.*)$")
-PROMPTS = ["w1 w2 w3", "", "w5 w1", "w9 w0 w0 w3"]  # the empty line: an unconditional sample, as upstream
+PROMPTS = ["w1 w2 w3", "w4", "w5 w1", "w9 w0 w0 w3"]
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -136,6 +136,7 @@ def test_prompt_longer_than_the_model(tiny_data, ckpt, monkeypatch, capsys):
     (["--beams", 2], "w1\n", 2, "unrecognized arguments: --beams 2"),
     (["--model-overrides", "{'decoder_layers': 3}"], "w1\n", 1, "was saved from a different architecture"),
     (["--input", "missing.txt"], "", 1, "--input missing.txt: no such file"),
+    ([], "w1\n\nw2\n", 1, "prompt 1 is an empty line"),
     (["--max-len-b", 4], " ".join(["w1"] * 10) + "\n", 1, "a prompt of 10 tokens is longer than the longest output "
                                                            "allowed, 4 tokens"),
 ])
