@@ -10,6 +10,7 @@ from typing import Any, Dict, List, Optional
 import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
+from fairseq import float8
 from fairseq.data.batching import resolve_limit
 from fairseq.distributed.parallelize import parallelize_model
 from fairseq.distributed.utils import get_world_size
@@ -46,6 +47,7 @@ class Trainer:
         self.max_positions = resolve_limit(task.max_positions(), model.max_positions())
         self.memory_stats = CudaMemoryStats.for_device(self.device)
         self.model = parallelize_model(model, cfg, self.device)
+        self._float8_scales = float8.needs_scale_precompute(cfg)
         self.precision = Precision(
             cfg.common, self.device, sharded=self.is_sharded, data_parallel_size=self.data_parallel_size,
             update_freq=cfg.optimization.update_freq[0],
@@ -82,6 +84,8 @@ class Trainer:
             clip_norm=self.cfg.optimization.clip_norm, sentence_avg=self.cfg.optimization.sentence_avg,
             device=self.device, data_parallel_size=self.data_parallel_size,
         )
+        if grad_norm is not None and self._float8_scales:
+            float8.after_optimizer_step(self.model)
         if grad_norm is not None or self.precision.scaler is None:
             self.num_updates += 1
             self.lr_scheduler.step_update(self.num_updates)

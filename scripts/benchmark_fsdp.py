@@ -221,6 +221,9 @@ def main(argv=None):
     parser.add_argument("--compile", action="store_true", help="also run --compile (and the compiled loop)")
     parser.add_argument("--combos", default="all", choices=["all", "none", "both"],
                         help="flag combinations to run: all four, neither flag, or both flags")
+    parser.add_argument("--fp8", default="", metavar="RECIPES",
+                        help="also run fairseq-train --fp8 with these comma-separated recipes (tensorwise, rowwise, "
+                             "rowwise_with_gw_hp; tensorwise+ag adds --fp8-fsdp-all-gather), with both FSDP flags")
     parser.add_argument("--no-reference", action="store_true")
     parser.add_argument("--cpu", action="store_true", help="gloo on CPU, fp32 (to test this script)")
     parser.add_argument("--out", default="benchmark_out")
@@ -246,6 +249,13 @@ def main(argv=None):
         extra = (["--fsdp-forward-prefetch"] if prefetch else []) + (["--fsdp-sync-free"] if sync_free else [])
         name = "fairseq-train " + (" ".join(extra) or "(no flags)")
         results.append(run_fairseq(args, name.replace("--fsdp-", "").strip(), extra, env))
+        print_table(args, results, reference)
+    for recipe in [r for r in args.fp8.split(",") if r]:
+        extra = ["--fp8", "--fp8-recipe", recipe.replace("+ag", ""), "--fsdp-forward-prefetch", "--fsdp-sync-free"]
+        extra += ["--fp8-fsdp-all-gather"] if recipe.endswith("+ag") else []
+        extra += ["--compile"] if args.compile else []
+        results.append(run_fairseq(args, f"fairseq-train --fp8 {recipe}" + (" --compile" if args.compile else ""),
+                                   extra, env))
         print_table(args, results, reference)
     if args.compile:
         if not args.no_reference:

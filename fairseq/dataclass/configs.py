@@ -43,6 +43,13 @@ class CommonConfig:
     bf16: bool = opt(False, "bf16 mixed precision")
     memory_efficient_fp16: bool = opt(False, "accepted for upstream recipes; same as --fp16 here")
     memory_efficient_bf16: bool = opt(False, "accepted for upstream recipes; same as --bf16 here")
+    fp8: bool = opt(False, "float8 matmuls in the decoder layers' Linear layers through torchao (needs --bf16 and a "
+                           "GPU of compute capability >= 8.9); the output projection stays bf16")
+    fp8_recipe: Literal["tensorwise", "rowwise", "rowwise_with_gw_hp"] = opt(
+        "tensorwise", "--fp8 scaling: one scale per tensor (fastest), per row, or per row with a high-precision "
+                      "weight gradient")
+    fp8_fsdp_all_gather: bool = opt(
+        False, "--fp8 tensorwise under fully_sharded: all-gather the weights in float8 (half the bytes)")
     fp16_no_flatten_grads: bool = opt(False, "accepted for upstream compatibility; gradients are never flattened")
     fp16_init_scale: float = opt(2.0**7, "initial fp16 loss scale")
     fp16_scale_window: Optional[int] = opt(None, "updates without overflow before the loss scale doubles")

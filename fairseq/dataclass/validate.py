@@ -32,9 +32,18 @@ def check_sharded_state(distributed) -> None:
         raise ValueError("--use-sharded-state needs --ddp-backend fully_sharded")
 
 
+def _training_device(cfg):
+    import torch
+
+    if cfg.common.cpu or not torch.cuda.is_available():
+        return torch.device("cpu")
+    return torch.device("cuda", 0)  # every GPU of a job is assumed to be of one kind
+
+
 def validate(cfg) -> None:
     """Raise ValueError, naming the flag and the fix, for the first problem of a training config."""
     from fairseq.distributed.fsdp import check_fsdp_flags
+    from fairseq.float8 import check_float8_environment, check_float8_flags
 
     check_batch_size(cfg.dataset)
     if cfg.optimizer is None:
@@ -44,6 +53,8 @@ def validate(cfg) -> None:
     if cfg.optimization.use_bmuf:
         raise ValueError("--use-bmuf (block-wise model update filtering) is not supported; drop the flag")
     check_precision(cfg.common)
+    check_float8_flags(cfg)
+    check_float8_environment(cfg, _training_device(cfg))
     check_fsdp_flags(cfg)
     check_sharded_state(cfg.distributed_training)
     registry.arch_model(cfg.model._name).check_config(cfg.model)

@@ -1,5 +1,6 @@
 """Turn a freshly built model into the one that trains, in a fixed order:
 
+0. float8 Linear layers (--fp8, see fairseq/float8.py),
 1. activation checkpointing per decoder layer (--checkpoint-activations, --offload-activations),
 2. torch.compile per decoder layer (--compile),
 3. the data-parallel engine: FSDP2 (--ddp-backend fully_sharded, see fsdp.py) or DistributedDataParallel
@@ -58,6 +59,10 @@ def parallelize_model(model: nn.Module, cfg, device: torch.device, world_mesh: O
     if on_meta and not fully_sharded:
         materialize(model, device)
 
+    if getattr(cfg.common, "fp8", False):  # torchao's order: swap the Linears before compile and sharding
+        from fairseq.float8 import apply_float8
+
+        apply_float8(model, cfg)
     model_cfg = cfg.model
     offload = bool(getattr(model_cfg, "offload_activations", False))
     if offload or getattr(model_cfg, "checkpoint_activations", False):

@@ -1,0 +1,108 @@
+"""Float8 training (`--fp8`): the decoder layers' Linear matmuls in float8 through torchao, everything else bf16.
+
+`apply_float8(model, cfg)` swaps each decoder layer's nn.Linear for torchao's Float8Linear (same parameters,
+same names, so checkpoints move between bf16 and float8 runs both ways). It runs first in
+`parallelize_model`, before activation checkpointing, compile and FSDP2 (torchao's order). Left in bf16: the
+output projection (the vocabulary softmax is the most sensitive matmul) and the embeddings (not matmuls), and
+any Linear whose dims are not multiples of 16 (float8 GEMMs need them).
+
+Recipes (`--fp8-recipe`, torchao's names): `tensorwise` (one scale per tensor, the fastest; with
+`--fp8-fsdp-all-gather` the FSDP2 all-gather moves float8 weights, half the bytes, and the scales are computed
+for all layers at once after each optimizer step), `rowwise` (one scale per row: more accurate, slower) and
+`rowwise_with_gw_hp` (rowwise, with the weight gradient in high precision). Needs a GPU of compute capability 8.9 or
+higher (Ada, Hopper, Blackwell), `--bf16`, and torchao (`pip install torchao`, the `fp8` extra).
+"""
+
+import importlib.util
+import logging
+
+import torch
+import torch.nn as nn
+
+logger = logging.getLogger(__name__)
+
+RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
+MIN_CAPABILITY = (8, 9)
+# Kept in bf16 whatever the recipe: module names (as in model.named_modules()) ending with these.
+HIGH_PRECISION_MODULES = ("output_projection",)
+
+
+def check_float8_flags(cfg) -> None:
+    """The --fp8 rules that need no GPU (run by validate(cfg) and the memory planner)."""
+    common = cfg.common
+    if not getattr(common, "fp8", False):
+        for flag, value in (("--fp8-fsdp-all-gather", common.fp8_fsdp_all_gather),):
+            if value:
+                raise ValueError(f"{flag} needs --fp8")
+        return
+    if common.fp16:
+        raise ValueError("--fp8 runs the rest of the model in bf16: use --fp8 with --bf16, not --fp16")
+    if not common.bf16:
+        raise ValueError("--fp8 needs --bf16 (the matmuls torchao leaves alone, and the master copy, run in bf16)")
+    if common.fp8_recipe not in RECIPES:
+        raise ValueError(f"--fp8-recipe {common.fp8_recipe!r}: choose one of {', '.join(RECIPES)}")
+    if common.fp8_fsdp_all_gather:
+        if common.fp8_recipe != "tensorwise":
+            raise ValueError(f"--fp8-fsdp-all-gather works with --fp8-recipe tensorwise only "
+                             f"(got {common.fp8_recipe}); drop the flag or use tensorwise")
+        if cfg.distributed_training.ddp_backend != "fully_sharded":
+            raise ValueError("--fp8-fsdp-all-gather needs --ddp-backend fully_sharded")
+
+
+def check_float8_environment(cfg, device: torch.device) -> None:
+    """--fp8 on a machine that cannot run it: one line naming what is missing (before any work starts)."""
+    if not getattr(cfg.common, "fp8", False):
+        return
+    if importlib.util.find_spec("torchao") is None:
+        raise ValueError("--fp8 needs torchao, which is not installed: pip install torchao "
+                         "(or the project's fp8 extra: pip install 'fairseq[fp8]')")
+    if device.type != "cuda":
+        raise ValueError("--fp8 needs a CUDA GPU (float8 matmuls); this run is on the CPU (drop --fp8 or --cpu)")
+    capability = torch.cuda.get_device_capability(device)
+    if capability < MIN_CAPABILITY:
+        raise ValueError(f"--fp8 needs a GPU of compute capability {MIN_CAPABILITY[0]}.{MIN_CAPABILITY[1]} or "
+                         f"higher (Ada, Hopper, Blackwell); {torch.cuda.get_device_name(device)} is "
+                         f"{capability[0]}.{capability[1]}: drop --fp8")
+
+
+def _float8_config(common):
+    from torchao.float8 import Float8LinearConfig
+
+    if common.fp8_recipe == "tensorwise":
+        return Float8LinearConfig(enable_fsdp_float8_all_gather=bool(common.fp8_fsdp_all_gather))
+    return Float8LinearConfig.from_recipe_name(common.fp8_recipe)
+
+
+def _convertible(module: nn.Module, name: str) -> bool:
+    if not isinstance(module, nn.Linear) or name.endswith(HIGH_PRECISION_MODULES):
+        return False
+    return module.in_features % 16 == 0 and module.out_features % 16 == 0
+
+
+def apply_float8(model: nn.Module, cfg) -> int:
+    """Swap the convertible nn.Linear modules for torchao's Float8Linear in place; returns how many."""
+    from torchao.float8 import convert_to_float8_training
+
+    converted = []
+
+    def keep(module: nn.Module, name: str) -> bool:
+        ok = _convertible(module, name)
+        if ok:
+            converted.append(name)
+        return ok
+
+    convert_to_float8_training(model, config=_float8_config(cfg.common), module_filter_fn=keep)
+    logger.info(f"float8 ({cfg.common.fp8_recipe}{', float8 all-gather' if cfg.common.fp8_fsdp_all_gather else ''}): "
+                f"{len(converted)} Linear layers converted; kept in bf16: the output projection and the embeddings")
+    return len(converted)
+
+
+def needs_scale_precompute(cfg) -> bool:
+    return bool(getattr(cfg.common, "fp8", False) and cfg.common.fp8_fsdp_all_gather)
+
+
+def after_optimizer_step(model: nn.Module) -> None:
+    """With float8 all-gather: every sharded weight's scale for the next forward, in one fused reduction."""
+    from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
+
+    precompute_float8_dynamic_scale_for_fsdp(model)

@@ -1,0 +1,69 @@
+"""--fp8: the flag rules and the environment checks fail in one line, before any work; which Linear layers are
+converted (the output projection stays bf16). The float8 training itself runs in tests/gpu/test_float8_gpu.py."""
+
+import importlib.util
+
+import pytest
+import torch
+
+from fairseq import options
+from fairseq.dataclass.validate import validate
+from fairseq.float8 import _convertible
+from fairseq.models.transformer_lm import TransformerLanguageModel, preset_config
+
+BASE = ["--task", "dummy_lm", "--arch", "transformer_lm_gpt2_tiny", "--optimizer", "adam", "--max-tokens", "64"]
+
+
+def config(*flags):
+    return options.convert_namespace_to_config(options.parse_args_and_arch(options.get_training_parser(),
+                                                                           BASE + list(flags)))
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--fp8"], "--fp8 needs --bf16"),
+    (["--fp8", "--fp16"], "use --fp8 with --bf16, not --fp16"),
+    (["--fp8-fsdp-all-gather", "--bf16"], "--fp8-fsdp-all-gather needs --fp8"),
+    (["--fp8", "--bf16", "--fp8-recipe", "rowwise", "--fp8-fsdp-all-gather", "--ddp-backend", "fully_sharded"],
+     "--fp8-fsdp-all-gather works with --fp8-recipe tensorwise only"),
+    (["--fp8", "--bf16", "--fp8-fsdp-all-gather"], "--fp8-fsdp-all-gather needs --ddp-backend fully_sharded"),
+])
+def test_flag_rules(flags, message):
+    with pytest.raises(ValueError, match=message):
+        validate(config(*flags))
+
+
+def test_unknown_recipe_is_a_usage_error(capsys):
+    with pytest.raises(SystemExit):
+        config("--fp8", "--bf16", "--fp8-recipe", "blockwise")
+    assert "invalid choice: 'blockwise'" in capsys.readouterr().err
+
+
+def test_fp8_on_this_machine_names_what_is_missing():
+    cfg = config("--fp8", "--bf16", "--cpu")
+    if importlib.util.find_spec("torchao") is None:
+        expected = "--fp8 needs torchao, which is not installed: pip install torchao"
+    else:
+        expected = "--fp8 needs a CUDA GPU"
+    with pytest.raises(ValueError, match=expected):
+        validate(cfg)
+
+
+def test_fp8_through_fairseq_train_is_one_line(tiny_data, tmp_path, capsys):
+    from fairseq_cli import train
+
+    with pytest.raises(SystemExit) as exit_info:
+        train.cli_main([str(tiny_data), "--arch", "transformer_lm_gpt2_tiny", "--optimizer", "adam", "--max-tokens",
+                        "64", "--save-dir", str(tmp_path), "--fp8", "--bf16", "--cpu"])
+    assert exit_info.value.code != 0
+    err = capsys.readouterr().err.strip().splitlines()
+    assert "--fp8 needs" in err[-1] and not any("Traceback" in line for line in err)
+
+
+def test_only_decoder_layer_linears_with_float8_sized_dims_are_converted():
+    cfg = preset_config("transformer_lm_gpt3_small", decoder_layers=1, decoder_embed_dim=64,
+                        decoder_attention_heads=4, decoder_ffn_embed_dim=200, tokens_per_sample=32)
+    model = TransformerLanguageModel.build(cfg, 100, 1)
+    chosen = sorted(name for name, m in model.named_modules() if _convertible(m, name))
+    # fc1/fc2 (64 x 200: 200 is no multiple of 16) and the output projection stay in bf16
+    assert chosen == [f"decoder.layers.0.self_attn.{p}_proj" for p in ("k", "out", "q", "v")]
+    assert isinstance(model.decoder.output_projection, torch.nn.Linear)
