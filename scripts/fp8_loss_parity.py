@@ -56,7 +56,7 @@ def main():
              "--num-workers", "1", *extra], env)
         train = read_json_log(log, "train_inner")[-1]
         valid = read_json_log(log, "valid")[-1]
-        rows[name] = {"train_loss": float(train["loss"]), "valid_loss": float(valid["loss"]),
+        rows[name] = {"train_loss": float(train["loss"]), "valid_loss": float(valid.get("valid_loss", valid.get("loss"))),
                       "wps": float(train["wps"])}
     base = rows["bf16"]
     print(f"| run | train loss @ {args.updates} | vs bf16 | valid loss | vs bf16 | wps |")

@@ -27,7 +27,7 @@ def train(save_dir, *extra, nproc=1):
             "--decoder-attention-heads", "4", "--optimizer", "adam", "--lr", "1e-3", "--log-format", "json",
             "--log-interval", "1", "--disable-validation", "--save-dir", str(save_dir), "--bf16",
             "--log-file", str(save_dir / "train.log"), "--num-workers", "0", "--seed", "3", *extra]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=ROOT), timeout=800)
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])), timeout=800)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc.stdout + proc.stderr
 
