@@ -123,6 +123,11 @@ def parse(argv: Optional[List[str]] = None) -> Request:
         overrides = {k: v for k, v in vars(args).items() if k in model_fields}
         overrides.update(tokens_per_sample=args.tokens_per_sample, max_target_positions=args.max_target_positions)
         cfg = preset_config(args.arch, **overrides)
+        if cfg.adaptive_input or cfg.adaptive_softmax_cutoff is not None:
+            # Their outputs' sizes depend on how often each band's words occur; the planner has no such term.
+            raise ValueError(f"--arch {args.arch}: adaptive input/softmax (--adaptive-input, "
+                             "--adaptive-softmax-cutoff) are not modeled by the memory planner, which assumes a full "
+                             "output projection; plan with a plain preset of the same size (e.g. transformer_lm_big)")
         if args.vocab_size < 2:
             raise ValueError(f"--vocab-size must be at least 2 (padding is symbol 1), got {args.vocab_size}")
         shape = mm.model_shape(cfg, args.vocab_size)

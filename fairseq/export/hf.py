@@ -154,6 +154,9 @@ def _embed_scale(cfg) -> float:
 
 def _common_problems(src: Source) -> List[str]:
     cfg = src.cfg
+    if cfg.adaptive_input or cfg.adaptive_softmax_cutoff is not None:
+        return ["--adaptive-input / --adaptive-softmax-cutoff (banded embeddings and softmax) have no equivalent "
+                "in OPT or XGLM"]
     problems = []
     if src.dictionary.pad() != PAD:
         problems.append(f"the dictionary's padding index is {src.dictionary.pad()}, not {PAD}")

@@ -36,8 +36,10 @@ class FairseqDecoder(nn.Module):
 
     def get_normalized_probs_scriptable(self, net_output, log_probs: bool, sample: Optional[dict] = None) -> Tensor:
         # Upstream's split: plug-ins override this one.
-        if self.adaptive_softmax is not None:
-            raise NotImplementedError("adaptive softmax is not supported by this fairseq")
+        if self.adaptive_softmax is not None:  # upstream's convention: such a decoder returns features
+            target = sample["target"] if sample is not None else None
+            out = self.adaptive_softmax.get_log_prob(net_output[0], target=target)
+            return out if log_probs else out.exp()
         logits = net_output[0] if isinstance(net_output, (tuple, list)) else net_output
         return F.log_softmax(logits.float(), dim=-1) if log_probs else F.softmax(logits.float(), dim=-1)
 

@@ -12,8 +12,8 @@ Presets (`--arch`), each filling only what the command line leaves unset:
   (`decoder_normalize_before = True`, upstream's "training is not stable without this") and derives the
   input/output dims from the embed dim:
   `transformer_lm_big` (12 x 1024, ffn 4096, 16 heads), `transformer_lm_gbw` / `transformer_lm_baevski_gbw`
-  (big at 512, no final norm), `transformer_lm_wiki103` / `transformer_lm_baevski_wiki103` (adaptive
-  input and softmax: registered so upstream recipes fail with a clear message, not buildable here),
+  (big at 512, no final norm), `transformer_lm_wiki103` / `transformer_lm_baevski_wiki103` (big with 16
+  layers, adaptive input and softmax at cutoffs 20000,60000 with tied weights and projections, dropout 0.3);
   `transformer_lm_gpt` (12 x 768), `transformer_lm_gpt2_tiny/small/medium/big/big_wide/bigger`;
 - GPT-3 family (learned positions, gelu, dropout 0, ffn 4 x d, shared input/output embeddings, input and
   output dims forced to the embed dim): `transformer_lm_gpt3_small` (125M: 12 x 768, 12 heads),
@@ -21,6 +21,12 @@ Presets (`--arch`), each filling only what the command line leaves unset:
   `_2_7` (32 x 2560, 32), `_6_7` (32 x 4096, 32), `_13` (40 x 5120, 40), `_175` (96 x 12288, 96), and two
   OPT sizes upstream lacks: `transformer_lm_gpt3_30` (30B: 48 x 7168, 56 heads) and
   `transformer_lm_gpt3_66` (66B: 64 x 9216, 72 heads).
+
+Adaptive input (`--adaptive-input`, fairseq.modules.adaptive_input) replaces the token embedding and
+adaptive softmax (`--adaptive-softmax-cutoff`, fairseq.modules.adaptive_softmax) the output projection,
+under upstream's parameter names. With an adaptive softmax the model's output is its log-probabilities
+(a log-softmax leaves them unchanged, so every consumer of logits works as is); `--criterion adaptive_loss`
+asks for the features (`features_only=True`) and scores only each target's band.
 
 The model holds no distributed or precision code: activation checkpointing (`--checkpoint-activations`),
 compilation and FSDP are applied per layer from outside.
@@ -41,6 +47,7 @@ from fairseq.dataclass.build import model_config
 from fairseq.dataclass.utils import flag_name
 from fairseq.logging.throughput import flops_per_token as transformer_flops_per_token
 from fairseq.models.fairseq_model import FairseqLanguageModel
+from fairseq.modules.adaptive_input import AdaptiveInput, parse_cutoffs
 from fairseq.modules.transformer_decoder import TransformerDecoder
 
 logger = logging.getLogger(__name__)
@@ -77,15 +84,16 @@ class TransformerLanguageModelConfig:
     add_bos_token: Optional[bool] = II("task.add_bos_token")
     tokens_per_sample: Optional[int] = II("task.tokens_per_sample")
     max_target_positions: Optional[int] = II("task.max_target_positions")
+    adaptive_softmax_cutoff: Optional[str] = opt(
+        None, "comma separated list of adaptive softmax cutoffs, e.g. 20000,60000 (use with --criterion adaptive_loss)")
+    adaptive_softmax_dropout: float = opt(0.0, "dropout of the adaptive softmax's input and tail projections")
+    adaptive_softmax_factor: float = opt(4.0, "adaptive softmax: tail i projects to dim // factor**(i+1)")
+    adaptive_input: bool = opt(False, "adaptive input embeddings (bands of the vocabulary at smaller widths)")
+    adaptive_input_factor: float = opt(4.0, "adaptive input: band i is embedded at --decoder-input-dim // factor**i")
+    adaptive_input_cutoff: Optional[str] = opt(None, "comma separated list of adaptive input cutoffs")
+    tie_adaptive_weights: bool = opt(False, "share the adaptive input's tables with the adaptive softmax")
+    tie_adaptive_proj: bool = opt(False, "share the adaptive input's projections with the adaptive softmax tails")
     # Upstream features this project does not implement: accepted at their defaults, rejected when set.
-    adaptive_softmax_cutoff: Optional[str] = opt(None, "not supported: adaptive softmax cutoffs")
-    adaptive_softmax_dropout: float = opt(0.0, "not supported: adaptive softmax tail dropout")
-    adaptive_softmax_factor: float = opt(4.0, "not supported: adaptive softmax factor")
-    adaptive_input: bool = opt(False, "not supported: adaptive input embeddings")
-    adaptive_input_factor: float = opt(4.0, "not supported: adaptive input factor")
-    adaptive_input_cutoff: Optional[str] = opt(None, "not supported: adaptive input cutoffs")
-    tie_adaptive_weights: bool = opt(False, "not supported: tie adaptive input and softmax weights")
-    tie_adaptive_proj: bool = opt(False, "not supported: tie adaptive input and softmax projections")
     character_embeddings: bool = opt(False, "not supported: character CNN token embeddings")
     decoder_layerdrop: float = opt(0.0, "not supported: LayerDrop probability")
     decoder_layers_to_keep: Optional[str] = opt(None, "not supported: layers to keep when pruning")
@@ -101,9 +109,6 @@ class TransformerLanguageModelConfig:
 
 # (field, predicate on its value) for upstream features that are not implemented here.
 _UNSUPPORTED = (
-    ("adaptive_softmax_cutoff", lambda v: v is not None),
-    ("adaptive_input", bool),
-    ("tie_adaptive_weights", bool),
     ("character_embeddings", bool),
     ("decoder_layerdrop", lambda v: v > 0),
     ("decoder_layers_to_keep", lambda v: v is not None),
@@ -122,10 +127,7 @@ def check_config(cfg) -> None:
     for name, is_set in _UNSUPPORTED:
         value = getattr(cfg, name, None)
         if value is not None and is_set(value):
-            hint = ""
-            if name.startswith(("adaptive", "tie_adaptive")):
-                hint = " (the transformer_lm_wiki103 presets turn it on; use transformer_lm_big or a gpt preset)"
-            raise ValueError(f"{flag_name(name)} {value!r} is not supported by this fairseq{hint}; "
+            raise ValueError(f"{flag_name(name)} {value!r} is not supported by this fairseq; "
                              f"leave {flag_name(name)} at its default")
     for name in ("decoder_embed_dim", "decoder_input_dim", "decoder_output_dim", "decoder_ffn_embed_dim",
                  "decoder_attention_heads"):
@@ -146,9 +148,52 @@ def check_config(cfg) -> None:
     for name in ("dropout", "attention_dropout", "activation_dropout", "relu_dropout"):
         if not 0.0 <= getattr(cfg, name) < 1.0:
             raise ValueError(f"{flag_name(name)} must be in [0, 1), got {getattr(cfg, name)}")
+    check_adaptive_config(cfg)
     max_positions = resolve_max_target_positions(cfg)
     if max_positions <= 0:
         raise ValueError(f"--max-target-positions / --tokens-per-sample must be positive, got {max_positions}")
+
+
+def check_adaptive_config(cfg) -> None:
+    """Adaptive input/softmax options: cutoffs that parse, upstream's tying rules (which upstream asserts),
+    and combinations that would build something other than what was asked."""
+    input_cutoffs = parse_cutoffs(cfg.adaptive_input_cutoff, "--adaptive-input-cutoff")
+    softmax_cutoffs = parse_cutoffs(cfg.adaptive_softmax_cutoff, "--adaptive-softmax-cutoff")
+    if cfg.adaptive_input and input_cutoffs is None:
+        raise ValueError("--adaptive-input needs --adaptive-input-cutoff (e.g. 20000,60000)")
+    if input_cutoffs is not None and not cfg.adaptive_input:
+        logger.warning(f"--adaptive-input-cutoff {cfg.adaptive_input_cutoff} has no effect without --adaptive-input")
+    for name, used in (("adaptive_input_factor", cfg.adaptive_input),
+                       ("adaptive_softmax_factor", softmax_cutoffs is not None)):
+        if used and getattr(cfg, name) <= 0:
+            raise ValueError(f"{flag_name(name)} must be positive, got {getattr(cfg, name)}")
+    if not 0.0 <= cfg.adaptive_softmax_dropout < 1.0:
+        raise ValueError(f"--adaptive-softmax-dropout must be in [0, 1), got {cfg.adaptive_softmax_dropout}")
+    if cfg.share_decoder_input_output_embed and (cfg.adaptive_input or softmax_cutoffs is not None):
+        raise ValueError("--share-decoder-input-output-embed shares a full embedding matrix, which adaptive input "
+                         "/ softmax do not have; use --tie-adaptive-weights (and --tie-adaptive-proj) instead")
+    if cfg.tie_adaptive_weights:
+        if not cfg.adaptive_input or softmax_cutoffs is None:
+            raise ValueError("--tie-adaptive-weights needs both --adaptive-input and --adaptive-softmax-cutoff")
+        if input_cutoffs != softmax_cutoffs:
+            raise ValueError(f"--tie-adaptive-weights needs --adaptive-input-cutoff ({cfg.adaptive_input_cutoff}) "
+                             f"equal to --adaptive-softmax-cutoff ({cfg.adaptive_softmax_cutoff})")
+        if cfg.adaptive_input_factor != cfg.adaptive_softmax_factor:
+            raise ValueError(f"--tie-adaptive-weights needs --adaptive-input-factor ({cfg.adaptive_input_factor}) "
+                             f"equal to --adaptive-softmax-factor ({cfg.adaptive_softmax_factor})")
+        if cfg.decoder_input_dim != cfg.decoder_output_dim:
+            raise ValueError("--tie-adaptive-weights needs --decoder-input-dim == --decoder-output-dim "
+                             f"(got {cfg.decoder_input_dim} and {cfg.decoder_output_dim})")
+        if cfg.decoder_output_dim != cfg.decoder_embed_dim:
+            # The tails start from the adaptive input's projections, whose rows are the embed dim.
+            raise ValueError("--tie-adaptive-weights needs --decoder-output-dim == --decoder-embed-dim "
+                             f"(got {cfg.decoder_output_dim} and {cfg.decoder_embed_dim})")
+    elif cfg.tie_adaptive_proj:
+        logger.warning("--tie-adaptive-proj has no effect without --tie-adaptive-weights (as in upstream)")
+
+
+def uses_adaptive_modules(cfg) -> bool:
+    return bool(cfg.adaptive_input) or cfg.adaptive_softmax_cutoff is not None
 
 
 def resolve_max_target_positions(cfg) -> int:
@@ -170,7 +215,8 @@ class TransformerLanguageModel(FairseqLanguageModel):
         "decoder_layers", "decoder_embed_dim", "decoder_input_dim", "decoder_output_dim", "decoder_ffn_embed_dim",
         "decoder_attention_heads", "decoder_normalize_before", "no_decoder_final_norm",
         "no_token_positional_embeddings", "decoder_learned_pos", "layernorm_embedding", "no_scale_embedding",
-        "activation_fn", "max_target_positions",
+        "activation_fn", "max_target_positions", "adaptive_input", "adaptive_input_factor", "adaptive_input_cutoff",
+        "adaptive_softmax_cutoff", "adaptive_softmax_factor", "tie_adaptive_weights", "tie_adaptive_proj",
     )
 
     def __init__(self, decoder: TransformerDecoder):
@@ -225,8 +271,12 @@ class TransformerLanguageModel(FairseqLanguageModel):
     def tie_weights(self) -> None:
         self.decoder.tie_weights()
 
-    def flops_per_token(self, seq_len: int) -> float:
-        """6 x the matrix weights (forward + backward) plus the attention score and value products."""
+    def flops_per_token(self, seq_len: int) -> Optional[float]:
+        """6 x the matrix weights (forward + backward) plus the attention score and value products. None
+        (unknown) with adaptive input or softmax: a token passes through its own band only, so the cost
+        depends on the data's word frequencies."""
+        if isinstance(self.decoder.embed_tokens, AdaptiveInput) or self.decoder.adaptive_softmax is not None:
+            return None
         return transformer_flops_per_token(self, len(self.transformer_layers()), self.decoder.embed_dim, seq_len)
 
     @classmethod
@@ -389,16 +439,29 @@ def upgrade_state_dict(state_dict: dict, cfg=None) -> dict:
     - `layers.N.layer_norms.{0,1,2}` -> `self_attn_layer_norm`, `encoder_attn_layer_norm`,
       `final_layer_norm`;
     - a saved sinusoidal table `embed_positions.weights` -> the `_float_tensor` placeholder;
+    - adaptive input / softmax weights keep their (upstream) names; an adaptive softmax without
+      `decoder.adaptive_softmax.version` predates upstream's current tail layout and is refused, as upstream
+      refuses it; the value-less `_float_tensor` buffers are added when a file lacks them;
     - `decoder.version` <= 2 (or missing, with no `decoder.layer_norm.*`) marks a checkpoint from before
       the final layer norm existed: as upstream, the version becomes 1 and `cfg` (a dict or config
       object, when given) gets `no_decoder_final_norm = True` so the model is built to match; a missing
       version next to a final layer norm is restored as 3.
     """
     out = dict(state_dict)
+    adaptive_softmax = any(k.startswith("decoder.adaptive_softmax.") for k in out)
     if "decoder.embed_out" in out:
         out["decoder.output_projection.weight"] = out.pop("decoder.embed_out")
-    elif "decoder.output_projection.weight" not in out and "decoder.embed_tokens.weight" in out:
+    elif "decoder.output_projection.weight" not in out and "decoder.embed_tokens.weight" in out \
+            and not adaptive_softmax:
         out["decoder.output_projection.weight"] = out["decoder.embed_tokens.weight"]
+    if adaptive_softmax:
+        if "decoder.adaptive_softmax.version" not in out:
+            raise ValueError("decoder.adaptive_softmax has no version: an adaptive softmax from before upstream's "
+                             "version 1 (a different tail layout), which upstream fairseq no longer loads either")
+        if "decoder.adaptive_softmax.head.class_proj.weight" in out:
+            out.setdefault("decoder.adaptive_softmax.head._float_tensor", torch.zeros(1))
+    if "decoder.embed_tokens.embeddings.0.0.weight" in out:
+        out.setdefault("decoder.embed_tokens._float_tensor", torch.zeros(1))
 
     for key in [k for k in out if k.endswith((".in_proj_weight", ".in_proj_bias"))]:
         prefix, kind = key.rsplit(".in_proj_", 1)

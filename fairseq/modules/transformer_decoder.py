@@ -28,6 +28,8 @@ import torch.nn.functional as F
 
 from fairseq.incremental_decoding_utils import IncrementalState
 from fairseq.models.fairseq_incremental_decoder import FairseqIncrementalDecoder
+from fairseq.modules.adaptive_input import AdaptiveInput, parse_cutoffs
+from fairseq.modules.adaptive_softmax import AdaptiveSoftmax
 from fairseq.modules.multihead_attention import MultiheadAttention
 from fairseq.modules.positional_embedding import build_positional_embedding, zero_row_
 from fairseq.modules.transformer_layer import TransformerDecoderLayer
@@ -51,13 +53,19 @@ class TransformerDecoder(FairseqIncrementalDecoder):
         self.vocab_size = vocab_size
         self.dropout = cfg.dropout
         self.share_input_output_embed = cfg.share_decoder_input_output_embed
-        self.input_embed_dim = cfg.decoder_input_dim
         self.embed_dim = cfg.decoder_embed_dim
         self.output_embed_dim = cfg.decoder_output_dim
         self.max_target_positions = cfg.max_target_positions
         self.embed_scale = 1.0 if cfg.no_scale_embedding else math.sqrt(self.embed_dim)
 
-        self.embed_tokens = nn.Embedding(vocab_size, self.input_embed_dim, padding_idx=padding_idx)
+        if cfg.adaptive_input:  # bands of --decoder-input-dim // factor**i, each projected to the embed dim
+            self.embed_tokens = AdaptiveInput(
+                vocab_size, padding_idx, cfg.decoder_input_dim, cfg.adaptive_input_factor, self.embed_dim,
+                parse_cutoffs(cfg.adaptive_input_cutoff, "--adaptive-input-cutoff"),
+            )
+        else:
+            self.embed_tokens = nn.Embedding(vocab_size, cfg.decoder_input_dim, padding_idx=padding_idx)
+        self.input_embed_dim = self.embed_tokens.embedding_dim
         self.project_in_dim = (
             nn.Linear(self.input_embed_dim, self.embed_dim, bias=False)
             if self.input_embed_dim != self.embed_dim else None
@@ -88,7 +96,20 @@ class TransformerDecoder(FairseqIncrementalDecoder):
             nn.Linear(self.embed_dim, self.output_embed_dim, bias=False)
             if self.embed_dim != self.output_embed_dim else None
         )
-        if self.share_input_output_embed:
+        self.adaptive_softmax = None
+        out_size = vocab_size if output_vocab_size is None else output_vocab_size
+        if cfg.adaptive_softmax_cutoff is not None:
+            cutoffs = parse_cutoffs(cfg.adaptive_softmax_cutoff, "--adaptive-softmax-cutoff")
+            if cutoffs[0] <= padding_idx:
+                raise ValueError(f"--adaptive-softmax-cutoff {cfg.adaptive_softmax_cutoff}: the first cutoff must be "
+                                 f"larger than the padding index {padding_idx} (the head holds the padding symbol)")
+            self.adaptive_softmax = AdaptiveSoftmax(
+                out_size, self.output_embed_dim, cutoffs, cfg.adaptive_softmax_dropout,
+                factor=cfg.adaptive_softmax_factor, tie_proj=cfg.tie_adaptive_proj,
+                adaptive_inputs=self.embed_tokens if cfg.tie_adaptive_weights else None,
+            )
+            self.output_projection = None
+        elif self.share_input_output_embed:
             if self.input_embed_dim != self.output_embed_dim:
                 raise ValueError(
                     "--share-decoder-input-output-embed needs --decoder-input-dim == --decoder-output-dim "
@@ -97,7 +118,6 @@ class TransformerDecoder(FairseqIncrementalDecoder):
             # Its own weight is replaced by the embedding matrix at once: never allocate it.
             self.output_projection = nn.Linear(self.output_embed_dim, vocab_size, bias=False, device="meta")
         else:
-            out_size = vocab_size if output_vocab_size is None else output_vocab_size
             self.output_projection = nn.Linear(self.output_embed_dim, out_size, bias=False)
         self.tie_weights()
         # The layers initialized themselves when built; the rest differs from PyTorch's defaults.
@@ -108,13 +128,16 @@ class TransformerDecoder(FairseqIncrementalDecoder):
 
         Moving a meta-device model with `to_empty` unties them; `reset_parameters` calls this again.
         """
-        if self.share_input_output_embed and self.output_projection.weight is not self.embed_tokens.weight:
+        if self.adaptive_softmax is not None:
+            if isinstance(self.embed_tokens, AdaptiveInput):
+                self.adaptive_softmax.tie_to(self.embed_tokens)
+        elif self.share_input_output_embed and self.output_projection.weight is not self.embed_tokens.weight:
             self.output_projection.weight = self.embed_tokens.weight
 
     def reset_parameters(self):
         """Initialize every parameter and buffer as upstream does, drawing from the torch RNG."""
         self.tie_weights()
-        for module in (self.embed_positions, self.layernorm_embedding, self.layer_norm):
+        for module in (self.embed_positions, self.layernorm_embedding, self.layer_norm, self.adaptive_softmax):
             if module is not None:
                 module.reset_parameters()
         for layer in self.layers:
@@ -124,12 +147,15 @@ class TransformerDecoder(FairseqIncrementalDecoder):
     def _init_outside_layers(self):
         with torch.no_grad():
             self.version.fill_(3.0)
-        nn.init.normal_(self.embed_tokens.weight, mean=0.0, std=self.input_embed_dim**-0.5)
-        zero_row_(self.embed_tokens.weight, self.padding_idx)
+        if isinstance(self.embed_tokens, AdaptiveInput):
+            self.embed_tokens.reset_parameters()
+        else:
+            nn.init.normal_(self.embed_tokens.weight, mean=0.0, std=self.input_embed_dim**-0.5)
+            zero_row_(self.embed_tokens.weight, self.padding_idx)
         for projection in (self.project_in_dim, self.project_out_dim):
             if projection is not None:
                 nn.init.xavier_uniform_(projection.weight)
-        if not self.share_input_output_embed:
+        if self.output_projection is not None and not self.share_input_output_embed:
             nn.init.normal_(self.output_projection.weight, mean=0.0, std=self.output_embed_dim**-0.5)
 
     def max_positions(self) -> int:
@@ -188,7 +214,18 @@ class TransformerDecoder(FairseqIncrementalDecoder):
         return x
 
     def output_layer(self, features: torch.Tensor) -> torch.Tensor:
+        """Vocabulary scores of `features`; with an adaptive softmax, its fp32 log-probabilities (already
+        normalized: a log-softmax over them changes nothing, so every consumer of logits gets the model's
+        distribution; --criterion adaptive_loss takes the features instead)."""
+        if self.adaptive_softmax is not None:
+            return self.adaptive_softmax.get_log_prob(features)
         return self.output_projection(features)
+
+    def get_normalized_probs_scriptable(self, net_output, log_probs: bool, sample: Optional[dict] = None):
+        # This decoder's output is logits, or an adaptive softmax's log-probabilities (which a log-softmax
+        # leaves as they are): never features, unlike upstream's decoders with an adaptive softmax.
+        logits = net_output[0] if isinstance(net_output, (tuple, list)) else net_output
+        return F.log_softmax(logits.float(), dim=-1) if log_probs else F.softmax(logits.float(), dim=-1)
 
     def forward(self, prev_output_tokens: torch.Tensor, encoder_out=None,
                 incremental_state: Optional[IncrementalState] = None, features_only: bool = False,

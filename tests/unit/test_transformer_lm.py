@@ -375,8 +375,8 @@ def test_meta_build_then_to_empty_and_reset_matches_a_cpu_build(arch):
 
 
 @pytest.mark.parametrize("overrides,message", [
-    (dict(adaptive_input=True), "--adaptive-input"),
-    (dict(adaptive_softmax_cutoff="10,20"), "--adaptive-softmax-cutoff"),
+    (dict(adaptive_input=True), "--adaptive-input needs --adaptive-input-cutoff"),
+    (dict(adaptive_softmax_cutoff="20,10"), "--adaptive-softmax-cutoff '20,10': the cutoffs must be positive and"),
     (dict(character_embeddings=True), "--character-embeddings"),
     (dict(decoder_layerdrop=0.1), "--decoder-layerdrop"),
     (dict(decoder_attention_heads=7), "not divisible by --decoder-attention-heads 7"),
@@ -387,11 +387,6 @@ def test_meta_build_then_to_empty_and_reset_matches_a_cpu_build(arch):
 def test_bad_configs_name_the_flag(overrides, message):
     with pytest.raises(ValueError, match=message):
         TransformerLanguageModel.build(preset_config("transformer_lm", **overrides), VOCAB, PAD)
-
-
-def test_wiki103_preset_is_registered_but_refused_clearly():
-    with pytest.raises(ValueError, match="transformer_lm_wiki103 presets turn it on"):
-        TransformerLanguageModel.build(preset_config("transformer_lm_wiki103"), VOCAB, PAD)
 
 
 def test_preset_config_rejects_unknown_arch_and_options():
