@@ -92,6 +92,9 @@ def apply_float8(model: nn.Module, cfg) -> int:
         return ok
 
     convert_to_float8_training(model, config=_float8_config(cfg.common), module_filter_fn=keep)
+    if not cfg.distributed_training.compile:
+        logger.warning("--fp8 without --compile: torchao's scaling and casts run as separate kernels, which made "
+                       "training slower than bf16 (0.43x at 32 x 2560 on one H200, docs/fp8.md); add --compile")
     logger.info(f"float8 ({cfg.common.fp8_recipe}{', float8 all-gather' if cfg.common.fp8_fsdp_all_gather else ''}): "
                 f"{len(converted)} Linear layers converted; kept in bf16: the output projection and the embeddings")
     return len(converted)
