@@ -68,6 +68,9 @@ class AdaptiveInput(nn.Module):
         if q_noise:
             raise ValueError("--quant-noise-pq is not supported by this fairseq; leave it at 0")
         self.cutoff = band_edges(cutoff, vocab_size, "--adaptive-input-cutoff")
+        if padding_idx is not None and padding_idx >= self.cutoff[0]:
+            raise ValueError(f"--adaptive-input-cutoff {','.join(map(str, cutoff))}: the first cutoff must be larger "
+                             f"than the padding index {padding_idx} (the first band holds the padding symbol)")
         self.embedding_dim = output_dim
         self.padding_idx = padding_idx
         dims = band_dims(initial_dim, factor, len(self.cutoff), 0, "--adaptive-input-factor")

@@ -24,6 +24,10 @@ import torch.nn.functional as F
 from fairseq.modules.adaptive_input import band_dims, band_edges
 
 
+def _at_least_fp32(scores: torch.Tensor) -> torch.Tensor:
+    return scores.float() if scores.dtype in (torch.float16, torch.bfloat16) else scores
+
+
 class TiedLinear(nn.Module):
     """x @ weight.T (or x @ weight with `transpose`) for a weight owned by another module."""
 
@@ -134,16 +138,16 @@ class AdaptiveSoftmax(nn.Module):
 
     # ---- the full distribution -----------------------------------------------------------------------
     def get_log_prob(self, input: torch.Tensor, target: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """fp32 log-probabilities over the whole vocabulary, [B, T, D] -> [B, T, V] (no input dropout, as
+        """Log-probabilities (fp32, or fp64 for fp64 inputs) over the whole vocabulary, [B, T, D] -> [B, T, V] (no input dropout, as
         upstream). `target` is accepted for upstream's signature; every row gets its full distribution
         (upstream, given a target, fills only each row's own band)."""
         bsz, length, dim = input.size()
         x = input.reshape(-1, dim)
-        head = F.log_softmax(self.head(x).float(), dim=-1)
+        head = F.log_softmax(_at_least_fp32(self.head(x)), dim=-1)
         parts = [head[:, :self.cutoff[0]]]
         for i, tail in enumerate(self.tail):
             cluster = head[:, self.cutoff[0] + i].unsqueeze(1)
-            parts.append(F.log_softmax(tail(x).float(), dim=-1) + cluster)
+            parts.append(F.log_softmax(_at_least_fp32(tail(x)), dim=-1) + cluster)
         return torch.cat(parts, dim=-1).view(bsz, length, self.vocab_size)
 
     def upgrade_state_dict_named(self, state_dict: dict, name: str) -> dict:

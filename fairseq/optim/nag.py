@@ -7,7 +7,8 @@ previous step, so that a schedule changing lr rescales the buffer, lr_correct = 
     p   <- p + m**2 * lr_correct * buf - (1 + m) * lr * g
     buf <- m * lr_correct * buf - lr * g                       (buf starts at 0)
 
-computed in fp32. `lr_old` lives in the parameter group, `momentum_buffer` in the state, as upstream's.
+computed in fp32 (fp64 for fp64 parameters). `lr_old` lives in the parameter group, `momentum_buffer` in
+the state, as upstream's.
 """
 
 from dataclasses import dataclass
@@ -56,7 +57,7 @@ class NAG(Optimizer):
                     continue
                 low_precision = p.dtype in (torch.float16, torch.bfloat16)
                 p32 = p.float() if low_precision else p
-                grad = p.grad.float()
+                grad = p.grad.to(p32.dtype)  # (upstream casts to fp32 always, fp64 gradients too)
                 state = self.state[p]
                 if "momentum_buffer" not in state:
                     state["momentum_buffer"] = torch.zeros_like(grad)
