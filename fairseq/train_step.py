@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from fairseq.distributed.parallelize import clip_grad_norm_, gradient_sync
+from fairseq.distributed.utils import get_data_parallel_group
 from fairseq.precision import Precision
 from fairseq.logging.logging_outputs import LoggingOutputSums
 
@@ -24,7 +25,7 @@ def _global_sample_size(samples, sentence_avg: bool, device) -> torch.Tensor:
     # From pinned memory without blocking: a plain torch.tensor(..., device="cuda") would wait for the GPU.
     total = torch.tensor(float(local), pin_memory=device.type == "cuda").to(device, non_blocking=True)
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(total)
+        dist.all_reduce(total, group=get_data_parallel_group())  # a tensor-parallel group shares one batch
     return total
 
 

@@ -13,7 +13,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 from fairseq import float8
 from fairseq.data.batching import resolve_limit
 from fairseq.distributed.parallelize import parallelize_model
-from fairseq.distributed.utils import get_world_size
+from fairseq.distributed.utils import get_data_parallel_group, get_data_parallel_world_size, get_world_size
 from fairseq.optim import build_optimizer
 from fairseq.optim.lr_scheduler import build_lr_scheduler
 from fairseq.precision import Precision
@@ -39,14 +39,15 @@ class Trainer:
         self.cfg = cfg
         self.task = task
         self.device = select_device(cfg)
-        self.data_parallel_size = get_world_size()
         self.is_sharded = cfg.distributed_training.ddp_backend == "fully_sharded"
         self.criterion = criterion.to(self.device)
-        self.throughput = _throughput(cfg, model, self.device, self.data_parallel_size)
+        self.throughput = _throughput(cfg, model, self.device, get_world_size())
         # Longest item the model accepts (upstream filters longer ones out of every batch iterator).
         self.max_positions = resolve_limit(task.max_positions(), model.max_positions())
         self.memory_stats = CudaMemoryStats.for_device(self.device)
         self.model = parallelize_model(model, cfg, self.device)
+        # Read after parallelize_model built the mesh: the ranks of a tensor-parallel group share one batch.
+        self.data_parallel_size = get_data_parallel_world_size()
         self._float8_scales = float8.needs_scale_precompute(cfg)
         self.precision = Precision(
             cfg.common, self.device, sharded=self.is_sharded, data_parallel_size=self.data_parallel_size,
@@ -111,7 +112,7 @@ class Trainer:
 
     def read_train_stats(self) -> Dict[str, float]:
         """Interval statistics, read with one transfer and one all-reduce; raises on a non-finite loss."""
-        sums = self.train_stats.reduce(all_reduce=True, device=self.device)
+        sums = self.train_stats.reduce(group=get_data_parallel_group(), all_reduce=True, device=self.device)
         for key in REPLICATED_STATS:  # the same on every rank: undo the sum over ranks
             if key in sums:
                 sums[key] /= self.data_parallel_size
@@ -126,7 +127,7 @@ class Trainer:
         run_valid_step(self.model, self.criterion, self.precision, sample, self.valid_stats)
 
     def read_valid_stats(self) -> Dict[str, float]:
-        return self.valid_stats.reduce(all_reduce=True, device=self.device)
+        return self.valid_stats.reduce(group=get_data_parallel_group(), all_reduce=True, device=self.device)
 
     def step_epoch_end(self, epoch: int, val_loss: Optional[float]) -> None:
         self.lr_scheduler.step(epoch, val_loss)

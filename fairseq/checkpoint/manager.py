@@ -42,7 +42,7 @@ from fairseq.checkpoint.paths import (
 )
 from fairseq.checkpoint.save_dir import SaveDirLock, check_writable, remove_stale_temporaries
 from fairseq.dataclass.utils import config_to_dict
-from fairseq.distributed.utils import barrier, broadcast_from_master, get_rank, get_world_size
+from fairseq.distributed.utils import barrier, broadcast_from_master, get_data_parallel_world_size, get_rank
 from fairseq.logging import metrics
 
 logger = logging.getLogger(__name__)
@@ -223,7 +223,7 @@ class CheckpointManager:
         epoch_itr = make_iterator(1 if position is None else position["epoch"])
         if position is not None:
             epoch_itr.load_state_dict(
-                iterator_state_for_world_size(position, saved.data_parallel_size, get_world_size()))
+                iterator_state_for_world_size(position, saved.data_parallel_size, get_data_parallel_world_size()))
         restore_meters = bool(position and position.get("iterations_in_epoch", 0) > 0 and saved.metrics)
         if restore_meters:
             meters.load_state_dict(saved.metrics)

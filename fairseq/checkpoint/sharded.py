@@ -134,7 +134,12 @@ def load_sharded(path: str, model_state, optim_state=None, trust_legacy: bool = 
     would need more raises CheckpointError, unless `trust_legacy` (--trust-legacy-checkpoint) is given."""
     metadata = read_metadata(path, trust_legacy=trust_legacy)
     reader = safe_dcp.storage_reader(path, trust_legacy=trust_legacy)
-    stored = reader.read_metadata().state_dict_metadata  # a refused index fails here, before DCP's collectives
+    index = reader.read_metadata()  # a refused index fails here, before DCP's collectives
+    stored = index.state_dict_metadata
+    check_readable(path, index, model_state)
+    saved_layout = _saved_layout(metadata)
+    if saved_layout:
+        logger.info(f"{path} was saved by {saved_layout}; DCP reshards it to this run's layout")
     state = {"model": model_state}
     if optim_state is not None:
         state["optimizer"] = optim_state
@@ -144,3 +149,43 @@ def load_sharded(path: str, model_state, optim_state=None, trust_legacy: bool = 
     metadata["model"] = state["model"]
     metadata["last_optimizer_state"] = state.get("optimizer")
     return metadata
+
+
+def check_readable(path: str, index, model_state) -> None:
+    """Whether this run can read its model from the checkpoint whatever layout wrote it: every tensor it
+    expects is stored at the same full size, and every shard file the index names is there. DCP reshards any
+    layout (tensor-parallel, sharded or replicated) by those full sizes and offsets; what it cannot read is a
+    tensor of another size (another model or dictionary) or a missing file. Checked on every rank before
+    DCP's collectives, so each rank stops with this one-line error instead of inside a collective."""
+    stored = index.state_dict_metadata
+    for key, value in model_state.items():
+        meta = stored.get(f"model.{key}")
+        if meta is None:
+            raise CheckpointError(f"{path} has no parameter {key}: it holds another architecture; resume from a "
+                                  "checkpoint of this model, or pass --reset-optimizer --finetune-from-model")
+        size = getattr(meta, "size", None)
+        if size is not None and isinstance(value, torch.Tensor) and tuple(size) != tuple(value.shape):
+            raise CheckpointError(f"{path}: {key} is stored as {list(size)} but this model's is {list(value.shape)}"
+                                  " (another model size or dictionary); train with the flags and data it was saved with")
+    names = {info.relative_path for info in (index.storage_data or {}).values()}
+    missing = sorted(name for name in names if not os.path.isfile(os.path.join(path, name)))
+    if missing:
+        raise CheckpointError(f"{path} is incomplete: shard file(s) {', '.join(missing[:3])} named by its index are "
+                              "missing; copy the whole directory, or resume from another checkpoint")
+
+
+def _saved_layout(metadata: Dict[str, Any]) -> Optional[str]:
+    """'4 rank(s) (TP 2 x FSDP 2)' from the saved config, if it says."""
+    from types import SimpleNamespace
+
+    from fairseq.distributed.mesh import ParallelLayout
+
+    dt = (metadata.get("cfg") or {}).get("distributed_training") or {}
+    world = dt.get("distributed_world_size")
+    flags = SimpleNamespace(model_parallel_size=dt.get("model_parallel_size") or 1,
+                            fsdp_shard_group_size=dt.get("fsdp_shard_group_size") or 0,
+                            ddp_backend=dt.get("ddp_backend"))
+    try:
+        return f"{world} rank(s) ({ParallelLayout.from_config(flags, world).describe()})" if world else None
+    except ValueError:
+        return None

@@ -109,6 +109,14 @@ class DistributedTrainingConfig:
         "full parameters (bounds reserved memory and how far the CPU runs ahead)",
     )
     compile: bool = opt(False, "torch.compile each transformer layer before sharding")
+    model_parallel_size: int = opt(
+        1, "tensor parallelism (Megatron-style) over groups of this many ranks, consecutive ranks (one node); "
+           "the world size must be a multiple of it (docs/parallelism.md)"
+    )
+    fsdp_shard_group_size: int = opt(
+        0, "fully_sharded: shard the model over groups of this many data-parallel ranks and replicate it across "
+           "the groups (hybrid sharding, HSDP); 0: shard over all data-parallel ranks"
+    )
 
 
 @dataclass

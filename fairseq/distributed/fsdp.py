@@ -367,3 +367,16 @@ def sync_free_limiter(model: nn.Module) -> Optional[ReshardEventLimiter]:
     """The limiter apply_fsdp installed on `model`, if --fsdp-sync-free is on."""
     hooks = getattr(model, "_fsdp_sync_free_hooks", None)
     return hooks.limiter if hooks is not None else None
+
+
+def apply_fsdp_replicas(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
+    """Data-parallel replicas of a tensor-parallel model under a replicated --ddp-backend (pytorch_ddp, c10d),
+    where DistributedDataParallel cannot take DTensor parameters: FSDP2 on a (replicate, shard = 1) mesh,
+    which shards nothing and all-reduces the gradients (averaged), as DDP does. Parameters stay in their
+    dtype: mixed precision is the trainer's autocast, as under DDP."""
+    if mesh.ndim != 2 or mesh.size(1) != 1:
+        raise ValueError(f"replicas need a (replicate, shard = 1) mesh, got shape {tuple(mesh.shape)}")
+    for layer in transformer_layers(model):
+        fully_shard(layer, mesh=mesh, reshard_after_forward=False)
+    fully_shard(model, mesh=mesh, reshard_after_forward=False)
+    return model

@@ -39,6 +39,7 @@ import torch.distributed as dist
 import torch.multiprocessing
 
 from fairseq.distributed.env import LaunchPlan, detect_launch
+from fairseq.distributed.mesh import ParallelLayout
 from fairseq.preemption import PREEMPTION_SIGNALS
 
 # Written by the first spawned rank: main_fn's return value (JSON), returned by call_main in the parent.
@@ -514,6 +515,8 @@ def call_main(cfg, main_fn: Callable, **kwargs):
     """
     apply_default_env()
     plan = detect_launch(cfg.distributed_training, os.environ, cpu=not _use_cuda(cfg))
+    # The mesh must fit the world before any process group exists: every rank raises the same one-line error.
+    ParallelLayout.from_config(cfg.distributed_training, plan.world_size)
     if plan.nprocs_to_spawn > 0:
         return _spawn(cfg, main_fn, kwargs, plan)
     if not plan.is_distributed:

@@ -1,10 +1,13 @@
 """Turn a freshly built model into the one that trains, in a fixed order:
 
-0. float8 Linear layers (--fp8, see fairseq/float8.py),
+0. tensor parallelism over the mesh's tp dimension (--model-parallel-size, see tensor_parallel.py and
+   mesh.py), then float8 Linear layers (--fp8, see fairseq/float8.py),
 1. activation checkpointing per decoder layer (--checkpoint-activations, --offload-activations),
 2. torch.compile per decoder layer (--compile),
-3. the data-parallel engine: FSDP2 (--ddp-backend fully_sharded, see fsdp.py) or DistributedDataParallel
-   (pytorch_ddp / c10d, see ddp.py); a single process without fully_sharded keeps the model as it is.
+3. the data-parallel engine: FSDP2 (--ddp-backend fully_sharded, see fsdp.py) over the mesh's data-parallel
+   dimensions (HSDP with --fsdp-shard-group-size), or DistributedDataParallel (pytorch_ddp / c10d, see
+   ddp.py; with tensor parallelism FSDP2 keeps unsharded replicas instead, DDP taking no DTensors); a single
+   process without fully_sharded keeps the model as it is.
 
 Also here: building a model on the meta device and materializing it, and the gradient operations whose
 meaning depends on the engine (global norm clipping over sharded gradients, the cross-rank finiteness
@@ -22,13 +25,15 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.autograd.graph import saved_tensors_hooks
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper, checkpoint_wrapper
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.checkpoint import checkpoint
 
 from fairseq.distributed.ddp import apply_ddp
-from fairseq.distributed.fsdp import apply_fsdp, check_fsdp_flags, transformer_layers
+from fairseq.distributed.fsdp import apply_fsdp, apply_fsdp_replicas, check_fsdp_flags, transformer_layers
+from fairseq.distributed.mesh import ParallelLayout, init_parallel_mesh
+from fairseq.distributed.tensor_parallel import apply_tensor_parallel, reduce_partial_gradients, uses_loss_parallel
 
 logger = logging.getLogger(__name__)
 
@@ -36,7 +41,6 @@ __all__ = [
     "apply_activation_checkpointing",
     "apply_compile",
     "clip_grad_norm_",
-    "data_parallel_mesh",
     "gradient_sync",
     "materialize",
     "parallelize_model",
@@ -50,7 +54,8 @@ def parallelize_model(model: nn.Module, cfg, device: torch.device, world_mesh: O
 
     A model built on the meta device is materialized here (see `materialize`): after sharding under
     fully_sharded, so that no rank ever holds all full parameters, and before wrapping otherwise.
-    `world_mesh` is the 1-D data-parallel mesh for FSDP2 (default: every rank of the default group).
+    The device mesh is the one of the flags' layout (fairseq.distributed.mesh, built once); `world_mesh`
+    replaces its data-parallel part for FSDP2 (tests).
     """
     check_fsdp_flags(cfg)
     dt = cfg.distributed_training
@@ -58,6 +63,13 @@ def parallelize_model(model: nn.Module, cfg, device: torch.device, world_mesh: O
     on_meta = any(t.is_meta for t in _params_and_buffers(model))
     if on_meta and not fully_sharded:
         materialize(model, device)
+
+    layout = ParallelLayout.from_config(dt, dist.get_world_size() if dist.is_initialized() else 1)
+    mesh = init_parallel_mesh(layout, device.type) if fully_sharded or layout.tp > 1 else None
+    if layout.tp > 1:
+        if not on_meta:
+            model.to(device)
+        apply_tensor_parallel(model, mesh.tp_mesh, loss_parallel=uses_loss_parallel(cfg))
 
     if getattr(cfg.common, "fp8", False):  # torchao's order: swap the Linears before compile and sharding
         from fairseq.float8 import apply_float8
@@ -71,10 +83,17 @@ def parallelize_model(model: nn.Module, cfg, device: torch.device, world_mesh: O
         apply_compile(model)
 
     if fully_sharded:
-        mesh = world_mesh if world_mesh is not None else data_parallel_mesh(device)
-        apply_fsdp(model, cfg, mesh)
+        apply_fsdp(model, cfg, world_mesh if world_mesh is not None else mesh.fsdp_mesh)
         if on_meta:
             materialize(model, device, params_on_cpu=dt.cpu_offload)
+        return model
+    if layout.tp > 1:
+        if layout.dp > 1:
+            logger.info(f"--ddp-backend {dt.ddp_backend} with --model-parallel-size {layout.tp}: {layout.dp} "
+                        "data-parallel replicas kept by FSDP2 without sharding (all-reduced gradients, as DDP)")
+            apply_fsdp_replicas(model, mesh.fsdp_mesh)
+        else:
+            reduce_partial_gradients(model)
         return model
     if not on_meta:
         model.to(device)
@@ -82,16 +101,6 @@ def parallelize_model(model: nn.Module, cfg, device: torch.device, world_mesh: O
     if world_size == 1:
         return model
     return apply_ddp(model, cfg, device)
-
-
-def data_parallel_mesh(device: torch.device) -> DeviceMesh:
-    """A 1-D mesh over every rank. FSDP2 needs a process group even on one process: when none exists
-    (a single-process run), a one-rank group is created on an in-memory store."""
-    if not dist.is_initialized():
-        logger.info("fully_sharded on a single process: creating a one-rank process group for FSDP2")
-        backend = "nccl" if device.type == "cuda" else "gloo"
-        dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1)
-    return init_device_mesh(device.type, (dist.get_world_size(),), mesh_dim_names=("dp",))
 
 
 def unwrap_model(model: nn.Module) -> nn.Module:
@@ -218,7 +227,9 @@ def _local_groups(grads: List[torch.Tensor]):
         if isinstance(grad, DTensor):
             if any(p.is_partial() for p in grad.placements):
                 raise ValueError("gradient norm of a Partial DTensor: reduce the gradient first")
-            dims = tuple(i for i, p in enumerate(grad.placements) if p.is_shard())
+            # Every placement but Replicate splits the tensor: Shard, and _StridedShard (FSDP2 over a
+            # tensor-parallel dim, whose is_shard() is False)
+            dims = tuple(i for i, p in enumerate(grad.placements) if not p.is_replicate())
             key = (id(grad.device_mesh), dims)
             groups.setdefault(key, (grad.device_mesh, dims, []))[2].append(grad.to_local())
         else:

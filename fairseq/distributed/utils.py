@@ -10,7 +10,12 @@ __all__ = [
     "all_reduce_sum",
     "barrier",
     "broadcast_from_master",
+    "get_data_parallel_group",
+    "get_data_parallel_rank",
+    "get_data_parallel_world_size",
     "get_free_port",
+    "get_model_parallel_rank",
+    "get_model_parallel_world_size",
     "get_rank",
     "get_world_size",
     "is_distributed",
@@ -29,6 +34,47 @@ def get_rank() -> int:
 
 def get_world_size() -> int:
     return dist.get_world_size() if is_distributed() else 1
+
+
+# Upstream's names for a rank's place in a tensor-parallel job. They read the mesh the trainer built
+# (fairseq.distributed.mesh); before one exists every rank is a data-parallel rank.
+
+
+def _layout():
+    from fairseq.distributed.mesh import current_mesh
+
+    mesh = current_mesh()
+    return mesh.layout if mesh is not None else None
+
+
+def get_data_parallel_world_size() -> int:
+    """Ranks that see different batches: the world size divided by --model-parallel-size."""
+    layout = _layout()
+    return layout.dp if layout is not None else get_world_size()
+
+
+def get_data_parallel_rank() -> int:
+    """Which share of the data this rank reads (the ranks of one tensor-parallel group read the same)."""
+    layout = _layout()
+    return layout.data_parallel_rank(get_rank()) if layout is not None else get_rank()
+
+
+def get_model_parallel_world_size() -> int:
+    layout = _layout()
+    return layout.tp if layout is not None else 1
+
+
+def get_model_parallel_rank() -> int:
+    layout = _layout()
+    return layout.model_parallel_rank(get_rank()) if layout is not None else 0
+
+
+def get_data_parallel_group():
+    """The process group over which per-batch sums (tokens, losses) are taken; None means the default group."""
+    from fairseq.distributed.mesh import current_mesh
+
+    mesh = current_mesh()
+    return mesh.data_parallel_group if mesh is not None else None
 
 
 def is_master() -> bool:

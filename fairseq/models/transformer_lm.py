@@ -408,6 +408,23 @@ def _register_sized_presets():
 _register_sized_presets()
 
 
+# Upstream's Megatron presets (its model_parallel transformer_lm; --model-parallel-size splits them here, see
+# fairseq/distributed/tensor_parallel.py): 72 x 3072, 32 heads, gelu, dropout 0.1 in both places, then
+# base_lm_architecture (pre-norm, sinusoidal positions). megatron_11b is upstream's 11B recipe (ffn 6 x d).
+@registry.register_model_architecture("transformer_lm", "transformer_lm_megatron")
+def transformer_lm_megatron(args) -> None:
+    _fill(args, decoder_embed_dim=3072, decoder_ffn_embed_dim=3072 * 4, decoder_layers=72,
+          decoder_attention_heads=32, dropout=0.1, attention_dropout=0.1, activation_fn="gelu")
+    base_lm_architecture(args)
+
+
+@registry.register_model_architecture("transformer_lm", "transformer_lm_megatron_11b")
+def transformer_lm_megatron_11b(args) -> None:
+    _fill(args, decoder_embed_dim=3072, decoder_ffn_embed_dim=3072 * 6, decoder_layers=72,
+          decoder_attention_heads=32, dropout=0.1, attention_dropout=0.1, activation_fn="gelu")
+    base_lm_architecture(args)
+
+
 def preset_config(arch: str, **overrides) -> TransformerLanguageModelConfig:
     """The config `--arch ARCH` plus the given flags would produce (e.g. for tests and memory planning).
 

@@ -58,14 +58,15 @@ class MultiheadAttention(FairseqIncrementalState, nn.Module):
         that follow the cached ones."""
         if incremental_state is not None:
             return self._forward_incremental(x, incremental_state)
-        batch, length, channels = x.shape
+        batch, length, _ = x.shape
         q = self._split_heads(self.q_proj(x))
         k = self._split_heads(self.k_proj(x))
         v = self._split_heads(self.v_proj(x))
         attn = F.scaled_dot_product_attention(
             q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True
         )
-        attn = attn.transpose(1, 2).reshape(batch, length, channels)
+        # -1: under tensor parallelism this rank holds num_heads / N heads (fairseq.distributed.tensor_parallel)
+        attn = attn.transpose(1, 2).reshape(batch, length, -1)
         return self.out_proj(attn)
 
     # ---- incremental decoding ---------------------------------------------------------------------------

@@ -1,0 +1,71 @@
+"""--criterion vocab_parallel_cross_entropy: cross-entropy over logits split by vocabulary across the ranks of
+a tensor-parallel group (upstream's name, from its model_parallel criterions), on PyTorch's loss_parallel.
+
+With --model-parallel-size N the output projection leaves the logits as a DTensor split over the vocabulary
+(fairseq.distributed.tensor_parallel): each rank holds [tokens, vocab / N]. The loss is then computed without
+gathering them: the log-sum-exp and the target's logit are reduced across the group (three small all-reduces
+of one value per token), which avoids an all-gather of [tokens, vocab] logits and a full-vocabulary softmax on
+every rank. On plain logits (one process, no tensor parallelism, evaluation) it is --criterion
+cross_entropy, the same numbers. The logging outputs and their reduction are cross_entropy's.
+"""
+
+import torch
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import loss_parallel
+
+from fairseq.criterions import register_criterion
+from fairseq.criterions.cross_entropy import CrossEntropyCriterion, CrossEntropyCriterionConfig, token_cross_entropy
+
+
+class _LossParallelCrossEntropy(torch.autograd.Function):
+    """Summed cross-entropy (nats, fp32) of vocabulary-split DTensor logits [N, V].
+
+    loss_parallel's sharded softmax must run its backward inside the context too, while the trainer calls
+    backward() long after the criterion returned; so the gradient is taken here, in forward, and handed
+    back in backward (scaled by the incoming gradient). It is the [N, V / tp] tensor the backward would
+    have made anyway, in the logits' dtype; the logits themselves are not kept.
+    """
+
+    @staticmethod
+    def forward(ctx, logits: DTensor, target: torch.Tensor, ignore_index: int):
+        with torch.enable_grad(), loss_parallel():
+            leaf = logits.detach().requires_grad_(ctx.needs_input_grad[0])
+            loss = F.cross_entropy(leaf.float(), target, ignore_index=ignore_index, reduction="sum")
+            ctx.grad = torch.autograd.grad(loss, leaf)[0] if leaf.requires_grad else None
+        return loss.detach().to_local()
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        grad = ctx.grad
+        ctx.grad = None
+        local = grad.to_local() * grad_loss.to(grad.dtype)
+        return (DTensor.from_local(local, grad.device_mesh, grad.placements, shape=grad.shape, stride=grad.stride()),
+                None, None)
+
+
+def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, ignore_index: int) -> torch.Tensor:
+    """Summed next-token cross-entropy in nats (fp32 scalar) of [N, V] logits, split or not."""
+    if isinstance(logits, DTensor):
+        if not any(p.is_shard(logits.ndim - 1) for p in logits.placements):
+            logits = logits.full_tensor()
+        else:
+            return _LossParallelCrossEntropy.apply(logits, target, ignore_index)
+    return token_cross_entropy(logits, target, ignore_index).sum()
+
+
+@register_criterion("vocab_parallel_cross_entropy", dataclass=CrossEntropyCriterionConfig)
+class VocabParallelCrossEntropyCriterion(CrossEntropyCriterion):
+    def forward(self, model, sample, reduce: bool = True):
+        if not reduce:
+            return super().forward(model, sample, reduce=False)
+        net_output = model(**sample["net_input"])
+        logits = net_output[0] if isinstance(net_output, tuple) else net_output
+        target = sample["target"]
+        loss = vocab_parallel_cross_entropy(logits.flatten(0, 1), target.reshape(-1), self.padding_idx)
+        nsentences = target.size(0)
+        ntokens = sample["ntokens"]
+        sample_size = nsentences if self.sentence_avg else ntokens
+        logging_output = {"loss": loss.detach(), "ntokens": ntokens, "nsentences": nsentences,
+                          "sample_size": sample_size}
+        return loss, sample_size, logging_output
