@@ -5,3 +5,8 @@ Importing this package is cheap: built-in tasks, models, criterions, optimizers 
 """
 
 __version__ = "0.13.0.dev0"
+
+from fairseq import upstream_absent as _upstream_absent  # noqa: E402
+
+# Upstream modules this fork leaves out raise an ImportError that says so (see fairseq.upstream_absent).
+_upstream_absent.install()

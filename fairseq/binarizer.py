@@ -599,3 +599,16 @@ def binarize_file_encoded(path: str, dictionary, output_prefix: str, spec: tuple
         offsets = find_offsets(path, max(1, num_workers))
         jobs = [(encode_binarize_range, (path, s, e) + common) for s, e in zip(offsets, offsets[1:])]
     return _run_jobs_atomically(output_prefix, dtype, jobs, pool)
+
+
+
+_UPSTREAM_CLASSES = ("AlignmentDatasetBinarizer", "Binarizer", "FileBinarizer", "VocabularyDatasetBinarizer")
+
+
+def __getattr__(name):
+    # Upstream's binarizer classes, under their upstream module name (defined in fairseq.line_binarizers).
+    if name in _UPSTREAM_CLASSES:
+        from fairseq import line_binarizers
+
+        return getattr(line_binarizers, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -73,3 +73,44 @@ def load_model_ensemble(filenames: List[str], arg_overrides: Optional[Dict[str, 
     models, cfg, _ = load_model_ensemble_and_task(filenames, arg_overrides, task, strict, suffix, num_shards,
                                                   state, trust_legacy_checkpoint)
     return models, cfg
+
+
+# ----------------------------------------------------------------------------- saving, EMA (--store-ema)
+
+
+def torch_persistent_save(obj, filename: str, async_write: bool = False) -> None:
+    """Upstream's save: `obj` to `filename` with torch.save, atomically (a temporary file renamed into place,
+    as every checkpoint here is written). `async_write` is accepted for upstream callers; the write is
+    synchronous."""
+    from fairseq.checkpoint.io import atomic_torch_save
+
+    atomic_torch_save(obj, filename)
+
+
+def load_ema_from_checkpoint(fpath: str, trust_legacy_checkpoint: bool = False) -> Dict[str, Any]:
+    """The checkpoint's state with "model" replaced by its EMA weights (extra_state["ema"], written with
+    --store-ema; fp16 weights in fp32), as upstream: e.g. to save them as a model of their own. A sharded
+    directory's EMA shards are read whole."""
+    import collections
+
+    import torch
+
+    if os.path.isdir(fpath):
+        from fairseq.checkpoint import sharded
+        from fairseq.checkpoint.consolidate import read_full_state
+
+        path = sharded.resolve_sharded(fpath)
+        if path is None:
+            raise FileNotFoundError(f"{fpath} is not a complete sharded checkpoint (no {sharded.METADATA})")
+        state = sharded.read_metadata(path, trust_legacy=trust_legacy_checkpoint)
+        ema = read_full_state(path, keys=["ema"], trust_legacy=trust_legacy_checkpoint).get("ema")
+    else:
+        from fairseq.checkpoint.io import load_checkpoint_file
+
+        state = load_checkpoint_file(fpath, trust_legacy=trust_legacy_checkpoint)
+        ema = (state.get("extra_state") or {}).get("ema")
+    if not ema:
+        raise ValueError(f"{fpath} holds no EMA weights (extra_state['ema']); was the model trained with --store-ema?")
+    state["model"] = collections.OrderedDict(
+        (key, (value.float() if value.dtype == torch.float16 else value).clone()) for key, value in ema.items())
+    return state

@@ -25,6 +25,7 @@ TRAIN_GROUPS = {
     "distributed_training": configs.DistributedTrainingConfig,
     "optimization": configs.OptimizationConfig,
     "checkpoint": configs.CheckpointConfig,
+    "ema": configs.EMAConfig,
 }
 # Component selector: (config attribute, flag dest, registry, default)
 COMPONENTS = (
@@ -83,16 +84,24 @@ def get_eval_lm_parser(default_task: str = "language_modeling"):
     groups = dict(TRAIN_GROUPS)
     groups["common_eval"] = configs.CommonEvalConfig
     groups["eval_lm"] = configs.EvalLMConfig
+    # Every component flag (--criterion, --optimizer, --lr-scheduler, --bpe, --tokenizer), as upstream's parser.
     return _base_parser("fairseq-eval-lm: evaluate a language model", groups, default_task,
-                        components=("task",) + ENCODER_COMPONENTS)
+                        components=tuple(c[0] for c in COMPONENTS))
 
 
 def parse_args_and_arch(parser: argparse.ArgumentParser, input_args: Optional[List[str]] = None,
-                        parse_known: bool = False):
-    """Parse flags, adding the chosen components' flags and applying the architecture preset."""
+                        parse_known: bool = False, suppress_defaults: bool = False, modify_parser=None):
+    """Parse flags, adding the chosen components' flags and applying the architecture preset.
+
+    Upstream's options: `suppress_defaults` returns only the flags given on the command line (for
+    overrides); `modify_parser(parser)` may add flags before the parse."""
     input_args = sys.argv[1:] if input_args is None else input_args
+    if suppress_defaults:
+        return _given_flags_only(parser, input_args, parse_known, modify_parser)
     if "--user-dir" in input_args:  # a plug-in named on an explicit argument list
         import_user_module(input_args[input_args.index("--user-dir") + 1])
+    if modify_parser is not None:
+        modify_parser(parser)
     first, _ = parser.parse_known_args(input_args)
 
     try:
@@ -115,6 +124,21 @@ def parse_args_and_arch(parser: argparse.ArgumentParser, input_args: Optional[Li
     except ValueError as e:
         parser.error(str(e))
     return (args, extra) if parse_known else args
+
+
+def _given_flags_only(parser, input_args, parse_known: bool, modify_parser) -> argparse.Namespace:
+    """The namespace of the flags present in `input_args`, nothing else (upstream's suppress_defaults)."""
+    full = parse_args_and_arch(parser, input_args, parse_known=parse_known, modify_parser=modify_parser)
+    full = full[0] if parse_known else full
+    defaults = [(action, action.default) for action in parser._actions]  # shared with `given`: put back after
+    given = argparse.ArgumentParser(add_help=False, parents=[parser], allow_abbrev=False)
+    given.set_defaults(**{key: None for key in vars(full)})
+    try:
+        args, _ = given.parse_known_args(input_args)
+    finally:
+        for action, default in defaults:
+            action.default = default
+    return argparse.Namespace(**{k: v for k, v in vars(args).items() if v is not None})
 
 
 def parse_args_with_encoders(parser: argparse.ArgumentParser, input_args: Optional[List[str]] = None):
@@ -140,6 +164,8 @@ def _add_component_flags(parser, first, only=None, arch=True):
         dc = reg.dataclass(name)  # raises a clear error for an unknown name
         if dc is not None:
             add_dataclass_to_parser(parser.add_argument_group(f"{reg.kind} ({name})"), dc)
+        elif hasattr(reg.get(name), "add_args"):  # upstream's legacy components (LegacyFairseqTask, ...)
+            reg.get(name).add_args(parser.add_argument_group(f"{reg.kind} ({name})"))
     if not arch or getattr(first, "arch", None) is None:
         return False
     model_dc = registry.dataclass_of(registry.arch_model(first.arch))  # raises for an unknown --arch
@@ -154,6 +180,18 @@ def convert_namespace_to_config(args: argparse.Namespace) -> configs.FairseqConf
     components = {attr: getattr(args, dest, None) for attr, dest, _, _ in COMPONENTS}
     components["model"] = getattr(args, "arch", None)
     return build_config(vars(args), components)
+
+
+# ----------------------------------------------------------------------------- validation
+
+def get_validation_parser(default_task: Optional[str] = "language_modeling"):
+    """fairseq-validate's parser (upstream's groups): the loss of a trained model (--path) on --valid-subset
+    splits; --model-overrides and the task flags given change the checkpoint's saved config."""
+    groups = {"common": configs.CommonConfig, "dataset": configs.DatasetConfig,
+              "distributed_training": configs.DistributedTrainingConfig, "checkpoint": configs.CheckpointConfig,
+              "common_eval": configs.CommonEvalConfig}
+    return _base_parser("fairseq-validate: validate a trained model", groups, default_task or "language_modeling",
+                        components=tuple(c[0] for c in COMPONENTS))
 
 
 # ----------------------------------------------------------------------------- generation

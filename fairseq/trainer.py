@@ -12,7 +12,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 
 from fairseq import float8
 from fairseq.data.batching import resolve_limit
-from fairseq.distributed.parallelize import parallelize_model
+from fairseq.distributed.parallelize import parallelize_model, unwrap_model
 from fairseq.distributed.utils import get_data_parallel_group, get_data_parallel_world_size, get_world_size
 from fairseq.optim import build_optimizer
 from fairseq.optim.lr_scheduler import build_lr_scheduler
@@ -90,11 +90,24 @@ class Trainer:
         if grad_norm is not None or self.precision.scaler is None:
             self.num_updates += 1
             self.lr_scheduler.step_update(self.num_updates)
+            if self.ema is not None:  # --store-ema
+                self.ema.step(unwrap_model(self.model), self.num_updates)
             self._nonfinite_updates += (~torch.isfinite(grad_norm)).float()
         self._interval_train_time += time.perf_counter() - start
         if self.cfg.common.empty_cache_freq > 0 and self.num_updates % self.cfg.common.empty_cache_freq == 0:
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
+
+    @property
+    def ema(self):
+        """--store-ema's moving average (fairseq.models.ema.EMA; None without the flag), built from the weights
+        on first use, as upstream: after a resumed checkpoint's weights are loaded, else at the first update.
+        Under FSDP2 it is sharded like the parameters."""
+        if getattr(self, "_ema", None) is None and getattr(getattr(self.cfg, "ema", None), "store_ema", False):
+            from fairseq.models.ema import build_ema
+
+            self._ema = build_ema(unwrap_model(self.model), self.cfg.ema, self.device)
+        return getattr(self, "_ema", None)
 
     def cumulative_training_time(self) -> float:
         """Wall-clock seconds of this training so far, earlier (resumed) runs included."""

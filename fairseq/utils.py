@@ -1,12 +1,25 @@
-"""Small helpers shared by the command-line tools."""
+"""Small helpers shared by the command-line tools, and upstream's `fairseq.utils` helpers that plug-ins and
+scripts call (make_positions, strip_pad, move_to_cuda, set_torch_seed, clip_grad_norm_, ...), each a thin
+layer over where this fork implements it."""
 
+import copy
 import importlib
 import os
 import sys
+import warnings
+from typing import Any, Callable, List, Optional
+
+import torch
+import torch.nn.functional as F
 
 
-def import_user_module(user_dir: str):
-    """Import a plug-in directory (a Python package) so that its register_* decorators run."""
+def import_user_module(user_dir):
+    """Import a plug-in directory (a Python package) so that its register_* decorators run. Upstream passes
+    a config or namespace with a `user_dir` attribute (None: nothing to import); a path works too."""
+    if not isinstance(user_dir, (str, os.PathLike)):
+        user_dir = getattr(user_dir, "user_dir", None)
+        if user_dir is None:
+            return
     path = os.path.abspath(os.path.expanduser(user_dir))
     if not os.path.isdir(path):
         raise FileNotFoundError(f"--user-dir {user_dir!r}: no such directory")
@@ -47,5 +60,279 @@ def get_perplexity(loss, round: int = 2, base: float = 2):
 
 
 def item(value):
-    """A Python number from a 0-dim tensor (a plain number passes through)."""
-    return value.item() if hasattr(value, "item") else value
+    """A Python number from a 0-dim tensor (a plain number passes through; a sequence gives its first)."""
+    if hasattr(value, "item"):
+        return value.item()
+    if hasattr(value, "__getitem__"):
+        return value[0]
+    return value
+
+
+# ------------------------------------------------------------------------------------------ tensors
+
+def make_positions(tensor: torch.Tensor, padding_idx: int, onnx_trace: bool = False) -> torch.Tensor:
+    """Position ids: padding_idx + 1, + 2, ... over non-pad tokens, padding_idx at pads (upstream's rule)."""
+    from fairseq.modules.positional_embedding import make_positions as positions
+
+    return positions(tensor, padding_idx)
+
+
+def strip_pad(tensor: torch.Tensor, pad: int) -> torch.Tensor:
+    """The elements of `tensor` that are not `pad` (1-D)."""
+    return tensor[tensor.ne(pad)]
+
+
+def buffered_arange(max: int) -> torch.Tensor:
+    return torch.arange(max)
+
+
+def convert_padding_direction(src_tokens: torch.Tensor, padding_idx: int, right_to_left: bool = False,
+                              left_to_right: bool = False) -> torch.Tensor:
+    """Move each row's padding from the left to the right (`left_to_right`) or the other way."""
+    if right_to_left == left_to_right:
+        raise ValueError("convert_padding_direction: pass exactly one of right_to_left, left_to_right")
+    pad_mask = src_tokens.eq(padding_idx)
+    if not pad_mask.any():
+        return src_tokens
+    if left_to_right and not pad_mask[:, 0].any():
+        return src_tokens  # already right-padded
+    if right_to_left and not pad_mask[:, -1].any():
+        return src_tokens  # already left-padded
+    max_len = src_tokens.size(1)
+    num_pads = pad_mask.long().sum(dim=1, keepdim=True)
+    positions = torch.arange(max_len, device=src_tokens.device).expand_as(src_tokens)
+    # a row rotates by its number of pads: left pads move to the end, or right pads to the front
+    index = torch.remainder(positions + num_pads, max_len) if left_to_right else \
+        torch.remainder(positions - num_pads, max_len)
+    return src_tokens.gather(1, index)
+
+
+def fill_with_neg_inf(t: torch.Tensor) -> torch.Tensor:
+    """FP16-compatible fill of `t` with -inf."""
+    return t.float().fill_(float("-inf")).type_as(t)
+
+
+def log_softmax(x: torch.Tensor, dim: int, onnx_trace: bool = False) -> torch.Tensor:
+    """log-softmax computed in fp32 (upstream's rule for numerical stability)."""
+    return F.log_softmax(x.float(), dim=dim, dtype=torch.float32)
+
+
+def softmax(x: torch.Tensor, dim: int, onnx_trace: bool = False) -> torch.Tensor:
+    return F.softmax(x.float(), dim=dim, dtype=torch.float32)
+
+
+def get_activation_fn(activation: str) -> Callable[[torch.Tensor], torch.Tensor]:
+    from fairseq.modules.activations import get_activation_fn as activation_fn
+
+    return activation_fn(activation)
+
+
+def get_available_activation_fns() -> List[str]:
+    from fairseq.modules.activations import ACTIVATION_FNS
+
+    return list(ACTIVATION_FNS)
+
+
+@torch.no_grad()
+def clip_grad_norm_(params, max_norm: float, aggregate_norm_fn: Optional[Callable] = None) -> torch.Tensor:
+    """Clip gradients to a global L2 norm of `max_norm` (<= 0: only measure); returns the norm before
+    clipping. The trainer's clipping (also right for FSDP2's sharded gradients); `aggregate_norm_fn` maps the
+    norm before the clip coefficient is computed, as upstream's."""
+    from fairseq.distributed.parallelize import clip_grad_norm_ as clip
+
+    params = [params] if isinstance(params, torch.Tensor) else list(params)
+    if aggregate_norm_fn is None:
+        return clip(params, max_norm)
+    total_norm = aggregate_norm_fn(clip(params, 0.0))
+    if max_norm > 0:
+        coef = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
+        for p in params:
+            if p.grad is not None:
+                p.grad.mul_(coef.to(p.grad.device, p.grad.dtype))
+    return total_norm
+
+
+def has_parameters(module: torch.nn.Module) -> bool:
+    return any(True for _ in module.parameters())
+
+
+# ------------------------------------------------------------------------------------------ samples
+
+def apply_to_sample(f: Callable, sample):
+    """`f` applied to every tensor of a (nested dict / list / tuple / set) sample; an empty one is kept."""
+    if hasattr(sample, "__len__") and len(sample) == 0:
+        return {}
+
+    def apply(x):
+        if torch.is_tensor(x):
+            return f(x)
+        if isinstance(x, dict):
+            return type(x)((k, apply(v)) for k, v in x.items())
+        if isinstance(x, list):
+            return [apply(v) for v in x]
+        if isinstance(x, tuple):
+            return tuple(apply(v) for v in x)
+        if isinstance(x, set):
+            return {apply(v) for v in x}
+        return x
+
+    return apply(sample)
+
+
+def move_to_cuda(sample, device: Optional[torch.device] = None):
+    device = device if device is not None else torch.cuda.current_device()
+    return apply_to_sample(lambda t: t.to(device=device, non_blocking=True), sample)
+
+
+def move_to_cpu(sample):
+    # fp16 tensors become fp32 on the CPU, as upstream (CPU half ops are slow or missing)
+    return apply_to_sample(lambda t: t.cpu().float() if t.dtype in (torch.float16, torch.bfloat16) else t.cpu(),
+                           sample)
+
+
+# ----------------------------------------------------------------------------------- random state
+
+def get_rng_state() -> dict:
+    state = {"torch_rng_state": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda_rng_state"] = torch.cuda.get_rng_state()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch_rng_state"])
+    if "cuda_rng_state" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda_rng_state"])
+
+
+class set_torch_seed:
+    """Seed torch (and CUDA) with `seed`; as a context manager, the previous random state comes back at exit."""
+
+    def __init__(self, seed: int):
+        if not isinstance(seed, int):
+            raise TypeError(f"set_torch_seed needs an int seed, got {type(seed).__name__}")
+        self.rng_state = get_rng_state()
+        torch.manual_seed(seed)
+        if torch.cuda.is_available():
+            torch.cuda.manual_seed(seed)
+
+    def __enter__(self) -> "set_torch_seed":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        set_rng_state(self.rng_state)
+
+
+# ------------------------------------------------------------------------------ positions, configs
+
+def _match_types(a, b):
+    """A number next to a tuple (or dict) becomes one of the same shape."""
+    def upgrade(number, structure):
+        if isinstance(structure, tuple):
+            return tuple([number] * len(structure))
+        if isinstance(structure, dict):
+            return {k: upgrade(number, v) for k, v in structure.items()}
+        return number
+
+    if isinstance(a, (int, float)):
+        return upgrade(a, b), b
+    if isinstance(b, (int, float)):
+        return a, upgrade(b, a)
+    return a, b
+
+
+def resolve_max_positions(*args):
+    """The tightest of several max-positions limits (None: no limit), in the type of the limits given:
+    numbers take the minimum, tuples the element-wise minimum, dicts per key (upstream's rule)."""
+    def nullsafe_min(values):
+        present = [v for v in values if v is not None]
+        return min(present) if present else None
+
+    result = None
+    for arg in args:
+        if result is None:
+            result = copy.deepcopy(arg)
+        elif arg is not None:
+            result, arg = _match_types(result, arg)
+            if isinstance(arg, (int, float)):
+                result = min(result, arg)
+            elif isinstance(arg, dict):
+                merged = dict(result)
+                for key, value in arg.items():
+                    merged[key] = value if key not in merged else min(merged[key], value)
+                result = merged
+            else:
+                result = tuple(map(nullsafe_min, zip(result, arg)))
+    return result
+
+
+def split_paths(paths: str, separator: str = os.pathsep) -> List[str]:
+    """DATA's directories (`path1:path2`); a URL (`s3://...`) is split on `|` instead, as upstream."""
+    return paths.split(separator) if "://" not in paths else paths.split("|")
+
+
+def safe_getattr(obj, name: str, default: Any = None):
+    """getattr that also gives `default` for an attribute set to None (upstream's)."""
+    value = getattr(obj, name, default)
+    return default if value is None else value
+
+
+def safe_hasattr(obj, name: str) -> bool:
+    return getattr(obj, name, None) is not None
+
+
+def eval_str_list(x, type=float):
+    if x is None:
+        return None
+    if isinstance(x, str):
+        import ast
+
+        x = ast.literal_eval(x)
+    try:
+        return list(map(type, x))
+    except TypeError:
+        return [type(x)]
+
+
+def eval_str_dict(x, type=dict):
+    if x is None:
+        return None
+    if isinstance(x, str):
+        import ast
+
+        x = ast.literal_eval(x)
+    return x
+
+
+def eval_bool(x, default: bool = False) -> bool:
+    if x is None:
+        return default
+    try:
+        import ast
+
+        return bool(ast.literal_eval(x))
+    except (ValueError, SyntaxError, TypeError):
+        return default
+
+
+def csv_str_list(x: str) -> List[str]:
+    return x.split(",")
+
+
+def deprecation_warning(message: str, stacklevel: int = 3) -> None:
+    warnings.warn(message, stacklevel=stacklevel)
+
+
+def get_incremental_state(module, incremental_state, key: str):
+    """Upstream's helper for a module's own entry of an incremental decoding state."""
+    return module.get_incremental_state(incremental_state, key)
+
+
+def set_incremental_state(module, incremental_state, key: str, value):
+    return module.set_incremental_state(incremental_state, key, value)
+
+
+def __getattr__(name):
+    from fairseq.upstream_absent import absent_name
+
+    absent_name(__name__, name)

@@ -1,5 +1,6 @@
 """fairseq-eval-lm: loss (base 2) and perplexity of a language model on a data split."""
 
+import argparse
 import ast
 import json
 import logging
@@ -292,7 +293,16 @@ def evaluate(model, batches, pad: int, device, dtype, bos: Optional[int] = None,
     return float(nll_sum) / math.log(2), count, count - merged
 
 
-def main(cfg) -> dict:
+# Upstream's batch size when neither --max-tokens nor --batch-size is given.
+DEFAULT_MAX_TOKENS = 36000
+
+
+def main(cfg, **unused_kwargs) -> dict:
+    """Evaluate; `cfg` is a FairseqConfig or, as upstream accepts, the namespace of parse_args_and_arch."""
+    if isinstance(cfg, argparse.Namespace):
+        cfg = options.convert_namespace_to_config(cfg)
+    if cfg.dataset.max_tokens is None and cfg.dataset.batch_size is None:
+        cfg.dataset.max_tokens = DEFAULT_MAX_TOKENS
     progress_bar.setup_logging(cfg.common.log_file)
     if cfg.common.user_dir:
         import_user_module(cfg.common.user_dir)
@@ -383,10 +393,7 @@ def _bpe_encoder(cfg, saved_cfg) -> tuple:
 def cli_main(argv: Optional[List[str]] = None) -> None:
     parser = options.get_eval_lm_parser()
     args = options.parse_args_and_arch(parser, argv)
-    cfg = options.convert_namespace_to_config(args)
-    if cfg.dataset.max_tokens is None and cfg.dataset.batch_size is None:
-        cfg.dataset.batch_size = 1  # upstream evaluates one block at a time by default
-    main(cfg)
+    main(options.convert_namespace_to_config(args))
 
 
 def console_main() -> None:

@@ -1,5 +1,6 @@
 """fairseq-train: train a model (upstream's command line, flags and log lines)."""
 
+import argparse
 import logging
 import math
 import sys
@@ -13,6 +14,7 @@ from fairseq import registry
 from fairseq.utils import import_user_module, run_console_script
 from fairseq.checkpoint.manager import CheckpointManager
 from fairseq.criterions import build_criterion
+from fairseq.data.data_utils import raise_if_valid_subsets_unintentionally_ignored
 from fairseq.dataclass.validate import validate as validate_config
 from fairseq.distributed import utils as dist_utils
 from fairseq.distributed.launch import call_main, process_group_timeout
@@ -38,7 +40,10 @@ logger = logging.getLogger("fairseq_cli.train")
 
 
 def main(cfg) -> Optional[str]:
-    """Train; returns REQUEUED when a preemption signal stopped training after saving checkpoint_last."""
+    """Train; returns REQUEUED when a preemption signal stopped training after saving checkpoint_last.
+    `cfg` is a FairseqConfig or, as upstream accepts, the argparse.Namespace of parse_args_and_arch."""
+    if isinstance(cfg, argparse.Namespace):
+        cfg = options.convert_namespace_to_config(cfg)
     log_file_handler = progress_bar.setup_logging(cfg.common.log_file)
     if cfg.common.user_dir:  # spawned ranks start fresh interpreters: register the plug-ins there too
         import_user_module(cfg.common.user_dir)
@@ -73,9 +78,11 @@ def _train_with(cfg, preemption, checkpoints) -> Optional[str]:
     torch.manual_seed(cfg.common.seed)
 
     task = registry.TASK_REGISTRY.get(cfg.task._name).setup_task(cfg.task)
+    if not cfg.dataset.disable_validation:
+        raise_if_valid_subsets_unintentionally_ignored(cfg)
     for subset in cfg.dataset.valid_subset.split(","):
-        if not cfg.dataset.disable_validation:
-            task.load_dataset(subset, combine=False, epoch=1)
+        if not cfg.dataset.disable_validation:  # --combine-valid-subsets: valid, valid1, valid2, ... as one set
+            task.load_dataset(subset, combine=bool(cfg.dataset.combine_valid_subsets), epoch=1)
     model = build_model(cfg, task)
     criterion = build_criterion(cfg.criterion, task, cfg.optimization)
     logger.info(f"task: {type(task).__name__}, model: {type(model).__name__} ({cfg.model._name}), "

@@ -9,6 +9,10 @@ from fairseq.checkpoint import safe_dcp, sharded
 from fairseq.checkpoint.io import CheckpointError, atomic_torch_save
 
 
+# Sharded groups beside model and optimizer (fairseq.models.ema), kept in extra_state of a single file.
+EXTRA_SHARDS = ("ema", "ema_fp32_params")
+
+
 def read_full_state(path: str, keys: Optional[List[str]] = None, trust_legacy: bool = False) -> Dict[str, Any]:
     """Every tensor of DCP directory `path` at its full size (or only the top-level `keys`), read in this
     process through the safe reader (what torch's dcp_to_torch_save reads, without its plain-pickle reader)."""
@@ -31,8 +35,12 @@ def consolidate(checkpoint_dir: str, output: str, include_optimizer: bool = True
     if path is None:
         raise FileNotFoundError(f"{checkpoint_dir} is not a complete sharded checkpoint (no {sharded.METADATA})")
     state = sharded.read_metadata(path, trust_legacy=trust_legacy)
-    full = read_full_state(path, keys=None if include_optimizer else ["model"], trust_legacy=trust_legacy)
+    full = read_full_state(path, keys=None if include_optimizer else ["model"] + list(EXTRA_SHARDS),
+                           trust_legacy=trust_legacy)
     state["model"] = full["model"]
+    for group in EXTRA_SHARDS:  # --store-ema's weights: extra_state, as in a single-file checkpoint
+        if group in full:
+            state.setdefault("extra_state", {})[group] = full[group]
     if include_optimizer and "optimizer" in full:
         state["last_optimizer_state"] = full["optimizer"]
     atomic_torch_save(state, output)

@@ -8,7 +8,7 @@ best validation value. `CheckpointManager.resume` gives each part its state back
 Layout of a single-file checkpoint (upstream's keys, plain containers only):
   cfg, criterion, optimizer_history [{criterion_name, optimizer_name, lr_scheduler_state, num_updates}],
   task_state, extra_state {train_iterator, val_loss, best, metrics, previous_training_time, trainer,
-  data_parallel_size}, model, last_optimizer_state.
+  data_parallel_size[, ema, ema_fp32_params]}, model, last_optimizer_state.
 extra_state.trainer is the trainer's state. optimizer_history[-1]'s lr_scheduler_state and num_updates and
 extra_state.previous_training_time are upstream's places for parts of it: written for upstream's tools, read
 only from files without extra_state.trainer. A sharded checkpoint has the same keys: model and optimizer in
@@ -154,18 +154,22 @@ class CheckpointManager:
         save_dir = self.ckpt_cfg.save_dir
         os.makedirs(save_dir, exist_ok=True)
         state = self._compose(trainer, epoch_itr, val_loss, metrics_state)
+        ema = getattr(trainer, "ema", None)  # --store-ema: extra_state["ema"] (upstream's key)
         if self.sharded:
             paths = [os.path.join(save_dir, s) for s in stems]
             model_state, optim_state = trainer.model_and_optimizer_state(full=False)
             if self.ckpt_cfg.no_save_optimizer_state:
                 optim_state = None
-            sharded.save_sharded(paths[0], model_state, optim_state, state)
+            sharded.save_sharded(paths[0], model_state, optim_state, state,
+                                 extra_shards=ema.state_dict() if ema is not None else None)
             for path in paths[1:]:
                 sharded.copy_sharded(paths[0], path)
         else:
             paths = [os.path.join(save_dir, s + ".pt") for s in stems]
             model_state, optim_state = trainer.model_and_optimizer_state(full=True)
+            ema_state = ema.full_state_dict() if ema is not None else {}  # collective when sharded
             if get_rank() == 0:
+                state["extra_state"].update(ema_state)
                 state["model"] = model_state
                 if not self.ckpt_cfg.no_save_optimizer_state:
                     state["last_optimizer_state"] = optim_state
@@ -266,6 +270,9 @@ class CheckpointManager:
                 "the model flags differ from the checkpoint's (e.g. --share-decoder-input-output-embed): resume "
                 "with the same flags, or pass --reset-optimizer to keep the weights and start a new optimizer"
             ) from err
+        ema = getattr(trainer, "ema", None)
+        if ema is not None:  # after the weights: without a saved EMA, it restarts from them (upstream's rule)
+            ema.load_checkpoint_state(state.get("extra_state") or {}, state["model"])
         saved = saved_state(state)
         if saved.trainer is not None:
             # As upstream, --reset-optimizer also restarts the update count and the schedule (fine-tuning).
@@ -296,8 +303,10 @@ class CheckpointManager:
         trust_legacy = self.cfg.common.trust_legacy_checkpoint
         if os.path.isdir(path):
             model_state, optim_state = trainer.model_and_optimizer_state(full=False)
+            ema = getattr(trainer, "ema", None)
             state = sharded.load_sharded(path, model_state, None if self.ckpt_cfg.reset_optimizer else optim_state,
-                                         trust_legacy=trust_legacy)
+                                         trust_legacy=trust_legacy,
+                                         extra_shards=ema.state_dict() if ema is not None else None)
         else:
             state = load_checkpoint_file(path, trust_legacy=trust_legacy)
             if is_legacy_checkpoint(state):
@@ -313,6 +322,8 @@ class CheckpointManager:
             raise FileNotFoundError(f"--finetune-from-model {path}: no such checkpoint")
         state = self.read(found, trainer)
         trainer.load_model_and_optimizer_state(state["model"], None, full=not os.path.isdir(found))
+        if getattr(trainer, "ema", None) is not None:
+            trainer.ema.load_checkpoint_state(state.get("extra_state") or {}, state["model"])
         logger.info(f"loaded model weights from {found} (--finetune-from-model)")
 
 

@@ -38,8 +38,11 @@ def _swap_into_place(tmp: str, path: str):
         shutil.rmtree(old)
 
 
-def save_sharded(path: str, model_state, optim_state, metadata: Dict[str, Any]) -> None:
-    """Collective: every rank calls this with its local (sharded) state dicts."""
+def save_sharded(path: str, model_state, optim_state, metadata: Dict[str, Any],
+                 extra_shards: Optional[Dict[str, Any]] = None) -> None:
+    """Collective: every rank calls this with its local (sharded) state dicts. `extra_shards` are more
+    sharded groups saved beside them (the EMA's "ema", "ema_fp32_params"); load_sharded reads them back into
+    metadata["extra_state"]."""
     tmp = path + ".tmp"
     if get_rank() == 0 and os.path.isdir(tmp):
         shutil.rmtree(tmp)  # leftover of an interrupted save
@@ -47,6 +50,7 @@ def save_sharded(path: str, model_state, optim_state, metadata: Dict[str, Any]) 
     state = {"model": model_state}
     if optim_state is not None:
         state["optimizer"] = optim_state
+    state.update(extra_shards or {})
     try:
         dcp.save(state, checkpoint_id=tmp)
     except BaseException as err:  # DCP's CheckpointException is a BaseException
@@ -127,8 +131,10 @@ def read_metadata(path: str, trust_legacy: bool = False) -> Dict[str, Any]:
     return torch.load(meta, map_location="cpu", weights_only=False)
 
 
-def load_sharded(path: str, model_state, optim_state=None, trust_legacy: bool = False) -> Dict[str, Any]:
-    """Fill `model_state` (and `optim_state`) in place from the shards; works on any world size.
+def load_sharded(path: str, model_state, optim_state=None, trust_legacy: bool = False,
+                 extra_shards: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
+    """Fill `model_state` (and `optim_state`, and the groups of `extra_shards` that the checkpoint has, which
+    go to metadata["extra_state"]) in place from the shards; works on any world size.
 
     DCP's index and the shards' non-tensor values are read without unpickling code (safe_dcp); a file that
     would need more raises CheckpointError, unless `trust_legacy` (--trust-legacy-checkpoint) is given."""
@@ -145,9 +151,14 @@ def load_sharded(path: str, model_state, optim_state=None, trust_legacy: bool = 
         state["optimizer"] = optim_state
         if not any(k.startswith("optimizer") for k in stored):
             raise FileNotFoundError(f"{path} has no optimizer state; pass --reset-optimizer to start a new one")
+    present = {name: group for name, group in (extra_shards or {}).items()
+               if any(k.startswith(name + ".") for k in stored)}
+    state.update(present)
     safe_dcp.dcp_load(state, reader)
     metadata["model"] = state["model"]
     metadata["last_optimizer_state"] = state.get("optimizer")
+    if present:
+        metadata.setdefault("extra_state", {}).update(present)
     return metadata
 
 

@@ -1,8 +1,12 @@
-"""Loading binarized datasets and padding token lists into batches."""
+"""Loading binarized datasets, padding token lists into batches, and upstream's `data_utils` helpers
+(`numpy_seed`, `batch_by_size`, `collate_tokens`, ...) over this fork's batching."""
 
+import contextlib
+import itertools
 import logging
 import os
-from typing import Dict, Optional, Sequence, Tuple
+import re
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -31,8 +35,9 @@ UINT16_MAX_VOCAB = 65500
 
 
 def load_indexed_dataset(path: str, dictionary=None, dataset_impl: Optional[str] = None,
-                         combine: bool = False, expect_all_ids: bool = False) -> Optional[MMapIndexedDataset]:
+                         combine: bool = False, expect_all_ids: bool = False):
     """Open the MMIDIDX dataset at prefix `path` (`path.bin` + `path.idx`), or return None if absent.
+    With `combine` (--combine-valid-subsets), `path1`, `path2`, ... follow it as one ConcatDataset.
 
     With a `dictionary`, fails if the data cannot have been binarized with it (an id the dictionary does
     not have, or a dtype fairseq-preprocess does not write for a dictionary of its size), and with
@@ -43,14 +48,26 @@ def load_indexed_dataset(path: str, dictionary=None, dataset_impl: Optional[str]
     """
     if dataset_impl not in (None, "mmap"):
         raise ValueError(f"--dataset-impl {dataset_impl!r} is not supported: only 'mmap' (MMIDIDX) datasets exist here")
-    if combine:
-        raise ValueError("load_indexed_dataset(combine=True) is not supported; pass each shard's prefix")
-    if not MMapIndexedDataset.exists(path):
+    datasets = []
+    for k in itertools.count():  # with `combine`, as upstream: path, path1, path2, ... up to the first missing one
+        path_k = path + (str(k) if k > 0 else "")
+        if not MMapIndexedDataset.exists(path_k):
+            break
+        dataset = MMapIndexedDataset(path_k)
+        if dictionary is not None:
+            check_dictionary_matches(dataset, dictionary, getattr(dictionary, "path", None), expect_all_ids)
+        if combine:
+            logger.info(f"loaded {len(dataset):,} examples from: {path_k}")
+        datasets.append(dataset)
+        if not combine:
+            break
+    if not datasets:
         return None
-    dataset = MMapIndexedDataset(path)
-    if dictionary is not None:
-        check_dictionary_matches(dataset, dictionary, getattr(dictionary, "path", None), expect_all_ids)
-    return dataset
+    if len(datasets) == 1:
+        return datasets[0]
+    from fairseq.data.concat_dataset import ConcatDataset
+
+    return ConcatDataset(datasets)
 
 
 def _token_windows(tokens: np.ndarray):
@@ -181,3 +198,110 @@ def collate_tokens(values: Sequence[torch.Tensor], pad_idx: int, eos_idx: Option
         else:
             dst.copy_(v)
     return out
+
+
+# ------------------------------------------------------------------------------ upstream's helpers
+
+from fairseq.data.dictionary import post_process  # noqa: E402,F401 (upstream's data_utils.post_process)
+
+
+@contextlib.contextmanager
+def numpy_seed(seed: Optional[int], *addl_seeds: int):
+    """Seed numpy's global PRNG for the block, then restore its previous state (None: leave it alone)."""
+    if seed is None:
+        yield
+        return
+    if addl_seeds:
+        seed = int(hash((seed, *addl_seeds)) % 1e6)
+    state = np.random.get_state()
+    np.random.seed(seed)
+    try:
+        yield
+    finally:
+        np.random.set_state(state)
+
+
+def collect_filtered(function: Callable, iterable, filtered: list):
+    """Yield the items for which `function` is true; append the others to `filtered`."""
+    for item in iterable:
+        if function(item):
+            yield item
+        else:
+            filtered.append(item)
+
+
+def batch_by_size(indices, num_tokens_fn: Optional[Callable[[int], int]] = None, num_tokens_vec=None,
+                  max_tokens: Optional[int] = None, max_sentences: Optional[int] = None,
+                  required_batch_size_multiple: int = 1, fixed_shapes=None) -> List[np.ndarray]:
+    """Upstream's signature over `fairseq.data.batching.batch_by_size` (the same batches): a list of index
+    arrays. `num_tokens_vec` (sizes of `indices`, in their order) or else `num_tokens_fn(index)` gives sizes."""
+    from fairseq.data.batching import batch_by_size as batches_of
+
+    if fixed_shapes is not None:
+        raise ValueError("batch_by_size(fixed_shapes=...) (upstream's TPU batching) is not supported")
+    indices = np.fromiter(indices, dtype=np.int64) if not isinstance(indices, np.ndarray) else indices
+    if num_tokens_vec is None:
+        if num_tokens_fn is None:
+            raise ValueError("batch_by_size needs num_tokens_fn or num_tokens_vec")
+        num_tokens_vec = np.fromiter((num_tokens_fn(int(i)) for i in indices), dtype=np.int64, count=len(indices))
+    batches = batches_of(indices.astype(np.int64), np.asarray(num_tokens_vec, dtype=np.int64),
+                         max_tokens=max_tokens, max_sentences=max_sentences,
+                         required_batch_size_multiple=required_batch_size_multiple)
+    return [indices[batches.bounds[b]: batches.bounds[b + 1]] for b in range(len(batches))]
+
+
+def _fits(size, limit) -> bool:
+    """Upstream's size comparison: numbers, tuples (element-wise, None is no limit) and dicts of tuples."""
+    if isinstance(limit, dict):
+        return all(_fits(size[key], limit[key]) for key in set(limit) & set(size))
+    if isinstance(limit, (int, float)):
+        return (max(size) if isinstance(size, (tuple, list)) else size) <= limit
+    if not isinstance(size, (tuple, list, np.ndarray)):
+        return all(size <= b for b in limit if b is not None)
+    return all(a is None or b is None or a <= b for a, b in zip(size, limit))
+
+
+def filter_by_size_limits(indices, dataset, max_sizes) -> Tuple[np.ndarray, list]:
+    """(kept indices, ignored indices): upstream's `FairseqDataset.filter_indices_by_size`. A number limit is
+    applied to the `sizes` array when the dataset has one; other limits compare `dataset.size(i)` per item."""
+    indices = np.asarray(indices, dtype=np.int64)
+    if max_sizes is None:
+        return indices, []
+    sizes = getattr(dataset, "sizes", None)
+    if isinstance(sizes, list) and len(sizes) == 1:
+        sizes = sizes[0]
+    if isinstance(max_sizes, (int, float)) and isinstance(sizes, np.ndarray) and sizes.ndim == 1:
+        too_long = sizes[indices] > max_sizes
+        return indices[~too_long], indices[too_long].tolist()
+    ignored: list = []
+    kept = np.fromiter(collect_filtered(lambda i: _fits(dataset.size(i), max_sizes), indices, ignored),
+                       dtype=np.int64)
+    return kept, ignored
+
+
+# Upstream's pattern for extra validation splits ("valid1.bin", "valid_2.idx", ...) next to the data.
+_EXTRA_VALID = re.compile(r"valid*[0-9].*")
+
+
+def find_extra_valid_paths(data: str) -> set:
+    """Names (without extension) of the files in the DATA directories that look like extra valid splits."""
+    found = set()
+    for directory in (p for p in data.split(os.pathsep) if p):
+        if os.path.isdir(directory):
+            found |= {os.path.splitext(name)[0] for name in os.listdir(directory) if _EXTRA_VALID.match(name)}
+    return found
+
+
+def raise_if_valid_subsets_unintentionally_ignored(train_cfg) -> None:
+    """Upstream's guard: extra valid splits (valid1, ...) next to the data that --valid-subset leaves out would
+    be silently ignored; fail, naming them, unless --combine-valid-subsets or --ignore-unused-valid-subsets."""
+    ds = train_cfg.dataset
+    data = getattr(train_cfg.task, "data", None)
+    if ds.ignore_unused_valid_subsets or ds.combine_valid_subsets or ds.disable_validation or not data:
+        return
+    specified = set(ds.valid_subset.split(","))
+    ignored = sorted(p for p in find_extra_valid_paths(data) if p not in specified)
+    if ignored:
+        raise ValueError(f"validation splits {ignored} in DATA are not in --valid-subset {ds.valid_subset} and would "
+                         "be ignored; pass --combine-valid-subsets to validate on them together with each subset, "
+                         "add them to --valid-subset, or pass --ignore-unused-valid-subsets")

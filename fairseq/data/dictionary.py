@@ -15,6 +15,11 @@ import torch
 OVERWRITE_FLAG = "#fairseq:overwrite"
 
 
+class DuplicateSymbolError(RuntimeError, ValueError):
+    """A dict.txt lists a symbol twice without the overwrite flag: a RuntimeError as upstream's is, and a
+    ValueError like this fork's other input errors (the commands print it as one line)."""
+
+
 def tokenize_line(line: str) -> List[str]:
     # Upstream collapses `\s+` to one space, strips, then splits on spaces; for str that is exactly
     # str.split() (both use Python's Unicode whitespace definition).
@@ -128,6 +133,25 @@ class Dictionary:
         self.symbols, self.count, self.indices = new_symbols, new_count, new_indices
         self.pad_to_multiple_(padding_factor)
 
+    @staticmethod
+    def add_file_to_dictionary(filename: str, dict: "Dictionary", tokenize=tokenize_line,
+                               num_workers: int = 1) -> None:
+        """Upstream's: add the words of a text file to `dict` (one `</s>` per line), counted by
+        `num_workers` processes; symbols are added in sorted order, as upstream adds each count."""
+        if tokenize is tokenize_line:  # the fast counter of fairseq-preprocess (the same whitespace split)
+            from fairseq.binarizer import count_words
+
+            counter, lines = count_words(filename, num_workers)
+        else:
+            counter, lines = Counter(), 0
+            with open(filename, "r", encoding="utf-8") as f:
+                for line in f:
+                    counter.update(tokenize(line))
+                    lines += 1
+        if lines:
+            counter[dict.eos_word] += lines
+        dict.add_counts(counter)
+
     def pad_to_multiple_(self, padding_factor: int) -> None:
         if padding_factor > 1:
             i = 0
@@ -172,7 +196,7 @@ class Dictionary:
                     f"got {raw.rstrip(chr(10))!r}"
                 ) from None
             if word in self.indices and not overwrite:
-                raise ValueError(
+                raise DuplicateSymbolError(
                     f"dictionary {name}, line {lineno}: duplicate symbol {word!r}; append "
                     f"' {OVERWRITE_FLAG}' to the line if the duplicate is intended"
                 )

@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from fairseq.data.data_utils import collate_tokens
+from fairseq.data.fairseq_dataset import FairseqDataset
 
 
 def collate(samples: List[dict], pad_idx: int, fixed_pad_length: Optional[int] = None,
@@ -41,7 +42,7 @@ def collate(samples: List[dict], pad_idx: int, fixed_pad_length: Optional[int] =
     }
 
 
-class MonolingualDataset(torch.utils.data.Dataset):
+class MonolingualDataset(FairseqDataset):
     """Wraps a TokenBlockDataset built with `include_targets=True`.
 
     Args:
@@ -52,11 +53,16 @@ class MonolingualDataset(torch.utils.data.Dataset):
         add_bos_token: prepend `<s>` to source and target
         fixed_pad_length: pad every batch to this many positions (`--pad-to-fixed-length`)
         pad_to_bsz: pad every batch to this many rows (`--pad-to-fixed-bsz`)
+        targets, add_eos_for_other_targets: upstream's keywords; only next-token targets exist here
+            (targets None or ["future"])
     """
 
     def __init__(self, dataset, sizes, src_vocab, tgt_vocab=None, shuffle: bool = True,
                  add_bos_token: bool = False, fixed_pad_length: Optional[int] = None,
-                 pad_to_bsz: Optional[int] = None):
+                 pad_to_bsz: Optional[int] = None, *, targets=None, add_eos_for_other_targets: bool = False):
+        if targets not in (None, [], ["future"]):
+            raise ValueError(f"MonolingualDataset(targets={targets!r}): only next-token targets (['future']) are "
+                             "supported; self and past targets are not part of this fork")
         self.dataset = dataset
         self.sizes = np.asarray(sizes)
         self.vocab = src_vocab

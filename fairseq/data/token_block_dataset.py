@@ -24,6 +24,7 @@ from typing import Optional, Tuple
 import numpy as np
 import torch
 
+from fairseq.data.fairseq_dataset import FairseqDataset
 from fairseq.data.indexed_dataset import MMapIndexedDataset
 
 BREAK_MODES = ("none", "complete", "complete_doc", "eos")
@@ -96,7 +97,7 @@ def _smallest_int_dtype(max_value: int):
     return np.int32 if max_value < 2**31 else np.int64
 
 
-class TokenBlockDataset(torch.utils.data.Dataset):
+class TokenBlockDataset(FairseqDataset):
     """Blocks of tokens over `dataset` (see the module docstring for the break modes).
 
     Args:
@@ -182,7 +183,7 @@ class TokenBlockDataset(torch.utils.data.Dataset):
             self.dataset.set_epoch(epoch)
 
 
-class TruncateDataset(torch.utils.data.Dataset):
+class TruncateDataset(FairseqDataset):
     """Items cut to at most `truncation_length` tokens (`--shorten-method truncate`)."""
 
     def __init__(self, dataset, truncation_length: int):

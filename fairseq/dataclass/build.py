@@ -20,7 +20,8 @@ from fairseq.dataclass.utils import _unwrap_optional
 from fairseq.dataclass.validate import check_precision
 
 # The plain groups of FairseqConfig (one dataclass each, always present).
-PLAIN_GROUPS = ("common", "dataset", "distributed_training", "optimization", "checkpoint", "eval_lm", "common_eval")
+PLAIN_GROUPS = ("common", "dataset", "distributed_training", "optimization", "checkpoint", "eval_lm", "common_eval",
+                "ema")
 
 _INTERPOLATION = re.compile(r"^\$\{(\w+)\.(\w+)\}$")
 
@@ -80,7 +81,10 @@ def build_config(values: Mapping[str, Any], components: Mapping[str, Optional[st
                       ("bpe", _encoders().BPE_REGISTRY), ("tokenizer", _encoders().TOKENIZER_REGISTRY)):
         name = components.get(attr)
         if name is not None:
-            setattr(cfg, attr, component_config(reg.dataclass(name), values, name))
+            dc = reg.dataclass(name)
+            # Upstream's legacy components (flags from `add_args`, no dataclass) are given the whole namespace.
+            setattr(cfg, attr, component_config(dc, values, name) if dc is not None
+                    else argparse.Namespace(**dict(values, _name=name)))
     if components.get("model") is not None:
         cfg.model = model_config(components["model"], values, owners=cfg)
     resolve_interpolated_defaults(cfg)

@@ -130,8 +130,11 @@ class DatasetConfig:
     data_buffer_size: int = opt(10, "batches each data-loading worker prepares ahead (with --num-workers > 0)")
     train_subset: str = opt("train", "data subset to train on")
     valid_subset: str = opt("valid", "comma-separated data subsets to validate on")
-    combine_valid_subsets: Optional[bool] = opt(None, "accepted for upstream compatibility")
-    ignore_unused_valid_subsets: bool = opt(False, "accepted for upstream compatibility")
+    combine_valid_subsets: Optional[bool] = opt(
+        None, "validate each --valid-subset together with its numbered splits (valid, valid1, valid2, ...) as one "
+              "set", aliases=["--combine-val"])
+    ignore_unused_valid_subsets: bool = opt(
+        False, "do not fail when DATA holds numbered valid splits (valid1, ...) that --valid-subset leaves out")
     validate_interval: int = opt(1, "validate every N epochs")
     validate_interval_updates: int = opt(0, "validate every N updates (0: only at epoch ends)")
     validate_after_updates: int = opt(0, "do not validate before this many updates")
@@ -139,7 +142,7 @@ class DatasetConfig:
     disable_validation: bool = opt(False, "never validate")
     max_tokens_valid: Optional[int] = opt(None, "maximum tokens in a validation batch (default: --max-tokens)")
     batch_size_valid: Optional[int] = opt(None, "validation batch size (default: --batch-size)")
-    max_valid_steps: Optional[int] = opt(None, "validate on at most this many batches")
+    max_valid_steps: Optional[int] = opt(None, "validate on at most this many batches", aliases=["--nval"])
     curriculum: int = opt(0, "accepted for upstream compatibility")
     gen_subset: str = opt("test", "data subset to evaluate (fairseq-eval-lm)")
     num_shards: int = opt(1, "accepted for upstream compatibility")
@@ -187,6 +190,19 @@ class CheckpointConfig:
     checkpoint_suffix: str = opt("", "suffix added to checkpoint file names")
     load_checkpoint_on_all_dp_ranks: bool = opt(False, "accepted for upstream compatibility")
     write_checkpoints_asynchronously: bool = opt(False, "accepted for upstream compatibility; saves are synchronous")
+
+
+@dataclass
+class EMAConfig:
+    """Upstream's --ema-* flags (fairseq.models.ema.EMA, stepped by the trainer after each update)."""
+
+    store_ema: bool = opt(False, "keep an exponential moving average (EMA) of the weights; checkpoints hold it in "
+                                 "extra_state['ema']")
+    ema_decay: float = opt(0.9999, "decay of the moving average: ema = decay * ema + (1 - decay) * weights")
+    ema_start_update: int = opt(0, "before this many updates the EMA copies the weights (decay 0)")
+    ema_seed_model: Optional[str] = opt(None, "start the EMA from the EMA weights saved in this checkpoint")
+    ema_update_freq: int = opt(1, "update the EMA every N updates")
+    ema_fp32: bool = opt(False, "keep an fp32 copy of the EMA for its updates (upstream's option for fp16 weights)")
 
 
 @dataclass
@@ -238,6 +254,7 @@ class FairseqConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     eval_lm: EvalLMConfig = field(default_factory=EvalLMConfig)
     common_eval: CommonEvalConfig = field(default_factory=CommonEvalConfig)
+    ema: EMAConfig = field(default_factory=EMAConfig)
     # Component configs: the registered component's own dataclass instance, chosen by name.
     task: Any = None
     model: Any = None

@@ -1,4 +1,5 @@
-"""Generate argparse flags from config dataclasses and build configs back from parsed flags."""
+"""Generate argparse flags from config dataclasses and build configs back from parsed flags; upstream's
+names for both (`gen_parser_from_dataclass`, `convert_namespace_to_omegaconf`)."""
 
 import argparse
 import ast
@@ -95,6 +96,8 @@ def config_to_dict(cfg) -> Any:
         if hasattr(cfg, "_name"):
             out["_name"] = cfg._name
         return out
+    if isinstance(cfg, argparse.Namespace):  # a legacy component's config (upstream's argparse namespace)
+        return {k: config_to_dict(v) for k, v in vars(cfg).items()}
     if isinstance(cfg, (list, tuple)):
         return [config_to_dict(v) for v in cfg]
     if isinstance(cfg, dict):
@@ -110,3 +113,27 @@ def config_from_dict(dc, values: dict, name: Optional[str] = None):
     if name is not None:
         cfg._name = name
     return cfg
+
+
+# ----------------------------------------------------------------------------- upstream's names
+
+
+def gen_parser_from_dataclass(parser, dataclass_instance, delete_default: bool = False,
+                              with_prefix: Optional[str] = None) -> None:
+    """Upstream's name for `add_dataclass_to_parser` (plug-ins' `add_args`): one flag per field of the
+    instance's dataclass. `delete_default` leaves unset flags out of the namespace; `with_prefix` is not
+    supported (no fairseq config uses it for language models)."""
+    if with_prefix:
+        raise ValueError(f"gen_parser_from_dataclass(with_prefix={with_prefix!r}) is not supported")
+    dc = dataclass_instance if isinstance(dataclass_instance, type) else type(dataclass_instance)
+    add_dataclass_to_parser(parser, dc, suppress_defaults=delete_default)
+
+
+def convert_namespace_to_omegaconf(args: argparse.Namespace):
+    """Upstream's name for `fairseq.options.convert_namespace_to_config`: the typed FairseqConfig (dataclass
+    groups `common`, `dataset`, ..., `task`, `model`, ...) that this fork's code takes, not an omegaconf
+    DictConfig. Attribute access (`cfg.dataset.max_tokens`) is the same; to get a DictConfig, pass it to
+    `omegaconf.OmegaConf.structured`."""
+    from fairseq.options import convert_namespace_to_config
+
+    return convert_namespace_to_config(args)

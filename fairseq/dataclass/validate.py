@@ -43,6 +43,7 @@ def _training_device(cfg):
 def validate(cfg) -> None:
     """Raise ValueError, naming the flag and the fix, for the first problem of a training config."""
     from fairseq.distributed.fsdp import check_fsdp_flags
+    from fairseq.models.ema import check_ema_config
     from fairseq.distributed.mesh import check_layout_flags
     from fairseq.distributed.tensor_parallel import check_tensor_parallel_config
     from fairseq.float8 import check_float8_environment, check_float8_flags
@@ -61,4 +62,5 @@ def validate(cfg) -> None:
     check_layout_flags(cfg.distributed_training)
     check_tensor_parallel_config(cfg)
     check_sharded_state(cfg.distributed_training)
+    check_ema_config(getattr(cfg, "ema", None))
     registry.arch_model(cfg.model._name).check_config(cfg.model)

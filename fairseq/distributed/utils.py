@@ -110,3 +110,18 @@ def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
 def all_reduce_max(tensor: torch.Tensor) -> torch.Tensor:
     """Element-wise maximum of `tensor` over all ranks, in place; returns it for chaining."""
     return _all_reduce(tensor, dist.ReduceOp.MAX)
+
+
+def call_main(cfg, main, **kwargs):
+    """Upstream's `distributed_utils.call_main(cfg, main)`: run `main(cfg, **kwargs)` in every process of the
+    launch (spawned, torchrun or SLURM; see fairseq.distributed.launch) and return rank 0's result. `cfg` is
+    a FairseqConfig or the argparse namespace of `options.parse_args_and_arch`."""
+    import argparse
+
+    from fairseq.distributed.launch import call_main as launch
+
+    if isinstance(cfg, argparse.Namespace):
+        from fairseq.options import convert_namespace_to_config
+
+        cfg = convert_namespace_to_config(cfg)
+    return launch(cfg, main, **kwargs)

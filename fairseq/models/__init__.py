@@ -12,3 +12,14 @@ from fairseq.registry import (  # noqa: E402,F401
     register_model,
     register_model_architecture,
 )
+
+
+def build_model(cfg, task, from_checkpoint: bool = False):
+    """Upstream's `fairseq.models.build_model`: the model of architecture `cfg._name` (or `cfg.arch`)."""
+    return task.build_model(cfg, from_checkpoint)
+
+
+def __getattr__(name):
+    from fairseq.upstream_absent import absent_name
+
+    absent_name(__name__, name)

@@ -1,9 +1,22 @@
 """Tasks, chosen with --task. The task registry imports every module of this package on first use."""
 
 from fairseq.registry import TASK_REGISTRY, register_task  # noqa: F401 (re-exported)
-from fairseq.tasks.fairseq_task import FairseqTask  # noqa: F401
+from fairseq.tasks.fairseq_task import FairseqTask, LegacyFairseqTask  # noqa: F401
 
 
 def setup_task(task_cfg, **kwargs):
-    """The task that `task_cfg._name` (--task) names, set up from its config."""
-    return TASK_REGISTRY.get(task_cfg._name).setup_task(task_cfg, **kwargs)
+    """The task that `task_cfg._name` (--task; `task` in a legacy argparse namespace) names, set up from
+    its config."""
+    name = getattr(task_cfg, "_name", None) or getattr(task_cfg, "task", None)
+    return TASK_REGISTRY.get(name).setup_task(task_cfg, **kwargs)
+
+
+def get_task(name: str):
+    """Upstream's name: the task class registered as `name`."""
+    return TASK_REGISTRY.get(name)
+
+
+def __getattr__(name):
+    from fairseq.upstream_absent import absent_name
+
+    absent_name(__name__, name)

@@ -27,6 +27,34 @@ class FairseqTask:
     def setup_task(cls, cfg, **kwargs) -> "FairseqTask":
         return cls(cfg, **kwargs)
 
+    @classmethod
+    def add_args(cls, parser) -> None:
+        """Upstream's hook: add this task's flags (its config dataclass's fields) to an argparse parser."""
+        from fairseq.dataclass.utils import gen_parser_from_dataclass
+
+        dc = getattr(cls, "config_class", None)
+        if dc is not None:
+            gen_parser_from_dataclass(parser, dc())
+
+    @classmethod
+    def load_dictionary(cls, filename: str):
+        """Upstream's hook: the dictionary stored in `filename` (a dict.txt)."""
+        from fairseq.data.dictionary import Dictionary
+
+        return Dictionary.load(filename)
+
+    @classmethod
+    def build_dictionary(cls, filenames, workers: int = 1, threshold: int = -1, nwords: int = -1,
+                         padding_factor: int = 8):
+        """Upstream's hook: a dictionary counted over the words of text files, finalized."""
+        from fairseq.data.dictionary import Dictionary
+
+        d = Dictionary()
+        for filename in filenames:
+            Dictionary.add_file_to_dictionary(filename, d, num_workers=workers)
+        d.finalize(threshold=threshold, nwords=nwords, padding_factor=padding_factor)
+        return d
+
     # ---- data ---------------------------------------------------------------------------------------
     def load_dataset(self, split: str, epoch: int = 1, combine: bool = False, **kwargs) -> None:
         """Load `split` into `self.datasets`. The trainer passes `for_training=True` for its training split
@@ -77,6 +105,24 @@ class FairseqTask:
 
     def max_positions(self) -> Optional[int]:
         return None
+
+    def can_reuse_epoch_itr(self, dataset) -> bool:
+        """Upstream's name: whether the epoch iterator of `dataset` may be reused across epochs."""
+        return getattr(dataset, "can_reuse_epoch_itr_across_epochs", False)
+
+    def filter_indices_by_size(self, indices, dataset, max_positions=None, ignore_invalid_inputs: bool = False):
+        """Upstream's name: `indices` without the items longer than `max_positions` (a number, tuple or dict);
+        without `ignore_invalid_inputs` such an item is an error."""
+        from fairseq.data.data_utils import filter_by_size_limits
+
+        indices, ignored = filter_by_size_limits(indices, dataset, max_positions)
+        if ignored and not ignore_invalid_inputs:
+            raise ValueError(f"{len(ignored)} items, e.g. item {ignored[0]} of size {dataset.size(ignored[0])}, are "
+                             f"longer than the limit {max_positions}; pass --skip-invalid-size-inputs-valid-test "
+                             "to skip them")
+        if ignored:
+            logger.warning(f"{len(ignored)} items are longer than {max_positions} and skipped, e.g. {ignored[:10]}")
+        return indices
 
     @property
     def source_dictionary(self):
@@ -136,8 +182,9 @@ class FairseqTask:
 
     # ---- model and criterion ------------------------------------------------------------------------
     def build_model(self, model_cfg, from_checkpoint: bool = False):
-        """The model of architecture `model_cfg._name` (e.g. transformer_lm_gpt3_small)."""
-        arch = getattr(model_cfg, "_name", None)
+        """The model of architecture `model_cfg._name` (e.g. transformer_lm_gpt3_small; a legacy namespace's
+        `arch`)."""
+        arch = getattr(model_cfg, "_name", None) or getattr(model_cfg, "arch", None)
         if arch is None:
             raise ValueError("the model config has no architecture name (_name); pass --arch")
         return registry.arch_model(arch).build_model(model_cfg, self)
@@ -154,7 +201,7 @@ class FairseqTask:
         """A SequenceGenerator (or `seq_gen_cls`) for `models`, from upstream's generation options in `args`
         (a GenerationConfig or any object with those attributes; missing ones take upstream's defaults):
         beam, max_len_a, max_len_b, min_len, unnormalized, lenpen, unkpen, temperature, match_source_len,
-        no_repeat_ngram_size, sampling, sampling_topk, sampling_topp."""
+        no_repeat_ngram_size, sampling, sampling_topk, sampling_topp; and this fork's no_cuda_graphs."""
         from fairseq import search
         from fairseq.sequence_generator import SequenceGenerator
 
@@ -192,13 +239,16 @@ class FairseqTask:
         else:
             search_strategy = search.BeamSearch(self.target_dictionary)
         seq_gen_cls = SequenceGenerator if seq_gen_cls is None else seq_gen_cls
+        extra_gen_cls_kwargs = dict(extra_gen_cls_kwargs or {})
+        if isinstance(seq_gen_cls, type) and issubclass(seq_gen_cls, SequenceGenerator):  # --no-cuda-graphs
+            extra_gen_cls_kwargs.setdefault("cuda_graphs", not get("no_cuda_graphs", False))
         return seq_gen_cls(
             models, self.target_dictionary,
             beam_size=get("beam", 5), max_len_a=get("max_len_a", 0), max_len_b=get("max_len_b", 200),
             min_len=get("min_len", 1), normalize_scores=not get("unnormalized", False),
             len_penalty=get("lenpen", 1), unk_penalty=get("unkpen", 0), temperature=get("temperature", 1.0),
             match_source_len=match_source_len, no_repeat_ngram_size=get("no_repeat_ngram_size", 0),
-            search_strategy=search_strategy, **(extra_gen_cls_kwargs or {}),
+            search_strategy=search_strategy, **extra_gen_cls_kwargs,
         )
 
     def build_dataset_for_inference(self, src_tokens, src_lengths, **kwargs):
@@ -207,6 +257,30 @@ class FairseqTask:
     def inference_step(self, generator, models, sample, prefix_tokens=None, constraints=None):
         with torch.no_grad():
             return generator.generate(models, sample, prefix_tokens=prefix_tokens, constraints=constraints)
+
+    # ---- steps (upstream's names; fairseq-validate calls valid_step) ----------------------------------
+    def valid_step(self, sample, model, criterion):
+        """(loss, sample_size, logging_output) of `criterion` on `sample`, in eval mode without gradients."""
+        model.eval()
+        with torch.no_grad():
+            return criterion(model, sample)
+
+    def logging_outputs_can_be_summed(self, criterion) -> bool:
+        return criterion.logging_outputs_can_be_summed()
+
+    def reduce_metrics(self, logging_outputs, criterion) -> None:
+        """Upstream's: log wpb (tokens) and bsz (sentences) summed over `logging_outputs`, and wps, then the
+        criterion's own metrics."""
+        from fairseq.logging import metrics
+
+        if any("ntokens" in log for log in logging_outputs):
+            ntokens = sum(log.get("ntokens", 0) for log in logging_outputs)
+            metrics.log_scalar("wpb", ntokens, priority=180, round=1)
+            metrics.log_speed("wps", ntokens, priority=90, round=1)
+        if any("nsentences" in log for log in logging_outputs):
+            metrics.log_scalar("bsz", sum(log.get("nsentences", 0) for log in logging_outputs), priority=190,
+                               round=1)
+        criterion.__class__.reduce_metrics(logging_outputs)
 
     # ---- hooks the trainer may call -----------------------------------------------------------------
     def begin_epoch(self, epoch: int, model) -> None:
@@ -227,3 +301,25 @@ def _takes_seed(dataset) -> bool:
         return "seed" in inspect.signature(dataset.ordered_indices).parameters
     except (TypeError, ValueError):
         return False
+
+
+class LegacyFairseqTask(FairseqTask):
+    """Upstream's base of tasks configured by an argparse namespace: flags come from the `add_args(parser)`
+    staticmethod, and `args` (also `cfg`) is the whole parsed namespace."""
+
+    def __init__(self, args, **kwargs):
+        super().__init__(args)
+        self.args = args
+
+    @classmethod
+    def setup_task(cls, args, **kwargs) -> "LegacyFairseqTask":
+        return cls(args, **kwargs)
+
+    def has_sharded_data(self, split: str) -> bool:
+        return os.pathsep in (getattr(self.args, "data", None) or "")
+
+    def build_model(self, args, from_checkpoint: bool = False):
+        return super().build_model(args, from_checkpoint)
+
+    def build_criterion(self, args, optimization_cfg=None):
+        return super().build_criterion(args, optimization_cfg)

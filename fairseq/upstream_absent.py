@@ -1,0 +1,114 @@
+"""Upstream fairseq names that this fork leaves out on purpose, and the one ImportError that says so.
+
+This fork trains and serves decoder-only language models; upstream's translation, speech, encoder-only /
+encoder-decoder models, non-autoregressive and Megatron model-parallel code, TPU support and BLEU scoring
+are not part of it (docs/CONTRACTS.md lists them with the reasons). Code written for upstream that imports
+one of them gets an ImportError naming what is absent and what to use instead, rather than a bare
+"No module named ..." that reads like a broken install:
+
+- a whole module (`import fairseq.tasks.translation`): `AbsentModuleFinder`, installed once on `sys.meta_path`
+  by `import fairseq`; it is consulted last, so it never hides a module that exists;
+- a name in a package that exists (`from fairseq.models import TransformerModel`): the package's module-level
+  `__getattr__` calls `absent_name`.
+"""
+
+import importlib.abc
+import sys
+
+# Why a family is absent, and what to use instead (the second half of every message).
+_LM = "it trains decoder-only (left-to-right) language models"
+_TRANSLATION = (f"{_LM} and has no translation (source/target pairs); use --task language_modeling "
+                "(fairseq.tasks.language_modeling.LanguageModelingTask)")
+_SPEECH = f"{_LM} on text and has no speech or audio models, tasks and datasets"
+_ENCODER = (f"{_LM} and has no encoder or encoder-decoder models; use "
+            "fairseq.models.transformer_lm.TransformerLanguageModel (--arch transformer_lm*) and its decoder "
+            "fairseq.modules.TransformerDecoder, or subclass fairseq.models.FairseqLanguageModel with a "
+            "fairseq.models.FairseqIncrementalDecoder")
+_MASKED_LM = (f"{_LM} and has no masked or denoising pretraining (BERT, RoBERTa, BART); use --task "
+              "language_modeling with --arch transformer_lm*")
+_NAT = f"{_LM} and has no non-autoregressive models"
+_MODEL_PARALLEL = "it has no Megatron model parallelism; shard large models with --ddp-backend fully_sharded (FSDP2)"
+_TPU = "it has no TPU (torch_xla) support; train on CUDA GPUs or the CPU"
+_SCORING = "it has no BLEU / translation scoring; evaluate language models with fairseq-eval-lm or fairseq-validate"
+
+ABSENT_MODULES = {
+    # tasks
+    **{f"fairseq.tasks.{m}": _TRANSLATION for m in (
+        "translation", "translation_multi_simple_epoch", "multilingual_translation", "semisupervised_translation",
+        "translation_from_pretrained_bart", "translation_from_pretrained_xlm", "translation_lev",
+        "online_backtranslation", "simultaneous_translation")},
+    **{f"fairseq.tasks.{m}": _SPEECH for m in (
+        "speech_to_text", "speech_to_speech", "text_to_speech", "frm_text_to_speech", "audio_pretraining",
+        "audio_finetuning", "audio_classification", "hubert_pretraining", "speech_ulm_task", "speech_dlm_task")},
+    **{f"fairseq.tasks.{m}": _MASKED_LM for m in (
+        "masked_lm", "multilingual_masked_lm", "legacy_masked_lm", "cross_lingual_lm", "denoising",
+        "multilingual_denoising", "span_masked_lm", "sentence_prediction", "sentence_prediction_adapters",
+        "sentence_ranking")},
+    # models
+    **{f"fairseq.models.{m}": _ENCODER for m in (
+        "transformer", "transformer_legacy", "fairseq_encoder", "composite_encoder", "fconv", "fconv_self_att",
+        "lstm", "lightconv", "multilingual_transformer", "transformer_align", "transformer_from_pretrained_xlm",
+        "masked_lm")},
+    **{f"fairseq.models.{m}": _MASKED_LM for m in ("roberta", "bart", "xmod")},
+    **{f"fairseq.models.{m}": _SPEECH for m in (
+        "wav2vec", "hubert", "speech_to_text", "speech_to_speech", "text_to_speech", "speech_dlm")},
+    "fairseq.models.nat": _NAT,
+    "fairseq.model_parallel": _MODEL_PARALLEL,
+    # data, criterions, scoring
+    "fairseq.data.audio": _SPEECH,
+    "fairseq.data.language_pair_dataset": _TRANSLATION,
+    "fairseq.data.backtranslation_dataset": _TRANSLATION,
+    "fairseq.data.round_robin_zip_datasets": _TRANSLATION,
+    "fairseq.data.mask_tokens_dataset": _MASKED_LM,
+    "fairseq.data.denoising_dataset": _MASKED_LM,
+    "fairseq.criterions.label_smoothed_cross_entropy": _TRANSLATION,
+    "fairseq.criterions.masked_lm": _MASKED_LM,
+    "fairseq.criterions.sentence_prediction": _MASKED_LM,
+    "fairseq.criterions.ctc": _SPEECH,
+    "fairseq.criterions.wav2vec_criterion": _SPEECH,
+    "fairseq.criterions.nat_loss": _NAT,
+    "fairseq.scoring": _SCORING,
+}
+
+# (package, name) -> why, for names imported from a package that exists.
+ABSENT_NAMES = {
+    **{("fairseq.models", n): _ENCODER for n in (
+        "TransformerModel", "FairseqEncoder", "FairseqEncoderModel", "FairseqEncoderDecoderModel",
+        "FairseqModel", "FairseqMultiModel", "CompositeEncoder")},
+    **{("fairseq.data", n): _TRANSLATION for n in (
+        "LanguagePairDataset", "BacktranslationDataset", "RoundRobinZipDatasets", "TransformEosLangPairDataset",
+        "MultilingualDataset")},
+    **{("fairseq.data", n): _MASKED_LM for n in ("MaskTokensDataset", "DenoisingDataset")},
+    **{("fairseq.data", n): _SPEECH for n in ("FileAudioDataset", "RawAudioDataset", "AddTargetDataset")},
+    **{("fairseq.tasks", n): _TRANSLATION for n in ("TranslationTask",)},
+    **{("fairseq.utils", n): _TPU for n in ("xla_device_to_cpu", "is_xla_tensor", "get_tpu_device", "tpu_data_loader")},
+}
+
+
+def message(what: str, why: str) -> str:
+    return f"{what} is not part of this fairseq fork: {why}"
+
+
+class AbsentModuleFinder(importlib.abc.MetaPathFinder):
+    """Raises the explaining ImportError for a module of ABSENT_MODULES (or inside one) that no other finder
+    found."""
+
+    def find_spec(self, fullname, path=None, target=None):
+        for module, why in ABSENT_MODULES.items():
+            if fullname == module or fullname.startswith(module + "."):
+                raise ModuleNotFoundError(message(f"upstream module {module}", why), name=fullname)
+        return None
+
+
+def install() -> None:
+    if not any(isinstance(finder, AbsentModuleFinder) for finder in sys.meta_path):
+        sys.meta_path.append(AbsentModuleFinder())
+
+
+def absent_name(package: str, name: str):
+    """For a package's `__getattr__`: raise the explaining ImportError for an absent upstream name, else the
+    usual AttributeError."""
+    why = ABSENT_NAMES.get((package, name))
+    if why is not None:
+        raise ImportError(message(f"upstream's {package}.{name}", why), name=package)
+    raise AttributeError(f"module {package!r} has no attribute {name!r}")
