@@ -95,7 +95,10 @@ def _train_with(cfg, preemption, checkpoints) -> Optional[str]:
     logger.info(f"training on {dist_utils.get_world_size()} device(s) ({trainer.device.type}); "
                 f"max tokens per device = {cfg.dataset.max_tokens} and max sentences per device = "
                 f"{cfg.dataset.batch_size}")
-    epoch_itr = checkpoints.resume(trainer, lambda epoch: trainer_iterator(cfg, task, trainer, epoch)).epoch_itr
+    resumed = checkpoints.resume(trainer, lambda epoch: trainer_iterator(cfg, task, trainer, epoch))
+    epoch_itr = resumed.epoch_itr
+    if resumed.at_epoch_end:  # the step an uninterrupted run took after writing that checkpoint
+        trainer.step_epoch_end(epoch_itr.epoch - 1, resumed.val_loss)
 
     max_epoch = cfg.optimization.max_epoch or math.inf
     start = time.time()

@@ -60,6 +60,7 @@ class SavedState:
     data_parallel_size: Optional[int] = None  # the world size whose data position train_iterator is
     metrics: Optional[Dict[str, Any]] = None
     best: Optional[float] = None
+    val_loss: Optional[float] = None  # the validation value the checkpoint was written with
 
 
 @dataclass
@@ -70,6 +71,10 @@ class Resumed:
     epoch_itr: Any
     meters_restored: bool = False
     best: Optional[float] = None
+    # Written at an epoch's end (the iterator at the next epoch's start, with that end's validation value): so
+    # before the trainer's epoch-end scheduler step, which follows validation and saving; the caller takes it.
+    at_epoch_end: bool = False
+    val_loss: Optional[float] = None
 
 
 class CheckpointManager:
@@ -231,7 +236,10 @@ class CheckpointManager:
         restore_meters = bool(position and position.get("iterations_in_epoch", 0) > 0 and saved.metrics)
         if restore_meters:
             meters.load_state_dict(saved.metrics)
-        return Resumed(epoch_itr, meters_restored=restore_meters, best=self.best)
+        at_epoch_end = (bool(position) and position.get("iterations_in_epoch", 0) == 0 and position["epoch"] > 1
+                        and saved.val_loss is not None)  # save_last, at an epoch start, writes no val_loss
+        return Resumed(epoch_itr, meters_restored=restore_meters, best=self.best, at_epoch_end=at_epoch_end,
+                       val_loss=saved.val_loss)
 
     def _restore(self, trainer) -> Optional[SavedState]:
         """Load the checkpoint to resume into model, optimizer and trainer (or --finetune-from-model's weights
@@ -332,7 +340,7 @@ def saved_state(state: Dict[str, Any]) -> SavedState:
     extra = state.get("extra_state") or {}
     return SavedState(trainer=_saved_trainer_state(state, extra), train_iterator=extra.get("train_iterator"),
                       data_parallel_size=extra.get("data_parallel_size"), metrics=extra.get("metrics"),
-                      best=extra.get("best"))
+                      best=extra.get("best"), val_loss=extra.get("val_loss"))
 
 
 def _saved_trainer_state(state: Dict[str, Any], extra: Dict[str, Any]) -> Optional[Dict[str, Any]]:
