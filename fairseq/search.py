@@ -25,6 +25,9 @@ class Search(nn.Module):
     # score, as beam search, whose first step reads the first beam only) or "all" (every beam continues, as
     # sampling). None: unknown, so the generator forces prompt tokens through step() one at a time.
     forced_beams: Optional[str] = None
+    # True when step() gives a token whose log-probability is -inf no finite score: then, while </s> is masked
+    # for every hypothesis (--min-len), none can end and the generator skips its per-step check (a host sync).
+    respects_masked_tokens: bool = False
 
     def __init__(self, tgt_dict):
         super().__init__()
@@ -55,6 +58,7 @@ class Search(nn.Module):
 
 class BeamSearch(Search):
     forced_beams = "first"
+    respects_masked_tokens = True  # scores are sums with the -inf
 
     def __init__(self, tgt_dict):
         super().__init__(tgt_dict)
@@ -102,6 +106,7 @@ class Sampling(Search):
     kept set (the score is the model's log-probability of the drawn token)."""
 
     forced_beams = "all"
+    respects_masked_tokens = True  # a -inf token has probability 0: never drawn, or drawn with a -inf score
 
     def __init__(self, tgt_dict, sampling_topk: int = -1, sampling_topp: float = -1.0):
         super().__init__(tgt_dict)

@@ -19,10 +19,13 @@ TransformerDecoder.reserve_incremental_state); with decoders of this fork (those
 `reserve_incremental_state`) the first tokens of the prompts, as many as every row has, are fed in one
 forward of one row per sentence, the beams copied from it after; later steps feed one token per hypothesis.
 Upstream-style plug-in decoders (`FairseqIncrementalDecoder` computing one token per call, or no cache at
-all) are fed one token per step from the start. Per step there is one host sync (is any hypothesis done?).
-Two deliberate differences: --min-len and --no-repeat-ngram-size also apply to rows whose prompt ended while
-others are still forced (upstream skips --min-len for the whole batch during any prompt), and a forced prompt
-token is never blocked by --no-repeat-ngram-size (upstream blocks it, which kills the hypothesis).
+all) are fed one token per step from the start. On CUDA, the one-token steps of this fork's decoders are
+replayed from CUDA graphs (fairseq.cuda_graph_decoding; `cuda_graphs=False`, --no-cuda-graphs, turns that
+off), with the same results. Per step there is one host sync (is any hypothesis done?), none while </s> is
+masked for every hypothesis (--min-len). Two deliberate differences: --min-len and --no-repeat-ngram-size
+also apply to rows whose prompt ended while others are still forced (upstream skips --min-len for the whole
+batch during any prompt), and a forced prompt token is never blocked by --no-repeat-ngram-size (upstream
+blocks it, which kills the hypothesis).
 """
 
 import math
@@ -34,6 +37,7 @@ import torch.nn as nn
 from torch import Tensor
 
 from fairseq import search
+from fairseq.cuda_graph_decoding import GraphedDecodeStep
 from fairseq.models.fairseq_incremental_decoder import FairseqIncrementalDecoder
 
 # When a prompt is fed in one forward, logits of at most this many values exist at once.
@@ -45,10 +49,12 @@ class SequenceGenerator(nn.Module):
                  max_len: int = 0, min_len: int = 1, normalize_scores: bool = True, len_penalty: float = 1.0,
                  unk_penalty: float = 0.0, temperature: float = 1.0, match_source_len: bool = False,
                  no_repeat_ngram_size: int = 0, search_strategy: Optional[search.Search] = None,
-                 eos: Optional[int] = None, symbols_to_strip_from_output=None):
+                 eos: Optional[int] = None, symbols_to_strip_from_output=None, cuda_graphs: bool = True):
         """`max_len`: cap on the total length (default: the models' positions); the output of a sentence has at
         most min(max_len_a * src_len + max_len_b, max_len - 1) tokens before </s>, src_len the width of
-        `src_tokens`, the prompt included, as upstream counts it."""
+        `src_tokens`, the prompt included, as upstream counts it. `cuda_graphs`: replay the one-token steps
+        from CUDA graphs where possible (CUDA, this fork's decoders, no dropout); the graphs and the KV caches
+        they read are kept for the next call while the batch and length fit."""
         super().__init__()
         self.model = models if isinstance(models, EnsembleModel) else EnsembleModel(models)
         self.tgt_dict = tgt_dict
@@ -79,6 +85,8 @@ class SequenceGenerator(nn.Module):
         self.no_repeat_ngram_size = no_repeat_ngram_size
         self.search = search.BeamSearch(tgt_dict) if search_strategy is None else search_strategy
         self.should_set_src_lengths = getattr(self.search, "needs_src_lengths", False)
+        self.cuda_graphs = cuda_graphs
+        self._graphed: Optional[GraphedDecodeStep] = None
         self.model.eval()
 
     def cuda(self):
@@ -160,6 +168,7 @@ class SequenceGenerator(nn.Module):
             scores[:, :shared] = forced.cumsum(dim=1).repeat_interleave(beam, dim=0)
             if beam > 1 and self.search.forced_beams == "first":
                 scores.view(bsz, beam, -1)[:, 1:, :shared] = -math.inf
+        next_lprobs = self._mask_special(next_lprobs)
         if beam > 1:
             self.model.reorder_incremental_state(
                 states, torch.arange(bsz, device=tokens.device).repeat_interleave(beam))
@@ -167,19 +176,50 @@ class SequenceGenerator(nn.Module):
         return next_lprobs
 
     # ---- one step -----------------------------------------------------------------------------------------
-    def _constrain(self, lprobs: Tensor, step: int, max_len: int, tokens: Tensor, prefix: Optional[Tensor],
-                   beam: int) -> Tensor:
-        """Apply pad, --unkpen, the length limits, --no-repeat-ngram-size and the forced prompt to lprobs."""
+    def _mask_special(self, lprobs: Tensor) -> Tensor:
+        """The masks of every step: NaN -> -inf, never <pad>, --unkpen (inside the CUDA graph when one runs)."""
         lprobs = lprobs.nan_to_num_(nan=-math.inf, posinf=math.inf, neginf=-math.inf)
         lprobs[:, self.pad] = -math.inf
         if self.unk_penalty:
             lprobs[:, self.unk] -= self.unk_penalty
+        return lprobs
+
+    def _static_step(self, tokens: Tensor, slot: Tensor, states: List[dict]) -> Tensor:
+        """What a CUDA graph captures: masked log-probabilities after `tokens` [R, 1], at index `slot`."""
+        return self._mask_special(self.model.forward_static_step(tokens, slot, states, self.temperature))
+
+    def _static_decoder(self, device: torch.device) -> Optional[GraphedDecodeStep]:
+        """The CUDA-graph runner of the one-token steps, when this batch can use it."""
+        if not (self.cuda_graphs and device.type == "cuda" and self.model.can_static_step
+                and not any(m.training for m in self.model.modules())):  # dropout: eager
+            return None
+        if self._graphed is None:
+            self._graphed = GraphedDecodeStep(self.model, self._static_step, self.vocab_size)
+        return self._graphed
+
+    def _next_log_probs(self, tokens: Tensor, step: int, states: Optional[List[dict]],
+                        graphed: Optional[GraphedDecodeStep]) -> Tensor:
+        """Masked log-probabilities [rows, V] of the token after tokens[:, :step + 1]."""
+        if graphed is not None:
+            return graphed(tokens[:, step], step)
+        return self._mask_special(self.model.forward_decoder(tokens[:, :step + 1], states, self.temperature))
+
+    def _no_hypothesis_can_end(self, step: int, max_len: int, forced_eos_steps: set) -> bool:
+        """</s> is -inf for every hypothesis at `step` (--min-len; not the last step; no prompt forces </s>)
+        and the search gives -inf tokens no finite score: no hypothesis ends, so there is nothing to check."""
+        return (step < self.min_len and step < max_len and step not in forced_eos_steps
+                and self.search.respects_masked_tokens)
+
+    def _constrain(self, lprobs: Tensor, step: int, max_len: int, tokens: Tensor,
+                   forced_rows: Optional[Tensor]) -> Tensor:
+        """Apply the length limits, --no-repeat-ngram-size and the forced prompt (`forced_rows`: each row's
+        prompt, <pad> after it) to lprobs, masked already by `_mask_special`."""
         if step >= max_len:  # only </s> is left
             lprobs[:, :self.eos] = -math.inf
             lprobs[:, self.eos + 1:] = -math.inf
         forced = None
-        if prefix is not None and step < prefix.size(1) and step < max_len:
-            forced = prefix[:, step].repeat_interleave(beam).unsqueeze(1)
+        if forced_rows is not None and step < forced_rows.size(1) and step < max_len:
+            forced = forced_rows[:, step:step + 1]
             forced_lprobs = lprobs.gather(1, forced)
         if step < self.min_len:
             lprobs[:, self.eos] = -math.inf
@@ -254,13 +294,19 @@ class SequenceGenerator(nn.Module):
         tokens = torch.full((rows, max_len + 2), self.pad, dtype=torch.long, device=device)
         tokens[:, 0] = self.eos if bos_token is None else bos_token
         scores = torch.zeros(rows, max_len + 1, device=device)  # cumulative, per step
-        states = self.model.new_incremental_states(max_batch=rows, max_length=max_len + 1)
+        graphed = self._static_decoder(device) if self.model.can_feed_prompts else None
+        if graphed is not None:
+            states = graphed.begin(bsz, beam, max_len + 1, device)
+        else:
+            states = self.model.new_incremental_states(max_batch=rows, max_length=max_len + 1)
         if self.should_set_src_lengths:
             self.search.set_src_lengths(src_lengths)
         start, lprobs = 0, None
         if self.model.can_feed_prompts:
             lprobs = self._feed_prompts(tokens, scores, prefix, shared, states, bsz, beam)
             start = shared
+        forced_rows = None if prefix is None else prefix.repeat_interleave(beam, dim=0)
+        forced_eos_steps = set() if prefix is None else set(prefix.eq(self.eos).any(dim=0).nonzero()[:, 0].tolist())
 
         finalized: List[List[dict]] = [[] for _ in range(bsz)]
         finalized_scores: List[List[float]] = [[] for _ in range(bsz)]
@@ -269,26 +315,34 @@ class SequenceGenerator(nn.Module):
         sent_of_row = list(range(bsz))  # original sentence of each row of the (shrinking) batch
         original_batch_idxs = torch.arange(bsz, device=device)
         cands_to_ignore = torch.zeros(bsz, beam, dtype=torch.bool, device=device)
+        # cands_to_ignore can hold True only after hypotheses of a sentence ended while it goes on (beam > 1).
+        may_ignore = False
         cand_size = 2 * beam  # twice the beam, in case half the candidates end with </s>
         bbsz_offsets = (torch.arange(bsz, device=device) * beam).unsqueeze(1)
         cand_offsets = torch.arange(cand_size, device=device)
+        first_beams = torch.arange(beam, device=device).repeat(bsz, 1)
 
         for step in range(start, max_len + 1):  # the last step only adds </s>
             if lprobs is None:
-                lprobs = self.model.forward_decoder(tokens[:, :step + 1], states, self.temperature)
-            lprobs = self._constrain(lprobs, step, max_len, tokens, prefix, beam)
+                lprobs = self._next_log_probs(tokens, step, states, graphed)
+            lprobs = self._constrain(lprobs, step, max_len, tokens, forced_rows)
             cand_scores, cand_indices, cand_beams = self.search.step(
                 step, lprobs.view(bsz, -1, self.vocab_size), scores.view(bsz, beam, -1)[:, :, :step],
                 tokens[:, :step + 1], original_batch_idxs)
             lprobs = None
-            cand_bbsz_idx = cand_beams + bbsz_offsets
 
             # Hypotheses ending with </s> among the top beam candidates are done (not -inf, not ignored).
-            eos_mask = cand_indices.eq(self.eos) & cand_scores.ne(-math.inf)
-            eos_mask[:, :beam] &= ~cands_to_ignore
-            top_eos = eos_mask[:, :beam]
-            done: List[int] = []
-            if bool(top_eos.any()):  # the host sync of this step
+            can_end = not self._no_hypothesis_can_end(step, max_len, forced_eos_steps)
+            eos_mask, any_top_eos, done = None, False, []
+            if can_end or may_ignore:
+                eos_mask = cand_indices.eq(self.eos) & cand_scores.ne(-math.inf)
+                if may_ignore:
+                    eos_mask[:, :beam] &= ~cands_to_ignore
+            if can_end:
+                top_eos = eos_mask[:, :beam]
+                any_top_eos = bool(top_eos.any())  # the host sync of this step
+            if any_top_eos:
+                cand_bbsz_idx = cand_beams + bbsz_offsets
                 done = self._finalize_hypos(step, cand_bbsz_idx[:, :beam][top_eos], cand_scores[:, :beam][top_eos],
                                             tokens, scores, finalized, finalized_scores, finished, sent_of_row,
                                             beam, src_lengths, max_len)
@@ -305,9 +359,9 @@ class SequenceGenerator(nn.Module):
                 eos_mask, cand_beams = eos_mask[batch_idxs], cand_beams[batch_idxs]
                 cand_scores, cand_indices = cand_scores[batch_idxs], cand_indices[batch_idxs]
                 bbsz_offsets = bbsz_offsets[:new_bsz]
-                cand_bbsz_idx = cand_beams + bbsz_offsets
                 if prefix is not None:
                     prefix = prefix[batch_idxs]
+                    forced_rows = prefix.repeat_interleave(beam, dim=0)
                 src_lengths = src_lengths[batch_idxs]
                 cands_to_ignore = cands_to_ignore[batch_idxs]
                 scores = scores.view(bsz, -1)[batch_idxs].view(new_bsz * beam, -1)
@@ -319,18 +373,27 @@ class SequenceGenerator(nn.Module):
                     self.search.set_src_lengths(src_lengths)
                 bsz = new_bsz
 
-            # The beam best candidates that did not end continue (finished or ignored ones sort last).
-            eos_mask[:, :beam] |= cands_to_ignore
-            active_mask = eos_mask.to(cand_offsets.dtype) * cand_size + cand_offsets[:eos_mask.size(1)]
-            new_cands_to_ignore, active_hypos = torch.topk(active_mask, k=beam, dim=1, largest=False)
-            cands_to_ignore = new_cands_to_ignore.ge(cand_size)[:, :beam]
-            active_bbsz_idx = torch.gather(cand_bbsz_idx, 1, active_hypos).view(-1)
+            if not (may_ignore or any_top_eos):
+                # No top candidate ended and none is ignored: the first beam candidates continue, in order.
+                active_hypos = first_beams[:bsz]
+                active_bbsz_idx = (cand_beams[:, :beam] + bbsz_offsets).view(-1) if beam > 1 else None
+                next_tokens, next_scores = cand_indices[:, :beam], cand_scores[:, :beam]
+            else:
+                # The beam best candidates that did not end continue (finished or ignored ones sort last).
+                eos_mask[:, :beam] |= cands_to_ignore
+                active_mask = eos_mask.to(cand_offsets.dtype) * cand_size + cand_offsets[:eos_mask.size(1)]
+                new_cands_to_ignore, active_hypos = torch.topk(active_mask, k=beam, dim=1, largest=False)
+                cands_to_ignore = new_cands_to_ignore.ge(cand_size)[:, :beam]
+                active_bbsz_idx = torch.gather(cand_beams + bbsz_offsets, 1, active_hypos).view(-1)
+                next_tokens = torch.gather(cand_indices, 1, active_hypos)
+                next_scores = torch.gather(cand_scores, 1, active_hypos)
+                may_ignore = beam > 1
             if beam > 1:  # with one beam every row continues itself
                 tokens[:, :step + 1] = tokens[:, :step + 1].index_select(0, active_bbsz_idx)
                 if step > 0:
                     scores[:, :step] = scores[:, :step].index_select(0, active_bbsz_idx)
-            tokens.view(bsz, beam, -1)[:, :, step + 1] = torch.gather(cand_indices, 1, active_hypos)
-            scores.view(bsz, beam, -1)[:, :, step] = torch.gather(cand_scores, 1, active_hypos)
+            tokens.view(bsz, beam, -1)[:, :, step + 1] = next_tokens
+            scores.view(bsz, beam, -1)[:, :, step] = next_scores
             self.search.update_constraints(active_hypos)
 
             if beam > 1 or batch_idxs is not None:
@@ -366,6 +429,9 @@ class EnsembleModel(nn.Module):
         # Decoders of this fork take several new tokens per call and preallocate their caches.
         self.can_feed_prompts = self.has_incremental and all(
             hasattr(m.decoder, "reserve_incremental_state") for m in models)
+        # ... and have a static one-token step, which CUDA graphs capture (fairseq.cuda_graph_decoding).
+        self.can_static_step = self.can_feed_prompts and all(
+            hasattr(m.decoder, "forward_static_step") for m in models)
 
     def has_incremental_states(self) -> bool:
         return self.has_incremental
@@ -431,6 +497,12 @@ class EnsembleModel(nn.Module):
                 logits, extra = out, None
             log_probs.append(self._log_probs(m, logits[:, -1:, :], extra, temperature)[:, -1, :])
         return self._average(log_probs)
+
+    def forward_static_step(self, tokens: Tensor, slot: Tensor, states: List[dict], temperature: float) -> Tensor:
+        """Log-probabilities [rows, V] of the token after `tokens` [rows, 1], at index `slot` (a device tensor),
+        through each decoder's `forward_static_step` (static shapes, no host sync: CUDA graphs capture it)."""
+        return self._average([self._log_probs(m, m.decoder.forward_static_step(tokens, slot, state), None,
+                                              temperature)[:, -1, :] for m, state in zip(self.models, states)])
 
     def feed_prompts(self, tokens: Tensor, states: List[dict], temperature: float,
                      vocab_size: int) -> Tuple[Tensor, Tensor]:

@@ -59,6 +59,8 @@ class GenerationConfig:
     retain_dropout_modules: Optional[List[str]] = _opt(None, "accepted for upstream compatibility: with "
                                                              "--retain-dropout every module keeps its dropout")
     no_seed_provided: bool = _opt(False, "do not seed the random generators from --seed")
+    no_cuda_graphs: bool = _opt(False, "decode each step eagerly instead of replaying it from a CUDA graph (on "
+                                       "CUDA, this fork's decoders; see docs/incremental_decoding.md)")
 
 
 @dataclass

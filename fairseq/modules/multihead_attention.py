@@ -5,11 +5,14 @@ projections with bias), so upstream state dicts load unchanged. No mask is mater
 `is_causal=True` selects the fused kernels (flash / memory-efficient) where available.
 
 With an `incremental_state` the module caches keys and values across calls (see `_cache_entry` for the
-layout): each call computes only its new tokens and attends over everything cached so far.
+layout): each call computes only its new tokens and attends over everything cached so far. With a
+`StaticStep` as well (one token per row, the static decode step that CUDA graphs capture, see
+fairseq.cuda_graph_decoding) the shapes do not depend on how much is cached: the new key/value go to the slot
+held in a device tensor and the token attends over the whole capacity, the slots after it masked.
 """
 
 import math
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 import torch.nn as nn
@@ -18,6 +21,15 @@ import torch.nn.functional as F
 from fairseq.incremental_decoding_utils import FairseqIncrementalState, IncrementalState
 
 _CACHE_KEY = "attn_state"
+
+
+class StaticStep(NamedTuple):
+    """Where the one new token of each row goes in a static decode step (no Python value that changes per
+    step, so a CUDA graph can capture it): `slot` [1] (long) is its index in the sequence and its cache slot;
+    `mask` [1, 1, 1, capacity] (the activations' dtype) is 0 for slots 0 .. slot and -inf after."""
+
+    slot: torch.Tensor
+    mask: torch.Tensor
 
 
 class MultiheadAttention(FairseqIncrementalState, nn.Module):
@@ -53,9 +65,12 @@ class MultiheadAttention(FairseqIncrementalState, nn.Module):
         batch, length, _ = x.shape
         return x.view(batch, length, self.num_heads, self.head_dim).transpose(1, 2)
 
-    def forward(self, x: torch.Tensor, incremental_state: Optional[IncrementalState] = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, incremental_state: Optional[IncrementalState] = None,
+                static_step: Optional[StaticStep] = None) -> torch.Tensor:
         """Causal self-attention over x [B, T, C] -> [B, T, C]; with `incremental_state`, x holds the tokens
-        that follow the cached ones."""
+        that follow the cached ones; with `static_step` too, x [B, 1, C] is the token at `static_step.slot`."""
+        if static_step is not None:
+            return self._forward_static_step(x, incremental_state, static_step)
         if incremental_state is not None:
             return self._forward_incremental(x, incremental_state)
         batch, length, _ = x.shape
@@ -76,9 +91,11 @@ class MultiheadAttention(FairseqIncrementalState, nn.Module):
         - "key_buffer", "value_buffer": [rows, num_heads, capacity, head_dim] tensors, allocated once (at the
           reserved size, see `reserve_incremental_state`); batch row b's keys for its first `length` tokens
           are `key_buffer[b, :, :length]`; rows past the current batch and slots past `length` are unused;
-        - "length": how many tokens are cached (a plain int, the same for every row);
+        - "length": how many tokens are cached (a plain int, the same for every row; static steps leave it to
+          their caller, see `set_incremental_length`);
         - "reserved": (rows, capacity) to allocate on the first call, when someone said.
         Without a reservation the buffers are allocated at the size the first call needs and grow by doubling.
+        Buffers start zeroed: a static step reads every slot (masked), and masked garbage could be NaN.
         """
         entry = self.get_incremental_state(incremental_state, _CACHE_KEY)
         if entry is None:
@@ -102,7 +119,7 @@ class MultiheadAttention(FairseqIncrementalState, nn.Module):
         new_length = max(length, reserved_length, 2 * have_length if length > have_length else have_length)
         filled, old_rows = entry["length"], have_rows
         for name in ("key_buffer", "value_buffer"):
-            new = like.new_empty(new_rows, self.num_heads, new_length, self.head_dim)
+            new = like.new_zeros(new_rows, self.num_heads, new_length, self.head_dim)
             if entry[name] is not None and filled:
                 new[:old_rows, :, :filled] = entry[name][:, :, :filled]
             entry[name] = new
@@ -131,6 +148,34 @@ class MultiheadAttention(FairseqIncrementalState, nn.Module):
             attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, dropout_p=dropout)
         attn = attn.transpose(1, 2).reshape(batch, length, channels)
         return self.out_proj(attn)
+
+    def static_step_capacity(self, incremental_state: IncrementalState, rows: int, like: torch.Tensor) -> int:
+        """The slots a static step attends over: the cache's capacity, allocated first (at the reserved size)
+        when nothing is cached yet."""
+        entry = self._cache_entry(incremental_state)
+        self._ensure_capacity(entry, rows, entry["length"], like)
+        capacity = entry["key_buffer"].size(2)
+        if capacity == 0:
+            raise ValueError("a static decode step needs a cache: call reserve_incremental_state(state, max_length, "
+                             "max_batch) first")
+        return capacity
+
+    def _forward_static_step(self, x: torch.Tensor, incremental_state: IncrementalState,
+                             step: StaticStep) -> torch.Tensor:
+        batch, length, _ = x.shape
+        entry = self._cache_entry(incremental_state)
+        keys, values = entry["key_buffer"][:batch], entry["value_buffer"][:batch]
+        q = self._split_heads(self.q_proj(x))
+        keys.index_copy_(2, step.slot, self._split_heads(self.k_proj(x)))
+        values.index_copy_(2, step.slot, self._split_heads(self.v_proj(x)))
+        dropout = self.dropout if self.training else 0.0
+        attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=step.mask, dropout_p=dropout)
+        attn = attn.transpose(1, 2).reshape(batch, length, -1)
+        return self.out_proj(attn)
+
+    def set_incremental_length(self, incremental_state: IncrementalState, length: int) -> None:
+        """Say that `length` tokens are cached: after static steps, or 0 to reuse the buffers for new text."""
+        self._cache_entry(incremental_state)["length"] = length
 
     def reorder_incremental_state(self, incremental_state: IncrementalState, new_order: torch.Tensor):
         """Row i of the cache continues row `new_order[i]` (beams reordered, finished sentences dropped).

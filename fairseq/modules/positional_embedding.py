@@ -6,9 +6,10 @@ Positions are counted over non-padding tokens and start at `padding_idx + 1`; pa
 
 Incremental decoding (see TransformerDecoder) reads `embed_range(start, length)`: the rows of tokens
 start .. start + length - 1 of a sequence without padding (position = padding_idx + 1 + index), a slice of
-the table with no index tensor. `forward(tokens, incremental_state=...)` keeps upstream's rule for callers
-that pass the whole prefix: the position of its last token, padding_idx + tokens.size(1), for every row
-(pads are not skipped there, as upstream does not skip them).
+the table with no index tensor; the static one-token step (CUDA graphs) reads `embed_slots(slots)`, the same
+rows for indices held in a device tensor. `forward(tokens, incremental_state=...)` keeps upstream's rule for
+callers that pass the whole prefix: the position of its last token, padding_idx + tokens.size(1), for every
+row (pads are not skipped there, as upstream does not skip them).
 """
 
 import math
@@ -92,6 +93,11 @@ class LearnedPositionalEmbedding(nn.Embedding):
         first = self.padding_idx + 1 + start
         return self.weight[first:first + length]
 
+    def embed_slots(self, slots: torch.Tensor) -> torch.Tensor:
+        """[n, dim]: the positions of tokens at indices `slots` (a long tensor) of an unpadded sequence. Not
+        checked against the table (that would read the device tensor): the caller keeps them below max_positions."""
+        return F.embedding(slots + (self.padding_idx + 1), self.weight)
+
 
 class SinusoidalPositionalEmbedding(nn.Module):
     """Fixed sinusoidal positions of any length; the table is recomputed, never saved.
@@ -140,6 +146,12 @@ class SinusoidalPositionalEmbedding(nn.Module):
             self.table = sinusoidal_table(rows, self.embedding_dim, self.padding_idx,
                                           device=self.table.device).to(self.table.dtype)
         return self.table[first:first + length]
+
+    def embed_slots(self, slots: torch.Tensor) -> torch.Tensor:
+        """[n, dim]: the positions of tokens at indices `slots` (a long tensor) of an unpadded sequence. The table
+        is not grown here (its address must not change under a CUDA graph): it already covers the decoder's
+        max_positions, which the caller keeps `slots` below."""
+        return F.embedding(slots + (self.padding_idx + 1), self.table)
 
 
 def _last_position(module, tokens: torch.Tensor) -> torch.Tensor:

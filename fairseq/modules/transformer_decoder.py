@@ -11,11 +11,16 @@ checkpoint and drops the final layer norm, so it is kept).
 Incremental decoding (upstream's `incremental_state`): `decoder(tokens, incremental_state=state)` with the
 same dict every call, `tokens` [B, T] the whole sequence so far. Only `tokens[:, cached:]` is computed
 (several tokens at once, e.g. a prompt, or one per step), positions continue from the cached length, and
-the logits of those new tokens come back. Entries in `state`: this decoder's token count and, per layer,
-the attention's key/value buffers (see MultiheadAttention._cache_entry). The caller says the longest
-length with `reserve_incremental_state` so the buffers are allocated once; beams are reordered with
-`reorder_incremental_state`. All rows share one length: a batch must not be left-padded (upstream's
+the logits of those new tokens come back. Entries in `state`: this decoder's token count (and its attention
+modules), per layer, the attention's key/value buffers (see MultiheadAttention._cache_entry). The caller says
+the longest length with `reserve_incremental_state` so the buffers are allocated once; beams are reordered
+with `reorder_incremental_state`. All rows share one length: a batch must not be left-padded (upstream's
 generator forces prompts token by token instead, see fairseq.sequence_generator).
+
+The static one-token step, `forward_static_step(tokens, slot, state)`, computes the same logits with shapes
+that do not depend on the cached length and no host sync, so that a CUDA graph can capture it once and replay
+it every step (fairseq.cuda_graph_decoding): the position is a device tensor, the new keys/values go to that
+slot of the reserved cache and attention runs over the whole capacity, masked after the slot.
 """
 
 import math
@@ -30,7 +35,7 @@ from fairseq.incremental_decoding_utils import IncrementalState
 from fairseq.models.fairseq_incremental_decoder import FairseqIncrementalDecoder
 from fairseq.modules.adaptive_input import AdaptiveInput, parse_cutoffs
 from fairseq.modules.adaptive_softmax import AdaptiveSoftmax
-from fairseq.modules.multihead_attention import MultiheadAttention
+from fairseq.modules.multihead_attention import MultiheadAttention, StaticStep
 from fairseq.modules.positional_embedding import build_positional_embedding, zero_row_
 from fairseq.modules.transformer_layer import TransformerDecoderLayer
 
@@ -163,15 +168,19 @@ class TransformerDecoder(FairseqIncrementalDecoder):
             return self.max_target_positions
         return min(self.max_target_positions, self.embed_positions.max_positions)
 
-    def embed(self, tokens: torch.Tensor, start: Optional[int] = None) -> torch.Tensor:
+    def embed(self, tokens: torch.Tensor, start: Optional[int] = None,
+              slot: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Scaled token embeddings plus positions, [B, T] -> [B, T, embed_dim], before the layers.
 
-        `start`: the tokens follow `start` cached ones (incremental decoding), positions continue from there."""
+        `start`: the tokens follow `start` cached ones (incremental decoding), positions continue from there;
+        `slot` (a 1-element long tensor): the one token of each row is at that index (the static step)."""
         x = self.embed_scale * self.embed_tokens(tokens)
         if self.project_in_dim is not None:
             x = self.project_in_dim(x)
         if self.embed_positions is not None:
-            if start is None:
+            if slot is not None:
+                positions = self.embed_positions.embed_slots(slot)
+            elif start is None:
                 positions = self.embed_positions(tokens)
             else:
                 positions = self.embed_positions.embed_range(start, tokens.size(1))
@@ -192,6 +201,9 @@ class TransformerDecoder(FairseqIncrementalDecoder):
                 x = layer(x)
         else:
             x = self._layers_incremental(prev_output_tokens, incremental_state)
+        return self._final_norm_and_projection(x)
+
+    def _final_norm_and_projection(self, x: torch.Tensor) -> torch.Tensor:
         if self.layer_norm is not None:
             x = self.layer_norm(x)
         if self.project_out_dim is not None:
@@ -199,10 +211,7 @@ class TransformerDecoder(FairseqIncrementalDecoder):
         return x
 
     def _layers_incremental(self, tokens: torch.Tensor, incremental_state: IncrementalState) -> torch.Tensor:
-        entry = self.get_incremental_state(incremental_state, _STATE_KEY)
-        if entry is None:
-            entry = {"length": 0}
-            self.set_incremental_state(incremental_state, _STATE_KEY, entry)
+        entry = self._decoder_entry(incremental_state)
         start = entry["length"]
         if tokens.size(1) <= start:
             raise ValueError(f"incremental decoding: {tokens.size(1)} tokens given but {start} are cached already; "
@@ -212,6 +221,34 @@ class TransformerDecoder(FairseqIncrementalDecoder):
             x = layer(x, incremental_state=incremental_state)
         entry["length"] = tokens.size(1)
         return x
+
+    def forward_static_step(self, tokens: torch.Tensor, slot: torch.Tensor,
+                            incremental_state: IncrementalState) -> torch.Tensor:
+        """Logits [R, 1, V] of `tokens` [R, 1], the tokens at index `slot` (a 1-element long tensor on the
+        model's device) of R sequences whose first `slot` tokens are cached in `incremental_state`: the same
+        logits as `self(prefix, incremental_state=state)` would give, from shapes and kernels that do not depend
+        on `slot` and without reading it on the host, so a CUDA graph can capture this call.
+
+        The cache must be reserved (`reserve_incremental_state`) or allocated by an earlier call; attention runs
+        over its whole capacity, masked after `slot`. `slot` must stay below the capacity and the model's
+        positions (not checked: that would read it). The plain-int lengths are left as they were: say how many
+        tokens are cached with `set_incremental_length` before calling anything that reads them (the dynamic
+        forward, `reorder_incremental_state`)."""
+        x = self.embed(tokens, slot=slot)
+        attentions = self._decoder_entry(incremental_state)["attentions"]
+        capacities = {a.static_step_capacity(incremental_state, tokens.size(0), x) for a in attentions}
+        if len(capacities) > 1:
+            raise ValueError(f"the layers' caches have different capacities {sorted(capacities)}; reserve them "
+                             "together with reserve_incremental_state")
+        step = None
+        if capacities:
+            capacity = capacities.pop()
+            visible = torch.arange(capacity, device=x.device) <= slot
+            mask = torch.zeros(capacity, dtype=x.dtype, device=x.device).masked_fill_(~visible, -math.inf)
+            step = StaticStep(slot, mask.view(1, 1, 1, capacity))
+        for layer in self.layers:
+            x = layer(x, incremental_state=incremental_state, static_step=step)
+        return self.output_layer(self._final_norm_and_projection(x))
 
     def output_layer(self, features: torch.Tensor) -> torch.Tensor:
         """Vocabulary scores of `features`; with an adaptive softmax, its fp32 log-probabilities (already
@@ -236,6 +273,16 @@ class TransformerDecoder(FairseqIncrementalDecoder):
         return features if features_only else self.output_layer(features)
 
     # ---- incremental state ------------------------------------------------------------------------------
+    def _decoder_entry(self, incremental_state: IncrementalState) -> dict:
+        """This decoder's entry of the state: "length", the tokens cached, and "attentions", the modules that
+        hold the caches, looked up once per state (walking the modules at every step costs more host time than
+        a CUDA-graph step takes on the GPU)."""
+        entry = self.get_incremental_state(incremental_state, _STATE_KEY)
+        if entry is None:
+            entry = {"length": 0, "attentions": self._attention_modules()}
+            self.set_incremental_state(incremental_state, _STATE_KEY, entry)
+        return entry
+
     def _attention_modules(self):
         return [m for m in self.modules() if isinstance(m, MultiheadAttention)]
 
@@ -243,12 +290,21 @@ class TransformerDecoder(FairseqIncrementalDecoder):
                                   max_batch: int = 0) -> None:
         """Say, before the first call, that `incremental_state` will hold up to `max_length` tokens of up to
         `max_batch` rows: every layer's cache is then allocated once, at that size, on the first call."""
-        for attention in self._attention_modules():
+        for attention in self._decoder_entry(incremental_state)["attentions"]:
             attention.reserve_incremental_state(incremental_state, max_length, max_batch)
+
+    def set_incremental_length(self, incremental_state: IncrementalState, length: int) -> None:
+        """Say that `length` tokens are cached: after `forward_static_step` calls (which leave the plain-int
+        lengths alone), or 0 to decode new text into the same buffers (what is left there is masked, then
+        overwritten)."""
+        entry = self._decoder_entry(incremental_state)
+        entry["length"] = length
+        for attention in entry["attentions"]:
+            attention.set_incremental_length(incremental_state, length)
 
     def reorder_incremental_state(self, incremental_state: IncrementalState, new_order: torch.Tensor) -> None:
         """Row i of every cache continues row `new_order[i]` (a LongTensor on the model's device)."""
-        for attention in self._attention_modules():
+        for attention in self._decoder_entry(incremental_state)["attentions"]:
             attention.reorder_incremental_state(incremental_state, new_order)
 
     def reorder_incremental_state_scripting(self, incremental_state: IncrementalState,

@@ -1,8 +1,9 @@
 """One decoder block of a decoder-only transformer, named as upstream fairseq names it.
 
 `forward` takes and returns one tensor [B, T, C], so activation checkpointing and FSDP can wrap a layer
-without knowing anything about it. Incremental decoding passes `incremental_state` on to the attention, the
-only part that keeps a cache; without it the computation is the training one.
+without knowing anything about it. Incremental decoding passes `incremental_state` (and, for the static
+one-token step, `static_step`) on to the attention, the only part that keeps a cache; without it the
+computation is the training one.
 """
 
 from typing import Optional
@@ -13,7 +14,7 @@ import torch.nn.functional as F
 
 from fairseq.incremental_decoding_utils import IncrementalState
 from fairseq.modules.activations import get_activation_fn
-from fairseq.modules.multihead_attention import MultiheadAttention
+from fairseq.modules.multihead_attention import MultiheadAttention, StaticStep
 
 
 class TransformerDecoderLayer(nn.Module):
@@ -45,11 +46,12 @@ class TransformerDecoderLayer(nn.Module):
         for module in (self.self_attn_layer_norm, self.fc1, self.fc2, self.final_layer_norm):
             module.reset_parameters()
 
-    def forward(self, x: torch.Tensor, incremental_state: Optional[IncrementalState] = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, incremental_state: Optional[IncrementalState] = None,
+                static_step: Optional[StaticStep] = None) -> torch.Tensor:
         residual = x
         if self.normalize_before:
             x = self.self_attn_layer_norm(x)
-        x = self.self_attn(x, incremental_state)
+        x = self.self_attn(x, incremental_state, static_step=static_step)
         x = residual + F.dropout(x, self.dropout, self.training)
         if not self.normalize_before:
             x = self.self_attn_layer_norm(x)

@@ -1,5 +1,6 @@
-"""Incremental decoding and the generator on CUDA: cached logits equal a full forward (fp32), and greedy, beam
-and sampling generation in bf16 with the KV cache allocated once, its strided views read by SDPA's kernels."""
+"""Incremental decoding and the generator on CUDA: cached logits equal a full forward (fp32), greedy, beam
+and sampling generation in bf16 with the KV cache allocated once, its strided views read by SDPA's kernels,
+and the steps replayed from CUDA graphs giving the eager path's tokens."""
 
 import math
 
@@ -89,3 +90,62 @@ def test_generation_on_cuda_with_one_cache_allocation(dtype, atol, monkeypatch):
     monkeypatch.setattr(MultiheadAttention, "_ensure_capacity", spy)
     check_generation("cuda", dtype, atol)
     assert allocations == ["cuda"] * 3 * 3  # 3 layers x 3 generate calls
+
+
+def eos_prone(model, d, factor=2.0):
+    """Scale </s>'s output row so that it wins now and then: sentences end at different steps."""
+    with torch.no_grad():
+        model.decoder.output_projection.weight[d.eos()] *= factor
+    return model
+
+
+def graphed_and_eager(device, models, d, batch, beam, sampling=None, calls=2, **options):
+    """Generate twice (the second call replays the graphs of the first) with CUDA graphs and without; both
+    generators' hypotheses of every call, and the generators."""
+    prompts = torch.randint(4, len(d), (batch, 8), generator=torch.Generator().manual_seed(batch)).to(device)
+    if batch > 1:
+        prompts[1, 3:] = d.pad()  # a shorter prompt: forced token by token after the shared three
+    src = torch.cat([torch.full((batch, 1), d.eos(), device=device), prompts], dim=1)
+    sample = {"net_input": {"src_tokens": src, "src_lengths": src.ne(d.pad()).sum(1)}}
+    generators = [SequenceGenerator(models, d, beam_size=beam, max_len_b=48, cuda_graphs=graphs,
+                                    search_strategy=None if sampling is None else search.Sampling(d, **sampling),
+                                    **options)
+                  for graphs in (True, False)]
+    results = []
+    for call in range(calls):
+        for generator in generators:
+            torch.manual_seed(call)
+            results.append(generator.generate(models, sample, prefix_tokens=prompts))
+    return results, generators
+
+
+@pytest.mark.parametrize("batch", [1, 4])
+@pytest.mark.parametrize("beam,sampling,options", [
+    (1, None, {}), (1, None, dict(min_len=12)), (4, None, {}), (3, dict(sampling_topk=10), {}),
+    (2, dict(sampling_topp=0.9), dict(temperature=0.8)),
+])
+def test_cuda_graphs_give_the_eager_paths_tokens(batch, beam, sampling, options):
+    d = dictionary()
+    model = eos_prone(build(d, "cuda", torch.float32), d)
+    results, (graphed, eager) = graphed_and_eager("cuda", [model], d, batch, beam, sampling, **options)
+    for got, expected in zip(results[::2], results[1::2]):
+        assert [[h["tokens"].tolist() for h in s] for s in got] == [[h["tokens"].tolist() for h in s] for s in expected]
+        for got_sentence, expected_sentence in zip(got, expected):
+            for a, b in zip(got_sentence, expected_sentence):
+                torch.testing.assert_close(a["positional_scores"], b["positional_scores"], atol=1e-4, rtol=0)
+    assert eager._graphed is None and graphed._graphed is not None
+    # One graph per row count met (sentences leaving the batch: 4, 2, 1 sentences), kept for the second call;
+    # none when the only sentence ended at the first token after its prompt (fed in one forward).
+    steps_after_the_prompt = max(len(h["tokens"]) for sentence in results[0] for h in sentence) - 9
+    assert 1 <= len(graphed._graphed.graphs) <= 3 or (batch == 1 and steps_after_the_prompt <= 0)
+    if batch == 4 and beam == 1 and not options:
+        assert len({len(sentence[0]["tokens"]) for sentence in results[0]}) > 1  # they end at different steps
+
+
+def test_cuda_graphs_of_an_ensemble():
+    d = dictionary()
+    models = [eos_prone(build(d, "cuda", torch.float32), d), build(d, "cuda", torch.float32, learned=False)]
+    results, (graphed, _) = graphed_and_eager("cuda", models, d, batch=4, beam=2)
+    for got, expected in zip(results[::2], results[1::2]):
+        assert [[h["tokens"].tolist() for h in s] for s in got] == [[h["tokens"].tolist() for h in s] for s in expected]
+    assert graphed._graphed.graphs

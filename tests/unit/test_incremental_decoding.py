@@ -318,3 +318,67 @@ def test_base_decoder_contract():
     torch.testing.assert_close(lprobs.exp().sum(-1), torch.ones(1, 2))
     torch.testing.assert_close(decoder.get_normalized_probs(logits, log_probs=False), lprobs.exp())
     assert decoder.max_positions() == 1e6 and decoder.upgrade_state_dict_named({"a": 1}, "decoder") == {"a": 1}
+
+
+# ---- the static one-token step (what CUDA graphs capture) -------------------------------------------------
+
+
+def static_step(model, x, t, state):
+    """The token at index t of each row of x through the static step; then the plain-int lengths say t + 1."""
+    logits = model.decoder.forward_static_step(x[:, t:t + 1], torch.tensor([t]), state)
+    model.decoder.set_incremental_length(state, t + 1)
+    return logits
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+@torch.no_grad()
+def test_the_static_step_gives_the_incremental_steps_logits_across_reorders(name):
+    model = build(**CONFIGS[name])
+    x = tokens(batch=3, length=14)
+    dynamic, static = {}, {}
+    model.reserve_incremental_state(static, max_length=20, max_batch=5)  # more slots and rows than used
+    torch.testing.assert_close(model(x[:, :4], incremental_state=static), model(x[:, :4], incremental_state=dynamic),
+                               atol=ATOL, rtol=RTOL)
+    for t in range(4, 14):
+        if t in (8, 11):  # beams copied (rows repeat), then a sentence dropped: both caches reordered in place
+            order = torch.tensor([2, 0, 2]) if t == 8 else torch.tensor([2, 0])
+            model.reorder_incremental_state(dynamic, order)
+            model.reorder_incremental_state(static, order)
+            x = x[order]
+        expected = model(x[:, :t + 1], incremental_state=dynamic)
+        assert expected.shape == (x.size(0), 1, VOCAB)
+        torch.testing.assert_close(static_step(model, x, t, static), expected, atol=ATOL, rtol=RTOL)
+
+
+@torch.no_grad()
+def test_the_static_step_decodes_new_text_into_the_same_buffers():
+    model = build(decoder_learned_pos=True, decoder_normalize_before=True)
+    state = {}
+    model.reserve_incremental_state(state, max_length=16, max_batch=4)
+    first = tokens(batch=4, length=12, seed=1)
+    model(first[:, :3], incremental_state=state)
+    entries = cache_entries(state)
+    assert all(bool((e["key_buffer"][:, :, 3:] == 0).all()) for e in entries)  # unused slots start zeroed
+    for t in range(3, 12):
+        static_step(model, first, t, state)
+    pointers = [(e["key_buffer"].data_ptr(), e["value_buffer"].data_ptr()) for e in entries]
+    # New text, fewer rows: what the first text left in the buffers is masked, then overwritten.
+    model.decoder.set_incremental_length(state, 0)
+    second = tokens(batch=2, length=10, seed=2)
+    steps = [model(second[:, :2], incremental_state=state)] + [static_step(model, second, t, state)
+                                                               for t in range(2, 10)]
+    torch.testing.assert_close(torch.cat(steps, dim=1), model(second), atol=ATOL, rtol=RTOL)
+    assert [(e["key_buffer"].data_ptr(), e["value_buffer"].data_ptr()) for e in entries] == pointers
+    assert all(e["key_buffer"].shape == (4, 4, 16, 4) and e["length"] == 10 for e in entries)
+
+
+@torch.no_grad()
+def test_the_static_step_from_a_reserved_empty_cache_and_without_one():
+    model = build()
+    x = tokens(length=5)
+    state = {}
+    model.reserve_incremental_state(state, max_length=8, max_batch=3)
+    steps = [static_step(model, x, t, state) for t in range(5)]  # the first call allocates the reserved cache
+    torch.testing.assert_close(torch.cat(steps, dim=1), model(x), atol=ATOL, rtol=RTOL)
+    with pytest.raises(ValueError, match="a static decode step needs a cache: call reserve_incremental_state"):
+        model.decoder.forward_static_step(x[:, :1], torch.tensor([0]), {})

@@ -9,7 +9,8 @@ import pytest
 import torch
 import torch.nn as nn
 
-from fairseq import search
+from fairseq import options, search
+from fairseq.cuda_graph_decoding import GraphedDecodeStep, round_up_sentences
 from fairseq.data.dictionary import Dictionary
 from fairseq.models import BaseFairseqModel, FairseqDecoder, FairseqIncrementalDecoder
 from fairseq.models.transformer_lm import TransformerLanguageModel, TransformerLanguageModelConfig
@@ -429,6 +430,84 @@ def test_an_ensemble_averages_probabilities():
                                averaged.gather(1, torch.tensor(toks).unsqueeze(1)).squeeze(1), atol=ATOL, rtol=0)
 
 
+# ---- the static one-token step (what CUDA graphs capture, tests/gpu), run eagerly -------------------------
+
+
+class EagerStaticGenerator(SequenceGenerator):
+    """The CUDA-graph path but the capture itself: every step runs the static step on the runner's buffers,
+    rows rounded up, caches kept from one call to the next."""
+
+    def _static_decoder(self, device):
+        if self._graphed is None:
+            self._graphed = GraphedDecodeStep(self.model, self._static_step, self.vocab_size, capture=False)
+        return self._graphed
+
+
+def assert_same_hypotheses(got, expected):
+    assert [[h["tokens"].tolist() for h in s] for s in got] == [[h["tokens"].tolist() for h in s] for s in expected]
+    for got_sentence, expected_sentence in zip(got, expected):
+        for a, b in zip(got_sentence, expected_sentence):
+            torch.testing.assert_close(a["positional_scores"], b["positional_scores"], atol=ATOL, rtol=0)
+            torch.testing.assert_close(float(a["score"]), float(b["score"]), atol=ATOL, rtol=0)
+
+
+def cache_pointers(states):
+    return [entry["key_buffer"].data_ptr() for state in states for entry in state.values() if "key_buffer" in entry]
+
+
+@pytest.mark.parametrize("beam,sampling,options", [
+    (1, None, dict(unk_penalty=0.5)), (1, None, dict(min_len=6)), (3, None, dict(no_repeat_ngram_size=2)),
+    (2, dict(sampling_topk=4), {}), (2, dict(sampling_topp=0.8), dict(temperature=0.8)),
+])
+def test_the_static_step_path_gives_the_eager_paths_hypotheses(beam, sampling, options):
+    model = build(seed=4)  # its sentences end at different steps
+    generators = [cls([model], D, beam_size=beam, max_len_b=12,
+                      search_strategy=None if sampling is None else search.Sampling(D, **sampling), **options)
+                  for cls in (SequenceGenerator, EagerStaticGenerator)]
+    static = generators[1]
+    # Then fewer sentences (the caches are reused, rows past the live ones computed and ignored), then more
+    # (a new, larger cache; 6 sentences run as 8).
+    for call, prompts in enumerate((PROMPTS, PROMPTS[1:3], PROMPTS + [[W[6]] * 3, [W[2]]])):
+        sample, prefix = sample_of(prompts)
+        results = []
+        for generator in generators:
+            torch.manual_seed(call)
+            results.append(generator.generate([model], sample, prefix_tokens=prefix))
+        assert_same_hypotheses(results[1], results[0])
+        if call == 0:
+            if beam == 1 and "min_len" not in options:
+                assert len({len(sentence[0]["tokens"]) for sentence in results[0]}) > 1
+            pointers, rows = cache_pointers(static._graphed.states), static._graphed.rows
+        assert (cache_pointers(static._graphed.states) == pointers) == (call < 2)
+    assert (rows, static._graphed.rows, static._graphed.capacity) == (4 * beam, 8 * beam, 64)
+
+
+def test_cuda_graphs_are_for_cuda_and_this_forks_decoders_only():
+    assert [round_up_sentences(n) for n in (1, 2, 3, 5, 8, 9, 17, 32)] == [1, 2, 4, 8, 8, 16, 24, 32]
+    generator = SequenceGenerator([build()], D)
+    assert generator.model.can_static_step and generator.cuda_graphs
+    assert generator._static_decoder(torch.device("cpu")) is None
+    assert not SequenceGenerator([PluginLM(GRUDecoder(D)).eval()], D).model.can_static_step
+
+
+def host_syncs(generator, prompts):
+    sample, prefix = sample_of(prompts)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+        generator.generate(None, sample, prefix_tokens=prefix)
+    return sum(event.name == "aten::_local_scalar_dense" for event in profile.events())  # bool(t), int(t)
+
+
+def test_one_host_sync_per_step_and_none_while_eos_is_masked():
+    model = unigram_model(logits_with(w3=4.0, eos=-10.0))  # never ends before the length limit
+    prompts = [[W[1]], [W[2], W[3]]]
+
+    def syncs(max_len, min_len):
+        return host_syncs(SequenceGenerator([model], D, beam_size=2, max_len_b=max_len, min_len=min_len), prompts)
+
+    assert syncs(16, 1) - syncs(8, 1) == 8
+    assert syncs(16, 16) == syncs(8, 8)
+
+
 # ---- the task's inference methods --------------------------------------------------------------------------
 
 
@@ -493,3 +572,11 @@ def test_build_generator_reads_upstreams_options_and_rejects_what_upstream_rejec
     assert type(scorer).__name__ == "SequenceScorer"  # upstream's --score-reference choice
     with pytest.raises(ValueError, match="prefix_allowed_tokens_fn"):
         task.build_generator([model], argparse.Namespace(), prefix_allowed_tokens_fn=lambda *a: [])
+
+
+def test_no_cuda_graphs_flag():
+    args = options.parse_args_and_arch(options.get_generation_parser(), ["DATA", "--no-cuda-graphs"])
+    assert args.no_cuda_graphs
+    task, model = lm_task(), build()
+    assert not task.build_generator([model], args).cuda_graphs
+    assert task.build_generator([model], argparse.Namespace()).cuda_graphs
