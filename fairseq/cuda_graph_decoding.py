@@ -69,7 +69,7 @@ class GraphedDecodeStep:
         self.beam = 1
         self.tensors_key = None
         self.graphs: Dict[int, "torch.cuda.CUDAGraph"] = {}
-        self.pool = None
+        self.pool = self.stream = None  # one memory pool and one capture stream for the graphs
         self.tokens = self.slot = self.out = None
 
     def _tensors_key(self, device: torch.device) -> tuple:
@@ -101,8 +101,10 @@ class GraphedDecodeStep:
         self.tokens = torch.zeros(rows, 1, dtype=torch.long, device=device)
         self.slot = torch.zeros(1, dtype=torch.long, device=device)
         self.out = torch.zeros(rows, self.width, dtype=torch.float32, device=device)
-        if self.capture and self.pool is None:
+        if self.capture:
             self.pool = torch.cuda.graph_pool_handle()
+            if self.stream is None or self.stream.device != device:
+                self.stream = torch.cuda.Stream(device=device)
 
     def __call__(self, tokens: Tensor, step: int) -> Tensor:
         """Log-probabilities [R, width] of the next token, given `tokens` [R], the token at index `step` of each
@@ -127,14 +129,19 @@ class GraphedDecodeStep:
         self.out[:rows].copy_(self.step_fn(self.tokens[:rows], self.slot, self.states))
 
     def _capture(self, rows: int) -> "torch.cuda.CUDAGraph":
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream), _attention_kernels():
-            self._run(rows)  # warm-up: kernels' first-call setup must not happen under capture
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        # thread_local: CUDA calls of other threads (a data loader's) do not invalidate this capture.
-        with _attention_kernels(), torch.cuda.graph(graph, pool=self.pool, stream=stream,
-                                                    capture_error_mode="thread_local"):
-            self._run(rows)
+        stream = self.stream
+        with torch.cuda.device(self.tokens.device):
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream), _attention_kernels():
+                self._run(rows)  # warm-up: kernels' first-call setup must not happen under capture
+            torch.cuda.current_stream().wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            try:
+                # thread_local: CUDA calls of other threads (a data loader's) do not invalidate this capture.
+                with _attention_kernels(), torch.cuda.graph(graph, pool=self.pool, stream=stream,
+                                                            capture_error_mode="thread_local"):
+                    self._run(rows)
+            except RuntimeError as error:
+                raise RuntimeError(f"capturing the decoder step in a CUDA graph failed ({error}); decode "
+                                   "without: --no-cuda-graphs (SequenceGenerator(..., cuda_graphs=False))") from error
         return graph
