@@ -1,6 +1,8 @@
 """Building blocks of the transformer language model (no distributed or precision code here)."""
 
 from fairseq.modules.activations import ACTIVATION_FNS, get_activation_fn
+from fairseq.modules.adaptive_input import AdaptiveInput
+from fairseq.modules.adaptive_softmax import AdaptiveSoftmax
 from fairseq.modules.multihead_attention import MultiheadAttention
 from fairseq.modules.positional_embedding import (
     LearnedPositionalEmbedding,
@@ -14,6 +16,8 @@ from fairseq.modules.transformer_layer import TransformerDecoderLayer
 
 __all__ = [
     "ACTIVATION_FNS",
+    "AdaptiveInput",
+    "AdaptiveSoftmax",
     "LearnedPositionalEmbedding",
     "MultiheadAttention",
     "SinusoidalPositionalEmbedding",
