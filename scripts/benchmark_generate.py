@@ -45,6 +45,7 @@ def get_parser():
     p.add_argument("--uncached-samples", type=int, default=8, help="prefix lengths timed without the cache")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--no-transformers", action="store_true", help="time the fork only")
+    p.add_argument("--no-cuda-graphs", action="store_true", help="the fork's decode steps eagerly")
     p.add_argument("--json", default=None, help="also write the results here")
     p.add_argument("--seed", type=int, default=1)
     return p
@@ -94,7 +95,8 @@ def best_time(fn, repeats, device):
 
 def fork_generate(model, dictionary, prompts, args):
     total = args.prompt_len + args.new_tokens
-    generator = SequenceGenerator([model], dictionary, beam_size=1, max_len_a=0, max_len_b=total, min_len=total)
+    generator = SequenceGenerator([model], dictionary, beam_size=1, max_len_a=0, max_len_b=total, min_len=total,
+                                  cuda_graphs=not args.no_cuda_graphs)
     sample = {"net_input": {"src_tokens": prompts,
                             "src_lengths": torch.full((prompts.size(0),), prompts.size(1), device=prompts.device)}}
 
@@ -170,7 +172,8 @@ def main(argv=None):
     uncached = uncached_step_time(model, dictionary, args, device)
     name = torch.cuda.get_device_name() if device.startswith("cuda") else "cpu"
     print(f"{args.arch}, {args.dtype}, {name}, torch {torch.__version__}, prompt {args.prompt_len}, "
-          f"{args.new_tokens} new tokens, greedy, best of {args.repeats}")
+          f"{args.new_tokens} new tokens, greedy, best of {args.repeats}, "
+          f"{'eager decode steps' if args.no_cuda_graphs else 'CUDA-graph decode steps'}")
     print("| batch | fork tokens/s | transformers tokens/s | fork / transformers | identical rows |")
     print("| ---: | ---: | ---: | ---: | ---: |")
     for r in rows:
