@@ -11,6 +11,7 @@ import torch
 
 from fairseq.checkpoint.inference import load_model
 from fairseq.logging.progress_bar import read_json_log
+from fairseq_cli import train
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -27,9 +28,13 @@ ADAPTIVE = [
 ]
 
 
-def run_train(data, save_dir, *extra, max_update):
-    argv = ["--task", "language_modeling", str(data), "--save-dir", str(save_dir), *ADAPTIVE,
+def train_argv(data, save_dir, *extra, max_update):
+    return ["--task", "language_modeling", str(data), "--save-dir", str(save_dir), *ADAPTIVE,
             "--max-update", str(max_update), "--log-file", str(save_dir / "train.log"), *extra]
+
+
+def run_train(data, save_dir, *extra, max_update):
+    argv = train_argv(data, save_dir, *extra, max_update=max_update)
     env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
     proc = subprocess.run([sys.executable, "-m", "fairseq_cli.train", *argv], capture_output=True, text=True,
                           timeout=600, env=env)
@@ -44,7 +49,7 @@ def test_fully_sharded_adaptive_training_resumes_and_matches_one_process(tiny_da
     single, sharded = tmp_path / "single", tmp_path / "sharded"
     single.mkdir()
     sharded.mkdir()
-    run_train(tiny_data, single, "--update-freq", "2", max_update=4)
+    train.cli_main(train_argv(tiny_data, single, "--update-freq", "2", max_update=4))  # in this process
     fsdp = ["--ddp-backend", "fully_sharded", "--distributed-world-size", "2", "--use-sharded-state"]
     run_train(tiny_data, sharded, *fsdp, max_update=2)
     assert (sharded / "checkpoint_last").is_dir()

@@ -201,3 +201,18 @@ def test_plateau_loads_upstreams_state():
 def test_plateau_bad_flags_name_the_flag(lr, flags, message):
     with pytest.raises(ValueError, match=message):
         plateau(lr, **flags)
+
+
+def test_plateau_flags_come_from_the_command_line():
+    from fairseq import options
+
+    parser = options.get_training_parser()
+    args = options.parse_args_and_arch(parser, [
+        "data", "--arch", "transformer_lm", "--optimizer", "nag", "--momentum", "0.95", "--lr", "1.0",
+        "--lr-scheduler", "reduce_lr_on_plateau", "--lr-shrink", "0.5", "--lr-patience", "2",
+        "--lr-threshold", "0.01", "--warmup-updates", "10", "--maximize-best-checkpoint-metric"])
+    cfg = options.convert_namespace_to_config(args)
+    assert (cfg.lr_scheduler.lr_shrink, cfg.lr_scheduler.lr_patience, cfg.lr_scheduler.lr_threshold,
+            cfg.lr_scheduler.warmup_updates) == (0.5, 2, 0.01, 10)
+    assert cfg.lr_scheduler.maximize_best_checkpoint_metric is True  # the checkpoint group's flag
+    assert cfg.optimizer.momentum == 0.95 and cfg.optimizer.weight_decay == 0.0
