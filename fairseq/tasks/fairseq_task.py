@@ -136,19 +136,25 @@ class FairseqTask:
                            max_positions=None, ignore_invalid_inputs: bool = False,
                            required_batch_size_multiple: int = 1, seed: int = 1, num_shards: int = 1,
                            shard_id: int = 0, num_workers: int = 0, epoch: int = 1, data_buffer_size: int = 0,
-                           disable_iterator_cache: bool = False, pin_memory: bool = False) -> EpochBatchIterator:
+                           disable_iterator_cache: bool = False, skip_remainder_batch: bool = False,
+                           grouped_shuffling: bool = False, update_epoch_batch_itr: bool = False,
+                           pin_memory: bool = False) -> EpochBatchIterator:
         """Batches of `dataset` as a resumable iterator over epochs.
 
         Items are ordered by size (ties broken from `seed`), items longer than `max_positions` or
         `max_tokens` are dropped with `ignore_invalid_inputs` (an error otherwise), and batches hold at most
         `max_tokens` tokens (count * longest item) and `max_sentences` items, in multiples of
         `required_batch_size_multiple`. The iterator is cached: the same dataset and arguments return the
-        same object (whatever `epoch`), as upstream does, so a trainer may ask for it every epoch.
+        same object (whatever `epoch`), as upstream does, so a trainer may ask for it every epoch
+        (`update_epoch_batch_itr`: a new one). `skip_remainder_batch` and `grouped_shuffling` are upstream's
+        EpochBatchIterator options.
         """
         if max_tokens is None and max_sentences is None:
             raise ValueError("set --max-tokens or --batch-size to say how large batches are")
         key = (id(dataset), max_tokens, max_sentences, str(max_positions), ignore_invalid_inputs,
-               required_batch_size_multiple, seed, num_shards, shard_id, num_workers, pin_memory)
+               required_batch_size_multiple, seed, num_shards, shard_id, num_workers, pin_memory,
+               skip_remainder_batch, grouped_shuffling)
+        disable_iterator_cache = disable_iterator_cache or update_epoch_batch_itr
         if not disable_iterator_cache and key in self._epoch_iterators:
             cached = self._epoch_iterators[key]
             if cached.dataset is dataset:
@@ -169,7 +175,8 @@ class FairseqTask:
         epoch_iter = EpochBatchIterator(
             dataset, collate_fn=dataset.collater, batch_sampler=batches, seed=seed, num_shards=num_shards,
             shard_id=shard_id, num_workers=num_workers, epoch=epoch, pin_memory=pin_memory,
-            buffer_size=data_buffer_size,
+            buffer_size=data_buffer_size, skip_remainder_batch=skip_remainder_batch,
+            grouped_shuffling=grouped_shuffling,
         )
         # Read by no_batches_message when no batch is left (a trainer must not run empty epochs).
         epoch_iter.size_report = SizeFilterReport.of(sizes, len(dropped), limit, flag)

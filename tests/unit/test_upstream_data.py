@@ -331,3 +331,29 @@ def test_duplicate_dictionary_entry_is_a_runtime_error(tmp_path):
         Dictionary.load(str(path))
     with pytest.raises(ValueError):  # still a ValueError too: the commands print it as one line
         Dictionary.load(str(path))
+
+
+def test_task_get_batch_iterator_takes_upstreams_options():
+    from types import SimpleNamespace
+
+    from fairseq.tasks import FairseqTask
+
+    class Items(FairseqDataset):
+        sizes = np.full(6, 2)
+
+        def __getitem__(self, i):
+            return i
+
+        def __len__(self):
+            return 6
+
+        def collater(self, samples):
+            return samples
+
+    task, ds = FairseqTask(SimpleNamespace()), Items()
+    itr = task.get_batch_iterator(ds, max_sentences=2, skip_remainder_batch=True)
+    assert len(list(itr.next_epoch_itr(shuffle=False))) == 2  # 3 batches, the last left out
+    assert task.get_batch_iterator(ds, max_sentences=2, skip_remainder_batch=True) is itr  # cached
+    assert task.get_batch_iterator(ds, max_sentences=2, skip_remainder_batch=True, update_epoch_batch_itr=True) \
+        is not itr
+    assert task.get_batch_iterator(ds, max_sentences=2, grouped_shuffling=True, num_shards=2).grouped_shuffling
