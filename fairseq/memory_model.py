@@ -22,6 +22,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 
 from fairseq.criterions.cross_entropy import chunk_rows
+from fairseq.distributed.tensor_parallel import split_dims
 
 GIB = 2**30
 
@@ -83,6 +84,10 @@ class ModelShape:
     dropout: float
     activation_dropout: float
     layernorm_embedding: bool
+    # Per parameter (same order as the shapes): the dim --model-parallel-size splits, None when replicated
+    # (fairseq.distributed.tensor_parallel.split_dims, read from the tensor-parallel plan itself).
+    layer_param_splits: Tuple[Optional[int], ...] = ()
+    root_param_splits: Tuple[Optional[int], ...] = ()
 
     @property
     def layer_params(self) -> int:
@@ -118,6 +123,9 @@ def model_shape(cfg, vocab_size: int, padding_idx: int = 1) -> ModelShape:
     if any(s != layer_shapes[0] for s in layer_shapes):
         raise ValueError("decoder layers of different shapes: the planner assumes identical layers")
     root = tuple(tuple(p.shape) for p in model.parameters() if id(p) not in layer_ids)
+    splits = split_dims(model)
+    root_splits = tuple(splits[n] for n, p in model.named_parameters() if id(p) not in layer_ids)
+    probe = model
     if layer_shapes:
         one_layer = layer_shapes[0]
     else:  # --decoder-layers 0: still know a layer's shape, for --max-layers-that-fit
@@ -125,6 +133,8 @@ def model_shape(cfg, vocab_size: int, padding_idx: int = 1) -> ModelShape:
             probe = TransformerLanguageModel.build(dataclasses.replace(cfg, decoder_layers=1), vocab_size, padding_idx)
         layers = probe.transformer_layers()
         one_layer = tuple(tuple(p.shape) for p in layers[0].parameters())
+    probe_splits = split_dims(probe)
+    layer_splits = tuple(probe_splits[f"decoder.layers.0.{n}"] for n, _ in layers[0].named_parameters())
     norm_params = sum(p.numel() for m in layers[0].modules() if isinstance(m, torch.nn.LayerNorm)
                       for p in m.parameters())
     activation_dropout = cfg.activation_dropout or cfg.relu_dropout or 0.0
@@ -136,9 +146,27 @@ def model_shape(cfg, vocab_size: int, padding_idx: int = 1) -> ModelShape:
         heads=cfg.decoder_attention_heads, output_dim=cfg.decoder_output_dim,
         output_projection_tied=bool(cfg.share_decoder_input_output_embed), activation_fn=cfg.activation_fn,
         dropout=cfg.dropout, activation_dropout=activation_dropout, layernorm_embedding=cfg.layernorm_embedding,
+        layer_param_splits=layer_splits, root_param_splits=root_splits,
     )
     assert shape.total_params == shape.num_layers * shape.layer_params + shape.root_params
     return shape
+
+
+def local_shape(shape: ModelShape, tp: int) -> ModelShape:
+    """What one rank of a tensor-parallel group of `tp` holds: every split parameter dim divided by `tp`, and
+    the per-rank widths activations scale with (vocabulary, heads, FFN: each rank computes its share)."""
+    if tp == 1:
+        return shape
+
+    def split(shapes, dims):
+        return tuple(tuple(n // tp if i == d else n for i, n in enumerate(s)) for s, d in zip(shapes, dims))
+
+    layer = split(shape.layer_param_shapes, shape.layer_param_splits)
+    root = split(shape.root_param_shapes, shape.root_param_splits)
+    local = dataclasses.replace(shape, layer_param_shapes=layer, root_param_shapes=root,
+                                vocab_size=shape.vocab_size // tp, heads=shape.heads // tp, ffn_dim=shape.ffn_dim // tp,
+                                total_params=0)
+    return dataclasses.replace(local, total_params=local.num_layers * local.layer_params + local.root_params)
 
 
 # ------------------------------------------------------------------------------------------ training setup
@@ -149,7 +177,7 @@ class TrainingSetup:
     """The training flags memory depends on, per GPU."""
 
     gpus: int = 1
-    batch_size: int = 1  # sequences per GPU per micro-batch
+    batch_size: int = 1  # sequences per data-parallel rank per micro-batch (a tensor-parallel group shares them)
     tokens_per_sample: int = 2048
     dtype: str = "fp32"  # compute dtype: fp32, bf16 or fp16 (parameters and optimizer stay fp32)
     fully_sharded: bool = True  # --ddp-backend fully_sharded; otherwise replicated (DDP)
@@ -161,6 +189,17 @@ class TrainingSetup:
     prefetch_depth: int = 1
     sync_free: bool = False  # bounds reserved memory, not allocated memory: no term of its own
     update_freq: int = 1
+    tensor_parallel: int = 1  # --model-parallel-size (sequence-parallel norms, vocabulary-parallel loss)
+    shard_group: int = 0  # --fsdp-shard-group-size: ranks that shard the states (0: every data-parallel rank)
+
+    @property
+    def data_parallel(self) -> int:
+        return self.gpus // self.tensor_parallel
+
+    @property
+    def shard_ranks(self) -> int:
+        """How many ranks FSDP2 shards each (tensor-parallel-local) parameter over."""
+        return self.shard_group or self.data_parallel
 
     @property
     def tokens(self) -> int:
@@ -200,15 +239,20 @@ def layer_activation_bytes(shape: ModelShape, setup: TrainingSetup) -> int:
     embed dim, Korthikanti et al. 2022's 34*s*b*h minus its 5*a*s^2*b attention-score term.
 
     Under DDP autocast the residual stream stays fp32 and each of q/k/v casts the norm's output separately.
+
+    With tensor parallelism (t ranks; `shape` is then the local one, see `local_shape`): the residual stream,
+    the norms' inputs and the residual dropout masks are split along the sequence (/ t); q, k, v, the
+    attention output and the ffn-wide tensors along the features (/ t); the inputs of q/k/v and fc1 are the
+    all-gathered sequence, which the column-parallel matmuls save whole.
     """
-    d, f, c = shape.embed_dim, shape.ffn_dim, setup.compute_bytes
+    d, f, c, t = shape.embed_dim, shape.ffn_dim, setup.compute_bytes, setup.tensor_parallel
     residual = 4 if setup.autocast else c
     qkv_inputs = 3 if setup.autocast else 1
-    per_token = 2 * d * residual + (qkv_inputs + 3 + 1 + 1) * d * c
-    per_token += _ffn_saved_tensors(shape.activation_fn, shape.activation_dropout > 0) * f * c
-    per_token += (2 * d if shape.dropout > 0 else 0) + (f if shape.activation_dropout > 0 else 0)
-    per_token += 4 * shape.heads
-    return setup.tokens * per_token
+    split = 2 * d * residual + 4 * d * c + (2 * d if shape.dropout > 0 else 0)  # per token, divided by t
+    whole = (qkv_inputs + 1) * d * c  # the inputs of q/k/v and fc1
+    whole += _ffn_saved_tensors(shape.activation_fn, shape.activation_dropout > 0) * f * c
+    whole += (f if shape.activation_dropout > 0 else 0) + 4 * shape.heads
+    return setup.tokens * whole + setup.tokens * split // t
 
 
 def checkpointed_layer_bytes(shape: ModelShape, setup: TrainingSetup) -> int:
@@ -217,7 +261,7 @@ def checkpointed_layer_bytes(shape: ModelShape, setup: TrainingSetup) -> int:
     if setup.offload_activations:
         return 0
     residual = 4 if setup.autocast else setup.compute_bytes
-    return setup.tokens * shape.embed_dim * residual
+    return setup.tokens * shape.embed_dim * residual // setup.tensor_parallel  # split along the sequence
 
 
 def saved_layer_bytes(shape: ModelShape, setup: TrainingSetup) -> int:
@@ -230,8 +274,11 @@ def backward_workspace_bytes(shape: ModelShape, setup: TrainingSetup) -> int:
     """Gradients alive inside one layer's backward: the residual-stream gradient and the branch gradient
     (embed-wide each) plus the larger of the ffn-wide gradient and attention's dq, dk, dv with flash
     attention's fp32 dq accumulator."""
-    d, f, c = shape.embed_dim, shape.ffn_dim, setup.compute_bytes
-    return setup.tokens * (2 * d * c + max(f * c, 3 * d * c + FLASH_DQ_ACCUM_BYTES * d))
+    d, f, c, t = shape.embed_dim, shape.ffn_dim, setup.compute_bytes, setup.tensor_parallel
+    if t == 1:
+        return setup.tokens * (2 * d * c + max(f * c, 3 * d * c + FLASH_DQ_ACCUM_BYTES * d))
+    # Local heads and ffn; the residual gradients split along the sequence; the gathered input's gradient whole.
+    return setup.tokens * (2 * d * c // t + max(f * c, (3 * d * c + FLASH_DQ_ACCUM_BYTES * d) // t) + d * c)
 
 
 def root_activation_bytes(shape: ModelShape, setup: TrainingSetup) -> int:
@@ -331,7 +378,7 @@ def plan(shape: ModelShape, setup: TrainingSetup) -> MemoryPlan:
     """Walk one training step and return the per-GPU bytes at each moment that can be the peak."""
     _check_setup(setup)
     walk = _walk_fully_sharded if setup.fully_sharded else _walk_replicated
-    snapshots, host = walk(shape, setup)
+    snapshots, host = walk(local_shape(shape, setup.tensor_parallel), setup)
     return MemoryPlan(shape, setup, tuple(snapshots), host)
 
 
@@ -341,10 +388,15 @@ def _check_setup(setup: TrainingSetup) -> None:
             raise ValueError(f"{name} must be at least 1, got {getattr(setup, name)}")
     if setup.dtype not in DTYPE_BYTES:
         raise ValueError(f"dtype must be one of {', '.join(DTYPE_BYTES)}, got {setup.dtype!r}")
+    if setup.tensor_parallel < 1 or setup.gpus % setup.tensor_parallel:
+        raise ValueError(f"--model-parallel-size {setup.tensor_parallel} must divide the {setup.gpus} GPUs")
+    if setup.shard_group < 0 or (setup.shard_group and setup.data_parallel % setup.shard_group):
+        raise ValueError(f"--fsdp-shard-group-size {setup.shard_group} must divide the {setup.data_parallel} "
+                         "data-parallel ranks")
 
 
 def _walk_fully_sharded(shape: ModelShape, setup: TrainingSetup):
-    n, c, layers = setup.gpus, setup.compute_bytes, shape.num_layers
+    n, c, layers = setup.shard_ranks, setup.compute_bytes, shape.num_layers
     layer_shard = sharded_numel(shape.layer_param_shapes, n)
     root_shard = sharded_numel(shape.root_param_shapes, n)
     all_shard = layers * layer_shard + root_shard
@@ -495,23 +547,26 @@ def smallest_gpu_count(shape: ModelShape, setup: TrainingSetup, gpu_memory_gib: 
 
     Only sharded states shrink with more GPUs (DDP replicates them). The search doubles and then bisects:
     per-GPU memory falls with the GPU count except for FSDP2's dim-0 padding, which only matters when there
-    are more GPUs than rows in a parameter.
+    are more GPUs than rows in a parameter. With tensor parallelism the count is a multiple of its size, and
+    the states are sharded over all the data-parallel ranks (no hybrid shard group).
     """
-    def fits(n: int) -> bool:
-        return plan(shape, dataclasses.replace(setup, gpus=n)).fits(gpu_memory_gib)
+    tp = setup.tensor_parallel
+
+    def fits(n: int) -> bool:  # n data-parallel ranks
+        return plan(shape, dataclasses.replace(setup, gpus=n * tp, shard_group=0)).fits(gpu_memory_gib)
 
     if not setup.fully_sharded:
-        return setup.gpus if fits(setup.gpus) else None
+        return setup.gpus if fits(setup.data_parallel) else None
     high = 1
     while not fits(high):
-        if high >= limit:
+        if high * tp >= limit:
             return None
-        high = min(2 * high, limit)
+        high = min(2 * high, limit // tp)
     low = high // 2  # 0, or a count that did not fit
     while high - low > 1:
         mid = (low + high) // 2
         low, high = (low, mid) if fits(mid) else (mid, high)
-    return high
+    return high * tp
 
 
 def gib(nbytes: float) -> float:

@@ -15,6 +15,7 @@ import sys
 import typing
 from typing import List, Optional
 
+from fairseq import communication_model as cm
 from fairseq import memory_model as mm
 from fairseq import registry
 from fairseq.dataclass import configs
@@ -73,7 +74,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--arch", "-a", required=True, metavar="ARCH", help="a transformer_lm architecture")
     planner = parser.add_argument_group("planner")
     planner.add_argument("--gpus", "--distributed-world-size", dest="gpus", type=int, default=1,
-                         help="number of GPUs (data-parallel ranks) (default: 1)")
+                         help="number of GPUs (default: 1); with --model-parallel-size N, N per data-parallel rank")
+    planner.add_argument("--gpus-per-node", type=int, default=8,
+                         help="GPUs per node, to tell which collectives cross the network (default: 8)")
+    planner.add_argument("--recommend-layout", action="store_true",
+                         help="compare every tensor-parallel x shard-group layout of --gpus at this global batch "
+                              "(communication per step, memory) and recommend one")
     planner.add_argument("--gpu", choices=sorted(GPU_MEMORY_GIB),
                          help="a GPU by name, for its memory: "
                               + ", ".join(f"{k} {v} GiB" for k, v in GPU_MEMORY_GIB.items()))
@@ -91,7 +97,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_fields(training, configs.CommonConfig, ["fp16", "bf16", "memory_efficient_fp16", "memory_efficient_bf16"])
     _add_fields(training, configs.DistributedTrainingConfig,
                 ["ddp_backend", "cpu_offload", "no_reshard_after_forward", "fsdp_forward_prefetch",
-                 "fsdp_prefetch_depth", "fsdp_sync_free"], ddp_backend="fully_sharded")
+                 "fsdp_prefetch_depth", "fsdp_sync_free", "model_parallel_size", "fsdp_shard_group_size"],
+                ddp_backend="fully_sharded")
     _add_fields(training, configs.OptimizationConfig, ["update_freq"])
     training.add_argument("--optimizer", default="adam", metavar="OPTIMIZER",
                           help=f"optimizer: {', '.join(registry.OPTIMIZER_REGISTRY.choices())} (default: adam)")
@@ -109,6 +116,8 @@ class Request:
     gpu_name: Optional[str]
     optimizer: str
     max_layers_that_fit: bool
+    gpus_per_node: int = 8
+    recommend_layout: bool = False
 
 
 def parse(argv: Optional[List[str]] = None) -> Request:
@@ -143,7 +152,10 @@ def parse(argv: Optional[List[str]] = None) -> Request:
         memory = GPU_MEMORY_GIB[args.gpu] if args.gpu else DEFAULT_GPU_MEMORY_GIB
     if memory <= 0:
         parser.error(f"--gpu-memory-gb must be positive, got {memory:g}")
-    return Request(args.arch, shape, setup, memory, args.gpu, args.optimizer, args.max_layers_that_fit)
+    if args.gpus_per_node < 1:
+        parser.error(f"--gpus-per-node must be at least 1, got {args.gpus_per_node}")
+    return Request(args.arch, shape, setup, memory, args.gpu, args.optimizer, args.max_layers_that_fit,
+                   args.gpus_per_node, args.recommend_layout)
 
 
 def _training_setup(args, cfg) -> mm.TrainingSetup:
@@ -159,6 +171,12 @@ def _training_setup(args, cfg) -> mm.TrainingSetup:
         dtype = "bf16"
     if args.gpus < 1:
         raise ValueError(f"--gpus must be at least 1, got {args.gpus}")
+    from fairseq.distributed.mesh import ParallelLayout
+    from fairseq.distributed.tensor_parallel import check_tensor_parallel_shape
+
+    layout = ParallelLayout.from_config(args, args.gpus)  # the flags' own checks and messages
+    check_tensor_parallel_shape(layout.tp, cfg.decoder_attention_heads, cfg.decoder_ffn_embed_dim, args.vocab_size,
+                                "--vocab-size")
     batch_size = args.batch_size
     if batch_size is None:
         if args.max_tokens is not None:
@@ -182,6 +200,7 @@ def _training_setup(args, cfg) -> mm.TrainingSetup:
         reshard_after_forward=not args.no_reshard_after_forward, cpu_offload=args.cpu_offload,
         forward_prefetch=args.fsdp_forward_prefetch, prefetch_depth=args.fsdp_prefetch_depth,
         sync_free=args.fsdp_sync_free, update_freq=max(1, args.update_freq[0]),
+        tensor_parallel=layout.tp, shard_group=args.fsdp_shard_group_size,
     )
 
 
@@ -198,7 +217,9 @@ def _flags(setup: mm.TrainingSetup) -> str:
                      (setup.cpu_offload, "--cpu-offload"),
                      (setup.forward_prefetch, f"--fsdp-forward-prefetch (depth {setup.prefetch_depth})"),
                      (setup.sync_free, "--fsdp-sync-free"),
-                     (setup.update_freq > 1, f"--update-freq {setup.update_freq}")):
+                     (setup.update_freq > 1, f"--update-freq {setup.update_freq}"),
+                     (setup.tensor_parallel > 1, f"--model-parallel-size {setup.tensor_parallel}"),
+                     (setup.shard_group > 0, f"--fsdp-shard-group-size {setup.shard_group}")):
         if on:
             parts.append(flag)
     return ", ".join(parts)
@@ -301,6 +322,11 @@ def recommendations(request: Request) -> List[str]:
                           "forward (about a third more compute)")
         if setup.cpu_offload and fits_with_headroom(cpu_offload=False):
             advice.append("drop --cpu-offload: the states fit on the GPU, and the optimizer step is much faster there")
+        traffic = cm.step_traffic(shape, setup, request.gpus_per_node)
+        across = sum(item.seconds() for item in traffic if item.crosses_nodes)
+        if across > cm.compute_seconds(shape, setup) and not request.recommend_layout:
+            advice.append(f"--recommend-layout: communication across nodes (about {across:.0f} s per step) exceeds "
+                          "compute; tensor parallelism inside a node divides what FSDP sends across them")
         small_layers = setup.tokens * shape.layer_params < CPU_BOUND_TOKENS_X_LAYER_PARAMS
         if setup.fully_sharded and not setup.forward_prefetch and small_layers and \
                 fits_with_headroom(forward_prefetch=True):
@@ -334,9 +360,58 @@ def report(request: Request) -> List[str]:
             lines.append(f"  with {layers} layers: {deepest.shape.total_params} parameters, peak allocated "
                          f"{mm.gib(deepest.peak_bytes):.2f} GiB, total {mm.gib(deepest.required_bytes):.2f} GiB "
                          f"of {memory:g}")
+    lines += communication_lines(shape, setup, request.gpus_per_node)
     advice = recommendations(request)
     lines.append("recommended: " + ("nothing to change" if not advice else advice[0]))
     lines += [f"             {item}" for item in advice[1:]]
+    if request.recommend_layout:
+        lines += layout_lines(request)
+    return lines
+
+
+def _layout_name(setup: mm.TrainingSetup) -> str:
+    from fairseq.distributed.mesh import ParallelLayout
+
+    shard = setup.shard_ranks if setup.fully_sharded else 1
+    return ParallelLayout(setup.data_parallel // shard, shard, setup.tensor_parallel).describe()
+
+
+def communication_lines(shape: mm.ModelShape, setup: mm.TrainingSetup, gpus_per_node: int) -> List[str]:
+    """Bytes per GPU per step of each collective, where it runs, and the time at the assumed bandwidths."""
+    traffic = cm.step_traffic(shape, setup, gpus_per_node)
+    lines = [f"layout: {_layout_name(setup)} on {setup.gpus} GPUs ({gpus_per_node} per node); communication per "
+             f"GPU per step ({setup.update_freq} micro-batch(es)), GiB:"]
+    for item in traffic:
+        where = "across nodes" if item.crosses_nodes else "inside a node"
+        lines.append(f"  {item.what + f' over {item.ranks} ranks, {where}':<70} {mm.gib(item.bytes):9.2f}")
+    inter = sum(i.seconds() for i in traffic if i.crosses_nodes)
+    intra = sum(i.seconds() for i in traffic if not i.crosses_nodes)
+    lines.append(f"  estimated time if none overlapped compute: {intra:.2f} s inside nodes "
+                 f"({cm.INTRA_NODE_GBPS:g} GB/s per GPU) + {inter:.2f} s across nodes ({cm.INTER_NODE_GBPS:g} GB/s); "
+                 f"compute {cm.compute_seconds(shape, setup):.2f} s at {cm.ACHIEVED_TFLOPS:g} TFLOP/s per GPU")
+    return lines
+
+
+def layout_lines(request: Request) -> List[str]:
+    """The layouts of --recommend-layout, best first, and the recommendation."""
+    shape, setup, memory = request.shape, request.setup, request.gpu_memory_gib
+    sequences = setup.batch_size * setup.update_freq * setup.data_parallel
+    candidates = cm.candidate_layouts(shape, setup, memory, request.gpus_per_node)
+    lines = [f"layouts of {setup.gpus} GPUs at {sequences} sequences per update, the largest micro-batch that fits "
+             "(estimated communication per step if none overlapped compute):"]
+    if not candidates:
+        return lines + ["  none fits: more GPUs, or --checkpoint-activations / --bf16"]
+    lines.append(f"  {'layout':<24} {'batch x freq':>12} {'GiB needed':>11} {'across nodes GiB':>17} {'comm s':>7}")
+    for candidate in candidates[:10]:
+        c = candidate.setup
+        lines.append(f"  {_layout_name(c):<24} {f'{c.batch_size} x {c.update_freq}':>12} "
+                     f"{mm.gib(candidate.plan.required_bytes):11.2f} {mm.gib(candidate.inter_node_bytes):17.1f} "
+                     f"{candidate.communication_seconds:7.2f}")
+    best = candidates[0].setup
+    flags = [f"--model-parallel-size {best.tensor_parallel}"] if best.tensor_parallel > 1 else []
+    flags += [f"--fsdp-shard-group-size {best.shard_group}"] if best.shard_group else []
+    flags += [f"--batch-size {best.batch_size}", f"--update-freq {best.update_freq}"]
+    lines.append(f"recommended layout: {_layout_name(best)}: {' '.join(flags)}")
     return lines
 
 

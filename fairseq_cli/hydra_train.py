@@ -194,7 +194,9 @@ def train_with_recipe_check(cfg, recipe: Optional[Dict] = None):
 
     if recipe and dist_utils.is_master():
         progress_bar.setup_logging()  # a spawned rank has no log handler yet (train.main sets the same one)
-        warn_if_global_batch_differs(cfg, recipe, dist_utils.get_world_size())
+        # Data-parallel ranks: the ranks of a tensor-parallel group share their batches.
+        data_parallel = dist_utils.get_world_size() // cfg.distributed_training.model_parallel_size
+        warn_if_global_batch_differs(cfg, recipe, data_parallel)
     return train.main(cfg)
 
 

@@ -12,6 +12,10 @@ The recipes fix the global batch (tokens per update): on a GPU count other than 
 written for, optimization.update_freq is set so that batch_size x update_freq x GPUs stays the recipe's
 (pass optimization.update_freq=[N] yourself to choose otherwise).
 
+--model-parallel-size N adds tensor parallelism inside each node (distributed_training.model_parallel_size=N,
+docs/parallelism.md): N must divide --gpus-per-node, and the global batch is then counted over the
+GPUs / N data-parallel ranks, whose batch_size sequences each TP group shares.
+
 Without --dry-run the script is written to SAVE_DIR/JOB_NAME.sbatch and submitted with `sbatch`. (submitit
 is not used: it submits through sbatch as well, and its own USR2-based requeue would bypass the trainer's
 USR1 -> checkpoint_last -> scontrol requeue path.)
@@ -72,12 +76,18 @@ def _override_value(overrides, key):
 DATA_FROM_ENVIRONMENT = '${DATA:?"set DATA to the data directory (or render the script with --data DIR)"}'
 
 
-def plan_overrides(size: str, nodes: int, gpus_per_node: int, data, overrides, config_dir: Path = CONFIG_DIR):
+def plan_overrides(size: str, nodes: int, gpus_per_node: int, data, overrides, config_dir: Path = CONFIG_DIR,
+                   model_parallel_size: int = 1):
     """(overrides to write into the script, whether the task needs DATA from the environment, notes).
 
-    Adds optimization.update_freq when the GPU count changes the global batch. Composes and checks the whole
-    config first; raises ValueError with the fix.
+    Adds optimization.update_freq when the data-parallel rank count changes the global batch, and the
+    model-parallel size. Composes and checks the whole config first; raises ValueError with the fix.
     """
+    if model_parallel_size < 1 or gpus_per_node % model_parallel_size:
+        raise ValueError(f"--model-parallel-size {model_parallel_size} must divide --gpus-per-node {gpus_per_node}: "
+                         "tensor parallelism stays inside a node")
+    if model_parallel_size > 1:
+        overrides = [f"distributed_training.model_parallel_size={model_parallel_size}"] + list(overrides)
     from fairseq.dataclass.hydra import (
         MISSING, compose_dict, fairseq_config_from_dict, recipe_update_freq, split_recipe,
     )
@@ -93,13 +103,17 @@ def plan_overrides(size: str, nodes: int, gpus_per_node: int, data, overrides, c
     if data is not None or data_from_env:
         task["data"] = str(data) if data is not None else "/data/from/environment"
     cfg = fairseq_config_from_dict(dict(values, task=task))
+    from fairseq.distributed.mesh import ParallelLayout
+    from fairseq.distributed.tensor_parallel import check_tensor_parallel_config
 
-    world = nodes * gpus_per_node
+    check_tensor_parallel_config(cfg)
+    world = ParallelLayout.from_config(cfg.distributed_training, nodes * gpus_per_node).dp  # data-parallel ranks
     if _override_value(overrides, "optimization.update_freq") is None and cfg.dataset.batch_size and recipe:
         wanted = recipe_update_freq(recipe, cfg.dataset.batch_size, cfg.task.tokens_per_sample, world)
         if [wanted] != cfg.optimization.update_freq:
             overrides = [f"optimization.update_freq=[{wanted}]"] + overrides
-            notes.append(f"{world} GPUs instead of the recipe's {recipe.get('gpus')}: optimization.update_freq="
+            ranks = f"{world} data-parallel ranks" if model_parallel_size > 1 else f"{world} GPUs"
+            notes.append(f"{ranks} instead of the recipe's {recipe.get('gpus')} GPUs: optimization.update_freq="
                          f"[{wanted}] keeps the global batch at {recipe['global_batch_tokens']:,} tokens")
     return overrides, data_from_env, notes
 
@@ -157,6 +171,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--time", default="48:00:00",
                         help="time limit per run; requeued runs continue (default: %(default)s)")
     parser.add_argument("--cpus-per-task", type=int, default=8, help="CPUs per GPU task (default: %(default)s)")
+    parser.add_argument("--model-parallel-size", type=int, default=1,
+                        help="tensor parallelism over this many GPUs of a node (default: %(default)s)")
     parser.add_argument("--job-name", help="SLURM job name (default: lm-SIZE)")
     parser.add_argument("--sbatch-option", action="append", default=[], metavar="OPTION",
                         help="another #SBATCH line, e.g. --sbatch-option=--exclusive (repeatable)")
@@ -176,7 +192,8 @@ def main(argv=None) -> int:
     args.save_dir = args.save_dir or os.path.join("checkpoints", args.size)
     try:
         overrides, data_from_env, notes = plan_overrides(
-            args.size, args.nodes, args.gpus_per_node, args.data, args.overrides, Path(args.config_dir)
+            args.size, args.nodes, args.gpus_per_node, args.data, args.overrides, Path(args.config_dir),
+            model_parallel_size=args.model_parallel_size,
         )
         script = render_sbatch(args, overrides, data_from_env)
         for note in notes:

@@ -177,7 +177,8 @@ def check_readable(path: str, index, model_state) -> None:
         size = getattr(meta, "size", None)
         if size is not None and isinstance(value, torch.Tensor) and tuple(size) != tuple(value.shape):
             raise CheckpointError(f"{path}: {key} is stored as {list(size)} but this model's is {list(value.shape)}"
-                                  " (another model size or dictionary); train with the flags and data it was saved with")
+                                  " (another model size or dictionary); train with the flags and data it was saved "
+                                  "with")
     names = {info.relative_path for info in (index.storage_data or {}).values()}
     missing = sorted(name for name in names if not os.path.isfile(os.path.join(path, name)))
     if missing:

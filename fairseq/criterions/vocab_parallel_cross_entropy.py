@@ -15,7 +15,12 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
 from fairseq.criterions import register_criterion
-from fairseq.criterions.cross_entropy import CrossEntropyCriterion, CrossEntropyCriterionConfig, token_cross_entropy
+from fairseq.criterions.cross_entropy import (
+    CrossEntropyCriterion,
+    CrossEntropyCriterionConfig,
+    chunk_rows,
+    token_cross_entropy,
+)
 
 
 class _LossParallelCrossEntropy(torch.autograd.Function):
@@ -23,25 +28,34 @@ class _LossParallelCrossEntropy(torch.autograd.Function):
 
     loss_parallel's sharded softmax must run its backward inside the context too, while the trainer calls
     backward() long after the criterion returned; so the gradient is taken here, in forward, and handed
-    back in backward (scaled by the incoming gradient). It is the [N, V / tp] tensor the backward would
-    have made anyway, in the logits' dtype; the logits themselves are not kept.
+    back in backward (scaled by the incoming gradient). As in cross_entropy.py, rows are upcast to fp32 a
+    chunk at a time: besides the logits, one fp32 chunk and the [N, V / tp] gradient in the logits' dtype
+    (the tensor backward would have made anyway) exist; the logits themselves are not kept.
     """
 
     @staticmethod
-    def forward(ctx, logits: DTensor, target: torch.Tensor, ignore_index: int):
+    def forward(ctx, logits: DTensor, target: torch.Tensor, ignore_index: int, rows: int):
+        want_grad = ctx.needs_input_grad[0]
+        grad = torch.empty_like(logits.to_local()) if want_grad else None
+        total = torch.zeros((), dtype=torch.float32, device=grad.device if want_grad else target.device)
         with torch.enable_grad(), loss_parallel():
-            leaf = logits.detach().requires_grad_(ctx.needs_input_grad[0])
-            loss = F.cross_entropy(leaf.float(), target, ignore_index=ignore_index, reduction="sum")
-            ctx.grad = torch.autograd.grad(loss, leaf)[0] if leaf.requires_grad else None
-        return loss.detach().to_local()
+            for start in range(0, logits.size(0), rows):
+                chunk = logits[start:start + rows].detach().requires_grad_(want_grad)
+                loss = F.cross_entropy(chunk.float(), target[start:start + rows], ignore_index=ignore_index,
+                                       reduction="sum")
+                if want_grad:
+                    grad[start:start + rows] = torch.autograd.grad(loss, chunk)[0].to_local()
+                total += loss.detach().to_local()
+        ctx.grad = None if grad is None else DTensor.from_local(
+            grad, logits.device_mesh, logits.placements, shape=logits.shape, stride=logits.stride())
+        return total
 
     @staticmethod
     def backward(ctx, grad_loss):
-        grad = ctx.grad
-        ctx.grad = None
-        local = grad.to_local() * grad_loss.to(grad.dtype)
+        grad, ctx.grad = ctx.grad, None
+        local = grad.to_local().mul_(grad_loss.to(grad.dtype))
         return (DTensor.from_local(local, grad.device_mesh, grad.placements, shape=grad.shape, stride=grad.stride()),
-                None, None)
+                None, None, None)
 
 
 def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, ignore_index: int) -> torch.Tensor:
@@ -50,7 +64,8 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, ign
         if not any(p.is_shard(logits.ndim - 1) for p in logits.placements):
             logits = logits.full_tensor()
         else:
-            return _LossParallelCrossEntropy.apply(logits, target, ignore_index)
+            rows = chunk_rows(logits.to_local().size(-1))
+            return _LossParallelCrossEntropy.apply(logits, target, ignore_index, rows)
     return token_cross_entropy(logits, target, ignore_index).sum()
 
 

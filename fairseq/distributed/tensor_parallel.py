@@ -264,3 +264,27 @@ def reduce_partial_gradients(model: nn.Module) -> None:
     for param in model.parameters():
         if isinstance(param, DTensor) and param.requires_grad:
             param.register_post_accumulate_grad_hook(reduce)
+
+
+def split_dims(model: nn.Module) -> dict:
+    """{parameter name: the dim --model-parallel-size splits it along, or None if replicated} for a model
+    this plan applies to, read from the plan itself (the memory planner uses it)."""
+    def dim(style, module, param_name):
+        if isinstance(style, ColwiseParallel):
+            return 1 if isinstance(module, nn.Embedding) else 0
+        if isinstance(style, RowwiseParallel):
+            if isinstance(module, nn.Embedding):
+                return 0
+            return 1 if param_name == "weight" else None
+        return None
+
+    decoder = model.decoder
+    dims = {}
+    root_styles = {"embed_tokens": RowwiseParallel(), "output_projection": ColwiseParallel()}
+    for prefix, owner, styles in [("decoder.", decoder, root_styles)] + [
+            (f"decoder.layers.{i}.", layer, layer_plan()) for i, layer in enumerate(decoder.layers)]:
+        for path, style in styles.items():
+            module = owner.get_submodule(path)
+            for param_name, _ in module.named_parameters(recurse=False):
+                dims[f"{prefix}{path}.{param_name}"] = dim(style, module, param_name)
+    return {name: dims.get(name) for name, _ in model.named_parameters()}
