@@ -469,10 +469,11 @@ def _walk_fully_sharded(shape: ModelShape, setup: TrainingSetup):
 
 
 def _walk_replicated(shape: ModelShape, setup: TrainingSetup):
-    """DDP: every rank holds every parameter, gradient and Adam state, plus DDP's gradient buckets."""
+    """DDP: every rank holds every parameter, gradient and Adam state, plus DDP's gradient buckets. With tensor
+    parallelism (`shape` local) the replicas are FSDP2's, which keep no buckets."""
     c, layers, total = setup.compute_bytes, shape.num_layers, shape.total_params
     states = dict(parameters=MASTER_PARAM_BYTES * total, optimizer_state=ADAM_STATE_BYTES * total,
-                  ddp_buckets=GRAD_BYTES * total if DDP_GRADIENT_BUCKET_COPY else 0)
+                  ddp_buckets=GRAD_BYTES * total if DDP_GRADIENT_BUCKET_COPY and setup.tensor_parallel == 1 else 0)
 
     def grads(layers_done: int, root_done: bool) -> int:
         if setup.update_freq > 1:

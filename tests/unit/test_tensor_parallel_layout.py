@@ -103,7 +103,8 @@ def test_fairseq_train_stops_before_any_process_group(tiny_data, build_train_arg
     code, line, _ = _fairseq_train(base + ["--model-parallel-size", "3", "--decoder-attention-heads", "6",
                                            "--decoder-embed-dim", "36", "--decoder-ffn-embed-dim", "72"], capsys)
     assert code == 2 and line.endswith(f"does not divide the vocabulary of 64 symbols of {tiny_data}/dict.txt: use "
-                                       "--model-parallel-size 2, or binarize with fairseq-preprocess --padding-factor 3")
+                                       "--model-parallel-size 2, or binarize with fairseq-preprocess "
+                                       "--padding-factor 3")
     for name, value in {"RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "3", "MASTER_ADDR": "127.0.0.1",
                         "MASTER_PORT": "1"}.items():
         monkeypatch.setenv(name, value)
