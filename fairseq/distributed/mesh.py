@@ -193,6 +193,13 @@ def init_parallel_mesh(layout: ParallelLayout, device_type: str) -> ParallelMesh
     return _current
 
 
+def forget_parallel_mesh() -> None:
+    """No mesh for this run (a replicated --ddp-backend without tensor parallelism): the data-parallel helpers
+    then count every rank, whatever an earlier run in this process built."""
+    global _current
+    _current = None
+
+
 def current_mesh() -> Optional[ParallelMesh]:
     """The mesh the last `init_parallel_mesh` built, if it belongs to the current default process group."""
     if _current is None or not dist.is_initialized():

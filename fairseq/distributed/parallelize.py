@@ -32,7 +32,7 @@ from torch.utils.checkpoint import checkpoint
 
 from fairseq.distributed.ddp import apply_ddp
 from fairseq.distributed.fsdp import apply_fsdp, apply_fsdp_replicas, check_fsdp_flags, transformer_layers
-from fairseq.distributed.mesh import ParallelLayout, init_parallel_mesh
+from fairseq.distributed.mesh import ParallelLayout, forget_parallel_mesh, init_parallel_mesh
 from fairseq.distributed.tensor_parallel import apply_tensor_parallel, reduce_partial_gradients, uses_loss_parallel
 
 logger = logging.getLogger(__name__)
@@ -65,7 +65,7 @@ def parallelize_model(model: nn.Module, cfg, device: torch.device, world_mesh: O
         materialize(model, device)
 
     layout = ParallelLayout.from_config(dt, dist.get_world_size() if dist.is_initialized() else 1)
-    mesh = init_parallel_mesh(layout, device.type) if fully_sharded or layout.tp > 1 else None
+    mesh = init_parallel_mesh(layout, device.type) if fully_sharded or layout.tp > 1 else forget_parallel_mesh()
     if layout.tp > 1:
         if not on_meta:
             model.to(device)

@@ -299,3 +299,19 @@ def test_unreadable_sharded_checkpoints_are_one_line_errors(tmp_path):
     with pytest.raises(CheckpointError) as err:
         sharded.load_sharded(path, state)
     assert "is incomplete: shard file(s) " + shard in str(err.value) and "\n" not in str(err.value)
+
+
+def test_a_run_without_a_mesh_forgets_the_last_one(one_rank_group):
+    """In-process runs one after another (tests, notebooks): a DDP run after a sharded one must not read the
+    earlier run's layout through get_data_parallel_world_size()."""
+    from fairseq.dataclass.configs import FairseqConfig
+    from fairseq.distributed import mesh as mesh_module
+    from fairseq.distributed.parallelize import parallelize_model
+    from fairseq.distributed.utils import get_data_parallel_world_size
+
+    mesh_module.init_parallel_mesh(ParallelLayout(1, 1, 1), "cpu")
+    assert mesh_module.current_mesh() is not None and get_data_parallel_world_size() == 1
+    cfg = FairseqConfig()
+    cfg.model = SimpleNamespace(checkpoint_activations=False, offload_activations=False)
+    parallelize_model(tiny_model(), cfg, torch.device("cpu"))  # --ddp-backend pytorch_ddp, one process
+    assert mesh_module.current_mesh() is None
