@@ -18,7 +18,7 @@ from fairseq.models.transformer_lm import preset_config
 from fairseq_cli import eval_lm, train
 from fairseq_cli.preprocess import cli_main as preprocess
 
-from conftest import write_corpus
+from tests.train_fixtures import write_corpus
 
 PAD = 1
 # What makes the README's model tiny: 2 layers of 32, and cutoffs inside the 64-symbol test dictionary.

@@ -9,7 +9,7 @@ import re
 import pytest
 import torch
 
-from conftest import tiny_train_argv, write_corpus
+from tests.train_fixtures import tiny_train_argv, write_corpus
 from fairseq import options
 from fairseq.checkpoint_utils import load_ema_from_checkpoint
 from fairseq.data import MMapIndexedDataset

@@ -1,0 +1,70 @@
+"""A tiny corpus writer and fairseq-train command lines for tiny models (the fixtures in tests/conftest.py hand
+them out; test modules may import them directly)."""
+
+import os
+import random
+
+
+def write_corpus(path, num_lines, seed, vocab=60, min_len=3, max_len=25):
+    """Deterministic pseudo-text: words drawn from a skewed vocabulary so a model can learn something."""
+    rng = random.Random(seed)
+    words = [f"w{i}" for i in range(vocab)]
+    weights = [1.0 / (i + 1) for i in range(vocab)]
+    with open(path, "w") as f:
+        for _ in range(num_lines):
+            n = rng.randint(min_len, max_len)
+            f.write(" ".join(rng.choices(words, weights, k=n)) + "\n")
+
+
+# ----------------------------------------------------------------------------- fairseq-train command lines
+
+# Two tiny decoders ("transformer_lm": 2 layers of 32, tied embeddings with 32-wide input and output; a 2-layer
+# "transformer_lm_gpt" of 32), with the learning rate and batch shape the tests train them with by default.
+TINY_MODELS = {
+    "transformer_lm": {
+        "model": ["--arch", "transformer_lm", "--decoder-layers", "2", "--decoder-embed-dim", "32",
+                  "--decoder-ffn-embed-dim", "64", "--decoder-attention-heads", "2", "--decoder-input-dim", "32",
+                  "--decoder-output-dim", "32", "--share-decoder-input-output-embed"],
+        "lr": "0.002",
+        "batch": ["--max-tokens", "256"],
+    },
+    "transformer_lm_gpt": {
+        "model": ["--arch", "transformer_lm_gpt", "--decoder-layers", "2", "--decoder-embed-dim", "32",
+                  "--decoder-ffn-embed-dim", "64", "--decoder-attention-heads", "2"],
+        "lr": "0.003",
+        "batch": ["--batch-size", "4"],
+    },
+}
+
+# What `train_args` adds: regularisation and a warmed-up schedule, blocks across sentence boundaries.
+TRAIN_RECIPE = [
+    "--dropout", "0.1", "--adam-betas", "(0.9, 0.98)", "--weight-decay", "0.01", "--clip-norm", "1.0",
+    "--lr-scheduler", "inverse_sqrt", "--warmup-updates", "4", "--sample-break-mode", "none",
+]
+
+
+def tiny_train_argv(data, save_dir, *extra, max_update, arch="transformer_lm", lr=None, seed="3", json_log=True,
+                    log_file=True):
+    """fairseq-train's arguments (no program name) for the tiny `arch` on `data`, on the CPU: adam at `lr`
+    (default: the model's), --tokens-per-sample 32, the model's --max-tokens or --batch-size, --num-workers 0,
+    --seed `seed` (None: no --seed), with json_log --log-format json --log-interval 1, with log_file
+    --log-file SAVE_DIR/train.log; then `extra`."""
+    preset = TINY_MODELS[arch]
+    argv = [
+        "--task", "language_modeling", str(data), "--save-dir", str(save_dir), *preset["model"],
+        "--optimizer", "adam", "--lr", preset["lr"] if lr is None else lr, "--tokens-per-sample", "32",
+        *preset["batch"], "--max-update", str(max_update),
+        "--num-workers", "0", "--cpu",
+    ]
+    if seed is not None:
+        argv += ["--seed", seed]
+    if json_log:
+        argv += ["--log-format", "json", "--log-interval", "1"]
+    if log_file:
+        argv += ["--log-file", os.path.join(str(save_dir), "train.log")]
+    return argv + list(extra)
+
+
+def default_train_argv(data, save_dir, *extra, max_update=8):
+    """The tiny transformer_lm with TRAIN_RECIPE, --seed 3, a json --log-file in save_dir."""
+    return tiny_train_argv(data, save_dir, *TRAIN_RECIPE, *extra, max_update=max_update)
