@@ -6,6 +6,18 @@ import pytest
 from tests.train_fixtures import default_train_argv, tiny_train_argv, write_corpus  # noqa: F401
 
 
+@pytest.fixture(scope="module")
+def one_thread():
+    """One intra-op thread for a module of tiny models: they gain nothing from more, and on a shared machine
+    waiting for the threads dominates. Use with `pytestmark = pytest.mark.usefixtures("one_thread")`."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="session")
 def tiny_data(tmp_path_factory):
     """A preprocessed language-modeling data directory (train/valid/test) made by fairseq-preprocess."""

@@ -19,13 +19,7 @@ from tests.unit.test_hub_utils import greedy_by_full_forwards
 LINE = re.compile(r"^([STHDP])-(\d+)\t(.*)$")
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models gain nothing from intra-op threads, and on a shared machine waiting for them dominates."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: one intra-op thread
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,6 @@ import subprocess
 import sys
 
 import pytest
-import torch
 
 from fairseq import checkpoint_utils
 from fairseq.hub_utils import GeneratorHubInterface
@@ -22,13 +21,7 @@ LINE = re.compile(r"^([SWHDP])-(\d+)\t(.*)$")
 PROMPTS = ["w1 w2 w3", "w4", "w5 w1", "w9 w0 w0 w3"]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models gain nothing from intra-op threads, and on a shared machine waiting for them dominates."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: one intra-op thread
 
 
 @pytest.fixture(scope="module")

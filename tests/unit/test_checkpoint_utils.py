@@ -14,13 +14,7 @@ from fairseq.checkpoint.io import CheckpointError
 from fairseq_cli import train
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models gain nothing from intra-op threads, and on a shared machine waiting for them dominates."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: one intra-op thread
 
 
 @pytest.fixture(scope="module")

@@ -19,13 +19,7 @@ from tests.conftest import write_corpus
 PROMPTS = ["w1 w2 w3", "w5", "w0 w12 w1 w4 w3 w2 w1"]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models gain nothing from intra-op threads, and on a shared machine waiting for them dominates."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: one intra-op thread
 
 
 def greedy_by_full_forwards(model, prompt, max_len, eos, pad, min_len=1):

@@ -23,13 +23,7 @@ from fairseq.tasks.language_modeling import LanguageModelingConfig, LanguageMode
 ATOL = 2e-5
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models gain nothing from intra-op threads; on a shared machine waiting for them dominates."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: one intra-op thread
 
 
 def make_dictionary(words=8):
