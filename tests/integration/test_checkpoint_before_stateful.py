@@ -57,7 +57,7 @@ def after_update_3(rows):
 
 # Config groups added since the stored checkpoint was written (upstream's cfg has them too); its groups must
 # all still be there.
-CFG_GROUPS_ADDED_SINCE = {"bpe", "tokenizer"}
+CFG_GROUPS_ADDED_SINCE = {"bpe", "tokenizer", "ema"}
 
 
 def layout(value):
