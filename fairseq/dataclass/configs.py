@@ -265,4 +265,11 @@ class FairseqConfig:
     tokenizer: Any = None  # --tokenizer
 
 
-from fairseq.dataclass.generation import GenerationConfig, InteractiveConfig  # noqa: E402,F401 (upstream's place)
+def __getattr__(name: str):
+    # Upstream imports GenerationConfig / InteractiveConfig from here; they live in generation.py, which uses
+    # `opt` above: resolved on first use, so neither module has to be imported before the other.
+    if name in ("GenerationConfig", "InteractiveConfig"):
+        from fairseq.dataclass import generation
+
+        return getattr(generation, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -7,66 +7,61 @@ accepted at their defaults and rejected when set (here, `check_generation_config
 `task.build_generator` for the generator's own options).
 """
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import List, Literal, Optional
 
-# Not `configs.opt`: configs.py re-exports these classes at its end, so this module must not import it.
-
-
-def _opt(default, help: str, **metadata):
-    metadata["help"] = help
-    return field(default=default, metadata=metadata)
+from fairseq.dataclass.configs import opt
 
 
 @dataclass
 class GenerationConfig:
-    beam: int = _opt(5, "beam size (1: greedy decoding)")
-    nbest: int = _opt(1, "number of hypotheses to output per input")
-    max_len_a: float = _opt(0, "generate at most a*x + b tokens, where x is the input length (the prompt "
+    beam: int = opt(5, "beam size (1: greedy decoding)")
+    nbest: int = opt(1, "number of hypotheses to output per input")
+    max_len_a: float = opt(0, "generate at most a*x + b tokens, where x is the input length (the prompt "
                                "counts as generated text for a language model)")
-    max_len_b: int = _opt(200, "generate at most a*x + b tokens, where x is the input length")
-    min_len: int = _opt(1, "minimum generation length (</s> is not allowed before)")
-    match_source_len: bool = _opt(False, "generate exactly as many tokens as the input has")
-    unnormalized: bool = _opt(False, "compare hypotheses by their summed scores, not per token")
-    no_early_stop: bool = _opt(False, "deprecated upstream; no effect")
-    no_beamable_mm: bool = _opt(False, "accepted for upstream compatibility; no effect")
-    lenpen: float = _opt(1, "length penalty: the score is divided by length**lenpen (<1 favours shorter, "
+    max_len_b: int = opt(200, "generate at most a*x + b tokens, where x is the input length")
+    min_len: int = opt(1, "minimum generation length (</s> is not allowed before)")
+    match_source_len: bool = opt(False, "generate exactly as many tokens as the input has")
+    unnormalized: bool = opt(False, "compare hypotheses by their summed scores, not per token")
+    no_early_stop: bool = opt(False, "deprecated upstream; no effect")
+    no_beamable_mm: bool = opt(False, "accepted for upstream compatibility; no effect")
+    lenpen: float = opt(1, "length penalty: the score is divided by length**lenpen (<1 favours shorter, "
                             ">1 longer hypotheses)")
-    unkpen: float = _opt(0, "unknown-word penalty subtracted from <unk>'s log probability (<0: more <unk>)")
-    replace_unk: Optional[str] = _opt(None, "not supported: unknown-word replacement needs source alignments",
+    unkpen: float = opt(0, "unknown-word penalty subtracted from <unk>'s log probability (<0: more <unk>)")
+    replace_unk: Optional[str] = opt(None, "not supported: unknown-word replacement needs source alignments",
                                       const="@@ ")
-    sacrebleu: bool = _opt(False, "accepted for upstream compatibility; generated text is not scored here")
-    score_reference: bool = _opt(False, "score the given text instead of generating (the hub's score())")
-    prefix_size: int = _opt(0, "fairseq-generate: prompt each sample with its first N tokens (0: the whole "
+    sacrebleu: bool = opt(False, "accepted for upstream compatibility; generated text is not scored here")
+    score_reference: bool = opt(False, "score the given text instead of generating (the hub's score())")
+    prefix_size: int = opt(0, "fairseq-generate: prompt each sample with its first N tokens (0: the whole "
                                "sample but its last token)")
-    no_repeat_ngram_size: int = _opt(0, "never repeat an n-gram of this size (0: no blocking)")
-    sampling: bool = _opt(False, "sample each next token instead of beam search")
-    sampling_topk: int = _opt(-1, "sample from the K most likely next tokens (-1: all)")
-    sampling_topp: float = _opt(-1.0, "sample from the smallest set of next tokens whose probability exceeds "
+    no_repeat_ngram_size: int = opt(0, "never repeat an n-gram of this size (0: no blocking)")
+    sampling: bool = opt(False, "sample each next token instead of beam search")
+    sampling_topk: int = opt(-1, "sample from the K most likely next tokens (-1: all)")
+    sampling_topp: float = opt(-1.0, "sample from the smallest set of next tokens whose probability exceeds "
                                       "p (-1: all)")
-    constraints: Optional[Literal["ordered", "unordered"]] = _opt(
+    constraints: Optional[Literal["ordered", "unordered"]] = opt(
         None, "not supported with --task language_modeling (as upstream): lexically constrained decoding",
         const="ordered")
-    temperature: float = _opt(1.0, "divide the logits by this before the softmax (sampling and beam search)")
-    diverse_beam_groups: int = _opt(-1, "not supported: number of groups for diverse beam search")
-    diverse_beam_strength: float = _opt(0.5, "not supported: diversity penalty of diverse beam search")
-    diversity_rate: float = _opt(-1.0, "not supported: diversity penalty of diverse siblings search")
-    print_alignment: bool = _opt(False, "not supported: a language model has no source to align to")
-    print_step: bool = _opt(False, "not supported: the decoding step of iterative refinement")
-    lm_path: Optional[str] = _opt(None, "not supported: a second language model for shallow fusion")
-    lm_weight: float = _opt(0.0, "not supported: weight of the --lm-path model")
-    retain_dropout: bool = _opt(False, "keep dropout active while generating")
-    retain_dropout_modules: Optional[List[str]] = _opt(None, "accepted for upstream compatibility: with "
+    temperature: float = opt(1.0, "divide the logits by this before the softmax (sampling and beam search)")
+    diverse_beam_groups: int = opt(-1, "not supported: number of groups for diverse beam search")
+    diverse_beam_strength: float = opt(0.5, "not supported: diversity penalty of diverse beam search")
+    diversity_rate: float = opt(-1.0, "not supported: diversity penalty of diverse siblings search")
+    print_alignment: bool = opt(False, "not supported: a language model has no source to align to")
+    print_step: bool = opt(False, "not supported: the decoding step of iterative refinement")
+    lm_path: Optional[str] = opt(None, "not supported: a second language model for shallow fusion")
+    lm_weight: float = opt(0.0, "not supported: weight of the --lm-path model")
+    retain_dropout: bool = opt(False, "keep dropout active while generating")
+    retain_dropout_modules: Optional[List[str]] = opt(None, "accepted for upstream compatibility: with "
                                                              "--retain-dropout every module keeps its dropout")
-    no_seed_provided: bool = _opt(False, "do not seed the random generators from --seed")
-    no_cuda_graphs: bool = _opt(False, "decode each step eagerly instead of replaying it from a CUDA graph (on "
+    no_seed_provided: bool = opt(False, "do not seed the random generators from --seed")
+    no_cuda_graphs: bool = opt(False, "decode each step eagerly instead of replaying it from a CUDA graph (on "
                                        "CUDA, this fork's decoders; see docs/incremental_decoding.md)")
 
 
 @dataclass
 class InteractiveConfig:
-    buffer_size: int = _opt(0, "read this many input lines before generating for them (0 or 1: one at a time)")
-    input: str = _opt("-", "file to read prompts from, one per line ('-': standard input)")
+    buffer_size: int = opt(0, "read this many input lines before generating for them (0 or 1: one at a time)")
+    input: str = opt("-", "file to read prompts from, one per line ('-': standard input)")
 
 
 # (field, predicate on its value, what to do instead) for upstream options this fork does not implement.
