@@ -50,6 +50,17 @@ def train_args():
     return default_train_argv
 
 
+@pytest.fixture(scope="session")
+def tiny_lm_checkpoint(tiny_data, tmp_path_factory):
+    """checkpoint_last.pt of the tiny transformer_lm trained 8 updates on tiny_data (default_train_argv), trained
+    once for the session; tests only read it."""
+    from fairseq_cli import train
+
+    save_dir = tmp_path_factory.mktemp("tiny_lm")
+    train.cli_main(default_train_argv(tiny_data, save_dir, max_update=8))
+    return save_dir / "checkpoint_last.pt"
+
+
 # ----------------------------------------------------------------------------- --user-dir plug-ins
 
 

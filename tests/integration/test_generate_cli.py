@@ -12,7 +12,7 @@ import torch
 from fairseq import checkpoint_utils
 from fairseq.checkpoint import sharded
 from fairseq.utils import run_console_script
-from fairseq_cli import generate, train
+from fairseq_cli import generate
 
 from tests.unit.test_hub_utils import greedy_by_full_forwards
 
@@ -23,10 +23,8 @@ pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: one intra-op 
 
 
 @pytest.fixture(scope="module")
-def ckpt(tiny_data, tmp_path_factory, train_args):
-    save_dir = tmp_path_factory.mktemp("generate")
-    train.cli_main(train_args(tiny_data, save_dir, max_update=8))
-    return save_dir / "checkpoint_last.pt"
+def ckpt(tiny_lm_checkpoint):
+    return tiny_lm_checkpoint
 
 
 def argv(tiny_data, path, *extra):

@@ -14,7 +14,7 @@ import pytest
 from fairseq import checkpoint_utils
 from fairseq.hub_utils import GeneratorHubInterface
 from fairseq.utils import run_console_script
-from fairseq_cli import interactive, train
+from fairseq_cli import interactive
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 LINE = re.compile(r"^([SWHDP])-(\d+)\t(.*)$")
@@ -25,10 +25,8 @@ pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: one intra-op 
 
 
 @pytest.fixture(scope="module")
-def ckpt(tiny_data, tmp_path_factory, train_args):
-    save_dir = tmp_path_factory.mktemp("interactive")
-    train.cli_main(train_args(tiny_data, save_dir, max_update=8))
-    return save_dir / "checkpoint_last.pt"
+def ckpt(tiny_lm_checkpoint):
+    return tiny_lm_checkpoint
 
 
 def argv(tiny_data, ckpt, *extra):
