@@ -19,6 +19,7 @@ from fairseq.optim.lr_scheduler import build_lr_scheduler
 from fairseq.precision import Precision
 from fairseq.logging.logging_outputs import LoggingOutputSums
 from fairseq.logging.memory import CudaMemoryStats
+from fairseq.logging.profiler import UpdateProfiler
 from fairseq.logging.throughput import Throughput, default_peak_tflops
 from fairseq.train_step import run_update, run_valid_step
 
@@ -45,6 +46,7 @@ class Trainer:
         # Longest item the model accepts (upstream filters longer ones out of every batch iterator).
         self.max_positions = resolve_limit(task.max_positions(), model.max_positions())
         self.memory_stats = CudaMemoryStats.for_device(self.device)
+        self.profiler = UpdateProfiler.from_config(cfg, self.device)  # --profile-updates; fairseq_cli.train drives it
         self.model = parallelize_model(model, cfg, self.device)
         # Read after parallelize_model built the mesh: the ranks of a tensor-parallel group share one batch.
         self.data_parallel_size = get_data_parallel_world_size()

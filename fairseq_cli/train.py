@@ -19,6 +19,7 @@ from fairseq.dataclass.validate import validate as validate_config
 from fairseq.distributed import utils as dist_utils
 from fairseq.distributed.launch import call_main, process_group_timeout
 from fairseq.logging import metrics, progress_bar
+from fairseq.logging.profiler import nvtx_profiling
 from fairseq.preemption import (
     EXIT_REQUEUED,
     REQUEUE_FAILED,
@@ -63,7 +64,8 @@ def _train(cfg) -> Optional[str]:
     preemption = PreemptionWatcher(timeout=process_group_timeout(cfg.distributed_training))
     checkpoints = CheckpointManager(cfg)
     try:
-        return _train_with(cfg, preemption, checkpoints)
+        with nvtx_profiling(cfg.common.profile):
+            return _train_with(cfg, preemption, checkpoints)
     finally:
         checkpoints.close()
         preemption.restore()
@@ -122,6 +124,8 @@ def _train_with(cfg, preemption, checkpoints) -> Optional[str]:
             trainer.step_epoch_end(epoch_itr.epoch, valid_losses[0])
             epoch_itr = trainer_iterator(cfg, task, trainer, epoch_itr.next_epoch_idx)
         preemption.drain()
+        if trainer.profiler is not None:
+            trainer.profiler.finish()  # training ended inside the profiled range: write what was recorded
     except Preempted:
         logger.warning(f"preempted: saved checkpoint_last at update {trainer.num_updates}")
         requeued = requeue_after_preemption() if dist_utils.is_master() else None
@@ -203,11 +207,16 @@ def train_epoch(cfg, trainer, task, epoch_itr, checkpoints, preemption) -> Tuple
     trainer.begin_epoch(epoch_itr.epoch)
     valid_losses, should_stop = [None], False
     interval_start = time.perf_counter()
+    profiler = trainer.profiler
     with metrics.aggregate("train"), metrics.aggregate("train_inner"):
         for samples in progress:
             updates_before = trainer.num_updates
+            if profiler is not None:
+                profiler.before_update(updates_before + 1)
             trainer.train_step(samples, epoch_itr)
             num_updates = trainer.num_updates
+            if profiler is not None:
+                profiler.after_update(num_updates)
             stepped = num_updates != updates_before  # False when fp16 overflow skipped the update
             end_of_epoch = not itr.has_next()
             if not (stepped or end_of_epoch):

@@ -72,19 +72,44 @@ def parse_log(log_file, nproc):
     }
 
 
+def profiled_updates(args):
+    """--profile: the last two updates of the warm-up interval, after the first (compiling) update; the
+    profiler's overhead and its trace export then stay out of the measured intervals."""
+    return args.log_interval - 1, args.log_interval
+
+
+def slug_of(name):
+    return "".join(c if c.isalnum() else "_" for c in name).strip("_")
+
+
 def run_fairseq(args, name, extra, env):
-    slug = "".join(c if c.isalnum() else "_" for c in name).strip("_")
+    slug = slug_of(name)
     log_file = os.path.join(args.out, f"{slug}.log")
     if os.path.exists(log_file):
         os.remove(log_file)
+    if args.profile:
+        start, end = profiled_updates(args)
+        extra = extra + ["--profile-updates", f"{start}:{end}", "--profile-dir", os.path.join(args.out, slug)]
     start = time.time()
     proc = subprocess.run(train_command(args, extra, log_file), env=env, capture_output=True, text=True)
+    with open(os.path.join(args.out, f"{slug}.output"), "w") as f:  # kept: TORCH_LOGS output lands here
+        f.write(proc.stdout + proc.stderr)
     if proc.returncode != 0:
         sys.stderr.write(proc.stdout[-3000:] + proc.stderr[-6000:])
         return {"name": name, "error": f"exit {proc.returncode}"}
     result = parse_log(log_file, args.nproc)
     result.update(name=name, wall_s=round(time.time() - start, 1))
+    if args.profile:
+        result["profile"] = read_profile(os.path.join(args.out, slug))
     return result
+
+
+def read_profile(directory):
+    path = os.path.join(directory, "summary_rank0.json")
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        return json.load(f)
 
 
 def run_reference(args, compile_layers, env):
@@ -102,6 +127,8 @@ def run_reference(args, compile_layers, env):
     with open(result_file) as f:
         result = json.load(f)
     result["name"] = name
+    if args.profile:
+        result["profile"] = read_profile(os.path.join(args.out, slug_of(name)))
     return result
 
 
@@ -114,6 +141,7 @@ def reference_worker(args):
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     from fairseq import options
+    from fairseq.logging.profiler import UpdateProfiler
     from fairseq.logging.throughput import default_peak_tflops, flops_per_token
     from fairseq.models.transformer_lm import TransformerLanguageModel
 
@@ -147,6 +175,12 @@ def reference_worker(args):
     steps = args.log_interval * (args.intervals + 1)
     warmup = args.log_interval
     tokens = torch.randint(4, args.vocab, (steps, args.batch, args.seq + 1), generator=gen)
+    profiler = None
+    if args.profile:
+        start, end = profiled_updates(args)
+        name = "plain FSDP2 loop" + (" + compile" if args.compile else "")
+        profiler = UpdateProfiler(start, end, os.path.join(os.path.dirname(args.result_file), slug_of(name)),
+                                  dist.get_rank(), device)
     loss = None
     for step in range(steps):
         if step == warmup:
@@ -154,6 +188,8 @@ def reference_worker(args):
                 torch.cuda.synchronize()
                 torch.cuda.reset_peak_memory_stats()
             start = time.perf_counter()
+        if profiler is not None:
+            profiler.before_update(step + 1)
         batch = tokens[step].to(device, non_blocking=True)
         logits = model(batch[:, :-1])
         loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), batch[:, 1:].reshape(-1))
@@ -161,6 +197,8 @@ def reference_worker(args):
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
+        if profiler is not None:
+            profiler.after_update(step + 1)
     loss_value = loss.item()  # synchronizes: the timed span ends when the GPU is done
     elapsed = time.perf_counter() - start
     tokens_per_s = (steps - warmup) * args.batch * args.seq / elapsed
@@ -205,6 +243,27 @@ def print_table(args, results, reference):
               f"{fmt(r.get('alloc_retries'), '.0f')} | {r.get('loss', '-')} |")
 
 
+def print_profiles(results):
+    """Per update, from each run's profile: where the GPU's time went and how long it waited for the host."""
+    profiled = [(r["name"], r["profile"]) for r in results if r.get("profile")]
+    if not profiled:
+        return
+    categories = []
+    for _, p in profiled:
+        categories += [c for c in p["category_ms"] if c not in categories]
+    print("\nper update (torch.profiler, mean of the profiled updates; ms):")
+    print("| run | wall | GPU busy | GPU idle | kernels | " + " | ".join(categories) + " |")
+    print("|" + "---|" * (5 + len(categories)))
+    for name, p in profiled:
+        cells = [fmt(p["category_ms"].get(c), ".1f") for c in categories]
+        print(f"| {name} | {p['wall_ms']:.1f} | {p['gpu_busy_ms']:.1f} | {fmt(p['gpu_idle_ms'], '.1f')} | "
+              f"{p['kernels']:.0f} | " + " | ".join(cells) + " |")
+    for name, p in profiled:
+        print(f"\ntop ops by device time, {name} (ms per update, calls per update):")
+        for op in p["top_ops"][:15]:
+            print(f"  {op['device_ms']:8.2f} {op['count']:7.1f}  {op['name'][:110]}")
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--nproc", type=int, default=None, help="processes (default: all GPUs, or 2 on CPU)")
@@ -219,11 +278,17 @@ def main(argv=None):
     parser.add_argument("--intervals", type=int, default=2, help="measured log intervals after the warm-up one")
     parser.add_argument("--num-workers", type=int, default=1)
     parser.add_argument("--compile", action="store_true", help="also run --compile (and the compiled loop)")
-    parser.add_argument("--combos", default="all", choices=["all", "none", "both"],
-                        help="flag combinations to run: all four, neither flag, or both flags")
+    parser.add_argument("--combos", default="all",
+                        help="flag combinations to run: 'all' (the four), or a comma-separated list of none, "
+                             "prefetch, sync-free, both")
     parser.add_argument("--fp8", default="", metavar="RECIPES",
                         help="also run fairseq-train --fp8 with these comma-separated recipes (tensorwise, rowwise, "
                              "rowwise_with_gw_hp; tensorwise+ag adds --fp8-fsdp-all-gather), with both FSDP flags")
+    parser.add_argument("--profile", action="store_true",
+                        help="also record a torch.profiler trace of two measured updates of every run "
+                             "(fairseq-train --profile-updates) and print per-update GPU busy/idle time and kernel "
+                             "time by category; the profiled updates are the warm-up interval's last two, so "
+                             "tokens/s are not affected (needs --log-interval >= 3)")
     parser.add_argument("--no-reference", action="store_true")
     parser.add_argument("--cpu", action="store_true", help="gloo on CPU, fp32 (to test this script)")
     parser.add_argument("--out", default="benchmark_out")
@@ -231,6 +296,9 @@ def main(argv=None):
     args = parser.parse_args(argv)
     if args.reference_worker:
         return reference_worker(argparse.Namespace(**json.loads(os.environ["FAIRSEQ_BENCHMARK_ARGS"])))
+    if args.profile and args.log_interval < 3:
+        parser.error("--profile records updates LOG_INTERVAL-1 and LOG_INTERVAL (after the first, compiling one): "
+                     "pass --log-interval 3 or more")
     import torch
 
     args.cpu = args.cpu or not torch.cuda.is_available()
@@ -238,8 +306,12 @@ def main(argv=None):
     os.makedirs(args.out, exist_ok=True)
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     env.setdefault("OMP_NUM_THREADS", "1")
-    combos = {"all": [(False, False), (True, False), (False, True), (True, True)],
-              "none": [(False, False)], "both": [(True, True)]}[args.combos]
+    named = {"none": (False, False), "prefetch": (True, False), "sync-free": (False, True), "both": (True, True)}
+    names = list(named) if args.combos == "all" else args.combos.split(",")
+    unknown = [n for n in names if n not in named]
+    if unknown:
+        parser.error(f"--combos {args.combos!r}: unknown {', '.join(unknown)}; use all or a list of {', '.join(named)}")
+    combos = [named[n] for n in names]
     results = []
     reference = None
     if not args.no_reference:
@@ -265,6 +337,8 @@ def main(argv=None):
                 ["--fsdp-sync-free"] if sync_free else [])
             results.append(run_fairseq(args, "fairseq-train " + " ".join(extra).replace("--fsdp-", ""), extra, env))
     print_table(args, results, reference)
+    if args.profile:
+        print_profiles(results)
     with open(os.path.join(args.out, "results.json"), "w") as f:
         json.dump(results, f, indent=1)
 

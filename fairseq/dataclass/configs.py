@@ -59,7 +59,12 @@ class CommonConfig:
     user_dir: Optional[str] = opt(None, "directory of plug-in modules (tasks, models, ...) to import")
     empty_cache_freq: int = opt(0, "empty the CUDA cache every N updates (0: never)")
     suppress_crashes: bool = opt(False, "accepted for upstream compatibility")
-    profile: bool = opt(False, "accepted for upstream compatibility")
+    profile: bool = opt(False, "run inside torch.cuda.profiler.profile() and emit_nvtx(): NVTX ranges per op for "
+                               "nsys/nvprof (upstream's flag)")
+    profile_updates: Optional[str] = opt(
+        None, "START:END: record a torch.profiler trace of these updates (1-based, inclusive) on every rank, with a "
+              "summary of GPU busy/idle time and kernel time per update (docs/benchmarks.md)")
+    profile_dir: Optional[str] = opt(None, "where --profile-updates writes (default: SAVE_DIR/profile)")
     reset_logging: bool = opt(False, "accepted for upstream compatibility")
     all_gather_list_size: int = opt(
         16384, "accepted for upstream compatibility: statistics are all-reduced as tensors, no gather buffer is used"

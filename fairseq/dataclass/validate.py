@@ -62,5 +62,9 @@ def validate(cfg) -> None:
     check_layout_flags(cfg.distributed_training)
     check_tensor_parallel_config(cfg)
     check_sharded_state(cfg.distributed_training)
+    if getattr(cfg.common, "profile_updates", None):
+        from fairseq.logging.profiler import parse_update_range
+
+        parse_update_range(cfg.common.profile_updates)
     check_ema_config(getattr(cfg, "ema", None))
     registry.arch_model(cfg.model._name).check_config(cfg.model)
