@@ -251,17 +251,28 @@ def print_profiles(results):
     categories = []
     for _, p in profiled:
         categories += [c for c in p["category_ms"] if c not in categories]
-    print("\nper update (torch.profiler, mean of the profiled updates; ms):")
-    print("| run | wall | GPU busy | GPU idle | kernels | " + " | ".join(categories) + " |")
-    print("|" + "---|" * (5 + len(categories)))
+    print("\nper update (torch.profiler, mean of the profiled updates; ms; categories sum kernel time over streams):")
+    print("| run | wall | GPU busy | GPU idle | kernels | kernel sum | " + " | ".join(categories) + " |")
+    print("|" + "---|" * (6 + len(categories)))
     for name, p in profiled:
         cells = [fmt(p["category_ms"].get(c), ".1f") for c in categories]
         print(f"| {name} | {p['wall_ms']:.1f} | {p['gpu_busy_ms']:.1f} | {fmt(p['gpu_idle_ms'], '.1f')} | "
-              f"{p['kernels']:.0f} | " + " | ".join(cells) + " |")
-    for name, p in profiled:
-        print(f"\ntop ops by device time, {name} (ms per update, calls per update):")
-        for op in p["top_ops"][:15]:
-            print(f"  {op['device_ms']:8.2f} {op['count']:7.1f}  {op['name'][:110]}")
+              f"{p['kernels']:.0f} | {p.get('kernel_sum_ms', 0):.1f} | " + " | ".join(cells) + " |")
+    base_name, base = profiled[0]
+    for name, p in profiled[1:]:
+        print(f"\nkernels that differ most, {name} minus {base_name} (ms per update, calls per update):")
+        for kernel, ms, calls in kernel_differences(base, p)[:15]:
+            print(f"  {ms:+8.2f} {calls:+7.1f}  {kernel[:110]}")
+
+
+def kernel_differences(base, other):
+    """(kernel name, ms difference, calls difference), largest absolute time difference first."""
+    a, b = base.get("kernels_by_name", {}), other.get("kernels_by_name", {})
+    rows = []
+    for name in set(a) | set(b):
+        ka, kb = a.get(name, {"count": 0, "ms": 0}), b.get(name, {"count": 0, "ms": 0})
+        rows.append((name, kb["ms"] - ka["ms"], kb["count"] - ka["count"]))
+    return sorted(rows, key=lambda r: -abs(r[1]))
 
 
 def main(argv=None):

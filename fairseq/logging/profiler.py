@@ -39,6 +39,9 @@ KERNEL_CATEGORIES: Tuple[Tuple[str, Tuple[str, ...]], ...] = (
 )
 
 
+CUPTI_MARKERS = frozenset({"Command Buffer Full"})
+
+
 def kernel_category(name: str) -> str:
     lowered = name.lower()
     for category, fragments in KERNEL_CATEGORIES:
@@ -155,14 +158,22 @@ class UpdateProfiler:
     def summary(self) -> Dict:
         events = self._profiler.events()
         cuda = torch.autograd.DeviceType.CUDA
-        kernels = [e for e in events if e.device_type == cuda]
+        # CUPTI also reports markers on the device timeline ("Command Buffer Full": the launch queue was full,
+        # i.e. the host ran far ahead); they are not GPU work.
+        kernels = [e for e in events if e.device_type == cuda and e.name not in CUPTI_MARKERS]
         updates = max(len(self.update_walls_ms), 1)
         busy_us = _union_length([(e.time_range.start, e.time_range.end) for e in kernels])
         categories: Dict[str, float] = {}
+        by_name: Dict[str, List[float]] = {}
         for e in kernels:
+            ms = e.time_range.elapsed_us() / 1e3 / updates
             category = kernel_category(e.name)
-            categories[category] = categories.get(category, 0.0) + e.time_range.elapsed_us() / 1e3 / updates
+            categories[category] = categories.get(category, 0.0) + ms
+            entry = by_name.setdefault(e.name, [0.0, 0.0])
+            entry[0] += 1 / updates
+            entry[1] += ms
         wall_ms = sum(self.update_walls_ms) / updates
+        kernel_sum_ms = sum(categories.values())
         ops = []
         for avg in self._profiler.key_averages():
             device_us = getattr(avg, "self_device_time_total", 0.0) or 0.0
@@ -174,7 +185,11 @@ class UpdateProfiler:
             "updates": len(self.update_walls_ms), "wall_ms": wall_ms, "gpu_busy_ms": busy_ms,
             "gpu_idle_ms": max(wall_ms - busy_ms, 0.0) if self.cuda else None,
             "kernels": len(kernels) / updates,
+            # kernel time summed over streams; sum - busy is the time kernels ran concurrently
+            "kernel_sum_ms": kernel_sum_ms,
             "category_ms": dict(sorted(categories.items(), key=lambda kv: -kv[1])),
+            "kernels_by_name": {name: {"count": c, "ms": ms}
+                                for name, (c, ms) in sorted(by_name.items(), key=lambda kv: -kv[1][1])},
             "top_ops": ops[:40],
         }
 
@@ -195,8 +210,12 @@ def format_summary(summary: Dict) -> str:
     lines = [f"per update, mean of {summary['updates']}:",
              f"  wall {summary['wall_ms']:.2f} ms, GPU busy {summary['gpu_busy_ms']:.2f} ms"
              + (f", GPU idle {summary['gpu_idle_ms']:.2f} ms" if summary["gpu_idle_ms"] is not None else "")
-             + f", {summary['kernels']:.0f} kernels", "", "kernel time by category (ms per update):"]
+             + f", {summary['kernels']:.0f} kernels ({summary['kernel_sum_ms']:.2f} ms summed over streams)", "",
+             "kernel time by category (ms per update):"]
     lines += [f"  {name:<24} {ms:10.2f}" for name, ms in summary["category_ms"].items()]
+    lines += ["", f"  {'kernel':<90} {'calls':>8} {'ms':>9}"]
+    lines += [f"  {name[:90]:<90} {k['count']:8.1f} {k['ms']:9.2f}"
+              for name, k in list(summary["kernels_by_name"].items())[:40]]
     lines += ["", f"  {'op':<70} {'calls':>8} {'device ms':>10} {'cpu ms':>9}"]
     lines += [f"  {o['name'][:70]:<70} {o['count']:8.1f} {o['device_ms']:10.2f} {o['cpu_ms']:9.2f}"
               for o in summary["top_ops"]]
