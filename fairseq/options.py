@@ -12,7 +12,7 @@ from typing import List, Optional
 
 from fairseq import registry
 from fairseq.data.encoders import BPE_REGISTRY, TOKENIZER_REGISTRY
-from fairseq.dataclass import configs
+from fairseq.dataclass import configs, legacy
 from fairseq.dataclass.build import build_config, is_interpolated, model_config
 from fairseq.dataclass.utils import add_dataclass_to_parser
 from fairseq.dataclass.validate import check_precision
@@ -102,7 +102,8 @@ def parse_args_and_arch(parser: argparse.ArgumentParser, input_args: Optional[Li
         import_user_module(input_args[input_args.index("--user-dir") + 1])
     if modify_parser is not None:
         modify_parser(parser)
-    first, _ = parser.parse_known_args(input_args)
+    # Without --help: the first pass only reads the choices, so that --help lists the chosen components' flags.
+    first, _ = parser.parse_known_args([a for a in input_args if a not in ("-h", "--help")])
 
     try:
         has_arch = _add_component_flags(parser, first)
@@ -114,7 +115,9 @@ def parse_args_and_arch(parser: argparse.ArgumentParser, input_args: Optional[Li
     else:
         args, extra = parser.parse_args(input_args), None
 
-    if has_arch:  # as upstream, the namespace gets the model's values after the preset
+    if has_arch and legacy.is_legacy_arch(args.arch):  # upstream's legacy models: the preset fills the namespace
+        registry.ARCH_CONFIG_REGISTRY[args.arch](args)
+    elif has_arch:  # as upstream, the namespace gets the model's values after the preset
         model_cfg = model_config(args.arch, vars(args))
         for f in dataclasses.fields(model_cfg):
             if not is_interpolated(f):
@@ -168,10 +171,13 @@ def _add_component_flags(parser, first, only=None, arch=True):
             reg.get(name).add_args(parser.add_argument_group(f"{reg.kind} ({name})"))
     if not arch or getattr(first, "arch", None) is None:
         return False
-    model_dc = registry.dataclass_of(registry.arch_model(first.arch))  # raises for an unknown --arch
+    model_cls = registry.arch_model(first.arch)  # raises for an unknown --arch
     # Unset model flags stay absent, so the architecture preset can fill exactly those.
-    add_dataclass_to_parser(parser.add_argument_group("model-specific configuration"), model_dc,
-                            suppress_defaults=True)
+    if legacy.is_legacy_arch(first.arch):  # upstream's add_args plug-ins
+        legacy.add_model_args(parser, model_cls)
+    else:
+        add_dataclass_to_parser(parser.add_argument_group("model-specific configuration"),
+                                registry.dataclass_of(model_cls), suppress_defaults=True)
     return True
 
 

@@ -37,7 +37,9 @@ class Registry:
             self._classes[name] = cls
             if dataclass is not None:
                 self._dataclasses[name] = dataclass
-                cls.config_class = dataclass
+            # Set even when None: a subclass registered without a dataclass is configured by its own add_args
+            # (upstream's legacy components), not by the dataclass of the class it extends.
+            cls.config_class = dataclass
             cls.registry_name = name
             return cls
 

@@ -279,6 +279,8 @@ def evaluate(model, batches, pad: int, device, dtype, bos: Optional[int] = None,
                 logits = model(src)
         else:
             logits = model(src)
+        if isinstance(logits, tuple):  # a plug-in decoder's (logits, extra), upstream's convention
+            logits = logits[0]
         mask = target.ne(pad)
         if bos is not None:
             mask &= target.ne(bos)

@@ -83,18 +83,27 @@ def _group_types() -> Dict[str, type]:
 
 def component_dataclass(attr: str, name: Optional[str]) -> Optional[type]:
     """The config dataclass of component `attr` registered as `name` (None: not registered or none)."""
-    if name is None:
+    if not is_registered(attr, name):
         return None
     if attr == "model":
-        return registry.dataclass_of(registry.arch_model(name)) if name in registry.architectures() else None
+        return registry.dataclass_of(registry.arch_model(name))
+    return _component_registry(attr).dataclass(name)
+
+
+def is_registered(attr: str, name: Optional[str]) -> bool:
+    """Whether component `attr` named `name` is registered here (a legacy one has no dataclass)."""
+    if name is None:
+        return False
+    return name in (registry.architectures() if attr == "model" else _component_registry(attr))
+
+
+def _component_registry(attr: str):
     if attr in ("bpe", "tokenizer"):
         from fairseq.data.encoders import BPE_REGISTRY, TOKENIZER_REGISTRY
 
-        reg = BPE_REGISTRY if attr == "bpe" else TOKENIZER_REGISTRY
-    else:
-        reg = {"task": registry.TASK_REGISTRY, "criterion": registry.CRITERION_REGISTRY,
-               "optimizer": registry.OPTIMIZER_REGISTRY, "lr_scheduler": registry.LR_SCHEDULER_REGISTRY}[attr]
-    return reg.dataclass(name) if name in reg else None
+        return BPE_REGISTRY if attr == "bpe" else TOKENIZER_REGISTRY
+    return {"task": registry.TASK_REGISTRY, "criterion": registry.CRITERION_REGISTRY,
+            "optimizer": registry.OPTIMIZER_REGISTRY, "lr_scheduler": registry.LR_SCHEDULER_REGISTRY}[attr]
 
 
 def _option_names(attr: str, group: Dict[str, Any]) -> set:
@@ -145,7 +154,8 @@ def apply_overrides(saved_cfg: Dict[str, Any], overrides: Optional[Dict[str, Any
 
 def config_from_saved(saved_cfg: Dict[str, Any]):
     """The FairseqConfig (plus `generation` and `interactive` groups) of a saved config dict. Components whose
-    names are not registered here (a plug-in not imported) stay plain dicts, except the model (an error)."""
+    names are not registered here (a plug-in not imported) stay plain dicts, except the model (an error);
+    registered legacy ones (no dataclass) are argparse namespaces, as they were built."""
     from fairseq.dataclass.configs import FairseqConfig
 
     cfg = FairseqConfig()
@@ -158,7 +168,8 @@ def config_from_saved(saved_cfg: Dict[str, Any]):
             setattr(cfg, attr, None)
             continue
         dc = component_dataclass(attr, values["_name"])
-        setattr(cfg, attr, config_from_dict(dc, values) if dc is not None else dict(values))
+        registered = dc is not None or is_registered(attr, values["_name"])
+        setattr(cfg, attr, config_from_dict(dc, values) if registered else dict(values))
     return cfg
 
 

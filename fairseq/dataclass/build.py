@@ -15,7 +15,7 @@ import typing
 from typing import Any, Mapping, Optional
 
 from fairseq import registry
-from fairseq.dataclass import configs
+from fairseq.dataclass import configs, legacy
 from fairseq.dataclass.utils import _unwrap_optional
 from fairseq.dataclass.validate import check_precision
 
@@ -52,8 +52,11 @@ def component_config(dc, values: Mapping[str, Any], name: Optional[str] = None):
 def model_config(arch: str, values: Mapping[str, Any], owners: Optional[configs.FairseqConfig] = None):
     """The model config `--arch ARCH` gives with these values set: the preset fills what they leave unset, the
     model dataclass's defaults the rest. `owners` (the config built so far) gives interpolated fields' values
-    to the preset, as upstream's presets saw them; they are copied from their owner afterwards anyway."""
-    model_dc = registry.dataclass_of(registry.arch_model(arch))  # raises for an unknown --arch
+    to the preset, as upstream's presets saw them; they are copied from their owner afterwards anyway. A legacy
+    model (no dataclass) gets the namespace of all the values instead (fairseq.dataclass.legacy)."""
+    if legacy.is_legacy_arch(arch):  # raises for an unknown --arch
+        return legacy.legacy_model_config(arch, values)
+    model_dc = registry.dataclass_of(registry.arch_model(arch))
     fields = dataclasses.fields(model_dc)
     preset_args = argparse.Namespace(**{f.name: values[f.name] for f in fields
                                         if f.name in values and not is_interpolated(f)})
@@ -84,7 +87,7 @@ def build_config(values: Mapping[str, Any], components: Mapping[str, Optional[st
             dc = reg.dataclass(name)
             # Upstream's legacy components (flags from `add_args`, no dataclass) are given the whole namespace.
             setattr(cfg, attr, component_config(dc, values, name) if dc is not None
-                    else argparse.Namespace(**dict(values, _name=name)))
+                    else legacy.legacy_config(reg.get(name), values, name))
     if components.get("model") is not None:
         cfg.model = model_config(components["model"], values, owners=cfg)
     resolve_interpolated_defaults(cfg)

@@ -273,6 +273,9 @@ def _check_group(where: str, values, dc, owner: str, skip_missing: bool = False)
         if key not in fields:
             if skip_missing and value == MISSING:
                 continue  # `task.data: ???` after switching to a task without data
+            if dc is None:  # upstream's legacy components declare flags in add_args, which no YAML key maps to
+                raise ValueError(f"'{where}.{key}': {owner} is a legacy plug-in configured by its add_args flags (no "
+                                 "dataclass), which a YAML config cannot set; train it with fairseq-train and flags")
             raise _unknown_key_error(where, key, fields, owner)
         if value == MISSING:
             raise ValueError(

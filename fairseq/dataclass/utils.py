@@ -106,7 +106,13 @@ def config_to_dict(cfg) -> Any:
 
 
 def config_from_dict(dc, values: dict, name: Optional[str] = None):
-    """Inverse of config_to_dict for one flat component config; unknown keys are ignored."""
+    """Inverse of config_to_dict for one flat component config; unknown keys are ignored. A legacy component's
+    (`dc` None: configured by `add_args`) is the argparse namespace of all the values."""
+    if dc is None:
+        cfg = argparse.Namespace(**values)
+        if name is not None:
+            cfg._name = name
+        return cfg
     names = {f.name for f in dataclasses.fields(dc) if f.init}
     cfg = dc(**{k: v for k, v in values.items() if k in names})
     name = name or values.get("_name")

@@ -31,6 +31,16 @@ class BaseFairseqModel(nn.Module):
         raise NotImplementedError(f"{cls.__name__} must implement build_model(cfg, task)")
 
     @classmethod
+    def add_args(cls, parser) -> None:
+        """Upstream's hook: add this model's flags (its config dataclass's fields, without defaults, so that an
+        architecture preset can fill the unset ones) to an argparse parser; plug-ins extend it."""
+        from fairseq.dataclass.utils import add_dataclass_to_parser
+
+        dc = getattr(cls, "config_class", None)
+        if dc is not None:
+            add_dataclass_to_parser(parser, dc, suppress_defaults=True)
+
+    @classmethod
     def check_config(cls, cfg) -> None:
         """Raise ValueError naming the flag for options this model cannot build (run by validate(cfg))."""
 
