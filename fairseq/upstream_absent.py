@@ -24,6 +24,9 @@ _ENCODER = (f"{_LM} and has no encoder or encoder-decoder models; use "
             "fairseq.models.transformer_lm.TransformerLanguageModel (--arch transformer_lm*) and its decoder "
             "fairseq.modules.TransformerDecoder, or subclass fairseq.models.FairseqLanguageModel with a "
             "fairseq.models.FairseqIncrementalDecoder")
+_FCONV = (f"{_LM} and has no convolutional encoder-decoder (translation) models; its gated convolutional "
+          "language model is fairseq.models.fconv_lm (FConvLanguageModel, FConvDecoder; --arch fconv_lm, "
+          "fconv_lm_dauphin_wikitext103, fconv_lm_dauphin_gbw)")
 _MASKED_LM = (f"{_LM} and has no masked or denoising pretraining (BERT, RoBERTa, BART); use --task "
               "language_modeling with --arch transformer_lm*")
 _NAT = f"{_LM} and has no non-autoregressive models"
@@ -46,9 +49,10 @@ ABSENT_MODULES = {
         "sentence_ranking")},
     # models
     **{f"fairseq.models.{m}": _ENCODER for m in (
-        "transformer", "transformer_legacy", "fairseq_encoder", "composite_encoder", "fconv", "fconv_self_att",
+        "transformer", "transformer_legacy", "fairseq_encoder", "composite_encoder", "fconv_self_att",
         "lstm", "lightconv", "multilingual_transformer", "transformer_align", "transformer_from_pretrained_xlm",
         "masked_lm")},
+    "fairseq.models.fconv": _FCONV,
     **{f"fairseq.models.{m}": _MASKED_LM for m in ("roberta", "bart", "xmod")},
     **{f"fairseq.models.{m}": _SPEECH for m in (
         "wav2vec", "hubert", "speech_to_text", "speech_to_speech", "text_to_speech", "speech_dlm")},

@@ -6,6 +6,7 @@ parameter groups and cannot be mapped reliably, so it is dropped: such a file se
 --finetune-from-model, and resuming from it needs --reset-optimizer.
 """
 
+import argparse
 from typing import Any, Dict
 
 
@@ -24,7 +25,11 @@ def _plain(value):
 
 def is_legacy_checkpoint(state: Dict[str, Any]) -> bool:
     cfg = state.get("cfg")
-    return "args" in state and state["args"] is not None or (cfg is not None and not isinstance(cfg, dict))
+    if "args" in state and state["args"] is not None or (cfg is not None and not isinstance(cfg, dict)):
+        return True
+    # fairseq 0.10-0.12 saves a plain dict whose groups for components without a dataclass (fconv_lm's model,
+    # say) are argparse Namespaces; this fork's files never hold one.
+    return isinstance(cfg, dict) and any(isinstance(v, argparse.Namespace) for v in cfg.values())
 
 
 def upgrade_legacy_checkpoint(state: Dict[str, Any]) -> Dict[str, Any]:

@@ -88,6 +88,11 @@ def check_tensor_parallel_config(cfg) -> None:
     if tp == 1:
         return
     model = cfg.model
+    heads = getattr(model, "decoder_attention_heads", None)
+    ffn = getattr(model, "decoder_ffn_embed_dim", None)
+    if heads is None or ffn is None:
+        raise ValueError(f"--model-parallel-size {tp} needs a transformer_lm architecture (got --arch "
+                         f"{getattr(model, '_name', '?')})")
     for field_name, flag in UNSUPPORTED_OPTIONS:
         if getattr(model, field_name, None):
             raise ValueError(f"{flag} is not supported with --model-parallel-size {tp}: drop one of them")
@@ -95,11 +100,6 @@ def check_tensor_parallel_config(cfg) -> None:
         raise ValueError(f"--fp8 is not supported with --model-parallel-size {tp}: drop one of them")
     if getattr(cfg.distributed_training, "compile", False):
         raise ValueError(f"--compile is not supported with --model-parallel-size {tp}: drop one of them")
-    heads = getattr(model, "decoder_attention_heads", None)
-    ffn = getattr(model, "decoder_ffn_embed_dim", None)
-    if heads is None or ffn is None:
-        raise ValueError(f"--model-parallel-size {tp} needs a transformer_lm architecture (got --arch "
-                         f"{getattr(model, '_name', '?')})")
     vocab, source = _dictionary_size(cfg.task)
     check_tensor_parallel_shape(tp, heads, ffn, vocab, source)
 
