@@ -263,6 +263,10 @@ def print_profiles(results):
         print(f"\nkernels that differ most, {name} minus {base_name} (ms per update, calls per update):")
         for kernel, ms, calls in kernel_differences(base, p)[:15]:
             print(f"  {ms:+8.2f} {calls:+7.1f}  {kernel[:110]}")
+    for name, p in profiled:
+        print(f"\nhost time (self, ms per update), {name}:")
+        for op in p.get("top_host_ops", [])[:12]:
+            print(f"  {op['cpu_ms']:8.2f} {op['count']:7.1f}  {op['name'][:110]}")
 
 
 def kernel_differences(base, other):
@@ -294,7 +298,7 @@ def main(argv=None):
                              "prefetch, sync-free, both")
     parser.add_argument("--fp8", default="", metavar="RECIPES",
                         help="also run fairseq-train --fp8 with these comma-separated recipes (tensorwise, rowwise, "
-                             "rowwise_with_gw_hp; tensorwise+ag adds --fp8-fsdp-all-gather), with both FSDP flags")
+                             "rowwise_with_gw_hp; tensorwise+ag adds --fp8-fsdp-all-gather), without FSDP flags")
     parser.add_argument("--profile", action="store_true",
                         help="also record a torch.profiler trace of two measured updates of every run "
                              "(fairseq-train --profile-updates) and print per-update GPU busy/idle time and kernel "
@@ -334,7 +338,7 @@ def main(argv=None):
         results.append(run_fairseq(args, name.replace("--fsdp-", "").strip(), extra, env))
         print_table(args, results, reference)
     for recipe in [r for r in args.fp8.split(",") if r]:
-        extra = ["--fp8", "--fp8-recipe", recipe.replace("+ag", ""), "--fsdp-forward-prefetch", "--fsdp-sync-free"]
+        extra = ["--fp8", "--fp8-recipe", recipe.replace("+ag", "")]  # no FSDP flags: fairseq-train's default
         extra += ["--fp8-fsdp-all-gather"] if recipe.endswith("+ag") else []
         extra += ["--compile"] if args.compile else []
         results.append(run_fairseq(args, f"fairseq-train --fp8 {recipe}" + (" --compile" if args.compile else ""),
