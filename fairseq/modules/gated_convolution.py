@@ -40,10 +40,15 @@ def weight_normalized(weight_g: torch.Tensor, weight_v: torch.Tensor, dim: int) 
 
 def _init_weight_norm_(weight_g: nn.Parameter, weight_v: nn.Parameter, bias: nn.Parameter, std: float,
                        dim: int) -> None:
-    # Whole-tensor ops only, so that it also initializes FSDP2's sharded parameters (DTensors) in place.
+    # Whole-tensor ops, so that it also initializes FSDP2's sharded parameters (DTensors, after a meta-device
+    # build) in place. A convolution's norm spans the kernel dim, which FSDP2 shards: the value is a pending
+    # reduction that an in-place copy will not redistribute, so it is brought to weight_g's placement first.
     with torch.no_grad():
         nn.init.normal_(weight_v, mean=0.0, std=std)
-        weight_g.copy_(norm_except_dim(weight_v, dim))
+        norm = norm_except_dim(weight_v, dim)
+        if hasattr(norm, "redistribute"):
+            norm = norm.redistribute(weight_g.device_mesh, weight_g.placements)
+        weight_g.copy_(norm)
         bias.zero_()
 
 

@@ -109,19 +109,68 @@ def test_fully_sharded_on_one_process_trains_as_the_default_backend(readme_run, 
     assert [[r[k] for k in keys] for r in rows(tmp_path)] == [[r[k] for k in keys] for r in rows(readme_run)[:7]]
 
 
-def test_fully_sharded_on_two_processes_trains_as_one_process_with_two_micro_batches(tiny_data, tmp_path):
-    """2 gloo processes with sharded checkpoints, and eval-lm of the sharded directory; dropout 0, so the runs
-    differ only in summation order."""
+def _two_rank_worker(rank, meta_port, train_port, argv, state_path):
+    """One of 2 gloo ranks. First: the model built on the meta device, sharded by FSDP2, then initialized shard
+    by shard (what fairseq-train does from 1e9 parameters on); rank 0 saves the full state. Then: fairseq-train
+    as torchrun would start it on this rank."""
+    import os
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from fairseq.dataclass.configs import FairseqConfig
+    from fairseq.distributed.parallelize import parallelize_model
+    from fairseq.models.fconv_lm import FConvLanguageModel, preset_config
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(meta_port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    cfg = FairseqConfig()
+    cfg.distributed_training.ddp_backend = "fully_sharded"
+    cfg.model = preset_config("fconv_lm", decoder_layers=LAYERS, decoder_embed_dim=8)
+    with torch.device("meta"):
+        model = FConvLanguageModel.build(cfg.model, 64, PAD)
+    parallelize_model(model, cfg, torch.device("cpu"), world_mesh=init_device_mesh("cpu", (2,)))
+    state = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in model.state_dict().items()}
+    if rank == 0:
+        torch.save(state, state_path)
+    dist.destroy_process_group()
+
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2",
+                      MASTER_PORT=str(train_port))
+    train.cli_main(argv)
+
+
+def test_fully_sharded_on_two_processes(tiny_data, tmp_path):
+    """2 gloo ranks: a meta-device build initialized on its shards as upstream initializes; fairseq-train with
+    sharded checkpoints against one process taking the same batches as two micro-batches (dropout 0: the runs
+    differ only in summation order), and eval-lm of the sharded directory."""
+    import torch.multiprocessing as mp
+
+    from fairseq.distributed.env import get_free_port
+
     single, sharded = tmp_path / "single", tmp_path / "sharded"
     short = ["--dropout", "0", "--max-update", "3", "--seed", "3"]
+    argv = readme_argv(tiny_data, sharded, 1, *short, "--ddp-backend", "fully_sharded", "--use-sharded-state")
+    ports = get_free_port("127.0.0.1"), get_free_port("127.0.0.1")
+    mp.spawn(_two_rank_worker, args=(*ports, argv, str(tmp_path / "meta.pt")), nprocs=2, join=True)
+
+    state = torch.load(tmp_path / "meta.pt", weights_only=True)
+    for key, v in state.items():  # weight_g is weight_v's norm (a convolution's spans both ranks' shards)
+        if key.endswith("weight_v"):
+            dims = (1,) if v.dim() == 2 else (0, 1)
+            torch.testing.assert_close(state[key[:-1] + "g"], v.norm(dim=dims, keepdim=True), rtol=0, atol=1e-6)
+            assert state[key[:-len("weight_v")] + "bias"].abs().sum() == 0
+    assert state["decoder.embed_tokens.weight"][PAD].abs().sum() == 0
+
     train.cli_main(readme_argv(tiny_data, single, 1, *short, "--update-freq", "2"))
-    train.cli_main(readme_argv(tiny_data, sharded, 1, *short, "--ddp-backend", "fully_sharded",
-                               "--distributed-world-size", "2", "--use-sharded-state"))
     assert (sharded / "checkpoint_last").is_dir()
     ref = {r["num_updates"]: float(r["loss"]) for r in rows(single)}
     got = {r["num_updates"]: float(r["loss"]) for r in rows(sharded)}
     assert ref.keys() == got.keys() == {"1", "2", "3"}
     assert all(abs(ref[k] - got[k]) <= 0.0015 for k in ref), (ref, got)  # logged with 3 decimals
+    # each update takes two batches (of up to 1024 tokens): one per rank, or two micro-batches
+    assert [r["wpb"] for r in rows(sharded)] == [r["wpb"] for r in rows(single)]
+    assert int(rows(single)[0]["wpb"]) > 1024
     a = eval_lm.main(eval_cfg(tiny_data, sharded / "checkpoint_last", "--gen-subset", "valid"))
     b = eval_lm.main(eval_cfg(tiny_data, single / "checkpoint_last.pt", "--gen-subset", "valid"))
     assert a["tokens"] == b["tokens"] and a["loss"] == pytest.approx(b["loss"], abs=1e-4)
