@@ -355,8 +355,9 @@ class FConvLanguageModel(FairseqLanguageModel):
         check_config(cfg)
         cutoffs = (parse_cutoffs(cfg.adaptive_softmax_cutoff, "--adaptive-softmax-cutoff")
                    if uses_adaptive_softmax(cfg) else None)
-        return cls(FConvDecoder(vocab_size, padding_idx, cfg.decoder_embed_dim, parse_decoder_layers(cfg.decoder_layers),
-                                cfg.dropout, cutoffs, cfg.adaptive_softmax_dropout, output_vocab_size))
+        layers = parse_decoder_layers(cfg.decoder_layers)
+        return cls(FConvDecoder(vocab_size, padding_idx, cfg.decoder_embed_dim, layers, cfg.dropout, cutoffs,
+                                cfg.adaptive_softmax_dropout, output_vocab_size))
 
     def forward(self, src_tokens: torch.Tensor, src_lengths: Optional[torch.Tensor] = None,
                 features_only: bool = False, incremental_state: Optional[dict] = None) -> torch.Tensor:

@@ -102,7 +102,7 @@ class GatedCausalConv(nn.Module):
 
     @property
     def weight(self) -> torch.Tensor:
-        """The normalized weight in ConvTBC's layout [kernel, in, 2 * out]: tap k multiplies input t - (kernel-1) + k."""
+        """The normalized weight in ConvTBC's layout [kernel, in, 2 * out]; tap k meets input t - (kernel - 1) + k."""
         return weight_normalized(self.weight_g, self.weight_v, dim=2)
 
     def forward(self, x: torch.Tensor, history: Optional[torch.Tensor] = None) -> torch.Tensor:
