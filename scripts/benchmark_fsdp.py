@@ -293,6 +293,8 @@ def main(argv=None):
     parser.add_argument("--intervals", type=int, default=2, help="measured log intervals after the warm-up one")
     parser.add_argument("--num-workers", type=int, default=1)
     parser.add_argument("--compile", action="store_true", help="also run --compile (and the compiled loop)")
+    parser.add_argument("--no-compile-rows", action="store_true",
+                        help="with --compile: compile only the --fp8 rows (no compiled loop or bf16 --compile row)")
     parser.add_argument("--combos", default="all",
                         help="flag combinations to run: 'all' (the four), or a comma-separated list of none, "
                              "prefetch, sync-free, both")
@@ -344,7 +346,7 @@ def main(argv=None):
         results.append(run_fairseq(args, f"fairseq-train --fp8 {recipe}" + (" --compile" if args.compile else ""),
                                    extra, env))
         print_table(args, results, reference)
-    if args.compile:
+    if args.compile and not args.no_compile_rows:
         if not args.no_reference:
             results.append(run_reference(args, True, env))
         for prefetch, sync_free in combos[-1:]:

@@ -99,7 +99,8 @@ class UpdateProfiler:
         self._profiler = None
         self._update_span = None
         self._wall_start = 0.0
-        self.update_walls_ms: List[float] = []
+        self.updates = 0  # updates completed inside the range
+        self.wall_ms = 0.0  # of the whole range
         self.done = False
 
     @classmethod
@@ -127,8 +128,9 @@ class UpdateProfiler:
             self._profiler = profile(activities=activities, record_shapes=False, with_stack=False)
             self._sync()
             self._profiler.start()
-        self._sync()
-        self._wall_start = time.perf_counter()
+            # Synchronized only here and at the end: a sync per update would drain the GPU's queue and show
+            # every update starting with an idle GPU.
+            self._wall_start = time.perf_counter()
         self._update_span = torch.profiler.record_function(f"update {update}")
         self._update_span.__enter__()
 
@@ -137,11 +139,16 @@ class UpdateProfiler:
             return
         self._update_span.__exit__(None, None, None)
         self._update_span = None
-        self._sync()  # the update's wall time includes the GPU finishing it
-        self.update_walls_ms.append((time.perf_counter() - self._wall_start) * 1e3)
+        self.updates += 1
         if update >= self.end:
-            self._profiler.stop()
-            self.done = True
+            self._stop()
+
+    def _stop(self) -> None:
+        self._sync()  # the range's wall time includes the GPU finishing its last update
+        self.wall_ms = (time.perf_counter() - self._wall_start) * 1e3
+        self._profiler.stop()
+        self.done = True
+        if self.updates:
             self.write()
 
     def finish(self) -> None:
@@ -150,10 +157,7 @@ class UpdateProfiler:
             if self._update_span is not None:
                 self._update_span.__exit__(None, None, None)
                 self._update_span = None
-            self._profiler.stop()
-            self.done = True
-            if self.update_walls_ms:
-                self.write()
+            self._stop()
 
     def summary(self) -> Dict:
         events = self._profiler.events()
@@ -165,7 +169,7 @@ class UpdateProfiler:
         host_names = {e.name for e in events if e.device_type != cuda}
         kernels = [e for e in events
                    if e.device_type == cuda and e.name not in CUPTI_MARKERS and e.name not in host_names]
-        updates = max(len(self.update_walls_ms), 1)
+        updates = max(self.updates, 1)
         busy_us = _union_length([(e.time_range.start, e.time_range.end) for e in kernels])
         categories: Dict[str, float] = {}
         by_name: Dict[str, List[float]] = {}
@@ -176,7 +180,7 @@ class UpdateProfiler:
             entry = by_name.setdefault(e.name, [0.0, 0.0])
             entry[0] += 1 / updates
             entry[1] += ms
-        wall_ms = sum(self.update_walls_ms) / updates
+        wall_ms = self.wall_ms / updates
         kernel_sum_ms = sum(categories.values())
         ops = []
         for avg in self._profiler.key_averages():
@@ -189,7 +193,7 @@ class UpdateProfiler:
         ops.sort(key=lambda o: (o["device_ms"], o["cpu_ms"]), reverse=True)
         busy_ms = busy_us / 1e3 / updates
         return {
-            "updates": len(self.update_walls_ms), "wall_ms": wall_ms, "gpu_busy_ms": busy_ms,
+            "updates": self.updates, "wall_ms": wall_ms, "gpu_busy_ms": busy_ms,
             "gpu_idle_ms": max(wall_ms - busy_ms, 0.0) if self.cuda else None,
             "kernels": len(kernels) / updates,
             # kernel time summed over streams; sum - busy is the time kernels ran concurrently
