@@ -316,6 +316,12 @@ def main(argv=None):
     if args.profile and args.log_interval < 3:
         parser.error("--profile records updates LOG_INTERVAL-1 and LOG_INTERVAL (after the first, compiling one): "
                      "pass --log-interval 3 or more")
+    named = {"none": (False, False), "prefetch": (True, False), "sync-free": (False, True), "both": (True, True)}
+    names = list(named) if args.combos == "all" else args.combos.split(",")
+    unknown = [n for n in names if n not in named]
+    if unknown:
+        parser.error(f"--combos {args.combos!r}: unknown {', '.join(unknown)}; use all or a list of {', '.join(named)}")
+    combos = [named[n] for n in names]
     import torch
 
     args.cpu = args.cpu or not torch.cuda.is_available()
@@ -323,12 +329,6 @@ def main(argv=None):
     os.makedirs(args.out, exist_ok=True)
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     env.setdefault("OMP_NUM_THREADS", "1")
-    named = {"none": (False, False), "prefetch": (True, False), "sync-free": (False, True), "both": (True, True)}
-    names = list(named) if args.combos == "all" else args.combos.split(",")
-    unknown = [n for n in names if n not in named]
-    if unknown:
-        parser.error(f"--combos {args.combos!r}: unknown {', '.join(unknown)}; use all or a list of {', '.join(named)}")
-    combos = [named[n] for n in names]
     results = []
     reference = None
     if not args.no_reference:
