@@ -68,3 +68,35 @@ def tiny_train_argv(data, save_dir, *extra, max_update, arch="transformer_lm", l
 def default_train_argv(data, save_dir, *extra, max_update=8):
     """The tiny transformer_lm with TRAIN_RECIPE, --seed 3, a json --log-file in save_dir."""
     return tiny_train_argv(data, save_dir, *TRAIN_RECIPE, *extra, max_update=max_update)
+
+
+# ----------------------------------------------------------------------------- fairseq-train in this process
+
+
+def train_in_process(argv):
+    """What `fairseq-train ARGV` does (its console entry point: a user error is one `fairseq-train: error:`
+    line on stderr and exit status 1, a usage error status 2), run in this process on one intra-op thread;
+    (exit status, stdout, stderr). Starting a Python process with torch costs seconds, more than these tiny
+    runs; tests that are about the process itself (signals, spawned ranks, a hang) run it as one instead."""
+    import contextlib
+    import io
+
+    import torch
+
+    from fairseq.utils import run_console_script
+    from fairseq_cli import train
+
+    out, err = io.StringIO(), io.StringIO()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            run_console_script("fairseq-train", train.cli_main, argv)
+        status = 0
+    except SystemExit as exit:  # as the interpreter ends on it: None is 0, a message is printed with status 1
+        status = 0 if exit.code is None else exit.code if isinstance(exit.code, int) else 1
+        if not isinstance(exit.code, (int, type(None))):
+            err.write(f"{exit.code}\n")
+    finally:
+        torch.set_num_threads(threads)
+    return status, out.getvalue(), err.getvalue()
