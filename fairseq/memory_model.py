@@ -60,6 +60,7 @@ DDP_GRADIENT_BUCKET_COPY = True
 FLASH_DQ_ACCUM_BYTES = 4
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+FLOAT8_BYTES = 1
 
 
 # ------------------------------------------------------------------------------------------ model shape
@@ -191,6 +192,9 @@ class TrainingSetup:
     update_freq: int = 1
     tensor_parallel: int = 1  # --model-parallel-size (sequence-parallel norms, vocabulary-parallel loss)
     shard_group: int = 0  # --fsdp-shard-group-size: ranks that shard the states (0: every data-parallel rank)
+    float8: bool = False  # --fp8 (the decoder layers' Linear layers)
+    float8_all_gather: bool = False  # --fp8-fsdp-all-gather: the layers' weight matrices gathered in float8
+    compiled: bool = False  # --compile (changes what a float8 layer saves; nothing in bf16)
 
     @property
     def data_parallel(self) -> int:
@@ -244,13 +248,24 @@ def layer_activation_bytes(shape: ModelShape, setup: TrainingSetup) -> int:
     the norms' inputs and the residual dropout masks are split along the sequence (/ t); q, k, v, the
     attention output and the ffn-wide tensors along the features (/ t); the inputs of q/k/v and fc1 are the
     all-gathered sequence, which the column-parallel matmuls save whole.
+
+    With --fp8 --compile (tensorwise; measured on an H200 at 32 x 2560, docs/benchmarks.md) the compiled layer
+    saves the float8 casts of the inputs of q/k/v and fc1 (1 byte) instead of the bf16 tensors, and
+    recomputes fc2's float8 input from fc1's output instead of saving it: 10 bytes per token and embed dim
+    less than bf16, against 11.8 measured (the plan stays on the safe side). Eager float8 saves what bf16
+    saves (measured: the same peak).
     """
     d, f, c, t = shape.embed_dim, shape.ffn_dim, setup.compute_bytes, setup.tensor_parallel
     residual = 4 if setup.autocast else c
     qkv_inputs = 3 if setup.autocast else 1
+    compiled_float8 = setup.float8 and setup.compiled
     split = 2 * d * residual + 4 * d * c + (2 * d if shape.dropout > 0 else 0)  # per token, divided by t
-    whole = (qkv_inputs + 1) * d * c  # the inputs of q/k/v and fc1
-    whole += _ffn_saved_tensors(shape.activation_fn, shape.activation_dropout > 0) * f * c
+    whole = (qkv_inputs + 1) * d * (FLOAT8_BYTES if compiled_float8 else c)  # the inputs of q/k/v and fc1
+    ffn_tensors = _ffn_saved_tensors(shape.activation_fn, shape.activation_dropout > 0)
+    if compiled_float8:
+        ffn_tensors -= 1  # fc2's input, recomputed
+        whole += f * FLOAT8_BYTES if ffn_tensors == 0 else 0  # no other ffn-wide tensor to recompute it from
+    whole += ffn_tensors * f * c
     whole += (f if shape.activation_dropout > 0 else 0) + 4 * shape.heads
     return setup.tokens * whole + setup.tokens * split // t
 
@@ -402,6 +417,11 @@ def _walk_fully_sharded(shape: ModelShape, setup: TrainingSetup):
     all_shard = layers * layer_shard + root_shard
     gathered = n * layer_shard  # one layer's padded all-gather / reduce-scatter buffer, in elements
     root_gathered = n * root_shard
+    full_layer = c * gathered  # bytes of one layer's gathered parameters
+    if setup.float8_all_gather:  # the weight matrices travel and stay gathered in float8, the rest in c
+        matrices = [s for s in shape.layer_param_shapes if len(s) == 2]
+        others = [s for s in shape.layer_param_shapes if len(s) != 2]
+        full_layer = n * (FLOAT8_BYTES * sharded_numel(matrices, n) + c * sharded_numel(others, n))
     on_gpu = 0 if setup.cpu_offload else 1
     states = dict(parameters=on_gpu * MASTER_PARAM_BYTES * all_shard,
                   optimizer_state=on_gpu * ADAM_STATE_BYTES * all_shard)
@@ -418,10 +438,10 @@ def _walk_fully_sharded(shape: ModelShape, setup: TrainingSetup):
     depth = setup.prefetch_depth if setup.forward_prefetch else 0
     backward_prefetch = setup.prefetch_depth if setup.forward_prefetch else FSDP_IMPLICIT_BACKWARD_PREFETCH
     if setup.reshard_after_forward:
-        forward_flight = (FSDP_FORWARD_BUFFERS + depth) * c * gathered
+        forward_flight = (FSDP_FORWARD_BUFFERS + depth) * full_layer
     else:  # every layer's parameters stay gathered, plus the last flat all-gather buffer
-        forward_flight = (layers + 1) * c * gathered
-    kept_after_forward = 0 if setup.reshard_after_forward else layers * c * gathered
+        forward_flight = (layers + 1) * full_layer
+    kept_after_forward = 0 if setup.reshard_after_forward else layers * full_layer
     snaps = [
         _snapshot("forward, last layer", **states, gradients=grads(0, False),
                   layers_in_flight=forward_flight if layers else 0,
@@ -434,9 +454,9 @@ def _walk_fully_sharded(shape: ModelShape, setup: TrainingSetup):
     output_grad = c * shape.output_projection_params
     for i in reversed(range(layers)):
         if setup.reshard_after_forward:
-            flight = (1 + min(backward_prefetch, i)) * c * gathered
+            flight = (1 + min(backward_prefetch, i)) * full_layer
         else:
-            flight = (i + 1) * c * gathered
+            flight = (i + 1) * full_layer
         retained_reduce = REDUCE_BYTES * gathered * FSDP_RETAINED_REDUCE_BUFFERS if i < layers - 1 else 0
         snaps.append(_snapshot(
             f"backward, layer {i}", **states, gradients=grads(layers - 1 - i, False),

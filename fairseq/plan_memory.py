@@ -94,10 +94,11 @@ def build_parser() -> argparse.ArgumentParser:
     _add_fields(training, configs.DatasetConfig, ["batch_size", "max_tokens"])
     _add_fields(training, LanguageModelingConfig, ["tokens_per_sample", "max_target_positions"],
                 tokens_per_sample=DEFAULT_TOKENS_PER_SAMPLE)
-    _add_fields(training, configs.CommonConfig, ["fp16", "bf16", "memory_efficient_fp16", "memory_efficient_bf16"])
+    _add_fields(training, configs.CommonConfig, ["fp16", "bf16", "memory_efficient_fp16", "memory_efficient_bf16",
+                                                 "fp8", "fp8_recipe", "fp8_fsdp_all_gather"])
     _add_fields(training, configs.DistributedTrainingConfig,
                 ["ddp_backend", "cpu_offload", "no_reshard_after_forward", "fsdp_forward_prefetch",
-                 "fsdp_prefetch_depth", "fsdp_sync_free", "model_parallel_size", "fsdp_shard_group_size"],
+                 "fsdp_prefetch_depth", "fsdp_sync_free", "model_parallel_size", "fsdp_shard_group_size", "compile"],
                 ddp_backend="fully_sharded")
     _add_fields(training, configs.OptimizationConfig, ["update_freq"])
     training.add_argument("--optimizer", default="adam", metavar="OPTIMIZER",
@@ -164,6 +165,9 @@ def _training_setup(args, cfg) -> mm.TrainingSetup:
     from fairseq.dataclass.validate import check_precision
 
     check_precision(args)
+    from fairseq.float8 import check_float8_flags
+
+    check_float8_flags(argparse.Namespace(common=args, distributed_training=args))
     dtype = "fp32"
     if args.fp16 or args.memory_efficient_fp16:
         dtype = "fp16"
@@ -201,6 +205,7 @@ def _training_setup(args, cfg) -> mm.TrainingSetup:
         forward_prefetch=args.fsdp_forward_prefetch, prefetch_depth=args.fsdp_prefetch_depth,
         sync_free=args.fsdp_sync_free, update_freq=max(1, args.update_freq[0]),
         tensor_parallel=layout.tp, shard_group=args.fsdp_shard_group_size,
+        float8=args.fp8, float8_all_gather=args.fp8_fsdp_all_gather, compiled=args.compile,
     )
 
 
@@ -219,7 +224,9 @@ def _flags(setup: mm.TrainingSetup) -> str:
                      (setup.sync_free, "--fsdp-sync-free"),
                      (setup.update_freq > 1, f"--update-freq {setup.update_freq}"),
                      (setup.tensor_parallel > 1, f"--model-parallel-size {setup.tensor_parallel}"),
-                     (setup.shard_group > 0, f"--fsdp-shard-group-size {setup.shard_group}")):
+                     (setup.shard_group > 0, f"--fsdp-shard-group-size {setup.shard_group}"),
+                     (setup.float8, "--fp8"), (setup.float8_all_gather, "--fp8-fsdp-all-gather"),
+                     (setup.compiled, "--compile")):
         if on:
             parts.append(flag)
     return ", ".join(parts)
