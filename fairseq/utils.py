@@ -2,6 +2,7 @@
 scripts call (make_positions, strip_pad, move_to_cuda, set_torch_seed, clip_grad_norm_, ...), each a thin
 layer over where this fork implements it."""
 
+import ast
 import copy
 import importlib
 import os
@@ -269,6 +270,24 @@ def resolve_max_positions(*args):
 def split_paths(paths: str, separator: str = os.pathsep) -> List[str]:
     """DATA's directories (`path1:path2`); a URL (`s3://...`) is split on `|` instead, as upstream."""
     return paths.split(separator) if "://" not in paths else paths.split("|")
+
+
+def literal_or_none(value):
+    """A flag value as upstream writes Python literals ("(0.9, 0.98)", "[20000, 60000]", "False"): the parsed
+    literal for a string, None if it is not one; anything else is returned unchanged. Never `eval`s."""
+    if not isinstance(value, str):
+        return value
+    try:
+        return ast.literal_eval(value.strip())
+    except (ValueError, SyntaxError):
+        return None
+
+
+def fill_missing(args, **defaults) -> None:
+    """Set each attribute `args` does not have yet (how upstream's architecture functions fill a namespace)."""
+    for name, value in defaults.items():
+        if not hasattr(args, name):
+            setattr(args, name, value)
 
 
 def safe_getattr(obj, name: str, default: Any = None):

@@ -50,6 +50,7 @@ from fairseq.modules.adaptive_input import parse_cutoffs
 from fairseq.modules.adaptive_softmax import AdaptiveSoftmax
 from fairseq.modules.gated_convolution import GatedCausalConv, WeightNormLinear, norm_except_dim, weight_normalized
 from fairseq.modules.positional_embedding import zero_row_
+from fairseq.utils import literal_or_none, fill_missing
 
 logger = logging.getLogger(__name__)
 
@@ -136,12 +137,7 @@ def parse_decoder_layers(spec) -> List[LayerSpec]:
 def parse_decoder_attention(value, num_layers: int) -> None:
     """Accept upstream's "False" (or a list of False, one per layer); refuse attention, which attends over an
     encoder's output that a language model does not have (upstream's fconv_lm fails at its first forward)."""
-    parsed = value
-    if isinstance(value, str):
-        try:
-            parsed = ast.literal_eval(value.strip())
-        except (ValueError, SyntaxError):
-            parsed = None
+    parsed = literal_or_none(value)
     flags = [parsed] if isinstance(parsed, bool) else parsed
     if not isinstance(flags, (list, tuple)) or not all(isinstance(f, bool) for f in flags):
         raise ValueError(f"--decoder-attention {value!r}: expected False (or a list of booleans, one per layer)")
@@ -387,16 +383,10 @@ class FConvLanguageModel(FairseqLanguageModel):
 # ------------------------------------------------------------------------------------------- presets
 
 
-def _fill(args, **defaults) -> None:
-    for name, value in defaults.items():
-        if not hasattr(args, name):
-            setattr(args, name, value)
-
-
 @registry.register_model_architecture("fconv_lm", "fconv_lm")
 def base_lm_architecture(args) -> None:
-    _fill(args, dropout=0.1, decoder_embed_dim=128, decoder_layers="[(1268, 4)] * 13", decoder_attention="False",
-          adaptive_softmax_cutoff=None, adaptive_softmax_dropout=0.0)
+    fill_missing(args, dropout=0.1, decoder_embed_dim=128, decoder_layers="[(1268, 4)] * 13", decoder_attention="False",
+                 adaptive_softmax_cutoff=None, adaptive_softmax_dropout=0.0)
 
 
 WIKITEXT103_LAYERS = ("[(850, 6)] * 3 + [(850, 1)] * 1 + [(850, 5)] * 4 + [(850, 1)] * 1 + [(850, 4)] * 3"
@@ -409,15 +399,15 @@ GBW_LAYERS = ("[(512, 5)] + [(128, 1, 0), (128, 5, 0), (512, 1, 3)] * 3"
 
 @registry.register_model_architecture("fconv_lm", "fconv_lm_dauphin_wikitext103")
 def fconv_lm_dauphin_wikitext103(args) -> None:
-    _fill(args, decoder_embed_dim=280, decoder_layers=WIKITEXT103_LAYERS, decoder_attention="False",
-          adaptive_softmax_cutoff="10000,20000,200000")
+    fill_missing(args, decoder_embed_dim=280, decoder_layers=WIKITEXT103_LAYERS, decoder_attention="False",
+                 adaptive_softmax_cutoff="10000,20000,200000")
     base_lm_architecture(args)
 
 
 @registry.register_model_architecture("fconv_lm", "fconv_lm_dauphin_gbw")
 def fconv_lm_dauphin_gbw(args) -> None:
-    _fill(args, decoder_embed_dim=128, decoder_layers=GBW_LAYERS, decoder_attention="False",
-          adaptive_softmax_cutoff="10000,50000,200000")
+    fill_missing(args, decoder_embed_dim=128, decoder_layers=GBW_LAYERS, decoder_attention="False",
+                 adaptive_softmax_cutoff="10000,50000,200000")
     base_lm_architecture(args)
 
 

@@ -38,8 +38,6 @@ from dataclasses import dataclass
 from typing import Literal, Optional
 
 import torch
-import torch.nn as nn
-import torch.nn.functional as F
 
 from fairseq import registry
 from fairseq.dataclass.configs import II, opt
@@ -49,6 +47,7 @@ from fairseq.logging.throughput import flops_per_token as transformer_flops_per_
 from fairseq.models.fairseq_model import FairseqLanguageModel
 from fairseq.modules.adaptive_input import AdaptiveInput, parse_cutoffs
 from fairseq.modules.transformer_decoder import TransformerDecoder
+from fairseq.utils import fill_missing
 
 logger = logging.getLogger(__name__)
 
@@ -288,12 +287,6 @@ class TransformerLanguageModel(FairseqLanguageModel):
 # Architecture presets. Each fills attributes the namespace does not have yet, in upstream's order.
 
 
-def _fill(args, **defaults) -> None:
-    for name, value in defaults.items():
-        if not hasattr(args, name):
-            setattr(args, name, value)
-
-
 def _force(args, name: str, value) -> None:
     # Upstream sets a few values whatever the command line says; mirrored so that the same command
     # line builds the same model, but never silently.
@@ -309,49 +302,51 @@ def transformer_lm(args) -> None:
 
 
 def base_lm_architecture(args) -> None:
-    _fill(args, dropout=0.1, attention_dropout=0.0, decoder_embed_dim=512, decoder_ffn_embed_dim=2048,
-          decoder_layers=6, decoder_attention_heads=8, adaptive_softmax_cutoff=None, adaptive_softmax_dropout=0.0,
-          adaptive_softmax_factor=4.0, decoder_learned_pos=False, activation_fn="relu", decoder_layerdrop=0.0,
-          decoder_layers_to_keep=None, quant_noise_pq=0.0, quant_noise_pq_block_size=8, quant_noise_scalar=0.0,
-          base_layers=0, add_bos_token=False, no_token_positional_embeddings=False,
-          share_decoder_input_output_embed=False, character_embeddings=False)
-    _fill(args, decoder_output_dim=args.decoder_embed_dim, decoder_input_dim=args.decoder_embed_dim)
+    fill_missing(args, dropout=0.1, attention_dropout=0.0, decoder_embed_dim=512, decoder_ffn_embed_dim=2048,
+                 decoder_layers=6, decoder_attention_heads=8, adaptive_softmax_cutoff=None,
+                 adaptive_softmax_dropout=0.0,
+                 adaptive_softmax_factor=4.0, decoder_learned_pos=False, activation_fn="relu", decoder_layerdrop=0.0,
+                 decoder_layers_to_keep=None, quant_noise_pq=0.0, quant_noise_pq_block_size=8, quant_noise_scalar=0.0,
+                 base_layers=0, add_bos_token=False, no_token_positional_embeddings=False,
+                 share_decoder_input_output_embed=False, character_embeddings=False)
+    fill_missing(args, decoder_output_dim=args.decoder_embed_dim, decoder_input_dim=args.decoder_embed_dim)
     _force(args, "decoder_normalize_before", True)  # upstream: "training is not stable without this"
-    _fill(args, no_decoder_final_norm=False, adaptive_input=False, adaptive_input_factor=4.0,
-          adaptive_input_cutoff=None, tie_adaptive_weights=False, tie_adaptive_proj=False,
-          no_scale_embedding=False, layernorm_embedding=False, checkpoint_activations=False,
-          offload_activations=False, scale_fc=False, scale_attn=False, scale_heads=False, scale_resids=False)
+    fill_missing(args, no_decoder_final_norm=False, adaptive_input=False, adaptive_input_factor=4.0,
+                 adaptive_input_cutoff=None, tie_adaptive_weights=False, tie_adaptive_proj=False,
+                 no_scale_embedding=False, layernorm_embedding=False, checkpoint_activations=False,
+                 offload_activations=False, scale_fc=False, scale_attn=False, scale_heads=False, scale_resids=False)
     if args.offload_activations:
         args.checkpoint_activations = True
 
 
 @registry.register_model_architecture("transformer_lm", "transformer_lm_big")
 def transformer_lm_big(args) -> None:
-    _fill(args, decoder_layers=12, decoder_embed_dim=1024, decoder_ffn_embed_dim=4096, decoder_attention_heads=16)
+    fill_missing(args, decoder_layers=12, decoder_embed_dim=1024, decoder_ffn_embed_dim=4096,
+                 decoder_attention_heads=16)
     base_lm_architecture(args)
 
 
 @registry.register_model_architecture("transformer_lm", "transformer_lm_wiki103")
 @registry.register_model_architecture("transformer_lm", "transformer_lm_baevski_wiki103")
 def transformer_lm_baevski_wiki103(args) -> None:
-    _fill(args, decoder_layers=16, decoder_attention_heads=8, dropout=0.3, adaptive_input=True,
-          tie_adaptive_weights=True, adaptive_input_cutoff="20000,60000", adaptive_softmax_cutoff="20000,60000",
-          adaptive_softmax_dropout=0.2, attention_dropout=0.1, activation_dropout=0.1,
-          no_decoder_final_norm=True, tie_adaptive_proj=True)
+    fill_missing(args, decoder_layers=16, decoder_attention_heads=8, dropout=0.3, adaptive_input=True,
+                 tie_adaptive_weights=True, adaptive_input_cutoff="20000,60000", adaptive_softmax_cutoff="20000,60000",
+                 adaptive_softmax_dropout=0.2, attention_dropout=0.1, activation_dropout=0.1,
+                 no_decoder_final_norm=True, tie_adaptive_proj=True)
     transformer_lm_big(args)
 
 
 @registry.register_model_architecture("transformer_lm", "transformer_lm_gbw")
 @registry.register_model_architecture("transformer_lm", "transformer_lm_baevski_gbw")
 def transformer_lm_baevski_gbw(args) -> None:
-    _fill(args, decoder_embed_dim=512, dropout=0.1, attention_dropout=0.1, no_decoder_final_norm=True)
+    fill_missing(args, decoder_embed_dim=512, dropout=0.1, attention_dropout=0.1, no_decoder_final_norm=True)
     transformer_lm_big(args)
 
 
 def _gpt_family(args, embed_dim: int, ffn_dim: int, layers: int, heads: int) -> None:
     # Upstream's GPT / GPT-2 presets differ only in these four numbers.
-    _fill(args, decoder_embed_dim=embed_dim, decoder_ffn_embed_dim=ffn_dim, decoder_layers=layers,
-          decoder_attention_heads=heads, dropout=0.1, attention_dropout=0.1, activation_fn="gelu")
+    fill_missing(args, decoder_embed_dim=embed_dim, decoder_ffn_embed_dim=ffn_dim, decoder_layers=layers,
+                 decoder_attention_heads=heads, dropout=0.1, attention_dropout=0.1, activation_fn="gelu")
     base_lm_architecture(args)
 
 
@@ -369,8 +364,8 @@ _GPT_SIZES = {  # name: (embed dim, ffn dim, layers, heads)
 def base_gpt3_architecture(args) -> None:
     _force(args, "decoder_input_dim", args.decoder_embed_dim)
     _force(args, "decoder_output_dim", args.decoder_embed_dim)
-    _fill(args, decoder_ffn_embed_dim=args.decoder_embed_dim * 4, decoder_learned_pos=True, dropout=0.0,
-          attention_dropout=0.0, activation_fn="gelu")
+    fill_missing(args, decoder_ffn_embed_dim=args.decoder_embed_dim * 4, decoder_learned_pos=True, dropout=0.0,
+                 attention_dropout=0.0, activation_fn="gelu")
     _force(args, "share_decoder_input_output_embed", True)
     base_lm_architecture(args)
 
@@ -398,7 +393,7 @@ def _register_sized_presets():
         registry.register_model_architecture("transformer_lm", arch)(gpt_preset)
     for arch, (layers, embed_dim, heads) in _GPT3_SIZES.items():
         def gpt3_preset(args, _dims=(layers, embed_dim, heads)):
-            _fill(args, decoder_layers=_dims[0], decoder_embed_dim=_dims[1], decoder_attention_heads=_dims[2])
+            fill_missing(args, decoder_layers=_dims[0], decoder_embed_dim=_dims[1], decoder_attention_heads=_dims[2])
             base_gpt3_architecture(args)
 
         gpt3_preset.__name__ = gpt3_preset.__qualname__ = arch
@@ -413,15 +408,15 @@ _register_sized_presets()
 # base_lm_architecture (pre-norm, sinusoidal positions). megatron_11b is upstream's 11B recipe (ffn 6 x d).
 @registry.register_model_architecture("transformer_lm", "transformer_lm_megatron")
 def transformer_lm_megatron(args) -> None:
-    _fill(args, decoder_embed_dim=3072, decoder_ffn_embed_dim=3072 * 4, decoder_layers=72,
-          decoder_attention_heads=32, dropout=0.1, attention_dropout=0.1, activation_fn="gelu")
+    fill_missing(args, decoder_embed_dim=3072, decoder_ffn_embed_dim=3072 * 4, decoder_layers=72,
+                 decoder_attention_heads=32, dropout=0.1, attention_dropout=0.1, activation_fn="gelu")
     base_lm_architecture(args)
 
 
 @registry.register_model_architecture("transformer_lm", "transformer_lm_megatron_11b")
 def transformer_lm_megatron_11b(args) -> None:
-    _fill(args, decoder_embed_dim=3072, decoder_ffn_embed_dim=3072 * 6, decoder_layers=72,
-          decoder_attention_heads=32, dropout=0.1, attention_dropout=0.1, activation_fn="gelu")
+    fill_missing(args, decoder_embed_dim=3072, decoder_ffn_embed_dim=3072 * 6, decoder_layers=72,
+                 decoder_attention_heads=32, dropout=0.1, attention_dropout=0.1, activation_fn="gelu")
     base_lm_architecture(args)
 
 

@@ -7,13 +7,13 @@ upstream checkpoints load: `embeddings.N.0.weight` (band N's table, [band size, 
 `embeddings.N.1.weight` (its projection, [output_dim, band dim]) and the `_float_tensor` buffer.
 """
 
-import ast
 from typing import List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.nn as nn
 
 from fairseq.modules.positional_embedding import zero_row_
+from fairseq.utils import literal_or_none
 
 
 def parse_cutoffs(value: Union[str, int, Sequence[int], None], flag: str) -> Optional[List[int]]:
@@ -22,12 +22,7 @@ def parse_cutoffs(value: Union[str, int, Sequence[int], None], flag: str) -> Opt
     Raises ValueError naming `flag` unless the values are positive and increasing."""
     if value is None:
         return None
-    parsed = value
-    if isinstance(value, str):
-        try:
-            parsed = ast.literal_eval(value.strip())
-        except (ValueError, SyntaxError):
-            parsed = None
+    parsed = literal_or_none(value)
     if isinstance(parsed, int) and not isinstance(parsed, bool):
         parsed = [parsed]
     if not isinstance(parsed, (list, tuple)) or not parsed or not all(

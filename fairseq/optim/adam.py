@@ -6,7 +6,6 @@ sqrt(v) before bias-correcting it, torch after, so upstream's effective eps is e
 The two agree whenever |gradient| is much larger than eps, which is the case in practice.
 """
 
-import ast
 import logging
 from dataclasses import dataclass
 from typing import Iterable, List, Tuple
@@ -15,6 +14,7 @@ import torch
 
 from fairseq.dataclass.configs import opt
 from fairseq.optim import register_optimizer
+from fairseq.utils import literal_or_none
 
 logger = logging.getLogger(__name__)
 
@@ -38,12 +38,7 @@ class CPUAdamConfig:
 
 def parse_adam_betas(value) -> Tuple[float, float]:
     """`--adam-betas` as upstream writes it, a string such as "(0.9, 0.98)", or an actual pair."""
-    parsed = value
-    if isinstance(value, str):
-        try:
-            parsed = ast.literal_eval(value.strip())
-        except (ValueError, SyntaxError):
-            parsed = None
+    parsed = literal_or_none(value)
     is_pair = (
         isinstance(parsed, (tuple, list))
         and len(parsed) == 2
