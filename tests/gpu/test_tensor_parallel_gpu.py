@@ -94,7 +94,7 @@ def test_tp2_on_two_gpus_matches_fsdp2(tmp_path):
         proc = subprocess.run(
             [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m",
              "fairseq_cli.train", *common, *layout, "--log-file", str(log)],
-            capture_output=True, text=True, timeout=900, env=dict(os.environ, PYTHONPATH=ROOT))
+            capture_output=True, text=True, timeout=900, env=dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])))
         assert proc.returncode == 0, proc.stderr[-3000:]
         rows = read_json_log(log)
         logs[name] = [float(r["loss"]) for r in rows]

@@ -23,7 +23,7 @@ def train(tmp_path, *extra, nproc=1):
             "--decoder-ffn-embed-dim", "512", "--decoder-attention-heads", "4", "--optimizer", "adam",
             "--lr", "1e-3", "--log-format", "json", "--log-interval", "1", "--disable-validation",
             "--save-dir", str(tmp_path), "--log-file", str(tmp_path / "train.log"), "--num-workers", "0", *extra]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=ROOT), timeout=500)
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])), timeout=500)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc
 
