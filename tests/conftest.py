@@ -64,17 +64,18 @@ def tiny_lm_checkpoint(tiny_data, tmp_path_factory):
 # ----------------------------------------------------------------------------- --user-dir plug-ins
 
 
+def write_plugin(directory, source):
+    """The --user-dir plug-in `directory` (created) with `source` as its __init__.py."""
+    directory.mkdir()
+    (directory / "__init__.py").write_text(source)
+    return directory
+
+
 @pytest.fixture
 def user_dir(tmp_path):
     """user_dir(name, source): a --user-dir plug-in, the directory tmp_path/name with `source` as __init__.py
     (the directory's name is the module's: a name imported twice in one process must be the same plug-in)."""
-    def write(name, source):
-        directory = tmp_path / name
-        directory.mkdir()
-        (directory / "__init__.py").write_text(source)
-        return directory
-
-    return write
+    return lambda name, source: write_plugin(tmp_path / name, source)
 
 
 FAULTY_CRITERION = '''
@@ -87,11 +88,13 @@ CALL, AND_AFTER, RANK, ERROR, FACTOR, ALSO_LOGGED = {settings}
 
 @register_criterion({name!r}, dataclass=CrossEntropyCriterionConfig)
 class FaultyCrossEntropy(CrossEntropyCriterion):
-    calls = 0
+    def __init__(self, task, sentence_avg):
+        super().__init__(task, sentence_avg)
+        self.calls = 0  # one criterion per run: in-process runs count afresh
 
     def forward(self, model, sample, reduce=True):
-        FaultyCrossEntropy.calls += 1
-        faulty = FaultyCrossEntropy.calls == CALL or (AND_AFTER and FaultyCrossEntropy.calls > CALL)
+        self.calls += 1
+        faulty = self.calls == CALL or (AND_AFTER and self.calls > CALL)
         faulty = faulty and (RANK is None or dist.get_rank() == RANK)
         if faulty and ERROR is not None:
             raise RuntimeError(ERROR)
@@ -108,19 +111,22 @@ class FaultyCrossEntropy(CrossEntropyCriterion):
 def faulty_criterion(user_dir):
     """faulty_criterion(directory, name, *, call, and_after=False, rank=None, error=None, factor=None,
     also_logged=False): the --user-dir (user_dir(directory, ...)) of a criterion `name` that is cross_entropy
-    except on its `call`-th forward call in a process (and every later one with and_after; on distributed
-    rank `rank` only, if given): there it raises RuntimeError(error), or multiplies the loss by float(factor)
+    except on its `call`-th forward call in a run (and every later one with and_after; on distributed rank
+    `rank` only, if given): there it raises RuntimeError(error), or multiplies the loss by float(factor)
     ("nan", "inf"), and with also_logged the logged loss too."""
-    def write(directory, name, *, call, and_after=False, rank=None, error=None, factor=None, also_logged=False):
-        assert (error is None) != (factor is None), "a faulty criterion raises or scales the loss"
-        settings = repr((call, and_after, rank, error, factor, also_logged))
-        return user_dir(directory, FAULTY_CRITERION.format(settings=settings, name=name))
-
-    return write
+    return lambda directory, name, **settings: user_dir(directory, faulty_criterion_source(name, **settings))
 
 
-@pytest.fixture
-def nan_after_two(faulty_criterion):
+def faulty_criterion_source(name, *, call, and_after=False, rank=None, error=None, factor=None, also_logged=False):
+    assert (error is None) != (factor is None), "a faulty criterion raises or scales the loss"
+    settings = repr((call, and_after, rank, error, factor, also_logged))
+    return FAULTY_CRITERION.format(settings=settings, name=name)
+
+
+@pytest.fixture(scope="session")
+def nan_after_two(tmp_path_factory):
     """The --user-dir of criterion "nan_after_two": cross_entropy, then a nan loss (and logged loss) from its
-    third forward call on."""
-    return faulty_criterion("nan_plugin", "nan_after_two", call=3, and_after=True, factor="nan", also_logged=True)
+    third forward call in a run on. One directory for the session, so that runs in the test process import
+    the one plug-in."""
+    source = faulty_criterion_source("nan_after_two", call=3, and_after=True, factor="nan", also_logged=True)
+    return write_plugin(tmp_path_factory.mktemp("plugins") / "nan_plugin", source)

@@ -3,13 +3,13 @@
 import math
 import os
 import subprocess
-import sys
 
 import pytest
 import torch
 
 from fairseq.logging.progress_bar import read_json_log
 from fairseq_cli import eval_lm, train
+from tests.train_fixtures import train_in_process
 
 def load(path):
     return torch.load(path, map_location="cpu", weights_only=True)
@@ -124,9 +124,11 @@ def test_upstream_wikitext_command_line_runs(tiny_data, tmp_path):
     assert state["model"]["decoder.project_in_dim.weight"].shape == (64, 512)
 
 
-def _run_train(argv, **kw):
-    return subprocess.run([sys.executable, "-m", "fairseq_cli.train", *argv], capture_output=True, text=True,
-                          timeout=300, **kw)
+def _run_train(argv):
+    """fairseq-train's console entry point in this process (tests/unit/test_console_script.py runs the
+    installed script as a process)."""
+    returncode, stdout, stderr = train_in_process(argv)
+    return subprocess.CompletedProcess(argv, returncode, stdout, stderr)
 
 
 def test_missing_dict_is_a_clear_error(tmp_path, train_args):
