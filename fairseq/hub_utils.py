@@ -16,6 +16,7 @@ import copy
 import dataclasses
 import logging
 import os
+from collections import OrderedDict
 from typing import Any, Dict, Iterator, List, Optional
 
 import torch
@@ -132,7 +133,13 @@ class GeneratorHubInterface(nn.Module):
     """Upstream's interface for generating from (and scoring with) a language model or an ensemble.
 
     An nn.Module, so `.cuda()`, `.half()`, `.to(torch.bfloat16)` move and cast every model; `device` is where
-    they are. Models are put in eval mode (dropout off, unless cfg.generation.retain_dropout)."""
+    they are. Models are in eval mode (dropout off, unless cfg.generation.retain_dropout) for every call.
+
+    The generator of a set of generation options is built once and kept (`generator_for`): later calls with
+    the same options reuse it, with its KV caches and, on CUDA, its captured decode steps. The last
+    `max_cached_generators` are kept; moving or casting the interface drops them all."""
+
+    max_cached_generators = 4
 
     def __init__(self, cfg, task, models):
         super().__init__()
@@ -141,9 +148,10 @@ class GeneratorHubInterface(nn.Module):
         self.models = nn.ModuleList(models)
         self.src_dict = task.source_dictionary
         self.tgt_dict = task.target_dictionary
-        retain_dropout = bool(getattr(getattr(cfg, "generation", None), "retain_dropout", False))
-        for model in self.models:
-            model.train(retain_dropout)
+        self.retain_dropout = bool(getattr(getattr(cfg, "generation", None), "retain_dropout", False))
+        self._set_model_modes()
+        # generation options -> the generator built for them, most recently used last (see generator_for)
+        self._generators: "OrderedDict[tuple, Any]" = OrderedDict()
         self.codec = TextCodec(getattr(cfg, "tokenizer", None), getattr(cfg, "bpe", None))
         self.tokenizer, self.bpe = self.codec.tokenizer, self.codec.bpe  # upstream's attributes
         self.max_positions = resolve_limit(task.max_positions(), *[m.max_positions() for m in models])
@@ -153,6 +161,15 @@ class GeneratorHubInterface(nn.Module):
     @property
     def device(self) -> torch.device:
         return self._float_tensor.device
+
+    def _apply(self, fn, *args, **kwargs):
+        # .to() / .cuda() / .half() ...: the kept generators' caches and graphs belong to the old tensors.
+        self._generators.clear()
+        return super()._apply(fn, *args, **kwargs)
+
+    def _set_model_modes(self) -> None:
+        for model in self.models:
+            model.train(self.retain_dropout)
 
     # ---- text <-> ids -----------------------------------------------------------------------------
     def encode(self, sentence: str) -> torch.LongTensor:
@@ -192,10 +209,12 @@ class GeneratorHubInterface(nn.Module):
         return [self.decode(hypos[0]["tokens"]) for hypos in self.generate(tokenized, beam, verbose, **kwargs)]
 
     def score(self, sentences: List[str], replace_newline_with_eos: bool = False, **kwargs):
-        """Each sentence scored by the model, as upstream: a hypothesis dict whose `positional_scores` are the
-        natural-log probabilities of its tokens (the final </s> not included) given the ones before, from one
-        full forward; `score` is their mean. With `replace_newline_with_eos` the lines of a sentence are joined
-        by </s>."""
+        """Each sentence scored by the model in one full forward, as upstream: a hypothesis dict whose `tokens` are
+        the sentence's ids without its final </s>, `positional_scores` one natural-log probability per token of
+        `tokens` given </s> (<s> with --add-bos-token) and the tokens before it, `score` their mean (NaN for an
+        empty sentence). So "w1 w2 w3" has 3 scores: the final </s> is not scored, nor the start token. With
+        `replace_newline_with_eos` the lines of a sentence are joined by </s>, which is then scored where it
+        separates lines (</s> at the very start or end is dropped). docs/generation.md has the details."""
         if isinstance(sentences, str):
             return self.score([sentences], replace_newline_with_eos=replace_newline_with_eos, **kwargs)[0]
 
@@ -220,17 +239,7 @@ class GeneratorHubInterface(nn.Module):
                                  skip_invalid_size_inputs=skip_invalid_size_inputs,
                                  inference_step_args=inference_step_args,
                                  prefix_allowed_tokens_fn=prefix_allowed_tokens_fn, **kwargs)[0]
-        gen_args = copy.deepcopy(self.cfg.generation)
-        gen_args.beam = beam
-        for key, value in kwargs.items():
-            if not hasattr(gen_args, key):
-                raise ValueError(f"generate(): {key}={value!r} is no generation option (options: "
-                                 f"{', '.join(sorted(vars(gen_args)))})")
-            setattr(gen_args, key, value)
-        check_unsupported_options(gen_args)
-        # (with score_reference, as score() sets it, the task gives a SequenceScorer)
-        generator = self.task.build_generator(self.models, gen_args, prefix_allowed_tokens_fn=prefix_allowed_tokens_fn)
-
+        generator = self.generator_for(beam, prefix_allowed_tokens_fn=prefix_allowed_tokens_fn, **kwargs)
         results = []
         for batch in self._build_batches(tokenized_sentences, skip_invalid_size_inputs):
             batch = move_to(batch, self.device)
@@ -244,6 +253,33 @@ class GeneratorHubInterface(nn.Module):
                     logger.info(f"H\t{float(hypo['score'])}\t{self.decode(hypo['tokens'])}")
                     logger.info("P\t" + " ".join(f"{x:.4f}" for x in hypo["positional_scores"].tolist()))
         return outputs
+
+    def generator_for(self, beam: int = 5, prefix_allowed_tokens_fn=None, **kwargs):
+        """The generator `generate(..., beam=beam, **kwargs)` decodes with: `task.build_generator` of
+        cfg.generation with these options set (a SequenceScorer with score_reference=True, as score() asks).
+        Built on the first call with these options (all of them, so any option that changes the generator
+        gives another one) and `prefix_allowed_tokens_fn`, reused after."""
+        gen_args = copy.deepcopy(self.cfg.generation)
+        gen_args.beam = beam
+        for key, value in kwargs.items():
+            if not hasattr(gen_args, key):
+                raise ValueError(f"generate(): {key}={value!r} is no generation option (options: "
+                                 f"{', '.join(sorted(vars(gen_args)))})")
+            setattr(gen_args, key, value)
+        check_unsupported_options(gen_args)
+        key = (repr(sorted(vars(gen_args).items())), prefix_allowed_tokens_fn)
+        generator = self._generators.pop(key, None)
+        if generator is None:
+            generator = self.task.build_generator(self.models, gen_args,
+                                                  prefix_allowed_tokens_fn=prefix_allowed_tokens_fn)
+        elif hasattr(getattr(generator, "model", None), "set_decoder_beam_size"):
+            # What building it told the (shared) decoders, which a generator of another beam may have changed.
+            generator.model.set_decoder_beam_size(generator.beam_size)
+        self._generators[key] = generator
+        while len(self._generators) > self.max_cached_generators:
+            self._generators.popitem(last=False)
+        self._set_model_modes()  # a SequenceGenerator puts its models in eval mode when built
+        return generator
 
     def _build_batches(self, tokens: List[torch.Tensor], skip_invalid_size_inputs: bool) -> Iterator[Dict[str, Any]]:
         lengths = [t.numel() for t in tokens]

@@ -24,9 +24,10 @@ class SequenceScorer:
 
     @torch.no_grad()
     def generate(self, models, sample: Dict, **kwargs) -> List[List[Dict[str, torch.Tensor]]]:
-        """[[{"tokens": target without padding, "score": mean log p, "positional_scores": log p per token,
-        "attention": None, "alignment": None}] per sentence]; other keywords (inference_step's prefix_tokens,
-        bos_token) are ignored: the sample's source is the input, its target what is scored."""
+        """[[{"tokens": target without padding, "score": mean log p (NaN for an empty target, upstream's 0 / 0),
+        "positional_scores": log p per token, "attention": None, "alignment": None}] per sentence]; other
+        keywords (inference_step's prefix_tokens, bos_token) are ignored: the sample's source is the input, its
+        target what is scored."""
         net_input = sample["net_input"]
         target = sample["target"]
         avg_probs = None
@@ -46,7 +47,7 @@ class SequenceScorer:
             keep = target[i].ne(self.pad)
             scores = avg_probs[i][keep]
             hypos.append([{
-                "tokens": target[i][keep], "score": scores.sum() / max(scores.numel(), 1), "attention": None,
+                "tokens": target[i][keep], "score": scores.sum() / scores.numel(), "attention": None,
                 "alignment": None, "positional_scores": scores,
             }])
         return hypos
