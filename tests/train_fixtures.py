@@ -74,21 +74,28 @@ def default_train_argv(data, save_dir, *extra, max_update=8):
 
 
 def train_in_process(argv):
-    """What `fairseq-train ARGV` does (its console entry point: a user error is one `fairseq-train: error:`
-    line on stderr and exit status 1, a usage error status 2), run in this process on one intra-op thread;
-    (exit status, stdout, stderr). Starting a Python process with torch costs seconds, more than these tiny
-    runs; tests that are about the process itself (signals, spawned ranks, a hang) run it as one instead."""
+    """What `fairseq-train ARGV` does (its console entry point: the log on stdout, a user error as one
+    `fairseq-train: error:` line on stderr and exit status 1, a usage error status 2), run in this process on
+    one intra-op thread; (exit status, stdout, stderr). Starting a Python process with torch costs seconds,
+    more than these tiny runs; tests that are about the process itself (signals, spawned ranks, resource
+    limits) run it as one instead."""
     import contextlib
     import io
+    import logging
 
     import torch
 
+    from fairseq.logging.progress_bar import make_formatter
     from fairseq.utils import run_console_script
     from fairseq_cli import train
 
     out, err = io.StringIO(), io.StringIO()
-    threads = torch.get_num_threads()
+    log = logging.StreamHandler(out)  # where the process's root logger writes (progress_bar.setup_logging)
+    log.setFormatter(make_formatter())
+    root = logging.getLogger()
+    threads, level = torch.get_num_threads(), root.level
     torch.set_num_threads(1)
+    root.addHandler(log)
     try:
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
             run_console_script("fairseq-train", train.cli_main, argv)
@@ -98,5 +105,7 @@ def train_in_process(argv):
         if not isinstance(exit.code, (int, type(None))):
             err.write(f"{exit.code}\n")
     finally:
+        root.removeHandler(log)
+        root.setLevel(level)
         torch.set_num_threads(threads)
     return status, out.getvalue(), err.getvalue()

@@ -21,6 +21,7 @@ from fairseq.checkpoint.io import (
 from fairseq.checkpoint.save_dir import LOCK_FILE, SaveDirInUse, SaveDirLock
 from fairseq.checkpoint.sharded import copy_sharded
 from fairseq_cli import train
+from tests.train_fixtures import train_in_process
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +43,8 @@ def num_updates(path):
 
 
 def run_cli(args, limit_file_size=None):
-    """fairseq-train in a subprocess (optionally under a file-size limit: writes past it fail with EFBIG)."""
+    """fairseq-train in a subprocess, under a file-size limit if given (writes past it fail with EFBIG; the
+    limit is the process's, hence the subprocess)."""
     def limit():
         if limit_file_size is not None:
             resource.setrlimit(resource.RLIMIT_FSIZE, (limit_file_size, limit_file_size))
@@ -122,11 +124,11 @@ def test_disk_full_during_save_is_one_line_and_keeps_the_previous_checkpoint(tin
 def test_unwritable_save_dir_fails_at_start_up(tiny_data, tmp_path, train_args):
     blocker = tmp_path / "a_file"
     blocker.write_text("not a directory")
-    result = run_cli(train_args(tiny_data, blocker / "ckpt"))
-    assert result.returncode == 1
-    assert "--save-dir is not writable" in result.stderr and "ENOTDIR" in result.stderr, result.stderr[-2000:]
-    assert "num. model params" not in result.stderr  # found before the model is built, not at the first save
-    assert "Traceback" not in result.stderr
+    returncode, stdout, stderr = train_in_process(train_args(tiny_data, blocker / "ckpt"))
+    assert returncode == 1
+    assert "--save-dir is not writable" in stderr and "ENOTDIR" in stderr, stderr[-2000:]
+    assert "num. model params" not in stdout + stderr  # found before the model is built, not at the first save
+    assert "Traceback" not in stderr
 
 
 def test_full_disk_is_found_at_start_up(tiny_data, tmp_path, train_args):
