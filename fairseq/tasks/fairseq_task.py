@@ -208,7 +208,8 @@ class FairseqTask:
         """A SequenceGenerator (or `seq_gen_cls`) for `models`, from upstream's generation options in `args`
         (a GenerationConfig or any object with those attributes; missing ones take upstream's defaults):
         beam, max_len_a, max_len_b, min_len, unnormalized, lenpen, unkpen, temperature, match_source_len,
-        no_repeat_ngram_size, sampling, sampling_topk, sampling_topp; and this fork's no_cuda_graphs."""
+        no_repeat_ngram_size, sampling, sampling_topk, sampling_topp, retain_dropout; and this fork's
+        no_cuda_graphs."""
         from fairseq import search
         from fairseq.sequence_generator import SequenceGenerator
 
@@ -249,7 +250,7 @@ class FairseqTask:
         extra_gen_cls_kwargs = dict(extra_gen_cls_kwargs or {})
         if isinstance(seq_gen_cls, type) and issubclass(seq_gen_cls, SequenceGenerator):  # --no-cuda-graphs
             extra_gen_cls_kwargs.setdefault("cuda_graphs", not get("no_cuda_graphs", False))
-        return seq_gen_cls(
+        generator = seq_gen_cls(
             models, self.target_dictionary,
             beam_size=get("beam", 5), max_len_a=get("max_len_a", 0), max_len_b=get("max_len_b", 200),
             min_len=get("min_len", 1), normalize_scores=not get("unnormalized", False),
@@ -257,6 +258,10 @@ class FairseqTask:
             match_source_len=match_source_len, no_repeat_ngram_size=get("no_repeat_ngram_size", 0),
             search_strategy=search_strategy, **extra_gen_cls_kwargs,
         )
+        if get("retain_dropout", False):  # --retain-dropout: the generator's constructor put them in eval mode
+            for model in models:
+                model.train()
+        return generator
 
     def build_dataset_for_inference(self, src_tokens, src_lengths, **kwargs):
         raise NotImplementedError(f"task {type(self).__name__} does not build datasets for inference")
