@@ -70,15 +70,15 @@ def default_train_argv(data, save_dir, *extra, max_update=8):
     return tiny_train_argv(data, save_dir, *TRAIN_RECIPE, *extra, max_update=max_update)
 
 
-# ----------------------------------------------------------------------------- fairseq-train in this process
+# ----------------------------------------------------------------------------- command lines in this process
 
 
-def train_in_process(argv):
-    """What `fairseq-train ARGV` does (its console entry point: the log on stdout, a user error as one
-    `fairseq-train: error:` line on stderr and exit status 1, a usage error status 2), run in this process on
-    one intra-op thread; (exit status, stdout, stderr). Starting a Python process with torch costs seconds,
-    more than these tiny runs; tests that are about the process itself (signals, spawned ranks, resource
-    limits) run it as one instead."""
+def console_in_process(name, cli_main, argv):
+    """What the console script `name` (`cli_main` under fairseq.utils.run_console_script) does with `argv`: the
+    log on stdout, a user error as one `NAME: error:` line on stderr and exit status 1, a usage error status 2;
+    run in this process on one intra-op thread. Returns (exit status, stdout, stderr). Starting a Python
+    process with torch costs seconds, more than the tiny runs of the tests; tests that are about the process
+    itself (signals, spawned ranks, resource limits, the installed script) start one instead."""
     import contextlib
     import io
     import logging
@@ -87,7 +87,6 @@ def train_in_process(argv):
 
     from fairseq.logging.progress_bar import make_formatter
     from fairseq.utils import run_console_script
-    from fairseq_cli import train
 
     out, err = io.StringIO(), io.StringIO()
     log = logging.StreamHandler(out)  # where the process's root logger writes (progress_bar.setup_logging)
@@ -98,7 +97,7 @@ def train_in_process(argv):
     root.addHandler(log)
     try:
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-            run_console_script("fairseq-train", train.cli_main, argv)
+            run_console_script(name, cli_main, argv)
         status = 0
     except SystemExit as exit:  # as the interpreter ends on it: None is 0, a message is printed with status 1
         status = 0 if exit.code is None else exit.code if isinstance(exit.code, int) else 1
@@ -109,3 +108,10 @@ def train_in_process(argv):
         root.setLevel(level)
         torch.set_num_threads(threads)
     return status, out.getvalue(), err.getvalue()
+
+
+def train_in_process(argv):
+    """`fairseq-train ARGV` in this process (console_in_process)."""
+    from fairseq_cli import train
+
+    return console_in_process("fairseq-train", train.cli_main, argv)

@@ -3,9 +3,6 @@ uint16 boundary (the dtype proves it: error), larger otherwise (a full scan of t
 entries it never uses: a warning, since a shared --srcdict such as GPT-2's does that legitimately)."""
 
 import logging
-import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -14,8 +11,8 @@ from fairseq.data import data_utils
 from fairseq.data.data_utils import load_indexed_dataset
 from fairseq.data.dictionary import Dictionary
 from fairseq.data.indexed_dataset import MMapIndexedDatasetBuilder, best_fitting_dtype
+from tests.train_fixtures import train_in_process
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 LOGGER = "fairseq.data.data_utils"
 
 
@@ -137,9 +134,8 @@ def test_fairseq_train_warns_about_a_larger_dict_txt(tiny_data, tmp_path):
             "--decoder-attention-heads", "2", "--optimizer", "adam", "--lr", "0.001", "--tokens-per-sample", "32",
             "--max-tokens", "256", "--max-update", "1", "--cpu", "--num-workers", "0",
             "--log-file", str(tmp_path / "ck" / "train.log")]
-    proc = subprocess.run([sys.executable, "-m", "fairseq_cli.train", *argv], capture_output=True, text=True,
-                          timeout=300, env=dict(os.environ, PYTHONPATH=ROOT))
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    returncode, _, stderr = train_in_process(argv)
+    assert returncode == 0, stderr[-3000:]
     warnings = [line for line in (tmp_path / "ck" / "train.log").read_text().splitlines()
                 if "may not be the one the data was binarized with" in line]
     assert len(warnings) == 1  # the training split only, once

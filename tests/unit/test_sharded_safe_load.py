@@ -7,10 +7,12 @@ tampered with pickles whose __reduce__ creates a marker file: every load path (l
 consolidation function and script, fairseq-eval-lm, fairseq-train --finetune-from-model / --restore-file)
 must refuse with a CheckpointError naming the file and the global, without creating the marker; an
 untampered checkpoint loads bitwise equal to what DCP's own (trusted) converter reads; with
---trust-legacy-checkpoint the plain pickle path is taken.
+--trust-legacy-checkpoint the plain pickle path is taken. The command lines run through their console entry
+points in this process (tests/train_fixtures.py console_in_process).
 """
 
 import builtins
+import importlib.util
 import io
 import logging
 import os
@@ -18,7 +20,6 @@ import pickle
 import shlex
 import shutil
 import subprocess
-import sys
 
 import pytest
 import torch
@@ -26,14 +27,11 @@ import torch
 from fairseq.checkpoint import sharded
 from fairseq.checkpoint.consolidate import consolidate
 from fairseq.checkpoint.io import CheckpointError
+from tests.train_fixtures import console_in_process
 
 pytestmark = pytest.mark.timeout(600)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-
-def _env():
-    return dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
 
 
 @pytest.fixture(scope="module")
@@ -48,8 +46,18 @@ def train_argv(build_train_args):
 
 
 def run(module_or_script, *argv):
-    cmd = [sys.executable, *(["-m", module_or_script] if "/" not in module_or_script else [module_or_script]), *argv]
-    return subprocess.run(cmd, capture_output=True, text=True, env=_env(), timeout=300)
+    """The command line `python -m MODULE ARGV` (fairseq_cli.train, fairseq_cli.eval_lm) or `python SCRIPT
+    ARGV`, through its console entry point in this process (console_in_process); a CompletedProcess."""
+    if module_or_script.endswith(".py"):
+        spec = importlib.util.spec_from_file_location("script_under_test", module_or_script)
+        script = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(script)
+        name, cli_main = os.path.basename(module_or_script)[:-len(".py")], script.main
+    else:
+        module = importlib.import_module(module_or_script)
+        name, cli_main = "fairseq-" + module_or_script.split(".")[-1].replace("_", "-"), module.cli_main
+    status, stdout, stderr = console_in_process(name, cli_main, list(argv))
+    return subprocess.CompletedProcess([module_or_script, *argv], status, stdout, stderr)
 
 
 @pytest.fixture(scope="module")
