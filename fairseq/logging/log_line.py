@@ -6,7 +6,8 @@ ordered record the progress bar prints. Upstream's `fairseq.metrics` stays the p
 criterion's `reduce_metrics` logs its loss keys there (default priority 10: first in the line, as upstream).
 
 The order of a line is ORDER below, written once; upstream's line is loss, ppl, wps, ups, wpb, bsz,
-num_updates, lr, gnorm, clip, loss_scale, train_wall, then this fork's tflops/mfu and memory keys, wall.
+num_updates, lr, gnorm, clip, loss_scale, train_wall, then this fork's tflops/mfu and memory keys, ema_decay
+(--store-ema), wall.
 """
 
 from collections import OrderedDict
@@ -20,6 +21,7 @@ ORDER: Dict[str, int] = {
     "loss_scale": 110, "train_wall": 120, "tflops": 130, "mfu": 131,
     # CUDA memory (fairseq.logging.memory): gb_free is upstream's key and place; the others sit beside it
     "memory": 1500,
+    "ema_decay": 10000,  # --store-ema: upstream's priority, after memory (wall is appended after everything)
 }
 WALL_PRIORITY = 790  # the run's wall clock meter; printed last (see _with_wall)
 
@@ -52,6 +54,11 @@ def log_train_interval(trainer, sums: Dict[str, float], elapsed: float) -> None:
         for key, value in trainer.throughput.interval_values(sums.get("ntokens", 0.0), elapsed).items():
             metrics.log_scalar(key, value, elapsed, priority=ORDER[key], round=1)  # time-weighted
     log_memory(trainer)
+    ema = getattr(trainer, "ema", None)
+    if ema is not None and updates > 0:
+        # The decay the EMA used at the interval's last update (0 before --ema-start-update). Weight 0: every
+        # line shows the latest value, as upstream's per-update log_scalar does.
+        metrics.log_scalar("ema_decay", ema.get_decay(), weight=0, priority=ORDER["ema_decay"], round=5)
 
 
 def log_valid(trainer, sums: Dict[str, float], elapsed: float) -> None:
