@@ -10,7 +10,8 @@ Where it lives: for an unsharded model, a deep copy of the model whose weights a
 upstream's layout). For an FSDP2-sharded model (whose parameters are DTensors, and which cannot be deep-copied),
 a dict of DTensors sharded exactly as the parameters: each rank keeps and updates only its shards, so the EMA
 costs the same per-rank memory as the weights; `state_dict()` returns them for a sharded (DCP) checkpoint and
-`full_state_dict()` gathers them (collectively) for a single-file one.
+`full_state_dict()` gathers them (collectively) for a single-file one; `get_model()` gathers them into a plain
+copy of the model on every rank (fairseq.models.ema.plain_copy).
 """
 
 import copy
@@ -20,6 +21,8 @@ from typing import Dict, Optional
 
 import torch
 from torch.distributed.tensor import DTensor, distribute_tensor
+
+from fairseq.models.ema.plain_copy import plain_copy
 
 logger = logging.getLogger(__name__)
 
@@ -85,6 +88,8 @@ class EMA:
         if self.sharded:
             self.model = None
             self._shadow = {k: v.detach().clone() for k, v in state.items() if torch.is_tensor(v)}
+            self._sharded_model = model  # the module tree get_model() copies (its weights are not used)
+            self._gathered_model: Optional[torch.nn.Module] = None
         else:
             self.model = _without_patched_forwards(copy.deepcopy(model))
             self.model.requires_grad_(False)
@@ -101,11 +106,36 @@ class EMA:
 
     # ---- upstream's accessors
     def get_model(self) -> torch.nn.Module:
-        if self.model is None:
-            raise RuntimeError("the EMA of an FSDP-sharded model is kept as tensors sharded like the parameters, "
-                               "not as a model: read EMA.state_dict(), or load it into a model with "
-                               "EMA.reverse(model)")
-        return self.model
+        """The EMA as a model. Unsharded: the averaged copy itself (upstream's). FSDP2-sharded: a plain,
+        unsharded copy of the model (its own classes, no FSDP hooks, no checkpoint wrappers, no
+        requires_grad) holding the averaged weights gathered to full tensors on this rank's device. Gathering
+        is collective (every rank must call get_model() together); the copy is made once and refilled on each
+        call, so it shows the average as of the last call, and it holds a full copy of the weights on every
+        rank from the first call on. Its forward runs on each rank alone."""
+        if not self.sharded:
+            return self.model
+        if self._gathered_model is None:
+            self._gathered_model = self._plain_model()
+        targets = self._gathered_model.state_dict()
+        missing = [k for k in self._shadow if k not in targets]
+        if missing:
+            raise RuntimeError(f"EMA.get_model(): the copy of the model has no entry {missing[0]} of the EMA")
+        for key, value in self._shadow.items():  # one weight at a time: no second full copy in flight
+            _copy_into(targets[key], value)
+        return self._gathered_model
+
+    def _plain_model(self) -> torch.nn.Module:
+        """get_model()'s unsharded copy of the sharded model, its weights not yet filled."""
+        tensor_parallel = [k for k, v in self._shadow.items()
+                           if isinstance(v, DTensor) and "tp" in (v.device_mesh.mesh_dim_names or ())]
+        if tensor_parallel:  # "tp": fairseq.distributed.mesh's tensor-parallel dimension
+            raise RuntimeError(
+                f"EMA.get_model(): the model is split by tensor parallelism (e.g. {tensor_parallel[0]}), whose "
+                "layers are changed to compute a part of the attention heads, so an unsharded copy would not "
+                "run; use EMA.full_state_dict() (the gathered weights) or EMA.reverse(model) instead")
+        model = _without_patched_forwards(plain_copy(self._sharded_model))
+        model.requires_grad_(False)
+        return model
 
     def _state(self) -> Dict[str, torch.Tensor]:
         """The EMA weights by state-dict key (for an unsharded model: views of the copy's parameters)."""
