@@ -11,7 +11,7 @@ upstream's layout). For an FSDP2-sharded model (whose parameters are DTensors, a
 a dict of DTensors sharded exactly as the parameters: each rank keeps and updates only its shards, so the EMA
 costs the same per-rank memory as the weights; `state_dict()` returns them for a sharded (DCP) checkpoint and
 `full_state_dict()` gathers them (collectively) for a single-file one; `get_model()` gathers them into a plain
-copy of the model on every rank (fairseq.models.ema.plain_copy).
+copy of the model on every rank (fairseq.distributed.plain_copy).
 """
 
 import copy
@@ -22,7 +22,7 @@ from typing import Dict, Optional
 import torch
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from fairseq.models.ema.plain_copy import plain_copy
+from fairseq.distributed.plain_copy import plain_copy
 
 logger = logging.getLogger(__name__)
 
