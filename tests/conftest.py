@@ -3,7 +3,7 @@ for tiny models, and --user-dir plug-ins (among them criterions that fail on pur
 
 import pytest
 
-from tests.train_fixtures import default_train_argv, tiny_train_argv, write_corpus  # noqa: F401
+from tests.train_fixtures import default_train_argv, tiny_train_argv, write_corpus, write_plugin  # noqa: F401
 
 
 @pytest.fixture(scope="module")
@@ -62,13 +62,6 @@ def tiny_lm_checkpoint(tiny_data, tmp_path_factory):
 
 
 # ----------------------------------------------------------------------------- --user-dir plug-ins
-
-
-def write_plugin(directory, source):
-    """The --user-dir plug-in `directory` (created) with `source` as its __init__.py."""
-    directory.mkdir()
-    (directory / "__init__.py").write_text(source)
-    return directory
 
 
 @pytest.fixture

@@ -1,5 +1,6 @@
-"""A tiny corpus writer and fairseq-train command lines for tiny models (the fixtures in tests/conftest.py hand
-them out; test modules may import them directly)."""
+"""A tiny corpus writer, fairseq-train command lines for tiny models, --user-dir plug-in directories, and
+console entry points run in the test process (the fixtures in tests/conftest.py hand some out; test modules
+may import them directly)."""
 
 import os
 import random
@@ -68,6 +69,13 @@ def tiny_train_argv(data, save_dir, *extra, max_update, arch="transformer_lm", l
 def default_train_argv(data, save_dir, *extra, max_update=8):
     """The tiny transformer_lm with TRAIN_RECIPE, --seed 3, a json --log-file in save_dir."""
     return tiny_train_argv(data, save_dir, *TRAIN_RECIPE, *extra, max_update=max_update)
+
+
+def write_plugin(directory, source):
+    """The --user-dir plug-in `directory` (created; its name is the module's) with `source` as __init__.py."""
+    directory.mkdir()
+    (directory / "__init__.py").write_text(source)
+    return directory
 
 
 # ----------------------------------------------------------------------------- command lines in this process

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from test_train_cli import load
+from tests.train_fixtures import train_in_process, write_plugin
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -50,9 +51,11 @@ class SignalAtEpoch2(LanguageModelingTask):
 '''
 
 
-@pytest.fixture
-def plugin(user_dir):
-    return user_dir("signal_plugin", PLUGIN)
+@pytest.fixture(scope="module")
+def plugin(tmp_path_factory):
+    """One directory for the module: the runs in this process (the restarts and the uninterrupted runs, where
+    the plug-in acts as cross_entropy and language_modeling) import the one plug-in."""
+    return write_plugin(tmp_path_factory.mktemp("plugins") / "signal_plugin", PLUGIN)
 
 
 def start(argv, marks=None):
@@ -62,6 +65,12 @@ def start(argv, marks=None):
         env["SIGNAL_TEST_DIR"] = str(marks)
     return subprocess.Popen([sys.executable, "-m", "fairseq_cli.train", *argv], stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, env=env)
+
+
+def train_here(argv):
+    """fairseq-train in this process (no signal comes: nothing needs a process of its own); (status, log)."""
+    status, out, err = train_in_process(argv)
+    return status, out + err
 
 
 def finish(proc, timeout=300):
@@ -115,13 +124,13 @@ def test_sigterm_during_validation_stops_at_once_and_resumes_exactly(tiny_data, 
     assert state["trainer"]["num_updates"] == 3
     assert state["train_iterator"]["epoch"] == 1 and state["train_iterator"]["iterations_in_epoch"] == 3
 
-    rc, out = finish(start(argv(run)))  # the requeued job: the same command
+    rc, out = train_here(argv(run))  # the requeued job: the same command
     assert rc == 0, out[-3000:]
     assert "(3 updates)" in out  # resumed from the saved update
     assert load(run / "checkpoint_last.pt")["extra_state"]["trainer"]["num_updates"] == 6
 
     straight = tmp_path / "straight"
-    rc, out = finish(start(argv(straight)))
+    rc, out = train_here(argv(straight))
     assert rc == 0, out[-3000:]
     assert_same_weights(run / "checkpoint_last.pt", straight / "checkpoint_last.pt")
 
@@ -142,13 +151,13 @@ def test_sigterm_between_epochs_stops_before_the_next_update(tiny_data, tmp_path
     assert state["trainer"]["num_updates"] == 7  # before the fix: 8 (one update of epoch 2 ran first)
     assert state["train_iterator"]["epoch"] == 2 and state["train_iterator"]["iterations_in_epoch"] == 0
 
-    rc, out = finish(start(argv(run)))
+    rc, out = train_here(argv(run))
     assert rc == 0, out[-3000:]
     assert "(7 updates)" in out
     assert load(run / "checkpoint_last.pt")["extra_state"]["trainer"]["num_updates"] == 14
 
     straight = tmp_path / "straight"
-    rc, out = finish(start(argv(straight)))
+    rc, out = train_here(argv(straight))
     assert rc == 0, out[-3000:]
     assert_same_weights(run / "checkpoint_last.pt", straight / "checkpoint_last.pt")
 
