@@ -1,13 +1,11 @@
 """validate(cfg): every training entry point checks flag combinations before any process or data exists."""
 
-import subprocess
-import sys
-
 import pytest
 
 from fairseq import options
 from fairseq.dataclass.validate import validate
 from fairseq_cli import train
+from tests.train_fixtures import train_in_process
 
 BASE = ["--task", "language_modeling", "/nonexistent/data", "--arch", "transformer_lm", "--optimizer", "adam",
         "--lr", "0.001", "--max-tokens", "64", "--tokens-per-sample", "16", "--cpu"]
@@ -37,13 +35,12 @@ def test_a_valid_config_passes():
 
 
 def test_main_validates_before_reading_data_or_spawning(tmp_path):
-    # The data directory does not exist: the flag error must come first, from the parser, in well under the
-    # time it takes to spawn processes.
+    # The data directory does not exist: the flag error must come first, from the parser, before any
+    # process is spawned.
     args = BASE + ["--use-sharded-state", "--distributed-world-size", "2", "--save-dir", str(tmp_path)]
-    code = "import sys; from fairseq_cli.train import console_main; sys.argv[0] = 'fairseq-train'; console_main()"
-    result = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=120)
-    assert result.returncode == 2, result.stderr[-2000:]
-    assert "--use-sharded-state needs --ddp-backend fully_sharded" in result.stderr
-    assert "spawning" not in result.stderr and "Dataset not found" not in result.stderr
+    returncode, stdout, stderr = train_in_process(args)  # the console entry point, log and all
+    assert returncode == 2, stderr[-2000:]
+    assert "--use-sharded-state needs --ddp-backend fully_sharded" in stderr
+    assert "spawning" not in stdout + stderr and "Dataset not found" not in stdout + stderr
     with pytest.raises(ValueError, match="--use-sharded-state needs"):  # in-process callers of main() too
         train.main(config("--use-sharded-state", "--save-dir", str(tmp_path)))
