@@ -12,7 +12,8 @@ import torch
 
 from fairseq.binarizer import BinarizeSummary, _run_jobs_atomically, find_offsets
 from fairseq.data.dictionary import tokenize_line
-from fairseq.data.indexed_dataset import MMapIndexedDatasetBuilder, best_fitting_dtype, data_file_path
+from fairseq.data.indexed_dataset import (MMapIndexedDatasetBuilder, best_fitting_dtype, check_dataset_impl,
+                                         data_file_path)
 from fairseq.file_chunker_utils import Chunker
 
 
@@ -121,5 +122,4 @@ def _numpy_dtype(vocab_size: Optional[int]):
 
 
 def _check_impl(dataset_impl: Optional[str]) -> None:
-    if dataset_impl not in (None, "mmap"):
-        raise ValueError(f"dataset_impl {dataset_impl!r} is not supported: only 'mmap' (MMIDIDX) datasets exist here")
+    check_dataset_impl(dataset_impl, "dataset_impl")

@@ -11,7 +11,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
-from fairseq.data.indexed_dataset import MMapIndexedDataset, data_file_path
+from fairseq.data.indexed_dataset import MMapIndexedDataset, check_dataset_impl, data_file_path
 
 logger = logging.getLogger(__name__)
 
@@ -46,8 +46,7 @@ def load_indexed_dataset(path: str, dictionary=None, dataset_impl: Optional[str]
     and process (see FULL_SCAN_MAX_TOKENS), in bounded chunks, and only where the dtype can hold an id past
     the dictionary or `expect_all_ids` asks for the largest id.
     """
-    if dataset_impl not in (None, "mmap"):
-        raise ValueError(f"--dataset-impl {dataset_impl!r} is not supported: only 'mmap' (MMIDIDX) datasets exist here")
+    check_dataset_impl(dataset_impl)
     datasets = []
     for k in itertools.count():  # with `combine`, as upstream: path, path1, path2, ... up to the first missing one
         path_k = path + (str(k) if k > 0 else "")

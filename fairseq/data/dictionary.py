@@ -56,6 +56,10 @@ class Dictionary:
     def __len__(self) -> int:
         return len(self.symbols)
 
+    def get_count(self, idx: int) -> int:
+        """How often the symbol with id `idx` was counted (upstream's accessor of `count`)."""
+        return self.count[idx]
+
     def __contains__(self, sym: str) -> bool:
         return sym in self.indices
 
@@ -196,8 +200,8 @@ class Dictionary:
                     f"got {raw.rstrip(chr(10))!r}"
                 ) from None
             if word in self.indices and not overwrite:
-                raise DuplicateSymbolError(
-                    f"dictionary {name}, line {lineno}: duplicate symbol {word!r}; append "
+                raise DuplicateSymbolError(  # "Duplicate" first, as upstream's message (callers match it)
+                    f"Duplicate word in dictionary {name}, line {lineno}: duplicate symbol {word!r}; append "
                     f"' {OVERWRITE_FLAG}' to the line if the duplicate is intended"
                 )
             self.add_symbol(word, n=count, overwrite=overwrite)

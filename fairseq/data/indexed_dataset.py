@@ -10,7 +10,7 @@ import os
 import shutil
 import struct
 import tempfile
-from typing import Union
+from typing import Optional, Union
 
 import numpy as np
 import torch
@@ -311,5 +311,37 @@ class MMapIndexedDatasetBuilder:
         self._sizes_spill.close()
 
 
-def make_builder(out_file: str, vocab_size: int) -> MMapIndexedDatasetBuilder:
+# ---- upstream's module-level entry points (`impl` is upstream's --dataset-impl; only "mmap" exists here)
+
+
+def check_dataset_impl(impl: Optional[str], name: str = "--dataset-impl") -> None:
+    """Fail unless `impl` is None or "mmap" (upstream's other formats, raw/lazy/cached/fasta/huffman, are absent)."""
+    if impl not in (None, "mmap"):
+        raise ValueError(f"{name} {impl!r} is not supported: only 'mmap' (MMIDIDX) datasets exist here")
+
+
+def infer_dataset_impl(path: str) -> Optional[str]:
+    """"mmap" when `path.idx` starts with the MMIDIDX magic, else None (upstream also recognizes its others)."""
+    try:
+        with open(index_file_path(path), "rb") as f:
+            return "mmap" if f.read(len(HDR_MAGIC)) == HDR_MAGIC else None
+    except OSError:
+        return None
+
+
+def dataset_exists(path: str, impl: Optional[str] = "mmap") -> bool:
+    check_dataset_impl(impl, "impl")
+    return MMapIndexedDataset.exists(path)
+
+
+def make_dataset(path: str, impl: Optional[str] = "mmap", fix_lua_indexing: bool = False, dictionary=None):
+    """The dataset at prefix `path`, or None when its files are missing (upstream's signature;
+    `fix_lua_indexing` and `dictionary` only concern upstream's absent formats)."""
+    check_dataset_impl(impl, "impl")
+    return MMapIndexedDataset(path) if MMapIndexedDataset.exists(path) else None
+
+
+def make_builder(out_file: str, impl: str = "mmap", vocab_size: Optional[int] = None) -> MMapIndexedDatasetBuilder:
+    """A builder writing `out_file` (the .bin) with the id dtype fairseq-preprocess picks for `vocab_size`."""
+    check_dataset_impl(impl, "impl")
     return MMapIndexedDatasetBuilder(out_file, dtype=best_fitting_dtype(vocab_size))

@@ -46,7 +46,8 @@ class MonolingualDataset(FairseqDataset):
     """Wraps a TokenBlockDataset built with `include_targets=True`.
 
     Args:
-        dataset: items `(source, target, _)`
+        dataset: items `(source, target, _)`, or token tensors (upstream's items without targets: the batch's
+            target is then its source)
         sizes: block lengths (used for batching; `<s>` from `add_bos_token` is not counted, as upstream)
         src_vocab, tgt_vocab: dictionaries (`tgt_vocab` may be smaller: target ids past it become `<unk>`)
         shuffle: break ties between equal sizes randomly (from the seed) when ordering for batching
@@ -76,12 +77,17 @@ class MonolingualDataset(FairseqDataset):
         return len(self.dataset)
 
     def __getitem__(self, index: int) -> dict:
-        source, target, _ = self.dataset[index]
-        if len(self.tgt_vocab) < len(self.vocab):  # --output-dictionary-size
+        item = self.dataset[index]
+        if torch.is_tensor(item):  # upstream's items without targets: the collated source is the target
+            source, target = item, None
+        else:
+            source, target, _ = item
+        if target is not None and len(self.tgt_vocab) < len(self.vocab):  # --output-dictionary-size
             target = target.masked_fill(target >= len(self.tgt_vocab), self.tgt_vocab.unk())
         if self.add_bos_token:
             source = torch.cat([source.new_full((1,), self.vocab.bos()), source])
-            target = torch.cat([target.new_full((1,), self.tgt_vocab.bos()), target])
+            if target is not None:
+                target = torch.cat([target.new_full((1,), self.tgt_vocab.bos()), target])
         return {"id": int(index), "source": source, "target": target}
 
     def ordered_indices(self, seed: int = 1) -> np.ndarray:

@@ -121,6 +121,7 @@ class TokenBlockDataset(FairseqDataset):
         sizes = np.asarray(sizes)
         if len(sizes) != len(dataset):
             raise ValueError(f"TokenBlockDataset: {len(sizes)} sizes for a dataset of {len(dataset)} items")
+        self._item_sizes = sizes  # kept (a view of a memmap for binarized data) for upstream's slice views
         starts, ends = block_slices(sizes, block_size, self.break_mode, document_sep_len)
         lengths = ends - starts
         self.sizes = lengths.astype(_smallest_int_dtype(int(lengths.max()) if len(lengths) else 0))
@@ -140,6 +141,25 @@ class TokenBlockDataset(FairseqDataset):
 
     def __len__(self) -> int:
         return len(self.sizes)
+
+    @property
+    def block_to_dataset_index(self) -> np.ndarray:
+        """Upstream's view, [blocks, 3] int64: (first item, offset of the block in it, last item) per block."""
+        if self.break_mode == "eos":
+            items = np.arange(len(self.sizes), dtype=np.int64)
+            return np.stack([items, np.zeros_like(items), items], axis=1)
+        return np.stack([self._first_item.astype(np.int64), self._first_offset.astype(np.int64),
+                         self._last_item.astype(np.int64)], axis=1)
+
+    @property
+    def slice_indices(self) -> np.ndarray:
+        """Upstream's view, [blocks, 2] int64: each block's [start, end) in the token stream of all items
+        (computed on demand: the dataset stores only per-block item positions)."""
+        offsets = np.zeros(len(self._item_sizes) + 1, dtype=np.int64)
+        np.cumsum(self._item_sizes, out=offsets[1:])
+        index = self.block_to_dataset_index
+        starts = offsets[index[:, 0]] + index[:, 1]
+        return np.stack([starts, starts + self.sizes.astype(np.int64)], axis=1)
 
     def _read(self, first: int, last: int, begin: int, length: int) -> torch.Tensor:
         """Tokens `[begin, begin + length)` of the stream that starts at item `first`'s first token."""

@@ -35,18 +35,25 @@ def flag_name(field_name: str) -> str:
     return "--" + field_name.replace("_", "-")
 
 
-def add_dataclass_to_parser(parser, dc, suppress_defaults: bool = False, positional=("data",)):
+def add_dataclass_to_parser(parser, dc, suppress_defaults: bool = False, positional=("data",),
+                            prefix: Optional[str] = None):
     """Add one flag per field of dataclass `dc` to `parser` (an ArgumentParser or argument group).
 
     Flags that the parser already has are skipped, so a field shared by two groups is one flag.
     With `suppress_defaults`, unset flags stay absent from the namespace (so architecture presets can
-    tell what the user set).
+    tell what the user set). A field that is itself a dataclass adds its fields (upstream's rule): flat, or
+    with a `prefix` ("--encoder") under `<prefix>-<field>` names (dest `encoder_<field>`; none positional).
     """
     hints = typing.get_type_hints(dc)
     for f in dataclasses.fields(dc):
         if f.name.startswith("_"):
             continue
-        name = flag_name(f.name)
+        name = flag_name(f.name) if not prefix else f"{prefix}-{f.name.replace('_', '-')}"
+        dest = f.name if not prefix else name[2:].replace("-", "_")
+        if dataclasses.is_dataclass(hints[f.name]):
+            add_dataclass_to_parser(parser, hints[f.name], suppress_defaults, positional,
+                                    prefix=name if prefix is not None else None)
+            continue
         if name in parser._option_string_actions:
             continue
         if "interpolate" in f.metadata or (isinstance(f.default, str) and f.default.startswith("${")):
@@ -56,7 +63,7 @@ def add_dataclass_to_parser(parser, dc, suppress_defaults: bool = False, positio
         default = f.default if f.default is not dataclasses.MISSING else (
             f.default_factory() if f.default_factory is not dataclasses.MISSING else None
         )
-        if f.name in positional:
+        if f.name in positional and not prefix:
             parser.add_argument(f.name, nargs="?", default=default, help=kwargs["help"])
             continue
         origin = get_origin(tp)
@@ -78,7 +85,7 @@ def add_dataclass_to_parser(parser, dc, suppress_defaults: bool = False, positio
         if "const" in f.metadata:  # the flag alone means this value (upstream's --remove-bpe)
             kwargs.update(nargs="?", const=f.metadata["const"])
         names = [name] + list(f.metadata.get("aliases", []))
-        parser.add_argument(*names, dest=f.name, **kwargs)
+        parser.add_argument(*names, dest=dest, **kwargs)
 
 
 def config_from_namespace(dc, args: argparse.Namespace, name: Optional[str] = None):
@@ -127,12 +134,11 @@ def config_from_dict(dc, values: dict, name: Optional[str] = None):
 def gen_parser_from_dataclass(parser, dataclass_instance, delete_default: bool = False,
                               with_prefix: Optional[str] = None) -> None:
     """Upstream's name for `add_dataclass_to_parser` (plug-ins' `add_args`): one flag per field of the
-    instance's dataclass. `delete_default` leaves unset flags out of the namespace; `with_prefix` is not
-    supported (no fairseq config uses it for language models)."""
-    if with_prefix:
-        raise ValueError(f"gen_parser_from_dataclass(with_prefix={with_prefix!r}) is not supported")
+    instance's dataclass, nested dataclass fields flattened. `delete_default` leaves unset flags out of the
+    namespace; `with_prefix` (upstream's) names nested fields `<prefix>-<field>-<subfield>` ("" at the root:
+    `--encoder-layers` for field `layers` of field `encoder`)."""
     dc = dataclass_instance if isinstance(dataclass_instance, type) else type(dataclass_instance)
-    add_dataclass_to_parser(parser, dc, suppress_defaults=delete_default)
+    add_dataclass_to_parser(parser, dc, suppress_defaults=delete_default, prefix=with_prefix)
 
 
 def convert_namespace_to_omegaconf(args: argparse.Namespace):

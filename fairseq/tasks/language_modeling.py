@@ -15,6 +15,7 @@ import torch
 
 from fairseq.data.data_utils import load_indexed_dataset
 from fairseq.data.dictionary import Dictionary
+from fairseq.data.lm_context_window_dataset import InCorpusOrder, with_context_window
 from fairseq.data.monolingual_dataset import MonolingualDataset
 from fairseq.data.token_block_dataset import TokenBlockDataset, maybe_shorten_dataset
 from fairseq.dataclass.configs import II, opt
@@ -171,6 +172,25 @@ class LanguageModelingTask(FairseqTask):
                 if prefix_tokens[:, 0].eq(bos_token).all():
                     prefix_tokens = prefix_tokens[:, 1:]
             return generator.generate(models, sample, prefix_tokens=prefix_tokens, bos_token=bos_token)
+
+    def eval_lm_dataloader(self, dataset, max_tokens: Optional[int] = 36000, batch_size: Optional[int] = None,
+                           max_positions=None, num_shards: int = 1, shard_id: int = 0, num_workers: int = 1,
+                           data_buffer_size: int = 10, context_window: int = 0):
+        """Upstream's evaluation batches of `dataset` (one pass, no shuffling; too long items skipped). With
+        `context_window` > 0 blocks come in corpus order, each with up to that many tokens of the text before it
+        as unscored context (fairseq.data.lm_context_window_dataset, in upstream's batch layout)."""
+        if context_window > 0:
+            dataset = InCorpusOrder(dataset)
+        batches = self.get_batch_iterator(
+            dataset=dataset, max_tokens=max_tokens, max_sentences=batch_size, max_positions=max_positions,
+            ignore_invalid_inputs=True, num_shards=num_shards, shard_id=shard_id, num_workers=num_workers,
+            data_buffer_size=data_buffer_size,
+        ).next_epoch_itr(shuffle=False)
+        if context_window <= 0:
+            return batches
+        bos = self.source_dictionary.bos() if self.cfg.add_bos_token else None
+        return with_context_window(batches, context_window, self.source_dictionary.pad(), bos,
+                                   width_with_window=True)
 
     def describe_split(self, split: str) -> Optional[str]:
         return self._split_sources.get(split)
