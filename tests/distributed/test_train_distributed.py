@@ -144,17 +144,23 @@ def run_simulated_slurm_job(argv, port):
 # to update SHARDED_LAST.
 SHARDED = ["--use-sharded-state", "--save-interval-updates", "3"]
 SHARDED_LAST = 10
+# fsdp_runs[(False, True)]: sharded saves and validation every 2 updates to 10, the best 2 kept.
+KEEP_BEST = ["--use-sharded-state", "--validate-interval-updates", "2", "--save-interval-updates", "2",
+             "--keep-best-checkpoints", "2", "--no-epoch-checkpoints"]
 
 
 @pytest.fixture(scope="module")
 def fsdp_runs(tiny_data, tmp_path_factory, run_train):
     """fully_sharded on 2 ranks with each combination of --fsdp-forward-prefetch / --fsdp-sync-free, 6 updates;
-    {(prefetch, sync_free): (save_dir, CompletedProcess)}. Two of the four runs do a second job, which saves
-    launching it on its own:
+    {(prefetch, sync_free): (save_dir, CompletedProcess)}. Three of the four runs do a second job, which saves
+    launching it on its own (neither saving nor validating changes what training computes, which
+    test_fsdp_flags_change_scheduling_not_arithmetic checks too):
     - (True, False) runs as a simulated 2-task SLURM job (test_simulated_slurm_job_trains_with_two_ranks);
+    - (False, True) validates, saves sharded checkpoints every 2 updates and keeps the best 2 (KEEP_BEST), to
+      update 10 (test_keep_best_sharded_checkpoints_on_two_ranks);
     - (True, True) saves sharded checkpoints (--use-sharded-state) every 3 updates and runs on to update 10:
-      the uninterrupted run of test_sharded_checkpoint_resume_is_bitwise_and_reshards; its update-6 state is
-      the directory checkpoint_1_6 (see fsdp_state)."""
+      the uninterrupted run of test_sharded_checkpoint_resume_is_bitwise_and_reshards.
+    The update-6 state of the last two is their directory checkpoint_1_6 (see fsdp_state)."""
     runs = {}
     for prefetch in (False, True):
         for sync_free in (False, True):
@@ -164,6 +170,8 @@ def fsdp_runs(tiny_data, tmp_path_factory, run_train):
             flags += ["--fsdp-sync-free"] if sync_free else []
             if (prefetch, sync_free) == (True, False):
                 proc = run_simulated_slurm_job(train_argv(tiny_data, out, *flags), str(_free_port()))
+            elif (prefetch, sync_free) == (False, True):
+                proc = run_train(tiny_data, out, *flags, *KEEP_BEST, world_size=2, max_update=10, validate=True)
             elif (prefetch, sync_free) == (True, True):
                 proc = run_train(tiny_data, out, *flags, *SHARDED, world_size=2, max_update=SHARDED_LAST)
             else:
@@ -181,7 +189,7 @@ def sharded_model_state(directory):
 def fsdp_state(fsdp_runs, key):
     """(model state, {update: loss}) of fsdp_runs[key] after update 6."""
     out = fsdp_runs[key][0]
-    if key == (True, True):
+    if key[1]:  # sharded saves, to update 10
         return sharded_model_state(out / "checkpoint_1_6"), {k: v for k, v in losses(out / "train.log").items()
                                                                 if k <= 6}
     return model_state(out / "checkpoint_last.pt"), losses(out / "train.log")
@@ -272,17 +280,16 @@ def test_sharded_checkpoint_resume_is_bitwise_and_reshards(tiny_data, tmp_path, 
         assert abs(resumed_losses[k] - straight_losses[k]) <= 0.002, (k, resumed_losses[k], straight_losses[k])
 
 
-def test_keep_best_sharded_checkpoints_on_two_ranks(tiny_data, tmp_path, run_train):
-    """--keep-best-checkpoints with sharded saves on 2 ranks: the decision is broadcast from rank 0 and
-    the kept directories are complete (the selection rule itself: tests/unit/test_checkpoint_paths.py)."""
-    run_train(tiny_data, tmp_path, "--ddp-backend", "fully_sharded", "--use-sharded-state",
-              "--validate-interval-updates", "2", "--save-interval-updates", "2", "--keep-best-checkpoints", "2",
-              "--no-epoch-checkpoints", world_size=2, max_update=10, validate=True)
-    valid = [float(row["valid_loss"]) for row in read_json_log(tmp_path / "train.log", "valid")]
+def test_keep_best_sharded_checkpoints_on_two_ranks(fsdp_runs):
+    """--keep-best-checkpoints with sharded saves on 2 ranks (fsdp_runs' sync-free run): the decision is
+    broadcast from rank 0 and the kept directories are complete (the selection rule itself:
+    tests/unit/test_checkpoint_paths.py)."""
+    out = fsdp_runs[(False, True)][0]
+    valid = [float(row["valid_loss"]) for row in read_json_log(out / "train.log", "valid")]
     assert len(valid) == 5
-    kept = sorted(n for n in os.listdir(tmp_path) if n.startswith("checkpoint.best_loss_"))
+    kept = sorted(n for n in os.listdir(out) if n.startswith("checkpoint.best_loss_"))
     assert len(kept) == 2
-    assert all(os.path.isfile(tmp_path / n / ".metadata") for n in kept)  # complete DCP directories
+    assert all(os.path.isfile(out / n / ".metadata") for n in kept)  # complete DCP directories
     values = sorted(float(n[len("checkpoint.best_loss_"):]) for n in kept)
     # names carry 4 decimals, the log 3: equal within the two roundings
     assert all(abs(v - w) <= 6e-4 for v, w in zip(values, sorted(valid)[:2])), (values, valid)
