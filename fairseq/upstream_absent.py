@@ -20,7 +20,8 @@ _LM = "it trains decoder-only (left-to-right) language models"
 _TRANSLATION = (f"{_LM} and has no translation (source/target pairs); use --task language_modeling "
                 "(fairseq.tasks.language_modeling.LanguageModelingTask)")
 _SPEECH = f"{_LM} on text and has no speech or audio models, tasks and datasets"
-_ENCODER = (f"{_LM} and has no encoder or encoder-decoder models; use "
+_ENCODER = (f"{_LM} and has no encoder or encoder-decoder architectures (only upstream's base classes "
+            "fairseq.models.FairseqEncoder / FairseqEncoderDecoderModel, for plug-ins); use "
             "fairseq.models.transformer_lm.TransformerLanguageModel (--arch transformer_lm*) and its decoder "
             "fairseq.modules.TransformerDecoder, or subclass fairseq.models.FairseqLanguageModel with a "
             "fairseq.models.FairseqIncrementalDecoder")
@@ -49,7 +50,7 @@ ABSENT_MODULES = {
         "sentence_ranking")},
     # models
     **{f"fairseq.models.{m}": _ENCODER for m in (
-        "transformer", "transformer_legacy", "fairseq_encoder", "composite_encoder", "fconv_self_att",
+        "transformer", "transformer_legacy", "composite_encoder", "fconv_self_att",
         "lstm", "lightconv", "multilingual_transformer", "transformer_align", "transformer_from_pretrained_xlm",
         "masked_lm")},
     "fairseq.models.fconv": _FCONV,
@@ -60,7 +61,6 @@ ABSENT_MODULES = {
     "fairseq.model_parallel": _MODEL_PARALLEL,
     # data, criterions, scoring
     "fairseq.data.audio": _SPEECH,
-    "fairseq.data.language_pair_dataset": _TRANSLATION,
     "fairseq.data.backtranslation_dataset": _TRANSLATION,
     "fairseq.data.round_robin_zip_datasets": _TRANSLATION,
     "fairseq.data.mask_tokens_dataset": _MASKED_LM,
@@ -77,10 +77,9 @@ ABSENT_MODULES = {
 # (package, name) -> why, for names imported from a package that exists.
 ABSENT_NAMES = {
     **{("fairseq.models", n): _ENCODER for n in (
-        "TransformerModel", "FairseqEncoder", "FairseqEncoderModel", "FairseqEncoderDecoderModel",
-        "FairseqModel", "FairseqMultiModel", "CompositeEncoder")},
+        "TransformerModel", "FairseqEncoderModel", "FairseqModel", "FairseqMultiModel", "CompositeEncoder")},
     **{("fairseq.data", n): _TRANSLATION for n in (
-        "LanguagePairDataset", "BacktranslationDataset", "RoundRobinZipDatasets", "TransformEosLangPairDataset",
+        "BacktranslationDataset", "RoundRobinZipDatasets", "TransformEosLangPairDataset",
         "MultilingualDataset")},
     **{("fairseq.data", n): _MASKED_LM for n in ("MaskTokensDataset", "DenoisingDataset")},
     **{("fairseq.data", n): _SPEECH for n in ("FileAudioDataset", "RawAudioDataset", "AddTargetDataset")},

@@ -1,7 +1,7 @@
 """Data: the dictionary, binarized (MMIDIDX) datasets, batching helpers, and upstream's dataset classes.
 
 Upstream's names are exported here as upstream does (`from fairseq.data import TokenBlockDataset`);
-upstream datasets this fork leaves out (translation pairs, audio, masking) raise an ImportError saying so.
+upstream datasets this fork leaves out (backtranslation, audio, masking) raise an ImportError saying so.
 """
 
 from fairseq.data import data_utils, iterators  # noqa: F401 (upstream's submodule attributes)
@@ -11,6 +11,7 @@ from fairseq.data.dictionary import Dictionary
 from fairseq.data.fairseq_dataset import EpochListening, FairseqDataset, FairseqIterableDataset
 from fairseq.data.indexed_dataset import MMapIndexedDataset, MMapIndexedDatasetBuilder
 from fairseq.data.iterators import CountingIterator, EpochBatchIterator, GroupedIterator, ShardedIterator
+from fairseq.data.language_pair_dataset import LanguagePairDataset
 from fairseq.data.list_dataset import ListDataset
 from fairseq.data.monolingual_dataset import MonolingualDataset
 from fairseq.data.resampling_dataset import ResamplingDataset
@@ -26,6 +27,7 @@ __all__ = [
     "FairseqDataset",
     "FairseqIterableDataset",
     "GroupedIterator",
+    "LanguagePairDataset",
     "ListDataset",
     "MMapIndexedDataset",
     "MMapIndexedDatasetBuilder",

@@ -3,8 +3,13 @@
 
 # Upstream's names, for plug-ins (--user-dir) that import them from here.
 from fairseq.models.fairseq_decoder import FairseqDecoder  # noqa: E402,F401
+from fairseq.models.fairseq_encoder import FairseqEncoder  # noqa: E402,F401
 from fairseq.models.fairseq_incremental_decoder import FairseqIncrementalDecoder  # noqa: E402,F401
-from fairseq.models.fairseq_model import BaseFairseqModel, FairseqLanguageModel  # noqa: E402,F401
+from fairseq.models.fairseq_model import (  # noqa: E402,F401
+    BaseFairseqModel,
+    FairseqEncoderDecoderModel,
+    FairseqLanguageModel,
+)
 from fairseq.registry import (  # noqa: E402,F401
     ARCH_CONFIG_REGISTRY,
     ARCH_MODEL_REGISTRY,
