@@ -123,3 +123,16 @@ def nan_after_two(tmp_path_factory):
     the one plug-in."""
     source = faulty_criterion_source("nan_after_two", call=3, and_after=True, factor="nan", also_logged=True)
     return write_plugin(tmp_path_factory.mktemp("plugins") / "nan_plugin", source)
+
+
+@pytest.fixture(autouse=True)
+def no_process_group_left_behind():
+    """fairseq-train run in the test process under fully_sharded creates a one-rank process group (FSDP2 needs
+    one) and leaves it, as a library call should; a test that did not have one before gets none after, so that
+    the next test starts as a fresh process would."""
+    import torch.distributed as dist
+
+    existed = dist.is_available() and dist.is_initialized()
+    yield
+    if not existed and dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()

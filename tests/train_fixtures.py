@@ -96,6 +96,9 @@ def console_in_process(name, cli_main, argv):
     from fairseq.logging.progress_bar import make_formatter
     from fairseq.utils import run_console_script
 
+    import torch.distributed as dist
+
+    had_process_group = dist.is_initialized()
     out, err = io.StringIO(), io.StringIO()
     log = logging.StreamHandler(out)  # where the process's root logger writes (progress_bar.setup_logging)
     log.setFormatter(make_formatter())
@@ -115,6 +118,8 @@ def console_in_process(name, cli_main, argv):
         root.removeHandler(log)
         root.setLevel(level)
         torch.set_num_threads(threads)
+        if not had_process_group and dist.is_initialized():  # the process would have ended with its group
+            dist.destroy_process_group()
     return status, out.getvalue(), err.getvalue()
 
 
