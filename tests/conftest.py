@@ -6,10 +6,27 @@ import pytest
 from tests.train_fixtures import default_train_argv, tiny_train_argv, write_corpus, write_plugin  # noqa: F401
 
 
+@pytest.fixture(scope="session", autouse=True)
+def one_intra_op_thread_on_cpu():
+    """The CPU suite's tiny models run on one intra-op thread: they gain nothing from more, and on a 2-core
+    machine waiting for the threads costs (train/export/eval-lm integration modules: 55 s of CPU on one thread,
+    70-110 s on two, with other work on the machine). Left alone where CUDA is available."""
+    import torch
+
+    if torch.cuda.is_available():
+        yield
+        return
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="module")
 def one_thread():
     """One intra-op thread for a module of tiny models: they gain nothing from more, and on a shared machine
-    waiting for the threads dominates. Use with `pytestmark = pytest.mark.usefixtures("one_thread")`."""
+    waiting for the threads dominates. Use with `pytestmark = pytest.mark.usefixtures("one_thread")` (on a
+    machine without CUDA every test has one already: one_intra_op_thread_on_cpu)."""
     import torch
 
     threads = torch.get_num_threads()
