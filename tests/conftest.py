@@ -10,14 +10,27 @@ from tests.train_fixtures import default_train_argv, tiny_train_argv, write_corp
 def one_intra_op_thread_on_cpu():
     """The CPU suite's tiny models run on one intra-op thread: they gain nothing from more, and on a 2-core
     machine waiting for the threads costs (train/export/eval-lm integration modules: 55 s of CPU on one thread,
-    70-110 s on two, with other work on the machine). Left alone where CUDA is available."""
+    70-110 s on two, with other work on the machine). Left alone where CUDA is available. Returns torch's own
+    thread count (see torch_default_threads)."""
     import torch
 
-    if torch.cuda.is_available():
-        yield
-        return
     threads = torch.get_num_threads()
+    if torch.cuda.is_available():
+        yield threads
+        return
     torch.set_num_threads(1)
+    yield threads
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def torch_default_threads(one_intra_op_thread_on_cpu):
+    """torch's own intra-op thread count for a module, for runs that must compute bitwise what a run with torch's
+    defaults computed (a stored checkpoint): the sums of a matrix product depend on how it is split."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(one_intra_op_thread_on_cpu)
     yield
     torch.set_num_threads(threads)
 

@@ -100,7 +100,7 @@ def assert_same(a, b, exact: bool, what: str):
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def runs(tmp_path_factory, torch_default_threads):  # the stored checkpoint's run had torch's default threads
     root = tmp_path_factory.mktemp("before_stateful")
     data = root / "data-bin"
     shutil.copytree(STORED / "data-bin", data)
