@@ -128,3 +128,42 @@ def train_in_process(argv):
     from fairseq_cli import train
 
     return console_in_process("fairseq-train", train.cli_main, argv)
+
+
+# ----------------------------------------------------------------------------- spawned gloo scenarios
+
+
+def _scenario_worker(rank, world, port, timeout_s, out_dir, make_scenarios, args):
+    import traceback
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=timeout_s))
+    torch.set_num_threads(1)
+    results = {}
+    try:
+        for name, scenario in make_scenarios(rank, *args).items():
+            try:
+                results[name] = scenario()
+            except Exception:  # kept, so that every scenario runs and each test reports its own failure
+                results[name] = RuntimeError(f"rank {rank}, scenario {name}:\n{traceback.format_exc()}")
+        torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def spawn_scenarios(make_scenarios, out_dir, world, *args, timeout_s=60):
+    """Spawn `world` gloo ranks once; each runs the scenarios of `make_scenarios(rank, *args)` ({name: callable
+    without arguments}, in order) and saves their results (or the exception of a failed one). Returns each
+    rank's {name: result}. `make_scenarios` must be a module-level function (the ranks are spawned)."""
+    import torch
+    import torch.multiprocessing as mp
+
+    from fairseq.distributed.env import get_free_port
+
+    mp.spawn(_scenario_worker, nprocs=world, join=True,
+             args=(world, get_free_port("127.0.0.1"), timeout_s, str(out_dir), make_scenarios, args))
+    return [torch.load(os.path.join(str(out_dir), f"rank{r}.pt"), weights_only=False) for r in range(world)]

@@ -11,19 +11,15 @@ same inputs as the whole tensor's (the one-process model is given the FSDP run's
 separately); gathering copies. The two models' forwards are the same modules and weights in one process."""
 
 import copy
-import os
-import traceback
-from datetime import timedelta
+import functools
 from itertools import chain
 from types import SimpleNamespace
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 
-from fairseq.distributed.env import get_free_port
+from tests.train_fixtures import spawn_scenarios
 
 WORLD = 2
 VOCAB, PAD, BATCH, SEQ = 32, 1, 4, 8
@@ -140,27 +136,13 @@ def scenario_tensor_parallel(rank):
 SCENARIOS = {"fsdp": scenario_fsdp, "tensor_parallel": scenario_tensor_parallel}  # in this order: TP last
 
 
-def _worker(rank, port, out_dir):
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD,
-                            timeout=timedelta(seconds=60))
-    torch.set_num_threads(1)
-    results = {}
-    try:
-        for name, scenario in SCENARIOS.items():
-            try:
-                results[name] = scenario(rank)
-            except Exception:
-                results[name] = RuntimeError(f"rank {rank}, scenario {name}:\n{traceback.format_exc()}")
-        torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
+def rank_scenarios(rank):
+    return {name: functools.partial(scenario, rank) for name, scenario in SCENARIOS.items()}
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    out_dir = str(tmp_path_factory.mktemp("ema_get_model"))
-    mp.spawn(_worker, args=(get_free_port("127.0.0.1"), out_dir), nprocs=WORLD, join=True)
-    return [torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False) for r in range(WORLD)]
+    return spawn_scenarios(rank_scenarios, tmp_path_factory.mktemp("ema_get_model"), WORLD)
 
 
 def result(runs, name, rank):

@@ -14,9 +14,7 @@ meaningless. The four prefetch / sync-free combinations change when all-gathers 
 computed (an all-gather copies), so their losses must be bitwise equal.
 """
 
-import os
-import traceback
-from datetime import timedelta
+import functools
 from types import SimpleNamespace
 
 import pytest
@@ -25,8 +23,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
+from tests.train_fixtures import spawn_scenarios
 from fairseq.dataclass.configs import FairseqConfig
-from fairseq.distributed.env import get_free_port
 from fairseq.distributed.fsdp import (
     ReshardEventLimiter,
     apply_fsdp,
@@ -288,29 +286,13 @@ SCENARIOS = {
 }
 
 
-def _worker(rank, port, out_dir):
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD,
-        timeout=timedelta(seconds=60),
-    )
-    torch.set_num_threads(1)
-    results = {}
-    try:
-        for name, scenario in SCENARIOS.items():
-            try:
-                results[name] = scenario(rank)
-            except Exception:
-                results[name] = RuntimeError(f"rank {rank}, scenario {name}:\n{traceback.format_exc()}")
-        torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
+def rank_scenarios(rank):
+    return {name: functools.partial(scenario, rank) for name, scenario in SCENARIOS.items()}
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    out_dir = str(tmp_path_factory.mktemp("fsdp_runs"))
-    mp.spawn(_worker, args=(get_free_port("127.0.0.1"), out_dir), nprocs=WORLD, join=True)
-    return [torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False) for r in range(WORLD)]
+    return spawn_scenarios(rank_scenarios, tmp_path_factory.mktemp("fsdp_runs"), WORLD)
 
 
 def result(runs, name, rank=0):

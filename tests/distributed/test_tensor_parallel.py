@@ -27,14 +27,12 @@ left out, as tests/distributed/test_train_distributed.py does.
 
 import math
 import os
-import traceback
-from datetime import timedelta
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
+from tests.train_fixtures import spawn_scenarios
 from fairseq.distributed.env import get_free_port
 
 pytestmark = pytest.mark.timeout(600)
@@ -106,7 +104,7 @@ def run_main(data, save_dir, *flags):
 CHECKPOINTS = ["--use-sharded-state", "--no-epoch-checkpoints"]
 
 
-def scenarios(data, out):
+def scenarios(rank, data, out):  # the same scenarios on every rank
     return {
         "tp2_fsdp2": lambda: train_updates(data, *TP2_FSDP2),
         "tp2_fsdp2_flags": lambda: train_updates(data, *TP2_FSDP2, "--fsdp-forward-prefetch", "--fsdp-sync-free"),
@@ -131,27 +129,10 @@ def _copy_checkpoint(src, dst):
     dist.barrier()
 
 
-def _worker(rank, port, data, out):
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD,
-                            timeout=timedelta(seconds=120))
-    torch.set_num_threads(1)
-    results = {}
-    try:
-        for name, scenario in scenarios(data, out).items():
-            try:
-                results[name] = scenario()
-            except Exception:
-                results[name] = RuntimeError(f"rank {rank}, scenario {name}:\n{traceback.format_exc()}")
-        torch.save(results, os.path.join(out, f"rank{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
-
-
 @pytest.fixture(scope="module")
 def runs(tiny_data, tmp_path_factory):
     out = tmp_path_factory.mktemp("tp_runs")
-    mp.spawn(_worker, args=(get_free_port("127.0.0.1"), tiny_data, out), nprocs=WORLD, join=True)
-    return out, [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
+    return out, spawn_scenarios(scenarios, out, WORLD, tiny_data, out, timeout_s=120)
 
 
 def result(runs, name, rank=0):
