@@ -116,7 +116,8 @@ def run_reference(args, compile_layers, env):
     name = "plain FSDP2 loop" + (" + compile" if compile_layers else "")
     result_file = os.path.join(args.out, f"reference{'_compile' if compile_layers else ''}.json")
     # The worker's settings travel in the environment: torchrun would try to parse flags placed after the script.
-    worker_args = dict(vars(args), compile=compile_layers, result_file=result_file)
+    worker_args = dict(vars(args), compile=compile_layers, result_file=result_file,
+                       profile_dir=os.path.join(args.out, slug_of(name)))
     env = dict(env, FAIRSEQ_BENCHMARK_ARGS=json.dumps(worker_args))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(args.nproc),
            os.path.abspath(__file__), "--reference-worker"]
@@ -178,9 +179,7 @@ def reference_worker(args):
     profiler = None
     if args.profile:
         start, end = profiled_updates(args)
-        name = "plain FSDP2 loop" + (" + compile" if args.compile else "")
-        profiler = UpdateProfiler(start, end, os.path.join(os.path.dirname(args.result_file), slug_of(name)),
-                                  dist.get_rank(), device)
+        profiler = UpdateProfiler(start, end, args.profile_dir, dist.get_rank(), device)
     loss = None
     for step in range(steps):
         if step == warmup:
@@ -252,12 +251,12 @@ def print_profiles(results):
     for _, p in profiled:
         categories += [c for c in p["category_ms"] if c not in categories]
     print("\nper update (torch.profiler, mean of the profiled updates; ms; categories sum kernel time over streams):")
-    print("| run | wall | GPU busy | GPU idle | kernels | kernel sum | " + " | ".join(categories) + " |")
+    print("| run | wall | GPU busy | GPU idle | kernels | kernel sum |" + "".join(f" {c} |" for c in categories))
     print("|" + "---|" * (6 + len(categories)))
     for name, p in profiled:
         cells = [fmt(p["category_ms"].get(c), ".1f") for c in categories]
         print(f"| {name} | {p['wall_ms']:.1f} | {p['gpu_busy_ms']:.1f} | {fmt(p['gpu_idle_ms'], '.1f')} | "
-              f"{p['kernels']:.0f} | {p.get('kernel_sum_ms', 0):.1f} | " + " | ".join(cells) + " |")
+              f"{p['kernels']:.0f} | {p.get('kernel_sum_ms', 0):.1f} |" + "".join(f" {c} |" for c in cells))
     base_name, base = profiled[0]
     for name, p in profiled[1:]:
         print(f"\nkernels that differ most, {name} minus {base_name} (ms per update, calls per update):")
