@@ -266,6 +266,9 @@ def print_profiles(results):
         print(f"\nhost time (self, ms per update), {name}:")
         for op in p.get("top_host_ops", [])[:12]:
             print(f"  {op['cpu_ms']:8.2f} {op['count']:7.1f}  {op['name'][:110]}")
+        print(f"\nhost time (inclusive, named ranges, ms per update), {name}:")
+        for op in p.get("top_host_ranges", [])[:16]:
+            print(f"  {op['cpu_total_ms']:8.2f} {op['count']:7.1f}  {op['name'][:110]}")
 
 
 def kernel_differences(base, other):
@@ -296,7 +299,7 @@ def main(argv=None):
                         help="with --compile: compile only the --fp8 rows (no compiled loop or bf16 --compile row)")
     parser.add_argument("--combos", default="all",
                         help="flag combinations to run: 'all' (the four), or a comma-separated list of none, "
-                             "prefetch, sync-free, both")
+                             "prefetch, sync-free, both; '' for none of them (only --fp8 rows)")
     parser.add_argument("--fp8", default="", metavar="RECIPES",
                         help="also run fairseq-train --fp8 with these comma-separated recipes (tensorwise, rowwise, "
                              "rowwise_with_gw_hp; tensorwise+ag adds --fp8-fsdp-all-gather), without FSDP flags")
@@ -316,7 +319,7 @@ def main(argv=None):
         parser.error("--profile records updates LOG_INTERVAL-1 and LOG_INTERVAL (after the first, compiling one): "
                      "pass --log-interval 3 or more")
     named = {"none": (False, False), "prefetch": (True, False), "sync-free": (False, True), "both": (True, True)}
-    names = list(named) if args.combos == "all" else args.combos.split(",")
+    names = list(named) if args.combos == "all" else [n for n in args.combos.split(",") if n]
     unknown = [n for n in names if n not in named]
     if unknown:
         parser.error(f"--combos {args.combos!r}: unknown {', '.join(unknown)}; use all or a list of {', '.join(named)}")
