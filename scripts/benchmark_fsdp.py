@@ -16,6 +16,7 @@ loss at the last step. Runs on CPU too (gloo, tiny dims) to check the script its
 import argparse
 import json
 import os
+import shlex
 import subprocess
 import sys
 import time
@@ -83,6 +84,9 @@ def slug_of(name):
 
 
 def run_fairseq(args, name, extra, env):
+    if args.fairseq_flags:
+        name = f"{name} {args.fairseq_flags}"
+        extra = extra + shlex.split(args.fairseq_flags)
     slug = slug_of(name)
     log_file = os.path.join(args.out, f"{slug}.log")
     if os.path.exists(log_file):
@@ -308,6 +312,9 @@ def main(argv=None):
                              "(fairseq-train --profile-updates) and print per-update GPU busy/idle time and kernel "
                              "time by category; the profiled updates are the warm-up interval's last two, so "
                              "tokens/s are not affected (needs --log-interval >= 3)")
+    parser.add_argument("--fairseq-flags", default="", metavar="FLAGS",
+                        help="more fairseq-train flags for every fairseq-train row, e.g. --fairseq-flags=--no-reshard-after-forward "
+                             "(the plain loop is not changed)")
     parser.add_argument("--no-reference", action="store_true")
     parser.add_argument("--cpu", action="store_true", help="gloo on CPU, fp32 (to test this script)")
     parser.add_argument("--out", default="benchmark_out")
