@@ -34,8 +34,8 @@ def build_criterion(cfg, task, optimization_cfg=None):
 
 def __getattr__(name):
     # Upstream's `from fairseq.criterions import FairseqCriterion`, without importing torch here.
-    if name == "FairseqCriterion":
-        from fairseq.criterions.fairseq_criterion import FairseqCriterion
+    if name in ("FairseqCriterion", "LegacyFairseqCriterion"):
+        from fairseq.criterions import fairseq_criterion
 
-        return FairseqCriterion
+        return getattr(fairseq_criterion, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -47,3 +47,17 @@ class FairseqCriterion(nn.Module):
     @staticmethod
     def logging_outputs_can_be_summed() -> bool:
         return False
+
+
+class LegacyFairseqCriterion(FairseqCriterion):
+    """Upstream's base of criterions configured by an argparse namespace: flags come from the `add_args(parser)`
+    staticmethod and `__init__(args, task)` takes the whole parsed namespace (also under `self.args`).
+    Upstream deprecates it in favour of explicit `__init__` arguments, which FairseqCriterion passes by name."""
+
+    def __init__(self, args, task):
+        super().__init__(task)
+        self.args = args
+
+    @classmethod
+    def build_criterion(cls, cfg, task, optimization_cfg=None):
+        return cls(cfg, task)

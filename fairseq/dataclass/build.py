@@ -12,7 +12,7 @@ import argparse
 import dataclasses
 import re
 import typing
-from typing import Any, Mapping, Optional
+from typing import Any, Dict, Mapping, Optional
 
 from fairseq import registry
 from fairseq.dataclass import configs, legacy
@@ -79,19 +79,54 @@ def build_config(values: Mapping[str, Any], components: Mapping[str, Optional[st
     check_precision(cfg.common)  # before merging upstream's memory-efficient spellings, which mean the same here
     cfg.common.fp16 = cfg.common.fp16 or cfg.common.memory_efficient_fp16
     cfg.common.bf16 = cfg.common.bf16 or cfg.common.memory_efficient_bf16
+    legacy_components = []
     for attr, reg in (("task", registry.TASK_REGISTRY), ("criterion", registry.CRITERION_REGISTRY),
                       ("optimizer", registry.OPTIMIZER_REGISTRY), ("lr_scheduler", registry.LR_SCHEDULER_REGISTRY),
                       ("bpe", _encoders().BPE_REGISTRY), ("tokenizer", _encoders().TOKENIZER_REGISTRY)):
         name = components.get(attr)
         if name is not None:
             dc = reg.dataclass(name)
-            # Upstream's legacy components (flags from `add_args`, no dataclass) are given the whole namespace.
-            setattr(cfg, attr, component_config(dc, values, name) if dc is not None
-                    else legacy.legacy_config(reg.get(name), values, name))
+            if dc is None:
+                legacy_components.append((attr, reg.get(name), name))
+            else:
+                setattr(cfg, attr, component_config(dc, values, name))
+    # Upstream's legacy components (flags from `add_args`, no dataclass) are given the whole namespace: every
+    # option's value, defaults included, as a command line's parsed namespace holds them (a config file names
+    # only the values it sets).
+    legacy_model = _is_legacy_model(components)
+    namespace = _all_option_values(cfg, values, components) if legacy_components or legacy_model else values
+    for _, cls, _ in legacy_components:  # their add_args defaults are in a command line's namespace too
+        for key, value in legacy.declared_defaults(cls).items():
+            namespace.setdefault(key, value)
     if components.get("model") is not None:
-        cfg.model = model_config(components["model"], values, owners=cfg)
+        cfg.model = model_config(components["model"], namespace if legacy_model else values, owners=cfg)
+        if legacy_model:  # the architecture function ran on the whole namespace, as in parse_args_and_arch
+            namespace = {**namespace, **{k: v for k, v in vars(cfg.model).items() if k != "_name"}}
+    for attr, cls, name in legacy_components:
+        setattr(cfg, attr, legacy.legacy_config(cls, namespace, name))
     resolve_interpolated_defaults(cfg)
     return cfg
+
+
+def _is_legacy_model(components: Mapping[str, Optional[str]]) -> bool:
+    return components.get("model") is not None and legacy.is_legacy_arch(components["model"])
+
+
+def _all_option_values(cfg: configs.FairseqConfig, values: Mapping[str, Any],
+                       components: Mapping[str, Optional[str]]) -> Dict[str, Any]:
+    """`values` over the value of every option of the groups and dataclass components built so far, and the
+    components' names (`arch`, `task`, `optimizer`, ...), as a parsed command line holds them."""
+    namespace: Dict[str, Any] = {"arch": components.get("model")}
+    for attr in ("task", "criterion", "optimizer", "lr_scheduler", "bpe", "tokenizer"):
+        namespace[attr] = components.get(attr)
+    for attr in PLAIN_GROUPS + ("task", "criterion", "optimizer", "lr_scheduler", "bpe", "tokenizer"):
+        group = getattr(cfg, attr, None)
+        if dataclasses.is_dataclass(group):
+            for f in dataclasses.fields(group):
+                if not f.name.startswith("_"):
+                    namespace.setdefault(f.name, getattr(group, f.name))
+    namespace.update(values)
+    return namespace
 
 
 def _encoders():

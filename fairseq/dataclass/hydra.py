@@ -43,6 +43,7 @@ from typing import Any, Dict, List, Literal, Optional, Sequence, Tuple, get_args
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from fairseq import options, registry
+from fairseq.dataclass import legacy
 from fairseq.dataclass.build import build_config
 from fairseq.dataclass.configs import FairseqConfig
 from fairseq.dataclass.utils import _unwrap_optional, flag_name
@@ -264,8 +265,8 @@ def _check_group(where: str, values, dc, owner: str, skip_missing: bool = False)
         return {}
     if not isinstance(values, dict):
         raise ValueError(f"'{where}' must be a mapping of {owner}'s options, got {values!r}")
-    fields = _fields(dc) if dc is not None else {}
-    hints = typing.get_type_hints(dc) if dc is not None else {}
+    fields = _fields(dc)
+    hints = typing.get_type_hints(dc)
     checked = {}
     for key, value in values.items():
         if key == "_name":
@@ -273,9 +274,6 @@ def _check_group(where: str, values, dc, owner: str, skip_missing: bool = False)
         if key not in fields:
             if skip_missing and value == MISSING:
                 continue  # `task.data: ???` after switching to a task without data
-            if dc is None:  # upstream's legacy components declare flags in add_args, which no YAML key maps to
-                raise ValueError(f"'{where}.{key}': {owner} is a legacy plug-in configured by its add_args flags (no "
-                                 "dataclass), which a YAML config cannot set; train it with fairseq-train and flags")
             raise _unknown_key_error(where, key, fields, owner)
         if value == MISSING:
             raise ValueError(
@@ -283,6 +281,27 @@ def _check_group(where: str, values, dc, owner: str, skip_missing: bool = False)
                 f"line (fairseq-train spells it {flag_name(key) if key != 'data' else 'DATA, the positional argument'})"
             )
         checked[key] = _coerce(f"{where}.{key}", value, hints[key], _default(fields[key]))
+    return checked
+
+
+def _check_legacy_component(where: str, values, cls, owner: str) -> Dict[str, Any]:
+    """Validated {option: value} of an upstream legacy component (no dataclass): its keys are the dests of the
+    flags its `add_args` declares, checked as those flags would check them."""
+    if values is None:
+        return {}
+    if not isinstance(values, dict):
+        raise ValueError(f"'{where}' must be a mapping of {owner}'s options, got {values!r}")
+    options = legacy.declared_options(cls)
+    checked = {}
+    for key, value in values.items():
+        if key == "_name" or value == MISSING:
+            continue
+        if key not in options:
+            close = difflib.get_close_matches(key, list(options), n=1)
+            hint = f" (did you mean '{where}.{close[0]}'?)" if close else ""
+            raise ValueError(f"unknown key '{where}.{key}'{hint}: {owner} is a legacy plug-in whose add_args declares "
+                             f"{', '.join(sorted(options)) or 'no options'}")
+        checked[key] = legacy.coerce_option(f"{where}.{key}", options[key], value)
     return checked
 
 
@@ -298,6 +317,10 @@ def _component_name(attr: str, values) -> Optional[str]:
     if not isinstance(name, str):
         raise ValueError(f"{attr}._name must be a string, got {name!r}")
     return name
+
+
+def _component_class(attr: str, name: str):
+    return registry.arch_model(name) if attr == "model" else COMPONENT_REGISTRIES[attr].get(name)
 
 
 def _component_dataclass(attr: str, name: str):
@@ -381,8 +404,11 @@ def fairseq_config_from_dict(values: Dict[str, Any]) -> FairseqConfig:
         names[attr] = _component_name(attr, raw)
         dataclasses_[attr] = _component_dataclass(attr, names[attr])
         owner = f"{attr} {names[attr]!r}" + (f" ({dataclasses_[attr].__name__})" if dataclasses_[attr] else "")
-        collect(attr, _check_group(attr, raw if isinstance(raw, dict) else None, dataclasses_[attr], owner,
-                                   skip_missing=True))
+        mapping = raw if isinstance(raw, dict) else None
+        if dataclasses_[attr] is None:  # upstream's legacy components: flags from add_args, no dataclass
+            collect(attr, _check_legacy_component(attr, mapping, _component_class(attr, names[attr]), owner))
+        else:
+            collect(attr, _check_group(attr, mapping, dataclasses_[attr], owner, skip_missing=True))
 
     return build_config({key: value for key, (value, _) in explicit.items()}, names)  # names["model"]: the arch
 

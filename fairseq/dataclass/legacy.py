@@ -42,6 +42,48 @@ def declared_defaults(cls) -> Dict[str, Any]:
     return defaults
 
 
+def declared_options(cls) -> Dict[str, argparse.Action]:
+    """The options `cls.add_args` declares, by dest: what a YAML config may set for a legacy component."""
+    if not hasattr(cls, "add_args"):
+        return {}
+    parser = argparse.ArgumentParser(argument_default=argparse.SUPPRESS, allow_abbrev=False, add_help=False)
+    cls.add_args(parser)
+    return {a.dest: a for a in parser._actions if a.dest != argparse.SUPPRESS}
+
+
+def coerce_option(where: str, action: argparse.Action, value: Any) -> Any:
+    """A YAML value for a legacy option, checked as its flag would be: YAML gives typed values, so a value is
+    converted by the flag's `type` only when it is a string (or a list of them); ValueError names `where`."""
+    flag = action.option_strings[0] if action.option_strings else action.dest
+    if action.nargs == 0:  # store_true / store_false / store_const: YAML writes the resulting value
+        if action.const in (True, False) and not isinstance(value, bool):
+            raise ValueError(f"{where}={value!r}: {flag} is a switch; write true or false")
+        return value
+
+    def one(item):
+        if action.type is not None and isinstance(item, str) and action.type is not str:
+            try:
+                item = action.type(item)
+            except (TypeError, ValueError, argparse.ArgumentTypeError) as e:
+                raise ValueError(f"{where}={item!r}: not a valid value for {flag} ({e})") from None
+        elif action.type in (int, float) and (isinstance(item, bool) or not isinstance(item, (int, float))):
+            raise ValueError(f"{where}={item!r}: {flag} takes a number")
+        elif action.type is int and isinstance(item, float):
+            if not item.is_integer():
+                raise ValueError(f"{where}={item!r}: {flag} takes an integer")
+            item = int(item)  # YAML reads 1e8 as a float
+        elif action.type is float and isinstance(item, int):
+            item = float(item)
+        if action.choices is not None and item not in action.choices:
+            raise ValueError(f"{where}={item!r} is not a valid choice for {flag}; choose one of: "
+                             f"{', '.join(map(str, action.choices))}")
+        return item
+
+    if action.nargs in ("+", "*") or isinstance(action.nargs, int):
+        return [one(item) for item in (value if isinstance(value, (list, tuple)) else [value])]
+    return one(value)
+
+
 def legacy_config(cls, values: Mapping[str, Any], name: str) -> argparse.Namespace:
     """The config of legacy component `cls` registered as `name`: the flat option values as a namespace."""
     config = argparse.Namespace(**{k: v for k, v in values.items() if k != "_name"})

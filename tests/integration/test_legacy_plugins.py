@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fairseq import metrics, utils
-from fairseq.criterions import FairseqCriterion, register_criterion
+from fairseq.criterions import FairseqCriterion, LegacyFairseqCriterion, register_criterion
 from fairseq.models import (FairseqIncrementalDecoder, FairseqLanguageModel, register_model,
                             register_model_architecture)
 from fairseq.models.transformer_lm import TransformerLanguageModel, base_lm_architecture
@@ -109,6 +109,21 @@ class TutorialWeightedCrossEntropy(FairseqCriterion):
     @staticmethod
     def logging_outputs_can_be_summed():
         return True
+
+
+@register_criterion("tutorial_legacy_cross_entropy")
+class TutorialLegacyCrossEntropy(LegacyFairseqCriterion):
+    @staticmethod
+    def add_args(parser):
+        parser.add_argument("--legacy-loss-weight", type=float, default=1.0)
+
+    def __init__(self, args, task):
+        super().__init__(args, task)
+        self.sentence_avg, self.loss_weight = args.sentence_avg, args.legacy_loss_weight
+
+    forward = TutorialWeightedCrossEntropy.forward
+    reduce_metrics = staticmethod(TutorialWeightedCrossEntropy.reduce_metrics)
+    logging_outputs_can_be_summed = staticmethod(TutorialWeightedCrossEntropy.logging_outputs_can_be_summed)
 
 
 @register_task("tutorial_lm_with_knob")
@@ -252,13 +267,18 @@ def test_plugins_value_error_is_one_line(tiny_data, plugin, tmp_path, capsys):
         "fairseq-train: error: --lstm-hidden-dim must be at least 1, got 0"
 
 
-def test_legacy_criterion_gets_its_flags_by_name(tiny_data, plugin, straight_run, tmp_path):
-    train.cli_main(lstm_train_argv(tiny_data, tmp_path, plugin, "--criterion", "tutorial_weighted_cross_entropy",
-                                   "--loss-weight", "2", "--disable-validation", max_update=1))
+@pytest.mark.parametrize("criterion, weight_flag", [
+    ("tutorial_weighted_cross_entropy", "--loss-weight"),  # FairseqCriterion: __init__ arguments by name
+    ("tutorial_legacy_cross_entropy", "--legacy-loss-weight"),  # LegacyFairseqCriterion: __init__(args, task)
+])
+def test_legacy_criterion_gets_its_flags(tiny_data, plugin, straight_run, tmp_path, criterion, weight_flag):
+    train.cli_main(lstm_train_argv(tiny_data, tmp_path, plugin, "--criterion", criterion, weight_flag, "2",
+                                   "--disable-validation", max_update=1))
     first = read_json_log(tmp_path / "train.log")[0]
     reference = read_json_log(straight_run / "train.log")[0]  # cross_entropy, same seed and batch
     assert abs(float(first["loss"]) - 2 * float(reference["loss"])) <= 2e-3  # both logs round to 3 decimals
-    assert load(tmp_path / "checkpoint_last.pt")["cfg"]["criterion"]["loss_weight"] == 2.0
+    saved = load(tmp_path / "checkpoint_last.pt")["cfg"]["criterion"]
+    assert saved[weight_flag[2:].replace("-", "_")] == 2.0 and saved["_name"] == criterion
 
 
 def test_legacy_task_and_a_wrapper_of_transformer_lm(tiny_data, plugin):
@@ -278,12 +298,69 @@ def test_legacy_task_and_a_wrapper_of_transformer_lm(tiny_data, plugin):
     assert logits.shape == (1, 4, len(task.target_dictionary)) and math.isfinite(float(logits.sum()))
 
 
-def test_yaml_config_cannot_set_a_legacy_models_options(plugin):
-    from fairseq.dataclass.hydra import fairseq_config_from_dict
-    from fairseq.utils import import_user_module
+LEGACY_YAML = {
+    "task": {"_name": "tutorial_lm_with_knob", "data": "DATA", "knob": "7", "tokens_per_sample": 32},
+    "model": {"_name": "tutorial_lstm_lm", "lstm_hidden_dim": 20, "lstm_dropout": 0.25},
+    "criterion": {"_name": "tutorial_weighted_cross_entropy", "loss_weight": 2},
+    "optimizer": "adam",
+}
 
-    import_user_module(plugin)
-    with pytest.raises(ValueError, match=r"^'model.lstm_hidden_dim': model 'tutorial_lstm_lm' is a legacy plug-in "
-                                         "configured by its add_args flags"):
-        fairseq_config_from_dict({"task": {"_name": "dummy_lm"}, "optimizer": "adam",
-                                  "model": {"_name": "tutorial_lstm_lm", "lstm_hidden_dim": 8}})
+
+def test_yaml_sets_a_legacy_plugins_options_as_its_flags_would(plugin, tiny_data):
+    """A config (fairseq-hydra-train's input) names the keys of a legacy component by its flags' dests; the
+    result is the command line's config (values typed as the flags' `type`: "7" -> 7, 2 -> 2.0)."""
+    from fairseq.dataclass.hydra import fairseq_config_from_dict
+
+    values = {**LEGACY_YAML, "task": dict(LEGACY_YAML["task"], data=str(tiny_data)),
+              "common": {"user_dir": plugin}}
+    from_yaml = fairseq_config_from_dict(values)
+    from_flags = options.convert_namespace_to_config(options.parse_args_and_arch(options.get_training_parser(), [
+        str(tiny_data), "--user-dir", plugin, "--task", "tutorial_lm_with_knob", "--knob", "7",
+        "--tokens-per-sample", "32", "--arch", "tutorial_lstm_lm", "--lstm-hidden-dim", "20",
+        "--lstm-dropout", "0.25", "--criterion", "tutorial_weighted_cross_entropy", "--loss-weight", "2",
+        "--optimizer", "adam"]))
+    assert (from_yaml.task.knob, from_yaml.model.lstm_hidden_dim, from_yaml.model.lstm_dropout) == (7, 20, 0.25)
+    assert from_yaml.model.lstm_embed_dim == 16  # the architecture function filled it
+    assert from_yaml.criterion.loss_weight == 2.0 and isinstance(from_yaml.criterion.loss_weight, float)
+    for component in ("task", "model", "criterion"):  # argparse's namespace also holds its own `_groups`
+        yaml_values, flag_values = vars(getattr(from_yaml, component)), vars(getattr(from_flags, component))
+        flag_values.pop("_groups")
+        assert yaml_values == flag_values, component
+
+
+@pytest.mark.parametrize("key, value, message", [
+    ("lstm_hiden_dim", 8, r"^unknown key 'model.lstm_hiden_dim' \(did you mean 'model.lstm_hidden_dim'\?\): "
+                          r"model 'tutorial_lstm_lm' is a legacy plug-in whose add_args declares lstm_dropout, "
+                          r"lstm_embed_dim, lstm_hidden_dim$"),
+    ("lstm_hidden_dim", "eight", r"^model.lstm_hidden_dim='eight': not a valid value for --lstm-hidden-dim"),
+    ("lstm_hidden_dim", 8.5, r"^model.lstm_hidden_dim=8.5: --lstm-hidden-dim takes an integer$"),
+    ("lstm_dropout", True, r"^model.lstm_dropout=True: --lstm-dropout takes a number$"),
+])
+def test_yaml_errors_for_a_legacy_plugin_name_the_key(plugin, key, value, message):
+    from fairseq.dataclass.hydra import fairseq_config_from_dict
+
+    with pytest.raises(ValueError, match=message):
+        fairseq_config_from_dict({"task": {"_name": "dummy_lm"}, "optimizer": "adam", "common": {"user_dir": plugin},
+                                  "model": {"_name": "tutorial_lstm_lm", key: value}})
+
+
+def test_hydra_train_trains_a_legacy_plugin(plugin, tiny_data, tmp_path, monkeypatch):
+    """fairseq-hydra-train on a YAML file that configures the plug-in's model, task and criterion."""
+    import yaml
+
+    from fairseq_cli import hydra_train
+
+    config = {**LEGACY_YAML, "task": dict(LEGACY_YAML["task"], data=str(tiny_data), sample_break_mode="none"),
+              "common": {"user_dir": plugin, "cpu": True, "seed": 3, "log_format": "json", "log_interval": 1},
+              "optimizer": {"_name": "adam"}, "optimization": {"lr": [0.01], "max_update": 2},
+              "dataset": {"max_tokens": 256, "num_workers": 0},
+              "checkpoint": {"save_dir": str(tmp_path / "ck")}}
+    (tmp_path / "legacy.yaml").write_text(yaml.safe_dump(config))
+    monkeypatch.chdir(tmp_path)
+    hydra_train.cli_main(["--config-dir", str(tmp_path), "--config-name", "legacy", "hydra.run.dir=run",
+                          "hydra/job_logging=none", "model.lstm_hidden_dim=12"])
+    state = load(tmp_path / "ck" / "checkpoint_last.pt")
+    assert state["extra_state"]["trainer"]["num_updates"] == 2
+    saved = state["cfg"]
+    assert (saved["model"]["lstm_hidden_dim"], saved["task"]["knob"], saved["criterion"]["loss_weight"]) == (12, 7, 2.0)
+    assert state["model"]["decoder.lstm.weight_hh_l0"].shape == (4 * 12, 12)
