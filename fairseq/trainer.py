@@ -5,10 +5,9 @@ update (fairseq.train_step), parallelism (fairseq.distributed.parallelize), chec
 import logging
 import math
 import time
-from typing import Any, Dict, List, Optional
+from typing import TYPE_CHECKING, Any, Dict, List, Optional
 
 import torch
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from fairseq import float8
 from fairseq.data.batching import resolve_limit
@@ -22,6 +21,11 @@ from fairseq.logging.memory import CudaMemoryStats
 from fairseq.logging.profiler import UpdateProfiler
 from fairseq.logging.throughput import Throughput, default_peak_tflops
 from fairseq.train_step import run_update, run_valid_step
+
+# torch.distributed.checkpoint.state_dict is imported by the methods that use it: importing it costs ~1.5 s,
+# which every process importing the trainer would pay before reading a flag.
+if TYPE_CHECKING:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
 
 logger = logging.getLogger(__name__)
 
@@ -151,21 +155,25 @@ class Trainer:
         self.lr_scheduler.step_begin_epoch(epoch)
 
     # ---------------------------------------------------------------- state
-    def _state_dict_options(self, full: bool) -> StateDictOptions:
+    def _state_dict_options(self, full: bool) -> "StateDictOptions":
+        from torch.distributed.checkpoint.state_dict import StateDictOptions
+
         return StateDictOptions(full_state_dict=full, cpu_offload=full)
 
     def model_and_optimizer_state(self, full: bool = True):
         """Model and optimizer state keyed by parameter names (so they load on any world size).
         With `full`, FSDP gathers everything to rank 0 (other ranks get empty dicts)."""
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
         model_state, optim_state = get_state_dict(self.model, self.optimizer, options=self._state_dict_options(full))
         return model_state, optim_state
 
     def load_model_and_optimizer_state(self, model_state, optim_state, full: bool = True) -> None:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_state_dict
+
         options = self._state_dict_options(full)
         options = StateDictOptions(full_state_dict=options.full_state_dict, strict=True)
         if optim_state is None:
-            from torch.distributed.checkpoint.state_dict import set_model_state_dict
-
             set_model_state_dict(self.model, model_state, options=options)
         else:
             set_state_dict(self.model, self.optimizer, model_state_dict=model_state, optim_state_dict=optim_state,

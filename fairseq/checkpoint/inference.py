@@ -11,10 +11,9 @@ from dataclasses import dataclass
 from typing import Any, Dict, NamedTuple, Optional, Tuple, Union
 
 import torch
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from fairseq import registry
-from fairseq.checkpoint import safe_dcp, sharded
+from fairseq.checkpoint import sharded
 from fairseq.checkpoint.io import CheckpointError, load_checkpoint_file
 from fairseq.checkpoint.legacy import is_legacy_checkpoint, upgrade_legacy_checkpoint
 from fairseq.checkpoint.manager import check_architecture
@@ -48,6 +47,11 @@ def read_checkpoint_state(path: str, trust_legacy: bool = False) -> Dict[str, An
     "model", ...). A directory's model tensors are allocated from DCP's index, at their full shapes."""
     if not os.path.isdir(path):
         return _upgraded(load_checkpoint_file(path, trust_legacy=trust_legacy))
+    # Imported here, for sharded directories only: torch.distributed.checkpoint costs ~1.5 s to import.
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    from fairseq.checkpoint import safe_dcp
+
     resolved = _resolve_directory(path)
     index = safe_dcp.read_dcp_metadata(resolved, trust_legacy=trust_legacy).state_dict_metadata
     model_state = {key[len("model."):]: torch.empty(tuple(meta.size), dtype=meta.properties.dtype)

@@ -19,9 +19,7 @@ import copy
 import logging
 import os
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional
-
-from torch.distributed.checkpoint.stateful import Stateful
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional
 
 from fairseq.checkpoint import sharded
 from fairseq.checkpoint.io import (
@@ -44,6 +42,9 @@ from fairseq.checkpoint.save_dir import SaveDirLock, check_writable, remove_stal
 from fairseq.dataclass.utils import config_to_dict
 from fairseq.distributed.utils import barrier, broadcast_from_master, get_data_parallel_world_size, get_rank
 from fairseq.logging import metrics
+
+if TYPE_CHECKING:  # torch.distributed.checkpoint costs ~1.5 s to import: only where a checkpoint needs it
+    from torch.distributed.checkpoint.stateful import Stateful
 
 logger = logging.getLogger(__name__)
 # fairseq-train resumed itself before resume moved here: the warning about another world size keeps its name.
@@ -218,7 +219,7 @@ class CheckpointManager:
         }
 
     # ------------------------------------------------------------------ resume
-    def resume(self, trainer, make_iterator: Callable[[int], Any], meters: Stateful = metrics) -> Resumed:
+    def resume(self, trainer, make_iterator: Callable[[int], Any], meters: "Stateful" = metrics) -> Resumed:
         """Continue from --restore-file (default checkpoint_last), else start from --finetune-from-model's
         weights or from scratch.
 

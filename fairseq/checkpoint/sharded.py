@@ -13,9 +13,9 @@ import shutil
 from typing import Any, Dict, Optional
 
 import torch
-import torch.distributed.checkpoint as dcp
 
-from fairseq.checkpoint import safe_dcp
+# torch.distributed.checkpoint (and safe_dcp, built on it) are imported by the functions that read or write
+# shards: importing it costs ~1.5 s, which every process importing fairseq.checkpoint.manager would pay.
 from fairseq.checkpoint.io import CheckpointError, _fsync_dir, atomic_copy, atomic_torch_save, save_error
 from fairseq.distributed.utils import barrier, get_rank, get_world_size
 
@@ -43,6 +43,8 @@ def save_sharded(path: str, model_state, optim_state, metadata: Dict[str, Any],
     """Collective: every rank calls this with its local (sharded) state dicts. `extra_shards` are more
     sharded groups saved beside them (the EMA's "ema", "ema_fp32_params"); load_sharded reads them back into
     metadata["extra_state"]."""
+    import torch.distributed.checkpoint as dcp
+
     tmp = path + ".tmp"
     if get_rank() == 0 and os.path.isdir(tmp):
         shutil.rmtree(tmp)  # leftover of an interrupted save
@@ -138,6 +140,8 @@ def load_sharded(path: str, model_state, optim_state=None, trust_legacy: bool = 
 
     DCP's index and the shards' non-tensor values are read without unpickling code (safe_dcp); a file that
     would need more raises CheckpointError, unless `trust_legacy` (--trust-legacy-checkpoint) is given."""
+    from fairseq.checkpoint import safe_dcp
+
     metadata = read_metadata(path, trust_legacy=trust_legacy)
     reader = safe_dcp.storage_reader(path, trust_legacy=trust_legacy)
     index = reader.read_metadata()  # a refused index fails here, before DCP's collectives

@@ -9,10 +9,10 @@ every rank. On plain logits (one process, no tensor parallelism, evaluation) it 
 cross_entropy, the same numbers. The logging outputs and their reduction are cross_entropy's.
 """
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
-from torch.distributed.tensor import DTensor
-from torch.distributed.tensor.parallel import loss_parallel
 
 from fairseq.criterions import register_criterion
 from fairseq.criterions.cross_entropy import (
@@ -21,6 +21,12 @@ from fairseq.criterions.cross_entropy import (
     chunk_rows,
     token_cross_entropy,
 )
+from fairseq.distributed.dtensor import is_dtensor
+
+# The registry imports every criterion to list --criterion's choices: torch.distributed.tensor (~1 s) is
+# imported only where DTensor logits are at hand.
+if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor
 
 
 class _LossParallelCrossEntropy(torch.autograd.Function):
@@ -34,7 +40,10 @@ class _LossParallelCrossEntropy(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, logits: DTensor, target: torch.Tensor, ignore_index: int, rows: int):
+    def forward(ctx, logits: "DTensor", target: torch.Tensor, ignore_index: int, rows: int):
+        from torch.distributed.tensor import DTensor
+        from torch.distributed.tensor.parallel import loss_parallel
+
         want_grad = ctx.needs_input_grad[0]
         grad = torch.empty_like(logits.to_local()) if want_grad else None
         total = torch.zeros((), dtype=torch.float32, device=grad.device if want_grad else target.device)
@@ -52,6 +61,8 @@ class _LossParallelCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_loss):
+        from torch.distributed.tensor import DTensor
+
         grad, ctx.grad = ctx.grad, None
         local = grad.to_local().mul_(grad_loss.to(grad.dtype))
         return (DTensor.from_local(local, grad.device_mesh, grad.placements, shape=grad.shape, stride=grad.stride()),
@@ -60,7 +71,7 @@ class _LossParallelCrossEntropy(torch.autograd.Function):
 
 def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, ignore_index: int) -> torch.Tensor:
     """Summed next-token cross-entropy in nats (fp32 scalar) of [N, V] logits, split or not."""
-    if isinstance(logits, DTensor):
+    if is_dtensor(logits):
         if not any(p.is_shard(logits.ndim - 1) for p in logits.placements):
             logits = logits.full_tensor()
         else:

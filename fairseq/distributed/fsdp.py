@@ -26,12 +26,16 @@ unit's input before FSDP's pre-forward runs (in backward) after FSDP's post-back
 import logging
 from dataclasses import dataclass
 from functools import partial
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn as nn
-from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.device_mesh import DeviceMesh  # imported by torch itself: free
+
+# torch.distributed.fsdp pulls in torch.distributed.tensor (~1 s to import); this module is also imported for
+# check_fsdp_flags and transformer_layers on every run, so FSDP2 itself is imported where a model is sharded.
+if TYPE_CHECKING:
+    from torch.distributed.fsdp import MixedPrecisionPolicy
 
 logger = logging.getLogger(__name__)
 
@@ -71,11 +75,13 @@ def transformer_layers(model: nn.Module) -> nn.ModuleList:
     return layers
 
 
-def mixed_precision_policy(common_cfg) -> MixedPrecisionPolicy:
+def mixed_precision_policy(common_cfg) -> "MixedPrecisionPolicy":
     """bf16/fp16 parameters in forward and backward; gradients always reduced (and kept) in fp32.
 
     --fp32-reduce-scatter is therefore always in effect; the flag is accepted for upstream recipes.
     """
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
     if common_cfg.fp16 or getattr(common_cfg, "memory_efficient_fp16", False):
         return MixedPrecisionPolicy(param_dtype=torch.float16, reduce_dtype=torch.float32)
     if common_cfg.bf16 or getattr(common_cfg, "memory_efficient_bf16", False):
@@ -334,6 +340,8 @@ def apply_fsdp(
 
     `limiter` (only with --fsdp-sync-free) defaults to CUDA events on a CUDA mesh and to no waiting on CPU.
     """
+    from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
+
     dt = cfg.distributed_training
     layers = transformer_layers(model)
     mp_policy = mixed_precision_policy(cfg.common)
@@ -384,6 +392,8 @@ def apply_fsdp_replicas(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
     where DistributedDataParallel cannot take DTensor parameters: FSDP2 on a (replicate, shard = 1) mesh,
     which shards nothing and all-reduces the gradients (averaged), as DDP does. Parameters stay in their
     dtype: mixed precision is the trainer's autocast, as under DDP."""
+    from torch.distributed.fsdp import fully_shard
+
     if mesh.ndim != 2 or mesh.size(1) != 1:
         raise ValueError(f"replicas need a (replicate, shard = 1) mesh, got shape {tuple(mesh.shape)}")
     for layer in transformer_layers(model):

@@ -25,15 +25,17 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.autograd.graph import saved_tensors_hooks
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper, checkpoint_wrapper
-from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
+from torch.distributed.device_mesh import DeviceMesh  # imported by torch itself: free
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.checkpoint import checkpoint
 
 from fairseq.distributed.ddp import apply_ddp
+from fairseq.distributed.dtensor import is_dtensor
 from fairseq.distributed.fsdp import apply_fsdp, apply_fsdp_replicas, check_fsdp_flags, transformer_layers
 from fairseq.distributed.mesh import ParallelLayout, forget_parallel_mesh, init_parallel_mesh
-from fairseq.distributed.tensor_parallel import apply_tensor_parallel, reduce_partial_gradients, uses_loss_parallel
+
+# torch.distributed.tensor (behind tensor_parallel) costs ~1 s to import: it is imported only when a model is
+# split (--model-parallel-size > 1), and DTensors are recognized through fairseq.distributed.dtensor.
 
 logger = logging.getLogger(__name__)
 
@@ -67,6 +69,8 @@ def parallelize_model(model: nn.Module, cfg, device: torch.device, world_mesh: O
     layout = ParallelLayout.from_config(dt, dist.get_world_size() if dist.is_initialized() else 1)
     mesh = init_parallel_mesh(layout, device.type) if fully_sharded or layout.tp > 1 else forget_parallel_mesh()
     if layout.tp > 1:
+        from fairseq.distributed.tensor_parallel import apply_tensor_parallel, uses_loss_parallel
+
         if not on_meta:
             model.to(device)
         apply_tensor_parallel(model, mesh.tp_mesh, loss_parallel=uses_loss_parallel(cfg))
@@ -93,6 +97,8 @@ def parallelize_model(model: nn.Module, cfg, device: torch.device, world_mesh: O
                         "data-parallel replicas kept by FSDP2 without sharding (all-reduced gradients, as DDP)")
             apply_fsdp_replicas(model, mesh.fsdp_mesh)
         else:
+            from fairseq.distributed.tensor_parallel import reduce_partial_gradients
+
             reduce_partial_gradients(model)
         return model
     if not on_meta:
@@ -224,7 +230,7 @@ def _local_groups(grads: List[torch.Tensor]):
     """
     groups = {}
     for grad in grads:
-        if isinstance(grad, DTensor):
+        if is_dtensor(grad):
             if any(p.is_partial() for p in grad.placements):
                 raise ValueError("gradient norm of a Partial DTensor: reduce the gradient first")
             # Every placement but Replicate splits the tensor: Shard, and _StridedShard (FSDP2 over a
@@ -273,7 +279,7 @@ def clip_grad_norm_(params, max_norm: float, foreach: Optional[bool] = None) -> 
 def _scale_(grads: List[torch.Tensor], factor: torch.Tensor, foreach: Optional[bool]) -> None:
     by_device = {}
     for grad in grads:
-        local = grad.to_local() if isinstance(grad, DTensor) else grad
+        local = grad.to_local() if is_dtensor(grad) else grad
         by_device.setdefault(local.device, []).append(local)
     for device, tensors in by_device.items():
         # Gradients offloaded to the CPU (--cpu-offload) need the factor's value on the host: that copy

@@ -395,7 +395,7 @@ def test_real_training_checkpoint_needs_only_the_admitted_globals(pristine):
     seen = globals_in(path / ".metadata")
     assert seen <= set(safe_dcp.allowed_globals()), seen - set(safe_dcp.allowed_globals())
     assert ("torch.distributed.checkpoint.metadata", "Metadata") in seen
-    plain = sharded.dcp.FileSystemReader(str(path)).read_metadata()
+    plain = safe_dcp.dcp.FileSystemReader(str(path)).read_metadata()
     safe = safe_dcp.read_dcp_metadata(str(path))
     assert safe.state_dict_metadata == plain.state_dict_metadata
     assert safe.storage_data == plain.storage_data and safe.planner_data == plain.planner_data

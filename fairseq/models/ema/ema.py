@@ -20,9 +20,10 @@ import types
 from typing import Dict, Optional
 
 import torch
-from torch.distributed.tensor import DTensor, distribute_tensor
 
-from fairseq.distributed.plain_copy import plain_copy
+# DTensors are recognized without importing torch.distributed.tensor (~1 s, paid by every process that runs
+# validate(cfg), which imports this module): see fairseq.distributed.dtensor.
+from fairseq.distributed.dtensor import is_dtensor
 
 logger = logging.getLogger(__name__)
 
@@ -43,22 +44,24 @@ def build_ema(model, cfg, device=None, skip_keys=None) -> "EMA":
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
+    return t.to_local() if is_dtensor(t) else t
 
 
 def _copy_into(target: torch.Tensor, value: torch.Tensor) -> None:
     """Copy `value` (a DTensor sharded like `target`, or the full tensor) into `target`, in place."""
-    if isinstance(target, DTensor):
-        if not isinstance(value, DTensor):  # a full tensor, e.g. from a single-file checkpoint: take our shard
+    if is_dtensor(target):
+        if not is_dtensor(value):  # a full tensor, e.g. from a single-file checkpoint: take our shard
+            from torch.distributed.tensor import distribute_tensor
+
             value = distribute_tensor(value.to(_local(target).device), target.device_mesh, target.placements,
                                       src_data_rank=None)
         _local(target).copy_(_local(value))
     else:
-        target.copy_(value.full_tensor() if isinstance(value, DTensor) else value)
+        target.copy_(value.full_tensor() if is_dtensor(value) else value)
 
 
 def _is_sharded(state: Dict[str, torch.Tensor]) -> bool:
-    return any(isinstance(v, DTensor) for v in state.values())
+    return any(is_dtensor(v) for v in state.values())
 
 
 def _without_patched_forwards(model: torch.nn.Module) -> torch.nn.Module:
@@ -127,12 +130,14 @@ class EMA:
     def _plain_model(self) -> torch.nn.Module:
         """get_model()'s unsharded copy of the sharded model, its weights not yet filled."""
         tensor_parallel = [k for k, v in self._shadow.items()
-                           if isinstance(v, DTensor) and "tp" in (v.device_mesh.mesh_dim_names or ())]
+                           if is_dtensor(v) and "tp" in (v.device_mesh.mesh_dim_names or ())]
         if tensor_parallel:  # "tp": fairseq.distributed.mesh's tensor-parallel dimension
             raise RuntimeError(
                 f"EMA.get_model(): the model is split by tensor parallelism (e.g. {tensor_parallel[0]}), whose "
                 "layers are changed to compute a part of the attention heads, so an unsharded copy would not "
                 "run; use EMA.full_state_dict() (the gathered weights) or EMA.reverse(model) instead")
+        from fairseq.distributed.plain_copy import plain_copy
+
         model = _without_patched_forwards(plain_copy(self._sharded_model))
         model.requires_grad_(False)
         return model
@@ -155,7 +160,7 @@ class EMA:
         for key, value in source.items():
             if key in self.fp32_params:
                 _copy_into(self.fp32_params[key], value)
-            elif self.sharded and not isinstance(value, DTensor) and key in self._shadow:
+            elif self.sharded and not is_dtensor(value) and key in self._shadow:
                 self.fp32_params[key] = self._shadow[key].detach().float().clone()
                 _copy_into(self.fp32_params[key], value)
             else:
@@ -243,7 +248,7 @@ class EMA:
 
     def full_state_dict(self) -> Dict[str, Dict[str, torch.Tensor]]:
         """state_dict() with full CPU tensors; collective when sharded (every rank must call it)."""
-        return {group: {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().cpu()
+        return {group: {k: (v.full_tensor() if is_dtensor(v) else v).detach().cpu()
                         for k, v in tensors.items()}
                 for group, tensors in self.state_dict().items()}
 
