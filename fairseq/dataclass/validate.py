@@ -45,7 +45,7 @@ def validate(cfg) -> None:
     from fairseq.distributed.fsdp import check_fsdp_flags
     from fairseq.models.ema import check_ema_config
     from fairseq.distributed.mesh import check_layout_flags
-    from fairseq.distributed.tensor_parallel import check_tensor_parallel_config
+    from fairseq.distributed.tensor_parallel_checks import check_tensor_parallel_config
     from fairseq.float8 import check_float8_environment, check_float8_flags
 
     check_batch_size(cfg.dataset)

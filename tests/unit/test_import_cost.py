@@ -1,8 +1,8 @@
-"""Importing fairseq's entry points, and building their parsers (which import every built-in task, model,
-criterion and optimizer to list the choices), must not import torch.distributed's checkpoint, tensor or fsdp
-packages, nor torch._dynamo: together they cost several seconds, which every fairseq process would pay
-before reading a flag (docs/testing.md). The modules that need them import them where they are used, and
-DTensors are recognized through fairseq.distributed.dtensor.
+"""Importing fairseq's entry points, building their parsers (which import every built-in task, model,
+criterion and optimizer to list the choices) and checking a training config must not import
+torch.distributed's checkpoint, tensor or fsdp packages, nor torch._dynamo: together they cost seconds, which
+every fairseq process would pay before reading a flag (docs/testing.md). The modules that need them import
+them where they are used, and DTensors are recognized through fairseq.distributed.dtensor.
 
 Checked in a fresh interpreter, against what `import torch` itself loads (which is not fairseq's doing).
 """
@@ -44,12 +44,21 @@ from fairseq import checkpoint_utils, hub_utils, options
 for build in (options.get_training_parser, options.get_eval_lm_parser, options.get_validation_parser,
               options.get_generation_parser, options.get_interactive_generation_parser):
     build()
+# A fairseq-train that stops at a user error after validate(cfg) (no dict.txt): no optimizer is built, which
+# would import torch._dynamo (torch.optim does, and it loads the rest), so nothing heavy is needed.
+import tempfile
+data = tempfile.mkdtemp()
+try:
+    fairseq_cli.train.cli_main(["--task", "language_modeling", data, "--arch", "transformer_lm", "--optimizer",
+                                "adam", "--max-tokens", "64", "--cpu", "--save-dir", data + "/checkpoints"])
+except FileNotFoundError as err:
+    assert "no dict.txt" in str(err), err
 print(json.dumps({"loaded_by_torch": loaded_by_torch,
                   "loaded_by_fairseq": {h: culprit.get(h, "?") for h in HEAVY if h in sys.modules and h not in loaded_by_torch}}))
 """
 
 
-def test_entry_points_import_no_distributed_tensor_checkpoint_fsdp_or_dynamo():
+def test_entry_points_parsers_and_validate_import_no_distributed_tensor_checkpoint_fsdp_or_dynamo():
     proc = subprocess.run([sys.executable, "-c", CHILD % (HEAVY,)], cwd=REPO, capture_output=True, text=True,
                           timeout=120)
     assert proc.returncode == 0, proc.stderr
