@@ -9,12 +9,22 @@ tensors and plain values; an upstream fairseq file pickles Python objects and is
 `trust_legacy_checkpoint=True` (the --trust-legacy-checkpoint flag), since unpickling can run code.
 Models come back on the CPU, in fp32 and in eval mode. Loading is `fairseq.checkpoint.inference`; this module
 only keeps upstream's names and signatures.
+
+Upstream's training loop from Python (docs/upstream_api.md), over `fairseq.trainer.Trainer`:
+
+    extra_state, epoch_itr = checkpoint_utils.load_checkpoint(cfg.checkpoint, trainer)
+    ...  # train on epoch_itr with trainer.train_step
+    checkpoint_utils.save_checkpoint(cfg.checkpoint, trainer, epoch_itr, val_loss)
 """
 
+import ast
+import logging
 import os
 from typing import Any, Dict, List, Optional, Tuple
 
 from fairseq.checkpoint.inference import apply_overrides, load_model, read_checkpoint_state
+
+logger = logging.getLogger(__name__)
 
 
 def load_checkpoint_to_cpu(path: str, arg_overrides: Optional[Dict[str, Any]] = None,
@@ -114,3 +124,102 @@ def load_ema_from_checkpoint(fpath: str, trust_legacy_checkpoint: bool = False) 
     state["model"] = collections.OrderedDict(
         (key, (value.float() if value.dtype == torch.float16 else value).clone()) for key, value in ema.items())
     return state
+
+
+# ----------------------------------------------------------------------------- resuming and saving training
+
+FINETUNE_WITH_RESETS = ("--finetune-from-model can not be set together with either --reset-optimizer or "
+                        "reset_lr_scheduler or reset_meters or reset_dataloader")  # upstream's words (its test)
+
+
+def load_checkpoint(cfg, trainer, **passthrough_args):
+    """Upstream's resume: load the checkpoint to continue from into `trainer` and return (extra_state, epoch_itr),
+    the training iterator at the saved data position (`passthrough_args` go to `trainer.get_train_iterator`).
+
+    `cfg` is the checkpoint options (`cfg.checkpoint`); keys it lacks take the defaults. The default
+    --restore-file (checkpoint_last.pt) is save_dir/checkpoint_last{suffix}.pt; on a first launch (it does not
+    exist) --finetune-from-model's checkpoint is loaded with optimizer, scheduler, meters and data position
+    reset. Another --restore-file must exist (unlike upstream, which would start from scratch). The restore
+    itself is `trainer.load_checkpoint` (fairseq.checkpoint.manager, as fairseq-train resumes), and as there a
+    checkpoint written at an epoch's end gets the scheduler step `trainer.lr_step(epoch, val_loss)` that the
+    uninterrupted run took after writing it (upstream steps with the next epoch and no loss instead)."""
+    from fairseq.checkpoint.manager import iterator_state_for_world_size, missing_restore_file, written_at_epoch_end
+    from fairseq.checkpoint.paths import existing_checkpoint, resolve_restore_path
+    from fairseq.distributed.utils import get_data_parallel_world_size
+    from fairseq.file_io import PathManager
+
+    reset_optimizer = getattr(cfg, "reset_optimizer", False)
+    reset_lr_scheduler = getattr(cfg, "reset_lr_scheduler", False)
+    reset_meters = getattr(cfg, "reset_meters", False)
+    reset_dataloader = getattr(cfg, "reset_dataloader", False)
+    restore_file = getattr(cfg, "restore_file", "checkpoint_last.pt")
+    save_dir = getattr(cfg, "save_dir", "checkpoints")
+    finetune = getattr(cfg, "finetune_from_model", None)
+    optimizer_overrides = _optimizer_overrides(getattr(cfg, "optimizer_overrides", "{}"))
+    if finetune is not None and (reset_optimizer or reset_lr_scheduler or reset_meters or reset_dataloader):
+        raise ValueError(f"{FINETUNE_WITH_RESETS}: fine-tuning resets them all; drop the --reset-* flags")
+    if restore_file != "checkpoint_last.pt" and finetune:
+        raise ValueError(f"--finetune-from-model and --restore-file (non-default value) can not be specified "
+                         f"together (--restore-file {restore_file}, --finetune-from-model {finetune}): drop one")
+
+    if restore_file == "checkpoint_last.pt":
+        checkpoint_path = os.path.join(save_dir, f"checkpoint_last{trainer.checkpoint_suffix}.pt")
+        first_launch = not PathManager.exists(checkpoint_path)
+        if finetune is not None and first_launch:
+            if not PathManager.exists(finetune):
+                raise FileNotFoundError(f"--finetune-from-model {finetune}: no such checkpoint")
+            checkpoint_path = finetune
+            reset_optimizer = reset_lr_scheduler = reset_meters = reset_dataloader = True
+            logger.info(f"loading pretrained model from {finetune}: optimizer, lr scheduler, meters, dataloader "
+                        "will be reset")
+    else:
+        options = _RestoreOptions(restore_file, save_dir, trainer.checkpoint_suffix)
+        checkpoint_path = resolve_restore_path(options)
+        if existing_checkpoint(checkpoint_path) is None:
+            raise missing_restore_file(restore_file, checkpoint_path)
+
+    extra_state = trainer.load_checkpoint(checkpoint_path, reset_optimizer, reset_lr_scheduler, optimizer_overrides,
+                                          reset_meters=reset_meters)
+    position = None if extra_state is None or reset_dataloader else extra_state["train_iterator"]
+    epoch_itr = trainer.get_train_iterator(epoch=1 if position is None else position["epoch"], load_dataset=True,
+                                           **passthrough_args)
+    if position is not None:
+        epoch_itr.load_state_dict(iterator_state_for_world_size(
+            position, extra_state.get("data_parallel_size"), get_data_parallel_world_size()))
+        if written_at_epoch_end(position, extra_state.get("val_loss")):
+            trainer.lr_step(epoch_itr.epoch - 1, extra_state["val_loss"])
+    return extra_state, epoch_itr
+
+
+def save_checkpoint(cfg, trainer, epoch_itr, val_loss: Optional[float]) -> List[str]:
+    """Upstream's save: write the checkpoints due now (checkpoint{epoch}.pt at an epoch's end, checkpoint_E_U.pt
+    every --save-interval-updates, checkpoint_best.pt, checkpoint_last.pt; retention as configured) with
+    `trainer`'s state, `epoch_itr`'s data position and the meters, as fairseq-train writes them (one
+    CheckpointManager, `trainer.checkpoint_manager`, which also tracks the best `val_loss`). `cfg` is the
+    trainer's checkpoint options (`trainer.cfg.checkpoint`). Every rank calls it. Returns the paths written."""
+    from fairseq.logging import metrics
+
+    if cfg is not trainer.cfg.checkpoint and cfg != trainer.cfg.checkpoint:
+        raise ValueError("save_checkpoint(cfg, trainer, ...): cfg differs from the trainer's checkpoint options; "
+                         "pass trainer.cfg.checkpoint (the Trainer writes with the config it was built with)")
+    return trainer.checkpoint_manager.save(trainer, epoch_itr, val_loss, end_of_epoch=epoch_itr.end_of_epoch(),
+                                           metrics_state=metrics.state_dict())
+
+
+class _RestoreOptions:
+    """The options fairseq.checkpoint.paths.resolve_restore_path reads, from a config that may lack them."""
+
+    def __init__(self, restore_file: str, save_dir: str, checkpoint_suffix: str):
+        self.restore_file, self.save_dir, self.checkpoint_suffix = restore_file, save_dir, checkpoint_suffix
+
+
+def _optimizer_overrides(text) -> Dict[str, Any]:
+    if isinstance(text, dict):
+        return text
+    try:
+        overrides = ast.literal_eval(text or "{}")
+    except (ValueError, SyntaxError):
+        overrides = None
+    if not isinstance(overrides, dict):
+        raise ValueError(f"--optimizer-overrides {text!r}: expected a Python dict literal such as \"{{'lr': 0.1}}\"")
+    return overrides

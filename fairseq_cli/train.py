@@ -12,6 +12,7 @@ import torch
 from fairseq import options
 from fairseq import registry
 from fairseq.utils import import_user_module, run_console_script
+from fairseq.batch_iterators import trainer_iterator, valid_iterators
 from fairseq.checkpoint.manager import CheckpointManager
 from fairseq.criterions import build_criterion
 from fairseq.data.data_utils import raise_if_valid_subsets_unintentionally_ignored
@@ -150,37 +151,6 @@ def build_model(cfg, task):
     return task.build_model(cfg.model)
 
 
-def trainer_iterator(cfg, task, trainer, epoch: int):
-    """The training batch iterator for `epoch` (shards of `DATA` rotate by epoch).
-
-    Raises ValueError (one line: the cause and the fix) when no training batch is left, or when a validation
-    subset has none: an epoch without batches would be followed by the next one, forever. The batch list
-    is the same on every rank (it is built before sharding), so every rank raises here together.
-    """
-    task.load_dataset(cfg.dataset.train_subset, epoch=epoch, for_training=True)
-    epoch_itr = task.get_batch_iterator(
-        dataset=task.dataset(cfg.dataset.train_subset),
-        max_tokens=cfg.dataset.max_tokens,
-        max_sentences=cfg.dataset.batch_size,
-        # --max-tokens is applied (and named in messages) by get_batch_iterator itself.
-        max_positions=trainer.max_positions,
-        ignore_invalid_inputs=True,
-        required_batch_size_multiple=cfg.dataset.required_batch_size_multiple,
-        seed=cfg.common.seed,
-        num_shards=dist_utils.get_data_parallel_world_size(),
-        shard_id=dist_utils.get_data_parallel_rank(),
-        num_workers=cfg.dataset.num_workers,
-        epoch=epoch,
-        pin_memory=trainer.device.type == "cuda",
-        data_buffer_size=cfg.dataset.data_buffer_size,
-    )
-    if len(epoch_itr.frozen_batches) == 0:
-        raise ValueError(task.no_batches_message(cfg.dataset.train_subset, epoch_itr, "training"))
-    if not cfg.dataset.disable_validation:  # cheap after the first time: the valid iterators are cached
-        validate(cfg, trainer, task, epoch_itr, None, check_only=True)
-    return epoch_itr
-
-
 def _progress(cfg, itr, epoch=None, prefix=None):
     master = dist_utils.is_master()
     return progress_bar.progress_bar(
@@ -283,39 +253,13 @@ def validate_and_save(cfg, trainer, task, epoch_itr, checkpoints, end_of_epoch: 
     return valid_losses, should_stop
 
 
-def validate(cfg, trainer, task, epoch_itr, checkpoints, preemption=None,
-             check_only: bool = False) -> List[Optional[float]]:
-    """The validation loss on each --valid-subset.
-
-    Every subset must yield a batch: a validation of nothing has no loss to report, to pick
-    checkpoint_best by or to stop early on, so a subset without one is a ValueError naming the cause
-    (`check_only`: only this check, made before training starts). With `preemption`, a stop signal is
-    honoured at every validation batch: checkpoint_last is saved and Preempted raised. Every rank has as many
-    validation batches (the iterator pads shards), so all ranks pass the same boundaries.
+def validate(cfg, trainer, task, epoch_itr, checkpoints, preemption=None) -> List[Optional[float]]:
+    """The validation loss on each --valid-subset (fairseq.batch_iterators.valid_iterators: each must yield a
+    batch). With `preemption`, a stop signal is honoured at every validation batch: checkpoint_last is saved
+    and Preempted raised. Every rank has as many validation batches (the iterator pads shards), so all ranks
+    pass the same boundaries.
     """
-    subsets = []
-    for subset in cfg.dataset.valid_subset.split(","):
-        batches = task.get_batch_iterator(
-            dataset=task.dataset(subset),
-            max_tokens=cfg.dataset.max_tokens_valid or cfg.dataset.max_tokens,
-            max_sentences=cfg.dataset.batch_size_valid or cfg.dataset.batch_size,
-            max_positions=trainer.max_positions,
-            ignore_invalid_inputs=cfg.dataset.skip_invalid_size_inputs_valid_test,
-            required_batch_size_multiple=cfg.dataset.required_batch_size_multiple,
-            seed=cfg.common.seed,
-            num_shards=dist_utils.get_data_parallel_world_size(),
-            shard_id=dist_utils.get_data_parallel_rank(),
-            num_workers=cfg.dataset.num_workers,
-            epoch=1,
-            pin_memory=trainer.device.type == "cuda",
-            data_buffer_size=cfg.dataset.data_buffer_size,
-        )
-        if len(batches.frozen_batches) == 0:  # the same on every rank (built before sharding)
-            token_flag = "--max-tokens-valid" if cfg.dataset.max_tokens_valid else "--max-tokens"
-            raise ValueError(task.no_batches_message(subset, batches, "validation", token_flag))
-        subsets.append((subset, batches))
-    if check_only:
-        return []
+    subsets = valid_iterators(cfg, task, trainer)
     valid_losses = []
     for subset, batches in subsets:
         itr = batches.next_epoch_itr(shuffle=False)

@@ -62,6 +62,22 @@ class SavedState:
     metrics: Optional[Dict[str, Any]] = None
     best: Optional[float] = None
     val_loss: Optional[float] = None  # the validation value the checkpoint was written with
+    extra_state: Optional[Dict[str, Any]] = None  # the file's extra_state as read (upstream's Trainer API returns it)
+
+
+@dataclass(frozen=True)
+class Resets:
+    """Which saved states a restore leaves out (the --reset-* flags; upstream's Trainer.load_checkpoint arguments)."""
+
+    optimizer: bool = False  # also the update count and the schedule (upstream: fine-tuning starts at update 0)
+    lr_scheduler: bool = False
+    meters: bool = False
+    dataloader: bool = False
+
+    @classmethod
+    def from_config(cls, ckpt_cfg) -> "Resets":
+        return cls(optimizer=ckpt_cfg.reset_optimizer, lr_scheduler=ckpt_cfg.reset_lr_scheduler,
+                   meters=ckpt_cfg.reset_meters, dataloader=ckpt_cfg.reset_dataloader)
 
 
 @dataclass
@@ -234,11 +250,8 @@ class CheckpointManager:
         if position is not None:
             epoch_itr.load_state_dict(
                 iterator_state_for_world_size(position, saved.data_parallel_size, get_data_parallel_world_size()))
-        restore_meters = bool(position and position.get("iterations_in_epoch", 0) > 0 and saved.metrics)
-        if restore_meters:
-            meters.load_state_dict(saved.metrics)
-        at_epoch_end = (bool(position) and position.get("iterations_in_epoch", 0) == 0 and position["epoch"] > 1
-                        and saved.val_loss is not None)  # save_last, at an epoch start, writes no val_loss
+        restore_meters = restore_saved_meters(saved, meters)
+        at_epoch_end = written_at_epoch_end(position, saved.val_loss)
         return Resumed(epoch_itr, meters_restored=restore_meters, best=self.best, at_epoch_end=at_epoch_end,
                        val_loss=saved.val_loss)
 
@@ -250,22 +263,26 @@ class CheckpointManager:
         default_restore = ck.restore_file == "checkpoint_last.pt"
         if path is None:
             if not default_restore:
-                raise FileNotFoundError(
-                    f"--restore-file {ck.restore_file}: no such checkpoint (looked for "
-                    f"{resolve_restore_path(ck)}); check the path or drop the flag to start from scratch"
-                )
+                raise missing_restore_file(ck.restore_file, resolve_restore_path(ck))
             if ck.finetune_from_model:
                 self._load_weights_only(trainer, ck.finetune_from_model)
             return None
         if ck.finetune_from_model and default_restore:
             logger.info(f"found {path}: resuming it and ignoring --finetune-from-model")
+        return self.restore(trainer, path, Resets.from_config(ck))
+
+    def restore(self, trainer, path: str, resets: Resets) -> SavedState:
+        """Load the checkpoint `path` (an existing file or sharded directory) into model, optimizer and trainer,
+        leaving out what `resets` names; returns the states left for the other parts (the iterator position,
+        the meters) and sets the best validation value. fairseq-train's resume and upstream's
+        `Trainer.load_checkpoint` both come here."""
         logger.info(f"loading checkpoint {path}")
         try:
-            state = self.read(path, trainer, resuming=True)
+            state = self.read(path, trainer, resuming=True, load_optimizer=not resets.optimizer)
         except CorruptCheckpointError as err:
             raise CorruptCheckpointError(f"{err}. {self._alternatives(path)}") from None
-        optim_state = None if ck.reset_optimizer else state.get("last_optimizer_state")
-        if optim_state is None and not ck.reset_optimizer:
+        optim_state = None if resets.optimizer else state.get("last_optimizer_state")
+        if optim_state is None and not resets.optimizer:
             raise CheckpointError(f"{path} has no optimizer state; pass --reset-optimizer to start a new one")
         try:
             trainer.load_model_and_optimizer_state(state["model"], optim_state, full=not os.path.isdir(path))
@@ -285,14 +302,14 @@ class CheckpointManager:
         saved = saved_state(state)
         if saved.trainer is not None:
             # As upstream, --reset-optimizer also restarts the update count and the schedule (fine-tuning).
-            reset = {"num_updates", "lr_scheduler"} if ck.reset_optimizer else set()
-            if ck.reset_lr_scheduler:
+            reset = {"num_updates", "lr_scheduler"} if resets.optimizer else set()
+            if resets.lr_scheduler:
                 reset.add("lr_scheduler")
             trainer.load_state_dict({k: v for k, v in saved.trainer.items() if k not in reset})
         self.best = saved.best
-        if ck.reset_dataloader:
+        if resets.dataloader:
             saved.train_iterator = None
-        if ck.reset_meters:
+        if resets.meters:
             saved.metrics = None
         logger.info(f"loaded checkpoint {path} ({trainer.num_updates} updates)")
         return saved
@@ -306,14 +323,17 @@ class CheckpointManager:
         return (f"Intact checkpoints in {self.ckpt_cfg.save_dir}, newest first: {', '.join(names)}{more}; resume "
                 f"from one with --restore-file {names[0]}")
 
-    def read(self, path: str, trainer, resuming: bool = False) -> Dict[str, Any]:
+    def read(self, path: str, trainer, resuming: bool = False, load_optimizer: Optional[bool] = None) -> Dict[str, Any]:
         """Read a checkpoint file or sharded directory and check it fits the model (`resuming`: and that the
-        model options are the checkpoint's)."""
+        model options are the checkpoint's). `load_optimizer` (default: not --reset-optimizer): whether a
+        sharded directory's optimizer shards are read."""
         trust_legacy = self.cfg.common.trust_legacy_checkpoint
+        if load_optimizer is None:
+            load_optimizer = not self.ckpt_cfg.reset_optimizer
         if os.path.isdir(path):
             model_state, optim_state = trainer.model_and_optimizer_state(full=False)
             ema = getattr(trainer, "ema", None)
-            state = sharded.load_sharded(path, model_state, None if self.ckpt_cfg.reset_optimizer else optim_state,
+            state = sharded.load_sharded(path, model_state, optim_state if load_optimizer else None,
                                          trust_legacy=trust_legacy,
                                          extra_shards=ema.state_dict() if ema is not None else None)
         else:
@@ -341,7 +361,31 @@ def saved_state(state: Dict[str, Any]) -> SavedState:
     extra = state.get("extra_state") or {}
     return SavedState(trainer=_saved_trainer_state(state, extra), train_iterator=extra.get("train_iterator"),
                       data_parallel_size=extra.get("data_parallel_size"), metrics=extra.get("metrics"),
-                      best=extra.get("best"), val_loss=extra.get("val_loss"))
+                      best=extra.get("best"), val_loss=extra.get("val_loss"), extra_state=extra)
+
+
+def missing_restore_file(restore_file: str, looked_for: str) -> FileNotFoundError:
+    """The error for a --restore-file that names no checkpoint (a fresh start would silently drop it)."""
+    return FileNotFoundError(f"--restore-file {restore_file}: no such checkpoint (looked for {looked_for}); check "
+                             "the path or drop the flag to start from scratch")
+
+
+def written_at_epoch_end(train_iterator: Optional[Dict[str, Any]], val_loss: Optional[float]) -> bool:
+    """Whether the checkpoint with this data position was written at an epoch's end (the iterator at the next
+    epoch's start, with that end's validation value): the epoch-end scheduler step `step(epoch - 1, val_loss)`
+    is still to be taken after loading it. save_last, at an epoch start, writes no val_loss."""
+    return (bool(train_iterator) and train_iterator.get("iterations_in_epoch", 0) == 0
+            and train_iterator["epoch"] > 1 and val_loss is not None)
+
+
+def restore_saved_meters(saved: SavedState, meters: "Stateful") -> bool:
+    """Give `meters` their saved state when the checkpoint was written mid-epoch (at an epoch boundary the saved
+    meters belong to the finished epoch, and the new one starts afresh, as upstream); True when restored."""
+    position = saved.train_iterator
+    restore = bool(position and position.get("iterations_in_epoch", 0) > 0 and saved.metrics)
+    if restore:
+        meters.load_state_dict(saved.metrics)
+    return restore
 
 
 def _saved_trainer_state(state: Dict[str, Any], extra: Dict[str, Any]) -> Optional[Dict[str, Any]]:

@@ -364,6 +364,9 @@ class EpochBatchIterator(EpochBatchIterating):
         position = int(state_dict.get("iterations_in_epoch", 0))
         self.shuffle = bool(state_dict.get("shuffle", True))
         self._cur_epoch_itr = None
+        if position > 0 and position == len(self) and state_dict.get("version", 1) < 2:
+            # upstream's version-1 states record a finished epoch at its last position: the next epoch follows
+            self.epoch, position = self.epoch + 1, 0
         if position > 0:
             if position > len(self):
                 raise RuntimeError(
