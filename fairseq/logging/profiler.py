@@ -39,7 +39,10 @@ KERNEL_CATEGORIES: Tuple[Tuple[str, Tuple[str, ...]], ...] = (
 )
 
 
+# CUPTI also reports markers on the device timeline ("Command Buffer Full": the launch queue was full, i.e. the
+# host ran far ahead); they are not GPU work.
 CUPTI_MARKERS = frozenset({"Command Buffer Full"})
+GPU_ACTIVITIES = frozenset({"kernel", "gpu_memcpy", "gpu_memset"})
 
 
 def kernel_category(name: str) -> str:
@@ -160,24 +163,21 @@ class UpdateProfiler:
             self._stop()
 
     def summary(self) -> Dict:
-        events = self._profiler.events()
-        cuda = torch.autograd.DeviceType.CUDA
-        # CUPTI also reports markers on the device timeline ("Command Buffer Full": the launch queue was full,
-        # i.e. the host ran far ahead); they are not GPU work.
-        # record_function ranges ("update N", "Optimizer.step", FSDP's) are mirrored on the device timeline
-        # too, spanning the kernels they launched; a kernel has no host event of its name.
-        host_names = {e.name for e in events if e.device_type != cuda}
-        kernels = [e for e in events
-                   if e.device_type == cuda and e.name not in CUPTI_MARKERS and e.name not in host_names]
+        # GPU work from kineto's own activity records: every kernel, copy and memset on the device. The
+        # FunctionEvent list (`events()`) misses kernels launched through the driver API outside an aten op,
+        # e.g. inductor's triton launches: a compiled run would look half idle.
+        kernels = [(e.name(), e.start_ns() / 1e3, e.duration_ns() / 1e3)
+                   for e in self._profiler.profiler.kineto_results.events()
+                   if e.device_type() == torch.autograd.DeviceType.CUDA and e.activity_type() in GPU_ACTIVITIES]
         updates = max(self.updates, 1)
-        busy_us = _union_length([(e.time_range.start, e.time_range.end) for e in kernels])
+        busy_us = _union_length([(start, start + duration) for _, start, duration in kernels])
         categories: Dict[str, float] = {}
         by_name: Dict[str, List[float]] = {}
-        for e in kernels:
-            ms = e.time_range.elapsed_us() / 1e3 / updates
-            category = kernel_category(e.name)
+        for name, _, duration in kernels:
+            ms = duration / 1e3 / updates
+            category = kernel_category(name)
             categories[category] = categories.get(category, 0.0) + ms
-            entry = by_name.setdefault(e.name, [0.0, 0.0])
+            entry = by_name.setdefault(name, [0.0, 0.0])
             entry[0] += 1 / updates
             entry[1] += ms
         wall_ms = self.wall_ms / updates
