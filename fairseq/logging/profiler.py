@@ -166,9 +166,16 @@ class UpdateProfiler:
         # GPU work from kineto's own activity records: every kernel, copy and memset on the device. The
         # FunctionEvent list (`events()`) misses kernels launched through the driver API outside an aten op,
         # e.g. inductor's triton launches: a compiled run would look half idle.
-        kernels = [(e.name(), e.start_ns() / 1e3, e.duration_ns() / 1e3)
-                   for e in self._profiler.profiler.kineto_results.events()
-                   if e.device_type() == torch.autograd.DeviceType.CUDA and e.activity_type() in GPU_ACTIVITIES]
+        records = self._profiler.profiler.kineto_results.events()
+        cuda = torch.autograd.DeviceType.CUDA
+        if records and hasattr(records[0], "activity_type"):
+            on_gpu = [e for e in records if e.device_type() == cuda and e.activity_type() in GPU_ACTIVITIES]
+        else:  # torch < 2.12 names no activity type: record_function ranges are mirrored on the device under
+            # their host names, and a kernel has no host record of its name
+            host_names = {e.name() for e in records if e.device_type() != cuda}
+            on_gpu = [e for e in records
+                      if e.device_type() == cuda and e.name() not in host_names and e.name() not in CUPTI_MARKERS]
+        kernels = [(e.name(), e.start_ns() / 1e3, e.duration_ns() / 1e3) for e in on_gpu]
         updates = max(self.updates, 1)
         busy_us = _union_length([(start, start + duration) for _, start, duration in kernels])
         categories: Dict[str, float] = {}
