@@ -53,6 +53,21 @@ def kernel_category(name: str) -> str:
     return "elementwise/reduction"
 
 
+def gpu_activities(records) -> list:
+    """The kernels, copies and memsets among kineto's activity records (`kineto_results.events()`).
+
+    Read from these rather than from the FunctionEvent list (`profile.events()`), which misses kernels
+    launched through the driver API outside an aten op, such as inductor's triton launches: a compiled run
+    would look a third idle."""
+    cuda = torch.autograd.DeviceType.CUDA
+    if records and hasattr(records[0], "activity_type"):
+        return [e for e in records if e.device_type() == cuda and e.activity_type() in GPU_ACTIVITIES]
+    # torch < 2.12 names no activity type. record_function ranges are mirrored on the device as user
+    # annotations; names do not tell them from kernels, as inductor names a launch's range after its kernel.
+    return [e for e in records
+            if e.device_type() == cuda and not e.is_user_annotation() and e.name() not in CUPTI_MARKERS]
+
+
 def parse_update_range(spec: str) -> Tuple[int, int]:
     """"A:B" (or "A") -> (A, B), 1-based and inclusive."""
     parts = str(spec).split(":")
@@ -163,19 +178,8 @@ class UpdateProfiler:
             self._stop()
 
     def summary(self) -> Dict:
-        # GPU work from kineto's own activity records: every kernel, copy and memset on the device. The
-        # FunctionEvent list (`events()`) misses kernels launched through the driver API outside an aten op,
-        # e.g. inductor's triton launches: a compiled run would look half idle.
-        records = self._profiler.profiler.kineto_results.events()
-        cuda = torch.autograd.DeviceType.CUDA
-        if records and hasattr(records[0], "activity_type"):
-            on_gpu = [e for e in records if e.device_type() == cuda and e.activity_type() in GPU_ACTIVITIES]
-        else:  # torch < 2.12 names no activity type: record_function ranges are mirrored on the device under
-            # their host names, and a kernel has no host record of its name
-            host_names = {e.name() for e in records if e.device_type() != cuda}
-            on_gpu = [e for e in records
-                      if e.device_type() == cuda and e.name() not in host_names and e.name() not in CUPTI_MARKERS]
-        kernels = [(e.name(), e.start_ns() / 1e3, e.duration_ns() / 1e3) for e in on_gpu]
+        kernels = [(e.name(), e.start_ns() / 1e3, e.duration_ns() / 1e3)
+                   for e in gpu_activities(self._profiler.profiler.kineto_results.events())]
         updates = max(self.updates, 1)
         busy_us = _union_length([(start, start + duration) for _, start, duration in kernels])
         categories: Dict[str, float] = {}
