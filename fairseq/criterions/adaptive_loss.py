@@ -11,7 +11,6 @@ left out.
 
 from dataclasses import dataclass
 
-import torch
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 

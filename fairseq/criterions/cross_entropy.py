@@ -6,7 +6,6 @@ from typing import Dict, List
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 from torch.autograd.function import once_differentiable
 
 from fairseq.criterions import register_criterion
