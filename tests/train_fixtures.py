@@ -5,6 +5,8 @@ may import them directly)."""
 import os
 import random
 
+import torch
+
 
 def write_corpus(path, num_lines, seed, vocab=60, min_len=3, max_len=25):
     """Deterministic pseudo-text: words drawn from a skewed vocabulary so a model can learn something."""
@@ -167,3 +169,13 @@ def spawn_scenarios(make_scenarios, out_dir, world, *args, timeout_s=60):
     mp.spawn(_scenario_worker, nprocs=world, join=True,
              args=(world, get_free_port("127.0.0.1"), timeout_s, str(out_dir), make_scenarios, args))
     return [torch.load(os.path.join(str(out_dir), f"rank{r}.pt"), weights_only=False) for r in range(world)]
+
+
+def assert_same_model_and_optimizer(a, b):
+    """Two checkpoint states hold bitwise the same weights and optimizer state."""
+    assert a["model"].keys() == b["model"].keys()
+    for key in a["model"]:
+        assert torch.equal(a["model"][key], b["model"][key]), key
+    for name, state in a["last_optimizer_state"]["state"].items():
+        for k, v in state.items():
+            assert torch.equal(v, b["last_optimizer_state"]["state"][name][k]), (name, k)

@@ -1,7 +1,6 @@
 """fairseq-train and fairseq-eval-lm through their real entry points on a tiny model (CPU)."""
 
 import math
-import os
 import subprocess
 
 import pytest
@@ -9,7 +8,7 @@ import torch
 
 from fairseq.logging.progress_bar import read_json_log
 from fairseq_cli import eval_lm, train
-from tests.train_fixtures import train_in_process
+from tests.train_fixtures import assert_same_model_and_optimizer, train_in_process
 
 def load(path):
     return torch.load(path, map_location="cpu", weights_only=True)
@@ -26,12 +25,7 @@ def test_resume_is_bitwise(tiny_data, tmp_path, train_args):
     train.cli_main(train_args(tiny_data, resumed, max_update=12))
 
     a, b = load(straight / "checkpoint_last.pt"), load(resumed / "checkpoint_last.pt")
-    assert a["model"].keys() == b["model"].keys()
-    for key in a["model"]:
-        assert torch.equal(a["model"][key], b["model"][key]), key
-    for name, state in a["last_optimizer_state"]["state"].items():
-        for k, v in state.items():
-            assert torch.equal(v, b["last_optimizer_state"]["state"][name][k]), (name, k)
+    assert_same_model_and_optimizer(a, b)
     losses_straight = [(r["num_updates"], r["loss"]) for r in read_json_log(straight / "train.log")]
     losses_resumed = [(r["num_updates"], r["loss"]) for r in read_json_log(resumed / "train.log")]
     assert losses_straight == losses_resumed
@@ -58,7 +52,6 @@ def test_loss_falls_and_eval_lm_matches_independent_computation(tiny_data, tmp_p
     ckpt = tmp_path / "checkpoint_last.pt"
     result = eval_lm.main(_eval_cfg(tiny_data, ckpt))
     # Independent computation: the same blocks, model loaded by hand, cross entropy in float64.
-    from fairseq import registry
     from fairseq.checkpoint.inference import build_from_saved_config
     from fairseq.tasks.language_modeling import LanguageModelingConfig
 

@@ -13,6 +13,7 @@ from fairseq.logging import metrics
 from fairseq.logging.progress_bar import read_json_log
 from fairseq.trainer import Trainer
 from fairseq_cli import train
+from tests.train_fixtures import assert_same_model_and_optimizer
 
 
 def load(path):
@@ -49,12 +50,7 @@ def train_until(cfg, trainer, epoch_itr, num_updates):
 
 
 def assert_same_training_state(a, b):
-    assert a["model"].keys() == b["model"].keys()
-    for key in a["model"]:
-        assert torch.equal(a["model"][key], b["model"][key]), key
-    for name, state in a["last_optimizer_state"]["state"].items():
-        for k, v in state.items():
-            assert torch.equal(v, b["last_optimizer_state"]["state"][name][k]), (name, k)
+    assert_same_model_and_optimizer(a, b)
     assert a["extra_state"]["trainer"]["num_updates"] == b["extra_state"]["trainer"]["num_updates"]
     assert a["extra_state"]["trainer"]["lr_scheduler"] == b["extra_state"]["trainer"]["lr_scheduler"]
     assert a["extra_state"]["train_iterator"] == b["extra_state"]["train_iterator"]
