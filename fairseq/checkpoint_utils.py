@@ -17,7 +17,6 @@ Upstream's training loop from Python (docs/upstream_api.md), over `fairseq.train
     checkpoint_utils.save_checkpoint(cfg.checkpoint, trainer, epoch_itr, val_loss)
 """
 
-import ast
 import logging
 import os
 from typing import Any, Dict, List, Optional, Tuple
@@ -143,7 +142,8 @@ def load_checkpoint(cfg, trainer, **passthrough_args):
     itself is `trainer.load_checkpoint` (fairseq.checkpoint.manager, as fairseq-train resumes), and as there a
     checkpoint written at an epoch's end gets the scheduler step `trainer.lr_step(epoch, val_loss)` that the
     uninterrupted run took after writing it (upstream steps with the next epoch and no loss instead)."""
-    from fairseq.checkpoint.manager import iterator_state_for_world_size, missing_restore_file, written_at_epoch_end
+    from fairseq.checkpoint.manager import (iterator_state_for_world_size, missing_restore_file,
+                                            parse_optimizer_overrides, written_at_epoch_end)
     from fairseq.checkpoint.paths import existing_checkpoint, resolve_restore_path
     from fairseq.distributed.utils import get_data_parallel_world_size
     from fairseq.file_io import PathManager
@@ -155,7 +155,7 @@ def load_checkpoint(cfg, trainer, **passthrough_args):
     restore_file = getattr(cfg, "restore_file", "checkpoint_last.pt")
     save_dir = getattr(cfg, "save_dir", "checkpoints")
     finetune = getattr(cfg, "finetune_from_model", None)
-    optimizer_overrides = _optimizer_overrides(getattr(cfg, "optimizer_overrides", "{}"))
+    optimizer_overrides = parse_optimizer_overrides(getattr(cfg, "optimizer_overrides", "{}"))
     if finetune is not None and (reset_optimizer or reset_lr_scheduler or reset_meters or reset_dataloader):
         raise ValueError(f"{FINETUNE_WITH_RESETS}: fine-tuning resets them all; drop the --reset-* flags")
     if restore_file != "checkpoint_last.pt" and finetune:
@@ -212,14 +212,3 @@ class _RestoreOptions:
     def __init__(self, restore_file: str, save_dir: str, checkpoint_suffix: str):
         self.restore_file, self.save_dir, self.checkpoint_suffix = restore_file, save_dir, checkpoint_suffix
 
-
-def _optimizer_overrides(text) -> Dict[str, Any]:
-    if isinstance(text, dict):
-        return text
-    try:
-        overrides = ast.literal_eval(text or "{}")
-    except (ValueError, SyntaxError):
-        overrides = None
-    if not isinstance(overrides, dict):
-        raise ValueError(f"--optimizer-overrides {text!r}: expected a Python dict literal such as \"{{'lr': 0.1}}\"")
-    return overrides

@@ -253,10 +253,7 @@ class Trainer:
             return None
         manager = self.checkpoint_manager
         saved = manager.restore(self, path, Resets(optimizer=reset_optimizer, lr_scheduler=reset_lr_scheduler,
-                                                   meters=reset_meters))
-        if optimizer_overrides and not reset_optimizer:
-            for group in self.optimizer.param_groups:
-                group.update(optimizer_overrides)
+                                                   meters=reset_meters), optimizer_overrides)
         if reset_optimizer or reset_meters:  # upstream's rule: a fine-tuning start does not inherit the best value
             manager.best = None
         restore_saved_meters(saved, metrics)  # (reset_meters: restore left them out)

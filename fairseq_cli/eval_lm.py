@@ -18,6 +18,7 @@ from fairseq.checkpoint.inference import load_model
 from fairseq.criterions.cross_entropy import token_cross_entropy
 from fairseq.data.lm_context_window_dataset import InCorpusOrder, with_context_window
 from fairseq.logging import progress_bar
+from fairseq.dataclass.validate import announce_compat_options, check_shard
 from fairseq.precision import compute_dtype
 
 logger = logging.getLogger("fairseq_cli.eval_lm")
@@ -216,7 +217,7 @@ def evaluate(model, batches, pad: int, device, dtype, bos: Optional[int] = None,
     count = merged = 0
     autocast = torch.autocast(device.type, dtype=dtype) if dtype != torch.float32 else None
     for sample in batches:
-        if sample.get("is_dummy", False):
+        if not sample or sample.get("is_dummy", False):  # ({}: a --num-shards shard's padding batch)
             continue
         src = sample["net_input"]["src_tokens"].to(device, non_blocking=True)
         target = sample["target"].to(device, non_blocking=True)
@@ -254,6 +255,8 @@ def main(cfg, **unused_kwargs) -> dict:
     progress_bar.setup_logging(cfg.common.log_file)
     if cfg.common.user_dir:
         import_user_module(cfg.common.user_dir)
+    announce_compat_options(cfg)
+    check_shard(cfg.dataset)
     path = cfg.common_eval.path
     if not path:
         raise ValueError("no checkpoint given: pass --path CHECKPOINT.pt (or a sharded checkpoint directory)")
@@ -263,6 +266,9 @@ def main(cfg, **unused_kwargs) -> dict:
         if context_window >= cfg.task.tokens_per_sample:
             raise ValueError(f"--context-window {context_window} must be smaller than --tokens-per-sample "
                              f"{cfg.task.tokens_per_sample}")
+        if cfg.dataset.num_shards > 1:  # the context is the previous batch of the corpus, not of the shard
+            raise ValueError(f"--num-shards {cfg.dataset.num_shards} cannot be combined with --context-window; "
+                             "evaluate the whole split (drop --num-shards/--shard-id)")
         cfg.task.tokens_per_sample -= context_window
 
     overrides = ast.literal_eval(cfg.common_eval.model_overrides)
@@ -279,7 +285,8 @@ def main(cfg, **unused_kwargs) -> dict:
     itr = task.get_batch_iterator(
         dataset=dataset, max_tokens=cfg.dataset.max_tokens, max_sentences=cfg.dataset.batch_size,
         max_positions=None, ignore_invalid_inputs=True, seed=cfg.common.seed,
-        num_workers=cfg.dataset.num_workers, epoch=1,
+        num_shards=cfg.dataset.num_shards, shard_id=cfg.dataset.shard_id, num_workers=cfg.dataset.num_workers,
+        epoch=1,
     ).next_epoch_itr(shuffle=False)
     pad = task.source_dictionary.pad()
     bos = task.source_dictionary.bos() if getattr(cfg.task, "add_bos_token", False) else None

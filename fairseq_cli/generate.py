@@ -25,6 +25,7 @@ from fairseq import options
 from fairseq.checkpoint.inference import load_model
 from fairseq.data.batching import resolve_limit
 from fairseq.dataclass.generation import check_generation_config
+from fairseq.dataclass.validate import announce_compat_options, check_shard
 from fairseq.hub_utils import TextCodec, move_to
 from fairseq.logging import progress_bar
 from fairseq.precision import compute_dtype
@@ -104,6 +105,8 @@ def setup(cfg, interactive=None):
     if cfg.common.user_dir:
         import_user_module(cfg.common.user_dir)
     check_generation_config(cfg.generation, cfg.dataset, interactive)
+    announce_compat_options(cfg)
+    check_shard(cfg.dataset)
     seed_everything(cfg)
 
 

@@ -16,7 +16,7 @@ from fairseq.batch_iterators import trainer_iterator, valid_iterators
 from fairseq.checkpoint.manager import CheckpointManager
 from fairseq.criterions import build_criterion
 from fairseq.data.data_utils import raise_if_valid_subsets_unintentionally_ignored
-from fairseq.dataclass.validate import validate as validate_config
+from fairseq.dataclass.validate import announce_compat_options, validate as validate_config
 from fairseq.distributed import utils as dist_utils
 from fairseq.distributed.launch import call_main, process_group_timeout
 from fairseq.logging import metrics, progress_bar
@@ -76,6 +76,7 @@ def _train_with(cfg, preemption, checkpoints) -> Optional[str]:
     if not dist_utils.is_master():
         logging.getLogger().setLevel(logging.WARNING)  # one log, from rank 0
     validate_config(cfg)  # again here: in-process and hydra callers reach main without cli_main
+    announce_compat_options(cfg)
     checkpoints.open_save_dir()  # before any data is read or model built: a bad --save-dir fails now
     metrics.reset()
     torch.manual_seed(cfg.common.seed)
@@ -260,6 +261,8 @@ def validate(cfg, trainer, task, epoch_itr, checkpoints, preemption=None) -> Lis
     pass the same boundaries.
     """
     subsets = valid_iterators(cfg, task, trainer)
+    if cfg.dataset.fixed_validation_seed is not None:  # the next update re-seeds from its update count
+        torch.manual_seed(cfg.dataset.fixed_validation_seed)
     valid_losses = []
     for subset, batches in subsets:
         itr = batches.next_epoch_itr(shuffle=False)

@@ -15,6 +15,7 @@ only from files without extra_state.trainer. A sharded checkpoint has the same k
 DCP shards, the others in its metadata.pt.
 """
 
+import ast
 import copy
 import logging
 import os
@@ -269,13 +270,16 @@ class CheckpointManager:
             return None
         if ck.finetune_from_model and default_restore:
             logger.info(f"found {path}: resuming it and ignoring --finetune-from-model")
-        return self.restore(trainer, path, Resets.from_config(ck))
+        overrides = parse_optimizer_overrides(ck.optimizer_overrides)
+        return self.restore(trainer, path, Resets.from_config(ck), overrides)
 
-    def restore(self, trainer, path: str, resets: Resets) -> SavedState:
+    def restore(self, trainer, path: str, resets: Resets, optimizer_overrides: Optional[Dict[str, Any]] = None
+                ) -> SavedState:
         """Load the checkpoint `path` (an existing file or sharded directory) into model, optimizer and trainer,
-        leaving out what `resets` names; returns the states left for the other parts (the iterator position,
-        the meters) and sets the best validation value. fairseq-train's resume and upstream's
-        `Trainer.load_checkpoint` both come here."""
+        leaving out what `resets` names, then sets `optimizer_overrides` (--optimizer-overrides, e.g.
+        {"lr": ...}) in every parameter group of the restored optimizer; returns the states left for the other
+        parts (the iterator position, the meters) and sets the best validation value. fairseq-train's resume
+        and upstream's `Trainer.load_checkpoint` both come here."""
         logger.info(f"loading checkpoint {path}")
         try:
             state = self.read(path, trainer, resuming=True, load_optimizer=not resets.optimizer)
@@ -296,6 +300,9 @@ class CheckpointManager:
                 "the model flags differ from the checkpoint's (e.g. --share-decoder-input-output-embed): resume "
                 "with the same flags, or pass --reset-optimizer to keep the weights and start a new optimizer"
             ) from err
+        if optimizer_overrides and optim_state is not None:
+            for group in trainer.optimizer.param_groups:
+                group.update(optimizer_overrides)
         ema = getattr(trainer, "ema", None)
         if ema is not None:  # after the weights: without a saved EMA, it restarts from them (upstream's rule)
             ema.load_checkpoint_state(state.get("extra_state") or {}, state["model"])
@@ -376,6 +383,19 @@ def written_at_epoch_end(train_iterator: Optional[Dict[str, Any]], val_loss: Opt
     is still to be taken after loading it. save_last, at an epoch start, writes no val_loss."""
     return (bool(train_iterator) and train_iterator.get("iterations_in_epoch", 0) == 0
             and train_iterator["epoch"] > 1 and val_loss is not None)
+
+
+def parse_optimizer_overrides(text) -> Dict[str, Any]:
+    """--optimizer-overrides: a Python dict literal (or a dict) of optimizer parameter-group values."""
+    if isinstance(text, dict):
+        return text
+    try:
+        overrides = ast.literal_eval(text or "{}")
+    except (ValueError, SyntaxError):
+        overrides = None
+    if not isinstance(overrides, dict):
+        raise ValueError(f"--optimizer-overrides {text!r}: expected a Python dict literal such as \"{{'lr': 0.1}}\"")
+    return overrides
 
 
 def restore_saved_meters(saved: SavedState, meters: "Stateful") -> bool:

@@ -50,7 +50,7 @@ class CommonConfig:
                       "weight gradient")
     fp8_fsdp_all_gather: bool = opt(
         False, "--fp8 tensorwise under fully_sharded: all-gather the weights in float8 (half the bytes)")
-    fp16_no_flatten_grads: bool = opt(False, "accepted for upstream compatibility; gradients are never flattened")
+    fp16_no_flatten_grads: bool = opt(False, "same as the default here: gradients are never flattened into one buffer")
     fp16_init_scale: float = opt(2.0**7, "initial fp16 loss scale")
     fp16_scale_window: Optional[int] = opt(None, "updates without overflow before the loss scale doubles")
     fp16_scale_tolerance: float = opt(0.0, "fraction of overflowing updates tolerated before the scale halves")
@@ -58,16 +58,18 @@ class CommonConfig:
     threshold_loss_scale: Optional[float] = opt(None, "never lower the fp16 loss scale below this")
     user_dir: Optional[str] = opt(None, "directory of plug-in modules (tasks, models, ...) to import")
     empty_cache_freq: int = opt(0, "empty the CUDA cache every N updates (0: never)")
-    suppress_crashes: bool = opt(False, "accepted for upstream compatibility")
+    suppress_crashes: bool = opt(False, "upstream (fairseq-hydra-train): return instead of raising when training "
+                                           "fails; here a failure still raises (a start-up notice says so)")
     profile: bool = opt(False, "run inside torch.cuda.profiler.profile() and emit_nvtx(): NVTX ranges per op for "
                                "nsys/nvprof (upstream's flag)")
     profile_updates: Optional[str] = opt(
         None, "START:END: record a torch.profiler trace of these updates (1-based, inclusive) on every rank, with a "
               "summary of GPU busy/idle time and kernel time per update (docs/benchmarks.md)")
     profile_dir: Optional[str] = opt(None, "where --profile-updates writes (default: SAVE_DIR/profile)")
-    reset_logging: bool = opt(False, "accepted for upstream compatibility")
+    reset_logging: bool = opt(False, "same result here: fairseq-hydra-train always logs to stdout in fairseq's "
+                                        "line format, which is what upstream's reset set up")
     all_gather_list_size: int = opt(
-        16384, "accepted for upstream compatibility: statistics are all-reduced as tensors, no gather buffer is used"
+        16384, "same result at any value: statistics are all-reduced as tensors, no gather buffer of this size is used"
     )
     peak_tflops: Optional[float] = opt(
         None, "peak dense bf16/fp16 TFLOP/s of one accelerator for the mfu stat (default: from the device name)"
@@ -91,9 +93,10 @@ class DistributedTrainingConfig:
     distributed_no_spawn: bool = opt(False, "do not spawn processes even if several GPUs are visible")
     ddp_backend: DDP_BACKENDS = opt("pytorch_ddp", "data-parallel engine")
     bucket_cap_mb: int = opt(25, "DDP bucket size in MB")
-    fix_batches_to_gpus: bool = opt(False, "accepted for upstream compatibility")
-    fast_stat_sync: bool = opt(False, "accepted for upstream compatibility (deprecated there too): statistics are "
-                                      "always reduced in one all-reduce per log interval")
+    fix_batches_to_gpus: bool = opt(False, "upstream: keep each rank's batches on it across epochs; here batches are "
+                                             "shuffled across all ranks each epoch (a start-up notice says so)")
+    fast_stat_sync: bool = opt(False, "same as the default here (deprecated upstream): statistics are always "
+                                      "reduced in one all-reduce per log interval")
     find_unused_parameters: bool = opt(False, "let DDP find parameters that receive no gradient")
     heartbeat_timeout: int = opt(
         -1, "seconds before a stuck collective or process-group creation fails the job (-1: 600 s)"
@@ -103,7 +106,8 @@ class DistributedTrainingConfig:
     cpu_offload: bool = opt(False, "fully_sharded: keep sharded parameters, gradients and optimizer state on CPU")
     use_sharded_state: bool = opt(False, "fully_sharded: save checkpoints as per-rank shards (DCP directory)")
     no_reshard_after_forward: bool = opt(False, "fully_sharded: keep full parameters from forward to backward")
-    min_params_to_wrap: int = opt(int(1e8), "accepted for upstream compatibility; every layer is its own unit")
+    min_params_to_wrap: int = opt(int(1e8), "upstream: smallest module wrapped as an FSDP unit; here each transformer "
+                                       "layer is one unit whatever its size (a start-up notice says so)")
     fsdp_forward_prefetch: bool = opt(
         False, "fully_sharded: explicitly prefetch the next layer's all-gather in forward (and in backward)"
     )
@@ -131,7 +135,8 @@ class DatasetConfig:
     max_tokens: Optional[int] = opt(None, "maximum tokens in a batch")
     batch_size: Optional[int] = opt(None, "number of examples in a batch", aliases=["--max-sentences"])
     required_batch_size_multiple: int = opt(8, "batch size will be a multiple of this")
-    dataset_impl: Optional[str] = opt(None, "accepted for upstream compatibility; mmap is the only format")
+    dataset_impl: Optional[str] = opt(None, "format of the binarized data: only mmap (MMIDIDX) exists here; "
+                                         "other values are an error")
     data_buffer_size: int = opt(10, "batches each data-loading worker prepares ahead (with --num-workers > 0)")
     train_subset: str = opt("train", "data subset to train on")
     valid_subset: str = opt("valid", "comma-separated data subsets to validate on")
@@ -143,15 +148,17 @@ class DatasetConfig:
     validate_interval: int = opt(1, "validate every N epochs")
     validate_interval_updates: int = opt(0, "validate every N updates (0: only at epoch ends)")
     validate_after_updates: int = opt(0, "do not validate before this many updates")
-    fixed_validation_seed: Optional[int] = opt(None, "accepted for upstream compatibility")
+    fixed_validation_seed: Optional[int] = opt(None, "fairseq-train: seed the random generators with this "
+                                                         "before each validation (training re-seeds per update)")
     disable_validation: bool = opt(False, "never validate")
     max_tokens_valid: Optional[int] = opt(None, "maximum tokens in a validation batch (default: --max-tokens)")
     batch_size_valid: Optional[int] = opt(None, "validation batch size (default: --batch-size)")
     max_valid_steps: Optional[int] = opt(None, "validate on at most this many batches", aliases=["--nval"])
-    curriculum: int = opt(0, "accepted for upstream compatibility")
+    curriculum: int = opt(0, "fairseq-train: do not shuffle the batches for the first N epochs")
     gen_subset: str = opt("test", "data subset to evaluate (fairseq-eval-lm)")
-    num_shards: int = opt(1, "accepted for upstream compatibility")
-    shard_id: int = opt(0, "accepted for upstream compatibility")
+    num_shards: int = opt(1, "fairseq-generate and fairseq-eval-lm: split the batches into N shards and process "
+                              "only --shard-id's (training shards by the data-parallel ranks instead)")
+    shard_id: int = opt(0, "fairseq-generate and fairseq-eval-lm: which shard to process, 0 <= id < --num-shards")
 
 
 @dataclass
@@ -178,7 +185,8 @@ class CheckpointConfig:
     reset_lr_scheduler: bool = opt(False, "do not restore the learning-rate scheduler")
     reset_meters: bool = opt(False, "do not restore the meters")
     reset_optimizer: bool = opt(False, "do not restore the optimizer state")
-    optimizer_overrides: str = opt("{}", "accepted for upstream compatibility")
+    optimizer_overrides: str = opt("{}", "Python dict literal of values set in every optimizer parameter group "
+                                          "after the optimizer state is restored, e.g. \"{'weight_decay': 0.0}\"")
     save_interval: int = opt(1, "save a checkpoint every N epochs")
     save_interval_updates: int = opt(0, "save a checkpoint every N updates (0: only at epoch ends)")
     keep_interval_updates: int = opt(-1, "keep only the last N update checkpoints (-1: all)")
@@ -193,8 +201,10 @@ class CheckpointConfig:
     maximize_best_checkpoint_metric: bool = opt(False, "a larger metric is better")
     patience: int = opt(-1, "stop after N validations without improvement (-1: never)")
     checkpoint_suffix: str = opt("", "suffix added to checkpoint file names")
-    load_checkpoint_on_all_dp_ranks: bool = opt(False, "accepted for upstream compatibility")
-    write_checkpoints_asynchronously: bool = opt(False, "accepted for upstream compatibility; saves are synchronous")
+    load_checkpoint_on_all_dp_ranks: bool = opt(False, "same as the default here: every rank reads the "
+                                                         "checkpoint itself (nothing is broadcast from rank 0)")
+    write_checkpoints_asynchronously: bool = opt(False, "upstream: write checkpoints in a background thread; here "
+                                                          "saves are synchronous (a start-up notice says so)")
 
 
 @dataclass
@@ -217,7 +227,8 @@ class EvalLMConfig:
     output_word_stats: bool = opt(False, "log per-word statistics at the end: word, count, summed log probability, "
                                          "is BPE, summed log probability of the next word, count with a next word")
     context_window: int = opt(0, "tokens of left context scored but not counted, for sliding-window evaluation")
-    softmax_batch: int = opt(2**62, "accepted for upstream compatibility")
+    softmax_batch: int = opt(2**62, "upstream: compute the softmax in chunks of this many tokens to save "
+                                    "memory; here a batch's softmax is computed at once (a start-up notice says so)")
 
 
 @dataclass

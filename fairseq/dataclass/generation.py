@@ -23,14 +23,16 @@ class GenerationConfig:
     min_len: int = opt(1, "minimum generation length (</s> is not allowed before)")
     match_source_len: bool = opt(False, "generate exactly as many tokens as the input has")
     unnormalized: bool = opt(False, "compare hypotheses by their summed scores, not per token")
-    no_early_stop: bool = opt(False, "deprecated upstream; no effect")
-    no_beamable_mm: bool = opt(False, "accepted for upstream compatibility; no effect")
+    no_early_stop: bool = opt(False, "deprecated upstream, where it does nothing either")
+    no_beamable_mm: bool = opt(False, "same as the default here: upstream's BeamableMM (an encoder-"
+                                             "attention speed-up) does not exist")
     lenpen: float = opt(1, "length penalty: the score is divided by length**lenpen (<1 favours shorter, "
                             ">1 longer hypotheses)")
     unkpen: float = opt(0, "unknown-word penalty subtracted from <unk>'s log probability (<0: more <unk>)")
     replace_unk: Optional[str] = opt(None, "not supported: unknown-word replacement needs source alignments",
                                       const="@@ ")
-    sacrebleu: bool = opt(False, "accepted for upstream compatibility; generated text is not scored here")
+    sacrebleu: bool = opt(False, "upstream: score the output with sacrebleu; here generated text is not "
+                                       "scored (a start-up notice says so)")
     score_reference: bool = opt(False, "score the given text instead of generating (the hub's score())")
     prefix_size: int = opt(0, "fairseq-generate: prompt each sample with its first N tokens (0: the whole "
                                "sample but its last token)")
@@ -51,8 +53,9 @@ class GenerationConfig:
     lm_path: Optional[str] = opt(None, "not supported: a second language model for shallow fusion")
     lm_weight: float = opt(0.0, "not supported: weight of the --lm-path model")
     retain_dropout: bool = opt(False, "keep dropout active while generating")
-    retain_dropout_modules: Optional[List[str]] = opt(None, "accepted for upstream compatibility: with "
-                                                             "--retain-dropout every module keeps its dropout")
+    retain_dropout_modules: Optional[List[str]] = opt(None, "upstream: keep dropout only in these modules; here "
+                                                             "--retain-dropout keeps every module's dropout (a "
+                                                             "start-up notice says so)")
     no_seed_provided: bool = opt(False, "do not seed the random generators from --seed")
     no_cuda_graphs: bool = opt(False, "decode each step eagerly instead of replaying it from a CUDA graph (on "
                                        "CUDA, this fork's decoders; see docs/incremental_decoding.md)")

@@ -8,7 +8,12 @@ options in its class's `check_config`); this module only collects them, in a fix
 the data, the device or the checkpoint stay where those are read.
 """
 
+import logging
+from dataclasses import MISSING
+
 from fairseq import registry
+
+logger = logging.getLogger(__name__)
 
 
 def check_precision(common) -> None:
@@ -27,6 +32,13 @@ def check_batch_size(dataset) -> None:
             raise ValueError(f"{flag} must be at least 1, got {value}")
 
 
+def check_shard(dataset) -> None:
+    """--num-shards / --shard-id of fairseq-generate and fairseq-eval-lm: shard SHARD_ID of NUM_SHARDS."""
+    if dataset.num_shards < 1 or not 0 <= dataset.shard_id < dataset.num_shards:
+        raise ValueError(f"--shard-id {dataset.shard_id} must lie in [0, --num-shards {dataset.num_shards}) "
+                         "(and --num-shards be at least 1)")
+
+
 def check_sharded_state(distributed) -> None:
     if distributed.use_sharded_state and distributed.ddp_backend != "fully_sharded":
         raise ValueError("--use-sharded-state needs --ddp-backend fully_sharded")
@@ -42,6 +54,8 @@ def _training_device(cfg):
 
 def validate(cfg) -> None:
     """Raise ValueError, naming the flag and the fix, for the first problem of a training config."""
+    from fairseq.checkpoint.manager import parse_optimizer_overrides
+    from fairseq.data.indexed_dataset import check_dataset_impl
     from fairseq.distributed.fsdp import check_fsdp_flags
     from fairseq.models.ema import check_ema_config
     from fairseq.distributed.mesh import check_layout_flags
@@ -55,6 +69,8 @@ def validate(cfg) -> None:
         raise ValueError("no --arch given; e.g. --arch transformer_lm")
     if cfg.optimization.use_bmuf:
         raise ValueError("--use-bmuf (block-wise model update filtering) is not supported; drop the flag")
+    check_dataset_impl(cfg.dataset.dataset_impl)
+    parse_optimizer_overrides(cfg.checkpoint.optimizer_overrides)  # a bad literal fails now, not at resume
     check_precision(cfg.common)
     check_float8_flags(cfg)
     check_float8_environment(cfg, _training_device(cfg))
@@ -68,3 +84,46 @@ def validate(cfg) -> None:
         parse_update_range(cfg.common.profile_updates)
     check_ema_config(getattr(cfg, "ema", None))
     registry.arch_model(cfg.model._name).check_config(cfg.model)
+
+
+# Upstream options accepted (so upstream command lines run unchanged) whose behaviour this fork does not have:
+# (group, field, what happens instead). Set to anything but its default, each is announced in one line at
+# start-up (`announce_compat_options`); options whose result here is the same say so in their help instead.
+COMPAT_NOTICES = (
+    ("common", "suppress_crashes", "a failing run raises its error and exits non-zero, as without the flag"),
+    ("distributed_training", "fix_batches_to_gpus",
+     "each epoch's batches are shuffled across all data-parallel ranks, not kept on one rank"),
+    ("distributed_training", "min_params_to_wrap",
+     "fully_sharded makes each transformer layer one FSDP unit (and the rest the root unit), whatever its size"),
+    ("checkpoint", "write_checkpoints_asynchronously", "checkpoints are written synchronously, in the training loop"),
+    ("eval_lm", "softmax_batch",
+     "the log-softmax of a batch is computed at once; lower --max-tokens or --batch-size to bound its memory"),
+    ("generation", "sacrebleu", "generated text is printed, not scored with BLEU"),
+    ("generation", "retain_dropout_modules",
+     "with --retain-dropout every module keeps its dropout; the list is not applied"),
+)
+
+
+def compat_notices(cfg) -> list:
+    """One line per COMPAT_NOTICES option set in `cfg` (groups `cfg` lacks are skipped)."""
+    from dataclasses import fields
+
+    lines = []
+    for group_name, name, instead in COMPAT_NOTICES:
+        group = getattr(cfg, group_name, None)
+        if group is None or not hasattr(group, name):
+            continue
+        default = {f.name: f for f in fields(group)}[name]
+        default = default.default if default.default_factory is MISSING else default.default_factory()
+        value = getattr(group, name)
+        if value != default:
+            shown = " ".join(map(str, value)) if isinstance(value, (list, tuple)) else str(value)
+            flag = f"--{name.replace('_', '-')}" + ("" if isinstance(value, bool) else f" {shown}")
+            lines.append(f"{flag} is accepted for upstream compatibility: {instead}")
+    return lines
+
+
+def announce_compat_options(cfg) -> None:
+    """Log compat_notices(cfg), one info line each: called once by each entry point at start-up."""
+    for line in compat_notices(cfg):
+        logger.info(line)

@@ -1,0 +1,132 @@
+"""Upstream options accepted for compatibility: each notice of fairseq.dataclass.validate.COMPAT_NOTICES comes
+from a real parsed command line, and the options this fork implements for upstream's entry points
+(--num-shards/--shard-id in fairseq-eval-lm, --fixed-validation-seed, --optimizer-overrides on resume,
+--dataset-impl) behave as upstream's."""
+
+
+import pytest
+import torch
+
+from fairseq import options
+from fairseq.dataclass.validate import COMPAT_NOTICES, compat_notices, validate
+from tests.train_fixtures import default_train_argv, train_in_process
+
+TRAIN_BASE = ["data", "--task", "language_modeling", "--arch", "transformer_lm", "--optimizer", "adam",
+              "--max-tokens", "64"]
+# A non-default value for each noticed option (the flag alone for a boolean one).
+SET = {"min_params_to_wrap": ["--min-params-to-wrap", "1000"], "softmax_batch": ["--softmax-batch", "1024"],
+       "retain_dropout_modules": ["--retain-dropout-modules", "TransformerDecoderLayer"]}
+# The eval-lm and generation groups' flags are on their tools' parsers (given a data directory and --path).
+PARSERS = {"eval_lm": options.get_eval_lm_parser, "generation": options.get_generation_parser}
+EVAL_BASE = ["data", "--task", "language_modeling", "--path", "model.pt", "--max-tokens", "64"]
+
+
+def _config(group, argv):
+    parser = PARSERS.get(group, options.get_training_parser)()
+    if group in PARSERS:
+        argv = EVAL_BASE + argv[len(TRAIN_BASE):]
+    args = options.parse_args_and_arch(parser, argv)
+    if group == "generation":  # as fairseq-generate builds its config
+        return options.convert_namespace_to_generation_config(args)
+    return options.convert_namespace_to_config(args)
+
+
+@pytest.mark.parametrize("group,name,instead", COMPAT_NOTICES, ids=[n for _, n, _ in COMPAT_NOTICES])
+def test_each_noticed_option_set_on_the_command_line_gives_its_one_line(group, name, instead):
+    flag = SET.get(name, ["--" + name.replace("_", "-")])
+    assert compat_notices(_config(group, TRAIN_BASE)) == []
+    value = "" if len(flag) == 1 else f" {flag[1]}"
+    assert compat_notices(_config(group, TRAIN_BASE + flag)) == [
+        f"{flag[0]}{value} is accepted for upstream compatibility: {instead}"]
+
+
+def test_notices_are_logged_once_at_training_start(tiny_data, tmp_path):
+    argv = default_train_argv(tiny_data, tmp_path, "--write-checkpoints-asynchronously", "--fix-batches-to-gpus",
+                              max_update=1)
+    status, out, err = train_in_process(argv)
+    assert status == 0, err
+    notices = [line for line in out.splitlines() if "accepted for upstream compatibility" in line]
+    assert len(notices) == 2 and "--write-checkpoints-asynchronously" in notices[1], notices
+    assert "| INFO |" in notices[0] and "--fix-batches-to-gpus" in notices[0]
+
+
+def test_dataset_impl_other_than_mmap_is_refused_at_start():
+    validate(_config("train", TRAIN_BASE + ["--dataset-impl", "mmap"]))
+    with pytest.raises(ValueError, match=r"--dataset-impl 'lazy' is not supported: only 'mmap'"):
+        validate(_config("train", TRAIN_BASE + ["--dataset-impl", "lazy"]))
+
+
+def test_bad_optimizer_overrides_fail_at_start():
+    with pytest.raises(ValueError, match=r"--optimizer-overrides '\[1\]': expected a Python dict literal"):
+        validate(_config("train", TRAIN_BASE + ["--optimizer-overrides", "[1]"]))
+
+
+def test_optimizer_overrides_are_set_in_the_resumed_optimizer(tiny_data, tmp_path):
+    from fairseq.checkpoint.io import load_checkpoint_file
+
+    assert train_in_process(default_train_argv(tiny_data, tmp_path, max_update=2))[0] == 0
+    first = load_checkpoint_file(str(tmp_path / "checkpoint_last.pt"))["last_optimizer_state"]["param_groups"]
+    assert [g["weight_decay"] for g in first] == [0.01] * len(first)  # TRAIN_RECIPE's --weight-decay
+    status, _, err = train_in_process(default_train_argv(tiny_data, tmp_path, "--optimizer-overrides",
+                                                         "{'weight_decay': 0.5}", max_update=3))
+    assert status == 0, err
+    resumed = load_checkpoint_file(str(tmp_path / "checkpoint_last.pt"))["last_optimizer_state"]["param_groups"]
+    assert [g["weight_decay"] for g in resumed] == [0.5] * len(resumed)
+
+
+def test_fixed_validation_seed_seeds_each_validation(tiny_data, tmp_path, user_dir):
+    # A criterion that records one random draw per validation batch (the model is in eval mode there).
+    plugin = user_dir("seed_probe", f'''
+import torch
+from fairseq.registry import register_criterion
+from fairseq.criterions.cross_entropy import CrossEntropyCriterion, CrossEntropyCriterionConfig
+
+
+@register_criterion("seed_probe", dataclass=CrossEntropyCriterionConfig)
+class SeedProbe(CrossEntropyCriterion):
+    def forward(self, model, sample, reduce=True):
+        if not model.training:
+            with open({str(tmp_path / "draws.txt")!r}, "a") as f:
+                f.write(f"{{torch.randint(1 << 30, ()).item()}}\\n")
+        return super().forward(model, sample, reduce)
+''')
+    draws_file = tmp_path / "draws.txt"
+
+    def validation_draws(*flags):
+        draws_file.unlink(missing_ok=True)
+        argv = default_train_argv(tiny_data, tmp_path / "ck", "--user-dir", str(plugin), "--criterion",
+                                  "seed_probe", "--validate-interval-updates", "1", "--max-valid-steps", "1",
+                                  "--no-save", *flags, max_update=3)
+        status, _, err = train_in_process(argv)
+        assert status == 0, err
+        return [int(x) for x in draws_file.read_text().split()]
+
+    fixed = validation_draws("--fixed-validation-seed", "1234")
+    assert len(fixed) == 3 and len(set(fixed)) == 1, fixed  # every validation starts from the same state
+    assert validation_draws("--fixed-validation-seed", "1234", "--seed", "4") == fixed  # whatever --seed is
+    unfixed = validation_draws()
+    assert len(set(unfixed)) == 3, unfixed  # without it: the state the last update left
+
+
+def _eval_lm(checkpoint, data, *extra):
+    from fairseq_cli import eval_lm
+
+    parser = options.get_eval_lm_parser()
+    args = options.parse_args_and_arch(parser, [str(data), "--path", str(checkpoint), "--cpu", "--batch-size",
+                                                "4", "--tokens-per-sample", "32", *extra])
+    return eval_lm.main(args)
+
+
+def test_eval_lm_num_shards_splits_the_tokens_between_shards(tiny_lm_checkpoint, tiny_data):
+    whole = _eval_lm(tiny_lm_checkpoint, tiny_data)
+    shards = [_eval_lm(tiny_lm_checkpoint, tiny_data, "--num-shards", "3", "--shard-id", str(i)) for i in range(3)]
+    assert sum(s["tokens"] for s in shards) == whole["tokens"]
+    assert all(0 < s["tokens"] < whole["tokens"] for s in shards)
+    # Per-token losses weighted by token counts give the whole split's (batches are the same, only dealt out).
+    combined = sum(s["loss"] * s["tokens"] for s in shards) / whole["tokens"]
+    assert combined == pytest.approx(whole["loss"], rel=1e-6)
+
+
+def test_eval_lm_shard_id_out_of_range_is_one_clear_error(tiny_lm_checkpoint, tiny_data):
+    with pytest.raises(ValueError, match=r"--shard-id 2 must lie in \[0, --num-shards 2\)"):
+        _eval_lm(tiny_lm_checkpoint, tiny_data, "--num-shards", "2", "--shard-id", "2")
