@@ -367,7 +367,13 @@ def main(argv=None):
         print_profiles(results)
     with open(os.path.join(args.out, "results.json"), "w") as f:
         json.dump(results, f, indent=1)
+    failed = [r["name"] for r in results if "error" in r]
+    if failed:  # the table says so too; a script driving the benchmark must see it in the exit status
+        sys.stderr.write(f"benchmark_fsdp.py: {len(failed)} run(s) failed ({', '.join(failed)}); their output is above "
+                         f"and in {args.out}\n")
+        return 1
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
