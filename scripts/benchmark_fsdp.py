@@ -45,6 +45,8 @@ def train_command(args, extra, log_file):
         "--lr", "1e-4", "--lr-scheduler", "fixed", "--clip-norm", "1.0", "--ddp-backend", "fully_sharded",
         "--max-update", str(args.log_interval * (args.intervals + 1)), "--log-format", "json",
         "--log-interval", str(args.log_interval), "--log-file", log_file, "--no-save", "--disable-validation",
+        # --no-save writes nothing, but a checkpoint_last in the default --save-dir would still be resumed
+        "--save-dir", os.path.join(args.out, "no_checkpoints"),
         "--num-workers", str(args.num_workers), "--seed", "1", "--required-batch-size-multiple", "1",
         "--max-tokens", str(args.seq * args.batch),
     ]

@@ -1,6 +1,8 @@
 """Shared test fixtures: a tiny corpus preprocessed by the real fairseq-preprocess, fairseq-train command lines
 for tiny models, and --user-dir plug-ins (among them criterions that fail on purpose)."""
 
+import os
+
 import pytest
 
 from tests.train_fixtures import default_train_argv, tiny_train_argv, write_corpus, write_plugin  # noqa: F401
@@ -166,3 +168,15 @@ def no_process_group_left_behind():
     yield
     if not existed and dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+
+
+@pytest.fixture(autouse=True)
+def working_directory_kept():
+    """A test that changes the working directory must use monkeypatch.chdir: a directory left behind holds that
+    test's checkpoints/, which a later fairseq-train with the default --save-dir would resume from."""
+    before = os.getcwd()
+    yield
+    after = os.getcwd()
+    if after != before:
+        os.chdir(before)
+        pytest.fail(f"the test left the working directory at {after}; use monkeypatch.chdir", pytrace=False)

@@ -13,11 +13,14 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 @pytest.mark.timeout(300)
 def test_benchmark_fsdp_prints_a_table_for_fairseq_and_the_plain_loop(tmp_path):
     out = tmp_path / "bench"
+    # Run from a directory holding someone's checkpoints/: the benchmark's runs must not resume from them.
+    (tmp_path / "checkpoints").mkdir()
+    (tmp_path / "checkpoints" / "checkpoint_last.pt").write_bytes(b"another run's checkpoint")
     proc = subprocess.run(
         [sys.executable, os.path.join(ROOT, "scripts", "benchmark_fsdp.py"), "--cpu", "--nproc", "2",
          "--layers", "2", "--embed-dim", "32", "--heads", "2", "--seq", "32", "--batch", "2", "--vocab", "200",
          "--log-interval", "2", "--intervals", "1", "--num-workers", "0", "--combos", "both", "--out", str(out)],
-        capture_output=True, text=True, timeout=280, env=dict(os.environ, PYTHONPATH=ROOT))
+        capture_output=True, text=True, timeout=280, env=dict(os.environ, PYTHONPATH=ROOT), cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "| plain FSDP2 loop | " in proc.stdout
     assert "| fairseq-train forward-prefetch sync-free | " in proc.stdout

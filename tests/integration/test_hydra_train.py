@@ -178,7 +178,7 @@ decoder_attention_heads: 2
 """
 
 
-def test_upstream_style_yaml_with_group_package_headers(tiny_data, tmp_path, restore_logging):
+def test_upstream_style_yaml_with_group_package_headers(tiny_data, tmp_path, restore_logging, monkeypatch):
     """Upstream's YAML files begin with `# @package _group_` (hydra 1.0), which hydra 1.3 would nest under a
     `_group_` key; here they train as written, overrides first, interpolation and null bpe included."""
     config_dir = tmp_path / "config"
@@ -186,7 +186,7 @@ def test_upstream_style_yaml_with_group_package_headers(tiny_data, tmp_path, res
     (config_dir / "lm.yaml").write_text(UPSTREAM_STYLE_CONFIG)
     (config_dir / "model" / "tiny.yaml").write_text(UPSTREAM_STYLE_MODEL)
     seen = []
-    os.chdir(tmp_path)
+    monkeypatch.chdir(tmp_path)
     from fairseq_cli import train
 
     original = train.main
@@ -241,11 +241,11 @@ def test_bpe_and_tokenizer_groups_give_the_command_lines_config(tmp_path, monkey
         fairseq_config_from_dict(dict(base, bpe={"_name": "gpt2", "gpt2_encoder": "x"}))
 
 
-def test_upstream_documented_command_with_config_groups(tiny_data, tmp_path, restore_logging):
+def test_upstream_documented_command_with_config_groups(tiny_data, tmp_path, restore_logging, monkeypatch):
     """Upstream's hydra docs' first command: no config file, groups chosen on the command line
     (`task=language_modeling`, `model=transformer_lm/transformer_lm_gpt`, `optimizer=adam`); as upstream's
     bundled config does, the run directory is the current one."""
-    os.chdir(tmp_path)
+    monkeypatch.chdir(tmp_path)
     hydra_train.cli_main([
         "distributed_training.distributed_world_size=1", "dataset.batch_size=2", f"task.data={tiny_data}",
         "model=transformer_lm/transformer_lm_gpt", "task=language_modeling", "optimization.max_update=2",
