@@ -164,11 +164,16 @@ def load_checkpoint(cfg, trainer, **passthrough_args):
 
     if restore_file == "checkpoint_last.pt":
         checkpoint_path = os.path.join(save_dir, f"checkpoint_last{trainer.checkpoint_suffix}.pt")
-        first_launch = not PathManager.exists(checkpoint_path)
+        # A file, or a sharded directory (checkpoint_last/, or checkpoint_last.old/ after an interrupted save).
+        last_dir = os.path.join(save_dir, f"checkpoint_last{trainer.checkpoint_suffix}")
+        first_launch = not (PathManager.exists(checkpoint_path) or PathManager.exists(last_dir)
+                            or PathManager.exists(last_dir + ".old"))
         if finetune is not None and first_launch:
-            if not PathManager.exists(finetune):
-                raise FileNotFoundError(f"--finetune-from-model {finetune}: no such checkpoint")
-            checkpoint_path = finetune
+            found = existing_checkpoint(finetune)
+            if found is None:
+                raise FileNotFoundError(f"--finetune-from-model {finetune}: no such checkpoint (a .pt file or a "
+                                        "complete sharded checkpoint directory)")
+            checkpoint_path = found
             reset_optimizer = reset_lr_scheduler = reset_meters = reset_dataloader = True
             logger.info(f"loading pretrained model from {finetune}: optimizer, lr scheduler, meters, dataloader "
                         "will be reset")
@@ -180,7 +185,7 @@ def load_checkpoint(cfg, trainer, **passthrough_args):
 
     extra_state = trainer.load_checkpoint(checkpoint_path, reset_optimizer, reset_lr_scheduler, optimizer_overrides,
                                           reset_meters=reset_meters)
-    position = None if extra_state is None or reset_dataloader else extra_state["train_iterator"]
+    position = None if extra_state is None or reset_dataloader else extra_state.get("train_iterator")
     epoch_itr = trainer.get_train_iterator(epoch=1 if position is None else position["epoch"], load_dataset=True,
                                            **passthrough_args)
     if position is not None:

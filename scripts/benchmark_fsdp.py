@@ -17,6 +17,7 @@ import argparse
 import json
 import os
 import shlex
+import shutil
 import subprocess
 import sys
 import time
@@ -36,7 +37,7 @@ def model_flags(args):
     return flags
 
 
-def train_command(args, extra, log_file):
+def train_command(args, extra, log_file, save_dir):
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(args.nproc),
         "-m", "fairseq_cli.train", "--task", "dummy_lm", "--dict-size", str(args.vocab - 4),
@@ -45,8 +46,9 @@ def train_command(args, extra, log_file):
         "--lr", "1e-4", "--lr-scheduler", "fixed", "--clip-norm", "1.0", "--ddp-backend", "fully_sharded",
         "--max-update", str(args.log_interval * (args.intervals + 1)), "--log-format", "json",
         "--log-interval", str(args.log_interval), "--log-file", log_file, "--no-save", "--disable-validation",
-        # --no-save writes nothing, but a checkpoint_last in the default --save-dir would still be resumed
-        "--save-dir", os.path.join(args.out, "no_checkpoints"),
+        # --no-save writes nothing (but a preempted run does), and a checkpoint_last in the default --save-dir
+        # would be resumed: each run gets an empty directory of its own (run_fairseq empties it)
+        "--save-dir", save_dir,
         "--num-workers", str(args.num_workers), "--seed", "1", "--required-batch-size-multiple", "1",
         "--max-tokens", str(args.seq * args.batch),
     ]
@@ -96,8 +98,10 @@ def run_fairseq(args, name, extra, env):
     if args.profile:
         start, end = profiled_updates(args)
         extra = extra + ["--profile-updates", f"{start}:{end}", "--profile-dir", os.path.join(args.out, slug)]
+    save_dir = os.path.join(args.out, f"{slug}_checkpoints")
+    shutil.rmtree(save_dir, ignore_errors=True)
     start = time.time()
-    proc = subprocess.run(train_command(args, extra, log_file), env=env, capture_output=True, text=True)
+    proc = subprocess.run(train_command(args, extra, log_file, save_dir), env=env, capture_output=True, text=True)
     with open(os.path.join(args.out, f"{slug}.output"), "w") as f:  # kept: TORCH_LOGS output lands here
         f.write(proc.stdout + proc.stderr)
     if proc.returncode != 0:

@@ -277,7 +277,7 @@ class CheckpointManager:
                 ) -> SavedState:
         """Load the checkpoint `path` (an existing file or sharded directory) into model, optimizer and trainer,
         leaving out what `resets` names, then sets `optimizer_overrides` (--optimizer-overrides, e.g.
-        {"lr": ...}) in every parameter group of the restored optimizer; returns the states left for the other
+        {"weight_decay": ...}) in every parameter group of the restored optimizer; returns the states left for the other
         parts (the iterator position, the meters) and sets the best validation value. fairseq-train's resume
         and upstream's `Trainer.load_checkpoint` both come here."""
         logger.info(f"loading checkpoint {path}")
@@ -301,6 +301,10 @@ class CheckpointManager:
                 "with the same flags, or pass --reset-optimizer to keep the weights and start a new optimizer"
             ) from err
         if optimizer_overrides and optim_state is not None:
+            unknown = sorted(set(optimizer_overrides) - set(trainer.optimizer.param_groups[0]))
+            if unknown:  # a misspelt key would be added to every group and read by nothing
+                raise ValueError(f"--optimizer-overrides: {', '.join(unknown)} is not an option of the optimizer's "
+                                 f"parameter groups ({', '.join(sorted(k for k in trainer.optimizer.param_groups[0] if k != 'params'))})")
             for group in trainer.optimizer.param_groups:
                 group.update(optimizer_overrides)
         ema = getattr(trainer, "ema", None)
@@ -394,7 +398,11 @@ def parse_optimizer_overrides(text) -> Dict[str, Any]:
     except (ValueError, SyntaxError):
         overrides = None
     if not isinstance(overrides, dict):
-        raise ValueError(f"--optimizer-overrides {text!r}: expected a Python dict literal such as \"{{'lr': 0.1}}\"")
+        raise ValueError(f"--optimizer-overrides {text!r}: expected a Python dict literal such as "
+                         "\"{'weight_decay': 0.1}\"")
+    if "lr" in overrides:  # the scheduler sets every group's lr again at once (upstream loses it the same way)
+        raise ValueError(f"--optimizer-overrides {text!r}: 'lr' would be replaced by the learning-rate scheduler at "
+                         "the next update; change the learning rate with --lr and --reset-lr-scheduler instead")
     return overrides
 
 

@@ -147,7 +147,27 @@ def test_missing_restore_file_and_finetune_model_are_errors(tiny_trainer, tmp_pa
     no_model = dataclasses.replace(cfg.checkpoint, finetune_from_model=str(tmp_path / "pretrained.pt"))
     with pytest.raises(FileNotFoundError, match=r"--finetune-from-model .*pretrained.pt: no such checkpoint"):
         checkpoint_utils.load_checkpoint(no_model, trainer)
+    # a directory that exists but is no checkpoint (the pretraining run's save dir, say): an error, not a
+    # silent start from scratch
+    (tmp_path / "pretrain").mkdir()
+    not_a_checkpoint = dataclasses.replace(cfg.checkpoint, finetune_from_model=str(tmp_path / "pretrain"))
+    with pytest.raises(FileNotFoundError, match=r"--finetune-from-model .*pretrain: no such checkpoint"):
+        checkpoint_utils.load_checkpoint(not_a_checkpoint, trainer)
     assert trainer.get_num_updates() == 0  # nothing was loaded
+
+
+def test_a_sharded_checkpoint_last_is_resumed_not_fine_tuned_again(tiny_lm_checkpoint, tiny_trainer, tmp_path,
+                                                                    caplog):
+    """Second launch with --finetune-from-model: checkpoint_last is a sharded directory (--use-sharded-state),
+    so this is not a first launch and the pretrained weights must not be loaded again over it."""
+    cfg, trainer = tiny_trainer
+    (tmp_path / "checkpoint_last").mkdir()
+    (tmp_path / "checkpoint_last" / "metadata.pt").write_bytes(b"")  # it exists: that is what is decided here
+    options = dataclasses.replace(cfg.checkpoint, save_dir=str(tmp_path), finetune_from_model=str(tiny_lm_checkpoint))
+    with caplog.at_level("INFO"), pytest.raises(Exception):  # resuming it fails: its metadata is empty here
+        checkpoint_utils.load_checkpoint(options, trainer)
+    assert f"loading checkpoint {tmp_path / 'checkpoint_last'}" in caplog.text
+    assert "pretrained" not in caplog.text and trainer.get_num_updates() == 0
 
 
 def test_save_checkpoint_refuses_other_checkpoint_options(tiny_trainer):

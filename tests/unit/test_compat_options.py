@@ -59,6 +59,17 @@ def test_dataset_impl_other_than_mmap_is_refused_at_start():
 def test_bad_optimizer_overrides_fail_at_start():
     with pytest.raises(ValueError, match=r"--optimizer-overrides '\[1\]': expected a Python dict literal"):
         validate(_config("train", TRAIN_BASE + ["--optimizer-overrides", "[1]"]))
+    # the scheduler would set lr again at the next update: refused, not silently lost
+    with pytest.raises(ValueError, match=r"'lr' would be replaced by the learning-rate scheduler .* --lr and "
+                                         r"--reset-lr-scheduler"):
+        validate(_config("train", TRAIN_BASE + ["--optimizer-overrides", "{'lr': 0.5}"]))
+
+
+def test_misspelt_optimizer_override_is_refused_at_resume(tiny_data, tmp_path):
+    assert train_in_process(default_train_argv(tiny_data, tmp_path, max_update=2))[0] == 0
+    status, _, err = train_in_process(default_train_argv(tiny_data, tmp_path, "--optimizer-overrides",
+                                                         "{'weight_dacay': 0.5}", max_update=3))
+    assert status != 0 and "--optimizer-overrides: weight_dacay is not an option of the optimizer's" in err
 
 
 def test_optimizer_overrides_are_set_in_the_resumed_optimizer(tiny_data, tmp_path):
