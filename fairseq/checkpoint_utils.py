@@ -19,6 +19,7 @@ Upstream's training loop from Python (docs/upstream_api.md), over `fairseq.train
 
 import logging
 import os
+import types
 from typing import Any, Dict, List, Optional, Tuple
 
 from fairseq.checkpoint.inference import apply_overrides, load_model, read_checkpoint_state
@@ -178,7 +179,9 @@ def load_checkpoint(cfg, trainer, **passthrough_args):
             logger.info(f"loading pretrained model from {finetune}: optimizer, lr scheduler, meters, dataloader "
                         "will be reset")
     else:
-        options = _RestoreOptions(restore_file, save_dir, trainer.checkpoint_suffix)
+        # the options resolve_restore_path reads, from a config that may lack them
+        options = types.SimpleNamespace(restore_file=restore_file, save_dir=save_dir,
+                                        checkpoint_suffix=trainer.checkpoint_suffix)
         checkpoint_path = resolve_restore_path(options)
         if existing_checkpoint(checkpoint_path) is None:
             raise missing_restore_file(restore_file, checkpoint_path)
@@ -209,11 +212,3 @@ def save_checkpoint(cfg, trainer, epoch_itr, val_loss: Optional[float]) -> List[
                          "pass trainer.cfg.checkpoint (the Trainer writes with the config it was built with)")
     return trainer.checkpoint_manager.save(trainer, epoch_itr, val_loss, end_of_epoch=epoch_itr.end_of_epoch(),
                                            metrics_state=metrics.state_dict())
-
-
-class _RestoreOptions:
-    """The options fairseq.checkpoint.paths.resolve_restore_path reads, from a config that may lack them."""
-
-    def __init__(self, restore_file: str, save_dir: str, checkpoint_suffix: str):
-        self.restore_file, self.save_dir, self.checkpoint_suffix = restore_file, save_dir, checkpoint_suffix
-

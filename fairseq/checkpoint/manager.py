@@ -301,10 +301,11 @@ class CheckpointManager:
                 "with the same flags, or pass --reset-optimizer to keep the weights and start a new optimizer"
             ) from err
         if optimizer_overrides and optim_state is not None:
-            unknown = sorted(set(optimizer_overrides) - set(trainer.optimizer.param_groups[0]))
+            known = sorted(k for k in trainer.optimizer.param_groups[0] if k != "params")
+            unknown = sorted(set(optimizer_overrides) - set(known))
             if unknown:  # a misspelt key would be added to every group and read by nothing
                 raise ValueError(f"--optimizer-overrides: {', '.join(unknown)} is not an option of the optimizer's "
-                                 f"parameter groups ({', '.join(sorted(k for k in trainer.optimizer.param_groups[0] if k != 'params'))})")
+                                 f"parameter groups ({', '.join(known)})")
             for group in trainer.optimizer.param_groups:
                 group.update(optimizer_overrides)
         ema = getattr(trainer, "ema", None)

@@ -9,7 +9,6 @@ the data, the device or the checkpoint stay where those are read.
 """
 
 import logging
-from dataclasses import MISSING
 
 from fairseq import registry
 
@@ -106,19 +105,17 @@ COMPAT_NOTICES = (
 
 def compat_notices(cfg) -> list:
     """One line per COMPAT_NOTICES option set in `cfg` (groups `cfg` lacks are skipped)."""
-    from dataclasses import fields
+    from fairseq.dataclass.utils import flag_name
 
     lines = []
     for group_name, name, instead in COMPAT_NOTICES:
         group = getattr(cfg, group_name, None)
         if group is None or not hasattr(group, name):
             continue
-        default = {f.name: f for f in fields(group)}[name]
-        default = default.default if default.default_factory is MISSING else default.default_factory()
         value = getattr(group, name)
-        if value != default:
+        if value != getattr(type(group)(), name):  # set to other than the group's default
             shown = " ".join(map(str, value)) if isinstance(value, (list, tuple)) else str(value)
-            flag = f"--{name.replace('_', '-')}" + ("" if isinstance(value, bool) else f" {shown}")
+            flag = flag_name(name) + ("" if isinstance(value, bool) else f" {shown}")
             lines.append(f"{flag} is accepted for upstream compatibility: {instead}")
     return lines
 

@@ -3,9 +3,7 @@ from a real parsed command line, and the options this fork implements for upstre
 (--num-shards/--shard-id in fairseq-eval-lm, --fixed-validation-seed, --optimizer-overrides on resume,
 --dataset-impl) behave as upstream's."""
 
-
 import pytest
-import torch
 
 from fairseq import options
 from fairseq.dataclass.validate import COMPAT_NOTICES, compat_notices, validate
