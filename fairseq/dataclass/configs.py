@@ -114,8 +114,9 @@ class DistributedTrainingConfig:
     fsdp_prefetch_depth: int = opt(1, "fully_sharded: how many layers ahead --fsdp-forward-prefetch gathers")
     fsdp_sync_free: bool = opt(
         False,
-        "fully_sharded: before gathering layer i, wait on the CUDA event recorded when layer i-2 freed its "
-        "full parameters (bounds reserved memory and how far the CPU runs ahead)",
+        "fully_sharded: before gathering a layer, wait on the CUDA event recorded when the layer two gathers "
+        "back freed its full parameters while the allocator is under pressure (a retry, or reserved memory at "
+        "95%% of the GPU), one update back otherwise (bounds reserved memory and how far the CPU runs ahead)",
     )
     compile: bool = opt(False, "torch.compile each transformer layer before sharding")
     model_parallel_size: int = opt(

@@ -135,18 +135,46 @@ def apply_prefetch_plan(root: nn.Module, layers: Sequence[nn.Module], plan: Pref
 # ----------------------------------------------------------------------------------- --fsdp-sync-free
 
 
+class AllocatorPressure:
+    """Whether the CUDA caching allocator is near the point where it must free its cache and retry (a
+    device-wide synchronize), read once per forward pass from one memory_stats call: an allocation retry
+    since the last reading, or reserved memory at RESERVED_FRACTION of what this process may use."""
+
+    RESERVED_FRACTION = 0.95  # the next block the cache cannot serve would then need a retry or fail
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.capacity = (torch.cuda.get_device_properties(device).total_memory
+                         * torch.cuda.get_per_process_memory_fraction(device))
+        self._retries = 0
+
+    def __call__(self) -> bool:
+        stats = torch.cuda.memory_stats(self.device)
+        retries = stats.get("num_alloc_retries", 0)
+        # != rather than >: the count starts again from 0 if someone resets the accumulated statistics
+        retried = retries > 0 and retries != self._retries
+        self._retries = retries
+        return retried or stats.get("reserved_bytes.all.current", 0) >= self.RESERVED_FRACTION * self.capacity
+
+
 class ReshardEventLimiter:
-    """The wait logic of --fsdp-sync-free, free of FSDP and CUDA so it can be tested with stand-in events.
+    """The wait logic of --fsdp-sync-free, free of FSDP and CUDA so it can be tested with stand-ins.
 
     Every all-gather of a layer gets the next sequence number. When the layer's full parameters are freed
     (`on_reshard`), an event is recorded on the current (compute) stream; it completes once the GPU has
     finished everything that used them. Before all-gather number s is issued (`before_unshard`), the CPU
-    waits on the event of all-gather s - max_in_flight; more precisely on the most recently recorded
-    event among those of all-gathers s - max_in_flight and older (normally that very one; they differ when
-    frees come out of gathering order, as with --no-reshard-after-forward). Events on one stream complete
-    in recording order, so after the wait every all-gather up to s - max_in_flight has been freed on the
-    GPU too: at most `max_in_flight` layers' full parameters exist, and the CPU runs at most that many
-    layers ahead. Only that event is waited on; the device as a whole is never synchronized.
+    waits on the event of all-gather s - window; more precisely on the most recently recorded event among
+    those of all-gathers s - window and older (normally that very one; they differ when frees come out of
+    gathering order, as with --no-reshard-after-forward). Events on one stream complete in recording
+    order, so after the wait every all-gather up to s - window has been freed on the GPU too: at most
+    `window` layers' full parameters exist, and the CPU runs at most that many layers ahead. Only that
+    event is waited on; the device as a whole is never synchronized.
+
+    The window is `max_in_flight` (two layers) while the allocator is under pressure and `relaxed_in_flight`
+    (about one update's all-gathers) otherwise. A wait that tight drains the GPU's queue at every layer,
+    which costs 5-10% of a GPU-bound run (docs/fsdp.md), and it buys nothing while the allocator can still
+    serve every block from its cache. `start_pass()` (at each forward of the model) asks `pressure_probe`
+    which window applies until the next pass; with no probe (or no relaxed window) it is always the tight one.
 
     Layer indices are those of model.transformer_layers(); the sequence runs on across forward, backward and
     iterations (in backward, the layer two all-gathers back is layer i+2). A layer already gathered (by a
@@ -156,20 +184,30 @@ class ReshardEventLimiter:
     None (CPU: no streams) only the bookkeeping runs and nothing is ever waited on.
     """
 
-    def __init__(self, max_in_flight: int = 2, event_factory: Optional[Callable[[], object]] = None):
+    def __init__(self, max_in_flight: int = 2, event_factory: Optional[Callable[[], object]] = None,
+                 relaxed_in_flight: Optional[int] = None, pressure_probe: Optional[Callable[[], bool]] = None):
         if max_in_flight < 1:
             raise ValueError(f"max_in_flight must be at least 1 (got {max_in_flight})")
+        if relaxed_in_flight is not None and relaxed_in_flight < max_in_flight:
+            raise ValueError(f"relaxed_in_flight ({relaxed_in_flight}) must be at least max_in_flight ({max_in_flight})")
         self.max_in_flight = max_in_flight
+        self.relaxed_in_flight = relaxed_in_flight
         self.event_factory = event_factory
+        self.pressure_probe = pressure_probe if relaxed_in_flight is not None else None
+        self.window = max_in_flight
+        self.passes = 0
+        self.pressured_passes = 0
         self._next_seq = 0
         self._records = 0
         self._gathered: Dict[int, int] = {}  # layer -> sequence number of its all-gather not yet freed
         self._freed: Dict[int, Tuple[int, object]] = {}  # sequence number -> (recording order, event)
 
     @classmethod
-    def for_device(cls, device: torch.device, max_in_flight: int = 2) -> "ReshardEventLimiter":
+    def for_device(cls, device: torch.device, max_in_flight: int = 2,
+                   relaxed_in_flight: Optional[int] = None) -> "ReshardEventLimiter":
         if device.type == "cuda":
-            return cls(max_in_flight, torch.cuda.Event)
+            probe = AllocatorPressure(device) if relaxed_in_flight is not None else None
+            return cls(max_in_flight, torch.cuda.Event, relaxed_in_flight, probe)
         logger.info(CPU_SYNC_FREE_NOTICE)
         return cls(max_in_flight, None)
 
@@ -181,13 +219,29 @@ class ReshardEventLimiter:
         """Layers whose all-gather was issued and whose full parameters have not been freed (CPU view)."""
         return sorted(self._gathered)
 
+    def start_pass(self) -> None:
+        """Pick the window for the forward (and backward) pass that starts now."""
+        self.passes += 1
+        if self.pressure_probe is None:
+            return
+        pressured = bool(self.pressure_probe())
+        if pressured:
+            if self.pressured_passes == 0:
+                logger.info(
+                    "--fsdp-sync-free: the CUDA allocator is under pressure (an allocation retry, or reserved "
+                    "memory near the limit): waiting %d layers back while it lasts (%d otherwise)",
+                    self.max_in_flight, self.relaxed_in_flight,
+                )
+            self.pressured_passes += 1
+        self.window = self.max_in_flight if pressured else self.relaxed_in_flight
+
     def before_unshard(self, layer: int) -> None:
         if layer in self._gathered:
             return  # its all-gather is already issued: nothing new to bound
         seq = self._next_seq
         self._next_seq += 1
         self._gathered[layer] = seq
-        eligible = [entry for s, entry in self._freed.items() if s <= seq - self.max_in_flight]
+        eligible = [entry for s, entry in self._freed.items() if s <= seq - self.window]
         if not eligible:
             return
         order, event = max(eligible, key=lambda entry: entry[0])
@@ -293,6 +347,7 @@ class SyncFreeHooks:
             self._backward_started = False
             for layer in self.limiter.gathered_layers():
                 self.limiter.on_reshard(layer)
+        self.limiter.start_pass()
         self._before_unshards(self.plan.root_forward)
 
     def _root_post_forward(self, module, args, output):
@@ -361,7 +416,11 @@ def apply_fsdp(
         # Prefetching d layers ahead needs d + 1 layers gathered at once; the bound cannot be tighter.
         max_in_flight = max(2, dt.fsdp_prefetch_depth + 1) if dt.fsdp_forward_prefetch else 2
         if limiter is None:
-            limiter = ReshardEventLimiter.for_device(torch.device(mesh.device_type), max_in_flight)
+            # Without allocator pressure: wait about one update back (each layer gathered in forward and in
+            # backward), which bounds the CPU's lead without draining the GPU's queue at every layer.
+            limiter = ReshardEventLimiter.for_device(
+                torch.device(mesh.device_type), max_in_flight, relaxed_in_flight=2 * len(layers) + max_in_flight
+            )
         if max_in_flight > 2:
             logger.info(
                 "--fsdp-sync-free with --fsdp-prefetch-depth %d: up to %d layers' full parameters at once",

@@ -16,6 +16,8 @@ the measurement can fail. The real TransformerLanguageModel (bf16) is checked wi
 """
 
 import os
+import subprocess
+import sys
 import traceback
 from datetime import timedelta
 from types import SimpleNamespace
@@ -140,12 +142,14 @@ class AliveCounter:
         group.unshard, group.reshard = counted_unshard, counted_reshard
 
 
-def run_case(kind, prefetch, sync_free, device):
+def run_case(kind, prefetch, mode, device):
+    """mode: "off" (no --fsdp-sync-free), "pressure" (the flag, with its allocator probe answering yes, so
+    the window is two layers) or "relaxed" (the flag with its own probe, which sees no pressure here)."""
     torch.manual_seed(0)
     cfg = FairseqConfig()
     cfg.distributed_training.ddp_backend = "fully_sharded"
     cfg.distributed_training.fsdp_forward_prefetch = prefetch
-    cfg.distributed_training.fsdp_sync_free = sync_free
+    cfg.distributed_training.fsdp_sync_free = mode != "off"
     cfg.model = SimpleNamespace(checkpoint_activations=False, offload_activations=False)
     if kind == "slow":
         model = parallelize_model(SlowModel(), cfg, device)
@@ -157,6 +161,8 @@ def run_case(kind, prefetch, sync_free, device):
         inputs = torch.randint(2, 50272, (1, 1024), device=device)
         loss_fn = lambda out: F.cross_entropy(out.float().view(-1, out.size(-1)), inputs.view(-1))  # noqa: E731
     limiter = sync_free_limiter(model)
+    if mode == "pressure":
+        limiter.pressure_probe = lambda: True
     counter = AliveCounter()
     counter.instrument(model)
     for _ in range(3):
@@ -164,10 +170,12 @@ def run_case(kind, prefetch, sync_free, device):
         model.zero_grad(set_to_none=True)
     torch.cuda.synchronize()
     return dict(max_alive=counter.max_alive, history=counter.history,
-                limiter_waits=None if limiter is None else limiter.waits)
+                limiter_waits=None if limiter is None else limiter.waits,
+                pressured_passes=None if limiter is None else limiter.pressured_passes)
 
 
-CASES = [("slow", p, s) for p in (False, True) for s in (False, True)] + [("real", p, True) for p in (False, True)]
+CASES = ([("slow", p, m) for p in (False, True) for m in ("off", "pressure", "relaxed")]
+         + [("real", p, "pressure") for p in (False, True)])
 
 
 def _worker(rank, world, port, out_dir):
@@ -205,8 +213,9 @@ def case_result(run, case):
 @pytest.mark.parametrize("kind,prefetch", [("slow", False), ("slow", True), ("real", False), ("real", True)])
 def test_sync_free_keeps_at_most_two_layers_of_full_parameters(runs, kind, prefetch):
     for run in runs:
-        result = case_result(run, (kind, prefetch, True))
+        result = case_result(run, (kind, prefetch, "pressure"))
         assert result["limiter_waits"] is True  # CUDA events, not the CPU no-op
+        assert result["pressured_passes"] == 3
         # Three steps of forward and backward, every layer gathered in each.
         assert len(result["history"]) == 3 * 2 * NUM_LAYERS
         print(f"{kind} prefetch={prefetch}: max layers alive {result['max_alive']}")
@@ -217,7 +226,51 @@ def test_sync_free_keeps_at_most_two_layers_of_full_parameters(runs, kind, prefe
 def test_without_sync_free_the_cpu_runs_ahead_of_a_slow_gpu(runs, prefetch):
     """The control: the same measurement sees more than two layers alive when nothing waits."""
     for run in runs:
-        result = case_result(run, ("slow", prefetch, False))
+        result = case_result(run, ("slow", prefetch, "off"))
         assert result["limiter_waits"] is None
         print(f"slow prefetch={prefetch}, no sync-free: max layers alive {result['max_alive']}")
         assert result["max_alive"] > 2
+
+
+@pytest.mark.parametrize("prefetch", [False, True])
+def test_without_allocator_pressure_sync_free_lets_the_cpu_run_up_to_one_update_ahead(runs, prefetch):
+    """The allocator probe sees no pressure on this small model, so the window is one update's all-gathers
+    (2 * layers + 2): more than two layers alive on the slow GPU, never more than that window."""
+    for run in runs:
+        result = case_result(run, ("slow", prefetch, "relaxed"))
+        assert result["limiter_waits"] is True and result["pressured_passes"] == 0
+        print(f"slow prefetch={prefetch}, sync-free without pressure: max layers alive {result['max_alive']}")
+        assert 2 < result["max_alive"] <= 2 * NUM_LAYERS + 2, result["history"]
+
+
+PROBE_SCRIPT = """
+import torch
+from fairseq.distributed.fsdp import AllocatorPressure
+
+device = torch.device("cuda", 0)
+total = torch.cuda.get_device_properties(device).total_memory
+torch.cuda.set_per_process_memory_fraction(0.05, device)  # about 7 GiB of an H200
+probe = AllocatorPressure(device)
+readings = [probe()]  # nothing reserved yet
+block = torch.empty(int(0.97 * probe.capacity) // 4, dtype=torch.float32, device=device)
+readings.append(probe())  # reserved at 97% of what this process may use
+del block
+torch.cuda.empty_cache()
+small = [torch.empty(int(0.4 * probe.capacity) // 4, dtype=torch.float32, device=device) for _ in range(2)]
+del small  # cached, not returned: the next larger block can only come from freeing the cache and retrying
+large = torch.empty(int(0.6 * probe.capacity) // 4, dtype=torch.float32, device=device)
+retries = torch.cuda.memory_stats(device)["num_alloc_retries"]
+readings.append(probe())  # the retry
+del large
+torch.cuda.empty_cache()
+readings.append(probe())  # no new retry, nothing reserved
+print(retries, readings)
+"""
+
+
+def test_allocator_probe_sees_reserved_memory_near_the_limit_and_retries():
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run([sys.executable, "-c", PROBE_SCRIPT], capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["1", "[False,", "True,", "True,", "False]"], proc.stdout

@@ -90,6 +90,7 @@ class Driver:
     def step(self, num_layers, prefetch):
         """One forward and backward, as FSDP2 issues them (see fairseq/distributed/fsdp.py)."""
         plan = prefetch_plan(num_layers, 1, explicit=prefetch)
+        self.limiter.start_pass()  # SyncFreeHooks' root pre-forward
         for j in plan.root_forward:
             self.unshard(j)
         for i in range(num_layers):
@@ -178,6 +179,56 @@ def test_no_reshard_after_forward_keeps_every_layer_and_waits_for_nothing_in_bac
     # Next forward: gathers 0..2 must all be freed on the GPU before gather 4; layer 0 was freed last.
     driver.unshard(0)
     assert stream.waits == ["bwd0"]
+
+
+def relaxed(pressure_by_pass, layers=6):
+    """A limiter with the window apply_fsdp gives it (one update's gathers + 2) and a probe that answers, for
+    pass k (0-based), pressure_by_pass[k]."""
+    stream = SlowStream()
+    answers = iter(pressure_by_pass)
+    limiter = ReshardEventLimiter(2, stream.event, relaxed_in_flight=2 * layers + 2, pressure_probe=lambda: next(answers))
+    return Driver(limiter, stream), stream
+
+
+def test_without_allocator_pressure_the_wait_is_one_update_back():
+    driver, stream = relaxed([False] * 3)
+    for _ in range(3):
+        driver.step(6, prefetch=False)
+    # 14 gathers in flight at most (a step of 6 layers gathers 12 times), and every wait is on the event
+    # of the gather 14 before: one update and two layers back.
+    assert driver.max_alive == 14
+    gathers = [layer for layer, _ in driver.log]
+    waited = [(i, waits) for i, (_, waits) in enumerate(driver.log) if waits]
+    assert [i for i, _ in waited] == list(range(14, 36))
+    assert all(len(waits) == 1 for _, waits in waited)
+    assert len(stream.waits) == 36 - 14
+    assert gathers[14:16] == [2, 3]  # pass 2, forward layers 2 and 3 ...
+    assert stream.waits[:2] == ["fwd0", "fwd1"]  # ... wait on pass 1's forward of layers 0 and 1
+    assert driver.limiter.pressured_passes == 0 and driver.limiter.window == 14
+
+
+def test_under_pressure_the_window_closes_to_two_layers_and_opens_again(caplog):
+    driver, stream = relaxed([False, True, False, True])
+    driver.step(6, prefetch=False)
+    assert stream.waits == []  # 12 gathers: none is 14 back yet
+    with caplog.at_level(logging.INFO, logger="fairseq.distributed.fsdp"):
+        driver.step(6, prefetch=False)  # pressure: the first gather waits for all but the last 2 to be freed
+    assert driver.log[12] == (0, ["bwd1"])
+    assert [waits for _, waits in driver.log[13:24]] == [[w] for w in
+                                                        ["bwd0", "fwd0", "fwd1", "fwd2", "fwd3", "fwd4", "fwd5",
+                                                         "bwd5", "bwd4", "bwd3", "bwd2"]]
+    driver.step(6, prefetch=False)  # no pressure: back to 14 gathers in flight, no wait until they build up
+    assert [waits for _, waits in driver.log[24:36]] == [[]] * 12
+    driver.step(6, prefetch=False)
+    assert driver.max_alive == 14
+    assert driver.limiter.passes == 4 and driver.limiter.pressured_passes == 2
+    messages = [r.getMessage() for r in caplog.records]
+    assert len(messages) == 1 and "under pressure" in messages[0] and "waiting 2 layers back" in messages[0]
+
+
+def test_the_relaxed_window_cannot_be_tighter_than_the_pressured_one():
+    with pytest.raises(ValueError, match=r"relaxed_in_flight \(1\) must be at least max_in_flight \(2\)"):
+        ReshardEventLimiter(2, relaxed_in_flight=1)
 
 
 def test_max_in_flight_must_be_positive():
