@@ -143,7 +143,8 @@ class AllocatorPressure:
     RESERVED_FRACTION = 0.95  # the next block the cache cannot serve would then need a retry or fail
 
     def __init__(self, device: torch.device):
-        self.device = device
+        # torch.device("cuda") names no GPU; the allocator's per-process limit is per GPU
+        self.device = torch.device("cuda", torch.cuda.current_device() if device.index is None else device.index)
         self.capacity = (torch.cuda.get_device_properties(device).total_memory
                          * torch.cuda.get_per_process_memory_fraction(device))
         self._retries = 0
