@@ -8,7 +8,6 @@ checkpoint saved by N ranks resumes on M.
 
 import logging
 import os
-import pickle
 import shutil
 from typing import Any, Dict, Optional
 
@@ -16,7 +15,9 @@ import torch
 
 # torch.distributed.checkpoint (and safe_dcp, built on it) are imported by the functions that read or write
 # shards: importing it costs ~1.5 s, which every process importing fairseq.checkpoint.manager would pay.
-from fairseq.checkpoint.io import CheckpointError, _fsync_dir, atomic_copy, atomic_torch_save, save_error
+from fairseq.checkpoint.io import (
+    CheckpointError, _fsync_dir, atomic_copy, atomic_torch_save, load_checkpoint_file, save_error,
+)
 from fairseq.distributed.utils import barrier, get_rank, get_world_size
 
 logger = logging.getLogger(__name__)
@@ -115,22 +116,13 @@ def resolve_sharded(path: str) -> Optional[str]:
 
 
 def read_metadata(path: str, trust_legacy: bool = False) -> Dict[str, Any]:
-    """`metadata.pt` of directory `path` (plain values, weights_only=True; with `trust_legacy` a file that
-    needs pickle is read with it)."""
+    """`metadata.pt` of directory `path`, read as any single checkpoint file is (plain values, weights_only=True;
+    with `trust_legacy` a file that needs pickle is read with it; an empty or cut-short file is a
+    CorruptCheckpointError naming it)."""
     meta = os.path.join(path, METADATA)
     if not os.path.isfile(meta):
         raise FileNotFoundError(f"{path} is not a complete sharded checkpoint (no {METADATA})")
-    try:
-        return torch.load(meta, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as e:
-        if not trust_legacy:
-            raise CheckpointError(
-                f"{meta} contains pickled Python objects, which this project never writes there and which can run "
-                "arbitrary code when loaded. Pass --trust-legacy-checkpoint only if you trust this file. "
-                f"(torch said: {str(e).splitlines()[0]})"
-            ) from None
-    logger.warning(f"loading {meta} with pickle because --trust-legacy-checkpoint was given")
-    return torch.load(meta, map_location="cpu", weights_only=False)
+    return load_checkpoint_file(meta, trust_legacy=trust_legacy)
 
 
 def load_sharded(path: str, model_state, optim_state=None, trust_legacy: bool = False,

@@ -26,7 +26,7 @@ import torch
 
 from fairseq.checkpoint import sharded
 from fairseq.checkpoint.consolidate import consolidate
-from fairseq.checkpoint.io import CheckpointError
+from fairseq.checkpoint.io import CheckpointError, CorruptCheckpointError
 from tests.train_fixtures import console_in_process
 
 pytestmark = pytest.mark.timeout(600)
@@ -242,6 +242,39 @@ def test_tampered_non_tensor_value_in_a_shard_is_refused(pristine, tmp_path, how
         consolidate(str(bad), str(tmp_path / "out.pt"))
     assert_refused(err.value, shard, how)
     assert not marker.exists()
+
+
+@pytest.mark.parametrize("damage", ["empty", "truncated"])
+def test_damaged_metadata_file_is_a_corrupt_checkpoint_naming_it(pristine, tmp_path, damage):
+    path, reference = pristine
+    bad = tmp_path / "bad"
+    shutil.copytree(path, bad)
+    meta = bad / sharded.METADATA
+    data = meta.read_bytes()
+    meta.write_bytes(b"" if damage == "empty" else data[: len(data) // 2])
+    for load in (lambda: load_both(bad, reference), lambda: consolidate(str(bad), str(tmp_path / "out.pt"))):
+        with pytest.raises(CorruptCheckpointError) as err:
+            load()
+        assert str(meta) in str(err.value) and ("empty" if damage == "empty" else "truncated") in str(err.value)
+    assert not (tmp_path / "out.pt").exists()
+
+
+def test_pickled_metadata_file_needs_trust_legacy(pristine, tmp_path):
+    path, reference = pristine
+    bad = tmp_path / "bad"
+    shutil.copytree(path, bad)
+    meta = bad / sharded.METADATA
+    state = torch.load(meta, weights_only=True)
+    state["extra"] = Exotic()
+    torch.save(state, meta)
+    with pytest.raises(CheckpointError, match="--trust-legacy-checkpoint") as err:
+        load_both(bad, reference)
+    assert str(meta) in str(err.value)
+    assert isinstance(sharded.read_metadata(str(bad), trust_legacy=True)["extra"], Exotic)
+
+
+class Exotic:
+    """A class torch's weights_only unpickler does not admit."""
 
 
 def test_trust_legacy_checkpoint_takes_the_plain_pickle_path(pristine, tmp_path, caplog):
