@@ -145,8 +145,8 @@ class AllocatorPressure:
     def __init__(self, device: torch.device):
         # torch.device("cuda") names no GPU; the allocator's per-process limit is per GPU
         self.device = torch.device("cuda", torch.cuda.current_device() if device.index is None else device.index)
-        self.capacity = (torch.cuda.get_device_properties(device).total_memory
-                         * torch.cuda.get_per_process_memory_fraction(device))
+        self.capacity = (torch.cuda.get_device_properties(self.device).total_memory
+                         * torch.cuda.get_per_process_memory_fraction(self.device))
         self._retries = 0
 
     def __call__(self) -> bool:

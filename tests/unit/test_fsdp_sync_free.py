@@ -352,3 +352,46 @@ def test_a_layer_whose_input_needs_no_gradient_is_reported_freed_at_the_next_for
     del limiter.calls[:]
     model(x)
     assert limiter.calls[:2] == [("free", 0), ("gather", 0)]
+
+
+class StandInAllocator:
+    """torch.cuda's device queries as AllocatorPressure uses them, for this CPU-only tier (the real ones run in
+    tests/gpu/test_fsdp_sync_free_gpu.py). Like torch, they refuse a device that names no GPU."""
+
+    def __init__(self, total, fraction):
+        self.total, self.fraction = total, fraction
+        self.stats = {"num_alloc_retries": 0, "reserved_bytes.all.current": 0}
+
+    @staticmethod
+    def _index(device):
+        if device.index is None:
+            raise ValueError(f"Expected a torch.device with a specified index or an integer, but got:{device}")
+        return device.index
+
+    def install(self, monkeypatch):
+        monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+        monkeypatch.setattr(torch.cuda, "get_device_properties",
+                            lambda d: (self._index(d), type("P", (), {"total_memory": self.total}))[1])
+        monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda d: (self._index(d), self.fraction)[1])
+        monkeypatch.setattr(torch.cuda, "memory_stats", lambda d: (self._index(d), dict(self.stats))[1])
+
+
+def test_allocator_pressure_reads_retries_and_reserved_memory_of_the_current_gpu(monkeypatch):
+    from fairseq.distributed.fsdp import AllocatorPressure
+
+    allocator = StandInAllocator(total=1000, fraction=0.5)
+    allocator.install(monkeypatch)
+    probe = AllocatorPressure(torch.device("cuda"))  # as apply_fsdp passes it: the mesh's type, no index
+    assert probe.device == torch.device("cuda", 3) and probe.capacity == 500
+    readings = [probe()]
+    allocator.stats["reserved_bytes.all.current"] = 475  # 95% of what the process may use
+    readings.append(probe())
+    allocator.stats["reserved_bytes.all.current"] = 474
+    readings.append(probe())
+    allocator.stats["num_alloc_retries"] = 1
+    readings += [probe(), probe()]  # a retry counts once
+    allocator.stats["num_alloc_retries"] = 0  # the accumulated statistics were reset
+    readings.append(probe())
+    allocator.stats["num_alloc_retries"] = 1
+    readings.append(probe())
+    assert readings == [False, True, False, True, False, False, True]
