@@ -114,9 +114,20 @@ def runs(tmp_path_factory, torch_default_threads):  # the stored checkpoint's ru
     # Bitwise comparisons need this machine to compute what the one that wrote the stored checkpoint did (the
     # same CPU kernels); elsewhere the first 3 updates already differ in the last bits, and values are compared
     # to a tolerance that still catches a lost scheduler, iterator position or meter.
-    exact = all(torch.equal(v, load(uninterrupted / "checkpoint_1_3.pt")["model"][k])
-                for k, v in load(OLD_CHECKPOINT)["model"].items())
-    return {"resumed": resumed, "uninterrupted": uninterrupted, "exact": exact}
+    old, today = load(OLD_CHECKPOINT), load(uninterrupted / "checkpoint_1_3.pt")
+    exact = all(torch.equal(v, today["model"][k]) for k, v in old["model"].items())
+    rebased = None
+    if not exact:
+        # Here the weights of the two runs drift apart over the 11 updates after the checkpoint by more than
+        # any tolerance that would still mean something (1e-3 relative seen on a 2-core machine). What must
+        # hold bitwise on any machine: resuming the old file goes on exactly as resuming a checkpoint written
+        # today that holds the same weights and optimizer state.
+        rebased = root / "rebased"
+        rebased.mkdir()
+        today["model"], today["last_optimizer_state"] = old["model"], old["last_optimizer_state"]
+        torch.save(today, rebased / "checkpoint_last.pt")
+        train.cli_main(argv(data, rebased))
+    return {"resumed": resumed, "uninterrupted": uninterrupted, "exact": exact, "rebased": rebased}
 
 
 def test_old_checkpoint_has_the_layout_of_one_written_today(runs):
@@ -146,9 +157,9 @@ def test_old_checkpoint_resumes_as_the_uninterrupted_run(runs):
         for (tag, got), (_, want) in zip(resumed_rows, rows):
             assert_same(got, want, exact, f"{tag} line ")
     a = load(runs["resumed"] / "checkpoint_last.pt")
-    b = load(runs["uninterrupted"] / "checkpoint_last.pt")
-    assert_same(a["model"], b["model"], exact, "model")
-    assert_same(a["last_optimizer_state"], b["last_optimizer_state"], exact, "optimizer")
+    b = load((runs["rebased"] or runs["uninterrupted"]) / "checkpoint_last.pt")
+    assert_same(a["model"], b["model"], True, "model")
+    assert_same(a["last_optimizer_state"], b["last_optimizer_state"], True, "optimizer")
     assert_same(a["optimizer_history"], b["optimizer_history"], exact, "optimizer_history")
     assert a["extra_state"]["train_iterator"] == b["extra_state"]["train_iterator"]
     assert a["extra_state"]["trainer"]["num_updates"] == b["extra_state"]["trainer"]["num_updates"] == 14
