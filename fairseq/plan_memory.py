@@ -33,7 +33,7 @@ GPU_MEMORY_GIB = {
 DEFAULT_GPU_MEMORY_GIB = 80.0
 DEFAULT_TOKENS_PER_SAMPLE = 2048
 DEFAULT_VOCAB_SIZE = 50272  # the OPT/GPT-2 BPE dictionary with fairseq's specials, padded to a multiple of 8
-# Headroom under which --fsdp-sync-free is recommended (reserved memory must stay near allocated).
+# Headroom under which the plan warns that reserved memory may reach the device (allocator retries).
 TIGHT_HEADROOM_FRACTION = 0.15
 # --fsdp-forward-prefetch pays when the CPU, not the GPU, is the bottleneck: when a layer's work per
 # micro-batch is small. Judged by tokens x layer parameters (a sixth of the layer's training FLOPs); the
@@ -280,7 +280,7 @@ def recommendations(request: Request) -> List[str]:
 
     def fits_with_headroom(**changes) -> bool:
         # Advice that spends memory (dropping a saving) is only given when the result keeps the headroom
-        # under which --fsdp-sync-free is advised.
+        # under which the plan warns.
         return changed(**changes).required_bytes <= (1 - TIGHT_HEADROOM_FRACTION) * memory * mm.GIB
 
     advice = []
@@ -317,12 +317,9 @@ def recommendations(request: Request) -> List[str]:
     else:
         headroom = 1 - current.required_bytes / (memory * mm.GIB)
         if headroom < TIGHT_HEADROOM_FRACTION:
-            if setup.fully_sharded and not setup.sync_free:
-                advice.append(f"--fsdp-sync-free: only {headroom:.0%} headroom; it keeps reserved memory close "
-                              "to allocated by bounding how far the CPU runs ahead")
-            else:
-                advice.append(f"only {headroom:.0%} headroom: watch max_cuda_gb_reserved and cuda_alloc_retries "
-                              "in the first log lines")
+            # Not --fsdp-sync-free: on FSDP2 it changed neither reserved memory nor retries (docs/fsdp.md).
+            advice.append(f"only {headroom:.0%} headroom: watch max_cuda_gb_reserved and cuda_alloc_retries in the "
+                          "first log lines; if retries appear, a smaller --batch-size or --checkpoint-activations")
         if setup.checkpoint_activations and not setup.offload_activations and \
                 fits_with_headroom(checkpoint_activations=False):
             advice.append("drop --checkpoint-activations: it fits without, which saves recomputing every layer's "

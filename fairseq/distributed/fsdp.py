@@ -428,17 +428,6 @@ def apply_fsdp(
                 dt.fsdp_prefetch_depth, max_in_flight,
             )
         model._fsdp_sync_free_hooks = SyncFreeHooks(limiter, plan, reshard_after_forward).install(model, layers)
-        little_slack = [flag for flag, on in (("--compile", dt.compile),
-                                              ("--fp8", getattr(cfg.common, "fp8", False))) if on]
-        from fairseq.distributed.utils import is_master
-
-        if little_slack and limiter.waits and is_master():
-            logger.warning(
-                f"--fsdp-sync-free with {' and '.join(little_slack)}: these runs leave the host little lead over "
-                "the GPU, so every wait is paid almost in full (measured on an H200: --fp8 --compile 0.77x of the "
-                "same run without --fsdp-sync-free); drop --fsdp-sync-free unless the log shows cuda_alloc_retries "
-                "(docs/fsdp.md)"
-            )
     return model
 
 
