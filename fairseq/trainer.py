@@ -46,6 +46,8 @@ class Trainer:
         self.device = select_device(cfg)
         self.is_sharded = cfg.distributed_training.ddp_backend == "fully_sharded"
         self.criterion = criterion.to(self.device)
+        if cfg.distributed_training.compile and hasattr(self.criterion, "compile_loss"):
+            self.criterion.compile_loss()  # the layers are compiled by parallelize_model
         self.throughput = _throughput(cfg, model, self.device, get_world_size())
         # Longest item the model accepts (upstream filters longer ones out of every batch iterator).
         self.max_positions = resolve_limit(task.max_positions(), model.max_positions())

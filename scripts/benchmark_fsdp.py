@@ -181,6 +181,11 @@ def reference_worker(args):
     model.to_empty(device=device)
     with torch.no_grad():
         model.reset_parameters()
+    def loss_fn(logits, target):
+        return F.cross_entropy(logits.float(), target)
+
+    if args.compile:  # as fairseq-train --compile does: the layers and the loss
+        loss_fn = torch.compile(loss_fn)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.0, fused=not cpu)
     gen = torch.Generator(device="cpu").manual_seed(1 + dist.get_rank())
     steps = args.log_interval * (args.intervals + 1)
@@ -201,7 +206,7 @@ def reference_worker(args):
             profiler.before_update(step + 1)
         batch = tokens[step].to(device, non_blocking=True)
         logits = model(batch[:, :-1])
-        loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), batch[:, 1:].reshape(-1))
+        loss = loss_fn(logits.view(-1, logits.size(-1)), batch[:, 1:].reshape(-1))
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()

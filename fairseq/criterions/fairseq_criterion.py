@@ -40,6 +40,10 @@ class FairseqCriterion(nn.Module):
                 raise ValueError(f"criterion {cls.__name__} needs '{name}', which its config does not have")
         return cls(**kwargs)
 
+    def compile_loss(self, backend: str = "inductor") -> None:
+        """--compile: compile the part of the loss worth compiling. The trainer calls it once, before the
+        first step; criteria without such a part (the default) leave it a no-op."""
+
     @staticmethod
     def reduce_metrics(logging_outputs) -> None:
         raise NotImplementedError

@@ -201,3 +201,65 @@ def test_a_criterion_not_declaring_summable_logging_outputs_is_built_with_a_warn
         criterion = build_criterion(cfg, TinyTask())
     assert isinstance(criterion, Unsummable) and criterion.cfg is cfg  # upstream passes `cfg` by name
     assert "does not declare logging_outputs_can_be_summed() True" in caplog.text
+
+
+# --compile's loss. aot_eager traces and differentiates the function as inductor would, without needing a C++
+# compiler on the CI machine; inductor itself is checked on CUDA (tests/gpu/test_compiled_loss_gpu.py).
+from fairseq.criterions.cross_entropy import _fp32_cross_entropy, compiled_token_cross_entropy  # noqa: E402
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_compiled_cross_entropy_matches_the_chunked_one_across_token_counts(dtype):
+    torch._dynamo.reset()
+    compiled = compiled_token_cross_entropy(backend="aot_eager")
+    torch.manual_seed(0)
+    for n in (10, 7, 13):  # a new token count recompiles once with a dynamic size; the values stay right
+        logits = (torch.randn(n, 11) * 3).to(dtype).requires_grad_()
+        target = torch.randint(0, 11, (n,))
+        target[[2, 5]] = PAD
+        weights = torch.rand(n)
+        losses = compiled(logits, target, PAD)
+        (losses * weights).sum().backward()
+        grad, logits.grad = logits.grad.clone(), None
+        expected = token_cross_entropy(logits, target, PAD)
+        (expected * weights).sum().backward()
+        assert losses.dtype == torch.float32 and grad.dtype == dtype
+        # Both are fp32 log-softmax of the same values; the traced one is decomposed into separate ops, so
+        # fp32 rounding may differ: a few ulps of values of order 10.
+        torch.testing.assert_close(losses, expected, rtol=1e-6, atol=1e-5)
+        assert torch.equal(losses[[2, 5]], torch.zeros(2))
+        tol = {torch.float32: 1e-6, torch.bfloat16: 2**-8}[dtype]  # one unit in the last place of the dtype
+        torch.testing.assert_close(grad.float(), logits.grad.float(), rtol=tol, atol=tol)
+        assert torch.equal(grad[[2, 5]], torch.zeros(2, 11, dtype=dtype))
+
+
+def test_criterion_compile_loss_gives_the_same_loss_and_gradients():
+    torch._dynamo.reset()
+    sample = make_sample()
+    eager_model, compiled_model = TinyLM(), TinyLM()
+    eager = CrossEntropyCriterion(TinyTask(), sentence_avg=False)
+    compiled = CrossEntropyCriterion(TinyTask(), sentence_avg=False)
+    compiled.compile_loss(backend="aot_eager")
+    loss_eager, size_eager, _ = eager(eager_model, sample)
+    loss_compiled, size_compiled, _ = compiled(compiled_model, sample)
+    loss_eager.backward()
+    loss_compiled.backward()
+    assert size_eager == size_compiled == 7
+    assert loss_compiled.item() == pytest.approx(loss_eager.item(), rel=1e-6)
+    torch.testing.assert_close(compiled_model.out.weight.grad, eager_model.out.weight.grad, rtol=1e-5, atol=1e-7)
+
+
+def test_trainer_compiles_the_loss_only_with_compile():
+    from fairseq import options, tasks
+    from fairseq.trainer import Trainer
+
+    def trainer(extra):
+        argv = ["--task", "dummy_lm", "--tokens-per-sample", "8", "--arch", "transformer_lm", "--decoder-layers", "1",
+                "--decoder-embed-dim", "8", "--decoder-ffn-embed-dim", "16", "--decoder-attention-heads", "2",
+                "--cpu", "--optimizer", "adam", "--lr", "1e-3", *extra]
+        cfg = options.convert_namespace_to_config(options.parse_args_and_arch(options.get_training_parser(), argv))
+        task = tasks.setup_task(cfg.task)
+        return Trainer(cfg, task, task.build_model(cfg.model), build_criterion(cfg.criterion, task, cfg.optimization))
+
+    assert trainer([]).criterion._token_loss is token_cross_entropy
+    assert trainer(["--compile"]).criterion._token_loss._torchdynamo_orig_callable is _fp32_cross_entropy

@@ -1,0 +1,44 @@
+"""--compile's loss on CUDA with inductor: the same per-token losses and gradients as the chunked
+cross-entropy, and no more memory beyond the logits than it (no fp32 [N, V] tensor)."""
+
+import pytest
+import torch
+
+from fairseq.criterions.cross_entropy import compiled_token_cross_entropy, token_cross_entropy
+
+pytestmark = pytest.mark.gpu
+
+PAD = 1
+VOCAB = 50272  # GPT-2's, padded: a row far longer than one reduction block
+
+
+def _loss_and_grad(fn, logits, target, weights):
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    losses = fn(logits, target, PAD)
+    (losses * weights).sum().backward()
+    grad, logits.grad = logits.grad, None
+    torch.cuda.synchronize()
+    return losses.detach(), grad, torch.cuda.max_memory_allocated() - base
+
+
+def test_compiled_loss_matches_the_chunked_one_and_needs_no_more_memory():
+    torch._dynamo.reset()
+    compiled = compiled_token_cross_entropy()
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    for n in (4096, 3000):  # the second token count recompiles (dynamic), as a short last batch would
+        logits = (torch.randn(n, VOCAB, device="cuda", generator=gen) * 3).bfloat16().requires_grad_()
+        target = torch.randint(0, VOCAB, (n,), device="cuda", generator=gen)
+        target[::7] = PAD
+        weights = torch.rand(n, device="cuda", generator=gen)
+        compiled(logits, target, PAD).sum().backward()  # compile outside the measured call
+        logits.grad = None
+        got, got_grad, got_peak = _loss_and_grad(compiled, logits, target, weights)
+        want, want_grad, want_peak = _loss_and_grad(token_cross_entropy, logits, target, weights)
+        # fp32 reductions over 50272 values in another order: a few ulps of losses of order 10.
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
+        assert torch.equal(got[::7], torch.zeros_like(got[::7]))
+        # Gradients are cast to bf16: at most one unit in its last place apart.
+        torch.testing.assert_close(got_grad.float(), want_grad.float(), rtol=2**-8, atol=2**-8)
+        assert got_peak <= want_peak, (got_peak / 2**30, want_peak / 2**30)
