@@ -116,9 +116,9 @@ class DistributedTrainingConfig:
         False,
         "fully_sharded: before gathering a layer, wait on the CUDA event recorded when the layer two gathers "
         "back freed its full parameters while the allocator is under pressure (a retry, or reserved memory at "
-        "95%% of the GPU), one update back otherwise (bounds reserved memory and how far the CPU runs ahead)",
+        "95%% of the GPU), one update back otherwise (bounds the full parameters gathered at once and how far the CPU runs ahead)",
     )
-    compile: bool = opt(False, "torch.compile each transformer layer before sharding")
+    compile: bool = opt(False, "torch.compile each transformer layer before sharding, and the loss (the criterion's compile_loss)")
     model_parallel_size: int = opt(
         1, "tensor parallelism (Megatron-style) over groups of this many ranks, consecutive ranks (one node); "
            "the world size must be a multiple of it (docs/parallelism.md)"
