@@ -82,6 +82,10 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, ign
 
 @register_criterion("vocab_parallel_cross_entropy", dataclass=CrossEntropyCriterionConfig)
 class VocabParallelCrossEntropyCriterion(CrossEntropyCriterion):
+    def compile_loss(self, backend: str = "inductor") -> None:
+        """Not compiled: the vocabulary-split loss exchanges per-row statistics between ranks (not measured
+        compiled); --compile still compiles the layers."""
+
     def forward(self, model, sample, reduce: bool = True):
         if not reduce:
             return super().forward(model, sample, reduce=False)
