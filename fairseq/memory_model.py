@@ -249,7 +249,7 @@ def layer_activation_bytes(shape: ModelShape, setup: TrainingSetup) -> int:
     attention output and the ffn-wide tensors along the features (/ t); the inputs of q/k/v and fc1 are the
     all-gathered sequence, which the column-parallel matmuls save whole.
 
-    With --fp8 --compile (tensorwise; measured on an H200 at 32 x 2560, docs/benchmarks.md) the compiled layer
+    With --fp8 --compile (tensorwise; measured on an H200 at 32 x 2560, docs/benchmarks_h200.md) the compiled layer
     saves the float8 casts of the inputs of q/k/v and fc1 (1 byte) instead of the bf16 tensors, and
     recomputes fc2's float8 input from fc1's output instead of saving it: 10 bytes per token and embed dim
     less than bf16, against 11.8 measured (the plan stays on the safe side). Eager float8 saves what bf16

@@ -24,7 +24,7 @@ def _global_sample_size(samples, sentence_avg: bool, device) -> torch.Tensor:
     local = sum(_sample_size(s, sentence_avg) for s in samples)
     # A fill kernel with the value as its argument: neither a host-to-device copy (torch.tensor(..., device=)
     # waits for the GPU) nor a pinned staging tensor (cudaHostAlloc each update, measured at ~5 ms of host time
-    # per update on an H200: docs/benchmarks.md).
+    # per update on an H200: docs/benchmarks_h200.md).
     total = torch.full((), float(local), device=device)
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(total, group=get_data_parallel_group())  # a tensor-parallel group shares one batch

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Two per-update costs outside the layers, on one CUDA GPU, at 32 x 2560's shapes (docs/benchmarks.md,
+"""Two per-update costs outside the layers, on one CUDA GPU, at 32 x 2560's shapes (docs/benchmarks_h200.md,
 "Compiled loss"):
 
 1. the optimizer step: fused AdamW against foreach AdamW, eager and under torch.compile, on the parameter

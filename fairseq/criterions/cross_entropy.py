@@ -112,7 +112,7 @@ def compiled_token_cross_entropy(backend: str = "inductor"):
     log-softmax and the target's pick into row reductions, and the backward into one pass over the logits, so
     no fp32 [N, V] tensor exists either: at 16384 x 50272 bf16 logits on an H200 it takes 2.2 ms forward and
     backward against the chunked version's 15.6 ms, with 1.53 GiB (the logits' gradient) beyond the logits
-    against 2.03 GiB (docs/benchmarks.md, "Compiled loss"). The token count is marked dynamic when it first
+    against 2.03 GiB (docs/benchmarks_h200.md, "Compiled loss"). The token count is marked dynamic when it first
     changes (torch.compile's default), so a short last batch costs one recompile, not one per length."""
     return torch.compile(_fp32_cross_entropy, backend=backend)
 

@@ -64,7 +64,7 @@ class CommonConfig:
                                "nsys/nvprof (upstream's flag)")
     profile_updates: Optional[str] = opt(
         None, "START:END: record a torch.profiler trace of these updates (1-based, inclusive) on every rank, with a "
-              "summary of GPU busy/idle time and kernel time per update (docs/benchmarks.md)")
+              "summary of GPU busy/idle time and kernel time per update (docs/benchmarks_h200.md)")
     profile_dir: Optional[str] = opt(None, "where --profile-updates writes (default: SAVE_DIR/profile)")
     reset_logging: bool = opt(False, "same result here: fairseq-hydra-train always logs to stdout in fairseq's "
                                         "line format, which is what upstream's reset set up")

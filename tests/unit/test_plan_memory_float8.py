@@ -48,7 +48,7 @@ def test_float8_all_gather_halves_the_gathered_weight_matrices_only():
 
 
 def test_h200_measurement_32x2560_batch_8():
-    """docs/benchmarks.md (issue 17), one H200: fairseq-train bf16 peaked at 75.4 GiB allocated,
+    """docs/benchmarks_h200.md, one H200: fairseq-train bf16 peaked at 75.4 GiB allocated,
     --fp8 tensorwise --compile at 60.5 GiB. The bf16 plan is within 1%; the float8 plan errs on the safe side by
     at most 5% (it counts 10 of the 11.8 bytes per token and embed dim that the compiled layer saved)."""
     shape = shape_of(decoder_layers=32, decoder_embed_dim=2560, decoder_ffn_embed_dim=10240,
