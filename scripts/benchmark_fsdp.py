@@ -181,6 +181,7 @@ def reference_worker(args):
     model.to_empty(device=device)
     with torch.no_grad():
         model.reset_parameters()
+
     def loss_fn(logits, target):
         return F.cross_entropy(logits.float(), target)
 
