@@ -132,6 +132,8 @@ def run_reference(args, compile_layers, env):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(args.nproc),
            os.path.abspath(__file__), "--reference-worker"]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    with open(os.path.join(args.out, f"{slug_of(name)}.output"), "w") as f:  # kept: TORCH_LOGS output lands here
+        f.write(proc.stdout + proc.stderr)
     if proc.returncode != 0:
         sys.stderr.write(proc.stdout[-3000:] + proc.stderr[-6000:])
         return {"name": name, "error": f"exit {proc.returncode}"}
@@ -197,7 +199,11 @@ def reference_worker(args):
         start, end = profiled_updates(args)
         profiler = UpdateProfiler(start, end, args.profile_dir, dist.get_rank(), device)
     loss = None
+    # An event at each step's start, read after the run: each update's GPU time without a sync in the loop.
+    step_events = [] if cpu else [torch.cuda.Event(enable_timing=True) for _ in range(steps + 1)]
     for step in range(steps):
+        if step_events:
+            step_events[step].record()
         if step == warmup:
             if not cpu:
                 torch.cuda.synchronize()
@@ -214,12 +220,16 @@ def reference_worker(args):
         opt.zero_grad(set_to_none=True)
         if profiler is not None:
             profiler.after_update(step + 1)
+    if step_events:
+        step_events[steps].record()
     loss_value = loss.item()  # synchronizes: the timed span ends when the GPU is done
     elapsed = time.perf_counter() - start
     tokens_per_s = (steps - warmup) * args.batch * args.seq / elapsed
     result = {"tokens_per_s_per_gpu": tokens_per_s, "loss": f"{loss_value / 0.6931471805599453:.3f}"}
     peak = None if cpu else default_peak_tflops(device)
     result["mfu"] = 100.0 * flops * tokens_per_s / 1e12 / peak if peak else None
+    if step_events:
+        result["step_ms"] = [round(a.elapsed_time(b), 1) for a, b in zip(step_events, step_events[1:])]
     if not cpu:
         stats = torch.cuda.memory_stats(device)
         values = torch.tensor([stats["allocated_bytes.all.peak"], stats["reserved_bytes.all.peak"],
@@ -375,6 +385,9 @@ def main(argv=None):
                 ["--fsdp-sync-free"] if sync_free else [])
             results.append(run_fairseq(args, "fairseq-train " + " ".join(extra).replace("--fsdp-", ""), extra, env))
     print_table(args, results, reference)
+    for r in results:
+        if r.get("step_ms"):
+            print(f"GPU ms per update (between step starts), {r['name']}: {' '.join(map(str, r['step_ms']))}")
     if args.profile:
         print_profiles(results)
     with open(os.path.join(args.out, "results.json"), "w") as f:

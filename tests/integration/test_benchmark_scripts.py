@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -27,6 +28,17 @@ def test_benchmark_fsdp_prints_a_table_for_fairseq_and_the_plain_loop(tmp_path):
     results = json.loads((out / "results.json").read_text())
     assert [r["name"] for r in results] == ["plain FSDP2 loop", "fairseq-train forward-prefetch sync-free"]
     assert all(r["tokens_per_s_per_gpu"] > 0 for r in results)
+    # each run's own output is kept beside the table (where TORCH_LOGS=recompiles,graph_breaks lands)
+    assert (out / "plain_FSDP2_loop.output").exists()
+    assert (out / "fairseq_train_forward_prefetch_sync_free.output").exists()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message a machine without CUDA gets")
+def test_benchmark_kernels_says_it_needs_cuda():
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "benchmark_kernels.py")],
+                          capture_output=True, text=True, timeout=120, env=dict(os.environ, PYTHONPATH=ROOT))
+    assert proc.returncode == 1
+    assert "no CUDA device is visible" in proc.stderr
 
 
 def test_plot_log_draws_a_png_from_a_json_log(tmp_path):
