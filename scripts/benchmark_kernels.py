@@ -22,16 +22,11 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from benchmark_loss_optimizer import mean_ms as timed_mean_ms  # this directory is on sys.path when run as a script
 
-def mean_ms(fn, calls=20, warmup=5):
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - start) / calls * 1e3
+
+def mean_ms(fn):
+    return timed_mean_ms(fn, calls=20, warmup=5)
 
 
 def attention_rows(batch, heads, seq, head_dim):
