@@ -59,3 +59,16 @@ def test_plot_log_draws_a_png_from_a_json_log(tmp_path):
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "plot_log.py"), str(empty), str(png)],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0 and "no train_inner lines" in proc.stderr
+
+
+@pytest.mark.timeout(300)
+def test_benchmark_host_overhead_prints_both_rows():
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "benchmark_host_overhead.py"),
+                           "--layers", "2", "--updates", "8"],
+                          capture_output=True, text=True, timeout=280, env=dict(os.environ, PYTHONPATH=ROOT))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = {line.split("|")[1].strip(): line.split("|")[2].strip() for line in proc.stdout.splitlines()
+            if line.startswith("| plain loop") or line.startswith("| fairseq-train")}
+    assert float(rows["plain loop"]) > 0
+    # 8 updates, a log line every 2: the first is warm-up, three are reported
+    assert len(rows["fairseq-train (per log interval)"].split(" / ")) == 3
