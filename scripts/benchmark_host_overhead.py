@@ -12,7 +12,6 @@ fairseq-train's from each `train_inner` log line (1000 / ups) after the first.
 """
 
 import argparse
-import json
 import os
 import subprocess
 import sys
@@ -59,20 +58,22 @@ def plain_loop_ms(layers, updates):
 
 
 def fairseq_train_ms(layers, updates):
+    from fairseq.logging.progress_bar import read_json_log
+
     interval = max(updates // 4, 1)
     with tempfile.TemporaryDirectory() as tmp:
+        log_file = os.path.join(tmp, "train.log")
         cmd = [sys.executable, "-m", "fairseq_cli.train", "--task", "dummy_lm", "--dict-size", str(VOCAB - 4),
                "--tokens-per-sample", str(TOKENS), "--batch-size", "1", "--max-tokens", str(TOKENS),
                "--required-batch-size-multiple", "1", *model_flags(layers), "--optimizer", "adam", "--lr", "1e-4",
                "--lr-scheduler", "fixed", "--clip-norm", "1.0", "--max-update", str(updates), "--cpu",
                "--log-format", "json", "--log-interval", str(interval), "--no-save", "--disable-validation",
-               "--save-dir", os.path.join(tmp, "checkpoints"), "--num-workers", "1"]
+               "--save-dir", os.path.join(tmp, "checkpoints"), "--log-file", log_file, "--num-workers", "1"]
         env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
         proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=tmp)
-    if proc.returncode != 0:
-        raise SystemExit(f"fairseq-train failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
-    rows = [json.loads(line[line.index("{"):]) for line in proc.stdout.splitlines() + proc.stderr.splitlines()
-            if "train_inner" in line and "{" in line]
+        if proc.returncode != 0:
+            raise SystemExit(f"fairseq-train failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
+        rows = read_json_log(log_file, "train_inner")
     return [1000.0 / float(r["ups"]) for r in rows[1:]]
 
 

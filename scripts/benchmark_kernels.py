@@ -40,10 +40,8 @@ def attention_rows(batch, heads, seq, head_dim):
         out.backward(grad)
         q.grad = k.grad = v.grad = None
 
-    rows = [("default (what training runs)", None)] + [
-        (name, backend) for name, backend in (("flash", SDPBackend.FLASH_ATTENTION),
-                                              ("cuDNN", SDPBackend.CUDNN_ATTENTION),
-                                              ("memory-efficient", SDPBackend.EFFICIENT_ATTENTION))]
+    rows = [("default (what training runs)", None), ("flash", SDPBackend.FLASH_ATTENTION),
+            ("cuDNN", SDPBackend.CUDNN_ATTENTION), ("memory-efficient", SDPBackend.EFFICIENT_ATTENTION)]
     for name, backend in rows:
         try:
             if backend is None:
