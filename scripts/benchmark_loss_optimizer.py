@@ -7,12 +7,13 @@
 2. the loss, forward and backward, of 16384 x 50272 bf16 logits: fairseq's chunked cross-entropy, the fp32
    F.cross_entropy a plain loop uses, and that one compiled (what `--compile` runs: compiled_token_cross_entropy).
 
-    python scripts/benchmark_loss_optimizer.py
+    python scripts/benchmark_loss_optimizer.py [--only loss|optimizer]
 
 Prints milliseconds per call (the mean of 10 after 3 warm-up calls) and, for the losses, the peak memory
 beyond the logits.
 """
 
+import argparse
 import os
 import sys
 import time
@@ -79,14 +80,20 @@ def loss_rows(device):
         print(f"loss, {name}: {ms:.2f} ms forward and backward, {extra:.2f} GiB beyond the logits")
 
 
-def main():
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--only", choices=("loss", "optimizer"),
+                        help="run one part (the compiled optimizer step alone takes about two minutes to compile)")
+    args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         sys.exit("benchmark_loss_optimizer.py needs a CUDA GPU")
     torch.manual_seed(0)
     device = torch.device("cuda")
-    optimizer_rows(device)
-    torch.cuda.empty_cache()
-    loss_rows(device)
+    if args.only != "loss":
+        optimizer_rows(device)
+        torch.cuda.empty_cache()
+    if args.only != "optimizer":
+        loss_rows(device)
 
 
 if __name__ == "__main__":

@@ -50,6 +50,22 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
+@pytest.fixture
+def one_rank_group():
+    """A one-process gloo group (an in-memory store) for the test, for code that needs torch.distributed
+    initialized: FSDP2 and DTensors on a one-rank mesh. A group that already exists is kept."""
+    import torch.distributed as dist
+
+    created = not dist.is_initialized()
+    if created:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        if created:
+            dist.destroy_process_group()
+
+
 @pytest.fixture(scope="session")
 def tiny_data(tmp_path_factory):
     """A preprocessed language-modeling data directory (train/valid/test) made by fairseq-preprocess."""

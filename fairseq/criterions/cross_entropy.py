@@ -82,7 +82,7 @@ class CrossEntropyCriterion(FairseqCriterion):
         return True
 
 
-# Rows of logits upcast to fp32 at once. The fp32 log-softmax of all [tokens, vocab] logits is the largest
+# Rows of logits computed in fp32 at once. The fp32 log-softmax of all [tokens, vocab] logits is the largest
 # transient of a large-vocabulary step (8 x 2048 tokens x 50k vocab: 3.1 GiB, and its backward holds three
 # such tensors); computed a chunk at a time, only one chunk of fp32 values exists. 2**26 fp32 = 256 MiB.
 FP32_CHUNK_ELEMENTS = 2**26
@@ -97,8 +97,9 @@ def token_cross_entropy(logits: torch.Tensor, target: torch.Tensor, ignore_index
     """Per-token cross-entropy in nats (fp32, 0 at `ignore_index`) of [N, V] logits in any float dtype.
 
     The same values as `F.cross_entropy(logits.float(), target, reduction="none")`, computed in fp32 a chunk
-    of rows at a time; backward recomputes each chunk's softmax instead of keeping fp32 log-probs, so the
-    memory beyond the logits themselves is one chunk plus the logits' gradient (in the logits' dtype).
+    of rows at a time; backward recomputes each chunk's probabilities from the saved log-sum-exp instead of
+    keeping fp32 log-probs, so the memory beyond the logits themselves is one chunk plus the logits' gradient
+    (in the logits' dtype). A target whose logit is -inf has an infinite loss and a NaN gradient.
     """
     return _ChunkedCrossEntropy.apply(logits, target, ignore_index, chunk_rows(logits.size(-1), chunk_elements))
 
@@ -118,31 +119,45 @@ def compiled_token_cross_entropy(backend: str = "inductor"):
 
 
 class _ChunkedCrossEntropy(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, logits, target, ignore_index, rows):
-        ctx.save_for_backward(logits, target)
-        ctx.ignore_index, ctx.rows = ignore_index, rows
-        return torch.cat([
-            F.cross_entropy(chunk.float(), chunk_target, ignore_index=ignore_index, reduction="none")
-            for chunk, chunk_target in zip(logits.split(rows), target.split(rows))
-        ])
+    """Forward keeps each row's log-sum-exp (fp32, one value a token), so backward needs no softmax: a chunk's
+    gradient is exp(x - lse) - onehot(t), scaled, made in three elementwise passes (the subtraction reads the
+    low-precision logits and writes fp32, the exponential runs in place, and the scaling writes the logits'
+    dtype directly). Recomputing the softmax instead took an upcast copy, the softmax's own reductions and a
+    downcast copy: twice the memory traffic (docs/benchmarks_h200.md, "The chunked loss's passes")."""
 
     @staticmethod
-    @once_differentiable  # first-order only: the softmax below is modified in place
+    def forward(ctx, logits, target, ignore_index, rows):
+        losses, lses = [], []
+        for chunk, chunk_target in zip(logits.split(rows), target.split(rows)):
+            # dtype=float32 computes in fp32 (fp16 on CUDA without an upcast copy; other dtypes are upcast first)
+            log_probs = torch.log_softmax(chunk, dim=-1, dtype=torch.float32)
+            losses.append(F.nll_loss(log_probs, chunk_target, ignore_index=ignore_index, reduction="none"))
+            ignored = chunk_target == ignore_index
+            safe_target = chunk_target.masked_fill(ignored, 0).unsqueeze(1)
+            # lse = x[t] - log_softmax(x)[t]; +inf on ignored rows makes their exp(x - lse) exactly 0 in backward
+            lse = (chunk.gather(1, safe_target).float() - log_probs.gather(1, safe_target)).squeeze(1)
+            lses.append(lse.masked_fill(ignored, math.inf))
+            del log_probs  # one fp32 chunk at a time
+        ctx.save_for_backward(logits, target, torch.cat(lses))  # split() gives one chunk even of no rows
+        ctx.ignore_index, ctx.rows = ignore_index, rows
+        return torch.cat(losses)
+
+    @staticmethod
+    @once_differentiable  # first-order only: the gradient is built in place
     def backward(ctx, grad_loss):
-        logits, target = ctx.saved_tensors
+        logits, target, lse = ctx.saved_tensors
         grad_logits = torch.empty_like(logits)
         for start in range(0, logits.size(0), ctx.rows):
             rows = slice(start, start + ctx.rows)
             chunk_target = target[rows]
-            # d(-log softmax(x)[t]) / dx = softmax(x) - onehot(t), scaled by the incoming gradient.
-            grad = torch.softmax(logits[rows].float(), dim=-1)
+            # d(-log softmax(x)[t]) / dx = softmax(x) - onehot(t) = exp(x - lse) - onehot(t), times grad_loss.
+            grad = torch.sub(logits[rows], lse[rows].unsqueeze(1)).exp_()  # fp32: the logits upcast on reading
             ignored = chunk_target == ctx.ignore_index
             safe_target = chunk_target.masked_fill(ignored, 0).unsqueeze(1)
             grad.scatter_add_(1, safe_target, torch.full_like(safe_target, -1.0, dtype=grad.dtype))
             scale = grad_loss[rows].float().masked_fill(ignored, 0.0)
-            grad_logits[rows] = grad.mul_(scale.unsqueeze(1))
-            del grad  # else the next chunk's upcast and softmax are made while this one is still alive
+            torch.mul(grad, scale.unsqueeze(1), out=grad_logits[rows])  # fp32 product, rounded once on writing
+            del grad  # else the next chunk's fp32 gradient is made while this one is still alive
         return grad_logits, None, None, None
 
 

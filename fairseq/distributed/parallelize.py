@@ -248,7 +248,8 @@ def _reduce_over_shards(value: torch.Tensor, mesh: Optional[DeviceMesh], dims, o
         return value
     value = value.to(_collective_device(mesh))
     for dim in dims:
-        dist.all_reduce(value, op=op, group=mesh.get_group(dim))
+        if mesh.size(dim) > 1:  # a group of one rank: the collective would change nothing, at a launch's cost
+            dist.all_reduce(value, op=op, group=mesh.get_group(dim))
     return value
 
 

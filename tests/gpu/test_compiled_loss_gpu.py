@@ -42,3 +42,25 @@ def test_compiled_loss_matches_the_chunked_one_and_needs_no_more_memory():
         # Gradients are cast to bf16: at most one unit in its last place apart.
         torch.testing.assert_close(got_grad.float(), want_grad.float(), rtol=2**-8, atol=2**-8)
         assert got_peak <= want_peak, (got_peak / 2**30, want_peak / 2**30)
+
+
+def test_chunked_loss_matches_fp32_cross_entropy_with_one_fp32_chunk_beyond_the_gradient():
+    from fairseq.criterions.cross_entropy import _fp32_cross_entropy, chunk_rows
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    n = 4096
+    logits = (torch.randn(n, VOCAB, device="cuda", generator=gen) * 3).bfloat16().requires_grad_()
+    target = torch.randint(0, VOCAB, (n,), device="cuda", generator=gen)
+    target[::7] = PAD
+    weights = torch.rand(n, device="cuda", generator=gen)
+    want, want_grad, _ = _loss_and_grad(_fp32_cross_entropy, logits, target, weights)
+    got, got_grad, got_peak = _loss_and_grad(token_cross_entropy, logits, target, weights)
+    # Forward: the same fp32 log-softmax of the same rows (bf16 is upcast before the kernel either way).
+    assert torch.equal(got, want)
+    # Backward: exp(x - lse) against autograd's log-softmax backward, both fp32 and rounded once to bf16.
+    torch.testing.assert_close(got_grad.float(), want_grad.float(), rtol=2**-8, atol=2**-8)
+    assert torch.equal(got_grad[::7], torch.zeros_like(got_grad[::7]))
+    # Beyond the logits: their bf16 gradient and one fp32 chunk (the recomputed probabilities), plus per-token
+    # vectors; the softmax formulation held a second chunk (its upcast copy).
+    grad_bytes, chunk_bytes = n * VOCAB * 2, chunk_rows(VOCAB) * VOCAB * 4
+    assert got_peak <= grad_bytes + chunk_bytes + 8 * 2**20, (got_peak / 2**20, grad_bytes / 2**20, chunk_bytes / 2**20)

@@ -8,7 +8,6 @@ from typing import Optional
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from fairseq.models.ema import EMA
@@ -162,16 +161,6 @@ def test_seed_model_and_load_ema_from_checkpoint(tmp_path):
     torch_persistent_save({"model": Net().state_dict(), "extra_state": {}}, str(tmp_path / "plain.pt"))
     with pytest.raises(ValueError, match="holds no EMA weights.*--store-ema"):
         load_ema_from_checkpoint(str(tmp_path / "plain.pt"))
-
-
-@pytest.fixture
-def one_rank_group():
-    created = not dist.is_initialized()
-    if created:
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield
-    if created:
-        dist.destroy_process_group()
 
 
 def test_ema_of_an_fsdp2_model_is_sharded_like_its_parameters(one_rank_group):

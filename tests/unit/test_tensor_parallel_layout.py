@@ -125,15 +125,6 @@ def tiny_model(tied=True):
     return TransformerLanguageModel.build(cfg, 64, 1)
 
 
-@pytest.fixture
-def one_rank_group():
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-
-
 @pytest.mark.parametrize("tied", [True, False])
 def test_plan_on_one_rank_trains_as_the_plain_model(one_rank_group, tied):
     """The whole tensor-parallel code path (DTensor parameters, the sequence region, loss_parallel) on a
