@@ -4,8 +4,9 @@
 
 1. the optimizer step: fused AdamW against foreach AdamW, eager and under torch.compile, on the parameter
    shapes of a 32-layer, 2560-wide decoder with a 50272-word embedding (2.65B fp32 parameters);
-2. the loss, forward and backward, of 16384 x 50272 bf16 logits: fairseq's chunked cross-entropy, the fp32
-   F.cross_entropy a plain loop uses, and that one compiled (what `--compile` runs: compiled_token_cross_entropy).
+2. the loss, forward and backward, of 16384 x 50272 bf16 logits: fairseq's cross-entropy on CUDA (the fused
+   Triton kernels) and its chunked eager path (where Triton is missing), the fp32 F.cross_entropy a plain loop
+   uses, and that one compiled (what `--compile` runs: compiled_token_cross_entropy).
 
     python scripts/benchmark_loss_optimizer.py [--only loss|optimizer]
 
@@ -22,7 +23,11 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from fairseq.criterions.cross_entropy import compiled_token_cross_entropy, token_cross_entropy  # noqa: E402
+from fairseq.criterions.cross_entropy import (  # noqa: E402
+    chunked_token_cross_entropy,
+    compiled_token_cross_entropy,
+    token_cross_entropy,
+)
 
 DIM, LAYERS, VOCAB, TOKENS = 2560, 32, 50272, 16384
 
@@ -64,7 +69,8 @@ def loss_rows(device):
     logits = (torch.randn(TOKENS, VOCAB, device=device) * 2).bfloat16().requires_grad_()
     target = torch.randint(0, VOCAB, (TOKENS,), device=device)
     losses = {
-        "chunked (fairseq, without --compile)": lambda x, t: token_cross_entropy(x, t, -100),
+        "fused Triton kernels (fairseq on CUDA, without --compile)": lambda x, t: token_cross_entropy(x, t, -100),
+        "chunked eager (fairseq without Triton)": lambda x, t: chunked_token_cross_entropy(x, t, -100),
         "F.cross_entropy of fp32 logits (the plain loop)": lambda x, t: F.cross_entropy(x.float(), t, reduction="none"),
         "compiled fp32 cross-entropy (--compile)": lambda x, t, fn=compiled_token_cross_entropy(): fn(x, t, -100),
     }

@@ -11,6 +11,7 @@ from torch.autograd.function import once_differentiable
 from fairseq.criterions import register_criterion
 from fairseq.criterions.fairseq_criterion import FairseqCriterion
 from fairseq.dataclass.configs import II
+from fairseq.kernels.cross_entropy import fused_cross_entropy_available, fused_token_cross_entropy
 from fairseq.logging import metrics
 
 
@@ -94,13 +95,23 @@ def chunk_rows(vocab_size: int, chunk_elements: int = FP32_CHUNK_ELEMENTS) -> in
 
 def token_cross_entropy(logits: torch.Tensor, target: torch.Tensor, ignore_index: int,
                         chunk_elements: int = FP32_CHUNK_ELEMENTS) -> torch.Tensor:
-    """Per-token cross-entropy in nats (fp32, 0 at `ignore_index`) of [N, V] logits in any float dtype.
+    """Per-token cross-entropy in nats (fp32, 0 at `ignore_index`) of [N, V] logits in any float dtype: the
+    values of `F.cross_entropy(logits.float(), target, reduction="none")` without an fp32 [N, V] tensor.
 
-    The same values as `F.cross_entropy(logits.float(), target, reduction="none")`, computed in fp32 a chunk
-    of rows at a time; backward recomputes each chunk's probabilities from the saved log-sum-exp instead of
-    keeping fp32 log-probs, so the memory beyond the logits themselves is one chunk plus the logits' gradient
-    (in the logits' dtype). A target whose logit is -inf has an infinite loss and a NaN gradient.
+    On CUDA with Triton: two fused kernels (fairseq.kernels.cross_entropy: one read of the logits forward, one
+    read and the gradient's write backward). Elsewhere: computed in fp32 a chunk of `chunk_elements` at a time,
+    backward recomputing each chunk's probabilities from the saved log-sum-exp, so the memory beyond the logits
+    is one fp32 chunk plus the logits' gradient (in the logits' dtype). A target whose logit is -inf has an
+    infinite loss and a NaN gradient.
     """
+    if fused_cross_entropy_available(logits):
+        return fused_token_cross_entropy(logits, target, ignore_index)
+    return chunked_token_cross_entropy(logits, target, ignore_index, chunk_elements)
+
+
+def chunked_token_cross_entropy(logits: torch.Tensor, target: torch.Tensor, ignore_index: int,
+                                chunk_elements: int = FP32_CHUNK_ELEMENTS) -> torch.Tensor:
+    """token_cross_entropy's eager path, on any device (see there)."""
     return _ChunkedCrossEntropy.apply(logits, target, ignore_index, chunk_rows(logits.size(-1), chunk_elements))
 
 
