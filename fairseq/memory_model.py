@@ -40,8 +40,10 @@ MASTER_PARAM_BYTES = 4  # fp32 parameters (FSDP2 keeps the sharded parameters in
 GRAD_BYTES = 4  # sharded gradients: FSDP2's fp32 reduce-scatter output becomes the .grad (no cast back)
 REDUCE_BYTES = 4  # FSDP2 reduce-scatter input buffer: reduce_dtype is fp32 (fairseq.distributed.fsdp)
 ADAM_STATE_BYTES = 8  # torch.optim.AdamW: exp_avg and exp_avg_sq in fp32; fused kernel, no temporaries
-# The loss backward (fairseq.criterions.cross_entropy) holds two fp32 copies of one chunk of logits rows:
-# the upcast rows and their softmax.
+# fp32 chunks of logits rows that the loss holds beside the logits and their gradient: an upper bound. The chunked
+# eager loss (fairseq.criterions.cross_entropy, where Triton is missing) holds one in backward (the recomputed
+# probabilities) and two in forward (upcast rows, their log-softmax); on CUDA with Triton the fused kernels
+# (fairseq.kernels.cross_entropy) hold none, so a plan whose peak is the loss errs high there by 512 MiB.
 LOSS_FP32_CHUNK_COPIES = 2
 
 # FSDP2 (torch 2.13, _fsdp_param_group.py) in forward keeps the previous layer's flat all-gather output alive
@@ -309,7 +311,7 @@ def root_activation_bytes(shape: ModelShape, setup: TrainingSetup) -> int:
 
 def logits_bytes(shape: ModelShape, setup: TrainingSetup) -> int:
     """The loss backward's peak: the compute-dtype logits (saved by the loss), their gradient being written
-    in the same dtype, and one chunk of rows in fp32 (cross_entropy.py upcasts a chunk at a time)."""
+    in the same dtype, and at most LOSS_FP32_CHUNK_COPIES chunks of rows in fp32 (the chunked eager loss)."""
     rows = min(setup.tokens, chunk_rows(shape.vocab_size))
     return (2 * setup.compute_bytes * setup.tokens + LOSS_FP32_CHUNK_COPIES * 4 * rows) * shape.vocab_size
 
