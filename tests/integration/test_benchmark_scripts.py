@@ -41,6 +41,18 @@ def test_benchmark_kernels_says_it_needs_cuda():
     assert "no CUDA device is visible" in proc.stderr
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message a machine without CUDA gets")
+def test_find_host_syncs_says_it_needs_cuda_and_checks_its_range():
+    script = os.path.join(ROOT, "scripts", "find_host_syncs.py")
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    proc = subprocess.run([sys.executable, script, "--updates", "3:5", "--", "--task", "dummy_lm"],
+                          capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == 2 and "needs a CUDA GPU" in proc.stderr, proc.stderr
+    proc = subprocess.run([sys.executable, script, "--updates", "5:3"], capture_output=True, text=True, timeout=120,
+                          env=env)
+    assert proc.returncode == 2 and "--updates '5:3': expected START:END" in proc.stderr, proc.stderr
+
+
 def test_plot_log_draws_a_png_from_a_json_log(tmp_path):
     pytest.importorskip("matplotlib")
     log = tmp_path / "train.log"
