@@ -9,7 +9,7 @@ Runs fairseq-train in this process (one GPU) with `torch.cuda.set_sync_debug_mod
 update A to just after update B, which covers everything the training loop does between those updates as well.
 Each distinct stack is printed once with how many times it synchronized. A log interval that ends inside the
 range syncs on purpose (one read of the interval's statistics): choose --log-interval so that none does.
-Exit status: 0, or 3 when anything synchronized (for scripts and the GPU test).
+Exit status: 0, 3 when anything synchronized (for scripts and the GPU test), 1 when no update of the range ran.
 """
 
 import argparse
@@ -32,11 +32,14 @@ class SyncRecorder:
     def __init__(self, frames: int = 10):
         self.frames = frames
         self.stacks = collections.Counter()
+        self.watched_steps = 0  # train steps run while started
         self._saved = None
 
     def start(self) -> None:
         import torch
 
+        if self._saved is not None:
+            return
         self._saved = (warnings.showwarning, warnings.filters[:])
         warnings.filterwarnings("always", message=SYNC_WARNING)
         warnings.showwarning = self._record
@@ -61,6 +64,9 @@ class SyncRecorder:
 
     def report(self, updates: str) -> str:
         total = sum(self.stacks.values())
+        if not self.watched_steps:
+            return (f"updates {updates}: none of them ran (the training ended or resumed outside them): raise "
+                    "--max-update or choose --updates inside the run\n")
         if not total:
             return f"updates {updates}: no synchronizing CUDA operation\n"
         lines = [f"updates {updates}: {total} synchronizing CUDA operation(s) at {len(self.stacks)} place(s)"]
@@ -76,11 +82,13 @@ def record_updates(recorder: SyncRecorder, start: int, end: int):
     train_step = Trainer.train_step
 
     def recorded_train_step(self, samples, batch_source):
-        if self.num_updates + 1 == start:
+        watched = start <= self.num_updates + 1 <= end
+        if watched:
             recorder.start()
         try:
             return train_step(self, samples, batch_source)
         finally:
+            recorder.watched_steps += watched
             if self.num_updates >= end:
                 recorder.stop()
 
@@ -115,6 +123,8 @@ def main(argv=None) -> int:
     finally:
         recorder.stop()
     sys.stdout.write(recorder.report(args.updates))
+    if not recorder.watched_steps:
+        return 1
     return FOUND_SYNCS if recorder.stacks else 0
 
 

@@ -53,6 +53,21 @@ def test_find_host_syncs_says_it_needs_cuda_and_checks_its_range():
     assert proc.returncode == 2 and "--updates '5:3': expected START:END" in proc.stderr, proc.stderr
 
 
+def test_find_host_syncs_report_says_when_no_watched_update_ran():
+    sys.path.insert(0, os.path.join(ROOT, "scripts"))
+    try:
+        import find_host_syncs
+    finally:
+        sys.path.pop(0)
+    recorder = find_host_syncs.SyncRecorder()
+    assert "none of them ran" in recorder.report("3:5")  # not "no synchronizing CUDA operation"
+    recorder.watched_steps = 3
+    assert recorder.report("3:5") == "updates 3:5: no synchronizing CUDA operation\n"
+    recorder.stacks["fairseq/train_step.py:70 in run_update: overflow = ..."] += 3
+    assert recorder.report("3:5").splitlines()[:3] == [
+        "updates 3:5: 3 synchronizing CUDA operation(s) at 1 place(s)", "", "3 x, innermost call last:"]
+
+
 def test_plot_log_draws_a_png_from_a_json_log(tmp_path):
     pytest.importorskip("matplotlib")
     log = tmp_path / "train.log"
