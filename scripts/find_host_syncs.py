@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
-"""Where fairseq-train's updates make the host wait for the GPU: every synchronizing CUDA call, with the Python
-stack that made it, over a range of updates.
+"""Every call in a range of fairseq-train's updates that makes the host wait for the GPU, with its stack.
+
+Where the updates synchronize: each synchronizing CUDA call, with the Python stack that made it.
 
     python scripts/find_host_syncs.py --updates 5:8 -- --task dummy_lm --arch transformer_lm_gpt3_small \\
         --bf16 --ddp-backend fully_sharded --batch-size 8 --tokens-per-sample 2048 --max-update 10 ...
