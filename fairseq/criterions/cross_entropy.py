@@ -145,8 +145,7 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
             # dtype=float32 computes in fp32 (fp16 on CUDA without an upcast copy; other dtypes are upcast first)
             log_probs = torch.log_softmax(chunk, dim=-1, dtype=torch.float32)
             losses.append(F.nll_loss(log_probs, chunk_target, ignore_index=ignore_index, reduction="none"))
-            ignored = chunk_target == ignore_index
-            safe_target = chunk_target.masked_fill(ignored, 0).unsqueeze(1)
+            ignored, safe_target = _ignored_and_safe_target(chunk_target, ignore_index)
             # lse = x[t] - log_softmax(x)[t]; +inf on ignored rows makes their exp(x - lse) exactly 0 in backward
             lse = (chunk.gather(1, safe_target).float() - log_probs.gather(1, safe_target)).squeeze(1)
             lses.append(lse.masked_fill(ignored, math.inf))
@@ -165,13 +164,18 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
             chunk_target = target[rows]
             # d(-log softmax(x)[t]) / dx = softmax(x) - onehot(t) = exp(x - lse) - onehot(t), times grad_loss.
             grad = torch.sub(logits[rows], lse[rows].unsqueeze(1)).exp_()  # fp32: the logits upcast on reading
-            ignored = chunk_target == ctx.ignore_index
-            safe_target = chunk_target.masked_fill(ignored, 0).unsqueeze(1)
+            ignored, safe_target = _ignored_and_safe_target(chunk_target, ctx.ignore_index)
             grad.scatter_add_(1, safe_target, torch.full_like(safe_target, -1.0, dtype=grad.dtype))
             scale = grad_loss[rows].float().masked_fill(ignored, 0.0)
             torch.mul(grad, scale.unsqueeze(1), out=grad_logits[rows])  # fp32 product, rounded once on writing
             del grad  # else the next chunk's fp32 gradient is made while this one is still alive
         return grad_logits, None, None, None
+
+
+def _ignored_and_safe_target(target: torch.Tensor, ignore_index: int):
+    """The rows whose target is `ignore_index`, and the targets as a [rows, 1] index with those rows at 0."""
+    ignored = target == ignore_index
+    return ignored, target.masked_fill(ignored, 0).unsqueeze(1)
 
 
 def _sum_to_float(values) -> float:
