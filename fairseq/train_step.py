@@ -11,7 +11,8 @@ import logging
 import torch
 import torch.distributed as dist
 
-from fairseq.distributed.parallelize import clip_grad_norm_, gradient_sync
+from fairseq.distributed.dtensor import is_dtensor
+from fairseq.distributed.parallelize import clip_coefficient, gradient_sync, scale_grads_, total_grad_norm
 from fairseq.distributed.utils import get_data_parallel_group
 from fairseq.precision import Precision
 from fairseq.logging.logging_outputs import LoggingOutputSums
@@ -61,9 +62,17 @@ def run_update(model, criterion, optimizer, precision: Precision, samples: List[
         outputs.append(logging_output)
 
     params = [p for p in model.parameters() if p.grad is not None]
+    # Unscaling (fp16) and clipping become one factor, applied by the optimizer step as it reads the
+    # gradients (see _step); the norm of loss-scaled gradients divided by the power-of-two scale is exactly
+    # the norm of the unscaled ones.
+    grad_norm = total_grad_norm(params)
+    grad_factor = None
     if loss_scale != 1.0:
-        torch._foreach_mul_([p.grad for p in params], 1.0 / loss_scale)
-    grad_norm = clip_grad_norm_(params, clip_norm)
+        grad_norm = grad_norm / loss_scale
+        grad_factor = torch.full_like(grad_norm, 1.0 / loss_scale)
+    if clip_norm > 0:
+        coefficient = clip_coefficient(grad_norm, clip_norm)
+        grad_factor = coefficient if grad_factor is None else coefficient * grad_factor
 
     if precision.scaler is not None:
         overflow = not bool(torch.isfinite(grad_norm))  # the one host sync of an fp16 update
@@ -75,13 +84,38 @@ def run_update(model, criterion, optimizer, precision: Precision, samples: List[
             return None
     for logging_output in outputs:
         stats.add(logging_output)
-    optimizer.step()
+    _step(optimizer, params, grad_factor)
     optimizer.zero_grad(set_to_none=True)
     update_stats = {"gnorm": grad_norm.detach(), "updates": 1}
     if clip_norm > 0:
         update_stats["clip"] = (grad_norm > clip_norm).float()
     stats.add(update_stats)
     return grad_norm
+
+
+def _step(optimizer, params, grad_factor: Optional[torch.Tensor]) -> None:
+    """optimizer.step() on the gradients multiplied by the device scalar `grad_factor` (None: by 1).
+
+    torch's fused optimizers (fused AdamW, what --optimizer adam builds) divide each gradient by
+    `optimizer.grad_scale` inside their one kernel, the attribute torch.amp.GradScaler sets for them: that
+    saves a read and a write of every gradient per update against multiplying first (a ~2.6B-parameter
+    model on one H200: docs/benchmarks_h200.md). Other optimizers, and gradients on several devices
+    (the factor's value would have to reach each), get the gradients multiplied first.
+    """
+    if grad_factor is None:
+        optimizer.step()
+        return
+    devices = {(g.to_local() if is_dtensor(g) else g).device for g in (p.grad for p in params)}
+    if getattr(optimizer, "_step_supports_amp_scaling", False) and len(devices) == 1:
+        # a copy to the CPU (--cpu-offload) must be blocking: the CPU kernel reads the value at once
+        optimizer.grad_scale = (1.0 / grad_factor).to(devices.pop())
+        try:
+            optimizer.step()
+        finally:
+            del optimizer.grad_scale
+        return
+    scale_grads_(params, grad_factor)
+    optimizer.step()
 
 
 @torch.no_grad()

@@ -42,10 +42,13 @@ logger = logging.getLogger(__name__)
 __all__ = [
     "apply_activation_checkpointing",
     "apply_compile",
+    "clip_coefficient",
     "clip_grad_norm_",
     "gradient_sync",
     "materialize",
     "parallelize_model",
+    "scale_grads_",
+    "total_grad_norm",
     "unwrap_model",
 ]
 
@@ -262,6 +265,15 @@ def clip_grad_norm_(params, max_norm: float, foreach: Optional[bool] = None) -> 
     applied through clamp, not a Python branch), so nothing waits for the device. max_norm <= 0 only
     computes the norm. A non-finite norm scales the gradients to non-finite values, as torch does.
     """
+    total_norm = total_grad_norm(params, foreach)
+    if max_norm > 0:
+        scale_grads_(params, clip_coefficient(total_norm, max_norm), foreach)
+    return total_norm
+
+
+@torch.no_grad()
+def total_grad_norm(params, foreach: Optional[bool] = None) -> torch.Tensor:
+    """Global L2 norm (fp32, 0-d) of the gradients of `params`, sharded (DTensor) or not; no host sync."""
     grads = _grads(params)
     if not grads:
         return torch.zeros(())
@@ -270,16 +282,19 @@ def clip_grad_norm_(params, max_norm: float, foreach: Optional[bool] = None) -> 
         norm = torch.nn.utils.get_total_norm(local, 2.0, foreach=foreach).float()
         squared = _reduce_over_shards(norm * norm, mesh, dims, dist.ReduceOp.SUM)
         total_squared = squared if total_squared is None else total_squared + squared.to(total_squared.device)
-    total_norm = total_squared.sqrt()
-    if max_norm > 0:
-        clip_coef = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
-        _scale_(grads, clip_coef, foreach)
-    return total_norm
+    return total_squared.sqrt()
 
 
-def _scale_(grads: List[torch.Tensor], factor: torch.Tensor, foreach: Optional[bool]) -> None:
+def clip_coefficient(total_norm: torch.Tensor, max_norm: float) -> torch.Tensor:
+    """The factor that brings gradients of norm `total_norm` to at most `max_norm` (torch's formula)."""
+    return torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
+
+
+@torch.no_grad()
+def scale_grads_(params, factor: torch.Tensor, foreach: Optional[bool] = None) -> None:
+    """Multiply every gradient of `params` by the device scalar `factor`, in place."""
     by_device = {}
-    for grad in grads:
+    for grad in _grads(params):
         local = grad.to_local() if is_dtensor(grad) else grad
         by_device.setdefault(local.device, []).append(local)
     for device, tensors in by_device.items():

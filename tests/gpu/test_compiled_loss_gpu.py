@@ -1,4 +1,5 @@
-"""The losses on CUDA: --compile's (inductor) and the fused Triton kernels that token_cross_entropy runs there,
+"""The losses on CUDA: the inductor-compiled one and the fused Triton kernels that token_cross_entropy (and
+--compile's loss) runs there,
 against the chunked eager cross-entropy and F.cross_entropy of fp32 logits: the same per-token losses and
 gradients, and what each holds beyond the logits."""
 
@@ -10,6 +11,7 @@ from fairseq.criterions.cross_entropy import (
     chunk_rows,
     chunked_token_cross_entropy,
     compiled_token_cross_entropy,
+    inductor_token_cross_entropy,
     token_cross_entropy,
 )
 from fairseq.kernels.cross_entropy import fused_cross_entropy_available
@@ -33,7 +35,7 @@ def _loss_and_grad(fn, logits, target, weights):
 
 def test_compiled_loss_matches_the_chunked_one_and_needs_no_more_memory():
     torch._dynamo.reset()
-    compiled = compiled_token_cross_entropy()
+    compiled = inductor_token_cross_entropy()
     gen = torch.Generator(device="cuda").manual_seed(0)
     for n in (4096, 3000):  # the second token count recompiles (dynamic), as a short last batch would
         logits = (torch.randn(n, VOCAB, device="cuda", generator=gen) * 3).bfloat16().requires_grad_()
@@ -89,3 +91,16 @@ def test_token_cross_entropy_on_cuda_is_the_fused_kernel_and_holds_only_the_grad
         assert torch.equal(got_grad[::7], torch.zeros_like(got_grad[::7]))
         # Beyond the logits: the bf16 gradient and per-token vectors (losses, log-sum-exp), nothing [N, V] in fp32
         assert got_peak <= n * VOCAB * 2 + 2**20, (got_peak / 2**20, n * VOCAB * 2 / 2**20)
+
+
+def test_compile_loss_keeps_the_fused_kernel_on_cuda():
+    """--compile's loss on CUDA is the fused kernels (faster than inductor's, no recompile for a short last
+    batch): the same values bit for bit, and nothing is compiled."""
+    torch._dynamo.reset()
+    compiled = compiled_token_cross_entropy()
+    logits, target, weights = _logits_and_target(3000, seed=3)
+    want, want_grad, _ = _loss_and_grad(token_cross_entropy, logits, target, weights)
+    frames_before = torch._dynamo.utils.counters["frames"]["total"]
+    got, got_grad, _ = _loss_and_grad(compiled, logits, target, weights)
+    assert torch.equal(got, want) and torch.equal(got_grad, want_grad)
+    assert torch._dynamo.utils.counters["frames"]["total"] == frames_before

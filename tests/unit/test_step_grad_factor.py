@@ -1,0 +1,76 @@
+"""fairseq.train_step._step: the update's gradient factor (fp16 unscaling times the clip coefficient) is
+handed to torch's fused optimizers as `grad_scale` (a divisor their kernel applies as it reads each
+gradient) and multiplied into the gradients first for every other optimizer; both give the update of the
+multiplied gradients."""
+
+import pytest
+import torch
+
+from fairseq.optim.adam import build_adamw
+from fairseq.train_step import _step
+
+# eps comparable to the gradients' size makes Adam's update depend on their scale (with a tiny eps the first
+# step is lr * sign(g) whatever the factor, and the test could not tell a wrong factor from a right one)
+HYPER = dict(lr=0.1, betas=(0.9, 0.98), eps=0.5, weight_decay=0.01)
+
+
+def _params_with_grads(seed: int = 0):
+    generator = torch.Generator().manual_seed(seed)
+    params = [torch.randn(shape, generator=generator).requires_grad_() for shape in ((7, 5), (5,), (1000,))]
+    for p in params:
+        p.grad = torch.randn(p.shape, generator=generator)
+    return params
+
+
+def _copy(params):
+    copies = [p.detach().clone().requires_grad_() for p in params]
+    for c, p in zip(copies, params):
+        c.grad = p.grad.clone()
+    return copies
+
+
+def _reference_step(params, factor: float, fused: bool):
+    for p in params:
+        p.grad.mul_(factor)
+    torch.optim.AdamW(params, fused=fused, foreach=None if fused else False, **HYPER).step()
+
+
+@pytest.mark.parametrize("factor", [0.37, 1.0, 4.0])
+def test_fused_adamw_applies_the_factor_inside_its_step(factor):
+    params = _params_with_grads()
+    expected = _copy(params)
+    _reference_step(expected, factor, fused=True)
+    optimizer = build_adamw(params, **HYPER)
+    assert optimizer.defaults["fused"] and optimizer._step_supports_amp_scaling  # the path under test
+    original_grads = [p.grad.clone() for p in params]
+
+    _step(optimizer, params, torch.tensor(factor))
+
+    assert not hasattr(optimizer, "grad_scale")  # nothing is left for a later step to divide by
+    for p, e, g in zip(params, expected, original_grads):
+        # the kernel divides by 1/factor where the reference multiplies by factor: one fp32 rounding apart
+        torch.testing.assert_close(p.grad, g * factor, rtol=2e-7, atol=0)  # the kernel wrote them back scaled
+        torch.testing.assert_close(p.detach(), e.detach(), rtol=1e-6, atol=1e-7)
+
+
+def test_a_factor_changes_the_update():
+    """Guards the test above: with these hyper-parameters a factor of 0.37 moves the parameters elsewhere."""
+    params = _params_with_grads()
+    scaled, unscaled = _copy(params), _copy(params)
+    _step(build_adamw(scaled, **HYPER), scaled, torch.tensor(0.37))
+    _step(build_adamw(unscaled, **HYPER), unscaled, None)
+    assert max((a - b).abs().max().item() for a, b in zip(scaled, unscaled)) > 1e-3
+
+
+def test_an_optimizer_without_grad_scale_gets_multiplied_gradients():
+    params = _params_with_grads()
+    expected = _copy(params)
+    _reference_step(expected, 0.37, fused=False)
+    optimizer = torch.optim.AdamW(params, foreach=False, **HYPER)
+    assert not getattr(optimizer, "_step_supports_amp_scaling", False)
+
+    _step(optimizer, params, torch.tensor(0.37))
+
+    for p, e in zip(params, expected):
+        assert torch.equal(p.grad, e.grad)
+        assert torch.equal(p.detach(), e.detach())
