@@ -63,8 +63,8 @@ def run_update(model, criterion, optimizer, precision: Precision, samples: List[
 
     params = [p for p in model.parameters() if p.grad is not None]
     # Unscaling (fp16) and clipping become one factor, applied by the optimizer step as it reads the
-    # gradients (see _step); the norm of loss-scaled gradients divided by the power-of-two scale is exactly
-    # the norm of the unscaled ones.
+    # gradients (see step_with_grad_factor); the norm of loss-scaled gradients divided by a power-of-two scale
+    # (what the loss scaler uses) is exactly the norm of the unscaled ones.
     grad_norm = total_grad_norm(params)
     grad_factor = None
     if loss_scale != 1.0:
@@ -84,7 +84,7 @@ def run_update(model, criterion, optimizer, precision: Precision, samples: List[
             return None
     for logging_output in outputs:
         stats.add(logging_output)
-    _step(optimizer, params, grad_factor)
+    step_with_grad_factor(optimizer, params, grad_factor)
     optimizer.zero_grad(set_to_none=True)
     update_stats = {"gnorm": grad_norm.detach(), "updates": 1}
     if clip_norm > 0:
@@ -93,7 +93,7 @@ def run_update(model, criterion, optimizer, precision: Precision, samples: List[
     return grad_norm
 
 
-def _step(optimizer, params, grad_factor: Optional[torch.Tensor]) -> None:
+def step_with_grad_factor(optimizer, params, grad_factor: Optional[torch.Tensor]) -> None:
     """optimizer.step() on the gradients multiplied by the device scalar `grad_factor` (None: by 1).
 
     torch's fused optimizers (fused AdamW, what --optimizer adam builds) divide each gradient by

@@ -3,12 +3,13 @@
 "Compiled loss"):
 
 1. the optimizer step: fused AdamW against foreach AdamW, eager and under torch.compile, on the parameter
-   shapes of a 32-layer, 2560-wide decoder with a 50272-word embedding (2.65B fp32 parameters);
+   shapes of a 32-layer, 2560-wide decoder with a 50272-word embedding (2.65B fp32 parameters), and gradient
+   clipping before the fused step (multiplying the gradients, or the coefficient inside the step);
 2. the loss, forward and backward, of 16384 x 50272 bf16 logits: fairseq's cross-entropy on CUDA (the fused
    Triton kernels) and its chunked eager path (where Triton is missing), the fp32 F.cross_entropy a plain loop
    uses, and that one compiled (inductor_token_cross_entropy: what `--compile` runs where Triton does not).
 
-    python scripts/benchmark_loss_optimizer.py [--only loss|optimizer]
+    python scripts/benchmark_loss_optimizer.py [--only loss|optimizer|clip]
 
 Prints milliseconds per call (the mean of 10 after 3 warm-up calls) and, for the losses, the peak memory
 beyond the logits.
@@ -28,6 +29,8 @@ from fairseq.criterions.cross_entropy import (  # noqa: E402
     inductor_token_cross_entropy,
     token_cross_entropy,
 )
+from fairseq.distributed.parallelize import clip_coefficient, scale_grads_, total_grad_norm  # noqa: E402
+from fairseq.train_step import step_with_grad_factor  # noqa: E402
 
 DIM, LAYERS, VOCAB, TOKENS = 2560, 32, 50272, 16384
 
@@ -52,12 +55,32 @@ def decoder_parameters(device):
     return params
 
 
-def optimizer_rows(device):
+def clip_rows(params):
+    """Clipping to norm 1.0 and a fused AdamW step: the gradients multiplied by the clip coefficient first
+    (torch's clip_grad_norm_, what the plain loop does), against the coefficient handed to the fused kernel
+    (fairseq.train_step)."""
+    fused = torch.optim.AdamW(params, lr=1e-4, fused=True)
+
+    def multiplied_then_step():
+        scale_grads_(params, clip_coefficient(total_grad_norm(params), 1.0))
+        fused.step()
+
+    def folded_into_step():
+        step_with_grad_factor(fused, params, clip_coefficient(total_grad_norm(params), 1.0))
+
+    print(f"clip, then fused AdamW step: {mean_ms(multiplied_then_step):.2f} ms")
+    print(f"clip coefficient inside the fused AdamW step (fairseq): {mean_ms(folded_into_step):.2f} ms")
+
+
+def optimizer_rows(device, only_clip: bool):
     params = decoder_parameters(device)
     print(f"parameters: {sum(p.numel() for p in params) / 1e9:.2f}B")
     fused = torch.optim.AdamW(params, lr=1e-4, fused=True)
     print(f"fused AdamW step: {mean_ms(fused.step):.2f} ms")
     del fused
+    clip_rows(params)
+    if only_clip:
+        return
     foreach = torch.optim.AdamW(params, lr=1e-4, foreach=True)
     print(f"foreach AdamW step: {mean_ms(foreach.step):.2f} ms")
     start = time.time()
@@ -88,17 +111,18 @@ def loss_rows(device):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--only", choices=("loss", "optimizer"),
-                        help="run one part (the compiled optimizer step alone takes about two minutes to compile)")
+    parser.add_argument("--only", choices=("loss", "optimizer", "clip"),
+                        help="run one part (the compiled optimizer step alone takes about two minutes to compile; "
+                             "clip: the fused step and the clipping rows only)")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         sys.exit("benchmark_loss_optimizer.py needs a CUDA GPU")
     torch.manual_seed(0)
     device = torch.device("cuda")
     if args.only != "loss":
-        optimizer_rows(device)
+        optimizer_rows(device, only_clip=args.only == "clip")
         torch.cuda.empty_cache()
-    if args.only != "optimizer":
+    if args.only in (None, "loss"):
         loss_rows(device)
 
 

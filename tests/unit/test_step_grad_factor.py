@@ -1,5 +1,5 @@
-"""fairseq.train_step._step: the update's gradient factor (fp16 unscaling times the clip coefficient) is
-handed to torch's fused optimizers as `grad_scale` (a divisor their kernel applies as it reads each
+"""fairseq.train_step.step_with_grad_factor: the update's gradient factor (fp16 unscaling times the clip
+coefficient) is handed to torch's fused optimizers as `grad_scale` (a divisor their kernel applies as it reads each
 gradient) and multiplied into the gradients first for every other optimizer; both give the update of the
 multiplied gradients."""
 
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from fairseq.optim.adam import build_adamw
-from fairseq.train_step import _step
+from fairseq.train_step import step_with_grad_factor
 
 # eps comparable to the gradients' size makes Adam's update depend on their scale (with a tiny eps the first
 # step is lr * sign(g) whatever the factor, and the test could not tell a wrong factor from a right one)
@@ -44,7 +44,7 @@ def test_fused_adamw_applies_the_factor_inside_its_step(factor):
     assert optimizer.defaults["fused"] and optimizer._step_supports_amp_scaling  # the path under test
     original_grads = [p.grad.clone() for p in params]
 
-    _step(optimizer, params, torch.tensor(factor))
+    step_with_grad_factor(optimizer, params, torch.tensor(factor))
 
     assert not hasattr(optimizer, "grad_scale")  # nothing is left for a later step to divide by
     for p, e, g in zip(params, expected, original_grads):
@@ -57,8 +57,8 @@ def test_a_factor_changes_the_update():
     """Guards the test above: with these hyper-parameters a factor of 0.37 moves the parameters elsewhere."""
     params = _params_with_grads()
     scaled, unscaled = _copy(params), _copy(params)
-    _step(build_adamw(scaled, **HYPER), scaled, torch.tensor(0.37))
-    _step(build_adamw(unscaled, **HYPER), unscaled, None)
+    step_with_grad_factor(build_adamw(scaled, **HYPER), scaled, torch.tensor(0.37))
+    step_with_grad_factor(build_adamw(unscaled, **HYPER), unscaled, None)
     assert max((a - b).abs().max().item() for a, b in zip(scaled, unscaled)) > 1e-3
 
 
@@ -69,7 +69,7 @@ def test_an_optimizer_without_grad_scale_gets_multiplied_gradients():
     optimizer = torch.optim.AdamW(params, foreach=False, **HYPER)
     assert not getattr(optimizer, "_step_supports_amp_scaling", False)
 
-    _step(optimizer, params, torch.tensor(0.37))
+    step_with_grad_factor(optimizer, params, torch.tensor(0.37))
 
     for p, e in zip(params, expected):
         assert torch.equal(p.grad, e.grad)
