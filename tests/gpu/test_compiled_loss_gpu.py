@@ -33,15 +33,19 @@ def _loss_and_grad(fn, logits, target, weights):
     return losses.detach(), grad, torch.cuda.max_memory_allocated() - base
 
 
+def _logits_and_target(n, seed=0):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    logits = (torch.randn(n, VOCAB, device="cuda", generator=gen) * 3).bfloat16().requires_grad_()
+    target = torch.randint(0, VOCAB, (n,), device="cuda", generator=gen)
+    target[::7] = PAD
+    return logits, target, torch.rand(n, device="cuda", generator=gen)
+
+
 def test_compiled_loss_matches_the_chunked_one_and_needs_no_more_memory():
     torch._dynamo.reset()
     compiled = inductor_token_cross_entropy()
-    gen = torch.Generator(device="cuda").manual_seed(0)
     for n in (4096, 3000):  # the second token count recompiles (dynamic), as a short last batch would
-        logits = (torch.randn(n, VOCAB, device="cuda", generator=gen) * 3).bfloat16().requires_grad_()
-        target = torch.randint(0, VOCAB, (n,), device="cuda", generator=gen)
-        target[::7] = PAD
-        weights = torch.rand(n, device="cuda", generator=gen)
+        logits, target, weights = _logits_and_target(n, seed=n)
         compiled(logits, target, PAD).sum().backward()  # compile outside the measured call
         logits.grad = None
         got, got_grad, got_peak = _loss_and_grad(compiled, logits, target, weights)
@@ -52,14 +56,6 @@ def test_compiled_loss_matches_the_chunked_one_and_needs_no_more_memory():
         # Gradients are cast to bf16: at most one unit in its last place apart.
         torch.testing.assert_close(got_grad.float(), want_grad.float(), rtol=2**-8, atol=2**-8)
         assert got_peak <= want_peak, (got_peak / 2**30, want_peak / 2**30)
-
-
-def _logits_and_target(n, seed=0):
-    gen = torch.Generator(device="cuda").manual_seed(seed)
-    logits = (torch.randn(n, VOCAB, device="cuda", generator=gen) * 3).bfloat16().requires_grad_()
-    target = torch.randint(0, VOCAB, (n,), device="cuda", generator=gen)
-    target[::7] = PAD
-    return logits, target, torch.rand(n, device="cuda", generator=gen)
 
 
 def test_chunked_loss_matches_fp32_cross_entropy_with_one_fp32_chunk_beyond_the_gradient():
