@@ -74,3 +74,43 @@ def test_an_optimizer_without_grad_scale_gets_multiplied_gradients():
     for p, e in zip(params, expected):
         assert torch.equal(p.grad, e.grad)
         assert torch.equal(p.detach(), e.detach())
+
+
+class _SumOfSquares:
+    """A criterion in fairseq's form: (summed loss, sample size, logging output)."""
+
+    def __call__(self, model, sample):
+        loss = (model(sample["net_input"]["x"]) ** 2).sum() * 50.0  # large gradients: the clip is exercised
+        return loss, sample["ntokens"], {"loss": loss.detach(), "ntokens": sample["ntokens"]}
+
+    def train(self):
+        pass
+
+
+@pytest.mark.parametrize("loss_scale", [8.0, 2.0**15])
+def test_loss_scaling_and_clipping_as_one_factor_give_the_unscaled_update(loss_scale):
+    """run_update with a loss scaler (fp16's, here over fp32 arithmetic on the CPU) against the same update
+    without one: the same gradient norm bit for bit (the norm of scaled gradients over a power-of-two scale is
+    exact) and the same parameters to an fp32 rounding (the fused kernel divides by scale / clip coefficient)."""
+    from fairseq.dataclass.configs import CommonConfig
+    from fairseq.logging.logging_outputs import LoggingOutputSums
+    from fairseq.precision import DynamicLossScaler, Precision
+    from fairseq.train_step import run_update
+
+    def update(scaler):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Tanh(), torch.nn.Linear(5, 3))
+        optimizer = build_adamw(model.parameters(), **HYPER)
+        precision = Precision(CommonConfig(), torch.device("cpu"), sharded=False)
+        precision.scaler = scaler
+        samples = [{"net_input": {"x": torch.randn(4, 6)}, "ntokens": 4} for _ in range(2)]
+        norm = run_update(model, _SumOfSquares(), optimizer, precision, samples, LoggingOutputSums(),
+                          clip_norm=0.5, sentence_avg=False, device=torch.device("cpu"), data_parallel_size=1)
+        return norm, [p.detach() for p in model.parameters()]
+
+    plain_norm, plain_params = update(None)
+    scaled_norm, scaled_params = update(DynamicLossScaler(init_scale=loss_scale))
+    assert plain_norm > 0.5  # clipped
+    assert torch.equal(scaled_norm, plain_norm)
+    for a, b in zip(scaled_params, plain_params):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
