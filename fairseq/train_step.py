@@ -63,8 +63,8 @@ def run_update(model, criterion, optimizer, precision: Precision, samples: List[
 
     params = [p for p in model.parameters() if p.grad is not None]
     # Unscaling (fp16) and clipping become one factor, applied by the optimizer step as it reads the
-    # gradients (see step_with_grad_factor); the norm of loss-scaled gradients divided by a power-of-two scale
-    # (what the loss scaler uses) is exactly the norm of the unscaled ones.
+    # gradients (see step_with_grad_factor). The norm of the scaled gradients over the scale is the norm of
+    # the unscaled ones: exactly for power-of-two scales (the default), to an fp32 rounding otherwise.
     grad_norm = total_grad_norm(params)
     grad_factor = None
     if loss_scale != 1.0:
@@ -97,18 +97,20 @@ def step_with_grad_factor(optimizer, params, grad_factor: Optional[torch.Tensor]
     """optimizer.step() on the gradients multiplied by the device scalar `grad_factor` (None: by 1).
 
     torch's fused optimizers (fused AdamW, what --optimizer adam builds) divide each gradient by
-    `optimizer.grad_scale` inside their one kernel, the attribute torch.amp.GradScaler sets for them: that
-    saves a read and a write of every gradient per update against multiplying first (a ~2.6B-parameter
-    model on one H200: docs/benchmarks_h200.md). Other optimizers, and gradients on several devices
-    (the factor's value would have to reach each), get the gradients multiplied first.
+    `optimizer.grad_scale` inside their one kernel, the attribute torch.amp.GradScaler sets for them. The
+    kernel then writes the scaled gradients back, so against multiplying first this saves one read of every
+    gradient per update (2.4 ms for 2.65B fp32 parameters on one H200: docs/benchmarks_h200.md). Other
+    optimizers, and gradients on several devices (the factor's value would have to reach each), get the
+    gradients multiplied first.
     """
     if grad_factor is None:
         optimizer.step()
         return
-    devices = {(g.to_local() if is_dtensor(g) else g).device for g in (p.grad for p in params)}
+    devices = {(g.to_local() if is_dtensor(g) else g).device for g in (p.grad for p in params) if g is not None}
     if getattr(optimizer, "_step_supports_amp_scaling", False) and len(devices) == 1:
-        # a copy to the CPU (--cpu-offload) must be blocking: the CPU kernel reads the value at once
-        optimizer.grad_scale = (1.0 / grad_factor).to(devices.pop())
+        # fp32, as the kernels read it; a copy to the CPU (--cpu-offload) must be blocking: the CPU kernel
+        # reads the value at once (torch's own copy would be non-blocking)
+        optimizer.grad_scale = (1.0 / grad_factor.float()).to(devices.pop())
         try:
             optimizer.step()
         finally:

@@ -139,17 +139,14 @@ def clip_grad_norm_(params, max_norm: float, aggregate_norm_fn: Optional[Callabl
     """Clip gradients to a global L2 norm of `max_norm` (<= 0: only measure); returns the norm before
     clipping. The trainer's clipping (also right for FSDP2's sharded gradients); `aggregate_norm_fn` maps the
     norm before the clip coefficient is computed, as upstream's."""
-    from fairseq.distributed.parallelize import clip_grad_norm_ as clip
+    from fairseq.distributed.parallelize import clip_coefficient, clip_grad_norm_, scale_grads_, total_grad_norm
 
     params = [params] if isinstance(params, torch.Tensor) else list(params)
     if aggregate_norm_fn is None:
-        return clip(params, max_norm)
-    total_norm = aggregate_norm_fn(clip(params, 0.0))
+        return clip_grad_norm_(params, max_norm)
+    total_norm = aggregate_norm_fn(total_grad_norm(params))
     if max_norm > 0:
-        coef = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
-        for p in params:
-            if p.grad is not None:
-                p.grad.mul_(coef.to(p.grad.device, p.grad.dtype))
+        scale_grads_(params, clip_coefficient(total_norm, max_norm))
     return total_norm
 
 

@@ -7,7 +7,7 @@
    clipping before the fused step (multiplying the gradients, or the coefficient inside the step);
 2. the loss, forward and backward, of 16384 x 50272 bf16 logits: fairseq's cross-entropy on CUDA (the fused
    Triton kernels) and its chunked eager path (where Triton is missing), the fp32 F.cross_entropy a plain loop
-   uses, and that one compiled (inductor_token_cross_entropy: what `--compile` runs where Triton does not).
+   uses, and that one compiled (compiled_fp32_cross_entropy: what `--compile` runs where Triton does not).
 
     python scripts/benchmark_loss_optimizer.py [--only loss|optimizer|clip]
 
@@ -26,7 +26,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from fairseq.criterions.cross_entropy import (  # noqa: E402
     chunked_token_cross_entropy,
-    inductor_token_cross_entropy,
+    compiled_fp32_cross_entropy,
     token_cross_entropy,
 )
 from fairseq.distributed.parallelize import clip_coefficient, scale_grads_, total_grad_norm  # noqa: E402
@@ -95,7 +95,7 @@ def loss_rows(device):
         "fused Triton kernels (fairseq on CUDA, without --compile)": lambda x, t: token_cross_entropy(x, t, -100),
         "chunked eager (fairseq without Triton)": lambda x, t: chunked_token_cross_entropy(x, t, -100),
         "F.cross_entropy of fp32 logits (the plain loop)": lambda x, t: F.cross_entropy(x.float(), t, reduction="none"),
-        "compiled fp32 cross-entropy (inductor)": lambda x, t, fn=inductor_token_cross_entropy(): fn(x, t, -100),
+        "compiled fp32 cross-entropy (inductor)": lambda x, t, fn=compiled_fp32_cross_entropy(): fn(x, t, -100),
     }
     for name, loss_fn in losses.items():
         def step():

@@ -127,19 +127,19 @@ def compiled_token_cross_entropy(backend: str = "inductor"):
     so no fp32 [N, V] tensor exists either (docs/benchmarks_h200.md, "Compiled loss" and "gpt3_medium b8
     profiled, and a fused cross-entropy"). The token count is marked dynamic when it first changes
     (torch.compile's default), so a short last batch costs one recompile, not one per length."""
-    compiled = inductor_token_cross_entropy(backend)
+    compiled = compiled_fp32_cross_entropy(backend)
 
     def loss(logits: torch.Tensor, target: torch.Tensor, ignore_index: int) -> torch.Tensor:
         if fused_cross_entropy_available(logits):
             return fused_token_cross_entropy(logits, target, ignore_index)
         return compiled(logits, target, ignore_index)
 
-    loss.inductor = compiled
+    loss.fallback = compiled
     return loss
 
 
-def inductor_token_cross_entropy(backend: str = "inductor"):
-    """The fp32 cross-entropy under torch.compile (compiled at its first call)."""
+def compiled_fp32_cross_entropy(backend: str = "inductor"):
+    """The fp32 cross-entropy under torch.compile with `backend` (compiled at its first call)."""
     return torch.compile(_fp32_cross_entropy, backend=backend)
 
 

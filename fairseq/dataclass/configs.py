@@ -118,7 +118,7 @@ class DistributedTrainingConfig:
         "back freed its full parameters while the allocator is under pressure (a retry, or reserved memory at "
         "95%% of the GPU), one update back otherwise (bounds the full parameters gathered at once and how far the CPU runs ahead)",
     )
-    compile: bool = opt(False, "torch.compile each transformer layer before sharding, and the loss (the criterion's compile_loss)")
+    compile: bool = opt(False, "torch.compile each transformer layer before sharding; the criterion's compile_loss picks its fastest loss (cross_entropy: the fused kernels on CUDA, else compiled)")
     model_parallel_size: int = opt(
         1, "tensor parallelism (Megatron-style) over groups of this many ranks, consecutive ranks (one node); "
            "the world size must be a multiple of it (docs/parallelism.md)"

@@ -11,7 +11,7 @@ from fairseq.criterions.cross_entropy import (
     chunk_rows,
     chunked_token_cross_entropy,
     compiled_token_cross_entropy,
-    inductor_token_cross_entropy,
+    compiled_fp32_cross_entropy,
     token_cross_entropy,
 )
 from fairseq.kernels.cross_entropy import fused_cross_entropy_available
@@ -43,7 +43,7 @@ def _logits_and_target(n, seed=0):
 
 def test_compiled_loss_matches_the_chunked_one_and_needs_no_more_memory():
     torch._dynamo.reset()
-    compiled = inductor_token_cross_entropy()
+    compiled = compiled_fp32_cross_entropy()
     for n in (4096, 3000):  # the second token count recompiles (dynamic), as a short last batch would
         logits, target, weights = _logits_and_target(n, seed=n)
         compiled(logits, target, PAD).sum().backward()  # compile outside the measured call

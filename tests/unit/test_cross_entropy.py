@@ -263,4 +263,4 @@ def test_trainer_compiles_the_loss_only_with_compile():
 
     assert trainer([]).criterion._token_loss is token_cross_entropy
     # the CPU has no fused kernels: --compile's loss runs the compiled fp32 cross-entropy
-    assert trainer(["--compile"]).criterion._token_loss.inductor._torchdynamo_orig_callable is _fp32_cross_entropy
+    assert trainer(["--compile"]).criterion._token_loss.fallback._torchdynamo_orig_callable is _fp32_cross_entropy

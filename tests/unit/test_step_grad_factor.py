@@ -6,12 +6,17 @@ multiplied gradients."""
 import pytest
 import torch
 
+from fairseq import train_step
 from fairseq.optim.adam import build_adamw
 from fairseq.train_step import step_with_grad_factor
 
 # eps comparable to the gradients' size makes Adam's update depend on their scale (with a tiny eps the first
 # step is lr * sign(g) whatever the factor, and the test could not tell a wrong factor from a right one)
 HYPER = dict(lr=0.1, betas=(0.9, 0.98), eps=0.5, weight_decay=0.01)
+
+
+def _must_not_be_called(*args, **kwargs):
+    raise AssertionError("the gradients were multiplied before the fused step")
 
 
 def _params_with_grads(seed: int = 0):
@@ -36,15 +41,23 @@ def _reference_step(params, factor: float, fused: bool):
 
 
 @pytest.mark.parametrize("factor", [0.37, 1.0, 4.0])
-def test_fused_adamw_applies_the_factor_inside_its_step(factor):
+def test_fused_adamw_applies_the_factor_inside_its_step(factor, monkeypatch):
     params = _params_with_grads()
     expected = _copy(params)
     _reference_step(expected, factor, fused=True)
     optimizer = build_adamw(params, **HYPER)
     assert optimizer.defaults["fused"] and optimizer._step_supports_amp_scaling  # the path under test
     original_grads = [p.grad.clone() for p in params]
+    # the gradients must not be multiplied before the step: the kernel does it, given the divisor
+    monkeypatch.setattr(train_step, "scale_grads_", _must_not_be_called)
+    divisors = []
+    real_step = optimizer.step
+    monkeypatch.setattr(optimizer, "step", lambda: (divisors.append(optimizer.grad_scale.clone()), real_step()))
 
-    step_with_grad_factor(optimizer, params, torch.tensor(factor))
+    step_with_grad_factor(optimizer, params, torch.tensor(factor, dtype=torch.float64))  # any float dtype
+
+    assert len(divisors) == 1 and divisors[0].dtype == torch.float32
+    torch.testing.assert_close(divisors[0], torch.tensor(1.0 / factor))
 
     assert not hasattr(optimizer, "grad_scale")  # nothing is left for a later step to divide by
     for p, e, g in zip(params, expected, original_grads):
@@ -74,6 +87,17 @@ def test_an_optimizer_without_grad_scale_gets_multiplied_gradients():
     for p, e in zip(params, expected):
         assert torch.equal(p.grad, e.grad)
         assert torch.equal(p.detach(), e.detach())
+
+
+def test_parameters_without_gradients_are_left_to_the_optimizer():
+    params = _params_with_grads()
+    frozen = torch.zeros(3, requires_grad=True)  # no .grad: the optimizer skips it, so must the device check
+    expected = _copy(params)
+    _reference_step(expected, 0.37, fused=True)
+    step_with_grad_factor(build_adamw(params + [frozen], **HYPER), params + [frozen], torch.tensor(0.37))
+    assert torch.equal(frozen.detach(), torch.zeros(3))
+    for p, e in zip(params, expected):
+        torch.testing.assert_close(p.detach(), e.detach(), rtol=1e-6, atol=1e-7)
 
 
 class _SumOfSquares:
