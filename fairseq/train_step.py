@@ -11,8 +11,13 @@ import logging
 import torch
 import torch.distributed as dist
 
-from fairseq.distributed.dtensor import is_dtensor
-from fairseq.distributed.parallelize import clip_coefficient, gradient_sync, scale_grads_, total_grad_norm
+from fairseq.distributed.parallelize import (
+    clip_coefficient,
+    gradient_sync,
+    local_grads_by_device,
+    scale_grads_,
+    total_grad_norm,
+)
 from fairseq.distributed.utils import get_data_parallel_group
 from fairseq.precision import Precision
 from fairseq.logging.logging_outputs import LoggingOutputSums
@@ -106,7 +111,7 @@ def step_with_grad_factor(optimizer, params, grad_factor: Optional[torch.Tensor]
     if grad_factor is None:
         optimizer.step()
         return
-    devices = {(g.to_local() if is_dtensor(g) else g).device for g in (p.grad for p in params) if g is not None}
+    devices = set(local_grads_by_device(params))
     if getattr(optimizer, "_step_supports_amp_scaling", False) and len(devices) == 1:
         # fp32, as the kernels read it; a copy to the CPU (--cpu-offload) must be blocking: the CPU kernel
         # reads the value at once (torch's own copy would be non-blocking)

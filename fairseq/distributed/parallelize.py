@@ -18,7 +18,7 @@ Model files hold no distributed code; everything here is a function of (model, c
 
 import contextlib
 import logging
-from typing import Iterable, List, Optional, Union
+from typing import Dict, Iterable, List, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -45,6 +45,7 @@ __all__ = [
     "clip_coefficient",
     "clip_grad_norm_",
     "gradient_sync",
+    "local_grads_by_device",
     "materialize",
     "parallelize_model",
     "scale_grads_",
@@ -218,6 +219,15 @@ def _grads(params: Union[torch.Tensor, Iterable[torch.Tensor]]) -> List[torch.Te
     return [p.grad for p in params if p.grad is not None]
 
 
+def local_grads_by_device(params) -> Dict[torch.device, List[torch.Tensor]]:
+    """The gradients of `params` as the local tensors each rank holds (a DTensor's shard), by device."""
+    by_device = {}
+    for grad in _grads(params):
+        local = grad.to_local() if is_dtensor(grad) else grad
+        by_device.setdefault(local.device, []).append(local)
+    return by_device
+
+
 def _collective_device(mesh: DeviceMesh) -> torch.device:
     if mesh.device_type == "cuda":
         return torch.device("cuda", torch.cuda.current_device())
@@ -293,11 +303,7 @@ def clip_coefficient(total_norm: torch.Tensor, max_norm: float) -> torch.Tensor:
 @torch.no_grad()
 def scale_grads_(params, factor: torch.Tensor, foreach: Optional[bool] = None) -> None:
     """Multiply every gradient of `params` by the device scalar `factor`, in place."""
-    by_device = {}
-    for grad in _grads(params):
-        local = grad.to_local() if is_dtensor(grad) else grad
-        by_device.setdefault(local.device, []).append(local)
-    for device, tensors in by_device.items():
+    for device, tensors in local_grads_by_device(params).items():
         # Gradients offloaded to the CPU (--cpu-offload) need the factor's value on the host: that copy
         # must complete before the CPU multiplies (a non-blocking device-to-host copy would race).
         device_factor = factor.to(device, non_blocking=device.type != "cpu")

@@ -6,8 +6,8 @@ autocast (fairseq.precision), so the fp32 parameters are the master copy and the
 classes here wrap the torch optimizer over those fp32 parameters and do what the trainer's fp16 update
 (fairseq.train_step) does, in upstream's calls: the loss is multiplied by the dynamic loss scale
 (`DynamicLossScaler`, upstream's rules), gradients are unscaled once and clipped to the global norm the trainer
-uses, and an inf/nan norm lowers the scale and raises OverflowError (upstream's signal to skip the update). fp16 parameters are refused: autocast
-wants fp32 weights.
+uses, and an inf/nan norm lowers the scale and raises OverflowError (upstream's signal to skip the update). fp16
+parameters are refused: autocast wants fp32 weights.
 
     optimizer = FP16Optimizer.build_optimizer(cfg, model.parameters())  # cfg: FairseqConfig
     optimizer.backward(loss)
