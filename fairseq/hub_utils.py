@@ -13,7 +13,6 @@ Text goes tokenizer -> BPE -> dictionary ids (`encode`) and back (`decode`); gen
 """
 
 import copy
-import dataclasses
 import logging
 import os
 from collections import OrderedDict
@@ -29,8 +28,8 @@ from fairseq.dataclass.generation import check_unsupported_options
 logger = logging.getLogger(__name__)
 
 # Encoder files found in a model directory -> the --bpe option that names them (applied when the chosen scheme
-# has that option and it is not given). Upstream's sentencepiece name, and GPT-2's two files (upstream fetches
-# those from a URL; here they must be local).
+# has that option and it is not given; a checkpoint's carried file is used from there when the bytes are the
+# same). Upstream's sentencepiece name, and GPT-2's two files (upstream fetches those from a URL).
 MODEL_DIR_FILES = {
     "sentencepiece.bpe.model": "sentencepiece_model",
     "encoder.json": "gpt2_encoder_json",
@@ -48,7 +47,6 @@ def from_pretrained(model_name_or_path: str, checkpoint_file: str = "model.pt", 
     checkpoint's options as `arg_overrides` (`bpe="gpt2"`, `gpt2_encoder_json=...`, `tokenizer="space"`,
     `max_tokens=...`); `trust_legacy_checkpoint=True` reads an upstream fairseq file, which unpickles code."""
     from fairseq import checkpoint_utils
-    from fairseq.checkpoint.inference import component_dataclass
 
     if archive_map is not None:
         model_name_or_path = archive_map.get(model_name_or_path, model_name_or_path)
@@ -74,17 +72,32 @@ def from_pretrained(model_name_or_path: str, checkpoint_file: str = "model.pt", 
 
     paths = [os.path.join(model_path, name) for name in checkpoint_file.split(os.pathsep)]
     state = checkpoint_utils.load_checkpoint_to_cpu(paths[0], trust_legacy_checkpoint=trust_legacy)
-    saved_bpe = state["cfg"].get("bpe") or {}
-    bpe_config = component_dataclass("bpe", kwargs.get("bpe", saved_bpe.get("_name")))
-    bpe_options = {f.name for f in dataclasses.fields(bpe_config)} if bpe_config is not None else set()
-    for filename, option in MODEL_DIR_FILES.items():
-        found = os.path.join(model_path, filename)
-        if option in bpe_options and option not in kwargs and os.path.isfile(found):
-            kwargs[option] = found
+    kwargs.update(_bpe_files(state, kwargs, model_path, paths[0]))
     models, cfg, task = checkpoint_utils.load_model_ensemble_and_task(
         paths, arg_overrides=kwargs, state=state if len(paths) == 1 else None,
         trust_legacy_checkpoint=trust_legacy)
     return {"args": cfg, "task": task, "models": models}
+
+
+def _bpe_files(state, kwargs: Dict[str, Any], model_path: str, checkpoint: str) -> Dict[str, str]:
+    """The --bpe file options from_pretrained passes on: the caller's keyword arguments, with files found in the
+    model directory for those not given; without either, the checkpoint's --bpe and the files it carries
+    (fairseq.checkpoint.vocabulary.resolve_bpe). Every file named exists, else a one-line error."""
+    from fairseq.checkpoint.vocabulary import BPE_FILES, carried, resolve_bpe
+
+    saved = state["cfg"].get("bpe") or {}
+    name = kwargs.get("bpe", saved.get("_name"))
+    options = BPE_FILES.get(name, ())
+    found = {option: os.path.join(model_path, filename) for filename, option in MODEL_DIR_FILES.items()
+             if option in options and os.path.isfile(os.path.join(model_path, filename))}
+    if any(option in kwargs for option in options) or name != saved.get("_name"):  # the caller's choice
+        given = {"_name": name, **(saved if name == saved.get("_name") else {}), **found,
+                 **{option: kwargs[option] for option in options if option in kwargs}}
+        chosen = resolve_bpe(given, None, None, checkpoint, keywords=True)
+    else:
+        chosen = resolve_bpe(None, dict(saved, **found) if saved else None, carried(state), checkpoint,
+                             keywords=True, also_look_in=found.values())
+    return {option: chosen[option] for option in options if chosen and chosen.get(option)}
 
 
 def _local_directory(path: str, argument: str, expected: str) -> str:

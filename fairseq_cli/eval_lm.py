@@ -15,6 +15,7 @@ import torch
 from fairseq import options
 from fairseq.utils import import_user_module, run_console_script
 from fairseq.checkpoint.inference import load_model
+from fairseq.checkpoint.vocabulary import check_bpe_files, resolve_bpe
 from fairseq.criterions.cross_entropy import token_cross_entropy
 from fairseq.data.lm_context_window_dataset import InCorpusOrder, with_context_window
 from fairseq.logging import progress_bar
@@ -257,6 +258,7 @@ def main(cfg, **unused_kwargs) -> dict:
         import_user_module(cfg.common.user_dir)
     announce_compat_options(cfg)
     check_shard(cfg.dataset)
+    check_bpe_files(getattr(cfg, "bpe", None))
     path = cfg.common_eval.path
     if not path:
         raise ValueError("no checkpoint given: pass --path CHECKPOINT.pt (or a sharded checkpoint directory)")
@@ -273,8 +275,8 @@ def main(cfg, **unused_kwargs) -> dict:
 
     overrides = ast.literal_eval(cfg.common_eval.model_overrides)
     # (the task gets --add-bos-token from the checkpoint: a model trained with it expects <s> first)
-    model, _, saved_cfg, task = load_model(path, task_cfg=cfg.task, overrides=overrides,
-                                           trust_legacy=cfg.common.trust_legacy_checkpoint)
+    model, _, saved_cfg, task, vocabulary = load_model(path, task_cfg=cfg.task, overrides=overrides,
+                                                       trust_legacy=cfg.common.trust_legacy_checkpoint)
     model.to(device).eval()
     logger.info(f"loaded {path}: {sum(p.numel() for p in model.parameters()):,} parameters")
 
@@ -292,7 +294,7 @@ def main(cfg, **unused_kwargs) -> dict:
     bos = task.source_dictionary.bos() if getattr(cfg.task, "add_bos_token", False) else None
     batches = with_context_window(itr, context_window, pad, bos) if context_window > 0 else itr
     bpe = word_boundaries(cfg.common_eval.post_process, task.source_dictionary,
-                          *_bpe_encoder(cfg, saved_cfg))
+                          *_bpe_encoder(cfg, saved_cfg, vocabulary, path))
     words = None
     if cfg.eval_lm.output_word_probs or cfg.eval_lm.output_word_stats:
         words = WordOutput(task.source_dictionary, bpe, log_words=cfg.eval_lm.output_word_probs)
@@ -322,9 +324,9 @@ def main(cfg, **unused_kwargs) -> dict:
     return result
 
 
-def _bpe_encoder(cfg, saved_cfg) -> tuple:
-    """(encoder, name) of --bpe, else of the bpe saved in the checkpoint's config when --remove-bpe asks for
-    word boundaries (the flag alone or the scheme's name); (None, None) otherwise."""
+def _bpe_encoder(cfg, saved_cfg, vocabulary, path) -> tuple:
+    """(encoder, name) of --bpe, else of the bpe saved in the checkpoint's config (with the files it carries)
+    when --remove-bpe asks for word boundaries (the flag alone or the scheme's name); (None, None) otherwise."""
     from fairseq.data.encoders import build_bpe
 
     post_process = cfg.common_eval.post_process
@@ -335,11 +337,7 @@ def _bpe_encoder(cfg, saved_cfg) -> tuple:
         return build_bpe(bpe_cfg), bpe_cfg._name
     saved = saved_cfg.get("bpe") if isinstance(saved_cfg, dict) else None
     if isinstance(saved, dict) and saved.get("_name") and post_process in ("subword_nmt", saved["_name"]):
-        try:
-            encoder = build_bpe(saved)
-        except (ValueError, OSError) as e:
-            raise ValueError(f"--remove-bpe: the checkpoint was trained with --bpe {saved['_name']}, whose files "
-                             f"could not be loaded ({e}); pass --bpe {saved['_name']} with its files") from None
+        encoder = build_bpe(resolve_bpe(None, saved, vocabulary, path))
         logger.info(f"--remove-bpe: word boundaries from the checkpoint's --bpe {saved['_name']}")
         return encoder, saved["_name"]
     return None, None

@@ -23,6 +23,7 @@ import torch
 
 from fairseq import options
 from fairseq.checkpoint.inference import load_model
+from fairseq.checkpoint.vocabulary import check_bpe_files, resolve_bpe
 from fairseq.data.batching import resolve_limit
 from fairseq.dataclass.generation import check_generation_config
 from fairseq.dataclass.validate import announce_compat_options, check_shard
@@ -56,19 +57,30 @@ def load_ensemble(cfg):
     dtype = compute_dtype(cfg.common)
     retain_dropout = cfg.generation.retain_dropout
     task_cfg = cfg.task if getattr(cfg.task, "data", None) else None
-    models, task, saved_bpe = [], None, None
+    models, task, first = [], None, None
     for path in paths:
         loaded = load_model(path, task=task, task_cfg=task_cfg, overrides=overrides,
                             trust_legacy=cfg.common.trust_legacy_checkpoint)
-        task, task_cfg = loaded.task, None
-        saved_bpe = saved_bpe or (loaded.saved_cfg.get("bpe") or {}).get("_name")
+        task, task_cfg, first = loaded.task, None, first or loaded
         models.append(loaded.model.to(device=device, dtype=dtype).train(retain_dropout))
         logger.info(f"loaded {path}: {sum(p.numel() for p in loaded.model.parameters()):,} parameters, "
                     f"{str(dtype).replace('torch.', '')} on {device}")
-    if saved_bpe and cfg.bpe is None:
-        logger.info(f"the model was trained on --bpe {saved_bpe} text; without --bpe here the input is read as "
-                    f"already encoded (pass --bpe {saved_bpe} and its files to encode raw text)")
+    use_checkpoint_tokenizer(cfg, first, paths[0])
     return models, task, device
+
+
+def use_checkpoint_tokenizer(cfg, loaded, path: str) -> None:
+    """--bpe / --tokenizer not given: the checkpoint's, with the --bpe files it carries (upstream reads only
+    the command line's; `--model-overrides "{'bpe': None}"` reads already encoded text)."""
+    saved = (loaded.saved_cfg.get("bpe") or {}).get("_name")
+    if cfg.bpe is None and saved and cfg.common_eval.post_process:  # D- would decode joined words again
+        logger.info(f"--remove-bpe given: the checkpoint's --bpe {saved} is not applied (pass --bpe {saved} for "
+                    "decoded D- lines instead)")
+    elif cfg.bpe is None and saved:
+        cfg.bpe = resolve_bpe(None, loaded.saved_cfg["bpe"], loaded.vocabulary, path)
+        logger.info(f"text is encoded and decoded with the checkpoint's --bpe {saved}")
+    if cfg.tokenizer is None:
+        cfg.tokenizer = loaded.cfg.tokenizer
 
 
 def seed_everything(cfg) -> None:
@@ -105,6 +117,7 @@ def setup(cfg, interactive=None):
     if cfg.common.user_dir:
         import_user_module(cfg.common.user_dir)
     check_generation_config(cfg.generation, cfg.dataset, interactive)
+    check_bpe_files(cfg.bpe)
     announce_compat_options(cfg)
     check_shard(cfg.dataset)
     seed_everything(cfg)

@@ -82,6 +82,7 @@ def _train_with(cfg, preemption, checkpoints) -> Optional[str]:
     torch.manual_seed(cfg.common.seed)
 
     task = registry.TASK_REGISTRY.get(cfg.task._name).setup_task(cfg.task)
+    checkpoints.carry_vocabulary(task)  # every checkpoint carries the dictionary's fingerprint and --bpe files
     if not cfg.dataset.disable_validation:
         raise_if_valid_subsets_unintentionally_ignored(cfg)
     for subset in cfg.dataset.valid_subset.split(","):

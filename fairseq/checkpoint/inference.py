@@ -17,6 +17,7 @@ from fairseq.checkpoint import sharded
 from fairseq.checkpoint.io import CheckpointError, load_checkpoint_file
 from fairseq.checkpoint.legacy import is_legacy_checkpoint, upgrade_legacy_checkpoint
 from fairseq.checkpoint.manager import check_architecture
+from fairseq.checkpoint.vocabulary import carried, check_dictionary
 from fairseq.dataclass.utils import config_from_dict
 
 # Config groups chosen by name (`_name`), in FairseqConfig's order.
@@ -29,6 +30,7 @@ class ShardedCheckpoint:
 
     path: str  # the resolved directory
     trust_legacy: bool = False  # --trust-legacy-checkpoint: read it with plain pickle
+    vocabulary: Optional[Dict[str, Any]] = None  # metadata.pt's record (fairseq.checkpoint.vocabulary)
 
 
 def read_checkpoint_config(path: str, trust_legacy: bool = False
@@ -36,8 +38,8 @@ def read_checkpoint_config(path: str, trust_legacy: bool = False
     """(saved cfg as a plain dict, full state of a file or a ShardedCheckpoint for a sharded directory)."""
     if os.path.isdir(path):
         resolved = _resolve_directory(path)
-        cfg = sharded.read_metadata(resolved, trust_legacy=trust_legacy)["cfg"]
-        return cfg, ShardedCheckpoint(resolved, trust_legacy)
+        metadata = sharded.read_metadata(resolved, trust_legacy=trust_legacy)
+        return metadata["cfg"], ShardedCheckpoint(resolved, trust_legacy, carried(metadata))
     state = _upgraded(load_checkpoint_file(path, trust_legacy=trust_legacy))
     return state["cfg"], state
 
@@ -212,6 +214,7 @@ class LoadedModel(NamedTuple):
     cfg: Any  # config_from_saved of `saved_cfg`
     saved_cfg: Dict[str, Any]  # the checkpoint's config dict, overrides applied
     task: Any
+    vocabulary: Optional[Dict[str, Any]] = None  # what it carries about its text (resolve_bpe's `record`)
 
 
 def load_model(path: str, task=None, task_cfg=None, overrides: Optional[Dict[str, Any]] = None,
@@ -243,6 +246,7 @@ def load_model(path: str, task=None, task_cfg=None, overrides: Optional[Dict[str
         task = registry.TASK_REGISTRY.get(task_cfg._name).setup_task(task_cfg)
     model = task.build_model(cfg.model)
     load_model_weights(model, path, state, strict=strict)
+    check_dictionary(path, carried(state), getattr(task, "source_dictionary", None))
     if isinstance(state, dict) and state.get("task_state"):
         task.load_state_dict(state["task_state"])
-    return LoadedModel(model, cfg, saved, task)
+    return LoadedModel(model, cfg, saved, task, carried(state))

@@ -8,7 +8,8 @@ best validation value. `CheckpointManager.resume` gives each part its state back
 Layout of a single-file checkpoint (upstream's keys, plain containers only):
   cfg, criterion, optimizer_history [{criterion_name, optimizer_name, lr_scheduler_state, num_updates}],
   task_state, extra_state {train_iterator, val_loss, best, metrics, previous_training_time, trainer,
-  data_parallel_size[, ema, ema_fp32_params]}, model, last_optimizer_state.
+  data_parallel_size[, ema, ema_fp32_params]}, model, last_optimizer_state; and the fork's vocabulary (the
+  dictionary's fingerprint and the --bpe files: fairseq.checkpoint.vocabulary).
 extra_state.trainer is the trainer's state. optimizer_history[-1]'s lr_scheduler_state and num_updates and
 extra_state.previous_training_time are upstream's places for parts of it: written for upstream's tools, read
 only from files without extra_state.trainer. A sharded checkpoint has the same keys: model and optimizer in
@@ -39,6 +40,7 @@ from fairseq.checkpoint.paths import (
     prune_checkpoints,
     resolve_restore_path,
 )
+from fairseq.checkpoint.vocabulary import KEY as VOCABULARY_KEY, carried, check_dictionary, make_record
 from fairseq.checkpoint.save_dir import SaveDirLock, check_writable, remove_stale_temporaries
 from fairseq.dataclass.utils import config_to_dict
 from fairseq.distributed.utils import barrier, broadcast_from_master, get_data_parallel_world_size, get_rank
@@ -104,6 +106,12 @@ class CheckpointManager:
         self._patience_best: Optional[float] = None
         self._validations_without_improvement = 0
         self._lock: Optional[SaveDirLock] = None
+        self._vocabulary: Optional[Dict[str, Any]] = None  # vocabulary.make_record, read once per run
+
+    def carry_vocabulary(self, task) -> None:
+        """Read what every checkpoint of this run carries about its text (the dictionary's fingerprint, the
+        --bpe files), once, at start-up."""
+        self._vocabulary = make_record(getattr(task, "source_dictionary", None), getattr(self.cfg, "bpe", None))
 
     def open_save_dir(self) -> None:
         """Start-up, on every rank: check that --save-dir is writable where this rank will write (rank 0; every
@@ -224,6 +232,7 @@ class CheckpointManager:
                 "num_updates": trainer_state["num_updates"],
             }],
             "task_state": {},
+            VOCABULARY_KEY: self._vocabulary_of(trainer),
             "extra_state": {
                 "train_iterator": epoch_itr.state_dict(),
                 "val_loss": val_loss,
@@ -234,6 +243,11 @@ class CheckpointManager:
                 "data_parallel_size": trainer.data_parallel_size,
             },
         }
+
+    def _vocabulary_of(self, trainer) -> Dict[str, Any]:
+        if self._vocabulary is None:  # upstream's save_checkpoint(cfg.checkpoint, trainer, ...) path
+            self.carry_vocabulary(trainer.task)
+        return self._vocabulary
 
     # ------------------------------------------------------------------ resume
     def resume(self, trainer, make_iterator: Callable[[int], Any], meters: "Stateful" = metrics) -> Resumed:
@@ -355,6 +369,7 @@ class CheckpointManager:
         if resuming:
             check_same_model_options(path, state, self.cfg)
         check_architecture(path, state, model_state_for_checking(trainer.model))
+        check_dictionary(path, carried(state), getattr(trainer.task, "source_dictionary", None))
         return state
 
     def _load_weights_only(self, trainer, path: str):

@@ -54,6 +54,7 @@ def _training_device(cfg):
 def validate(cfg) -> None:
     """Raise ValueError, naming the flag and the fix, for the first problem of a training config."""
     from fairseq.checkpoint.manager import parse_optimizer_overrides
+    from fairseq.checkpoint.vocabulary import check_bpe_files
     from fairseq.data.indexed_dataset import check_dataset_impl
     from fairseq.distributed.fsdp import check_fsdp_flags
     from fairseq.models.ema import check_ema_config
@@ -82,6 +83,7 @@ def validate(cfg) -> None:
 
         parse_update_range(cfg.common.profile_updates)
     check_ema_config(getattr(cfg, "ema", None))
+    check_bpe_files(getattr(cfg, "bpe", None))  # the checkpoints will carry them
     registry.arch_model(cfg.model._name).check_config(cfg.model)
 
 

@@ -70,6 +70,7 @@ class Source:
     dictionary: Dictionary
     dict_path: str
     saved_cfg: dict
+    vocabulary: Optional[dict] = None  # what the checkpoint carries (fairseq.checkpoint.vocabulary)
 
     @property
     def tied(self) -> bool:
@@ -116,6 +117,7 @@ def load_source(path: str, dict_path: Optional[str] = None, trust_legacy: bool =
     from fairseq.checkpoint.consolidate import read_full_state
     from fairseq.checkpoint.inference import ShardedCheckpoint, read_checkpoint_config
     from fairseq.checkpoint.manager import check_architecture
+    from fairseq.checkpoint.vocabulary import carried, check_dictionary
     from fairseq.models.transformer_lm import TransformerLanguageModel, resolve_max_target_positions
 
     if not os.path.exists(path):
@@ -128,6 +130,7 @@ def load_source(path: str, dict_path: Optional[str] = None, trust_legacy: bool =
                          "language models can be exported to transformers")
     cfg = config_from_dict(registry.dataclass_of(TransformerLanguageModel), model_values, name=arch)
     cfg.max_target_positions = resolve_max_target_positions(cfg)
+    vocabulary = carried(state)
     if isinstance(state, ShardedCheckpoint):
         model_state = read_full_state(state.path, keys=["model"], trust_legacy=state.trust_legacy)["model"]
     else:
@@ -142,7 +145,8 @@ def load_source(path: str, dict_path: Optional[str] = None, trust_legacy: bool =
         expected = TransformerLanguageModel.build(cfg, len(dictionary), dictionary.pad(), output_vocab_size=(
             output_size if output_size is not None and output_size >= 0 else None)).state_dict()
     check_architecture(path, {"model": model_state, "cfg": saved_cfg}, expected)
-    return Source(path, cfg, model_state, dictionary, dict_path, saved_cfg)
+    check_dictionary(path, vocabulary, dictionary)
+    return Source(path, cfg, model_state, dictionary, dict_path, saved_cfg, vocabulary)
 
 
 # ------------------------------------------------------------------------------------------------ what maps
@@ -331,7 +335,7 @@ def export(checkpoint: str, out_dir: str, dict_path: Optional[str] = None, model
     tokenizer. The directory is assembled beside `out_dir` and renamed into place when complete.
     """
     require_transformers()
-    from fairseq.export.hf_tokenizer import build_hf_tokenizer, resolve_bpe
+    from fairseq.export.hf_tokenizer import build_hf_tokenizer, export_bpe
 
     if dtype is not None and dtype not in DTYPES:
         raise ValueError(f"--dtype {dtype!r}: choose one of {', '.join(DTYPES)}")
@@ -341,7 +345,7 @@ def export(checkpoint: str, out_dir: str, dict_path: Optional[str] = None, model
 
     src = load_source(checkpoint, dict_path, trust_legacy=trust_legacy)
     chosen = choose_model_type(src, model_type)
-    bpe_cfg = resolve_bpe(bpe, src.saved_cfg) if tokenizer else None
+    bpe_cfg = export_bpe(bpe, src) if tokenizer else None
     # Build the tokenizer before writing anything: its refusal must not leave a half-written export.
     hf_tok = build_hf_tokenizer(bpe_cfg, src) if bpe_cfg is not None else None
     target_dtype = DTYPES[dtype] if dtype else None

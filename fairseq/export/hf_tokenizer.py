@@ -14,37 +14,27 @@ tokenizer does not look for in the text (`split_special_tokens`: a literal "</s>
 fairseq does). Encoding adds the token every training sequence began with: </s> (<s> with --add-bos-token).
 """
 
-import os
 from typing import Dict, List, Optional, Tuple
 
+from fairseq.checkpoint.vocabulary import resolve_bpe
 from fairseq.data.dictionary import Dictionary
 
 BPE_SCHEMES = ("gpt2", "sentencepiece")
-_FILES = {"gpt2": (("gpt2_encoder_json", "--gpt2-encoder-json"), ("gpt2_vocab_bpe", "--gpt2-vocab-bpe")),
-          "sentencepiece": (("sentencepiece_model", "--sentencepiece-model"),)}
 
 
-def resolve_bpe(bpe: Optional[dict], saved_cfg: dict) -> Optional[dict]:
-    """The BPE to build the tokenizer from: `bpe` (the command line's), else the checkpoint's saved --bpe;
-    None when neither names one. Raises ValueError / FileNotFoundError naming the flag to fix."""
-    source = "--bpe"
-    if bpe is None:
-        saved = saved_cfg.get("bpe") if isinstance(saved_cfg, dict) else None
-        if not isinstance(saved, dict) or not saved.get("_name"):
-            return None
-        bpe, source = saved, "the checkpoint's --bpe"
-    name = bpe.get("_name")
+def export_bpe(bpe: Optional[dict], src) -> Optional[dict]:
+    """The BPE to build the tokenizer from: `bpe` (the command line's), else the checkpoint's saved --bpe with
+    the files it carries (fairseq.checkpoint.vocabulary.resolve_bpe); None when neither names one. Raises
+    ValueError / FileNotFoundError naming the flag to fix."""
+    saved = src.saved_cfg.get("bpe") if isinstance(src.saved_cfg, dict) else None
+    name = (bpe or saved or {}).get("_name")
+    if name is None:
+        return None
     if name not in BPE_SCHEMES:
+        source = "--bpe" if bpe is not None else "the checkpoint's --bpe"
         raise ValueError(f"{source} {name}: a transformers tokenizer is written for --bpe gpt2 or sentencepiece "
                          "only; pass --no-tokenizer to export the model alone")
-    for field, flag in _FILES[name]:
-        path = bpe.get(field)
-        if not path:
-            raise ValueError(f"{source} {name} needs {flag} for the tokenizer (or pass --no-tokenizer)")
-        if not os.path.isfile(path):
-            raise FileNotFoundError(f"{source} {name}: {flag} {path} does not exist; pass {flag} with the file "
-                                    "the data was encoded with, or --no-tokenizer")
-    return dict(bpe)
+    return resolve_bpe(bpe, saved, src.vocabulary, src.path)
 
 
 def build_hf_tokenizer(bpe_cfg: dict, src):
