@@ -232,7 +232,6 @@ class CheckpointManager:
                 "num_updates": trainer_state["num_updates"],
             }],
             "task_state": {},
-            VOCABULARY_KEY: self._vocabulary_of(trainer),
             "extra_state": {
                 "train_iterator": epoch_itr.state_dict(),
                 "val_loss": val_loss,
@@ -242,11 +241,12 @@ class CheckpointManager:
                 "trainer": trainer_state,
                 "data_parallel_size": trainer.data_parallel_size,
             },
+            VOCABULARY_KEY: self._vocabulary_of(trainer),  # the fork's: after upstream's keys
         }
 
     def _vocabulary_of(self, trainer) -> Dict[str, Any]:
         if self._vocabulary is None:  # upstream's save_checkpoint(cfg.checkpoint, trainer, ...) path
-            self.carry_vocabulary(trainer.task)
+            self.carry_vocabulary(getattr(trainer, "task", None))
         return self._vocabulary
 
     # ------------------------------------------------------------------ resume

@@ -70,14 +70,14 @@ def _read(path: str, what: str) -> bytes:
         raise ValueError(f"{what}: cannot be read ({e.strerror}); pass a readable file") from None
 
 
-def check_bpe_files(cfg, source: str = "--bpe") -> None:
+def check_bpe_files(cfg) -> None:
     """Start-up check of a chosen --bpe (the command line's or keyword arguments): each file it needs is named
     and readable. One-line error naming the flag, the path and the fix."""
     name = _get(cfg, "_name")
     for option in BPE_FILES.get(name, ()):
         path = _get(cfg, option)
         if not path:
-            raise ValueError(f"{source} {name} needs {flag(option)} PATH (the file the data was encoded with)")
+            raise ValueError(f"--bpe {name} needs {flag(option)} PATH (the file the data was encoded with)")
         _read(str(path), f"{flag(option)} {path}")
 
 
@@ -154,7 +154,7 @@ def resolve_bpe(given, saved_bpe, record: Optional[Dict[str, Any]], checkpoint: 
     arguments). A carried file is used from the saved path or a path in `also_look_in` that holds the same
     bytes, else from a private copy written for this process."""
     if given is not None:
-        check_bpe_files(given, "from_pretrained: bpe=" if keywords else "--bpe")
+        check_bpe_files(given)
         return bpe_options(given)
     saved = bpe_options(saved_bpe)
     if saved is None:

@@ -390,7 +390,7 @@ REFUSED = {
     "bad_shard_size": ("transformer_lm_gpt", {}, {"max_shard_size": "lots"}, "--max-shard-size 'lots'"),
     "saved_bpe_missing": ("transformer_lm_gpt", {}, {"bpe": {"_name": "gpt2", "gpt2_encoder_json": "/nope.json",
                                                             "gpt2_vocab_bpe": "/nope.bpe"}},
-                          "--gpt2-encoder-json /nope.json does not exist"),
+                          "--gpt2-encoder-json /nope.json: no such file"),
 }
 
 

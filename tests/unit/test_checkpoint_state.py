@@ -35,7 +35,7 @@ def test_the_parts_are_stateful():
 
 def test_checkpoint_is_composed_in_upstreams_layout_with_its_copies_of_the_trainer_state():
     state = CheckpointManager(FairseqConfig())._compose(FakeTrainer(), FakeIterator(), 3.0, {"train": []})
-    assert list(state) == ["cfg", "criterion", "optimizer_history", "task_state", "extra_state"]
+    assert list(state) == ["cfg", "criterion", "optimizer_history", "task_state", "extra_state", "vocabulary"]
     extra = state["extra_state"]
     assert list(extra) == ["train_iterator", "val_loss", "best", "metrics", "previous_training_time", "trainer",
                            "data_parallel_size"]

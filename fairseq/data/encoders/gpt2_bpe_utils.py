@@ -101,7 +101,9 @@ def _read_text(path, what: str) -> str:
     if path.startswith(("http://", "https://")):
         raise ValueError(f"GPT-2 BPE {what} {path!r} is a URL; files are not downloaded here: {DOWNLOAD_HINT}")
     if not os.path.isfile(path):
-        raise FileNotFoundError(f"GPT-2 BPE {what} {path!r} does not exist: {DOWNLOAD_HINT}")
+        # the user's own file is missing: no advice to fetch GPT-2's, which would encode other ids
+        raise FileNotFoundError(f"GPT-2 BPE {what} {path!r} does not exist (relative paths are read from "
+                                f"{os.getcwd()}); pass the {what} the data was encoded with")
     try:
         with open(path, "r", encoding="utf-8") as f:
             return f.read()
