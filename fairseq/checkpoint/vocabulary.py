@@ -15,6 +15,7 @@ Checkpoints without the key (older ones, upstream's) keep the size check and the
 """
 
 import atexit
+import dataclasses
 import hashlib
 import os
 import shutil
@@ -33,8 +34,6 @@ def flag(option: str) -> str:
 
 def _get(cfg, name: str, default=None):
     """A value of a config given as a dataclass, a namespace, a dict or a DictConfig."""
-    import dataclasses
-
     if cfg is None:
         return default
     if not dataclasses.is_dataclass(cfg) and hasattr(cfg, "keys") and hasattr(cfg, "get"):
@@ -47,10 +46,8 @@ def bpe_options(cfg) -> Optional[Dict[str, Any]]:
     name = _get(cfg, "_name")
     if cfg is None or name in (None, "none"):
         return None
-    import dataclasses
-
     if dataclasses.is_dataclass(cfg):
-        return {"_name": name, **{f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}}
+        return {**{f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}, "_name": name}
     if hasattr(cfg, "keys"):
         return {key: cfg.get(key) for key in cfg.keys()}
     return {"_name": name, **{o: _get(cfg, o) for o in BPE_FILES.get(name, ())}}

@@ -266,16 +266,18 @@ def test_a_missing_tokenizer_file_is_one_line_at_start_up(trained, tmp_path, mon
                                                  gpt2_encoder_json="nope/encoder.json")
 
 
-def test_the_hydra_bpe_group_is_checked_too(trained, tmp_path):
-    from fairseq.dataclass.validate import validate
-    from fairseq import options
+def test_the_hydra_bpe_group_is_checked_at_start_up_too(trained, tmp_path, monkeypatch):
+    from fairseq_cli import hydra_train
+    from tests.integration.test_hydra_train import hydra_args
 
-    parser = options.get_training_parser()
-    args = options.parse_args_and_arch(parser, list(map(str, tiny_train_argv(
-        trained["data"], tmp_path, "--bpe", "sentencepiece", "--sentencepiece-model", tmp_path / "no.model",
-        max_update=1))))
-    with pytest.raises(FileNotFoundError, match=r"--sentencepiece-model .*no\.model: no such file"):
-        validate(options.convert_namespace_to_config(args))
+    monkeypatch.chdir(tmp_path)
+    bpe = "++bpe={_name:gpt2,gpt2_encoder_json:nope/encoder.json,gpt2_vocab_bpe:nope/vocab.bpe}"
+    status, _, err = console_in_process("fairseq-hydra-train", hydra_train.cli_main, hydra_args(
+        f"task.data={trained['data']}", "checkpoint.save_dir=ck", "hydra.run.dir=.", "hydra/job_logging=none", bpe))
+    assert status == 1 and err.strip() == (
+        f"fairseq-hydra-train: error: --gpt2-encoder-json {tmp_path}/nope/encoder.json: no such file (relative "
+        f"paths are read from {tmp_path}); pass the file the data was encoded with")
+    assert not (tmp_path / "ck").exists()
 
 
 # ------------------------------------------------------------------------------------------ older checkpoints
