@@ -122,6 +122,12 @@ def test_prompt_longer_than_the_model(tiny_data, ckpt, monkeypatch, capsys):
 @pytest.mark.parametrize("extra, stdin_text, status, message", [
     (["--beam", 5, "--sampling"], "w1\n", 2, "--sampling requires --nbest to be equal to --beam"),
     (["--sampling-topk", 5], "w1\n", 1, "--sampling-topk 5 requires --sampling"),
+    (["--sampling-topk", -5], "w1\n", 2, "--sampling-topk -5 is out of range: -1 (off: all tokens) or a number of "
+                                          "tokens, at least 1"),
+    (["--sampling", "--beam", 1, "--sampling-topp", -0.5], "w1\n", 2, "--sampling-topp -0.5 is out of range: -1 "
+                                                                        "(off: all tokens) or a probability mass in "
+                                                                        "(0, 1]"),
+    (["--sampling", "--beam", 1, "--sampling-topp", 1.5], "w1\n", 2, "--sampling-topp 1.5 is out of range"),
     (["--batch-size", 4, "--buffer-size", 2], "w1\n", 2, "--batch-size/--max-sentences 4 cannot be larger than "
                                                          "--buffer-size 2"),
     (["--beams", 2], "w1\n", 2, "unrecognized arguments: --beams 2"),
