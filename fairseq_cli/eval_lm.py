@@ -16,6 +16,8 @@ from fairseq import options
 from fairseq.utils import import_user_module, run_console_script
 from fairseq.checkpoint.inference import load_model
 from fairseq.criterions.cross_entropy import token_cross_entropy
+from fairseq.data.batching import resolve_limit
+from fairseq.data.block_positions import block_limit, check_blocks_fit
 from fairseq.data.lm_context_window_dataset import InCorpusOrder, with_context_window
 from fairseq.logging import progress_bar
 from fairseq.dataclass.validate import announce_compat_options, check_shard
@@ -280,11 +282,12 @@ def main(cfg, **unused_kwargs) -> dict:
 
     task.load_dataset(cfg.dataset.gen_subset)
     dataset = task.dataset(cfg.dataset.gen_subset)
+    max_positions = _block_limit(cfg, task, model, dataset, context_window)
     if context_window > 0:
         dataset = InCorpusOrder(dataset)
     itr = task.get_batch_iterator(
         dataset=dataset, max_tokens=cfg.dataset.max_tokens, max_sentences=cfg.dataset.batch_size,
-        max_positions=None, ignore_invalid_inputs=True, seed=cfg.common.seed,
+        max_positions=max_positions, ignore_invalid_inputs=True, seed=cfg.common.seed,
         num_shards=cfg.dataset.num_shards, shard_id=cfg.dataset.shard_id, num_workers=cfg.dataset.num_workers,
         epoch=1,
     ).next_epoch_itr(shuffle=False)
@@ -320,6 +323,15 @@ def main(cfg, **unused_kwargs) -> dict:
             json.dump(dict(result, path=path, gen_subset=cfg.dataset.gen_subset), f, indent=1)
         logger.info(f"wrote {out}")
     return result
+
+
+def _block_limit(cfg, task, model, dataset, context_window: int) -> Optional[int]:
+    """The longest block the model may read (its trained positions, less the context window): a longer one
+    is an error, or skipped with --skip-invalid-size-inputs-valid-test."""
+    max_positions = resolve_limit(task.max_positions(), model.max_positions())
+    if not cfg.dataset.skip_invalid_size_inputs_valid_test:
+        check_blocks_fit(dataset.sizes, max_positions, cfg.dataset.gen_subset, cfg.task, context_window)
+    return block_limit(max_positions, context_window)
 
 
 def _bpe_encoder(cfg, saved_cfg) -> tuple:

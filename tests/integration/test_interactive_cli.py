@@ -3,6 +3,7 @@ tiny model trained here by fairseq-train: upstream's S-/W-/H-/D-/P- lines, in in
 hub interface gives for the same prompts; bad input is one line naming the flag, exit status non-zero."""
 
 import io
+import logging
 import math
 import os
 import re
@@ -105,7 +106,7 @@ def test_without_data_the_checkpoints_dictionary_is_used(tiny_data, ckpt, monkey
     assert [r for r in parse(without) if r[0] != "W"] == [r for r in parse(with_data) if r[0] != "W"]
 
 
-def test_prompt_longer_than_the_model(tiny_data, ckpt, monkeypatch, capsys):
+def test_prompt_longer_than_the_model(tiny_data, ckpt, monkeypatch, capsys, caplog):
     long_prompt = " ".join(["w1"] * 40)
     status, out, err = run(monkeypatch, capsys, argv(tiny_data, ckpt, "--beam", 1), long_prompt + "\nw2\n")
     assert status == 1 and "Traceback" not in err
@@ -113,10 +114,16 @@ def test_prompt_longer_than_the_model(tiny_data, ckpt, monkeypatch, capsys):
         "fairseq-interactive: error: prompt 0 is 41 tokens long (with the </s> it starts from), more than the "
         "model's 32 positions (the --tokens-per-sample / --max-target-positions it was trained with); shorten the "
         "prompt, or pass --skip-invalid-size-inputs-valid-test to skip such prompts")
-    status, out, _ = run(monkeypatch, capsys, argv(tiny_data, ckpt, "--beam", 1, "--max-len-b", 5,
-                                                   "--skip-invalid-size-inputs-valid-test"), long_prompt + "\nw2\n")
+    # skipped: the warning names the prompt's number in the input (here the third, read in a buffer of its own)
+    with caplog.at_level(logging.WARNING):
+        status, out, _ = run(monkeypatch, capsys, argv(tiny_data, ckpt, "--beam", 1, "--max-len-b", 5,
+                                                       "--skip-invalid-size-inputs-valid-test"),
+                             f"w2\nw3\n{long_prompt}\nw4\n")
     assert status == 0
-    assert [(kind, i) for kind, i, _ in parse(out) if kind in "SH"] == [("S", 1), ("H", 1)]
+    assert [i for kind, i, _ in parse(out) if kind == "H"] == [0, 1, 3]
+    assert [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING] == [
+        "prompt 2 is 41 tokens long (with the </s> it starts from), more than the model's 32 positions: skipped "
+        "(--skip-invalid-size-inputs-valid-test)"]
 
 
 @pytest.mark.parametrize("extra, stdin_text, status, message", [
