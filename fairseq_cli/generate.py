@@ -88,11 +88,14 @@ def symbols_to_strip(generator, tgt_dict) -> set:
 
 
 def print_hypotheses(sample_id: int, hypos: list, nbest: int, tgt_dict, post_process: Optional[str], codec,
-                     strip: set, out: TextIO) -> None:
+                     strip: set, out: TextIO, text_only: bool = False) -> None:
     """Upstream's H- (tokens), D- (decoded text) and P- (per-token) lines of the `nbest` best hypotheses;
-    scores in base 2 (the generator's are natural logs)."""
+    scores in base 2 (the generator's are natural logs). `text_only` (--text-only): the decoded text alone."""
     for hypo in hypos[:nbest]:
         hypo_str = tgt_dict.string(hypo["tokens"].int().cpu(), post_process, extra_symbols_to_ignore=strip)
+        if text_only:
+            print(codec.decode(hypo_str), file=out)
+            continue
         score = hypo["score"] / math.log(2)
         print(f"H-{sample_id}\t{score}\t{hypo_str}", file=out)
         print(f"D-{sample_id}\t{score}\t{codec.decode(hypo_str)}", file=out)
@@ -150,6 +153,7 @@ def _main(cfg, out: TextIO) -> dict:
     strip = symbols_to_strip(generator, tgt_dict)
     post_process = cfg.common_eval.post_process
     prefix_size = cfg.generation.prefix_size
+    text_only = cfg.generation.text_only
 
     sentences = generated = 0
     elapsed = 0.0
@@ -165,14 +169,16 @@ def _main(cfg, out: TextIO) -> dict:
         for i, sample_id in enumerate(sample["id"].tolist()):
             src_tokens = _strip_pad(sample["net_input"]["src_tokens"][i], tgt_dict.pad())
             target = sample.get("target")
-            if not cfg.common_eval.quiet:
+            if cfg.common_eval.quiet:
+                continue
+            if not text_only:
                 print(f"S-{sample_id}\t{codec.decode(src_dict.string(src_tokens, post_process))}", file=out)
                 if target is not None:
                     target_str = tgt_dict.string(_strip_pad(target[i], tgt_dict.pad()).int().cpu(), post_process,
                                                  escape_unk=True, extra_symbols_to_ignore=strip)
                     print(f"T-{sample_id}\t{codec.decode(target_str)}", file=out)
-                print_hypotheses(sample_id, hypos[i], cfg.generation.nbest, tgt_dict, post_process, codec, strip,
-                                 out)
+            print_hypotheses(sample_id, hypos[i], cfg.generation.nbest, tgt_dict, post_process, codec, strip, out,
+                             text_only)
         sentences += len(hypos)
     logger.info("NOTE: hypothesis and token scores are output in base 2")
     logger.info(f"Translated {sentences:,} sentences ({generated:,} tokens) in {elapsed:.1f}s "

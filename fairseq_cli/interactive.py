@@ -95,7 +95,8 @@ def main(cfg) -> int:
     if cfg.interactive.buffer_size > 1:
         logger.info(f"Sentence buffer size: {cfg.interactive.buffer_size}")
     logger.info("NOTE: hypothesis and token scores are output in base 2")
-    logger.info("Type the input sentence and press return:")
+    if cfg.interactive.input == "-" and sys.stdin.isatty():  # a prompt for a person, not for a pipe
+        logger.info("Type the input sentence and press return:")
     start_id, generate_time = 0, 0.0
     for lines in buffered_read(cfg.interactive.input, cfg.interactive.buffer_size):
         results = []
@@ -111,10 +112,11 @@ def main(cfg) -> int:
                 results.append((start_id + kept[sample_id], src_tokens[src_tokens.ne(tgt_dict.pad())], sample_hypos,
                                 seconds / len(hypos)))
         for sample_id, src_tokens, sample_hypos, seconds in sorted(results, key=lambda r: r[0]):
-            print(f"S-{sample_id}\t{src_dict.string(src_tokens, post_process)}")
-            print(f"W-{sample_id}\t{seconds:.3f}\tseconds")
+            if not cfg.generation.text_only:
+                print(f"S-{sample_id}\t{src_dict.string(src_tokens, post_process)}")
+                print(f"W-{sample_id}\t{seconds:.3f}\tseconds")
             print_hypotheses(sample_id, sample_hypos, cfg.generation.nbest, tgt_dict, post_process, codec, strip,
-                             sys.stdout)
+                             sys.stdout, cfg.generation.text_only)
         sys.stdout.flush()
         start_id += len(lines)
     logger.info(f"Total time: {time.perf_counter() - start_time:.3f} seconds; translation time: "

@@ -178,3 +178,14 @@ def test_missing_inputs(tiny_data, tmp_path, capsys):
                                            "checkpoint file or sharded checkpoint directory")
     status, _, err = run(capsys, ["--task", "language_modeling", "--path", str(tmp_path / "nope.pt")])
     assert status == 1 and "pass the data directory (DATA)" in err
+
+
+def test_text_only_prints_the_decoded_hypotheses_alone(tiny_data, ckpt, capsys):
+    flags = ("--prefix-size", 2, "--beam", 3, "--nbest", 2, "--max-len-b", 6, "--batch-size", 7)
+    status, full, _ = run(capsys, argv(tiny_data, ckpt, *flags))
+    assert status == 0
+    status, text, _ = run(capsys, argv(tiny_data, ckpt, *flags, "--text-only"))
+    assert status == 0
+    # one line per hypothesis, in upstream's order (samples as batched, each one's hypotheses best first)
+    decoded = [line.split("\t")[2] for line in full.splitlines() if line.startswith("D-")]
+    assert text.splitlines() == decoded and len(decoded) == 2 * 40

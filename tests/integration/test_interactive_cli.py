@@ -158,3 +158,28 @@ def test_missing_checkpoint(tiny_data, tmp_path, monkeypatch, capsys):
     assert status == 1
     assert err.strip() == f"fairseq-interactive: error: --path {tmp_path / 'nope.pt'}: no such checkpoint file or " \
                           "sharded checkpoint directory"
+
+
+class _Terminal(io.StringIO):
+    def isatty(self):
+        return True
+
+
+def test_text_only_and_the_prompt_only_on_a_terminal(tiny_data, ckpt, monkeypatch, capsys, caplog):
+    args = argv(tiny_data, ckpt, "--beam", 2, "--nbest", 2, "--max-len-b", 8, "--buffer-size", 3, "--batch-size", 2)
+    stdin_text = "\n".join(PROMPTS) + "\n"
+    with caplog.at_level(logging.INFO):
+        status, full, _ = run(monkeypatch, capsys, args, stdin_text)
+    assert status == 0
+    assert "Type the input sentence" not in caplog.text  # standard input is no terminal here
+    # --text-only: the D- lines' text alone, one line per hypothesis, in the same order (prompt, then best first)
+    status, text, _ = run(monkeypatch, capsys, args + ["--text-only"], stdin_text)
+    assert status == 0
+    assert text.splitlines() == [fields[1] for kind, _, fields in parse(full) if kind == "D"]
+    assert len(text.splitlines()) == 2 * len(PROMPTS)
+    caplog.clear()
+    monkeypatch.setattr(sys, "stdin", _Terminal("w1\n"))
+    with caplog.at_level(logging.INFO):
+        run_console_script("fairseq-interactive", interactive.cli_main, argv(tiny_data, ckpt, "--beam", 1,
+                                                                              "--max-len-b", 4))
+    assert "Type the input sentence and press return:" in caplog.text
