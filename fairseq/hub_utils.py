@@ -23,7 +23,7 @@ from torch import nn
 
 from fairseq.data import encoders
 from fairseq.data.batching import resolve_limit
-from fairseq.dataclass.generation import check_unsupported_options
+from fairseq.dataclass.generation import check_sampling_range, check_unsupported_options
 
 logger = logging.getLogger(__name__)
 
@@ -280,6 +280,7 @@ class GeneratorHubInterface(nn.Module):
                                  f"{', '.join(sorted(vars(gen_args)))})")
             setattr(gen_args, key, value)
         check_unsupported_options(gen_args)
+        check_sampling_range(gen_args, len(self.tgt_dict), keyword=True)
         key = (repr(sorted(vars(gen_args).items())), prefix_allowed_tokens_fn)
         generator = self._generators.pop(key, None)
         if generator is None:

@@ -11,12 +11,15 @@ and returns `(scores, indices, beams)`, each [bsz, 2 * beam_size] (twice the bea
 """
 
 import math
+from types import SimpleNamespace
 from typing import Optional
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
+
+from fairseq.dataclass.generation import check_sampling_range
 
 
 class Search(nn.Module):
@@ -110,11 +113,8 @@ class Sampling(Search):
 
     def __init__(self, tgt_dict, sampling_topk: int = -1, sampling_topp: float = -1.0):
         super().__init__(tgt_dict)
-        if sampling_topk == 0 or sampling_topk > self.vocab_size:
-            raise ValueError(f"--sampling-topk {sampling_topk} must be -1 (all tokens) or between 1 and the "
-                             f"vocabulary size {self.vocab_size}")
-        if sampling_topp == 0 or sampling_topp > 1:
-            raise ValueError(f"--sampling-topp {sampling_topp} must be -1 (all tokens) or in (0, 1]")
+        check_sampling_range(SimpleNamespace(sampling_topk=sampling_topk, sampling_topp=sampling_topp),
+                             self.vocab_size)
         self.sampling_topk = sampling_topk
         self.sampling_topp = sampling_topp
 

@@ -17,6 +17,8 @@ from fairseq.utils import import_user_module, run_console_script
 from fairseq.checkpoint.inference import load_model
 from fairseq.checkpoint.vocabulary import check_bpe_files, resolve_bpe
 from fairseq.criterions.cross_entropy import token_cross_entropy
+from fairseq.data.batching import resolve_limit
+from fairseq.data.block_positions import block_limit, check_blocks_fit
 from fairseq.data.lm_context_window_dataset import InCorpusOrder, with_context_window
 from fairseq.logging import progress_bar
 from fairseq.dataclass.validate import announce_compat_options, check_shard
@@ -62,42 +64,31 @@ class WordStat:
 
 
 class BPE:
-    """--remove-bpe: how counted tokens join into words.
+    """--remove-bpe: where words begin, so that the same raw text has the same words whatever its tokenizer:
+    each whitespace-separated word once, and each </s> (upstream counts it for subword-nmt text).
 
-    With a continuation `marker` (subword-nmt's "@@", upstream's only kind): a dictionary entry that ends with
-    it is a non-final piece and joins the next token. With `begins_word` (one bool per dictionary entry;
-    sentencepiece's U+2581 rule or a --bpe scheme's `is_beginning_of_word`): a token joins the word before it
-    unless it begins a word; `word_text` turns a word's pieces into its text."""
+    Per dictionary entry: `starts` (the piece begins a word: sentencepiece's U+2581, GPT-2's leading space, any
+    piece for a continuation marker), `joins_next` (the next piece continues its word: a piece ending with the
+    marker, or one that is only the word-boundary mark, such as sentencepiece's bare U+2581 before a piece
+    without it), `ends` (the next piece begins a word whatever it is: </s>, <s>). A piece begins a word when
+    the piece before it in the text ends one, or when it starts one and the piece before does not join it;
+    the piece before is the source token at the same position (the block shifted right, the text before a
+    block included), so a word cut by a block's end counts once. `word_text` turns a word's pieces into text."""
 
-    def __init__(self, dictionary, marker: Optional[str] = None, begins_word=None, word_text=None):
-        if (marker is None) == (begins_word is None):
-            raise ValueError("BPE: give a continuation marker or begins_word, not both")
+    def __init__(self, dictionary, starts, joins_next, word_text):
         self.dictionary = dictionary
         self.word_text = word_text
-        if marker is not None:
-            self.marker_len = len(marker)
-            self.pieces = {i for i in range(len(dictionary)) if dictionary[i].endswith(marker)}
-            self.is_piece = torch.zeros(len(dictionary), dtype=torch.bool)
-            self.is_piece[sorted(self.pieces)] = True
-            self.begins = None
-        else:
-            self.marker_len = 0
-            self.pieces = set()
-            self.begins = torch.as_tensor(begins_word, dtype=torch.bool)
-            self.begin_ids = set(torch.nonzero(self.begins).flatten().tolist())
+        ends = [False] * len(dictionary)
+        for special in (dictionary.eos(), dictionary.bos()):
+            ends[special] = True
+        self.tables = [torch.as_tensor(t, dtype=torch.bool) for t in (starts, joins_next, ends)]
 
-    def merged_pieces(self, target: torch.Tensor, mask: torch.Tensor) -> int:
-        """Counted tokens whose score joins the next token's word: non-final pieces, except a sample's last
-        counted token (a word cut off there still counts as one). Perplexity is then per word, as upstream."""
-        if self.begins is not None:
-            if self.begins.device != target.device:
-                self.begins = self.begins.to(target.device)
-            joins = mask[:, :-1] & mask[:, 1:] & ~self.begins[target[:, 1:]]
-            return int(joins.sum())
-        if self.is_piece.device != target.device:  # moved once, not per batch
-            self.is_piece = self.is_piece.to(target.device)
-        last = mask & (mask.cumsum(-1) == mask.sum(-1, keepdim=True))
-        return int((self.is_piece[target] & mask & ~last).sum())
+    def word_beginnings(self, src: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        """Whether each target token begins a word (`src`: the token before each, as the model reads them)."""
+        if self.tables[0].device != target.device:  # moved once, not per batch
+            self.tables = [t.to(target.device) for t in self.tables]
+        starts, joins_next, ends = self.tables
+        return ends[src] | (starts[target] & ~joins_next[src])
 
 
 SPM_SPACE = "\u2581"  # sentencepiece's word-boundary mark
@@ -107,32 +98,44 @@ def word_boundaries(post_process: Optional[str], dictionary, bpe_encoder=None, b
     """The BPE word joiner for --remove-bpe VALUE (None without it).
 
     - `sentencepiece`: a piece that starts with U+2581 begins a word (upstream's `post_process`
-      "sentencepiece": pieces concatenated, U+2581 read as a space); dictionary specials are words of their own.
+      "sentencepiece": pieces concatenated, U+2581 read as a space); <unk> does not (sentencepiece's unknown
+      characters carry no U+2581: they continue a word, or follow a bare U+2581).
     - the flag alone (`subword_nmt`) or the scheme's name, with `--bpe NAME` (or the checkpoint's saved bpe):
       the scheme's `is_beginning_of_word` on each dictionary entry, words decoded by the scheme.
     - otherwise a continuation marker (`@@ `, upstream's `subword_nmt`)."""
     if post_process is None:
         return None
+    symbols = [dictionary[i] for i in range(len(dictionary))]
     specials = set(range(dictionary.nspecial)) | {dictionary.eos()}
     if bpe_encoder is not None and post_process in ("subword_nmt", bpe_name):
-        def begins(i):
-            if i in specials:
-                return True
-            try:
-                return bool(bpe_encoder.is_beginning_of_word(dictionary[i]))
-            except ValueError:  # not a token of the scheme (madeupword padding): a word of its own
-                return True
-
-        return BPE(dictionary, begins_word=[begins(i) for i in range(len(dictionary))],
-                   word_text=lambda pieces: _decode_word(bpe_encoder, pieces))
+        decode = lambda pieces: _decode_word(bpe_encoder, pieces)  # noqa: E731
+        bare = [i not in specials and decode([s]) == "" and s != "" for i, s in enumerate(symbols)]
+        # a whitespace-only piece (GPT-2's lone space or tab) begins the word that follows it
+        starts = [bare[i] or _scheme_starts(bpe_encoder, i, symbols[i], specials) for i in range(len(symbols))]
+        if bpe_name == "sentencepiece":
+            starts[dictionary.unk()] = False
+        return BPE(dictionary, starts, bare, decode)
     if post_process == "sentencepiece":
-        return BPE(dictionary, begins_word=[i in specials or dictionary[i].startswith(SPM_SPACE)
-                                            for i in range(len(dictionary))],
-                   word_text=lambda pieces: "".join(pieces).replace(SPM_SPACE, " ").strip())
+        starts = [i in specials or s.startswith(SPM_SPACE) for i, s in enumerate(symbols)]
+        starts[dictionary.unk()] = False
+        return BPE(dictionary, starts, [s == SPM_SPACE for s in symbols],
+                   lambda pieces: "".join(pieces).replace(SPM_SPACE, " ").strip())
     if post_process == "gpt2":
         raise ValueError("--remove-bpe gpt2: word boundaries come from the encoder; pass --bpe gpt2 "
                          "--gpt2-encoder-json encoder.json --gpt2-vocab-bpe vocab.bpe")
-    return BPE(dictionary, bpe_continuation(post_process))
+    marker = bpe_continuation(post_process)
+    return BPE(dictionary, [True] * len(symbols), [i not in specials and s.endswith(marker)
+                                                     for i, s in enumerate(symbols)],
+               lambda pieces: "".join(p[: len(p) - len(marker)] if p.endswith(marker) else p for p in pieces))
+
+
+def _scheme_starts(bpe_encoder, i: int, symbol: str, specials: set) -> bool:
+    if i in specials:
+        return True
+    try:
+        return bool(bpe_encoder.is_beginning_of_word(symbol))
+    except ValueError:  # not a token of the scheme (madeupword padding): a word of its own
+        return True
 
 
 def _decode_word(bpe_encoder, pieces: List[str]) -> str:
@@ -143,62 +146,51 @@ def _decode_word(bpe_encoder, pieces: List[str]) -> str:
 
 
 class WordOutput:
-    """--output-word-probs / --output-word-stats: counted target tokens joined into words.
+    """--output-word-probs / --output-word-stats: counted target tokens joined into words where
+    `BPE.word_beginnings` says (each token a word without --remove-bpe).
 
-    With --remove-bpe a token ending with the marker continues into the next one (the marker is dropped). A
-    word's log probability is the sum over its pieces, and its "next" log probability that of the word after
-    it in the same sample. A word cut off at the end of a sample is not listed, but is the "next" of the word
-    before it (as upstream)."""
+    A word's log probability is the sum over its pieces, its "next" log probability that of the word after
+    it in the same sample. A word cut by the end of a sample is completed by the pieces that begin the next
+    sample (blocks of --sample-break-mode none continue each other), so each word is listed once, in the
+    sample where it begins; samples are listed in id order once all are read (`finish`)."""
 
     def __init__(self, dictionary, bpe: Optional[BPE], log_words: bool):
         self.dictionary = dictionary
         self.bpe = bpe
         self.log_words = log_words
         self.stats: Dict[str, WordStat] = {}
+        self.samples: Dict[int, tuple] = {}  # id -> (pieces before its first word, [[pieces, log p], ...])
 
-    def _words(self, tokens: List[int], scores: List[float]):
-        """[word, summed log p, has several pieces, complete] for one sample's counted tokens."""
-        if self.bpe is not None and self.bpe.begins is not None:
-            return self._words_by_beginnings(tokens, scores)
-        words, current = [], None
-        for token, score in zip(tokens, scores):
-            piece = self.dictionary[token]
-            continues = self.bpe is not None and token in self.bpe.pieces
-            if continues:
-                piece = piece[: len(piece) - self.bpe.marker_len]
-            if current is None:
-                current = ["", 0.0, False, False]
-            current[0] += piece
-            current[1] += score
-            current[2] = current[2] or continues
-            if not continues:
-                current[3] = True
-                words.append(current)
-                current = None
-        return words + ([current] if current is not None else [])
-
-    def _words_by_beginnings(self, tokens: List[int], scores: List[float]):
-        groups = []  # [pieces, summed log p]
-        begin_ids = self.bpe.begin_ids
-        for k, (token, score) in enumerate(zip(tokens, scores)):
-            if k == 0 or token in begin_ids:
-                groups.append([[], 0.0])
-            groups[-1][0].append(self.dictionary[token])
-            groups[-1][1] += score
-        return [[self.bpe.word_text(pieces), log_prob, len(pieces) > 1, True] for pieces, log_prob in groups]
-
-    def add_batch(self, ids: torch.Tensor, target: torch.Tensor, lprobs: torch.Tensor, mask: torch.Tensor):
+    def add_batch(self, ids: torch.Tensor, target: torch.Tensor, lprobs: torch.Tensor, mask: torch.Tensor,
+                  begins: Optional[torch.Tensor] = None) -> None:
         for row in range(target.size(0)):
-            words = self._words(target[row][mask[row]].tolist(), lprobs[row][mask[row]].tolist())
-            listed = []
-            for k, (word, log_prob, is_bpe, complete) in enumerate(words):
-                if not complete:
-                    continue
+            head, groups = [[], 0.0], []
+            starts = begins[row][mask[row]].tolist() if begins is not None else None
+            for k, (token, score) in enumerate(zip(target[row][mask[row]].tolist(), lprobs[row][mask[row]].tolist())):
+                if starts is None or starts[k]:
+                    groups.append([[], 0.0])
+                group = groups[-1] if groups else head
+                group[0].append(self.dictionary[token])
+                group[1] += score
+            self.samples[int(ids[row])] = (head, groups)
+
+    def finish(self) -> None:
+        """Join words cut by a sample's end, log --output-word-probs lines and collect the word stats."""
+        for sample_id in sorted(self.samples):
+            groups = self.samples[sample_id][1]
+            following = self.samples.get(sample_id + 1)
+            if groups and following and following[0][0]:
+                groups[-1] = [groups[-1][0] + following[0][0], groups[-1][1] + following[0][1]]
+            words = [(self._text(pieces), log_prob, len(pieces) > 1) for pieces, log_prob in groups]
+            for k, (word, log_prob, is_bpe) in enumerate(words):
                 next_log_prob = words[k + 1][1] if k + 1 < len(words) else None
                 self.stats.setdefault(word, WordStat(word, is_bpe)).add(log_prob, next_log_prob)
-                listed.append((word, log_prob))
             if self.log_words:
-                logger.info(f"{int(ids[row])} " + "\t".join(f"{w} [{lp:2f}]" for w, lp in listed))
+                logger.info(f"{sample_id} " + "\t".join(f"{w} [{lp:2f}]" for w, lp, _ in words))
+        self.samples.clear()
+
+    def _text(self, pieces: List[str]) -> str:
+        return self.bpe.word_text(pieces) if self.bpe is not None else " ".join(pieces)
 
     def log_stats(self) -> None:
         for stat in sorted(self.stats.values(), key=lambda s: s.count, reverse=True):
@@ -209,13 +201,13 @@ class WordOutput:
 def evaluate(model, batches, pad: int, device, dtype, bos: Optional[int] = None, bpe: Optional[BPE] = None,
              words: Optional[WordOutput] = None) -> tuple:
     """(sum of -log2 p over counted target tokens, number of counted tokens, number of words: with `bpe`
-    the pieces of a word count once, else the same as tokens).
+    the counted tokens that begin a word (BPE.word_beginnings), else the same as tokens).
 
     With `bos` (models trained with --add-bos-token), predicting the prepended <s> is not counted, as
     upstream's eval-lm drops it. With `words`, each batch's token log probabilities are also handed to it
     (a copy to the host per batch)."""
     nll_sum = torch.zeros((), dtype=torch.float64, device=device)
-    count = merged = 0
+    count = word_count = 0
     autocast = torch.autocast(device.type, dtype=dtype) if dtype != torch.float32 else None
     for sample in batches:
         if not sample or sample.get("is_dummy", False):  # ({}: a --num-shards shard's padding batch)
@@ -236,11 +228,15 @@ def evaluate(model, batches, pad: int, device, dtype, bos: Optional[int] = None,
         token_nll = token_cross_entropy(logits.reshape(-1, logits.size(-1)), target.reshape(-1), pad)
         nll_sum += (token_nll * mask.reshape(-1)).sum().double()
         count += int(mask.sum())
-        if bpe is not None:
-            merged += bpe.merged_pieces(target, mask)
+        begins = bpe.word_beginnings(src, target) if bpe is not None else None
+        if begins is not None:
+            word_count += int((begins & mask).sum())
         if words is not None:
-            words.add_batch(sample["id"], target.cpu(), -token_nll.view_as(target).cpu(), mask.cpu())
-    return float(nll_sum) / math.log(2), count, count - merged
+            words.add_batch(sample["id"], target.cpu(), -token_nll.view_as(target).cpu(), mask.cpu(),
+                            None if begins is None else begins.cpu())
+    if words is not None:
+        words.finish()
+    return float(nll_sum) / math.log(2), count, word_count if bpe is not None else count
 
 
 # Upstream's batch size when neither --max-tokens nor --batch-size is given.
@@ -282,11 +278,12 @@ def main(cfg, **unused_kwargs) -> dict:
 
     task.load_dataset(cfg.dataset.gen_subset)
     dataset = task.dataset(cfg.dataset.gen_subset)
+    max_positions = _block_limit(cfg, task, model, dataset, context_window)
     if context_window > 0:
         dataset = InCorpusOrder(dataset)
     itr = task.get_batch_iterator(
         dataset=dataset, max_tokens=cfg.dataset.max_tokens, max_sentences=cfg.dataset.batch_size,
-        max_positions=None, ignore_invalid_inputs=True, seed=cfg.common.seed,
+        max_positions=max_positions, ignore_invalid_inputs=True, seed=cfg.common.seed,
         num_shards=cfg.dataset.num_shards, shard_id=cfg.dataset.shard_id, num_workers=cfg.dataset.num_workers,
         epoch=1,
     ).next_epoch_itr(shuffle=False)
@@ -322,6 +319,15 @@ def main(cfg, **unused_kwargs) -> dict:
             json.dump(dict(result, path=path, gen_subset=cfg.dataset.gen_subset), f, indent=1)
         logger.info(f"wrote {out}")
     return result
+
+
+def _block_limit(cfg, task, model, dataset, context_window: int) -> Optional[int]:
+    """The longest block the model may read (its trained positions, less the context window): a longer one
+    is an error, or skipped with --skip-invalid-size-inputs-valid-test."""
+    max_positions = resolve_limit(task.max_positions(), model.max_positions())
+    if not cfg.dataset.skip_invalid_size_inputs_valid_test:
+        check_blocks_fit(dataset.sizes, max_positions, cfg.dataset.gen_subset, cfg.task, context_window)
+    return block_limit(max_positions, context_window)
 
 
 def _bpe_encoder(cfg, saved_cfg, vocabulary, path) -> tuple:

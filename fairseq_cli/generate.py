@@ -25,6 +25,7 @@ from fairseq import options
 from fairseq.checkpoint.inference import load_model
 from fairseq.checkpoint.vocabulary import check_bpe_files, resolve_bpe
 from fairseq.data.batching import resolve_limit
+from fairseq.data.block_positions import check_blocks_fit
 from fairseq.dataclass.generation import check_generation_config
 from fairseq.dataclass.validate import announce_compat_options, check_shard
 from fairseq.hub_utils import TextCodec, move_to
@@ -99,11 +100,14 @@ def symbols_to_strip(generator, tgt_dict) -> set:
 
 
 def print_hypotheses(sample_id: int, hypos: list, nbest: int, tgt_dict, post_process: Optional[str], codec,
-                     strip: set, out: TextIO) -> None:
+                     strip: set, out: TextIO, text_only: bool = False) -> None:
     """Upstream's H- (tokens), D- (decoded text) and P- (per-token) lines of the `nbest` best hypotheses;
-    scores in base 2 (the generator's are natural logs)."""
+    scores in base 2 (the generator's are natural logs). `text_only` (--text-only): the decoded text alone."""
     for hypo in hypos[:nbest]:
         hypo_str = tgt_dict.string(hypo["tokens"].int().cpu(), post_process, extra_symbols_to_ignore=strip)
+        if text_only:
+            print(codec.decode(hypo_str), file=out)
+            continue
         score = hypo["score"] / math.log(2)
         print(f"H-{sample_id}\t{score}\t{hypo_str}", file=out)
         print(f"D-{sample_id}\t{score}\t{codec.decode(hypo_str)}", file=out)
@@ -148,8 +152,7 @@ def _main(cfg, out: TextIO) -> dict:
     split = cfg.dataset.gen_subset
     task.load_dataset(split)
     dataset = task.dataset(split)
-    max_positions = max_positions_of(task, models)
-    _check_sample_sizes(cfg, dataset, max_positions)
+    max_positions = _prompt_limit(cfg, dataset, max_positions_of(task, models))
     itr = task.get_batch_iterator(
         dataset=dataset, max_tokens=cfg.dataset.max_tokens, max_sentences=cfg.dataset.batch_size,
         max_positions=max_positions, ignore_invalid_inputs=cfg.dataset.skip_invalid_size_inputs_valid_test,
@@ -163,6 +166,7 @@ def _main(cfg, out: TextIO) -> dict:
     strip = symbols_to_strip(generator, tgt_dict)
     post_process = cfg.common_eval.post_process
     prefix_size = cfg.generation.prefix_size
+    text_only = cfg.generation.text_only
 
     sentences = generated = 0
     elapsed = 0.0
@@ -178,14 +182,16 @@ def _main(cfg, out: TextIO) -> dict:
         for i, sample_id in enumerate(sample["id"].tolist()):
             src_tokens = _strip_pad(sample["net_input"]["src_tokens"][i], tgt_dict.pad())
             target = sample.get("target")
-            if not cfg.common_eval.quiet:
+            if cfg.common_eval.quiet:
+                continue
+            if not text_only:
                 print(f"S-{sample_id}\t{codec.decode(src_dict.string(src_tokens, post_process))}", file=out)
                 if target is not None:
                     target_str = tgt_dict.string(_strip_pad(target[i], tgt_dict.pad()).int().cpu(), post_process,
                                                  escape_unk=True, extra_symbols_to_ignore=strip)
                     print(f"T-{sample_id}\t{codec.decode(target_str)}", file=out)
-                print_hypotheses(sample_id, hypos[i], cfg.generation.nbest, tgt_dict, post_process, codec, strip,
-                                 out)
+            print_hypotheses(sample_id, hypos[i], cfg.generation.nbest, tgt_dict, post_process, codec, strip, out,
+                             text_only)
         sentences += len(hypos)
     logger.info("NOTE: hypothesis and token scores are output in base 2")
     logger.info(f"Translated {sentences:,} sentences ({generated:,} tokens) in {elapsed:.1f}s "
@@ -193,18 +199,21 @@ def _main(cfg, out: TextIO) -> dict:
     return {"sentences": sentences, "tokens": generated}
 
 
-def _check_sample_sizes(cfg, dataset, max_positions: Optional[int]) -> None:
-    """A sample longer than the model's positions: name the model's limit and the flags (the generic size
-    filter would suggest raising --tokens-per-sample, which cannot help past the model's positions)."""
-    if max_positions is None or cfg.dataset.skip_invalid_size_inputs_valid_test or len(dataset) == 0:
-        return
-    sizes = np.asarray(dataset.sizes)
-    longest = int(sizes.argmax())
-    if sizes[longest] > max_positions:
-        raise ValueError(
-            f"sample {longest} of {cfg.dataset.gen_subset!r} has {int(sizes[longest])} tokens, more than the "
-            f"model's {max_positions} positions: pass --tokens-per-sample {max_positions} (or less), or "
-            "--skip-invalid-size-inputs-valid-test to skip such samples")
+def _prompt_limit(cfg, dataset, max_positions: Optional[int]) -> Optional[int]:
+    """The longest sample the batches may hold. The model reads the start token and the prompt: with
+    --prefix-size N only the sample's first N tokens (so any line fits when N + 1 positions do), else the
+    whole sample but its last token (block_positions' rule: the sample must fit the model's positions)."""
+    prefix_size = cfg.generation.prefix_size
+    if prefix_size > 0:
+        if max_positions is not None and prefix_size + 1 > max_positions and len(dataset):
+            raise ValueError(f"--prefix-size {prefix_size} makes prompts that need {prefix_size + 1} positions "
+                             f"with the </s> generation starts from, more than the model's {max_positions}: "
+                             f"pass --prefix-size {max_positions - 1} or less")
+        return None
+    if not cfg.dataset.skip_invalid_size_inputs_valid_test:
+        check_blocks_fit(dataset.sizes, max_positions, cfg.dataset.gen_subset, cfg.task,
+                         other_fix=", or --prefix-size N to prompt with each sample's first N tokens")
+    return max_positions
 
 
 def _strip_pad(tokens: torch.Tensor, pad: int) -> torch.Tensor:

@@ -54,7 +54,9 @@ def buffered_read(path: str, buffer_size: int) -> Iterator[List[str]]:
 
 
 def make_batches(lines: List[str], cfg, task, max_positions: Optional[int], codec, first_id: int):
-    """Batches of the encoded `lines`, ids counted within `lines` (upstream's make_batches)."""
+    """(batches of the encoded `lines`, the index in `lines` of each batch id): upstream's make_batches. Too
+    long prompts are an error, or with --skip-invalid-size-inputs-valid-test left out with a warning naming
+    them by their number in the input."""
     for i, line in enumerate(lines):
         if not line:
             raise ValueError(f"prompt {first_id + i} is an empty line; give each prompt some text (blank lines "
@@ -62,14 +64,18 @@ def make_batches(lines: List[str], cfg, task, max_positions: Optional[int], code
     tokens = [task.source_dictionary.encode_line(codec.encode(line), add_if_not_exist=False).long()
               for line in lines]
     lengths = [t.numel() for t in tokens]
-    skip = cfg.dataset.skip_invalid_size_inputs_valid_test
-    if not skip:
+    if not cfg.dataset.skip_invalid_size_inputs_valid_test:
         check_prompt_lengths(lengths, max_positions, SKIP_HINT, first_id=first_id)
-    return task.get_batch_iterator(
-        dataset=task.build_dataset_for_inference(tokens, lengths), max_tokens=cfg.dataset.max_tokens,
-        max_sentences=cfg.dataset.batch_size, max_positions=max_positions, ignore_invalid_inputs=skip,
-        disable_iterator_cache=True,
+    kept = [i for i, n in enumerate(lengths) if max_positions is None or n <= max_positions]
+    for i in sorted(set(range(len(lines))) - set(kept)):  # named here: the task's warning counts within `lines`
+        logger.warning(f"prompt {first_id + i} is {lengths[i]} tokens long (with the </s> it starts from), more "
+                       f"than the model's {max_positions} positions: skipped (--skip-invalid-size-inputs-valid-test)")
+    batches = task.get_batch_iterator(
+        dataset=task.build_dataset_for_inference([tokens[i] for i in kept], [lengths[i] for i in kept]),
+        max_tokens=cfg.dataset.max_tokens, max_sentences=cfg.dataset.batch_size, max_positions=max_positions,
+        ignore_invalid_inputs=cfg.dataset.skip_invalid_size_inputs_valid_test, disable_iterator_cache=True,
     ).next_epoch_itr(shuffle=False)
+    return batches, kept
 
 
 def main(cfg) -> int:
@@ -89,11 +95,13 @@ def main(cfg) -> int:
     if cfg.interactive.buffer_size > 1:
         logger.info(f"Sentence buffer size: {cfg.interactive.buffer_size}")
     logger.info("NOTE: hypothesis and token scores are output in base 2")
-    logger.info("Type the input sentence and press return:")
+    if cfg.interactive.input == "-" and sys.stdin.isatty():  # a prompt for a person, not for a pipe
+        logger.info("Type the input sentence and press return:")
     start_id, generate_time = 0, 0.0
     for lines in buffered_read(cfg.interactive.input, cfg.interactive.buffer_size):
         results = []
-        for batch in make_batches(lines, cfg, task, max_positions, codec, start_id):
+        batches, kept = make_batches(lines, cfg, task, max_positions, codec, start_id)
+        for batch in batches:
             batch = move_to(batch, device)
             started = time.perf_counter()
             hypos = task.inference_step(generator, models, batch)
@@ -101,13 +109,14 @@ def main(cfg) -> int:
             generate_time += seconds
             for i, (sample_id, sample_hypos) in enumerate(zip(batch["id"].tolist(), hypos)):
                 src_tokens = batch["net_input"]["src_tokens"][i]
-                results.append((start_id + sample_id, src_tokens[src_tokens.ne(tgt_dict.pad())], sample_hypos,
+                results.append((start_id + kept[sample_id], src_tokens[src_tokens.ne(tgt_dict.pad())], sample_hypos,
                                 seconds / len(hypos)))
         for sample_id, src_tokens, sample_hypos, seconds in sorted(results, key=lambda r: r[0]):
-            print(f"S-{sample_id}\t{src_dict.string(src_tokens, post_process)}")
-            print(f"W-{sample_id}\t{seconds:.3f}\tseconds")
+            if not cfg.generation.text_only:
+                print(f"S-{sample_id}\t{src_dict.string(src_tokens, post_process)}")
+                print(f"W-{sample_id}\t{seconds:.3f}\tseconds")
             print_hypotheses(sample_id, sample_hypos, cfg.generation.nbest, tgt_dict, post_process, codec, strip,
-                             sys.stdout)
+                             sys.stdout, cfg.generation.text_only)
         sys.stdout.flush()
         start_id += len(lines)
     logger.info(f"Total time: {time.perf_counter() - start_time:.3f} seconds; translation time: "

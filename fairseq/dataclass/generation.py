@@ -57,6 +57,8 @@ class GenerationConfig:
                                                              "--retain-dropout keeps every module's dropout (a "
                                                              "start-up notice says so)")
     no_seed_provided: bool = opt(False, "do not seed the random generators from --seed")
+    text_only: bool = opt(False, "fairseq-generate/-interactive: print only each hypothesis' detokenized text (the "
+                                 "D- line's text), one line per hypothesis (--nbest per prompt, best first)")
     no_cuda_graphs: bool = opt(False, "decode each step eagerly instead of replaying it from a CUDA graph (on "
                                        "CUDA, this fork's decoders; see docs/incremental_decoding.md)")
 
@@ -86,11 +88,30 @@ def check_unsupported_options(generation) -> None:
             raise ValueError(f"{flag} {value!r} is not supported by this fairseq's generator; {fix}")
 
 
+def check_sampling_range(generation, vocab_size: Optional[int] = None, keyword: bool = False) -> None:
+    """Upstream's ranges: --sampling-topk -1 (off) or 1.. (at most `vocab_size` when known), --sampling-topp -1
+    (off) or in (0, 1]. `keyword`: name the hub's keyword arguments instead of the flags."""
+    topk, topp = getattr(generation, "sampling_topk", -1), getattr(generation, "sampling_topp", -1.0)
+
+    def name(field):
+        return f"{field}=" if keyword else "--" + field.replace("_", "-") + " "
+
+    top = f"1 to the vocabulary size {vocab_size}" if vocab_size else "at least 1"
+    if topk is not None and not (topk == -1 or 1 <= topk <= (vocab_size or topk)):
+        raise ValueError(f"{name('sampling_topk')}{topk} is out of range: -1 (off: all tokens) or a number of "
+                         f"tokens, {top}")
+    if topp is not None and not (topp == -1 or 0 < topp <= 1):
+        raise ValueError(f"{name('sampling_topp')}{topp} is out of range: -1 (off: all tokens) or a probability "
+                         "mass in (0, 1]")
+
+
 def check_generation_config(generation: GenerationConfig, dataset=None, interactive=None) -> None:
     """fairseq-generate's and fairseq-interactive's checks: unsupported options, then upstream's rules for
     what is printed (--nbest against --beam; with `dataset` and `interactive`, --batch-size against
-    --buffer-size). The hub interface, which prints nothing, checks only the unsupported options."""
+    --buffer-size). The hub interface, which prints nothing, checks only the unsupported options and the
+    sampling ranges."""
     check_unsupported_options(generation)
+    check_sampling_range(generation)
     if generation.nbest < 1:
         raise ValueError(f"--nbest must be at least 1, got {generation.nbest}")
     if generation.sampling and generation.nbest != generation.beam:

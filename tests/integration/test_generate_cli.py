@@ -155,8 +155,8 @@ def test_on_the_gpu(tiny_data, ckpt, capsys, precision):
 
 @pytest.mark.parametrize("extra, status, message", [
     (["--tokens-per-sample", 1024, "--sample-break-mode", "none"], 1,
-     "sample 0 of 'test' has 596 tokens, more than the model's 32 positions: pass --tokens-per-sample 32 (or less), "
-     "or --skip-invalid-size-inputs-valid-test to skip such samples"),
+     "--tokens-per-sample 1024 is more than the model's 32 positions (the --tokens-per-sample / "
+     "--max-target-positions it was trained with): pass --tokens-per-sample 32 or less, or --prefix-size N"),
     (["--beam", 2, "--sampling"], 2, "--sampling requires --nbest to be equal to --beam"),
     (["--nbest", 3, "--beam", 2], 2, "--nbest 3 is larger than --beam 2"),
     (["--model-overrides", "{'decoder_layers': 3}"], 1, "was saved from a different architecture"),
@@ -178,3 +178,14 @@ def test_missing_inputs(tiny_data, tmp_path, capsys):
                                            "checkpoint file or sharded checkpoint directory")
     status, _, err = run(capsys, ["--task", "language_modeling", "--path", str(tmp_path / "nope.pt")])
     assert status == 1 and "pass the data directory (DATA)" in err
+
+
+def test_text_only_prints_the_decoded_hypotheses_alone(tiny_data, ckpt, capsys):
+    flags = ("--prefix-size", 2, "--beam", 3, "--nbest", 2, "--max-len-b", 6, "--batch-size", 7)
+    status, full, _ = run(capsys, argv(tiny_data, ckpt, *flags))
+    assert status == 0
+    status, text, _ = run(capsys, argv(tiny_data, ckpt, *flags, "--text-only"))
+    assert status == 0
+    # one line per hypothesis, in upstream's order (samples as batched, each one's hypotheses best first)
+    decoded = [line.split("\t")[2] for line in full.splitlines() if line.startswith("D-")]
+    assert text.splitlines() == decoded and len(decoded) == 2 * 40

@@ -3,6 +3,7 @@ tiny model trained here by fairseq-train: upstream's S-/W-/H-/D-/P- lines, in in
 hub interface gives for the same prompts; bad input is one line naming the flag, exit status non-zero."""
 
 import io
+import logging
 import math
 import os
 import re
@@ -105,7 +106,7 @@ def test_without_data_the_checkpoints_dictionary_is_used(tiny_data, ckpt, monkey
     assert [r for r in parse(without) if r[0] != "W"] == [r for r in parse(with_data) if r[0] != "W"]
 
 
-def test_prompt_longer_than_the_model(tiny_data, ckpt, monkeypatch, capsys):
+def test_prompt_longer_than_the_model(tiny_data, ckpt, monkeypatch, capsys, caplog):
     long_prompt = " ".join(["w1"] * 40)
     status, out, err = run(monkeypatch, capsys, argv(tiny_data, ckpt, "--beam", 1), long_prompt + "\nw2\n")
     assert status == 1 and "Traceback" not in err
@@ -113,15 +114,27 @@ def test_prompt_longer_than_the_model(tiny_data, ckpt, monkeypatch, capsys):
         "fairseq-interactive: error: prompt 0 is 41 tokens long (with the </s> it starts from), more than the "
         "model's 32 positions (the --tokens-per-sample / --max-target-positions it was trained with); shorten the "
         "prompt, or pass --skip-invalid-size-inputs-valid-test to skip such prompts")
-    status, out, _ = run(monkeypatch, capsys, argv(tiny_data, ckpt, "--beam", 1, "--max-len-b", 5,
-                                                   "--skip-invalid-size-inputs-valid-test"), long_prompt + "\nw2\n")
+    # skipped: the warning names the prompt's number in the input (here the third, read in a buffer of its own)
+    with caplog.at_level(logging.WARNING):
+        status, out, _ = run(monkeypatch, capsys, argv(tiny_data, ckpt, "--beam", 1, "--max-len-b", 5,
+                                                       "--skip-invalid-size-inputs-valid-test"),
+                             f"w2\nw3\n{long_prompt}\nw4\n")
     assert status == 0
-    assert [(kind, i) for kind, i, _ in parse(out) if kind in "SH"] == [("S", 1), ("H", 1)]
+    assert [i for kind, i, _ in parse(out) if kind == "H"] == [0, 1, 3]
+    assert [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING] == [
+        "prompt 2 is 41 tokens long (with the </s> it starts from), more than the model's 32 positions: skipped "
+        "(--skip-invalid-size-inputs-valid-test)"]
 
 
 @pytest.mark.parametrize("extra, stdin_text, status, message", [
     (["--beam", 5, "--sampling"], "w1\n", 2, "--sampling requires --nbest to be equal to --beam"),
     (["--sampling-topk", 5], "w1\n", 1, "--sampling-topk 5 requires --sampling"),
+    (["--sampling-topk", -5], "w1\n", 2, "--sampling-topk -5 is out of range: -1 (off: all tokens) or a number of "
+                                          "tokens, at least 1"),
+    (["--sampling", "--beam", 1, "--sampling-topp", -0.5], "w1\n", 2, "--sampling-topp -0.5 is out of range: -1 "
+                                                                        "(off: all tokens) or a probability mass in "
+                                                                        "(0, 1]"),
+    (["--sampling", "--beam", 1, "--sampling-topp", 1.5], "w1\n", 2, "--sampling-topp 1.5 is out of range"),
     (["--batch-size", 4, "--buffer-size", 2], "w1\n", 2, "--batch-size/--max-sentences 4 cannot be larger than "
                                                          "--buffer-size 2"),
     (["--beams", 2], "w1\n", 2, "unrecognized arguments: --beams 2"),
@@ -145,3 +158,28 @@ def test_missing_checkpoint(tiny_data, tmp_path, monkeypatch, capsys):
     assert status == 1
     assert err.strip() == f"fairseq-interactive: error: --path {tmp_path / 'nope.pt'}: no such checkpoint file or " \
                           "sharded checkpoint directory"
+
+
+class _Terminal(io.StringIO):
+    def isatty(self):
+        return True
+
+
+def test_text_only_and_the_prompt_only_on_a_terminal(tiny_data, ckpt, monkeypatch, capsys, caplog):
+    args = argv(tiny_data, ckpt, "--beam", 2, "--nbest", 2, "--max-len-b", 8, "--buffer-size", 3, "--batch-size", 2)
+    stdin_text = "\n".join(PROMPTS) + "\n"
+    with caplog.at_level(logging.INFO):
+        status, full, _ = run(monkeypatch, capsys, args, stdin_text)
+    assert status == 0
+    assert "Type the input sentence" not in caplog.text  # standard input is no terminal here
+    # --text-only: the D- lines' text alone, one line per hypothesis, in the same order (prompt, then best first)
+    status, text, _ = run(monkeypatch, capsys, args + ["--text-only"], stdin_text)
+    assert status == 0
+    assert text.splitlines() == [fields[1] for kind, _, fields in parse(full) if kind == "D"]
+    assert len(text.splitlines()) == 2 * len(PROMPTS)
+    caplog.clear()
+    monkeypatch.setattr(sys, "stdin", _Terminal("w1\n"))
+    with caplog.at_level(logging.INFO):
+        run_console_script("fairseq-interactive", interactive.cli_main, argv(tiny_data, ckpt, "--beam", 1,
+                                                                              "--max-len-b", 4))
+    assert "Type the input sentence and press return:" in caplog.text

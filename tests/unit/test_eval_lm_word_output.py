@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from fairseq.data.dictionary import Dictionary
-from fairseq_cli.eval_lm import BPE, WordOutput, bpe_continuation
+from fairseq_cli.eval_lm import WordOutput, bpe_continuation, word_boundaries
 
 LOGGER = "fairseq_cli.eval_lm"
 
@@ -24,24 +24,34 @@ def encode(d, words):
 
 def test_bpe_pieces_join_into_words_with_summed_log_probs(caplog):
     d = make_dictionary()
-    # one sample: "the cat@@ s sat un@@ der@@" (a word cut off at the end) and one ignored (masked) slot
-    target = encode(d, ["the", "cat@@", "s", "sat", "un@@", "der@@", "mat"]).unsqueeze(0)
-    lprobs = torch.tensor([[-1.0, -0.5, -0.25, -2.0, -0.125, -0.0625, -9.0]])
-    mask = torch.tensor([[True, True, True, True, True, True, False]])
-    words = WordOutput(d, BPE(d, bpe_continuation("@@ ")), log_words=True)
+    # sample 7: "the cat@@ s sat un@@ der@@" (a word cut off at the end) and one ignored (masked) slot;
+    # sample 8 begins with "mat", which completes "undermat"
+    target = torch.stack([encode(d, ["the", "cat@@", "s", "sat", "un@@", "der@@", "mat"]),
+                          encode(d, ["mat", "the", "the", "the", "the", "the", "the"])])
+    src = torch.stack([torch.cat([torch.tensor([d.eos()]), target[0, :-1]]),
+                       torch.cat([torch.tensor([d.index("der@@")]), target[1, :-1]])])
+    lprobs = torch.tensor([[-1.0, -0.5, -0.25, -2.0, -0.125, -0.0625, -9.0], [-4.0] + [-1.0] * 6])
+    mask = torch.tensor([[True] * 6 + [False], [True, True] + [False] * 5])
+    bpe = word_boundaries("@@ ", d)
+    begins = bpe.word_beginnings(src, target)
+    words = WordOutput(d, bpe, log_words=True)
     with caplog.at_level(logging.INFO, logger=LOGGER):
-        words.add_batch(torch.tensor([7]), target, lprobs, mask)
+        words.add_batch(torch.tensor([7, 8]), target, lprobs, mask, begins)
+        words.finish()
         words.log_stats()
     lines = [r.getMessage() for r in caplog.records if r.name == LOGGER]
-    # the sample id, then word [natural-log probability] with 6 decimals, tab-separated
-    assert lines[0] == "7 the [-1.000000]\tcats [-0.750000]\tsat [-2.000000]"
-    # word, count, summed log p, is BPE, summed log p of the next word, count with a next word; "under" is
-    # cut off by the end of the sample: not listed, but it is the next word of "sat"
-    assert sorted(lines[1:]) == sorted([
-        "the\t1\t-1.0\tFalse\t-0.75\t1",
+    # the sample id, then word [natural-log probability] with 6 decimals, tab-separated; "undermat" is
+    # listed once, in the sample where it begins, with the log probabilities of all its pieces
+    assert lines[:2] == ["7 the [-1.000000]\tcats [-0.750000]\tsat [-2.000000]\tundermat [-4.187500]",
+                         "8 the [-1.000000]"]
+    # word, count, summed log p, is BPE, summed log p of the next word, count with a next word
+    assert sorted(lines[2:]) == sorted([
+        "the\t2\t-2.0\tFalse\t-0.75\t1",
         "cats\t1\t-0.75\tTrue\t-2.0\t1",
-        "sat\t1\t-2.0\tFalse\t-0.1875\t1",
+        "sat\t1\t-2.0\tFalse\t-4.1875\t1",
+        "undermat\t1\t-4.1875\tTrue\t0.0\t0",
     ])
+    assert int((begins & mask).sum()) == 5  # the words: "mat" continues sample 7's last word
 
 
 def test_word_stats_accumulate_over_samples_and_sort_by_count(caplog):
@@ -51,6 +61,7 @@ def test_word_stats_accumulate_over_samples_and_sort_by_count(caplog):
     words = WordOutput(d, None, log_words=False)
     with caplog.at_level(logging.INFO, logger=LOGGER):
         words.add_batch(torch.tensor([0, 1]), target, lprobs, torch.ones(2, 3, dtype=torch.bool))
+        words.finish()
         words.log_stats()
     lines = [r.getMessage() for r in caplog.records if r.name == LOGGER]
     # no per-sample lines without --output-word-probs; "the" (3 times) first; the last word of a sample
@@ -62,16 +73,18 @@ def test_word_stats_accumulate_over_samples_and_sort_by_count(caplog):
     ]
 
 
-def test_remove_bpe_counts_words_for_perplexity():
-    d = make_dictionary()
-    bpe = BPE(d, "@@")
-    assert {d[i] for i in bpe.pieces} == {"cat@@", "un@@", "der@@"}
-    target = torch.stack([encode(d, ["the", "cat@@", "s", "un@@", "der@@"]),
-                          encode(d, ["cat@@", "s", "sat", "un@@", "the"])])
-    mask = torch.tensor([[True] * 5, [True, True, True, True, False]])
-    # row 0: cat@@ and un@@ join the next token; der@@ ends the sample, so "under" counts as one word
-    # row 1: cat@@ joins "s"; un@@ is the last counted token (the slot after it is masked)
-    assert bpe.merged_pieces(target, mask) == 2 + 1
+def test_word_beginnings_after_eos_and_a_bare_sentencepiece_mark():
+    d = Dictionary()
+    for piece in ["\u2581the", "\u2581", "1990", "cat", "\u2581sat"]:
+        d.add_symbol(piece)
+    bpe = word_boundaries("sentencepiece", d)
+    # "▁the </s> 1990 ▁ <unk> ▁ 1990 cat ▁sat": </s> ends a word (the piece after it begins one), a bare ▁
+    # joins the piece after it (also <unk>, sentencepiece's unknown character)
+    pieces = ["\u2581the", "</s>", "1990", "\u2581", "<unk>", "\u2581", "1990", "cat", "\u2581sat"]
+    target = encode(d, pieces).unsqueeze(0)
+    src = torch.cat([torch.tensor([[d.eos()]]), target[:, :-1]], dim=1)
+    assert bpe.word_beginnings(src, target)[0].tolist() == [True, True, True, True, False, True, False, False,
+                                                            True]
 
 
 def test_remove_bpe_values():

@@ -151,6 +151,13 @@ def test_bad_generation_options(hub):
         hub.sample(PROMPTS[0], sampling_topk=5)
     with pytest.raises(ValueError, match="--print-alignment"):
         hub.sample(PROMPTS[0], print_alignment=True)
+    # out-of-range sampling options, named as the keyword arguments given (upstream's -1 means off)
+    with pytest.raises(ValueError, match=r"^sampling_topk=-5 is out of range: -1 \(off: all tokens\) or a number of "
+                                         r"tokens, 1 to the vocabulary size \d+$"):
+        hub.sample(PROMPTS[0], sampling=True, sampling_topk=-5)
+    with pytest.raises(ValueError, match=r"^sampling_topp=-0.5 is out of range: -1 \(off: all tokens\) or a "
+                                         r"probability mass in \(0, 1\]$"):
+        hub.generate(hub.encode(PROMPTS[0]), beam=1, sampling=True, sampling_topp=-0.5)
 
 
 def test_casting_and_moving_the_interface(model_dir):

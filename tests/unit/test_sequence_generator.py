@@ -558,7 +558,10 @@ def test_build_generator_reads_upstreams_options_and_rejects_what_upstream_rejec
         (dict(sampling_topp=0.9), "--sampling-topp 0.9 requires --sampling"),
         (dict(diverse_beam_groups=2), "--diverse-beam-groups is not supported"),
         (dict(constraints="ordered"), "--constraints is not supported"),
-        (dict(sampling=True, sampling_topk=V + 1), "--sampling-topk 13 must be"),
+        (dict(sampling=True, sampling_topk=V + 1), "--sampling-topk 13 is out of range: -1 .* 1 to the vocabulary size 12"),
+        (dict(sampling=True, sampling_topk=-5), "--sampling-topk -5 is out of range"),
+        (dict(sampling=True, sampling_topp=-0.5), r"--sampling-topp -0.5 is out of range: -1 \(off: all tokens\) or a "
+                                                 r"probability mass in \(0, 1\]"),
     ):
         with pytest.raises(ValueError, match=message):
             task.build_generator([model], argparse.Namespace(**options))

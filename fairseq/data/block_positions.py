@@ -1,0 +1,52 @@
+"""The positions rule of fairseq-eval-lm and fairseq-generate: a block the model reads must fit the positions
+it was trained with.
+
+Past them a learned position table has no entry and sinusoidal positions give numbers the model never saw
+(eval-lm would print a worse perplexity without a word). So a split whose longest block is longer than the
+model's positions is refused in one line naming the flag that made the block and the fix, or, with
+--skip-invalid-size-inputs-valid-test, such blocks are skipped (`block_limit`).
+"""
+
+from typing import Optional
+
+import numpy as np
+
+TRAINED = "the --tokens-per-sample / --max-target-positions it was trained with"
+
+
+def block_limit(max_positions: Optional[int], context_window: int = 0) -> Optional[int]:
+    """The longest block (as the dataset counts it) that fits `max_positions` with `context_window` tokens of
+    context in front of it; None: no limit."""
+    return None if max_positions is None else max_positions - context_window
+
+
+def check_blocks_fit(sizes, max_positions: Optional[int], split: str, task_cfg, context_window: int = 0,
+                     other_fix: str = "") -> None:
+    """ValueError when the longest block of `split` (`sizes`: tokens per block, `<s>` not counted, as in
+    training) plus `context_window` is longer than `max_positions`. `task_cfg` holds the --tokens-per-sample
+    the blocks were cut with (without the context window) and --sample-break-mode; `other_fix` is a further
+    way out the caller offers (", or ...")."""
+    limit = block_limit(max_positions, context_window)
+    sizes = np.asarray(sizes)
+    if limit is None or len(sizes) == 0 or int(sizes.max()) <= limit:
+        return
+    longest = int(sizes.argmax())
+    block = int(sizes[longest])
+    tokens_per_sample = getattr(task_cfg, "tokens_per_sample", None)
+    mode = getattr(task_cfg, "sample_break_mode", "none")
+    model = f"the model's {max_positions} positions ({TRAINED})"
+    if mode != "eos" and tokens_per_sample is not None and block <= tokens_per_sample:
+        # the block is as long as --tokens-per-sample made it
+        given = tokens_per_sample + context_window
+        window = (f" (blocks of {tokens_per_sample} tokens read after up to --context-window {context_window} "
+                  "tokens of context)") if context_window else ""
+        smaller = ", with a --context-window smaller than it" if context_window else ""
+        raise ValueError(f"--tokens-per-sample {given}{window} is more than {model}: pass --tokens-per-sample "
+                         f"{max_positions} or less{smaller}{other_fix}")
+    # a line longer than the block size: --sample-break-mode keeps it whole
+    context = f" plus --context-window {context_window} tokens of context" if context_window else ""
+    raise ValueError(
+        f"sample {longest} of {split!r} is one line of {block} tokens{context} (--sample-break-mode {mode} keeps "
+        f"lines whole), more than {model}: pass --sample-break-mode none to cut the text into blocks of "
+        f"--tokens-per-sample {max_positions} or less{other_fix}, or "
+        "--skip-invalid-size-inputs-valid-test to skip such lines")

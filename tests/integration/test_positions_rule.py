@@ -1,0 +1,104 @@
+"""One positions rule for fairseq-eval-lm and fairseq-generate (fairseq/data/block_positions.py): a block longer
+than the model's trained positions (32 for the tiny model) is refused in one line naming the flag that made it
+and the fix, or skipped with --skip-invalid-size-inputs-valid-test; fairseq-generate's --prefix-size prompts
+read only the first N tokens of a sample, so long lines fit. Real CLI in this process, on a split with one
+41-token line (sample 2)."""
+
+import re
+
+import pytest
+
+from fairseq_cli import eval_lm, generate, preprocess
+from tests.train_fixtures import console_in_process
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+MODEL = "the model's 32 positions (the --tokens-per-sample / --max-target-positions it was trained with)"
+
+
+@pytest.fixture(scope="module")
+def long_line_data(tiny_data, tmp_path_factory):
+    """tiny_data's dictionary, a 'test' split of 5 lines whose third is 40 words (41 tokens with </s>)."""
+    root = tmp_path_factory.mktemp("long_line")
+    lines = ["w1 w2 w3", "w4 w5", " ".join(["w1"] * 40), "w2 w3 w4 w5", "w6 w1"]
+    (root / "test.txt").write_text("\n".join(lines) + "\n", encoding="utf-8")
+    dest = root / "data-bin"
+    preprocess.cli_main(["--only-source", "--testpref", str(root / "test.txt"), "--destdir", str(dest),
+                         "--srcdict", str(tiny_data / "dict.txt"), "--workers", "1"])
+    return dest
+
+
+def eval_lm_run(data, ckpt, *extra):
+    return console_in_process("fairseq-eval-lm", eval_lm.cli_main,
+                              [str(data), "--path", str(ckpt), "--gen-subset", "test", "--cpu", "--num-workers", "0",
+                               *map(str, extra)])
+
+
+def generate_run(data, ckpt, *extra):
+    return console_in_process("fairseq-generate", generate.cli_main,
+                              [str(data), "--task", "language_modeling", "--path", str(ckpt), "--cpu",
+                               "--gen-subset", "test", "--num-workers", "0", "--beam", "1", "--max-len-b", "40",
+                               *map(str, extra)])
+
+
+def ids(stdout, kind="H"):
+    return sorted({int(m.group(1)) for m in re.finditer(rf"^{kind}-(\d+)\t", stdout, re.M)})
+
+
+def test_eval_lm_refuses_blocks_longer_than_the_model(tiny_data, tiny_lm_checkpoint):
+    status, out, _ = eval_lm_run(tiny_data, tiny_lm_checkpoint, "--tokens-per-sample", 32)
+    assert status == 0 and "Perplexity" in out  # the trained size
+    status, _, err = eval_lm_run(tiny_data, tiny_lm_checkpoint, "--tokens-per-sample", 64)
+    assert status == 1 and err.strip() == (f"fairseq-eval-lm: error: --tokens-per-sample 64 is more than {MODEL}: "
+                                           "pass --tokens-per-sample 32 or less")
+    status, _, err = eval_lm_run(tiny_data, tiny_lm_checkpoint, "--tokens-per-sample", 48, "--context-window", 24)
+    assert status == 1 and err.strip() == (
+        "fairseq-eval-lm: error: --tokens-per-sample 48 (blocks of 24 tokens read after up to --context-window 24 "
+        f"tokens of context) is more than {MODEL}: pass --tokens-per-sample 32 or less, with a --context-window "
+        "smaller than it")
+    status, out, _ = eval_lm_run(tiny_data, tiny_lm_checkpoint, "--tokens-per-sample", 32, "--context-window", 16)
+    assert status == 0 and "Perplexity" in out
+
+
+def test_eval_lm_long_line_in_eos_mode(long_line_data, tiny_lm_checkpoint):
+    status, _, err = eval_lm_run(long_line_data, tiny_lm_checkpoint, "--sample-break-mode", "eos",
+                                 "--tokens-per-sample", 32)
+    assert status == 1 and err.strip() == (
+        "fairseq-eval-lm: error: sample 2 of 'test' is one line of 41 tokens (--sample-break-mode eos keeps lines "
+        f"whole), more than {MODEL}: pass --sample-break-mode none to cut the text into blocks of "
+        "--tokens-per-sample 32 or less, or --skip-invalid-size-inputs-valid-test to skip such lines")
+    # the fix it names works; the skip flag scores the other lines (4 + 3 + 5 + 3 tokens; all 56 in blocks)
+    status, out, _ = eval_lm_run(long_line_data, tiny_lm_checkpoint, "--sample-break-mode", "none",
+                                 "--tokens-per-sample", 32)
+    assert status == 0 and "Evaluated 56 tokens" in out
+    status, out, _ = eval_lm_run(long_line_data, tiny_lm_checkpoint, "--sample-break-mode", "eos",
+                                 "--skip-invalid-size-inputs-valid-test")
+    assert status == 0 and "Evaluated 15 tokens" in out and "e.g. [2]" in out
+
+
+def test_generate_names_the_long_line_and_the_fixes_that_work(long_line_data, tiny_lm_checkpoint):
+    eos_mode = ("--sample-break-mode", "eos", "--tokens-per-sample", 32)
+    status, _, err = generate_run(long_line_data, tiny_lm_checkpoint, *eos_mode)
+    assert status == 1 and err.strip() == (
+        "fairseq-generate: error: sample 2 of 'test' is one line of 41 tokens (--sample-break-mode eos keeps lines "
+        f"whole), more than {MODEL}: pass --sample-break-mode none to cut the text into blocks of "
+        "--tokens-per-sample 32 or less, or --prefix-size N to prompt with each sample's first N tokens, or "
+        "--skip-invalid-size-inputs-valid-test to skip such lines")
+    # --prefix-size: the model reads only the first 5 tokens of each line, the long one included
+    status, out, _ = generate_run(long_line_data, tiny_lm_checkpoint, *eos_mode, "--prefix-size", 5)
+    assert status == 0 and ids(out) == [0, 1, 2, 3, 4]
+    assert re.search(r"^H-2\t\S+\tw1 w1 w1 w1 w1", out, re.M)
+    status, _, err = generate_run(long_line_data, tiny_lm_checkpoint, *eos_mode, "--prefix-size", 32)
+    assert status == 1 and err.strip() == (
+        "fairseq-generate: error: --prefix-size 32 makes prompts that need 33 positions with the </s> generation "
+        "starts from, more than the model's 32: pass --prefix-size 31 or less")
+    # skipped: the warning and the output name sample 2, the others are generated
+    status, out, _ = generate_run(long_line_data, tiny_lm_checkpoint, *eos_mode,
+                                  "--skip-invalid-size-inputs-valid-test")
+    assert status == 0 and ids(out) == [0, 1, 3, 4] and "are skipped, e.g. [2]" in out
+    # blocks cut by --tokens-per-sample: that flag is named
+    status, _, err = generate_run(long_line_data, tiny_lm_checkpoint, "--sample-break-mode", "none",
+                                  "--tokens-per-sample", 64)
+    assert status == 1 and err.strip() == (
+        f"fairseq-generate: error: --tokens-per-sample 64 is more than {MODEL}: pass --tokens-per-sample 32 or "
+        "less, or --prefix-size N to prompt with each sample's first N tokens")
