@@ -8,6 +8,7 @@ Every fenced block of README.md, docs/*.md and examples/*/README.md is collected
     <!-- doc-test: needs-gpt2-files -->     GPT-2's own encoder.json/vocab.bpe (fetched with network)
     <!-- doc-test: needs-slurm -->          sbatch / a SLURM cluster
     <!-- doc-test: needs-your-data -->      the reader's own corpus, checkpoints or paths (/data/..., DATA)
+    <!-- doc-test: benchmark -->            a measurement's command (minutes of a machine; its figures name it)
     <!-- doc-test: illustration -->         a fragment, a template with placeholders, or an output record
     <!-- doc-test: setup -->                the docs tier runs it as its set-up (the quickstart)
 
@@ -28,7 +29,7 @@ from typing import List, Optional
 
 ROOT = Path(__file__).resolve().parents[2]
 SKIP_REASONS = {"needs-gpu", "needs-network", "needs-gpt2-files", "needs-slurm", "needs-your-data",
-                "illustration", "setup"}
+                "benchmark", "illustration", "setup"}
 RUN_MODES = {"continues", "file"}
 CODE = {"bash": "bash", "sh": "bash", "shell": "bash", "console": "bash", "python": "python", "py": "python"}
 MARKER = re.compile(r"^\s*<!--\s*doc-test:\s*(\S+)\s*(.*?)\s*-->\s*$")
