@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # The main job, end to end on a fresh machine with Python 3.10+: install (into .venv), write a sample corpus
 # from text that ships with Python, preprocess it, train a small transformer LM on the CPU, evaluate it.
-# Everything lands under ${WORK:-work/quickstart}. Takes a few minutes on 2 CPU cores.
+# Everything lands under ${WORK:-work/quickstart}. Takes a few minutes on 2 CPU cores (a first run also
+# installs, which it says). MAX_UPDATE (default 300) sets the training length; the docs tests use a tiny one.
 set -euo pipefail
+echo "== 0/4 the environment: ${FAIRSEQ_VENV:-.venv} (created and installed into on the first run)"
 source "$(dirname "${BASH_SOURCE[0]}")/_venv.sh"
 cd "$ROOT"
 WORK="${WORK:-work/quickstart}"
@@ -33,3 +35,5 @@ fairseq-eval-lm "$WORK/data-bin" --path "$WORK/checkpoints/checkpoint_best.pt" -
     --tokens-per-sample 128 --context-window 64 --max-tokens 4096 --cpu
 
 echo "== done: data in $WORK/data-bin, checkpoints in $WORK/checkpoints"
+echo "== the docs' commands (fairseq-*, python scripts/...) run in this environment: first"
+echo "   source ${VENV#$ROOT/}/bin/activate"

@@ -87,7 +87,8 @@ def train_command(size: str, config_dir: Path = CONFIG_DIR) -> str:
 def readme_section(config_dir: Path = CONFIG_DIR) -> str:
     parts = [BEGIN]
     for size in SIZES:
-        parts.append(f"\n#### {size}\n\n```bash\n{train_command(size, config_dir)}\n```")
+        # The marker tells the docs tier (tests/docs) why these do not run on a CPU.
+        parts.append(f"\n#### {size}\n\n<!-- doc-test: needs-gpu -->\n```bash\n{train_command(size, config_dir)}\n```")
     parts.append(END)
     return "\n".join(parts)
 
