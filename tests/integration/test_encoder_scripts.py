@@ -156,6 +156,26 @@ def test_bpe_encoder_errors_leave_existing_outputs_alone(gpt2_files, tmp_path):
     assert proc.returncode == 0 and out.read_text(encoding="utf-8").count("\n") == 10
 
 
+@pytest.mark.parametrize("script", ["bpe", "spm"])
+def test_outputs_named_twice_or_also_inputs_are_refused(gpt2_files, spm_model, tmp_path, script):
+    """The same file twice in --outputs would keep one split's encoding and lose the other's; an output that is
+    also an input would replace the text by its encoding. Both are refused, nothing written."""
+    a, b, out = tmp_path / "a.txt", tmp_path / "b.txt", tmp_path / "out.txt"
+    a.write_text("first split\n", encoding="utf-8")
+    b.write_text("second split\n", encoding="utf-8")
+    out.write_text("previous complete output\n", encoding="utf-8")
+    cmd = ((ENCODER_SCRIPT, "--encoder-json", gpt2_files[0], "--vocab-bpe", gpt2_files[1]) if script == "bpe"
+           else (os.path.join(ROOT, "scripts", "spm_encode.py"), "--model", spm_model))
+    for outputs, said in (([out, tmp_path / "." / "out.txt"], "twice"), ([out, b], "is also an input")):
+        proc = run(*cmd, "--inputs", a, b, "--outputs", *outputs)
+        err = proc.stderr.decode().strip().splitlines()
+        assert proc.returncode == 1 and len(err) == 1 and said in err[0], err
+        assert str(outputs[1]) in err[0] and "Traceback" not in err[0]
+    assert out.read_text(encoding="utf-8") == "previous complete output\n"
+    assert b.read_text(encoding="utf-8") == "second split\n"
+    assert sorted(os.listdir(tmp_path)) == ["a.txt", "b.txt", "out.txt"]
+
+
 @pytest.fixture(scope="module")
 def spm_model(tmp_path_factory):
     d = tmp_path_factory.mktemp("spm")

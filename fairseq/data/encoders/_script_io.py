@@ -136,6 +136,24 @@ def chunked(rows: Iterable[Tuple[str, ...]], max_rows: int = CHUNK_LINES,
         yield chunk
 
 
+def check_outputs(inputs: Sequence[str], outputs: Sequence[str]) -> None:
+    """Refuse outputs that would lose text: a file named twice (the last rename would keep one split's encoding
+    and drop the other's) or an output that is also an input (the text would be replaced by its encoding)."""
+    sources = {os.path.realpath(p): p for p in inputs if p != "-"}
+    seen = {}
+    for path in outputs:
+        if path == "-":
+            continue
+        key = os.path.realpath(path)
+        if key in seen:
+            raise ScriptError(f"--outputs names one file twice ({seen[key]} and {path}): each input needs an output "
+                              "file of its own")
+        if key in sources:
+            raise ScriptError(f"output {path} is also an input ({sources[key]}): it would be replaced by its "
+                              "encoding; write to another file")
+        seen[key] = path
+
+
 # ---- writing ----------------------------------------------------------------------------------------------
 class AtomicOutputs:
     """Text outputs that appear under their names only when complete ("-" is stdout, written as it comes).
