@@ -32,6 +32,10 @@ class CorruptCheckpointError(CheckpointError):
     """The file exists but is truncated or damaged (as opposed to: of another kind, or untrusted)."""
 
 
+class NotACheckpointError(CheckpointError):
+    """The file is neither a zip archive nor a pickle: garbage, or the wrong path."""
+
+
 class CheckpointSaveError(CheckpointError):
     """Writing a checkpoint failed; the checkpoint previously at that path is intact."""
 
@@ -211,8 +215,8 @@ def load_checkpoint_file(path: str, trust_legacy: bool = False) -> Dict[str, Any
 
     Files written by this project hold only tensors and plain containers and load with weights_only=True.
     Upstream fairseq files pickle argparse/omegaconf objects; they load only with `trust_legacy`.
-    Raises CorruptCheckpointError for a truncated or damaged file and CheckpointError for one that is not a
-    checkpoint or needs --trust-legacy-checkpoint.
+    Raises CorruptCheckpointError for a truncated or damaged file, NotACheckpointError for one that is not a
+    checkpoint and CheckpointError for one that needs --trust-legacy-checkpoint.
     """
     if not os.path.exists(path):
         raise FileNotFoundError(f"checkpoint not found: {path}")
@@ -224,7 +228,7 @@ def load_checkpoint_file(path: str, trust_legacy: bool = False) -> Dict[str, Any
             raise _corrupt(path, "the file is truncated (its zip archive has no end); it was cut short by a "
                                  "failed copy or a full disk")
     elif not head.startswith(PICKLE_MAGIC):
-        raise CheckpointError(
+        raise NotACheckpointError(
             f"{path} is not a checkpoint: it starts with bytes {head!r}, neither a zip archive (torch.save since "
             "torch 1.6) nor a pickle (older torch); check the path"
         )
