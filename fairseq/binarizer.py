@@ -7,10 +7,10 @@ whitespace and followed by `</s>`. Whole blocks are encoded at once (one `str.sp
 token into a numpy array) instead of line by line into tensors, which is where the speed comes from.
 
 Outputs go to hidden `*.part` names in the destination directory and are renamed into place only when
-complete, the `.idx` last; an interrupted run never leaves a `<prefix>.bin`/`.idx` pair behind.
+complete, the `.idx` last; an interrupted run never leaves a `<prefix>.bin`/`.idx` pair behind
+(fairseq/binarizer_jobs.py: the worker pool and the atomic writer).
 """
 
-import multiprocessing
 import os
 from collections import Counter
 from dataclasses import dataclass
@@ -19,9 +19,8 @@ from typing import Dict, Iterator, List, Optional, Tuple
 
 import numpy as np
 
-from fairseq.data.indexed_dataset import (
-    MMapIndexedDatasetBuilder, best_fitting_dtype, data_file_path, index_file_path,
-)
+from fairseq.binarizer_jobs import make_pool, maybe_pool, run_jobs_atomically, settle  # noqa: F401 (make_pool)
+from fairseq.data.indexed_dataset import best_fitting_dtype
 
 BLOCK_BYTES = 1 << 20  # text decoded and encoded at once; a worker holds ~20x this in word objects
 _LINE_MARK = "\x00"  # stands for a line end inside a block; never whitespace, so split() keeps it a token
@@ -121,7 +120,7 @@ def count_words(path: str, num_workers: int = 1, pool=None) -> Tuple[Counter, in
     ranges = list(zip(offsets, offsets[1:]))
     if num_workers <= 1 or len(ranges) <= 1:
         return count_words_range(path, 0, offsets[-1])
-    with _maybe_pool(pool, num_workers - 1) as p:
+    with maybe_pool(pool, num_workers - 1) as p:
         pending = [p.apply_async(count_words_range, (path, s, e)) for s, e in ranges[1:]]
         counter, lines = count_words_range(path, *ranges[0])  # the first range in this process
         for r in pending:
@@ -187,7 +186,7 @@ def _encode_lines(text, indices, unk, eos, unk_word):
 
 def binarize_range(builder, path: str, start: int, end: int, indices: Dict[str, int], unk: int, eos: int,
                    unk_word: str) -> BinarizeSummary:
-    """Encode bytes [start, end) of `path` into `builder` (one job of `_run_jobs_atomically`)."""
+    """Encode bytes [start, end) of `path` into `builder` (one job of `run_jobs_atomically`)."""
     marked = dict(indices)
     marked[_LINE_MARK] = -1
     return _encode_into(builder, path, start, end, indices, marked, unk, eos, unk_word)
@@ -216,38 +215,7 @@ def binarize_file(path: str, dictionary, output_prefix: str, num_workers: int = 
     offsets = find_offsets(path, max(1, num_workers))
     common = (dictionary.indices, dictionary.unk_index, dictionary.eos_index, dictionary.unk_word)
     jobs = [(binarize_range, (path, s, e) + common) for s, e in zip(offsets, offsets[1:])]
-    return _run_jobs_atomically(output_prefix, dtype, jobs, pool)
-
-
-# ---- processes --------------------------------------------------------------------------------------------
-def make_pool(processes: int):
-    """A process pool; fork where the platform has it (workers need only numpy and the stdlib)."""
-    method = "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn"
-    return multiprocessing.get_context(method).Pool(processes=processes)
-
-
-class _maybe_pool:
-    """Use the caller's pool, or own one for the duration of a `with` block (False: no pool needed)."""
-
-    def __init__(self, pool, processes: int):
-        self._given, self._processes, self._owned = pool, processes, None
-
-    def __enter__(self):
-        if self._given is False:
-            return None
-        if self._given is not None:
-            return self._given
-        self._owned = make_pool(max(1, self._processes))
-        return self._owned
-
-    def __exit__(self, exc_type, *_):
-        if self._owned is not None:
-            if exc_type is None:
-                self._owned.close()
-            else:
-                self._owned.terminate()
-            self._owned.join()
-        return False
+    return run_jobs_atomically(output_prefix, dtype, jobs, pool)
 
 
 # ---- one pass: raw text -> --bpe -> token ids ------------------------------------------------------------
@@ -510,15 +478,13 @@ def build_dictionary_encoded(path: str, spec: tuple, cache_stem: str, num_worker
     caches = [(p, None) for p in prefixes]
     pending = []
     try:
-        with _maybe_pool(pool if len(ranges) > 1 else False, len(ranges) - 1) as p:
+        with maybe_pool(pool if len(ranges) > 1 else False, len(ranges) - 1) as p:
             pending = [p.apply_async(count_encode_range, (path, s, e, spec, c))
                        for (s, e), c in zip(ranges[1:], prefixes[1:])]
             results = [count_encode_range(path, *ranges[0], spec, prefixes[0])]
             results += [r.get() for r in pending]
-    except BaseException:
-        if pool:  # a caller's pool keeps running: let our tasks end before removing their files
-            for r in pending:
-                r.wait()
+    except BaseException as err:
+        settle(pool, pending, err)  # a caller's pool: our tasks end before their files are removed
         for c in caches:
             remove_cache(c)
         raise
@@ -536,55 +502,6 @@ def build_dictionary_encoded(path: str, spec: tuple, cache_stem: str, num_worker
     return d, caches
 
 
-def _job_to_files(func, args, dtype, out_bin: str, out_idx: str) -> BinarizeSummary:
-    builder = MMapIndexedDatasetBuilder(out_bin, dtype=dtype)
-    try:
-        summary = func(builder, *args)
-        builder.finalize(out_idx)
-    except BaseException:
-        builder.close()
-        raise
-    return summary
-
-
-def _run_jobs_atomically(output_prefix: str, dtype, jobs: List[tuple], pool) -> BinarizeSummary:
-    """Run `jobs` ((func, args): func(builder, *args) -> summary), the first here and the rest in `pool`,
-    concatenated in order into `output_prefix.bin/.idx`, renamed into place only when complete (.idx last)."""
-    dest_dir, base = os.path.split(output_prefix)
-    stem = os.path.join(dest_dir, f".{base}.{os.getpid()}")
-    part_bin, part_idx = stem + ".bin.part", stem + ".idx.part"
-    worker_parts = [(f"{stem}.w{k}.bin.part", f"{stem}.w{k}.idx.part") for k in range(1, len(jobs))]
-    builder = MMapIndexedDatasetBuilder(part_bin, dtype=dtype)
-    pending = []
-    try:
-        with _maybe_pool(pool if worker_parts else False, len(worker_parts)) as p:
-            pending = [p.apply_async(_job_to_files, (func, args, dtype, wb, wi))
-                       for (func, args), (wb, wi) in zip(jobs[1:], worker_parts)]
-            func, args = jobs[0]
-            summary = func(builder, *args)
-            for r, (wb, wi) in zip(pending, worker_parts):
-                summary.merge(r.get())
-                builder.merge_files_(wb, wi)
-                os.remove(wb)
-                os.remove(wi)
-        builder.finalize(part_idx)
-        final_bin, final_idx = data_file_path(output_prefix), index_file_path(output_prefix)
-        if os.path.exists(final_idx):
-            os.remove(final_idx)  # an old index must never pair with the new .bin
-        os.replace(part_bin, final_bin)
-        os.replace(part_idx, final_idx)
-    except BaseException:
-        builder.close()
-        if pool:
-            for r in pending:
-                r.wait()
-        for leftover in [part_bin, part_idx] + [f for pair in worker_parts for f in pair]:
-            if os.path.exists(leftover):
-                os.remove(leftover)
-        raise
-    return summary
-
-
 def binarize_file_encoded(path: str, dictionary, output_prefix: str, spec: tuple, num_workers: int = 1, pool=None,
                           caches: Optional[List[tuple]] = None) -> BinarizeSummary:
     """`binarize_file` of `path` as encoded by `spec`'s --bpe (one pass, no encoded text written), or of the
@@ -598,7 +515,7 @@ def binarize_file_encoded(path: str, dictionary, output_prefix: str, spec: tuple
     else:
         offsets = find_offsets(path, max(1, num_workers))
         jobs = [(encode_binarize_range, (path, s, e) + common) for s, e in zip(offsets, offsets[1:])]
-    return _run_jobs_atomically(output_prefix, dtype, jobs, pool)
+    return run_jobs_atomically(output_prefix, dtype, jobs, pool)
 
 
 

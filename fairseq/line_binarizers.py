@@ -10,7 +10,8 @@ from typing import Callable, List, Optional, Tuple
 
 import torch
 
-from fairseq.binarizer import BinarizeSummary, _run_jobs_atomically, find_offsets
+from fairseq.binarizer import BinarizeSummary, find_offsets
+from fairseq.binarizer_jobs import run_jobs_atomically
 from fairseq.data.dictionary import tokenize_line
 from fairseq.data.indexed_dataset import (MMapIndexedDatasetBuilder, best_fitting_dtype, check_dataset_impl,
                                          data_file_path)
@@ -93,7 +94,7 @@ class FileBinarizer:
         _check_impl(dataset_impl)
         offsets = find_offsets(input_file, max(1, num_workers))
         jobs = [(_binarize_range, (binarizer, input_file, s, e)) for s, e in zip(offsets, offsets[1:])]
-        return _run_jobs_atomically(output_prefix, _numpy_dtype(vocab_size), jobs, None)
+        return run_jobs_atomically(output_prefix, _numpy_dtype(vocab_size), jobs, None)
 
     @staticmethod
     def _binarize_file_chunk(binarizer: Binarizer, filename: str, offset_start: int, offset_end: int,

@@ -5,6 +5,8 @@ lines to `DESTDIR/preprocess.log`, as upstream fairseq does. Only source-side da
 is supported: this fork is for language models.
 """
 
+import contextlib
+import glob
 import logging
 import os
 import sys
@@ -12,7 +14,10 @@ from argparse import Namespace
 from typing import List, Optional
 
 from fairseq import binarizer, options
+from fairseq.checkpoint.io import os_error_message
 from fairseq.data import Dictionary
+from fairseq.data.encoders._script_io import interrupted_exit, stopping_on_signals
+from fairseq.data.indexed_dataset import data_file_path
 from fairseq.utils import import_user_module
 
 logger = logging.getLogger("fairseq_cli.preprocess")
@@ -105,8 +110,9 @@ def main(args: Namespace) -> None:
         logger.warning(f"--tokenizer {args.tokenizer} is accepted for upstream compatibility and not applied by "
                        "fairseq-preprocess (as upstream); tokenize the text first")
     spec = _bpe_spec(args)  # before the pool forks: the workers inherit the encoder
-    os.makedirs(args.destdir, exist_ok=True)
-    log_handler = logging.FileHandler(os.path.join(args.destdir, "preprocess.log"), encoding="utf-8")
+    with _writing(args.destdir):
+        os.makedirs(args.destdir, exist_ok=True)
+        log_handler = logging.FileHandler(os.path.join(args.destdir, "preprocess.log"), encoding="utf-8")
     logger.addHandler(log_handler)
     old_level = logger.level
     if logger.getEffectiveLevel() > logging.INFO:  # preprocess.log always gets the INFO lines
@@ -120,6 +126,8 @@ def main(args: Namespace) -> None:
     except BaseException:
         if pool is not None:
             pool.terminate()
+            pool.join()
+        _remove_own_temporaries(args.destdir)
         raise
     finally:
         if pool is not None:
@@ -127,6 +135,24 @@ def main(args: Namespace) -> None:
         logger.setLevel(old_level)
         logger.removeHandler(log_handler)
         log_handler.close()
+
+
+def _remove_own_temporaries(destdir: str) -> None:
+    """This run's hidden files in `destdir` (`.NAME.PID.*`: parts, caches), whatever step was cut short."""
+    for path in glob.glob(os.path.join(glob.escape(destdir), f".*.{os.getpid()}.*")):
+        with contextlib.suppress(OSError):
+            os.remove(path)
+
+
+@contextlib.contextmanager
+def _writing(path: str):
+    """Name `path` in an OSError of a write that does not name its file (or names a hidden temporary)."""
+    try:
+        yield
+    except OSError as err:
+        if err.filename is not None and not os.path.basename(str(err.filename)).startswith("."):
+            raise
+        raise OSError(err.errno, err.strerror or str(err), path) from None
 
 
 def _run(args: Namespace, pool, spec=None) -> None:
@@ -157,21 +183,24 @@ def _run_splits(args: Namespace, pool, spec, caches: list) -> None:
         )
     dict_path = _dict_path(args, lang)
     tmp = os.path.join(args.destdir, f".{os.path.basename(dict_path)}.{os.getpid()}.part")
-    vocab.save(tmp)
-    os.replace(tmp, dict_path)
+    with _writing(dict_path):
+        vocab.save(tmp)
+        os.replace(tmp, dict_path)
     if args.dict_only:
         return
     replaced = []
     for input_file, out_prefix in _splits(args, lang):
         logger.info(f"[{lang}] Dictionary: {len(vocab)} types")
-        if spec is None:
-            summary = binarizer.binarize_file(input_file, vocab, out_prefix, num_workers=args.workers, pool=pool)
-        else:
-            use_cache = caches and input_file == train_path and out_prefix == _dest_prefix(args, "train", lang)
-            summary = binarizer.binarize_file_encoded(input_file, vocab, out_prefix, spec, num_workers=args.workers,
-                                                      pool=pool, caches=list(caches) if use_cache else None)
-            if summary.num_replaced:
-                replaced.append(f"{summary.num_replaced} in {input_file}")
+        with _writing(data_file_path(out_prefix)):
+            if spec is None:
+                summary = binarizer.binarize_file(input_file, vocab, out_prefix, num_workers=args.workers, pool=pool)
+            else:
+                use_cache = caches and input_file == train_path and out_prefix == _dest_prefix(args, "train", lang)
+                summary = binarizer.binarize_file_encoded(input_file, vocab, out_prefix, spec, pool=pool,
+                                                          num_workers=args.workers,
+                                                          caches=list(caches) if use_cache else None)
+        if summary.num_replaced and spec is not None:
+            replaced.append(f"{summary.num_replaced} in {input_file}")
         logger.info(f"[{lang}] {input_file}: {summary} (by {vocab.unk_word})")
     if replaced and args.srcdict:
         # Upstream maps them to <unk> silently; say so once, with the count and the fix.
@@ -195,9 +224,16 @@ def cli_main(argv: Optional[List[str]] = None) -> None:
     )
     args = parse_args(argv)
     try:
-        main(args)
+        with stopping_on_signals():  # one Ctrl-C or SIGTERM ends the run (workers too), temporaries removed
+            main(args)
+    except KeyboardInterrupt as e:
+        interrupted_exit("fairseq-preprocess", e)
     except (PreprocessError, FileNotFoundError, ValueError) as e:
         print(f"fairseq-preprocess: error: {e}", file=sys.stderr)
+        sys.exit(2)
+    except OSError as e:  # an unwritable, read-only or full --destdir
+        print(f"fairseq-preprocess: error: {os_error_message(e.filename or args.destdir, e, flag='--destdir')}",
+              file=sys.stderr)
         sys.exit(2)
 
 

@@ -44,10 +44,8 @@ def average_checkpoints(inputs: List[str], trust_legacy_checkpoint: bool = False
         model = state["model"]
         if keys is None:
             keys = list(model.keys())
-        elif list(model.keys()) != keys:
-            missing = sorted(set(keys) ^ set(model.keys()))
-            raise KeyError(f"{path} has other parameters than {inputs[0]} (e.g. {missing[0] if missing else 'order'}); "
-                           "average checkpoints of one model only")
+        else:
+            _check_same_parameters(inputs[0], sums, path, model)
         for key in keys:
             p = model[key]
             if p.dtype in (torch.float16, torch.bfloat16):
@@ -63,6 +61,22 @@ def average_checkpoints(inputs: List[str], trust_legacy_checkpoint: bool = False
             total //= len(inputs)  # upstream truncates integer averages
     first["model"] = sums
     return first
+
+
+def _check_same_parameters(first_path: str, first: Dict, path: str, model: Dict) -> None:
+    """The same parameter names (in any order) and shapes as the first checkpoint, else one ValueError naming
+    both files and the first parameter that differs."""
+    differing = sorted(set(first) ^ set(model))
+    if differing:
+        key = differing[0]
+        has, lacks = (first_path, path) if key in first else (path, first_path)
+        raise ValueError(f"{path} and {first_path} hold different parameters: {has} has {key!r}, {lacks} does not; "
+                         "average checkpoints of one model only")
+    for key, total in first.items():
+        if tuple(model[key].shape) != tuple(total.shape):
+            raise ValueError(f"{path} and {first_path} hold different parameters: {key!r} is "
+                             f"{list(model[key].shape)} in {path} but {list(total.shape)} in {first_path}; "
+                             "average checkpoints of one model only")
 
 
 def last_n_checkpoints(paths: List[str], n: int, update_based: bool, upper_bound: Optional[int] = None) -> List[str]:

@@ -39,6 +39,7 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     if len(args.inputs) != len(args.outputs):
         parser.error("number of input and output paths should match")
+    script_io.check_outputs(args.inputs, args.outputs)
     sp = script_io.load_sentencepiece(args.model)
     out_type = str if args.output_format == "piece" else int
     min_len, max_len = args.min_len, args.max_len

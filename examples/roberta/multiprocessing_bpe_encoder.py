@@ -86,6 +86,7 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     if len(args.inputs) != len(args.outputs):
         parser.error("number of input and output paths should match")
+    script_io.check_outputs(args.inputs, args.outputs)
     for flag, value in (("--encoder-json", args.encoder_json), ("--vocab-bpe", args.vocab_bpe)):
         if not value:
             parser.error(f"{flag} is required: {gpt2_bpe_utils.DOWNLOAD_HINT}")

@@ -32,6 +32,10 @@ class CorruptCheckpointError(CheckpointError):
     """The file exists but is truncated or damaged (as opposed to: of another kind, or untrusted)."""
 
 
+class NotACheckpointError(CheckpointError):
+    """The file is neither a zip archive nor a pickle: garbage, or the wrong path."""
+
+
 class CheckpointSaveError(CheckpointError):
     """Writing a checkpoint failed; the checkpoint previously at that path is intact."""
 
@@ -61,26 +65,31 @@ def default_file_mode() -> int:
     return 0o666 & ~mask
 
 
-_HINTS = {
-    errno.ENOSPC: "free space on that file system or point --save-dir at another one",
-    errno.EDQUOT: "free space within your disk quota or point --save-dir at another file system",
+_HINTS = {  # {flag}: the option naming the directory written to
+    errno.ENOSPC: "free space on that file system or point {flag} at another one",
+    errno.EDQUOT: "free space within your disk quota or point {flag} at another file system",
     errno.EFBIG: "the file is larger than this process may write (ulimit -f) or the file system allows",
-    errno.EACCES: "make the directory writable for this user or choose another --save-dir",
-    errno.EPERM: "make the directory writable for this user or choose another --save-dir",
-    errno.EROFS: "the file system is read-only: choose another --save-dir",
-    errno.ENOTDIR: "a part of the path is a file, not a directory: choose another --save-dir",
+    errno.EACCES: "make the directory writable for this user or choose another {flag}",
+    errno.EPERM: "make the directory writable for this user or choose another {flag}",
+    errno.EROFS: "the file system is read-only: choose another {flag}",
+    errno.ENOTDIR: "a part of the path is a file, not a directory: choose another {flag}",
+    errno.EEXIST: "a file is where the directory should be: choose another {flag}",
 }
+
+
+def os_error_message(path: str, err: OSError, what: str = "cannot write", flag: str = "--save-dir",
+                     kept: str = "") -> str:
+    """One line for a failed write: the path, the errno by name, what to do."""
+    code = errno.errorcode.get(err.errno, str(err.errno)) if err.errno is not None else "error"
+    hint = _HINTS.get(err.errno, "check the file system").format(flag=flag)
+    return f"{what} {path}: {err.strerror or err} ({code}){kept}. Fix: {hint}"
 
 
 def save_error(path: str, err: OSError, previous_intact: bool = True,
                what: str = "cannot write checkpoint") -> CheckpointSaveError:
-    """One line for a failed write: the path, the errno by name, what to do."""
-    code = errno.errorcode.get(err.errno, str(err.errno)) if err.errno is not None else "error"
-    hint = _HINTS.get(err.errno, "check the file system")
+    """A failed checkpoint write as one CheckpointSaveError (os_error_message)."""
     kept = "; the checkpoint previously at that path is intact" if previous_intact else ""
-    return CheckpointSaveError(
-        f"{what} {path}: {err.strerror or err} ({code}){kept}. Fix: {hint}"
-    )
+    return CheckpointSaveError(os_error_message(path, err, what, "--save-dir", kept))
 
 
 class _ErrorRecordingWriter:
@@ -211,8 +220,8 @@ def load_checkpoint_file(path: str, trust_legacy: bool = False) -> Dict[str, Any
 
     Files written by this project hold only tensors and plain containers and load with weights_only=True.
     Upstream fairseq files pickle argparse/omegaconf objects; they load only with `trust_legacy`.
-    Raises CorruptCheckpointError for a truncated or damaged file and CheckpointError for one that is not a
-    checkpoint or needs --trust-legacy-checkpoint.
+    Raises CorruptCheckpointError for a truncated or damaged file, NotACheckpointError for one that is not a
+    checkpoint and CheckpointError for one that needs --trust-legacy-checkpoint.
     """
     if not os.path.exists(path):
         raise FileNotFoundError(f"checkpoint not found: {path}")
@@ -224,7 +233,7 @@ def load_checkpoint_file(path: str, trust_legacy: bool = False) -> Dict[str, Any
             raise _corrupt(path, "the file is truncated (its zip archive has no end); it was cut short by a "
                                  "failed copy or a full disk")
     elif not head.startswith(PICKLE_MAGIC):
-        raise CheckpointError(
+        raise NotACheckpointError(
             f"{path} is not a checkpoint: it starts with bytes {head!r}, neither a zip archive (torch.save since "
             "torch 1.6) nor a pickle (older torch); check the path"
         )

@@ -27,6 +27,7 @@ from fairseq.checkpoint import sharded
 from fairseq.checkpoint.io import (
     CheckpointError,
     CorruptCheckpointError,
+    NotACheckpointError,
     atomic_copy,
     atomic_torch_save,
     load_checkpoint_file,
@@ -114,19 +115,21 @@ class CheckpointManager:
         self._vocabulary = make_record(getattr(task, "source_dictionary", None), getattr(self.cfg, "bpe", None))
 
     def open_save_dir(self) -> None:
-        """Start-up, on every rank: check that --save-dir is writable where this rank will write (rank 0; every
-        rank with sharded state), lock it against a second run (rank 0) and remove temporaries of killed saves.
+        """Start-up, on every rank: lock --save-dir against a second run and remove temporaries of killed saves
+        (rank 0), then check that it is writable where this rank will write (rank 0; every rank with sharded state).
         With --no-save nothing is checked (a preemption save may then still fail, with a one-line error)."""
         if self.ckpt_cfg.no_save:
             return
         save_dir = self.ckpt_cfg.save_dir
-        if get_rank() == 0 or self.sharded:
-            check_writable(save_dir)
         if get_rank() == 0:
             lock = SaveDirLock(save_dir)
             lock.acquire()
             self._lock = lock
-            remove_stale_temporaries(save_dir)
+            remove_stale_temporaries(save_dir)  # before the probe: on a full disk they may hold the space
+        if self.sharded:
+            barrier()  # every rank probes after the clean-up
+        if get_rank() == 0 or self.sharded:
+            check_writable(save_dir)
 
     def close(self) -> None:
         """Release the --save-dir lock (the end of the process releases it too)."""
@@ -297,8 +300,8 @@ class CheckpointManager:
         logger.info(f"loading checkpoint {path}")
         try:
             state = self.read(path, trainer, resuming=True, load_optimizer=not resets.optimizer)
-        except CorruptCheckpointError as err:
-            raise CorruptCheckpointError(f"{err}. {self._alternatives(path)}") from None
+        except (CorruptCheckpointError, NotACheckpointError) as err:
+            raise type(err)(f"{err}. {self._alternatives(path)}") from None
         optim_state = None if resets.optimizer else state.get("last_optimizer_state")
         if optim_state is None and not resets.optimizer:
             raise CheckpointError(f"{path} has no optimizer state; pass --reset-optimizer to start a new one")

@@ -29,7 +29,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import filesystem as dcp_filesystem
 from torch.distributed.checkpoint import metadata as dcp_metadata
 
-from fairseq.checkpoint.io import CheckpointError
+from fairseq.checkpoint.io import CheckpointError, CorruptCheckpointError
 
 logger = logging.getLogger(__name__)
 
@@ -124,11 +124,10 @@ def load_metadata(file, source: str):
         metadata = RestrictedUnpickler(file).load()
     except ForbiddenGlobal as e:
         raise _refusal(source, f"the Python global {e.module}.{e.name}") from None
-    except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError, KeyError, IndexError,
-            RuntimeError, MemoryError, UnicodeDecodeError, OverflowError) as e:
-        raise CheckpointError(
-            f"cannot read {source}: {type(e).__name__}: {e}. The file is truncated or damaged, or not the index "
-            "of a torch.distributed.checkpoint directory"
+    except Exception as e:  # garbage makes the unpickler fail in any way; each is a damaged index
+        raise CorruptCheckpointError(
+            f"cannot read {source}: {type(e).__name__}: {str(e)[:200]}. The file is truncated or damaged, or not the "
+            "index of a torch.distributed.checkpoint directory"
         ) from None
     _check_index(metadata, source)
     return metadata

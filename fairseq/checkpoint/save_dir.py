@@ -7,7 +7,8 @@
   whole run; the file names the holder (pid, host, start time). The kernel drops the lock when the holder
   exits, however it exits, so a killed or preempted run never leaves a stale lock behind.
 - Temporaries of a save that was killed (`.NAME.*.tmp` files, `NAME.tmp` sharded directories) are removed
-  once the lock is held: no other writer can be using them then.
+  once the lock is held (no other writer can be using them then), before the probe: on a full disk they
+  may be what holds the space.
 """
 
 import errno
@@ -61,7 +62,12 @@ class SaveDirLock:
         self._fd: Optional[int] = None
 
     def acquire(self) -> None:
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            os.makedirs(os.path.dirname(self.path), exist_ok=True)
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as err:
+            raise save_error(os.path.dirname(self.path), err, previous_intact=False,
+                             what="--save-dir is not writable:") from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as err:

@@ -56,13 +56,17 @@ def save_sharded(path: str, model_state, optim_state, metadata: Dict[str, Any],
     state.update(extra_shards or {})
     try:
         dcp.save(state, checkpoint_id=tmp)
+        if get_rank() == 0:
+            atomic_torch_save(metadata, os.path.join(tmp, METADATA))
     except BaseException as err:  # DCP's CheckpointException is a BaseException
-        os_error = _os_error_in(err)
+        if get_rank() == 0 and not isinstance(err, (KeyboardInterrupt, SystemExit)):
+            # DCP reports a failure to every rank once all have stopped writing: the half-written directory
+            # can go now (on a full disk it holds the space the next save needs).
+            shutil.rmtree(tmp, ignore_errors=True)
+        os_error = None if isinstance(err, CheckpointError) else _os_error_in(err)
         if os_error is None:
             raise
         raise save_error(path, os_error) from None
-    if get_rank() == 0:
-        atomic_torch_save(metadata, os.path.join(tmp, METADATA))
     barrier()
     if get_rank() == 0:
         _swap_into_place(tmp, path)

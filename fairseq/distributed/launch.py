@@ -278,12 +278,24 @@ def _write_failure_report(report_dir: str, rank: int, how: str = "failed", with_
     names the peers that had already ended: a peer killed by a signal leaves no report, and this rank's
     failure may be the consequence of its death, noticed by the launcher only later."""
     ended_peers = _ended_peers(report_dir, rank)  # looked at before the time stamp: they ended before it
-    report = {"rank": rank, "time_ns": time.time_ns(), "how": how, "ended_peers": ended_peers,
-              "traceback": traceback.format_exc() if with_traceback else None}
+    error = _checkpoint_error_line() if with_traceback else None
+    report = {"rank": rank, "time_ns": time.time_ns(), "how": how, "ended_peers": ended_peers, "error": error,
+              "traceback": traceback.format_exc() if with_traceback and error is None else None}
     path = os.path.join(report_dir, f"rank{rank}.json")
     with open(path + ".tmp", "w") as f:
         json.dump(report, f)
     os.replace(path + ".tmp", path)
+
+
+def _checkpoint_error_line() -> Optional[str]:
+    """The exception being handled as one line if it is a CheckpointError (a full disk, a damaged file): a user
+    error, told as fairseq-train tells it in one process, without a traceback."""
+    from fairseq.checkpoint.io import CheckpointError
+
+    err = sys.exc_info()[1]
+    if not isinstance(err, CheckpointError):
+        return None
+    return " ".join(line.strip() for line in str(err).splitlines() if line.strip()) or type(err).__name__
 
 
 def _read_failure_reports(report_dir: str) -> List[dict]:
@@ -438,7 +450,7 @@ def _failure_message(watch: _Watch, reports: List[dict], plan: LaunchPlan) -> st
     stopped = [plan.rank + i for i in sorted(watch.stopped) if plan.rank + i not in failed]
     if stopped:
         message += f"; rank(s) {', '.join(map(str, stopped))} {'was' if len(stopped) == 1 else 'were'} stopped"
-    message += "."
+    message += f": {first['error']}" if first.get("error") else "."
     if first.get("traceback"):
         message += f" Its traceback:\n{first['traceback']}"
     return message

@@ -351,6 +351,20 @@ def export(checkpoint: str, out_dir: str, dict_path: Optional[str] = None, model
     target_dtype = DTYPES[dtype] if dtype else None
     config = hf_config(src, chosen, target_dtype or src.state["decoder.embed_tokens.weight"].dtype)
 
+    try:
+        files = _write_export(src, chosen, config, hf_tok, out_dir, target_dtype, max_shard_bytes)
+    except OSError as err:  # an unwritable, read-only or full file system: one line, any earlier export intact
+        from fairseq.checkpoint.io import CheckpointSaveError, os_error_message
+
+        raise CheckpointSaveError(os_error_message(out_dir, err, "cannot write the export", flag="OUTPUT")) from None
+    logger.info(f"wrote {out_dir}: {HF_ARCHITECTURES[chosen]}, {len(files)} weight file(s)"
+                + (f", tokenizer ({bpe_cfg['_name']})" if hf_tok is not None else ", no tokenizer"))
+    return {"model_type": chosen, "architecture": HF_ARCHITECTURES[chosen], "weights": files,
+            "tokenizer": bpe_cfg["_name"] if hf_tok is not None else None}
+
+
+def _write_export(src, chosen, config, hf_tok, out_dir, target_dtype, max_shard_bytes) -> List[str]:
+    """Assemble the export in a hidden directory beside `out_dir`, then rename it into place."""
     parent = os.path.dirname(os.path.abspath(out_dir))
     os.makedirs(parent, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(os.path.abspath(out_dir))}.", dir=parent)
@@ -372,10 +386,7 @@ def export(checkpoint: str, out_dir: str, dict_path: Optional[str] = None, model
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    logger.info(f"wrote {out_dir}: {HF_ARCHITECTURES[chosen]}, {len(files)} weight file(s)"
-                + (f", tokenizer ({bpe_cfg['_name']})" if hf_tok is not None else ", no tokenizer"))
-    return {"model_type": chosen, "architecture": HF_ARCHITECTURES[chosen], "weights": files,
-            "tokenizer": bpe_cfg["_name"] if hf_tok is not None else None}
+    return files
 
 
 def _generation_config(src: Source):

@@ -92,7 +92,15 @@ def write_shards(out_dir: str, specs: Sequence[TensorSpec], dtype: Optional[torc
                 raise RuntimeError(f"{spec.name}: planned shape {spec.shape}, made {tuple(tensor.shape)}")
             tensors[spec.name] = _own_storage(tensor.to(dtype) if dtype is not None else tensor)
             weight_map[spec.name] = name
-        save_file(tensors, os.path.join(out_dir, name), metadata={"format": "pt"})
+        path = os.path.join(out_dir, name)
+        try:
+            save_file(tensors, path, metadata={"format": "pt"})
+        except Exception as err:  # safetensors' Rust writer reports a failed write as "... (os error N)"
+            found = re.search(r"os error (\d+)", str(err))
+            if found is None:
+                raise
+            code = int(found.group(1))
+            raise OSError(code, os.strerror(code), path) from None
         os.chmod(os.path.join(out_dir, name), 0o666 & ~umask)  # safetensors creates its files private
         del tensors
     if len(shards) > 1:

@@ -307,6 +307,26 @@ def test_spawned_rank_exiting_with_a_status_is_named_first(monkeypatch, how):
     assert elapsed < FAIL_WITHIN_S, f"took {elapsed:.1f} s to fail"
 
 
+def failed_save_main(cfg, path):
+    """Every rank fails as a sharded save over a file-size limit does."""
+    import errno
+
+    from fairseq.checkpoint.io import save_error
+
+    raise save_error(path, OSError(errno.EFBIG, "File too large"))
+
+
+@pytest.mark.timeout(90)
+def test_spawned_rank_checkpoint_error_is_its_one_line(monkeypatch, tmp_path):
+    """A checkpoint error in a rank (a sharded save on a full disk) reads as in one process: one line with the
+    path and the errno, no traceback."""
+    path = str(tmp_path / "checkpoint_last")
+    message, elapsed = spawn_two(monkeypatch, failed_save_main, path=path)
+    assert len(message.splitlines()) == 1 and "Traceback" not in message, message
+    assert message.startswith("rank ") and f"cannot write checkpoint {path}: File too large (EFBIG)" in message
+    assert elapsed < FAIL_WITHIN_S, f"took {elapsed:.1f} s to fail"
+
+
 @pytest.mark.timeout(90)
 def test_slurm_rank_that_raises_fails_every_rank(worker, out_dir):
     port = dist_utils.get_free_port()

@@ -178,6 +178,73 @@ def test_temporaries_of_killed_saves_are_removed_at_start(tiny_data, tmp_path, t
     assert sorted(n for n in os.listdir(tmp_path) if "tmp" in n) == []
 
 
+def test_temporaries_are_removed_before_the_write_probe(tiny_data, tmp_path, train_args):
+    """On a full disk the temporaries of a killed save may be what fills it: they go before the probe writes."""
+    (tmp_path / ".checkpoint_last.pt.k2j3.tmp").write_bytes(b"half a checkpoint")
+    (tmp_path / "checkpoint_last.tmp").mkdir()
+    (tmp_path / "checkpoint_last.tmp" / "__0_0.distcp").write_bytes(b"half a shard")
+    result = run_cli(train_args(tiny_data, tmp_path), limit_file_size=500)  # the probe writes 1.2 kB
+    assert result.returncode == 1
+    assert "--save-dir is not writable" in result.stderr and "EFBIG" in result.stderr, result.stderr[-2000:]
+    assert sorted(n for n in os.listdir(tmp_path) if "tmp" in n) == []
+
+
+# ----------------------------------------------------------------------------- sharded checkpoints
+
+
+@pytest.fixture(scope="module")
+def sharded_run(tiny_data, tmp_path_factory, build_train_args):
+    """(save dir holding checkpoint_1_1, checkpoint_1_2 and checkpoint_last as sharded directories, argv(save_dir,
+    max_update)); tests copy the directory."""
+    def argv(save_dir, max_update):
+        return build_train_args(tiny_data, save_dir, "--disable-validation", "--ddp-backend", "fully_sharded",
+                                "--use-sharded-state", "--save-interval-updates", "1", max_update=max_update,
+                                arch="transformer_lm_gpt", seed="5", json_log=False, log_file=False)
+
+    save_dir = tmp_path_factory.mktemp("sharded")
+    status, stdout, stderr = train_in_process(argv(save_dir, 2))
+    assert status == 0, stdout[-2000:] + stderr[-2000:]
+    return save_dir, argv
+
+
+def copy_of(sharded_run, tmp_path):
+    import shutil
+
+    save_dir = tmp_path / "ckpt"
+    shutil.copytree(sharded_run[0], save_dir)
+    return save_dir
+
+
+def files_of(directory):
+    return {name: (directory / name).read_bytes() for name in os.listdir(directory)}
+
+
+def test_sharded_save_over_a_file_size_limit_is_one_line_and_leaves_no_temporary(sharded_run, tmp_path):
+    save_dir = copy_of(sharded_run, tmp_path)
+    before = files_of(save_dir / "checkpoint_last")
+    shard = max(len(data) for data in before.values())
+    result = run_cli(sharded_run[1](save_dir, 3), limit_file_size=shard // 2)
+    assert result.returncode == 1, result.stderr[-2000:]
+    errors = [line for line in result.stderr.splitlines() if "error:" in line]
+    assert len(errors) == 1 and "EFBIG" in errors[0] and str(save_dir / "checkpoint_1_3") in errors[0], errors
+    assert "Traceback" not in result.stderr
+    assert files_of(save_dir / "checkpoint_last") == before
+    assert not [n for n in os.listdir(save_dir) if n.endswith(".tmp")]
+
+
+def test_garbage_sharded_index_names_the_intact_ones_to_restore(sharded_run, tmp_path):
+    save_dir = copy_of(sharded_run, tmp_path)
+    (save_dir / "checkpoint_last" / ".metadata").write_bytes(b"\x80\x04garbage, not an index" * 40)
+    status, stdout, stderr = train_in_process(sharded_run[1](save_dir, 3))
+    errors = stderr.strip().splitlines()
+    assert status == 1 and len(errors) == 1, stderr[-2000:]
+    message = errors[0]
+    assert str(save_dir / "checkpoint_last" / ".metadata") in message and "damaged" in message
+    listed = message.split("newest first: ")[1].split(";")[0].split(", ")
+    assert sorted(listed) == ["checkpoint_1_1", "checkpoint_1_2"]
+    assert "--restore-file checkpoint_1_2" in message
+
+
 # ----------------------------------------------------------------------------- damaged checkpoints
 
 
@@ -205,14 +272,16 @@ def test_garbage_legacy_and_truncated_files_are_told_apart(tmp_path):
     assert not isinstance(info.value, CorruptCheckpointError)
 
 
-def test_truncated_checkpoint_last_names_the_intact_ones_to_restore(tiny_data, tmp_path, train_args):
+@pytest.mark.parametrize("damage", ["truncated", "garbage"])
+def test_damaged_checkpoint_last_names_the_intact_ones_to_restore(tiny_data, tmp_path, train_args, damage):
     train.cli_main(train_args(tiny_data, tmp_path, "--save-interval-updates", "2", max_update=4))
     last = tmp_path / "checkpoint_last.pt"
-    last.write_bytes(last.read_bytes()[:1000])
-    with pytest.raises(CorruptCheckpointError) as info:
+    last.write_bytes(last.read_bytes()[:1000] if damage == "truncated" else b"garbage, not a checkpoint" * 40)
+    with pytest.raises(CheckpointError) as info:
         train.cli_main(train_args(tiny_data, tmp_path, "--save-interval-updates", "2", max_update=6))
     message = str(info.value)
-    assert "truncated" in message and "checkpoint_last.pt" in message
+    said = "truncated" if damage == "truncated" else "is not a checkpoint"
+    assert said in message and "checkpoint_last.pt" in message
     listed = message.split("newest first: ")[1].split(";")[0].split(", ")
     assert sorted(listed) == ["checkpoint_1_2.pt", "checkpoint_1_4.pt", "checkpoint_best.pt"]
     assert listed[-1] == "checkpoint_1_2.pt"  # the oldest last

@@ -156,6 +156,68 @@ def test_bpe_encoder_errors_leave_existing_outputs_alone(gpt2_files, tmp_path):
     assert proc.returncode == 0 and out.read_text(encoding="utf-8").count("\n") == 10
 
 
+@pytest.mark.parametrize("script", ["bpe", "spm"])
+def test_outputs_named_twice_or_also_inputs_are_refused(gpt2_files, spm_model, tmp_path, script):
+    """The same file twice in --outputs would keep one split's encoding and lose the other's; an output that is
+    also an input would replace the text by its encoding. Both are refused, nothing written."""
+    a, b, out = tmp_path / "a.txt", tmp_path / "b.txt", tmp_path / "out.txt"
+    a.write_text("first split\n", encoding="utf-8")
+    b.write_text("second split\n", encoding="utf-8")
+    out.write_text("previous complete output\n", encoding="utf-8")
+    cmd = ((ENCODER_SCRIPT, "--encoder-json", gpt2_files[0], "--vocab-bpe", gpt2_files[1]) if script == "bpe"
+           else (os.path.join(ROOT, "scripts", "spm_encode.py"), "--model", spm_model))
+    for outputs, said in (([out, tmp_path / "." / "out.txt"], "twice"), ([out, b], "is also an input")):
+        proc = run(*cmd, "--inputs", a, b, "--outputs", *outputs)
+        err = proc.stderr.decode().strip().splitlines()
+        assert proc.returncode == 1 and len(err) == 1 and said in err[0], err
+        assert str(outputs[1]) in err[0] and "Traceback" not in err[0]
+    assert out.read_text(encoding="utf-8") == "previous complete output\n"
+    assert b.read_text(encoding="utf-8") == "second split\n"
+    assert sorted(os.listdir(tmp_path)) == ["a.txt", "b.txt", "out.txt"]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM"])
+def test_one_signal_ends_the_encoder_leaving_no_part_file(gpt2_files, tmp_path, sig):
+    """Ctrl-C (SIGINT to the process group, workers included) or SIGTERM to the script, once, mid-run: it ends
+    within seconds with one line and 128 + the signal's number, its hidden .part file removed and the earlier
+    output intact."""
+    import signal
+    import time
+
+    big, out = tmp_path / "big.txt", tmp_path / "out.bpe"
+    with open(big, "w", encoding="utf-8") as f:
+        for _ in range(20):  # ~20 MB: seconds of encoding
+            f.write(sample_text() + "\n")
+    out.write_text("previous complete output\n", encoding="utf-8")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    proc = subprocess.Popen([sys.executable, ENCODER_SCRIPT, "--encoder-json", str(gpt2_files[0]), "--vocab-bpe",
+                             str(gpt2_files[1]), "--inputs", str(big), "--outputs", str(out), "--keep-empty",
+                             "--workers", "2"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            env=env, start_new_session=True)
+    try:
+        deadline = time.time() + 60  # until encoded text is being written: mid-run
+        while time.time() < deadline and not [p for p in tmp_path.glob(".out.bpe.*.part") if p.stat().st_size]:
+            time.sleep(0.002)
+        assert proc.poll() is None, "the script finished before it could be interrupted"
+        signum = getattr(signal, sig)
+        os.killpg(proc.pid, signum) if sig == "SIGINT" else os.kill(proc.pid, signum)
+        start = time.time()
+        _, stderr = proc.communicate(timeout=30)
+        elapsed = time.time() - start
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == 128 + signum and elapsed < 10, (proc.returncode, elapsed, stderr[-2000:])
+    lines = [line for line in stderr.strip().splitlines() if not line.startswith("processed ")]
+    assert len(lines) == 1 and lines[0].startswith(f"multiprocessing_bpe_encoder.py: interrupted by {sig}"), stderr
+    assert sorted(os.listdir(tmp_path)) == ["big.txt", "out.bpe"]
+    assert out.read_text(encoding="utf-8") == "previous complete output\n"
+    with pytest.raises(ProcessLookupError):  # no worker outlived the script
+        os.killpg(proc.pid, 0)
+
+
 @pytest.fixture(scope="module")
 def spm_model(tmp_path_factory):
     d = tmp_path_factory.mktemp("spm")

@@ -435,3 +435,31 @@ def test_cli_writes_and_refuses_in_one_line(tmp_path, capsys, gpt2_run):
     # Sinusoidal pre-norm fits XGLM (auto's choice) and OPT (the table written out), on request.
     run_console_script("export_hf", script.main, [ok, str(tmp_path / "hf"), "--overwrite", "--model-type", "opt"])
     assert json.loads((tmp_path / "hf" / "config.json").read_text())["model_type"] == "opt"
+
+
+def test_unwritable_output_is_one_line_and_keeps_an_earlier_export(tmp_path):
+    """OUTPUT under a file (ENOTDIR/EEXIST) and a file-size limit (EFBIG, in a subprocess: the limit is the
+    process's) are one line naming OUTPUT and the errno; an export already at OUTPUT is left as it was."""
+    import resource
+    import subprocess
+    import sys
+
+    script = os.path.join(os.path.dirname(__file__), "..", "..", "scripts", "export_hf.py")
+    ok = write_checkpoint(tmp_path / "ok", word_dictionary(), arch="transformer_lm_gpt")
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a directory")
+    out = tmp_path / "hf"
+    hf.export(ok, str(out))
+    before = {name: (out / name).read_bytes() for name in os.listdir(out)}
+
+    def limit():
+        resource.setrlimit(resource.RLIMIT_FSIZE, (20_000, 20_000))  # below model.safetensors' size
+
+    for output, code, preexec in ((blocker / "hf", "EEXIST", None), (out, "EFBIG", limit)):
+        r = subprocess.run([sys.executable, script, ok, str(output), "--overwrite"], capture_output=True,
+                           text=True, timeout=120, preexec_fn=preexec)
+        err = r.stderr.strip().splitlines()
+        assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr[-2000:]
+        assert err[-1].startswith(f"export_hf: error: cannot write the export {output}: ") and f"({code})" in err[-1]
+    assert {name: (out / name).read_bytes() for name in os.listdir(out)} == before
+    assert sorted(os.listdir(tmp_path)) == ["a_file", "hf", "ok"]

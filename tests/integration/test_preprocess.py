@@ -1,6 +1,7 @@
 """fairseq-preprocess end to end: the real CLI code on the sample corpus and on hand-made inputs."""
 
 import os
+import resource
 import shutil
 import signal
 import struct
@@ -153,21 +154,85 @@ def test_installed_cli_runs(corpus, tmp_path):
     assert files_of(tmp_path / "cli") == files_of(tmp_path / "inproc")
 
 
-def test_killed_run_leaves_no_dataset(corpus, tmp_path):
-    big = tmp_path / "big.txt"
+@pytest.fixture(scope="module")
+def big(corpus, tmp_path_factory):
+    path = tmp_path_factory.mktemp("big") / "big.txt"
     chunk = (corpus / "train.txt").read_bytes()
-    with open(big, "wb") as f:
-        for _ in range(60):  # ~23 MB: takes seconds, so the kill lands mid-binarization
+    with open(path, "wb") as f:
+        for _ in range(60):  # ~23 MB: takes seconds, so a kill or signal lands mid-binarization
             f.write(chunk)
+    return path
+
+
+def wait_for_part_file(proc, dest):
+    deadline = time.time() + 60
+    while time.time() < deadline and not any(p.name.endswith(".bin.part") for p in dest.glob(".*")):
+        time.sleep(0.002)
+    assert proc.poll() is None, "preprocess finished before it could be interrupted"
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM"])
+def test_one_signal_ends_the_run_promptly_and_removes_its_temporaries(corpus, big, tmp_path, sig):
+    """Ctrl-C (SIGINT to the whole process group, workers included) or SIGTERM to the main process, once:
+    the run and its workers end within seconds with one line and 128 + the signal's number; no hidden file is
+    left and the outputs of an earlier run not yet replaced are intact."""
+    dest = tmp_path / "out"
+    run_main("--only-source", "--trainpref", corpus / "valid.txt", "--destdir", dest, "--workers", "1")
+    before = {name: (dest / name).read_bytes() for name in ("train.bin", "train.idx")}
+    proc = subprocess.Popen([sys.executable, "-m", "fairseq_cli.preprocess", "--only-source", "--trainpref", str(big),
+                             "--destdir", str(dest), "--workers", "2"], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        wait_for_part_file(proc, dest)
+        signum = getattr(signal, sig)
+        os.killpg(proc.pid, signum) if sig == "SIGINT" else os.kill(proc.pid, signum)
+        start = time.time()
+        _, stderr = proc.communicate(timeout=30)
+        elapsed = time.time() - start
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == 128 + signum and elapsed < 10, (proc.returncode, elapsed, stderr[-2000:])
+    lines = stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"fairseq-preprocess: interrupted by {sig}"), stderr[-2000:]
+    assert sorted(p.name for p in dest.iterdir()) == ["dict.txt", "preprocess.log", "train.bin", "train.idx"]
+    assert {name: (dest / name).read_bytes() for name in before} == before
+    with pytest.raises(ProcessLookupError):  # the group is gone: no worker outlived the run
+        os.killpg(proc.pid, 0)
+
+
+@pytest.mark.parametrize("how", ["under a file", "is a file", "file-size limit"])
+def test_unwritable_destdir_is_one_line_naming_the_path_and_errno(corpus, tmp_path, how):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a directory")
+    dest = {"under a file": blocker / "out", "is a file": blocker, "file-size limit": tmp_path / "out"}[how]
+    argv = ["--only-source", "--trainpref", str(corpus / "train.txt"), "--destdir", str(dest), "--workers", "2"]
+    limit = 100_000 if how == "file-size limit" else None  # dict.txt (35 kB) fits, train.bin (184 kB) does not
+
+    def limit_file_size():
+        if limit is not None:
+            resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
+    r = subprocess.run([sys.executable, "-m", "fairseq_cli.preprocess", *argv], capture_output=True, text=True,
+                       preexec_fn=limit_file_size, timeout=120)
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 2 and len(lines) == 1 and "Traceback" not in r.stderr, r.stderr[-2000:]
+    path, code = {"under a file": (dest, "ENOTDIR"), "is a file": (dest, "EEXIST"),
+                  "file-size limit": (dest / "train.bin", "EFBIG")}[how]
+    assert lines[0].startswith(f"fairseq-preprocess: error: cannot write {path}: ") and f"({code})" in lines[0]
+    if how == "file-size limit":
+        assert sorted(p.name for p in dest.iterdir()) == ["dict.txt", "preprocess.log"]
+
+
+def test_killed_run_leaves_no_dataset(big, tmp_path):
     dest = tmp_path / "out"
     proc = subprocess.Popen([CLI, "--only-source", "--trainpref", str(big), "--destdir", str(dest),
                              "--workers", "2"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             start_new_session=True)
     try:
-        deadline = time.time() + 60
-        while time.time() < deadline and not any(p.name.endswith(".bin.part") for p in dest.glob(".*")):
-            time.sleep(0.002)
-        assert proc.poll() is None, "preprocess finished before it could be interrupted"
+        wait_for_part_file(proc, dest)
         os.killpg(proc.pid, signal.SIGKILL)  # the CLI and its worker processes
     finally:
         proc.wait()

@@ -41,11 +41,26 @@ def test_tied_parameters_are_summed_apart(tmp_path):
     assert torch.equal(out["fc1.weight"], torch.full((4, 4), 2.0)) and torch.equal(out["fc2.weight"], out["fc1.weight"])
 
 
-def test_other_parameters_are_an_error(tmp_path):
-    a = save(tmp_path / "a.pt", {"x": torch.zeros(1)})
-    b = save(tmp_path / "b.pt", {"y": torch.zeros(1)})
-    with pytest.raises(KeyError, match="other parameters"):
-        average_checkpoints([a, b])
+def test_the_same_keys_in_another_order_average(tmp_path):
+    a = save(tmp_path / "a.pt", collections.OrderedDict([("x", torch.zeros(2)), ("y", torch.ones(1))]))
+    b = save(tmp_path / "b.pt", collections.OrderedDict([("y", torch.full((1,), 3.0)), ("x", torch.full((2,), 4.0))]))
+    out = average_checkpoints([a, b])["model"]
+    assert list(out) == ["x", "y"] and out["x"].tolist() == [2.0, 2.0] and out["y"].tolist() == [2.0]
+
+
+@pytest.mark.parametrize("other,first_difference", [
+    ({"x": torch.zeros(2), "z": torch.zeros(1), "w": torch.zeros(1)}, "w"),  # other keys: the first, sorted
+    ({"x": torch.zeros(3), "y": torch.zeros(1)}, "x"),  # another shape
+])
+def test_other_parameters_are_one_line_naming_both_files_and_the_key(tmp_path, capsys, other, first_difference):
+    a = save(tmp_path / "a.pt", {"x": torch.zeros(2), "y": torch.zeros(1)})
+    b = save(tmp_path / "b.pt", other)
+    with pytest.raises(SystemExit) as e:
+        run_console_script("average_checkpoints", main, ["--inputs", a, b, "--output", str(tmp_path / "avg.pt")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 1 and len(err) == 1 and err[0].startswith("average_checkpoints: error: "), err
+    assert a in err[0] and b in err[0] and f"'{first_difference}'" in err[0]
+    assert not (tmp_path / "avg.pt").exists()
 
 
 def test_choosing_the_last_or_best_checkpoints(tmp_path):

@@ -7,12 +7,15 @@ but decoded one line at a time so that invalid UTF-8 is reported with its file a
 are written to a hidden temporary file beside the destination and renamed over it only once complete.
 """
 
+import contextlib
 import gc
 import io
 import multiprocessing
 import os
+import signal
 import sys
 import tempfile
+import threading
 from collections import deque
 from typing import Callable, Iterable, Iterator, List, Optional, Sequence, Tuple
 
@@ -25,10 +28,63 @@ class ScriptError(Exception):
     """An error to print as one line (no traceback) before exiting with status 1."""
 
 
-def run_main(main: Callable[[], None], prog: str) -> None:
-    """Run `main()`; user errors (bad files, bad input) end the process with one line on stderr and status 1."""
+# ---- SIGINT and SIGTERM -------------------------------------------------------------------------------------
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+class Interrupted(KeyboardInterrupt):
+    """SIGINT or SIGTERM, raised in the main process so that the clean-up code runs (`stopping_on_signals`)."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def _raise_interrupted(signum, frame):
+    for sig in STOP_SIGNALS:  # one signal is enough: the clean-up that follows must not be cut short
+        signal.signal(sig, signal.SIG_IGN)
+    raise Interrupted(signum)
+
+
+@contextlib.contextmanager
+def stopping_on_signals():
+    """Within the block, SIGINT and SIGTERM raise Interrupted in this (main) thread: temporary files are removed
+    on the way out and worker pools terminated (their workers ignore SIGINT: `worker_signals`)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {sig: signal.signal(sig, _raise_interrupted) for sig in STOP_SIGNALS}
     try:
-        main()
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def worker_signals() -> None:
+    """In a pool worker: a Ctrl-C (sent to the whole process group) is for the parent, which then ends the
+    workers with SIGTERM (Pool.terminate); a worker that handled it itself would die without reporting its
+    task, and the parent would wait for it forever."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
+def interrupted_exit(prog: str, err: KeyboardInterrupt) -> None:
+    """One line and the shell's status for a death by that signal (130 for SIGINT, 143 for SIGTERM)."""
+    signum = getattr(err, "signum", signal.SIGINT)
+    print(f"{prog}: interrupted by {signal.Signals(signum).name}; temporary files removed, files written "
+          "before are intact", file=sys.stderr)
+    sys.exit(128 + signum)
+
+
+def run_main(main: Callable[[], None], prog: str) -> None:
+    """Run `main()`; user errors (bad files, bad input) end the process with one line on stderr and status 1,
+    SIGINT or SIGTERM with one line and status 130 or 143 (no output replaced, no temporary file left)."""
+    try:
+        with stopping_on_signals():
+            main()
+    except KeyboardInterrupt as e:
+        interrupted_exit(prog, e)
     except (ScriptError, ValueError, FileNotFoundError, IsADirectoryError, PermissionError, ImportError) as e:
         print(f"{prog}: error: {e}", file=sys.stderr)
         sys.exit(1)
@@ -136,6 +192,24 @@ def chunked(rows: Iterable[Tuple[str, ...]], max_rows: int = CHUNK_LINES,
         yield chunk
 
 
+def check_outputs(inputs: Sequence[str], outputs: Sequence[str]) -> None:
+    """Refuse outputs that would lose text: a file named twice (the last rename would keep one split's encoding
+    and drop the other's) or an output that is also an input (the text would be replaced by its encoding)."""
+    sources = {os.path.realpath(p): p for p in inputs if p != "-"}
+    seen = {}
+    for path in outputs:
+        if path == "-":
+            continue
+        key = os.path.realpath(path)
+        if key in seen:
+            raise ScriptError(f"--outputs names one file twice ({seen[key]} and {path}): each input needs an output "
+                              "file of its own")
+        if key in sources:
+            raise ScriptError(f"output {path} is also an input ({sources[key]}): it would be replaced by its "
+                              "encoding; write to another file")
+        seen[key] = path
+
+
 # ---- writing ----------------------------------------------------------------------------------------------
 class AtomicOutputs:
     """Text outputs that appear under their names only when complete ("-" is stdout, written as it comes).
@@ -204,7 +278,11 @@ class AtomicOutputs:
 
     def __exit__(self, exc_type, exc, tb):
         if exc_type is None:
-            self.commit()
+            try:
+                self.commit()
+            except BaseException:  # e.g. a signal between two renames: the rest are not left behind
+                self._discard()
+                raise
         else:
             self._discard()
         return False
@@ -217,7 +295,8 @@ def ordered_map(func, items: Iterable, workers: int, initializer=None, initargs=
     memory does not grow with the input.
 
     Worker processes are forked where the platform can (they then share what this process loaded; no
-    initializer runs); elsewhere they are spawned and `initializer(*initargs)` runs in each.
+    initializer runs); elsewhere they are spawned and `initializer(*initargs)` runs in each. Either way they
+    leave SIGINT to this process (`worker_signals`).
     """
     if workers <= 1:
         for item in items:
@@ -227,7 +306,7 @@ def ordered_map(func, items: Iterable, workers: int, initializer=None, initargs=
     ctx = multiprocessing.get_context("fork" if fork else "spawn")
     if fork:
         gc.freeze()  # keep the garbage collector from touching (and so copying) the parent's objects in workers
-    pool = ctx.Pool(workers, initializer=None if fork else initializer, initargs=() if fork else initargs)
+    pool = ctx.Pool(workers, initializer=_start_worker, initargs=(None if fork else initializer, initargs))
     limit = max_pending or 2 * workers
     try:
         pending = deque()
@@ -243,6 +322,12 @@ def ordered_map(func, items: Iterable, workers: int, initializer=None, initargs=
         raise
     finally:
         pool.join()
+
+
+def _start_worker(initializer, initargs) -> None:
+    worker_signals()
+    if initializer is not None:
+        initializer(*initargs)
 
 
 def progress(count_before: int, count_after: int, every: int = 10000) -> None:
