@@ -19,6 +19,9 @@ if [ "${FAIRSEQ_NO_INSTALL:-0}" != 1 ]; then
         "$PYBIN" -m pip install -q torch==2.13.0
     fi
     stamp="$VENV/.fairseq-installed${EXTRAS:+-$EXTRAS}"
+    if [ -z "$EXTRAS" ] && [ -f "$VENV/.fairseq-installed-dev" ] && [ ! -f "$stamp" ]; then
+        stamp="$VENV/.fairseq-installed-dev"  # the dev install (scripts/test.sh) includes the base one
+    fi
     if [ ! -f "$stamp" ] || [ "$ROOT/pyproject.toml" -nt "$stamp" ]; then
         echo "== installing fairseq${EXTRAS:+[$EXTRAS]} into $VENV (pip install -e; about a minute)"
         "$PYBIN" -m pip install -q -e "$ROOT${EXTRAS:+[$EXTRAS]}"
