@@ -179,3 +179,27 @@ def assert_same_model_and_optimizer(a, b):
     for name, state in a["last_optimizer_state"]["state"].items():
         for k, v in state.items():
             assert torch.equal(v, b["last_optimizer_state"]["state"][name][k]), (name, k)
+
+
+def interrupt_once(proc, sig: str, mid_run, what: str):
+    """Start-of-signal tests for a command started with `start_new_session=True`: wait (at most 60 s) until
+    `mid_run()` is true, send `sig` once (SIGINT to the process group, as Ctrl-C does; SIGTERM to the main
+    process, as a scheduler does), and return (signal number, seconds until the process ended, its stderr).
+    The process group is killed if it outlives the test."""
+    import signal
+    import time
+
+    try:
+        deadline = time.time() + 60
+        while time.time() < deadline and not mid_run():
+            time.sleep(0.002)
+        assert proc.poll() is None, f"{what} finished before it could be interrupted"
+        signum = getattr(signal, sig)
+        os.killpg(proc.pid, signum) if sig == "SIGINT" else os.kill(proc.pid, signum)
+        start = time.time()
+        _, stderr = proc.communicate(timeout=30)
+        return signum, time.time() - start, stderr
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()

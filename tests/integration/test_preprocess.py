@@ -14,6 +14,7 @@ import pytest
 
 from fairseq.data import Dictionary, MMapIndexedDataset
 from fairseq_cli import preprocess
+from tests.train_fixtures import interrupt_once
 
 REPO = Path(__file__).resolve().parents[2]
 CLI = shutil.which("fairseq-preprocess", path=os.path.dirname(sys.executable)) or "fairseq-preprocess"
@@ -164,9 +165,13 @@ def big(corpus, tmp_path_factory):
     return path
 
 
+def part_file_written(dest):
+    return any(p.name.endswith(".bin.part") for p in dest.glob(".*"))
+
+
 def wait_for_part_file(proc, dest):
     deadline = time.time() + 60
-    while time.time() < deadline and not any(p.name.endswith(".bin.part") for p in dest.glob(".*")):
+    while time.time() < deadline and not part_file_written(dest):
         time.sleep(0.002)
     assert proc.poll() is None, "preprocess finished before it could be interrupted"
 
@@ -183,17 +188,7 @@ def test_one_signal_ends_the_run_promptly_and_removes_its_temporaries(corpus, bi
     proc = subprocess.Popen([sys.executable, "-m", "fairseq_cli.preprocess", "--only-source", "--trainpref", str(big),
                              "--destdir", str(dest), "--workers", "2"], stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
-    try:
-        wait_for_part_file(proc, dest)
-        signum = getattr(signal, sig)
-        os.killpg(proc.pid, signum) if sig == "SIGINT" else os.kill(proc.pid, signum)
-        start = time.time()
-        _, stderr = proc.communicate(timeout=30)
-        elapsed = time.time() - start
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+    signum, elapsed, stderr = interrupt_once(proc, sig, lambda: part_file_written(dest), "preprocess")
     assert proc.returncode == 128 + signum and elapsed < 10, (proc.returncode, elapsed, stderr[-2000:])
     lines = stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"fairseq-preprocess: interrupted by {sig}"), stderr[-2000:]
