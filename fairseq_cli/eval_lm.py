@@ -18,6 +18,7 @@ from fairseq.checkpoint.inference import load_model
 from fairseq.criterions.cross_entropy import token_cross_entropy
 from fairseq.data.lm_context_window_dataset import InCorpusOrder, with_context_window
 from fairseq.logging import progress_bar
+from fairseq.models.fairseq_model import model_config_line
 from fairseq.dataclass.validate import announce_compat_options, check_shard
 from fairseq.precision import compute_dtype
 
@@ -273,10 +274,11 @@ def main(cfg, **unused_kwargs) -> dict:
 
     overrides = ast.literal_eval(cfg.common_eval.model_overrides)
     # (the task gets --add-bos-token from the checkpoint: a model trained with it expects <s> first)
-    model, _, saved_cfg, task = load_model(path, task_cfg=cfg.task, overrides=overrides,
+    model, loaded_cfg, saved_cfg, task = load_model(path, task_cfg=cfg.task, overrides=overrides,
                                            trust_legacy=cfg.common.trust_legacy_checkpoint)
     model.to(device).eval()
     logger.info(f"loaded {path}: {sum(p.numel() for p in model.parameters()):,} parameters")
+    logger.info(model_config_line(model, loaded_cfg.model))
 
     task.load_dataset(cfg.dataset.gen_subset)
     dataset = task.dataset(cfg.dataset.gen_subset)

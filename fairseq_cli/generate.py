@@ -28,6 +28,7 @@ from fairseq.dataclass.generation import check_generation_config
 from fairseq.dataclass.validate import announce_compat_options, check_shard
 from fairseq.hub_utils import TextCodec, move_to
 from fairseq.logging import progress_bar
+from fairseq.models.fairseq_model import model_config_line
 from fairseq.precision import compute_dtype
 from fairseq.utils import import_user_module, run_console_script
 
@@ -65,6 +66,7 @@ def load_ensemble(cfg):
         models.append(loaded.model.to(device=device, dtype=dtype).train(retain_dropout))
         logger.info(f"loaded {path}: {sum(p.numel() for p in loaded.model.parameters()):,} parameters, "
                     f"{str(dtype).replace('torch.', '')} on {device}")
+        logger.info(model_config_line(loaded.model, loaded.cfg.model))
     if saved_bpe and cfg.bpe is None:
         logger.info(f"the model was trained on --bpe {saved_bpe} text; without --bpe here the input is read as "
                     f"already encoded (pass --bpe {saved_bpe} and its files to encode raw text)")

@@ -340,6 +340,10 @@ class FConvLanguageModel(FairseqLanguageModel):
         check_config(cfg)
 
     @classmethod
+    def describe_config(cls, cfg) -> str:
+        return f"embed dim {cfg.decoder_embed_dim}, layers {cfg.decoder_layers}"
+
+    @classmethod
     def build_model(cls, cfg, task) -> "FConvLanguageModel":
         return cls.build(cfg, len(task.source_dictionary), task.source_dictionary.pad(),
                          output_vocab_size=len(task.target_dictionary))

@@ -6,8 +6,8 @@ with the same parameter names and shapes, and upstream state dicts load (see `up
 Presets (`--arch`), each filling only what the command line leaves unset:
 
 - `transformer_lm`: the config defaults as they stand: 6 x 512, ffn 2048, 8 heads, sinusoidal positions,
-  post-norm, no final layer norm, `--decoder-input-dim`/`--decoder-output-dim` 512 whatever the embed dim
-  (a different `--decoder-embed-dim` adds the bias-free `project_in_dim`/`project_out_dim`).
+  post-norm, no final layer norm, `--decoder-input-dim`/`--decoder-output-dim` equal to `--decoder-embed-dim`
+  unless given (another value adds the bias-free `project_in_dim`/`project_out_dim`).
 - every other preset goes through upstream's `base_lm_architecture`, which forces pre-norm
   (`decoder_normalize_before = True`, upstream's "training is not stable without this") and derives the
   input/output dims from the embed dim:
@@ -64,8 +64,10 @@ class TransformerLanguageModelConfig:
     activation_dropout: float = opt(0.0, "dropout probability after the activation in the FFN")
     relu_dropout: float = opt(0.0, "old name of --activation-dropout, used when that is 0")
     decoder_embed_dim: int = opt(512, "decoder embedding dimension")
-    decoder_output_dim: int = opt(512, "decoder output dimension (adds project_out_dim when not the embed dim)")
-    decoder_input_dim: int = opt(512, "decoder input dimension (adds project_in_dim when not the embed dim)")
+    decoder_output_dim: Optional[int] = opt(
+        None, "decoder output dimension (default: --decoder-embed-dim; another value adds project_out_dim)")
+    decoder_input_dim: Optional[int] = opt(
+        None, "decoder input dimension (default: --decoder-embed-dim; another value adds project_in_dim)")
     decoder_ffn_embed_dim: int = opt(2048, "decoder embedding dimension for FFN")
     decoder_layers: int = opt(6, "number of decoder layers")
     decoder_attention_heads: int = opt(8, "number of decoder attention heads")
@@ -104,6 +106,13 @@ class TransformerLanguageModelConfig:
     scale_attn: bool = opt(False, "not supported: NormFormer layernorm after attention")
     scale_heads: bool = opt(False, "not supported: NormFormer per-head scale")
     scale_resids: bool = opt(False, "not supported: NormFormer residual scale")
+
+    def __post_init__(self):
+        # Unset input/output dims follow the embed dim (upstream's base_lm_architecture); a built config, and so
+        # every saved one, holds the numbers.
+        for name in ("decoder_input_dim", "decoder_output_dim"):
+            if getattr(self, name) is None:
+                setattr(self, name, self.decoder_embed_dim)
 
 
 # (field, predicate on its value) for upstream features that are not implemented here.
@@ -224,6 +233,19 @@ class TransformerLanguageModel(FairseqLanguageModel):
     @classmethod
     def check_config(cls, cfg) -> None:
         check_config(cfg)
+
+    @classmethod
+    def describe_config(cls, cfg) -> str:
+        positions = ("no positions" if cfg.no_token_positional_embeddings else
+                     f"{'learned' if cfg.decoder_learned_pos else 'sinusoidal'} positions "
+                     f"({resolve_max_target_positions(cfg)})")
+        adaptive = (f", adaptive input {cfg.adaptive_input_cutoff}" if cfg.adaptive_input else "") + (
+            f", adaptive softmax {cfg.adaptive_softmax_cutoff}" if cfg.adaptive_softmax_cutoff else "")
+        return (f"{cfg.decoder_layers} layers, embed dim {cfg.decoder_embed_dim} (input {cfg.decoder_input_dim}, "
+                f"output {cfg.decoder_output_dim}), ffn {cfg.decoder_ffn_embed_dim}, "
+                f"{cfg.decoder_attention_heads} heads, {positions}, "
+                f"{'pre' if cfg.decoder_normalize_before else 'post'}-norm, {cfg.activation_fn}"
+                + (", shared input/output embeddings" if cfg.share_decoder_input_output_embed else "") + adaptive)
 
     @classmethod
     def build_model(cls, cfg, task) -> "TransformerLanguageModel":

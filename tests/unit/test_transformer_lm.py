@@ -60,9 +60,19 @@ def test_transformer_lm_base_keys_sinusoidal_postnorm_no_final_norm():
     assert model.decoder.output_projection.weight is not model.decoder.embed_tokens.weight
 
 
-def test_transformer_lm_other_embed_dim_keeps_512_input_output_and_adds_projections():
+def test_transformer_lm_input_and_output_dims_follow_the_embed_dim_unless_given():
     model = build("transformer_lm", decoder_layers=1, decoder_embed_dim=256, decoder_ffn_embed_dim=64,
                   decoder_attention_heads=4)
+    expected = {
+        "decoder.version": (1,),
+        "decoder.embed_tokens.weight": (100, 256),
+        "decoder.embed_positions._float_tensor": (1,),
+        "decoder.output_projection.weight": (100, 256),
+        **layer_shapes(0, 256, 64),
+    }
+    assert shapes(model) == expected
+    model = build("transformer_lm", decoder_layers=1, decoder_embed_dim=256, decoder_ffn_embed_dim=64,
+                  decoder_attention_heads=4, decoder_input_dim=512, decoder_output_dim=512)
     expected = {
         "decoder.version": (1,),
         "decoder.embed_tokens.weight": (100, 512),
@@ -73,6 +83,17 @@ def test_transformer_lm_other_embed_dim_keeps_512_input_output_and_adds_projecti
         **layer_shapes(0, 256, 64),
     }
     assert shapes(model) == expected
+
+
+def test_saved_config_with_explicit_dims_builds_the_same_shapes():
+    """A checkpoint config written before the dims followed the embed dim names them; they are kept."""
+    from fairseq.dataclass.utils import config_from_dict, config_to_dict
+
+    saved = config_to_dict(TransformerLanguageModelConfig(decoder_embed_dim=256, decoder_input_dim=512,
+                                                          decoder_output_dim=512))
+    cfg = config_from_dict(TransformerLanguageModelConfig, saved, name="transformer_lm")
+    assert (cfg.decoder_embed_dim, cfg.decoder_input_dim, cfg.decoder_output_dim) == (256, 512, 512)
+    assert saved["decoder_input_dim"] == 512
 
 
 def test_transformer_lm_big_is_prenorm_with_final_norm_and_derived_dims():
@@ -144,7 +165,8 @@ def test_bare_transformer_lm_preset_changes_nothing():
     registry.ARCH_CONFIG_REGISTRY["transformer_lm"](args)
     assert vars(args) == {"decoder_embed_dim": 256}
     cfg = preset_config("transformer_lm", decoder_embed_dim=256)
-    assert (cfg.decoder_input_dim, cfg.decoder_output_dim) == (512, 512)
+    assert (cfg.decoder_input_dim, cfg.decoder_output_dim) == (256, 256)  # the config's default: the embed dim
+    assert preset_config("transformer_lm", decoder_embed_dim=256, decoder_output_dim=64).decoder_input_dim == 256
     assert not cfg.decoder_normalize_before and not cfg.decoder_learned_pos
 
 
@@ -202,7 +224,7 @@ def test_parse_args_and_arch_applies_preset_under_the_command_line():
         "data", "--arch", "transformer_lm", "--decoder-embed-dim", "256", "--decoder-attention-heads", "4",
     ])
     cfg = options.convert_namespace_to_config(args).model
-    assert (cfg.decoder_embed_dim, cfg.decoder_input_dim, cfg.decoder_output_dim) == (256, 512, 512)
+    assert (cfg.decoder_embed_dim, cfg.decoder_input_dim, cfg.decoder_output_dim) == (256, 256, 256)
 
 
 # ----------------------------------------------------------------------------- sizes on the meta device
@@ -321,7 +343,8 @@ def test_bf16_model_returns_bf16_logits():
 
 
 def test_init_follows_upstream():
-    model = build("transformer_lm", decoder_layers=1, decoder_embed_dim=256, decoder_attention_heads=4)
+    model = build("transformer_lm", decoder_layers=1, decoder_embed_dim=256, decoder_attention_heads=4,
+                  decoder_input_dim=512, decoder_output_dim=512)
     dec = model.decoder
     assert torch.equal(dec.embed_tokens.weight[PAD], torch.zeros(512))
     assert abs(dec.embed_tokens.weight.std().item() - 512**-0.5) < 0.1 * 512**-0.5
@@ -381,7 +404,7 @@ def test_meta_build_then_to_empty_and_reset_matches_a_cpu_build(arch):
     (dict(decoder_layerdrop=0.1), "--decoder-layerdrop"),
     (dict(decoder_attention_heads=7), "not divisible by --decoder-attention-heads 7"),
     (dict(share_decoder_input_output_embed=True, decoder_output_dim=256, decoder_embed_dim=256,
-          decoder_attention_heads=4), "--decoder-input-dim == --decoder-output-dim"),
+          decoder_input_dim=512, decoder_attention_heads=4), "--decoder-input-dim == --decoder-output-dim"),
     (dict(dropout=1.5), "--dropout must be in"),
 ])
 def test_bad_configs_name_the_flag(overrides, message):
