@@ -58,11 +58,13 @@ def validate(cfg) -> None:
     from fairseq.distributed.fsdp import check_fsdp_flags
     from fairseq.models.ema import check_ema_config
     from fairseq.optim import check_optimizer_overrides
+    from fairseq.tasks.language_modeling import check_token_budget
     from fairseq.distributed.mesh import check_layout_flags
     from fairseq.distributed.tensor_parallel_checks import check_tensor_parallel_config
     from fairseq.float8 import check_float8_environment, check_float8_flags
 
     check_batch_size(cfg.dataset)
+    check_token_budget(cfg)
     if cfg.optimizer is None:
         raise ValueError("no --optimizer given; e.g. --optimizer adam")
     if cfg.model is None:

@@ -10,7 +10,7 @@ from fairseq.dataclass.validate import COMPAT_NOTICES, compat_notices, validate
 from tests.train_fixtures import default_train_argv, train_in_process
 
 TRAIN_BASE = ["data", "--task", "language_modeling", "--arch", "transformer_lm", "--optimizer", "adam",
-              "--max-tokens", "64"]
+              "--max-tokens", "64", "--tokens-per-sample", "64"]
 # A non-default value for each noticed option (the flag alone for a boolean one).
 SET = {"min_params_to_wrap": ["--min-params-to-wrap", "1000"], "softmax_batch": ["--softmax-batch", "1024"],
        "retain_dropout_modules": ["--retain-dropout-modules", "TransformerDecoderLayer"]}
