@@ -227,7 +227,7 @@ def evaluate(model, batches, pad: int, device, dtype, bos: Optional[int] = None,
                 logits = model(src)
         else:
             logits = model(src)
-        if isinstance(logits, tuple):  # a plug-in decoder's (logits, extra), upstream's convention
+        if isinstance(logits, tuple):  # (logits, extra), upstream's convention (a plug-in may return logits)
             logits = logits[0]
         mask = target.ne(pad)
         if bos is not None:

@@ -101,7 +101,8 @@ def model_config_line(model: nn.Module, cfg) -> str:
 
 
 class FairseqLanguageModel(BaseFairseqModel):
-    """A decoder-only language model: `model(src_tokens) -> logits [B, T, V]`, its blocks at `decoder.layers`."""
+    """A decoder-only language model: `model(src_tokens) -> (logits [B, T, V], extra)` (upstream's), its blocks at
+    `decoder.layers`."""
 
     def __init__(self, decoder: nn.Module):
         super().__init__()

@@ -35,7 +35,7 @@ compilation and FSDP are applied per layer from outside.
 import dataclasses
 import logging
 from dataclasses import dataclass
-from typing import Literal, Optional
+from typing import Literal, Optional, Tuple
 
 import torch
 
@@ -214,7 +214,7 @@ def resolve_max_target_positions(cfg) -> int:
 
 @registry.register_model("transformer_lm", dataclass=TransformerLanguageModelConfig)
 class TransformerLanguageModel(FairseqLanguageModel):
-    """`model(src_tokens) -> logits [B, T, V]`; the layers are `model.decoder.layers` (an nn.ModuleList)."""
+    """`model(src_tokens) -> (logits [B, T, V], extra)`; the layers are `model.decoder.layers` (an nn.ModuleList)."""
 
     # Options that define the function the network computes: a resumed run must keep them (checked against the
     # checkpoint's config; several change no parameter shape, so the state dict alone would not tell). Tying
@@ -265,14 +265,18 @@ class TransformerLanguageModel(FairseqLanguageModel):
         return cls(TransformerDecoder(cfg, vocab_size, padding_idx, output_vocab_size))
 
     def forward(self, src_tokens: torch.Tensor, src_lengths: Optional[torch.Tensor] = None,
-                features_only: bool = False, incremental_state: Optional[dict] = None) -> torch.Tensor:
-        """Logits [B, T, V] (or features with `features_only`); `src_lengths` is accepted and unused.
+                features_only: bool = False, incremental_state: Optional[dict] = None,
+                return_all_hiddens: bool = False) -> Tuple[torch.Tensor, dict]:
+        """Upstream's `(logits [B, T, V], extra)` (the features with `features_only`); `extra` is
+        `{"attn": [None], "inner_states": [...]}` (TransformerDecoder.extract_features says what they hold).
+        `src_lengths` is accepted and unused.
 
         Attention is causal only: as in upstream, right padding never changes the outputs at real tokens.
         With `incremental_state` (a dict kept across calls) only the tokens past the cached ones are computed
         and their logits returned (see TransformerDecoder).
         """
-        return self.decoder(src_tokens, incremental_state=incremental_state, features_only=features_only)
+        return self.decoder(src_tokens, incremental_state=incremental_state, features_only=features_only,
+                            return_all_hiddens=return_all_hiddens)
 
     def reserve_incremental_state(self, incremental_state: dict, max_length: int, max_batch: int = 0) -> None:
         """Allocate the decoder's KV cache once, for up to `max_length` tokens of `max_batch` rows."""

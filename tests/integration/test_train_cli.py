@@ -70,7 +70,7 @@ def test_loss_falls_and_eval_lm_matches_independent_computation(tiny_data, tmp_p
         for i in range(len(ds)):
             item = ds[i]
             src, tgt = item["source"].unsqueeze(0), item["target"].unsqueeze(0)
-            logp = torch.log_softmax(model(src).double(), -1)
+            logp = torch.log_softmax(model(src)[0].double(), -1)
             mask = tgt.ne(pad)
             total -= logp.gather(-1, tgt.unsqueeze(-1)).squeeze(-1)[mask].sum().item()
             count += int(mask.sum())

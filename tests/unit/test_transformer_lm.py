@@ -274,7 +274,7 @@ def test_causal_future_tokens_do_not_change_earlier_logits(arch):
     changed = tokens.clone()
     changed[:, 6] = (changed[:, 6] + 1 - 4) % (VOCAB - 4) + 4
     with torch.no_grad():
-        a, b = model(tokens), model(changed)
+        a, b = model(tokens)[0], model(changed)[0]
     assert a.shape == (2, 10, VOCAB)
     assert torch.equal(a[:, :6], b[:, :6])
     assert not torch.allclose(a[:, 6:], b[:, 6:])
@@ -286,7 +286,7 @@ def test_right_padding_does_not_change_real_token_logits():
     tokens = torch.randint(4, VOCAB, (1, 5))
     padded = torch.cat([tokens, torch.full((1, 3), PAD)], dim=1)
     with torch.no_grad():
-        torch.testing.assert_close(model(padded)[:, :5], model(tokens), rtol=0, atol=1e-5)
+        torch.testing.assert_close(model(padded)[0][:, :5], model(tokens)[0], rtol=0, atol=1e-5)
 
 
 def test_dropout_only_in_training():
@@ -295,9 +295,9 @@ def test_dropout_only_in_training():
     tokens = torch.randint(4, VOCAB, (2, 8))
     with torch.no_grad():
         model.eval()
-        assert torch.equal(model(tokens), model(tokens))
+        assert torch.equal(model(tokens)[0], model(tokens)[0])
         model.train()
-        assert not torch.equal(model(tokens), model(tokens))
+        assert not torch.equal(model(tokens)[0], model(tokens)[0])
 
 
 def test_embedding_is_scaled_by_sqrt_embed_dim_plus_positions():
@@ -330,13 +330,13 @@ def test_sinusoidal_model_runs_past_its_precomputed_table():
     model = build("transformer_lm", decoder_layers=1, decoder_embed_dim=64, decoder_input_dim=64,
                   decoder_output_dim=64, decoder_attention_heads=4, tokens_per_sample=8).eval()
     assert model.max_positions() == 8
-    assert model(torch.randint(4, VOCAB, (1, 12))).shape == (1, 12, VOCAB)
+    assert model(torch.randint(4, VOCAB, (1, 12)))[0].shape == (1, 12, VOCAB)
 
 
 def test_bf16_model_returns_bf16_logits():
     model = build("transformer_lm", decoder_layers=1, decoder_embed_dim=64, decoder_attention_heads=4).to(
         torch.bfloat16)
-    assert model(torch.randint(4, VOCAB, (1, 6))).dtype == torch.bfloat16
+    assert model(torch.randint(4, VOCAB, (1, 6)))[0].dtype == torch.bfloat16
 
 
 # ----------------------------------------------------------------------------- init and meta materialization
@@ -553,3 +553,29 @@ def test_reset_parameters_on_fsdp2_shards_zeroes_padding_rows_and_keeps_tying(tm
         assert record["tied"]
         assert record["token_pad_row"] == 0.0 and record["position_pad_row"] == 0.0
         assert record["token_other_row"] > 0.0
+
+
+# ----------------------------------------------------------------------------- upstream's forward output
+
+
+def test_forward_returns_upstreams_logits_and_extra():
+    """Upstream code does `model(x)[0]` for the logits: that must be every row's logits, not row 0."""
+    model = build("transformer_lm", decoder_layers=2, decoder_embed_dim=16, decoder_ffn_embed_dim=32,
+                  decoder_attention_heads=2).eval()
+    tokens = torch.randint(4, VOCAB, (3, 7))
+    with torch.no_grad():
+        logits, extra = model(tokens)
+        assert logits.shape == (3, 7, VOCAB) and model(tokens)[0].shape == (3, 7, VOCAB)
+        assert set(extra) == {"attn", "inner_states"} and extra["attn"] == [None]
+        features, feature_extra = model(tokens, features_only=True)
+        assert features.shape == (3, 7, 16) and set(feature_extra) == {"attn", "inner_states"}
+        torch.testing.assert_close(model.decoder.output_layer(features), logits, rtol=0, atol=0)
+        # the last layer's output before the final norm (post-norm transformer_lm: it is the features)
+        (last,) = extra["inner_states"]
+        torch.testing.assert_close(last, features, rtol=0, atol=0)
+        _, every = model(tokens, return_all_hiddens=True)
+        hidden = every["inner_states"]
+        assert len(hidden) == 3 and all(h.shape == (3, 7, 16) for h in hidden)  # embeddings + 2 layers
+        torch.testing.assert_close(hidden[0], model.decoder.embed(tokens), rtol=0, atol=0)
+        torch.testing.assert_close(hidden[-1], last, rtol=0, atol=0)
+        assert model.decoder(tokens)[0].shape == (3, 7, VOCAB)  # the decoder's own forward too
