@@ -39,11 +39,16 @@ def trainer_iterator(cfg, task, trainer, epoch: int, combine: bool = False, load
         data_buffer_size=cfg.dataset.data_buffer_size,
         **({"disable_iterator_cache": True} if disable_iterator_cache else {}),
     )
-    if len(epoch_itr.frozen_batches) == 0:
+    if len(epoch_itr.frozen_batches) == 0 or _mostly_skipped(epoch_itr):
         raise ValueError(task.no_batches_message(cfg.dataset.train_subset, epoch_itr, "training"))
     if not cfg.dataset.disable_validation:  # cheap after the first time: the valid iterators are cached
         valid_iterators(cfg, task, trainer)
     return epoch_itr
+
+
+def _mostly_skipped(epoch_itr) -> bool:
+    report = getattr(epoch_itr, "size_report", None)  # a plug-in task's iterator may have none
+    return report is not None and report.mostly_dropped
 
 
 def valid_iterators(cfg, task, trainer) -> List[Tuple[str, object]]:
@@ -69,7 +74,7 @@ def valid_iterators(cfg, task, trainer) -> List[Tuple[str, object]]:
             pin_memory=trainer.device.type == "cuda",
             data_buffer_size=cfg.dataset.data_buffer_size,
         )
-        if len(batches.frozen_batches) == 0:  # the same on every rank (built before sharding)
+        if len(batches.frozen_batches) == 0 or _mostly_skipped(batches):  # the same on every rank (before sharding)
             token_flag = "--max-tokens-valid" if cfg.dataset.max_tokens_valid else "--max-tokens"
             raise ValueError(task.no_batches_message(subset, batches, "validation", token_flag))
         subsets.append((subset, batches))

@@ -508,7 +508,7 @@ class EnsembleModel(nn.Module):
                      vocab_size: int) -> Tuple[Tensor, Tensor]:
         """Feed `tokens` [B, T] into empty caches in one forward per model: (log-probabilities [B, T-1] of
         tokens[:, 1:], each given the tokens before it; log-probabilities [B, V] of the token after them)."""
-        features = [m.decoder(tokens, incremental_state=state, features_only=True)
+        features = [m.decoder(tokens, incremental_state=state, features_only=True)[0]
                     for m, state in zip(self.models, states)]
         batch, length = tokens.shape
         forced = torch.empty(batch, length - 1, device=tokens.device)

@@ -21,6 +21,7 @@ from fairseq.data.batching import resolve_limit
 from fairseq.data.block_positions import block_limit, check_blocks_fit
 from fairseq.data.lm_context_window_dataset import InCorpusOrder, with_context_window
 from fairseq.logging import progress_bar
+from fairseq.models.fairseq_model import model_config_line
 from fairseq.dataclass.validate import announce_compat_options, check_shard
 from fairseq.precision import compute_dtype
 
@@ -219,7 +220,7 @@ def evaluate(model, batches, pad: int, device, dtype, bos: Optional[int] = None,
                 logits = model(src)
         else:
             logits = model(src)
-        if isinstance(logits, tuple):  # a plug-in decoder's (logits, extra), upstream's convention
+        if isinstance(logits, tuple):  # (logits, extra), upstream's convention (a plug-in may return logits)
             logits = logits[0]
         mask = target.ne(pad)
         if bos is not None:
@@ -271,10 +272,11 @@ def main(cfg, **unused_kwargs) -> dict:
 
     overrides = ast.literal_eval(cfg.common_eval.model_overrides)
     # (the task gets --add-bos-token from the checkpoint: a model trained with it expects <s> first)
-    model, _, saved_cfg, task, vocabulary = load_model(path, task_cfg=cfg.task, overrides=overrides,
-                                                       trust_legacy=cfg.common.trust_legacy_checkpoint)
+    model, loaded_cfg, saved_cfg, task, vocabulary = load_model(path, task_cfg=cfg.task, overrides=overrides,
+                                                                trust_legacy=cfg.common.trust_legacy_checkpoint)
     model.to(device).eval()
     logger.info(f"loaded {path}: {sum(p.numel() for p in model.parameters()):,} parameters")
+    logger.info(model_config_line(model, loaded_cfg.model))
 
     task.load_dataset(cfg.dataset.gen_subset)
     dataset = task.dataset(cfg.dataset.gen_subset)

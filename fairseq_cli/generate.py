@@ -30,6 +30,7 @@ from fairseq.dataclass.generation import check_generation_config
 from fairseq.dataclass.validate import announce_compat_options, check_shard
 from fairseq.hub_utils import TextCodec, move_to
 from fairseq.logging import progress_bar
+from fairseq.models.fairseq_model import model_config_line
 from fairseq.precision import compute_dtype
 from fairseq.utils import import_user_module, run_console_script
 
@@ -66,6 +67,7 @@ def load_ensemble(cfg):
         models.append(loaded.model.to(device=device, dtype=dtype).train(retain_dropout))
         logger.info(f"loaded {path}: {sum(p.numel() for p in loaded.model.parameters()):,} parameters, "
                     f"{str(dtype).replace('torch.', '')} on {device}")
+        logger.info(model_config_line(loaded.model, loaded.cfg.model))
     use_checkpoint_tokenizer(cfg, first, paths[0])
     return models, task, device
 

@@ -21,6 +21,7 @@ from fairseq.distributed import utils as dist_utils
 from fairseq.distributed.launch import call_main, process_group_timeout
 from fairseq.logging import metrics, progress_bar
 from fairseq.logging.profiler import nvtx_profiling
+from fairseq.models.fairseq_model import model_config_line
 from fairseq.preemption import (
     EXIT_REQUEUED,
     REQUEUE_FAILED,
@@ -92,6 +93,7 @@ def _train_with(cfg, preemption, checkpoints) -> Optional[str]:
     criterion = build_criterion(cfg.criterion, task, cfg.optimization)
     logger.info(f"task: {type(task).__name__}, model: {type(model).__name__} ({cfg.model._name}), "
                 f"criterion: {type(criterion).__name__}")
+    logger.info(model_config_line(model, cfg.model))
     num_params = sum(p.numel() for p in model.parameters())
     logger.info(f"num. model params: {num_params:,} (num. trained: "
                 f"{sum(p.numel() for p in model.parameters() if p.requires_grad):,})")

@@ -212,7 +212,7 @@ def reference_worker(args):
         if profiler is not None:
             profiler.before_update(step + 1)
         batch = tokens[step].to(device, non_blocking=True)
-        logits = model(batch[:, :-1])
+        logits = model(batch[:, :-1])[0]  # (logits, extra)
         loss = loss_fn(logits.view(-1, logits.size(-1)), batch[:, 1:].reshape(-1))
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)

@@ -131,7 +131,7 @@ def uncached_step_time(model, dictionary, args, device):
     for n in lengths.tolist():
         sync(device)
         start = time.perf_counter()
-        model(tokens[:, :n])[:, -1].argmax(-1)
+        model(tokens[:, :n])[0][:, -1].argmax(-1)  # (logits, extra)
         sync(device)
         total += time.perf_counter() - start
     return total / len(lengths)

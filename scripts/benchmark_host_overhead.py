@@ -48,7 +48,7 @@ def plain_loop_ms(layers, updates):
         if step == warmup:
             start = time.perf_counter()
         batch = tokens[step]
-        logits = model(batch[:, :-1])
+        logits = model(batch[:, :-1])[0]  # (logits, extra)
         loss = F.cross_entropy(logits.view(-1, logits.size(-1)).float(), batch[:, 1:].reshape(-1))
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)

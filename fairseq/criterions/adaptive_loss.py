@@ -49,7 +49,7 @@ class AdaptiveLoss(FairseqCriterion):
         adaptive_softmax = adaptive_softmax_of(inner)
         # The features come from the model's own forward (where FSDP and DDP hooks run); the adaptive softmax
         # then scores each target's band only.
-        features = model(**sample["net_input"], features_only=True)
+        features = model(**sample["net_input"], features_only=True)[0]  # (features, extra)
         target = inner.get_targets(sample, features)
         scores, targets = adaptive_softmax(features, target)
         flat_target = target.reshape(-1)

@@ -191,8 +191,14 @@ class SizeFilterReport:
             return cls(0, num_dropped, limit, flag, 0, 0)
         return cls(len(sizes), num_dropped, limit, flag, int(sizes.min()), int(sizes.max()))
 
+    @property
+    def mostly_dropped(self) -> bool:
+        """More than half the items skipped: the split is no longer what the run is about (a few long lines
+        skipped only warn)."""
+        return self.num_dropped * 2 > self.num_items
+
     def fix(self, token_flag: str = "--max-tokens") -> str:
-        """How to let items through (for a report where every item was dropped); `token_flag` is the flag
+        """How to let the dropped items through; `token_flag` is the flag
         that gave the token budget (e.g. --max-tokens-valid)."""
         if self.flag == "--max-tokens":
             return f"raise {token_flag} to at least {self.longest} (the longest item)"

@@ -187,7 +187,8 @@ class CheckpointConfig:
     reset_meters: bool = opt(False, "do not restore the meters")
     reset_optimizer: bool = opt(False, "do not restore the optimizer state")
     optimizer_overrides: str = opt("{}", "Python dict literal of values set in every optimizer parameter group "
-                                          "after the optimizer state is restored, e.g. \"{'weight_decay': 0.0}\"")
+                                          "after the optimizer state is restored, e.g. \"{'weight_decay': 0.0}\"; "
+                                          "keys and values are checked by the optimizer at start-up")
     save_interval: int = opt(1, "save a checkpoint every N epochs")
     save_interval_updates: int = opt(0, "save a checkpoint every N updates (0: only at epoch ends)")
     keep_interval_updates: int = opt(-1, "keep only the last N update checkpoints (-1: all)")

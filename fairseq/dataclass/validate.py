@@ -58,11 +58,14 @@ def validate(cfg) -> None:
     from fairseq.data.indexed_dataset import check_dataset_impl
     from fairseq.distributed.fsdp import check_fsdp_flags
     from fairseq.models.ema import check_ema_config
+    from fairseq.optim import check_optimizer_overrides
+    from fairseq.tasks.language_modeling import check_token_budget
     from fairseq.distributed.mesh import check_layout_flags
     from fairseq.distributed.tensor_parallel_checks import check_tensor_parallel_config
     from fairseq.float8 import check_float8_environment, check_float8_flags
 
     check_batch_size(cfg.dataset)
+    check_token_budget(cfg)
     if cfg.optimizer is None:
         raise ValueError("no --optimizer given; e.g. --optimizer adam")
     if cfg.model is None:
@@ -70,7 +73,9 @@ def validate(cfg) -> None:
     if cfg.optimization.use_bmuf:
         raise ValueError("--use-bmuf (block-wise model update filtering) is not supported; drop the flag")
     check_dataset_impl(cfg.dataset.dataset_impl)
-    parse_optimizer_overrides(cfg.checkpoint.optimizer_overrides)  # a bad literal fails now, not at resume
+    # a bad literal, key or value fails now, not at resume or at the first update
+    overrides = parse_optimizer_overrides(cfg.checkpoint.optimizer_overrides)
+    check_optimizer_overrides(cfg.optimizer, cfg.optimization, overrides)
     check_precision(cfg.common)
     check_float8_flags(cfg)
     check_float8_environment(cfg, _training_device(cfg))

@@ -2,8 +2,8 @@
 
 Upstream's contract: `forward(prev_output_tokens, encoder_out=None, **kwargs)` returns `(logits, extra)`,
 composed of `extract_features` (hidden states and a dict of extras) and `output_layer` (hidden states to
-vocabulary logits). This fork's own TransformerDecoder overrides `forward` and returns the logits tensor alone
-(one tensor in, one out, which the trainer, FSDP and compile rely on); every consumer here accepts both.
+vocabulary logits). This fork's TransformerDecoder keeps it; consumers here also accept a plug-in decoder that
+returns the logits tensor alone.
 """
 
 from typing import Optional

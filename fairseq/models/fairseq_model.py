@@ -12,7 +12,8 @@ A model provides:
 - `max_positions()`: the longest input it accepts (None: no limit);
 - `flops_per_token(seq_len)`: training FLOPs (forward + backward) per token, for tflops/mfu (None: unknown);
 - `upgrade_state_dict(state_dict, cfg)` (classmethod): an upstream or older state dict under today's names;
-- `architecture_options`: config fields that define the function computed; resuming must keep them.
+- `architecture_options`: config fields that define the function computed; resuming must keep them;
+- `describe_config(cfg)` (classmethod, optional): the config's shape in words, for the start-up log line.
 Model files hold no distributed or precision code: parallelism is applied to them from outside.
 """
 
@@ -46,6 +47,11 @@ class BaseFairseqModel(nn.Module):
     @classmethod
     def check_config(cls, cfg) -> None:
         """Raise ValueError naming the flag for options this model cannot build (run by validate(cfg))."""
+
+    @classmethod
+    def describe_config(cls, cfg) -> str:
+        """The resolved config's shape in words ("2 layers, embed dim 32, ..."); "" when the model says none."""
+        return ""
 
     def transformer_layers(self) -> nn.ModuleList:
         raise NotImplementedError(
@@ -85,8 +91,18 @@ class BaseFairseqModel(nn.Module):
         return hub_utils.GeneratorHubInterface(loaded["args"], loaded["task"], loaded["models"])
 
 
+def model_config_line(model: nn.Module, cfg) -> str:
+    """One log line of the model as built: its --arch, its config's shape and its parameter count."""
+    describe = getattr(type(model), "describe_config", None)
+    details = describe(cfg) if describe is not None else ""
+    params = sum(p.numel() for p in model.parameters())
+    return (f"model config: --arch {getattr(cfg, '_name', None) or type(model).__name__}"
+            + (f", {details}" if details else "") + f", {params:,} parameters")
+
+
 class FairseqLanguageModel(BaseFairseqModel):
-    """A decoder-only language model: `model(src_tokens) -> logits [B, T, V]`, its blocks at `decoder.layers`."""
+    """A decoder-only language model: `model(src_tokens) -> (logits [B, T, V], extra)` (upstream's), its blocks at
+    `decoder.layers`."""
 
     def __init__(self, decoder: nn.Module):
         super().__init__()

@@ -292,10 +292,11 @@ class FConvDecoder(FairseqIncrementalDecoder):
 
     def forward(self, prev_output_tokens: torch.Tensor, encoder_out=None,
                 incremental_state: Optional[IncrementalState] = None, features_only: bool = False,
-                src_lengths: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """Logits [B, T, V] (features with `features_only`), one tensor, not upstream's (logits, attention)."""
+                src_lengths: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, None]:
+        """Upstream's `(logits [B, T, V], attention)` (the features with `features_only`); the attention is
+        None, as upstream's for a language model (no encoder to attend to)."""
         features = self.extract_features(prev_output_tokens, encoder_out, incremental_state)
-        return features if features_only else self.output_layer(features)
+        return (features if features_only else self.output_layer(features)), None
 
     def get_normalized_probs_scriptable(self, net_output, log_probs: bool, sample: Optional[dict] = None):
         # The output is logits or the adaptive softmax's log-probabilities, never features (unlike upstream's).
@@ -331,13 +332,17 @@ class FConvDecoder(FairseqIncrementalDecoder):
 
 @registry.register_model("fconv_lm", dataclass=FConvLanguageModelConfig)
 class FConvLanguageModel(FairseqLanguageModel):
-    """`model(src_tokens) -> logits [B, T, V]`; the repeated blocks are `model.decoder.convolutions`."""
+    """`model(src_tokens) -> (logits [B, T, V], None)`; the repeated blocks are `model.decoder.convolutions`."""
 
     architecture_options = ("decoder_embed_dim", "decoder_layers", "adaptive_softmax_cutoff")
 
     @classmethod
     def check_config(cls, cfg) -> None:
         check_config(cfg)
+
+    @classmethod
+    def describe_config(cls, cfg) -> str:
+        return f"embed dim {cfg.decoder_embed_dim}, layers {cfg.decoder_layers}"
 
     @classmethod
     def build_model(cls, cfg, task) -> "FConvLanguageModel":
@@ -356,7 +361,7 @@ class FConvLanguageModel(FairseqLanguageModel):
                                 cfg.adaptive_softmax_dropout, output_vocab_size))
 
     def forward(self, src_tokens: torch.Tensor, src_lengths: Optional[torch.Tensor] = None,
-                features_only: bool = False, incremental_state: Optional[dict] = None) -> torch.Tensor:
+                features_only: bool = False, incremental_state: Optional[dict] = None) -> Tuple[torch.Tensor, None]:
         return self.decoder(src_tokens, incremental_state=incremental_state, features_only=features_only)
 
     def transformer_layers(self) -> nn.ModuleList:

@@ -6,8 +6,8 @@ with the same parameter names and shapes, and upstream state dicts load (see `up
 Presets (`--arch`), each filling only what the command line leaves unset:
 
 - `transformer_lm`: the config defaults as they stand: 6 x 512, ffn 2048, 8 heads, sinusoidal positions,
-  post-norm, no final layer norm, `--decoder-input-dim`/`--decoder-output-dim` 512 whatever the embed dim
-  (a different `--decoder-embed-dim` adds the bias-free `project_in_dim`/`project_out_dim`).
+  post-norm, no final layer norm, `--decoder-input-dim`/`--decoder-output-dim` equal to `--decoder-embed-dim`
+  unless given (another value adds the bias-free `project_in_dim`/`project_out_dim`).
 - every other preset goes through upstream's `base_lm_architecture`, which forces pre-norm
   (`decoder_normalize_before = True`, upstream's "training is not stable without this") and derives the
   input/output dims from the embed dim:
@@ -35,7 +35,7 @@ compilation and FSDP are applied per layer from outside.
 import dataclasses
 import logging
 from dataclasses import dataclass
-from typing import Literal, Optional
+from typing import Literal, Optional, Tuple
 
 import torch
 
@@ -64,8 +64,10 @@ class TransformerLanguageModelConfig:
     activation_dropout: float = opt(0.0, "dropout probability after the activation in the FFN")
     relu_dropout: float = opt(0.0, "old name of --activation-dropout, used when that is 0")
     decoder_embed_dim: int = opt(512, "decoder embedding dimension")
-    decoder_output_dim: int = opt(512, "decoder output dimension (adds project_out_dim when not the embed dim)")
-    decoder_input_dim: int = opt(512, "decoder input dimension (adds project_in_dim when not the embed dim)")
+    decoder_output_dim: Optional[int] = opt(
+        None, "decoder output dimension (default: --decoder-embed-dim; another value adds project_out_dim)")
+    decoder_input_dim: Optional[int] = opt(
+        None, "decoder input dimension (default: --decoder-embed-dim; another value adds project_in_dim)")
     decoder_ffn_embed_dim: int = opt(2048, "decoder embedding dimension for FFN")
     decoder_layers: int = opt(6, "number of decoder layers")
     decoder_attention_heads: int = opt(8, "number of decoder attention heads")
@@ -104,6 +106,13 @@ class TransformerLanguageModelConfig:
     scale_attn: bool = opt(False, "not supported: NormFormer layernorm after attention")
     scale_heads: bool = opt(False, "not supported: NormFormer per-head scale")
     scale_resids: bool = opt(False, "not supported: NormFormer residual scale")
+
+    def __post_init__(self):
+        # Unset input/output dims follow the embed dim (upstream's base_lm_architecture); a built config, and so
+        # every saved one, holds the numbers.
+        for name in ("decoder_input_dim", "decoder_output_dim"):
+            if getattr(self, name) is None:
+                setattr(self, name, self.decoder_embed_dim)
 
 
 # (field, predicate on its value) for upstream features that are not implemented here.
@@ -205,7 +214,7 @@ def resolve_max_target_positions(cfg) -> int:
 
 @registry.register_model("transformer_lm", dataclass=TransformerLanguageModelConfig)
 class TransformerLanguageModel(FairseqLanguageModel):
-    """`model(src_tokens) -> logits [B, T, V]`; the layers are `model.decoder.layers` (an nn.ModuleList)."""
+    """`model(src_tokens) -> (logits [B, T, V], extra)`; the layers are `model.decoder.layers` (an nn.ModuleList)."""
 
     # Options that define the function the network computes: a resumed run must keep them (checked against the
     # checkpoint's config; several change no parameter shape, so the state dict alone would not tell). Tying
@@ -226,6 +235,19 @@ class TransformerLanguageModel(FairseqLanguageModel):
         check_config(cfg)
 
     @classmethod
+    def describe_config(cls, cfg) -> str:
+        positions = ("no positions" if cfg.no_token_positional_embeddings else
+                     f"{'learned' if cfg.decoder_learned_pos else 'sinusoidal'} positions "
+                     f"({resolve_max_target_positions(cfg)})")
+        adaptive = (f", adaptive input {cfg.adaptive_input_cutoff}" if cfg.adaptive_input else "") + (
+            f", adaptive softmax {cfg.adaptive_softmax_cutoff}" if cfg.adaptive_softmax_cutoff else "")
+        return (f"{cfg.decoder_layers} layers, embed dim {cfg.decoder_embed_dim} (input {cfg.decoder_input_dim}, "
+                f"output {cfg.decoder_output_dim}), ffn {cfg.decoder_ffn_embed_dim}, "
+                f"{cfg.decoder_attention_heads} heads, {positions}, "
+                f"{'pre' if cfg.decoder_normalize_before else 'post'}-norm, {cfg.activation_fn}"
+                + (", shared input/output embeddings" if cfg.share_decoder_input_output_embed else "") + adaptive)
+
+    @classmethod
     def build_model(cls, cfg, task) -> "TransformerLanguageModel":
         dictionary = task.source_dictionary
         return cls.build(cfg, len(dictionary), dictionary.pad(), output_vocab_size=len(task.target_dictionary))
@@ -243,14 +265,18 @@ class TransformerLanguageModel(FairseqLanguageModel):
         return cls(TransformerDecoder(cfg, vocab_size, padding_idx, output_vocab_size))
 
     def forward(self, src_tokens: torch.Tensor, src_lengths: Optional[torch.Tensor] = None,
-                features_only: bool = False, incremental_state: Optional[dict] = None) -> torch.Tensor:
-        """Logits [B, T, V] (or features with `features_only`); `src_lengths` is accepted and unused.
+                features_only: bool = False, incremental_state: Optional[dict] = None,
+                return_all_hiddens: bool = False) -> Tuple[torch.Tensor, dict]:
+        """Upstream's `(logits [B, T, V], extra)` (the features with `features_only`); `extra` is
+        `{"attn": [None], "inner_states": [...]}` (TransformerDecoder.extract_features says what they hold).
+        `src_lengths` is accepted and unused.
 
         Attention is causal only: as in upstream, right padding never changes the outputs at real tokens.
         With `incremental_state` (a dict kept across calls) only the tokens past the cached ones are computed
         and their logits returned (see TransformerDecoder).
         """
-        return self.decoder(src_tokens, incremental_state=incremental_state, features_only=features_only)
+        return self.decoder(src_tokens, incremental_state=incremental_state, features_only=features_only,
+                            return_all_hiddens=return_all_hiddens)
 
     def reserve_incremental_state(self, incremental_state: dict, max_length: int, max_batch: int = 0) -> None:
         """Allocate the decoder's KV cache once, for up to `max_length` tokens of `max_batch` rows."""

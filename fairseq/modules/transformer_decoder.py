@@ -11,7 +11,7 @@ checkpoint and drops the final layer norm, so it is kept).
 Incremental decoding (upstream's `incremental_state`): `decoder(tokens, incremental_state=state)` with the
 same dict every call, `tokens` [B, T] the whole sequence so far. Only `tokens[:, cached:]` is computed
 (several tokens at once, e.g. a prompt, or one per step), positions continue from the cached length, and
-the logits of those new tokens come back. Entries in `state`: this decoder's token count (and its attention
+`(logits of those new tokens, extra)` comes back. Entries in `state`: this decoder's token count (and its attention
 modules), per layer, the attention's key/value buffers (see MultiheadAttention._cache_entry). The caller says
 the longest length with `reserve_incremental_state` so the buffers are allocated once; beams are reordered
 with `reorder_incremental_state`. All rows share one length: a batch must not be left-padded (upstream's
@@ -25,7 +25,7 @@ slot of the reserved cache and attention runs over the whole capacity, masked af
 
 import math
 
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 import torch.nn as nn
@@ -190,18 +190,26 @@ class TransformerDecoder(FairseqIncrementalDecoder):
         return F.dropout(x, self.dropout, self.training)
 
     def extract_features(self, prev_output_tokens: torch.Tensor, encoder_out=None,
-                         incremental_state: Optional[IncrementalState] = None) -> torch.Tensor:
-        """Hidden states after the last layer (and final norm / output-dim projection), [B, T, output_dim];
-        with `incremental_state`, of the tokens past the cached ones only."""
+                         incremental_state: Optional[IncrementalState] = None,
+                         return_all_hiddens: bool = False) -> Tuple[torch.Tensor, dict]:
+        """(hidden states after the last layer and the final norm / output-dim projection [B, T, output_dim],
+        extra) as upstream; with `incremental_state`, of the tokens past the cached ones only. `extra`:
+        "attn": [None] (SDPA computes no attention weights), "inner_states": the last layer's output before the
+        final norm ([B, T, C], not upstream's [T, B, C]), or with `return_all_hiddens` the embeddings and every
+        layer's output (full forwards only: kept alive until the caller drops them)."""
         if encoder_out is not None:
             raise ValueError("this decoder-only TransformerDecoder has no encoder attention; pass encoder_out=None")
+        inner_states = None
         if incremental_state is None:
             x = self.embed(prev_output_tokens)
+            inner_states = [x] if return_all_hiddens else None
             for layer in self.layers:
                 x = layer(x)
+                if inner_states is not None:
+                    inner_states.append(x)
         else:
             x = self._layers_incremental(prev_output_tokens, incremental_state)
-        return self._final_norm_and_projection(x)
+        return self._final_norm_and_projection(x), {"attn": [None], "inner_states": inner_states or [x]}
 
     def _final_norm_and_projection(self, x: torch.Tensor) -> torch.Tensor:
         if self.layer_norm is not None:
@@ -266,11 +274,13 @@ class TransformerDecoder(FairseqIncrementalDecoder):
 
     def forward(self, prev_output_tokens: torch.Tensor, encoder_out=None,
                 incremental_state: Optional[IncrementalState] = None, features_only: bool = False,
-                src_lengths: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """Logits [B, T, V] (features with `features_only`), one tensor, not upstream's (logits, extra).
-        `src_lengths` is accepted for upstream callers and unused."""
-        features = self.extract_features(prev_output_tokens, encoder_out, incremental_state)
-        return features if features_only else self.output_layer(features)
+                src_lengths: Optional[torch.Tensor] = None,
+                return_all_hiddens: bool = False) -> Tuple[torch.Tensor, dict]:
+        """Upstream's `(logits [B, T, V], extra)` (the features with `features_only`); `extra` as in
+        `extract_features`. `src_lengths` is accepted for upstream callers and unused."""
+        features, extra = self.extract_features(prev_output_tokens, encoder_out, incremental_state,
+                                                return_all_hiddens)
+        return (features if features_only else self.output_layer(features)), extra
 
     # ---- incremental state ------------------------------------------------------------------------------
     def _decoder_entry(self, incremental_state: IncrementalState) -> dict:

@@ -4,6 +4,8 @@ Kept free of heavy imports: the optimizer registry imports every module of this 
 the built-in optimizers, and `import fairseq` should stay cheap.
 """
 
+import difflib
+import inspect
 from typing import Iterable
 
 from fairseq.registry import OPTIMIZER_REGISTRY, register_optimizer  # noqa: F401 (re-exported)
@@ -28,6 +30,53 @@ def build_optimizer(optimizer_cfg, params: Iterable, optimization_cfg):
     name = component_name(optimizer_cfg, OPTIMIZER_REGISTRY)
     optimizer_cls = OPTIMIZER_REGISTRY.get(name)
     return optimizer_cls.build_optimizer(optimizer_cfg, params, first_lr(optimization_cfg))
+
+
+# What a few common parameter-group options take, for the error message (others: "a value like <current>").
+_ALLOWED = {
+    "eps": "a number >= 0, e.g. 1e-08",
+    "weight_decay": "a number >= 0, e.g. 0.01",
+    "betas": "a pair of numbers in [0, 1), e.g. (0.9, 0.98)",
+    "momentum": "a number >= 0, e.g. 0.99",
+}
+
+
+def check_optimizer_overrides(optimizer_cfg, optimization_cfg, overrides: dict) -> None:
+    """--optimizer-overrides through the optimizer's own checks, before any training: the optimizer --optimizer
+    builds is built over a throwaway parameter; each key must be one of its parameter-group options, and each
+    value must pass the torch optimizer's constructor and one step. Raises ValueError naming key, value and
+    what is allowed."""
+    if not overrides:
+        return
+    import torch  # here: this package stays cheap to import
+
+    probe = torch.zeros(2, requires_grad=True)
+    optimizer = build_optimizer(optimizer_cfg, [probe], optimization_cfg)
+    current = {k: v for k, v in optimizer.param_groups[0].items() if k != "params"}
+    kind = f"--optimizer {component_name(optimizer_cfg, OPTIMIZER_REGISTRY)} ({type(optimizer).__name__})"
+    for key, value in overrides.items():
+        if key not in current:
+            close = difflib.get_close_matches(str(key), current, n=1)
+            raise ValueError(f"--optimizer-overrides {key!r}: not an option of {kind}"
+                             + (f" (did you mean {close[0]!r}?)" if close else "")
+                             + f"; its options are {', '.join(sorted(current))}")
+        try:
+            _try_override(optimizer, probe, current, key, value)
+        except Exception as err:  # any refusal of the optimizer's own code is the user's value
+            allowed = _ALLOWED.get(key, f"a value like its current {current[key]!r}")
+            raise ValueError(f"--optimizer-overrides {{{key!r}: {value!r}}} is refused by {kind} "
+                             f"({type(err).__name__}: {err}); {key} takes {allowed}") from None
+
+
+def _try_override(optimizer, probe, current: dict, key: str, value) -> None:
+    # The constructor's checks (when the key is one of its arguments), then one step with the value in place.
+    accepted = inspect.signature(type(optimizer)).parameters
+    if key in accepted:
+        type(optimizer)([probe], **{k: v for k, v in {**current, key: value}.items() if k in accepted})
+    optimizer.param_groups[0][key] = value
+    probe.grad = probe.detach().clone().fill_(1.0)
+    optimizer.step()
+    optimizer.param_groups[0][key] = current[key]
 
 
 def component_name(cfg, registry) -> str:

@@ -78,7 +78,8 @@ class FairseqTask:
 
     def no_batches_message(self, split: str, epoch_itr, purpose: str = "training",
                            token_flag: str = "--max-tokens") -> str:
-        """One line saying why `epoch_itr` (get_batch_iterator's, for `split`) has no batch, and the fix.
+        """One line saying why `epoch_itr` (get_batch_iterator's, for `split`) has no batch, or skips most items
+        (SizeFilterReport.mostly_dropped), and the fix.
 
         `purpose` is "training" or "validation"; `token_flag` is the flag that gave get_batch_iterator its
         max_tokens (validation: --max-tokens-valid when set).
@@ -100,6 +101,10 @@ class FairseqTask:
         if report.num_dropped >= report.num_items:
             return (f"no {purpose} batch: all {report.num_items:,} items of {what}{where} are longer than {flag} "
                     f"{report.limit} (the longest has {report.longest} tokens); {fix}"
+                    + ("" if purpose == "training" else f", or {other_fix}"))
+        if report.mostly_dropped:
+            return (f"{report.num_dropped:,} of {report.num_items:,} items of {what}{where} are longer than {flag} "
+                    f"{report.limit} (the longest has {report.longest} tokens) and would be skipped; {fix}"
                     + ("" if purpose == "training" else f", or {other_fix}"))
         return f"no {purpose} batch in {what}{where}"  # not reached by get_batch_iterator's batching
 

@@ -56,6 +56,30 @@ class LanguageModelingConfig:
     batch_size_valid: Optional[int] = II("dataset.batch_size_valid")
 
 
+# Break modes that pack blocks up to --tokens-per-sample tokens: nearly every block has about that many.
+PACKED_BREAK_MODES = ("none", "complete", "complete_doc")
+
+
+def check_token_budget(cfg) -> None:
+    """--max-tokens (or --max-tokens-valid) below --tokens-per-sample with packed blocks: nearly every block is
+    longer than a batch may be and would be skipped, so the run would train (or validate) on almost nothing.
+    A pure contradiction of flags, refused before any data is read (eos mode, where only long lines are
+    skipped, is judged on the data: fairseq.batch_iterators)."""
+    task, dataset = getattr(cfg, "task", None), cfg.dataset
+    tokens_per_sample, mode = getattr(task, "tokens_per_sample", None), getattr(task, "sample_break_mode", None)
+    if tokens_per_sample is None or mode not in PACKED_BREAK_MODES:
+        return
+    budgets = [("--max-tokens", dataset.max_tokens)]
+    if not dataset.disable_validation:
+        budgets.append(("--max-tokens-valid", dataset.max_tokens_valid))
+    for flag, value in budgets:
+        if value and value < tokens_per_sample:
+            raise ValueError(
+                f"{flag} {value} is less than --tokens-per-sample {tokens_per_sample}: with --sample-break-mode "
+                f"{mode} (nearly) every block has {tokens_per_sample} tokens and would be skipped; raise {flag} to "
+                f"at least {tokens_per_sample}, or lower --tokens-per-sample to at most {value}")
+
+
 class TruncatedDictionary:
     """The first `length` symbols of a dictionary (`--output-dictionary-size`); other lookups delegate."""
 

@@ -109,7 +109,7 @@ def train(model, tokens, targets, steps=STEPS, optimizer="sgd", world=1):
     losses, first_grads = [], None
     for step in range(steps):
         opt.zero_grad(set_to_none=True)
-        logits = model(tokens)
+        logits = model(tokens)[0]
         loss = F.cross_entropy(logits.float().reshape(-1, VOCAB), targets.reshape(-1))
         loss.backward()
         if step == 0:
@@ -179,9 +179,9 @@ def scenario_bf16(rank):
     cfg = make_cfg()
     cfg.common.bf16 = True
     model = parallelize_model(build_model(), cfg, torch.device("cpu"))
-    logits_dtype = model(local_batch(rank)[0]).dtype
+    logits_dtype = model(local_batch(rank)[0])[0].dtype
     losses = train(model, *local_batch(rank), world=WORLD)[0]
-    model(local_batch(rank)[0]).float().sum().backward()
+    model(local_batch(rank)[0])[0].float().sum().backward()
     grad_dtypes = sorted({str(p.grad.dtype) for p in model.parameters()})
     param_dtypes = sorted({str(p.dtype) for p in model.parameters()})
     return dict(losses=losses, logits_dtype=str(logits_dtype), grad_dtypes=grad_dtypes, param_dtypes=param_dtypes)
@@ -193,7 +193,7 @@ def scenario_gradients(rank):
     tokens, targets = local_batch(rank)
     for backend in ("fully_sharded", "pytorch_ddp"):
         model = parallelize_model(build_model(), make_cfg(backend), torch.device("cpu"))
-        F.cross_entropy(model(tokens).float().reshape(-1, VOCAB), targets.reshape(-1)).backward()
+        F.cross_entropy(model(tokens)[0].float().reshape(-1, VOCAB), targets.reshape(-1)).backward()
         params = list(model.parameters())
         before = named_full(model, "grad")
         norm_only = clip_grad_norm_(params, 0.0)
@@ -251,7 +251,7 @@ def scenario_wait_order(rank):
                 _instrument(group, index, log)
         tokens, targets = local_batch(rank)
         for _ in range(2):
-            F.cross_entropy(model(tokens).float().reshape(-1, VOCAB), targets.reshape(-1)).backward()
+            F.cross_entropy(model(tokens)[0].float().reshape(-1, VOCAB), targets.reshape(-1)).backward()
         results[prefetch] = log
     return results
 
@@ -361,7 +361,7 @@ def test_bf16_parameters_with_fp32_gradients(runs, reference):
 def test_clip_grad_norm_over_sharded_gradients_equals_the_unsharded_norm(runs, backend):
     model = build_model()
     tokens, targets = global_batch()
-    F.cross_entropy(model(tokens).float().reshape(-1, VOCAB), targets.reshape(-1)).backward()
+    F.cross_entropy(model(tokens)[0].float().reshape(-1, VOCAB), targets.reshape(-1)).backward()
     expected_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.25)
     expected = {name: p.grad for name, p in model.named_parameters()}
     assert expected_norm > 0.25  # the clip really scales
@@ -463,7 +463,7 @@ def test_activation_checkpointing_keeps_names_values_and_gradients():
     assert all(type(layer).__name__ == "CheckpointWrapper" for layer in checkpointed.decoder.layers)
     assert list(checkpointed.state_dict()) == keys
     for model in (plain, checkpointed):
-        F.cross_entropy(model(tokens).reshape(-1, VOCAB), targets.reshape(-1)).backward()
+        F.cross_entropy(model(tokens)[0].reshape(-1, VOCAB), targets.reshape(-1)).backward()
     for (name, p), q in zip(plain.named_parameters(), checkpointed.parameters()):
         torch.testing.assert_close(q.grad, p.grad, rtol=0, atol=0, msg=name)
     with pytest.raises(ValueError, match="already checkpointed"):
@@ -475,7 +475,7 @@ def test_compile_keeps_parameter_names_and_outputs():
     plain, compiled = build_model(), build_model()
     apply_compile(compiled, backend="eager")
     assert [n for n, _ in compiled.named_parameters()] == [n for n, _ in plain.named_parameters()]
-    torch.testing.assert_close(compiled(tokens), plain(tokens), rtol=0, atol=0)
+    torch.testing.assert_close(compiled(tokens)[0], plain(tokens)[0], rtol=0, atol=0)
 
 
 def test_materialize_a_meta_model():
@@ -485,7 +485,7 @@ def test_materialize_a_meta_model():
     materialize(model, torch.device("cpu"))
     assert not any(p.is_meta for p in model.parameters())
     assert model.decoder.output_projection.weight is model.decoder.embed_tokens.weight
-    assert torch.isfinite(model(global_batch()[0])).all()
+    assert torch.isfinite(model(global_batch()[0])[0]).all()
     assert materialize(model, torch.device("cpu")) is model  # nothing left on meta: untouched
 
 

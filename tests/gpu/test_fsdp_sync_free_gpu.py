@@ -159,7 +159,8 @@ def run_case(kind, prefetch, mode, device):
         cfg.common.bf16 = True
         model = parallelize_model(real_model(), cfg, device)
         inputs = torch.randint(2, 50272, (1, 1024), device=device)
-        loss_fn = lambda out: F.cross_entropy(out.float().view(-1, out.size(-1)), inputs.view(-1))  # noqa: E731
+        # the model gives (logits, extra)
+        loss_fn = lambda out: F.cross_entropy(out[0].float().flatten(0, 1), inputs.view(-1))  # noqa: E731
     limiter = sync_free_limiter(model)
     if mode == "pressure":
         limiter.pressure_probe = lambda: True

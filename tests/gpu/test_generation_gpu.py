@@ -38,11 +38,11 @@ def check_cached_logits(device, dtype, atol):
         model = build(d, device, dtype, learned)
         x = torch.randint(4, len(d), (4, 40), device=device)
         with torch.no_grad():
-            full = model(x).float()
+            full = model(x)[0].float()
             state = {}
             model.reserve_incremental_state(state, max_length=40, max_batch=4)
-            chunks = [model(x[:, :17], incremental_state=state), model(x[:, :25], incremental_state=state)]
-            chunks += [model(x[:, :t], incremental_state=state) for t in range(26, 41)]
+            chunks = [model(x[:, :17], incremental_state=state)[0], model(x[:, :25], incremental_state=state)[0]]
+            chunks += [model(x[:, :t], incremental_state=state)[0] for t in range(26, 41)]
         torch.testing.assert_close(torch.cat(chunks, dim=1).float(), full, atol=atol, rtol=0)
 
 
@@ -65,7 +65,7 @@ def check_generation(device, dtype, atol):
                 assert torch.equal(toks[:len(prompt)], prompt) and int(toks[-1]) == d.eos()
                 source = torch.cat([toks.new_full((1,), d.eos()), toks[:-1]])
                 with torch.no_grad():
-                    lp = torch.log_softmax(model(source[None])[0].float(), dim=-1)
+                    lp = torch.log_softmax(model(source[None])[0][0].float(), dim=-1)
                 expected = lp.gather(1, toks[:, None]).squeeze(1)
                 torch.testing.assert_close(hypo["positional_scores"], expected, atol=atol, rtol=0)
                 assert math.isfinite(float(hypo["score"]))

@@ -40,7 +40,7 @@ def _train(model, tokens, steps):
     torch.cuda.synchronize()
     start = time.perf_counter()
     for _ in range(steps):
-        logits = model(tokens[:, :-1])
+        logits = model(tokens[:, :-1])[0]
         target = tokens[:, 1:].reshape(-1)
         loss = vocab_parallel_cross_entropy(logits.flatten(0, 1), target, 1) / target.numel()
         loss.backward()

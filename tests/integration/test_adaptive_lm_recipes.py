@@ -106,7 +106,7 @@ def test_eval_lm_of_the_trained_model_equals_the_written_out_adaptive_softmax(re
     loaded = load_model(str(ckpt), overrides={"data": str(tiny_data), "tokens_per_sample": 32})
     model = loaded.model.double().eval()
     sm = model.decoder.adaptive_softmax
-    mean_bits, count = direct_mean_bits(loaded.task, lambda src: model(src[None], features_only=True)[0],
+    mean_bits, count = direct_mean_bits(loaded.task, lambda src: model(src[None], features_only=True)[0][0],
                                         sm.head, [t for t in sm.tail], sm.cutoff)
     assert result["tokens"] == count
     assert result["loss"] == pytest.approx(mean_bits, rel=1e-6)  # fp32 evaluation vs float64

@@ -105,14 +105,14 @@ def load_hf(out):
 @torch.no_grad()
 def assert_same_logits(fork, hf_model, rows):
     ids, mask = right_padded(rows)
-    ours = fork(ids)
+    ours = fork(ids)[0]
     theirs = hf_model(input_ids=ids, attention_mask=mask).logits
     real = mask.bool()
     assert theirs.shape == ours.shape
     assert torch.allclose(ours[real], theirs[real], atol=ATOL, rtol=0), (ours[real] - theirs[real]).abs().max()
     # Without a mask (a batch of full rows): the same.
     full = ids[:1, :len(rows[0])]
-    assert torch.allclose(fork(full), hf_model(input_ids=full).logits, atol=ATOL, rtol=0)
+    assert torch.allclose(fork(full)[0], hf_model(input_ids=full).logits, atol=ATOL, rtol=0)
 
 
 @torch.no_grad()
@@ -129,7 +129,7 @@ def assert_same_greedy(fork, hf_model, rows, steps=5, eos=2):
     for i, r in enumerate(rows):
         seq = torch.tensor([r])
         for _ in range(steps):
-            seq = torch.cat([seq, fork(seq)[:, -1].argmax(-1, keepdim=True)], dim=1)
+            seq = torch.cat([seq, fork(seq)[0][:, -1].argmax(-1, keepdim=True)], dim=1)
         expected = seq[0, len(r):].tolist()
         if eos in expected:  # transformers stops there (and pads the rest)
             expected = expected[:expected.index(eos) + 1]

@@ -84,7 +84,7 @@ def test_prefix_prompts_greedy_equals_argmax_of_full_forwards(tiny_data, ckpt, c
         assert float(score) == pytest.approx(sum(positional) / len(positional), abs=1e-3)
         # positional scores are the model's log-probabilities of the tokens given the ones before
         with torch.no_grad():
-            log_probs = torch.log_softmax(model(torch.tensor([[d.eos()] + expected[:-1]]))[0], dim=-1)
+            log_probs = torch.log_softmax(model(torch.tensor([[d.eos()] + expected[:-1]]))[0][0], dim=-1)
         chosen = log_probs.gather(1, torch.tensor(expected)[:, None]).squeeze(1) / math.log(2)
         assert positional == pytest.approx(chosen.tolist(), abs=1e-4)
 

@@ -34,7 +34,7 @@ def forward_log_probs(model, start, ids):
     """log p(ids[k] | start, ids[:k]) for each k, from one forward of the model (fp32) over start + ids[:-1]."""
     source = torch.tensor([start] + ids[:-1])
     with torch.no_grad():
-        log_probs = F.log_softmax(model(source[None])[0].float(), dim=-1)
+        log_probs = F.log_softmax(model(source[None])[0][0].float(), dim=-1)
     return log_probs[torch.arange(len(ids)), torch.tensor(ids)]
 
 

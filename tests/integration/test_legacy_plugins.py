@@ -294,7 +294,7 @@ def test_legacy_task_and_a_wrapper_of_transformer_lm(tiny_data, plugin):
     assert cfg.model.activation_dropout == 0.0  # no preset sets it: transformer_lm's default
     assert cfg.model.max_target_positions == 32  # filled from --tokens-per-sample when built, as upstream
     with torch.no_grad():
-        logits = model(torch.tensor([[2, 5, 6, 7]]))
+        logits, _ = model(torch.tensor([[2, 5, 6, 7]]))
     assert logits.shape == (1, 4, len(task.target_dictionary)) and math.isfinite(float(logits.sum()))
 
 

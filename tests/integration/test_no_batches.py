@@ -73,18 +73,61 @@ def test_empty_train_split_stops_at_once_naming_the_file(empty_train_data, tmp_p
     assert not [n for n in os.listdir(tmp_path / "ck") if n.endswith(".pt")]
 
 
-def test_every_item_longer_than_max_tokens_names_the_flag_and_the_fix(tiny_data, tmp_path, train_args):
-    # The validation error for too-long items suggests --skip-invalid-size-inputs-valid-test: with it,
-    # every training item was skipped too and the run looped over empty epochs, ignoring SIGTERM.
-    argv = train_args(tiny_data, tmp_path / "ck", "--skip-invalid-size-inputs-valid-test")
-    argv[argv.index("--max-tokens") + 1] = "16"  # blocks have 32 tokens
+def test_max_tokens_below_tokens_per_sample_with_packed_blocks_is_refused_before_any_data(tiny_data, tmp_path,
+                                                                                         train_args):
+    # With --sample-break-mode none every block has --tokens-per-sample tokens: all but a last, shorter one would
+    # be skipped and the run trained on almost nothing (the validation flag skipping them too) with a warning.
+    for mode in ("none", "complete"):
+        argv = train_args(tiny_data, tmp_path / "ck", "--skip-invalid-size-inputs-valid-test",
+                          "--sample-break-mode", mode)
+        argv[argv.index("--max-tokens") + 1] = "16"  # blocks have 32 tokens
+        rc, out, err = run_train(argv)
+        assert rc == 2 and err.splitlines()[-1].split(": error: ", 1)[1] == (
+            f"--max-tokens 16 is less than --tokens-per-sample 32: with --sample-break-mode {mode} (nearly) every "
+            "block has 32 tokens and would be skipped; raise --max-tokens to at least 32, or lower "
+            "--tokens-per-sample to at most 16")
+        assert not (tmp_path / "ck").exists()  # refused before the save dir was opened
+
+
+def test_most_items_longer_than_max_tokens_is_an_error_naming_the_counts(tiny_data, tmp_path, train_args):
+    # eos mode: a sentence per item, 4 to 26 tokens; --max-tokens 10 would skip 279 of the 400
+    argv = train_args(tiny_data, tmp_path / "ck", "--skip-invalid-size-inputs-valid-test", "--sample-break-mode",
+                      "eos")
+    argv[argv.index("--max-tokens") + 1] = "10"
     rc, out, err = run_train(argv)
     assert rc == 1
     [line] = error_lines(err)
-    assert "no training batch: all 188 items of the training split 'train'" in line
-    assert "are longer than --max-tokens 16 (the longest has 32 tokens); raise --max-tokens to at least 32" in line
+    train_bin = os.path.join(str(tiny_data), "train.bin")
+    assert line == (f"fairseq-train: error: 279 of 400 items of the training split 'train' ({train_bin}: 400 "
+                    "sentences, 400 blocks) are longer than --max-tokens 10 (the longest has 26 tokens) and would be "
+                    "skipped; raise --max-tokens to at least 26 (the longest item)")
+    assert epoch_lines(tmp_path / "ck" / "train.log") == []
+
+
+def test_a_few_long_lines_skipped_in_eos_mode_only_warn(tiny_data, tmp_path, train_args):
+    argv = train_args(tiny_data, tmp_path / "ck", "--skip-invalid-size-inputs-valid-test", "--sample-break-mode",
+                      "eos", max_update=2)
+    argv[argv.index("--max-tokens") + 1] = "24"
+    rc, out, err = run_train(argv)
+    assert rc == 0, err[-2000:]
     log = (tmp_path / "ck" / "train.log").read_text()
-    assert "188 items longer than --max-tokens 16 are skipped" in log  # the warning names the real flag
+    assert "31 items longer than --max-tokens 24 are skipped" in log  # of the 400 training sentences
+    assert "3 items longer than --max-tokens 24 are skipped" in log  # of the 40 validation sentences
+
+
+def test_every_item_longer_than_max_tokens_names_the_flag_and_the_fix(tiny_data, tmp_path, train_args):
+    # The validation error for too-long items suggests --skip-invalid-size-inputs-valid-test: with it,
+    # every training item was skipped too and the run looped over empty epochs, ignoring SIGTERM.
+    argv = train_args(tiny_data, tmp_path / "ck", "--skip-invalid-size-inputs-valid-test", "--sample-break-mode",
+                      "eos")
+    argv[argv.index("--max-tokens") + 1] = "3"  # sentences have 4 to 26 tokens
+    rc, out, err = run_train(argv)
+    assert rc == 1
+    [line] = error_lines(err)
+    assert "no training batch: all 400 items of the training split 'train'" in line
+    assert "are longer than --max-tokens 3 (the longest has 26 tokens); raise --max-tokens to at least 26" in line
+    log = (tmp_path / "ck" / "train.log").read_text()
+    assert "400 items longer than --max-tokens 3 are skipped" in log  # the warning names the real flag
     assert "max positions" not in log and epoch_lines(tmp_path / "ck" / "train.log") == []
 
 
@@ -128,13 +171,13 @@ def test_an_empty_validation_subset_is_an_error_before_training(tiny_data, empty
 
 
 def test_validation_items_all_skipped_is_an_error_naming_max_tokens_valid(tiny_data, tmp_path, train_args):
-    argv = train_args(tiny_data, tmp_path / "ck", "--max-tokens-valid", "10",
+    argv = train_args(tiny_data, tmp_path / "ck", "--max-tokens-valid", "3", "--sample-break-mode", "eos",
                       "--skip-invalid-size-inputs-valid-test")
     rc, out, err = run_train(argv)
     assert rc == 1
     [line] = error_lines(err)
-    assert "no validation batch: all 20 items of the validation subset 'valid'" in line
-    assert "longer than --max-tokens-valid 10 (the longest has 32 tokens); raise --max-tokens-valid to at least 32" in line
+    assert "no validation batch: all 40 items of the validation subset 'valid'" in line
+    assert "longer than --max-tokens-valid 3 (the longest has 25 tokens); raise --max-tokens-valid to at least 25" in line
     # without validation the same run trains
     rc, out, err = run_train(argv + ["--disable-validation", "--max-update", "1"])
     assert rc == 0, err[-2000:]
@@ -143,11 +186,11 @@ def test_validation_items_all_skipped_is_an_error_naming_max_tokens_valid(tiny_d
 @pytest.mark.timeout(300)
 def test_two_ranks_stop_together_on_no_batch(tiny_data, tmp_path, train_args):
     argv = train_args(tiny_data, tmp_path / "ck", "--skip-invalid-size-inputs-valid-test",
-                      "--distributed-world-size", "2")
-    argv[argv.index("--max-tokens") + 1] = "16"
+                      "--distributed-world-size", "2", "--sample-break-mode", "eos")
+    argv[argv.index("--max-tokens") + 1] = "3"
     rc, out, err = run_train_process(argv)
     assert rc != 0
-    assert "no training batch: all 188 items of the training split 'train'" in out + err
+    assert "no training batch: all 400 items of the training split 'train'" in out + err
     assert epoch_lines(tmp_path / "ck" / "train.log") == []
 
 

@@ -6,9 +6,10 @@ import subprocess
 import pytest
 import torch
 
+from fairseq.data import Dictionary
 from fairseq.logging.progress_bar import read_json_log
-from fairseq_cli import eval_lm, train
-from tests.train_fixtures import assert_same_model_and_optimizer, train_in_process
+from fairseq_cli import eval_lm, generate, train
+from tests.train_fixtures import assert_same_model_and_optimizer, console_in_process, train_in_process
 
 def load(path):
     return torch.load(path, map_location="cpu", weights_only=True)
@@ -69,7 +70,7 @@ def test_loss_falls_and_eval_lm_matches_independent_computation(tiny_data, tmp_p
         for i in range(len(ds)):
             item = ds[i]
             src, tgt = item["source"].unsqueeze(0), item["target"].unsqueeze(0)
-            logp = torch.log_softmax(model(src).double(), -1)
+            logp = torch.log_softmax(model(src)[0].double(), -1)
             mask = tgt.ne(pad)
             total -= logp.gather(-1, tgt.unsqueeze(-1)).squeeze(-1)[mask].sum().item()
             count += int(mask.sum())
@@ -110,11 +111,32 @@ def test_upstream_wikitext_command_line_runs(tiny_data, tmp_path):
         "--decoder-layers", "1", "--decoder-embed-dim", "64", "--decoder-ffn-embed-dim", "128",  # size
         "--cpu", "--num-workers", "0",
     ]
-    train.cli_main(argv)
+    status, stdout, stderr = train_in_process(argv)
+    assert status == 0, stderr
     state = load(tmp_path / "checkpoint_last.pt")
     assert state["extra_state"]["trainer"]["num_updates"] == 2
-    # transformer_lm's default input/output dims are 512 whatever the embed dim: projections appear
-    assert state["model"]["decoder.project_in_dim.weight"].shape == (64, 512)
+    # input/output dims follow --decoder-embed-dim (upstream's base_lm_architecture): no projections
+    assert state["model"]["decoder.embed_tokens.weight"].shape == (len(Dictionary.load(str(tiny_data / "dict.txt"))),
+                                                                   64)
+    assert not any("project_" in key for key in state["model"])
+    assert (state["cfg"]["model"]["decoder_input_dim"], state["cfg"]["model"]["decoder_output_dim"]) == (64, 64)
+    # the resolved model config, logged once
+    lines = [line.split(" | ", 3)[3] for line in stdout.splitlines() if "model config:" in line]
+    assert lines == ["model config: --arch transformer_lm, 1 layers, embed dim 64 (input 64, output 64), ffn 128, "
+                     "8 heads, sinusoidal positions (64), post-norm, relu, shared input/output embeddings, "
+                     "37,568 parameters"]
+
+
+def test_eval_lm_and_generate_log_the_model_config(tiny_data, tiny_lm_checkpoint):
+    expected = ("model config: --arch transformer_lm, 2 layers, embed dim 32 (input 32, output 32), ffn 64, 2 heads, "
+                "sinusoidal positions (32), post-norm, relu, shared input/output embeddings, 19,136 parameters")
+    common = [str(tiny_data), "--path", str(tiny_lm_checkpoint), "--gen-subset", "test", "--cpu",
+              "--tokens-per-sample", "32", "--batch-size", "4", "--num-workers", "0"]
+    for name, cli_main, extra in (("fairseq-eval-lm", eval_lm.cli_main, []),
+                                  ("fairseq-generate", generate.cli_main, ["--sample-break-mode", "eos"])):
+        status, stdout, stderr = console_in_process(name, cli_main, common + extra)
+        assert status == 0, stderr
+        assert [line.split(" | ", 3)[3] for line in stdout.splitlines() if "model config:" in line] == [expected]
 
 
 def _run_train(argv):

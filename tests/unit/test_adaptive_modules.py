@@ -215,9 +215,9 @@ def test_wiki103_preset_builds_upstreams_model_with_its_parameter_count():
 def test_model_output_is_log_probabilities_and_get_normalized_probs_keeps_them():
     model = tiny_model().eval()
     tokens = torch.randint(2, VOCAB, (2, 9))
-    out = model(tokens)
+    out = model(tokens)[0]
     torch.testing.assert_close(out.exp().sum(-1), torch.ones(2, 9), rtol=0, atol=1e-5)
-    features = model(tokens, features_only=True)
+    features = model(tokens, features_only=True)[0]
     assert torch.equal(out, model.decoder.adaptive_softmax.get_log_prob(features))
     # log_softmax of log-probabilities returns them up to rounding: the logsumexp it subtracts is 0 give or take
     # an ulp, and an ulp of a log-probability near -20 is 1.9e-6 in fp32, so allow 2 ulps relative
@@ -232,7 +232,7 @@ def test_adaptive_loss_is_minus_log_p_of_the_targets_and_logs_like_cross_entropy
     tokens = torch.tensor([[2, 5, 21, 63, 39, 40, 7, PAD, PAD], [3, 21, 21, 4, 50, 19, 20, 22, 9]])
     sample = sample_of(tokens)
     loss, sample_size, log = AdaptiveLoss(_Task(), sentence_avg=False)(model, sample)
-    log_probs = model(sample["net_input"]["src_tokens"]).double()
+    log_probs = model(sample["net_input"]["src_tokens"])[0].double()
     target = sample["target"]
     picked = log_probs.gather(-1, target.unsqueeze(-1)).squeeze(-1)
     expected = -(picked * target.ne(PAD)).sum()
@@ -300,7 +300,7 @@ def test_greedy_generation_follows_the_full_forwards_argmax():
                               prefix_tokens=torch.tensor([prompt]))[0][0]
     seq, expected = [eos], []
     for step in range(max_len + 1):  # prompt, then argmax of a full forward (no </s> before max_len), then </s>
-        log_probs = model(torch.tensor([seq]))[0, -1].clone()
+        log_probs = model(torch.tensor([seq]))[0][0, -1].clone()
         log_probs[PAD] = -math.inf
         if step < len(prompt):
             token = prompt[step]

@@ -10,7 +10,7 @@ from fairseq.dataclass.validate import COMPAT_NOTICES, compat_notices, validate
 from tests.train_fixtures import default_train_argv, train_in_process
 
 TRAIN_BASE = ["data", "--task", "language_modeling", "--arch", "transformer_lm", "--optimizer", "adam",
-              "--max-tokens", "64"]
+              "--max-tokens", "64", "--tokens-per-sample", "64"]
 # A non-default value for each noticed option (the flag alone for a boolean one).
 SET = {"min_params_to_wrap": ["--min-params-to-wrap", "1000"], "softmax_batch": ["--softmax-batch", "1024"],
        "retain_dropout_modules": ["--retain-dropout-modules", "TransformerDecoderLayer"]}
@@ -63,11 +63,31 @@ def test_bad_optimizer_overrides_fail_at_start():
         validate(_config("train", TRAIN_BASE + ["--optimizer-overrides", "{'lr': 0.5}"]))
 
 
-def test_misspelt_optimizer_override_is_refused_at_resume(tiny_data, tmp_path):
-    assert train_in_process(default_train_argv(tiny_data, tmp_path, max_update=2))[0] == 0
+def test_misspelt_optimizer_override_is_refused_at_start(tiny_data, tmp_path):
     status, _, err = train_in_process(default_train_argv(tiny_data, tmp_path, "--optimizer-overrides",
                                                          "{'weight_dacay': 0.5}", max_update=3))
-    assert status != 0 and "--optimizer-overrides: weight_dacay is not an option of the optimizer's" in err
+    assert status == 2 and err.splitlines()[-1].split(": error: ", 1)[1:] == [
+        "--optimizer-overrides 'weight_dacay': not an option of --optimizer adam (AdamW) "
+        "(did you mean 'weight_decay'?); its options are amsgrad, betas, capturable, decoupled_weight_decay, "
+        "differentiable, eps, foreach, fused, lr, maximize, weight_decay"]
+    assert not (tmp_path / "checkpoint_last.pt").exists()
+
+
+@pytest.mark.parametrize("override,message", [
+    ("{'eps': -1.0}", "--optimizer-overrides {'eps': -1.0} is refused by --optimizer adam (AdamW) (ValueError: "
+                      "Invalid epsilon value: -1.0); eps takes a number >= 0, e.g. 1e-08"),
+    ("{'betas': 3}", "--optimizer-overrides {'betas': 3} is refused by --optimizer adam (AdamW) (TypeError: 'int' "
+                     "object is not subscriptable); betas takes a pair of numbers in [0, 1), e.g. (0.9, 0.98)"),
+    ("{'betas': (0.9, 0.98, 0.5)}", "--optimizer-overrides {'betas': (0.9, 0.98, 0.5)} is refused by --optimizer "
+                                    "adam (AdamW) (ValueError: too many values to unpack (expected 2)); betas takes "
+                                    "a pair of numbers in [0, 1), e.g. (0.9, 0.98)"),
+])
+def test_bad_optimizer_override_values_are_refused_at_start(tiny_data, tmp_path, override, message):
+    """Checked by the optimizer's own code (its constructor, one step) before training, not saved into
+    checkpoints (eps) or failing at the first update (betas)."""
+    status, _, err = train_in_process(default_train_argv(tiny_data, tmp_path, "--optimizer-overrides", override))
+    assert status == 2 and err.splitlines()[-1].split(": error: ", 1)[1:] == [message]  # a usage error
+    assert not (tmp_path / "checkpoint_last.pt").exists()
 
 
 def test_optimizer_overrides_are_set_in_the_resumed_optimizer(tiny_data, tmp_path):

@@ -170,19 +170,19 @@ def test_forward_is_upstreams_computation():
     model = tiny(seed=1)
     tokens = torch.randint(4, 30, (3, 11))
     with torch.no_grad():
-        torch.testing.assert_close(model(tokens).double(), upstream_forward(model, tokens), rtol=0, atol=1e-5)
+        torch.testing.assert_close(model(tokens)[0].double(), upstream_forward(model, tokens), rtol=0, atol=1e-5)
 
 
 def test_output_at_t_depends_on_inputs_up_to_t_only():
     model = tiny(seed=2)
     tokens = torch.randint(4, 30, (2, 12))
     with torch.no_grad():
-        base = model(tokens)
+        base = model(tokens)[0]
         for t in (0, 5, 10):
             changed = tokens.clone()
             changed[:, t + 1:] = torch.randint(4, 30, changed[:, t + 1:].shape)
             changed[:, t + 1:] = torch.where(changed[:, t + 1:] == tokens[:, t + 1:], 3, changed[:, t + 1:])
-            out = model(changed)
+            out = model(changed)[0]
             torch.testing.assert_close(out[:, :t + 1], base[:, :t + 1], rtol=0, atol=1e-6)
             assert not torch.allclose(out[:, t + 1:], base[:, t + 1:])
     # and through the gradient: d out[t] / d embedding[t'] is zero for t' > t, in training mode too
@@ -190,7 +190,7 @@ def test_output_at_t_depends_on_inputs_up_to_t_only():
     emb = model.decoder.embed_tokens
     x = emb(tokens).detach().requires_grad_(True)
     emb.forward = lambda _: x
-    model(tokens)[:, 6].sum().backward()
+    model(tokens)[0][:, 6].sum().backward()
     assert x.grad[:, 7:].abs().sum() == 0 and x.grad[:, :7].abs().sum() > 0
 
 
@@ -198,8 +198,8 @@ def test_adaptive_softmax_output_is_its_log_probabilities():
     model = tiny(seed=3, adaptive_softmax_cutoff="10,20", criterion="adaptive_loss")
     tokens = torch.randint(4, 30, (2, 6))
     with torch.no_grad():
-        out = model(tokens)
-        features = model(tokens, features_only=True)
+        out = model(tokens)[0]
+        features = model(tokens, features_only=True)[0]
     assert features.shape == (2, 6, 24) and out.shape == (2, 6, 30)
     torch.testing.assert_close(out.exp().sum(-1), torch.ones(2, 6), rtol=0, atol=1e-5)
     torch.testing.assert_close(model.get_normalized_probs(out, log_probs=True), out, rtol=0, atol=1e-6)
@@ -213,18 +213,18 @@ def test_incremental_decoding_equals_the_full_forward():
     model = tiny(seed=4)
     tokens = torch.randint(4, 30, (3, 9))
     with torch.no_grad():
-        full = model(tokens)
+        full = model(tokens)[0]
         state = {}
         model.decoder.reserve_incremental_state(state, 9, 3)
-        parts = [model(tokens[:, :4], incremental_state=state)]  # a prompt in one call
-        parts += [model(tokens[:, :t], incremental_state=state) for t in range(5, 10)]  # then one at a time
+        parts = [model(tokens[:, :4], incremental_state=state)[0]]  # a prompt in one call
+        parts += [model(tokens[:, :t], incremental_state=state)[0] for t in range(5, 10)]  # then one at a time
         torch.testing.assert_close(torch.cat(parts, 1), full, rtol=0, atol=1e-5)
         # beams reordered: the cache follows the rows
         order = torch.tensor([2, 0, 0])
         state = {}
         model(tokens[:, :5], incremental_state=state)
         model.decoder.reorder_incremental_state_scripting(state, order)
-        step = model(tokens[order, :6], incremental_state=state)
+        step = model(tokens[order, :6], incremental_state=state)[0]
         torch.testing.assert_close(step[:, 0], full[order, 5], rtol=0, atol=1e-5)
         with pytest.raises(ValueError, match="6 are cached already"):
             model(tokens[order, :6], incremental_state=state)
@@ -243,7 +243,7 @@ def test_greedy_generation_is_the_argmax_of_full_forwards():
     seq = [d.eos()] + prompt
     with torch.no_grad():
         for step in range(len(prompt), 7):  # max_len_b 6: step 6 can only be </s>
-            lp = torch.log_softmax(model(torch.tensor([seq]))[0, -1], -1)
+            lp = torch.log_softmax(model(torch.tensor([seq]))[0][0, -1], -1)
             lp[d.pad()] = -math.inf
             seq.append(d.eos() if step == 6 else int(lp.argmax()))
             if seq[-1] == d.eos():
@@ -257,7 +257,7 @@ def test_activation_checkpointing_wraps_the_convolutions_and_keeps_gradients():
     assert set(wrapped.state_dict()) == set(model.state_dict())
     tokens = torch.randint(4, 30, (2, 7))
     for m in (model, wrapped):
-        m(tokens).sum().backward()
+        m(tokens)[0].sum().backward()
     for (name, p), q in zip(model.named_parameters(), wrapped.parameters()):
         torch.testing.assert_close(q.grad, p.grad, rtol=0, atol=1e-6, msg=name)
 

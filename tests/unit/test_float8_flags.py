@@ -53,7 +53,7 @@ def test_fp8_through_fairseq_train_is_one_line(tiny_data, tmp_path, capsys):
 
     with pytest.raises(SystemExit) as exit_info:
         train.cli_main([str(tiny_data), "--arch", "transformer_lm_gpt2_tiny", "--optimizer", "adam", "--max-tokens",
-                        "64", "--save-dir", str(tmp_path), "--fp8", "--bf16", "--cpu"])
+                        "64", "--tokens-per-sample", "64", "--save-dir", str(tmp_path), "--fp8", "--bf16", "--cpu"])
     assert exit_info.value.code != 0
     err = capsys.readouterr().err.strip().splitlines()
     assert "--fp8 needs" in err[-1] and not any("Traceback" in line for line in err)

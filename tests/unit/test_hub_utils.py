@@ -29,7 +29,7 @@ def greedy_by_full_forwards(model, prompt, max_len, eos, pad, min_len=1):
     tokens = [eos] + list(prompt)
     with torch.no_grad():
         while len(tokens) - 1 < max_len:
-            logits = model(torch.tensor([tokens]))[0, -1].float()
+            logits = model(torch.tensor([tokens]))[0][0, -1].float()
             logits[pad] = -math.inf
             if len(tokens) - 1 < min_len:
                 logits[eos] = -math.inf
@@ -43,7 +43,7 @@ def full_forward_log_probs(model, ids):
     """log p(ids[k] | </s>, ids[:k]) for each k, from one forward in fp32."""
     source = torch.cat([torch.tensor([2]), ids[:-1]]) if len(ids) else torch.tensor([2])
     with torch.no_grad():
-        log_probs = F.log_softmax(model(source[None])[0].float(), dim=-1)
+        log_probs = F.log_softmax(model(source[None])[0][0].float(), dim=-1)
     return log_probs.gather(1, ids[:, None]).squeeze(1)
 
 

@@ -50,7 +50,8 @@ import tempfile
 data = tempfile.mkdtemp()
 try:
     fairseq_cli.train.cli_main(["--task", "language_modeling", data, "--arch", "transformer_lm", "--optimizer",
-                                "adam", "--max-tokens", "64", "--cpu", "--save-dir", data + "/checkpoints"])
+                                "adam", "--max-tokens", "64", "--tokens-per-sample", "64", "--cpu", "--save-dir",
+                                data + "/checkpoints"])
 except FileNotFoundError as err:
     assert "no dict.txt" in str(err), err
 print(json.dumps({"loaded_by_torch": loaded_by_torch,

@@ -51,14 +51,14 @@ def tokens(batch=3, length=9, seed=1):
 def test_step_by_step_and_prompt_then_steps_equal_the_full_forward(name):
     model = build(**CONFIGS[name])
     x = tokens()
-    full = model(x)
+    full = model(x)[0]
     state = {}
-    steps = torch.cat([model(x[:, :t], incremental_state=state) for t in range(1, x.size(1) + 1)], dim=1)
+    steps = torch.cat([model(x[:, :t], incremental_state=state)[0] for t in range(1, x.size(1) + 1)], dim=1)
     torch.testing.assert_close(steps, full, atol=ATOL, rtol=RTOL)
     # A prompt in one call, a chunk of several tokens after cached ones (the masked path), then single steps.
     state = {}
-    chunks = [model(x[:, :4], incremental_state=state), model(x[:, :7], incremental_state=state)]
-    chunks += [model(x[:, :t], incremental_state=state) for t in (8, 9)]
+    chunks = [model(x[:, :4], incremental_state=state)[0], model(x[:, :7], incremental_state=state)[0]]
+    chunks += [model(x[:, :t], incremental_state=state)[0] for t in (8, 9)]
     assert [c.size(1) for c in chunks] == [4, 3, 1, 1]
     torch.testing.assert_close(torch.cat(chunks, dim=1), full, atol=ATOL, rtol=RTOL)
 
@@ -68,11 +68,11 @@ def test_decoder_call_and_features_only():
     model = build(decoder_output_dim=20)
     x = tokens()
     state = {}
-    features = model.decoder(x[:, :5], incremental_state=state, features_only=True)
+    features = model.decoder(x[:, :5], incremental_state=state, features_only=True)[0]
     assert features.shape == (3, 5, 20)
-    torch.testing.assert_close(features, model.decoder(x[:, :5], features_only=True), atol=ATOL, rtol=RTOL)
-    last = model.decoder(x[:, :6], encoder_out=None, incremental_state=state)
-    torch.testing.assert_close(last, model(x[:, :6])[:, 5:], atol=ATOL, rtol=RTOL)
+    torch.testing.assert_close(features, model.decoder(x[:, :5], features_only=True)[0], atol=ATOL, rtol=RTOL)
+    last = model.decoder(x[:, :6], encoder_out=None, incremental_state=state)[0]
+    torch.testing.assert_close(last, model(x[:, :6])[0][:, 5:], atol=ATOL, rtol=RTOL)
 
 
 @torch.no_grad()
@@ -86,14 +86,14 @@ def test_reorder_equals_decoding_the_reordered_batch():
     order = torch.tensor([2, 0, 0, 3, 2])
     model.reorder_incremental_state(state, order)
     reordered = x[order]
-    out = model(reordered[:, :7], incremental_state=state)
-    torch.testing.assert_close(out, model(reordered[:, :7])[:, 5:], atol=ATOL, rtol=RTOL)
+    out = model(reordered[:, :7], incremental_state=state)[0]
+    torch.testing.assert_close(out, model(reordered[:, :7])[0][:, 5:], atol=ATOL, rtol=RTOL)
     # Shrinking (finished sentences leave the batch), through upstream's entry point.
     order = torch.tensor([4, 1])
     model.decoder.reorder_incremental_state_scripting(state, order)
     reordered = reordered[order]
-    out = model(reordered[:, :8], incremental_state=state)
-    torch.testing.assert_close(out, model(reordered[:, :8])[:, 7:], atol=ATOL, rtol=RTOL)
+    out = model(reordered[:, :8], incremental_state=state)[0]
+    torch.testing.assert_close(out, model(reordered[:, :8])[0][:, 7:], atol=ATOL, rtol=RTOL)
 
 
 def cache_entries(state):
@@ -125,8 +125,8 @@ def test_without_a_reservation_the_cache_grows_by_doubling():
     model = build()
     x = tokens(batch=2, length=9)
     state = {}
-    outs = [model(x[:, :t], incremental_state=state) for t in range(1, 10)]
-    torch.testing.assert_close(torch.cat(outs, dim=1), model(x), atol=ATOL, rtol=RTOL)
+    outs = [model(x[:, :t], incremental_state=state)[0] for t in range(1, 10)]
+    torch.testing.assert_close(torch.cat(outs, dim=1), model(x)[0], atol=ATOL, rtol=RTOL)
     assert [e["key_buffer"].size(2) for e in cache_entries(state)] == [16, 16]  # 1, 2, 4, 8, 16
 
 
@@ -186,14 +186,14 @@ def test_training_forward_is_bitwise_the_old_one_and_never_touches_the_cache(nam
     monkeypatch.setattr(MultiheadAttention, "_forward_incremental", no_cache)
     monkeypatch.setattr(type(model.decoder), "_layers_incremental", no_cache)
     torch.manual_seed(5)
-    new = model(x)
+    new = model(x)[0]
     new.sum().backward()
     torch.manual_seed(5)
     old = old_model_forward(model, x)
     assert torch.equal(new, old)
     model.eval()
     with torch.no_grad():
-        assert torch.equal(model(x), old_model_forward(model, x))
+        assert torch.equal(model(x)[0], old_model_forward(model, x))
 
 
 @torch.no_grad()
@@ -201,13 +201,13 @@ def test_wrapped_layers_decode_incrementally():
     # Activation checkpointing replaces the layers with wrappers: the state still reaches the attention.
     model = build(decoder_normalize_before=True)
     x = tokens()
-    full = model(x)
+    full = model(x)[0]
     for i, layer in enumerate(model.decoder.layers):
         model.decoder.layers[i] = checkpoint_wrapper(layer)
     state = {}
     model.reserve_incremental_state(state, max_length=9, max_batch=3)
-    steps = torch.cat([model(x[:, :5], incremental_state=state)]
-                      + [model(x[:, :t], incremental_state=state) for t in range(6, 10)], dim=1)
+    steps = torch.cat([model(x[:, :5], incremental_state=state)[0]]
+                      + [model(x[:, :t], incremental_state=state)[0] for t in range(6, 10)], dim=1)
     torch.testing.assert_close(steps, full, atol=ATOL, rtol=RTOL)
 
 
@@ -331,15 +331,15 @@ def test_the_static_step_gives_the_incremental_steps_logits_across_reorders(name
     x = tokens(batch=3, length=14)
     dynamic, static = {}, {}
     model.reserve_incremental_state(static, max_length=20, max_batch=5)  # more slots and rows than used
-    torch.testing.assert_close(model(x[:, :4], incremental_state=static), model(x[:, :4], incremental_state=dynamic),
-                               atol=ATOL, rtol=RTOL)
+    torch.testing.assert_close(model(x[:, :4], incremental_state=static)[0],
+                               model(x[:, :4], incremental_state=dynamic)[0], atol=ATOL, rtol=RTOL)
     for t in range(4, 14):
         if t in (8, 11):  # beams copied (rows repeat), then a sentence dropped: both caches reordered in place
             order = torch.tensor([2, 0, 2]) if t == 8 else torch.tensor([2, 0])
             model.reorder_incremental_state(dynamic, order)
             model.reorder_incremental_state(static, order)
             x = x[order]
-        expected = model(x[:, :t + 1], incremental_state=dynamic)
+        expected = model(x[:, :t + 1], incremental_state=dynamic)[0]
         assert expected.shape == (x.size(0), 1, VOCAB)
         torch.testing.assert_close(static_step(model, x, t, static), expected, atol=ATOL, rtol=RTOL)
 
@@ -359,9 +359,9 @@ def test_the_static_step_decodes_new_text_into_the_same_buffers():
     # New text, fewer rows: what the first text left in the buffers is masked, then overwritten.
     model.decoder.set_incremental_length(state, 0)
     second = tokens(batch=2, length=10, seed=2)
-    steps = [model(second[:, :2], incremental_state=state)] + [static_step(model, second, t, state)
+    steps = [model(second[:, :2], incremental_state=state)[0]] + [static_step(model, second, t, state)
                                                                for t in range(2, 10)]
-    torch.testing.assert_close(torch.cat(steps, dim=1), model(second), atol=ATOL, rtol=RTOL)
+    torch.testing.assert_close(torch.cat(steps, dim=1), model(second)[0], atol=ATOL, rtol=RTOL)
     assert [(e["key_buffer"].data_ptr(), e["value_buffer"].data_ptr()) for e in entries] == pointers
     assert all(e["key_buffer"].shape == (4, 4, 16, 4) and e["length"] == 10 for e in entries)
 
@@ -373,6 +373,6 @@ def test_the_static_step_from_a_reserved_empty_cache_and_without_one():
     state = {}
     model.reserve_incremental_state(state, max_length=8, max_batch=3)
     steps = [static_step(model, x, t, state) for t in range(5)]  # the first call allocates the reserved cache
-    torch.testing.assert_close(torch.cat(steps, dim=1), model(x), atol=ATOL, rtol=RTOL)
+    torch.testing.assert_close(torch.cat(steps, dim=1), model(x)[0], atol=ATOL, rtol=RTOL)
     with pytest.raises(ValueError, match="a static decode step needs a cache: call reserve_incremental_state"):
         model.decoder.forward_static_step(x[:, :1], torch.tensor([0]), {})

@@ -60,9 +60,19 @@ def test_transformer_lm_base_keys_sinusoidal_postnorm_no_final_norm():
     assert model.decoder.output_projection.weight is not model.decoder.embed_tokens.weight
 
 
-def test_transformer_lm_other_embed_dim_keeps_512_input_output_and_adds_projections():
+def test_transformer_lm_input_and_output_dims_follow_the_embed_dim_unless_given():
     model = build("transformer_lm", decoder_layers=1, decoder_embed_dim=256, decoder_ffn_embed_dim=64,
                   decoder_attention_heads=4)
+    expected = {
+        "decoder.version": (1,),
+        "decoder.embed_tokens.weight": (100, 256),
+        "decoder.embed_positions._float_tensor": (1,),
+        "decoder.output_projection.weight": (100, 256),
+        **layer_shapes(0, 256, 64),
+    }
+    assert shapes(model) == expected
+    model = build("transformer_lm", decoder_layers=1, decoder_embed_dim=256, decoder_ffn_embed_dim=64,
+                  decoder_attention_heads=4, decoder_input_dim=512, decoder_output_dim=512)
     expected = {
         "decoder.version": (1,),
         "decoder.embed_tokens.weight": (100, 512),
@@ -73,6 +83,17 @@ def test_transformer_lm_other_embed_dim_keeps_512_input_output_and_adds_projecti
         **layer_shapes(0, 256, 64),
     }
     assert shapes(model) == expected
+
+
+def test_saved_config_with_explicit_dims_builds_the_same_shapes():
+    """A checkpoint config written before the dims followed the embed dim names them; they are kept."""
+    from fairseq.dataclass.utils import config_from_dict, config_to_dict
+
+    saved = config_to_dict(TransformerLanguageModelConfig(decoder_embed_dim=256, decoder_input_dim=512,
+                                                          decoder_output_dim=512))
+    cfg = config_from_dict(TransformerLanguageModelConfig, saved, name="transformer_lm")
+    assert (cfg.decoder_embed_dim, cfg.decoder_input_dim, cfg.decoder_output_dim) == (256, 512, 512)
+    assert saved["decoder_input_dim"] == 512
 
 
 def test_transformer_lm_big_is_prenorm_with_final_norm_and_derived_dims():
@@ -144,7 +165,8 @@ def test_bare_transformer_lm_preset_changes_nothing():
     registry.ARCH_CONFIG_REGISTRY["transformer_lm"](args)
     assert vars(args) == {"decoder_embed_dim": 256}
     cfg = preset_config("transformer_lm", decoder_embed_dim=256)
-    assert (cfg.decoder_input_dim, cfg.decoder_output_dim) == (512, 512)
+    assert (cfg.decoder_input_dim, cfg.decoder_output_dim) == (256, 256)  # the config's default: the embed dim
+    assert preset_config("transformer_lm", decoder_embed_dim=256, decoder_output_dim=64).decoder_input_dim == 256
     assert not cfg.decoder_normalize_before and not cfg.decoder_learned_pos
 
 
@@ -202,7 +224,7 @@ def test_parse_args_and_arch_applies_preset_under_the_command_line():
         "data", "--arch", "transformer_lm", "--decoder-embed-dim", "256", "--decoder-attention-heads", "4",
     ])
     cfg = options.convert_namespace_to_config(args).model
-    assert (cfg.decoder_embed_dim, cfg.decoder_input_dim, cfg.decoder_output_dim) == (256, 512, 512)
+    assert (cfg.decoder_embed_dim, cfg.decoder_input_dim, cfg.decoder_output_dim) == (256, 256, 256)
 
 
 # ----------------------------------------------------------------------------- sizes on the meta device
@@ -252,7 +274,7 @@ def test_causal_future_tokens_do_not_change_earlier_logits(arch):
     changed = tokens.clone()
     changed[:, 6] = (changed[:, 6] + 1 - 4) % (VOCAB - 4) + 4
     with torch.no_grad():
-        a, b = model(tokens), model(changed)
+        a, b = model(tokens)[0], model(changed)[0]
     assert a.shape == (2, 10, VOCAB)
     assert torch.equal(a[:, :6], b[:, :6])
     assert not torch.allclose(a[:, 6:], b[:, 6:])
@@ -264,7 +286,7 @@ def test_right_padding_does_not_change_real_token_logits():
     tokens = torch.randint(4, VOCAB, (1, 5))
     padded = torch.cat([tokens, torch.full((1, 3), PAD)], dim=1)
     with torch.no_grad():
-        torch.testing.assert_close(model(padded)[:, :5], model(tokens), rtol=0, atol=1e-5)
+        torch.testing.assert_close(model(padded)[0][:, :5], model(tokens)[0], rtol=0, atol=1e-5)
 
 
 def test_dropout_only_in_training():
@@ -273,9 +295,9 @@ def test_dropout_only_in_training():
     tokens = torch.randint(4, VOCAB, (2, 8))
     with torch.no_grad():
         model.eval()
-        assert torch.equal(model(tokens), model(tokens))
+        assert torch.equal(model(tokens)[0], model(tokens)[0])
         model.train()
-        assert not torch.equal(model(tokens), model(tokens))
+        assert not torch.equal(model(tokens)[0], model(tokens)[0])
 
 
 def test_embedding_is_scaled_by_sqrt_embed_dim_plus_positions():
@@ -308,20 +330,21 @@ def test_sinusoidal_model_runs_past_its_precomputed_table():
     model = build("transformer_lm", decoder_layers=1, decoder_embed_dim=64, decoder_input_dim=64,
                   decoder_output_dim=64, decoder_attention_heads=4, tokens_per_sample=8).eval()
     assert model.max_positions() == 8
-    assert model(torch.randint(4, VOCAB, (1, 12))).shape == (1, 12, VOCAB)
+    assert model(torch.randint(4, VOCAB, (1, 12)))[0].shape == (1, 12, VOCAB)
 
 
 def test_bf16_model_returns_bf16_logits():
     model = build("transformer_lm", decoder_layers=1, decoder_embed_dim=64, decoder_attention_heads=4).to(
         torch.bfloat16)
-    assert model(torch.randint(4, VOCAB, (1, 6))).dtype == torch.bfloat16
+    assert model(torch.randint(4, VOCAB, (1, 6)))[0].dtype == torch.bfloat16
 
 
 # ----------------------------------------------------------------------------- init and meta materialization
 
 
 def test_init_follows_upstream():
-    model = build("transformer_lm", decoder_layers=1, decoder_embed_dim=256, decoder_attention_heads=4)
+    model = build("transformer_lm", decoder_layers=1, decoder_embed_dim=256, decoder_attention_heads=4,
+                  decoder_input_dim=512, decoder_output_dim=512)
     dec = model.decoder
     assert torch.equal(dec.embed_tokens.weight[PAD], torch.zeros(512))
     assert abs(dec.embed_tokens.weight.std().item() - 512**-0.5) < 0.1 * 512**-0.5
@@ -381,7 +404,7 @@ def test_meta_build_then_to_empty_and_reset_matches_a_cpu_build(arch):
     (dict(decoder_layerdrop=0.1), "--decoder-layerdrop"),
     (dict(decoder_attention_heads=7), "not divisible by --decoder-attention-heads 7"),
     (dict(share_decoder_input_output_embed=True, decoder_output_dim=256, decoder_embed_dim=256,
-          decoder_attention_heads=4), "--decoder-input-dim == --decoder-output-dim"),
+          decoder_input_dim=512, decoder_attention_heads=4), "--decoder-input-dim == --decoder-output-dim"),
     (dict(dropout=1.5), "--dropout must be in"),
 ])
 def test_bad_configs_name_the_flag(overrides, message):
@@ -530,3 +553,29 @@ def test_reset_parameters_on_fsdp2_shards_zeroes_padding_rows_and_keeps_tying(tm
         assert record["tied"]
         assert record["token_pad_row"] == 0.0 and record["position_pad_row"] == 0.0
         assert record["token_other_row"] > 0.0
+
+
+# ----------------------------------------------------------------------------- upstream's forward output
+
+
+def test_forward_returns_upstreams_logits_and_extra():
+    """Upstream code does `model(x)[0]` for the logits: that must be every row's logits, not row 0."""
+    model = build("transformer_lm", decoder_layers=2, decoder_embed_dim=16, decoder_ffn_embed_dim=32,
+                  decoder_attention_heads=2).eval()
+    tokens = torch.randint(4, VOCAB, (3, 7))
+    with torch.no_grad():
+        logits, extra = model(tokens)
+        assert logits.shape == (3, 7, VOCAB) and model(tokens)[0].shape == (3, 7, VOCAB)
+        assert set(extra) == {"attn", "inner_states"} and extra["attn"] == [None]
+        features, feature_extra = model(tokens, features_only=True)
+        assert features.shape == (3, 7, 16) and set(feature_extra) == {"attn", "inner_states"}
+        torch.testing.assert_close(model.decoder.output_layer(features), logits, rtol=0, atol=0)
+        # the last layer's output before the final norm (post-norm transformer_lm: it is the features)
+        (last,) = extra["inner_states"]
+        torch.testing.assert_close(last, features, rtol=0, atol=0)
+        _, every = model(tokens, return_all_hiddens=True)
+        hidden = every["inner_states"]
+        assert len(hidden) == 3 and all(h.shape == (3, 7, 16) for h in hidden)  # embeddings + 2 layers
+        torch.testing.assert_close(hidden[0], model.decoder.embed(tokens), rtol=0, atol=0)
+        torch.testing.assert_close(hidden[-1], last, rtol=0, atol=0)
+        assert model.decoder(tokens)[0].shape == (3, 7, VOCAB)  # the decoder's own forward too

@@ -201,7 +201,7 @@ def test_training_flags_nval_combine_and_ema():
     with pytest.raises(ValueError, match="--ema-decay must lie in"):
         from fairseq.dataclass.validate import validate
 
-        cfg.dataset.max_tokens, cfg.ema.ema_decay = 64, 1.5
+        cfg.dataset.max_tokens, cfg.task.tokens_per_sample, cfg.ema.ema_decay = 64, 64, 1.5
         validate(cfg)
 
 
@@ -291,7 +291,8 @@ def test_checkpoint_wrapper_gives_the_same_outputs_and_gradients():
 
 def _fp16_cfg(*flags):
     args = options.parse_args_and_arch(options.get_training_parser(), [
-        "data-bin", "--arch", "transformer_lm", "--optimizer", "adam", "--lr", "0.1", "--max-tokens", "8", *flags])
+        "data-bin", "--arch", "transformer_lm", "--optimizer", "adam", "--lr", "0.1", "--max-tokens", "8",
+        "--tokens-per-sample", "8", *flags])
     return options.convert_namespace_to_config(args)
 
 
