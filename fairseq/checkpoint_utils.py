@@ -10,7 +10,7 @@ tensors and plain values; an upstream fairseq file pickles Python objects and is
 Models come back on the CPU, in fp32 and in eval mode. Loading is `fairseq.checkpoint.inference`; this module
 only keeps upstream's names and signatures.
 
-Upstream's training loop from Python (docs/upstream_api.md), over `fairseq.trainer.Trainer`:
+Upstream's training loop from Python (docs/upstream_api.md), over `fairseq.training.trainer.Trainer`:
 
     extra_state, epoch_itr = checkpoint_utils.load_checkpoint(cfg.checkpoint, trainer)
     ...  # train on epoch_itr with trainer.train_step

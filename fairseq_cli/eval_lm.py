@@ -23,7 +23,7 @@ from fairseq.data.lm_context_window_dataset import InCorpusOrder, with_context_w
 from fairseq.logging import progress_bar
 from fairseq.models.fairseq_model import model_config_line
 from fairseq.dataclass.validate import announce_compat_options, check_shard
-from fairseq.precision import compute_dtype
+from fairseq.training.precision import compute_dtype
 
 logger = logging.getLogger("fairseq_cli.eval_lm")
 

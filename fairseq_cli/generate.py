@@ -28,10 +28,10 @@ from fairseq.data.batching import resolve_limit
 from fairseq.data.block_positions import check_blocks_fit
 from fairseq.dataclass.generation import check_generation_config
 from fairseq.dataclass.validate import announce_compat_options, check_shard
-from fairseq.hub_utils import TextCodec, move_to
+from fairseq.generation.hub_utils import TextCodec, move_to
 from fairseq.logging import progress_bar
 from fairseq.models.fairseq_model import model_config_line
-from fairseq.precision import compute_dtype
+from fairseq.training.precision import compute_dtype
 from fairseq.utils import import_user_module, run_console_script
 
 logger = logging.getLogger("fairseq_cli.generate")

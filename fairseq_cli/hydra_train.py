@@ -347,7 +347,7 @@ def _hydra_task(composed: DictConfig) -> None:
 
 
 def _main(argv: Optional[List[str]]) -> None:
-    from fairseq.preemption import EXIT_REQUEUED, REQUEUE_FAILED, exit_requeue_failed
+    from fairseq.training.preemption import EXIT_REQUEUED, REQUEUE_FAILED, exit_requeue_failed
     from fairseq_cli.train import REQUEUED
 
     argv = sys.argv[1:] if argv is None else list(argv)

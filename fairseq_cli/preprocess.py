@@ -13,7 +13,9 @@ import sys
 from argparse import Namespace
 from typing import List, Optional
 
-from fairseq import binarizer, options
+from fairseq import options
+
+from fairseq.preprocessing import binarizer
 from fairseq.checkpoint.io import os_error_message
 from fairseq.data import Dictionary
 from fairseq.data.encoders._script_io import interrupted_exit, stopping_on_signals

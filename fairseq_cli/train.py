@@ -12,7 +12,7 @@ import torch
 from fairseq import options
 from fairseq import registry
 from fairseq.utils import import_user_module, run_console_script
-from fairseq.batch_iterators import trainer_iterator, valid_iterators
+from fairseq.training.batch_iterators import trainer_iterator, valid_iterators
 from fairseq.checkpoint.manager import CheckpointManager
 from fairseq.criterions import build_criterion
 from fairseq.data.data_utils import raise_if_valid_subsets_unintentionally_ignored
@@ -22,7 +22,7 @@ from fairseq.distributed.launch import call_main, process_group_timeout
 from fairseq.logging import metrics, progress_bar
 from fairseq.logging.profiler import nvtx_profiling
 from fairseq.models.fairseq_model import model_config_line
-from fairseq.preemption import (
+from fairseq.training.preemption import (
     EXIT_REQUEUED,
     REQUEUE_FAILED,
     Preempted,
@@ -30,7 +30,7 @@ from fairseq.preemption import (
     exit_requeue_failed,
     requeue_after_preemption,
 )
-from fairseq.trainer import Trainer
+from fairseq.training.trainer import Trainer
 from fairseq.logging.log_line import (
     log_train_interval,
     log_valid,
@@ -258,7 +258,7 @@ def validate_and_save(cfg, trainer, task, epoch_itr, checkpoints, end_of_epoch: 
 
 
 def validate(cfg, trainer, task, epoch_itr, checkpoints, preemption=None) -> List[Optional[float]]:
-    """The validation loss on each --valid-subset (fairseq.batch_iterators.valid_iterators: each must yield a
+    """The validation loss on each --valid-subset (fairseq.training.batch_iterators.valid_iterators: each must yield a
     batch). With `preemption`, a stop signal is honoured at every validation batch: checkpoint_last is saved
     and Preempted raised. Every rank has as many validation batches (the iterator pads shards), so all ranks
     pass the same boundaries.

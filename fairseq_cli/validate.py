@@ -24,7 +24,7 @@ from fairseq.distributed import utils as dist_utils
 from fairseq.distributed.launch import call_main
 from fairseq.logging import metrics, progress_bar
 from fairseq.logging.logging_outputs import LoggingOutputSums
-from fairseq.precision import compute_dtype
+from fairseq.training.precision import compute_dtype
 from fairseq.utils import import_user_module, run_console_script
 
 logger = logging.getLogger("fairseq_cli.validate")

@@ -28,7 +28,7 @@ from fairseq.checkpoint.io import atomic_torch_save  # noqa: E402
 from fairseq.data.dictionary import Dictionary  # noqa: E402
 from fairseq.dataclass.utils import config_to_dict  # noqa: E402
 from fairseq.models.transformer_lm import TransformerLanguageModel, preset_config  # noqa: E402
-from fairseq.sequence_generator import SequenceGenerator  # noqa: E402
+from fairseq.generation.sequence_generator import SequenceGenerator  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 

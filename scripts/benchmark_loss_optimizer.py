@@ -30,7 +30,7 @@ from fairseq.criterions.cross_entropy import (  # noqa: E402
     token_cross_entropy,
 )
 from fairseq.distributed.parallelize import clip_coefficient, scale_grads_, total_grad_norm  # noqa: E402
-from fairseq.train_step import step_with_grad_factor  # noqa: E402
+from fairseq.training.train_step import step_with_grad_factor  # noqa: E402
 
 DIM, LAYERS, VOCAB, TOKENS = 2560, 32, 50272, 16384
 
@@ -58,7 +58,7 @@ def decoder_parameters(device):
 def clip_rows(params):
     """Clipping to norm 1.0 and a fused AdamW step: the gradients multiplied by the clip coefficient first
     (torch's clip_grad_norm_, what the plain loop does), against the coefficient handed to the fused kernel
-    (fairseq.train_step)."""
+    (fairseq.training.train_step)."""
     fused = torch.optim.AdamW(params, lr=1e-4, fused=True)
 
     def multiplied_then_step():

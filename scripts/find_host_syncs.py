@@ -78,7 +78,7 @@ class SyncRecorder:
 
 def record_updates(recorder: SyncRecorder, start: int, end: int):
     """Wrap Trainer.train_step so that the recorder runs from before update `start` to after update `end`."""
-    from fairseq.trainer import Trainer
+    from fairseq.training.trainer import Trainer
 
     train_step = Trainer.train_step
 

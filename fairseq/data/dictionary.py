@@ -143,7 +143,7 @@ class Dictionary:
         """Upstream's: add the words of a text file to `dict` (one `</s>` per line), counted by
         `num_workers` processes; symbols are added in sorted order, as upstream adds each count."""
         if tokenize is tokenize_line:  # the fast counter of fairseq-preprocess (the same whitespace split)
-            from fairseq.binarizer import count_words
+            from fairseq.preprocessing.binarizer import count_words
 
             counter, lines = count_words(filename, num_workers)
         else:

@@ -62,7 +62,7 @@ def validate(cfg) -> None:
     from fairseq.tasks.language_modeling import check_token_budget
     from fairseq.distributed.mesh import check_layout_flags
     from fairseq.distributed.tensor_parallel_checks import check_tensor_parallel_config
-    from fairseq.float8 import check_float8_environment, check_float8_flags
+    from fairseq.distributed.float8 import check_float8_environment, check_float8_flags
 
     check_batch_size(cfg.dataset)
     check_token_budget(cfg)

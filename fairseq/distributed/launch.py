@@ -40,7 +40,7 @@ import torch.multiprocessing
 
 from fairseq.distributed.env import LaunchPlan, detect_launch
 from fairseq.distributed.mesh import ParallelLayout
-from fairseq.preemption import PREEMPTION_SIGNALS
+from fairseq.training.preemption import PREEMPTION_SIGNALS
 
 # Written by the first spawned rank: main_fn's return value (JSON), returned by call_main in the parent.
 RESULT_FILE = "main_result.txt"
@@ -348,7 +348,7 @@ def _run_spawned_process(index: int, cfg, main_fn: Callable, kwargs: dict, plan:
 # After the first failure the other processes get this long to end by themselves (a peer of a failed rank
 # normally fails within a second and leaves its own report); then they get SIGINT, and after as long again
 # SIGKILL. SIGINT rather than torch's SIGTERM: SIGTERM asks a training rank to save for preemption (see
-# fairseq.preemption), while SIGINT ends a spawned process quietly (torch's wrapper swallows the
+# fairseq.training.preemption), while SIGINT ends a spawned process quietly (torch's wrapper swallows the
 # KeyboardInterrupt, and no failure report is written for it).
 STOP_GRACE_S = 2.0
 # Only where a report cannot say which peers had ended (no /proc): the launcher notices a death a little

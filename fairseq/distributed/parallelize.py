@@ -1,7 +1,7 @@
 """Turn a freshly built model into the one that trains, in a fixed order:
 
 0. tensor parallelism over the mesh's tp dimension (--model-parallel-size, see tensor_parallel.py and
-   mesh.py), then float8 Linear layers (--fp8, see fairseq/float8.py),
+   mesh.py), then float8 Linear layers (--fp8, see fairseq/distributed/float8.py),
 1. activation checkpointing per decoder layer (--checkpoint-activations, --offload-activations),
 2. torch.compile per decoder layer (--compile),
 3. the data-parallel engine: FSDP2 (--ddp-backend fully_sharded, see fsdp.py) over the mesh's data-parallel
@@ -80,7 +80,7 @@ def parallelize_model(model: nn.Module, cfg, device: torch.device, world_mesh: O
         apply_tensor_parallel(model, mesh.tp_mesh, loss_parallel=uses_loss_parallel(cfg))
 
     if getattr(cfg.common, "fp8", False):  # torchao's order: swap the Linears before compile and sharding
-        from fairseq.float8 import apply_float8
+        from fairseq.distributed.float8 import apply_float8
 
         apply_float8(model, cfg)
     model_cfg = cfg.model

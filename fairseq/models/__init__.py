@@ -2,9 +2,9 @@
 (build one with `task.build_model(cfg.model)`, which looks up `--arch`)."""
 
 # Upstream's names, for plug-ins (--user-dir) that import them from here.
-from fairseq.models.fairseq_decoder import FairseqDecoder  # noqa: E402,F401
+from fairseq.modules.fairseq_decoder import FairseqDecoder  # noqa: E402,F401
 from fairseq.models.fairseq_encoder import FairseqEncoder  # noqa: E402,F401
-from fairseq.models.fairseq_incremental_decoder import FairseqIncrementalDecoder  # noqa: E402,F401
+from fairseq.modules.fairseq_incremental_decoder import FairseqIncrementalDecoder  # noqa: E402,F401
 from fairseq.models.fairseq_model import (  # noqa: E402,F401
     BaseFairseqModel,
     FairseqEncoderDecoderModel,

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fairseq.models.fairseq_decoder import FairseqDecoder
+from fairseq.modules.fairseq_decoder import FairseqDecoder
 from fairseq.models.fairseq_encoder import FairseqEncoder
 
 
@@ -83,9 +83,9 @@ class BaseFairseqModel(nn.Module):
     @classmethod
     def from_pretrained(cls, model_name_or_path: str, checkpoint_file: str = "model.pt",
                         data_name_or_path: str = ".", **kwargs):
-        """Upstream's hub entry point for a local directory: a fairseq.hub_utils.GeneratorHubInterface
+        """Upstream's hub entry point for a local directory: a fairseq.generation.hub_utils.GeneratorHubInterface
         (encode / decode / sample / score / generate) over the checkpoint(s); see hub_utils.from_pretrained."""
-        from fairseq import hub_utils
+        from fairseq.generation import hub_utils
 
         loaded = hub_utils.from_pretrained(model_name_or_path, checkpoint_file, data_name_or_path, **kwargs)
         return hub_utils.GeneratorHubInterface(loaded["args"], loaded["task"], loaded["models"])

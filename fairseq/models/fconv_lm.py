@@ -43,8 +43,8 @@ from fairseq import registry
 from fairseq.dataclass.build import model_config
 from fairseq.dataclass.configs import II, opt
 from fairseq.dataclass.utils import flag_name
-from fairseq.incremental_decoding_utils import IncrementalState
-from fairseq.models.fairseq_incremental_decoder import FairseqIncrementalDecoder
+from fairseq.modules.incremental_decoding_utils import IncrementalState
+from fairseq.modules.fairseq_incremental_decoder import FairseqIncrementalDecoder
 from fairseq.models.fairseq_model import FairseqLanguageModel
 from fairseq.modules.adaptive_input import parse_cutoffs
 from fairseq.modules.adaptive_softmax import AdaptiveSoftmax

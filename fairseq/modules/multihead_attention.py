@@ -7,7 +7,7 @@ projections with bias), so upstream state dicts load unchanged. No mask is mater
 With an `incremental_state` the module caches keys and values across calls (see `_cache_entry` for the
 layout): each call computes only its new tokens and attends over everything cached so far. With a
 `StaticStep` as well (one token per row, the static decode step that CUDA graphs capture, see
-fairseq.cuda_graph_decoding) the shapes do not depend on how much is cached: the new key/value go to the slot
+fairseq.generation.cuda_graph_decoding) the shapes do not depend on how much is cached: the new key/value go to the slot
 held in a device tensor and the token attends over the whole capacity, the slots after it masked.
 """
 
@@ -18,7 +18,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from fairseq.incremental_decoding_utils import FairseqIncrementalState, IncrementalState
+from fairseq.modules.incremental_decoding_utils import FairseqIncrementalState, IncrementalState
 
 _CACHE_KEY = "attn_state"
 

@@ -15,11 +15,11 @@ same dict every call, `tokens` [B, T] the whole sequence so far. Only `tokens[:,
 modules), per layer, the attention's key/value buffers (see MultiheadAttention._cache_entry). The caller says
 the longest length with `reserve_incremental_state` so the buffers are allocated once; beams are reordered
 with `reorder_incremental_state`. All rows share one length: a batch must not be left-padded (upstream's
-generator forces prompts token by token instead, see fairseq.sequence_generator).
+generator forces prompts token by token instead, see fairseq.generation.sequence_generator).
 
 The static one-token step, `forward_static_step(tokens, slot, state)`, computes the same logits with shapes
 that do not depend on the cached length and no host sync, so that a CUDA graph can capture it once and replay
-it every step (fairseq.cuda_graph_decoding): the position is a device tensor, the new keys/values go to that
+it every step (fairseq.generation.cuda_graph_decoding): the position is a device tensor, the new keys/values go to that
 slot of the reserved cache and attention runs over the whole capacity, masked after the slot.
 """
 
@@ -31,8 +31,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from fairseq.incremental_decoding_utils import IncrementalState
-from fairseq.models.fairseq_incremental_decoder import FairseqIncrementalDecoder
+from fairseq.modules.incremental_decoding_utils import IncrementalState
+from fairseq.modules.fairseq_incremental_decoder import FairseqIncrementalDecoder
 from fairseq.modules.adaptive_input import AdaptiveInput, parse_cutoffs
 from fairseq.modules.adaptive_softmax import AdaptiveSoftmax
 from fairseq.modules.multihead_attention import MultiheadAttention, StaticStep

@@ -12,7 +12,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from fairseq.incremental_decoding_utils import IncrementalState
+from fairseq.modules.incremental_decoding_utils import IncrementalState
 from fairseq.modules.activations import get_activation_fn
 from fairseq.modules.multihead_attention import MultiheadAttention, StaticStep
 

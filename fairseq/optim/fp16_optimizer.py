@@ -2,9 +2,9 @@
 
 Upstream keeps fp16 weights with an fp32 master copy (`FP16Optimizer`) or updates fp16 weights in place
 (`MemoryEfficientFP16Optimizer`). This fork keeps the weights in fp32 and runs forward and backward under
-autocast (fairseq.precision), so the fp32 parameters are the master copy and the two differ in nothing. Both
+autocast (fairseq.training.precision), so the fp32 parameters are the master copy and the two differ in nothing. Both
 classes here wrap the torch optimizer over those fp32 parameters and do what the trainer's fp16 update
-(fairseq.train_step) does, in upstream's calls: the loss is multiplied by the dynamic loss scale
+(fairseq.training.train_step) does, in upstream's calls: the loss is multiplied by the dynamic loss scale
 (`DynamicLossScaler`, upstream's rules), gradients are unscaled once and clipped to the global norm the trainer
 uses, and an inf/nan norm lowers the scale and raises OverflowError (upstream's signal to skip the update). fp16
 parameters are refused: autocast wants fp32 weights.
@@ -23,7 +23,7 @@ from typing import Callable, Optional
 
 import torch
 
-from fairseq.precision import DynamicLossScaler
+from fairseq.training.precision import DynamicLossScaler
 
 __all__ = ["DynamicLossScaler", "FP16Optimizer", "MemoryEfficientFP16Optimizer"]
 

@@ -215,15 +215,15 @@ class FairseqTask:
         beam, max_len_a, max_len_b, min_len, unnormalized, lenpen, unkpen, temperature, match_source_len,
         no_repeat_ngram_size, sampling, sampling_topk, sampling_topp, retain_dropout; and this fork's
         no_cuda_graphs."""
-        from fairseq import search
-        from fairseq.sequence_generator import SequenceGenerator
+        from fairseq.generation import search
+        from fairseq.generation.sequence_generator import SequenceGenerator
 
         def get(name, default):
             value = getattr(args, name, default)
             return default if value is None else value
 
         if get("score_reference", False):  # score the given text instead (upstream's choice, made here too)
-            from fairseq.sequence_scorer import SequenceScorer
+            from fairseq.generation.sequence_scorer import SequenceScorer
 
             return SequenceScorer(self.target_dictionary, compute_alignment=get("print_alignment", False))
         if prefix_allowed_tokens_fn is not None:

@@ -64,7 +64,7 @@ def check_token_budget(cfg) -> None:
     """--max-tokens (or --max-tokens-valid) below --tokens-per-sample with packed blocks: nearly every block is
     longer than a batch may be and would be skipped, so the run would train (or validate) on almost nothing.
     A pure contradiction of flags, refused before any data is read (eos mode, where only long lines are
-    skipped, is judged on the data: fairseq.batch_iterators)."""
+    skipped, is judged on the data: fairseq.training.batch_iterators)."""
     task, dataset = getattr(cfg, "task", None), cfg.dataset
     tokens_per_sample, mode = getattr(task, "tokens_per_sample", None), getattr(task, "sample_break_mode", None)
     if tokens_per_sample is None or mode not in PACKED_BREAK_MODES:

@@ -136,7 +136,7 @@ def _agreement_worker(rank, init_file, results):
 
     import torch.distributed as dist
 
-    from fairseq.preemption import PreemptionWatcher
+    from fairseq.training.preemption import PreemptionWatcher
 
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2,
                             timeout=datetime.timedelta(seconds=60))

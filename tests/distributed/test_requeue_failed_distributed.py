@@ -3,7 +3,7 @@ exits with EXIT_REQUEUE_FAILED (rank 0 decides and tells the others), and one er
 
 import pytest
 
-from fairseq.preemption import EXIT_REQUEUE_FAILED
+from fairseq.training.preemption import EXIT_REQUEUE_FAILED
 from test_preemption_distributed import preemption_args, signal_after_update, start_slurm_ranks  # noqa: F401
 from test_train_distributed import _free_port
 

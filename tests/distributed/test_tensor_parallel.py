@@ -74,7 +74,7 @@ def train_updates(data, *flags, updates=UPDATES):
     from fairseq import registry
     from fairseq.criterions import build_criterion
     from fairseq.data.iterators import GroupedIterator
-    from fairseq.trainer import Trainer
+    from fairseq.training.trainer import Trainer
     from fairseq_cli.train import build_model, trainer_iterator
 
     cfg = config(data, *flags)

@@ -7,11 +7,11 @@ import math
 import pytest
 import torch
 
-from fairseq import search
+from fairseq.generation import search
 from fairseq.data.dictionary import Dictionary
 from fairseq.models.transformer_lm import TransformerLanguageModel, TransformerLanguageModelConfig
 from fairseq.modules import MultiheadAttention
-from fairseq.sequence_generator import SequenceGenerator
+from fairseq.generation.sequence_generator import SequenceGenerator
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 

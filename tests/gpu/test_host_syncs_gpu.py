@@ -37,6 +37,6 @@ def test_fp16_overflow_check_is_found_once_per_update(tmp_path):
     report = proc.stdout[proc.stdout.index("updates 3:6:"):]
     places = report.split("\n\n")[1:]
     check = [p for p in places if "overflow = not bool(torch.isfinite(grad_norm))" in p]
-    assert len(check) == 1 and "fairseq/train_step.py" in check[0], report
+    assert len(check) == 1 and "fairseq/training/train_step.py" in check[0], report
     # once in each of updates 3 to 6, and once more for each of them an overflow skipped (it does not count)
     assert int(check[0].split(" x,")[0]) >= 4, report

@@ -63,7 +63,7 @@ def test_find_host_syncs_report_says_when_no_watched_update_ran():
     assert "none of them ran" in recorder.report("3:5")  # not "no synchronizing CUDA operation"
     recorder.watched_steps = 3
     assert recorder.report("3:5") == "updates 3:5: no synchronizing CUDA operation\n"
-    recorder.stacks["fairseq/train_step.py:70 in run_update: overflow = ..."] += 3
+    recorder.stacks["fairseq/training/train_step.py:70 in run_update: overflow = ..."] += 3
     assert recorder.report("3:5").splitlines()[:3] == [
         "updates 3:5: 3 synchronizing CUDA operation(s) at 1 place(s)", "", "3 x, innermost call last:"]
 

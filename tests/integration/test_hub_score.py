@@ -12,8 +12,8 @@ import torch
 import torch.nn.functional as F
 
 from fairseq.models.transformer_lm import TransformerLanguageModel
-from fairseq.sequence_generator import SequenceGenerator
-from fairseq.sequence_scorer import SequenceScorer
+from fairseq.generation.sequence_generator import SequenceGenerator
+from fairseq.generation.sequence_scorer import SequenceScorer
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: one intra-op thread
 

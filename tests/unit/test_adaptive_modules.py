@@ -13,7 +13,7 @@ from fairseq.criterions.adaptive_loss import AdaptiveLoss
 from fairseq.models.transformer_lm import TransformerLanguageModel, preset_config
 from fairseq.modules.adaptive_input import AdaptiveInput, parse_cutoffs
 from fairseq.modules.adaptive_softmax import AdaptiveSoftmax, TiedLinear
-from fairseq.sequence_generator import SequenceGenerator
+from fairseq.generation.sequence_generator import SequenceGenerator
 
 VOCAB, PAD, CUTOFFS = 64, 1, [20, 40]
 TOL = dict(rtol=1e-12, atol=1e-12)

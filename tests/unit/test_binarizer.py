@@ -4,8 +4,8 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from fairseq import binarizer
-from fairseq.binarizer import BinarizeSummary, binarize_file, build_dictionary, count_words, find_offsets
+from fairseq.preprocessing import binarizer
+from fairseq.preprocessing.binarizer import BinarizeSummary, binarize_file, build_dictionary, count_words, find_offsets
 from fairseq.data import Dictionary, MMapIndexedDataset
 
 # Line ends of every kind, empty lines, no final newline, Unicode whitespace (NBSP, \x1c), tabs, a literal

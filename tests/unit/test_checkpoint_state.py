@@ -10,7 +10,7 @@ from fairseq.checkpoint.manager import CheckpointManager, iterator_state_for_wor
 from fairseq.data.iterators import EpochBatchIterator
 from fairseq.dataclass.configs import FairseqConfig
 from fairseq.logging import metrics
-from fairseq.trainer import Trainer
+from fairseq.training.trainer import Trainer
 
 
 class FakeTrainer:

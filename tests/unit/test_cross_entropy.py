@@ -251,7 +251,7 @@ def test_criterion_compile_loss_gives_the_same_loss_and_gradients():
 
 def test_trainer_compiles_the_loss_only_with_compile():
     from fairseq import options, tasks
-    from fairseq.trainer import Trainer
+    from fairseq.training.trainer import Trainer
 
     def trainer(extra):
         argv = ["--task", "dummy_lm", "--tokens-per-sample", "8", "--arch", "transformer_lm", "--decoder-layers", "1",

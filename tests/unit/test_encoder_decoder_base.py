@@ -10,7 +10,7 @@ from fairseq.data import Dictionary, LanguagePairDataset
 from fairseq.data.language_pair_dataset import collate
 from fairseq.models import FairseqEncoder, FairseqEncoderDecoderModel, FairseqIncrementalDecoder
 from fairseq.models.fairseq_encoder import EncoderOut
-from fairseq.sequence_scorer import SequenceScorer
+from fairseq.generation.sequence_scorer import SequenceScorer
 
 PAD, EOS, BOS = 1, 2, 0
 T = torch.tensor

@@ -23,7 +23,7 @@ from fairseq.models.fconv_lm import (
     upgrade_state_dict,
 )
 from fairseq.modules.gated_convolution import GatedCausalConv, WeightNormLinear
-from fairseq.sequence_generator import SequenceGenerator
+from fairseq.generation.sequence_generator import SequenceGenerator
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -8,7 +8,7 @@ import torch
 
 from fairseq import options
 from fairseq.dataclass.validate import validate
-from fairseq.float8 import _convertible
+from fairseq.distributed.float8 import _convertible
 from fairseq.models.transformer_lm import TransformerLanguageModel, preset_config
 
 BASE = ["--task", "dummy_lm", "--arch", "transformer_lm_gpt2_tiny", "--optimizer", "adam", "--max-tokens", "64"]

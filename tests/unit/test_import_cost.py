@@ -40,7 +40,8 @@ sys.meta_path.insert(0, Recorder())
 import fairseq
 import fairseq_cli.train, fairseq_cli.eval_lm, fairseq_cli.validate, fairseq_cli.generate
 import fairseq_cli.interactive, fairseq_cli.preprocess
-from fairseq import checkpoint_utils, hub_utils, options
+from fairseq import checkpoint_utils, options
+from fairseq.generation import hub_utils
 for build in (options.get_training_parser, options.get_eval_lm_parser, options.get_validation_parser,
               options.get_generation_parser, options.get_interactive_generation_parser):
     build()

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
-from fairseq.incremental_decoding_utils import FairseqIncrementalState, with_incremental_state
+from fairseq.modules.incremental_decoding_utils import FairseqIncrementalState, with_incremental_state
 from fairseq.models import FairseqDecoder, FairseqIncrementalDecoder
 from fairseq.models.transformer_lm import TransformerLanguageModel, TransformerLanguageModelConfig
 from fairseq.modules import LearnedPositionalEmbedding, MultiheadAttention, SinusoidalPositionalEmbedding

@@ -1,4 +1,4 @@
-"""python -m fairseq.plan_memory and fairseq.memory_model: exact parameter counts from the real model on the
+"""python -m fairseq.planning.plan_memory and fairseq.planning.memory_model: exact parameter counts from the real model on the
 meta device, the per-GPU byte arithmetic on a hand-computed case, monotonicity, the searches, the CLI."""
 
 import dataclasses
@@ -9,8 +9,9 @@ import sys
 import pytest
 import torch
 
-from fairseq import memory_model as mm
-from fairseq import plan_memory, registry
+from fairseq.planning import memory_model as mm
+from fairseq import registry
+from fairseq.planning import plan_memory
 from fairseq.models.transformer_lm import TransformerLanguageModel, preset_config
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -292,7 +293,7 @@ def test_unknown_arch_lists_the_choices(capsys):
 
 def test_module_runs_as_a_script():
     result = subprocess.run(
-        [sys.executable, "-m", "fairseq.plan_memory", "--arch", "transformer_lm_gpt3_175", "--gpus", "2",
+        [sys.executable, "-m", "fairseq.planning.plan_memory", "--arch", "transformer_lm_gpt3_175", "--gpus", "2",
          "--gpu", "h200", "--bf16", "--checkpoint-activations", "--fsdp-sync-free", "--max-layers-that-fit"],
         cwd=REPO, capture_output=True, text=True, timeout=120,
     )

@@ -5,8 +5,8 @@ import dataclasses
 
 import pytest
 
-from fairseq import memory_model as mm
-from fairseq import plan_memory
+from fairseq.planning import memory_model as mm
+from fairseq.planning import plan_memory
 from fairseq.models.transformer_lm import preset_config
 
 GIB = 1024**3

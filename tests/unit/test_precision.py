@@ -1,4 +1,4 @@
-"""fairseq.precision: upstream's dynamic loss scaler, compute dtypes, autocast and the fp16 scale window."""
+"""fairseq.training.precision: upstream's dynamic loss scaler, compute dtypes, autocast and the fp16 scale window."""
 
 import io
 import random
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from fairseq.dataclass.configs import CommonConfig
-from fairseq.precision import DynamicLossScaler, Precision, compute_dtype
+from fairseq.training.precision import DynamicLossScaler, Precision, compute_dtype
 
 CUDA = torch.device("cuda")  # only its type is read when building Precision; no CUDA call is made
 CPU = torch.device("cpu")

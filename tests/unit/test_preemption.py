@@ -1,4 +1,4 @@
-"""fairseq.preemption in one process: signal handling and `scontrol requeue` (2 ranks: tests/distributed)."""
+"""fairseq.training.preemption in one process: signal handling and `scontrol requeue` (2 ranks: tests/distributed)."""
 
 import logging
 import os
@@ -7,7 +7,7 @@ import stat
 
 import pytest
 
-from fairseq.preemption import EXIT_REQUEUED, PreemptionWatcher, requeue_slurm_job
+from fairseq.training.preemption import EXIT_REQUEUED, PreemptionWatcher, requeue_slurm_job
 
 
 @pytest.fixture
@@ -25,7 +25,7 @@ def test_no_signal_no_stop(watcher):
 
 @pytest.mark.parametrize("sig", [signal.SIGUSR1, signal.SIGTERM])
 def test_signal_stops(watcher, sig, caplog):
-    with caplog.at_level(logging.WARNING, logger="fairseq.preemption"):
+    with caplog.at_level(logging.WARNING, logger="fairseq.training.preemption"):
         os.kill(os.getpid(), sig)
     assert watcher.received == sig
     assert watcher.should_stop() is True
@@ -84,7 +84,7 @@ def fake_scontrol(tmp_path, monkeypatch, exit_code=0):
 def test_requeue_calls_scontrol(tmp_path, monkeypatch, caplog):
     record = fake_scontrol(tmp_path, monkeypatch)
     monkeypatch.setenv("SLURM_JOB_ID", "424242")
-    with caplog.at_level(logging.INFO, logger="fairseq.preemption"):
+    with caplog.at_level(logging.INFO, logger="fairseq.training.preemption"):
         assert requeue_slurm_job() is True
     assert record.read_text() == "requeue 424242\n"
     assert "requeued SLURM job 424242" in caplog.text
@@ -100,7 +100,7 @@ def test_requeue_outside_slurm_does_nothing(tmp_path, monkeypatch):
 def test_requeue_failure_is_logged(tmp_path, monkeypatch, caplog):
     record = fake_scontrol(tmp_path, monkeypatch, exit_code=1)
     monkeypatch.setenv("SLURM_JOB_ID", "7")
-    with caplog.at_level(logging.ERROR, logger="fairseq.preemption"):
+    with caplog.at_level(logging.ERROR, logger="fairseq.training.preemption"):
         assert requeue_slurm_job() is False
     assert record.read_text() == "requeue 7\n"
     errors = [r for r in caplog.records if r.levelno == logging.ERROR]
@@ -112,13 +112,13 @@ def test_requeue_failure_is_logged(tmp_path, monkeypatch, caplog):
 def test_requeue_without_scontrol_is_logged(tmp_path, monkeypatch, caplog):
     monkeypatch.setenv("PATH", str(tmp_path))  # no scontrol anywhere
     monkeypatch.setenv("SLURM_JOB_ID", "9")
-    with caplog.at_level(logging.ERROR, logger="fairseq.preemption"):
+    with caplog.at_level(logging.ERROR, logger="fairseq.training.preemption"):
         assert requeue_slurm_job() is False
     assert "scontrol requeue 9 failed" in caplog.text
 
 
 def test_requeue_after_preemption_fails_only_when_slurm_refuses(tmp_path, monkeypatch):
-    from fairseq.preemption import requeue_after_preemption
+    from fairseq.training.preemption import requeue_after_preemption
 
     monkeypatch.delenv("SLURM_JOB_ID", raising=False)
     assert requeue_after_preemption() is True  # nothing to requeue: the user restarts the command
@@ -128,7 +128,7 @@ def test_requeue_after_preemption_fails_only_when_slurm_refuses(tmp_path, monkey
 
 
 def test_exit_code_for_failed_requeue_is_distinct():
-    from fairseq.preemption import EXIT_REQUEUE_FAILED
+    from fairseq.training.preemption import EXIT_REQUEUE_FAILED
 
     assert EXIT_REQUEUE_FAILED not in (0, 1, 2, EXIT_REQUEUED)  # 1: errors, 2: argparse's usage errors
 

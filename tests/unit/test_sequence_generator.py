@@ -9,13 +9,15 @@ import pytest
 import torch
 import torch.nn as nn
 
-from fairseq import options, search
-from fairseq.cuda_graph_decoding import GraphedDecodeStep, round_up_sentences
+from fairseq import options
+
+from fairseq.generation import search
+from fairseq.generation.cuda_graph_decoding import GraphedDecodeStep, round_up_sentences
 from fairseq.data.dictionary import Dictionary
 from fairseq.models import BaseFairseqModel, FairseqDecoder, FairseqIncrementalDecoder
 from fairseq.models.transformer_lm import TransformerLanguageModel, TransformerLanguageModelConfig
 from fairseq.modules import MultiheadAttention
-from fairseq.sequence_generator import SequenceGenerator
+from fairseq.generation.sequence_generator import SequenceGenerator
 from fairseq.tasks.language_modeling import LanguageModelingConfig, LanguageModelingTask
 
 # Scores are sums of fp32 log-probabilities from two computations of the same function (cached one token at a

@@ -1,4 +1,4 @@
-"""fairseq.train_step.step_with_grad_factor: the update's gradient factor (fp16 unscaling times the clip
+"""fairseq.training.train_step.step_with_grad_factor: the update's gradient factor (fp16 unscaling times the clip
 coefficient) is handed to torch's fused optimizers as `grad_scale` (a divisor their kernel applies as it reads each
 gradient) and multiplied into the gradients first for every other optimizer; both give the update of the
 multiplied gradients."""
@@ -6,9 +6,9 @@ multiplied gradients."""
 import pytest
 import torch
 
-from fairseq import train_step
+from fairseq.training import train_step
 from fairseq.optim.adam import build_adamw
-from fairseq.train_step import step_with_grad_factor
+from fairseq.training.train_step import step_with_grad_factor
 
 # eps comparable to the gradients' size makes Adam's update depend on their scale (with a tiny eps the first
 # step is lr * sign(g) whatever the factor, and the test could not tell a wrong factor from a right one)
@@ -118,8 +118,8 @@ def test_loss_scaling_and_clipping_as_one_factor_give_the_unscaled_update(loss_s
     exact) and the same parameters to an fp32 rounding (the fused kernel divides by scale / clip coefficient)."""
     from fairseq.dataclass.configs import CommonConfig
     from fairseq.logging.logging_outputs import LoggingOutputSums
-    from fairseq.precision import DynamicLossScaler, Precision
-    from fairseq.train_step import run_update
+    from fairseq.training.precision import DynamicLossScaler, Precision
+    from fairseq.training.train_step import run_update
 
     def update(scaler):
         torch.manual_seed(0)

@@ -16,8 +16,8 @@ import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
-from fairseq import communication_model as cm
-from fairseq import memory_model as mm
+from fairseq.planning import communication_model as cm
+from fairseq.planning import memory_model as mm
 from fairseq.distributed.mesh import ParallelLayout
 from fairseq.distributed.tensor_parallel import apply_tensor_parallel, check_tensor_parallel_shape, split_dims
 from fairseq.models.transformer_lm import TransformerLanguageModel, preset_config
@@ -228,7 +228,7 @@ def test_recommended_layout_for_175b_on_1024_a100(gpt3_175):
 
 
 def test_planner_cli_prints_the_layout_and_its_traffic(capsys):
-    from fairseq import plan_memory
+    from fairseq.planning import plan_memory
 
     plan_memory.main(["--arch", "transformer_lm_gpt3_175", "--gpus", "1024", "--gpu", "a100-80gb", "--bf16",
                       "--checkpoint-activations", "--batch-size", "8", "--model-parallel-size", "8"])

@@ -258,7 +258,7 @@ def text_file(tmp_path):
 
 
 def test_find_offsets_and_chunker(tmp_path):
-    from fairseq.file_chunker_utils import Chunker, find_offsets
+    from fairseq.preprocessing.file_chunker_utils import Chunker, find_offsets
 
     path = tmp_path / "lines.txt"
     path.write_bytes(b"Hello, World\n" * 200)
@@ -277,7 +277,7 @@ def test_find_offsets_and_chunker(tmp_path):
 
 
 def test_vocabulary_binarizer_and_file_binarizer(tmp_path, text_file):
-    from fairseq.binarizer import BinarizeSummary, FileBinarizer, VocabularyDatasetBinarizer
+    from fairseq.preprocessing.binarizer import BinarizeSummary, FileBinarizer, VocabularyDatasetBinarizer
 
     path, lines = text_file
     vocab = Dictionary()

@@ -17,8 +17,8 @@ from fairseq import options, utils
 @pytest.mark.parametrize("module, names", [
     ("fairseq.file_io", ["PathManager"]),
     ("fairseq.tokenizer", ["tokenize_line"]),
-    ("fairseq.file_chunker_utils", ["Chunker", "find_offsets"]),
-    ("fairseq.binarizer", ["BinarizeSummary", "FileBinarizer", "VocabularyDatasetBinarizer", "Binarizer"]),
+    ("fairseq.preprocessing.file_chunker_utils", ["Chunker", "find_offsets"]),
+    ("fairseq.preprocessing.binarizer", ["BinarizeSummary", "FileBinarizer", "VocabularyDatasetBinarizer", "Binarizer"]),
     ("fairseq.data", ["Dictionary", "FairseqDataset", "BaseWrapperDataset", "ListDataset", "TokenBlockDataset",
                       "MonolingualDataset", "ConcatDataset", "ResamplingDataset", "TruncatedDictionary",
                       "data_utils", "iterators"]),

@@ -25,7 +25,7 @@ from typing import NoReturn, Optional
 import torch
 import torch.distributed as dist
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("fairseq.training.preemption")  # its name before the move: log lines unchanged
 
 PREEMPTION_SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
 EXIT_REQUEUED = 3  # "stopped for preemption, checkpoint saved, job requeued (or ready to be restarted)"

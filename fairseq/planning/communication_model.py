@@ -1,4 +1,4 @@
-"""Communication per GPU per training step, and layouts ranked by it (`python -m fairseq.plan_memory
+"""Communication per GPU per training step, and layouts ranked by it (`python -m fairseq.planning.plan_memory
 --recommend-layout`; docs/parallelism.md explains the numbers and what was not measured).
 
 Byte counts are those of the ring algorithms NCCL uses for large messages: an all-gather or a reduce-scatter
@@ -17,7 +17,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Iterator, List, Optional
 
-from fairseq import memory_model as mm
+from fairseq.planning import memory_model as mm
 
 # Per-GPU bandwidths (GB/s, 1e9 bytes) the estimates assume; not measured here (no multi-node machine).
 # NVLink inside a node: NCCL reaches about 230 GB/s bus bandwidth on 8 x A100 NVLink 3 for large all-reduces;

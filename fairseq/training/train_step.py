@@ -19,10 +19,10 @@ from fairseq.distributed.parallelize import (
     total_grad_norm,
 )
 from fairseq.distributed.utils import get_data_parallel_group
-from fairseq.precision import Precision
+from fairseq.training.precision import Precision
 from fairseq.logging.logging_outputs import LoggingOutputSums
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("fairseq.training.train_step")  # its name before the move: log lines unchanged
 
 
 def _global_sample_size(samples, sentence_avg: bool, device) -> torch.Tensor:

@@ -1,6 +1,6 @@
 """Per-GPU memory of training a transformer_lm, walked through one training step (see docs/memory_planner.md).
 
-The arithmetic behind `python -m fairseq.plan_memory`, free of any command line. The model's shapes come from
+The arithmetic behind `python -m fairseq.planning.plan_memory`, free of any command line. The model's shapes come from
 the real model code built on the meta device (`model_shape`), so parameter counts are exact; everything else
 is a model of what this fork allocates, in bytes, at the moments of a training step where memory can peak:
 

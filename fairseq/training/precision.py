@@ -13,7 +13,7 @@ from typing import Optional
 
 import torch
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("fairseq.training.precision")  # its name before the move: log lines unchanged
 
 
 def compute_dtype(common_cfg) -> torch.dtype:

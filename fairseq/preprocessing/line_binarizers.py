@@ -1,7 +1,7 @@
-"""Upstream's binarizer classes (`fairseq.binarizer.FileBinarizer`, `VocabularyDatasetBinarizer`, ...), for
+"""Upstream's binarizer classes (`fairseq.preprocessing.binarizer.FileBinarizer`, `VocabularyDatasetBinarizer`, ...), for
 scripts that binarize text through them. A `Binarizer` turns one line into a tensor of ids;
 `FileBinarizer.multiprocess_dataset` runs one over a file's byte ranges in worker processes and writes an
-MMIDIDX dataset, with fairseq-preprocess's own machinery (`fairseq.binarizer`: the same offsets, the same
+MMIDIDX dataset, with fairseq-preprocess's own machinery (`fairseq.preprocessing.binarizer`: the same offsets, the same
 atomic `.bin`/`.idx` writing). fairseq-preprocess itself uses the faster block encoder there.
 """
 
@@ -10,12 +10,12 @@ from typing import Callable, List, Optional, Tuple
 
 import torch
 
-from fairseq.binarizer import BinarizeSummary, find_offsets
-from fairseq.binarizer_jobs import run_jobs_atomically
+from fairseq.preprocessing.binarizer import BinarizeSummary, find_offsets
+from fairseq.preprocessing.binarizer_jobs import run_jobs_atomically
 from fairseq.data.dictionary import tokenize_line
 from fairseq.data.indexed_dataset import (MMapIndexedDatasetBuilder, best_fitting_dtype, check_dataset_impl,
                                          data_file_path)
-from fairseq.file_chunker_utils import Chunker
+from fairseq.preprocessing.file_chunker_utils import Chunker
 
 
 class Binarizer(ABC):

@@ -1,4 +1,4 @@
-"""One-token decode steps replayed from CUDA graphs (used by fairseq.sequence_generator on CUDA).
+"""One-token decode steps replayed from CUDA graphs (used by fairseq.generation.sequence_generator on CUDA).
 
 A decoder step of a 24-layer model is ~200 small kernels launched from Python: at batch 1, and even at batch
 32, the host is slower than the GPU. `TransformerDecoder.forward_static_step` computes a step with shapes that

@@ -1,0 +1,319 @@
+"""The hub interface: a trained model as an object that encodes, generates, scores and decodes text.
+
+    from fairseq.models.transformer_lm import TransformerLanguageModel
+    lm = TransformerLanguageModel.from_pretrained("checkpoints", "checkpoint_best.pt", data_name_or_path="data-bin",
+                                                  bpe="gpt2", gpt2_encoder_json="gpt2_bpe/encoder.json",
+                                                  gpt2_vocab_bpe="gpt2_bpe/vocab.bpe")
+    lm.sample("Barack Obama", beam=1, sampling=True, sampling_topk=10, temperature=0.8)
+    lm.score("Barack Obama is coming to Sydney")["positional_scores"]   # log p of each token (natural log)
+
+Upstream's `GeneratorHubInterface` and `from_pretrained`, for local directories only: nothing is downloaded.
+Text goes tokenizer -> BPE -> dictionary ids (`encode`) and back (`decode`); generation uses the task's
+`build_generator` / `build_dataset_for_inference` / `inference_step`, as fairseq-interactive does.
+"""
+
+import copy
+import logging
+import os
+from collections import OrderedDict
+from typing import Any, Dict, Iterator, List, Optional
+
+import torch
+from torch import nn
+
+from fairseq.data import encoders
+from fairseq.data.batching import resolve_limit
+from fairseq.dataclass.generation import check_sampling_range, check_unsupported_options
+
+logger = logging.getLogger("fairseq.generation.hub_utils")  # its name before the move: log lines unchanged
+
+# Encoder files found in a model directory -> the --bpe option that names them (applied when the chosen scheme
+# has that option and it is not given; a checkpoint's carried file is used from there when the bytes are the
+# same). Upstream's sentencepiece name, and GPT-2's two files (upstream fetches those from a URL).
+MODEL_DIR_FILES = {
+    "sentencepiece.bpe.model": "sentencepiece_model",
+    "encoder.json": "gpt2_encoder_json",
+    "vocab.bpe": "gpt2_vocab_bpe",
+}
+
+
+def from_pretrained(model_name_or_path: str, checkpoint_file: str = "model.pt", data_name_or_path: str = ".",
+                    archive_map: Optional[Dict[str, Any]] = None, **kwargs) -> Dict[str, Any]:
+    """{"args": cfg, "task": task, "models": [model, ...]} for the checkpoint(s) `checkpoint_file`
+    (':'-separated for an ensemble) in directory `model_name_or_path`.
+
+    `data_name_or_path` is the directory of the dictionary (dict.txt): relative to the model directory when
+    it starts with "." (upstream's convention), else a path of its own. Other keyword arguments override the
+    checkpoint's options as `arg_overrides` (`bpe="gpt2"`, `gpt2_encoder_json=...`, `tokenizer="space"`,
+    `max_tokens=...`); `trust_legacy_checkpoint=True` reads an upstream fairseq file, which unpickles code."""
+    from fairseq import checkpoint_utils
+
+    if archive_map is not None:
+        model_name_or_path = archive_map.get(model_name_or_path, model_name_or_path)
+        if data_name_or_path is not None:
+            data_name_or_path = archive_map.get(data_name_or_path, data_name_or_path)
+        if isinstance(model_name_or_path, dict):  # upstream: an entry may also set default overrides
+            for key, value in model_name_or_path.items():
+                if key == "checkpoint_file":
+                    checkpoint_file = value
+                elif key != "path":
+                    kwargs.setdefault(key, value)
+            model_name_or_path = model_name_or_path["path"]
+    model_path = _local_directory(model_name_or_path, "model_name_or_path", checkpoint_file)
+    if data_name_or_path.startswith("."):
+        kwargs["data"] = os.path.abspath(os.path.join(model_path, data_name_or_path))
+    else:
+        kwargs["data"] = _local_directory(data_name_or_path, "data_name_or_path", "dict.txt")
+    trust_legacy = bool(kwargs.pop("trust_legacy_checkpoint", False))
+    if kwargs.get("user_dir"):
+        from fairseq.utils import import_user_module
+
+        import_user_module(kwargs["user_dir"])
+
+    paths = [os.path.join(model_path, name) for name in checkpoint_file.split(os.pathsep)]
+    state = checkpoint_utils.load_checkpoint_to_cpu(paths[0], trust_legacy_checkpoint=trust_legacy)
+    kwargs.update(_bpe_files(state, kwargs, model_path, paths[0]))
+    models, cfg, task = checkpoint_utils.load_model_ensemble_and_task(
+        paths, arg_overrides=kwargs, state=state if len(paths) == 1 else None,
+        trust_legacy_checkpoint=trust_legacy)
+    return {"args": cfg, "task": task, "models": models}
+
+
+def _bpe_files(state, kwargs: Dict[str, Any], model_path: str, checkpoint: str) -> Dict[str, str]:
+    """The --bpe file options from_pretrained passes on: the caller's keyword arguments, with files found in the
+    model directory for those not given; without either, the checkpoint's --bpe and the files it carries
+    (fairseq.checkpoint.vocabulary.resolve_bpe). Every file named exists, else a one-line error."""
+    from fairseq.checkpoint.vocabulary import BPE_FILES, carried, resolve_bpe
+
+    saved = state["cfg"].get("bpe") or {}
+    name = kwargs.get("bpe", saved.get("_name"))
+    options = BPE_FILES.get(name, ())
+    found = {option: os.path.join(model_path, filename) for filename, option in MODEL_DIR_FILES.items()
+             if option in options and os.path.isfile(os.path.join(model_path, filename))}
+    if any(option in kwargs for option in options) or name != saved.get("_name"):  # the caller's choice
+        given = {"_name": name, **(saved if name == saved.get("_name") else {}), **found,
+                 **{option: kwargs[option] for option in options if option in kwargs}}
+        chosen = resolve_bpe(given, None, None, checkpoint, keywords=True)
+    else:
+        chosen = resolve_bpe(None, dict(saved, **found) if saved else None, carried(state), checkpoint,
+                             keywords=True, also_look_in=found.values())
+    return {option: chosen[option] for option in options if chosen and chosen.get(option)}
+
+
+def _local_directory(path: str, argument: str, expected: str) -> str:
+    if os.path.isdir(path):
+        return path
+    if os.path.isfile(path) and path.endswith((".tar.gz", ".tgz", ".tar", ".zip")):
+        raise ValueError(f"from_pretrained: {argument}={path!r} is an archive; extract it and pass the directory "
+                         f"that holds {expected}")
+    raise ValueError(f"from_pretrained: {argument}={path!r} is not a local directory; this fairseq loads models "
+                     f"from disk only (no downloads): pass the directory that holds {expected}")
+
+
+def check_prompt_lengths(lengths: List[int], max_positions: Optional[int], skip_hint: str, first_id: int = 0) -> None:
+    """ValueError for the first prompt longer than the model's positions. `lengths` count the prompt's
+    tokens plus the </s> (or <s>) that generation starts from."""
+    if max_positions is None:
+        return
+    for i, n in enumerate(lengths):
+        if n > max_positions:
+            raise ValueError(
+                f"prompt {first_id + i} is {n} tokens long (with the </s> it starts from), more than the model's "
+                f"{max_positions} positions (the --tokens-per-sample / --max-target-positions it was trained "
+                f"with); shorten the prompt, or {skip_hint}")
+
+
+class TextCodec:
+    """Text <-> the dictionary's symbols: --tokenizer, then --bpe (and back in the reverse order), as upstream's
+    commands and hub interface apply them. `tokenizer_cfg`/`bpe_cfg`: anything build_tokenizer/build_bpe take."""
+
+    def __init__(self, tokenizer_cfg=None, bpe_cfg=None):
+        self.tokenizer = encoders.build_tokenizer(tokenizer_cfg)
+        self.bpe = encoders.build_bpe(bpe_cfg)
+
+    def encode(self, text: str) -> str:
+        if self.tokenizer is not None:
+            text = self.tokenizer.encode(text)
+        return self.bpe.encode(text) if self.bpe is not None else text
+
+    def decode(self, text: str) -> str:
+        if self.bpe is not None:
+            text = self.bpe.decode(text)
+        return self.tokenizer.decode(text) if self.tokenizer is not None else text
+
+
+class GeneratorHubInterface(nn.Module):
+    """Upstream's interface for generating from (and scoring with) a language model or an ensemble.
+
+    An nn.Module, so `.cuda()`, `.half()`, `.to(torch.bfloat16)` move and cast every model; `device` is where
+    they are. Models are in eval mode (dropout off, unless cfg.generation.retain_dropout) for every call.
+
+    The generator of a set of generation options is built once and kept (`generator_for`): later calls with
+    the same options reuse it, with its KV caches and, on CUDA, its captured decode steps. The last
+    `max_cached_generators` are kept; moving or casting the interface drops them all."""
+
+    max_cached_generators = 4
+
+    def __init__(self, cfg, task, models):
+        super().__init__()
+        self.cfg = cfg
+        self.task = task
+        self.models = nn.ModuleList(models)
+        self.src_dict = task.source_dictionary
+        self.tgt_dict = task.target_dictionary
+        self.retain_dropout = bool(getattr(getattr(cfg, "generation", None), "retain_dropout", False))
+        self._set_model_modes()
+        # generation options -> the generator built for them, most recently used last (see generator_for)
+        self._generators: "OrderedDict[tuple, Any]" = OrderedDict()
+        self.codec = TextCodec(getattr(cfg, "tokenizer", None), getattr(cfg, "bpe", None))
+        self.tokenizer, self.bpe = self.codec.tokenizer, self.codec.bpe  # upstream's attributes
+        self.max_positions = resolve_limit(task.max_positions(), *[m.max_positions() for m in models])
+        # tells the device (and dtype) the models are on
+        self.register_buffer("_float_tensor", torch.tensor([0], dtype=torch.float))
+
+    @property
+    def device(self) -> torch.device:
+        return self._float_tensor.device
+
+    def _apply(self, fn, *args, **kwargs):
+        # .to() / .cuda() / .half() ...: the kept generators' caches and graphs belong to the old tensors.
+        self._generators.clear()
+        return super()._apply(fn, *args, **kwargs)
+
+    def _set_model_modes(self) -> None:
+        for model in self.models:
+            model.train(self.retain_dropout)
+
+    # ---- text <-> ids -----------------------------------------------------------------------------
+    def encode(self, sentence: str) -> torch.LongTensor:
+        """Ids of `sentence` (tokenizer, then BPE, then the dictionary), ending with </s>, as upstream."""
+        return self.binarize(self.codec.encode(sentence))
+
+    def decode(self, tokens: torch.LongTensor) -> str:
+        return self.codec.decode(self.string(tokens))
+
+    def tokenize(self, sentence: str) -> str:
+        return self.tokenizer.encode(sentence) if self.tokenizer is not None else sentence
+
+    def detokenize(self, sentence: str) -> str:
+        return self.tokenizer.decode(sentence) if self.tokenizer is not None else sentence
+
+    def apply_bpe(self, sentence: str) -> str:
+        return self.bpe.encode(sentence) if self.bpe is not None else sentence
+
+    def remove_bpe(self, sentence: str) -> str:
+        return self.bpe.decode(sentence) if self.bpe is not None else sentence
+
+    def binarize(self, sentence: str) -> torch.LongTensor:
+        return self.src_dict.encode_line(sentence, add_if_not_exist=False).long()
+
+    def string(self, tokens: torch.LongTensor) -> str:
+        return self.tgt_dict.string(tokens)
+
+    # ---- generation -------------------------------------------------------------------------------
+    def translate(self, sentences: List[str], beam: int = 5, verbose: bool = False, **kwargs) -> List[str]:
+        return self.sample(sentences, beam, verbose, **kwargs)
+
+    def sample(self, sentences: List[str], beam: int = 1, verbose: bool = False, **kwargs) -> List[str]:
+        """The best hypothesis of each sentence as text: the prompt followed by its continuation."""
+        if isinstance(sentences, str):
+            return self.sample([sentences], beam=beam, verbose=verbose, **kwargs)[0]
+        tokenized = [self.encode(sentence) for sentence in sentences]
+        return [self.decode(hypos[0]["tokens"]) for hypos in self.generate(tokenized, beam, verbose, **kwargs)]
+
+    def score(self, sentences: List[str], replace_newline_with_eos: bool = False, **kwargs):
+        """Each sentence scored by the model in one full forward, as upstream: a hypothesis dict whose `tokens` are
+        the sentence's ids without its final </s>, `positional_scores` one natural-log probability per token of
+        `tokens` given </s> (<s> with --add-bos-token) and the tokens before it, `score` their mean (NaN for an
+        empty sentence). So "w1 w2 w3" has 3 scores: the final </s> is not scored, nor the start token. With
+        `replace_newline_with_eos` the lines of a sentence are joined by </s>, which is then scored where it
+        separates lines (</s> at the very start or end is dropped). docs/generation.md has the details."""
+        if isinstance(sentences, str):
+            return self.score([sentences], replace_newline_with_eos=replace_newline_with_eos, **kwargs)[0]
+
+        def encode(sentence):
+            if replace_newline_with_eos:
+                return torch.cat([self.encode(line) for line in sentence.splitlines()])
+            return self.encode(sentence)
+
+        tokenized = [encode(sentence) for sentence in sentences]
+        return [hypos[0] for hypos in self.generate(tokenized, score_reference=True, **kwargs)]
+
+    def generate(self, tokenized_sentences: List[torch.LongTensor], beam: int = 5, verbose: bool = False,
+                 skip_invalid_size_inputs: bool = False, inference_step_args: Optional[Dict[str, Any]] = None,
+                 prefix_allowed_tokens_fn=None, **kwargs) -> List[List[Dict[str, torch.Tensor]]]:
+        """Per input (ids from `encode`), its hypotheses, best first: dicts with "tokens" (the prompt and its
+        continuation), "score", "positional_scores" (natural log), "attention", "alignment". Keyword
+        arguments set generation options (upstream's names: sampling=True, sampling_topk=10, temperature=0.8,
+        max_len_b=50, lenpen=..., min_len=...). Inputs longer than the model's positions are an error, or
+        skipped (and missing from the result) with `skip_invalid_size_inputs`."""
+        if torch.is_tensor(tokenized_sentences) and tokenized_sentences.dim() == 1:
+            return self.generate(tokenized_sentences.unsqueeze(0), beam=beam, verbose=verbose,
+                                 skip_invalid_size_inputs=skip_invalid_size_inputs,
+                                 inference_step_args=inference_step_args,
+                                 prefix_allowed_tokens_fn=prefix_allowed_tokens_fn, **kwargs)[0]
+        generator = self.generator_for(beam, prefix_allowed_tokens_fn=prefix_allowed_tokens_fn, **kwargs)
+        results = []
+        for batch in self._build_batches(tokenized_sentences, skip_invalid_size_inputs):
+            batch = move_to(batch, self.device)
+            hypos = self.task.inference_step(generator, self.models, batch, **(inference_step_args or {}))
+            results.extend(zip(batch["id"].tolist(), hypos))
+        outputs = [hypos for _, hypos in sorted(results, key=lambda pair: pair[0])]
+        if verbose:
+            for source, hypotheses in zip(tokenized_sentences, outputs):
+                logger.info(f"S\t{self.string(source)}")
+                for hypo in hypotheses:
+                    logger.info(f"H\t{float(hypo['score'])}\t{self.decode(hypo['tokens'])}")
+                    logger.info("P\t" + " ".join(f"{x:.4f}" for x in hypo["positional_scores"].tolist()))
+        return outputs
+
+    def generator_for(self, beam: int = 5, prefix_allowed_tokens_fn=None, **kwargs):
+        """The generator `generate(..., beam=beam, **kwargs)` decodes with: `task.build_generator` of
+        cfg.generation with these options set (a SequenceScorer with score_reference=True, as score() asks).
+        Built on the first call with these options (all of them, so any option that changes the generator
+        gives another one) and `prefix_allowed_tokens_fn`, reused after."""
+        gen_args = copy.deepcopy(self.cfg.generation)
+        gen_args.beam = beam
+        for key, value in kwargs.items():
+            if not hasattr(gen_args, key):
+                raise ValueError(f"generate(): {key}={value!r} is no generation option (options: "
+                                 f"{', '.join(sorted(vars(gen_args)))})")
+            setattr(gen_args, key, value)
+        check_unsupported_options(gen_args)
+        check_sampling_range(gen_args, len(self.tgt_dict), keyword=True)
+        key = (repr(sorted(vars(gen_args).items())), prefix_allowed_tokens_fn)
+        generator = self._generators.pop(key, None)
+        if generator is None:
+            generator = self.task.build_generator(self.models, gen_args,
+                                                  prefix_allowed_tokens_fn=prefix_allowed_tokens_fn)
+        elif hasattr(getattr(generator, "model", None), "set_decoder_beam_size"):
+            # What building it told the (shared) decoders, which a generator of another beam may have changed.
+            generator.model.set_decoder_beam_size(generator.beam_size)
+        self._generators[key] = generator
+        while len(self._generators) > self.max_cached_generators:
+            self._generators.popitem(last=False)
+        self._set_model_modes()  # a SequenceGenerator puts its models in eval mode when built
+        return generator
+
+    def _build_batches(self, tokens: List[torch.Tensor], skip_invalid_size_inputs: bool) -> Iterator[Dict[str, Any]]:
+        lengths = [t.numel() for t in tokens]
+        if not skip_invalid_size_inputs:
+            check_prompt_lengths(lengths, self.max_positions, "pass skip_invalid_size_inputs=True to skip it")
+        max_tokens, batch_size = self.cfg.dataset.max_tokens, self.cfg.dataset.batch_size
+        return self.task.get_batch_iterator(
+            dataset=self.task.build_dataset_for_inference(tokens, lengths),
+            max_tokens=max_tokens, max_sentences=batch_size if (max_tokens or batch_size) else 1,
+            max_positions=self.max_positions, ignore_invalid_inputs=skip_invalid_size_inputs,
+            disable_iterator_cache=True,
+        ).next_epoch_itr(shuffle=False)
+
+
+def move_to(sample, device: torch.device):
+    """A batch (nested dicts, lists and tensors) with every tensor on `device`."""
+    if torch.is_tensor(sample):
+        return sample.to(device)
+    if isinstance(sample, dict):
+        return {key: move_to(value, device) for key, value in sample.items()}
+    if isinstance(sample, (list, tuple)):
+        return type(sample)(move_to(value, device) for value in sample)
+    return sample

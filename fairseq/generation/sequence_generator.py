@@ -1,0 +1,527 @@
+"""Generate text with language models: greedy, beam search and sampling (upstream fairseq's SequenceGenerator).
+
+    generator = SequenceGenerator([model], task.target_dictionary, beam_size=5, max_len_b=50)
+    hypos = generator.generate([model], sample, prefix_tokens=prompts)   # or task.inference_step(...)
+
+For each sentence of the batch, in batch order, up to `beam_size` hypotheses best first, each
+`{"tokens", "score", "attention", "alignment", "positional_scores"}` as upstream's: `tokens` ends with </s>
+and includes the prompt, `positional_scores` holds one log-probability per token of `tokens` (prompt tokens
+included), `score` is their sum divided by len(tokens) ** len_penalty (unless `normalize_scores=False`);
+`attention` is None and `alignment` empty (a language model has no source).
+
+Upstream's decoding, step by step: hypotheses start with `bos_token` (default </s>, as upstream's language
+models are trained), step s predicts token s + 1 of every hypothesis, a prompt (`prefix_tokens`, right-padded
+with <pad>) is forced where it is not <pad>, finished sentences leave the batch. So every row of the decoder
+input holds real tokens only, and a prompt's continuation does not depend on the prompts batched with it.
+
+What is done faster than upstream, with the same results: the decoders' KV caches are allocated once (see
+TransformerDecoder.reserve_incremental_state); with decoders of this fork (those that have
+`reserve_incremental_state`) the first tokens of the prompts, as many as every row has, are fed in one
+forward of one row per sentence, the beams copied from it after; later steps feed one token per hypothesis.
+Upstream-style plug-in decoders (`FairseqIncrementalDecoder` computing one token per call, or no cache at
+all) are fed one token per step from the start. On CUDA, the one-token steps of this fork's decoders are
+replayed from CUDA graphs (fairseq.generation.cuda_graph_decoding; `cuda_graphs=False`, --no-cuda-graphs, turns that
+off), with the same results. Per step there is one host sync (is any hypothesis done?), none while </s> is
+masked for every hypothesis (--min-len). Two deliberate differences: --min-len and --no-repeat-ngram-size
+also apply to rows whose prompt ended while others are still forced (upstream skips --min-len for the whole
+batch during any prompt), and a forced prompt token is never blocked by --no-repeat-ngram-size (upstream
+blocks it, which kills the hypothesis).
+"""
+
+import math
+import sys
+from typing import Dict, List, Optional, Tuple
+
+import torch
+import torch.nn as nn
+from torch import Tensor
+
+from fairseq.generation import search
+from fairseq.generation.cuda_graph_decoding import GraphedDecodeStep
+from fairseq.modules.fairseq_incremental_decoder import FairseqIncrementalDecoder
+
+# When a prompt is fed in one forward, logits of at most this many values exist at once.
+_LOGITS_CHUNK = 2**25
+
+
+class SequenceGenerator(nn.Module):
+    def __init__(self, models, tgt_dict, beam_size: int = 1, max_len_a: float = 0, max_len_b: int = 200,
+                 max_len: int = 0, min_len: int = 1, normalize_scores: bool = True, len_penalty: float = 1.0,
+                 unk_penalty: float = 0.0, temperature: float = 1.0, match_source_len: bool = False,
+                 no_repeat_ngram_size: int = 0, search_strategy: Optional[search.Search] = None,
+                 eos: Optional[int] = None, symbols_to_strip_from_output=None, cuda_graphs: bool = True):
+        """`max_len`: cap on the total length (default: the models' positions); the output of a sentence has at
+        most min(max_len_a * src_len + max_len_b, max_len - 1) tokens before </s>, src_len the width of
+        `src_tokens`, the prompt included, as upstream counts it. `cuda_graphs`: replay the one-token steps
+        from CUDA graphs where possible (CUDA, this fork's decoders, no dropout); the graphs and the KV caches
+        they read are kept for the next call while the batch and length fit."""
+        super().__init__()
+        self.model = models if isinstance(models, EnsembleModel) else EnsembleModel(models)
+        self.tgt_dict = tgt_dict
+        self.pad = tgt_dict.pad()
+        self.unk = tgt_dict.unk()
+        self.eos = tgt_dict.eos() if eos is None else eos
+        self.symbols_to_strip_from_output = (
+            set(symbols_to_strip_from_output) | {self.eos} if symbols_to_strip_from_output is not None
+            else {self.eos})
+        self.vocab_size = len(tgt_dict)
+        if beam_size < 1:
+            raise ValueError(f"--beam must be at least 1, got {beam_size}")
+        self.beam_size = min(beam_size, self.vocab_size - 1)  # pad is never a candidate
+        self.model.set_decoder_beam_size(self.beam_size)
+        self.max_len_a = max_len_a
+        self.max_len_b = max_len_b
+        self.min_len = min_len
+        self.max_len = max_len or self.model.max_decoder_positions()
+        self.normalize_scores = normalize_scores
+        self.len_penalty = len_penalty
+        self.unk_penalty = unk_penalty
+        if temperature <= 0:
+            raise ValueError(f"--temperature must be greater than 0, got {temperature}")
+        self.temperature = temperature
+        self.match_source_len = match_source_len
+        if no_repeat_ngram_size < 0:
+            raise ValueError(f"--no-repeat-ngram-size must be >= 0, got {no_repeat_ngram_size}")
+        self.no_repeat_ngram_size = no_repeat_ngram_size
+        self.search = search.BeamSearch(tgt_dict) if search_strategy is None else search_strategy
+        self.should_set_src_lengths = getattr(self.search, "needs_src_lengths", False)
+        self.cuda_graphs = cuda_graphs
+        self._graphed: Optional[GraphedDecodeStep] = None
+        self.model.eval()
+
+    def cuda(self):
+        self.model.cuda()
+        return self
+
+    @torch.no_grad()
+    def forward(self, sample: Dict, prefix_tokens: Optional[Tensor] = None, bos_token: Optional[int] = None):
+        return self._generate(sample, prefix_tokens, bos_token)
+
+    @torch.no_grad()
+    def generate(self, models, sample: Dict, prefix_tokens: Optional[Tensor] = None,
+                 bos_token: Optional[int] = None, **kwargs) -> List[List[Dict[str, Tensor]]]:
+        """Hypotheses for `sample["net_input"]["src_tokens"]`'s sentences (see the module doc). `models` is
+        accepted for upstream's signature; the generator's own (given at construction) decode."""
+        if kwargs.pop("constraints", None) is not None:
+            raise ValueError("--constraints (lexically constrained decoding) is not supported with language models")
+        if kwargs:
+            raise TypeError(f"generate() got unexpected keyword arguments: {', '.join(sorted(kwargs))}")
+        return self._generate(sample, prefix_tokens, bos_token)
+
+    # ---- setup --------------------------------------------------------------------------------------------
+    def _max_len(self, src_len: int, src_lengths: Tensor) -> int:
+        if self.match_source_len:
+            max_len = int(src_lengths.max())
+        else:
+            max_len = min(int(self.max_len_a * src_len + self.max_len_b), self.max_len - 1)
+        if self.min_len > max_len:
+            raise ValueError(f"--min-len {self.min_len} is larger than the longest output allowed, {max_len} tokens "
+                             f"(min(--max-len-a {self.max_len_a} * {src_len} + --max-len-b {self.max_len_b}, "
+                             f"{self.max_len - 1})); lower --min-len or raise --max-len-b")
+        return max_len
+
+    def _prompts(self, prefix_tokens: Optional[Tensor], bsz: int, max_len: int,
+                 device: torch.device) -> Tuple[Optional[Tensor], int]:
+        """(the prompts [bsz, width] without all-pad columns, or None; how many leading tokens every row
+        has, up to the first </s> of any row)."""
+        if prefix_tokens is None or prefix_tokens.numel() == 0:
+            return None, 0
+        prefix = prefix_tokens.to(device=device, dtype=torch.long)
+        if prefix.dim() != 2 or prefix.size(0) != bsz:
+            raise ValueError(f"prefix_tokens must be [batch size {bsz}, length], got {list(prefix.shape)}")
+        real = prefix.ne(self.pad)
+        columns = real.any(dim=0).nonzero()
+        width = int(columns.max()) + 1 if columns.numel() else 0
+        positions = self.model.max_decoder_positions()
+        if width >= positions:
+            raise ValueError(f"a prompt of {width} tokens does not fit the model: with the begin-of-sentence token "
+                             f"it needs {width + 1} positions and the model has {positions}; shorten the prompt or "
+                             "use a model trained with a larger --tokens-per-sample (--max-positions / "
+                             "--max-target-positions)")
+        if width > max_len:
+            raise ValueError(f"a prompt of {width} tokens is longer than the longest output allowed, {max_len} "
+                             f"tokens (--max-len-a {self.max_len_a} * source length + --max-len-b "
+                             f"{self.max_len_b}); raise --max-len-b")
+        if width == 0:
+            return None, 0
+        prefix = prefix[:, :width]
+        shared = int(real[:, :width].long().cumprod(dim=1).sum(dim=1).min())
+        eos_columns = prefix[:, :shared].eq(self.eos).any(dim=0).nonzero()
+        if eos_columns.numel():  # a forced </s> ends hypotheses: leave it to the step-by-step path
+            shared = int(eos_columns.min())
+        return prefix, shared
+
+    def _feed_prompts(self, tokens: Tensor, scores: Tensor, prefix: Optional[Tensor], shared: int,
+                      states: List[dict], bsz: int, beam: int) -> Tensor:
+        """Feed <bos> and the first `shared` prompt tokens of every sentence in one forward (one row per
+        sentence); fill `tokens` and `scores` of steps 0 .. shared-1 as that many forced steps of the search
+        would; return the log-probabilities of step `shared` for every hypothesis row."""
+        inputs = tokens[::beam, :1]
+        if shared:
+            inputs = torch.cat([inputs, prefix[:, :shared]], dim=1)
+        forced, next_lprobs = self.model.feed_prompts(inputs, states, self.temperature, self.vocab_size)
+        if shared:
+            forced = forced.nan_to_num_(nan=-math.inf, posinf=math.inf, neginf=-math.inf)
+            if self.unk_penalty:
+                forced = forced - self.unk_penalty * prefix[:, :shared].eq(self.unk)
+            tokens[:, 1:shared + 1] = prefix[:, :shared].repeat_interleave(beam, dim=0)
+            scores[:, :shared] = forced.cumsum(dim=1).repeat_interleave(beam, dim=0)
+            if beam > 1 and self.search.forced_beams == "first":
+                scores.view(bsz, beam, -1)[:, 1:, :shared] = -math.inf
+        next_lprobs = self._mask_special(next_lprobs)
+        if beam > 1:
+            self.model.reorder_incremental_state(
+                states, torch.arange(bsz, device=tokens.device).repeat_interleave(beam))
+            next_lprobs = next_lprobs.repeat_interleave(beam, dim=0)
+        return next_lprobs
+
+    # ---- one step -----------------------------------------------------------------------------------------
+    def _mask_special(self, lprobs: Tensor) -> Tensor:
+        """The masks of every step: NaN -> -inf, never <pad>, --unkpen (inside the CUDA graph when one runs)."""
+        lprobs = lprobs.nan_to_num_(nan=-math.inf, posinf=math.inf, neginf=-math.inf)
+        lprobs[:, self.pad] = -math.inf
+        if self.unk_penalty:
+            lprobs[:, self.unk] -= self.unk_penalty
+        return lprobs
+
+    def _static_step(self, tokens: Tensor, slot: Tensor, states: List[dict]) -> Tensor:
+        """What a CUDA graph captures: masked log-probabilities after `tokens` [R, 1], at index `slot`."""
+        return self._mask_special(self.model.forward_static_step(tokens, slot, states, self.temperature))
+
+    def _static_decoder(self, device: torch.device) -> Optional[GraphedDecodeStep]:
+        """The CUDA-graph runner of the one-token steps, when this batch can use it."""
+        if not (self.cuda_graphs and device.type == "cuda" and self.model.can_static_step
+                and not any(m.training for m in self.model.modules())):  # dropout: eager
+            return None
+        if self._graphed is None:
+            self._graphed = GraphedDecodeStep(self.model, self._static_step, self.vocab_size)
+        return self._graphed
+
+    def _next_log_probs(self, tokens: Tensor, step: int, states: Optional[List[dict]],
+                        graphed: Optional[GraphedDecodeStep]) -> Tensor:
+        """Masked log-probabilities [rows, V] of the token after tokens[:, :step + 1]."""
+        if graphed is not None:
+            return graphed(tokens[:, step], step)
+        return self._mask_special(self.model.forward_decoder(tokens[:, :step + 1], states, self.temperature))
+
+    def _no_hypothesis_can_end(self, step: int, max_len: int, forced_eos_steps: set) -> bool:
+        """</s> is -inf for every hypothesis at `step` (--min-len; not the last step; no prompt forces </s>)
+        and the search gives -inf tokens no finite score: no hypothesis ends, so there is nothing to check."""
+        return (step < self.min_len and step < max_len and step not in forced_eos_steps
+                and self.search.respects_masked_tokens)
+
+    def _constrain(self, lprobs: Tensor, step: int, max_len: int, tokens: Tensor,
+                   forced_rows: Optional[Tensor]) -> Tensor:
+        """Apply the length limits, --no-repeat-ngram-size and the forced prompt (`forced_rows`: each row's
+        prompt, <pad> after it) to lprobs, masked already by `_mask_special`."""
+        if step >= max_len:  # only </s> is left
+            lprobs[:, :self.eos] = -math.inf
+            lprobs[:, self.eos + 1:] = -math.inf
+        forced = None
+        if forced_rows is not None and step < forced_rows.size(1) and step < max_len:
+            forced = forced_rows[:, step:step + 1]
+            forced_lprobs = lprobs.gather(1, forced)
+        if step < self.min_len:
+            lprobs[:, self.eos] = -math.inf
+        if self.no_repeat_ngram_size:
+            self._block_repeated_ngrams(tokens, lprobs, step)
+        if forced is not None:  # rows whose prompt goes on can only continue it
+            only_forced = torch.full_like(lprobs, -math.inf).scatter_(1, forced, forced_lprobs)
+            lprobs = torch.where(forced.ne(self.pad), only_forced, lprobs)
+        return lprobs
+
+    def _block_repeated_ngrams(self, tokens: Tensor, lprobs: Tensor, step: int) -> None:
+        """-inf for every token that would repeat an n-gram of the hypothesis (tokens[:, :step + 1], the
+        begin-of-sentence token included, as upstream counts)."""
+        n = self.no_repeat_ngram_size
+        if step + 1 < n:
+            return
+        seen = tokens[:, :step + 1]
+        ngrams = seen.unfold(1, n, 1)  # [rows, step + 2 - n, n]
+        suffix = seen[:, step + 2 - n:]  # the last n - 1 tokens
+        repeats = (ngrams[:, :, :-1] == suffix.unsqueeze(1)).all(dim=2)
+        # Non-repeats point at pad, which is -inf already.
+        lprobs.scatter_(1, ngrams[:, :, -1].masked_fill(~repeats, self.pad), -math.inf)
+
+    def _finalize_hypos(self, step: int, bbsz_idx: Tensor, eos_scores: Tensor, tokens: Tensor, scores: Tensor,
+                        finalized: List[List[dict]], finalized_scores: List[List[float]], finished: List[bool],
+                        sent_of_row: List[int], beam: int, src_lengths: Tensor, max_len: int) -> List[int]:
+        """Store the hypotheses of rows `bbsz_idx` that end with </s> at `step`; returns the (current) batch
+        indices of the sentences that are now done (beam hypotheses, or the last step)."""
+        tokens_clone = tokens.index_select(0, bbsz_idx)[:, 1:step + 2]  # without the begin-of-sentence token
+        tokens_clone[:, step] = self.eos
+        pos_scores = scores.index_select(0, bbsz_idx)[:, :step + 1]
+        pos_scores[:, step] = eos_scores
+        pos_scores[:, 1:] = pos_scores[:, 1:] - pos_scores[:, :-1]  # cumulative -> per token
+        if self.normalize_scores:
+            eos_scores = eos_scores / (step + 1) ** self.len_penalty
+        rows = torch.div(bbsz_idx, beam, rounding_mode="trunc")
+        if self.match_source_len:
+            eos_scores = torch.where(step > src_lengths.index_select(0, rows), -math.inf, eos_scores)
+        seen = {}
+        for i, (row, value) in enumerate(zip(rows.tolist(), eos_scores.tolist())):
+            sent = sent_of_row[row]
+            seen[sent] = row
+            if len(finalized[sent]) < beam:
+                finalized[sent].append({"tokens": tokens_clone[i], "score": eos_scores[i], "attention": None,
+                                        "alignment": torch.empty(0), "positional_scores": pos_scores[i]})
+                finalized_scores[sent].append(value)
+        done = []
+        for sent, row in seen.items():
+            if not finished[sent] and (len(finalized[sent]) == beam or step == max_len):
+                finished[sent] = True
+                done.append(row)
+        return done
+
+    # ---- the loop -----------------------------------------------------------------------------------------
+    def _generate(self, sample: Dict, prefix_tokens: Optional[Tensor] = None,
+                  bos_token: Optional[int] = None) -> List[List[Dict[str, Tensor]]]:
+        net_input = sample["net_input"]
+        if "src_tokens" not in net_input:
+            raise ValueError("sample['net_input'] has no 'src_tokens': language-model generation reads the batch "
+                             "size and source length from it (see task.build_dataset_for_inference)")
+        src_tokens = net_input["src_tokens"]
+        device = src_tokens.device
+        src_lengths = (src_tokens.ne(self.eos) & src_tokens.ne(self.pad)).long().sum(dim=1)
+        bsz, src_len = src_tokens.size()[:2]
+        beam = self.beam_size
+        max_len = self._max_len(src_len, src_lengths)
+        prefix, shared = self._prompts(prefix_tokens, bsz, max_len, device)
+        if self.search.forced_beams is None:
+            shared = 0  # an unknown search sees every forced step
+
+        rows = bsz * beam
+        tokens = torch.full((rows, max_len + 2), self.pad, dtype=torch.long, device=device)
+        tokens[:, 0] = self.eos if bos_token is None else bos_token
+        scores = torch.zeros(rows, max_len + 1, device=device)  # cumulative, per step
+        graphed = self._static_decoder(device) if self.model.can_feed_prompts else None
+        if graphed is not None:
+            states = graphed.begin(bsz, beam, max_len + 1, device)
+        else:
+            states = self.model.new_incremental_states(max_batch=rows, max_length=max_len + 1)
+        if self.should_set_src_lengths:
+            self.search.set_src_lengths(src_lengths)
+        start, lprobs = 0, None
+        if self.model.can_feed_prompts:
+            lprobs = self._feed_prompts(tokens, scores, prefix, shared, states, bsz, beam)
+            start = shared
+        forced_rows = None if prefix is None else prefix.repeat_interleave(beam, dim=0)
+        forced_eos_steps = set() if prefix is None else set(prefix.eq(self.eos).any(dim=0).nonzero()[:, 0].tolist())
+
+        finalized: List[List[dict]] = [[] for _ in range(bsz)]
+        finalized_scores: List[List[float]] = [[] for _ in range(bsz)]
+        finished = [False] * bsz
+        num_remaining = bsz
+        sent_of_row = list(range(bsz))  # original sentence of each row of the (shrinking) batch
+        original_batch_idxs = torch.arange(bsz, device=device)
+        cands_to_ignore = torch.zeros(bsz, beam, dtype=torch.bool, device=device)
+        # cands_to_ignore can hold True only after hypotheses of a sentence ended while it goes on (beam > 1).
+        may_ignore = False
+        cand_size = 2 * beam  # twice the beam, in case half the candidates end with </s>
+        bbsz_offsets = (torch.arange(bsz, device=device) * beam).unsqueeze(1)
+        cand_offsets = torch.arange(cand_size, device=device)
+        first_beams = torch.arange(beam, device=device).repeat(bsz, 1)
+
+        for step in range(start, max_len + 1):  # the last step only adds </s>
+            if lprobs is None:
+                lprobs = self._next_log_probs(tokens, step, states, graphed)
+            lprobs = self._constrain(lprobs, step, max_len, tokens, forced_rows)
+            cand_scores, cand_indices, cand_beams = self.search.step(
+                step, lprobs.view(bsz, -1, self.vocab_size), scores.view(bsz, beam, -1)[:, :, :step],
+                tokens[:, :step + 1], original_batch_idxs)
+            lprobs = None
+
+            # Hypotheses ending with </s> among the top beam candidates are done (not -inf, not ignored).
+            can_end = not self._no_hypothesis_can_end(step, max_len, forced_eos_steps)
+            eos_mask, any_top_eos, done = None, False, []
+            if can_end or may_ignore:
+                eos_mask = cand_indices.eq(self.eos) & cand_scores.ne(-math.inf)
+                if may_ignore:
+                    eos_mask[:, :beam] &= ~cands_to_ignore
+            if can_end:
+                top_eos = eos_mask[:, :beam]
+                any_top_eos = bool(top_eos.any())  # the host sync of this step
+            if any_top_eos:
+                cand_bbsz_idx = cand_beams + bbsz_offsets
+                done = self._finalize_hypos(step, cand_bbsz_idx[:, :beam][top_eos], cand_scores[:, :beam][top_eos],
+                                            tokens, scores, finalized, finalized_scores, finished, sent_of_row,
+                                            beam, src_lengths, max_len)
+                num_remaining -= len(done)
+            if num_remaining == 0 or step == max_len:
+                break
+
+            batch_idxs = None
+            if done:  # drop the finished sentences from the batch
+                done_set = set(done)
+                keep = [i for i in range(bsz) if i not in done_set]
+                batch_idxs = torch.tensor(keep, device=device)
+                new_bsz = len(keep)
+                eos_mask, cand_beams = eos_mask[batch_idxs], cand_beams[batch_idxs]
+                cand_scores, cand_indices = cand_scores[batch_idxs], cand_indices[batch_idxs]
+                bbsz_offsets = bbsz_offsets[:new_bsz]
+                if prefix is not None:
+                    prefix = prefix[batch_idxs]
+                    forced_rows = prefix.repeat_interleave(beam, dim=0)
+                src_lengths = src_lengths[batch_idxs]
+                cands_to_ignore = cands_to_ignore[batch_idxs]
+                scores = scores.view(bsz, -1)[batch_idxs].view(new_bsz * beam, -1)
+                tokens = tokens.view(bsz, -1)[batch_idxs].view(new_bsz * beam, -1)
+                original_batch_idxs = original_batch_idxs[batch_idxs]
+                sent_of_row = [sent_of_row[i] for i in keep]
+                self.search.prune_sentences(batch_idxs)
+                if self.should_set_src_lengths:
+                    self.search.set_src_lengths(src_lengths)
+                bsz = new_bsz
+
+            if not (may_ignore or any_top_eos):
+                # No top candidate ended and none is ignored: the first beam candidates continue, in order.
+                active_hypos = first_beams[:bsz]
+                active_bbsz_idx = (cand_beams[:, :beam] + bbsz_offsets).view(-1) if beam > 1 else None
+                next_tokens, next_scores = cand_indices[:, :beam], cand_scores[:, :beam]
+            else:
+                # The beam best candidates that did not end continue (finished or ignored ones sort last).
+                eos_mask[:, :beam] |= cands_to_ignore
+                active_mask = eos_mask.to(cand_offsets.dtype) * cand_size + cand_offsets[:eos_mask.size(1)]
+                new_cands_to_ignore, active_hypos = torch.topk(active_mask, k=beam, dim=1, largest=False)
+                cands_to_ignore = new_cands_to_ignore.ge(cand_size)[:, :beam]
+                active_bbsz_idx = torch.gather(cand_beams + bbsz_offsets, 1, active_hypos).view(-1)
+                next_tokens = torch.gather(cand_indices, 1, active_hypos)
+                next_scores = torch.gather(cand_scores, 1, active_hypos)
+                may_ignore = beam > 1
+            if beam > 1:  # with one beam every row continues itself
+                tokens[:, :step + 1] = tokens[:, :step + 1].index_select(0, active_bbsz_idx)
+                if step > 0:
+                    scores[:, :step] = scores[:, :step].index_select(0, active_bbsz_idx)
+            tokens.view(bsz, beam, -1)[:, :, step + 1] = next_tokens
+            scores.view(bsz, beam, -1)[:, :, step] = next_scores
+            self.search.update_constraints(active_hypos)
+
+            if beam > 1 or batch_idxs is not None:
+                # Cache rows are still those of before the drop: shift each sentence back to its old rows.
+                order = active_bbsz_idx
+                if batch_idxs is not None:
+                    shift = (batch_idxs - torch.arange(bsz, device=device)) * beam
+                    order = (order.view(bsz, beam) + shift.unsqueeze(1)).view(-1)
+                self.model.reorder_incremental_state(states, order)
+
+        for sent in range(len(finalized)):
+            ranked = sorted(range(len(finalized[sent])), key=lambda i: finalized_scores[sent][i], reverse=True)
+            finalized[sent] = [finalized[sent][i] for i in ranked]
+        return finalized
+
+
+class EnsembleModel(nn.Module):
+    """The models of a generator: each decodes with its own incremental state; log-probabilities are averaged
+    in probability space (log of the mean probability), as upstream."""
+
+    def __init__(self, models):
+        super().__init__()
+        models = list(models)
+        if not models:
+            raise ValueError("the generator needs at least one model")
+        if any(getattr(m, "encoder", None) is not None for m in models):
+            raise ValueError("encoder-decoder models are not supported: this generator decodes language models")
+        self.models_size = len(models)
+        self.single_model = models[0]
+        self.models = nn.ModuleList(models)
+        self.has_incremental = all(isinstance(getattr(m, "decoder", None), FairseqIncrementalDecoder)
+                                   for m in models)
+        # Decoders of this fork take several new tokens per call and preallocate their caches.
+        self.can_feed_prompts = self.has_incremental and all(
+            hasattr(m.decoder, "reserve_incremental_state") for m in models)
+        # ... and have a static one-token step, which CUDA graphs capture (fairseq.generation.cuda_graph_decoding).
+        self.can_static_step = self.can_feed_prompts and all(
+            hasattr(m.decoder, "forward_static_step") for m in models)
+
+    def has_incremental_states(self) -> bool:
+        return self.has_incremental
+
+    def max_decoder_positions(self) -> int:
+        limits = []
+        for m in self.models:
+            limit = m.max_decoder_positions() if hasattr(m, "max_decoder_positions") else (
+                m.max_positions() if hasattr(m, "max_positions") else None)
+            if limit is not None:
+                limits.append(int(limit))
+        return min(limits + [sys.maxsize])
+
+    def set_decoder_beam_size(self, beam_size: int) -> None:
+        if beam_size > 1:
+            for m in self.models:
+                target = m if hasattr(m, "set_beam_size") else getattr(m, "decoder", None)
+                if hasattr(target, "set_beam_size"):
+                    target.set_beam_size(beam_size)
+
+    def new_incremental_states(self, max_batch: int, max_length: int) -> Optional[List[dict]]:
+        """One empty state per model (None without incremental decoders), caches reserved at that size."""
+        if not self.has_incremental:
+            return None
+        states = [{} for _ in self.models]
+        if self.can_feed_prompts:
+            for m, state in zip(self.models, states):
+                m.decoder.reserve_incremental_state(state, max_length, max_batch)
+        return states
+
+    def reorder_incremental_state(self, states: Optional[List[dict]], new_order: Tensor) -> None:
+        if states is not None:
+            for m, state in zip(self.models, states):
+                m.decoder.reorder_incremental_state_scripting(state, new_order)
+
+    @staticmethod
+    def _log_probs(model, logits: Tensor, extra, temperature: float) -> Tensor:
+        if temperature != 1.0:
+            logits = logits / temperature
+        normalize = getattr(model, "get_normalized_probs", None)
+        if normalize is None:
+            return torch.log_softmax(logits.float(), dim=-1)
+        return normalize((logits, extra), log_probs=True, sample=None)
+
+    def _average(self, log_probs: List[Tensor]) -> Tensor:
+        if len(log_probs) == 1:
+            return log_probs[0]
+        return torch.logsumexp(torch.stack(log_probs, dim=0), dim=0) - math.log(len(log_probs))
+
+    def forward_decoder(self, tokens: Tensor, states: Optional[List[dict]], temperature: float = 1.0) -> Tensor:
+        """Log-probabilities [rows, V] of the token after `tokens` [rows, T] (the whole prefix)."""
+        log_probs = []
+        for i, m in enumerate(self.models):
+            if states is not None:
+                out = m.decoder(tokens, encoder_out=None, incremental_state=states[i])
+            elif hasattr(m, "decoder"):
+                out = m.decoder(tokens, encoder_out=None)
+            else:
+                out = m(tokens)
+            if isinstance(out, (tuple, list)):  # upstream-style (logits, extra)
+                logits, extra = out[0], (out[1] if len(out) > 1 else None)
+            else:
+                logits, extra = out, None
+            log_probs.append(self._log_probs(m, logits[:, -1:, :], extra, temperature)[:, -1, :])
+        return self._average(log_probs)
+
+    def forward_static_step(self, tokens: Tensor, slot: Tensor, states: List[dict], temperature: float) -> Tensor:
+        """Log-probabilities [rows, V] of the token after `tokens` [rows, 1], at index `slot` (a device tensor),
+        through each decoder's `forward_static_step` (static shapes, no host sync: CUDA graphs capture it)."""
+        return self._average([self._log_probs(m, m.decoder.forward_static_step(tokens, slot, state), None,
+                                              temperature)[:, -1, :] for m, state in zip(self.models, states)])
+
+    def feed_prompts(self, tokens: Tensor, states: List[dict], temperature: float,
+                     vocab_size: int) -> Tuple[Tensor, Tensor]:
+        """Feed `tokens` [B, T] into empty caches in one forward per model: (log-probabilities [B, T-1] of
+        tokens[:, 1:], each given the tokens before it; log-probabilities [B, V] of the token after them)."""
+        features = [m.decoder(tokens, incremental_state=state, features_only=True)[0]
+                    for m, state in zip(self.models, states)]
+        batch, length = tokens.shape
+        forced = torch.empty(batch, length - 1, device=tokens.device)
+        chunk = max(1, _LOGITS_CHUNK // (batch * vocab_size))
+        next_lprobs = None
+        for begin in range(0, length, chunk):
+            end = min(length, begin + chunk)
+            lprobs = self._average([self._log_probs(m, m.decoder.output_layer(f[:, begin:end]), None, temperature)
+                                    for m, f in zip(self.models, features)])
+            scored = min(end, length - 1) - begin  # positions that predict a given token
+            if scored > 0:
+                targets = tokens[:, begin + 1:begin + 1 + scored].unsqueeze(-1)
+                forced[:, begin:begin + scored] = lprobs[:, :scored].gather(2, targets).squeeze(-1)
+            if end == length:
+                next_lprobs = lprobs[:, -1]
+        return forced, next_lprobs

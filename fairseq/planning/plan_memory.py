@@ -1,0 +1,429 @@
+"""`python -m fairseq.planning.plan_memory`: predict per-GPU memory of a fairseq-train run before asking for GPUs.
+
+    python -m fairseq.planning.plan_memory --arch transformer_lm_gpt3_175 --gpus 1024 --gpu a100-80gb \\
+        --bf16 --checkpoint-activations --batch-size 1 --tokens-per-sample 2048
+
+Training flags are spelled as fairseq-train spells them (they are generated from the same config fields);
+model flags such as --decoder-layers override the --arch preset as they do in training. The model is built
+on the meta device by the real model code, so `parameters:` is exact. The arithmetic is in
+fairseq/planning/memory_model.py; the formulas, their sources and the calibration are in docs/memory_planner.md.
+"""
+
+import argparse
+import dataclasses
+import sys
+import typing
+from typing import List, Optional
+
+from fairseq.planning import communication_model as cm
+from fairseq.planning import memory_model as mm
+from fairseq import registry
+from fairseq.dataclass import configs
+from fairseq.dataclass.utils import add_dataclass_to_parser
+
+# Device totals in GiB, as PyTorch reports them (what fairseq's memory log calls GB). Approximate: the
+# A100 figure is the seed log's (79.3); H100/H200 are typical values of torch.cuda's total_memory (the H200
+# is sold as 141 GB). Pass --gpu-memory-gb for your card.
+GPU_MEMORY_GIB = {
+    "a100-40gb": 39.4,
+    "a100-80gb": 79.3,
+    "h100": 79.1,
+    "h200": 139.8,
+}
+DEFAULT_GPU_MEMORY_GIB = 80.0
+DEFAULT_TOKENS_PER_SAMPLE = 2048
+DEFAULT_VOCAB_SIZE = 50272  # the OPT/GPT-2 BPE dictionary with fairseq's specials, padded to a multiple of 8
+# Headroom under which the plan warns that reserved memory may reach the device (allocator retries).
+TIGHT_HEADROOM_FRACTION = 0.15
+# --fsdp-forward-prefetch pays when the CPU, not the GPU, is the bottleneck: when a layer's work per
+# micro-batch is small. Judged by tokens x layer parameters (a sixth of the layer's training FLOPs); the
+# CPU-bound case of issue 5 (gpt3_medium, 2048 tokens) is 2.6e10, the GPU-bound 12 x 6144 one 9.3e11.
+CPU_BOUND_TOKENS_X_LAYER_PARAMS = 1e11
+# --cpu-offload is only advised when its host memory per GPU stays under this (256 GiB per GPU on an
+# 8-GPU node with 2 TiB; the 2 x H200 machines here have 128 GiB per GPU).
+HOST_MEMORY_PER_GPU_GIB = 128
+MODELED_OPTIMIZERS = ("adam", "cpu_adam")  # both are torch.optim.AdamW here (fairseq/optim/adam.py)
+
+
+def _add_fields(group, dc, names, **defaults) -> None:
+    """Add the flags of `names` from config dataclass `dc` exactly as fairseq-train generates them
+    (same spelling, aliases, types and help), with some defaults changed for planning."""
+    fields = {f.name: f for f in dataclasses.fields(dc)}
+    hints = typing.get_type_hints(dc)
+    subset = []
+    for name in names:
+        f = fields[name]
+        if name in defaults:
+            default = dataclasses.field(default=defaults[name], metadata=f.metadata)
+        elif f.default_factory is not dataclasses.MISSING:
+            default = dataclasses.field(default_factory=f.default_factory, metadata=f.metadata)
+        else:
+            default = dataclasses.field(default=f.default, metadata=f.metadata)
+        subset.append((name, hints[name], default))
+    add_dataclass_to_parser(group, dataclasses.make_dataclass(dc.__name__, subset))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from fairseq.models.transformer_lm import TransformerLanguageModelConfig
+    from fairseq.tasks.language_modeling import LanguageModelingConfig
+
+    parser = argparse.ArgumentParser(
+        prog="python -m fairseq.planning.plan_memory", allow_abbrev=False,
+        description="Per-GPU memory of training a transformer_lm with fairseq-train (see docs/memory_planner.md).",
+    )
+    parser.add_argument("--arch", "-a", required=True, metavar="ARCH", help="a transformer_lm architecture")
+    planner = parser.add_argument_group("planner")
+    planner.add_argument("--gpus", "--distributed-world-size", dest="gpus", type=int, default=1,
+                         help="number of GPUs (default: 1); with --model-parallel-size N, N per data-parallel rank")
+    planner.add_argument("--gpus-per-node", type=int, default=8,
+                         help="GPUs per node, to tell which collectives cross the network (default: 8)")
+    planner.add_argument("--recommend-layout", action="store_true",
+                         help="compare every tensor-parallel x shard-group layout of --gpus at this global batch "
+                              "(communication per step, memory) and recommend one")
+    planner.add_argument("--gpu", choices=sorted(GPU_MEMORY_GIB),
+                         help="a GPU by name, for its memory: "
+                              + ", ".join(f"{k} {v} GiB" for k, v in GPU_MEMORY_GIB.items()))
+    planner.add_argument("--gpu-memory-gb", type=float, default=None,
+                         help=f"memory of one GPU in GiB, as the training log's *_gb fields count it "
+                              f"(default: the --gpu's, else {DEFAULT_GPU_MEMORY_GIB:g})")
+    planner.add_argument("--vocab-size", type=int, default=DEFAULT_VOCAB_SIZE,
+                         help=f"dictionary size, specials included (default: {DEFAULT_VOCAB_SIZE})")
+    planner.add_argument("--max-layers-that-fit", action="store_true",
+                         help="also report the largest --decoder-layers of this layer shape that fits")
+    training = parser.add_argument_group("training (as fairseq-train spells them)")
+    _add_fields(training, configs.DatasetConfig, ["batch_size", "max_tokens"])
+    _add_fields(training, LanguageModelingConfig, ["tokens_per_sample", "max_target_positions"],
+                tokens_per_sample=DEFAULT_TOKENS_PER_SAMPLE)
+    _add_fields(training, configs.CommonConfig, ["fp16", "bf16", "memory_efficient_fp16", "memory_efficient_bf16",
+                                                 "fp8", "fp8_recipe", "fp8_fsdp_all_gather"])
+    _add_fields(training, configs.DistributedTrainingConfig,
+                ["ddp_backend", "cpu_offload", "no_reshard_after_forward", "fsdp_forward_prefetch",
+                 "fsdp_prefetch_depth", "fsdp_sync_free", "model_parallel_size", "fsdp_shard_group_size", "compile"],
+                ddp_backend="fully_sharded")
+    _add_fields(training, configs.OptimizationConfig, ["update_freq"])
+    training.add_argument("--optimizer", default="adam", metavar="OPTIMIZER",
+                          help=f"optimizer: {', '.join(registry.OPTIMIZER_REGISTRY.choices())} (default: adam)")
+    model = parser.add_argument_group("model (override the --arch preset)")
+    add_dataclass_to_parser(model, TransformerLanguageModelConfig, suppress_defaults=True)
+    return parser
+
+
+@dataclasses.dataclass(frozen=True)
+class Request:
+    arch: str
+    shape: mm.ModelShape
+    setup: mm.TrainingSetup
+    gpu_memory_gib: float
+    gpu_name: Optional[str]
+    optimizer: str
+    max_layers_that_fit: bool
+    gpus_per_node: int = 8
+    recommend_layout: bool = False
+
+
+def parse(argv: Optional[List[str]] = None) -> Request:
+    """Parse the command line into a model shape (built on meta) and a training setup; usage errors exit 2."""
+    from fairseq.distributed.fsdp import check_fsdp_flags
+    from fairseq.models.transformer_lm import TransformerLanguageModelConfig, preset_config
+
+    parser = build_parser()
+    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        model_fields = {f.name for f in dataclasses.fields(TransformerLanguageModelConfig)}
+        overrides = {k: v for k, v in vars(args).items() if k in model_fields}
+        overrides.update(tokens_per_sample=args.tokens_per_sample, max_target_positions=args.max_target_positions)
+        cfg = preset_config(args.arch, **overrides)
+        if cfg.adaptive_input or cfg.adaptive_softmax_cutoff is not None:
+            # Their outputs' sizes depend on how often each band's words occur; the planner has no such term.
+            raise ValueError(f"--arch {args.arch}: adaptive input/softmax (--adaptive-input, "
+                             "--adaptive-softmax-cutoff) are not modeled by the memory planner, which assumes a full "
+                             "output projection; plan with a plain preset of the same size (e.g. transformer_lm_big)")
+        if args.vocab_size < 2:
+            raise ValueError(f"--vocab-size must be at least 2 (padding is symbol 1), got {args.vocab_size}")
+        shape = mm.model_shape(cfg, args.vocab_size)
+        check_fsdp_flags(argparse.Namespace(distributed_training=args))
+        setup = _training_setup(args, cfg)
+        if args.optimizer not in MODELED_OPTIMIZERS:
+            raise ValueError(f"--optimizer {args.optimizer} is not modeled; the planner knows "
+                             f"{', '.join(MODELED_OPTIMIZERS)} (AdamW: two fp32 states per parameter)")
+    except ValueError as err:
+        parser.error(str(err))
+    memory = args.gpu_memory_gb
+    if memory is None:
+        memory = GPU_MEMORY_GIB[args.gpu] if args.gpu else DEFAULT_GPU_MEMORY_GIB
+    if memory <= 0:
+        parser.error(f"--gpu-memory-gb must be positive, got {memory:g}")
+    if args.gpus_per_node < 1:
+        parser.error(f"--gpus-per-node must be at least 1, got {args.gpus_per_node}")
+    return Request(args.arch, shape, setup, memory, args.gpu, args.optimizer, args.max_layers_that_fit,
+                   args.gpus_per_node, args.recommend_layout)
+
+
+def _training_setup(args, cfg) -> mm.TrainingSetup:
+    from fairseq.models.transformer_lm import resolve_max_target_positions
+
+    from fairseq.dataclass.validate import check_precision
+
+    check_precision(args)
+    from fairseq.distributed.float8 import check_float8_flags
+
+    check_float8_flags(argparse.Namespace(common=args, distributed_training=args))
+    dtype = "fp32"
+    if args.fp16 or args.memory_efficient_fp16:
+        dtype = "fp16"
+    elif args.bf16 or args.memory_efficient_bf16:
+        dtype = "bf16"
+    if args.gpus < 1:
+        raise ValueError(f"--gpus must be at least 1, got {args.gpus}")
+    from fairseq.distributed.mesh import ParallelLayout
+    from fairseq.distributed.tensor_parallel import check_tensor_parallel_shape
+
+    layout = ParallelLayout.from_config(args, args.gpus)  # the flags' own checks and messages
+    check_tensor_parallel_shape(layout.tp, cfg.decoder_attention_heads, cfg.decoder_ffn_embed_dim, args.vocab_size,
+                                "--vocab-size")
+    batch_size = args.batch_size
+    if batch_size is None:
+        if args.max_tokens is not None:
+            batch_size = args.max_tokens // args.tokens_per_sample
+            if batch_size < 1:
+                raise ValueError(f"--max-tokens {args.max_tokens} holds no sequence of --tokens-per-sample "
+                                 f"{args.tokens_per_sample}; raise --max-tokens or pass --batch-size")
+        else:
+            batch_size = 1
+    if batch_size < 1:
+        raise ValueError(f"--batch-size must be at least 1, got {batch_size}")
+    max_positions = resolve_max_target_positions(cfg)
+    if args.tokens_per_sample > max_positions:
+        raise ValueError(f"--tokens-per-sample {args.tokens_per_sample} exceeds the model's "
+                         f"--max-target-positions {max_positions}; lower one or raise the other")
+    return mm.TrainingSetup(
+        gpus=args.gpus, batch_size=batch_size, tokens_per_sample=args.tokens_per_sample, dtype=dtype,
+        fully_sharded=args.ddp_backend == "fully_sharded",
+        checkpoint_activations=bool(cfg.checkpoint_activations or cfg.offload_activations),
+        offload_activations=bool(cfg.offload_activations),
+        reshard_after_forward=not args.no_reshard_after_forward, cpu_offload=args.cpu_offload,
+        forward_prefetch=args.fsdp_forward_prefetch, prefetch_depth=args.fsdp_prefetch_depth,
+        sync_free=args.fsdp_sync_free, update_freq=max(1, args.update_freq[0]),
+        tensor_parallel=layout.tp, shard_group=args.fsdp_shard_group_size,
+        float8=args.fp8, float8_all_gather=args.fp8_fsdp_all_gather, compiled=args.compile,
+    )
+
+
+# ------------------------------------------------------------------------------------------ report
+
+
+def _flags(setup: mm.TrainingSetup) -> str:
+    parts = [f"--ddp-backend {'fully_sharded' if setup.fully_sharded else 'pytorch_ddp (replicated)'}",
+             {"fp32": "fp32", "bf16": "--bf16", "fp16": "--fp16"}[setup.dtype],
+             f"--batch-size {setup.batch_size} x --tokens-per-sample {setup.tokens_per_sample}"]
+    for on, flag in ((setup.checkpoint_activations and not setup.offload_activations, "--checkpoint-activations"),
+                     (setup.offload_activations, "--offload-activations"),
+                     (not setup.reshard_after_forward, "--no-reshard-after-forward"),
+                     (setup.cpu_offload, "--cpu-offload"),
+                     (setup.forward_prefetch, f"--fsdp-forward-prefetch (depth {setup.prefetch_depth})"),
+                     (setup.sync_free, "--fsdp-sync-free"),
+                     (setup.update_freq > 1, f"--update-freq {setup.update_freq}"),
+                     (setup.tensor_parallel > 1, f"--model-parallel-size {setup.tensor_parallel}"),
+                     (setup.shard_group > 0, f"--fsdp-shard-group-size {setup.shard_group}"),
+                     (setup.float8, "--fp8"), (setup.float8_all_gather, "--fp8-fsdp-all-gather"),
+                     (setup.compiled, "--compile")):
+        if on:
+            parts.append(flag)
+    return ", ".join(parts)
+
+
+def _phase_summary(plan: mm.MemoryPlan) -> str:
+    """Each phase's total; the layer backward phases as their largest."""
+    parts, layer_best = [], None
+    for snap in plan.snapshots:
+        if snap.phase.startswith("backward, layer"):
+            if layer_best is None or snap.total > layer_best.total:
+                layer_best = snap
+            continue
+        if layer_best is not None:
+            parts.append(f"{layer_best.phase} {mm.gib(layer_best.total):.2f}")
+            layer_best = None
+        parts.append(f"{snap.phase} {mm.gib(snap.total):.2f}")
+    return " | ".join(parts)
+
+
+def render_plan(plan: mm.MemoryPlan, gpu_memory_gib: float) -> List[str]:
+    peak = plan.peak
+    width = 70
+    lines = [f"per-GPU memory at the peak ({peak.phase}), GiB:"]
+    lines += [f"  {label:<{width}} {mm.gib(nbytes):9.2f}" for label, nbytes in mm.breakdown_lines(peak)]
+    margin_label = (f"allocator margin ({mm.ALLOCATOR_MARGIN_FRACTION:.0%} of the peak + "
+                    f"{mm.NON_PYTORCH_OVERHEAD_GIB:g} GiB outside PyTorch)")
+    free = gpu_memory_gib - mm.gib(plan.required_bytes)
+    verdict = f"fits ({free:.2f} GiB to spare)" if free >= 0 else f"DOES NOT FIT ({-free:.2f} GiB over)"
+    lines += [
+        f"  {'peak allocated (compare with max_cuda_gb_allocated)':<{width}} {mm.gib(plan.peak_bytes):9.2f}",
+        f"  {margin_label:<{width}} {mm.gib(plan.margin_bytes):9.2f}",
+        f"  {'total':<{width}} {mm.gib(plan.required_bytes):9.2f} of {gpu_memory_gib:g}: {verdict}",
+        f"peak allocated by phase, GiB: {_phase_summary(plan)}",
+    ]
+    if plan.host_bytes:
+        lines.append(f"host memory per GPU (offloaded): {mm.gib(plan.host_bytes):.2f} GiB")
+    return lines
+
+
+def recommendations(request: Request) -> List[str]:
+    """Flags worth changing, each with the reason; checked against the planner itself."""
+    shape, setup, memory = request.shape, request.setup, request.gpu_memory_gib
+    current = mm.plan(shape, setup)
+
+    def changed(**changes) -> mm.MemoryPlan:
+        return mm.plan(shape, dataclasses.replace(setup, **changes))
+
+    def fits(**changes) -> bool:
+        return changed(**changes).fits(memory)
+
+    def fits_with_headroom(**changes) -> bool:
+        # Advice that spends memory (dropping a saving) is only given when the result keeps the headroom
+        # under which the plan warns.
+        return changed(**changes).required_bytes <= (1 - TIGHT_HEADROOM_FRACTION) * memory * mm.GIB
+
+    advice = []
+    activations = current.peak.terms.get("activations", 0)
+    if not current.fits(memory):
+        if setup.dtype == "fp32":
+            advice.append("--bf16: halves activations and the full parameters in flight")
+        if not setup.checkpoint_activations and fits(checkpoint_activations=True):
+            advice.append(f"--checkpoint-activations: activations are {mm.gib(activations):.2f} GiB at the peak; "
+                          "with it each layer keeps only its input")
+        if not setup.reshard_after_forward and fits(reshard_after_forward=True):
+            advice.append("drop --no-reshard-after-forward: it keeps every layer's full parameters until backward")
+        if setup.forward_prefetch and setup.prefetch_depth > 1 and fits(prefetch_depth=1):
+            advice.append("--fsdp-prefetch-depth 1: each extra layer of prefetch holds one more layer's parameters")
+        if setup.batch_size > 1 and fits(batch_size=1):
+            batch = mm.largest_batch(shape, setup, memory)
+            advice.append(f"--batch-size {batch} (the largest that fits) with --update-freq "
+                          f"{setup.update_freq * -(-setup.batch_size // batch)} to keep the tokens per update")
+        if not advice or not fits(batch_size=1, checkpoint_activations=True):
+            best = dataclasses.replace(setup, batch_size=1, checkpoint_activations=True,
+                                       dtype="bf16" if setup.dtype == "fp32" else setup.dtype)
+            if not setup.fully_sharded:
+                advice.append("--ddp-backend fully_sharded: DDP replicates 20 bytes per parameter on every GPU")
+                best = dataclasses.replace(best, fully_sharded=True)
+            gpus = mm.smallest_gpu_count(shape, best, memory)
+            if gpus is not None and gpus > setup.gpus:
+                advice.append(f"at least {gpus} GPUs (sharded model states shrink with the GPU count; "
+                              f"batch 1 with --checkpoint-activations)")
+            offloaded = changed(cpu_offload=True, batch_size=1, checkpoint_activations=True)
+            if setup.fully_sharded and not setup.cpu_offload and offloaded.fits(memory) and \
+                    mm.gib(offloaded.host_bytes) <= HOST_MEMORY_PER_GPU_GIB:
+                advice.append(f"--cpu-offload: sharded parameters, gradients and Adam state move to host memory "
+                              f"({mm.gib(offloaded.host_bytes):.1f} GiB per GPU; the optimizer steps on the CPU)")
+    else:
+        headroom = 1 - current.required_bytes / (memory * mm.GIB)
+        if headroom < TIGHT_HEADROOM_FRACTION:
+            # Not --fsdp-sync-free: on FSDP2 it changed neither reserved memory nor retries (docs/fsdp.md).
+            advice.append(f"only {headroom:.0%} headroom: watch max_cuda_gb_reserved and cuda_alloc_retries in the "
+                          "first log lines; if retries appear, a smaller --batch-size or --checkpoint-activations")
+        if setup.checkpoint_activations and not setup.offload_activations and \
+                fits_with_headroom(checkpoint_activations=False):
+            advice.append("drop --checkpoint-activations: it fits without, which saves recomputing every layer's "
+                          "forward (about a third more compute)")
+        if setup.cpu_offload and fits_with_headroom(cpu_offload=False):
+            advice.append("drop --cpu-offload: the states fit on the GPU, and the optimizer step is much faster there")
+        traffic = cm.step_traffic(shape, setup, request.gpus_per_node)
+        across = sum(item.seconds() for item in traffic if item.crosses_nodes)
+        if across > cm.compute_seconds(shape, setup) and not request.recommend_layout:
+            advice.append(f"--recommend-layout: communication across nodes (about {across:.0f} s per step) exceeds "
+                          "compute; tensor parallelism inside a node divides what FSDP sends across them")
+        small_layers = setup.tokens * shape.layer_params < CPU_BOUND_TOKENS_X_LAYER_PARAMS
+        if setup.fully_sharded and not setup.forward_prefetch and small_layers and \
+                fits_with_headroom(forward_prefetch=True):
+            advice.append("--fsdp-forward-prefetch: small layers are CPU-bound, and its extra layer of full "
+                          "parameters fits")
+    return advice
+
+
+def report(request: Request) -> List[str]:
+    shape, setup, memory = request.shape, request.setup, request.gpu_memory_gib
+    gpu = f"{request.gpu_name} " if request.gpu_name else ""
+    lines = [
+        f"memory plan: --arch {request.arch}: {shape.num_layers} layers x {shape.embed_dim}, ffn {shape.ffn_dim}, "
+        f"{shape.heads} heads, vocabulary {shape.vocab_size}",
+        f"parameters: {shape.total_params}",
+        f"  per layer {shape.layer_params:,}; root (embeddings, final norm, output projection"
+        f"{', tied to the embeddings' if shape.output_projection_tied else ''}) {shape.root_params:,}",
+        f"setup: {setup.gpus} x {gpu}GPU of {memory:g} GiB, {_flags(setup)}, optimizer {request.optimizer} "
+        f"(fp32 master parameters, gradients and 2 Adam states)",
+    ]
+    current = mm.plan(shape, setup)
+    lines += render_plan(current, memory)
+    batch = mm.largest_batch(shape, setup, memory)
+    lines.append(f"largest --batch-size that fits: {batch}" if batch else
+                 "largest --batch-size that fits: none (not even 1 sequence)")
+    if request.max_layers_that_fit:
+        layers = mm.largest_layer_count(shape, setup, memory)
+        lines.append(f"largest --decoder-layers that fits (this layer shape and these flags): {layers}")
+        if layers:
+            deepest = mm.plan(shape.with_layers(layers), setup)
+            lines.append(f"  with {layers} layers: {deepest.shape.total_params} parameters, peak allocated "
+                         f"{mm.gib(deepest.peak_bytes):.2f} GiB, total {mm.gib(deepest.required_bytes):.2f} GiB "
+                         f"of {memory:g}")
+    lines += communication_lines(shape, setup, request.gpus_per_node)
+    advice = recommendations(request)
+    lines.append("recommended: " + ("nothing to change" if not advice else advice[0]))
+    lines += [f"             {item}" for item in advice[1:]]
+    if request.recommend_layout:
+        lines += layout_lines(request)
+    return lines
+
+
+def _layout_name(setup: mm.TrainingSetup) -> str:
+    from fairseq.distributed.mesh import ParallelLayout
+
+    shard = setup.shard_ranks if setup.fully_sharded else 1
+    return ParallelLayout(setup.data_parallel // shard, shard, setup.tensor_parallel).describe()
+
+
+def communication_lines(shape: mm.ModelShape, setup: mm.TrainingSetup, gpus_per_node: int) -> List[str]:
+    """Bytes per GPU per step of each collective, where it runs, and the time at the assumed bandwidths."""
+    traffic = cm.step_traffic(shape, setup, gpus_per_node)
+    lines = [f"layout: {_layout_name(setup)} on {setup.gpus} GPUs ({gpus_per_node} per node); communication per "
+             f"GPU per step ({setup.update_freq} micro-batch(es)), GiB:"]
+    for item in traffic:
+        where = "across nodes" if item.crosses_nodes else "inside a node"
+        lines.append(f"  {item.what + f' over {item.ranks} ranks, {where}':<70} {mm.gib(item.bytes):9.2f}")
+    inter = sum(i.seconds() for i in traffic if i.crosses_nodes)
+    intra = sum(i.seconds() for i in traffic if not i.crosses_nodes)
+    lines.append(f"  estimated time if none overlapped compute: {intra:.2f} s inside nodes "
+                 f"({cm.INTRA_NODE_GBPS:g} GB/s per GPU) + {inter:.2f} s across nodes ({cm.INTER_NODE_GBPS:g} GB/s); "
+                 f"compute {cm.compute_seconds(shape, setup):.2f} s at {cm.ACHIEVED_TFLOPS:g} TFLOP/s per GPU")
+    return lines
+
+
+def layout_lines(request: Request) -> List[str]:
+    """The layouts of --recommend-layout, best first, and the recommendation."""
+    shape, setup, memory = request.shape, request.setup, request.gpu_memory_gib
+    sequences = setup.batch_size * setup.update_freq * setup.data_parallel
+    candidates = cm.candidate_layouts(shape, setup, memory, request.gpus_per_node)
+    lines = [f"layouts of {setup.gpus} GPUs at {sequences} sequences per update, the largest micro-batch that fits "
+             "(estimated communication per step if none overlapped compute):"]
+    if not candidates:
+        return lines + ["  none fits: more GPUs, or --checkpoint-activations / --bf16"]
+    lines.append(f"  {'layout':<24} {'batch x freq':>12} {'GiB needed':>11} {'across nodes GiB':>17} {'comm s':>7}")
+    for candidate in candidates[:10]:
+        c = candidate.setup
+        lines.append(f"  {_layout_name(c):<24} {f'{c.batch_size} x {c.update_freq}':>12} "
+                     f"{mm.gib(candidate.plan.required_bytes):11.2f} {mm.gib(candidate.inter_node_bytes):17.1f} "
+                     f"{candidate.communication_seconds:7.2f}")
+    best = candidates[0].setup
+    flags = [f"--model-parallel-size {best.tensor_parallel}"] if best.tensor_parallel > 1 else []
+    flags += [f"--fsdp-shard-group-size {best.shard_group}"] if best.shard_group else []
+    flags += [f"--batch-size {best.batch_size}", f"--update-freq {best.update_freq}"]
+    lines.append(f"recommended layout: {_layout_name(best)}: {' '.join(flags)}")
+    return lines
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    request = parse(argv)
+    print("\n".join(report(request)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,531 @@
+"""Streaming text -> token-id binarization and dictionary counting, split among worker processes.
+
+A file is cut into byte ranges at line boundaries (`find_offsets`); each range is read in blocks of a few
+MB that end at a newline, so memory stays bounded whatever the file size. Lines are what upstream's
+text-mode reading yields: `\\n`, `\\r\\n` and a lone `\\r` all end a line; each line is split on
+whitespace and followed by `</s>`. Whole blocks are encoded at once (one `str.split`, one dict lookup per
+token into a numpy array) instead of line by line into tensors, which is where the speed comes from.
+
+Outputs go to hidden `*.part` names in the destination directory and are renamed into place only when
+complete, the `.idx` last; an interrupted run never leaves a `<prefix>.bin`/`.idx` pair behind
+(fairseq/preprocessing/binarizer_jobs.py: the worker pool and the atomic writer).
+"""
+
+import os
+from collections import Counter
+from dataclasses import dataclass
+from itertools import repeat
+from typing import Dict, Iterator, List, Optional, Tuple
+
+import numpy as np
+
+from fairseq.preprocessing.binarizer_jobs import make_pool, maybe_pool, run_jobs_atomically, settle  # noqa: F401 (make_pool)
+from fairseq.data.indexed_dataset import best_fitting_dtype
+
+BLOCK_BYTES = 1 << 20  # text decoded and encoded at once; a worker holds ~20x this in word objects
+_LINE_MARK = "\x00"  # stands for a line end inside a block; never whitespace, so split() keeps it a token
+
+
+@dataclass
+class BinarizeSummary:
+    num_seq: int = 0
+    num_tok: int = 0  # including the </s> of every line
+    num_replaced: int = 0  # words mapped to <unk> (the literal <unk> token does not count)
+
+    def merge(self, other: "BinarizeSummary") -> None:
+        self.num_seq += other.num_seq
+        self.num_tok += other.num_tok
+        self.num_replaced += other.num_replaced
+
+    @property
+    def replaced_percent(self) -> float:
+        return 100.0 * self.num_replaced / self.num_tok if self.num_tok else 0.0
+
+    def __str__(self) -> str:  # upstream's wording and its 3-significant-digit percentage
+        return f"{self.num_seq} sents, {self.num_tok} tokens, {self.replaced_percent:.3}% replaced"
+
+
+# ---- reading ----------------------------------------------------------------------------------------------
+def find_offsets(path: str, num_chunks: int) -> List[int]:
+    """`num_chunks + 1` byte offsets splitting `path` into ranges that start at line beginnings."""
+    size = os.path.getsize(path)
+    offsets = [0]
+    with open(path, "rb") as f:
+        for i in range(1, num_chunks):
+            f.seek(max(size * i // num_chunks, offsets[-1]))
+            f.readline()  # move to the start of the next line
+            offsets.append(min(f.tell(), size))
+    offsets.append(size)
+    return offsets
+
+
+def iter_text_blocks(path: str, start: int, end: int, block_bytes: Optional[int] = None) -> Iterator[str]:
+    """Decoded text of bytes [start, end) in pieces that each end at a line end (or at `end`), with
+    `\\r\\n` and lone `\\r` turned into `\\n`."""
+    block_bytes = block_bytes or BLOCK_BYTES
+    with open(path, "rb") as f:
+        f.seek(start)
+        pos = block_start = start
+        parts: List[bytes] = []  # read but not yet yielded: no complete line end among them
+        while pos < end:
+            data = f.read(min(block_bytes, end - pos))
+            if not data:
+                break
+            pos += len(data)
+            cut = len(data) if pos >= end else data.rfind(b"\n") + 1
+            if cut == 0:  # a lone \r also ends a line, unless it is the last byte (it may start \r\n)
+                cut = data.rfind(b"\r", 0, len(data) - 1) + 1
+            if cut == 0:  # still inside a line longer than a block: keep reading
+                parts.append(data)
+                continue
+            parts.append(data[:cut])
+            block = b"".join(parts)
+            yield _decode(block, path, block_start)
+            block_start += len(block)
+            parts = [data[cut:]] if cut < len(data) else []
+        if parts:  # the file shrank while being read
+            yield _decode(b"".join(parts), path, block_start)
+
+
+def _decode(buf: bytes, path: str, offset: int) -> str:
+    try:
+        text = buf.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(
+            f"{path}: invalid UTF-8 at byte {offset + e.start} ({e.reason}); convert the file to UTF-8"
+        ) from None
+    if "\r" in text:
+        text = text.replace("\r\n", "\n").replace("\r", "\n")
+    return text
+
+
+def _count_lines(text: str) -> int:
+    return text.count("\n") + (1 if text and not text.endswith("\n") else 0)
+
+
+# ---- dictionary counting ----------------------------------------------------------------------------------
+def count_words_range(path: str, start: int, end: int) -> Tuple[Counter, int]:
+    """Word counts and number of lines in bytes [start, end) of `path`."""
+    counter: Counter = Counter()
+    lines = 0
+    for text in iter_text_blocks(path, start, end):
+        counter.update(text.split())
+        lines += _count_lines(text)
+    return counter, lines
+
+
+def count_words(path: str, num_workers: int = 1, pool=None) -> Tuple[Counter, int]:
+    """Word counts and line count of a whole file, the work split by byte ranges among workers."""
+    offsets = find_offsets(path, num_workers)
+    ranges = list(zip(offsets, offsets[1:]))
+    if num_workers <= 1 or len(ranges) <= 1:
+        return count_words_range(path, 0, offsets[-1])
+    with maybe_pool(pool, num_workers - 1) as p:
+        pending = [p.apply_async(count_words_range, (path, s, e)) for s, e in ranges[1:]]
+        counter, lines = count_words_range(path, *ranges[0])  # the first range in this process
+        for r in pending:
+            c, n = r.get()
+            counter.update(c)
+            lines += n
+    return counter, lines
+
+
+def build_dictionary(paths: List[str], num_workers: int = 1, threshold: int = -1, nwords: int = -1,
+                     padding_factor: int = 8, pool=None):
+    """A finalized Dictionary counted from text files, as upstream's task.build_dictionary builds it."""
+    from fairseq.data.dictionary import Dictionary
+
+    d = Dictionary()
+    for path in paths:
+        counter, lines = count_words(path, num_workers, pool)
+        counter[d.eos_word] += lines  # upstream counts one </s> per line
+        d.add_counts(counter)
+    d.finalize(threshold=threshold, nwords=nwords, padding_factor=padding_factor)
+    return d
+
+
+# ---- encoding ---------------------------------------------------------------------------------------------
+def encode_block(text: str, indices: Dict[str, int], marked: Dict[str, int], unk: int, eos: int,
+                 unk_word: str) -> Tuple[np.ndarray, np.ndarray, int]:
+    """(token ids int64, sizes per line, words replaced by unk) of a block of whole lines.
+
+    `marked` is `indices` plus `_LINE_MARK -> -1`: line ends become marker tokens, so one split and one
+    lookup pass encode the whole block, and the markers give both the line sizes and the </s> slots.
+    """
+    if not text:
+        return np.zeros(0, np.int64), np.zeros(0, np.int64), 0
+    if not text.endswith("\n"):
+        text += "\n"
+    if _LINE_MARK in text:  # the marker would be ambiguous: encode line by line
+        return _encode_lines(text, indices, unk, eos, unk_word)
+    words = text.replace("\n", " \x00 ").split()
+    ids = np.fromiter(map(marked.get, words, repeat(unk)), dtype=np.int64, count=len(words))
+    ends = np.flatnonzero(ids < 0)
+    sizes = np.diff(ends, prepend=-1)
+    ids[ends] = eos
+    replaced = int(np.count_nonzero(ids == unk))
+    if marked.get(unk_word) == unk:  # the literal <unk> token maps to <unk> but was not replaced
+        replaced -= words.count(unk_word)
+    return ids, sizes, replaced
+
+
+def _encode_lines(text, indices, unk, eos, unk_word):
+    ids: List[int] = []
+    sizes = []
+    replaced = 0
+    get = indices.get
+    for line in text[:-1].split("\n"):
+        words = line.split()
+        line_ids = [get(w, unk) for w in words]
+        replaced += sum(1 for w, i in zip(words, line_ids) if i == unk and w != unk_word)
+        ids.extend(line_ids)
+        ids.append(eos)
+        sizes.append(len(words) + 1)
+    return np.asarray(ids, dtype=np.int64), np.asarray(sizes, dtype=np.int64), replaced
+
+
+def binarize_range(builder, path: str, start: int, end: int, indices: Dict[str, int], unk: int, eos: int,
+                   unk_word: str) -> BinarizeSummary:
+    """Encode bytes [start, end) of `path` into `builder` (one job of `run_jobs_atomically`)."""
+    marked = dict(indices)
+    marked[_LINE_MARK] = -1
+    return _encode_into(builder, path, start, end, indices, marked, unk, eos, unk_word)
+
+
+def _encode_into(builder, path, start, end, indices, marked, unk, eos, unk_word) -> BinarizeSummary:
+    summary = BinarizeSummary()
+    for text in iter_text_blocks(path, start, end):
+        ids, sizes, replaced = encode_block(text, indices, marked, unk, eos, unk_word)
+        builder.add_items(ids.astype(builder.dtype), sizes)
+        summary.num_seq += len(sizes)
+        summary.num_tok += len(ids)
+        summary.num_replaced += replaced
+    return summary
+
+
+def binarize_file(path: str, dictionary, output_prefix: str, num_workers: int = 1, pool=None) -> BinarizeSummary:
+    """Binarize a text file into `output_prefix.bin/.idx` (dtype from the dictionary size, as upstream).
+
+    The result does not depend on `num_workers`. Files appear under their final names only once both
+    are complete: the `.bin` is renamed first, the `.idx` last (a reader needs both).
+    """
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"input file {path} does not exist")
+    dtype = best_fitting_dtype(len(dictionary))
+    offsets = find_offsets(path, max(1, num_workers))
+    common = (dictionary.indices, dictionary.unk_index, dictionary.eos_index, dictionary.unk_word)
+    jobs = [(binarize_range, (path, s, e) + common) for s, e in zip(offsets, offsets[1:])]
+    return run_jobs_atomically(output_prefix, dtype, jobs, pool)
+
+
+# ---- one pass: raw text -> --bpe -> token ids ------------------------------------------------------------
+# `fairseq-preprocess --bpe NAME` equals the two-step route (the encoder script with --keep-empty, then
+# fairseq-preprocess on its output): each line is stripped and encoded, an empty line stays an empty line
+# (`</s>` alone), and the encoded line is split on whitespace exactly as `encode_block` splits the encoded
+# text. An encoder gives, per block of lines, "local" ids of the tokens that split yields and the token of each
+# local id (`symbols`); local ids become dictionary indices through a lookup table, so GPT-2 ids never become
+# text at all, and building the dictionary counts local ids (np.bincount) instead of strings.
+
+_LINE_ENCODERS: Dict[tuple, "LineEncoder"] = {}  # built in the main process before forking the workers
+
+
+class LineEncoder:
+    """Generic: `bpe.encode(line)` per line, tokens split on whitespace, local ids in order of appearance."""
+
+    def __init__(self, bpe):
+        from collections import defaultdict
+
+        self.bpe = bpe
+        self._ids: Dict[str, int] = defaultdict()
+        self._ids.default_factory = self._ids.__len__
+
+    def symbols(self) -> List[str]:
+        return list(self._ids)
+
+    def _local_ids(self, words: List[str]) -> np.ndarray:
+        # A missing word gets the next id: the table's default factory is its own length.
+        return np.fromiter(map(self._ids.__getitem__, words), dtype=np.int64, count=len(words))
+
+    def encoded_lines(self, lines: List[str]) -> List[str]:
+        return [self.bpe.encode(line) if line else "" for line in lines]
+
+    def encode(self, lines: List[str]) -> Tuple[np.ndarray, np.ndarray]:
+        """(local ids of all lines' tokens, number of tokens per line) of stripped lines."""
+        encoded = self.encoded_lines(lines)
+        per_line = [e.split() for e in encoded]
+        sizes = np.fromiter(map(len, per_line), dtype=np.int64, count=len(per_line))
+        words = [w for ws in per_line for w in ws]
+        return self._local_ids(words), sizes
+
+
+class SentencepieceLineEncoder(LineEncoder):
+    """--bpe sentencepiece: spm_encode.py's pieces (`sp.Encode(lines, out_type=str)`), as the two-step route
+    joins and splits them. Lines are encoded to sentencepiece ids (local ids 0..V-1: the pieces); a line with
+    an id whose text is not that piece alone (an unknown piece, shown as its surface text, or a piece that
+    holds whitespace, which the two-step route splits) is encoded again as text, its tokens getting ids from V."""
+
+    def __init__(self, bpe):
+        super().__init__(bpe)
+        sp = bpe.sp
+        self._pieces = [sp.IdToPiece(i) for i in range(sp.GetPieceSize())]
+        self._safe = np.array([p.split() == [p] and not sp.IsUnknown(i) for i, p in enumerate(self._pieces)],
+                              dtype=bool)
+        self._ids.default_factory = lambda: len(self._ids) + len(self._pieces)
+
+    def symbols(self) -> List[str]:
+        return self._pieces + list(self._ids)
+
+    def encoded_lines(self, lines: List[str]) -> List[str]:
+        todo = [line for line in lines if line]
+        pieces = iter(self.bpe.sp.Encode(todo, out_type=str, enable_sampling=self.bpe.enable_sampling,
+                                         alpha=self.bpe.alpha) if todo else [])
+        return [" ".join(next(pieces)) if line else "" for line in lines]
+
+    def encode(self, lines):
+        from itertools import chain
+
+        todo = [line for line in lines if line]
+        encoded = self.bpe.sp.Encode(todo, out_type=int, enable_sampling=self.bpe.enable_sampling,
+                                     alpha=self.bpe.alpha) if todo else []
+        sizes = np.zeros(len(lines), dtype=np.int64)
+        nonempty = [i for i, line in enumerate(lines) if line]
+        sizes[nonempty] = np.fromiter(map(len, encoded), dtype=np.int64, count=len(encoded))
+        ids = np.fromiter(chain.from_iterable(encoded), dtype=np.int64, count=int(sizes.sum()))
+        if self._safe[ids].all():
+            return ids, sizes
+        # Some lines need their text: re-encode those as spm_encode.py writes them and split.
+        per_line = np.split(ids, np.cumsum(sizes)[:-1])
+        for k, line_ids in enumerate(per_line):
+            if not self._safe[line_ids].all():
+                words = self.encoded_lines([lines[k]])[0].split()
+                per_line[k] = self._local_ids(words)
+                sizes[k] = len(words)
+        return np.concatenate(per_line) if per_line else ids, sizes
+
+
+class GPT2LineEncoder(LineEncoder):
+    """--bpe gpt2: local ids are GPT-2 ids (their tokens are the ids' decimal forms, as the encoder script
+    writes them)."""
+
+    def __init__(self, bpe):
+        super().__init__(bpe)
+        self.encoder = bpe.bpe
+        self._n = max(self.encoder.encoder.values()) + 1
+
+    def symbols(self) -> List[str]:
+        return [str(i) for i in range(self._n)]
+
+    def encode(self, lines):
+        return self.encoder.encode_lines_to_ids(lines, check=False)
+
+
+def make_line_encoder(bpe) -> LineEncoder:
+    from fairseq.data.encoders.gpt2_bpe import GPT2BPE
+    from fairseq.data.encoders.sentencepiece_bpe import SentencepieceBPE
+
+    if isinstance(bpe, GPT2BPE):
+        return GPT2LineEncoder(bpe)
+    if isinstance(bpe, SentencepieceBPE):
+        return SentencepieceLineEncoder(bpe)
+    return LineEncoder(bpe)
+
+
+def register_line_encoder(spec: tuple, bpe) -> None:
+    """Make the encoder for `spec` (hashable: the scheme's name and config values) available to this process
+    and to workers forked after this call."""
+    _LINE_ENCODERS[spec] = make_line_encoder(bpe)
+
+
+def _line_encoder(spec: tuple) -> LineEncoder:
+    if spec not in _LINE_ENCODERS:  # a spawned worker: build it from the config values
+        from fairseq.data.encoders import build_bpe
+
+        name, values = spec
+        _LINE_ENCODERS[spec] = make_line_encoder(build_bpe(dict(values, _name=name)))
+    return _LINE_ENCODERS[spec]
+
+
+def bpe_spec(bpe_cfg) -> tuple:
+    """Hashable description of a --bpe config (its name and field values)."""
+    import dataclasses as dc
+
+    values = tuple(sorted((f.name, getattr(bpe_cfg, f.name)) for f in dc.fields(bpe_cfg) if not f.name.startswith("_")))
+    return (bpe_cfg._name, values)
+
+
+def _iter_encoded(path: str, start: int, end: int, encoder: LineEncoder) -> Iterator[Tuple[np.ndarray, np.ndarray]]:
+    """(local ids, tokens per line) for each block of bytes [start, end) of `path`: lines stripped, as the
+    encoder scripts strip them, and encoded."""
+    for text in iter_text_blocks(path, start, end):
+        lines = text.split("\n")
+        if lines[-1] == "":
+            lines.pop()
+        yield encoder.encode([line.strip() for line in lines])
+
+
+class _Table:
+    """local id -> dictionary index (and whether that is a replacement by <unk>), grown as symbols appear."""
+
+    def __init__(self, encoder: LineEncoder, indices: Dict[str, int], unk: int, unk_word: str):
+        self.encoder, self.indices, self.unk, self.unk_word = encoder, indices, unk, unk_word
+        self.index = np.zeros(0, dtype=np.int64)
+        self.replaced = np.zeros(0, dtype=bool)
+
+    def update(self, symbols: Optional[List[str]] = None):
+        symbols = self.encoder.symbols() if symbols is None else symbols
+        if len(symbols) > len(self.index):
+            new = symbols[len(self.index):]
+            idx = np.fromiter((self.indices.get(s, self.unk) for s in new), dtype=np.int64, count=len(new))
+            rep = (idx == self.unk) & np.fromiter((s != self.unk_word for s in new), dtype=bool, count=len(new))
+            self.index = np.concatenate([self.index, idx])
+            self.replaced = np.concatenate([self.replaced, rep])
+
+
+def _add_mapped(builder, summary: BinarizeSummary, local: np.ndarray, sizes: np.ndarray, table: _Table,
+                eos: int) -> None:
+    """Append lines given as local ids (`sizes` tokens each, no </s>) as dictionary indices plus </s>."""
+    if len(sizes) == 0:
+        return
+    if len(local) and int(local.max()) >= len(table.index):
+        table.update()
+    out_sizes = sizes + 1
+    ends = np.cumsum(out_sizes) - 1
+    out = np.full(int(ends[-1]) + 1 if len(ends) else 0, eos, dtype=np.int64)
+    keep = np.ones(len(out), dtype=bool)
+    keep[ends] = False
+    out[keep] = table.index[local]
+    builder.add_items(out.astype(builder.dtype), out_sizes)
+    summary.num_seq += len(sizes)
+    summary.num_tok += len(out)
+    summary.num_replaced += int(np.count_nonzero(table.replaced[local]))
+
+
+def encode_binarize_range(builder, path: str, start: int, end: int, spec: tuple, indices: Dict[str, int], unk: int,
+                          eos: int, unk_word: str) -> BinarizeSummary:
+    """Raw text bytes [start, end) of `path`, encoded with `spec`'s --bpe, into `builder`."""
+    encoder = _line_encoder(spec)
+    table = _Table(encoder, indices, unk, unk_word)
+    summary = BinarizeSummary()
+    for local, sizes in _iter_encoded(path, start, end, encoder):
+        _add_mapped(builder, summary, local, sizes, table, eos)
+    return summary
+
+
+def count_encode_range(path: str, start: int, end: int, spec: tuple, cache_prefix: str):
+    """Encode raw text bytes [start, end) once: the local ids and line sizes go to `cache_prefix`.ids/.sizes
+    (int32, to be binarized once the dictionary exists) and the token counts come back, with the line count."""
+    encoder = _line_encoder(spec)
+    counts = np.zeros(0, dtype=np.int64)
+    lines = 0
+    with open(cache_prefix + ".ids", "wb") as fi, open(cache_prefix + ".sizes", "wb") as fs:
+        for local, sizes in _iter_encoded(path, start, end, encoder):
+            block_counts = np.bincount(local)
+            if len(block_counts) > len(counts):
+                counts = np.concatenate([counts, np.zeros(len(block_counts) - len(counts), np.int64)])
+            counts[: len(block_counts)] += block_counts
+            local.astype(np.int32).tofile(fi)
+            sizes.astype(np.int32).tofile(fs)
+            lines += len(sizes)
+    symbols = encoder.symbols()
+    counter: Counter = Counter()
+    for i in np.flatnonzero(counts):  # (a token can have two local ids: a piece and the same text re-encoded)
+        counter[symbols[i]] += int(counts[i])
+    return counter, lines, (cache_prefix, symbols if not isinstance(encoder, GPT2LineEncoder) else None)
+
+
+CACHE_LINES = 1 << 16  # lines of a cached range mapped at once
+
+
+def binarize_cached_range(builder, cache: tuple, spec: tuple, indices: Dict[str, int], unk: int, eos: int,
+                          unk_word: str) -> BinarizeSummary:
+    """Binarize a range cached by `count_encode_range` into `builder`."""
+    cache_prefix, symbols = cache
+    encoder = _line_encoder(spec)
+    table = _Table(encoder, indices, unk, unk_word)
+    table.update(symbols)
+    summary = BinarizeSummary()
+    def mapped(ext):  # read in slices: memory stays bounded whatever the range's size
+        path = cache_prefix + ext
+        return np.memmap(path, dtype=np.int32, mode="r") if os.path.getsize(path) else np.zeros(0, np.int32)
+
+    sizes_all, ids_all = mapped(".sizes"), mapped(".ids")
+    pos = 0
+    for a in range(0, len(sizes_all), CACHE_LINES):
+        sizes = np.asarray(sizes_all[a:a + CACHE_LINES], dtype=np.int64)
+        n = int(sizes.sum())
+        _add_mapped(builder, summary, np.asarray(ids_all[pos:pos + n], dtype=np.int64), sizes, table, eos)
+        pos += n
+    del sizes_all, ids_all
+    return summary
+
+
+def remove_cache(cache: tuple) -> None:
+    for ext in (".ids", ".sizes"):
+        if os.path.exists(cache[0] + ext):
+            os.remove(cache[0] + ext)
+
+
+def build_dictionary_encoded(path: str, spec: tuple, cache_stem: str, num_workers: int = 1, threshold: int = -1,
+                             nwords: int = -1, padding_factor: int = 8, pool=None):
+    """(Dictionary, caches): the dictionary of `path` as encoded by `spec` (what build_dictionary gives on the
+    encoder script's output), and the encoded ranges cached for `binarize_file_encoded(caches=...)`. The
+    caller removes the caches (`remove_cache`)."""
+    from fairseq.data.dictionary import Dictionary
+
+    offsets = find_offsets(path, max(1, num_workers))
+    ranges = list(zip(offsets, offsets[1:]))
+    prefixes = [f"{cache_stem}.c{k}" for k in range(len(ranges))]
+    caches = [(p, None) for p in prefixes]
+    pending = []
+    try:
+        with maybe_pool(pool if len(ranges) > 1 else False, len(ranges) - 1) as p:
+            pending = [p.apply_async(count_encode_range, (path, s, e, spec, c))
+                       for (s, e), c in zip(ranges[1:], prefixes[1:])]
+            results = [count_encode_range(path, *ranges[0], spec, prefixes[0])]
+            results += [r.get() for r in pending]
+    except BaseException as err:
+        settle(pool, pending, err)  # a caller's pool: our tasks end before their files are removed
+        for c in caches:
+            remove_cache(c)
+        raise
+    d = Dictionary()
+    counter: Counter = Counter()
+    lines = 0
+    caches = []
+    for c, n, cache in results:
+        counter.update(c)
+        lines += n
+        caches.append(cache)
+    counter[d.eos_word] += lines
+    d.add_counts(counter)
+    d.finalize(threshold=threshold, nwords=nwords, padding_factor=padding_factor)
+    return d, caches
+
+
+def binarize_file_encoded(path: str, dictionary, output_prefix: str, spec: tuple, num_workers: int = 1, pool=None,
+                          caches: Optional[List[tuple]] = None) -> BinarizeSummary:
+    """`binarize_file` of `path` as encoded by `spec`'s --bpe (one pass, no encoded text written), or of the
+    ranges `build_dictionary_encoded` cached. Byte-identical to binarizing the encoder script's output."""
+    if caches is None and not os.path.isfile(path):
+        raise FileNotFoundError(f"input file {path} does not exist")
+    dtype = best_fitting_dtype(len(dictionary))
+    common = (spec, dictionary.indices, dictionary.unk_index, dictionary.eos_index, dictionary.unk_word)
+    if caches is not None:
+        jobs = [(binarize_cached_range, (cache,) + common) for cache in caches]
+    else:
+        offsets = find_offsets(path, max(1, num_workers))
+        jobs = [(encode_binarize_range, (path, s, e) + common) for s, e in zip(offsets, offsets[1:])]
+    return run_jobs_atomically(output_prefix, dtype, jobs, pool)
+
+
+
+_UPSTREAM_CLASSES = ("AlignmentDatasetBinarizer", "Binarizer", "FileBinarizer", "VocabularyDatasetBinarizer")
+
+
+def __getattr__(name):
+    # Upstream's binarizer classes, under their upstream module name (defined in fairseq.preprocessing.line_binarizers).
+    if name in _UPSTREAM_CLASSES:
+        from fairseq.preprocessing import line_binarizers
+
+        return getattr(line_binarizers, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,1 @@
+"""Training: the trainer (orchestration), one update, precision, preemption, the batch iterators."""

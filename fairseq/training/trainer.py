@@ -1,0 +1,301 @@
+"""The trainer orchestrates: it owns the model, optimizer, scheduler and precision, and delegates the
+update (fairseq.training.train_step), parallelism (fairseq.distributed.parallelize), checkpoint I/O
+(fairseq.checkpoint) and memory statistics (fairseq.logging.memory) to their modules."""
+
+import logging
+import math
+import time
+from typing import TYPE_CHECKING, Any, Dict, List, Optional
+
+import torch
+
+from fairseq.distributed import float8
+from fairseq.data.batching import resolve_limit
+from fairseq.distributed.parallelize import parallelize_model, unwrap_model
+from fairseq.distributed.utils import get_data_parallel_group, get_data_parallel_world_size, get_world_size
+from fairseq.optim import build_optimizer
+from fairseq.optim.lr_scheduler import build_lr_scheduler
+from fairseq.training.precision import Precision
+from fairseq.logging.logging_outputs import LoggingOutputSums
+from fairseq.logging.memory import CudaMemoryStats
+from fairseq.logging.profiler import UpdateProfiler
+from fairseq.logging.throughput import Throughput, default_peak_tflops
+from fairseq.training.train_step import run_update, run_valid_step
+
+# torch.distributed.checkpoint.state_dict is imported by the methods that use it: importing it costs ~1.5 s,
+# which every process importing the trainer would pay before reading a flag.
+if TYPE_CHECKING:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+logger = logging.getLogger("fairseq.training.trainer")  # its name before the move: log lines unchanged
+
+# Per-update statistics that every rank computes identically (the gradient norm is global).
+REPLICATED_STATS = ("gnorm", "clip", "updates", "overflows")
+
+
+def select_device(cfg) -> torch.device:
+    if cfg.common.cpu or not torch.cuda.is_available():
+        return torch.device("cpu")
+    return torch.device("cuda", cfg.distributed_training.device_id)
+
+
+class Trainer:
+    def __init__(self, cfg, task, model, criterion):
+        self.cfg = cfg
+        self.task = task
+        self.device = select_device(cfg)
+        self.is_sharded = cfg.distributed_training.ddp_backend == "fully_sharded"
+        self.criterion = criterion.to(self.device)
+        if cfg.distributed_training.compile and hasattr(self.criterion, "compile_loss"):
+            self.criterion.compile_loss()  # the layers are compiled by parallelize_model
+        self.throughput = _throughput(cfg, model, self.device, get_world_size())
+        # Longest item the model accepts (upstream filters longer ones out of every batch iterator).
+        self.max_positions = resolve_limit(task.max_positions(), model.max_positions())
+        self.memory_stats = CudaMemoryStats.for_device(self.device)
+        self.profiler = UpdateProfiler.from_config(cfg, self.device)  # --profile-updates; fairseq_cli.train drives it
+        self.model = parallelize_model(model, cfg, self.device)
+        # Read after parallelize_model built the mesh: the ranks of a tensor-parallel group share one batch.
+        self.data_parallel_size = get_data_parallel_world_size()
+        self._float8_scales = float8.needs_scale_precompute(cfg)
+        self.precision = Precision(
+            cfg.common, self.device, sharded=self.is_sharded, data_parallel_size=self.data_parallel_size,
+            update_freq=cfg.optimization.update_freq[0],
+        )
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = build_optimizer(cfg.optimizer, params, cfg.optimization)
+        self.lr_scheduler = build_lr_scheduler(cfg.lr_scheduler, self.optimizer, cfg.optimization)
+        self.num_updates = 0
+        self.train_stats = LoggingOutputSums()
+        self.valid_stats = LoggingOutputSums()
+        self.previous_training_time = 0.0  # wall-clock seconds of earlier runs of this training (checkpoint)
+        self._start_time = time.time()
+        self._interval_train_time = 0.0  # seconds inside train steps this log interval (train_wall)
+        # Updates whose gradient norm was inf/nan (fp16 skips them; otherwise they are applied): counted on
+        # the device, read before any checkpoint is written so that none holds diverged weights.
+        self._nonfinite_updates = torch.zeros((), device=self.device)
+
+    # ---------------------------------------------------------------- training
+    def prepare_sample(self, sample: dict, batch_source) -> dict:
+        """Move a batch to the device. An empty batch pads a rank that ran out of data: it becomes a dummy
+        batch (a real one, weighted 0) so every rank joins the same collectives."""
+        if not sample:
+            sample = dict(batch_source.first_batch, is_dummy=True)
+        return move_to_device(sample, self.device)
+
+    def train_step(self, samples: List[dict], batch_source) -> None:
+        """One update; sets the seed from the update count (upstream's rule), so that a resumed run draws
+        the same dropout masks as an uninterrupted one."""
+        torch.manual_seed(self.cfg.common.seed + self.num_updates)
+        start = time.perf_counter()
+        samples = [self.prepare_sample(s, batch_source) for s in samples]
+        grad_norm = run_update(
+            self.model, self.criterion, self.optimizer, self.precision, samples, self.train_stats,
+            clip_norm=self.cfg.optimization.clip_norm, sentence_avg=self.cfg.optimization.sentence_avg,
+            device=self.device, data_parallel_size=self.data_parallel_size,
+        )
+        if grad_norm is not None and self._float8_scales:
+            float8.after_optimizer_step(self.model)
+        if grad_norm is not None or self.precision.scaler is None:
+            self.num_updates += 1
+            self.lr_scheduler.step_update(self.num_updates)
+            if self.ema is not None:  # --store-ema
+                self.ema.step(unwrap_model(self.model), self.num_updates)
+            self._nonfinite_updates += (~torch.isfinite(grad_norm)).float()
+        self._interval_train_time += time.perf_counter() - start
+        if self.cfg.common.empty_cache_freq > 0 and self.num_updates % self.cfg.common.empty_cache_freq == 0:
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+
+    @property
+    def ema(self):
+        """--store-ema's moving average (fairseq.models.ema.EMA; None without the flag), built from the weights
+        on first use, as upstream: after a resumed checkpoint's weights are loaded, else at the first update.
+        Under FSDP2 it is sharded like the parameters."""
+        if getattr(self, "_ema", None) is None and getattr(getattr(self.cfg, "ema", None), "store_ema", False):
+            from fairseq.models.ema import build_ema
+
+            self._ema = build_ema(unwrap_model(self.model), self.cfg.ema, self.device)
+        return getattr(self, "_ema", None)
+
+    def cumulative_training_time(self) -> float:
+        """Wall-clock seconds of this training so far, earlier (resumed) runs included."""
+        return self.previous_training_time + time.time() - self._start_time
+
+    def check_weights_finite(self) -> None:
+        """Raise at a log boundary or before a checkpoint if any update applied an inf/nan gradient (one sync)."""
+        bad = int(self._nonfinite_updates.item())
+        if bad:
+            raise FloatingPointError(
+                f"the gradient norm was inf/nan in {bad} update(s) by update {self.num_updates}; the weights are "
+                "no longer finite, so no checkpoint was written. Lower --lr, set --clip-norm, or use --bf16 "
+                "instead of --fp16, and resume from the last checkpoint."
+            )
+
+    def read_train_stats(self) -> Dict[str, float]:
+        """Interval statistics, read with one transfer and one all-reduce; raises on a non-finite loss."""
+        sums = self.train_stats.reduce(group=get_data_parallel_group(), all_reduce=True, device=self.device)
+        for key in REPLICATED_STATS:  # the same on every rank: undo the sum over ranks
+            if key in sums:
+                sums[key] /= self.data_parallel_size
+        sums["train_wall"] = self._interval_train_time
+        self._interval_train_time = 0.0
+        check_finite(sums, self.num_updates)
+        self.check_weights_finite()
+        return sums
+
+    def valid_step(self, sample: dict, batch_source) -> None:
+        sample = self.prepare_sample(sample, batch_source)
+        run_valid_step(self.model, self.criterion, self.precision, sample, self.valid_stats)
+
+    def read_valid_stats(self) -> Dict[str, float]:
+        return self.valid_stats.reduce(group=get_data_parallel_group(), all_reduce=True, device=self.device)
+
+    def step_epoch_end(self, epoch: int, val_loss: Optional[float]) -> None:
+        self.lr_scheduler.step(epoch, val_loss)
+
+    def begin_epoch(self, epoch: int) -> None:
+        self.lr_scheduler.step_begin_epoch(epoch)
+
+    # ---------------------------------------------------------------- state
+    def _state_dict_options(self, full: bool) -> "StateDictOptions":
+        from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+        return StateDictOptions(full_state_dict=full, cpu_offload=full)
+
+    def model_and_optimizer_state(self, full: bool = True):
+        """Model and optimizer state keyed by parameter names (so they load on any world size).
+        With `full`, FSDP gathers everything to rank 0 (other ranks get empty dicts)."""
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        model_state, optim_state = get_state_dict(self.model, self.optimizer, options=self._state_dict_options(full))
+        return model_state, optim_state
+
+    def load_model_and_optimizer_state(self, model_state, optim_state, full: bool = True) -> None:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_state_dict
+
+        options = self._state_dict_options(full)
+        options = StateDictOptions(full_state_dict=options.full_state_dict, strict=True)
+        if optim_state is None:
+            set_model_state_dict(self.model, model_state, options=options)
+        else:
+            set_state_dict(self.model, self.optimizer, model_state_dict=model_state, optim_state_dict=optim_state,
+                           options=options)
+
+    def state_dict(self) -> Dict[str, Any]:
+        """Stateful: what an exact resume needs besides model and optimizer, each value once (plain Python
+        values): the update count, the scheduler, the loss scaler and the training time so far."""
+        return {
+            "num_updates": self.num_updates,
+            "lr_scheduler": self.lr_scheduler.state_dict(),
+            "loss_scaler": self.precision.state_dict(),
+            "train_time": self.cumulative_training_time(),
+        }
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        """Stateful. A key left out keeps its current value: the checkpoint manager leaves out the update count
+        and the scheduler for --reset-optimizer, the scheduler for --reset-lr-scheduler."""
+        if "num_updates" in state:
+            self.num_updates = state["num_updates"]
+        if "lr_scheduler" in state:
+            self.lr_scheduler.load_state_dict(state["lr_scheduler"])
+        self.precision.load_state_dict(state.get("loss_scaler", {}))
+        self.previous_training_time = state.get("train_time", 0.0)
+        self._start_time = time.time()
+        self.lr_scheduler.step_update(self.num_updates)
+
+    @property
+    def component_names(self) -> Dict[str, str]:
+        """Class names of the criterion and the optimizer (upstream records them in every checkpoint)."""
+        return {"criterion": type(self.criterion).__name__, "optimizer": type(self.optimizer).__name__}
+
+    def get_lr(self) -> float:
+        return self.optimizer.param_groups[0]["lr"]
+
+    # ---------------------------------------------------------------- upstream's Trainer API (checkpoint_utils)
+    # Thin layers over fairseq.checkpoint.manager (the one restore) and fairseq.training.batch_iterators (the one
+    # iterator builder), for scripts that drive training from Python as upstream's train.py does.
+    @property
+    def checkpoint_manager(self):
+        """The CheckpointManager of this trainer's config that upstream's `checkpoint_utils.load_checkpoint` /
+        `save_checkpoint` go through (it tracks the best validation value between them)."""
+        if getattr(self, "_checkpoint_manager", None) is None:
+            from fairseq.checkpoint.manager import CheckpointManager
+
+            self._checkpoint_manager = CheckpointManager(self.cfg)
+        return self._checkpoint_manager
+
+    @property
+    def checkpoint_suffix(self) -> str:
+        """--checkpoint-suffix (a sharded checkpoint is one directory: no per-rank suffix)."""
+        return self.cfg.checkpoint.checkpoint_suffix or ""
+
+    def get_num_updates(self) -> int:
+        return self.num_updates
+
+    def lr_step(self, epoch: int, val_loss: Optional[float] = None) -> float:
+        """The scheduler's end-of-epoch step; returns the learning rate."""
+        self.step_epoch_end(epoch, val_loss)
+        return self.get_lr()
+
+    def load_checkpoint(self, filename: str, reset_optimizer: bool = False, reset_lr_scheduler: bool = False,
+                        optimizer_overrides: Optional[Dict[str, Any]] = None, reset_meters: bool = False
+                        ) -> Optional[Dict[str, Any]]:
+        """Upstream's: load the checkpoint `filename` (a file or sharded directory) into model, optimizer and
+        this trainer (the --reset-* semantics of fairseq-train) and, when it was written mid-epoch and
+        `reset_meters` is off, the meters. Returns its extra_state ("train_iterator", "val_loss", "best", ...;
+        the caller positions the iterator), or None when `filename` does not exist. `optimizer_overrides`
+        ({"lr": ...}) update every parameter group of the loaded optimizer."""
+        from fairseq.checkpoint.manager import Resets, restore_saved_meters
+        from fairseq.checkpoint.paths import existing_checkpoint
+        from fairseq.logging import metrics
+
+        path = existing_checkpoint(filename)
+        if path is None:
+            logger.info(f"no existing checkpoint found {filename}")
+            return None
+        manager = self.checkpoint_manager
+        saved = manager.restore(self, path, Resets(optimizer=reset_optimizer, lr_scheduler=reset_lr_scheduler,
+                                                   meters=reset_meters), optimizer_overrides)
+        if reset_optimizer or reset_meters:  # upstream's rule: a fine-tuning start does not inherit the best value
+            manager.best = None
+        restore_saved_meters(saved, metrics)  # (reset_meters: restore left them out)
+        return saved.extra_state
+
+    def get_train_iterator(self, epoch: int, combine: bool = True, load_dataset: bool = True, data_selector=None,
+                           shard_batch_itr: bool = True, disable_iterator_cache: bool = False):
+        """Upstream's: the training batch iterator of `epoch` (fairseq.training.batch_iterators.trainer_iterator, as
+        fairseq-train builds it; `combine` reads train, train1, ... as one split)."""
+        from fairseq.training.batch_iterators import trainer_iterator
+
+        return trainer_iterator(self.cfg, self.task, self, epoch, combine=combine, load_dataset=load_dataset,
+                                data_selector=data_selector, shard=shard_batch_itr,
+                                disable_iterator_cache=disable_iterator_cache)
+
+
+def _throughput(cfg, model, device, world_size) -> Optional[Throughput]:
+    """tflops/mfu for models that know their FLOPs per token (the model contract's flops_per_token)."""
+    seq_len = getattr(cfg.task, "tokens_per_sample", None)  # plug-in tasks may have no such option
+    model_flops = model.flops_per_token(seq_len) if seq_len else None
+    if not model_flops:
+        return None
+    peak = cfg.common.peak_tflops or default_peak_tflops(device)
+    return Throughput(model_flops, world_size, peak)
+
+
+def move_to_device(obj, device: torch.device):
+    if isinstance(obj, torch.Tensor):
+        return obj.to(device, non_blocking=True)
+    if isinstance(obj, dict):
+        return {k: move_to_device(v, device) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(move_to_device(v, device) for v in obj)
+    return obj
+
+
+def check_finite(sums: Dict[str, float], num_updates: int) -> None:
+    loss = sums.get("loss")
+    if loss is not None and not math.isfinite(loss):
+        raise FloatingPointError(
+            f"the training loss became {loss} by update {num_updates}. Lower --lr or raise --warmup-updates, "
+            "set --clip-norm, or use --bf16 instead of --fp16; resume from the last good checkpoint."
+        )

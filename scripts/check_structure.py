@@ -1,0 +1,202 @@
+#!/usr/bin/env python
+"""The package's structure, measured from its source (no import is run): import circles, imports that run up
+the layers of docs/ARCHITECTURE.md, loose modules at the fairseq/ root, long files and functions, and
+`getattr(cfg..., "name", ...)` reads of typed config fields.
+
+    python scripts/check_structure.py            # a table of the counts and each finding; exit 1 over a limit
+
+Imports inside functions count like top-level ones: a deferred import that closes a circle is still a circle.
+tests/unit/test_structure.py runs this in the CPU suite.
+"""
+
+import argparse
+import ast
+import os
+import sys
+from collections import defaultdict
+from typing import Dict, Iterator, List, Set, Tuple
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PACKAGES = ("fairseq", "fairseq_cli")
+
+# Layers, lowest first: a module may import its own layer and those below. The most specific prefix wins.
+# docs/ARCHITECTURE.md draws the same table.
+LAYERS: List[Tuple[str, Tuple[str, ...]]] = [
+    ("foundation", ("fairseq", "fairseq.registry", "fairseq.dataclass", "fairseq.logging", "fairseq.kernels",
+                    "fairseq.distributed.env", "fairseq.distributed.utils", "fairseq.distributed.mesh",
+                    "fairseq.distributed.dtensor")),
+    ("data", ("fairseq.data", "fairseq.preprocessing")),
+    ("modules", ("fairseq.modules", "fairseq.optim", "fairseq.criterions")),
+    ("models", ("fairseq.models",)),
+    ("tasks", ("fairseq.tasks",)),
+    ("distributed, checkpoint", ("fairseq.distributed", "fairseq.checkpoint")),
+    ("training, generation, export, planning", ("fairseq.training", "fairseq.generation", "fairseq.export",
+                                                "fairseq.planning", "fairseq.options")),
+    ("entry points", ("fairseq_cli",)),
+    ("upstream compatibility", ("fairseq.compat",)),
+]
+
+LIMITS = {"circles": 0, "upward imports": 4, "root modules over 40 lines": 8, "files over 600 lines": 0,
+          "functions over 80 lines": 0, "getattr(cfg, literal) reads": 10}
+
+
+def module_files(root: str) -> Dict[str, str]:
+    mods = {}
+    for package in PACKAGES:
+        for directory, _, files in os.walk(os.path.join(root, package)):
+            for name in files:
+                if name.endswith(".py"):
+                    path = os.path.join(directory, name)
+                    module = os.path.relpath(path, root)[:-3].replace(os.sep, ".")
+                    mods[module[: -len(".__init__")] if module.endswith(".__init__") else module] = path
+    return mods
+
+
+def imported_modules(module: str, path: str, tree: ast.AST, mods: Dict[str, str]) -> Iterator[Tuple[str, int]]:
+    """(module imported, line) for every import in the file, inside functions too."""
+
+    def known(name: str):
+        while name and name not in mods:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    package = module if path.endswith("__init__.py") else module.rpartition(".")[0]
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package
+                for _ in range(node.level - 1):
+                    anchor = anchor.rpartition(".")[0]
+                base = anchor + ("." + base if base else "")
+            names = [f"{base}.{alias.name}" if f"{base}.{alias.name}" in mods else base for alias in node.names]
+        else:
+            continue
+        for name in names:
+            if name.split(".")[0] in PACKAGES:
+                target = known(name)
+                if target and target != module:
+                    yield target, node.lineno
+
+
+def layer_of(module: str) -> int:
+    best, best_len = None, -1
+    for index, (_, prefixes) in enumerate(LAYERS):
+        for prefix in prefixes:
+            if (module == prefix or module.startswith(prefix + ".")) and len(prefix) > best_len:
+                best, best_len = index, len(prefix)
+    return best if best is not None else 0
+
+
+def circles(graph: Dict[str, Set[str]]) -> List[List[str]]:
+    """Strongly connected components of more than one module (Tarjan, iterative)."""
+    index, low, stack, on_stack, found, counter = {}, {}, [], set(), [], [0]
+    for start in sorted(graph):
+        if start in index:
+            continue
+        work = [(start, iter(sorted(graph[start])))]
+        index[start] = low[start] = counter[0]
+        counter[0] += 1
+        stack.append(start)
+        on_stack.add(start)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = counter[0]
+                    counter[0] += 1
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(graph.get(child, ())))))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.append(member)
+                    if member == node:
+                        break
+                if len(component) > 1:
+                    found.append(sorted(component))
+    return found
+
+
+def long_functions(path: str, tree: ast.AST, limit: int = 80) -> Iterator[str]:
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            length = node.end_lineno - node.lineno + 1
+            if length > limit:
+                yield f"{path}:{node.lineno} {node.name} ({length} lines)"
+
+
+def cfg_getattr_reads(path: str, tree: ast.AST) -> Iterator[str]:
+    """getattr(<an expression mentioning cfg or args>, "literal", ...) calls."""
+    for node in ast.walk(tree):
+        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "getattr"
+                and len(node.args) >= 2 and isinstance(node.args[1], ast.Constant)
+                and isinstance(node.args[1].value, str)):
+            target = ast.unparse(node.args[0])
+            if "cfg" in target.split(".")[0].lower():
+                yield f"{path}:{node.lineno} getattr({target}, {node.args[1].value!r})"
+
+
+def measure(root: str = ROOT) -> Dict[str, List[str]]:
+    mods = module_files(root)
+    graph: Dict[str, Set[str]] = defaultdict(set)
+    findings: Dict[str, List[str]] = {key: [] for key in LIMITS}
+    for module, path in sorted(mods.items()):
+        rel = os.path.relpath(path, root)
+        with open(path, encoding="utf-8") as f:
+            source = f.read()
+        tree = ast.parse(source, filename=rel)
+        lines = source.count("\n")
+        for target, line in imported_modules(module, path, tree, mods):
+            if target in graph[module]:
+                continue  # one finding per pair of modules
+            graph[module].add(target)
+            if layer_of(target) > layer_of(module):
+                findings["upward imports"].append(
+                    f"{rel}:{line} {module} ({LAYERS[layer_of(module)][0]}) -> {target} "
+                    f"({LAYERS[layer_of(target)][0]})")
+        loose = module.count(".") == 1 and module.startswith("fairseq.") and not path.endswith("__init__.py")
+        if loose and lines > 40:
+            findings["root modules over 40 lines"].append(f"{rel} ({lines} lines)")
+        if lines > 600:
+            findings["files over 600 lines"].append(f"{rel} ({lines} lines)")
+        findings["functions over 80 lines"].extend(long_functions(rel, tree))
+        findings["getattr(cfg, literal) reads"].extend(cfg_getattr_reads(rel, tree))
+    findings["circles"] = [" <-> ".join(component) for component in circles(graph)]
+    return findings
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--root", default=ROOT, help="the checkout to measure (default: this one)")
+    args = parser.parse_args(argv)
+    findings = measure(args.root)
+    over = False
+    print(f"{'what':32s} {'count':>6s} {'limit':>6s}")
+    for key, limit in LIMITS.items():
+        flag = "" if len(findings[key]) <= limit else "  OVER"
+        over |= bool(flag)
+        print(f"{key:32s} {len(findings[key]):6d} {limit:6d}{flag}")
+    for key, items in findings.items():
+        if items:
+            print(f"\n{key}:")
+            for item in items:
+                print(f"  {item}")
+    return 1 if over else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
