@@ -8,6 +8,7 @@ flags and parses everything, rejecting unknown flags.
 import argparse
 import dataclasses
 import sys
+import textwrap
 from typing import List, Optional
 
 from fairseq import registry
@@ -40,6 +41,11 @@ COMPONENTS = (
     ("tokenizer", "tokenizer", TOKENIZER_REGISTRY, None),
 )
 ENCODER_COMPONENTS = ("bpe", "tokenizer")
+
+
+class _HelpFormatter(argparse.HelpFormatter):
+    def _split_lines(self, text, width):  # flags stay whole ("--batch-size-valid", not "--batch-size- valid")
+        return textwrap.wrap(" ".join(text.split()), width, break_on_hyphens=False)
 
 
 class FairseqArgumentParser(argparse.ArgumentParser):
@@ -138,7 +144,7 @@ def _base_parser(description: str, groups: dict, default_task: str, components=(
     if user_args.user_dir:
         import_user_module(user_args.user_dir)
 
-    parser = FairseqArgumentParser(description=description, allow_abbrev=False)
+    parser = FairseqArgumentParser(description=description, allow_abbrev=False, formatter_class=_HelpFormatter)
     parser.set_defaults(_groups=tuple(groups))
     for name, dc in groups.items():
         group = parser.add_argument_group(name.replace("_", " "))
