@@ -229,7 +229,8 @@ def _coerce(where: str, value, tp, default):
     if origin is Literal:
         choices = get_args(inner)
         if value not in choices:
-            raise ValueError(f"{where}={value!r} is not a valid choice; choose one of: {', '.join(map(str, choices))}")
+            raise ValueError(f"{where}={value!r} is not a valid choice{did_you_mean(value, choices)}; choose one of: "
+                             f"{', '.join(map(str, choices))}")
         return value
     if origin in (list, typing.List):
         (item_type,) = get_args(inner) or (Any,)
@@ -324,12 +325,14 @@ def _component_class(attr: str, name: str):
 def _component_dataclass(attr: str, name: str):
     if attr == "model":
         if name not in registry.architectures():
-            raise ValueError(f"model._name={name!r} is not an architecture; choose one of: "
+            raise ValueError(f"model._name={name!r} is not an architecture"
+                             f"{did_you_mean(name, registry.architectures())}; choose one of: "
                              f"{', '.join(registry.architectures())} (or load a plug-in with common.user_dir)")
         return registry.dataclass_of(registry.arch_model(name))
     reg = COMPONENT_REGISTRIES[attr]
     if name not in reg:
-        raise ValueError(f"{attr}._name={name!r} is not a registered {reg.kind}; choose one of: "
+        raise ValueError(f"{attr}._name={name!r} is not a registered {reg.kind}{did_you_mean(name, reg.choices())}; "
+                         "choose one of: "
                          f"{', '.join(reg.choices())} (or load a plug-in with common.user_dir)")
     return reg.dataclass(name)
 
