@@ -146,6 +146,7 @@ def _base_parser(description: str, groups: dict, default_task: str, components=(
 
     parser = FairseqArgumentParser(description=description, allow_abbrev=False, formatter_class=_HelpFormatter)
     parser.set_defaults(_groups=tuple(groups))
+    parser.help_shown = help_shown  # also for the components' groups, added once they are chosen
     for name, dc in groups.items():
         group = parser.add_argument_group(name.replace("_", " "))
         add_dataclass_to_parser(group, dc)
@@ -265,10 +266,14 @@ def _add_component_flags(parser, first, only=None, arch=True):
         if name is None:
             continue
         dc = reg.dataclass(name)  # raises a clear error for an unknown name
+        group = parser.add_argument_group(f"{reg.kind} ({name})")
         if dc is not None:
-            add_dataclass_to_parser(parser.add_argument_group(f"{reg.kind} ({name})"), dc)
+            add_dataclass_to_parser(group, dc)
         elif hasattr(reg.get(name), "add_args"):  # upstream's legacy components (LegacyFairseqTask, ...)
-            reg.get(name).add_args(parser.add_argument_group(f"{reg.kind} ({name})"))
+            reg.get(name).add_args(group)
+        help_shown = getattr(parser, "help_shown", None)
+        if help_shown is not None and attr not in help_shown["components"]:  # e.g. eval-lm's default scheduler
+            _hide_in_help(group._group_actions, ())
     if not arch or getattr(first, "arch", None) is None:
         return False
     model_cls = registry.arch_model(first.arch)  # raises for an unknown --arch

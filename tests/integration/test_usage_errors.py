@@ -81,14 +81,14 @@ def help_text(name):
 
 TRAINING_ONLY = ("--lr-scheduler", "--optimizer", "--lr ", "--fsdp-sync-free", "--save-interval-updates",
                  "--save-dir", "--ddp-backend", "--max-update", "--ema-decay", "--tensorboard-logdir",
-                 "--train-subset", "--update-freq")
+                 "--train-subset", "--update-freq", "--warmup-updates", "--force-anneal", "--adam-betas")
 
 
 @pytest.mark.parametrize("name, shown, most_lines", [
     ("fairseq-generate", ("--beam", "--sampling-topk", "--text-only", "--path", "--results-path", "--remove-bpe",
-                          "--gen-subset", "--max-tokens", "--bpe", "--tokens-per-sample", "--seed"), 200),
+                          "--gen-subset", "--max-tokens", "--bpe", "--tokens-per-sample", "--seed"), 250),
     ("fairseq-interactive", ("--beam", "--sampling-topp", "--input", "--buffer-size", "--path", "--remove-bpe",
-                             "--bpe"), 200),
+                             "--bpe"), 250),
     ("fairseq-eval-lm", ("--path", "--context-window", "--output-word-probs", "--remove-bpe", "--results-path",
                          "--gen-subset", "--max-tokens"), 150),
     ("fairseq-validate", ("--path", "--valid-subset", "--criterion", "--max-tokens", "--checkpoint-suffix"), 150),
