@@ -11,6 +11,8 @@ import pkgutil
 from dataclasses import is_dataclass
 from typing import Callable, Dict, Optional, Type
 
+from fairseq.suggest import did_you_mean
+
 
 class Registry:
     def __init__(self, kind: str, packages: tuple, flag: str, base_class: Optional[str] = None):
@@ -63,7 +65,8 @@ class Registry:
         self._load_builtins()
         if name not in self._classes:
             raise ValueError(
-                f"unknown {self.kind} {name!r} for {self.flag}; choose one of: {', '.join(self.choices())}"
+                f"unknown {self.kind} {name!r} for {self.flag}{did_you_mean(name, self.choices())}; choose one of: "
+                f"{', '.join(self.choices())}"
                 " (or load a plug-in with --user-dir)"
             )
         return self._classes[name]
@@ -131,7 +134,8 @@ def arch_model(arch: str) -> type:
     MODEL_REGISTRY._load_builtins()
     if arch not in ARCH_MODEL_REGISTRY:
         raise ValueError(
-            f"unknown architecture {arch!r} for --arch; choose one of: {', '.join(architectures())}"
+            f"unknown architecture {arch!r} for --arch{did_you_mean(arch, architectures())}; choose one of: "
+            f"{', '.join(architectures())}"
             " (or load a plug-in with --user-dir)"
         )
     return ARCH_MODEL_REGISTRY[arch]
