@@ -16,7 +16,7 @@ from fairseq.dataclass import configs, legacy
 from fairseq.dataclass.build import build_config, is_interpolated, model_config
 from fairseq.dataclass.utils import add_dataclass_to_parser
 from fairseq.dataclass.validate import check_precision
-from fairseq.utils import import_user_module
+from fairseq.registry import import_user_module
 
 # Group name in FairseqConfig -> dataclass, in the order they appear in --help.
 TRAIN_GROUPS = {
