@@ -17,8 +17,8 @@ from fairseq.dataclass import configs, legacy
 from fairseq.dataclass.build import build_config, is_interpolated, model_config
 from fairseq.dataclass.utils import add_dataclass_to_parser
 from fairseq.dataclass.validate import check_precision
+from fairseq.registry import import_user_module
 from fairseq.suggest import close_flag, did_you_mean
-from fairseq.utils import import_user_module
 
 # Group name in FairseqConfig -> dataclass, in the order they appear in --help.
 TRAIN_GROUPS = {

@@ -7,7 +7,9 @@ so `import fairseq` stays cheap.
 """
 
 import importlib
+import os
 import pkgutil
+import sys
 from dataclasses import is_dataclass
 from typing import Callable, Dict, Optional, Type
 
@@ -143,3 +145,28 @@ def arch_model(arch: str) -> type:
 
 def dataclass_of(cls) -> Optional[Type]:
     return getattr(cls, "config_class", None)
+
+
+def import_user_module(user_dir):
+    """Import a plug-in directory (--user-dir, a Python package) so that its register_* decorators run. Upstream
+    passes a config or namespace with a `user_dir` attribute (None: nothing to import); a path works too."""
+    if not isinstance(user_dir, (str, os.PathLike)):
+        user_dir = getattr(user_dir, "user_dir", None)
+        if user_dir is None:
+            return
+    path = os.path.abspath(os.path.expanduser(user_dir))
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"--user-dir {user_dir!r}: no such directory")
+    parent, name = os.path.split(path)
+    if name in sys.modules:
+        loaded = getattr(sys.modules[name], "__file__", None) or ""
+        if os.path.dirname(os.path.abspath(loaded)) == path:
+            return  # already imported
+        raise ImportError(
+            f"--user-dir {user_dir!r}: a module named {name!r} is already imported from elsewhere; rename the directory"
+        )
+    sys.path.insert(0, parent)
+    try:
+        importlib.import_module(name)
+    finally:
+        sys.path.remove(parent)

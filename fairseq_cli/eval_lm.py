@@ -13,7 +13,8 @@ from typing import Dict, List, Optional
 import torch
 
 from fairseq import options
-from fairseq.utils import import_user_module, run_console_script
+from fairseq.registry import import_user_module
+from fairseq_cli.console import run_console_script
 from fairseq.checkpoint.inference import load_model
 from fairseq.checkpoint.vocabulary import check_bpe_files, resolve_bpe
 from fairseq.criterions.cross_entropy import token_cross_entropy

@@ -32,7 +32,8 @@ from fairseq.generation.hub_utils import TextCodec, move_to
 from fairseq.logging import progress_bar
 from fairseq.models.fairseq_model import model_config_line
 from fairseq.training.precision import compute_dtype
-from fairseq.utils import import_user_module, run_console_script
+from fairseq.registry import import_user_module
+from fairseq_cli.console import run_console_script
 
 logger = logging.getLogger("fairseq_cli.generate")
 

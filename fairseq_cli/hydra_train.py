@@ -42,7 +42,7 @@ from fairseq.dataclass.hydra import (
 from fairseq.dataclass.utils import config_to_dict
 from fairseq.logging import progress_bar
 from fairseq.logging.progress_bar import DATE_FORMAT, LOG_FORMAT
-from fairseq.utils import run_console_script
+from fairseq_cli.console import run_console_script
 
 logger = logging.getLogger("fairseq_cli.hydra_train")
 

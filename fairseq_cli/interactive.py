@@ -19,7 +19,7 @@ from typing import Iterator, List, Optional
 from fairseq import options
 from fairseq.dataclass.generation import check_generation_config
 from fairseq.generation.hub_utils import TextCodec, check_prompt_lengths, move_to
-from fairseq.utils import run_console_script
+from fairseq_cli.console import run_console_script
 from fairseq_cli.generate import load_ensemble, max_positions_of, print_hypotheses, setup, symbols_to_strip
 
 logger = logging.getLogger("fairseq_cli.interactive")

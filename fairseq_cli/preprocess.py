@@ -20,7 +20,7 @@ from fairseq.checkpoint.io import os_error_message
 from fairseq.data import Dictionary
 from fairseq.data.encoders._script_io import interrupted_exit, stopping_on_signals
 from fairseq.data.indexed_dataset import data_file_path
-from fairseq.utils import import_user_module
+from fairseq.registry import import_user_module
 
 logger = logging.getLogger("fairseq_cli.preprocess")
 

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import List, Literal, Optional
 
 from fairseq.dataclass.configs import opt
+from fairseq.upstream_absent import refused_options
 
 
 @dataclass
@@ -69,14 +70,9 @@ class InteractiveConfig:
     input: str = opt("-", "file to read prompts from, one per line ('-': standard input)")
 
 
-# (field, predicate on its value, what to do instead) for upstream options this fork does not implement.
-# (The generator's own options are checked by task.build_generator and the SequenceGenerator.)
-_UNSUPPORTED = (
-    ("replace_unk", lambda v: v is not None, "drop it"),
-    ("print_alignment", bool, "drop it"),
-    ("print_step", bool, "drop it"),
-    ("lm_path", lambda v: v is not None, "drop it"),
-)
+# Upstream options this fork does not implement (the one table; the generator's own are checked by
+# task.build_generator and the SequenceGenerator).
+_UNSUPPORTED = refused_options("generation")
 
 
 def check_unsupported_options(generation) -> None:

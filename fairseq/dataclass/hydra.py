@@ -378,7 +378,7 @@ def fairseq_config_from_dict(values: Dict[str, Any]) -> FairseqConfig:
             raise ValueError(f"unknown top-level key '{key}'{hint}; the config's groups are: {', '.join(allowed)}")
     user_dir = (values.get("common") or {}).get("user_dir")
     if user_dir:  # plug-ins register their components before the component names are looked up
-        from fairseq.utils import import_user_module
+        from fairseq.registry import import_user_module
 
         import_user_module(user_dir)
 

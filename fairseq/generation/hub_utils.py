@@ -21,6 +21,7 @@ from typing import Any, Dict, Iterator, List, Optional
 import torch
 from torch import nn
 
+from fairseq.checkpoint.inference import load_checkpoint_to_cpu, load_model_ensemble_and_task
 from fairseq.data import encoders
 from fairseq.data.batching import resolve_limit
 from fairseq.dataclass.generation import check_sampling_range, check_unsupported_options
@@ -46,8 +47,6 @@ def from_pretrained(model_name_or_path: str, checkpoint_file: str = "model.pt", 
     it starts with "." (upstream's convention), else a path of its own. Other keyword arguments override the
     checkpoint's options as `arg_overrides` (`bpe="gpt2"`, `gpt2_encoder_json=...`, `tokenizer="space"`,
     `max_tokens=...`); `trust_legacy_checkpoint=True` reads an upstream fairseq file, which unpickles code."""
-    from fairseq import checkpoint_utils
-
     if archive_map is not None:
         model_name_or_path = archive_map.get(model_name_or_path, model_name_or_path)
         if data_name_or_path is not None:
@@ -66,14 +65,14 @@ def from_pretrained(model_name_or_path: str, checkpoint_file: str = "model.pt", 
         kwargs["data"] = _local_directory(data_name_or_path, "data_name_or_path", "dict.txt")
     trust_legacy = bool(kwargs.pop("trust_legacy_checkpoint", False))
     if kwargs.get("user_dir"):
-        from fairseq.utils import import_user_module
+        from fairseq.registry import import_user_module
 
         import_user_module(kwargs["user_dir"])
 
     paths = [os.path.join(model_path, name) for name in checkpoint_file.split(os.pathsep)]
-    state = checkpoint_utils.load_checkpoint_to_cpu(paths[0], trust_legacy_checkpoint=trust_legacy)
+    state = load_checkpoint_to_cpu(paths[0], trust_legacy_checkpoint=trust_legacy)
     kwargs.update(_bpe_files(state, kwargs, model_path, paths[0]))
-    models, cfg, task = checkpoint_utils.load_model_ensemble_and_task(
+    models, cfg, task = load_model_ensemble_and_task(
         paths, arg_overrides=kwargs, state=state if len(paths) == 1 else None,
         trust_legacy_checkpoint=trust_legacy)
     return {"args": cfg, "task": task, "models": models}

@@ -50,7 +50,7 @@ from fairseq.modules.adaptive_input import parse_cutoffs
 from fairseq.modules.adaptive_softmax import AdaptiveSoftmax
 from fairseq.modules.gated_convolution import GatedCausalConv, WeightNormLinear, norm_except_dim, weight_normalized
 from fairseq.modules.positional_embedding import zero_row_
-from fairseq.utils import literal_or_none, fill_missing
+from fairseq.dataclass.flag_values import fill_missing, literal_or_none
 
 logger = logging.getLogger(__name__)
 

@@ -14,7 +14,7 @@ import torch
 
 from fairseq.dataclass.configs import opt
 from fairseq.optim import register_optimizer
-from fairseq.utils import literal_or_none
+from fairseq.dataclass.flag_values import literal_or_none
 
 logger = logging.getLogger(__name__)
 

@@ -114,10 +114,10 @@ class _FP16OptimizerMixin:
     def clip_grad_norm(self, max_norm: float, aggregate_norm_fn: Optional[Callable] = None) -> torch.Tensor:
         """Unscale, clip to `max_norm` (0: measure only) and return the norm; on inf/nan the loss scale falls and
         OverflowError is raised (skip this update), FloatingPointError below --min-loss-scale."""
-        from fairseq.utils import clip_grad_norm_
+        from fairseq.distributed.parallelize import clip_grad_norm_
 
         self._unscale_grads()
-        grad_norm = clip_grad_norm_(self.params, max_norm, aggregate_norm_fn)
+        grad_norm = clip_grad_norm_(list(self.params), max_norm, aggregate_norm_fn=aggregate_norm_fn)
         if not math.isfinite(float(grad_norm)):
             self.scaler.update(overflow=True)
             raise OverflowError(f"setting loss scale to: {self.scaler.loss_scale}")

@@ -11,6 +11,7 @@ import torch
 from fairseq import registry
 from fairseq.data.batching import Batches, SizeFilterReport, batch_by_size, filter_by_size, size_limit
 from fairseq.data.iterators import EpochBatchIterator
+from fairseq.upstream_absent import refused_options
 
 logger = logging.getLogger(__name__)
 
@@ -229,9 +230,7 @@ class FairseqTask:
         if prefix_allowed_tokens_fn is not None:
             raise ValueError("prefix_allowed_tokens_fn (prefix-constrained decoding) is not supported by this "
                              "fairseq's generator")
-        for name, is_set, fix in (("diverse_beam_groups", lambda v: v > 0, "use --beam or --sampling"),
-                                  ("diversity_rate", lambda v: v > 0, "use --beam or --sampling"),
-                                  ("constraints", bool, "drop it")):
+        for name, is_set, fix in refused_options("generator"):
             if is_set(get(name, 0)):
                 raise ValueError(f"--{name.replace('_', '-')} is not supported by this fairseq's generator; {fix}")
         sampling, match_source_len = get("sampling", False), get("match_source_len", False)
