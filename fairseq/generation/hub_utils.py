@@ -23,7 +23,7 @@ from torch import nn
 
 from fairseq.data import encoders
 from fairseq.data.batching import resolve_limit
-from fairseq.dataclass.generation import check_sampling_range, check_unsupported_options
+from fairseq.dataclass.generation import GenerationConfig, check_sampling_range, check_unsupported_options
 
 logger = logging.getLogger("fairseq.generation.hub_utils")  # its name before the move: log lines unchanged
 
@@ -211,7 +211,7 @@ class GeneratorHubInterface(nn.Module):
         return self.tgt_dict.string(tokens)
 
     # ---- generation -------------------------------------------------------------------------------
-    def translate(self, sentences: List[str], beam: int = 5, verbose: bool = False, **kwargs) -> List[str]:
+    def translate(self, sentences: List[str], beam: int = GenerationConfig.beam, verbose: bool = False, **kwargs) -> List[str]:
         return self.sample(sentences, beam, verbose, **kwargs)
 
     def sample(self, sentences: List[str], beam: int = 1, verbose: bool = False, **kwargs) -> List[str]:
@@ -239,7 +239,7 @@ class GeneratorHubInterface(nn.Module):
         tokenized = [encode(sentence) for sentence in sentences]
         return [hypos[0] for hypos in self.generate(tokenized, score_reference=True, **kwargs)]
 
-    def generate(self, tokenized_sentences: List[torch.LongTensor], beam: int = 5, verbose: bool = False,
+    def generate(self, tokenized_sentences: List[torch.LongTensor], beam: int = GenerationConfig.beam, verbose: bool = False,
                  skip_invalid_size_inputs: bool = False, inference_step_args: Optional[Dict[str, Any]] = None,
                  prefix_allowed_tokens_fn=None, **kwargs) -> List[List[Dict[str, torch.Tensor]]]:
         """Per input (ids from `encode`), its hypotheses, best first: dicts with "tokens" (the prompt and its
@@ -267,7 +267,7 @@ class GeneratorHubInterface(nn.Module):
                     logger.info("P\t" + " ".join(f"{x:.4f}" for x in hypo["positional_scores"].tolist()))
         return outputs
 
-    def generator_for(self, beam: int = 5, prefix_allowed_tokens_fn=None, **kwargs):
+    def generator_for(self, beam: int = GenerationConfig.beam, prefix_allowed_tokens_fn=None, **kwargs):
         """The generator `generate(..., beam=beam, **kwargs)` decodes with: `task.build_generator` of
         cfg.generation with these options set (a SequenceScorer with score_reference=True, as score() asks).
         Built on the first call with these options (all of them, so any option that changes the generator
