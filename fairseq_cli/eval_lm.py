@@ -257,24 +257,13 @@ def main(cfg, **unused_kwargs) -> dict:
         import_user_module(cfg.common.user_dir)
     announce_compat_options(cfg)
     check_shard(cfg.dataset)
-    check_bpe_files(getattr(cfg, "bpe", None))
+    check_bpe_files(cfg.bpe)
     path = cfg.common_eval.path
     if not path:
         raise ValueError("no checkpoint given: pass --path CHECKPOINT.pt (or a sharded checkpoint directory)")
     device = torch.device("cpu") if cfg.common.cpu or not torch.cuda.is_available() else torch.device("cuda")
     context_window = cfg.eval_lm.context_window
-    task_cfg = cfg.task
-    if context_window > 0:  # the block plus its context must fit the model, as upstream does
-        if context_window >= cfg.task.tokens_per_sample:
-            raise ValueError(f"--context-window {context_window} must be smaller than --tokens-per-sample "
-                             f"{cfg.task.tokens_per_sample}")
-        if cfg.dataset.num_shards > 1:  # the context is the previous batch of the corpus, not of the shard
-            raise ValueError(f"--num-shards {cfg.dataset.num_shards} cannot be combined with --context-window; "
-                             "evaluate the whole split (drop --num-shards/--shard-id)")
-        # blocks of --tokens-per-sample less the window, each read after the window's context (a derived copy:
-        # the config stays as the user gave it)
-        task_cfg = copy.copy(cfg.task)
-        task_cfg.tokens_per_sample -= context_window
+    task_cfg = _windowed_task_config(cfg, context_window)
 
     overrides = ast.literal_eval(cfg.common_eval.model_overrides)
     # (the task gets --add-bos-token from the checkpoint: a model trained with it expects <s> first)
@@ -296,7 +285,7 @@ def main(cfg, **unused_kwargs) -> dict:
         epoch=1,
     ).next_epoch_itr(shuffle=False)
     pad = task.source_dictionary.pad()
-    bos = task.source_dictionary.bos() if getattr(task.cfg, "add_bos_token", False) else None
+    bos = task.source_dictionary.bos() if getattr(task.cfg, "add_bos_token", False) else None  # plug-in tasks may lack it
     batches = with_context_window(itr, context_window, pad, bos) if context_window > 0 else itr
     bpe = word_boundaries(cfg.common_eval.post_process, task.source_dictionary,
                           *_bpe_encoder(cfg, saved_cfg, vocabulary, path))
@@ -329,6 +318,23 @@ def main(cfg, **unused_kwargs) -> dict:
     return result
 
 
+def _windowed_task_config(cfg, context_window: int):
+    """The task config the blocks are cut with: with --context-window, blocks of --tokens-per-sample less the
+    window, each read after the window's context (a copy: the config stays as given), which must fit the model
+    as upstream's do."""
+    if context_window <= 0:
+        return cfg.task
+    if context_window >= cfg.task.tokens_per_sample:
+        raise ValueError(f"--context-window {context_window} must be smaller than --tokens-per-sample "
+                         f"{cfg.task.tokens_per_sample}")
+    if cfg.dataset.num_shards > 1:  # the context is the previous batch of the corpus, not of the shard
+        raise ValueError(f"--num-shards {cfg.dataset.num_shards} cannot be combined with --context-window; "
+                         "evaluate the whole split (drop --num-shards/--shard-id)")
+    task_cfg = copy.copy(cfg.task)
+    task_cfg.tokens_per_sample -= context_window
+    return task_cfg
+
+
 def _block_limit(cfg, task, model, dataset, context_window: int) -> Optional[int]:
     """The longest block the model may read (its trained positions, less the context window): a longer one
     is an error, or skipped with --skip-invalid-size-inputs-valid-test."""
@@ -346,7 +352,7 @@ def _bpe_encoder(cfg, saved_cfg, vocabulary, path) -> tuple:
     post_process = cfg.common_eval.post_process
     if post_process is None:
         return None, None
-    bpe_cfg = getattr(cfg, "bpe", None)
+    bpe_cfg = cfg.bpe
     if bpe_cfg is not None:
         return build_bpe(bpe_cfg), bpe_cfg._name
     saved = saved_cfg.get("bpe") if isinstance(saved_cfg, dict) else None

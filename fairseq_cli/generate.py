@@ -59,7 +59,7 @@ def load_ensemble(cfg):
     device = torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu")
     dtype = compute_dtype(cfg.common)
     retain_dropout = cfg.generation.retain_dropout
-    task_cfg = cfg.task if getattr(cfg.task, "data", None) else None
+    task_cfg = cfg.task if _data_dir(cfg) else None
     models, task, first = [], None, None
     for path in paths:
         loaded = load_model(path, task=task, task_cfg=task_cfg, overrides=overrides,
@@ -151,7 +151,7 @@ def _main(cfg, out: TextIO) -> dict:
     max_tokens = cfg.dataset.max_tokens
     if max_tokens is None and cfg.dataset.batch_size is None:
         max_tokens = 12000  # upstream's default
-    if cfg.task is None or getattr(cfg.task, "data", None) is None:
+    if _data_dir(cfg) is None:
         raise ValueError("fairseq-generate reads a binarized split: pass the data directory (DATA) and "
                          "--gen-subset (use fairseq-interactive for prompts given as text)")
     models, task, device, codec = load_ensemble(cfg)
@@ -219,6 +219,11 @@ def _prompt_limit(cfg, dataset, max_positions: Optional[int]) -> Optional[int]:
         check_blocks_fit(dataset.sizes, max_positions, cfg.dataset.gen_subset, cfg.task,
                          other_fix=", or --prefix-size N to prompt with each sample's first N tokens")
     return max_positions
+
+
+def _data_dir(cfg) -> Optional[str]:
+    """DATA (the task's data directory); None when not given, or when a plug-in task's config has no `data`."""
+    return getattr(cfg.task, "data", None)
 
 
 def _strip_pad(tokens: torch.Tensor, pad: int) -> torch.Tensor:

@@ -161,11 +161,11 @@ class GeneratorHubInterface(nn.Module):
         self.models = nn.ModuleList(models)
         self.src_dict = task.source_dictionary
         self.tgt_dict = task.target_dictionary
-        self.retain_dropout = bool(getattr(getattr(cfg, "generation", None), "retain_dropout", False))
+        self.retain_dropout = bool(cfg.generation.retain_dropout)
         self._set_model_modes()
         # generation options -> the generator built for them, most recently used last (see generator_for)
         self._generators: "OrderedDict[tuple, Any]" = OrderedDict()
-        self.codec = TextCodec(getattr(cfg, "tokenizer", None), getattr(cfg, "bpe", None))
+        self.codec = TextCodec(cfg.tokenizer, cfg.bpe)
         self.tokenizer, self.bpe = self.codec.tokenizer, self.codec.bpe  # upstream's attributes
         self.max_positions = resolve_limit(task.max_positions(), *[m.max_positions() for m in models])
         # tells the device (and dtype) the models are on
@@ -211,7 +211,9 @@ class GeneratorHubInterface(nn.Module):
         return self.tgt_dict.string(tokens)
 
     # ---- generation -------------------------------------------------------------------------------
-    def translate(self, sentences: List[str], beam: int = GenerationConfig.beam, verbose: bool = False, **kwargs) -> List[str]:
+    # beam defaults: GenerationConfig's (upstream's 5), written there only
+    def translate(self, sentences: List[str], beam: int = GenerationConfig.beam, verbose: bool = False,
+                  **kwargs) -> List[str]:
         return self.sample(sentences, beam, verbose, **kwargs)
 
     def sample(self, sentences: List[str], beam: int = 1, verbose: bool = False, **kwargs) -> List[str]:
@@ -239,9 +241,10 @@ class GeneratorHubInterface(nn.Module):
         tokenized = [encode(sentence) for sentence in sentences]
         return [hypos[0] for hypos in self.generate(tokenized, score_reference=True, **kwargs)]
 
-    def generate(self, tokenized_sentences: List[torch.LongTensor], beam: int = GenerationConfig.beam, verbose: bool = False,
-                 skip_invalid_size_inputs: bool = False, inference_step_args: Optional[Dict[str, Any]] = None,
-                 prefix_allowed_tokens_fn=None, **kwargs) -> List[List[Dict[str, torch.Tensor]]]:
+    def generate(self, tokenized_sentences: List[torch.LongTensor], beam: int = GenerationConfig.beam,
+                 verbose: bool = False, skip_invalid_size_inputs: bool = False,
+                 inference_step_args: Optional[Dict[str, Any]] = None, prefix_allowed_tokens_fn=None,
+                 **kwargs) -> List[List[Dict[str, torch.Tensor]]]:
         """Per input (ids from `encode`), its hypotheses, best first: dicts with "tokens" (the prompt and its
         continuation), "score", "positional_scores" (natural log), "attention", "alignment". Keyword
         arguments set generation options (upstream's names: sampling=True, sampling_topk=10, temperature=0.8,

@@ -196,7 +196,7 @@ class FairseqTask:
     def build_model(self, model_cfg, from_checkpoint: bool = False):
         """The model of architecture `model_cfg._name` (e.g. transformer_lm_gpt3_small; a legacy namespace's
         `arch`)."""
-        arch = getattr(model_cfg, "_name", None) or getattr(model_cfg, "arch", None)
+        arch = registry.config_name(model_cfg, "arch")
         if arch is None:
             raise ValueError("the model config has no architecture name (_name); pass --arch")
         return registry.arch_model(arch).build_model(model_cfg, self)
