@@ -16,6 +16,16 @@ from typing import Callable, Dict, Optional, Type
 from fairseq.suggest import did_you_mean
 
 
+def config_name(cfg, legacy_key: Optional[str] = None):
+    """The registered name a component's config carries: its `_name`, else (for upstream's argparse namespace)
+    its `legacy_key` attribute (`task`, `arch`). The one optional read of it: upstream's namespaces, legacy
+    plug-ins' configs and plug-in dataclasses that do not extend FairseqDataclass have no `_name`."""
+    name = getattr(cfg, "_name", None)
+    if not name and legacy_key is not None:
+        name = getattr(cfg, legacy_key, None)
+    return name
+
+
 class Registry:
     def __init__(self, kind: str, packages: tuple, flag: str, base_class: Optional[str] = None):
         self.kind = kind

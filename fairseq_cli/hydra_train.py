@@ -167,6 +167,7 @@ _CONFIG_DIR_FLAGS = ("--config-dir", "-cd", "--config-path", "-cp")
 def warn_if_global_batch_differs(cfg, recipe: Dict, world_size: int) -> Optional[str]:
     """Warn when batch x update_freq x GPUs differs from the recipe's global batch (the learning-rate schedule
     assumes the recipe's); returns the warning."""
+    # (a plug-in task's config may have no tokens_per_sample)
     batch_size, tokens = cfg.dataset.batch_size, getattr(cfg.task, "tokens_per_sample", None)
     if not recipe.get("global_batch_tokens") or batch_size is None or tokens is None:
         return None

@@ -95,7 +95,7 @@ def _bpe_spec(args: Namespace):
         binarizer.register_line_encoder(spec, bpe)
         return spec
     cfg = config_from_namespace(dc, args, args.bpe)
-    if getattr(cfg, "sentencepiece_enable_sampling", False):
+    if args.bpe == "sentencepiece" and cfg.sentencepiece_enable_sampling:  # that scheme's own option
         raise PreprocessError("--sentencepiece-enable-sampling: sampled encodings differ from run to run; "
                               "fairseq-preprocess --bpe sentencepiece encodes deterministically (drop the flag)")
     bpe = build_bpe(cfg)

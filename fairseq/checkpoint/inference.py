@@ -6,6 +6,7 @@ overrides to the saved config, set up the task, build the model from the saved m
 """
 
 import collections
+import copy
 import dataclasses
 import os
 from dataclasses import dataclass
@@ -224,8 +225,9 @@ def load_model(path: str, task=None, task_cfg=None, overrides: Optional[Dict[str
     """Load the model saved at `path` (a .pt file or a sharded checkpoint directory).
 
     The task is `task` if given, else set up from `task_cfg` (a command line's task config), else from the
-    checkpoint's task config (after `overrides`). A model trained with --add-bos-token expects <s> first, so a
-    command-line task config gets add_bos_token from the checkpoint. `state` is the checkpoint's already read
+    checkpoint's task config (after `overrides`). A model trained with --add-bos-token expects <s> first, so the
+    task is set up from a copy of a command-line task config with add_bos_token from the checkpoint (read it
+    from `task.cfg`). `state` is the checkpoint's already read
     state (read_checkpoint_state), so the file is not read twice."""
     if state is None:
         saved, state = read_checkpoint_config(path, trust_legacy=trust_legacy)
@@ -243,6 +245,7 @@ def load_model(path: str, task=None, task_cfg=None, overrides: Optional[Dict[str
         if task_cfg is None:
             task_cfg = cfg.task
         elif (saved.get("task") or {}).get("add_bos_token") and hasattr(task_cfg, "add_bos_token"):
+            task_cfg = copy.copy(task_cfg)  # the caller's config stays as given
             task_cfg.add_bos_token = True
         task = registry.TASK_REGISTRY.get(task_cfg._name).setup_task(task_cfg)
     model = task.build_model(cfg.model)

@@ -7,7 +7,7 @@ accepted at their defaults and rejected when set (here, `check_generation_config
 `task.build_generator` for the generator's own options).
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import List, Literal, Optional
 
 from fairseq.dataclass.configs import opt
@@ -68,6 +68,13 @@ class GenerationConfig:
 class InteractiveConfig:
     buffer_size: int = opt(0, "read this many input lines before generating for them (0 or 1: one at a time)")
     input: str = opt("-", "file to read prompts from, one per line ('-': standard input)")
+
+
+def as_generation_config(args) -> GenerationConfig:
+    """`args` as a GenerationConfig, for task.build_generator: upstream callers pass an argparse Namespace or a
+    DictConfig, which may lack options or hold None; those take the dataclass's defaults (the only ones)."""
+    values = {f.name: getattr(args, f.name, None) for f in fields(GenerationConfig)}
+    return GenerationConfig(**{name: value for name, value in values.items() if value is not None})
 
 
 # Upstream options this fork does not implement (the one table; the generator's own are checked by

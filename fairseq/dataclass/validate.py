@@ -84,12 +84,12 @@ def validate(cfg) -> None:
     check_layout_flags(cfg.distributed_training)
     check_tensor_parallel_config(cfg)
     check_sharded_state(cfg.distributed_training)
-    if getattr(cfg.common, "profile_updates", None):
+    if cfg.common.profile_updates:
         from fairseq.logging.profiler import parse_update_range
 
         parse_update_range(cfg.common.profile_updates)
-    check_ema_config(getattr(cfg, "ema", None))
-    check_bpe_files(getattr(cfg, "bpe", None))  # the checkpoints will carry them
+    check_ema_config(cfg.ema)
+    check_bpe_files(cfg.bpe)  # the checkpoints will carry them
     registry.arch_model(cfg.model._name).check_config(cfg.model)
 
 

@@ -79,11 +79,11 @@ def parallelize_model(model: nn.Module, cfg, device: torch.device, world_mesh: O
             model.to(device)
         apply_tensor_parallel(model, mesh.tp_mesh, loss_parallel=uses_loss_parallel(cfg))
 
-    if getattr(cfg.common, "fp8", False):  # torchao's order: swap the Linears before compile and sharding
+    if cfg.common.fp8:  # torchao's order: swap the Linears before compile and sharding
         from fairseq.distributed.float8 import apply_float8
 
         apply_float8(model, cfg)
-    model_cfg = cfg.model
+    model_cfg = cfg.model  # a plug-in model's config may have neither checkpointing option
     offload = bool(getattr(model_cfg, "offload_activations", False))
     if offload or getattr(model_cfg, "checkpoint_activations", False):
         apply_activation_checkpointing(model, offload_to_cpu=offload)

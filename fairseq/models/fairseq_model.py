@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fairseq.modules.fairseq_decoder import FairseqDecoder
+from fairseq.registry import config_name
 from fairseq.models.fairseq_encoder import FairseqEncoder
 
 
@@ -89,7 +90,7 @@ def model_config_line(model: nn.Module, cfg) -> str:
     describe = getattr(type(model), "describe_config", None)
     details = describe(cfg) if describe is not None else ""
     params = sum(p.numel() for p in model.parameters())
-    return (f"model config: --arch {getattr(cfg, '_name', None) or type(model).__name__}"
+    return (f"model config: --arch {config_name(cfg) or type(model).__name__}"
             + (f", {details}" if details else "") + f", {params:,} parameters")
 
 

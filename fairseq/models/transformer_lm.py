@@ -196,10 +196,9 @@ def uses_adaptive_modules(cfg) -> bool:
 
 def resolve_max_target_positions(cfg) -> int:
     """--max-target-positions, else --tokens-per-sample, else upstream's 1024."""
-    if getattr(cfg, "max_target_positions", None) is not None:
+    if cfg.max_target_positions is not None:
         return cfg.max_target_positions
-    tokens_per_sample = getattr(cfg, "tokens_per_sample", None)
-    return tokens_per_sample if tokens_per_sample is not None else DEFAULT_MAX_TARGET_POSITIONS
+    return cfg.tokens_per_sample if cfg.tokens_per_sample is not None else DEFAULT_MAX_TARGET_POSITIONS
 
 
 @registry.register_model("transformer_lm", dataclass=TransformerLanguageModelConfig)

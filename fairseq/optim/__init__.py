@@ -8,6 +8,7 @@ import inspect
 from typing import Iterable
 
 from fairseq.registry import OPTIMIZER_REGISTRY, register_optimizer  # noqa: F401 (re-exported)
+from fairseq.registry import config_name
 from fairseq.suggest import did_you_mean
 
 
@@ -81,7 +82,7 @@ def component_name(cfg, registry) -> str:
     """Registered name of a component config: its `_name`, else the entry whose dataclass it is."""
     if cfg is None:
         raise ValueError(f"no {registry.kind} chosen; pass {registry.flag} NAME ({', '.join(registry.choices())})")
-    name = getattr(cfg, "_name", None)
+    name = config_name(cfg)
     if name is not None:
         return name
     matches = [n for n in registry.choices() if registry.dataclass(n) is type(cfg)]

@@ -45,9 +45,9 @@ class _FP16OptimizerMixin:
         self.cfg = cfg
         self.fp32_optimizer = fp32_optimizer
         self.fp32_params = fp32_params if fp32_params is not None else self.params
-        common = getattr(cfg, "common", None)
-        update_freq = getattr(getattr(cfg, "optimization", None), "update_freq", [1]) or [1]
-        self.scaler = _loss_scaler(common, update_freq=update_freq[0])
+        # upstream's tests build `cfg` as a partial DictConfig: its optimization group may lack update_freq
+        update_freq = getattr(cfg.optimization, "update_freq", [1]) or [1]
+        self.scaler = _loss_scaler(cfg.common, update_freq=update_freq[0])
         self._grads_unscaled = True  # no scaled backward yet
 
     @classmethod

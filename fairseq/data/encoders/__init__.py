@@ -18,7 +18,7 @@ imported the first time a registry is read.
 import dataclasses
 from collections.abc import Mapping
 
-from fairseq.registry import Registry
+from fairseq.registry import Registry, config_name
 
 
 class EncoderRegistry(Registry):
@@ -69,7 +69,7 @@ def _build(registry: EncoderRegistry, attr: str, cfg, *extra_args):
     if isinstance(cfg, str):
         name, source = cfg, None
     elif dataclasses.is_dataclass(cfg) and not isinstance(cfg, type) and not hasattr(cfg, attr):
-        name, source = getattr(cfg, "_name", None) or registry.name_of_config(cfg), cfg
+        name, source = config_name(cfg) or registry.name_of_config(cfg), cfg
     elif isinstance(cfg, Mapping) or hasattr(cfg, "keys"):
         name, source = _field(cfg, "_name"), cfg
         if name is None and _field(cfg, attr) is not None:
