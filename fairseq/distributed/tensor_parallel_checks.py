@@ -87,7 +87,7 @@ def _dictionary_size(task_cfg):
     path = os.path.join(data.split(os.pathsep)[0], "dict.txt")
     if not os.path.isfile(path):
         return None, ""
-    from fairseq.data import Dictionary
+    from fairseq.data.dictionary import Dictionary
 
     return len(Dictionary.load(path)), path
 
