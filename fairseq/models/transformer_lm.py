@@ -456,8 +456,8 @@ def _register_sized_presets():
 _register_sized_presets()
 
 
-# Upstream's Megatron presets (its model_parallel transformer_lm; --model-parallel-size splits them here, see
-# fairseq/distributed/tensor_parallel.py): 72 x 3072, 32 heads, gelu, dropout 0.1 in both places, then
+# Upstream's Megatron presets (its model_parallel transformer_lm; --model-parallel-size splits them here by
+# the model's tensor_parallel_plan): 72 x 3072, 32 heads, gelu, dropout 0.1 in both places, then
 # base_lm_architecture (pre-norm, sinusoidal positions). megatron_11b is upstream's 11B recipe (ffn 6 x d).
 @registry.register_model_architecture("transformer_lm", "transformer_lm_megatron")
 def transformer_lm_megatron(args) -> None:
