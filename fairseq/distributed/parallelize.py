@@ -75,7 +75,8 @@ def parallelize_model(model: nn.Module, cfg, device: torch.device, world_mesh: O
     layout = ParallelLayout.from_config(dt, dist.get_world_size() if dist.is_initialized() else 1)
     mesh = init_parallel_mesh(layout, device.type) if fully_sharded or layout.tp > 1 else forget_parallel_mesh()
     if layout.tp > 1:
-        from fairseq.distributed.tensor_parallel import apply_tensor_parallel, uses_loss_parallel
+        from fairseq.distributed.tensor_parallel import apply_tensor_parallel
+        from fairseq.distributed.tensor_parallel_checks import uses_loss_parallel
 
         if not on_meta:
             model.to(device)

@@ -31,13 +31,7 @@ from torch.distributed.tensor.parallel import (
 )
 from torch.distributed.tensor.parallel.style import ParallelStyle
 
-from fairseq.distributed.tensor_parallel_checks import (  # noqa: F401 (the checks' names, also imported from here)
-    LOSS_PARALLEL_CRITERIA,
-    check_tensor_parallel_config,
-    check_tensor_parallel_shape,
-    suggested_size,
-    uses_loss_parallel,
-)
+from fairseq.distributed.tensor_parallel_checks import check_tensor_parallel_shape
 from fairseq.models.fairseq_model import TENSOR_PARALLEL_STYLES
 
 logger = logging.getLogger(__name__)
