@@ -1,303 +1,38 @@
-"""fairseq-train: train a model (upstream's command line, flags and log lines)."""
+"""fairseq-train: train a model (upstream's command line, flags and log lines). The loop itself is
+fairseq.training.loop; this module parses, checks, launches and calls it."""
 
 import argparse
 import logging
-import math
 import sys
-import time
-from typing import List, Optional, Tuple
-
-import torch
+from typing import List, Optional
 
 from fairseq import options
-from fairseq import registry
+from fairseq.dataclass.validate import validate as validate_config
+from fairseq.distributed.launch import call_main
+from fairseq.logging import progress_bar
+from fairseq.training import loop
+from fairseq.training.preemption import EXIT_REQUEUED, REQUEUE_FAILED, REQUEUED, exit_requeue_failed
 from fairseq.registry import import_user_module
 from fairseq_cli.console import run_console_script
-from fairseq.training.batch_iterators import trainer_iterator, valid_iterators
-from fairseq.checkpoint.manager import CheckpointManager
-from fairseq.criterions import build_criterion
-from fairseq.data.data_utils import raise_if_valid_subsets_unintentionally_ignored
-from fairseq.dataclass.validate import announce_compat_options, validate as validate_config
-from fairseq.distributed import utils as dist_utils
-from fairseq.distributed.launch import call_main, process_group_timeout
-from fairseq.logging import metrics, progress_bar
-from fairseq.logging.profiler import nvtx_profiling
-from fairseq.models.fairseq_model import model_config_line
-from fairseq.training.preemption import (
-    EXIT_REQUEUED,
-    REQUEUE_FAILED,
-    Preempted,
-    PreemptionWatcher,
-    exit_requeue_failed,
-    requeue_after_preemption,
-)
-from fairseq.training.trainer import Trainer
-from fairseq.logging.log_line import (
-    log_train_interval,
-    log_valid,
-    start_wall_clock,
-    train_log_line,
-    valid_log_line,
-)
 
-logger = logging.getLogger("fairseq_cli.train")
+__all__ = ["REQUEUED", "cli_main", "console_main", "main"]
 
 
 def main(cfg) -> Optional[str]:
-    """Train; returns REQUEUED when a preemption signal stopped training after saving checkpoint_last.
-    `cfg` is a FairseqConfig or, as upstream accepts, the argparse.Namespace of parse_args_and_arch."""
+    """Train on this process (fairseq.training.loop.train, with the log file and --user-dir set up); returns
+    REQUEUED when a preemption signal stopped training after saving checkpoint_last. `cfg` is a FairseqConfig
+    or, as upstream accepts, the argparse.Namespace of parse_args_and_arch."""
     if isinstance(cfg, argparse.Namespace):
         cfg = options.convert_namespace_to_config(cfg)
     log_file_handler = progress_bar.setup_logging(cfg.common.log_file)
     if cfg.common.user_dir:  # spawned ranks start fresh interpreters: register the plug-ins there too
         import_user_module(cfg.common.user_dir)
     try:
-        return _train(cfg)
+        return loop.train(cfg)
     finally:
         if log_file_handler is not None:  # in-process callers (tests) start the next run with a clean root logger
             logging.getLogger().removeHandler(log_file_handler)
             log_file_handler.close()
-
-
-REQUEUED = "requeued"
-
-
-def _train(cfg) -> Optional[str]:
-    # Installed first: a preemption signal during start-up must not kill the job without a requeue.
-    preemption = PreemptionWatcher(timeout=process_group_timeout(cfg.distributed_training))
-    checkpoints = CheckpointManager(cfg)
-    try:
-        with nvtx_profiling(cfg.common.profile):
-            return _train_with(cfg, preemption, checkpoints)
-    finally:
-        checkpoints.close()
-        preemption.restore()
-
-
-def _train_with(cfg, preemption, checkpoints) -> Optional[str]:
-    if not dist_utils.is_master():
-        logging.getLogger().setLevel(logging.WARNING)  # one log, from rank 0
-    validate_config(cfg)  # again here: in-process and hydra callers reach main without cli_main
-    announce_compat_options(cfg)
-    checkpoints.open_save_dir()  # before any data is read or model built: a bad --save-dir fails now
-    metrics.reset()
-    torch.manual_seed(cfg.common.seed)
-
-    task = registry.TASK_REGISTRY.get(cfg.task._name).setup_task(cfg.task)
-    checkpoints.carry_vocabulary(task)  # every checkpoint carries the dictionary's fingerprint and --bpe files
-    if not cfg.dataset.disable_validation:
-        raise_if_valid_subsets_unintentionally_ignored(cfg)
-    for subset in cfg.dataset.valid_subset.split(","):
-        if not cfg.dataset.disable_validation:  # --combine-valid-subsets: valid, valid1, valid2, ... as one set
-            task.load_dataset(subset, combine=bool(cfg.dataset.combine_valid_subsets), epoch=1)
-    model = build_model(cfg, task)
-    criterion = build_criterion(cfg.criterion, task, cfg.optimization)
-    logger.info(f"task: {type(task).__name__}, model: {type(model).__name__} ({cfg.model._name}), "
-                f"criterion: {type(criterion).__name__}")
-    logger.info(model_config_line(model, cfg.model))
-    num_params = sum(p.numel() for p in model.parameters())
-    logger.info(f"num. model params: {num_params:,} (num. trained: "
-                f"{sum(p.numel() for p in model.parameters() if p.requires_grad):,})")
-
-    trainer = Trainer(cfg, task, model, criterion)
-    logger.info(f"training on {dist_utils.get_world_size()} device(s) ({trainer.device.type}); "
-                f"max tokens per device = {cfg.dataset.max_tokens} and max sentences per device = "
-                f"{cfg.dataset.batch_size}")
-    resumed = checkpoints.resume(trainer, lambda epoch: trainer_iterator(cfg, task, trainer, epoch))
-    epoch_itr = resumed.epoch_itr
-    if resumed.at_epoch_end:  # the step an uninterrupted run took after writing that checkpoint
-        trainer.step_epoch_end(epoch_itr.epoch - 1, resumed.val_loss)
-
-    max_epoch = cfg.optimization.max_epoch or math.inf
-    start = time.time()
-    start_wall_clock()
-    try:
-        while epoch_itr.next_epoch_idx <= max_epoch:
-            # An epoch boundary (and the end of start-up): a signal that came while the next epoch's data was
-            # loaded stops here, not after its first update. The second call reads the all-reduce the first
-            # one started, so a flag raised on any rank before this point is seen now; both calls return the
-            # same on every rank, so every rank makes as many calls.
-            if preemption.should_stop() or preemption.should_stop():
-                checkpoints.save_last(trainer, epoch_itr, metrics_state=metrics.state_dict())
-                raise Preempted()
-            if trainer.get_lr() <= cfg.optimization.stop_min_lr:
-                logger.info(f"stopping training because the learning rate {trainer.get_lr()} fell to "
-                            f"--stop-min-lr {cfg.optimization.stop_min_lr}")
-                break
-            valid_losses, should_stop = train_epoch(cfg, trainer, task, epoch_itr, checkpoints, preemption)
-            if should_stop:
-                break
-            trainer.step_epoch_end(epoch_itr.epoch, valid_losses[0])
-            epoch_itr = trainer_iterator(cfg, task, trainer, epoch_itr.next_epoch_idx)
-        preemption.drain()
-        if trainer.profiler is not None:
-            trainer.profiler.finish()  # training ended inside the profiled range: write what was recorded
-    except Preempted:
-        logger.warning(f"preempted: saved checkpoint_last at update {trainer.num_updates}")
-        requeued = requeue_after_preemption() if dist_utils.is_master() else None
-        # Every rank ends as rank 0's requeue went; like the barrier it replaces, this waits for rank 0.
-        return REQUEUED if dist_utils.broadcast_from_master(requeued) else REQUEUE_FAILED
-    logger.info(f"done training in {time.time() - start:.1f} seconds")
-    return None
-
-
-# Under fully_sharded, models at least this large are built on the meta device and each rank initializes only
-# its shards after sharding (fast, and no rank ever holds the whole model). Smaller ones are built whole on
-# the CPU first, so that their initial weights are identical to a single-process run with the same seed.
-META_INIT_MIN_PARAMS = 1_000_000_000
-
-
-def build_model(cfg, task):
-    if cfg.distributed_training.ddp_backend == "fully_sharded":
-        with torch.device("meta"):
-            model = task.build_model(cfg.model)
-        if sum(p.numel() for p in model.parameters()) >= META_INIT_MIN_PARAMS:
-            return model
-    return task.build_model(cfg.model)
-
-
-def _progress(cfg, itr, epoch=None, prefix=None):
-    master = dist_utils.is_master()
-    return progress_bar.progress_bar(
-        itr,
-        log_format=cfg.common.log_format,
-        log_interval=cfg.common.log_interval,
-        epoch=epoch,
-        prefix=prefix,
-        default_log_format="simple" if cfg.common.no_progress_bar else "tqdm",
-        tensorboard_logdir=cfg.common.tensorboard_logdir if master else None,
-        wandb_project=cfg.common.wandb_project if master else None,
-    )
-
-
-def train_epoch(cfg, trainer, task, epoch_itr, checkpoints, preemption) -> Tuple[List[Optional[float]], bool]:
-    from fairseq.data.iterators import GroupedIterator
-
-    epoch = epoch_itr.next_epoch_idx
-    itr = epoch_itr.next_epoch_itr(shuffle=epoch > cfg.dataset.curriculum)
-    freqs = cfg.optimization.update_freq
-    update_freq = freqs[epoch - 1] if epoch <= len(freqs) else freqs[-1]
-    itr = GroupedIterator(itr, update_freq)
-    progress = _progress(cfg, itr, epoch=epoch_itr.epoch)
-    trainer.begin_epoch(epoch_itr.epoch)
-    valid_losses, should_stop = [None], False
-    interval_start = time.perf_counter()
-    profiler = trainer.profiler
-    with metrics.aggregate("train"), metrics.aggregate("train_inner"):
-        for samples in progress:
-            updates_before = trainer.num_updates
-            if profiler is not None:
-                profiler.before_update(updates_before + 1)
-            trainer.train_step(samples, epoch_itr)
-            num_updates = trainer.num_updates
-            if profiler is not None:
-                profiler.after_update(num_updates)
-            stepped = num_updates != updates_before  # False when fp16 overflow skipped the update
-            end_of_epoch = not itr.has_next()
-            if not (stepped or end_of_epoch):
-                continue
-            at_log = (stepped and num_updates % cfg.common.log_interval == 0) or end_of_epoch
-            if at_log and num_updates > 0:
-                now = time.perf_counter()
-                log_train_interval(trainer, trainer.read_train_stats(), now - interval_start)
-                interval_start = now
-                if num_updates % cfg.common.log_interval == 0:
-                    progress.log(train_log_line("train_inner", trainer), tag="train_inner", step=num_updates)
-                    metrics.reset_meters("train_inner")
-            valid_losses, should_stop = validate_and_save(cfg, trainer, task, epoch_itr, checkpoints, end_of_epoch,
-                                                          preemption)
-            if should_stop:
-                break
-            if preemption.should_stop():
-                checkpoints.save_last(trainer, epoch_itr, metrics_state=metrics.state_dict())
-                raise Preempted()
-        if trainer.train_stats:  # a stop mid-interval: fold what is left into the epoch line
-            log_train_interval(trainer, trainer.read_train_stats(), time.perf_counter() - interval_start)
-    progress.print(train_log_line("train", trainer), tag="train", step=trainer.num_updates)
-    metrics.reset_meters("train")
-    metrics.reset_meters("train_inner")
-    return valid_losses, should_stop
-
-
-def validate_and_save(cfg, trainer, task, epoch_itr, checkpoints, end_of_epoch: bool, preemption=None):
-    num_updates = trainer.num_updates
-    max_update = cfg.optimization.max_update or math.inf
-    should_stop = False
-    if num_updates >= max_update:
-        should_stop = True
-        logger.info(f"stopping training: num_updates {num_updates} >= max_update {max_update}")
-    if cfg.optimization.stop_time_hours > 0:
-        # Ranks must stop at the same update: take the largest clock (one small all-reduce, only with this flag).
-        clock = torch.tensor(trainer.cumulative_training_time() / 3600, dtype=torch.float64, device=trainer.device)
-        hours = dist_utils.all_reduce_max(clock).item()
-        if hours > cfg.optimization.stop_time_hours:
-            should_stop = True
-            logger.info(f"stopping training: {hours:.2f} h >= --stop-time-hours {cfg.optimization.stop_time_hours}")
-    ck, ds = cfg.checkpoint, cfg.dataset
-    do_save = (
-        (end_of_epoch and epoch_itr.epoch % ck.save_interval == 0)
-        or should_stop
-        or (ck.save_interval_updates > 0 and num_updates > 0 and num_updates % ck.save_interval_updates == 0
-            and num_updates >= ds.validate_after_updates)
-    )
-    do_validate = (
-        ((not end_of_epoch and do_save)
-         or (end_of_epoch and epoch_itr.epoch % ds.validate_interval == 0)
-         or should_stop
-         or (ds.validate_interval_updates > 0 and num_updates > 0
-             and num_updates % ds.validate_interval_updates == 0))
-        and not ds.disable_validation
-        and num_updates >= ds.validate_after_updates
-    )
-    valid_losses = [None]
-    if do_validate:
-        valid_losses = validate(cfg, trainer, task, epoch_itr, checkpoints, preemption)
-    should_stop |= checkpoints.should_stop_early(valid_losses[0])
-    if do_save or should_stop:
-        checkpoints.save(trainer, epoch_itr, valid_losses[0], end_of_epoch, metrics_state=metrics.state_dict())
-    return valid_losses, should_stop
-
-
-def validate(cfg, trainer, task, epoch_itr, checkpoints, preemption=None) -> List[Optional[float]]:
-    """The validation loss on each --valid-subset (fairseq.training.batch_iterators.valid_iterators: each must yield a
-    batch). With `preemption`, a stop signal is honoured at every validation batch: checkpoint_last is saved
-    and Preempted raised. Every rank has as many validation batches (the iterator pads shards), so all ranks
-    pass the same boundaries.
-    """
-    subsets = valid_iterators(cfg, task, trainer)
-    if cfg.dataset.fixed_validation_seed is not None:  # the next update re-seeds from its update count
-        torch.manual_seed(cfg.dataset.fixed_validation_seed)
-    valid_losses = []
-    for subset, batches in subsets:
-        itr = batches.next_epoch_itr(shuffle=False)
-        progress = _progress(cfg, itr, epoch=epoch_itr.epoch, prefix=f"valid on '{subset}' subset")
-        start = time.perf_counter()
-        done, stopped = 0, False  # batches validated; whether a stop signal was agreed on
-        with metrics.aggregate(new_root=True) as agg:
-            for i, sample in enumerate(progress):
-                if cfg.dataset.max_valid_steps is not None and i >= cfg.dataset.max_valid_steps:
-                    break
-                trainer.valid_step(sample, batches)
-                done = i + 1
-                if preemption is not None and preemption.should_stop():
-                    stopped = True
-                    break
-            if done and not stopped:
-                log_valid(trainer, trainer.read_valid_stats(), time.perf_counter() - start)
-                stats = valid_log_line(agg, trainer, cfg.checkpoint, checkpoints.best)
-        if stopped:
-            # The interrupted validation is not redone on resume (the data position is after the last update).
-            logger.warning(f"stopping validation on '{subset}' after {done} of {len(itr)} batches for preemption")
-            checkpoints.save_last(trainer, epoch_itr, metrics_state=metrics.state_dict())
-            raise Preempted()
-        if not done:  # --max-valid-steps 0: no loss to report (rather than a NaN one)
-            logger.warning(f"validation on '{subset}' ran no batch (--max-valid-steps "
-                           f"{cfg.dataset.max_valid_steps}): no valid loss")
-            valid_losses.append(None)
-            continue
-        progress.print(stats, tag=subset, step=trainer.num_updates)
-        valid_losses.append(stats.get(cfg.checkpoint.best_checkpoint_metric))
-    return valid_losses
 
 
 def cli_main(argv: Optional[List[str]] = None) -> None:
@@ -306,6 +41,7 @@ def cli_main(argv: Optional[List[str]] = None) -> None:
     cfg = options.convert_namespace_to_config(args)
     try:
         validate_config(cfg)  # before any process is spawned or data read
+        loop.check_input_files(cfg)  # then the dictionary and --bpe files, still before spawning
     except ValueError as e:
         parser.error(str(e))
     result = call_main(cfg, main)

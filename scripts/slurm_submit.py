@@ -104,9 +104,11 @@ def plan_overrides(size: str, nodes: int, gpus_per_node: int, data, overrides, c
         task["data"] = str(data) if data is not None else "/data/from/environment"
     cfg = fairseq_config_from_dict(dict(values, task=task))
     from fairseq.distributed.mesh import ParallelLayout
-    from fairseq.distributed.tensor_parallel import check_tensor_parallel_config
+    from fairseq.distributed.tensor_parallel_checks import check_tensor_parallel_config, \
+        check_tensor_parallel_dictionary
 
     check_tensor_parallel_config(cfg)
+    check_tensor_parallel_dictionary(cfg)  # when --data is readable here
     world = ParallelLayout.from_config(cfg.distributed_training, nodes * gpus_per_node).dp  # data-parallel ranks
     if _override_value(overrides, "optimization.update_freq") is None and cfg.dataset.batch_size and recipe:
         wanted = recipe_update_freq(recipe, cfg.dataset.batch_size, cfg.task.tokens_per_sample, world)

@@ -67,14 +67,21 @@ def _read(path: str, what: str) -> bytes:
         raise ValueError(f"{what}: cannot be read ({e.strerror}); pass a readable file") from None
 
 
-def check_bpe_files(cfg) -> None:
-    """Start-up check of a chosen --bpe (the command line's or keyword arguments): each file it needs is named
-    and readable. One-line error naming the flag, the path and the fix."""
+def check_bpe_flags(cfg) -> None:
+    """A chosen --bpe (the command line's or keyword arguments) names each file it needs (validate(cfg): no
+    file is read). One-line error naming the flag and the fix."""
     name = _get(cfg, "_name")
     for option in BPE_FILES.get(name, ()):
-        path = _get(cfg, option)
-        if not path:
+        if not _get(cfg, option):
             raise ValueError(f"--bpe {name} needs {flag(option)} PATH (the file the data was encoded with)")
+
+
+def check_bpe_files(cfg) -> None:
+    """Start-up check of a chosen --bpe: each file it needs is named and readable. One-line error naming the
+    flag, the path and the fix."""
+    check_bpe_flags(cfg)
+    for option in BPE_FILES.get(_get(cfg, "_name"), ()):
+        path = _get(cfg, option)
         _read(str(path), f"{flag(option)} {path}")
 
 

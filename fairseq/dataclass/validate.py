@@ -1,7 +1,8 @@
 """One `validate(cfg)` for a training config, run by every entry point before any process is spawned or any
 data is read, so a bad flag combination fails in the first second with the same message everywhere
 (fairseq-train, fairseq-hydra-train, in-process `fairseq_cli.train.main`), and the memory planner reuses
-the same rules.
+the same rules. It reads no file: the checks that do (the --bpe files, the dictionary's size under
+--model-parallel-size) run at start-up, `fairseq.training.loop.check_input_files`.
 
 Each component keeps its own checks beside its code (the FSDP flags in fairseq.distributed.fsdp, a model's
 options in its class's `check_config`); this module only collects them, in a fixed order. Checks that need
@@ -55,7 +56,7 @@ def _training_device(cfg):
 def validate(cfg) -> None:
     """Raise ValueError, naming the flag and the fix, for the first problem of a training config."""
     from fairseq.checkpoint.manager import parse_optimizer_overrides
-    from fairseq.checkpoint.vocabulary import check_bpe_files
+    from fairseq.checkpoint.vocabulary import check_bpe_flags
     from fairseq.data.indexed_dataset import check_dataset_impl
     from fairseq.distributed.fsdp import check_fsdp_flags
     from fairseq.training.ema import check_ema_config
@@ -89,7 +90,7 @@ def validate(cfg) -> None:
 
         parse_update_range(cfg.common.profile_updates)
     check_ema_config(cfg.ema)
-    check_bpe_files(cfg.bpe)  # the checkpoints will carry them
+    check_bpe_flags(cfg.bpe)  # the checkpoints will carry them (read at start-up)
     registry.arch_model(cfg.model._name).check_config(cfg.model)
 
 

@@ -9,11 +9,12 @@
    ddp.py; with tensor parallelism FSDP2 keeps unsharded replicas instead, DDP taking no DTensors); a single
    process without fully_sharded keeps the model as it is.
 
-Also here: building a model on the meta device and materializing it, and the gradient operations whose
-meaning depends on the engine (global norm clipping over sharded gradients, the cross-rank finiteness
-check for fp16 loss scaling, skipping the gradient all-reduce between micro-batches).
+Also here: which models are built on the meta device (`build_model`) and materializing them, and the gradient
+operations whose meaning depends on the engine (global norm clipping over sharded gradients, the cross-rank
+finiteness check for fp16 loss scaling, skipping the gradient all-reduce between micro-batches).
 
-Model files hold no distributed code; everything here is a function of (model, cfg).
+Model files hold no distributed code; everything here is a function of (model, cfg); what tensor parallelism
+splits is the model's own plan (`model.tensor_parallel_plan()`).
 """
 
 import contextlib
@@ -42,6 +43,7 @@ logger = logging.getLogger(__name__)
 __all__ = [
     "apply_activation_checkpointing",
     "apply_compile",
+    "build_model",
     "clip_coefficient",
     "clip_grad_norm_",
     "gradient_sync",
@@ -73,7 +75,8 @@ def parallelize_model(model: nn.Module, cfg, device: torch.device, world_mesh: O
     layout = ParallelLayout.from_config(dt, dist.get_world_size() if dist.is_initialized() else 1)
     mesh = init_parallel_mesh(layout, device.type) if fully_sharded or layout.tp > 1 else forget_parallel_mesh()
     if layout.tp > 1:
-        from fairseq.distributed.tensor_parallel import apply_tensor_parallel, uses_loss_parallel
+        from fairseq.distributed.tensor_parallel import apply_tensor_parallel
+        from fairseq.distributed.tensor_parallel_checks import uses_loss_parallel
 
         if not on_meta:
             model.to(device)
@@ -119,6 +122,23 @@ def unwrap_model(model: nn.Module) -> nn.Module:
 
 
 # -------------------------------------------------------------------------------- meta-device models
+
+
+# Under fully_sharded, models at least this large are built on the meta device and each rank initializes only
+# its shards after sharding (fast, and no rank ever holds the whole model). Smaller ones are built whole on
+# the CPU first, so that their initial weights are identical to a single-process run with the same seed.
+META_INIT_MIN_PARAMS = 1_000_000_000
+
+
+def build_model(cfg, task) -> nn.Module:
+    """`task.build_model(cfg.model)` as `parallelize_model` takes it: on the meta device when that policy says
+    (the training config `cfg` decides), else on the CPU."""
+    if cfg.distributed_training.ddp_backend == "fully_sharded":
+        with torch.device("meta"):
+            model = task.build_model(cfg.model)
+        if sum(p.numel() for p in model.parameters()) >= META_INIT_MIN_PARAMS:
+            return model
+    return task.build_model(cfg.model)
 
 
 def _params_and_buffers(model: nn.Module):

@@ -1,26 +1,14 @@
-"""Tensor parallelism (`--model-parallel-size N`) for this fork's decoder, on PyTorch's own engine
-(`torch.distributed.tensor.parallel`: DTensor parameters, ColwiseParallel / RowwiseParallel /
-SequenceParallel, loss_parallel). The plan lives here, beside FSDP's; the model files hold no distributed
-code. docs/parallelism.md describes the layout and its communication.
+"""Tensor parallelism (`--model-parallel-size N`) on PyTorch's own engine (`torch.distributed.tensor.parallel`:
+DTensor parameters, ColwiseParallel / RowwiseParallel / SequenceParallel, loss_parallel): the generic machinery
+that applies a model's own plan. The model says what is split and how (`model.tensor_parallel_plan()`: module
+paths -> style names, fairseq.models.fairseq_model.TENSOR_PARALLEL_STYLES; transformer_lm's is Megatron-LM's
+split with sequence parallelism between the blocks); this module turns the names into DTensor styles, splits
+the sequence where the plan says, keeps tied parameters tied and checks that every parameter is covered.
+docs/parallelism.md describes the layout and its communication.
 
-Per decoder layer (Megatron-LM's split, with sequence parallelism between the blocks):
-
-- q_proj, k_proj, v_proj, fc1: column-parallel (each rank computes `heads / N` heads and `ffn / N` of the
-  FFN; the attention's local head count is set here, from outside the model);
-- out_proj, fc2: row-parallel; their partial sums are reduce-scattered along the sequence;
-- self_attn_layer_norm, final_layer_norm, the residual stream and its dropout: sequence-parallel (each rank
-  holds `tokens / N` positions), which divides those activations by N at no extra communication: an
-  all-reduce is a reduce-scatter plus an all-gather, here placed around the norms instead of after them.
-
-Around the layers: the token embedding is vocabulary-parallel (rows split over the ranks, outputs
-all-reduced), the output projection too (the logits stay split over the vocabulary for
-`--criterion vocab_parallel_cross_entropy`, or are all-gathered for `cross_entropy`), and everything
-else (positions, norms, projections between dims) is replicated. Tied input/output embeddings stay one
-parameter (both are split by rows).
-
-The sequence enters the parallel region at the first layer (split into N equal parts, padded at the end to
-a multiple of N: causal attention never lets earlier positions see the padding, which is cut off again when
-the sequence leaves the region after the last layer), so any batch length works.
+The sequence enters the parallel region at the plan's first module (split into N equal parts, padded at the end
+to a multiple of N: causal attention never lets earlier positions see the padding, which is cut off again when
+the sequence leaves the region after the plan's last module), so any batch length works.
 
 The flag checks (validate(cfg)) are in tensor_parallel_checks.py, which does not import torch.distributed.tensor:
 this module does, and is imported only where a model is split (startup time).
@@ -43,14 +31,8 @@ from torch.distributed.tensor.parallel import (
 )
 from torch.distributed.tensor.parallel.style import ParallelStyle
 
-from fairseq.distributed.tensor_parallel_checks import (  # noqa: F401 (the checks' names, also imported from here)
-    LOSS_PARALLEL_CRITERIA,
-    UNSUPPORTED_OPTIONS,
-    check_tensor_parallel_config,
-    check_tensor_parallel_shape,
-    suggested_size,
-    uses_loss_parallel,
-)
+from fairseq.distributed.tensor_parallel_checks import check_tensor_parallel_shape
+from fairseq.models.fairseq_model import TENSOR_PARALLEL_STYLES
 
 logger = logging.getLogger(__name__)
 
@@ -102,81 +84,80 @@ class SequenceRegion:
         return full.redistribute(self.mesh, [Replicate()]).to_local()[:, : self.length]
 
 
-def layer_plan() -> dict:
-    """The plan of one TransformerDecoderLayer (fairseq.modules.transformer_layer), pre- or post-norm."""
+def build_style(name: str, loss_parallel: bool = False) -> ParallelStyle:
+    """The DTensor style of a TENSOR_PARALLEL_STYLES name. `loss_parallel`: a vocab_output's logits come out
+    as a DTensor split over the vocabulary (for vocab_parallel_cross_entropy), else whole and plain."""
     sequence = Shard(1)
-    return {
-        "self_attn_layer_norm": SequenceParallel(use_local_output=True),
-        # The attention is called as self_attn(x, incremental_state): gather the sequence for q/k/v.
-        "self_attn": PrepareModuleInput(input_layouts=(sequence, None), desired_input_layouts=(Replicate(), None)),
-        "self_attn.q_proj": ColwiseParallel(),
-        "self_attn.k_proj": ColwiseParallel(),
-        "self_attn.v_proj": ColwiseParallel(),
-        "self_attn.out_proj": RowwiseParallel(output_layouts=sequence),
-        "final_layer_norm": SequenceParallel(use_local_output=True),
-        "fc1": ColwiseParallel(input_layouts=sequence),
-        "fc2": RowwiseParallel(output_layouts=sequence),
-    }
+    if name == "colwise":
+        return ColwiseParallel()
+    if name == "colwise_from_sequence":
+        return ColwiseParallel(input_layouts=sequence)
+    if name == "rowwise_to_sequence":
+        return RowwiseParallel(output_layouts=sequence)
+    if name == "sequence_norm":
+        return SequenceParallel(use_local_output=True)
+    if name == "gather_sequence":  # the first input only (the attention's incremental_state passes through)
+        return PrepareModuleInput(input_layouts=(sequence, None), desired_input_layouts=(Replicate(), None))
+    if name == "vocab_embedding":
+        return RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
+    if name == "vocab_output":
+        return ColwiseParallel(output_layouts=Shard(-1) if loss_parallel else Replicate(),
+                               use_local_output=not loss_parallel)
+    if name == "replicate":
+        return ReplicateParallel()
+    raise ValueError(f"unknown tensor-parallel style {name!r} (one of {', '.join(TENSOR_PARALLEL_STYLES)})")
 
 
-REPLICATED_DECODER_MODULES = ("embed_positions", "layernorm_embedding", "project_in_dim", "layer_norm",
-                              "project_out_dim")
+def model_plan(model: nn.Module):
+    """`model.tensor_parallel_plan()`, or the one-line refusal of a model without one."""
+    plan_of = getattr(model, "tensor_parallel_plan", None)
+    plan = plan_of() if plan_of is not None else None
+    if plan is None:
+        decoder = getattr(model, "decoder", None)
+        raise TypeError(f"--model-parallel-size has a plan for fairseq's TransformerDecoder only, not for "
+                        f"{type(decoder).__name__} of {type(model).__name__}")
+    return plan
+
+
+def _untie(model: nn.Module, paths) -> list:
+    """A parameter shared by two planned modules is split once, as the first one's: the later owners get a
+    placeholder now and the split parameter back after (`_retie`). Returns [(module, name, source, name)]."""
+    owners, ties = {}, []
+    for path in paths:
+        module = model.get_submodule(path)
+        for name, param in module.named_parameters(recurse=False):
+            if id(param) in owners:
+                ties.append((module, name) + owners[id(param)])
+                setattr(module, name, nn.Parameter(torch.empty_like(param, device="meta")))
+            else:
+                owners[id(param)] = (module, name)
+    return ties
 
 
 def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, loss_parallel: bool) -> nn.Module:
-    """Split `model` (a FairseqLanguageModel whose decoder is fairseq.modules' TransformerDecoder) over the
-    1-D mesh `tp_mesh`, in place; before activation checkpointing, compile and FSDP. `loss_parallel`: the
-    logits come out as a DTensor split over the vocabulary (for vocab_parallel_cross_entropy), otherwise
-    as a plain tensor of the whole vocabulary."""
-    from fairseq.distributed.fsdp import transformer_layers
-    from fairseq.modules.transformer_decoder import TransformerDecoder
-    from fairseq.modules.transformer_layer import TransformerDecoderLayer
-
-    decoder = getattr(model, "decoder", None)
-    if not isinstance(decoder, TransformerDecoder):
-        raise TypeError(f"--model-parallel-size has a plan for fairseq's TransformerDecoder only, not for "
-                        f"{type(decoder).__name__} of {type(model).__name__}")
+    """Split `model` over the 1-D mesh `tp_mesh` by its own plan (`model.tensor_parallel_plan()`), in place;
+    before activation checkpointing, compile and FSDP. `loss_parallel`: the logits come out as a DTensor split
+    over the vocabulary (for vocab_parallel_cross_entropy), otherwise as a plain tensor of the whole vocabulary."""
+    plan = model_plan(model)
     tp = tp_mesh.size()
-    layers = transformer_layers(model)
-    for index, layer in enumerate(layers):
-        if type(layer) is not TransformerDecoderLayer:
-            raise TypeError(f"decoder layer {index} is a {type(layer).__name__}: the tensor-parallel plan covers "
-                            "TransformerDecoderLayer (apply it before checkpointing, compile and FSDP)")
-    heads = layers[0].self_attn.num_heads if len(layers) else tp
-    ffn = layers[0].fc1.out_features if len(layers) else tp
-    check_tensor_parallel_shape(tp, heads, ffn, decoder.embed_tokens.num_embeddings)
-    if decoder.output_projection.out_features % tp:
-        check_tensor_parallel_shape(tp, heads, ffn, decoder.output_projection.out_features, "--output-dictionary-size")
-
-    tied = decoder.output_projection.weight is decoder.embed_tokens.weight
-    if tied:  # split once, as the embedding; the projection gets the same DTensor back below
-        decoder.output_projection.weight = nn.Parameter(torch.empty_like(decoder.embed_tokens.weight, device="meta"))
-    logits = Shard(-1) if loss_parallel else Replicate()
-    plan = {
-        "embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
-        "output_projection": ColwiseParallel(output_layouts=logits, use_local_output=not loss_parallel),
-    }
-    for name in REPLICATED_DECODER_MODULES:
-        module = getattr(decoder, name, None)
-        if module is not None and any(True for _ in module.parameters()):
-            plan[name] = ReplicateParallel()
-    parallelize_module(decoder, tp_mesh, plan)
-    if tied:
-        decoder.output_projection.weight = decoder.embed_tokens.weight
-    for layer in layers:
-        parallelize_module(layer, tp_mesh, layer_plan())
-        layer.self_attn.num_heads = layer.self_attn.num_heads // tp  # heads computed on this rank
-    if len(layers):
-        region = SequenceRegion(tp_mesh)
-        layers[0].register_forward_pre_hook(region.enter)
-        layers[-1].register_forward_hook(region.leave)
-        model._tensor_parallel_sequence_region = region
+    check_tensor_parallel_shape(tp, plan.heads, plan.ffn, plan.vocab)
+    if plan.output_vocab % tp:
+        check_tensor_parallel_shape(tp, plan.heads, plan.ffn, plan.output_vocab, "--output-dictionary-size")
+    ties = _untie(model, plan.styles)
+    for path, name in plan.styles.items():
+        parallelize_module(model.get_submodule(path), tp_mesh, build_style(name, loss_parallel))
+    for module, name, source, source_name in ties:
+        setattr(module, name, getattr(source, source_name))
+    if plan.sequence_parallel is not None:
+        first, last = plan.sequence_parallel
+        region = SequenceRegion(tp_mesh)  # kept alive by its hooks
+        model.get_submodule(first).register_forward_pre_hook(region.enter)
+        model.get_submodule(last).register_forward_hook(region.leave)
     left = [name for name, p in model.named_parameters() if not isinstance(p, DTensor)]
     if left:
         raise TypeError(f"the tensor-parallel plan does not cover parameter(s) {', '.join(left[:5])} of "
                         f"{type(model).__name__}")
-    logger.info(f"tensor parallelism over {tp} ranks: {len(layers)} layers split (q/k/v/fc1 by columns, "
-                f"out_proj/fc2 by rows, norms sequence-parallel), vocabulary-parallel embedding and output"
+    logger.info(f"tensor parallelism over {tp} ranks: {plan.description}"
                 f"{' (logits kept split for the loss)' if loss_parallel else ''}")
     return model
 
@@ -199,7 +180,7 @@ def reduce_partial_gradients(model: nn.Module) -> None:
 
 def split_dims(model: nn.Module) -> dict:
     """{parameter name: the dim --model-parallel-size splits it along, or None if replicated} for a model
-    this plan applies to, read from the plan itself (the memory planner uses it)."""
+    with a plan, read from the plan itself (the memory planner uses it)."""
     def dim(style, module, param_name):
         if isinstance(style, ColwiseParallel):
             return 1 if isinstance(module, nn.Embedding) else 0
@@ -209,13 +190,9 @@ def split_dims(model: nn.Module) -> dict:
             return 1 if param_name == "weight" else None
         return None
 
-    decoder = model.decoder
     dims = {}
-    root_styles = {"embed_tokens": RowwiseParallel(), "output_projection": ColwiseParallel()}
-    for prefix, owner, styles in [("decoder.", decoder, root_styles)] + [
-            (f"decoder.layers.{i}.", layer, layer_plan()) for i, layer in enumerate(decoder.layers)]:
-        for path, style in styles.items():
-            module = owner.get_submodule(path)
-            for param_name, _ in module.named_parameters(recurse=False):
-                dims[f"{prefix}{path}.{param_name}"] = dim(style, module, param_name)
+    for path, name in model_plan(model).styles.items():
+        module = model.get_submodule(path)
+        for param_name, _ in module.named_parameters(recurse=False):
+            dims.setdefault(f"{path}.{param_name}", dim(build_style(name), module, param_name))
     return {name: dims.get(name) for name, _ in model.named_parameters()}

@@ -1,18 +1,16 @@
-"""What validate(cfg) checks about --model-parallel-size before anything starts (the model's dims, options the
-tensor-parallel plan does not cover), apart from the plan itself (fairseq.distributed.tensor_parallel): that
+"""The --model-parallel-size checks, apart from the plan's application (fairseq.distributed.tensor_parallel): that
 module imports torch.distributed.tensor (~1 s), which a run without tensor parallelism never needs.
+`check_tensor_parallel_config` reads the config only (validate(cfg)); `check_tensor_parallel_dictionary` reads
+the task's dict.txt (at start-up, before anything is trained or saved). What a model can be split into is the
+model's to say (its `tensor_parallel_sizes(cfg)` and `tensor_parallel_plan()`).
 """
 
 import math
 from typing import Optional, Sequence
 
+from fairseq import registry
+
 LOSS_PARALLEL_CRITERIA = ("vocab_parallel_cross_entropy",)
-# Model options the plan does not cover (each adds parameters or a softmax it does not split).
-UNSUPPORTED_OPTIONS = (
-    ("adaptive_input", "--adaptive-input"),
-    ("adaptive_softmax_cutoff", "--adaptive-softmax-cutoff"),
-    ("character_embeddings", "--character-embeddings"),
-)
 
 
 def suggested_size(tp: int, dims: Sequence[int]) -> int:
@@ -41,40 +39,55 @@ def check_tensor_parallel_shape(tp: int, heads: int, ffn: int, vocab: Optional[i
                          f"--model-parallel-size {use}, or binarize with fairseq-preprocess --padding-factor {tp}")
 
 
+def _model_sizes(cfg):
+    """The model's TensorParallelSizes (its class says), or the one-line refusal of a model without a plan."""
+    tp = cfg.distributed_training.model_parallel_size
+    sizes = registry.arch_model(cfg.model._name).tensor_parallel_sizes(cfg.model)
+    if sizes is None:
+        raise ValueError(f"--model-parallel-size {tp} needs a transformer_lm architecture (got --arch "
+                         f"{cfg.model._name})")
+    return sizes
+
+
 def check_tensor_parallel_config(cfg) -> None:
-    """What validate(cfg) can check before anything starts: the model's dims against --model-parallel-size,
-    unsupported options, and the vocabulary when the task's dictionary file is at hand."""
+    """What validate(cfg) checks before anything starts, from the flags alone: a model with a plan, the options
+    its plan does not cover, and its dims against --model-parallel-size."""
     tp = cfg.distributed_training.model_parallel_size
     if tp == 1:
         return
-    model = cfg.model
-    heads = getattr(model, "decoder_attention_heads", None)
-    ffn = getattr(model, "decoder_ffn_embed_dim", None)
-    if heads is None or ffn is None:
-        raise ValueError(f"--model-parallel-size {tp} needs a transformer_lm architecture (got --arch "
-                         f"{getattr(model, '_name', '?')})")
-    for field_name, flag in UNSUPPORTED_OPTIONS:
-        if getattr(model, field_name, None):
-            raise ValueError(f"{flag} is not supported with --model-parallel-size {tp}: drop one of them")
+    sizes = _model_sizes(cfg)
+    for flag in sizes.refused:
+        raise ValueError(f"{flag} is not supported with --model-parallel-size {tp}: drop one of them")
     if cfg.common.fp8:
         raise ValueError(f"--fp8 is not supported with --model-parallel-size {tp}: drop one of them")
     if cfg.distributed_training.compile:
         raise ValueError(f"--compile is not supported with --model-parallel-size {tp}: drop one of them")
+    check_tensor_parallel_shape(tp, sizes.heads, sizes.ffn, None)
+
+
+def check_tensor_parallel_dictionary(cfg) -> None:
+    """The start-up check that reads a file: the vocabulary of the task's dict.txt (when there is one) against
+    --model-parallel-size, with the model's dims in the suggestion (after validate(cfg))."""
+    tp = cfg.distributed_training.model_parallel_size
+    if tp == 1:
+        return
     vocab, source = _dictionary_size(cfg.task)
-    check_tensor_parallel_shape(tp, heads, ffn, vocab, source)
+    if vocab is not None:
+        sizes = _model_sizes(cfg)
+        check_tensor_parallel_shape(tp, sizes.heads, sizes.ffn, vocab, source)
 
 
 def _dictionary_size(task_cfg):
     """(symbols, path) of the language-modeling task's dict.txt, or (None, '') when there is none to read."""
     import os
 
-    data = getattr(task_cfg, "data", None)
+    data = getattr(task_cfg, "data", None)  # tasks without a data directory (dummy_lm, plug-ins)
     if not isinstance(data, str) or not data:
         return None, ""
     path = os.path.join(data.split(os.pathsep)[0], "dict.txt")
     if not os.path.isfile(path):
         return None, ""
-    from fairseq.data import Dictionary
+    from fairseq.data.dictionary import Dictionary
 
     return len(Dictionary.load(path)), path
 

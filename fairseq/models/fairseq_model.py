@@ -13,11 +13,16 @@ A model provides:
 - `flops_per_token(seq_len)`: training FLOPs (forward + backward) per token, for tflops/mfu (None: unknown);
 - `upgrade_state_dict(state_dict, cfg)` (classmethod): an upstream or older state dict under today's names;
 - `architecture_options`: config fields that define the function computed; resuming must keep them;
-- `describe_config(cfg)` (classmethod, optional): the config's shape in words, for the start-up log line.
-Model files hold no distributed or precision code: parallelism is applied to them from outside.
+- `describe_config(cfg)` (classmethod, optional): the config's shape in words, for the start-up log line;
+- `tensor_parallel_sizes(cfg)` (classmethod) and `tensor_parallel_plan()`: how the model splits over the ranks
+  of --model-parallel-size (None: it has no plan and is refused), as data (`TensorParallelPlan`).
+Model files hold no distributed or precision code: parallelism is applied to them from outside. A plan names
+its styles with strings, which fairseq.distributed.tensor_parallel turns into DTensor styles: models sit below
+distributed/ in the import order, and importing torch.distributed.tensor would cost every model import ~1 s.
 """
 
-from typing import Optional, Tuple
+from dataclasses import dataclass
+from typing import Dict, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -26,6 +31,46 @@ from torch import nn
 from fairseq.modules.fairseq_decoder import FairseqDecoder
 from fairseq.registry import config_name
 from fairseq.models.fairseq_encoder import FairseqEncoder
+
+
+# The styles a TensorParallelPlan may name (applied by fairseq.distributed.tensor_parallel), N ranks:
+TENSOR_PARALLEL_STYLES = {
+    "colwise": "a Linear split by output features (columns); its input whole on every rank",
+    "colwise_from_sequence": "colwise, its input arriving split along the sequence (gathered first)",
+    "rowwise_to_sequence": "a Linear split by input features (rows); its partial sums reduce-scattered along "
+                           "the sequence",
+    "sequence_norm": "a norm on an input split along the sequence (parameters replicated)",
+    "gather_sequence": "a module whose first input arrives split along the sequence, gathered whole for it",
+    "vocab_embedding": "an Embedding split by rows (the vocabulary), its output summed over the ranks",
+    "vocab_output": "an output projection split by the vocabulary: logits kept split for a vocabulary-parallel "
+                    "loss, gathered otherwise",
+    "replicate": "parameters replicated on every rank, computed alike",
+}
+
+
+@dataclass(frozen=True)
+class TensorParallelSizes:
+    """What a model's config says about splitting it (read by validate(cfg), before anything is built)."""
+
+    heads: int  # --model-parallel-size must divide these (0: nothing to divide)
+    ffn: int
+    refused: Tuple[str, ...] = ()  # flags set in the config that the plan does not cover
+
+
+@dataclass(frozen=True)
+class TensorParallelPlan:
+    """How a built model splits over N ranks. Every parameter must lie in a module the plan names; tied
+    parameters stay tied."""
+
+    styles: Dict[str, str]  # module path (from the model) -> a TENSOR_PARALLEL_STYLES name, applied in order
+    # (first, last) module paths: the residual stream is split along the sequence from the first one's input
+    # to the last one's output (sequence parallelism; padded to a multiple of N in between)
+    sequence_parallel: Optional[Tuple[str, str]] = None
+    heads: int = 0  # sizes N must divide (0: none), checked when the plan is applied
+    ffn: int = 0
+    vocab: int = 0
+    output_vocab: int = 0
+    description: str = ""  # what is split, in words, for the start-up log line
 
 
 class BaseFairseqModel(nn.Module):
@@ -53,6 +98,15 @@ class BaseFairseqModel(nn.Module):
     def describe_config(cls, cfg) -> str:
         """The resolved config's shape in words ("2 layers, embed dim 32, ..."); "" when the model says none."""
         return ""
+
+    @classmethod
+    def tensor_parallel_sizes(cls, cfg) -> Optional[TensorParallelSizes]:
+        """The sizes --model-parallel-size must divide and the options it excludes; None: no plan."""
+        return None
+
+    def tensor_parallel_plan(self) -> Optional[TensorParallelPlan]:
+        """How this model (as built, before any wrapper) splits over the ranks; None: no plan."""
+        return None
 
     def transformer_layers(self) -> nn.ModuleList:
         raise NotImplementedError(

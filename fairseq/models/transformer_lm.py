@@ -44,7 +44,7 @@ from fairseq.dataclass.configs import II, opt
 from fairseq.dataclass.build import model_config
 from fairseq.dataclass.utils import flag_name
 from fairseq.logging.throughput import flops_per_token as transformer_flops_per_token
-from fairseq.models.fairseq_model import FairseqLanguageModel
+from fairseq.models.fairseq_model import FairseqLanguageModel, TensorParallelPlan, TensorParallelSizes
 from fairseq.modules.adaptive_input import AdaptiveInput, parse_cutoffs
 from fairseq.modules.transformer_decoder import TransformerDecoder
 from fairseq.dataclass.flag_values import fill_missing
@@ -293,6 +293,33 @@ class TransformerLanguageModel(FairseqLanguageModel):
             return None
         return transformer_flops_per_token(self, len(self.transformer_layers()), self.decoder.embed_dim, seq_len)
 
+    # Options that add parameters or a softmax the tensor-parallel plan does not split.
+    TENSOR_PARALLEL_REFUSED = (("adaptive_input", "--adaptive-input"),
+                               ("adaptive_softmax_cutoff", "--adaptive-softmax-cutoff"),
+                               ("character_embeddings", "--character-embeddings"))
+
+    @classmethod
+    def tensor_parallel_sizes(cls, cfg) -> TensorParallelSizes:
+        refused = tuple(flag for name, flag in cls.TENSOR_PARALLEL_REFUSED if getattr(cfg, name))
+        return TensorParallelSizes(cfg.decoder_attention_heads, cfg.decoder_ffn_embed_dim, refused)
+
+    def tensor_parallel_plan(self) -> Optional[TensorParallelPlan]:
+        """The decoder's styles (TransformerDecoder.tensor_parallel_styles) under `decoder.`; the sequence is
+        split from the first layer's input to the last layer's output."""
+        decoder = self.decoder
+        if not isinstance(decoder, TransformerDecoder):
+            return None
+        styles = {f"decoder.{path}": style for path, style in decoder.tensor_parallel_styles().items()}
+        layers = decoder.layers
+        last = len(layers) - 1
+        return TensorParallelPlan(
+            styles, sequence_parallel=("decoder.layers.0", f"decoder.layers.{last}") if len(layers) else None,
+            heads=layers[0].self_attn.num_heads if len(layers) else 0,
+            ffn=layers[0].fc1.out_features if len(layers) else 0,
+            vocab=decoder.embed_tokens.num_embeddings, output_vocab=decoder.output_projection.out_features,
+            description=f"{len(layers)} layers split (q/k/v/fc1 by columns, out_proj/fc2 by rows, norms "
+                        "sequence-parallel), vocabulary-parallel embedding and output")
+
     @classmethod
     def upgrade_state_dict(cls, state_dict: dict, cfg=None) -> dict:
         return upgrade_state_dict(state_dict, cfg)
@@ -418,8 +445,8 @@ def _register_sized_presets():
 _register_sized_presets()
 
 
-# Upstream's Megatron presets (its model_parallel transformer_lm; --model-parallel-size splits them here, see
-# fairseq/distributed/tensor_parallel.py): 72 x 3072, 32 heads, gelu, dropout 0.1 in both places, then
+# Upstream's Megatron presets (its model_parallel transformer_lm; --model-parallel-size splits them here by
+# the model's tensor_parallel_plan): 72 x 3072, 32 heads, gelu, dropout 0.1 in both places, then
 # base_lm_architecture (pre-norm, sinusoidal positions). megatron_11b is upstream's 11B recipe (ffn 6 x d).
 @registry.register_model_architecture("transformer_lm", "transformer_lm_megatron")
 def transformer_lm_megatron(args) -> None:

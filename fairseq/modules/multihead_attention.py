@@ -62,8 +62,10 @@ class MultiheadAttention(FairseqIncrementalState, nn.Module):
             nn.init.zeros_(self.out_proj.bias)
 
     def _split_heads(self, x: torch.Tensor) -> torch.Tensor:
-        batch, length, _ = x.shape
-        return x.view(batch, length, self.num_heads, self.head_dim).transpose(1, 2)
+        # The heads are counted from the projection's width: every head, or under tensor parallelism (q/k/v
+        # split by columns over N ranks) this rank's num_heads / N, with nothing set from outside.
+        batch, length, width = x.shape
+        return x.view(batch, length, width // self.head_dim, self.head_dim).transpose(1, 2)
 
     def forward(self, x: torch.Tensor, incremental_state: Optional[IncrementalState] = None,
                 static_step: Optional[StaticStep] = None) -> torch.Tensor:
@@ -80,8 +82,7 @@ class MultiheadAttention(FairseqIncrementalState, nn.Module):
         attn = F.scaled_dot_product_attention(
             q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True
         )
-        # -1: under tensor parallelism this rank holds num_heads / N heads (fairseq.distributed.tensor_parallel)
-        attn = attn.transpose(1, 2).reshape(batch, length, -1)
+        attn = attn.transpose(1, 2).reshape(batch, length, -1)  # -1: this rank's heads (see _split_heads)
         return self.out_proj(attn)
 
     # ---- incremental decoding ---------------------------------------------------------------------------

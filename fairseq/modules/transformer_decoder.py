@@ -163,6 +163,21 @@ class TransformerDecoder(FairseqIncrementalDecoder):
         if self.output_projection is not None and not self.share_input_output_embed:
             nn.init.normal_(self.output_projection.weight, mean=0.0, std=self.output_embed_dim**-0.5)
 
+    def tensor_parallel_styles(self) -> dict:
+        """{module path: style} of this decoder under tensor parallelism (the layers' TENSOR_PARALLEL_STYLES;
+        around them a vocabulary-parallel embedding and output, everything else with parameters replicated)."""
+        styles = {"embed_tokens": "vocab_embedding", "output_projection": "vocab_output"}
+        for name in ("embed_positions", "layernorm_embedding", "project_in_dim", "layer_norm", "project_out_dim"):
+            module = getattr(self, name)
+            if module is not None and any(True for _ in module.parameters()):
+                styles[name] = "replicate"
+        for index, layer in enumerate(self.layers):
+            if type(layer) is not TransformerDecoderLayer:
+                raise TypeError(f"decoder layer {index} is a {type(layer).__name__}: the tensor-parallel plan covers "
+                                "TransformerDecoderLayer (apply it before checkpointing, compile and FSDP)")
+            styles.update({f"layers.{index}.{path}": style for path, style in layer.TENSOR_PARALLEL_STYLES.items()})
+        return styles
+
     def max_positions(self) -> int:
         if self.embed_positions is None:
             return self.max_target_positions

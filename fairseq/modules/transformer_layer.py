@@ -24,6 +24,21 @@ class TransformerDecoderLayer(nn.Module):
     residual (post-norm, the original Transformer).
     """
 
+    # The layer under tensor parallelism over N ranks (Megatron-LM's split, sequence-parallel between the
+    # blocks; the style names are fairseq.models.fairseq_model.TENSOR_PARALLEL_STYLES): each rank computes
+    # heads / N heads and ffn / N of the FFN, and holds tokens / N positions of the residual stream and norms.
+    TENSOR_PARALLEL_STYLES = {
+        "self_attn_layer_norm": "sequence_norm",
+        "self_attn": "gather_sequence",  # called as self_attn(x, incremental_state): q/k/v see every position
+        "self_attn.q_proj": "colwise",
+        "self_attn.k_proj": "colwise",
+        "self_attn.v_proj": "colwise",
+        "self_attn.out_proj": "rowwise_to_sequence",
+        "final_layer_norm": "sequence_norm",
+        "fc1": "colwise_from_sequence",
+        "fc2": "rowwise_to_sequence",
+    }
+
     def __init__(self, embed_dim: int, num_heads: int, ffn_embed_dim: int, dropout: float = 0.1,
                  attention_dropout: float = 0.0, activation_dropout: float = 0.0,
                  activation_fn: str = "relu", normalize_before: bool = False):

@@ -30,7 +30,9 @@ logger = logging.getLogger("fairseq.training.preemption")  # its name before the
 PREEMPTION_SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
 EXIT_REQUEUED = 3  # "stopped for preemption, checkpoint saved, job requeued (or ready to be restarted)"
 EXIT_REQUEUE_FAILED = 4  # "stopped for preemption, checkpoint saved, but the SLURM requeue failed: resubmit"
-# What the training function returns in that case (fairseq_cli.train.REQUEUED when the requeue went through).
+# What the training function (fairseq.training.loop.train) returns after a preemption stop: the requeue went
+# through, or it failed.
+REQUEUED = "requeued"
 REQUEUE_FAILED = "requeue failed"
 
 

@@ -7,7 +7,7 @@ scenarios); each rank saves what it measured and the tests compare:
   batches of 4 x 32 tokens per update) as one process with --update-freq 4: the same losses (relative
   1e-5) and the same parameters after them; TP 2 x FSDP 2 with --fsdp-forward-prefetch --fsdp-sync-free is
   bitwise equal to TP 2 x FSDP 2 without them. These runs use the real task, model, criterion
-  (vocab_parallel_cross_entropy) and Trainer through fairseq_cli.train's own helpers, and read each update's
+  (vocab_parallel_cross_entropy) and Trainer through fairseq-train's own helpers, and read each update's
   exact loss sum from the trainer (the log rounds to 3 decimals).
 - fairseq-train's main (in process) with --use-sharded-state: TP 2 x DP 2 runs to 6 updates, saving at 2
   and 4; from its update-2 checkpoint the same layout resumes to 4 bitwise equal, and DP 4 resumes to 4
@@ -70,12 +70,13 @@ def config(data, *flags):
 
 def train_updates(data, *flags, updates=UPDATES):
     """(per-token loss of each update, full model state on rank 0) of `updates` updates, through
-    fairseq_cli.train's task, model and iterator helpers and the real Trainer."""
+    fairseq-train's task, model and iterator helpers and the real Trainer."""
     from fairseq import registry
     from fairseq.criterions import build_criterion
     from fairseq.data.iterators import GroupedIterator
     from fairseq.training.trainer import Trainer
-    from fairseq_cli.train import build_model, trainer_iterator
+    from fairseq.distributed.parallelize import build_model
+    from fairseq.training.batch_iterators import trainer_iterator
 
     cfg = config(data, *flags)
     torch.manual_seed(cfg.common.seed)

@@ -157,6 +157,37 @@ def test_plan_on_one_rank_trains_as_the_plain_model(one_rank_group, tied):
         torch.testing.assert_close(param.grad.full_tensor(), grads[name], rtol=1e-5, atol=2e-5, msg=name)
 
 
+def test_a_model_without_a_plan_is_refused(one_rank_group):
+    from fairseq.models import BaseFairseqModel
+
+    class NoPlan(BaseFairseqModel):
+        def __init__(self):
+            super().__init__()
+            self.proj = torch.nn.Linear(4, 4)
+
+    with pytest.raises(TypeError) as err:
+        apply_tensor_parallel(NoPlan(), init_device_mesh("cpu", (1,), mesh_dim_names=("tp",)), loss_parallel=False)
+    assert str(err.value) == "--model-parallel-size has a plan for fairseq's TransformerDecoder only, not for " \
+                             "NoneType of NoPlan"
+
+
+def test_the_plan_is_the_models_data():
+    """transformer_lm's plan names every module with parameters (style names, no distributed objects) and
+    leaves the modules as built: the attention counts its heads from its projections' width."""
+    from fairseq.models.fairseq_model import TENSOR_PARALLEL_STYLES
+
+    model = tiny_model()
+    plan = model.tensor_parallel_plan()
+    assert set(plan.styles.values()) <= set(TENSOR_PARALLEL_STYLES)
+    assert plan.styles["decoder.layers.1.self_attn.q_proj"] == "colwise"
+    assert plan.sequence_parallel == ("decoder.layers.0", "decoder.layers.1")
+    assert (plan.heads, plan.ffn, plan.vocab) == (4, 64, 64)
+    attn = model.decoder.layers[0].self_attn
+    x = torch.randn(2, 5, 32)
+    half = attn._split_heads(attn.q_proj(x)[..., :16])  # what one rank of two holds after q_proj
+    assert half.shape == (2, 2, 5, 8) and attn.num_heads == 4
+
+
 def test_vocab_parallel_criterion_on_plain_logits_is_cross_entropy():
     from fairseq.criterions.vocab_parallel_cross_entropy import vocab_parallel_cross_entropy
 

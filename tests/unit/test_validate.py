@@ -44,3 +44,17 @@ def test_main_validates_before_reading_data_or_spawning(tmp_path):
     assert "spawning" not in stdout + stderr and "Dataset not found" not in stdout + stderr
     with pytest.raises(ValueError, match="--use-sharded-state needs"):  # in-process callers of main() too
         train.main(config("--use-sharded-state", "--save-dir", str(tmp_path)))
+
+
+def test_validate_reads_no_file_the_start_up_checks_do(tmp_path):
+    """validate(cfg) checks the flags only: the --bpe files (and, with --model-parallel-size, dict.txt) are read
+    by fairseq.training.loop.check_input_files, which fairseq-train runs next, before spawning."""
+    from fairseq.training.loop import check_input_files
+
+    with pytest.raises(ValueError, match="--bpe gpt2 needs --gpt2-encoder-json PATH"):
+        validate(config("--bpe", "gpt2"))
+    missing = config("--bpe", "gpt2", "--gpt2-encoder-json", str(tmp_path / "encoder.json"), "--gpt2-vocab-bpe",
+                     str(tmp_path / "vocab.bpe"))
+    validate(missing)
+    with pytest.raises(FileNotFoundError, match="--gpt2-encoder-json .*encoder.json: no such file"):
+        check_input_files(missing)
