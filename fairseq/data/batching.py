@@ -273,4 +273,3 @@ def resolve_limit(*limits: Union[int, None, Tuple]) -> Optional[int]:
         if limit is not None:
             values.append(int(limit))
     return min(values) if values else None
-
