@@ -8,13 +8,15 @@ flags and parses everything, rejecting unknown flags.
 import argparse
 import dataclasses
 import sys
+import textwrap
 from typing import List, Optional
 
 from fairseq import registry
 from fairseq.dataclass import configs, legacy
 from fairseq.dataclass.build import check_precision, convert_namespace_to_config, is_interpolated, model_config
 from fairseq.dataclass.utils import add_dataclass_to_parser
-from fairseq.utils import import_user_module
+from fairseq.registry import import_user_module
+from fairseq.suggest import close_flag, did_you_mean
 
 # Group name in FairseqConfig -> dataclass, in the order they appear in --help.
 TRAIN_GROUPS = {
@@ -39,7 +41,100 @@ COMPONENTS = (
 ENCODER_COMPONENTS = ("bpe", "tokenizer")
 
 
-def _base_parser(description: str, groups: dict, default_task: str, components=("task",)):
+class _HelpFormatter(argparse.HelpFormatter):
+    def _split_lines(self, text, width):  # flags stay whole ("--batch-size-valid", not "--batch-size- valid")
+        return textwrap.wrap(" ".join(text.split()), width, break_on_hyphens=False)
+
+
+class FairseqArgumentParser(argparse.ArgumentParser):
+    """argparse's parser with short usage errors: the one line `PROG: error: MESSAGE` (status 2) instead of the
+    whole usage first (~100 lines here), and the closest real flag or choice for a misspelt one."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+    def parse_args(self, args=None, namespace=None):
+        args, extra = self.parse_known_args(args, namespace)
+        if extra:
+            self.error(self._unrecognized(extra))
+        return args
+
+    def _unrecognized(self, extra: List[str]) -> str:
+        message = f"unrecognized arguments: {' '.join(extra)}"
+        flags = [a for a in extra if a.startswith("-") and not _is_number(a)]
+        hints = [(flag, close_flag(flag, self._option_string_actions)) for flag in flags]
+        hints = [(flag, match) for flag, match in hints if match is not None]
+        if len(hints) == 1:
+            return f"{message} (did you mean {hints[0][1]}?)"
+        if hints:
+            return f"{message} (did you mean {', '.join(f'{m} for {f}' for f, m in hints)}?)"
+        return f"{message}; `{self.prog} --help` lists the options"
+
+    def _check_value(self, action, value):  # argparse's hook for choices
+        if action.choices is not None and value not in action.choices:
+            choices = ", ".join(map(repr, action.choices))
+            raise argparse.ArgumentError(
+                action, f"invalid choice: {value!r}{did_you_mean(value, action.choices)}; choose from {choices}")
+
+    def format_help(self):
+        # The usage line names the positional arguments only: --help lists every flag once, below it.
+        positionals = [f"[{a.metavar or a.dest}]" if a.nargs == "?" else (a.metavar or a.dest)
+                       for a in self._get_positional_actions() if a.help is not argparse.SUPPRESS]
+        usage, self.usage = self.usage, self.usage or " ".join(["%(prog)s [options]"] + positionals)
+        try:
+            return super().format_help()
+        finally:
+            self.usage = usage
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+        return True
+    except ValueError:
+        return False
+
+
+ALL = "all"  # HELP_SHOWN: every flag of the group
+_EVAL_COMMON = frozenset({"log_file", "seed", "cpu", "fp16", "bf16", "user_dir", "trust_legacy_checkpoint"})
+_EVAL_DATASET = frozenset({"max_tokens", "batch_size", "num_workers", "skip_invalid_size_inputs_valid_test",
+                           "gen_subset", "num_shards", "shard_id"})
+# What --help lists for the tools that read a trained model: per group, the fields the tool reads
+# ("components": the selectors it uses); groups not named are left out. The flags left out still parse, as
+# upstream's command lines pass training flags to these tools.
+HELP_SHOWN = {
+    "generate": {
+        "common": _EVAL_COMMON, "dataset": _EVAL_DATASET | {"required_batch_size_multiple", "data_buffer_size"},
+        "common_eval": {"path", "quiet", "model_overrides", "results_path", "post_process"}, "generation": ALL,
+        "components": {"task", "bpe", "tokenizer"}},
+    "interactive": {
+        "common": _EVAL_COMMON, "dataset": {"max_tokens", "batch_size", "skip_invalid_size_inputs_valid_test"},
+        "common_eval": {"path", "model_overrides", "post_process"}, "generation": ALL, "interactive": ALL,
+        "components": {"task", "bpe", "tokenizer"}},
+    "eval_lm": {
+        "common": _EVAL_COMMON, "dataset": _EVAL_DATASET,
+        "common_eval": {"path", "model_overrides", "results_path", "post_process"}, "eval_lm": ALL,
+        "components": {"task", "bpe", "tokenizer"}},
+    "validate": {
+        "common": _EVAL_COMMON | {"log_format", "log_interval", "no_progress_bar"},
+        "dataset": {"max_tokens", "batch_size", "num_workers", "skip_invalid_size_inputs_valid_test",
+                    "required_batch_size_multiple", "data_buffer_size", "valid_subset", "combine_valid_subsets",
+                    "max_valid_steps"},
+        "distributed_training": {"device_id"}, "checkpoint": {"checkpoint_suffix"},
+        "common_eval": {"path", "model_overrides"}, "components": {"task", "criterion"}},
+}
+
+
+def _hide_in_help(actions, shown) -> None:
+    for action in actions:
+        if shown != ALL and action.dest not in shown:
+            action.help = argparse.SUPPRESS
+
+
+def _base_parser(description: str, groups: dict, default_task: str, components=("task",),
+                 help_shown: Optional[dict] = None):
+    """The parser of `groups` and the `components` selectors; with `help_shown` (a HELP_SHOWN entry) --help
+    lists only the flags it names."""
     # A pre-pass reads --user-dir before anything else, so plug-ins can register choices.
     pre = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
     pre.add_argument("--user-dir", default=None)
@@ -47,18 +142,24 @@ def _base_parser(description: str, groups: dict, default_task: str, components=(
     if user_args.user_dir:
         import_user_module(user_args.user_dir)
 
-    parser = argparse.ArgumentParser(description=description, allow_abbrev=False)
+    parser = FairseqArgumentParser(description=description, allow_abbrev=False, formatter_class=_HelpFormatter)
     parser.set_defaults(_groups=tuple(groups))
+    parser.help_shown = help_shown  # also for the components' groups, added once they are chosen
     for name, dc in groups.items():
-        add_dataclass_to_parser(parser.add_argument_group(name.replace("_", " ")), dc)
+        group = parser.add_argument_group(name.replace("_", " "))
+        add_dataclass_to_parser(group, dc)
+        if help_shown is not None:
+            _hide_in_help(group._group_actions, help_shown.get(name, ()))
     for attr, dest, reg, default in COMPONENTS:
         if attr not in components:
             continue
         d = default_task if attr == "task" else default
-        parser.add_argument(
+        action = parser.add_argument(
             f"--{dest.replace('_', '-')}", dest=dest, default=d, metavar=dest.upper(),
             help=f"{reg.kind} to use: {', '.join(reg.choices())}" + (f" (default: {d})" if d else ""),
         )
+        if help_shown is not None:
+            _hide_in_help([action], help_shown["components"])
     return parser
 
 
@@ -84,7 +185,7 @@ def get_eval_lm_parser(default_task: str = "language_modeling"):
     groups["eval_lm"] = configs.EvalLMConfig
     # Every component flag (--criterion, --optimizer, --lr-scheduler, --bpe, --tokenizer), as upstream's parser.
     return _base_parser("fairseq-eval-lm: evaluate a language model", groups, default_task,
-                        components=tuple(c[0] for c in COMPONENTS))
+                        components=tuple(c[0] for c in COMPONENTS), help_shown=HELP_SHOWN["eval_lm"])
 
 
 def parse_args_and_arch(parser: argparse.ArgumentParser, input_args: Optional[List[str]] = None,
@@ -132,7 +233,7 @@ def _given_flags_only(parser, input_args, parse_known: bool, modify_parser) -> a
     full = parse_args_and_arch(parser, input_args, parse_known=parse_known, modify_parser=modify_parser)
     full = full[0] if parse_known else full
     defaults = [(action, action.default) for action in parser._actions]  # shared with `given`: put back after
-    given = argparse.ArgumentParser(add_help=False, parents=[parser], allow_abbrev=False)
+    given = FairseqArgumentParser(add_help=False, parents=[parser], allow_abbrev=False)
     given.set_defaults(**{key: None for key in vars(full)})
     try:
         args, _ = given.parse_known_args(input_args)
@@ -163,10 +264,14 @@ def _add_component_flags(parser, first, only=None, arch=True):
         if name is None:
             continue
         dc = reg.dataclass(name)  # raises a clear error for an unknown name
+        group = parser.add_argument_group(f"{reg.kind} ({name})")
         if dc is not None:
-            add_dataclass_to_parser(parser.add_argument_group(f"{reg.kind} ({name})"), dc)
+            add_dataclass_to_parser(group, dc)
         elif hasattr(reg.get(name), "add_args"):  # upstream's legacy components (LegacyFairseqTask, ...)
-            reg.get(name).add_args(parser.add_argument_group(f"{reg.kind} ({name})"))
+            reg.get(name).add_args(group)
+        help_shown = getattr(parser, "help_shown", None)
+        if help_shown is not None and attr not in help_shown["components"]:  # e.g. eval-lm's default scheduler
+            _hide_in_help(group._group_actions, ())
     if not arch or getattr(first, "arch", None) is None:
         return False
     model_cls = registry.arch_model(first.arch)  # raises for an unknown --arch
@@ -188,7 +293,7 @@ def get_validation_parser(default_task: Optional[str] = "language_modeling"):
               "distributed_training": configs.DistributedTrainingConfig, "checkpoint": configs.CheckpointConfig,
               "common_eval": configs.CommonEvalConfig}
     return _base_parser("fairseq-validate: validate a trained model", groups, default_task or "language_modeling",
-                        components=tuple(c[0] for c in COMPONENTS))
+                        components=tuple(c[0] for c in COMPONENTS), help_shown=HELP_SHOWN["validate"])
 
 
 # ----------------------------------------------------------------------------- generation
@@ -211,7 +316,8 @@ def get_generation_parser(interactive: bool = False, default_task: str = "langua
     its flags come from the checkpoint (--path), changed only through --model-overrides."""
     name = "fairseq-interactive: generate from prompts" if interactive else "fairseq-generate: generate for a split"
     return _base_parser(name, _generation_groups(interactive), default_task,
-                        components=("task",) + ENCODER_COMPONENTS)
+                        components=("task",) + ENCODER_COMPONENTS,
+                        help_shown=HELP_SHOWN["interactive" if interactive else "generate"])
 
 
 def get_interactive_generation_parser(default_task: str = "language_modeling"):

@@ -7,9 +7,23 @@ so `import fairseq` stays cheap.
 """
 
 import importlib
+import os
 import pkgutil
+import sys
 from dataclasses import is_dataclass
 from typing import Callable, Dict, Optional, Type
+
+from fairseq.suggest import did_you_mean
+
+
+def config_name(cfg, legacy_key: Optional[str] = None):
+    """The registered name a component's config carries: its `_name`, else (for upstream's argparse namespace)
+    its `legacy_key` attribute (`task`, `arch`). The one optional read of it: upstream's namespaces, legacy
+    plug-ins' configs and plug-in dataclasses that do not extend FairseqDataclass have no `_name`."""
+    name = getattr(cfg, "_name", None)
+    if not name and legacy_key is not None:
+        name = getattr(cfg, legacy_key, None)
+    return name
 
 
 class Registry:
@@ -63,7 +77,8 @@ class Registry:
         self._load_builtins()
         if name not in self._classes:
             raise ValueError(
-                f"unknown {self.kind} {name!r} for {self.flag}; choose one of: {', '.join(self.choices())}"
+                f"unknown {self.kind} {name!r} for {self.flag}{did_you_mean(name, self.choices())}; choose one of: "
+                f"{', '.join(self.choices())}"
                 " (or load a plug-in with --user-dir)"
             )
         return self._classes[name]
@@ -162,7 +177,8 @@ def arch_model(arch: str) -> type:
     MODEL_REGISTRY._load_builtins()
     if arch not in ARCH_MODEL_REGISTRY:
         raise ValueError(
-            f"unknown architecture {arch!r} for --arch; choose one of: {', '.join(architectures())}"
+            f"unknown architecture {arch!r} for --arch{did_you_mean(arch, architectures())}; choose one of: "
+            f"{', '.join(architectures())}"
             " (or load a plug-in with --user-dir)"
         )
     return ARCH_MODEL_REGISTRY[arch]
@@ -170,3 +186,28 @@ def arch_model(arch: str) -> type:
 
 def dataclass_of(cls) -> Optional[Type]:
     return getattr(cls, "config_class", None)
+
+
+def import_user_module(user_dir):
+    """Import a plug-in directory (--user-dir, a Python package) so that its register_* decorators run. Upstream
+    passes a config or namespace with a `user_dir` attribute (None: nothing to import); a path works too."""
+    if not isinstance(user_dir, (str, os.PathLike)):
+        user_dir = getattr(user_dir, "user_dir", None)
+        if user_dir is None:
+            return
+    path = os.path.abspath(os.path.expanduser(user_dir))
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"--user-dir {user_dir!r}: no such directory")
+    parent, name = os.path.split(path)
+    if name in sys.modules:
+        loaded = getattr(sys.modules[name], "__file__", None) or ""
+        if os.path.dirname(os.path.abspath(loaded)) == path:
+            return  # already imported
+        raise ImportError(
+            f"--user-dir {user_dir!r}: a module named {name!r} is already imported from elsewhere; rename the directory"
+        )
+    sys.path.insert(0, parent)
+    try:
+        importlib.import_module(name)
+    finally:
+        sys.path.remove(parent)

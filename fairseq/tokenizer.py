@@ -1,7 +1,8 @@
-"""Upstream's `fairseq.tokenizer`: the whitespace tokenizer of dict.txt building and binarization."""
+"""Upstream's module name `fairseq.tokenizer`: the same module object as fairseq.compat.tokenizer (the compatibility
+wing), so patching either name patches both."""
 
-import re
+import sys
 
-from fairseq.data.dictionary import tokenize_line  # noqa: F401 (the one implementation)
+from fairseq.compat import tokenizer as _module
 
-SPACE_NORMALIZER = re.compile(r"\s+")
+sys.modules[__name__] = _module

@@ -1,7 +1,9 @@
-"""Upstream's module name for fairseq.training.trainer (the same module object, so patching either name patches both)."""
+"""Upstream's module name `fairseq.trainer`: the same module object as fairseq.compat.trainer (upstream's
+Trainer, the core's fairseq.training.trainer.Trainer with upstream's methods), so patching either name patches
+both."""
 
 import sys
 
-from fairseq.training import trainer as _module
+from fairseq.compat import trainer as _module
 
 sys.modules[__name__] = _module

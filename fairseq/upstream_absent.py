@@ -1,4 +1,5 @@
-"""Upstream fairseq names that this fork leaves out on purpose, and the one ImportError that says so.
+"""What of upstream fairseq this fork leaves out on purpose: the one table (modules, names, options), and the
+ImportError that says so. A plain data table at the bottom layer, so the core's checks read it.
 
 This fork trains and serves decoder-only language models; upstream's translation, speech, encoder-only /
 encoder-decoder models, non-autoregressive and Megatron model-parallel code, TPU support and BLEU scoring
@@ -9,7 +10,9 @@ one of them gets an ImportError naming what is absent and what to use instead, r
 - a whole module (`import fairseq.tasks.translation`): `AbsentModuleFinder`, installed once on `sys.meta_path`
   by `import fairseq`; it is consulted last, so it never hides a module that exists;
 - a name in a package that exists (`from fairseq.models import TransformerModel`): the package's module-level
-  `__getattr__` calls `absent_name`.
+  `__getattr__` calls `absent_name`;
+- an option: REFUSED_OPTIONS (set, it is an error naming the flag; read by each component's check) and
+  ACCEPTED_OPTIONS (set, one info line at start-up says what happens instead).
 """
 
 import importlib.abc
@@ -86,6 +89,55 @@ ABSENT_NAMES = {
     **{("fairseq.tasks", n): _TRANSLATION for n in ("TranslationTask",)},
     **{("fairseq.utils", n): _TPU for n in ("xla_device_to_cpu", "is_xla_tensor", "get_tpu_device", "tpu_data_loader")},
 }
+
+
+# Upstream options that are refused when set: (where, field, is it set (on a value that is not None), what to do
+# instead). Where: "generation" (the generation group: fairseq-generate/-interactive and the hub), "generator"
+# (task.build_generator's arguments), "transformer_lm" (the model's check_config).
+REFUSED_OPTIONS = (
+    ("generation", "replace_unk", lambda v: v is not None, "drop it"),
+    ("generation", "print_alignment", bool, "drop it"),
+    ("generation", "print_step", bool, "drop it"),
+    ("generation", "lm_path", lambda v: v is not None, "drop it"),
+    ("generator", "diverse_beam_groups", lambda v: v > 0, "use --beam or --sampling"),
+    ("generator", "diversity_rate", lambda v: v > 0, "use --beam or --sampling"),
+    ("generator", "constraints", bool, "drop it"),
+    *(("transformer_lm", name, is_set, "leave it at its default") for name, is_set in (
+        ("character_embeddings", bool),
+        ("decoder_layerdrop", lambda v: v > 0),
+        ("decoder_layers_to_keep", lambda v: v is not None),
+        ("quant_noise_pq", lambda v: v > 0),
+        ("quant_noise_scalar", lambda v: v > 0),
+        ("base_layers", lambda v: v > 0),
+        ("scale_fc", bool),
+        ("scale_attn", bool),
+        ("scale_heads", bool),
+        ("scale_resids", bool),
+    )),
+)
+
+# Upstream options accepted (so upstream command lines run unchanged) whose behaviour this fork does not have:
+# (group, field, what happens instead). Set to anything but its default, each is announced in one line at
+# start-up (fairseq.dataclass.validate.announce_compat_options); options whose result here is the same say so in
+# their help instead.
+ACCEPTED_OPTIONS = (
+    ("common", "suppress_crashes", "a failing run raises its error and exits non-zero, as without the flag"),
+    ("distributed_training", "fix_batches_to_gpus",
+     "each epoch's batches are shuffled across all data-parallel ranks, not kept on one rank"),
+    ("distributed_training", "min_params_to_wrap",
+     "fully_sharded makes each transformer layer one FSDP unit (and the rest the root unit), whatever its size"),
+    ("checkpoint", "write_checkpoints_asynchronously", "checkpoints are written synchronously, in the training loop"),
+    ("eval_lm", "softmax_batch",
+     "the log-softmax of a batch is computed at once; lower --max-tokens or --batch-size to bound its memory"),
+    ("generation", "sacrebleu", "generated text is printed, not scored with BLEU"),
+    ("generation", "retain_dropout_modules",
+     "with --retain-dropout every module keeps its dropout; the list is not applied"),
+)
+
+
+def refused_options(where: str):
+    """(field, is set, what to do instead) of REFUSED_OPTIONS for one component."""
+    return tuple((name, is_set, fix) for place, name, is_set, fix in REFUSED_OPTIONS if place == where)
 
 
 def message(what: str, why: str) -> str:

@@ -2,6 +2,7 @@
 
 import argparse
 import ast
+import copy
 import json
 import logging
 import math
@@ -13,7 +14,8 @@ from typing import Dict, List, Optional
 import torch
 
 from fairseq import options
-from fairseq.utils import import_user_module, run_console_script
+from fairseq.registry import import_user_module
+from fairseq_cli.console import run_console_script
 from fairseq.checkpoint.inference import load_model
 from fairseq.checkpoint.vocabulary import check_bpe_files, resolve_bpe
 from fairseq.criterions.cross_entropy import token_cross_entropy
@@ -248,31 +250,25 @@ def main(cfg, **unused_kwargs) -> dict:
     """Evaluate; `cfg` is a FairseqConfig or, as upstream accepts, the namespace of parse_args_and_arch."""
     if isinstance(cfg, argparse.Namespace):
         cfg = options.convert_namespace_to_config(cfg)
-    if cfg.dataset.max_tokens is None and cfg.dataset.batch_size is None:
-        cfg.dataset.max_tokens = DEFAULT_MAX_TOKENS
+    max_tokens = cfg.dataset.max_tokens
+    if max_tokens is None and cfg.dataset.batch_size is None:
+        max_tokens = DEFAULT_MAX_TOKENS
     progress_bar.setup_logging(cfg.common.log_file)
     if cfg.common.user_dir:
         import_user_module(cfg.common.user_dir)
     announce_compat_options(cfg)
     check_shard(cfg.dataset)
-    check_bpe_files(getattr(cfg, "bpe", None))
+    check_bpe_files(cfg.bpe)
     path = cfg.common_eval.path
     if not path:
         raise ValueError("no checkpoint given: pass --path CHECKPOINT.pt (or a sharded checkpoint directory)")
     device = torch.device("cpu") if cfg.common.cpu or not torch.cuda.is_available() else torch.device("cuda")
     context_window = cfg.eval_lm.context_window
-    if context_window > 0:  # the block plus its context must fit the model, as upstream does
-        if context_window >= cfg.task.tokens_per_sample:
-            raise ValueError(f"--context-window {context_window} must be smaller than --tokens-per-sample "
-                             f"{cfg.task.tokens_per_sample}")
-        if cfg.dataset.num_shards > 1:  # the context is the previous batch of the corpus, not of the shard
-            raise ValueError(f"--num-shards {cfg.dataset.num_shards} cannot be combined with --context-window; "
-                             "evaluate the whole split (drop --num-shards/--shard-id)")
-        cfg.task.tokens_per_sample -= context_window
+    task_cfg = _windowed_task_config(cfg, context_window)
 
     overrides = ast.literal_eval(cfg.common_eval.model_overrides)
     # (the task gets --add-bos-token from the checkpoint: a model trained with it expects <s> first)
-    model, loaded_cfg, saved_cfg, task, vocabulary = load_model(path, task_cfg=cfg.task, overrides=overrides,
+    model, loaded_cfg, saved_cfg, task, vocabulary = load_model(path, task_cfg=task_cfg, overrides=overrides,
                                                                 trust_legacy=cfg.common.trust_legacy_checkpoint)
     model.to(device).eval()
     logger.info(f"loaded {path}: {sum(p.numel() for p in model.parameters()):,} parameters")
@@ -284,13 +280,13 @@ def main(cfg, **unused_kwargs) -> dict:
     if context_window > 0:
         dataset = InCorpusOrder(dataset)
     itr = task.get_batch_iterator(
-        dataset=dataset, max_tokens=cfg.dataset.max_tokens, max_sentences=cfg.dataset.batch_size,
+        dataset=dataset, max_tokens=max_tokens, max_sentences=cfg.dataset.batch_size,
         max_positions=max_positions, ignore_invalid_inputs=True, seed=cfg.common.seed,
         num_shards=cfg.dataset.num_shards, shard_id=cfg.dataset.shard_id, num_workers=cfg.dataset.num_workers,
         epoch=1,
     ).next_epoch_itr(shuffle=False)
     pad = task.source_dictionary.pad()
-    bos = task.source_dictionary.bos() if getattr(cfg.task, "add_bos_token", False) else None
+    bos = task.source_dictionary.bos() if getattr(task.cfg, "add_bos_token", False) else None  # plug-in tasks may lack it
     batches = with_context_window(itr, context_window, pad, bos) if context_window > 0 else itr
     bpe = word_boundaries(cfg.common_eval.post_process, task.source_dictionary,
                           *_bpe_encoder(cfg, saved_cfg, vocabulary, path))
@@ -323,12 +319,29 @@ def main(cfg, **unused_kwargs) -> dict:
     return result
 
 
+def _windowed_task_config(cfg, context_window: int):
+    """The task config the blocks are cut with: with --context-window, blocks of --tokens-per-sample less the
+    window, each read after the window's context (a copy: the config stays as given), which must fit the model
+    as upstream's do."""
+    if context_window <= 0:
+        return cfg.task
+    if context_window >= cfg.task.tokens_per_sample:
+        raise ValueError(f"--context-window {context_window} must be smaller than --tokens-per-sample "
+                         f"{cfg.task.tokens_per_sample}")
+    if cfg.dataset.num_shards > 1:  # the context is the previous batch of the corpus, not of the shard
+        raise ValueError(f"--num-shards {cfg.dataset.num_shards} cannot be combined with --context-window; "
+                         "evaluate the whole split (drop --num-shards/--shard-id)")
+    task_cfg = copy.copy(cfg.task)
+    task_cfg.tokens_per_sample -= context_window
+    return task_cfg
+
+
 def _block_limit(cfg, task, model, dataset, context_window: int) -> Optional[int]:
     """The longest block the model may read (its trained positions, less the context window): a longer one
     is an error, or skipped with --skip-invalid-size-inputs-valid-test."""
     max_positions = resolve_limit(task.max_positions(), model.max_positions())
     if not cfg.dataset.skip_invalid_size_inputs_valid_test:
-        check_blocks_fit(dataset.sizes, max_positions, cfg.dataset.gen_subset, cfg.task, context_window)
+        check_blocks_fit(dataset.sizes, max_positions, cfg.dataset.gen_subset, task.cfg, context_window)
     return block_limit(max_positions, context_window)
 
 
@@ -340,7 +353,7 @@ def _bpe_encoder(cfg, saved_cfg, vocabulary, path) -> tuple:
     post_process = cfg.common_eval.post_process
     if post_process is None:
         return None, None
-    bpe_cfg = getattr(cfg, "bpe", None)
+    bpe_cfg = cfg.bpe
     if bpe_cfg is not None:
         return build_bpe(bpe_cfg), bpe_cfg._name
     saved = saved_cfg.get("bpe") if isinstance(saved_cfg, dict) else None

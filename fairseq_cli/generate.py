@@ -32,7 +32,8 @@ from fairseq.generation.hub_utils import TextCodec, move_to
 from fairseq.logging import progress_bar
 from fairseq.models.fairseq_model import model_config_line
 from fairseq.training.precision import compute_dtype
-from fairseq.utils import import_user_module, run_console_script
+from fairseq.registry import import_user_module
+from fairseq_cli.console import run_console_script
 
 logger = logging.getLogger("fairseq_cli.generate")
 
@@ -41,9 +42,10 @@ logger = logging.getLogger("fairseq_cli.generate")
 
 
 def load_ensemble(cfg):
-    """(models on the device in the compute dtype and eval mode, task, device) for --path (':'-separated
+    """(models on the device in the compute dtype and eval mode, task, device, codec) for --path (':'-separated
     checkpoint files or sharded directories). The task is the command line's (DATA's dictionary), or with no
-    DATA the first checkpoint's, as saved at training."""
+    DATA the first checkpoint's, as saved at training; the codec (TextCodec) is the command line's --tokenizer
+    and --bpe, else the first checkpoint's (checkpoint_tokenizer)."""
     if not cfg.common_eval.path:
         raise ValueError("no checkpoint given: pass --path CHECKPOINT.pt (or a sharded checkpoint directory; "
                          "several joined by ':' for an ensemble)")
@@ -58,7 +60,7 @@ def load_ensemble(cfg):
     device = torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu")
     dtype = compute_dtype(cfg.common)
     retain_dropout = cfg.generation.retain_dropout
-    task_cfg = cfg.task if getattr(cfg.task, "data", None) else None
+    task_cfg = cfg.task if _data_dir(cfg) else None
     models, task, first = [], None, None
     for path in paths:
         loaded = load_model(path, task=task, task_cfg=task_cfg, overrides=overrides,
@@ -68,22 +70,24 @@ def load_ensemble(cfg):
         logger.info(f"loaded {path}: {sum(p.numel() for p in loaded.model.parameters()):,} parameters, "
                     f"{str(dtype).replace('torch.', '')} on {device}")
         logger.info(model_config_line(loaded.model, loaded.cfg.model))
-    use_checkpoint_tokenizer(cfg, first, paths[0])
-    return models, task, device
+    return models, task, device, TextCodec(*checkpoint_tokenizer(cfg, first, paths[0]))
 
 
-def use_checkpoint_tokenizer(cfg, loaded, path: str) -> None:
-    """--bpe / --tokenizer not given: the checkpoint's, with the --bpe files it carries (upstream reads only
-    the command line's; `--model-overrides "{'bpe': None}"` reads already encoded text)."""
+def checkpoint_tokenizer(cfg, loaded, path: str) -> tuple:
+    """(tokenizer config, bpe config): --tokenizer / --bpe, else the checkpoint's, with the --bpe files it
+    carries (upstream reads only the command line's; `--model-overrides "{'bpe': None}"` reads already encoded
+    text)."""
+    bpe, tokenizer = cfg.bpe, cfg.tokenizer
     saved = (loaded.saved_cfg.get("bpe") or {}).get("_name")
-    if cfg.bpe is None and saved and cfg.common_eval.post_process:  # D- would decode joined words again
+    if bpe is None and saved and cfg.common_eval.post_process:  # D- would decode joined words again
         logger.info(f"--remove-bpe given: the checkpoint's --bpe {saved} is not applied (pass --bpe {saved} for "
                     "decoded D- lines instead)")
-    elif cfg.bpe is None and saved:
-        cfg.bpe = resolve_bpe(None, loaded.saved_cfg["bpe"], loaded.vocabulary, path)
+    elif bpe is None and saved:
+        bpe = resolve_bpe(None, loaded.saved_cfg["bpe"], loaded.vocabulary, path)
         logger.info(f"text is encoded and decoded with the checkpoint's --bpe {saved}")
-    if cfg.tokenizer is None:
-        cfg.tokenizer = loaded.cfg.tokenizer
+    if tokenizer is None:
+        tokenizer = loaded.cfg.tokenizer
+    return tokenizer, bpe
 
 
 def seed_everything(cfg) -> None:
@@ -145,25 +149,25 @@ def main(cfg) -> dict:
 
 def _main(cfg, out: TextIO) -> dict:
     setup(cfg)
-    if cfg.dataset.max_tokens is None and cfg.dataset.batch_size is None:
-        cfg.dataset.max_tokens = 12000  # upstream's default
-    if cfg.task is None or getattr(cfg.task, "data", None) is None:
+    max_tokens = cfg.dataset.max_tokens
+    if max_tokens is None and cfg.dataset.batch_size is None:
+        max_tokens = 12000  # upstream's default
+    if _data_dir(cfg) is None:
         raise ValueError("fairseq-generate reads a binarized split: pass the data directory (DATA) and "
                          "--gen-subset (use fairseq-interactive for prompts given as text)")
-    models, task, device = load_ensemble(cfg)
+    models, task, device, codec = load_ensemble(cfg)
     split = cfg.dataset.gen_subset
     task.load_dataset(split)
     dataset = task.dataset(split)
     max_positions = _prompt_limit(cfg, dataset, max_positions_of(task, models))
     itr = task.get_batch_iterator(
-        dataset=dataset, max_tokens=cfg.dataset.max_tokens, max_sentences=cfg.dataset.batch_size,
+        dataset=dataset, max_tokens=max_tokens, max_sentences=cfg.dataset.batch_size,
         max_positions=max_positions, ignore_invalid_inputs=cfg.dataset.skip_invalid_size_inputs_valid_test,
         required_batch_size_multiple=cfg.dataset.required_batch_size_multiple, seed=cfg.common.seed,
         num_shards=cfg.dataset.num_shards, shard_id=cfg.dataset.shard_id, num_workers=cfg.dataset.num_workers,
         data_buffer_size=cfg.dataset.data_buffer_size,
     ).next_epoch_itr(shuffle=False)
     generator = task.build_generator(models, cfg.generation)
-    codec = TextCodec(cfg.tokenizer, cfg.bpe)
     src_dict, tgt_dict = task.source_dictionary, task.target_dictionary
     strip = symbols_to_strip(generator, tgt_dict)
     post_process = cfg.common_eval.post_process
@@ -216,6 +220,11 @@ def _prompt_limit(cfg, dataset, max_positions: Optional[int]) -> Optional[int]:
         check_blocks_fit(dataset.sizes, max_positions, cfg.dataset.gen_subset, cfg.task,
                          other_fix=", or --prefix-size N to prompt with each sample's first N tokens")
     return max_positions
+
+
+def _data_dir(cfg) -> Optional[str]:
+    """DATA (the task's data directory); None when not given, or when a plug-in task's config has no `data`."""
+    return getattr(cfg.task, "data", None)
 
 
 def _strip_pad(tokens: torch.Tensor, pad: int) -> torch.Tensor:

@@ -42,7 +42,7 @@ from fairseq.dataclass.hydra import (
 from fairseq.dataclass.utils import config_to_dict
 from fairseq.logging import progress_bar
 from fairseq.logging.progress_bar import DATE_FORMAT, LOG_FORMAT
-from fairseq.utils import run_console_script
+from fairseq_cli.console import run_console_script
 
 logger = logging.getLogger("fairseq_cli.hydra_train")
 
@@ -167,6 +167,7 @@ _CONFIG_DIR_FLAGS = ("--config-dir", "-cd", "--config-path", "-cp")
 def warn_if_global_batch_differs(cfg, recipe: Dict, world_size: int) -> Optional[str]:
     """Warn when batch x update_freq x GPUs differs from the recipe's global batch (the learning-rate schedule
     assumes the recipe's); returns the warning."""
+    # (a plug-in task's config may have no tokens_per_sample)
     batch_size, tokens = cfg.dataset.batch_size, getattr(cfg.task, "tokens_per_sample", None)
     if not recipe.get("global_batch_tokens") or batch_size is None or tokens is None:
         return None

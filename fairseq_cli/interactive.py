@@ -18,8 +18,8 @@ from typing import Iterator, List, Optional
 
 from fairseq import options
 from fairseq.dataclass.generation import check_generation_config
-from fairseq.generation.hub_utils import TextCodec, check_prompt_lengths, move_to
-from fairseq.utils import run_console_script
+from fairseq.generation.hub_utils import check_prompt_lengths, move_to
+from fairseq_cli.console import run_console_script
 from fairseq_cli.generate import load_ensemble, max_positions_of, print_hypotheses, setup, symbols_to_strip
 
 logger = logging.getLogger("fairseq_cli.interactive")
@@ -67,12 +67,15 @@ def make_batches(lines: List[str], cfg, task, max_positions: Optional[int], code
     if not cfg.dataset.skip_invalid_size_inputs_valid_test:
         check_prompt_lengths(lengths, max_positions, SKIP_HINT, first_id=first_id)
     kept = [i for i, n in enumerate(lengths) if max_positions is None or n <= max_positions]
+    batch_size = cfg.dataset.batch_size
+    if cfg.dataset.max_tokens is None and batch_size is None:
+        batch_size = 1  # upstream's default: one prompt per batch
     for i in sorted(set(range(len(lines))) - set(kept)):  # named here: the task's warning counts within `lines`
         logger.warning(f"prompt {first_id + i} is {lengths[i]} tokens long (with the </s> it starts from), more "
                        f"than the model's {max_positions} positions: skipped (--skip-invalid-size-inputs-valid-test)")
     batches = task.get_batch_iterator(
         dataset=task.build_dataset_for_inference([tokens[i] for i in kept], [lengths[i] for i in kept]),
-        max_tokens=cfg.dataset.max_tokens, max_sentences=cfg.dataset.batch_size, max_positions=max_positions,
+        max_tokens=cfg.dataset.max_tokens, max_sentences=batch_size, max_positions=max_positions,
         ignore_invalid_inputs=cfg.dataset.skip_invalid_size_inputs_valid_test, disable_iterator_cache=True,
     ).next_epoch_itr(shuffle=False)
     return batches, kept
@@ -81,24 +84,21 @@ def make_batches(lines: List[str], cfg, task, max_positions: Optional[int], code
 def main(cfg) -> int:
     """Generate for every prompt of --input; returns the number of prompts read."""
     start_time = time.perf_counter()
-    cfg.interactive.buffer_size = max(cfg.interactive.buffer_size, 1)
-    if cfg.dataset.max_tokens is None and cfg.dataset.batch_size is None:
-        cfg.dataset.batch_size = 1  # upstream's default
+    buffer_size = max(cfg.interactive.buffer_size, 1)
     setup(cfg, cfg.interactive)
-    models, task, device = load_ensemble(cfg)
+    models, task, device, codec = load_ensemble(cfg)
     generator = task.build_generator(models, cfg.generation)
-    codec = TextCodec(cfg.tokenizer, cfg.bpe)
     src_dict, tgt_dict = task.source_dictionary, task.target_dictionary
     strip = symbols_to_strip(generator, tgt_dict)
     post_process = cfg.common_eval.post_process
     max_positions = max_positions_of(task, models)
-    if cfg.interactive.buffer_size > 1:
-        logger.info(f"Sentence buffer size: {cfg.interactive.buffer_size}")
+    if buffer_size > 1:
+        logger.info(f"Sentence buffer size: {buffer_size}")
     logger.info("NOTE: hypothesis and token scores are output in base 2")
     if cfg.interactive.input == "-" and sys.stdin.isatty():  # a prompt for a person, not for a pipe
         logger.info("Type the input sentence and press return:")
     start_id, generate_time = 0, 0.0
-    for lines in buffered_read(cfg.interactive.input, cfg.interactive.buffer_size):
+    for lines in buffered_read(cfg.interactive.input, buffer_size):
         results = []
         batches, kept = make_batches(lines, cfg, task, max_positions, codec, start_id)
         for batch in batches:

@@ -20,7 +20,7 @@ from fairseq.checkpoint.io import os_error_message
 from fairseq.data import Dictionary
 from fairseq.data.encoders._script_io import interrupted_exit, stopping_on_signals
 from fairseq.data.indexed_dataset import data_file_path
-from fairseq.utils import import_user_module
+from fairseq.registry import import_user_module
 
 logger = logging.getLogger("fairseq_cli.preprocess")
 
@@ -95,7 +95,7 @@ def _bpe_spec(args: Namespace):
         binarizer.register_line_encoder(spec, bpe)
         return spec
     cfg = config_from_namespace(dc, args, args.bpe)
-    if getattr(cfg, "sentencepiece_enable_sampling", False):
+    if args.bpe == "sentencepiece" and cfg.sentencepiece_enable_sampling:  # that scheme's own option
         raise PreprocessError("--sentencepiece-enable-sampling: sampled encodings differ from run to run; "
                               "fairseq-preprocess --bpe sentencepiece encodes deterministically (drop the flag)")
     bpe = build_bpe(cfg)

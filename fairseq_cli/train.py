@@ -11,7 +11,8 @@ import torch
 
 from fairseq import options
 from fairseq import registry
-from fairseq.utils import import_user_module, run_console_script
+from fairseq.registry import import_user_module
+from fairseq_cli.console import run_console_script
 from fairseq.training.batch_iterators import trainer_iterator, valid_iterators
 from fairseq.checkpoint.manager import CheckpointManager
 from fairseq.criterions import build_criterion

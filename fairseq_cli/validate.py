@@ -18,14 +18,18 @@ from typing import Dict, List, Optional
 
 import torch
 
-from fairseq import checkpoint_utils, options, utils
+from fairseq import options
+from fairseq.checkpoint.inference import load_model_ensemble_and_task
+from fairseq.data.batching import resolve_max_positions
 from fairseq.dataclass.validate import check_batch_size
 from fairseq.distributed import utils as dist_utils
 from fairseq.distributed.launch import call_main
 from fairseq.logging import metrics, progress_bar
 from fairseq.logging.logging_outputs import LoggingOutputSums
 from fairseq.training.precision import compute_dtype
-from fairseq.utils import import_user_module, run_console_script
+from fairseq.registry import import_user_module
+from fairseq.training.trainer import move_to_device
+from fairseq_cli.console import run_console_script
 
 logger = logging.getLogger("fairseq_cli.validate")
 
@@ -47,7 +51,7 @@ def main(cfg, override_args: Optional[argparse.Namespace] = None) -> Dict[str, D
     overrides = _overrides(cfg, override_args)
 
     logger.info(f"loading model(s) from {cfg.common_eval.path}")
-    models, saved_cfg, task = checkpoint_utils.load_model_ensemble_and_task(
+    models, saved_cfg, task = load_model_ensemble_and_task(
         [cfg.common_eval.path], arg_overrides=overrides, suffix=cfg.checkpoint.checkpoint_suffix,
         trust_legacy_checkpoint=cfg.common.trust_legacy_checkpoint)
     model = models[0].to(device).eval()
@@ -78,7 +82,7 @@ def validate_subset(cfg, task, model, criterion, subset: str, device: torch.devi
     """Run the criterion over `subset` (at most --max-valid-steps batches), print and return upstream's line."""
     batches = task.get_batch_iterator(
         dataset=task.dataset(subset), max_tokens=cfg.dataset.max_tokens, max_sentences=cfg.dataset.batch_size,
-        max_positions=utils.resolve_max_positions(task.max_positions(), model.max_positions()),
+        max_positions=resolve_max_positions(task.max_positions(), model.max_positions()),
         ignore_invalid_inputs=cfg.dataset.skip_invalid_size_inputs_valid_test,
         required_batch_size_multiple=cfg.dataset.required_batch_size_multiple, seed=cfg.common.seed,
         num_shards=dist_utils.get_world_size(), shard_id=dist_utils.get_rank(),
@@ -98,7 +102,7 @@ def validate_subset(cfg, task, model, criterion, subset: str, device: torch.devi
             break
         if not sample:  # a rank past the end of its shard: nothing to add
             continue
-        sample = utils.apply_to_sample(lambda t: t.to(device, non_blocking=True), sample)
+        sample = move_to_device(sample, device)
         with torch.autocast(device.type, dtype=dtype) if dtype != torch.float32 else contextlib.nullcontext():
             _, _, logging_output = task.valid_step(sample, model, criterion)
         sums.add(logging_output)

@@ -21,7 +21,7 @@ import torch
 
 from fairseq.checkpoint.inference import read_checkpoint_state
 from fairseq.checkpoint.io import atomic_torch_save, load_checkpoint_file
-from fairseq.utils import run_console_script
+from fairseq_cli.console import run_console_script
 
 
 def _read(path: str, trust_legacy: bool) -> Dict:

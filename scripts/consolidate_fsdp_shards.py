@@ -15,7 +15,7 @@ import os
 import sys
 
 from fairseq.checkpoint.consolidate import consolidate
-from fairseq.utils import run_console_script
+from fairseq_cli.console import run_console_script
 
 
 def main(argv=None):

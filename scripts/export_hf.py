@@ -14,7 +14,7 @@ import argparse
 import logging
 import sys
 
-from fairseq.utils import run_console_script
+from fairseq_cli.console import run_console_script
 
 
 def build_parser() -> argparse.ArgumentParser:

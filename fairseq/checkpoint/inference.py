@@ -5,10 +5,12 @@ The one loading path of fairseq-eval-lm, fairseq-generate, fairseq-interactive, 
 overrides to the saved config, set up the task, build the model from the saved model config, fill its weights.
 """
 
+import collections
+import copy
 import dataclasses
 import os
 from dataclasses import dataclass
-from typing import Any, Dict, NamedTuple, Optional, Tuple, Union
+from typing import Any, Dict, List, NamedTuple, Optional, Tuple, Union
 
 import torch
 
@@ -223,8 +225,9 @@ def load_model(path: str, task=None, task_cfg=None, overrides: Optional[Dict[str
     """Load the model saved at `path` (a .pt file or a sharded checkpoint directory).
 
     The task is `task` if given, else set up from `task_cfg` (a command line's task config), else from the
-    checkpoint's task config (after `overrides`). A model trained with --add-bos-token expects <s> first, so a
-    command-line task config gets add_bos_token from the checkpoint. `state` is the checkpoint's already read
+    checkpoint's task config (after `overrides`). A model trained with --add-bos-token expects <s> first, so the
+    task is set up from a copy of a command-line task config with add_bos_token from the checkpoint (read it
+    from `task.cfg`). `state` is the checkpoint's already read
     state (read_checkpoint_state), so the file is not read twice."""
     if state is None:
         saved, state = read_checkpoint_config(path, trust_legacy=trust_legacy)
@@ -242,6 +245,7 @@ def load_model(path: str, task=None, task_cfg=None, overrides: Optional[Dict[str
         if task_cfg is None:
             task_cfg = cfg.task
         elif (saved.get("task") or {}).get("add_bos_token") and hasattr(task_cfg, "add_bos_token"):
+            task_cfg = copy.copy(task_cfg)  # the caller's config stays as given
             task_cfg.add_bos_token = True
         task = registry.TASK_REGISTRY.get(task_cfg._name).setup_task(task_cfg)
     model = task.build_model(cfg.model)
@@ -250,3 +254,87 @@ def load_model(path: str, task=None, task_cfg=None, overrides: Optional[Dict[str
     if isinstance(state, dict) and state.get("task_state"):
         task.load_state_dict(state["task_state"])
     return LoadedModel(model, cfg, saved, task, carried(state))
+
+
+# ----------------------------------------------------------------------------- upstream's loading signatures
+# (fairseq.checkpoint_utils re-exports them; fairseq-validate and the hub call them here)
+
+
+def load_checkpoint_to_cpu(path: str, arg_overrides: Optional[Dict[str, Any]] = None,
+                           load_on_all_ranks: bool = False, trust_legacy_checkpoint: bool = False) -> Dict[str, Any]:
+    """The checkpoint's state in upstream's layout: "cfg" (a plain dict of config groups, `arg_overrides`
+    applied), "model" (the full state dict, also of a sharded directory), and the training state that was
+    saved with it. `load_on_all_ranks` is accepted for upstream compatibility: every caller reads the file."""
+    state = read_checkpoint_state(path, trust_legacy=trust_legacy_checkpoint)
+    state["cfg"] = apply_overrides(state.get("cfg") or {}, arg_overrides)
+    return state
+
+
+def _checkpoint_path(filename: str, suffix: str) -> str:
+    # upstream's --checkpoint-suffix: checkpoint_best.pt -> checkpoint_best{suffix}.pt
+    return filename[: -len(".pt")] + suffix + ".pt" if suffix and filename.endswith(".pt") else filename + suffix
+
+
+def load_model_ensemble_and_task(filenames: List[str], arg_overrides: Optional[Dict[str, Any]] = None, task=None,
+                                 strict: bool = True, suffix: str = "", num_shards: int = 1,
+                                 state: Optional[Dict[str, Any]] = None, trust_legacy_checkpoint: bool = False
+                                 ) -> Tuple[list, Any, Any]:
+    """(models, cfg, task) for the checkpoints `filenames` (an ensemble of one model per file).
+
+    `cfg` is the first checkpoint's config (a FairseqConfig with `generation` and `interactive` groups) after
+    `arg_overrides` ({"data": "data-bin"}: the dictionary's directory when the data moved since training);
+    `task` is the given one or set up from that config. With `strict=False` parameters that do not match the
+    model are skipped instead of an error. `state`: the single checkpoint's already loaded state.
+    `num_shards` > 1 (upstream's one-file-per-rank checkpoints) does not exist here: a sharded checkpoint is a
+    directory, passed as the path."""
+    if num_shards != 1:
+        raise ValueError(f"num_shards={num_shards}: checkpoints split into one file per rank are upstream's "
+                         "format; a sharded checkpoint here is one directory (--use-sharded-state): pass its path")
+    if isinstance(filenames, str):
+        filenames = [filenames]
+    if state is not None and len(filenames) != 1:
+        raise ValueError("state= is the state of one checkpoint; pass exactly one filename with it")
+    models, cfg = [], None
+    for filename in filenames:
+        path = _checkpoint_path(filename, suffix)
+        if not os.path.exists(path):
+            raise FileNotFoundError(f"Model file not found: {path}")
+        loaded = load_model(path, task=task, overrides=arg_overrides, trust_legacy=trust_legacy_checkpoint,
+                            strict=strict, state=state)
+        loaded.model.eval()
+        models.append(loaded.model)
+        task = loaded.task  # every member of an ensemble shares the first one's task (its dictionary)
+        cfg = cfg if cfg is not None else loaded.cfg
+    return models, cfg, task
+
+
+def load_model_ensemble(filenames: List[str], arg_overrides: Optional[Dict[str, Any]] = None, task=None,
+                        strict: bool = True, suffix: str = "", num_shards: int = 1,
+                        state: Optional[Dict[str, Any]] = None, trust_legacy_checkpoint: bool = False
+                        ) -> Tuple[list, Any]:
+    """(models, cfg): load_model_ensemble_and_task without the task."""
+    models, cfg, _ = load_model_ensemble_and_task(filenames, arg_overrides, task, strict, suffix, num_shards,
+                                                  state, trust_legacy_checkpoint)
+    return models, cfg
+
+
+def load_ema_from_checkpoint(fpath: str, trust_legacy_checkpoint: bool = False) -> Dict[str, Any]:
+    """The checkpoint's state with "model" replaced by its EMA weights (extra_state["ema"], written with
+    --store-ema; fp16 weights in fp32), as upstream: e.g. to save them as a model of their own. A sharded
+    directory's EMA shards are read whole."""
+    if os.path.isdir(fpath):
+        from fairseq.checkpoint.consolidate import read_full_state
+
+        path = sharded.resolve_sharded(fpath)
+        if path is None:
+            raise FileNotFoundError(f"{fpath} is not a complete sharded checkpoint (no {sharded.METADATA})")
+        state = sharded.read_metadata(path, trust_legacy=trust_legacy_checkpoint)
+        ema = read_full_state(path, keys=["ema"], trust_legacy=trust_legacy_checkpoint).get("ema")
+    else:
+        state = load_checkpoint_file(fpath, trust_legacy=trust_legacy_checkpoint)
+        ema = (state.get("extra_state") or {}).get("ema")
+    if not ema:
+        raise ValueError(f"{fpath} holds no EMA weights (extra_state['ema']); was the model trained with --store-ema?")
+    state["model"] = collections.OrderedDict(
+        (key, (value.float() if value.dtype == torch.float16 else value).clone()) for key, value in ema.items())
+    return state

@@ -277,18 +277,16 @@ class CheckpointManager:
         """Load the checkpoint to resume into model, optimizer and trainer (or --finetune-from-model's weights
         into the model); returns the states left for the other parts, None for a fresh start."""
         ck = self.ckpt_cfg
-        path = existing_checkpoint(resolve_restore_path(ck))
-        default_restore = ck.restore_file == "checkpoint_last.pt"
-        if path is None:
-            if not default_restore:
-                raise missing_restore_file(ck.restore_file, resolve_restore_path(ck))
-            if ck.finetune_from_model:
-                self._load_weights_only(trainer, ck.finetune_from_model)
+        choice = choose_restore(ck)
+        if choice.finetune:
+            self._load_weights_only(trainer, choice.path)
             return None
-        if ck.finetune_from_model and default_restore:
+        path = existing_checkpoint(choice.path)
+        if path is None:
+            return None
+        if ck.finetune_from_model:
             logger.info(f"found {path}: resuming it and ignoring --finetune-from-model")
-        overrides = parse_optimizer_overrides(ck.optimizer_overrides)
-        return self.restore(trainer, path, Resets.from_config(ck), overrides)
+        return self.restore(trainer, path, choice.resets, parse_optimizer_overrides(ck.optimizer_overrides))
 
     def restore(self, trainer, path: str, resets: Resets, optimizer_overrides: Optional[Dict[str, Any]] = None
                 ) -> SavedState:
@@ -384,6 +382,33 @@ class CheckpointManager:
         if getattr(trainer, "ema", None) is not None:
             trainer.ema.load_checkpoint_state(state.get("extra_state") or {}, state["model"])
         logger.info(f"loaded model weights from {found} (--finetune-from-model)")
+
+
+@dataclass(frozen=True)
+class RestoreChoice:
+    """What a run continues from: `path` (a checkpoint that may not exist yet on a first launch) with the
+    `resets` to apply; `finetune`: --finetune-from-model's checkpoint on a first launch (only its weights count)."""
+
+    path: str
+    resets: Resets
+    finetune: bool = False
+
+
+def choose_restore(ck, first_launch: Optional[bool] = None) -> RestoreChoice:
+    """The one resume rule of fairseq-train and upstream's `checkpoint_utils.load_checkpoint`: --restore-file
+    (default save_dir/checkpoint_last{suffix}.pt), which must exist unless it is the default; on a first launch
+    (no checkpoint_last yet; `first_launch` given: the caller probed) --finetune-from-model's checkpoint with
+    everything but the weights reset."""
+    path = resolve_restore_path(ck)
+    if ck.restore_file != "checkpoint_last.pt":
+        if existing_checkpoint(path) is None:
+            raise missing_restore_file(ck.restore_file, path)
+        return RestoreChoice(path, Resets.from_config(ck))
+    if first_launch is None:
+        first_launch = existing_checkpoint(path) is None
+    if ck.finetune_from_model and first_launch:
+        return RestoreChoice(ck.finetune_from_model, Resets(True, True, True, True), finetune=True)
+    return RestoreChoice(path, Resets.from_config(ck))
 
 
 def saved_state(state: Dict[str, Any]) -> SavedState:

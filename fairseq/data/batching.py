@@ -10,6 +10,7 @@ range-maximum tables (computed in bounded chunks), then one cheap step per batch
 Batches are stored compactly (`Batches`: one index array plus boundaries), never as millions of objects.
 """
 
+import copy
 from dataclasses import dataclass
 from typing import Callable, Iterator, List, Optional, Sequence, Tuple, Union
 
@@ -273,3 +274,44 @@ def resolve_limit(*limits: Union[int, None, Tuple]) -> Optional[int]:
         if limit is not None:
             values.append(int(limit))
     return min(values) if values else None
+
+
+def _match_types(a, b):
+    """A number next to a tuple (or dict) becomes one of the same shape."""
+    def upgrade(number, structure):
+        if isinstance(structure, tuple):
+            return tuple([number] * len(structure))
+        if isinstance(structure, dict):
+            return {k: upgrade(number, v) for k, v in structure.items()}
+        return number
+
+    if isinstance(a, (int, float)):
+        return upgrade(a, b), b
+    if isinstance(b, (int, float)):
+        return a, upgrade(b, a)
+    return a, b
+
+
+def resolve_max_positions(*args):
+    """The tightest of several max-positions limits (None: no limit), in the type of the limits given:
+    numbers take the minimum, tuples the element-wise minimum, dicts per key (upstream's rule)."""
+    def nullsafe_min(values):
+        present = [v for v in values if v is not None]
+        return min(present) if present else None
+
+    result = None
+    for arg in args:
+        if result is None:
+            result = copy.deepcopy(arg)
+        elif arg is not None:
+            result, arg = _match_types(result, arg)
+            if isinstance(arg, (int, float)):
+                result = min(result, arg)
+            elif isinstance(arg, dict):
+                merged = dict(result)
+                for key, value in arg.items():
+                    merged[key] = value if key not in merged else min(merged[key], value)
+                result = merged
+            else:
+                result = tuple(map(nullsafe_min, zip(result, arg)))
+    return result

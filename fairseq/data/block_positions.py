@@ -32,6 +32,7 @@ def check_blocks_fit(sizes, max_positions: Optional[int], split: str, task_cfg, 
         return
     longest = int(sizes.argmax())
     block = int(sizes[longest])
+    # a plug-in task's config may have neither option
     tokens_per_sample = getattr(task_cfg, "tokens_per_sample", None)
     mode = getattr(task_cfg, "sample_break_mode", "none")
     model = f"the model's {max_positions} positions ({TRAINED})"

@@ -241,7 +241,7 @@ def raise_if_valid_subsets_unintentionally_ignored(train_cfg) -> None:
     """Upstream's guard: extra valid splits (valid1, ...) next to the data that --valid-subset leaves out would
     be silently ignored; fail, naming them, unless --combine-valid-subsets or --ignore-unused-valid-subsets."""
     ds = train_cfg.dataset
-    data = getattr(train_cfg.task, "data", None)
+    data = getattr(train_cfg.task, "data", None)  # a plug-in task's config may have no data directory
     if ds.ignore_unused_valid_subsets or ds.combine_valid_subsets or ds.disable_validation or not data:
         return
     specified = set(ds.valid_subset.split(","))

@@ -25,7 +25,7 @@ class CommonConfig:
     tensorboard_logdir: Optional[str] = opt(None, "write tensorboard event files under this directory")
     wandb_project: Optional[str] = opt(None, "log to this Weights & Biases project (honours WANDB_MODE)")
     seed: int = opt(1, "pseudo random number generator seed")
-    cpu: bool = opt(False, "train on the CPU even when CUDA is available")
+    cpu: bool = opt(False, "run on the CPU even when CUDA is available")
     fp16: bool = opt(False, "fp16 mixed precision with dynamic loss scaling")
     bf16: bool = opt(False, "bf16 mixed precision")
     memory_efficient_fp16: bool = opt(False, "accepted for upstream recipes; same as --fp16 here")
@@ -143,7 +143,7 @@ class DatasetConfig:
     batch_size_valid: Optional[int] = opt(None, "validation batch size (default: --batch-size)")
     max_valid_steps: Optional[int] = opt(None, "validate on at most this many batches", aliases=["--nval"])
     curriculum: int = opt(0, "fairseq-train: do not shuffle the batches for the first N epochs")
-    gen_subset: str = opt("test", "data subset to evaluate (fairseq-eval-lm)")
+    gen_subset: str = opt("test", "the split that fairseq-generate and fairseq-eval-lm read")
     num_shards: int = opt(1, "fairseq-generate and fairseq-eval-lm: split the batches into N shards and process "
                               "only --shard-id's (training shards by the data-parallel ranks instead)")
     shard_id: int = opt(0, "fairseq-generate and fairseq-eval-lm: which shard to process, 0 <= id < --num-shards")
@@ -223,13 +223,22 @@ class EvalLMConfig:
 @dataclass
 class CommonEvalConfig:
     path: Optional[str] = opt(None, "checkpoint to evaluate: a .pt file or a sharded checkpoint directory")
-    quiet: bool = opt(False, "only print the final scores")
+    quiet: bool = opt(False, "fairseq-generate: print no S/T/H/D/P lines, only the summary")
     model_overrides: str = opt("{}", "Python dict literal of model config values to override when loading")
-    results_path: Optional[str] = opt(None, "also write the results to this directory (eval_lm.SPLIT.json)")
+    results_path: Optional[str] = opt(
+        None, "a directory (created if missing) for the results: fairseq-generate writes its S/T/H/D/P lines to "
+              "DIR/generate-SPLIT.txt instead of stdout; fairseq-eval-lm writes its scores to DIR/eval_lm.SPLIT.json "
+              "as well as logging them")
     post_process: Optional[str] = opt(
-        None, "eval-lm: BPE continuation marker; pieces are joined into words for the word output and loss and "
-              "perplexity are per word. The flag alone (subword_nmt) means '@@ '; any other value is the marker "
-              "itself", aliases=["--remove-bpe"], const="subword_nmt")
+        None, "undo the BPE of the dictionary's pieces. fairseq-generate and fairseq-interactive join the pieces "
+              "of the S, T and H lines into words: the flag alone (subword_nmt) removes '@@ ', 'sentencepiece' "
+              "joins the pieces reading U+2581 as a space, any other value is a marker that is removed; the "
+              "checkpoint's --bpe is then not applied, so D lines are the joined text (pass --bpe NAME to decode "
+              "them). fairseq-eval-lm reports loss and perplexity per word instead of per token, and joins the "
+              "words of --output-word-probs/--output-word-stats; words are those of the --bpe scheme (or the "
+              "checkpoint's) for the flag alone or the scheme's name, pieces starting with U+2581 for "
+              "'sentencepiece', else end where a piece lacks the marker ('@@' for the flag alone)",
+        aliases=["--remove-bpe"], const="subword_nmt")
 
 
 @dataclass

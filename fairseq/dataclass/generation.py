@@ -7,10 +7,11 @@ accepted at their defaults and rejected when set (here, `check_generation_config
 `task.build_generator` for the generator's own options).
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import List, Literal, Optional
 
 from fairseq.dataclass.fields import opt
+from fairseq.upstream_absent import refused_options
 
 
 @dataclass
@@ -69,14 +70,16 @@ class InteractiveConfig:
     input: str = opt("-", "file to read prompts from, one per line ('-': standard input)")
 
 
-# (field, predicate on its value, what to do instead) for upstream options this fork does not implement.
-# (The generator's own options are checked by task.build_generator and the SequenceGenerator.)
-_UNSUPPORTED = (
-    ("replace_unk", lambda v: v is not None, "drop it"),
-    ("print_alignment", bool, "drop it"),
-    ("print_step", bool, "drop it"),
-    ("lm_path", lambda v: v is not None, "drop it"),
-)
+def as_generation_config(args) -> GenerationConfig:
+    """`args` as a GenerationConfig, for task.build_generator: upstream callers pass an argparse Namespace or a
+    DictConfig, which may lack options or hold None; those take the dataclass's defaults (the only ones)."""
+    values = {f.name: getattr(args, f.name, None) for f in fields(GenerationConfig)}
+    return GenerationConfig(**{name: value for name, value in values.items() if value is not None})
+
+
+# Upstream options this fork does not implement (the one table; the generator's own are checked by
+# task.build_generator and the SequenceGenerator).
+_UNSUPPORTED = refused_options("generation")
 
 
 def check_unsupported_options(generation) -> None:

@@ -31,7 +31,6 @@ Conventions beyond upstream's layout:
 
 import contextlib
 import dataclasses
-import difflib
 import os
 import re
 import shutil
@@ -48,6 +47,7 @@ from fairseq.dataclass.build import build_config
 from fairseq.dataclass.configs import FairseqConfig
 from fairseq.dataclass.fields import unwrap_optional
 from fairseq.dataclass.utils import flag_name
+from fairseq.suggest import did_you_mean
 
 MISSING = "???"
 RECIPE_KEY = "_recipe"
@@ -212,8 +212,7 @@ def _default(f: dataclasses.Field):
 
 
 def _unknown_key_error(where: str, key: str, known, owner: str) -> ValueError:
-    close = difflib.get_close_matches(key, list(known), n=1)
-    hint = f" (did you mean '{where}.{close[0]}'?)" if close else ""
+    hint = did_you_mean(key, known, lambda match: f"'{where}.{match}'")
     return ValueError(
         f"unknown key '{where}.{key}'{hint}: {owner} has no option '{key}'; remove it or fix its name "
         "(fairseq-train --help lists the options as flags, with '-' for '_')"
@@ -231,7 +230,8 @@ def _coerce(where: str, value, tp, default):
     if origin is Literal:
         choices = get_args(inner)
         if value not in choices:
-            raise ValueError(f"{where}={value!r} is not a valid choice; choose one of: {', '.join(map(str, choices))}")
+            raise ValueError(f"{where}={value!r} is not a valid choice{did_you_mean(value, choices)}; choose one of: "
+                             f"{', '.join(map(str, choices))}")
         return value
     if origin in (list, typing.List):
         (item_type,) = get_args(inner) or (Any,)
@@ -298,8 +298,7 @@ def _check_legacy_component(where: str, values, cls, owner: str) -> Dict[str, An
         if key == "_name" or value == MISSING:
             continue
         if key not in options:
-            close = difflib.get_close_matches(key, list(options), n=1)
-            hint = f" (did you mean '{where}.{close[0]}'?)" if close else ""
+            hint = did_you_mean(key, options, lambda match: f"'{where}.{match}'")
             raise ValueError(f"unknown key '{where}.{key}'{hint}: {owner} is a legacy plug-in whose add_args declares "
                              f"{', '.join(sorted(options)) or 'no options'}")
         checked[key] = legacy.coerce_option(f"{where}.{key}", options[key], value)
@@ -327,12 +326,14 @@ def _component_class(attr: str, name: str):
 def _component_dataclass(attr: str, name: str):
     if attr == "model":
         if name not in registry.architectures():
-            raise ValueError(f"model._name={name!r} is not an architecture; choose one of: "
+            raise ValueError(f"model._name={name!r} is not an architecture"
+                             f"{did_you_mean(name, registry.architectures())}; choose one of: "
                              f"{', '.join(registry.architectures())} (or load a plug-in with common.user_dir)")
         return registry.dataclass_of(registry.arch_model(name))
     reg = COMPONENT_REGISTRIES[attr]
     if name not in reg:
-        raise ValueError(f"{attr}._name={name!r} is not a registered {reg.kind}; choose one of: "
+        raise ValueError(f"{attr}._name={name!r} is not a registered {reg.kind}{did_you_mean(name, reg.choices())}; "
+                         "choose one of: "
                          f"{', '.join(reg.choices())} (or load a plug-in with common.user_dir)")
     return reg.dataclass(name)
 
@@ -374,12 +375,11 @@ def fairseq_config_from_dict(values: Dict[str, Any]) -> FairseqConfig:
     allowed = list(TRAIN_GROUPS) + list(COMPONENTS) + list(OPTIONAL_COMPONENTS)
     for key in values:
         if key not in allowed:
-            close = difflib.get_close_matches(key, allowed, n=1)
-            hint = f" (did you mean '{close[0]}'?)" if close else ""
+            hint = did_you_mean(key, allowed)
             raise ValueError(f"unknown top-level key '{key}'{hint}; the config's groups are: {', '.join(allowed)}")
     user_dir = (values.get("common") or {}).get("user_dir")
     if user_dir:  # plug-ins register their components before the component names are looked up
-        from fairseq.utils import import_user_module
+        from fairseq.registry import import_user_module
 
         import_user_module(user_dir)
 

@@ -12,6 +12,7 @@ import logging
 
 from fairseq import registry
 from fairseq.dataclass.build import check_precision  # noqa: F401 (also named here, as before)
+from fairseq.upstream_absent import ACCEPTED_OPTIONS
 
 logger = logging.getLogger(__name__)
 
@@ -50,7 +51,7 @@ def validate(cfg) -> None:
     from fairseq.checkpoint.vocabulary import check_bpe_files
     from fairseq.data.indexed_dataset import check_dataset_impl
     from fairseq.distributed.fsdp import check_fsdp_flags
-    from fairseq.models.ema import check_ema_config
+    from fairseq.training.ema import check_ema_config
     from fairseq.optim import check_optimizer_overrides
     from fairseq.tasks.language_modeling import check_token_budget
     from fairseq.distributed.mesh import check_layout_flags
@@ -76,31 +77,17 @@ def validate(cfg) -> None:
     check_layout_flags(cfg.distributed_training)
     check_tensor_parallel_config(cfg)
     check_sharded_state(cfg.distributed_training)
-    if getattr(cfg.common, "profile_updates", None):
+    if cfg.common.profile_updates:
         from fairseq.logging.profiler import parse_update_range
 
         parse_update_range(cfg.common.profile_updates)
-    check_ema_config(getattr(cfg, "ema", None))
-    check_bpe_files(getattr(cfg, "bpe", None))  # the checkpoints will carry them
+    check_ema_config(cfg.ema)
+    check_bpe_files(cfg.bpe)  # the checkpoints will carry them
     registry.arch_model(cfg.model._name).check_config(cfg.model)
 
 
-# Upstream options accepted (so upstream command lines run unchanged) whose behaviour this fork does not have:
-# (group, field, what happens instead). Set to anything but its default, each is announced in one line at
-# start-up (`announce_compat_options`); options whose result here is the same say so in their help instead.
-COMPAT_NOTICES = (
-    ("common", "suppress_crashes", "a failing run raises its error and exits non-zero, as without the flag"),
-    ("distributed_training", "fix_batches_to_gpus",
-     "each epoch's batches are shuffled across all data-parallel ranks, not kept on one rank"),
-    ("distributed_training", "min_params_to_wrap",
-     "fully_sharded makes each transformer layer one FSDP unit (and the rest the root unit), whatever its size"),
-    ("checkpoint", "write_checkpoints_asynchronously", "checkpoints are written synchronously, in the training loop"),
-    ("eval_lm", "softmax_batch",
-     "the log-softmax of a batch is computed at once; lower --max-tokens or --batch-size to bound its memory"),
-    ("generation", "sacrebleu", "generated text is printed, not scored with BLEU"),
-    ("generation", "retain_dropout_modules",
-     "with --retain-dropout every module keeps its dropout; the list is not applied"),
-)
+# Upstream options accepted without their behaviour: (group, field, what happens instead), from the one table.
+COMPAT_NOTICES = ACCEPTED_OPTIONS
 
 
 def compat_notices(cfg) -> list:

@@ -30,7 +30,7 @@ HIGH_PRECISION_MODULES = ("output_projection",)
 def check_float8_flags(cfg) -> None:
     """The --fp8 rules that need no GPU (run by validate(cfg) and the memory planner)."""
     common = cfg.common
-    if not getattr(common, "fp8", False):
+    if not common.fp8:
         for flag, value in (("--fp8-fsdp-all-gather", common.fp8_fsdp_all_gather),):
             if value:
                 raise ValueError(f"{flag} needs --fp8")
@@ -51,7 +51,7 @@ def check_float8_flags(cfg) -> None:
 
 def check_float8_environment(cfg, device: torch.device) -> None:
     """--fp8 on a machine that cannot run it: one line naming what is missing (before any work starts)."""
-    if not getattr(cfg.common, "fp8", False):
+    if not cfg.common.fp8:
         return
     if importlib.util.find_spec("torchao") is None:
         raise ValueError("--fp8 needs torchao, which is not installed: pip install torchao "
@@ -101,7 +101,7 @@ def apply_float8(model: nn.Module, cfg) -> int:
 
 
 def needs_scale_precompute(cfg) -> bool:
-    return bool(getattr(cfg.common, "fp8", False) and cfg.common.fp8_fsdp_all_gather)
+    return bool(cfg.common.fp8 and cfg.common.fp8_fsdp_all_gather)
 
 
 def after_optimizer_step(model: nn.Module) -> None:

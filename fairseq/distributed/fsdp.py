@@ -82,9 +82,9 @@ def mixed_precision_policy(common_cfg) -> "MixedPrecisionPolicy":
     """
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
-    if common_cfg.fp16 or getattr(common_cfg, "memory_efficient_fp16", False):
+    if common_cfg.fp16 or common_cfg.memory_efficient_fp16:
         return MixedPrecisionPolicy(param_dtype=torch.float16, reduce_dtype=torch.float32)
-    if common_cfg.bf16 or getattr(common_cfg, "memory_efficient_bf16", False):
+    if common_cfg.bf16 or common_cfg.memory_efficient_bf16:
         return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     return MixedPrecisionPolicy()
 

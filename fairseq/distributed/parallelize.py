@@ -18,7 +18,7 @@ Model files hold no distributed code; everything here is a function of (model, c
 
 import contextlib
 import logging
-from typing import Dict, Iterable, List, Optional, Union
+from typing import Callable, Dict, Iterable, List, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -78,11 +78,11 @@ def parallelize_model(model: nn.Module, cfg, device: torch.device, world_mesh: O
             model.to(device)
         apply_tensor_parallel(model, mesh.tp_mesh, loss_parallel=uses_loss_parallel(cfg))
 
-    if getattr(cfg.common, "fp8", False):  # torchao's order: swap the Linears before compile and sharding
+    if cfg.common.fp8:  # torchao's order: swap the Linears before compile and sharding
         from fairseq.distributed.float8 import apply_float8
 
         apply_float8(model, cfg)
-    model_cfg = cfg.model
+    model_cfg = cfg.model  # a plug-in model's config may have neither checkpointing option
     offload = bool(getattr(model_cfg, "offload_activations", False))
     if offload or getattr(model_cfg, "checkpoint_activations", False):
         apply_activation_checkpointing(model, offload_to_cpu=offload)
@@ -238,8 +238,10 @@ def _reduce_over_shards(value: torch.Tensor, mesh: Optional[DeviceMesh], dims, o
 
 
 @torch.no_grad()
-def clip_grad_norm_(params, max_norm: float, foreach: Optional[bool] = None) -> torch.Tensor:
-    """Clip gradients to a global L2 norm of `max_norm` and return the norm before clipping.
+def clip_grad_norm_(params, max_norm: float, foreach: Optional[bool] = None,
+                    aggregate_norm_fn: Optional[Callable[[torch.Tensor], torch.Tensor]] = None) -> torch.Tensor:
+    """Clip gradients to a global L2 norm of `max_norm` and return the norm before clipping (`aggregate_norm_fn`,
+    upstream's, maps the norm before the clip coefficient is computed).
 
     Correct for FSDP2's sharded gradients (DTensors: local sums of squares are all-reduced over the mesh
     dims they are sharded on) and for plain ones. Everything stays in tensors (the clip coefficient is
@@ -247,6 +249,8 @@ def clip_grad_norm_(params, max_norm: float, foreach: Optional[bool] = None) -> 
     computes the norm. A non-finite norm scales the gradients to non-finite values, as torch does.
     """
     total_norm = total_grad_norm(params, foreach)
+    if aggregate_norm_fn is not None:
+        total_norm = aggregate_norm_fn(total_norm)
     if max_norm > 0:
         scale_grads_(params, clip_coefficient(total_norm, max_norm), foreach)
     return total_norm

@@ -56,9 +56,9 @@ def check_tensor_parallel_config(cfg) -> None:
     for field_name, flag in UNSUPPORTED_OPTIONS:
         if getattr(model, field_name, None):
             raise ValueError(f"{flag} is not supported with --model-parallel-size {tp}: drop one of them")
-    if getattr(cfg.common, "fp8", False):
+    if cfg.common.fp8:
         raise ValueError(f"--fp8 is not supported with --model-parallel-size {tp}: drop one of them")
-    if getattr(cfg.distributed_training, "compile", False):
+    if cfg.distributed_training.compile:
         raise ValueError(f"--compile is not supported with --model-parallel-size {tp}: drop one of them")
     vocab, source = _dictionary_size(cfg.task)
     check_tensor_parallel_shape(tp, heads, ffn, vocab, source)
@@ -80,5 +80,5 @@ def _dictionary_size(task_cfg):
 
 
 def uses_loss_parallel(cfg) -> bool:
-    criterion = getattr(cfg, "criterion", None)
+    criterion = cfg.criterion
     return getattr(criterion, "_name", None) in LOSS_PARALLEL_CRITERIA

@@ -21,9 +21,10 @@ from typing import Any, Dict, Iterator, List, Optional
 import torch
 from torch import nn
 
+from fairseq.checkpoint.inference import load_checkpoint_to_cpu, load_model_ensemble_and_task
 from fairseq.data import encoders
 from fairseq.data.batching import resolve_limit
-from fairseq.dataclass.generation import check_sampling_range, check_unsupported_options
+from fairseq.dataclass.generation import GenerationConfig, check_sampling_range, check_unsupported_options
 
 logger = logging.getLogger("fairseq.generation.hub_utils")  # its name before the move: log lines unchanged
 
@@ -46,8 +47,6 @@ def from_pretrained(model_name_or_path: str, checkpoint_file: str = "model.pt", 
     it starts with "." (upstream's convention), else a path of its own. Other keyword arguments override the
     checkpoint's options as `arg_overrides` (`bpe="gpt2"`, `gpt2_encoder_json=...`, `tokenizer="space"`,
     `max_tokens=...`); `trust_legacy_checkpoint=True` reads an upstream fairseq file, which unpickles code."""
-    from fairseq import checkpoint_utils
-
     if archive_map is not None:
         model_name_or_path = archive_map.get(model_name_or_path, model_name_or_path)
         if data_name_or_path is not None:
@@ -66,14 +65,14 @@ def from_pretrained(model_name_or_path: str, checkpoint_file: str = "model.pt", 
         kwargs["data"] = _local_directory(data_name_or_path, "data_name_or_path", "dict.txt")
     trust_legacy = bool(kwargs.pop("trust_legacy_checkpoint", False))
     if kwargs.get("user_dir"):
-        from fairseq.utils import import_user_module
+        from fairseq.registry import import_user_module
 
         import_user_module(kwargs["user_dir"])
 
     paths = [os.path.join(model_path, name) for name in checkpoint_file.split(os.pathsep)]
-    state = checkpoint_utils.load_checkpoint_to_cpu(paths[0], trust_legacy_checkpoint=trust_legacy)
+    state = load_checkpoint_to_cpu(paths[0], trust_legacy_checkpoint=trust_legacy)
     kwargs.update(_bpe_files(state, kwargs, model_path, paths[0]))
-    models, cfg, task = checkpoint_utils.load_model_ensemble_and_task(
+    models, cfg, task = load_model_ensemble_and_task(
         paths, arg_overrides=kwargs, state=state if len(paths) == 1 else None,
         trust_legacy_checkpoint=trust_legacy)
     return {"args": cfg, "task": task, "models": models}
@@ -161,11 +160,11 @@ class GeneratorHubInterface(nn.Module):
         self.models = nn.ModuleList(models)
         self.src_dict = task.source_dictionary
         self.tgt_dict = task.target_dictionary
-        self.retain_dropout = bool(getattr(getattr(cfg, "generation", None), "retain_dropout", False))
+        self.retain_dropout = bool(cfg.generation.retain_dropout)
         self._set_model_modes()
         # generation options -> the generator built for them, most recently used last (see generator_for)
         self._generators: "OrderedDict[tuple, Any]" = OrderedDict()
-        self.codec = TextCodec(getattr(cfg, "tokenizer", None), getattr(cfg, "bpe", None))
+        self.codec = TextCodec(cfg.tokenizer, cfg.bpe)
         self.tokenizer, self.bpe = self.codec.tokenizer, self.codec.bpe  # upstream's attributes
         self.max_positions = resolve_limit(task.max_positions(), *[m.max_positions() for m in models])
         # tells the device (and dtype) the models are on
@@ -211,7 +210,9 @@ class GeneratorHubInterface(nn.Module):
         return self.tgt_dict.string(tokens)
 
     # ---- generation -------------------------------------------------------------------------------
-    def translate(self, sentences: List[str], beam: int = 5, verbose: bool = False, **kwargs) -> List[str]:
+    # beam defaults: GenerationConfig's (upstream's 5), written there only
+    def translate(self, sentences: List[str], beam: int = GenerationConfig.beam, verbose: bool = False,
+                  **kwargs) -> List[str]:
         return self.sample(sentences, beam, verbose, **kwargs)
 
     def sample(self, sentences: List[str], beam: int = 1, verbose: bool = False, **kwargs) -> List[str]:
@@ -239,9 +240,10 @@ class GeneratorHubInterface(nn.Module):
         tokenized = [encode(sentence) for sentence in sentences]
         return [hypos[0] for hypos in self.generate(tokenized, score_reference=True, **kwargs)]
 
-    def generate(self, tokenized_sentences: List[torch.LongTensor], beam: int = 5, verbose: bool = False,
-                 skip_invalid_size_inputs: bool = False, inference_step_args: Optional[Dict[str, Any]] = None,
-                 prefix_allowed_tokens_fn=None, **kwargs) -> List[List[Dict[str, torch.Tensor]]]:
+    def generate(self, tokenized_sentences: List[torch.LongTensor], beam: int = GenerationConfig.beam,
+                 verbose: bool = False, skip_invalid_size_inputs: bool = False,
+                 inference_step_args: Optional[Dict[str, Any]] = None, prefix_allowed_tokens_fn=None,
+                 **kwargs) -> List[List[Dict[str, torch.Tensor]]]:
         """Per input (ids from `encode`), its hypotheses, best first: dicts with "tokens" (the prompt and its
         continuation), "score", "positional_scores" (natural log), "attention", "alignment". Keyword
         arguments set generation options (upstream's names: sampling=True, sampling_topk=10, temperature=0.8,
@@ -267,7 +269,7 @@ class GeneratorHubInterface(nn.Module):
                     logger.info("P\t" + " ".join(f"{x:.4f}" for x in hypo["positional_scores"].tolist()))
         return outputs
 
-    def generator_for(self, beam: int = 5, prefix_allowed_tokens_fn=None, **kwargs):
+    def generator_for(self, beam: int = GenerationConfig.beam, prefix_allowed_tokens_fn=None, **kwargs):
         """The generator `generate(..., beam=beam, **kwargs)` decodes with: `task.build_generator` of
         cfg.generation with these options set (a SequenceScorer with score_reference=True, as score() asks).
         Built on the first call with these options (all of them, so any option that changes the generator

@@ -123,7 +123,7 @@ class UpdateProfiler:
 
     @classmethod
     def from_config(cls, cfg, device, rank: int) -> Optional["UpdateProfiler"]:
-        spec = getattr(cfg.common, "profile_updates", None)
+        spec = cfg.common.profile_updates
         if not spec:
             return None
         start, end = parse_update_range(spec)

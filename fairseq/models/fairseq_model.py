@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fairseq.modules.fairseq_decoder import FairseqDecoder
+from fairseq.registry import config_name
 from fairseq.models.fairseq_encoder import FairseqEncoder
 
 
@@ -80,15 +81,8 @@ class BaseFairseqModel(nn.Module):
     def get_targets(self, sample, net_output) -> torch.Tensor:
         return sample["target"]
 
-    @classmethod
-    def from_pretrained(cls, model_name_or_path: str, checkpoint_file: str = "model.pt",
-                        data_name_or_path: str = ".", **kwargs):
-        """Upstream's hub entry point for a local directory: a fairseq.generation.hub_utils.GeneratorHubInterface
-        (encode / decode / sample / score / generate) over the checkpoint(s); see hub_utils.from_pretrained."""
-        from fairseq.generation import hub_utils
-
-        loaded = hub_utils.from_pretrained(model_name_or_path, checkpoint_file, data_name_or_path, **kwargs)
-        return hub_utils.GeneratorHubInterface(loaded["args"], loaded["task"], loaded["models"])
+    # from_pretrained (upstream's hub entry point) is added by the compatibility wing (fairseq.compat.install):
+    # it belongs to the generation layer, which the model contract does not import.
 
 
 def model_config_line(model: nn.Module, cfg) -> str:
@@ -96,7 +90,7 @@ def model_config_line(model: nn.Module, cfg) -> str:
     describe = getattr(type(model), "describe_config", None)
     details = describe(cfg) if describe is not None else ""
     params = sum(p.numel() for p in model.parameters())
-    return (f"model config: --arch {getattr(cfg, '_name', None) or type(model).__name__}"
+    return (f"model config: --arch {config_name(cfg) or type(model).__name__}"
             + (f", {details}" if details else "") + f", {params:,} parameters")
 
 

@@ -50,7 +50,7 @@ from fairseq.modules.adaptive_input import parse_cutoffs
 from fairseq.modules.adaptive_softmax import AdaptiveSoftmax
 from fairseq.modules.gated_convolution import GatedCausalConv, WeightNormLinear, norm_except_dim, weight_normalized
 from fairseq.modules.positional_embedding import zero_row_
-from fairseq.utils import literal_or_none, fill_missing
+from fairseq.dataclass.flag_values import fill_missing, literal_or_none
 
 logger = logging.getLogger(__name__)
 
@@ -162,7 +162,7 @@ def check_config(cfg) -> None:
     for name in ("dropout", "adaptive_softmax_dropout"):
         if not 0.0 <= getattr(cfg, name) < 1.0:
             raise ValueError(f"{flag_name(name)} must be in [0, 1), got {getattr(cfg, name)}")
-    if getattr(cfg, "fp8", False):
+    if cfg.fp8:
         raise ValueError("--fp8 is not supported by fconv_lm (its convolutions are not Linear layers torchao "
                          "converts); drop --fp8 or use --arch transformer_lm*")
     if cfg.criterion == "adaptive_loss":

@@ -47,7 +47,8 @@ from fairseq.logging.throughput import flops_per_token as transformer_flops_per_
 from fairseq.models.fairseq_model import FairseqLanguageModel
 from fairseq.modules.adaptive_input import AdaptiveInput, parse_cutoffs
 from fairseq.modules.transformer_decoder import TransformerDecoder
-from fairseq.utils import fill_missing
+from fairseq.dataclass.flag_values import fill_missing
+from fairseq.upstream_absent import refused_options
 
 logger = logging.getLogger(__name__)
 
@@ -115,24 +116,13 @@ class TransformerLanguageModelConfig:
                 setattr(self, name, self.decoder_embed_dim)
 
 
-# (field, predicate on its value) for upstream features that are not implemented here.
-_UNSUPPORTED = (
-    ("character_embeddings", bool),
-    ("decoder_layerdrop", lambda v: v > 0),
-    ("decoder_layers_to_keep", lambda v: v is not None),
-    ("quant_noise_pq", lambda v: v > 0),
-    ("quant_noise_scalar", lambda v: v > 0),
-    ("base_layers", lambda v: v > 0),
-    ("scale_fc", bool),
-    ("scale_attn", bool),
-    ("scale_heads", bool),
-    ("scale_resids", bool),
-)
+# Upstream features that are not implemented here (the one table).
+_UNSUPPORTED = refused_options("transformer_lm")
 
 
 def check_config(cfg) -> None:
     """Reject configurations this model cannot build, naming the flag and what to do instead."""
-    for name, is_set in _UNSUPPORTED:
+    for name, is_set, _ in _UNSUPPORTED:
         value = getattr(cfg, name, None)
         if value is not None and is_set(value):
             raise ValueError(f"{flag_name(name)} {value!r} is not supported by this fairseq; "
@@ -206,10 +196,9 @@ def uses_adaptive_modules(cfg) -> bool:
 
 def resolve_max_target_positions(cfg) -> int:
     """--max-target-positions, else --tokens-per-sample, else upstream's 1024."""
-    if getattr(cfg, "max_target_positions", None) is not None:
+    if cfg.max_target_positions is not None:
         return cfg.max_target_positions
-    tokens_per_sample = getattr(cfg, "tokens_per_sample", None)
-    return tokens_per_sample if tokens_per_sample is not None else DEFAULT_MAX_TARGET_POSITIONS
+    return cfg.tokens_per_sample if cfg.tokens_per_sample is not None else DEFAULT_MAX_TARGET_POSITIONS
 
 
 @registry.register_model("transformer_lm", dataclass=TransformerLanguageModelConfig)

@@ -13,7 +13,7 @@ import torch
 import torch.nn as nn
 
 from fairseq.modules.positional_embedding import zero_row_
-from fairseq.utils import literal_or_none
+from fairseq.dataclass.flag_values import literal_or_none
 
 
 def parse_cutoffs(value: Union[str, int, Sequence[int], None], flag: str) -> Optional[List[int]]:

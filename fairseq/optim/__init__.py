@@ -4,11 +4,12 @@ Kept free of heavy imports: the optimizer registry imports every module of this 
 the built-in optimizers, and `import fairseq` should stay cheap.
 """
 
-import difflib
 import inspect
 from typing import Iterable
 
 from fairseq.registry import OPTIMIZER_REGISTRY, register_optimizer  # noqa: F401 (re-exported)
+from fairseq.registry import config_name
+from fairseq.suggest import did_you_mean
 
 
 def first_lr(optimization_cfg) -> float:
@@ -56,9 +57,7 @@ def check_optimizer_overrides(optimizer_cfg, optimization_cfg, overrides: dict) 
     kind = f"--optimizer {component_name(optimizer_cfg, OPTIMIZER_REGISTRY)} ({type(optimizer).__name__})"
     for key, value in overrides.items():
         if key not in current:
-            close = difflib.get_close_matches(str(key), current, n=1)
-            raise ValueError(f"--optimizer-overrides {key!r}: not an option of {kind}"
-                             + (f" (did you mean {close[0]!r}?)" if close else "")
+            raise ValueError(f"--optimizer-overrides {key!r}: not an option of {kind}" + did_you_mean(key, current)
                              + f"; its options are {', '.join(sorted(current))}")
         try:
             _try_override(optimizer, probe, current, key, value)
@@ -83,7 +82,7 @@ def component_name(cfg, registry) -> str:
     """Registered name of a component config: its `_name`, else the entry whose dataclass it is."""
     if cfg is None:
         raise ValueError(f"no {registry.kind} chosen; pass {registry.flag} NAME ({', '.join(registry.choices())})")
-    name = getattr(cfg, "_name", None)
+    name = config_name(cfg)
     if name is not None:
         return name
     matches = [n for n in registry.choices() if registry.dataclass(n) is type(cfg)]

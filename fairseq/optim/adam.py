@@ -14,7 +14,7 @@ import torch
 
 from fairseq.dataclass.configs import opt
 from fairseq.optim import register_optimizer
-from fairseq.utils import literal_or_none
+from fairseq.dataclass.flag_values import literal_or_none
 
 logger = logging.getLogger(__name__)
 
@@ -105,7 +105,7 @@ class FairseqAdam:
     @classmethod
     def build_optimizer(cls, cfg, params: Iterable, lr: float) -> torch.optim.Optimizer:
         _check_hyperparameters(cfg, lr)
-        if getattr(cfg, "use_old_adam", False):
+        if getattr(cfg, "use_old_adam", False):  # cpu_adam's config has no such flag
             logger.info("--use-old-adam is accepted for upstream compatibility and ignored: using torch.optim.AdamW")
         betas = parse_adam_betas(cfg.adam_betas)
         return build_adamw(params, lr, betas, cfg.adam_eps, cfg.weight_decay)

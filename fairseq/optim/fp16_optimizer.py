@@ -45,9 +45,9 @@ class _FP16OptimizerMixin:
         self.cfg = cfg
         self.fp32_optimizer = fp32_optimizer
         self.fp32_params = fp32_params if fp32_params is not None else self.params
-        common = getattr(cfg, "common", None)
-        update_freq = getattr(getattr(cfg, "optimization", None), "update_freq", [1]) or [1]
-        self.scaler = _loss_scaler(common, update_freq=update_freq[0])
+        # upstream's tests build `cfg` as a partial DictConfig: its optimization group may lack update_freq
+        update_freq = getattr(cfg.optimization, "update_freq", [1]) or [1]
+        self.scaler = _loss_scaler(cfg.common, update_freq=update_freq[0])
         self._grads_unscaled = True  # no scaled backward yet
 
     @classmethod
@@ -114,10 +114,10 @@ class _FP16OptimizerMixin:
     def clip_grad_norm(self, max_norm: float, aggregate_norm_fn: Optional[Callable] = None) -> torch.Tensor:
         """Unscale, clip to `max_norm` (0: measure only) and return the norm; on inf/nan the loss scale falls and
         OverflowError is raised (skip this update), FloatingPointError below --min-loss-scale."""
-        from fairseq.utils import clip_grad_norm_
+        from fairseq.distributed.parallelize import clip_grad_norm_
 
         self._unscale_grads()
-        grad_norm = clip_grad_norm_(self.params, max_norm, aggregate_norm_fn)
+        grad_norm = clip_grad_norm_(list(self.params), max_norm, aggregate_norm_fn=aggregate_norm_fn)
         if not math.isfinite(float(grad_norm)):
             self.scaler.update(overflow=True)
             raise OverflowError(f"setting loss scale to: {self.scaler.loss_scale}")

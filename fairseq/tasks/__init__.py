@@ -1,13 +1,14 @@
 """Tasks, chosen with --task. The task registry imports every module of this package on first use."""
 
 from fairseq.registry import TASK_REGISTRY, register_task  # noqa: F401 (re-exported)
+from fairseq.registry import config_name
 from fairseq.tasks.fairseq_task import FairseqTask, LegacyFairseqTask  # noqa: F401
 
 
 def setup_task(task_cfg, **kwargs):
     """The task that `task_cfg._name` (--task; `task` in a legacy argparse namespace) names, set up from
     its config."""
-    name = getattr(task_cfg, "_name", None) or getattr(task_cfg, "task", None)
+    name = config_name(task_cfg, "task")
     return TASK_REGISTRY.get(name).setup_task(task_cfg, **kwargs)
 
 

@@ -12,6 +12,7 @@ from fairseq import registry
 from fairseq.data.batching import (Batches, SizeFilterReport, batch_by_size, filter_by_size, filter_by_size_limits,
                                    size_limit)
 from fairseq.data.iterators import EpochBatchIterator
+from fairseq.upstream_absent import refused_options
 
 logger = logging.getLogger(__name__)
 
@@ -195,7 +196,7 @@ class FairseqTask:
     def build_model(self, model_cfg, from_checkpoint: bool = False):
         """The model of architecture `model_cfg._name` (e.g. transformer_lm_gpt3_small; a legacy namespace's
         `arch`)."""
-        arch = getattr(model_cfg, "_name", None) or getattr(model_cfg, "arch", None)
+        arch = registry.config_name(model_cfg, "arch")
         if arch is None:
             raise ValueError("the model config has no architecture name (_name); pass --arch")
         return registry.arch_model(arch).build_model(model_cfg, self)
@@ -209,42 +210,36 @@ class FairseqTask:
     # ---- generation (upstream's names) --------------------------------------------------------------
     def build_generator(self, models, args, seq_gen_cls=None, extra_gen_cls_kwargs=None,
                         prefix_allowed_tokens_fn=None):
-        """A SequenceGenerator (or `seq_gen_cls`) for `models`, from upstream's generation options in `args`
-        (a GenerationConfig or any object with those attributes; missing ones take upstream's defaults):
-        beam, max_len_a, max_len_b, min_len, unnormalized, lenpen, unkpen, temperature, match_source_len,
-        no_repeat_ngram_size, sampling, sampling_topk, sampling_topp, retain_dropout; and this fork's
-        no_cuda_graphs."""
+        """A SequenceGenerator (or `seq_gen_cls`) for `models`, from the generation options in `args`: a
+        GenerationConfig, or upstream's argparse Namespace / DictConfig (converted once, here; options it lacks
+        take GenerationConfig's defaults). Reads beam, max_len_a, max_len_b, min_len, unnormalized, lenpen,
+        unkpen, temperature, match_source_len, no_repeat_ngram_size, sampling, sampling_topk, sampling_topp,
+        retain_dropout; and this fork's no_cuda_graphs."""
+        from fairseq.dataclass.generation import as_generation_config
         from fairseq.generation import search
         from fairseq.generation.sequence_generator import SequenceGenerator
 
-        def get(name, default):
-            value = getattr(args, name, default)
-            return default if value is None else value
-
-        if get("score_reference", False):  # score the given text instead (upstream's choice, made here too)
+        gen = as_generation_config(args)
+        if gen.score_reference:  # score the given text instead (upstream's choice, made here too)
             from fairseq.generation.sequence_scorer import SequenceScorer
 
-            return SequenceScorer(self.target_dictionary, compute_alignment=get("print_alignment", False))
+            return SequenceScorer(self.target_dictionary, compute_alignment=gen.print_alignment)
         if prefix_allowed_tokens_fn is not None:
             raise ValueError("prefix_allowed_tokens_fn (prefix-constrained decoding) is not supported by this "
                              "fairseq's generator")
-        for name, is_set, fix in (("diverse_beam_groups", lambda v: v > 0, "use --beam or --sampling"),
-                                  ("diversity_rate", lambda v: v > 0, "use --beam or --sampling"),
-                                  ("constraints", bool, "drop it")):
-            if is_set(get(name, 0)):
+        for name, is_set, fix in refused_options("generator"):
+            if is_set(getattr(gen, name) or 0):
                 raise ValueError(f"--{name.replace('_', '-')} is not supported by this fairseq's generator; {fix}")
-        sampling, match_source_len = get("sampling", False), get("match_source_len", False)
-        sampling_topk, sampling_topp = get("sampling_topk", -1), get("sampling_topp", -1.0)
-        if sampling and match_source_len:  # upstream: "search parameters are mutually exclusive"
+        if gen.sampling and gen.match_source_len:  # upstream: "search parameters are mutually exclusive"
             raise ValueError("--sampling and --match-source-len cannot be combined (they are two search "
                              "strategies); drop one")
-        if sampling_topk >= 0 and not sampling:
-            raise ValueError(f"--sampling-topk {sampling_topk} requires --sampling")
-        if sampling_topp >= 0 and not sampling:
-            raise ValueError(f"--sampling-topp {sampling_topp} requires --sampling")
-        if sampling:
-            search_strategy = search.Sampling(self.target_dictionary, sampling_topk, sampling_topp)
-        elif match_source_len:
+        if gen.sampling_topk >= 0 and not gen.sampling:
+            raise ValueError(f"--sampling-topk {gen.sampling_topk} requires --sampling")
+        if gen.sampling_topp >= 0 and not gen.sampling:
+            raise ValueError(f"--sampling-topp {gen.sampling_topp} requires --sampling")
+        if gen.sampling:
+            search_strategy = search.Sampling(self.target_dictionary, gen.sampling_topk, gen.sampling_topp)
+        elif gen.match_source_len:
             # Outputs exactly as long as the source (upstream hard-codes these length constraints).
             search_strategy = search.LengthConstrainedBeamSearch(
                 self.target_dictionary, min_len_a=1, min_len_b=0, max_len_a=1, max_len_b=0)
@@ -253,16 +248,15 @@ class FairseqTask:
         seq_gen_cls = SequenceGenerator if seq_gen_cls is None else seq_gen_cls
         extra_gen_cls_kwargs = dict(extra_gen_cls_kwargs or {})
         if isinstance(seq_gen_cls, type) and issubclass(seq_gen_cls, SequenceGenerator):  # --no-cuda-graphs
-            extra_gen_cls_kwargs.setdefault("cuda_graphs", not get("no_cuda_graphs", False))
+            extra_gen_cls_kwargs.setdefault("cuda_graphs", not gen.no_cuda_graphs)
         generator = seq_gen_cls(
             models, self.target_dictionary,
-            beam_size=get("beam", 5), max_len_a=get("max_len_a", 0), max_len_b=get("max_len_b", 200),
-            min_len=get("min_len", 1), normalize_scores=not get("unnormalized", False),
-            len_penalty=get("lenpen", 1), unk_penalty=get("unkpen", 0), temperature=get("temperature", 1.0),
-            match_source_len=match_source_len, no_repeat_ngram_size=get("no_repeat_ngram_size", 0),
-            search_strategy=search_strategy, **extra_gen_cls_kwargs,
+            beam_size=gen.beam, max_len_a=gen.max_len_a, max_len_b=gen.max_len_b, min_len=gen.min_len,
+            normalize_scores=not gen.unnormalized, len_penalty=gen.lenpen, unk_penalty=gen.unkpen,
+            temperature=gen.temperature, match_source_len=gen.match_source_len,
+            no_repeat_ngram_size=gen.no_repeat_ngram_size, search_strategy=search_strategy, **extra_gen_cls_kwargs,
         )
-        if get("retain_dropout", False):  # --retain-dropout: the generator's constructor put them in eval mode
+        if gen.retain_dropout:  # --retain-dropout: the generator's constructor put them in eval mode
             for model in models:
                 model.train()
         return generator

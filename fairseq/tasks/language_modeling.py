@@ -65,7 +65,7 @@ def check_token_budget(cfg) -> None:
     longer than a batch may be and would be skipped, so the run would train (or validate) on almost nothing.
     A pure contradiction of flags, refused before any data is read (eos mode, where only long lines are
     skipped, is judged on the data: fairseq.training.batch_iterators)."""
-    task, dataset = getattr(cfg, "task", None), cfg.dataset
+    task, dataset = cfg.task, cfg.dataset
     tokens_per_sample, mode = getattr(task, "tokens_per_sample", None), getattr(task, "sample_break_mode", None)
     if tokens_per_sample is None or mode not in PACKED_BREAK_MODES:
         return

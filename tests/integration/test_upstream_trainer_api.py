@@ -11,7 +11,7 @@ from fairseq.criterions import build_criterion
 from fairseq.data.iterators import GroupedIterator
 from fairseq.logging import metrics
 from fairseq.logging.progress_bar import read_json_log
-from fairseq.training.trainer import Trainer
+from fairseq.trainer import Trainer  # upstream's name: the core Trainer with upstream's methods
 from fairseq_cli import train
 from tests.train_fixtures import assert_same_model_and_optimizer
 

@@ -569,7 +569,8 @@ def test_registry_names_and_upstream_dict_access():
     assert "gpt2" in BPE_REGISTRY and BPE_REGISTRY["gpt2"] is GPT2BPE and "gpt2" in BPE_REGISTRY.keys()
     assert BPE_REGISTRY.dataclass("gpt2") is GPT2BPEConfig
     assert build_bpe(None) is None and build_bpe(argparse.Namespace(bpe=None)) is None
-    with pytest.raises(ValueError, match="unknown bpe 'gpt3' for --bpe; choose one of: bytes, characters, gpt2"):
+    with pytest.raises(ValueError, match=r"unknown bpe 'gpt3' for --bpe \(did you mean 'gpt2'\?\); choose one of: bytes, "
+                       "characters, gpt2"):
         build_bpe("gpt3")
 
 

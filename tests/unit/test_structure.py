@@ -24,6 +24,17 @@ def findings():
     return check.measure(ROOT)
 
 
+def test_no_import_circles(findings):
+    assert findings["circles"] == [], "\n".join(findings["circles"])
+
+
+def test_imports_run_down_the_layers(findings):
+    found = findings["upward imports"]
+    assert len(found) <= check.LIMITS["upward imports"], "\n".join(found)
+    undeclared = [item for item in found if item.endswith("UNDECLARED")]
+    assert not undeclared, "declare each in check_structure.EXCEPTIONS, with why:\n" + "\n".join(undeclared)
+
+
 def test_few_modules_at_the_package_root(findings):
     found = findings["root modules over 40 lines"]
     assert len(found) <= check.LIMITS["root modules over 40 lines"], "\n".join(found)

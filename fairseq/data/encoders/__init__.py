@@ -19,7 +19,7 @@ import dataclasses
 from collections.abc import Mapping
 
 # The registries live with the others (fairseq.registry), below the config builder that reads them.
-from fairseq.registry import BPE_REGISTRY, TOKENIZER_REGISTRY, EncoderRegistry
+from fairseq.registry import BPE_REGISTRY, TOKENIZER_REGISTRY, EncoderRegistry, config_name
 
 
 register_bpe = BPE_REGISTRY.register
@@ -41,7 +41,7 @@ def _build(registry: EncoderRegistry, attr: str, cfg, *extra_args):
     if isinstance(cfg, str):
         name, source = cfg, None
     elif dataclasses.is_dataclass(cfg) and not isinstance(cfg, type) and not hasattr(cfg, attr):
-        name, source = getattr(cfg, "_name", None) or registry.name_of_config(cfg), cfg
+        name, source = config_name(cfg) or registry.name_of_config(cfg), cfg
     elif isinstance(cfg, Mapping) or hasattr(cfg, "keys"):
         name, source = _field(cfg, "_name"), cfg
         if name is None and _field(cfg, attr) is not None:

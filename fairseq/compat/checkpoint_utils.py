@@ -1,0 +1,124 @@
+"""Upstream's `fairseq.checkpoint_utils` (the module `fairseq.checkpoint_utils` is this one), for scripts and
+notebooks written against upstream:
+
+    from fairseq import checkpoint_utils
+    models, cfg, task = checkpoint_utils.load_model_ensemble_and_task(
+        ["checkpoints/checkpoint_best.pt"], arg_overrides={"data": "data-bin"})
+
+Loading is `fairseq.checkpoint.inference` (the core's: fairseq-validate, the hub), re-exported here under
+upstream's names. Upstream's training loop from Python (docs/upstream_api.md), over upstream's Trainer
+(`fairseq.trainer.Trainer`):
+
+    extra_state, epoch_itr = checkpoint_utils.load_checkpoint(cfg.checkpoint, trainer)
+    ...  # train on epoch_itr with trainer.train_step
+    checkpoint_utils.save_checkpoint(cfg.checkpoint, trainer, epoch_itr, val_loss)
+"""
+
+import logging
+import os
+import types
+from typing import List, Optional
+
+from fairseq.checkpoint.inference import (  # noqa: F401 (upstream's names)
+    load_checkpoint_to_cpu,
+    load_ema_from_checkpoint,
+    load_model_ensemble,
+    load_model_ensemble_and_task,
+)
+from fairseq.compat.file_io import PathManager
+
+logger = logging.getLogger("fairseq.checkpoint_utils")  # upstream's module name: log lines unchanged
+
+
+def torch_persistent_save(obj, filename: str, async_write: bool = False) -> None:
+    """Upstream's save: `obj` to `filename` with torch.save, atomically (a temporary file renamed into place,
+    as every checkpoint here is written). `async_write` is accepted for upstream callers; the write is
+    synchronous."""
+    from fairseq.checkpoint.io import atomic_torch_save
+
+    atomic_torch_save(obj, filename)
+
+
+# ----------------------------------------------------------------------------- resuming and saving training
+
+FINETUNE_WITH_RESETS = ("--finetune-from-model can not be set together with either --reset-optimizer or "
+                        "reset_lr_scheduler or reset_meters or reset_dataloader")  # upstream's words (its test)
+
+
+# The checkpoint options load_checkpoint reads, with the defaults a partial config falls back to.
+_RESUME_DEFAULTS = {"reset_optimizer": False, "reset_lr_scheduler": False, "reset_meters": False,
+                    "reset_dataloader": False, "restore_file": "checkpoint_last.pt", "save_dir": "checkpoints",
+                    "finetune_from_model": None, "optimizer_overrides": "{}"}
+
+
+def load_checkpoint(cfg, trainer, **passthrough_args):
+    """Upstream's resume: load the checkpoint to continue from into `trainer` and return (extra_state, epoch_itr),
+    the training iterator at the saved data position (`passthrough_args` go to `trainer.get_train_iterator`).
+
+    `cfg` is the checkpoint options (`cfg.checkpoint`); keys it lacks take the defaults. The default
+    --restore-file (checkpoint_last.pt) is save_dir/checkpoint_last{suffix}.pt; on a first launch (it does not
+    exist) --finetune-from-model's checkpoint is loaded with optimizer, scheduler, meters and data position
+    reset. Another --restore-file must exist (unlike upstream, which would start from scratch). The restore
+    itself is `trainer.load_checkpoint` (fairseq.checkpoint.manager, as fairseq-train resumes), and as there a
+    checkpoint written at an epoch's end gets the scheduler step `trainer.lr_step(epoch, val_loss)` that the
+    uninterrupted run took after writing it (upstream steps with the next epoch and no loss instead). Which
+    checkpoint, with which resets, is fairseq-train's rule (`fairseq.checkpoint.manager.choose_restore`)."""
+    from fairseq.checkpoint.manager import (choose_restore, iterator_state_for_world_size, parse_optimizer_overrides,
+                                            written_at_epoch_end)
+    from fairseq.checkpoint.paths import existing_checkpoint
+    from fairseq.distributed.utils import get_data_parallel_world_size
+
+    # the options choose_restore reads, from a config that may lack them (upstream's test passes a partial one)
+    ck = types.SimpleNamespace(**{name: getattr(cfg, name, default) for name, default in _RESUME_DEFAULTS.items()},
+                               checkpoint_suffix=trainer.checkpoint_suffix)
+    finetune, restore_file = ck.finetune_from_model, ck.restore_file
+    if finetune is not None and (ck.reset_optimizer or ck.reset_lr_scheduler or ck.reset_meters or ck.reset_dataloader):
+        raise ValueError(f"{FINETUNE_WITH_RESETS}: fine-tuning resets them all; drop the --reset-* flags")
+    if restore_file != "checkpoint_last.pt" and finetune:
+        raise ValueError(f"--finetune-from-model and --restore-file (non-default value) can not be specified "
+                         f"together (--restore-file {restore_file}, --finetune-from-model {finetune}): drop one")
+
+    first_launch = None
+    if restore_file == "checkpoint_last.pt":
+        # upstream's probe, through PathManager: a file, or a sharded directory (checkpoint_last/, or
+        # checkpoint_last.old/ after an interrupted save)
+        last_file = os.path.join(ck.save_dir, f"checkpoint_last{trainer.checkpoint_suffix}.pt")
+        last_dir = os.path.join(ck.save_dir, f"checkpoint_last{trainer.checkpoint_suffix}")
+        first_launch = not (PathManager.exists(last_file) or PathManager.exists(last_dir)
+                            or PathManager.exists(last_dir + ".old"))
+    choice = choose_restore(ck, first_launch)
+    checkpoint_path, resets = choice.path, choice.resets
+    if choice.finetune:
+        checkpoint_path = existing_checkpoint(finetune)
+        if checkpoint_path is None:
+            raise FileNotFoundError(f"--finetune-from-model {finetune}: no such checkpoint (a .pt file or a "
+                                    "complete sharded checkpoint directory)")
+        logger.info(f"loading pretrained model from {finetune}: optimizer, lr scheduler, meters, dataloader "
+                    "will be reset")
+
+    extra_state = trainer.load_checkpoint(checkpoint_path, resets.optimizer, resets.lr_scheduler,
+                                          parse_optimizer_overrides(ck.optimizer_overrides), reset_meters=resets.meters)
+    position = None if extra_state is None or resets.dataloader else extra_state.get("train_iterator")
+    epoch_itr = trainer.get_train_iterator(epoch=1 if position is None else position["epoch"], load_dataset=True,
+                                           **passthrough_args)
+    if position is not None:
+        epoch_itr.load_state_dict(iterator_state_for_world_size(
+            position, extra_state.get("data_parallel_size"), get_data_parallel_world_size()))
+        if written_at_epoch_end(position, extra_state.get("val_loss")):
+            trainer.lr_step(epoch_itr.epoch - 1, extra_state["val_loss"])
+    return extra_state, epoch_itr
+
+
+def save_checkpoint(cfg, trainer, epoch_itr, val_loss: Optional[float]) -> List[str]:
+    """Upstream's save: write the checkpoints due now (checkpoint{epoch}.pt at an epoch's end, checkpoint_E_U.pt
+    every --save-interval-updates, checkpoint_best.pt, checkpoint_last.pt; retention as configured) with
+    `trainer`'s state, `epoch_itr`'s data position and the meters, as fairseq-train writes them (one
+    CheckpointManager, `trainer.checkpoint_manager`, which also tracks the best `val_loss`). `cfg` is the
+    trainer's checkpoint options (`trainer.cfg.checkpoint`). Every rank calls it. Returns the paths written."""
+    from fairseq.logging import metrics
+
+    if cfg is not trainer.cfg.checkpoint and cfg != trainer.cfg.checkpoint:
+        raise ValueError("save_checkpoint(cfg, trainer, ...): cfg differs from the trainer's checkpoint options; "
+                         "pass trainer.cfg.checkpoint (the Trainer writes with the config it was built with)")
+    return trainer.checkpoint_manager.save(trainer, epoch_itr, val_loss, end_of_epoch=epoch_itr.end_of_epoch(),
+                                           metrics_state=metrics.state_dict())
