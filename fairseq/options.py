@@ -12,11 +12,9 @@ import textwrap
 from typing import List, Optional
 
 from fairseq import registry
-from fairseq.data.encoders import BPE_REGISTRY, TOKENIZER_REGISTRY
 from fairseq.dataclass import configs, legacy
-from fairseq.dataclass.build import build_config, is_interpolated, model_config
+from fairseq.dataclass.build import check_precision, convert_namespace_to_config, is_interpolated, model_config
 from fairseq.dataclass.utils import add_dataclass_to_parser
-from fairseq.dataclass.validate import check_precision
 from fairseq.registry import import_user_module
 from fairseq.suggest import close_flag, did_you_mean
 
@@ -37,8 +35,8 @@ COMPONENTS = (
     ("lr_scheduler", "lr_scheduler", registry.LR_SCHEDULER_REGISTRY, "fixed"),
     # Text encoders, as upstream's parsers have them: the chosen scheme's dataclass adds its flags
     # (--gpt2-encoder-json, --sentencepiece-model, ...) and the config gets cfg.bpe / cfg.tokenizer.
-    ("bpe", "bpe", BPE_REGISTRY, None),
-    ("tokenizer", "tokenizer", TOKENIZER_REGISTRY, None),
+    ("bpe", "bpe", registry.BPE_REGISTRY, None),
+    ("tokenizer", "tokenizer", registry.TOKENIZER_REGISTRY, None),
 )
 ENCODER_COMPONENTS = ("bpe", "tokenizer")
 
@@ -284,13 +282,6 @@ def _add_component_flags(parser, first, only=None, arch=True):
         add_dataclass_to_parser(parser.add_argument_group("model-specific configuration"),
                                 registry.dataclass_of(model_cls), suppress_defaults=True)
     return True
-
-
-def convert_namespace_to_config(args: argparse.Namespace) -> configs.FairseqConfig:
-    """Structured config from parsed flags: one dataclass per group, one per chosen component."""
-    components = {attr: getattr(args, dest, None) for attr, dest, _, _ in COMPONENTS}
-    components["model"] = getattr(args, "arch", None)
-    return build_config(vars(args), components)
 
 
 # ----------------------------------------------------------------------------- validation

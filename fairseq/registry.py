@@ -111,6 +111,37 @@ CRITERION_REGISTRY = Registry("criterion", ("fairseq.criterions",), "--criterion
 OPTIMIZER_REGISTRY = Registry("optimizer", ("fairseq.optim",), "--optimizer")
 LR_SCHEDULER_REGISTRY = Registry("lr_scheduler", ("fairseq.optim.lr_scheduler",), "--lr-scheduler")
 
+
+class EncoderRegistry(Registry):
+    """The --bpe / --tokenizer registries (schemes in fairseq.data.encoders), also readable as upstream's plain dicts were (`"gpt2" in BPE_REGISTRY`,
+    `BPE_REGISTRY["gpt2"]`, `BPE_REGISTRY.keys()`)."""
+
+    def __getitem__(self, name):
+        self._load_builtins()
+        return self._classes[name]
+
+    def __iter__(self):
+        return iter(self.choices())
+
+    def __len__(self):
+        return len(self.choices())
+
+    def keys(self):
+        return self.choices()
+
+    def items(self):
+        return [(name, self.get(name)) for name in self.choices()]
+
+    def name_of_config(self, cfg):
+        """The registered name whose config dataclass `cfg` is an instance of (exact type), or None."""
+        self._load_builtins()
+        names = [n for n, dc in self._dataclasses.items() if type(cfg) is dc]
+        return names[0] if len(names) == 1 else None
+
+
+BPE_REGISTRY = EncoderRegistry("bpe", ("fairseq.data.encoders",), "--bpe")
+TOKENIZER_REGISTRY = EncoderRegistry("tokenizer", ("fairseq.data.encoders",), "--tokenizer")
+
 # Architectures: name -> model class, and name -> function that fills unset hyper-parameters.
 ARCH_MODEL_REGISTRY: Dict[str, type] = {}
 ARCH_CONFIG_REGISTRY: Dict[str, Callable] = {}

@@ -7,7 +7,7 @@ upstream datasets this fork leaves out (backtranslation, audio, masking) raise a
 from fairseq.data import data_utils, iterators  # noqa: F401 (upstream's submodule attributes)
 from fairseq.data.base_wrapper_dataset import BaseWrapperDataset
 from fairseq.data.concat_dataset import ConcatDataset
-from fairseq.data.dictionary import Dictionary
+from fairseq.data.dictionary import Dictionary, TruncatedDictionary
 from fairseq.data.fairseq_dataset import EpochListening, FairseqDataset, FairseqIterableDataset
 from fairseq.data.indexed_dataset import MMapIndexedDataset, MMapIndexedDatasetBuilder
 from fairseq.data.iterators import CountingIterator, EpochBatchIterator, GroupedIterator, ShardedIterator
@@ -42,10 +42,6 @@ __all__ = [
 
 
 def __getattr__(name):
-    if name == "TruncatedDictionary":  # lives with the task that uses it (--output-dictionary-size)
-        from fairseq.tasks.language_modeling import TruncatedDictionary
-
-        return TruncatedDictionary
     from fairseq.upstream_absent import absent_name
 
     absent_name(__name__, name)

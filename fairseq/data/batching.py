@@ -12,7 +12,7 @@ Batches are stored compactly (`Batches`: one index array plus boundaries), never
 
 import copy
 from dataclasses import dataclass
-from typing import Iterator, Optional, Sequence, Tuple, Union
+from typing import Callable, Iterator, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
@@ -155,6 +155,63 @@ def filter_by_size(indices, sizes, limit: Optional[int], ignore_invalid: bool,
             "or pass --skip-invalid-size-inputs-valid-test to skip such items"
         )
     return indices[~too_long], indices[too_long]
+
+
+# ---- upstream's signatures (data_utils.batch_by_size, FairseqDataset.filter_indices_by_size) ----
+def collect_filtered(function: Callable, iterable, filtered: list):
+    """Yield the items for which `function` is true; append the others to `filtered`."""
+    for item in iterable:
+        if function(item):
+            yield item
+        else:
+            filtered.append(item)
+
+
+def upstream_batch_by_size(indices, num_tokens_fn: Optional[Callable[[int], int]] = None, num_tokens_vec=None,
+                           max_tokens: Optional[int] = None, max_sentences: Optional[int] = None,
+                           required_batch_size_multiple: int = 1, fixed_shapes=None) -> List[np.ndarray]:
+    """Upstream's signature over `fairseq.data.batching.batch_by_size` (the same batches): a list of index
+    arrays. `num_tokens_vec` (sizes of `indices`, in their order) or else `num_tokens_fn(index)` gives sizes."""
+    if fixed_shapes is not None:
+        raise ValueError("batch_by_size(fixed_shapes=...) (upstream's TPU batching) is not supported")
+    indices = np.fromiter(indices, dtype=np.int64) if not isinstance(indices, np.ndarray) else indices
+    if num_tokens_vec is None:
+        if num_tokens_fn is None:
+            raise ValueError("batch_by_size needs num_tokens_fn or num_tokens_vec")
+        num_tokens_vec = np.fromiter((num_tokens_fn(int(i)) for i in indices), dtype=np.int64, count=len(indices))
+    batches = batch_by_size(indices.astype(np.int64), np.asarray(num_tokens_vec, dtype=np.int64),
+                            max_tokens=max_tokens, max_sentences=max_sentences,
+                            required_batch_size_multiple=required_batch_size_multiple)
+    return [indices[batches.bounds[b]: batches.bounds[b + 1]] for b in range(len(batches))]
+
+
+def _fits(size, limit) -> bool:
+    """Upstream's size comparison: numbers, tuples (element-wise, None is no limit) and dicts of tuples."""
+    if isinstance(limit, dict):
+        return all(_fits(size[key], limit[key]) for key in set(limit) & set(size))
+    if isinstance(limit, (int, float)):
+        return (max(size) if isinstance(size, (tuple, list)) else size) <= limit
+    if not isinstance(size, (tuple, list, np.ndarray)):
+        return all(size <= b for b in limit if b is not None)
+    return all(a is None or b is None or a <= b for a, b in zip(size, limit))
+
+
+def filter_by_size_limits(indices, dataset, max_sizes) -> Tuple[np.ndarray, list]:
+    """(kept indices, ignored indices): upstream's `FairseqDataset.filter_indices_by_size`. A number limit is
+    applied to the `sizes` array when the dataset has one; other limits compare `dataset.size(i)` per item."""
+    indices = np.asarray(indices, dtype=np.int64)
+    if max_sizes is None:
+        return indices, []
+    sizes = getattr(dataset, "sizes", None)
+    if isinstance(sizes, list) and len(sizes) == 1:
+        sizes = sizes[0]
+    if isinstance(max_sizes, (int, float)) and isinstance(sizes, np.ndarray) and sizes.ndim == 1:
+        too_long = sizes[indices] > max_sizes
+        return indices[~too_long], indices[too_long].tolist()
+    ignored: list = []
+    kept = np.fromiter(collect_filtered(lambda i: _fits(dataset.size(i), max_sizes), indices, ignored),
+                       dtype=np.int64)
+    return kept, ignored
 
 
 def size_limit(max_positions, max_tokens: Optional[int]) -> Tuple[Optional[int], str]:

@@ -6,11 +6,12 @@ import itertools
 import logging
 import os
 import re
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Dict, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
 
+from fairseq.data.concat_dataset import ConcatDataset
 from fairseq.data.indexed_dataset import MMapIndexedDataset, check_dataset_impl, data_file_path
 
 logger = logging.getLogger(__name__)
@@ -64,8 +65,6 @@ def load_indexed_dataset(path: str, dictionary=None, dataset_impl: Optional[str]
         return None
     if len(datasets) == 1:
         return datasets[0]
-    from fairseq.data.concat_dataset import ConcatDataset
-
     return ConcatDataset(datasets)
 
 
@@ -220,62 +219,9 @@ def numpy_seed(seed: Optional[int], *addl_seeds: int):
         np.random.set_state(state)
 
 
-def collect_filtered(function: Callable, iterable, filtered: list):
-    """Yield the items for which `function` is true; append the others to `filtered`."""
-    for item in iterable:
-        if function(item):
-            yield item
-        else:
-            filtered.append(item)
-
-
-def batch_by_size(indices, num_tokens_fn: Optional[Callable[[int], int]] = None, num_tokens_vec=None,
-                  max_tokens: Optional[int] = None, max_sentences: Optional[int] = None,
-                  required_batch_size_multiple: int = 1, fixed_shapes=None) -> List[np.ndarray]:
-    """Upstream's signature over `fairseq.data.batching.batch_by_size` (the same batches): a list of index
-    arrays. `num_tokens_vec` (sizes of `indices`, in their order) or else `num_tokens_fn(index)` gives sizes."""
-    from fairseq.data.batching import batch_by_size as batches_of
-
-    if fixed_shapes is not None:
-        raise ValueError("batch_by_size(fixed_shapes=...) (upstream's TPU batching) is not supported")
-    indices = np.fromiter(indices, dtype=np.int64) if not isinstance(indices, np.ndarray) else indices
-    if num_tokens_vec is None:
-        if num_tokens_fn is None:
-            raise ValueError("batch_by_size needs num_tokens_fn or num_tokens_vec")
-        num_tokens_vec = np.fromiter((num_tokens_fn(int(i)) for i in indices), dtype=np.int64, count=len(indices))
-    batches = batches_of(indices.astype(np.int64), np.asarray(num_tokens_vec, dtype=np.int64),
-                         max_tokens=max_tokens, max_sentences=max_sentences,
-                         required_batch_size_multiple=required_batch_size_multiple)
-    return [indices[batches.bounds[b]: batches.bounds[b + 1]] for b in range(len(batches))]
-
-
-def _fits(size, limit) -> bool:
-    """Upstream's size comparison: numbers, tuples (element-wise, None is no limit) and dicts of tuples."""
-    if isinstance(limit, dict):
-        return all(_fits(size[key], limit[key]) for key in set(limit) & set(size))
-    if isinstance(limit, (int, float)):
-        return (max(size) if isinstance(size, (tuple, list)) else size) <= limit
-    if not isinstance(size, (tuple, list, np.ndarray)):
-        return all(size <= b for b in limit if b is not None)
-    return all(a is None or b is None or a <= b for a, b in zip(size, limit))
-
-
-def filter_by_size_limits(indices, dataset, max_sizes) -> Tuple[np.ndarray, list]:
-    """(kept indices, ignored indices): upstream's `FairseqDataset.filter_indices_by_size`. A number limit is
-    applied to the `sizes` array when the dataset has one; other limits compare `dataset.size(i)` per item."""
-    indices = np.asarray(indices, dtype=np.int64)
-    if max_sizes is None:
-        return indices, []
-    sizes = getattr(dataset, "sizes", None)
-    if isinstance(sizes, list) and len(sizes) == 1:
-        sizes = sizes[0]
-    if isinstance(max_sizes, (int, float)) and isinstance(sizes, np.ndarray) and sizes.ndim == 1:
-        too_long = sizes[indices] > max_sizes
-        return indices[~too_long], indices[too_long].tolist()
-    ignored: list = []
-    kept = np.fromiter(collect_filtered(lambda i: _fits(dataset.size(i), max_sizes), indices, ignored),
-                       dtype=np.int64)
-    return kept, ignored
+# Upstream's batching and size-filtering helpers live with the batcher, below FairseqDataset, which uses them.
+from fairseq.data.batching import (  # noqa: E402,F401
+    collect_filtered, filter_by_size_limits, upstream_batch_by_size as batch_by_size)
 
 
 # Upstream's pattern for extra validation splits ("valid1.bin", "valid_2.idx", ...) next to the data.

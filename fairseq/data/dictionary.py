@@ -12,6 +12,8 @@ from typing import Dict, Iterable, List, Optional, TextIO, Union
 
 import torch
 
+from fairseq.data.text_files import count_words
+
 OVERWRITE_FLAG = "#fairseq:overwrite"
 
 
@@ -143,8 +145,6 @@ class Dictionary:
         """Upstream's: add the words of a text file to `dict` (one `</s>` per line), counted by
         `num_workers` processes; symbols are added in sorted order, as upstream adds each count."""
         if tokenize is tokenize_line:  # the fast counter of fairseq-preprocess (the same whitespace split)
-            from fairseq.preprocessing.binarizer import count_words
-
             counter, lines = count_words(filename, num_workers)
         else:
             counter, lines = Counter(), 0
@@ -278,3 +278,20 @@ def post_process(sentence: str, symbol: Optional[str]) -> str:
     if symbol == "subword_nmt":
         symbol = "@@ "
     return (sentence + " ").replace(symbol, "").rstrip()
+
+
+class TruncatedDictionary:
+    """The first `length` symbols of a dictionary (`--output-dictionary-size`); other lookups delegate."""
+
+    def __init__(self, wrapped: Dictionary, length: int):
+        self.wrapped = wrapped
+        self.length = min(len(wrapped), length)
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, idx: int) -> str:
+        return self.wrapped[idx] if idx < self.length else self.wrapped.unk_word
+
+    def __getattr__(self, name):
+        return getattr(self.wrapped, name)

@@ -12,6 +12,8 @@ from typing import List, Optional
 import numpy as np
 import torch
 
+from fairseq.data.batching import filter_by_size_limits, upstream_batch_by_size
+
 
 class EpochListening:
     """Mixin for datasets that change with the epoch (`set_epoch` is called before each one)."""
@@ -81,8 +83,6 @@ class FairseqDataset(torch.utils.data.Dataset, EpochListening):
                       required_batch_size_multiple: int = 1) -> List[np.ndarray]:
         """Batches of `indices` (in their order): at most `max_tokens` tokens (count x longest item) and
         `max_sentences` items each, sized in multiples of `required_batch_size_multiple` (upstream's rule)."""
-        from fairseq.data import data_utils
-
         if self.get_batch_shapes() is not None:
             raise ValueError("fixed batch shapes (get_batch_shapes, upstream's TPU batching) are not supported")
         indices = np.asarray(indices, dtype=np.int64)
@@ -90,14 +90,12 @@ class FairseqDataset(torch.utils.data.Dataset, EpochListening):
             num_tokens_vec = self.num_tokens_vec(indices).astype(np.int64)
         except NotImplementedError:
             num_tokens_vec = None
-        return data_utils.batch_by_size(indices, num_tokens_fn=self.num_tokens, num_tokens_vec=num_tokens_vec,
+        return upstream_batch_by_size(indices, num_tokens_fn=self.num_tokens, num_tokens_vec=num_tokens_vec,
                                         max_tokens=max_tokens, max_sentences=max_sentences,
                                         required_batch_size_multiple=required_batch_size_multiple)
 
     def filter_indices_by_size(self, indices, max_sizes):
         """(kept indices, ignored indices as a list): items whose size exceeds `max_sizes` are dropped."""
-        from fairseq.data.data_utils import filter_by_size_limits
-
         return filter_by_size_limits(indices, self, max_sizes)
 
     @property

@@ -16,14 +16,24 @@ from typing import Any, Dict, Mapping, Optional
 
 from fairseq import registry
 from fairseq.dataclass import configs, legacy
-from fairseq.dataclass.utils import _unwrap_optional
-from fairseq.dataclass.validate import check_precision
+from fairseq.dataclass.fields import unwrap_optional
 
 # The plain groups of FairseqConfig (one dataclass each, always present).
 PLAIN_GROUPS = ("common", "dataset", "distributed_training", "optimization", "checkpoint", "eval_lm", "common_eval",
                 "ema")
 
+# The chosen components besides the model (--arch): each is selected by the flag of its own name.
+COMPONENTS = ("task", "criterion", "optimizer", "lr_scheduler", "bpe", "tokenizer")
+
 _INTERPOLATION = re.compile(r"^\$\{(\w+)\.(\w+)\}$")
+
+
+def check_precision(common) -> None:
+    """--fp16 and --bf16 (and their memory_efficient_ spellings) exclude each other."""
+    fp16 = getattr(common, "fp16", False) or getattr(common, "memory_efficient_fp16", False)
+    bf16 = getattr(common, "bf16", False) or getattr(common, "memory_efficient_bf16", False)
+    if fp16 and bf16:
+        raise ValueError("--fp16 and --bf16 cannot be combined; pass one of them")
 
 
 def interpolation_of(f: dataclasses.Field) -> Optional[str]:
@@ -69,6 +79,13 @@ def model_config(arch: str, values: Mapping[str, Any], owners: Optional[configs.
     return component_config(model_dc, vars(preset_args), arch)
 
 
+def convert_namespace_to_config(args: argparse.Namespace) -> configs.FairseqConfig:
+    """Structured config from parsed flags: one dataclass per group, one per chosen component."""
+    components = {attr: getattr(args, attr, None) for attr in COMPONENTS}
+    components["model"] = getattr(args, "arch", None)
+    return build_config(vars(args), components)
+
+
 def build_config(values: Mapping[str, Any], components: Mapping[str, Optional[str]]) -> configs.FairseqConfig:
     """FairseqConfig from flat option values and the chosen components ({"task": "language_modeling",
     "model": "transformer_lm_gpt3_small", "criterion": ..., "optimizer": ..., "lr_scheduler": ..., "bpe": ...,
@@ -82,7 +99,7 @@ def build_config(values: Mapping[str, Any], components: Mapping[str, Optional[st
     legacy_components = []
     for attr, reg in (("task", registry.TASK_REGISTRY), ("criterion", registry.CRITERION_REGISTRY),
                       ("optimizer", registry.OPTIMIZER_REGISTRY), ("lr_scheduler", registry.LR_SCHEDULER_REGISTRY),
-                      ("bpe", _encoders().BPE_REGISTRY), ("tokenizer", _encoders().TOKENIZER_REGISTRY)):
+                      ("bpe", registry.BPE_REGISTRY), ("tokenizer", registry.TOKENIZER_REGISTRY)):
         name = components.get(attr)
         if name is not None:
             dc = reg.dataclass(name)
@@ -117,9 +134,9 @@ def _all_option_values(cfg: configs.FairseqConfig, values: Mapping[str, Any],
     """`values` over the value of every option of the groups and dataclass components built so far, and the
     components' names (`arch`, `task`, `optimizer`, ...), as a parsed command line holds them."""
     namespace: Dict[str, Any] = {"arch": components.get("model")}
-    for attr in ("task", "criterion", "optimizer", "lr_scheduler", "bpe", "tokenizer"):
+    for attr in COMPONENTS:
         namespace[attr] = components.get(attr)
-    for attr in PLAIN_GROUPS + ("task", "criterion", "optimizer", "lr_scheduler", "bpe", "tokenizer"):
+    for attr in PLAIN_GROUPS + COMPONENTS:
         group = getattr(cfg, attr, None)
         if dataclasses.is_dataclass(group):
             for f in dataclasses.fields(group):
@@ -127,12 +144,6 @@ def _all_option_values(cfg: configs.FairseqConfig, values: Mapping[str, Any],
                     namespace.setdefault(f.name, getattr(group, f.name))
     namespace.update(values)
     return namespace
-
-
-def _encoders():
-    from fairseq.data import encoders  # registers the BPE and tokenizer schemes
-
-    return encoders
 
 
 def _owner_value(cfg, f: dataclasses.Field):
@@ -170,4 +181,4 @@ def _is_optional(dc, name: str) -> bool:
         hints = typing.get_type_hints(dc)
     except (NameError, TypeError):  # a plug-in's unresolvable annotation
         return False
-    return _unwrap_optional(hints.get(name, Any))[1]
+    return unwrap_optional(hints.get(name, Any))[1]

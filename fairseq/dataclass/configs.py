@@ -8,21 +8,8 @@ Each field becomes a command-line flag (`max_tokens` -> `--max-tokens`) through
 from dataclasses import dataclass, field
 from typing import Any, List, Literal, Optional
 
-
-def opt(default=None, help: str = "", **metadata):
-    """A config field with its help text; list defaults are copied per instance."""
-    metadata["help"] = help
-    if isinstance(default, (list, dict)):
-        value = default
-        return field(default_factory=lambda: type(value)(value), metadata=metadata)
-    return field(default=default, metadata=metadata)
-
-
-def II(key: str, default=None):
-    """A field whose value is another group's option `key` ("group.name"), as upstream's `II(...)` fields are:
-    no flag of its own; building the config copies the owner's value. `default` (the owner's default) is what a
-    dataclass built directly, outside a config, holds."""
-    return field(default=default, metadata={"interpolate": key, "help": f"the value of {key}"})
+from fairseq.dataclass.fields import II, opt  # noqa: F401 (imported from here by the components)
+from fairseq.dataclass.generation import GenerationConfig, InteractiveConfig  # noqa: F401 (upstream's names here)
 
 
 LOG_FORMATS = Literal["json", "simple", "tqdm", "none"]
@@ -290,13 +277,3 @@ class FairseqConfig:
     lr_scheduler: Any = None
     bpe: Any = None  # --bpe: the scheme's config (GPT2BPEConfig, SentencepieceConfig, ...), as upstream
     tokenizer: Any = None  # --tokenizer
-
-
-def __getattr__(name: str):
-    # Upstream imports GenerationConfig / InteractiveConfig from here; they live in generation.py, which uses
-    # `opt` above: resolved on first use, so neither module has to be imported before the other.
-    if name in ("GenerationConfig", "InteractiveConfig"):
-        from fairseq.dataclass import generation
-
-        return getattr(generation, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -10,7 +10,7 @@ accepted at their defaults and rejected when set (here, `check_generation_config
 from dataclasses import dataclass, fields
 from typing import List, Literal, Optional
 
-from fairseq.dataclass.configs import opt
+from fairseq.dataclass.fields import opt
 from fairseq.upstream_absent import refused_options
 
 

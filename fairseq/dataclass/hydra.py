@@ -45,7 +45,8 @@ from fairseq import options, registry
 from fairseq.dataclass import legacy
 from fairseq.dataclass.build import build_config
 from fairseq.dataclass.configs import FairseqConfig
-from fairseq.dataclass.utils import _unwrap_optional, flag_name
+from fairseq.dataclass.fields import unwrap_optional
+from fairseq.dataclass.utils import flag_name
 from fairseq.suggest import did_you_mean
 
 MISSING = "???"
@@ -220,7 +221,7 @@ def _unknown_key_error(where: str, key: str, known, owner: str) -> ValueError:
 
 def _coerce(where: str, value, tp, default):
     """Check one value against its field type; returns the value converted where that is lossless."""
-    inner, optional = _unwrap_optional(tp)
+    inner, optional = unwrap_optional(tp)
     if value is None:
         if optional or default is None:
             return None

@@ -4,18 +4,11 @@ names for both (`gen_parser_from_dataclass`, `convert_namespace_to_omegaconf`)."
 import argparse
 import ast
 import dataclasses
-import types
 import typing
-from typing import Any, Literal, Optional, Union, get_args, get_origin
+from typing import Any, Literal, Optional, get_args, get_origin
 
-
-def _unwrap_optional(tp):
-    """Optional[X] -> (X, True); X -> (X, False)."""
-    if get_origin(tp) in (Union, getattr(types, "UnionType", Union)):
-        args = [a for a in get_args(tp) if a is not type(None)]
-        if len(args) == 1:
-            return args[0], True
-    return tp, False
+from fairseq.dataclass.build import component_config, convert_namespace_to_config
+from fairseq.dataclass.fields import unwrap_optional
 
 
 def _list_parser(item_type):
@@ -58,7 +51,7 @@ def add_dataclass_to_parser(parser, dc, suppress_defaults: bool = False, positio
             continue
         if "interpolate" in f.metadata or (isinstance(f.default, str) and f.default.startswith("${")):
             continue  # II("group.key"): a value another group's flag sets
-        tp, optional = _unwrap_optional(hints[f.name])
+        tp, optional = unwrap_optional(hints[f.name])
         kwargs = {"help": f.metadata.get("help", "")}
         default = f.default if f.default is not dataclasses.MISSING else (
             f.default_factory() if f.default_factory is not dataclasses.MISSING else None
@@ -91,8 +84,6 @@ def add_dataclass_to_parser(parser, dc, suppress_defaults: bool = False, positio
 def config_from_namespace(dc, args: argparse.Namespace, name: Optional[str] = None):
     """Instantiate dataclass `dc` from the namespace's attributes named as its own fields (defaults elsewhere;
     `II(...)` fields keep their interpolation, which `build_config` resolves)."""
-    from fairseq.dataclass.build import component_config
-
     return component_config(dc, vars(args), name)
 
 
@@ -142,10 +133,8 @@ def gen_parser_from_dataclass(parser, dataclass_instance, delete_default: bool =
 
 
 def convert_namespace_to_omegaconf(args: argparse.Namespace):
-    """Upstream's name for `fairseq.options.convert_namespace_to_config`: the typed FairseqConfig (dataclass
-    groups `common`, `dataset`, ..., `task`, `model`, ...) that this fork's code takes, not an omegaconf
-    DictConfig. Attribute access (`cfg.dataset.max_tokens`) is the same; to get a DictConfig, pass it to
-    `omegaconf.OmegaConf.structured`."""
-    from fairseq.options import convert_namespace_to_config
-
+    """Upstream's name for `fairseq.options.convert_namespace_to_config` (defined in fairseq.dataclass.build): the
+    typed FairseqConfig (dataclass groups `common`, `dataset`, ..., `task`, `model`, ...) that this fork's code
+    takes, not an omegaconf DictConfig. Attribute access (`cfg.dataset.max_tokens`) is the same; to get a
+    DictConfig, pass it to `omegaconf.OmegaConf.structured`."""
     return convert_namespace_to_config(args)

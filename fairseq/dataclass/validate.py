@@ -12,17 +12,10 @@ the data, the device or the checkpoint stay where those are read.
 import logging
 
 from fairseq import registry
+from fairseq.dataclass.build import check_precision  # noqa: F401 (also named here, as before)
 from fairseq.upstream_absent import ACCEPTED_OPTIONS
 
 logger = logging.getLogger(__name__)
-
-
-def check_precision(common) -> None:
-    """--fp16 and --bf16 (and their memory_efficient_ spellings) exclude each other."""
-    fp16 = getattr(common, "fp16", False) or getattr(common, "memory_efficient_fp16", False)
-    bf16 = getattr(common, "bf16", False) or getattr(common, "memory_efficient_bf16", False)
-    if fp16 and bf16:
-        raise ValueError("--fp16 and --bf16 cannot be combined; pass one of them")
 
 
 def check_batch_size(dataset) -> None:

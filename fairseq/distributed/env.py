@@ -19,6 +19,7 @@ Detection order (the first that applies wins):
 import logging
 import os
 import re
+import signal
 import socket
 from dataclasses import dataclass, replace
 from typing import List, Mapping, Optional
@@ -27,6 +28,9 @@ logger = logging.getLogger(__name__)
 
 LAUNCH_MODES = ("single", "explicit", "torchrun", "slurm_per_gpu", "slurm_per_node", "spawn")
 TORCHRUN_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+# Signals a scheduler sends before taking the job away (SLURM's --signal, its preemption): the launcher passes
+# them on to the ranks, whose training saves a checkpoint (fairseq.training.preemption).
+PREEMPTION_SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
 
 # Ports derived from a SLURM job id fall in [10000, 30000): below Linux's ephemeral range (32768+), so a
 # port picked for us by the kernel elsewhere is unlikely to collide with it.

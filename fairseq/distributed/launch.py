@@ -38,9 +38,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing
 
-from fairseq.distributed.env import LaunchPlan, detect_launch
+from fairseq.distributed.env import PREEMPTION_SIGNALS, LaunchPlan, detect_launch
 from fairseq.distributed.mesh import ParallelLayout
-from fairseq.training.preemption import PREEMPTION_SIGNALS
 
 # Written by the first spawned rank: main_fn's return value (JSON), returned by call_main in the parent.
 RESULT_FILE = "main_result.txt"

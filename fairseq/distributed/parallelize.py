@@ -24,16 +24,15 @@ from typing import Callable, Dict, Iterable, List, Optional, Union
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.autograd.graph import saved_tensors_hooks
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper, checkpoint_wrapper
 from torch.distributed.device_mesh import DeviceMesh  # imported by torch itself: free
 from torch.nn.parallel import DistributedDataParallel
-from torch.utils.checkpoint import checkpoint
 
 from fairseq.distributed.ddp import apply_ddp
 from fairseq.distributed.dtensor import is_dtensor
 from fairseq.distributed.fsdp import apply_fsdp, apply_fsdp_replicas, check_fsdp_flags, transformer_layers
 from fairseq.distributed.mesh import ParallelLayout, forget_parallel_mesh, init_parallel_mesh
+from fairseq.modules.checkpoint_activations import checkpointed, checkpointed_offloaded
 
 # torch.distributed.tensor (behind tensor_parallel) costs ~1 s to import: it is imported only when a model is
 # split (--model-parallel-size > 1), and DTensors are recognized through fairseq.distributed.dtensor.
@@ -171,34 +170,6 @@ def materialize(model: nn.Module, device: torch.device, params_on_cpu: bool = Fa
 # ----------------------------------------------------------------------- activation checkpointing
 
 
-def _pack_to_cpu(tensor: torch.Tensor):
-    if tensor.device.type == "cpu":
-        return tensor
-    packed = torch.empty(tensor.size(), dtype=tensor.dtype, layout=tensor.layout, pin_memory=True)
-    # Non-blocking into pinned memory: the copy is ordered on the stream, and the CPU never reads it.
-    packed.copy_(tensor, non_blocking=True)
-    return tensor.device, packed
-
-
-def _unpack_from_cpu(packed):
-    if isinstance(packed, torch.Tensor):
-        return packed
-    device, tensor = packed
-    return tensor.to(device, non_blocking=True)
-
-
-def _checkpointed(module: nn.Module, *args, **kwargs):
-    return checkpoint(module, *args, use_reentrant=False, **kwargs)
-
-
-def _checkpointed_offloaded(module: nn.Module, *args, **kwargs):
-    # Non-reentrant checkpoint saves the layer's inputs through the saved-tensor hooks in effect around
-    # it and nothing else (the layer's own activations are recomputed), so these hooks move exactly the
-    # layer-boundary activations to CPU and bring them back for the recomputation in backward.
-    with saved_tensors_hooks(_pack_to_cpu, _unpack_from_cpu):
-        return checkpoint(module, *args, use_reentrant=False, **kwargs)
-
-
 def apply_activation_checkpointing(model: nn.Module, offload_to_cpu: bool = False) -> nn.Module:
     """Recompute each decoder layer's activations in backward instead of keeping them.
 
@@ -208,7 +179,7 @@ def apply_activation_checkpointing(model: nn.Module, offload_to_cpu: bool = Fals
     keeps are also held in pinned CPU memory between forward and backward.
     """
     layers = transformer_layers(model)
-    checkpoint_fn = _checkpointed_offloaded if offload_to_cpu else _checkpointed
+    checkpoint_fn = checkpointed_offloaded if offload_to_cpu else checkpointed
     for index, layer in enumerate(layers):
         if isinstance(layer, CheckpointWrapper):
             raise ValueError(f"decoder layer {index} is already checkpointed")

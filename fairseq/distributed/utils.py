@@ -121,7 +121,7 @@ def call_main(cfg, main, **kwargs):
     from fairseq.distributed.launch import call_main as launch
 
     if isinstance(cfg, argparse.Namespace):
-        from fairseq.options import convert_namespace_to_config
+        from fairseq.dataclass.build import convert_namespace_to_config
 
         cfg = convert_namespace_to_config(cfg)
     return launch(cfg, main, **kwargs)

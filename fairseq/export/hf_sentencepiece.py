@@ -25,6 +25,7 @@ import struct
 from typing import Dict, List, Tuple
 
 from fairseq.data.dictionary import Dictionary
+from fairseq.export.hf_vocab import missing_error, special_symbols
 
 SPACE = "\u2581"
 NORMAL, USER_DEFINED = 1, 4  # piece types
@@ -116,8 +117,6 @@ def sentencepiece_tokenizer(path: str, dictionary: Dictionary):
     characters, which fairseq gives their own id and a tokenizer cannot: both are refused."""
     from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
 
-    from fairseq.export.hf_tokenizer import _missing_error, special_symbols
-
     model = read_model(path)
     if model["model_type"] == UNIGRAM:
         raise _refuse(path, "a unigram model (transformers' Unigram breaks ties between equally scored "
@@ -144,7 +143,7 @@ def sentencepiece_tokenizer(path: str, dictionary: Dictionary):
             else:
                 missing.append((piece, piece))
     if missing:
-        raise _missing_error("the sentencepiece model", missing, len(normal), dictionary.path)
+        raise missing_error("the sentencepiece model", missing, len(normal), dictionary.path)
     strays = [s for s in dictionary.symbols if s not in ids and s not in specials]
     if strays:
         raise ValueError(f"dict.txt entry {strays[0]!r} ({len(strays)} in all) is no piece of {path}: fairseq gives "

@@ -14,10 +14,12 @@ tokenizer does not look for in the text (`split_special_tokens`: a literal "</s>
 fairseq does). Encoding adds the token every training sequence began with: </s> (<s> with --add-bos-token).
 """
 
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional
 
 from fairseq.checkpoint.vocabulary import resolve_bpe
 from fairseq.data.dictionary import Dictionary
+from fairseq.export.hf_sentencepiece import sentencepiece_tokenizer
+from fairseq.export.hf_vocab import missing_error, special_symbols
 
 BPE_SCHEMES = ("gpt2", "sentencepiece")
 
@@ -48,8 +50,6 @@ def bpe_tokenizer(bpe_cfg: dict, dictionary: Dictionary, begin_token: int):
     if bpe_cfg["_name"] == "gpt2":
         tokenizer, specials = gpt2_tokenizer(bpe_cfg["gpt2_encoder_json"], bpe_cfg["gpt2_vocab_bpe"], dictionary)
     else:
-        from fairseq.export.hf_sentencepiece import sentencepiece_tokenizer
-
         tokenizer, specials = sentencepiece_tokenizer(bpe_cfg["sentencepiece_model"], dictionary)
     _finish(tokenizer, dictionary, specials, begin_token)
     return tokenizer
@@ -77,23 +77,6 @@ def _finish(tokenizer, dictionary: Dictionary, specials: List[str], begin_token:
     tokenizer.post_processor = processors.TemplateProcessing(
         single=f"{begin} $A", pair=f"{begin} $A {eos} $B",
         special_tokens=sorted({(begin, begin_token), (eos, dictionary.eos())}, key=lambda t: t[1]))
-
-
-def special_symbols(dictionary: Dictionary) -> List[str]:
-    """The dictionary's special symbols and its madeupword padding (never produced from text)."""
-    out = [dictionary[i] for i in range(dictionary.nspecial)]
-    out += [dictionary[i] for i in range(dictionary.nspecial, len(dictionary))
-            if dictionary[i].startswith("madeupword") and dictionary.count[i] == 0]
-    return out
-
-
-def _missing_error(what: str, missing: List[Tuple[str, str]], total: int, dict_path: Optional[str]) -> ValueError:
-    token, entry = missing[0]
-    return ValueError(
-        f"dict.txt{f' ({dict_path})' if dict_path else ''} lacks {len(missing)} of the {total} tokens {what} can "
-        f"output (e.g. {token!r}, entry {entry!r}): fairseq encodes them as <unk>, which a transformers tokenizer "
-        "cannot do exactly; export with --no-tokenizer, or train with a dictionary that lists every token "
-        "(for GPT-2, its dict.txt)")
 
 
 # ------------------------------------------------------------------------------------------------ GPT-2
@@ -131,7 +114,7 @@ def gpt2_tokenizer(encoder_json: str, vocab_bpe: str, dictionary: Dictionary):
         else:
             missing.append((token, entry))
     if missing:
-        raise _missing_error("GPT-2 BPE", missing, len(outputs), dictionary.path)
+        raise missing_error("GPT-2 BPE", missing, len(outputs), dictionary.path)
     specials = special_symbols(dictionary)
     token_of_gpt2_id = {str(i): t for t, i in encoder.items()}
     used = set(vocab.values())

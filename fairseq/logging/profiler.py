@@ -122,15 +122,13 @@ class UpdateProfiler:
         self.done = False
 
     @classmethod
-    def from_config(cls, cfg, device) -> Optional["UpdateProfiler"]:
+    def from_config(cls, cfg, device, rank: int) -> Optional["UpdateProfiler"]:
         spec = cfg.common.profile_updates
         if not spec:
             return None
         start, end = parse_update_range(spec)
         out_dir = cfg.common.profile_dir or os.path.join(cfg.checkpoint.save_dir, "profile")
-        from fairseq.distributed.utils import get_rank
-
-        return cls(start, end, out_dir, get_rank(), device)
+        return cls(start, end, out_dir, rank, device)
 
     def _sync(self):
         if self.cuda:

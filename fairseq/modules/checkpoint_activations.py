@@ -4,19 +4,49 @@
 
 The module's forward then keeps only its inputs and recomputes its activations in backward (with
 `offload_to_cpu`, the kept inputs wait in pinned CPU memory). The module itself is returned, its parameter
-names unchanged; the checkpointing is the trainer's (`fairseq.distributed.parallelize`, --checkpoint-activations,
-which wraps each decoder layer), applied here to one module. `unwrap_checkpoint` undoes it.
+names unchanged; the checkpointing is the trainer's (`checkpointed` / `checkpointed_offloaded`, with which
+`fairseq.distributed.parallelize` wraps each decoder layer for --checkpoint-activations), applied here to one
+module. `unwrap_checkpoint` undoes it.
 """
 
 import types
 
+import torch
 import torch.nn as nn
+from torch.autograd.graph import saved_tensors_hooks
+from torch.utils.checkpoint import checkpoint
 
-from fairseq.distributed.parallelize import _checkpointed, _checkpointed_offloaded
+
+def _pack_to_cpu(tensor: torch.Tensor):
+    if tensor.device.type == "cpu":
+        return tensor
+    packed = torch.empty(tensor.size(), dtype=tensor.dtype, layout=tensor.layout, pin_memory=True)
+    # Non-blocking into pinned memory: the copy is ordered on the stream, and the CPU never reads it.
+    packed.copy_(tensor, non_blocking=True)
+    return tensor.device, packed
+
+
+def _unpack_from_cpu(packed):
+    if isinstance(packed, torch.Tensor):
+        return packed
+    device, tensor = packed
+    return tensor.to(device, non_blocking=True)
+
+
+def checkpointed(module: nn.Module, *args, **kwargs):
+    return checkpoint(module, *args, use_reentrant=False, **kwargs)
+
+
+def checkpointed_offloaded(module: nn.Module, *args, **kwargs):
+    # Non-reentrant checkpoint saves the layer's inputs through the saved-tensor hooks in effect around
+    # it and nothing else (the layer's own activations are recomputed), so these hooks move exactly the
+    # layer-boundary activations to CPU and bring them back for the recomputation in backward.
+    with saved_tensors_hooks(_pack_to_cpu, _unpack_from_cpu):
+        return checkpoint(module, *args, use_reentrant=False, **kwargs)
 
 
 def _checkpointed_forward(self, *args, **kwargs):
-    run = _checkpointed_offloaded if self._checkpoint_offload_to_cpu else _checkpointed
+    run = checkpointed_offloaded if self._checkpoint_offload_to_cpu else checkpointed
     return run(self.precheckpoint_forward, *args, **kwargs)
 
 

@@ -8,133 +8,32 @@ token into a numpy array) instead of line by line into tensors, which is where t
 
 Outputs go to hidden `*.part` names in the destination directory and are renamed into place only when
 complete, the `.idx` last; an interrupted run never leaves a `<prefix>.bin`/`.idx` pair behind
-(fairseq/preprocessing/binarizer_jobs.py: the worker pool and the atomic writer).
+(fairseq/preprocessing/binarizer_jobs.py: the atomic writer; fairseq/data/worker_pool.py: the worker pool).
 """
 
 import os
 from collections import Counter
-from dataclasses import dataclass
 from itertools import repeat
 from typing import Dict, Iterator, List, Optional, Tuple
 
 import numpy as np
 
-from fairseq.preprocessing.binarizer_jobs import make_pool, maybe_pool, run_jobs_atomically, settle  # noqa: F401 (make_pool)
+from fairseq.data.dictionary import Dictionary
 from fairseq.data.indexed_dataset import best_fitting_dtype
+# The reading and counting of text files are the Dictionary's too (add_file_to_dictionary); named here as before.
+from fairseq.data.text_files import count_words, count_words_range, find_offsets, iter_text_blocks  # noqa: F401
+from fairseq.data.worker_pool import make_pool, maybe_pool, settle  # noqa: F401 (make_pool: fairseq-preprocess's)
+from fairseq.preprocessing.binarizer_jobs import BinarizeSummary, run_jobs_atomically
+# Upstream's binarizer classes, under their upstream module name (fairseq.binarizer).
+from fairseq.preprocessing.line_binarizers import (  # noqa: F401
+    AlignmentDatasetBinarizer, Binarizer, FileBinarizer, VocabularyDatasetBinarizer)
 
-BLOCK_BYTES = 1 << 20  # text decoded and encoded at once; a worker holds ~20x this in word objects
 _LINE_MARK = "\x00"  # stands for a line end inside a block; never whitespace, so split() keeps it a token
-
-
-@dataclass
-class BinarizeSummary:
-    num_seq: int = 0
-    num_tok: int = 0  # including the </s> of every line
-    num_replaced: int = 0  # words mapped to <unk> (the literal <unk> token does not count)
-
-    def merge(self, other: "BinarizeSummary") -> None:
-        self.num_seq += other.num_seq
-        self.num_tok += other.num_tok
-        self.num_replaced += other.num_replaced
-
-    @property
-    def replaced_percent(self) -> float:
-        return 100.0 * self.num_replaced / self.num_tok if self.num_tok else 0.0
-
-    def __str__(self) -> str:  # upstream's wording and its 3-significant-digit percentage
-        return f"{self.num_seq} sents, {self.num_tok} tokens, {self.replaced_percent:.3}% replaced"
-
-
-# ---- reading ----------------------------------------------------------------------------------------------
-def find_offsets(path: str, num_chunks: int) -> List[int]:
-    """`num_chunks + 1` byte offsets splitting `path` into ranges that start at line beginnings."""
-    size = os.path.getsize(path)
-    offsets = [0]
-    with open(path, "rb") as f:
-        for i in range(1, num_chunks):
-            f.seek(max(size * i // num_chunks, offsets[-1]))
-            f.readline()  # move to the start of the next line
-            offsets.append(min(f.tell(), size))
-    offsets.append(size)
-    return offsets
-
-
-def iter_text_blocks(path: str, start: int, end: int, block_bytes: Optional[int] = None) -> Iterator[str]:
-    """Decoded text of bytes [start, end) in pieces that each end at a line end (or at `end`), with
-    `\\r\\n` and lone `\\r` turned into `\\n`."""
-    block_bytes = block_bytes or BLOCK_BYTES
-    with open(path, "rb") as f:
-        f.seek(start)
-        pos = block_start = start
-        parts: List[bytes] = []  # read but not yet yielded: no complete line end among them
-        while pos < end:
-            data = f.read(min(block_bytes, end - pos))
-            if not data:
-                break
-            pos += len(data)
-            cut = len(data) if pos >= end else data.rfind(b"\n") + 1
-            if cut == 0:  # a lone \r also ends a line, unless it is the last byte (it may start \r\n)
-                cut = data.rfind(b"\r", 0, len(data) - 1) + 1
-            if cut == 0:  # still inside a line longer than a block: keep reading
-                parts.append(data)
-                continue
-            parts.append(data[:cut])
-            block = b"".join(parts)
-            yield _decode(block, path, block_start)
-            block_start += len(block)
-            parts = [data[cut:]] if cut < len(data) else []
-        if parts:  # the file shrank while being read
-            yield _decode(b"".join(parts), path, block_start)
-
-
-def _decode(buf: bytes, path: str, offset: int) -> str:
-    try:
-        text = buf.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise ValueError(
-            f"{path}: invalid UTF-8 at byte {offset + e.start} ({e.reason}); convert the file to UTF-8"
-        ) from None
-    if "\r" in text:
-        text = text.replace("\r\n", "\n").replace("\r", "\n")
-    return text
-
-
-def _count_lines(text: str) -> int:
-    return text.count("\n") + (1 if text and not text.endswith("\n") else 0)
-
-
-# ---- dictionary counting ----------------------------------------------------------------------------------
-def count_words_range(path: str, start: int, end: int) -> Tuple[Counter, int]:
-    """Word counts and number of lines in bytes [start, end) of `path`."""
-    counter: Counter = Counter()
-    lines = 0
-    for text in iter_text_blocks(path, start, end):
-        counter.update(text.split())
-        lines += _count_lines(text)
-    return counter, lines
-
-
-def count_words(path: str, num_workers: int = 1, pool=None) -> Tuple[Counter, int]:
-    """Word counts and line count of a whole file, the work split by byte ranges among workers."""
-    offsets = find_offsets(path, num_workers)
-    ranges = list(zip(offsets, offsets[1:]))
-    if num_workers <= 1 or len(ranges) <= 1:
-        return count_words_range(path, 0, offsets[-1])
-    with maybe_pool(pool, num_workers - 1) as p:
-        pending = [p.apply_async(count_words_range, (path, s, e)) for s, e in ranges[1:]]
-        counter, lines = count_words_range(path, *ranges[0])  # the first range in this process
-        for r in pending:
-            c, n = r.get()
-            counter.update(c)
-            lines += n
-    return counter, lines
 
 
 def build_dictionary(paths: List[str], num_workers: int = 1, threshold: int = -1, nwords: int = -1,
                      padding_factor: int = 8, pool=None):
     """A finalized Dictionary counted from text files, as upstream's task.build_dictionary builds it."""
-    from fairseq.data.dictionary import Dictionary
-
     d = Dictionary()
     for path in paths:
         counter, lines = count_words(path, num_workers, pool)
@@ -470,8 +369,6 @@ def build_dictionary_encoded(path: str, spec: tuple, cache_stem: str, num_worker
     """(Dictionary, caches): the dictionary of `path` as encoded by `spec` (what build_dictionary gives on the
     encoder script's output), and the encoded ranges cached for `binarize_file_encoded(caches=...)`. The
     caller removes the caches (`remove_cache`)."""
-    from fairseq.data.dictionary import Dictionary
-
     offsets = find_offsets(path, max(1, num_workers))
     ranges = list(zip(offsets, offsets[1:]))
     prefixes = [f"{cache_stem}.c{k}" for k in range(len(ranges))]
@@ -516,16 +413,3 @@ def binarize_file_encoded(path: str, dictionary, output_prefix: str, spec: tuple
         offsets = find_offsets(path, max(1, num_workers))
         jobs = [(encode_binarize_range, (path, s, e) + common) for s, e in zip(offsets, offsets[1:])]
     return run_jobs_atomically(output_prefix, dtype, jobs, pool)
-
-
-
-_UPSTREAM_CLASSES = ("AlignmentDatasetBinarizer", "Binarizer", "FileBinarizer", "VocabularyDatasetBinarizer")
-
-
-def __getattr__(name):
-    # Upstream's binarizer classes, under their upstream module name (defined in fairseq.preprocessing.line_binarizers).
-    if name in _UPSTREAM_CLASSES:
-        from fairseq.preprocessing import line_binarizers
-
-        return getattr(line_binarizers, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,59 +1,35 @@
-"""fairseq-preprocess's worker processes, and a split written atomically from jobs run in them.
+"""A split written atomically from jobs run in fairseq-preprocess's worker processes (fairseq.data.worker_pool),
+and the summary they return.
 
-Workers leave SIGINT to the parent (a Ctrl-C reaches the whole process group; a worker killed by it would
-never report its task and the parent would wait forever). On an interrupt the parent terminates the pool
-instead of waiting for the tasks, then removes their files, so one Ctrl-C or SIGTERM ends the run promptly.
+On an interrupt the parent terminates the pool instead of waiting for the tasks, then removes their files, so
+one Ctrl-C or SIGTERM ends the run promptly.
 """
 
-import multiprocessing
 import os
+from dataclasses import dataclass
 from typing import List
 
-from fairseq.data.encoders._script_io import worker_signals
 from fairseq.data.indexed_dataset import MMapIndexedDatasetBuilder, data_file_path, index_file_path
+from fairseq.data.worker_pool import maybe_pool, settle
 
 
-def make_pool(processes: int):
-    """A process pool; fork where the platform has it (workers need only numpy and the stdlib)."""
-    method = "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn"
-    return multiprocessing.get_context(method).Pool(processes=processes, initializer=worker_signals)
+@dataclass
+class BinarizeSummary:
+    num_seq: int = 0
+    num_tok: int = 0  # including the </s> of every line
+    num_replaced: int = 0  # words mapped to <unk> (the literal <unk> token does not count)
 
+    def merge(self, other: "BinarizeSummary") -> None:
+        self.num_seq += other.num_seq
+        self.num_tok += other.num_tok
+        self.num_replaced += other.num_replaced
 
-class maybe_pool:
-    """Use the caller's pool, or own one for the duration of a `with` block (False: no pool needed)."""
+    @property
+    def replaced_percent(self) -> float:
+        return 100.0 * self.num_replaced / self.num_tok if self.num_tok else 0.0
 
-    def __init__(self, pool, processes: int):
-        self._given, self._processes, self._owned = pool, processes, None
-
-    def __enter__(self):
-        if self._given is False:
-            return None
-        if self._given is not None:
-            return self._given
-        self._owned = make_pool(max(1, self._processes))
-        return self._owned
-
-    def __exit__(self, exc_type, *_):
-        if self._owned is not None:
-            if exc_type is None:
-                self._owned.close()
-            else:
-                self._owned.terminate()
-            self._owned.join()
-        return False
-
-
-def settle(pool, pending, err: BaseException) -> None:
-    """Before removing the files of a caller's `pool`'s `pending` tasks after `err`: on an interrupt, end the
-    workers (Pool.terminate joins them; waiting could take as long as the rest of the run), otherwise let the
-    tasks finish."""
-    if not pool:
-        return
-    if isinstance(err, KeyboardInterrupt):
-        pool.terminate()
-        return
-    for r in pending:
-        r.wait()
+    def __str__(self) -> str:  # upstream's wording and its 3-significant-digit percentage
+        return f"{self.num_seq} sents, {self.num_tok} tokens, {self.replaced_percent:.3}% replaced"
 
 
 def _job_to_files(func, args, dtype, out_bin: str, out_idx: str):

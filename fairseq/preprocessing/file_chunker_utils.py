@@ -5,7 +5,7 @@
 import os
 from typing import Iterator, List
 
-from fairseq.preprocessing.binarizer import find_offsets as _find_offsets, iter_text_blocks
+from fairseq.data.text_files import find_offsets as _find_offsets, iter_text_blocks
 
 
 def find_offsets(filename: str, num_chunks: int) -> List[int]:

@@ -10,11 +10,11 @@ from typing import Callable, List, Optional, Tuple
 
 import torch
 
-from fairseq.preprocessing.binarizer import BinarizeSummary, find_offsets
-from fairseq.preprocessing.binarizer_jobs import run_jobs_atomically
 from fairseq.data.dictionary import tokenize_line
 from fairseq.data.indexed_dataset import (MMapIndexedDatasetBuilder, best_fitting_dtype, check_dataset_impl,
                                          data_file_path)
+from fairseq.data.text_files import find_offsets
+from fairseq.preprocessing.binarizer_jobs import BinarizeSummary, run_jobs_atomically
 from fairseq.preprocessing.file_chunker_utils import Chunker
 
 

@@ -9,7 +9,8 @@ import numpy as np
 import torch
 
 from fairseq import registry
-from fairseq.data.batching import Batches, SizeFilterReport, batch_by_size, filter_by_size, size_limit
+from fairseq.data.batching import (Batches, SizeFilterReport, batch_by_size, filter_by_size, filter_by_size_limits,
+                                   size_limit)
 from fairseq.data.iterators import EpochBatchIterator
 from fairseq.upstream_absent import refused_options
 
@@ -119,8 +120,6 @@ class FairseqTask:
     def filter_indices_by_size(self, indices, dataset, max_positions=None, ignore_invalid_inputs: bool = False):
         """Upstream's name: `indices` without the items longer than `max_positions` (a number, tuple or dict);
         without `ignore_invalid_inputs` such an item is an error."""
-        from fairseq.data.data_utils import filter_by_size_limits
-
         indices, ignored = filter_by_size_limits(indices, dataset, max_positions)
         if ignored and not ignore_invalid_inputs:
             raise ValueError(f"{len(ignored)} items, e.g. item {ignored[0]} of size {dataset.size(ignored[0])}, are "

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from fairseq.data.data_utils import load_indexed_dataset
-from fairseq.data.dictionary import Dictionary
+from fairseq.data.dictionary import Dictionary, TruncatedDictionary  # noqa: F401 (also upstream's name here)
 from fairseq.data.lm_context_window_dataset import InCorpusOrder, with_context_window
 from fairseq.data.monolingual_dataset import MonolingualDataset
 from fairseq.data.token_block_dataset import TokenBlockDataset, maybe_shorten_dataset
@@ -78,23 +78,6 @@ def check_token_budget(cfg) -> None:
                 f"{flag} {value} is less than --tokens-per-sample {tokens_per_sample}: with --sample-break-mode "
                 f"{mode} (nearly) every block has {tokens_per_sample} tokens and would be skipped; raise {flag} to "
                 f"at least {tokens_per_sample}, or lower --tokens-per-sample to at most {value}")
-
-
-class TruncatedDictionary:
-    """The first `length` symbols of a dictionary (`--output-dictionary-size`); other lookups delegate."""
-
-    def __init__(self, wrapped: Dictionary, length: int):
-        self.wrapped = wrapped
-        self.length = min(len(wrapped), length)
-
-    def __len__(self) -> int:
-        return self.length
-
-    def __getitem__(self, idx: int) -> str:
-        return self.wrapped[idx] if idx < self.length else self.wrapped.unk_word
-
-    def __getattr__(self, name):
-        return getattr(self.wrapped, name)
 
 
 def split_paths(data: str):

@@ -25,9 +25,10 @@ from typing import NoReturn, Optional
 import torch
 import torch.distributed as dist
 
+from fairseq.distributed.env import PREEMPTION_SIGNALS
+
 logger = logging.getLogger("fairseq.training.preemption")  # its name before the move: log lines unchanged
 
-PREEMPTION_SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
 EXIT_REQUEUED = 3  # "stopped for preemption, checkpoint saved, job requeued (or ready to be restarted)"
 EXIT_REQUEUE_FAILED = 4  # "stopped for preemption, checkpoint saved, but the SLURM requeue failed: resubmit"
 # What the training function (fairseq.training.loop.train) returns after a preemption stop: the requeue went

@@ -12,7 +12,7 @@ import torch
 from fairseq.distributed import float8
 from fairseq.data.batching import resolve_limit
 from fairseq.distributed.parallelize import parallelize_model, unwrap_model
-from fairseq.distributed.utils import get_data_parallel_group, get_data_parallel_world_size, get_world_size
+from fairseq.distributed.utils import get_data_parallel_group, get_data_parallel_world_size, get_rank, get_world_size
 from fairseq.optim import build_optimizer
 from fairseq.optim.lr_scheduler import build_lr_scheduler
 from fairseq.training.precision import Precision
@@ -52,7 +52,8 @@ class Trainer:
         # Longest item the model accepts (upstream filters longer ones out of every batch iterator).
         self.max_positions = resolve_limit(task.max_positions(), model.max_positions())
         self.memory_stats = CudaMemoryStats.for_device(self.device)
-        self.profiler = UpdateProfiler.from_config(cfg, self.device)  # --profile-updates; fairseq_cli.train drives it
+        # --profile-updates; fairseq_cli.train drives it
+        self.profiler = UpdateProfiler.from_config(cfg, self.device, get_rank())
         self.model = parallelize_model(model, cfg, self.device)
         # Read after parallelize_model built the mesh: the ranks of a tensor-parallel group share one batch.
         self.data_parallel_size = get_data_parallel_world_size()

@@ -4,6 +4,7 @@ from collections import Counter
 import numpy as np
 import pytest
 
+from fairseq.data import text_files
 from fairseq.preprocessing import binarizer
 from fairseq.preprocessing.binarizer import BinarizeSummary, binarize_file, build_dictionary, count_words, find_offsets
 from fairseq.data import Dictionary, MMapIndexedDataset
@@ -44,7 +45,7 @@ def make_dict(words):
 
 @pytest.fixture
 def small_blocks(monkeypatch):
-    monkeypatch.setattr(binarizer, "BLOCK_BYTES", 7)  # many blocks, lines longer than a block
+    monkeypatch.setattr(text_files, "BLOCK_BYTES", 7)  # many blocks, lines longer than a block
 
 
 def test_find_offsets_start_at_line_beginnings(tmp_path):

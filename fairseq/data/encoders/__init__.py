@@ -18,38 +18,10 @@ imported the first time a registry is read.
 import dataclasses
 from collections.abc import Mapping
 
-from fairseq.registry import Registry, config_name
+# The registries live with the others (fairseq.registry), below the config builder that reads them.
+from fairseq.registry import BPE_REGISTRY, TOKENIZER_REGISTRY, EncoderRegistry, config_name
 
 
-class EncoderRegistry(Registry):
-    """The project's registry, also readable as upstream's plain dicts were (`"gpt2" in BPE_REGISTRY`,
-    `BPE_REGISTRY["gpt2"]`, `BPE_REGISTRY.keys()`)."""
-
-    def __getitem__(self, name):
-        self._load_builtins()
-        return self._classes[name]
-
-    def __iter__(self):
-        return iter(self.choices())
-
-    def __len__(self):
-        return len(self.choices())
-
-    def keys(self):
-        return self.choices()
-
-    def items(self):
-        return [(name, self.get(name)) for name in self.choices()]
-
-    def name_of_config(self, cfg):
-        """The registered name whose config dataclass `cfg` is an instance of (exact type), or None."""
-        self._load_builtins()
-        names = [n for n, dc in self._dataclasses.items() if type(cfg) is dc]
-        return names[0] if len(names) == 1 else None
-
-
-BPE_REGISTRY = EncoderRegistry("bpe", ("fairseq.data.encoders",), "--bpe")
-TOKENIZER_REGISTRY = EncoderRegistry("tokenizer", ("fairseq.data.encoders",), "--tokenizer")
 register_bpe = BPE_REGISTRY.register
 register_tokenizer = TOKENIZER_REGISTRY.register
 

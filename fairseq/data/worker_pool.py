@@ -1,0 +1,53 @@
+"""The worker processes of fairseq-preprocess and of the Dictionary's word counter.
+
+Workers leave SIGINT to the parent (a Ctrl-C reaches the whole process group; a worker killed by it would
+never report its task and the parent would wait forever). On an interrupt the parent terminates the pool
+instead of waiting for the tasks (`settle`), so one Ctrl-C or SIGTERM ends the run promptly.
+"""
+
+import multiprocessing
+
+from fairseq.data.encoders._script_io import worker_signals
+
+
+def make_pool(processes: int):
+    """A process pool; fork where the platform has it (workers need only numpy and the stdlib)."""
+    method = "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn"
+    return multiprocessing.get_context(method).Pool(processes=processes, initializer=worker_signals)
+
+
+class maybe_pool:
+    """Use the caller's pool, or own one for the duration of a `with` block (False: no pool needed)."""
+
+    def __init__(self, pool, processes: int):
+        self._given, self._processes, self._owned = pool, processes, None
+
+    def __enter__(self):
+        if self._given is False:
+            return None
+        if self._given is not None:
+            return self._given
+        self._owned = make_pool(max(1, self._processes))
+        return self._owned
+
+    def __exit__(self, exc_type, *_):
+        if self._owned is not None:
+            if exc_type is None:
+                self._owned.close()
+            else:
+                self._owned.terminate()
+            self._owned.join()
+        return False
+
+
+def settle(pool, pending, err: BaseException) -> None:
+    """Before removing the files of a caller's `pool`'s `pending` tasks after `err`: on an interrupt, end the
+    workers (Pool.terminate joins them; waiting could take as long as the rest of the run), otherwise let the
+    tasks finish."""
+    if not pool:
+        return
+    if isinstance(err, KeyboardInterrupt):
+        pool.terminate()
+        return
+    for r in pending:
+        r.wait()
