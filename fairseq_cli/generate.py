@@ -26,6 +26,7 @@ from fairseq.checkpoint.inference import load_model
 from fairseq.checkpoint.vocabulary import check_bpe_files, resolve_bpe
 from fairseq.data.batching import resolve_limit
 from fairseq.data.block_positions import check_blocks_fit
+from fairseq.dataclass.flag_values import task_data_dir
 from fairseq.dataclass.generation import check_generation_config
 from fairseq.dataclass.validate import announce_compat_options, check_shard
 from fairseq.generation.hub_utils import TextCodec, move_to
@@ -224,7 +225,7 @@ def _prompt_limit(cfg, dataset, max_positions: Optional[int]) -> Optional[int]:
 
 def _data_dir(cfg) -> Optional[str]:
     """DATA (the task's data directory); None when not given, or when a plug-in task's config has no `data`."""
-    return getattr(cfg.task, "data", None)
+    return task_data_dir(cfg.task)
 
 
 def _strip_pad(tokens: torch.Tensor, pad: int) -> torch.Tensor:

@@ -39,6 +39,7 @@ from fairseq.dataclass.hydra import (
     as_hydra_overrides, fairseq_config_from_dict, recipe_update_freq, resolve_paths, split_recipe, to_plain_dict,
     without_group_package_headers,
 )
+from fairseq.dataclass.flag_values import task_block_options
 from fairseq.dataclass.utils import config_to_dict
 from fairseq.logging import progress_bar
 from fairseq.logging.progress_bar import DATE_FORMAT, LOG_FORMAT
@@ -167,8 +168,7 @@ _CONFIG_DIR_FLAGS = ("--config-dir", "-cd", "--config-path", "-cp")
 def warn_if_global_batch_differs(cfg, recipe: Dict, world_size: int) -> Optional[str]:
     """Warn when batch x update_freq x GPUs differs from the recipe's global batch (the learning-rate schedule
     assumes the recipe's); returns the warning."""
-    # (a plug-in task's config may have no tokens_per_sample)
-    batch_size, tokens = cfg.dataset.batch_size, getattr(cfg.task, "tokens_per_sample", None)
+    batch_size, (tokens, _) = cfg.dataset.batch_size, task_block_options(cfg.task)
     if not recipe.get("global_batch_tokens") or batch_size is None or tokens is None:
         return None
     update_freq = cfg.optimization.update_freq[0]

@@ -48,8 +48,10 @@ def _load_encoder_module():
     """fairseq/data/encoders/gpt2_bpe_utils.py by itself (importing `fairseq.data` would import torch)."""
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location(
-        "_bench_gpt2_bpe_utils", os.path.join(ROOT, "fairseq", "data", "encoders", "gpt2_bpe_utils.py"))
+    encoders = os.path.join(ROOT, "fairseq", "data", "encoders")
+    if encoders not in sys.path:
+        sys.path.append(encoders)  # its sibling gpt2_bpe_files (the file readers), as the encoder script does
+    spec = importlib.util.spec_from_file_location("_bench_gpt2_bpe_utils", os.path.join(encoders, "gpt2_bpe_utils.py"))
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module

@@ -11,6 +11,8 @@ from typing import Optional
 
 import numpy as np
 
+from fairseq.dataclass.flag_values import task_block_options
+
 TRAINED = "the --tokens-per-sample / --max-target-positions it was trained with"
 
 
@@ -32,9 +34,7 @@ def check_blocks_fit(sizes, max_positions: Optional[int], split: str, task_cfg, 
         return
     longest = int(sizes.argmax())
     block = int(sizes[longest])
-    # a plug-in task's config may have neither option
-    tokens_per_sample = getattr(task_cfg, "tokens_per_sample", None)
-    mode = getattr(task_cfg, "sample_break_mode", "none")
+    tokens_per_sample, mode = task_block_options(task_cfg)
     model = f"the model's {max_positions} positions ({TRAINED})"
     if mode != "eos" and tokens_per_sample is not None and block <= tokens_per_sample:
         # the block is as long as --tokens-per-sample made it

@@ -13,6 +13,7 @@ import torch
 
 from fairseq.data.concat_dataset import ConcatDataset
 from fairseq.data.indexed_dataset import MMapIndexedDataset, check_dataset_impl, data_file_path
+from fairseq.dataclass.flag_values import task_data_dir
 
 logger = logging.getLogger(__name__)
 
@@ -241,7 +242,7 @@ def raise_if_valid_subsets_unintentionally_ignored(train_cfg) -> None:
     """Upstream's guard: extra valid splits (valid1, ...) next to the data that --valid-subset leaves out would
     be silently ignored; fail, naming them, unless --combine-valid-subsets or --ignore-unused-valid-subsets."""
     ds = train_cfg.dataset
-    data = getattr(train_cfg.task, "data", None)  # a plug-in task's config may have no data directory
+    data = task_data_dir(train_cfg.task)
     if ds.ignore_unused_valid_subsets or ds.combine_valid_subsets or ds.disable_validation or not data:
         return
     specified = set(ds.valid_subset.split(","))

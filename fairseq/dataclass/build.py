@@ -86,6 +86,25 @@ def convert_namespace_to_config(args: argparse.Namespace) -> configs.FairseqConf
     return build_config(vars(args), components)
 
 
+def preset_config(arch: str, model_cls, kind: str, overrides: Mapping[str, Any]):
+    """The config `--arch ARCH` of `model_cls` (registered as `kind`) plus `overrides` would produce, without a
+    command line (a model module's `preset_config`: tests, the memory planner). The overrides play the part of
+    the flags: the preset fills only what they leave unset, the config defaults the rest; a field that copies
+    another group's value (II: --criterion, --fp8, the task's --tokens-per-sample, ...) takes the override
+    when one is given, else its default."""
+    if registry.arch_model(arch) is not model_cls:  # raises for an unknown arch
+        raise ValueError(f"--arch {arch} is not a {kind} architecture")
+    fields = dataclasses.fields(registry.dataclass_of(model_cls))
+    unknown = sorted(set(overrides) - {f.name for f in fields})
+    if unknown:
+        raise ValueError(f"unknown {kind} option(s): {', '.join(unknown)}")
+    cfg = model_config(arch, overrides)
+    for f in fields:
+        if is_interpolated(f) and f.name in overrides:
+            setattr(cfg, f.name, overrides[f.name])
+    return cfg
+
+
 def build_config(values: Mapping[str, Any], components: Mapping[str, Optional[str]]) -> configs.FairseqConfig:
     """FairseqConfig from flat option values and the chosen components ({"task": "language_modeling",
     "model": "transformer_lm_gpt3_small", "criterion": ..., "optimizer": ..., "lr_scheduler": ..., "bpe": ...,

@@ -1,6 +1,8 @@
-"""Reading flag values written the way upstream writes them, and filling a legacy namespace."""
+"""Reading flag values written the way upstream writes them, filling a legacy namespace, and the task options
+that a task config may lack."""
 
 import ast
+from typing import Optional, Tuple
 
 
 def literal_or_none(value):
@@ -19,3 +21,17 @@ def fill_missing(args, **defaults) -> None:
     for name, value in defaults.items():
         if not hasattr(args, name):
             setattr(args, name, value)
+
+
+# A task config's options that plug-in task configs (their own dataclasses, legacy namespaces) may lack: the
+# one place they are read optionally.
+
+
+def task_block_options(task_cfg) -> Tuple[Optional[int], str]:
+    """(--tokens-per-sample, --sample-break-mode) the task cuts blocks with; (None, "none") where it lacks them."""
+    return getattr(task_cfg, "tokens_per_sample", None), getattr(task_cfg, "sample_break_mode", "none")
+
+
+def task_data_dir(task_cfg) -> Optional[str]:
+    """The task's data directory (DATA); None where it lacks one."""
+    return getattr(task_cfg, "data", None)

@@ -276,138 +276,178 @@ class SequenceGenerator(nn.Module):
     # ---- the loop -----------------------------------------------------------------------------------------
     def _generate(self, sample: Dict, prefix_tokens: Optional[Tensor] = None,
                   bos_token: Optional[int] = None) -> List[List[Dict[str, Tensor]]]:
+        """Decode one batch: the set-up and prefill, then per step the candidates, the hypotheses that end, the
+        sentences that leave the batch and the hypotheses extended; each sentence's hypotheses best first."""
+        b, lprobs = self._begin(sample, prefix_tokens, bos_token)
+        beam, max_len = self.beam_size, b.max_len
+        for step in range(b.start, max_len + 1):  # the last step only adds </s>
+            if lprobs is None:
+                lprobs = self._next_log_probs(b.tokens, step, b.states, b.graphed)
+            lprobs = self._constrain(lprobs, step, max_len, b.tokens, b.forced_rows)
+            cand_scores, cand_indices, cand_beams = self.search.step(
+                step, lprobs.view(b.bsz, -1, self.vocab_size), b.scores.view(b.bsz, beam, -1)[:, :, :step],
+                b.tokens[:, :step + 1], b.original_batch_idxs)
+            lprobs = None
+
+            eos_mask, any_top_eos, done = self._end_hypotheses(b, step, cand_scores, cand_indices, cand_beams)
+            if b.num_remaining == 0 or step == max_len:
+                break
+            batch_idxs = None
+            if done:  # drop the finished sentences from the batch, and from this step's candidates
+                batch_idxs = self._drop_sentences(b, done)
+                eos_mask, cand_beams = eos_mask[batch_idxs], cand_beams[batch_idxs]
+                cand_scores, cand_indices = cand_scores[batch_idxs], cand_indices[batch_idxs]
+            self._extend(b, step, eos_mask, any_top_eos, cand_scores, cand_indices, cand_beams, batch_idxs)
+
+        for sent in range(len(b.finalized)):  # each sentence's hypotheses, best first
+            ranked = sorted(range(len(b.finalized[sent])), key=lambda i: b.finalized_scores[sent][i], reverse=True)
+            b.finalized[sent] = [b.finalized[sent][i] for i in ranked]
+        return b.finalized
+
+    def _begin(self, sample: Dict, prefix_tokens: Optional[Tensor],
+               bos_token: Optional[int]) -> Tuple["_Beams", Optional[Tensor]]:
+        """The batch before its first step (buffers, caches, search state), with the prompts fed when the
+        decoders take them at once (prefill): then also the log-probabilities of the first step to take."""
         net_input = sample["net_input"]
         if "src_tokens" not in net_input:
             raise ValueError("sample['net_input'] has no 'src_tokens': language-model generation reads the batch "
                              "size and source length from it (see task.build_dataset_for_inference)")
         src_tokens = net_input["src_tokens"]
-        device = src_tokens.device
-        src_lengths = (src_tokens.ne(self.eos) & src_tokens.ne(self.pad)).long().sum(dim=1)
+        b = _Beams()
+        b.device = device = src_tokens.device
+        b.src_lengths = (src_tokens.ne(self.eos) & src_tokens.ne(self.pad)).long().sum(dim=1)
         bsz, src_len = src_tokens.size()[:2]
-        beam = self.beam_size
-        max_len = self._max_len(src_len, src_lengths)
+        b.bsz, beam = bsz, self.beam_size
+        b.max_len = max_len = self._max_len(src_len, b.src_lengths)
         prefix, shared = self._prompts(prefix_tokens, bsz, max_len, device)
         if self.search.forced_beams is None:
             shared = 0  # an unknown search sees every forced step
 
         rows = bsz * beam
-        tokens = torch.full((rows, max_len + 2), self.pad, dtype=torch.long, device=device)
-        tokens[:, 0] = self.eos if bos_token is None else bos_token
-        scores = torch.zeros(rows, max_len + 1, device=device)  # cumulative, per step
-        graphed = self._static_decoder(device) if self.model.can_feed_prompts else None
-        if graphed is not None:
-            states = graphed.begin(bsz, beam, max_len + 1, device)
+        b.tokens = torch.full((rows, max_len + 2), self.pad, dtype=torch.long, device=device)
+        b.tokens[:, 0] = self.eos if bos_token is None else bos_token
+        b.scores = torch.zeros(rows, max_len + 1, device=device)  # cumulative, per step
+        b.graphed = self._static_decoder(device) if self.model.can_feed_prompts else None
+        if b.graphed is not None:
+            b.states = b.graphed.begin(bsz, beam, max_len + 1, device)
         else:
-            states = self.model.new_incremental_states(max_batch=rows, max_length=max_len + 1)
+            b.states = self.model.new_incremental_states(max_batch=rows, max_length=max_len + 1)
         if self.should_set_src_lengths:
-            self.search.set_src_lengths(src_lengths)
-        start, lprobs = 0, None
+            self.search.set_src_lengths(b.src_lengths)
+        b.start, lprobs = 0, None
         if self.model.can_feed_prompts:
-            lprobs = self._feed_prompts(tokens, scores, prefix, shared, states, bsz, beam)
-            start = shared
-        forced_rows = None if prefix is None else prefix.repeat_interleave(beam, dim=0)
-        forced_eos_steps = set() if prefix is None else set(prefix.eq(self.eos).any(dim=0).nonzero()[:, 0].tolist())
+            lprobs = self._feed_prompts(b.tokens, b.scores, prefix, shared, b.states, bsz, beam)
+            b.start = shared
+        b.prefix = prefix
+        b.forced_rows = None if prefix is None else prefix.repeat_interleave(beam, dim=0)
+        b.forced_eos_steps = set() if prefix is None else set(prefix.eq(self.eos).any(dim=0).nonzero()[:, 0].tolist())
 
-        finalized: List[List[dict]] = [[] for _ in range(bsz)]
-        finalized_scores: List[List[float]] = [[] for _ in range(bsz)]
-        finished = [False] * bsz
-        num_remaining = bsz
-        sent_of_row = list(range(bsz))  # original sentence of each row of the (shrinking) batch
-        original_batch_idxs = torch.arange(bsz, device=device)
-        cands_to_ignore = torch.zeros(bsz, beam, dtype=torch.bool, device=device)
+        b.finalized = [[] for _ in range(bsz)]
+        b.finalized_scores = [[] for _ in range(bsz)]
+        b.finished = [False] * bsz
+        b.num_remaining = bsz
+        b.sent_of_row = list(range(bsz))  # original sentence of each row of the (shrinking) batch
+        b.original_batch_idxs = torch.arange(bsz, device=device)
+        b.cands_to_ignore = torch.zeros(bsz, beam, dtype=torch.bool, device=device)
         # cands_to_ignore can hold True only after hypotheses of a sentence ended while it goes on (beam > 1).
-        may_ignore = False
-        cand_size = 2 * beam  # twice the beam, in case half the candidates end with </s>
-        bbsz_offsets = (torch.arange(bsz, device=device) * beam).unsqueeze(1)
-        cand_offsets = torch.arange(cand_size, device=device)
-        first_beams = torch.arange(beam, device=device).repeat(bsz, 1)
+        b.may_ignore = False
+        b.bbsz_offsets = (torch.arange(bsz, device=device) * beam).unsqueeze(1)
+        b.cand_offsets = torch.arange(2 * beam, device=device)  # twice the beam, in case half end with </s>
+        b.first_beams = torch.arange(beam, device=device).repeat(bsz, 1)
+        return b, lprobs
 
-        for step in range(start, max_len + 1):  # the last step only adds </s>
-            if lprobs is None:
-                lprobs = self._next_log_probs(tokens, step, states, graphed)
-            lprobs = self._constrain(lprobs, step, max_len, tokens, forced_rows)
-            cand_scores, cand_indices, cand_beams = self.search.step(
-                step, lprobs.view(bsz, -1, self.vocab_size), scores.view(bsz, beam, -1)[:, :, :step],
-                tokens[:, :step + 1], original_batch_idxs)
-            lprobs = None
+    def _end_hypotheses(self, b: "_Beams", step: int, cand_scores: Tensor, cand_indices: Tensor,
+                        cand_beams: Tensor) -> Tuple[Optional[Tensor], bool, List[int]]:
+        """Hypotheses ending with </s> among the top beam candidates are done (not -inf, not ignored): store
+        them. Returns (the candidates that end with </s>, or None when none can; whether a top one did; the
+        batch indices of the sentences now done)."""
+        beam = self.beam_size
+        can_end = not self._no_hypothesis_can_end(step, b.max_len, b.forced_eos_steps)
+        eos_mask, any_top_eos, done = None, False, []
+        if can_end or b.may_ignore:
+            eos_mask = cand_indices.eq(self.eos) & cand_scores.ne(-math.inf)
+            if b.may_ignore:
+                eos_mask[:, :beam] &= ~b.cands_to_ignore
+        if can_end:
+            top_eos = eos_mask[:, :beam]
+            any_top_eos = bool(top_eos.any())  # the host sync of this step
+        if any_top_eos:
+            cand_bbsz_idx = cand_beams + b.bbsz_offsets
+            done = self._finalize_hypos(step, cand_bbsz_idx[:, :beam][top_eos], cand_scores[:, :beam][top_eos],
+                                        b.tokens, b.scores, b.finalized, b.finalized_scores, b.finished,
+                                        b.sent_of_row, beam, b.src_lengths, b.max_len)
+            b.num_remaining -= len(done)
+        return eos_mask, any_top_eos, done
 
-            # Hypotheses ending with </s> among the top beam candidates are done (not -inf, not ignored).
-            can_end = not self._no_hypothesis_can_end(step, max_len, forced_eos_steps)
-            eos_mask, any_top_eos, done = None, False, []
-            if can_end or may_ignore:
-                eos_mask = cand_indices.eq(self.eos) & cand_scores.ne(-math.inf)
-                if may_ignore:
-                    eos_mask[:, :beam] &= ~cands_to_ignore
-            if can_end:
-                top_eos = eos_mask[:, :beam]
-                any_top_eos = bool(top_eos.any())  # the host sync of this step
-            if any_top_eos:
-                cand_bbsz_idx = cand_beams + bbsz_offsets
-                done = self._finalize_hypos(step, cand_bbsz_idx[:, :beam][top_eos], cand_scores[:, :beam][top_eos],
-                                            tokens, scores, finalized, finalized_scores, finished, sent_of_row,
-                                            beam, src_lengths, max_len)
-                num_remaining -= len(done)
-            if num_remaining == 0 or step == max_len:
-                break
+    def _drop_sentences(self, b: "_Beams", done: List[int]) -> Tensor:
+        """Remove the sentences at batch indices `done` from the batch and the search; returns the indices kept."""
+        beam = self.beam_size
+        done_set = set(done)
+        keep = [i for i in range(b.bsz) if i not in done_set]
+        batch_idxs = torch.tensor(keep, device=b.device)
+        new_bsz = len(keep)
+        b.bbsz_offsets = b.bbsz_offsets[:new_bsz]
+        if b.prefix is not None:
+            b.prefix = b.prefix[batch_idxs]
+            b.forced_rows = b.prefix.repeat_interleave(beam, dim=0)
+        b.src_lengths = b.src_lengths[batch_idxs]
+        b.cands_to_ignore = b.cands_to_ignore[batch_idxs]
+        b.scores = b.scores.view(b.bsz, -1)[batch_idxs].view(new_bsz * beam, -1)
+        b.tokens = b.tokens.view(b.bsz, -1)[batch_idxs].view(new_bsz * beam, -1)
+        b.original_batch_idxs = b.original_batch_idxs[batch_idxs]
+        b.sent_of_row = [b.sent_of_row[i] for i in keep]
+        self.search.prune_sentences(batch_idxs)
+        if self.should_set_src_lengths:
+            self.search.set_src_lengths(b.src_lengths)
+        b.bsz = new_bsz
+        return batch_idxs
 
-            batch_idxs = None
-            if done:  # drop the finished sentences from the batch
-                done_set = set(done)
-                keep = [i for i in range(bsz) if i not in done_set]
-                batch_idxs = torch.tensor(keep, device=device)
-                new_bsz = len(keep)
-                eos_mask, cand_beams = eos_mask[batch_idxs], cand_beams[batch_idxs]
-                cand_scores, cand_indices = cand_scores[batch_idxs], cand_indices[batch_idxs]
-                bbsz_offsets = bbsz_offsets[:new_bsz]
-                if prefix is not None:
-                    prefix = prefix[batch_idxs]
-                    forced_rows = prefix.repeat_interleave(beam, dim=0)
-                src_lengths = src_lengths[batch_idxs]
-                cands_to_ignore = cands_to_ignore[batch_idxs]
-                scores = scores.view(bsz, -1)[batch_idxs].view(new_bsz * beam, -1)
-                tokens = tokens.view(bsz, -1)[batch_idxs].view(new_bsz * beam, -1)
-                original_batch_idxs = original_batch_idxs[batch_idxs]
-                sent_of_row = [sent_of_row[i] for i in keep]
-                self.search.prune_sentences(batch_idxs)
-                if self.should_set_src_lengths:
-                    self.search.set_src_lengths(src_lengths)
-                bsz = new_bsz
+    def _extend(self, b: "_Beams", step: int, eos_mask: Optional[Tensor], any_top_eos: bool, cand_scores: Tensor,
+                cand_indices: Tensor, cand_beams: Tensor, batch_idxs: Optional[Tensor]) -> None:
+        """The beam best candidates that did not end become the hypotheses (token step + 1 and its score);
+        the caches follow their rows (and the sentences dropped at this step, `batch_idxs`)."""
+        beam, bsz, tokens, scores = self.beam_size, b.bsz, b.tokens, b.scores
+        if not (b.may_ignore or any_top_eos):
+            # No top candidate ended and none is ignored: the first beam candidates continue, in order.
+            active_hypos = b.first_beams[:bsz]
+            active_bbsz_idx = (cand_beams[:, :beam] + b.bbsz_offsets).view(-1) if beam > 1 else None
+            next_tokens, next_scores = cand_indices[:, :beam], cand_scores[:, :beam]
+        else:
+            # The beam best candidates that did not end continue (finished or ignored ones sort last).
+            cand_size = b.cand_offsets.size(0)
+            eos_mask[:, :beam] |= b.cands_to_ignore
+            active_mask = eos_mask.to(b.cand_offsets.dtype) * cand_size + b.cand_offsets[:eos_mask.size(1)]
+            new_cands_to_ignore, active_hypos = torch.topk(active_mask, k=beam, dim=1, largest=False)
+            b.cands_to_ignore = new_cands_to_ignore.ge(cand_size)[:, :beam]
+            active_bbsz_idx = torch.gather(cand_beams + b.bbsz_offsets, 1, active_hypos).view(-1)
+            next_tokens = torch.gather(cand_indices, 1, active_hypos)
+            next_scores = torch.gather(cand_scores, 1, active_hypos)
+            b.may_ignore = beam > 1
+        if beam > 1:  # with one beam every row continues itself
+            tokens[:, :step + 1] = tokens[:, :step + 1].index_select(0, active_bbsz_idx)
+            if step > 0:
+                scores[:, :step] = scores[:, :step].index_select(0, active_bbsz_idx)
+        tokens.view(bsz, beam, -1)[:, :, step + 1] = next_tokens
+        scores.view(bsz, beam, -1)[:, :, step] = next_scores
+        self.search.update_constraints(active_hypos)
 
-            if not (may_ignore or any_top_eos):
-                # No top candidate ended and none is ignored: the first beam candidates continue, in order.
-                active_hypos = first_beams[:bsz]
-                active_bbsz_idx = (cand_beams[:, :beam] + bbsz_offsets).view(-1) if beam > 1 else None
-                next_tokens, next_scores = cand_indices[:, :beam], cand_scores[:, :beam]
-            else:
-                # The beam best candidates that did not end continue (finished or ignored ones sort last).
-                eos_mask[:, :beam] |= cands_to_ignore
-                active_mask = eos_mask.to(cand_offsets.dtype) * cand_size + cand_offsets[:eos_mask.size(1)]
-                new_cands_to_ignore, active_hypos = torch.topk(active_mask, k=beam, dim=1, largest=False)
-                cands_to_ignore = new_cands_to_ignore.ge(cand_size)[:, :beam]
-                active_bbsz_idx = torch.gather(cand_beams + bbsz_offsets, 1, active_hypos).view(-1)
-                next_tokens = torch.gather(cand_indices, 1, active_hypos)
-                next_scores = torch.gather(cand_scores, 1, active_hypos)
-                may_ignore = beam > 1
-            if beam > 1:  # with one beam every row continues itself
-                tokens[:, :step + 1] = tokens[:, :step + 1].index_select(0, active_bbsz_idx)
-                if step > 0:
-                    scores[:, :step] = scores[:, :step].index_select(0, active_bbsz_idx)
-            tokens.view(bsz, beam, -1)[:, :, step + 1] = next_tokens
-            scores.view(bsz, beam, -1)[:, :, step] = next_scores
-            self.search.update_constraints(active_hypos)
+        if beam > 1 or batch_idxs is not None:
+            # Cache rows are still those of before the drop: shift each sentence back to its old rows.
+            order = active_bbsz_idx
+            if batch_idxs is not None:
+                shift = (batch_idxs - torch.arange(bsz, device=b.device)) * beam
+                order = (order.view(bsz, beam) + shift.unsqueeze(1)).view(-1)
+            self.model.reorder_incremental_state(b.states, order)
 
-            if beam > 1 or batch_idxs is not None:
-                # Cache rows are still those of before the drop: shift each sentence back to its old rows.
-                order = active_bbsz_idx
-                if batch_idxs is not None:
-                    shift = (batch_idxs - torch.arange(bsz, device=device)) * beam
-                    order = (order.view(bsz, beam) + shift.unsqueeze(1)).view(-1)
-                self.model.reorder_incremental_state(states, order)
 
-        for sent in range(len(finalized)):
-            ranked = sorted(range(len(finalized[sent])), key=lambda i: finalized_scores[sent][i], reverse=True)
-            finalized[sent] = [finalized[sent][i] for i in ranked]
-        return finalized
+class _Beams:
+    """One generate call's batch of hypotheses, which shrinks as sentences finish: the rows still decoding
+    (tokens, cumulative scores, caches) and what the steps carry from one to the next. Slots: read per step."""
+
+    __slots__ = ("device", "bsz", "max_len", "start", "src_lengths", "tokens", "scores", "graphed", "states",
+                 "prefix", "forced_rows", "forced_eos_steps", "finalized", "finalized_scores", "finished",
+                 "num_remaining", "sent_of_row", "original_batch_idxs", "cands_to_ignore", "may_ignore",
+                 "bbsz_offsets", "cand_offsets", "first_beams")
 
 
 class EnsembleModel(nn.Module):

@@ -29,7 +29,6 @@ Incremental decoding keeps, per convolution, its last kernel - 1 inputs; any num
 """
 
 import ast
-import dataclasses
 import logging
 import math
 from dataclasses import dataclass
@@ -40,7 +39,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from fairseq import registry
-from fairseq.dataclass.build import model_config
+from fairseq.dataclass import build
 from fairseq.dataclass.configs import II, opt
 from fairseq.dataclass.utils import flag_name
 from fairseq.modules.incremental_decoding_utils import IncrementalState
@@ -419,17 +418,7 @@ def fconv_lm_dauphin_gbw(args) -> None:
 def preset_config(arch: str, **overrides) -> FConvLanguageModelConfig:
     """The config `--arch ARCH` plus the given flags would produce; `criterion` and `fp8` stand for the
     --criterion and --fp8 of the command line (default cross_entropy and False)."""
-    if registry.arch_model(arch) is not FConvLanguageModel:  # raises for an unknown arch
-        raise ValueError(f"--arch {arch} is not an fconv_lm architecture")
-    known = {f.name for f in dataclasses.fields(FConvLanguageModelConfig)}
-    unknown = sorted(set(overrides) - known)
-    if unknown:
-        raise ValueError(f"unknown fconv_lm option(s): {', '.join(unknown)}")
-    cfg = model_config(arch, overrides)
-    for name in ("criterion", "fp8"):
-        if name in overrides:
-            setattr(cfg, name, overrides[name])
-    return cfg
+    return build.preset_config(arch, FConvLanguageModel, "fconv_lm", overrides)
 
 
 # ---------------------------------------------------------------------------------------------------

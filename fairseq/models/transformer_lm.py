@@ -32,7 +32,6 @@ The model holds no distributed or precision code: activation checkpointing (`--c
 compilation and FSDP are applied per layer from outside.
 """
 
-import dataclasses
 import logging
 from dataclasses import dataclass
 from typing import Literal, Optional, Tuple
@@ -41,7 +40,7 @@ import torch
 
 from fairseq import registry
 from fairseq.dataclass.configs import II, opt
-from fairseq.dataclass.build import model_config
+from fairseq.dataclass import build
 from fairseq.dataclass.utils import flag_name
 from fairseq.logging.throughput import flops_per_token as transformer_flops_per_token
 from fairseq.models.fairseq_model import FairseqLanguageModel, TensorParallelPlan, TensorParallelSizes
@@ -468,16 +467,7 @@ def preset_config(arch: str, **overrides) -> TransformerLanguageModelConfig:
     `overrides` play the part of the command line: the preset fills only what they leave unset, then the
     config defaults fill the rest.
     """
-    if registry.arch_model(arch) is not TransformerLanguageModel:  # raises for an unknown arch
-        raise ValueError(f"--arch {arch} is not a transformer_lm architecture")
-    known = {f.name for f in dataclasses.fields(TransformerLanguageModelConfig)}
-    unknown = sorted(set(overrides) - known)
-    if unknown:
-        raise ValueError(f"unknown transformer_lm option(s): {', '.join(unknown)}")
-    cfg = model_config(arch, overrides)
-    for name in ("add_bos_token", "tokens_per_sample", "max_target_positions"):  # the task's, if given
-        setattr(cfg, name, overrides.get(name))
-    return cfg
+    return build.preset_config(arch, TransformerLanguageModel, "transformer_lm", overrides)
 
 
 # ---------------------------------------------------------------------------------------------------

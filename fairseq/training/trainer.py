@@ -11,6 +11,7 @@ import torch
 
 from fairseq.distributed import float8
 from fairseq.data.batching import resolve_limit
+from fairseq.dataclass.flag_values import task_block_options
 from fairseq.distributed.parallelize import parallelize_model, unwrap_model
 from fairseq.distributed.utils import get_data_parallel_group, get_data_parallel_world_size, get_rank, get_world_size
 from fairseq.optim import build_optimizer
@@ -215,7 +216,7 @@ class Trainer:
 
 def _throughput(cfg, model, device, world_size) -> Optional[Throughput]:
     """tflops/mfu for models that know their FLOPs per token (the model contract's flops_per_token)."""
-    seq_len = getattr(cfg.task, "tokens_per_sample", None)  # plug-in tasks may have no such option
+    seq_len, _ = task_block_options(cfg.task)
     model_flops = model.flops_per_token(seq_len) if seq_len else None
     if not model_flops:
         return None

@@ -30,8 +30,6 @@ class CosineLRSchedule(FairseqLRScheduler):
         self.min_lr = min(cfg.min_lr, self.max_lr)
         if cfg.warmup_updates < 0:
             raise ValueError(f"--warmup-updates {cfg.warmup_updates} is negative; pass 0 or more")
-        self.warmup_updates = cfg.warmup_updates
-        self.warmup_init_lr = cfg.warmup_init_lr if cfg.warmup_init_lr >= 0 else self.min_lr
         self.period = cfg.lr_period_updates
         if self.period <= 0:
             self.period = max_update - cfg.warmup_updates
@@ -42,14 +40,12 @@ class CosineLRSchedule(FairseqLRScheduler):
                 )
         if cfg.t_mult <= 0:
             raise ValueError(f"--t-mult {cfg.t_mult} must be positive (1 for cycles of equal length)")
-        self.lr_step = (self.max_lr - self.warmup_init_lr) / cfg.warmup_updates if cfg.warmup_updates > 0 else 1
-        self.lr = self.warmup_init_lr
-        self.set_lr(self.lr)
+        warmup_init_lr = cfg.warmup_init_lr if cfg.warmup_init_lr >= 0 else self.min_lr
+        self._start_linear_warmup(cfg.warmup_updates, warmup_init_lr, self.max_lr)
 
     def _lr_for_update(self, num_updates):
-        if num_updates < self.warmup_updates:
-            self.lr = self.warmup_init_lr + num_updates * self.lr_step
-        else:
+        self.lr = self._warmup_lr(num_updates)
+        if self.lr is None:
             since_warmup = num_updates - self.warmup_updates
             t_mult, period = self.cfg.t_mult, self.period
             if t_mult != 1:

@@ -60,6 +60,22 @@ class FairseqLRScheduler:
     def _lr_for_update(self, num_updates: int) -> float:
         return self.get_lr()
 
+    def _start_linear_warmup(self, warmup_updates: int, warmup_init_lr: float, peak_lr: float) -> None:
+        """A linear warm-up from `warmup_init_lr` (the rate set now) to `peak_lr` over `warmup_updates` updates,
+        in upstream's attributes (warmup_updates, warmup_init_lr, lr_step, lr); `_warmup_lr` reads it."""
+        self.warmup_updates = warmup_updates
+        self.warmup_init_lr = warmup_init_lr
+        # (upstream's cosine keeps lr_step 1 without warm-up; no update reads it then)
+        self.lr_step = (peak_lr - warmup_init_lr) / warmup_updates if warmup_updates > 0 else 1
+        self.lr = warmup_init_lr
+        self.set_lr(self.lr)
+
+    def _warmup_lr(self, num_updates: int) -> Optional[float]:
+        """The warm-up's rate after `num_updates` updates, None once it is over."""
+        if num_updates < self.warmup_updates:
+            return self.warmup_init_lr + num_updates * self.lr_step
+        return None
+
     def _single_lr(self, scheduler_name: str) -> float:
         if len(self.lrs) > 1:
             raise ValueError(

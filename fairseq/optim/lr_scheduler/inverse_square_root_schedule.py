@@ -27,17 +27,12 @@ class InverseSquareRootSchedule(FairseqLRScheduler):
                 f"--warmup-updates {warmup}: inverse_sqrt needs at least 1 warmup update "
                 "(its decay is anchored at the end of warmup); pass --warmup-updates N with N >= 1"
             )
-        self.warmup_updates = warmup
-        self.warmup_init_lr = cfg.warmup_init_lr if cfg.warmup_init_lr >= 0 else 0.0
-        self.lr_step = (peak_lr - self.warmup_init_lr) / warmup
         self.decay_factor = peak_lr * warmup**0.5
-        self.lr = self.warmup_init_lr
-        self.set_lr(self.lr)
+        self._start_linear_warmup(warmup, cfg.warmup_init_lr if cfg.warmup_init_lr >= 0 else 0.0, peak_lr)
 
     def _lr_for_update(self, num_updates):
-        if num_updates < self.warmup_updates:
-            self.lr = self.warmup_init_lr + num_updates * self.lr_step
-        else:
+        self.lr = self._warmup_lr(num_updates)
+        if self.lr is None:
             self.lr = self.decay_factor * num_updates**-0.5
         self.set_lr(self.lr)
         return self.lr
