@@ -40,6 +40,35 @@ def test_few_modules_at_the_package_root(findings):
     assert len(found) <= check.LIMITS["root modules over 40 lines"], "\n".join(found)
 
 
+def test_no_library_file_over_600_lines(findings):
+    found = findings["files over 600 lines"]
+    assert len(found) <= check.LIMITS["files over 600 lines"], "\n".join(found)
+
+
+def test_no_function_over_80_lines(findings):
+    found = findings["functions over 80 lines"]
+    assert len(found) <= check.LIMITS["functions over 80 lines"], "\n".join(found)
+
+
+def test_typed_config_fields_are_read_directly(findings):
+    """At most 10 getattr(cfg, "name") reads, each for a namespace that can lack the field (plug-in configs,
+    upstream's partial configs): the rest read cfg.group.field."""
+    found = findings["getattr(cfg, literal) reads"]
+    assert len(found) <= check.LIMITS["getattr(cfg, literal) reads"], "\n".join(found)
+
+
+def test_checker_counts_long_functions_and_config_getattr_reads(tmp_path):
+    root = str(tmp_path)
+    _write(root, "fairseq/__init__.py")
+    body = "".join(f"    x{i} = {i}\n" for i in range(80))
+    _write(root, "fairseq/data/__init__.py")
+    _write(root, "fairseq/data/c.py", f"def long(cfg):\n{body}    return getattr(cfg.task, 'data', None)\n")
+    found = check.measure(root)
+    assert found["functions over 80 lines"] == ["fairseq/data/c.py:1 long (82 lines)"]
+    assert found["getattr(cfg, literal) reads"] == ["fairseq/data/c.py:82 getattr(cfg.task, 'data')"]
+    assert found["root modules over 40 lines"] == []
+
+
 def _write(root, rel, text=""):
     path = os.path.join(root, rel)
     os.makedirs(os.path.dirname(path), exist_ok=True)
