@@ -39,6 +39,22 @@ def train_gpt2_files(directory, text: str, vocab_size: int = 1500):
     return write_gpt2_files(directory, *train_byte_level_bpe(text, vocab_size))
 
 
+def write_full_gpt2_dict(encoder_json, path) -> None:
+    """A dict.txt listing every GPT-2 id of `encoder_json`, shuffled (as GPT-2's own lists all of them), padded
+    to a multiple of 8: the export then has a tokenizer for every id."""
+    import random
+
+    from fairseq.data import Dictionary
+
+    ids = list(json.loads(open(encoder_json, encoding="utf-8").read()).values())
+    random.Random(0).shuffle(ids)
+    dictionary = Dictionary()
+    for i in ids:
+        dictionary.add_symbol(str(i))
+    dictionary.pad_to_multiple_(8)
+    dictionary.save(str(path))
+
+
 def train_spm_model(directory, text: str = None, vocab_size: int = 300):
     """A sentencepiece BPE model trained on `text` (default: sample_text()); returns the .model path."""
     import sentencepiece as spm

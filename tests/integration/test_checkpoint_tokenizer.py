@@ -4,9 +4,7 @@ consolidation, loadable with weights_only=True); interactive, generate, eval-lm,
 use them from another directory after the files are deleted; a same-size but different dict.txt is refused; a
 missing tokenizer file is one error line at start-up; checkpoints that only hold paths keep working."""
 
-import json
 import os
-import random
 import shutil
 
 import pytest
@@ -14,7 +12,7 @@ import torch
 
 from fairseq.data.dictionary import Dictionary
 from fairseq_cli import eval_lm, generate, interactive, preprocess
-from tests.text_fixtures import sample_text, train_gpt2_files, train_spm_model
+from tests.text_fixtures import sample_text, train_gpt2_files, train_spm_model, write_full_gpt2_dict
 from tests.train_fixtures import console_in_process, tiny_train_argv, train_in_process
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -28,17 +26,6 @@ def _corpus(directory, n_train=300):
     lines = [line.strip() for line in sample_text().split("\n") if line.strip()]
     (directory / "train.txt").write_text("\n".join(lines[:n_train]) + "\n", encoding="utf-8")
     (directory / "valid.txt").write_text("\n".join(lines[n_train:n_train + 40]) + "\n", encoding="utf-8")
-
-
-def _full_gpt2_dict(enc, path):
-    """A dict.txt listing every GPT-2 id of `enc` (as GPT-2's own does), so that the export has a tokenizer."""
-    ids = list(json.loads(enc.read_text(encoding="utf-8")).values())
-    random.Random(0).shuffle(ids)
-    d = Dictionary()
-    for i in ids:
-        d.add_symbol(str(i))
-    d.pad_to_multiple_(8)
-    d.save(str(path))
 
 
 def _train(root, data, save_dir, *extra):
@@ -58,7 +45,7 @@ def trained(tmp_path_factory):
     (a / "gpt2_bpe").mkdir(parents=True)
     keep.mkdir()
     enc, vocab = train_gpt2_files(a / "gpt2_bpe", sample_text(), vocab_size=600)
-    _full_gpt2_dict(enc, a / "gpt2_bpe" / "dict.txt")
+    write_full_gpt2_dict(enc, a / "gpt2_bpe" / "dict.txt")
     _corpus(a)
     cwd = os.getcwd()
     os.chdir(a)

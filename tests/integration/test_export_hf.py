@@ -31,7 +31,7 @@ from fairseq.models.transformer_lm import (TransformerLanguageModel, Transformer
                                            preset_config)
 
 from tests.integration.test_preprocess_bpe import TRICKY  # noqa: E402
-from tests.text_fixtures import sample_text, train_gpt2_files, train_spm_model  # noqa: E402
+from tests.text_fixtures import sample_text, train_gpt2_files, train_spm_model, write_full_gpt2_dict  # noqa: E402
 
 ATOL = 1e-4
 EXTRA_TEXT = ["don't you'll I'M 1234567 3.14", "  two  spaces ", " \u00a0nbsp\u3000ideographic",
@@ -151,13 +151,7 @@ def gpt2_run(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("export_gpt2")
     enc, vocab = train_gpt2_files(root, sample_text(), vocab_size=600)
-    gpt2_ids = list(json.loads(enc.read_text(encoding="utf-8")).values())
-    random.Random(0).shuffle(gpt2_ids)
-    full = Dictionary()
-    for i in gpt2_ids:
-        full.add_symbol(str(i))
-    full.pad_to_multiple_(8)
-    full.save(str(root / "gpt2_dict.txt"))
+    write_full_gpt2_dict(enc, root / "gpt2_dict.txt")
     lines = [line.strip() for line in sample_text().split("\n") if line.strip()]
     (root / "train.txt").write_text("\n".join(lines[:300]) + "\n", encoding="utf-8")
     (root / "valid.txt").write_text("\n".join(lines[300:340]) + "\n", encoding="utf-8")
