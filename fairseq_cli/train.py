@@ -11,11 +11,12 @@ from fairseq.dataclass.validate import validate as validate_config
 from fairseq.distributed.launch import call_main
 from fairseq.logging import progress_bar
 from fairseq.training import loop
+from fairseq.training.loop import validate, validate_and_save  # noqa: F401 (names upstream's module has)
 from fairseq.training.preemption import EXIT_REQUEUED, REQUEUE_FAILED, REQUEUED, exit_requeue_failed
 from fairseq.registry import import_user_module
 from fairseq_cli.console import run_console_script
 
-__all__ = ["REQUEUED", "cli_main", "console_main", "main"]
+__all__ = ["REQUEUED", "cli_main", "console_main", "main", "validate", "validate_and_save"]
 
 
 def main(cfg) -> Optional[str]:
