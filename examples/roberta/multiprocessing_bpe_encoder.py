@@ -20,6 +20,7 @@ importing torch.
 """
 
 import argparse
+import contextlib
 import os
 import sys
 
@@ -107,9 +108,9 @@ def main(argv=None) -> None:
             rows = script_io.iter_line_tuples(args.inputs, streams)
             chunks = ((chunk, args.keep_empty) for chunk in script_io.chunked(rows))
         lines = dropped = 0
-        with script_io.AtomicOutputs(args.outputs) as outputs:
-            results = script_io.ordered_map(func, chunks, args.workers, initializer=_init_worker,
-                                            initargs=(args.encoder_json, args.vocab_bpe))
+        results = script_io.ordered_map(func, chunks, args.workers, initializer=_init_worker,
+                                        initargs=(args.encoder_json, args.vocab_bpe))
+        with script_io.AtomicOutputs(args.outputs) as outputs, contextlib.closing(results):  # workers ended on exit
             for texts, n_dropped, n_rows in results:
                 for i, text in enumerate(texts):
                     outputs.write_bytes(i, text)

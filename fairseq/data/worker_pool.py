@@ -2,18 +2,17 @@
 
 Workers leave SIGINT to the parent (a Ctrl-C reaches the whole process group; a worker killed by it would
 never report its task and the parent would wait forever). On an interrupt the parent terminates the pool
-instead of waiting for the tasks (`settle`), so one Ctrl-C or SIGTERM ends the run promptly.
+instead of waiting for the tasks (`settle`), so one Ctrl-C or SIGTERM ends the run promptly. The pool is
+`WorkerPool`, not multiprocessing.Pool, whose terminate() can hang when it kills a worker that is sending a
+result (see WorkerPool).
 """
 
-import multiprocessing
-
-from fairseq.data.encoders._script_io import worker_signals
+from fairseq.data.encoders._script_io import WorkerPool
 
 
-def make_pool(processes: int):
+def make_pool(processes: int) -> WorkerPool:
     """A process pool; fork where the platform has it (workers need only numpy and the stdlib)."""
-    method = "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn"
-    return multiprocessing.get_context(method).Pool(processes=processes, initializer=worker_signals)
+    return WorkerPool(processes)
 
 
 class maybe_pool:
