@@ -59,7 +59,7 @@ class GenerationConfig:
                                                              "start-up notice says so)")
     no_seed_provided: bool = opt(False, "do not seed the random generators from --seed")
     text_only: bool = opt(False, "fairseq-generate/-interactive: print only each hypothesis' detokenized text (the "
-                                 "D- line's text), one line per hypothesis (--nbest per prompt, best first)")
+                                 "D- line's text), one line per hypothesis (--nbest per prompt, best first); the log goes to stderr")
     no_cuda_graphs: bool = opt(False, "decode each step eagerly instead of replaying it from a CUDA graph (on "
                                        "CUDA, this fork's decoders; see docs/incremental_decoding.md)")
 

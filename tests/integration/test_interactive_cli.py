@@ -91,6 +91,12 @@ def test_console_script_reads_a_pipe_and_input_files(tiny_data, ckpt, tmp_path, 
     assert piped.returncode == 0, piped.stderr[-3000:]
     hypotheses = {i: fields[1] for kind, i, fields in parse(piped.stdout) if kind == "H"}
     assert hypotheses[0].startswith("w1 w2") and hypotheses[1].startswith("w3") and len(hypotheses) == 2
+    # --text-only in a real process: standard output holds the text alone, the log goes to standard error
+    text_only = subprocess.run([sys.executable, "-m", "fairseq_cli.interactive", *args, "--text-only"],
+                               input="w1 w2\nw3\n", capture_output=True, text=True, env=env, timeout=300)
+    assert text_only.returncode == 0, text_only.stderr[-3000:]
+    assert text_only.stdout.splitlines() == [fields[1] for kind, _, fields in parse(piped.stdout) if kind == "D"]
+    assert "| INFO | fairseq_cli.interactive |" in text_only.stderr
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("w1 w2\nw3\n", encoding="utf-8")
     status, out, _ = run(monkeypatch, capsys, args + ["--input", str(prompts)], "")
