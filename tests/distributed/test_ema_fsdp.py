@@ -81,6 +81,9 @@ def run(rank, port, out_dir):
         result["error"] = traceback.format_exc()
     torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
     if dist.is_initialized():
+        # both ranks leave together: a rank that tore gloo down while its peer still used the connection once
+        # aborted the other ("terminate called without an active exception", SIGABRT) in CI
+        dist.barrier()
         dist.destroy_process_group()
 
 
