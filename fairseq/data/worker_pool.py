@@ -41,8 +41,8 @@ class maybe_pool:
 
 def settle(pool, pending, err: BaseException) -> None:
     """Before removing the files of a caller's `pool`'s `pending` tasks after `err`: on an interrupt, end the
-    workers (Pool.terminate joins them; waiting could take as long as the rest of the run), otherwise let the
-    tasks finish."""
+    workers (WorkerPool.terminate kills and reaps them; waiting could take as long as the rest of the run),
+    otherwise let the tasks finish."""
     if not pool:
         return
     if isinstance(err, KeyboardInterrupt):
