@@ -119,7 +119,7 @@ def main(args: Namespace) -> None:
     old_level = logger.level
     if logger.getEffectiveLevel() > logging.INFO:  # preprocess.log always gets the INFO lines
         logger.setLevel(logging.INFO)
-    pool = binarizer.make_pool(args.workers - 1) if args.workers > 1 else None
+    pool = binarizer.make_pool(args.workers - 1, preload=(binarizer.__name__,)) if args.workers > 1 else None
     try:
         logger.info(args)
         _run(args, pool, spec)

@@ -4,6 +4,7 @@ may import them directly)."""
 
 import os
 import random
+import subprocess
 
 import torch
 
@@ -179,6 +180,25 @@ def assert_same_model_and_optimizer(a, b):
     for name, state in a["last_optimizer_state"]["state"].items():
         for k, v in state.items():
             assert torch.equal(v, b["last_optimizer_state"]["state"][name][k]), (name, k)
+
+
+def assert_group_gone(pgid: int, within: float = 5.0) -> None:
+    """No process of the group `pgid` (a command started with `start_new_session=True`) is left once `within`
+    seconds have passed: workers are reaped before the command exits, and multiprocessing's forkserver exits
+    when it sees its parent gone (at once, but after the parent)."""
+    import signal
+    import time
+
+    deadline = time.time() + within
+    while time.time() < deadline:
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.01)
+    left = subprocess.run(["ps", "-o", "pid,args", "-g", str(pgid)], capture_output=True, text=True).stdout
+    os.killpg(pgid, signal.SIGKILL)
+    raise AssertionError(f"processes of the command outlived it by {within} s:\n{left}")
 
 
 def interrupt_once(proc, sig: str, mid_run, what: str):

@@ -33,7 +33,7 @@ import gpt2_bpe_utils  # noqa: E402
 import _script_io as script_io  # noqa: E402
 
 
-_bpe = None  # the encoder, in this process and (inherited or loaded) in every worker
+_bpe = None  # the encoder, in this process and (loaded by _init_worker) in every worker
 
 
 def _init_worker(encoder_json: str, vocab_bpe: str) -> None:
@@ -96,7 +96,6 @@ def main(argv=None) -> None:
 
     global _bpe
     _bpe = gpt2_bpe_utils.get_encoder(args.encoder_json, args.vocab_bpe)  # errors here, once, not per worker
-    _bpe.prepare_encode_lines()  # before forking: the workers share it
     streams = [script_io.open_binary_input(p) for p in args.inputs]
     try:
         if len(streams) == 1:  # blocks of bytes: this process only reads and writes

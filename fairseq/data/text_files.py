@@ -87,7 +87,7 @@ def count_words(path: str, num_workers: int = 1, pool=None) -> Tuple[Counter, in
     ranges = list(zip(offsets, offsets[1:]))
     if num_workers <= 1 or len(ranges) <= 1:
         return count_words_range(path, 0, offsets[-1])
-    with maybe_pool(pool, num_workers - 1) as p:
+    with maybe_pool(pool, num_workers - 1, preload=(__name__,)) as p:
         pending = [p.apply_async(count_words_range, (path, s, e)) for s, e in ranges[1:]]
         counter, lines = count_words_range(path, *ranges[0])  # the first range in this process
         for r in pending:

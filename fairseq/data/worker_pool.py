@@ -7,26 +7,28 @@ instead of waiting for the tasks (`settle`), so one Ctrl-C or SIGTERM ends the r
 result (see WorkerPool).
 """
 
+from typing import Sequence
+
 from fairseq.data.encoders._script_io import WorkerPool
 
 
-def make_pool(processes: int) -> WorkerPool:
-    """A process pool; fork where the platform has it (workers need only numpy and the stdlib)."""
-    return WorkerPool(processes)
+def make_pool(processes: int, preload: Sequence[str] = ()) -> WorkerPool:
+    """A process pool whose workers have the modules named in `preload` (those of the tasks) imported."""
+    return WorkerPool(processes, preload=preload)
 
 
 class maybe_pool:
     """Use the caller's pool, or own one for the duration of a `with` block (False: no pool needed)."""
 
-    def __init__(self, pool, processes: int):
-        self._given, self._processes, self._owned = pool, processes, None
+    def __init__(self, pool, processes: int, preload: Sequence[str] = ()):
+        self._given, self._processes, self._preload, self._owned = pool, processes, preload, None
 
     def __enter__(self):
         if self._given is False:
             return None
         if self._given is not None:
             return self._given
-        self._owned = make_pool(max(1, self._processes))
+        self._owned = make_pool(max(1, self._processes), self._preload)
         return self._owned
 
     def __exit__(self, exc_type, *_):

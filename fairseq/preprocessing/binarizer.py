@@ -125,7 +125,7 @@ def binarize_file(path: str, dictionary, output_prefix: str, num_workers: int = 
 # local id (`symbols`); local ids become dictionary indices through a lookup table, so GPT-2 ids never become
 # text at all, and building the dictionary counts local ids (np.bincount) instead of strings.
 
-_LINE_ENCODERS: Dict[tuple, "LineEncoder"] = {}  # built in the main process before forking the workers
+_LINE_ENCODERS: Dict[tuple, "LineEncoder"] = {}  # per process: the main one registers, workers build on demand
 
 
 class LineEncoder:
@@ -231,12 +231,12 @@ def make_line_encoder(bpe) -> LineEncoder:
 
 def register_line_encoder(spec: tuple, bpe) -> None:
     """Make the encoder for `spec` (hashable: the scheme's name and config values) available to this process
-    and to workers forked after this call."""
+    (workers build their own from `spec` on first use)."""
     _LINE_ENCODERS[spec] = make_line_encoder(bpe)
 
 
 def _line_encoder(spec: tuple) -> LineEncoder:
-    if spec not in _LINE_ENCODERS:  # a spawned worker: build it from the config values
+    if spec not in _LINE_ENCODERS:  # a worker: build it from the config values
         from fairseq.data.encoders import build_bpe
 
         name, values = spec
@@ -375,7 +375,7 @@ def build_dictionary_encoded(path: str, spec: tuple, cache_stem: str, num_worker
     caches = [(p, None) for p in prefixes]
     pending = []
     try:
-        with maybe_pool(pool if len(ranges) > 1 else False, len(ranges) - 1) as p:
+        with maybe_pool(pool if len(ranges) > 1 else False, len(ranges) - 1, preload=(__name__,)) as p:
             pending = [p.apply_async(count_encode_range, (path, s, e, spec, c))
                        for (s, e), c in zip(ranges[1:], prefixes[1:])]
             results = [count_encode_range(path, *ranges[0], spec, prefixes[0])]

@@ -14,7 +14,7 @@ import pytest
 
 from fairseq.data import Dictionary, MMapIndexedDataset
 from fairseq_cli import preprocess
-from tests.train_fixtures import interrupt_once
+from tests.train_fixtures import assert_group_gone, interrupt_once
 
 REPO = Path(__file__).resolve().parents[2]
 CLI = shutil.which("fairseq-preprocess", path=os.path.dirname(sys.executable)) or "fairseq-preprocess"
@@ -194,8 +194,7 @@ def test_one_signal_ends_the_run_promptly_and_removes_its_temporaries(corpus, bi
     assert len(lines) == 1 and lines[0].startswith(f"fairseq-preprocess: interrupted by {sig}"), stderr[-2000:]
     assert sorted(p.name for p in dest.iterdir()) == ["dict.txt", "preprocess.log", "train.bin", "train.idx"]
     assert {name: (dest / name).read_bytes() for name in before} == before
-    with pytest.raises(ProcessLookupError):  # the group is gone: no worker outlived the run
-        os.killpg(proc.pid, 0)
+    assert_group_gone(proc.pid)  # no worker outlived it
 
 
 @pytest.mark.parametrize("how", ["under a file", "is a file", "file-size limit"])

@@ -8,7 +8,6 @@ are written to a hidden temporary file beside the destination and renamed over i
 """
 
 import contextlib
-import gc
 import io
 import multiprocessing
 import os
@@ -292,9 +291,14 @@ class AtomicOutputs:
 
 # ---- worker processes that one signal can always stop -------------------------------------------------------
 class WorkerPool:
-    """Worker processes for `apply_async(func, args).get()`, as multiprocessing.Pool gives them (forked where the
-    platform can, spawned elsewhere; `initializer(*initargs)` runs in each), built so that `terminate()` cannot
-    hang whatever it interrupts. Pool's terminate can: its workers share one task pipe and one result pipe, each
+    """Worker processes for `apply_async(func, args).get()`, as multiprocessing.Pool gives them
+    (`initializer(*initargs)` runs in each), built so that `terminate()` cannot hang whatever it interrupts.
+    Workers come from multiprocessing's forkserver where the platform has one (spawned elsewhere), never from a
+    fork of this process: a fork copies only the calling thread, and a library that later touches state one of
+    the missing threads held can abort the worker (seen in CI: a worker of fairseq-preprocess, forked from a
+    process with live threads, died of "terminate called ... std::system_error: No such process"). The
+    forkserver is single-threaded; the modules named in `preload` are imported there once, so each worker is a
+    cheap fork of it. Pool's terminate can: its workers share one task pipe and one result pipe, each
     behind a lock that a worker holds while it waits for a task or sends a result, and terminate() SIGTERMs them
     while its threads still use those pipes, then joins the threads and the workers. Seen under load: a worker
     killed while sending a large result leaves half a message, and terminate() waits forever for Pool's result
@@ -309,17 +313,15 @@ class WorkerPool:
     blocked and unblock them once they ignore SIGINT (`worker_signals`): none ever runs this process's handlers.
     """
 
-    def __init__(self, processes: int, initializer=None, initargs=(), fork: Optional[bool] = None):
-        if fork is None:
-            fork = "fork" in multiprocessing.get_all_start_methods()
-        ctx = multiprocessing.get_context("fork" if fork else "spawn")
+    def __init__(self, processes: int, initializer=None, initargs=(), preload: Sequence[str] = ()):
+        ctx = _worker_context(preload)
         self._workers: List[_Worker] = []
         self._closed = False
         try:
             with _stop_signals_blocked():
                 for _ in range(max(1, processes)):
                     self._workers.append(_Worker(ctx, initializer, initargs))
-            for w in self._workers:  # threads only once every worker is forked
+            for w in self._workers:
                 w.start_writer()
         except BaseException:
             self.terminate()
@@ -441,9 +443,20 @@ class _Worker:
             conn.close()
 
 
+def _worker_context(preload: Sequence[str]):
+    if "forkserver" not in multiprocessing.get_all_start_methods():
+        return multiprocessing.get_context("spawn")
+    ctx = multiprocessing.get_context("forkserver")
+    # Global to multiprocessing and read when its forkserver starts (once per process); a module not preloaded
+    # is imported by each worker when a task first needs it.
+    ctx.set_forkserver_preload(["__main__", *preload])
+    return ctx
+
+
 @contextlib.contextmanager
 def _stop_signals_blocked():
-    """SIGINT and SIGTERM held back in this thread meanwhile (a process forked then starts with them blocked)."""
+    """SIGINT and SIGTERM held back in this thread meanwhile: a process started meanwhile (the forkserver on
+    first use, and so every worker it forks; or a spawned worker) starts with them blocked."""
     if not hasattr(signal, "pthread_sigmask"):
         yield
         return
@@ -495,19 +508,15 @@ def ordered_map(func, items: Iterable, workers: int, initializer=None, initargs=
     process when `workers` <= 1). At most `max_pending` items (default 2 per worker) are read ahead, so
     memory does not grow with the input.
 
-    Worker processes are forked where the platform can (they then share what this process loaded; no
-    initializer runs); elsewhere they are spawned and `initializer(*initargs)` runs in each. Either way they
-    leave SIGINT to this process (`worker_signals`), and an exception here (a signal's `Interrupted`) kills them
+    Worker processes (WorkerPool's: never a fork of this process) run `initializer(*initargs)` first, leave
+    SIGINT to this process (`worker_signals`), and an exception here (a signal's `Interrupted`) kills them
     (`WorkerPool.terminate`, which cannot hang).
     """
     if workers <= 1:
         for item in items:
             yield func(item)
         return
-    fork = "fork" in multiprocessing.get_all_start_methods()
-    if fork:
-        gc.freeze()  # keep the garbage collector from touching (and so copying) the parent's objects in workers
-    with WorkerPool(workers, initializer=None if fork else initializer, initargs=initargs, fork=fork) as pool:
+    with WorkerPool(workers, initializer=initializer, initargs=initargs) as pool:
         limit = max_pending or 2 * workers
         pending = deque()
         for item in items:

@@ -420,7 +420,7 @@ class Encoder:
         return ranks, sizes
 
     def prepare_encode_lines(self) -> None:
-        """Build `encode_lines`' id -> text table now (else on first use; call it before forking workers)."""
+        """Build `encode_lines`' id -> text table now (else on first use)."""
         if self.engine != "tiktoken" or self._line_format is not None:
             return
         import tiktoken
