@@ -33,11 +33,8 @@ from torch.nn.parallel import DistributedDataParallel
 from fairseq.distributed.ddp import apply_ddp
 from fairseq.distributed.dtensor import is_dtensor
 from fairseq.distributed.fsdp import apply_fsdp, apply_fsdp_replicas, check_fsdp_flags, transformer_layers
-        # Tensor-parallel layers under autocast fail to compile with a symbolic sequence length (torch 2.13:
-        # "mul expected 2 arguments, got 3" in inductor); each new length is compiled as a static shape instead.
-        apply_compile(model, dynamic=False if split else None)
-    if split:  # around the outermost layer modules: after checkpointing
-        apply_dropout_streams(model, mesh.tp_mesh)
+from fairseq.distributed.mesh import ParallelLayout, forget_parallel_mesh, has_tp_dim, init_parallel_mesh
+from fairseq.distributed.tensor_parallel_rng import apply_dropout_streams
 from fairseq.modules.checkpoint_activations import checkpointed, checkpointed_offloaded
 
 # torch.distributed.tensor (behind tensor_parallel) costs ~1 s to import: it is imported only when a model is
@@ -96,15 +93,11 @@ def parallelize_model(model: nn.Module, cfg, device: torch.device, world_mesh: O
     if offload or getattr(model_cfg, "checkpoint_activations", False):
         apply_activation_checkpointing(model, offload_to_cpu=offload)
     if dt.compile:
-<<<<<<< HEAD
         # Tensor-parallel layers under autocast fail to compile with a symbolic sequence length (torch 2.13:
         # "mul expected 2 arguments, got 3" in inductor); each new length is compiled as a static shape instead.
         apply_compile(model, dynamic=False if split else None)
-=======
-        apply_compile(model)
-    if mesh is not None and mesh.tp_mesh is not None:  # around the outermost layer modules: after checkpointing
+    if split:  # around the outermost layer modules: after checkpointing
         apply_dropout_streams(model, mesh.tp_mesh)
->>>>>>> h-rng
 
     if fully_sharded:
         apply_fsdp(model, cfg, world_mesh if world_mesh is not None else mesh.fsdp_mesh)
