@@ -329,6 +329,9 @@ def main(argv=None):
     parser.add_argument("--fp8", default="", metavar="RECIPES",
                         help="also run fairseq-train --fp8 with these comma-separated recipes (tensorwise, rowwise, "
                              "rowwise_with_gw_hp; tensorwise+ag adds --fp8-fsdp-all-gather), without FSDP flags")
+    parser.add_argument("--tp-mesh-of-one", action="store_true",
+                        help="run every --fp8 row a second time through the tensor-parallel plan on a one-rank mesh "
+                             "(FAIRSEQ_TP_MESH_OF_ONE=1): the TP code path's cost on one GPU")
     parser.add_argument("--profile", action="store_true",
                         help="also record a torch.profiler trace of two measured updates of every run "
                              "(fairseq-train --profile-updates) and print per-update GPU busy/idle time and kernel "
@@ -374,9 +377,13 @@ def main(argv=None):
         extra = ["--fp8", "--fp8-recipe", recipe.replace("+ag", "")]  # no FSDP flags: fairseq-train's default
         extra += ["--fp8-fsdp-all-gather"] if recipe.endswith("+ag") else []
         extra += ["--compile"] if args.compile else []
-        results.append(run_fairseq(args, f"fairseq-train --fp8 {recipe}" + (" --compile" if args.compile else ""),
-                                   extra, env))
+        name = f"fairseq-train --fp8 {recipe}" + (" --compile" if args.compile else "")
+        results.append(run_fairseq(args, name, extra, env))
         print_table(args, results, reference)
+        if args.tp_mesh_of_one:
+            results.append(run_fairseq(args, name + " (TP plan, 1-rank mesh)", extra,
+                                       dict(env, FAIRSEQ_TP_MESH_OF_ONE="1")))
+            print_table(args, results, reference)
     if args.compile and not args.no_compile_rows:
         if not args.no_reference:
             results.append(run_reference(args, True, env))

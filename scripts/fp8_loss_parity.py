@@ -2,6 +2,7 @@
 """Loss parity of --fp8 against bf16: the README's sample corpus, the same seed and data order, N updates each.
 
     python scripts/fp8_loss_parity.py --updates 300 --recipes tensorwise,rowwise --out fp8_parity
+    python scripts/fp8_loss_parity.py --updates 300 --recipes tensorwise --compile --tp-mesh-of-one --out tp_parity
 
 Prepares the sample corpus (examples/language_model/prepare_sample_corpus.py) and binarizes it once, then runs
 fairseq-train with --bf16 and with --bf16 --fp8 --fp8-recipe R for each recipe (a 12 x 768 GPT-3-small shape,
@@ -30,8 +31,17 @@ def main():
     p.add_argument("--updates", type=int, default=300)
     p.add_argument("--recipes", default="tensorwise,rowwise")
     p.add_argument("--out", default="fp8_parity")
+    p.add_argument("--compile", action="store_true", help="the --fp8 runs with --compile")
+    p.add_argument("--tp-mesh-of-one", action="store_true",
+                   help="every run (bf16 too) through the tensor-parallel plan on a one-rank mesh "
+                        "(FAIRSEQ_TP_MESH_OF_ONE=1, --criterion vocab_parallel_cross_entropy): the TP code path "
+                        "on one GPU")
     args = p.parse_args()
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    tp = []
+    if args.tp_mesh_of_one:
+        env["FAIRSEQ_TP_MESH_OF_ONE"] = "1"
+        tp = ["--criterion", "vocab_parallel_cross_entropy"]
     text, data = os.path.join(args.out, "text"), os.path.join(args.out, "data-bin")
     if not os.path.exists(os.path.join(data, "dict.txt")):
         run([sys.executable, os.path.join(ROOT, "examples/language_model/prepare_sample_corpus.py"), text], env)
@@ -46,7 +56,7 @@ def main():
         log = os.path.join(save, "train.log")
         if os.path.exists(log):
             os.remove(log)
-        extra = [] if name == "bf16" else ["--fp8", "--fp8-recipe", name]
+        extra = tp + ([] if name == "bf16" else ["--fp8", "--fp8-recipe", name] + ["--compile"] * args.compile)
         run([sys.executable, "-m", "fairseq_cli.train", data, "--task", "language_modeling",
              "--arch", "transformer_lm_gpt3_small", "--tokens-per-sample", "512", "--batch-size", "16",
              "--optimizer", "adam", "--adam-betas", "(0.9, 0.98)", "--clip-norm", "1.0", "--lr", "6e-4",

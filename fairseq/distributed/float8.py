@@ -63,8 +63,6 @@ def check_float8_environment(cfg, device: torch.device) -> None:
         if not _cpu_float8_matmul():
             raise ValueError("--fp8 needs a CUDA GPU (float8 matmuls; this torch has none on the CPU): drop --fp8 "
                              "or --cpu")
-        logger.warning("--fp8 on the CPU runs torch's reference float8 matmuls: for checking a configuration "
-                       "(tests, small runs), far slower than training without --fp8")
         return
     capability = torch.cuda.get_device_capability(device)
     if capability < MIN_CAPABILITY:
@@ -115,7 +113,10 @@ def apply_float8(model: nn.Module, cfg) -> int:
         return ok
 
     convert_to_float8_training(model, config=_float8_config(cfg.common), module_filter_fn=keep)
-    if not cfg.distributed_training.compile:
+    if cfg.common.cpu or not torch.cuda.is_available():
+        logger.warning("--fp8 on the CPU runs torch's reference float8 matmuls: for checking a configuration "
+                       "(tests, small runs), far slower than training without --fp8")
+    elif not cfg.distributed_training.compile:
         logger.warning("--fp8 without --compile: torchao's scaling and casts run as separate kernels, which made "
                        "training slower than bf16 (0.43x at 32 x 2560 on one H200, docs/fp8.md); add --compile")
     logger.info(f"float8 ({cfg.common.fp8_recipe}{', float8 all-gather' if cfg.common.fp8_fsdp_all_gather else ''}): "

@@ -65,3 +65,25 @@ def test_fp8_fully_sharded_float8_all_gather_sharded_checkpoint_resumes(tmp_path
     train(resumed, *flags, "--max-update", "8")
     # float8 casts are deterministic given the same weights and scales: the resumed run continues exactly
     assert losses(resumed)[-4:] == losses(straight)[-4:]
+
+
+@float8_gpu
+def test_tensor_parallel_float8_compiled_on_a_one_rank_mesh_saves_and_resumes_exactly(tmp_path):
+    """The 175B recipe's composition on one GPU: the tensor-parallel plan on a one-rank tp dimension
+    (FAIRSEQ_TP_MESH_OF_ONE=1, the same code as TP N; NCCL takes float8, so torchao's float8 TP styles are used),
+    tensorwise float8 with float8 FSDP all-gather, --compile and --checkpoint-activations: trains, saves sharded,
+    and a run resumed at update 4 logs the uninterrupted run's losses exactly."""
+    flags = ["--fp8", "--fp8-fsdp-all-gather", "--ddp-backend", "fully_sharded", "--use-sharded-state", "--compile",
+             "--checkpoint-activations", "--criterion", "vocab_parallel_cross_entropy"]
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    straight.mkdir(), resumed.mkdir()
+    os.environ["FAIRSEQ_TP_MESH_OF_ONE"] = "1"
+    try:
+        out = train(straight, *flags, "--max-update", "8")
+        train(resumed, *flags, "--max-update", "4")
+        train(resumed, *flags, "--max-update", "8")
+    finally:
+        del os.environ["FAIRSEQ_TP_MESH_OF_ONE"]
+    assert "tensor parallelism over 1 ranks" in out and "modules all-gather their input in float8" in out
+    assert (resumed / "checkpoint_last").is_dir()
+    assert losses(resumed)[-4:] == losses(straight)[-4:]

@@ -2,6 +2,7 @@
 converted (the output projection stays bf16). The float8 training itself runs in tests/gpu/test_float8_gpu.py."""
 
 import importlib.util
+import sys
 
 import pytest
 import torch
@@ -38,25 +39,41 @@ def test_unknown_recipe_is_a_usage_error(capsys):
     assert "invalid choice: 'blockwise'" in capsys.readouterr().err
 
 
-def test_fp8_on_this_machine_names_what_is_missing():
-    cfg = config("--fp8", "--bf16", "--cpu")
-    if importlib.util.find_spec("torchao") is None:
-        expected = "--fp8 needs torchao, which is not installed: pip install torchao"
-    else:
-        expected = "--fp8 needs a CUDA GPU"
-    with pytest.raises(ValueError, match=expected):
-        validate(cfg)
+def test_fp8_without_torchao_names_what_is_missing(monkeypatch):
+    monkeypatch.setitem(sys.modules, "torchao", None)  # what an environment without torchao finds
+    with pytest.raises(ValueError, match="--fp8 needs torchao, which is not installed: pip install torchao"):
+        validate(config("--fp8", "--bf16", "--cpu"))
 
 
-def test_fp8_through_fairseq_train_is_one_line(tiny_data, tmp_path, capsys):
+def test_fp8_without_torchao_through_fairseq_train_is_one_line(tiny_data, tmp_path, capsys, monkeypatch):
     from fairseq_cli import train
 
+    monkeypatch.setitem(sys.modules, "torchao", None)
     with pytest.raises(SystemExit) as exit_info:
         train.cli_main([str(tiny_data), "--arch", "transformer_lm_gpt2_tiny", "--optimizer", "adam", "--max-tokens",
                         "64", "--tokens-per-sample", "64", "--save-dir", str(tmp_path), "--fp8", "--bf16", "--cpu"])
     assert exit_info.value.code != 0
     err = capsys.readouterr().err.strip().splitlines()
-    assert "--fp8 needs" in err[-1] and not any("Traceback" in line for line in err)
+    assert "--fp8 needs torchao" in err[-1] and not any("Traceback" in line for line in err)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("torchao") is None, reason="needs torchao (the dev extra has it)")
+def test_fp8_on_the_cpu_trains_with_float8_linears(tiny_data, tmp_path, caplog):
+    """--fp8 --cpu runs torch's reference float8 matmuls (slow, for checking a configuration): the decoder
+    layers' Linears are converted and the loss goes down."""
+    from fairseq.logging.progress_bar import read_json_log
+    from fairseq_cli import train
+
+    train.cli_main([str(tiny_data), "--arch", "transformer_lm_gpt", "--decoder-layers", "1", "--decoder-embed-dim",
+                    "32", "--decoder-ffn-embed-dim", "64", "--decoder-attention-heads", "2", "--task",
+                    "language_modeling", "--optimizer", "adam", "--lr", "0.003", "--tokens-per-sample", "32",
+                    "--batch-size", "4", "--max-update", "8", "--num-workers", "0", "--save-dir", str(tmp_path),
+                    "--no-save", "--disable-validation", "--fp8", "--bf16", "--cpu", "--log-format", "json",
+                    "--log-interval", "1", "--log-file", str(tmp_path / "log")])
+    assert "float8 (tensorwise): 6 Linear layers converted" in caplog.text
+    assert caplog.text.count("--fp8 on the CPU runs torch's reference float8 matmuls") == 1
+    losses = [float(r["loss"]) for r in read_json_log(tmp_path / "log") if "loss" in r and "num_updates" in r]
+    assert len(losses) >= 8 and losses[-1] < losses[0]
 
 
 def test_only_decoder_layer_linears_with_float8_sized_dims_are_converted():
