@@ -6,9 +6,11 @@ model's to say (its `tensor_parallel_sizes(cfg)` and `tensor_parallel_plan()`).
 """
 
 import math
+import os
 from typing import Optional, Sequence
 
 from fairseq import registry
+from fairseq.distributed.mesh import TP_MESH_OF_ONE
 
 LOSS_PARALLEL_CRITERIA = ("vocab_parallel_cross_entropy",)
 
@@ -51,9 +53,10 @@ def _model_sizes(cfg):
 
 def check_tensor_parallel_config(cfg) -> None:
     """What validate(cfg) checks before anything starts, from the flags alone: a model with a plan, the options
-    its plan does not cover, and its dims against --model-parallel-size."""
+    its plan does not cover, and its dims against --model-parallel-size (also at size 1 under
+    FAIRSEQ_TP_MESH_OF_ONE=1, which applies the plan)."""
     tp = cfg.distributed_training.model_parallel_size
-    if tp == 1:
+    if tp == 1 and os.environ.get(TP_MESH_OF_ONE) != "1":
         return
     sizes = _model_sizes(cfg)
     for flag in sizes.refused:

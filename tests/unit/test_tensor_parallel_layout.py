@@ -337,3 +337,22 @@ def test_a_run_without_a_mesh_forgets_the_last_one(one_rank_group):
     cfg.model = SimpleNamespace(checkpoint_activations=False, offload_activations=False)
     parallelize_model(tiny_model(), cfg, torch.device("cpu"))  # --ddp-backend pytorch_ddp, one process
     assert mesh_module.current_mesh() is None
+
+
+def test_tp_mesh_of_one_applies_the_plan_and_trains_as_the_plain_path(tiny_data, monkeypatch, caplog):
+    """FAIRSEQ_TP_MESH_OF_ONE=1 (the knob that lets one GPU run the TP code path): a one-process fully_sharded run
+    splits the model by its plan on a one-rank tp dimension and trains as the run without it (dropout 0, fp32:
+    the same operations on whole tensors, 1e-6 relative); the plan's refusals apply at size 1 too."""
+    from fairseq.dataclass.validate import validate
+    from tests.distributed.test_tensor_parallel import config, train_updates
+
+    caplog.set_level("INFO", logger="fairseq.distributed.tensor_parallel")
+    flags = ["--ddp-backend", "fully_sharded", "--update-freq", "4"]
+    plain = train_updates(tiny_data, *flags)[0]
+    monkeypatch.setenv("FAIRSEQ_TP_MESH_OF_ONE", "1")
+    split = train_updates(tiny_data, *flags)[0]
+    assert "tensor parallelism over 1 ranks" in caplog.text
+    for got, want in zip(split, plain):
+        assert abs(got - want) <= 1e-6 * want, (split, plain)
+    with pytest.raises(ValueError, match="--adaptive-input is not supported with --model-parallel-size 1"):
+        validate(config(tiny_data, *flags, "--adaptive-input", "--adaptive-input-cutoff", "20"))
