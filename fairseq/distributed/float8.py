@@ -73,7 +73,8 @@ def _float8_config(common):
     return Float8LinearConfig.from_recipe_name(common.fp8_recipe)
 
 
-def _convertible(module: nn.Module, name: str) -> bool:
+def is_float8_convertible(module: nn.Module, name: str) -> bool:
+    """Whether apply_float8 converts `module` (named `name` in the model); the memory planner asks the same."""
     if not isinstance(module, nn.Linear) or name.endswith(HIGH_PRECISION_MODULES):
         return False
     return module.in_features % 16 == 0 and module.out_features % 16 == 0
@@ -86,7 +87,7 @@ def apply_float8(model: nn.Module, cfg) -> int:
     converted = []
 
     def keep(module: nn.Module, name: str) -> bool:
-        ok = _convertible(module, name)
+        ok = is_float8_convertible(module, name)
         if ok:
             converted.append(name)
         return ok
