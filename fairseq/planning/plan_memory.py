@@ -176,6 +176,24 @@ def _hardware(parser, args) -> hw.Hardware:
     return dataclasses.replace(gpu, **{k: v for k, v in changes.items() if v is not None})
 
 
+def inputs_from_config(cfg, gpus: int, vocab_size: int = DEFAULT_VOCAB_SIZE, environ: Optional[dict] = None):
+    """(model shape, training setup) of a composed training config (a FairseqConfig: a recipe and its
+    overrides, as fairseq-hydra-train builds it) on `gpus` GPUs: what this command line computes for the same
+    flags. With FAIRSEQ_TP_MESH_OF_ONE=1 in `environ` (default: this process's environment) and
+    --model-parallel-size 1, the tensor-parallel plan runs on a one-rank mesh (setup.tp_plan_on_one_rank)."""
+    import os
+
+    flags = {}
+    for group in (cfg.task, cfg.optimization, cfg.dataset, cfg.distributed_training, cfg.common):
+        flags.update(vars(group))
+    args = argparse.Namespace(**dict(flags, gpus=gpus, vocab_size=vocab_size))
+    shape = mm.model_shape(cfg.model, vocab_size)
+    setup = _training_setup(args, cfg.model)
+    environ = os.environ if environ is None else environ
+    one_rank = setup.tensor_parallel == 1 and environ.get("FAIRSEQ_TP_MESH_OF_ONE") == "1"
+    return shape, dataclasses.replace(setup, tp_plan_on_one_rank=one_rank)
+
+
 def _training_setup(args, cfg) -> mm.TrainingSetup:
     from fairseq.models.transformer_lm import resolve_max_target_positions
 
