@@ -462,13 +462,18 @@ def layout_lines(request: Request) -> List[str]:
                  f"{mm.gib(best.plan.required_bytes):.2f} GiB per GPU)")
     lines.append(f"  {'layout':<24} {'batch x freq':>12} {'GiB needed':>11} {'compute s':>10} {'exposed s':>10} "
                  f"{'step s':>8} {'across nodes GiB':>17} {'all comm s':>11}")
-    for candidate in candidates[:12]:
+    # One row per tensor-parallel size (FSDP over all its data-parallel ranks), and the HSDP layouts that beat it.
+    fsdp = {c.setup.tensor_parallel: c.time.total for c in candidates if not c.setup.shard_group}
+    shown = [c for c in candidates if c is best or not c.setup.shard_group or
+             c.time.total < fsdp.get(c.setup.tensor_parallel, float("inf")) * (1 - layouts.STEP_TIME_TIE_FRACTION)]
+    for candidate in shown:
         c, time = candidate.setup, candidate.time
         lines.append(f"  {_layout_name(c):<24} {f'{c.batch_size} x {c.update_freq}':>12} "
                      f"{mm.gib(candidate.plan.required_bytes):11.2f} {time.compute:10.2f} {time.exposed:10.2f} "
                      f"{time.total:8.2f} {mm.gib(candidate.inter_node_bytes):17.1f} {time.communication:11.2f}")
-    if len(candidates) > 12:
-        lines.append(f"  ... and {len(candidates) - 12} slower layouts")
+    if len(shown) < len(candidates):
+        lines.append(f"  not shown: {len(candidates) - len(shown)} HSDP layouts (--fsdp-shard-group-size), none "
+                     "faster than FSDP over all data-parallel ranks at their TP size, all needing more memory")
     return lines
 
 

@@ -146,7 +146,11 @@ def test_cli_recommendation_comes_first_with_its_time_split(capsys):
                                      "--update-freq 1 (")
     assert out[start + 2].split() == ["layout", "batch", "x", "freq", "GiB", "needed", "compute", "s", "exposed", "s",
                                       "step", "s", "across", "nodes", "GiB", "all", "comm", "s"]
-    assert out[start + 3].split()[:6] == ["TP", "8", "x", "FSDP", "128", "8"]
+    rows = [line[:26].strip() for line in out[start + 3:start + 7]]
+    assert rows == ["TP 8 x FSDP 128", "TP 4 x FSDP 256", "TP 2 x FSDP 512", "FSDP 1024"]  # one per TP size
+    steps = [float(line.split()[-3]) for line in out[start + 3:start + 7]]
+    assert steps == sorted(steps)
+    assert out[start + 7].startswith("  not shown: 20 HSDP layouts (--fsdp-shard-group-size), none faster")
     assert any(line.startswith("estimated step: ") and "float8 matmuls 1.38x as fast" in line for line in out)
 
 

@@ -6,6 +6,8 @@ import dataclasses
 import importlib.util
 from pathlib import Path
 
+import pytest
+
 from fairseq.dataclass.hydra import compose_dict, fairseq_config_from_dict, split_recipe
 from fairseq.planning import memory_model as mm
 from fairseq.planning import plan_memory
@@ -21,16 +23,18 @@ def load_script():
     return module
 
 
-def test_a_recipe_plans_as_its_command_line():
-    values, _ = split_recipe(compose_dict(str(CONFIG_DIR), "175b_tp8", ["task.data=/data"]))
-    shape, setup = plan_memory.inputs_from_config(fairseq_config_from_dict(values), gpus=1024, environ={})
+@pytest.mark.parametrize("recipe, arch, gpus, batch", [("175b_tp8", "transformer_lm_gpt3_175", 1024, 8),
+                                                      ("66b_tp8", "transformer_lm_gpt3_66", 512, 16)])
+def test_a_recipe_plans_as_its_command_line(recipe, arch, gpus, batch):
+    values, _ = split_recipe(compose_dict(str(CONFIG_DIR), recipe, ["task.data=/data"]))
+    shape, setup = plan_memory.inputs_from_config(fairseq_config_from_dict(values), gpus=gpus, environ={})
     request = plan_memory.parse([
-        "--arch", "transformer_lm_gpt3_175", "--gpus", "1024", "--activation-fn", "relu", "--dropout", "0.1",
-        "--no-scale-embedding", "--checkpoint-activations", "--batch-size", "8", "--model-parallel-size", "8",
+        "--arch", arch, "--gpus", str(gpus), "--activation-fn", "relu", "--dropout", "0.1",
+        "--no-scale-embedding", "--checkpoint-activations", "--batch-size", str(batch), "--model-parallel-size", "8",
         "--bf16", "--fp8", "--fp8-fsdp-all-gather", "--compile", "--fsdp-forward-prefetch", "--fsdp-sync-free"])
     assert (shape, setup) == (request.shape, request.setup)
     # FAIRSEQ_TP_MESH_OF_ONE applies only where the tensor-parallel size is 1
-    assert not plan_memory.inputs_from_config(fairseq_config_from_dict(values), 1024,
+    assert not plan_memory.inputs_from_config(fairseq_config_from_dict(values), gpus,
                                               environ={"FAIRSEQ_TP_MESH_OF_ONE": "1"})[1].tp_plan_on_one_rank
 
 
