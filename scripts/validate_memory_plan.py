@@ -102,14 +102,16 @@ def main(argv=None) -> int:
 
     out = args.out.resolve()
     config_overrides, hydra_overrides = overrides(args, out)
+    from fairseq.distributed.mesh import TP_MESH_OF_ONE
+
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
-    env.pop("FAIRSEQ_TP_MESH_OF_ONE", None)
+    env.pop(TP_MESH_OF_ONE, None)
     if not args.no_tp_mesh_of_one:
-        env["FAIRSEQ_TP_MESH_OF_ONE"] = "1"
+        env[TP_MESH_OF_ONE] = "1"
     plan, gpu_gib = predict(args, config_overrides, env)
     command = [sys.executable, "-m", "fairseq_cli.hydra_train", "--config-dir", str(args.config_dir),
                "--config-name", args.config_name, *config_overrides, *hydra_overrides]
-    knob = "" if args.no_tp_mesh_of_one else "FAIRSEQ_TP_MESH_OF_ONE=1 "
+    knob = "" if args.no_tp_mesh_of_one else f"{TP_MESH_OF_ONE}=1 "
     print(f"command: {knob}{' '.join(command)}", flush=True)
     if args.dry_run:
         print(report(plan, gpu_gib, None))

@@ -10,11 +10,14 @@ Recipes (`--fp8-recipe`, torchao's names): `tensorwise` (one scale per tensor, t
 `--fp8-fsdp-all-gather` the FSDP2 all-gather moves float8 weights, half the bytes, and the scales are computed
 for all layers at once after each optimizer step), `rowwise` (one scale per row: more accurate, slower) and
 `rowwise_with_gw_hp` (rowwise, with the weight gradient in high precision). Needs a GPU of compute capability 8.9 or
-higher (Ada, Hopper, Blackwell), `--bf16`, and torchao (`pip install torchao`, the `fp8` extra).
+higher (Ada, Hopper, Blackwell), `--bf16`, and torchao (`pip install torchao`, the `fp8` extra). On the CPU
+(`--cpu`) it runs torch's reference float8 matmuls, slowly: for checking a configuration (the CPU tests of
+float8 with tensor parallelism use it).
 """
 
 import importlib.util
 import logging
+import sys
 
 import torch
 import torch.nn as nn
@@ -57,12 +60,28 @@ def check_float8_environment(cfg, device: torch.device) -> None:
         raise ValueError("--fp8 needs torchao, which is not installed: pip install torchao "
                          "(or the project's fp8 extra: pip install 'fairseq[fp8]')")
     if device.type != "cuda":
-        raise ValueError("--fp8 needs a CUDA GPU (float8 matmuls); this run is on the CPU (drop --fp8 or --cpu)")
+        if not _cpu_float8_matmul():
+            raise ValueError("--fp8 needs a CUDA GPU (float8 matmuls; this torch has none on the CPU): drop --fp8 "
+                             "or --cpu")
+        logger.warning("--fp8 on the CPU runs torch's reference float8 matmuls: for checking a configuration "
+                       "(tests, small runs), far slower than training without --fp8")
+        return
     capability = torch.cuda.get_device_capability(device)
     if capability < MIN_CAPABILITY:
         raise ValueError(f"--fp8 needs a GPU of compute capability {MIN_CAPABILITY[0]}.{MIN_CAPABILITY[1]} or "
                          f"higher (Ada, Hopper, Blackwell); {torch.cuda.get_device_name(device)} is "
                          f"{capability[0]}.{capability[1]}: drop --fp8")
+
+
+def _cpu_float8_matmul() -> bool:
+    """Whether this torch multiplies float8 matrices on the CPU (torch._scaled_mm, what torchao calls)."""
+    a = torch.ones(16, 16).to(torch.float8_e4m3fn)
+    one = torch.ones((), dtype=torch.float32)
+    try:
+        torch._scaled_mm(a, a.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
+    except (RuntimeError, NotImplementedError):
+        return False
+    return True
 
 
 def _float8_config(common):
@@ -73,11 +92,13 @@ def _float8_config(common):
     return Float8LinearConfig.from_recipe_name(common.fp8_recipe)
 
 
-def is_float8_convertible(module: nn.Module, name: str) -> bool:
-    """Whether apply_float8 converts `module` (named `name` in the model); the memory planner asks the same."""
+def is_float8_convertible(module: nn.Module, name: str, tp: int = 1) -> bool:
+    """A Linear whose float8 GEMMs get dims that are multiples of 16 on every rank (with tensor parallelism
+    either dim may be split `tp` ways, whichever the plan splits): what apply_float8 converts, and what the
+    memory planner counts as float8."""
     if not isinstance(module, nn.Linear) or name.endswith(HIGH_PRECISION_MODULES):
         return False
-    return module.in_features % 16 == 0 and module.out_features % 16 == 0
+    return module.in_features % (16 * tp) == 0 and module.out_features % (16 * tp) == 0
 
 
 def apply_float8(model: nn.Module, cfg) -> int:
@@ -86,8 +107,10 @@ def apply_float8(model: nn.Module, cfg) -> int:
 
     converted = []
 
+    tp = cfg.distributed_training.model_parallel_size
+
     def keep(module: nn.Module, name: str) -> bool:
-        ok = is_float8_convertible(module, name)
+        ok = is_float8_convertible(module, name, tp)
         if ok:
             converted.append(name)
         return ok
@@ -99,6 +122,22 @@ def apply_float8(model: nn.Module, cfg) -> int:
     logger.info(f"float8 ({cfg.common.fp8_recipe}{', float8 all-gather' if cfg.common.fp8_fsdp_all_gather else ''}): "
                 f"{len(converted)} Linear layers converted; kept in bf16: the output projection and the embeddings")
     return len(converted)
+
+
+def casts_tensorwise(module: nn.Module) -> bool:
+    """Whether `module` is a Float8Linear that casts its input with one dynamic scale per tensor, or (a module
+    whose input the tensor-parallel plan prepares for its Linears, e.g. the attention) holds only such Linears:
+    then tensor parallelism can cast before it all-gathers (torchao's float8 TP styles). Rowwise scales need
+    the whole row, so rowwise recipes all-gather in bf16 with the plain styles."""
+    if "torchao.float8" not in sys.modules:  # never converted in this process: nothing to import
+        return False
+    from torchao.float8.config import ScalingGranularity
+    from torchao.float8.float8_linear import Float8Linear
+
+    linears = [module] if isinstance(module, nn.Linear) else [m for m in module.modules() if isinstance(m, nn.Linear)]
+    return bool(linears) and all(
+        isinstance(m, Float8Linear)
+        and m.config.cast_config_input.scaling_granularity is ScalingGranularity.TENSORWISE for m in linears)
 
 
 def needs_scale_precompute(cfg) -> bool:

@@ -20,6 +20,7 @@ process group exists: `fairseq.distributed.launch.call_main` calls it as soon as
 """
 
 import logging
+import os
 from dataclasses import dataclass
 from typing import Optional, Tuple
 
@@ -119,6 +120,14 @@ def _largest_divisor_up_to(n: int, limit: int) -> int:
 # ------------------------------------------------------------------------------------------------ the mesh
 
 MESH_DIMS = ("dp_replicate", "dp_shard", "tp")
+# Set to 1: keep a tp dimension of one rank and apply the tensor-parallel plan on it (--model-parallel-size 1
+# otherwise applies none). The same code path as TP N, so one GPU can measure and test it (docs/parallelism.md).
+TP_MESH_OF_ONE = "FAIRSEQ_TP_MESH_OF_ONE"
+
+
+def has_tp_dim(layout: ParallelLayout) -> bool:
+    """Whether the mesh of `layout` has a tp dimension, i.e. the model is split by its tensor-parallel plan."""
+    return layout.tp > 1 or os.environ.get(TP_MESH_OF_ONE) == "1"
 
 
 @dataclass
@@ -181,10 +190,11 @@ def init_parallel_mesh(layout: ParallelLayout, device_type: str) -> ParallelMesh
                            f"{dist.get_world_size()}")
     group = dist.distributed_c10d._get_default_group()
     if (_current is not None and _current.layout == layout and _current.mesh.device_type == device_type
-            and _current.default_group is group):
+            and _current.default_group is group and ("tp" in _current.dims) == has_tp_dim(layout)):
         return _current
     sizes = {"dp_replicate": layout.replicate, "dp_shard": layout.shard, "tp": layout.tp}
-    names = tuple(name for name in MESH_DIMS if sizes[name] > 1 or name == "dp_shard")
+    names = tuple(name for name in MESH_DIMS
+                  if sizes[name] > 1 or name == "dp_shard" or (name == "tp" and has_tp_dim(layout)))
     mesh = init_device_mesh(device_type, tuple(sizes[n] for n in names), mesh_dim_names=names)
     _current = ParallelMesh(layout, mesh, default_group=group)
     _current._make_data_parallel_group()

@@ -1,10 +1,12 @@
 """Turn a freshly built model into the one that trains, in a fixed order:
 
-0. tensor parallelism over the mesh's tp dimension (--model-parallel-size, see tensor_parallel.py and
-   mesh.py), then float8 Linear layers (--fp8, see fairseq/distributed/float8.py),
+0. float8 Linear layers (--fp8, see fairseq/distributed/float8.py), then tensor parallelism over the mesh's
+   tp dimension (--model-parallel-size, see tensor_parallel.py and mesh.py; torchao's float8 styles split
+   the Float8Linear modules, so the conversion comes first, as in torchtitan),
 1. activation checkpointing per decoder layer (--checkpoint-activations, --offload-activations),
 2. torch.compile per decoder layer (--compile),
-3. the data-parallel engine: FSDP2 (--ddp-backend fully_sharded, see fsdp.py) over the mesh's data-parallel
+3. under tensor parallelism, a per-TP-rank dropout stream around each decoder layer (tensor_parallel_rng.py),
+4. the data-parallel engine: FSDP2 (--ddp-backend fully_sharded, see fsdp.py) over the mesh's data-parallel
    dimensions (HSDP with --fsdp-shard-group-size), or DistributedDataParallel (pytorch_ddp / c10d, see
    ddp.py; with tensor parallelism FSDP2 keeps unsharded replicas instead, DDP taking no DTensors); a single
    process without fully_sharded keeps the model as it is.
@@ -31,7 +33,8 @@ from torch.nn.parallel import DistributedDataParallel
 from fairseq.distributed.ddp import apply_ddp
 from fairseq.distributed.dtensor import is_dtensor
 from fairseq.distributed.fsdp import apply_fsdp, apply_fsdp_replicas, check_fsdp_flags, transformer_layers
-from fairseq.distributed.mesh import ParallelLayout, forget_parallel_mesh, init_parallel_mesh
+from fairseq.distributed.mesh import ParallelLayout, forget_parallel_mesh, has_tp_dim, init_parallel_mesh
+from fairseq.distributed.tensor_parallel_rng import apply_dropout_streams
 from fairseq.modules.checkpoint_activations import checkpointed, checkpointed_offloaded
 
 # torch.distributed.tensor (behind tensor_parallel) costs ~1 s to import: it is imported only when a model is
@@ -72,32 +75,36 @@ def parallelize_model(model: nn.Module, cfg, device: torch.device, world_mesh: O
         materialize(model, device)
 
     layout = ParallelLayout.from_config(dt, dist.get_world_size() if dist.is_initialized() else 1)
-    mesh = init_parallel_mesh(layout, device.type) if fully_sharded or layout.tp > 1 else forget_parallel_mesh()
-    if layout.tp > 1:
-        from fairseq.distributed.tensor_parallel import apply_tensor_parallel
-        from fairseq.distributed.tensor_parallel_checks import uses_loss_parallel
-
-        if not on_meta:
-            model.to(device)
-        apply_tensor_parallel(model, mesh.tp_mesh, loss_parallel=uses_loss_parallel(cfg))
-
-    if cfg.common.fp8:  # torchao's order: swap the Linears before compile and sharding
+    split = has_tp_dim(layout)
+    mesh = init_parallel_mesh(layout, device.type) if fully_sharded or split else forget_parallel_mesh()
+    if split and not on_meta:
+        model.to(device)
+    if cfg.common.fp8:  # torchao's order: swap the Linears before splitting, compile and sharding
         from fairseq.distributed.float8 import apply_float8
 
         apply_float8(model, cfg)
+    if split:
+        from fairseq.distributed.tensor_parallel import apply_tensor_parallel
+        from fairseq.distributed.tensor_parallel_checks import uses_loss_parallel
+
+        apply_tensor_parallel(model, mesh.tp_mesh, loss_parallel=uses_loss_parallel(cfg))
     model_cfg = cfg.model  # a plug-in model's config may have neither checkpointing option
     offload = bool(getattr(model_cfg, "offload_activations", False))
     if offload or getattr(model_cfg, "checkpoint_activations", False):
         apply_activation_checkpointing(model, offload_to_cpu=offload)
     if dt.compile:
-        apply_compile(model)
+        # Tensor-parallel layers under autocast fail to compile with a symbolic sequence length (torch 2.13:
+        # "mul expected 2 arguments, got 3" in inductor); each new length is compiled as a static shape instead.
+        apply_compile(model, dynamic=False if split else None)
+    if split:  # around the outermost layer modules: after checkpointing
+        apply_dropout_streams(model, mesh.tp_mesh)
 
     if fully_sharded:
         apply_fsdp(model, cfg, world_mesh if world_mesh is not None else mesh.fsdp_mesh)
         if on_meta:
             materialize(model, device, params_on_cpu=dt.cpu_offload)
         return model
-    if layout.tp > 1:
+    if split:
         if layout.dp > 1:
             logger.info(f"--ddp-backend {dt.ddp_backend} with --model-parallel-size {layout.tp}: {layout.dp} "
                         "data-parallel replicas kept by FSDP2 without sharding (all-reduced gradients, as DDP)")
@@ -190,15 +197,16 @@ def apply_activation_checkpointing(model: nn.Module, offload_to_cpu: bool = Fals
 # ----------------------------------------------------------------------------------------- compile
 
 
-def apply_compile(model: nn.Module, backend: str = "inductor") -> nn.Module:
+def apply_compile(model: nn.Module, backend: str = "inductor", dynamic: Optional[bool] = None) -> nn.Module:
     """torch.compile each decoder layer's forward, in place (parameter names do not change).
 
     The layer's own `forward` is compiled, inside any checkpoint wrapper, so that FSDP2's and the
     checkpoint's hooks stay outside the compiled code and recomputation runs the compiled forward.
+    `dynamic`: torch.compile's (None: static shapes first, a symbolic shape once a dim is seen to change).
     """
     for layer in transformer_layers(model):
         inner = layer._checkpoint_wrapped_module if isinstance(layer, CheckpointWrapper) else layer
-        inner.forward = torch.compile(inner.forward, backend=backend)
+        inner.forward = torch.compile(inner.forward, backend=backend, dynamic=dynamic)
     return model
 
 

@@ -18,6 +18,7 @@ import logging
 from typing import Optional
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
@@ -31,6 +32,7 @@ from torch.distributed.tensor.parallel import (
 )
 from torch.distributed.tensor.parallel.style import ParallelStyle
 
+from fairseq.distributed.float8 import casts_tensorwise
 from fairseq.distributed.tensor_parallel_checks import check_tensor_parallel_shape
 from fairseq.models.fairseq_model import TENSOR_PARALLEL_STYLES
 
@@ -84,10 +86,18 @@ class SequenceRegion:
         return full.redistribute(self.mesh, [Replicate()]).to_local()[:, : self.length]
 
 
-def build_style(name: str, loss_parallel: bool = False) -> ParallelStyle:
+# Styles whose Linear inputs torchao can cast to float8 before they are all-gathered (half the bytes of bf16)
+FLOAT8_STYLES = ("colwise", "colwise_from_sequence", "rowwise_to_sequence", "gather_sequence")
+
+
+def build_style(name: str, loss_parallel: bool = False, float8: bool = False) -> ParallelStyle:
     """The DTensor style of a TENSOR_PARALLEL_STYLES name. `loss_parallel`: a vocab_output's logits come out
-    as a DTensor split over the vocabulary (for vocab_parallel_cross_entropy), else whole and plain."""
+    as a DTensor split over the vocabulary (for vocab_parallel_cross_entropy), else whole and plain. `float8`:
+    the module's Linears are tensorwise Float8Linear (`--fp8`, converted before the split): torchao's float8
+    styles, which cast activations before the all-gather and keep the gradients' casts in float8."""
     sequence = Shard(1)
+    if float8 and name in FLOAT8_STYLES:
+        return _float8_style(name)
     if name == "colwise":
         return ColwiseParallel()
     if name == "colwise_from_sequence":
@@ -106,6 +116,30 @@ def build_style(name: str, loss_parallel: bool = False) -> ParallelStyle:
     if name == "replicate":
         return ReplicateParallel()
     raise ValueError(f"unknown tensor-parallel style {name!r} (one of {', '.join(TENSOR_PARALLEL_STYLES)})")
+
+
+def _collectives_take_float8(tp_mesh: DeviceMesh) -> bool:
+    """NCCL all-gathers float8 tensors; gloo refuses their dtype ("Invalid scalar type"), so on CPU ranks the
+    Float8Linear modules are split with the plain styles (activations gathered in bf16, the matmuls still
+    float8): what the CPU tests of --fp8 with tensor parallelism run."""
+    return dist.get_backend(tp_mesh.get_group()) == "nccl"
+
+
+def _float8_style(name: str) -> ParallelStyle:
+    from torchao.float8.float8_tensor_parallel import (
+        Float8ColwiseParallel,
+        Float8RowwiseParallel,
+        PrepareFloat8ModuleInput,
+    )
+
+    sequence = Shard(1)
+    if name == "colwise":
+        return Float8ColwiseParallel()
+    if name == "colwise_from_sequence":
+        return Float8ColwiseParallel(input_layouts=sequence)
+    if name == "rowwise_to_sequence":
+        return Float8RowwiseParallel(output_layouts=sequence)
+    return PrepareFloat8ModuleInput(input_layouts=(sequence, None), desired_input_layouts=(Replicate(), None))
 
 
 def model_plan(model: nn.Module):
@@ -136,16 +170,22 @@ def _untie(model: nn.Module, paths) -> list:
 
 def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, loss_parallel: bool) -> nn.Module:
     """Split `model` over the 1-D mesh `tp_mesh` by its own plan (`model.tensor_parallel_plan()`), in place;
-    before activation checkpointing, compile and FSDP. `loss_parallel`: the logits come out as a DTensor split
-    over the vocabulary (for vocab_parallel_cross_entropy), otherwise as a plain tensor of the whole vocabulary."""
+    after the float8 conversion (--fp8: tensorwise Float8Linear modules get torchao's float8 styles), before
+    activation checkpointing, compile and FSDP. `loss_parallel`: the logits come out as a DTensor split over the
+    vocabulary (for vocab_parallel_cross_entropy), otherwise as a plain tensor of the whole vocabulary."""
     plan = model_plan(model)
     tp = tp_mesh.size()
     check_tensor_parallel_shape(tp, plan.heads, plan.ffn, plan.vocab)
     if plan.output_vocab % tp:
         check_tensor_parallel_shape(tp, plan.heads, plan.ffn, plan.output_vocab, "--output-dictionary-size")
     ties = _untie(model, plan.styles)
+    float8, gathers_float8 = [], _collectives_take_float8(tp_mesh)
     for path, name in plan.styles.items():
-        parallelize_module(model.get_submodule(path), tp_mesh, build_style(name, loss_parallel))
+        module = model.get_submodule(path)
+        cast_first = gathers_float8 and casts_tensorwise(module)
+        if cast_first and name in FLOAT8_STYLES:
+            float8.append(path)
+        parallelize_module(module, tp_mesh, build_style(name, loss_parallel, float8=cast_first))
     for module, name, source, source_name in ties:
         setattr(module, name, getattr(source, source_name))
     if plan.sequence_parallel is not None:
@@ -158,7 +198,8 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, loss_parallel: 
         raise TypeError(f"the tensor-parallel plan does not cover parameter(s) {', '.join(left[:5])} of "
                         f"{type(model).__name__}")
     logger.info(f"tensor parallelism over {tp} ranks: {plan.description}"
-                f"{' (logits kept split for the loss)' if loss_parallel else ''}")
+                f"{' (logits kept split for the loss)' if loss_parallel else ''}"
+                f"{f'; {len(float8)} modules all-gather their input in float8' if float8 else ''}")
     return model
 
 

@@ -58,10 +58,6 @@ def check_tensor_parallel_config(cfg) -> None:
     sizes = _model_sizes(cfg)
     for flag in sizes.refused:
         raise ValueError(f"{flag} is not supported with --model-parallel-size {tp}: drop one of them")
-    if cfg.common.fp8:
-        raise ValueError(f"--fp8 is not supported with --model-parallel-size {tp}: drop one of them")
-    if cfg.distributed_training.compile:
-        raise ValueError(f"--compile is not supported with --model-parallel-size {tp}: drop one of them")
     check_tensor_parallel_shape(tp, sizes.heads, sizes.ffn, None)
 
 

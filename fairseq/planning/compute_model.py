@@ -30,9 +30,9 @@ def layer_matrix_params(shape: ModelShape) -> int:
     return sum(math.prod(s) for s in shape.layer_param_shapes if len(s) == 2)
 
 
-def float8_layer_matrix_params(shape: ModelShape) -> int:
-    """Of those, the ones --fp8 runs in float8."""
-    return sum(math.prod(s) for s, f8 in zip(shape.layer_param_shapes, shape.layer_param_float8) if f8 and len(s) == 2)
+def float8_layer_matrix_params(shape: ModelShape, tp: int) -> int:
+    """Of those, the ones --fp8 runs in float8 under --model-parallel-size `tp`."""
+    return sum(math.prod(s) for s, f8 in zip(shape.layer_param_shapes, shape.float8_params(tp)) if f8)
 
 
 def float8_speedup(setup: TrainingSetup) -> float:
@@ -44,7 +44,7 @@ def float8_speedup(setup: TrainingSetup) -> float:
 def layer_forward_seconds(shape: ModelShape, setup: TrainingSetup, tflops: float) -> float:
     """One decoder layer's forward on one GPU for one micro-batch (its share under tensor parallelism).
     Its backward costs twice this; its recomputation with --checkpoint-activations once more."""
-    float8 = float8_layer_matrix_params(shape) if setup.float8 else 0
+    float8 = float8_layer_matrix_params(shape, setup.tensor_parallel) if setup.float8 else 0
     matmuls = 2 * (layer_matrix_params(shape) - float8) + 2 * float8 / float8_speedup(setup)
     attention = 4 * shape.embed_dim * setup.tokens_per_sample
     return setup.tokens * (matmuls + attention) / setup.tensor_parallel / (tflops * 1e12)

@@ -111,7 +111,8 @@ def gathered_layer_bytes(shape: ModelShape, setup: TrainingSetup) -> int:
     with --fp8-fsdp-all-gather the float8 weights travel, and stay gathered, in 1 byte (torchao's
     fsdp_pre_all_gather casts each shard; its post_all_gather wraps the gathered bytes without a bf16 copy)."""
     n, c = setup.shard_ranks if setup.fully_sharded else 1, setup.compute_bytes
-    float8 = shape.layer_param_float8 if setup.float8_all_gather else (False,) * len(shape.layer_param_shapes)
+    float8 = shape.float8_params(setup.tensor_parallel) if setup.float8_all_gather else \
+        (False,) * len(shape.layer_param_shapes)
     weights = [s for s, is_float8 in zip(shape.layer_param_shapes, float8) if is_float8]
     others = [s for s, is_float8 in zip(shape.layer_param_shapes, float8) if not is_float8]
     return n * (FLOAT8_BYTES * sharded_numel(weights, n) + c * sharded_numel(others, n))
@@ -122,7 +123,7 @@ def float8_scale_bytes(shape: ModelShape, setup: TrainingSetup) -> int:
     scale per float8 weight of every layer (a few KiB); dynamic scaling keeps no amax history."""
     if not (setup.float8 and setup.float8_all_gather):
         return 0
-    return FLOAT8_SCALE_BYTES * shape.num_layers * sum(shape.layer_param_float8)
+    return FLOAT8_SCALE_BYTES * shape.num_layers * sum(shape.float8_params(setup.tensor_parallel))
 
 
 def _snapshot(phase: str, **terms: int) -> Snapshot:

@@ -183,6 +183,8 @@ def inputs_from_config(cfg, gpus: int, vocab_size: int = DEFAULT_VOCAB_SIZE, env
     --model-parallel-size 1, the tensor-parallel plan runs on a one-rank mesh (setup.tp_plan_on_one_rank)."""
     import os
 
+    from fairseq.distributed.mesh import TP_MESH_OF_ONE
+
     flags = {}
     for group in (cfg.task, cfg.optimization, cfg.dataset, cfg.distributed_training, cfg.common):
         flags.update(vars(group))
@@ -190,7 +192,7 @@ def inputs_from_config(cfg, gpus: int, vocab_size: int = DEFAULT_VOCAB_SIZE, env
     shape = mm.model_shape(cfg.model, vocab_size)
     setup = _training_setup(args, cfg.model)
     environ = os.environ if environ is None else environ
-    one_rank = setup.tensor_parallel == 1 and environ.get("FAIRSEQ_TP_MESH_OF_ONE") == "1"
+    one_rank = setup.tensor_parallel == 1 and environ.get(TP_MESH_OF_ONE) == "1"
     return shape, dataclasses.replace(setup, tp_plan_on_one_rank=one_rank)
 
 

@@ -14,6 +14,8 @@ from fairseq.distributed.float8 import is_float8_convertible
 from fairseq.distributed.tensor_parallel import split_dims
 from fairseq.planning.memory_calibration import DTYPE_BYTES
 
+FLOAT8_MAX_TP = 64  # the largest --model-parallel-size whose float8 conversion is worked out
+
 # ------------------------------------------------------------------------------------------ model shape
 
 
@@ -40,10 +42,10 @@ class ModelShape:
     # (fairseq.distributed.tensor_parallel.split_dims, read from the tensor-parallel plan itself).
     layer_param_splits: Tuple[Optional[int], ...] = ()
     root_param_splits: Tuple[Optional[int], ...] = ()
-    # Per layer parameter: whether --fp8 makes it a float8 weight (fairseq.distributed.float8 converts a layer's
-    # Linear whose dims are multiples of 16; judged on the whole, unsplit matrix as the conversion runs before
-    # the tensor-parallel split). Biases and norms stay in the compute dtype.
-    layer_param_float8: Tuple[bool, ...] = ()
+    # Per layer parameter: the --model-parallel-size values (up to FLOAT8_MAX_TP) at which --fp8 makes it a
+    # float8 weight (fairseq.distributed.float8.is_float8_convertible: a Linear whose dims stay multiples of 16
+    # on every rank). Biases and norms stay in the compute dtype.
+    layer_param_float8_tp: Tuple[Tuple[int, ...], ...] = ()
 
     @property
     def layer_params(self) -> int:
@@ -56,6 +58,10 @@ class ModelShape:
     @property
     def output_projection_params(self) -> int:
         return self.vocab_size * self.output_dim
+
+    def float8_params(self, tp: int) -> Tuple[bool, ...]:
+        """Per layer parameter: whether it is a float8 weight under --model-parallel-size `tp`."""
+        return tuple(tp in sizes for sizes in self.layer_param_float8_tp)
 
     def with_layers(self, num_layers: int) -> "ModelShape":
         """The same layer shape, `num_layers` deep (what `--decoder-layers num_layers` would build)."""
@@ -91,8 +97,9 @@ def model_shape(cfg, vocab_size: int, padding_idx: int = 1) -> ModelShape:
         one_layer = tuple(tuple(p.shape) for p in layers[0].parameters())
     probe_splits = split_dims(probe)
     layer_splits = tuple(probe_splits[f"decoder.layers.0.{n}"] for n, _ in layers[0].named_parameters())
-    linear_weights = {id(m.weight) for n, m in layers[0].named_modules() if is_float8_convertible(m, n)}
-    layer_float8 = tuple(id(p) in linear_weights for p in layers[0].parameters())
+    float8_tp = {id(m.weight): tuple(tp for tp in range(1, FLOAT8_MAX_TP + 1) if is_float8_convertible(m, n, tp))
+                 for n, m in layers[0].named_modules() if isinstance(m, torch.nn.Linear)}
+    layer_float8 = tuple(float8_tp.get(id(p), ()) for p in layers[0].parameters())
     norm_params = sum(p.numel() for m in layers[0].modules() if isinstance(m, torch.nn.LayerNorm)
                       for p in m.parameters())
     activation_dropout = cfg.activation_dropout or cfg.relu_dropout or 0.0
@@ -104,7 +111,7 @@ def model_shape(cfg, vocab_size: int, padding_idx: int = 1) -> ModelShape:
         heads=cfg.decoder_attention_heads, output_dim=cfg.decoder_output_dim,
         output_projection_tied=bool(cfg.share_decoder_input_output_embed), activation_fn=cfg.activation_fn,
         dropout=cfg.dropout, activation_dropout=activation_dropout, layernorm_embedding=cfg.layernorm_embedding,
-        layer_param_splits=layer_splits, root_param_splits=root_splits, layer_param_float8=layer_float8,
+        layer_param_splits=layer_splits, root_param_splits=root_splits, layer_param_float8_tp=layer_float8,
     )
     assert shape.total_params == shape.num_layers * shape.layer_params + shape.root_params
     return shape

@@ -68,9 +68,9 @@ def config(data, *flags):
     return cfg
 
 
-def train_updates(data, *flags, updates=UPDATES):
-    """(per-token loss of each update, full model state on rank 0) of `updates` updates, through
-    fairseq-train's task, model and iterator helpers and the real Trainer."""
+def start_training(data, *flags):
+    """(the real Trainer, a function that runs one update and returns its per-token loss), through
+    fairseq-train's task, model and iterator helpers."""
     from fairseq import registry
     from fairseq.criterions import build_criterion
     from fairseq.data.iterators import GroupedIterator
@@ -85,11 +85,19 @@ def train_updates(data, *flags, updates=UPDATES):
     trainer = Trainer(cfg, task, model, build_criterion(cfg.criterion, task, cfg.optimization))
     epoch_itr = trainer_iterator(cfg, task, trainer, 1)
     batches = GroupedIterator(epoch_itr.next_epoch_itr(shuffle=True), cfg.optimization.update_freq[0])
-    losses = []
-    for _ in range(updates):
+
+    def update():
         trainer.train_step(next(batches), epoch_itr)
         sums = trainer.read_train_stats()
-        losses.append(sums["loss"] / sums["sample_size"])
+        return sums["loss"] / sums["sample_size"]
+
+    return trainer, update
+
+
+def train_updates(data, *flags, updates=UPDATES):
+    """(per-token loss of each update, full model state on rank 0) of `updates` updates (start_training)."""
+    trainer, update = start_training(data, *flags)
+    losses = [update() for _ in range(updates)]
     state, _ = trainer.model_and_optimizer_state(full=True)
     return losses, {k: v.detach().clone() for k, v in state.items()}
 
