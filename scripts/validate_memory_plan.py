@@ -34,6 +34,7 @@ def overrides(args, out: Path):
     config = ["task._name=dummy_lm", f"task.dict_size={DICT_SIZE}", f"model.decoder_layers={args.layers}",
               "distributed_training.model_parallel_size=1", "distributed_training.distributed_world_size=1",
               f"optimization.max_update={args.updates}", "optimization.update_freq=[1]", "checkpoint.no_save=true",
+              "dataset.disable_validation=true",  # dummy_lm's validation split is 100,000 samples
               "common.log_interval=1", "common.log_format=json", f"common.log_file={out / 'train.log'}",
               *args.overrides]
     return config, [f"hydra.run.dir={out / 'run'}"]

@@ -45,7 +45,8 @@ def test_dry_run_prints_the_one_gpu_command_and_the_prediction(capsys, tmp_path)
     command = out.splitlines()[0]
     assert command.startswith("command: FAIRSEQ_TP_MESH_OF_ONE=1 ")
     for override in ("--config-name 175b_tp8", "model.decoder_layers=2", "distributed_training.model_parallel_size=1",
-                     "task._name=dummy_lm", "task.dict_size=50268", f"common.log_file={tmp_path / 'train.log'}"):
+                     "task._name=dummy_lm", "task.dict_size=50268", f"common.log_file={tmp_path / 'train.log'}",
+                     "dataset.disable_validation=true"):  # dummy_lm's valid split: 100,000 samples
         assert override in command
     values, _ = split_recipe(compose_dict(str(CONFIG_DIR), "175b_tp8", [
         "task._name=dummy_lm", "task.dict_size=50268", "model.decoder_layers=2",
