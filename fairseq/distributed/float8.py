@@ -90,9 +90,10 @@ def _float8_config(common):
     return Float8LinearConfig.from_recipe_name(common.fp8_recipe)
 
 
-def _convertible(module: nn.Module, name: str, tp: int = 1) -> bool:
+def is_float8_convertible(module: nn.Module, name: str, tp: int = 1) -> bool:
     """A Linear whose float8 GEMMs get dims that are multiples of 16 on every rank (with tensor parallelism
-    either dim may be split `tp` ways, whichever the plan splits)."""
+    either dim may be split `tp` ways, whichever the plan splits): what apply_float8 converts, and what the
+    memory planner counts as float8."""
     if not isinstance(module, nn.Linear) or name.endswith(HIGH_PRECISION_MODULES):
         return False
     return module.in_features % (16 * tp) == 0 and module.out_features % (16 * tp) == 0
@@ -107,7 +108,7 @@ def apply_float8(model: nn.Module, cfg) -> int:
     tp = cfg.distributed_training.model_parallel_size
 
     def keep(module: nn.Module, name: str) -> bool:
-        ok = _convertible(module, name, tp)
+        ok = is_float8_convertible(module, name, tp)
         if ok:
             converted.append(name)
         return ok

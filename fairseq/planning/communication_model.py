@@ -1,5 +1,5 @@
-"""Communication per GPU per training step, and layouts ranked by it (`python -m fairseq.planning.plan_memory
---recommend-layout`; docs/parallelism.md explains the numbers and what was not measured).
+"""Communication per GPU: each collective of a training step, its bytes, its ranks and whether it crosses nodes
+(`python -m fairseq.planning.plan_memory`; docs/parallelism.md explains the numbers and what was not measured).
 
 Byte counts are those of the ring algorithms NCCL uses for large messages: an all-gather or a reduce-scatter
 of a buffer of B bytes over g ranks moves (g - 1) / g * B bytes into (and out of) each rank, an all-reduce
@@ -8,27 +8,16 @@ collectives (FSDP2 reduce-scatters after each one, as upstream's fully_sharded d
 
 Where each collective runs follows fairseq.distributed.mesh: a TP group is `tp` consecutive ranks, an FSDP
 shard group `shard` ranks spaced `tp` apart (spanning shard * tp consecutive ranks), a replica group spaced
-shard * tp apart. A group whose ranks span more than one node crosses the network; time estimates divide
-each group's bytes by the per-GPU bandwidth of the link it uses and add them up (no overlap with compute,
-no latency): an upper bound on exposed communication, for comparing layouts, not a measurement.
+shard * tp apart. A group whose ranks span more than one node crosses the network; a transfer takes its bytes
+over the per-GPU bandwidth of the link it uses (fairseq/planning/hardware.py), without latency. How much of
+it hides behind compute is fairseq/planning/step_time.py's.
 """
 
-import dataclasses
 from dataclasses import dataclass
-from typing import Iterator, List, Optional
+from typing import List
 
 from fairseq.planning import memory_model as mm
-
-# Per-GPU bandwidths (GB/s, 1e9 bytes) the estimates assume; not measured here (no multi-node machine).
-# NVLink inside a node: NCCL reaches about 230 GB/s bus bandwidth on 8 x A100 NVLink 3 for large all-reduces;
-# 150 leaves room for the smaller per-layer messages. Across nodes: one 200 Gb/s HDR InfiniBand NIC per
-# GPU (25 GB/s line rate), about 22 GB/s achieved.
-INTRA_NODE_GBPS = 150.0
-INTER_NODE_GBPS = 22.0
-# OPT-175B's reported utilization (147 TFLOP/s per A100), for the compute time printed beside communication.
-ACHIEVED_TFLOPS = 147.0
-# Layouts whose estimated communication is within this fraction of the fastest are treated as equal.
-COMMUNICATION_TIE_FRACTION = 0.05
+from fairseq.planning.hardware import Hardware
 
 
 @dataclass(frozen=True)
@@ -38,115 +27,118 @@ class Collective:
     crosses_nodes: bool
     bytes: int  # per GPU per step
 
-    def seconds(self, intra_gbps: float = INTRA_NODE_GBPS, inter_gbps: float = INTER_NODE_GBPS) -> float:
-        return self.bytes / ((inter_gbps if self.crosses_nodes else intra_gbps) * 1e9)
+    def seconds(self, hardware: Hardware) -> float:
+        return self.bytes / (hardware.inter_node_gbps if self.crosses_nodes else hardware.intra_node_gbps) / 1e9
+
+
+@dataclass(frozen=True)
+class Transfer:
+    """One occurrence of a collective: its buffer (`raw` bytes) and the share of it each rank moves."""
+
+    ranks: int
+    crosses_nodes: bool
+    raw: int
+    factor: float  # (g - 1) / g for all-gather and reduce-scatter, twice that for all-reduce
+
+    def seconds(self, hardware: Hardware, times: float = 1.0) -> float:
+        link = hardware.inter_node_gbps if self.crosses_nodes else hardware.intra_node_gbps
+        return times * self.raw * self.factor / (link * 1e9)
+
+    def collective(self, what: str, times: int) -> Collective:
+        return Collective(what, self.ranks, self.crosses_nodes, int(times * self.raw * self.factor))
 
 
 def _ring(ranks: int) -> float:
     return (ranks - 1) / ranks if ranks > 1 else 0.0
 
 
+@dataclass(frozen=True)
+class StepTransfers:
+    """Every collective of a step, per occurrence: per layer and micro-batch (`layer_*`; FSDP gathers a layer
+    twice with resharding, once without), per micro-batch around the layers (`root_*`), per update (`ddp`)."""
+
+    layer_gather: Transfer  # FSDP all-gather of one layer's parameters
+    layer_reduce: Transfer  # FSDP reduce-scatter of its fp32 gradients
+    layer_replica: Transfer  # HSDP all-reduce of its gradient shards across replicas
+    tp_forward: Transfer  # a forward's (or recomputation's) activation collectives of one layer
+    tp_backward: Transfer
+    root_gather: Transfer
+    root_reduce: Transfer
+    root_replica: Transfer
+    tp_root: Transfer  # around the layers: embedding, sequence split and gather, output projection, loss
+    ddp: Transfer  # replicated backend without tensor parallelism: one all-reduce of every gradient
+
+
+def float8_activation_gathers(setup: mm.TrainingSetup) -> bool:
+    """Tensorwise float8 under tensor parallelism all-gathers the layers' activations in float8: the inputs of
+    q/k/v and fc1 in forward (PrepareFloat8ModuleInput, Float8ColwiseParallel cast before the gather) and the
+    gradients of out_proj's and fc2's outputs in backward (Float8RowwiseParallel casts them before the gather
+    that mirrors the forward's reduce-scatter); the reduce-scatters stay in the compute dtype (torchao/float8/
+    float8_tensor_parallel.py). The rowwise recipes use the plain styles: everything in the compute dtype."""
+    return setup.float8_tensorwise and setup.tensor_parallel > 1
+
+
+def step_transfers(shape: mm.ModelShape, setup: mm.TrainingSetup, gpus_per_node: int = 8) -> StepTransfers:
+    t, s, c = setup.tensor_parallel, setup.shard_ranks, setup.compute_bytes
+    local = mm.local_shape(shape, t)
+    sharded = setup.fully_sharded or t > 1  # replicated backend under TP: FSDP2 replicas, no shards
+    shard = s if setup.fully_sharded else 1
+    replicas = setup.data_parallel // shard
+    fsdp_crosses = shard * t > gpus_per_node
+    replica_crosses = setup.gpus > gpus_per_node
+    layer = mm.sharded_numel(local.layer_param_shapes, shard) if sharded else 0
+    root = mm.sharded_numel(local.root_param_shapes, shard) if sharded else 0
+    gathered = mm.gathered_layer_bytes(local, setup) if sharded else 0
+    # Tensor parallelism, per layer and pass: two all-gathers of [tokens, d] (of q/k/v's and fc1's inputs in
+    # forward, of out_proj's and fc2's output gradients in backward) and two reduce-scatters.
+    gather_bytes = mm.FLOAT8_BYTES if float8_activation_gathers(setup) else c
+    tp_pass = 2 * setup.tokens * shape.embed_dim * (gather_bytes + c) if t > 1 else 0
+    # Around the layers, in the compute dtype: the embedding's all-reduce, the sequence split and gather, the
+    # output projection's input-gradient all-reduce (6 units of [tokens, d]); loss_parallel's 3 all-reduces
+    # of one fp32 per token (twice an all-gather's bytes: counted as 2 x 4 bytes).
+    tp_root = (6 * setup.tokens * shape.embed_dim * c + 3 * setup.tokens * 4 * 2) if t > 1 else 0
+    ddp = shape.total_params * mm.GRAD_BYTES if not sharded else 0
+    return StepTransfers(
+        layer_gather=Transfer(shard, fsdp_crosses, gathered, _ring(shard)),
+        layer_reduce=Transfer(shard, fsdp_crosses, layer * shard * mm.REDUCE_BYTES, _ring(shard)),
+        layer_replica=Transfer(replicas, replica_crosses, layer * mm.REDUCE_BYTES, 2 * _ring(replicas)),
+        tp_forward=Transfer(t, t > gpus_per_node, tp_pass, _ring(t)),
+        tp_backward=Transfer(t, t > gpus_per_node, tp_pass, _ring(t)),
+        root_gather=Transfer(shard, fsdp_crosses, root * shard * c, _ring(shard)),
+        root_reduce=Transfer(shard, fsdp_crosses, root * shard * mm.REDUCE_BYTES, _ring(shard)),
+        root_replica=Transfer(replicas, replica_crosses, root * mm.REDUCE_BYTES, 2 * _ring(replicas)),
+        tp_root=Transfer(t, t > gpus_per_node, tp_root, _ring(t)),
+        ddp=Transfer(setup.gpus, replica_crosses, ddp, 2 * _ring(setup.gpus)),
+    )
+
+
+def layer_gathers(setup: mm.TrainingSetup) -> int:
+    """FSDP all-gathers of each layer per micro-batch: forward, and backward again unless the forward kept it."""
+    return 2 if setup.reshard_after_forward else 1
+
+
+def tp_passes(setup: mm.TrainingSetup) -> int:
+    """Tensor-parallel passes per layer and micro-batch: forward, backward and the recomputed forward."""
+    return 3 if setup.checkpoint_activations else 2
+
+
 def step_traffic(shape: mm.ModelShape, setup: mm.TrainingSetup, gpus_per_node: int = 8) -> List[Collective]:
     """The collectives of one step, per GPU, for the layout of `setup` (tensor_parallel, shard_group)."""
-    t, s, c, u = setup.tensor_parallel, setup.shard_ranks, setup.compute_bytes, setup.update_freq
-    r = setup.data_parallel // s
-    local = mm.local_shape(shape, t)
-    layers = local.num_layers
-    out = []
-    if setup.fully_sharded or t > 1:
-        fsdp_shard = s if setup.fully_sharded else 1  # replicated backend under TP: FSDP2 replicas, no shards
-        layer = mm.sharded_numel(local.layer_param_shapes, fsdp_shard)
-        root = mm.sharded_numel(local.root_param_shapes, fsdp_shard)
-        gathers = (2 if setup.reshard_after_forward else 1) * layers * layer + root  # backward gathers again
-        spans_node = fsdp_shard * t > gpus_per_node
-        out.append(Collective(f"FSDP all-gather ({setup.dtype} parameters)", fsdp_shard, spans_node,
-                              int(u * gathers * fsdp_shard * c * _ring(fsdp_shard))))
-        out.append(Collective("FSDP reduce-scatter (fp32 gradients)", fsdp_shard, spans_node,
-                              int(u * (layers * layer + root) * fsdp_shard * mm.REDUCE_BYTES * _ring(fsdp_shard))))
-        replicas = r if setup.fully_sharded else setup.data_parallel
-        out.append(Collective("replica all-reduce (fp32 gradient shards)", replicas, setup.gpus > gpus_per_node,
-                              int(u * (layers * layer + root) * mm.REDUCE_BYTES * 2 * _ring(replicas))))
-    else:  # DDP: one all-reduce of every gradient per update (the other micro-batches skip it)
-        out.append(Collective("DDP all-reduce (fp32 gradients)", setup.gpus, setup.gpus > gpus_per_node,
-                              int(shape.total_params * mm.GRAD_BYTES * 2 * _ring(setup.gpus))))
-    if t > 1:
-        # Per layer and micro-batch: q/k/v's and fc1's all-gathers and out_proj's and fc2's reduce-scatters of
-        # [tokens, d] in forward, as many in backward, and the forward's again when checkpointing recomputes it;
-        # around the layers: the embedding's all-reduce, the sequence split and gather, the output
-        # projection's input-gradient all-reduce (6 units); loss_parallel's 3 all-reduces of one fp32 per token.
-        unit = setup.tokens * shape.embed_dim * c * _ring(t)
-        per_layer = 12 if setup.checkpoint_activations else 8
-        loss = 3 * setup.tokens * 4 * 2 * _ring(t)
-        out.append(Collective(f"TP activations ({setup.dtype})", t, t > gpus_per_node,
-                              int(u * ((layers * per_layer + 6) * unit + loss))))
+    x = step_transfers(shape, setup, gpus_per_node)
+    u, layers = setup.update_freq, shape.num_layers
+    float8_weights = setup.float8_all_gather and any(shape.float8_params(setup.tensor_parallel))
+    gather_what = (f"float8 weights, {setup.dtype} others" if float8_weights else f"{setup.dtype} parameters")
+    tp_what = f"float8 all-gathers, {setup.dtype} reduce-scatters" if float8_activation_gathers(setup) else setup.dtype
+
+    def total(per_layer: Transfer, per_layer_count: int, root: Transfer, what: str) -> Collective:
+        raw = u * (per_layer_count * layers * per_layer.raw + root.raw)
+        return Collective(what, per_layer.ranks, per_layer.crosses_nodes, int(raw * per_layer.factor))
+
+    out = [
+        total(x.layer_gather, layer_gathers(setup), x.root_gather, f"FSDP all-gather ({gather_what})"),
+        total(x.layer_reduce, 1, x.root_reduce, "FSDP reduce-scatter (fp32 gradients)"),
+        total(x.layer_replica, 1, x.root_replica, "replica all-reduce (fp32 gradient shards)"),
+        x.ddp.collective("DDP all-reduce (fp32 gradients)", 1),  # the other micro-batches skip it
+        total(x.tp_forward, tp_passes(setup), x.tp_root, f"TP activations ({tp_what})"),
+    ]
     return [item for item in out if item.bytes > 0]
-
-
-def compute_seconds(shape: mm.ModelShape, setup: mm.TrainingSetup, tflops: float = ACHIEVED_TFLOPS) -> float:
-    """6 FLOPs per parameter and token (8 with checkpointing's recomputed forward), at `tflops` per GPU."""
-    tokens = setup.tokens * setup.update_freq * setup.data_parallel
-    flops = (8 if setup.checkpoint_activations else 6) * shape.total_params * tokens
-    return flops / (setup.gpus * tflops * 1e12)
-
-
-@dataclass(frozen=True)
-class Candidate:
-    setup: mm.TrainingSetup
-    plan: mm.MemoryPlan
-    traffic: List[Collective]
-
-    @property
-    def communication_seconds(self) -> float:
-        return sum(item.seconds() for item in self.traffic)
-
-    @property
-    def inter_node_bytes(self) -> int:
-        return sum(item.bytes for item in self.traffic if item.crosses_nodes)
-
-
-def _powers_of_two_dividing(n: int, limit: int) -> Iterator[int]:
-    k = 1
-    while k <= min(n, limit):
-        if n % k == 0:
-            yield k
-        k *= 2
-
-
-def candidate_layouts(shape: mm.ModelShape, setup: mm.TrainingSetup, gpu_memory_gib: float,
-                      gpus_per_node: int = 8) -> List[Candidate]:
-    """Every layout of setup.gpus GPUs (TP inside a node, in powers of two that divide the heads, FFN and
-    vocabulary; any power-of-two shard group) at the global batch of `setup` (sequences per update), each with
-    the largest micro-batch that fits and the --update-freq that keeps the batch; fitting ones, fastest first."""
-    sequences = setup.batch_size * setup.update_freq * setup.data_parallel
-    found = []
-    for tp in _powers_of_two_dividing(setup.gpus, gpus_per_node):
-        if shape.heads % tp or shape.ffn_dim % tp or shape.vocab_size % tp:
-            continue
-        dp = setup.gpus // tp
-        if sequences % dp:
-            continue
-        per_rank = sequences // dp
-        for shard in _powers_of_two_dividing(dp, dp):
-            base = dataclasses.replace(setup, tensor_parallel=tp, shard_group=0 if shard == dp else shard,
-                                       fully_sharded=True)
-            best = _largest_micro_batch(shape, base, per_rank, gpu_memory_gib)
-            if best is None:
-                continue
-            candidate = dataclasses.replace(base, batch_size=best, update_freq=per_rank // best)
-            found.append(Candidate(candidate, mm.plan(shape, candidate), step_traffic(shape, candidate, gpus_per_node)))
-    if not found:
-        return []
-    # Within a few percent the estimate cannot tell layouts apart (HSDP moves as many bytes per GPU as FSDP
-    # over all ranks: its gain is in latency and ring size, which it does not model); among those, the one with
-    # the most memory to spare comes first.
-    fastest = min(c.communication_seconds for c in found)
-    tied = lambda c: c.communication_seconds <= fastest * (1 + COMMUNICATION_TIE_FRACTION)  # noqa: E731
-    return sorted(found, key=lambda c: (not tied(c), c.plan.required_bytes if tied(c) else c.communication_seconds))
-
-
-def _largest_micro_batch(shape, setup, per_rank: int, gpu_memory_gib: float) -> Optional[int]:
-    for batch in sorted((b for b in range(1, per_rank + 1) if per_rank % b == 0), reverse=True):
-        if mm.plan(shape, dataclasses.replace(setup, batch_size=batch, update_freq=per_rank // batch)).fits(
-                gpu_memory_gib):
-            return batch
-    return None

@@ -41,3 +41,7 @@ FLASH_DQ_ACCUM_BYTES = 4
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 FLOAT8_BYTES = 1
+# torchao (0.18, torchao/float8/fsdp_utils.py) keeps no amax history for dynamic scaling: the only float8 state
+# that outlives a step is, with --fp8-fsdp-all-gather, one fp32 scale per float8 weight
+# (WeightWithDynamicFloat8CastTensor._precomputed_scale, set by precompute_float8_dynamic_scale_for_fsdp).
+FLOAT8_SCALE_BYTES = 4

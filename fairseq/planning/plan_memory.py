@@ -16,21 +16,19 @@ import typing
 from typing import List, Optional
 
 from fairseq.planning import communication_model as cm
+from fairseq.planning import compute_model
+from fairseq.planning import hardware as hw
+from fairseq.planning import layouts
 from fairseq.planning import memory_model as mm
+from fairseq.planning.step_time import step_time
 from fairseq import registry
 from fairseq.dataclass import configs
 from fairseq.dataclass.utils import add_dataclass_to_parser
 
-# Device totals in GiB, as PyTorch reports them (what fairseq's memory log calls GB). Approximate: the
-# A100 figure is the seed log's (79.3); H100/H200 are typical values of torch.cuda's total_memory (the H200
-# is sold as 141 GB). Pass --gpu-memory-gb for your card.
-GPU_MEMORY_GIB = {
-    "a100-40gb": 39.4,
-    "a100-80gb": 79.3,
-    "h100": 79.1,
-    "h200": 139.8,
-}
-DEFAULT_GPU_MEMORY_GIB = 80.0
+# Device totals in GiB, as PyTorch reports them (what fairseq's memory log calls GB): fairseq/planning/hardware.py
+# says where each comes from. Pass --gpu-memory-gb for your card.
+GPU_MEMORY_GIB = {name: gpu.memory_gib for name, gpu in hw.GPUS.items()}
+DEFAULT_GPU_MEMORY_GIB = hw.DEFAULT.memory_gib
 DEFAULT_TOKENS_PER_SAMPLE = 2048
 DEFAULT_VOCAB_SIZE = 50272  # the OPT/GPT-2 BPE dictionary with fairseq's specials, padded to a multiple of 8
 # Headroom under which the plan warns that reserved memory may reach the device (allocator retries).
@@ -79,13 +77,19 @@ def build_parser() -> argparse.ArgumentParser:
                          help="GPUs per node, to tell which collectives cross the network (default: 8)")
     planner.add_argument("--recommend-layout", action="store_true",
                          help="compare every tensor-parallel x shard-group layout of --gpus at this global batch "
-                              "(communication per step, memory) and recommend one")
+                              "(memory, estimated step time) and recommend the fastest")
     planner.add_argument("--gpu", choices=sorted(GPU_MEMORY_GIB),
                          help="a GPU by name, for its memory: "
                               + ", ".join(f"{k} {v} GiB" for k, v in GPU_MEMORY_GIB.items()))
     planner.add_argument("--gpu-memory-gb", type=float, default=None,
                          help=f"memory of one GPU in GiB, as the training log's *_gb fields count it "
                               f"(default: the --gpu's, else {DEFAULT_GPU_MEMORY_GIB:g})")
+    for flag, field, unit in (("--achieved-tflops", "achieved_tflops", "TFLOP/s per GPU that bf16 training reaches"),
+                              ("--intra-node-gbps", "intra_node_gbps", "GB/s per GPU of collectives inside a node"),
+                              ("--inter-node-gbps", "inter_node_gbps", "GB/s per GPU of collectives across nodes")):
+        planner.add_argument(flag, type=float, default=None, metavar="X",
+                             help=f"{unit}, for the time estimates (default: the --gpu's, else "
+                                  f"{getattr(hw.DEFAULT, field):g}; fairseq/planning/hardware.py)")
     planner.add_argument("--vocab-size", type=int, default=DEFAULT_VOCAB_SIZE,
                          help=f"dictionary size, specials included (default: {DEFAULT_VOCAB_SIZE})")
     planner.add_argument("--max-layers-that-fit", action="store_true",
@@ -119,6 +123,7 @@ class Request:
     max_layers_that_fit: bool
     gpus_per_node: int = 8
     recommend_layout: bool = False
+    hardware: hw.Hardware = hw.DEFAULT  # its memory_gib is gpu_memory_gib
 
 
 def parse(argv: Optional[List[str]] = None) -> Request:
@@ -148,15 +153,47 @@ def parse(argv: Optional[List[str]] = None) -> Request:
                              f"{', '.join(MODELED_OPTIMIZERS)} (AdamW: two fp32 states per parameter)")
     except ValueError as err:
         parser.error(str(err))
-    memory = args.gpu_memory_gb
-    if memory is None:
-        memory = GPU_MEMORY_GIB[args.gpu] if args.gpu else DEFAULT_GPU_MEMORY_GIB
-    if memory <= 0:
-        parser.error(f"--gpu-memory-gb must be positive, got {memory:g}")
+    hardware = _hardware(parser, args)
     if args.gpus_per_node < 1:
         parser.error(f"--gpus-per-node must be at least 1, got {args.gpus_per_node}")
-    return Request(args.arch, shape, setup, memory, args.gpu, args.optimizer, args.max_layers_that_fit,
-                   args.gpus_per_node, args.recommend_layout)
+    if setup.float8 and not hardware.float8:
+        parser.error(f"--fp8 needs a GPU of compute capability 8.9 or higher (Ada, Hopper, Blackwell); --gpu "
+                     f"{args.gpu} has none: drop --fp8 or plan for --gpu h100 / h200")
+    return Request(args.arch, shape, setup, hardware.memory_gib, args.gpu, args.optimizer, args.max_layers_that_fit,
+                   args.gpus_per_node, args.recommend_layout, hardware)
+
+
+def _hardware(parser, args) -> hw.Hardware:
+    """The --gpu's figures (hardware.py), with the command line's overrides; a non-positive one is a usage error."""
+    gpu = hw.GPUS[args.gpu] if args.gpu else hw.DEFAULT
+    changes = {"memory_gib": args.gpu_memory_gb, "achieved_tflops": args.achieved_tflops,
+               "intra_node_gbps": args.intra_node_gbps, "inter_node_gbps": args.inter_node_gbps}
+    flags = {"memory_gib": "--gpu-memory-gb", "achieved_tflops": "--achieved-tflops",
+             "intra_node_gbps": "--intra-node-gbps", "inter_node_gbps": "--inter-node-gbps"}
+    for field, value in changes.items():
+        if value is not None and value <= 0:
+            parser.error(f"{flags[field]} must be positive, got {value:g}")
+    return dataclasses.replace(gpu, **{k: v for k, v in changes.items() if v is not None})
+
+
+def inputs_from_config(cfg, gpus: int, vocab_size: int = DEFAULT_VOCAB_SIZE, environ: Optional[dict] = None):
+    """(model shape, training setup) of a composed training config (a FairseqConfig: a recipe and its
+    overrides, as fairseq-hydra-train builds it) on `gpus` GPUs: what this command line computes for the same
+    flags. With FAIRSEQ_TP_MESH_OF_ONE=1 in `environ` (default: this process's environment) and
+    --model-parallel-size 1, the tensor-parallel plan runs on a one-rank mesh (setup.tp_plan_on_one_rank)."""
+    import os
+
+    from fairseq.distributed.mesh import TP_MESH_OF_ONE
+
+    flags = {}
+    for group in (cfg.task, cfg.optimization, cfg.dataset, cfg.distributed_training, cfg.common):
+        flags.update(vars(group))
+    args = argparse.Namespace(**dict(flags, gpus=gpus, vocab_size=vocab_size))
+    shape = mm.model_shape(cfg.model, vocab_size)
+    setup = _training_setup(args, cfg.model)
+    environ = os.environ if environ is None else environ
+    one_rank = setup.tensor_parallel == 1 and environ.get(TP_MESH_OF_ONE) == "1"
+    return shape, dataclasses.replace(setup, tp_plan_on_one_rank=one_rank)
 
 
 def _training_setup(args, cfg) -> mm.TrainingSetup:
@@ -205,7 +242,8 @@ def _training_setup(args, cfg) -> mm.TrainingSetup:
         forward_prefetch=args.fsdp_forward_prefetch, prefetch_depth=args.fsdp_prefetch_depth,
         sync_free=args.fsdp_sync_free, update_freq=max(1, args.update_freq[0]),
         tensor_parallel=layout.tp, shard_group=args.fsdp_shard_group_size,
-        float8=args.fp8, float8_all_gather=args.fp8_fsdp_all_gather, compiled=args.compile,
+        float8=args.fp8, float8_recipe=args.fp8_recipe, float8_all_gather=args.fp8_fsdp_all_gather,
+        compiled=args.compile,
     )
 
 
@@ -225,7 +263,9 @@ def _flags(setup: mm.TrainingSetup) -> str:
                      (setup.update_freq > 1, f"--update-freq {setup.update_freq}"),
                      (setup.tensor_parallel > 1, f"--model-parallel-size {setup.tensor_parallel}"),
                      (setup.shard_group > 0, f"--fsdp-shard-group-size {setup.shard_group}"),
-                     (setup.float8, "--fp8"), (setup.float8_all_gather, "--fp8-fsdp-all-gather"),
+                     (setup.float8, "--fp8" + (f" --fp8-recipe {setup.float8_recipe}"
+                                                if setup.float8_recipe != "tensorwise" else "")),
+                     (setup.float8_all_gather, "--fp8-fsdp-all-gather"),
                      (setup.compiled, "--compile")):
         if on:
             parts.append(flag)
@@ -327,8 +367,9 @@ def recommendations(request: Request) -> List[str]:
         if setup.cpu_offload and fits_with_headroom(cpu_offload=False):
             advice.append("drop --cpu-offload: the states fit on the GPU, and the optimizer step is much faster there")
         traffic = cm.step_traffic(shape, setup, request.gpus_per_node)
-        across = sum(item.seconds() for item in traffic if item.crosses_nodes)
-        if across > cm.compute_seconds(shape, setup) and not request.recommend_layout:
+        across = sum(item.seconds(request.hardware) for item in traffic if item.crosses_nodes)
+        compute = compute_model.compute_seconds(shape, setup, request.hardware.achieved_tflops)
+        if across > compute and not request.recommend_layout:
             advice.append(f"--recommend-layout: communication across nodes (about {across:.0f} s per step) exceeds "
                           "compute; tensor parallelism inside a node divides what FSDP sends across them")
         small_layers = setup.tokens * shape.layer_params < CPU_BOUND_TOKENS_X_LAYER_PARAMS
@@ -364,7 +405,7 @@ def report(request: Request) -> List[str]:
             lines.append(f"  with {layers} layers: {deepest.shape.total_params} parameters, peak allocated "
                          f"{mm.gib(deepest.peak_bytes):.2f} GiB, total {mm.gib(deepest.required_bytes):.2f} GiB "
                          f"of {memory:g}")
-    lines += communication_lines(shape, setup, request.gpus_per_node)
+    lines += communication_lines(shape, setup, request.hardware, request.gpus_per_node)
     advice = recommendations(request)
     lines.append("recommended: " + ("nothing to change" if not advice else advice[0]))
     lines += [f"             {item}" for item in advice[1:]]
@@ -380,42 +421,61 @@ def _layout_name(setup: mm.TrainingSetup) -> str:
     return ParallelLayout(setup.data_parallel // shard, shard, setup.tensor_parallel).describe()
 
 
-def communication_lines(shape: mm.ModelShape, setup: mm.TrainingSetup, gpus_per_node: int) -> List[str]:
-    """Bytes per GPU per step of each collective, where it runs, and the time at the assumed bandwidths."""
+def communication_lines(shape: mm.ModelShape, setup: mm.TrainingSetup, hardware: hw.Hardware,
+                        gpus_per_node: int) -> List[str]:
+    """Bytes per GPU per step of each collective, where it runs, and the step time they leave exposed."""
     traffic = cm.step_traffic(shape, setup, gpus_per_node)
     lines = [f"layout: {_layout_name(setup)} on {setup.gpus} GPUs ({gpus_per_node} per node); communication per "
              f"GPU per step ({setup.update_freq} micro-batch(es)), GiB:"]
     for item in traffic:
         where = "across nodes" if item.crosses_nodes else "inside a node"
         lines.append(f"  {item.what + f' over {item.ranks} ranks, {where}':<70} {mm.gib(item.bytes):9.2f}")
-    inter = sum(i.seconds() for i in traffic if i.crosses_nodes)
-    intra = sum(i.seconds() for i in traffic if not i.crosses_nodes)
-    lines.append(f"  estimated time if none overlapped compute: {intra:.2f} s inside nodes "
-                 f"({cm.INTRA_NODE_GBPS:g} GB/s per GPU) + {inter:.2f} s across nodes ({cm.INTER_NODE_GBPS:g} GB/s); "
-                 f"compute {cm.compute_seconds(shape, setup):.2f} s at {cm.ACHIEVED_TFLOPS:g} TFLOP/s per GPU")
+    inter = sum(i.seconds(hardware) for i in traffic if i.crosses_nodes)
+    intra = sum(i.seconds(hardware) for i in traffic if not i.crosses_nodes)
+    time = step_time(shape, setup, hardware, gpus_per_node)
+    lines.append(f"  transfers: {intra:.2f} s inside nodes ({hardware.intra_node_gbps:g} GB/s per GPU) + {inter:.2f} s "
+                 f"across nodes ({hardware.inter_node_gbps:g} GB/s)")
+    lines.append(f"estimated step: {time.total:.2f} s = compute {time.compute:.2f} s (at {hardware.achieved_tflops:g} "
+                 f"TFLOP/s per GPU{_float8_note(setup)}) + exposed communication {time.exposed:.2f} s")
     return lines
 
 
+def _float8_note(setup: mm.TrainingSetup) -> str:
+    if not setup.float8:
+        return ""
+    return f", the layers' float8 matmuls {compute_model.float8_speedup(setup):.2f}x as fast"
+
+
 def layout_lines(request: Request) -> List[str]:
-    """The layouts of --recommend-layout, best first, and the recommendation."""
-    shape, setup, memory = request.shape, request.setup, request.gpu_memory_gib
+    """The recommended layout of --recommend-layout, then every one that fits, fastest first."""
+    shape, setup = request.shape, request.setup
     sequences = setup.batch_size * setup.update_freq * setup.data_parallel
-    candidates = cm.candidate_layouts(shape, setup, memory, request.gpus_per_node)
-    lines = [f"layouts of {setup.gpus} GPUs at {sequences} sequences per update, the largest micro-batch that fits "
-             "(estimated communication per step if none overlapped compute):"]
+    candidates = layouts.candidate_layouts(shape, setup, request.hardware, request.gpus_per_node)
+    lines = [f"layouts of {setup.gpus} GPUs at {sequences} sequences per update, each at the largest micro-batch that "
+             "fits, fastest first (estimated step: compute + communication not hidden behind it):"]
     if not candidates:
         return lines + ["  none fits: more GPUs, or --checkpoint-activations / --bf16"]
-    lines.append(f"  {'layout':<24} {'batch x freq':>12} {'GiB needed':>11} {'across nodes GiB':>17} {'comm s':>7}")
-    for candidate in candidates[:10]:
-        c = candidate.setup
+    best = candidates[0]
+    flags = [f"--model-parallel-size {best.setup.tensor_parallel}"] if best.setup.tensor_parallel > 1 else []
+    flags += [f"--fsdp-shard-group-size {best.setup.shard_group}"] if best.setup.shard_group else []
+    flags += [f"--batch-size {best.setup.batch_size}", f"--update-freq {best.setup.update_freq}"]
+    lines.append(f"recommended layout: {_layout_name(best.setup)}: {' '.join(flags)} ({best.time.total:.2f} s per "
+                 f"step: compute {best.time.compute:.2f} s + exposed communication {best.time.exposed:.2f} s; "
+                 f"{mm.gib(best.plan.required_bytes):.2f} GiB per GPU)")
+    lines.append(f"  {'layout':<24} {'batch x freq':>12} {'GiB needed':>11} {'compute s':>10} {'exposed s':>10} "
+                 f"{'step s':>8} {'across nodes GiB':>17} {'all comm s':>11}")
+    # One row per tensor-parallel size (FSDP over all its data-parallel ranks), and the HSDP layouts that beat it.
+    fsdp = {c.setup.tensor_parallel: c.time.total for c in candidates if not c.setup.shard_group}
+    shown = [c for c in candidates if c is best or not c.setup.shard_group or
+             c.time.total < fsdp.get(c.setup.tensor_parallel, float("inf")) * (1 - layouts.STEP_TIME_TIE_FRACTION)]
+    for candidate in shown:
+        c, time = candidate.setup, candidate.time
         lines.append(f"  {_layout_name(c):<24} {f'{c.batch_size} x {c.update_freq}':>12} "
-                     f"{mm.gib(candidate.plan.required_bytes):11.2f} {mm.gib(candidate.inter_node_bytes):17.1f} "
-                     f"{candidate.communication_seconds:7.2f}")
-    best = candidates[0].setup
-    flags = [f"--model-parallel-size {best.tensor_parallel}"] if best.tensor_parallel > 1 else []
-    flags += [f"--fsdp-shard-group-size {best.shard_group}"] if best.shard_group else []
-    flags += [f"--batch-size {best.batch_size}", f"--update-freq {best.update_freq}"]
-    lines.append(f"recommended layout: {_layout_name(best)}: {' '.join(flags)}")
+                     f"{mm.gib(candidate.plan.required_bytes):11.2f} {time.compute:10.2f} {time.exposed:10.2f} "
+                     f"{time.total:8.2f} {mm.gib(candidate.inter_node_bytes):17.1f} {time.communication:11.2f}")
+    if len(shown) < len(candidates):
+        lines.append(f"  not shown: {len(candidates) - len(shown)} HSDP layouts (--fsdp-shard-group-size), none "
+                     "faster than FSDP over all data-parallel ranks at their TP size, all needing more memory")
     return lines
 
 

@@ -9,7 +9,7 @@ import torch
 
 from fairseq import options
 from fairseq.dataclass.validate import validate
-from fairseq.distributed.float8 import _convertible
+from fairseq.distributed.float8 import is_float8_convertible
 from fairseq.models.transformer_lm import TransformerLanguageModel, preset_config
 
 BASE = ["--task", "dummy_lm", "--arch", "transformer_lm_gpt2_tiny", "--optimizer", "adam", "--max-tokens", "64"]
@@ -80,7 +80,7 @@ def test_only_decoder_layer_linears_with_float8_sized_dims_are_converted():
     cfg = preset_config("transformer_lm_gpt3_small", decoder_layers=1, decoder_embed_dim=64,
                         decoder_attention_heads=4, decoder_ffn_embed_dim=200, tokens_per_sample=32)
     model = TransformerLanguageModel.build(cfg, 100, 1)
-    chosen = sorted(name for name, m in model.named_modules() if _convertible(m, name))
+    chosen = sorted(name for name, m in model.named_modules() if is_float8_convertible(m, name))
     # fc1/fc2 (64 x 200: 200 is no multiple of 16) and the output projection stay in bf16
     assert chosen == [f"decoder.layers.0.self_attn.{p}_proj" for p in ("k", "out", "q", "v")]
     assert isinstance(model.decoder.output_projection, torch.nn.Linear)

@@ -38,6 +38,17 @@ TABLE = {
     "175b": (96, 12288, 96, 2 * M, 1.2e-4, 175e9),  # lr: the OPT paper's (README says why)
 }
 BIG = {"13b", "30b", "66b", "175b"}  # FSDP flags and sharded checkpoints
+# The tensor-parallel variants (OPT's layout, float8, compile): each inherits its size's recipe (hydra defaults) and
+# changes exactly these keys.
+TP_VARIANTS = {
+    "66b_tp8": ("66b", {"dataset.batch_size": 16}),
+    "175b_tp8": ("175b", {"dataset.batch_size": 8}),
+}
+TP_CHANGES = {
+    "criterion._name": "vocab_parallel_cross_entropy", "distributed_training.model_parallel_size": 8,
+    "distributed_training.compile": True, "common.fp8": True, "common.fp8_recipe": "tensorwise",
+    "common.fp8_fsdp_all_gather": True,
+}
 
 
 def load_script(name):
@@ -68,7 +79,37 @@ def num_params(model):
 
 
 def test_every_size_has_a_config():
-    assert sorted(p.stem for p in CONFIG_DIR.glob("*.yaml")) == sorted(TABLE)
+    assert sorted(p.stem for p in CONFIG_DIR.glob("*.yaml")) == sorted([*TABLE, *TP_VARIANTS])
+
+
+def flat(values, prefix=""):
+    out = {}
+    for key, value in values.items():
+        if isinstance(value, dict):
+            out.update(flat(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+@pytest.mark.parametrize("variant", list(TP_VARIANTS))
+def test_tensor_parallel_variant_is_its_size_with_the_layout_changed(variant):
+    size, batch = TP_VARIANTS[variant]
+    base, base_recipe = split_recipe(compose_values(size, ["task.data=/data"]))
+    tp, tp_recipe = split_recipe(compose_values(variant, ["task.data=/data"]))
+    changed = {key: value for key, value in flat(tp).items() if flat(base).get(key, "unset") != value}
+    assert changed == {**TP_CHANGES, **batch, "checkpoint.save_dir": f"checkpoints/{variant}"}
+    assert set(flat(base)) <= set(flat(tp))
+    assert tp_recipe == base_recipe  # the same global batch on the same GPU count ...
+    cfg, recipe = compose_config(variant)
+    data_parallel = recipe["gpus"] // cfg.distributed_training.model_parallel_size
+    per_update = cfg.dataset.batch_size * cfg.optimization.update_freq[0] * data_parallel * cfg.task.tokens_per_sample
+    assert per_update == recipe["global_batch_tokens"] == 2 * M  # ... over the data-parallel ranks
+    from fairseq.distributed.float8 import check_float8_flags
+    from fairseq.distributed.tensor_parallel_checks import check_tensor_parallel_shape
+
+    check_float8_flags(cfg)
+    check_tensor_parallel_shape(8, cfg.model.decoder_attention_heads, cfg.model.decoder_ffn_embed_dim, VOCAB)
 
 
 @pytest.mark.parametrize("size", list(TABLE))
@@ -176,7 +217,7 @@ def test_the_preset_fills_only_what_the_config_leaves_unset():
     assert config_to_dict(cfg) == config_to_dict(from_flags)
 
 
-@pytest.mark.parametrize("size", list(TABLE))
+@pytest.mark.parametrize("size", [*TABLE, *TP_VARIANTS])
 def test_rendered_fairseq_train_command_builds_the_same_config(size):
     command = load_script("render_train_command").train_command(size)
     argv = shlex.split(command.replace('"$DATA"', "/data").replace("\\\n", " "))

@@ -79,3 +79,83 @@ def test_cli_float8_errors_name_the_flag(capsys, args, message):
         plan_memory.main(["--arch", "transformer_lm_gpt3_small"] + args)
     assert exit_info.value.code == 2
     assert message in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------------ tensor parallelism x FSDP x float8
+
+# The 2-layer, 64-wide gpt3 shape (4 heads, ffn 256, gelu, no dropout, vocabulary 1000) on 8 GPUs as TP 2 x FSDP 4,
+# 2 sequences of 32 tokens (T = 64) per data-parallel rank. One TP rank's layer: q, k, v [32, 64] and their
+# biases [32] (column-parallel), out_proj [64, 32] (row-parallel) and its bias [64], fc1 [128, 64] + [128], fc2
+# [64, 128] + [64], two norms of 2 x [64].
+SMALL = dict(decoder_layers=2, decoder_embed_dim=64, decoder_attention_heads=4, tokens_per_sample=32)
+
+
+@pytest.fixture(scope="module")
+def small_tp():
+    from fairseq.models.transformer_lm import preset_config as preset
+
+    shape = mm.model_shape(preset("transformer_lm_gpt3_small", **SMALL), 1000)
+    setup = mm.TrainingSetup(gpus=8, batch_size=2, tokens_per_sample=32, dtype="bf16", tensor_parallel=2,
+                             float8=True, compiled=True, float8_all_gather=True)
+    return shape, setup
+
+
+def test_float8_all_gather_buffer_of_a_tensor_parallel_layer_in_exact_bytes(small_tp):
+    shape, setup = small_tp
+    local = mm.local_shape(shape, 2)
+    # Weights sharded over the 4 FSDP ranks (dim 0): q/k/v 3 x 8 x 64, out_proj 16 x 32, fc1 32 x 64, fc2 16 x 128
+    # = 6144 float8 elements per rank; biases and norms 3 x 8 + 16 + 32 + 16 + 4 x 16 = 152 in bf16.
+    assert mm.gathered_layer_bytes(local, setup) == 4 * (6144 * 1 + 152 * 2) == 25792
+    assert mm.gathered_layer_bytes(local, dataclasses.replace(setup, float8_all_gather=False)) == 4 * 6296 * 2
+    plan = mm.plan(shape, setup)
+    assert plan.snapshot("backward, layer 1").terms["layers_in_flight"] == 2 * 25792  # itself + layer 0 prefetched
+    # torchao keeps one fp32 scale per float8 weight (6 per layer) with the float8 all-gather, and nothing else
+    assert plan.snapshot("optimizer step").terms["float8_scales"] == 2 * 6 * 4
+    assert "float8_scales" not in mm.plan(shape, dataclasses.replace(setup, float8_all_gather=False)).snapshot(
+        "optimizer step").terms
+
+
+def test_tensor_parallel_float8_traffic_in_exact_bytes(small_tp):
+    from fairseq.planning import communication_model as cm
+
+    shape, setup = small_tp
+    traffic = {item.what: item.bytes for item in cm.step_traffic(shape, setup)}
+    # FSDP: each layer gathered twice (forward, backward), the root (embedding rows 125 x 64, positions 9 x 64, the
+    # final norm 2 x 16 per rank) once, in bf16; ring over 4 ranks moves 3/4
+    assert traffic["FSDP all-gather (float8 weights, bf16 others)"] == (2 * 2 * 25792 + 4 * 8608 * 2) * 3 // 4
+    # TP per layer and pass: the all-gathers of [64 tokens, 64] in float8, the reduce-scatters in bf16; forward and
+    # backward of 2 layers; around them 6 bf16 units and the loss's 3 fp32 all-reduces; ring over 2 moves 1/2
+    per_pass = 2 * 64 * 64 * (1 + 2)
+    around = 6 * 64 * 64 * 2 + 3 * 64 * 4 * 2
+    assert traffic["TP activations (float8 all-gathers, bf16 reduce-scatters)"] == (4 * per_pass + around) // 2
+    rowwise = dataclasses.replace(setup, float8_recipe="rowwise", float8_all_gather=False)
+    plain = {item.what: item.bytes for item in cm.step_traffic(shape, rowwise)}
+    assert plain["TP activations (bf16)"] == (4 * 2 * 64 * 64 * 4 + around) // 2  # the plain styles: bf16 gathers
+
+
+def test_tensor_parallel_float8_activations_in_exact_bytes(small_tp):
+    """Per token (T = 64, d = 64, this rank's ffn 128 and 2 heads): the norms' inputs and q, k, v, the attention
+    output split 2 ways (768 / 2); the gathered inputs of q/k/v and fc1, gelu's two ffn-wide tensors and the fp32
+    logsumexp whole."""
+    shape, setup = small_tp
+    local = mm.local_shape(shape, 2)
+    bf16 = dataclasses.replace(setup, float8=False, compiled=False, float8_all_gather=False)
+    assert mm.layer_activation_bytes(local, bf16) == 64 * (768 // 2 + 2 * 64 * 2 + 2 * 128 * 2 + 4 * 2)
+    # eager tensorwise: the gathered inputs in float8; out_proj's float8 input (d / 2) beside SDPA's output; fc2's
+    # float8 input in place of gelu's bf16 output
+    eager = dataclasses.replace(setup, compiled=False)
+    assert mm.layer_activation_bytes(local, eager) == 64 * ((768 + 64) // 2 + 2 * 64 + 128 + 128 * 2 + 4 * 2)
+    # compiled: as without tensor parallelism (fc2's input recomputed from fc1's output)
+    assert mm.layer_activation_bytes(local, setup) == 64 * (768 // 2 + 2 * 64 + 128 * 2 + 4 * 2)
+    # rowwise casts each input twice: what bf16 saves
+    rowwise = dataclasses.replace(setup, float8_recipe="rowwise", float8_all_gather=False)
+    assert mm.layer_activation_bytes(local, rowwise) == mm.layer_activation_bytes(local, bf16)
+
+
+def test_the_plan_on_a_one_rank_mesh_is_the_tensor_parallel_code_path(small_tp):
+    """FAIRSEQ_TP_MESH_OF_ONE=1 runs the TP styles on one GPU: eager float8 then saves what the styles save."""
+    shape, setup = small_tp
+    one = dataclasses.replace(setup, gpus=1, tensor_parallel=1, compiled=False)
+    styled = dataclasses.replace(one, tp_plan_on_one_rank=True)
+    assert mm.layer_activation_bytes(shape, one) == 64 * (768 + 2 * 64 * 2 + 2 * 256 * 2 + 16)  # as bf16
+    assert mm.layer_activation_bytes(shape, styled) == 64 * (768 + 64 + 2 * 64 + 256 + 256 * 2 + 16)
