@@ -83,7 +83,10 @@ class SequenceRegion:
 
     def leave(self, module, args, output):
         full = DTensor.from_local(output, self.mesh, [Shard(1)], run_check=False)
-        return full.redistribute(self.mesh, [Replicate()]).to_local()[:, : self.length]
+        full = full.redistribute(self.mesh, [Replicate()]).to_local()[:, : self.length]
+        # FSDP2 warns about a layer output that is a view (an in-place op on it would skip the layer's backward
+        # hook): the gathered sequence is one, so it is copied (once per forward, after the last layer).
+        return full.clone() if full._base is not None else full
 
 
 # Styles whose Linear inputs torchao can cast to float8 before they are all-gathered (half the bytes of bf16)
