@@ -26,7 +26,6 @@ import logging
 import math
 import os
 import shutil
-import tempfile
 from dataclasses import dataclass
 from typing import Dict, List, Optional
 
@@ -37,6 +36,7 @@ from fairseq.data.dictionary import Dictionary
 from fairseq.dataclass.utils import config_from_dict
 from fairseq.export.hf_names import (ACTIVATIONS, CONFIG_FIELDS, EMBED, FORK_TOKENIZER_FILES, HF_ARCHITECTURES, PAD,
                                      POSITIONS, PROJECT_IN, PROJECT_OUT, weight_names)
+from fairseq.export.output_dir import assembled, check_output
 from fairseq.export.safetensors_shards import TensorSpec, parse_size, write_shards
 
 logger = logging.getLogger(__name__)
@@ -46,12 +46,12 @@ DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.floa
           "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
 
 
-def require_transformers():
+def require_transformers(what: str = "exporting to transformers"):
     try:
         import transformers  # noqa: F401
         import safetensors  # noqa: F401
     except ImportError as e:
-        raise ImportError(f"exporting to transformers needs the transformers and safetensors packages ({e}); "
+        raise ImportError(f"{what} needs the transformers and safetensors packages ({e}); "
                           "install them with: pip install 'fairseq[export]'") from None
 
 
@@ -310,8 +310,7 @@ def export(checkpoint: str, out_dir: str, dict_path: Optional[str] = None, model
     if dtype is not None and dtype not in DTYPES:
         raise ValueError(f"--dtype {dtype!r}: choose one of {', '.join(DTYPES)}")
     max_shard_bytes = parse_size(max_shard_size)
-    if os.path.exists(out_dir) and not (os.path.isdir(out_dir) and not os.listdir(out_dir)) and not overwrite:
-        raise ValueError(f"output {out_dir} already exists and is not empty; pass --overwrite to replace it")
+    check_output(out_dir, overwrite)
 
     src = load_source(checkpoint, dict_path, trust_legacy=trust_legacy)
     chosen = choose_model_type(src, model_type)
@@ -321,46 +320,26 @@ def export(checkpoint: str, out_dir: str, dict_path: Optional[str] = None, model
     target_dtype = DTYPES[dtype] if dtype else None
     config = hf_config(src, chosen, target_dtype or src.state["decoder.embed_tokens.weight"].dtype)
 
-    try:
-        files = _write_export(src, chosen, config, hf_tok, bpe_cfg, out_dir, target_dtype, max_shard_bytes)
-    except OSError as err:  # an unwritable, read-only or full file system: one line, any earlier export intact
-        from fairseq.checkpoint.io import CheckpointSaveError, os_error_message
-
-        raise CheckpointSaveError(os_error_message(out_dir, err, "cannot write the export", flag="OUTPUT")) from None
+    with assembled(out_dir, "cannot write the export") as tmp:  # one line for an OSError; an earlier export kept
+        files = _write_export(src, chosen, config, hf_tok, bpe_cfg, tmp, target_dtype, max_shard_bytes)
     logger.info(f"wrote {out_dir}: {HF_ARCHITECTURES[chosen]}, {len(files)} weight file(s)"
                 + (f", tokenizer ({bpe_cfg['_name']})" if hf_tok is not None else ", no tokenizer"))
     return {"model_type": chosen, "architecture": HF_ARCHITECTURES[chosen], "weights": files,
             "tokenizer": bpe_cfg["_name"] if hf_tok is not None else None}
 
 
-def _write_export(src, chosen, config, hf_tok, bpe_cfg, out_dir, target_dtype, max_shard_bytes) -> List[str]:
-    """Assemble the export in a hidden directory beside `out_dir`, then rename it into place. With a tokenizer,
-    the --bpe files themselves go beside dict.txt too (under hf_names.FORK_TOKENIZER_FILES' names), for the
-    way back (hf_import)."""
-    parent = os.path.dirname(os.path.abspath(out_dir))
-    os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(os.path.abspath(out_dir))}.", dir=parent)
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes it private; the export is an ordinary directory
-    try:
-        config.save_pretrained(tmp)
-        _generation_config(src).save_pretrained(tmp)
-        files = write_shards(tmp, hf_tensors(src, chosen), target_dtype, max_shard_bytes)
-        shutil.copyfile(src.dict_path, os.path.join(tmp, "dict.txt"))
-        if hf_tok is not None:
-            hf_tok.save_pretrained(tmp)
-            for filename, option in FORK_TOKENIZER_FILES.items():
-                if bpe_cfg.get(option):
-                    shutil.copyfile(bpe_cfg[option], os.path.join(tmp, filename))
-        if os.path.isdir(out_dir):
-            shutil.rmtree(out_dir)
-        elif os.path.exists(out_dir):
-            os.remove(out_dir)
-        os.replace(tmp, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+def _write_export(src, chosen, config, hf_tok, bpe_cfg, tmp, target_dtype, max_shard_bytes) -> List[str]:
+    """Write the export's files into `tmp`. With a tokenizer, the --bpe files themselves go beside dict.txt too
+    (under hf_names.FORK_TOKENIZER_FILES' names), for the way back (hf_import)."""
+    config.save_pretrained(tmp)
+    _generation_config(src).save_pretrained(tmp)
+    files = write_shards(tmp, hf_tensors(src, chosen), target_dtype, max_shard_bytes)
+    shutil.copyfile(src.dict_path, os.path.join(tmp, "dict.txt"))
+    if hf_tok is not None:
+        hf_tok.save_pretrained(tmp)
+        for filename, option in FORK_TOKENIZER_FILES.items():
+            if bpe_cfg.get(option):
+                shutil.copyfile(bpe_cfg[option], os.path.join(tmp, filename))
     return files
 
 
