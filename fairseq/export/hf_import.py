@@ -218,7 +218,7 @@ def _fork_layout_of_export(state: Dict[str, torch.Tensor], values: Dict[str, Any
         values.update(decoder_learned_pos=False)
     elif not table.any():
         del state[POSITIONS]
-        values.update(decoder_learned_pos=False, no_token_positional_embeddings=True)
+        values.update(no_token_positional_embeddings=True)
 
 
 def complete_state(state: Dict[str, torch.Tensor], cfg, rows: int) -> Dict[str, torch.Tensor]:
