@@ -40,8 +40,8 @@ def main(argv=None):
     except ImportError as e:  # transformers / safetensors not installed: one line, like the other errors
         raise ValueError(str(e)) from None
     print(f"wrote {result['checkpoint']} ({result['architecture']}; --bpe {result['bpe'] or 'none'}); fine-tune with: "
-          f"fairseq-train DATA --task language_modeling {' '.join(result['flags'])} --finetune-from-model "
-          f"{result['checkpoint']}")
+          f"fairseq-train DATA --task language_modeling {' '.join(result['flags'] + result['bpe_flags'])} "
+          f"--finetune-from-model {result['checkpoint']}")
 
 
 if __name__ == "__main__":

@@ -279,8 +279,11 @@ def import_hf(hf_dir: str, out_dir: str, dtype: Optional[str] = None, overwrite:
     architecture = HF_ARCHITECTURES[model.model_type]
     logger.info(f"wrote {out_dir}: {architecture} as transformer_lm ({cfg.decoder_layers} layers, {rows:,} rows; "
                 f"tokenizer from {vocab.source})")
+    bpe_flags = [] if vocab.bpe is None else ["--bpe", vocab.bpe] + [
+        f for name, option in FORK_TOKENIZER_FILES.items() if name in vocab.files
+        for f in (flag_name(option), os.path.join(out_dir, name))]
     return {"checkpoint": os.path.join(out_dir, CHECKPOINT_NAME), "architecture": architecture, "bpe": vocab.bpe,
-            "flags": model_flags(cfg)}
+            "flags": model_flags(cfg) + (["--add-bos-token"] if add_bos else []), "bpe_flags": bpe_flags}
 
 
 def _write(tmp: str, out_dir: str, cfg, state, vocab: Vocabulary, add_bos: bool) -> None:
