@@ -42,7 +42,7 @@ logger = logging.getLogger(__name__)
 CHECKPOINT_NAME = "checkpoint_best.pt"
 FLAGS_NAME = "model_flags.txt"
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-# The options model_flags writes when they differ from the defaults (the rest are transformer_lm's defaults).
+# The options model_flags writes (the others are transformer_lm's defaults, which the import keeps).
 _FLAG_OPTIONS = ("decoder_layers", "decoder_embed_dim", "decoder_input_dim", "decoder_output_dim",
                  "decoder_ffn_embed_dim", "decoder_attention_heads", "decoder_normalize_before", "no_decoder_final_norm",
                  "no_token_positional_embeddings", "decoder_learned_pos", "no_scale_embedding",
@@ -137,16 +137,16 @@ def fork_values(model: HFModel) -> Dict[str, Any]:
 
 
 def model_flags(cfg) -> List[str]:
-    """fairseq-train's flags that build `cfg` (a TransformerLanguageModelConfig): --arch transformer_lm and each
-    option that differs from its default, then --max-target-positions."""
-    from fairseq.models.transformer_lm import TransformerLanguageModelConfig
-
-    defaults = TransformerLanguageModelConfig()
+    """fairseq-train's flags that build `cfg` (a TransformerLanguageModelConfig): --arch transformer_lm, every
+    number and name of _FLAG_OPTIONS (some defaults follow others: all are spelled out), the switches that are
+    on, then --max-target-positions."""
     flags = ["--arch", "transformer_lm"]
     for name in _FLAG_OPTIONS:
         value = getattr(cfg, name)
-        if value != getattr(defaults, name):
-            flags += [flag_name(name)] if isinstance(value, bool) else [flag_name(name), str(value)]
+        if not isinstance(value, bool):
+            flags += [flag_name(name), str(value)]
+        elif value:
+            flags.append(flag_name(name))
     return flags + ["--max-target-positions", str(cfg.max_target_positions)]
 
 

@@ -77,6 +77,7 @@ def test_imported_model_computes_what_transformers_computes(variant, tokenizers,
     assert result["architecture"] == ("OPTForCausalLM" if model_type == "opt" else "XGLMForCausalLM")
     assert result["bpe"] == ("gpt2" if model_type == "opt" else "sentencepiece")
     state = torch.load(result["checkpoint"], weights_only=True)
+    _assert_flags_build(tmp_path / "fs" / "model_flags.txt", state["cfg"]["model"])
     dtype = options.get("dtype", torch.float32)
     assert state["model"]["decoder.embed_tokens.weight"].dtype == dtype  # stored as it was
     dictionary = Dictionary.load(str(tmp_path / "fs" / "dict.txt"))
@@ -101,6 +102,16 @@ def test_imported_model_computes_what_transformers_computes(variant, tokenizers,
     for key in ("hidden_size", "d_model", "num_hidden_layers", "num_layers", "ffn_dim", "word_embed_proj_dim",
                 "do_layer_norm_before", "_remove_final_layer_norm", "scale_embedding", "tie_word_embeddings"):
         assert config.get(key) == back_config.get(key) or key not in config, key
+
+
+def _assert_flags_build(flags_file, model_cfg):
+    """fairseq-train's parser builds the imported model's options from model_flags.txt."""
+    from fairseq import options
+    from fairseq.models.transformer_lm import TransformerLanguageModel
+
+    args = options.parse_args_and_arch(options.get_training_parser(), ["data"] + flags_file.read_text().split())
+    for option in TransformerLanguageModel.architecture_options + ("share_decoder_input_output_embed", "dropout"):
+        assert getattr(args, option) == model_cfg[option], option
 
 
 def test_bf16_to_float32_and_the_cli(tokenizers, tmp_path, capsys):
