@@ -44,8 +44,8 @@ FLAGS_NAME = "model_flags.txt"
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 # The options model_flags writes (the others are transformer_lm's defaults, which the import keeps).
 _FLAG_OPTIONS = ("decoder_layers", "decoder_embed_dim", "decoder_input_dim", "decoder_output_dim",
-                 "decoder_ffn_embed_dim", "decoder_attention_heads", "decoder_normalize_before", "no_decoder_final_norm",
-                 "no_token_positional_embeddings", "decoder_learned_pos", "no_scale_embedding",
+                 "decoder_ffn_embed_dim", "decoder_attention_heads", "decoder_normalize_before",
+                 "no_decoder_final_norm", "no_token_positional_embeddings", "decoder_learned_pos", "no_scale_embedding",
                  "share_decoder_input_output_embed", "activation_fn", "dropout", "attention_dropout",
                  "activation_dropout")
 

@@ -167,9 +167,10 @@ def _read_hf_bpe(hf_dir: str, source: str) -> Tuple[Dict[str, int], List[Tuple[s
                       and pre.get("use_regex", True) and data.get("normalizer") is None and not model.get("dropout")
                       and not model.get("continuing_subword_prefix") and not model.get("end_of_word_suffix"))
         if not byte_level:
+            normalizer = (data.get("normalizer") or {}).get("type")
             raise ValueError(f"{path('tokenizer.json')} is not GPT-2's byte-level BPE (model {model.get('type')}, "
-                             f"pre-tokenizer {pre.get('type')}, normalizer {(data.get('normalizer') or {}).get('type')})"
-                             ", which --bpe gpt2 cannot reproduce; the import maps OPT's tokenizer only")
+                             f"pre-tokenizer {pre.get('type')}, normalizer {normalizer}), which --bpe gpt2 cannot "
+                             "reproduce; the import maps OPT's tokenizer only")
         vocab = dict(model.get("vocab") or {})
         merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in model.get("merges") or []]
         for token in data.get("added_tokens") or []:

@@ -98,7 +98,7 @@ def test_imported_model_computes_what_transformers_computes(variant, tokenizers,
         else:
             assert not options.get("enable_bias", True) and (tensor == (1 if name.endswith("norm.weight") else 0)).all()
     assert set(original) - {"lm_head.weight"} <= set(back)
-    config, back_config = (json.loads(p.read_text()) for p in (source / "config.json", tmp_path / "back" / "config.json"))
+    config, back_config = (json.loads((d / "config.json").read_text()) for d in (source, tmp_path / "back"))
     for key in ("hidden_size", "d_model", "num_hidden_layers", "num_layers", "ffn_dim", "word_embed_proj_dim",
                 "do_layer_norm_before", "_remove_final_layer_norm", "scale_embedding", "tie_word_embeddings"):
         assert config.get(key) == back_config.get(key) or key not in config, key
