@@ -59,10 +59,11 @@ def write_xglm_tokenizer(directory, vocab_size: int = 300) -> int:
 
 
 def tiny_hf_model(directory, model_type: str, tokenizer_dir, vocab: int, seed: int = 0, dtype=None,
-                  max_shard_size=None, pickle: bool = False, **options):
+                  max_shard_size=None, pickle=False, **options):
     """A random `model_type` model (TINY + `options`) with every parameter perturbed (layer norms too), saved to
     `directory` with the tokenizer files of `tokenizer_dir`: as safetensors (sharded with `max_shard_size`), or
-    as a pytorch_model.bin of the base model's names (the released OPT / XGLM files' layout)."""
+    as a pytorch_model.bin of the base model's names (the released OPT / XGLM files' layout; pickle="legacy":
+    in the format of torch before 1.6, which cannot be memory-mapped)."""
     import transformers
 
     config_cls, model_cls = ((transformers.OPTConfig, transformers.OPTForCausalLM) if model_type == "opt" else
@@ -78,7 +79,8 @@ def tiny_hf_model(directory, model_type: str, tokenizer_dir, vocab: int, seed: i
     shutil.copytree(str(tokenizer_dir), str(directory), dirs_exist_ok=True)
     if pickle:
         config.save_pretrained(str(directory))
-        torch.save(model.model.state_dict(), str(directory / "pytorch_model.bin"))
+        torch.save(model.model.state_dict(), str(directory / "pytorch_model.bin"),
+                   _use_new_zipfile_serialization=pickle != "legacy")  # "legacy": torch < 1.6's format
     else:
         model.save_pretrained(str(directory), **({"max_shard_size": max_shard_size} if max_shard_size else {}))
     return directory

@@ -166,7 +166,12 @@ def _read_pickle(path: str) -> Dict[str, torch.Tensor]:
     import pickle
 
     try:
-        state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        try:
+            state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        except RuntimeError as e:  # a file from before torch 1.6's zip format cannot be memory-mapped
+            if "mmap" not in str(e):
+                raise
+            state = torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
         raise ValueError(f"{path} holds pickled Python objects besides tensors, which are not loaded (they can run "
                          f"code); save the model as safetensors with transformers first ({str(e).splitlines()[0]})"

@@ -60,7 +60,7 @@ VARIANTS = {
     "opt_no_bias_no_affine": ("opt", {"enable_bias": False, "layer_norm_elementwise_affine": False}),
     "opt_bf16_sharded": ("opt", {"dtype": torch.bfloat16, "max_shard_size": "30KB", "tie_word_embeddings": False}),
     "opt_pytorch_bin": ("opt", {"pickle": True}),
-    "xglm_tied_scaled_pytorch_bin": ("xglm", {"pickle": True}),
+    "xglm_tied_scaled_legacy_pytorch_bin": ("xglm", {"pickle": "legacy"}),
     "xglm_untied_unscaled_relu_bf16": ("xglm", {"tie_word_embeddings": False, "scale_embedding": False,
                                                     "activation_function": "relu", "dtype": torch.bfloat16}),
 }
