@@ -247,10 +247,12 @@ def _assert_same_checkpoint(original, imported):
 # ----------------------------------------------------------------------------- from_pretrained
 
 
-def test_from_pretrained_on_a_transformers_directory(tokenizers, tmp_path):
+@pytest.mark.parametrize("model_type", ["opt", "xglm"])
+def test_from_pretrained_on_a_transformers_directory(model_type, tokenizers, tmp_path):
     from fairseq.models.transformer_lm import TransformerLanguageModel
 
-    source = make_hf(tmp_path, tokenizers, "opt", do_layer_norm_before=False, word_embed_proj_dim=16)
+    options = {"do_layer_norm_before": False, "word_embed_proj_dim": 16} if model_type == "opt" else {}
+    source = make_hf(tmp_path, tokenizers, model_type, **options)
     lm = TransformerLanguageModel.from_pretrained(str(source))
     tokenizer = transformers.AutoTokenizer.from_pretrained(str(source))
     theirs = load_hf(source)
