@@ -2,7 +2,8 @@
 
 What is written (see docs/export_hf.md): `config.json`, `generation_config.json`, `model.safetensors` (or
 shards and their index), `dict.txt` (the fairseq dictionary, for the way back) and, when a GPT-2 BPE or a
-sentencepiece model is given or saved in the checkpoint, the tokenizer files (`fairseq.export.hf_tokenizer`).
+sentencepiece model is given or saved in the checkpoint, the tokenizer files (`fairseq.export.hf_tokenizer`) and
+the --bpe files themselves (`encoder.json` + `vocab.bpe`, or `sentencepiece.bpe.model`: for the way back).
 
 Only exact equivalents are written: the exported model computes the same function as `TransformerLanguageModel`
 at every real token (the vocabulary is the fairseq dictionary, ids unchanged). Two targets:
@@ -25,7 +26,6 @@ import logging
 import math
 import os
 import shutil
-import tempfile
 from dataclasses import dataclass
 from typing import Dict, List, Optional
 
@@ -34,6 +34,9 @@ import torch
 from fairseq import registry
 from fairseq.data.dictionary import Dictionary
 from fairseq.dataclass.utils import config_from_dict
+from fairseq.export.hf_names import (ACTIVATIONS, CONFIG_FIELDS, EMBED, FORK_TOKENIZER_FILES, HF_ARCHITECTURES, PAD,
+                                     POSITIONS, PROJECT_IN, PROJECT_OUT, weight_names)
+from fairseq.export.output_dir import assembled, check_output
 from fairseq.export.safetensors_shards import TensorSpec, parse_size, write_shards
 
 logger = logging.getLogger(__name__)
@@ -41,19 +44,14 @@ logger = logging.getLogger(__name__)
 MODEL_TYPES = ("auto", "opt", "xglm")
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16,
           "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
-# --activation-fn -> transformers' ACT2FN name computing the same function (gelu_fast is gelu_accurate).
-ACTIVATIONS = {"relu": "relu", "gelu": "gelu", "gelu_accurate": "gelu_pytorch_tanh",
-               "gelu_fast": "gelu_pytorch_tanh", "tanh": "tanh", "linear": "linear"}
-HF_ARCHITECTURES = {"opt": "OPTForCausalLM", "xglm": "XGLMForCausalLM"}
-PAD = 1  # both targets put padding at id 1 and start positions at 2, as fairseq does with its dictionary
 
 
-def require_transformers():
+def require_transformers(what: str = "exporting to transformers"):
     try:
         import transformers  # noqa: F401
         import safetensors  # noqa: F401
     except ImportError as e:
-        raise ImportError(f"exporting to transformers needs the transformers and safetensors packages ({e}); "
+        raise ImportError(f"{what} needs the transformers and safetensors packages ({e}); "
                           "install them with: pip install 'fairseq[export]'") from None
 
 
@@ -234,23 +232,17 @@ def hf_config(src: Source, model_type: str, dtype: torch.dtype):
     from transformers import OPTConfig, XGLMConfig
 
     cfg = src.cfg
-    common = dict(vocab_size=len(src.dictionary), max_position_embeddings=cfg.max_target_positions,
-                  activation_function=ACTIVATIONS[cfg.activation_fn], dropout=cfg.dropout,
-                  attention_dropout=cfg.attention_dropout, layerdrop=0.0, use_cache=True,
-                  pad_token_id=PAD, bos_token_id=src.begin_token, eos_token_id=src.dictionary.eos(),
-                  architectures=[HF_ARCHITECTURES[model_type]], dtype=dtype)
+    common = dict(vocab_size=len(src.dictionary), activation_function=ACTIVATIONS[cfg.activation_fn],
+                  layerdrop=0.0, use_cache=True, pad_token_id=PAD, bos_token_id=src.begin_token,
+                  eos_token_id=src.dictionary.eos(), architectures=[HF_ARCHITECTURES[model_type]], dtype=dtype)
+    common.update({hf_name: getattr(cfg, name) for name, hf_name in CONFIG_FIELDS[model_type]})
     if model_type == "opt":
         return OPTConfig(
-            hidden_size=cfg.decoder_embed_dim, num_hidden_layers=cfg.decoder_layers, ffn_dim=cfg.decoder_ffn_embed_dim,
-            num_attention_heads=cfg.decoder_attention_heads, do_layer_norm_before=cfg.decoder_normalize_before,
             _remove_final_layer_norm=bool(cfg.decoder_normalize_before and cfg.no_decoder_final_norm),
-            word_embed_proj_dim=cfg.decoder_input_dim, enable_bias=True, layer_norm_elementwise_affine=True,
-            tie_word_embeddings=_opt_ties(src), **common)
+            enable_bias=True, layer_norm_elementwise_affine=True, tie_word_embeddings=_opt_ties(src), **common)
     return XGLMConfig(
-        d_model=cfg.decoder_embed_dim, num_layers=cfg.decoder_layers, ffn_dim=cfg.decoder_ffn_embed_dim,
-        attention_heads=cfg.decoder_attention_heads, scale_embedding=not cfg.no_scale_embedding,
-        activation_dropout=cfg.activation_dropout or cfg.relu_dropout or 0.0, decoder_start_token_id=src.begin_token,
-        tie_word_embeddings=src.tied, **common)
+        scale_embedding=not cfg.no_scale_embedding, activation_dropout=cfg.activation_dropout or cfg.relu_dropout
+        or 0.0, decoder_start_token_id=src.begin_token, tie_word_embeddings=src.tied, **common)
 
 
 def _opt_ties(src: Source) -> bool:
@@ -258,48 +250,26 @@ def _opt_ties(src: Source) -> bool:
     return src.tied and _embed_scale(src.cfg) == 1.0
 
 
-_LAYER_PARAMS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.out_proj",
-                 "self_attn_layer_norm", "fc1", "fc2", "final_layer_norm")
-
-
 def hf_tensors(src: Source, model_type: str) -> List[TensorSpec]:
-    """The exported model's tensors, named as transformers names them, each computed when written."""
+    """The exported model's tensors, named as transformers names them (hf_names.weight_names), each computed
+    when written."""
     state, cfg = src.state, src.cfg
-
-    def same(hf_name: str, key: str) -> TensorSpec:
-        t = state[key]
-        return TensorSpec(hf_name, tuple(t.shape), t.dtype, lambda: state[key])
-
-    embed = state["decoder.embed_tokens.weight"]
-    base = "model.decoder." if model_type == "opt" else "model."
+    opt = model_type == "opt"
+    pairs = weight_names(model_type, cfg.decoder_layers, positions=opt, project_in=PROJECT_IN in state,
+                         project_out=PROJECT_OUT in state, final_norm="decoder.layer_norm.weight" in state,
+                         head=not (_opt_ties(src) if opt else src.tied))
+    embed, scale = state[EMBED], _embed_scale(cfg)
     specs = []
-    if model_type == "opt":
-        scale = _embed_scale(cfg)
-        if scale != 1.0:  # folded in fp32 (fairseq multiplies the looked-up fp32 rows by the same number)
-            specs.append(TensorSpec(base + "embed_tokens.weight", tuple(embed.shape), embed.dtype,
+    for key, hf_name in pairs:
+        if key == POSITIONS:
+            specs.append(_opt_positions(src, hf_name))
+        elif key == EMBED and opt and scale != 1.0:
+            # folded in fp32 (fairseq multiplies the looked-up fp32 rows by the same number)
+            specs.append(TensorSpec(hf_name, tuple(embed.shape), embed.dtype,
                                     lambda: (embed.float() * scale).to(embed.dtype)))
         else:
-            specs.append(same(base + "embed_tokens.weight", "decoder.embed_tokens.weight"))
-        specs.append(_opt_positions(src, base + "embed_positions.weight"))
-        if "decoder.project_in_dim.weight" in state:
-            specs.append(same(base + "project_in.weight", "decoder.project_in_dim.weight"))
-        if "decoder.project_out_dim.weight" in state:
-            specs.append(same(base + "project_out.weight", "decoder.project_out_dim.weight"))
-        final_norm = base + "final_layer_norm"
-        untied_head = not _opt_ties(src)
-    else:
-        specs.append(same(base + "embed_tokens.weight", "decoder.embed_tokens.weight"))
-        final_norm = base + "layer_norm"
-        untied_head = not src.tied
-    for i in range(cfg.decoder_layers):
-        for param in _LAYER_PARAMS:
-            for kind in ("weight", "bias"):
-                specs.append(same(f"{base}layers.{i}.{param}.{kind}", f"decoder.layers.{i}.{param}.{kind}"))
-    if "decoder.layer_norm.weight" in state:
-        specs.append(same(final_norm + ".weight", "decoder.layer_norm.weight"))
-        specs.append(same(final_norm + ".bias", "decoder.layer_norm.bias"))
-    if untied_head:
-        specs.append(same("lm_head.weight", "decoder.output_projection.weight"))
+            specs.append(TensorSpec(hf_name, tuple(state[key].shape), state[key].dtype,
+                                    lambda key=key: state[key]))
     return specs
 
 
@@ -340,8 +310,7 @@ def export(checkpoint: str, out_dir: str, dict_path: Optional[str] = None, model
     if dtype is not None and dtype not in DTYPES:
         raise ValueError(f"--dtype {dtype!r}: choose one of {', '.join(DTYPES)}")
     max_shard_bytes = parse_size(max_shard_size)
-    if os.path.exists(out_dir) and not (os.path.isdir(out_dir) and not os.listdir(out_dir)) and not overwrite:
-        raise ValueError(f"output {out_dir} already exists and is not empty; pass --overwrite to replace it")
+    check_output(out_dir, overwrite)
 
     src = load_source(checkpoint, dict_path, trust_legacy=trust_legacy)
     chosen = choose_model_type(src, model_type)
@@ -351,41 +320,26 @@ def export(checkpoint: str, out_dir: str, dict_path: Optional[str] = None, model
     target_dtype = DTYPES[dtype] if dtype else None
     config = hf_config(src, chosen, target_dtype or src.state["decoder.embed_tokens.weight"].dtype)
 
-    try:
-        files = _write_export(src, chosen, config, hf_tok, out_dir, target_dtype, max_shard_bytes)
-    except OSError as err:  # an unwritable, read-only or full file system: one line, any earlier export intact
-        from fairseq.checkpoint.io import CheckpointSaveError, os_error_message
-
-        raise CheckpointSaveError(os_error_message(out_dir, err, "cannot write the export", flag="OUTPUT")) from None
+    with assembled(out_dir, "cannot write the export") as tmp:  # one line for an OSError; an earlier export kept
+        files = _write_export(src, chosen, config, hf_tok, bpe_cfg, tmp, target_dtype, max_shard_bytes)
     logger.info(f"wrote {out_dir}: {HF_ARCHITECTURES[chosen]}, {len(files)} weight file(s)"
                 + (f", tokenizer ({bpe_cfg['_name']})" if hf_tok is not None else ", no tokenizer"))
     return {"model_type": chosen, "architecture": HF_ARCHITECTURES[chosen], "weights": files,
             "tokenizer": bpe_cfg["_name"] if hf_tok is not None else None}
 
 
-def _write_export(src, chosen, config, hf_tok, out_dir, target_dtype, max_shard_bytes) -> List[str]:
-    """Assemble the export in a hidden directory beside `out_dir`, then rename it into place."""
-    parent = os.path.dirname(os.path.abspath(out_dir))
-    os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(os.path.abspath(out_dir))}.", dir=parent)
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes it private; the export is an ordinary directory
-    try:
-        config.save_pretrained(tmp)
-        _generation_config(src).save_pretrained(tmp)
-        files = write_shards(tmp, hf_tensors(src, chosen), target_dtype, max_shard_bytes)
-        shutil.copyfile(src.dict_path, os.path.join(tmp, "dict.txt"))
-        if hf_tok is not None:
-            hf_tok.save_pretrained(tmp)
-        if os.path.isdir(out_dir):
-            shutil.rmtree(out_dir)
-        elif os.path.exists(out_dir):
-            os.remove(out_dir)
-        os.replace(tmp, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+def _write_export(src, chosen, config, hf_tok, bpe_cfg, tmp, target_dtype, max_shard_bytes) -> List[str]:
+    """Write the export's files into `tmp`. With a tokenizer, the --bpe files themselves go beside dict.txt too
+    (under hf_names.FORK_TOKENIZER_FILES' names), for the way back (hf_import)."""
+    config.save_pretrained(tmp)
+    _generation_config(src).save_pretrained(tmp)
+    files = write_shards(tmp, hf_tensors(src, chosen), target_dtype, max_shard_bytes)
+    shutil.copyfile(src.dict_path, os.path.join(tmp, "dict.txt"))
+    if hf_tok is not None:
+        hf_tok.save_pretrained(tmp)
+        for filename, option in FORK_TOKENIZER_FILES.items():
+            if bpe_cfg.get(option):
+                shutil.copyfile(bpe_cfg[option], os.path.join(tmp, filename))
     return files
 
 

@@ -1,4 +1,5 @@
-"""Write a state dict as Hugging Face's safetensors layout, one shard at a time.
+"""Hugging Face's weight files: a state dict written as safetensors, one shard at a time (the export), and the
+weights of a model directory read back (`read_weights`, the import).
 
 One file `model.safetensors` when everything fits in `max_shard_bytes`, else `model-0000K-of-0000N.safetensors`
 plus `model.safetensors.index.json` (`{"metadata": {"total_size": BYTES}, "weight_map": {name: file}}`), the
@@ -11,12 +12,14 @@ import json
 import os
 import re
 from dataclasses import dataclass
-from typing import Callable, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
 WEIGHTS_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
+PICKLE_NAME = "pytorch_model.bin"  # transformers' older format, read with weights_only=True only
+PICKLE_INDEX_NAME = "pytorch_model.bin.index.json"
 
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
           "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
@@ -110,3 +113,72 @@ def write_shards(out_dir: str, specs: Sequence[TensorSpec], dtype: Optional[torc
             f.write("\n")
         names.append(INDEX_NAME)
     return names
+
+
+# ------------------------------------------------------------------------------------------------ reading
+
+
+def read_weights(directory: str) -> Tuple[Dict[str, torch.Tensor], List[str]]:
+    """(name -> tensor, the files read) of a transformers model directory: model.safetensors or its shards
+    (model.safetensors.index.json), else pytorch_model.bin or its shards, loaded with weights_only=True (a file
+    that needs more is refused). The tensors keep their stored dtype."""
+    for index_name, single_name in ((INDEX_NAME, WEIGHTS_NAME), (PICKLE_INDEX_NAME, PICKLE_NAME)):
+        index = os.path.join(directory, index_name)
+        if os.path.isfile(index):
+            files = _indexed_files(index)
+        elif os.path.isfile(os.path.join(directory, single_name)):
+            files = [single_name]
+        else:
+            continue
+        state: Dict[str, torch.Tensor] = {}
+        for name in files:
+            path = os.path.join(directory, name)
+            if not os.path.isfile(path):
+                raise FileNotFoundError(f"{index} names {name}, which is not in {directory}; copy every weight file "
+                                        "of the model into the directory")
+            state.update(_read_safetensors(path) if name.endswith(".safetensors") else _read_pickle(path))
+        return state, files
+    raise FileNotFoundError(f"{directory} holds no weights (looked for {WEIGHTS_NAME}, {INDEX_NAME}, {PICKLE_NAME}, "
+                            f"{PICKLE_INDEX_NAME}); pass the directory transformers' save_pretrained wrote")
+
+
+def _indexed_files(index: str) -> List[str]:
+    try:
+        with open(index, encoding="utf-8") as f:
+            weight_map = json.load(f)["weight_map"]
+        return sorted(set(weight_map.values()))
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise ValueError(f"{index} is not a weight index ({type(e).__name__}: {e}); expected "
+                         '{"weight_map": {tensor name: file name}} as transformers writes it') from None
+
+
+def _read_safetensors(path: str) -> Dict[str, torch.Tensor]:
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    try:
+        return load_file(path)
+    except (SafetensorError, OSError, ValueError) as e:
+        raise ValueError(f"{path} is not a readable safetensors file ({e}); copy it again") from None
+
+
+def _read_pickle(path: str) -> Dict[str, torch.Tensor]:
+    import pickle
+
+    try:
+        try:
+            state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        except RuntimeError as e:  # a file from before torch 1.6's zip format cannot be memory-mapped
+            if "mmap" not in str(e):
+                raise
+            state = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        raise ValueError(f"{path} holds pickled Python objects besides tensors, which are not loaded (they can run "
+                         f"code); save the model as safetensors with transformers first ({str(e).splitlines()[0]})"
+                         ) from None
+    except (RuntimeError, EOFError, OSError) as e:
+        raise ValueError(f"{path} is not a readable PyTorch weights file ({type(e).__name__}: {e}); copy it "
+                         "again") from None
+    if not isinstance(state, dict) or not all(torch.is_tensor(v) for v in state.values()):
+        raise ValueError(f"{path} is not a state dict of tensors; pass a transformers model directory")
+    return state

@@ -25,17 +25,15 @@ from fairseq.checkpoint.inference import load_checkpoint_to_cpu, load_model_ense
 from fairseq.data import encoders
 from fairseq.data.batching import resolve_limit
 from fairseq.dataclass.generation import GenerationConfig, check_sampling_range, check_unsupported_options
+from fairseq.export.hf_names import FORK_TOKENIZER_FILES
 
 logger = logging.getLogger("fairseq.generation.hub_utils")  # its name before the move: log lines unchanged
 
 # Encoder files found in a model directory -> the --bpe option that names them (applied when the chosen scheme
 # has that option and it is not given; a checkpoint's carried file is used from there when the bytes are the
-# same). Upstream's sentencepiece name, and GPT-2's two files (upstream fetches those from a URL).
-MODEL_DIR_FILES = {
-    "sentencepiece.bpe.model": "sentencepiece_model",
-    "encoder.json": "gpt2_encoder_json",
-    "vocab.bpe": "gpt2_vocab_bpe",
-}
+# same). Upstream's sentencepiece name, and GPT-2's two files (upstream fetches those from a URL); the export to
+# transformers writes them under the same names.
+MODEL_DIR_FILES = FORK_TOKENIZER_FILES
 
 
 def from_pretrained(model_name_or_path: str, checkpoint_file: str = "model.pt", data_name_or_path: str = ".",
@@ -46,7 +44,8 @@ def from_pretrained(model_name_or_path: str, checkpoint_file: str = "model.pt", 
     `data_name_or_path` is the directory of the dictionary (dict.txt): relative to the model directory when
     it starts with "." (upstream's convention), else a path of its own. Other keyword arguments override the
     checkpoint's options as `arg_overrides` (`bpe="gpt2"`, `gpt2_encoder_json=...`, `tokenizer="space"`,
-    `max_tokens=...`); `trust_legacy_checkpoint=True` reads an upstream fairseq file, which unpickles code."""
+    `max_tokens=...`); `trust_legacy_checkpoint=True` reads an upstream fairseq file, which unpickles code.
+    A transformers OPT or XGLM directory (config.json, no `checkpoint_file`) is imported first (hf_import)."""
     if archive_map is not None:
         model_name_or_path = archive_map.get(model_name_or_path, model_name_or_path)
         if data_name_or_path is not None:
@@ -59,6 +58,8 @@ def from_pretrained(model_name_or_path: str, checkpoint_file: str = "model.pt", 
                     kwargs.setdefault(key, value)
             model_name_or_path = model_name_or_path["path"]
     model_path = _local_directory(model_name_or_path, "model_name_or_path", checkpoint_file)
+    if _is_transformers_directory(model_path, checkpoint_file, data_name_or_path):
+        return _from_transformers_directory(model_path, kwargs)
     if data_name_or_path.startswith("."):
         kwargs["data"] = os.path.abspath(os.path.join(model_path, data_name_or_path))
     else:
@@ -76,6 +77,43 @@ def from_pretrained(model_name_or_path: str, checkpoint_file: str = "model.pt", 
         paths, arg_overrides=kwargs, state=state if len(paths) == 1 else None,
         trust_legacy_checkpoint=trust_legacy)
     return {"args": cfg, "task": task, "models": models}
+
+
+def _is_transformers_directory(model_path: str, checkpoint_file: str, data_name_or_path: str) -> bool:
+    """A transformers model directory (config.json with a model_type) that holds no `checkpoint_file`."""
+    import json
+
+    config = os.path.join(model_path, "config.json")
+    if data_name_or_path != "." or os.path.exists(os.path.join(model_path, checkpoint_file.split(os.pathsep)[0])) \
+            or not os.path.isfile(config):
+        return False
+    try:
+        with open(config, encoding="utf-8") as f:
+            return "model_type" in json.load(f)
+    except (ValueError, OSError):
+        return False
+
+
+def _from_transformers_directory(model_path: str, kwargs: Dict[str, Any]) -> Dict[str, Any]:
+    """from_pretrained on a transformers OPT or XGLM directory: imported (fairseq.export.hf_import) into a private
+    directory, loaded from there. The imported weights file is removed once loaded; the small files (dict.txt, the
+    --bpe files) stay until the process ends."""
+    import atexit
+    import shutil
+    import tempfile
+
+    from fairseq.export.hf_import import CHECKPOINT_NAME, import_hf
+
+    work = tempfile.mkdtemp(prefix="fairseq-from-transformers-")
+    atexit.register(shutil.rmtree, work, True)
+    imported = os.path.join(work, "model")
+    logger.info(f"{model_path} is a transformers directory: importing it (scripts/import_hf.py does the same once, "
+                "to disk)")
+    import_hf(model_path, imported)
+    try:
+        return from_pretrained(imported, CHECKPOINT_NAME, ".", **kwargs)
+    finally:
+        os.remove(os.path.join(imported, CHECKPOINT_NAME))
 
 
 def _bpe_files(state, kwargs: Dict[str, Any], model_path: str, checkpoint: str) -> Dict[str, str]:

@@ -175,8 +175,9 @@ def gpt2_run(tmp_path_factory):
 def test_opt_from_fairseq_train(gpt2_run):
     out = gpt2_run["out"]
     assert gpt2_run["result"]["architecture"] == "OPTForCausalLM" and gpt2_run["result"]["tokenizer"] == "gpt2"
-    assert sorted(os.listdir(out)) == ["config.json", "dict.txt", "generation_config.json", "model.safetensors",
-                                       "tokenizer.json", "tokenizer_config.json"]
+    assert sorted(os.listdir(out)) == ["config.json", "dict.txt", "encoder.json", "generation_config.json",
+                                       "model.safetensors", "tokenizer.json", "tokenizer_config.json", "vocab.bpe"]
+    assert (out / "encoder.json").read_bytes() == gpt2_run["enc"].read_bytes()  # the --bpe files, for the way back
     config = json.loads((out / "config.json").read_text())
     # GPT-3 presets scale embeddings by sqrt(32): folded into OPT's input matrix, so written untied.
     assert config["tie_word_embeddings"] is False and config["max_position_embeddings"] == 32
