@@ -12,8 +12,8 @@ Incremental decoding (upstream's `incremental_state`): `decoder(tokens, incremen
 same dict every call, `tokens` [B, T] the whole sequence so far. Only `tokens[:, cached:]` is computed
 (several tokens at once, e.g. a prompt, or one per step), positions continue from the cached length, and
 `(logits of those new tokens, extra)` comes back. Entries in `state`: this decoder's token count (and its attention
-modules), per layer, the attention's key/value buffers (see MultiheadAttention._cache_entry). The caller says
-the longest length with `reserve_incremental_state` so the buffers are allocated once; beams are reordered
+modules), per layer, the attention's key/value buffers (see CausalSelfAttention._cache_entry). The caller
+says the longest length with `reserve_incremental_state` so the buffers are allocated once; beams are reordered
 with `reorder_incremental_state`. All rows share one length: a batch must not be left-padded (upstream's
 generator forces prompts token by token instead, see fairseq.generation.sequence_generator).
 
@@ -35,7 +35,7 @@ from fairseq.modules.incremental_decoding_utils import IncrementalState
 from fairseq.modules.fairseq_incremental_decoder import FairseqIncrementalDecoder
 from fairseq.modules.adaptive_input import AdaptiveInput, parse_cutoffs
 from fairseq.modules.adaptive_softmax import AdaptiveSoftmax
-from fairseq.modules.multihead_attention import MultiheadAttention, StaticStep
+from fairseq.modules.causal_attention import CausalSelfAttention, StaticStep
 from fairseq.modules.positional_embedding import build_positional_embedding, zero_row_
 from fairseq.modules.transformer_layer import TransformerDecoderLayer
 
@@ -309,7 +309,7 @@ class TransformerDecoder(FairseqIncrementalDecoder):
         return entry
 
     def _attention_modules(self):
-        return [m for m in self.modules() if isinstance(m, MultiheadAttention)]
+        return [m for m in self.modules() if isinstance(m, CausalSelfAttention)]
 
     def reserve_incremental_state(self, incremental_state: IncrementalState, max_length: int,
                                   max_batch: int = 0) -> None:

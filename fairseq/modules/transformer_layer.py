@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from fairseq.modules.incremental_decoding_utils import IncrementalState
 from fairseq.modules.activations import get_activation_fn
-from fairseq.modules.multihead_attention import MultiheadAttention, StaticStep
+from fairseq.modules.causal_attention import CausalSelfAttention, StaticStep
 
 
 class TransformerDecoderLayer(nn.Module):
@@ -49,7 +49,7 @@ class TransformerDecoderLayer(nn.Module):
         self.activation_fn_name = activation_fn
         self.activation_fn = get_activation_fn(activation_fn)
         self.normalize_before = normalize_before
-        self.self_attn = MultiheadAttention(embed_dim, num_heads, dropout=attention_dropout)
+        self.self_attn = CausalSelfAttention(embed_dim, num_heads, dropout=attention_dropout)
         self.self_attn_layer_norm = nn.LayerNorm(embed_dim)
         self.fc1 = nn.Linear(embed_dim, ffn_embed_dim)
         self.fc2 = nn.Linear(ffn_embed_dim, embed_dim)

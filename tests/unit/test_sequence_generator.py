@@ -16,7 +16,7 @@ from fairseq.generation.cuda_graph_decoding import GraphedDecodeStep, round_up_s
 from fairseq.data.dictionary import Dictionary
 from fairseq.models import BaseFairseqModel, FairseqDecoder, FairseqIncrementalDecoder
 from fairseq.models.transformer_lm import TransformerLanguageModel, TransformerLanguageModelConfig
-from fairseq.modules import MultiheadAttention
+from fairseq.modules import CausalSelfAttention
 from fairseq.generation.sequence_generator import SequenceGenerator
 from fairseq.tasks.language_modeling import LanguageModelingConfig, LanguageModelingTask
 
@@ -327,7 +327,7 @@ def test_no_repeat_ngram_size():
 
 def test_the_kv_cache_is_allocated_once_per_generate(monkeypatch):
     allocations = []
-    original = MultiheadAttention._ensure_capacity
+    original = CausalSelfAttention._ensure_capacity
 
     def spy(self, entry, rows, length, like):
         before = entry["key_buffer"]
@@ -335,7 +335,7 @@ def test_the_kv_cache_is_allocated_once_per_generate(monkeypatch):
         if entry["key_buffer"] is not before:
             allocations.append((id(self), tuple(entry["key_buffer"].shape)))
 
-    monkeypatch.setattr(MultiheadAttention, "_ensure_capacity", spy)
+    monkeypatch.setattr(CausalSelfAttention, "_ensure_capacity", spy)
     model = build(seed=1)
     generate(model, PROMPTS, beam_size=3, max_len_b=10)  # beams reordered, sentences dropped
     # One buffer per layer (keys and values together), at batch 4 x beam 3 rows and max_len + 1 = 11 slots.
