@@ -147,10 +147,6 @@ REFUSED_OPTIONS = (
         ("quant_noise_pq", lambda v: v > 0),
         ("quant_noise_scalar", lambda v: v > 0),
         ("base_layers", lambda v: v > 0),
-        ("scale_fc", bool),
-        ("scale_attn", bool),
-        ("scale_heads", bool),
-        ("scale_resids", bool),
     )),
 )
 

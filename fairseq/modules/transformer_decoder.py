@@ -89,7 +89,8 @@ class TransformerDecoder(FairseqIncrementalDecoder):
                 self.embed_dim, cfg.decoder_attention_heads, cfg.decoder_ffn_embed_dim,
                 dropout=cfg.dropout, attention_dropout=cfg.attention_dropout,
                 activation_dropout=activation_dropout, activation_fn=cfg.activation_fn,
-                normalize_before=cfg.decoder_normalize_before,
+                normalize_before=cfg.decoder_normalize_before, scale_attn=cfg.scale_attn, scale_fc=cfg.scale_fc,
+                scale_heads=cfg.scale_heads, scale_resids=cfg.scale_resids,
             )
             for _ in range(cfg.decoder_layers)
         )
@@ -164,7 +165,7 @@ class TransformerDecoder(FairseqIncrementalDecoder):
             nn.init.normal_(self.output_projection.weight, mean=0.0, std=self.output_embed_dim**-0.5)
 
     def tensor_parallel_styles(self) -> dict:
-        """{module path: style} of this decoder under tensor parallelism (the layers' TENSOR_PARALLEL_STYLES;
+        """{module path: style} of this decoder under tensor parallelism (the layers' tensor_parallel_styles();
         around them a vocabulary-parallel embedding and output, everything else with parameters replicated)."""
         styles = {"embed_tokens": "vocab_embedding", "output_projection": "vocab_output"}
         for name in ("embed_positions", "layernorm_embedding", "project_in_dim", "layer_norm", "project_out_dim"):
@@ -175,7 +176,7 @@ class TransformerDecoder(FairseqIncrementalDecoder):
             if type(layer) is not TransformerDecoderLayer:
                 raise TypeError(f"decoder layer {index} is a {type(layer).__name__}: the tensor-parallel plan covers "
                                 "TransformerDecoderLayer (apply it before checkpointing, compile and FSDP)")
-            styles.update({f"layers.{index}.{path}": style for path, style in layer.TENSOR_PARALLEL_STYLES.items()})
+            styles.update({f"layers.{index}.{path}": style for path, style in layer.tensor_parallel_styles().items()})
         return styles
 
     def max_positions(self) -> int:
