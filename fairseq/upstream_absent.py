@@ -131,7 +131,8 @@ ABSENT_NAMES = {
 
 # Upstream options that are refused when set: (where, field, is it set (on a value that is not None), what to do
 # instead). Where: "generation" (the generation group: fairseq-generate/-interactive and the hub), "generator"
-# (task.build_generator's arguments), "transformer_lm" (the model's check_config).
+# (task.build_generator's arguments), "transformer_lm" (the model's check_config), "preprocess"
+# (fairseq-preprocess's check_args).
 REFUSED_OPTIONS = (
     ("generation", "replace_unk", lambda v: v is not None, "drop it"),
     ("generation", "print_alignment", bool, "drop it"),
@@ -140,6 +141,9 @@ REFUSED_OPTIONS = (
     ("generator", "diverse_beam_groups", lambda v: v > 0, "use --beam or --sampling"),
     ("generator", "diversity_rate", lambda v: v > 0, "use --beam or --sampling"),
     ("generator", "constraints", bool, "drop it"),
+    *(("preprocess", name, lambda v: v is not None,
+       "word alignments pair source and target tokens (translation); language-modeling text has none: drop it")
+      for name in ("align_suffix", "alignfile")),
     *(("transformer_lm", name, is_set, "leave it at its default") for name, is_set in (
         ("character_embeddings", bool),
         ("decoder_layerdrop", lambda v: v > 0),
@@ -161,6 +165,10 @@ ACCEPTED_OPTIONS = (
     ("distributed_training", "min_params_to_wrap",
      "fully_sharded makes each transformer layer one FSDP unit (and the rest the root unit), whatever its size"),
     ("checkpoint", "write_checkpoints_asynchronously", "checkpoints are written synchronously, in the training loop"),
+    *(("preprocess", name, "language-modeling data (--only-source) has no target dictionary; upstream ignores it "
+                           "there too") for name in ("thresholdtgt", "nwordstgt")),
+    ("preprocess", "tgtdict", "with --only-source there is no target dictionary: it is read only with "
+                              "--joined-dictionary (as the dictionary, when --srcdict is not given), as upstream"),
     ("eval_lm", "softmax_batch",
      "the log-softmax of a batch is computed at once; lower --max-tokens or --batch-size to bound its memory"),
     ("generation", "sacrebleu", "generated text is printed, not scored with BLEU"),
