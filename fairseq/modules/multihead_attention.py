@@ -158,7 +158,7 @@ class MultiheadAttention(FairseqIncrementalState, AttentionProjections):
                 scores = scores + mask
             if before_softmax:
                 return scores.reshape(bsz * heads, tgt_len, src_len), v.reshape(bsz * heads, src_len, head_dim)
-            probs = F.softmax(scores, dim=-1, dtype=torch.float32)
+            probs = F.softmax(scores, dim=-1, dtype=torch.promote_types(scores.dtype, torch.float32))
             attn = torch.matmul(F.dropout(probs.type_as(scores), dropout, training=dropout > 0), v)
             if need_weights:
                 weights = probs.transpose(1, 0)  # [H, B, T, S]
