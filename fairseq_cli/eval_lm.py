@@ -346,7 +346,8 @@ def _blocks_as_trained(cfg, task, model, context_window: int) -> None:
     reads blocks of the model's length instead (less --context-window), so every token is scored as trained;
     one line says so. A value other than the default is kept (and refused when too long, block_positions)."""
     given, _ = task_block_options(cfg.task)
-    default, _ = task_block_options(type(cfg.task)()) if dataclasses.is_dataclass(cfg.task) else (None, None)
+    fields = dataclasses.fields(cfg.task) if dataclasses.is_dataclass(cfg.task) else ()
+    default = next((f.default for f in fields if f.name == "tokens_per_sample"), None)
     positions = resolve_limit(task.max_positions(), model.max_positions())
     if given is None or given != default or positions is None or given <= positions or positions <= context_window:
         return
