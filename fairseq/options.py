@@ -165,8 +165,9 @@ def _base_parser(description: str, groups: dict, default_task: str, components=(
 
 def get_preprocessing_parser(default_task: str = "translation"):
     groups = {"common": configs.CommonConfig, "preprocess": configs.PreprocessConfig}
+    # Every component selector, as upstream's parser has them (only --bpe / --tokenizer are used here).
     return _base_parser("fairseq-preprocess: build a dictionary and binarize text", groups, default_task,
-                        components=("task",) + ENCODER_COMPONENTS)
+                        components=tuple(c[0] for c in COMPONENTS))
 
 
 def get_training_parser(default_task: str = "language_modeling"):

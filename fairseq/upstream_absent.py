@@ -37,6 +37,10 @@ _NAT = f"{_LM} and has no non-autoregressive models"
 _MODEL_PARALLEL = "it has no Megatron model parallelism; shard large models with --ddp-backend fully_sharded (FSDP2)"
 _TPU = "it has no TPU (torch_xla) support; train on CUDA GPUs or the CPU"
 _SCORING = "it has no BLEU / translation scoring; evaluate language models with fairseq-eval-lm or fairseq-validate"
+_LIGHTCONV = (f"{_LM} and has no lightweight / dynamic convolution models (lightconv, lightconv_lm); its "
+              "convolutional language model is fairseq.models.fconv_lm (fairseq.modules.gated_convolution)")
+_QUANT = ("it has no quantization (iterative PQ, scalar quantization noise); fairseq.modules.quant_noise accepts "
+          "p=0 only")
 
 ABSENT_MODULES = {
     # tasks
@@ -75,6 +79,24 @@ ABSENT_MODULES = {
     "fairseq.criterions.wav2vec_criterion": _SPEECH,
     "fairseq.criterions.nat_loss": _NAT,
     "fairseq.scoring": _SCORING,
+    # modules
+    **{f"fairseq.modules.{m}": _ENCODER for m in (
+        "transformer_sentence_encoder", "transformer_sentence_encoder_layer", "sparse_transformer_sentence_encoder",
+        "sparse_transformer_sentence_encoder_layer", "sparse_multihead_attention", "transformer_layer_resampling",
+        "linformer_sentence_encoder", "linformer_sentence_encoder_layer")},
+    **{f"fairseq.modules.{m}": _SPEECH for m in (
+        "espnet_multihead_attention", "conformer_layer", "positional_encoding", "vggblock", "location_attention",
+        "lstm_cell_with_zoneout", "gumbel_vector_quantizer", "kmeans_vector_quantizer", "fp32_batch_norm",
+        "fp32_instance_norm", "ema_module")},
+    **{f"fairseq.modules.{m}": _FCONV for m in (
+        "conv_tbc", "linearized_convolution", "beamable_mm", "downsampled_multihead_attention", "scalar_bias")},
+    **{f"fairseq.modules.{m}": _LIGHTCONV for m in (
+        "lightweight_convolution", "dynamic_convolution", "unfold", "lightconv_layer", "dynamicconv_layer")},
+    "fairseq.modules.dynamic_crf_layer": _NAT,
+    "fairseq.modules.quantization": _QUANT,
+    "fairseq.modules.character_token_embedder": "it has no character CNN token embeddings (transformer_lm "
+                                                "refuses --character-embeddings); embed --bpe tokens instead",
+    "fairseq.modules.base_layer": "it has no BASE layers (transformer_lm refuses --base-layers)",
 }
 
 # (package, name) -> why, for names imported from a package that exists.
@@ -88,12 +110,29 @@ ABSENT_NAMES = {
     **{("fairseq.data", n): _SPEECH for n in ("FileAudioDataset", "RawAudioDataset", "AddTargetDataset")},
     **{("fairseq.tasks", n): _TRANSLATION for n in ("TranslationTask",)},
     **{("fairseq.utils", n): _TPU for n in ("xla_device_to_cpu", "is_xla_tensor", "get_tpu_device", "tpu_data_loader")},
+    # upstream's fairseq.modules.__all__ (and the names it imports) that plug-in LMs do not build on here
+    **{("fairseq.modules", n): _ENCODER for n in (
+        "TransformerEncoderLayer", "TransformerSentenceEncoder", "TransformerSentenceEncoderLayer")},
+    **{("fairseq.modules", n): _SPEECH for n in (
+        "ESPNETMultiHeadedAttention", "RelPositionMultiHeadedAttention", "RotaryPositionMultiHeadedAttention",
+        "ConformerEncoderLayer", "RelPositionalEncoding", "VGGBlock", "LocationAttention", "LSTMCellWithZoneOut",
+        "GumbelVectorQuantizer", "KmeansVectorQuantizer", "Fp32BatchNorm", "Fp32InstanceNorm", "SamePad2d",
+        "EMAModule", "EMAModuleConfig")},
+    **{("fairseq.modules", n): _FCONV for n in (
+        "ConvTBC", "LinearizedConvolution", "BeamableMM", "DownsampledMultiHeadAttention", "ScalarBias")},
+    **{("fairseq.modules", n): _LIGHTCONV for n in (
+        "LightweightConv", "LightweightConv1dTBC", "DynamicConv", "DynamicConv1dTBC", "DynamicConv_scripatable",
+        "unfold1d")},
+    ("fairseq.modules", "DynamicCRF"): _NAT,
+    ("fairseq.modules", "CharacterTokenEmbedder"): ABSENT_MODULES["fairseq.modules.character_token_embedder"],
+    ("fairseq.modules", "BaseLayer"): ABSENT_MODULES["fairseq.modules.base_layer"],
 }
 
 
 # Upstream options that are refused when set: (where, field, is it set (on a value that is not None), what to do
 # instead). Where: "generation" (the generation group: fairseq-generate/-interactive and the hub), "generator"
-# (task.build_generator's arguments), "transformer_lm" (the model's check_config).
+# (task.build_generator's arguments), "transformer_lm" (the model's check_config), "preprocess"
+# (fairseq-preprocess's check_args).
 REFUSED_OPTIONS = (
     ("generation", "replace_unk", lambda v: v is not None, "drop it"),
     ("generation", "print_alignment", bool, "drop it"),
@@ -102,6 +141,9 @@ REFUSED_OPTIONS = (
     ("generator", "diverse_beam_groups", lambda v: v > 0, "use --beam or --sampling"),
     ("generator", "diversity_rate", lambda v: v > 0, "use --beam or --sampling"),
     ("generator", "constraints", bool, "drop it"),
+    *(("preprocess", name, lambda v: v is not None,
+       "word alignments pair source and target tokens (translation); language-modeling text has none: drop it")
+      for name in ("align_suffix", "alignfile")),
     *(("transformer_lm", name, is_set, "leave it at its default") for name, is_set in (
         ("character_embeddings", bool),
         ("decoder_layerdrop", lambda v: v > 0),
@@ -109,10 +151,6 @@ REFUSED_OPTIONS = (
         ("quant_noise_pq", lambda v: v > 0),
         ("quant_noise_scalar", lambda v: v > 0),
         ("base_layers", lambda v: v > 0),
-        ("scale_fc", bool),
-        ("scale_attn", bool),
-        ("scale_heads", bool),
-        ("scale_resids", bool),
     )),
 )
 
@@ -127,6 +165,10 @@ ACCEPTED_OPTIONS = (
     ("distributed_training", "min_params_to_wrap",
      "fully_sharded makes each transformer layer one FSDP unit (and the rest the root unit), whatever its size"),
     ("checkpoint", "write_checkpoints_asynchronously", "checkpoints are written synchronously, in the training loop"),
+    *(("preprocess", name, "language-modeling data (--only-source) has no target dictionary; upstream ignores it "
+                           "there too") for name in ("thresholdtgt", "nwordstgt")),
+    ("preprocess", "tgtdict", "with --only-source there is no target dictionary: it is read only with "
+                              "--joined-dictionary (as the dictionary, when --srcdict is not given), as upstream"),
     ("eval_lm", "softmax_batch",
      "the log-softmax of a batch is computed at once; lower --max-tokens or --batch-size to bound its memory"),
     ("generation", "sacrebleu", "generated text is printed, not scored with BLEU"),

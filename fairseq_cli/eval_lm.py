@@ -3,6 +3,7 @@
 import argparse
 import ast
 import copy
+import dataclasses
 import json
 import logging
 import math
@@ -21,6 +22,7 @@ from fairseq.checkpoint.vocabulary import check_bpe_files, resolve_bpe
 from fairseq.criterions.cross_entropy import token_cross_entropy
 from fairseq.data.batching import resolve_limit
 from fairseq.data.block_positions import block_limit, check_blocks_fit
+from fairseq.dataclass.flag_values import task_block_options
 from fairseq.data.lm_context_window_dataset import InCorpusOrder, with_context_window
 from fairseq.logging import progress_bar
 from fairseq.models.fairseq_model import model_config_line
@@ -274,6 +276,7 @@ def main(cfg, **unused_kwargs) -> dict:
     logger.info(f"loaded {path}: {sum(p.numel() for p in model.parameters()):,} parameters")
     logger.info(model_config_line(model, loaded_cfg.model))
 
+    _blocks_as_trained(cfg, task, model, context_window)
     task.load_dataset(cfg.dataset.gen_subset)
     dataset = task.dataset(cfg.dataset.gen_subset)
     max_positions = _block_limit(cfg, task, model, dataset, context_window)
@@ -334,6 +337,25 @@ def _windowed_task_config(cfg, context_window: int):
     task_cfg = copy.copy(cfg.task)
     task_cfg.tokens_per_sample -= context_window
     return task_cfg
+
+
+def _blocks_as_trained(cfg, task, model, context_window: int) -> None:
+    """Upstream's eval-lm cuts blocks of its own --tokens-per-sample (default 1024) whatever the model was trained
+    with, and skips the ones longer than the model. Here, with the flag at that default and a model trained on
+    shorter blocks (upstream's tests train with --tokens-per-sample 500 and evaluate without the flag), the task
+    reads blocks of the model's length instead (less --context-window), so every token is scored as trained;
+    one line says so. A value other than the default is kept (and refused when too long, block_positions)."""
+    given, _ = task_block_options(cfg.task)
+    fields = dataclasses.fields(cfg.task) if dataclasses.is_dataclass(cfg.task) else ()
+    default = next((f.default for f in fields if f.name == "tokens_per_sample"), None)
+    positions = resolve_limit(task.max_positions(), model.max_positions())
+    if given is None or given != default or positions is None or given <= positions or positions <= context_window:
+        return
+    window = f" (read after up to --context-window {context_window} tokens of context)" if context_window else ""
+    logger.info(f"--tokens-per-sample {given} (its default) is more than the model's {positions} positions: "
+                f"evaluating blocks of {positions - context_window} tokens{window}, the length it was trained with; "
+                "pass --tokens-per-sample to choose another")
+    task.cfg = dataclasses.replace(task.cfg, tokens_per_sample=positions - context_window)
 
 
 def _block_limit(cfg, task, model, dataset, context_window: int) -> Optional[int]:

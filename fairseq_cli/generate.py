@@ -10,6 +10,7 @@ last token (the model's input block). Output lines are upstream's, scores in bas
 (loading the ensemble, the text codec, the hypothesis lines) live here, as upstream's interactive imports them.
 """
 
+import argparse
 import ast
 import logging
 import math
@@ -140,7 +141,12 @@ def setup(cfg, interactive=None):
 
 def main(cfg) -> dict:
     """Generate for every sample of --gen-subset; the lines go to stdout, or with --results-path to
-    RESULTS_PATH/generate-{gen_subset}.txt. Returns {"sentences", "tokens"} (tokens generated)."""
+    RESULTS_PATH/generate-{gen_subset}.txt. Returns {"sentences", "tokens"} (tokens generated). `cfg` is the
+    config of convert_namespace_to_generation_config or, as upstream accepts, the namespace of
+    parse_args_and_arch."""
+    if isinstance(cfg, argparse.Namespace):
+        cfg = options.convert_namespace_to_generation_config(cfg)
+        check_generation_config(cfg.generation)
     if cfg.common_eval.results_path is not None:
         os.makedirs(cfg.common_eval.results_path, exist_ok=True)
         path = os.path.join(cfg.common_eval.results_path, f"generate-{cfg.dataset.gen_subset}.txt")

@@ -10,6 +10,7 @@ in input order, upstream's lines: `S-{id}\\t{prompt tokens}`, `W-{id}\\t{seconds
 naming it; upstream would sample from </s> alone, which is rarely what a blank line meant).
 """
 
+import argparse
 import logging
 import sys
 import time
@@ -82,7 +83,12 @@ def make_batches(lines: List[str], cfg, task, max_positions: Optional[int], code
 
 
 def main(cfg) -> int:
-    """Generate for every prompt of --input; returns the number of prompts read."""
+    """Generate for every prompt of --input; returns the number of prompts read. `cfg` is the config of
+    convert_namespace_to_generation_config or, as upstream accepts, the namespace of parse_args_and_arch (of
+    upstream's generation parser too, with --buffer-size / --input set on it as upstream's tests do)."""
+    if isinstance(cfg, argparse.Namespace):
+        cfg = options.convert_namespace_to_generation_config(cfg)
+        check_generation_config(cfg.generation, cfg.dataset, cfg.interactive)
     start_time = time.perf_counter()
     buffer_size = max(cfg.interactive.buffer_size, 1)
     setup(cfg, cfg.interactive)

@@ -11,9 +11,12 @@ import logging
 import os
 import sys
 from argparse import Namespace
+from types import SimpleNamespace
 from typing import List, Optional
 
 from fairseq import options
+from fairseq.dataclass.utils import flag_name
+from fairseq.upstream_absent import refused_options
 
 from fairseq.preprocessing import binarizer
 from fairseq.checkpoint.io import os_error_message
@@ -67,17 +70,44 @@ def check_args(args: Namespace) -> None:
         raise PreprocessError(f"--padding-factor {args.padding_factor}: must be at least 1")
     if args.dataset_impl not in (None, "mmap"):
         raise PreprocessError(f"--dataset-impl {args.dataset_impl}: only 'mmap' is supported")
-    if not args.srcdict and not args.trainpref:
+    for name, is_set, fix in refused_options("preprocess"):
+        value = getattr(args, name, None)
+        if value is not None and is_set(value):
+            raise PreprocessError(f"{flag_name(name)} {value}: not supported by this fairseq: {fix}")
+    if args.joined_dictionary and args.srcdict and args.tgtdict:
+        raise PreprocessError("--joined-dictionary takes one dictionary: pass --srcdict or --tgtdict, not both")
+    given_dict = _given_dictionary(args)
+    if not given_dict and not args.trainpref:
         raise PreprocessError("--trainpref is required to build a dictionary (or pass an existing one with --srcdict)")
-    if args.srcdict and not os.path.isfile(args.srcdict):
-        raise PreprocessError(f"--srcdict {args.srcdict}: file does not exist")
+    if given_dict and not os.path.isfile(given_dict):
+        raise PreprocessError(f"{'--srcdict' if args.srcdict else '--tgtdict'} {given_dict}: file does not exist")
     lang = args.source_lang
     inputs = [] if args.dict_only else [path for path, _ in _splits(args, lang)]
-    if not args.srcdict:
-        inputs.insert(0, _input_path(args.trainpref, lang))
+    if not given_dict:
+        inputs[:0] = _dictionary_inputs(args)
     for path in inputs:
         if not os.path.isfile(path):
             raise PreprocessError(f"input file {path} does not exist (check --trainpref/--validpref/--testpref)")
+
+
+def _given_dictionary(args: Namespace) -> Optional[str]:
+    """--srcdict, or with --joined-dictionary --tgtdict (upstream's rule for the one dictionary)."""
+    return args.srcdict or (args.tgtdict if args.joined_dictionary else None)
+
+
+def _dictionary_inputs(args: Namespace) -> List[str]:
+    """The train files the dictionary is built from: the source's, with --joined-dictionary the target's too."""
+    langs = [args.source_lang] + ([args.target_lang] if args.joined_dictionary and args.target_lang else [])
+    return list(dict.fromkeys(_input_path(args.trainpref, lang) for lang in langs))
+
+
+def _announce_upstream_options(args: Namespace) -> None:
+    """One line per upstream option accepted without an effect here (upstream_absent.ACCEPTED_OPTIONS)."""
+    from fairseq.dataclass.configs import PreprocessConfig
+    from fairseq.dataclass.utils import config_from_namespace
+    from fairseq.dataclass.validate import announce_compat_options
+
+    announce_compat_options(SimpleNamespace(preprocess=config_from_namespace(PreprocessConfig, args)))
 
 
 def _bpe_spec(args: Namespace):
@@ -108,6 +138,7 @@ def main(args: Namespace) -> None:
     if getattr(args, "user_dir", None):
         import_user_module(args.user_dir)
     check_args(args)
+    _announce_upstream_options(args)
     if getattr(args, "tokenizer", None):
         logger.warning(f"--tokenizer {args.tokenizer} is accepted for upstream compatibility and not applied by "
                        "fairseq-preprocess (as upstream); tokenize the text first")
@@ -169,8 +200,12 @@ def _run(args: Namespace, pool, spec=None) -> None:
 def _run_splits(args: Namespace, pool, spec, caches: list) -> None:
     lang = args.source_lang
     train_path = _input_path(args.trainpref, lang) if args.trainpref else None
-    if args.srcdict:
-        vocab = Dictionary.load(args.srcdict)
+    dictionary_inputs = _dictionary_inputs(args) if args.trainpref else []
+    if _given_dictionary(args):
+        vocab = Dictionary.load(_given_dictionary(args))
+    elif spec is not None and len(dictionary_inputs) > 1:
+        raise PreprocessError(f"--joined-dictionary with --bpe builds the dictionary from one train file; encode "
+                              f"{' and '.join(dictionary_inputs)} into one and pass it as --trainpref")
     elif spec is not None:
         stem = os.path.join(args.destdir, f".encoded.{os.getpid()}")
         vocab, cached = binarizer.build_dictionary_encoded(
@@ -180,7 +215,7 @@ def _run_splits(args: Namespace, pool, spec, caches: list) -> None:
         caches.extend(cached)
     else:
         vocab = binarizer.build_dictionary(
-            [train_path], num_workers=args.workers, threshold=args.thresholdsrc,
+            dictionary_inputs, num_workers=args.workers, threshold=args.thresholdsrc,
             nwords=args.nwordssrc, padding_factor=args.padding_factor, pool=pool,
         )
     dict_path = _dict_path(args, lang)

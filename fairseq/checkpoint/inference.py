@@ -333,6 +333,11 @@ def load_ema_from_checkpoint(fpath: str, trust_legacy_checkpoint: bool = False) 
     else:
         state = load_checkpoint_file(fpath, trust_legacy=trust_legacy_checkpoint)
         ema = (state.get("extra_state") or {}).get("ema")
+    return with_ema_as_model(state, ema, fpath)
+
+
+def with_ema_as_model(state: Dict[str, Any], ema: Optional[Dict[str, Any]], fpath: str) -> Dict[str, Any]:
+    """`state` with "model" replaced by the EMA weights `ema` (fp16 ones in fp32, copies)."""
     if not ema:
         raise ValueError(f"{fpath} holds no EMA weights (extra_state['ema']); was the model trained with --store-ema?")
     state["model"] = collections.OrderedDict(

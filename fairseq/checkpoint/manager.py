@@ -137,6 +137,16 @@ class CheckpointManager:
             self._lock.release()
             self._lock = None
 
+    def with_checkpoint_config(self, ckpt_cfg) -> "CheckpointManager":
+        """This run's manager writing under other checkpoint options (upstream's `checkpoint_utils.save_checkpoint(
+        cfg, trainer, ...)` with a cfg of its own): their save dir, names, intervals and retention; the run's
+        config, vocabulary and best value at the time (the caller copies `best` back). It neither locks nor
+        releases a --save-dir."""
+        view = copy.copy(self)
+        view.ckpt_cfg = ckpt_cfg
+        view._lock = None
+        return view
+
     def _is_better(self, a: float, b: float, ties: bool = False) -> bool:
         if ties and a == b:
             return True

@@ -12,16 +12,24 @@ upstream's names. Upstream's training loop from Python (docs/upstream_api.md), o
     extra_state, epoch_itr = checkpoint_utils.load_checkpoint(cfg.checkpoint, trainer)
     ...  # train on epoch_itr with trainer.train_step
     checkpoint_utils.save_checkpoint(cfg.checkpoint, trainer, epoch_itr, val_loss)
+
+File access goes through this module's `PathManager` (fairseq.file_io's) where upstream's does, so patching
+`fairseq.checkpoint_utils.PathManager` (or its methods), as upstream's tests do, or registering an iopath handler
+reaches it: `torch_persistent_save` (`opena` with async_write, `open` for a handler's path), `load_ema_from_checkpoint`
+(`open`, then `torch.load` on the file), `load_checkpoint_to_cpu` (`get_local_path`), `load_checkpoint`
+(`exists`).
 """
 
+import dataclasses
 import logging
 import os
 import types
 from typing import List, Optional
 
+import torch
+
+from fairseq.checkpoint import inference as _inference
 from fairseq.checkpoint.inference import (  # noqa: F401 (upstream's names)
-    load_checkpoint_to_cpu,
-    load_ema_from_checkpoint,
     load_model_ensemble,
     load_model_ensemble_and_task,
 )
@@ -31,12 +39,63 @@ logger = logging.getLogger("fairseq.checkpoint_utils")  # upstream's module name
 
 
 def torch_persistent_save(obj, filename: str, async_write: bool = False) -> None:
-    """Upstream's save: `obj` to `filename` with torch.save, atomically (a temporary file renamed into place,
-    as every checkpoint here is written). `async_write` is accepted for upstream callers; the write is
-    synchronous."""
+    """Upstream's save of `obj` to `filename` with torch.save: with `async_write`, into the file
+    `PathManager.opena` gives (iopath's asynchronous writer; without iopath a plain file); on a path of a
+    registered iopath handler, into `PathManager.open`'s; a local file atomically (a temporary file renamed into
+    place, as every checkpoint here is written)."""
     from fairseq.checkpoint.io import atomic_torch_save
 
-    atomic_torch_save(obj, filename)
+    if async_write:
+        with PathManager.opena(filename, "wb") as f:
+            _torch_persistent_save(obj, f)
+    elif PathManager.path_requires_pathmanager(filename):
+        with PathManager.open(filename, "wb") as f:
+            _torch_persistent_save(obj, f)
+    else:
+        atomic_torch_save(obj, filename)
+
+
+def _torch_persistent_save(obj, f) -> None:
+    """torch.save into the open file `f` (a path is opened through PathManager)."""
+    if isinstance(f, str):
+        with PathManager.open(f, "wb") as h:
+            torch.save(obj, h)
+        return
+    torch.save(obj, f)
+
+
+def _read_checkpoint_file(path: str, trust_legacy: bool) -> dict:
+    """Upstream's read: the file through `PathManager.open(path, "rb")`, then `torch.load` on it (weights only:
+    plain containers and tensors). What that cannot read (a damaged file, pickled objects of an upstream
+    checkpoint) is read again by the core's safe loader, which names the problem (and unpickles with
+    `trust_legacy`)."""
+    try:
+        with PathManager.open(path, "rb") as f:
+            return torch.load(f, map_location="cpu", weights_only=True)
+    except Exception:
+        if PathManager.path_requires_pathmanager(path):
+            raise
+    from fairseq.checkpoint.io import load_checkpoint_file
+
+    return load_checkpoint_file(path, trust_legacy=trust_legacy)
+
+
+def load_checkpoint_to_cpu(path: str, arg_overrides: Optional[dict] = None, load_on_all_ranks: bool = False,
+                           trust_legacy_checkpoint: bool = False) -> dict:
+    """fairseq.checkpoint.inference.load_checkpoint_to_cpu on `PathManager.get_local_path(path)` (a registered
+    handler's file is fetched first, as upstream's)."""
+    return _inference.load_checkpoint_to_cpu(PathManager.get_local_path(path), arg_overrides, load_on_all_ranks,
+                                             trust_legacy_checkpoint)
+
+
+def load_ema_from_checkpoint(fpath: str, trust_legacy_checkpoint: bool = False) -> dict:
+    """The checkpoint's state with "model" replaced by its EMA weights (extra_state["ema"], written with
+    --store-ema; fp16 weights in fp32), read as upstream reads it (`_read_checkpoint_file`); a sharded directory's
+    through the core (fairseq.checkpoint.inference.load_ema_from_checkpoint)."""
+    if os.path.isdir(fpath):
+        return _inference.load_ema_from_checkpoint(fpath, trust_legacy_checkpoint)
+    state = _read_checkpoint_file(fpath, trust_legacy_checkpoint)
+    return _inference.with_ema_as_model(state, (state.get("extra_state") or {}).get("ema"), fpath)
 
 
 # ----------------------------------------------------------------------------- resuming and saving training
@@ -114,11 +173,32 @@ def save_checkpoint(cfg, trainer, epoch_itr, val_loss: Optional[float]) -> List[
     every --save-interval-updates, checkpoint_best.pt, checkpoint_last.pt; retention as configured) with
     `trainer`'s state, `epoch_itr`'s data position and the meters, as fairseq-train writes them (one
     CheckpointManager, `trainer.checkpoint_manager`, which also tracks the best `val_loss`). `cfg` is the
-    trainer's checkpoint options (`trainer.cfg.checkpoint`). Every rank calls it. Returns the paths written."""
+    checkpoint options that decide where and what (save_dir, the intervals, names and retention, as upstream's
+    `cfg`): the trainer's `trainer.cfg.checkpoint`, or others (a partial config: the keys it lacks are the
+    trainer's). The file holds the trainer's config, as upstream's. Every rank calls it. Returns the paths
+    written."""
     from fairseq.logging import metrics
 
-    if cfg is not trainer.cfg.checkpoint and cfg != trainer.cfg.checkpoint:
-        raise ValueError("save_checkpoint(cfg, trainer, ...): cfg differs from the trainer's checkpoint options; "
-                         "pass trainer.cfg.checkpoint (the Trainer writes with the config it was built with)")
-    return trainer.checkpoint_manager.save(trainer, epoch_itr, val_loss, end_of_epoch=epoch_itr.end_of_epoch(),
-                                           metrics_state=metrics.state_dict())
+    manager = trainer.checkpoint_manager
+    options = _checkpoint_options(cfg, manager.ckpt_cfg)
+    writer = manager if options is manager.ckpt_cfg else manager.with_checkpoint_config(options)
+    paths = writer.save(trainer, epoch_itr, val_loss, end_of_epoch=epoch_itr.end_of_epoch(),
+                        metrics_state=metrics.state_dict())
+    if writer is not manager:
+        manager.best = writer.best  # one best value across calls, whatever the options (upstream's)
+    return paths
+
+
+def _checkpoint_options(cfg, own):
+    """The checkpoint options `cfg` gives (a config, DictConfig, namespace or dict), the trainer's `own` for the
+    keys it lacks; `own` itself when they are the same."""
+    if cfg is own or not dataclasses.is_dataclass(own):
+        return own if cfg is own else cfg
+    missing = object()
+    given = {}
+    for field in dataclasses.fields(own):
+        value = cfg.get(field.name, missing) if isinstance(cfg, dict) else getattr(cfg, field.name, missing)
+        if value is not missing:
+            given[field.name] = value
+    options = dataclasses.replace(own, **given)
+    return own if options == own else options

@@ -243,8 +243,10 @@ class CommonEvalConfig:
 
 @dataclass
 class PreprocessConfig:
-    source_lang: Optional[str] = opt(None, "source language (translation; unused for language modeling)")
-    target_lang: Optional[str] = opt(None, "target language (translation; unused for language modeling)")
+    source_lang: Optional[str] = opt(None, "source language: the input files are PREFIX.SRC (translation's layout)",
+                                     aliases=["-s"])
+    target_lang: Optional[str] = opt(None, "target language (translation; with --only-source only its train file "
+                                           "counts, for --joined-dictionary)", aliases=["-t"])
     trainpref: Optional[str] = opt(None, "train file prefix (also used to build the dictionary)")
     validpref: Optional[str] = opt(None, "comma-separated valid file prefixes")
     testpref: Optional[str] = opt(None, "comma-separated test file prefixes")
@@ -253,6 +255,15 @@ class PreprocessConfig:
     srcdict: Optional[str] = opt(None, "reuse this dictionary instead of building one")
     thresholdsrc: int = opt(0, "map words appearing fewer than this many times to <unk>")
     nwordssrc: int = opt(-1, "keep at most this many words in the dictionary (-1: all)")
+    # upstream's target-side options: with --only-source there is no target dictionary (upstream_absent says so)
+    thresholdtgt: int = opt(0, "translation's target dictionary threshold (no target dictionary with --only-source)")
+    nwordstgt: int = opt(-1, "translation's target dictionary size (no target dictionary with --only-source)")
+    tgtdict: Optional[str] = opt(None, "reuse this target dictionary; with --only-source read only with "
+                                       "--joined-dictionary, as the dictionary when --srcdict is not given")
+    joined_dictionary: bool = opt(False, "one dictionary for both languages: built from the train files of "
+                                         "--source-lang and --target-lang (both, when given)")
+    align_suffix: Optional[str] = opt(None, "not supported: word alignment files (translation)")
+    alignfile: Optional[str] = opt(None, "not supported: a word alignment file (translation)")
     padding_factor: int = opt(8, "pad the dictionary size to a multiple of this")
     workers: int = opt(1, "number of parallel workers")
     dict_only: bool = opt(False, "only build the dictionary")

@@ -166,6 +166,11 @@ def _common_problems(src: Source) -> List[str]:
         problems.append(f"--activation-fn {cfg.activation_fn} has no transformers equivalent")
     if cfg.layernorm_embedding:
         problems.append("--layernorm-embedding (a layer norm after the embeddings) has no equivalent in OPT or XGLM")
+    normformer = [flag for flag, on in (("--scale-attn", cfg.scale_attn), ("--scale-fc", cfg.scale_fc),
+                                        ("--scale-heads", cfg.scale_heads), ("--scale-resids", cfg.scale_resids)) if on]
+    if normformer:
+        problems.append(f"NormFormer's {' '.join(normformer)} (extra norms and learned scales in each layer) have no "
+                        "equivalent in OPT or XGLM")
     rows = src.state["decoder.output_projection.weight"].size(0)
     if rows != len(src.dictionary):
         problems.append(f"the output projection has {rows} rows for a dictionary of {len(src.dictionary)} "

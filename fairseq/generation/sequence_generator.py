@@ -28,6 +28,7 @@ batch during any prompt), and a forced prompt token is never blocked by --no-rep
 blocks it, which kills the hypothesis).
 """
 
+import logging
 import math
 import sys
 from typing import Dict, List, Optional, Tuple
@@ -39,6 +40,8 @@ from torch import Tensor
 from fairseq.generation import search
 from fairseq.generation.cuda_graph_decoding import GraphedDecodeStep
 from fairseq.modules.fairseq_incremental_decoder import FairseqIncrementalDecoder
+
+logger = logging.getLogger("fairseq.sequence_generator")  # upstream's module name
 
 # When a prompt is fed in one forward, logits of at most this many values exist at once.
 _LOGITS_CHUNK = 2**25
@@ -71,6 +74,7 @@ class SequenceGenerator(nn.Module):
         self.model.set_decoder_beam_size(self.beam_size)
         self.max_len_a = max_len_a
         self.max_len_b = max_len_b
+        self._warned_long_prompt = False
         self.min_len = min_len
         self.max_len = max_len or self.model.max_decoder_positions()
         self.normalize_scores = normalize_scores
@@ -138,10 +142,14 @@ class SequenceGenerator(nn.Module):
                              f"it needs {width + 1} positions and the model has {positions}; shorten the prompt or "
                              "use a model trained with a larger --tokens-per-sample (--max-positions / "
                              "--max-target-positions)")
-        if width > max_len:
-            raise ValueError(f"a prompt of {width} tokens is longer than the longest output allowed, {max_len} "
-                             f"tokens (--max-len-a {self.max_len_a} * source length + --max-len-b "
-                             f"{self.max_len_b}); raise --max-len-b")
+        if width > max_len:  # upstream's rule: the prompt is forced until the output is that long, then </s>
+            if not self._warned_long_prompt:
+                logger.warning(f"a prompt of {width} tokens is longer than the longest output allowed, {max_len} "
+                               f"tokens (--max-len-a {self.max_len_a} * source length + --max-len-b "
+                               f"{self.max_len_b}): the output is its first {max_len} tokens, as upstream's "
+                               "generator gives (said once); raise --max-len-b to continue the prompts")
+                self._warned_long_prompt = True
+            width = max_len
         if width == 0:
             return None, 0
         prefix = prefix[:, :width]

@@ -102,10 +102,11 @@ class TransformerLanguageModelConfig:
     quant_noise_pq_block_size: int = opt(8, "not supported: block size of PQ quantization noise")
     quant_noise_scalar: float = opt(0.0, "not supported: scalar quantization noise")
     base_layers: int = opt(0, "not supported: number of BASE layers")
-    scale_fc: bool = opt(False, "not supported: NormFormer layernorm between the FFN layers")
-    scale_attn: bool = opt(False, "not supported: NormFormer layernorm after attention")
-    scale_heads: bool = opt(False, "not supported: NormFormer per-head scale")
-    scale_resids: bool = opt(False, "not supported: NormFormer residual scale")
+    # NormFormer (https://arxiv.org/abs/2110.09456), upstream's options and parameter names (TransformerDecoderLayer)
+    scale_fc: bool = opt(False, "NormFormer: layer norm of the FFN's activations, between fc1 and fc2 (ffn_layernorm)")
+    scale_attn: bool = opt(False, "NormFormer: layer norm of the attention's output, before the residual (attn_ln)")
+    scale_heads: bool = opt(False, "NormFormer: a learned scale per attention head (c_attn)")
+    scale_resids: bool = opt(False, "NormFormer: a learned scale of the FFN block's residual (w_resid)")
 
     def __post_init__(self):
         # Unset input/output dims follow the embed dim (upstream's base_lm_architecture); a built config, and so
@@ -189,6 +190,12 @@ def check_adaptive_config(cfg) -> None:
         logger.warning("--tie-adaptive-proj has no effect without --tie-adaptive-weights (as in upstream)")
 
 
+def _normformer(cfg) -> str:
+    flags = [flag for flag, on in (("--scale-attn", cfg.scale_attn), ("--scale-fc", cfg.scale_fc),
+                                   ("--scale-heads", cfg.scale_heads), ("--scale-resids", cfg.scale_resids)) if on]
+    return f", NormFormer ({' '.join(flags)})" if flags else ""
+
+
 def uses_adaptive_modules(cfg) -> bool:
     return bool(cfg.adaptive_input) or cfg.adaptive_softmax_cutoff is not None
 
@@ -213,6 +220,7 @@ class TransformerLanguageModel(FairseqLanguageModel):
         "no_token_positional_embeddings", "decoder_learned_pos", "layernorm_embedding", "no_scale_embedding",
         "activation_fn", "max_target_positions", "adaptive_input", "adaptive_input_factor", "adaptive_input_cutoff",
         "adaptive_softmax_cutoff", "adaptive_softmax_factor", "tie_adaptive_weights", "tie_adaptive_proj",
+        "scale_fc", "scale_attn", "scale_heads", "scale_resids",
     )
 
     def __init__(self, decoder: TransformerDecoder):
@@ -233,7 +241,8 @@ class TransformerLanguageModel(FairseqLanguageModel):
                 f"output {cfg.decoder_output_dim}), ffn {cfg.decoder_ffn_embed_dim}, "
                 f"{cfg.decoder_attention_heads} heads, {positions}, "
                 f"{'pre' if cfg.decoder_normalize_before else 'post'}-norm, {cfg.activation_fn}"
-                + (", shared input/output embeddings" if cfg.share_decoder_input_output_embed else "") + adaptive)
+                + (", shared input/output embeddings" if cfg.share_decoder_input_output_embed else "") + adaptive
+                + _normformer(cfg))
 
     @classmethod
     def build_model(cls, cfg, task) -> "TransformerLanguageModel":
@@ -292,10 +301,14 @@ class TransformerLanguageModel(FairseqLanguageModel):
             return None
         return transformer_flops_per_token(self, len(self.transformer_layers()), self.decoder.embed_dim, seq_len)
 
-    # Options that add parameters or a softmax the tensor-parallel plan does not split.
+    # Options that add parameters or a softmax the tensor-parallel plan does not split. (NormFormer's
+    # --scale-attn is a norm of the sequence-split stream, in the plan; --scale-fc normalizes over the FFN dim,
+    # which the plan splits, and the per-head / residual scales are parameters of the layer itself.)
     TENSOR_PARALLEL_REFUSED = (("adaptive_input", "--adaptive-input"),
                                ("adaptive_softmax_cutoff", "--adaptive-softmax-cutoff"),
-                               ("character_embeddings", "--character-embeddings"))
+                               ("character_embeddings", "--character-embeddings"),
+                               ("scale_fc", "--scale-fc"), ("scale_heads", "--scale-heads"),
+                               ("scale_resids", "--scale-resids"))
 
     @classmethod
     def tensor_parallel_sizes(cls, cfg) -> TensorParallelSizes:

@@ -164,3 +164,9 @@ def build_positional_embedding(max_positions: int, embedding_dim: int, padding_i
     if learned:
         return LearnedPositionalEmbedding(max_positions, embedding_dim, padding_idx)
     return SinusoidalPositionalEmbedding(embedding_dim, padding_idx, init_size=max_positions + padding_idx + 1)
+
+
+def PositionalEmbedding(num_embeddings: int, embedding_dim: int, padding_idx: int, learned: bool = False):
+    """Upstream's factory under its name and arguments: positions for `num_embeddings` tokens (the table has the
+    padding offset's rows on top, as upstream's)."""
+    return build_positional_embedding(num_embeddings, embedding_dim, padding_idx, learned=learned)

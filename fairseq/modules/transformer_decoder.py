@@ -12,8 +12,8 @@ Incremental decoding (upstream's `incremental_state`): `decoder(tokens, incremen
 same dict every call, `tokens` [B, T] the whole sequence so far. Only `tokens[:, cached:]` is computed
 (several tokens at once, e.g. a prompt, or one per step), positions continue from the cached length, and
 `(logits of those new tokens, extra)` comes back. Entries in `state`: this decoder's token count (and its attention
-modules), per layer, the attention's key/value buffers (see MultiheadAttention._cache_entry). The caller says
-the longest length with `reserve_incremental_state` so the buffers are allocated once; beams are reordered
+modules), per layer, the attention's key/value buffers (see CausalSelfAttention._cache_entry). The caller
+says the longest length with `reserve_incremental_state` so the buffers are allocated once; beams are reordered
 with `reorder_incremental_state`. All rows share one length: a batch must not be left-padded (upstream's
 generator forces prompts token by token instead, see fairseq.generation.sequence_generator).
 
@@ -35,7 +35,7 @@ from fairseq.modules.incremental_decoding_utils import IncrementalState
 from fairseq.modules.fairseq_incremental_decoder import FairseqIncrementalDecoder
 from fairseq.modules.adaptive_input import AdaptiveInput, parse_cutoffs
 from fairseq.modules.adaptive_softmax import AdaptiveSoftmax
-from fairseq.modules.multihead_attention import MultiheadAttention, StaticStep
+from fairseq.modules.causal_attention import CausalSelfAttention, StaticStep
 from fairseq.modules.positional_embedding import build_positional_embedding, zero_row_
 from fairseq.modules.transformer_layer import TransformerDecoderLayer
 
@@ -89,7 +89,8 @@ class TransformerDecoder(FairseqIncrementalDecoder):
                 self.embed_dim, cfg.decoder_attention_heads, cfg.decoder_ffn_embed_dim,
                 dropout=cfg.dropout, attention_dropout=cfg.attention_dropout,
                 activation_dropout=activation_dropout, activation_fn=cfg.activation_fn,
-                normalize_before=cfg.decoder_normalize_before,
+                normalize_before=cfg.decoder_normalize_before, scale_attn=cfg.scale_attn, scale_fc=cfg.scale_fc,
+                scale_heads=cfg.scale_heads, scale_resids=cfg.scale_resids,
             )
             for _ in range(cfg.decoder_layers)
         )
@@ -164,7 +165,7 @@ class TransformerDecoder(FairseqIncrementalDecoder):
             nn.init.normal_(self.output_projection.weight, mean=0.0, std=self.output_embed_dim**-0.5)
 
     def tensor_parallel_styles(self) -> dict:
-        """{module path: style} of this decoder under tensor parallelism (the layers' TENSOR_PARALLEL_STYLES;
+        """{module path: style} of this decoder under tensor parallelism (the layers' tensor_parallel_styles();
         around them a vocabulary-parallel embedding and output, everything else with parameters replicated)."""
         styles = {"embed_tokens": "vocab_embedding", "output_projection": "vocab_output"}
         for name in ("embed_positions", "layernorm_embedding", "project_in_dim", "layer_norm", "project_out_dim"):
@@ -175,7 +176,7 @@ class TransformerDecoder(FairseqIncrementalDecoder):
             if type(layer) is not TransformerDecoderLayer:
                 raise TypeError(f"decoder layer {index} is a {type(layer).__name__}: the tensor-parallel plan covers "
                                 "TransformerDecoderLayer (apply it before checkpointing, compile and FSDP)")
-            styles.update({f"layers.{index}.{path}": style for path, style in layer.TENSOR_PARALLEL_STYLES.items()})
+            styles.update({f"layers.{index}.{path}": style for path, style in layer.tensor_parallel_styles().items()})
         return styles
 
     def max_positions(self) -> int:
@@ -309,7 +310,7 @@ class TransformerDecoder(FairseqIncrementalDecoder):
         return entry
 
     def _attention_modules(self):
-        return [m for m in self.modules() if isinstance(m, MultiheadAttention)]
+        return [m for m in self.modules() if isinstance(m, CausalSelfAttention)]
 
     def reserve_incremental_state(self, incremental_state: IncrementalState, max_length: int,
                                   max_batch: int = 0) -> None:

@@ -10,7 +10,7 @@ import torch
 from fairseq.generation import search
 from fairseq.data.dictionary import Dictionary
 from fairseq.models.transformer_lm import TransformerLanguageModel, TransformerLanguageModelConfig
-from fairseq.modules import MultiheadAttention
+from fairseq.modules import CausalSelfAttention
 from fairseq.generation.sequence_generator import SequenceGenerator
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -79,7 +79,7 @@ def test_cached_logits_equal_a_full_forward_on_cuda(dtype, atol):
 @pytest.mark.parametrize("dtype,atol", [(torch.float32, 1e-4), (torch.bfloat16, 0.15)])
 def test_generation_on_cuda_with_one_cache_allocation(dtype, atol, monkeypatch):
     allocations = []
-    original = MultiheadAttention._ensure_capacity
+    original = CausalSelfAttention._ensure_capacity
 
     def spy(self, entry, rows, length, like):
         before = entry["key_buffer"]
@@ -87,7 +87,7 @@ def test_generation_on_cuda_with_one_cache_allocation(dtype, atol, monkeypatch):
         if entry["key_buffer"] is not before:
             allocations.append(entry["key_buffer"].device.type)
 
-    monkeypatch.setattr(MultiheadAttention, "_ensure_capacity", spy)
+    monkeypatch.setattr(CausalSelfAttention, "_ensure_capacity", spy)
     check_generation("cuda", dtype, atol)
     assert allocations == ["cuda"] * 3 * 3  # 3 layers x 3 generate calls
 

@@ -160,13 +160,26 @@ def test_on_the_gpu(tiny_data, ckpt, capsys, precision):
     (["--beam", 2, "--sampling"], 2, "--sampling requires --nbest to be equal to --beam"),
     (["--nbest", 3, "--beam", 2], 2, "--nbest 3 is larger than --beam 2"),
     (["--model-overrides", "{'decoder_layers': 3}"], 1, "was saved from a different architecture"),
-    (["--prefix-size", 3, "--max-len-b", 2], 1, "a prompt of 3 tokens is longer than the longest output allowed"),
     (["--lr", 0.1], 2, "unrecognized arguments: --lr 0.1"),
 ])
 def test_bad_input_is_one_line(tiny_data, ckpt, capsys, extra, status, message):
     got, _, err = run(capsys, argv(tiny_data, ckpt, *extra))
     assert got == status and "Traceback" not in err
     assert err.strip().count("\n") == 0 and ": error: " in err and message in err  # usage errors too: one line
+
+
+def test_prompt_longer_than_the_output_allowed_is_cut_as_upstream_cuts_it(tiny_data, ckpt, capsys, caplog):
+    """Upstream's generator forces a prompt until the output is max_len long, then ends it: the output is the
+    prompt's first max_len tokens (upstream's LM tests generate with --max-len-b 5 from whole lines); said once."""
+    status, out, _ = run(capsys, argv(tiny_data, ckpt, "--prefix-size", 3, "--max-len-b", 2, "--beam", 2))
+    assert status == 0
+    samples = parse(out)
+    assert samples and all(len(sample["H"][0][1].split()) == 2 for sample in samples.values())
+    for sample in samples.values():
+        assert sample["H"][0][1].split() == sample["S"][0].split()[:2]
+    warnings = [r.getMessage() for r in caplog.records if "longer than the longest output allowed" in r.getMessage()]
+    assert len(warnings) == 1 and warnings[0].startswith("a prompt of 3 tokens is longer than the longest output "
+                                                         "allowed, 2 tokens") and "raise --max-len-b" in warnings[0]
 
 
 def test_missing_inputs(tiny_data, tmp_path, capsys):

@@ -147,13 +147,22 @@ def test_prompt_longer_than_the_model(tiny_data, ckpt, monkeypatch, capsys, capl
     (["--model-overrides", "{'decoder_layers': 3}"], "w1\n", 1, "was saved from a different architecture"),
     (["--input", "missing.txt"], "", 1, "--input missing.txt: no such file"),
     ([], "w1\n\nw2\n", 1, "prompt 1 is an empty line"),
-    (["--max-len-b", 4], " ".join(["w1"] * 10) + "\n", 1, "a prompt of 10 tokens is longer than the longest output "
-                                                           "allowed, 4 tokens"),
 ])
 def test_bad_input_is_one_line(tiny_data, ckpt, monkeypatch, capsys, extra, stdin_text, status, message):
     got, _, err = run(monkeypatch, capsys, argv(tiny_data, ckpt, *extra), stdin_text)
     assert got == status and "Traceback" not in err
     assert err.strip().count("\n") == 0 and ": error: " in err and message in err  # usage errors too: one line
+
+
+def test_a_prompt_longer_than_the_output_allowed_is_cut_there_with_a_warning(tiny_data, ckpt, monkeypatch, capsys,
+                                                                              caplog):
+    status, out, _ = run(monkeypatch, capsys, argv(tiny_data, ckpt, "--max-len-b", 4), " ".join(["w1"] * 10) + "\n")
+    assert status == 0
+    assert [fields[1] for kind, _, fields in parse(out) if kind == "H"] == ["w1 w1 w1 w1"]  # upstream's output
+    assert [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING] == [
+        "a prompt of 10 tokens is longer than the longest output allowed, 4 tokens (--max-len-a 0 * source length "
+        "+ --max-len-b 4): the output is its first 4 tokens, as upstream's generator gives (said once); raise "
+        "--max-len-b to continue the prompts"]
 
 
 def test_missing_checkpoint(tiny_data, tmp_path, monkeypatch, capsys):

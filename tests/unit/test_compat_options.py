@@ -13,13 +13,22 @@ TRAIN_BASE = ["data", "--task", "language_modeling", "--arch", "transformer_lm",
               "--max-tokens", "64", "--tokens-per-sample", "64"]
 # A non-default value for each noticed option (the flag alone for a boolean one).
 SET = {"min_params_to_wrap": ["--min-params-to-wrap", "1000"], "softmax_batch": ["--softmax-batch", "1024"],
-       "retain_dropout_modules": ["--retain-dropout-modules", "TransformerDecoderLayer"]}
+       "retain_dropout_modules": ["--retain-dropout-modules", "TransformerDecoderLayer"],
+       "thresholdtgt": ["--thresholdtgt", "2"], "nwordstgt": ["--nwordstgt", "5"], "tgtdict": ["--tgtdict", "d.txt"]}
 # The eval-lm and generation groups' flags are on their tools' parsers (given a data directory and --path).
 PARSERS = {"eval_lm": options.get_eval_lm_parser, "generation": options.get_generation_parser}
 EVAL_BASE = ["data", "--task", "language_modeling", "--path", "model.pt", "--max-tokens", "64"]
 
 
 def _config(group, argv):
+    if group == "preprocess":  # fairseq-preprocess's namespace, as it announces it (its own group only)
+        from types import SimpleNamespace
+
+        from fairseq.dataclass.configs import PreprocessConfig
+        from fairseq.dataclass.utils import config_from_namespace
+
+        args = options.get_preprocessing_parser().parse_args(["--only-source", *argv[len(TRAIN_BASE):]])
+        return SimpleNamespace(preprocess=config_from_namespace(PreprocessConfig, args))
     parser = PARSERS.get(group, options.get_training_parser)()
     if group in PARSERS:
         argv = EVAL_BASE + argv[len(TRAIN_BASE):]

@@ -9,7 +9,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoi
 from fairseq.modules.incremental_decoding_utils import FairseqIncrementalState, with_incremental_state
 from fairseq.models import FairseqDecoder, FairseqIncrementalDecoder
 from fairseq.models.transformer_lm import TransformerLanguageModel, TransformerLanguageModelConfig
-from fairseq.modules import LearnedPositionalEmbedding, MultiheadAttention, SinusoidalPositionalEmbedding
+from fairseq.modules import CausalSelfAttention, LearnedPositionalEmbedding, SinusoidalPositionalEmbedding
 
 VOCAB, PAD = 24, 1
 # fp32 on the CPU: the cached path multiplies the same numbers in other shapes (one token at a time instead of
@@ -183,7 +183,7 @@ def test_training_forward_is_bitwise_the_old_one_and_never_touches_the_cache(nam
     def no_cache(*args, **kwargs):
         raise AssertionError("the training forward reached the incremental path")
 
-    monkeypatch.setattr(MultiheadAttention, "_forward_incremental", no_cache)
+    monkeypatch.setattr(CausalSelfAttention, "_forward_incremental", no_cache)
     monkeypatch.setattr(type(model.decoder), "_layers_incremental", no_cache)
     torch.manual_seed(5)
     new = model(x)[0]
@@ -255,7 +255,7 @@ def test_incremental_state_keys_are_per_module():
     assert a.set_incremental_state(None, "k", {}) is None
 
 
-class CountingAttention(MultiheadAttention):
+class CountingAttention(CausalSelfAttention):
     reorders = 0
 
     def reorder_incremental_state(self, incremental_state, new_order):

@@ -7,7 +7,7 @@ import torch
 
 from fairseq.modules import (
     LearnedPositionalEmbedding,
-    MultiheadAttention,
+    CausalSelfAttention,
     SinusoidalPositionalEmbedding,
     TransformerDecoderLayer,
     get_activation_fn,
@@ -17,7 +17,7 @@ from fairseq.modules import (
 from fairseq.modules.positional_embedding import zero_row_
 
 
-def naive_causal_attention(attn: MultiheadAttention, x: torch.Tensor) -> torch.Tensor:
+def naive_causal_attention(attn: CausalSelfAttention, x: torch.Tensor) -> torch.Tensor:
     """Softmax attention written out: per-head scores, -inf above the diagonal, weighted values."""
     batch, length, dim = x.shape
     heads, head_dim = attn.num_heads, dim // attn.num_heads
@@ -37,7 +37,7 @@ def naive_causal_attention(attn: MultiheadAttention, x: torch.Tensor) -> torch.T
 
 def test_sdpa_attention_equals_naive_softmax_attention():
     torch.manual_seed(0)
-    attn = MultiheadAttention(32, 4, dropout=0.5).double().eval()  # dropout must be off in eval
+    attn = CausalSelfAttention(32, 4, dropout=0.5).double().eval()  # dropout must be off in eval
     with torch.no_grad():
         for proj in (attn.q_proj, attn.k_proj, attn.v_proj, attn.out_proj):
             proj.bias.normal_()
@@ -48,7 +48,7 @@ def test_sdpa_attention_equals_naive_softmax_attention():
 
 def test_attention_dropout_applies_in_training_only():
     torch.manual_seed(0)
-    attn = MultiheadAttention(16, 2, dropout=0.5)
+    attn = CausalSelfAttention(16, 2, dropout=0.5)
     x = torch.randn(1, 6, 16)
     with torch.no_grad():
         attn.train()
@@ -59,7 +59,7 @@ def test_attention_dropout_applies_in_training_only():
 
 def test_heads_must_divide_embed_dim():
     with pytest.raises(ValueError, match="--decoder-embed-dim 10 is not divisible by --decoder-attention-heads 3"):
-        MultiheadAttention(10, 3)
+        CausalSelfAttention(10, 3)
 
 
 def test_make_positions_start_after_padding_index_and_skip_pads():

@@ -16,7 +16,7 @@ from fairseq.generation.cuda_graph_decoding import GraphedDecodeStep, round_up_s
 from fairseq.data.dictionary import Dictionary
 from fairseq.models import BaseFairseqModel, FairseqDecoder, FairseqIncrementalDecoder
 from fairseq.models.transformer_lm import TransformerLanguageModel, TransformerLanguageModelConfig
-from fairseq.modules import MultiheadAttention
+from fairseq.modules import CausalSelfAttention
 from fairseq.generation.sequence_generator import SequenceGenerator
 from fairseq.tasks.language_modeling import LanguageModelingConfig, LanguageModelingTask
 
@@ -253,12 +253,22 @@ def test_prompts_that_do_not_fit_raise_one_clear_error():
     sample, prefix = sample_of([[W[1]] * 8, [W[2]]])
     with pytest.raises(ValueError, match="a prompt of 8 tokens does not fit.*--tokens-per-sample.*--max-positions"):
         generator.generate([model], sample, prefix_tokens=prefix)
-    generator = SequenceGenerator([model], D, max_len_b=3)
-    sample, prefix = sample_of([[W[1]] * 5])
-    with pytest.raises(ValueError, match="a prompt of 5 tokens is longer than.*raise --max-len-b"):
-        generator.generate([model], sample, prefix_tokens=prefix)
     with pytest.raises(ValueError, match="--temperature must be greater than 0"):
         SequenceGenerator([model], D, temperature=0)
+
+
+def test_a_prompt_longer_than_the_output_allowed_is_cut_there_as_upstream_does(caplog):
+    """Upstream forces the prompt until max_len tokens, then </s>: the prompt's first max_len tokens (said once)."""
+    model = build(max_target_positions=16)
+    generator = SequenceGenerator([model], D, beam_size=2, max_len_b=3)
+    sample, prefix = sample_of([[W[1]] * 5, [W[2], W[3]]])
+    for _ in range(2):
+        hypos = generator.generate([model], sample, prefix_tokens=prefix)
+        assert hypos[0][0]["tokens"].tolist() == [W[1]] * 3 + [D.eos()]
+        assert hypos[1][0]["tokens"][:2].tolist() == [W[2], W[3]] and len(hypos[1][0]["tokens"]) <= 4
+    warnings = [r.getMessage() for r in caplog.records if "longer than the longest output allowed" in r.getMessage()]
+    assert len(warnings) == 1 and warnings[0].startswith("a prompt of 5 tokens is longer than the longest output "
+                                                         "allowed, 3 tokens") and "raise --max-len-b" in warnings[0]
 
 
 @pytest.mark.parametrize("beam", [1, 3])
@@ -327,7 +337,7 @@ def test_no_repeat_ngram_size():
 
 def test_the_kv_cache_is_allocated_once_per_generate(monkeypatch):
     allocations = []
-    original = MultiheadAttention._ensure_capacity
+    original = CausalSelfAttention._ensure_capacity
 
     def spy(self, entry, rows, length, like):
         before = entry["key_buffer"]
@@ -335,7 +345,7 @@ def test_the_kv_cache_is_allocated_once_per_generate(monkeypatch):
         if entry["key_buffer"] is not before:
             allocations.append((id(self), tuple(entry["key_buffer"].shape)))
 
-    monkeypatch.setattr(MultiheadAttention, "_ensure_capacity", spy)
+    monkeypatch.setattr(CausalSelfAttention, "_ensure_capacity", spy)
     model = build(seed=1)
     generate(model, PROMPTS, beam_size=3, max_len_b=10)  # beams reordered, sentences dropped
     # One buffer per layer (keys and values together), at batch 4 x beam 3 rows and max_len + 1 = 11 slots.

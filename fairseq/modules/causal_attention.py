@@ -1,0 +1,225 @@
+"""Causal multi-head self-attention through `F.scaled_dot_product_attention`: the transformer layer's attention.
+
+Parameter names and initialization follow upstream fairseq's MultiheadAttention (separate q/k/v/out
+projections with bias, `AttentionProjections`), so upstream state dicts load unchanged. No mask is materialized:
+SDPA's `is_causal=True` selects the fused kernels (flash / memory-efficient) where available. Upstream's general
+attention (key/value inputs, masks, attention weights, time-first tensors) is
+fairseq.modules.multihead_attention.MultiheadAttention, on the same projections.
+
+With an `incremental_state` the module caches keys and values across calls (see `_cache_entry` for the
+layout): each call computes only its new tokens and attends over everything cached so far. With a
+`StaticStep` as well (one token per row, the static decode step that CUDA graphs capture, see
+fairseq.generation.cuda_graph_decoding) the shapes do not depend on how much is cached: the new key/value go to the slot
+held in a device tensor and the token attends over the whole capacity, the slots after it masked.
+"""
+
+import math
+from typing import NamedTuple, Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from fairseq.modules.incremental_decoding_utils import FairseqIncrementalState, IncrementalState
+
+_CACHE_KEY = "attn_state"
+
+
+class StaticStep(NamedTuple):
+    """Where the one new token of each row goes in a static decode step (no Python value that changes per
+    step, so a CUDA graph can capture it): `slot` [1] (long) is its index in the sequence and its cache slot;
+    `mask` [1, 1, 1, capacity] (the activations' dtype) is 0 for slots 0 .. slot and -inf after."""
+
+    slot: torch.Tensor
+    mask: torch.Tensor
+
+
+def check_heads(embed_dim: int, num_heads: int, dim_name: str = "embed_dim", heads_name: str = "num_heads") -> None:
+    if num_heads <= 0 or embed_dim % num_heads != 0:
+        raise ValueError(f"{dim_name} {embed_dim} is not divisible by {heads_name} {num_heads}; pick a head count "
+                         "that divides the embedding dim")
+
+
+class AttentionProjections(nn.Module):
+    """The q/k/v/out projections of multi-head attention under upstream's names (`q_proj`, `k_proj`, `v_proj`,
+    `out_proj`; keys and values may come from inputs of other widths, `kdim` / `vdim`) and upstream's
+    initialization; `dropout` is the attention probabilities' dropout."""
+
+    def __init__(self, embed_dim: int, num_heads: int, dropout: float = 0.0, bias: bool = True,
+                 kdim: Optional[int] = None, vdim: Optional[int] = None):
+        super().__init__()
+        check_heads(embed_dim, num_heads)
+        self.embed_dim = embed_dim
+        self.kdim = embed_dim if kdim is None else kdim
+        self.vdim = embed_dim if vdim is None else vdim
+        self.qkv_same_dim = self.kdim == embed_dim and self.vdim == embed_dim
+        self.num_heads = num_heads
+        self.head_dim = embed_dim // num_heads
+        self.dropout = dropout
+        self.q_proj = nn.Linear(embed_dim, embed_dim, bias=bias)
+        self.k_proj = nn.Linear(self.kdim, embed_dim, bias=bias)
+        self.v_proj = nn.Linear(self.vdim, embed_dim, bias=bias)
+        self.out_proj = nn.Linear(embed_dim, embed_dim, bias=bias)
+        self.reset_parameters()
+
+    def reset_parameters(self):
+        # As upstream: q/k/v keep nn.Linear's default bias init, weights get xavier with gain 1/sqrt(2) when keys
+        # and values have the query's width (upstream found it converges better); the output projection gets
+        # plain xavier and a zero bias.
+        for proj in (self.q_proj, self.k_proj, self.v_proj, self.out_proj):
+            proj.reset_parameters()
+        gain = 1 / math.sqrt(2) if self.qkv_same_dim else 1.0
+        for proj in (self.k_proj, self.v_proj, self.q_proj):
+            nn.init.xavier_uniform_(proj.weight, gain=gain)
+        nn.init.xavier_uniform_(self.out_proj.weight)
+        if self.out_proj.bias is not None:
+            nn.init.zeros_(self.out_proj.bias)
+
+    def upgrade_state_dict_named(self, state_dict: dict, name: str) -> None:
+        """Upstream's hook: a fused `in_proj_weight` / `in_proj_bias` (older checkpoints) becomes q/k/v rows."""
+        prefix = f"{name}." if name else ""
+        for kind in ("weight", "bias"):
+            fused = state_dict.pop(f"{prefix}in_proj_{kind}", None)
+            if fused is not None:
+                for proj, part in zip(("q_proj", "k_proj", "v_proj"), fused.chunk(3, dim=0)):
+                    state_dict[f"{prefix}{proj}.{kind}"] = part.clone()
+
+
+class CausalSelfAttention(FairseqIncrementalState, AttentionProjections):
+    """`attn(x [B, T, C], incremental_state=None, static_step=None) -> [B, T, C]`: every position attends to
+    itself and the positions before it."""
+
+    def __init__(self, embed_dim: int, num_heads: int, dropout: float = 0.0, bias: bool = True):
+        check_heads(embed_dim, num_heads, "--decoder-embed-dim", "--decoder-attention-heads")
+        super().__init__(embed_dim, num_heads, dropout=dropout, bias=bias)
+
+    def _split_heads(self, x: torch.Tensor) -> torch.Tensor:
+        # The heads are counted from the projection's width: every head, or under tensor parallelism (q/k/v
+        # split by columns over N ranks) this rank's num_heads / N, with nothing set from outside.
+        batch, length, width = x.shape
+        return x.view(batch, length, width // self.head_dim, self.head_dim).transpose(1, 2)
+
+    def forward(self, x: torch.Tensor, incremental_state: Optional[IncrementalState] = None,
+                static_step: Optional[StaticStep] = None) -> torch.Tensor:
+        """Causal self-attention over x [B, T, C] -> [B, T, C]; with `incremental_state`, x holds the tokens
+        that follow the cached ones; with `static_step` too, x [B, 1, C] is the token at `static_step.slot`."""
+        if static_step is not None:
+            return self._forward_static_step(x, incremental_state, static_step)
+        if incremental_state is not None:
+            return self._forward_incremental(x, incremental_state)
+        batch, length, _ = x.shape
+        q = self._split_heads(self.q_proj(x))
+        k = self._split_heads(self.k_proj(x))
+        v = self._split_heads(self.v_proj(x))
+        attn = F.scaled_dot_product_attention(
+            q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True
+        )
+        attn = attn.transpose(1, 2).reshape(batch, length, -1)  # -1: this rank's heads (see _split_heads)
+        return self.out_proj(attn)
+
+    # ---- incremental decoding ---------------------------------------------------------------------------
+    def _cache_entry(self, incremental_state: IncrementalState) -> dict:
+        """This layer's entry of the incremental state, created empty on first use:
+
+        - "key_buffer", "value_buffer": [rows, num_heads, capacity, head_dim] tensors, allocated once (at the
+          reserved size, see `reserve_incremental_state`); batch row b's keys for its first `length` tokens
+          are `key_buffer[b, :, :length]`; rows past the current batch and slots past `length` are unused;
+        - "length": how many tokens are cached (a plain int, the same for every row; static steps leave it to
+          their caller, see `set_incremental_length`);
+        - "reserved": (rows, capacity) to allocate on the first call, when someone said.
+        Without a reservation the buffers are allocated at the size the first call needs and grow by doubling.
+        Buffers start zeroed: a static step reads every slot (masked), and masked garbage could be NaN.
+        """
+        entry = self.get_incremental_state(incremental_state, _CACHE_KEY)
+        if entry is None:
+            entry = {"key_buffer": None, "value_buffer": None, "length": 0, "reserved": (0, 0)}
+            self.set_incremental_state(incremental_state, _CACHE_KEY, entry)
+        return entry
+
+    def reserve_incremental_state(self, incremental_state: IncrementalState, max_length: int,
+                                  max_batch: int = 0) -> None:
+        """Say how many tokens (and batch rows) this state will hold, so the cache is allocated once."""
+        entry = self._cache_entry(incremental_state)
+        entry["reserved"] = (max(entry["reserved"][0], max_batch), max(entry["reserved"][1], max_length))
+
+    def _ensure_capacity(self, entry: dict, rows: int, length: int, like: torch.Tensor) -> None:
+        buffer = entry["key_buffer"]
+        have_rows, have_length = (0, 0) if buffer is None else (buffer.size(0), buffer.size(2))
+        if rows <= have_rows and length <= have_length:
+            return
+        reserved_rows, reserved_length = entry["reserved"]
+        new_rows = max(rows, have_rows, reserved_rows)
+        new_length = max(length, reserved_length, 2 * have_length if length > have_length else have_length)
+        filled, old_rows = entry["length"], have_rows
+        for name in ("key_buffer", "value_buffer"):
+            new = like.new_zeros(new_rows, self.num_heads, new_length, self.head_dim)
+            if entry[name] is not None and filled:
+                new[:old_rows, :, :filled] = entry[name][:, :, :filled]
+            entry[name] = new
+
+    def _forward_incremental(self, x: torch.Tensor, incremental_state: IncrementalState) -> torch.Tensor:
+        batch, length, channels = x.shape
+        entry = self._cache_entry(incremental_state)
+        start = entry["length"]
+        end = start + length
+        q = self._split_heads(self.q_proj(x))
+        k = self._split_heads(self.k_proj(x))
+        v = self._split_heads(self.v_proj(x))
+        self._ensure_capacity(entry, batch, end, k)
+        entry["key_buffer"][:batch, :, start:end] = k
+        entry["value_buffer"][:batch, :, start:end] = v
+        keys = entry["key_buffer"][:batch, :, :end]
+        values = entry["value_buffer"][:batch, :, :end]
+        entry["length"] = end
+        dropout = self.dropout if self.training else 0.0
+        if length == 1 or start == 0:
+            # One new token sees every cached one; a first chunk is an ordinary causal square.
+            attn = F.scaled_dot_product_attention(q, keys, values, dropout_p=dropout, is_causal=length > 1)
+        else:
+            # A chunk after cached tokens: new token i (at start + i) sees keys 0 .. start + i.
+            mask = torch.ones(length, end, dtype=torch.bool, device=x.device).tril(diagonal=start)
+            attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, dropout_p=dropout)
+        attn = attn.transpose(1, 2).reshape(batch, length, channels)
+        return self.out_proj(attn)
+
+    def static_step_capacity(self, incremental_state: IncrementalState, rows: int, like: torch.Tensor) -> int:
+        """The slots a static step attends over: the cache's capacity, allocated first (at the reserved size)
+        when nothing is cached yet."""
+        entry = self._cache_entry(incremental_state)
+        self._ensure_capacity(entry, rows, entry["length"], like)
+        capacity = entry["key_buffer"].size(2)
+        if capacity == 0:
+            raise ValueError("a static decode step needs a cache: call reserve_incremental_state(state, max_length, "
+                             "max_batch) first")
+        return capacity
+
+    def _forward_static_step(self, x: torch.Tensor, incremental_state: IncrementalState,
+                             step: StaticStep) -> torch.Tensor:
+        batch, length, _ = x.shape
+        entry = self._cache_entry(incremental_state)
+        keys, values = entry["key_buffer"][:batch], entry["value_buffer"][:batch]
+        q = self._split_heads(self.q_proj(x))
+        keys.index_copy_(2, step.slot, self._split_heads(self.k_proj(x)))
+        values.index_copy_(2, step.slot, self._split_heads(self.v_proj(x)))
+        dropout = self.dropout if self.training else 0.0
+        attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=step.mask, dropout_p=dropout)
+        attn = attn.transpose(1, 2).reshape(batch, length, -1)
+        return self.out_proj(attn)
+
+    def set_incremental_length(self, incremental_state: IncrementalState, length: int) -> None:
+        """Say that `length` tokens are cached: after static steps, or 0 to reuse the buffers for new text."""
+        self._cache_entry(incremental_state)["length"] = length
+
+    def reorder_incremental_state(self, incremental_state: IncrementalState, new_order: torch.Tensor):
+        """Row i of the cache continues row `new_order[i]` (beams reordered, finished sentences dropped).
+
+        Done in place in the allocated buffers: only the filled part is copied."""
+        entry = self.get_incremental_state(incremental_state, _CACHE_KEY)
+        if entry is None or entry["key_buffer"] is None:
+            return incremental_state
+        rows, filled = new_order.numel(), entry["length"]
+        self._ensure_capacity(entry, rows, filled, entry["key_buffer"])
+        for name in ("key_buffer", "value_buffer"):
+            buffer = entry[name]
+            buffer[:rows, :, :filled] = buffer[:, :, :filled].index_select(0, new_order)
+        return incremental_state
