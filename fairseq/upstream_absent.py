@@ -126,7 +126,6 @@ ACCEPTED_OPTIONS = (
      "each epoch's batches are shuffled across all data-parallel ranks, not kept on one rank"),
     ("distributed_training", "min_params_to_wrap",
      "fully_sharded makes each transformer layer one FSDP unit (and the rest the root unit), whatever its size"),
-    ("checkpoint", "write_checkpoints_asynchronously", "checkpoints are written synchronously, in the training loop"),
     ("eval_lm", "softmax_batch",
      "the log-softmax of a batch is computed at once; lower --max-tokens or --batch-size to bound its memory"),
     ("generation", "sacrebleu", "generated text is printed, not scored with BLEU"),

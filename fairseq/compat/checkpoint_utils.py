@@ -114,11 +114,16 @@ def save_checkpoint(cfg, trainer, epoch_itr, val_loss: Optional[float]) -> List[
     every --save-interval-updates, checkpoint_best.pt, checkpoint_last.pt; retention as configured) with
     `trainer`'s state, `epoch_itr`'s data position and the meters, as fairseq-train writes them (one
     CheckpointManager, `trainer.checkpoint_manager`, which also tracks the best `val_loss`). `cfg` is the
-    trainer's checkpoint options (`trainer.cfg.checkpoint`). Every rank calls it. Returns the paths written."""
+    trainer's checkpoint options (`trainer.cfg.checkpoint`). Every rank calls it. Returns the paths written,
+    complete (with --write-checkpoints-asynchronously too: a script has no later point where a failed background
+    write could be reported)."""
     from fairseq.logging import metrics
 
     if cfg is not trainer.cfg.checkpoint and cfg != trainer.cfg.checkpoint:
         raise ValueError("save_checkpoint(cfg, trainer, ...): cfg differs from the trainer's checkpoint options; "
                          "pass trainer.cfg.checkpoint (the Trainer writes with the config it was built with)")
-    return trainer.checkpoint_manager.save(trainer, epoch_itr, val_loss, end_of_epoch=epoch_itr.end_of_epoch(),
-                                           metrics_state=metrics.state_dict())
+    manager = trainer.checkpoint_manager
+    paths = manager.save(trainer, epoch_itr, val_loss, end_of_epoch=epoch_itr.end_of_epoch(),
+                         metrics_state=metrics.state_dict())
+    manager.wait_for_write("before save_checkpoint returns")
+    return paths
