@@ -164,7 +164,6 @@ ACCEPTED_OPTIONS = (
      "each epoch's batches are shuffled across all data-parallel ranks, not kept on one rank"),
     ("distributed_training", "min_params_to_wrap",
      "fully_sharded makes each transformer layer one FSDP unit (and the rest the root unit), whatever its size"),
-    ("checkpoint", "write_checkpoints_asynchronously", "checkpoints are written synchronously, in the training loop"),
     *(("preprocess", name, "language-modeling data (--only-source) has no target dictionary; upstream ignores it "
                            "there too") for name in ("thresholdtgt", "nwordstgt")),
     ("preprocess", "tgtdict", "with --only-source there is no target dictionary: it is read only with "

@@ -18,7 +18,7 @@ from fairseq import registry
 from fairseq.checkpoint import sharded
 from fairseq.checkpoint.io import CheckpointError, load_checkpoint_file
 from fairseq.checkpoint.legacy import is_legacy_checkpoint, upgrade_legacy_checkpoint
-from fairseq.checkpoint.manager import check_architecture
+from fairseq.checkpoint.fit import check_architecture
 from fairseq.checkpoint.vocabulary import carried, check_dictionary
 from fairseq.dataclass.utils import config_from_dict
 

@@ -14,7 +14,7 @@ import os
 import pickle
 import tempfile
 import zipfile
-from typing import Any, Dict, Optional
+from typing import Any, Callable, Dict, Optional
 
 import torch
 
@@ -156,8 +156,14 @@ def _write_atomically(path: str, write_fn):
     _fsync_dir(directory)
 
 
-def atomic_torch_save(obj: Any, path: str):
-    _write_atomically(path, lambda f: torch.save(obj, f))
+def atomic_torch_save(obj: Any, path: str, before_rename: Optional[Callable[[], None]] = None):
+    """torch.save `obj` to `path` atomically; `before_rename` runs once the bytes are written (a test hook)."""
+    def write(f):
+        torch.save(obj, f)
+        if before_rename is not None:
+            before_rename()
+
+    _write_atomically(path, write)
 
 
 def atomic_copy(src: str, dst: str):

@@ -20,6 +20,7 @@ import ast
 import copy
 import logging
 import os
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional
 
@@ -32,6 +33,7 @@ from fairseq.checkpoint.io import (
     atomic_torch_save,
     load_checkpoint_file,
 )
+from fairseq.checkpoint.fit import check_architecture, check_same_model_options, model_state_for_checking
 from fairseq.checkpoint.legacy import is_legacy_checkpoint, upgrade_legacy_checkpoint
 from fairseq.checkpoint.paths import (
     checkpoint_stems,
@@ -43,9 +45,12 @@ from fairseq.checkpoint.paths import (
 )
 from fairseq.checkpoint.vocabulary import KEY as VOCABULARY_KEY, carried, check_dictionary, make_record
 from fairseq.checkpoint.save_dir import SaveDirLock, check_writable, remove_stale_temporaries
+from fairseq.checkpoint.writer import CheckpointWriter, slow_write_for_tests
 from fairseq.dataclass.utils import config_to_dict
 from fairseq.distributed.utils import barrier, broadcast_from_master, get_data_parallel_world_size, get_rank
+from fairseq.distributed.launch import process_group_timeout
 from fairseq.logging import metrics
+from fairseq.logging.log_line import log_checkpoint_times
 
 if TYPE_CHECKING:  # torch.distributed.checkpoint costs ~1.5 s to import: only where a checkpoint needs it
     from torch.distributed.checkpoint.stateful import Stateful
@@ -108,6 +113,10 @@ class CheckpointManager:
         self._validations_without_improvement = 0
         self._lock: Optional[SaveDirLock] = None
         self._vocabulary: Optional[Dict[str, Any]] = None  # vocabulary.make_record, read once per run
+        # --write-checkpoints-asynchronously: saves write in the background (fairseq.checkpoint.writer)
+        self.writer = CheckpointWriter(background=self.ckpt_cfg.write_checkpoints_asynchronously,
+                                       pin_memory=not cfg.common.cpu,
+                                       timeout=process_group_timeout(cfg.distributed_training))
 
     def carry_vocabulary(self, task) -> None:
         """Read what every checkpoint of this run carries about its text (the dictionary's fingerprint, the
@@ -132,7 +141,9 @@ class CheckpointManager:
             check_writable(save_dir)
 
     def close(self) -> None:
-        """Release the --save-dir lock (the end of the process releases it too)."""
+        """End of the run, also after an error: wait for a background write in flight (its error is logged),
+        then release the --save-dir lock (the end of the process releases it too)."""
+        self.writer.close()
         if self._lock is not None:
             self._lock.release()
             self._lock = None
@@ -169,12 +180,16 @@ class CheckpointManager:
     # ------------------------------------------------------------------ save
     def save(self, trainer, epoch_itr, val_loss: Optional[float], end_of_epoch: bool,
              metrics_state: Optional[dict] = None) -> List[str]:
-        """Write the checkpoints due at this point; every rank must call this (state gathering is collective)."""
+        """Write the checkpoints due at this point; every rank must call this (state gathering is collective).
+        With --write-checkpoints-asynchronously the files are written in the background: the paths returned
+        are complete once `wait_for_write` returns."""
         is_best = val_loss is not None and (self.best is None or self._is_better(val_loss, self.best, ties=True))
         if is_best:  # tracked even with --no-save: the valid lines report best_loss
             self.best = val_loss
         if self.ckpt_cfg.no_save:
             return []
+        started = time.perf_counter()
+        self.wait_for_write("before the next save")  # the listing below must see its names and retention
         # Rank 0's listing decides: on node-local disks other ranks see other directories, and every rank
         # must write the same stems.
         among_kept_best = False
@@ -183,52 +198,105 @@ class CheckpointManager:
                 enters_kept_best(self.ckpt_cfg, self.ckpt_cfg.save_dir, val_loss) if get_rank() == 0 else None)
         stems = checkpoint_stems(self.ckpt_cfg, epoch_itr.epoch, trainer.num_updates, end_of_epoch, is_best,
                                  val_loss, among_kept_best)
-        return self._write(stems, trainer, epoch_itr, val_loss, metrics_state)
+        return self._write(stems, trainer, epoch_itr, val_loss, metrics_state, started, self.writer.background)
 
     def save_last(self, trainer, epoch_itr, metrics_state: Optional[dict] = None) -> List[str]:
         """checkpoint_last only (preemption): even with --no-save or --no-last-checkpoints, since the
-        restarted job needs it to continue."""
+        restarted job needs it to continue. After the write in flight, written before returning."""
+        started = time.perf_counter()
+        self.wait_for_write("before the preemption checkpoint")
         return self._write([f"checkpoint_last{self.ckpt_cfg.checkpoint_suffix}"], trainer, epoch_itr, None,
-                           metrics_state)
+                           metrics_state, started, background=False)
 
-    def _write(self, stems, trainer, epoch_itr, val_loss, metrics_state) -> List[str]:
+    def poll_write(self) -> None:
+        """At every update: a background write that completed is counted in the log line (save_wall); the error
+        of one that failed is raised here, the one line a synchronous save would have raised."""
+        log_checkpoint_times(written=self.writer.poll())
+
+    def wait_for_write(self, before: str = "at the end of training") -> None:
+        """Wait for the background write in flight (logged with how long, `before` saying what waits); raises
+        its error."""
+        log_checkpoint_times(written=self.writer.wait(before))
+
+    def _write(self, stems, trainer, epoch_itr, val_loss, metrics_state, started: float,
+               background: bool) -> List[str]:
+        """Write `stems`: the state is taken now, the files are written now or (`background`) in the writer's
+        thread; `started`: when this save began (what training is blocked for is measured from there)."""
         if not stems:
             return []
         trainer.check_weights_finite()
         save_dir = self.ckpt_cfg.save_dir
         os.makedirs(save_dir, exist_ok=True)
+        begun = time.perf_counter()
         state = self._compose(trainer, epoch_itr, val_loss, metrics_state)
-        ema = getattr(trainer, "ema", None)  # --store-ema: extra_state["ema"] (upstream's key)
         if self.sharded:
             paths = [os.path.join(save_dir, s) for s in stems]
-            model_state, optim_state = trainer.model_and_optimizer_state(full=False)
-            if self.ckpt_cfg.no_save_optimizer_state:
-                optim_state = None
-            sharded.save_sharded(paths[0], model_state, optim_state, state,
-                                 extra_shards=ema.state_dict() if ema is not None else None)
-            for path in paths[1:]:
-                sharded.copy_sharded(paths[0], path)
+            write = self._start_sharded(paths, trainer, state, background)
         else:
             paths = [os.path.join(save_dir, s + ".pt") for s in stems]
-            model_state, optim_state = trainer.model_and_optimizer_state(full=True)
-            ema_state = ema.full_state_dict() if ema is not None else {}  # collective when sharded
+            write = self._start_single_file(paths, trainer, state, background)
+        what = f"{paths[0]} (epoch {epoch_itr.epoch} @ {trainer.num_updates} updates, score {val_loss})"
+
+        def complete():  # the names and the retention act only on a write that completed
+            write()
             if get_rank() == 0:
-                state["extra_state"].update(ema_state)
-                state["model"] = model_state
-                if not self.ckpt_cfg.no_save_optimizer_state:
-                    state["last_optimizer_state"] = optim_state
-                atomic_torch_save(state, paths[0])
-                for path in paths[1:]:
-                    atomic_copy(paths[0], path)
-        if get_rank() == 0:
-            for removed in prune_checkpoints(self.ckpt_cfg, save_dir):
-                logger.info(f"removed old checkpoint {removed}")
-            logger.info(
-                f"saved checkpoint {paths[0]} (epoch {epoch_itr.epoch} @ {trainer.num_updates} updates, "
-                f"score {val_loss})"
-            )
-        barrier()
+                for removed in prune_checkpoints(self.ckpt_cfg, save_dir):
+                    logger.info(f"removed old checkpoint {removed}")
+                logger.info(f"saved checkpoint {what} (writing took {time.perf_counter() - begun:.2f} seconds)")
+
+        written = self.writer.run(complete, paths[0], begun, background)
+        if background:
+            logger.info(f"writing checkpoint {what} in the background; training was blocked "
+                        f"{time.perf_counter() - started:.2f} seconds")
+        else:
+            barrier()
+        # A background write's time is counted when it completes (poll_write); 0 now keeps the meters the same
+        # in either mode (the checkpoints hold them).
+        log_checkpoint_times(blocked=time.perf_counter() - started, written=written or 0.0)
         return paths
+
+    def _start_sharded(self, paths, trainer, state, background: bool) -> Callable[[], None]:
+        """Collective: the shards are written now, or staged and written in the background (dcp.async_save);
+        returns the rest of the write (fairseq.checkpoint.sharded.start_sharded_save), then the copies."""
+        model_state, optim_state = trainer.model_and_optimizer_state(full=False)
+        if self.ckpt_cfg.no_save_optimizer_state:
+            optim_state = None
+        ema = getattr(trainer, "ema", None)  # --store-ema: extra_state["ema"] (upstream's key)
+        group = self.writer.group() if background else None
+        finish = sharded.start_sharded_save(
+            paths[0], model_state, optim_state, copy.deepcopy(state) if background else state,
+            extra_shards=ema.state_dict() if ema is not None else None,
+            stager=self.writer.stager() if background else None, group=group,
+            before_rename=slow_write_for_tests if background else None)
+
+        def write():
+            finish()
+            for path in paths[1:]:
+                sharded.copy_sharded(paths[0], path, group=group)
+
+        return write
+
+    def _start_single_file(self, paths, trainer, state, background: bool) -> Callable[[], None]:
+        """Collective (FSDP gathers the state to rank 0): returns rank 0's write of the file and its copies, of
+        a host snapshot of the state when `background`."""
+        model_state, optim_state = trainer.model_and_optimizer_state(full=True, to_host=not background)
+        ema = getattr(trainer, "ema", None)
+        ema_state = ema.full_state_dict() if ema is not None else {}  # collective when sharded
+        if get_rank() != 0:
+            return lambda: None
+        state["extra_state"].update(ema_state)
+        state["model"] = model_state
+        if not self.ckpt_cfg.no_save_optimizer_state:
+            state["last_optimizer_state"] = optim_state
+        if background:  # a gathered state is new at every save: its snapshot cannot reuse buffers
+            state = self.writer.snapshot(state, reusable=not trainer.gathers_full_state)
+
+        def write():
+            atomic_torch_save(state, paths[0], before_rename=slow_write_for_tests if background else None)
+            for path in paths[1:]:
+                atomic_copy(paths[0], path)
+
+        return write
 
     def _compose(self, trainer, epoch_itr, val_loss, metrics_state) -> Dict[str, Any]:
         """Upstream's layout (the writer adds model and optimizer) from the parts' states."""
@@ -499,68 +567,3 @@ def iterator_state_for_world_size(state: Dict[str, Any], saved_world: Optional[i
                                     "of this epoch are skipped)")
         )
     return state
-
-
-def model_state_for_checking(model) -> Dict[str, Any]:
-    """The model's state under checkpoint names (no DDP/FSDP prefixes), without gathering shards."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=False))
-
-
-def check_same_model_options(path: str, state: Dict[str, Any], cfg) -> None:
-    """Resuming with model options that change what the network computes (some change no parameter shape:
-    heads, normalization order, activation) would continue another model from these weights: refuse, naming
-    the option. The model class lists those options (`architecture_options`)."""
-    from fairseq import registry
-
-    saved = (state.get("cfg") or {}).get("model") or {}
-    if not isinstance(saved, dict) or cfg.model is None:
-        return
-    options = getattr(registry.arch_model(cfg.model._name), "architecture_options", ())
-    for name in options:
-        if name in saved and hasattr(cfg.model, name) and saved[name] != getattr(cfg.model, name):
-            flag = "--" + name.replace("_", "-")
-            if name == "max_target_positions":
-                flag += " (--tokens-per-sample when unset)"
-            raise CheckpointError(
-                f"{path} was saved from a different architecture: {flag} is {getattr(cfg.model, name)!r} here but "
-                f"{saved[name]!r} in the checkpoint, so resuming would train another model from these weights. "
-                f"Resume with {flag} {saved[name]!r}, or start a new --save-dir (with --finetune-from-model to "
-                "begin from these weights)"
-            )
-
-
-def check_architecture(path: str, state: Dict[str, Any], expected: Dict[str, Any]) -> None:
-    """Fail with a readable message when the checkpoint's parameters do not fit the model's state `expected`
-    (global shapes: a sharded parameter counts with its full shape)."""
-    expected_shapes = {k: tuple(v.shape) for k, v in expected.items()}
-    found_shapes = {k: tuple(v.shape) for k, v in state["model"].items() if hasattr(v, "shape")}
-    missing = sorted(set(expected_shapes) - set(found_shapes))
-    unexpected = sorted(set(found_shapes) - set(expected_shapes))
-    mismatched = [k for k in expected_shapes if k in found_shapes and expected_shapes[k] != found_shapes[k]]
-    vocab_keys = [k for k in mismatched if k.endswith(("embed_tokens.weight", "output_projection.weight"))]
-    if vocab_keys and len(vocab_keys) == len(mismatched) and not (missing or unexpected):
-        k = vocab_keys[0]
-        if found_shapes[k][1:] == expected_shapes[k][1:]:
-            raise CheckpointError(
-                f"dictionary does not match the checkpoint: {path} was trained with a vocabulary of "
-                f"{found_shapes[k][0]} entries but the dictionary here (dict.txt of the data directory) has "
-                f"{expected_shapes[k][0]}; use the data directory (dict.txt) the checkpoint was trained with"
-            )
-    if missing or unexpected or mismatched:
-        saved_arch = (state.get("cfg") or {}).get("model", {}) or {}
-        saved_arch = saved_arch.get("_name", "unknown") if isinstance(saved_arch, dict) else "unknown"
-        details = []
-        if mismatched:
-            k = mismatched[0]
-            details.append(f"{k} is {found_shapes[k]} in the checkpoint but {expected_shapes[k]} in the model")
-        if missing:
-            details.append(f"missing {len(missing)} parameter(s), e.g. {missing[0]}")
-        if unexpected:
-            details.append(f"{len(unexpected)} unexpected parameter(s), e.g. {unexpected[0]}")
-        raise CheckpointError(
-            f"{path} was saved from a different architecture ({saved_arch}) than the model built from the "
-            f"command line: {'; '.join(details)}. Use the same --arch and model flags as the checkpoint, or "
-            "start elsewhere with a different --save-dir."
-        )

@@ -6,19 +6,20 @@ rank has finished, so a crash mid-save leaves the previous checkpoint untouched.
 checkpoint saved by N ranks resumes on M.
 """
 
+import contextlib
 import logging
 import os
 import shutil
-from typing import Any, Dict, Optional
+from typing import Any, Callable, Dict, Optional
 
 import torch
 
 # torch.distributed.checkpoint (and safe_dcp, built on it) are imported by the functions that read or write
 # shards: importing it costs ~1.5 s, which every process importing fairseq.checkpoint.manager would pay.
 from fairseq.checkpoint.io import (
-    CheckpointError, _fsync_dir, atomic_copy, atomic_torch_save, load_checkpoint_file, save_error,
+    CheckpointError, CheckpointSaveError, _fsync_dir, atomic_copy, atomic_torch_save, load_checkpoint_file, save_error,
 )
-from fairseq.distributed.utils import barrier, get_rank, get_world_size
+from fairseq.distributed.utils import barrier, broadcast_from_master, get_rank, get_world_size
 
 logger = logging.getLogger(__name__)
 
@@ -44,6 +45,19 @@ def save_sharded(path: str, model_state, optim_state, metadata: Dict[str, Any],
     """Collective: every rank calls this with its local (sharded) state dicts. `extra_shards` are more
     sharded groups saved beside them (the EMA's "ema", "ema_fp32_params"); load_sharded reads them back into
     metadata["extra_state"]."""
+    start_sharded_save(path, model_state, optim_state, metadata, extra_shards)()
+
+
+def start_sharded_save(path: str, model_state, optim_state, metadata: Dict[str, Any],
+                       extra_shards: Optional[Dict[str, Any]] = None, stager=None, group=None,
+                       before_rename: Optional[Callable[[], None]] = None) -> Callable[[], None]:
+    """Collective, in the training loop: write the shards into `<path>.tmp` now, or with `stager` (a DCP
+    AsyncStager, kept by the caller for the next saves) stage them into host memory and write them in DCP's
+    background thread (dcp.async_save over `group`, a process group of its own with a CPU backend). Returns
+    `finish()`, collective over `group`: it waits for the shards, adds `metadata.pt` (rank 0) and renames the
+    directory into place; the caller runs it in the loop, or in its writer thread while training goes on.
+    `metadata` must not change until `finish` returns. `before_rename` runs on every rank just before the
+    rename (a test hook)."""
     import torch.distributed.checkpoint as dcp
 
     tmp = path + ".tmp"
@@ -54,23 +68,56 @@ def save_sharded(path: str, model_state, optim_state, metadata: Dict[str, Any],
     if optim_state is not None:
         state["optimizer"] = optim_state
     state.update(extra_shards or {})
-    try:
-        dcp.save(state, checkpoint_id=tmp)
+    upload = None
+    with _save_errors(path, tmp):
+        if stager is None:
+            dcp.save(state, checkpoint_id=tmp)
+        else:
+            upload = dcp.async_save(state, checkpoint_id=tmp, process_group=group, async_stager=stager)
+
+    def finish() -> None:
+        failure = None
+        try:
+            with _save_errors(path, tmp):
+                if upload is not None:
+                    upload.result()
+                if get_rank() == 0:
+                    atomic_torch_save(metadata, os.path.join(tmp, METADATA))
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except BaseException as err:  # noqa: B036 (DCP's CheckpointException is a BaseException)
+            failure = err
+        # DCP reports a failure of the shards to every rank; metadata.pt is rank 0's alone: its error reaches
+        # every rank, so that none waits for a rename that will not come.
+        message = broadcast_from_master(str(failure) if failure is not None else None, group)
+        if failure is not None:
+            raise failure
+        if message is not None:
+            raise CheckpointSaveError(message)
+        if before_rename is not None:
+            before_rename()
         if get_rank() == 0:
-            atomic_torch_save(metadata, os.path.join(tmp, METADATA))
+            _swap_into_place(tmp, path)
+        barrier(group)
+
+    return finish
+
+
+@contextlib.contextmanager
+def _save_errors(path: str, tmp: str):
+    """A failed write of the shards as one CheckpointSaveError naming `path` (when an OSError is behind it), the
+    half-written `tmp` removed. DCP reports a failure to every rank once all have stopped writing; the
+    metadata.pt that rank 0 writes after the shards is its alone."""
+    try:
+        yield
     except BaseException as err:  # DCP's CheckpointException is a BaseException
         if get_rank() == 0 and not isinstance(err, (KeyboardInterrupt, SystemExit)):
-            # DCP reports a failure to every rank once all have stopped writing: the half-written directory
-            # can go now (on a full disk it holds the space the next save needs).
+            # On a full disk the half-written directory holds the space the next save needs.
             shutil.rmtree(tmp, ignore_errors=True)
         os_error = None if isinstance(err, CheckpointError) else _os_error_in(err)
         if os_error is None:
             raise
         raise save_error(path, os_error) from None
-    barrier()
-    if get_rank() == 0:
-        _swap_into_place(tmp, path)
-    barrier()
 
 
 def _os_error_in(err: BaseException) -> Optional[OSError]:
@@ -91,24 +138,24 @@ def _os_error_in(err: BaseException) -> Optional[OSError]:
     return None
 
 
-def copy_sharded(src: str, dst: str) -> None:
-    """Collective: give `dst` the content of `src` as independent files (never hard links: writing to one name
-    must not change another), atomically. Each rank copies its share of the files, in the kernel (reflinks
-    where the file system has them), so the copy runs as parallel as the save did."""
+def copy_sharded(src: str, dst: str, group=None) -> None:
+    """Collective (over `group`, default all ranks): give `dst` the content of `src` as independent files (never
+    hard links: writing to one name must not change another), atomically. Each rank copies its share of the
+    files, in the kernel (reflinks where the file system has them), so the copy runs as parallel as the save did."""
     tmp = dst + ".tmp"
     if get_rank() == 0:
         if os.path.isdir(tmp):
             shutil.rmtree(tmp)
         os.makedirs(tmp)
-    barrier()
+    barrier(group)
     rank, world = get_rank(), get_world_size()
     for i, name in enumerate(sorted(os.listdir(src))):
         if i % world == rank:
             atomic_copy(os.path.join(src, name), os.path.join(tmp, name))
-    barrier()
+    barrier(group)
     if get_rank() == 0:
         _swap_into_place(tmp, dst)
-    barrier()
+    barrier(group)
 
 
 def resolve_sharded(path: str) -> Optional[str]:

@@ -176,7 +176,8 @@ def save_checkpoint(cfg, trainer, epoch_itr, val_loss: Optional[float]) -> List[
     checkpoint options that decide where and what (save_dir, the intervals, names and retention, as upstream's
     `cfg`): the trainer's `trainer.cfg.checkpoint`, or others (a partial config: the keys it lacks are the
     trainer's). The file holds the trainer's config, as upstream's. Every rank calls it. Returns the paths
-    written."""
+    written, complete (with --write-checkpoints-asynchronously too: a script has no later point where a failed
+    background write could be reported)."""
     from fairseq.logging import metrics
 
     manager = trainer.checkpoint_manager
@@ -184,6 +185,7 @@ def save_checkpoint(cfg, trainer, epoch_itr, val_loss: Optional[float]) -> List[
     writer = manager if options is manager.ckpt_cfg else manager.with_checkpoint_config(options)
     paths = writer.save(trainer, epoch_itr, val_loss, end_of_epoch=epoch_itr.end_of_epoch(),
                         metrics_state=metrics.state_dict())
+    writer.wait_for_write("before save_checkpoint returns")  # the views share the run's one background writer
     if writer is not manager:
         manager.best = writer.best  # one best value across calls, whatever the options (upstream's)
     return paths

@@ -192,8 +192,9 @@ class CheckpointConfig:
     checkpoint_suffix: str = opt("", "suffix added to checkpoint file names")
     load_checkpoint_on_all_dp_ranks: bool = opt(False, "same as the default here: every rank reads the "
                                                          "checkpoint itself (nothing is broadcast from rank 0)")
-    write_checkpoints_asynchronously: bool = opt(False, "upstream: write checkpoints in a background thread; here "
-                                                          "saves are synchronous (a start-up notice says so)")
+    write_checkpoints_asynchronously: bool = opt(False, "write checkpoints in the background: training resumes once "
+                                                          "the state is copied to host memory (sharded: DCP "
+                                                          "async_save); one write at a time")
 
 
 @dataclass

@@ -82,17 +82,19 @@ def is_master() -> bool:
     return get_rank() == 0
 
 
-def barrier() -> None:
+def barrier(group=None) -> None:
+    """Every rank (of `group`, default all) reaches this point before any goes on."""
     if get_world_size() > 1:
-        dist.barrier()
+        dist.barrier(group=group)
 
 
-def broadcast_from_master(obj):
-    """Rank 0's `obj` (a small picklable value) on every rank: one decision all ranks must share."""
+def broadcast_from_master(obj, group=None):
+    """Rank 0's `obj` (a small picklable value) on every rank (of `group`, which holds rank 0): one decision all
+    ranks must share."""
     if get_world_size() == 1:
         return obj
     box = [obj]
-    dist.broadcast_object_list(box, src=0)
+    dist.broadcast_object_list(box, src=0, group=group)
     return box[0]
 
 

@@ -114,7 +114,7 @@ def load_source(path: str, dict_path: Optional[str] = None, trust_legacy: bool =
     model weights; a single file's optimizer state is released once read)."""
     from fairseq.checkpoint.consolidate import read_full_state
     from fairseq.checkpoint.inference import ShardedCheckpoint, read_checkpoint_config
-    from fairseq.checkpoint.manager import check_architecture
+    from fairseq.checkpoint.fit import check_architecture
     from fairseq.checkpoint.vocabulary import carried, check_dictionary
     from fairseq.models.transformer_lm import TransformerLanguageModel, resolve_max_target_positions
 

@@ -6,8 +6,8 @@ ordered record the progress bar prints. Upstream's `fairseq.metrics` stays the p
 criterion's `reduce_metrics` logs its loss keys there (default priority 10: first in the line, as upstream).
 
 The order of a line is ORDER below, written once; upstream's line is loss, ppl, wps, ups, wpb, bsz,
-num_updates, lr, gnorm, clip, loss_scale, train_wall, then this fork's tflops/mfu and memory keys, ema_decay
-(--store-ema), wall.
+num_updates, lr, gnorm, clip, loss_scale, train_wall, then this fork's save_blocked/save_wall (in lines whose
+interval saved a checkpoint), tflops/mfu and memory keys, ema_decay (--store-ema), wall.
 """
 
 from collections import OrderedDict
@@ -18,7 +18,10 @@ from fairseq.logging import metrics
 # key -> priority: meters print in increasing priority (ties in the order they were first logged).
 ORDER: Dict[str, int] = {
     "wps": 30, "ups": 40, "wpb": 50, "bsz": 60, "num_updates": 70, "lr": 80, "gnorm": 90, "clip": 100,
-    "loss_scale": 110, "train_wall": 120, "tflops": 130, "mfu": 131,
+    "loss_scale": 110, "train_wall": 120,
+    # seconds of checkpoint saves (fairseq.checkpoint.manager): training blocked, and the write from start to end
+    "save_blocked": 122, "save_wall": 123,
+    "tflops": 130, "mfu": 131,
     # CUDA memory (fairseq.logging.memory): gb_free is upstream's key and place; the others sit beside it
     "memory": 1500,
     "ema_decay": 10000,  # --store-ema: upstream's priority, after memory (wall is appended after everything)
@@ -59,6 +62,17 @@ def log_train_interval(trainer, sums: Dict[str, float], elapsed: float) -> None:
         # The decay the EMA used at the interval's last update (0 before --ema-start-update). Weight 0: every
         # line shows the latest value, as upstream's per-update log_scalar does.
         metrics.log_scalar("ema_decay", ema.get_decay(), weight=0, priority=ORDER["ema_decay"], round=5)
+
+
+def log_checkpoint_times(blocked: Optional[float] = None, written: Optional[float] = None) -> None:
+    """A save's seconds into the active aggregators, so into the next train_inner line and the epoch's train
+    line (sums over the interval): `blocked`, how long training stopped for it (a wait for the write before it
+    included); `written`, how long its write took from its start to its last rename, counted when the write
+    completes (a background write: at the update that sees it done). Upstream logs neither."""
+    if blocked is not None:
+        metrics.log_scalar_sum("save_blocked", blocked, priority=ORDER["save_blocked"], round=2)
+    if written is not None:
+        metrics.log_scalar_sum("save_wall", written, priority=ORDER["save_wall"], round=2)
 
 
 def log_valid(trainer, sums: Dict[str, float], elapsed: float) -> None:

@@ -127,6 +127,7 @@ def _run(cfg, trainer, task, checkpoints, preemption) -> Optional[str]:
             trainer.step_epoch_end(epoch_itr.epoch, valid_losses[0])
             epoch_itr = trainer_iterator(cfg, task, trainer, epoch_itr.next_epoch_idx)
         preemption.drain()
+        checkpoints.wait_for_write("at the end of training")  # the last checkpoint is whole before we say done
         if trainer.profiler is not None:
             trainer.profiler.finish()  # training ended inside the profiled range: write what was recorded
     except Preempted:
@@ -172,6 +173,7 @@ def train_epoch(cfg, trainer, task, epoch_itr, checkpoints, preemption) -> Tuple
             if profiler is not None:
                 profiler.before_update(updates_before + 1)
             trainer.train_step(samples, epoch_itr)
+            checkpoints.poll_write()  # a background write that failed stops training here, at the next update
             num_updates = trainer.num_updates
             if profiler is not None:
                 profiler.after_update(num_updates)

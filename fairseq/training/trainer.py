@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any, Dict, List, Optional
 import torch
 
 from fairseq.distributed import float8
+from fairseq.distributed.dtensor import is_dtensor
 from fairseq.data.batching import resolve_limit
 from fairseq.dataclass.flag_values import task_block_options
 from fairseq.distributed.parallelize import parallelize_model, unwrap_model
@@ -159,18 +160,31 @@ class Trainer:
         self.lr_scheduler.step_begin_epoch(epoch)
 
     # ---------------------------------------------------------------- state
-    def _state_dict_options(self, full: bool) -> "StateDictOptions":
+    def _state_dict_options(self, full: bool, offload: Optional[bool] = None) -> "StateDictOptions":
         from torch.distributed.checkpoint.state_dict import StateDictOptions
 
-        return StateDictOptions(full_state_dict=full, cpu_offload=full)
+        return StateDictOptions(full_state_dict=full, cpu_offload=full if offload is None else offload)
 
-    def model_and_optimizer_state(self, full: bool = True):
+    def model_and_optimizer_state(self, full: bool = True, to_host: bool = True):
         """Model and optimizer state keyed by parameter names (so they load on any world size).
-        With `full`, FSDP gathers everything to rank 0 (other ranks get empty dicts)."""
+        With `full`, FSDP gathers everything to rank 0 (other ranks get empty dicts), on the CPU. `to_host`
+        False (an asynchronous save, which copies the state into host buffers of its own): a full state that
+        needs no gathering (no DTensor parameters) is returned where it lives, as views of the training state;
+        a gathered one still goes to the CPU (gathered on the device, the whole model would be there at once)."""
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
-        model_state, optim_state = get_state_dict(self.model, self.optimizer, options=self._state_dict_options(full))
+        offload = None
+        if full and not to_host:
+            offload = self.gathers_full_state
+        options = self._state_dict_options(full, offload)
+        model_state, optim_state = get_state_dict(self.model, self.optimizer, options=options)
         return model_state, optim_state
+
+    @property
+    def gathers_full_state(self) -> bool:
+        """Whether the full state is gathered from several ranks (parameters are DTensors: FSDP, tensor
+        parallel), and so made anew at every save, rather than views of the parameters."""
+        return any(is_dtensor(p) for p in self.model.parameters())
 
     def load_model_and_optimizer_state(self, model_state, optim_state, full: bool = True) -> None:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_state_dict
