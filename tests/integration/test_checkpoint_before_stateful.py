@@ -25,7 +25,9 @@ ARGS = [
     "--num-workers", "0", "--seed", "7", "--log-format", "json", "--log-interval", "1", "--save-interval-updates", "3",
     "--max-update", "14",
 ]
-CLOCK_KEYS = ("wps", "ups", "wall", "tflops")  # log values that depend on the clock
+# log values that depend on the clock (save_blocked/save_wall: seconds of checkpoint saves, which the stored log of
+# the old code does not have)
+CLOCK_KEYS = ("wps", "ups", "wall", "tflops", "save_blocked")
 
 
 def argv(data, save_dir):
