@@ -22,6 +22,7 @@ from fairseq.planning import layouts
 from fairseq.planning import memory_model as mm
 from fairseq.planning.step_time import step_time
 from fairseq import registry
+from fairseq.checkpoint.writer import async_save_host_bytes
 from fairseq.dataclass import configs
 from fairseq.dataclass.utils import add_dataclass_to_parser
 
@@ -92,6 +93,9 @@ def build_parser() -> argparse.ArgumentParser:
                                   f"{getattr(hw.DEFAULT, field):g}; fairseq/planning/hardware.py)")
     planner.add_argument("--vocab-size", type=int, default=DEFAULT_VOCAB_SIZE,
                          help=f"dictionary size, specials included (default: {DEFAULT_VOCAB_SIZE})")
+    planner.add_argument("--node-memory-gib", type=float, default=None, metavar="GIB",
+                         help="host RAM per node: with --write-checkpoints-asynchronously, warn when the checkpoint "
+                              "snapshots of a node's ranks need more")
     planner.add_argument("--max-layers-that-fit", action="store_true",
                          help="also report the largest --decoder-layers of this layer shape that fits")
     training = parser.add_argument_group("training (as fairseq-train spells them)")
@@ -102,8 +106,10 @@ def build_parser() -> argparse.ArgumentParser:
                                                  "fp8", "fp8_recipe", "fp8_fsdp_all_gather"])
     _add_fields(training, configs.DistributedTrainingConfig,
                 ["ddp_backend", "cpu_offload", "no_reshard_after_forward", "fsdp_forward_prefetch",
-                 "fsdp_prefetch_depth", "fsdp_sync_free", "model_parallel_size", "fsdp_shard_group_size", "compile"],
+                 "fsdp_prefetch_depth", "fsdp_sync_free", "model_parallel_size", "fsdp_shard_group_size", "compile",
+                 "use_sharded_state"],
                 ddp_backend="fully_sharded")
+    _add_fields(training, configs.CheckpointConfig, ["write_checkpoints_asynchronously"])
     _add_fields(training, configs.OptimizationConfig, ["update_freq"])
     training.add_argument("--optimizer", default="adam", metavar="OPTIMIZER",
                           help=f"optimizer: {', '.join(registry.OPTIMIZER_REGISTRY.choices())} (default: adam)")
@@ -124,6 +130,9 @@ class Request:
     gpus_per_node: int = 8
     recommend_layout: bool = False
     hardware: hw.Hardware = hw.DEFAULT  # its memory_gib is gpu_memory_gib
+    async_checkpoints: bool = False  # --write-checkpoints-asynchronously
+    sharded_state: bool = False  # --use-sharded-state
+    node_memory_gib: Optional[float] = None
 
 
 def parse(argv: Optional[List[str]] = None) -> Request:
@@ -160,7 +169,8 @@ def parse(argv: Optional[List[str]] = None) -> Request:
         parser.error(f"--fp8 needs a GPU of compute capability 8.9 or higher (Ada, Hopper, Blackwell); --gpu "
                      f"{args.gpu} has none: drop --fp8 or plan for --gpu h100 / h200")
     return Request(args.arch, shape, setup, hardware.memory_gib, args.gpu, args.optimizer, args.max_layers_that_fit,
-                   args.gpus_per_node, args.recommend_layout, hardware)
+                   args.gpus_per_node, args.recommend_layout, hardware, args.write_checkpoints_asynchronously,
+                   args.use_sharded_state, args.node_memory_gib)
 
 
 def _hardware(parser, args) -> hw.Hardware:
@@ -406,11 +416,32 @@ def report(request: Request) -> List[str]:
                          f"{mm.gib(deepest.peak_bytes):.2f} GiB, total {mm.gib(deepest.required_bytes):.2f} GiB "
                          f"of {memory:g}")
     lines += communication_lines(shape, setup, request.hardware, request.gpus_per_node)
+    if request.async_checkpoints:
+        lines += async_checkpoint_lines(request)
     advice = recommendations(request)
     lines.append("recommended: " + ("nothing to change" if not advice else advice[0]))
     lines += [f"             {item}" for item in advice[1:]]
     if request.recommend_layout:
         lines += layout_lines(request)
+    return lines
+
+
+def async_checkpoint_lines(request: Request) -> List[str]:
+    """Host memory the snapshots of --write-checkpoints-asynchronously hold per node (fairseq.checkpoint.writer),
+    and a warning when it exceeds --node-memory-gib."""
+    shape, setup = request.shape, request.setup
+    ranks_per_node = min(request.gpus_per_node, setup.gpus)
+    shards = (setup.shard_group or setup.data_parallel) * setup.tensor_parallel if setup.fully_sharded else 1
+    per_rank = async_save_host_bytes(shape.total_params * mm.MASTER_PARAM_BYTES,
+                                     shape.total_params * mm.ADAM_STATE_BYTES, sharded=request.sharded_state,
+                                     state_shards=shards, gathered=setup.fully_sharded or setup.tensor_parallel > 1)
+    per_node = per_rank * (ranks_per_node if request.sharded_state else 1)  # a single file: rank 0 alone
+    kind = "sharded: every rank its shards" if request.sharded_state else "single file: rank 0 the whole state"
+    lines = [f"asynchronous checkpoints ({kind}): {mm.gib(per_node):.2f} GiB of host memory per node "
+             f"({mm.gib(per_rank):.2f} GiB per rank; docs/checkpoints.md)"]
+    if request.node_memory_gib is not None and mm.gib(per_node) > request.node_memory_gib:
+        lines.append(f"WARNING: that exceeds the node's {request.node_memory_gib:g} GiB of RAM: use "
+                     "--use-sharded-state, more GPUs, or synchronous saves")
     return lines
 
 
