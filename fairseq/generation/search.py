@@ -111,12 +111,15 @@ class Sampling(Search):
     forced_beams = "all"
     respects_masked_tokens = True  # a -inf token has probability 0: never drawn, or drawn with a -inf score
 
-    def __init__(self, tgt_dict, sampling_topk: int = -1, sampling_topp: float = -1.0):
+    def __init__(self, tgt_dict, sampling_topk: int = -1, sampling_topp: float = -1.0, seed: Optional[int] = None):
+        """`seed`: the draws' seed where the generator decodes on the device (beam 1, see
+        fairseq.generation.device_decoding; default torch.initial_seed()); `step` itself draws from torch's RNG."""
         super().__init__(tgt_dict)
         check_sampling_range(SimpleNamespace(sampling_topk=sampling_topk, sampling_topp=sampling_topp),
                              self.vocab_size)
         self.sampling_topk = sampling_topk
         self.sampling_topp = sampling_topp
+        self.seed = seed
 
     def _sample_topp(self, lprobs: Tensor):
         """(probabilities sorted in decreasing order, those outside the top-p set zeroed; their token ids).

@@ -37,7 +37,7 @@ import torch
 import torch.nn as nn
 from torch import Tensor
 
-from fairseq.generation import search
+from fairseq.generation import device_decoding, search
 from fairseq.generation.cuda_graph_decoding import GraphedDecodeStep
 from fairseq.modules.fairseq_incremental_decoder import FairseqIncrementalDecoder
 
@@ -52,12 +52,16 @@ class SequenceGenerator(nn.Module):
                  max_len: int = 0, min_len: int = 1, normalize_scores: bool = True, len_penalty: float = 1.0,
                  unk_penalty: float = 0.0, temperature: float = 1.0, match_source_len: bool = False,
                  no_repeat_ngram_size: int = 0, search_strategy: Optional[search.Search] = None,
-                 eos: Optional[int] = None, symbols_to_strip_from_output=None, cuda_graphs: bool = True):
+                 eos: Optional[int] = None, symbols_to_strip_from_output=None, cuda_graphs: bool = True,
+                 device_loop: bool = True):
         """`max_len`: cap on the total length (default: the models' positions); the output of a sentence has at
         most min(max_len_a * src_len + max_len_b, max_len - 1) tokens before </s>, src_len the width of
         `src_tokens`, the prompt included, as upstream counts it. `cuda_graphs`: replay the one-token steps
         from CUDA graphs where possible (CUDA, this fork's decoders, no dropout); the graphs and the KV caches
-        they read are kept for the next call while the batch and length fit."""
+        they read are kept for the next call while the batch and length fit. `device_loop`: decode greedy
+        search and sampling at beam 1 with fairseq.generation.device_decoding (no host sync per token; the
+        same greedy results; sampling draws that depend on the seed and the sentence only); False keeps the
+        step-by-step loop (sampling then draws from torch's RNG, as upstream)."""
         super().__init__()
         self.model = models if isinstance(models, EnsembleModel) else EnsembleModel(models)
         self.tgt_dict = tgt_dict
@@ -91,6 +95,8 @@ class SequenceGenerator(nn.Module):
         self.should_set_src_lengths = getattr(self.search, "needs_src_lengths", False)
         self.cuda_graphs = cuda_graphs
         self._graphed: Optional[GraphedDecodeStep] = None
+        self.device_loop = device_loop
+        self._device_loop = device_decoding.DeviceDecodeLoop(self)
         self.model.eval()
 
     def cuda(self):
@@ -103,14 +109,20 @@ class SequenceGenerator(nn.Module):
 
     @torch.no_grad()
     def generate(self, models, sample: Dict, prefix_tokens: Optional[Tensor] = None,
-                 bos_token: Optional[int] = None, **kwargs) -> List[List[Dict[str, Tensor]]]:
+                 bos_token: Optional[int] = None, on_tokens=None, **kwargs) -> List[List[Dict[str, Tensor]]]:
         """Hypotheses for `sample["net_input"]["src_tokens"]`'s sentences (see the module doc). `models` is
-        accepted for upstream's signature; the generator's own (given at construction) decode."""
+        accepted for upstream's signature; the generator's own (given at construction) decode.
+        `on_tokens(tokens, done)`: stream the tokens as they are produced (greedy or sampling at beam 1 with
+        this fork's decoders, see fairseq.generation.device_decoding.DeviceDecodeLoop.decode)."""
         if kwargs.pop("constraints", None) is not None:
             raise ValueError("--constraints (lexically constrained decoding) is not supported with language models")
         if kwargs:
             raise TypeError(f"generate() got unexpected keyword arguments: {', '.join(sorted(kwargs))}")
-        return self._generate(sample, prefix_tokens, bos_token)
+        if on_tokens is not None and not device_decoding.applies(self, self.beam_size):
+            raise ValueError("streaming tokens (--stream, on_tokens) needs greedy search or sampling with --beam 1, "
+                             "this fork's decoders and no --no-repeat-ngram-size / --match-source-len; drop it or "
+                             "those options")
+        return self._generate(sample, prefix_tokens, bos_token, on_tokens)
 
     # ---- setup --------------------------------------------------------------------------------------------
     def _max_len(self, src_len: int, src_lengths: Tensor) -> int:
@@ -192,9 +204,10 @@ class SequenceGenerator(nn.Module):
             lprobs[:, self.unk] -= self.unk_penalty
         return lprobs
 
-    def _static_step(self, tokens: Tensor, slot: Tensor, states: List[dict]) -> Tensor:
-        """What a CUDA graph captures: masked log-probabilities after `tokens` [R, 1], at index `slot`."""
-        return self._mask_special(self.model.forward_static_step(tokens, slot, states, self.temperature))
+    def _static_step(self, tokens: Tensor, slot: Tensor, states: List[dict], window: int) -> Tensor:
+        """What a CUDA graph captures: masked log-probabilities after `tokens` [R, 1], at index `slot`
+        (attending over the caches' first `window` slots)."""
+        return self._mask_special(self.model.forward_static_step(tokens, slot, states, self.temperature, window))
 
     def _static_decoder(self, device: torch.device) -> Optional[GraphedDecodeStep]:
         """The CUDA-graph runner of the one-token steps, when this batch can use it."""
@@ -282,12 +295,15 @@ class SequenceGenerator(nn.Module):
         return done
 
     # ---- the loop -----------------------------------------------------------------------------------------
-    def _generate(self, sample: Dict, prefix_tokens: Optional[Tensor] = None,
-                  bos_token: Optional[int] = None) -> List[List[Dict[str, Tensor]]]:
+    def _generate(self, sample: Dict, prefix_tokens: Optional[Tensor] = None, bos_token: Optional[int] = None,
+                  on_tokens=None) -> List[List[Dict[str, Tensor]]]:
         """Decode one batch: the set-up and prefill, then per step the candidates, the hypotheses that end, the
-        sentences that leave the batch and the hypotheses extended; each sentence's hypotheses best first."""
+        sentences that leave the batch and the hypotheses extended; each sentence's hypotheses best first.
+        Greedy search and sampling at beam 1 run on the device instead (fairseq.generation.device_decoding)."""
         b, lprobs = self._begin(sample, prefix_tokens, bos_token)
         beam, max_len = self.beam_size, b.max_len
+        if lprobs is not None and device_decoding.applies(self, beam):
+            return self._device_loop.decode(b, lprobs, sample, on_tokens)
         for step in range(b.start, max_len + 1):  # the last step only adds </s>
             if lprobs is None:
                 lprobs = self._next_log_probs(b.tokens, step, b.states, b.graphed)
@@ -546,10 +562,12 @@ class EnsembleModel(nn.Module):
             log_probs.append(self._log_probs(m, logits[:, -1:, :], extra, temperature)[:, -1, :])
         return self._average(log_probs)
 
-    def forward_static_step(self, tokens: Tensor, slot: Tensor, states: List[dict], temperature: float) -> Tensor:
+    def forward_static_step(self, tokens: Tensor, slot: Tensor, states: List[dict], temperature: float,
+                            window: Optional[int] = None) -> Tensor:
         """Log-probabilities [rows, V] of the token after `tokens` [rows, 1], at index `slot` (a device tensor),
-        through each decoder's `forward_static_step` (static shapes, no host sync: CUDA graphs capture it)."""
-        return self._average([self._log_probs(m, m.decoder.forward_static_step(tokens, slot, state), None,
+        through each decoder's `forward_static_step` (static shapes, no host sync: CUDA graphs capture it),
+        attention over the caches' first `window` slots (default: all)."""
+        return self._average([self._log_probs(m, m.decoder.forward_static_step(tokens, slot, state, window), None,
                                               temperature)[:, -1, :] for m, state in zip(self.models, states)])
 
     def feed_prompts(self, tokens: Tensor, states: List[dict], temperature: float,

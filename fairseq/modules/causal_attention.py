@@ -10,7 +10,9 @@ With an `incremental_state` the module caches keys and values across calls (see 
 layout): each call computes only its new tokens and attends over everything cached so far. With a
 `StaticStep` as well (one token per row, the static decode step that CUDA graphs capture, see
 fairseq.generation.cuda_graph_decoding) the shapes do not depend on how much is cached: the new key/value go to the slot
-held in a device tensor and the token attends over the whole capacity, the slots after it masked.
+held in a device tensor and the token attends over the first `window` slots of the cache (its whole capacity
+unless the caller bounds it: a window covering the live length keeps the step's reads near what is cached), the
+slots after it masked.
 """
 
 import math
@@ -201,6 +203,8 @@ class CausalSelfAttention(FairseqIncrementalState, AttentionProjections):
         q = self._split_heads(self.q_proj(x))
         keys.index_copy_(2, step.slot, self._split_heads(self.k_proj(x)))
         values.index_copy_(2, step.slot, self._split_heads(self.v_proj(x)))
+        window = step.mask.size(-1)
+        keys, values = keys[:, :, :window], values[:, :, :window]
         dropout = self.dropout if self.training else 0.0
         attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=step.mask, dropout_p=dropout)
         attn = attn.transpose(1, 2).reshape(batch, length, -1)

@@ -247,17 +247,17 @@ class TransformerDecoder(FairseqIncrementalDecoder):
         return x
 
     def forward_static_step(self, tokens: torch.Tensor, slot: torch.Tensor,
-                            incremental_state: IncrementalState) -> torch.Tensor:
+                            incremental_state: IncrementalState, window: Optional[int] = None) -> torch.Tensor:
         """Logits [R, 1, V] of `tokens` [R, 1], the tokens at index `slot` (a 1-element long tensor on the
         model's device) of R sequences whose first `slot` tokens are cached in `incremental_state`: the same
         logits as `self(prefix, incremental_state=state)` would give, from shapes and kernels that do not depend
         on `slot` and without reading it on the host, so a CUDA graph can capture this call.
 
         The cache must be reserved (`reserve_incremental_state`) or allocated by an earlier call; attention runs
-        over its whole capacity, masked after `slot`. `slot` must stay below the capacity and the model's
-        positions (not checked: that would read it). The plain-int lengths are left as they were: say how many
-        tokens are cached with `set_incremental_length` before calling anything that reads them (the dynamic
-        forward, `reorder_incremental_state`)."""
+        over its first `window` slots (default: its whole capacity), masked after `slot`. `slot` must stay below
+        the window, the capacity and the model's positions (not checked: that would read it). The plain-int
+        lengths are left as they were: say how many tokens are cached with `set_incremental_length` before
+        calling anything that reads them (the dynamic forward, `reorder_incremental_state`)."""
         x = self.embed(tokens, slot=slot)
         attentions = self._decoder_entry(incremental_state)["attentions"]
         capacities = {a.static_step_capacity(incremental_state, tokens.size(0), x) for a in attentions}
@@ -267,9 +267,10 @@ class TransformerDecoder(FairseqIncrementalDecoder):
         step = None
         if capacities:
             capacity = capacities.pop()
-            visible = torch.arange(capacity, device=x.device) <= slot
-            mask = torch.zeros(capacity, dtype=x.dtype, device=x.device).masked_fill_(~visible, -math.inf)
-            step = StaticStep(slot, mask.view(1, 1, 1, capacity))
+            window = capacity if window is None else min(window, capacity)
+            visible = torch.arange(window, device=x.device) <= slot
+            mask = torch.zeros(window, dtype=x.dtype, device=x.device).masked_fill_(~visible, -math.inf)
+            step = StaticStep(slot, mask.view(1, 1, 1, window))
         for layer in self.layers:
             x = layer(x, incremental_state=incremental_state, static_step=step)
         return self.output_layer(self._final_norm_and_projection(x))

@@ -149,3 +149,39 @@ def test_cuda_graphs_of_an_ensemble():
     for got, expected in zip(results[::2], results[1::2]):
         assert [[h["tokens"].tolist() for h in s] for s in got] == [[h["tokens"].tolist() for h in s] for s in expected]
     assert graphed._graphed.graphs
+
+
+# ---- the device decode loop (fairseq.generation.device_decoding): beam 1, one captured graph per step -------
+
+def host_syncs_of(fn):
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+        fn()
+    return sum(event.name == "aten::_local_scalar_dense" for event in profile.events())
+
+
+@pytest.mark.parametrize("sampling", [None, dict(sampling_topk=10), dict(sampling_topp=0.9)])
+def test_the_device_loop_replays_whole_steps_without_a_host_sync_per_token(sampling):
+    from fairseq.generation import device_decoding
+
+    d = dictionary()
+    model = build(d, "cuda", torch.float32)
+    with torch.no_grad():  # </s> never wins: every sentence runs to the length limit
+        model.decoder.output_projection.weight[d.eos()] = 0.0
+        model.decoder.output_projection.weight[d.eos(), 0] = -1e4
+    results, (graphed, eager) = graphed_and_eager("cuda", [model], d, 4, 1, sampling, min_len=1)
+    for got, expected in zip(results[::2], results[1::2]):
+        assert [[h["tokens"].tolist() for h in s] for s in got] == [[h["tokens"].tolist() for h in s] for s in expected]
+    assert all(key[0] == "loop" for key in graphed._graphed.graphs) and graphed._graphed.graphs
+    prompts = torch.randint(4, len(d), (4, 8), device="cuda")
+    src = torch.cat([torch.full((4, 1), d.eos(), device="cuda"), prompts], dim=1)
+    sample = {"net_input": {"src_tokens": src, "src_lengths": src.ne(d.pad()).sum(1)}}
+    syncs = host_syncs_of(lambda: graphed.generate(None, sample, prefix_tokens=prompts))
+    steps = 48 - 8  # after the prompt, fed at once
+    assert syncs <= -(-steps // device_decoding.CHUNK) + 6, syncs
+    if sampling is not None:  # a sentence's draw does not depend on its batch
+        sample["id"] = torch.arange(4, device="cuda")
+        together = graphed.generate(None, sample, prefix_tokens=prompts)
+        alone = graphed.generate(None, {"id": torch.tensor([2]), "net_input": {
+            "src_tokens": src[2:3], "src_lengths": sample["net_input"]["src_lengths"][2:3]}},
+            prefix_tokens=prompts[2:3])
+        assert together[2][0]["tokens"].tolist() == alone[0][0]["tokens"].tolist()

@@ -1,0 +1,237 @@
+"""Greedy search and sampling (one hypothesis per sentence) decoded on the device, with no host sync per token.
+
+SequenceGenerator runs this loop instead of its step-by-step one when the beam is 1 and the search is greedy
+(`BeamSearch`) or `Sampling`, with this fork's decoders (their caches take a whole prompt at once). Per step,
+on the device and, on CUDA, inside one captured graph: the model's one-token step over the caches' live window
+(fairseq.generation.cuda_graph_decoding), the masks (<pad>, --unkpen, --min-len, the length limit, the forced
+prompt tokens), the choice of the next token, its cumulative score, whether the hypothesis ended, and the slot
+of the next step. The host replays CHUNK steps, then reads one flag (is every sentence done?): one host sync per
+CHUNK tokens instead of one per token. Finished sentences stay in the batch (their rows write nothing more), so
+no step reorders a cache. The tokens are read once at the end, or after every chunk when the caller streams
+them (`on_tokens`).
+
+Greedy results are the step-by-step loop's: the same operations on the same values (the candidates are the top
+two of log-probability plus cumulative score, as BeamSearch takes them; the hypotheses are stored by
+SequenceGenerator._finalize_hypos), so tokens and scores are equal, not close.
+
+Sampling draws are counter-based: the Gumbel noise of token v at step s of sentence i is a hash of (seed, i, s,
+v), where i is the sentence's id (`sample["id"]`: its line in fairseq-generate's input, its index in the hub's
+list) and the seed is the search's `seed` (default: torch.initial_seed(), which --seed sets). A sentence's
+sample therefore depends on the seed and the sentence alone, not on the batch it is decoded in, its place there,
+the batch size or the graphs. The drawn token is the argmax of log-probability plus noise over the kept tokens
+(top-k, or the top-p set), which draws from the kept tokens' renormalized distribution, as a multinomial over
+their probabilities does; its score is the model's log-probability of it, as with `Sampling.step`.
+"""
+
+import math
+from typing import Callable, List, Optional
+
+import torch
+from torch import Tensor
+
+from fairseq.generation import search
+from fairseq.generation.cuda_graph_decoding import attention_window, round_up_sentences
+
+# Steps replayed between two reads of the "every sentence is done" flag: at most CHUNK - 1 steps are computed
+# past the end of the longest output, and a step costs one host sync per CHUNK tokens.
+CHUNK = 16
+_MASK32 = 0xFFFFFFFF
+_HASH_MULTIPLIER = 0x45D9F3B  # a 32-bit integer hash's multiplier (< 2**27: products stay inside int64)
+
+
+def applies(generator, beam: int) -> bool:
+    """Whether `generator` decodes a batch through this loop: beam 1, greedy or sampling, this fork's decoders,
+    and no option the loop does not implement (--no-repeat-ngram-size, --match-source-len)."""
+    kind = type(generator.search)
+    return (generator.device_loop and beam == 1 and kind in (search.BeamSearch, search.Sampling)
+            and generator.model.can_feed_prompts and not generator.no_repeat_ngram_size
+            and not generator.match_source_len)
+
+
+def _mix32(x: Tensor) -> Tensor:
+    """A 32-bit integer hash of each element of x (int64 holding values in [0, 2**32))."""
+    x = ((x >> 16) ^ x) * _HASH_MULTIPLIER & _MASK32
+    x = ((x >> 16) ^ x) * _HASH_MULTIPLIER & _MASK32
+    return (x >> 16) ^ x
+
+
+def sentence_keys(seed: int, sentence_ids: Tensor) -> Tensor:
+    """The sampling key [B] (int64) of each sentence: a hash of the seed and the sentence's id."""
+    seed32 = torch.tensor(seed & _MASK32, dtype=torch.long, device=sentence_ids.device)
+    return _mix32(_mix32(sentence_ids.long() & _MASK32) ^ _mix32(seed32))
+
+
+def gumbel_noise(keys: Tensor, step: Tensor, token_ids: Tensor) -> Tensor:
+    """Standard Gumbel noise [R, N] (fp32) for tokens `token_ids` [R, N] (or [N]) at `step` ([1], a device
+    tensor) of the rows with sampling keys `keys` [R]: a pure function of (key, step, token)."""
+    at_step = _mix32((keys + _mix32((step + 0x9E3779B9) & _MASK32)) & _MASK32)
+    bits = _mix32(at_step.unsqueeze(1) ^ token_ids)
+    uniform = ((bits >> 8).float() + 0.5) * (1.0 / (1 << 24))  # in (0, 1), 24 random bits
+    return -torch.log(-torch.log(uniform))
+
+
+class _Buffers:
+    """The loop's device state, allocated once per cache size (graphs read these addresses): rows R, cache
+    capacity C. `tokens` [R, C + 2] and `scores` [R, C + 1] are laid out as SequenceGenerator's (begin-of-
+    sentence token first; cumulative scores per step)."""
+
+    def __init__(self, rows: int, capacity: int, vocab: int, device: torch.device):
+        self.slot = torch.zeros(1, dtype=torch.long, device=device)  # the step being taken
+        self.limits = torch.zeros(2, dtype=torch.long, device=device)  # --min-len, the longest output
+        self.tokens = torch.zeros(rows, capacity + 2, dtype=torch.long, device=device)
+        self.scores = torch.zeros(rows, capacity + 1, device=device)
+        self.forced = torch.zeros(rows, capacity + 1, dtype=torch.long, device=device)  # prompt token per step
+        self.cum = torch.zeros(rows, device=device)
+        self.done = torch.zeros(rows, dtype=torch.bool, device=device)
+        self.end_step = torch.zeros(rows, dtype=torch.long, device=device)
+        self.keys = torch.zeros(rows, dtype=torch.long, device=device)
+        self.vocab_ids = torch.arange(vocab, device=device)
+        self.rows, self.capacity = rows, capacity
+
+
+class DeviceDecodeLoop:
+    """The decode loop of one SequenceGenerator (see the module doc)."""
+
+    def __init__(self, generator):
+        self.g = generator
+        self._eager_buffers: Optional[_Buffers] = None
+
+    # ---- one step, all on the device ----------------------------------------------------------------------
+    def _constrain(self, lp: Tensor, buf: _Buffers, rows: int) -> Tensor:
+        """SequenceGenerator._constrain's masks with the step read from the device: only </s> at the length
+        limit, no </s> before --min-len, a row whose prompt goes on can only continue it."""
+        g, step = self.g, buf.slot
+        at_limit = step >= buf.limits[1]
+        lp = lp.masked_fill(at_limit & buf.vocab_ids.ne(g.eos), -math.inf)
+        forced = buf.forced[:rows].index_select(1, step).masked_fill(at_limit, g.pad)  # [rows, 1]
+        forced_lp = lp.gather(1, forced)
+        lp = lp.masked_fill((step < buf.limits[0]) & buf.vocab_ids.eq(g.eos), -math.inf)
+        only_forced = torch.full_like(lp, -math.inf).scatter_(1, forced, forced_lp)
+        return torch.where(forced.ne(g.pad), only_forced, lp)
+
+    def _choose(self, lp: Tensor, buf: _Buffers, rows: int) -> None:
+        """Take the step at `buf.slot` for rows [:rows] given their masked log-probabilities, and move to the
+        next slot."""
+        g, step = self.g, buf.slot
+        lp = self._constrain(lp, buf, rows)
+        cum = buf.cum[:rows]
+        if isinstance(g.search, search.Sampling):
+            token = self._draw(lp, buf, rows)
+            score = lp.gather(1, token.unsqueeze(1)).squeeze(1) + cum
+        else:  # BeamSearch's candidates at beam 1 (its step adds the cumulative score, then takes the top two)
+            cand_scores, cand_tokens = torch.topk(lp + cum.unsqueeze(1), k=min(2, lp.size(1) - 1))
+            token, score = cand_tokens[:, 0], cand_scores[:, 0]
+        live = ~buf.done[:rows]
+        ends = live & token.eq(g.eos) & score.ne(-math.inf)
+        buf.tokens[:rows].scatter_(1, (step + 1).expand(rows, 1),
+                                   torch.where(live, token, g.pad).unsqueeze(1))
+        column = buf.scores[:rows].index_select(1, step).squeeze(1)
+        buf.scores[:rows].scatter_(1, step.expand(rows, 1), torch.where(live, score, column).unsqueeze(1))
+        buf.cum[:rows] = torch.where(live, score, cum)
+        buf.end_step[:rows] = torch.where(ends, step, buf.end_step[:rows])
+        buf.done[:rows] |= ends | (step >= buf.limits[1])
+        buf.slot += 1
+
+    def _draw(self, lp: Tensor, buf: _Buffers, rows: int) -> Tensor:
+        """Sampling's next token per row: argmax of log-probability plus Gumbel noise over the kept tokens."""
+        sampler, step, keys = self.g.search, buf.slot, buf.keys[:rows]
+        if sampler.sampling_topp > 0:
+            sorted_probs, ids = lp.exp().sort(dim=1, descending=True)
+            mass_before = torch.nn.functional.pad(sorted_probs.cumsum(dim=1)[:, :-1], (1, 0))
+            candidates = lp.gather(1, ids).masked_fill(mass_before >= sampler.sampling_topp, -math.inf)
+        elif sampler.sampling_topk > 0:
+            candidates, ids = lp.topk(sampler.sampling_topk, dim=1)
+        else:
+            candidates, ids = lp, buf.vocab_ids.expand(rows, -1)
+        drawn = (candidates + gumbel_noise(keys, step, ids)).argmax(dim=1, keepdim=True)
+        return ids.gather(1, drawn).squeeze(1)
+
+    # ---- the loop -----------------------------------------------------------------------------------------
+    def _buffers(self, b, rows: int) -> _Buffers:
+        graphed = b.graphed
+        if graphed is not None:  # with the graphs' caches, at their size: the graphs read these addresses
+            buf = graphed.extra.get("loop")
+            if buf is None:
+                buf = graphed.extra["loop"] = _Buffers(graphed.rows, graphed.capacity, self.g.vocab_size, b.device)
+            return buf
+        buf = self._eager_buffers
+        if buf is None or buf.rows < rows or buf.capacity < b.max_len + 1 or buf.tokens.device != b.device:
+            buf = self._eager_buffers = _Buffers(rows, b.max_len + 1, self.g.vocab_size, b.device)
+        return buf
+
+    def _start(self, b, sample: dict, rows: int, graph_rows: int) -> _Buffers:
+        g, buf = self.g, self._buffers(b, graph_rows)
+        width = b.tokens.size(1)
+        buf.tokens[:graph_rows].fill_(g.pad)
+        buf.tokens[:rows, :width] = b.tokens
+        buf.scores[:rows, :width - 1] = b.scores
+        buf.forced[:graph_rows].fill_(g.pad)
+        if b.prefix is not None:
+            buf.forced[:rows, :b.prefix.size(1)] = b.prefix
+        buf.done[:graph_rows] = True
+        buf.done[:rows] = False
+        buf.end_step[:graph_rows] = -1
+        buf.cum[:graph_rows] = 0.0
+        if b.start > 0:
+            buf.cum[:rows] = b.scores[:, b.start - 1]
+        buf.slot.fill_(b.start)
+        buf.limits.copy_(torch.tensor([g.min_len, b.max_len]))
+        if isinstance(g.search, search.Sampling):
+            ids = sample.get("id")
+            ids = torch.arange(rows, device=b.device) if ids is None else ids.to(b.device)
+            seed = g.search.seed if g.search.seed is not None else torch.initial_seed()
+            buf.keys[:rows] = sentence_keys(seed, ids)
+        return buf
+
+    def decode(self, b, lprobs: Tensor, sample: dict,
+               on_tokens: Optional[Callable[[Tensor, Tensor], None]] = None) -> List[List[dict]]:
+        """Decode the batch `b` set up by SequenceGenerator._begin (prompts fed, `lprobs` the log-probabilities
+        of step b.start); returns each sentence's hypothesis as the step-by-step loop stores it.
+        `on_tokens(tokens, done)`: called after every chunk with the tokens so far [B, T] (host, the begin-of-
+        sentence token first, <pad> after a sentence's end) and which sentences are done [B]."""
+        rows, max_len = b.bsz, b.max_len
+        graph_rows = round_up_sentences(rows) if b.graphed is not None else rows
+        buf = self._start(b, sample, rows, graph_rows)
+        self._choose(lprobs, buf, rows)  # step b.start, from the prompt's forward
+        step = b.start + 1
+        while step <= max_len:
+            for _ in range(min(CHUNK, max_len + 1 - step)):
+                self._step(b, buf, step, rows, graph_rows)
+                step += 1
+            all_done = bool(buf.done[:rows].all())  # the host sync of this chunk
+            if on_tokens is not None:
+                on_tokens(buf.tokens[:rows, :step + 1].to("cpu", copy=True), buf.done[:rows].to("cpu", copy=True))
+            if all_done:
+                break
+        if b.graphed is not None:
+            b.graphed.set_length(step)
+        return self._finalize(b, buf, rows)
+
+    def _step(self, b, buf: _Buffers, step: int, rows: int, graph_rows: int) -> None:
+        """Step `step` (the host's count; buf.slot holds the same on the device)."""
+        g = self.g
+        graphed = b.graphed
+        if graphed is None:  # eager: the dynamic cached forward (what the step-by-step loop runs)
+            self._choose(g._next_log_probs(buf.tokens[:rows], step, b.states, None), buf, rows)
+            return
+        window = attention_window(step, graphed.capacity)
+
+        def whole_step():
+            tokens = buf.tokens[:graph_rows].index_select(1, buf.slot)
+            self._choose(g._static_step(tokens, buf.slot, graphed.states, window), buf, graph_rows)
+
+        graphed.replay(("loop", graph_rows, window), whole_step)
+
+    def _finalize(self, b, buf: _Buffers, rows: int) -> List[List[dict]]:
+        """Store each ended hypothesis through the generator's own _finalize_hypos (one call per end step)."""
+        g = self.g
+        width = b.tokens.size(1)
+        b.tokens = buf.tokens[:rows, :width]
+        b.scores = buf.scores[:rows, :width - 1]
+        end_steps = buf.end_step[:rows]
+        for step in sorted(set(end_steps.tolist()) - {-1}):
+            rows_ending = end_steps.eq(step).nonzero().squeeze(1)
+            g._finalize_hypos(step, rows_ending, b.scores[:, step].index_select(0, rows_ending), b.tokens,
+                              b.scores, b.finalized, b.finalized_scores, b.finished, b.sent_of_row, 1,
+                              b.src_lengths, b.max_len)
+        return b.finalized
