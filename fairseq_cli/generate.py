@@ -125,8 +125,9 @@ def print_hypotheses(sample_id: int, hypos: list, nbest: int, tgt_dict, post_pro
 
 def setup(cfg, interactive=None):
     """What both commands do first: logging, plug-ins, flag checks that need no model, seeds."""
-    # --text-only: stdout holds the text alone, so the log goes to stderr
-    progress_bar.setup_logging(cfg.common.log_file, stream=sys.stderr if cfg.generation.text_only else None)
+    # --text-only, --stream: stdout holds the text alone, so the log goes to stderr
+    text_only = cfg.generation.text_only or cfg.generation.stream
+    progress_bar.setup_logging(cfg.common.log_file, stream=sys.stderr if text_only else None)
     if cfg.common.user_dir:
         import_user_module(cfg.common.user_dir)
     check_generation_config(cfg.generation, cfg.dataset, interactive)

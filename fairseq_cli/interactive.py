@@ -17,6 +17,8 @@ import time
 from contextlib import contextmanager
 from typing import Iterator, List, Optional
 
+import torch
+
 from fairseq import options
 from fairseq.dataclass.generation import check_generation_config
 from fairseq.generation.hub_utils import check_prompt_lengths, move_to
@@ -57,7 +59,7 @@ def buffered_read(path: str, buffer_size: int) -> Iterator[List[str]]:
 def make_batches(lines: List[str], cfg, task, max_positions: Optional[int], codec, first_id: int):
     """(batches of the encoded `lines`, the index in `lines` of each batch id): upstream's make_batches. Too
     long prompts are an error, or with --skip-invalid-size-inputs-valid-test left out with a warning naming
-    them by their number in the input."""
+    them by their number in the input. --stream: one prompt per batch."""
     for i, line in enumerate(lines):
         if not line:
             raise ValueError(f"prompt {first_id + i} is an empty line; give each prompt some text (blank lines "
@@ -68,18 +70,46 @@ def make_batches(lines: List[str], cfg, task, max_positions: Optional[int], code
     if not cfg.dataset.skip_invalid_size_inputs_valid_test:
         check_prompt_lengths(lengths, max_positions, SKIP_HINT, first_id=first_id)
     kept = [i for i, n in enumerate(lengths) if max_positions is None or n <= max_positions]
-    batch_size = cfg.dataset.batch_size
-    if cfg.dataset.max_tokens is None and batch_size is None:
+    batch_size, max_tokens = cfg.dataset.batch_size, cfg.dataset.max_tokens
+    if cfg.generation.stream:
+        batch_size, max_tokens = 1, None
+    elif max_tokens is None and batch_size is None:
         batch_size = 1  # upstream's default: one prompt per batch
     for i in sorted(set(range(len(lines))) - set(kept)):  # named here: the task's warning counts within `lines`
         logger.warning(f"prompt {first_id + i} is {lengths[i]} tokens long (with the </s> it starts from), more "
                        f"than the model's {max_positions} positions: skipped (--skip-invalid-size-inputs-valid-test)")
     batches = task.get_batch_iterator(
         dataset=task.build_dataset_for_inference([tokens[i] for i in kept], [lengths[i] for i in kept]),
-        max_tokens=cfg.dataset.max_tokens, max_sentences=batch_size, max_positions=max_positions,
+        max_tokens=max_tokens, max_sentences=batch_size, max_positions=max_positions,
         ignore_invalid_inputs=cfg.dataset.skip_invalid_size_inputs_valid_test, disable_iterator_cache=True,
     ).next_epoch_itr(shuffle=False)
     return batches, kept
+
+
+class StreamPrinter:
+    """--stream: prints the text of a prompt's hypothesis (the --text-only line) as its tokens arrive."""
+
+    def __init__(self, tgt_dict, post_process, codec, strip):
+        self.tgt_dict, self.post_process, self.codec, self.strip = tgt_dict, post_process, codec, strip
+        self.shown = ""
+
+    def _text(self, tokens: torch.Tensor) -> str:
+        return self.codec.decode(self.tgt_dict.string(tokens, self.post_process, extra_symbols_to_ignore=self.strip))
+
+    def _show(self, text: str) -> None:
+        if text.startswith(self.shown) and len(text) > len(self.shown):
+            print(text[len(self.shown):], end="", flush=True)
+            self.shown = text
+
+    def __call__(self, tokens: torch.Tensor, done: torch.Tensor) -> None:
+        tokens = tokens[0, 1:]
+        text = self._text(tokens[tokens.ne(self.tgt_dict.pad())])
+        if "\ufffd" not in text[len(self.shown):]:  # not inside a multi-byte character
+            self._show(text)
+
+    def finish(self, hypo: dict) -> None:
+        self._show(self._text(hypo["tokens"].int().cpu()))
+        print(flush=True)
 
 
 def main(cfg) -> int:
@@ -107,11 +137,19 @@ def main(cfg) -> int:
     for lines in buffered_read(cfg.interactive.input, buffer_size):
         results = []
         batches, kept = make_batches(lines, cfg, task, max_positions, codec, start_id)
+        if cfg.generation.stream:  # one prompt per batch, printed as it comes: in input order
+            batches = sorted(batches, key=lambda batch: int(batch["id"][0]))
         for batch in batches:
             batch = move_to(batch, device)
+            # Sampling draws are keyed by the prompt's number in the whole input (device_decoding).
+            numbered = dict(batch, id=torch.tensor([start_id + kept[i] for i in batch["id"].tolist()]))
+            on_tokens = StreamPrinter(tgt_dict, post_process, codec, strip) if cfg.generation.stream else None
             started = time.perf_counter()
-            hypos = task.inference_step(generator, models, batch)
+            hypos = task.inference_step(generator, models, numbered, on_tokens=on_tokens)
             seconds = time.perf_counter() - started
+            if on_tokens is not None:
+                on_tokens.finish(hypos[0][0])
+                continue
             generate_time += seconds
             for i, (sample_id, sample_hypos) in enumerate(zip(batch["id"].tolist(), hypos)):
                 src_tokens = batch["net_input"]["src_tokens"][i]

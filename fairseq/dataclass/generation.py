@@ -60,6 +60,9 @@ class GenerationConfig:
     no_seed_provided: bool = opt(False, "do not seed the random generators from --seed")
     text_only: bool = opt(False, "fairseq-generate/-interactive: print only each hypothesis' detokenized text (the "
                                  "D- line's text), one line per hypothesis (--nbest per prompt, best first); the log goes to stderr")
+    stream: bool = opt(False, "fairseq-interactive: print each prompt's text while it is generated, a piece every "
+                              "16 tokens (the --text-only line; the log goes to stderr); needs --beam 1 (greedy "
+                              "or --sampling)")
     no_cuda_graphs: bool = opt(False, "decode each step eagerly instead of replaying it from a CUDA graph (on "
                                        "CUDA, this fork's decoders; see docs/incremental_decoding.md)")
 
@@ -123,6 +126,10 @@ def check_generation_config(generation: GenerationConfig, dataset=None, interact
     if generation.nbest > generation.beam >= 1:
         raise ValueError(f"--nbest {generation.nbest} is larger than --beam {generation.beam}: a beam search "
                          "returns at most --beam hypotheses; raise --beam or lower --nbest")
+    if generation.stream and (interactive is None or generation.beam != 1):
+        raise ValueError("--stream is fairseq-interactive's, with --beam 1 (greedy or --sampling): drop --stream, "
+                         "or use fairseq-interactive --beam 1" if interactive is None else
+                         f"--stream needs --beam 1 (greedy or --sampling), got --beam {generation.beam}")
     if generation.prefix_size < 0:
         raise ValueError(f"--prefix-size must be >= 0, got {generation.prefix_size}")
     if interactive is not None and dataset is not None and dataset.batch_size:

@@ -15,6 +15,8 @@ Text goes tokenizer -> BPE -> dictionary ids (`encode`) and back (`decode`); gen
 import copy
 import logging
 import os
+import queue
+import threading
 from collections import OrderedDict
 from typing import Any, Dict, Iterator, List, Optional
 
@@ -281,18 +283,24 @@ class GeneratorHubInterface(nn.Module):
     def generate(self, tokenized_sentences: List[torch.LongTensor], beam: int = GenerationConfig.beam,
                  verbose: bool = False, skip_invalid_size_inputs: bool = False,
                  inference_step_args: Optional[Dict[str, Any]] = None, prefix_allowed_tokens_fn=None,
-                 **kwargs) -> List[List[Dict[str, torch.Tensor]]]:
+                 seed: Optional[int] = None, **kwargs) -> List[List[Dict[str, torch.Tensor]]]:
         """Per input (ids from `encode`), its hypotheses, best first: dicts with "tokens" (the prompt and its
         continuation), "score", "positional_scores" (natural log), "attention", "alignment". Keyword
         arguments set generation options (upstream's names: sampling=True, sampling_topk=10, temperature=0.8,
         max_len_b=50, lenpen=..., min_len=...). Inputs longer than the model's positions are an error, or
-        skipped (and missing from the result) with `skip_invalid_size_inputs`."""
+        skipped (and missing from the result) with `skip_invalid_size_inputs`. `seed` (sampling at beam 1):
+        the draws' seed, so that input i gets the same sample whatever the batches; default a new one per
+        call from torch's RNG (torch.manual_seed reproduces a sequence of calls). `inference_step_args` may
+        hold `on_tokens` to stream (see `stream`)."""
         if torch.is_tensor(tokenized_sentences) and tokenized_sentences.dim() == 1:
             return self.generate(tokenized_sentences.unsqueeze(0), beam=beam, verbose=verbose,
                                  skip_invalid_size_inputs=skip_invalid_size_inputs,
                                  inference_step_args=inference_step_args,
-                                 prefix_allowed_tokens_fn=prefix_allowed_tokens_fn, **kwargs)[0]
+                                 prefix_allowed_tokens_fn=prefix_allowed_tokens_fn, seed=seed, **kwargs)[0]
         generator = self.generator_for(beam, prefix_allowed_tokens_fn=prefix_allowed_tokens_fn, **kwargs)
+        search_strategy = getattr(generator, "search", None)
+        if hasattr(search_strategy, "seed"):  # sampling: one seed per call, ids are the inputs' indices
+            search_strategy.seed = int(torch.randint(2**31, (1,))) if seed is None else seed
         results = []
         for batch in self._build_batches(tokenized_sentences, skip_invalid_size_inputs):
             batch = move_to(batch, self.device)
@@ -306,6 +314,43 @@ class GeneratorHubInterface(nn.Module):
                     logger.info(f"H\t{float(hypo['score'])}\t{self.decode(hypo['tokens'])}")
                     logger.info("P\t" + " ".join(f"{x:.4f}" for x in hypo["positional_scores"].tolist()))
         return outputs
+
+    def stream(self, sentence: str, seed: Optional[int] = None, **kwargs) -> Iterator[str]:
+        """The text of `sample(sentence, beam=1, **kwargs)` in pieces as it is generated (every
+        device_decoding.CHUNK tokens): the prompt with the first tokens, then what each chunk adds; joined,
+        the pieces are sample()'s text. Greedy, or sampling=True with its options."""
+        produced: "queue.Queue" = queue.Queue()
+
+        def on_tokens(tokens: torch.Tensor, done: torch.Tensor) -> None:
+            produced.put(tokens[0])
+
+        def decode_all() -> None:
+            try:
+                produced.put(self.generate(self.encode(sentence), beam=1, seed=seed,
+                                           inference_step_args={"on_tokens": on_tokens}, **kwargs))
+            except BaseException as error:  # raised in the caller's thread
+                produced.put(error)
+
+        worker = threading.Thread(target=decode_all, name="fairseq-hub-stream", daemon=True)
+        worker.start()
+        shown = ""
+        while True:
+            item = produced.get()
+            if isinstance(item, BaseException):
+                worker.join()
+                raise item
+            if isinstance(item, list):  # the hypotheses: the end
+                worker.join()
+                text = self.decode(item[0]["tokens"])
+                if text.startswith(shown) and len(text) > len(shown):
+                    yield text[len(shown):]
+                return
+            tokens = item[1:]  # without the begin-of-sentence token; <pad> after the end
+            text = self.decode(tokens[tokens.ne(self.tgt_dict.pad())])
+            # Only a text that extends what was shown (a piece may end inside a multi-byte character).
+            if text.startswith(shown) and len(text) > len(shown) and "\ufffd" not in text[len(shown):]:
+                yield text[len(shown):]
+                shown = text
 
     def generator_for(self, beam: int = GenerationConfig.beam, prefix_allowed_tokens_fn=None, **kwargs):
         """The generator `generate(..., beam=beam, **kwargs)` decodes with: `task.build_generator` of

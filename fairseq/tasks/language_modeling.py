@@ -165,9 +165,10 @@ class LanguageModelingTask(FairseqTask):
         return MonolingualDataset(items, np.asarray(src_lengths), dictionary, self.output_dictionary,
                                   shuffle=False, add_bos_token=False)
 
-    def inference_step(self, generator, models, sample, prefix_tokens=None, constraints=None):
+    def inference_step(self, generator, models, sample, prefix_tokens=None, constraints=None, on_tokens=None):
         """Continue each prompt of `sample` (from build_dataset_for_inference): its source without the leading
-        </s> (or <s>) is forced, generation starts from that token, as upstream."""
+        </s> (or <s>) is forced, generation starts from that token, as upstream. `on_tokens`: stream the
+        tokens (SequenceGenerator.generate)."""
         if constraints is not None:
             raise ValueError("--constraints (lexically constrained decoding) is not supported with --task "
                              "language_modeling (upstream refuses it too)")
@@ -178,7 +179,8 @@ class LanguageModelingTask(FairseqTask):
                 prefix_tokens = src_tokens
                 if prefix_tokens[:, 0].eq(bos_token).all():
                     prefix_tokens = prefix_tokens[:, 1:]
-            return generator.generate(models, sample, prefix_tokens=prefix_tokens, bos_token=bos_token)
+            streaming = {} if on_tokens is None else {"on_tokens": on_tokens}
+            return generator.generate(models, sample, prefix_tokens=prefix_tokens, bos_token=bos_token, **streaming)
 
     def eval_lm_dataloader(self, dataset, max_tokens: Optional[int] = 36000, batch_size: Optional[int] = None,
                            max_positions=None, num_shards: int = 1, shard_id: int = 0, num_workers: int = 1,

@@ -161,6 +161,7 @@ def test_on_the_gpu(tiny_data, ckpt, capsys, precision):
     (["--nbest", 3, "--beam", 2], 2, "--nbest 3 is larger than --beam 2"),
     (["--model-overrides", "{'decoder_layers': 3}"], 1, "was saved from a different architecture"),
     (["--lr", 0.1], 2, "unrecognized arguments: --lr 0.1"),
+    (["--stream", "--beam", 1], 2, "--stream is fairseq-interactive's, with --beam 1"),
 ])
 def test_bad_input_is_one_line(tiny_data, ckpt, capsys, extra, status, message):
     got, _, err = run(capsys, argv(tiny_data, ckpt, *extra))

@@ -195,3 +195,38 @@ def test_text_only_and_the_prompt_only_on_a_terminal(tiny_data, ckpt, monkeypatc
         run_console_script("fairseq-interactive", interactive.cli_main, argv(tiny_data, ckpt, "--beam", 1,
                                                                               "--max-len-b", 4))
     assert "Type the input sentence and press return:" in caplog.text
+
+
+class _Chunks(io.StringIO):
+    """Standard output that records each write: --stream writes a piece per chunk of tokens."""
+
+    def __init__(self):
+        super().__init__()
+        self.writes = []
+
+    def write(self, text):
+        self.writes.append(text)
+        return super().write(text)
+
+
+@pytest.mark.parametrize("sampling", [[], ["--sampling", "--sampling-topk", 5, "--seed", 3]])
+def test_stream_prints_the_text_only_lines_in_pieces(tiny_data, ckpt, monkeypatch, capsys, sampling):
+    args = argv(tiny_data, ckpt, "--beam", 1, "--max-len-b", 30, "--min-len", 24, "--buffer-size", 2, *sampling)
+    stdin_text = "\n".join(PROMPTS) + "\n"
+    status, text, _ = run(monkeypatch, capsys, args + ["--text-only"], stdin_text)
+    assert status == 0 and len(text.splitlines()) == len(PROMPTS)
+    monkeypatch.setattr(sys, "stdin", io.StringIO(stdin_text))
+    chunks = _Chunks()
+    monkeypatch.setattr(sys, "stdout", chunks)
+    run_console_script("fairseq-interactive", interactive.cli_main, args + ["--stream"])
+    assert chunks.getvalue() == text  # the same lines: sampling draws are keyed by the prompt's number
+    pieces = [w for w in chunks.writes if w and w != "\n"]
+    assert len(pieces) >= 2 * len(PROMPTS)  # 24+ tokens each: a piece per chunk of 16, at least two
+
+
+@pytest.mark.parametrize("extra,message", [
+    (["--stream", "--beam", 2, "--nbest", 1], "--stream needs --beam 1 (greedy or --sampling), got --beam 2"),
+])
+def test_stream_needs_beam_one(tiny_data, ckpt, monkeypatch, capsys, extra, message):
+    status, _, err = run(monkeypatch, capsys, argv(tiny_data, ckpt, *extra), "w1\n")
+    assert status == 2 and message in err and err.strip().count("\n") == 0

@@ -173,6 +173,33 @@ def test_casting_and_moving_the_interface(model_dir):
     torch.testing.assert_close(hypo["positional_scores"][:n], greedy["positional_scores"][:n], rtol=0, atol=0.1)
 
 
+def test_sampling_with_a_seed_does_not_depend_on_the_batches(hub):
+    options = dict(beam=1, sampling=True, sampling_topp=0.9, max_len_b=16)
+    batch_size = hub.cfg.dataset.batch_size
+    try:
+        together = hub.sample(PROMPTS * 2, seed=3, **options)
+        hub.cfg.dataset.batch_size = 1  # one input per batch
+        assert hub.sample(PROMPTS * 2, seed=3, **options) == together
+    finally:
+        hub.cfg.dataset.batch_size = batch_size
+    assert together[:3] != together[3:]  # the same prompt at another index: another draw
+    assert hub.sample(PROMPTS * 2, seed=4, **options) != together
+    torch.manual_seed(1)  # without a seed: a new one per call, from torch's RNG
+    calls = [hub.sample(PROMPTS, **options), hub.sample(PROMPTS, **options)]
+    torch.manual_seed(1)
+    assert [hub.sample(PROMPTS, **options), hub.sample(PROMPTS, **options)] == calls and calls[0] != calls[1]
+
+
+def test_stream_yields_the_text_of_sample_in_pieces(hub):
+    for prompt, options in ((PROMPTS[0], {}), (PROMPTS[1], dict(sampling=True, sampling_topk=5, seed=2))):
+        pieces = list(hub.stream(prompt, max_len_b=28, min_len=24, **options))
+        seed = options.pop("seed", None)
+        assert "".join(pieces) == hub.sample(prompt, beam=1, max_len_b=28, min_len=24, seed=seed, **options)
+        assert len(pieces) >= 2 and pieces[0].startswith(prompt)  # 24+ tokens: two chunks at least
+    with pytest.raises(ValueError, match="no generation option"):
+        list(hub.stream(PROMPTS[0], no_such_option=1))
+
+
 def test_interactive_with_bpe_prints_what_the_hub_samples(hub, model_dir, monkeypatch, capsys):
     import io
     import sys
