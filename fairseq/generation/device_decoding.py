@@ -5,10 +5,11 @@ SequenceGenerator runs this loop instead of its step-by-step one when the beam i
 on the device and, on CUDA, inside one captured graph: the model's one-token step over the caches' live window
 (fairseq.generation.cuda_graph_decoding), the masks (<pad>, --unkpen, --min-len, the length limit, the forced
 prompt tokens), the choice of the next token, its cumulative score, whether the hypothesis ended, and the slot
-of the next step. The host replays CHUNK steps, then reads one flag (is every sentence done?): one host sync per
-CHUNK tokens instead of one per token. Finished sentences stay in the batch (their rows write nothing more), so
-no step reorders a cache. The tokens are read once at the end, or after every chunk when the caller streams
-them (`on_tokens`).
+of the next step. The host replays CHUNK steps, then reads which sentences are done: one host sync per CHUNK
+tokens instead of one per token. A finished sentence's row writes nothing more; between chunks finished
+sentences are stored and leave the batch (their cache rows dropped in place) when that saves work: always when
+decoding eagerly, with graphs when the row count rounds down to a smaller graph. The tokens are read once at
+the end, or after every chunk when the caller streams them (`on_tokens`).
 
 Greedy results are the step-by-step loop's: the same operations on the same values (the candidates are the top
 two of log-probability plus cumulative score, as BeamSearch takes them; the hypotheses are stored by
@@ -24,7 +25,7 @@ their probabilities does; its score is the model's log-probability of it, as wit
 """
 
 import math
-from typing import Callable, List, Optional
+from typing import Callable, List, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -187,25 +188,54 @@ class DeviceDecodeLoop:
                on_tokens: Optional[Callable[[Tensor, Tensor], None]] = None) -> List[List[dict]]:
         """Decode the batch `b` set up by SequenceGenerator._begin (prompts fed, `lprobs` the log-probabilities
         of step b.start); returns each sentence's hypothesis as the step-by-step loop stores it.
-        `on_tokens(tokens, done)`: called after every chunk with the tokens so far [B, T] (host, the begin-of-
-        sentence token first, <pad> after a sentence's end) and which sentences are done [B]."""
+        `on_tokens(tokens, done)`: called after every chunk with the tokens so far [B, T] (host, batch order, the
+        begin-of-sentence token first, <pad> after a sentence's end) and which sentences are done [B]."""
         rows, max_len = b.bsz, b.max_len
         graph_rows = round_up_sentences(rows) if b.graphed is not None else rows
         buf = self._start(b, sample, rows, graph_rows)
+        shown = None if on_tokens is None else _StreamedBatch(b.bsz, max_len + 2, self.g.pad)
         self._choose(lprobs, buf, rows)  # step b.start, from the prompt's forward
         step = b.start + 1
         while step <= max_len:
             for _ in range(min(CHUNK, max_len + 1 - step)):
                 self._step(b, buf, step, rows, graph_rows)
                 step += 1
-            all_done = bool(buf.done[:rows].all())  # the host sync of this chunk
-            if on_tokens is not None:
-                on_tokens(buf.tokens[:rows, :step + 1].to("cpu", copy=True), buf.done[:rows].to("cpu", copy=True))
-            if all_done:
+            done = buf.done[:rows].to("cpu", copy=True)  # the host sync of this chunk
+            if shown is not None:
+                on_tokens(*shown.update(b.sent_of_row, buf.tokens[:rows, :step + 1], done))
+            if bool(done.all()):
                 break
+            if bool(done.any()) and step <= max_len:
+                rows, graph_rows = self._drop_finished(b, buf, rows, graph_rows, done, step)
+        self._set_length(b, step)
+        self._finalize(b, buf, rows, torch.arange(rows))
+        return b.finalized
+
+    def _set_length(self, b, length: int) -> None:
+        """Say how many tokens the caches hold (static steps leave the plain-int lengths alone)."""
         if b.graphed is not None:
-            b.graphed.set_length(step)
-        return self._finalize(b, buf, rows)
+            b.graphed.set_length(length)
+
+    def _drop_finished(self, b, buf: _Buffers, rows: int, graph_rows: int, done: Tensor,
+                       step: int) -> Tuple[int, int]:
+        """Store the sentences that are done and take them out of the batch (as the step-by-step loop drops
+        them, but once per chunk) when that saves work: always when decoding eagerly, with graphs when the
+        row count rounds down. Returns the new (rows, graph rows)."""
+        live = (~done).nonzero().squeeze(1)
+        new_rows = live.numel()
+        new_graph_rows = round_up_sentences(new_rows) if b.graphed is not None else new_rows
+        if new_graph_rows == graph_rows:
+            return rows, graph_rows
+        self._finalize(b, buf, rows, done.nonzero().squeeze(1))
+        keep = live.to(buf.tokens.device)
+        for tensor in (buf.tokens, buf.scores, buf.forced, buf.cum, buf.done, buf.end_step, buf.keys):
+            tensor[:new_rows] = tensor[:rows].index_select(0, keep)
+        buf.done[new_rows:graph_rows] = True  # rows past the live ones write nothing
+        b.sent_of_row = [b.sent_of_row[i] for i in live.tolist()]
+        b.src_lengths = b.src_lengths.index_select(0, keep)
+        self._set_length(b, step)
+        self.g.model.reorder_incremental_state(b.states, keep)  # in place: the graphs' addresses stay
+        return new_rows, new_graph_rows
 
     def _step(self, b, buf: _Buffers, step: int, rows: int, graph_rows: int) -> None:
         """Step `step` (the host's count; buf.slot holds the same on the device)."""
@@ -222,16 +252,28 @@ class DeviceDecodeLoop:
 
         graphed.replay(("loop", graph_rows, window), whole_step)
 
-    def _finalize(self, b, buf: _Buffers, rows: int) -> List[List[dict]]:
-        """Store each ended hypothesis through the generator's own _finalize_hypos (one call per end step)."""
-        g = self.g
+    def _finalize(self, b, buf: _Buffers, rows: int, which: Tensor) -> None:
+        """Store the ended hypotheses of rows `which` (host indices among the first `rows`) through the
+        generator's own _finalize_hypos, one call per end step."""
         width = b.tokens.size(1)
-        b.tokens = buf.tokens[:rows, :width]
-        b.scores = buf.scores[:rows, :width - 1]
-        end_steps = buf.end_step[:rows]
+        tokens, scores = buf.tokens[:rows, :width], buf.scores[:rows, :width - 1]
+        end_steps = buf.end_step[:rows].to("cpu")[which]
         for step in sorted(set(end_steps.tolist()) - {-1}):
-            rows_ending = end_steps.eq(step).nonzero().squeeze(1)
-            g._finalize_hypos(step, rows_ending, b.scores[:, step].index_select(0, rows_ending), b.tokens,
-                              b.scores, b.finalized, b.finalized_scores, b.finished, b.sent_of_row, 1,
-                              b.src_lengths, b.max_len)
-        return b.finalized
+            rows_ending = which[end_steps.eq(step)].to(tokens.device)
+            self.g._finalize_hypos(step, rows_ending, scores[:, step].index_select(0, rows_ending), tokens, scores,
+                                   b.finalized, b.finalized_scores, b.finished, b.sent_of_row, 1, b.src_lengths,
+                                   b.max_len)
+
+
+class _StreamedBatch:
+    """The host's copy of a streamed batch, in batch order: rows leave the device batch as they finish."""
+
+    def __init__(self, sentences: int, width: int, pad: int):
+        self.tokens = torch.full((sentences, width), pad, dtype=torch.long)
+        self.done = torch.zeros(sentences, dtype=torch.bool)
+
+    def update(self, sent_of_row: List[int], tokens: Tensor, done: Tensor) -> Tuple[Tensor, Tensor]:
+        sentences = torch.tensor(sent_of_row)
+        self.tokens[sentences, :tokens.size(1)] = tokens.cpu()
+        self.done[sentences] = done
+        return self.tokens[:, :tokens.size(1)].clone(), self.done.clone()

@@ -73,6 +73,40 @@ def test_the_static_step_loop_over_attention_windows_gives_the_same_tokens(monke
         assert set(windows) == {capacity}
 
 
+@pytest.mark.parametrize("static", [False, True])
+def test_finished_sentences_leave_the_batch_between_chunks(monkeypatch, static):
+    monkeypatch.setattr(cuda_graph_decoding, "ATTENTION_WINDOW", 8)
+    model = build(seed=4)  # with 50 tokens allowed its sentences end after 1 to 51 tokens
+    stepwise = SequenceGenerator([model], D, device_loop=False, max_len_b=50)
+    generator = (EagerStaticGenerator if static else SequenceGenerator)([model], D, max_len_b=50)
+    drops = []
+    drop = generator._device_loop._drop_finished
+
+    def recorded(b, buf, rows, *rest):
+        new_rows, graph_rows = drop(b, buf, rows, *rest)
+        if new_rows != rows:
+            drops.append((rows, new_rows, graph_rows))
+        return new_rows, graph_rows
+
+    generator._device_loop._drop_finished = recorded
+    streamed = []
+    got = decode(generator, MIXED, on_tokens=lambda tokens, done: streamed.append((tokens, done)))
+    expected = decode(stepwise, MIXED)
+    assert tokens_of(got) == tokens_of(expected)
+    for a, b in zip(got, expected):
+        torch.testing.assert_close(a[0]["positional_scores"], b[0]["positional_scores"], atol=ATOL, rtol=0)
+        torch.testing.assert_close(a[0]["score"], b[0]["score"], atol=ATOL, rtol=0)
+    assert sorted(len(s[0]["tokens"]) for s in got) == [1, 4, 6, 8, 17, 22, 40, 51]
+    # a chunk after which sentences are done shrinks the batch: eagerly always, with graphs when the rounded
+    # row count (8, 4, 2, 1) goes down (to the 4 and 2 graphs); (rows before, rows after, rows computed)
+    assert drops == [(8, 3, 4 if static else 3), (3, 2, 2), (2, 1, 1)]
+    final_tokens, final_done = streamed[-1]
+    assert final_done.all()
+    for row, sentence in enumerate(got):  # the streamed batch keeps batch order while rows leave
+        toks = sentence[0]["tokens"].tolist()
+        assert final_tokens[row, 1:1 + len(toks)].tolist() == toks
+
+
 def test_one_host_sync_per_chunk_not_per_token():
     model = unigram_model(logits_with(w1=2.0, w2=1.0, eos=-30.0))  # </s> never chosen: every output is long
     length = 3 * device_decoding.CHUNK  # within the model's 64 positions
