@@ -151,7 +151,7 @@ class DeviceBeamSearch(DeviceLoop):
         buf.scores[:rows].scatter_(1, step.expand(rows, 1), torch.where(going_on, score, column).unsqueeze(1))
         buf.cum[:rows] = torch.where(going_on, score, buf.cum[:rows])
         # Static steps' caches: the live window, with fixed shapes; the dynamic caches know their live length.
-        self.g.model.reorder_incremental_state(b.states, order, window if b.graphed is not None else 0)
+        self.g.model.reorder_incremental_state(b.states, order, window if b.graphed is not None else None)
 
     def _finalize(self, b, buf: _BeamBuffers, rows: int):
         return self._store(b, buf.final_tokens[:rows], buf.final_scores[:rows], buf.end_step[:rows],

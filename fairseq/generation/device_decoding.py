@@ -8,7 +8,8 @@ prompt tokens), the choice of the next token, its cumulative score, whether the 
 of the next step. The host replays CHUNK steps, then reads one flag (is every sentence done?): one host sync per
 CHUNK tokens instead of one per token. Finished sentences stay in the batch (their rows write nothing more), so
 no step reorders a cache. The tokens are read once at the end, or after every chunk when the caller streams
-them (`on_tokens`).
+them (`on_tokens`). The loop itself (`DeviceLoop`: buffers, masks, chunks, graphs, the hypotheses stored at the
+end) also runs beam search, whose steps fairseq.generation.device_beam_search takes.
 
 Greedy results are the step-by-step loop's: the same operations on the same values (the candidates are the top
 two of log-probability plus cumulative score, as BeamSearch takes them; the hypotheses are stored by

@@ -530,10 +530,10 @@ class EnsembleModel(nn.Module):
                 m.decoder.reserve_incremental_state(state, max_length, max_batch)
         return states
 
-    def reorder_incremental_state(self, states: Optional[List[dict]], new_order: Tensor, window: int = 0) -> None:
+    def reorder_incremental_state(self, states: Optional[List[dict]], new_order: Tensor, window=None) -> None:
         """Row i of the caches continues row new_order[i] (`window`: only its first slots, see the decoder's)."""
         for m, state in zip(self.models, states or ()):
-            if window:
+            if window is not None:
                 m.decoder.reorder_incremental_state(state, new_order, window)
             else:
                 m.decoder.reorder_incremental_state_scripting(state, new_order)
