@@ -204,13 +204,11 @@ def test_device_beam_search_replays_whole_steps_without_a_host_sync_per_step(bat
                 torch.testing.assert_close(a["positional_scores"], b["positional_scores"], atol=1e-4, rtol=0)
     assert graphed._graphed.graphs and all(key[0] == "beam" for key in graphed._graphed.graphs)
 
-    with torch.no_grad():  # </s> never wins: every hypothesis runs to the length limit
-        model.decoder.output_projection.weight[d.eos()] = 0.0
-        model.decoder.output_projection.weight[d.eos(), 0] = -1e4
     prompts = torch.randint(4, len(d), (batch, 8), device="cuda")
     src = torch.cat([torch.full((batch, 1), d.eos(), device="cuda"), prompts], dim=1)
     sample = {"net_input": {"src_tokens": src, "src_lengths": src.ne(d.pad()).sum(1)}}
-    generators = [SequenceGenerator([model], d, beam_size=4, max_len_b=length, cuda_graphs=True)
+    # --min-len at the length limit: every hypothesis runs to it
+    generators = [SequenceGenerator([model], d, beam_size=4, max_len_b=length, min_len=length, cuda_graphs=True)
                   for length in (48, 48 + device_decoding.CHUNK)]
     for generator in generators:  # the first call captures the graphs
         generator.generate(None, sample, prefix_tokens=prompts)
