@@ -12,6 +12,7 @@ from fairseq.generation import cuda_graph_decoding, device_beam_search, device_d
 from fairseq.generation.sequence_generator import SequenceGenerator
 from fairseq.modules import CausalSelfAttention
 from test_device_decoding import MIXED, decode
+from test_fconv_lm import tiny as fconv_lm_tiny
 from test_sequence_generator import (ATOL, D, EOS, V, W, EagerStaticGenerator, GRUDecoder, PluginLM,
                                      StepwiseBeamSearch, assert_same_hypotheses, build, check_positional_scores,
                                      host_syncs, logits_with, reference_beam, unigram_model)
@@ -73,8 +74,8 @@ def test_ended_candidates_taken_as_hypotheses_are_ignored_as_the_loop_ignores_th
     assert any(ignored)
 
 
-@pytest.mark.parametrize("beam,options", [(2, {}), (3, dict(len_penalty=2.0, min_len=3)), (5, dict(unk_penalty=0.5)),
-                                          (3, dict(max_len_b=30, normalize_scores=False))])
+@pytest.mark.parametrize("options", OPTIONS + [dict(len_penalty=2.0, min_len=3, unk_penalty=0.5)])
+@pytest.mark.parametrize("beam", [2, 3, 5])
 def test_a_batch_gives_the_step_by_step_loops_tokens(beam, options):
     model = build(seed=4)
     stepwise, on_device = stepwise_and_on_device(model, beam, **options)
@@ -82,7 +83,25 @@ def test_a_batch_gives_the_step_by_step_loops_tokens(beam, options):
     # ~1e-6 apart); the tokens are equal.
     expected, got = decode(stepwise, MIXED), decode(on_device, MIXED)
     assert_same_hypotheses(got, expected)
-    assert len({max(len(h["tokens"]) for h in sentence) for sentence in expected}) > 1  # sentences end apart
+    ends = {max(len(h["tokens"]) for h in sentence) for sentence in expected}
+    assert len(ends) > 1 or options.get("max_len_b") == 3  # sentences end at different steps
+
+
+@pytest.mark.parametrize("models", ["ensemble", "fconv"])
+def test_an_ensemble_and_a_convolutional_decoder_give_the_step_by_step_loops_hypotheses(models):
+    # fconv_lm takes a prompt at once but has no static step: the dynamic path, with its own cache reorder.
+    models = [build(seed=7), build(seed=8)] if models == "ensemble" else [fconv_lm_tiny(seed=5, vocab=V)]
+    options = dict(beam_size=3, max_len_b=12)
+    stepwise = SequenceGenerator(models, D, device_loop=False, **options)
+    on_device = SequenceGenerator(models, D, **options)
+    assert device_beam_search.applies(on_device, 3)
+    for prompt in MIXED[:5]:
+        expected, got = decode(stepwise, [prompt])[0], decode(on_device, [prompt])[0]
+        assert len(got) == len(expected)
+        for a, b in zip(got, expected):
+            for key in ("tokens", "positional_scores", "score"):
+                assert torch.equal(a[key], b[key]), (prompt, key)
+    assert_same_hypotheses(decode(on_device, MIXED), decode(stepwise, MIXED))
 
 
 @pytest.mark.parametrize("beam", [2, 3, 5])
