@@ -22,10 +22,10 @@ What a graph runs is the generator's `step_fn(tokens [R, 1], slot [1], states, w
 (the ensemble's static steps, log-softmax in fp32 and the step-independent masks), so a replay gives the
 log-probabilities the eager path computes. Attention reads the cache's first `window` slots, the live length
 rounded up to ATTENTION_WINDOW (one graph per row count and window), not its whole capacity: a step's reads
-follow what is cached. fairseq.generation.device_decoding captures a whole decode step (the model, the
-selection of the next token and its bookkeeping) through `replay(key, fn)`, on the same caches and pool. With
-`capture=False` the same buffers and functions run eagerly: that is how the CPU tests exercise everything but
-the capture itself.
+follow what is cached. fairseq.generation.device_decoding (and device_beam_search) captures a whole decode
+step (the model, the selection of the next tokens, their bookkeeping, for beams the reorder of the caches)
+through `replay(key, fn)`, on the same caches and pool. With `capture=False` the same buffers and functions
+run eagerly: that is how the CPU tests exercise everything but the capture itself.
 
 Capture: a warm-up run on a side stream (the real step: a function that advances state, as the whole decode
 step does, runs once per call whether captured or replayed), then the capture on that stream, which records

@@ -9,7 +9,8 @@ of the next step. The host replays CHUNK steps, then reads which sentences are d
 tokens instead of one per token. A finished sentence's row writes nothing more; between chunks finished
 sentences are stored and leave the batch (their cache rows dropped in place) when that saves work: always when
 decoding eagerly, with graphs when the row count rounds down to a smaller graph. The tokens are read once at
-the end, or after every chunk when the caller streams them (`on_tokens`).
+the end, or after every chunk when the caller streams them (`on_tokens`). The loop itself (`DeviceLoop`: buffers, masks, chunks, graphs, the hypotheses stored at the
+end) also runs beam search, whose steps fairseq.generation.device_beam_search takes.
 
 Greedy results are the step-by-step loop's: the same operations on the same values (the candidates are the top
 two of log-probability plus cumulative score, as BeamSearch takes them; the hypotheses are stored by
@@ -90,12 +91,27 @@ class _Buffers:
         self.rows, self.capacity = rows, capacity
 
 
-class DeviceDecodeLoop:
-    """The decode loop of one SequenceGenerator (see the module doc)."""
+class DeviceLoop:
+    """What the device loops share (greedy search and sampling here, beam search in
+    fairseq.generation.device_beam_search): the buffers, the masks, the loop of whole steps (captured on CUDA
+    under the key `name`), one host sync per chunk, and the hypotheses stored at the end. A subclass chooses
+    each step's tokens (`_choose`)."""
+
+    name = "loop"  # the key of its graphs and buffers in the graph runner (a generator has one loop: one beam)
+    drops_finished = False  # whether finished sentences leave the batch between chunks (`_drop_finished`)
 
     def __init__(self, generator):
         self.g = generator
         self._eager_buffers: Optional[_Buffers] = None
+
+    def _new_buffers(self, rows: int, capacity: int, device: torch.device) -> _Buffers:
+        return _Buffers(rows, capacity, self.g.vocab_size, device)
+
+    def _choose(self, lp: Tensor, buf: _Buffers, rows: int, b, window: int, first: bool) -> None:
+        """Take the step at `buf.slot` for rows [:rows] given their masked log-probabilities, and move to the
+        next slot. `b`: the batch (its caches); `window`: the cache slots live after this step's model call;
+        `first`: whether it is step 0 (known on the host: never true inside a captured graph)."""
+        raise NotImplementedError
 
     # ---- one step, all on the device ----------------------------------------------------------------------
     def _constrain(self, lp: Tensor, buf: _Buffers, rows: int) -> Tensor:
@@ -110,9 +126,143 @@ class DeviceDecodeLoop:
         only_forced = torch.full_like(lp, -math.inf).scatter_(1, forced, forced_lp)
         return torch.where(forced.ne(g.pad), only_forced, lp)
 
-    def _choose(self, lp: Tensor, buf: _Buffers, rows: int) -> None:
-        """Take the step at `buf.slot` for rows [:rows] given their masked log-probabilities, and move to the
-        next slot."""
+    # ---- the loop -----------------------------------------------------------------------------------------
+    def _buffers(self, b, rows: int) -> _Buffers:
+        graphed = b.graphed
+        if graphed is not None:  # with the graphs' caches, at their size: the graphs read these addresses
+            buf = graphed.extra.get(self.name)
+            if buf is None:
+                buf = graphed.extra[self.name] = self._new_buffers(graphed.rows, graphed.capacity, b.device)
+            return buf
+        buf = self._eager_buffers
+        if buf is None or buf.rows < rows or buf.capacity < b.max_len + 1 or buf.tokens.device != b.device:
+            buf = self._eager_buffers = self._new_buffers(rows, b.max_len + 1, b.device)
+        return buf
+
+    def _start(self, b, sample: dict, rows: int, graph_rows: int) -> _Buffers:
+        g, buf = self.g, self._buffers(b, graph_rows)
+        width = b.tokens.size(1)
+        buf.tokens[:graph_rows].fill_(g.pad)
+        buf.tokens[:rows, :width] = b.tokens
+        buf.scores[:rows, :width - 1] = b.scores
+        buf.forced[:graph_rows].fill_(g.pad)
+        if b.forced_rows is not None:
+            buf.forced[:rows, :b.forced_rows.size(1)] = b.forced_rows
+        buf.done[:graph_rows] = True
+        buf.done[:rows] = False
+        buf.end_step[:graph_rows] = -1
+        buf.cum[:graph_rows] = 0.0
+        if b.start > 0:
+            buf.cum[:rows] = b.scores[:, b.start - 1]
+        buf.slot.fill_(b.start)
+        buf.limits.copy_(torch.tensor([g.min_len, b.max_len]))
+        if isinstance(g.search, search.Sampling):
+            ids = sample.get("id")
+            ids = torch.arange(rows, device=b.device) if ids is None else ids.to(b.device)
+            seed = g.search.seed if g.search.seed is not None else torch.initial_seed()
+            buf.keys[:rows] = sentence_keys(seed, ids)
+        return buf
+
+    def decode(self, b, lprobs: Tensor, sample: dict,
+               on_tokens: Optional[Callable[[Tensor, Tensor], None]] = None) -> List[List[dict]]:
+        """Decode the batch `b` set up by SequenceGenerator._begin (prompts fed, `lprobs` the log-probabilities
+        of step b.start); returns each sentence's hypotheses as the step-by-step loop stores them, best first.
+        `on_tokens(tokens, done)`: called after every chunk with the tokens so far [B, T] (host, the begin-of-
+        sentence token first, <pad> after a sentence's end) and which sentences are done [B] (beam 1)."""
+        beam, max_len = self.g.beam_size, b.max_len
+        rows = b.bsz * beam
+        graph_rows = beam * round_up_sentences(b.bsz) if b.graphed is not None else rows
+        buf = self._start(b, sample, rows, graph_rows)
+        shown = None if on_tokens is None else _StreamedBatch(b.bsz, max_len + 2, self.g.pad)
+        # step b.start, from the prompt's forward
+        self._choose(lprobs, buf, rows, b, self._window(b, b.start), b.start == 0)
+        step = b.start + 1
+        while step <= max_len:
+            for _ in range(min(CHUNK, max_len + 1 - step)):
+                self._step(b, buf, step, rows, graph_rows)
+                step += 1
+            done = buf.done[:rows].to("cpu", copy=True)  # the host sync of this chunk
+            if shown is not None:
+                on_tokens(*shown.update(b.sent_of_row, buf.tokens[:rows, :step + 1], done))
+            if bool(done.all()):
+                break
+            if self.drops_finished and bool(done.any()):
+                rows, graph_rows = self._drop_finished(b, buf, rows, graph_rows, done, step)
+        self._set_length(b, step)
+        return self._finalize(b, buf, rows)
+
+    @staticmethod
+    def _set_length(b, length: int) -> None:
+        """Say how many tokens the caches hold (static steps leave the plain-int lengths alone)."""
+        if b.graphed is not None:
+            b.graphed.set_length(length)
+
+    def _drop_finished(self, b, buf: _Buffers, rows: int, graph_rows: int, done: Tensor,
+                       step: int) -> Tuple[int, int]:
+        """Store the sentences that are done (one row each) and take them out of the batch, as the step-by-step
+        loop drops them but once per chunk, when that saves work: always when decoding eagerly, with graphs when
+        the row count rounds down. Returns the new (rows, graph rows)."""
+        live = (~done).nonzero().squeeze(1)
+        new_rows = live.numel()
+        new_graph_rows = round_up_sentences(new_rows) if b.graphed is not None else new_rows
+        if new_graph_rows == graph_rows:
+            return rows, graph_rows
+        ended = buf.end_step[:rows].masked_fill(~done.to(buf.done.device), -1)
+        self._store(b, buf.tokens[:rows], buf.scores[:rows], ended, 1)
+        keep = live.to(buf.tokens.device)
+        for tensor in (buf.tokens, buf.scores, buf.forced, buf.cum, buf.done, buf.end_step, buf.keys):
+            tensor[:new_rows] = tensor[:rows].index_select(0, keep)
+        buf.done[new_rows:graph_rows] = True  # rows past the live ones write nothing
+        b.sent_of_row = [b.sent_of_row[i] for i in live.tolist()]
+        b.src_lengths = b.src_lengths.index_select(0, keep)
+        self._set_length(b, step)
+        self.g.model.reorder_incremental_state(b.states, keep)  # in place: the graphs' addresses stay
+        return new_rows, new_graph_rows
+
+    @staticmethod
+    def _window(b, step: int) -> int:
+        """The cache slots live after the model call of `step`: what a static step attends over (the live
+        length rounded up, one graph per window), the live length itself on the dynamic path."""
+        return step + 1 if b.graphed is None else attention_window(step, b.graphed.capacity)
+
+    def _step(self, b, buf: _Buffers, step: int, rows: int, graph_rows: int) -> None:
+        """Step `step` (the host's count; buf.slot holds the same on the device)."""
+        g, graphed, window = self.g, b.graphed, self._window(b, step)
+        if graphed is None:  # eager: the dynamic cached forward (what the step-by-step loop runs)
+            self._choose(g._next_log_probs(buf.tokens[:rows], step, b.states, None), buf, rows, b, window, False)
+            return
+
+        def whole_step():
+            tokens = buf.tokens[:graph_rows].index_select(1, buf.slot)
+            lp = g._static_step(tokens, buf.slot, graphed.states, window)
+            self._choose(lp, buf, graph_rows, b, window, False)
+
+        graphed.replay((self.name, graph_rows, window), whole_step)
+
+    def _finalize(self, b, buf: _Buffers, rows: int) -> List[List[dict]]:
+        return self._store(b, buf.tokens[:rows], buf.scores[:rows], buf.end_step[:rows], 1)
+
+    def _store(self, b, tokens: Tensor, scores: Tensor, end_steps: Tensor, beam: int) -> List[List[dict]]:
+        """Store the ended hypotheses (row r of `tokens` / `scores` laid out as SequenceGenerator's, its last
+        column the </s> score, ended at `end_steps[r]`, -1: none; row r // beam is its sentence, rows in the
+        order the step-by-step loop stores them) through the generator's own _finalize_hypos (one call per end
+        step), best first."""
+        g = self.g
+        for step in sorted(set(end_steps.tolist()) - {-1}):
+            rows_ending = end_steps.eq(step).nonzero().squeeze(1)
+            g._finalize_hypos(step, rows_ending, scores[:, step].index_select(0, rows_ending), tokens, scores,
+                              b.finalized, b.finalized_scores, b.finished, b.sent_of_row, beam, b.src_lengths,
+                              b.max_len)
+        return g._best_first(b)
+
+
+class DeviceDecodeLoop(DeviceLoop):
+    """Greedy search and sampling at beam 1 (see the module doc)."""
+
+    drops_finished = True  # one row per sentence: a finished one leaves with its row
+
+    def _choose(self, lp: Tensor, buf: _Buffers, rows: int, b, window: int, first: bool) -> None:
+        # One hypothesis per sentence: no cache rows to reorder, and step 0 is like any other.
         g, step = self.g, buf.slot
         lp = self._constrain(lp, buf, rows)
         cum = buf.cum[:rows]
@@ -147,126 +297,9 @@ class DeviceDecodeLoop:
         drawn = (candidates + gumbel_noise(keys, step, ids)).argmax(dim=1, keepdim=True)
         return ids.gather(1, drawn).squeeze(1)
 
-    # ---- the loop -----------------------------------------------------------------------------------------
-    def _buffers(self, b, rows: int) -> _Buffers:
-        graphed = b.graphed
-        if graphed is not None:  # with the graphs' caches, at their size: the graphs read these addresses
-            buf = graphed.extra.get("loop")
-            if buf is None:
-                buf = graphed.extra["loop"] = _Buffers(graphed.rows, graphed.capacity, self.g.vocab_size, b.device)
-            return buf
-        buf = self._eager_buffers
-        if buf is None or buf.rows < rows or buf.capacity < b.max_len + 1 or buf.tokens.device != b.device:
-            buf = self._eager_buffers = _Buffers(rows, b.max_len + 1, self.g.vocab_size, b.device)
-        return buf
-
-    def _start(self, b, sample: dict, rows: int, graph_rows: int) -> _Buffers:
-        g, buf = self.g, self._buffers(b, graph_rows)
-        width = b.tokens.size(1)
-        buf.tokens[:graph_rows].fill_(g.pad)
-        buf.tokens[:rows, :width] = b.tokens
-        buf.scores[:rows, :width - 1] = b.scores
-        buf.forced[:graph_rows].fill_(g.pad)
-        if b.prefix is not None:
-            buf.forced[:rows, :b.prefix.size(1)] = b.prefix
-        buf.done[:graph_rows] = True
-        buf.done[:rows] = False
-        buf.end_step[:graph_rows] = -1
-        buf.cum[:graph_rows] = 0.0
-        if b.start > 0:
-            buf.cum[:rows] = b.scores[:, b.start - 1]
-        buf.slot.fill_(b.start)
-        buf.limits.copy_(torch.tensor([g.min_len, b.max_len]))
-        if isinstance(g.search, search.Sampling):
-            ids = sample.get("id")
-            ids = torch.arange(rows, device=b.device) if ids is None else ids.to(b.device)
-            seed = g.search.seed if g.search.seed is not None else torch.initial_seed()
-            buf.keys[:rows] = sentence_keys(seed, ids)
-        return buf
-
-    def decode(self, b, lprobs: Tensor, sample: dict,
-               on_tokens: Optional[Callable[[Tensor, Tensor], None]] = None) -> List[List[dict]]:
-        """Decode the batch `b` set up by SequenceGenerator._begin (prompts fed, `lprobs` the log-probabilities
-        of step b.start); returns each sentence's hypothesis as the step-by-step loop stores it.
-        `on_tokens(tokens, done)`: called after every chunk with the tokens so far [B, T] (host, batch order, the
-        begin-of-sentence token first, <pad> after a sentence's end) and which sentences are done [B]."""
-        rows, max_len = b.bsz, b.max_len
-        graph_rows = round_up_sentences(rows) if b.graphed is not None else rows
-        buf = self._start(b, sample, rows, graph_rows)
-        shown = None if on_tokens is None else _StreamedBatch(b.bsz, max_len + 2, self.g.pad)
-        self._choose(lprobs, buf, rows)  # step b.start, from the prompt's forward
-        step = b.start + 1
-        while step <= max_len:
-            for _ in range(min(CHUNK, max_len + 1 - step)):
-                self._step(b, buf, step, rows, graph_rows)
-                step += 1
-            done = buf.done[:rows].to("cpu", copy=True)  # the host sync of this chunk
-            if shown is not None:
-                on_tokens(*shown.update(b.sent_of_row, buf.tokens[:rows, :step + 1], done))
-            if bool(done.all()):
-                break
-            if bool(done.any()) and step <= max_len:
-                rows, graph_rows = self._drop_finished(b, buf, rows, graph_rows, done, step)
-        self._set_length(b, step)
-        self._finalize(b, buf, rows, torch.arange(rows))
-        return b.finalized
-
-    def _set_length(self, b, length: int) -> None:
-        """Say how many tokens the caches hold (static steps leave the plain-int lengths alone)."""
-        if b.graphed is not None:
-            b.graphed.set_length(length)
-
-    def _drop_finished(self, b, buf: _Buffers, rows: int, graph_rows: int, done: Tensor,
-                       step: int) -> Tuple[int, int]:
-        """Store the sentences that are done and take them out of the batch (as the step-by-step loop drops
-        them, but once per chunk) when that saves work: always when decoding eagerly, with graphs when the
-        row count rounds down. Returns the new (rows, graph rows)."""
-        live = (~done).nonzero().squeeze(1)
-        new_rows = live.numel()
-        new_graph_rows = round_up_sentences(new_rows) if b.graphed is not None else new_rows
-        if new_graph_rows == graph_rows:
-            return rows, graph_rows
-        self._finalize(b, buf, rows, done.nonzero().squeeze(1))
-        keep = live.to(buf.tokens.device)
-        for tensor in (buf.tokens, buf.scores, buf.forced, buf.cum, buf.done, buf.end_step, buf.keys):
-            tensor[:new_rows] = tensor[:rows].index_select(0, keep)
-        buf.done[new_rows:graph_rows] = True  # rows past the live ones write nothing
-        b.sent_of_row = [b.sent_of_row[i] for i in live.tolist()]
-        b.src_lengths = b.src_lengths.index_select(0, keep)
-        self._set_length(b, step)
-        self.g.model.reorder_incremental_state(b.states, keep)  # in place: the graphs' addresses stay
-        return new_rows, new_graph_rows
-
-    def _step(self, b, buf: _Buffers, step: int, rows: int, graph_rows: int) -> None:
-        """Step `step` (the host's count; buf.slot holds the same on the device)."""
-        g = self.g
-        graphed = b.graphed
-        if graphed is None:  # eager: the dynamic cached forward (what the step-by-step loop runs)
-            self._choose(g._next_log_probs(buf.tokens[:rows], step, b.states, None), buf, rows)
-            return
-        window = attention_window(step, graphed.capacity)
-
-        def whole_step():
-            tokens = buf.tokens[:graph_rows].index_select(1, buf.slot)
-            self._choose(g._static_step(tokens, buf.slot, graphed.states, window), buf, graph_rows)
-
-        graphed.replay(("loop", graph_rows, window), whole_step)
-
-    def _finalize(self, b, buf: _Buffers, rows: int, which: Tensor) -> None:
-        """Store the ended hypotheses of rows `which` (host indices among the first `rows`) through the
-        generator's own _finalize_hypos, one call per end step."""
-        width = b.tokens.size(1)
-        tokens, scores = buf.tokens[:rows, :width], buf.scores[:rows, :width - 1]
-        end_steps = buf.end_step[:rows].to("cpu")[which]
-        for step in sorted(set(end_steps.tolist()) - {-1}):
-            rows_ending = which[end_steps.eq(step)].to(tokens.device)
-            self.g._finalize_hypos(step, rows_ending, scores[:, step].index_select(0, rows_ending), tokens, scores,
-                                   b.finalized, b.finalized_scores, b.finished, b.sent_of_row, 1, b.src_lengths,
-                                   b.max_len)
-
 
 class _StreamedBatch:
-    """The host's copy of a streamed batch, in batch order: rows leave the device batch as they finish."""
+    """The host's copy of a streamed batch (beam 1), in batch order: rows leave the device batch as they finish."""
 
     def __init__(self, sentences: int, width: int, pad: int):
         self.tokens = torch.full((sentences, width), pad, dtype=torch.long)

@@ -16,16 +16,15 @@ input holds real tokens only, and a prompt's continuation does not depend on the
 
 What is done faster than upstream, with the same results: the decoders' KV caches are allocated once (see
 TransformerDecoder.reserve_incremental_state); with decoders of this fork (those that have
-`reserve_incremental_state`) the first tokens of the prompts, as many as every row has, are fed in one
-forward of one row per sentence, the beams copied from it after; later steps feed one token per hypothesis.
-Upstream-style plug-in decoders (`FairseqIncrementalDecoder` computing one token per call, or no cache at
-all) are fed one token per step from the start. On CUDA, the one-token steps of this fork's decoders are
-replayed from CUDA graphs (fairseq.generation.cuda_graph_decoding; `cuda_graphs=False`, --no-cuda-graphs, turns that
-off), with the same results. Per step there is one host sync (is any hypothesis done?), none while </s> is
-masked for every hypothesis (--min-len). Two deliberate differences: --min-len and --no-repeat-ngram-size
-also apply to rows whose prompt ended while others are still forced (upstream skips --min-len for the whole
-batch during any prompt), and a forced prompt token is never blocked by --no-repeat-ngram-size (upstream
-blocks it, which kills the hypothesis).
+`reserve_incremental_state`) the prompts' first tokens, as many as every row has, are fed in one forward of
+one row per sentence, the beams copied from it after, and the steps after run on the device (greedy, sampling:
+fairseq.generation.device_decoding; beam search: device_beam_search; a host sync per 16 steps, one graph a step).
+The step-by-step loop here (a host sync per step) serves the other cases: upstream-style plug-in decoders (fed
+one token per step from the start), --no-repeat-ngram-size, --match-source-len, other searches; on CUDA its
+one-token steps are replayed from CUDA graphs (fairseq.generation.cuda_graph_decoding; --no-cuda-graphs,
+`cuda_graphs=False`, turns that off). Two deliberate differences: --min-len and --no-repeat-ngram-size also
+apply to rows whose prompt ended while others are still forced (upstream skips --min-len for the whole batch
+during any prompt); a forced prompt token is never blocked by --no-repeat-ngram-size (upstream's blocking kills it).
 """
 
 import logging
@@ -37,7 +36,7 @@ import torch
 import torch.nn as nn
 from torch import Tensor
 
-from fairseq.generation import device_decoding, search
+from fairseq.generation import device_beam_search, device_decoding, search
 from fairseq.generation.cuda_graph_decoding import GraphedDecodeStep
 from fairseq.modules.fairseq_incremental_decoder import FairseqIncrementalDecoder
 
@@ -59,9 +58,9 @@ class SequenceGenerator(nn.Module):
         `src_tokens`, the prompt included, as upstream counts it. `cuda_graphs`: replay the one-token steps
         from CUDA graphs where possible (CUDA, this fork's decoders, no dropout); the graphs and the KV caches
         they read are kept for the next call while the batch and length fit. `device_loop`: decode greedy
-        search and sampling at beam 1 with fairseq.generation.device_decoding (no host sync per token; the
-        same greedy results; sampling draws that depend on the seed and the sentence only); False keeps the
-        step-by-step loop (sampling then draws from torch's RNG, as upstream)."""
+        search and sampling at beam 1 (fairseq.generation.device_decoding) and beam search (device_beam_search)
+        on the device (no host sync per token; the same search results; sampling draws that depend on the seed
+        and the sentence only); False keeps the step-by-step loop (sampling draws from torch's RNG, as upstream)."""
         super().__init__()
         self.model = models if isinstance(models, EnsembleModel) else EnsembleModel(models)
         self.tgt_dict = tgt_dict
@@ -96,7 +95,8 @@ class SequenceGenerator(nn.Module):
         self.cuda_graphs = cuda_graphs
         self._graphed: Optional[GraphedDecodeStep] = None
         self.device_loop = device_loop
-        self._device_loop = device_decoding.DeviceDecodeLoop(self)
+        loop = device_beam_search.DeviceBeamSearch if self.beam_size > 1 else device_decoding.DeviceDecodeLoop
+        self._device_loop = loop(self)
         self.model.eval()
 
     def cuda(self):
@@ -299,10 +299,10 @@ class SequenceGenerator(nn.Module):
                   on_tokens=None) -> List[List[Dict[str, Tensor]]]:
         """Decode one batch: the set-up and prefill, then per step the candidates, the hypotheses that end, the
         sentences that leave the batch and the hypotheses extended; each sentence's hypotheses best first.
-        Greedy search and sampling at beam 1 run on the device instead (fairseq.generation.device_decoding)."""
+        Greedy search, sampling at beam 1 and beam search run on the device instead (device_decoding, ...)."""
         b, lprobs = self._begin(sample, prefix_tokens, bos_token)
         beam, max_len = self.beam_size, b.max_len
-        if lprobs is not None and device_decoding.applies(self, beam):
+        if lprobs is not None and (device_decoding.applies(self, beam) or device_beam_search.applies(self, beam)):
             return self._device_loop.decode(b, lprobs, sample, on_tokens)
         for step in range(b.start, max_len + 1):  # the last step only adds </s>
             if lprobs is None:
@@ -322,8 +322,12 @@ class SequenceGenerator(nn.Module):
                 eos_mask, cand_beams = eos_mask[batch_idxs], cand_beams[batch_idxs]
                 cand_scores, cand_indices = cand_scores[batch_idxs], cand_indices[batch_idxs]
             self._extend(b, step, eos_mask, any_top_eos, cand_scores, cand_indices, cand_beams, batch_idxs)
+        return self._best_first(b)
 
-        for sent in range(len(b.finalized)):  # each sentence's hypotheses, best first
+    @staticmethod
+    def _best_first(b: "_Beams") -> List[List[Dict[str, Tensor]]]:
+        """Each sentence's hypotheses, best first (a stable sort: equal scores keep the order they ended in)."""
+        for sent in range(len(b.finalized)):
             ranked = sorted(range(len(b.finalized[sent])), key=lambda i: b.finalized_scores[sent][i], reverse=True)
             b.finalized[sent] = [b.finalized[sent][i] for i in ranked]
         return b.finalized
@@ -526,9 +530,12 @@ class EnsembleModel(nn.Module):
                 m.decoder.reserve_incremental_state(state, max_length, max_batch)
         return states
 
-    def reorder_incremental_state(self, states: Optional[List[dict]], new_order: Tensor) -> None:
-        if states is not None:
-            for m, state in zip(self.models, states):
+    def reorder_incremental_state(self, states: Optional[List[dict]], new_order: Tensor, window=None) -> None:
+        """Row i of the caches continues row new_order[i] (`window`: only its first slots, see the decoder's)."""
+        for m, state in zip(self.models, states or ()):
+            if window is not None:
+                m.decoder.reorder_incremental_state(state, new_order, window)
+            else:
                 m.decoder.reorder_incremental_state_scripting(state, new_order)
 
     @staticmethod

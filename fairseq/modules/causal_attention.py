@@ -214,15 +214,23 @@ class CausalSelfAttention(FairseqIncrementalState, AttentionProjections):
         """Say that `length` tokens are cached: after static steps, or 0 to reuse the buffers for new text."""
         self._cache_entry(incremental_state)["length"] = length
 
-    def reorder_incremental_state(self, incremental_state: IncrementalState, new_order: torch.Tensor):
+    def reorder_incremental_state(self, incremental_state: IncrementalState, new_order: torch.Tensor,
+                                  window: Optional[int] = None):
         """Row i of the cache continues row `new_order[i]` (beams reordered, finished sentences dropped).
 
-        Done in place in the allocated buffers: only the filled part is copied."""
+        Done in place in the allocated buffers: only the filled part is copied, or with `window` the first
+        `window` slots, whatever the plain-int length says: static steps do not keep it, and a reorder of fixed
+        shapes that reads no length (a device decode step, captured in a CUDA graph) copies the slots their
+        caller knows to be live (the live length rounded up), not the whole capacity."""
         entry = self.get_incremental_state(incremental_state, _CACHE_KEY)
         if entry is None or entry["key_buffer"] is None:
             return incremental_state
-        rows, filled = new_order.numel(), entry["length"]
-        self._ensure_capacity(entry, rows, filled, entry["key_buffer"])
+        rows = new_order.numel()
+        if window is None:
+            filled = entry["length"]
+            self._ensure_capacity(entry, rows, filled, entry["key_buffer"])
+        else:
+            filled = min(window, entry["key_buffer"].size(2))
         for name in ("key_buffer", "value_buffer"):
             buffer = entry[name]
             buffer[:rows, :, :filled] = buffer[:, :, :filled].index_select(0, new_order)

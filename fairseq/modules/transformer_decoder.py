@@ -329,10 +329,14 @@ class TransformerDecoder(FairseqIncrementalDecoder):
         for attention in entry["attentions"]:
             attention.set_incremental_length(incremental_state, length)
 
-    def reorder_incremental_state(self, incremental_state: IncrementalState, new_order: torch.Tensor) -> None:
-        """Row i of every cache continues row `new_order[i]` (a LongTensor on the model's device)."""
+    def reorder_incremental_state(self, incremental_state: IncrementalState, new_order: torch.Tensor,
+                                  window: Optional[int] = None) -> None:
+        """Row i of every cache continues row `new_order[i]` (a LongTensor on the model's device); with `window`,
+        over the caches' first `window` slots, with static shapes and no length read (after static steps)."""
+        # Upstream's two-argument call where no window is asked for: subclasses may override it so.
+        extra = () if window is None else (window,)
         for attention in self._decoder_entry(incremental_state)["attentions"]:
-            attention.reorder_incremental_state(incremental_state, new_order)
+            attention.reorder_incremental_state(incremental_state, new_order, *extra)
 
     def reorder_incremental_state_scripting(self, incremental_state: IncrementalState,
                                             new_order: torch.Tensor) -> None:

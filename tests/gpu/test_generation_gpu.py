@@ -185,3 +185,34 @@ def test_the_device_loop_replays_whole_steps_without_a_host_sync_per_token(sampl
             "src_tokens": src[2:3], "src_lengths": sample["net_input"]["src_lengths"][2:3]}},
             prefix_tokens=prompts[2:3])
         assert together[2][0]["tokens"].tolist() == alone[0][0]["tokens"].tolist()
+
+
+# ---- beam search on the device (fairseq.generation.device_beam_search): one captured graph per step -----------
+
+@pytest.mark.parametrize("batch", [1, 4])
+def test_device_beam_search_replays_whole_steps_without_a_host_sync_per_step(batch):
+    from fairseq.generation import device_beam_search, device_decoding
+
+    d = dictionary()
+    model = eos_prone(build(d, "cuda", torch.float32), d)  # hypotheses end at different steps
+    results, (graphed, eager) = graphed_and_eager("cuda", [model], d, batch, 4)
+    assert device_beam_search.applies(graphed, 4) and graphed._graphed is not None and eager._graphed is None
+    for got, expected in zip(results[::2], results[1::2]):
+        assert [[h["tokens"].tolist() for h in s] for s in got] == [[h["tokens"].tolist() for h in s] for s in expected]
+        for got_sentence, expected_sentence in zip(got, expected):
+            for a, b in zip(got_sentence, expected_sentence):
+                torch.testing.assert_close(a["positional_scores"], b["positional_scores"], atol=1e-4, rtol=0)
+    assert graphed._graphed.graphs and all(key[0] == "beam" for key in graphed._graphed.graphs)
+
+    prompts = torch.randint(4, len(d), (batch, 8), device="cuda")
+    src = torch.cat([torch.full((batch, 1), d.eos(), device="cuda"), prompts], dim=1)
+    sample = {"net_input": {"src_tokens": src, "src_lengths": src.ne(d.pad()).sum(1)}}
+    # --min-len at the length limit: every hypothesis runs to it
+    generators = [SequenceGenerator([model], d, beam_size=4, max_len_b=length, min_len=length, cuda_graphs=True)
+                  for length in (48, 48 + device_decoding.CHUNK)]
+    for generator in generators:  # the first call captures the graphs
+        generator.generate(None, sample, prefix_tokens=prompts)
+    syncs = [host_syncs_of(lambda: g.generate(None, sample, prefix_tokens=prompts)) for g in generators]
+    steps = 48 - 8  # after the prompt, fed at once
+    assert syncs[0] <= -(-steps // device_decoding.CHUNK) + 6, syncs
+    assert syncs[1] - syncs[0] == 1, syncs  # one more per CHUNK steps

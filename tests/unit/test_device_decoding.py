@@ -197,7 +197,8 @@ def test_gumbel_noise_is_a_function_of_key_step_and_token():
     assert abs(float(uniform.mean()) - 0.5) < 0.01 and abs(float(uniform.var()) - 1 / 12) < 0.005
 
 
-def test_beam_search_and_sampling_with_several_beams_keep_the_step_by_step_loop():
+def test_sampling_with_several_beams_keeps_the_step_by_step_loop():
+    # (beam search with several beams decodes on the device too: tests/unit/test_device_beam_search.py)
     generator = sampler(beam=2)
     assert not device_decoding.applies(generator, 2)
     assert not device_decoding.applies(SequenceGenerator([build()], D, no_repeat_ngram_size=2), 1)

@@ -504,11 +504,13 @@ def host_syncs(generator, prompts):
 
 
 def test_one_host_sync_per_step_and_none_while_eos_is_masked():
+    """The step-by-step loop's (beam search runs on the device otherwise: tests/unit/test_device_beam_search.py)."""
     model = unigram_model(logits_with(w3=4.0, eos=-10.0))  # never ends before the length limit
     prompts = [[W[1]], [W[2], W[3]]]
 
     def syncs(max_len, min_len):
-        return host_syncs(SequenceGenerator([model], D, beam_size=2, max_len_b=max_len, min_len=min_len), prompts)
+        return host_syncs(SequenceGenerator([model], D, beam_size=2, max_len_b=max_len, min_len=min_len,
+                                            device_loop=False), prompts)
 
     assert syncs(16, 1) - syncs(8, 1) == 8
     assert syncs(16, 16) == syncs(8, 8)
