@@ -19,10 +19,11 @@ on the device and, on CUDA, inside one captured graph (the key `name`, per row c
   histories and the KV caches follow the chosen parent rows, over the live window only;
 - the slot of the next step.
 
-Sentences that are done stay in the batch: their rows compute, but write nothing (no row is dropped, so the
-shapes and the cache addresses a graph reads never change). The host replays CHUNK steps, then reads one flag
-(is every sentence done?). At the end the finalized hypotheses go through SequenceGenerator._finalize_hypos, in
-the order the step-by-step loop would have stored them, and are ranked best first as it ranks them.
+Sentences that are done write nothing more. The host replays CHUNK steps, then reads which sentences are done;
+those are stored and leave the batch (their rows and cache rows dropped in place, as DeviceLoop does at beam 1)
+when that saves work: always when decoding eagerly, with graphs when the sentence count rounds down to a
+smaller graph. Stored hypotheses go through SequenceGenerator._finalize_hypos, in the order the step-by-step
+loop would have stored them, and are ranked best first as it ranks them.
 
 The results are the step-by-step loop's: the same operations on the same values (for a one-sentence batch the
 tokens, scores and positional scores are equal, not close). In a batch of several sentences the step-by-step
@@ -153,6 +154,14 @@ class DeviceBeamSearch(DeviceLoop):
         # Static steps' caches: the live window, with fixed shapes; the dynamic caches know their live length.
         self.g.model.reorder_incremental_state(b.states, order, window if b.graphed is not None else None)
 
-    def _finalize(self, b, buf: _BeamBuffers, rows: int):
-        return self._store(b, buf.final_tokens[:rows], buf.final_scores[:rows], buf.end_step[:rows],
-                           self.g.beam_size)
+    @staticmethod
+    def _row_buffers(buf: _BeamBuffers):
+        return DeviceLoop._row_buffers(buf) + (buf.final_tokens, buf.final_scores)
+
+    @staticmethod
+    def _sentence_buffers(buf: _BeamBuffers):
+        return buf.ignore, buf.count
+
+    @staticmethod
+    def _hypotheses(buf: _BeamBuffers, rows: int):
+        return buf.final_tokens[:rows], buf.final_scores[:rows]

@@ -98,7 +98,6 @@ class DeviceLoop:
     each step's tokens (`_choose`)."""
 
     name = "loop"  # the key of its graphs and buffers in the graph runner (a generator has one loop: one beam)
-    drops_finished = False  # whether finished sentences leave the batch between chunks (`_drop_finished`)
 
     def __init__(self, generator):
         self.g = generator
@@ -181,13 +180,13 @@ class DeviceLoop:
             for _ in range(min(CHUNK, max_len + 1 - step)):
                 self._step(b, buf, step, rows, graph_rows)
                 step += 1
-            done = buf.done[:rows].to("cpu", copy=True)  # the host sync of this chunk
+            finished = int(buf.done[:rows].sum())  # the host sync of this chunk
             if shown is not None:
-                on_tokens(*shown.update(b.sent_of_row, buf.tokens[:rows, :step + 1], done))
-            if bool(done.all()):
+                on_tokens(*shown.update(b.sent_of_row, buf.tokens[:rows, :step + 1], buf.done[:rows]))
+            if finished == rows:
                 break
-            if self.drops_finished and bool(done.any()):
-                rows, graph_rows = self._drop_finished(b, buf, rows, graph_rows, done, step)
+            if finished:
+                rows, graph_rows = self._drop_finished(b, buf, rows, graph_rows, finished, step)
         self._set_length(b, step)
         return self._finalize(b, buf, rows)
 
@@ -197,27 +196,47 @@ class DeviceLoop:
         if b.graphed is not None:
             b.graphed.set_length(length)
 
-    def _drop_finished(self, b, buf: _Buffers, rows: int, graph_rows: int, done: Tensor,
+    def _drop_finished(self, b, buf: _Buffers, rows: int, graph_rows: int, finished: int,
                        step: int) -> Tuple[int, int]:
-        """Store the sentences that are done (one row each) and take them out of the batch, as the step-by-step
-        loop drops them but once per chunk, when that saves work: always when decoding eagerly, with graphs when
-        the row count rounds down. Returns the new (rows, graph rows)."""
-        live = (~done).nonzero().squeeze(1)
-        new_rows = live.numel()
-        new_graph_rows = round_up_sentences(new_rows) if b.graphed is not None else new_rows
+        """Store the sentences that are done (`finished` rows) and take them (their `beam` rows) out of the
+        batch, as the step-by-step loop drops them but once per chunk, when that saves work: always when
+        decoding eagerly, with graphs when the row count rounds down. Returns the new (rows, graph rows)."""
+        beam = self.g.beam_size
+        new_rows = rows - finished
+        new_graph_rows = beam * round_up_sentences(new_rows // beam) if b.graphed is not None else new_rows
         if new_graph_rows == graph_rows:
             return rows, graph_rows
-        ended = buf.end_step[:rows].masked_fill(~done.to(buf.done.device), -1)
-        self._store(b, buf.tokens[:rows], buf.scores[:rows], ended, 1)
-        keep = live.to(buf.tokens.device)
-        for tensor in (buf.tokens, buf.scores, buf.forced, buf.cum, buf.done, buf.end_step, buf.keys):
+        device = buf.tokens.device
+        done = buf.done[:rows].to("cpu")
+        live = (~done.view(-1, beam)[:, 0]).nonzero().squeeze(1)  # the sentences going on
+        ended = buf.end_step[:rows].masked_fill(~done.to(device), -1)
+        self._store(b, *self._hypotheses(buf, rows), ended, beam)
+        sentences, keep = live.to(device), (live.unsqueeze(1) * beam + torch.arange(beam)).view(-1).to(device)
+        for tensor in self._row_buffers(buf):
             tensor[:new_rows] = tensor[:rows].index_select(0, keep)
+        for tensor in self._sentence_buffers(buf):
+            tensor[:live.numel()] = tensor[:rows // beam].index_select(0, sentences)
         buf.done[new_rows:graph_rows] = True  # rows past the live ones write nothing
         b.sent_of_row = [b.sent_of_row[i] for i in live.tolist()]
-        b.src_lengths = b.src_lengths.index_select(0, keep)
+        b.src_lengths = b.src_lengths.index_select(0, sentences)
         self._set_length(b, step)
         self.g.model.reorder_incremental_state(b.states, keep)  # in place: the graphs' addresses stay
         return new_rows, new_graph_rows
+
+    @staticmethod
+    def _row_buffers(buf: _Buffers) -> Tuple[Tensor, ...]:
+        """The buffers with a row per hypothesis, which follow their rows when sentences leave the batch."""
+        return buf.tokens, buf.scores, buf.forced, buf.cum, buf.done, buf.end_step, buf.keys
+
+    @staticmethod
+    def _sentence_buffers(buf: _Buffers) -> Tuple[Tensor, ...]:
+        """The buffers with a row per sentence."""
+        return ()
+
+    @staticmethod
+    def _hypotheses(buf: _Buffers, rows: int) -> Tuple[Tensor, Tensor]:
+        """The (tokens, scores) histories the ended hypotheses are stored from (`_store`)."""
+        return buf.tokens[:rows], buf.scores[:rows]
 
     @staticmethod
     def _window(b, step: int) -> int:
@@ -240,26 +259,25 @@ class DeviceLoop:
         graphed.replay((self.name, graph_rows, window), whole_step)
 
     def _finalize(self, b, buf: _Buffers, rows: int) -> List[List[dict]]:
-        return self._store(b, buf.tokens[:rows], buf.scores[:rows], buf.end_step[:rows], 1)
+        """Store the hypotheses that ended in the rows left; each sentence's hypotheses, best first."""
+        self._store(b, *self._hypotheses(buf, rows), buf.end_step[:rows], self.g.beam_size)
+        return self.g._best_first(b)
 
-    def _store(self, b, tokens: Tensor, scores: Tensor, end_steps: Tensor, beam: int) -> List[List[dict]]:
+    def _store(self, b, tokens: Tensor, scores: Tensor, end_steps: Tensor, beam: int) -> None:
         """Store the ended hypotheses (row r of `tokens` / `scores` laid out as SequenceGenerator's, its last
         column the </s> score, ended at `end_steps[r]`, -1: none; row r // beam is its sentence, rows in the
         order the step-by-step loop stores them) through the generator's own _finalize_hypos (one call per end
-        step), best first."""
+        step)."""
         g = self.g
         for step in sorted(set(end_steps.tolist()) - {-1}):
             rows_ending = end_steps.eq(step).nonzero().squeeze(1)
             g._finalize_hypos(step, rows_ending, scores[:, step].index_select(0, rows_ending), tokens, scores,
                               b.finalized, b.finalized_scores, b.finished, b.sent_of_row, beam, b.src_lengths,
                               b.max_len)
-        return g._best_first(b)
 
 
 class DeviceDecodeLoop(DeviceLoop):
     """Greedy search and sampling at beam 1 (see the module doc)."""
-
-    drops_finished = True  # one row per sentence: a finished one leaves with its row
 
     def _choose(self, lp: Tensor, buf: _Buffers, rows: int, b, window: int, first: bool) -> None:
         # One hypothesis per sentence: no cache rows to reorder, and step 0 is like any other.
@@ -308,5 +326,5 @@ class _StreamedBatch:
     def update(self, sent_of_row: List[int], tokens: Tensor, done: Tensor) -> Tuple[Tensor, Tensor]:
         sentences = torch.tensor(sent_of_row)
         self.tokens[sentences, :tokens.size(1)] = tokens.cpu()
-        self.done[sentences] = done
+        self.done[sentences] = done.cpu()
         return self.tokens[:, :tokens.size(1)].clone(), self.done.clone()

@@ -209,3 +209,26 @@ def test_one_host_sync_per_chunk_not_per_step():
     chunks = math.ceil(length / device_decoding.CHUNK)
     assert chunks <= syncs(length) <= chunks + 6
     assert syncs(length) - syncs(length - device_decoding.CHUNK) == 1
+
+
+@pytest.mark.parametrize("static", [False, True])
+def test_done_sentences_leave_the_batch_between_chunks(monkeypatch, static):
+    monkeypatch.setattr(cuda_graph_decoding, "ATTENTION_WINDOW", 8)
+    model = build(seed=4)
+    stepwise = SequenceGenerator([model], D, beam_size=2, device_loop=False, max_len_b=50)
+    generator = (EagerStaticGenerator if static else SequenceGenerator)([model], D, beam_size=2, max_len_b=50)
+    drops = []
+    drop = generator._device_loop._drop_finished
+
+    def recorded(b, buf, rows, *rest):
+        new_rows, graph_rows = drop(b, buf, rows, *rest)
+        if new_rows != rows:
+            drops.append((rows, new_rows, graph_rows))
+        return new_rows, graph_rows
+
+    generator._device_loop._drop_finished = recorded
+    got, expected = decode(generator, MIXED), decode(stepwise, MIXED)
+    assert_same_hypotheses(got, expected)  # stored when they leave, ranked best first at the end
+    assert drops and all(new < old and new % 2 == 0 for old, new, _ in drops)
+    if static:  # graph rows: 2 x (8, 4, 2, 1) sentences
+        assert all(graph in (8, 4, 2) for _, _, graph in drops)
