@@ -26,7 +26,7 @@ from fairseq.data import encoders
 from fairseq.data.batching import resolve_limit
 from fairseq.dataclass.generation import GenerationConfig, check_sampling_range, check_unsupported_options
 from fairseq.generation.decode_memory import check_decode_memory, decode_positions
-from fairseq.generation.quantize import quantize_for_generation
+from fairseq.generation.quantize import check_mode, quantize_for_generation
 from fairseq.export.hf_names import FORK_TOKENIZER_FILES
 
 logger = logging.getLogger("fairseq.generation.hub_utils")  # its name before the move: log lines unchanged
@@ -214,6 +214,7 @@ class GeneratorHubInterface(nn.Module):
         # tells the device (and dtype) the models are on
         self.register_buffer("_float_tensor", torch.tensor([0], dtype=torch.float))
         self.quantized = "none"  # what quantize() applied
+        check_mode(cfg.generation.quantize, keyword=True)  # from_pretrained(quantize=...): applied when generating
 
     @property
     def device(self) -> torch.device:

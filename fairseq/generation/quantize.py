@@ -37,13 +37,18 @@ def _flag(mode: str, keyword: bool) -> str:
     return f"quantize={mode!r}" if keyword else f"--quantize {mode}"
 
 
+def check_mode(mode: Optional[str], keyword: bool = False) -> None:
+    """ValueError naming the flag (or keyword) for a mode that is not one of MODES."""
+    if (mode or "none") not in MODES:
+        raise ValueError(f"{_flag(mode, keyword)} is no quantization mode: choose one of {', '.join(MODES)}")
+
+
 def check_quantize(mode: Optional[str], device: torch.device, dtype: torch.dtype, keyword: bool = False) -> None:
     """ValueError, one line, when `mode` cannot run on `device` in `dtype` (the module doc's rules), before any
     model is loaded. `keyword`: name the hub's keyword argument instead of the flag."""
     mode = mode or "none"
     flag = _flag(mode, keyword)
-    if mode not in MODES:
-        raise ValueError(f"{flag} is no quantization mode: choose one of {', '.join(MODES)}")
+    check_mode(mode, keyword)
     if mode == "none":
         return
     try:

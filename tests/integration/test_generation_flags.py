@@ -123,6 +123,9 @@ def test_hub_quantize_keyword(tiny_data, tiny_lm_checkpoint, hub):
     with pytest.raises(ValueError, match=r"^quantize='int4' is no quantization mode: choose one of none, "
                                          r"int8-weight-only$"):
         hub.quantize("int4")
+    with pytest.raises(ValueError, match=r"^quantize='int8' is no quantization mode"):  # refused when loading
+        TransformerLanguageModel.from_pretrained(os.path.dirname(tiny_lm_checkpoint), "checkpoint_last.pt",
+                                                 data_name_or_path=str(tiny_data), quantize="int8")
     with pytest.raises(ValueError, match=r"^generate\(\): quantize='int8-weight-only' applies to the models, not to "
                                          r"one call: pass it to from_pretrained or call "
                                          r"lm.quantize\('int8-weight-only'\) once$"):
