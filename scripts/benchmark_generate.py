@@ -23,6 +23,12 @@ Bandwidth: a decode step reads every weight once (their stored bytes: int8 weigh
 of every row up to the live length (mean over the run: prompt + new tokens / 2 + 1). Achieved GB/s = those bytes x
 new tokens / wall time (so the prompt's forward counts against it); the limit is the device's own copy bandwidth,
 measured here by a large device-to-device copy (bytes read + written / time).
+
+Int8 matmuls: for each weight shape the int8 row quantizes and each batch size, one Linear's time per call in bf16,
+with torchao's Int8Tensor eagerly (what the int8 row's decode step runs: the int8 weight is converted to bf16, then
+a bf16 matmul), compiled (CUDA: inductor can fuse the conversion), and through torch's fused
+`torch._weight_int8pack_mm` on the same int8 values and scales: where the int8 step's time goes, and what a fused
+int8 matmul would gain.
 """
 
 import argparse
@@ -69,6 +75,7 @@ def get_parser():
     p.add_argument("--no-transformers", action="store_true", help="time the fork only")
     p.add_argument("--no-static-cache", action="store_true", help="transformers' default cache only")
     p.add_argument("--no-cuda-graphs", action="store_true", help="the fork's decode steps eagerly")
+    p.add_argument("--no-int8-matmuls", action="store_true", help="skip the table of one Linear's int8 paths")
     p.add_argument("--json", default=None, help="also write the results here")
     p.add_argument("--seed", type=int, default=1)
     return p
@@ -208,6 +215,71 @@ def hf_rows(hf_model, prompts_by_batch, args, device, eos):
     return out
 
 
+def linear_shapes(model) -> list:
+    """The distinct (out, in) shapes of the Linears quantize_for_generation would make int8."""
+    from fairseq.generation.quantize import quantizable_linears
+
+    modules = dict(model.named_modules())
+    return sorted({tuple(modules[name].weight.shape) for name in quantizable_linears(model)})
+
+
+@torch.no_grad()
+def int8_matmul_rows(model, batches, args, device) -> list:
+    """One Linear's time per call, for each weight shape of the model and row count (batch x beam 1): bf16
+    F.linear; torchao's Int8Tensor (what --quantize makes) eagerly, and compiled on CUDA; torch's fused
+    _weight_int8pack_mm over the same int8 values and scales. What the int8 decode step could gain per matmul."""
+    from fairseq.generation.quantize import int8_weight
+
+    dtype = DTYPES[args.dtype]
+    out = []
+    for shape in linear_shapes(model):
+        weight = torch.randn(shape, dtype=dtype, device=device) * shape[1] ** -0.5
+        quantized = int8_weight(weight)
+        qdata, scale = quantized.qdata, quantized.scale.reshape(-1).to(dtype)
+        for rows in batches:
+            x = torch.randn(rows, shape[1], dtype=dtype, device=device)
+            paths = {"bf16": lambda: torch.nn.functional.linear(x, weight),
+                     "torchao eager": lambda: torch.nn.functional.linear(x, quantized),
+                     "_weight_int8pack_mm": lambda: torch._weight_int8pack_mm(x, qdata, scale)}
+            if device.startswith("cuda"):
+                compiled = torch.compile(torch.nn.functional.linear, dynamic=False)
+                paths["torchao compiled"] = lambda: compiled(x, quantized)
+            times = {}
+            for path, fn in paths.items():
+                try:
+                    times[path] = call_time(fn, device)
+                except (RuntimeError, NotImplementedError) as e:  # a path this torch / device lacks
+                    times[path] = f"{type(e).__name__}: {str(e).splitlines()[0][:60]}"
+            out.append({"shape": list(shape), "rows": rows, "seconds": times})
+    return out
+
+
+def call_time(fn, device: str, calls: int = 50) -> float:
+    """Seconds per call of `fn`, mean of `calls` after 3 warm-up calls."""
+    for _ in range(3):
+        fn()
+    sync(device)
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    sync(device)
+    return (time.perf_counter() - start) / calls
+
+
+def print_int8_matmuls(rows) -> None:
+    paths = ("bf16", "torchao eager", "torchao compiled", "_weight_int8pack_mm")
+    print("\n| Linear weight (out x in) | rows | " + " | ".join(f"{p} us" for p in paths)
+          + " | best int8 / bf16 time |")
+    print("| --- | ---: |" + " ---: |" * (len(paths) + 1))
+    for r in rows:
+        t = r["seconds"]
+        cells = [f"{1e6 * t[p]:,.1f}" if isinstance(t.get(p), float) else ("-" if p not in t else t[p])
+                 for p in paths]
+        int8 = [t[p] for p in paths[1:] if isinstance(t.get(p), float)]
+        ratio = f"{min(int8) / t['bf16']:.2f}" if int8 and isinstance(t["bf16"], float) else "-"
+        print(f"| {r['shape'][0]} x {r['shape'][1]} | {r['rows']} | " + " | ".join(cells) + f" | {ratio} |")
+
+
 def int8_reason(args, device):
     """Why the int8 row cannot run here, or None."""
     try:
@@ -296,11 +368,15 @@ def main(argv=None):
         fork += fork_rows(model, dictionary, prompts_by_batch, args, device, ["int8"])
     name = torch.cuda.get_device_name() if device.startswith("cuda") else "cpu"
     print_tables(fork, hf, args, bandwidth, uncached, name, skipped)
+    matmuls = [] if args.no_int8_matmuls or args.dtype != "bf16" else int8_matmul_rows(model, prompts_by_batch, args,
+                                                                                      device)
+    if matmuls:
+        print_int8_matmuls(matmuls)
     if args.json:
         strip = [{k: v for k, v in r.items() if k != "tokens"} for r in fork + hf]
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), "rows": strip, "copy_bytes_per_s": bandwidth, "uncached_step_s": uncached,
-                       "device": name, "skipped": skipped}, f, indent=1)
+                       "device": name, "skipped": skipped, "int8_matmuls": matmuls}, f, indent=1)
     tmp.cleanup()
 
 

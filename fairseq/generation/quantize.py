@@ -93,3 +93,15 @@ def quantize_for_generation(model: nn.Module, mode: Optional[str], device: torch
     quantize_(model, Int8WeightOnlyConfig(set_inductor_config=False), filter_fn=lambda module, fqn: fqn in names)
     logger.info(f"{_flag(mode, keyword)}: {len(names)} Linear weights are int8 (torchao Int8WeightOnlyConfig)")
     return len(names)
+
+
+def int8_weight(weight: torch.Tensor) -> torch.Tensor:
+    """`weight` [out, in] as torchao's Int8Tensor, as quantize_for_generation stores a Linear's (any device: for
+    benchmarks and tests; the flag itself runs on CUDA only)."""
+    from torchao.quantization import Int8WeightOnlyConfig, quantize_
+
+    linear = nn.Linear(weight.size(1), weight.size(0), bias=False, device=weight.device, dtype=weight.dtype)
+    with torch.no_grad():
+        linear.weight.copy_(weight)
+    quantize_(linear, Int8WeightOnlyConfig(set_inductor_config=False))
+    return linear.weight.detach()

@@ -137,3 +137,10 @@ def test_benchmark_generate_prints_its_tables_on_the_cpu(tmp_path, capsys):
     assert greedy["weight_bytes"] == beam["weight_bytes"] > 0
     assert greedy["kv_bytes"] == 3 * 12 * 2 * 2 * 64 * 2 and beam["kv_bytes"] == 4 * greedy["kv_bytes"]
     assert greedy["bandwidth_fraction"] == pytest.approx(greedy["gb_per_s"] * 1e9 / results["copy_bytes_per_s"])
+    # one Linear's int8 paths per weight shape (q/k/v/out 64 x 64, fc1 128 x 64, fc2 64 x 128; the output projection
+    # is tied to the embeddings, so not quantized) and row count; no compiled path on the CPU
+    matmuls = results["int8_matmuls"]
+    assert [(tuple(r["shape"]), r["rows"]) for r in matmuls] == [
+        ((64, 64), 1), ((64, 64), 3), ((64, 128), 1), ((64, 128), 3), ((128, 64), 1), ((128, 64), 3)]
+    assert all(set(r["seconds"]) == {"bf16", "torchao eager", "_weight_int8pack_mm"} for r in matmuls)
+    assert "| Linear weight (out x in) | rows | bf16 us | torchao eager us | torchao compiled us |" in out
