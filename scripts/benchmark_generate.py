@@ -242,8 +242,7 @@ def int8_matmul_rows(model, batches, args, device) -> list:
                      "torchao eager": lambda: torch.nn.functional.linear(x, quantized),
                      "_weight_int8pack_mm": lambda: torch._weight_int8pack_mm(x, qdata, scale)}
             if device.startswith("cuda"):
-                compiled = torch.compile(torch.nn.functional.linear, dynamic=False)
-                paths["torchao compiled"] = lambda: compiled(x, quantized)
+                paths["torchao compiled"] = lambda: compiled_linear()(x, quantized)
             times = {}
             for path, fn in paths.items():
                 try:
@@ -252,6 +251,21 @@ def int8_matmul_rows(model, batches, args, device) -> list:
                     times[path] = f"{type(e).__name__}: {str(e).splitlines()[0][:60]}"
             out.append({"shape": list(shape), "rows": rows, "seconds": times})
     return out
+
+
+def _linear(x, weight):
+    return torch.nn.functional.linear(x, weight)
+
+
+_COMPILED = []
+
+
+def compiled_linear():
+    """_linear under torch.compile, compiled once per process (a recompile per weight shape and row count)."""
+    if not _COMPILED:
+        torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+        _COMPILED.append(torch.compile(_linear, dynamic=False))
+    return _COMPILED[0]
 
 
 def call_time(fn, device: str, calls: int = 50) -> float:

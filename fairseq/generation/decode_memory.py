@@ -81,22 +81,30 @@ def decode_bytes(models: Iterable[nn.Module], rows: int, positions: int) -> int:
     return total
 
 
+def decode_memory_error(models, sentences: int, beam: int, positions: int, available: int, where: str,
+                        fix: str) -> Optional[str]:
+    """The one-line error when `sentences x beam` rows of `positions` and the models' weights need more than
+    `available` bytes on device `where`; None when they fit."""
+    models = list(models)
+    cache = decode_bytes(models, sentences * beam, positions)
+    weights = model_bytes(models)
+    if weights + cache <= available:
+        return None
+    layers, width = attention_shape(models[0])
+    return (f"a batch of {sentences} prompt(s) x beam {beam} x {positions} positions needs {cache / GiB:.2f} GiB of "
+            f"KV cache ({layers} layers x 2 x {width} values per position) besides {weights / GiB:.2f} GiB of "
+            f"weights, more than the {available / GiB:.2f} GiB {where} has for this process (free + held by torch); "
+            f"{fix}")
+
+
 def check_decode_memory(models, sentences: int, beam: int, positions: int, device: torch.device,
                         fix: str = "lower --batch-size / --max-tokens, --beam or --max-len-b") -> None:
     """ValueError, one line, when `sentences x beam` rows of `positions` do not fit on CUDA `device` with the
     models' weights (see the module doc); nothing on other devices."""
     if device.type != "cuda":
         return
-    models = list(models)
-    cache = decode_bytes(models, sentences * beam, positions)
-    weights = model_bytes(models)
     free, _ = torch.cuda.mem_get_info(device)
     available = free + torch.cuda.memory_reserved(device)  # the weights already there are in the latter
-    if weights + cache > available:
-        layers, width = attention_shape(models[0])
-        raise ValueError(
-            f"a batch of {sentences} prompt(s) x beam {beam} x {positions} positions needs {cache / GiB:.2f} GiB of "
-            f"KV cache ({layers} layers x 2 x {width} values per position) besides {weights / GiB:.2f} GiB of "
-            f"weights, more than the {available / GiB:.2f} GiB {device} has for this process (free + held by "
-            f"torch); {fix}")
-
+    error = decode_memory_error(models, sentences, beam, positions, available, str(device), fix)
+    if error:
+        raise ValueError(error)

@@ -18,7 +18,7 @@ from fairseq.dataclass.utils import config_to_dict
 from fairseq.generation.decode_memory import model_bytes
 from fairseq.generation.quantize import quantize_for_generation
 from fairseq.generation.sequence_generator import SequenceGenerator
-from fairseq.models.transformer_lm import TransformerLanguageModel, TransformerLanguageModelConfig
+from fairseq.models.transformer_lm import TransformerLanguageModel, TransformerLanguageModelConfig, preset_config
 from fairseq_cli import generate, interactive
 from tests.train_fixtures import console_in_process
 
@@ -146,9 +146,8 @@ def test_a_batch_whose_kv_cache_cannot_fit_is_one_line(tmp_path, monkeypatch):
     d = Dictionary()
     for i in range(2100):
         d.add_symbol(f"w{i}")
-    cfg = TransformerLanguageModelConfig(
-        decoder_embed_dim=1024, decoder_input_dim=1024, decoder_output_dim=1024, decoder_ffn_embed_dim=1024,
-        decoder_layers=8, decoder_attention_heads=8, max_target_positions=4096, tokens_per_sample=4096)
+    cfg = preset_config("transformer_lm", decoder_embed_dim=1024, decoder_ffn_embed_dim=1024, decoder_layers=8,
+                        decoder_attention_heads=8, tokens_per_sample=4096)  # a config that names its arch
     model = TransformerLanguageModel.build(cfg, len(d), d.pad())
     path = tmp_path / "checkpoint.pt"
     atomic_torch_save({"cfg": {"model": config_to_dict(cfg), "task": {"_name": "language_modeling",

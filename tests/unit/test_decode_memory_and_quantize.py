@@ -6,8 +6,9 @@ import pytest
 import torch
 from torch import nn
 
-from fairseq.generation.decode_memory import (attention_shape, check_decode_memory, decode_bytes, decode_positions,
-                                              kv_cache_bytes, model_bytes, tensor_bytes)
+from fairseq.generation.decode_memory import (attention_shape, check_decode_memory, decode_bytes,
+                                              decode_memory_error, decode_positions, kv_cache_bytes, model_bytes,
+                                              tensor_bytes)
 from fairseq.generation.quantize import check_quantize, int8_weight, quantizable_linears
 from fairseq.models.transformer_lm import TransformerLanguageModel, TransformerLanguageModelConfig, preset_config
 
@@ -50,6 +51,29 @@ def test_tensor_and_model_bytes_count_int8_weights_as_stored():
     assert model_bytes([linear], device=torch.device("cpu")) == 0  # all there already
     shared = nn.Sequential(linear, linear)
     assert model_bytes([shared, linear]) == model_bytes([linear])  # each tensor once
+
+
+def test_the_memory_error_on_numbers():
+    model = nn.Sequential(nn.Linear(1024, 1024, bias=False))  # 4 MiB of fp32 weights, no attention
+    assert decode_memory_error([model], 1, 1, 10, available=4 * 2**20, where="cuda:0", fix="fix") is None
+    assert decode_memory_error([model], 1, 1, 10, available=4 * 2**20 - 1, where="cuda:0", fix="fix") == (
+        "a batch of 1 prompt(s) x beam 1 x 10 positions needs 0.00 GiB of KV cache (0 layers x 2 x 0 values per "
+        "position) besides 0.00 GiB of weights, more than the 0.00 GiB cuda:0 has for this process (free + held by "
+        "torch); fix")
+    with torch.device("meta"):
+        xl = TransformerLanguageModel.build(preset_config("transformer_lm_gpt3_xl"), 50272, 1).to(torch.bfloat16)
+    weights = model_bytes([xl])
+    cache = 4 * 4_838_129_664  # 32 sentences x beam 4 x 769 positions in bf16
+    fits = decode_memory_error([xl], 32, 4, 769, available=weights + cache, where="cuda:0", fix="fix")
+    assert fits is None
+    error = decode_memory_error([xl], 32, 4, 769, available=weights + cache - 1, where="cuda:0",
+                                fix="lower --batch-size / --max-tokens, --beam or --max-len-b")
+    assert error == (f"a batch of 32 prompt(s) x beam 4 x 769 positions needs 18.02 GiB of KV cache (24 layers x 2 "
+                     f"x 2048 values per position) besides {weights / 2**30:.2f} GiB of weights, more than the "
+                     f"{(weights + cache - 1) / 2**30:.2f} GiB cuda:0 has for this process (free + held by torch); "
+                     "lower --batch-size / --max-tokens, --beam or --max-len-b")
+    # the 1.3B preset in bf16: 1,313,660,928 parameters (the tied output projection once) and a 2-byte buffer
+    assert weights == 2 * 1_313_660_928 + 2
 
 
 def test_the_memory_check_is_skipped_off_cuda():
