@@ -132,3 +132,15 @@ def test_hub_quantize_keyword(tiny_data, tiny_lm_checkpoint, hub):
         hub.sample("w1 w2", quantize="int8-weight-only")
     assert hub.quantize("none") is hub and hub.quantized == "none"
     assert hub.sample("w1 w2", beam=1, max_len_b=4).startswith("w1 w2")  # unquantized: generates as before
+
+
+def test_quantize_in_a_training_yaml_is_one_line():
+    """fairseq-hydra-train has no generation group: a config that sets one is refused, naming the key."""
+    from fairseq.dataclass.hydra import fairseq_config_from_dict
+
+    with pytest.raises(ValueError) as error:
+        fairseq_config_from_dict({"generation": {"quantize": "int8-weight-only"}, "task": {"_name": "language_modeling"},
+                                  "model": {"_name": "transformer_lm"}, "optimizer": {"_name": "adam"}})
+    assert str(error.value) == ("'generation' is set to {'quantize': 'int8-weight-only'}, but fairseq-hydra-train here "
+                                "has no generation options (language-model training does not use them): remove "
+                                "'generation' or set it to null")
