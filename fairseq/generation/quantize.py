@@ -89,6 +89,9 @@ def quantize_for_generation(model: nn.Module, mode: Optional[str], device: torch
     from torchao.quantization import Int8WeightOnlyConfig, quantize_
 
     names = set(quantizable_linears(model))
+    if not names:  # e.g. fconv_lm, whose weight-normed layers are not nn.Linear
+        raise ValueError(f"{_flag(mode, keyword)}: {type(model).__name__} has no nn.Linear weight of its own to "
+                         "quantize; drop it for this model")
     # set_inductor_config=False: torchao would otherwise change inductor's global settings for the whole process
     quantize_(model, Int8WeightOnlyConfig(set_inductor_config=False), filter_fn=lambda module, fqn: fqn in names)
     logger.info(f"{_flag(mode, keyword)}: {len(names)} Linear weights are int8 (torchao Int8WeightOnlyConfig)")

@@ -165,3 +165,12 @@ def test_a_batch_whose_kv_cache_cannot_fit_is_one_line(tmp_path, monkeypatch):
                               "(8 layers x 2 x 1024 values per position) besides "), message
     assert message.endswith("; lower --batch-size / --max-tokens, --beam or --max-len-b")
     assert "H-0" not in out
+
+
+def test_a_model_without_linears_is_refused():
+    from fairseq.models.fconv_lm import FConvLanguageModel, preset_config as fconv_config
+
+    model = FConvLanguageModel.build(fconv_config("fconv_lm"), 100, 1).cuda().to(torch.bfloat16)
+    with pytest.raises(ValueError, match=r"^--quantize int8-weight-only: FConvLanguageModel has no nn.Linear weight "
+                                         r"of its own to quantize; drop it for this model$"):
+        quantize_for_generation(model, "int8-weight-only", torch.device("cuda"))

@@ -95,6 +95,13 @@ def test_a_tied_output_projection_is_not_quantized():
     assert len(tied) == sum(isinstance(m, nn.Linear) for m in tiny(True).modules()) - 1
 
 
+def test_fconv_lm_has_no_linear_to_quantize():
+    from fairseq.models.fconv_lm import FConvLanguageModel, preset_config as fconv_config
+
+    # its weight-normed layers compute their weight in forward: quantize_for_generation refuses such a model
+    assert quantizable_linears(FConvLanguageModel.build(fconv_config("fconv_lm"), 100, 1)) == []
+
+
 @pytest.mark.parametrize("dtype, keyword, message", [
     (torch.float16, False, "--quantize int8-weight-only needs a bf16 model (in fp16 the int8 values (up to 127) times "
                            "the activations can overflow before the scale applies): pass --bf16"),
