@@ -76,7 +76,7 @@ def greedy(model, d, cuda_graphs=True):
     prompts = torch.randint(d.nspecial, len(d), (PROMPTS, PROMPT_LEN), generator=g).cuda()
     total = PROMPT_LEN + NEW_TOKENS
     src = torch.cat([torch.full((PROMPTS, 1), d.eos(), device="cuda"), prompts], dim=1)
-    sample = {"net_input": {"src_tokens": src, "src_lengths": torch.full((PROMPTS,), total, device="cuda")}}
+    sample = {"net_input": {"src_tokens": src, "src_lengths": torch.full((PROMPTS,), src.size(1), device="cuda")}}
     generator = SequenceGenerator([model], d, beam_size=1, max_len_b=total, min_len=total, cuda_graphs=cuda_graphs)
     for _ in range(2):  # the second call replays the graphs the first captured
         torch.cuda.synchronize()
