@@ -340,6 +340,8 @@ def print_tables(fork, hf, args, bandwidth, uncached, name, skipped):
                   f"{', '.join(same)} |")
         compiled = "compiled by transformers (reduce-overhead)" if args.device.startswith("cuda") else "uncompiled"
         print(f"\ntransformers static cache: {compiled}")
+    if not fork:
+        return
     first = next(r for r in fork if r["row"] == "greedy") if greedy else fork[0]
     print(f"\ntime per token at batch {first['batch']} ({first['row']}): "
           f"{1000 * first['seconds'] / args.new_tokens:.2f} ms with the cache, {1000 * uncached:.2f} ms without "
