@@ -61,6 +61,10 @@ class FairseqArgumentParser(argparse.ArgumentParser):
 
     def _unrecognized(self, extra: List[str]) -> str:
         message = f"unrecognized arguments: {' '.join(extra)}"
+        if "--quantize" in extra:  # a generation flag given to a command that trains or evaluates
+            return (f"{message} (--quantize is a generation option: fairseq-generate, fairseq-interactive and the "
+                    "hub quantize a trained model's weights when they load it for generation; this command does "
+                    "not: drop it)")
         flags = [a for a in extra if a.startswith("-") and not _is_number(a)]
         hints = [(flag, close_flag(flag, self._option_string_actions)) for flag in flags]
         hints = [(flag, match) for flag, match in hints if match is not None]

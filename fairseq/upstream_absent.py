@@ -39,8 +39,9 @@ _TPU = "it has no TPU (torch_xla) support; train on CUDA GPUs or the CPU"
 _SCORING = "it has no BLEU / translation scoring; evaluate language models with fairseq-eval-lm or fairseq-validate"
 _LIGHTCONV = (f"{_LM} and has no lightweight / dynamic convolution models (lightconv, lightconv_lm); its "
               "convolutional language model is fairseq.models.fconv_lm (fairseq.modules.gated_convolution)")
-_QUANT = ("it has no quantization (iterative PQ, scalar quantization noise); fairseq.modules.quant_noise accepts "
-          "p=0 only")
+_QUANT = ("it has no quantization-aware training (iterative PQ, scalar quantization noise); "
+          "fairseq.modules.quant_noise accepts p=0 only; a trained model's weights are quantized for generation with "
+          "--quantize int8-weight-only")
 
 ABSENT_MODULES = {
     # tasks

@@ -30,7 +30,9 @@ from fairseq.data.block_positions import check_blocks_fit
 from fairseq.dataclass.flag_values import task_data_dir
 from fairseq.dataclass.generation import check_generation_config
 from fairseq.dataclass.validate import announce_compat_options, check_shard
+from fairseq.generation.decode_memory import check_decode_memory, decode_positions
 from fairseq.generation.hub_utils import TextCodec, move_to
+from fairseq.generation.quantize import check_quantize, quantize_for_generation
 from fairseq.logging import progress_bar
 from fairseq.models.fairseq_model import model_config_line
 from fairseq.training.precision import compute_dtype
@@ -47,7 +49,8 @@ def load_ensemble(cfg):
     """(models on the device in the compute dtype and eval mode, task, device, codec) for --path (':'-separated
     checkpoint files or sharded directories). The task is the command line's (DATA's dictionary), or with no
     DATA the first checkpoint's, as saved at training; the codec (TextCodec) is the command line's --tokenizer
-    and --bpe, else the first checkpoint's (checkpoint_tokenizer)."""
+    and --bpe, else the first checkpoint's (checkpoint_tokenizer). With --quantize the models' Linear weights
+    are quantized once they are on the device and cast (fairseq.generation.quantize)."""
     if not cfg.common_eval.path:
         raise ValueError("no checkpoint given: pass --path CHECKPOINT.pt (or a sharded checkpoint directory; "
                          "several joined by ':' for an ensemble)")
@@ -61,6 +64,7 @@ def load_ensemble(cfg):
     use_cuda = torch.cuda.is_available() and not cfg.common.cpu
     device = torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu")
     dtype = compute_dtype(cfg.common)
+    check_quantize(cfg.generation.quantize, device, dtype)  # before anything is loaded
     retain_dropout = cfg.generation.retain_dropout
     task_cfg = cfg.task if _data_dir(cfg) else None
     models, task, first = [], None, None
@@ -69,6 +73,7 @@ def load_ensemble(cfg):
                             trust_legacy=cfg.common.trust_legacy_checkpoint)
         task, task_cfg, first = loaded.task, None, first or loaded
         models.append(loaded.model.to(device=device, dtype=dtype).train(retain_dropout))
+        quantize_for_generation(models[-1], cfg.generation.quantize, device)
         logger.info(f"loaded {path}: {sum(p.numel() for p in loaded.model.parameters()):,} parameters, "
                     f"{str(dtype).replace('torch.', '')} on {device}")
         logger.info(model_config_line(loaded.model, loaded.cfg.model))
@@ -100,6 +105,19 @@ def seed_everything(cfg) -> None:
 
 def max_positions_of(task, models) -> Optional[int]:
     return resolve_limit(task.max_positions(), *[model.max_positions() for model in models])
+
+
+def check_batches_fit(cfg, models, batches, widths, max_positions: Optional[int], device: torch.device) -> None:
+    """The largest KV cache among `batches` (lists of indices into `widths`, the prompts' widths) fits on the
+    device with the models (fairseq.generation.decode_memory; nothing is checked on the CPU)."""
+    if device.type != "cuda":
+        return
+    gen = cfg.generation
+    rows = [(len(b), decode_positions(int(np.max(widths[b])), gen.max_len_a, gen.max_len_b, max_positions))
+            for b in batches if len(b)]
+    if rows:
+        sentences, positions = max(rows, key=lambda r: r[0] * r[1])
+        check_decode_memory(models, sentences, gen.beam, positions, device)
 
 
 def symbols_to_strip(generator, tgt_dict) -> set:
@@ -169,13 +187,16 @@ def _main(cfg, out: TextIO) -> dict:
     task.load_dataset(split)
     dataset = task.dataset(split)
     max_positions = _prompt_limit(cfg, dataset, max_positions_of(task, models))
-    itr = task.get_batch_iterator(
+    epoch_itr = task.get_batch_iterator(
         dataset=dataset, max_tokens=max_tokens, max_sentences=cfg.dataset.batch_size,
         max_positions=max_positions, ignore_invalid_inputs=cfg.dataset.skip_invalid_size_inputs_valid_test,
         required_batch_size_multiple=cfg.dataset.required_batch_size_multiple, seed=cfg.common.seed,
         num_shards=cfg.dataset.num_shards, shard_id=cfg.dataset.shard_id, num_workers=cfg.dataset.num_workers,
         data_buffer_size=cfg.dataset.data_buffer_size,
-    ).next_epoch_itr(shuffle=False)
+    )
+    check_batches_fit(cfg, models, epoch_itr.frozen_batches, np.asarray(dataset.sizes), max_positions_of(task, models),
+                      device)
+    itr = epoch_itr.next_epoch_itr(shuffle=False)
     generator = task.build_generator(models, cfg.generation)
     src_dict, tgt_dict = task.source_dictionary, task.target_dictionary
     strip = symbols_to_strip(generator, tgt_dict)

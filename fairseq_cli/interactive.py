@@ -15,7 +15,9 @@ import logging
 import sys
 import time
 from contextlib import contextmanager
-from typing import Iterator, List, Optional
+from typing import Callable, Iterator, List, Optional
+
+import numpy as np
 
 import torch
 
@@ -23,7 +25,8 @@ from fairseq import options
 from fairseq.dataclass.generation import check_generation_config
 from fairseq.generation.hub_utils import check_prompt_lengths, move_to
 from fairseq_cli.console import run_console_script
-from fairseq_cli.generate import load_ensemble, max_positions_of, print_hypotheses, setup, symbols_to_strip
+from fairseq_cli.generate import (check_batches_fit, load_ensemble, max_positions_of, print_hypotheses, setup,
+                                  symbols_to_strip)
 
 logger = logging.getLogger("fairseq_cli.interactive")
 
@@ -56,10 +59,12 @@ def buffered_read(path: str, buffer_size: int) -> Iterator[List[str]]:
         yield buffer
 
 
-def make_batches(lines: List[str], cfg, task, max_positions: Optional[int], codec, first_id: int):
+def make_batches(lines: List[str], cfg, task, max_positions: Optional[int], codec, first_id: int,
+                 check_fit: Optional[Callable] = None):
     """(batches of the encoded `lines`, the index in `lines` of each batch id): upstream's make_batches. Too
     long prompts are an error, or with --skip-invalid-size-inputs-valid-test left out with a warning naming
-    them by their number in the input. --stream: one prompt per batch."""
+    them by their number in the input. `check_fit(batches, widths)` sees the batches before any is decoded.
+    --stream: one prompt per batch."""
     for i, line in enumerate(lines):
         if not line:
             raise ValueError(f"prompt {first_id + i} is an empty line; give each prompt some text (blank lines "
@@ -78,12 +83,14 @@ def make_batches(lines: List[str], cfg, task, max_positions: Optional[int], code
     for i in sorted(set(range(len(lines))) - set(kept)):  # named here: the task's warning counts within `lines`
         logger.warning(f"prompt {first_id + i} is {lengths[i]} tokens long (with the </s> it starts from), more "
                        f"than the model's {max_positions} positions: skipped (--skip-invalid-size-inputs-valid-test)")
-    batches = task.get_batch_iterator(
+    epoch_itr = task.get_batch_iterator(
         dataset=task.build_dataset_for_inference([tokens[i] for i in kept], [lengths[i] for i in kept]),
         max_tokens=max_tokens, max_sentences=batch_size, max_positions=max_positions,
         ignore_invalid_inputs=cfg.dataset.skip_invalid_size_inputs_valid_test, disable_iterator_cache=True,
-    ).next_epoch_itr(shuffle=False)
-    return batches, kept
+    )
+    if check_fit is not None:
+        check_fit(epoch_itr.frozen_batches, np.asarray([lengths[i] for i in kept], dtype=np.int64))
+    return epoch_itr.next_epoch_itr(shuffle=False), kept
 
 
 class StreamPrinter:
@@ -128,6 +135,10 @@ def main(cfg) -> int:
     strip = symbols_to_strip(generator, tgt_dict)
     post_process = cfg.common_eval.post_process
     max_positions = max_positions_of(task, models)
+
+    def check_fit(batches, widths):
+        check_batches_fit(cfg, models, batches, widths, max_positions, device)
+
     if buffer_size > 1:
         logger.info(f"Sentence buffer size: {buffer_size}")
     logger.info("NOTE: hypothesis and token scores are output in base 2")
@@ -136,7 +147,7 @@ def main(cfg) -> int:
     start_id, generate_time = 0, 0.0
     for lines in buffered_read(cfg.interactive.input, buffer_size):
         results = []
-        batches, kept = make_batches(lines, cfg, task, max_positions, codec, start_id)
+        batches, kept = make_batches(lines, cfg, task, max_positions, codec, start_id, check_fit)
         if cfg.generation.stream:  # one prompt per batch, printed as it comes: in input order
             batches = sorted(batches, key=lambda batch: int(batch["id"][0]))
         for batch in batches:

@@ -1,16 +1,34 @@
 #!/usr/bin/env python3
-"""Greedy generation speed: this fork's SequenceGenerator (KV cache) against transformers' `generate` on the
-same weights exported with scripts/export_hf.py, in one run, and what the cache buys.
+"""Generation speed: this fork's SequenceGenerator (KV cache) against transformers' `generate` on the same weights
+exported with scripts/export_hf.py, in one run; the fork's beam, sampling and int8 rows; and how close each fork
+row comes to the memory-bandwidth limit.
 
     python scripts/benchmark_generate.py --arch transformer_lm_gpt3_xl --batch-sizes 1,32 \\
         --prompt-len 512 --new-tokens 256 --dtype bf16
 
 Random weights (the preset's own initialization, seeded), random prompts of `--prompt-len` tokens over a
-`--vocab-size` dictionary. Both sides decode greedily exactly `--new-tokens` tokens (end of sentence blocked
-until then: fork `--min-len`, transformers `min_new_tokens`), after the same first token (`</s>`, fairseq's
-and OPT's convention). Prints a markdown table (tokens/s = batch x new tokens / wall time, best of
-`--repeats` after a warm-up), the share of rows whose greedy tokens are identical, and the time of one
-uncached step (a full forward over the prefix, averaged over prefix lengths from the prompt to the end).
+`--vocab-size` dictionary. Every row decodes exactly `--new-tokens` tokens per sentence (end of sentence blocked
+until then: fork `--min-len`, transformers `min_new_tokens`) after the same first token (`</s>`, fairseq's and
+OPT's convention); tokens/s = batch x new tokens / wall time, best of `--repeats` after a warm-up.
+
+Fork rows (`--rows`): `greedy`; `beam4` (beam search, 4 hypotheses per sentence); `sample` (top-k 50 and top-p
+0.9, seeded); `int8` (greedy after `--quantize int8-weight-only`, fairseq.generation.quantize: CUDA and bf16
+only, run last since it quantizes the model in place). Transformers, on the exported weights (OPTForCausalLM,
+SDPA attention), greedy only: its default dynamic cache, and the static cache (`cache_implementation="static"`,
+with which transformers 5 compiles the forward itself on CUDA: torch.compile mode "reduce-overhead", its
+documented fastest path; on the CPU it runs uncompiled). Identical rows: sentences whose greedy tokens equal the
+fork's bf16 greedy ones.
+
+Bandwidth: a decode step reads every weight once (their stored bytes: int8 weights count 1 byte) and the KV cache
+of every row up to the live length (mean over the run: prompt + new tokens / 2 + 1). Achieved GB/s = those bytes x
+new tokens / wall time (so the prompt's forward counts against it); the limit is the device's own copy bandwidth,
+measured here by a large device-to-device copy (bytes read + written / time).
+
+Int8 matmuls: for each weight shape the int8 row quantizes and each batch size, one Linear's time per call in bf16,
+with torchao's Int8Tensor eagerly (what the int8 row's decode step runs: the int8 weight is converted to bf16, then
+a bf16 matmul), compiled (CUDA: inductor can fuse the conversion), and through torch's fused
+`torch._weight_int8pack_mm` on the same int8 values and scales: where the int8 step's time goes, and what a fused
+int8 matmul would gain.
 """
 
 import argparse
@@ -27,25 +45,37 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from fairseq.checkpoint.io import atomic_torch_save  # noqa: E402
 from fairseq.data.dictionary import Dictionary  # noqa: E402
 from fairseq.dataclass.utils import config_to_dict  # noqa: E402
-from fairseq.models.transformer_lm import TransformerLanguageModel, preset_config  # noqa: E402
+from fairseq.generation import search  # noqa: E402
+from fairseq.generation.decode_memory import attention_shape, kv_cache_bytes, model_bytes  # noqa: E402
+from fairseq.generation.quantize import check_quantize, quantize_for_generation  # noqa: E402
 from fairseq.generation.sequence_generator import SequenceGenerator  # noqa: E402
+from fairseq.models.transformer_lm import TransformerLanguageModel, preset_config  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+ROWS = ("greedy", "beam4", "sample", "int8")
+BEAM = {"greedy": 1, "beam4": 4, "sample": 1, "int8": 1}
+MODEL_FLAGS = ("decoder_layers", "decoder_embed_dim", "decoder_ffn_embed_dim", "decoder_attention_heads")
 
 
 def get_parser():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--arch", default="transformer_lm_gpt3_xl")
+    for name in MODEL_FLAGS:
+        p.add_argument("--" + name.replace("_", "-"), type=int, default=None, help="override the preset's")
     p.add_argument("--vocab-size", type=int, default=50272, help="dictionary size, specials included")
     p.add_argument("--batch-sizes", default="1,32")
     p.add_argument("--prompt-len", type=int, default=512)
     p.add_argument("--new-tokens", type=int, default=256)
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
+    p.add_argument("--rows", default=",".join(ROWS), help=f"the fork's rows, of {', '.join(ROWS)}")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--uncached-samples", type=int, default=8, help="prefix lengths timed without the cache")
+    p.add_argument("--copy-mib", type=int, default=2048, help="size of the copy that measures the bandwidth")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--no-transformers", action="store_true", help="time the fork only")
+    p.add_argument("--no-static-cache", action="store_true", help="transformers' default cache only")
     p.add_argument("--no-cuda-graphs", action="store_true", help="the fork's decode steps eagerly")
+    p.add_argument("--no-int8-matmuls", action="store_true", help="skip the table of one Linear's int8 paths")
     p.add_argument("--json", default=None, help="also write the results here")
     p.add_argument("--seed", type=int, default=1)
     return p
@@ -55,7 +85,8 @@ def build(args):
     dictionary = Dictionary()
     for i in range(args.vocab_size - dictionary.nspecial):
         dictionary.add_symbol(f"w{i}")
-    cfg = preset_config(args.arch, tokens_per_sample=args.prompt_len + args.new_tokens + 1)
+    overrides = {name: getattr(args, name) for name in MODEL_FLAGS if getattr(args, name) is not None}
+    cfg = preset_config(args.arch, tokens_per_sample=args.prompt_len + args.new_tokens + 1, **overrides)
     torch.manual_seed(args.seed)
     model = TransformerLanguageModel.build(cfg, len(dictionary), dictionary.pad())
     return dictionary, cfg, model.to(DTYPES[args.dtype]).eval()
@@ -82,7 +113,7 @@ def sync(device):
 
 
 def best_time(fn, repeats, device):
-    fn()  # warm-up (allocator, kernels' autotuning)
+    fn()  # warm-up (allocator, kernels' autotuning, CUDA-graph capture, transformers' compile)
     times = []
     for _ in range(repeats):
         sync(device)
@@ -93,28 +124,42 @@ def best_time(fn, repeats, device):
     return min(times), result
 
 
-def fork_generate(model, dictionary, prompts, args):
+@torch.no_grad()
+def copy_bandwidth(device: str, mib: int) -> float:
+    """Bytes per second a device-to-device copy of `mib` MiB moves (read + written), best of 5 after a warm-up."""
+    src = torch.empty(mib * 2**20, dtype=torch.uint8, device=device)
+    src.fill_(1)
+    dst = torch.empty_like(src)
+    seconds, _ = best_time(lambda: dst.copy_(src), 5, device)  # both freed on return
+    return 2 * mib * 2**20 / seconds
+
+
+def fork_generate(model, dictionary, prompts, args, row):
     total = args.prompt_len + args.new_tokens
-    generator = SequenceGenerator([model], dictionary, beam_size=1, max_len_a=0, max_len_b=total, min_len=total,
-                                  cuda_graphs=not args.no_cuda_graphs)
+    strategy = search.Sampling(dictionary, sampling_topk=50, sampling_topp=0.9) if row == "sample" else None
+    generator = SequenceGenerator([model], dictionary, beam_size=BEAM[row], max_len_a=0, max_len_b=total,
+                                  min_len=total, search_strategy=strategy, cuda_graphs=not args.no_cuda_graphs)
     sample = {"net_input": {"src_tokens": prompts,
                             "src_lengths": torch.full((prompts.size(0),), prompts.size(1), device=prompts.device)}}
 
     def run():
+        torch.manual_seed(args.seed)
         hypos = generator.generate([model], sample, prefix_tokens=prompts)
         return torch.stack([h[0]["tokens"][args.prompt_len:total] for h in hypos])
 
     return run
 
 
-def hf_generate(hf_model, prompts, args, eos):
+def hf_generate(hf_model, prompts, args, eos, static: bool):
     first = torch.full((prompts.size(0), 1), eos, dtype=prompts.dtype, device=prompts.device)
     ids = torch.cat([first, prompts], dim=1)
     mask = torch.ones_like(ids)
+    cache = {"cache_implementation": "static"} if static else {}
 
     def run():
         out = hf_model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=args.new_tokens,
-                                min_new_tokens=args.new_tokens, do_sample=False, num_beams=1, use_cache=True)
+                                min_new_tokens=args.new_tokens, do_sample=False, num_beams=1, use_cache=True,
+                                **cache)
         return out[:, ids.size(1):]
 
     return run
@@ -137,58 +182,217 @@ def uncached_step_time(model, dictionary, args, device):
     return total / len(lengths)
 
 
+def step_bytes(model, rows: int, args) -> dict:
+    """Bytes one decode step reads: the weights as stored, and the KV cache of `rows` at the mean live length."""
+    layers, width = attention_shape(model)
+    live = args.prompt_len + args.new_tokens / 2 + 1
+    kv = kv_cache_bytes(rows, 1, layers, width, torch.finfo(DTYPES[args.dtype]).bits // 8) * live
+    return {"weight_bytes": model_bytes([model]), "kv_bytes": int(kv)}
+
+
+def fork_rows(model, dictionary, prompts_by_batch, args, device, rows):
+    """The fork's rows for every batch size: dicts of the timings, bytes and tokens."""
+    out = []
+    for row in rows:
+        for batch, prompts in prompts_by_batch.items():
+            with torch.no_grad():
+                seconds, tokens = best_time(fork_generate(model, dictionary, prompts, args, row), args.repeats,
+                                            device)
+            out.append({"row": row, "batch": batch, "seconds": seconds, "tokens": tokens,
+                        "tokens_per_s": batch * args.new_tokens / seconds,
+                        **step_bytes(model, batch * BEAM[row], args)})
+    return out
+
+
+def hf_rows(hf_model, prompts_by_batch, args, device, eos):
+    out = []
+    for static in (False, True) if not args.no_static_cache else (False,):
+        for batch, prompts in prompts_by_batch.items():
+            with torch.no_grad():
+                seconds, tokens = best_time(hf_generate(hf_model, prompts, args, eos, static), args.repeats, device)
+            out.append({"row": "static" if static else "default", "batch": batch, "seconds": seconds,
+                        "tokens": tokens, "tokens_per_s": batch * args.new_tokens / seconds})
+    return out
+
+
+def linear_shapes(model) -> list:
+    """The distinct (out, in) shapes of the Linears quantize_for_generation would make int8."""
+    from fairseq.generation.quantize import quantizable_linears
+
+    modules = dict(model.named_modules())
+    return sorted({tuple(modules[name].weight.shape) for name in quantizable_linears(model)})
+
+
+@torch.no_grad()
+def int8_matmul_rows(model, batches, args, device) -> list:
+    """One Linear's time per call, for each weight shape of the model and row count (batch x beam 1): bf16
+    F.linear; torchao's Int8Tensor (what --quantize makes) eagerly, and compiled on CUDA; torch's fused
+    _weight_int8pack_mm over the same int8 values and scales. What the int8 decode step could gain per matmul."""
+    from fairseq.generation.quantize import int8_weight
+
+    dtype = DTYPES[args.dtype]
+    out = []
+    for shape in linear_shapes(model):
+        weight = torch.randn(shape, dtype=dtype, device=device) * shape[1] ** -0.5
+        quantized = int8_weight(weight)
+        qdata, scale = quantized.qdata, quantized.scale.reshape(-1).to(dtype)
+        for rows in batches:
+            x = torch.randn(rows, shape[1], dtype=dtype, device=device)
+            paths = {"bf16": lambda: torch.nn.functional.linear(x, weight),
+                     "torchao eager": lambda: torch.nn.functional.linear(x, quantized),
+                     "_weight_int8pack_mm": lambda: torch._weight_int8pack_mm(x, qdata, scale)}
+            if device.startswith("cuda"):
+                paths["torchao compiled"] = lambda: compiled_linear()(x, quantized)
+            times = {}
+            for path, fn in paths.items():
+                try:
+                    times[path] = call_time(fn, device)
+                except (RuntimeError, NotImplementedError) as e:  # a path this torch / device lacks
+                    times[path] = f"{type(e).__name__}: {str(e).splitlines()[0][:60]}"
+            out.append({"shape": list(shape), "rows": rows, "seconds": times})
+    return out
+
+
+def _linear(x, weight):
+    return torch.nn.functional.linear(x, weight)
+
+
+_COMPILED = []
+
+
+def compiled_linear():
+    """_linear under torch.compile, compiled once per process (a recompile per weight shape and row count)."""
+    if not _COMPILED:
+        torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+        _COMPILED.append(torch.compile(_linear, dynamic=False))
+    return _COMPILED[0]
+
+
+def call_time(fn, device: str, calls: int = 50) -> float:
+    """Seconds per call of `fn`, mean of `calls` after 3 warm-up calls."""
+    for _ in range(3):
+        fn()
+    sync(device)
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    sync(device)
+    return (time.perf_counter() - start) / calls
+
+
+def print_int8_matmuls(rows) -> None:
+    paths = ("bf16", "torchao eager", "torchao compiled", "_weight_int8pack_mm")
+    print("\n| Linear weight (out x in) | rows | " + " | ".join(f"{p} us" for p in paths)
+          + " | best int8 / bf16 time |")
+    print("| --- | ---: |" + " ---: |" * (len(paths) + 1))
+    for r in rows:
+        t = r["seconds"]
+        cells = [f"{1e6 * t[p]:,.1f}" if isinstance(t.get(p), float) else ("-" if p not in t else t[p])
+                 for p in paths]
+        int8 = [t[p] for p in paths[1:] if isinstance(t.get(p), float)]
+        ratio = f"{min(int8) / t['bf16']:.2f}" if int8 and isinstance(t["bf16"], float) else "-"
+        print(f"| {r['shape'][0]} x {r['shape'][1]} | {r['rows']} | " + " | ".join(cells) + f" | {ratio} |")
+
+
+def int8_reason(args, device):
+    """Why the int8 row cannot run here, or None."""
+    try:
+        check_quantize("int8-weight-only", torch.device(device), DTYPES[args.dtype])
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def print_tables(fork, hf, args, bandwidth, uncached, name, skipped):
+    greedy = {r["batch"]: r["tokens"] for r in fork if r["row"] == "greedy"}
+    print(f"{args.arch}, {args.dtype}, {name}, torch {torch.__version__}, prompt {args.prompt_len}, "
+          f"{args.new_tokens} new tokens, best of {args.repeats}, "
+          f"{'eager decode steps' if args.no_cuda_graphs or name == 'cpu' else 'CUDA-graph decode steps'}; "
+          f"copy bandwidth {bandwidth / 1e9:.0f} GB/s")
+    print()
+    print("| batch | fork rows | tokens/s | ms per step | weights MB | KV cache MB read per step | GB/s read "
+          "| % of copy bandwidth | tokens as greedy bf16 |")
+    print("| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for r in sorted(fork, key=lambda r: (r["batch"], ROWS.index(r["row"]))):
+        step_s = r["seconds"] / args.new_tokens
+        rate = (r["weight_bytes"] + r["kv_bytes"]) / step_s
+        same = {"greedy": "(reference)", "int8": f"{float((r['tokens'] == greedy.get(r['batch'])).float().mean()):.1%}"
+                if r["batch"] in greedy else "-"}.get(r["row"], "-")
+        r.update(step_ms=1000 * step_s, gb_per_s=rate / 1e9, bandwidth_fraction=rate / bandwidth)
+        print(f"| {r['batch']} | {r['row']} | {r['tokens_per_s']:,.0f} | {1000 * step_s:.2f} | "
+              f"{r['weight_bytes'] / 1e6:,.1f} | {r['kv_bytes'] / 1e6:,.1f} | {rate / 1e9:,.1f} | "
+              f"{100 * rate / bandwidth:.1f}% | {same} |")
+    for row, reason in skipped.items():
+        print(f"\n{row}: not run ({reason})")
+    if hf:
+        print()
+        print("| batch | fork greedy tokens/s | transformers default | transformers static cache | fork / best "
+              "transformers | identical rows (default, static) |")
+        print("| ---: | ---: | ---: | ---: | ---: | ---: |")
+        for batch, tokens in greedy.items():
+            fork_rate = next(r["tokens_per_s"] for r in fork if r["row"] == "greedy" and r["batch"] == batch)
+            theirs = {r["row"]: r for r in hf if r["batch"] == batch}
+            best = max(r["tokens_per_s"] for r in theirs.values())
+            cells = [f"{theirs[k]['tokens_per_s']:,.0f}" if k in theirs else "-" for k in ("default", "static")]
+            same = [f"{int((theirs[k]['tokens'] == tokens).all(dim=1).sum())}/{batch}" if k in theirs else "-"
+                    for k in ("default", "static")]
+            print(f"| {batch} | {fork_rate:,.0f} | {cells[0]} | {cells[1]} | {fork_rate / best:.2f}x | "
+                  f"{', '.join(same)} |")
+        compiled = "compiled by transformers (reduce-overhead)" if args.device.startswith("cuda") else "uncompiled"
+        print(f"\ntransformers static cache: {compiled}")
+    if not fork:
+        return
+    first = next(r for r in fork if r["row"] == "greedy") if greedy else fork[0]
+    print(f"\ntime per token at batch {first['batch']} ({first['row']}): "
+          f"{1000 * first['seconds'] / args.new_tokens:.2f} ms with the cache, {1000 * uncached:.2f} ms without "
+          "(one full forward over the prefix)")
+
+
 def main(argv=None):
     args = get_parser().parse_args(argv)
     device = args.device
+    rows = [r for r in args.rows.split(",") if r]
+    unknown = sorted(set(rows) - set(ROWS))
+    if unknown:
+        get_parser().error(f"--rows {','.join(unknown)}: choose from {', '.join(ROWS)}")
     dictionary, cfg, model = build(args)
     model.to(device)
     hf_model = None
     tmp = tempfile.TemporaryDirectory()
-    if not args.no_transformers:
+    if not args.no_transformers and "greedy" in rows:
         import transformers
 
         out = export_to_transformers(model.cpu(), cfg, dictionary, tmp.name, args.dtype)
         model.to(device)
         hf_model = transformers.AutoModelForCausalLM.from_pretrained(
             out, dtype=DTYPES[args.dtype], attn_implementation="sdpa").to(device).eval()
-    rows = []
     g = torch.Generator().manual_seed(args.seed)
-    for batch in [int(b) for b in args.batch_sizes.split(",")]:
-        prompts = torch.randint(dictionary.nspecial, len(dictionary), (batch, args.prompt_len), generator=g)
-        prompts = prompts.to(device)
-        with torch.no_grad():
-            fork_s, fork_tokens = best_time(fork_generate(model, dictionary, prompts, args), args.repeats, device)
-        row = {"batch": batch, "fork_tokens_per_s": batch * args.new_tokens / fork_s, "fork_s": fork_s}
-        if hf_model is not None:
-            with torch.no_grad():
-                hf_s, hf_tokens = best_time(hf_generate(hf_model, prompts, args, dictionary.eos()), args.repeats,
-                                            device)
-            same = (fork_tokens == hf_tokens).all(dim=1)
-            mismatch = (fork_tokens != hf_tokens).float().argmax(dim=1)
-            row.update(hf_tokens_per_s=batch * args.new_tokens / hf_s, hf_s=hf_s, speedup=hf_s / fork_s,
-                       identical_rows=int(same.sum()), first_mismatch=[int(m) for m, s in zip(mismatch, same) if not s])
-        rows.append(row)
-        del prompts
+    prompts_by_batch = {
+        batch: torch.randint(dictionary.nspecial, len(dictionary), (batch, args.prompt_len), generator=g).to(device)
+        for batch in (int(b) for b in args.batch_sizes.split(","))}
+    bandwidth = copy_bandwidth(device, args.copy_mib)
+    skipped = {}
+    int8 = "int8" in rows and int8_reason(args, device)
+    if int8:
+        skipped["int8"] = int8
+    fork = fork_rows(model, dictionary, prompts_by_batch, args, device, [r for r in rows if r != "int8"])
+    hf = hf_rows(hf_model, prompts_by_batch, args, device, dictionary.eos()) if hf_model is not None else []
+    del hf_model
     uncached = uncached_step_time(model, dictionary, args, device)
+    if "int8" in rows and not int8:  # last: in place
+        quantize_for_generation(model, "int8-weight-only", torch.device(device))
+        fork += fork_rows(model, dictionary, prompts_by_batch, args, device, ["int8"])
     name = torch.cuda.get_device_name() if device.startswith("cuda") else "cpu"
-    print(f"{args.arch}, {args.dtype}, {name}, torch {torch.__version__}, prompt {args.prompt_len}, "
-          f"{args.new_tokens} new tokens, greedy, best of {args.repeats}, "
-          f"{'eager decode steps' if args.no_cuda_graphs else 'CUDA-graph decode steps'}")
-    print("| batch | fork tokens/s | transformers tokens/s | fork / transformers | identical rows |")
-    print("| ---: | ---: | ---: | ---: | ---: |")
-    for r in rows:
-        hf_cols = (f"{r['hf_tokens_per_s']:.0f} | {r['speedup']:.2f}x | {r['identical_rows']}/{r['batch']}"
-                   if "hf_s" in r else "- | - | -")
-        print(f"| {r['batch']} | {r['fork_tokens_per_s']:.0f} | {hf_cols} |")
-    cached_ms = 1000 * rows[0]["fork_s"] / args.new_tokens
-    print(f"time per token at batch {rows[0]['batch']}: {cached_ms:.2f} ms with the cache, "
-          f"{1000 * uncached:.2f} ms without (one full forward over the prefix)")
-    for r in rows:
-        if r.get("first_mismatch"):
-            print(f"batch {r['batch']}: rows differ from step(s) {sorted(r['first_mismatch'])[:8]}")
+    print_tables(fork, hf, args, bandwidth, uncached, name, skipped)
+    matmuls = [] if args.no_int8_matmuls or args.dtype != "bf16" else int8_matmul_rows(model, prompts_by_batch, args,
+                                                                                      device)
+    if matmuls:
+        print_int8_matmuls(matmuls)
     if args.json:
+        strip = [{k: v for k, v in r.items() if k != "tokens"} for r in fork + hf]
         with open(args.json, "w") as f:
-            json.dump({"args": vars(args), "rows": rows, "uncached_step_s": uncached, "device": name}, f, indent=1)
+            json.dump({"args": vars(args), "rows": strip, "copy_bytes_per_s": bandwidth, "uncached_step_s": uncached,
+                       "device": name, "skipped": skipped, "int8_matmuls": matmuls}, f, indent=1)
     tmp.cleanup()
 
 

@@ -65,6 +65,10 @@ class GenerationConfig:
                               "or --sampling)")
     no_cuda_graphs: bool = opt(False, "decode each step eagerly instead of replaying it from a CUDA graph (on "
                                        "CUDA, this fork's decoders; see docs/incremental_decoding.md)")
+    quantize: Literal["none", "int8-weight-only"] = opt(
+        "none", "int8-weight-only: the Linear weights in int8 (torchao, weight-only, one scale per row) after "
+                "the model is loaded: half the weight bytes read per decoded token; needs CUDA, --bf16 and torchao "
+                "(pip install 'fairseq[quantize]'); see docs/generation.md")
 
 
 @dataclass
@@ -96,8 +100,10 @@ def check_unsupported_options(generation) -> None:
 
 def check_sampling_range(generation, vocab_size: Optional[int] = None, keyword: bool = False) -> None:
     """Upstream's ranges: --sampling-topk -1 (off) or 1.. (at most `vocab_size` when known), --sampling-topp -1
-    (off) or in (0, 1]. `keyword`: name the hub's keyword arguments instead of the flags."""
+    (off) or in (0, 1], --temperature > 0 (the generator's rule, checked here before any model is loaded).
+    `keyword`: name the hub's keyword arguments instead of the flags."""
     topk, topp = getattr(generation, "sampling_topk", -1), getattr(generation, "sampling_topp", -1.0)
+    temperature = getattr(generation, "temperature", 1.0)
 
     def name(field):
         return f"{field}=" if keyword else "--" + field.replace("_", "-") + " "
@@ -109,6 +115,9 @@ def check_sampling_range(generation, vocab_size: Optional[int] = None, keyword: 
     if topp is not None and not (topp == -1 or 0 < topp <= 1):
         raise ValueError(f"{name('sampling_topp')}{topp} is out of range: -1 (off: all tokens) or a probability "
                          "mass in (0, 1]")
+    if temperature is not None and not temperature > 0:  # NaN too
+        raise ValueError(f"{name('temperature')}{temperature} is out of range: the logits are divided by it, so it "
+                         "must be greater than 0 (1: the model's distribution; below 1 sharper, above 1 flatter)")
 
 
 def check_generation_config(generation: GenerationConfig, dataset=None, interactive=None) -> None:

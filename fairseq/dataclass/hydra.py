@@ -347,7 +347,8 @@ UNUSED_UPSTREAM_GROUPS = ("scoring", "generation", "interactive", "bmuf", "ema")
 
 
 def _is_unset(value) -> bool:
-    return value is None or (isinstance(value, dict) and value.get("_name") is None and len(value) <= 1)
+    # null, {} or {_name: null}; a group holding any other key is set (`generation: {beam: 5}` is not unset)
+    return value is None or (isinstance(value, dict) and value.get("_name") is None and set(value) <= {"_name"})
 
 
 def _without_unused_upstream_groups(values: Dict[str, Any]) -> Dict[str, Any]:

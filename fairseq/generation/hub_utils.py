@@ -27,6 +27,8 @@ from fairseq.checkpoint.inference import load_checkpoint_to_cpu, load_model_ense
 from fairseq.data import encoders
 from fairseq.data.batching import resolve_limit
 from fairseq.dataclass.generation import GenerationConfig, check_sampling_range, check_unsupported_options
+from fairseq.generation.decode_memory import check_decode_memory, decode_positions
+from fairseq.generation.quantize import check_mode, quantize_for_generation
 from fairseq.export.hf_names import FORK_TOKENIZER_FILES
 
 logger = logging.getLogger("fairseq.generation.hub_utils")  # its name before the move: log lines unchanged
@@ -189,7 +191,11 @@ class GeneratorHubInterface(nn.Module):
 
     The generator of a set of generation options is built once and kept (`generator_for`): later calls with
     the same options reuse it, with its KV caches and, on CUDA, its captured decode steps. The last
-    `max_cached_generators` are kept; moving or casting the interface drops them all."""
+    `max_cached_generators` are kept; moving or casting the interface drops them all.
+
+    `quantize(mode)` (or `from_pretrained(..., quantize="int8-weight-only")`, applied at the first generate
+    call) makes the Linear weights int8 on the device the models are on; move and cast first:
+    `lm.cuda().to(torch.bfloat16)`. A quantized interface is not moved or cast again."""
 
     max_cached_generators = 4
 
@@ -209,15 +215,35 @@ class GeneratorHubInterface(nn.Module):
         self.max_positions = resolve_limit(task.max_positions(), *[m.max_positions() for m in models])
         # tells the device (and dtype) the models are on
         self.register_buffer("_float_tensor", torch.tensor([0], dtype=torch.float))
+        self.quantized = "none"  # what quantize() applied
+        check_mode(cfg.generation.quantize, keyword=True)  # from_pretrained(quantize=...): applied when generating
 
     @property
     def device(self) -> torch.device:
         return self._float_tensor.device
 
     def _apply(self, fn, *args, **kwargs):
+        if self.quantized != "none":
+            raise ValueError(f"this interface's models are quantized ({self.quantized}): move and cast them before "
+                             "quantizing, e.g. from_pretrained(..., quantize=...).cuda().to(torch.bfloat16), then "
+                             "generate")
         # .to() / .cuda() / .half() ...: the kept generators' caches and graphs belong to the old tensors.
         self._generators.clear()
         return super()._apply(fn, *args, **kwargs)
+
+    def quantize(self, mode: str = "int8-weight-only") -> "GeneratorHubInterface":
+        """Quantize the models' Linear weights in place for generation (fairseq.generation.quantize: CUDA, bf16,
+        torchao) where they are now; returns the interface. Once per interface."""
+        if mode in (None, "none") or mode == self.quantized:
+            return self
+        if self.quantized != "none":
+            raise ValueError(f"quantize={mode!r}: the models are quantized already ({self.quantized}); load the "
+                             "checkpoint again for another mode")
+        for model in self.models:
+            quantize_for_generation(model, mode, self.device, keyword=True)
+        self.quantized = mode
+        self._generators.clear()
+        return self
 
     def _set_model_modes(self) -> None:
         for model in self.models:
@@ -298,11 +324,12 @@ class GeneratorHubInterface(nn.Module):
                                  inference_step_args=inference_step_args,
                                  prefix_allowed_tokens_fn=prefix_allowed_tokens_fn, seed=seed, **kwargs)[0]
         generator = self.generator_for(beam, prefix_allowed_tokens_fn=prefix_allowed_tokens_fn, **kwargs)
+        options = None if kwargs.get("score_reference") else self._generation_options(beam, **kwargs)
         search_strategy = getattr(generator, "search", None)
         if hasattr(search_strategy, "seed"):  # sampling: one seed per call, ids are the inputs' indices
             search_strategy.seed = int(torch.randint(2**31, (1,))) if seed is None else seed
         results = []
-        for batch in self._build_batches(tokenized_sentences, skip_invalid_size_inputs):
+        for batch in self._build_batches(tokenized_sentences, skip_invalid_size_inputs, options):
             batch = move_to(batch, self.device)
             hypos = self.task.inference_step(generator, self.models, batch, **(inference_step_args or {}))
             results.extend(zip(batch["id"].tolist(), hypos))
@@ -356,16 +383,10 @@ class GeneratorHubInterface(nn.Module):
         """The generator `generate(..., beam=beam, **kwargs)` decodes with: `task.build_generator` of
         cfg.generation with these options set (a SequenceScorer with score_reference=True, as score() asks).
         Built on the first call with these options (all of them, so any option that changes the generator
-        gives another one) and `prefix_allowed_tokens_fn`, reused after."""
-        gen_args = copy.deepcopy(self.cfg.generation)
-        gen_args.beam = beam
-        for key, value in kwargs.items():
-            if not hasattr(gen_args, key):
-                raise ValueError(f"generate(): {key}={value!r} is no generation option (options: "
-                                 f"{', '.join(sorted(vars(gen_args)))})")
-            setattr(gen_args, key, value)
-        check_unsupported_options(gen_args)
-        check_sampling_range(gen_args, len(self.tgt_dict), keyword=True)
+        gives another one) and `prefix_allowed_tokens_fn`, reused after. The models are quantized first when
+        from_pretrained was given `quantize=`."""
+        gen_args = self._generation_options(beam, **kwargs)
+        self.quantize(self.cfg.generation.quantize)
         key = (repr(sorted(vars(gen_args).items())), prefix_allowed_tokens_fn)
         generator = self._generators.pop(key, None)
         if generator is None:
@@ -380,17 +401,45 @@ class GeneratorHubInterface(nn.Module):
         self._set_model_modes()  # a SequenceGenerator puts its models in eval mode when built
         return generator
 
-    def _build_batches(self, tokens: List[torch.Tensor], skip_invalid_size_inputs: bool) -> Iterator[Dict[str, Any]]:
+    def _generation_options(self, beam: int, **kwargs):
+        """cfg.generation with `beam` and the keyword arguments set, checked (one line naming the keyword)."""
+        gen_args = copy.deepcopy(self.cfg.generation)
+        gen_args.beam = beam
+        for key, value in kwargs.items():
+            if key == "quantize":
+                raise ValueError(f"generate(): quantize={value!r} applies to the models, not to one call: pass it to "
+                                 f"from_pretrained or call lm.quantize({value!r}) once")
+            if not hasattr(gen_args, key):
+                raise ValueError(f"generate(): {key}={value!r} is no generation option (options: "
+                                 f"{', '.join(sorted(vars(gen_args)))})")
+            setattr(gen_args, key, value)
+        check_unsupported_options(gen_args)
+        check_sampling_range(gen_args, len(self.tgt_dict), keyword=True)
+        return gen_args
+
+    def _build_batches(self, tokens: List[torch.Tensor], skip_invalid_size_inputs: bool,
+                       options=None) -> Iterator[Dict[str, Any]]:
+        """Batches of `tokens`; with generation `options`, the largest one's KV cache is checked against the
+        device's memory first (decode_memory.check_decode_memory, CUDA only)."""
         lengths = [t.numel() for t in tokens]
         if not skip_invalid_size_inputs:
             check_prompt_lengths(lengths, self.max_positions, "pass skip_invalid_size_inputs=True to skip it")
         max_tokens, batch_size = self.cfg.dataset.max_tokens, self.cfg.dataset.batch_size
-        return self.task.get_batch_iterator(
+        epoch_itr = self.task.get_batch_iterator(
             dataset=self.task.build_dataset_for_inference(tokens, lengths),
             max_tokens=max_tokens, max_sentences=batch_size if (max_tokens or batch_size) else 1,
             max_positions=self.max_positions, ignore_invalid_inputs=skip_invalid_size_inputs,
             disable_iterator_cache=True,
-        ).next_epoch_itr(shuffle=False)
+        )
+        if options is not None and self.device.type == "cuda":
+            rows = [(len(b), decode_positions(max(lengths[i] for i in b), options.max_len_a, options.max_len_b,
+                                              self.max_positions)) for b in epoch_itr.frozen_batches if len(b)]
+            if rows:
+                sentences, positions = max(rows, key=lambda r: r[0] * r[1])
+                check_decode_memory(self.models, sentences, options.beam, positions, self.device,
+                                    fix="generate fewer sentences per call (or a smaller max_tokens/batch_size "
+                                        "in from_pretrained), a smaller beam or max_len_b")
+        return epoch_itr.next_epoch_itr(shuffle=False)
 
 
 def move_to(sample, device: torch.device):

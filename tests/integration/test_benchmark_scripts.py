@@ -99,3 +99,48 @@ def test_benchmark_host_overhead_prints_both_rows():
     assert float(rows["plain loop"]) > 0
     # 8 updates, a log line every 2: the first is warm-up, three are reported
     assert len(rows["fairseq-train (per log interval)"].split(" / ")) == 3
+
+
+def test_benchmark_generate_prints_its_tables_on_the_cpu(tmp_path, capsys):
+    """scripts/benchmark_generate.py with tiny sizes, in this process: the fork's greedy, beam and sampling rows
+    with their bandwidth columns, transformers' default and static-cache paths, the int8 row refused on the CPU."""
+    pytest.importorskip("transformers")
+    sys.path.insert(0, os.path.join(ROOT, "scripts"))
+    try:
+        import benchmark_generate
+    finally:
+        sys.path.pop(0)
+    capsys.readouterr()
+    benchmark_generate.main([
+        "--arch", "transformer_lm_gpt3_small", "--decoder-layers", "2", "--decoder-embed-dim", "64",
+        "--decoder-ffn-embed-dim", "128", "--decoder-attention-heads", "2", "--vocab-size", "500",
+        "--batch-sizes", "1,3", "--prompt-len", "8", "--new-tokens", "6", "--repeats", "1", "--uncached-samples", "2",
+        "--copy-mib", "16", "--device", "cpu", "--json", str(tmp_path / "out.json")])
+    out = capsys.readouterr().out
+    lines = out.splitlines()
+    fork = [line.split("|")[1:-1] for line in lines if line.startswith("| 1 |") or line.startswith("| 3 |")]
+    rows = [(cells[0].strip(), cells[1].strip()) for cells in fork if len(cells) == 9]
+    assert rows == [("1", "greedy"), ("1", "beam4"), ("1", "sample"), ("3", "greedy"), ("3", "beam4"), ("3", "sample")]
+    assert "int8: not run (--quantize int8-weight-only is a CUDA decoding feature" in out
+    assert "| batch | fork greedy tokens/s | transformers default | transformers static cache |" in out
+    versus = [cells for cells in fork if len(cells) == 6]
+    assert [cells[0].strip() for cells in versus] == ["1", "3"]
+    assert [cells[5].strip().count("/") for cells in versus] == [2, 2]  # identical rows: default, static
+    assert "transformers static cache: uncompiled" in out and "eager decode steps" in out
+    results = json.loads((tmp_path / "out.json").read_text())
+    assert results["skipped"].keys() == {"int8"} and results["copy_bytes_per_s"] > 0
+    by_row = {(r["row"], r["batch"]): r for r in results["rows"]}
+    assert set(by_row) == {(row, batch) for row in ("greedy", "beam4", "sample", "default", "static")
+                           for batch in (1, 3)}
+    greedy, beam = by_row["greedy", 3], by_row["beam4", 3]
+    # the bytes a step reads: the same weights; 4 hypotheses' caches at the mean live length 8 + 6 / 2 + 1 = 12
+    assert greedy["weight_bytes"] == beam["weight_bytes"] > 0
+    assert greedy["kv_bytes"] == 3 * 12 * 2 * 2 * 64 * 2 and beam["kv_bytes"] == 4 * greedy["kv_bytes"]
+    assert greedy["bandwidth_fraction"] == pytest.approx(greedy["gb_per_s"] * 1e9 / results["copy_bytes_per_s"])
+    # one Linear's int8 paths per weight shape (q/k/v/out 64 x 64, fc1 128 x 64, fc2 64 x 128; the output projection
+    # is tied to the embeddings, so not quantized) and row count; no compiled path on the CPU
+    matmuls = results["int8_matmuls"]
+    assert [(tuple(r["shape"]), r["rows"]) for r in matmuls] == [
+        ((64, 64), 1), ((64, 64), 3), ((64, 128), 1), ((64, 128), 3), ((128, 64), 1), ((128, 64), 3)]
+    assert all(set(r["seconds"]) == {"bf16", "torchao eager", "_weight_int8pack_mm"} for r in matmuls)
+    assert "| Linear weight (out x in) | rows | bf16 us | torchao eager us | torchao compiled us |" in out
