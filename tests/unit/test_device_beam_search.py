@@ -11,7 +11,7 @@ import torch
 from fairseq.generation import cuda_graph_decoding, device_beam_search, device_decoding, search
 from fairseq.generation.sequence_generator import SequenceGenerator
 from fairseq.modules import CausalSelfAttention
-from test_device_decoding import MIXED, decode
+from test_device_decoding import MIXED, decode, record_drops
 from test_fconv_lm import tiny as fconv_lm_tiny
 from test_sequence_generator import (ATOL, D, EOS, V, W, EagerStaticGenerator, GRUDecoder, PluginLM,
                                      StepwiseBeamSearch, assert_same_hypotheses, build, check_positional_scores,
@@ -217,16 +217,7 @@ def test_done_sentences_leave_the_batch_between_chunks(monkeypatch, static):
     model = build(seed=4)
     stepwise = SequenceGenerator([model], D, beam_size=2, device_loop=False, max_len_b=50)
     generator = (EagerStaticGenerator if static else SequenceGenerator)([model], D, beam_size=2, max_len_b=50)
-    drops = []
-    drop = generator._device_loop._drop_finished
-
-    def recorded(b, buf, rows, *rest):
-        new_rows, graph_rows = drop(b, buf, rows, *rest)
-        if new_rows != rows:
-            drops.append((rows, new_rows, graph_rows))
-        return new_rows, graph_rows
-
-    generator._device_loop._drop_finished = recorded
+    drops = record_drops(generator)
     got, expected = decode(generator, MIXED), decode(stepwise, MIXED)
     assert_same_hypotheses(got, expected)  # stored when they leave, ranked best first at the end
     assert drops and all(new < old and new % 2 == 0 for old, new, _ in drops)

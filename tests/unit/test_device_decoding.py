@@ -73,12 +73,9 @@ def test_the_static_step_loop_over_attention_windows_gives_the_same_tokens(monke
         assert set(windows) == {capacity}
 
 
-@pytest.mark.parametrize("static", [False, True])
-def test_finished_sentences_leave_the_batch_between_chunks(monkeypatch, static):
-    monkeypatch.setattr(cuda_graph_decoding, "ATTENTION_WINDOW", 8)
-    model = build(seed=4)  # with 50 tokens allowed its sentences end after 1 to 51 tokens
-    stepwise = SequenceGenerator([model], D, device_loop=False, max_len_b=50)
-    generator = (EagerStaticGenerator if static else SequenceGenerator)([model], D, max_len_b=50)
+def record_drops(generator):
+    """The list of (rows before, rows after, rows computed) of each time `generator`'s device loop shrinks its
+    batch, filled as it decodes."""
     drops = []
     drop = generator._device_loop._drop_finished
 
@@ -89,6 +86,16 @@ def test_finished_sentences_leave_the_batch_between_chunks(monkeypatch, static):
         return new_rows, graph_rows
 
     generator._device_loop._drop_finished = recorded
+    return drops
+
+
+@pytest.mark.parametrize("static", [False, True])
+def test_finished_sentences_leave_the_batch_between_chunks(monkeypatch, static):
+    monkeypatch.setattr(cuda_graph_decoding, "ATTENTION_WINDOW", 8)
+    model = build(seed=4)  # with 50 tokens allowed its sentences end after 1 to 51 tokens
+    stepwise = SequenceGenerator([model], D, device_loop=False, max_len_b=50)
+    generator = (EagerStaticGenerator if static else SequenceGenerator)([model], D, max_len_b=50)
+    drops = record_drops(generator)
     streamed = []
     got = decode(generator, MIXED, on_tokens=lambda tokens, done: streamed.append((tokens, done)))
     expected = decode(stepwise, MIXED)
