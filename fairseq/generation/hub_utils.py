@@ -30,6 +30,9 @@ from fairseq.dataclass.generation import GenerationConfig, check_sampling_range,
 from fairseq.generation.decode_memory import check_decode_memory, decode_positions
 from fairseq.generation.quantize import check_mode, quantize_for_generation
 from fairseq.export.hf_names import FORK_TOKENIZER_FILES
+from fairseq.generation import device_decoding
+from fairseq.generation.search import Sampling
+from fairseq.generation.sequence_generator import SequenceGenerator
 
 logger = logging.getLogger("fairseq.generation.hub_utils")  # its name before the move: log lines unchanged
 
@@ -325,9 +328,11 @@ class GeneratorHubInterface(nn.Module):
                                  prefix_allowed_tokens_fn=prefix_allowed_tokens_fn, seed=seed, **kwargs)[0]
         generator = self.generator_for(beam, prefix_allowed_tokens_fn=prefix_allowed_tokens_fn, **kwargs)
         options = None if kwargs.get("score_reference") else self._generation_options(beam, **kwargs)
-        search_strategy = getattr(generator, "search", None)
-        if hasattr(search_strategy, "seed"):  # sampling: one seed per call, ids are the inputs' indices
-            search_strategy.seed = int(torch.randint(2**31, (1,))) if seed is None else seed
+        if isinstance(generator, SequenceGenerator) and isinstance(generator.search, Sampling) and \
+                device_decoding.applies(generator, generator.beam_size):
+            # counter-based draws: one seed per call, the ids are the inputs' indices (other sampling draws
+            # from torch's RNG, which this must then leave as it is)
+            generator.search.seed = int(torch.randint(2**31, (1,))) if seed is None else seed
         results = []
         for batch in self._build_batches(tokenized_sentences, skip_invalid_size_inputs, options):
             batch = move_to(batch, self.device)
