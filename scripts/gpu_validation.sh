@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
-# One-call GPU validation on a 2-GPU machine (used with the device tool; any 2-GPU box works).
-#   bash scripts/gpu_validation.sh tests|resume|bench-a|bench-rest|175b   (OUT=dir for logs, default gpu_out)
+# One-call GPU validation (used with the device tool). On 2 GPUs: tests|resume|bench-a|bench-rest|175b.
+# On one H200, the open measurements of issues 31-33 (each part fits one 10-minute call):
+#   gen-tests|gen-bench|gen-int8|fp8|fp8-bench|ckpt-blocked|ckpt-tps       (OUT=dir for logs, default gpu_out)
+# The lent machine lacks hydra-core, omegaconf and torchao: carry the wheels (.whl/, ignored) and first run
+#   pip install --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
 # Installs nothing: expects torch, numpy, omegaconf, hydra, sentencepiece, tqdm (puts the repo on PYTHONPATH).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -40,6 +43,39 @@ case "${1:-tests}" in
     step bench_b_b8 200 $B --layers 32 --embed-dim 2560 --heads 32 --seq 2048 --batch 8 --log-interval 4 --intervals 2 --out "$WORK/b_b8"
     step bench_c_b1 150 $B --arch transformer_lm_gpt3_medium --seq 2048 --batch 1 --log-interval 10 --intervals 2 --out "$WORK/c_b1"
     ;;
+  gen-tests)  # issue 33: device decode loops, CUDA graphs, int8 (greedy agreement figure printed)
+    step gen_tests 540 python3 -m pytest -q -s -p no:cacheprovider -m gpu tests/gpu/test_generation_gpu.py \
+      tests/gpu/test_quantize_gpu.py -rs --basetemp "$WORK/pytest"
+    ;;
+  gen-bench)  # issue 33: the fork (greedy, beam 4, sampling) against transformers' default and static-cache paths
+    step gen_bench 580 python3 scripts/benchmark_generate.py --arch transformer_lm_gpt3_xl --batch-sizes 1,32 \
+      --prompt-len 512 --new-tokens 256 --dtype bf16 --repeats 2 --rows greedy,beam4,sample --no-int8-matmuls \
+      --json "$WORK/generate_h200.json"
+    ;;
+  gen-int8)
+    step gen_int8 580 python3 scripts/benchmark_generate.py --arch transformer_lm_gpt3_xl --batch-sizes 1,32 \
+      --prompt-len 512 --new-tokens 256 --dtype bf16 --repeats 2 --rows greedy,int8 --no-transformers \
+      --json "$WORK/generate_int8_h200.json"
+    ;;
+  fp8)  # issue 31: the TP plan on a one-rank mesh with float8, --compile and checkpointing
+    export FAIRSEQ_TP_MESH_OF_ONE=1
+    step fp8_tests 240 python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu/test_float8_gpu.py -rs --basetemp "$WORK/pytest"
+    step fp8_parity 300 python3 scripts/fp8_loss_parity.py --updates 300 --recipes tensorwise --compile --tp-mesh-of-one
+    ;;
+  fp8-bench)
+    step fp8_bench 580 python3 scripts/benchmark_fsdp.py --nproc 1 --layers 32 --embed-dim 2560 --heads 32 --seq 2048 \
+      --batch 8 --combos '' --fp8 tensorwise --compile --no-compile-rows --no-reference --tp-mesh-of-one
+    ;;
+  ckpt-blocked)  # issue 32 (docs/checkpoints.md): blocked time per save, synchronous against asynchronous
+    step ckpt_blocked 580 python3 scripts/benchmark_checkpoint.py --nproc 1 --layers 32 --embed-dim 2560 --heads 32 \
+      --vocab 50000 --seq 2048 --batch 8 --saves 3 --save-every 60 --skip throughput --no-optimizer-state \
+      --work-dir "$WORK/ckbench"
+    ;;
+  ckpt-tps)
+    step ckpt_tps 580 python3 scripts/benchmark_checkpoint.py --nproc 1 --layers 32 --embed-dim 2560 --heads 32 \
+      --vocab 50000 --seq 2048 --batch 8 --skip blocked --throughput-updates 100 --throughput-save-every 20 \
+      --warmup 5 --with-sync-throughput --no-optimizer-state --work-dir "$WORK/ckbench"
+    ;;
   175b)
     layers="${LAYERS:-2}"
     step l175b 300 python3 -m torch.distributed.run --standalone --nproc_per_node 2 -m fairseq_cli.train \
@@ -52,5 +88,6 @@ case "${1:-tests}" in
     ;;
 esac
 # Logs only: checkpoints and data stay behind (the device tool brings back at most 16 MiB a file).
-tar -czf "$OUT/${1:-tests}.tgz" --exclude=./pytest --exclude=./data --exclude="*.pt" --exclude="./ck/checkpoint*" -C "$WORK" .
+tar -czf "$OUT/${1:-tests}.tgz" --exclude=./pytest --exclude=./data --exclude="*.pt" --exclude="./ck/checkpoint*" \
+  --exclude=./ckbench -C "$WORK" .
 exit 0
