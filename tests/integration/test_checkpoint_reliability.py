@@ -12,7 +12,6 @@ import torch
 
 from fairseq.checkpoint.io import (
     CheckpointError,
-    CheckpointSaveError,
     CorruptCheckpointError,
     atomic_torch_save,
     default_file_mode,
