@@ -8,6 +8,9 @@ The output is the first checkpoint with its "model" replaced by the element-wise
 (integer tensors: the floor of the mean; fp16/bf16 weights are averaged and written in fp32, as upstream).
 Inputs may be single files or sharded checkpoint directories (--use-sharded-state; written out as one file).
 Checkpoints are read without unpickling code; upstream fairseq files need --trust-legacy-checkpoint.
+The inputs must be checkpoints of one model: the same parameter names and shapes, the same dictionary (the
+fingerprint each stores) and the same options that define the function computed (what resume compares); the
+--output may not be one of them.
 """
 
 import argparse
@@ -19,8 +22,10 @@ from typing import Dict, List, Optional
 
 import torch
 
+from fairseq.checkpoint.fit import architecture_options, differing_option
 from fairseq.checkpoint.inference import read_checkpoint_state
 from fairseq.checkpoint.io import atomic_torch_save, load_checkpoint_file
+from fairseq.checkpoint.vocabulary import carried
 from fairseq_cli.console import run_console_script
 
 
@@ -46,6 +51,7 @@ def average_checkpoints(inputs: List[str], trust_legacy_checkpoint: bool = False
             keys = list(model.keys())
         else:
             _check_same_parameters(inputs[0], sums, path, model)
+            _check_same_model(inputs[0], first, path, state)
         for key in keys:
             p = model[key]
             if p.dtype in (torch.float16, torch.bfloat16):
@@ -77,6 +83,30 @@ def _check_same_parameters(first_path: str, first: Dict, path: str, model: Dict)
             raise ValueError(f"{path} and {first_path} hold different parameters: {key!r} is "
                              f"{list(model[key].shape)} in {path} but {list(total.shape)} in {first_path}; "
                              "average checkpoints of one model only")
+
+
+def _model_config(state: Dict) -> Dict:
+    cfg = state.get("cfg")
+    model = cfg.get("model") if isinstance(cfg, dict) else None
+    return model if isinstance(model, dict) else {}
+
+
+def _check_same_model(first_path: str, first: Dict, path: str, state: Dict) -> None:
+    """The same dictionary (the fingerprint each checkpoint stores) and the same options that define the
+    function computed (the model class's `architecture_options`, as resume compares them): parameters of the
+    same names and shapes can still mean other words or another network. One ValueError naming both files."""
+    ours, theirs = carried(first) or {}, carried(state) or {}
+    if ours.get("dictionary_sha256") and theirs.get("dictionary_sha256") \
+            and ours["dictionary_sha256"] != theirs["dictionary_sha256"]:
+        raise ValueError(f"{path} and {first_path} were trained with different dictionaries (dictionary_sha256 "
+                         f"{theirs['dictionary_sha256'][:12]}... in {path}, {ours['dictionary_sha256'][:12]}... in "
+                         f"{first_path}), so the same ids are other words; average checkpoints of one model only")
+    saved, other = _model_config(first), _model_config(state)
+    name = differing_option(architecture_options(saved.get("_name")), saved, other)
+    if name is not None:
+        raise ValueError(f"{path} and {first_path} are different models: --{name.replace('_', '-')} is "
+                         f"{other[name]!r} in {path} but {saved[name]!r} in {first_path}; average checkpoints of one "
+                         "model only")
 
 
 def last_n_checkpoints(paths: List[str], n: int, update_based: bool, upper_bound: Optional[int] = None) -> List[str]:
@@ -141,8 +171,12 @@ def main(argv: Optional[List[str]] = None) -> None:
         inputs = last_n_checkpoints(inputs, args.num_epoch_checkpoints, False, args.checkpoint_upper_bound)
     elif args.num_best_checkpoints > 0:
         inputs = best_n_checkpoints(inputs, args.num_best_checkpoints)
+    for path in inputs:  # the output replaces its file: never an input (also as another name of the same file)
+        if os.path.exists(args.output) and os.path.samefile(args.output, path):
+            raise ValueError(f"--output {args.output} is the input {path}: writing the average would replace "
+                             "that checkpoint; choose another --output")
     print(f"averaging checkpoints: {inputs}")
-    atomic_torch_save(average_checkpoints(inputs, args.trust_legacy_checkpoint), args.output)
+    atomic_torch_save(average_checkpoints(inputs, args.trust_legacy_checkpoint), args.output, flag="--output")
     print(f"Finished writing averaged checkpoint to {args.output}.")
 
 

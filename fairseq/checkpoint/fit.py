@@ -2,7 +2,7 @@
 readable error naming the first difference, and a dictionary of another size named as such), and, when resuming,
 the same options that change what the network computes."""
 
-from typing import Any, Dict
+from typing import Any, Dict, Mapping, Optional, Tuple
 
 from fairseq.checkpoint.io import CheckpointError
 
@@ -14,27 +14,65 @@ def model_state_for_checking(model) -> Dict[str, Any]:
     return get_model_state_dict(model, options=StateDictOptions(full_state_dict=False))
 
 
+def architecture_options(arch: Optional[str]) -> Tuple[str, ...]:
+    """The options that define the function the model of `arch` computes (its class's `architecture_options`);
+    () for an unknown or missing arch."""
+    from fairseq import registry
+
+    try:
+        return tuple(getattr(registry.arch_model(arch), "architecture_options", ())) if arch else ()
+    except ValueError:  # an arch of a plug-in not loaded here: nothing to compare by
+        return ()
+
+
+def differing_option(options, saved: Mapping[str, Any], here: Mapping[str, Any]) -> Optional[str]:
+    """The first of `options` that both model configs (plain dicts) hold with different values, else None."""
+    for name in options:
+        if name in saved and name in here and saved[name] != here[name]:
+            return name
+    return None
+
+
+def option_flag(name: str) -> str:
+    flag = "--" + name.replace("_", "-")
+    return flag + " (--tokens-per-sample when unset)" if name == "max_target_positions" else flag
+
+
 def check_same_model_options(path: str, state: Dict[str, Any], cfg) -> None:
     """Resuming with model options that change what the network computes (some change no parameter shape:
     heads, normalization order, activation) would continue another model from these weights: refuse, naming
     the option. The model class lists those options (`architecture_options`)."""
-    from fairseq import registry
-
     saved = (state.get("cfg") or {}).get("model") or {}
     if not isinstance(saved, dict) or cfg.model is None:
         return
-    options = getattr(registry.arch_model(cfg.model._name), "architecture_options", ())
-    for name in options:
-        if name in saved and hasattr(cfg.model, name) and saved[name] != getattr(cfg.model, name):
-            flag = "--" + name.replace("_", "-")
-            if name == "max_target_positions":
-                flag += " (--tokens-per-sample when unset)"
-            raise CheckpointError(
-                f"{path} was saved from a different architecture: {flag} is {getattr(cfg.model, name)!r} here but "
-                f"{saved[name]!r} in the checkpoint, so resuming would train another model from these weights. "
-                f"Resume with {flag} {saved[name]!r}, or start a new --save-dir (with --finetune-from-model to "
-                "begin from these weights)"
-            )
+    options = architecture_options(cfg.model._name)
+    name = differing_option(options, saved, {n: getattr(cfg.model, n) for n in options if hasattr(cfg.model, n)})
+    if name is not None:
+        raise CheckpointError(
+            f"{path} was saved from a different architecture: {option_flag(name)} is {getattr(cfg.model, name)!r} "
+            f"here but {saved[name]!r} in the checkpoint, so resuming would train another model from these "
+            f"weights. {_how_to_resume(name, saved, cfg.model)}, or start a new --save-dir (with "
+            "--finetune-from-model to begin from these weights)"
+        )
+
+
+def _how_to_resume(name: str, saved: Mapping[str, Any], here) -> str:
+    """A fix the parser accepts: the checkpoint's --arch when it is another; a boolean (store_true) flag given or
+    left out; else the flag with the checkpoint's value."""
+    flag, value, arch = "--" + name.replace("_", "-"), saved[name], saved.get("_name")
+    if arch and arch != here._name:
+        return f"Resume with --arch {arch} (the checkpoint's; this run has --arch {here._name})"
+    if isinstance(value, bool) or value is None:
+        from fairseq.dataclass.build import model_config
+
+        if value:
+            return f"Resume with {flag}"
+        if getattr(model_config(here._name, {}), name) == value:  # the preset leaves it unset without the flag
+            return f"Resume without {flag}"
+        return (f"Resume with fairseq-hydra-train and model.{name}={'null' if value is None else 'false'} (the "
+                f"--arch {here._name} preset sets {flag}, and no flag unsets it)")
+    shown = value if isinstance(value, (int, float, str)) else repr(value)
+    return f"Resume with {flag} {shown}"
 
 
 def check_architecture(path: str, state: Dict[str, Any], expected: Dict[str, Any]) -> None:

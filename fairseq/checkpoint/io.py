@@ -86,10 +86,10 @@ def os_error_message(path: str, err: OSError, what: str = "cannot write", flag: 
 
 
 def save_error(path: str, err: OSError, previous_intact: bool = True,
-               what: str = "cannot write checkpoint") -> CheckpointSaveError:
-    """A failed checkpoint write as one CheckpointSaveError (os_error_message)."""
+               what: str = "cannot write checkpoint", flag: str = "--save-dir") -> CheckpointSaveError:
+    """A failed checkpoint write as one CheckpointSaveError (os_error_message; `flag` names the path's option)."""
     kept = "; the checkpoint previously at that path is intact" if previous_intact else ""
-    return CheckpointSaveError(os_error_message(path, err, what, "--save-dir", kept))
+    return CheckpointSaveError(os_error_message(path, err, what, flag, kept))
 
 
 class _ErrorRecordingWriter:
@@ -111,11 +111,11 @@ class _ErrorRecordingWriter:
         return self.f.flush()
 
 
-def _make_dirs(directory: str, path: str):
+def _make_dirs(directory: str, path: str, flag: str):
     try:
         os.makedirs(directory, exist_ok=True)
     except OSError as err:
-        raise save_error(path, err, previous_intact=False) from None
+        raise save_error(path, err, previous_intact=False, flag=flag) from None
 
 
 def _remove_stale_temporaries(directory: str, prefix: str):
@@ -127,16 +127,16 @@ def _remove_stale_temporaries(directory: str, prefix: str):
             pass
 
 
-def _write_atomically(path: str, write_fn):
+def _write_atomically(path: str, write_fn, flag: str = "--save-dir"):
     """Create a temporary file beside `path`, let `write_fn(file)` fill it, fsync and rename it into place."""
     directory = os.path.dirname(os.path.abspath(path))
-    _make_dirs(directory, path)
+    _make_dirs(directory, path, flag)
     prefix = f".{os.path.basename(path)}."
     _remove_stale_temporaries(directory, prefix)
     try:
         fd, tmp = tempfile.mkstemp(prefix=prefix, suffix=".tmp", dir=directory)
     except OSError as err:
-        raise save_error(path, err) from None
+        raise save_error(path, err, flag=flag) from None
     writer = None
     try:
         os.fchmod(fd, default_file_mode())
@@ -151,19 +151,21 @@ def _write_atomically(path: str, write_fn):
             os.remove(tmp)
         os_error = (writer.error if writer is not None else None) or (err if isinstance(err, OSError) else None)
         if os_error is not None and os_error.errno is not None:
-            raise save_error(path, os_error) from None
+            raise save_error(path, os_error, flag=flag) from None
         raise
     _fsync_dir(directory)
 
 
-def atomic_torch_save(obj: Any, path: str, before_rename: Optional[Callable[[], None]] = None):
-    """torch.save `obj` to `path` atomically; `before_rename` runs once the bytes are written (a test hook)."""
+def atomic_torch_save(obj: Any, path: str, before_rename: Optional[Callable[[], None]] = None,
+                      flag: str = "--save-dir"):
+    """torch.save `obj` to `path` atomically; `before_rename` runs once the bytes are written (a test hook);
+    `flag`: the option that named `path`, for the error of a failed write."""
     def write(f):
         torch.save(obj, f)
         if before_rename is not None:
             before_rename()
 
-    _write_atomically(path, write)
+    _write_atomically(path, write, flag)
 
 
 def atomic_copy(src: str, dst: str):

@@ -425,8 +425,8 @@ class CheckpointManager:
             return f"No other intact checkpoint is in {self.ckpt_cfg.save_dir}: start again with another --save-dir"
         names = [os.path.basename(p) for p in intact[:5]]
         more = f" and {len(intact) - 5} more" if len(intact) > 5 else ""
-        return (f"Intact checkpoints in {self.ckpt_cfg.save_dir}, newest first: {', '.join(names)}{more}; resume "
-                f"from one with --restore-file {names[0]}")
+        return (f"Intact checkpoints in {self.ckpt_cfg.save_dir}, the most trained first: {', '.join(names)}{more}; "
+                f"resume from one with --restore-file {names[0]}")
 
     def read(self, path: str, trainer, resuming: bool = False, load_optimizer: Optional[bool] = None) -> Dict[str, Any]:
         """Read a checkpoint file or sharded directory and check it fits the model (`resuming`: and that the

@@ -8,7 +8,7 @@ import math
 import os
 import re
 import shutil
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 
 def checkpoint_stems(ckpt_cfg, epoch: int, updates: int, end_of_epoch: bool, is_best: bool,
@@ -113,7 +113,7 @@ def resolve_restore_path(ckpt_cfg) -> str:
 
 def intact_checkpoints(save_dir: str, exclude: Optional[str] = None) -> List[str]:
     """Checkpoints in `save_dir` that pass a cheap integrity check (complete zip file; sharded directory with
-    both metadata files), newest first: what a user can resume from when checkpoint_last is damaged."""
+    both metadata files), the most trained first: what a user can resume from when checkpoint_last is damaged."""
     from fairseq.checkpoint.io import checkpoint_file_looks_intact
     from fairseq.checkpoint.sharded import METADATA, resolve_sharded
 
@@ -127,7 +127,36 @@ def intact_checkpoints(save_dir: str, exclude: Optional[str] = None) -> List[str
                 found.append(path)
         elif path.endswith(".pt") and checkpoint_file_looks_intact(path):
             found.append(path)
-    return sorted(found, key=os.path.getmtime, reverse=True)
+    # By training progress, not modification time (a `touch` or a copy of the directory changes that); among
+    # checkpoints of the same progress, by name (checkpoint_E_U before the aliases best/last).
+    progress = {path: training_progress(path) for path in found}
+    return sorted(sorted(found, key=os.path.basename), key=lambda p: progress[p], reverse=True)
+
+
+def training_progress(path: str) -> Tuple[int, int]:
+    """(updates, epoch) of a checkpoint file or sharded directory: what its state stores (extra_state's trainer
+    and train_iterator, or upstream's optimizer_history), else what its name says (checkpoint_E_U,
+    checkpointN); -1 for what neither tells. Reads no tensor data (the file is memory-mapped)."""
+    import torch
+
+    from fairseq.checkpoint.sharded import METADATA
+
+    updates = epoch = -1
+    try:
+        state = torch.load(os.path.join(path, METADATA) if os.path.isdir(path) else path, map_location="cpu",
+                           weights_only=True, mmap=True)
+        extra = state.get("extra_state") or {}
+        history = state.get("optimizer_history") or [{}]
+        trainer = extra.get("trainer") or (history[-1] if isinstance(history[-1], dict) else {})
+        updates = int(trainer.get("num_updates", -1))
+        epoch = int((extra.get("train_iterator") or {}).get("epoch", -1))
+    except Exception:  # unreadable past the cheap check, or another layout: the name is all there is
+        pass
+    name = re.fullmatch(r"checkpoint(?:_(\d+)_(\d+)|(\d+))(?:\.pt)?", os.path.basename(path.rstrip(os.sep)))
+    if name is not None:
+        updates = updates if updates >= 0 else int(name.group(2) or -1)
+        epoch = epoch if epoch >= 0 else int(name.group(1) or name.group(3))
+    return updates, epoch
 
 
 def existing_checkpoint(path: str) -> Optional[str]:

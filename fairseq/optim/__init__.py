@@ -5,6 +5,7 @@ the built-in optimizers, and `import fairseq` should stay cheap.
 """
 
 import inspect
+import math
 from typing import Iterable
 
 from fairseq.registry import OPTIMIZER_REGISTRY, register_optimizer  # noqa: F401 (re-exported)
@@ -59,6 +60,9 @@ def check_optimizer_overrides(optimizer_cfg, optimization_cfg, overrides: dict) 
         if key not in current:
             raise ValueError(f"--optimizer-overrides {key!r}: not an option of {kind}" + did_you_mean(key, current)
                              + f"; its options are {', '.join(sorted(current))}")
+        if not _all_finite(value):  # inf/nan: the optimizer accepts some (weight_decay, eps), training does not
+            raise ValueError(f"--optimizer-overrides {{{key!r}: {value!r}}}: not a finite number; {key} takes "
+                             + _ALLOWED.get(key, f"a finite value like its current {current[key]!r}"))
         try:
             _try_override(optimizer, probe, current, key, value)
         except Exception as err:  # any refusal of the optimizer's own code is the user's value
@@ -68,14 +72,30 @@ def check_optimizer_overrides(optimizer_cfg, optimization_cfg, overrides: dict) 
 
 
 def _try_override(optimizer, probe, current: dict, key: str, value) -> None:
-    # The constructor's checks (when the key is one of its arguments), then one step with the value in place.
+    # The constructor's checks (when the key is one of its arguments), then one step with the value in place,
+    # from parameters of 1 (a step must leave them finite).
+    import torch
+
     accepted = inspect.signature(type(optimizer)).parameters
     if key in accepted:
         type(optimizer)([probe], **{k: v for k, v in {**current, key: value}.items() if k in accepted})
     optimizer.param_groups[0][key] = value
+    with torch.no_grad():
+        probe.fill_(1.0)
     probe.grad = probe.detach().clone().fill_(1.0)
     optimizer.step()
     optimizer.param_groups[0][key] = current[key]
+    if not bool(torch.isfinite(probe).all()):  # e.g. a weight decay so large that one step overflows
+        raise ValueError(f"one step with it makes the parameters {probe.tolist()}")
+
+
+def _all_finite(value) -> bool:
+    """Whether every number in an override value (a number, or a tuple/list of them) is finite."""
+    if isinstance(value, (tuple, list)):
+        return all(_all_finite(v) for v in value)
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return math.isfinite(value)
+    return True
 
 
 def component_name(cfg, registry) -> str:

@@ -12,7 +12,6 @@ import torch
 
 from fairseq.checkpoint.io import (
     CheckpointError,
-    CheckpointSaveError,
     CorruptCheckpointError,
     atomic_torch_save,
     default_file_mode,
@@ -240,7 +239,7 @@ def test_garbage_sharded_index_names_the_intact_ones_to_restore(sharded_run, tmp
     assert status == 1 and len(errors) == 1, stderr[-2000:]
     message = errors[0]
     assert str(save_dir / "checkpoint_last" / ".metadata") in message and "damaged" in message
-    listed = message.split("newest first: ")[1].split(";")[0].split(", ")
+    listed = message.split("the most trained first: ")[1].split(";")[0].split(", ")
     assert sorted(listed) == ["checkpoint_1_1", "checkpoint_1_2"]
     assert "--restore-file checkpoint_1_2" in message
 
@@ -282,7 +281,7 @@ def test_damaged_checkpoint_last_names_the_intact_ones_to_restore(tiny_data, tmp
     message = str(info.value)
     said = "truncated" if damage == "truncated" else "is not a checkpoint"
     assert said in message and "checkpoint_last.pt" in message
-    listed = message.split("newest first: ")[1].split(";")[0].split(", ")
+    listed = message.split("the most trained first: ")[1].split(";")[0].split(", ")
     assert sorted(listed) == ["checkpoint_1_2.pt", "checkpoint_1_4.pt", "checkpoint_best.pt"]
     assert listed[-1] == "checkpoint_1_2.pt"  # the oldest last
     suggested = message.split("--restore-file ")[1]
@@ -290,6 +289,21 @@ def test_damaged_checkpoint_last_names_the_intact_ones_to_restore(tiny_data, tmp
     train.cli_main(train_args(tiny_data, tmp_path, "--save-interval-updates", "2", "--restore-file",
                               suggested, max_update=6))
     assert num_updates(last) == 6
+
+
+def test_intact_checkpoints_are_listed_by_training_progress_not_modification_time(tiny_data, tmp_path,
+                                                                                    train_args):
+    """A `touch` of an old checkpoint (or a `cp -r` of the directory) must not make it the recommended one."""
+    train.cli_main(train_args(tiny_data, tmp_path, "--save-interval-updates", "2", max_update=4))
+    (tmp_path / "checkpoint_last.pt").write_bytes(b"garbage, not a checkpoint" * 40)
+    future = os.path.getmtime(tmp_path / "checkpoint_1_4.pt") + 3600
+    os.utime(tmp_path / "checkpoint_1_2.pt", (future, future))  # the oldest now looks the newest
+    with pytest.raises(CheckpointError) as info:
+        train.cli_main(train_args(tiny_data, tmp_path, "--save-interval-updates", "2", max_update=6))
+    message = str(info.value)
+    listed = message.split("the most trained first: ")[1].split(";")[0].split(", ")
+    assert listed == ["checkpoint_1_4.pt", "checkpoint_best.pt", "checkpoint_1_2.pt"], message  # ties by name
+    assert message.endswith("--restore-file checkpoint_1_4.pt")
 
 
 # ----------------------------------------------------------------------------- mismatches named as such
@@ -321,3 +335,24 @@ def test_changed_model_option_on_resume_is_refused_naming_it(tiny_data, tmp_path
     with pytest.raises(CheckpointError, match=named):
         train.cli_main(args)
     assert num_updates(tmp_path / "checkpoint_last.pt") == 1
+
+
+
+@pytest.mark.parametrize("first,then,fix,fixed", [
+    # another --arch preset (pre-norm, gelu, learned positions): the fix is the checkpoint's --arch
+    ([], ["--arch", "transformer_lm_gpt"],
+     "Resume with --arch transformer_lm (the checkpoint's; this run has --arch transformer_lm_gpt)", []),
+    # boolean options are store_true flags: "--decoder-normalize-before False" is no command line
+    (["--decoder-normalize-before"], [], "Resume with --decoder-normalize-before,", ["--decoder-normalize-before"]),
+    ([], ["--decoder-normalize-before"], "Resume without --decoder-normalize-before,", []),
+    ([], ["--activation-fn", "gelu"], "Resume with --activation-fn relu,", ["--activation-fn", "relu"]),
+])
+def test_changed_model_option_on_resume_names_a_fix_the_parser_accepts(tiny_data, tmp_path, train_args, first,
+                                                                       then, fix, fixed):
+    train.cli_main(train_args(tiny_data, tmp_path, *first, max_update=1))
+    with pytest.raises(CheckpointError) as info:
+        train.cli_main(train_args(tiny_data, tmp_path, *then, max_update=2))  # the last --arch counts
+    assert fix in str(info.value), str(info.value)
+    assert num_updates(tmp_path / "checkpoint_last.pt") == 1
+    train.cli_main(train_args(tiny_data, tmp_path, *fixed, max_update=2))  # the fix as told resumes
+    assert num_updates(tmp_path / "checkpoint_last.pt") == 2

@@ -94,3 +94,80 @@ def test_script_writes_the_average_and_refuses_pickled_files(tmp_path, capsys):
     assert e.value.code == 1 and len(err) == 1 and err[0].startswith("average_checkpoints: error: ")
     assert "pickled Python objects" in err[0] and "--trust-legacy-checkpoint" in err[0]
     main(["--inputs", legacy, legacy, "--output", str(tmp_path / "x.pt"), "--trust-legacy-checkpoint"])
+
+
+# ----------------------------------------------------------------------------- real checkpoints of fairseq-train
+
+
+@pytest.fixture(scope="module")
+def trained(tiny_data, tmp_path_factory):
+    """checkpoint_last.pt of three tiny runs on tiny_data ("a", "seed": another seed, "gelu_prenorm": another
+    activation and normalization order: the same parameter names and shapes) and one ("swapped") on a copy
+    whose dict.txt has two lines swapped (the same size)."""
+    from tests.train_fixtures import default_train_argv, train_in_process
+
+    root = tmp_path_factory.mktemp("average")
+    swapped = root / "swapped-data"
+    swapped.mkdir()
+    for name in os.listdir(tiny_data):
+        if name != "dict.txt":
+            os.symlink(os.path.join(tiny_data, name), swapped / name)
+    lines = (tiny_data / "dict.txt").read_text().splitlines(keepends=True)
+    lines[0], lines[1] = lines[1], lines[0]
+    (swapped / "dict.txt").write_text("".join(lines))
+    runs = {"a": (tiny_data, []), "seed": (tiny_data, ["--seed", "4"]), "swapped": (swapped, []),
+            "gelu_prenorm": (tiny_data, ["--activation-fn", "gelu", "--decoder-normalize-before",
+                                          "--no-decoder-final-norm"])}
+    paths = {}
+    for name, (data, extra) in runs.items():
+        status, _, err = train_in_process(default_train_argv(data, root / name, *extra, max_update=1))
+        assert status == 0, err
+        paths[name] = str(root / name / "checkpoint_last.pt")
+    return paths
+
+
+def _average(capsys, *argv):
+    """(exit status, stderr lines) of the script's entry point, as `python scripts/average_checkpoints.py`."""
+    capsys.readouterr()
+    try:
+        run_console_script("average_checkpoints", main, list(argv))
+        status = 0
+    except SystemExit as e:
+        status = e.code
+    return status, capsys.readouterr().err.strip().splitlines()
+
+
+@pytest.mark.parametrize("other,differs", [
+    ("swapped", "were trained with different dictionaries (dictionary_sha256 "),
+    ("gelu_prenorm", "are different models: --decoder-normalize-before is True in {other} but False in {first}"),
+])
+def test_checkpoints_of_another_dictionary_or_architecture_are_one_line(trained, tmp_path, capsys, other, differs):
+    """The same parameter names and shapes, but other words for the same ids, or another function computed."""
+    output = tmp_path / "avg.pt"
+    status, err = _average(capsys, "--inputs", trained["a"], trained[other], "--output", str(output))
+    assert status == 1 and len(err) == 1 and err[0].startswith("average_checkpoints: error: "), err
+    assert trained["a"] in err[0] and trained[other] in err[0]
+    assert differs.format(other=trained[other], first=trained["a"]) in err[0], err[0]
+    assert not output.exists()
+    assert _average(capsys, "--inputs", trained["a"], trained["seed"], "--output", str(output))[0] == 0
+    assert output.exists()  # checkpoints of one model (other seeds) still average
+
+
+def test_output_that_is_an_input_is_refused(trained, tmp_path, capsys):
+    before = open(trained["a"], "rb").read()
+    os.symlink(trained["a"], tmp_path / "link.pt")
+    for output in (trained["a"], os.path.relpath(trained["a"]), str(tmp_path / "link.pt")):
+        status, err = _average(capsys, "--inputs", trained["a"], trained["seed"], "--output", output)
+        assert status == 1 and err == [f"average_checkpoints: error: --output {output} is the input {trained['a']}: "
+                                       "writing the average would replace that checkpoint; choose another --output"]
+    assert open(trained["a"], "rb").read() == before
+
+
+def test_unwritable_output_names_the_output_flag(trained, tmp_path, capsys):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a directory")
+    output = str(blocker / "avg.pt")
+    status, err = _average(capsys, "--inputs", trained["a"], trained["seed"], "--output", output)
+    assert status == 1 and len(err) == 1 and err[0].startswith(f"average_checkpoints: error: cannot write "
+                                                               f"checkpoint {output}: "), err
+    assert err[0].endswith("choose another --output"), err[0]

@@ -90,12 +90,28 @@ def test_misspelt_optimizer_override_is_refused_at_start(tiny_data, tmp_path):
     ("{'betas': (0.9, 0.98, 0.5)}", "--optimizer-overrides {'betas': (0.9, 0.98, 0.5)} is refused by --optimizer "
                                     "adam (AdamW) (ValueError: too many values to unpack (expected 2)); betas takes "
                                     "a pair of numbers in [0, 1), e.g. (0.9, 0.98)"),
+    # 1e999 is inf: accepted by torch's checks, then NaN (weight_decay) or no learning at all (eps)
+    ("{'weight_decay': 1e999}", "--optimizer-overrides {'weight_decay': inf}: not a finite number; weight_decay "
+                                "takes a number >= 0, e.g. 0.01"),
+    ("{'eps': 1e999}", "--optimizer-overrides {'eps': inf}: not a finite number; eps takes a number >= 0, e.g. 1e-08"),
+    ("{'betas': (0.9, -1e999)}", "--optimizer-overrides {'betas': (0.9, -inf)}: not a finite number; betas takes a "
+                                 "pair of numbers in [0, 1), e.g. (0.9, 0.98)"),
 ])
 def test_bad_optimizer_override_values_are_refused_at_start(tiny_data, tmp_path, override, message):
     """Checked by the optimizer's own code (its constructor, one step) before training, not saved into
     checkpoints (eps) or failing at the first update (betas)."""
     status, _, err = train_in_process(default_train_argv(tiny_data, tmp_path, "--optimizer-overrides", override))
     assert status == 2 and err.splitlines()[-1].split(": error: ", 1)[1:] == [message]  # a usage error
+    assert not (tmp_path / "checkpoint_last.pt").exists()
+
+
+def test_optimizer_override_whose_step_gives_infinite_parameters_is_refused_at_start(tiny_data, tmp_path):
+    """A finite value can still overflow: with this --lr, one AdamW step's decay factor 1 - lr * 1e10 is -inf."""
+    argv = default_train_argv(tiny_data, tmp_path, "--lr", "1e300", "--optimizer-overrides", "{'weight_decay': 1e10}")
+    status, _, err = train_in_process(argv)
+    assert status == 2 and err.splitlines()[-1].split(": error: ", 1)[1:] == [
+        "--optimizer-overrides {'weight_decay': 10000000000.0} is refused by --optimizer adam (AdamW) (ValueError: "
+        "one step with it makes the parameters [-inf, -inf]); weight_decay takes a number >= 0, e.g. 0.01"]
     assert not (tmp_path / "checkpoint_last.pt").exists()
 
 
