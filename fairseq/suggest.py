@@ -3,7 +3,7 @@
 and unknown --optimizer-overrides keys (fairseq.optim)."""
 
 import difflib
-from typing import Callable, Iterable, Optional
+from typing import Callable, Iterable, List, Optional
 
 
 def close_match(word, candidates: Iterable) -> Optional[str]:
@@ -27,3 +27,10 @@ def close_flag(flag: str, option_strings: Iterable[str]) -> Optional[str]:
     by_name = {s.lstrip("-"): s for s in option_strings if s.startswith("--")}
     match = close_match(flag.split("=", 1)[0].lstrip("-"), by_name)
     return by_name[match] if match is not None else None
+
+
+def closest_first(word, candidates: Iterable) -> List[str]:
+    """All the candidates, the most like `word` first (difflib's ratio; ties in their given order): for a list
+    that leads with what was probably meant even when nothing is close enough for `did_you_mean`."""
+    names = [str(c) for c in candidates]
+    return sorted(names, key=lambda c: -difflib.SequenceMatcher(None, str(word), c).ratio())

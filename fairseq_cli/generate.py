@@ -27,6 +27,7 @@ from fairseq.checkpoint.inference import load_model
 from fairseq.checkpoint.vocabulary import check_bpe_files, resolve_bpe
 from fairseq.data.batching import resolve_limit
 from fairseq.data.block_positions import check_blocks_fit
+from fairseq.data.encoders._write_errors import writing
 from fairseq.dataclass.flag_values import task_data_dir
 from fairseq.dataclass.generation import check_generation_config
 from fairseq.dataclass.validate import announce_compat_options, check_shard
@@ -167,9 +168,11 @@ def main(cfg) -> dict:
         cfg = options.convert_namespace_to_generation_config(cfg)
         check_generation_config(cfg.generation)
     if cfg.common_eval.results_path is not None:
-        os.makedirs(cfg.common_eval.results_path, exist_ok=True)
         path = os.path.join(cfg.common_eval.results_path, f"generate-{cfg.dataset.gen_subset}.txt")
-        with open(path, "w", buffering=1, encoding="utf-8") as out:
+        with writing(path, "--results-path"):  # an unwritable directory: one line, no traceback
+            os.makedirs(cfg.common_eval.results_path, exist_ok=True)
+            out = open(path, "w", buffering=1, encoding="utf-8")
+        with out:
             return _main(cfg, out)
     return _main(cfg, sys.stdout)
 

@@ -41,6 +41,7 @@ from fairseq.dataclass.hydra import (
 )
 from fairseq.dataclass.flag_values import task_block_options
 from fairseq.dataclass.utils import config_to_dict
+from fairseq.data.encoders._write_errors import OutputError, os_error_message
 from fairseq.logging import progress_bar
 from fairseq.logging.progress_bar import DATE_FORMAT, LOG_FORMAT
 from fairseq_cli.console import run_console_script
@@ -248,9 +249,14 @@ def _yaml_error_in(err: BaseException):
     """The YAML parsing error that `err` is or was caused by, if any."""
     import yaml
 
+    return _error_in(err, yaml.MarkedYAMLError)
+
+
+def _error_in(err: BaseException, kind):
+    """The exception of type `kind` that `err` is or was caused by, if any."""
     seen = set()
     while err is not None and id(err) not in seen:
-        if isinstance(err, yaml.MarkedYAMLError):
+        if isinstance(err, kind):
             return err
         seen.add(id(err))
         err = err.__cause__ or err.__context__
@@ -312,6 +318,46 @@ def _describe_yaml_error(err, readable_dir: Optional[str], given_dir: Optional[s
     return f"{shown}, {where}: {problem}{context}: not a valid YAML file"
 
 
+def _one_line_hydra_error(err: BaseException, argv: List[str], given_dir: Optional[str]) -> Optional[Exception]:
+    """One line for what hydra itself raised, where there is a better one than hydra's report: an unreadable
+    YAML file, a --config-name or --config-dir that does not exist, a run directory that cannot be written."""
+    from hydra.errors import MissingConfigException, SearchPathException
+
+    yaml_error = _yaml_error_in(err)
+    if yaml_error is not None:
+        return ValueError(_describe_yaml_error(yaml_error, _config_dir_of(argv), given_dir))
+    os_error = _error_in(err, OSError)
+    config_dirs = [d for d in (given_dir, _config_dir_of(argv)) if d]
+    if os_error is not None and os_error.filename is not None and not any(  # not a config file hydra read
+            os.path.abspath(str(os_error.filename)).startswith(d + os.sep) for d in config_dirs):
+        # hydra's outputs/ (or hydra.run.dir) in a read-only directory, under a file, ...
+        return OutputError(os_error_message(os_error.filename, os_error, "cannot write hydra's run directory",
+                                            "directory to run from, or pass hydra.run.dir=DIR"))
+    missing = _error_in(err, (MissingConfigException, SearchPathException))
+    if missing is not None and str(missing).startswith(("Cannot find primary config", "Primary config directory",
+                                                        "Additional config directory")):
+        return ValueError(_missing_config_message(argv, given_dir))
+    return None
+
+
+def _missing_config_message(argv: List[str], given_dir: Optional[str]) -> str:
+    from hydra._internal.utils import get_args_parser
+
+    from fairseq.suggest import closest_first, did_you_mean
+
+    name = get_args_parser().parse_args(argv).config_name
+    if given_dir is None:
+        return (f"--config-name {name}: no such config; name the directory that holds {name}.yaml with "
+                "--config-dir DIR (e.g. --config-dir examples/large_lm/config --config-name 125m)")
+    if not os.path.isdir(given_dir):
+        return f"--config-dir {given_dir}: no such directory; pass the directory that holds {name}.yaml"
+    names = sorted(f[:-len(".yaml")] for f in os.listdir(given_dir) if f.endswith(".yaml"))
+    if not names:
+        return f"--config-dir {given_dir} holds no .yaml file; pass the directory that holds {name}.yaml"
+    return (f"--config-name {name}: no {name}.yaml in {given_dir}{did_you_mean(name, names)}; the configs "
+            f"there, closest first: {', '.join(closest_first(name, names))}")
+
+
 def _config_dir_of(argv: List[str]) -> Optional[str]:
     from hydra._internal.utils import get_args_parser
 
@@ -370,12 +416,12 @@ def _main(argv: Optional[List[str]]) -> None:
         except Exception as err:  # raised by hydra itself (the task keeps its own errors in _OUTCOME)
             if user_wants_traceback:
                 raise
-            yaml_error = _yaml_error_in(err)
-            if yaml_error is not None:
-                raise ValueError(_describe_yaml_error(yaml_error, _config_dir_of(argv), given_dir)) from None
+            one_line = _one_line_hydra_error(err, argv, given_dir)
+            if one_line is not None:
+                raise one_line from None
             from hydra._internal.utils import run_and_report
 
-            def reraise():
+            def reraise(err=err):
                 raise err
 
             run_and_report(reraise)  # anything else is reported as hydra reports it (and exits 1)

@@ -42,6 +42,12 @@ def _open_input(path: str):
         handle = open(path, encoding="utf-8")
     except FileNotFoundError:
         raise FileNotFoundError(f"--input {path}: no such file (pass '-' to read standard input)") from None
+    except IsADirectoryError:
+        raise ValueError(f"--input {path} is a directory: pass a text file, one prompt a line, or '-' to read "
+                         "standard input") from None
+    except OSError as err:
+        raise ValueError(f"--input {path}: cannot read it: {err.strerror or err}; pass a readable text file or "
+                         "'-' to read standard input") from None
     with handle:
         yield handle
 

@@ -7,6 +7,7 @@ import sys
 from typing import List, Optional
 
 from fairseq import options
+from fairseq.data.encoders._write_errors import writing
 from fairseq.dataclass.validate import validate as validate_config
 from fairseq.distributed.launch import call_main
 from fairseq.logging import progress_bar
@@ -25,7 +26,8 @@ def main(cfg) -> Optional[str]:
     or, as upstream accepts, the argparse.Namespace of parse_args_and_arch."""
     if isinstance(cfg, argparse.Namespace):
         cfg = options.convert_namespace_to_config(cfg)
-    log_file_handler = progress_bar.setup_logging(cfg.common.log_file)
+    with writing(cfg.common.log_file, "--log-file"):  # an unwritable file: one line, no traceback
+        log_file_handler = progress_bar.setup_logging(cfg.common.log_file)
     if cfg.common.user_dir:  # spawned ranks start fresh interpreters: register the plug-ins there too
         import_user_module(cfg.common.user_dir)
     try:

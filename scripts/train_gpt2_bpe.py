@@ -21,6 +21,11 @@ import json
 import os
 import sys
 
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# fairseq/data/encoders holds these torch-free modules; importing the fairseq package would import torch.
+sys.path.append(os.path.join(_ROOT, "fairseq", "data", "encoders"))
+import _write_errors  # noqa: E402
+
 ENDOFTEXT = "<|endoftext|>"
 
 
@@ -82,8 +87,15 @@ def main(argv=None) -> int:
     for path in args.inputs:
         if not os.path.isfile(path):
             parser.error(f"{path}: no such file")
-    vocab, merges = train(args.inputs, args.vocab_size, args.min_frequency)
-    files = write(args.outdir, vocab, merges, args.pad_to)
+    try:
+        with _write_errors.writing(args.outdir, "--outdir"):  # an unusable --outdir fails before training
+            os.makedirs(args.outdir, exist_ok=True)
+        vocab, merges = train(args.inputs, args.vocab_size, args.min_frequency)
+        with _write_errors.writing(args.outdir, "--outdir"):  # e.g. a read-only directory
+            files = write(args.outdir, vocab, merges, args.pad_to)
+    except _write_errors.OutputError as e:
+        print(f"train_gpt2_bpe.py: error: {e}", file=sys.stderr)
+        return 1
     size = 4 + len(vocab) + (-(4 + len(vocab)) % args.pad_to)
     print(f"{len(vocab)} tokens, {len(merges)} merges; dictionary of {size} symbols: "
           + ", ".join(files.values()))

@@ -18,6 +18,8 @@ from typing import Any, Callable, Dict, Optional
 
 import torch
 
+from fairseq.data.encoders._write_errors import os_error_message  # noqa: F401 (its importers)
+
 logger = logging.getLogger(__name__)
 
 ZIP_MAGIC = b"PK\x03\x04"  # torch.save's format since torch 1.6
@@ -63,26 +65,6 @@ def default_file_mode() -> int:
         mask = os.umask(0)
         os.umask(mask)
     return 0o666 & ~mask
-
-
-_HINTS = {  # {flag}: the option naming the directory written to
-    errno.ENOSPC: "free space on that file system or point {flag} at another one",
-    errno.EDQUOT: "free space within your disk quota or point {flag} at another file system",
-    errno.EFBIG: "the file is larger than this process may write (ulimit -f) or the file system allows",
-    errno.EACCES: "make the directory writable for this user or choose another {flag}",
-    errno.EPERM: "make the directory writable for this user or choose another {flag}",
-    errno.EROFS: "the file system is read-only: choose another {flag}",
-    errno.ENOTDIR: "a part of the path is a file, not a directory: choose another {flag}",
-    errno.EEXIST: "a file is where the directory should be: choose another {flag}",
-}
-
-
-def os_error_message(path: str, err: OSError, what: str = "cannot write", flag: str = "--save-dir",
-                     kept: str = "") -> str:
-    """One line for a failed write: the path, the errno by name, what to do."""
-    code = errno.errorcode.get(err.errno, str(err.errno)) if err.errno is not None else "error"
-    hint = _HINTS.get(err.errno, "check the file system").format(flag=flag)
-    return f"{what} {path}: {err.strerror or err} ({code}){kept}. Fix: {hint}"
 
 
 def save_error(path: str, err: OSError, previous_intact: bool = True,

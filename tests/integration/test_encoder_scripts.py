@@ -20,10 +20,17 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 ENCODER_SCRIPT = os.path.join(ROOT, "examples", "roberta", "multiprocessing_bpe_encoder.py")
 
 
-def run(script, *args, stdin=None, cwd=None):
+def run(script, *args, stdin=None, cwd=None, max_file_size=None):
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+
+    def limit_file_size():  # the process's limit (ulimit -f): a write past it fails with EFBIG, even for root
+        if max_file_size is not None:
+            import resource
+
+            resource.setrlimit(resource.RLIMIT_FSIZE, (max_file_size, max_file_size))
+
     return subprocess.run([sys.executable, script, *map(str, args)], input=stdin, capture_output=True,
-                          cwd=cwd, env=env, timeout=300)
+                          cwd=cwd, env=env, timeout=300, preexec_fn=limit_file_size)
 
 
 @pytest.fixture(scope="module")
@@ -331,3 +338,37 @@ def test_benchmark_bpe_prints_its_table(tmp_path):
     assert "| 0.1 | multiprocessing_bpe_encoder.py (tiktoken) | 2 |" in out
     assert "| 0.1 | pure-Python reference, upstream's script | 2 |" in out
     assert out.count("outputs identical") == 2
+
+
+@pytest.mark.parametrize("script", ["bpe", "spm"])
+def test_unwritable_output_is_one_line_naming_it(gpt2_files, spm_model, tmp_path, script):
+    """An output that cannot be written (here a file-size limit, which stops root too; a read-only directory
+    fails the same way) is one line naming the output, the errno and the fix; an earlier output is intact and
+    no temporary file is left."""
+    text = tmp_path / "in.raw"
+    text.write_text(sample_text(), encoding="utf-8")
+    out = tmp_path / "out.txt"
+    out.write_text("earlier\n")
+    cmd = ((ENCODER_SCRIPT, "--encoder-json", gpt2_files[0], "--vocab-bpe", gpt2_files[1], "--workers", "1")
+           if script == "bpe" else (os.path.join(ROOT, "scripts", "spm_encode.py"), "--model", spm_model))
+    proc = run(*cmd, "--inputs", text, "--outputs", out, max_file_size=1000)
+    stderr = proc.stderr.decode()
+    name = os.path.basename(cmd[0])
+    assert proc.returncode == 1 and "Traceback" not in stderr and len(stderr.strip().splitlines()) == 1, stderr
+    assert stderr.startswith(f"{name}: error: cannot write {out}: File too large (EFBIG). Fix: "), stderr
+    assert out.read_text() == "earlier\n" and sorted(os.listdir(tmp_path)) == ["in.raw", "out.txt"]
+
+
+def test_train_gpt2_bpe_unwritable_outdir_is_one_line(tmp_path):
+    text = tmp_path / "in.raw"
+    text.write_text(sample_text(), encoding="utf-8")
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a directory")
+    script = os.path.join(ROOT, "scripts", "train_gpt2_bpe.py")
+    for outdir, code, limit in ((blocker / "bpe", "ENOTDIR", None), (blocker, "EEXIST", None),
+                                (tmp_path / "bpe", "EFBIG", 1000)):
+        proc = run(script, "--vocab-size", 300, "--outdir", outdir, text, max_file_size=limit)
+        stderr = proc.stderr.decode()
+        assert proc.returncode == 1 and "Traceback" not in stderr and len(stderr.strip().splitlines()) == 1, stderr
+        assert stderr.startswith(f"train_gpt2_bpe.py: error: cannot write {outdir}: ") and f"({code}). Fix: " in \
+            stderr, stderr

@@ -20,6 +20,11 @@ from collections import deque
 from multiprocessing.reduction import ForkingPickler
 from typing import Callable, Iterable, Iterator, List, Optional, Sequence, Tuple
 
+try:
+    from . import _write_errors
+except ImportError:  # loaded on its own by a script, beside it
+    import _write_errors
+
 CHUNK_LINES = 4096  # lines (or line tuples) sent to a worker at once
 CHUNK_BYTES = 1 << 18  # ... or fewer, once they hold this much text (encoding a chunk takes ~20x this)
 BLOCK_BYTES = 1 << 19  # bytes of a single input sent to a worker at once (`iter_blocks`)
@@ -86,7 +91,8 @@ def run_main(main: Callable[[], None], prog: str) -> None:
             main()
     except KeyboardInterrupt as e:
         interrupted_exit(prog, e)
-    except (ScriptError, ValueError, FileNotFoundError, IsADirectoryError, PermissionError, ImportError) as e:
+    except (ScriptError, ValueError, FileNotFoundError, IsADirectoryError, PermissionError, ImportError,
+            _write_errors.OutputError) as e:
         print(f"{prog}: error: {e}", file=sys.stderr)
         sys.exit(1)
     except BrokenPipeError:  # e.g. `... | head`: stop quietly, as a filter should
@@ -237,7 +243,8 @@ class AtomicOutputs:
                     raise FileNotFoundError(f"output directory {directory} (for {path}) does not exist")
                 if os.path.isdir(path):
                     raise IsADirectoryError(f"output {path} is a directory")
-                fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".part", dir=directory)
+                with _write_errors.writing(path, "--outputs"):  # e.g. a read-only directory: one line
+                    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".part", dir=directory)
                 self._tmp.append(tmp)
                 self.handles.append(io.open(fd, "w", encoding="utf-8", newline="\n"))
         except BaseException:
@@ -246,32 +253,37 @@ class AtomicOutputs:
         return self
 
     def write(self, index: int, text: str) -> None:
-        self.handles[index].write(text)
+        with _write_errors.writing(self.paths[index], "--outputs"):  # e.g. the file system filled up
+            self.handles[index].write(text)
 
     def write_bytes(self, index: int, data: bytes) -> None:
         """Write UTF-8 bytes (after any text written so far)."""
         handle = self.handles[index]
-        handle.flush()
-        handle.buffer.write(data)
+        with _write_errors.writing(self.paths[index], "--outputs"):
+            handle.flush()
+            handle.buffer.write(data)
 
     def commit(self) -> None:
         umask = os.umask(0)
         os.umask(umask)
         for handle, tmp, path in zip(self.handles, self._tmp, self.paths):
-            handle.flush()
             if tmp is None:
+                handle.flush()
                 continue
-            os.fsync(handle.fileno())
-            handle.close()
-            os.chmod(tmp, 0o666 & ~umask)  # mkstemp made it 0600; give it a plain new file's mode
-            os.replace(tmp, path)
+            with _write_errors.writing(path, "--outputs"):  # e.g. the file system filled up
+                handle.flush()
+                os.fsync(handle.fileno())
+                handle.close()
+                os.chmod(tmp, 0o666 & ~umask)  # mkstemp made it 0600; give it a plain new file's mode
+                os.replace(tmp, path)
         self._tmp = [None] * len(self._tmp)
 
     def _discard(self) -> None:
         for handle, tmp in zip(self.handles, self._tmp):
             if tmp is not None:
                 try:
-                    handle.close()
+                    with contextlib.suppress(OSError):  # the text is dropped: a failed flush does not matter
+                        handle.close()
                 finally:
                     if os.path.exists(tmp):
                         os.remove(tmp)
