@@ -263,7 +263,21 @@ def test_ctrl_c_while_the_workers_start_is_one_line_and_prompt(big, tmp_path, de
             started.append(time.time())
         return bool(started) and time.time() - started[0] >= delay
 
-    signum, elapsed, stderr = interrupt_once(proc, "SIGINT", forkserver_importing, "preprocess")
+    try:
+        deadline = time.time() + 60
+        while time.time() < deadline and not forkserver_importing():
+            time.sleep(0.002)
+        assert proc.poll() is None, "preprocess finished before it could be interrupted"
+        os.killpg(proc.pid, signal.SIGINT)  # as Ctrl-C: the whole group, forkserver included
+        sent = time.time()
+        while proc.poll() is None and time.time() - sent < 30:
+            time.sleep(0.005)
+        elapsed = time.time() - sent  # the command itself (the shell's prompt is back then)
+        stderr = proc.stderr.read()  # (end of file once the forkserver, which shares stderr, is gone too)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
     assert proc.returncode == 130 and elapsed < 3, (proc.returncode, elapsed, stderr[-2000:])
     assert stderr.strip().splitlines() == ["fairseq-preprocess: interrupted by SIGINT; temporary files removed, files "
                                            "written before are intact"], stderr[-3000:]
