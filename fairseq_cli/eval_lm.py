@@ -83,6 +83,7 @@ class BPE:
     def __init__(self, dictionary, starts, joins_next, word_text):
         self.dictionary = dictionary
         self.word_text = word_text
+        self.unknown = 0  # counted <unk> targets (evaluate): each may hide a word boundary (unknown_warning)
         ends = [False] * len(dictionary)
         for special in (dictionary.eos(), dictionary.bos()):
             ends[special] = True
@@ -94,6 +95,16 @@ class BPE:
             self.tables = [t.to(target.device) for t in self.tables]
         starts, joins_next, ends = self.tables
         return ends[src] | (starts[target] & ~joins_next[src])
+
+    def unknown_warning(self) -> Optional[str]:
+        """An <unk> carries no word-boundary mark (U+2581, `@@`, GPT-2's space): the piece it replaced may have
+        begun, continued or ended a word, which its id cannot tell. None when the scored text has none."""
+        if not self.unknown:
+            return None
+        return (f"--remove-bpe: the scored text holds {self.unknown:,} <unk> tokens (pieces not in dict.txt); "
+                f"the word count, and so the per-word perplexity, may differ from the raw text's by up to "
+                f"{self.unknown:,} words. Fix: build dict.txt from the tokenizer's whole vocabulary (for "
+                "sentencepiece its .vocab, examples/large_lm/README.md) and binarize with it (--srcdict)")
 
 
 SPM_SPACE = "\u2581"  # sentencepiece's word-boundary mark
@@ -236,6 +247,7 @@ def evaluate(model, batches, pad: int, device, dtype, bos: Optional[int] = None,
         begins = bpe.word_beginnings(src, target) if bpe is not None else None
         if begins is not None:
             word_count += int((begins & mask).sum())
+            bpe.unknown += int((target.eq(bpe.dictionary.unk()) & mask).sum())
         if words is not None:
             words.add_batch(sample["id"], target.cpu(), -token_nll.view_as(target).cpu(), mask.cpu(),
                             None if begins is None else begins.cpu())
@@ -307,6 +319,8 @@ def main(cfg, **unused_kwargs) -> dict:
     logger.info(f"Evaluated {count:,} tokens in {elapsed:.1f}s ({count / max(elapsed, 1e-9):.2f} tokens/s)")
     if bpe is not None:
         logger.info(f"--remove-bpe: loss and perplexity per word ({words_count:,} words)")
+        if bpe.unknown_warning():
+            logger.warning(bpe.unknown_warning())
     logger.info(f"Loss (base 2): {loss:.4f}, Perplexity: {ppl:.2f}")
     if words is not None and cfg.eval_lm.output_word_stats:
         words.log_stats()

@@ -150,9 +150,11 @@ def main(args: Namespace) -> None:
     old_level = logger.level
     if logger.getEffectiveLevel() > logging.INFO:  # preprocess.log always gets the INFO lines
         logger.setLevel(logging.INFO)
-    pool = binarizer.make_pool(args.workers - 1, preload=(binarizer.__name__,)) if args.workers > 1 else None
+    pool = None
     try:
-        logger.info(args)
+        logger.info(args)  # first, as upstream: its log is never empty, even when a Ctrl-C comes next
+        if args.workers > 1:  # seconds (the workers' forkserver imports torch): an interrupt here ends the run too
+            pool = binarizer.make_pool(args.workers - 1, preload=(binarizer.__name__,))
         _run(args, pool, spec)
         if pool is not None:
             pool.close()

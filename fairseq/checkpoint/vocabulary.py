@@ -77,12 +77,18 @@ def check_bpe_flags(cfg) -> None:
 
 
 def check_bpe_files(cfg) -> None:
-    """Start-up check of a chosen --bpe: each file it needs is named and readable. One-line error naming the
-    flag, the path and the fix."""
+    """Start-up check of a chosen --bpe: each file it needs is named, readable and loads (checkpoints carry the
+    files: a bad one would break every consumer). One-line error naming the flag, the path and the fix."""
+    from fairseq.data.encoders.bpe_file_check import WHAT, bpe_file_problem
+
     check_bpe_flags(cfg)
     for option in BPE_FILES.get(_get(cfg, "_name"), ()):
         path = _get(cfg, option)
         _read(str(path), f"{flag(option)} {path}")
+        problem = bpe_file_problem(option, str(path))
+        if problem:
+            raise ValueError(f"{flag(option)} {path}: not a usable {WHAT[option]}: {problem}; pass the "
+                             f"{WHAT[option]} the data was encoded with")
 
 
 def _sha256(data: bytes) -> str:
@@ -170,11 +176,22 @@ def resolve_bpe(given, saved_bpe, record: Optional[Dict[str, Any]], checkpoint: 
         path = saved.get(option)
         if option in files:
             saved[option] = _materialized(files[option], [path, *also_look_in])
+            _check_carried(checkpoint, option, files[option], saved[option], _how_to_pass(name, keywords))
         elif not path or not os.path.isfile(str(path)):
             raise FileNotFoundError(
                 f"{checkpoint} was trained with --bpe {name} and {flag(option)} {path}, which is not found from "
                 f"{os.getcwd()} (the checkpoint stores its path, not the file); pass {_how_to_pass(name, keywords)}")
     return saved
+
+
+def _check_carried(checkpoint: str, option: str, entry: Dict[str, Any], path: str, how: str) -> None:
+    from fairseq.data.encoders.bpe_file_check import WHAT, bpe_file_problem
+
+    problem = bpe_file_problem(option, path)
+    if problem:
+        raise ValueError(f"{checkpoint} carries a bad {flag(option)} file ({entry.get('name')}, from "
+                         f"{entry.get('path')} at training: {problem}), so its copy cannot be used; "
+                         f"override it: pass {how} (the {WHAT[option]} the data was encoded with)")
 
 
 _private_dir: Optional[str] = None

@@ -60,6 +60,9 @@ def data_file_path(prefix: str) -> str:
     return prefix + ".bin"
 
 
+LAYOUT_CHECK_WINDOW = 1 << 22  # items per window of MMapIndex._check_layout
+
+
 class CorruptDatasetError(ValueError):
     """A `.idx`/`.bin` pair that is not a valid MMIDIDX dataset; the message names the file."""
 
@@ -108,6 +111,25 @@ class MMapIndex:
         else:  # numpy cannot memmap an empty range
             self.sizes = np.zeros(0, dtype=np.int32)
             self.pointers = np.zeros(0, dtype=np.int64)
+        self._check_layout()
+
+    def _check_layout(self) -> None:
+        """Each pointer is the previous pointer plus the previous size times the dtype's bytes (upstream's
+        layout, the only one fairseq-preprocess writes); checked in windows so a huge index costs no big copy."""
+        n, itemsize = self._len, self.dtype.itemsize
+        for start in range(0, n, LAYOUT_CHECK_WINDOW):
+            stop = min(n, start + LAYOUT_CHECK_WINDOW + 1)
+            sizes = self.sizes[start:stop].astype(np.int64)
+            pointers = self.pointers[start:stop]
+            bad_sizes = np.flatnonzero(sizes < 0)
+            bad_ptrs = np.flatnonzero(pointers[1:] != pointers[:-1] + sizes[:-1] * itemsize)
+            if bad_sizes.size or bad_ptrs.size:
+                i = start + int(min(bad_sizes[:1].tolist() + bad_ptrs[:1].tolist()))
+                size, ptr = int(self.sizes[i]), int(self.pointers[i])
+                what = (f"item {i} has size {size}" if size < 0 else
+                        f"item {i} (pointer {ptr}, size {size}) ends at byte {ptr + size * itemsize} but item "
+                        f"{i + 1}'s pointer is {int(self.pointers[i + 1])}")
+                raise CorruptDatasetError(f"{self.path}: corrupt index: {what}; re-run fairseq-preprocess")
 
     def __len__(self) -> int:
         return self._len

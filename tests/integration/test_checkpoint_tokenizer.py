@@ -253,6 +253,66 @@ def test_a_missing_tokenizer_file_is_one_line_at_start_up(trained, tmp_path, mon
                                                  gpt2_encoder_json="nope/encoder.json")
 
 
+@pytest.mark.parametrize("option,content,problem", [
+    ("--gpt2-encoder-json", "{not json\n", "not a usable GPT-2 BPE encoder.json: not valid JSON (Expecting property "
+                                           "name enclosed in double quotes: line 1 column 2 (char 1))"),
+    ("--gpt2-encoder-json", "", "not a usable GPT-2 BPE encoder.json: empty"),
+    ("--gpt2-vocab-bpe", "{not json\n", "not a usable GPT-2 BPE vocab.bpe: does not start with a '#version: 0.2' "
+                                        "line (got '{not json')"),
+    ("--sentencepiece-model", "{not json\n", "not a usable sentencepiece .model file: sentencepiece cannot load it "
+                                             "(INTERNAL: could not parse ModelProto from bad); a .model file written "
+                                             "by spm_train is needed, not the .vocab"),
+])
+def test_a_garbage_or_empty_tokenizer_file_is_one_line_at_start_up(trained, tmp_path, monkeypatch, option,
+                                                                    content, problem):
+    """Every checkpoint would carry the file, and every consumer would then fail on it: refused before training."""
+    if option == "--sentencepiece-model":
+        pytest.importorskip("sentencepiece")
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "bad").write_text(content)
+    keep = trained["keep"]
+    flags = {"--gpt2-encoder-json": ["--bpe", "gpt2", "--gpt2-encoder-json", "bad", "--gpt2-vocab-bpe",
+                                     str(keep / "vocab.bpe")],
+             "--gpt2-vocab-bpe": ["--bpe", "gpt2", "--gpt2-encoder-json", str(keep / "encoder.json"),
+                                  "--gpt2-vocab-bpe", "bad"],
+             "--sentencepiece-model": ["--bpe", "sentencepiece", "--sentencepiece-model", "bad"]}[option]
+    status, out, err = train_in_process(tiny_train_argv(trained["data"], tmp_path / "ck", *flags, max_update=2,
+                                                        arch="transformer_lm_gpt", json_log=False, log_file=False))
+    kind = problem.split(": ")[0].replace("not a usable ", "")
+    assert status == 2 and len(err.strip().splitlines()) == 1  # a usage error (the parser's prog name)
+    assert err.strip().split(": error: ", 1)[1] == f"{option} bad: {problem}; pass the {kind} the data was encoded with"
+    assert not (tmp_path / "ck").exists()  # nothing trained, nothing saved
+
+
+def test_a_checkpoint_carrying_a_bad_tokenizer_file_says_so_and_how_to_override(trained, tmp_path, monkeypatch):
+    """A checkpoint written before the start-up check (or edited) carries garbage: its consumers name the
+    checkpoint and the flags that override its copy, and those flags work."""
+    from fairseq.models.transformer_lm import TransformerLanguageModel
+
+    state = torch.load(trained["ckpt"], weights_only=True)
+    files = state["vocabulary"]["bpe"]["files"]
+    files["gpt2_encoder_json"]["content"] = b"{not json\n"
+    bad = tmp_path / "bad.pt"
+    torch.save(state, bad)
+    monkeypatch.chdir(tmp_path)
+    said = (f"{bad} carries a bad --gpt2-encoder-json file (encoder.json, from "
+            f"{files['gpt2_encoder_json']['path']} at training: not valid JSON (Expecting property name enclosed in "
+            "double quotes: line 1 column 2 (char 1))), so its copy cannot be used; override it: pass ")
+    flags = "--bpe gpt2 --gpt2-encoder-json PATH --gpt2-vocab-bpe PATH (the GPT-2 BPE encoder.json the data was " \
+            "encoded with)"
+    status, _, err = _interactive(trained, path=bad)
+    assert status == 1 and err.strip() == f"fairseq-interactive: error: {said}{flags}"
+    common = [trained["data"], "--path", bad, "--cpu", "--gen-subset", "valid", "--tokens-per-sample", "32"]
+    status, _, err = console_in_process("fairseq-eval-lm", eval_lm.cli_main, list(map(str, common + ["--remove-bpe"])))
+    assert status == 1 and err.strip() == f"fairseq-eval-lm: error: {said}{flags}"
+    with pytest.raises(ValueError, match="carries a bad --gpt2-encoder-json file .* override it: pass bpe='gpt2', "
+                                         "gpt2_encoder_json=PATH, gpt2_vocab_bpe=PATH"):
+        TransformerLanguageModel.from_pretrained(str(tmp_path), "bad.pt", data_name_or_path=str(trained["data"]))
+    status, out, err = _interactive(trained, *_explicit(trained), path=bad)  # the override works
+    assert status == 0, err
+    assert _lines(out, "D")[0].split("\t")[2].startswith(PROMPT)
+
+
 def test_the_hydra_bpe_group_is_checked_at_start_up_too(trained, tmp_path, monkeypatch):
     from fairseq_cli import hydra_train
     from tests.integration.test_hydra_train import hydra_args

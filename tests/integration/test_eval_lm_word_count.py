@@ -3,7 +3,6 @@ whitespace words, subword-nmt `@@ ` pieces, sentencepiece and GPT-2 byte-level B
 text's whitespace-separated words plus one per line (its </s>), in blocks of 32 tokens that cut words; each
 word's log probability is the sum of its pieces'. Tiny models trained here on data made by fairseq-preprocess."""
 
-import logging
 import re
 
 import pytest
@@ -28,7 +27,7 @@ def _subword_nmt(line):
     return " ".join("@@ ".join(word[i:i + 3] for i in range(0, len(word), 3)) for word in line.split())
 
 
-def _route(root, name, train_lines, test_lines, bpe_flags, train_args, max_update=2):
+def _route(root, name, train_lines, test_lines, bpe_flags, train_args, max_update=2, srcdict=None):
     directory = root / name
     directory.mkdir()
     (directory / "train.txt").write_text("\n".join(train_lines) + "\n", encoding="utf-8")
@@ -36,7 +35,8 @@ def _route(root, name, train_lines, test_lines, bpe_flags, train_args, max_updat
     data = directory / "data-bin"
     preprocess.cli_main(["--only-source", "--trainpref", str(directory / "train.txt"), "--validpref",
                          str(directory / "test.txt"), "--testpref", str(directory / "test.txt"), "--destdir",
-                         str(data), "--workers", "1", *map(str, bpe_flags)])
+                         str(data), "--workers", "1", *map(str, bpe_flags),
+                         *(["--srcdict", str(srcdict)] if srcdict else [])])
     train.cli_main(train_args(data, directory / "ckpt", *map(str, bpe_flags), max_update=max_update))
     return data, directory / "ckpt" / "checkpoint_last.pt"
 
@@ -107,3 +107,40 @@ def test_the_same_text_has_the_same_word_count_whatever_its_tokenizer(routes, ro
     token_rows = _word_rows(_eval(data, ckpt, "--output-word-probs"))  # without --remove-bpe: one per token
     assert len(token_rows) == tokens
     assert sum(lp for _, lp in rows) == pytest.approx(sum(lp for _, lp in token_rows), abs=1e-3)
+
+
+def _vocab_dict(spm_model, path):
+    """dict.txt from the sentencepiece model's whole vocabulary, upstream's recipe (examples/large_lm/README.md):
+    `cut -f1 spm.vocab | tail -n +4 | sed "s/$/ 100/g" > dict.txt` (the first three are <unk>, <s>, </s>)."""
+    pieces = [line.split("\t")[0] for line in spm_model.with_suffix(".vocab").read_text(encoding="utf-8").splitlines()]
+    path.write_text("".join(f"{p} 100\n" for p in pieces[3:]), encoding="utf-8")
+    return path
+
+
+def test_pieces_missing_from_dict_txt_are_warned_about_and_a_dict_of_the_whole_vocab_has_none(tmp_path, train_args):
+    """The README's sentencepiece route built dict.txt from the train split: a test piece the train text never
+    produced is <unk>, which carries no U+2581, so words merge. eval-lm says how many <unk> tokens there are;
+    dict.txt made from the model's vocabulary (the README's route now) leaves none and counts every word."""
+    pytest.importorskip("sentencepiece")
+    lines = _lines()
+    train_lines, test_lines = lines[:40], lines[40:100]
+    spm_dir = tmp_path / "spm_model"
+    spm_dir.mkdir()
+    spm = train_spm_model(spm_dir, "\n".join(lines), vocab_size=300)  # every character seen: no unknown ones
+    bpe = ["--bpe", "sentencepiece", "--sentencepiece-model", spm]
+    expected = sum(len(line.split()) for line in test_lines) + len(test_lines)
+    data, ckpt = _route(tmp_path, "from_train", train_lines, test_lines, bpe, train_args)
+    out = _eval(data, ckpt, "--remove-bpe", "sentencepiece")
+    warnings = [line.split(" | ", 3)[3] for line in out.splitlines() if "| WARNING |" in line and "<unk>" in line]
+    assert len(warnings) == 1, out[-3000:]
+    unknown = int(re.search(r"holds ([\d,]+) <unk> tokens", warnings[0]).group(1).replace(",", ""))
+    words, _ = _words_and_tokens(out)
+    assert 0 < expected - words <= unknown  # merged words, no more than the warning announced
+    assert warnings[0] == (f"--remove-bpe: the scored text holds {unknown:,} <unk> tokens (pieces not in dict.txt); "
+                           f"the word count, and so the per-word perplexity, may differ from the raw text's by up "
+                           f"to {unknown:,} words. Fix: build dict.txt from the tokenizer's whole vocabulary (for "
+                           "sentencepiece its .vocab, examples/large_lm/README.md) and binarize with it (--srcdict)")
+    vocab_dict = _vocab_dict(spm, tmp_path / "spm_dict.txt")
+    data, ckpt = _route(tmp_path, "from_vocab", train_lines, test_lines, bpe, train_args, srcdict=vocab_dict)
+    out = _eval(data, ckpt, "--remove-bpe", "sentencepiece")
+    assert _words_and_tokens(out)[0] == expected and "<unk>" not in out

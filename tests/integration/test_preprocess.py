@@ -232,3 +232,55 @@ def test_killed_run_leaves_no_dataset(big, tmp_path):
         proc.wait()
     assert not MMapIndexedDataset.exists(str(dest / "train"))
     assert not [p for p in dest.iterdir() if p.suffix in (".bin", ".idx")]
+
+
+def forkserver_started(pid):
+    """Whether multiprocessing's forkserver, a child of `pid`, has started (it then imports torch: seconds)."""
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            if stat.read_text().rsplit(")", 1)[1].split()[1] == str(pid) and \
+                    b"multiprocessing.forkserver" in (stat.parent / "cmdline").read_bytes():
+                return True
+        except (OSError, IndexError):
+            continue
+    return False
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="finds the forkserver through /proc")
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("delay", [0.05, 0.5])
+def test_ctrl_c_while_the_workers_start_is_one_line_and_prompt(big, tmp_path, delay):
+    """Ctrl-C while the workers' forkserver imports its modules: only this process reports it (the forkserver
+    starts with SIGINT blocked and then ignores it), at once; preprocess.log holds the arguments line first, as
+    upstream's (never an empty file)."""
+    dest = tmp_path / "out"
+    proc = subprocess.Popen([CLI, "--only-source", "--trainpref", str(big), "--destdir", str(dest), "--workers", "2"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    started = []
+
+    def forkserver_importing():
+        if not started and forkserver_started(proc.pid):
+            started.append(time.time())
+        return bool(started) and time.time() - started[0] >= delay
+
+    try:
+        deadline = time.time() + 60
+        while time.time() < deadline and not forkserver_importing():
+            time.sleep(0.002)
+        assert proc.poll() is None, "preprocess finished before it could be interrupted"
+        os.killpg(proc.pid, signal.SIGINT)  # as Ctrl-C: the whole group, forkserver included
+        sent = time.time()
+        while proc.poll() is None and time.time() - sent < 30:
+            time.sleep(0.005)
+        elapsed = time.time() - sent  # the command itself (the shell's prompt is back then)
+        stderr = proc.stderr.read()  # (end of file once the forkserver, which shares stderr, is gone too)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == 130 and elapsed < 3, (proc.returncode, elapsed, stderr[-2000:])
+    assert stderr.strip().splitlines() == ["fairseq-preprocess: interrupted by SIGINT; temporary files removed, files "
+                                           "written before are intact"], stderr[-3000:]
+    assert sorted(p.name for p in dest.iterdir()) == ["preprocess.log"]
+    assert (dest / "preprocess.log").read_text().startswith("Namespace(")
+    assert_group_gone(proc.pid)  # the forkserver too (it ends once it sees this process gone)

@@ -199,3 +199,23 @@ def test_a_plugin_written_for_upstream_trains(tiny_data, tmp_path, user_dir):
     # smoothing spreads 20% of the target mass over the vocabulary: the loss is above the plain NLL
     assert all(float(r["loss"]) > float(r["nll_loss"]) for r in rows)
     assert float(rows[-1]["ppl"]) == pytest.approx(2 ** float(rows[-1]["nll_loss"]), rel=1e-2)
+
+
+def test_an_index_whose_sizes_disagree_with_its_pointers_is_refused(tiny_data, tmp_path, train_args):
+    """One byte of valid.idx changed (item 0's size): the .bin's length still matches, the pointers do not."""
+    import shutil
+
+    from tests.train_fixtures import train_in_process
+
+    data = tmp_path / "data-bin"
+    shutil.copytree(tiny_data, data)
+    with open(data / "valid.idx", "r+b") as f:
+        f.seek(26)  # item 0's size, right after the header
+        size = f.read(1)[0]
+        f.seek(26)
+        f.write(bytes([size - 1]))
+    status, _, err = train_in_process(train_args(data, tmp_path / "ck", max_update=1))
+    assert status == 1
+    assert err.strip() == (f"fairseq-train: error: {data / 'valid.idx'}: corrupt index: item 0 (pointer 0, size "
+                           f"{size - 1}) ends at byte {2 * (size - 1)} but item 1's pointer is {2 * size}; "
+                           "re-run fairseq-preprocess")

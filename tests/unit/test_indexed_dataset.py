@@ -218,7 +218,39 @@ def test_pointers_inconsistent_with_sizes(tmp_path):
     bad = bytearray(idx)
     bad[26 + 8: 26 + 16] = struct.pack("<q", 2)  # first pointer 2 instead of 0
     (tmp_path / "x.idx").write_bytes(bytes(bad))
-    with pytest.raises(CorruptDatasetError, match=r"x\.bin: .* do not belong together"):
+    with pytest.raises(CorruptDatasetError, match=r"x\.idx: corrupt index: item 0 \(pointer 2, size 2\) ends at "
+                                                 r"byte 6 but item 1's pointer is 4; re-run fairseq-preprocess"):
+        MMapIndexedDataset(str(tmp_path / "x"))
+
+
+def test_one_size_changed_is_caught(tmp_path):
+    """One byte of a size changed (12 -> 5) keeps the .bin's length right; the pointers no longer follow."""
+    items = [list(range(4, 16)), [4, 5, 6], [7, 8]]
+    idx, _ = write_by_hand(str(tmp_path / "x"), 8, items)
+    bad = bytearray(idx)
+    assert bad[26] == 12  # item 0's size, right after the 26-byte header
+    bad[26] = 5
+    (tmp_path / "x.idx").write_bytes(bytes(bad))
+    with pytest.raises(CorruptDatasetError, match=r"^\S*x\.idx: corrupt index: item 0 \(pointer 0, size 5\) ends at "
+                                                 r"byte 10 but item 1's pointer is 24; re-run fairseq-preprocess$"):
+        MMapIndexedDataset(str(tmp_path / "x"))
+
+
+def test_layout_is_checked_across_windows(tmp_path, monkeypatch):
+    monkeypatch.setattr(indexed_dataset, "LAYOUT_CHECK_WINDOW", 2)
+    items = [[4, 5]] * 7
+    idx, _ = write_by_hand(str(tmp_path / "x"), 8, items)
+    assert len(MMapIndexedDataset(str(tmp_path / "x"))) == 7  # intact: every window passes
+    for item in (1, 2, 5):  # inside a window, at a window's last item, at the next window's first
+        bad = bytearray(idx)
+        bad[26 + 4 * item] = 3
+        (tmp_path / "x.idx").write_bytes(bytes(bad))
+        with pytest.raises(CorruptDatasetError, match=rf"corrupt index: item {item} \(pointer {4 * item}, size 3\)"):
+            MMapIndexedDataset(str(tmp_path / "x"))
+    bad = bytearray(idx)
+    bad[26 + 4 * 6: 26 + 4 * 7] = struct.pack("<i", -1)  # the last item: no next pointer to disagree with
+    (tmp_path / "x.idx").write_bytes(bytes(bad))
+    with pytest.raises(CorruptDatasetError, match=r"corrupt index: item 6 has size -1; re-run fairseq-preprocess"):
         MMapIndexedDataset(str(tmp_path / "x"))
 
 

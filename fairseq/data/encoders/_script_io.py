@@ -330,7 +330,7 @@ class WorkerPool:
         self._workers: List[_Worker] = []
         self._closed = False
         try:
-            with _stop_signals_blocked():
+            with _stop_signals_blocked(ctx.get_start_method() != "forkserver"):
                 for _ in range(max(1, processes)):
                     self._workers.append(_Worker(ctx, initializer, initargs))
             for w in self._workers:
@@ -462,14 +462,30 @@ def _worker_context(preload: Sequence[str]):
     # Global to multiprocessing and read when its forkserver starts (once per process); a module not preloaded
     # is imported by each worker when a task first needs it.
     ctx.set_forkserver_preload(["__main__", *preload])
+    _start_forkserver()
     return ctx
 
 
+def _start_forkserver() -> None:
+    """Start multiprocessing's forkserver (once per process) with SIGINT and SIGTERM blocked, so that it and every
+    worker it forks start with them blocked: it ignores SIGINT only after importing the preload modules (seconds,
+    with torch), and a Ctrl-C meanwhile printed its KeyboardInterrupt traceback; blocked, the signal waits until
+    it ignores SIGINT, which discards it. Its resource tracker is started first, outside the block: starting it
+    unblocks both signals in the calling thread (multiprocessing.resource_tracker.ensure_running), which would
+    undo the block. This process is not blocked while the workers start (each waits for the preload): a Ctrl-C
+    then ends it at once (WorkerPool terminates the workers started so far)."""
+    from multiprocessing import forkserver, resource_tracker
+
+    resource_tracker.ensure_running()
+    with _stop_signals_blocked():
+        forkserver.ensure_running()
+
+
 @contextlib.contextmanager
-def _stop_signals_blocked():
-    """SIGINT and SIGTERM held back in this thread meanwhile: a process started meanwhile (the forkserver on
-    first use, and so every worker it forks; or a spawned worker) starts with them blocked."""
-    if not hasattr(signal, "pthread_sigmask"):
+def _stop_signals_blocked(block: bool = True):
+    """SIGINT and SIGTERM held back in this thread meanwhile: a process started meanwhile (the forkserver, and
+    so every worker it forks; or a spawned worker) starts with them blocked."""
+    if not block or not hasattr(signal, "pthread_sigmask"):
         yield
         return
     previous = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
