@@ -26,7 +26,7 @@ from fairseq import options
 from fairseq.checkpoint.inference import load_model
 from fairseq.checkpoint.vocabulary import check_bpe_files, resolve_bpe
 from fairseq.data.batching import resolve_limit
-from fairseq.data.block_positions import check_blocks_fit
+from fairseq.data.block_positions import block_limit, check_blocks_fit, generation_start_positions
 from fairseq.dataclass.flag_values import task_data_dir
 from fairseq.dataclass.generation import check_generation_config
 from fairseq.dataclass.validate import announce_compat_options, check_shard
@@ -186,7 +186,7 @@ def _main(cfg, out: TextIO) -> dict:
     split = cfg.dataset.gen_subset
     task.load_dataset(split)
     dataset = task.dataset(split)
-    max_positions = _prompt_limit(cfg, dataset, max_positions_of(task, models))
+    max_positions = _prompt_limit(cfg, getattr(task, "cfg", cfg.task), dataset, max_positions_of(task, models))
     epoch_itr = task.get_batch_iterator(
         dataset=dataset, max_tokens=max_tokens, max_sentences=cfg.dataset.batch_size,
         max_positions=max_positions, ignore_invalid_inputs=cfg.dataset.skip_invalid_size_inputs_valid_test,
@@ -235,10 +235,11 @@ def _main(cfg, out: TextIO) -> dict:
     return {"sentences": sentences, "tokens": generated}
 
 
-def _prompt_limit(cfg, dataset, max_positions: Optional[int]) -> Optional[int]:
+def _prompt_limit(cfg, task_cfg, dataset, max_positions: Optional[int]) -> Optional[int]:
     """The longest sample the batches may hold. The model reads the start token and the prompt: with
     --prefix-size N only the sample's first N tokens (so any line fits when N + 1 positions do), else the
-    whole sample but its last token (block_positions' rule: the sample must fit the model's positions)."""
+    whole sample's source (block_positions' rule: it must fit the model's positions with the start token;
+    `task_cfg`, the loaded task's, has the checkpoint's --add-bos-token)."""
     prefix_size = cfg.generation.prefix_size
     if prefix_size > 0:
         if max_positions is not None and prefix_size + 1 > max_positions and len(dataset):
@@ -247,9 +248,9 @@ def _prompt_limit(cfg, dataset, max_positions: Optional[int]) -> Optional[int]:
                              f"pass --prefix-size {max_positions - 1} or less")
         return None
     if not cfg.dataset.skip_invalid_size_inputs_valid_test:
-        check_blocks_fit(dataset.sizes, max_positions, cfg.dataset.gen_subset, cfg.task,
+        check_blocks_fit(dataset.sizes, max_positions, cfg.dataset.gen_subset, task_cfg, generation=True,
                          other_fix=", or --prefix-size N to prompt with each sample's first N tokens")
-    return max_positions
+    return block_limit(max_positions, generation_start_positions(task_cfg))
 
 
 def _data_dir(cfg) -> Optional[str]:

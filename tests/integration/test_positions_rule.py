@@ -49,12 +49,13 @@ def test_eval_lm_refuses_blocks_longer_than_the_model(tiny_data, tiny_lm_checkpo
     status, out, _ = eval_lm_run(tiny_data, tiny_lm_checkpoint, "--tokens-per-sample", 32)
     assert status == 0 and "Perplexity" in out  # the trained size
     status, _, err = eval_lm_run(tiny_data, tiny_lm_checkpoint, "--tokens-per-sample", 64)
-    assert status == 1 and err.strip() == (f"fairseq-eval-lm: error: --tokens-per-sample 64 is more than {MODEL}: "
-                                           "pass --tokens-per-sample 32 or less")
+    assert status == 1 and err.strip() == (f"fairseq-eval-lm: error: --tokens-per-sample 64 is more than {MODEL} "
+                                           "(sample 0 of 'test' has 64 tokens): pass --tokens-per-sample 32 or less")
     status, _, err = eval_lm_run(tiny_data, tiny_lm_checkpoint, "--tokens-per-sample", 48, "--context-window", 24)
     assert status == 1 and err.strip() == (
         "fairseq-eval-lm: error: --tokens-per-sample 48 (blocks of 24 tokens read after up to --context-window 24 "
-        f"tokens of context) is more than {MODEL}: pass --tokens-per-sample 32 or less, with a --context-window "
+        f"tokens of context) is more than {MODEL} (sample 0 of 'test' has 24 tokens): pass --tokens-per-sample 32 "
+        "or less, with a --context-window "
         "smaller than it")
     status, out, _ = eval_lm_run(tiny_data, tiny_lm_checkpoint, "--tokens-per-sample", 32, "--context-window", 16)
     assert status == 0 and "Perplexity" in out
@@ -82,7 +83,7 @@ def test_generate_names_the_long_line_and_the_fixes_that_work(long_line_data, ti
     assert status == 1 and err.strip() == (
         "fairseq-generate: error: sample 2 of 'test' is one line of 41 tokens (--sample-break-mode eos keeps lines "
         f"whole), more than {MODEL}: pass --sample-break-mode none to cut the text into blocks of "
-        "--tokens-per-sample 32 or less, or --prefix-size N to prompt with each sample's first N tokens, or "
+        "--tokens-per-sample 31 or less, or --prefix-size N to prompt with each sample's first N tokens, or "
         "--skip-invalid-size-inputs-valid-test to skip such lines")
     # --prefix-size: the model reads only the first 5 tokens of each line, the long one included
     status, out, _ = generate_run(long_line_data, tiny_lm_checkpoint, *eos_mode, "--prefix-size", 5)
@@ -96,9 +97,31 @@ def test_generate_names_the_long_line_and_the_fixes_that_work(long_line_data, ti
     status, out, _ = generate_run(long_line_data, tiny_lm_checkpoint, *eos_mode,
                                   "--skip-invalid-size-inputs-valid-test")
     assert status == 0 and ids(out) == [0, 1, 3, 4] and "are skipped, e.g. [2]" in out
-    # blocks cut by --tokens-per-sample: that flag is named
+    # blocks cut by --tokens-per-sample: that flag is named, with the value that works
     status, _, err = generate_run(long_line_data, tiny_lm_checkpoint, "--sample-break-mode", "none",
                                   "--tokens-per-sample", 64)
     assert status == 1 and err.strip() == (
-        f"fairseq-generate: error: --tokens-per-sample 64 is more than {MODEL}: pass --tokens-per-sample 32 or "
-        "less, or --prefix-size N to prompt with each sample's first N tokens")
+        "fairseq-generate: error: --tokens-per-sample 64 makes prompts that need 57 positions with the </s> "
+        "generation starts from (sample 0 of 'test' has 56 tokens; a prompt is the token before its block and all "
+        f"of the block but its last token), more than {MODEL}: pass --tokens-per-sample 31 or less, or "
+        "--prefix-size N to prompt with each sample's first N tokens, or --skip-invalid-size-inputs-valid-test to "
+        "skip such samples")
+
+
+def test_generate_tokens_per_sample_of_the_model_length(tiny_data, tiny_lm_checkpoint):
+    """--sample-break-mode none: a prompt is the token before its block and the block but its last token, so a
+    block of the model's 32 tokens needs 33 positions with the </s> generation starts from. The error names the
+    sample and the value that works; the skip flag skips those blocks (the last, shorter block is generated)."""
+    none_mode = ("--sample-break-mode", "none", "--batch-size", 40)
+    status, _, err = generate_run(tiny_data, tiny_lm_checkpoint, *none_mode, "--tokens-per-sample", 32)
+    assert status == 1 and err.strip().count("\n") == 0 and "Traceback" not in err
+    assert err.strip().startswith("fairseq-generate: error: --tokens-per-sample 32 makes prompts that need 33 "
+                                  "positions with the </s> generation starts from (sample 0 of 'test' has 32 tokens")
+    assert "pass --tokens-per-sample 31 or less" in err
+    status, out, err = generate_run(tiny_data, tiny_lm_checkpoint, *none_mode, "--tokens-per-sample", 31)
+    assert status == 0, err
+    assert len(ids(out)) == len(ids(out, "S")) > 0
+    status, out, err = generate_run(tiny_data, tiny_lm_checkpoint, *none_mode, "--tokens-per-sample", 32,
+                                    "--skip-invalid-size-inputs-valid-test")
+    assert status == 0, err
+    assert "are skipped" in out + err and 0 < len(ids(out)) < 5
