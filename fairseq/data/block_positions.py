@@ -64,7 +64,7 @@ def check_blocks_fit(sizes, max_positions: Optional[int], split: str, task_cfg, 
                 f"generation starts from ({index}; a prompt is the token before its block and all of the block but "
                 f"its last token), more than {model}: pass --tokens-per-sample {max_positions - start} or "
                 f"less{other_fix}, or --skip-invalid-size-inputs-valid-test to skip such samples")
-        raise ValueError(f"--tokens-per-sample {given}{window} is more than {model} ({index}): pass "
+        raise ValueError(f"--tokens-per-sample {given}{window} is more than {model}: {index}; pass "
                          f"--tokens-per-sample {max_positions} or less{smaller}{other_fix}")
     # a line longer than the block size: --sample-break-mode keeps it whole
     context = f" plus --context-window {context_window} tokens of context" if context_window else ""

@@ -8,7 +8,7 @@ import re
 
 import pytest
 
-from fairseq_cli import eval_lm, generate, preprocess
+from fairseq_cli import eval_lm, generate, preprocess, validate
 from tests.train_fixtures import console_in_process
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -41,6 +41,13 @@ def generate_run(data, ckpt, *extra):
                                *map(str, extra)])
 
 
+def validate_run(data, ckpt, *extra):
+    return console_in_process("fairseq-validate", validate.cli_main,
+                              [str(data), "--task", "language_modeling", "--path", str(ckpt), "--cpu",
+                               "--valid-subset", "test", "--num-workers", "0", "--max-tokens", "4096",
+                               *map(str, extra)])
+
+
 def ids(stdout, kind="H"):
     return sorted({int(m.group(1)) for m in re.finditer(rf"^{kind}-(\d+)\t", stdout, re.M)})
 
@@ -49,12 +56,12 @@ def test_eval_lm_refuses_blocks_longer_than_the_model(tiny_data, tiny_lm_checkpo
     status, out, _ = eval_lm_run(tiny_data, tiny_lm_checkpoint, "--tokens-per-sample", 32)
     assert status == 0 and "Perplexity" in out  # the trained size
     status, _, err = eval_lm_run(tiny_data, tiny_lm_checkpoint, "--tokens-per-sample", 64)
-    assert status == 1 and err.strip() == (f"fairseq-eval-lm: error: --tokens-per-sample 64 is more than {MODEL} "
-                                           "(sample 0 of 'test' has 64 tokens): pass --tokens-per-sample 32 or less")
+    assert status == 1 and err.strip() == (f"fairseq-eval-lm: error: --tokens-per-sample 64 is more than {MODEL}: "
+                                           "sample 0 of 'test' has 64 tokens; pass --tokens-per-sample 32 or less")
     status, _, err = eval_lm_run(tiny_data, tiny_lm_checkpoint, "--tokens-per-sample", 48, "--context-window", 24)
     assert status == 1 and err.strip() == (
         "fairseq-eval-lm: error: --tokens-per-sample 48 (blocks of 24 tokens read after up to --context-window 24 "
-        f"tokens of context) is more than {MODEL} (sample 0 of 'test' has 24 tokens): pass --tokens-per-sample 32 "
+        f"tokens of context) is more than {MODEL}: sample 0 of 'test' has 24 tokens; pass --tokens-per-sample 32 "
         "or less, with a --context-window "
         "smaller than it")
     status, out, _ = eval_lm_run(tiny_data, tiny_lm_checkpoint, "--tokens-per-sample", 32, "--context-window", 16)
@@ -125,3 +132,16 @@ def test_generate_tokens_per_sample_of_the_model_length(tiny_data, tiny_lm_check
                                     "--skip-invalid-size-inputs-valid-test")
     assert status == 0, err
     assert "are skipped" in out + err and 0 < len(ids(out)) < 5
+
+
+def test_validate_names_the_block_size_that_fits(tiny_data, tiny_lm_checkpoint):
+    """fairseq-validate reads blocks as eval-lm does: too long blocks are refused with eval-lm's message (lower
+    --tokens-per-sample, not raise it), and the value it names works."""
+    status, _, err = validate_run(tiny_data, tiny_lm_checkpoint, "--tokens-per-sample", 64)
+    assert status == 1 and err.strip() == (f"fairseq-validate: error: --tokens-per-sample 64 is more than {MODEL}: "
+                                           "sample 0 of 'test' has 64 tokens; pass --tokens-per-sample 32 or less")
+    status, out, err = validate_run(tiny_data, tiny_lm_checkpoint, "--tokens-per-sample", 32)
+    assert status == 0 and "valid on 'test' subset" in out, err
+    status, out, err = validate_run(tiny_data, tiny_lm_checkpoint, "--tokens-per-sample", 64,
+                                    "--skip-invalid-size-inputs-valid-test")
+    assert status == 0 and "valid on 'test' subset" in out, err
