@@ -73,11 +73,23 @@ def check_token_budget(cfg) -> None:
     if not dataset.disable_validation:
         budgets.append(("--max-tokens-valid", dataset.max_tokens_valid))
     for flag, value in budgets:
-        if value and value < tokens_per_sample:
-            raise ValueError(
-                f"{flag} {value} is less than --tokens-per-sample {tokens_per_sample}: with --sample-break-mode "
-                f"{mode} (nearly) every block has {tokens_per_sample} tokens and would be skipped; raise {flag} to "
-                f"at least {tokens_per_sample}, or lower --tokens-per-sample to at most {value}")
+        check_block_budget(flag, value, tokens_per_sample, mode)
+
+
+def check_block_budget(flag: str, value: Optional[int], block: Optional[int], mode: Optional[str],
+                       context_window: int = 0) -> None:
+    """ValueError when a batch budget (`flag` `value`) is below the `block` tokens that --sample-break-mode
+    `mode` packs (nearly) every block to (fairseq-train, fairseq-eval-lm); `context_window`: eval-lm's blocks
+    are --tokens-per-sample less --context-window tokens."""
+    if block is None or mode not in PACKED_BREAK_MODES or not value or value >= block:
+        return
+    given = f"--tokens-per-sample {block + context_window}"
+    if context_window:
+        given += f" less --context-window {context_window}"
+    raise ValueError(
+        f"{flag} {value} is less than {given}: with --sample-break-mode {mode} (nearly) every block has {block} "
+        f"tokens and would be skipped; raise {flag} to at least {block}, or lower --tokens-per-sample to at most "
+        f"{value + context_window}")
 
 
 def split_paths(data: str):

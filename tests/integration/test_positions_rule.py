@@ -145,3 +145,38 @@ def test_validate_names_the_block_size_that_fits(tiny_data, tiny_lm_checkpoint):
     status, out, err = validate_run(tiny_data, tiny_lm_checkpoint, "--tokens-per-sample", 64,
                                     "--skip-invalid-size-inputs-valid-test")
     assert status == 0 and "valid on 'test' subset" in out, err
+
+
+def test_eval_lm_refuses_max_tokens_below_the_block_size(tiny_data, tiny_lm_checkpoint):
+    """--max-tokens below --tokens-per-sample would skip (nearly) every packed block and print the perplexity of
+    what is left (or "no tokens"): refused in one line, as fairseq-train refuses it. In eos mode a line longer
+    than --max-tokens is an error naming it unless --skip-invalid-size-inputs-valid-test skips it."""
+    for budget in (31, 16):
+        status, _, err = eval_lm_run(tiny_data, tiny_lm_checkpoint, "--tokens-per-sample", 32, "--max-tokens", budget)
+        assert status == 1 and err.strip() == (
+            f"fairseq-eval-lm: error: --max-tokens {budget} is less than --tokens-per-sample 32: with "
+            "--sample-break-mode none (nearly) every block has 32 tokens and would be skipped; raise --max-tokens "
+            f"to at least 32, or lower --tokens-per-sample to at most {budget}")
+    status, _, err = eval_lm_run(tiny_data, tiny_lm_checkpoint, "--tokens-per-sample", 32, "--context-window", 8,
+                                 "--max-tokens", 20)
+    assert status == 1 and err.strip().endswith(
+        "--max-tokens 20 is less than --tokens-per-sample 32 less --context-window 8: with --sample-break-mode none "
+        "(nearly) every block has 24 tokens and would be skipped; raise --max-tokens to at least 24, or lower "
+        "--tokens-per-sample to at most 28")
+    # the fixes it names work, and give the perplexity of the whole split
+    status, whole, _ = eval_lm_run(tiny_data, tiny_lm_checkpoint, "--tokens-per-sample", 32)
+    status_a, raised, _ = eval_lm_run(tiny_data, tiny_lm_checkpoint, "--tokens-per-sample", 32, "--max-tokens", 32)
+    status_b, lowered, _ = eval_lm_run(tiny_data, tiny_lm_checkpoint, "--tokens-per-sample", 16, "--max-tokens", 16)
+    evaluated = re.compile(r"Evaluated ([\d,]+) tokens")
+    assert status == status_a == status_b == 0
+    assert evaluated.search(whole)[1] == evaluated.search(raised)[1] == evaluated.search(lowered)[1]
+    # eos mode (lines of up to 26 tokens, within the model's positions): a line longer than --max-tokens is named
+    eos_mode = ("--sample-break-mode", "eos", "--tokens-per-sample", 32)
+    status, _, err = eval_lm_run(tiny_data, tiny_lm_checkpoint, *eos_mode, "--max-tokens", 10)
+    assert status == 1 and err.strip().count("\n") == 0
+    assert re.fullmatch(r"fairseq-eval-lm: error: item \d+ has \d+ tokens, more than --max-tokens 10; raise "
+                        r"--max-tokens or pass --skip-invalid-size-inputs-valid-test to skip such items", err.strip())
+    status, out, _ = eval_lm_run(tiny_data, tiny_lm_checkpoint, *eos_mode, "--max-tokens", 10,
+                                 "--skip-invalid-size-inputs-valid-test")
+    assert status == 0 and "are skipped" in out
+    assert 0 < int(evaluated.search(out)[1].replace(",", "")) < int(evaluated.search(whole)[1].replace(",", ""))
