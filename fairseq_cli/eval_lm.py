@@ -27,7 +27,7 @@ from fairseq.data.lm_context_window_dataset import InCorpusOrder, with_context_w
 from fairseq.logging import progress_bar
 from fairseq.models.fairseq_model import model_config_line
 from fairseq.dataclass.validate import announce_compat_options, check_shard
-from fairseq.tasks.language_modeling import check_block_budget
+from fairseq.tasks.language_modeling import check_block_budget, load_split
 from fairseq.training.precision import compute_dtype
 
 logger = logging.getLogger("fairseq_cli.eval_lm")
@@ -279,7 +279,7 @@ def main(cfg, **unused_kwargs) -> dict:
 
     _blocks_as_trained(cfg, task, model, context_window)
     check_block_budget("--max-tokens", max_tokens, *task_block_options(task.cfg), context_window)  # as train
-    task.load_dataset(cfg.dataset.gen_subset)
+    load_split(task, cfg.dataset.gen_subset)
     dataset = task.dataset(cfg.dataset.gen_subset)
     max_positions = _block_limit(cfg, task, model, dataset, context_window)
     if context_window > 0:

@@ -37,6 +37,7 @@ from fairseq.logging import progress_bar
 from fairseq.models.fairseq_model import model_config_line
 from fairseq.training.precision import compute_dtype
 from fairseq.registry import import_user_module
+from fairseq.tasks.language_modeling import MissingDictionary, load_split
 from fairseq_cli.console import run_console_script
 
 logger = logging.getLogger("fairseq_cli.generate")
@@ -69,8 +70,7 @@ def load_ensemble(cfg):
     task_cfg = cfg.task if _data_dir(cfg) else None
     models, task, first = [], None, None
     for path in paths:
-        loaded = load_model(path, task=task, task_cfg=task_cfg, overrides=overrides,
-                            trust_legacy=cfg.common.trust_legacy_checkpoint)
+        loaded = _load_model(cfg, path, task, task_cfg, overrides)
         task, task_cfg, first = loaded.task, None, first or loaded
         models.append(loaded.model.to(device=device, dtype=dtype).train(retain_dropout))
         quantize_for_generation(models[-1], cfg.generation.quantize, device)
@@ -78,6 +78,21 @@ def load_ensemble(cfg):
                     f"{str(dtype).replace('torch.', '')} on {device}")
         logger.info(model_config_line(loaded.model, loaded.cfg.model))
     return models, task, device, TextCodec(*checkpoint_tokenizer(cfg, first, paths[0]))
+
+
+def _load_model(cfg, path: str, task, task_cfg, overrides: dict):
+    """load_model; with no DATA the dictionary's directory is the one saved in the checkpoint (as given when
+    it was trained, often relative to another directory): its absence is told as such, with DATA as the fix."""
+    try:
+        return load_model(path, task=task, task_cfg=task_cfg, overrides=overrides,
+                          trust_legacy=cfg.common.trust_legacy_checkpoint)
+    except MissingDictionary as e:
+        if task is not None or task_cfg is not None:
+            raise
+        where = os.path.abspath(e.data_dir)
+        raise MissingDictionary(f"no dict.txt in {e.data_dir} ({where}), the data directory saved in {path} when "
+                                "it was trained: pass the data directory that holds the model's dict.txt as DATA "
+                                f"(the first argument, before --path)", e.data_dir) from None
 
 
 def checkpoint_tokenizer(cfg, loaded, path: str) -> tuple:
@@ -184,7 +199,7 @@ def _main(cfg, out: TextIO) -> dict:
                          "--gen-subset (use fairseq-interactive for prompts given as text)")
     models, task, device, codec = load_ensemble(cfg)
     split = cfg.dataset.gen_subset
-    task.load_dataset(split)
+    load_split(task, split)
     dataset = task.dataset(split)
     max_positions = _prompt_limit(cfg, getattr(task, "cfg", cfg.task), dataset, max_positions_of(task, models))
     epoch_itr = task.get_batch_iterator(

@@ -11,7 +11,7 @@ from typing import Optional
 
 import numpy as np
 
-from fairseq.dataclass.flag_values import task_block_options
+from fairseq.dataclass.flag_values import task_adds_bos, task_block_options
 
 TRAINED = "the --tokens-per-sample / --max-target-positions it was trained with"
 
@@ -31,7 +31,7 @@ def generation_start_positions(task_cfg) -> int:
     block, not </s>, and with --add-bos-token <s> comes before it: one position more than the block. The other
     modes' blocks follow a </s>: the block's own tokens."""
     _, mode = task_block_options(task_cfg)
-    return 1 if mode == "none" or getattr(task_cfg, "add_bos_token", False) else 0
+    return 1 if mode == "none" or task_adds_bos(task_cfg) else 0
 
 
 def check_blocks_fit(sizes, max_positions: Optional[int], split: str, task_cfg, context_window: int = 0,
@@ -58,7 +58,7 @@ def check_blocks_fit(sizes, max_positions: Optional[int], split: str, task_cfg, 
         smaller = ", with a --context-window smaller than it" if context_window else ""
         index = f"sample {longest} of {split!r} has {block} tokens"
         if start:
-            token = "<s>" if getattr(task_cfg, "add_bos_token", False) else "</s>"
+            token = "<s>" if task_adds_bos(task_cfg) else "</s>"
             raise ValueError(
                 f"--tokens-per-sample {given} makes prompts that need {block + start} positions with the {token} "
                 f"generation starts from ({index}; a prompt is the token before its block and all of the block but "
