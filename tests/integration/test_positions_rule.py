@@ -180,3 +180,27 @@ def test_eval_lm_refuses_max_tokens_below_the_block_size(tiny_data, tiny_lm_chec
                                  "--skip-invalid-size-inputs-valid-test")
     assert status == 0 and "are skipped" in out
     assert 0 < int(evaluated.search(out)[1].replace(",", "")) < int(evaluated.search(whole)[1].replace(",", ""))
+
+
+def test_generate_counts_the_start_token_exactly(tiny_data, tiny_lm_checkpoint, tmp_path):
+    """A line of the model's 32 tokens in eos mode is a prompt of 31 tokens after the </s> generation starts
+    from: it fits. A model trained with --add-bos-token starts from <s> in front of that </s>: one position more,
+    refused naming the line (the generator would fail on it)."""
+    from fairseq_cli import train
+    from tests.train_fixtures import default_train_argv
+
+    (tmp_path / "test.txt").write_text(" ".join(["w1"] * 31) + "\nw2 w3\n", encoding="utf-8")
+    data = tmp_path / "data-bin"
+    preprocess.cli_main(["--only-source", "--testpref", str(tmp_path / "test.txt"), "--destdir", str(data),
+                         "--srcdict", str(tiny_data / "dict.txt"), "--workers", "1"])
+    eos_mode = ("--sample-break-mode", "eos", "--tokens-per-sample", 32)
+    status, out, err = generate_run(data, tiny_lm_checkpoint, *eos_mode)
+    assert status == 0 and ids(out) == [0, 1], err
+    train.cli_main(default_train_argv(tiny_data, tmp_path / "bos", "--add-bos-token", max_update=1))
+    status, _, err = generate_run(data, tmp_path / "bos" / "checkpoint_last.pt", *eos_mode)
+    assert status == 1 and err.strip().startswith(
+        "fairseq-generate: error: sample 0 of 'test' is one line of 32 tokens plus the token generation starts "
+        "from (--sample-break-mode eos keeps lines whole), more than the model's 32 positions")
+    status, out, err = generate_run(data, tmp_path / "bos" / "checkpoint_last.pt", *eos_mode,
+                                    "--skip-invalid-size-inputs-valid-test")
+    assert status == 0 and ids(out) == [1], err
