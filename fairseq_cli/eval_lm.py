@@ -27,6 +27,7 @@ from fairseq.data.lm_context_window_dataset import InCorpusOrder, with_context_w
 from fairseq.logging import progress_bar
 from fairseq.models.fairseq_model import model_config_line
 from fairseq.dataclass.validate import announce_compat_options, check_shard
+from fairseq.tasks.language_modeling import check_block_budget, load_split
 from fairseq.training.precision import compute_dtype
 
 logger = logging.getLogger("fairseq_cli.eval_lm")
@@ -289,14 +290,16 @@ def main(cfg, **unused_kwargs) -> dict:
     logger.info(model_config_line(model, loaded_cfg.model))
 
     _blocks_as_trained(cfg, task, model, context_window)
-    task.load_dataset(cfg.dataset.gen_subset)
+    check_block_budget("--max-tokens", max_tokens, *task_block_options(task.cfg), context_window)  # as train
+    load_split(task, cfg.dataset.gen_subset)
     dataset = task.dataset(cfg.dataset.gen_subset)
     max_positions = _block_limit(cfg, task, model, dataset, context_window)
     if context_window > 0:
         dataset = InCorpusOrder(dataset)
     itr = task.get_batch_iterator(
         dataset=dataset, max_tokens=max_tokens, max_sentences=cfg.dataset.batch_size,
-        max_positions=max_positions, ignore_invalid_inputs=True, seed=cfg.common.seed,
+        max_positions=max_positions, ignore_invalid_inputs=cfg.dataset.skip_invalid_size_inputs_valid_test,
+        seed=cfg.common.seed,
         num_shards=cfg.dataset.num_shards, shard_id=cfg.dataset.shard_id, num_workers=cfg.dataset.num_workers,
         epoch=1,
     ).next_epoch_itr(shuffle=False)

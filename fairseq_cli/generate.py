@@ -26,7 +26,7 @@ from fairseq import options
 from fairseq.checkpoint.inference import load_model
 from fairseq.checkpoint.vocabulary import check_bpe_files, resolve_bpe
 from fairseq.data.batching import resolve_limit
-from fairseq.data.block_positions import check_blocks_fit
+from fairseq.data.block_positions import block_limit, check_blocks_fit, generation_start_positions
 from fairseq.data.encoders._write_errors import writing
 from fairseq.dataclass.flag_values import task_data_dir
 from fairseq.dataclass.generation import check_generation_config
@@ -38,6 +38,7 @@ from fairseq.logging import progress_bar
 from fairseq.models.fairseq_model import model_config_line
 from fairseq.training.precision import compute_dtype
 from fairseq.registry import import_user_module
+from fairseq.tasks.language_modeling import MissingDictionary, load_split
 from fairseq_cli.console import run_console_script
 
 logger = logging.getLogger("fairseq_cli.generate")
@@ -70,8 +71,7 @@ def load_ensemble(cfg):
     task_cfg = cfg.task if _data_dir(cfg) else None
     models, task, first = [], None, None
     for path in paths:
-        loaded = load_model(path, task=task, task_cfg=task_cfg, overrides=overrides,
-                            trust_legacy=cfg.common.trust_legacy_checkpoint)
+        loaded = _load_model(cfg, path, task, task_cfg, overrides)
         task, task_cfg, first = loaded.task, None, first or loaded
         models.append(loaded.model.to(device=device, dtype=dtype).train(retain_dropout))
         quantize_for_generation(models[-1], cfg.generation.quantize, device)
@@ -79,6 +79,21 @@ def load_ensemble(cfg):
                     f"{str(dtype).replace('torch.', '')} on {device}")
         logger.info(model_config_line(loaded.model, loaded.cfg.model))
     return models, task, device, TextCodec(*checkpoint_tokenizer(cfg, first, paths[0]))
+
+
+def _load_model(cfg, path: str, task, task_cfg, overrides: dict):
+    """load_model; with no DATA the dictionary's directory is the one saved in the checkpoint (as given when
+    it was trained, often relative to another directory): its absence is told as such, with DATA as the fix."""
+    try:
+        return load_model(path, task=task, task_cfg=task_cfg, overrides=overrides,
+                          trust_legacy=cfg.common.trust_legacy_checkpoint)
+    except MissingDictionary as e:
+        if task is not None or task_cfg is not None:
+            raise
+        where = os.path.abspath(e.data_dir)
+        raise MissingDictionary(f"no dict.txt in {e.data_dir} ({where}), the data directory saved in {path} when "
+                                "it was trained: pass the data directory that holds the model's dict.txt as DATA "
+                                f"(the first argument, before --path)", e.data_dir) from None
 
 
 def checkpoint_tokenizer(cfg, loaded, path: str) -> tuple:
@@ -187,9 +202,9 @@ def _main(cfg, out: TextIO) -> dict:
                          "--gen-subset (use fairseq-interactive for prompts given as text)")
     models, task, device, codec = load_ensemble(cfg)
     split = cfg.dataset.gen_subset
-    task.load_dataset(split)
+    load_split(task, split)
     dataset = task.dataset(split)
-    max_positions = _prompt_limit(cfg, dataset, max_positions_of(task, models))
+    max_positions = _prompt_limit(cfg, getattr(task, "cfg", cfg.task), dataset, max_positions_of(task, models))
     epoch_itr = task.get_batch_iterator(
         dataset=dataset, max_tokens=max_tokens, max_sentences=cfg.dataset.batch_size,
         max_positions=max_positions, ignore_invalid_inputs=cfg.dataset.skip_invalid_size_inputs_valid_test,
@@ -238,10 +253,11 @@ def _main(cfg, out: TextIO) -> dict:
     return {"sentences": sentences, "tokens": generated}
 
 
-def _prompt_limit(cfg, dataset, max_positions: Optional[int]) -> Optional[int]:
+def _prompt_limit(cfg, task_cfg, dataset, max_positions: Optional[int]) -> Optional[int]:
     """The longest sample the batches may hold. The model reads the start token and the prompt: with
     --prefix-size N only the sample's first N tokens (so any line fits when N + 1 positions do), else the
-    whole sample but its last token (block_positions' rule: the sample must fit the model's positions)."""
+    whole sample's source (block_positions' rule: it must fit the model's positions with the start token;
+    `task_cfg`, the loaded task's, has the checkpoint's --add-bos-token)."""
     prefix_size = cfg.generation.prefix_size
     if prefix_size > 0:
         if max_positions is not None and prefix_size + 1 > max_positions and len(dataset):
@@ -250,9 +266,9 @@ def _prompt_limit(cfg, dataset, max_positions: Optional[int]) -> Optional[int]:
                              f"pass --prefix-size {max_positions - 1} or less")
         return None
     if not cfg.dataset.skip_invalid_size_inputs_valid_test:
-        check_blocks_fit(dataset.sizes, max_positions, cfg.dataset.gen_subset, cfg.task,
+        check_blocks_fit(dataset.sizes, max_positions, cfg.dataset.gen_subset, task_cfg, generation=True,
                          other_fix=", or --prefix-size N to prompt with each sample's first N tokens")
-    return max_positions
+    return block_limit(max_positions, generation_start_positions(task_cfg))
 
 
 def _data_dir(cfg) -> Optional[str]:

@@ -20,7 +20,9 @@ import torch
 
 from fairseq import options
 from fairseq.checkpoint.inference import load_model_ensemble_and_task
-from fairseq.data.batching import resolve_max_positions
+from fairseq.data.batching import resolve_limit, resolve_max_positions
+from fairseq.data.block_positions import check_blocks_fit
+from fairseq.dataclass.flag_values import task_block_options
 from fairseq.dataclass.validate import check_batch_size
 from fairseq.distributed import utils as dist_utils
 from fairseq.distributed.launch import call_main
@@ -79,7 +81,12 @@ def _overrides(cfg, override_args: Optional[argparse.Namespace]) -> Dict:
 
 @torch.no_grad()
 def validate_subset(cfg, task, model, criterion, subset: str, device: torch.device) -> Dict[str, float]:
-    """Run the criterion over `subset` (at most --max-valid-steps batches), print and return upstream's line."""
+    """Run the criterion over `subset` (at most --max-valid-steps batches), print and return upstream's line.
+    Blocks longer than the model are refused by eval-lm's rule (block_positions), naming the fix."""
+    task_cfg = getattr(task, "cfg", None)
+    if not cfg.dataset.skip_invalid_size_inputs_valid_test and task_block_options(task_cfg)[0] is not None:
+        check_blocks_fit(task.dataset(subset).sizes, resolve_limit(task.max_positions(), model.max_positions()),
+                         subset, task_cfg)
     batches = task.get_batch_iterator(
         dataset=task.dataset(subset), max_tokens=cfg.dataset.max_tokens, max_sentences=cfg.dataset.batch_size,
         max_positions=resolve_max_positions(task.max_positions(), model.max_positions()),

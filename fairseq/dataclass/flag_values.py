@@ -32,6 +32,11 @@ def task_block_options(task_cfg) -> Tuple[Optional[int], str]:
     return getattr(task_cfg, "tokens_per_sample", None), getattr(task_cfg, "sample_break_mode", "none")
 
 
+def task_adds_bos(task_cfg) -> bool:
+    """Whether the task prepends <s> to every sample (--add-bos-token); False where it lacks the option."""
+    return bool(getattr(task_cfg, "add_bos_token", False))
+
+
 def task_data_dir(task_cfg) -> Optional[str]:
     """The task's data directory (DATA); None where it lacks one."""
     return getattr(task_cfg, "data", None)

@@ -7,7 +7,9 @@ accepted at their defaults and rejected when set (here, `check_generation_config
 `task.build_generator` for the generator's own options).
 """
 
+import math
 from dataclasses import dataclass, fields
+from numbers import Integral, Real
 from typing import List, Literal, Optional
 
 from fairseq.dataclass.fields import opt
@@ -98,6 +100,40 @@ def check_unsupported_options(generation) -> None:
             raise ValueError(f"{flag} {value!r} is not supported by this fairseq's generator; {fix}")
 
 
+# The numeric options checked before any decoding: (integer?, the values allowed, whether a value is in range).
+# A float must be finite; the sampling ranges and --temperature > 0 are check_sampling_range's.
+_NUMBERS = {
+    "beam": (True, "an integer, at least 1 (1: greedy decoding)", lambda v: v >= 1),
+    "nbest": (True, "an integer, at least 1", lambda v: v >= 1),
+    "max_len_a": (False, "a finite number (outputs have at most a * input length + b tokens)", None),
+    "max_len_b": (True, "an integer (outputs have at most a * input length + b tokens)", None),
+    "min_len": (True, "an integer (no </s> before that many tokens)", None),
+    "prefix_size": (True, "an integer, 0 or more", lambda v: v >= 0),
+    "no_repeat_ngram_size": (True, "an integer, 0 (off) or more", lambda v: v >= 0),
+    "lenpen": (False, "a finite number (the score is divided by length**lenpen; 1: per token)", None),
+    "unkpen": (False, "a finite number (subtracted from <unk>'s log probability; 0: none)", None),
+    "sampling_topk": (True, "an integer: -1 (off: all tokens) or a number of tokens, at least 1", None),
+    "sampling_topp": (False, "a number: -1 (off: all tokens) or a probability mass in (0, 1]", None),
+    "temperature": (False, "a finite number greater than 0 (1: the model's distribution)", None),
+}
+
+
+def check_option_values(generation, keyword: bool = False) -> None:
+    """The numeric generation options (_NUMBERS) are numbers of their type (an integer where one is counted;
+    the hub's keyword arguments are not converted as flags are), finite, and in the range that needs no model.
+    One ValueError naming the option, the value and what is allowed; `keyword`: the hub's keyword names."""
+    for field, (integer, allowed, in_range) in _NUMBERS.items():
+        value = getattr(generation, field, None)
+        if value is None:
+            continue
+        label = f"{field}={value!r}" if keyword else f"--{field.replace('_', '-')} {value}"
+        number = isinstance(value, Integral if integer else Real) and not isinstance(value, bool)
+        if not number:
+            raise ValueError(f"{label} must be {allowed}")
+        if not math.isfinite(value) or (in_range is not None and not in_range(value)):
+            raise ValueError(f"{label} is out of range: {allowed}")
+
+
 def check_sampling_range(generation, vocab_size: Optional[int] = None, keyword: bool = False) -> None:
     """Upstream's ranges: --sampling-topk -1 (off) or 1.. (at most `vocab_size` when known), --sampling-topp -1
     (off) or in (0, 1], --temperature > 0 (the generator's rule, checked here before any model is loaded).
@@ -123,9 +159,10 @@ def check_sampling_range(generation, vocab_size: Optional[int] = None, keyword: 
 def check_generation_config(generation: GenerationConfig, dataset=None, interactive=None) -> None:
     """fairseq-generate's and fairseq-interactive's checks: unsupported options, then upstream's rules for
     what is printed (--nbest against --beam; with `dataset` and `interactive`, --batch-size against
-    --buffer-size). The hub interface, which prints nothing, checks only the unsupported options and the
-    sampling ranges."""
+    --buffer-size). The hub interface, which prints nothing, checks only the unsupported options, the numeric
+    options and the sampling ranges."""
     check_unsupported_options(generation)
+    check_option_values(generation)
     check_sampling_range(generation)
     if generation.nbest < 1:
         raise ValueError(f"--nbest must be at least 1, got {generation.nbest}")

@@ -26,7 +26,8 @@ from torch import nn
 from fairseq.checkpoint.inference import load_checkpoint_to_cpu, load_model_ensemble_and_task
 from fairseq.data import encoders
 from fairseq.data.batching import resolve_limit
-from fairseq.dataclass.generation import GenerationConfig, check_sampling_range, check_unsupported_options
+from fairseq.dataclass.generation import (GenerationConfig, check_option_values, check_sampling_range,
+                                         check_unsupported_options)
 from fairseq.generation.decode_memory import check_decode_memory, decode_positions
 from fairseq.generation.quantize import check_mode, quantize_for_generation
 from fairseq.export.hf_names import FORK_TOKENIZER_FILES
@@ -419,6 +420,7 @@ class GeneratorHubInterface(nn.Module):
                                  f"{', '.join(sorted(vars(gen_args)))})")
             setattr(gen_args, key, value)
         check_unsupported_options(gen_args)
+        check_option_values(gen_args, keyword=True)
         check_sampling_range(gen_args, len(self.tgt_dict), keyword=True)
         return gen_args
 

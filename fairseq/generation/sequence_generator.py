@@ -151,9 +151,9 @@ class SequenceGenerator(nn.Module):
         positions = self.model.max_decoder_positions()
         if width >= positions:
             raise ValueError(f"a prompt of {width} tokens does not fit the model: with the begin-of-sentence token "
-                             f"it needs {width + 1} positions and the model has {positions}; shorten the prompt or "
-                             "use a model trained with a larger --tokens-per-sample (--max-positions / "
-                             "--max-target-positions)")
+                             f"it needs {width + 1} positions and the model has {positions}; shorten the prompts to "
+                             f"{positions - 1} tokens or less (fairseq-generate: a smaller --tokens-per-sample, "
+                             "or --prefix-size N)")
         if width > max_len:  # upstream's rule: the prompt is forced until the output is that long, then </s>
             if not self._warned_long_prompt:
                 logger.warning(f"a prompt of {width} tokens is longer than the longest output allowed, {max_len} "

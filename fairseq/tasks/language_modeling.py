@@ -73,11 +73,23 @@ def check_token_budget(cfg) -> None:
     if not dataset.disable_validation:
         budgets.append(("--max-tokens-valid", dataset.max_tokens_valid))
     for flag, value in budgets:
-        if value and value < tokens_per_sample:
-            raise ValueError(
-                f"{flag} {value} is less than --tokens-per-sample {tokens_per_sample}: with --sample-break-mode "
-                f"{mode} (nearly) every block has {tokens_per_sample} tokens and would be skipped; raise {flag} to "
-                f"at least {tokens_per_sample}, or lower --tokens-per-sample to at most {value}")
+        check_block_budget(flag, value, tokens_per_sample, mode)
+
+
+def check_block_budget(flag: str, value: Optional[int], block: Optional[int], mode: Optional[str],
+                       context_window: int = 0) -> None:
+    """ValueError when a batch budget (`flag` `value`) is below the `block` tokens that --sample-break-mode
+    `mode` packs (nearly) every block to (fairseq-train, fairseq-eval-lm); `context_window`: eval-lm's blocks
+    are --tokens-per-sample less --context-window tokens."""
+    if block is None or mode not in PACKED_BREAK_MODES or not value or value >= block:
+        return
+    given = f"--tokens-per-sample {block + context_window}"
+    if context_window:
+        given += f" less --context-window {context_window}"
+    raise ValueError(
+        f"{flag} {value} is less than {given}: with --sample-break-mode {mode} (nearly) every block has {block} "
+        f"tokens and would be skipped; raise {flag} to at least {block}, or lower --tokens-per-sample to at most "
+        f"{value + context_window}")
 
 
 def split_paths(data: str):
@@ -121,10 +133,7 @@ class LanguageModelingTask(FairseqTask):
         split_path = os.path.join(data_path, split)
         dataset = load_indexed_dataset(split_path, self.dictionary, combine=combine, expect_all_ids=for_training)
         if dataset is None:
-            raise FileNotFoundError(
-                f"Dataset not found: {split} ({split_path}.bin/.idx); check DATA and --train-subset/--valid-subset "
-                "or run fairseq-preprocess for this split"
-            )
+            raise MissingSplit(split, split_path)
         dataset = maybe_shorten_dataset(dataset, split, cfg.shorten_data_split_list, cfg.shorten_method,
                                         cfg.tokens_per_sample, cfg.seed)
         blocks = TokenBlockDataset(
@@ -216,11 +225,41 @@ class LanguageModelingTask(FairseqTask):
         return self.output_dictionary
 
 
+class MissingSplit(FileNotFoundError):
+    """No .bin/.idx of `split` at `split_path`; `flag` is the option that named the split (fairseq-generate and
+    fairseq-eval-lm read --gen-subset: load_split)."""
+
+    def __init__(self, split: str, split_path: str, flag: str = "--train-subset/--valid-subset"):
+        self.split, self.split_path = split, split_path
+        data_dir = os.path.dirname(split_path)
+        found = sorted(name[:-len(".idx")] for name in os.listdir(data_dir) if name.endswith(".idx")) \
+            if os.path.isdir(data_dir) else []
+        has = f" ({data_dir or '.'} has {', '.join(found)})" if found else ""
+        super().__init__(f"Dataset not found: {split} ({split_path}.bin/.idx){has}; check DATA and {flag} or run "
+                         "fairseq-preprocess for this split")
+
+
+def load_split(task, split: str, flag: str = "--gen-subset") -> None:
+    """task.load_dataset(split), a missing split named by the option the command read it from (`flag`)."""
+    try:
+        task.load_dataset(split)
+    except MissingSplit as e:
+        raise MissingSplit(e.split, e.split_path, flag) from None
+
+
+class MissingDictionary(FileNotFoundError):
+    """No dict.txt in `data_dir`; a caller that took the directory from a checkpoint names the better fix."""
+
+    def __init__(self, message: str, data_dir: str):
+        super().__init__(message)
+        self.data_dir = data_dir
+
+
 def load_dictionary(data_dir: str) -> Dictionary:
     path = os.path.join(data_dir, "dict.txt")
     if not os.path.isfile(path):
-        raise FileNotFoundError(f"no dict.txt in {data_dir}; run fairseq-preprocess first "
-                                "(it writes dict.txt next to the binarized data)")
+        raise MissingDictionary(f"no dict.txt in {data_dir}; run fairseq-preprocess first "
+                                "(it writes dict.txt next to the binarized data)", data_dir)
     dictionary = Dictionary.load(path)
     logger.info(f"dictionary: {len(dictionary):,} types")
     return dictionary

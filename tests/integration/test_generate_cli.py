@@ -155,8 +155,8 @@ def test_on_the_gpu(tiny_data, ckpt, capsys, precision):
 
 @pytest.mark.parametrize("extra, status, message", [
     (["--tokens-per-sample", 1024, "--sample-break-mode", "none"], 1,
-     "--tokens-per-sample 1024 is more than the model's 32 positions (the --tokens-per-sample / "
-     "--max-target-positions it was trained with): pass --tokens-per-sample 32 or less, or --prefix-size N"),
+     "the model's 32 positions (the --tokens-per-sample / --max-target-positions it was trained with): pass "
+     "--tokens-per-sample 31 or less, or --prefix-size N"),
     (["--beam", 2, "--sampling"], 2, "--sampling requires --nbest to be equal to --beam"),
     (["--nbest", 3, "--beam", 2], 2, "--nbest 3 is larger than --beam 2"),
     (["--model-overrides", "{'decoder_layers': 3}"], 1, "was saved from a different architecture"),

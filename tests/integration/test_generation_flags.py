@@ -88,6 +88,15 @@ def test_quantize_given_to_training_is_one_line(tmp_path, tiny_data):
     (["--sampling", "--sampling-topp", 0], "--sampling-topp 0.0 is out of range: -1 (off: all tokens) or a "
                                            "probability mass in (0, 1]"),
     (["--sampling", "--sampling-topp", 1.01], "--sampling-topp 1.01 is out of range"),
+    # NaN and infinity: refused, not decoded into empty output or `nan` scores
+    (["--temperature", "nan"], "--temperature nan is out of range: a finite number greater than 0"),
+    (["--beam", 2, "--temperature", "inf"], "--temperature inf is out of range: a finite number greater than 0"),
+    (["--unkpen", "nan"], "--unkpen nan is out of range: a finite number (subtracted from <unk>'s log probability"),
+    (["--lenpen", "nan"], "--lenpen nan is out of range: a finite number (the score is divided by length**lenpen"),
+    (["--max-len-a", "nan"], "--max-len-a nan is out of range: a finite number (outputs have at most a * input "
+                             "length + b tokens)"),
+    (["--max-len-a", "inf"], "--max-len-a inf is out of range: a finite number"),
+    (["--beam", 0], "--beam 0 is out of range: an integer, at least 1 (1: greedy decoding)"),
 ])
 def test_sampling_options_out_of_range_are_usage_errors(tiny_data, tiny_lm_checkpoint, monkeypatch, extra, message):
     """Refused by the parser's check (status 2) before a checkpoint is read: the --path here does not exist."""
@@ -108,6 +117,28 @@ def test_hub_sampling_options_out_of_range(hub):
         hub.sample("w1 w2", temperature=0)
     with pytest.raises(ValueError, match=r"^sampling_topp=1.5 is out of range"):
         hub.sample("w1 w2", sampling=True, sampling_topp=1.5)
+
+
+@pytest.mark.parametrize("options, message", [
+    (dict(sampling=True, sampling_topk=2.5), "sampling_topk=2.5 must be an integer: -1 (off: all tokens) or a "
+                                             "number of tokens, at least 1"),
+    (dict(sampling=True, sampling_topk="5"), "sampling_topk='5' must be an integer: -1 (off: all tokens)"),
+    (dict(beam=2.5), "beam=2.5 must be an integer, at least 1 (1: greedy decoding)"),
+    (dict(beam=0), "beam=0 is out of range: an integer, at least 1"),
+    (dict(sampling=True, temperature=float("nan")), "temperature=nan is out of range: a finite number greater "
+                                                     "than 0"),
+    (dict(unkpen=float("nan")), "unkpen=nan is out of range: a finite number (subtracted from <unk>'s log "
+                                "probability; 0: none)"),
+    (dict(lenpen=float("inf")), "lenpen=inf is out of range: a finite number"),
+    (dict(max_len_b="7"), "max_len_b='7' must be an integer"),
+    (dict(max_len_a=float("nan")), "max_len_a=nan is out of range: a finite number"),
+])
+def test_hub_options_of_the_wrong_type_or_not_finite(hub, options, message):
+    """One ValueError naming the keyword, its value and what is allowed, before any decoding (not a TypeError
+    from torch, an IndexError, or `nan` scores)."""
+    with pytest.raises(ValueError) as error:
+        hub.sample("w1 w2", **options)
+    assert str(error.value).startswith(message) and "\n" not in str(error.value)
 
 
 def test_hub_quantize_keyword(tiny_data, tiny_lm_checkpoint, hub):

@@ -251,7 +251,8 @@ def test_prompts_that_do_not_fit_raise_one_clear_error():
     model = build(max_target_positions=8)
     generator = SequenceGenerator([model], D, max_len_b=200)
     sample, prefix = sample_of([[W[1]] * 8, [W[2]]])
-    with pytest.raises(ValueError, match="a prompt of 8 tokens does not fit.*--tokens-per-sample.*--max-positions"):
+    with pytest.raises(ValueError, match=r"a prompt of 8 tokens does not fit.* shorten the prompts to 7 tokens or less "
+                                         r"\(fairseq-generate: a smaller --tokens-per-sample, or --prefix-size N\)"):
         generator.generate([model], sample, prefix_tokens=prefix)
     with pytest.raises(ValueError, match="--temperature must be greater than 0"):
         SequenceGenerator([model], D, temperature=0)
