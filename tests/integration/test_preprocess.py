@@ -284,3 +284,27 @@ def test_ctrl_c_while_the_workers_start_is_one_line_and_prompt(big, tmp_path, de
     assert sorted(p.name for p in dest.iterdir()) == ["preprocess.log"]
     assert (dest / "preprocess.log").read_text().startswith("Namespace(")
     assert_group_gone(proc.pid)  # the forkserver too (it ends once it sees this process gone)
+
+
+@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="sees torch loaded through /proc")
+@pytest.mark.timeout(120)
+def test_ctrl_c_while_the_command_imports_torch_is_one_line(big, tmp_path):
+    """Ctrl-C before the command's main runs (torch's import takes seconds): one line, not the import's
+    traceback, and the status of a death by SIGINT (fairseq_cli's exception hook)."""
+    proc = subprocess.Popen([CLI, "--only-source", "--trainpref", str(big), "--destdir", str(tmp_path / "out")],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    maps = Path(f"/proc/{proc.pid}/maps")
+    try:
+        deadline = time.time() + 60
+        while time.time() < deadline and proc.poll() is None and "libtorch" not in maps.read_text():
+            time.sleep(0.002)  # fairseq_cli (the hook) is imported before anything loads torch
+        assert proc.poll() is None, "preprocess finished before it could be interrupted"
+        os.killpg(proc.pid, signal.SIGINT)
+        _, stderr = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode in (-signal.SIGINT, 130), (proc.returncode, stderr[-2000:])
+    assert len(stderr.strip().splitlines()) == 1 and "Traceback" not in stderr, stderr[-3000:]
+    assert stderr.startswith("fairseq-preprocess: interrupted by SIGINT"), stderr
