@@ -316,7 +316,10 @@ def main(cfg, **unused_kwargs) -> dict:
                                             bpe=bpe, words=words)
     elapsed = time.perf_counter() - start
     if count == 0:
-        raise ValueError(f"split {cfg.dataset.gen_subset!r} has no tokens to evaluate")
+        skipped = (" --skip-invalid-size-inputs-valid-test skipped every block that does not fit the model: lower "
+                   "--tokens-per-sample, or drop the flag to see the first such block" if
+                   cfg.dataset.skip_invalid_size_inputs_valid_test else "")
+        raise ValueError(f"split {cfg.dataset.gen_subset!r} has no tokens to evaluate.{skipped}")
     loss = nll_bits / words_count  # per token, or per word with --remove-bpe (as upstream)
     ppl = 2**loss
     logger.info(f"Evaluated {count:,} tokens in {elapsed:.1f}s ({count / max(elapsed, 1e-9):.2f} tokens/s)")

@@ -28,6 +28,7 @@ from fairseq.checkpoint.vocabulary import check_bpe_files, resolve_bpe
 from fairseq.data.batching import resolve_limit
 from fairseq.data.block_positions import block_limit, check_blocks_fit, generation_start_positions
 from fairseq.data.encoders._write_errors import writing
+from fairseq.dataclass.build import check_seed
 from fairseq.dataclass.flag_values import task_data_dir
 from fairseq.dataclass.generation import check_generation_config
 from fairseq.dataclass.validate import announce_compat_options, check_shard
@@ -168,6 +169,7 @@ def setup(cfg, interactive=None):
     check_bpe_files(cfg.bpe)
     announce_compat_options(cfg)
     check_shard(cfg.dataset)
+    check_seed(cfg.common)
     seed_everything(cfg)
 
 

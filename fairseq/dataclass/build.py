@@ -28,6 +28,13 @@ COMPONENTS = ("task", "criterion", "optimizer", "lr_scheduler", "bpe", "tokenize
 _INTERPOLATION = re.compile(r"^\$\{(\w+)\.(\w+)\}$")
 
 
+def check_seed(common) -> None:
+    """--seed seeds torch and numpy, whose seeds are integers from 0 to 2**32 - 1."""
+    seed = getattr(common, "seed", None)
+    if seed is not None and not 0 <= seed < 2**32:
+        raise ValueError(f"--seed {seed} is out of range: an integer from 0 to 2**32 - 1 (it seeds torch and numpy)")
+
+
 def check_precision(common) -> None:
     """--fp16 and --bf16 (and their memory_efficient_ spellings) exclude each other."""
     fp16 = getattr(common, "fp16", False) or getattr(common, "memory_efficient_fp16", False)

@@ -12,7 +12,7 @@ the data, the device or the checkpoint stay where those are read.
 import logging
 
 from fairseq import registry
-from fairseq.dataclass.build import check_precision  # noqa: F401 (also named here, as before)
+from fairseq.dataclass.build import check_precision, check_seed  # noqa: F401 (check_precision: also named here)
 from fairseq.upstream_absent import ACCEPTED_OPTIONS
 
 logger = logging.getLogger(__name__)
@@ -72,6 +72,7 @@ def validate(cfg) -> None:
     overrides = parse_optimizer_overrides(cfg.checkpoint.optimizer_overrides)
     check_optimizer_overrides(cfg.optimizer, cfg.optimization, overrides)
     check_precision(cfg.common)
+    check_seed(cfg.common)
     check_float8_flags(cfg)
     check_float8_environment(cfg, _training_device(cfg))
     check_fsdp_flags(cfg)

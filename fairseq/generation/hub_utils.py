@@ -422,6 +422,10 @@ class GeneratorHubInterface(nn.Module):
         check_unsupported_options(gen_args)
         check_option_values(gen_args, keyword=True)
         check_sampling_range(gen_args, len(self.tgt_dict), keyword=True)
+        for key in ("sampling_topk", "sampling_topp"):  # build_generator's rule, in the keywords' names
+            if getattr(gen_args, key) >= 0 and not gen_args.sampling:
+                raise ValueError(f"generate(): {key}={getattr(gen_args, key)!r} needs sampling=True (it restricts "
+                                 "the tokens sampling draws from); pass sampling=True or drop it")
         return gen_args
 
     def _build_batches(self, tokens: List[torch.Tensor], skip_invalid_size_inputs: bool,

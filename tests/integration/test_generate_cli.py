@@ -162,6 +162,7 @@ def test_on_the_gpu(tiny_data, ckpt, capsys, precision):
     (["--model-overrides", "{'decoder_layers': 3}"], 1, "was saved from a different architecture"),
     (["--lr", 0.1], 2, "unrecognized arguments: --lr 0.1"),
     (["--stream", "--beam", 1], 2, "--stream is fairseq-interactive's, with --beam 1"),
+    (["--seed", -1], 1, "--seed -1 is out of range: an integer from 0 to 2**32 - 1"),
 ])
 def test_bad_input_is_one_line(tiny_data, ckpt, capsys, extra, status, message):
     got, _, err = run(capsys, argv(tiny_data, ckpt, *extra))

@@ -204,3 +204,18 @@ def test_generate_counts_the_start_token_exactly(tiny_data, tiny_lm_checkpoint, 
     status, out, err = generate_run(data, tmp_path / "bos" / "checkpoint_last.pt", *eos_mode,
                                     "--skip-invalid-size-inputs-valid-test")
     assert status == 0 and ids(out) == [1], err
+
+
+def test_eval_lm_with_every_block_skipped_says_so(long_line_data, tiny_lm_checkpoint, tmp_path):
+    """A split whose only line is too long for the model, eos mode, skipped: the error says the flag skipped it."""
+    only = tmp_path / "only"
+    only.mkdir()
+    for name in ("dict.txt",):
+        (only / name).write_bytes((long_line_data / name).read_bytes())
+    (tmp_path / "test.txt").write_text(" ".join(["w1"] * 40) + "\n", encoding="utf-8")
+    preprocess.cli_main(["--only-source", "--testpref", str(tmp_path / "test.txt"), "--destdir", str(only),
+                         "--srcdict", str(only / "dict.txt"), "--workers", "1"])
+    status, _, err = eval_lm_run(only, tiny_lm_checkpoint, "--sample-break-mode", "eos",
+                                 "--skip-invalid-size-inputs-valid-test")
+    assert status == 1 and err.strip().count("\n") == 0, err[-2000:]
+    assert "split 'test' has no tokens to evaluate. --skip-invalid-size-inputs-valid-test skipped every block" in err

@@ -147,8 +147,10 @@ def test_prompt_longer_than_the_models_positions(hub):
 def test_bad_generation_options(hub):
     with pytest.raises(ValueError, match="samplin=True is no generation option"):
         hub.sample(PROMPTS[0], samplin=True)
-    with pytest.raises(ValueError, match="--sampling-topk 5 requires --sampling"):
+    with pytest.raises(ValueError, match=r"sampling_topk=5 needs sampling=True .*pass sampling=True or drop it"):
         hub.sample(PROMPTS[0], sampling_topk=5)
+    with pytest.raises(ValueError, match=r"sampling_topp=0.9 needs sampling=True"):
+        hub.sample(PROMPTS[0], sampling_topp=0.9)
     with pytest.raises(ValueError, match="--print-alignment"):
         hub.sample(PROMPTS[0], print_alignment=True)
     # out-of-range sampling options, named as the keyword arguments given (upstream's -1 means off)

@@ -24,6 +24,8 @@ def config(*extra):
     (["--decoder-layers", "-1"], "--decoder-layers must be >= 0"),
     (["--use-bmuf"], "--use-bmuf"),
     (["--batch-size", "0"], "--batch-size must be at least 1"),
+    (["--seed", "-1"], r"--seed -1 is out of range: an integer from 0 to 2\*\*32 - 1"),
+    (["--seed", str(2**32)], "--seed 4294967296 is out of range"),
 ])
 def test_validate_names_the_flag(extra, message):
     with pytest.raises(ValueError, match=message):
