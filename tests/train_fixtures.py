@@ -223,3 +223,18 @@ def interrupt_once(proc, sig: str, mid_run, what: str):
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+
+
+def train_until(cfg, trainer, epoch_itr, num_updates):
+    """Upstream's train() through its Trainer API: the epoch's batches in updates of --update-freq, stopping at
+    `num_updates`; returns the batch iterator (positioned after the last update)."""
+    from fairseq.data.iterators import GroupedIterator
+
+    shuffle = epoch_itr.next_epoch_idx > cfg.dataset.curriculum
+    itr = GroupedIterator(epoch_itr.next_epoch_itr(shuffle=shuffle), cfg.optimization.update_freq[0])
+    trainer.begin_epoch(epoch_itr.epoch)
+    for samples in itr:
+        trainer.train_step(samples, epoch_itr)
+        if trainer.get_num_updates() >= num_updates:
+            break
+    return itr

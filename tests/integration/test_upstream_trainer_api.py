@@ -14,7 +14,7 @@ from fairseq.logging import metrics
 from fairseq.logging.progress_bar import read_json_log
 from fairseq.trainer import Trainer  # upstream's name: the core Trainer with upstream's methods
 from fairseq_cli import train
-from tests.train_fixtures import assert_same_model_and_optimizer
+from tests.train_fixtures import assert_same_model_and_optimizer, train_until
 
 
 def load(path):
@@ -36,18 +36,6 @@ def build_trainer(cfg):
         task.load_dataset(subset, combine=False, epoch=1)
     model = task.build_model(cfg.model)
     return Trainer(cfg, task, model, build_criterion(cfg.criterion, task, cfg.optimization))
-
-
-def train_until(cfg, trainer, epoch_itr, num_updates):
-    """Upstream's train(): the epoch's batches in updates of --update-freq, stopping at `num_updates`."""
-    shuffle = epoch_itr.next_epoch_idx > cfg.dataset.curriculum
-    itr = GroupedIterator(epoch_itr.next_epoch_itr(shuffle=shuffle), cfg.optimization.update_freq[0])
-    trainer.begin_epoch(epoch_itr.epoch)
-    for samples in itr:
-        trainer.train_step(samples, epoch_itr)
-        if trainer.get_num_updates() >= num_updates:
-            break
-    return itr
 
 
 def assert_same_training_state(a, b):

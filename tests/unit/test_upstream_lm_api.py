@@ -15,10 +15,10 @@ from omegaconf import OmegaConf
 
 from fairseq import checkpoint_utils, file_io, options, tasks
 from fairseq.criterions import build_criterion
-from fairseq.data.iterators import GroupedIterator
 from fairseq.logging import metrics
 from fairseq.trainer import Trainer
 from fairseq_cli import preprocess
+from tests.train_fixtures import train_until
 
 # ----------------------------------------------------------------------------- PathManager
 
@@ -90,19 +90,10 @@ def trainer_of(tiny_data, tmp_path, train_args):
     return cfg, Trainer(cfg, task, model, build_criterion(cfg.criterion, task, cfg.optimization))
 
 
-def run_updates(cfg, trainer, epoch_itr, n):
-    itr = GroupedIterator(epoch_itr.next_epoch_itr(shuffle=True), cfg.optimization.update_freq[0])
-    trainer.begin_epoch(epoch_itr.epoch)
-    for samples in itr:
-        trainer.train_step(samples, epoch_itr)
-        if trainer.get_num_updates() >= n:
-            return
-
-
 def test_save_checkpoint_saves_where_and_as_the_given_options_say(trainer_of, tmp_path):
     cfg, trainer = trainer_of
     _, epoch_itr = checkpoint_utils.load_checkpoint(cfg.checkpoint, trainer)
-    run_updates(cfg, trainer, epoch_itr, 2)
+    train_until(cfg, trainer, epoch_itr, 2)
     other = tmp_path / "other"
     options_given = OmegaConf.create({"save_dir": str(other), "save_interval_updates": 2, "keep_interval_updates": 1,
                                       "no_last_checkpoints": True})  # a partial config: the rest is the trainer's
@@ -112,7 +103,7 @@ def test_save_checkpoint_saves_where_and_as_the_given_options_say(trainer_of, tm
     saved = torch.load(other / "checkpoint_1_2.pt", weights_only=True)
     assert saved["cfg"]["checkpoint"]["save_dir"] == cfg.checkpoint.save_dir  # the trainer's config, as upstream
     assert saved["extra_state"]["best"] == 3.5 and trainer.checkpoint_manager.best == 3.5
-    run_updates(cfg, trainer, epoch_itr, 4)
+    train_until(cfg, trainer, epoch_itr, 4)
     paths = checkpoint_utils.save_checkpoint(options_given, trainer, epoch_itr, 4.0)  # not better: no best
     assert paths == [str(other / "checkpoint_1_4.pt")]
     assert sorted(os.listdir(other)) == ["checkpoint_1_4.pt", "checkpoint_best.pt"]  # --keep-interval-updates 1
