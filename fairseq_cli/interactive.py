@@ -23,7 +23,7 @@ import torch
 
 from fairseq import options
 from fairseq.dataclass.generation import check_generation_config
-from fairseq.generation.hub_utils import check_prompt_lengths, move_to
+from fairseq.generation.hub_utils import TextPieces, check_prompt_lengths, first_streamed_hypothesis, move_to
 from fairseq_cli.console import run_console_script
 from fairseq_cli.generate import (check_batches_fit, load_ensemble, max_positions_of, print_hypotheses, setup,
                                   symbols_to_strip)
@@ -104,25 +104,18 @@ class StreamPrinter:
 
     def __init__(self, tgt_dict, post_process, codec, strip):
         self.tgt_dict, self.post_process, self.codec, self.strip = tgt_dict, post_process, codec, strip
-        self.shown = ""
+        self.pieces = TextPieces()
 
     def _text(self, tokens: torch.Tensor) -> str:
         return self.codec.decode(self.tgt_dict.string(tokens, self.post_process, extra_symbols_to_ignore=self.strip))
 
-    def _show(self, text: str) -> None:
-        if text.startswith(self.shown) and len(text) > len(self.shown):
-            print(text[len(self.shown):], end="", flush=True)
-            self.shown = text
-
     def __call__(self, tokens: torch.Tensor, done: torch.Tensor) -> None:
-        tokens = tokens[0, 1:]
-        text = self._text(tokens[tokens.ne(self.tgt_dict.pad())])
-        if "\ufffd" not in text[len(self.shown):]:  # not inside a multi-byte character
-            self._show(text)
+        piece = self.pieces.extend(self._text(first_streamed_hypothesis(tokens, self.tgt_dict.pad())))
+        if piece:
+            print(piece, end="", flush=True)
 
     def finish(self, hypo: dict) -> None:
-        self._show(self._text(hypo["tokens"].int().cpu()))
-        print(flush=True)
+        print(self.pieces.extend(self._text(hypo["tokens"].int().cpu()), final=True), flush=True)
 
 
 def main(cfg) -> int:

@@ -207,10 +207,8 @@ class DeviceLoop:
         if new_graph_rows == graph_rows:
             return rows, graph_rows
         device = buf.tokens.device
-        done = buf.done[:rows].to("cpu")
-        live = (~done.view(-1, beam)[:, 0]).nonzero().squeeze(1)  # the sentences going on
-        ended = buf.end_step[:rows].masked_fill(~done.to(device), -1)
-        self._store(b, *self._hypotheses(buf, rows), ended, beam)
+        live = (~buf.done[:rows].view(-1, beam)[:, 0]).nonzero().squeeze(1).cpu()  # the sentences going on
+        self._store(b, *self._hypotheses(buf, rows), buf.end_step[:rows].masked_fill(~buf.done[:rows], -1), beam)
         sentences, keep = live.to(device), (live.unsqueeze(1) * beam + torch.arange(beam)).view(-1).to(device)
         for tensor in self._row_buffers(buf):
             tensor[:new_rows] = tensor[:rows].index_select(0, keep)

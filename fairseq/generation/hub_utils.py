@@ -355,7 +355,7 @@ class GeneratorHubInterface(nn.Module):
         produced: "queue.Queue" = queue.Queue()
 
         def on_tokens(tokens: torch.Tensor, done: torch.Tensor) -> None:
-            produced.put(tokens[0])
+            produced.put(tokens)
 
         def decode_all() -> None:
             try:
@@ -366,7 +366,7 @@ class GeneratorHubInterface(nn.Module):
 
         worker = threading.Thread(target=decode_all, name="fairseq-hub-stream", daemon=True)
         worker.start()
-        shown = ""
+        pieces = TextPieces()
         while True:
             item = produced.get()
             if isinstance(item, BaseException):
@@ -374,16 +374,13 @@ class GeneratorHubInterface(nn.Module):
                 raise item
             if isinstance(item, list):  # the hypotheses: the end
                 worker.join()
-                text = self.decode(item[0]["tokens"])
-                if text.startswith(shown) and len(text) > len(shown):
-                    yield text[len(shown):]
+                piece = pieces.extend(self.decode(item[0]["tokens"]), final=True)
+                if piece:
+                    yield piece
                 return
-            tokens = item[1:]  # without the begin-of-sentence token; <pad> after the end
-            text = self.decode(tokens[tokens.ne(self.tgt_dict.pad())])
-            # Only a text that extends what was shown (a piece may end inside a multi-byte character).
-            if text.startswith(shown) and len(text) > len(shown) and "\ufffd" not in text[len(shown):]:
-                yield text[len(shown):]
-                shown = text
+            piece = pieces.extend(self.decode(first_streamed_hypothesis(item, self.tgt_dict.pad())))
+            if piece:
+                yield piece
 
     def generator_for(self, beam: int = GenerationConfig.beam, prefix_allowed_tokens_fn=None, **kwargs):
         """The generator `generate(..., beam=beam, **kwargs)` decodes with: `task.build_generator` of
@@ -451,6 +448,29 @@ class GeneratorHubInterface(nn.Module):
                                     fix="generate fewer sentences per call (or a smaller max_tokens/batch_size "
                                         "in from_pretrained), a smaller beam or max_len_b")
         return epoch_itr.next_epoch_itr(shuffle=False)
+
+
+def first_streamed_hypothesis(tokens: torch.Tensor, pad: int) -> torch.Tensor:
+    """The first sentence's tokens of a streamed batch (`on_tokens`' [B, T]): without the begin-of-sentence
+    token and the <pad> after its end."""
+    row = tokens[0, 1:]
+    return row[row.ne(pad)]
+
+
+class TextPieces:
+    """The text of a hypothesis shown in pieces as its tokens arrive (hub.stream, fairseq-interactive --stream):
+    `extend(text)` gives what `text` adds to what was shown, or "" when it does not extend it or, before the
+    end, ends inside a multi-byte character (U+FFFD); joined, the pieces are the final text."""
+
+    def __init__(self):
+        self.shown = ""
+
+    def extend(self, text: str, final: bool = False) -> str:
+        piece = text[len(self.shown):]
+        if not piece or not text.startswith(self.shown) or (not final and "\ufffd" in piece):
+            return ""
+        self.shown = text
+        return piece
 
 
 def move_to(sample, device: torch.device):
