@@ -62,13 +62,17 @@ def attention_shape(model: nn.Module) -> Tuple[int, int]:
     return len(widths), max(widths, default=0)
 
 
+def longest_output(prompt_width: int, max_len_a: float, max_len_b: int, max_positions: Optional[int]) -> int:
+    """The generator's length rule: the most tokens an output of prompts `prompt_width` wide has before </s>,
+    the prompt included (upstream's rule for language models), capped at `max_positions` - 1."""
+    longest = int(max_len_a * prompt_width + max_len_b)
+    return longest if max_positions is None else min(longest, max_positions - 1)
+
+
 def decode_positions(prompt_width: int, max_len_a: float, max_len_b: int, max_positions: Optional[int]) -> int:
     """Positions the generator's cache reserves per row for prompts `prompt_width` wide: the longest output
-    (prompt included, capped at the model's positions - 1) and the </s> it starts from."""
-    longest = int(max_len_a * prompt_width + max_len_b)
-    if max_positions is not None:
-        longest = min(longest, max_positions - 1)
-    return longest + 1
+    and the </s> it starts from."""
+    return longest_output(prompt_width, max_len_a, max_len_b, max_positions) + 1
 
 
 def decode_bytes(models: Iterable[nn.Module], rows: int, positions: int) -> int:

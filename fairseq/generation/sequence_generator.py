@@ -36,7 +36,7 @@ import torch
 import torch.nn as nn
 from torch import Tensor
 
-from fairseq.generation import device_beam_search, device_decoding, search
+from fairseq.generation import decode_memory, device_beam_search, device_decoding, search
 from fairseq.generation.cuda_graph_decoding import GraphedDecodeStep
 from fairseq.modules.fairseq_incremental_decoder import FairseqIncrementalDecoder
 
@@ -129,7 +129,7 @@ class SequenceGenerator(nn.Module):
         if self.match_source_len:
             max_len = int(src_lengths.max())
         else:
-            max_len = min(int(self.max_len_a * src_len + self.max_len_b), self.max_len - 1)
+            max_len = decode_memory.longest_output(src_len, self.max_len_a, self.max_len_b, self.max_len)
         if self.min_len > max_len:
             raise ValueError(f"--min-len {self.min_len} is larger than the longest output allowed, {max_len} tokens "
                              f"(min(--max-len-a {self.max_len_a} * {src_len} + --max-len-b {self.max_len_b}, "
