@@ -27,7 +27,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-logger = logging.getLogger("fairseq.generation.quantize")
+logger = logging.getLogger(__name__)
 
 MODES = ("none", "int8-weight-only")
 EXTRA = "pip install 'fairseq[quantize]' (or pip install torchao)"
