@@ -9,6 +9,7 @@ module object as its fairseq.compat.* module, so patching either name patches bo
 - file_io: PathManager; tokenizer: tokenize_line
 - trainer: upstream's Trainer (the core Trainer with upstream's methods)
 - tasks: LegacyFairseqTask (re-exported by fairseq.tasks)
+- fp16_optimizer: upstream's FP16Optimizer / MemoryEfficientFP16Optimizer over the trainer's fp16 rules (face: fairseq.optim.fp16_optimizer)
 - upstream's `BaseFairseqModel.from_pretrained` is on the model base itself (the one upward import it declares),
   and the explaining ImportError for upstream modules left out is fairseq.upstream_absent's, installed by
   `import fairseq`: nothing here runs at import.
