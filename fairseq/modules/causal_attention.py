@@ -22,6 +22,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from fairseq.kernels.decode_attention import decode_attention
 from fairseq.modules.incremental_decoding_utils import FairseqIncrementalState, IncrementalState
 
 _CACHE_KEY = "attn_state"
@@ -30,10 +31,15 @@ _CACHE_KEY = "attn_state"
 class StaticStep(NamedTuple):
     """Where the one new token of each row goes in a static decode step (no Python value that changes per
     step, so a CUDA graph can capture it): `slot` [1] (long) is its index in the sequence and its cache slot;
-    `mask` [1, 1, 1, capacity] (the activations' dtype) is 0 for slots 0 .. slot and -inf after."""
+    the token attends over the cache's first `window` slots, masked in one of two ways: `mask`
+    [1, 1, 1, window] (the activations' dtype) is 0 for slots 0 .. slot and -inf after (SDPA), or `lengths`
+    (integers on the device, [1] or one per row) are the live lengths the decode attention kernel reads
+    (fairseq.kernels.decode_attention: only the live keys, no mask)."""
 
     slot: torch.Tensor
-    mask: torch.Tensor
+    mask: Optional[torch.Tensor]
+    lengths: Optional[torch.Tensor] = None
+    window: int = 0
 
 
 def check_heads(embed_dim: int, num_heads: int, dim_name: str = "embed_dim", heads_name: str = "num_heads") -> None:
@@ -203,10 +209,13 @@ class CausalSelfAttention(FairseqIncrementalState, AttentionProjections):
         q = self._split_heads(self.q_proj(x))
         keys.index_copy_(2, step.slot, self._split_heads(self.k_proj(x)))
         values.index_copy_(2, step.slot, self._split_heads(self.v_proj(x)))
-        window = step.mask.size(-1)
-        keys, values = keys[:, :, :window], values[:, :, :window]
-        dropout = self.dropout if self.training else 0.0
-        attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=step.mask, dropout_p=dropout)
+        if step.lengths is not None:  # the split-KV kernel: reads each row's live keys only
+            attn = decode_attention(q, keys, values, step.lengths, max_length=step.window)
+        else:
+            window = step.mask.size(-1)
+            keys, values = keys[:, :, :window], values[:, :, :window]
+            dropout = self.dropout if self.training else 0.0
+            attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=step.mask, dropout_p=dropout)
         attn = attn.transpose(1, 2).reshape(batch, length, -1)
         return self.out_proj(attn)
 
