@@ -60,6 +60,11 @@ def set_decode_attention_kernel(enabled: bool) -> bool:
     return previous
 
 
+def decode_attention_enabled() -> bool:
+    """Whether the kernels are turned on (they run where `decode_attention_available` says)."""
+    return _enabled[0]
+
+
 def _interpreted() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
