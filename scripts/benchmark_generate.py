@@ -27,10 +27,9 @@ new tokens / wall time (so the prompt's forward counts against it); the limit is
 measured here by a large device-to-device copy (bytes read + written / time).
 
 Int8 matmuls: for each weight shape the int8 row quantizes and each batch size, one Linear's time per call in bf16,
-with torchao's Int8Tensor eagerly (what the int8 row's decode step runs: the int8 weight is converted to bf16, then
-a bf16 matmul), compiled (CUDA: inductor can fuse the conversion), and through torch's fused
-`torch._weight_int8pack_mm` on the same int8 values and scales: where the int8 step's time goes, and what a fused
-int8 matmul would gain.
+through fairseq's Int8WeightOnlyLinear (what the int8 row runs: fairseq.kernels.int8_matmul), with torchao's
+Int8Tensor eagerly (the int8 weight converted to bf16, then a bf16 matmul) and compiled (CUDA: inductor can fuse the
+conversion), and through torch's `torch._weight_int8pack_mm` on torchao's int8 values and scales.
 
 Decode attention calls (not with --no-attention-calls): one layer's attention of one new token per row at the run's
 mean live length, per batch size: SDPA over the live length's 256-slot window with a mask (the path without the
@@ -61,7 +60,7 @@ from fairseq.data.dictionary import Dictionary  # noqa: E402
 from fairseq.dataclass.utils import config_to_dict  # noqa: E402
 from fairseq.generation import search  # noqa: E402
 from fairseq.generation.decode_memory import attention_shape, kv_cache_bytes, model_bytes  # noqa: E402
-from fairseq.generation.quantize import check_quantize, quantize_for_generation  # noqa: E402
+from fairseq.generation.quantize import Int8WeightOnlyLinear, check_quantize, quantize_for_generation  # noqa: E402
 from fairseq.generation.sequence_generator import SequenceGenerator  # noqa: E402
 from fairseq.kernels.decode_attention import (decode_attention_available, decode_attention_enabled,  # noqa: E402
                                               decode_attention_kernel as split_kv_attention,
@@ -258,8 +257,8 @@ def linear_shapes(model) -> list:
 @torch.no_grad()
 def int8_matmul_rows(model, batches, args, device) -> list:
     """One Linear's time per call, for each weight shape of the model and row count (batch x beam 1): bf16
-    F.linear; torchao's Int8Tensor (what --quantize makes) eagerly, and compiled on CUDA; torch's fused
-    _weight_int8pack_mm over the same int8 values and scales. What the int8 decode step could gain per matmul."""
+    F.linear; fairseq's Int8WeightOnlyLinear (what --quantize makes); torchao's Int8Tensor eagerly, and compiled on
+    CUDA; torch's _weight_int8pack_mm over torchao's int8 values and scales. What int8 gains per matmul."""
     from fairseq.generation.quantize import int8_weight
 
     dtype = DTYPES[args.dtype]
@@ -268,9 +267,13 @@ def int8_matmul_rows(model, batches, args, device) -> list:
         weight = torch.randn(shape, dtype=dtype, device=device) * shape[1] ** -0.5
         quantized = int8_weight(weight)
         qdata, scale = quantized.qdata, quantized.scale.reshape(-1).to(dtype)
+        linear = torch.nn.Linear(shape[1], shape[0], bias=False, device=device, dtype=dtype)
+        linear.weight.copy_(weight)
+        ours = Int8WeightOnlyLinear(linear)
         for rows in batches:
             x = torch.randn(rows, shape[1], dtype=dtype, device=device)
             paths = {"bf16": lambda: torch.nn.functional.linear(x, weight),
+                     "fairseq int8": lambda: ours(x),
                      "torchao eager": lambda: torch.nn.functional.linear(x, quantized),
                      "_weight_int8pack_mm": lambda: torch._weight_int8pack_mm(x, qdata, scale)}
             if device.startswith("cuda"):
@@ -313,7 +316,7 @@ def call_time(fn, device: str, calls: int = 50) -> float:
 
 
 def print_int8_matmuls(rows) -> None:
-    paths = ("bf16", "torchao eager", "torchao compiled", "_weight_int8pack_mm")
+    paths = ("bf16", "fairseq int8", "torchao eager", "torchao compiled", "_weight_int8pack_mm")
     print("\n| Linear weight (out x in) | rows | " + " | ".join(f"{p} us" for p in paths)
           + " | best int8 / bf16 time |")
     print("| --- | ---: |" + " ---: |" * (len(paths) + 1))

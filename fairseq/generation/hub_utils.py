@@ -237,7 +237,7 @@ class GeneratorHubInterface(nn.Module):
 
     def quantize(self, mode: str = "int8-weight-only") -> "GeneratorHubInterface":
         """Quantize the models' Linear weights in place for generation (fairseq.generation.quantize: CUDA, bf16,
-        torchao) where they are now; returns the interface. Once per interface."""
+        a fused int8 matmul) where they are now; returns the interface. Once per interface."""
         if mode in (None, "none") or mode == self.quantized:
             return self
         if self.quantized != "none":

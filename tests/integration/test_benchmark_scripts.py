@@ -143,8 +143,9 @@ def test_benchmark_generate_prints_its_tables_on_the_cpu(tmp_path, capsys):
     matmuls = results["int8_matmuls"]
     assert [(tuple(r["shape"]), r["rows"]) for r in matmuls] == [
         ((64, 64), 1), ((64, 64), 3), ((64, 128), 1), ((64, 128), 3), ((128, 64), 1), ((128, 64), 3)]
-    assert all(set(r["seconds"]) == {"bf16", "torchao eager", "_weight_int8pack_mm"} for r in matmuls)
-    assert "| Linear weight (out x in) | rows | bf16 us | torchao eager us | torchao compiled us |" in out
+    assert all(set(r["seconds"]) == {"bf16", "fairseq int8", "torchao eager", "_weight_int8pack_mm"} for r in matmuls)
+    assert ("| Linear weight (out x in) | rows | bf16 us | fairseq int8 us | torchao eager us | torchao compiled us |"
+            in out)
 
 
 def test_benchmark_generate_profiles_decode_steps_on_the_cpu(capsys):
