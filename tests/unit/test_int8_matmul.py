@@ -131,3 +131,24 @@ def test_int8_greedy_tokens_agree_with_bf16_on_the_cpu():
     agreement = float((greedy(model) == bf16).float().mean())
     print(f"int8 greedy tokens equal to bf16: {agreement:.1%}")
     assert agreement >= 0.95, agreement  # 16 prompts x 16 tokens
+
+
+def test_the_kernel_compiles_for_an_h100():
+    """The interpreter runs the kernel as Python: this compiles it to an sm_90 binary (Triton's compiler and
+    ptxas, no GPU needed), which catches what only the compiler rejects."""
+    triton = pytest.importorskip("triton")
+    try:
+        from triton.backends.compiler import GPUTarget
+        from triton.compiler import ASTSource
+    except ImportError:
+        pytest.skip("this Triton has no ASTSource / GPUTarget to compile ahead of time")
+    from fairseq.kernels.int8_matmul import _kernel
+
+    for rows_block, has_bias in ((16, False), (64, True)):
+        constants = dict(HAS_BIAS=has_bias, BLOCK_M=rows_block, BLOCK_N=32, BLOCK_K=128)
+        signature = dict(x_ptr="*bf16", w_ptr="*i8", scale_ptr="*fp32", bias_ptr="*bf16", out_ptr="*bf16",
+                         rows="i32", columns="i32", depth="i32", x_stride="i32", w_stride="i32",
+                         **{name: "constexpr" for name in constants})
+        compiled = triton.compile(ASTSource(_kernel(), signature, constants), target=GPUTarget("cuda", 90, 32),
+                                  options={"num_warps": 4})
+        assert compiled.asm["cubin"]
