@@ -33,6 +33,8 @@ from typing import Optional
 
 import torch
 
+from fairseq.kernels import built_with_triton
+
 BLOCK_N = 64  # keys a program reads per iteration
 # Programs to aim for per launch: a few per SM of an H100 (132 SMs) so that short rows or small batches still
 # spread the cache read over the whole GPU.
@@ -177,14 +179,9 @@ def decode_attention_kernel(q: torch.Tensor, key_cache: torch.Tensor, value_cach
     return out
 
 
-@functools.lru_cache(maxsize=None)
-def _kernels():
+@built_with_triton
+def _kernels(triton, tl):
     """The two jitted kernels, built on first use; None without Triton."""
-    try:
-        import triton
-        import triton.language as tl
-    except ImportError:
-        return None
 
     @triton.jit
     def split_kernel(q_ptr, k_ptr, v_ptr, lengths_ptr, row_map_ptr, out_ptr, part_out_ptr, part_max_ptr,

@@ -14,12 +14,13 @@ torch._weight_int8pack_mm also has a CUDA kernel since torch 2.9 (one thread per
 the whole reduction, x converted to fp32 first): not used on CUDA here, this kernel is.
 """
 
-import functools
 import os
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
+
+from fairseq.kernels import built_with_triton
 
 MAX_KERNEL_ROWS = 256  # decode steps: batch x beam rows; more rows (prefill) take the dequantized GEMM
 BLOCK_N = 32
@@ -66,14 +67,9 @@ def int8_matmul_kernel(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tens
     return out
 
 
-@functools.lru_cache(maxsize=None)
-def _kernel():
+@built_with_triton
+def _kernel(triton, tl):
     """The jitted kernel, built on first use; None without Triton."""
-    try:
-        import triton
-        import triton.language as tl
-    except ImportError:
-        return None
 
     @triton.jit
     def int8_matmul(x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, rows, columns, depth, x_stride, w_stride,

@@ -101,22 +101,30 @@ def test_benchmark_host_overhead_prints_both_rows():
     assert len(rows["fairseq-train (per log interval)"].split(" / ")) == 3
 
 
-def test_benchmark_generate_prints_its_tables_on_the_cpu(tmp_path, capsys):
-    """scripts/benchmark_generate.py with tiny sizes, in this process: the fork's greedy, beam and sampling rows
-    with their bandwidth columns, transformers' default and static-cache paths, the int8 row refused on the CPU."""
-    pytest.importorskip("transformers")
+# a 2-layer model of width 64, one timing each, on the CPU
+TINY_GENERATE = ["--arch", "transformer_lm_gpt3_small", "--decoder-layers", "2", "--decoder-embed-dim", "64",
+                 "--decoder-ffn-embed-dim", "128", "--decoder-attention-heads", "2", "--repeats", "1",
+                 "--uncached-samples", "2", "--device", "cpu"]
+
+
+def benchmark_generate_output(capsys, *argv) -> str:
+    """What scripts/benchmark_generate.py prints for TINY_GENERATE + argv, run in this process."""
     sys.path.insert(0, os.path.join(ROOT, "scripts"))
     try:
         import benchmark_generate
     finally:
         sys.path.pop(0)
     capsys.readouterr()
-    benchmark_generate.main([
-        "--arch", "transformer_lm_gpt3_small", "--decoder-layers", "2", "--decoder-embed-dim", "64",
-        "--decoder-ffn-embed-dim", "128", "--decoder-attention-heads", "2", "--vocab-size", "500",
-        "--batch-sizes", "1,3", "--prompt-len", "8", "--new-tokens", "6", "--repeats", "1", "--uncached-samples", "2",
-        "--copy-mib", "16", "--device", "cpu", "--json", str(tmp_path / "out.json")])
-    out = capsys.readouterr().out
+    benchmark_generate.main([*TINY_GENERATE, *argv])
+    return capsys.readouterr().out
+
+
+def test_benchmark_generate_prints_its_tables_on_the_cpu(tmp_path, capsys):
+    """scripts/benchmark_generate.py with tiny sizes, in this process: the fork's greedy, beam and sampling rows
+    with their bandwidth columns, transformers' default and static-cache paths, the int8 row refused on the CPU."""
+    pytest.importorskip("transformers")
+    out = benchmark_generate_output(capsys, "--vocab-size", "500", "--batch-sizes", "1,3", "--prompt-len", "8",
+                                    "--new-tokens", "6", "--copy-mib", "16", "--json", str(tmp_path / "out.json"))
     lines = out.splitlines()
     fork = [line.split("|")[1:-1] for line in lines if line.startswith("| 1 |") or line.startswith("| 3 |")]
     rows = [(cells[0].strip(), cells[1].strip()) for cells in fork if len(cells) == 9]
@@ -151,19 +159,9 @@ def test_benchmark_generate_prints_its_tables_on_the_cpu(tmp_path, capsys):
 def test_benchmark_generate_profiles_decode_steps_on_the_cpu(capsys):
     """--profile: the profiled greedy steps' table (kernels per step: on the CPU the top-level aten ops) and the top
     kernels by time; the decode attention call table, without the kernel on the CPU."""
-    sys.path.insert(0, os.path.join(ROOT, "scripts"))
-    try:
-        import benchmark_generate
-    finally:
-        sys.path.pop(0)
-    capsys.readouterr()
-    benchmark_generate.main([
-        "--arch", "transformer_lm_gpt3_small", "--decoder-layers", "2", "--decoder-embed-dim", "64",
-        "--decoder-ffn-embed-dim", "128", "--decoder-attention-heads", "2", "--vocab-size", "200",
-        "--batch-sizes", "1,2", "--prompt-len", "6", "--new-tokens", "5", "--repeats", "1", "--uncached-samples", "2",
-        "--copy-mib", "4", "--device", "cpu", "--no-transformers", "--no-int8-matmuls", "--rows", "greedy",
-        "--profile"])
-    lines = capsys.readouterr().out.splitlines()
+    lines = benchmark_generate_output(capsys, "--vocab-size", "200", "--batch-sizes", "1,2", "--prompt-len", "6",
+                                      "--new-tokens", "5", "--copy-mib", "4", "--no-transformers",
+                                      "--no-int8-matmuls", "--rows", "greedy", "--profile").splitlines()
 
     def table(header):
         """The cells of the table under `header` (after its separator line), up to the first line that is not one."""
