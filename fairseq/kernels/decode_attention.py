@@ -179,9 +179,14 @@ def decode_attention_kernel(q: torch.Tensor, key_cache: torch.Tensor, value_cach
     return out
 
 
+def _kernels():
+    """The two jitted kernels (split, combine), built on first use; None without Triton."""
+    split_kernel = _split_kernel()
+    return None if split_kernel is None else (split_kernel, _combine_kernel())
+
+
 @built_with_triton
-def _kernels(triton, tl):
-    """The two jitted kernels, built on first use; None without Triton."""
+def _split_kernel(triton, tl):
 
     @triton.jit
     def split_kernel(q_ptr, k_ptr, v_ptr, lengths_ptr, row_map_ptr, out_ptr, part_out_ptr, part_max_ptr,
@@ -233,6 +238,11 @@ def _kernels(triton, tl):
             tl.store(part_max_ptr + part, running_max)
             tl.store(part_sum_ptr + part, running_sum)
 
+    return split_kernel
+
+
+@built_with_triton
+def _combine_kernel(triton, tl):
     @triton.jit
     def combine_kernel(part_out_ptr, part_max_ptr, part_sum_ptr, out_ptr, DIM: tl.constexpr,
                        BLOCK_D: tl.constexpr, SPLITS: tl.constexpr):
@@ -251,4 +261,4 @@ def _kernels(triton, tl):
         result = tl.where(total > 0, result / total, 0.0)
         tl.store(out_ptr + pid * DIM + d, result.to(out_ptr.dtype.element_ty), mask=d_ok)
 
-    return split_kernel, combine_kernel
+    return combine_kernel
