@@ -242,6 +242,21 @@ class TransformerLanguageModel(FairseqLanguageModel):
                 + _normformer(cfg))
 
     @classmethod
+    def config_notice(cls, cfg) -> str:
+        """Bare transformer_lm with input/output dims of 512 (upstream's default) beside another embed dim: which
+        projections that adds and the flags that drop them; "" otherwise."""
+        if getattr(cfg, "_name", None) != "transformer_lm" or cfg.decoder_embed_dim == 512:
+            return ""
+        sides = [side for side in ("input", "output") if getattr(cfg, f"decoder_{side}_dim") == 512]
+        if not sides:
+            return ""
+        dim = cfg.decoder_embed_dim
+        return (f"{'/'.join(sides)} dim{'s' if len(sides) > 1 else ''} 512 (upstream's default) with embed dim {dim}: "
+                f"adds project_{'/'.join({'input': 'in', 'output': 'out'}[side] for side in sides)}; pass "
+                f"{' '.join(f'--decoder-{side}-dim {dim}' for side in sides)} to drop "
+                f"{'them' if len(sides) > 1 else 'it'}")
+
+    @classmethod
     def build_model(cls, cfg, task) -> "TransformerLanguageModel":
         dictionary = task.source_dictionary
         return cls.build(cfg, len(dictionary), dictionary.pad(), output_vocab_size=len(task.target_dictionary))
@@ -350,24 +365,8 @@ def _force(args, name: str, value) -> None:
 @registry.register_model_architecture("transformer_lm", "transformer_lm")
 def transformer_lm(args) -> None:
     """Upstream registers the bare model name as a no-op preset: the config defaults apply as they are, so unset
-    input/output dims stay 512 whatever the embed dim (upstream 0.12.2 builds project_in/out then). Changes
-    nothing; says so when that adds projections."""
-    notice = default_dims_notice(args)
-    if notice:
-        logger.info(notice)
-
-
-def default_dims_notice(args) -> str:
-    """The line saying which input/output dims keep upstream's default of 512 beside another embed dim (they add
-    the bias-free project_in_dim / project_out_dim) and the flags that drop them; "" when none does."""
-    embed_dim = getattr(args, "decoder_embed_dim", 512)
-    defaulted = [side for side in ("input", "output") if not hasattr(args, f"decoder_{side}_dim")]
-    if embed_dim == 512 or not defaulted:
-        return ""
-    projections = "/".join({"input": "in", "output": "out"}[side] for side in defaulted)
-    flags = " ".join(f"--decoder-{side}-dim {embed_dim}" for side in defaulted)
-    return (f"{'/'.join(defaulted)} dim{'s' if len(defaulted) > 1 else ''} 512 (upstream's default) with embed dim "
-            f"{embed_dim}: adds project_{projections}; pass {flags} to drop {'them' if len(defaulted) > 1 else 'it'}")
+    input/output dims stay 512 whatever the embed dim (upstream 0.12.2 builds project_in/out then; training says
+    so: TransformerLanguageModel.config_notice)."""
 
 
 def base_lm_architecture(args) -> None:

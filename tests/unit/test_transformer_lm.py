@@ -60,13 +60,13 @@ def test_transformer_lm_base_keys_sinusoidal_postnorm_no_final_norm():
     assert model.decoder.output_projection.weight is not model.decoder.embed_tokens.weight
 
 
-def test_bare_transformer_lm_keeps_512_input_output_dims_and_adds_projections_as_upstream(caplog):
+def test_bare_transformer_lm_keeps_512_input_output_dims_and_adds_projections_as_upstream():
     """Upstream 0.12.2's `--arch transformer_lm --decoder-embed-dim 64` (its bare arch is a no-op: the
     dataclass's 512 stay): the (V, 512) embedding, bias-free project_in_dim (512 -> 64) and project_out_dim
-    (64 -> 512), the (V, 512) output matrix; and the notice naming the flags that drop the projections."""
-    with caplog.at_level("INFO", logger="fairseq.models.transformer_lm"):
-        model = build("transformer_lm", decoder_layers=1, decoder_embed_dim=64, decoder_ffn_embed_dim=32,
-                      decoder_attention_heads=4)
+    (64 -> 512), the (V, 512) output matrix; and the notice training logs, naming the flags that drop them."""
+    cfg = preset_config("transformer_lm", decoder_layers=1, decoder_embed_dim=64, decoder_ffn_embed_dim=32,
+                        decoder_attention_heads=4)
+    model = TransformerLanguageModel.build(cfg, VOCAB, PAD)
     assert shapes(model) == {
         "decoder.version": (1,),
         "decoder.embed_tokens.weight": (100, 512),
@@ -84,21 +84,22 @@ def test_bare_transformer_lm_keeps_512_input_output_dims_and_adds_projections_as
         "decoder.output_projection.weight": (100, 512),
     }
     assert model.decoder.project_in_dim.bias is None and model.decoder.project_out_dim.bias is None
-    assert [r.getMessage() for r in caplog.records] == [
+    assert TransformerLanguageModel.config_notice(cfg) == (
         "input/output dims 512 (upstream's default) with embed dim 64: adds project_in/out; pass "
-        "--decoder-input-dim 64 --decoder-output-dim 64 to drop them"]
-    caplog.clear()
-    with caplog.at_level("INFO", logger="fairseq.models.transformer_lm"):
-        model = build("transformer_lm", decoder_layers=1, decoder_embed_dim=64, decoder_ffn_embed_dim=32,
-                      decoder_attention_heads=4, decoder_input_dim=64, decoder_output_dim=64)
-    assert "decoder.embed_tokens.weight" in shapes(model) and not any("project_" in k for k in shapes(model))
-    assert shapes(model)["decoder.embed_tokens.weight"] == (100, 64) and not caplog.records
-    with caplog.at_level("INFO", logger="fairseq.models.transformer_lm"):
-        cfg = preset_config("transformer_lm", decoder_embed_dim=64, decoder_input_dim=64)
+        "--decoder-input-dim 64 --decoder-output-dim 64 to drop them")
+
+    cfg = preset_config("transformer_lm", decoder_layers=1, decoder_embed_dim=64, decoder_ffn_embed_dim=32,
+                        decoder_attention_heads=4, decoder_input_dim=64, decoder_output_dim=64)
+    keys = shapes(TransformerLanguageModel.build(cfg, VOCAB, PAD))
+    assert keys["decoder.embed_tokens.weight"] == (100, 64) and not any("project_" in k for k in keys)
+    assert TransformerLanguageModel.config_notice(cfg) == ""
+    cfg = preset_config("transformer_lm", decoder_embed_dim=64, decoder_input_dim=64)
     assert (cfg.decoder_input_dim, cfg.decoder_output_dim) == (64, 512)
-    assert [r.getMessage() for r in caplog.records] == [
+    assert TransformerLanguageModel.config_notice(cfg) == (
         "output dim 512 (upstream's default) with embed dim 64: adds project_out; pass --decoder-output-dim 64 "
-        "to drop it"]
+        "to drop it")
+    for arch in ("transformer_lm_gpt", "transformer_lm_big"):  # presets: the dims follow, nothing to say
+        assert TransformerLanguageModel.config_notice(preset_config(arch, decoder_embed_dim=64)) == ""
 
 
 def test_gpt_preset_input_and_output_dims_follow_the_embed_dim_as_upstream():
