@@ -23,10 +23,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[1])
     parser.add_argument("hf_dir", metavar="HF_DIR", help="transformers model directory (OPT or XGLM)")
     parser.add_argument("output", metavar="OUT_DIR",
-                        help="directory to write (must not exist or be empty, unless --overwrite)")
+                        help="directory to write: absent or empty, or this script's earlier output with --overwrite")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default=None,
                         help="weights' dtype in the checkpoint (default: as stored in HF_DIR)")
-    parser.add_argument("--overwrite", action="store_true", help="replace OUT_DIR if it exists")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace OUT_DIR when it holds an earlier output of this script (its "
+                             "fairseq_manifest.json lists the files; nothing else is ever deleted)")
     return parser
 
 

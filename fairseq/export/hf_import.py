@@ -259,7 +259,7 @@ def import_hf(hf_dir: str, out_dir: str, dtype: Optional[str] = None, overwrite:
 
     if dtype is not None and dtype not in DTYPES:
         raise ValueError(f"--dtype {dtype!r}: choose one of {', '.join(DTYPES)}")
-    check_output(out_dir, overwrite)
+    check_output(out_dir, overwrite, "import_hf", [hf_dir])
     model = read_hf(hf_dir)
     values = fork_values(model)
     embed = model.weights.get(("model.decoder." if model.model_type == "opt" else "model.") + "embed_tokens.weight")
@@ -274,7 +274,7 @@ def import_hf(hf_dir: str, out_dir: str, dtype: Optional[str] = None, overwrite:
     add_bos = values.pop("add_bos_token")
     cfg = preset_config("transformer_lm", **values)
     state = complete_state(state, cfg, rows)
-    with assembled(out_dir, "cannot write the import") as tmp:
+    with assembled(out_dir, "cannot write the import", "import_hf", "OUT_DIR") as tmp:
         _write(tmp, out_dir, cfg, state, vocab, add_bos)
     architecture = HF_ARCHITECTURES[model.model_type]
     logger.info(f"wrote {out_dir}: {architecture} as transformer_lm ({cfg.decoder_layers} layers, {rows:,} rows; "
@@ -287,7 +287,7 @@ def import_hf(hf_dir: str, out_dir: str, dtype: Optional[str] = None, overwrite:
 
 
 def _write(tmp: str, out_dir: str, cfg, state, vocab: Vocabulary, add_bos: bool) -> None:
-    from fairseq.checkpoint.io import atomic_torch_save
+    from fairseq.checkpoint.io import torch_save_raising_os_errors
     from fairseq.checkpoint.vocabulary import KEY, make_record
 
     vocab.dictionary.save(os.path.join(tmp, "dict.txt"))
@@ -306,7 +306,7 @@ def _write(tmp: str, out_dir: str, cfg, state, vocab: Vocabulary, add_bos: bool)
             record["bpe"]["files"][option]["path"] = bpe[option]
     task = {"_name": "language_modeling", "data": final, "tokens_per_sample": cfg.max_target_positions,
             "max_target_positions": cfg.max_target_positions, "add_bos_token": add_bos}
-    atomic_torch_save({"cfg": {"model": config_to_dict(cfg), "task": task, "bpe": bpe}, "model": state, KEY: record},
-                      os.path.join(tmp, CHECKPOINT_NAME))
+    torch_save_raising_os_errors({"cfg": {"model": config_to_dict(cfg), "task": task, "bpe": bpe}, "model": state,
+                                  KEY: record}, os.path.join(tmp, CHECKPOINT_NAME))
     with open(os.path.join(tmp, FLAGS_NAME), "w", encoding="utf-8") as f:
         f.write(" ".join(model_flags(cfg) + (["--add-bos-token"] if add_bos else [])) + "\n")

@@ -130,7 +130,7 @@ def test_bf16_to_float32_and_the_cli(tokenizers, tmp_path, capsys):
     original = hf_tensors(source)["model.decoder.layers.1.fc2.weight"]
     assert torch.equal(state["decoder.layers.1.fc2.weight"], original.float())
     assert sorted(os.listdir(tmp_path / "fs")) == ["checkpoint_best.pt", "dict.txt", "encoder.json",
-                                                   "model_flags.txt", "vocab.bpe"]
+                                                   "fairseq_manifest.json", "model_flags.txt", "vocab.bpe"]
 
 
 # ----------------------------------------------------------------------------- the tokenizers
@@ -329,7 +329,7 @@ def test_bad_input_is_one_line_naming_the_file(case, tokenizers, tmp_path, capsy
         source = make_hf(tmp_path, tokenizers, "opt")
         out.mkdir()
         (out / "x").write_text("x")
-        named, message = out, "already exists and is not empty; pass --overwrite"
+        named, message = out, "already exists and holds files scripts/import_hf.py did not write"
     else:
         source = make_hf(tmp_path, tokenizers, "opt")
         named, message = _break(case, source), BAD[case]
