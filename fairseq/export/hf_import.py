@@ -22,6 +22,7 @@ equal to the output matrix times sqrt(embed dim) (the export folds fairseq's sca
 one; an OPT position table equal to fairseq's sinusoidal table (or all zeros) is sinusoidal (or no) positions.
 """
 
+import json
 import logging
 import math
 import os
@@ -68,8 +69,6 @@ class HFModel:
 
 def read_hf(hf_dir: str) -> HFModel:
     """config.json (an OPT or XGLM one, else a one-line error naming its model_type) and the weights."""
-    import json
-
     from fairseq.export.hf import require_transformers
 
     if not os.path.isdir(hf_dir):
@@ -90,12 +89,55 @@ def read_hf(hf_dir: str) -> HFModel:
         raise ValueError(f"{path}: model_type {model_type!r} ({names}) is not OPT or XGLM; the import maps "
                          "OPTForCausalLM and XGLMForCausalLM (the models fairseq and metaseq trained) only; convert "
                          "other architectures with their own project's tools")
+    check_config_types(raw, path)
     require_transformers("importing from transformers")
     import transformers
 
     hf = (transformers.OPTConfig if model_type == "opt" else transformers.XGLMConfig).from_dict(raw)
     weights, files = read_weights(hf_dir)
     return HFModel(hf_dir, model_type, hf, _with_model_prefix(weights), files)
+
+
+# The config.json keys the import reads, by what their values must be (absent: transformers' default).
+_COUNTS = ("num_hidden_layers", "num_layers")  # 0 layers is a model (embeddings and output only)
+_SIZES = ("hidden_size", "d_model", "ffn_dim", "num_attention_heads", "attention_heads", "max_position_embeddings",
+          "vocab_size")
+_IDS = ("pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id")
+_SWITCHES = ("do_layer_norm_before", "_remove_final_layer_norm", "enable_bias", "layer_norm_elementwise_affine",
+             "tie_word_embeddings", "scale_embedding")
+_PROBABILITIES = ("dropout", "attention_dropout", "activation_dropout")
+
+
+def _expected(key: str, value) -> Optional[str]:
+    """What `value` of `key` should be, when it is not that; None when it is (or the key is not read)."""
+    is_int = isinstance(value, int) and not isinstance(value, bool)
+    if key in _COUNTS:
+        return None if is_int and value >= 0 else "an integer >= 0"
+    if key in _SIZES or key == "word_embed_proj_dim":
+        ok = (is_int and value > 0) or (value is None and key == "word_embed_proj_dim")
+        return None if ok else "a positive integer" + (" or null" if key == "word_embed_proj_dim" else "")
+    if key in _IDS:
+        return None if is_int and value >= 0 else "an integer >= 0"
+    if key in _SWITCHES:
+        return None if isinstance(value, bool) else "true or false"
+    if key in _PROBABILITIES:
+        number = isinstance(value, (int, float)) and not isinstance(value, bool)
+        return None if number and 0 <= value < 1 else "a number from 0 to below 1"
+    if key == "activation_function":
+        return None if isinstance(value, str) else "a string"
+    return None
+
+
+def check_config_types(raw: Dict[str, Any], path: str) -> None:
+    """One line naming the key, its value and what it should be, for the first value of config.json the import
+    reads that is not of its kind (before transformers' own checks, whose traceback names no file)."""
+    for key, value in raw.items():
+        expected = _expected(key, value)
+        if expected is not None:
+            kind = {bool: "a boolean", int: "an integer", float: "a number", str: "a string", list: "a list",
+                    dict: "an object"}.get(type(value))
+            raise ValueError(f"{path}: {key} is {json.dumps(value)}{f' ({kind})' if kind else ''}; expected "
+                             f"{expected}")
 
 
 def _with_model_prefix(weights: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:

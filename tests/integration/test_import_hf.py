@@ -296,6 +296,17 @@ def _break(case, source):
             vocab = {t: i for t, i in vocab.items() if i < len(vocab) + extra}
         (source / "vocab.json").write_text(json.dumps(vocab))
         return source / "vocab.json"
+    if case in CONFIG_VALUES:
+        config = json.loads((source / "config.json").read_text())
+        config.update(CONFIG_VALUES[case])
+        (source / "config.json").write_text(json.dumps(config))
+        return source / "config.json"
+    if case == "shared_id":
+        vocab = json.loads((source / "vocab.json").read_text())
+        del vocab[{i: t for t, i in vocab.items()}[10]]
+        vocab.update(dup_a=10, dup_b=10)  # two tokens of id 10
+        (source / "vocab.json").write_text(json.dumps(vocab))
+        return source / "vocab.json"
     if case == "no_weights":
         (source / "model.safetensors").unlink()
         return source
@@ -306,7 +317,20 @@ def _break(case, source):
     raise AssertionError(case)
 
 
+CONFIG_VALUES = {  # case: config.json values of the wrong kind
+    "hidden_size_string": {"hidden_size": "64"}, "hidden_size_float": {"hidden_size": 2.5},
+    "hidden_size_null": {"hidden_size": None}, "hidden_size_abc": {"hidden_size": "abc"},
+    "layers_negative": {"num_hidden_layers": -1}, "dropout_switch": {"dropout": True},
+}
+
 BAD = {  # case: what the one line says (besides the file's name)
+    "hidden_size_string": 'hidden_size is "64" (a string); expected a positive integer',
+    "hidden_size_float": "hidden_size is 2.5 (a number); expected a positive integer",
+    "hidden_size_null": "hidden_size is null; expected a positive integer",
+    "hidden_size_abc": 'hidden_size is "abc" (a string); expected a positive integer',
+    "layers_negative": "num_hidden_layers is -1 (an integer); expected an integer >= 0",
+    "dropout_switch": "dropout is true (a boolean); expected a number from 0 to below 1",
+    "shared_id": "tokens 'dup_a' and 'dup_b' share id 10; each id names one token",
     "llama": "model_type 'llama' (LlamaForCausalLM) is not OPT or XGLM",
     "no_tokenizer": "has no GPT-2 tokenizer files (vocab.json + merges.txt, or tokenizer.json)",
     "vocab_bigger_than_rows": "entries but the model's embedding has",
