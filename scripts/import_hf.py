@@ -12,6 +12,7 @@ the same model, for --finetune-from-model). Other architectures are refused in o
 
 import argparse
 import logging
+import shlex
 import sys
 
 from fairseq_cli.console import run_console_script
@@ -41,9 +42,14 @@ def main(argv=None):
         result = hf_import.import_hf(args.hf_dir, args.output, dtype=args.dtype, overwrite=args.overwrite)
     except ImportError as e:  # transformers / safetensors not installed: one line, like the other errors
         raise ValueError(str(e)) from None
+    # A command that runs as printed once DATA is a data directory made with OUT_DIR's dict.txt (and --bpe files):
+    # the model's flags (its positions as --tokens-per-sample), a batch of one block, an optimizer at a small
+    # fine-tuning rate; docs/finetune_opt.md has a whole recipe.
+    command = ["fairseq-train", "DATA", "--task", "language_modeling", *result["flags"], *result["bpe_flags"],
+               "--optimizer", "adam", "--lr", "2e-05", "--max-tokens", str(result["positions"]),
+               "--finetune-from-model", result["checkpoint"]]
     print(f"wrote {result['checkpoint']} ({result['architecture']}; --bpe {result['bpe'] or 'none'}); fine-tune with: "
-          f"fairseq-train DATA --task language_modeling {' '.join(result['flags'] + result['bpe_flags'])} "
-          f"--finetune-from-model {result['checkpoint']}")
+          f"{shlex.join(command)}")
 
 
 if __name__ == "__main__":

@@ -181,7 +181,8 @@ def fork_values(model: HFModel) -> Dict[str, Any]:
 def model_flags(cfg) -> List[str]:
     """fairseq-train's flags that build `cfg` (a TransformerLanguageModelConfig): --arch transformer_lm, every
     number and name of _FLAG_OPTIONS (some defaults follow others: all are spelled out), the switches that are
-    on, then --max-target-positions."""
+    on, then --max-target-positions and --tokens-per-sample of the model's positions (fairseq-train's default
+    blocks of 1024 do not fit a model of fewer)."""
     flags = ["--arch", "transformer_lm"]
     for name in _FLAG_OPTIONS:
         value = getattr(cfg, name)
@@ -189,7 +190,8 @@ def model_flags(cfg) -> List[str]:
             flags += [flag_name(name), str(value)]
         elif value:
             flags.append(flag_name(name))
-    return flags + ["--max-target-positions", str(cfg.max_target_positions)]
+    positions = str(cfg.max_target_positions)
+    return flags + ["--max-target-positions", positions, "--tokens-per-sample", positions]
 
 
 # ------------------------------------------------------------------------------------------------ the weights
@@ -325,7 +327,8 @@ def import_hf(hf_dir: str, out_dir: str, dtype: Optional[str] = None, overwrite:
         f for name, option in FORK_TOKENIZER_FILES.items() if name in vocab.files
         for f in (flag_name(option), os.path.join(out_dir, name))]
     return {"checkpoint": os.path.join(out_dir, CHECKPOINT_NAME), "architecture": architecture, "bpe": vocab.bpe,
-            "flags": model_flags(cfg) + (["--add-bos-token"] if add_bos else []), "bpe_flags": bpe_flags}
+            "flags": model_flags(cfg) + (["--add-bos-token"] if add_bos else []), "bpe_flags": bpe_flags,
+            "positions": cfg.max_target_positions}
 
 
 def _write(tmp: str, out_dir: str, cfg, state, vocab: Vocabulary, add_bos: bool) -> None:
