@@ -307,6 +307,15 @@ def _break(case, source):
         vocab.update(dup_a=10, dup_b=10)  # two tokens of id 10
         (source / "vocab.json").write_text(json.dumps(vocab))
         return source / "vocab.json"
+    if case.startswith("index_"):  # a shard moved out of the directory, the index naming it there
+        index = json.loads((source / "model.safetensors.index.json").read_text())
+        shard = sorted(set(index["weight_map"].values()))[-1]
+        outside = source.parent / "elsewhere.safetensors"
+        (source / shard).rename(outside)
+        name = "../elsewhere.safetensors" if case == "index_parent" else str(outside)
+        index["weight_map"] = {k: name if v == shard else v for k, v in index["weight_map"].items()}
+        (source / "model.safetensors.index.json").write_text(json.dumps(index))
+        return source / "model.safetensors.index.json"
     if case == "no_weights":
         (source / "model.safetensors").unlink()
         return source
@@ -331,6 +340,8 @@ BAD = {  # case: what the one line says (besides the file's name)
     "layers_negative": "num_hidden_layers is -1 (an integer); expected an integer >= 0",
     "dropout_switch": "dropout is true (a boolean); expected a number from 0 to below 1",
     "shared_id": "tokens 'dup_a' and 'dup_b' share id 10; each id names one token",
+    "index_parent": 'names the weight file "../elsewhere.safetensors", outside ',
+    "index_absolute": "elsewhere.safetensors\", outside ",
     "llama": "model_type 'llama' (LlamaForCausalLM) is not OPT or XGLM",
     "no_tokenizer": "has no GPT-2 tokenizer files (vocab.json + merges.txt, or tokenizer.json)",
     "vocab_bigger_than_rows": "entries but the model's embedding has",
@@ -355,7 +366,8 @@ def test_bad_input_is_one_line_naming_the_file(case, tokenizers, tmp_path, capsy
         (out / "x").write_text("x")
         named, message = out, "already exists and holds files scripts/import_hf.py did not write"
     else:
-        source = make_hf(tmp_path, tokenizers, "opt")
+        sharded = {"max_shard_size": "30KB"} if case.startswith("index_") else {}
+        source = make_hf(tmp_path, tokenizers, "opt", **sharded)
         named, message = _break(case, source), BAD[case]
     capsys.readouterr()  # transformers' progress bars of making the model
     with pytest.raises(SystemExit) as exit_info:
