@@ -265,6 +265,29 @@ def test_from_pretrained_on_a_transformers_directory(model_type, tokenizers, tmp
     assert hypo[0][0]["tokens"][len(ids) - 1:len(ids) - 1 + new].tolist() == out.tolist()
 
 
+def test_path_to_a_transformers_directory_says_how_to_load_it(tiny_data, tmp_path, monkeypatch):
+    """--path of fairseq-interactive, -generate, -eval-lm at a transformers directory (or a file of one): one line
+    naming scripts/import_hf.py and from_pretrained."""
+    import io
+
+    from fairseq_cli import eval_lm, generate, interactive
+    from tests.train_fixtures import console_in_process
+
+    source = tmp_path / "hf"
+    hf.export(write_checkpoint(tmp_path / "ck", word_dictionary(), arch="transformer_lm_gpt"), str(source))
+    monkeypatch.setattr("sys.stdin", io.StringIO("w1 w2\n"))
+    for name, cli_main, path, part in (("fairseq-interactive", interactive.cli_main, source, ""),
+                                       ("fairseq-generate", generate.cli_main, source / "model.safetensors",
+                                        "a file of "),
+                                       ("fairseq-eval-lm", eval_lm.cli_main, source / "config.json", "a file of ")):
+        status, _, err = console_in_process(name, cli_main, [str(tiny_data), "--path", str(path), "--cpu"])
+        assert status == 1 and err.strip() == (
+            f"{name}: error: {path} is {part}a transformers model directory (config.json of model_type xglm), not a "
+            f"fairseq checkpoint: import it with `python scripts/import_hf.py {source} OUT_DIR` and pass --path "
+            f"OUT_DIR/checkpoint_best.pt, or load it in Python with TransformerLanguageModel.from_pretrained("
+            f"{str(source)!r})"), err
+
+
 # ----------------------------------------------------------------------------- bad input
 
 
