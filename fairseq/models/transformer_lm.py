@@ -245,7 +245,7 @@ class TransformerLanguageModel(FairseqLanguageModel):
     def config_notice(cls, cfg) -> str:
         """Bare transformer_lm with input/output dims of 512 (upstream's default) beside another embed dim: which
         projections that adds and the flags that drop them; "" otherwise."""
-        if getattr(cfg, "_name", None) != "transformer_lm" or cfg.decoder_embed_dim == 512:
+        if registry.config_name(cfg) != "transformer_lm" or cfg.decoder_embed_dim == 512:
             return ""
         sides = [side for side in ("input", "output") if getattr(cfg, f"decoder_{side}_dim") == 512]
         if not sides:
