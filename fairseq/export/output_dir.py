@@ -26,7 +26,10 @@ def check_output(out_dir: str, overwrite: bool, tool: str, inputs: Iterable[Opti
     _check_apart_from_inputs(out_dir, inputs)
     if not os.path.lexists(out_dir):
         return
-    if not os.path.isdir(out_dir) or os.path.islink(out_dir):
+    if os.path.islink(out_dir):
+        raise ValueError(f"output {out_dir} is a symbolic link, which scripts/{tool}.py never replaces; give the "
+                         "directory it points to, or another output")
+    if not os.path.isdir(out_dir):
         raise ValueError(f"output {out_dir} exists and is not a directory, which scripts/{tool}.py never replaces; "
                          "choose another output")
     entries = os.listdir(out_dir)
