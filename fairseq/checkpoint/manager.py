@@ -10,6 +10,7 @@ Layout of a single-file checkpoint (upstream's keys, plain containers only):
   task_state, extra_state {train_iterator, val_loss, best, metrics, previous_training_time, trainer,
   data_parallel_size[, ema, ema_fp32_params]}, model, last_optimizer_state; and the fork's vocabulary (the
   dictionary's fingerprint and the --bpe files: fairseq.checkpoint.vocabulary).
+task_state is the task's state_dict() (empty for the built-in tasks), given back to the task on resume.
 extra_state.trainer is the trainer's state. optimizer_history[-1]'s lr_scheduler_state and num_updates and
 extra_state.previous_training_time are upstream's places for parts of it: written for upstream's tools, read
 only from files without extra_state.trainer. A sharded checkpoint has the same keys: model and optimizer in
@@ -29,9 +30,7 @@ from fairseq.checkpoint.io import (
     CheckpointError,
     CorruptCheckpointError,
     NotACheckpointError,
-    atomic_copy,
     load_checkpoint_file,
-    torch_save_temporary,
 )
 from fairseq.checkpoint.fit import check_architecture, check_same_model_options, model_state_for_checking
 from fairseq.checkpoint.legacy import is_legacy_checkpoint, upgrade_legacy_checkpoint
@@ -45,7 +44,7 @@ from fairseq.checkpoint.paths import (
 )
 from fairseq.checkpoint.vocabulary import KEY as VOCABULARY_KEY, carried, check_dictionary, make_record
 from fairseq.checkpoint.save_dir import SaveDirLock, check_writable, remove_stale_temporaries
-from fairseq.checkpoint.staging import Staged
+from fairseq.checkpoint.saving import sharded_checkpoint_write, single_file_checkpoint_write
 from fairseq.checkpoint.writer import AsyncMode, CheckpointWriter, Write, wait_advice
 from fairseq.dataclass.utils import config_to_dict
 from fairseq.distributed.utils import barrier, broadcast_from_master, get_data_parallel_world_size, get_rank
@@ -249,12 +248,13 @@ class CheckpointManager:
         begun = time.perf_counter()
         state = copy.deepcopy(self._compose(trainer, epoch_itr, val_loss, metrics_state))  # plain values
         composed = time.perf_counter() - started - waited
+        with_optimizer = not self.ckpt_cfg.no_save_optimizer_state
         if self.sharded:
             paths = [os.path.join(save_dir, s) for s in stems]
-            staged, write = self._sharded_write(paths, trainer, state)
+            staged, write = sharded_checkpoint_write(self.writer, paths, trainer, state, with_optimizer)
         else:
             paths = [os.path.join(save_dir, s + ".pt") for s in stems]
-            staged, write = self._single_file_write(paths, trainer, state)
+            staged, write = single_file_checkpoint_write(self.writer, paths, trainer, state, with_optimizer)
         what = f"{paths[0]} (epoch {epoch_itr.epoch} @ {trainer.num_updates} updates, score {val_loss})"
 
         def publish():  # the names and the retention act only on a write that completed
@@ -279,66 +279,6 @@ class CheckpointManager:
         # in either mode (the checkpoints hold them).
         log_checkpoint_times(blocked=blocked, written=written or 0.0)
         return paths
-
-    def _tensors(self, trainer, staged_as: str) -> Dict[str, Any]:
-        """Model, optimizer (unless --no-save-optimizer-state) and EMA state as held (sharded: DTensors)."""
-        model_state, optim_state = trainer.model_and_optimizer_state(full=False)
-        tensors = {"model": model_state}
-        if not self.ckpt_cfg.no_save_optimizer_state:
-            tensors[staged_as] = optim_state
-        if trainer.ema is not None:  # --store-ema: extra_state["ema"] (upstream's key)
-            tensors.update(trainer.ema.state_dict())
-        return tensors
-
-    def _sharded_write(self, paths, trainer, state) -> Tuple[Staged, Write]:
-        """Collective: each rank's shards staged (or, synchronously, as they are) and the write of the directory,
-        then its copies to the other names."""
-        start = time.perf_counter()
-        tensors = self._tensors(trainer, "optimizer")
-        seconds = time.perf_counter() - start
-        staged = self.writer.stage(tensors, single_file=False, optimizer=trainer.optimizer)
-        staged.times.state_dict = seconds
-        group = self.writer.group()
-        write = sharded.sharded_write(paths[0], staged.state, state, group)
-
-        def write_bytes():
-            staged.wait()
-            write.bytes()
-
-        def publish():
-            write.publish()
-            for path in paths[1:]:
-                sharded.copy_sharded(paths[0], path, group=group)
-
-        return staged, Write(write_bytes, publish)
-
-    def _single_file_write(self, paths, trainer, state) -> Tuple[Staged, Write]:
-        """Collective (sharded state is gathered to rank 0): the state staged in host memory and rank 0's write of
-        the file, then its copies to the other names."""
-        start = time.perf_counter()
-        tensors = self._tensors(trainer, "last_optimizer_state")
-        seconds = time.perf_counter() - start
-        staged = self.writer.stage(tensors, single_file=True, optimizer=trainer.optimizer)
-        staged.times.state_dict = seconds
-        if get_rank() != 0:
-            return staged, Write(lambda: None, lambda: None)
-        pending = []
-
-        def write_bytes():
-            staged.wait()
-            host = dict(staged.state)
-            state["model"] = host.pop("model")
-            if "last_optimizer_state" in host:
-                state["last_optimizer_state"] = host.pop("last_optimizer_state")
-            state["extra_state"].update(host)  # the EMA's groups
-            pending.append(torch_save_temporary(state, paths[0]))
-
-        def publish():
-            pending.pop().commit()
-            for path in paths[1:]:
-                atomic_copy(paths[0], path)
-
-        return staged, Write(write_bytes, publish)
 
     def _compose(self, trainer, epoch_itr, val_loss, metrics_state) -> Dict[str, Any]:
         """Upstream's layout (the writer adds model and optimizer) from the parts' states."""
