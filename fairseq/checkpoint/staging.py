@@ -166,8 +166,7 @@ class HostStaging:
         times = StagingTimes()
         start = time.perf_counter()
         copier = _Copier(self, times, gather)
-        with copier.side_stream():
-            staged = copier.walk(state, ())
+        staged = copier.walk(state, ())
         times.python = max(0.0, time.perf_counter() - start - times.gather - times.allocate - times.copy)
         if gather and not copier.on_rank_0:
             staged = None
@@ -192,16 +191,14 @@ class _Copier:
         self.start = None
         self.window: List[Tuple[Any, int]] = []  # (event, bytes) of gathered tensors whose copy is queued
 
-    @contextlib.contextmanager
-    def side_stream(self):
-        yield
-        if self.stream is not None:
-            ready = torch.cuda.Event(enable_timing=True)
-            ready.record(self.stream)
-            self.ready = ready
-
     def events(self):
-        return None if self.stream is None else (self.start, self.ready)
+        """(start, ready) of this stage's device-to-host copies, `ready` recorded after the last one (None
+        without any)."""
+        if self.stream is None:
+            return None
+        ready = torch.cuda.Event(enable_timing=True)
+        ready.record(self.stream)
+        return self.start, ready
 
     def _device_stream(self):
         """The side stream, made to wait for the compute stream at the first device tensor of this stage."""

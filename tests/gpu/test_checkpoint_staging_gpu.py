@@ -1,7 +1,7 @@
 """fairseq.checkpoint.staging on CUDA: pinned buffers allocated once and reused, device-to-host copies on a side
 stream that `stage` only queues (the host is not blocked), the next optimizer step held back until they are done
 (the staged values are those before the step, exactly), a one-rank FSDP2 state staged for a single file without a
-second copy on the GPU, and fairseq-train's single-file and sharded asynchronous checkpoints equal to synchronous
+second copy on the GPU, and fairseq-train's single-file and sharded asynchronous checkpoints close to synchronous
 ones."""
 
 import os
@@ -113,4 +113,6 @@ def test_asynchronous_checkpoints_on_cuda_equal_synchronous_ones(tmp_path, layou
         suffix = "" if layout else ".pt"
         a = read_checkpoint_state(str(tmp_path / "sync" / (name + suffix)))["model"]
         b = read_checkpoint_state(str(tmp_path / "async" / (name + suffix)))["model"]
-        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), name
+        # Two GPU runs need not be bitwise equal (atomics in the embedding's backward): close, where a copy that
+        # raced an optimizer step or read an unwritten buffer would be off by a whole update (lr 1e-3) or more.
+        assert a.keys() == b.keys() and all(torch.allclose(a[k], b[k], rtol=1e-3, atol=1e-5) for k in a), name
