@@ -3,9 +3,9 @@ one a synchronous save writes at the same update (single file; sharded on 2 gloo
 survives kill -9 and a failing disk with the previous checkpoint whole, waits for itself before the next save
 and before a preemption checkpoint, and retention never removes the last complete checkpoint.
 
-Where a test must act while a write is in flight, the writer is slowed through its test hook
-(FAIRSEQ_TEST_SLOW_CHECKPOINT_WRITE, fairseq.checkpoint.writer): each background write sleeps once its bytes are
-written, before the rename.
+Where a test must act while a write is in flight, the writer is slowed through its documented seam
+(FAIRSEQ_TEST_SLOW_CHECKPOINT_WRITE, fairseq.checkpoint.writer): each background write pauses between its bytes
+and its publication (the rename).
 """
 
 import glob
