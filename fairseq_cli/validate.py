@@ -23,7 +23,7 @@ from fairseq.checkpoint.inference import load_model_ensemble_and_task
 from fairseq.data.batching import resolve_limit, resolve_max_positions
 from fairseq.data.block_positions import check_blocks_fit
 from fairseq.dataclass.flag_values import task_block_options
-from fairseq.dataclass.validate import check_batch_size
+from fairseq.dataclass.batch_flags import check_batch_flags
 from fairseq.distributed import utils as dist_utils
 from fairseq.distributed.launch import call_main
 from fairseq.logging import metrics, progress_bar
@@ -45,7 +45,7 @@ def main(cfg, override_args: Optional[argparse.Namespace] = None) -> Dict[str, D
     progress_bar.setup_logging(cfg.common.log_file)
     if cfg.common.user_dir:
         import_user_module(cfg.common.user_dir)
-    check_batch_size(cfg.dataset)
+    check_batch_flags(cfg, required=True)
     if not cfg.common_eval.path:
         raise ValueError("no checkpoint given: pass --path CHECKPOINT.pt (or a sharded checkpoint directory)")
     device = torch.device("cpu") if cfg.common.cpu or not torch.cuda.is_available() else \
@@ -128,7 +128,7 @@ def cli_main(argv: Optional[List[str]] = None) -> None:
     override_args = options.parse_args_and_arch(options.get_validation_parser(), argv, suppress_defaults=True)
     cfg = options.convert_namespace_to_config(args)
     try:
-        check_batch_size(cfg.dataset)
+        check_batch_flags(cfg, required=True)
     except ValueError as e:
         parser.error(str(e))
     call_main(cfg, main, override_args=override_args)

@@ -12,6 +12,7 @@ from dataclasses import dataclass, fields
 from numbers import Integral, Real
 from typing import List, Literal, Optional
 
+from fairseq.dataclass.batch_flags import check_batch_size, check_buffer_size, check_max_tokens
 from fairseq.dataclass.fields import opt
 from fairseq.upstream_absent import refused_options
 
@@ -157,10 +158,15 @@ def check_sampling_range(generation, vocab_size: Optional[int] = None, keyword: 
 
 
 def check_generation_config(generation: GenerationConfig, dataset=None, interactive=None) -> None:
-    """fairseq-generate's and fairseq-interactive's checks: unsupported options, then upstream's rules for
-    what is printed (--nbest against --beam; with `dataset` and `interactive`, --batch-size against
-    --buffer-size). The hub interface, which prints nothing, checks only the unsupported options, the numeric
-    options and the sampling ranges."""
+    """fairseq-generate's and fairseq-interactive's checks: the batch options of `dataset` and `interactive`
+    (fairseq.dataclass.batch_flags), unsupported options, then upstream's rules for what is printed (--nbest
+    against --beam; with `dataset` and `interactive`, --batch-size against --buffer-size). The hub interface,
+    which prints nothing, checks only the unsupported options, the numeric options and the sampling ranges."""
+    if dataset is not None:
+        check_max_tokens(dataset.max_tokens)
+        check_batch_size(dataset.batch_size)
+    if interactive is not None:
+        check_buffer_size(interactive.buffer_size)
     check_unsupported_options(generation)
     check_option_values(generation)
     check_sampling_range(generation)
