@@ -69,6 +69,19 @@ def longest_output(prompt_width: int, max_len_a: float, max_len_b: int, max_posi
     return longest if max_positions is None else min(longest, max_positions - 1)
 
 
+def check_output_length(longest: int, min_len: int, prompt_width: int, max_len_a: float, max_len_b: int,
+                        max_positions: int) -> None:
+    """ValueError when no output can be generated: the length rule (longest_output, here `longest`) gives fewer
+    than 0 tokens (--max-len-b's fault), or fewer than --min-len."""
+    rule = f"--max-len-a {max_len_a} * {prompt_width} + --max-len-b {max_len_b}"
+    if longest < 0:
+        raise ValueError(f"--max-len-b {max_len_b} makes the longest output {longest} tokens ({rule}), below 0; raise "
+                         f"--max-len-b to at least {max_len_b - longest + max(min_len, 0)}")
+    if min_len > longest:
+        raise ValueError(f"--min-len {min_len} is larger than the longest output allowed, {longest} tokens "
+                         f"(min({rule}, {max_positions - 1})); lower --min-len or raise --max-len-b")
+
+
 def decode_positions(prompt_width: int, max_len_a: float, max_len_b: int, max_positions: Optional[int]) -> int:
     """Positions the generator's cache reserves per row for prompts `prompt_width` wide: the longest output
     and the </s> it starts from."""
