@@ -15,6 +15,7 @@ refuses cannot run; one it lets through may still run out of memory when the dev
 nothing is checked.
 """
 
+import math
 from typing import Iterable, Optional, Tuple
 
 import torch
@@ -76,7 +77,7 @@ def check_output_length(longest: int, min_len: int, prompt_width: int, max_len_a
     rule = f"--max-len-a {max_len_a} * {prompt_width} + --max-len-b {max_len_b}"
     if longest < 0:
         raise ValueError(f"--max-len-b {max_len_b} makes the longest output {longest} tokens ({rule}), below 0; raise "
-                         f"--max-len-b to at least {max_len_b - longest + max(min_len, 0)}")
+                         f"--max-len-b to at least {math.ceil(max(min_len, 0) - max_len_a * prompt_width)}")
     if min_len > longest:
         raise ValueError(f"--min-len {min_len} is larger than the longest output allowed, {longest} tokens "
                          f"(min({rule}, {max_positions - 1})); lower --min-len or raise --max-len-b")
