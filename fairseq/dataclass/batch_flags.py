@@ -60,24 +60,19 @@ def check_buffer_size(value: Optional[int], name: str = "--buffer-size") -> None
 
 
 def check_batch_flags(cfg, required: bool = False) -> None:
-    """Every batch-size option a config (a FairseqConfig, or a Namespace holding its groups) has: --max-tokens,
-    --batch-size and their -valid forms (dataset), --update-freq (optimization), --buffer-size (interactive).
-    Groups or options the config lacks are skipped. `required`: one of --max-tokens and --batch-size must be
-    given (fairseq-train, fairseq-validate; the other tools have a default batch)."""
-    dataset = getattr(cfg, "dataset", None)
-    if dataset is not None:
-        if required and dataset.max_tokens is None and dataset.batch_size is None:
-            raise ValueError("give a batch size with --max-tokens or --batch-size")
-        check_max_tokens(getattr(dataset, "max_tokens", None))
-        check_batch_size(getattr(dataset, "batch_size", None))
-        check_max_tokens(_given(getattr(dataset, "max_tokens_valid", None)), "--max-tokens-valid")
-        check_batch_size(_given(getattr(dataset, "batch_size_valid", None)), "--batch-size-valid")
-    optimization = getattr(cfg, "optimization", None)
-    if optimization is not None:
-        check_update_freq(getattr(optimization, "update_freq", None))
-    interactive = getattr(cfg, "interactive", None)
-    if interactive is not None:
-        check_buffer_size(getattr(interactive, "buffer_size", None))
+    """The batch options of a FairseqConfig (fairseq-train, -hydra-train, -validate, -eval-lm): --max-tokens,
+    --batch-size and their -valid forms, --update-freq. `required`: one of --max-tokens and --batch-size must be
+    given (fairseq-train, fairseq-validate; the other tools have a default batch). fairseq-generate and
+    -interactive check theirs with their generation options (check_generation_config), the planner and the hub
+    call the checks above."""
+    dataset = cfg.dataset
+    if required and dataset.max_tokens is None and dataset.batch_size is None:
+        raise ValueError("give a batch size with --max-tokens or --batch-size")
+    check_max_tokens(dataset.max_tokens)
+    check_batch_size(dataset.batch_size)
+    check_max_tokens(_given(dataset.max_tokens_valid), "--max-tokens-valid")
+    check_batch_size(_given(dataset.batch_size_valid), "--batch-size-valid")
+    check_update_freq(cfg.optimization.update_freq)
 
 
 def _given(value):

@@ -25,7 +25,7 @@ from fairseq.planning.step_time import step_time
 from fairseq import registry
 from fairseq.checkpoint.writer import async_save_host_bytes
 from fairseq.dataclass import configs
-from fairseq.dataclass.batch_flags import check_batch_flags
+from fairseq.dataclass.batch_flags import check_batch_size, check_max_tokens, check_update_freq
 from fairseq.dataclass.utils import add_dataclass_to_parser
 
 # Device totals in GiB, as PyTorch reports them (what fairseq's memory log calls GB): fairseq/planning/hardware.py
@@ -257,7 +257,9 @@ def _training_setup(args, cfg) -> mm.TrainingSetup:
     layout = ParallelLayout.from_config(args, args.gpus)  # the flags' own checks and messages
     check_tensor_parallel_shape(layout.tp, cfg.decoder_attention_heads, cfg.decoder_ffn_embed_dim, args.vocab_size,
                                 "--vocab-size")
-    check_batch_flags(argparse.Namespace(dataset=args, optimization=args))  # fairseq-train's checks
+    check_max_tokens(args.max_tokens)  # fairseq-train's checks
+    check_batch_size(args.batch_size)
+    check_update_freq(args.update_freq)
     batch_size = args.batch_size
     if batch_size is None:
         if args.max_tokens is not None:
