@@ -27,6 +27,7 @@ from fairseq.checkpoint.writer import async_save_host_bytes
 from fairseq.dataclass import configs
 from fairseq.dataclass.batch_flags import check_batch_size, check_max_tokens, check_update_freq
 from fairseq.dataclass.utils import add_dataclass_to_parser
+from fairseq.options import FairseqArgumentParser
 
 # Device totals in GiB, as PyTorch reports them (what fairseq's memory log calls GB): fairseq/planning/hardware.py
 # says where each comes from. Pass --gpu-memory-gb for your card.
@@ -73,9 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
     from fairseq.models.transformer_lm import TransformerLanguageModelConfig
     from fairseq.tasks.language_modeling import LanguageModelingConfig
 
-    from fairseq.options import FairseqArgumentParser  # usage errors in one line, misspelt flags named
-
-    parser = FairseqArgumentParser(
+    parser = FairseqArgumentParser(  # usage errors in one line, misspelt flags named
         prog="python -m fairseq.planning.plan_memory", allow_abbrev=False,
         description="Per-GPU memory of training a transformer_lm with fairseq-train (see docs/memory_planner.md).",
     )
