@@ -49,7 +49,8 @@ class GenerationConfig:
     constraints: Optional[Literal["ordered", "unordered"]] = opt(
         None, "not supported with --task language_modeling (as upstream): lexically constrained decoding",
         const="ordered")
-    temperature: float = opt(1.0, "divide the logits by this before the softmax (sampling and beam search)")
+    temperature: float = opt(1.0, "divide the logits by this before the softmax (sampling and beam search); at "
+                                  "least 0.0113, below which float32 gives every token but the likeliest probability 0")
     diverse_beam_groups: int = opt(-1, "not supported: number of groups for diverse beam search")
     diverse_beam_strength: float = opt(0.5, "not supported: diversity penalty of diverse beam search")
     diversity_rate: float = opt(-1.0, "not supported: diversity penalty of diverse siblings search")
