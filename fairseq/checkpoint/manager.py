@@ -50,7 +50,7 @@ from fairseq.dataclass.utils import config_to_dict
 from fairseq.distributed.utils import barrier, broadcast_from_master, get_data_parallel_world_size, get_rank
 from fairseq.distributed.launch import process_group_timeout
 from fairseq.logging import metrics
-from fairseq.logging.log_line import log_checkpoint_times
+from fairseq.logging.log_line import log_checkpoint_times, without_run_only_meters
 
 if TYPE_CHECKING:  # torch.distributed.checkpoint costs ~1.5 s to import: only where a checkpoint needs it
     from torch.distributed.checkpoint.stateful import Stateful
@@ -514,8 +514,8 @@ def restore_saved_meters(saved: SavedState, meters: "Stateful") -> bool:
     meters belong to the finished epoch, and the new one starts afresh, as upstream); True when restored."""
     position = saved.train_iterator
     restore = bool(position and position.get("iterations_in_epoch", 0) > 0 and saved.metrics)
-    if restore:
-        meters.load_state_dict(saved.metrics)
+    if restore:  # the saves' seconds are counted afresh (log_line.RUN_ONLY_METERS)
+        meters.load_state_dict(without_run_only_meters(saved.metrics))
     return restore
 
 
@@ -541,10 +541,11 @@ def iterator_state_for_world_size(state: Dict[str, Any], saved_world: Optional[i
     if saved_world != world_size:
         consumed = state["iterations_in_epoch"] * saved_world
         state["iterations_in_epoch"] = consumed // world_size
-        _train_logger.warning(
-            f"resuming a checkpoint saved by {saved_world} ranks on {world_size}: continuing after batch {consumed} "
-            f"of the epoch. Keep --batch-size/--max-tokens x --update-freq x ranks the same to keep the "
-            f"same global batch" + ("" if consumed % world_size == 0 else f" ({consumed % world_size} batch(es) "
-                                    "of this epoch are skipped)")
-        )
+        left = consumed % world_size
+        skipped = f" ({left} batch(es) of this epoch are skipped)" if left else ""
+        if get_rank() == 0:  # one line for the job (a warning: every rank would print it)
+            _train_logger.warning(
+                f"resuming a checkpoint saved by {saved_world} ranks on {world_size}: continuing after batch "
+                f"{consumed} of the epoch. Keep --batch-size/--max-tokens x --update-freq x ranks the same to keep "
+                f"the same global batch{skipped}")
     return state

@@ -15,6 +15,7 @@ refuses cannot run; one it lets through may still run out of memory when the dev
 nothing is checked.
 """
 
+import math
 from typing import Iterable, Optional, Tuple
 
 import torch
@@ -67,6 +68,19 @@ def longest_output(prompt_width: int, max_len_a: float, max_len_b: int, max_posi
     the prompt included (upstream's rule for language models), capped at `max_positions` - 1."""
     longest = int(max_len_a * prompt_width + max_len_b)
     return longest if max_positions is None else min(longest, max_positions - 1)
+
+
+def check_output_length(longest: int, min_len: int, prompt_width: int, max_len_a: float, max_len_b: int,
+                        max_positions: int) -> None:
+    """ValueError when no output can be generated: the length rule (longest_output, here `longest`) gives fewer
+    than 0 tokens (--max-len-b's fault), or fewer than --min-len."""
+    rule = f"--max-len-a {max_len_a} * {prompt_width} + --max-len-b {max_len_b}"
+    if longest < 0:
+        raise ValueError(f"--max-len-b {max_len_b} makes the longest output {longest} tokens ({rule}), below 0; raise "
+                         f"--max-len-b to at least {math.ceil(max(min_len, 0) - max_len_a * prompt_width)}")
+    if min_len > longest:
+        raise ValueError(f"--min-len {min_len} is larger than the longest output allowed, {longest} tokens "
+                         f"(min({rule}, {max_positions - 1})); lower --min-len or raise --max-len-b")
 
 
 def decode_positions(prompt_width: int, max_len_a: float, max_len_b: int, max_positions: Optional[int]) -> int:

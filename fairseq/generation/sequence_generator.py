@@ -130,10 +130,8 @@ class SequenceGenerator(nn.Module):
             max_len = int(src_lengths.max())
         else:
             max_len = decode_memory.longest_output(src_len, self.max_len_a, self.max_len_b, self.max_len)
-        if self.min_len > max_len:
-            raise ValueError(f"--min-len {self.min_len} is larger than the longest output allowed, {max_len} tokens "
-                             f"(min(--max-len-a {self.max_len_a} * {src_len} + --max-len-b {self.max_len_b}, "
-                             f"{self.max_len - 1})); lower --min-len or raise --max-len-b")
+        decode_memory.check_output_length(max_len, self.min_len, src_len, self.max_len_a, self.max_len_b,
+                                          self.max_len)
         return max_len
 
     def _prompts(self, prefix_tokens: Optional[Tensor], bsz: int, max_len: int,

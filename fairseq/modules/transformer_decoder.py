@@ -33,7 +33,7 @@ import torch.nn.functional as F
 
 from fairseq.kernels.decode_attention import decode_attention_available
 from fairseq.modules.incremental_decoding_utils import IncrementalState
-from fairseq.modules.fairseq_incremental_decoder import FairseqIncrementalDecoder
+from fairseq.modules.fairseq_incremental_decoder import FairseqIncrementalDecoder, check_token_input
 from fairseq.modules.adaptive_input import AdaptiveInput, parse_cutoffs
 from fairseq.modules.adaptive_softmax import AdaptiveSoftmax
 from fairseq.modules.causal_attention import CausalSelfAttention, StaticStep
@@ -216,6 +216,7 @@ class TransformerDecoder(FairseqIncrementalDecoder):
         layer's output (full forwards only: kept alive until the caller drops them)."""
         if encoder_out is not None:
             raise ValueError("this decoder-only TransformerDecoder has no encoder attention; pass encoder_out=None")
+        check_token_input(prev_output_tokens)
         inner_states = None
         if incremental_state is None:
             x = self.embed(prev_output_tokens)
