@@ -25,7 +25,7 @@ it runs beside or when it joined. Reported log-probabilities are the model's (te
 
 import math
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Deque, Hashable, List, Optional, Sequence, Tuple
 
 import torch

@@ -168,13 +168,13 @@ def test_the_static_step_loop_over_attention_windows_gives_the_same_tokens(monke
         expected, got = decode(stepwise, prompts), decode(static, prompts)
         assert_same_hypotheses(got, expected)
         static_windows = [w for w in reorders if w is not None]  # the prompt's copy to the beams has none
-        capacity = static._graphed.capacity
-        assert capacity == 64 and "beam" in static._graphed.extra
+        capacity = static.step_model.graphed.capacity
+        assert capacity == 64 and "beam" in static.step_model.graphed.extra
         if window == 4:  # the live length rounded up to 4, not the capacity
             assert min(static_windows) == 4 and max(static_windows) < capacity
         else:
             assert set(static_windows) == {capacity}
-    assert static._graphed.rows == 16 * beam
+    assert static.step_model.graphed.rows == 16 * beam
 
 
 def test_a_windowed_reorder_moves_the_first_slots_of_the_rows_only():

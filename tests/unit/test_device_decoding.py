@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from fairseq.generation import cuda_graph_decoding, device_decoding, search
+from fairseq.generation import cuda_graph_decoding, device_decoding, sampling, search
 from fairseq.generation.sequence_generator import SequenceGenerator
 from test_sequence_generator import (ATOL, D, EOS, PAD, PROMPTS, UNK, W, EagerStaticGenerator, build,
                                      host_syncs, logits_with, sample_of, sequence_log_probs, unigram_model)
@@ -58,15 +58,15 @@ def test_the_static_step_loop_over_attention_windows_gives_the_same_tokens(monke
     stepwise = SequenceGenerator([model], D, device_loop=False, max_len_b=20)
     static = EagerStaticGenerator([model], D, max_len_b=20)  # the CUDA-graph path, run eagerly
     windows = []
-    original = static._static_step
-    static._static_step = lambda *args: windows.append(args[3]) or original(*args)
+    original = static.step_model.static_step
+    static.step_model.static_step = lambda *args: windows.append(args[3]) or original(*args)
     for prompts in (MIXED, MIXED[1:3], MIXED + [[W[5]] * 6]):
         expected, got = decode(stepwise, prompts), decode(static, prompts)
         assert tokens_of(got) == tokens_of(expected)
         for a, b in zip(got, expected):
             torch.testing.assert_close(a[0]["positional_scores"], b[0]["positional_scores"], atol=ATOL, rtol=0)
-    capacity = static._graphed.capacity
-    assert capacity == 64 and "loop" in static._graphed.extra
+    capacity = static.step_model.graphed.capacity
+    assert capacity == 64 and "loop" in static.step_model.graphed.extra
     if window == 4:  # the live length rounded up to 4, not the capacity
         assert min(windows) == 4 and max(windows) < capacity and sorted(set(windows)) == list(range(4, 28, 4))
     else:
@@ -192,15 +192,15 @@ def test_draws_follow_the_models_distribution_over_the_kept_tokens(kwargs, kept)
 
 
 def test_gumbel_noise_is_a_function_of_key_step_and_token():
-    keys = device_decoding.sentence_keys(7, torch.tensor([0, 1, 2]))
+    keys = sampling.sentence_keys(7, torch.tensor([0, 1, 2]))
     ids = torch.arange(50)
-    full = device_decoding.gumbel_noise(keys, torch.tensor([3]), ids)
-    part = device_decoding.gumbel_noise(keys[1:2], torch.tensor([3]), ids[10:20].unsqueeze(0))
+    full = sampling.gumbel_noise(keys, torch.tensor([3]), ids)
+    part = sampling.gumbel_noise(keys[1:2], torch.tensor([3]), ids[10:20].unsqueeze(0))
     assert torch.equal(part, full[1:2, 10:20])
-    assert not torch.equal(full, device_decoding.gumbel_noise(keys, torch.tensor([4]), ids))
+    assert not torch.equal(full, sampling.gumbel_noise(keys, torch.tensor([4]), ids))
     assert len(set(keys.tolist())) == 3 and torch.isfinite(full).all()
-    uniform = torch.exp(-torch.exp(-device_decoding.gumbel_noise(
-        device_decoding.sentence_keys(1, torch.arange(200)), torch.tensor([0]), torch.arange(500)))).flatten()
+    uniform = torch.exp(-torch.exp(-sampling.gumbel_noise(
+        sampling.sentence_keys(1, torch.arange(200)), torch.tensor([0]), torch.arange(500)))).flatten()
     assert abs(float(uniform.mean()) - 0.5) < 0.01 and abs(float(uniform.var()) - 1 / 12) < 0.005
 
 
