@@ -40,10 +40,10 @@ from fairseq.generation.device_decoding import DeviceLoop, _Buffers
 
 
 def applies(generator, beam: int) -> bool:
-    """Whether `generator` decodes a batch through this loop: beam search (`BeamSearch` itself) with 2 or more
-    beams, this fork's decoders, and no option the loop does not implement (--no-repeat-ngram-size,
-    --match-source-len)."""
-    return (generator.device_loop and beam >= 2 and type(generator.search) is search.BeamSearch
+    """Whether this loop can decode `generator`'s batches (the generator chooses, see its `device_loop`): beam
+    search (`BeamSearch` itself) with 2 or more beams, this fork's decoders, and no option the loop does not
+    implement (--no-repeat-ngram-size, --match-source-len)."""
+    return (generator.device_loop is not False and beam >= 2 and type(generator.search) is search.BeamSearch
             and generator.model.can_feed_prompts and not generator.no_repeat_ngram_size
             and not generator.match_source_len)
 

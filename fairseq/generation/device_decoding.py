@@ -43,10 +43,11 @@ CHUNK = 16
 
 
 def applies(generator, beam: int) -> bool:
-    """Whether `generator` decodes a batch through this loop: beam 1, greedy or sampling, this fork's decoders,
-    and no option the loop does not implement (--no-repeat-ngram-size, --match-source-len)."""
+    """Whether this loop can decode `generator`'s batches (the generator chooses, see its `device_loop`): beam 1,
+    greedy or sampling, this fork's decoders, and no option the loop does not implement (--no-repeat-ngram-size,
+    --match-source-len)."""
     kind = type(generator.search)
-    return (generator.device_loop and beam == 1 and kind in (search.BeamSearch, search.Sampling)
+    return (generator.device_loop is not False and beam == 1 and kind in (search.BeamSearch, search.Sampling)
             and generator.model.can_feed_prompts and not generator.no_repeat_ngram_size
             and not generator.match_source_len)
 

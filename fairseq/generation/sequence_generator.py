@@ -48,7 +48,7 @@ class SequenceGenerator(nn.Module):
                  unk_penalty: float = 0.0, temperature: float = 1.0, match_source_len: bool = False,
                  no_repeat_ngram_size: int = 0, search_strategy: Optional[search.Search] = None,
                  eos: Optional[int] = None, symbols_to_strip_from_output=None, cuda_graphs: bool = True,
-                 device_loop: bool = True):
+                 device_loop: Optional[bool] = None):
         """`max_len`: cap on the total length (default: the models' positions); the output of a sentence has at
         most min(max_len_a * src_len + max_len_b, max_len - 1) tokens before </s>, src_len the width of
         `src_tokens`, the prompt included, as upstream counts it. `cuda_graphs`: replay the one-token steps
@@ -56,7 +56,9 @@ class SequenceGenerator(nn.Module):
         they read are kept for the next call while the batch and length fit. `device_loop`: decode greedy
         search and sampling at beam 1 (fairseq.generation.device_decoding) and beam search (device_beam_search)
         on the device (no host sync per token; the same search results; sampling draws that depend on the seed
-        and the sentence only); False keeps the step-by-step loop (sampling draws from torch's RNG, as upstream)."""
+        and the sentence only); False keeps the step-by-step loop (sampling draws from torch's RNG, as upstream);
+        None (default): the device loops, but on the CPU, where the step-by-step loop is faster, for sampling
+        and streaming only (greedy and beam search give the same hypotheses either way)."""
         super().__init__()
         self.model = models if isinstance(models, EnsembleModel) else EnsembleModel(models)
         self.tgt_dict = tgt_dict
@@ -231,6 +233,15 @@ class SequenceGenerator(nn.Module):
         lprobs.scatter_(1, ngrams[:, :, -1].masked_fill(~repeats, self.pad), -math.inf)
 
     # ---- the loop -----------------------------------------------------------------------------------------
+    def _on_device_loop(self, device: torch.device, streaming: bool) -> bool:
+        """Whether a batch on `device` decodes on a device loop (see `device_loop`)."""
+        beam = self.beam_size
+        if not (device_decoding.applies(self, beam) or device_beam_search.applies(self, beam)):
+            return False
+        if self.device_loop is None and device.type == "cpu":
+            return streaming or isinstance(self.search, search.Sampling)
+        return True
+
     def _generate(self, sample: Dict, prefix_tokens: Optional[Tensor] = None, bos_token: Optional[int] = None,
                   on_tokens=None) -> List[List[Dict[str, Tensor]]]:
         """Decode one batch: the set-up and prefill, then per step the candidates, the hypotheses that end, the
@@ -238,7 +249,7 @@ class SequenceGenerator(nn.Module):
         Greedy search, sampling at beam 1 and beam search run on the device instead (device_decoding, ...)."""
         b, lprobs = self._begin(sample, prefix_tokens, bos_token)
         beam, max_len = self.beam_size, b.max_len
-        if lprobs is not None and (device_decoding.applies(self, beam) or device_beam_search.applies(self, beam)):
+        if lprobs is not None and self._on_device_loop(b.device, on_tokens is not None):
             return self._device_loop.decode(b, lprobs, sample, on_tokens)
         for step in range(b.start, max_len + 1):  # the last step only adds </s>
             if lprobs is None:

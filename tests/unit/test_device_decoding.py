@@ -35,7 +35,7 @@ def test_greedy_equals_the_step_by_step_loop(options):
     model = build(seed=4)  # its sentences end at different steps
     options = {"max_len_b": 12, **options}
     stepwise = SequenceGenerator([model], D, device_loop=False, **options)
-    on_device = SequenceGenerator([model], D, **options)
+    on_device = SequenceGenerator([model], D, **options, device_loop=True)
     assert device_decoding.applies(on_device, 1) and not device_decoding.applies(stepwise, 1)
     # One sentence per batch: the same operations on the same values, so equal, not close.
     for prompt in MIXED:
@@ -94,7 +94,7 @@ def test_finished_sentences_leave_the_batch_between_chunks(monkeypatch, static):
     monkeypatch.setattr(cuda_graph_decoding, "ATTENTION_WINDOW", 8)
     model = build(seed=4)  # with 50 tokens allowed its sentences end after 1 to 51 tokens
     stepwise = SequenceGenerator([model], D, device_loop=False, max_len_b=50)
-    generator = (EagerStaticGenerator if static else SequenceGenerator)([model], D, max_len_b=50)
+    generator = (EagerStaticGenerator if static else SequenceGenerator)([model], D, max_len_b=50, device_loop=True)
     drops = record_drops(generator)
     streamed = []
     got = decode(generator, MIXED, on_tokens=lambda tokens, done: streamed.append((tokens, done)))
@@ -118,7 +118,7 @@ def test_one_host_sync_per_chunk_not_per_token():
     model = unigram_model(logits_with(w1=2.0, w2=1.0, eos=-30.0))  # </s> never chosen: every output is long
     length = 3 * device_decoding.CHUNK  # within the model's 64 positions
     stepwise = SequenceGenerator([model], D, device_loop=False, max_len_b=length)
-    on_device = SequenceGenerator([model], D, max_len_b=length)
+    on_device = SequenceGenerator([model], D, max_len_b=length, device_loop=True)
     prompts = [[W[1]], [W[2], W[3]]]
     assert tokens_of(decode(on_device, prompts)) == tokens_of(decode(stepwise, prompts))
     assert all(len(s[0]["tokens"]) == length + 1 for s in decode(on_device, prompts))
@@ -132,7 +132,7 @@ def test_one_host_sync_per_chunk_not_per_token():
 
 def sampler(seed=11, beam=1, **kwargs):
     return SequenceGenerator([build(seed=4)], D, beam_size=beam, max_len_b=10,
-                             search_strategy=search.Sampling(D, seed=seed, **kwargs))
+                             search_strategy=search.Sampling(D, seed=seed, **kwargs), device_loop=True)
 
 
 @pytest.mark.parametrize("kwargs", [{}, dict(sampling_topk=3), dict(sampling_topp=0.6)])
@@ -162,7 +162,8 @@ def test_a_sentences_sample_depends_on_the_seed_and_the_sentence_not_the_batch(k
 
 
 def test_sampling_seeds_default_to_torchs_initial_seed():
-    generator = SequenceGenerator([build(seed=4)], D, max_len_b=10, search_strategy=search.Sampling(D))
+    generator = SequenceGenerator([build(seed=4)], D, max_len_b=10, search_strategy=search.Sampling(D),
+                                  device_loop=True)
     torch.manual_seed(3)
     first = tokens_of(decode(generator, MIXED[:4]))
     torch.rand(5)  # the draws do not read torch's RNG state, only its seed
@@ -177,7 +178,8 @@ def test_draws_follow_the_models_distribution_over_the_kept_tokens(kwargs, kept)
     logits = [-30.0] * len(D)  # every other token: p ~ 1e-13
     logits[W[1]], logits[W[2]], logits[W[3]] = 1.0, 0.5, 0.0
     model = unigram_model(logits)
-    generator = SequenceGenerator([model], D, max_len_b=1, search_strategy=search.Sampling(D, seed=5, **kwargs))
+    generator = SequenceGenerator([model], D, max_len_b=1, search_strategy=search.Sampling(D, seed=5, **kwargs),
+                                  device_loop=True)
     n = 4000
     drawn = [s[0]["tokens"][0].item() for s in decode(generator, [[]] * n, list(range(n)))]
     probs = torch.log_softmax(torch.tensor(logits), 0).exp()
@@ -215,7 +217,7 @@ def test_sampling_with_several_beams_keeps_the_step_by_step_loop():
 
 def test_streamed_tokens_grow_by_chunks_and_end_as_the_hypotheses():
     model = unigram_model(logits_with(w1=2.0, w2=1.0, eos=-30.0))
-    generator = SequenceGenerator([model], D, max_len_b=40)
+    generator = SequenceGenerator([model], D, max_len_b=40, device_loop=True)
     seen = []
     hypos = decode(generator, [[W[1]], [W[2], W[3]]], on_tokens=lambda t, done: seen.append((t.clone(), done)))
     # </s> and the shared first prompt token (fed at once), the token of that forward, then 16 per chunk, up to

@@ -445,7 +445,7 @@ class EagerStaticGenerator(SequenceGenerator):
     rows rounded up, caches kept from one call to the next."""
 
     def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
+        super().__init__(*args, **{"device_loop": True, **kwargs})
         self.step_model.eager_graphs = True
 
 
