@@ -129,7 +129,7 @@ class DecodeEngine:
         given. `max_positions`: tokens per row, the prompt and its begin token included (default and cap: the
         model's). The caches of `max_rows` x `max_positions` are reserved now (on CUDA: checked against free
         memory first, one line when they do not fit)."""
-        models = list(model) if isinstance(model, (list, tuple)) else [model]
+        models = list(model) if isinstance(model, (list, tuple, torch.nn.ModuleList)) else [model]
         if device is not None or dtype is not None:
             models = [m.to(device=device, dtype=dtype) for m in models]
         self.model = EnsembleModel(models).eval()
