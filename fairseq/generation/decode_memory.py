@@ -107,8 +107,26 @@ def check_decode_memory(models, sentences: int, beam: int, positions: int, devic
     models' weights (see the module doc); nothing on other devices."""
     if device.type != "cuda":
         return
-    free, _ = torch.cuda.mem_get_info(device)
-    available = free + torch.cuda.memory_reserved(device)  # the weights already there are in the latter
-    error = decode_memory_error(models, sentences, beam, positions, available, str(device), fix)
+    error = decode_memory_error(models, sentences, beam, positions, _available(device), str(device), fix)
     if error:
         raise ValueError(error)
+
+
+def _available(device: torch.device) -> int:
+    """Bytes this process may use on CUDA `device`: free, plus what its caching allocator holds (the weights
+    already there, earlier batches' caches)."""
+    free, _ = torch.cuda.mem_get_info(device)
+    return free + torch.cuda.memory_reserved(device)
+
+
+def kv_positions_that_fit(models, device: torch.device) -> Optional[int]:
+    """How many cache positions (rows x positions per row) fit on CUDA `device` beside the models' weights, by
+    the check above (a bound: activations and graphs come on top); None on other devices. What a server's
+    --max-batch-tokens and a decode engine's max_rows x max_positions stay under."""
+    if device.type != "cuda":
+        return None
+    models = list(models)
+    per_position = decode_bytes(models, 1, 1)
+    if per_position == 0:
+        return None
+    return max(0, (_available(device) - model_bytes(models)) // per_position)

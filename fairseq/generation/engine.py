@@ -34,6 +34,7 @@ from torch import Tensor
 
 from fairseq.generation import decode_memory, sampling
 from fairseq.generation.cuda_graph_decoding import GraphedDecodeStep, attention_window, round_up_sentences
+from fairseq.generation.sequence_scorer import SequenceScorer
 from fairseq.generation.step_model import EnsembleModel
 
 MAX_TOP_LOGPROBS = 20  # the most top-N log-probabilities a request may ask for (OpenAI's limit)
@@ -383,8 +384,6 @@ def score_prompt(models, dictionary, prompt: Tensor, bos: Optional[int] = None) 
     """The log-probability [len(prompt)] (fp32) of each token of `prompt` (1-D ids) given `bos` (default </s>)
     and the tokens before it: one full forward through SequenceScorer, the scorer of the hub's `score()` and
     --score-reference (an ensemble's probabilities averaged)."""
-    from fairseq.generation.sequence_scorer import SequenceScorer
-
     models = list(models) if isinstance(models, (list, tuple)) else [models]
     bos = dictionary.eos() if bos is None else bos
     source = torch.cat([prompt.new_tensor([bos]), prompt]).unsqueeze(0)

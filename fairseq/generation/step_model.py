@@ -25,6 +25,7 @@ import torch
 import torch.nn as nn
 from torch import Tensor
 
+from fairseq.generation.cuda_graph_decoding import GraphedDecodeStep
 from fairseq.modules.fairseq_incremental_decoder import FairseqIncrementalDecoder
 
 # When a prompt is fed in one forward, logits of at most this many values exist at once.
@@ -200,8 +201,6 @@ class StepModel:
     def graph_runner(self, device: torch.device):
         """The CUDA-graph runner of the one-token steps, when a batch on `device` can use it (CUDA, this fork's
         decoders, no dropout; or `eager_graphs`)."""
-        from fairseq.generation.cuda_graph_decoding import GraphedDecodeStep
-
         usable = self.eager_graphs or (self.cuda_graphs and device.type == "cuda")
         if not (usable and self.model.can_static_step and not any(m.training for m in self.model.modules())):
             return None

@@ -51,3 +51,13 @@ def test_graphed_chunks_give_the_eager_tokens_and_rows_join_mid_decode(dtype, at
         assert same >= 1
         torch.testing.assert_close(torch.tensor(graphed[i][1][:same]), torch.tensor(eager[i][1][:same]),
                                    atol=atol, rtol=0)
+
+
+def test_kv_positions_that_fit_bound_what_an_engine_reserves():
+    from fairseq.generation import decode_memory
+
+    d = dictionary()
+    model = build(d, "cuda", torch.bfloat16)
+    fits = decode_memory.kv_positions_that_fit([model], torch.device("cuda"))
+    engine = DecodeEngine(model, d, max_rows=4)
+    assert fits > engine.kv_capacity_tokens and engine.kv_bytes_per_token == 3 * 2 * 128 * 2

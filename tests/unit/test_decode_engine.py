@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from fairseq.generation import sampling
+from fairseq.generation import decode_memory, sampling
 from fairseq.generation.engine import DecodeEngine, DecodeRequest, score_prompt
 from fairseq.generation.sequence_generator import SequenceGenerator
 from test_sequence_generator import ATOL, D, EOS, PAD, W, build, full_log_probs, sample_of
@@ -121,6 +121,8 @@ def test_cancel_frees_the_row_for_the_queue():
     assert [e.id for e in engine.step(4)] == ["long"]
     assert (engine.live_rows, engine.queued_rows) == (1, 1)
     assert engine.kv_tokens_in_use == (1 + 40) + (1 + 5)
+    assert engine.kv_capacity_tokens == 64 and engine.kv_bytes_per_token == 2 * 2 * 16 * 4  # layers x K,V x dim x fp32
+    assert decode_memory.kv_positions_that_fit([model], torch.device("cpu")) is None
     assert engine.cancel("long") and not engine.cancel("long")
     assert engine.live_rows == 0
     events = engine.step(8)
