@@ -33,9 +33,9 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from fairseq.generation import decode_memory, sampling
-from fairseq.generation.cuda_graph_decoding import GraphedDecodeStep, attention_window, round_up_sentences
+from fairseq.generation.cuda_graph_decoding import attention_window, round_up_sentences
 from fairseq.generation.sequence_scorer import SequenceScorer
-from fairseq.generation.step_model import EnsembleModel
+from fairseq.generation.step_model import EnsembleModel, StepModel
 
 MAX_TOP_LOGPROBS = 20  # the most top-N log-probabilities a request may ask for (OpenAI's limit)
 MAX_CHUNK = 64  # the most steps one `step` call takes
@@ -150,8 +150,10 @@ class DecodeEngine:
         self.pad, self.eos = dictionary.pad(), dictionary.eos()
         self.bos = self.eos if bos is None else bos
         self.vocab_size = len(dictionary)
-        self._graphed = GraphedDecodeStep(self.model, None, self.vocab_size,
-                                          capture=cuda_graphs and self.device.type == "cuda")
+        # The model's log-probabilities at temperature 1 (what is reported), NaN -> -inf, never <pad>.
+        self.step_model = StepModel(self.model, self.vocab_size, self.pad, dictionary.unk(), cuda_graphs=cuda_graphs)
+        self.step_model.eager_graphs = not (cuda_graphs and self.device.type == "cuda")
+        self._graphed = self.step_model.graph_runner(self.device)  # the caches and, on CUDA, the graphs
         self.states = self._graphed.begin(max_rows, 1, self.max_positions, self.device)
         self._buf = _Buffers(self._graphed.rows, self.vocab_size, self.device)
         self._rows: List[_Row] = []
@@ -193,6 +195,10 @@ class DecodeEngine:
         """Queue `request`: it joins the running batch at the next `step` with a free row. ValueError (one line
         naming the field) for options out of range or a prompt that does not fit."""
         self._check(request)
+        if any(r.id == request.id for r in self._queue) or any(
+                row.request.id == request.id and not (row.finished or row.cancelled) for row in self._rows):
+            raise ValueError(f"a request with id {request.id!r} is already in the engine: ids name events, give each "
+                             "request its own")
         if request.seed is None:
             request.seed = int(torch.randint(2**31, (1,)))
         self._queue.append(request)
@@ -243,9 +249,7 @@ class DecodeEngine:
         """One token for rows [:rows], all on the device (a CUDA graph captures it): the model's step at each
         row's slot, the choice, the outputs recorded at the chunk's column, the ends, the next slot."""
         b = self._buf
-        lp = self.model.forward_static_step(b.tokens[:rows], b.slot[:rows], self.states, 1.0, window)
-        lp = lp.nan_to_num(nan=-math.inf, posinf=math.inf, neginf=-math.inf)
-        lp[:, self.pad] = -math.inf
+        lp = self.step_model.static_step(b.tokens[:rows], b.slot[:rows], self.states, window)
         live = ~b.done[:rows]
         early = b.stop[:rows] & b.generated[:rows].lt(b.min_new[:rows]).unsqueeze(1)  # before min_new_tokens
         allowed = lp.masked_fill(early, -math.inf)
@@ -312,7 +316,7 @@ class DecodeEngine:
             for tensor in b.per_row():
                 tensor[:len(keep)] = tensor.index_select(0, index)
             window = attention_window(max(self._rows[i].slot for i in keep), self._graphed.capacity)
-            self.model.drop_rows(self.states, index, window)
+            self.step_model.drop_rows(self.states, index, window)
         b.done[len(keep):] = True  # rows past the live ones write nothing
         self._rows = [self._rows[i] for i in keep]
 
@@ -329,9 +333,7 @@ class DecodeEngine:
         b, device, length = self._buf, self.device, request.prompt.numel()
         sequence = torch.cat([torch.tensor([self.bos]), request.prompt.cpu()]).to(device)
         if length:
-            source = self.model.new_incremental_states(max_batch=1, max_length=length)
-            self.model.prefill(sequence[None, :length], source)
-            self.model.add_rows(self.states, torch.tensor([row], device=device), source, length)
+            self.step_model.add_rows(self.states, torch.tensor([row], device=device), sequence[None, :length])
         b.tokens[row, 0], b.slot[row, 0] = sequence[length], length
         b.generated[row], b.max_new[row], b.min_new[row] = 0, request.max_new_tokens, request.min_new_tokens
         sampled = request.temperature > 0

@@ -20,11 +20,16 @@ TransformerDecoder.reserve_incremental_state); with decoders of this fork (those
 one row per sentence, the beams copied from it after, and the steps after run on the device (greedy, sampling:
 fairseq.generation.device_decoding; beam search: device_beam_search; a host sync per 16 steps, one graph a step).
 The step-by-step loop here (a host sync per step) serves the other cases: upstream-style plug-in decoders (fed
-one token per step from the start), --no-repeat-ngram-size, --match-source-len, other searches; on CUDA its
+one token per step from the start), --no-repeat-ngram-size, --match-source-len, other searches, and greedy and
+beam search on the CPU, where it is faster (`device_loop`); on CUDA its
 one-token steps are replayed from CUDA graphs (fairseq.generation.cuda_graph_decoding; --no-cuda-graphs,
 `cuda_graphs=False`, turns that off). Two deliberate differences: --min-len and --no-repeat-ngram-size also
 apply to rows whose prompt ended while others are still forced (upstream skips --min-len for the whole batch
 during any prompt); a forced prompt token is never blocked by --no-repeat-ngram-size (upstream's blocking kills it).
+
+Every loop decodes one BatchState and stores ended hypotheses in its FinishedHypotheses
+(fairseq.generation.batch_state), and reaches the models through the StepModel (fairseq.generation.step_model).
+A running batch that requests join and leave is fairseq.generation.engine's DecodeEngine.
 """
 
 import logging

@@ -13,8 +13,10 @@ in probability space, as upstream) and offers the loops these operations on a ba
 - add rows: `add_rows(states, rows, source, length)` (a prompt prefilled in a state of its own joins a running
   batch at cache rows `rows`; static steps then continue each row at its own slot).
 
-The sequence generator's loops (fairseq.generation.sequence_generator, device_decoding, device_beam_search) and
-the decode engine (fairseq.generation.engine) use nothing else of the models.
+`StepModel` puts over these what every step of a loop applies (temperature, NaN -> -inf, never <pad>,
+--unkpen) and the CUDA-graph runner that holds the caches. The sequence generator's loops
+(fairseq.generation.sequence_generator, device_decoding, device_beam_search) and the decode engine
+(fairseq.generation.engine) use nothing else of the models.
 """
 
 import math
@@ -233,3 +235,14 @@ class StepModel:
     def reorder(self, states: Optional[List[dict]], order: Tensor, window: Optional[int] = None) -> None:
         """Row i of the caches continues row order[i] (beams follow their parents, finished rows leave)."""
         self.model.reorder_incremental_state(states, order, window)
+
+    def drop_rows(self, states: List[dict], keep: Tensor, window: Optional[int] = None) -> None:
+        """Keep cache rows `keep` (increasing), moved up to the first rows, in place (over `window` slots)."""
+        self.model.drop_rows(states, keep, window)
+
+    def add_rows(self, states: List[dict], rows: Tensor, tokens: Tensor) -> None:
+        """Cache rows `rows` take `tokens` [len(rows), T]: prefilled in a state of their own (one forward), copied
+        into the running caches' first T slots of those rows."""
+        source = self.model.new_incremental_states(max_batch=tokens.size(0), max_length=tokens.size(1))
+        self.model.prefill(tokens, source)
+        self.model.add_rows(states, rows, source, tokens.size(1))

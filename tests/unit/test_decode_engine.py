@@ -180,6 +180,9 @@ def test_bad_requests_are_one_line(options, message):
         engine.add(request(0, [W[1], W[2]], **options))
     with pytest.raises(ValueError, match="prompt holds ids outside"):
         engine.add(request(0, [len(D) + 3]))
+    engine.add(request(0, [W[1]]))
+    with pytest.raises(ValueError, match="^a request with id 0 is already in the engine"):
+        engine.add(request(0, [W[2]]))
 
 
 def test_per_row_filter_equals_the_scalar_filters():
