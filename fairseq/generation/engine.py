@@ -240,10 +240,17 @@ class DecodeEngine:
         first_slot = max(row.slot for row in self._rows)
         self._buf.column.zero_()
         for k in range(steps):
-            window = attention_window(first_slot + k, self._graphed.capacity)
+            window = self._window(first_slot + k)
             self._graphed.replay(("engine", graph_rows, window, sampled, top_n),
                                  lambda: self._device_step(graph_rows, window, sampled, top_n))
         return self._events(steps, top_n)
+
+    def _window(self, slot: int) -> int:
+        """The cache slots a step attends over when the rows' highest slot is `slot`: the live length rounded up
+        (few graphs) on CUDA graphs, the live length itself when eager."""
+        if self._graphed.capture:
+            return attention_window(slot, self._graphed.capacity)
+        return slot + 1
 
     def _device_step(self, rows: int, window: int, sampled: bool, top_n: int) -> None:
         """One token for rows [:rows], all on the device (a CUDA graph captures it): the model's step at each
@@ -315,8 +322,7 @@ class DecodeEngine:
             index = torch.tensor(keep, device=self.device)
             for tensor in b.per_row():
                 tensor[:len(keep)] = tensor.index_select(0, index)
-            window = attention_window(max(self._rows[i].slot for i in keep), self._graphed.capacity)
-            self.step_model.drop_rows(self.states, index, window)
+            self.step_model.drop_rows(self.states, index, self._window(max(self._rows[i].slot for i in keep)))
         b.done[len(keep):] = True  # rows past the live ones write nothing
         self._rows = [self._rows[i] for i in keep]
 
