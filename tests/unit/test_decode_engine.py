@@ -194,3 +194,24 @@ def test_per_row_filter_equals_the_scalar_filters():
                 if candidates[r, j] > -math.inf}
         kept_per_row = {(r, int(per_ids[r, j])) for r in range(3) for j in range(40) if per_row[r, j] > -math.inf}
         assert kept == kept_per_row, (k, p)
+
+
+@torch.no_grad()
+def test_a_static_step_with_a_slot_per_row_is_each_rows_own_step():
+    """The decoder's static step at slots [rows, 1] (rows at different lengths) gives each row the logits of a
+    full forward over its own prefix, with caches filled by copy_incremental_rows from states of their own."""
+    model = build(seed=5).decoder
+    prefixes = [[EOS, W[1], W[2], W[3]], [EOS, W[4]], [EOS, W[5], W[6], W[7], W[1], W[2], W[3]]]
+    state = {}
+    model.reserve_incremental_state(state, max_length=16, max_batch=3)
+    for row, prefix in enumerate(prefixes):
+        own = {}
+        model.reserve_incremental_state(own, max_length=len(prefix), max_batch=1)
+        model(torch.tensor([prefix[:-1]]), incremental_state=own, features_only=True)
+        model.copy_incremental_rows(state, own, torch.tensor([row]), len(prefix) - 1)
+    last = torch.tensor([[p[-1]] for p in prefixes])
+    slots = torch.tensor([[len(p) - 1] for p in prefixes])
+    logits = model.forward_static_step(last, slots, state, window=8)[:, 0]
+    for row, prefix in enumerate(prefixes):
+        expected = model(torch.tensor([prefix]))[0][0, -1]
+        torch.testing.assert_close(logits[row], expected, atol=1e-5, rtol=0)
