@@ -35,7 +35,7 @@ from fairseq.generation import device_decoding
 from fairseq.generation.search import Sampling
 from fairseq.generation.sequence_generator import SequenceGenerator
 
-logger = logging.getLogger("fairseq.generation.hub_utils")  # its name before the move: log lines unchanged
+logger = logging.getLogger("fairseq.hub_utils")  # upstream's logger name: log lines read as its
 
 # Encoder files found in a model directory -> the --bpe option that names them (applied when the chosen scheme
 # has that option and it is not given; a checkpoint's carried file is used from there when the bytes are the
@@ -237,7 +237,7 @@ class GeneratorHubInterface(nn.Module):
 
     def quantize(self, mode: str = "int8-weight-only") -> "GeneratorHubInterface":
         """Quantize the models' Linear weights in place for generation (fairseq.generation.quantize: CUDA, bf16,
-        torchao) where they are now; returns the interface. Once per interface."""
+        a fused int8 matmul) where they are now; returns the interface. Once per interface."""
         if mode in (None, "none") or mode == self.quantized:
             return self
         if self.quantized != "none":

@@ -207,7 +207,7 @@ class SequenceGenerator(nn.Module):
     def _constrain(self, lprobs: Tensor, step: int, max_len: int, tokens: Tensor,
                    forced_rows: Optional[Tensor]) -> Tensor:
         """Apply the length limits, --no-repeat-ngram-size and the forced prompt (`forced_rows`: each row's
-        prompt, <pad> after it) to lprobs, masked already by `_mask_special`."""
+        prompt, <pad> after it) to lprobs, masked already by `StepModel.mask_special`."""
         if step >= max_len:  # only </s> is left
             lprobs[:, :self.eos] = -math.inf
             lprobs[:, self.eos + 1:] = -math.inf

@@ -31,6 +31,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from fairseq.kernels.decode_attention import decode_attention_available
 from fairseq.modules.incremental_decoding_utils import IncrementalState
 from fairseq.modules.fairseq_incremental_decoder import FairseqIncrementalDecoder
 from fairseq.modules.adaptive_input import AdaptiveInput, parse_cutoffs
@@ -269,12 +270,20 @@ class TransformerDecoder(FairseqIncrementalDecoder):
         if capacities:
             capacity = capacities.pop()
             window = capacity if window is None else min(window, capacity)
-            visible = torch.arange(window, device=x.device) <= slot  # [window], or [rows, window] per row
-            mask = torch.zeros(visible.shape, dtype=x.dtype, device=x.device).masked_fill_(~visible, -math.inf)
-            step = StaticStep(slot, mask.view(-1, 1, 1, window))
+            step = self._static_step_attention(x, slot, window)
         for layer in self.layers:
             x = layer(x, incremental_state=incremental_state, static_step=step)
         return self.output_layer(self._final_norm_and_projection(x))
+
+    def _static_step_attention(self, x: torch.Tensor, slot: torch.Tensor, window: int) -> StaticStep:
+        """How a static step's attention sees the cache: the live length for the decode attention kernel where
+        it runs (CUDA with Triton, inference; chosen here once per step, on the host, so a captured graph holds
+        the one chosen), else a mask over the window for SDPA."""
+        if not self.training and decode_attention_available(x):
+            return StaticStep(slot, None, lengths=(slot + 1).view(-1), window=window)
+        visible = torch.arange(window, device=x.device) <= slot  # [window], or [rows, window] with a slot per row
+        mask = torch.zeros(visible.shape, dtype=x.dtype, device=x.device).masked_fill_(~visible, -math.inf)
+        return StaticStep(slot, mask.view(-1, 1, 1, window), window=window)
 
     def output_layer(self, features: torch.Tensor) -> torch.Tensor:
         """Vocabulary scores of `features`; with an adaptive softmax, its fp32 log-probabilities (already

@@ -258,6 +258,7 @@ def validate(cfg, trainer, task, epoch_itr, checkpoints, preemption=None) -> Lis
     pass the same boundaries.
     """
     subsets = valid_iterators(cfg, task, trainer)
+    trainer.begin_valid_epoch(epoch_itr.epoch)
     if cfg.dataset.fixed_validation_seed is not None:  # the next update re-seeds from its update count
         torch.manual_seed(cfg.dataset.fixed_validation_seed)
     valid_losses = []

@@ -29,7 +29,7 @@ from fairseq.training.train_step import run_update, run_valid_step
 if TYPE_CHECKING:
     from torch.distributed.checkpoint.state_dict import StateDictOptions
 
-logger = logging.getLogger("fairseq.training.trainer")  # its name before the move: log lines unchanged
+logger = logging.getLogger("fairseq.trainer")  # upstream's logger name: log lines read as its
 
 # Per-update statistics that every rank computes identically (the gradient norm is global).
 REPLICATED_STATS = ("gnorm", "clip", "updates", "overflows")
@@ -157,7 +157,14 @@ class Trainer:
         self.lr_scheduler.step(epoch, val_loss)
 
     def begin_epoch(self, epoch: int) -> None:
+        """An epoch starts: the scheduler's epoch step, then the task's hook (upstream's order; plug-in tasks
+        override FairseqTask.begin_epoch to change data or the model per epoch)."""
         self.lr_scheduler.step_begin_epoch(epoch)
+        self.task.begin_epoch(epoch, self.model)
+
+    def begin_valid_epoch(self, epoch: int) -> None:
+        """Validation starts: the task's hook, as upstream's trainer calls it."""
+        self.task.begin_valid_epoch(epoch, self.model)
 
     # ---------------------------------------------------------------- state
     def _state_dict_options(self, full: bool, offload: Optional[bool] = None) -> "StateDictOptions":

@@ -1,7 +1,7 @@
 """--quantize int8-weight-only on CUDA: a small model trained here for a few hundred steps decodes greedily with
-int8 weights (torchao's Int8Tensor) to the bf16 model's tokens on >= 95% of 256 tokens, with the decode steps
-replayed from CUDA graphs (the tensor subclass's int8 data and scales are ordinary CUDA tensors the graphs
-read) as eagerly; fairseq-generate runs with the flag; a batch whose KV cache cannot fit is one line before any
+int8 weights (Int8WeightOnlyLinear: the Triton int8 matmul in the decode steps) to the bf16 model's tokens on
+>= 95% of 256 tokens, with the decode steps replayed from CUDA graphs (the int8 weights and scales are ordinary
+CUDA buffers the graphs read) as eagerly; fairseq-generate runs with the flag; a batch whose KV cache cannot fit is one line before any
 decoding. Run: python -m pytest -s -m gpu tests/gpu/test_quantize_gpu.py (the figures are printed)."""
 
 import io
@@ -95,7 +95,7 @@ def test_int8_weight_only_greedy_tokens_agree_with_bf16(trained, record_property
     bf16_bytes = model_bytes([bf16])
     # 4 layers x (q, k, v, out, fc1, fc2) + the untied output projection
     assert quantize_for_generation(bf16, "int8-weight-only", torch.device("cuda")) == 4 * 6 + 1
-    assert type(bf16.decoder.layers[0].fc1.weight).__name__ == "Int8Tensor"
+    assert type(bf16.decoder.layers[0].fc1).__name__ == "Int8WeightOnlyLinear"
     int8_bytes = model_bytes([bf16])
     graphed, int8_s, generator = greedy(bf16, d, cuda_graphs=True)
     eager, _, _ = greedy(bf16, d, cuda_graphs=False)

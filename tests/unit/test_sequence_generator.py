@@ -566,7 +566,7 @@ def test_build_generator_reads_upstreams_options_and_rejects_what_upstream_rejec
     assert isinstance(sampler.search, search.Sampling) and sampler.search.sampling_topk == 4
     assert isinstance(task.build_generator([model], argparse.Namespace(match_source_len=True)).search,
                       search.LengthConstrainedBeamSearch)
-    for options, message in (
+    for flags, message in (
         (dict(sampling=True, match_source_len=True), "--sampling and --match-source-len cannot be combined"),
         (dict(sampling_topk=5), "--sampling-topk 5 requires --sampling"),
         (dict(sampling_topp=0.9), "--sampling-topp 0.9 requires --sampling"),
@@ -578,7 +578,7 @@ def test_build_generator_reads_upstreams_options_and_rejects_what_upstream_rejec
                                                  r"probability mass in \(0, 1\]"),
     ):
         with pytest.raises(ValueError, match=message):
-            task.build_generator([model], argparse.Namespace(**options))
+            task.build_generator([model], argparse.Namespace(**flags))
     scorer = task.build_generator([model], argparse.Namespace(score_reference=True))
     assert type(scorer).__name__ == "SequenceScorer"  # upstream's --score-reference choice
     with pytest.raises(ValueError, match="prefix_allowed_tokens_fn"):
