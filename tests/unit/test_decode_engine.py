@@ -215,3 +215,39 @@ def test_a_static_step_with_a_slot_per_row_is_each_rows_own_step():
     for row, prefix in enumerate(prefixes):
         expected = model(torch.tensor([prefix]))[0][0, -1]
         torch.testing.assert_close(logits[row], expected, atol=1e-5, rtol=0)
+
+
+ENGINE_KERNEL = """
+    import sys
+    import torch
+    sys.path.insert(0, "tests/unit")
+    import test_sequence_generator as t
+    from fairseq.generation.engine import DecodeEngine, DecodeRequest
+    from fairseq.kernels.decode_attention import set_decode_attention_kernel
+
+    model = t.build(seed=4)
+    results = []
+    for kernel in (True, False):
+        set_decode_attention_kernel(kernel)
+        step = model.decoder._static_step_attention(torch.zeros(2, 1, 16), torch.tensor([[3], [5]]), 64)
+        assert (step.mask is None) == kernel and (not kernel or step.lengths.tolist() == [4, 6])
+        engine, tokens = DecodeEngine(model, t.D, max_rows=3), {}
+        for i, prompt in enumerate([[t.W[1], t.W[2]], [t.W[3]], [t.W[4]] * 5]):  # joins at other lengths
+            engine.add(DecodeRequest(id=i, prompt=torch.tensor(prompt), max_new_tokens=6, stop=[]))
+            for event in engine.step(2):
+                tokens.setdefault(event.id, []).extend(event.tokens)
+        while engine.has_work:
+            for event in engine.step(2):
+                tokens.setdefault(event.id, []).extend(event.tokens)
+        results.append(tokens)
+    assert results[0] == results[1] and all(len(v) == 6 for v in results[0].values()), results
+    print("engine kernel agrees")
+"""
+
+
+def test_rows_at_their_own_lengths_through_the_decode_attention_kernel():
+    """The static step's per-row slots as per-row live lengths of the split-KV kernel (Triton's interpreter):
+    the tokens the masked SDPA path gives."""
+    from test_decode_attention import interpret
+
+    interpret(ENGINE_KERNEL, "engine kernel agrees")
