@@ -201,7 +201,7 @@ class DeviceLoop:
         b.sent_of_row = [b.sent_of_row[i] for i in live.tolist()]
         b.src_lengths = b.src_lengths.index_select(0, sentences)
         self._set_length(b, step)
-        self.step_model.reorder(b.states, keep)  # in place: the graphs' addresses stay
+        self.step_model.drop_rows(b.states, keep)  # in place: the graphs' addresses stay
         return new_rows, new_graph_rows
 
     @staticmethod
