@@ -150,6 +150,20 @@ def atomic_torch_save(obj: Any, path: str, before_rename: Optional[Callable[[], 
     _write_atomically(path, write, flag)
 
 
+def torch_save_raising_os_errors(obj: Any, path: str) -> None:
+    """torch.save `obj` to `path` (in place: for a file of a directory assembled aside and renamed whole); a
+    failed write raises its OSError (torch reports it as an "unexpected pos" RuntimeError), for the caller to
+    word naming its own output."""
+    with open(path, "wb") as f:
+        writer = _ErrorRecordingWriter(f)
+        try:
+            torch.save(obj, writer)
+        except RuntimeError:
+            if writer.error is not None:
+                raise writer.error from None
+            raise
+
+
 def atomic_copy(src: str, dst: str):
     """Give `dst` the content of `src` atomically, as an independent file (never a hard link: writing to one
     name must not change another). The bytes are copied in the kernel (copy_file_range), which on file

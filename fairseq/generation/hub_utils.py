@@ -89,17 +89,10 @@ def from_pretrained(model_name_or_path: str, checkpoint_file: str = "model.pt", 
 
 def _is_transformers_directory(model_path: str, checkpoint_file: str, data_name_or_path: str) -> bool:
     """A transformers model directory (config.json with a model_type) that holds no `checkpoint_file`."""
-    import json
+    from fairseq.checkpoint.inference import transformers_model_type
 
-    config = os.path.join(model_path, "config.json")
-    if data_name_or_path != "." or os.path.exists(os.path.join(model_path, checkpoint_file.split(os.pathsep)[0])) \
-            or not os.path.isfile(config):
-        return False
-    try:
-        with open(config, encoding="utf-8") as f:
-            return "model_type" in json.load(f)
-    except (ValueError, OSError):
-        return False
+    return (data_name_or_path == "." and not os.path.exists(os.path.join(model_path, checkpoint_file.split(
+        os.pathsep)[0])) and transformers_model_type(model_path) is not None)
 
 
 def _from_transformers_directory(model_path: str, kwargs: Dict[str, Any]) -> Dict[str, Any]:

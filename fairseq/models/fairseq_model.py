@@ -100,6 +100,12 @@ class BaseFairseqModel(nn.Module):
         return ""
 
     @classmethod
+    def config_notice(cls, cfg) -> str:
+        """A line training logs after the model config line, about what the flags left to defaults built (e.g.
+        extra projections); "" for none."""
+        return ""
+
+    @classmethod
     def tensor_parallel_sizes(cls, cfg) -> Optional[TensorParallelSizes]:
         """The sizes --model-parallel-size must divide and the options it excludes; None: no plan."""
         return None

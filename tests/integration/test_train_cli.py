@@ -115,16 +115,20 @@ def test_upstream_wikitext_command_line_runs(tiny_data, tmp_path):
     assert status == 0, stderr
     state = load(tmp_path / "checkpoint_last.pt")
     assert state["extra_state"]["trainer"]["num_updates"] == 2
-    # input/output dims follow --decoder-embed-dim (upstream's base_lm_architecture): no projections
-    assert state["model"]["decoder.embed_tokens.weight"].shape == (len(Dictionary.load(str(tiny_data / "dict.txt"))),
-                                                                   64)
-    assert not any("project_" in key for key in state["model"])
-    assert (state["cfg"]["model"]["decoder_input_dim"], state["cfg"]["model"]["decoder_output_dim"]) == (64, 64)
-    # the resolved model config, logged once
-    lines = [line.split(" | ", 3)[3] for line in stdout.splitlines() if "model config:" in line]
-    assert lines == ["model config: --arch transformer_lm, 1 layers, embed dim 64 (input 64, output 64), ffn 128, "
+    # bare transformer_lm keeps upstream's input/output dims of 512: project_in/out, as upstream 0.12.2 builds
+    vocab = len(Dictionary.load(str(tiny_data / "dict.txt")))
+    assert {k: tuple(v.shape) for k, v in state["model"].items() if "layers" not in k} == {
+        "decoder.version": (1,), "decoder.embed_tokens.weight": (vocab, 512), "decoder.project_in_dim.weight": (64, 512),
+        "decoder.embed_positions._float_tensor": (1,), "decoder.project_out_dim.weight": (512, 64),
+        "decoder.output_projection.weight": (vocab, 512)}
+    assert (state["cfg"]["model"]["decoder_input_dim"], state["cfg"]["model"]["decoder_output_dim"]) == (512, 512)
+    # the resolved model config and the notice of the projections, each logged once
+    lines = [line.split(" | ", 3)[3] for line in stdout.splitlines() if "model config:" in line or "dims 512" in line]
+    assert lines == ["input/output dims 512 (upstream's default) with embed dim 64: adds project_in/out; pass "
+                     "--decoder-input-dim 64 --decoder-output-dim 64 to drop them",
+                     "model config: --arch transformer_lm, 1 layers, embed dim 64 (input 512, output 512), ffn 128, "
                      "8 heads, sinusoidal positions (64), post-norm, relu, shared input/output embeddings, "
-                     "37,568 parameters"]
+                     "131,776 parameters"]
 
 
 def test_eval_lm_and_generate_log_the_model_config(tiny_data, tiny_lm_checkpoint):
