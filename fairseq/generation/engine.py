@@ -236,7 +236,8 @@ class DecodeEngine:
         graph_rows = round_up_sentences(rows) if self._graphed.capture else rows
         steps = min(max_steps, max(row.request.max_new_tokens - row.generated for row in self._rows))
         sampled = any(row.request.temperature > 0 for row in self._rows)
-        top_n = max(row.request.top_logprobs for row in self._rows)
+        # top-N computed for the chunk: 0, 5 or 20 (a graph per kind of chunk, so few kinds)
+        top_n = next(n for n in (0, 5, MAX_TOP_LOGPROBS) if n >= max(r.request.top_logprobs for r in self._rows))
         first_slot = max(row.slot for row in self._rows)
         self._buf.column.zero_()
         for k in range(steps):
