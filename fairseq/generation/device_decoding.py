@@ -16,15 +16,15 @@ Greedy results are the step-by-step loop's: the same operations on the same valu
 two of log-probability plus cumulative score, as BeamSearch takes them; the hypotheses are stored in the batch's
 FinishedHypotheses, as that loop stores them), so tokens and scores are equal, not close.
 
-The loops reach the models through the generator's StepModel (fairseq.generation.step_model) only, and decode
-its BatchState (fairseq.generation.batch_state). Sampling draws are counter-based (fairseq.generation.sampling,
-with the one top-k / top-p filter every sampler uses): the Gumbel noise of token v at step s of sentence i is a hash of (seed, i, s,
-v), where i is the sentence's id (`sample["id"]`: its line in fairseq-generate's input, its index in the hub's
-list) and the seed is the search's `seed` (default: torch.initial_seed(), which --seed sets). A sentence's
-sample therefore depends on the seed and the sentence alone, not on the batch it is decoded in, its place there,
-the batch size or the graphs. The drawn token is the argmax of log-probability plus noise over the kept tokens
-(top-k, or the top-p set), which draws from the kept tokens' renormalized distribution, as a multinomial over
-their probabilities does; its score is the model's log-probability of it, as with `Sampling.step`.
+The loops reach the models through the generator's StepModel (fairseq.generation.step_model) only, and decode its
+BatchState (fairseq.generation.batch_state). Sampling draws are counter-based (fairseq.generation.sampling, with the
+one top-k / top-p filter every sampler uses): the Gumbel noise of token v at step s of sentence i is a hash of
+(seed, i, s, v), where i is the sentence's id (`sample["id"]`: its line in fairseq-generate's input, its index in
+the hub's list) and the seed is the search's `seed` (default: torch.initial_seed(), which --seed sets). A sentence's
+sample therefore depends on the seed and the sentence alone, not on the batch it is decoded in, its place there, the
+batch size or the graphs. The drawn token is the argmax of log-probability plus noise over the kept tokens (top-k,
+or the top-p set), which draws from the kept tokens' renormalized distribution, as a multinomial over their
+probabilities does; its score is the model's log-probability of it, as with `Sampling.step`.
 """
 
 import math

@@ -250,10 +250,10 @@ class TransformerDecoder(FairseqIncrementalDecoder):
 
     def forward_static_step(self, tokens: torch.Tensor, slot: torch.Tensor,
                             incremental_state: IncrementalState, window: Optional[int] = None) -> torch.Tensor:
-        """Logits [R, 1, V] of `tokens` [R, 1], the tokens at index `slot` (a long tensor on the model's device,
-        [1], or [R, 1]: one index per row) of R sequences whose first `slot` tokens are cached in `incremental_state`: the same
-        logits as `self(prefix, incremental_state=state)` would give, from shapes and kernels that do not depend
-        on `slot` and without reading it on the host, so a CUDA graph can capture this call.
+        """Logits [R, 1, V] of `tokens` [R, 1], the tokens at index `slot` (a long tensor on the model's device, [1], or
+        [R, 1]: one index per row) of R sequences whose first `slot` tokens are cached in `incremental_state`: the same
+        logits as `self(prefix, incremental_state=state)` would give, from shapes and kernels that do not depend on
+        `slot` and without reading it on the host, so a CUDA graph can capture this call.
 
         The cache must be reserved (`reserve_incremental_state`) or allocated by an earlier call; attention runs
         over its first `window` slots (default: its whole capacity), masked after `slot`. `slot` must stay below

@@ -196,7 +196,8 @@ def test_device_beam_search_replays_whole_steps_without_a_host_sync_per_step(bat
     d = dictionary()
     model = eos_prone(build(d, "cuda", torch.float32), d)  # hypotheses end at different steps
     results, (graphed, eager) = graphed_and_eager("cuda", [model], d, batch, 4)
-    assert device_beam_search.applies(graphed, 4) and graphed.step_model.graphed is not None and eager.step_model.graphed is None
+    assert device_beam_search.applies(graphed, 4)
+    assert graphed.step_model.graphed is not None and eager.step_model.graphed is None
     for got, expected in zip(results[::2], results[1::2]):
         assert [[h["tokens"].tolist() for h in s] for s in got] == [[h["tokens"].tolist() for h in s] for s in expected]
         for got_sentence, expected_sentence in zip(got, expected):
