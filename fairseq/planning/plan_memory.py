@@ -434,7 +434,7 @@ def async_checkpoint_lines(request: Request) -> List[str]:
     shards = (setup.shard_group or setup.data_parallel) * setup.tensor_parallel if setup.fully_sharded else 1
     per_rank = async_save_host_bytes(shape.total_params * mm.MASTER_PARAM_BYTES,
                                      shape.total_params * mm.ADAM_STATE_BYTES, sharded=request.sharded_state,
-                                     state_shards=shards, gathered=setup.fully_sharded or setup.tensor_parallel > 1)
+                                     state_shards=shards)
     per_node = per_rank * (ranks_per_node if request.sharded_state else 1)  # a single file: rank 0 alone
     kind = "sharded: every rank its shards" if request.sharded_state else "single file: rank 0 the whole state"
     lines = [f"asynchronous checkpoints ({kind}): {mm.gib(per_node):.2f} GiB of host memory per node "

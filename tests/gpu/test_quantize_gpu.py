@@ -147,7 +147,8 @@ def test_a_batch_whose_kv_cache_cannot_fit_is_one_line(tmp_path, monkeypatch):
     d = Dictionary()
     for i in range(2100):
         d.add_symbol(f"w{i}")
-    cfg = preset_config("transformer_lm", decoder_embed_dim=1024, decoder_ffn_embed_dim=1024, decoder_layers=8,
+    cfg = preset_config("transformer_lm", decoder_embed_dim=1024, decoder_input_dim=1024, decoder_output_dim=1024,
+                        decoder_ffn_embed_dim=1024, decoder_layers=8,
                         decoder_attention_heads=8, tokens_per_sample=4096)  # a config that names its arch
     model = TransformerLanguageModel.build(cfg, len(d), d.pad())
     path = tmp_path / "checkpoint.pt"
