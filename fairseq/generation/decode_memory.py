@@ -19,6 +19,9 @@ from typing import Iterable, Optional, Tuple
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+from fairseq.modules import CausalSelfAttention
 
 GiB = 1024 ** 3
 
@@ -26,8 +29,6 @@ GiB = 1024 ** 3
 def tensor_bytes(tensor: torch.Tensor) -> int:
     """Bytes a tensor's storage holds; a tensor subclass that wraps others (torchao's quantized weights) counts
     the tensors it wraps (an int8 weight is 1 byte per value plus its scales, though its dtype reads bf16)."""
-    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
-
     if is_traceable_wrapper_subclass(tensor):
         names, _ = tensor.__tensor_flatten__()
         return sum(tensor_bytes(getattr(tensor, name)) for name in names if getattr(tensor, name) is not None)
@@ -56,8 +57,6 @@ def kv_cache_bytes(rows: int, positions: int, layers: int, embed_dim: int, dtype
 def attention_shape(model: nn.Module) -> Tuple[int, int]:
     """(layers with a KV cache, the width of their keys): the model's causal self-attention modules (the
     widest one's heads x head_dim); (0, 0) for a model without them (fconv_lm keeps no KV cache)."""
-    from fairseq.modules import CausalSelfAttention
-
     widths = [m.num_heads * m.head_dim for m in model.modules() if isinstance(m, CausalSelfAttention)]
     return len(widths), max(widths, default=0)
 
