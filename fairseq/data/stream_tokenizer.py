@@ -33,6 +33,17 @@ class TokenizerSpec:
     skip_invalid: bool = False
 
 
+def bpe_spec_of(name: str, files: dict) -> tuple:
+    """fairseq-preprocess's hashable description (binarizer.bpe_spec) of --bpe `name` with option values `files`
+    (the scheme's other options at their defaults)."""
+    from fairseq.data.encoders import BPE_REGISTRY
+    from fairseq.preprocessing.binarizer import bpe_spec
+
+    dc = BPE_REGISTRY.dataclass(name)
+    fields = set(getattr(dc, "__dataclass_fields__", {}))
+    return (name, bpe_spec(dc(**{k: v for k, v in files.items() if k in fields and v}))[1])
+
+
 class _Whitespace:
     """The 'no --bpe' encoder: a line's words are its whitespace-separated tokens."""
 

@@ -19,7 +19,7 @@ from fairseq.data.monolingual_dataset import MonolingualDataset
 from fairseq.data.stream_blocks import CorpusStream
 from fairseq.data.stream_iterator import (GlobalStream, StreamingEpochIterator, format_rates, parse_weights,
                                           rates_from_sizes)
-from fairseq.data.stream_tokenizer import TokenizerSpec, build_dictionary
+from fairseq.data.stream_tokenizer import TokenizerSpec, bpe_spec_of, build_dictionary
 from fairseq.data.worker_pool import make_pool
 from fairseq.dataclass.configs import II, opt
 from fairseq.registry import register_task
@@ -70,16 +70,8 @@ def tokenizer_spec(cfg) -> TokenizerSpec:
         if not (cfg.vocab_filename and cfg.merges_filename):
             raise ValueError("--vocab-filename and --merges-filename go together (GPT-2 BPE vocab.json and merges.txt)")
         return TokenizerSpec("gpt2_files", (cfg.vocab_filename, cfg.merges_filename), **common)
-    bpe = None
-    if cfg.bpe:
-        from fairseq.data.encoders import BPE_REGISTRY
-        from fairseq.preprocessing.binarizer import bpe_spec
-
-        dc = BPE_REGISTRY.dataclass(cfg.bpe)
-        names = {f for f in dc.__dataclass_fields__ if not f.startswith("_")}
-        values = {k: getattr(cfg, k) for k in ("gpt2_encoder_json", "gpt2_vocab_bpe", "sentencepiece_model")
-                  if k in names and getattr(cfg, k)}
-        bpe = bpe_spec(dc(**values))
+    files = {k: getattr(cfg, k) for k in ("gpt2_encoder_json", "gpt2_vocab_bpe", "sentencepiece_model")}
+    bpe = bpe_spec_of(cfg.bpe, files) if cfg.bpe else None
     return TokenizerSpec("fairseq", (os.path.join(cfg.data, "dict.txt"),), bpe=bpe, **common)
 
 
