@@ -171,7 +171,9 @@ class CorpusStream:
             docs, skipped = result.get()
             for message in skipped:
                 self.skipped += 1
-                logger.warning(f"skipped ({self.skipped} so far in corpus {self.name!r}): {message}")
+                message = message.split(", or pass --skip-invalid-documents")[0]
+                logger.warning(f"skipped an invalid document ({self.skipped} so far in corpus {self.name!r}, "
+                               f"--skip-invalid-documents): {message}")
             self._docs.extend((index, pos, doc) for pos, doc in zip(positions, docs))
             while len(self._pending) < self.ahead and not self._files_done:
                 self._submit()  # keep the workers busy while this chunk is packed
