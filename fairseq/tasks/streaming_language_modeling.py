@@ -49,11 +49,9 @@ class StreamingLanguageModelingConfig:
     json_key: str = opt("text", "the JSON key holding a document's text")
     skip_invalid_documents: bool = opt(False, "skip (count and log) lines that are not valid JSON documents")
     ignore_data_changes: bool = opt(False, "resume even when a corpus's files changed since the checkpoint")
+    # Owned by other groups: --seed, --num-workers (tokenizing processes), and the --bpe scheme's files.
     seed: int = II("common.seed", 1)
-    batch_size: Optional[int] = II("dataset.batch_size")
-    max_tokens: Optional[int] = II("dataset.max_tokens")
     num_workers: int = II("dataset.num_workers", 1)
-    data_buffer_size: int = II("dataset.data_buffer_size", 10)
     bpe: Optional[str] = II("bpe._name")
     gpt2_encoder_json: Optional[str] = II("bpe.gpt2_encoder_json")
     gpt2_vocab_bpe: Optional[str] = II("bpe.gpt2_vocab_bpe")
@@ -170,15 +168,7 @@ class StreamingLanguageModelingTask(FairseqTask):
                                       check_files=not cfg.ignore_data_changes)
 
     def max_positions(self) -> Optional[int]:
-        return self.cfg.max_target_positions
-
-    @property
-    def source_dictionary(self):
-        return self.dictionary
-
-    @property
-    def target_dictionary(self):
-        return self.dictionary
+        return self.cfg.max_target_positions  # the dictionaries: FairseqTask's, from self.dictionary
 
 
 class _TrainSplit:
