@@ -24,12 +24,13 @@ import numpy as np
 
 from fairseq.data.iterators import CountingIterator, EpochBatchIterating
 from fairseq.data.monolingual_dataset import collate
+from fairseq.logging.progress_bar import UNBOUNDED
 from fairseq.data.stream_blocks import CorpusStream
 
 logger = logging.getLogger(__name__)
 
 DRAWS_PER_BLOCK = 4096
-ENDLESS = 1 << 50  # the length of an epoch of an endless stream (a len() that nothing reaches)
+ENDLESS = UNBOUNDED  # the length of the endless epoch (progress bars show no total for it)
 
 
 def corpus_draws(seed: int, first: int, count: int) -> np.ndarray:
