@@ -207,6 +207,8 @@ def _text_from_jsonl(args: Namespace) -> None:
                                     out.write("".join(line + "\n" for line in doc) + "\n" if doc else "")
             except CorpusError as e:
                 raise PreprocessError(str(e).replace(", or pass --skip-invalid-documents to skip such lines", "")) from None
+            logger.info(f"--{flag} {source}: {len(files)} JSONL file(s) read as {os.path.basename(text)} "
+                        f"(--json-key {args.json_key})")
             texts.append(text)
         setattr(args, flag, ",".join(texts))
 
