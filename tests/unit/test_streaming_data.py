@@ -167,3 +167,30 @@ def test_resume_on_another_number_of_ranks_continues_the_global_order(data):
     reference = global_ids(data, [(1, 18)])
     assert global_ids(data, [(2, 3), (1, 6), (3, 2)]) == reference
     assert [g for g, _ in reference] == list(range(54))
+
+
+def test_gz_and_zst_shards_read_and_resume_as_plain_jsonl(data, tmp_path, monkeypatch):
+    import gzip
+    import sys
+
+    import zstandard
+
+    raw = (data / "train" / "00" / "web.jsonl").read_bytes()
+    (tmp_path / "web.jsonl.gz").write_bytes(gzip.compress(raw))
+    (tmp_path / "web.jsonl.zst").write_bytes(zstandard.ZstdCompressor().compress(raw))
+    spec = TokenizerSpec("fairseq", (str(data / "dict.txt"),))
+    plain = stream_blocks([data / "train" / "00" / "web.jsonl"], spec, 24, "none", 2)
+    for name in ("web.jsonl.gz", "web.jsonl.zst"):
+        assert_same_blocks(stream_blocks([tmp_path / name], spec, 24, "none", 2), plain)
+        first = CorpusStream("web", [str(tmp_path / name)], spec, 24, "none", 2, endless=False)
+        head = [first.next_block() for _ in range(20)]
+        again = CorpusStream("web", [str(tmp_path / name)], spec, 24, "none", 2, endless=False)
+        again.load_state(first.state())
+        rest = []
+        while (b := again.next_block()) is not None:
+            rest.append(b)
+        assert_same_blocks(head + rest, plain)
+    monkeypatch.setitem(sys.modules, "zstandard", None)  # as without the package: import fails
+    with pytest.raises(ValueError, match=r"web.jsonl.zst: reading .jsonl.zst needs the zstandard package: pip "
+                                         r"install 'fairseq\[zstd\]'"):
+        stream_blocks([tmp_path / "web.jsonl.zst"], spec, 24, "none", 2)
