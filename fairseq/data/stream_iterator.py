@@ -58,11 +58,14 @@ class GlobalStream:
         self.sample = 0  # samples made so far (g of the next one)
         self.tokens = {c.name: 0 for c in corpora}
 
+    def picks(self, first: int, count: int) -> np.ndarray:
+        """The corpus index of samples g = first, ..., first + count - 1."""
+        return np.searchsorted(self._cumulative, corpus_draws(self.seed, first, count), side="right")
+
     def take(self, count: int) -> List[dict]:
         """The next `count` samples, as MonolingualDataset items with "id" = g and "corpus"."""
-        picks = np.searchsorted(self._cumulative, corpus_draws(self.seed, self.sample, count), side="right")
         items = []
-        for k, c in enumerate(picks.tolist()):
+        for k, c in enumerate(self.picks(self.sample, count).tolist()):
             corpus = self.corpora[c]
             source, target = corpus.next_block()
             self.tokens[corpus.name] += len(target)

@@ -115,10 +115,12 @@ def test_mixture_rates_within_4_sigma_over_1e5_samples(data):
     rates = parse_weights("web=0.7,books=0.3", ["web", "books"])
     stream = GlobalStream(corpora, rates, seed=5)
     n = 100_000
-    items = stream.take(n)
-    web = sum(item["corpus"] == "web" for item in items)
+    web = int(np.count_nonzero(stream.picks(0, n) == 0))  # the choices take() makes for samples 0..n-1
     assert abs(web - 0.7 * n) <= 4 * math.sqrt(n * 0.7 * 0.3)
+    items = stream.take(3000)  # the samples follow those choices; tokens are counted per corpus
+    assert [i["corpus"] == "web" for i in items] == (stream.picks(0, 3000) == 0).tolist()
     assert stream.tokens["web"] == sum(len(i["target"]) for i in items if i["corpus"] == "web")
+    assert GlobalStream(corpora, rates, seed=5).picks(0, n).tolist() == stream.picks(0, n).tolist()  # seeded
 
 
 def test_alpha_smoothing_and_weights():
