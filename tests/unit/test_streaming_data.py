@@ -17,7 +17,7 @@ from fairseq.data.stream_tokenizer import TokenizerSpec, bpe_spec_of
 from fairseq.data.token_block_dataset import TokenBlockDataset
 from fairseq_cli import preprocess
 from tests.streaming_fixtures import write_jsonl_corpora
-from tests.text_fixtures import sample_text, train_gpt2_files
+from tests.text_fixtures import sample_text, train_gpt2_files, train_spm_model
 
 MODES = ("none", "complete", "complete_doc", "eos")
 
@@ -48,15 +48,19 @@ def assert_same_blocks(got, want):
         assert torch.equal(gt, wt) and torch.equal(gs, ws)
 
 
-@pytest.mark.parametrize("bpe", [None, "gpt2"])
+@pytest.mark.parametrize("bpe", [None, "gpt2", "sentencepiece"])
 def test_blocks_equal_the_data_bin_route_for_every_break_mode(data, tmp_path, bpe):
     files = [data / "train" / "00" / "web.jsonl", data / "train" / "00" / "books.jsonl"]
     argv = ["--only-source", "--json-key", "text", "--trainpref", str(data / "train"), "--destdir", str(tmp_path)]
     bpe_values = None
-    if bpe:
+    if bpe == "gpt2":
         enc, vocab = train_gpt2_files(tmp_path, sample_text()[:100000], vocab_size=400)
         argv += ["--bpe", "gpt2", "--gpt2-encoder-json", str(enc), "--gpt2-vocab-bpe", str(vocab)]
         bpe_values = bpe_spec_of("gpt2", {"gpt2_encoder_json": str(enc), "gpt2_vocab_bpe": str(vocab)})
+    elif bpe == "sentencepiece":
+        model = train_spm_model(tmp_path, sample_text()[:100000], vocab_size=200)
+        argv += ["--bpe", "sentencepiece", "--sentencepiece-model", str(model)]
+        bpe_values = bpe_spec_of("sentencepiece", {"sentencepiece_model": str(model)})
     else:
         argv += ["--srcdict", str(data / "dict.txt")]
     preprocess.cli_main(argv)
