@@ -152,3 +152,26 @@ def test_changing_the_rates_on_resume_is_logged(data, tmp_path):
                                              max_update=6))
     assert status == 0, err
     assert "data rates changed on resume at sample 8: books=0.5,web=0.5 -> books=0.25,web=0.75" in out
+
+
+def test_bpe_and_hf_tokenizer_routes_train(data, tmp_path):
+    from fairseq_cli import preprocess
+    from tests.text_fixtures import sample_text, train_gpt2_files
+
+    enc, vocab = train_gpt2_files(tmp_path, sample_text()[:50000], vocab_size=300)
+    gpt2 = ["--bpe", "gpt2", "--gpt2-encoder-json", str(enc), "--gpt2-vocab-bpe", str(vocab)]
+    preprocess.cli_main(["--only-source", "--json-key", "text", "--trainpref", str(data / "train"),
+                         "--destdir", str(tmp_path / "bin"), *gpt2])
+    (data / "dict.txt").write_bytes((tmp_path / "bin" / "dict.txt").read_bytes())  # the data-bin's vocabulary
+    status, out, err = train_in_process(argv(data, tmp_path / "gpt2", "--disable-validation", *gpt2))
+    assert status == 0 and "dictionary: " in out and "--bpe" not in err, err
+
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    words = {w: i for i, w in enumerate(["<s>", "<pad>", "</s>", "<unk>"] + [f"w{i}" for i in range(40)])}
+    tok = Tokenizer(models.WordLevel(words, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(tmp_path / "tokenizer.json"))
+    status, out, err = train_in_process(argv(data, tmp_path / "hf", "--disable-validation", "--hf-tokenizer",
+                                             str(tmp_path / "tokenizer.json")))
+    assert status == 0 and "dictionary: 48 types (hf" in out, err
