@@ -15,7 +15,8 @@ from types import SimpleNamespace
 from typing import List, Optional
 
 from fairseq import options
-from fairseq.dataclass.utils import flag_name
+from fairseq.dataclass.configs import PreprocessConfig
+from fairseq.dataclass.utils import config_from_namespace, flag_name
 from fairseq.upstream_absent import refused_options
 
 from fairseq.preprocessing import binarizer
@@ -23,6 +24,7 @@ from fairseq.checkpoint.io import os_error_message
 from fairseq.data import Dictionary
 from fairseq.data.encoders._script_io import interrupted_exit, stopping_on_signals
 from fairseq.data.indexed_dataset import data_file_path
+from fairseq.data.jsonl_corpus import CorpusError, find_corpora, open_shard, parse_document
 from fairseq.registry import import_user_module
 
 logger = logging.getLogger("fairseq_cli.preprocess")
@@ -103,8 +105,6 @@ def _dictionary_inputs(args: Namespace) -> List[str]:
 
 def _announce_upstream_options(args: Namespace) -> None:
     """One line per upstream option accepted without an effect here (upstream_absent.ACCEPTED_OPTIONS)."""
-    from fairseq.dataclass.configs import PreprocessConfig
-    from fairseq.dataclass.utils import config_from_namespace
     from fairseq.dataclass.validate import announce_compat_options
 
     announce_compat_options(SimpleNamespace(preprocess=config_from_namespace(PreprocessConfig, args)))
@@ -185,8 +185,6 @@ def _text_from_jsonl(args: Namespace) -> None:
     """--json-key: each --trainpref/--validpref/--testpref (a JSONL file, or a split directory of corpora read in
     the streaming task's order) becomes a hidden text file in DESTDIR with the items the streaming task makes
     of it: each document's lines, then an empty line (the end of a document). The prefixes then name those."""
-    from fairseq.data.jsonl_corpus import CorpusError, find_corpora, open_shard, parse_document
-
     for flag in ("trainpref", "validpref", "testpref"):
         value = getattr(args, flag)
         if not value:

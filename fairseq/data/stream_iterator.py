@@ -23,7 +23,9 @@ from typing import Callable, Dict, List, Optional
 import numpy as np
 
 from fairseq.data.iterators import CountingIterator, EpochBatchIterating
+from fairseq.data.jsonl_corpus import CorpusError, fingerprint
 from fairseq.data.monolingual_dataset import collate
+from fairseq.logging import metrics
 from fairseq.logging.progress_bar import UNBOUNDED
 from fairseq.data.stream_blocks import CorpusStream
 
@@ -82,8 +84,6 @@ class GlobalStream:
         missing = [c.name for c in self.corpora if c.name not in saved]
         gone = [name for name in saved if name not in self.tokens]
         if gone and check_files:
-            from fairseq.data.jsonl_corpus import CorpusError
-
             files = ", ".join(saved[gone[0]]["files"][:2])
             raise CorpusError(f"corpus {gone[0]!r} of the checkpoint is no longer in the data ({files} removed); "
                               "restore it, or pass --ignore-data-changes to continue without it")
@@ -214,8 +214,6 @@ class StreamingEpochIterator(EpochBatchIterating):
 
 def with_fingerprints(state: dict) -> dict:
     """`state` with each corpus's fingerprint of the file it reads (computed at save time only)."""
-    from fairseq.data.jsonl_corpus import fingerprint
-
     corpora = {}
     for name, c in state["corpora"].items():
         c = dict(c)
@@ -227,8 +225,6 @@ def with_fingerprints(state: dict) -> dict:
 
 def log_corpus_tokens(state: dict) -> None:
     """Tokens seen per corpus so far (all ranks together) as log-line keys tokens_<corpus>."""
-    from fairseq.logging import metrics
-
     for name, count in state["tokens"].items():
         metrics.log_scalar(f"tokens_{name}", count, weight=0, priority=900, round=0)
 

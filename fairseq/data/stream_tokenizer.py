@@ -16,9 +16,13 @@ from dataclasses import dataclass
 from typing import List, Optional, Tuple
 
 import numpy as np
+from tokenizers import ByteLevelBPETokenizer, Tokenizer
 
 from fairseq.data.dictionary import Dictionary
+from fairseq.data.encoders import BPE_REGISTRY, build_bpe
 from fairseq.data.jsonl_corpus import CorpusError, InvalidDocument, parse_document
+from fairseq.preprocessing.binarizer import (LineEncoder, LocalIdTable, bpe_spec, make_line_encoder,
+                                             map_local_ids)
 
 _SPECIALS = ("<s>", "<pad>", "</s>", "<unk>")  # the Dictionary's ids 0-3
 
@@ -36,9 +40,6 @@ class TokenizerSpec:
 def bpe_spec_of(name: str, files: dict) -> tuple:
     """fairseq-preprocess's hashable description (binarizer.bpe_spec) of --bpe `name` with option values `files`
     (the scheme's other options at their defaults)."""
-    from fairseq.data.encoders import BPE_REGISTRY
-    from fairseq.preprocessing.binarizer import bpe_spec
-
     dc = BPE_REGISTRY.dataclass(name)
     fields = set(getattr(dc, "__dataclass_fields__", {}))
     return (name, bpe_spec(dc(**{k: v for k, v in files.items() if k in fields and v}))[1])
@@ -62,8 +63,6 @@ def _built(spec: TokenizerSpec):
 
 
 def load_hf_tokenizer(spec: TokenizerSpec):
-    from tokenizers import Tokenizer
-
     for path in spec.files:
         if not os.path.isfile(path):
             flag = "--hf-tokenizer" if spec.kind == "hf" else "--vocab-filename/--merges-filename"
@@ -71,8 +70,6 @@ def load_hf_tokenizer(spec: TokenizerSpec):
     try:
         if spec.kind == "hf":
             return Tokenizer.from_file(spec.files[0])
-        from tokenizers import ByteLevelBPETokenizer
-
         return ByteLevelBPETokenizer.from_file(*spec.files)
     except Exception as e:  # the library's own errors say little about which file; name it
         raise CorpusError(f"{', '.join(spec.files)}: not a loadable tokenizer ({str(e).splitlines()[0][:200]})") \
@@ -105,9 +102,6 @@ class _Encoder:
     def __init__(self, spec: TokenizerSpec):
         self.spec = spec
         if spec.kind == "fairseq":
-            from fairseq.data.encoders import build_bpe
-            from fairseq.preprocessing.binarizer import LineEncoder, LocalIdTable, make_line_encoder
-
             d = Dictionary.load(spec.files[0])
             if spec.bpe is None:
                 self.encoder = LineEncoder(_Whitespace())
@@ -127,8 +121,6 @@ class _Encoder:
     def encode_lines(self, lines: List[str]) -> Tuple[np.ndarray, np.ndarray]:
         """(ids with </s> after each line, tokens per line) of stripped non-empty lines."""
         if self.spec.kind == "fairseq":
-            from fairseq.preprocessing.binarizer import map_local_ids
-
             local, sizes = self.encoder.encode(lines)
             if len(sizes) == 0:
                 return np.zeros(0, np.int64), np.zeros(0, np.int64)

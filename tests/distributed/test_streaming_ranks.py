@@ -3,7 +3,6 @@ sequence that covers a corpus's pass once, in order."""
 
 import math
 
-import torch
 
 from tests.streaming_fixtures import write_jsonl_corpora
 from tests.train_fixtures import spawn_scenarios

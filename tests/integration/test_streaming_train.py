@@ -114,7 +114,7 @@ def test_invalid_document_names_file_and_line_or_is_skipped(data, tmp_path, text
     assert where in line and says in line and "--skip-invalid-documents" in line
     status, out, err = train_in_process(run + ["--skip-invalid-documents"])
     assert status == 0, err
-    assert f"skipped an invalid document (1 so far in corpus 'web'" in out and where in out
+    assert "skipped an invalid document (1 so far in corpus 'web'" in out and where in out
 
 
 @pytest.mark.parametrize("extra,says", [
