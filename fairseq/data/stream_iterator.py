@@ -107,9 +107,6 @@ def format_rates(rates: Dict[str, float]) -> str:
     return ",".join(f"{k}={v:.4g}" for k, v in rates.items())
 
 
-_STOP = object()
-
-
 class StreamingEpochIterator(EpochBatchIterating):
     """The trainer's iterator over an endless GlobalStream (EpochBatchIterator's interface: the one epoch never
     ends). `make_stream()` builds a fresh stream (restored with `load_state_dict`'s state before the first
@@ -155,14 +152,13 @@ class StreamingEpochIterator(EpochBatchIterating):
 
     def _batches(self):
         results: "queue.Queue" = queue.Queue(self.buffer_size)
-        self._thread = threading.Thread(target=self._produce, args=(results,), daemon=True,
+        stop = self._stop = threading.Event()  # this generator's: a later one gets its own
+        self._thread = threading.Thread(target=self._produce, args=(results, stop), daemon=True,
                                         name="streaming-data")
         self._thread.start()
         try:
             while True:
                 item = results.get()
-                if item is _STOP:
-                    return
                 if isinstance(item, BaseException):
                     raise item
                 batch, state = item
@@ -171,32 +167,28 @@ class StreamingEpochIterator(EpochBatchIterating):
                     log_corpus_tokens(state)
                 yield batch
         finally:
-            self._stop.set()
+            stop.set()
 
-    def _produce(self, results: "queue.Queue") -> None:
+    def close(self) -> None:
+        """Stop making batches (the background thread ends, and with it the tokenizing workers)."""
+        self._stop.set()
+
+    def _produce(self, results: "queue.Queue", stop: threading.Event) -> None:
         stream = None
         try:
             stream = self.make_stream()
             if self._resume is not None:
                 stream.load_state(self._resume, self.check_files)
             width = self.batch_size * self.num_shards
-            while not self._stop.is_set():
+            while not stop.is_set():
                 items = stream.take(width)
                 mine = items[self.shard_id * self.batch_size: (self.shard_id + 1) * self.batch_size]
-                self._put(results, (collate(mine, self.pad), stream.state()))
+                _put(results, (collate(mine, self.pad), stream.state()), stop)
         except BaseException as e:  # handed to the training thread, which raises it
-            self._put(results, e)
+            _put(results, e, stop)
         finally:
             if stream is not None:
                 stream.close()
-
-    def _put(self, results: "queue.Queue", item) -> None:
-        while not self._stop.is_set():
-            try:
-                results.put(item, timeout=0.5)
-                return
-            except queue.Full:
-                continue
 
     def state_dict(self) -> dict:
         state = self._consumed if self._consumed is not None else self._resume
@@ -210,6 +202,16 @@ class StreamingEpochIterator(EpochBatchIterating):
         self._batches_done = int(state_dict.get("iterations_in_epoch", 0))
         self._resume = state_dict.get("streaming")
         self._consumed, self._itr = None, None
+
+
+def _put(results: "queue.Queue", item, stop: threading.Event) -> None:
+    """Hand `item` to the training thread, unless it stopped asking (`stop`)."""
+    while not stop.is_set():
+        try:
+            results.put(item, timeout=0.5)
+            return
+        except queue.Full:
+            continue
 
 
 def with_fingerprints(state: dict) -> dict:

@@ -160,7 +160,7 @@ def global_ids(data, plan, batch_size=3):
             per_rank.append([next(batches) for _ in range(steps)])
             if rank == 0:
                 next_state = itr.state_dict()
-            itr._stop.set()
+            itr.close()
         state = next_state
         for step in range(steps):
             for rank in range(ranks):
