@@ -16,6 +16,7 @@ from tests.train_fixtures import train_in_process
 
 TINY = ["--task", "streaming_language_modeling", "--arch", "transformer_lm", "--decoder-layers", "2",
         "--decoder-embed-dim", "32", "--decoder-ffn-embed-dim", "64", "--decoder-attention-heads", "2",
+        "--decoder-input-dim", "32", "--decoder-output-dim", "32",
         "--share-decoder-input-output-embed", "--optimizer", "adam", "--lr", "0.002", "--tokens-per-sample", "16",
         "--batch-size", "2", "--cpu", "--seed", "3", "--log-format", "json", "--log-interval", "1"]
 
