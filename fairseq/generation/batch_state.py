@@ -29,26 +29,25 @@ class FinishedHypotheses:
         self.remaining = sentences
 
     def store(self, step: int, rows: Tensor, eos_scores: Tensor, tokens: Tensor, scores: Tensor,
-              sent_of_row: List[int], src_lengths: Tensor, max_len: int) -> List[int]:
+              sent_of_row: List[int], src_lengths: Tensor, max_len: int,
+              host_eos_scores: Optional[Tensor] = None) -> List[int]:
         """Store the hypotheses of rows `rows` of `tokens` / `scores` (laid out as BatchState's: the begin token
         first; cumulative scores per step) that end with </s> at `step` (score `eos_scores`); row r belongs to
         batch sentence r // beam, original sentence `sent_of_row[r // beam]`. Returns the batch indices of the
-        sentences now done (beam hypotheses, or the last step). `rows` may be on the host (the device loops find
-        them there): the sentences' bookkeeping then reads no device value but the scores."""
+        sentences now done (beam hypotheses, or the last step). The device loops pass `rows` and the same scores
+        (`host_eos_scores`) on the host, read once for every end step: the bookkeeping then reads no device value."""
         device_rows = rows.to(tokens.device)
         ended = tokens.index_select(0, device_rows)[:, 1:step + 2]  # without the begin-of-sentence token
         ended[:, step] = self.eos
         pos_scores = scores.index_select(0, device_rows)[:, :step + 1]
         pos_scores[:, step] = eos_scores
         pos_scores[:, 1:] = pos_scores[:, 1:] - pos_scores[:, :-1]  # cumulative -> per token
-        if self.normalize_scores:
-            eos_scores = eos_scores / (step + 1) ** self.len_penalty
         batch_rows = torch.div(rows, self.beam, rounding_mode="trunc")
-        if self.match_source_len:
-            eos_scores = torch.where(step > src_lengths.index_select(0, batch_rows.to(src_lengths.device)), -math.inf,
-                                     eos_scores)
+        eos_scores = self._ranking_scores(step, eos_scores, batch_rows, src_lengths)
+        values = eos_scores if host_eos_scores is None else self._ranking_scores(step, host_eos_scores, batch_rows,
+                                                                                 src_lengths)
         seen = {}
-        for i, (row, value) in enumerate(zip(batch_rows.tolist(), eos_scores.tolist())):
+        for i, (row, value) in enumerate(zip(batch_rows.tolist(), values.tolist())):
             sent = sent_of_row[row]
             seen[sent] = row
             if len(self.hypotheses[sent]) < self.beam:
@@ -62,6 +61,16 @@ class FinishedHypotheses:
                 now_done.append(row)
         self.remaining -= len(now_done)
         return now_done
+
+    def _ranking_scores(self, step: int, eos_scores: Tensor, batch_rows: Tensor, src_lengths: Tensor) -> Tensor:
+        """The scores hypotheses ending at `step` are ranked by: length-normalized, -inf past the source length
+        with --match-source-len (on the device of `eos_scores`)."""
+        if self.normalize_scores:
+            eos_scores = eos_scores / (step + 1) ** self.len_penalty
+        if self.match_source_len:
+            limits = src_lengths.index_select(0, batch_rows.to(src_lengths.device)).to(eos_scores.device)
+            eos_scores = torch.where(step > limits, -math.inf, eos_scores)
+        return eos_scores
 
     def best_first(self) -> List[List[Dict[str, Tensor]]]:
         """Each sentence's hypotheses, best first (a stable sort: equal scores keep the order they ended in)."""
@@ -123,10 +132,11 @@ class BatchState:
         self.forced_rows = None if prefix is None else prefix.repeat_interleave(self.beam, dim=0)
         self.forced_eos_steps = forced_eos_steps
 
-    def store_ended(self, step: int, rows: Tensor, eos_scores: Tensor, tokens: Tensor, scores: Tensor) -> List[int]:
+    def store_ended(self, step: int, rows: Tensor, eos_scores: Tensor, tokens: Tensor, scores: Tensor,
+                    host_eos_scores: Optional[Tensor] = None) -> List[int]:
         """`finished.store` for this batch (see FinishedHypotheses.store)."""
         return self.finished.store(step, rows, eos_scores, tokens, scores, self.sent_of_row, self.src_lengths,
-                                   self.max_len)
+                                   self.max_len, host_eos_scores)
 
     def keep_sentences(self, keep: List[int]) -> Tensor:
         """Keep batch sentences `keep` (in order): every per-sentence and per-row field follows; returns them

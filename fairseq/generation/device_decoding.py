@@ -250,11 +250,14 @@ class DeviceLoop:
         column the </s> score, ended at `end_steps[r]`, -1: none; row r // beam is its sentence, rows in the
         order the step-by-step loop stores them) in the batch's store of finished hypotheses, as the
         step-by-step loop stores them (one call per end step)."""
-        end_steps = end_steps.cpu()  # one read of the end steps; the rows of each are found on the host
-        for step in sorted(set(end_steps.tolist()) - {-1}):
-            rows_ending = end_steps.eq(step).nonzero().squeeze(1)
-            b.store_ended(step, rows_ending, scores[:, step].index_select(0, rows_ending.to(scores.device)), tokens,
-                          scores)
+        # One read of the end steps and of the scores they end with: each end step's rows and the ranking values
+        # are then found on the host, not by a sync per end step.
+        end_scores = scores.gather(1, end_steps.clamp(min=0).unsqueeze(1)).squeeze(1)
+        host_end_steps, host_end_scores = end_steps.cpu(), end_scores.cpu()
+        for step in sorted(set(host_end_steps.tolist()) - {-1}):
+            rows_ending = host_end_steps.eq(step).nonzero().squeeze(1)
+            b.store_ended(step, rows_ending, end_scores.index_select(0, rows_ending.to(scores.device)), tokens, scores,
+                          host_end_scores.index_select(0, rows_ending))
 
 
 class DeviceDecodeLoop(DeviceLoop):

@@ -99,8 +99,8 @@ def test_int8_weight_only_greedy_tokens_agree_with_bf16(trained, record_property
     int8_bytes = model_bytes([bf16])
     graphed, int8_s, generator = greedy(bf16, d, cuda_graphs=True)
     eager, _, _ = greedy(bf16, d, cuda_graphs=False)
-    graphed = generator.step_model.graphed
-    assert graphed is not None and graphed.graphs  # the steps were captured and replayed
+    runner = generator.step_model.graphed
+    assert runner is not None and runner.graphs  # the steps were captured and replayed
     agree = float((graphed == reference).float().mean())
     graph_vs_eager = float((graphed == eager).float().mean())
     print(f"\nint8-weight-only vs bf16 greedy: {agree:.1%} of {reference.numel()} tokens agree (CUDA-graph steps); "
