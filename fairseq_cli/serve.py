@@ -1,0 +1,204 @@
+"""fairseq-serve: an OpenAI-compatible completions server for a trained language model.
+
+    fairseq-serve --path checkpoints/checkpoint_best.pt data-bin --host 127.0.0.1 --port 8000
+    curl -s localhost:8000/v1/completions -H 'Content-Type: application/json' \
+        -d '{"prompt": "the cat", "max_tokens": 16, "temperature": 0}'
+
+--path is a checkpoint file, a sharded checkpoint directory or a transformers OPT/XGLM directory (imported
+first, as scripts/import_hf.py does); DATA (optional) holds the dictionary when the checkpoint's saved data
+directory is elsewhere. The HTTP port opens at once (GET /health answers 503 until the model is loaded);
+SIGTERM (or Ctrl-C) stops accepting, lets the running requests finish (--drain-timeout) and exits 0.
+docs/serving.md has the API, the limits and the metrics.
+"""
+
+import json
+import logging
+import os
+import sys
+import threading
+from typing import List, Optional
+
+from fairseq import options
+from fairseq.dataclass.serving import ServeConfig, check_serve_config
+from fairseq_cli.console import run_console_script
+
+logger = logging.getLogger("fairseq_cli.serve")
+KEYS_ENV = "FAIRSEQ_API_KEYS"
+
+
+def read_api_keys(path: Optional[str]) -> List[str]:
+    """--api-keys FILE (one key a line; blank lines and `#` comments skipped), else $FAIRSEQ_API_KEYS
+    (comma-separated); [] when neither is given (no key asked for)."""
+    if path:
+        try:
+            with open(path, encoding="utf-8") as f:
+                keys = [line.strip() for line in f if line.strip() and not line.lstrip().startswith("#")]
+        except OSError as err:
+            raise ValueError(f"--api-keys {path}: cannot read it ({err.strerror or err}); pass a text file with one "
+                             "key a line") from None
+        if not keys:
+            raise ValueError(f"--api-keys {path} holds no key: write one key a line")
+        return keys
+    return [key.strip() for key in os.environ.get(KEYS_ENV, "").split(",") if key.strip()]
+
+
+def transformers_directory(path: str) -> bool:
+    config = os.path.join(path, "config.json")
+    if not os.path.isdir(path) or not os.path.isfile(config):
+        return False
+    try:
+        with open(config, encoding="utf-8") as f:
+            return "model_type" in json.load(f)
+    except (ValueError, OSError):
+        return False
+
+
+def load_served_model(cfg):
+    """The ServedModel of --path (one model: no ensemble), loaded as fairseq-interactive loads it (--bf16, --fp16,
+    --quantize, --cpu), a transformers directory imported first."""
+    from fairseq.generation.hub_utils import GeneratorHubInterface
+    from fairseq.serving.model import ServedModel
+    from fairseq_cli.generate import load_ensemble
+
+    path = cfg.common_eval.path or ""
+    if os.pathsep in path:
+        raise ValueError(f"--path {path}: fairseq-serve serves one model, not an ensemble; pass one checkpoint")
+    name = cfg.serve.served_model_name or os.path.basename(os.path.normpath(path)) or "model"
+    if path and transformers_directory(path):
+        import tempfile
+
+        from fairseq.export.hf_import import CHECKPOINT_NAME, import_hf
+
+        work = tempfile.mkdtemp(prefix="fairseq-serve-import-")
+        logger.info(f"{path} is a transformers directory: importing it into {work}")
+        import_hf(path, os.path.join(work, "model"))
+        cfg.common_eval.path = os.path.join(work, "model", CHECKPOINT_NAME)
+        if not cfg.task.data:
+            cfg.task.data = os.path.join(work, "model")
+    models, task, device, codec = load_ensemble(cfg)
+    hub = GeneratorHubInterface(cfg, task, models)
+    hub.codec, hub.tokenizer, hub.bpe = codec, codec.tokenizer, codec.bpe  # the checkpoint's, as interactive's
+    hub.quantized = cfg.generation.quantize  # load_ensemble quantized the weights already
+    return ServedModel(hub, name)
+
+
+def default_batch_tokens(model) -> int:
+    """--max-batch-tokens unset: the KV positions the GPU's free memory holds (decode_memory's bytes per position),
+    65536 on the CPU."""
+    import torch
+
+    from fairseq.generation.decode_memory import decode_bytes
+
+    if model.device.type != "cuda":
+        return 65536
+    free, _ = torch.cuda.mem_get_info(model.device)
+    per_position = max(decode_bytes(model.hub.models, 1, 1), 1)
+    return max(int(free * 0.8) // per_position, model.max_positions)
+
+
+def start_model(server, cfg) -> None:
+    """Load the model and start the decode thread (the server answers 503 until this is done)."""
+    from fairseq.serving.completions import Limits
+    from fairseq.serving.scheduler import Scheduler, make_backend
+
+    try:
+        model = load_served_model(cfg)
+    except Exception as err:  # told by /health and the log; the process exits
+        logger.error(f"fairseq-serve: error: {err}")
+        server.load_error = f"the model failed to load: {err}"
+        raise
+    serve = cfg.serve
+    positions = model.max_positions
+    limits = Limits(max_prompt_tokens=serve.max_prompt_tokens or positions - 1,
+                    max_tokens=serve.max_tokens if serve.max_tokens is not None else positions,
+                    max_batch_tokens=serve.max_batch_tokens or default_batch_tokens(model))
+    backend = make_backend(model, serve.max_running)
+    scheduler = Scheduler(model, backend, serve.max_running, limits.max_batch_tokens, serve.max_queue,
+                          server.metrics)
+    scheduler.start()
+    server.ready(model, scheduler, limits)
+    logger.info(f"serving {model.name} ({positions} positions) on {model.device}: --max-running "
+                f"{serve.max_running}, --max-batch-tokens {limits.max_batch_tokens}")
+
+
+def main(cfg) -> None:
+    try:
+        import uvicorn
+        import starlette  # noqa: F401
+    except ImportError:
+        raise ValueError("fairseq-serve needs uvicorn and starlette: pip install 'fairseq[serve]'") from None
+
+    from fairseq.serving.app import Server, build_app
+    from fairseq_cli.generate import setup
+
+    setup(cfg)
+    check_serve_config(cfg.serve)
+    keys = read_api_keys(cfg.serve.api_keys)
+    if cfg.serve.host not in ("127.0.0.1", "localhost", "::1") and not keys:
+        logger.warning(f"--host {cfg.serve.host} without --api-keys: anyone who reaches this address can use the "
+                       "model")
+    server = Server(cfg.serve, keys)
+    app = build_app(server)
+    failed = []
+
+    def load():
+        try:
+            start_model(server, cfg)
+        except Exception as err:
+            failed.append(err)
+            http.should_exit = True
+
+    http = draining_server(uvicorn.Config(app, host=cfg.serve.host, port=cfg.serve.port, access_log=False,
+                                          log_config=None, timeout_graceful_shutdown=cfg.serve.drain_timeout,
+                                          timeout_keep_alive=5), server)
+    threading.Thread(target=load, name="fairseq-serve-load", daemon=True).start()
+    http.run()
+    if server.scheduler is not None:
+        server.scheduler.stop()
+    if failed:
+        raise failed[0]
+    logger.info("fairseq-serve stopped")
+
+
+def draining_server(config, server):
+    """uvicorn's Server whose exit signal first marks the app as draining (new requests: 503, /health: 503),
+    then lets uvicorn stop accepting and wait for the running requests; it prints the address it listens on."""
+    import uvicorn
+
+    class DrainingServer(uvicorn.Server):
+        def handle_exit(self, sig, frame):
+            server.draining = True
+            if server.scheduler is not None:
+                server.scheduler.drain()
+            super().handle_exit(sig, frame)
+
+        async def startup(self, sockets=None):
+            await super().startup(sockets)
+            for listening in self.servers:
+                for sock in listening.sockets:
+                    host, port = sock.getsockname()[:2]
+                    print(f"fairseq-serve: listening on http://{host}:{port}", file=sys.stderr, flush=True)
+
+    return DrainingServer(config)
+
+
+def cli_main(argv: Optional[List[str]] = None) -> None:
+    parser = options.get_serve_parser()
+    args = options.parse_args_and_arch(parser, argv)
+    cfg = options.convert_namespace_to_generation_config(args)
+    from fairseq.dataclass.utils import config_from_namespace
+
+    cfg.serve = config_from_namespace(ServeConfig, args)
+    try:
+        check_serve_config(cfg.serve)
+    except ValueError as e:
+        parser.error(str(e))
+    main(cfg)
+
+
+def console_main() -> None:
+    run_console_script("fairseq-serve", cli_main)
+
+
+if __name__ == "__main__":
+    console_main()
