@@ -14,6 +14,7 @@ docs/serving.md has the API, the limits and the metrics.
 import json
 import logging
 import os
+import signal
 import sys
 import threading
 from typing import List, Optional
@@ -171,6 +172,8 @@ def draining_server(config, server):
             if server.scheduler is not None:
                 server.scheduler.drain()
             super().handle_exit(sig, frame)
+            if sig == signal.SIGTERM:  # a drain asked for: exit 0 once done (uvicorn would re-raise it)
+                self._captured_signals = [s for s in self._captured_signals if s != signal.SIGTERM]
 
         async def startup(self, sockets=None):
             await super().startup(sockets)

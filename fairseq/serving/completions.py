@@ -165,7 +165,7 @@ class CompletionJob:
             out["tokens"].append(piece)
             out["token_logprobs"].append(state.logprobs[start + i] if start + i < len(state.logprobs) else None)
             top = state.top[start + i] if start + i < len(state.top) else {}
-            out["top_logprobs"].append({model.token_pieces([], [t])[0]: v for t, v in top.items()}
+            out["top_logprobs"].append(model.alternatives(state.prompt + state.ids[:start + i], top)
                                        if request.logprobs else None)
             out["text_offset"].append(text_start + offset)
             offset += len(piece)
@@ -180,7 +180,8 @@ class CompletionJob:
             at += len(piece)
         tops = state.echo_top or [{} for _ in pieces]
         return {"tokens": pieces, "token_logprobs": list(state.echo_logprobs or []),
-                "top_logprobs": [{model.token_pieces([], [t])[0]: v for t, v in top.items()} for top in tops],
+                "top_logprobs": [model.alternatives(state.prompt[:i], top) if self.request.logprobs else None
+                                 for i, top in enumerate(tops)],
                 "text_offset": offsets}
 
     def _choice_logprobs(self, state: ChoiceState) -> Optional[dict]:

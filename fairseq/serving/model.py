@@ -52,6 +52,17 @@ class ServedModel:
             shown = text
         return pieces
 
+    def alternatives(self, context: List[int], top: Dict[int, float]) -> Dict[str, float]:
+        """OpenAI's top_logprobs entry: each alternative's text after `context` (its symbol, e.g. </s>, where it
+        shows no text) -> its log p."""
+        shown = self.decode(context)
+        out = {}
+        for token, logprob in top.items():
+            text = self.decode(context + [token])
+            piece = text[len(shown):] if text.startswith(shown) else ""
+            out[piece or self.dictionary[token]] = logprob
+        return out
+
     # ---- model calls (decode thread) ------------------------------------------------------------------------
     def score(self, ids: List[int]) -> List[float]:
         """log p of each id given </s> and the ids before it: the hub's score() (the SequenceScorer)."""
