@@ -29,7 +29,6 @@ during any prompt); a forced prompt token is never blocked by --no-repeat-ngram-
 
 import logging
 import math
-import sys
 from typing import Dict, List, Optional, Tuple
 
 import torch
@@ -38,12 +37,9 @@ from torch import Tensor
 
 from fairseq.generation import decode_memory, device_beam_search, device_decoding, search
 from fairseq.generation.cuda_graph_decoding import GraphedDecodeStep
-from fairseq.modules.fairseq_incremental_decoder import FairseqIncrementalDecoder
+from fairseq.generation.step_model import EnsembleModel
 
 logger = logging.getLogger("fairseq.sequence_generator")  # upstream's module name
-
-# When a prompt is fed in one forward, logits of at most this many values exist at once.
-_LOGITS_CHUNK = 2**25
 
 
 class SequenceGenerator(nn.Module):
@@ -476,125 +472,3 @@ class _Beams:
                  "prefix", "forced_rows", "forced_eos_steps", "finalized", "finalized_scores", "finished",
                  "num_remaining", "sent_of_row", "original_batch_idxs", "cands_to_ignore", "may_ignore",
                  "bbsz_offsets", "cand_offsets", "first_beams")
-
-
-class EnsembleModel(nn.Module):
-    """The models of a generator: each decodes with its own incremental state; log-probabilities are averaged
-    in probability space (log of the mean probability), as upstream."""
-
-    def __init__(self, models):
-        super().__init__()
-        models = list(models)
-        if not models:
-            raise ValueError("the generator needs at least one model")
-        if any(getattr(m, "encoder", None) is not None for m in models):
-            raise ValueError("encoder-decoder models are not supported: this generator decodes language models")
-        self.models_size = len(models)
-        self.single_model = models[0]
-        self.models = nn.ModuleList(models)
-        self.has_incremental = all(isinstance(getattr(m, "decoder", None), FairseqIncrementalDecoder)
-                                   for m in models)
-        # Decoders of this fork take several new tokens per call and preallocate their caches.
-        self.can_feed_prompts = self.has_incremental and all(
-            hasattr(m.decoder, "reserve_incremental_state") for m in models)
-        # ... and have a static one-token step, which CUDA graphs capture (fairseq.generation.cuda_graph_decoding).
-        self.can_static_step = self.can_feed_prompts and all(
-            hasattr(m.decoder, "forward_static_step") for m in models)
-
-    def has_incremental_states(self) -> bool:
-        return self.has_incremental
-
-    def max_decoder_positions(self) -> int:
-        limits = []
-        for m in self.models:
-            limit = m.max_decoder_positions() if hasattr(m, "max_decoder_positions") else (
-                m.max_positions() if hasattr(m, "max_positions") else None)
-            if limit is not None:
-                limits.append(int(limit))
-        return min(limits + [sys.maxsize])
-
-    def set_decoder_beam_size(self, beam_size: int) -> None:
-        if beam_size > 1:
-            for m in self.models:
-                target = m if hasattr(m, "set_beam_size") else getattr(m, "decoder", None)
-                if hasattr(target, "set_beam_size"):
-                    target.set_beam_size(beam_size)
-
-    def new_incremental_states(self, max_batch: int, max_length: int) -> Optional[List[dict]]:
-        """One empty state per model (None without incremental decoders), caches reserved at that size."""
-        if not self.has_incremental:
-            return None
-        states = [{} for _ in self.models]
-        if self.can_feed_prompts:
-            for m, state in zip(self.models, states):
-                m.decoder.reserve_incremental_state(state, max_length, max_batch)
-        return states
-
-    def reorder_incremental_state(self, states: Optional[List[dict]], new_order: Tensor, window=None) -> None:
-        """Row i of the caches continues row new_order[i] (`window`: only its first slots, see the decoder's)."""
-        for m, state in zip(self.models, states or ()):
-            if window is not None:
-                m.decoder.reorder_incremental_state(state, new_order, window)
-            else:
-                m.decoder.reorder_incremental_state_scripting(state, new_order)
-
-    @staticmethod
-    def _log_probs(model, logits: Tensor, extra, temperature: float) -> Tensor:
-        if temperature != 1.0:
-            logits = logits / temperature
-        normalize = getattr(model, "get_normalized_probs", None)
-        if normalize is None:
-            return torch.log_softmax(logits.float(), dim=-1)
-        return normalize((logits, extra), log_probs=True, sample=None)
-
-    def _average(self, log_probs: List[Tensor]) -> Tensor:
-        if len(log_probs) == 1:
-            return log_probs[0]
-        return torch.logsumexp(torch.stack(log_probs, dim=0), dim=0) - math.log(len(log_probs))
-
-    def forward_decoder(self, tokens: Tensor, states: Optional[List[dict]], temperature: float = 1.0) -> Tensor:
-        """Log-probabilities [rows, V] of the token after `tokens` [rows, T] (the whole prefix)."""
-        log_probs = []
-        for i, m in enumerate(self.models):
-            if states is not None:
-                out = m.decoder(tokens, encoder_out=None, incremental_state=states[i])
-            elif hasattr(m, "decoder"):
-                out = m.decoder(tokens, encoder_out=None)
-            else:
-                out = m(tokens)
-            if isinstance(out, (tuple, list)):  # upstream-style (logits, extra)
-                logits, extra = out[0], (out[1] if len(out) > 1 else None)
-            else:
-                logits, extra = out, None
-            log_probs.append(self._log_probs(m, logits[:, -1:, :], extra, temperature)[:, -1, :])
-        return self._average(log_probs)
-
-    def forward_static_step(self, tokens: Tensor, slot: Tensor, states: List[dict], temperature: float,
-                            window: Optional[int] = None) -> Tensor:
-        """Log-probabilities [rows, V] of the token after `tokens` [rows, 1], at index `slot` (a device tensor),
-        through each decoder's `forward_static_step` (static shapes, no host sync: CUDA graphs capture it),
-        attention over the caches' first `window` slots (default: all)."""
-        return self._average([self._log_probs(m, m.decoder.forward_static_step(tokens, slot, state, window), None,
-                                              temperature)[:, -1, :] for m, state in zip(self.models, states)])
-
-    def feed_prompts(self, tokens: Tensor, states: List[dict], temperature: float,
-                     vocab_size: int) -> Tuple[Tensor, Tensor]:
-        """Feed `tokens` [B, T] into empty caches in one forward per model: (log-probabilities [B, T-1] of
-        tokens[:, 1:], each given the tokens before it; log-probabilities [B, V] of the token after them)."""
-        features = [m.decoder(tokens, incremental_state=state, features_only=True)[0]
-                    for m, state in zip(self.models, states)]
-        batch, length = tokens.shape
-        forced = torch.empty(batch, length - 1, device=tokens.device)
-        chunk = max(1, _LOGITS_CHUNK // (batch * vocab_size))
-        next_lprobs = None
-        for begin in range(0, length, chunk):
-            end = min(length, begin + chunk)
-            lprobs = self._average([self._log_probs(m, m.decoder.output_layer(f[:, begin:end]), None, temperature)
-                                    for m, f in zip(self.models, features)])
-            scored = min(end, length - 1) - begin  # positions that predict a given token
-            if scored > 0:
-                targets = tokens[:, begin + 1:begin + 1 + scored].unsqueeze(-1)
-                forced[:, begin:begin + scored] = lprobs[:, :scored].gather(2, targets).squeeze(-1)
-            if end == length:
-                next_lprobs = lprobs[:, -1]
-        return forced, next_lprobs

@@ -29,11 +29,21 @@ _CACHE_KEY = "attn_state"
 
 class StaticStep(NamedTuple):
     """Where the one new token of each row goes in a static decode step (no Python value that changes per
-    step, so a CUDA graph can capture it): `slot` [1] (long) is its index in the sequence and its cache slot;
-    `mask` [1, 1, 1, capacity] (the activations' dtype) is 0 for slots 0 .. slot and -inf after."""
+    step, so a CUDA graph can capture it): `slot` [1] (long) is its index in the sequence and its cache slot,
+    or `slot` [rows, 1] one per row (rows at different lengths: a decode engine's rows that joined at different
+    times); `mask` [1 or rows, 1, 1, window] (the activations' dtype) is 0 for slots 0 .. slot and -inf after."""
 
     slot: torch.Tensor
     mask: torch.Tensor
+
+
+def _write_slot(buffer: torch.Tensor, slot: torch.Tensor, new: torch.Tensor) -> None:
+    """buffer [rows, H, C, D] takes new [B, H, 1, D] at slot `slot` ([1]: the same for every row, or [B, 1])."""
+    if slot.dim() == 1:
+        buffer.index_copy_(2, slot, new)
+        return
+    rows = torch.arange(new.size(0), device=new.device)
+    buffer.transpose(1, 2).index_put_((rows, slot.view(-1)), new[:, :, 0])
 
 
 def check_heads(embed_dim: int, num_heads: int, dim_name: str = "embed_dim", heads_name: str = "num_heads") -> None:
@@ -201,14 +211,23 @@ class CausalSelfAttention(FairseqIncrementalState, AttentionProjections):
         entry = self._cache_entry(incremental_state)
         keys, values = entry["key_buffer"][:batch], entry["value_buffer"][:batch]
         q = self._split_heads(self.q_proj(x))
-        keys.index_copy_(2, step.slot, self._split_heads(self.k_proj(x)))
-        values.index_copy_(2, step.slot, self._split_heads(self.v_proj(x)))
+        _write_slot(keys, step.slot, self._split_heads(self.k_proj(x)))
+        _write_slot(values, step.slot, self._split_heads(self.v_proj(x)))
         window = step.mask.size(-1)
         keys, values = keys[:, :, :window], values[:, :, :window]
         dropout = self.dropout if self.training else 0.0
         attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=step.mask, dropout_p=dropout)
         attn = attn.transpose(1, 2).reshape(batch, length, -1)
         return self.out_proj(attn)
+
+    def copy_incremental_rows(self, incremental_state: IncrementalState, source_state: IncrementalState,
+                              rows: torch.Tensor, length: int) -> None:
+        """Cache rows `rows` (a long tensor) take the first `length` slots of `source_state`'s rows 0, 1, ...:
+        a prompt prefilled in a state of its own joins a running batch's caches."""
+        entry, source = self._cache_entry(incremental_state), self._cache_entry(source_state)
+        self._ensure_capacity(entry, int(rows.max()) + 1, length, source["key_buffer"])
+        for name in ("key_buffer", "value_buffer"):
+            entry[name][rows, :, :length] = source[name][:rows.numel(), :, :length]
 
     def set_incremental_length(self, incremental_state: IncrementalState, length: int) -> None:
         """Say that `length` tokens are cached: after static steps, or 0 to reuse the buffers for new text."""

@@ -189,7 +189,8 @@ class TransformerDecoder(FairseqIncrementalDecoder):
         """Scaled token embeddings plus positions, [B, T] -> [B, T, embed_dim], before the layers.
 
         `start`: the tokens follow `start` cached ones (incremental decoding), positions continue from there;
-        `slot` (a 1-element long tensor): the one token of each row is at that index (the static step)."""
+        `slot` (a long tensor, [1] or one per row [B, 1]): the one token of each row is at that index (the static
+        step)."""
         x = self.embed_scale * self.embed_tokens(tokens)
         if self.project_in_dim is not None:
             x = self.project_in_dim(x)
@@ -248,8 +249,8 @@ class TransformerDecoder(FairseqIncrementalDecoder):
 
     def forward_static_step(self, tokens: torch.Tensor, slot: torch.Tensor,
                             incremental_state: IncrementalState, window: Optional[int] = None) -> torch.Tensor:
-        """Logits [R, 1, V] of `tokens` [R, 1], the tokens at index `slot` (a 1-element long tensor on the
-        model's device) of R sequences whose first `slot` tokens are cached in `incremental_state`: the same
+        """Logits [R, 1, V] of `tokens` [R, 1], the tokens at index `slot` (a long tensor on the model's device,
+        [1], or [R, 1]: one index per row) of R sequences whose first `slot` tokens are cached in `incremental_state`: the same
         logits as `self(prefix, incremental_state=state)` would give, from shapes and kernels that do not depend
         on `slot` and without reading it on the host, so a CUDA graph can capture this call.
 
@@ -268,9 +269,9 @@ class TransformerDecoder(FairseqIncrementalDecoder):
         if capacities:
             capacity = capacities.pop()
             window = capacity if window is None else min(window, capacity)
-            visible = torch.arange(window, device=x.device) <= slot
-            mask = torch.zeros(window, dtype=x.dtype, device=x.device).masked_fill_(~visible, -math.inf)
-            step = StaticStep(slot, mask.view(1, 1, 1, window))
+            visible = torch.arange(window, device=x.device) <= slot  # [window], or [rows, window] per row
+            mask = torch.zeros(visible.shape, dtype=x.dtype, device=x.device).masked_fill_(~visible, -math.inf)
+            step = StaticStep(slot, mask.view(-1, 1, 1, window))
         for layer in self.layers:
             x = layer(x, incremental_state=incremental_state, static_step=step)
         return self.output_layer(self._final_norm_and_projection(x))
@@ -328,6 +329,13 @@ class TransformerDecoder(FairseqIncrementalDecoder):
         entry["length"] = length
         for attention in entry["attentions"]:
             attention.set_incremental_length(incremental_state, length)
+
+    def copy_incremental_rows(self, incremental_state: IncrementalState, source_state: IncrementalState,
+                              rows: torch.Tensor, length: int) -> None:
+        """Rows `rows` of every cache take the first `length` slots of `source_state`'s first rows (a prompt
+        prefilled apart joins a running batch; static steps then continue them at their own slots)."""
+        for attention in self._decoder_entry(incremental_state)["attentions"]:
+            attention.copy_incremental_rows(incremental_state, source_state, rows, length)
 
     def reorder_incremental_state(self, incremental_state: IncrementalState, new_order: torch.Tensor,
                                   window: Optional[int] = None) -> None:
