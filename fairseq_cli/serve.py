@@ -83,24 +83,11 @@ def load_served_model(cfg):
     return ServedModel(hub, name)
 
 
-def default_batch_tokens(model) -> int:
-    """--max-batch-tokens unset: the KV positions the GPU's free memory holds (decode_memory's bytes per position),
-    65536 on the CPU."""
-    import torch
-
-    from fairseq.generation.decode_memory import decode_bytes
-
-    if model.device.type != "cuda":
-        return 65536
-    free, _ = torch.cuda.mem_get_info(model.device)
-    per_position = max(decode_bytes(model.hub.models, 1, 1), 1)
-    return max(int(free * 0.8) // per_position, model.max_positions)
-
-
 def start_model(server, cfg) -> None:
     """Load the model and start the decode thread (the server answers 503 until this is done)."""
     from fairseq.serving.completions import Limits
-    from fairseq.serving.scheduler import Scheduler, make_backend
+    from fairseq.serving.engine_backend import make_backend
+    from fairseq.serving.scheduler import Scheduler
 
     try:
         model = load_served_model(cfg)
@@ -110,10 +97,13 @@ def start_model(server, cfg) -> None:
         raise
     serve = cfg.serve
     positions = model.max_positions
+    # the engine reserves the caches of --max-running rows x the positions at start (checked against the GPU's
+    # free memory): that is the batch's KV capacity, which --max-batch-tokens may lower
+    backend = make_backend(model, serve.max_running, cuda_graphs=not cfg.generation.no_cuda_graphs)
+    capacity = backend.kv_capacity_tokens or serve.max_running * positions
     limits = Limits(max_prompt_tokens=serve.max_prompt_tokens or positions - 1,
                     max_tokens=serve.max_tokens if serve.max_tokens is not None else positions,
-                    max_batch_tokens=serve.max_batch_tokens or default_batch_tokens(model))
-    backend = make_backend(model, serve.max_running)
+                    max_batch_tokens=min(serve.max_batch_tokens or capacity, capacity))
     scheduler = Scheduler(model, backend, serve.max_running, limits.max_batch_tokens, serve.max_queue,
                           server.metrics)
     scheduler.start()

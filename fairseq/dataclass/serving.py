@@ -19,9 +19,10 @@ class ServeConfig:
     served_model_name: Optional[str] = opt(None, "the model's id in /v1/models and the responses (default: the "
                                                  "--path's file or directory name)")
     max_running: int = opt(64, "most requests (completion choices) decoded together in the running batch")
-    max_batch_tokens: Optional[int] = opt(None, "most KV-cache positions reserved by the running batch (each "
-                                                "request reserves prompt + max_tokens); default: what the GPU's "
-                                                "free memory holds (decode_memory), 65536 on the CPU")
+    max_batch_tokens: Optional[int] = opt(None, "most KV-cache positions the running batch may fill (each choice "
+                                                "counts its prompt + 1 + max_tokens); default and cap: the caches "
+                                                "the engine reserves at start, --max-running x the model's "
+                                                "positions (checked against the GPU's free memory)")
     max_queue: int = opt(256, "most requests waiting for a place in the batch; more are answered 429")
     max_prompt_tokens: Optional[int] = opt(None, "longest prompt accepted, in tokens (default: the model's "
                                                  "positions); longer ones are answered 413")
@@ -29,7 +30,7 @@ class ServeConfig:
                                           "positions); larger ones are answered 400")
     max_body_bytes: int = opt(1 << 20, "largest request body, in bytes; larger ones are answered 413")
     request_timeout: float = opt(600.0, "seconds a request may take, waiting included; then it is cancelled "
-                                        "(504, or the stream ends with finish_reason 'timeout')")
+                                        "(504, or a streamed one ends with an error event)")
     log_prompts: bool = opt(False, "write each request's prompt into its access-log line (off: prompts stay out "
                                    "of the logs)")
     drain_timeout: float = opt(60.0, "on SIGTERM, seconds to let running requests finish before exiting")

@@ -8,8 +8,8 @@ is never overtaken (so no request waits for ever behind smaller ones). Requests 
 batch (scoring with max_tokens 0, beam search for best_of) run whole on the thread between chunks.
 
 The decode engine is reached through one backend object (`add`, `step`, `cancel`, `live`): the engine of
-fairseq.generation.engine when it is there, else `SerialBackend`, which decodes one choice at a time through the
-hub's generator (correct, not batched).
+fairseq.generation.engine (fairseq.serving.engine_backend), or `SerialBackend`, which decodes one choice at a time
+through the hub's generator (models the engine cannot step; the benchmark's one-at-a-time baseline).
 """
 
 import collections
@@ -90,6 +90,8 @@ class SerialBackend:
     def live(self) -> int:
         return len(self.waiting)
 
+    kv_capacity_tokens = None  # reserves no caches of its own (the hub's generator allocates per call)
+
     def add(self, choice: Choice) -> None:
         self.waiting.append(choice)
 
@@ -106,16 +108,6 @@ class SerialBackend:
         new, scores, reason = model.split_hypothesis(choice.prompt, hypo, choice.max_new)
         top = model.top_logprobs(choice.prompt + new, choice.top_n)[len(choice.prompt):] if choice.top_n else []
         return [(choice.id, Event(choice.index, new, scores, top, reason))]
-
-
-def make_backend(model: ServedModel, max_rows: int):
-    """The decode engine for `model` if fairseq.generation.engine is there, else the serial stand-in."""
-    try:
-        from fairseq.serving.engine_backend import EngineBackend
-    except ImportError:
-        logger.warning("fairseq.generation.engine is not available: requests are decoded one at a time")
-        return SerialBackend(model)
-    return EngineBackend(model, max_rows)
 
 
 class Scheduler:
