@@ -124,6 +124,10 @@ def main(cfg) -> None:
 
     setup(cfg)
     check_serve_config(cfg.serve)
+    if cfg.distributed_training.model_parallel_size > 1:
+        raise ValueError(f"--model-parallel-size {cfg.distributed_training.model_parallel_size}: tensor-parallel "
+                         "serving is not implemented yet (docs/serving.md); serve the model on one device (a "
+                         "consolidated checkpoint: scripts/consolidate_fsdp_shards.py)")
     keys = read_api_keys(cfg.serve.api_keys)
     if cfg.serve.host not in ("127.0.0.1", "localhost", "::1") and not keys:
         logger.warning(f"--host {cfg.serve.host} without --api-keys: anyone who reaches this address can use the "
