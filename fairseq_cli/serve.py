@@ -11,7 +11,6 @@ SIGTERM (or Ctrl-C) stops accepting, lets the running requests finish (--drain-t
 docs/serving.md has the API, the limits and the metrics.
 """
 
-import json
 import logging
 import os
 import signal
@@ -43,21 +42,11 @@ def read_api_keys(path: Optional[str]) -> List[str]:
     return [key.strip() for key in os.environ.get(KEYS_ENV, "").split(",") if key.strip()]
 
 
-def transformers_directory(path: str) -> bool:
-    config = os.path.join(path, "config.json")
-    if not os.path.isdir(path) or not os.path.isfile(config):
-        return False
-    try:
-        with open(config, encoding="utf-8") as f:
-            return "model_type" in json.load(f)
-    except (ValueError, OSError):
-        return False
-
-
 def load_served_model(cfg):
     """The ServedModel of --path (one model: no ensemble), loaded as fairseq-interactive loads it (--bf16, --fp16,
     --quantize, --cpu), a transformers directory imported first."""
-    from fairseq.generation.hub_utils import GeneratorHubInterface
+    from fairseq.export.hf_import import CHECKPOINT_NAME, import_hf
+    from fairseq.generation.hub_utils import GeneratorHubInterface, _is_transformers_directory
     from fairseq.serving.model import ServedModel
     from fairseq_cli.generate import load_ensemble
 
@@ -65,10 +54,9 @@ def load_served_model(cfg):
     if os.pathsep in path:
         raise ValueError(f"--path {path}: fairseq-serve serves one model, not an ensemble; pass one checkpoint")
     name = cfg.serve.served_model_name or os.path.basename(os.path.normpath(path)) or "model"
-    if path and transformers_directory(path):
+    # a directory with a transformers config.json (the hub's rule; a sharded checkpoint directory has none)
+    if path and os.path.isdir(path) and _is_transformers_directory(path, CHECKPOINT_NAME, "."):
         import tempfile
-
-        from fairseq.export.hf_import import CHECKPOINT_NAME, import_hf
 
         work = tempfile.mkdtemp(prefix="fairseq-serve-import-")
         logger.info(f"{path} is a transformers directory: importing it into {work}")

@@ -31,7 +31,8 @@ def start_server(ckpt, data, *extra, keys_file=None, env_keys=None):
     env.pop("FAIRSEQ_API_KEYS", None)
     if env_keys is not None:
         env["FAIRSEQ_API_KEYS"] = env_keys
-    argv = [sys.executable, "-m", "fairseq_cli.serve", str(data), "--path", str(ckpt), "--cpu", "--port", "0",
+    argv = [sys.executable, "-m", "fairseq_cli.serve", *([str(data)] if data else []), "--path", str(ckpt), "--cpu",
+            "--port", "0",
             *(["--api-keys", str(keys_file)] if keys_file else []), *map(str, extra)]
     proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     deadline = time.monotonic() + 60
@@ -283,3 +284,38 @@ def test_sigterm_finishes_the_running_request_and_exits_0(tiny_lm_checkpoint, ti
         status, answer = running.result(timeout=60)
     assert status == 200 and len(answer["choices"]) == 8
     assert proc.wait(timeout=60) == 0
+
+
+def test_a_transformers_directory_is_imported_and_served_as_the_hub_samples_it(tmp_path):
+    pytest.importorskip("transformers")
+    from fairseq.generation.hub_utils import GeneratorHubInterface, from_pretrained
+    from tests.hf_fixtures import tiny_hf_model, write_opt_tokenizer
+
+    ids = write_opt_tokenizer(tmp_path / "tokenizer")
+    hf_dir = tiny_hf_model(tmp_path / "opt", "opt", tmp_path / "tokenizer", ids)
+    proc, url = start_server(hf_dir, "", "--served-model-name", "tiny-opt", keys_file=None)
+    try:
+        status, answer = post(url, {"prompt": "the meaning of", "max_tokens": 8, "temperature": 0, "echo": True})
+    finally:
+        proc.kill()
+        proc.wait()
+    loaded = from_pretrained(str(hf_dir))
+    hub = GeneratorHubInterface(loaded["args"], loaded["task"], loaded["models"])
+    prompt_tokens = len(hub.encode("the meaning of")) - 1
+    expected = hub.sample("the meaning of", beam=1, max_len_b=prompt_tokens + 8)
+    assert status == 200 and answer["model"] == "tiny-opt"
+    assert answer["choices"][0]["text"] == expected and answer["usage"]["prompt_tokens"] == prompt_tokens
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--api-keys", "/nonexistent/keys.txt"], "--api-keys /nonexistent/keys.txt: cannot read it"),
+    (["--model-parallel-size", "2"], "tensor-parallel serving is not implemented yet"),
+    (["--max-running", "0"], "--max-running 0: must be at least 1"),
+])
+def test_start_up_errors_are_one_line(tiny_lm_checkpoint, tiny_data, flags, message):
+    from fairseq_cli import serve
+    from tests.train_fixtures import console_in_process
+
+    status, out, err = console_in_process("fairseq-serve", serve.cli_main,
+                                          [str(tiny_data), "--path", str(tiny_lm_checkpoint), "--cpu", *flags])
+    assert status in (1, 2) and message in err and len(err.strip().splitlines()) == 1, err
