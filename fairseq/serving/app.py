@@ -187,7 +187,7 @@ async def handle_completion(server: Server, request: Request) -> Response:
     except Draining:
         raise APIError(503, "the server is shutting down", None, "draining") from None
     deadline = started + cfg.request_timeout
-    note = f" prompt_tokens={job.prompt_tokens} user={body.user or '-'}"
+    note = f" prompt_tokens={job.prompt_tokens} user={json.dumps(body.user) if body.user else '-'}"
     if cfg.log_prompts:
         note += f" prompt={json.dumps(body.prompts)[:2000]}"
     request.scope["state"]["access"] = note
