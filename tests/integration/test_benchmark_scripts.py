@@ -144,3 +144,19 @@ def test_benchmark_generate_prints_its_tables_on_the_cpu(tmp_path, capsys):
         ((64, 64), 1), ((64, 64), 3), ((64, 128), 1), ((64, 128), 3), ((128, 64), 1), ((128, 64), 3)]
     assert all(set(r["seconds"]) == {"bf16", "torchao eager", "_weight_int8pack_mm"} for r in matmuls)
     assert "| Linear weight (out x in) | rows | bf16 us | torchao eager us | torchao compiled us |" in out
+
+
+def test_benchmark_serve_prints_a_row_per_concurrency(capsys):
+    """scripts/benchmark_serve.py with a tiny random model: one row per client count, every request's tokens."""
+    pytest.importorskip("uvicorn")
+    sys.path.insert(0, os.path.join(ROOT, "scripts"))
+    try:
+        import benchmark_serve
+    finally:
+        sys.path.pop(0)
+    rows = benchmark_serve.main(["--cpu", "--concurrency", "1,3", "--requests", "6", "--new-tokens", "4",
+                                 "--prompt-len", "8", "--decoder-layers", "1", "--decoder-embed-dim", "32",
+                                 "--positions", "64", "--vocab-size", "50"])
+    out = capsys.readouterr().out
+    assert [row["clients"] for row in rows] == [1, 3] and rows[0]["tokens"] == rows[1]["tokens"] > 0
+    assert sum(line.startswith("| ") for line in out.splitlines()) == 3 and "TTFT p99 s" in out
