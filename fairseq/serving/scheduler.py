@@ -144,6 +144,10 @@ class Scheduler:
             if work.cancelled:
                 return
             work.cancelled = indices is None
+            if work.cancelled and work in self.waiting:  # not started: its place in the queue is free now
+                self.waiting.remove(work)
+                self._gauge()
+                return
             self.cancels.append((work, indices))
             self.lock.notify()
 

@@ -319,3 +319,36 @@ def test_start_up_errors_are_one_line(tiny_lm_checkpoint, tiny_data, flags, mess
     status, out, err = console_in_process("fairseq-serve", serve.cli_main,
                                           [str(tiny_data), "--path", str(tiny_lm_checkpoint), "--cpu", *flags])
     assert status in (1, 2) and message in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_full_queue_is_429_and_a_request_past_its_timeout_is_504(tiny_lm_checkpoint, tiny_data):
+    # one request runs (2 rows, 30 steps: far more than 50 ms of decoding), one waits, the others find the
+    # queue full; the one that waited passes its 50 ms
+    proc, url = start_server(tiny_lm_checkpoint, tiny_data, "--max-running", "2", "--max-queue", "1",
+                             "--request-timeout", "0.05")
+    slow = {"prompt": "w1", "max_tokens": 30, "n": 2, "temperature": 1.0, "top_k": 1, "seed": 1}
+    try:
+        with concurrent.futures.ThreadPoolExecutor(8) as pool:
+            answers = list(pool.map(lambda _: post(url, slow, key=None), range(8)))
+        statuses = sorted(status for status, _ in answers)
+        assert 429 in statuses and 504 in statuses, statuses
+        for status, answer in answers:
+            assert status == 200 or answer["error"]["code"] == {429: "queue_full", 504: "timeout"}[status]
+        assert post(url, {"prompt": "w2", "max_tokens": 1, "temperature": 0}, key=None)[0] in (200, 504)
+        deadline = time.monotonic() + 10
+        while "fairseq_running_batch_size 0" not in get(url, "/metrics")[1].decode():  # every row is freed
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_echo_with_generation_puts_the_prompt_scores_first(client):
+    text = "w4 w1 w2"
+    scored = client.completions.create(model="x", prompt=text, max_tokens=0, echo=True, logprobs=1)
+    answer = client.completions.create(model="x", prompt=text, max_tokens=6, echo=True, logprobs=1, temperature=0)
+    lp = answer.choices[0].logprobs
+    assert answer.choices[0].text.startswith(text) and "".join(lp.tokens) == answer.choices[0].text
+    assert lp.token_logprobs[:3] == scored.choices[0].logprobs.token_logprobs
+    assert lp.text_offset == sorted(lp.text_offset) and len(lp.tokens) == 3 + answer.usage.completion_tokens

@@ -58,5 +58,9 @@ def test_queue_bound_and_oldest_first_admission():
     assert scheduler._admit() == [works[0]]  # the second does not fit (4 rows > 3) and the third may not pass it
     scheduler._release(works[0])
     assert scheduler._admit() == [works[1], works[2]] and (scheduler.rows, scheduler.reserved) == (3, 27)
-    scheduler.cancel(works[1])
+    scheduler.cancel(works[1])  # running: its rows are freed at the next chunk
     assert scheduler.cancels == [(works[1], None)] and works[1].cancelled
+    waiting = Work([choice("w")], lambda event: None, 9)
+    scheduler.submit(waiting)
+    scheduler.cancel(waiting)  # waiting: its place in the queue is free at once
+    assert not scheduler.waiting and scheduler.cancels == [(works[1], None)]
