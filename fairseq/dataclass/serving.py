@@ -38,7 +38,7 @@ class ServeConfig:
 
 def check_serve_config(serve: ServeConfig) -> None:
     """ValueError naming the flag for a value out of its range."""
-    for name, low in (("port", 0), ("max_running", 1), ("max_batch_tokens", 1), ("max_queue", 0),
+    for name, low in (("port", 0), ("max_running", 1), ("max_batch_tokens", 1), ("max_queue", 1),
                       ("max_prompt_tokens", 1), ("max_tokens", 0), ("max_body_bytes", 1024)):
         value = getattr(serve, name)
         if value is not None and value < low:

@@ -28,6 +28,7 @@ from fairseq.serving.scheduler import Draining, QueueFull, Scheduler
 
 access_log = logging.getLogger("fairseq.serving.access")
 PLAYGROUND = os.path.join(os.path.dirname(__file__), "playground.html")
+BODY_TIMEOUT = 60.0  # seconds a request body may take to arrive (a slow client gets 408, the others go on)
 
 
 class Server:
@@ -171,7 +172,7 @@ async def handle_completion(server: Server, request: Request) -> Response:
     server.check_available()
     cfg = server.cfg
     try:
-        raw = await read_body(request, cfg.max_body_bytes, min(cfg.request_timeout, 60.0))
+        raw = await read_body(request, cfg.max_body_bytes, BODY_TIMEOUT)
     except ClientDisconnect:
         return Response(status_code=499)
     body = parse_completion(raw, server.model.vocab)

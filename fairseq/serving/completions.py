@@ -82,12 +82,9 @@ class CompletionJob:
     # ---- what the decode thread runs ------------------------------------------------------------------------
     def work(self, emit) -> Work:
         request = self.request
+        # a request larger than the batch's bounds is admitted when nothing else runs (its rows then queue in the
+        # engine); each choice fits the positions (checked above)
         reserved = sum(len(s.prompt) + 1 + self.max_new for s in self.states)
-        if reserved > self.limits.max_batch_tokens and not self.scoring:
-            raise APIError(413, f"this request reserves {reserved} KV-cache positions ({len(self.states)} choice(s) "
-                                f"x prompt + max_tokens), more than the running batch's {self.limits.max_batch_tokens}"
-                                " (--max-batch-tokens); send fewer prompts, a smaller n or max_tokens", "max_tokens",
-                           "request_too_large")
         if self.scoring or request.beam > 1:
             return Work([], emit, reserved, run_whole=self._run_whole)
         choices = [Choice(f"{self.id}-{i}", i, s.prompt, self.max_new, request.temperature, request.top_p,

@@ -322,23 +322,28 @@ def test_start_up_errors_are_one_line(tiny_lm_checkpoint, tiny_data, flags, mess
 
 
 def test_full_queue_is_429_and_a_request_past_its_timeout_is_504(tiny_lm_checkpoint, tiny_data):
-    # one request runs (2 rows, 30 steps: far more than 50 ms of decoding), one waits, the others find the
-    # queue full; the one that waited passes its 50 ms
-    proc, url = start_server(tiny_lm_checkpoint, tiny_data, "--max-running", "2", "--max-queue", "1",
-                             "--request-timeout", "0.05")
-    slow = {"prompt": "w1", "max_tokens": 30, "n": 2, "temperature": 1.0, "top_k": 1, "seed": 1}
+    # one row at a time: A's 16 choices of 30 tokens take far more than the 0.3 s timeout; B waits behind it, C and
+    # D find the queue (1) full
+    proc, url = start_server(tiny_lm_checkpoint, tiny_data, "--max-running", "1", "--max-queue", "1",
+                             "--request-timeout", "0.3")
+    body = {"prompt": ["w1", "w2", "w3", "w4"], "max_tokens": 30, "n": 4, "temperature": 1.0, "seed": 1}
     try:
-        with concurrent.futures.ThreadPoolExecutor(8) as pool:
-            answers = list(pool.map(lambda _: post(url, slow, key=None), range(8)))
-        statuses = sorted(status for status, _ in answers)
-        assert 429 in statuses and 504 in statuses, statuses
-        for status, answer in answers:
-            assert status == 200 or answer["error"]["code"] == {429: "queue_full", 504: "timeout"}[status]
-        assert post(url, {"prompt": "w2", "max_tokens": 1, "temperature": 0}, key=None)[0] in (200, 504)
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            first = pool.submit(post, url, body, None)
+            time.sleep(0.05)
+            waiting = pool.submit(post, url, dict(body, prompt="w5", n=1), None)
+            time.sleep(0.05)
+            full = [pool.submit(post, url, dict(body, prompt="w6", n=1), None) for _ in range(2)]
+            (status_a, answer_a), (status_b, _) = first.result(), waiting.result()
+            refused = [f.result() for f in full]
+        assert status_a == 504 and answer_a["error"]["code"] == "timeout"
+        assert status_b in (200, 504)
+        assert all(status == 429 and answer["error"]["code"] == "queue_full" for status, answer in refused)
         deadline = time.monotonic() + 10
         while "fairseq_running_batch_size 0" not in get(url, "/metrics")[1].decode():  # every row is freed
             assert time.monotonic() < deadline
             time.sleep(0.05)
+        assert post(url, {"prompt": "w2", "max_tokens": 1, "temperature": 0}, key=None)[0] in (200, 504)
     finally:
         proc.kill()
         proc.wait()
