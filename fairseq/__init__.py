@@ -6,8 +6,7 @@ Importing this package is cheap: built-in tasks, models, criterions, optimizers 
 
 __version__ = "0.13.0.dev0"
 
-from fairseq import compat as _compat  # noqa: E402
+from fairseq import upstream_absent as _upstream_absent  # noqa: E402
 
-# Upstream's names that live in the compatibility wing: the explaining ImportError for modules this fork leaves
-# out (fairseq.upstream_absent) and BaseFairseqModel.from_pretrained (fairseq.compat).
-_compat.install()
+# Upstream's modules this fork leaves out raise an ImportError that says why and what to use instead.
+_upstream_absent.install()

@@ -35,6 +35,7 @@ from fairseq.dataclass.validate import announce_compat_options, check_shard
 from fairseq.generation.decode_memory import check_decode_memory, decode_positions
 from fairseq.generation.hub_utils import TextCodec, move_to
 from fairseq.generation.quantize import check_quantize, quantize_for_generation
+from fairseq.modules.causal_attention import fuse_qkv_
 from fairseq.logging import progress_bar
 from fairseq.models.fairseq_model import model_config_line
 from fairseq.training.precision import compute_dtype
@@ -75,6 +76,8 @@ def load_ensemble(cfg):
         loaded = _load_model(cfg, path, task, task_cfg, overrides)
         task, task_cfg, first = loaded.task, None, first or loaded
         models.append(loaded.model.to(device=device, dtype=dtype).train(retain_dropout))
+        if device.type == "cuda":  # one q/k/v GEMM per layer call (the CPU keeps its three: nothing to gain)
+            fuse_qkv_(models[-1])
         quantize_for_generation(models[-1], cfg.generation.quantize, device)
         logger.info(f"loaded {path}: {sum(p.numel() for p in loaded.model.parameters()):,} parameters, "
                     f"{str(dtype).replace('torch.', '')} on {device}")

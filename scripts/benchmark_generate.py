@@ -11,9 +11,11 @@ Random weights (the preset's own initialization, seeded), random prompts of `--p
 until then: fork `--min-len`, transformers `min_new_tokens`) after the same first token (`</s>`, fairseq's and
 OPT's convention); tokens/s = batch x new tokens / wall time, best of `--repeats` after a warm-up.
 
-Fork rows (`--rows`): `greedy`; `beam4` (beam search, 4 hypotheses per sentence); `sample` (top-k 50 and top-p
-0.9, seeded); `int8` (greedy after `--quantize int8-weight-only`, fairseq.generation.quantize: CUDA and bf16
-only, run last since it quantizes the model in place). Transformers, on the exported weights (OPTForCausalLM,
+Fork rows (`--rows`): `greedy`; `greedy-sdpa` (greedy with the split-KV decode attention kernel turned off:
+SDPA over a masked window, as before the kernel; CUDA with Triton only, where the kernel runs); `beam4` (beam
+search, 4 hypotheses per sentence); `sample` (top-k 50 and top-p 0.9, seeded); `int8` (greedy after `--quantize
+int8-weight-only`, fairseq.generation.quantize: CUDA and bf16 only, run last since it quantizes the model in
+place). On CUDA the model's q/k/v projections are fused first (one GEMM, as fairseq-generate loads a model). Transformers, on the exported weights (OPTForCausalLM,
 SDPA attention), greedy only: its default dynamic cache, and the static cache (`cache_implementation="static"`,
 with which transformers 5 compiles the forward itself on CUDA: torch.compile mode "reduce-overhead", its
 documented fastest path; on the CPU it runs uncompiled). Identical rows: sentences whose greedy tokens equal the
@@ -25,18 +27,29 @@ new tokens / wall time (so the prompt's forward counts against it); the limit is
 measured here by a large device-to-device copy (bytes read + written / time).
 
 Int8 matmuls: for each weight shape the int8 row quantizes and each batch size, one Linear's time per call in bf16,
-with torchao's Int8Tensor eagerly (what the int8 row's decode step runs: the int8 weight is converted to bf16, then
-a bf16 matmul), compiled (CUDA: inductor can fuse the conversion), and through torch's fused
-`torch._weight_int8pack_mm` on the same int8 values and scales: where the int8 step's time goes, and what a fused
-int8 matmul would gain.
+through fairseq's Int8WeightOnlyLinear (what the int8 row runs: fairseq.kernels.int8_matmul), with torchao's
+Int8Tensor eagerly (the int8 weight converted to bf16, then a bf16 matmul) and compiled (CUDA: inductor can fuse the
+conversion), and through torch's `torch._weight_int8pack_mm` on torchao's int8 values and scales.
+
+Decode attention calls (not with --no-attention-calls): one layer's attention of one new token per row at the run's
+mean live length, per batch size: SDPA over the live length's 256-slot window with a mask (the path without the
+kernel) and the split-KV kernel (fairseq.kernels.decode_attention), timed inside a CUDA graph of 20 calls as the
+decode step replays them; the kernel's GB/s counts the live keys and values it reads.
+
+`--profile`: torch.profiler over greedy decoding at each batch size (and the greedy-sdpa row where the kernel runs):
+a call that decodes one token and a call that decodes them all, profiled after a warm-up; their difference is
+new tokens - 1 decode steps, from which the kernels per step (CUDA: every GPU activity, kernels replayed from CUDA
+graphs included; CPU: the top-level aten ops) and the 10 kernels with the most time per step.
 """
 
 import argparse
+import contextlib
 import json
 import os
 import sys
 import tempfile
 import time
+from typing import Optional
 
 import torch
 
@@ -47,13 +60,17 @@ from fairseq.data.dictionary import Dictionary  # noqa: E402
 from fairseq.dataclass.utils import config_to_dict  # noqa: E402
 from fairseq.generation import search  # noqa: E402
 from fairseq.generation.decode_memory import attention_shape, kv_cache_bytes, model_bytes  # noqa: E402
-from fairseq.generation.quantize import check_quantize, quantize_for_generation  # noqa: E402
+from fairseq.generation.quantize import Int8WeightOnlyLinear, check_quantize, quantize_for_generation  # noqa: E402
 from fairseq.generation.sequence_generator import SequenceGenerator  # noqa: E402
+from fairseq.kernels.decode_attention import (decode_attention_available, decode_attention_enabled,  # noqa: E402
+                                              decode_attention_kernel as split_kv_attention,
+                                              set_decode_attention_kernel)
+from fairseq.modules.causal_attention import fuse_qkv_  # noqa: E402
 from fairseq.models.transformer_lm import TransformerLanguageModel, preset_config  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-ROWS = ("greedy", "beam4", "sample", "int8")
-BEAM = {"greedy": 1, "beam4": 4, "sample": 1, "int8": 1}
+ROWS = ("greedy", "greedy-sdpa", "beam4", "sample", "int8")
+BEAM = {"greedy": 1, "greedy-sdpa": 1, "beam4": 4, "sample": 1, "int8": 1}
 MODEL_FLAGS = ("decoder_layers", "decoder_embed_dim", "decoder_ffn_embed_dim", "decoder_attention_heads")
 
 
@@ -76,6 +93,9 @@ def get_parser():
     p.add_argument("--no-static-cache", action="store_true", help="transformers' default cache only")
     p.add_argument("--no-cuda-graphs", action="store_true", help="the fork's decode steps eagerly")
     p.add_argument("--no-int8-matmuls", action="store_true", help="skip the table of one Linear's int8 paths")
+    p.add_argument("--no-attention-calls", action="store_true", help="skip the table of one decode attention call")
+    p.add_argument("--profile", action="store_true",
+                   help="also profile greedy decoding (torch.profiler): kernels per step and the top 10 kernels")
     p.add_argument("--json", default=None, help="also write the results here")
     p.add_argument("--seed", type=int, default=1)
     return p
@@ -134,8 +154,8 @@ def copy_bandwidth(device: str, mib: int) -> float:
     return 2 * mib * 2**20 / seconds
 
 
-def fork_generate(model, dictionary, prompts, args, row):
-    total = args.prompt_len + args.new_tokens
+def fork_generate(model, dictionary, prompts, args, row, new_tokens=None):
+    total = args.prompt_len + (args.new_tokens if new_tokens is None else new_tokens)
     strategy = search.Sampling(dictionary, sampling_topk=50, sampling_topp=0.9) if row == "sample" else None
     generator = SequenceGenerator([model], dictionary, beam_size=BEAM[row], max_len_a=0, max_len_b=total,
                                   min_len=total, search_strategy=strategy, cuda_graphs=not args.no_cuda_graphs)
@@ -195,13 +215,24 @@ def fork_rows(model, dictionary, prompts_by_batch, args, device, rows):
     out = []
     for row in rows:
         for batch, prompts in prompts_by_batch.items():
-            with torch.no_grad():
+            with torch.no_grad(), decode_attention_kernel(False if row == "greedy-sdpa" else None):
                 seconds, tokens = best_time(fork_generate(model, dictionary, prompts, args, row), args.repeats,
                                             device)
             out.append({"row": row, "batch": batch, "seconds": seconds, "tokens": tokens,
                         "tokens_per_s": batch * args.new_tokens / seconds,
                         **step_bytes(model, batch * BEAM[row], args)})
     return out
+
+
+@contextlib.contextmanager
+def decode_attention_kernel(enabled: Optional[bool]):
+    """The static decode steps built inside use the split-KV attention kernel where it runs, or not (None: as
+    set): the generators made here capture their graphs inside, so they keep it."""
+    previous = set_decode_attention_kernel(enabled if enabled is not None else decode_attention_enabled())
+    try:
+        yield
+    finally:
+        set_decode_attention_kernel(previous)
 
 
 def hf_rows(hf_model, prompts_by_batch, args, device, eos):
@@ -226,8 +257,8 @@ def linear_shapes(model) -> list:
 @torch.no_grad()
 def int8_matmul_rows(model, batches, args, device) -> list:
     """One Linear's time per call, for each weight shape of the model and row count (batch x beam 1): bf16
-    F.linear; torchao's Int8Tensor (what --quantize makes) eagerly, and compiled on CUDA; torch's fused
-    _weight_int8pack_mm over the same int8 values and scales. What the int8 decode step could gain per matmul."""
+    F.linear; fairseq's Int8WeightOnlyLinear (what --quantize makes); torchao's Int8Tensor eagerly, and compiled on
+    CUDA; torch's _weight_int8pack_mm over torchao's int8 values and scales. What int8 gains per matmul."""
     from fairseq.generation.quantize import int8_weight
 
     dtype = DTYPES[args.dtype]
@@ -236,9 +267,13 @@ def int8_matmul_rows(model, batches, args, device) -> list:
         weight = torch.randn(shape, dtype=dtype, device=device) * shape[1] ** -0.5
         quantized = int8_weight(weight)
         qdata, scale = quantized.qdata, quantized.scale.reshape(-1).to(dtype)
+        linear = torch.nn.Linear(shape[1], shape[0], bias=False, device=device, dtype=dtype)
+        linear.weight.copy_(weight)
+        ours = Int8WeightOnlyLinear(linear)
         for rows in batches:
             x = torch.randn(rows, shape[1], dtype=dtype, device=device)
             paths = {"bf16": lambda: torch.nn.functional.linear(x, weight),
+                     "fairseq int8": lambda: ours(x),
                      "torchao eager": lambda: torch.nn.functional.linear(x, quantized),
                      "_weight_int8pack_mm": lambda: torch._weight_int8pack_mm(x, qdata, scale)}
             if device.startswith("cuda"):
@@ -281,7 +316,7 @@ def call_time(fn, device: str, calls: int = 50) -> float:
 
 
 def print_int8_matmuls(rows) -> None:
-    paths = ("bf16", "torchao eager", "torchao compiled", "_weight_int8pack_mm")
+    paths = ("bf16", "fairseq int8", "torchao eager", "torchao compiled", "_weight_int8pack_mm")
     print("\n| Linear weight (out x in) | rows | " + " | ".join(f"{p} us" for p in paths)
           + " | best int8 / bf16 time |")
     print("| --- | ---: |" + " ---: |" * (len(paths) + 1))
@@ -292,6 +327,143 @@ def print_int8_matmuls(rows) -> None:
         int8 = [t[p] for p in paths[1:] if isinstance(t.get(p), float)]
         ratio = f"{min(int8) / t['bf16']:.2f}" if int8 and isinstance(t["bf16"], float) else "-"
         print(f"| {r['shape'][0]} x {r['shape'][1]} | {r['rows']} | " + " | ".join(cells) + f" | {ratio} |")
+
+
+def kernel_events(prof, device: str) -> list:
+    """The profiled run's kernels (CUDA: every GPU activity, kernels inside replayed graphs included; CPU: the
+    aten ops called from outside another aten op)."""
+    if device.startswith("cuda"):
+        return [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    return [e for e in prof.events() if e.name.startswith("aten::")
+            and (e.cpu_parent is None or not e.cpu_parent.name.startswith("aten::"))]
+
+
+def profile_rows(model, dictionary, prompts_by_batch, args, device) -> list:
+    """For greedy decoding at each batch size (and without the decode attention kernel where it runs): the
+    kernels launched per decode step and the 10 kernels taking the most time. Two profiled greedy calls, the
+    prompt's forward and one step, then the whole run: their difference is new tokens - 1 decode steps."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.startswith("cuda") else [])
+    rows = ["greedy"] + (["greedy-sdpa"] if decode_attention_available(model_probe(model)) else [])
+    out = []
+    for row in rows:
+        for batch, prompts in prompts_by_batch.items():
+            events = {}
+            for new in (1, args.new_tokens):
+                with torch.no_grad(), decode_attention_kernel(False if row == "greedy-sdpa" else None):
+                    run = fork_generate(model, dictionary, prompts, args, row, new_tokens=new)
+                    run()  # warm-up: allocations, autotuning, graph captures happen outside the profile
+                    with profile(activities=activities) as prof:
+                        run()
+                        sync(device)
+                events[new] = kernel_events(prof, device)
+            steps = max(args.new_tokens - 1, 1)
+            per_kernel = {}
+            for sign, new in ((-1, 1), (1, args.new_tokens)):
+                for e in events[new]:
+                    calls, micros = per_kernel.get(e.name, (0, 0.0))
+                    per_kernel[e.name] = (calls + sign, micros + sign * e.time_range.elapsed_us())
+            # time differences of two runs: noise can make a kernel's negative (the CPU's); counted as none
+            per_kernel = {name: (calls, max(micros, 0.0)) for name, (calls, micros) in per_kernel.items()}
+            total = sum(micros for _, micros in per_kernel.values())
+            top = sorted(per_kernel.items(), key=lambda item: -item[1][1])[:10]
+            out.append({"row": row, "batch": batch, "kernels_per_step": sum(c for c, _ in per_kernel.values()) / steps,
+                        "kernel_us_per_step": total / steps,
+                        "top": [{"kernel": name, "calls_per_step": calls / steps, "us_per_step": micros / steps,
+                                 "share": micros / total if total else 0.0} for name, (calls, micros) in top]})
+    return out
+
+
+def model_probe(model) -> torch.Tensor:
+    """A tensor on the model's device and dtype: what decode_attention_available is asked about."""
+    parameter = next(model.parameters())
+    return torch.empty(1, device=parameter.device, dtype=parameter.dtype)
+
+
+def print_profile(rows, device: str) -> None:
+    what = "kernels (GPU activities)" if device.startswith("cuda") else "aten ops (CPU)"
+    print(f"\nprofile of greedy decoding: {what} per decode step")
+    print("\n| row | batch | kernels per step | kernel us per step |")
+    print("| --- | ---: | ---: | ---: |")
+    for r in rows:
+        print(f"| {r['row']} | {r['batch']} | {r['kernels_per_step']:,.1f} | {r['kernel_us_per_step']:,.1f} |")
+    print("\n| row | batch | top kernels by time | calls per step | us per step | % of kernel time |")
+    print("| --- | ---: | --- | ---: | ---: | ---: |")
+    for r in rows:
+        for k in r["top"]:
+            print(f"| {r['row']} | {r['batch']} | {k['kernel'][:90]} | {k['calls_per_step']:,.2f} | "
+                  f"{k['us_per_step']:,.1f} | {100 * k['share']:.1f}% |")
+
+
+@torch.no_grad()
+def attention_call_rows(model, batches, args, device) -> list:
+    """One layer's decode attention per call at the run's mean live length, for each batch size: SDPA over the
+    live length's window with a mask (the path without the kernel), the split-KV kernel reading the live keys
+    only; timed inside a CUDA graph on CUDA (as the decode step replays it)."""
+    from fairseq.generation.cuda_graph_decoding import CAPACITY_MULTIPLE, attention_window
+
+    attention = next(m for m in model.modules() if hasattr(m, "fuse_qkv_"))
+    heads, dim, dtype = attention.num_heads, attention.head_dim, DTYPES[args.dtype]
+    total = args.prompt_len + args.new_tokens
+    capacity = -(-total // CAPACITY_MULTIPLE) * CAPACITY_MULTIPLE
+    live = args.prompt_len + args.new_tokens // 2 + 1
+    window = attention_window(live - 1, capacity)
+    out = []
+    for batch in batches:
+        q = torch.randn(batch, heads, 1, dim, dtype=dtype, device=device)
+        keys, values = (torch.randn(batch, heads, capacity, dim, dtype=dtype, device=device) for _ in range(2))
+        mask = torch.zeros(window, dtype=dtype, device=device)
+        mask[live:] = -float("inf")
+        lengths = torch.tensor([live], dtype=torch.int32, device=device)
+        paths = {"sdpa": lambda: torch.nn.functional.scaled_dot_product_attention(
+            q, keys[:, :, :window], values[:, :, :window], attn_mask=mask.view(1, 1, 1, window))}
+        if decode_attention_available(q):
+            paths["split-KV kernel"] = lambda: split_kv_attention(q, keys, values, lengths, max_length=window)
+        times = {path: graphed_call_time(fn, device) for path, fn in paths.items()}
+        out.append({"batch": batch, "heads": heads, "head_dim": dim, "live": live, "window": window,
+                    "kv_bytes": 2 * batch * heads * live * dim * q.element_size(), "seconds": times})
+    return out
+
+
+def graphed_call_time(fn, device: str, calls: int = 20, replays: int = 20) -> float:
+    """Seconds per call of `fn`: on CUDA inside a captured graph of `calls` calls (no launch overhead from
+    Python, as in the decode step), replayed `replays` times; elsewhere call_time."""
+    if not device.startswith("cuda"):
+        return call_time(fn, device)
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    backends = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]  # as the decode step
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream), sdpa_kernel(backends):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with sdpa_kernel(backends), torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    graph.replay()
+    sync(device)
+    start = time.perf_counter()
+    for _ in range(replays):
+        graph.replay()
+    sync(device)
+    return (time.perf_counter() - start) / (calls * replays)
+
+
+def print_attention_calls(rows) -> None:
+    print("\n| decode attention, one layer call | batch | heads x head dim | live keys (window) | sdpa us | "
+          "split-KV kernel us | kernel GB/s of live KV |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for r in rows:
+        t = r["seconds"]
+        kernel = t.get("split-KV kernel")
+        cells = [f"{1e6 * t['sdpa']:,.1f}", f"{1e6 * kernel:,.1f}" if kernel else "-",
+                 f"{r['kv_bytes'] / kernel / 1e9:,.0f}" if kernel else "-"]
+        print(f"| | {r['batch']} | {r['heads']} x {r['head_dim']} | {r['live']} ({r['window']}) | "
+              + " | ".join(cells) + " |")
 
 
 def int8_reason(args, device):
@@ -309,6 +481,8 @@ def print_tables(fork, hf, args, bandwidth, uncached, name, skipped):
           f"{args.new_tokens} new tokens, best of {args.repeats}, "
           f"{'eager decode steps' if args.no_cuda_graphs or name == 'cpu' else 'CUDA-graph decode steps'}; "
           f"copy bandwidth {bandwidth / 1e9:.0f} GB/s")
+    print(f"decode attention: {'split-KV kernel' if args.attention_kernel else 'SDPA over a masked window'} "
+          "(the greedy-sdpa row: SDPA)")
     print()
     print("| batch | fork rows | tokens/s | ms per step | weights MB | KV cache MB read per step | GB/s read "
           "| % of copy bandwidth | tokens as greedy bf16 |")
@@ -316,8 +490,9 @@ def print_tables(fork, hf, args, bandwidth, uncached, name, skipped):
     for r in sorted(fork, key=lambda r: (r["batch"], ROWS.index(r["row"]))):
         step_s = r["seconds"] / args.new_tokens
         rate = (r["weight_bytes"] + r["kv_bytes"]) / step_s
-        same = {"greedy": "(reference)", "int8": f"{float((r['tokens'] == greedy.get(r['batch'])).float().mean()):.1%}"
-                if r["batch"] in greedy else "-"}.get(r["row"], "-")
+        agreement = (f"{float((r['tokens'] == greedy[r['batch']]).float().mean()):.1%}" if r["batch"] in greedy
+                     else "-")
+        same = {"greedy": "(reference)", "int8": agreement, "greedy-sdpa": agreement}.get(r["row"], "-")
         r.update(step_ms=1000 * step_s, gb_per_s=rate / 1e9, bandwidth_fraction=rate / bandwidth)
         print(f"| {r['batch']} | {r['row']} | {r['tokens_per_s']:,.0f} | {1000 * step_s:.2f} | "
               f"{r['weight_bytes'] / 1e6:,.1f} | {r['kv_bytes'] / 1e6:,.1f} | {rate / 1e9:,.1f} | "
@@ -371,11 +546,19 @@ def main(argv=None):
         batch: torch.randint(dictionary.nspecial, len(dictionary), (batch, args.prompt_len), generator=g).to(device)
         for batch in (int(b) for b in args.batch_sizes.split(","))}
     bandwidth = copy_bandwidth(device, args.copy_mib)
+    if device.startswith("cuda"):  # as fairseq-generate loads a model: one q/k/v GEMM per layer call
+        fuse_qkv_(model)
     skipped = {}
     int8 = "int8" in rows and int8_reason(args, device)
     if int8:
         skipped["int8"] = int8
-    fork = fork_rows(model, dictionary, prompts_by_batch, args, device, [r for r in rows if r != "int8"])
+    args.attention_kernel = decode_attention_available(model_probe(model))
+    if "greedy-sdpa" in rows and not args.attention_kernel:
+        skipped["greedy-sdpa"] = ("the split-KV decode attention kernel runs on CUDA with Triton only (or is "
+                                  "turned off): the greedy row is SDPA already")
+    fork = fork_rows(model, dictionary, prompts_by_batch, args, device,
+                     [r for r in rows if r != "int8" and r not in skipped])
+    profiled = profile_rows(model, dictionary, prompts_by_batch, args, device) if args.profile else []
     hf = hf_rows(hf_model, prompts_by_batch, args, device, dictionary.eos()) if hf_model is not None else []
     del hf_model
     uncached = uncached_step_time(model, dictionary, args, device)
@@ -388,12 +571,21 @@ def main(argv=None):
                                                                                       device)
     if matmuls:
         print_int8_matmuls(matmuls)
+    attention = [] if args.no_attention_calls else attention_call_rows(model, list(prompts_by_batch), args, device)
+    if attention:
+        print_attention_calls(attention)
+    if profiled:
+        print_profile(profiled, device)
     if args.json:
-        strip = [{k: v for k, v in r.items() if k != "tokens"} for r in fork + hf]
-        with open(args.json, "w") as f:
-            json.dump({"args": vars(args), "rows": strip, "copy_bytes_per_s": bandwidth, "uncached_step_s": uncached,
-                       "device": name, "skipped": skipped, "int8_matmuls": matmuls}, f, indent=1)
+        save_json(args, fork + hf, copy_bytes_per_s=bandwidth, uncached_step_s=uncached, device=name,
+                  skipped=skipped, int8_matmuls=matmuls, attention_calls=attention, profile=profiled)
     tmp.cleanup()
+
+
+def save_json(args, rows, **results) -> None:
+    with open(args.json, "w") as f:
+        json.dump({"args": vars(args), "rows": [{k: v for k, v in r.items() if k != "tokens"} for r in rows],
+                   **results}, f, indent=1)
 
 
 if __name__ == "__main__":

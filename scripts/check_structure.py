@@ -1,7 +1,8 @@
 #!/usr/bin/env python
 """The package's structure, measured from its source (no import is run): import circles, imports that run up
-the layers of docs/ARCHITECTURE.md, loose modules at the fairseq/ root, long files and functions, and
-`getattr(cfg..., "name", ...)` reads of typed config fields.
+the layers of docs/ARCHITECTURE.md (per module and per folder, and folders that import each other), loose
+modules at the fairseq/ root, long files and functions, imports inside functions, and `getattr`/`hasattr`
+probes of config objects (`cfg`, `self.cfg`, `task.cfg`, `args`, `config`, ...) for a literal field name.
 
     python scripts/check_structure.py            # a table of the counts and each finding; exit 1 over a limit
 
@@ -64,13 +65,22 @@ LAYERS: List[Tuple[str, Tuple[str, ...]]] = [
 
 # The upward imports allowed, each with why (importer, imported: module names or prefixes). They still count.
 EXCEPTIONS: Dict[Tuple[str, str], str] = {
-    # `import fairseq` installs upstream's explaining ImportError for the modules this fork leaves out and
-    # BaseFairseqModel.from_pretrained; the package's __init__ is the one place that runs at every import.
-    ("fairseq", "fairseq.compat"): "import fairseq installs the wing's hooks (fairseq.compat.install)",
+    # upstream's API puts the hub's constructor on the model class; the import runs only when it is called
+    ("fairseq.models.fairseq_model", "fairseq.generation.hub_utils"): "BaseFairseqModel.from_pretrained, "
+                                                                      "upstream's hub entry point",
 }
 
-LIMITS = {"circles": 0, "upward imports": 4, "root modules over 40 lines": 8, "files over 600 lines": 0,
-          "functions over 80 lines": 0, "getattr(cfg, literal) reads": 10}
+# Each limit is what the tree holds now where it is above its target (a ratchet: it may only go down); TARGETS
+# are issue 40's goals, printed beside the counts so that the table says how far each is.
+LIMITS = {"circles": 0, "upward imports": 4, "folders importing up": 13, "folders importing each other": 8,
+          "root modules over 40 lines": 8, "files over 600 lines": 0, "files over 500 lines": 7,
+          "functions over 80 lines": 0, "functions over 60 lines": 8, "config getattr/hasattr probes": 34,
+          "imports inside functions": 228}
+TARGETS = {"folders importing up": 4, "folders importing each other": 0, "files over 500 lines": 0,
+           "functions over 60 lines": 0, "config getattr/hasattr probes": 10, "imports inside functions": 60}
+# Names of the objects that hold configuration: a getattr/hasattr on them for a literal name probes a field
+# that a typed config declares (or a namespace that may lack it).
+CONFIG_NAMES = ("cfg", "args", "config", "saved_cfg", "model_cfg", "task_cfg")
 
 
 def module_files(root: str) -> Dict[str, str]:
@@ -175,7 +185,7 @@ def circles(graph: Dict[str, Set[str]]) -> List[List[str]]:
     return found
 
 
-def long_functions(path: str, tree: ast.AST, limit: int = 80) -> Iterator[str]:
+def long_functions(path: str, tree: ast.AST, limit: int) -> Iterator[str]:
     for node in ast.walk(tree):
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
             length = node.end_lineno - node.lineno + 1
@@ -183,15 +193,73 @@ def long_functions(path: str, tree: ast.AST, limit: int = 80) -> Iterator[str]:
                 yield f"{path}:{node.lineno} {node.name} ({length} lines)"
 
 
-def cfg_getattr_reads(path: str, tree: ast.AST) -> Iterator[str]:
-    """getattr(<an expression mentioning cfg or args>, "literal", ...) calls."""
+def _is_config(target: ast.AST) -> bool:
+    """`cfg`, `args`, `config` (and the other CONFIG_NAMES), or an attribute chain through one of them or ending
+    in one (`self.cfg`, `task.cfg`, `cfg.model`, `self.args.task`)."""
+    names = []
+    while isinstance(target, ast.Attribute):
+        names.append(target.attr)
+        target = target.value
+    if isinstance(target, ast.Name):
+        names.append(target.id)
+    return any(name.lower() in CONFIG_NAMES or name.lower().endswith("_cfg") for name in names)
+
+
+def config_probes(path: str, tree: ast.AST) -> Iterator[str]:
+    """getattr(<config>, "literal", ...) and hasattr(<config>, "literal") calls."""
     for node in ast.walk(tree):
-        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "getattr"
+        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("getattr", "hasattr")
                 and len(node.args) >= 2 and isinstance(node.args[1], ast.Constant)
-                and isinstance(node.args[1].value, str)):
-            target = ast.unparse(node.args[0])
-            if "cfg" in target.split(".")[0].lower():
-                yield f"{path}:{node.lineno} getattr({target}, {node.args[1].value!r})"
+                and isinstance(node.args[1].value, str) and _is_config(node.args[0])):
+            yield f"{path}:{node.lineno} {node.func.id}({ast.unparse(node.args[0])}, {node.args[1].value!r})"
+
+
+def imports_in_functions(path: str, tree: ast.AST) -> Iterator[str]:
+    """Import statements inside a function body (deferred imports: hidden circles, optional packages, start-up
+    cost); each one a finding."""
+    for function in ast.walk(tree):
+        if isinstance(function, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            for node in ast.walk(function):
+                if isinstance(node, (ast.Import, ast.ImportFrom)) and _innermost_function(function, node):
+                    names = node.module if isinstance(node, ast.ImportFrom) else node.names[0].name
+                    yield f"{path}:{node.lineno} {function.name}: {'.' * getattr(node, 'level', 0)}{names}"
+
+
+def _innermost_function(function: ast.AST, node: ast.AST) -> bool:
+    """Whether `node` belongs to `function` itself, not to a function nested in it (counted once)."""
+    for child in ast.iter_child_nodes(function):
+        if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+            if any(n is node for n in ast.walk(child)):
+                return False
+        elif any(n is node for n in ast.walk(child)):
+            return True
+    return False
+
+
+def folder_of(module: str) -> str:
+    """The folder a module sits in, as a reviewer counts them: `fairseq.checkpoint.io` -> `fairseq.checkpoint`,
+    the package roots' own modules -> `fairseq` / `fairseq_cli`."""
+    parts = module.split(".")
+    return ".".join(parts[:2]) if len(parts) > 2 else parts[0]
+
+
+def folder_findings(graph: Dict[str, Set[str]], mods: Dict[str, str]) -> Tuple[List[str], List[str]]:
+    """(folder imports that run up, pairs of folders importing each other); a folder's layer is the lowest layer
+    of its modules, so a folder is 'up' from another when every module of it sits higher."""
+    packages = {m for m, p in mods.items() if p.endswith("__init__.py")}
+    layer = defaultdict(lambda: len(LAYERS))
+    for module in mods:
+        folder = folder_of(module) if module not in packages or module.count(".") > 1 else module
+        layer[folder] = min(layer[folder], layer_of(module))
+    arrows = defaultdict(set)
+    for module, targets in graph.items():
+        for target in targets:
+            a, b = folder_of(module), folder_of(target)
+            if a != b and a != "fairseq" and b != "fairseq":
+                arrows[a].add(b)
+    up = [f"{a} -> {b}" for a in sorted(arrows) for b in sorted(arrows[a]) if layer[b] > layer[a]]
+    mutual = [f"{a} <-> {b}" for a in sorted(arrows) for b in sorted(arrows[a]) if a < b and a in arrows[b]]
+    return up, mutual
 
 
 def measure(root: str = ROOT) -> Dict[str, List[str]]:
@@ -216,11 +284,18 @@ def measure(root: str = ROOT) -> Dict[str, List[str]]:
         loose = module.count(".") == 1 and module.startswith("fairseq.") and not path.endswith("__init__.py")
         if loose and lines > 40:
             findings["root modules over 40 lines"].append(f"{rel} ({lines} lines)")
-        if lines > 600:
-            findings["files over 600 lines"].append(f"{rel} ({lines} lines)")
-        findings["functions over 80 lines"].extend(long_functions(rel, tree))
-        findings["getattr(cfg, literal) reads"].extend(cfg_getattr_reads(rel, tree))
-    findings["circles"] = [" <-> ".join(component) for component in circles(graph)]
+        for limit in (500, 600):
+            if lines > limit:
+                findings[f"files over {limit} lines"].append(f"{rel} ({lines} lines)")
+        for limit in (60, 80):
+            findings[f"functions over {limit} lines"].extend(long_functions(rel, tree, limit))
+        findings["config getattr/hasattr probes"].extend(config_probes(rel, tree))
+        findings["imports inside functions"].extend(imports_in_functions(rel, tree))
+    # A declared upward import is deferred by design (it runs when called, after both modules are loaded): the
+    # circle it closes is the declaration's, listed under upward imports with its reason, not counted again.
+    undeclared = {module: {t for t in targets if exception_for(module, t) is None} for module, targets in graph.items()}
+    findings["circles"] = [" <-> ".join(component) for component in circles(undeclared)]
+    findings["folders importing up"], findings["folders importing each other"] = folder_findings(graph, mods)
     return findings
 
 
@@ -231,11 +306,11 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     findings = measure(args.root)
     over = False
-    print(f"{'what':32s} {'count':>6s} {'limit':>6s}")
+    print(f"{'what':32s} {'count':>6s} {'limit':>6s} {'target':>6s}")
     for key, limit in LIMITS.items():
         flag = "" if len(findings[key]) <= limit else "  OVER"
         over |= bool(flag)
-        print(f"{key:32s} {len(findings[key]):6d} {limit:6d}{flag}")
+        print(f"{key:32s} {len(findings[key]):6d} {limit:6d} {TARGETS.get(key, limit):6d}{flag}")
     over |= any(item.endswith("UNDECLARED") for item in findings["upward imports"])
     for key, items in findings.items():
         if items:

@@ -22,7 +22,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[1])
     parser.add_argument("checkpoint", help="checkpoint file (.pt) or sharded checkpoint directory")
-    parser.add_argument("output", help="directory to write (must not exist or be empty, unless --overwrite)")
+    parser.add_argument("output", metavar="OUTPUT",
+                        help="directory to write: absent or empty, or this script's earlier output with --overwrite")
     parser.add_argument("--dict", dest="dict_path", metavar="DICT_TXT",
                         help="the dictionary the model was trained with (default: dict.txt beside the checkpoint, "
                              "else in the checkpoint's data directory)")
@@ -39,7 +40,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--gpt2-vocab-bpe", help="GPT-2 BPE vocab.bpe (with --bpe gpt2)")
     parser.add_argument("--sentencepiece-model", help="sentencepiece .model file (with --bpe sentencepiece)")
     parser.add_argument("--no-tokenizer", action="store_true", help="write the model only, no tokenizer files")
-    parser.add_argument("--overwrite", action="store_true", help="replace OUTPUT if it exists")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace OUTPUT when it holds an earlier output of this script (its "
+                             "fairseq_manifest.json lists the files; nothing else is ever deleted)")
     parser.add_argument("--trust-legacy-checkpoint", action="store_true",
                         help="read an upstream fairseq checkpoint with plain pickle (only for files you trust)")
     return parser

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One-call GPU validation (used with the device tool). On 2 GPUs: tests|resume|bench-a|bench-rest|175b.
 # On one H200, the open measurements of issues 31-33 (each part fits one 10-minute call):
-#   gen-tests|gen-bench|gen-int8|fp8|fp8-bench|ckpt-blocked|ckpt-tps       (OUT=dir for logs, default gpu_out)
+#   decode|gen-tests|gen-bench|gen-int8|fp8|fp8-tp-parity|fp8-bench|ckpt-blocked|ckpt-tps       (OUT=dir for logs, default gpu_out)
 # The lent machine lacks hydra-core, omegaconf and torchao: carry the wheels (.whl/, ignored) and first run
 #   pip install --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
 # Installs nothing: expects torch, numpy, omegaconf, hydra, sentencepiece, tqdm (puts the repo on PYTHONPATH).
@@ -47,6 +47,14 @@ case "${1:-tests}" in
     step gen_tests 540 python3 -m pytest -q -s -p no:cacheprovider -m gpu tests/gpu/test_generation_gpu.py \
       tests/gpu/test_quantize_gpu.py -rs --basetemp "$WORK/pytest"
     ;;
+  decode)  # issue 41 (kernels) and 39.3 (host syncs): the decode GPU tests, then greedy with and without the decode
+           # attention kernel, int8, and the per-step kernel profile, on the 1.3B preset (no transformers rows)
+    step decode_tests 240 python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu/test_decode_attention_gpu.py \
+      tests/gpu/test_quantize_gpu.py tests/gpu/test_generation_gpu.py -rs --basetemp "$WORK/pytest"
+    step decode_bench 300 python3 scripts/benchmark_generate.py --arch transformer_lm_gpt3_xl --batch-sizes 1,32 \
+      --prompt-len 512 --new-tokens 256 --dtype bf16 --repeats 1 --rows greedy,greedy-sdpa,int8 --no-transformers \
+      --profile --json "$WORK/decode.json"
+    ;;
   gen-bench)  # issue 33: the fork (greedy, beam 4, sampling) against transformers' default and static-cache paths
     step gen_bench 580 python3 scripts/benchmark_generate.py --arch transformer_lm_gpt3_xl --batch-sizes 1,32 \
       --prompt-len 512 --new-tokens 256 --dtype bf16 --repeats 2 --rows greedy,beam4,sample --no-int8-matmuls \
@@ -62,19 +70,24 @@ case "${1:-tests}" in
     step fp8_tests 240 python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu/test_float8_gpu.py -rs --basetemp "$WORK/pytest"
     step fp8_parity 300 python3 scripts/fp8_loss_parity.py --updates 300 --recipes tensorwise --compile --tp-mesh-of-one
     ;;
+  fp8-tp-parity)  # issue 39.4: float8 under the TP plan against bf16 of the same compile mode, two seeds, the curve
+    export FAIRSEQ_TP_MESH_OF_ONE=1
+    step fp8_tp_parity 560 python3 scripts/fp8_loss_parity.py --updates "${UPDATES:-300}" --recipes tensorwise \
+      --compile --tp-mesh-of-one --seeds "${SEEDS:-1,2}" --curve --out "$WORK/fp8_tp"
+    ;;
   fp8-bench)
     step fp8_bench 580 python3 scripts/benchmark_fsdp.py --nproc 1 --layers 32 --embed-dim 2560 --heads 32 --seq 2048 \
       --batch 8 --combos '' --fp8 tensorwise --compile --no-compile-rows --no-reference --tp-mesh-of-one
     ;;
-  ckpt-blocked)  # issue 32 (docs/checkpoints.md): blocked time per save, synchronous against asynchronous
-    step ckpt_blocked 580 python3 scripts/benchmark_checkpoint.py --nproc 1 --layers 32 --embed-dim 2560 --heads 32 \
-      --vocab 50000 --seq 2048 --batch 8 --saves 3 --save-every 60 --skip throughput --no-optimizer-state \
-      --work-dir "$WORK/ckbench"
+  ckpt-blocked)  # issues 32/39 (docs/checkpoints.md): blocked time per save, sync vs async, single file and sharded
+    step ckpt_blocked 540 python3 scripts/benchmark_checkpoint.py --nproc 1 --layers 32 --embed-dim 2560 --heads 32 \
+      --vocab 50000 --seq 2048 --batch 8 --saves 3 --save-every 20 --skip throughput --no-optimizer-state \
+      --layouts single,sharded --work-dir "$WORK/ckbench"
     ;;
-  ckpt-tps)
-    step ckpt_tps 580 python3 scripts/benchmark_checkpoint.py --nproc 1 --layers 32 --embed-dim 2560 --heads 32 \
+  ckpt-tps)  # tokens/s saving every 20 updates (async, single file and sharded) against --no-save
+    step ckpt_tps 540 python3 scripts/benchmark_checkpoint.py --nproc 1 --layers 32 --embed-dim 2560 --heads 32 \
       --vocab 50000 --seq 2048 --batch 8 --skip blocked --throughput-updates 100 --throughput-save-every 20 \
-      --warmup 5 --with-sync-throughput --no-optimizer-state --work-dir "$WORK/ckbench"
+      --warmup 5 --no-optimizer-state --layouts single,sharded --work-dir "$WORK/ckbench"
     ;;
   175b)
     layers="${LAYERS:-2}"

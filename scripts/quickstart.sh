@@ -22,7 +22,8 @@ fairseq-preprocess --only-source \
 echo "== 3/4 fairseq-train (transformer_lm, 2 layers, CPU, $MAX_UPDATE updates) -> $WORK/checkpoints"
 fairseq-train --task language_modeling "$WORK/data-bin" --save-dir "$WORK/checkpoints" \
     --arch transformer_lm --decoder-layers 2 --decoder-embed-dim 128 --decoder-ffn-embed-dim 512 \
-    --decoder-attention-heads 4 --share-decoder-input-output-embed --dropout 0.1 \
+    --decoder-attention-heads 4 --decoder-input-dim 128 --decoder-output-dim 128 \
+    --share-decoder-input-output-embed --dropout 0.1 \
     --optimizer adam --adam-betas '(0.9, 0.98)' --weight-decay 0.01 --clip-norm 1.0 \
     --lr 0.002 --lr-scheduler inverse_sqrt --warmup-updates 100 --warmup-init-lr 1e-07 \
     --tokens-per-sample 128 --sample-break-mode none --max-tokens 4096 \

@@ -35,9 +35,44 @@ class ShardedCheckpoint:
     vocabulary: Optional[Dict[str, Any]] = None  # metadata.pt's record (fairseq.checkpoint.vocabulary)
 
 
+def transformers_model_type(directory: str) -> Optional[str]:
+    """The model_type of a transformers model directory (its config.json names one); None for anything else."""
+    import json
+
+    try:
+        with open(os.path.join(directory, "config.json"), encoding="utf-8") as f:
+            config = json.load(f)
+    except (OSError, ValueError):
+        return None
+    model_type = config.get("model_type") if isinstance(config, dict) else None
+    return str(model_type) if model_type is not None else None
+
+
+def refuse_transformers_directory(path: str) -> None:
+    """A transformers model directory, or one of its files, given where a fairseq checkpoint belongs: one line
+    saying how to load it (scripts/import_hf.py, or from_pretrained, which imports it)."""
+    if os.path.isdir(path):
+        directory = path
+        if sharded.resolve_sharded(path) is not None:
+            return
+    else:
+        directory = os.path.dirname(path) or "."
+        name = os.path.basename(path)
+        if not (name.endswith((".safetensors", ".json")) or (name.startswith("pytorch_model") and ".bin" in name)):
+            return
+    model_type = transformers_model_type(directory)
+    if model_type is not None:
+        raise CheckpointError(
+            f"{path} is {'' if directory == path else 'a file of '}a transformers model directory (config.json of "
+            f"model_type {model_type}), not a fairseq checkpoint: import it with `python scripts/import_hf.py "
+            f"{directory} OUT_DIR` and pass --path OUT_DIR/checkpoint_best.pt, or load it in Python with "
+            f"TransformerLanguageModel.from_pretrained({directory!r})")
+
+
 def read_checkpoint_config(path: str, trust_legacy: bool = False
                            ) -> Tuple[Dict[str, Any], Union[Dict, ShardedCheckpoint]]:
     """(saved cfg as a plain dict, full state of a file or a ShardedCheckpoint for a sharded directory)."""
+    refuse_transformers_directory(path)
     if os.path.isdir(path):
         resolved = _resolve_directory(path)
         metadata = sharded.read_metadata(resolved, trust_legacy=trust_legacy)
@@ -49,6 +84,7 @@ def read_checkpoint_config(path: str, trust_legacy: bool = False
 def read_checkpoint_state(path: str, trust_legacy: bool = False) -> Dict[str, Any]:
     """The whole state of a checkpoint file or sharded directory on the CPU, in upstream's layout ("cfg",
     "model", ...). A directory's model tensors are allocated from DCP's index, at their full shapes."""
+    refuse_transformers_directory(path)
     if not os.path.isdir(path):
         return _upgraded(load_checkpoint_file(path, trust_legacy=trust_legacy))
     # Imported here, for sharded directories only: torch.distributed.checkpoint costs ~1.5 s to import.

@@ -8,7 +8,7 @@ from typing import Any, Dict, Optional
 
 from fairseq.training import trainer as _core
 
-logger = logging.getLogger("fairseq.training.trainer")  # the core trainer's: log lines unchanged
+logger = logging.getLogger("fairseq.trainer")  # upstream's logger name, as the core trainer's
 
 
 class UpstreamTrainerMethods:

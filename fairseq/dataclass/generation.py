@@ -68,9 +68,9 @@ class GenerationConfig:
     no_cuda_graphs: bool = opt(False, "decode each step eagerly instead of replaying it from a CUDA graph (on "
                                        "CUDA, this fork's decoders; see docs/incremental_decoding.md)")
     quantize: Literal["none", "int8-weight-only"] = opt(
-        "none", "int8-weight-only: the Linear weights in int8 (torchao, weight-only, one scale per row) after "
-                "the model is loaded: half the weight bytes read per decoded token; needs CUDA, --bf16 and torchao "
-                "(pip install 'fairseq[quantize]'); see docs/generation.md")
+        "none", "int8-weight-only: the Linear weights in int8 (weight-only, one scale per row, a fused int8 "
+                "matmul) after the model is loaded: half the weight bytes read per decoded token; needs CUDA and "
+                "--bf16; see docs/generation.md")
 
 
 @dataclass

@@ -22,7 +22,7 @@ import sys
 import torch
 import torch.nn as nn
 
-logger = logging.getLogger("fairseq.distributed.float8")  # its name before the move: log lines unchanged
+logger = logging.getLogger(__name__)
 
 RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
 MIN_CAPABILITY = (8, 9)

@@ -315,17 +315,22 @@ def export(checkpoint: str, out_dir: str, dict_path: Optional[str] = None, model
     if dtype is not None and dtype not in DTYPES:
         raise ValueError(f"--dtype {dtype!r}: choose one of {', '.join(DTYPES)}")
     max_shard_bytes = parse_size(max_shard_size)
-    check_output(out_dir, overwrite)
+    given_files = [checkpoint, dict_path] + [v for k, v in (bpe or {}).items() if k != "_name"]
+    check_output(out_dir, overwrite, "export_hf", given_files)
 
     src = load_source(checkpoint, dict_path, trust_legacy=trust_legacy)
     chosen = choose_model_type(src, model_type)
     bpe_cfg = export_bpe(bpe, src) if tokenizer else None
+    # and the files found (dict.txt beside the checkpoint, the checkpoint's --bpe files): none may be replaced
+    check_output(out_dir, overwrite, "export_hf", [src.dict_path] + [
+        v for k, v in (bpe_cfg or {}).items() if k != "_name" and isinstance(v, str)])
     # Build the tokenizer before writing anything: its refusal must not leave a half-written export.
     hf_tok = build_hf_tokenizer(bpe_cfg, src) if bpe_cfg is not None else None
     target_dtype = DTYPES[dtype] if dtype else None
     config = hf_config(src, chosen, target_dtype or src.state["decoder.embed_tokens.weight"].dtype)
 
-    with assembled(out_dir, "cannot write the export") as tmp:  # one line for an OSError; an earlier export kept
+    # One line for an OSError; an earlier export is kept until the new one is complete.
+    with assembled(out_dir, "cannot write the export", "export_hf", "OUTPUT") as tmp:
         files = _write_export(src, chosen, config, hf_tok, bpe_cfg, tmp, target_dtype, max_shard_bytes)
     logger.info(f"wrote {out_dir}: {HF_ARCHITECTURES[chosen]}, {len(files)} weight file(s)"
                 + (f", tokenizer ({bpe_cfg['_name']})" if hf_tok is not None else ", no tokenizer"))

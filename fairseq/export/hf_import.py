@@ -22,6 +22,7 @@ equal to the output matrix times sqrt(embed dim) (the export folds fairseq's sca
 one; an OPT position table equal to fairseq's sinusoidal table (or all zeros) is sinusoidal (or no) positions.
 """
 
+import json
 import logging
 import math
 import os
@@ -68,8 +69,6 @@ class HFModel:
 
 def read_hf(hf_dir: str) -> HFModel:
     """config.json (an OPT or XGLM one, else a one-line error naming its model_type) and the weights."""
-    import json
-
     from fairseq.export.hf import require_transformers
 
     if not os.path.isdir(hf_dir):
@@ -90,12 +89,55 @@ def read_hf(hf_dir: str) -> HFModel:
         raise ValueError(f"{path}: model_type {model_type!r} ({names}) is not OPT or XGLM; the import maps "
                          "OPTForCausalLM and XGLMForCausalLM (the models fairseq and metaseq trained) only; convert "
                          "other architectures with their own project's tools")
+    check_config_types(raw, path)
     require_transformers("importing from transformers")
     import transformers
 
     hf = (transformers.OPTConfig if model_type == "opt" else transformers.XGLMConfig).from_dict(raw)
     weights, files = read_weights(hf_dir)
     return HFModel(hf_dir, model_type, hf, _with_model_prefix(weights), files)
+
+
+# The config.json keys the import reads, by what their values must be (absent: transformers' default).
+_COUNTS = ("num_hidden_layers", "num_layers")  # 0 layers is a model (embeddings and output only)
+_SIZES = ("hidden_size", "d_model", "ffn_dim", "num_attention_heads", "attention_heads", "max_position_embeddings",
+          "vocab_size")
+_IDS = ("pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id")
+_SWITCHES = ("do_layer_norm_before", "_remove_final_layer_norm", "enable_bias", "layer_norm_elementwise_affine",
+             "tie_word_embeddings", "scale_embedding")
+_PROBABILITIES = ("dropout", "attention_dropout", "activation_dropout")
+
+
+def _expected(key: str, value) -> Optional[str]:
+    """What `value` of `key` should be, when it is not that; None when it is (or the key is not read)."""
+    is_int = isinstance(value, int) and not isinstance(value, bool)
+    if key in _COUNTS:
+        return None if is_int and value >= 0 else "an integer >= 0"
+    if key in _SIZES or key == "word_embed_proj_dim":
+        ok = (is_int and value > 0) or (value is None and key == "word_embed_proj_dim")
+        return None if ok else "a positive integer" + (" or null" if key == "word_embed_proj_dim" else "")
+    if key in _IDS:
+        return None if is_int and value >= 0 else "an integer >= 0"
+    if key in _SWITCHES:
+        return None if isinstance(value, bool) else "true or false"
+    if key in _PROBABILITIES:
+        number = isinstance(value, (int, float)) and not isinstance(value, bool)
+        return None if number and 0 <= value < 1 else "a number from 0 to below 1"
+    if key == "activation_function":
+        return None if isinstance(value, str) else "a string"
+    return None
+
+
+def check_config_types(raw: Dict[str, Any], path: str) -> None:
+    """One line naming the key, its value and what it should be, for the first value of config.json the import
+    reads that is not of its kind (before transformers' own checks, whose traceback names no file)."""
+    for key, value in raw.items():
+        expected = _expected(key, value)
+        if expected is not None:
+            kind = {bool: "a boolean", int: "an integer", float: "a number", str: "a string", list: "a list",
+                    dict: "an object"}.get(type(value))
+            raise ValueError(f"{path}: {key} is {json.dumps(value)}{f' ({kind})' if kind else ''}; expected "
+                             f"{expected}")
 
 
 def _with_model_prefix(weights: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
@@ -139,7 +181,8 @@ def fork_values(model: HFModel) -> Dict[str, Any]:
 def model_flags(cfg) -> List[str]:
     """fairseq-train's flags that build `cfg` (a TransformerLanguageModelConfig): --arch transformer_lm, every
     number and name of _FLAG_OPTIONS (some defaults follow others: all are spelled out), the switches that are
-    on, then --max-target-positions."""
+    on, then --max-target-positions and --tokens-per-sample of the model's positions (fairseq-train's default
+    blocks of 1024 do not fit a model of fewer)."""
     flags = ["--arch", "transformer_lm"]
     for name in _FLAG_OPTIONS:
         value = getattr(cfg, name)
@@ -147,7 +190,8 @@ def model_flags(cfg) -> List[str]:
             flags += [flag_name(name), str(value)]
         elif value:
             flags.append(flag_name(name))
-    return flags + ["--max-target-positions", str(cfg.max_target_positions)]
+    positions = str(cfg.max_target_positions)
+    return flags + ["--max-target-positions", positions, "--tokens-per-sample", positions]
 
 
 # ------------------------------------------------------------------------------------------------ the weights
@@ -259,7 +303,7 @@ def import_hf(hf_dir: str, out_dir: str, dtype: Optional[str] = None, overwrite:
 
     if dtype is not None and dtype not in DTYPES:
         raise ValueError(f"--dtype {dtype!r}: choose one of {', '.join(DTYPES)}")
-    check_output(out_dir, overwrite)
+    check_output(out_dir, overwrite, "import_hf", [hf_dir])
     model = read_hf(hf_dir)
     values = fork_values(model)
     embed = model.weights.get(("model.decoder." if model.model_type == "opt" else "model.") + "embed_tokens.weight")
@@ -274,7 +318,7 @@ def import_hf(hf_dir: str, out_dir: str, dtype: Optional[str] = None, overwrite:
     add_bos = values.pop("add_bos_token")
     cfg = preset_config("transformer_lm", **values)
     state = complete_state(state, cfg, rows)
-    with assembled(out_dir, "cannot write the import") as tmp:
+    with assembled(out_dir, "cannot write the import", "import_hf", "OUT_DIR") as tmp:
         _write(tmp, out_dir, cfg, state, vocab, add_bos)
     architecture = HF_ARCHITECTURES[model.model_type]
     logger.info(f"wrote {out_dir}: {architecture} as transformer_lm ({cfg.decoder_layers} layers, {rows:,} rows; "
@@ -283,11 +327,12 @@ def import_hf(hf_dir: str, out_dir: str, dtype: Optional[str] = None, overwrite:
         f for name, option in FORK_TOKENIZER_FILES.items() if name in vocab.files
         for f in (flag_name(option), os.path.join(out_dir, name))]
     return {"checkpoint": os.path.join(out_dir, CHECKPOINT_NAME), "architecture": architecture, "bpe": vocab.bpe,
-            "flags": model_flags(cfg) + (["--add-bos-token"] if add_bos else []), "bpe_flags": bpe_flags}
+            "flags": model_flags(cfg) + (["--add-bos-token"] if add_bos else []), "bpe_flags": bpe_flags,
+            "positions": cfg.max_target_positions}
 
 
 def _write(tmp: str, out_dir: str, cfg, state, vocab: Vocabulary, add_bos: bool) -> None:
-    from fairseq.checkpoint.io import atomic_torch_save
+    from fairseq.checkpoint.io import torch_save_raising_os_errors
     from fairseq.checkpoint.vocabulary import KEY, make_record
 
     vocab.dictionary.save(os.path.join(tmp, "dict.txt"))
@@ -306,7 +351,7 @@ def _write(tmp: str, out_dir: str, cfg, state, vocab: Vocabulary, add_bos: bool)
             record["bpe"]["files"][option]["path"] = bpe[option]
     task = {"_name": "language_modeling", "data": final, "tokens_per_sample": cfg.max_target_positions,
             "max_target_positions": cfg.max_target_positions, "add_bos_token": add_bos}
-    atomic_torch_save({"cfg": {"model": config_to_dict(cfg), "task": task, "bpe": bpe}, "model": state, KEY: record},
-                      os.path.join(tmp, CHECKPOINT_NAME))
+    torch_save_raising_os_errors({"cfg": {"model": config_to_dict(cfg), "task": task, "bpe": bpe}, "model": state,
+                                  KEY: record}, os.path.join(tmp, CHECKPOINT_NAME))
     with open(os.path.join(tmp, FLAGS_NAME), "w", encoding="utf-8") as f:
         f.write(" ".join(model_flags(cfg) + (["--add-bos-token"] if add_bos else [])) + "\n")

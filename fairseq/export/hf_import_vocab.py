@@ -120,7 +120,7 @@ def _gpt2_vocabulary(hf_dir: str, rows: int, dictionary: Optional[Dictionary]) -
                                 "tokenizer files of the same release beside config.json")
     where = os.path.join(hf_dir, source.split(" + ")[0])
     vocab, merges = _read_hf_bpe(hf_dir, source)
-    by_id = {i: t for t, i in vocab.items()}
+    by_id = _tokens_by_id(vocab, where)
     _check_rows(where, max(by_id) + 1, rows)
     if tuple(by_id.get(i) for i in range(len(SPECIALS))) != (tuple(dictionary.symbols[:4]) if dictionary else SPECIALS):
         found = [by_id.get(i) for i in range(len(SPECIALS))]
@@ -141,6 +141,21 @@ def _gpt2_vocabulary(hf_dir: str, rows: int, dictionary: Optional[Dictionary]) -
     files = {"encoder.json": json.dumps(encoder, ensure_ascii=False).encode("utf-8"),
              "vocab.bpe": ("#version: 0.2\n" + "".join(f"{a} {b}\n" for a, b in merges)).encode("utf-8")}
     return Vocabulary(dictionary, "gpt2", files, source)
+
+
+def _tokens_by_id(vocab: Dict[str, int], where: str) -> Dict[int, str]:
+    """id -> token; each id an integer >= 0 naming one token (two tokens of one id would make dict.txt name an id
+    twice, which every reader of the import refuses)."""
+    by_id: Dict[int, str] = {}
+    for token, i in vocab.items():
+        if not isinstance(i, int) or isinstance(i, bool) or i < 0:
+            raise ValueError(f"{where}: token {token!r} has id {json.dumps(i)}; ids are integers >= 0: copy the "
+                             "tokenizer files of the same release again")
+        if i in by_id:
+            raise ValueError(f"{where}: tokens {by_id[i]!r} and {token!r} share id {i}; each id names one token: "
+                             "copy the tokenizer files of the same release again")
+        by_id[i] = token
+    return by_id
 
 
 def _read_hf_bpe(hf_dir: str, source: str) -> Tuple[Dict[str, int], List[Tuple[str, str]]]:

@@ -143,13 +143,20 @@ def read_weights(directory: str) -> Tuple[Dict[str, torch.Tensor], List[str]]:
 
 
 def _indexed_files(index: str) -> List[str]:
+    """The files `index` names, each a path inside its directory (an absolute path or one through .. is refused:
+    the import reads the model's directory only)."""
     try:
         with open(index, encoding="utf-8") as f:
             weight_map = json.load(f)["weight_map"]
-        return sorted(set(weight_map.values()))
+        names = sorted(set(weight_map.values()))
     except (ValueError, KeyError, TypeError, AttributeError) as e:
         raise ValueError(f"{index} is not a weight index ({type(e).__name__}: {e}); expected "
                          '{"weight_map": {tensor name: file name}} as transformers writes it') from None
+    for name in names:
+        if not isinstance(name, str) or not name or os.path.isabs(name) or ".." in name.replace("\\", "/").split("/"):
+            raise ValueError(f"{index} names the weight file {json.dumps(name)}, outside {os.path.dirname(index)}; an "
+                             "index names files of its own directory: copy the model's files into one directory")
+    return names
 
 
 def _read_safetensors(path: str) -> Dict[str, torch.Tensor]:

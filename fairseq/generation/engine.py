@@ -25,7 +25,7 @@ it runs beside or when it joined. Reported log-probabilities are the model's (te
 
 import math
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Deque, Hashable, List, Optional, Sequence, Tuple
 
 import torch
@@ -33,8 +33,9 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from fairseq.generation import decode_memory, sampling
-from fairseq.generation.cuda_graph_decoding import GraphedDecodeStep, attention_window, round_up_sentences
-from fairseq.generation.step_model import EnsembleModel
+from fairseq.generation.cuda_graph_decoding import attention_window, round_up_sentences
+from fairseq.generation.sequence_scorer import SequenceScorer
+from fairseq.generation.step_model import EnsembleModel, StepModel
 
 MAX_TOP_LOGPROBS = 20  # the most top-N log-probabilities a request may ask for (OpenAI's limit)
 MAX_CHUNK = 64  # the most steps one `step` call takes
@@ -129,7 +130,7 @@ class DecodeEngine:
         given. `max_positions`: tokens per row, the prompt and its begin token included (default and cap: the
         model's). The caches of `max_rows` x `max_positions` are reserved now (on CUDA: checked against free
         memory first, one line when they do not fit)."""
-        models = list(model) if isinstance(model, (list, tuple)) else [model]
+        models = list(model) if isinstance(model, (list, tuple, torch.nn.ModuleList)) else [model]
         if device is not None or dtype is not None:
             models = [m.to(device=device, dtype=dtype) for m in models]
         self.model = EnsembleModel(models).eval()
@@ -149,8 +150,10 @@ class DecodeEngine:
         self.pad, self.eos = dictionary.pad(), dictionary.eos()
         self.bos = self.eos if bos is None else bos
         self.vocab_size = len(dictionary)
-        self._graphed = GraphedDecodeStep(self.model, None, self.vocab_size,
-                                          capture=cuda_graphs and self.device.type == "cuda")
+        # The model's log-probabilities at temperature 1 (what is reported), NaN -> -inf, never <pad>.
+        self.step_model = StepModel(self.model, self.vocab_size, self.pad, dictionary.unk(), cuda_graphs=cuda_graphs)
+        self.step_model.eager_graphs = not (cuda_graphs and self.device.type == "cuda")
+        self._graphed = self.step_model.graph_runner(self.device)  # the caches and, on CUDA, the graphs
         self.states = self._graphed.begin(max_rows, 1, self.max_positions, self.device)
         self._buf = _Buffers(self._graphed.rows, self.vocab_size, self.device)
         self._rows: List[_Row] = []
@@ -192,6 +195,10 @@ class DecodeEngine:
         """Queue `request`: it joins the running batch at the next `step` with a free row. ValueError (one line
         naming the field) for options out of range or a prompt that does not fit."""
         self._check(request)
+        if any(r.id == request.id for r in self._queue) or any(
+                row.request.id == request.id and not (row.finished or row.cancelled) for row in self._rows):
+            raise ValueError(f"a request with id {request.id!r} is already in the engine: ids name events, give each "
+                             "request its own")
         if request.seed is None:
             request.seed = int(torch.randint(2**31, (1,)))
         self._queue.append(request)
@@ -229,22 +236,28 @@ class DecodeEngine:
         graph_rows = round_up_sentences(rows) if self._graphed.capture else rows
         steps = min(max_steps, max(row.request.max_new_tokens - row.generated for row in self._rows))
         sampled = any(row.request.temperature > 0 for row in self._rows)
-        top_n = max(row.request.top_logprobs for row in self._rows)
+        # top-N computed for the chunk: 0, 5 or 20 (a graph per kind of chunk, so few kinds)
+        top_n = next(n for n in (0, 5, MAX_TOP_LOGPROBS) if n >= max(r.request.top_logprobs for r in self._rows))
         first_slot = max(row.slot for row in self._rows)
         self._buf.column.zero_()
         for k in range(steps):
-            window = attention_window(first_slot + k, self._graphed.capacity)
+            window = self._window(first_slot + k)
             self._graphed.replay(("engine", graph_rows, window, sampled, top_n),
                                  lambda: self._device_step(graph_rows, window, sampled, top_n))
         return self._events(steps, top_n)
+
+    def _window(self, slot: int) -> int:
+        """The cache slots a step attends over when the rows' highest slot is `slot`: the live length rounded up
+        (few graphs) on CUDA graphs, the live length itself when eager."""
+        if self._graphed.capture:
+            return attention_window(slot, self._graphed.capacity)
+        return slot + 1
 
     def _device_step(self, rows: int, window: int, sampled: bool, top_n: int) -> None:
         """One token for rows [:rows], all on the device (a CUDA graph captures it): the model's step at each
         row's slot, the choice, the outputs recorded at the chunk's column, the ends, the next slot."""
         b = self._buf
-        lp = self.model.forward_static_step(b.tokens[:rows], b.slot[:rows], self.states, 1.0, window)
-        lp = lp.nan_to_num(nan=-math.inf, posinf=math.inf, neginf=-math.inf)
-        lp[:, self.pad] = -math.inf
+        lp = self.step_model.static_step(b.tokens[:rows], b.slot[:rows], self.states, window)
         live = ~b.done[:rows]
         early = b.stop[:rows] & b.generated[:rows].lt(b.min_new[:rows]).unsqueeze(1)  # before min_new_tokens
         allowed = lp.masked_fill(early, -math.inf)
@@ -310,8 +323,7 @@ class DecodeEngine:
             index = torch.tensor(keep, device=self.device)
             for tensor in b.per_row():
                 tensor[:len(keep)] = tensor.index_select(0, index)
-            window = attention_window(max(self._rows[i].slot for i in keep), self._graphed.capacity)
-            self.model.drop_rows(self.states, index, window)
+            self.step_model.drop_rows(self.states, index, self._window(max(self._rows[i].slot for i in keep)))
         b.done[len(keep):] = True  # rows past the live ones write nothing
         self._rows = [self._rows[i] for i in keep]
 
@@ -328,9 +340,7 @@ class DecodeEngine:
         b, device, length = self._buf, self.device, request.prompt.numel()
         sequence = torch.cat([torch.tensor([self.bos]), request.prompt.cpu()]).to(device)
         if length:
-            source = self.model.new_incremental_states(max_batch=1, max_length=length)
-            self.model.prefill(sequence[None, :length], source)
-            self.model.add_rows(self.states, torch.tensor([row], device=device), source, length)
+            self.step_model.add_rows(self.states, torch.tensor([row], device=device), sequence[None, :length])
         b.tokens[row, 0], b.slot[row, 0] = sequence[length], length
         b.generated[row], b.max_new[row], b.min_new[row] = 0, request.max_new_tokens, request.min_new_tokens
         sampled = request.temperature > 0
@@ -383,8 +393,6 @@ def score_prompt(models, dictionary, prompt: Tensor, bos: Optional[int] = None) 
     """The log-probability [len(prompt)] (fp32) of each token of `prompt` (1-D ids) given `bos` (default </s>)
     and the tokens before it: one full forward through SequenceScorer, the scorer of the hub's `score()` and
     --score-reference (an ensemble's probabilities averaged)."""
-    from fairseq.generation.sequence_scorer import SequenceScorer
-
     models = list(models) if isinstance(models, (list, tuple)) else [models]
     bos = dictionary.eos() if bos is None else bos
     source = torch.cat([prompt.new_tensor([bos]), prompt]).unsqueeze(0)

@@ -35,7 +35,7 @@ from fairseq.generation import device_decoding
 from fairseq.generation.search import Sampling
 from fairseq.generation.sequence_generator import SequenceGenerator
 
-logger = logging.getLogger("fairseq.generation.hub_utils")  # its name before the move: log lines unchanged
+logger = logging.getLogger("fairseq.hub_utils")  # upstream's logger name: log lines read as its
 
 # Encoder files found in a model directory -> the --bpe option that names them (applied when the chosen scheme
 # has that option and it is not given; a checkpoint's carried file is used from there when the bytes are the
@@ -89,17 +89,10 @@ def from_pretrained(model_name_or_path: str, checkpoint_file: str = "model.pt", 
 
 def _is_transformers_directory(model_path: str, checkpoint_file: str, data_name_or_path: str) -> bool:
     """A transformers model directory (config.json with a model_type) that holds no `checkpoint_file`."""
-    import json
+    from fairseq.checkpoint.inference import transformers_model_type
 
-    config = os.path.join(model_path, "config.json")
-    if data_name_or_path != "." or os.path.exists(os.path.join(model_path, checkpoint_file.split(os.pathsep)[0])) \
-            or not os.path.isfile(config):
-        return False
-    try:
-        with open(config, encoding="utf-8") as f:
-            return "model_type" in json.load(f)
-    except (ValueError, OSError):
-        return False
+    return (data_name_or_path == "." and not os.path.exists(os.path.join(model_path, checkpoint_file.split(
+        os.pathsep)[0])) and transformers_model_type(model_path) is not None)
 
 
 def _from_transformers_directory(model_path: str, kwargs: Dict[str, Any]) -> Dict[str, Any]:
@@ -237,7 +230,7 @@ class GeneratorHubInterface(nn.Module):
 
     def quantize(self, mode: str = "int8-weight-only") -> "GeneratorHubInterface":
         """Quantize the models' Linear weights in place for generation (fairseq.generation.quantize: CUDA, bf16,
-        torchao) where they are now; returns the interface. Once per interface."""
+        a fused int8 matmul) where they are now; returns the interface. Once per interface."""
         if mode in (None, "none") or mode == self.quantized:
             return self
         if self.quantized != "none":

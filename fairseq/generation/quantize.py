@@ -1,36 +1,36 @@
-"""Weight-only int8 for generation (`--quantize int8-weight-only`), through torchao.
+"""Weight-only int8 for generation (`--quantize int8-weight-only`): each Linear's weight in int8, multiplied
+by a fused int8 matmul.
 
 `quantize_for_generation(model, mode, device)` runs after the model is loaded, moved to the GPU and cast to
-bf16 (fairseq-generate, fairseq-interactive, the hub's first generate call): each nn.Linear's weight becomes
-torchao's `Int8Tensor` (`torchao.quantization.quantize_` with `Int8WeightOnlyConfig`: symmetric int8, one scale
-per output row), so the weights take 1 byte per value instead of 2; activations, the KV cache, embeddings and
-norms stay bf16. A Linear whose weight is shared with another module (the output projection tied to the token
-embeddings, `--share-decoder-input-output-embed`) is left alone: quantizing it would untie the two.
+bf16 (fairseq-generate, fairseq-interactive, the hub's first generate call): each nn.Linear becomes an
+`Int8WeightOnlyLinear`, its weight stored as int8 with one fp32 scale per output row (symmetric: the row's
+largest |value| maps to 127), so the weights take 1 byte per value instead of 2; activations, the KV cache,
+embeddings and norms stay bf16. A Linear whose weight is shared with another module (the output projection tied
+to the token embeddings, `--share-decoder-input-output-embed`) is left alone: quantizing it would untie the two.
 
 Where it helps: decoding a few rows at a time reads every weight once per token, so the step is bound by memory
-bandwidth and half the weight bytes is the gain to be had. torchao's eager int8 linear converts the int8 weight
-to the activations' dtype before the matmul, so the bytes saved per step depend on the step being compiled
-(inductor fuses the conversion into the matmul); the replayed CUDA-graph step runs the eager kernels. Measure
-it with `scripts/benchmark_generate.py` (its `int8-weight-only` row), docs/benchmarks.md.
+bandwidth and half the weight bytes is the gain to be had. The matmul (fairseq.kernels.int8_matmul) reads the
+int8 weight and converts it in registers, in one kernel (Triton) on CUDA for decode-sized inputs; a prompt's
+forward (many rows, bound by arithmetic) dequantizes the weight for one bf16 GEMM. No bf16 copy of a weight is
+kept. Measure it with `scripts/benchmark_generate.py` (its `int8` row and its table of one Linear's paths).
 
-The rules, each an error naming the flag and the fix, checked before anything is loaded (`check_quantize`):
-torchao must be installed (the `quantize` extra), the device must be CUDA (weight-only int8 is a GPU decoding
-feature here: on the CPU it would only be slower), and the model bf16 (`--bf16`): in fp16 the int8 weights
-(up to 127) multiply the activations before the scale does, which can overflow fp16's 65504; in fp32 there is
-nothing to gain. Training with quantized weights is not supported (fairseq-train has no such flag).
+The rules, each an error naming the flag and the fix, checked before anything is loaded (`check_quantize`): the
+device must be CUDA (weight-only int8 is a GPU decoding feature here: on the CPU it would only be slower), and the
+model bf16 (`--bf16`): what the int8 path is built and measured for; in fp32 there is nothing to gain. Training with quantized weights is not supported
+(fairseq-train has no such flag).
 """
 
-import importlib
 import logging
 from typing import Optional
 
 import torch
 from torch import nn
 
-logger = logging.getLogger("fairseq.generation.quantize")
+from fairseq.kernels.int8_matmul import int8_linear
+
+logger = logging.getLogger(__name__)
 
 MODES = ("none", "int8-weight-only")
-EXTRA = "pip install 'fairseq[quantize]' (or pip install torchao)"
 
 
 def _flag(mode: str, keyword: bool) -> str:
@@ -51,10 +51,6 @@ def check_quantize(mode: Optional[str], device: torch.device, dtype: torch.dtype
     check_mode(mode, keyword)
     if mode == "none":
         return
-    try:
-        importlib.import_module("torchao.quantization")
-    except ImportError:
-        raise ValueError(f"{flag} needs torchao, which is not installed: {EXTRA}") from None
     if torch.device(device).type != "cuda":
         fix = ("move the model to a GPU before generating (lm.cuda()) or drop quantize=" if keyword
                else "run on a GPU (drop --cpu) or drop --quantize")
@@ -62,8 +58,8 @@ def check_quantize(mode: Optional[str], device: torch.device, dtype: torch.dtype
                          f"they are only slower): {fix}")
     if dtype != torch.bfloat16:
         cast = "lm.to(torch.bfloat16)" if keyword else "--bf16"
-        why = ("in fp16 the int8 values (up to 127) times the activations can overflow before the scale applies"
-               if dtype == torch.float16 else "an fp32 model gains nothing from int8 weights")
+        why = ("int8 decoding is built and measured for bf16 models" if dtype == torch.float16
+               else "an fp32 model gains nothing from int8 weights")
         raise ValueError(f"{flag} needs a bf16 model ({why}): {'cast it with ' if keyword else 'pass '}{cast}")
 
 
@@ -86,21 +82,48 @@ def quantize_for_generation(model: nn.Module, mode: Optional[str], device: torch
     check_quantize(mode, device, dtype, keyword)
     if mode == "none":
         return 0
-    from torchao.quantization import Int8WeightOnlyConfig, quantize_
-
-    names = set(quantizable_linears(model))
+    names = quantizable_linears(model)
     if not names:  # e.g. fconv_lm, whose weight-normed layers are not nn.Linear
         raise ValueError(f"{_flag(mode, keyword)}: {type(model).__name__} has no nn.Linear weight of its own to "
                          "quantize; drop it for this model")
-    # set_inductor_config=False: torchao would otherwise change inductor's global settings for the whole process
-    quantize_(model, Int8WeightOnlyConfig(set_inductor_config=False), filter_fn=lambda module, fqn: fqn in names)
-    logger.info(f"{_flag(mode, keyword)}: {len(names)} Linear weights are int8 (torchao Int8WeightOnlyConfig)")
+    quantize_linears_(model, names)
+    logger.info(f"{_flag(mode, keyword)}: {len(names)} Linear weights are int8")
     return len(names)
 
 
+def quantize_linears_(model: nn.Module, names) -> None:
+    """Replace the nn.Linear modules of `model` named in `names` by Int8WeightOnlyLinear (any device: the flag's
+    rules are quantize_for_generation's)."""
+    modules = dict(model.named_modules())
+    for name in names:
+        parent, _, child = name.rpartition(".")
+        setattr(modules[parent] if parent else model, child, Int8WeightOnlyLinear(modules[name]))
+
+
+class Int8WeightOnlyLinear(nn.Module):
+    """An nn.Linear's forward with its weight as int8 rows `qweight` [out, in] times fp32 `scale` [out] (the
+    row's largest |value| / 127, rounded to nearest), through fairseq.kernels.int8_matmul; the bias as it was."""
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        with torch.no_grad():
+            weight = linear.weight.detach().float()
+            scale = weight.abs().amax(dim=1).clamp(min=torch.finfo(torch.float32).tiny) / 127
+            self.register_buffer("qweight", torch.round(weight / scale.unsqueeze(1)).clamp(-127, 127).to(torch.int8))
+            self.register_buffer("scale", scale)
+        self.bias = linear.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return int8_linear(x, self.qweight, self.scale, self.bias)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+
 def int8_weight(weight: torch.Tensor) -> torch.Tensor:
-    """`weight` [out, in] as torchao's Int8Tensor, as quantize_for_generation stores a Linear's (any device: for
-    benchmarks and tests; the flag itself runs on CUDA only)."""
+    """`weight` [out, in] as torchao's Int8Tensor (`Int8WeightOnlyConfig`, torchao's weight-only int8, which
+    this module used before its own matmul): what scripts/benchmark_generate.py compares against."""
     from torchao.quantization import Int8WeightOnlyConfig, quantize_
 
     linear = nn.Linear(weight.size(1), weight.size(0), bias=False, device=weight.device, dtype=weight.dtype)

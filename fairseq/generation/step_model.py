@@ -13,8 +13,10 @@ in probability space, as upstream) and offers the loops these operations on a ba
 - add rows: `add_rows(states, rows, source, length)` (a prompt prefilled in a state of its own joins a running
   batch at cache rows `rows`; static steps then continue each row at its own slot).
 
-The sequence generator's loops (fairseq.generation.sequence_generator, device_decoding, device_beam_search) and
-the decode engine (fairseq.generation.engine) use nothing else of the models.
+`StepModel` puts over these what every step of a loop applies (temperature, NaN -> -inf, never <pad>,
+--unkpen) and the CUDA-graph runner that holds the caches. The sequence generator's loops
+(fairseq.generation.sequence_generator, device_decoding, device_beam_search) and the decode engine
+(fairseq.generation.engine) use nothing else of the models.
 """
 
 import math
@@ -25,6 +27,7 @@ import torch
 import torch.nn as nn
 from torch import Tensor
 
+from fairseq.generation.cuda_graph_decoding import GraphedDecodeStep
 from fairseq.modules.fairseq_incremental_decoder import FairseqIncrementalDecoder
 
 # When a prompt is fed in one forward, logits of at most this many values exist at once.
@@ -167,3 +170,79 @@ class EnsembleModel(nn.Module):
             if end == length:
                 next_lprobs = lprobs[:, -1]
         return forced, next_lprobs
+
+
+class StepModel:
+    """SequenceGenerator's step-model interface: the ensemble's operations (prefill, step, reorder, drop rows)
+    with what every step applies (the generator's temperature; NaN -> -inf, never <pad>, --unkpen), and the
+    CUDA-graph runner of the static one-token steps (fairseq.generation.cuda_graph_decoding), which holds the
+    caches it replays over."""
+
+    def __init__(self, ensemble: EnsembleModel, vocab_size: int, pad: int, unk: int, unk_penalty: float = 0.0,
+                 temperature: float = 1.0, cuda_graphs: bool = True):
+        self.model = ensemble
+        self.vocab_size, self.pad, self.unk = vocab_size, pad, unk
+        self.unk_penalty, self.temperature = unk_penalty, temperature
+        self.cuda_graphs = cuda_graphs
+        self.graphed = None  # the GraphedDecodeStep, built on first use
+        self.eager_graphs = False  # True: the static-step path without capture on any device (CPU tests)
+
+    def mask_special(self, lprobs: Tensor) -> Tensor:
+        """The masks of every step: NaN -> -inf, never <pad>, --unkpen (inside the CUDA graph when one runs)."""
+        lprobs = lprobs.nan_to_num_(nan=-math.inf, posinf=math.inf, neginf=-math.inf)
+        lprobs[:, self.pad] = -math.inf
+        if self.unk_penalty:
+            lprobs[:, self.unk] -= self.unk_penalty
+        return lprobs
+
+    def static_step(self, tokens: Tensor, slot: Tensor, states: List[dict], window: int) -> Tensor:
+        """What a CUDA graph captures: masked log-probabilities after `tokens` [R, 1], at index `slot`
+        (attending over the caches' first `window` slots)."""
+        return self.mask_special(self.model.forward_static_step(tokens, slot, states, self.temperature, window))
+
+    def graph_runner(self, device: torch.device):
+        """The CUDA-graph runner of the one-token steps, when a batch on `device` can use it (CUDA, this fork's
+        decoders, no dropout; or `eager_graphs`)."""
+        usable = self.eager_graphs or (self.cuda_graphs and device.type == "cuda")
+        if not (usable and self.model.can_static_step and not any(m.training for m in self.model.modules())):
+            return None
+        if self.graphed is None:
+            self.graphed = GraphedDecodeStep(self.model, self.static_step, self.vocab_size,
+                                             capture=not self.eager_graphs)
+        return self.graphed
+
+    def begin(self, bsz: int, beam: int, max_length: int, device: torch.device):
+        """(the incremental states of a batch of bsz x beam rows and up to `max_length` tokens, reserved; the
+        graph runner that holds them, or None)."""
+        graphed = self.graph_runner(device) if self.model.can_feed_prompts else None
+        if graphed is not None:
+            return graphed.begin(bsz, beam, max_length, device), graphed
+        return self.model.new_incremental_states(max_batch=bsz * beam, max_length=max_length), None
+
+    def prefill(self, tokens: Tensor, states: List[dict]) -> Tuple[Tensor, Tensor]:
+        """Prompts `tokens` [B, T] into empty caches: (log-probabilities [B, T-1] of tokens[:, 1:]; the masked
+        log-probabilities [B, V] of the token after them)."""
+        forced, next_lprobs = self.model.feed_prompts(tokens, states, self.temperature, self.vocab_size)
+        return forced, self.mask_special(next_lprobs)
+
+    def next_log_probs(self, tokens: Tensor, step: int, states: Optional[List[dict]], graphed) -> Tensor:
+        """Masked log-probabilities [rows, V] of the token after tokens[:, :step + 1] (the dynamic cached forward,
+        or the graph runner's one-token step)."""
+        if graphed is not None:
+            return graphed(tokens[:, step], step)
+        return self.mask_special(self.model.forward_decoder(tokens[:, :step + 1], states, self.temperature))
+
+    def reorder(self, states: Optional[List[dict]], order: Tensor, window: Optional[int] = None) -> None:
+        """Row i of the caches continues row order[i] (beams follow their parents, finished rows leave)."""
+        self.model.reorder_incremental_state(states, order, window)
+
+    def drop_rows(self, states: List[dict], keep: Tensor, window: Optional[int] = None) -> None:
+        """Keep cache rows `keep` (increasing), moved up to the first rows, in place (over `window` slots)."""
+        self.model.drop_rows(states, keep, window)
+
+    def add_rows(self, states: List[dict], rows: Tensor, tokens: Tensor) -> None:
+        """Cache rows `rows` take `tokens` [len(rows), T]: prefilled in a state of their own (one forward), copied
+        into the running caches' first T slots of those rows."""
+        source = self.model.new_incremental_states(max_batch=tokens.size(0), max_length=tokens.size(1))
+        self.model.prefill(tokens, source)
+        self.model.add_rows(states, rows, source, tokens.size(1))

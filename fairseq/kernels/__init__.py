@@ -1,3 +1,22 @@
 """Hand-written GPU kernels (Triton) for the few places where eager PyTorch makes several passes over memory
-that one kernel makes once. Each has an eager fallback where Triton or CUDA is not available; nothing here is
-imported until a kernel is used."""
+that one kernel makes once (the fused loss, decode attention, the int8 matmul). Each has an eager fallback where
+Triton or CUDA is not available; Triton is not imported until a kernel is used."""
+
+import functools
+
+
+def built_with_triton(build):
+    """`build(triton, tl)` (its jitted kernels) as a function of no arguments that builds them on first use and
+    then returns the same ones; None where Triton is not installed."""
+
+    @functools.lru_cache(maxsize=None)
+    def kernels():
+        try:
+            import triton
+            import triton.language as tl
+        except ImportError:
+            return None
+        return build(triton, tl)
+
+    kernels.__doc__ = build.__doc__
+    return kernels

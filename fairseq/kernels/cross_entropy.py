@@ -12,10 +12,10 @@ the loss), and the gradient rounded once to the logits' dtype. Rows whose target
 a zero gradient.
 """
 
-import functools
-
 import torch
 from torch.autograd.function import once_differentiable
+
+from fairseq.kernels import built_with_triton
 
 BLOCK = 4096  # columns a program handles per step (GPT-2's 50k vocabulary: 13 steps)
 # The vocabulary size is a compile-time constant of the kernels (the loop's trip count): one compilation per
@@ -35,14 +35,9 @@ def fused_token_cross_entropy(logits: torch.Tensor, target: torch.Tensor, ignore
     return _FusedCrossEntropy.apply(logits, target, ignore_index)
 
 
-@functools.lru_cache(maxsize=None)
-def _kernels():
+@built_with_triton
+def _kernels(triton, tl):
     """The two jitted kernels, built on first use; None without Triton."""
-    try:
-        import triton
-        import triton.language as tl
-    except ImportError:
-        return None
 
     @triton.jit
     def forward_kernel(logits_ptr, row_stride, target_ptr, loss_ptr, lse_ptr, ignore_index,

@@ -57,7 +57,7 @@ def log_train_interval(trainer, sums: Dict[str, float], elapsed: float) -> None:
         for key, value in trainer.throughput.interval_values(sums.get("ntokens", 0.0), elapsed).items():
             metrics.log_scalar(key, value, elapsed, priority=ORDER[key], round=1)  # time-weighted
     log_memory(trainer)
-    ema = getattr(trainer, "ema", None)
+    ema = trainer.ema
     if ema is not None and updates > 0:
         # The decay the EMA used at the interval's last update (0 before --ema-start-update). Weight 0: every
         # line shows the latest value, as upstream's per-update log_scalar does.

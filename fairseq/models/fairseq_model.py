@@ -100,6 +100,12 @@ class BaseFairseqModel(nn.Module):
         return ""
 
     @classmethod
+    def config_notice(cls, cfg) -> str:
+        """A line training logs after the model config line, about what the flags left to defaults built (e.g.
+        extra projections); "" for none."""
+        return ""
+
+    @classmethod
     def tensor_parallel_sizes(cls, cfg) -> Optional[TensorParallelSizes]:
         """The sizes --model-parallel-size must divide and the options it excludes; None: no plan."""
         return None
@@ -135,8 +141,17 @@ class BaseFairseqModel(nn.Module):
     def get_targets(self, sample, net_output) -> torch.Tensor:
         return sample["target"]
 
-    # from_pretrained (upstream's hub entry point) is added by the compatibility wing (fairseq.compat.install):
-    # it belongs to the generation layer, which the model contract does not import.
+    @classmethod
+    def from_pretrained(cls, model_name_or_path: str, checkpoint_file: str = "model.pt",
+                        data_name_or_path: str = ".", **kwargs):
+        """Upstream's hub entry point for a local directory: a GeneratorHubInterface (encode / decode / sample /
+        score / generate) over the checkpoint(s); see fairseq.generation.hub_utils.from_pretrained."""
+        # The one upward import of the model contract (declared in scripts/check_structure.py): upstream's API
+        # puts the hub's constructor on the model class; it runs only when called.
+        from fairseq.generation import hub_utils
+
+        loaded = hub_utils.from_pretrained(model_name_or_path, checkpoint_file, data_name_or_path, **kwargs)
+        return hub_utils.GeneratorHubInterface(loaded["args"], loaded["task"], loaded["models"])
 
 
 def model_config_line(model: nn.Module, cfg) -> str:

@@ -5,9 +5,11 @@ with the same parameter names and shapes, and upstream state dicts load (see `up
 
 Presets (`--arch`), each filling only what the command line leaves unset:
 
-- `transformer_lm`: the config defaults as they stand: 6 x 512, ffn 2048, 8 heads, sinusoidal positions,
-  post-norm, no final layer norm, `--decoder-input-dim`/`--decoder-output-dim` equal to `--decoder-embed-dim`
-  unless given (another value adds the bias-free `project_in_dim`/`project_out_dim`).
+- `transformer_lm`: the config defaults as they stand (upstream registers the bare name as a no-op preset):
+  6 x 512, ffn 2048, 8 heads, sinusoidal positions, post-norm, no final layer norm, and
+  `--decoder-input-dim`/`--decoder-output-dim` 512 whatever `--decoder-embed-dim` says: another embed dim
+  adds the bias-free `project_in_dim` (input dim -> embed dim) and `project_out_dim` (embed dim -> output
+  dim) unless both dims are given (a one-line notice says so when the preset runs).
 - every other preset goes through upstream's `base_lm_architecture`, which forces pre-norm
   (`decoder_normalize_before = True`, upstream's "training is not stable without this") and derives the
   input/output dims from the embed dim:
@@ -64,10 +66,12 @@ class TransformerLanguageModelConfig:
     activation_dropout: float = opt(0.0, "dropout probability after the activation in the FFN")
     relu_dropout: float = opt(0.0, "old name of --activation-dropout, used when that is 0")
     decoder_embed_dim: int = opt(512, "decoder embedding dimension")
-    decoder_output_dim: Optional[int] = opt(
-        None, "decoder output dimension (default: --decoder-embed-dim; another value adds project_out_dim)")
-    decoder_input_dim: Optional[int] = opt(
-        None, "decoder input dimension (default: --decoder-embed-dim; another value adds project_in_dim)")
+    decoder_output_dim: int = opt(
+        512, "decoder output dimension (the presets but bare transformer_lm default it to --decoder-embed-dim; "
+             "another value than the embed dim adds project_out_dim)")
+    decoder_input_dim: int = opt(
+        512, "decoder input dimension (the presets but bare transformer_lm default it to --decoder-embed-dim; "
+             "another value than the embed dim adds project_in_dim)")
     decoder_ffn_embed_dim: int = opt(2048, "decoder embedding dimension for FFN")
     decoder_layers: int = opt(6, "number of decoder layers")
     decoder_attention_heads: int = opt(8, "number of decoder attention heads")
@@ -107,13 +111,6 @@ class TransformerLanguageModelConfig:
     scale_attn: bool = opt(False, "NormFormer: layer norm of the attention's output, before the residual (attn_ln)")
     scale_heads: bool = opt(False, "NormFormer: a learned scale per attention head (c_attn)")
     scale_resids: bool = opt(False, "NormFormer: a learned scale of the FFN block's residual (w_resid)")
-
-    def __post_init__(self):
-        # Unset input/output dims follow the embed dim (upstream's base_lm_architecture); a built config, and so
-        # every saved one, holds the numbers.
-        for name in ("decoder_input_dim", "decoder_output_dim"):
-            if getattr(self, name) is None:
-                setattr(self, name, self.decoder_embed_dim)
 
 
 # Upstream features that are not implemented here (the one table).
@@ -245,6 +242,21 @@ class TransformerLanguageModel(FairseqLanguageModel):
                 + _normformer(cfg))
 
     @classmethod
+    def config_notice(cls, cfg) -> str:
+        """Bare transformer_lm with input/output dims of 512 (upstream's default) beside another embed dim: which
+        projections that adds and the flags that drop them; "" otherwise."""
+        if registry.config_name(cfg) != "transformer_lm" or cfg.decoder_embed_dim == 512:
+            return ""
+        sides = [side for side in ("input", "output") if getattr(cfg, f"decoder_{side}_dim") == 512]
+        if not sides:
+            return ""
+        dim = cfg.decoder_embed_dim
+        return (f"{'/'.join(sides)} dim{'s' if len(sides) > 1 else ''} 512 (upstream's default) with embed dim {dim}: "
+                f"adds project_{'/'.join({'input': 'in', 'output': 'out'}[side] for side in sides)}; pass "
+                f"{' '.join(f'--decoder-{side}-dim {dim}' for side in sides)} to drop "
+                f"{'them' if len(sides) > 1 else 'it'}")
+
+    @classmethod
     def build_model(cls, cfg, task) -> "TransformerLanguageModel":
         dictionary = task.source_dictionary
         return cls.build(cfg, len(dictionary), dictionary.pad(), output_vocab_size=len(task.target_dictionary))
@@ -352,7 +364,9 @@ def _force(args, name: str, value) -> None:
 
 @registry.register_model_architecture("transformer_lm", "transformer_lm")
 def transformer_lm(args) -> None:
-    """Upstream registers the bare model name as a no-op preset: the config defaults apply as they are."""
+    """Upstream registers the bare model name as a no-op preset: the config defaults apply as they are, so unset
+    input/output dims stay 512 whatever the embed dim (upstream 0.12.2 builds project_in/out then; training says
+    so: TransformerLanguageModel.config_notice)."""
 
 
 def base_lm_architecture(args) -> None:

@@ -22,6 +22,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from fairseq.kernels.decode_attention import decode_attention
 from fairseq.modules.incremental_decoding_utils import FairseqIncrementalState, IncrementalState
 
 _CACHE_KEY = "attn_state"
@@ -29,12 +30,17 @@ _CACHE_KEY = "attn_state"
 
 class StaticStep(NamedTuple):
     """Where the one new token of each row goes in a static decode step (no Python value that changes per
-    step, so a CUDA graph can capture it): `slot` [1] (long) is its index in the sequence and its cache slot,
-    or `slot` [rows, 1] one per row (rows at different lengths: a decode engine's rows that joined at different
-    times); `mask` [1 or rows, 1, 1, window] (the activations' dtype) is 0 for slots 0 .. slot and -inf after."""
+    step, so a CUDA graph can capture it): `slot` [1] (long) is its index in the sequence and its cache slot, or
+    `slot` [rows, 1] one per row (rows at different lengths: a decode engine's rows that joined at different
+    times); the token attends over the cache's first `window` slots, masked in one of two ways: `mask`
+    [1 or rows, 1, 1, window] (the activations' dtype) is 0 for slots 0 .. slot and -inf after (SDPA), or
+    `lengths` (integers on the device, [1] or one per row) are the live lengths the decode attention kernel
+    reads (fairseq.kernels.decode_attention: only the live keys, no mask)."""
 
     slot: torch.Tensor
-    mask: torch.Tensor
+    mask: Optional[torch.Tensor]
+    lengths: Optional[torch.Tensor] = None
+    window: int = 0
 
 
 def _write_slot(buffer: torch.Tensor, slot: torch.Tensor, new: torch.Tensor) -> None:
@@ -104,12 +110,21 @@ class CausalSelfAttention(FairseqIncrementalState, AttentionProjections):
     def __init__(self, embed_dim: int, num_heads: int, dropout: float = 0.0, bias: bool = True):
         check_heads(embed_dim, num_heads, "--decoder-embed-dim", "--decoder-attention-heads")
         super().__init__(embed_dim, num_heads, dropout=dropout, bias=bias)
+        self.qkv_proj: Optional[nn.Linear] = None  # q/k/v as one Linear after fuse_qkv_()
 
     def _split_heads(self, x: torch.Tensor) -> torch.Tensor:
         # The heads are counted from the projection's width: every head, or under tensor parallelism (q/k/v
         # split by columns over N ranks) this rank's num_heads / N, with nothing set from outside.
         batch, length, width = x.shape
         return x.view(batch, length, width // self.head_dim, self.head_dim).transpose(1, 2)
+
+    def _qkv(self, x: torch.Tensor):
+        """Queries, keys and values of x, heads split: one GEMM when fused (`fuse_qkv_`), else three."""
+        if self.qkv_proj is not None:
+            q, k, v = self.qkv_proj(x).chunk(3, dim=-1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        return self._split_heads(q), self._split_heads(k), self._split_heads(v)
 
     def forward(self, x: torch.Tensor, incremental_state: Optional[IncrementalState] = None,
                 static_step: Optional[StaticStep] = None) -> torch.Tensor:
@@ -120,14 +135,41 @@ class CausalSelfAttention(FairseqIncrementalState, AttentionProjections):
         if incremental_state is not None:
             return self._forward_incremental(x, incremental_state)
         batch, length, _ = x.shape
-        q = self._split_heads(self.q_proj(x))
-        k = self._split_heads(self.k_proj(x))
-        v = self._split_heads(self.v_proj(x))
+        q, k, v = self._qkv(x)
         attn = F.scaled_dot_product_attention(
             q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True
         )
         attn = attn.transpose(1, 2).reshape(batch, length, -1)  # -1: this rank's heads (see _split_heads)
         return self.out_proj(attn)
+
+    # ---- one q/k/v GEMM for inference ----------------------------------------------------------------------
+    def fuse_qkv_(self) -> bool:
+        """Replace q_proj, k_proj and v_proj by one Linear, `qkv_proj`, of their rows concatenated (one GEMM a
+        call instead of three: what decoding wants). State dicts keep upstream's names both ways: `state_dict()`
+        splits the fused rows back into q_proj / k_proj / v_proj, `load_state_dict` of those names fills the
+        fused Linear. Returns whether the module is fused; one whose projections are not plain nn.Linear of
+        plain tensors on one device and dtype (sharded, quantized) stays as it is."""
+        if self.qkv_proj is not None:
+            return True
+        projections = (self.q_proj, self.k_proj, self.v_proj)
+        params = [p for proj in projections for p in proj.parameters(recurse=False)]
+        if (any(type(proj) is not nn.Linear for proj in projections)
+                or any(type(p.data) is not torch.Tensor for p in params)
+                or len({(p.dtype, p.device) for p in params}) != 1):
+            return False
+        weight = self.q_proj.weight
+        fused = nn.Linear(weight.size(1), 3 * weight.size(0), bias=self.q_proj.bias is not None,
+                          device=weight.device, dtype=weight.dtype)
+        with torch.no_grad():
+            fused.weight.copy_(torch.cat([proj.weight for proj in projections]))
+            if fused.bias is not None:
+                fused.bias.copy_(torch.cat([proj.bias for proj in projections]))
+        fused.requires_grad_(weight.requires_grad)
+        del self.q_proj, self.k_proj, self.v_proj
+        self.qkv_proj = fused
+        self.register_state_dict_post_hook(_split_qkv_on_save)
+        self.register_load_state_dict_pre_hook(_fuse_qkv_on_load)
+        return True
 
     # ---- incremental decoding ---------------------------------------------------------------------------
     def _cache_entry(self, incremental_state: IncrementalState) -> dict:
@@ -174,9 +216,7 @@ class CausalSelfAttention(FairseqIncrementalState, AttentionProjections):
         entry = self._cache_entry(incremental_state)
         start = entry["length"]
         end = start + length
-        q = self._split_heads(self.q_proj(x))
-        k = self._split_heads(self.k_proj(x))
-        v = self._split_heads(self.v_proj(x))
+        q, k, v = self._qkv(x)
         self._ensure_capacity(entry, batch, end, k)
         entry["key_buffer"][:batch, :, start:end] = k
         entry["value_buffer"][:batch, :, start:end] = v
@@ -210,13 +250,16 @@ class CausalSelfAttention(FairseqIncrementalState, AttentionProjections):
         batch, length, _ = x.shape
         entry = self._cache_entry(incremental_state)
         keys, values = entry["key_buffer"][:batch], entry["value_buffer"][:batch]
-        q = self._split_heads(self.q_proj(x))
-        _write_slot(keys, step.slot, self._split_heads(self.k_proj(x)))
-        _write_slot(values, step.slot, self._split_heads(self.v_proj(x)))
-        window = step.mask.size(-1)
-        keys, values = keys[:, :, :window], values[:, :, :window]
-        dropout = self.dropout if self.training else 0.0
-        attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=step.mask, dropout_p=dropout)
+        q, k, v = self._qkv(x)
+        _write_slot(keys, step.slot, k)
+        _write_slot(values, step.slot, v)
+        if step.lengths is not None:  # the split-KV kernel: reads each row's live keys only
+            attn = decode_attention(q, keys, values, step.lengths, max_length=step.window)
+        else:
+            window = step.mask.size(-1)
+            keys, values = keys[:, :, :window], values[:, :, :window]
+            dropout = self.dropout if self.training else 0.0
+            attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=step.mask, dropout_p=dropout)
         attn = attn.transpose(1, 2).reshape(batch, length, -1)
         return self.out_proj(attn)
 
@@ -254,3 +297,34 @@ class CausalSelfAttention(FairseqIncrementalState, AttentionProjections):
             buffer = entry[name]
             buffer[:rows, :, :filled] = buffer[:, :, :filled].index_select(0, new_order)
         return incremental_state
+
+
+_QKV = ("q_proj", "k_proj", "v_proj")
+
+
+def _split_qkv_on_save(module, state_dict, prefix, local_metadata) -> None:
+    """A fused module's state dict under upstream's names, in upstream's order (q, k, v first). The module's
+    keys are the last ones of `state_dict` when its hooks run (children are saved before the hooks)."""
+    own = [key for key in state_dict if key.startswith(prefix)]
+    entries = {key: state_dict.pop(key) for key in own}
+    parts = {kind: entries.pop(f"{prefix}qkv_proj.{kind}", None) for kind in ("weight", "bias")}
+    for index, name in enumerate(_QKV):
+        for kind, fused in parts.items():
+            if fused is not None:  # a copy: the three saved tensors share no storage
+                state_dict[f"{prefix}{name}.{kind}"] = fused.detach().chunk(3, dim=0)[index].clone()
+    state_dict.update(entries)
+
+
+def _fuse_qkv_on_load(module, state_dict, prefix, *args) -> None:
+    """q_proj / k_proj / v_proj entries into a fused module's `qkv_proj` (the whole set, else left to the
+    missing-key report)."""
+    for kind in ("weight", "bias"):
+        keys = [f"{prefix}{name}.{kind}" for name in _QKV]
+        if all(key in state_dict for key in keys):
+            state_dict[f"{prefix}qkv_proj.{kind}"] = torch.cat([state_dict.pop(key) for key in keys])
+
+
+def fuse_qkv_(model: nn.Module) -> int:
+    """`fuse_qkv_()` on every CausalSelfAttention of `model` (for inference, after it is moved and cast);
+    returns how many are fused."""
+    return sum(module.fuse_qkv_() for module in model.modules() if isinstance(module, CausalSelfAttention))

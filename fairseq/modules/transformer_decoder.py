@@ -31,6 +31,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from fairseq.kernels.decode_attention import decode_attention_available
 from fairseq.modules.incremental_decoding_utils import IncrementalState
 from fairseq.modules.fairseq_incremental_decoder import FairseqIncrementalDecoder
 from fairseq.modules.adaptive_input import AdaptiveInput, parse_cutoffs
@@ -249,10 +250,10 @@ class TransformerDecoder(FairseqIncrementalDecoder):
 
     def forward_static_step(self, tokens: torch.Tensor, slot: torch.Tensor,
                             incremental_state: IncrementalState, window: Optional[int] = None) -> torch.Tensor:
-        """Logits [R, 1, V] of `tokens` [R, 1], the tokens at index `slot` (a long tensor on the model's device,
-        [1], or [R, 1]: one index per row) of R sequences whose first `slot` tokens are cached in `incremental_state`: the same
-        logits as `self(prefix, incremental_state=state)` would give, from shapes and kernels that do not depend
-        on `slot` and without reading it on the host, so a CUDA graph can capture this call.
+        """Logits [R, 1, V] of `tokens` [R, 1], the tokens at index `slot` (a long tensor on the model's device, [1], or
+        [R, 1]: one index per row) of R sequences whose first `slot` tokens are cached in `incremental_state`: the same
+        logits as `self(prefix, incremental_state=state)` would give, from shapes and kernels that do not depend on
+        `slot` and without reading it on the host, so a CUDA graph can capture this call.
 
         The cache must be reserved (`reserve_incremental_state`) or allocated by an earlier call; attention runs
         over its first `window` slots (default: its whole capacity), masked after `slot`. `slot` must stay below
@@ -269,12 +270,20 @@ class TransformerDecoder(FairseqIncrementalDecoder):
         if capacities:
             capacity = capacities.pop()
             window = capacity if window is None else min(window, capacity)
-            visible = torch.arange(window, device=x.device) <= slot  # [window], or [rows, window] per row
-            mask = torch.zeros(visible.shape, dtype=x.dtype, device=x.device).masked_fill_(~visible, -math.inf)
-            step = StaticStep(slot, mask.view(-1, 1, 1, window))
+            step = self._static_step_attention(x, slot, window)
         for layer in self.layers:
             x = layer(x, incremental_state=incremental_state, static_step=step)
         return self.output_layer(self._final_norm_and_projection(x))
+
+    def _static_step_attention(self, x: torch.Tensor, slot: torch.Tensor, window: int) -> StaticStep:
+        """How a static step's attention sees the cache: the live length for the decode attention kernel where
+        it runs (CUDA with Triton, inference; chosen here once per step, on the host, so a captured graph holds
+        the one chosen), else a mask over the window for SDPA."""
+        if not self.training and decode_attention_available(x):
+            return StaticStep(slot, None, lengths=(slot + 1).view(-1), window=window)
+        visible = torch.arange(window, device=x.device) <= slot  # [window], or [rows, window] with a slot per row
+        mask = torch.zeros(visible.shape, dtype=x.dtype, device=x.device).masked_fill_(~visible, -math.inf)
+        return StaticStep(slot, mask.view(-1, 1, 1, window), window=window)
 
     def output_layer(self, features: torch.Tensor) -> torch.Tensor:
         """Vocabulary scores of `features`; with an adaptive softmax, its fp32 log-probabilities (already

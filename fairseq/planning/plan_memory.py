@@ -138,7 +138,7 @@ class Request:
 def parse(argv: Optional[List[str]] = None) -> Request:
     """Parse the command line into a model shape (built on meta) and a training setup; usage errors exit 2."""
     from fairseq.distributed.fsdp import check_fsdp_flags
-    from fairseq.models.transformer_lm import TransformerLanguageModelConfig, preset_config
+    from fairseq.models.transformer_lm import TransformerLanguageModelConfig, preset_config, uses_adaptive_modules
 
     parser = build_parser()
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
@@ -147,7 +147,7 @@ def parse(argv: Optional[List[str]] = None) -> Request:
         overrides = {k: v for k, v in vars(args).items() if k in model_fields}
         overrides.update(tokens_per_sample=args.tokens_per_sample, max_target_positions=args.max_target_positions)
         cfg = preset_config(args.arch, **overrides)
-        if cfg.adaptive_input or cfg.adaptive_softmax_cutoff is not None:
+        if uses_adaptive_modules(cfg):
             # Their outputs' sizes depend on how often each band's words occur; the planner has no such term.
             raise ValueError(f"--arch {args.arch}: adaptive input/softmax (--adaptive-input, "
                              "--adaptive-softmax-cutoff) are not modeled by the memory planner, which assumes a full "
@@ -434,7 +434,7 @@ def async_checkpoint_lines(request: Request) -> List[str]:
     shards = (setup.shard_group or setup.data_parallel) * setup.tensor_parallel if setup.fully_sharded else 1
     per_rank = async_save_host_bytes(shape.total_params * mm.MASTER_PARAM_BYTES,
                                      shape.total_params * mm.ADAM_STATE_BYTES, sharded=request.sharded_state,
-                                     state_shards=shards, gathered=setup.fully_sharded or setup.tensor_parallel > 1)
+                                     state_shards=shards)
     per_node = per_rank * (ranks_per_node if request.sharded_state else 1)  # a single file: rank 0 alone
     kind = "sharded: every rank its shards" if request.sharded_state else "single file: rank 0 the whole state"
     lines = [f"asynchronous checkpoints ({kind}): {mm.gib(per_node):.2f} GiB of host memory per node "

@@ -113,10 +113,6 @@ class FairseqTask:
     def max_positions(self) -> Optional[int]:
         return None
 
-    def can_reuse_epoch_itr(self, dataset) -> bool:
-        """Upstream's name: whether the epoch iterator of `dataset` may be reused across epochs."""
-        return getattr(dataset, "can_reuse_epoch_itr_across_epochs", False)
-
     def filter_indices_by_size(self, indices, dataset, max_positions=None, ignore_invalid_inputs: bool = False):
         """Upstream's name: `indices` without the items longer than `max_positions` (a number, tuple or dict);
         without `ignore_invalid_inputs` such an item is an error."""
@@ -292,7 +288,7 @@ class FairseqTask:
                                round=1)
         criterion.__class__.reduce_metrics(logging_outputs)
 
-    # ---- hooks the trainer may call -----------------------------------------------------------------
+    # ---- hooks the trainer calls (upstream's): at each epoch's start and before each validation ----
     def begin_epoch(self, epoch: int, model) -> None:
         pass
 

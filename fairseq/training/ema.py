@@ -25,7 +25,7 @@ import torch
 # validate(cfg), which imports this module): see fairseq.distributed.dtensor.
 from fairseq.distributed.dtensor import is_dtensor
 
-logger = logging.getLogger("fairseq.models.ema.ema")  # its name before the move: log lines unchanged
+logger = logging.getLogger("fairseq.models.ema.ema")  # upstream's logger name: log lines read as its
 
 
 def check_ema_config(ema_cfg) -> None:

@@ -86,6 +86,9 @@ def _start(cfg, checkpoints, task, model, criterion):
     criterion = build_criterion(cfg.criterion, task, cfg.optimization) if criterion is None else criterion
     logger.info(f"task: {type(task).__name__}, model: {type(model).__name__} ({cfg.model._name}), "
                 f"criterion: {type(criterion).__name__}")
+    notice = getattr(type(model), "config_notice", lambda _: "")(cfg.model)
+    if notice:
+        logger.info(notice)
     logger.info(model_config_line(model, cfg.model))
     num_params = sum(p.numel() for p in model.parameters())
     logger.info(f"num. model params: {num_params:,} (num. trained: "
@@ -258,6 +261,7 @@ def validate(cfg, trainer, task, epoch_itr, checkpoints, preemption=None) -> Lis
     pass the same boundaries.
     """
     subsets = valid_iterators(cfg, task, trainer)
+    trainer.begin_valid_epoch(epoch_itr.epoch)
     if cfg.dataset.fixed_validation_seed is not None:  # the next update re-seeds from its update count
         torch.manual_seed(cfg.dataset.fixed_validation_seed)
     valid_losses = []

@@ -8,12 +8,11 @@ update that fp16 training pays (the step must know whether to skip).
 
 import contextlib
 import logging
-import math
 from typing import Optional
 
 import torch
 
-logger = logging.getLogger("fairseq.training.precision")  # its name before the move: log lines unchanged
+logger = logging.getLogger(__name__)
 
 
 def compute_dtype(common_cfg) -> torch.dtype:
@@ -117,7 +116,3 @@ class Precision:
     def load_state_dict(self, state):
         if self.scaler is not None and state:
             self.scaler.load_state_dict(state)
-
-
-def is_finite(value: float) -> bool:
-    return not (math.isnan(value) or math.isinf(value))

@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 from fairseq.distributed.env import PREEMPTION_SIGNALS
 
-logger = logging.getLogger("fairseq.training.preemption")  # its name before the move: log lines unchanged
+logger = logging.getLogger(__name__)
 
 EXIT_REQUEUED = 3  # "stopped for preemption, checkpoint saved, job requeued (or ready to be restarted)"
 EXIT_REQUEUE_FAILED = 4  # "stopped for preemption, checkpoint saved, but the SLURM requeue failed: resubmit"

@@ -22,7 +22,7 @@ from fairseq.distributed.utils import get_data_parallel_group
 from fairseq.training.precision import Precision
 from fairseq.logging.logging_outputs import LoggingOutputSums
 
-logger = logging.getLogger("fairseq.training.train_step")  # its name before the move: log lines unchanged
+logger = logging.getLogger(__name__)
 
 
 def _global_sample_size(samples, sentence_avg: bool, device) -> torch.Tensor:

@@ -4,13 +4,13 @@ exits with EXIT_REQUEUE_FAILED (rank 0 decides and tells the others), and one er
 import pytest
 
 from fairseq.training.preemption import EXIT_REQUEUE_FAILED
-from test_preemption_distributed import preemption_args, signal_after_update, start_slurm_ranks  # noqa: F401
+from test_preemption_distributed import preemption_args, signal_after_update, start_slurm_ranks  # noqa: F401 (a fixture)
 from test_train_distributed import _free_port
 
 pytestmark = pytest.mark.timeout(600)
 
 
-def test_every_rank_exits_4_when_scontrol_requeue_fails(tiny_data, tmp_path, preemption_args):
+def test_every_rank_exits_4_when_scontrol_requeue_fails(tiny_data, tmp_path, preemption_args):  # noqa: F811
     fake_bin = tmp_path / "bin"
     fake_bin.mkdir()
     scontrol = fake_bin / "scontrol"

@@ -44,7 +44,7 @@ def test_fp8_trains_and_checkpoints_move_between_bf16_and_fp8(tmp_path, recipe):
     out = train(fp8_dir, "--fp8", "--fp8-recipe", recipe, "--max-update", "6")
     assert "Linear layers converted" in out
     first = losses(fp8_dir)
-    assert len(first) == 6 and all(l == l and l < 1e3 for l in first)
+    assert len(first) == 6 and all(loss == loss and loss < 1e3 for loss in first)
     bf16 = torch.load(fp8_dir / "checkpoint_last.pt", weights_only=True)["model"]
     # a bf16 run resumes from the float8 run's checkpoint, and a float8 run from the bf16 one's
     train(bf16_dir, "--restore-file", str(fp8_dir / "checkpoint_last.pt"), "--max-update", "9")

@@ -1,7 +1,7 @@
 """--quantize int8-weight-only on CUDA: a small model trained here for a few hundred steps decodes greedily with
-int8 weights (torchao's Int8Tensor) to the bf16 model's tokens on >= 95% of 256 tokens, with the decode steps
-replayed from CUDA graphs (the tensor subclass's int8 data and scales are ordinary CUDA tensors the graphs
-read) as eagerly; fairseq-generate runs with the flag; a batch whose KV cache cannot fit is one line before any
+int8 weights (Int8WeightOnlyLinear: the Triton int8 matmul in the decode steps) to the bf16 model's tokens on
+>= 95% of 256 tokens, with the decode steps replayed from CUDA graphs (the int8 weights and scales are ordinary
+CUDA buffers the graphs read) as eagerly; fairseq-generate runs with the flag; a batch whose KV cache cannot fit is one line before any
 decoding. Run: python -m pytest -s -m gpu tests/gpu/test_quantize_gpu.py (the figures are printed)."""
 
 import io
@@ -95,11 +95,12 @@ def test_int8_weight_only_greedy_tokens_agree_with_bf16(trained, record_property
     bf16_bytes = model_bytes([bf16])
     # 4 layers x (q, k, v, out, fc1, fc2) + the untied output projection
     assert quantize_for_generation(bf16, "int8-weight-only", torch.device("cuda")) == 4 * 6 + 1
-    assert type(bf16.decoder.layers[0].fc1.weight).__name__ == "Int8Tensor"
+    assert type(bf16.decoder.layers[0].fc1).__name__ == "Int8WeightOnlyLinear"
     int8_bytes = model_bytes([bf16])
     graphed, int8_s, generator = greedy(bf16, d, cuda_graphs=True)
     eager, _, _ = greedy(bf16, d, cuda_graphs=False)
-    assert generator._graphed is not None and generator._graphed.graphs  # the steps were captured and replayed
+    graphed = generator.step_model.graphed
+    assert graphed is not None and graphed.graphs  # the steps were captured and replayed
     agree = float((graphed == reference).float().mean())
     graph_vs_eager = float((graphed == eager).float().mean())
     print(f"\nint8-weight-only vs bf16 greedy: {agree:.1%} of {reference.numel()} tokens agree (CUDA-graph steps); "
@@ -146,7 +147,8 @@ def test_a_batch_whose_kv_cache_cannot_fit_is_one_line(tmp_path, monkeypatch):
     d = Dictionary()
     for i in range(2100):
         d.add_symbol(f"w{i}")
-    cfg = preset_config("transformer_lm", decoder_embed_dim=1024, decoder_ffn_embed_dim=1024, decoder_layers=8,
+    cfg = preset_config("transformer_lm", decoder_embed_dim=1024, decoder_input_dim=1024, decoder_output_dim=1024,
+                        decoder_ffn_embed_dim=1024, decoder_layers=8,
                         decoder_attention_heads=8, tokens_per_sample=4096)  # a config that names its arch
     model = TransformerLanguageModel.build(cfg, len(d), d.pad())
     path = tmp_path / "checkpoint.pt"

@@ -101,22 +101,30 @@ def test_benchmark_host_overhead_prints_both_rows():
     assert len(rows["fairseq-train (per log interval)"].split(" / ")) == 3
 
 
-def test_benchmark_generate_prints_its_tables_on_the_cpu(tmp_path, capsys):
-    """scripts/benchmark_generate.py with tiny sizes, in this process: the fork's greedy, beam and sampling rows
-    with their bandwidth columns, transformers' default and static-cache paths, the int8 row refused on the CPU."""
-    pytest.importorskip("transformers")
+# a 2-layer model of width 64, one timing each, on the CPU
+TINY_GENERATE = ["--arch", "transformer_lm_gpt3_small", "--decoder-layers", "2", "--decoder-embed-dim", "64",
+                 "--decoder-ffn-embed-dim", "128", "--decoder-attention-heads", "2", "--repeats", "1",
+                 "--uncached-samples", "2", "--device", "cpu"]
+
+
+def benchmark_generate_output(capsys, *argv) -> str:
+    """What scripts/benchmark_generate.py prints for TINY_GENERATE + argv, run in this process."""
     sys.path.insert(0, os.path.join(ROOT, "scripts"))
     try:
         import benchmark_generate
     finally:
         sys.path.pop(0)
     capsys.readouterr()
-    benchmark_generate.main([
-        "--arch", "transformer_lm_gpt3_small", "--decoder-layers", "2", "--decoder-embed-dim", "64",
-        "--decoder-ffn-embed-dim", "128", "--decoder-attention-heads", "2", "--vocab-size", "500",
-        "--batch-sizes", "1,3", "--prompt-len", "8", "--new-tokens", "6", "--repeats", "1", "--uncached-samples", "2",
-        "--copy-mib", "16", "--device", "cpu", "--json", str(tmp_path / "out.json")])
-    out = capsys.readouterr().out
+    benchmark_generate.main([*TINY_GENERATE, *argv])
+    return capsys.readouterr().out
+
+
+def test_benchmark_generate_prints_its_tables_on_the_cpu(tmp_path, capsys):
+    """scripts/benchmark_generate.py with tiny sizes, in this process: the fork's greedy, beam and sampling rows
+    with their bandwidth columns, transformers' default and static-cache paths, the int8 row refused on the CPU."""
+    pytest.importorskip("transformers")
+    out = benchmark_generate_output(capsys, "--vocab-size", "500", "--batch-sizes", "1,3", "--prompt-len", "8",
+                                    "--new-tokens", "6", "--copy-mib", "16", "--json", str(tmp_path / "out.json"))
     lines = out.splitlines()
     fork = [line.split("|")[1:-1] for line in lines if line.startswith("| 1 |") or line.startswith("| 3 |")]
     rows = [(cells[0].strip(), cells[1].strip()) for cells in fork if len(cells) == 9]
@@ -128,7 +136,8 @@ def test_benchmark_generate_prints_its_tables_on_the_cpu(tmp_path, capsys):
     assert [cells[5].strip().count("/") for cells in versus] == [2, 2]  # identical rows: default, static
     assert "transformers static cache: uncompiled" in out and "eager decode steps" in out
     results = json.loads((tmp_path / "out.json").read_text())
-    assert results["skipped"].keys() == {"int8"} and results["copy_bytes_per_s"] > 0
+    assert results["skipped"].keys() == {"int8", "greedy-sdpa"} and results["copy_bytes_per_s"] > 0
+    assert "greedy-sdpa: not run (the split-KV decode attention kernel runs on CUDA with Triton only" in out
     by_row = {(r["row"], r["batch"]): r for r in results["rows"]}
     assert set(by_row) == {(row, batch) for row in ("greedy", "beam4", "sample", "default", "static")
                            for batch in (1, 3)}
@@ -142,8 +151,38 @@ def test_benchmark_generate_prints_its_tables_on_the_cpu(tmp_path, capsys):
     matmuls = results["int8_matmuls"]
     assert [(tuple(r["shape"]), r["rows"]) for r in matmuls] == [
         ((64, 64), 1), ((64, 64), 3), ((64, 128), 1), ((64, 128), 3), ((128, 64), 1), ((128, 64), 3)]
-    assert all(set(r["seconds"]) == {"bf16", "torchao eager", "_weight_int8pack_mm"} for r in matmuls)
-    assert "| Linear weight (out x in) | rows | bf16 us | torchao eager us | torchao compiled us |" in out
+    assert all(set(r["seconds"]) == {"bf16", "fairseq int8", "torchao eager", "_weight_int8pack_mm"} for r in matmuls)
+    assert ("| Linear weight (out x in) | rows | bf16 us | fairseq int8 us | torchao eager us | torchao compiled us |"
+            in out)
+
+
+def test_benchmark_generate_profiles_decode_steps_on_the_cpu(capsys):
+    """--profile: the profiled greedy steps' table (kernels per step: on the CPU the top-level aten ops) and the top
+    kernels by time; the decode attention call table, without the kernel on the CPU."""
+    lines = benchmark_generate_output(capsys, "--vocab-size", "200", "--batch-sizes", "1,2", "--prompt-len", "6",
+                                      "--new-tokens", "5", "--copy-mib", "4", "--no-transformers",
+                                      "--no-int8-matmuls", "--rows", "greedy", "--profile").splitlines()
+
+    def table(header):
+        """The cells of the table under `header` (after its separator line), up to the first line that is not one."""
+        rows = []
+        for line in lines[lines.index(header) + 2:]:
+            if not line.startswith("|"):
+                break
+            rows.append([cell.strip() for cell in line.split("|")[1:-1]])
+        return rows
+
+    steps = table("| row | batch | kernels per step | kernel us per step |")
+    assert [row[:2] for row in steps] == [["greedy", "1"], ["greedy", "2"]]
+    # a 2-layer decoder's step calls aten ops by the dozen, the same ones at every batch size
+    assert float(steps[0][2]) > 20 and steps[0][2] == steps[1][2]
+    top = table("| row | batch | top kernels by time | calls per step | us per step | % of kernel time |")
+    assert [row[:2] for row in top] == [["greedy", "1"]] * 10 + [["greedy", "2"]] * 10
+    assert all(row[2].startswith("aten::") for row in top)
+    calls = table("| decode attention, one layer call | batch | heads x head dim | live keys (window) | sdpa us | "
+                  "split-KV kernel us | kernel GB/s of live KV |")
+    assert [row[1:4] for row in calls] == [["1", "2 x 32", "9 (64)"], ["2", "2 x 32", "9 (64)"]]
+    assert [row[5:] for row in calls] == [["-", "-"]] * 2  # no kernel on the CPU
 
 
 def test_benchmark_serve_prints_a_row_per_concurrency(capsys):

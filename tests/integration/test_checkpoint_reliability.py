@@ -356,3 +356,20 @@ def test_changed_model_option_on_resume_names_a_fix_the_parser_accepts(tiny_data
     assert num_updates(tmp_path / "checkpoint_last.pt") == 1
     train.cli_main(train_args(tiny_data, tmp_path, *fixed, max_update=2))  # the fix as told resumes
     assert num_updates(tmp_path / "checkpoint_last.pt") == 2
+
+
+def test_checkpoint_with_the_embed_dim_as_input_and_output_dims_resumes_with_them_named(tiny_data, tmp_path,
+                                                                                        train_args):
+    """A bare transformer_lm run saved while unset input/output dims followed the embed dim (2026-12-04 to -06)
+    stored 32 for both: the same command line now means 512 (upstream's default), and resuming names the flags
+    that give the checkpoint's model back."""
+    args = train_args(tiny_data, tmp_path, max_update=1)  # --decoder-input-dim 32 --decoder-output-dim 32
+    train.cli_main(args)
+    for flag in ("--decoder-input-dim", "--decoder-output-dim"):
+        del args[args.index(flag):args.index(flag) + 2]
+    args[args.index("--max-update") + 1] = "2"
+    with pytest.raises(CheckpointError) as info:
+        train.cli_main(args)
+    assert "--decoder-input-dim is 512 here but 32 in the checkpoint" in str(info.value)
+    assert "Resume with --decoder-input-dim 32," in str(info.value)
+    assert num_updates(tmp_path / "checkpoint_last.pt") == 1

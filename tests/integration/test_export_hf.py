@@ -175,8 +175,9 @@ def gpt2_run(tmp_path_factory):
 def test_opt_from_fairseq_train(gpt2_run):
     out = gpt2_run["out"]
     assert gpt2_run["result"]["architecture"] == "OPTForCausalLM" and gpt2_run["result"]["tokenizer"] == "gpt2"
-    assert sorted(os.listdir(out)) == ["config.json", "dict.txt", "encoder.json", "generation_config.json",
-                                       "model.safetensors", "tokenizer.json", "tokenizer_config.json", "vocab.bpe"]
+    assert sorted(os.listdir(out)) == ["config.json", "dict.txt", "encoder.json", "fairseq_manifest.json",
+                                       "generation_config.json", "model.safetensors", "tokenizer.json",
+                                       "tokenizer_config.json", "vocab.bpe"]
     assert (out / "encoder.json").read_bytes() == gpt2_run["enc"].read_bytes()  # the --bpe files, for the way back
     config = json.loads((out / "config.json").read_text())
     # GPT-3 presets scale embeddings by sqrt(32): folded into OPT's input matrix, so written untied.
@@ -412,7 +413,7 @@ def test_cli_writes_and_refuses_in_one_line(tmp_path, capsys, gpt2_run):
     run_console_script("export_hf", script.main, [ok, str(tmp_path / "hf")])
     assert "wrote" in capsys.readouterr().out and (tmp_path / "hf" / "model.safetensors").is_file()
     cases = [
-        ([ok, str(tmp_path / "hf")], "already exists and is not empty; pass --overwrite"),
+        ([ok, str(tmp_path / "hf")], "holds an earlier output of scripts/export_hf.py; pass --overwrite"),
         ([write_checkpoint(tmp_path / "ln", dictionary, arch="transformer_lm_gpt", layernorm_embedding=True),
           str(tmp_path / "x")], "--layernorm-embedding"),
         ([str(tmp_path / "missing.pt"), str(tmp_path / "x")], "checkpoint not found"),

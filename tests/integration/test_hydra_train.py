@@ -424,12 +424,13 @@ def test_hydra_full_error_still_gives_the_traceback(tmp_path, monkeypatch, resto
     assert os.environ["HYDRA_FULL_ERROR"] == "1"
 
 
-def test_yaml_model_group_input_and_output_dims_follow_the_embed_dim():
+def test_yaml_model_group_input_and_output_dims_keep_upstreams_default():
+    """A YAML `model:` group is upstream's dataclass: unset input/output dims are 512 whatever the embed dim."""
     from fairseq.dataclass.hydra import fairseq_config_from_dict
 
     base = {"task": {"_name": "language_modeling", "data": "data-bin"}, "optimizer": {"_name": "adam"}}
     model = fairseq_config_from_dict(dict(base, model={"_name": "transformer_lm", "decoder_embed_dim": 64})).model
-    assert (model.decoder_input_dim, model.decoder_output_dim) == (64, 64)
+    assert (model.decoder_input_dim, model.decoder_output_dim) == (512, 512)
     model = fairseq_config_from_dict(dict(base, model={"_name": "transformer_lm", "decoder_embed_dim": 64,
                                                        "decoder_input_dim": 128})).model
-    assert (model.decoder_input_dim, model.decoder_output_dim) == (128, 64)
+    assert (model.decoder_input_dim, model.decoder_output_dim) == (128, 512)

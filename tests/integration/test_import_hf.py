@@ -130,7 +130,7 @@ def test_bf16_to_float32_and_the_cli(tokenizers, tmp_path, capsys):
     original = hf_tensors(source)["model.decoder.layers.1.fc2.weight"]
     assert torch.equal(state["decoder.layers.1.fc2.weight"], original.float())
     assert sorted(os.listdir(tmp_path / "fs")) == ["checkpoint_best.pt", "dict.txt", "encoder.json",
-                                                   "model_flags.txt", "vocab.bpe"]
+                                                   "fairseq_manifest.json", "model_flags.txt", "vocab.bpe"]
 
 
 # ----------------------------------------------------------------------------- the tokenizers
@@ -265,6 +265,29 @@ def test_from_pretrained_on_a_transformers_directory(model_type, tokenizers, tmp
     assert hypo[0][0]["tokens"][len(ids) - 1:len(ids) - 1 + new].tolist() == out.tolist()
 
 
+def test_path_to_a_transformers_directory_says_how_to_load_it(tiny_data, tmp_path, monkeypatch):
+    """--path of fairseq-interactive, -generate, -eval-lm at a transformers directory (or a file of one): one line
+    naming scripts/import_hf.py and from_pretrained."""
+    import io
+
+    from fairseq_cli import eval_lm, generate, interactive
+    from tests.train_fixtures import console_in_process
+
+    source = tmp_path / "hf"
+    hf.export(write_checkpoint(tmp_path / "ck", word_dictionary(), arch="transformer_lm_gpt"), str(source))
+    monkeypatch.setattr("sys.stdin", io.StringIO("w1 w2\n"))
+    for name, cli_main, path, part in (("fairseq-interactive", interactive.cli_main, source, ""),
+                                       ("fairseq-generate", generate.cli_main, source / "model.safetensors",
+                                        "a file of "),
+                                       ("fairseq-eval-lm", eval_lm.cli_main, source / "config.json", "a file of ")):
+        status, _, err = console_in_process(name, cli_main, [str(tiny_data), "--path", str(path), "--cpu"])
+        assert status == 1 and err.strip() == (
+            f"{name}: error: {path} is {part}a transformers model directory (config.json of model_type xglm), not a "
+            f"fairseq checkpoint: import it with `python scripts/import_hf.py {source} OUT_DIR` and pass --path "
+            f"OUT_DIR/checkpoint_best.pt, or load it in Python with TransformerLanguageModel.from_pretrained("
+            f"{str(source)!r})"), err
+
+
 # ----------------------------------------------------------------------------- bad input
 
 
@@ -296,6 +319,26 @@ def _break(case, source):
             vocab = {t: i for t, i in vocab.items() if i < len(vocab) + extra}
         (source / "vocab.json").write_text(json.dumps(vocab))
         return source / "vocab.json"
+    if case in CONFIG_VALUES:
+        config = json.loads((source / "config.json").read_text())
+        config.update(CONFIG_VALUES[case])
+        (source / "config.json").write_text(json.dumps(config))
+        return source / "config.json"
+    if case == "shared_id":
+        vocab = json.loads((source / "vocab.json").read_text())
+        del vocab[{i: t for t, i in vocab.items()}[10]]
+        vocab.update(dup_a=10, dup_b=10)  # two tokens of id 10
+        (source / "vocab.json").write_text(json.dumps(vocab))
+        return source / "vocab.json"
+    if case.startswith("index_"):  # a shard moved out of the directory, the index naming it there
+        index = json.loads((source / "model.safetensors.index.json").read_text())
+        shard = sorted(set(index["weight_map"].values()))[-1]
+        outside = source.parent / "elsewhere.safetensors"
+        (source / shard).rename(outside)
+        name = "../elsewhere.safetensors" if case == "index_parent" else str(outside)
+        index["weight_map"] = {k: name if v == shard else v for k, v in index["weight_map"].items()}
+        (source / "model.safetensors.index.json").write_text(json.dumps(index))
+        return source / "model.safetensors.index.json"
     if case == "no_weights":
         (source / "model.safetensors").unlink()
         return source
@@ -306,7 +349,22 @@ def _break(case, source):
     raise AssertionError(case)
 
 
+CONFIG_VALUES = {  # case: config.json values of the wrong kind
+    "hidden_size_string": {"hidden_size": "64"}, "hidden_size_float": {"hidden_size": 2.5},
+    "hidden_size_null": {"hidden_size": None}, "hidden_size_abc": {"hidden_size": "abc"},
+    "layers_negative": {"num_hidden_layers": -1}, "dropout_switch": {"dropout": True},
+}
+
 BAD = {  # case: what the one line says (besides the file's name)
+    "hidden_size_string": 'hidden_size is "64" (a string); expected a positive integer',
+    "hidden_size_float": "hidden_size is 2.5 (a number); expected a positive integer",
+    "hidden_size_null": "hidden_size is null; expected a positive integer",
+    "hidden_size_abc": 'hidden_size is "abc" (a string); expected a positive integer',
+    "layers_negative": "num_hidden_layers is -1 (an integer); expected an integer >= 0",
+    "dropout_switch": "dropout is true (a boolean); expected a number from 0 to below 1",
+    "shared_id": "tokens 'dup_a' and 'dup_b' share id 10; each id names one token",
+    "index_parent": 'names the weight file "../elsewhere.safetensors", outside ',
+    "index_absolute": "elsewhere.safetensors\", outside ",
     "llama": "model_type 'llama' (LlamaForCausalLM) is not OPT or XGLM",
     "no_tokenizer": "has no GPT-2 tokenizer files (vocab.json + merges.txt, or tokenizer.json)",
     "vocab_bigger_than_rows": "entries but the model's embedding has",
@@ -329,9 +387,10 @@ def test_bad_input_is_one_line_naming_the_file(case, tokenizers, tmp_path, capsy
         source = make_hf(tmp_path, tokenizers, "opt")
         out.mkdir()
         (out / "x").write_text("x")
-        named, message = out, "already exists and is not empty; pass --overwrite"
+        named, message = out, "already exists and holds files scripts/import_hf.py did not write"
     else:
-        source = make_hf(tmp_path, tokenizers, "opt")
+        sharded = {"max_shard_size": "30KB"} if case.startswith("index_") else {}
+        source = make_hf(tmp_path, tokenizers, "opt", **sharded)
         named, message = _break(case, source), BAD[case]
     capsys.readouterr()  # transformers' progress bars of making the model
     with pytest.raises(SystemExit) as exit_info:

@@ -88,6 +88,31 @@ def test_finetune_one_process_then_export(imported, tmp_path):
     check_finetuned(imported, tmp_path / "ck" / "checkpoint_last.pt", tmp_path)
 
 
+def test_the_printed_command_runs_as_printed(imported, tmp_path, capsys):
+    """scripts/import_hf.py's fine-tuning command, for this model of 64 positions (fewer than fairseq-train's
+    default blocks of 1024), with DATA given and nothing else but where to save, how long and the CPU: it trains."""
+    import importlib.util
+    import shlex
+
+    from fairseq.utils import run_console_script
+    from fairseq_cli import train
+
+    spec = importlib.util.spec_from_file_location("import_hf_script", os.path.join(ROOT, "scripts", "import_hf.py"))
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    out = tmp_path / "fs"
+    run_console_script("import_hf", script.main, [str(imported["source"]), str(out)])
+    (line,) = [line for line in capsys.readouterr().out.splitlines() if "fine-tune with: " in line]
+    command = shlex.split(line.split("fine-tune with: ", 1)[1])
+    assert command[:2] == ["fairseq-train", "DATA"] and "--tokens-per-sample 64" in " ".join(command)
+    assert (out / "model_flags.txt").read_text().split()[-4:] == ["--max-target-positions", "64",
+                                                                    "--tokens-per-sample", "64"]
+    train.cli_main([str(imported["data"])] + command[2:] + ["--save-dir", str(tmp_path / "ck"), "--max-update", "1",
+                                                              "--cpu", "--num-workers", "0"])
+    state = torch.load(tmp_path / "ck" / "checkpoint_last.pt", weights_only=True)
+    assert state["extra_state"]["trainer"]["num_updates"] == 1
+
+
 def test_finetune_fully_sharded_on_two_processes_then_export(imported, tmp_path):
     argv = finetune_argv(imported, tmp_path / "ck", "--ddp-backend", "fully_sharded", "--distributed-world-size", "2")
     env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")

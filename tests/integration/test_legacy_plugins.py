@@ -137,7 +137,15 @@ class TutorialLMWithKnob(LanguageModelingTask):
     def setup_task(cls, args, **kwargs):
         task = super().setup_task(args, **kwargs)
         task.knob = args.knob
+        task.hook_calls = []
+        cls.last_task = task  # the tests read the hooks' calls of the last run
         return task
+
+    def begin_epoch(self, epoch, model):
+        self.hook_calls.append(("begin_epoch", epoch, type(model).__name__))
+
+    def begin_valid_epoch(self, epoch, model):
+        self.hook_calls.append(("begin_valid_epoch", epoch, type(model).__name__))
 
 
 @register_model("tutorial_wrapped_lm")
@@ -296,6 +304,17 @@ def test_legacy_task_and_a_wrapper_of_transformer_lm(tiny_data, plugin):
     with torch.no_grad():
         logits, _ = model(torch.tensor([[2, 5, 6, 7]]))
     assert logits.shape == (1, 4, len(task.target_dictionary)) and math.isfinite(float(logits.sum()))
+
+
+def test_the_trainer_calls_a_tasks_epoch_hooks_as_upstream_does(tiny_data, plugin, tmp_path):
+    """FairseqTask.begin_epoch(epoch, model) at each epoch's start, begin_valid_epoch before each validation."""
+    train.cli_main([str(tiny_data), "--user-dir", plugin, "--task", "tutorial_lm_with_knob", "--arch",
+                    "tutorial_wrapped_lm_tiny", "--tokens-per-sample", "32", "--optimizer", "adam", "--lr", "1e-3",
+                    "--max-tokens", "256", "--max-epoch", "2", "--cpu", "--num-workers", "0",
+                    "--save-dir", str(tmp_path), "--no-save", "--log-format", "json"])
+    calls = registry.TASK_REGISTRY.get("tutorial_lm_with_knob").last_task.hook_calls
+    assert calls == [("begin_epoch", 1, "TutorialWrappedLM"), ("begin_valid_epoch", 1, "TutorialWrappedLM"),
+                     ("begin_epoch", 2, "TutorialWrappedLM"), ("begin_valid_epoch", 2, "TutorialWrappedLM")]
 
 
 LEGACY_YAML = {

@@ -45,6 +45,20 @@ def test_checkpoint_is_plain_and_has_upstream_keys(tiny_data, tmp_path, train_ar
     assert set(state["extra_state"]) >= {"metrics", "previous_training_time", "train_iterator", "val_loss", "best"}
 
 
+def test_a_tasks_own_state_is_saved_and_given_back_on_resume(tiny_data, tmp_path, train_args, monkeypatch):
+    """task_state holds the task's state_dict() (a plug-in task's curriculum, say), and a resume gives it back."""
+    from fairseq.tasks.language_modeling import LanguageModelingTask
+
+    loaded = []
+    monkeypatch.setattr(LanguageModelingTask, "state_dict", lambda self: {"stage": 2, "seen": [1, 2]})
+    monkeypatch.setattr(LanguageModelingTask, "load_state_dict", lambda self, state: loaded.append(state))
+    train.cli_main(train_args(tiny_data, tmp_path, max_update=2))
+    assert load(tmp_path / "checkpoint_last.pt")["task_state"] == {"stage": 2, "seen": [1, 2]}
+    assert loaded == []  # a fresh start restores nothing
+    train.cli_main(train_args(tiny_data, tmp_path, max_update=3))
+    assert loaded == [{"stage": 2, "seen": [1, 2]}]
+
+
 def test_loss_falls_and_eval_lm_matches_independent_computation(tiny_data, tmp_path, train_args):
     train.cli_main(train_args(tiny_data, tmp_path, "--validate-interval-updates", "10", max_update=60))
     rows = read_json_log(tmp_path / "train.log")
@@ -115,16 +129,20 @@ def test_upstream_wikitext_command_line_runs(tiny_data, tmp_path):
     assert status == 0, stderr
     state = load(tmp_path / "checkpoint_last.pt")
     assert state["extra_state"]["trainer"]["num_updates"] == 2
-    # input/output dims follow --decoder-embed-dim (upstream's base_lm_architecture): no projections
-    assert state["model"]["decoder.embed_tokens.weight"].shape == (len(Dictionary.load(str(tiny_data / "dict.txt"))),
-                                                                   64)
-    assert not any("project_" in key for key in state["model"])
-    assert (state["cfg"]["model"]["decoder_input_dim"], state["cfg"]["model"]["decoder_output_dim"]) == (64, 64)
-    # the resolved model config, logged once
-    lines = [line.split(" | ", 3)[3] for line in stdout.splitlines() if "model config:" in line]
-    assert lines == ["model config: --arch transformer_lm, 1 layers, embed dim 64 (input 64, output 64), ffn 128, "
+    # bare transformer_lm keeps upstream's input/output dims of 512: project_in/out, as upstream 0.12.2 builds
+    vocab = len(Dictionary.load(str(tiny_data / "dict.txt")))
+    assert {k: tuple(v.shape) for k, v in state["model"].items() if "layers" not in k} == {
+        "decoder.version": (1,), "decoder.embed_tokens.weight": (vocab, 512), "decoder.project_in_dim.weight": (64, 512),
+        "decoder.embed_positions._float_tensor": (1,), "decoder.project_out_dim.weight": (512, 64),
+        "decoder.output_projection.weight": (vocab, 512)}
+    assert (state["cfg"]["model"]["decoder_input_dim"], state["cfg"]["model"]["decoder_output_dim"]) == (512, 512)
+    # the resolved model config and the notice of the projections, each logged once
+    lines = [line.split(" | ", 3)[3] for line in stdout.splitlines() if "model config:" in line or "dims 512" in line]
+    assert lines == ["input/output dims 512 (upstream's default) with embed dim 64: adds project_in/out; pass "
+                     "--decoder-input-dim 64 --decoder-output-dim 64 to drop them",
+                     "model config: --arch transformer_lm, 1 layers, embed dim 64 (input 512, output 512), ffn 128, "
                      "8 heads, sinusoidal positions (64), post-norm, relu, shared input/output embeddings, "
-                     "37,568 parameters"]
+                     "131,776 parameters"]
 
 
 def test_eval_lm_and_generate_log_the_model_config(tiny_data, tiny_lm_checkpoint):

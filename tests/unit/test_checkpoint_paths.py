@@ -2,7 +2,6 @@
 
 import os
 
-import pytest
 import torch
 
 from fairseq.checkpoint.paths import (

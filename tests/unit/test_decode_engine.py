@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from fairseq.generation import sampling
+from fairseq.generation import decode_memory, sampling
 from fairseq.generation.engine import DecodeEngine, DecodeRequest, score_prompt
 from fairseq.generation.sequence_generator import SequenceGenerator
 from test_sequence_generator import ATOL, D, EOS, PAD, W, build, full_log_probs, sample_of
@@ -121,6 +121,8 @@ def test_cancel_frees_the_row_for_the_queue():
     assert [e.id for e in engine.step(4)] == ["long"]
     assert (engine.live_rows, engine.queued_rows) == (1, 1)
     assert engine.kv_tokens_in_use == (1 + 40) + (1 + 5)
+    assert engine.kv_capacity_tokens == 64 and engine.kv_bytes_per_token == 2 * 2 * 16 * 4  # layers x K,V x dim x fp32
+    assert decode_memory.kv_positions_that_fit([model], torch.device("cpu")) is None
     assert engine.cancel("long") and not engine.cancel("long")
     assert engine.live_rows == 0
     events = engine.step(8)
@@ -178,6 +180,9 @@ def test_bad_requests_are_one_line(options, message):
         engine.add(request(0, [W[1], W[2]], **options))
     with pytest.raises(ValueError, match="prompt holds ids outside"):
         engine.add(request(0, [len(D) + 3]))
+    engine.add(request(0, [W[1]]))
+    with pytest.raises(ValueError, match="^a request with id 0 is already in the engine"):
+        engine.add(request(0, [W[2]]))
 
 
 def test_per_row_filter_equals_the_scalar_filters():
@@ -189,3 +194,60 @@ def test_per_row_filter_equals_the_scalar_filters():
                 if candidates[r, j] > -math.inf}
         kept_per_row = {(r, int(per_ids[r, j])) for r in range(3) for j in range(40) if per_row[r, j] > -math.inf}
         assert kept == kept_per_row, (k, p)
+
+
+@torch.no_grad()
+def test_a_static_step_with_a_slot_per_row_is_each_rows_own_step():
+    """The decoder's static step at slots [rows, 1] (rows at different lengths) gives each row the logits of a
+    full forward over its own prefix, with caches filled by copy_incremental_rows from states of their own."""
+    model = build(seed=5).decoder
+    prefixes = [[EOS, W[1], W[2], W[3]], [EOS, W[4]], [EOS, W[5], W[6], W[7], W[1], W[2], W[3]]]
+    state = {}
+    model.reserve_incremental_state(state, max_length=16, max_batch=3)
+    for row, prefix in enumerate(prefixes):
+        own = {}
+        model.reserve_incremental_state(own, max_length=len(prefix), max_batch=1)
+        model(torch.tensor([prefix[:-1]]), incremental_state=own, features_only=True)
+        model.copy_incremental_rows(state, own, torch.tensor([row]), len(prefix) - 1)
+    last = torch.tensor([[p[-1]] for p in prefixes])
+    slots = torch.tensor([[len(p) - 1] for p in prefixes])
+    logits = model.forward_static_step(last, slots, state, window=8)[:, 0]
+    for row, prefix in enumerate(prefixes):
+        expected = model(torch.tensor([prefix]))[0][0, -1]
+        torch.testing.assert_close(logits[row], expected, atol=1e-5, rtol=0)
+
+
+ENGINE_KERNEL = """
+    import sys
+    import torch
+    sys.path.insert(0, "tests/unit")
+    import test_sequence_generator as t
+    from fairseq.generation.engine import DecodeEngine, DecodeRequest
+    from fairseq.kernels.decode_attention import set_decode_attention_kernel
+
+    model = t.build(seed=4)
+    results = []
+    for kernel in (True, False):
+        set_decode_attention_kernel(kernel)
+        step = model.decoder._static_step_attention(torch.zeros(2, 1, 16), torch.tensor([[3], [5]]), 64)
+        assert (step.mask is None) == kernel and (not kernel or step.lengths.tolist() == [4, 6])
+        engine, tokens = DecodeEngine(model, t.D, max_rows=3), {}
+        for i, prompt in enumerate([[t.W[1], t.W[2]], [t.W[3]], [t.W[4]] * 5]):  # joins at other lengths
+            engine.add(DecodeRequest(id=i, prompt=torch.tensor(prompt), max_new_tokens=6, stop=[]))
+            for event in engine.step(2):
+                tokens.setdefault(event.id, []).extend(event.tokens)
+        while engine.has_work:
+            for event in engine.step(2):
+                tokens.setdefault(event.id, []).extend(event.tokens)
+        results.append(tokens)
+    assert results[0] == results[1] and all(len(v) == 6 for v in results[0].values()), results
+    print("engine kernel agrees")
+"""
+
+
+def test_rows_at_their_own_lengths_through_the_decode_attention_kernel():
+    """The static step's per-row slots as per-row live lengths of the split-KV kernel (Triton's interpreter):
+    the tokens the masked SDPA path gives."""
+    from test_decode_attention import interpret
+
+    interpret(ENGINE_KERNEL, "engine kernel agrees")

@@ -327,7 +327,7 @@ def _eval(data, path, *extra):
 
 def _loss(proc):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    line = [l for l in (proc.stdout + proc.stderr).splitlines() if "Perplexity" in l][-1]
+    line = [text for text in (proc.stdout + proc.stderr).splitlines() if "Perplexity" in text][-1]
     return line.split("Loss (base 2):")[1]
 
 

@@ -60,40 +60,80 @@ def test_transformer_lm_base_keys_sinusoidal_postnorm_no_final_norm():
     assert model.decoder.output_projection.weight is not model.decoder.embed_tokens.weight
 
 
-def test_transformer_lm_input_and_output_dims_follow_the_embed_dim_unless_given():
-    model = build("transformer_lm", decoder_layers=1, decoder_embed_dim=256, decoder_ffn_embed_dim=64,
+def test_bare_transformer_lm_keeps_512_input_output_dims_and_adds_projections_as_upstream():
+    """Upstream 0.12.2's `--arch transformer_lm --decoder-embed-dim 64` (its bare arch is a no-op: the
+    dataclass's 512 stay): the (V, 512) embedding, bias-free project_in_dim (512 -> 64) and project_out_dim
+    (64 -> 512), the (V, 512) output matrix; and the notice training logs, naming the flags that drop them."""
+    cfg = preset_config("transformer_lm", decoder_layers=1, decoder_embed_dim=64, decoder_ffn_embed_dim=32,
+                        decoder_attention_heads=4)
+    model = TransformerLanguageModel.build(cfg, VOCAB, PAD)
+    assert shapes(model) == {
+        "decoder.version": (1,),
+        "decoder.embed_tokens.weight": (100, 512),
+        "decoder.project_in_dim.weight": (64, 512),
+        "decoder.embed_positions._float_tensor": (1,),
+        "decoder.layers.0.self_attn.k_proj.weight": (64, 64), "decoder.layers.0.self_attn.k_proj.bias": (64,),
+        "decoder.layers.0.self_attn.v_proj.weight": (64, 64), "decoder.layers.0.self_attn.v_proj.bias": (64,),
+        "decoder.layers.0.self_attn.q_proj.weight": (64, 64), "decoder.layers.0.self_attn.q_proj.bias": (64,),
+        "decoder.layers.0.self_attn.out_proj.weight": (64, 64), "decoder.layers.0.self_attn.out_proj.bias": (64,),
+        "decoder.layers.0.self_attn_layer_norm.weight": (64,), "decoder.layers.0.self_attn_layer_norm.bias": (64,),
+        "decoder.layers.0.fc1.weight": (32, 64), "decoder.layers.0.fc1.bias": (32,),
+        "decoder.layers.0.fc2.weight": (64, 32), "decoder.layers.0.fc2.bias": (64,),
+        "decoder.layers.0.final_layer_norm.weight": (64,), "decoder.layers.0.final_layer_norm.bias": (64,),
+        "decoder.project_out_dim.weight": (512, 64),
+        "decoder.output_projection.weight": (100, 512),
+    }
+    assert model.decoder.project_in_dim.bias is None and model.decoder.project_out_dim.bias is None
+    assert TransformerLanguageModel.config_notice(cfg) == (
+        "input/output dims 512 (upstream's default) with embed dim 64: adds project_in/out; pass "
+        "--decoder-input-dim 64 --decoder-output-dim 64 to drop them")
+
+    cfg = preset_config("transformer_lm", decoder_layers=1, decoder_embed_dim=64, decoder_ffn_embed_dim=32,
+                        decoder_attention_heads=4, decoder_input_dim=64, decoder_output_dim=64)
+    keys = shapes(TransformerLanguageModel.build(cfg, VOCAB, PAD))
+    assert keys["decoder.embed_tokens.weight"] == (100, 64) and not any("project_" in k for k in keys)
+    assert TransformerLanguageModel.config_notice(cfg) == ""
+    cfg = preset_config("transformer_lm", decoder_embed_dim=64, decoder_input_dim=64)
+    assert (cfg.decoder_input_dim, cfg.decoder_output_dim) == (64, 512)
+    assert TransformerLanguageModel.config_notice(cfg) == (
+        "output dim 512 (upstream's default) with embed dim 64: adds project_out; pass --decoder-output-dim 64 "
+        "to drop it")
+    for arch in ("transformer_lm_gpt", "transformer_lm_big"):  # presets: the dims follow, nothing to say
+        assert TransformerLanguageModel.config_notice(preset_config(arch, decoder_embed_dim=64)) == ""
+
+
+def test_gpt_preset_input_and_output_dims_follow_the_embed_dim_as_upstream():
+    """Upstream's `--arch transformer_lm_gpt --decoder-embed-dim 256` (base_lm_architecture fills both dims from
+    the embed dim): 256-wide embeddings, no projections, pre-norm with the final layer norm."""
+    model = build("transformer_lm_gpt", decoder_layers=1, decoder_embed_dim=256, decoder_ffn_embed_dim=32,
                   decoder_attention_heads=4)
-    expected = {
+    assert shapes(model) == {
         "decoder.version": (1,),
         "decoder.embed_tokens.weight": (100, 256),
         "decoder.embed_positions._float_tensor": (1,),
+        "decoder.layers.0.self_attn.k_proj.weight": (256, 256), "decoder.layers.0.self_attn.k_proj.bias": (256,),
+        "decoder.layers.0.self_attn.v_proj.weight": (256, 256), "decoder.layers.0.self_attn.v_proj.bias": (256,),
+        "decoder.layers.0.self_attn.q_proj.weight": (256, 256), "decoder.layers.0.self_attn.q_proj.bias": (256,),
+        "decoder.layers.0.self_attn.out_proj.weight": (256, 256), "decoder.layers.0.self_attn.out_proj.bias": (256,),
+        "decoder.layers.0.self_attn_layer_norm.weight": (256,), "decoder.layers.0.self_attn_layer_norm.bias": (256,),
+        "decoder.layers.0.fc1.weight": (32, 256), "decoder.layers.0.fc1.bias": (32,),
+        "decoder.layers.0.fc2.weight": (256, 32), "decoder.layers.0.fc2.bias": (256,),
+        "decoder.layers.0.final_layer_norm.weight": (256,), "decoder.layers.0.final_layer_norm.bias": (256,),
+        "decoder.layer_norm.weight": (256,), "decoder.layer_norm.bias": (256,),
         "decoder.output_projection.weight": (100, 256),
-        **layer_shapes(0, 256, 64),
     }
-    assert shapes(model) == expected
-    model = build("transformer_lm", decoder_layers=1, decoder_embed_dim=256, decoder_ffn_embed_dim=64,
-                  decoder_attention_heads=4, decoder_input_dim=512, decoder_output_dim=512)
-    expected = {
-        "decoder.version": (1,),
-        "decoder.embed_tokens.weight": (100, 512),
-        "decoder.project_in_dim.weight": (256, 512),
-        "decoder.embed_positions._float_tensor": (1,),
-        "decoder.project_out_dim.weight": (512, 256),
-        "decoder.output_projection.weight": (100, 512),
-        **layer_shapes(0, 256, 64),
-    }
-    assert shapes(model) == expected
 
 
-def test_saved_config_with_explicit_dims_builds_the_same_shapes():
-    """A checkpoint config written before the dims followed the embed dim names them; they are kept."""
+def test_saved_config_keeps_its_stored_dims():
+    """A checkpoint saved while unset dims followed the embed dim (2026-12-04 to -06) stored them: loading uses
+    them, not today's default."""
     from fairseq.dataclass.utils import config_from_dict, config_to_dict
 
-    saved = config_to_dict(TransformerLanguageModelConfig(decoder_embed_dim=256, decoder_input_dim=512,
-                                                          decoder_output_dim=512))
+    saved = config_to_dict(TransformerLanguageModelConfig(decoder_embed_dim=256, decoder_input_dim=256,
+                                                          decoder_output_dim=256))
     cfg = config_from_dict(TransformerLanguageModelConfig, saved, name="transformer_lm")
-    assert (cfg.decoder_embed_dim, cfg.decoder_input_dim, cfg.decoder_output_dim) == (256, 512, 512)
-    assert saved["decoder_input_dim"] == 512
+    assert (cfg.decoder_embed_dim, cfg.decoder_input_dim, cfg.decoder_output_dim) == (256, 256, 256)
+    assert not any("project_" in k for k in shapes(TransformerLanguageModel.build(cfg, VOCAB, PAD)))
 
 
 def test_transformer_lm_big_is_prenorm_with_final_norm_and_derived_dims():
@@ -165,8 +205,8 @@ def test_bare_transformer_lm_preset_changes_nothing():
     registry.ARCH_CONFIG_REGISTRY["transformer_lm"](args)
     assert vars(args) == {"decoder_embed_dim": 256}
     cfg = preset_config("transformer_lm", decoder_embed_dim=256)
-    assert (cfg.decoder_input_dim, cfg.decoder_output_dim) == (256, 256)  # the config's default: the embed dim
-    assert preset_config("transformer_lm", decoder_embed_dim=256, decoder_output_dim=64).decoder_input_dim == 256
+    assert (cfg.decoder_input_dim, cfg.decoder_output_dim) == (512, 512)  # the config's defaults, as upstream
+    assert preset_config("transformer_lm", decoder_embed_dim=256, decoder_output_dim=64).decoder_input_dim == 512
     assert not cfg.decoder_normalize_before and not cfg.decoder_learned_pos
 
 
@@ -224,7 +264,7 @@ def test_parse_args_and_arch_applies_preset_under_the_command_line():
         "data", "--arch", "transformer_lm", "--decoder-embed-dim", "256", "--decoder-attention-heads", "4",
     ])
     cfg = options.convert_namespace_to_config(args).model
-    assert (cfg.decoder_embed_dim, cfg.decoder_input_dim, cfg.decoder_output_dim) == (256, 256, 256)
+    assert (cfg.decoder_embed_dim, cfg.decoder_input_dim, cfg.decoder_output_dim) == (256, 512, 512)
 
 
 # ----------------------------------------------------------------------------- sizes on the meta device
@@ -560,8 +600,8 @@ def test_reset_parameters_on_fsdp2_shards_zeroes_padding_rows_and_keeps_tying(tm
 
 def test_forward_returns_upstreams_logits_and_extra():
     """Upstream code does `model(x)[0]` for the logits: that must be every row's logits, not row 0."""
-    model = build("transformer_lm", decoder_layers=2, decoder_embed_dim=16, decoder_ffn_embed_dim=32,
-                  decoder_attention_heads=2).eval()
+    model = build("transformer_lm", decoder_layers=2, decoder_embed_dim=16, decoder_input_dim=16,
+                  decoder_output_dim=16, decoder_ffn_embed_dim=32, decoder_attention_heads=2).eval()
     tokens = torch.randint(4, VOCAB, (3, 7))
     with torch.no_grad():
         logits, extra = model(tokens)

@@ -2,7 +2,6 @@
 chunker and Dictionary.add_file_to_dictionary, against upstream's documented behaviour."""
 
 import collections
-import os
 
 import numpy as np
 import pytest

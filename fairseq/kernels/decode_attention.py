@@ -1,0 +1,264 @@
+"""Attention of one new token per row over a static KV cache, reading only each row's live keys (split-KV, the
+"flash-decoding" scheme): no mask, no host sync, shapes fixed by the cache (a CUDA graph captures it).
+
+`decode_attention(q, key_cache, value_cache, lengths, row_map=None, scale=None, max_length=None)`:
+
+- q [B, H, 1, D], the new token of each row (bf16, fp16 or fp32);
+- key_cache, value_cache [rows, H, capacity, D] (the layout of CausalSelfAttention's static cache: row b's
+  keys of its first L tokens are key_cache[b, :, :L]; rows may outnumber B, strides are read);
+- lengths: int32 (or int64) on the device, [B] (each row's live length) or [1] (the same for every row);
+  query row b attends over keys 0 .. lengths[b] - 1 of its cache row; a length of 0 gives zeros;
+- row_map: int32 [B] or None: the cache row query row b reads (beams reordered by index instead of copying
+  the caches); None reads row b;
+- scale: the softmax scale, default 1 / sqrt(D); max_length: a host bound on the lengths (the attention window
+  the caller knows, default the capacity), which sizes the grid and nothing else.
+
+On CUDA with Triton, two kernels: the first splits each (row, head)'s key range into `splits` parts of whole
+BLOCK_N blocks, one program a part, which reads its live blocks once (a part past the row's length reads
+nothing) and writes its running maximum, sum of exponentials and unnormalized output in fp32; the second
+combines a (row, head)'s parts. With one part the first kernel writes the output itself. The number of parts
+follows from the shapes alone (enough programs to fill the GPU), so a graph replays the same launches whatever
+the lengths. Accumulation is fp32 throughout; the output is q's dtype.
+
+Elsewhere (the CPU, no Triton) `decode_attention_reference`, plain PyTorch over the whole window with the
+dead slots masked, computes the same values; it is the reference the kernels are tested against
+(tests/unit/test_decode_attention.py in Triton's interpreter, tests/gpu/test_decode_attention_gpu.py at real
+sizes).
+"""
+
+import functools
+import math
+import os
+from typing import Optional
+
+import torch
+
+from fairseq.kernels import built_with_triton
+
+BLOCK_N = 64  # keys a program reads per iteration
+# Programs to aim for per launch: a few per SM of an H100 (132 SMs) so that short rows or small batches still
+# spread the cache read over the whole GPU.
+TARGET_PROGRAMS = 4 * 132
+MAX_SPLITS = 64
+
+
+def decode_attention_available(q: torch.Tensor) -> bool:
+    """Whether `q` can take the kernels: a plain tensor of a float dtype on CUDA (or anywhere under Triton's
+    interpreter, TRITON_INTERPRET=1, which the CPU tests use), with Triton importable and the kernels not
+    turned off (`set_decode_attention_kernel`, FAIRSEQ_DECODE_ATTENTION_KERNEL=0). A host check: nothing is
+    read from the device."""
+    return (_enabled[0] and type(q) is torch.Tensor and (q.is_cuda or _interpreted())
+            and q.dtype in (torch.float32, torch.float16, torch.bfloat16) and _kernels() is not None)
+
+
+# Whether decoding may use the kernels: on unless FAIRSEQ_DECODE_ATTENTION_KERNEL=0 (read once, at import).
+_enabled = [os.environ.get("FAIRSEQ_DECODE_ATTENTION_KERNEL", "1") != "0"]
+
+
+def set_decode_attention_kernel(enabled: bool) -> bool:
+    """Turn the kernels on or off for static decode steps built from now on (a captured CUDA graph keeps what
+    it captured); returns the previous setting."""
+    previous, _enabled[0] = _enabled[0], bool(enabled)
+    return previous
+
+
+def decode_attention_enabled() -> bool:
+    """Whether the kernels are turned on (they run where `decode_attention_available` says)."""
+    return _enabled[0]
+
+
+def _interpreted() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def decode_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, lengths: torch.Tensor,
+                     row_map: Optional[torch.Tensor] = None, scale: Optional[float] = None,
+                     max_length: Optional[int] = None) -> torch.Tensor:
+    """Attention output [B, H, 1, D] in q's dtype (see the module doc); the kernels where
+    `decode_attention_available(q)`, else the PyTorch reference."""
+    if decode_attention_available(q):
+        return decode_attention_kernel(q, key_cache, value_cache, lengths, row_map, scale, max_length)
+    return decode_attention_reference(q, key_cache, value_cache, lengths, row_map, scale, max_length)
+
+
+def decode_attention_reference(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                               lengths: torch.Tensor, row_map: Optional[torch.Tensor] = None,
+                               scale: Optional[float] = None, max_length: Optional[int] = None) -> torch.Tensor:
+    """The same values in plain PyTorch (fp32 scores and softmax over the first `max_length` slots, the slots
+    at or past each row's length masked), any device, no host sync."""
+    _check(q, key_cache, value_cache, lengths, row_map)
+    batch, _, _, dim = q.shape
+    window = _window(key_cache, max_length)
+    scale = 1.0 / math.sqrt(dim) if scale is None else scale
+    keys, values = key_cache[:, :, :window], value_cache[:, :, :window]
+    if row_map is not None:
+        keys, values = keys.index_select(0, row_map.long()), values.index_select(0, row_map.long())
+    else:
+        keys, values = keys[:batch], values[:batch]
+    scores = torch.matmul(q.float(), keys.float().transpose(-1, -2)) * scale  # [B, H, 1, window]
+    dead = torch.arange(window, device=q.device) >= lengths.long().view(-1, 1, 1, 1)
+    scores = scores.masked_fill(dead, -math.inf)
+    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # a length of 0: every slot dead, zeros
+    return torch.matmul(probs, values.float()).to(q.dtype)
+
+
+def splits_for(rows_heads: int, window: int, device: Optional[torch.device] = None) -> int:
+    """How many parts the first kernel splits a (row, head)'s window into: enough programs to fill the GPU,
+    at most one per BLOCK_N keys, a power of 2 (the combining kernel reads them as one block)."""
+    programs = TARGET_PROGRAMS
+    if device is not None and device.type == "cuda":
+        programs = 4 * _sm_count(device)
+    wanted = max(1, min(MAX_SPLITS, -(-programs // max(rows_heads, 1)), -(-window // BLOCK_N)))
+    return 1 << (wanted - 1).bit_length()
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _window(key_cache: torch.Tensor, max_length: Optional[int]) -> int:
+    capacity = key_cache.size(2)
+    return capacity if max_length is None else max(1, min(max_length, capacity))
+
+
+def _check(q, key_cache, value_cache, lengths, row_map) -> None:
+    if q.dim() != 4 or q.size(2) != 1:
+        raise ValueError(f"decode attention takes one query per row, q [B, H, 1, D]; got {tuple(q.shape)}")
+    if key_cache.shape != value_cache.shape or key_cache.dim() != 4 or key_cache.shape[1] != q.shape[1] \
+            or key_cache.shape[3] != q.shape[3]:
+        raise ValueError(f"decode attention: caches {tuple(key_cache.shape)} / {tuple(value_cache.shape)} do not "
+                         f"match q {tuple(q.shape)} (expected [rows, H, capacity, D])")
+    if lengths.numel() not in (1, q.size(0)) or lengths.is_floating_point():
+        raise ValueError(f"decode attention: lengths must be integers, [B] or [1]; got {lengths.dtype} "
+                         f"{tuple(lengths.shape)} for B = {q.size(0)}")
+    if row_map is not None and row_map.shape != (q.size(0),):
+        raise ValueError(f"decode attention: row_map must be [B] = [{q.size(0)}]; got {tuple(row_map.shape)}")
+    if q.stride(-1) != 1 or key_cache.stride(-1) != 1 or value_cache.stride(-1) != 1:
+        raise ValueError("decode attention: q and the caches must be contiguous in their last (head) dim")
+    if row_map is None and key_cache.size(0) < q.size(0):
+        raise ValueError(f"decode attention: {q.size(0)} query rows but the caches hold {key_cache.size(0)}")
+
+
+def decode_attention_kernel(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                            lengths: torch.Tensor, row_map: Optional[torch.Tensor] = None,
+                            scale: Optional[float] = None, max_length: Optional[int] = None,
+                            splits: Optional[int] = None) -> torch.Tensor:
+    """The Triton path (CUDA, or the interpreter under TRITON_INTERPRET=1); `splits` overrides splits_for."""
+    _check(q, key_cache, value_cache, lengths, row_map)
+    split_kernel, combine_kernel = _kernels()
+    batch, heads, _, dim = q.shape
+    window = _window(key_cache, max_length)
+    scale = 1.0 / math.sqrt(dim) if scale is None else scale
+    if splits is None:
+        splits = splits_for(batch * heads, window, q.device)
+    # Each part covers whole blocks; the last ones may lie past the window (they read nothing).
+    split_size = -(-(-(-window // splits)) // BLOCK_N) * BLOCK_N
+    block_d = 1 << (dim - 1).bit_length()
+    out = torch.empty(batch, heads, 1, dim, dtype=q.dtype, device=q.device)
+    if batch == 0:
+        return out
+    direct = splits == 1
+    if direct:  # placeholders: the one part writes the output
+        partial_out = partial_max = partial_sum = out
+    else:
+        partial_out = torch.empty(batch, heads, splits, dim, dtype=torch.float32, device=q.device)
+        partial_max = torch.empty(batch, heads, splits, dtype=torch.float32, device=q.device)
+        partial_sum = torch.empty(batch, heads, splits, dtype=torch.float32, device=q.device)
+    rows = row_map if row_map is not None else lengths  # a placeholder pointer when there is no row map
+    split_kernel[(batch * heads, splits)](
+        q, key_cache, value_cache, lengths, rows, out, partial_out, partial_max, partial_sum,
+        q.stride(0), q.stride(1), key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
+        value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
+        0 if lengths.numel() == 1 else lengths.stride(0), scale * 1.4426950408889634, window, split_size,
+        HEADS=heads, DIM=dim, BLOCK_D=block_d, BLOCK_N=BLOCK_N, SPLITS=splits,
+        HAS_ROW_MAP=row_map is not None, DIRECT=direct, num_warps=4)
+    if not direct:
+        combine_kernel[(batch * heads,)](partial_out, partial_max, partial_sum, out, DIM=dim, BLOCK_D=block_d,
+                                         SPLITS=splits, num_warps=4)
+    return out
+
+
+def _kernels():
+    """The two jitted kernels (split, combine), built on first use; None without Triton."""
+    split_kernel = _split_kernel()
+    return None if split_kernel is None else (split_kernel, _combine_kernel())
+
+
+@built_with_triton
+def _split_kernel(triton, tl):
+
+    @triton.jit
+    def split_kernel(q_ptr, k_ptr, v_ptr, lengths_ptr, row_map_ptr, out_ptr, part_out_ptr, part_max_ptr,
+                     part_sum_ptr, q_stride_b, q_stride_h, k_stride_b, k_stride_h, k_stride_n, v_stride_b,
+                     v_stride_h, v_stride_n, length_stride, scale_log2, window, split_size, HEADS: tl.constexpr,
+                     DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+                     SPLITS: tl.constexpr, HAS_ROW_MAP: tl.constexpr, DIRECT: tl.constexpr):
+        pid = tl.program_id(0)
+        split = tl.program_id(1)
+        b = pid // HEADS
+        h = pid % HEADS
+        cache_row = b
+        if HAS_ROW_MAP:
+            cache_row = tl.load(row_map_ptr + b)
+        cache_row = cache_row.to(tl.int64)
+        length = tl.minimum(tl.load(lengths_ptr + b * length_stride).to(tl.int32), window)
+        start = split * split_size
+        end = tl.minimum(start + split_size, length)
+        d = tl.arange(0, BLOCK_D)
+        d_ok = d < DIM
+        # exp2 of scores pre-multiplied by log2(e): the softmax of the scaled scores
+        q = tl.load(q_ptr + b.to(tl.int64) * q_stride_b + h * q_stride_h + d, mask=d_ok, other=0.0).to(tl.float32)
+        q = q * scale_log2
+        k_base = k_ptr + cache_row * k_stride_b + h * k_stride_h
+        v_base = v_ptr + cache_row * v_stride_b + h * v_stride_h
+        running_max = float("-inf")
+        running_sum = 0.0
+        acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+        for first in range(start, end, BLOCK_N):  # the live blocks of this part only: none past the length
+            n = first + tl.arange(0, BLOCK_N)
+            live = n < end
+            mask = live[:, None] & d_ok[None, :]
+            k = tl.load(k_base + n[:, None].to(tl.int64) * k_stride_n + d[None, :], mask=mask, other=0.0)
+            scores = tl.sum(k.to(tl.float32) * q[None, :], axis=1)
+            scores = tl.where(live, scores, float("-inf"))
+            new_max = tl.maximum(running_max, tl.max(scores, axis=0))  # finite: the block has a live key
+            p = tl.exp2(scores - new_max)
+            alpha = tl.exp2(running_max - new_max)
+            v = tl.load(v_base + n[:, None].to(tl.int64) * v_stride_n + d[None, :], mask=mask, other=0.0)
+            acc = acc * alpha + tl.sum(p[:, None] * v.to(tl.float32), axis=0)
+            running_sum = running_sum * alpha + tl.sum(p, axis=0)
+            running_max = new_max
+        if DIRECT:
+            result = tl.where(running_sum > 0, acc / running_sum, 0.0)
+            tl.store(out_ptr + pid.to(tl.int64) * DIM + d, result.to(out_ptr.dtype.element_ty), mask=d_ok)
+        else:
+            part = pid.to(tl.int64) * SPLITS + split
+            tl.store(part_out_ptr + part * DIM + d, acc, mask=d_ok)
+            tl.store(part_max_ptr + part, running_max)
+            tl.store(part_sum_ptr + part, running_sum)
+
+    return split_kernel
+
+
+@built_with_triton
+def _combine_kernel(triton, tl):
+    @triton.jit
+    def combine_kernel(part_out_ptr, part_max_ptr, part_sum_ptr, out_ptr, DIM: tl.constexpr,
+                       BLOCK_D: tl.constexpr, SPLITS: tl.constexpr):
+        pid = tl.program_id(0).to(tl.int64)
+        s = tl.arange(0, SPLITS)
+        d = tl.arange(0, BLOCK_D)
+        d_ok = d < DIM
+        maxima = tl.load(part_max_ptr + pid * SPLITS + s)
+        sums = tl.load(part_sum_ptr + pid * SPLITS + s)
+        overall = tl.max(maxima, axis=0)
+        # parts that read nothing have max -inf: weight 0 (and every part empty, a length of 0, gives zeros)
+        weights = tl.where(maxima > float("-inf"), tl.exp2(maxima - overall), 0.0)
+        total = tl.sum(sums * weights, axis=0)
+        parts = tl.load(part_out_ptr + (pid * SPLITS + s[:, None]) * DIM + d[None, :], mask=d_ok[None, :], other=0.0)
+        result = tl.sum(parts * weights[:, None], axis=0)
+        result = tl.where(total > 0, result / total, 0.0)
+        tl.store(out_ptr + pid * DIM + d, result.to(out_ptr.dtype.element_ty), mask=d_ok)
+
+    return combine_kernel
