@@ -13,6 +13,7 @@ from typing import List, Optional
 
 from fairseq import registry
 from fairseq.dataclass import configs, legacy
+from fairseq.dataclass.serving import ServeConfig
 from fairseq.dataclass.build import check_precision, convert_namespace_to_config, is_interpolated, model_config
 from fairseq.dataclass.utils import add_dataclass_to_parser
 from fairseq.registry import import_user_module
@@ -339,8 +340,6 @@ get_interactive_parser = get_interactive_generation_parser
 def get_serve_parser(default_task: str = "language_modeling"):
     """fairseq-serve's parser: the generation tools' groups without the dataset's batching (each request brings
     its own options; --max-tokens is the serve group's per-request limit), plus the serve group."""
-    from fairseq.dataclass.serving import ServeConfig
-
     groups = {name: dc for name, dc in _generation_groups(False).items() if name != "dataset"}
     groups["serve"] = ServeConfig
     return _base_parser("fairseq-serve: an OpenAI-compatible completions server", groups, default_task,

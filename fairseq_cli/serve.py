@@ -13,14 +13,21 @@ docs/serving.md has the API, the limits and the metrics.
 
 import logging
 import os
-import signal
-import sys
+import tempfile
 import threading
 from typing import List, Optional
 
 from fairseq import options
 from fairseq.dataclass.serving import ServeConfig, check_serve_config
+from fairseq.dataclass.utils import config_from_namespace
+from fairseq.export.hf_import import CHECKPOINT_NAME, import_hf
+from fairseq.generation.hub_utils import GeneratorHubInterface, _is_transformers_directory
+from fairseq.serving.completions import Limits
+from fairseq.serving.engine_backend import make_backend
+from fairseq.serving.model import ServedModel
+from fairseq.serving.scheduler import Scheduler
 from fairseq_cli.console import run_console_script
+from fairseq_cli.generate import load_ensemble, setup
 
 logger = logging.getLogger("fairseq_cli.serve")
 KEYS_ENV = "FAIRSEQ_API_KEYS"
@@ -45,19 +52,12 @@ def read_api_keys(path: Optional[str]) -> List[str]:
 def load_served_model(cfg):
     """The ServedModel of --path (one model: no ensemble), loaded as fairseq-interactive loads it (--bf16, --fp16,
     --quantize, --cpu), a transformers directory imported first."""
-    from fairseq.export.hf_import import CHECKPOINT_NAME, import_hf
-    from fairseq.generation.hub_utils import GeneratorHubInterface, _is_transformers_directory
-    from fairseq.serving.model import ServedModel
-    from fairseq_cli.generate import load_ensemble
-
     path = cfg.common_eval.path or ""
     if os.pathsep in path:
         raise ValueError(f"--path {path}: fairseq-serve serves one model, not an ensemble; pass one checkpoint")
     name = cfg.serve.served_model_name or os.path.basename(os.path.normpath(path)) or "model"
     # a directory with a transformers config.json (the hub's rule; a sharded checkpoint directory has none)
     if path and os.path.isdir(path) and _is_transformers_directory(path, CHECKPOINT_NAME, "."):
-        import tempfile
-
         work = tempfile.mkdtemp(prefix="fairseq-serve-import-")
         logger.info(f"{path} is a transformers directory: importing it into {work}")
         import_hf(path, os.path.join(work, "model"))
@@ -73,10 +73,6 @@ def load_served_model(cfg):
 
 def start_model(server, cfg) -> None:
     """Load the model and start the decode thread (the server answers 503 until this is done)."""
-    from fairseq.serving.completions import Limits
-    from fairseq.serving.engine_backend import make_backend
-    from fairseq.serving.scheduler import Scheduler
-
     try:
         model = load_served_model(cfg)
     except Exception as err:  # told by /health and the log; the process exits
@@ -101,15 +97,10 @@ def start_model(server, cfg) -> None:
 
 
 def main(cfg) -> None:
-    try:
-        import uvicorn
-        import starlette  # noqa: F401
+    try:  # the serve extra (starlette, uvicorn)
+        from fairseq.serving.app import Server, build_app, draining_server, uvicorn
     except ImportError:
         raise ValueError("fairseq-serve needs uvicorn and starlette: pip install 'fairseq[serve]'") from None
-
-    from fairseq.serving.app import Server, build_app
-    from fairseq_cli.generate import setup
-
     setup(cfg)
     check_serve_config(cfg.serve)
     if cfg.distributed_training.model_parallel_size > 1:
@@ -143,36 +134,10 @@ def main(cfg) -> None:
     logger.info("fairseq-serve stopped")
 
 
-def draining_server(config, server):
-    """uvicorn's Server whose exit signal first marks the app as draining (new requests: 503, /health: 503),
-    then lets uvicorn stop accepting and wait for the running requests; it prints the address it listens on."""
-    import uvicorn
-
-    class DrainingServer(uvicorn.Server):
-        def handle_exit(self, sig, frame):
-            server.draining = True
-            if server.scheduler is not None:
-                server.scheduler.drain()
-            super().handle_exit(sig, frame)
-            if sig == signal.SIGTERM:  # a drain asked for: exit 0 once done (uvicorn would re-raise it)
-                self._captured_signals = [s for s in self._captured_signals if s != signal.SIGTERM]
-
-        async def startup(self, sockets=None):
-            await super().startup(sockets)
-            for listening in self.servers:
-                for sock in listening.sockets:
-                    host, port = sock.getsockname()[:2]
-                    print(f"fairseq-serve: listening on http://{host}:{port}", file=sys.stderr, flush=True)
-
-    return DrainingServer(config)
-
-
 def cli_main(argv: Optional[List[str]] = None) -> None:
     parser = options.get_serve_parser()
     args = options.parse_args_and_arch(parser, argv)
     cfg = options.convert_namespace_to_generation_config(args)
-    from fairseq.dataclass.utils import config_from_namespace
-
     cfg.serve = config_from_namespace(ServeConfig, args)
     try:
         check_serve_config(cfg.serve)

@@ -12,9 +12,12 @@ import hmac
 import json
 import logging
 import os
+import signal
+import sys
 import time
 from typing import List, Optional
 
+import uvicorn
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect, Request
@@ -254,3 +257,27 @@ async def _stream(server, job, work, events, deadline, started, request: Request
     finally:
         if not job.done:  # the client went away mid-stream: its rows leave the batch at the next chunk
             server.scheduler.cancel(work)
+
+
+def draining_server(config: "uvicorn.Config", server: Server) -> "uvicorn.Server":
+    """uvicorn's Server whose exit signal first marks the app as draining (new requests: 503, /health: 503), then
+    lets uvicorn stop accepting and wait for the running requests (SIGTERM: exit 0 once done; uvicorn would raise
+    the signal again); it prints the address it listens on."""
+
+    class DrainingServer(uvicorn.Server):
+        def handle_exit(self, sig, frame):
+            server.draining = True
+            if server.scheduler is not None:
+                server.scheduler.drain()
+            super().handle_exit(sig, frame)
+            if sig == signal.SIGTERM:  # a drain asked for: exit 0 once done (uvicorn would re-raise it)
+                self._captured_signals = [s for s in self._captured_signals if s != signal.SIGTERM]
+
+        async def startup(self, sockets=None):
+            await super().startup(sockets)
+            for listening in self.servers:
+                for sock in listening.sockets:
+                    host, port = sock.getsockname()[:2]
+                    print(f"fairseq-serve: listening on http://{host}:{port}", file=sys.stderr, flush=True)
+
+    return DrainingServer(config)

@@ -10,7 +10,8 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from fairseq.generation.hub_utils import GeneratorHubInterface
+from fairseq.generation.hub_utils import GeneratorHubInterface, move_to
+from fairseq.generation.search import Sampling
 
 
 class ServedModel:
@@ -106,8 +107,6 @@ class ServedModel:
     def sample_alone(self, prompt: List[int], max_new: int, options: dict, seed: int, sample_id: int,
                      on_tokens=None):
         """One choice decoded alone through the hub's generator (the serial backend): its hypothesis."""
-        from fairseq.generation.search import Sampling
-
         gen_options = dict(max_len_a=0, max_len_b=len(prompt) + max_new, min_len=0, **options)
         generator = self.hub.generator_for(1, **gen_options)
         if isinstance(generator.search, Sampling):
@@ -117,8 +116,6 @@ class ServedModel:
         dataset = task.build_dataset_for_inference([tokens], [tokens.numel()])
         sample = dataset.collater([dataset[0]])
         sample = dict(sample, id=torch.tensor([sample_id]))
-        from fairseq.generation.hub_utils import move_to
-
         return task.inference_step(generator, self.hub.models, move_to(sample, self.device),
                                    on_tokens=on_tokens)[0][0]
 

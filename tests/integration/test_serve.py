@@ -322,11 +322,11 @@ def test_start_up_errors_are_one_line(tiny_lm_checkpoint, tiny_data, flags, mess
 
 
 def test_full_queue_is_429_and_a_request_past_its_timeout_is_504(tiny_lm_checkpoint, tiny_data):
-    # one row at a time: A's 16 choices of 30 tokens take far more than the 0.3 s timeout; B waits behind it, C and
-    # D find the queue (1) full
+    # one row at a time: A's 64 choices of 30 tokens (1,920 steps) take far more than the 0.2 s timeout; B waits
+    # behind it, C and D find the queue (1) full
     proc, url = start_server(tiny_lm_checkpoint, tiny_data, "--max-running", "1", "--max-queue", "1",
-                             "--request-timeout", "0.3")
-    body = {"prompt": ["w1", "w2", "w3", "w4"], "max_tokens": 30, "n": 4, "temperature": 1.0, "seed": 1}
+                             "--request-timeout", "0.2")
+    body = {"prompt": [f"w{i}" for i in range(16)], "max_tokens": 30, "n": 4, "temperature": 1.0, "seed": 1}
     try:
         with concurrent.futures.ThreadPoolExecutor(4) as pool:
             first = pool.submit(post, url, body, None)
