@@ -129,7 +129,7 @@ class CompletionJob:
         state.ids += event.ids
         state.logprobs += event.logprobs
         state.top += event.top
-        text = self.model.continuation(state.prompt, state.prompt_text, state.ids)
+        text = self.model.continuation(state.prompt, state.ids)
         cut = min((i for i in (text.find(stop) for stop in self.request.stop) if i >= 0), default=-1)
         if cut >= 0:
             state.text, state.finished = text[:cut], "stop"
@@ -155,7 +155,7 @@ class CompletionJob:
         model, request = self.model, self.request
         pieces = model.token_pieces(state.prompt + state.ids[:start], state.ids[start:])
         out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-        offset = len(model.continuation(state.prompt, state.prompt_text, state.ids[:start])) if start else 0
+        offset = len(model.continuation(state.prompt, state.ids[:start])) if start else 0
         for i, piece in enumerate(pieces):
             if offset >= len(state.text) and (state.finished == "stop" or piece):
                 break

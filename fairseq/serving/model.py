@@ -36,13 +36,14 @@ class ServedModel:
     def decode(self, ids: List[int]) -> str:
         return self.hub.decode(torch.tensor(ids, dtype=torch.long)) if ids else ""
 
-    def continuation(self, prompt: List[int], prompt_text: str, new: List[int]) -> str:
+    def continuation(self, prompt: List[int], new: List[int]) -> str:
         """The text `new` adds after the prompt: decoded with the prompt (joining spaces, BPE merges across the
-        boundary), less the decoded prompt; `new` decoded alone where that is no prefix."""
+        boundary), less the decoded prompt (not the text sent, which may differ: unknown words); `new` decoded
+        alone where that is no prefix."""
         if not new:
             return ""
-        full = self.decode(prompt + new)
-        return full[len(prompt_text):] if full.startswith(prompt_text) else self.decode(new)
+        shown, full = self.decode(prompt), self.decode(prompt + new)
+        return full[len(shown):] if full.startswith(shown) else self.decode(new)
 
     def token_pieces(self, context: List[int], ids: List[int]) -> List[str]:
         """Each token's text after `context` and the tokens before it (OpenAI's `tokens`)."""

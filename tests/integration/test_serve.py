@@ -120,6 +120,11 @@ def test_greedy_text_equals_fairseq_interactive(client, tiny_lm_checkpoint, tiny
     assert answer.usage.prompt_tokens == sum(len(p.split()) for p in prompts)
     assert answer.usage.completion_tokens == sum(len(t.split()) for t in texts)
     assert {c.finish_reason for c in answer.choices} <= {"stop", "length"}
+    # a word the dictionary lacks is <unk> to the model: the continuation is still the one of the decoded prompt
+    prompts = ["w1 nosuchword", "nosuchword w2 w3", "w5 zz w7", "w2 qq"]
+    unknown = client.completions.create(model="x", prompt=prompts, max_tokens=5, temperature=0)
+    continued = [c.text for c in unknown.choices if c.text]
+    assert continued and all(text.startswith(" w") for text in continued), [c.text for c in unknown.choices]
 
 
 def test_stream_joined_equals_the_whole_answer(client):
