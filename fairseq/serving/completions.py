@@ -7,7 +7,7 @@ import random
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional
 
 from fairseq.serving.model import ServedModel
 from fairseq.serving.protocol import DEFAULT_MAX_TOKENS, APIError, CompletionRequest
@@ -149,9 +149,9 @@ class CompletionJob:
         return all(s.finished is not None for s in self.states)
 
     # ---- responses ------------------------------------------------------------------------------------------
-    def _logprobs(self, state: ChoiceState, start: int, text_start: int) -> Tuple[dict, int]:
+    def _logprobs(self, state: ChoiceState, start: int, text_start: int) -> dict:
         """OpenAI's logprobs object of the choice's tokens from `start` whose text lies in state.text (those
-        after a stop cut are left out), offsets counted from `text_start`; and the tokens' count."""
+        after a stop cut are left out), offsets counted from `text_start`."""
         model, request = self.model, self.request
         pieces = model.token_pieces(state.prompt + state.ids[:start], state.ids[start:])
         out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
@@ -166,7 +166,7 @@ class CompletionJob:
                                        if request.logprobs else None)
             out["text_offset"].append(text_start + offset)
             offset += len(piece)
-        return out, len(out["tokens"])
+        return out
 
     def _echo_logprobs(self, state: ChoiceState) -> dict:
         model = self.model
@@ -185,7 +185,7 @@ class CompletionJob:
         if self.request.logprobs is None:
             return None
         prefix = state.prompt_text if self.request.echo else ""
-        generated, _ = self._logprobs(state, 0, len(prefix))
+        generated = self._logprobs(state, 0, len(prefix))
         if not self.request.echo:
             return generated
         echo = self._echo_logprobs(state)
@@ -234,7 +234,7 @@ class CompletionJob:
 
     def _stream_logprobs(self, state: ChoiceState, visible: int, with_echo: bool) -> dict:
         """The logprobs of the tokens whose text starts in what this chunk shows."""
-        logprobs, _ = self._logprobs(state, state.tokens_sent, 0)
+        logprobs = self._logprobs(state, state.tokens_sent, 0)
         keep = [i for i, offset in enumerate(logprobs["text_offset"]) if offset < visible or
                 (state.finished is not None and visible == len(state.text))]
         logprobs = {key: [values[i] for i in keep] for key, values in logprobs.items()}
