@@ -13,6 +13,7 @@ from typing import List, Optional
 
 from fairseq import registry
 from fairseq.dataclass import configs, legacy
+from fairseq.dataclass.serving import ServeConfig
 from fairseq.dataclass.build import check_precision, convert_namespace_to_config, is_interpolated, model_config
 from fairseq.dataclass.utils import add_dataclass_to_parser
 from fairseq.registry import import_user_module
@@ -114,6 +115,10 @@ HELP_SHOWN = {
     "interactive": {
         "common": _EVAL_COMMON, "dataset": {"max_tokens", "batch_size", "skip_invalid_size_inputs_valid_test"},
         "common_eval": {"path", "model_overrides", "post_process"}, "generation": ALL, "interactive": ALL,
+        "components": {"task", "bpe", "tokenizer"}},
+    "serve": {
+        "common": _EVAL_COMMON, "common_eval": {"path", "model_overrides"},
+        "generation": {"quantize", "no_cuda_graphs"}, "distributed_training": {"model_parallel_size"}, "serve": ALL,
         "components": {"task", "bpe", "tokenizer"}},
     "eval_lm": {
         "common": _EVAL_COMMON, "dataset": _EVAL_DATASET,
@@ -330,6 +335,15 @@ def get_interactive_generation_parser(default_task: str = "language_modeling"):
 
 
 get_interactive_parser = get_interactive_generation_parser
+
+
+def get_serve_parser(default_task: str = "language_modeling"):
+    """fairseq-serve's parser: the generation tools' groups without the dataset's batching (each request brings
+    its own options; --max-tokens is the serve group's per-request limit), plus the serve group."""
+    groups = {name: dc for name, dc in _generation_groups(False).items() if name != "dataset"}
+    groups["serve"] = ServeConfig
+    return _base_parser("fairseq-serve: an OpenAI-compatible completions server", groups, default_task,
+                        components=("task",) + ENCODER_COMPONENTS, help_shown=HELP_SHOWN["serve"])
 
 
 def convert_namespace_to_generation_config(args: argparse.Namespace) -> configs.FairseqConfig:

@@ -56,6 +56,8 @@ LAYERS: List[Tuple[str, Tuple[str, ...]]] = [
     ("training, generation, export, planning, front ends",
      ("fairseq.training", "fairseq.generation.hub_utils", "fairseq.export", "fairseq.planning", "fairseq.options",
       "fairseq.dataclass.validate", "fairseq.dataclass.hydra")),
+    # fairseq-serve's server: HTTP, the scheduler over the decode engine, the served model through the hub
+    ("serving", ("fairseq.serving",)),
     ("entry points", ("fairseq_cli",)),
     # upstream's API: the wing and the faces at upstream's module names (the core never imports them)
     ("upstream compatibility", ("fairseq.compat", *UPSTREAM_FACES)),

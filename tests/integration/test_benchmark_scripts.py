@@ -183,3 +183,19 @@ def test_benchmark_generate_profiles_decode_steps_on_the_cpu(capsys):
                   "split-KV kernel us | kernel GB/s of live KV |")
     assert [row[1:4] for row in calls] == [["1", "2 x 32", "9 (64)"], ["2", "2 x 32", "9 (64)"]]
     assert [row[5:] for row in calls] == [["-", "-"]] * 2  # no kernel on the CPU
+
+
+def test_benchmark_serve_prints_a_row_per_concurrency(capsys):
+    """scripts/benchmark_serve.py with a tiny random model: one row per client count, every request's tokens."""
+    pytest.importorskip("uvicorn")
+    sys.path.insert(0, os.path.join(ROOT, "scripts"))
+    try:
+        import benchmark_serve
+    finally:
+        sys.path.pop(0)
+    rows = benchmark_serve.main(["--cpu", "--concurrency", "1,3", "--requests", "6", "--new-tokens", "4",
+                                 "--prompt-len", "8", "--decoder-layers", "1", "--decoder-embed-dim", "32",
+                                 "--positions", "64", "--vocab-size", "50"])
+    out = capsys.readouterr().out
+    assert [row["clients"] for row in rows] == [1, 3] and rows[0]["tokens"] == rows[1]["tokens"] > 0
+    assert sum(line.startswith("| ") for line in out.splitlines()) == 3 and "TTFT p99 s" in out

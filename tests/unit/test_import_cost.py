@@ -39,11 +39,11 @@ class Recorder:
 sys.meta_path.insert(0, Recorder())
 import fairseq
 import fairseq_cli.train, fairseq_cli.eval_lm, fairseq_cli.validate, fairseq_cli.generate
-import fairseq_cli.interactive, fairseq_cli.preprocess
+import fairseq_cli.interactive, fairseq_cli.preprocess, fairseq_cli.serve
 from fairseq import checkpoint_utils, options
 from fairseq.generation import hub_utils
 for build in (options.get_training_parser, options.get_eval_lm_parser, options.get_validation_parser,
-              options.get_generation_parser, options.get_interactive_generation_parser):
+              options.get_generation_parser, options.get_interactive_generation_parser, options.get_serve_parser):
     build()
 # A fairseq-train that stops at a user error after validate(cfg) (no dict.txt): no optimizer is built, which
 # would import torch._dynamo (torch.optim does, and it loads the rest), so nothing heavy is needed.

@@ -1,0 +1,1 @@
+"""fairseq-serve's server: OpenAI's completions API over the decode engine (docs/serving.md)."""

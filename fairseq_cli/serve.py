@@ -1,0 +1,154 @@
+"""fairseq-serve: an OpenAI-compatible completions server for a trained language model.
+
+    fairseq-serve --path checkpoints/checkpoint_best.pt data-bin --host 127.0.0.1 --port 8000
+    curl -s localhost:8000/v1/completions -H 'Content-Type: application/json' \
+        -d '{"prompt": "the cat", "max_tokens": 16, "temperature": 0}'
+
+--path is a checkpoint file, a sharded checkpoint directory or a transformers OPT/XGLM directory (imported
+first, as scripts/import_hf.py does); DATA (optional) holds the dictionary when the checkpoint's saved data
+directory is elsewhere. The HTTP port opens at once (GET /health answers 503 until the model is loaded);
+SIGTERM (or Ctrl-C) stops accepting, lets the running requests finish (--drain-timeout) and exits 0.
+docs/serving.md has the API, the limits and the metrics.
+"""
+
+import logging
+import os
+import tempfile
+import threading
+from typing import List, Optional
+
+from fairseq import options
+from fairseq.dataclass.serving import ServeConfig, check_serve_config
+from fairseq.dataclass.utils import config_from_namespace
+from fairseq.export.hf_import import CHECKPOINT_NAME, import_hf
+from fairseq.generation.hub_utils import GeneratorHubInterface, _is_transformers_directory
+from fairseq.serving.completions import Limits
+from fairseq.serving.engine_backend import make_backend
+from fairseq.serving.model import ServedModel
+from fairseq.serving.scheduler import Scheduler
+from fairseq_cli.console import run_console_script
+from fairseq_cli.generate import load_ensemble, setup
+
+logger = logging.getLogger("fairseq_cli.serve")
+KEYS_ENV = "FAIRSEQ_API_KEYS"
+
+
+def read_api_keys(path: Optional[str]) -> List[str]:
+    """--api-keys FILE (one key a line; blank lines and `#` comments skipped), else $FAIRSEQ_API_KEYS
+    (comma-separated); [] when neither is given (no key asked for)."""
+    if path:
+        try:
+            with open(path, encoding="utf-8") as f:
+                keys = [line.strip() for line in f if line.strip() and not line.lstrip().startswith("#")]
+        except OSError as err:
+            raise ValueError(f"--api-keys {path}: cannot read it ({err.strerror or err}); pass a text file with one "
+                             "key a line") from None
+        if not keys:
+            raise ValueError(f"--api-keys {path} holds no key: write one key a line")
+        return keys
+    return [key.strip() for key in os.environ.get(KEYS_ENV, "").split(",") if key.strip()]
+
+
+def load_served_model(cfg):
+    """The ServedModel of --path (one model: no ensemble), loaded as fairseq-interactive loads it (--bf16, --fp16,
+    --quantize, --cpu), a transformers directory imported first."""
+    path = cfg.common_eval.path or ""
+    if os.pathsep in path:
+        raise ValueError(f"--path {path}: fairseq-serve serves one model, not an ensemble; pass one checkpoint")
+    name = cfg.serve.served_model_name or os.path.basename(os.path.normpath(path)) or "model"
+    # a directory with a transformers config.json (the hub's rule; a sharded checkpoint directory has none)
+    if path and os.path.isdir(path) and _is_transformers_directory(path, CHECKPOINT_NAME, "."):
+        work = tempfile.mkdtemp(prefix="fairseq-serve-import-")
+        logger.info(f"{path} is a transformers directory: importing it into {work}")
+        import_hf(path, os.path.join(work, "model"))
+        cfg.common_eval.path = os.path.join(work, "model", CHECKPOINT_NAME)
+        if not cfg.task.data:
+            cfg.task.data = os.path.join(work, "model")
+    models, task, device, codec = load_ensemble(cfg)
+    hub = GeneratorHubInterface(cfg, task, models)
+    hub.codec, hub.tokenizer, hub.bpe = codec, codec.tokenizer, codec.bpe  # the checkpoint's, as interactive's
+    hub.quantized = cfg.generation.quantize  # load_ensemble quantized the weights already
+    return ServedModel(hub, name)
+
+
+def start_model(server, cfg) -> None:
+    """Load the model and start the decode thread (the server answers 503 until this is done)."""
+    try:
+        model = load_served_model(cfg)
+    except Exception as err:  # told by /health and the log; the process exits
+        logger.error(f"fairseq-serve: error: {err}")
+        server.load_error = f"the model failed to load: {err}"
+        raise
+    serve = cfg.serve
+    positions = model.max_positions
+    # the engine reserves the caches of --max-running rows x the positions at start (checked against the GPU's
+    # free memory): that is the batch's KV capacity, which --max-batch-tokens may lower
+    backend = make_backend(model, serve.max_running, cuda_graphs=not cfg.generation.no_cuda_graphs)
+    capacity = backend.kv_capacity_tokens or serve.max_running * positions
+    limits = Limits(max_prompt_tokens=serve.max_prompt_tokens or positions - 1,
+                    max_tokens=serve.max_tokens if serve.max_tokens is not None else positions,
+                    max_batch_tokens=min(serve.max_batch_tokens or capacity, capacity))
+    scheduler = Scheduler(model, backend, serve.max_running, limits.max_batch_tokens, serve.max_queue,
+                          server.metrics)
+    scheduler.start()
+    server.ready(model, scheduler, limits)
+    logger.info(f"serving {model.name} ({positions} positions) on {model.device}: --max-running "
+                f"{serve.max_running}, --max-batch-tokens {limits.max_batch_tokens}")
+
+
+def main(cfg) -> None:
+    try:  # the serve extra (starlette, uvicorn)
+        from fairseq.serving.app import Server, build_app, draining_server, uvicorn
+    except ImportError:
+        raise ValueError("fairseq-serve needs uvicorn and starlette: pip install 'fairseq[serve]'") from None
+    setup(cfg)
+    check_serve_config(cfg.serve)
+    if cfg.distributed_training.model_parallel_size > 1:
+        raise ValueError(f"--model-parallel-size {cfg.distributed_training.model_parallel_size}: tensor-parallel "
+                         "serving is not implemented yet (docs/serving.md); serve the model on one device (a "
+                         "consolidated checkpoint: scripts/consolidate_fsdp_shards.py)")
+    keys = read_api_keys(cfg.serve.api_keys)
+    if cfg.serve.host not in ("127.0.0.1", "localhost", "::1") and not keys:
+        logger.warning(f"--host {cfg.serve.host} without --api-keys: anyone who reaches this address can use the "
+                       "model")
+    server = Server(cfg.serve, keys)
+    app = build_app(server)
+    failed = []
+
+    def load():
+        try:
+            start_model(server, cfg)
+        except Exception as err:
+            failed.append(err)
+            http.should_exit = True
+
+    http = draining_server(uvicorn.Config(app, host=cfg.serve.host, port=cfg.serve.port, access_log=False,
+                                          log_config=None, timeout_graceful_shutdown=cfg.serve.drain_timeout,
+                                          timeout_keep_alive=5), server)
+    threading.Thread(target=load, name="fairseq-serve-load", daemon=True).start()
+    http.run()
+    if server.scheduler is not None:
+        server.scheduler.stop()
+    if failed:
+        raise failed[0]
+    logger.info("fairseq-serve stopped")
+
+
+def cli_main(argv: Optional[List[str]] = None) -> None:
+    parser = options.get_serve_parser()
+    args = options.parse_args_and_arch(parser, argv)
+    cfg = options.convert_namespace_to_generation_config(args)
+    cfg.serve = config_from_namespace(ServeConfig, args)
+    try:
+        check_serve_config(cfg.serve)
+    except ValueError as e:
+        parser.error(str(e))
+    main(cfg)
+
+
+def console_main() -> None:
+    run_console_script("fairseq-serve", cli_main)
+
+
+if __name__ == "__main__":
+    console_main()
