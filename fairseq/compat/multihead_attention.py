@@ -1,4 +1,6 @@
-"""Upstream fairseq's `MultiheadAttention`, for plug-in models and code written against upstream.
+"""Upstream fairseq's `MultiheadAttention`, for plug-in models and code written against upstream (the compat
+wing: nothing in the core uses it; `fairseq.modules.MultiheadAttention` and fairseq.modules.multihead_attention
+resolve here).
 
     attn = MultiheadAttention(embed_dim, num_heads, kdim=None, vdim=None, dropout=0.0, bias=True,
                               add_bias_kv=False, add_zero_attn=False, self_attention=False,
@@ -39,20 +41,6 @@ from fairseq.modules.quant_noise import quant_noise
 _STATE = "attn_state"  # upstream's key of the cached keys and values
 
 
-def _mask_for_xformers(mask: Tensor, to_dtype: Optional[torch.dtype] = None) -> Tensor:
-    """A mask in fairseq's convention (floating point: added to the scores; bool / uint8: nonzero masks) in
-    xformers' (floating point: added; bool / uint8: nonzero keeps), in `to_dtype` (default: the mask's own)."""
-    to_dtype = mask.dtype if to_dtype is None else to_dtype
-    if mask.is_floating_point():
-        if to_dtype.is_floating_point:
-            return mask.to(to_dtype)
-        return (mask != float("-inf")).to(to_dtype)
-    masked = mask.to(torch.bool)
-    if to_dtype.is_floating_point:
-        return torch.zeros(mask.shape, dtype=to_dtype, device=mask.device).masked_fill(masked, float("-inf"))
-    return (~masked).to(to_dtype)
-
-
 class MultiheadAttention(FairseqIncrementalState, AttentionProjections):
     """Multi-headed attention ("Attention Is All You Need") with upstream's constructor and call (module
     docstring)."""
@@ -81,7 +69,6 @@ class MultiheadAttention(FairseqIncrementalState, AttentionProjections):
         self.add_zero_attn = add_zero_attn
         self.beam_size = 1
         self.onnx_trace = False
-        self.tpu = False
         self.skip_embed_dim_check = False
         self.use_xformers = xformers_att_config is not None
         self.blocksparse_layout = xformers_blocksparse_layout
@@ -95,9 +82,6 @@ class MultiheadAttention(FairseqIncrementalState, AttentionProjections):
 
     def prepare_for_onnx_export_(self):
         self.onnx_trace = True
-
-    def prepare_for_tpu_(self, **kwargs):
-        self.tpu = True
 
     def set_beam_size(self, beam_size: int) -> None:
         """Encoder-decoder attention: the batch holds `beam_size` consecutive rows per sentence, which share
