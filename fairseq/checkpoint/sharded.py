@@ -40,14 +40,6 @@ def _swap_into_place(tmp: str, path: str):
         shutil.rmtree(old)
 
 
-def save_sharded(path: str, model_state, optim_state, metadata: Dict[str, Any],
-                 extra_shards: Optional[Dict[str, Any]] = None) -> None:
-    """Collective: every rank calls this with its local (sharded) state dicts. `extra_shards` are more
-    sharded groups saved beside them (the EMA's "ema", "ema_fp32_params"); load_sharded reads them back into
-    metadata["extra_state"]."""
-    start_sharded_save(path, model_state, optim_state, metadata, extra_shards)()
-
-
 def start_sharded_save(path: str, model_state, optim_state, metadata: Dict[str, Any],
                        extra_shards: Optional[Dict[str, Any]] = None, stager=None, group=None,
                        before_rename: Optional[Callable[[], None]] = None) -> Callable[[], None]:

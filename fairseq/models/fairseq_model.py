@@ -11,7 +11,8 @@ A model provides:
   runs on each rank's shards);
 - `max_positions()`: the longest input it accepts (None: no limit);
 - `flops_per_token(seq_len)`: training FLOPs (forward + backward) per token, for tflops/mfu (None: unknown);
-- `upgrade_state_dict(state_dict, cfg)` (classmethod): an upstream or older state dict under today's names;
+- `upgrade_state_dict(state_dict, cfg)` (classmethod): an upstream or older state dict under today's names
+  (the hook of plug-ins; the built-in transformer_lm's upstream names are fairseq.checkpoint.legacy's table);
 - `architecture_options`: config fields that define the function computed; resuming must keep them;
 - `describe_config(cfg)` (classmethod, optional): the config's shape in words, for the start-up log line;
 - `tensor_parallel_sizes(cfg)` (classmethod) and `tensor_parallel_plan()`: how the model splits over the ranks
