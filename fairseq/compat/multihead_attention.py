@@ -41,6 +41,20 @@ from fairseq.modules.quant_noise import quant_noise
 _STATE = "attn_state"  # upstream's key of the cached keys and values
 
 
+def _mask_for_xformers(mask: Tensor, to_dtype: Optional[torch.dtype] = None) -> Tensor:
+    """A mask in fairseq's convention (floating point: added to the scores; bool / uint8: nonzero masks) in
+    xformers' (floating point: added; bool / uint8: nonzero keeps), in `to_dtype` (default: the mask's own)."""
+    to_dtype = mask.dtype if to_dtype is None else to_dtype
+    if mask.is_floating_point():
+        if to_dtype.is_floating_point:
+            return mask.to(to_dtype)
+        return (mask != float("-inf")).to(to_dtype)
+    masked = mask.to(torch.bool)
+    if to_dtype.is_floating_point:
+        return torch.zeros(mask.shape, dtype=to_dtype, device=mask.device).masked_fill(masked, float("-inf"))
+    return (~masked).to(to_dtype)
+
+
 class MultiheadAttention(FairseqIncrementalState, AttentionProjections):
     """Multi-headed attention ("Attention Is All You Need") with upstream's constructor and call (module
     docstring)."""

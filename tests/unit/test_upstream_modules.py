@@ -27,6 +27,7 @@ from fairseq.modules import (
     gelu,
     gelu_accurate,
 )
+from fairseq.modules.multihead_attention import _mask_for_xformers
 from fairseq.modules.rotary_positional_embedding import apply_rotary_pos_emb, rotate_half
 
 T, S, B, C, H = 5, 7, 3, 16, 4
@@ -200,6 +201,13 @@ def test_upstreams_helpers():
     x = torch.randn(5, 2, 24)
     out, _ = attn(query=x, key=x, value=x)
     assert out.shape == (5, 2, 24) and attn.num_heads == 4 and attn.head_dim == 4
+    # _mask_for_xformers: fairseq's convention (nonzero masks) in xformers' (nonzero keeps), additive kept
+    additive = torch.tensor([float("-inf"), 0.0])
+    assert torch.equal(_mask_for_xformers(additive), additive)
+    assert _mask_for_xformers(additive, to_dtype=torch.bool).tolist() == [False, True]
+    assert _mask_for_xformers(torch.tensor([1, 0], dtype=torch.uint8)).tolist() == [0, 1]
+    assert torch.equal(_mask_for_xformers(torch.tensor([False, True]), to_dtype=torch.float),
+                       torch.tensor([0.0, float("-inf")]))
 
 
 def test_parameters_are_upstreams_and_fused_checkpoints_upgrade():
