@@ -8,8 +8,10 @@ probes of config objects (`cfg`, `self.cfg`, `task.cfg`, `args`, `config`, ...) 
 
 Imports inside functions count like top-level ones: a deferred import that closes a circle is still a circle.
 An upward import must also be declared, with its reason, in EXCEPTIONS (exit 1 otherwise). Imports the source
-does not spell (the registries' importlib of their packages, `python -m`) are not seen: plug-in style loading by
-name is how the config layer finds components without importing them.
+does not spell (the registries' importlib of their packages, `python -m`, the compat wing's modules that
+`fairseq.compat.load` imports for upstream's names in fairseq.upstream_absent's tables) are not seen: plug-in style
+loading by name is how the config layer finds components without importing them; upstream_absent's one import of
+the wing is spelled, and declared in EXCEPTIONS.
 tests/unit/test_structure.py runs this in the CPU suite, one test per limit.
 """
 
@@ -74,10 +76,10 @@ EXCEPTIONS: Dict[Tuple[str, str], str] = {
 
 # Each limit is what the tree holds now where it is above its target (a ratchet: it may only go down); TARGETS
 # are issue 40's goals, printed beside the counts so that the table says how far each is.
-LIMITS = {"circles": 0, "upward imports": 4, "folders importing up": 13, "folders importing each other": 8,
-          "root modules over 40 lines": 8, "files over 600 lines": 0, "files over 500 lines": 7,
-          "functions over 80 lines": 0, "functions over 60 lines": 8, "config getattr/hasattr probes": 34,
-          "imports inside functions": 228}
+LIMITS = {"circles": 0, "upward imports": 4, "folders importing up": 12, "folders importing each other": 8,
+          "root modules over 40 lines": 8, "files over 600 lines": 0, "files over 500 lines": 6,
+          "functions over 80 lines": 0, "functions over 60 lines": 7, "config getattr/hasattr probes": 33,
+          "imports inside functions": 223}
 TARGETS = {"folders importing up": 4, "folders importing each other": 0, "files over 500 lines": 0,
            "functions over 60 lines": 0, "config getattr/hasattr probes": 10, "imports inside functions": 60}
 # Names of the objects that hold configuration: a getattr/hasattr on them for a literal name probes a field
