@@ -11,6 +11,8 @@ one of them gets an ImportError naming what is absent and what to use instead, r
   by `import fairseq`; it is consulted last, so it never hides a module that exists;
 - a name in a package that exists (`from fairseq.models import TransformerModel`): the package's module-level
   `__getattr__` calls `absent_name`;
+- upstream's names that the compat wing (fairseq/compat/) serves inside the core's packages
+  (IN_THE_WING_NAMES, IN_THE_WING_MODULES): the same `__getattr__` and finder load the wing's module on first use;
 - an option: REFUSED_OPTIONS (set, it is an error naming the flag; read by each component's check) and
   ACCEPTED_OPTIONS (set, one info line at start-up says what happens instead).
 """

@@ -15,7 +15,7 @@ from fairseq.data.list_dataset import ListDataset
 from fairseq.data.monolingual_dataset import MonolingualDataset
 from fairseq.data.resampling_dataset import ResamplingDataset
 from fairseq.data.token_block_dataset import RandomCropDataset, TokenBlockDataset, TruncateDataset
-from fairseq.upstream_absent import absent_name
+from fairseq.upstream_absent import absent_name as _absent_name
 
 __all__ = [
     "BaseWrapperDataset",
@@ -41,4 +41,4 @@ __all__ = [
 
 
 def __getattr__(name):
-    return absent_name(__name__, name)
+    return _absent_name(__name__, name)

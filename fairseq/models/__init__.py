@@ -13,7 +13,7 @@ from fairseq.registry import (  # noqa: E402,F401
     register_model,
     register_model_architecture,
 )
-from fairseq.upstream_absent import absent_name
+from fairseq.upstream_absent import absent_name as _absent_name
 
 
 def build_model(cfg, task, from_checkpoint: bool = False):
@@ -22,4 +22,4 @@ def build_model(cfg, task, from_checkpoint: bool = False):
 
 
 def __getattr__(name):
-    return absent_name(__name__, name)
+    return _absent_name(__name__, name)

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fairseq.registry import config_name
-from fairseq.upstream_absent import absent_name
+from fairseq.upstream_absent import absent_name as _absent_name
 
 
 # The styles a TensorParallelPlan may name (applied by fairseq.distributed.tensor_parallel), N ranks:
@@ -186,4 +186,4 @@ class FairseqLanguageModel(BaseFairseqModel):
 
 def __getattr__(name):
     # upstream's FairseqEncoderDecoderModel lives in the compat wing (fairseq.upstream_absent resolves it there)
-    return absent_name(__name__, name)
+    return _absent_name(__name__, name)

@@ -26,7 +26,7 @@ from fairseq.modules.same_pad import SamePad
 from fairseq.modules.transformer_decoder import TransformerDecoder
 from fairseq.modules.transformer_layer import TransformerDecoderLayer
 from fairseq.modules.transpose_last import TransposeLast
-from fairseq.upstream_absent import absent_name
+from fairseq.upstream_absent import absent_name as _absent_name
 
 __all__ = [
     "ACTIVATION_FNS",
@@ -58,4 +58,4 @@ __all__ = [
 
 
 def __getattr__(name):
-    return absent_name(__name__, name)
+    return _absent_name(__name__, name)
