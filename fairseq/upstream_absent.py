@@ -199,6 +199,7 @@ IN_THE_WING_MODULES = {
     "fairseq.data.language_pair_dataset": "fairseq.compat.language_pair_dataset",
     "fairseq.models.fairseq_encoder": "fairseq.compat.fairseq_encoder",
     "fairseq.optim.fp16_optimizer": "fairseq.compat.fp16_optimizer",
+    "fairseq.models.ema": "fairseq.compat.ema",  # a package: its submodule `ema` is fairseq.training.ema
 }
 IN_THE_WING_NAMES = {
     ("fairseq.modules", "MultiheadAttention"): "fairseq.compat.multihead_attention",

@@ -31,8 +31,7 @@ UPSTREAM_FACES = ("fairseq.checkpoint_utils", "fairseq.utils", "fairseq.distribu
                   "fairseq.metrics", "fairseq.tokenizer", "fairseq.trainer", "fairseq.hub_utils", "fairseq.binarizer",
                   "fairseq.file_chunker_utils", "fairseq.search", "fairseq.sequence_generator",
                   "fairseq.sequence_scorer", "fairseq.incremental_decoding_utils", "fairseq.plan_memory",
-                  "fairseq.models.fairseq_decoder", "fairseq.models.fairseq_incremental_decoder",
-                  "fairseq.models.ema")
+                  "fairseq.models.fairseq_decoder", "fairseq.models.fairseq_incremental_decoder")
 
 # Layers, lowest first: a module may import its own layer and those below, never one above. The most specific
 # prefix wins. docs/ARCHITECTURE.md draws the same table.
@@ -76,7 +75,7 @@ EXCEPTIONS: Dict[Tuple[str, str], str] = {
 
 # Each limit is what the tree holds now where it is above its target (a ratchet: it may only go down); TARGETS
 # are issue 40's goals, printed beside the counts so that the table says how far each is.
-LIMITS = {"circles": 0, "upward imports": 4, "folders importing up": 12, "folders importing each other": 8,
+LIMITS = {"circles": 0, "upward imports": 4, "folders importing up": 11, "folders importing each other": 6,
           "root modules over 40 lines": 8, "files over 600 lines": 0, "files over 500 lines": 5,
           "functions over 80 lines": 0, "functions over 60 lines": 7, "config getattr/hasattr probes": 32,
           "imports inside functions": 223}

@@ -8,8 +8,8 @@ Upstream's names reach it two ways:
 - names inside the core's packages (fairseq.modules.MultiheadAttention, fairseq.data.LanguagePairDataset,
   fairseq.models.FairseqEncoder / FairseqEncoderDecoderModel, fairseq.tasks.LegacyFairseqTask, and the modules
   fairseq.modules.multihead_attention, fairseq.data.language_pair_dataset, fairseq.models.fairseq_encoder,
-  fairseq.optim.fp16_optimizer): fairseq.upstream_absent's tables name the wing's module, which `load` imports
-  on first use (no file at the upstream path, so no core folder imports the wing).
+  fairseq.optim.fp16_optimizer, fairseq.models.ema): fairseq.upstream_absent's tables name the wing's module,
+  which `load` imports on first use (no file at the upstream path, so no core folder imports the wing).
 
 - checkpoint_utils: upstream's loading names (fairseq.checkpoint.inference) and training loop
   (load_checkpoint / save_checkpoint over CheckpointManager's rule, fairseq.checkpoint.manager.choose_restore)
@@ -21,6 +21,7 @@ Upstream's names reach it two ways:
 - multihead_attention: upstream's MultiheadAttention (time first, head pruning, xformers arguments)
 - fairseq_encoder: FairseqEncoder, EncoderOut, FairseqEncoderDecoderModel; language_pair_dataset: pair batches
 - fp16_optimizer: upstream's FP16Optimizer / MemoryEfficientFP16Optimizer over the trainer's fp16 rules
+- ema: upstream's fairseq.models.ema package over the trainer's fairseq.training.ema
 - upstream's `BaseFairseqModel.from_pretrained` is on the model base itself (the one upward import it declares).
 Nothing here runs at import.
 """
