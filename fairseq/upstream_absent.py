@@ -11,11 +11,14 @@ one of them gets an ImportError naming what is absent and what to use instead, r
   by `import fairseq`; it is consulted last, so it never hides a module that exists;
 - a name in a package that exists (`from fairseq.models import TransformerModel`): the package's module-level
   `__getattr__` calls `absent_name`;
+- upstream's names that the compat wing (fairseq/compat/) serves inside the core's packages
+  (IN_THE_WING_NAMES, IN_THE_WING_MODULES): the same `__getattr__` and finder load the wing's module on first use;
 - an option: REFUSED_OPTIONS (set, it is an error naming the flag; read by each component's check) and
   ACCEPTED_OPTIONS (set, one info line at start-up says what happens instead).
 """
 
 import importlib.abc
+import importlib.machinery
 import sys
 
 # Why a family is absent, and what to use instead (the second half of every message).
@@ -186,11 +189,56 @@ def message(what: str, why: str) -> str:
     return f"{what} is not part of this fairseq fork: {why}"
 
 
+# Upstream's surface that lives in the compat wing (fairseq/compat/), under upstream's names in the core's
+# packages: module name -> the wing's module, and (package or module, name) -> the wing's module holding the name.
+# The core never imports the wing for its own work; these names load it on first use (the one declared upward
+# import: scripts/check_structure.py EXCEPTIONS). A file at the upstream path would make its core folder import
+# the wing.
+IN_THE_WING_MODULES = {
+    "fairseq.modules.multihead_attention": "fairseq.compat.multihead_attention",
+    "fairseq.data.language_pair_dataset": "fairseq.compat.language_pair_dataset",
+    "fairseq.models.fairseq_encoder": "fairseq.compat.fairseq_encoder",
+    "fairseq.optim.fp16_optimizer": "fairseq.compat.fp16_optimizer",
+    "fairseq.models.ema": "fairseq.compat.ema",  # a package: its submodule `ema` is fairseq.training.ema
+}
+IN_THE_WING_NAMES = {
+    ("fairseq.modules", "MultiheadAttention"): "fairseq.compat.multihead_attention",
+    ("fairseq.data", "LanguagePairDataset"): "fairseq.compat.language_pair_dataset",
+    ("fairseq.models", "FairseqEncoder"): "fairseq.compat.fairseq_encoder",
+    ("fairseq.models", "FairseqEncoderDecoderModel"): "fairseq.compat.fairseq_encoder",
+    ("fairseq.models.fairseq_model", "FairseqEncoderDecoderModel"): "fairseq.compat.fairseq_encoder",
+    ("fairseq.tasks", "LegacyFairseqTask"): "fairseq.compat.tasks",
+    ("fairseq.tasks.fairseq_task", "LegacyFairseqTask"): "fairseq.compat.tasks",
+}
+
+
+def _from_the_wing(module: str):
+    from fairseq import compat
+
+    return compat.load(module)
+
+
+class _WingLoader(importlib.abc.Loader):
+    """Serves an upstream module name with the wing's module object (the same object: patching either name
+    patches both)."""
+
+    def __init__(self, module: str):
+        self.module = module
+
+    def create_module(self, spec):
+        return _from_the_wing(self.module)
+
+    def exec_module(self, module):
+        pass
+
+
 class AbsentModuleFinder(importlib.abc.MetaPathFinder):
-    """Raises the explaining ImportError for a module of ABSENT_MODULES (or inside one) that no other finder
-    found."""
+    """Serves upstream's module names of IN_THE_WING_MODULES from the compat wing, and raises the explaining
+    ImportError for a module of ABSENT_MODULES (or inside one) that no other finder found."""
 
     def find_spec(self, fullname, path=None, target=None):
+        if fullname in IN_THE_WING_MODULES:
+            return importlib.machinery.ModuleSpec(fullname, _WingLoader(IN_THE_WING_MODULES[fullname]))
         for module, why in ABSENT_MODULES.items():
             if fullname == module or fullname.startswith(module + "."):
                 raise ModuleNotFoundError(message(f"upstream module {module}", why), name=fullname)
@@ -203,8 +251,13 @@ def install() -> None:
 
 
 def absent_name(package: str, name: str):
-    """For a package's `__getattr__`: raise the explaining ImportError for an absent upstream name, else the
-    usual AttributeError."""
+    """For a package's `__getattr__`: upstream's name from the compat wing (IN_THE_WING_NAMES), else raise the
+    explaining ImportError for an absent upstream name, else the usual AttributeError."""
+    wing = IN_THE_WING_NAMES.get((package, name))
+    if wing is not None:
+        value = getattr(_from_the_wing(wing), name)
+        setattr(sys.modules[package], name, value)  # found once
+        return value
     why = ABSENT_NAMES.get((package, name))
     if why is not None:
         raise ImportError(message(f"upstream's {package}.{name}", why), name=package)

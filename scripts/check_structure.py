@@ -8,8 +8,10 @@ probes of config objects (`cfg`, `self.cfg`, `task.cfg`, `args`, `config`, ...) 
 
 Imports inside functions count like top-level ones: a deferred import that closes a circle is still a circle.
 An upward import must also be declared, with its reason, in EXCEPTIONS (exit 1 otherwise). Imports the source
-does not spell (the registries' importlib of their packages, `python -m`) are not seen: plug-in style loading by
-name is how the config layer finds components without importing them.
+does not spell (the registries' importlib of their packages, `python -m`, the compat wing's modules that
+`fairseq.compat.load` imports for upstream's names in fairseq.upstream_absent's tables) are not seen: plug-in style
+loading by name is how the config layer finds components without importing them; upstream_absent's one import of
+the wing is spelled, and declared in EXCEPTIONS.
 tests/unit/test_structure.py runs this in the CPU suite, one test per limit.
 """
 
@@ -29,8 +31,7 @@ UPSTREAM_FACES = ("fairseq.checkpoint_utils", "fairseq.utils", "fairseq.distribu
                   "fairseq.metrics", "fairseq.tokenizer", "fairseq.trainer", "fairseq.hub_utils", "fairseq.binarizer",
                   "fairseq.file_chunker_utils", "fairseq.search", "fairseq.sequence_generator",
                   "fairseq.sequence_scorer", "fairseq.incremental_decoding_utils", "fairseq.plan_memory",
-                  "fairseq.models.fairseq_decoder", "fairseq.models.fairseq_incremental_decoder",
-                  "fairseq.models.ema", "fairseq.optim.fp16_optimizer")
+                  "fairseq.models.fairseq_decoder", "fairseq.models.fairseq_incremental_decoder")
 
 # Layers, lowest first: a module may import its own layer and those below, never one above. The most specific
 # prefix wins. docs/ARCHITECTURE.md draws the same table.
@@ -68,14 +69,18 @@ EXCEPTIONS: Dict[Tuple[str, str], str] = {
     # upstream's API puts the hub's constructor on the model class; the import runs only when it is called
     ("fairseq.models.fairseq_model", "fairseq.generation.hub_utils"): "BaseFairseqModel.from_pretrained, "
                                                                       "upstream's hub entry point",
+    # upstream's names inside the core's packages whose code is the wing's (fairseq.modules.MultiheadAttention,
+    # fairseq.data.language_pair_dataset, ...): the packages' __getattr__ and the module finder resolve them from
+    # fairseq.upstream_absent's tables on first use, through this one import; the core's own work never reaches it
+    ("fairseq.upstream_absent", "fairseq.compat"): "upstream's names in the core's packages, served by the wing",
 }
 
 # Each limit is what the tree holds now where it is above its target (a ratchet: it may only go down); TARGETS
 # are issue 40's goals, printed beside the counts so that the table says how far each is.
-LIMITS = {"circles": 0, "upward imports": 4, "folders importing up": 13, "folders importing each other": 8,
-          "root modules over 40 lines": 8, "files over 600 lines": 0, "files over 500 lines": 7,
-          "functions over 80 lines": 0, "functions over 60 lines": 8, "config getattr/hasattr probes": 34,
-          "imports inside functions": 228}
+LIMITS = {"circles": 0, "upward imports": 4, "folders importing up": 11, "folders importing each other": 7,
+          "root modules over 40 lines": 8, "files over 600 lines": 0, "files over 500 lines": 5,
+          "functions over 80 lines": 0, "functions over 60 lines": 7, "config getattr/hasattr probes": 32,
+          "imports inside functions": 222}
 TARGETS = {"folders importing up": 4, "folders importing each other": 0, "files over 500 lines": 0,
            "functions over 60 lines": 0, "config getattr/hasattr probes": 10, "imports inside functions": 60}
 # Names of the objects that hold configuration: a getattr/hasattr on them for a literal name probes a field

@@ -220,17 +220,6 @@ def config_from_saved(saved_cfg: Dict[str, Any]):
 # ---------------------------------------------------------------------------------------- models
 
 
-def build_from_saved_config(saved_cfg: Dict[str, Any], task_cfg, model_overrides: Optional[dict] = None):
-    """The task from `task_cfg` (the command line's), the model from the checkpoint's model config."""
-    task = registry.TASK_REGISTRY.get(task_cfg._name).setup_task(task_cfg)
-    model_values = dict(saved_cfg["model"])
-    model_values.update(model_overrides or {})
-    arch = model_values.get("_name")
-    model_cls = registry.arch_model(arch)
-    model_cfg = config_from_dict(registry.dataclass_of(model_cls), model_values, name=arch)
-    return task, task.build_model(model_cfg)
-
-
 def load_model_weights(model: torch.nn.Module, path: str, state: Union[Dict, ShardedCheckpoint, None],
                        strict: bool = True) -> None:
     """Fill `model` from a single-file state or from the shards of directory `path` (any world size; None

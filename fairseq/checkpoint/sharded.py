@@ -41,27 +41,11 @@ def _swap_into_place(tmp: str, path: str):
         shutil.rmtree(old)
 
 
-def shards_state(model_state, optim_state, extra_shards: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
-    """What DCP writes: {"model", "optimizer" (unless None), and the groups of `extra_shards` (the EMA's "ema",
-    "ema_fp32_params"), which load_sharded reads back into metadata["extra_state"]}."""
-    state = {"model": model_state}
-    if optim_state is not None:
-        state["optimizer"] = optim_state
-    state.update(extra_shards or {})
-    return state
-
-
-def save_sharded(path: str, model_state, optim_state, metadata: Dict[str, Any],
-                 extra_shards: Optional[Dict[str, Any]] = None) -> None:
-    """Collective: every rank calls this with its local (sharded) state dicts; written now."""
-    write = sharded_write(path, shards_state(model_state, optim_state, extra_shards), metadata)
-    write.bytes()
-    write.publish()
-
-
 def sharded_write(path: str, state: Dict[str, Any], metadata: Dict[str, Any], group=None) -> Write:
     """The write of a sharded checkpoint, collective over `group` (None: all ranks, default group): its bytes
-    are the shards of `state` (shards_state; live or staged in host memory) in `<path>.tmp` and rank 0's
+    are the shards of `state` ({"model", "optimizer" (optional), and extra groups such as the EMA's "ema" and
+    "ema_fp32_params", which load_sharded reads back into metadata["extra_state"]}; live or staged in host
+    memory) in `<path>.tmp` and rank 0's
     `metadata.pt` there (`metadata` must not change until they are written); its publication renames the
     directory into place."""
     tmp = path + ".tmp"

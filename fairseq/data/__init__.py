@@ -11,11 +11,11 @@ from fairseq.data.dictionary import Dictionary, TruncatedDictionary
 from fairseq.data.fairseq_dataset import EpochListening, FairseqDataset, FairseqIterableDataset
 from fairseq.data.indexed_dataset import MMapIndexedDataset, MMapIndexedDatasetBuilder
 from fairseq.data.iterators import CountingIterator, EpochBatchIterator, GroupedIterator, ShardedIterator
-from fairseq.data.language_pair_dataset import LanguagePairDataset
 from fairseq.data.list_dataset import ListDataset
 from fairseq.data.monolingual_dataset import MonolingualDataset
 from fairseq.data.resampling_dataset import ResamplingDataset
 from fairseq.data.token_block_dataset import RandomCropDataset, TokenBlockDataset, TruncateDataset
+from fairseq.upstream_absent import absent_name as _absent_name
 
 __all__ = [
     "BaseWrapperDataset",
@@ -27,7 +27,6 @@ __all__ = [
     "FairseqDataset",
     "FairseqIterableDataset",
     "GroupedIterator",
-    "LanguagePairDataset",
     "ListDataset",
     "MMapIndexedDataset",
     "MMapIndexedDatasetBuilder",
@@ -42,6 +41,4 @@ __all__ = [
 
 
 def __getattr__(name):
-    from fairseq.upstream_absent import absent_name
-
-    absent_name(__name__, name)
+    return _absent_name(__name__, name)

@@ -414,27 +414,25 @@ def apply_fsdp(
     if dt.fsdp_forward_prefetch:
         apply_prefetch_plan(model, layers, plan)
     if dt.fsdp_sync_free:
-        # Prefetching d layers ahead needs d + 1 layers gathered at once; the bound cannot be tighter.
-        max_in_flight = max(2, dt.fsdp_prefetch_depth + 1) if dt.fsdp_forward_prefetch else 2
         if limiter is None:
-            # Without allocator pressure: wait about one update back (each layer gathered in forward and in
-            # backward), which bounds the CPU's lead without draining the GPU's queue at every layer.
-            limiter = ReshardEventLimiter.for_device(
-                torch.device(mesh.device_type), max_in_flight, relaxed_in_flight=2 * len(layers) + max_in_flight
-            )
-        if max_in_flight > 2:
+            limiter = sync_free_limiter(dt, len(layers), torch.device(mesh.device_type))
+        if limiter.max_in_flight > 2:
             logger.info(
                 "--fsdp-sync-free with --fsdp-prefetch-depth %d: up to %d layers' full parameters at once",
-                dt.fsdp_prefetch_depth, max_in_flight,
+                dt.fsdp_prefetch_depth, limiter.max_in_flight,
             )
         model._fsdp_sync_free_hooks = SyncFreeHooks(limiter, plan, reshard_after_forward).install(model, layers)
     return model
 
 
-def sync_free_limiter(model: nn.Module) -> Optional[ReshardEventLimiter]:
-    """The limiter apply_fsdp installed on `model`, if --fsdp-sync-free is on."""
-    hooks = getattr(model, "_fsdp_sync_free_hooks", None)
-    return hooks.limiter if hooks is not None else None
+def sync_free_limiter(dt, num_layers: int, device: torch.device) -> ReshardEventLimiter:
+    """The limiter --fsdp-sync-free gives apply_fsdp for `num_layers` layers (`dt`: the distributed_training
+    config): CUDA events on a CUDA device, no waiting on the CPU."""
+    # Prefetching d layers ahead needs d + 1 layers gathered at once; the bound cannot be tighter.
+    max_in_flight = max(2, dt.fsdp_prefetch_depth + 1) if dt.fsdp_forward_prefetch else 2
+    # Without allocator pressure: wait about one update back (each layer gathered in forward and in backward),
+    # which bounds the CPU's lead without draining the GPU's queue at every layer.
+    return ReshardEventLimiter.for_device(device, max_in_flight, relaxed_in_flight=2 * num_layers + max_in_flight)
 
 
 def apply_fsdp_replicas(model: nn.Module, mesh: DeviceMesh) -> nn.Module:

@@ -11,7 +11,8 @@ A model provides:
   runs on each rank's shards);
 - `max_positions()`: the longest input it accepts (None: no limit);
 - `flops_per_token(seq_len)`: training FLOPs (forward + backward) per token, for tflops/mfu (None: unknown);
-- `upgrade_state_dict(state_dict, cfg)` (classmethod): an upstream or older state dict under today's names;
+- `upgrade_state_dict(state_dict, cfg)` (classmethod): an upstream or older state dict under today's names
+  (the hook of plug-ins; the built-in transformer_lm's upstream names are fairseq.checkpoint.legacy's table);
 - `architecture_options`: config fields that define the function computed; resuming must keep them;
 - `describe_config(cfg)` (classmethod, optional): the config's shape in words, for the start-up log line;
 - `tensor_parallel_sizes(cfg)` (classmethod) and `tensor_parallel_plan()`: how the model splits over the ranks
@@ -28,9 +29,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fairseq.modules.fairseq_decoder import FairseqDecoder
 from fairseq.registry import config_name
-from fairseq.models.fairseq_encoder import FairseqEncoder
+from fairseq.upstream_absent import absent_name as _absent_name
 
 
 # The styles a TensorParallelPlan may name (applied by fairseq.distributed.tensor_parallel), N ranks:
@@ -184,44 +184,6 @@ class FairseqLanguageModel(BaseFairseqModel):
         self.decoder.reset_parameters()
 
 
-class FairseqEncoderDecoderModel(BaseFairseqModel):
-    """Upstream's encoder-decoder base class, for plug-ins: `model(src_tokens, src_lengths, prev_output_tokens)`
-    encodes the source and runs the decoder over `prev_output_tokens` with the encoding as `encoder_out`,
-    returning the decoder's `(logits, extra)`. This fork has no encoder-decoder architecture of its own;
-    FSDP, activation checkpointing and compile need the plug-in to provide `transformer_layers()`."""
-
-    def __init__(self, encoder: nn.Module, decoder: nn.Module):
-        super().__init__()
-        if not isinstance(encoder, FairseqEncoder) or not isinstance(decoder, FairseqDecoder):
-            raise TypeError(f"{type(self).__name__} takes a fairseq.models.FairseqEncoder and a FairseqDecoder, "
-                            f"got {type(encoder).__name__} and {type(decoder).__name__}")
-        self.encoder = encoder
-        self.decoder = decoder
-
-    def forward(self, src_tokens: torch.Tensor, src_lengths: torch.Tensor, prev_output_tokens: torch.Tensor,
-                **kwargs):
-        encoder_out = self.encoder(src_tokens, src_lengths=src_lengths, **kwargs)
-        return self.decoder(prev_output_tokens, encoder_out=encoder_out, **kwargs)
-
-    def forward_decoder(self, prev_output_tokens: torch.Tensor, **kwargs):
-        return self.decoder(prev_output_tokens, **kwargs)
-
-    def extract_features(self, src_tokens: torch.Tensor, src_lengths: torch.Tensor,
-                         prev_output_tokens: torch.Tensor, **kwargs):
-        """The decoder's `(features, extra)` before its output layer."""
-        encoder_out = self.encoder(src_tokens, src_lengths=src_lengths, **kwargs)
-        return self.decoder.extract_features(prev_output_tokens, encoder_out=encoder_out, **kwargs)
-
-    def output_layer(self, features: torch.Tensor, **kwargs) -> torch.Tensor:
-        return self.decoder.output_layer(features, **kwargs)
-
-    def max_positions(self) -> Tuple[int, int]:
-        """(source, target) limits, as upstream's size filters compare them with (source, target) sizes."""
-        return self.encoder.max_positions(), self.decoder.max_positions()
-
-    def max_decoder_positions(self) -> int:
-        return self.decoder.max_positions()
-
-    def get_normalized_probs(self, net_output, log_probs: bool, sample=None) -> torch.Tensor:
-        # The decoder decides (upstream's TestIncrementalDecoder returns probabilities, not logits).
-        return self.decoder.get_normalized_probs(net_output, log_probs, sample)
+def __getattr__(name):
+    # upstream's FairseqEncoderDecoderModel lives in the compat wing (fairseq.upstream_absent resolves it there)
+    return _absent_name(__name__, name)

@@ -13,7 +13,6 @@ from fairseq.modules.gelu import gelu, gelu_accurate
 from fairseq.modules.grad_multiply import GradMultiply
 from fairseq.modules.layer_drop import LayerDropModuleList
 from fairseq.modules.layer_norm import Fp32LayerNorm, LayerNorm
-from fairseq.modules.multihead_attention import MultiheadAttention
 from fairseq.modules.positional_embedding import (
     LearnedPositionalEmbedding,
     PositionalEmbedding,
@@ -27,6 +26,7 @@ from fairseq.modules.same_pad import SamePad
 from fairseq.modules.transformer_decoder import TransformerDecoder
 from fairseq.modules.transformer_layer import TransformerDecoderLayer
 from fairseq.modules.transpose_last import TransposeLast
+from fairseq.upstream_absent import absent_name as _absent_name
 
 __all__ = [
     "ACTIVATION_FNS",
@@ -40,7 +40,6 @@ __all__ = [
     "LayerDropModuleList",
     "LayerNorm",
     "LearnedPositionalEmbedding",
-    "MultiheadAttention",
     "PositionalEmbedding",
     "RotaryPositionalEmbedding",
     "SamePad",
@@ -59,6 +58,4 @@ __all__ = [
 
 
 def __getattr__(name):
-    from fairseq.upstream_absent import absent_name
-
-    absent_name(__name__, name)
+    return _absent_name(__name__, name)

@@ -3,8 +3,9 @@
 Parameter names and initialization follow upstream fairseq's MultiheadAttention (separate q/k/v/out
 projections with bias, `AttentionProjections`), so upstream state dicts load unchanged. No mask is materialized:
 SDPA's `is_causal=True` selects the fused kernels (flash / memory-efficient) where available. Upstream's general
-attention (key/value inputs, masks, attention weights, time-first tensors) is
-fairseq.modules.multihead_attention.MultiheadAttention, on the same projections.
+attention (key/value inputs, masks, attention weights, time-first tensors) is the compat wing's
+MultiheadAttention (fairseq.compat.multihead_attention, upstream's fairseq.modules.multihead_attention), on the
+same projections.
 
 With an `incremental_state` the module caches keys and values across calls (see `_cache_entry` for the
 layout): each call computes only its new tokens and attends over everything cached so far. With a

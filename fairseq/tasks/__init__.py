@@ -2,7 +2,8 @@
 
 from fairseq.registry import TASK_REGISTRY, register_task  # noqa: F401 (re-exported)
 from fairseq.registry import config_name
-from fairseq.tasks.fairseq_task import FairseqTask, LegacyFairseqTask  # noqa: F401
+from fairseq.tasks.fairseq_task import FairseqTask  # noqa: F401 (LegacyFairseqTask: the wing's, via __getattr__)
+from fairseq.upstream_absent import absent_name as _absent_name
 
 
 def setup_task(task_cfg, **kwargs):
@@ -18,6 +19,4 @@ def get_task(name: str):
 
 
 def __getattr__(name):
-    from fairseq.upstream_absent import absent_name
-
-    absent_name(__name__, name)
+    return _absent_name(__name__, name)

@@ -2,7 +2,6 @@
 
 import inspect
 import logging
-import os
 from typing import Any, Dict, Optional
 
 import numpy as np
@@ -12,7 +11,7 @@ from fairseq import registry
 from fairseq.data.batching import (Batches, SizeFilterReport, batch_by_size, filter_by_size, filter_by_size_limits,
                                    size_limit)
 from fairseq.data.iterators import EpochBatchIterator
-from fairseq.upstream_absent import refused_options
+from fairseq.upstream_absent import absent_name, refused_options
 
 logger = logging.getLogger(__name__)
 
@@ -45,18 +44,6 @@ class FairseqTask:
 
         return Dictionary.load(filename)
 
-    @classmethod
-    def build_dictionary(cls, filenames, workers: int = 1, threshold: int = -1, nwords: int = -1,
-                         padding_factor: int = 8):
-        """Upstream's hook: a dictionary counted over the words of text files, finalized."""
-        from fairseq.data.dictionary import Dictionary
-
-        d = Dictionary()
-        for filename in filenames:
-            Dictionary.add_file_to_dictionary(filename, d, num_workers=workers)
-        d.finalize(threshold=threshold, nwords=nwords, padding_factor=padding_factor)
-        return d
-
     # ---- data ---------------------------------------------------------------------------------------
     def load_dataset(self, split: str, epoch: int = 1, combine: bool = False, **kwargs) -> None:
         """Load `split` into `self.datasets`. The trainer passes `for_training=True` for its training split
@@ -69,10 +56,6 @@ class FairseqTask:
             loaded = ", ".join(sorted(self.datasets)) or "none"
             raise KeyError(f"dataset split {split!r} is not loaded (loaded: {loaded}); call load_dataset({split!r}) first")
         return self.datasets[split]
-
-    def has_sharded_data(self, split: str) -> bool:
-        """Whether DATA names several directories (`path1:path2`), so each epoch loads a different one."""
-        return os.pathsep in (getattr(self.cfg, "data", None) or "")
 
     def describe_split(self, split: str) -> Optional[str]:
         """Where the loaded `split` comes from, for messages (its file, item counts); None when unknown."""
@@ -271,9 +254,6 @@ class FairseqTask:
         with torch.no_grad():
             return criterion(model, sample)
 
-    def logging_outputs_can_be_summed(self, criterion) -> bool:
-        return criterion.logging_outputs_can_be_summed()
-
     def reduce_metrics(self, logging_outputs, criterion) -> None:
         """Upstream's: log wpb (tokens) and bsz (sentences) summed over `logging_outputs`, and wps, then the
         criterion's own metrics."""
@@ -309,23 +289,6 @@ def _takes_seed(dataset) -> bool:
         return False
 
 
-class LegacyFairseqTask(FairseqTask):
-    """Upstream's base of tasks configured by an argparse namespace: flags come from the `add_args(parser)`
-    staticmethod, and `args` (also `cfg`) is the whole parsed namespace."""
-
-    def __init__(self, args, **kwargs):
-        super().__init__(args)
-        self.args = args
-
-    @classmethod
-    def setup_task(cls, args, **kwargs) -> "LegacyFairseqTask":
-        return cls(args, **kwargs)
-
-    def has_sharded_data(self, split: str) -> bool:
-        return os.pathsep in (getattr(self.args, "data", None) or "")
-
-    def build_model(self, args, from_checkpoint: bool = False):
-        return super().build_model(args, from_checkpoint)
-
-    def build_criterion(self, args, optimization_cfg=None):
-        return super().build_criterion(args, optimization_cfg)
+def __getattr__(name):
+    # upstream's LegacyFairseqTask lives in the compat wing (fairseq.upstream_absent resolves it there)
+    return absent_name(__name__, name)

@@ -71,7 +71,9 @@ def run(rank, port, out_dir):
         result["max_diff"] = max((full[k] - ema_plain.get_model().state_dict()[k]).abs().max().item() for k in full)
 
         path = os.path.join(out_dir, "ckpt")
-        sharded.save_sharded(path, model.state_dict(), None, {"cfg": {}}, extra_shards=ema.state_dict())
+        write = sharded.sharded_write(path, {"model": model.state_dict(), **ema.state_dict()}, {"cfg": {}})
+        write.bytes()
+        write.publish()
         fresh = EMA(model, cfg)  # starts from the (perturbed) weights: different from the saved EMA
         loaded = sharded.load_sharded(path, model.state_dict(), extra_shards=fresh.state_dict())
         fresh.load_checkpoint_state(loaded["extra_state"], loaded["model"])

@@ -28,11 +28,11 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.distributed.device_mesh import init_device_mesh
 
 from fairseq.dataclass.configs import FairseqConfig
 from fairseq.distributed.env import get_free_port
-from fairseq.distributed.fsdp import transformer_layers, sync_free_limiter
-from fairseq.distributed.parallelize import parallelize_model
+from fairseq.distributed.fsdp import apply_fsdp, sync_free_limiter, transformer_layers
 from fairseq.models import BaseFairseqModel
 
 pytestmark = pytest.mark.gpu
@@ -151,19 +151,22 @@ def run_case(kind, prefetch, mode, device):
     cfg.distributed_training.fsdp_forward_prefetch = prefetch
     cfg.distributed_training.fsdp_sync_free = mode != "off"
     cfg.model = SimpleNamespace(checkpoint_activations=False, offload_activations=False)
+    # The limiter --fsdp-sync-free installs (sync_free_limiter, as apply_fsdp builds it), given to apply_fsdp so
+    # that the test can press it and read its counts.
+    limiter = None if mode == "off" else sync_free_limiter(cfg.distributed_training, NUM_LAYERS, device)
+    if mode == "pressure":
+        limiter.pressure_probe = lambda: True
+    mesh = init_device_mesh("cuda", (dist.get_world_size(),))
     if kind == "slow":
-        model = parallelize_model(SlowModel(), cfg, device)
+        model = apply_fsdp(SlowModel(), cfg, mesh, limiter=limiter)
         inputs = torch.randn(8, 64, 256, device=device)
         loss_fn = lambda out: out.float().square().mean()  # noqa: E731
     else:
         cfg.common.bf16 = True
-        model = parallelize_model(real_model(), cfg, device)
+        model = apply_fsdp(real_model(), cfg, mesh, limiter=limiter)
         inputs = torch.randint(2, 50272, (1, 1024), device=device)
         # the model gives (logits, extra)
         loss_fn = lambda out: F.cross_entropy(out[0].float().flatten(0, 1), inputs.view(-1))  # noqa: E731
-    limiter = sync_free_limiter(model)
-    if mode == "pressure":
-        limiter.pressure_probe = lambda: True
     counter = AliveCounter()
     counter.instrument(model)
     for _ in range(3):

@@ -110,7 +110,10 @@ def test_whole_sample_as_prompt_nbest_and_results_path(tiny_data, ckpt, capsys, 
 def test_sharded_directory_ensemble_and_bf16(tiny_data, ckpt, capsys, tmp_path):
     state = torch.load(ckpt, map_location="cpu", weights_only=True)
     directory = tmp_path / "checkpoint_last"
-    sharded.save_sharded(str(directory), dict(state["model"]), None, {"cfg": state["cfg"]})  # one rank's DCP dir
+    # one rank's DCP directory, written as the checkpoint writer writes it
+    write = sharded.sharded_write(str(directory), {"model": dict(state["model"])}, {"cfg": state["cfg"]})
+    write.bytes()
+    write.publish()
     flags = ("--prefix-size", 2, "--beam", 2, "--max-len-b", 6)
     _, from_file, _ = run(capsys, argv(tiny_data, ckpt, *flags))
     status, from_directory, _ = run(capsys, argv(tiny_data, directory, *flags))

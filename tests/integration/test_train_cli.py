@@ -67,14 +67,13 @@ def test_loss_falls_and_eval_lm_matches_independent_computation(tiny_data, tmp_p
     ckpt = tmp_path / "checkpoint_last.pt"
     result = eval_lm.main(_eval_cfg(tiny_data, ckpt))
     # Independent computation: the same blocks, model loaded by hand, cross entropy in float64.
-    from fairseq.checkpoint.inference import build_from_saved_config
+    from fairseq.checkpoint.inference import load_model
     from fairseq.tasks.language_modeling import LanguageModelingConfig
 
-    state = load(ckpt)
     task_cfg = LanguageModelingConfig(data=str(tiny_data), tokens_per_sample=32)
     task_cfg._name = "language_modeling"
-    task, model = build_from_saved_config(state["cfg"], task_cfg)
-    model.load_state_dict(state["model"])
+    loaded = load_model(str(ckpt), task_cfg=task_cfg)
+    task, model = loaded.task, loaded.model
     model.eval()
     task.load_dataset("test")
     ds = task.dataset("test")

@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from fairseq import options
+from fairseq.checkpoint.legacy import upgrade_state_dict
 from fairseq.dataclass.validate import validate
 from fairseq.models.transformer_lm import TransformerLanguageModel, preset_config
 from fairseq.modules import MultiheadAttention, TransformerDecoderLayer
@@ -143,5 +144,5 @@ def test_upstream_state_dicts_load(flags):
     _, model = build(**{flag: True for flag in flags})
     _, again = build(**{flag: True for flag in flags})
     upstream = {k: v + 0.5 if k.endswith(("c_attn", "w_resid")) else v for k, v in model.state_dict().items()}
-    again.load_state_dict(TransformerLanguageModel.upgrade_state_dict(upstream), strict=True)
+    again.load_state_dict(upgrade_state_dict(TransformerLanguageModel, upstream), strict=True)
     assert all(torch.equal(again.state_dict()[k], upstream[k]) for k in upstream)

@@ -314,8 +314,10 @@ def test_unreadable_sharded_checkpoints_are_one_line_errors(tmp_path):
 
     state = {k: v.clone() for k, v in tiny_model().state_dict().items()}
     path = str(tmp_path / "checkpoint_last")
-    sharded.save_sharded(path, state, None, {"cfg": {"distributed_training": {
+    write = sharded.sharded_write(path, {"model": state}, {"cfg": {"distributed_training": {
         "distributed_world_size": 4, "model_parallel_size": 2, "ddp_backend": "fully_sharded"}}})
+    write.bytes()
+    write.publish()
     assert sharded._saved_layout(sharded.read_metadata(path)) == "4 rank(s) (TP 2 x FSDP 2)"
     wider = dict(state, **{"decoder.embed_tokens.weight": torch.zeros(72, 32)})
     with pytest.raises(CheckpointError) as err:

@@ -11,8 +11,8 @@ from fairseq.models.transformer_lm import (
     TransformerLanguageModel,
     TransformerLanguageModelConfig,
     preset_config,
-    upgrade_state_dict,
 )
+from fairseq.checkpoint.legacy import upgrade_transformer_lm as upgrade_state_dict
 
 VOCAB = 100
 PAD = 1

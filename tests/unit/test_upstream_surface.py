@@ -323,3 +323,27 @@ def test_fp16_optimizer_overflow_skips_and_halves_the_scale():
         optimizer.clip_grad_norm(1.0)
     with pytest.raises(ValueError, match="keeps parameters in fp32"):
         FP16Optimizer.build_optimizer(_fp16_cfg(), torch.nn.Linear(2, 2).half().parameters())
+
+
+def test_the_core_never_loads_the_wing_and_upstreams_names_find_it():
+    """Every registry loaded (each package's modules imported) and the trainer, loop and training entry point
+    imported: no fairseq.compat module is loaded. Upstream's names in the core's packages then load the wing's
+    module, under both names (the same object)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "from fairseq import registry\n"
+        "import fairseq.training.trainer, fairseq.training.loop, fairseq_cli.train\n"
+        "for reg in (registry.TASK_REGISTRY, registry.MODEL_REGISTRY, registry.CRITERION_REGISTRY,\n"
+        "            registry.OPTIMIZER_REGISTRY, registry.LR_SCHEDULER_REGISTRY, registry.BPE_REGISTRY):\n"
+        "    assert reg.choices()\n"
+        "print(sorted(m for m in sys.modules if m.startswith('fairseq.compat')))\n"
+        "from fairseq.data import LanguagePairDataset\n"
+        "import fairseq.data.language_pair_dataset as face, fairseq.compat.language_pair_dataset as wing\n"
+        "print(face is wing, LanguagePairDataset is wing.LanguagePairDataset)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split("\n")[:2] == ["[]", "True True"]

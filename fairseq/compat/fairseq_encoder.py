@@ -8,10 +8,13 @@ paired decoder reads as `encoder_out` (upstream's older encoders return an `Enco
 calls `reorder_encoder_out(encoder_out, new_order)` when it reorders hypotheses.
 """
 
-from typing import Dict, List, NamedTuple, Optional
+from typing import Dict, List, NamedTuple, Optional, Tuple
 
 import torch
 from torch import Tensor, nn
+
+from fairseq.models.fairseq_model import BaseFairseqModel
+from fairseq.modules.fairseq_decoder import FairseqDecoder
 
 
 class EncoderOut(NamedTuple):
@@ -63,3 +66,46 @@ class FairseqEncoder(nn.Module):
         for module in self.modules():
             if module is not self and hasattr(module, "set_num_updates"):
                 module.set_num_updates(num_updates)
+
+
+class FairseqEncoderDecoderModel(BaseFairseqModel):
+    """Upstream's encoder-decoder base class, for plug-ins: `model(src_tokens, src_lengths, prev_output_tokens)`
+    encodes the source and runs the decoder over `prev_output_tokens` with the encoding as `encoder_out`,
+    returning the decoder's `(logits, extra)`. This fork has no encoder-decoder architecture of its own;
+    FSDP, activation checkpointing and compile need the plug-in to provide `transformer_layers()`."""
+
+    def __init__(self, encoder: nn.Module, decoder: nn.Module):
+        super().__init__()
+        if not isinstance(encoder, FairseqEncoder) or not isinstance(decoder, FairseqDecoder):
+            raise TypeError(f"{type(self).__name__} takes a fairseq.models.FairseqEncoder and a FairseqDecoder, "
+                            f"got {type(encoder).__name__} and {type(decoder).__name__}")
+        self.encoder = encoder
+        self.decoder = decoder
+
+    def forward(self, src_tokens: torch.Tensor, src_lengths: torch.Tensor, prev_output_tokens: torch.Tensor,
+                **kwargs):
+        encoder_out = self.encoder(src_tokens, src_lengths=src_lengths, **kwargs)
+        return self.decoder(prev_output_tokens, encoder_out=encoder_out, **kwargs)
+
+    def forward_decoder(self, prev_output_tokens: torch.Tensor, **kwargs):
+        return self.decoder(prev_output_tokens, **kwargs)
+
+    def extract_features(self, src_tokens: torch.Tensor, src_lengths: torch.Tensor,
+                         prev_output_tokens: torch.Tensor, **kwargs):
+        """The decoder's `(features, extra)` before its output layer."""
+        encoder_out = self.encoder(src_tokens, src_lengths=src_lengths, **kwargs)
+        return self.decoder.extract_features(prev_output_tokens, encoder_out=encoder_out, **kwargs)
+
+    def output_layer(self, features: torch.Tensor, **kwargs) -> torch.Tensor:
+        return self.decoder.output_layer(features, **kwargs)
+
+    def max_positions(self) -> Tuple[int, int]:
+        """(source, target) limits, as upstream's size filters compare them with (source, target) sizes."""
+        return self.encoder.max_positions(), self.decoder.max_positions()
+
+    def max_decoder_positions(self) -> int:
+        return self.decoder.max_positions()
+
+    def get_normalized_probs(self, net_output, log_probs: bool, sample=None) -> torch.Tensor:
+        # The decoder decides (upstream's TestIncrementalDecoder returns probabilities, not logits).
+        return self.decoder.get_normalized_probs(net_output, log_probs, sample)

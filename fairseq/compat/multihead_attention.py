@@ -1,4 +1,6 @@
-"""Upstream fairseq's `MultiheadAttention`, for plug-in models and code written against upstream.
+"""Upstream fairseq's `MultiheadAttention`, for plug-in models and code written against upstream (the compat
+wing: nothing in the core uses it; `fairseq.modules.MultiheadAttention` and fairseq.modules.multihead_attention
+resolve here).
 
     attn = MultiheadAttention(embed_dim, num_heads, kdim=None, vdim=None, dropout=0.0, bias=True,
                               add_bias_kv=False, add_zero_attn=False, self_attention=False,
@@ -81,7 +83,6 @@ class MultiheadAttention(FairseqIncrementalState, AttentionProjections):
         self.add_zero_attn = add_zero_attn
         self.beam_size = 1
         self.onnx_trace = False
-        self.tpu = False
         self.skip_embed_dim_check = False
         self.use_xformers = xformers_att_config is not None
         self.blocksparse_layout = xformers_blocksparse_layout
@@ -95,9 +96,6 @@ class MultiheadAttention(FairseqIncrementalState, AttentionProjections):
 
     def prepare_for_onnx_export_(self):
         self.onnx_trace = True
-
-    def prepare_for_tpu_(self, **kwargs):
-        self.tpu = True
 
     def set_beam_size(self, beam_size: int) -> None:
         """Encoder-decoder attention: the batch holds `beam_size` consecutive rows per sentence, which share
