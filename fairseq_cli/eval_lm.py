@@ -271,7 +271,7 @@ def main(cfg, **unused_kwargs) -> dict:
     progress_bar.setup_logging(cfg.common.log_file)
     if cfg.common.user_dir:
         import_user_module(cfg.common.user_dir)
-    announce_compat_options(cfg)
+    announce_compat_options(**vars(cfg))
     check_shard(cfg.dataset)
     check_bpe_files(cfg.bpe)
     path = cfg.common_eval.path

@@ -170,7 +170,7 @@ def setup(cfg, interactive=None):
         import_user_module(cfg.common.user_dir)
     check_generation_config(cfg.generation, cfg.dataset, interactive)
     check_bpe_files(cfg.bpe)
-    announce_compat_options(cfg)
+    announce_compat_options(**vars(cfg))
     check_shard(cfg.dataset)
     check_seed(cfg.common)
     seed_everything(cfg)

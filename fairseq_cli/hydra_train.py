@@ -41,6 +41,7 @@ from fairseq.dataclass.hydra import (
 )
 from fairseq.dataclass.flag_values import task_block_options
 from fairseq.dataclass.utils import config_to_dict
+from fairseq.dataclass.validate import validate
 from fairseq.data.encoders._write_errors import OutputError, os_error_message
 from fairseq.logging import progress_bar
 from fairseq.logging.progress_bar import DATE_FORMAT, LOG_FORMAT
@@ -189,7 +190,7 @@ def warn_if_global_batch_differs(cfg, recipe: Dict, world_size: int) -> Optional
     return message
 
 
-def train_with_recipe_check(cfg, recipe: Optional[Dict] = None):
+def train_with_recipe_check(cfg, recipe: Optional[Dict] = None, validated: bool = False):
     """Runs on every rank (module level so spawned processes can import it)."""
     from fairseq.distributed import utils as dist_utils
     from fairseq_cli import train
@@ -199,7 +200,7 @@ def train_with_recipe_check(cfg, recipe: Optional[Dict] = None):
         # Data-parallel ranks: the ranks of a tensor-parallel group share their batches.
         data_parallel = dist_utils.get_world_size() // cfg.distributed_training.model_parallel_size
         warn_if_global_batch_differs(cfg, recipe, data_parallel)
-    return train.main(cfg)
+    return train.main(cfg, validated=validated)
 
 
 def _save_resolved_config(cfg, hydra_cfg) -> None:
@@ -372,6 +373,7 @@ _OUTCOME: Dict[str, object] = {}  # what the hydra task returned or raised, read
 @hydra.main(version_base="1.3", config_path=None, config_name=None)
 def _hydra_task(composed: DictConfig) -> None:
     from fairseq.distributed.launch import call_main
+    from fairseq.training.loop import check_input_files
 
     # Hydra would catch an exception here, print it and exit 1; keep it for cli_main instead, so user
     # errors read as one line (as with fairseq-train) and the requeue status comes through.
@@ -388,7 +390,9 @@ def _hydra_task(composed: DictConfig) -> None:
         if cfg.common.log_file is None:  # ranks spawned from here log to hydra's file too
             cfg.common.log_file = _hydra_log_file()
         _save_resolved_config(cfg, hydra_cfg)
-        _OUTCOME["result"] = call_main(cfg, train_with_recipe_check, recipe=recipe)
+        validate(cfg)  # once, before any rank is spawned; the ranks trust it
+        check_input_files(cfg)
+        _OUTCOME["result"] = call_main(cfg, train_with_recipe_check, recipe=recipe, validated=True)
     except (Exception, SystemExit) as err:
         _OUTCOME["error"] = err
 

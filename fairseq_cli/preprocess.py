@@ -11,7 +11,6 @@ import logging
 import os
 import sys
 from argparse import Namespace
-from types import SimpleNamespace
 from typing import List, Optional
 
 from fairseq import options
@@ -107,7 +106,7 @@ def _announce_upstream_options(args: Namespace) -> None:
     from fairseq.dataclass.utils import config_from_namespace
     from fairseq.dataclass.validate import announce_compat_options
 
-    announce_compat_options(SimpleNamespace(preprocess=config_from_namespace(PreprocessConfig, args)))
+    announce_compat_options(preprocess=config_from_namespace(PreprocessConfig, args))
 
 
 def _bpe_spec(args: Namespace):

@@ -73,10 +73,13 @@ def validate(cfg) -> None:
     check_optimizer_overrides(cfg.optimizer, cfg.optimization, overrides)
     check_precision(cfg.common)
     check_seed(cfg.common)
-    check_float8_flags(cfg)
+    common, dt = cfg.common, cfg.distributed_training
+    check_float8_flags(common.fp8, common.fp16, common.bf16, common.fp8_recipe, common.fp8_fsdp_all_gather,
+                       dt.ddp_backend)
     check_float8_environment(cfg, _training_device(cfg))
-    check_fsdp_flags(cfg)
-    check_layout_flags(cfg.distributed_training)
+    check_fsdp_flags(dt.ddp_backend, dt.fsdp_forward_prefetch, dt.fsdp_sync_free, dt.cpu_offload,
+                     dt.fsdp_prefetch_depth)
+    check_layout_flags(dt.model_parallel_size, dt.fsdp_shard_group_size, dt.ddp_backend)
     check_tensor_parallel_config(cfg)
     check_sharded_state(cfg.distributed_training)
     if cfg.common.profile_updates:
@@ -92,13 +95,14 @@ def validate(cfg) -> None:
 COMPAT_NOTICES = ACCEPTED_OPTIONS
 
 
-def compat_notices(cfg) -> list:
-    """One line per COMPAT_NOTICES option set in `cfg` (groups `cfg` lacks are skipped)."""
+def compat_notices(**groups) -> list:
+    """One line per COMPAT_NOTICES option set in `groups`, a config's groups by name (`common=cfg.common`, or
+    `**vars(cfg)` for a whole config); groups not given are skipped."""
     from fairseq.dataclass.utils import flag_name
 
     lines = []
     for group_name, name, instead in COMPAT_NOTICES:
-        group = getattr(cfg, group_name, None)
+        group = groups.get(group_name)
         if group is None or not hasattr(group, name):
             continue
         value = getattr(group, name)
@@ -109,7 +113,7 @@ def compat_notices(cfg) -> list:
     return lines
 
 
-def announce_compat_options(cfg) -> None:
-    """Log compat_notices(cfg), one info line each: called once by each entry point at start-up."""
-    for line in compat_notices(cfg):
+def announce_compat_options(**groups) -> None:
+    """Log compat_notices(**groups), one info line each: called once by each entry point at start-up."""
+    for line in compat_notices(**groups):
         logger.info(line)

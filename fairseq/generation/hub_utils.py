@@ -411,7 +411,8 @@ class GeneratorHubInterface(nn.Module):
             setattr(gen_args, key, value)
         check_unsupported_options(gen_args)
         check_option_values(gen_args, keyword=True)
-        check_sampling_range(gen_args, len(self.tgt_dict), keyword=True)
+        check_sampling_range(gen_args.sampling_topk, gen_args.sampling_topp, gen_args.temperature,
+                             vocab_size=len(self.tgt_dict), keyword=True)
         for key in ("sampling_topk", "sampling_topp"):  # build_generator's rule, in the keywords' names
             if getattr(gen_args, key) >= 0 and not gen_args.sampling:
                 raise ValueError(f"generate(): {key}={getattr(gen_args, key)!r} needs sampling=True (it restricts "

@@ -41,9 +41,9 @@ def _config(group, argv):
 @pytest.mark.parametrize("group,name,instead", COMPAT_NOTICES, ids=[n for _, n, _ in COMPAT_NOTICES])
 def test_each_noticed_option_set_on_the_command_line_gives_its_one_line(group, name, instead):
     flag = SET.get(name, ["--" + name.replace("_", "-")])
-    assert compat_notices(_config(group, TRAIN_BASE)) == []
+    assert compat_notices(**vars(_config(group, TRAIN_BASE))) == []
     value = "" if len(flag) == 1 else f" {flag[1]}"
-    assert compat_notices(_config(group, TRAIN_BASE + flag)) == [
+    assert compat_notices(**vars(_config(group, TRAIN_BASE + flag))) == [
         f"{flag[0]}{value} is accepted for upstream compatibility: {instead}"]
 
 
