@@ -32,7 +32,10 @@ def main(cfg, validated: bool = False) -> Optional[str]:
     if cfg.common.user_dir:  # spawned ranks start fresh interpreters: register the plug-ins there too
         import_user_module(cfg.common.user_dir)
     try:
-        return loop.train(cfg, validated=validated)
+        if not validated:  # an in-process caller: nothing has checked it yet (after --user-dir's plug-ins)
+            validate_config(cfg)
+            loop.check_input_files(cfg)
+        return loop.train(cfg)
     finally:
         if log_file_handler is not None:  # in-process callers (tests) start the next run with a clean root logger
             logging.getLogger().removeHandler(log_file_handler)

@@ -90,7 +90,7 @@ def test_requeued_training_exits_with_status_3(tmp_path, monkeypatch, restore_lo
     from fairseq_cli import train
 
     seen = []
-    monkeypatch.setattr(train, "main", lambda cfg: seen.append(cfg) or train.REQUEUED)
+    monkeypatch.setattr(train, "main", lambda cfg, validated=False: seen.append(cfg) or train.REQUEUED)
     monkeypatch.chdir(tmp_path)
     with pytest.raises(SystemExit) as exit_info:
         hydra_train.cli_main(hydra_args("task._name=dummy_lm", "hydra/job_logging=none"))
@@ -102,7 +102,7 @@ def test_relative_paths_stay_relative_to_the_launch_directory_with_chdir(tmp_pat
     from fairseq_cli import train
 
     seen = []
-    monkeypatch.setattr(train, "main", lambda cfg: seen.append((cfg, os.getcwd())))
+    monkeypatch.setattr(train, "main", lambda cfg, validated=False: seen.append((cfg, os.getcwd())))
     monkeypatch.chdir(tmp_path)
     hydra_train.cli_main(hydra_args("task.data=data-bin", "checkpoint.save_dir=ck", "hydra.job.chdir=true",
                                     "hydra.run.dir=runs/one", "hydra/job_logging=none"))
@@ -191,7 +191,7 @@ def test_upstream_style_yaml_with_group_package_headers(tiny_data, tmp_path, res
 
     original = train.main
     try:
-        train.main = lambda cfg: seen.append(cfg) or original(cfg)
+        train.main = lambda cfg, validated=False: seen.append(cfg) or original(cfg, validated)
         hydra_train.cli_main([f"task.data={tiny_data}", "model.decoder_layers=1", "hydra.run.dir=run",
                               "hydra/job_logging=none", "--config-dir", str(config_dir), "--config-name", "lm"])
     finally:
