@@ -26,7 +26,8 @@ from fairseq.dataclass.flag_values import task_block_options
 from fairseq.data.lm_context_window_dataset import InCorpusOrder, with_context_window
 from fairseq.logging import progress_bar
 from fairseq.models.fairseq_model import model_config_line
-from fairseq.dataclass.validate import announce_compat_options, check_shard
+from fairseq.dataclass.notices import announce_compat_options
+from fairseq.dataclass.validate import check_shard
 from fairseq.tasks.language_modeling import check_block_budget, load_split
 from fairseq.training.precision import compute_dtype
 

@@ -31,7 +31,8 @@ from fairseq.data.encoders._write_errors import writing
 from fairseq.dataclass.build import check_seed
 from fairseq.dataclass.flag_values import task_data_dir
 from fairseq.dataclass.generation import check_generation_config
-from fairseq.dataclass.validate import announce_compat_options, check_shard
+from fairseq.dataclass.notices import announce_compat_options
+from fairseq.dataclass.validate import check_shard
 from fairseq.generation.decode_memory import check_decode_memory, decode_positions
 from fairseq.generation.hub_utils import TextCodec, move_to
 from fairseq.generation.quantize import check_quantize, quantize_for_generation

@@ -104,7 +104,7 @@ def _announce_upstream_options(args: Namespace) -> None:
     """One line per upstream option accepted without an effect here (upstream_absent.ACCEPTED_OPTIONS)."""
     from fairseq.dataclass.configs import PreprocessConfig
     from fairseq.dataclass.utils import config_from_namespace
-    from fairseq.dataclass.validate import announce_compat_options
+    from fairseq.dataclass.notices import announce_compat_options
 
     announce_compat_options(preprocess=config_from_namespace(PreprocessConfig, args))
 

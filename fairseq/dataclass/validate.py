@@ -9,13 +9,8 @@ options in its class's `check_config`); this module only collects them, in a fix
 the data, the device or the checkpoint stay where those are read.
 """
 
-import logging
-
 from fairseq import registry
 from fairseq.dataclass.build import check_precision, check_seed  # noqa: F401 (check_precision: also named here)
-from fairseq.upstream_absent import ACCEPTED_OPTIONS
-
-logger = logging.getLogger(__name__)
 
 
 def check_batch_size(dataset) -> None:
@@ -89,31 +84,3 @@ def validate(cfg) -> None:
     check_ema_config(cfg.ema)
     check_bpe_flags(cfg.bpe)  # the checkpoints will carry them (read at start-up)
     registry.arch_model(cfg.model._name).check_config(cfg.model)
-
-
-# Upstream options accepted without their behaviour: (group, field, what happens instead), from the one table.
-COMPAT_NOTICES = ACCEPTED_OPTIONS
-
-
-def compat_notices(**groups) -> list:
-    """One line per COMPAT_NOTICES option set in `groups`, a config's groups by name (`common=cfg.common`, or
-    `**vars(cfg)` for a whole config); groups not given are skipped."""
-    from fairseq.dataclass.utils import flag_name
-
-    lines = []
-    for group_name, name, instead in COMPAT_NOTICES:
-        group = groups.get(group_name)
-        if group is None or not hasattr(group, name):
-            continue
-        value = getattr(group, name)
-        if value != getattr(type(group)(), name):  # set to other than the group's default
-            shown = " ".join(map(str, value)) if isinstance(value, (list, tuple)) else str(value)
-            flag = flag_name(name) + ("" if isinstance(value, bool) else f" {shown}")
-            lines.append(f"{flag} is accepted for upstream compatibility: {instead}")
-    return lines
-
-
-def announce_compat_options(**groups) -> None:
-    """Log compat_notices(**groups), one info line each: called once by each entry point at start-up."""
-    for line in compat_notices(**groups):
-        logger.info(line)

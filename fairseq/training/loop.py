@@ -20,7 +20,7 @@ from fairseq.checkpoint.manager import CheckpointManager
 from fairseq.checkpoint.vocabulary import check_bpe_files
 from fairseq.criterions import build_criterion
 from fairseq.data.data_utils import raise_if_valid_subsets_unintentionally_ignored
-from fairseq.dataclass.validate import announce_compat_options
+from fairseq.dataclass.notices import announce_compat_options
 from fairseq.distributed import utils as dist_utils
 from fairseq.distributed.launch import process_group_timeout
 from fairseq.distributed.parallelize import build_model

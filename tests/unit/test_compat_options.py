@@ -1,4 +1,4 @@
-"""Upstream options accepted for compatibility: each notice of fairseq.dataclass.validate.COMPAT_NOTICES comes
+"""Upstream options accepted for compatibility: each notice of fairseq.dataclass.notices.COMPAT_NOTICES comes
 from a real parsed command line, and the options this fork implements for upstream's entry points
 (--num-shards/--shard-id in fairseq-eval-lm, --fixed-validation-seed, --optimizer-overrides on resume,
 --dataset-impl) behave as upstream's."""
@@ -6,7 +6,8 @@ from a real parsed command line, and the options this fork implements for upstre
 import pytest
 
 from fairseq import options
-from fairseq.dataclass.validate import COMPAT_NOTICES, compat_notices, validate
+from fairseq.dataclass.notices import COMPAT_NOTICES, compat_notices
+from fairseq.dataclass.validate import validate
 from tests.train_fixtures import default_train_argv, train_in_process
 
 TRAIN_BASE = ["data", "--task", "language_modeling", "--arch", "transformer_lm", "--optimizer", "adam",
