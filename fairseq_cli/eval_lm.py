@@ -26,6 +26,7 @@ from fairseq.dataclass.flag_values import task_block_options
 from fairseq.data.lm_context_window_dataset import InCorpusOrder, with_context_window
 from fairseq.logging import progress_bar
 from fairseq.models.fairseq_model import model_config_line
+from fairseq.dataclass.batch_flags import check_batch_flags
 from fairseq.dataclass.notices import announce_compat_options
 from fairseq.dataclass.validate import check_shard
 from fairseq.tasks.language_modeling import check_block_budget, load_split
@@ -266,6 +267,7 @@ def main(cfg, **unused_kwargs) -> dict:
     """Evaluate; `cfg` is a FairseqConfig or, as upstream accepts, the namespace of parse_args_and_arch."""
     if isinstance(cfg, argparse.Namespace):
         cfg = options.convert_namespace_to_config(cfg)
+    check_batch_flags(cfg)
     max_tokens = cfg.dataset.max_tokens
     if max_tokens is None and cfg.dataset.batch_size is None:
         max_tokens = DEFAULT_MAX_TOKENS
@@ -410,7 +412,12 @@ def _bpe_encoder(cfg, saved_cfg, vocabulary, path) -> tuple:
 def cli_main(argv: Optional[List[str]] = None) -> None:
     parser = options.get_eval_lm_parser()
     args = options.parse_args_and_arch(parser, argv)
-    main(options.convert_namespace_to_config(args))
+    cfg = options.convert_namespace_to_config(args)
+    try:
+        check_batch_flags(cfg)
+    except ValueError as e:
+        parser.error(str(e))
+    main(cfg)
 
 
 def console_main() -> None:

@@ -291,7 +291,7 @@ def cli_main(argv: Optional[List[str]] = None) -> None:
     args = options.parse_args_and_arch(parser, argv)
     cfg = options.convert_namespace_to_generation_config(args)
     try:
-        check_generation_config(cfg.generation)
+        check_generation_config(cfg.generation, cfg.dataset)
     except ValueError as e:
         parser.error(str(e))
     main(cfg)

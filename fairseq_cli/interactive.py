@@ -12,10 +12,11 @@ naming it; upstream would sample from </s> alone, which is rarely what a blank l
 
 import argparse
 import logging
+import re
 import sys
 import time
 from contextlib import contextmanager
-from typing import Callable, Iterator, List, Optional
+from typing import Callable, Iterable, Iterator, List, Optional
 
 import numpy as np
 
@@ -52,11 +53,24 @@ def _open_input(path: str):
         yield handle
 
 
+# Python's universal newlines: a line ends at \r\n, \r or \n (standard input splits at \n alone).
+_LINE_END = re.compile(r"\r\n|\r|\n")
+
+
+def universal_lines(chunks: Iterable[str]) -> Iterator[str]:
+    """The lines of text read in `chunks` (a file's or standard input's lines, which end at a \n or at the
+    end), each without its line end, \r\n, \r and \n all ending a line."""
+    for chunk in chunks:
+        lines = _LINE_END.split(chunk)
+        yield from lines[:-1] if lines[-1] == "" else lines
+
+
 def buffered_read(path: str, buffer_size: int) -> Iterator[List[str]]:
-    """Lists of up to `buffer_size` stripped lines of file `path` ('-': standard input)."""
+    """Lists of up to `buffer_size` stripped lines of file `path` ('-': standard input); \r\n, \r and \n
+    each end a line, as Python's universal newlines."""
     buffer = []
     with _open_input(path) as lines:
-        for line in lines:
+        for line in universal_lines(lines):
             buffer.append(line.strip())
             if len(buffer) >= buffer_size:
                 yield buffer
@@ -156,11 +170,11 @@ def main(cfg) -> int:
             on_tokens = StreamPrinter(tgt_dict, post_process, codec, strip) if cfg.generation.stream else None
             started = time.perf_counter()
             hypos = task.inference_step(generator, models, numbered, on_tokens=on_tokens)
-            seconds = time.perf_counter() - started
+            seconds = time.perf_counter() - started  # --stream: printing the pieces included
+            generate_time += seconds
             if on_tokens is not None:
                 on_tokens.finish(hypos[0][0])
                 continue
-            generate_time += seconds
             for i, (sample_id, sample_hypos) in enumerate(zip(batch["id"].tolist(), hypos)):
                 src_tokens = batch["net_input"]["src_tokens"][i]
                 results.append((start_id + kept[sample_id], src_tokens[src_tokens.ne(tgt_dict.pad())], sample_hypos,

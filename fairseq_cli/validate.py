@@ -4,8 +4,8 @@
         --valid-subset valid,test --max-tokens 4096
 
 prints, per subset, upstream's line `valid on 'valid' subset | loss 5.12 | ppl 34.7 | wps ... | wpb ... | bsz ...`
-(loss in base 2, from the checkpoint's --criterion; wpb and bsz are the subset's total tokens and sentences,
-as upstream's). The model and its task come from the checkpoint; the task flags given on the command line
+(loss in base 2, from the checkpoint's --criterion; wps the tokens per second of the whole subset, wpb and bsz
+the tokens and sentences per batch of --max-tokens / --batch-size, as fairseq-train's valid line has them). The model and its task come from the checkpoint; the task flags given on the command line
 and --model-overrides change the saved config (upstream's override rule). Batches are sharded over the
 processes of a distributed launch and the sums all-reduced.
 """
@@ -14,6 +14,7 @@ import argparse
 import ast
 import contextlib
 import logging
+import time
 from typing import Dict, List, Optional
 
 import torch
@@ -23,10 +24,11 @@ from fairseq.checkpoint.inference import load_model_ensemble_and_task
 from fairseq.data.batching import resolve_limit, resolve_max_positions
 from fairseq.data.block_positions import check_blocks_fit
 from fairseq.dataclass.flag_values import task_block_options
-from fairseq.dataclass.validate import check_batch_size
+from fairseq.dataclass.batch_flags import check_batch_flags
 from fairseq.distributed import utils as dist_utils
 from fairseq.distributed.launch import call_main
 from fairseq.logging import metrics, progress_bar
+from fairseq.logging.log_line import log_valid_sums
 from fairseq.logging.logging_outputs import LoggingOutputSums
 from fairseq.training.precision import compute_dtype
 from fairseq.registry import import_user_module
@@ -45,7 +47,7 @@ def main(cfg, override_args: Optional[argparse.Namespace] = None) -> Dict[str, D
     progress_bar.setup_logging(cfg.common.log_file)
     if cfg.common.user_dir:
         import_user_module(cfg.common.user_dir)
-    check_batch_size(cfg.dataset)
+    check_batch_flags(cfg, required=True)
     if not cfg.common_eval.path:
         raise ValueError("no checkpoint given: pass --path CHECKPOINT.pt (or a sharded checkpoint directory)")
     device = torch.device("cpu") if cfg.common.cpu or not torch.cuda.is_available() else \
@@ -103,7 +105,7 @@ def validate_subset(cfg, task, model, criterion, subset: str, device: torch.devi
         prefix=f"valid on '{subset}' subset", default_log_format="simple" if cfg.common.no_progress_bar else "tqdm",
     )
     dtype = compute_dtype(cfg.common)
-    sums, step = LoggingOutputSums(), 0
+    sums, step, started = LoggingOutputSums(), 0, time.perf_counter()
     for step, sample in enumerate(progress):
         if cfg.dataset.max_valid_steps is not None and step >= cfg.dataset.max_valid_steps:
             break
@@ -112,10 +114,10 @@ def validate_subset(cfg, task, model, criterion, subset: str, device: torch.devi
         sample = move_to_device(sample, device)
         with torch.autocast(device.type, dtype=dtype) if dtype != torch.float32 else contextlib.nullcontext():
             _, _, logging_output = task.valid_step(sample, model, criterion)
-        sums.add(logging_output)
-    totals = sums.reduce(all_reduce=True, device=device)
+        sums.add({**logging_output, "batches": 1})
+    totals = sums.reduce(all_reduce=True, device=device)  # every rank's tokens, over this rank's time
     with metrics.aggregate(new_root=True) as agg:
-        task.reduce_metrics([totals], criterion)
+        log_valid_sums(criterion, totals, time.perf_counter() - started)
         stats = agg.get_smoothed_values()
     progress.print(stats, tag=subset, step=step)
     return dict(stats)
@@ -128,7 +130,7 @@ def cli_main(argv: Optional[List[str]] = None) -> None:
     override_args = options.parse_args_and_arch(options.get_validation_parser(), argv, suppress_defaults=True)
     cfg = options.convert_namespace_to_config(args)
     try:
-        check_batch_size(cfg.dataset)
+        check_batch_flags(cfg, required=True)
     except ValueError as e:
         parser.error(str(e))
     call_main(cfg, main, override_args=override_args)

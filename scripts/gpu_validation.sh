@@ -79,15 +79,15 @@ case "${1:-tests}" in
     step fp8_bench 580 python3 scripts/benchmark_fsdp.py --nproc 1 --layers 32 --embed-dim 2560 --heads 32 --seq 2048 \
       --batch 8 --combos '' --fp8 tensorwise --compile --no-compile-rows --no-reference --tp-mesh-of-one
     ;;
-  ckpt-blocked)  # issue 32 (docs/checkpoints.md): blocked time per save, synchronous against asynchronous
-    step ckpt_blocked 580 python3 scripts/benchmark_checkpoint.py --nproc 1 --layers 32 --embed-dim 2560 --heads 32 \
-      --vocab 50000 --seq 2048 --batch 8 --saves 3 --save-every 60 --skip throughput --no-optimizer-state \
-      --work-dir "$WORK/ckbench"
+  ckpt-blocked)  # issues 32/39 (docs/checkpoints.md): blocked time per save, sync vs async, single file and sharded
+    step ckpt_blocked 540 python3 scripts/benchmark_checkpoint.py --nproc 1 --layers 32 --embed-dim 2560 --heads 32 \
+      --vocab 50000 --seq 2048 --batch 8 --saves 3 --save-every 20 --skip throughput --no-optimizer-state \
+      --layouts single,sharded --work-dir "$WORK/ckbench"
     ;;
-  ckpt-tps)
-    step ckpt_tps 580 python3 scripts/benchmark_checkpoint.py --nproc 1 --layers 32 --embed-dim 2560 --heads 32 \
+  ckpt-tps)  # tokens/s saving every 20 updates (async, single file and sharded) against --no-save
+    step ckpt_tps 540 python3 scripts/benchmark_checkpoint.py --nproc 1 --layers 32 --embed-dim 2560 --heads 32 \
       --vocab 50000 --seq 2048 --batch 8 --skip blocked --throughput-updates 100 --throughput-save-every 20 \
-      --warmup 5 --with-sync-throughput --no-optimizer-state --work-dir "$WORK/ckbench"
+      --warmup 5 --no-optimizer-state --layouts single,sharded --work-dir "$WORK/ckbench"
     ;;
   175b)
     layers="${LAYERS:-2}"

@@ -14,7 +14,7 @@ import os
 import pickle
 import tempfile
 import zipfile
-from typing import Any, Callable, Dict, Optional
+from typing import Any, Dict, Optional
 
 import torch
 
@@ -109,8 +109,32 @@ def _remove_stale_temporaries(directory: str, prefix: str):
             pass
 
 
-def _write_atomically(path: str, write_fn, flag: str = "--save-dir"):
-    """Create a temporary file beside `path`, let `write_fn(file)` fill it, fsync and rename it into place."""
+class PendingFile:
+    """A file written under a temporary name beside `path` (fsynced), not yet in place: `commit()` renames it
+    into place; `discard()` removes it. A save's bytes and its publication are two steps
+    (fairseq.checkpoint.writer.Write)."""
+
+    def __init__(self, path: str, tmp: str, flag: str):
+        self.path, self.tmp, self.flag = path, tmp, flag
+
+    def commit(self) -> None:
+        try:
+            os.replace(self.tmp, self.path)
+        except BaseException as err:
+            self.discard()
+            if isinstance(err, OSError) and err.errno is not None:
+                raise save_error(self.path, err, flag=self.flag) from None
+            raise
+        _fsync_dir(os.path.dirname(os.path.abspath(self.path)))
+
+    def discard(self) -> None:
+        if os.path.exists(self.tmp):
+            os.remove(self.tmp)
+
+
+def write_temporary(path: str, write_fn, flag: str = "--save-dir") -> PendingFile:
+    """Create a temporary file beside `path` and let `write_fn(file)` fill it, then fsync it; returns it pending
+    (its rename into place is the caller's `commit()`)."""
     directory = os.path.dirname(os.path.abspath(path))
     _make_dirs(directory, path, flag)
     prefix = f".{os.path.basename(path)}."
@@ -127,7 +151,6 @@ def _write_atomically(path: str, write_fn, flag: str = "--save-dir"):
             write_fn(writer)
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, path)
     except BaseException as err:
         if os.path.exists(tmp):
             os.remove(tmp)
@@ -135,19 +158,24 @@ def _write_atomically(path: str, write_fn, flag: str = "--save-dir"):
         if os_error is not None and os_error.errno is not None:
             raise save_error(path, os_error, flag=flag) from None
         raise
-    _fsync_dir(directory)
+    return PendingFile(path, tmp, flag)
 
 
-def atomic_torch_save(obj: Any, path: str, before_rename: Optional[Callable[[], None]] = None,
-                      flag: str = "--save-dir"):
-    """torch.save `obj` to `path` atomically; `before_rename` runs once the bytes are written (a test hook);
-    `flag`: the option that named `path`, for the error of a failed write."""
-    def write(f):
-        torch.save(obj, f)
-        if before_rename is not None:
-            before_rename()
+def _write_atomically(path: str, write_fn, flag: str = "--save-dir"):
+    """Create a temporary file beside `path`, let `write_fn(file)` fill it, fsync and rename it into place."""
+    write_temporary(path, write_fn, flag).commit()
 
-    _write_atomically(path, write, flag)
+
+def torch_save_temporary(obj: Any, path: str, flag: str = "--save-dir") -> PendingFile:
+    """torch.save `obj` beside `path` under a temporary name; `commit()` puts it in place (`flag`: the option
+    that named `path`, for the error of a failed write)."""
+    return write_temporary(path, lambda f: torch.save(obj, f), flag)
+
+
+def atomic_torch_save(obj: Any, path: str, flag: str = "--save-dir"):
+    """torch.save `obj` to `path` atomically; `flag`: the option that named `path`, for the error of a failed
+    write."""
+    torch_save_temporary(obj, path, flag).commit()
 
 
 def torch_save_raising_os_errors(obj: Any, path: str) -> None:

@@ -10,6 +10,7 @@ Layout of a single-file checkpoint (upstream's keys, plain containers only):
   task_state, extra_state {train_iterator, val_loss, best, metrics, previous_training_time, trainer,
   data_parallel_size[, ema, ema_fp32_params]}, model, last_optimizer_state; and the fork's vocabulary (the
   dictionary's fingerprint and the --bpe files: fairseq.checkpoint.vocabulary).
+task_state is the task's state_dict() (empty for the built-in tasks), given back to the task on resume.
 extra_state.trainer is the trainer's state. optimizer_history[-1]'s lr_scheduler_state and num_updates and
 extra_state.previous_training_time are upstream's places for parts of it: written for upstream's tools, read
 only from files without extra_state.trainer. A sharded checkpoint has the same keys: model and optimizer in
@@ -22,15 +23,13 @@ import logging
 import os
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple
 
 from fairseq.checkpoint import sharded
 from fairseq.checkpoint.io import (
     CheckpointError,
     CorruptCheckpointError,
     NotACheckpointError,
-    atomic_copy,
-    atomic_torch_save,
     load_checkpoint_file,
 )
 from fairseq.checkpoint.fit import check_architecture, check_same_model_options, model_state_for_checking
@@ -45,12 +44,13 @@ from fairseq.checkpoint.paths import (
 )
 from fairseq.checkpoint.vocabulary import KEY as VOCABULARY_KEY, carried, check_dictionary, make_record
 from fairseq.checkpoint.save_dir import SaveDirLock, check_writable, remove_stale_temporaries
-from fairseq.checkpoint.writer import CheckpointWriter, slow_write_for_tests
+from fairseq.checkpoint.saving import sharded_checkpoint_write, single_file_checkpoint_write
+from fairseq.checkpoint.writer import AsyncMode, CheckpointWriter, Write, wait_advice
 from fairseq.dataclass.utils import config_to_dict
 from fairseq.distributed.utils import barrier, broadcast_from_master, get_data_parallel_world_size, get_rank
 from fairseq.distributed.launch import process_group_timeout
 from fairseq.logging import metrics
-from fairseq.logging.log_line import log_checkpoint_times
+from fairseq.logging.log_line import log_checkpoint_times, without_run_only_meters
 
 if TYPE_CHECKING:  # torch.distributed.checkpoint costs ~1.5 s to import: only where a checkpoint needs it
     from torch.distributed.checkpoint.stateful import Stateful
@@ -114,9 +114,11 @@ class CheckpointManager:
         self._lock: Optional[SaveDirLock] = None
         self._vocabulary: Optional[Dict[str, Any]] = None  # vocabulary.make_record, read once per run
         # --write-checkpoints-asynchronously: saves write in the background (fairseq.checkpoint.writer)
-        self.writer = CheckpointWriter(background=self.ckpt_cfg.write_checkpoints_asynchronously,
-                                       pin_memory=not cfg.common.cpu,
-                                       timeout=process_group_timeout(cfg.distributed_training))
+        self.writer = CheckpointWriter(
+            AsyncMode.for_run(self.ckpt_cfg.write_checkpoints_asynchronously, cuda=not cfg.common.cpu),
+            timeout=process_group_timeout(cfg.distributed_training))
+        self._previous_save: Optional[Tuple[int, float]] = None  # (update, time) of the last save: for the advice
+        self._advised = False
 
     def carry_vocabulary(self, task) -> None:
         """Read what every checkpoint of this run carries about its text (the dictionary's fingerprint, the
@@ -189,7 +191,7 @@ class CheckpointManager:
         if self.ckpt_cfg.no_save:
             return []
         started = time.perf_counter()
-        self.wait_for_write("before the next save")  # the listing below must see its names and retention
+        written = self.wait_for_write("before the next save")  # the listing below must see its names and retention
         # Rank 0's listing decides: on node-local disks other ranks see other directories, and every rank
         # must write the same stems.
         among_kept_best = False
@@ -198,7 +200,9 @@ class CheckpointManager:
                 enters_kept_best(self.ckpt_cfg, self.ckpt_cfg.save_dir, val_loss) if get_rank() == 0 else None)
         stems = checkpoint_stems(self.ckpt_cfg, epoch_itr.epoch, trainer.num_updates, end_of_epoch, is_best,
                                  val_loss, among_kept_best)
-        return self._write(stems, trainer, epoch_itr, val_loss, metrics_state, started, self.writer.background)
+        if stems:
+            self._advise_interval(written, trainer.num_updates, started)
+        return self._write(stems, trainer, epoch_itr, val_loss, metrics_state, started)
 
     def save_last(self, trainer, epoch_itr, metrics_state: Optional[dict] = None) -> List[str]:
         """checkpoint_last only (preemption): even with --no-save or --no-last-checkpoints, since the
@@ -206,97 +210,75 @@ class CheckpointManager:
         started = time.perf_counter()
         self.wait_for_write("before the preemption checkpoint")
         return self._write([f"checkpoint_last{self.ckpt_cfg.checkpoint_suffix}"], trainer, epoch_itr, None,
-                           metrics_state, started, background=False)
+                           metrics_state, started, now=True)
 
     def poll_write(self) -> None:
         """At every update: a background write that completed is counted in the log line (save_wall); the error
         of one that failed is raised here, the one line a synchronous save would have raised."""
         log_checkpoint_times(written=self.writer.poll())
 
-    def wait_for_write(self, before: str = "at the end of training") -> None:
+    def wait_for_write(self, before: str = "at the end of training") -> Optional[float]:
         """Wait for the background write in flight (logged with how long, `before` saying what waits); raises
-        its error."""
-        log_checkpoint_times(written=self.writer.wait(before))
+        its error; returns its seconds (None when none was in flight)."""
+        written = self.writer.wait(before)
+        log_checkpoint_times(written=written)
+        return written
+
+    def _advise_interval(self, written: Optional[float], update: int, started: float) -> None:
+        """Once per run: a save that had to wait for the previous write warns with that write's time and an
+        interval that would not wait."""
+        previous, self._previous_save = self._previous_save, (update, started)
+        if self._advised or previous is None or written is None or self.writer.waited <= 0:
+            return
+        self._advised = True
+        logger.warning(wait_advice(written, update - previous[0], started - previous[1],
+                                   interval_flag=self.ckpt_cfg.save_interval_updates > 0))
 
     def _write(self, stems, trainer, epoch_itr, val_loss, metrics_state, started: float,
-               background: bool) -> List[str]:
-        """Write `stems`: the state is taken now, the files are written now or (`background`) in the writer's
-        thread; `started`: when this save began (what training is blocked for is measured from there)."""
+               now: bool = False) -> List[str]:
+        """Write `stems`: the state is staged now, the files are written by the writer (now, or in its thread;
+        `now`: in the loop whatever the mode); `started`: when this save began (what training is blocked for is
+        measured from there)."""
         if not stems:
             return []
+        waited = time.perf_counter() - started
         trainer.check_weights_finite()
         save_dir = self.ckpt_cfg.save_dir
         os.makedirs(save_dir, exist_ok=True)
         begun = time.perf_counter()
-        state = self._compose(trainer, epoch_itr, val_loss, metrics_state)
+        state = copy.deepcopy(self._compose(trainer, epoch_itr, val_loss, metrics_state))  # plain values
+        composed = time.perf_counter() - started - waited
+        with_optimizer = not self.ckpt_cfg.no_save_optimizer_state
         if self.sharded:
             paths = [os.path.join(save_dir, s) for s in stems]
-            write = self._start_sharded(paths, trainer, state, background)
+            staged, write = sharded_checkpoint_write(self.writer, paths, trainer, state, with_optimizer)
         else:
             paths = [os.path.join(save_dir, s + ".pt") for s in stems]
-            write = self._start_single_file(paths, trainer, state, background)
+            staged, write = single_file_checkpoint_write(self.writer, paths, trainer, state, with_optimizer)
         what = f"{paths[0]} (epoch {epoch_itr.epoch} @ {trainer.num_updates} updates, score {val_loss})"
 
-        def complete():  # the names and the retention act only on a write that completed
-            write()
+        def publish():  # the names and the retention act only on a write that completed
+            write.publish()
             if get_rank() == 0:
                 for removed in prune_checkpoints(self.ckpt_cfg, save_dir):
                     logger.info(f"removed old checkpoint {removed}")
-                logger.info(f"saved checkpoint {what} (writing took {time.perf_counter() - begun:.2f} seconds)")
+                copied = staged.copy_seconds()
+                copy_note = "" if copied is None else f"; device-to-host copy {copied:.2f} s"
+                logger.info(f"saved checkpoint {what} (writing took {time.perf_counter() - begun:.2f} seconds"
+                            f"{copy_note})")
 
-        written = self.writer.run(complete, paths[0], begun, background)
-        if background:
-            logger.info(f"writing checkpoint {what} in the background; training was blocked "
-                        f"{time.perf_counter() - started:.2f} seconds")
+        written = self.writer.run(Write(write.bytes, publish), paths[0], begun, now=now)
+        blocked = time.perf_counter() - started
+        if written is None:
+            phases = {"wait": waited, "compose": composed, **staged.times.as_dict()}
+            logger.info(f"writing checkpoint {what} in the background; training was blocked {blocked:.2f} seconds "
+                        f"({', '.join(f'{name} {seconds:.2f}' for name, seconds in phases.items())})")
         else:
             barrier()
         # A background write's time is counted when it completes (poll_write); 0 now keeps the meters the same
         # in either mode (the checkpoints hold them).
-        log_checkpoint_times(blocked=time.perf_counter() - started, written=written or 0.0)
+        log_checkpoint_times(blocked=blocked, written=written or 0.0)
         return paths
-
-    def _start_sharded(self, paths, trainer, state, background: bool) -> Callable[[], None]:
-        """Collective: the shards are written now, or staged and written in the background (dcp.async_save);
-        returns the rest of the write (fairseq.checkpoint.sharded.start_sharded_save), then the copies."""
-        model_state, optim_state = trainer.model_and_optimizer_state(full=False)
-        if self.ckpt_cfg.no_save_optimizer_state:
-            optim_state = None
-        ema = getattr(trainer, "ema", None)  # --store-ema: extra_state["ema"] (upstream's key)
-        group = self.writer.group() if background else None
-        finish = sharded.start_sharded_save(
-            paths[0], model_state, optim_state, copy.deepcopy(state) if background else state,
-            extra_shards=ema.state_dict() if ema is not None else None,
-            stager=self.writer.stager() if background else None, group=group,
-            before_rename=slow_write_for_tests if background else None)
-
-        def write():
-            finish()
-            for path in paths[1:]:
-                sharded.copy_sharded(paths[0], path, group=group)
-
-        return write
-
-    def _start_single_file(self, paths, trainer, state, background: bool) -> Callable[[], None]:
-        """Collective (FSDP gathers the state to rank 0): returns rank 0's write of the file and its copies, of
-        a host snapshot of the state when `background`."""
-        model_state, optim_state = trainer.model_and_optimizer_state(full=True, to_host=not background)
-        ema = getattr(trainer, "ema", None)
-        ema_state = ema.full_state_dict() if ema is not None else {}  # collective when sharded
-        if get_rank() != 0:
-            return lambda: None
-        state["extra_state"].update(ema_state)
-        state["model"] = model_state
-        if not self.ckpt_cfg.no_save_optimizer_state:
-            state["last_optimizer_state"] = optim_state
-        if background:  # a gathered state is new at every save: its snapshot cannot reuse buffers
-            state = self.writer.snapshot(state, reusable=not trainer.gathers_full_state)
-
-        def write():
-            atomic_torch_save(state, paths[0], before_rename=slow_write_for_tests if background else None)
-            for path in paths[1:]:
-                atomic_copy(paths[0], path)
-
-        return write
 
     def _compose(self, trainer, epoch_itr, val_loss, metrics_state) -> Dict[str, Any]:
         """Upstream's layout (the writer adds model and optimizer) from the parts' states."""
@@ -312,7 +294,7 @@ class CheckpointManager:
                 "lr_scheduler_state": copy.deepcopy(trainer_state["lr_scheduler"]),
                 "num_updates": trainer_state["num_updates"],
             }],
-            "task_state": {},
+            "task_state": trainer.task.state_dict(),
             "extra_state": {
                 "train_iterator": epoch_itr.state_dict(),
                 "val_loss": val_loss,
@@ -401,9 +383,10 @@ class CheckpointManager:
                                  f"parameter groups ({', '.join(known)})")
             for group in trainer.optimizer.param_groups:
                 group.update(optimizer_overrides)
-        ema = getattr(trainer, "ema", None)
-        if ema is not None:  # after the weights: without a saved EMA, it restarts from them (upstream's rule)
-            ema.load_checkpoint_state(state.get("extra_state") or {}, state["model"])
+        # after the weights: without a saved EMA, it restarts from them (upstream's rule)
+        trainer.load_ema_state(state.get("extra_state") or {}, state["model"])
+        if state.get("task_state"):  # the task's own state (none for the built-in tasks)
+            trainer.task.load_state_dict(state["task_state"])
         saved = saved_state(state)
         if saved.trainer is not None:
             # As upstream, --reset-optimizer also restarts the update count and the schedule (fine-tuning).
@@ -437,10 +420,9 @@ class CheckpointManager:
             load_optimizer = not self.ckpt_cfg.reset_optimizer
         if os.path.isdir(path):
             model_state, optim_state = trainer.model_and_optimizer_state(full=False)
-            ema = getattr(trainer, "ema", None)
             state = sharded.load_sharded(path, model_state, optim_state if load_optimizer else None,
                                          trust_legacy=trust_legacy,
-                                         extra_shards=ema.state_dict() if ema is not None else None)
+                                         extra_shards=trainer.ema.state_dict() if trainer.ema is not None else None)
         else:
             state = load_checkpoint_file(path, trust_legacy=trust_legacy)
             if is_legacy_checkpoint(state):
@@ -457,8 +439,7 @@ class CheckpointManager:
             raise FileNotFoundError(f"--finetune-from-model {path}: no such checkpoint")
         state = self.read(found, trainer)
         trainer.load_model_and_optimizer_state(state["model"], None, full=not os.path.isdir(found))
-        if getattr(trainer, "ema", None) is not None:
-            trainer.ema.load_checkpoint_state(state.get("extra_state") or {}, state["model"])
+        trainer.load_ema_state(state.get("extra_state") or {}, state["model"])
         logger.info(f"loaded model weights from {found} (--finetune-from-model)")
 
 
@@ -533,8 +514,8 @@ def restore_saved_meters(saved: SavedState, meters: "Stateful") -> bool:
     meters belong to the finished epoch, and the new one starts afresh, as upstream); True when restored."""
     position = saved.train_iterator
     restore = bool(position and position.get("iterations_in_epoch", 0) > 0 and saved.metrics)
-    if restore:
-        meters.load_state_dict(saved.metrics)
+    if restore:  # the saves' seconds are counted afresh (log_line.RUN_ONLY_METERS)
+        meters.load_state_dict(without_run_only_meters(saved.metrics))
     return restore
 
 
@@ -560,10 +541,11 @@ def iterator_state_for_world_size(state: Dict[str, Any], saved_world: Optional[i
     if saved_world != world_size:
         consumed = state["iterations_in_epoch"] * saved_world
         state["iterations_in_epoch"] = consumed // world_size
-        _train_logger.warning(
-            f"resuming a checkpoint saved by {saved_world} ranks on {world_size}: continuing after batch {consumed} "
-            f"of the epoch. Keep --batch-size/--max-tokens x --update-freq x ranks the same to keep the "
-            f"same global batch" + ("" if consumed % world_size == 0 else f" ({consumed % world_size} batch(es) "
-                                    "of this epoch are skipped)")
-        )
+        left = consumed % world_size
+        skipped = f" ({left} batch(es) of this epoch are skipped)" if left else ""
+        if get_rank() == 0:  # one line for the job (a warning: every rank would print it)
+            _train_logger.warning(
+                f"resuming a checkpoint saved by {saved_world} ranks on {world_size}: continuing after batch "
+                f"{consumed} of the epoch. Keep --batch-size/--max-tokens x --update-freq x ranks the same to keep "
+                f"the same global batch{skipped}")
     return state

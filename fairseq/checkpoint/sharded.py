@@ -10,7 +10,7 @@ import contextlib
 import logging
 import os
 import shutil
-from typing import Any, Callable, Dict, Optional
+from typing import Any, Dict, Optional
 
 import torch
 
@@ -19,6 +19,7 @@ import torch
 from fairseq.checkpoint.io import (
     CheckpointError, CheckpointSaveError, _fsync_dir, atomic_copy, atomic_torch_save, load_checkpoint_file, save_error,
 )
+from fairseq.checkpoint.writer import Write
 from fairseq.distributed.mesh import ParallelLayout
 from fairseq.distributed.utils import barrier, broadcast_from_master, get_rank, get_world_size
 
@@ -41,47 +42,41 @@ def _swap_into_place(tmp: str, path: str):
         shutil.rmtree(old)
 
 
-def save_sharded(path: str, model_state, optim_state, metadata: Dict[str, Any],
-                 extra_shards: Optional[Dict[str, Any]] = None) -> None:
-    """Collective: every rank calls this with its local (sharded) state dicts. `extra_shards` are more
-    sharded groups saved beside them (the EMA's "ema", "ema_fp32_params"); load_sharded reads them back into
-    metadata["extra_state"]."""
-    start_sharded_save(path, model_state, optim_state, metadata, extra_shards)()
-
-
-def start_sharded_save(path: str, model_state, optim_state, metadata: Dict[str, Any],
-                       extra_shards: Optional[Dict[str, Any]] = None, stager=None, group=None,
-                       before_rename: Optional[Callable[[], None]] = None) -> Callable[[], None]:
-    """Collective, in the training loop: write the shards into `<path>.tmp` now, or with `stager` (a DCP
-    AsyncStager, kept by the caller for the next saves) stage them into host memory and write them in DCP's
-    background thread (dcp.async_save over `group`, a process group of its own with a CPU backend). Returns
-    `finish()`, collective over `group`: it waits for the shards, adds `metadata.pt` (rank 0) and renames the
-    directory into place; the caller runs it in the loop, or in its writer thread while training goes on.
-    `metadata` must not change until `finish` returns. `before_rename` runs on every rank just before the
-    rename (a test hook)."""
-    import torch.distributed.checkpoint as dcp
-
-    tmp = path + ".tmp"
-    if get_rank() == 0 and os.path.isdir(tmp):
-        shutil.rmtree(tmp)  # leftover of an interrupted save
-    barrier()
+def shards_state(model_state, optim_state, extra_shards: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
+    """What DCP writes: {"model", "optimizer" (unless None), and the groups of `extra_shards` (the EMA's "ema",
+    "ema_fp32_params"), which load_sharded reads back into metadata["extra_state"]}."""
     state = {"model": model_state}
     if optim_state is not None:
         state["optimizer"] = optim_state
     state.update(extra_shards or {})
-    upload = None
-    with _save_errors(path, tmp):
-        if stager is None:
-            dcp.save(state, checkpoint_id=tmp)
-        else:
-            upload = dcp.async_save(state, checkpoint_id=tmp, process_group=group, async_stager=stager)
+    return state
 
-    def finish() -> None:
+
+def save_sharded(path: str, model_state, optim_state, metadata: Dict[str, Any],
+                 extra_shards: Optional[Dict[str, Any]] = None) -> None:
+    """Collective: every rank calls this with its local (sharded) state dicts; written now."""
+    write = sharded_write(path, shards_state(model_state, optim_state, extra_shards), metadata)
+    write.bytes()
+    write.publish()
+
+
+def sharded_write(path: str, state: Dict[str, Any], metadata: Dict[str, Any], group=None) -> Write:
+    """The write of a sharded checkpoint, collective over `group` (None: all ranks, default group): its bytes
+    are the shards of `state` (shards_state; live or staged in host memory) in `<path>.tmp` and rank 0's
+    `metadata.pt` there (`metadata` must not change until they are written); its publication renames the
+    directory into place."""
+    tmp = path + ".tmp"
+
+    def write_bytes() -> None:
+        import torch.distributed.checkpoint as dcp
+
+        if get_rank() == 0 and os.path.isdir(tmp):
+            shutil.rmtree(tmp)  # leftover of an interrupted save
+        barrier(group)
         failure = None
         try:
             with _save_errors(path, tmp):
-                if upload is not None:
-                    upload.result()
+                dcp.save(state, checkpoint_id=tmp, process_group=group)
                 if get_rank() == 0:
                     atomic_torch_save(metadata, os.path.join(tmp, METADATA))
         except (KeyboardInterrupt, SystemExit):
@@ -95,13 +90,13 @@ def start_sharded_save(path: str, model_state, optim_state, metadata: Dict[str, 
             raise failure
         if message is not None:
             raise CheckpointSaveError(message)
-        if before_rename is not None:
-            before_rename()
+
+    def publish() -> None:
         if get_rank() == 0:
             _swap_into_place(tmp, path)
         barrier(group)
 
-    return finish
+    return Write(write_bytes, publish)
 
 
 @contextlib.contextmanager

@@ -8,10 +8,12 @@ accepted at their defaults and rejected when set (here, `check_generation_config
 """
 
 import math
+import sys
 from dataclasses import dataclass, fields
 from numbers import Integral, Real
 from typing import List, Literal, Optional
 
+from fairseq.dataclass.batch_flags import check_batch_size, check_buffer_size, check_max_tokens
 from fairseq.dataclass.fields import opt
 from fairseq.upstream_absent import refused_options
 
@@ -47,7 +49,8 @@ class GenerationConfig:
     constraints: Optional[Literal["ordered", "unordered"]] = opt(
         None, "not supported with --task language_modeling (as upstream): lexically constrained decoding",
         const="ordered")
-    temperature: float = opt(1.0, "divide the logits by this before the softmax (sampling and beam search)")
+    temperature: float = opt(1.0, "divide the logits by this before the softmax (sampling and beam search); at "
+                                  "least 0.0113, below which float32 gives every token but the likeliest probability 0")
     diverse_beam_groups: int = opt(-1, "not supported: number of groups for diverse beam search")
     diverse_beam_strength: float = opt(0.5, "not supported: diversity penalty of diverse beam search")
     diversity_rate: float = opt(-1.0, "not supported: diversity penalty of diverse siblings search")
@@ -132,14 +135,34 @@ def check_option_values(generation, keyword: bool = False) -> None:
             raise ValueError(f"{label} must be {allowed}")
         if not math.isfinite(value) or (in_range is not None and not in_range(value)):
             raise ValueError(f"{label} is out of range: {allowed}")
+    a, b = getattr(generation, "max_len_a", None), getattr(generation, "max_len_b", None)
+    if a is not None and b is not None and a <= 0 and b < 0:  # no prompt length gives an output room
+        a_name, b_name = ("max_len_a=", "max_len_b=") if keyword else ("--max-len-a ", "--max-len-b ")
+        raise ValueError(f"{b_name}{b} is out of range: outputs have at most {a_name.strip(' =')} * input length + "
+                         f"{b_name.strip(' =')} tokens (the prompt included), below 0 with {a_name}{a}; give "
+                         f"{b_name}0 or more")
+
+
+# The largest value of the dtypes log-probabilities are computed in (torch.finfo(...).max): float32 at least, as
+# the models' get_normalized_probs upcast fp16/bf16 logits; float64 for a model cast to it.
+FLOAT_MAX = {"float32": 3.4028234663852886e38, "float64": sys.float_info.max}
+
+
+def smallest_temperature(dtype: str = "float32") -> float:
+    """The smallest --temperature whose probabilities `dtype` can hold: below 1/ln(its largest value), two
+    tokens one logit apart are, divided by the temperature, more than ln(largest) apart, so the ratio of their
+    probabilities exceeds the dtype: every token but the likeliest gets probability 0 (and a score near -1e9
+    where one is forced). 0.0113 for float32, 0.0014 for float64."""
+    return 1 / math.log(FLOAT_MAX[dtype])
 
 
 def check_sampling_range(sampling_topk: Optional[int] = -1, sampling_topp: Optional[float] = -1.0,
                          temperature: Optional[float] = 1.0, vocab_size: Optional[int] = None,
-                         keyword: bool = False) -> None:
+                         keyword: bool = False, probability_dtype: str = "float32") -> None:
     """Upstream's ranges: --sampling-topk -1 (off) or 1.. (at most `vocab_size` when known), --sampling-topp -1
-    (off) or in (0, 1], --temperature > 0 (the generator's rule, checked here before any model is loaded).
-    `keyword`: name the hub's keyword arguments instead of the flags."""
+    (off) or in (0, 1], --temperature > 0 (the generator's rule, checked here before any model is loaded), and
+    --temperature at least smallest_temperature(`probability_dtype`), the dtype the probabilities are computed
+    in. `keyword`: name the hub's keyword arguments instead of the flags."""
     topk, topp = sampling_topk, sampling_topp
 
     def name(field):
@@ -155,13 +178,26 @@ def check_sampling_range(sampling_topk: Optional[int] = -1, sampling_topp: Optio
     if temperature is not None and not temperature > 0:  # NaN too
         raise ValueError(f"{name('temperature')}{temperature} is out of range: the logits are divided by it, so it "
                          "must be greater than 0 (1: the model's distribution; below 1 sharper, above 1 flatter)")
+    least = smallest_temperature(probability_dtype)
+    if temperature is not None and temperature < least:
+        greedy = "beam=1 without sampling=True" if keyword else "--beam 1 without --sampling"
+        raise ValueError(
+            f"{name('temperature')}{temperature:g} is below {least:.4f} (1/ln of {FLOAT_MAX[probability_dtype]:.4g}, "
+            f"the largest {probability_dtype}, which the probabilities are computed in): divided by it, logits one "
+            f"apart give probabilities whose ratio no {probability_dtype} holds, so every token but the likeliest "
+            f"gets probability 0 (scores near -1e9); pass at least {least:.4f}, or {greedy} for greedy decoding")
 
 
 def check_generation_config(generation: GenerationConfig, dataset=None, interactive=None) -> None:
-    """fairseq-generate's and fairseq-interactive's checks: unsupported options, then upstream's rules for
-    what is printed (--nbest against --beam; with `dataset` and `interactive`, --batch-size against
-    --buffer-size). The hub interface, which prints nothing, checks only the unsupported options, the numeric
-    options and the sampling ranges."""
+    """fairseq-generate's and fairseq-interactive's checks: the batch options of `dataset` and `interactive`
+    (fairseq.dataclass.batch_flags), unsupported options, then upstream's rules for what is printed (--nbest
+    against --beam; with `dataset` and `interactive`, --batch-size against --buffer-size). The hub interface,
+    which prints nothing, checks only the unsupported options, the numeric options and the sampling ranges."""
+    if dataset is not None:
+        check_max_tokens(dataset.max_tokens)
+        check_batch_size(dataset.batch_size)
+    if interactive is not None:
+        check_buffer_size(interactive.buffer_size)
     check_unsupported_options(generation)
     check_option_values(generation)
     check_sampling_range(generation.sampling_topk, generation.sampling_topp, generation.temperature)

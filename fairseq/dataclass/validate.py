@@ -10,15 +10,8 @@ the data, the device or the checkpoint stay where those are read.
 """
 
 from fairseq import registry
+from fairseq.dataclass.batch_flags import check_batch_flags
 from fairseq.dataclass.build import check_precision, check_seed  # noqa: F401 (check_precision: also named here)
-
-
-def check_batch_size(dataset) -> None:
-    if dataset.max_tokens is None and dataset.batch_size is None:
-        raise ValueError("give a batch size with --max-tokens or --batch-size")
-    for flag, value in (("--max-tokens", dataset.max_tokens), ("--batch-size", dataset.batch_size)):
-        if value is not None and value < 1:
-            raise ValueError(f"{flag} must be at least 1, got {value}")
 
 
 def check_shard(dataset) -> None:
@@ -54,7 +47,7 @@ def validate(cfg) -> None:
     from fairseq.distributed.tensor_parallel_checks import check_tensor_parallel_config
     from fairseq.distributed.float8 import check_float8_environment, check_float8_flags
 
-    check_batch_size(cfg.dataset)
+    check_batch_flags(cfg, required=True)
     check_token_budget(cfg)
     if cfg.optimizer is None:
         raise ValueError("no --optimizer given; e.g. --optimizer adam")

@@ -15,10 +15,14 @@ refuses cannot run; one it lets through may still run out of memory when the dev
 nothing is checked.
 """
 
+import math
 from typing import Iterable, Optional, Tuple
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+from fairseq.modules import CausalSelfAttention
 
 GiB = 1024 ** 3
 
@@ -26,8 +30,6 @@ GiB = 1024 ** 3
 def tensor_bytes(tensor: torch.Tensor) -> int:
     """Bytes a tensor's storage holds; a tensor subclass that wraps others (torchao's quantized weights) counts
     the tensors it wraps (an int8 weight is 1 byte per value plus its scales, though its dtype reads bf16)."""
-    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
-
     if is_traceable_wrapper_subclass(tensor):
         names, _ = tensor.__tensor_flatten__()
         return sum(tensor_bytes(getattr(tensor, name)) for name in names if getattr(tensor, name) is not None)
@@ -56,8 +58,6 @@ def kv_cache_bytes(rows: int, positions: int, layers: int, embed_dim: int, dtype
 def attention_shape(model: nn.Module) -> Tuple[int, int]:
     """(layers with a KV cache, the width of their keys): the model's causal self-attention modules (the
     widest one's heads x head_dim); (0, 0) for a model without them (fconv_lm keeps no KV cache)."""
-    from fairseq.modules import CausalSelfAttention
-
     widths = [m.num_heads * m.head_dim for m in model.modules() if isinstance(m, CausalSelfAttention)]
     return len(widths), max(widths, default=0)
 
@@ -67,6 +67,19 @@ def longest_output(prompt_width: int, max_len_a: float, max_len_b: int, max_posi
     the prompt included (upstream's rule for language models), capped at `max_positions` - 1."""
     longest = int(max_len_a * prompt_width + max_len_b)
     return longest if max_positions is None else min(longest, max_positions - 1)
+
+
+def check_output_length(longest: int, min_len: int, prompt_width: int, max_len_a: float, max_len_b: int,
+                        max_positions: int) -> None:
+    """ValueError when no output can be generated: the length rule (longest_output, here `longest`) gives fewer
+    than 0 tokens (--max-len-b's fault), or fewer than --min-len."""
+    rule = f"--max-len-a {max_len_a} * {prompt_width} + --max-len-b {max_len_b}"
+    if longest < 0:
+        raise ValueError(f"--max-len-b {max_len_b} makes the longest output {longest} tokens ({rule}), below 0; raise "
+                         f"--max-len-b to at least {math.ceil(max(min_len, 0) - max_len_a * prompt_width)}")
+    if min_len > longest:
+        raise ValueError(f"--min-len {min_len} is larger than the longest output allowed, {longest} tokens "
+                         f"(min({rule}, {max_positions - 1})); lower --min-len or raise --max-len-b")
 
 
 def decode_positions(prompt_width: int, max_len_a: float, max_len_b: int, max_positions: Optional[int]) -> int:
@@ -107,8 +120,26 @@ def check_decode_memory(models, sentences: int, beam: int, positions: int, devic
     models' weights (see the module doc); nothing on other devices."""
     if device.type != "cuda":
         return
-    free, _ = torch.cuda.mem_get_info(device)
-    available = free + torch.cuda.memory_reserved(device)  # the weights already there are in the latter
-    error = decode_memory_error(models, sentences, beam, positions, available, str(device), fix)
+    error = decode_memory_error(models, sentences, beam, positions, _available(device), str(device), fix)
     if error:
         raise ValueError(error)
+
+
+def _available(device: torch.device) -> int:
+    """Bytes this process may use on CUDA `device`: free, plus what its caching allocator holds (the weights
+    already there, earlier batches' caches)."""
+    free, _ = torch.cuda.mem_get_info(device)
+    return free + torch.cuda.memory_reserved(device)
+
+
+def kv_positions_that_fit(models, device: torch.device) -> Optional[int]:
+    """How many cache positions (rows x positions per row) fit on CUDA `device` beside the models' weights, by
+    the check above (a bound: activations and graphs come on top); None on other devices. What a server's
+    --max-batch-tokens and a decode engine's max_rows x max_positions stay under."""
+    if device.type != "cuda":
+        return None
+    models = list(models)
+    per_position = decode_bytes(models, 1, 1)
+    if per_position == 0:
+        return None
+    return max(0, (_available(device) - model_bytes(models)) // per_position)

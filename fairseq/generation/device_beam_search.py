@@ -12,7 +12,7 @@ on the device and, on CUDA, inside one captured graph (the key `name`, per row c
   sentence (at step 0 over the first beam only);
 - the hypotheses that end: a candidate that is </s> with a finite score among the first `beam` and not ignored
   is copied, with its history, to the sentence's next free place in the buffers of finalized hypotheses (at
-  most `beam`, in candidate order, as SequenceGenerator._finalize_hypos appends them); a sentence is done when
+  most `beam`, in candidate order, as the step-by-step loop stores them); a sentence is done when
   it has `beam` of them or at the last step;
 - the next hypotheses, as SequenceGenerator._extend takes them: the first `beam` candidates that did not end
   (ended or ignored ones sort last, and become ignored when they must be taken); the tokens and scores
@@ -22,7 +22,7 @@ on the device and, on CUDA, inside one captured graph (the key `name`, per row c
 Sentences that are done write nothing more. The host replays CHUNK steps, then reads which sentences are done;
 those are stored and leave the batch (their rows and cache rows dropped in place, as DeviceLoop does at beam 1)
 when that saves work: always when decoding eagerly, with graphs when the sentence count rounds down to a
-smaller graph. Stored hypotheses go through SequenceGenerator._finalize_hypos, in the order the step-by-step
+smaller graph. Stored hypotheses go through the batch's FinishedHypotheses, in the order the step-by-step
 loop would have stored them, and are ranked best first as it ranks them.
 
 The results are the step-by-step loop's: the same operations on the same values (for a one-sentence batch the
@@ -40,10 +40,10 @@ from fairseq.generation.device_decoding import DeviceLoop, _Buffers
 
 
 def applies(generator, beam: int) -> bool:
-    """Whether `generator` decodes a batch through this loop: beam search (`BeamSearch` itself) with 2 or more
-    beams, this fork's decoders, and no option the loop does not implement (--no-repeat-ngram-size,
-    --match-source-len)."""
-    return (generator.device_loop and beam >= 2 and type(generator.search) is search.BeamSearch
+    """Whether this loop can decode `generator`'s batches (the generator chooses, see its `device_loop`): beam
+    search (`BeamSearch` itself) with 2 or more beams, this fork's decoders, and no option the loop does not
+    implement (--no-repeat-ngram-size, --match-source-len)."""
+    return (generator.device_loop is not False and beam >= 2 and type(generator.search) is search.BeamSearch
             and generator.model.can_feed_prompts and not generator.no_repeat_ngram_size
             and not generator.match_source_len)
 
@@ -75,25 +75,25 @@ class DeviceBeamSearch(DeviceLoop):
     name = "beam"
 
     def _new_buffers(self, rows: int, capacity: int, device: torch.device) -> _BeamBuffers:
-        return _BeamBuffers(rows, capacity, self.g.vocab_size, device, self.g.beam_size)
+        return _BeamBuffers(rows, capacity, self.step_model.vocab_size, device, self.beam)
 
     def _start(self, b, sample: dict, rows: int, graph_rows: int) -> _BeamBuffers:
         buf = super()._start(b, sample, rows, graph_rows)
-        sentences = graph_rows // self.g.beam_size
+        sentences = graph_rows // self.beam
         buf.ignore[:sentences] = False
         buf.count[:sentences] = 0
         return buf
 
     def _choose(self, lp: Tensor, buf: _BeamBuffers, rows: int, b, window: int, first: bool) -> None:
-        g, beam = self.g, self.g.beam_size
+        beam = self.beam
         sentences = rows // beam
         lp = self._constrain(lp, buf, rows).view(sentences, beam, -1)
         # BeamSearch.step reads of the step only whether it is the first, and of the cumulative scores only the
         # last column: the running score `cum` holds that column (copied, so the sums are the loop's).
         cum = None if first else buf.cum[:rows].view(sentences, beam, 1)
-        cand_scores, cand_tokens, cand_beams = g.search.step(0 if first else 1, lp, cum)
+        cand_scores, cand_tokens, cand_beams = self.search.step(0 if first else 1, lp, cum)
         parents = cand_beams + buf.first_rows[:sentences].unsqueeze(1)  # the rows the candidates extend
-        ends = cand_tokens.eq(g.eos) & cand_scores.ne(-math.inf)
+        ends = cand_tokens.eq(self.eos) & cand_scores.ne(-math.inf)
         ignore = buf.ignore[:sentences]
         top_ends = ends[:, :beam] & ~ignore
         live = ~buf.done[:rows].view(sentences, beam)[:, 0]
@@ -117,7 +117,7 @@ class DeviceBeamSearch(DeviceLoop):
                      window: int) -> None:
         """Copy the hypotheses ending now (`ending` [S, beam]: among the top beam candidates) to their sentence's
         next free places, in candidate order, while places are left."""
-        beam, step = self.g.beam_size, buf.slot
+        beam, step = self.beam, buf.slot
         count = buf.count[:rows // beam]
         place = count.unsqueeze(1) + ending.long().cumsum(dim=1) - 1  # where each ending candidate goes
         stored = ending & place.lt(beam)
@@ -147,12 +147,12 @@ class DeviceBeamSearch(DeviceLoop):
         tokens, scores = buf.tokens[:rows, :window + 1], buf.scores[:rows, :window]
         tokens.copy_(tokens.index_select(0, order))
         scores.copy_(scores.index_select(0, order))
-        buf.tokens[:rows].scatter_(1, (step + 1).expand(rows, 1), torch.where(going_on, token, self.g.pad).unsqueeze(1))
+        buf.tokens[:rows].scatter_(1, (step + 1).expand(rows, 1), torch.where(going_on, token, self.pad).unsqueeze(1))
         column = buf.scores[:rows].index_select(1, step).squeeze(1)
         buf.scores[:rows].scatter_(1, step.expand(rows, 1), torch.where(going_on, score, column).unsqueeze(1))
         buf.cum[:rows] = torch.where(going_on, score, buf.cum[:rows])
         # Static steps' caches: the live window, with fixed shapes; the dynamic caches know their live length.
-        self.g.model.reorder_incremental_state(b.states, order, window if b.graphed is not None else None)
+        self.step_model.reorder(b.states, order, window if b.graphed is not None else None)
 
     @staticmethod
     def _row_buffers(buf: _BeamBuffers):

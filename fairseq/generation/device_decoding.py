@@ -13,16 +13,18 @@ the end, or after every chunk when the caller streams them (`on_tokens`). The lo
 end) also runs beam search, whose steps fairseq.generation.device_beam_search takes.
 
 Greedy results are the step-by-step loop's: the same operations on the same values (the candidates are the top
-two of log-probability plus cumulative score, as BeamSearch takes them; the hypotheses are stored by
-SequenceGenerator._finalize_hypos), so tokens and scores are equal, not close.
+two of log-probability plus cumulative score, as BeamSearch takes them; the hypotheses are stored in the batch's
+FinishedHypotheses, as that loop stores them), so tokens and scores are equal, not close.
 
-Sampling draws are counter-based: the Gumbel noise of token v at step s of sentence i is a hash of (seed, i, s,
-v), where i is the sentence's id (`sample["id"]`: its line in fairseq-generate's input, its index in the hub's
-list) and the seed is the search's `seed` (default: torch.initial_seed(), which --seed sets). A sentence's
-sample therefore depends on the seed and the sentence alone, not on the batch it is decoded in, its place there,
-the batch size or the graphs. The drawn token is the argmax of log-probability plus noise over the kept tokens
-(top-k, or the top-p set), which draws from the kept tokens' renormalized distribution, as a multinomial over
-their probabilities does; its score is the model's log-probability of it, as with `Sampling.step`.
+The loops reach the models through the generator's StepModel (fairseq.generation.step_model) only, and decode its
+BatchState (fairseq.generation.batch_state). Sampling draws are counter-based (fairseq.generation.sampling, with the
+one top-k / top-p filter every sampler uses): the Gumbel noise of token v at step s of sentence i is a hash of
+(seed, i, s, v), where i is the sentence's id (`sample["id"]`: its line in fairseq-generate's input, its index in
+the hub's list) and the seed is the search's `seed` (default: torch.initial_seed(), which --seed sets). A sentence's
+sample therefore depends on the seed and the sentence alone, not on the batch it is decoded in, its place there, the
+batch size or the graphs. The drawn token is the argmax of log-probability plus noise over the kept tokens (top-k,
+or the top-p set), which draws from the kept tokens' renormalized distribution, as a multinomial over their
+probabilities does; its score is the model's log-probability of it, as with `Sampling.step`.
 """
 
 import math
@@ -31,45 +33,23 @@ from typing import Callable, List, Optional, Tuple
 import torch
 from torch import Tensor
 
-from fairseq.generation import search
+from fairseq.generation import sampling, search
+from fairseq.generation.batch_state import BatchState
 from fairseq.generation.cuda_graph_decoding import attention_window, round_up_sentences
 
 # Steps replayed between two reads of the "every sentence is done" flag: at most CHUNK - 1 steps are computed
 # past the end of the longest output, and a step costs one host sync per CHUNK tokens.
 CHUNK = 16
-_MASK32 = 0xFFFFFFFF
-_HASH_MULTIPLIER = 0x45D9F3B  # a 32-bit integer hash's multiplier (< 2**27: products stay inside int64)
 
 
 def applies(generator, beam: int) -> bool:
-    """Whether `generator` decodes a batch through this loop: beam 1, greedy or sampling, this fork's decoders,
-    and no option the loop does not implement (--no-repeat-ngram-size, --match-source-len)."""
+    """Whether this loop can decode `generator`'s batches (the generator chooses, see its `device_loop`): beam 1,
+    greedy or sampling, this fork's decoders, and no option the loop does not implement (--no-repeat-ngram-size,
+    --match-source-len)."""
     kind = type(generator.search)
-    return (generator.device_loop and beam == 1 and kind in (search.BeamSearch, search.Sampling)
+    return (generator.device_loop is not False and beam == 1 and kind in (search.BeamSearch, search.Sampling)
             and generator.model.can_feed_prompts and not generator.no_repeat_ngram_size
             and not generator.match_source_len)
-
-
-def _mix32(x: Tensor) -> Tensor:
-    """A 32-bit integer hash of each element of x (int64 holding values in [0, 2**32))."""
-    x = ((x >> 16) ^ x) * _HASH_MULTIPLIER & _MASK32
-    x = ((x >> 16) ^ x) * _HASH_MULTIPLIER & _MASK32
-    return (x >> 16) ^ x
-
-
-def sentence_keys(seed: int, sentence_ids: Tensor) -> Tensor:
-    """The sampling key [B] (int64) of each sentence: a hash of the seed and the sentence's id."""
-    seed32 = torch.tensor(seed & _MASK32, dtype=torch.long, device=sentence_ids.device)
-    return _mix32(_mix32(sentence_ids.long() & _MASK32) ^ _mix32(seed32))
-
-
-def gumbel_noise(keys: Tensor, step: Tensor, token_ids: Tensor) -> Tensor:
-    """Standard Gumbel noise [R, N] (fp32) for tokens `token_ids` [R, N] (or [N]) at `step` ([1], a device
-    tensor) of the rows with sampling keys `keys` [R]: a pure function of (key, step, token)."""
-    at_step = _mix32((keys + _mix32((step + 0x9E3779B9) & _MASK32)) & _MASK32)
-    bits = _mix32(at_step.unsqueeze(1) ^ token_ids)
-    uniform = ((bits >> 8).float() + 0.5) * (1.0 / (1 << 24))  # in (0, 1), 24 random bits
-    return -torch.log(-torch.log(uniform))
 
 
 class _Buffers:
@@ -99,14 +79,17 @@ class DeviceLoop:
 
     name = "loop"  # the key of its graphs and buffers in the graph runner (a generator has one loop: one beam)
 
-    def __init__(self, generator):
-        self.g = generator
+    def __init__(self, step_model, search_strategy: search.Search, beam: int, eos: int, pad: int):
+        """`step_model`: the generator's StepModel (fairseq.generation.step_model), the only way to the models;
+        `search_strategy`: its search (greedy or sampling options, the sampling seed)."""
+        self.step_model, self.search = step_model, search_strategy
+        self.beam, self.eos, self.pad = beam, eos, pad
         self._eager_buffers: Optional[_Buffers] = None
 
     def _new_buffers(self, rows: int, capacity: int, device: torch.device) -> _Buffers:
-        return _Buffers(rows, capacity, self.g.vocab_size, device)
+        return _Buffers(rows, capacity, self.step_model.vocab_size, device)
 
-    def _choose(self, lp: Tensor, buf: _Buffers, rows: int, b, window: int, first: bool) -> None:
+    def _choose(self, lp: Tensor, buf: _Buffers, rows: int, b: BatchState, window: int, first: bool) -> None:
         """Take the step at `buf.slot` for rows [:rows] given their masked log-probabilities, and move to the
         next slot. `b`: the batch (its caches); `window`: the cache slots live after this step's model call;
         `first`: whether it is step 0 (known on the host: never true inside a captured graph)."""
@@ -116,17 +99,17 @@ class DeviceLoop:
     def _constrain(self, lp: Tensor, buf: _Buffers, rows: int) -> Tensor:
         """SequenceGenerator._constrain's masks with the step read from the device: only </s> at the length
         limit, no </s> before --min-len, a row whose prompt goes on can only continue it."""
-        g, step = self.g, buf.slot
+        step = buf.slot
         at_limit = step >= buf.limits[1]
-        lp = lp.masked_fill(at_limit & buf.vocab_ids.ne(g.eos), -math.inf)
-        forced = buf.forced[:rows].index_select(1, step).masked_fill(at_limit, g.pad)  # [rows, 1]
+        lp = lp.masked_fill(at_limit & buf.vocab_ids.ne(self.eos), -math.inf)
+        forced = buf.forced[:rows].index_select(1, step).masked_fill(at_limit, self.pad)  # [rows, 1]
         forced_lp = lp.gather(1, forced)
-        lp = lp.masked_fill((step < buf.limits[0]) & buf.vocab_ids.eq(g.eos), -math.inf)
+        lp = lp.masked_fill((step < buf.limits[0]) & buf.vocab_ids.eq(self.eos), -math.inf)
         only_forced = torch.full_like(lp, -math.inf).scatter_(1, forced, forced_lp)
-        return torch.where(forced.ne(g.pad), only_forced, lp)
+        return torch.where(forced.ne(self.pad), only_forced, lp)
 
     # ---- the loop -----------------------------------------------------------------------------------------
-    def _buffers(self, b, rows: int) -> _Buffers:
+    def _buffers(self, b: BatchState, rows: int) -> _Buffers:
         graphed = b.graphed
         if graphed is not None:  # with the graphs' caches, at their size: the graphs read these addresses
             buf = graphed.extra.get(self.name)
@@ -138,13 +121,13 @@ class DeviceLoop:
             buf = self._eager_buffers = self._new_buffers(rows, b.max_len + 1, b.device)
         return buf
 
-    def _start(self, b, sample: dict, rows: int, graph_rows: int) -> _Buffers:
-        g, buf = self.g, self._buffers(b, graph_rows)
+    def _start(self, b: BatchState, sample: dict, rows: int, graph_rows: int) -> _Buffers:
+        buf = self._buffers(b, graph_rows)
         width = b.tokens.size(1)
-        buf.tokens[:graph_rows].fill_(g.pad)
+        buf.tokens[:graph_rows].fill_(self.pad)
         buf.tokens[:rows, :width] = b.tokens
         buf.scores[:rows, :width - 1] = b.scores
-        buf.forced[:graph_rows].fill_(g.pad)
+        buf.forced[:graph_rows].fill_(self.pad)
         if b.forced_rows is not None:
             buf.forced[:rows, :b.forced_rows.size(1)] = b.forced_rows
         buf.done[:graph_rows] = True
@@ -154,25 +137,25 @@ class DeviceLoop:
         if b.start > 0:
             buf.cum[:rows] = b.scores[:, b.start - 1]
         buf.slot.fill_(b.start)
-        buf.limits.copy_(torch.tensor([g.min_len, b.max_len]))
-        if isinstance(g.search, search.Sampling):
+        buf.limits.copy_(torch.tensor([b.min_len, b.max_len]))
+        if isinstance(self.search, search.Sampling):
             ids = sample.get("id")
             ids = torch.arange(rows, device=b.device) if ids is None else ids.to(b.device)
-            seed = g.search.seed if g.search.seed is not None else torch.initial_seed()
-            buf.keys[:rows] = sentence_keys(seed, ids)
+            seed = self.search.seed if self.search.seed is not None else torch.initial_seed()
+            buf.keys[:rows] = sampling.sentence_keys(seed, ids)
         return buf
 
-    def decode(self, b, lprobs: Tensor, sample: dict,
+    def decode(self, b: BatchState, lprobs: Tensor, sample: dict,
                on_tokens: Optional[Callable[[Tensor, Tensor], None]] = None) -> List[List[dict]]:
         """Decode the batch `b` set up by SequenceGenerator._begin (prompts fed, `lprobs` the log-probabilities
         of step b.start); returns each sentence's hypotheses as the step-by-step loop stores them, best first.
         `on_tokens(tokens, done)`: called after every chunk with the tokens so far [B, T] (host, the begin-of-
         sentence token first, <pad> after a sentence's end) and which sentences are done [B] (beam 1)."""
-        beam, max_len = self.g.beam_size, b.max_len
+        beam, max_len = self.beam, b.max_len
         rows = b.bsz * beam
         graph_rows = beam * round_up_sentences(b.bsz) if b.graphed is not None else rows
         buf = self._start(b, sample, rows, graph_rows)
-        shown = None if on_tokens is None else _StreamedBatch(b.bsz, max_len + 2, self.g.pad)
+        shown = None if on_tokens is None else _StreamedBatch(b.bsz, max_len + 2, self.pad)
         # step b.start, from the prompt's forward
         self._choose(lprobs, buf, rows, b, self._window(b, b.start), b.start == 0)
         step = b.start + 1
@@ -191,17 +174,17 @@ class DeviceLoop:
         return self._finalize(b, buf, rows)
 
     @staticmethod
-    def _set_length(b, length: int) -> None:
+    def _set_length(b: BatchState, length: int) -> None:
         """Say how many tokens the caches hold (static steps leave the plain-int lengths alone)."""
         if b.graphed is not None:
             b.graphed.set_length(length)
 
-    def _drop_finished(self, b, buf: _Buffers, rows: int, graph_rows: int, finished: int,
+    def _drop_finished(self, b: BatchState, buf: _Buffers, rows: int, graph_rows: int, finished: int,
                        step: int) -> Tuple[int, int]:
         """Store the sentences that are done (`finished` rows) and take them (their `beam` rows) out of the
         batch, as the step-by-step loop drops them but once per chunk, when that saves work: always when
         decoding eagerly, with graphs when the row count rounds down. Returns the new (rows, graph rows)."""
-        beam = self.g.beam_size
+        beam = self.beam
         new_rows = rows - finished
         new_graph_rows = beam * round_up_sentences(new_rows // beam) if b.graphed is not None else new_rows
         if new_graph_rows == graph_rows:
@@ -218,7 +201,7 @@ class DeviceLoop:
         b.sent_of_row = [b.sent_of_row[i] for i in live.tolist()]
         b.src_lengths = b.src_lengths.index_select(0, sentences)
         self._set_length(b, step)
-        self.g.model.reorder_incremental_state(b.states, keep)  # in place: the graphs' addresses stay
+        self.step_model.drop_rows(b.states, keep)  # in place: the graphs' addresses stay
         return new_rows, new_graph_rows
 
     @staticmethod
@@ -237,61 +220,59 @@ class DeviceLoop:
         return buf.tokens[:rows], buf.scores[:rows]
 
     @staticmethod
-    def _window(b, step: int) -> int:
+    def _window(b: BatchState, step: int) -> int:
         """The cache slots live after the model call of `step`: what a static step attends over (the live
         length rounded up, one graph per window), the live length itself on the dynamic path."""
         return step + 1 if b.graphed is None else attention_window(step, b.graphed.capacity)
 
-    def _step(self, b, buf: _Buffers, step: int, rows: int, graph_rows: int) -> None:
+    def _step(self, b: BatchState, buf: _Buffers, step: int, rows: int, graph_rows: int) -> None:
         """Step `step` (the host's count; buf.slot holds the same on the device)."""
-        g, graphed, window = self.g, b.graphed, self._window(b, step)
+        graphed, window = b.graphed, self._window(b, step)
         if graphed is None:  # eager: the dynamic cached forward (what the step-by-step loop runs)
-            self._choose(g._next_log_probs(buf.tokens[:rows], step, b.states, None), buf, rows, b, window, False)
+            lp = self.step_model.next_log_probs(buf.tokens[:rows], step, b.states, None)
+            self._choose(lp, buf, rows, b, window, False)
             return
 
         def whole_step():
             tokens = buf.tokens[:graph_rows].index_select(1, buf.slot)
-            lp = g._static_step(tokens, buf.slot, graphed.states, window)
+            lp = self.step_model.static_step(tokens, buf.slot, graphed.states, window)
             self._choose(lp, buf, graph_rows, b, window, False)
 
         graphed.replay((self.name, graph_rows, window), whole_step)
 
-    def _finalize(self, b, buf: _Buffers, rows: int) -> List[List[dict]]:
+    def _finalize(self, b: BatchState, buf: _Buffers, rows: int) -> List[List[dict]]:
         """Store the hypotheses that ended in the rows left; each sentence's hypotheses, best first."""
-        self._store(b, *self._hypotheses(buf, rows), buf.end_step[:rows], self.g.beam_size)
-        return self.g._best_first(b)
+        self._store(b, *self._hypotheses(buf, rows), buf.end_step[:rows], self.beam)
+        return b.finished.best_first()
 
-    def _store(self, b, tokens: Tensor, scores: Tensor, end_steps: Tensor, beam: int) -> None:
+    def _store(self, b: BatchState, tokens: Tensor, scores: Tensor, end_steps: Tensor, beam: int) -> None:
         """Store the ended hypotheses (row r of `tokens` / `scores` laid out as SequenceGenerator's, its last
         column the </s> score, ended at `end_steps[r]`, -1: none; row r // beam is its sentence, rows in the
-        order the step-by-step loop stores them) through the generator's own _finalize_hypos (one call per end
-        step)."""
-        g = self.g
+        order the step-by-step loop stores them) in the batch's store of finished hypotheses, as the
+        step-by-step loop stores them (one call per end step)."""
         for step in sorted(set(end_steps.tolist()) - {-1}):
             rows_ending = end_steps.eq(step).nonzero().squeeze(1)
-            g._finalize_hypos(step, rows_ending, scores[:, step].index_select(0, rows_ending), tokens, scores,
-                              b.finalized, b.finalized_scores, b.finished, b.sent_of_row, beam, b.src_lengths,
-                              b.max_len)
+            b.store_ended(step, rows_ending, scores[:, step].index_select(0, rows_ending), tokens, scores)
 
 
 class DeviceDecodeLoop(DeviceLoop):
     """Greedy search and sampling at beam 1 (see the module doc)."""
 
-    def _choose(self, lp: Tensor, buf: _Buffers, rows: int, b, window: int, first: bool) -> None:
+    def _choose(self, lp: Tensor, buf: _Buffers, rows: int, b: BatchState, window: int, first: bool) -> None:
         # One hypothesis per sentence: no cache rows to reorder, and step 0 is like any other.
-        g, step = self.g, buf.slot
+        step = buf.slot
         lp = self._constrain(lp, buf, rows)
         cum = buf.cum[:rows]
-        if isinstance(g.search, search.Sampling):
+        if isinstance(self.search, search.Sampling):
             token = self._draw(lp, buf, rows)
             score = lp.gather(1, token.unsqueeze(1)).squeeze(1) + cum
         else:  # BeamSearch's candidates at beam 1 (its step adds the cumulative score, then takes the top two)
             cand_scores, cand_tokens = torch.topk(lp + cum.unsqueeze(1), k=min(2, lp.size(1) - 1))
             token, score = cand_tokens[:, 0], cand_scores[:, 0]
         live = ~buf.done[:rows]
-        ends = live & token.eq(g.eos) & score.ne(-math.inf)
+        ends = live & token.eq(self.eos) & score.ne(-math.inf)
         buf.tokens[:rows].scatter_(1, (step + 1).expand(rows, 1),
-                                   torch.where(live, token, g.pad).unsqueeze(1))
+                                   torch.where(live, token, self.pad).unsqueeze(1))
         column = buf.scores[:rows].index_select(1, step).squeeze(1)
         buf.scores[:rows].scatter_(1, step.expand(rows, 1), torch.where(live, score, column).unsqueeze(1))
         buf.cum[:rows] = torch.where(live, score, cum)
@@ -301,17 +282,8 @@ class DeviceDecodeLoop(DeviceLoop):
 
     def _draw(self, lp: Tensor, buf: _Buffers, rows: int) -> Tensor:
         """Sampling's next token per row: argmax of log-probability plus Gumbel noise over the kept tokens."""
-        sampler, step, keys = self.g.search, buf.slot, buf.keys[:rows]
-        if sampler.sampling_topp > 0:
-            sorted_probs, ids = lp.exp().sort(dim=1, descending=True)
-            mass_before = torch.nn.functional.pad(sorted_probs.cumsum(dim=1)[:, :-1], (1, 0))
-            candidates = lp.gather(1, ids).masked_fill(mass_before >= sampler.sampling_topp, -math.inf)
-        elif sampler.sampling_topk > 0:
-            candidates, ids = lp.topk(sampler.sampling_topk, dim=1)
-        else:
-            candidates, ids = lp, buf.vocab_ids.expand(rows, -1)
-        drawn = (candidates + gumbel_noise(keys, step, ids)).argmax(dim=1, keepdim=True)
-        return ids.gather(1, drawn).squeeze(1)
+        sampler = self.search
+        return sampling.draw(lp, buf.keys[:rows], buf.slot, sampler.sampling_topk, sampler.sampling_topp)
 
 
 class _StreamedBatch:

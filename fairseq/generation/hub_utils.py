@@ -26,12 +26,15 @@ from torch import nn
 from fairseq.checkpoint.inference import load_checkpoint_to_cpu, load_model_ensemble_and_task
 from fairseq.data import encoders
 from fairseq.data.batching import resolve_limit
+from fairseq.dataclass.batch_flags import check_batch_size, check_max_tokens
 from fairseq.dataclass.generation import (GenerationConfig, check_option_values, check_sampling_range,
                                          check_unsupported_options)
 from fairseq.generation.decode_memory import check_decode_memory, decode_positions
 from fairseq.generation.quantize import check_mode, quantize_for_generation
 from fairseq.export.hf_names import FORK_TOKENIZER_FILES
 from fairseq.generation import device_decoding
+from fairseq.generation.hub_inputs import (check_prompt_ids, check_seed, check_stream_beam, prompt_list,
+                                           sentence_list)
 from fairseq.generation.search import Sampling
 from fairseq.generation.sequence_generator import SequenceGenerator
 
@@ -280,10 +283,10 @@ class GeneratorHubInterface(nn.Module):
 
     def sample(self, sentences: List[str], beam: int = 1, verbose: bool = False, **kwargs) -> List[str]:
         """The best hypothesis of each sentence as text: the prompt followed by its continuation."""
-        if isinstance(sentences, str):
-            return self.sample([sentences], beam=beam, verbose=verbose, **kwargs)[0]
+        sentences, single = sentence_list(sentences, "sample")
         tokenized = [self.encode(sentence) for sentence in sentences]
-        return [self.decode(hypos[0]["tokens"]) for hypos in self.generate(tokenized, beam, verbose, **kwargs)]
+        texts = [self.decode(hypos[0]["tokens"]) for hypos in self.generate(tokenized, beam, verbose, **kwargs)]
+        return texts[0] if single else texts
 
     def score(self, sentences: List[str], replace_newline_with_eos: bool = False, **kwargs):
         """Each sentence scored by the model in one full forward, as upstream: a hypothesis dict whose `tokens` are
@@ -292,8 +295,7 @@ class GeneratorHubInterface(nn.Module):
         empty sentence). So "w1 w2 w3" has 3 scores: the final </s> is not scored, nor the start token. With
         `replace_newline_with_eos` the lines of a sentence are joined by </s>, which is then scored where it
         separates lines (</s> at the very start or end is dropped). docs/generation.md has the details."""
-        if isinstance(sentences, str):
-            return self.score([sentences], replace_newline_with_eos=replace_newline_with_eos, **kwargs)[0]
+        sentences, single = sentence_list(sentences, "score")
 
         def encode(sentence):
             if replace_newline_with_eos:
@@ -301,7 +303,8 @@ class GeneratorHubInterface(nn.Module):
             return self.encode(sentence)
 
         tokenized = [encode(sentence) for sentence in sentences]
-        return [hypos[0] for hypos in self.generate(tokenized, score_reference=True, **kwargs)]
+        scored = [hypos[0] for hypos in self.generate(tokenized, score_reference=True, **kwargs)]
+        return scored[0] if single else scored
 
     def generate(self, tokenized_sentences: List[torch.LongTensor], beam: int = GenerationConfig.beam,
                  verbose: bool = False, skip_invalid_size_inputs: bool = False,
@@ -314,12 +317,11 @@ class GeneratorHubInterface(nn.Module):
         skipped (and missing from the result) with `skip_invalid_size_inputs`. `seed` (sampling at beam 1):
         the draws' seed, so that input i gets the same sample whatever the batches; default a new one per
         call from torch's RNG (torch.manual_seed reproduces a sequence of calls). `inference_step_args` may
-        hold `on_tokens` to stream (see `stream`)."""
-        if torch.is_tensor(tokenized_sentences) and tokenized_sentences.dim() == 1:
-            return self.generate(tokenized_sentences.unsqueeze(0), beam=beam, verbose=verbose,
-                                 skip_invalid_size_inputs=skip_invalid_size_inputs,
-                                 inference_step_args=inference_step_args,
-                                 prefix_allowed_tokens_fn=prefix_allowed_tokens_fn, seed=seed, **kwargs)[0]
+        hold `on_tokens` to stream (see `stream`). A prompt holds ids of the dictionary other than <pad>;
+        anything else is one TypeError or ValueError naming the argument (fairseq.generation.hub_inputs)."""
+        prompts, single = prompt_list(tokenized_sentences)
+        check_prompt_ids(prompts, len(self.src_dict), self.src_dict.pad(), single)
+        check_seed(seed, "generate")
         generator = self.generator_for(beam, prefix_allowed_tokens_fn=prefix_allowed_tokens_fn, **kwargs)
         options = None if kwargs.get("score_reference") else self._generation_options(beam, **kwargs)
         if isinstance(generator, SequenceGenerator) and isinstance(generator.search, Sampling) and \
@@ -328,23 +330,27 @@ class GeneratorHubInterface(nn.Module):
             # from torch's RNG, which this must then leave as it is)
             generator.search.seed = int(torch.randint(2**31, (1,))) if seed is None else seed
         results = []
-        for batch in self._build_batches(tokenized_sentences, skip_invalid_size_inputs, options):
+        for batch in self._build_batches(prompts, skip_invalid_size_inputs, options):
             batch = move_to(batch, self.device)
             hypos = self.task.inference_step(generator, self.models, batch, **(inference_step_args or {}))
             results.extend(zip(batch["id"].tolist(), hypos))
         outputs = [hypos for _, hypos in sorted(results, key=lambda pair: pair[0])]
         if verbose:
-            for source, hypotheses in zip(tokenized_sentences, outputs):
+            for source, hypotheses in zip(prompts, outputs):
                 logger.info(f"S\t{self.string(source)}")
                 for hypo in hypotheses:
                     logger.info(f"H\t{float(hypo['score'])}\t{self.decode(hypo['tokens'])}")
                     logger.info("P\t" + " ".join(f"{x:.4f}" for x in hypo["positional_scores"].tolist()))
-        return outputs
+        return outputs[0] if single else outputs
 
-    def stream(self, sentence: str, seed: Optional[int] = None, **kwargs) -> Iterator[str]:
+    def stream(self, sentence: str, seed: Optional[int] = None, beam: int = 1, **kwargs) -> Iterator[str]:
         """The text of `sample(sentence, beam=1, **kwargs)` in pieces as it is generated (every
         device_decoding.CHUNK tokens): the prompt with the first tokens, then what each chunk adds; joined,
-        the pieces are sample()'s text. Greedy, or sampling=True with its options."""
+        the pieces are sample()'s text. Greedy, or sampling=True with its options (beam 1 only)."""
+        check_stream_beam(beam)
+        if not isinstance(sentence, str):
+            raise TypeError(f"stream(): sentence must be a string (one prompt), got {type(sentence).__name__}")
+        check_seed(seed, "stream")
         produced: "queue.Queue" = queue.Queue()
 
         def on_tokens(tokens: torch.Tensor, done: torch.Tensor) -> None:
@@ -411,8 +417,10 @@ class GeneratorHubInterface(nn.Module):
             setattr(gen_args, key, value)
         check_unsupported_options(gen_args)
         check_option_values(gen_args, keyword=True)
+        # the log-probabilities are float32, or float64 for models cast to it (get_normalized_probs upcasts)
+        probabilities = "float64" if self._float_tensor.dtype == torch.float64 else "float32"
         check_sampling_range(gen_args.sampling_topk, gen_args.sampling_topp, gen_args.temperature,
-                             vocab_size=len(self.tgt_dict), keyword=True)
+                             vocab_size=len(self.tgt_dict), keyword=True, probability_dtype=probabilities)
         for key in ("sampling_topk", "sampling_topp"):  # build_generator's rule, in the keywords' names
             if getattr(gen_args, key) >= 0 and not gen_args.sampling:
                 raise ValueError(f"generate(): {key}={getattr(gen_args, key)!r} needs sampling=True (it restricts "
@@ -427,6 +435,8 @@ class GeneratorHubInterface(nn.Module):
         if not skip_invalid_size_inputs:
             check_prompt_lengths(lengths, self.max_positions, "pass skip_invalid_size_inputs=True to skip it")
         max_tokens, batch_size = self.cfg.dataset.max_tokens, self.cfg.dataset.batch_size
+        check_max_tokens(max_tokens, "max_tokens=")  # from_pretrained's keywords (cfg.dataset)
+        check_batch_size(batch_size, "batch_size=")
         epoch_itr = self.task.get_batch_iterator(
             dataset=self.task.build_dataset_for_inference(tokens, lengths),
             max_tokens=max_tokens, max_sentences=batch_size if (max_tokens or batch_size) else 1,

@@ -15,10 +15,10 @@ from typing import Optional
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 from torch import Tensor
 
 from fairseq.dataclass.generation import check_sampling_range
+from fairseq.generation.sampling import top_k_top_p
 
 
 class Search(nn.Module):
@@ -119,26 +119,14 @@ class Sampling(Search):
         self.sampling_topp = sampling_topp
         self.seed = seed
 
-    def _sample_topp(self, lprobs: Tensor):
-        """(probabilities sorted in decreasing order, those outside the top-p set zeroed; their token ids).
-        Not truncated to the largest kept set, as upstream does, which would cost a host sync per step."""
-        sorted_probs, sorted_indices = lprobs.exp().sort(dim=2, descending=True)
-        # Keep the tokens before the cumulative mass reaches p, and the one that crosses it.
-        mass_before = F.pad(sorted_probs.cumsum(dim=2)[:, :, :-1], (1, 0))
-        return sorted_probs.masked_fill(mass_before >= self.sampling_topp, 0.0), sorted_indices
-
     def step(self, step: int, lprobs: Tensor, scores: Tensor, prev_output_tokens: Optional[Tensor] = None,
              original_batch_idxs: Optional[Tensor] = None):
         bsz, beam_size, vocab_size = lprobs.size()
         if step == 0:
             lprobs = lprobs[:, ::beam_size, :].contiguous()
-        if self.sampling_topp > 0:
-            probs, top_indices = self._sample_topp(lprobs)
-        elif self.sampling_topk > 0:
-            top_lprobs, top_indices = lprobs.topk(self.sampling_topk)
-            probs = top_lprobs.exp()
-        else:
-            probs, top_indices = lprobs.exp(), None
+        # The top-p set is not truncated to its largest size, as upstream does: that would read the device.
+        candidates, top_indices = top_k_top_p(lprobs, self.sampling_topk, self.sampling_topp)
+        probs = candidates.exp()
         if step == 0:  # beam_size draws from the one distribution of each sentence
             drawn = torch.multinomial(probs.view(bsz, -1), beam_size, replacement=True).view(bsz, beam_size)
             probs = probs.expand(bsz, beam_size, -1)

@@ -20,16 +20,20 @@ TransformerDecoder.reserve_incremental_state); with decoders of this fork (those
 one row per sentence, the beams copied from it after, and the steps after run on the device (greedy, sampling:
 fairseq.generation.device_decoding; beam search: device_beam_search; a host sync per 16 steps, one graph a step).
 The step-by-step loop here (a host sync per step) serves the other cases: upstream-style plug-in decoders (fed
-one token per step from the start), --no-repeat-ngram-size, --match-source-len, other searches; on CUDA its
+one token per step from the start), --no-repeat-ngram-size, --match-source-len, other searches, and greedy and
+beam search on the CPU, where it is faster (`device_loop`); on CUDA its
 one-token steps are replayed from CUDA graphs (fairseq.generation.cuda_graph_decoding; --no-cuda-graphs,
 `cuda_graphs=False`, turns that off). Two deliberate differences: --min-len and --no-repeat-ngram-size also
 apply to rows whose prompt ended while others are still forced (upstream skips --min-len for the whole batch
 during any prompt); a forced prompt token is never blocked by --no-repeat-ngram-size (upstream's blocking kills it).
+
+Every loop decodes one BatchState and stores ended hypotheses in its FinishedHypotheses
+(fairseq.generation.batch_state), and reaches the models through the StepModel (fairseq.generation.step_model).
+A running batch that requests join and leave is fairseq.generation.engine's DecodeEngine.
 """
 
 import logging
 import math
-import sys
 from typing import Dict, List, Optional, Tuple
 
 import torch
@@ -37,13 +41,10 @@ import torch.nn as nn
 from torch import Tensor
 
 from fairseq.generation import decode_memory, device_beam_search, device_decoding, search
-from fairseq.generation.cuda_graph_decoding import GraphedDecodeStep
-from fairseq.modules.fairseq_incremental_decoder import FairseqIncrementalDecoder
+from fairseq.generation.batch_state import BatchState, FinishedHypotheses
+from fairseq.generation.step_model import EnsembleModel, StepModel
 
 logger = logging.getLogger("fairseq.sequence_generator")  # upstream's module name
-
-# When a prompt is fed in one forward, logits of at most this many values exist at once.
-_LOGITS_CHUNK = 2**25
 
 
 class SequenceGenerator(nn.Module):
@@ -52,7 +53,7 @@ class SequenceGenerator(nn.Module):
                  unk_penalty: float = 0.0, temperature: float = 1.0, match_source_len: bool = False,
                  no_repeat_ngram_size: int = 0, search_strategy: Optional[search.Search] = None,
                  eos: Optional[int] = None, symbols_to_strip_from_output=None, cuda_graphs: bool = True,
-                 device_loop: bool = True):
+                 device_loop: Optional[bool] = None):
         """`max_len`: cap on the total length (default: the models' positions); the output of a sentence has at
         most min(max_len_a * src_len + max_len_b, max_len - 1) tokens before </s>, src_len the width of
         `src_tokens`, the prompt included, as upstream counts it. `cuda_graphs`: replay the one-token steps
@@ -60,7 +61,9 @@ class SequenceGenerator(nn.Module):
         they read are kept for the next call while the batch and length fit. `device_loop`: decode greedy
         search and sampling at beam 1 (fairseq.generation.device_decoding) and beam search (device_beam_search)
         on the device (no host sync per token; the same search results; sampling draws that depend on the seed
-        and the sentence only); False keeps the step-by-step loop (sampling draws from torch's RNG, as upstream)."""
+        and the sentence only); False keeps the step-by-step loop (sampling draws from torch's RNG, as upstream);
+        None (default): the device loops, but on the CPU, where the step-by-step loop is faster, for sampling
+        and streaming only (greedy and beam search give the same hypotheses either way)."""
         super().__init__()
         self.model = models if isinstance(models, EnsembleModel) else EnsembleModel(models)
         self.tgt_dict = tgt_dict
@@ -93,10 +96,11 @@ class SequenceGenerator(nn.Module):
         self.search = search.BeamSearch(tgt_dict) if search_strategy is None else search_strategy
         self.should_set_src_lengths = getattr(self.search, "needs_src_lengths", False)
         self.cuda_graphs = cuda_graphs
-        self._graphed: Optional[GraphedDecodeStep] = None
+        self.step_model = StepModel(self.model, self.vocab_size, self.pad, self.unk, unk_penalty, temperature,
+                                    cuda_graphs)
         self.device_loop = device_loop
         loop = device_beam_search.DeviceBeamSearch if self.beam_size > 1 else device_decoding.DeviceDecodeLoop
-        self._device_loop = loop(self)
+        self._device_loop = loop(self.step_model, self.search, self.beam_size, self.eos, self.pad)
         self.model.eval()
 
     def cuda(self):
@@ -130,10 +134,8 @@ class SequenceGenerator(nn.Module):
             max_len = int(src_lengths.max())
         else:
             max_len = decode_memory.longest_output(src_len, self.max_len_a, self.max_len_b, self.max_len)
-        if self.min_len > max_len:
-            raise ValueError(f"--min-len {self.min_len} is larger than the longest output allowed, {max_len} tokens "
-                             f"(min(--max-len-a {self.max_len_a} * {src_len} + --max-len-b {self.max_len_b}, "
-                             f"{self.max_len - 1})); lower --min-len or raise --max-len-b")
+        decode_memory.check_output_length(max_len, self.min_len, src_len, self.max_len_a, self.max_len_b,
+                                          self.max_len)
         return max_len
 
     def _prompts(self, prefix_tokens: Optional[Tensor], bsz: int, max_len: int,
@@ -179,7 +181,7 @@ class SequenceGenerator(nn.Module):
         inputs = tokens[::beam, :1]
         if shared:
             inputs = torch.cat([inputs, prefix[:, :shared]], dim=1)
-        forced, next_lprobs = self.model.feed_prompts(inputs, states, self.temperature, self.vocab_size)
+        forced, next_lprobs = self.step_model.prefill(inputs, states)
         if shared:
             forced = forced.nan_to_num_(nan=-math.inf, posinf=math.inf, neginf=-math.inf)
             if self.unk_penalty:
@@ -188,43 +190,12 @@ class SequenceGenerator(nn.Module):
             scores[:, :shared] = forced.cumsum(dim=1).repeat_interleave(beam, dim=0)
             if beam > 1 and self.search.forced_beams == "first":
                 scores.view(bsz, beam, -1)[:, 1:, :shared] = -math.inf
-        next_lprobs = self._mask_special(next_lprobs)
         if beam > 1:
-            self.model.reorder_incremental_state(
-                states, torch.arange(bsz, device=tokens.device).repeat_interleave(beam))
+            self.step_model.reorder(states, torch.arange(bsz, device=tokens.device).repeat_interleave(beam))
             next_lprobs = next_lprobs.repeat_interleave(beam, dim=0)
         return next_lprobs
 
     # ---- one step -----------------------------------------------------------------------------------------
-    def _mask_special(self, lprobs: Tensor) -> Tensor:
-        """The masks of every step: NaN -> -inf, never <pad>, --unkpen (inside the CUDA graph when one runs)."""
-        lprobs = lprobs.nan_to_num_(nan=-math.inf, posinf=math.inf, neginf=-math.inf)
-        lprobs[:, self.pad] = -math.inf
-        if self.unk_penalty:
-            lprobs[:, self.unk] -= self.unk_penalty
-        return lprobs
-
-    def _static_step(self, tokens: Tensor, slot: Tensor, states: List[dict], window: int) -> Tensor:
-        """What a CUDA graph captures: masked log-probabilities after `tokens` [R, 1], at index `slot`
-        (attending over the caches' first `window` slots)."""
-        return self._mask_special(self.model.forward_static_step(tokens, slot, states, self.temperature, window))
-
-    def _static_decoder(self, device: torch.device) -> Optional[GraphedDecodeStep]:
-        """The CUDA-graph runner of the one-token steps, when this batch can use it."""
-        if not (self.cuda_graphs and device.type == "cuda" and self.model.can_static_step
-                and not any(m.training for m in self.model.modules())):  # dropout: eager
-            return None
-        if self._graphed is None:
-            self._graphed = GraphedDecodeStep(self.model, self._static_step, self.vocab_size)
-        return self._graphed
-
-    def _next_log_probs(self, tokens: Tensor, step: int, states: Optional[List[dict]],
-                        graphed: Optional[GraphedDecodeStep]) -> Tensor:
-        """Masked log-probabilities [rows, V] of the token after tokens[:, :step + 1]."""
-        if graphed is not None:
-            return graphed(tokens[:, step], step)
-        return self._mask_special(self.model.forward_decoder(tokens[:, :step + 1], states, self.temperature))
-
     def _no_hypothesis_can_end(self, step: int, max_len: int, forced_eos_steps: set) -> bool:
         """</s> is -inf for every hypothesis at `step` (--min-len; not the last step; no prompt forces </s>)
         and the search gives -inf tokens no finite score: no hypothesis ends, so there is nothing to check."""
@@ -234,7 +205,7 @@ class SequenceGenerator(nn.Module):
     def _constrain(self, lprobs: Tensor, step: int, max_len: int, tokens: Tensor,
                    forced_rows: Optional[Tensor]) -> Tensor:
         """Apply the length limits, --no-repeat-ngram-size and the forced prompt (`forced_rows`: each row's
-        prompt, <pad> after it) to lprobs, masked already by `_mask_special`."""
+        prompt, <pad> after it) to lprobs, masked already by `StepModel.mask_special`."""
         if step >= max_len:  # only </s> is left
             lprobs[:, :self.eos] = -math.inf
             lprobs[:, self.eos + 1:] = -math.inf
@@ -264,37 +235,16 @@ class SequenceGenerator(nn.Module):
         # Non-repeats point at pad, which is -inf already.
         lprobs.scatter_(1, ngrams[:, :, -1].masked_fill(~repeats, self.pad), -math.inf)
 
-    def _finalize_hypos(self, step: int, bbsz_idx: Tensor, eos_scores: Tensor, tokens: Tensor, scores: Tensor,
-                        finalized: List[List[dict]], finalized_scores: List[List[float]], finished: List[bool],
-                        sent_of_row: List[int], beam: int, src_lengths: Tensor, max_len: int) -> List[int]:
-        """Store the hypotheses of rows `bbsz_idx` that end with </s> at `step`; returns the (current) batch
-        indices of the sentences that are now done (beam hypotheses, or the last step)."""
-        tokens_clone = tokens.index_select(0, bbsz_idx)[:, 1:step + 2]  # without the begin-of-sentence token
-        tokens_clone[:, step] = self.eos
-        pos_scores = scores.index_select(0, bbsz_idx)[:, :step + 1]
-        pos_scores[:, step] = eos_scores
-        pos_scores[:, 1:] = pos_scores[:, 1:] - pos_scores[:, :-1]  # cumulative -> per token
-        if self.normalize_scores:
-            eos_scores = eos_scores / (step + 1) ** self.len_penalty
-        rows = torch.div(bbsz_idx, beam, rounding_mode="trunc")
-        if self.match_source_len:
-            eos_scores = torch.where(step > src_lengths.index_select(0, rows), -math.inf, eos_scores)
-        seen = {}
-        for i, (row, value) in enumerate(zip(rows.tolist(), eos_scores.tolist())):
-            sent = sent_of_row[row]
-            seen[sent] = row
-            if len(finalized[sent]) < beam:
-                finalized[sent].append({"tokens": tokens_clone[i], "score": eos_scores[i], "attention": None,
-                                        "alignment": torch.empty(0), "positional_scores": pos_scores[i]})
-                finalized_scores[sent].append(value)
-        done = []
-        for sent, row in seen.items():
-            if not finished[sent] and (len(finalized[sent]) == beam or step == max_len):
-                finished[sent] = True
-                done.append(row)
-        return done
-
     # ---- the loop -----------------------------------------------------------------------------------------
+    def _on_device_loop(self, device: torch.device, streaming: bool) -> bool:
+        """Whether a batch on `device` decodes on a device loop (see `device_loop`)."""
+        beam = self.beam_size
+        if not (device_decoding.applies(self, beam) or device_beam_search.applies(self, beam)):
+            return False
+        if self.device_loop is None and device.type == "cpu":
+            return streaming or isinstance(self.search, search.Sampling)
+        return True
+
     def _generate(self, sample: Dict, prefix_tokens: Optional[Tensor] = None, bos_token: Optional[int] = None,
                   on_tokens=None) -> List[List[Dict[str, Tensor]]]:
         """Decode one batch: the set-up and prefill, then per step the candidates, the hypotheses that end, the
@@ -302,11 +252,11 @@ class SequenceGenerator(nn.Module):
         Greedy search, sampling at beam 1 and beam search run on the device instead (device_decoding, ...)."""
         b, lprobs = self._begin(sample, prefix_tokens, bos_token)
         beam, max_len = self.beam_size, b.max_len
-        if lprobs is not None and (device_decoding.applies(self, beam) or device_beam_search.applies(self, beam)):
+        if lprobs is not None and self._on_device_loop(b.device, on_tokens is not None):
             return self._device_loop.decode(b, lprobs, sample, on_tokens)
         for step in range(b.start, max_len + 1):  # the last step only adds </s>
             if lprobs is None:
-                lprobs = self._next_log_probs(b.tokens, step, b.states, b.graphed)
+                lprobs = self.step_model.next_log_probs(b.tokens, step, b.states, b.graphed)
             lprobs = self._constrain(lprobs, step, max_len, b.tokens, b.forced_rows)
             cand_scores, cand_indices, cand_beams = self.search.step(
                 step, lprobs.view(b.bsz, -1, self.vocab_size), b.scores.view(b.bsz, beam, -1)[:, :, :step],
@@ -314,7 +264,7 @@ class SequenceGenerator(nn.Module):
             lprobs = None
 
             eos_mask, any_top_eos, done = self._end_hypotheses(b, step, cand_scores, cand_indices, cand_beams)
-            if b.num_remaining == 0 or step == max_len:
+            if b.finished.remaining == 0 or step == max_len:
                 break
             batch_idxs = None
             if done:  # drop the finished sentences from the batch, and from this step's candidates
@@ -322,18 +272,10 @@ class SequenceGenerator(nn.Module):
                 eos_mask, cand_beams = eos_mask[batch_idxs], cand_beams[batch_idxs]
                 cand_scores, cand_indices = cand_scores[batch_idxs], cand_indices[batch_idxs]
             self._extend(b, step, eos_mask, any_top_eos, cand_scores, cand_indices, cand_beams, batch_idxs)
-        return self._best_first(b)
-
-    @staticmethod
-    def _best_first(b: "_Beams") -> List[List[Dict[str, Tensor]]]:
-        """Each sentence's hypotheses, best first (a stable sort: equal scores keep the order they ended in)."""
-        for sent in range(len(b.finalized)):
-            ranked = sorted(range(len(b.finalized[sent])), key=lambda i: b.finalized_scores[sent][i], reverse=True)
-            b.finalized[sent] = [b.finalized[sent][i] for i in ranked]
-        return b.finalized
+        return b.finished.best_first()
 
     def _begin(self, sample: Dict, prefix_tokens: Optional[Tensor],
-               bos_token: Optional[int]) -> Tuple["_Beams", Optional[Tensor]]:
+               bos_token: Optional[int]) -> Tuple[BatchState, Optional[Tensor]]:
         """The batch before its first step (buffers, caches, search state), with the prompts fed when the
         decoders take them at once (prefill): then also the log-probabilities of the first step to take."""
         net_input = sample["net_input"]
@@ -341,50 +283,31 @@ class SequenceGenerator(nn.Module):
             raise ValueError("sample['net_input'] has no 'src_tokens': language-model generation reads the batch "
                              "size and source length from it (see task.build_dataset_for_inference)")
         src_tokens = net_input["src_tokens"]
-        b = _Beams()
-        b.device = device = src_tokens.device
-        b.src_lengths = (src_tokens.ne(self.eos) & src_tokens.ne(self.pad)).long().sum(dim=1)
-        bsz, src_len = src_tokens.size()[:2]
-        b.bsz, beam = bsz, self.beam_size
-        b.max_len = max_len = self._max_len(src_len, b.src_lengths)
+        device, (bsz, src_len), beam = src_tokens.device, src_tokens.size()[:2], self.beam_size
+        src_lengths = (src_tokens.ne(self.eos) & src_tokens.ne(self.pad)).long().sum(dim=1)
+        max_len = self._max_len(src_len, src_lengths)
         prefix, shared = self._prompts(prefix_tokens, bsz, max_len, device)
         if self.search.forced_beams is None:
             shared = 0  # an unknown search sees every forced step
-
         rows = bsz * beam
-        b.tokens = torch.full((rows, max_len + 2), self.pad, dtype=torch.long, device=device)
+        b = BatchState(device=device, bsz=bsz, beam=beam, max_len=max_len, min_len=self.min_len,
+                       src_lengths=src_lengths,
+                       tokens=torch.full((rows, max_len + 2), self.pad, dtype=torch.long, device=device),
+                       scores=torch.zeros(rows, max_len + 1, device=device),  # cumulative, per step
+                       finished=FinishedHypotheses(bsz, beam, self.eos, self.normalize_scores, self.len_penalty,
+                                                   self.match_source_len))
         b.tokens[:, 0] = self.eos if bos_token is None else bos_token
-        b.scores = torch.zeros(rows, max_len + 1, device=device)  # cumulative, per step
-        b.graphed = self._static_decoder(device) if self.model.can_feed_prompts else None
-        if b.graphed is not None:
-            b.states = b.graphed.begin(bsz, beam, max_len + 1, device)
-        else:
-            b.states = self.model.new_incremental_states(max_batch=rows, max_length=max_len + 1)
+        b.states, b.graphed = self.step_model.begin(bsz, beam, max_len + 1, device)
         if self.should_set_src_lengths:
             self.search.set_src_lengths(b.src_lengths)
-        b.start, lprobs = 0, None
+        lprobs = None
         if self.model.can_feed_prompts:
             lprobs = self._feed_prompts(b.tokens, b.scores, prefix, shared, b.states, bsz, beam)
             b.start = shared
-        b.prefix = prefix
-        b.forced_rows = None if prefix is None else prefix.repeat_interleave(beam, dim=0)
-        b.forced_eos_steps = set() if prefix is None else set(prefix.eq(self.eos).any(dim=0).nonzero()[:, 0].tolist())
-
-        b.finalized = [[] for _ in range(bsz)]
-        b.finalized_scores = [[] for _ in range(bsz)]
-        b.finished = [False] * bsz
-        b.num_remaining = bsz
-        b.sent_of_row = list(range(bsz))  # original sentence of each row of the (shrinking) batch
-        b.original_batch_idxs = torch.arange(bsz, device=device)
-        b.cands_to_ignore = torch.zeros(bsz, beam, dtype=torch.bool, device=device)
-        # cands_to_ignore can hold True only after hypotheses of a sentence ended while it goes on (beam > 1).
-        b.may_ignore = False
-        b.bbsz_offsets = (torch.arange(bsz, device=device) * beam).unsqueeze(1)
-        b.cand_offsets = torch.arange(2 * beam, device=device)  # twice the beam, in case half end with </s>
-        b.first_beams = torch.arange(beam, device=device).repeat(bsz, 1)
+        b.set_prompts(prefix, self.eos)
         return b, lprobs
 
-    def _end_hypotheses(self, b: "_Beams", step: int, cand_scores: Tensor, cand_indices: Tensor,
+    def _end_hypotheses(self, b: BatchState, step: int, cand_scores: Tensor, cand_indices: Tensor,
                         cand_beams: Tensor) -> Tuple[Optional[Tensor], bool, List[int]]:
         """Hypotheses ending with </s> among the top beam candidates are done (not -inf, not ignored): store
         them. Returns (the candidates that end with </s>, or None when none can; whether a top one did; the
@@ -401,36 +324,20 @@ class SequenceGenerator(nn.Module):
             any_top_eos = bool(top_eos.any())  # the host sync of this step
         if any_top_eos:
             cand_bbsz_idx = cand_beams + b.bbsz_offsets
-            done = self._finalize_hypos(step, cand_bbsz_idx[:, :beam][top_eos], cand_scores[:, :beam][top_eos],
-                                        b.tokens, b.scores, b.finalized, b.finalized_scores, b.finished,
-                                        b.sent_of_row, beam, b.src_lengths, b.max_len)
-            b.num_remaining -= len(done)
+            done = b.store_ended(step, cand_bbsz_idx[:, :beam][top_eos], cand_scores[:, :beam][top_eos],
+                                 b.tokens, b.scores)
         return eos_mask, any_top_eos, done
 
-    def _drop_sentences(self, b: "_Beams", done: List[int]) -> Tensor:
+    def _drop_sentences(self, b: BatchState, done: List[int]) -> Tensor:
         """Remove the sentences at batch indices `done` from the batch and the search; returns the indices kept."""
-        beam = self.beam_size
         done_set = set(done)
-        keep = [i for i in range(b.bsz) if i not in done_set]
-        batch_idxs = torch.tensor(keep, device=b.device)
-        new_bsz = len(keep)
-        b.bbsz_offsets = b.bbsz_offsets[:new_bsz]
-        if b.prefix is not None:
-            b.prefix = b.prefix[batch_idxs]
-            b.forced_rows = b.prefix.repeat_interleave(beam, dim=0)
-        b.src_lengths = b.src_lengths[batch_idxs]
-        b.cands_to_ignore = b.cands_to_ignore[batch_idxs]
-        b.scores = b.scores.view(b.bsz, -1)[batch_idxs].view(new_bsz * beam, -1)
-        b.tokens = b.tokens.view(b.bsz, -1)[batch_idxs].view(new_bsz * beam, -1)
-        b.original_batch_idxs = b.original_batch_idxs[batch_idxs]
-        b.sent_of_row = [b.sent_of_row[i] for i in keep]
+        batch_idxs = b.keep_sentences([i for i in range(b.bsz) if i not in done_set])
         self.search.prune_sentences(batch_idxs)
         if self.should_set_src_lengths:
             self.search.set_src_lengths(b.src_lengths)
-        b.bsz = new_bsz
         return batch_idxs
 
-    def _extend(self, b: "_Beams", step: int, eos_mask: Optional[Tensor], any_top_eos: bool, cand_scores: Tensor,
+    def _extend(self, b: BatchState, step: int, eos_mask: Optional[Tensor], any_top_eos: bool, cand_scores: Tensor,
                 cand_indices: Tensor, cand_beams: Tensor, batch_idxs: Optional[Tensor]) -> None:
         """The beam best candidates that did not end become the hypotheses (token step + 1 and its score);
         the caches follow their rows (and the sentences dropped at this step, `batch_idxs`)."""
@@ -465,136 +372,4 @@ class SequenceGenerator(nn.Module):
             if batch_idxs is not None:
                 shift = (batch_idxs - torch.arange(bsz, device=b.device)) * beam
                 order = (order.view(bsz, beam) + shift.unsqueeze(1)).view(-1)
-            self.model.reorder_incremental_state(b.states, order)
-
-
-class _Beams:
-    """One generate call's batch of hypotheses, which shrinks as sentences finish: the rows still decoding
-    (tokens, cumulative scores, caches) and what the steps carry from one to the next. Slots: read per step."""
-
-    __slots__ = ("device", "bsz", "max_len", "start", "src_lengths", "tokens", "scores", "graphed", "states",
-                 "prefix", "forced_rows", "forced_eos_steps", "finalized", "finalized_scores", "finished",
-                 "num_remaining", "sent_of_row", "original_batch_idxs", "cands_to_ignore", "may_ignore",
-                 "bbsz_offsets", "cand_offsets", "first_beams")
-
-
-class EnsembleModel(nn.Module):
-    """The models of a generator: each decodes with its own incremental state; log-probabilities are averaged
-    in probability space (log of the mean probability), as upstream."""
-
-    def __init__(self, models):
-        super().__init__()
-        models = list(models)
-        if not models:
-            raise ValueError("the generator needs at least one model")
-        if any(getattr(m, "encoder", None) is not None for m in models):
-            raise ValueError("encoder-decoder models are not supported: this generator decodes language models")
-        self.models_size = len(models)
-        self.single_model = models[0]
-        self.models = nn.ModuleList(models)
-        self.has_incremental = all(isinstance(getattr(m, "decoder", None), FairseqIncrementalDecoder)
-                                   for m in models)
-        # Decoders of this fork take several new tokens per call and preallocate their caches.
-        self.can_feed_prompts = self.has_incremental and all(
-            hasattr(m.decoder, "reserve_incremental_state") for m in models)
-        # ... and have a static one-token step, which CUDA graphs capture (fairseq.generation.cuda_graph_decoding).
-        self.can_static_step = self.can_feed_prompts and all(
-            hasattr(m.decoder, "forward_static_step") for m in models)
-
-    def has_incremental_states(self) -> bool:
-        return self.has_incremental
-
-    def max_decoder_positions(self) -> int:
-        limits = []
-        for m in self.models:
-            limit = m.max_decoder_positions() if hasattr(m, "max_decoder_positions") else (
-                m.max_positions() if hasattr(m, "max_positions") else None)
-            if limit is not None:
-                limits.append(int(limit))
-        return min(limits + [sys.maxsize])
-
-    def set_decoder_beam_size(self, beam_size: int) -> None:
-        if beam_size > 1:
-            for m in self.models:
-                target = m if hasattr(m, "set_beam_size") else getattr(m, "decoder", None)
-                if hasattr(target, "set_beam_size"):
-                    target.set_beam_size(beam_size)
-
-    def new_incremental_states(self, max_batch: int, max_length: int) -> Optional[List[dict]]:
-        """One empty state per model (None without incremental decoders), caches reserved at that size."""
-        if not self.has_incremental:
-            return None
-        states = [{} for _ in self.models]
-        if self.can_feed_prompts:
-            for m, state in zip(self.models, states):
-                m.decoder.reserve_incremental_state(state, max_length, max_batch)
-        return states
-
-    def reorder_incremental_state(self, states: Optional[List[dict]], new_order: Tensor, window=None) -> None:
-        """Row i of the caches continues row new_order[i] (`window`: only its first slots, see the decoder's)."""
-        for m, state in zip(self.models, states or ()):
-            if window is not None:
-                m.decoder.reorder_incremental_state(state, new_order, window)
-            else:
-                m.decoder.reorder_incremental_state_scripting(state, new_order)
-
-    @staticmethod
-    def _log_probs(model, logits: Tensor, extra, temperature: float) -> Tensor:
-        if temperature != 1.0:
-            logits = logits / temperature
-        normalize = getattr(model, "get_normalized_probs", None)
-        if normalize is None:
-            return torch.log_softmax(logits.float(), dim=-1)
-        return normalize((logits, extra), log_probs=True, sample=None)
-
-    def _average(self, log_probs: List[Tensor]) -> Tensor:
-        if len(log_probs) == 1:
-            return log_probs[0]
-        return torch.logsumexp(torch.stack(log_probs, dim=0), dim=0) - math.log(len(log_probs))
-
-    def forward_decoder(self, tokens: Tensor, states: Optional[List[dict]], temperature: float = 1.0) -> Tensor:
-        """Log-probabilities [rows, V] of the token after `tokens` [rows, T] (the whole prefix)."""
-        log_probs = []
-        for i, m in enumerate(self.models):
-            if states is not None:
-                out = m.decoder(tokens, encoder_out=None, incremental_state=states[i])
-            elif hasattr(m, "decoder"):
-                out = m.decoder(tokens, encoder_out=None)
-            else:
-                out = m(tokens)
-            if isinstance(out, (tuple, list)):  # upstream-style (logits, extra)
-                logits, extra = out[0], (out[1] if len(out) > 1 else None)
-            else:
-                logits, extra = out, None
-            log_probs.append(self._log_probs(m, logits[:, -1:, :], extra, temperature)[:, -1, :])
-        return self._average(log_probs)
-
-    def forward_static_step(self, tokens: Tensor, slot: Tensor, states: List[dict], temperature: float,
-                            window: Optional[int] = None) -> Tensor:
-        """Log-probabilities [rows, V] of the token after `tokens` [rows, 1], at index `slot` (a device tensor),
-        through each decoder's `forward_static_step` (static shapes, no host sync: CUDA graphs capture it),
-        attention over the caches' first `window` slots (default: all)."""
-        return self._average([self._log_probs(m, m.decoder.forward_static_step(tokens, slot, state, window), None,
-                                              temperature)[:, -1, :] for m, state in zip(self.models, states)])
-
-    def feed_prompts(self, tokens: Tensor, states: List[dict], temperature: float,
-                     vocab_size: int) -> Tuple[Tensor, Tensor]:
-        """Feed `tokens` [B, T] into empty caches in one forward per model: (log-probabilities [B, T-1] of
-        tokens[:, 1:], each given the tokens before it; log-probabilities [B, V] of the token after them)."""
-        features = [m.decoder(tokens, incremental_state=state, features_only=True)[0]
-                    for m, state in zip(self.models, states)]
-        batch, length = tokens.shape
-        forced = torch.empty(batch, length - 1, device=tokens.device)
-        chunk = max(1, _LOGITS_CHUNK // (batch * vocab_size))
-        next_lprobs = None
-        for begin in range(0, length, chunk):
-            end = min(length, begin + chunk)
-            lprobs = self._average([self._log_probs(m, m.decoder.output_layer(f[:, begin:end]), None, temperature)
-                                    for m, f in zip(self.models, features)])
-            scored = min(end, length - 1) - begin  # positions that predict a given token
-            if scored > 0:
-                targets = tokens[:, begin + 1:begin + 1 + scored].unsqueeze(-1)
-                forced[:, begin:begin + scored] = lprobs[:, :scored].gather(2, targets).squeeze(-1)
-            if end == length:
-                next_lprobs = lprobs[:, -1]
-        return forced, next_lprobs
+            self.step_model.reorder(b.states, order)

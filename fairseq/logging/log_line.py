@@ -27,6 +27,15 @@ ORDER: Dict[str, int] = {
     "ema_decay": 10000,  # --store-ema: upstream's priority, after memory (wall is appended after everything)
 }
 WALL_PRIORITY = 790  # the run's wall clock meter; printed last (see _with_wall)
+# Meters of one run's own work, left out when a resume restores the meters of a checkpoint written mid-epoch:
+# the seconds of the saves before it are not this run's, and would show in its first log line.
+RUN_ONLY_METERS = ("save_blocked", "save_wall")
+
+
+def without_run_only_meters(state: Dict[str, list]) -> Dict[str, list]:
+    """`metrics.state_dict()`'s {aggregator: [(priority, key, class, state), ...]} without RUN_ONLY_METERS."""
+    return {name: [m for m in meters if not (isinstance(m, (list, tuple)) and len(m) > 1 and m[1] in RUN_ONLY_METERS)]
+            for name, meters in state.items()}
 
 
 def start_wall_clock() -> None:
@@ -57,7 +66,7 @@ def log_train_interval(trainer, sums: Dict[str, float], elapsed: float) -> None:
         for key, value in trainer.throughput.interval_values(sums.get("ntokens", 0.0), elapsed).items():
             metrics.log_scalar(key, value, elapsed, priority=ORDER[key], round=1)  # time-weighted
     log_memory(trainer)
-    ema = getattr(trainer, "ema", None)
+    ema = trainer.ema
     if ema is not None and updates > 0:
         # The decay the EMA used at the interval's last update (0 before --ema-start-update). Weight 0: every
         # line shows the latest value, as upstream's per-update log_scalar does.
@@ -76,13 +85,20 @@ def log_checkpoint_times(blocked: Optional[float] = None, written: Optional[floa
 
 
 def log_valid(trainer, sums: Dict[str, float], elapsed: float) -> None:
-    trainer.criterion.reduce_metrics([sums])
+    log_valid_sums(trainer.criterion, sums, elapsed)
+    log_memory(trainer, start_next_interval=False)
+
+
+def log_valid_sums(criterion, sums: Dict[str, float], elapsed: float) -> None:
+    """A validation's summed statistics (with "batches", their count) over `elapsed` seconds: the criterion's
+    loss keys, wps (tokens per second of the whole validation), wpb and bsz per batch (fairseq-train's valid
+    line, fairseq-validate's)."""
+    criterion.reduce_metrics([sums])
     if elapsed > 0:
         metrics.log_scalar("wps", sums.get("ntokens", 0.0) / elapsed, elapsed, priority=ORDER["wps"], round=1)
     batches = sums.get("batches", 0.0)
     if batches > 0:
         _per_batch(sums, batches)
-    log_memory(trainer, start_next_interval=False)
 
 
 def _per_batch(sums: Dict[str, float], count: float) -> None:

@@ -43,7 +43,7 @@ from fairseq.dataclass import build
 from fairseq.dataclass.configs import II, opt
 from fairseq.dataclass.utils import flag_name
 from fairseq.modules.incremental_decoding_utils import IncrementalState
-from fairseq.modules.fairseq_incremental_decoder import FairseqIncrementalDecoder
+from fairseq.modules.fairseq_incremental_decoder import FairseqIncrementalDecoder, check_token_input
 from fairseq.models.fairseq_model import FairseqLanguageModel
 from fairseq.modules.adaptive_input import parse_cutoffs
 from fairseq.modules.adaptive_softmax import AdaptiveSoftmax
@@ -250,6 +250,7 @@ class FConvDecoder(FairseqIncrementalDecoder):
         if encoder_out is not None:
             raise ValueError("FConvDecoder is a language model's decoder and has no encoder attention; "
                              "pass encoder_out=None")
+        check_token_input(prev_output_tokens)
         histories = None
         tokens = prev_output_tokens
         if incremental_state is not None:

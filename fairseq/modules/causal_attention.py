@@ -30,16 +30,26 @@ _CACHE_KEY = "attn_state"
 
 class StaticStep(NamedTuple):
     """Where the one new token of each row goes in a static decode step (no Python value that changes per
-    step, so a CUDA graph can capture it): `slot` [1] (long) is its index in the sequence and its cache slot;
-    the token attends over the cache's first `window` slots, masked in one of two ways: `mask`
-    [1, 1, 1, window] (the activations' dtype) is 0 for slots 0 .. slot and -inf after (SDPA), or `lengths`
-    (integers on the device, [1] or one per row) are the live lengths the decode attention kernel reads
-    (fairseq.kernels.decode_attention: only the live keys, no mask)."""
+    step, so a CUDA graph can capture it): `slot` [1] (long) is its index in the sequence and its cache slot, or
+    `slot` [rows, 1] one per row (rows at different lengths: a decode engine's rows that joined at different
+    times); the token attends over the cache's first `window` slots, masked in one of two ways: `mask`
+    [1 or rows, 1, 1, window] (the activations' dtype) is 0 for slots 0 .. slot and -inf after (SDPA), or
+    `lengths` (integers on the device, [1] or one per row) are the live lengths the decode attention kernel
+    reads (fairseq.kernels.decode_attention: only the live keys, no mask)."""
 
     slot: torch.Tensor
     mask: Optional[torch.Tensor]
     lengths: Optional[torch.Tensor] = None
     window: int = 0
+
+
+def _write_slot(buffer: torch.Tensor, slot: torch.Tensor, new: torch.Tensor) -> None:
+    """buffer [rows, H, C, D] takes new [B, H, 1, D] at slot `slot` ([1]: the same for every row, or [B, 1])."""
+    if slot.dim() == 1:
+        buffer.index_copy_(2, slot, new)
+        return
+    rows = torch.arange(new.size(0), device=new.device)
+    buffer.transpose(1, 2).index_put_((rows, slot.view(-1)), new[:, :, 0])
 
 
 def check_heads(embed_dim: int, num_heads: int, dim_name: str = "embed_dim", heads_name: str = "num_heads") -> None:
@@ -241,8 +251,8 @@ class CausalSelfAttention(FairseqIncrementalState, AttentionProjections):
         entry = self._cache_entry(incremental_state)
         keys, values = entry["key_buffer"][:batch], entry["value_buffer"][:batch]
         q, k, v = self._qkv(x)
-        keys.index_copy_(2, step.slot, k)
-        values.index_copy_(2, step.slot, v)
+        _write_slot(keys, step.slot, k)
+        _write_slot(values, step.slot, v)
         if step.lengths is not None:  # the split-KV kernel: reads each row's live keys only
             attn = decode_attention(q, keys, values, step.lengths, max_length=step.window)
         else:
@@ -252,6 +262,15 @@ class CausalSelfAttention(FairseqIncrementalState, AttentionProjections):
             attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=step.mask, dropout_p=dropout)
         attn = attn.transpose(1, 2).reshape(batch, length, -1)
         return self.out_proj(attn)
+
+    def copy_incremental_rows(self, incremental_state: IncrementalState, source_state: IncrementalState,
+                              rows: torch.Tensor, length: int) -> None:
+        """Cache rows `rows` (a long tensor) take the first `length` slots of `source_state`'s rows 0, 1, ...:
+        a prompt prefilled in a state of its own joins a running batch's caches."""
+        entry, source = self._cache_entry(incremental_state), self._cache_entry(source_state)
+        self._ensure_capacity(entry, int(rows.max()) + 1, length, source["key_buffer"])
+        for name in ("key_buffer", "value_buffer"):
+            entry[name][rows, :, :length] = source[name][:rows.numel(), :, :length]
 
     def set_incremental_length(self, incremental_state: IncrementalState, length: int) -> None:
         """Say that `length` tokens are cached: after static steps, or 0 to reuse the buffers for new text."""

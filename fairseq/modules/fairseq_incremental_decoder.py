@@ -17,6 +17,15 @@ from fairseq.modules.incremental_decoding_utils import FairseqIncrementalState, 
 from fairseq.modules.fairseq_decoder import FairseqDecoder
 
 
+def check_token_input(tokens: Tensor) -> None:
+    """A decoder's input is [batch, length] with at least one token: anything else is one ValueError naming it,
+    not an error about a reshape deep inside (a shape check: no host sync)."""
+    if tokens.dim() != 2 or tokens.numel() == 0:
+        what = "empty" if tokens.numel() == 0 else f"{tokens.dim()}-D"
+        raise ValueError(f"the model's input tokens are {what} (shape {list(tokens.shape)}): pass ids of shape "
+                         "[batch, length] with at least one sentence of at least one token")
+
+
 class FairseqIncrementalDecoder(FairseqIncrementalState, FairseqDecoder):
     def __init__(self, dictionary):
         super().__init__(dictionary)

@@ -33,7 +33,7 @@ import torch.nn.functional as F
 
 from fairseq.kernels.decode_attention import decode_attention_available
 from fairseq.modules.incremental_decoding_utils import IncrementalState
-from fairseq.modules.fairseq_incremental_decoder import FairseqIncrementalDecoder
+from fairseq.modules.fairseq_incremental_decoder import FairseqIncrementalDecoder, check_token_input
 from fairseq.modules.adaptive_input import AdaptiveInput, parse_cutoffs
 from fairseq.modules.adaptive_softmax import AdaptiveSoftmax
 from fairseq.modules.causal_attention import CausalSelfAttention, StaticStep
@@ -190,7 +190,8 @@ class TransformerDecoder(FairseqIncrementalDecoder):
         """Scaled token embeddings plus positions, [B, T] -> [B, T, embed_dim], before the layers.
 
         `start`: the tokens follow `start` cached ones (incremental decoding), positions continue from there;
-        `slot` (a 1-element long tensor): the one token of each row is at that index (the static step)."""
+        `slot` (a long tensor, [1] or one per row [B, 1]): the one token of each row is at that index (the static
+        step)."""
         x = self.embed_scale * self.embed_tokens(tokens)
         if self.project_in_dim is not None:
             x = self.project_in_dim(x)
@@ -216,6 +217,7 @@ class TransformerDecoder(FairseqIncrementalDecoder):
         layer's output (full forwards only: kept alive until the caller drops them)."""
         if encoder_out is not None:
             raise ValueError("this decoder-only TransformerDecoder has no encoder attention; pass encoder_out=None")
+        check_token_input(prev_output_tokens)
         inner_states = None
         if incremental_state is None:
             x = self.embed(prev_output_tokens)
@@ -249,10 +251,10 @@ class TransformerDecoder(FairseqIncrementalDecoder):
 
     def forward_static_step(self, tokens: torch.Tensor, slot: torch.Tensor,
                             incremental_state: IncrementalState, window: Optional[int] = None) -> torch.Tensor:
-        """Logits [R, 1, V] of `tokens` [R, 1], the tokens at index `slot` (a 1-element long tensor on the
-        model's device) of R sequences whose first `slot` tokens are cached in `incremental_state`: the same
-        logits as `self(prefix, incremental_state=state)` would give, from shapes and kernels that do not depend
-        on `slot` and without reading it on the host, so a CUDA graph can capture this call.
+        """Logits [R, 1, V] of `tokens` [R, 1], the tokens at index `slot` (a long tensor on the model's device, [1], or
+        [R, 1]: one index per row) of R sequences whose first `slot` tokens are cached in `incremental_state`: the same
+        logits as `self(prefix, incremental_state=state)` would give, from shapes and kernels that do not depend on
+        `slot` and without reading it on the host, so a CUDA graph can capture this call.
 
         The cache must be reserved (`reserve_incremental_state`) or allocated by an earlier call; attention runs
         over its first `window` slots (default: its whole capacity), masked after `slot`. `slot` must stay below
@@ -279,10 +281,10 @@ class TransformerDecoder(FairseqIncrementalDecoder):
         it runs (CUDA with Triton, inference; chosen here once per step, on the host, so a captured graph holds
         the one chosen), else a mask over the window for SDPA."""
         if not self.training and decode_attention_available(x):
-            return StaticStep(slot, None, lengths=slot + 1, window=window)
-        visible = torch.arange(window, device=x.device) <= slot
-        mask = torch.zeros(window, dtype=x.dtype, device=x.device).masked_fill_(~visible, -math.inf)
-        return StaticStep(slot, mask.view(1, 1, 1, window), window=window)
+            return StaticStep(slot, None, lengths=(slot + 1).view(-1), window=window)
+        visible = torch.arange(window, device=x.device) <= slot  # [window], or [rows, window] with a slot per row
+        mask = torch.zeros(visible.shape, dtype=x.dtype, device=x.device).masked_fill_(~visible, -math.inf)
+        return StaticStep(slot, mask.view(-1, 1, 1, window), window=window)
 
     def output_layer(self, features: torch.Tensor) -> torch.Tensor:
         """Vocabulary scores of `features`; with an adaptive softmax, its fp32 log-probabilities (already
@@ -337,6 +339,13 @@ class TransformerDecoder(FairseqIncrementalDecoder):
         entry["length"] = length
         for attention in entry["attentions"]:
             attention.set_incremental_length(incremental_state, length)
+
+    def copy_incremental_rows(self, incremental_state: IncrementalState, source_state: IncrementalState,
+                              rows: torch.Tensor, length: int) -> None:
+        """Rows `rows` of every cache take the first `length` slots of `source_state`'s first rows (a prompt
+        prefilled apart joins a running batch; static steps then continue them at their own slots)."""
+        for attention in self._decoder_entry(incremental_state)["attentions"]:
+            attention.copy_incremental_rows(incremental_state, source_state, rows, length)
 
     def reorder_incremental_state(self, incremental_state: IncrementalState, new_order: torch.Tensor,
                                   window: Optional[int] = None) -> None:

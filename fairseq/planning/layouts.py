@@ -4,6 +4,7 @@ fastest first (docs/parallelism.md shows the table and what the estimate leaves 
 """
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Iterator, List, Optional
 
@@ -72,8 +73,14 @@ def candidate_layouts(shape: mm.ModelShape, setup: mm.TrainingSetup, hardware: H
     return sorted(found, key=rank)
 
 
+def _divisors(n: int) -> List[int]:
+    """The divisors of `n`, largest first (found up to its square root: a large batch costs no long loop)."""
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return sorted(set(small) | {n // d for d in small}, reverse=True)
+
+
 def _largest_micro_batch(shape, setup, per_rank: int, gpu_memory_gib: float) -> Optional[int]:
-    for batch in sorted((b for b in range(1, per_rank + 1) if per_rank % b == 0), reverse=True):
+    for batch in _divisors(per_rank):
         if mm.plan(shape, dataclasses.replace(setup, batch_size=batch, update_freq=per_rank // batch)).fits(
                 gpu_memory_gib):
             return batch

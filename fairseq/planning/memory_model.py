@@ -5,8 +5,8 @@ the real model code built on the meta device (fairseq/planning/shapes.py), so pa
 everything else is a model of what this fork allocates, in bytes, at the moments of a training step where memory
 can peak:
 
-- forward, last layer; the loss backward (logits gradient); the backward of every decoder layer; the
-  embedding backward; the root's reduce-scatter; the optimizer step.
+- forward, last layer; the loss backward (logits gradient); the backward of a decoder layer (of the layers
+  where it can peak: `backward_layers`); the embedding backward; the root's reduce-scatter; the optimizer step.
 
 The peak is the largest of those snapshots (`MemoryPlan.peak`), which is what `max_cuda_gb_allocated`
 measures. `MemoryPlan.required_bytes` adds the allocator margin and what lies outside PyTorch; a plan fits when
@@ -35,6 +35,9 @@ from fairseq.planning.memory_calibration import (  # noqa: F401
 )
 from fairseq.planning.shapes import ModelShape, TrainingSetup, local_shape, model_shape  # noqa: F401
 
+
+# The most GPUs the planner takes (--gpus) and searches (smallest_gpu_count): more than any one job has used.
+MAX_GPUS = 1 << 17
 
 # ------------------------------------------------------------------------------------------ the walk
 
@@ -153,6 +156,15 @@ def _check_setup(setup: TrainingSetup) -> None:
                          "data-parallel ranks")
 
 
+def backward_layers(layers: int, bend: int = 0) -> List[int]:
+    """The layers whose backward the walks take a snapshot of, the last first: the first layer, the last two and
+    layer `bend`. Between two of these every term of a layer's backward snapshot is linear in the layer's index
+    (activations of the layers below it, gradients of those above, FSDP's prefetched layers up to `bend`; the
+    last layer alone has no retained reduce buffer), so the largest snapshot, and the layer it is at, are those
+    a walk through every layer finds, at a cost that does not grow with --decoder-layers."""
+    return sorted({i for i in (0, bend, layers - 2, layers - 1) if 0 <= i < layers}, reverse=True)
+
+
 def _walk_fully_sharded(shape: ModelShape, setup: TrainingSetup):
     n, c, layers = setup.shard_ranks, setup.compute_bytes, shape.num_layers
     layer_shard = sharded_numel(shape.layer_param_shapes, n)
@@ -192,7 +204,7 @@ def _walk_fully_sharded(shape: ModelShape, setup: TrainingSetup):
                   logits=logits_bytes(shape, setup)),
     ]
     output_grad = c * shape.output_projection_params
-    for i in reversed(range(layers)):
+    for i in backward_layers(layers, backward_prefetch if setup.reshard_after_forward else 0):
         if setup.reshard_after_forward:
             flight = (1 + min(backward_prefetch, i)) * full_layer
         else:
@@ -256,7 +268,7 @@ def _walk_replicated(shape: ModelShape, setup: TrainingSetup):
                   activations=layers * saved + root_activation_bytes(shape, setup),
                   logits=logits_bytes(shape, setup)),
     ]
-    for i in reversed(range(layers)):
+    for i in backward_layers(layers):
         snaps.append(_snapshot(
             f"backward, layer {i}", **states, gradients=grads(layers - 1 - i, True),
             layer_gradients=c * shape.layer_params,
@@ -303,7 +315,7 @@ def largest_layer_count(shape: ModelShape, setup: TrainingSetup, gpu_memory_gib:
 
 
 def smallest_gpu_count(shape: ModelShape, setup: TrainingSetup, gpu_memory_gib: float,
-                       limit: int = 1 << 16) -> Optional[int]:
+                       limit: int = MAX_GPUS) -> Optional[int]:
     """The fewest GPUs for which the plan fits, or None when no count up to `limit` does.
 
     Only sharded states shrink with more GPUs (DDP replicates them). The search doubles and then bisects:

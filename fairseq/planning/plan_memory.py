@@ -11,6 +11,7 @@ fairseq/planning/memory_model.py; the formulas, their sources and the calibratio
 
 import argparse
 import dataclasses
+import math
 import os
 import sys
 import typing
@@ -26,11 +27,13 @@ from fairseq import registry
 from fairseq.checkpoint.writer import async_save_host_bytes
 from fairseq.dataclass import configs
 from fairseq.dataclass.build import check_precision
+from fairseq.dataclass.batch_flags import check_batch_size, check_max_tokens, check_update_freq
 from fairseq.dataclass.utils import add_dataclass_to_parser
 from fairseq.distributed.float8 import check_float8_flags
 from fairseq.distributed.fsdp import FSDPSettings, check_fsdp_flags
 from fairseq.distributed.mesh import TP_MESH_OF_ONE, ParallelLayout
 from fairseq.distributed.tensor_parallel import check_tensor_parallel_shape
+from fairseq.options import FairseqArgumentParser
 from fairseq.models.transformer_lm import (TransformerLanguageModelConfig, preset_config,
                                            resolve_max_target_positions, uses_adaptive_modules)
 from fairseq.tasks.language_modeling import LanguageModelingConfig
@@ -51,6 +54,11 @@ CPU_BOUND_TOKENS_X_LAYER_PARAMS = 1e11
 # 8-GPU node with 2 TiB; the 2 x H200 machines here have 128 GiB per GPU).
 HOST_MEMORY_PER_GPU_GIB = 128
 MODELED_OPTIMIZERS = ("adam", "cpu_adam")  # both are torch.optim.AdamW here (fairseq/optim/adam.py)
+# The most memory one GPU may have (--gpu-memory-gb): more than any has (the largest sold in 2026 hold 288 GB).
+# With mm.MAX_GPUS, the largest setup the planner takes: a model whose training state alone exceeds its memory is
+# refused before it is modelled (check_model_size).
+MAX_GPU_MEMORY_GIB = 1024.0
+STATE_BYTES_PER_PARAM = mm.MASTER_PARAM_BYTES + mm.GRAD_BYTES + mm.ADAM_STATE_BYTES  # on the GPUs or, offloaded, the hosts
 
 
 def _add_fields(group, dc, names, **defaults) -> None:
@@ -73,7 +81,7 @@ def _add_fields(group, dc, names, **defaults) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
 
-    parser = argparse.ArgumentParser(
+    parser = FairseqArgumentParser(  # usage errors in one line, misspelt flags named
         prog="python -m fairseq.planning.plan_memory", allow_abbrev=False,
         description="Per-GPU memory of training a transformer_lm with fairseq-train (see docs/memory_planner.md).",
     )
@@ -159,6 +167,7 @@ def parse(argv: Optional[List[str]] = None) -> Request:
         if args.vocab_size < 2:
             raise ValueError(f"--vocab-size must be at least 2 (padding is symbol 1), got {args.vocab_size}")
         shape = mm.model_shape(cfg, args.vocab_size)
+        check_model_size(shape, args.arch)
         check_fsdp_flags(args.ddp_backend, args.fsdp_forward_prefetch, args.fsdp_sync_free, args.cpu_offload,
                          args.fsdp_prefetch_depth)
         setup = _training_setup(args, cfg)
@@ -178,6 +187,20 @@ def parse(argv: Optional[List[str]] = None) -> Request:
                    args.use_sharded_state, args.node_memory_gib)
 
 
+def check_model_size(shape: mm.ModelShape, arch: str) -> None:
+    """ValueError for a model whose training state (fp32 weights, gradients and Adam's two states) exceeds the
+    memory of the largest setup the planner takes (mm.MAX_GPUS GPUs of MAX_GPU_MEMORY_GIB): no setup could
+    train it, so it is not modelled. Read from the parameter count alone."""
+    largest = mm.MAX_GPUS * MAX_GPU_MEMORY_GIB * mm.GIB
+    state = shape.total_params * STATE_BYTES_PER_PARAM
+    if state > largest:
+        raise ValueError(
+            f"--arch {arch} with {shape.num_layers} layers x {shape.embed_dim}, ffn {shape.ffn_dim}, vocabulary "
+            f"{shape.vocab_size} has {shape.total_params:.3g} parameters, whose training state ({STATE_BYTES_PER_PARAM} "
+            f"bytes each: {state / 2**50:.3g} PiB) exceeds {mm.MAX_GPUS} GPUs of {MAX_GPU_MEMORY_GIB:g} GiB, the "
+            "largest setup the planner takes; lower --decoder-layers or the widths")
+
+
 def _hardware(parser, args) -> hw.Hardware:
     """The --gpu's figures (hardware.py), with the command line's overrides; a non-positive one is a usage error."""
     gpu = hw.GPUS[args.gpu] if args.gpu else hw.DEFAULT
@@ -186,8 +209,13 @@ def _hardware(parser, args) -> hw.Hardware:
     flags = {"memory_gib": "--gpu-memory-gb", "achieved_tflops": "--achieved-tflops",
              "intra_node_gbps": "--intra-node-gbps", "inter_node_gbps": "--inter-node-gbps"}
     for field, value in changes.items():
-        if value is not None and value <= 0:
-            parser.error(f"{flags[field]} must be positive, got {value:g}")
+        if value is not None and not 0 < value < math.inf:
+            parser.error(f"{flags[field]} must be a positive finite number, got {value:g}")
+    if args.gpu_memory_gb is not None and args.gpu_memory_gb > MAX_GPU_MEMORY_GIB:
+        parser.error(f"--gpu-memory-gb {args.gpu_memory_gb:g} is more than any GPU holds: at most "
+                     f"{MAX_GPU_MEMORY_GIB:g} (GiB of one GPU, as the training log's *_gb fields count it)")
+    if args.node_memory_gib is not None and not 0 < args.node_memory_gib < math.inf:
+        parser.error(f"--node-memory-gib must be a positive finite number, got {args.node_memory_gib:g}")
     return dataclasses.replace(gpu, **{k: v for k, v in changes.items() if v is not None})
 
 
@@ -215,11 +243,14 @@ def _training_setup(args, cfg) -> mm.TrainingSetup:
         dtype = "fp16"
     elif args.bf16 or args.memory_efficient_bf16:
         dtype = "bf16"
-    if args.gpus < 1:
-        raise ValueError(f"--gpus must be at least 1, got {args.gpus}")
+    if not 1 <= args.gpus <= mm.MAX_GPUS:
+        raise ValueError(f"--gpus {args.gpus} is out of range: 1 to {mm.MAX_GPUS} (more than any job has used)")
     layout = ParallelLayout.from_config(args, args.gpus)  # the flags' own checks and messages
     check_tensor_parallel_shape(layout.tp, cfg.decoder_attention_heads, cfg.decoder_ffn_embed_dim, args.vocab_size,
                                 "--vocab-size")
+    check_max_tokens(args.max_tokens)  # fairseq-train's checks
+    check_batch_size(args.batch_size)
+    check_update_freq(args.update_freq)
     batch_size = args.batch_size
     if batch_size is None:
         if args.max_tokens is not None:
@@ -229,8 +260,6 @@ def _training_setup(args, cfg) -> mm.TrainingSetup:
                                  f"{args.tokens_per_sample}; raise --max-tokens or pass --batch-size")
         else:
             batch_size = 1
-    if batch_size < 1:
-        raise ValueError(f"--batch-size must be at least 1, got {batch_size}")
     max_positions = resolve_max_target_positions(cfg)
     if args.tokens_per_sample > max_positions:
         raise ValueError(f"--tokens-per-sample {args.tokens_per_sample} exceeds the model's "
@@ -240,7 +269,7 @@ def _training_setup(args, cfg) -> mm.TrainingSetup:
         fully_sharded=args.ddp_backend == "fully_sharded",
         checkpoint_activations=bool(cfg.checkpoint_activations or cfg.offload_activations),
         offload_activations=bool(cfg.offload_activations),
-        **dataclasses.asdict(FSDPSettings.from_flags(args)), update_freq=max(1, args.update_freq[0]),
+        **dataclasses.asdict(FSDPSettings.from_flags(args)), update_freq=args.update_freq[0],
         tensor_parallel=layout.tp, shard_group=args.fsdp_shard_group_size,
         float8=args.fp8, float8_recipe=args.fp8_recipe, float8_all_gather=args.fp8_fsdp_all_gather,
         compiled=args.compile,
@@ -424,7 +453,7 @@ def async_checkpoint_lines(request: Request) -> List[str]:
     shards = (setup.shard_group or setup.data_parallel) * setup.tensor_parallel if setup.fully_sharded else 1
     per_rank = async_save_host_bytes(shape.total_params * mm.MASTER_PARAM_BYTES,
                                      shape.total_params * mm.ADAM_STATE_BYTES, sharded=request.sharded_state,
-                                     state_shards=shards, gathered=setup.fully_sharded or setup.tensor_parallel > 1)
+                                     state_shards=shards)
     per_node = per_rank * (ranks_per_node if request.sharded_state else 1)  # a single file: rank 0 alone
     kind = "sharded: every rank its shards" if request.sharded_state else "single file: rank 0 the whole state"
     lines = [f"asynchronous checkpoints ({kind}): {mm.gib(per_node):.2f} GiB of host memory per node "

@@ -73,40 +73,36 @@ class ModelShape:
 def model_shape(cfg, vocab_size: int, padding_idx: int = 1) -> ModelShape:
     """Build the model of `cfg` on the meta device with the real model code and read its shapes.
 
-    `padding_idx` 1 is what fairseq's Dictionary gives; it sets the learned position table's offset rows.
+    The layers are identical, so at most two are built (enough to see that they are) and the rest counted:
+    the time and memory this takes do not grow with --decoder-layers. `padding_idx` 1 is what fairseq's
+    Dictionary gives; it sets the learned position table's offset rows.
     """
     from fairseq.models.transformer_lm import TransformerLanguageModel
 
-    cfg = dataclasses.replace(cfg)  # build() fills max_target_positions in place
-    with torch.device("meta"):
-        model = TransformerLanguageModel.build(cfg, vocab_size, padding_idx)
+    TransformerLanguageModel.check_config(cfg)  # the flags as given (the build below changes the layer count)
+    num_layers = cfg.decoder_layers
+    with torch.device("meta"):  # build() fills max_target_positions in place: a copy
+        model = TransformerLanguageModel.build(dataclasses.replace(cfg, decoder_layers=min(max(num_layers, 1), 2)),
+                                               vocab_size, padding_idx)
     layers = model.transformer_layers()
     layer_ids = {id(p) for p in layers.parameters()}
     layer_shapes = [tuple(tuple(p.shape) for p in layer.parameters()) for layer in layers]
     if any(s != layer_shapes[0] for s in layer_shapes):
         raise ValueError("decoder layers of different shapes: the planner assumes identical layers")
+    one_layer = layer_shapes[0]
     root = tuple(tuple(p.shape) for p in model.parameters() if id(p) not in layer_ids)
     splits = split_dims(model)
     root_splits = tuple(splits[n] for n, p in model.named_parameters() if id(p) not in layer_ids)
-    probe = model
-    if layer_shapes:
-        one_layer = layer_shapes[0]
-    else:  # --decoder-layers 0: still know a layer's shape, for --max-layers-that-fit
-        with torch.device("meta"):
-            probe = TransformerLanguageModel.build(dataclasses.replace(cfg, decoder_layers=1), vocab_size, padding_idx)
-        layers = probe.transformer_layers()
-        one_layer = tuple(tuple(p.shape) for p in layers[0].parameters())
-    probe_splits = split_dims(probe)
-    layer_splits = tuple(probe_splits[f"decoder.layers.0.{n}"] for n, _ in layers[0].named_parameters())
+    layer_splits = tuple(splits[f"decoder.layers.0.{n}"] for n, _ in layers[0].named_parameters())
     float8_tp = {id(m.weight): tuple(tp for tp in range(1, FLOAT8_MAX_TP + 1) if is_float8_convertible(m, n, tp))
                  for n, m in layers[0].named_modules() if isinstance(m, torch.nn.Linear)}
     layer_float8 = tuple(float8_tp.get(id(p), ()) for p in layers[0].parameters())
     norm_params = sum(p.numel() for m in layers[0].modules() if isinstance(m, torch.nn.LayerNorm)
                       for p in m.parameters())
     activation_dropout = cfg.activation_dropout or cfg.relu_dropout or 0.0
-    shape = ModelShape(
+    built = ModelShape(
         total_params=sum(p.numel() for p in model.parameters()),
-        num_layers=len(model.transformer_layers()), layer_param_shapes=one_layer, layer_norm_params=norm_params,
+        num_layers=len(layers), layer_param_shapes=one_layer, layer_norm_params=norm_params,
         root_param_shapes=root,
         vocab_size=vocab_size, embed_dim=cfg.decoder_embed_dim, ffn_dim=cfg.decoder_ffn_embed_dim,
         heads=cfg.decoder_attention_heads, output_dim=cfg.decoder_output_dim,
@@ -114,8 +110,8 @@ def model_shape(cfg, vocab_size: int, padding_idx: int = 1) -> ModelShape:
         dropout=cfg.dropout, activation_dropout=activation_dropout, layernorm_embedding=cfg.layernorm_embedding,
         layer_param_splits=layer_splits, root_param_splits=root_splits, layer_param_float8_tp=layer_float8,
     )
-    assert shape.total_params == shape.num_layers * shape.layer_params + shape.root_params
-    return shape
+    assert built.total_params == built.num_layers * built.layer_params + built.root_params
+    return built.with_layers(num_layers)
 
 
 def local_shape(shape: ModelShape, tp: int) -> ModelShape:

@@ -10,7 +10,6 @@ from typing import TYPE_CHECKING, Any, Dict, List, Optional
 import torch
 
 from fairseq.distributed import float8
-from fairseq.distributed.dtensor import is_dtensor
 from fairseq.data.batching import resolve_limit
 from fairseq.dataclass.flag_values import task_block_options
 from fairseq.distributed.parallelize import parallelize_model, unwrap_model
@@ -76,6 +75,15 @@ class Trainer:
         # Updates whose gradient norm was inf/nan (fp16 skips them; otherwise they are applied): counted on
         # the device, read before any checkpoint is written so that none holds diverged weights.
         self._nonfinite_updates = torch.zeros((), device=self.device)
+        # --store-ema's moving average (fairseq.models.ema.EMA), sharded like the parameters under FSDP2. Built
+        # here; as upstream (which builds it at first use), a run that restores no EMA starts it from the weights
+        # after its first update, unless --ema-seed-model gave it its start.
+        self.ema = None
+        if cfg.ema.store_ema:
+            from fairseq.training.ema import build_ema
+
+            self.ema = build_ema(unwrap_model(self.model), cfg.ema, self.device)
+        self._ema_starts_at_next_update = self.ema is not None and cfg.ema.ema_seed_model is None
 
     # ---------------------------------------------------------------- training
     def prepare_sample(self, sample: dict, batch_source) -> dict:
@@ -102,23 +110,26 @@ class Trainer:
             self.num_updates += 1
             self.lr_scheduler.step_update(self.num_updates)
             if self.ema is not None:  # --store-ema
-                self.ema.step(unwrap_model(self.model), self.num_updates)
+                self._step_ema()
             self._nonfinite_updates += (~torch.isfinite(grad_norm)).float()
         self._interval_train_time += time.perf_counter() - start
         if self.cfg.common.empty_cache_freq > 0 and self.num_updates % self.cfg.common.empty_cache_freq == 0:
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
 
-    @property
-    def ema(self):
-        """--store-ema's moving average (fairseq.models.ema.EMA; None without the flag), built from the weights
-        on first use, as upstream: after a resumed checkpoint's weights are loaded, else at the first update.
-        Under FSDP2 it is sharded like the parameters."""
-        if getattr(self, "_ema", None) is None and getattr(getattr(self.cfg, "ema", None), "store_ema", False):
-            from fairseq.training.ema import build_ema
+    def _step_ema(self) -> None:
+        model = unwrap_model(self.model)
+        if self._ema_starts_at_next_update:
+            self.ema.restore(model.state_dict(), build_fp32_params=self.cfg.ema.ema_fp32)
+            self._ema_starts_at_next_update = False
+        self.ema.step(model, self.num_updates)
 
-            self._ema = build_ema(unwrap_model(self.model), self.cfg.ema, self.device)
-        return getattr(self, "_ema", None)
+    def load_ema_state(self, extra_state: Dict[str, Any], model_state: Dict[str, Any]) -> None:
+        """A restored checkpoint's EMA (after its weights are loaded; without one, the EMA restarts from
+        `model_state`, upstream's rule); nothing without --store-ema."""
+        if self.ema is not None:
+            self.ema.load_checkpoint_state(extra_state, model_state)
+            self._ema_starts_at_next_update = False
 
     def cumulative_training_time(self) -> float:
         """Wall-clock seconds of this training so far, earlier (resumed) runs included."""
@@ -167,31 +178,19 @@ class Trainer:
         self.task.begin_valid_epoch(epoch, self.model)
 
     # ---------------------------------------------------------------- state
-    def _state_dict_options(self, full: bool, offload: Optional[bool] = None) -> "StateDictOptions":
+    def _state_dict_options(self, full: bool) -> "StateDictOptions":
         from torch.distributed.checkpoint.state_dict import StateDictOptions
 
-        return StateDictOptions(full_state_dict=full, cpu_offload=full if offload is None else offload)
+        return StateDictOptions(full_state_dict=full, cpu_offload=full)
 
-    def model_and_optimizer_state(self, full: bool = True, to_host: bool = True):
+    def model_and_optimizer_state(self, full: bool = True):
         """Model and optimizer state keyed by parameter names (so they load on any world size).
-        With `full`, FSDP gathers everything to rank 0 (other ranks get empty dicts), on the CPU. `to_host`
-        False (an asynchronous save, which copies the state into host buffers of its own): a full state that
-        needs no gathering (no DTensor parameters) is returned where it lives, as views of the training state;
-        a gathered one still goes to the CPU (gathered on the device, the whole model would be there at once)."""
+        With `full`, FSDP gathers everything to rank 0 (other ranks get empty dicts), on the CPU; otherwise the
+        tensors are the training state itself (DTensors under FSDP2 or tensor parallelism), which a checkpoint
+        save stages (fairseq.checkpoint.staging)."""
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
-        offload = None
-        if full and not to_host:
-            offload = self.gathers_full_state
-        options = self._state_dict_options(full, offload)
-        model_state, optim_state = get_state_dict(self.model, self.optimizer, options=options)
-        return model_state, optim_state
-
-    @property
-    def gathers_full_state(self) -> bool:
-        """Whether the full state is gathered from several ranks (parameters are DTensors: FSDP, tensor
-        parallel), and so made anew at every save, rather than views of the parameters."""
-        return any(is_dtensor(p) for p in self.model.parameters())
+        return get_state_dict(self.model, self.optimizer, options=self._state_dict_options(full))
 
     def load_model_and_optimizer_state(self, model_state, optim_state, full: bool = True) -> None:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_state_dict

@@ -280,6 +280,16 @@ def test_sharded_checkpoint_resume_is_bitwise_and_reshards(tiny_data, tmp_path, 
         assert abs(resumed_losses[k] - straight_losses[k]) <= 0.002, (k, resumed_losses[k], straight_losses[k])
 
 
+def test_a_resume_on_another_world_size_is_said_once(tiny_data, tmp_path, run_train):
+    """The resume lines come from rank 0 alone (the world-size warning came from every rank)."""
+    run_train(tiny_data, tmp_path, world_size=1, max_update=3)
+    proc = run_train(tiny_data, tmp_path, world_size=2, max_update=4)
+    lines = (proc.stdout + proc.stderr).splitlines()
+    assert len([line for line in lines if "resuming a checkpoint saved by 1 ranks on 2: continuing after batch 3"
+                in line]) == 1
+    assert len([line for line in lines if "loaded checkpoint" in line]) == 1
+
+
 def test_keep_best_sharded_checkpoints_on_two_ranks(fsdp_runs):
     """--keep-best-checkpoints with sharded saves on 2 ranks (fsdp_runs' sync-free run): the decision is
     broadcast from rank 0 and the kept directories are complete (the selection rule itself:

@@ -74,7 +74,8 @@ def test_greedy_decoding_with_the_kernel_gives_the_tokens_without_it():
     for i in range(200):
         d.add_symbol(f"w{i}")
     torch.manual_seed(0)
-    cfg = TransformerLanguageModelConfig(decoder_embed_dim=128, decoder_ffn_embed_dim=512, decoder_layers=3,
+    cfg = TransformerLanguageModelConfig(decoder_embed_dim=128, decoder_input_dim=128, decoder_output_dim=128,
+                                         decoder_ffn_embed_dim=512, decoder_layers=3,
                                          decoder_attention_heads=4, max_target_positions=512, dropout=0.0)
     model = TransformerLanguageModel.build(cfg, len(d), d.pad()).eval().cuda()  # fp32: no bf16 near-ties
     prompts = torch.randint(d.nspecial, len(d), (5, 40), device="cuda")

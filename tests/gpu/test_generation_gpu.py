@@ -133,11 +133,11 @@ def test_cuda_graphs_give_the_eager_paths_tokens(batch, beam, sampling, options)
         for got_sentence, expected_sentence in zip(got, expected):
             for a, b in zip(got_sentence, expected_sentence):
                 torch.testing.assert_close(a["positional_scores"], b["positional_scores"], atol=1e-4, rtol=0)
-    assert eager._graphed is None and graphed._graphed is not None
+    assert eager.step_model.graphed is None and graphed.step_model.graphed is not None
     # One graph per row count met (sentences leaving the batch: 4, 2, 1 sentences), kept for the second call;
     # none when the only sentence ended at the first token after its prompt (fed in one forward).
     steps_after_the_prompt = max(len(h["tokens"]) for sentence in results[0] for h in sentence) - 9
-    assert 1 <= len(graphed._graphed.graphs) <= 3 or (batch == 1 and steps_after_the_prompt <= 0)
+    assert 1 <= len(graphed.step_model.graphed.graphs) <= 3 or (batch == 1 and steps_after_the_prompt <= 0)
     if batch == 4 and beam == 1 and not options:
         assert len({len(sentence[0]["tokens"]) for sentence in results[0]}) > 1  # they end at different steps
 
@@ -148,7 +148,7 @@ def test_cuda_graphs_of_an_ensemble():
     results, (graphed, _) = graphed_and_eager("cuda", models, d, batch=4, beam=2)
     for got, expected in zip(results[::2], results[1::2]):
         assert [[h["tokens"].tolist() for h in s] for s in got] == [[h["tokens"].tolist() for h in s] for s in expected]
-    assert graphed._graphed.graphs
+    assert graphed.step_model.graphed.graphs
 
 
 # ---- the device decode loop (fairseq.generation.device_decoding): beam 1, one captured graph per step -------
@@ -171,7 +171,7 @@ def test_the_device_loop_replays_whole_steps_without_a_host_sync_per_token(sampl
     results, (graphed, eager) = graphed_and_eager("cuda", [model], d, 4, 1, sampling, min_len=1)
     for got, expected in zip(results[::2], results[1::2]):
         assert [[h["tokens"].tolist() for h in s] for s in got] == [[h["tokens"].tolist() for h in s] for s in expected]
-    assert all(key[0] == "loop" for key in graphed._graphed.graphs) and graphed._graphed.graphs
+    assert all(key[0] == "loop" for key in graphed.step_model.graphed.graphs) and graphed.step_model.graphed.graphs
     prompts = torch.randint(4, len(d), (4, 8), device="cuda")
     src = torch.cat([torch.full((4, 1), d.eos(), device="cuda"), prompts], dim=1)
     sample = {"net_input": {"src_tokens": src, "src_lengths": src.ne(d.pad()).sum(1)}}
@@ -196,13 +196,14 @@ def test_device_beam_search_replays_whole_steps_without_a_host_sync_per_step(bat
     d = dictionary()
     model = eos_prone(build(d, "cuda", torch.float32), d)  # hypotheses end at different steps
     results, (graphed, eager) = graphed_and_eager("cuda", [model], d, batch, 4)
-    assert device_beam_search.applies(graphed, 4) and graphed._graphed is not None and eager._graphed is None
+    assert device_beam_search.applies(graphed, 4)
+    assert graphed.step_model.graphed is not None and eager.step_model.graphed is None
     for got, expected in zip(results[::2], results[1::2]):
         assert [[h["tokens"].tolist() for h in s] for s in got] == [[h["tokens"].tolist() for h in s] for s in expected]
         for got_sentence, expected_sentence in zip(got, expected):
             for a, b in zip(got_sentence, expected_sentence):
                 torch.testing.assert_close(a["positional_scores"], b["positional_scores"], atol=1e-4, rtol=0)
-    assert graphed._graphed.graphs and all(key[0] == "beam" for key in graphed._graphed.graphs)
+    assert graphed.step_model.graphed.graphs and all(key[0] == "beam" for key in graphed.step_model.graphed.graphs)
 
     prompts = torch.randint(4, len(d), (batch, 8), device="cuda")
     src = torch.cat([torch.full((batch, 1), d.eos(), device="cuda"), prompts], dim=1)

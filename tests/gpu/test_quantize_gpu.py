@@ -99,7 +99,8 @@ def test_int8_weight_only_greedy_tokens_agree_with_bf16(trained, record_property
     int8_bytes = model_bytes([bf16])
     graphed, int8_s, generator = greedy(bf16, d, cuda_graphs=True)
     eager, _, _ = greedy(bf16, d, cuda_graphs=False)
-    assert generator._graphed is not None and generator._graphed.graphs  # the steps were captured and replayed
+    graphed = generator.step_model.graphed
+    assert graphed is not None and graphed.graphs  # the steps were captured and replayed
     agree = float((graphed == reference).float().mean())
     graph_vs_eager = float((graphed == eager).float().mean())
     print(f"\nint8-weight-only vs bf16 greedy: {agree:.1%} of {reference.numel()} tokens agree (CUDA-graph steps); "
@@ -146,7 +147,8 @@ def test_a_batch_whose_kv_cache_cannot_fit_is_one_line(tmp_path, monkeypatch):
     d = Dictionary()
     for i in range(2100):
         d.add_symbol(f"w{i}")
-    cfg = preset_config("transformer_lm", decoder_embed_dim=1024, decoder_ffn_embed_dim=1024, decoder_layers=8,
+    cfg = preset_config("transformer_lm", decoder_embed_dim=1024, decoder_input_dim=1024, decoder_output_dim=1024,
+                        decoder_ffn_embed_dim=1024, decoder_layers=8,
                         decoder_attention_heads=8, tokens_per_sample=4096)  # a config that names its arch
     model = TransformerLanguageModel.build(cfg, len(d), d.pad())
     path = tmp_path / "checkpoint.pt"

@@ -3,9 +3,9 @@ one a synchronous save writes at the same update (single file; sharded on 2 gloo
 survives kill -9 and a failing disk with the previous checkpoint whole, waits for itself before the next save
 and before a preemption checkpoint, and retention never removes the last complete checkpoint.
 
-Where a test must act while a write is in flight, the writer is slowed through its test hook
-(FAIRSEQ_TEST_SLOW_CHECKPOINT_WRITE, fairseq.checkpoint.writer): each background write sleeps once its bytes are
-written, before the rename.
+Where a test must act while a write is in flight, the writer is slowed through its documented seam
+(FAIRSEQ_TEST_SLOW_CHECKPOINT_WRITE, fairseq.checkpoint.writer): each background write pauses between its bytes
+and its publication (the rename).
 """
 
 import glob
@@ -141,6 +141,12 @@ def test_two_saves_in_quick_succession_each_wait_for_the_one_before(tiny_data, t
     assert [w.split("write of ")[1] for w in waits] == [
         f"{tmp_path / 'checkpoint_1_1.pt'} before the next save", f"{tmp_path / 'checkpoint_1_2.pt'} before the next save",
         f"{tmp_path / 'checkpoint_1_3.pt'} at the end of training"], waits
+    # both later saves waited: one warning, with the write's time and an interval that would not wait
+    [advice] = [line for line in out.splitlines() if "wait for it;" in line]
+    write_time = float(advice.split("checkpoint write took ")[1].split(" s;")[0])
+    assert write_time >= 0.4 and "saves every 1 updates (~" in advice, advice
+    interval = int(advice.split("--save-interval-updates >= ")[1].split()[0])
+    assert interval >= 2 and advice.endswith(" would not"), advice
     assert sorted(n for n in os.listdir(tmp_path) if n.startswith("checkpoint")) == [
         "checkpoint_1_2.pt", "checkpoint_1_3.pt", "checkpoint_last.pt"]
     assert [updates_of(tmp_path / n) for n in ("checkpoint_1_2.pt", "checkpoint_1_3.pt", "checkpoint_last.pt")] == [

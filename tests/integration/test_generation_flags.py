@@ -88,6 +88,17 @@ def test_quantize_given_to_training_is_one_line(tmp_path, tiny_data):
                              "length + b tokens)"),
     (["--max-len-a", "inf"], "--max-len-a inf is out of range: a finite number"),
     (["--beam", 0], "--beam 0 is out of range: an integer, at least 1 (1: greedy decoding)"),
+    # below 1/ln(largest float32) every token but the likeliest has probability 0 (was decoded, scores of -8e9)
+    (["--sampling", "--temperature", "1e-9"],
+     "--temperature 1e-09 is below 0.0113 (1/ln of 3.403e+38, the largest float32, which the probabilities are "
+     "computed in): divided by it, logits one apart give probabilities whose ratio no float32 holds, so every token "
+     "but the likeliest gets probability 0 (scores near -1e9); pass at least 0.0113, or --beam 1 without "
+     "--sampling for greedy decoding"),
+    (["--temperature", "0.01"], "--temperature 0.01 is below 0.0113"),
+    # its own message (was --min-len's: "--min-len 1 is larger than the longest output allowed, -5 tokens")
+    (["--max-len-b", -5], "--max-len-b -5 is out of range: outputs have at most --max-len-a * input length + "
+                          "--max-len-b tokens (the prompt included), below 0 with --max-len-a 0; give --max-len-b 0 "
+                          "or more"),
 ])
 def test_sampling_options_out_of_range_are_usage_errors(tiny_data, tiny_lm_checkpoint, monkeypatch, extra, message):
     """Refused by the parser's check (status 2) before a checkpoint is read: the --path here does not exist."""

@@ -212,10 +212,10 @@ def test_on_cuda_the_kept_generator_keeps_its_graphs(tiny_lm_checkpoint, tiny_da
     encoded = [lm.encode(s) for s in SENTENCES]
     first = lm.generate(encoded, beam=2, max_len_b=12)
     generator = lm.generator_for(beam=2, max_len_b=12)
-    graphed = generator._graphed
+    graphed = generator.step_model.graphed
     assert graphed is not None and graphed.graphs
     assert_same_hypotheses(lm.generate(encoded, beam=2, max_len_b=12), first)
-    assert lm.generator_for(beam=2, max_len_b=12) is generator and generator._graphed is graphed
+    assert lm.generator_for(beam=2, max_len_b=12) is generator and generator.step_model.graphed is graphed
     lm.generate(encoded[:1], beam=2, max_len_b=12)  # fewer rows: another graph of the same step
     eager = lm.generate(encoded, beam=2, max_len_b=12, no_cuda_graphs=True)
     for got, want in zip(first, eager):

@@ -210,7 +210,7 @@ class _Chunks(io.StringIO):
 
 
 @pytest.mark.parametrize("sampling", [[], ["--sampling", "--sampling-topk", 5, "--seed", 3]])
-def test_stream_prints_the_text_only_lines_in_pieces(tiny_data, ckpt, monkeypatch, capsys, sampling):
+def test_stream_prints_the_text_only_lines_in_pieces(tiny_data, ckpt, monkeypatch, capsys, caplog, sampling):
     args = argv(tiny_data, ckpt, "--beam", 1, "--max-len-b", 30, "--min-len", 24, "--buffer-size", 2, *sampling)
     stdin_text = "\n".join(PROMPTS) + "\n"
     status, text, _ = run(monkeypatch, capsys, args + ["--text-only"], stdin_text)
@@ -222,6 +222,23 @@ def test_stream_prints_the_text_only_lines_in_pieces(tiny_data, ckpt, monkeypatc
     assert chunks.getvalue() == text  # the same lines: sampling draws are keyed by the prompt's number
     pieces = [w for w in chunks.writes if w and w != "\n"]
     assert len(pieces) >= 2 * len(PROMPTS)  # 24+ tokens each: a piece per chunk of 16, at least two
+    # the time spent decoding (was 0.000 with --stream): at least 4 prompts x 24 tokens of decoding steps
+    times = re.findall(r"Total time: ([\d.]+) seconds; translation time: ([\d.]+)$", caplog.text, re.M)
+    total, translation = map(float, times[-1])
+    assert 0.001 <= translation <= total
+
+
+def test_carriage_returns_end_lines_as_universal_newlines_do(tiny_data, ckpt, tmp_path, monkeypatch, capsys):
+    """\r, \r\n and \n each end a prompt, on standard input (which Python splits at \n alone) as in an --input
+    file (was: "w1 w2\rw3" one prompt)."""
+    args = argv(tiny_data, ckpt, "--beam", 1, "--max-len-b", 6)
+    status, out, _ = run(monkeypatch, capsys, args, "w1 w2\rw3\r\nw4\nw5 w6\r")
+    assert status == 0
+    assert [fields[0] for kind, _, fields in parse(out) if kind == "S"] == ["w1 w2", "w3", "w4", "w5 w6"]
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_bytes(b"w1 w2\rw3\r\nw4\nw5 w6\r")
+    status, from_file, _ = run(monkeypatch, capsys, args + ["--input", str(prompts)], "")
+    assert status == 0 and [r for r in parse(from_file) if r[0] != "W"] == [r for r in parse(out) if r[0] != "W"]
 
 
 @pytest.mark.parametrize("extra,message", [

@@ -45,6 +45,20 @@ def test_checkpoint_is_plain_and_has_upstream_keys(tiny_data, tmp_path, train_ar
     assert set(state["extra_state"]) >= {"metrics", "previous_training_time", "train_iterator", "val_loss", "best"}
 
 
+def test_a_tasks_own_state_is_saved_and_given_back_on_resume(tiny_data, tmp_path, train_args, monkeypatch):
+    """task_state holds the task's state_dict() (a plug-in task's curriculum, say), and a resume gives it back."""
+    from fairseq.tasks.language_modeling import LanguageModelingTask
+
+    loaded = []
+    monkeypatch.setattr(LanguageModelingTask, "state_dict", lambda self: {"stage": 2, "seen": [1, 2]})
+    monkeypatch.setattr(LanguageModelingTask, "load_state_dict", lambda self, state: loaded.append(state))
+    train.cli_main(train_args(tiny_data, tmp_path, max_update=2))
+    assert load(tmp_path / "checkpoint_last.pt")["task_state"] == {"stage": 2, "seen": [1, 2]}
+    assert loaded == []  # a fresh start restores nothing
+    train.cli_main(train_args(tiny_data, tmp_path, max_update=3))
+    assert loaded == [{"stage": 2, "seen": [1, 2]}]
+
+
 def test_loss_falls_and_eval_lm_matches_independent_computation(tiny_data, tmp_path, train_args):
     train.cli_main(train_args(tiny_data, tmp_path, "--validate-interval-updates", "10", max_update=60))
     rows = read_json_log(tmp_path / "train.log")

@@ -58,6 +58,25 @@ def test_resuming_at_an_epoch_boundary_starts_the_epoch_meters_afresh(tiny_data,
     assert [r["train_loss"] for r in a] == [r["train_loss"] for r in b]
 
 
+def test_the_saves_seconds_start_afresh_after_a_resume(tiny_data, tmp_path, train_args):
+    """Mid-epoch the saved meters are restored, but not save_blocked / save_wall: they are this run's saves'
+    (the save at update 6 was in the first line after the resume, at update 9, which saw none)."""
+    def argv(max_update):
+        args = train_args(tiny_data, tmp_path, "--save-interval-updates", "2", "--disable-validation",
+                          max_update=max_update)
+        args[args.index("--log-interval") + 1] = "3"
+        return args
+
+    train.cli_main(argv(8))
+    first = {int(r["num_updates"]): r for r in read_json_log(tmp_path / "train.log")}
+    assert "save_blocked" in first[3] and "save_blocked" in first[6]  # the saves at 2 and at 4
+    train.cli_main(argv(12))
+    resumed = [r for r in read_json_log(tmp_path / "train.log") if int(r["num_updates"]) > 8]
+    assert [int(r["num_updates"]) for r in resumed] == [9, 12]
+    assert "save_blocked" not in resumed[0] and "save_wall" not in resumed[0]
+    assert "save_blocked" in resumed[1] and "save_wall" in resumed[1]  # the save at 10
+
+
 def test_stop_time_hours_stops_every_rank_at_the_same_update(tiny_data, tmp_path, train_args):
     argv = train_args(tiny_data, tmp_path, "--stop-time-hours", "0.0004", "--distributed-world-size", "2",
                       "--max-epoch", "50", "--disable-validation", max_update=0)

@@ -13,8 +13,16 @@ from fairseq.logging import metrics
 from fairseq.training.trainer import Trainer
 
 
+class TaskWithState:  # a plug-in task that keeps state of its own (the built-in tasks keep none)
+    source_dictionary = None
+
+    def state_dict(self):
+        return {"curriculum_stage": 3}
+
+
 class FakeTrainer:
     data_parallel_size = 2
+    task = TaskWithState()
     component_names = {"criterion": "CrossEntropyCriterion", "optimizer": "AdamW"}
 
     def state_dict(self):
@@ -36,6 +44,7 @@ def test_the_parts_are_stateful():
 def test_checkpoint_is_composed_in_upstreams_layout_with_its_copies_of_the_trainer_state():
     state = CheckpointManager(FairseqConfig())._compose(FakeTrainer(), FakeIterator(), 3.0, {"train": []})
     assert list(state) == ["cfg", "criterion", "optimizer_history", "task_state", "extra_state", "vocabulary"]
+    assert state["task_state"] == {"curriculum_stage": 3}  # the task's own state, given back on resume
     extra = state["extra_state"]
     assert list(extra) == ["train_iterator", "val_loss", "best", "metrics", "previous_training_time", "trainer",
                            "data_parallel_size"]

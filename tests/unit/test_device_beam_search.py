@@ -26,7 +26,7 @@ OPTIONS = [{}, dict(len_penalty=0.5), dict(len_penalty=2.0), dict(min_len=6), di
 def stepwise_and_on_device(model, beam, **options):
     options = {"max_len_b": 12, **options}
     stepwise = SequenceGenerator([model], D, beam_size=beam, device_loop=False, **options)
-    on_device = SequenceGenerator([model], D, beam_size=beam, **options)
+    on_device = SequenceGenerator([model], D, beam_size=beam, **options, device_loop=True)
     assert device_beam_search.applies(on_device, beam) and not device_beam_search.applies(stepwise, beam)
     return stepwise, on_device
 
@@ -93,7 +93,7 @@ def test_an_ensemble_and_a_convolutional_decoder_give_the_step_by_step_loops_hyp
     models = [build(seed=7), build(seed=8)] if models == "ensemble" else [fconv_lm_tiny(seed=5, vocab=V)]
     options = dict(beam_size=3, max_len_b=12)
     stepwise = SequenceGenerator(models, D, device_loop=False, **options)
-    on_device = SequenceGenerator(models, D, **options)
+    on_device = SequenceGenerator(models, D, **options, device_loop=True)
     assert device_beam_search.applies(on_device, 3)
     for prompt in MIXED[:5]:
         expected, got = decode(stepwise, [prompt])[0], decode(on_device, [prompt])[0]
@@ -108,7 +108,8 @@ def test_an_ensemble_and_a_convolutional_decoder_give_the_step_by_step_loops_hyp
 def test_the_plain_reference_beam_search_agrees(beam):
     model = build(seed=3)
     for prompt, options in (([W[2], W[5]], dict(len_penalty=0.5)), ([], dict(min_len=3)), ([W[1]], {})):
-        hypos = decode(SequenceGenerator([model], D, beam_size=beam, max_len_b=7, **options), [prompt])[0]
+        generator = SequenceGenerator([model], D, beam_size=beam, max_len_b=7, device_loop=True, **options)
+        hypos = decode(generator, [prompt])[0]
         expected = reference_beam(model, prompt, beam=beam, max_len=7, lenpen=options.get("len_penalty", 1.0),
                                   min_len=options.get("min_len", 1))
         assert [h["tokens"].tolist() for h in hypos] == [e[0] for e in expected]
@@ -120,7 +121,7 @@ def test_the_plain_reference_beam_search_agrees(beam):
 
 def test_hypotheses_are_laid_out_as_the_loops_and_outlive_the_buffers():
     model = build(seed=4)
-    generator = SequenceGenerator([model], D, beam_size=3, max_len_b=12)
+    generator = SequenceGenerator([model], D, beam_size=3, max_len_b=12, device_loop=True)
     first = decode(generator, MIXED[:3])
     kept = [[{k: (v.clone() if torch.is_tensor(v) else v) for k, v in h.items()} for h in s] for s in first]
     decode(generator, MIXED[3:])  # the device buffers are reused
@@ -143,7 +144,7 @@ def test_what_the_device_loop_does_not_implement_keeps_the_step_by_step_loop():
                       SequenceGenerator([model], D, beam_size=2, search_strategy=StepwiseBeamSearch(D)),
                       SequenceGenerator([PluginLM(GRUDecoder(D)).eval()], D, beam_size=2)):
         assert not device_beam_search.applies(generator, 2)
-    beam_one = SequenceGenerator([model], D)
+    beam_one = SequenceGenerator([model], D, device_loop=True)
     assert not device_beam_search.applies(beam_one, 1) and device_decoding.applies(beam_one, 1)
 
 
@@ -168,13 +169,13 @@ def test_the_static_step_loop_over_attention_windows_gives_the_same_tokens(monke
         expected, got = decode(stepwise, prompts), decode(static, prompts)
         assert_same_hypotheses(got, expected)
         static_windows = [w for w in reorders if w is not None]  # the prompt's copy to the beams has none
-        capacity = static._graphed.capacity
-        assert capacity == 64 and "beam" in static._graphed.extra
+        capacity = static.step_model.graphed.capacity
+        assert capacity == 64 and "beam" in static.step_model.graphed.extra
         if window == 4:  # the live length rounded up to 4, not the capacity
             assert min(static_windows) == 4 and max(static_windows) < capacity
         else:
             assert set(static_windows) == {capacity}
-    assert static._graphed.rows == 16 * beam
+    assert static.step_model.graphed.rows == 16 * beam
 
 
 def test_a_windowed_reorder_moves_the_first_slots_of_the_rows_only():
@@ -197,7 +198,7 @@ def test_one_host_sync_per_chunk_not_per_step():
     prompts = [[W[1]], [W[2], W[3]]]
 
     def syncs(length, **kwargs):
-        generator = SequenceGenerator([model], D, beam_size=3, max_len_b=length, **kwargs)
+        generator = SequenceGenerator([model], D, beam_size=3, max_len_b=length, **{"device_loop": True, **kwargs})
         return host_syncs(generator, prompts)
 
     length = 3 * device_decoding.CHUNK  # within the model's 64 positions
@@ -216,7 +217,8 @@ def test_done_sentences_leave_the_batch_between_chunks(monkeypatch, static):
     monkeypatch.setattr(cuda_graph_decoding, "ATTENTION_WINDOW", 8)
     model = build(seed=4)
     stepwise = SequenceGenerator([model], D, beam_size=2, device_loop=False, max_len_b=50)
-    generator = (EagerStaticGenerator if static else SequenceGenerator)([model], D, beam_size=2, max_len_b=50)
+    generator = (EagerStaticGenerator if static else SequenceGenerator)([model], D, beam_size=2, max_len_b=50,
+                                                                        device_loop=True)
     drops = record_drops(generator)
     got, expected = decode(generator, MIXED), decode(stepwise, MIXED)
     assert_same_hypotheses(got, expected)  # stored when they leave, ranked best first at the end

@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from fairseq.generation import cuda_graph_decoding, device_decoding, search
+from fairseq.generation import cuda_graph_decoding, device_decoding, sampling, search
 from fairseq.generation.sequence_generator import SequenceGenerator
 from test_sequence_generator import (ATOL, D, EOS, PAD, PROMPTS, UNK, W, EagerStaticGenerator, build,
                                      host_syncs, logits_with, sample_of, sequence_log_probs, unigram_model)
@@ -35,7 +35,7 @@ def test_greedy_equals_the_step_by_step_loop(options):
     model = build(seed=4)  # its sentences end at different steps
     options = {"max_len_b": 12, **options}
     stepwise = SequenceGenerator([model], D, device_loop=False, **options)
-    on_device = SequenceGenerator([model], D, **options)
+    on_device = SequenceGenerator([model], D, **options, device_loop=True)
     assert device_decoding.applies(on_device, 1) and not device_decoding.applies(stepwise, 1)
     # One sentence per batch: the same operations on the same values, so equal, not close.
     for prompt in MIXED:
@@ -58,15 +58,15 @@ def test_the_static_step_loop_over_attention_windows_gives_the_same_tokens(monke
     stepwise = SequenceGenerator([model], D, device_loop=False, max_len_b=20)
     static = EagerStaticGenerator([model], D, max_len_b=20)  # the CUDA-graph path, run eagerly
     windows = []
-    original = static._static_step
-    static._static_step = lambda *args: windows.append(args[3]) or original(*args)
+    original = static.step_model.static_step
+    static.step_model.static_step = lambda *args: windows.append(args[3]) or original(*args)
     for prompts in (MIXED, MIXED[1:3], MIXED + [[W[5]] * 6]):
         expected, got = decode(stepwise, prompts), decode(static, prompts)
         assert tokens_of(got) == tokens_of(expected)
         for a, b in zip(got, expected):
             torch.testing.assert_close(a[0]["positional_scores"], b[0]["positional_scores"], atol=ATOL, rtol=0)
-    capacity = static._graphed.capacity
-    assert capacity == 64 and "loop" in static._graphed.extra
+    capacity = static.step_model.graphed.capacity
+    assert capacity == 64 and "loop" in static.step_model.graphed.extra
     if window == 4:  # the live length rounded up to 4, not the capacity
         assert min(windows) == 4 and max(windows) < capacity and sorted(set(windows)) == list(range(4, 28, 4))
     else:
@@ -94,7 +94,7 @@ def test_finished_sentences_leave_the_batch_between_chunks(monkeypatch, static):
     monkeypatch.setattr(cuda_graph_decoding, "ATTENTION_WINDOW", 8)
     model = build(seed=4)  # with 50 tokens allowed its sentences end after 1 to 51 tokens
     stepwise = SequenceGenerator([model], D, device_loop=False, max_len_b=50)
-    generator = (EagerStaticGenerator if static else SequenceGenerator)([model], D, max_len_b=50)
+    generator = (EagerStaticGenerator if static else SequenceGenerator)([model], D, max_len_b=50, device_loop=True)
     drops = record_drops(generator)
     streamed = []
     got = decode(generator, MIXED, on_tokens=lambda tokens, done: streamed.append((tokens, done)))
@@ -118,7 +118,7 @@ def test_one_host_sync_per_chunk_not_per_token():
     model = unigram_model(logits_with(w1=2.0, w2=1.0, eos=-30.0))  # </s> never chosen: every output is long
     length = 3 * device_decoding.CHUNK  # within the model's 64 positions
     stepwise = SequenceGenerator([model], D, device_loop=False, max_len_b=length)
-    on_device = SequenceGenerator([model], D, max_len_b=length)
+    on_device = SequenceGenerator([model], D, max_len_b=length, device_loop=True)
     prompts = [[W[1]], [W[2], W[3]]]
     assert tokens_of(decode(on_device, prompts)) == tokens_of(decode(stepwise, prompts))
     assert all(len(s[0]["tokens"]) == length + 1 for s in decode(on_device, prompts))
@@ -132,7 +132,7 @@ def test_one_host_sync_per_chunk_not_per_token():
 
 def sampler(seed=11, beam=1, **kwargs):
     return SequenceGenerator([build(seed=4)], D, beam_size=beam, max_len_b=10,
-                             search_strategy=search.Sampling(D, seed=seed, **kwargs))
+                             search_strategy=search.Sampling(D, seed=seed, **kwargs), device_loop=True)
 
 
 @pytest.mark.parametrize("kwargs", [{}, dict(sampling_topk=3), dict(sampling_topp=0.6)])
@@ -162,7 +162,8 @@ def test_a_sentences_sample_depends_on_the_seed_and_the_sentence_not_the_batch(k
 
 
 def test_sampling_seeds_default_to_torchs_initial_seed():
-    generator = SequenceGenerator([build(seed=4)], D, max_len_b=10, search_strategy=search.Sampling(D))
+    generator = SequenceGenerator([build(seed=4)], D, max_len_b=10, search_strategy=search.Sampling(D),
+                                  device_loop=True)
     torch.manual_seed(3)
     first = tokens_of(decode(generator, MIXED[:4]))
     torch.rand(5)  # the draws do not read torch's RNG state, only its seed
@@ -177,7 +178,8 @@ def test_draws_follow_the_models_distribution_over_the_kept_tokens(kwargs, kept)
     logits = [-30.0] * len(D)  # every other token: p ~ 1e-13
     logits[W[1]], logits[W[2]], logits[W[3]] = 1.0, 0.5, 0.0
     model = unigram_model(logits)
-    generator = SequenceGenerator([model], D, max_len_b=1, search_strategy=search.Sampling(D, seed=5, **kwargs))
+    generator = SequenceGenerator([model], D, max_len_b=1, search_strategy=search.Sampling(D, seed=5, **kwargs),
+                                  device_loop=True)
     n = 4000
     drawn = [s[0]["tokens"][0].item() for s in decode(generator, [[]] * n, list(range(n)))]
     probs = torch.log_softmax(torch.tensor(logits), 0).exp()
@@ -192,15 +194,15 @@ def test_draws_follow_the_models_distribution_over_the_kept_tokens(kwargs, kept)
 
 
 def test_gumbel_noise_is_a_function_of_key_step_and_token():
-    keys = device_decoding.sentence_keys(7, torch.tensor([0, 1, 2]))
+    keys = sampling.sentence_keys(7, torch.tensor([0, 1, 2]))
     ids = torch.arange(50)
-    full = device_decoding.gumbel_noise(keys, torch.tensor([3]), ids)
-    part = device_decoding.gumbel_noise(keys[1:2], torch.tensor([3]), ids[10:20].unsqueeze(0))
+    full = sampling.gumbel_noise(keys, torch.tensor([3]), ids)
+    part = sampling.gumbel_noise(keys[1:2], torch.tensor([3]), ids[10:20].unsqueeze(0))
     assert torch.equal(part, full[1:2, 10:20])
-    assert not torch.equal(full, device_decoding.gumbel_noise(keys, torch.tensor([4]), ids))
+    assert not torch.equal(full, sampling.gumbel_noise(keys, torch.tensor([4]), ids))
     assert len(set(keys.tolist())) == 3 and torch.isfinite(full).all()
-    uniform = torch.exp(-torch.exp(-device_decoding.gumbel_noise(
-        device_decoding.sentence_keys(1, torch.arange(200)), torch.tensor([0]), torch.arange(500)))).flatten()
+    uniform = torch.exp(-torch.exp(-sampling.gumbel_noise(
+        sampling.sentence_keys(1, torch.arange(200)), torch.tensor([0]), torch.arange(500)))).flatten()
     assert abs(float(uniform.mean()) - 0.5) < 0.01 and abs(float(uniform.var()) - 1 / 12) < 0.005
 
 
@@ -215,7 +217,7 @@ def test_sampling_with_several_beams_keeps_the_step_by_step_loop():
 
 def test_streamed_tokens_grow_by_chunks_and_end_as_the_hypotheses():
     model = unigram_model(logits_with(w1=2.0, w2=1.0, eos=-30.0))
-    generator = SequenceGenerator([model], D, max_len_b=40)
+    generator = SequenceGenerator([model], D, max_len_b=40, device_loop=True)
     seen = []
     hypos = decode(generator, [[W[1]], [W[2], W[3]]], on_tokens=lambda t, done: seen.append((t.clone(), done)))
     # </s> and the shared first prompt token (fed at once), the token of that forward, then 16 per chunk, up to

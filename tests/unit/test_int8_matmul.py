@@ -89,7 +89,8 @@ def markov_model(steps=150):
     g = torch.Generator().manual_seed(0)
     successor = torch.randperm(len(d) - d.nspecial, generator=g) + d.nspecial
     torch.manual_seed(0)
-    cfg = TransformerLanguageModelConfig(decoder_embed_dim=64, decoder_ffn_embed_dim=128, decoder_layers=2,
+    cfg = TransformerLanguageModelConfig(decoder_embed_dim=64, decoder_input_dim=64, decoder_output_dim=64,
+                                         decoder_ffn_embed_dim=128, decoder_layers=2,
                                          decoder_attention_heads=4, max_target_positions=64, dropout=0.0,
                                          share_decoder_input_output_embed=False)
     model = TransformerLanguageModel.build(cfg, len(d), d.pad())

@@ -62,3 +62,21 @@ def test_a_contract_model_without_layers_says_what_is_missing():
 
     with pytest.raises(NotImplementedError, match="transformer_layers"):
         Incomplete().transformer_layers()
+
+
+@pytest.mark.parametrize("arch", ["transformer_lm", "fconv_lm"])
+@pytest.mark.parametrize("shape, what", [((1, 0), "empty"), ((0, 4), "empty"), ((0,), "empty"), ((3,), "1-D")])
+def test_a_forward_on_no_tokens_is_one_line_naming_the_input(arch, shape, what):
+    """Not a reshape error from inside the first layer (transformer_lm) or a convolution (fconv_lm)."""
+    if arch == "transformer_lm":
+        model = tiny()
+    else:
+        from fairseq.models.fconv_lm import FConvLanguageModel, preset_config as fconv_config
+
+        model = FConvLanguageModel.build(fconv_config("fconv_lm", decoder_layers="[(16, 3)] * 2",
+                                                       decoder_embed_dim=8), 30, 1)
+    with pytest.raises(ValueError) as error:
+        model(torch.zeros(shape, dtype=torch.long))
+    assert str(error.value) == (f"the model's input tokens are {what} (shape {list(shape)}): pass ids of shape "
+                                "[batch, length] with at least one sentence of at least one token")
+    assert model(torch.tensor([[4, 5]]))[0].shape[:2] == (1, 2)  # the smallest input still runs

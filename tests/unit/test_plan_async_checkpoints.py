@@ -24,10 +24,14 @@ def test_sharded_snapshots_per_node_are_the_state_over_the_ranks_times_eight():
 
 
 def test_a_single_file_snapshot_on_rank_0_that_exceeds_the_node_is_a_warning():
-    got = lines("--node-memory-gib", "2048")
-    assert got[0].startswith("asynchronous checkpoints (single file: rank 0 the whole state)")
-    assert got[1] == ("WARNING: that exceeds the node's 2048 GiB of RAM: use --use-sharded-state, more GPUs, or "
+    params = plan_memory.parse(BASE).shape.total_params
+    whole = params * 12 / 2**30  # gathered one tensor at a time: the state once, not twice
+    got = lines("--node-memory-gib", "1024")
+    assert got[0] == (f"asynchronous checkpoints (single file: rank 0 the whole state): {whole:.2f} GiB of host "
+                      f"memory per node ({whole:.2f} GiB per rank; docs/checkpoints.md)")
+    assert got[1] == ("WARNING: that exceeds the node's 1024 GiB of RAM: use --use-sharded-state, more GPUs, or "
                       "synchronous saves")
+    assert lines("--node-memory-gib", "2048") == got[:1]  # 2.1 TB fits 2048 GiB
 
 
 def test_no_line_without_the_flag():

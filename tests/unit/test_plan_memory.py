@@ -2,9 +2,11 @@
 meta device, the per-GPU byte arithmetic on a hand-computed case, monotonicity, the searches, the CLI."""
 
 import dataclasses
+import itertools
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -276,13 +278,75 @@ def test_cli_recommends_what_fixes_a_plan_that_does_not_fit(capsys):
     (["--optimizer", "sgd"], "--optimizer sgd is not modeled"),
     (["--tokens-per-sample", "4096", "--max-target-positions", "2048"], "exceeds the model's --max-target-positions"),
     (["--decoder-attention-heads", "7"], "not divisible by --decoder-attention-heads"),
-    (["--gpu-memory-gb", "0"], "--gpu-memory-gb must be positive"),
+    (["--gpu-memory-gb", "0"], "--gpu-memory-gb must be a positive finite number, got 0"),
+    (["--gpu-memory-gb", "nan"], "--gpu-memory-gb must be a positive finite number, got nan"),
+    (["--gpu-memory-gb", "inf"], "--gpu-memory-gb must be a positive finite number, got inf"),
+    (["--gpu-memory-gb", "5000"], "--gpu-memory-gb 5000 is more than any GPU holds: at most 1024"),
+    (["--achieved-tflops", "nan"], "--achieved-tflops must be a positive finite number, got nan"),
+    (["--node-memory-gib", "inf"], "--node-memory-gib must be a positive finite number, got inf"),
+    (["--gpus", "1000000000"], "--gpus 1000000000 is out of range: 1 to 131072"),
+    (["--gpus", "1e9"], "argument --gpus/--distributed-world-size: invalid int value: '1e9'"),
+    (["--gpus", "0"], "--gpus 0 is out of range: 1 to 131072"),
+    # the batch options: fairseq-train's own checks (fairseq.dataclass.batch_flags), not "raise --max-tokens"
+    (["--max-tokens", "-100"], "--max-tokens -100 must be at least 1: the most tokens in one batch"),
+    (["--batch-size", "0"], "--batch-size 0 must be at least 1: the most sentences in one batch"),
+    (["--update-freq", "0"], "--update-freq 0: every value must be an integer of at least 1"),
+    (["--update-freq", "2,-1"], "--update-freq 2,-1: every value must be an integer of at least 1"),
 ])
 def test_cli_errors_name_the_flag(capsys, args, message):
     with pytest.raises(SystemExit) as exit_info:
         plan_memory.main(["--arch", "transformer_lm_gpt3_small"] + args)
     assert exit_info.value.code == 2
-    assert message in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("python -m fairseq.planning.plan_memory: error: "), err
+    assert message in err, err
+
+
+def test_a_model_no_setup_could_hold_is_refused_before_it_is_modelled(capsys):
+    """1.8e18 parameters: 16 bytes each exceed 131072 GPUs of 1024 GiB. Refused from the parameter count, with
+    at most two layers built (a billion would take minutes and gigabytes)."""
+    started = time.perf_counter()
+    with pytest.raises(SystemExit) as exit_info:
+        plan_memory.main(["--arch", "transformer_lm_gpt3_175", "--decoder-layers", "1000000000"])
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err == (
+        "python -m fairseq.planning.plan_memory: error: --arch transformer_lm_gpt3_175 with 1000000000 layers x "
+        "12288, ffn 49152, vocabulary 50272 has 1.81e+18 parameters, whose training state (16 bytes each: "
+        "2.58e+04 PiB) exceeds 131072 GPUs of 1024 GiB, the largest setup the planner takes; lower "
+        "--decoder-layers or the widths\n")
+    assert time.perf_counter() - started < 10
+
+
+def test_plans_do_not_grow_with_the_layer_count(capsys):
+    """A billion gpt layers (7.1e15 parameters: under the bound) are planned as fast as 12: the shape comes from
+    two built layers, a step's walk snapshots at most four layers' backward (memory_model.backward_layers)."""
+    request = plan_memory.parse(["--arch", "transformer_lm_gpt", "--decoder-layers", "1000000000"])
+    assert request.shape.total_params == 1_000_000_000 * 7_087_872 + 77_219_328
+    plan = mm.plan(request.shape, request.setup)
+    layers = [s.phase for s in plan.snapshots if s.phase.startswith("backward, layer")]
+    assert layers == ["backward, layer 999999999", "backward, layer 999999998", "backward, layer 1",
+                      "backward, layer 0"]
+    assert plan_memory.main(["--arch", "transformer_lm_gpt", "--decoder-layers", "1000000000",
+                             "--max-layers-that-fit"]) == 0
+    assert "parameters: 7087872077219328\n" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("layers", [0, 1, 2, 3, 7])
+def test_the_walk_over_a_few_layers_finds_the_peak_of_every_layer(layers, monkeypatch):
+    """backward_layers' claim: the snapshots it keeps hold the peak (phase and bytes) a walk through every layer
+    finds, for every FSDP / DDP flag that shapes a layer's backward."""
+    shape = mm.model_shape(preset_config("transformer_lm_gpt3_small", **dict(SMALL, decoder_layers=layers)), 1000)
+    setups = [small_setup(**dict(zip(("reshard_after_forward", "forward_prefetch", "prefetch_depth", "update_freq",
+                                       "checkpoint_activations", "cpu_offload", "gpus"), values)))
+              for values in itertools.product((True, False), (True, False), (1, 3), (1, 2), (False, True),
+                                              (False, True), (2, 8))]
+    setups += [small_setup(fully_sharded=False, update_freq=u, checkpoint_activations=c, dtype=d)
+               for u in (1, 2) for c in (False, True) for d in ("bf16", "fp32")]
+    few = [mm.plan(shape, setup) for setup in setups]
+    monkeypatch.setattr(mm, "backward_layers", lambda n, bend=0: list(reversed(range(n))))
+    every = [mm.plan(shape, setup) for setup in setups]
+    assert [(p.peak.phase, p.peak_bytes, p.host_bytes) for p in few] == \
+        [(p.peak.phase, p.peak_bytes, p.host_bytes) for p in every]
 
 
 def test_unknown_arch_lists_the_choices(capsys):

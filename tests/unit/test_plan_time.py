@@ -160,7 +160,7 @@ def test_cli_hardware_flags(capsys):
     assert request.hardware == dataclasses.replace(H200, inter_node_gbps=12.5, achieved_tflops=400.0)
     assert request.gpu_memory_gib == H200.memory_gib
     for args, message in ((["--gpu", "a100-80gb", "--bf16", "--fp8"], "--fp8 needs a GPU of compute capability 8.9"),
-                          (["--inter-node-gbps", "0"], "--inter-node-gbps must be positive")):
+                          (["--inter-node-gbps", "0"], "--inter-node-gbps must be a positive finite number, got 0")):
         with pytest.raises(SystemExit) as exit_info:
             plan_memory.main(["--arch", "transformer_lm_gpt3_small"] + args)
         assert exit_info.value.code == 2 and message in capsys.readouterr().err

@@ -12,7 +12,7 @@ import torch.nn as nn
 from fairseq import options
 
 from fairseq.generation import search
-from fairseq.generation.cuda_graph_decoding import GraphedDecodeStep, round_up_sentences
+from fairseq.generation.cuda_graph_decoding import round_up_sentences
 from fairseq.data.dictionary import Dictionary
 from fairseq.models import BaseFairseqModel, FairseqDecoder, FairseqIncrementalDecoder
 from fairseq.models.transformer_lm import TransformerLanguageModel, TransformerLanguageModelConfig
@@ -444,10 +444,9 @@ class EagerStaticGenerator(SequenceGenerator):
     """The CUDA-graph path but the capture itself: every step runs the static step on the runner's buffers,
     rows rounded up, caches kept from one call to the next."""
 
-    def _static_decoder(self, device):
-        if self._graphed is None:
-            self._graphed = GraphedDecodeStep(self.model, self._static_step, self.vocab_size, capture=False)
-        return self._graphed
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **{"device_loop": True, **kwargs})
+        self.step_model.eager_graphs = True
 
 
 def assert_same_hypotheses(got, expected):
@@ -484,16 +483,16 @@ def test_the_static_step_path_gives_the_eager_paths_hypotheses(beam, sampling, o
         if call == 0:
             if beam == 1 and "min_len" not in options:
                 assert len({len(sentence[0]["tokens"]) for sentence in results[0]}) > 1
-            pointers, rows = cache_pointers(static._graphed.states), static._graphed.rows
-        assert (cache_pointers(static._graphed.states) == pointers) == (call < 2)
-    assert (rows, static._graphed.rows, static._graphed.capacity) == (4 * beam, 8 * beam, 64)
+            pointers, rows = cache_pointers(static.step_model.graphed.states), static.step_model.graphed.rows
+        assert (cache_pointers(static.step_model.graphed.states) == pointers) == (call < 2)
+    assert (rows, static.step_model.graphed.rows, static.step_model.graphed.capacity) == (4 * beam, 8 * beam, 64)
 
 
 def test_cuda_graphs_are_for_cuda_and_this_forks_decoders_only():
     assert [round_up_sentences(n) for n in (1, 2, 3, 5, 8, 9, 17, 32)] == [1, 2, 4, 8, 8, 16, 24, 32]
     generator = SequenceGenerator([build()], D)
     assert generator.model.can_static_step and generator.cuda_graphs
-    assert generator._static_decoder(torch.device("cpu")) is None
+    assert generator.step_model.graph_runner(torch.device("cpu")) is None
     assert not SequenceGenerator([PluginLM(GRUDecoder(D)).eval()], D).model.can_static_step
 
 

@@ -81,6 +81,7 @@ class _Trainer:
         self.num_updates = 3
         self.precision = type("P", (), {"scaler": None})()
         self.memory_stats = type("M", (), {"available": False})()
+        self.ema = None  # no --store-ema
 
     def get_lr(self):
         return 0.001
