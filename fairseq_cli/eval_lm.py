@@ -14,7 +14,7 @@ from typing import Dict, List, Optional
 
 import torch
 
-from fairseq import options
+from fairseq.frontend import options
 from fairseq.registry import import_user_module
 from fairseq_cli.console import run_console_script
 from fairseq.checkpoint.inference import load_model
@@ -28,7 +28,7 @@ from fairseq.logging import progress_bar
 from fairseq.models.fairseq_model import model_config_line
 from fairseq.dataclass.batch_flags import check_batch_flags
 from fairseq.dataclass.notices import announce_compat_options
-from fairseq.dataclass.validate import check_shard
+from fairseq.frontend.validate import check_shard
 from fairseq.tasks.language_modeling import check_block_budget, load_split
 from fairseq.training.precision import compute_dtype
 

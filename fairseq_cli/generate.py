@@ -22,7 +22,7 @@ from typing import List, Optional, TextIO
 import numpy as np
 import torch
 
-from fairseq import options
+from fairseq.frontend import options
 from fairseq.checkpoint.inference import load_model
 from fairseq.checkpoint.vocabulary import check_bpe_files, resolve_bpe
 from fairseq.data.batching import resolve_limit
@@ -32,7 +32,7 @@ from fairseq.dataclass.build import check_seed
 from fairseq.dataclass.flag_values import task_data_dir
 from fairseq.dataclass.generation import check_generation_config
 from fairseq.dataclass.notices import announce_compat_options
-from fairseq.dataclass.validate import check_shard
+from fairseq.frontend.validate import check_shard
 from fairseq.generation.decode_memory import check_decode_memory, decode_positions
 from fairseq.generation.hub_utils import TextCodec, move_to
 from fairseq.generation.quantize import check_quantize, quantize_for_generation

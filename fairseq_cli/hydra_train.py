@@ -3,7 +3,7 @@
     fairseq-hydra-train --config-dir examples/large_lm/config --config-name 125m \
         task.data=data-bin/gpt2 checkpoint.save_dir=checkpoints/125m optimization.lr=[0.001]
 
-The config uses upstream fairseq's layout (see `fairseq.dataclass.hydra`); every key is checked against
+The config uses upstream fairseq's layout (see `fairseq.frontend.hydra`); every key is checked against
 the config dataclasses, the architecture preset fills what the config leaves unset, and training runs
 exactly as `fairseq-train` with the equivalent flags would (same launcher, same exit status after a
 preemption: 3, or 4 when `scontrol requeue` failed). Any `group.key=value` override may set a key the
@@ -35,13 +35,13 @@ from hydra.core.config_store import ConfigStore
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
-from fairseq.dataclass.hydra import (
+from fairseq.frontend.hydra import (
     as_hydra_overrides, fairseq_config_from_dict, recipe_update_freq, resolve_paths, split_recipe, to_plain_dict,
     without_group_package_headers,
 )
 from fairseq.dataclass.flag_values import task_block_options
 from fairseq.dataclass.utils import config_to_dict
-from fairseq.dataclass.validate import validate
+from fairseq.frontend.validate import validate
 from fairseq.data.encoders._write_errors import OutputError, os_error_message
 from fairseq.logging import progress_bar
 from fairseq.logging.progress_bar import DATE_FORMAT, LOG_FORMAT
@@ -84,7 +84,8 @@ def _register_upstream_groups() -> None:
     optimizer=adam ...`. Each choice of group `task`, `criterion`, `optimizer`, `lr_scheduler` is a registered
     name; `model=ARCH` and `model=MODEL/ARCH` choose an architecture. The primary config `config` selects
     upstream's defaults (cross_entropy, fixed) and, as upstream's does, runs in the current directory."""
-    from fairseq import options, registry
+    from fairseq import registry
+    from fairseq.frontend import options
 
     store = ConfigStore.instance()
     for attr, _, reg, _ in options.COMPONENTS:

@@ -13,7 +13,7 @@ import sys
 from argparse import Namespace
 from typing import List, Optional
 
-from fairseq import options
+from fairseq.frontend import options
 from fairseq.dataclass.utils import flag_name
 from fairseq.upstream_absent import refused_options
 

@@ -6,9 +6,9 @@ import logging
 import sys
 from typing import List, Optional
 
-from fairseq import options
+from fairseq.frontend import options
 from fairseq.data.encoders._write_errors import writing
-from fairseq.dataclass.validate import validate as validate_config
+from fairseq.frontend.validate import validate as validate_config
 from fairseq.distributed.launch import call_main
 from fairseq.logging import progress_bar
 from fairseq.training import loop

@@ -30,7 +30,7 @@ UPSTREAM_FACES = ("fairseq.checkpoint_utils", "fairseq.utils", "fairseq.distribu
                   "fairseq.file_chunker_utils", "fairseq.search", "fairseq.sequence_generator",
                   "fairseq.sequence_scorer", "fairseq.incremental_decoding_utils", "fairseq.plan_memory",
                   "fairseq.models.fairseq_decoder", "fairseq.models.fairseq_incremental_decoder",
-                  "fairseq.models.ema", "fairseq.optim.fp16_optimizer")
+                  "fairseq.models.ema", "fairseq.optim.fp16_optimizer", "fairseq.options")
 
 # Layers, lowest first: a module may import its own layer and those below, never one above. The most specific
 # prefix wins. docs/ARCHITECTURE.md draws the same table.
@@ -51,11 +51,11 @@ LAYERS: List[Tuple[str, Tuple[str, ...]]] = [
     ("tasks", ("fairseq.tasks",)),
     # applied to a built model and its state: mesh, TP/FSDP/DDP, float8, launch; checkpoint files and resume
     ("distributed, checkpoint", ("fairseq.distributed", "fairseq.checkpoint")),
-    # what runs a job: the trainer and its loop, the hub, export, the planner; the flag and YAML front ends and
-    # validate(cfg), which collects every component's checks
-    ("training, generation, export, planning, front ends",
-     ("fairseq.training", "fairseq.generation.hub_utils", "fairseq.export", "fairseq.planning", "fairseq.options",
-      "fairseq.dataclass.validate", "fairseq.dataclass.hydra")),
+    # what runs a job: the trainer and its loop, the hub, export, the planner
+    ("training, generation, export, planning",
+     ("fairseq.training", "fairseq.generation.hub_utils", "fairseq.export", "fairseq.planning")),
+    # the flag and YAML front ends and validate(cfg), which collects every component's checks
+    ("front ends", ("fairseq.frontend",)),
     ("entry points", ("fairseq_cli",)),
     # upstream's API: the wing and the faces at upstream's module names (the core never imports them)
     ("upstream compatibility", ("fairseq.compat", *UPSTREAM_FACES)),

@@ -13,10 +13,11 @@ from typing import List, Optional
 
 from fairseq import registry
 from fairseq.dataclass import configs, legacy
+from fairseq.dataclass.argument_parser import FairseqArgumentParser
 from fairseq.dataclass.build import check_precision, convert_namespace_to_config, is_interpolated, model_config
-from fairseq.dataclass.utils import add_dataclass_to_parser
+from fairseq.dataclass.generation import GenerationConfig, InteractiveConfig
+from fairseq.dataclass.utils import add_dataclass_to_parser, config_from_namespace
 from fairseq.registry import import_user_module
-from fairseq.suggest import close_flag, did_you_mean
 
 # Group name in FairseqConfig -> dataclass, in the order they appear in --help.
 TRAIN_GROUPS = {
@@ -44,59 +45,6 @@ ENCODER_COMPONENTS = ("bpe", "tokenizer")
 class _HelpFormatter(argparse.HelpFormatter):
     def _split_lines(self, text, width):  # flags stay whole ("--batch-size-valid", not "--batch-size- valid")
         return textwrap.wrap(" ".join(text.split()), width, break_on_hyphens=False)
-
-
-class FairseqArgumentParser(argparse.ArgumentParser):
-    """argparse's parser with short usage errors: the one line `PROG: error: MESSAGE` (status 2) instead of the
-    whole usage first (~100 lines here), and the closest real flag or choice for a misspelt one."""
-
-    def error(self, message):
-        self.exit(2, f"{self.prog}: error: {message}\n")
-
-    def parse_args(self, args=None, namespace=None):
-        args, extra = self.parse_known_args(args, namespace)
-        if extra:
-            self.error(self._unrecognized(extra))
-        return args
-
-    def _unrecognized(self, extra: List[str]) -> str:
-        message = f"unrecognized arguments: {' '.join(extra)}"
-        if "--quantize" in extra:  # a generation flag given to a command that trains or evaluates
-            return (f"{message} (--quantize is a generation option: fairseq-generate, fairseq-interactive and the "
-                    "hub quantize a trained model's weights when they load it for generation; this command does "
-                    "not: drop it)")
-        flags = [a for a in extra if a.startswith("-") and not _is_number(a)]
-        hints = [(flag, close_flag(flag, self._option_string_actions)) for flag in flags]
-        hints = [(flag, match) for flag, match in hints if match is not None]
-        if len(hints) == 1:
-            return f"{message} (did you mean {hints[0][1]}?)"
-        if hints:
-            return f"{message} (did you mean {', '.join(f'{m} for {f}' for f, m in hints)}?)"
-        return f"{message}; `{self.prog} --help` lists the options"
-
-    def _check_value(self, action, value):  # argparse's hook for choices
-        if action.choices is not None and value not in action.choices:
-            choices = ", ".join(map(repr, action.choices))
-            raise argparse.ArgumentError(
-                action, f"invalid choice: {value!r}{did_you_mean(value, action.choices)}; choose from {choices}")
-
-    def format_help(self):
-        # The usage line names the positional arguments only: --help lists every flag once, below it.
-        positionals = [f"[{a.metavar or a.dest}]" if a.nargs == "?" else (a.metavar or a.dest)
-                       for a in self._get_positional_actions() if a.help is not argparse.SUPPRESS]
-        usage, self.usage = self.usage, self.usage or " ".join(["%(prog)s [options]"] + positionals)
-        try:
-            return super().format_help()
-        finally:
-            self.usage = usage
-
-
-def _is_number(text: str) -> bool:
-    try:
-        float(text)
-        return True
-    except ValueError:
-        return False
 
 
 ALL = "all"  # HELP_SHOWN: every flag of the group
@@ -304,8 +252,6 @@ def get_validation_parser(default_task: Optional[str] = "language_modeling"):
 # ----------------------------------------------------------------------------- generation
 
 def _generation_groups(interactive: bool) -> dict:
-    from fairseq.dataclass.generation import GenerationConfig, InteractiveConfig
-
     groups = {
         "common": configs.CommonConfig, "dataset": configs.DatasetConfig,
         "distributed_training": configs.DistributedTrainingConfig, "checkpoint": configs.CheckpointConfig,
@@ -335,9 +281,6 @@ get_interactive_parser = get_interactive_generation_parser
 def convert_namespace_to_generation_config(args: argparse.Namespace) -> configs.FairseqConfig:
     """convert_namespace_to_config plus the `generation` and `interactive` groups (upstream's cfg.generation,
     cfg.interactive)."""
-    from fairseq.dataclass.generation import GenerationConfig, InteractiveConfig
-    from fairseq.dataclass.utils import config_from_namespace
-
     cfg = convert_namespace_to_config(args)
     cfg.generation = config_from_namespace(GenerationConfig, args)
     cfg.interactive = config_from_namespace(InteractiveConfig, args)

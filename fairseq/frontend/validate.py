@@ -9,9 +9,22 @@ options in its class's `check_config`); this module only collects them, in a fix
 the data, the device or the checkpoint stay where those are read.
 """
 
+import torch
+
 from fairseq import registry
+from fairseq.checkpoint.manager import parse_optimizer_overrides
+from fairseq.checkpoint.vocabulary import check_bpe_flags
+from fairseq.data.indexed_dataset import check_dataset_impl
 from fairseq.dataclass.batch_flags import check_batch_flags
-from fairseq.dataclass.build import check_precision, check_seed  # noqa: F401 (check_precision: also named here)
+from fairseq.dataclass.build import check_precision, check_seed
+from fairseq.distributed.float8 import check_float8_environment, check_float8_flags
+from fairseq.distributed.fsdp import check_fsdp_flags
+from fairseq.distributed.mesh import check_layout_flags
+from fairseq.distributed.tensor_parallel_checks import check_tensor_parallel_config
+from fairseq.logging.profiler import parse_update_range
+from fairseq.optim import check_optimizer_overrides
+from fairseq.tasks.language_modeling import check_token_budget
+from fairseq.training.ema import check_ema_config
 
 
 def check_shard(dataset) -> None:
@@ -27,8 +40,6 @@ def check_sharded_state(distributed) -> None:
 
 
 def _training_device(cfg):
-    import torch
-
     if cfg.common.cpu or not torch.cuda.is_available():
         return torch.device("cpu")
     return torch.device("cuda", 0)  # every GPU of a job is assumed to be of one kind
@@ -36,17 +47,6 @@ def _training_device(cfg):
 
 def validate(cfg) -> None:
     """Raise ValueError, naming the flag and the fix, for the first problem of a training config."""
-    from fairseq.checkpoint.manager import parse_optimizer_overrides
-    from fairseq.checkpoint.vocabulary import check_bpe_flags
-    from fairseq.data.indexed_dataset import check_dataset_impl
-    from fairseq.distributed.fsdp import check_fsdp_flags
-    from fairseq.training.ema import check_ema_config
-    from fairseq.optim import check_optimizer_overrides
-    from fairseq.tasks.language_modeling import check_token_budget
-    from fairseq.distributed.mesh import check_layout_flags
-    from fairseq.distributed.tensor_parallel_checks import check_tensor_parallel_config
-    from fairseq.distributed.float8 import check_float8_environment, check_float8_flags
-
     check_batch_flags(cfg, required=True)
     check_token_budget(cfg)
     if cfg.optimizer is None:
@@ -71,8 +71,6 @@ def validate(cfg) -> None:
     check_tensor_parallel_config(cfg)
     check_sharded_state(cfg.distributed_training)
     if cfg.common.profile_updates:
-        from fairseq.logging.profiler import parse_update_range
-
         parse_update_range(cfg.common.profile_updates)
     check_ema_config(cfg.ema)
     check_bpe_flags(cfg.bpe)  # the checkpoints will carry them (read at start-up)

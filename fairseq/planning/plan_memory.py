@@ -27,13 +27,13 @@ from fairseq import registry
 from fairseq.checkpoint.writer import async_save_host_bytes
 from fairseq.dataclass import configs
 from fairseq.dataclass.build import check_precision
+from fairseq.dataclass.argument_parser import FairseqArgumentParser
 from fairseq.dataclass.batch_flags import check_batch_size, check_max_tokens, check_update_freq
 from fairseq.dataclass.utils import add_dataclass_to_parser
 from fairseq.distributed.float8 import check_float8_flags
 from fairseq.distributed.fsdp import FSDPSettings, check_fsdp_flags
 from fairseq.distributed.mesh import TP_MESH_OF_ONE, ParallelLayout
 from fairseq.distributed.tensor_parallel import check_tensor_parallel_shape
-from fairseq.options import FairseqArgumentParser
 from fairseq.models.transformer_lm import (TransformerLanguageModelConfig, preset_config,
                                            resolve_max_target_positions, uses_adaptive_modules)
 from fairseq.tasks.language_modeling import LanguageModelingConfig

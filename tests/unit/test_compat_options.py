@@ -7,7 +7,7 @@ import pytest
 
 from fairseq import options
 from fairseq.dataclass.notices import COMPAT_NOTICES, compat_notices
-from fairseq.dataclass.validate import validate
+from fairseq.frontend.validate import validate
 from tests.train_fixtures import default_train_argv, train_in_process
 
 TRAIN_BASE = ["data", "--task", "language_modeling", "--arch", "transformer_lm", "--optimizer", "adam",

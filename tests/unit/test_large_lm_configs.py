@@ -12,7 +12,7 @@ import torch
 from hydra import compose, initialize_config_dir
 
 from fairseq import options
-from fairseq.dataclass.hydra import (
+from fairseq.frontend.hydra import (
     as_hydra_overrides, fairseq_config_from_dict, recipe_update_freq, resolve_paths, split_recipe, to_plain_dict,
 )
 from fairseq.dataclass.utils import config_to_dict

@@ -3,7 +3,7 @@
 import pytest
 
 from fairseq import options
-from fairseq.dataclass.validate import validate
+from fairseq.frontend.validate import validate
 from fairseq_cli import train
 from tests.train_fixtures import train_in_process
 
