@@ -14,7 +14,9 @@ from argparse import Namespace
 from typing import List, Optional
 
 from fairseq.frontend import options
-from fairseq.dataclass.utils import flag_name
+from fairseq.dataclass.configs import PreprocessConfig
+from fairseq.dataclass.notices import announce_compat_options
+from fairseq.dataclass.utils import config_from_namespace, flag_name
 from fairseq.upstream_absent import refused_options
 
 from fairseq.preprocessing import binarizer
@@ -22,6 +24,7 @@ from fairseq.checkpoint.io import os_error_message
 from fairseq.data import Dictionary
 from fairseq.data.encoders._script_io import interrupted_exit, stopping_on_signals
 from fairseq.data.indexed_dataset import data_file_path
+from fairseq.data.jsonl_corpus import CorpusError, find_corpora, open_shard, parse_document
 from fairseq.registry import import_user_module
 
 logger = logging.getLogger("fairseq_cli.preprocess")
@@ -102,10 +105,6 @@ def _dictionary_inputs(args: Namespace) -> List[str]:
 
 def _announce_upstream_options(args: Namespace) -> None:
     """One line per upstream option accepted without an effect here (upstream_absent.ACCEPTED_OPTIONS)."""
-    from fairseq.dataclass.configs import PreprocessConfig
-    from fairseq.dataclass.utils import config_from_namespace
-    from fairseq.dataclass.notices import announce_compat_options
-
     announce_compat_options(preprocess=config_from_namespace(PreprocessConfig, args))
 
 
@@ -136,6 +135,15 @@ def _bpe_spec(args: Namespace):
 def main(args: Namespace) -> None:
     if getattr(args, "user_dir", None):
         import_user_module(args.user_dir)
+    if args.json_key:
+        with _writing(args.destdir):
+            os.makedirs(args.destdir, exist_ok=True)
+        try:
+            _text_from_jsonl(args)
+            main(Namespace(**dict(vars(args), json_key=None)))
+        finally:
+            _remove_own_temporaries(args.destdir)
+        return
     check_args(args)
     _announce_upstream_options(args)
     if getattr(args, "tokenizer", None):
@@ -169,6 +177,36 @@ def main(args: Namespace) -> None:
         logger.setLevel(old_level)
         logger.removeHandler(log_handler)
         log_handler.close()
+
+
+def _text_from_jsonl(args: Namespace) -> None:
+    """--json-key: each --trainpref/--validpref/--testpref (a JSONL file, or a split directory of corpora read in
+    the streaming task's order) becomes a hidden text file in DESTDIR with the items the streaming task makes
+    of it: each document's lines, then an empty line (the end of a document). The prefixes then name those."""
+    for flag in ("trainpref", "validpref", "testpref"):
+        value = getattr(args, flag)
+        if not value:
+            continue
+        texts = []
+        for k, source in enumerate(value.split(",")):
+            files = [f for fs in find_corpora(source).values() for f in fs] if os.path.isdir(source) else [source]
+            text = os.path.join(args.destdir, f".{flag}{k}.{os.getpid()}.jsonl.txt")
+            try:
+                with _writing(text), open(text, "w", encoding="utf-8") as out:
+                    for path in files:
+                        if not os.path.isfile(path):
+                            raise PreprocessError(f"--{flag} {path}: no such JSONL file (--json-key reads JSONL)")
+                        with open_shard(path) as lines:
+                            for lineno, raw in enumerate(lines, 1):
+                                if raw.strip():
+                                    doc = parse_document(raw.rstrip(b"\r\n"), args.json_key, path, lineno)
+                                    out.write("".join(line + "\n" for line in doc) + "\n" if doc else "")
+            except CorpusError as e:
+                raise PreprocessError(str(e).replace(", or pass --skip-invalid-documents to skip such lines", "")) from None
+            logger.info(f"--{flag} {source}: {len(files)} JSONL file(s) read as {os.path.basename(text)} "
+                        f"(--json-key {args.json_key})")
+            texts.append(text)
+        setattr(args, flag, ",".join(texts))
 
 
 def _remove_own_temporaries(destdir: str) -> None:

@@ -49,7 +49,7 @@ case "${1:-tests}" in
     ;;
   decode)  # issue 41 (kernels) and 39.3 (host syncs): the decode GPU tests, then greedy with and without the decode
            # attention kernel, int8, and the per-step kernel profile, on the 1.3B preset (no transformers rows)
-    step decode_tests 240 python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu/test_decode_attention_gpu.py \
+    step decode_tests 240 python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu/test_decode_attention_gpu.py tests/gpu/test_decode_engine_gpu.py \
       tests/gpu/test_quantize_gpu.py tests/gpu/test_generation_gpu.py -rs --basetemp "$WORK/pytest"
     step decode_bench 300 python3 scripts/benchmark_generate.py --arch transformer_lm_gpt3_xl --batch-sizes 1,32 \
       --prompt-len 512 --new-tokens 256 --dtype bf16 --repeats 1 --rows greedy,greedy-sdpa,int8 --no-transformers \

@@ -96,7 +96,8 @@ def plan_overrides(size: str, nodes: int, gpus_per_node: int, data, overrides, c
     probe = overrides + ["checkpoint.save_dir=/probe", "distributed_training.distributed_port=1"]
     values, recipe = split_recipe(compose_dict(str(config_dir), size, probe))
     task = dict(values.get("task") or {})
-    needs_data = task.get("data") == MISSING and task.get("_name", "language_modeling") == "language_modeling"
+    needs_data = task.get("data") == MISSING and task.get("_name", "language_modeling") in (
+        "language_modeling", "streaming_language_modeling")
     data_from_env = needs_data and data is None
     if data_from_env:
         notes.append("no --data: the job reads the data directory from $DATA when it starts")

@@ -538,6 +538,11 @@ def iterator_state_for_world_size(state: Dict[str, Any], saved_world: Optional[i
     of the epoch together."""
     state = dict(state)
     saved_world = world_size if saved_world is None else saved_world
+    if state.get("streaming") is not None:  # --task streaming_language_modeling: a global sample index
+        if saved_world != world_size:
+            _train_logger.warning(f"resuming a checkpoint saved by {saved_world} ranks on {world_size}: the streaming "
+                                  f"data continues its global sequence at sample {state['streaming']['sample']:,}")
+        return state
     if saved_world != world_size:
         consumed = state["iterations_in_epoch"] * saved_world
         state["iterations_in_epoch"] = consumed // world_size

@@ -93,6 +93,19 @@ def block_slices(sizes, block_size: Optional[int], break_mode: str = "none",
     return starts[keep], ends[keep]
 
 
+def final_block_slices(sizes, block_size: Optional[int], break_mode: str, document_sep_len: int = 1,
+                       at_end: bool = False) -> Tuple[np.ndarray, np.ndarray, int]:
+    """`block_slices` of a stream known only up to its last item (the streaming task's window): the blocks that
+    no later item can change, and the stream position to continue from (the end of the last of them, 0 if
+    none). All but the last block are final (a greedy block ends at an item that did not fit, a `none` block at
+    a fixed position); `at_end`: the stream ends here, every block is final. Slicing again from the returned
+    position, with more items, gives the blocks slicing the whole stream gives."""
+    starts, ends = block_slices(sizes, block_size, break_mode, document_sep_len)
+    if not at_end:
+        starts, ends = starts[:-1], ends[:-1]
+    return starts, ends, int(ends[-1]) if len(ends) else 0
+
+
 def _smallest_int_dtype(max_value: int):
     return np.int32 if max_value < 2**31 else np.int64
 

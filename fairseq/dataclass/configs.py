@@ -268,6 +268,9 @@ class PreprocessConfig:
     padding_factor: int = opt(8, "pad the dictionary size to a multiple of this")
     workers: int = opt(1, "number of parallel workers")
     dict_only: bool = opt(False, "only build the dictionary")
+    json_key: Optional[str] = opt(None, "read --trainpref/--validpref/--testpref as JSONL (a .jsonl[.gz|.zst] file or "
+                                        "a split directory of corpora) with the text under this key, as "
+                                        "--task streaming_language_modeling reads it")
     dataset_impl: str = opt("mmap", "output format (mmap is the only one)")
 
 

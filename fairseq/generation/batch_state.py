@@ -9,7 +9,7 @@ order because they store through the same code.
 
 import math
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Set
 
 import torch
 from torch import Tensor
@@ -33,17 +33,20 @@ class FinishedHypotheses:
         """Store the hypotheses of rows `rows` of `tokens` / `scores` (laid out as BatchState's: the begin token
         first; cumulative scores per step) that end with </s> at `step` (score `eos_scores`); row r belongs to
         batch sentence r // beam, original sentence `sent_of_row[r // beam]`. Returns the batch indices of the
-        sentences now done (beam hypotheses, or the last step)."""
-        ended = tokens.index_select(0, rows)[:, 1:step + 2]  # without the begin-of-sentence token
+        sentences now done (beam hypotheses, or the last step). `rows` may be on the host (the device loops find
+        them there): the sentences' bookkeeping then reads no device value but the scores."""
+        device_rows = rows.to(tokens.device)
+        ended = tokens.index_select(0, device_rows)[:, 1:step + 2]  # without the begin-of-sentence token
         ended[:, step] = self.eos
-        pos_scores = scores.index_select(0, rows)[:, :step + 1]
+        pos_scores = scores.index_select(0, device_rows)[:, :step + 1]
         pos_scores[:, step] = eos_scores
         pos_scores[:, 1:] = pos_scores[:, 1:] - pos_scores[:, :-1]  # cumulative -> per token
         if self.normalize_scores:
             eos_scores = eos_scores / (step + 1) ** self.len_penalty
         batch_rows = torch.div(rows, self.beam, rounding_mode="trunc")
         if self.match_source_len:
-            eos_scores = torch.where(step > src_lengths.index_select(0, batch_rows), -math.inf, eos_scores)
+            eos_scores = torch.where(step > src_lengths.index_select(0, batch_rows.to(src_lengths.device)), -math.inf,
+                                     eos_scores)
         seen = {}
         for i, (row, value) in enumerate(zip(batch_rows.tolist(), eos_scores.tolist())):
             sent = sent_of_row[row]
@@ -115,10 +118,10 @@ class BatchState:
         self.cand_offsets = torch.arange(2 * beam, device=device)  # twice the beam, in case half end with </s>
         self.first_beams = torch.arange(beam, device=device).repeat(bsz, 1)
 
-    def set_prompts(self, prefix: Optional[Tensor], eos: int) -> None:
+    def set_prompts(self, prefix: Optional[Tensor], forced_eos_steps: Set[int]) -> None:
         self.prefix = prefix
         self.forced_rows = None if prefix is None else prefix.repeat_interleave(self.beam, dim=0)
-        self.forced_eos_steps = set() if prefix is None else set(prefix.eq(eos).any(dim=0).nonzero()[:, 0].tolist())
+        self.forced_eos_steps = forced_eos_steps
 
     def store_ended(self, step: int, rows: Tensor, eos_scores: Tensor, tokens: Tensor, scores: Tensor) -> List[int]:
         """`finished.store` for this batch (see FinishedHypotheses.store)."""

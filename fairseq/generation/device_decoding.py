@@ -250,9 +250,11 @@ class DeviceLoop:
         column the </s> score, ended at `end_steps[r]`, -1: none; row r // beam is its sentence, rows in the
         order the step-by-step loop stores them) in the batch's store of finished hypotheses, as the
         step-by-step loop stores them (one call per end step)."""
+        end_steps = end_steps.cpu()  # one read of the end steps; the rows of each are found on the host
         for step in sorted(set(end_steps.tolist()) - {-1}):
             rows_ending = end_steps.eq(step).nonzero().squeeze(1)
-            b.store_ended(step, rows_ending, scores[:, step].index_select(0, rows_ending), tokens, scores)
+            b.store_ended(step, rows_ending, scores[:, step].index_select(0, rows_ending.to(scores.device)), tokens,
+                          scores)
 
 
 class DeviceDecodeLoop(DeviceLoop):

@@ -34,7 +34,7 @@ A running batch that requests join and leave is fairseq.generation.engine's Deco
 
 import logging
 import math
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Set, Tuple
 
 import torch
 import torch.nn as nn
@@ -139,15 +139,16 @@ class SequenceGenerator(nn.Module):
         return max_len
 
     def _prompts(self, prefix_tokens: Optional[Tensor], bsz: int, max_len: int,
-                 device: torch.device) -> Tuple[Optional[Tensor], int]:
-        """(the prompts [bsz, width] without all-pad columns, or None; how many leading tokens every row
-        has, up to the first </s> of any row)."""
+                 device: torch.device) -> Tuple[Optional[Tensor], int, Set[int]]:
+        """(the prompts [bsz, width] on `device` without all-pad columns, or None; how many leading tokens every
+        row has, up to the first </s> of any row; the steps at which a prompt forces </s>). The prompts are read
+        on the host: one copy of a device prompt instead of a host sync per question asked of it."""
         if prefix_tokens is None or prefix_tokens.numel() == 0:
-            return None, 0
-        prefix = prefix_tokens.to(device=device, dtype=torch.long)
-        if prefix.dim() != 2 or prefix.size(0) != bsz:
-            raise ValueError(f"prefix_tokens must be [batch size {bsz}, length], got {list(prefix.shape)}")
-        real = prefix.ne(self.pad)
+            return None, 0, set()
+        if prefix_tokens.dim() != 2 or prefix_tokens.size(0) != bsz:
+            raise ValueError(f"prefix_tokens must be [batch size {bsz}, length], got {list(prefix_tokens.shape)}")
+        host = prefix_tokens.to(device="cpu", dtype=torch.long)
+        real = host.ne(self.pad)
         columns = real.any(dim=0).nonzero()
         width = int(columns.max()) + 1 if columns.numel() else 0
         positions = self.model.max_decoder_positions()
@@ -165,13 +166,12 @@ class SequenceGenerator(nn.Module):
                 self._warned_long_prompt = True
             width = max_len
         if width == 0:
-            return None, 0
-        prefix = prefix[:, :width]
+            return None, 0, set()
         shared = int(real[:, :width].long().cumprod(dim=1).sum(dim=1).min())
-        eos_columns = prefix[:, :shared].eq(self.eos).any(dim=0).nonzero()
-        if eos_columns.numel():  # a forced </s> ends hypotheses: leave it to the step-by-step path
-            shared = int(eos_columns.min())
-        return prefix, shared
+        eos_columns = host[:, :width].eq(self.eos).any(dim=0).nonzero()[:, 0].tolist()
+        if eos_columns and eos_columns[0] < shared:  # a forced </s> ends hypotheses: left to the step-by-step path
+            shared = eos_columns[0]
+        return prefix_tokens[:, :width].to(device=device, dtype=torch.long), shared, set(eos_columns)
 
     def _feed_prompts(self, tokens: Tensor, scores: Tensor, prefix: Optional[Tensor], shared: int,
                       states: List[dict], bsz: int, beam: int) -> Tensor:
@@ -286,7 +286,7 @@ class SequenceGenerator(nn.Module):
         device, (bsz, src_len), beam = src_tokens.device, src_tokens.size()[:2], self.beam_size
         src_lengths = (src_tokens.ne(self.eos) & src_tokens.ne(self.pad)).long().sum(dim=1)
         max_len = self._max_len(src_len, src_lengths)
-        prefix, shared = self._prompts(prefix_tokens, bsz, max_len, device)
+        prefix, shared, forced_eos_steps = self._prompts(prefix_tokens, bsz, max_len, device)
         if self.search.forced_beams is None:
             shared = 0  # an unknown search sees every forced step
         rows = bsz * beam
@@ -304,7 +304,7 @@ class SequenceGenerator(nn.Module):
         if self.model.can_feed_prompts:
             lprobs = self._feed_prompts(b.tokens, b.scores, prefix, shared, b.states, bsz, beam)
             b.start = shared
-        b.set_prompts(prefix, self.eos)
+        b.set_prompts(prefix, forced_eos_steps)
         return b, lprobs
 
     def _end_hypotheses(self, b: BatchState, step: int, cand_scores: Tensor, cand_indices: Tensor,

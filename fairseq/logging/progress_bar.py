@@ -184,6 +184,11 @@ class BaseProgressBar:
         return " | ".join(f"{key} {value.strip()}" for key, value in cls._formatted(stats).items())
 
 
+# The length of an endless epoch (the streaming task's): positions are shown without it, and no fraction of
+# the epoch is logged.
+UNBOUNDED = 1 << 50
+
+
 class _CountingBar(BaseProgressBar):
     """Tracks the position within the epoch; logs only when the step is a multiple of log_interval."""
 
@@ -195,6 +200,8 @@ class _CountingBar(BaseProgressBar):
 
     def __iter__(self):
         self.size = len(self.iterable)
+        if self.size >= UNBOUNDED:
+            self.size = None
         for i, obj in enumerate(self.iterable, start=self.n):
             self.i = i
             yield obj
@@ -240,7 +247,8 @@ class SimpleProgressBar(_CountingBar):
             return
         position = 0 if self.i is None else self.i + 1
         size = len(self.iterable) if self.size is None else self.size
-        _emit(tag, "{}:  {:5d} / {:d} {}".format(self.prefix, position, size, self._commas(stats)))
+        of = f" / {size:d}" if size < UNBOUNDED else ""
+        _emit(tag, "{}:  {:5d}{} {}".format(self.prefix, position, of, self._commas(stats)))
 
     def print(self, stats, tag=None, step=None):
         _emit(tag, "{} | {}".format(self.prefix, self._pipes(stats)))
@@ -257,6 +265,7 @@ class TqdmProgressBar(BaseProgressBar):
             iterable,
             self.prefix,
             leave=False,
+            total=float("inf") if len(iterable) >= UNBOUNDED else None,  # inf: tqdm shows no total
             file=sys.stderr,
             disable=(logger.getEffectiveLevel() > logging.INFO),
         )

@@ -262,7 +262,7 @@ def _iter_encoded(path: str, start: int, end: int, encoder: LineEncoder) -> Iter
         yield encoder.encode([line.strip() for line in lines])
 
 
-class _Table:
+class LocalIdTable:
     """local id -> dictionary index (and whether that is a replacement by <unk>), grown as symbols appear."""
 
     def __init__(self, encoder: LineEncoder, indices: Dict[str, int], unk: int, unk_word: str):
@@ -280,11 +280,10 @@ class _Table:
             self.replaced = np.concatenate([self.replaced, rep])
 
 
-def _add_mapped(builder, summary: BinarizeSummary, local: np.ndarray, sizes: np.ndarray, table: _Table,
-                eos: int) -> None:
-    """Append lines given as local ids (`sizes` tokens each, no </s>) as dictionary indices plus </s>."""
-    if len(sizes) == 0:
-        return
+def map_local_ids(local: np.ndarray, sizes: np.ndarray, table: LocalIdTable,
+                  eos: int) -> Tuple[np.ndarray, np.ndarray, int]:
+    """(dictionary indices with </s> after each line, tokens per line with it, tokens replaced by <unk>) of lines
+    given as local ids (`sizes` tokens each): fairseq-preprocess's ids, also the streaming task's."""
     if len(local) and int(local.max()) >= len(table.index):
         table.update()
     out_sizes = sizes + 1
@@ -293,17 +292,26 @@ def _add_mapped(builder, summary: BinarizeSummary, local: np.ndarray, sizes: np.
     keep = np.ones(len(out), dtype=bool)
     keep[ends] = False
     out[keep] = table.index[local]
+    return out, out_sizes, int(np.count_nonzero(table.replaced[local]))
+
+
+def _add_mapped(builder, summary: BinarizeSummary, local: np.ndarray, sizes: np.ndarray,
+                table: LocalIdTable, eos: int) -> None:
+    """Append lines given as local ids (`sizes` tokens each, no </s>) as dictionary indices plus </s>."""
+    if len(sizes) == 0:
+        return
+    out, out_sizes, replaced = map_local_ids(local, sizes, table, eos)
     builder.add_items(out.astype(builder.dtype), out_sizes)
     summary.num_seq += len(sizes)
     summary.num_tok += len(out)
-    summary.num_replaced += int(np.count_nonzero(table.replaced[local]))
+    summary.num_replaced += replaced
 
 
 def encode_binarize_range(builder, path: str, start: int, end: int, spec: tuple, indices: Dict[str, int], unk: int,
                           eos: int, unk_word: str) -> BinarizeSummary:
     """Raw text bytes [start, end) of `path`, encoded with `spec`'s --bpe, into `builder`."""
     encoder = _line_encoder(spec)
-    table = _Table(encoder, indices, unk, unk_word)
+    table = LocalIdTable(encoder, indices, unk, unk_word)
     summary = BinarizeSummary()
     for local, sizes in _iter_encoded(path, start, end, encoder):
         _add_mapped(builder, summary, local, sizes, table, eos)
@@ -340,7 +348,7 @@ def binarize_cached_range(builder, cache: tuple, spec: tuple, indices: Dict[str,
     """Binarize a range cached by `count_encode_range` into `builder`."""
     cache_prefix, symbols = cache
     encoder = _line_encoder(spec)
-    table = _Table(encoder, indices, unk, unk_word)
+    table = LocalIdTable(encoder, indices, unk, unk_word)
     table.update(symbols)
     summary = BinarizeSummary()
     def mapped(ext):  # read in slices: memory stays bounded whatever the range's size

@@ -39,7 +39,7 @@ def trainer_iterator(cfg, task, trainer, epoch: int, combine: bool = False, load
         data_buffer_size=cfg.dataset.data_buffer_size,
         **({"disable_iterator_cache": True} if disable_iterator_cache else {}),
     )
-    if len(epoch_itr.frozen_batches) == 0 or _mostly_skipped(epoch_itr):
+    if len(epoch_itr) == 0 or _mostly_skipped(epoch_itr):  # len: batches per rank (0 iff none at all)
         raise ValueError(task.no_batches_message(cfg.dataset.train_subset, epoch_itr, "training"))
     if not cfg.dataset.disable_validation:  # cheap after the first time: the valid iterators are cached
         valid_iterators(cfg, task, trainer)

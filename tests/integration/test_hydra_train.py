@@ -434,3 +434,19 @@ def test_yaml_model_group_input_and_output_dims_keep_upstreams_default():
     model = fairseq_config_from_dict(dict(base, model={"_name": "transformer_lm", "decoder_embed_dim": 64,
                                                        "decoder_input_dim": 128})).model
     assert (model.decoder_input_dim, model.decoder_output_dim) == (128, 512)
+
+
+def test_streaming_task_with_yaml_weights(tmp_path, monkeypatch, capsys, restore_logging):
+    from tests.streaming_fixtures import write_jsonl_corpora
+
+    data = write_jsonl_corpora(tmp_path / "jsonl", docs=40, valid_docs=4)
+    monkeypatch.chdir(tmp_path)
+    for name in [k for k in os.environ if k.startswith(("SLURM_", "RANK", "LOCAL_RANK", "WORLD_SIZE"))]:
+        monkeypatch.delenv(name)
+    hydra_train.cli_main(hydra_args("task._name=streaming_language_modeling", f"task.data={data}",
+                                    "task.data_weights='web=1,books=0'", "checkpoint.save_dir=ck",
+                                    "hydra/job_logging=none"))
+    checkpoint = torch.load(tmp_path / "ck" / "checkpoint_last.pt", map_location="cpu", weights_only=True)
+    streaming = checkpoint["extra_state"]["train_iterator"]["streaming"]
+    assert streaming["rates"] == {"books": 0.0, "web": 1.0}
+    assert streaming["tokens"] == {"books": 0, "web": 2 * 4 * 32}  # 2 updates of 4 blocks of 32 tokens

@@ -97,3 +97,12 @@ def test_data_position_is_re_expressed_for_another_world_size(caplog):
     assert first.name == second.name == "fairseq_cli.train"  # the name fairseq-train's log always gave it
     assert first.getMessage().startswith("resuming a checkpoint saved by 2 ranks on 1: continuing after batch 10")
     assert second.getMessage().endswith("(1 batch(es) of this epoch are skipped)")
+
+
+def test_streaming_data_position_is_the_same_for_every_world_size(caplog):
+    position = {"version": 2, "epoch": 1, "iterations_in_epoch": 5, "shuffle": True, "streaming": {"sample": 40}}
+    with caplog.at_level(logging.WARNING):
+        assert iterator_state_for_world_size(position, 2, 3) == position  # a global sample index: nothing to scale
+    [record] = caplog.records
+    assert record.getMessage() == ("resuming a checkpoint saved by 2 ranks on 3: the streaming data continues its "
+                                   "global sequence at sample 40")

@@ -51,6 +51,11 @@ TP_CHANGES = {
 }
 
 
+# The streaming variants: their size's recipe with the data read as JSONL corpora (docs/streaming_data.md).
+STREAMING_VARIANTS = {"66b_streaming": "66b", "175b_streaming": "175b"}
+STREAMING_FILES = ["task.data=/data", "bpe.gpt2_encoder_json=/gpt2/encoder.json", "bpe.gpt2_vocab_bpe=/gpt2/vocab.bpe"]
+
+
 def load_script(name):
     """A module of scripts/ (not a package), imported by path."""
     spec = importlib.util.spec_from_file_location(name, REPO / "scripts" / f"{name}.py")
@@ -79,7 +84,7 @@ def num_params(model):
 
 
 def test_every_size_has_a_config():
-    assert sorted(p.stem for p in CONFIG_DIR.glob("*.yaml")) == sorted([*TABLE, *TP_VARIANTS])
+    assert sorted(p.stem for p in CONFIG_DIR.glob("*.yaml")) == sorted([*TABLE, *TP_VARIANTS, *STREAMING_VARIANTS])
 
 
 def flat(values, prefix=""):
@@ -112,6 +117,21 @@ def test_tensor_parallel_variant_is_its_size_with_the_layout_changed(variant):
     check_float8_flags(common.fp8, common.fp16, common.bf16, common.fp8_recipe, common.fp8_fsdp_all_gather,
                        cfg.distributed_training.ddp_backend)
     check_tensor_parallel_shape(8, cfg.model.decoder_attention_heads, cfg.model.decoder_ffn_embed_dim, VOCAB)
+
+
+@pytest.mark.parametrize("variant", list(STREAMING_VARIANTS))
+def test_streaming_variant_is_its_size_with_the_data_changed(variant):
+    size = STREAMING_VARIANTS[variant]
+    base, base_recipe = split_recipe(compose_values(size, ["task.data=/data"]))
+    streaming, recipe = split_recipe(compose_values(variant, STREAMING_FILES))
+    changed = {key for key, value in flat(streaming).items() if flat(base).get(key, "unset") != value}
+    assert changed == {"task._name", "task.data_weights", "task.multicorpus_sampling_alpha", "bpe._name",
+                       "bpe.gpt2_encoder_json", "bpe.gpt2_vocab_bpe", "dataset.num_workers", "dataset.valid_subset",
+                       "checkpoint.save_dir"}
+    assert recipe == base_recipe
+    cfg = fairseq_config_from_dict(streaming)
+    assert cfg.task.tokens_per_sample == 2048 and cfg.task.bpe == "gpt2"
+    assert cfg.task.gpt2_encoder_json == "/gpt2/encoder.json"
 
 
 @pytest.mark.parametrize("size", list(TABLE))

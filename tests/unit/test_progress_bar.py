@@ -125,6 +125,26 @@ def test_simple_format_lines(log_lines):
     ]
 
 
+class _Endless:
+    """An iterator as long as the streaming task's endless epoch."""
+
+    def __len__(self):
+        return pb.UNBOUNDED
+
+    def __iter__(self):
+        return iter(range(5))
+
+
+def test_an_endless_epoch_is_shown_without_its_length(log_lines):
+    for log_format in ("simple", "json"):
+        bar = pb.progress_bar(_Endless(), log_format=log_format, log_interval=2, epoch=1)
+        for i, _ in enumerate(bar):
+            if i + 1 == 2:
+                bar.log({"loss": 1.5}, tag="train_inner", step=2)
+    assert [line.split(" | ", 3)[3] for line in log_lines()] == ["epoch 001:      2 loss=1.5",
+                                                                 '{"epoch": 1, "loss": "1.5"}']
+
+
 def test_none_format_iterates_and_prints_nothing(log_lines, capsys):
     bar = pb.progress_bar(list(range(4)), log_format="none", log_interval=1, epoch=1)
     assert list(bar) == [0, 1, 2, 3]

@@ -78,6 +78,15 @@ def test_dry_run_175b_renders_the_job(slurm_submit, capsys, tmp_path):
     assert bash_syntax_ok(path)
 
 
+def test_streaming_recipe_renders_with_its_data_and_tokenizer_files(slurm_submit, capsys):
+    gpt2 = ["bpe.gpt2_encoder_json=/gpt2/encoder.json", "bpe.gpt2_vocab_bpe=/gpt2/vocab.bpe"]
+    code, script, err = render(slurm_submit, capsys, "66b_streaming", "--nodes", "64", "--gpus-per-node", "8",
+                               "--dry-run", *gpt2)
+    assert code == 0, err
+    assert "SIZE=66b_streaming" in script.splitlines() and f"OVERRIDES=({' '.join(gpt2)})" in script
+    assert "no --data" in err and "DATA=${DATA:?" in script  # the JSONL directory, from the environment
+
+
 def test_other_gpu_counts_keep_the_global_batch(slurm_submit, capsys):
     code, script, err = render(slurm_submit, capsys, "175b", "--nodes", "32", "--gpus-per-node", "8", "--dry-run",
                                "--data", "/data/bin", "optimization.lr=[6e-05]")
