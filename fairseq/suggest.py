@@ -1,5 +1,5 @@
 """'did you mean' hints: the one implementation behind the suggestions for unknown flags and choices
-(fairseq.options), unknown YAML keys (fairseq.dataclass.hydra), unknown component names (fairseq.registry)
+(fairseq.options), unknown YAML keys (fairseq.frontend.hydra), unknown component names (fairseq.registry)
 and unknown --optimizer-overrides keys (fairseq.optim)."""
 
 import difflib

@@ -160,7 +160,7 @@ REFUSED_OPTIONS = (
 
 # Upstream options accepted (so upstream command lines run unchanged) whose behaviour this fork does not have:
 # (group, field, what happens instead). Set to anything but its default, each is announced in one line at
-# start-up (fairseq.dataclass.validate.announce_compat_options); options whose result here is the same say so in
+# start-up (fairseq.dataclass.notices.announce_compat_options); options whose result here is the same say so in
 # their help instead.
 ACCEPTED_OPTIONS = (
     ("common", "suppress_crashes", "a failing run raises its error and exits non-zero, as without the flag"),

@@ -14,7 +14,7 @@ from typing import Dict, List, Optional
 
 import torch
 
-from fairseq import options
+from fairseq.frontend import options
 from fairseq.registry import import_user_module
 from fairseq_cli.console import run_console_script
 from fairseq.checkpoint.inference import load_model
@@ -27,7 +27,8 @@ from fairseq.data.lm_context_window_dataset import InCorpusOrder, with_context_w
 from fairseq.logging import progress_bar
 from fairseq.models.fairseq_model import model_config_line
 from fairseq.dataclass.batch_flags import check_batch_flags
-from fairseq.dataclass.validate import announce_compat_options, check_shard
+from fairseq.dataclass.notices import announce_compat_options
+from fairseq.frontend.validate import check_shard
 from fairseq.tasks.language_modeling import check_block_budget, load_split
 from fairseq.training.precision import compute_dtype
 
@@ -273,7 +274,7 @@ def main(cfg, **unused_kwargs) -> dict:
     progress_bar.setup_logging(cfg.common.log_file)
     if cfg.common.user_dir:
         import_user_module(cfg.common.user_dir)
-    announce_compat_options(cfg)
+    announce_compat_options(**vars(cfg))
     check_shard(cfg.dataset)
     check_bpe_files(cfg.bpe)
     path = cfg.common_eval.path

@@ -22,7 +22,7 @@ from typing import List, Optional, TextIO
 import numpy as np
 import torch
 
-from fairseq import options
+from fairseq.frontend import options
 from fairseq.checkpoint.inference import load_model
 from fairseq.checkpoint.vocabulary import check_bpe_files, resolve_bpe
 from fairseq.data.batching import resolve_limit
@@ -31,7 +31,8 @@ from fairseq.data.encoders._write_errors import writing
 from fairseq.dataclass.build import check_seed
 from fairseq.dataclass.flag_values import task_data_dir
 from fairseq.dataclass.generation import check_generation_config
-from fairseq.dataclass.validate import announce_compat_options, check_shard
+from fairseq.dataclass.notices import announce_compat_options
+from fairseq.frontend.validate import check_shard
 from fairseq.generation.decode_memory import check_decode_memory, decode_positions
 from fairseq.generation.hub_utils import TextCodec, move_to
 from fairseq.generation.quantize import check_quantize, quantize_for_generation
@@ -170,7 +171,7 @@ def setup(cfg, interactive=None):
         import_user_module(cfg.common.user_dir)
     check_generation_config(cfg.generation, cfg.dataset, interactive)
     check_bpe_files(cfg.bpe)
-    announce_compat_options(cfg)
+    announce_compat_options(**vars(cfg))
     check_shard(cfg.dataset)
     check_seed(cfg.common)
     seed_everything(cfg)

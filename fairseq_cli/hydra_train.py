@@ -3,7 +3,7 @@
     fairseq-hydra-train --config-dir examples/large_lm/config --config-name 125m \
         task.data=data-bin/gpt2 checkpoint.save_dir=checkpoints/125m optimization.lr=[0.001]
 
-The config uses upstream fairseq's layout (see `fairseq.dataclass.hydra`); every key is checked against
+The config uses upstream fairseq's layout (see `fairseq.frontend.hydra`); every key is checked against
 the config dataclasses, the architecture preset fills what the config leaves unset, and training runs
 exactly as `fairseq-train` with the equivalent flags would (same launcher, same exit status after a
 preemption: 3, or 4 when `scontrol requeue` failed). Any `group.key=value` override may set a key the
@@ -35,12 +35,13 @@ from hydra.core.config_store import ConfigStore
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
-from fairseq.dataclass.hydra import (
+from fairseq.frontend.hydra import (
     as_hydra_overrides, fairseq_config_from_dict, recipe_update_freq, resolve_paths, split_recipe, to_plain_dict,
     without_group_package_headers,
 )
 from fairseq.dataclass.flag_values import task_block_options
 from fairseq.dataclass.utils import config_to_dict
+from fairseq.frontend.validate import validate
 from fairseq.data.encoders._write_errors import OutputError, os_error_message
 from fairseq.logging import progress_bar
 from fairseq.logging.progress_bar import DATE_FORMAT, LOG_FORMAT
@@ -83,7 +84,8 @@ def _register_upstream_groups() -> None:
     optimizer=adam ...`. Each choice of group `task`, `criterion`, `optimizer`, `lr_scheduler` is a registered
     name; `model=ARCH` and `model=MODEL/ARCH` choose an architecture. The primary config `config` selects
     upstream's defaults (cross_entropy, fixed) and, as upstream's does, runs in the current directory."""
-    from fairseq import options, registry
+    from fairseq import registry
+    from fairseq.frontend import options
 
     store = ConfigStore.instance()
     for attr, _, reg, _ in options.COMPONENTS:
@@ -189,7 +191,7 @@ def warn_if_global_batch_differs(cfg, recipe: Dict, world_size: int) -> Optional
     return message
 
 
-def train_with_recipe_check(cfg, recipe: Optional[Dict] = None):
+def train_with_recipe_check(cfg, recipe: Optional[Dict] = None, validated: bool = False):
     """Runs on every rank (module level so spawned processes can import it)."""
     from fairseq.distributed import utils as dist_utils
     from fairseq_cli import train
@@ -199,7 +201,7 @@ def train_with_recipe_check(cfg, recipe: Optional[Dict] = None):
         # Data-parallel ranks: the ranks of a tensor-parallel group share their batches.
         data_parallel = dist_utils.get_world_size() // cfg.distributed_training.model_parallel_size
         warn_if_global_batch_differs(cfg, recipe, data_parallel)
-    return train.main(cfg)
+    return train.main(cfg, validated=validated)
 
 
 def _save_resolved_config(cfg, hydra_cfg) -> None:
@@ -372,6 +374,7 @@ _OUTCOME: Dict[str, object] = {}  # what the hydra task returned or raised, read
 @hydra.main(version_base="1.3", config_path=None, config_name=None)
 def _hydra_task(composed: DictConfig) -> None:
     from fairseq.distributed.launch import call_main
+    from fairseq.training.loop import check_input_files
 
     # Hydra would catch an exception here, print it and exit 1; keep it for cli_main instead, so user
     # errors read as one line (as with fairseq-train) and the requeue status comes through.
@@ -388,7 +391,9 @@ def _hydra_task(composed: DictConfig) -> None:
         if cfg.common.log_file is None:  # ranks spawned from here log to hydra's file too
             cfg.common.log_file = _hydra_log_file()
         _save_resolved_config(cfg, hydra_cfg)
-        _OUTCOME["result"] = call_main(cfg, train_with_recipe_check, recipe=recipe)
+        validate(cfg)  # once, before any rank is spawned; the ranks trust it
+        check_input_files(cfg)
+        _OUTCOME["result"] = call_main(cfg, train_with_recipe_check, recipe=recipe, validated=True)
     except (Exception, SystemExit) as err:
         _OUTCOME["error"] = err
 

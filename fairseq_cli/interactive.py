@@ -22,7 +22,7 @@ import numpy as np
 
 import torch
 
-from fairseq import options
+from fairseq.frontend import options
 from fairseq.dataclass.generation import check_generation_config
 from fairseq.generation.hub_utils import TextPieces, check_prompt_lengths, first_streamed_hypothesis, move_to
 from fairseq_cli.console import run_console_script

@@ -11,11 +11,11 @@ import logging
 import os
 import sys
 from argparse import Namespace
-from types import SimpleNamespace
 from typing import List, Optional
 
-from fairseq import options
+from fairseq.frontend import options
 from fairseq.dataclass.configs import PreprocessConfig
+from fairseq.dataclass.notices import announce_compat_options
 from fairseq.dataclass.utils import config_from_namespace, flag_name
 from fairseq.upstream_absent import refused_options
 
@@ -105,9 +105,7 @@ def _dictionary_inputs(args: Namespace) -> List[str]:
 
 def _announce_upstream_options(args: Namespace) -> None:
     """One line per upstream option accepted without an effect here (upstream_absent.ACCEPTED_OPTIONS)."""
-    from fairseq.dataclass.validate import announce_compat_options
-
-    announce_compat_options(SimpleNamespace(preprocess=config_from_namespace(PreprocessConfig, args)))
+    announce_compat_options(preprocess=config_from_namespace(PreprocessConfig, args))
 
 
 def _bpe_spec(args: Namespace):

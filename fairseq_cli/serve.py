@@ -17,7 +17,7 @@ import tempfile
 import threading
 from typing import List, Optional
 
-from fairseq import options
+from fairseq.frontend import options
 from fairseq.dataclass.serving import ServeConfig, check_serve_config
 from fairseq.dataclass.utils import config_from_namespace
 from fairseq.export.hf_import import CHECKPOINT_NAME, import_hf

@@ -19,7 +19,7 @@ from typing import Dict, List, Optional
 
 import torch
 
-from fairseq import options
+from fairseq.frontend import options
 from fairseq.checkpoint.inference import load_model_ensemble_and_task
 from fairseq.data.batching import resolve_limit, resolve_max_positions
 from fairseq.data.block_positions import check_blocks_fit

@@ -31,7 +31,7 @@ UPSTREAM_FACES = ("fairseq.checkpoint_utils", "fairseq.utils", "fairseq.distribu
                   "fairseq.metrics", "fairseq.tokenizer", "fairseq.trainer", "fairseq.hub_utils", "fairseq.binarizer",
                   "fairseq.file_chunker_utils", "fairseq.search", "fairseq.sequence_generator",
                   "fairseq.sequence_scorer", "fairseq.incremental_decoding_utils", "fairseq.plan_memory",
-                  "fairseq.models.fairseq_decoder", "fairseq.models.fairseq_incremental_decoder")
+                  "fairseq.models.fairseq_decoder", "fairseq.models.fairseq_incremental_decoder", "fairseq.options")
 
 # Layers, lowest first: a module may import its own layer and those below, never one above. The most specific
 # prefix wins. docs/ARCHITECTURE.md draws the same table.
@@ -52,13 +52,13 @@ LAYERS: List[Tuple[str, Tuple[str, ...]]] = [
     ("tasks", ("fairseq.tasks",)),
     # applied to a built model and its state: mesh, TP/FSDP/DDP, float8, launch; checkpoint files and resume
     ("distributed, checkpoint", ("fairseq.distributed", "fairseq.checkpoint")),
-    # what runs a job: the trainer and its loop, the hub, export, the planner; the flag and YAML front ends and
-    # validate(cfg), which collects every component's checks
-    ("training, generation, export, planning, front ends",
-     ("fairseq.training", "fairseq.generation.hub_utils", "fairseq.export", "fairseq.planning", "fairseq.options",
-      "fairseq.dataclass.validate", "fairseq.dataclass.hydra")),
+    # what runs a job: the trainer and its loop, the hub, export, the planner
+    ("training, generation, export, planning",
+     ("fairseq.training", "fairseq.generation.hub_utils", "fairseq.export", "fairseq.planning")),
     # fairseq-serve's server: HTTP, the scheduler over the decode engine, the served model through the hub
     ("serving", ("fairseq.serving",)),
+    # the flag and YAML front ends and validate(cfg), which collects every component's checks
+    ("front ends", ("fairseq.frontend",)),
     ("entry points", ("fairseq_cli",)),
     # upstream's API: the wing and the faces at upstream's module names (the core never imports them)
     ("upstream compatibility", ("fairseq.compat", *UPSTREAM_FACES)),
@@ -77,10 +77,10 @@ EXCEPTIONS: Dict[Tuple[str, str], str] = {
 
 # Each limit is what the tree holds now where it is above its target (a ratchet: it may only go down); TARGETS
 # are issue 40's goals, printed beside the counts so that the table says how far each is.
-LIMITS = {"circles": 0, "upward imports": 4, "folders importing up": 11, "folders importing each other": 7,
+LIMITS = {"circles": 0, "upward imports": 4, "folders importing up": 7, "folders importing each other": 2,
           "root modules over 40 lines": 8, "files over 600 lines": 0, "files over 500 lines": 5,
           "functions over 80 lines": 0, "functions over 60 lines": 7, "config getattr/hasattr probes": 32,
-          "imports inside functions": 223}
+          "imports inside functions": 193}
 TARGETS = {"folders importing up": 4, "folders importing each other": 0, "files over 500 lines": 0,
            "functions over 60 lines": 0, "config getattr/hasattr probes": 10, "imports inside functions": 60}
 # Names of the objects that hold configuration: a getattr/hasattr on them for a literal name probes a field

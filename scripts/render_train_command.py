@@ -70,7 +70,7 @@ def _wrap(items: list, width: int = LINE_WIDTH) -> list:
 
 def train_command(size: str, config_dir: Path = CONFIG_DIR) -> str:
     """The fairseq-train command for a recipe: each config section on lines of its own."""
-    from fairseq.dataclass.hydra import MISSING, compose_dict, fairseq_config_from_dict, split_recipe
+    from fairseq.frontend.hydra import MISSING, compose_dict, fairseq_config_from_dict, split_recipe
 
     values, _ = split_recipe(compose_dict(str(config_dir), size))
     data = values.get("task", {}).get("data", MISSING)

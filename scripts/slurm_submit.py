@@ -88,7 +88,7 @@ def plan_overrides(size: str, nodes: int, gpus_per_node: int, data, overrides, c
                          "tensor parallelism stays inside a node")
     if model_parallel_size > 1:
         overrides = [f"distributed_training.model_parallel_size={model_parallel_size}"] + list(overrides)
-    from fairseq.dataclass.hydra import (
+    from fairseq.frontend.hydra import (
         MISSING, compose_dict, fairseq_config_from_dict, recipe_update_freq, split_recipe,
     )
 

@@ -42,7 +42,7 @@ def overrides(args, out: Path):
 
 def predict(args, config_overrides, env):
     """(plan, gpu memory GiB) of the planner for the composed config, on one GPU, in the run's environment."""
-    from fairseq.dataclass.hydra import compose_dict, fairseq_config_from_dict, split_recipe
+    from fairseq.frontend.hydra import compose_dict, fairseq_config_from_dict, split_recipe
     from fairseq.planning import hardware, plan_memory
     from fairseq.planning import memory_model as mm
 

@@ -20,6 +20,7 @@ from fairseq.checkpoint.io import (
     CheckpointError, CheckpointSaveError, _fsync_dir, atomic_copy, atomic_torch_save, load_checkpoint_file, save_error,
 )
 from fairseq.checkpoint.writer import Write
+from fairseq.distributed.mesh import ParallelLayout
 from fairseq.distributed.utils import barrier, broadcast_from_master, get_rank, get_world_size
 
 logger = logging.getLogger(__name__)
@@ -214,16 +215,13 @@ def check_readable(path: str, index, model_state) -> None:
 
 def _saved_layout(metadata: Dict[str, Any]) -> Optional[str]:
     """'4 rank(s) (TP 2 x FSDP 2)' from the saved config, if it says."""
-    from types import SimpleNamespace
-
-    from fairseq.distributed.mesh import ParallelLayout
-
     dt = (metadata.get("cfg") or {}).get("distributed_training") or {}
     world = dt.get("distributed_world_size")
-    flags = SimpleNamespace(model_parallel_size=dt.get("model_parallel_size") or 1,
-                            fsdp_shard_group_size=dt.get("fsdp_shard_group_size") or 0,
-                            ddp_backend=dt.get("ddp_backend"))
+    if not world:
+        return None
     try:
-        return f"{world} rank(s) ({ParallelLayout.from_config(flags, world).describe()})" if world else None
+        layout = ParallelLayout.from_flags(world, dt.get("model_parallel_size") or 1,
+                                           dt.get("fsdp_shard_group_size") or 0, dt.get("ddp_backend"))
+        return f"{world} rank(s) ({layout.describe()})"
     except ValueError:
         return None

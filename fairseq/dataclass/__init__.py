@@ -1,4 +1,5 @@
-"""Config dataclasses (`configs`), their command-line and hydra forms (`utils`, `hydra`)."""
+"""Config dataclasses (`configs`) and their command-line form (`utils`); the front ends that read them are
+fairseq.frontend."""
 
 from dataclasses import dataclass
 from typing import Optional

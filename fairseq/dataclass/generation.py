@@ -156,14 +156,14 @@ def smallest_temperature(dtype: str = "float32") -> float:
     return 1 / math.log(FLOAT_MAX[dtype])
 
 
-def check_sampling_range(generation, vocab_size: Optional[int] = None, keyword: bool = False,
-                         probability_dtype: str = "float32") -> None:
+def check_sampling_range(sampling_topk: Optional[int] = -1, sampling_topp: Optional[float] = -1.0,
+                         temperature: Optional[float] = 1.0, vocab_size: Optional[int] = None,
+                         keyword: bool = False, probability_dtype: str = "float32") -> None:
     """Upstream's ranges: --sampling-topk -1 (off) or 1.. (at most `vocab_size` when known), --sampling-topp -1
     (off) or in (0, 1], --temperature > 0 (the generator's rule, checked here before any model is loaded), and
     --temperature at least smallest_temperature(`probability_dtype`), the dtype the probabilities are computed
     in. `keyword`: name the hub's keyword arguments instead of the flags."""
-    topk, topp = getattr(generation, "sampling_topk", -1), getattr(generation, "sampling_topp", -1.0)
-    temperature = getattr(generation, "temperature", 1.0)
+    topk, topp = sampling_topk, sampling_topp
 
     def name(field):
         return f"{field}=" if keyword else "--" + field.replace("_", "-") + " "
@@ -200,7 +200,7 @@ def check_generation_config(generation: GenerationConfig, dataset=None, interact
         check_buffer_size(interactive.buffer_size)
     check_unsupported_options(generation)
     check_option_values(generation)
-    check_sampling_range(generation)
+    check_sampling_range(generation.sampling_topk, generation.sampling_topp, generation.temperature)
     if generation.nbest < 1:
         raise ValueError(f"--nbest must be at least 1, got {generation.nbest}")
     if generation.sampling and generation.nbest != generation.beam:

@@ -30,25 +30,24 @@ MIN_CAPABILITY = (8, 9)
 HIGH_PRECISION_MODULES = ("output_projection",)
 
 
-def check_float8_flags(cfg) -> None:
+def check_float8_flags(fp8: bool, fp16: bool = False, bf16: bool = False, fp8_recipe: str = "tensorwise",
+                       fp8_fsdp_all_gather: bool = False, ddp_backend: str = "fully_sharded") -> None:
     """The --fp8 rules that need no GPU (run by validate(cfg) and the memory planner)."""
-    common = cfg.common
-    if not common.fp8:
-        for flag, value in (("--fp8-fsdp-all-gather", common.fp8_fsdp_all_gather),):
-            if value:
-                raise ValueError(f"{flag} needs --fp8")
+    if not fp8:
+        if fp8_fsdp_all_gather:
+            raise ValueError("--fp8-fsdp-all-gather needs --fp8")
         return
-    if common.fp16:
+    if fp16:
         raise ValueError("--fp8 runs the rest of the model in bf16: use --fp8 with --bf16, not --fp16")
-    if not common.bf16:
+    if not bf16:
         raise ValueError("--fp8 needs --bf16 (the matmuls torchao leaves alone, and the master copy, run in bf16)")
-    if common.fp8_recipe not in RECIPES:
-        raise ValueError(f"--fp8-recipe {common.fp8_recipe!r}: choose one of {', '.join(RECIPES)}")
-    if common.fp8_fsdp_all_gather:
-        if common.fp8_recipe != "tensorwise":
+    if fp8_recipe not in RECIPES:
+        raise ValueError(f"--fp8-recipe {fp8_recipe!r}: choose one of {', '.join(RECIPES)}")
+    if fp8_fsdp_all_gather:
+        if fp8_recipe != "tensorwise":
             raise ValueError(f"--fp8-fsdp-all-gather works with --fp8-recipe tensorwise only "
-                             f"(got {common.fp8_recipe}); drop the flag or use tensorwise")
-        if cfg.distributed_training.ddp_backend != "fully_sharded":
+                             f"(got {fp8_recipe}); drop the flag or use tensorwise")
+        if ddp_backend != "fully_sharded":
             raise ValueError("--fp8-fsdp-all-gather needs --ddp-backend fully_sharded")
 
 

@@ -48,17 +48,59 @@ FSDP_ONLY_FLAGS = (
 )
 
 
-def check_fsdp_flags(cfg) -> None:
+# FSDP2's own backward prefetch (no explicit list): the unit that finished forward just before this one.
+IMPLICIT_BACKWARD_PREFETCH = 1
+
+
+def check_fsdp_flags(ddp_backend: str, fsdp_forward_prefetch: bool = False, fsdp_sync_free: bool = False,
+                     cpu_offload: bool = False, fsdp_prefetch_depth: int = 1) -> None:
     """Reject FSDP-only flags under another --ddp-backend, and a prefetch depth below one."""
-    dt = cfg.distributed_training
-    if dt.ddp_backend != "fully_sharded":
+    if ddp_backend != "fully_sharded":
+        values = {"fsdp_forward_prefetch": fsdp_forward_prefetch, "fsdp_sync_free": fsdp_sync_free,
+                  "cpu_offload": cpu_offload}
         for field_name, flag in FSDP_ONLY_FLAGS:
-            if getattr(dt, field_name, False):
-                raise ValueError(
-                    f"{flag} needs --ddp-backend fully_sharded (got --ddp-backend {dt.ddp_backend})"
-                )
-    if dt.fsdp_prefetch_depth < 1:
-        raise ValueError(f"--fsdp-prefetch-depth must be at least 1 (got {dt.fsdp_prefetch_depth})")
+            if values[field_name]:
+                raise ValueError(f"{flag} needs --ddp-backend fully_sharded (got --ddp-backend {ddp_backend})")
+    if fsdp_prefetch_depth < 1:
+        raise ValueError(f"--fsdp-prefetch-depth must be at least 1 (got {fsdp_prefetch_depth})")
+
+
+@dataclass(frozen=True)
+class FSDPSettings:
+    """The FSDP flags, read once from the config: what `apply_fsdp` does, and what the memory planner
+    (fairseq.planning) models, from the same rules."""
+
+    reshard_after_forward: bool = True  # False: --no-reshard-after-forward
+    forward_prefetch: bool = False  # --fsdp-forward-prefetch
+    prefetch_depth: int = 1  # --fsdp-prefetch-depth (only with --fsdp-forward-prefetch)
+    sync_free: bool = False  # --fsdp-sync-free
+    cpu_offload: bool = False  # --cpu-offload
+
+    @classmethod
+    def from_flags(cls, flags) -> "FSDPSettings":
+        """From the distributed_training group (or any object with its field names, as the planner's flags)."""
+        return cls(reshard_after_forward=not flags.no_reshard_after_forward,
+                   forward_prefetch=flags.fsdp_forward_prefetch, prefetch_depth=flags.fsdp_prefetch_depth,
+                   sync_free=flags.fsdp_sync_free, cpu_offload=flags.cpu_offload)
+
+    @property
+    def forward_prefetch_layers(self) -> int:
+        """Layers a unit all-gathers ahead of itself in forward (FSDP2 prefetches none unless asked)."""
+        return self.prefetch_depth if self.forward_prefetch else 0
+
+    @property
+    def backward_prefetch_layers(self) -> int:
+        """Layers a unit all-gathers ahead of itself in backward (FSDP2's implicit one unless asked)."""
+        return self.prefetch_depth if self.forward_prefetch else IMPLICIT_BACKWARD_PREFETCH
+
+    @property
+    def max_in_flight(self) -> int:
+        """Layers whose full parameters --fsdp-sync-free lets be gathered at once: prefetching d layers ahead
+        needs d + 1; the bound cannot be tighter."""
+        return max(2, self.prefetch_depth + 1) if self.forward_prefetch else 2
+
+    def prefetch_plan(self, num_layers: int) -> "PrefetchPlan":
+        return prefetch_plan(num_layers, self.prefetch_depth, explicit=self.forward_prefetch)
 
 
 def transformer_layers(model: nn.Module) -> nn.ModuleList:
@@ -398,38 +440,38 @@ def apply_fsdp(
     """
     from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
 
-    dt = cfg.distributed_training
+    settings = FSDPSettings.from_flags(cfg.distributed_training)
     layers = transformer_layers(model)
     mp_policy = mixed_precision_policy(cfg.common)
-    offload_policy = CPUOffloadPolicy(pin_memory=mesh.device_type == "cuda") if dt.cpu_offload else OffloadPolicy()
-    reshard_after_forward = not dt.no_reshard_after_forward
+    offload_policy = CPUOffloadPolicy(pin_memory=mesh.device_type == "cuda") if settings.cpu_offload \
+        else OffloadPolicy()
     for layer in layers:
         fully_shard(
-            layer, mesh=mesh, reshard_after_forward=reshard_after_forward,
+            layer, mesh=mesh, reshard_after_forward=settings.reshard_after_forward,
             mp_policy=mp_policy, offload_policy=offload_policy,
         )
     fully_shard(model, mesh=mesh, reshard_after_forward=False, mp_policy=mp_policy, offload_policy=offload_policy)
 
-    plan = prefetch_plan(len(layers), dt.fsdp_prefetch_depth, explicit=dt.fsdp_forward_prefetch)
-    if dt.fsdp_forward_prefetch:
+    plan = settings.prefetch_plan(len(layers))
+    if settings.forward_prefetch:
         apply_prefetch_plan(model, layers, plan)
-    if dt.fsdp_sync_free:
+    if settings.sync_free:
         if limiter is None:
-            limiter = sync_free_limiter(dt, len(layers), torch.device(mesh.device_type))
+            limiter = sync_free_limiter(settings, len(layers), torch.device(mesh.device_type))
         if limiter.max_in_flight > 2:
             logger.info(
                 "--fsdp-sync-free with --fsdp-prefetch-depth %d: up to %d layers' full parameters at once",
-                dt.fsdp_prefetch_depth, limiter.max_in_flight,
+                settings.prefetch_depth, limiter.max_in_flight,
             )
-        model._fsdp_sync_free_hooks = SyncFreeHooks(limiter, plan, reshard_after_forward).install(model, layers)
+        model._fsdp_sync_free_hooks = SyncFreeHooks(limiter, plan, settings.reshard_after_forward).install(
+            model, layers)
     return model
 
 
-def sync_free_limiter(dt, num_layers: int, device: torch.device) -> ReshardEventLimiter:
-    """The limiter --fsdp-sync-free gives apply_fsdp for `num_layers` layers (`dt`: the distributed_training
-    config): CUDA events on a CUDA device, no waiting on the CPU."""
-    # Prefetching d layers ahead needs d + 1 layers gathered at once; the bound cannot be tighter.
-    max_in_flight = max(2, dt.fsdp_prefetch_depth + 1) if dt.fsdp_forward_prefetch else 2
+def sync_free_limiter(settings: FSDPSettings, num_layers: int, device: torch.device) -> ReshardEventLimiter:
+    """The limiter --fsdp-sync-free gives apply_fsdp for `num_layers` layers: CUDA events on a CUDA device, no
+    waiting on the CPU."""
+    max_in_flight = settings.max_in_flight
     # Without allocator pressure: wait about one update back (each layer gathered in forward and in backward),
     # which bounds the CPU's lead without draining the GPU's queue at every layer.
     return ReshardEventLimiter.for_device(device, max_in_flight, relaxed_in_flight=2 * num_layers + max_in_flight)

@@ -70,22 +70,29 @@ class ParallelLayout:
 
     @classmethod
     def from_config(cls, cfg_distributed, world_size: int) -> "ParallelLayout":
+        """`from_flags` of the distributed_training group (or any object with its field names)."""
+        return cls.from_flags(world_size, cfg_distributed.model_parallel_size,
+                              cfg_distributed.fsdp_shard_group_size, cfg_distributed.ddp_backend)
+
+    @classmethod
+    def from_flags(cls, world_size: int, model_parallel_size: int = 1, fsdp_shard_group_size: int = 0,
+                   ddp_backend: str = "fully_sharded") -> "ParallelLayout":
         """The layout the flags ask for on `world_size` ranks; ValueError (the flag, the value to use) if none.
 
         Under a replicated --ddp-backend (pytorch_ddp, c10d) with tensor parallelism the data-parallel ranks
         are FSDP2 replicas that shard nothing (see parallelize.py); without tensor parallelism that backend
         does not use the mesh at all.
         """
-        check_layout_flags(cfg_distributed)
-        tp = cfg_distributed.model_parallel_size
+        check_layout_flags(model_parallel_size, fsdp_shard_group_size, ddp_backend)
+        tp = model_parallel_size
         if world_size % tp != 0:
             raise ValueError(
                 f"--model-parallel-size {tp} does not divide the world size {world_size}: use a world size that "
                 f"is a multiple of {tp}, or --model-parallel-size {_largest_divisor_up_to(world_size, tp)}"
             )
         dp = world_size // tp
-        group = cfg_distributed.fsdp_shard_group_size
-        if cfg_distributed.ddp_backend != "fully_sharded":
+        group = fsdp_shard_group_size
+        if ddp_backend != "fully_sharded":
             return cls(replicate=dp, shard=1, tp=tp)
         if group == 0:
             return cls(replicate=1, shard=dp, tp=tp)
@@ -98,19 +105,16 @@ class ParallelLayout:
         return cls(replicate=dp // group, shard=group, tp=tp)
 
 
-def check_layout_flags(cfg_distributed) -> None:
+def check_layout_flags(model_parallel_size: int, fsdp_shard_group_size: int, ddp_backend: str) -> None:
     """The checks that need no world size (run by validate(cfg) before anything starts)."""
-    tp = cfg_distributed.model_parallel_size
-    if tp < 1:
-        raise ValueError(f"--model-parallel-size must be at least 1 (got {tp})")
-    group = cfg_distributed.fsdp_shard_group_size
+    if model_parallel_size < 1:
+        raise ValueError(f"--model-parallel-size must be at least 1 (got {model_parallel_size})")
+    group = fsdp_shard_group_size
     if group < 0:
         raise ValueError(f"--fsdp-shard-group-size must be 0 (all data-parallel ranks) or positive (got {group})")
-    if group > 0 and cfg_distributed.ddp_backend != "fully_sharded":
-        raise ValueError(
-            f"--fsdp-shard-group-size needs --ddp-backend fully_sharded (got --ddp-backend "
-            f"{cfg_distributed.ddp_backend})"
-        )
+    if group > 0 and ddp_backend != "fully_sharded":
+        raise ValueError(f"--fsdp-shard-group-size needs --ddp-backend fully_sharded (got --ddp-backend "
+                         f"{ddp_backend})")
 
 
 def _largest_divisor_up_to(n: int, limit: int) -> int:

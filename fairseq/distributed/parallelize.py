@@ -32,7 +32,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from fairseq.distributed.ddp import apply_ddp
 from fairseq.distributed.dtensor import is_dtensor
-from fairseq.distributed.fsdp import apply_fsdp, apply_fsdp_replicas, check_fsdp_flags, transformer_layers
+from fairseq.distributed.fsdp import apply_fsdp, apply_fsdp_replicas, transformer_layers
 from fairseq.distributed.mesh import ParallelLayout, forget_parallel_mesh, has_tp_dim, init_parallel_mesh
 from fairseq.distributed.tensor_parallel_rng import apply_dropout_streams
 from fairseq.modules.checkpoint_activations import checkpointed, checkpointed_offloaded
@@ -65,9 +65,9 @@ def parallelize_model(model: nn.Module, cfg, device: torch.device, world_mesh: O
     A model built on the meta device is materialized here (see `materialize`): after sharding under
     fully_sharded, so that no rank ever holds all full parameters, and before wrapping otherwise.
     The device mesh is the one of the flags' layout (fairseq.distributed.mesh, built once); `world_mesh`
-    replaces its data-parallel part for FSDP2 (tests).
+    replaces its data-parallel part for FSDP2 (tests). The flags are taken as validated (validate(cfg), once
+    per job, before any process is spawned).
     """
-    check_fsdp_flags(cfg)
     dt = cfg.distributed_training
     fully_sharded = dt.ddp_backend == "fully_sharded"
     on_meta = any(t.is_meta for t in _params_and_buffers(model))

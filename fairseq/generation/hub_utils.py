@@ -419,7 +419,8 @@ class GeneratorHubInterface(nn.Module):
         check_option_values(gen_args, keyword=True)
         # the log-probabilities are float32, or float64 for models cast to it (get_normalized_probs upcasts)
         probabilities = "float64" if self._float_tensor.dtype == torch.float64 else "float32"
-        check_sampling_range(gen_args, len(self.tgt_dict), keyword=True, probability_dtype=probabilities)
+        check_sampling_range(gen_args.sampling_topk, gen_args.sampling_topp, gen_args.temperature,
+                             vocab_size=len(self.tgt_dict), keyword=True, probability_dtype=probabilities)
         for key in ("sampling_topk", "sampling_topp"):  # build_generator's rule, in the keywords' names
             if getattr(gen_args, key) >= 0 and not gen_args.sampling:
                 raise ValueError(f"generate(): {key}={getattr(gen_args, key)!r} needs sampling=True (it restricts "

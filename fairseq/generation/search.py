@@ -11,7 +11,6 @@ and returns `(scores, indices, beams)`, each [bsz, 2 * beam_size] (twice the bea
 """
 
 import math
-from types import SimpleNamespace
 from typing import Optional
 
 import torch
@@ -115,8 +114,7 @@ class Sampling(Search):
         """`seed`: the draws' seed where the generator decodes on the device (beam 1, see
         fairseq.generation.device_decoding; default torch.initial_seed()); `step` itself draws from torch's RNG."""
         super().__init__(tgt_dict)
-        check_sampling_range(SimpleNamespace(sampling_topk=sampling_topk, sampling_topp=sampling_topp),
-                             self.vocab_size)
+        check_sampling_range(sampling_topk, sampling_topp, vocab_size=self.vocab_size)
         self.sampling_topk = sampling_topk
         self.sampling_topp = sampling_topp
         self.seed = seed

@@ -27,10 +27,9 @@ LOSS_FP32_CHUNK_COPIES = 2
 # FSDP2 (torch 2.13, _fsdp_param_group.py) in forward keeps the previous layer's flat all-gather output alive
 # until the next all-gather has been copied out, so a layer in forward holds its unsharded parameters plus
 # one flat all-gather buffer: two layer-sized buffers; each explicit prefetch (--fsdp-forward-prefetch,
-# depth d) adds one more. In backward: the layer's unsharded parameters plus FSDP2's implicit prefetch of
-# the previous layer (or d explicit ones).
+# depth d) adds one more. In backward: the layer's unsharded parameters plus what it prefetches
+# (fairseq.distributed.fsdp.FSDPSettings.backward_prefetch_layers).
 FSDP_FORWARD_BUFFERS = 2
-FSDP_IMPLICIT_BACKWARD_PREFETCH = 1
 # FSDP2 keeps the previous unit's reduce-scatter input (fp32, one layer) until the next unit reduces
 # (reduce_scatter_max_input_buffers = 1).
 FSDP_RETAINED_REDUCE_BUFFERS = 1

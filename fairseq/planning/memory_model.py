@@ -29,7 +29,7 @@ from fairseq.planning.activation_memory import (  # noqa: F401
 )
 from fairseq.planning.memory_calibration import (  # noqa: F401
     ADAM_STATE_BYTES, ALLOCATOR_MARGIN_FRACTION, DDP_GRADIENT_BUCKET_COPY, DTYPE_BYTES, FLASH_DQ_ACCUM_BYTES,
-    FLOAT8_BYTES, FLOAT8_SCALE_BYTES, FSDP_FORWARD_BUFFERS, FSDP_IMPLICIT_BACKWARD_PREFETCH,
+    FLOAT8_BYTES, FLOAT8_SCALE_BYTES, FSDP_FORWARD_BUFFERS,
     FSDP_RETAINED_REDUCE_BUFFERS, GIB, GRAD_BYTES, LOSS_FP32_CHUNK_COPIES, MASTER_PARAM_BYTES,
     NON_PYTORCH_OVERHEAD_GIB, REDUCE_BYTES,
 )
@@ -188,8 +188,7 @@ def _walk_fully_sharded(shape: ModelShape, setup: TrainingSetup):
     saved = saved_layer_bytes(shape, setup)
     full = layer_activation_bytes(shape, setup)
     root_full = c * root_gathered
-    depth = setup.prefetch_depth if setup.forward_prefetch else 0
-    backward_prefetch = setup.prefetch_depth if setup.forward_prefetch else FSDP_IMPLICIT_BACKWARD_PREFETCH
+    depth, backward_prefetch = setup.fsdp.forward_prefetch_layers, setup.fsdp.backward_prefetch_layers
     if setup.reshard_after_forward:
         forward_flight = (FSDP_FORWARD_BUFFERS + depth) * full_layer
     else:  # every layer's parameters stay gathered, plus the last flat all-gather buffer

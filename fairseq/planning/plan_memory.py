@@ -12,6 +12,7 @@ fairseq/planning/memory_model.py; the formulas, their sources and the calibratio
 import argparse
 import dataclasses
 import math
+import os
 import sys
 import typing
 from typing import List, Optional
@@ -25,9 +26,17 @@ from fairseq.planning.step_time import step_time
 from fairseq import registry
 from fairseq.checkpoint.writer import async_save_host_bytes
 from fairseq.dataclass import configs
+from fairseq.dataclass.build import check_precision
+from fairseq.dataclass.argument_parser import FairseqArgumentParser
 from fairseq.dataclass.batch_flags import check_batch_size, check_max_tokens, check_update_freq
 from fairseq.dataclass.utils import add_dataclass_to_parser
-from fairseq.options import FairseqArgumentParser
+from fairseq.distributed.float8 import check_float8_flags
+from fairseq.distributed.fsdp import FSDPSettings, check_fsdp_flags
+from fairseq.distributed.mesh import TP_MESH_OF_ONE, ParallelLayout
+from fairseq.distributed.tensor_parallel import check_tensor_parallel_shape
+from fairseq.models.transformer_lm import (TransformerLanguageModelConfig, preset_config,
+                                           resolve_max_target_positions, uses_adaptive_modules)
+from fairseq.tasks.language_modeling import LanguageModelingConfig
 
 # Device totals in GiB, as PyTorch reports them (what fairseq's memory log calls GB): fairseq/planning/hardware.py
 # says where each comes from. Pass --gpu-memory-gb for your card.
@@ -71,8 +80,6 @@ def _add_fields(group, dc, names, **defaults) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from fairseq.models.transformer_lm import TransformerLanguageModelConfig
-    from fairseq.tasks.language_modeling import LanguageModelingConfig
 
     parser = FairseqArgumentParser(  # usage errors in one line, misspelt flags named
         prog="python -m fairseq.planning.plan_memory", allow_abbrev=False,
@@ -145,9 +152,6 @@ class Request:
 
 def parse(argv: Optional[List[str]] = None) -> Request:
     """Parse the command line into a model shape (built on meta) and a training setup; usage errors exit 2."""
-    from fairseq.distributed.fsdp import check_fsdp_flags
-    from fairseq.models.transformer_lm import TransformerLanguageModelConfig, preset_config, uses_adaptive_modules
-
     parser = build_parser()
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     try:
@@ -164,7 +168,8 @@ def parse(argv: Optional[List[str]] = None) -> Request:
             raise ValueError(f"--vocab-size must be at least 2 (padding is symbol 1), got {args.vocab_size}")
         shape = mm.model_shape(cfg, args.vocab_size)
         check_model_size(shape, args.arch)
-        check_fsdp_flags(argparse.Namespace(distributed_training=args))
+        check_fsdp_flags(args.ddp_backend, args.fsdp_forward_prefetch, args.fsdp_sync_free, args.cpu_offload,
+                         args.fsdp_prefetch_depth)
         setup = _training_setup(args, cfg)
         if args.optimizer not in MODELED_OPTIMIZERS:
             raise ValueError(f"--optimizer {args.optimizer} is not modeled; the planner knows "
@@ -219,10 +224,6 @@ def inputs_from_config(cfg, gpus: int, vocab_size: int = DEFAULT_VOCAB_SIZE, env
     overrides, as fairseq-hydra-train builds it) on `gpus` GPUs: what this command line computes for the same
     flags. With FAIRSEQ_TP_MESH_OF_ONE=1 in `environ` (default: this process's environment) and
     --model-parallel-size 1, the tensor-parallel plan runs on a one-rank mesh (setup.tp_plan_on_one_rank)."""
-    import os
-
-    from fairseq.distributed.mesh import TP_MESH_OF_ONE
-
     flags = {}
     for group in (cfg.task, cfg.optimization, cfg.dataset, cfg.distributed_training, cfg.common):
         flags.update(vars(group))
@@ -235,14 +236,8 @@ def inputs_from_config(cfg, gpus: int, vocab_size: int = DEFAULT_VOCAB_SIZE, env
 
 
 def _training_setup(args, cfg) -> mm.TrainingSetup:
-    from fairseq.models.transformer_lm import resolve_max_target_positions
-
-    from fairseq.dataclass.validate import check_precision
-
     check_precision(args)
-    from fairseq.distributed.float8 import check_float8_flags
-
-    check_float8_flags(argparse.Namespace(common=args, distributed_training=args))
+    check_float8_flags(args.fp8, args.fp16, args.bf16, args.fp8_recipe, args.fp8_fsdp_all_gather, args.ddp_backend)
     dtype = "fp32"
     if args.fp16 or args.memory_efficient_fp16:
         dtype = "fp16"
@@ -250,9 +245,6 @@ def _training_setup(args, cfg) -> mm.TrainingSetup:
         dtype = "bf16"
     if not 1 <= args.gpus <= mm.MAX_GPUS:
         raise ValueError(f"--gpus {args.gpus} is out of range: 1 to {mm.MAX_GPUS} (more than any job has used)")
-    from fairseq.distributed.mesh import ParallelLayout
-    from fairseq.distributed.tensor_parallel import check_tensor_parallel_shape
-
     layout = ParallelLayout.from_config(args, args.gpus)  # the flags' own checks and messages
     check_tensor_parallel_shape(layout.tp, cfg.decoder_attention_heads, cfg.decoder_ffn_embed_dim, args.vocab_size,
                                 "--vocab-size")
@@ -277,9 +269,7 @@ def _training_setup(args, cfg) -> mm.TrainingSetup:
         fully_sharded=args.ddp_backend == "fully_sharded",
         checkpoint_activations=bool(cfg.checkpoint_activations or cfg.offload_activations),
         offload_activations=bool(cfg.offload_activations),
-        reshard_after_forward=not args.no_reshard_after_forward, cpu_offload=args.cpu_offload,
-        forward_prefetch=args.fsdp_forward_prefetch, prefetch_depth=args.fsdp_prefetch_depth,
-        sync_free=args.fsdp_sync_free, update_freq=args.update_freq[0],
+        **dataclasses.asdict(FSDPSettings.from_flags(args)), update_freq=args.update_freq[0],
         tensor_parallel=layout.tp, shard_group=args.fsdp_shard_group_size,
         float8=args.fp8, float8_recipe=args.fp8_recipe, float8_all_gather=args.fp8_fsdp_all_gather,
         compiled=args.compile,
@@ -475,8 +465,6 @@ def async_checkpoint_lines(request: Request) -> List[str]:
 
 
 def _layout_name(setup: mm.TrainingSetup) -> str:
-    from fairseq.distributed.mesh import ParallelLayout
-
     shard = setup.shard_ranks if setup.fully_sharded else 1
     return ParallelLayout(setup.data_parallel // shard, shard, setup.tensor_parallel).describe()
 

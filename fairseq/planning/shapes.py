@@ -11,6 +11,7 @@ from typing import Optional, Tuple
 import torch
 
 from fairseq.distributed.float8 import is_float8_convertible
+from fairseq.distributed.fsdp import FSDPSettings
 from fairseq.distributed.tensor_parallel import split_dims
 from fairseq.planning.memory_calibration import DTYPE_BYTES
 
@@ -163,6 +164,12 @@ class TrainingSetup:
     @property
     def data_parallel(self) -> int:
         return self.gpus // self.tensor_parallel
+
+    @property
+    def fsdp(self) -> FSDPSettings:
+        """The FSDP flags as fairseq.distributed.fsdp reads them: its prefetch rules, not a copy of them."""
+        return FSDPSettings(reshard_after_forward=self.reshard_after_forward, forward_prefetch=self.forward_prefetch,
+                            prefetch_depth=self.prefetch_depth, sync_free=self.sync_free, cpu_offload=self.cpu_offload)
 
     @property
     def shard_ranks(self) -> int:

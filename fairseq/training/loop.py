@@ -20,7 +20,7 @@ from fairseq.checkpoint.manager import CheckpointManager
 from fairseq.checkpoint.vocabulary import check_bpe_files
 from fairseq.criterions import build_criterion
 from fairseq.data.data_utils import raise_if_valid_subsets_unintentionally_ignored
-from fairseq.dataclass.validate import announce_compat_options, validate as validate_config
+from fairseq.dataclass.notices import announce_compat_options
 from fairseq.distributed import utils as dist_utils
 from fairseq.distributed.launch import process_group_timeout
 from fairseq.distributed.parallelize import build_model
@@ -43,7 +43,8 @@ __all__ = ["REQUEUED", "REQUEUE_FAILED", "check_input_files", "train", "train_ep
 def check_input_files(cfg) -> None:
     """The start-up checks that read files, after validate(cfg) (which reads none) and before anything is
     trained or saved: the dictionary's size against --model-parallel-size, the --bpe files the checkpoints
-    will carry. fairseq-train runs them before spawning, `train` again (in-process and hydra callers)."""
+    will carry. fairseq-train and fairseq-hydra-train run them before spawning, fairseq_cli.train.main for an
+    in-process caller."""
     check_tensor_parallel_dictionary(cfg)
     check_bpe_files(cfg.bpe)
 
@@ -51,7 +52,9 @@ def check_input_files(cfg) -> None:
 def train(cfg, task=None, model=None, criterion=None) -> Optional[str]:
     """Train as fairseq-train does on this process (a single process, or one rank of a launched job); returns
     None when done, REQUEUED (or REQUEUE_FAILED) when a preemption signal stopped training after saving
-    checkpoint_last. `task`, `model`, `criterion`: built from `cfg` when not given."""
+    checkpoint_last. `task`, `model`, `criterion`: built from `cfg` when not given.
+    `cfg` is taken as checked: its front end ran validate(cfg) and check_input_files(cfg) once per job
+    (fairseq_cli.train.main runs them for an in-process caller)."""
     # Installed first: a preemption signal during start-up must not kill the job without a requeue.
     preemption = PreemptionWatcher(timeout=process_group_timeout(cfg.distributed_training))
     checkpoints = CheckpointManager(cfg)
@@ -68,9 +71,7 @@ def _start(cfg, checkpoints, task, model, criterion):
     """Checks, save directory, task, model, criterion and the trainer: everything before the first epoch."""
     if not dist_utils.is_master():
         logging.getLogger().setLevel(logging.WARNING)  # one log, from rank 0
-    validate_config(cfg)  # again here: in-process and hydra callers reach this without fairseq-train's checks
-    check_input_files(cfg)
-    announce_compat_options(cfg)
+    announce_compat_options(**vars(cfg))
     checkpoints.open_save_dir()  # before any data is read or model built: a bad --save-dir fails now
     metrics.reset()
     torch.manual_seed(cfg.common.seed)

@@ -59,7 +59,7 @@ ONE_PROCESS = ["--update-freq", "4"]
 
 def config(data, *flags):
     from fairseq import options
-    from fairseq.dataclass.validate import validate
+    from fairseq.frontend.validate import validate
 
     parser = options.get_training_parser()
     cfg = options.convert_namespace_to_config(options.parse_args_and_arch(parser, [str(data), *TRAINING, *MODEL,

@@ -32,7 +32,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from fairseq.dataclass.configs import FairseqConfig
 from fairseq.distributed.env import get_free_port
-from fairseq.distributed.fsdp import apply_fsdp, sync_free_limiter, transformer_layers
+from fairseq.distributed.fsdp import FSDPSettings, apply_fsdp, sync_free_limiter, transformer_layers
 from fairseq.models import BaseFairseqModel
 
 pytestmark = pytest.mark.gpu
@@ -153,7 +153,8 @@ def run_case(kind, prefetch, mode, device):
     cfg.model = SimpleNamespace(checkpoint_activations=False, offload_activations=False)
     # The limiter --fsdp-sync-free installs (sync_free_limiter, as apply_fsdp builds it), given to apply_fsdp so
     # that the test can press it and read its counts.
-    limiter = None if mode == "off" else sync_free_limiter(cfg.distributed_training, NUM_LAYERS, device)
+    limiter = None if mode == "off" else sync_free_limiter(FSDPSettings.from_flags(cfg.distributed_training), NUM_LAYERS,
+                                                                  device)
     if mode == "pressure":
         limiter.pressure_probe = lambda: True
     mesh = init_device_mesh("cuda", (dist.get_world_size(),))

@@ -169,7 +169,7 @@ def test_hub_quantize_keyword(tiny_data, tiny_lm_checkpoint, hub):
 
 def test_quantize_in_a_training_yaml_is_one_line():
     """fairseq-hydra-train has no generation group: a config that sets one is refused, naming the key."""
-    from fairseq.dataclass.hydra import fairseq_config_from_dict
+    from fairseq.frontend.hydra import fairseq_config_from_dict
 
     with pytest.raises(ValueError) as error:
         fairseq_config_from_dict({"generation": {"quantize": "int8-weight-only"}, "task": {"_name": "language_modeling"},

@@ -90,7 +90,7 @@ def test_requeued_training_exits_with_status_3(tmp_path, monkeypatch, restore_lo
     from fairseq_cli import train
 
     seen = []
-    monkeypatch.setattr(train, "main", lambda cfg: seen.append(cfg) or train.REQUEUED)
+    monkeypatch.setattr(train, "main", lambda cfg, validated=False: seen.append(cfg) or train.REQUEUED)
     monkeypatch.chdir(tmp_path)
     with pytest.raises(SystemExit) as exit_info:
         hydra_train.cli_main(hydra_args("task._name=dummy_lm", "hydra/job_logging=none"))
@@ -102,7 +102,7 @@ def test_relative_paths_stay_relative_to_the_launch_directory_with_chdir(tmp_pat
     from fairseq_cli import train
 
     seen = []
-    monkeypatch.setattr(train, "main", lambda cfg: seen.append((cfg, os.getcwd())))
+    monkeypatch.setattr(train, "main", lambda cfg, validated=False: seen.append((cfg, os.getcwd())))
     monkeypatch.chdir(tmp_path)
     hydra_train.cli_main(hydra_args("task.data=data-bin", "checkpoint.save_dir=ck", "hydra.job.chdir=true",
                                     "hydra.run.dir=runs/one", "hydra/job_logging=none"))
@@ -191,7 +191,7 @@ def test_upstream_style_yaml_with_group_package_headers(tiny_data, tmp_path, res
 
     original = train.main
     try:
-        train.main = lambda cfg: seen.append(cfg) or original(cfg)
+        train.main = lambda cfg, validated=False: seen.append(cfg) or original(cfg, validated)
         hydra_train.cli_main([f"task.data={tiny_data}", "model.decoder_layers=1", "hydra.run.dir=run",
                               "hydra/job_logging=none", "--config-dir", str(config_dir), "--config-name", "lm"])
     finally:
@@ -207,7 +207,7 @@ def test_upstream_style_yaml_with_group_package_headers(tiny_data, tmp_path, res
 
 
 def test_unused_upstream_groups_must_be_null():
-    from fairseq.dataclass.hydra import fairseq_config_from_dict
+    from fairseq.frontend.hydra import fairseq_config_from_dict
 
     base = {"task": {"_name": "dummy_lm"}, "model": {"_name": "transformer_lm"}, "optimizer": "adam"}
     cfg = fairseq_config_from_dict(dict(base, bpe=None, tokenizer={"_name": None}, scoring=None))
@@ -220,7 +220,7 @@ def test_bpe_and_tokenizer_groups_give_the_command_lines_config(tmp_path, monkey
     """`bpe:`/`tokenizer:` are the same components as fairseq-train's --bpe/--tokenizer: recorded in the config
     (and so the checkpoint), their file paths taken relative to the launch directory."""
     from fairseq import options
-    from fairseq.dataclass.hydra import fairseq_config_from_dict, resolve_paths
+    from fairseq.frontend.hydra import fairseq_config_from_dict, resolve_paths
     from fairseq.dataclass.utils import config_to_dict
 
     monkeypatch.chdir(tmp_path)
@@ -284,7 +284,7 @@ def _stored_options():
 
 
 def test_the_header_free_copy_holds_only_the_yaml_files(tmp_path):
-    from fairseq.dataclass.hydra import without_group_package_headers
+    from fairseq.frontend.hydra import without_group_package_headers
 
     (tmp_path / "model").mkdir()
     (tmp_path / "lm.yaml").write_text("# @package _group_\ncommon:\n  seed: 2\n")
@@ -426,7 +426,7 @@ def test_hydra_full_error_still_gives_the_traceback(tmp_path, monkeypatch, resto
 
 def test_yaml_model_group_input_and_output_dims_keep_upstreams_default():
     """A YAML `model:` group is upstream's dataclass: unset input/output dims are 512 whatever the embed dim."""
-    from fairseq.dataclass.hydra import fairseq_config_from_dict
+    from fairseq.frontend.hydra import fairseq_config_from_dict
 
     base = {"task": {"_name": "language_modeling", "data": "data-bin"}, "optimizer": {"_name": "adam"}}
     model = fairseq_config_from_dict(dict(base, model={"_name": "transformer_lm", "decoder_embed_dim": 64})).model

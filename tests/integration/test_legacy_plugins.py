@@ -328,7 +328,7 @@ LEGACY_YAML = {
 def test_yaml_sets_a_legacy_plugins_options_as_its_flags_would(plugin, tiny_data):
     """A config (fairseq-hydra-train's input) names the keys of a legacy component by its flags' dests; the
     result is the command line's config (values typed as the flags' `type`: "7" -> 7, 2 -> 2.0)."""
-    from fairseq.dataclass.hydra import fairseq_config_from_dict
+    from fairseq.frontend.hydra import fairseq_config_from_dict
 
     values = {**LEGACY_YAML, "task": dict(LEGACY_YAML["task"], data=str(tiny_data)),
               "common": {"user_dir": plugin}}
@@ -356,7 +356,7 @@ def test_yaml_sets_a_legacy_plugins_options_as_its_flags_would(plugin, tiny_data
     ("lstm_dropout", True, r"^model.lstm_dropout=True: --lstm-dropout takes a number$"),
 ])
 def test_yaml_errors_for_a_legacy_plugin_name_the_key(plugin, key, value, message):
-    from fairseq.dataclass.hydra import fairseq_config_from_dict
+    from fairseq.frontend.hydra import fairseq_config_from_dict
 
     with pytest.raises(ValueError, match=message):
         fairseq_config_from_dict({"task": {"_name": "dummy_lm"}, "optimizer": "adam", "common": {"user_dir": plugin},

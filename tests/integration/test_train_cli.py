@@ -213,3 +213,19 @@ def test_nan_loss_stops_with_a_clear_error(tiny_data, tmp_path, nan_after_two, t
     proc = _run_train(argv)
     assert proc.returncode != 0
     assert "loss became nan" in proc.stderr + proc.stdout
+
+
+def test_the_config_is_validated_once_per_process(tiny_data, tmp_path, train_args, monkeypatch):
+    """fairseq-train checks the flags before launching; the rank it launches trusts them (issue 40: the loop used
+    to run validate(cfg) again). An in-process caller of main(cfg) still gets them checked, once."""
+    from fairseq import options
+
+    calls = []
+    real = train.validate_config
+    monkeypatch.setattr(train, "validate_config", lambda cfg: calls.append(cfg) or real(cfg))
+    train.cli_main(train_args(tiny_data, tmp_path / "cli", max_update=1))
+    assert len(calls) == 1
+    args = options.parse_args_and_arch(options.get_training_parser(),
+                                       train_args(tiny_data, tmp_path / "in_process", max_update=1))
+    train.main(options.convert_namespace_to_config(args))
+    assert len(calls) == 2

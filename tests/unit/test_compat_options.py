@@ -1,4 +1,4 @@
-"""Upstream options accepted for compatibility: each notice of fairseq.dataclass.validate.COMPAT_NOTICES comes
+"""Upstream options accepted for compatibility: each notice of fairseq.dataclass.notices.COMPAT_NOTICES comes
 from a real parsed command line, and the options this fork implements for upstream's entry points
 (--num-shards/--shard-id in fairseq-eval-lm, --fixed-validation-seed, --optimizer-overrides on resume,
 --dataset-impl) behave as upstream's."""
@@ -6,7 +6,8 @@ from a real parsed command line, and the options this fork implements for upstre
 import pytest
 
 from fairseq import options
-from fairseq.dataclass.validate import COMPAT_NOTICES, compat_notices, validate
+from fairseq.dataclass.notices import COMPAT_NOTICES, compat_notices
+from fairseq.frontend.validate import validate
 from tests.train_fixtures import default_train_argv, train_in_process
 
 TRAIN_BASE = ["data", "--task", "language_modeling", "--arch", "transformer_lm", "--optimizer", "adam",
@@ -41,9 +42,9 @@ def _config(group, argv):
 @pytest.mark.parametrize("group,name,instead", COMPAT_NOTICES, ids=[n for _, n, _ in COMPAT_NOTICES])
 def test_each_noticed_option_set_on_the_command_line_gives_its_one_line(group, name, instead):
     flag = SET.get(name, ["--" + name.replace("_", "-")])
-    assert compat_notices(_config(group, TRAIN_BASE)) == []
+    assert compat_notices(**vars(_config(group, TRAIN_BASE))) == []
     value = "" if len(flag) == 1 else f" {flag[1]}"
-    assert compat_notices(_config(group, TRAIN_BASE + flag)) == [
+    assert compat_notices(**vars(_config(group, TRAIN_BASE + flag))) == [
         f"{flag[0]}{value} is accepted for upstream compatibility: {instead}"]
 
 

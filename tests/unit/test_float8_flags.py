@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from fairseq import options
-from fairseq.dataclass.validate import validate
+from fairseq.frontend.validate import validate
 from fairseq.distributed.float8 import is_float8_convertible
 from fairseq.models.transformer_lm import TransformerLanguageModel, preset_config
 

@@ -12,7 +12,7 @@ import torch
 from hydra import compose, initialize_config_dir
 
 from fairseq import options
-from fairseq.dataclass.hydra import (
+from fairseq.frontend.hydra import (
     as_hydra_overrides, fairseq_config_from_dict, recipe_update_freq, resolve_paths, split_recipe, to_plain_dict,
 )
 from fairseq.dataclass.utils import config_to_dict
@@ -113,7 +113,9 @@ def test_tensor_parallel_variant_is_its_size_with_the_layout_changed(variant):
     from fairseq.distributed.float8 import check_float8_flags
     from fairseq.distributed.tensor_parallel_checks import check_tensor_parallel_shape
 
-    check_float8_flags(cfg)
+    common = cfg.common
+    check_float8_flags(common.fp8, common.fp16, common.bf16, common.fp8_recipe, common.fp8_fsdp_all_gather,
+                       cfg.distributed_training.ddp_backend)
     check_tensor_parallel_shape(8, cfg.model.decoder_attention_heads, cfg.model.decoder_ffn_embed_dim, VOCAB)
 
 

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from fairseq import options
 from fairseq.checkpoint.legacy import upgrade_state_dict
-from fairseq.dataclass.validate import validate
+from fairseq.frontend.validate import validate
 from fairseq.models.transformer_lm import TransformerLanguageModel, preset_config
 from fairseq.modules import MultiheadAttention, TransformerDecoderLayer
 from tests.train_fixtures import train_in_process

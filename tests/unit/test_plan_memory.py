@@ -364,3 +364,23 @@ def test_module_runs_as_a_script():
     assert result.returncode == 0, result.stderr
     assert f"parameters: {GPT3_175_PARAMS}" in result.stdout.splitlines()
     assert "largest --decoder-layers that fits" in result.stdout
+
+
+@pytest.mark.parametrize("prefetch,depth", [(False, 1), (False, 3), (True, 1), (True, 2)])
+def test_the_planner_reads_fsdp_prefetch_from_the_settings_apply_fsdp_uses(prefetch, depth):
+    """The planner's FSDP settings are fairseq.distributed.fsdp.FSDPSettings, built from the same flags as
+    apply_fsdp's; the layers it counts in flight are those of the prefetch plan apply_fsdp hands to FSDP2
+    (a middle layer of 6: depth d ahead in both directions with --fsdp-forward-prefetch; none in forward and
+    FSDP2's implicit previous unit in backward without)."""
+    from argparse import Namespace
+
+    from fairseq.distributed.fsdp import FSDPSettings
+
+    flags = Namespace(no_reshard_after_forward=False, fsdp_forward_prefetch=prefetch, fsdp_prefetch_depth=depth,
+                      fsdp_sync_free=True, cpu_offload=False)
+    settings = FSDPSettings.from_flags(flags)
+    setup = small_setup(forward_prefetch=prefetch, prefetch_depth=depth, sync_free=True)
+    assert setup.fsdp == settings
+    plan = settings.prefetch_plan(6)
+    assert len(plan.layer_forward[2]) == settings.forward_prefetch_layers == (depth if prefetch else 0)
+    assert len(plan.layer_backward[3]) == settings.backward_prefetch_layers == (depth if prefetch else 1)

@@ -353,7 +353,7 @@ def test_tp_mesh_of_one_applies_the_plan_and_trains_as_the_plain_path(tiny_data,
     """FAIRSEQ_TP_MESH_OF_ONE=1 (the knob that lets one GPU run the TP code path): a one-process fully_sharded run
     splits the model by its plan on a one-rank tp dimension and trains as the run without it (dropout 0, fp32:
     the same operations on whole tensors, 1e-6 relative); the plan's refusals apply at size 1 too."""
-    from fairseq.dataclass.validate import validate
+    from fairseq.frontend.validate import validate
     from tests.distributed.test_tensor_parallel import config, train_updates
 
     caplog.set_level("INFO", logger="fairseq.distributed.tensor_parallel")

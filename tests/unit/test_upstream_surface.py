@@ -199,7 +199,7 @@ def test_training_flags_nval_combine_and_ema():
     assert cfg.dataset.max_valid_steps == 3 and cfg.dataset.combine_valid_subsets is True
     assert (cfg.ema.store_ema, cfg.ema.ema_decay, cfg.ema.ema_update_freq, cfg.ema.ema_fp32) == (True, 0.5, 2, True)
     with pytest.raises(ValueError, match="--ema-decay must lie in"):
-        from fairseq.dataclass.validate import validate
+        from fairseq.frontend.validate import validate
 
         cfg.dataset.max_tokens, cfg.task.tokens_per_sample, cfg.ema.ema_decay = 64, 64, 1.5
         validate(cfg)

@@ -3,7 +3,7 @@
 import pytest
 
 from fairseq import options
-from fairseq.dataclass.validate import validate
+from fairseq.frontend.validate import validate
 from fairseq_cli import train
 from tests.train_fixtures import train_in_process
 
@@ -23,7 +23,7 @@ def config(*extra):
      "--fsdp-prefetch-depth must be at least 1"),
     (["--decoder-layers", "-1"], "--decoder-layers must be >= 0"),
     (["--use-bmuf"], "--use-bmuf"),
-    (["--batch-size", "0"], "--batch-size must be at least 1"),
+    (["--batch-size", "0"], "--batch-size 0 must be at least 1"),
     (["--seed", "-1"], r"--seed -1 is out of range: an integer from 0 to 2\*\*32 - 1"),
     (["--seed", str(2**32)], "--seed 4294967296 is out of range"),
 ])

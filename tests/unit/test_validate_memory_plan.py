@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from fairseq.dataclass.hydra import compose_dict, fairseq_config_from_dict, split_recipe
+from fairseq.frontend.hydra import compose_dict, fairseq_config_from_dict, split_recipe
 from fairseq.planning import memory_model as mm
 from fairseq.planning import plan_memory
 

@@ -41,7 +41,8 @@ from typing import Any, Dict, List, Literal, Optional, Sequence, Tuple, get_args
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-from fairseq import options, registry
+from fairseq import registry
+from fairseq.frontend import options
 from fairseq.dataclass import legacy
 from fairseq.dataclass.build import build_config
 from fairseq.dataclass.configs import FairseqConfig
@@ -380,9 +381,7 @@ def fairseq_config_from_dict(values: Dict[str, Any]) -> FairseqConfig:
             raise ValueError(f"unknown top-level key '{key}'{hint}; the config's groups are: {', '.join(allowed)}")
     user_dir = (values.get("common") or {}).get("user_dir")
     if user_dir:  # plug-ins register their components before the component names are looked up
-        from fairseq.registry import import_user_module
-
-        import_user_module(user_dir)
+        registry.import_user_module(user_dir)
 
     explicit: Dict[str, Tuple[Any, str]] = {}  # flag dest -> (value, "group.key" that set it)
 

@@ -9,14 +9,22 @@ options in its class's `check_config`); this module only collects them, in a fix
 the data, the device or the checkpoint stay where those are read.
 """
 
-import logging
+import torch
 
 from fairseq import registry
+from fairseq.checkpoint.manager import parse_optimizer_overrides
+from fairseq.checkpoint.vocabulary import check_bpe_flags
+from fairseq.data.indexed_dataset import check_dataset_impl
 from fairseq.dataclass.batch_flags import check_batch_flags
-from fairseq.dataclass.build import check_precision, check_seed  # noqa: F401 (check_precision: also named here)
-from fairseq.upstream_absent import ACCEPTED_OPTIONS
-
-logger = logging.getLogger(__name__)
+from fairseq.dataclass.build import check_precision, check_seed
+from fairseq.distributed.float8 import check_float8_environment, check_float8_flags
+from fairseq.distributed.fsdp import check_fsdp_flags
+from fairseq.distributed.mesh import check_layout_flags
+from fairseq.distributed.tensor_parallel_checks import check_tensor_parallel_config
+from fairseq.logging.profiler import parse_update_range
+from fairseq.optim import check_optimizer_overrides
+from fairseq.tasks.language_modeling import check_token_budget
+from fairseq.training.ema import check_ema_config
 
 
 def check_shard(dataset) -> None:
@@ -32,8 +40,6 @@ def check_sharded_state(distributed) -> None:
 
 
 def _training_device(cfg):
-    import torch
-
     if cfg.common.cpu or not torch.cuda.is_available():
         return torch.device("cpu")
     return torch.device("cuda", 0)  # every GPU of a job is assumed to be of one kind
@@ -41,17 +47,6 @@ def _training_device(cfg):
 
 def validate(cfg) -> None:
     """Raise ValueError, naming the flag and the fix, for the first problem of a training config."""
-    from fairseq.checkpoint.manager import parse_optimizer_overrides
-    from fairseq.checkpoint.vocabulary import check_bpe_flags
-    from fairseq.data.indexed_dataset import check_dataset_impl
-    from fairseq.distributed.fsdp import check_fsdp_flags
-    from fairseq.training.ema import check_ema_config
-    from fairseq.optim import check_optimizer_overrides
-    from fairseq.tasks.language_modeling import check_token_budget
-    from fairseq.distributed.mesh import check_layout_flags
-    from fairseq.distributed.tensor_parallel_checks import check_tensor_parallel_config
-    from fairseq.distributed.float8 import check_float8_environment, check_float8_flags
-
     check_batch_flags(cfg, required=True)
     check_token_budget(cfg)
     if cfg.optimizer is None:
@@ -66,43 +61,17 @@ def validate(cfg) -> None:
     check_optimizer_overrides(cfg.optimizer, cfg.optimization, overrides)
     check_precision(cfg.common)
     check_seed(cfg.common)
-    check_float8_flags(cfg)
+    common, dt = cfg.common, cfg.distributed_training
+    check_float8_flags(common.fp8, common.fp16, common.bf16, common.fp8_recipe, common.fp8_fsdp_all_gather,
+                       dt.ddp_backend)
     check_float8_environment(cfg, _training_device(cfg))
-    check_fsdp_flags(cfg)
-    check_layout_flags(cfg.distributed_training)
+    check_fsdp_flags(dt.ddp_backend, dt.fsdp_forward_prefetch, dt.fsdp_sync_free, dt.cpu_offload,
+                     dt.fsdp_prefetch_depth)
+    check_layout_flags(dt.model_parallel_size, dt.fsdp_shard_group_size, dt.ddp_backend)
     check_tensor_parallel_config(cfg)
     check_sharded_state(cfg.distributed_training)
     if cfg.common.profile_updates:
-        from fairseq.logging.profiler import parse_update_range
-
         parse_update_range(cfg.common.profile_updates)
     check_ema_config(cfg.ema)
     check_bpe_flags(cfg.bpe)  # the checkpoints will carry them (read at start-up)
     registry.arch_model(cfg.model._name).check_config(cfg.model)
-
-
-# Upstream options accepted without their behaviour: (group, field, what happens instead), from the one table.
-COMPAT_NOTICES = ACCEPTED_OPTIONS
-
-
-def compat_notices(cfg) -> list:
-    """One line per COMPAT_NOTICES option set in `cfg` (groups `cfg` lacks are skipped)."""
-    from fairseq.dataclass.utils import flag_name
-
-    lines = []
-    for group_name, name, instead in COMPAT_NOTICES:
-        group = getattr(cfg, group_name, None)
-        if group is None or not hasattr(group, name):
-            continue
-        value = getattr(group, name)
-        if value != getattr(type(group)(), name):  # set to other than the group's default
-            shown = " ".join(map(str, value)) if isinstance(value, (list, tuple)) else str(value)
-            flag = flag_name(name) + ("" if isinstance(value, bool) else f" {shown}")
-            lines.append(f"{flag} is accepted for upstream compatibility: {instead}")
-    return lines
-
-
-def announce_compat_options(cfg) -> None:
-    """Log compat_notices(cfg), one info line each: called once by each entry point at start-up."""
-    for line in compat_notices(cfg):
-        logger.info(line)
