@@ -1,5 +1,6 @@
 # Sourced by quickstart.sh and test.sh: create or reuse .venv and install the project into it.
-# torch==2.13.0 is installed only where no torch is importable (a user's own torch is kept).
+# torch==$FAIRSEQ_TORCH (default 2.13.0) is installed only where no torch is importable (a user's own torch is
+# kept); FAIRSEQ_TORCH_EXACT=1 also replaces another version (test.sh's oldest-torch environment, its own).
 # FAIRSEQ_NO_INSTALL=1 uses $FAIRSEQ_VENV as it is (no venv created, nothing installed): the docs tests run
 # the quickstart this way, in the environment under test.
 set -euo pipefail
@@ -14,9 +15,11 @@ if [ "${FAIRSEQ_NO_INSTALL:-0}" != 1 ]; then
         "$PY" -m venv "$VENV"
     fi
     PYBIN="$VENV/bin/python"
-    if ! "$PYBIN" -c 'import torch' >/dev/null 2>&1; then
-        echo "== installing torch==2.13.0 into $VENV (a download of a few hundred MB to a few GB: minutes)"
-        "$PYBIN" -m pip install -q torch==2.13.0
+    TORCH="${FAIRSEQ_TORCH:-2.13.0}"
+    have="$("$PYBIN" -c 'import torch; print(torch.__version__.split("+")[0])' 2>/dev/null || true)"
+    if [ -z "$have" ] || { [ "${FAIRSEQ_TORCH_EXACT:-0}" = 1 ] && [ "$have" != "$TORCH" ]; }; then
+        echo "== installing torch==$TORCH into $VENV (a download of a few hundred MB to a few GB: minutes)"
+        "$PYBIN" -m pip install -q "torch==$TORCH"
     fi
     stamp="$VENV/.fairseq-installed${EXTRAS:+-$EXTRAS}"
     if [ -z "$EXTRAS" ] && [ -f "$VENV/.fairseq-installed-dev" ] && [ ! -f "$stamp" ]; then

@@ -4,7 +4,8 @@ Writes are atomic (temporary file in the same directory, fsync, rename), so a pr
 leaves the previous checkpoint intact; a failed write (disk full, file-size limit, permissions) becomes one
 CheckpointSaveError naming the path and the errno. Reads never unpickle code (`weights_only=True`) unless the
 user passed --trust-legacy-checkpoint for an upstream fairseq file, and tell a truncated file, a file that is
-not a checkpoint at all and an upstream pickle apart.
+not a checkpoint at all and an upstream pickle apart. What is saved is plain data (`check_plain`), so that it
+loads that way.
 """
 
 import errno
@@ -14,7 +15,8 @@ import os
 import pickle
 import tempfile
 import zipfile
-from typing import Any, Dict, Optional
+from collections import OrderedDict
+from typing import Any, Dict, List, Optional
 
 import torch
 
@@ -170,6 +172,47 @@ def torch_save_temporary(obj: Any, path: str, flag: str = "--save-dir") -> Pendi
     """torch.save `obj` beside `path` under a temporary name; `commit()` puts it in place (`flag`: the option
     that named `path`, for the error of a failed write)."""
     return write_temporary(path, lambda f: torch.save(obj, f), flag)
+
+
+# What a checkpoint holds: tensors (DTensors included) in these containers, and these scalars. Exact types: an
+# IntEnum is an int and a namedtuple a tuple, but both pickle as objects of their class, which weights_only=True
+# refuses (and torch 2.11's checkpoint stager cannot copy). OrderedDict is what nn.Module.state_dict() returns.
+PLAIN_SCALARS = (int, float, bool, str, bytes, type(None))
+PLAIN_CONTAINERS = (dict, OrderedDict, list, tuple)
+
+
+def non_plain_entries(state: Any, where: str = "state", limit: int = 5) -> List[str]:
+    """'where is what' for the first `limit` entries of `state` (depth first) that are neither tensors, plain
+    containers nor plain scalars, or dict keys other than str and int; [] when the whole state is plain."""
+    found: List[str] = []
+    pending = [(where, state)]
+    while pending and len(found) < limit:
+        path, value = pending.pop()
+        kind = type(value)
+        if isinstance(value, torch.Tensor) or kind in PLAIN_SCALARS:
+            continue
+        if kind in (dict, OrderedDict):
+            for key in reversed(list(value)):
+                if type(key) not in (str, int):
+                    found.append(f"{path} has the key {key!r} of type {type(key).__qualname__}")
+                pending.append((f"{path}.{key}", value[key]))
+        elif kind in (list, tuple):
+            pending += [(f"{path}[{i}]", item) for i, item in reversed(list(enumerate(value)))]
+        else:
+            what = "a class" if isinstance(value, type) else f"of type {kind.__module__}.{kind.__qualname__}"
+            found.append(f"{path} is {what} ({value!r:.60})")
+    return found[:limit]
+
+
+def check_plain(state: Any, path: str, where: str = "state") -> None:
+    """Refuse to save `state` to `path` (CheckpointSaveError naming the entries, `where` their root) unless it
+    is plain data."""
+    bad = non_plain_entries(state, where)
+    if bad:
+        raise CheckpointSaveError(
+            f"cannot save {path}: {'; '.join(bad)}. A checkpoint holds tensors, dict/list/tuple and "
+            "int/float/bool/str/bytes/None only (it loads with weights_only=True): the state_dict() that returned "
+            "these entries must return plain values")
 
 
 def atomic_torch_save(obj: Any, path: str, flag: str = "--save-dir"):

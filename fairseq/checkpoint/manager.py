@@ -39,6 +39,7 @@ from fairseq.checkpoint.paths import (
     enters_kept_best,
     existing_checkpoint,
     intact_checkpoints,
+    newer_than_last,
     prune_checkpoints,
     resolve_restore_path,
 )
@@ -455,16 +456,28 @@ class RestoreChoice:
 
 def choose_restore(ck, first_launch: Optional[bool] = None) -> RestoreChoice:
     """The one resume rule of fairseq-train and upstream's `checkpoint_utils.load_checkpoint`: --restore-file
-    (default save_dir/checkpoint_last{suffix}.pt), which must exist unless it is the default; on a first launch
-    (no checkpoint_last yet; `first_launch` given: the caller probed) --finetune-from-model's checkpoint with
-    everything but the weights reset."""
+    (default save_dir/checkpoint_last{suffix}.pt), which must exist unless it is the default. For the default,
+    an intact checkpoint of the run that stores more progress than checkpoint_last (or one there without a
+    checkpoint_last, unless --no-last-checkpoints) is resumed instead, saying which and why (paths.newer_than_last:
+    a save killed before its copy to checkpoint_last was renamed). Otherwise, on a first launch (no
+    checkpoint_last yet; `first_launch` given: the caller probed) --finetune-from-model's checkpoint with
+    everything but the weights reset. Collective: rank 0's listing decides."""
     path = resolve_restore_path(ck)
     if ck.restore_file != "checkpoint_last.pt":
         if existing_checkpoint(path) is None:
             raise missing_restore_file(ck.restore_file, path)
         return RestoreChoice(path, Resets.from_config(ck))
+    last = existing_checkpoint(path)
+    newer = None
+    if get_rank() == 0 and (last is not None or not ck.no_last_checkpoints):
+        newer = newer_than_last(ck.save_dir, ck.checkpoint_suffix, last)
+        if newer is not None:
+            logger.info(f"{newer[1]}: resuming from it")
+    newer = broadcast_from_master(newer)
+    if newer is not None:
+        return RestoreChoice(newer[0], Resets.from_config(ck))
     if first_launch is None:
-        first_launch = existing_checkpoint(path) is None
+        first_launch = last is None
     if ck.finetune_from_model and first_launch:
         return RestoreChoice(ck.finetune_from_model, Resets(True, True, True, True), finetune=True)
     return RestoreChoice(path, Resets.from_config(ck))

@@ -112,25 +112,50 @@ def resolve_restore_path(ckpt_cfg) -> str:
 
 
 def intact_checkpoints(save_dir: str, exclude: Optional[str] = None) -> List[str]:
-    """Checkpoints in `save_dir` that pass a cheap integrity check (complete zip file; sharded directory with
-    both metadata files), the most trained first: what a user can resume from when checkpoint_last is damaged."""
-    from fairseq.checkpoint.io import checkpoint_file_looks_intact
-    from fairseq.checkpoint.sharded import METADATA, resolve_sharded
-
-    found = []
-    for _, path in _entries(save_dir, r"checkpoint.*?"):
-        if path.endswith((".tmp", ".old")) or (exclude and os.path.abspath(path) == os.path.abspath(exclude)):
-            continue
-        if os.path.isdir(path):
-            complete = resolve_sharded(path) == path and os.path.isfile(os.path.join(path, ".metadata"))
-            if complete and checkpoint_file_looks_intact(os.path.join(path, METADATA)):
-                found.append(path)
-        elif path.endswith(".pt") and checkpoint_file_looks_intact(path):
-            found.append(path)
+    """Checkpoints in `save_dir` that pass a cheap integrity check (`looks_intact`), the most trained first: what
+    a user can resume from when checkpoint_last is damaged."""
+    found = [path for _, path in _entries(save_dir, r"checkpoint.*?")
+             if not path.endswith((".tmp", ".old")) and looks_intact(path)
+             and not (exclude and os.path.abspath(path) == os.path.abspath(exclude))]
     # By training progress, not modification time (a `touch` or a copy of the directory changes that); among
     # checkpoints of the same progress, by name (checkpoint_E_U before the aliases best/last).
     progress = {path: training_progress(path) for path in found}
     return sorted(sorted(found, key=os.path.basename), key=lambda p: progress[p], reverse=True)
+
+
+def looks_intact(path: str) -> bool:
+    """A complete zip file `x.pt`, or a sharded directory with both metadata files (cheap: no tensor is read)."""
+    from fairseq.checkpoint.io import checkpoint_file_looks_intact
+    from fairseq.checkpoint.sharded import METADATA, resolve_sharded
+
+    if os.path.isdir(path):
+        complete = resolve_sharded(path) == path and os.path.isfile(os.path.join(path, ".metadata"))
+        return complete and checkpoint_file_looks_intact(os.path.join(path, METADATA))
+    return path.endswith(".pt") and checkpoint_file_looks_intact(path)
+
+
+def newer_than_last(save_dir: str, suffix: str, last: Optional[str]) -> Optional[Tuple[str, str]]:
+    """(checkpoint, why) to resume instead of `last`, the run's checkpoint_last (None: missing): the most
+    trained intact checkpoint of this --checkpoint-suffix in `save_dir`, when it stores more progress (updates,
+    then epoch) than `last`. A save killed after writing checkpoint_E_U but before its copy to checkpoint_last
+    renamed leaves checkpoint_last behind (or absent, at the first save). None when `last` is the most trained,
+    or is damaged (resuming it then fails naming the intact ones: damage is not what our saves leave)."""
+    if last is not None and not last.endswith(".old") and not looks_intact(last):
+        return None
+    own = re.compile(r"checkpoint(\d+|_\d+_\d+|_best|_last|\.best_.+)" + re.escape(suffix) + r"(\.pt)?")
+    candidates = [path for path in intact_checkpoints(save_dir)
+                  if own.fullmatch(os.path.basename(path)) and "checkpoint_last" not in os.path.basename(path)]
+    if not candidates:
+        return None
+    newest = candidates[0]
+    progress = training_progress(newest)
+    name = f"{os.path.basename(newest)} (update {progress[0]})"
+    if last is None:
+        return newest, f"there is no checkpoint_last{suffix} but {name} is intact"
+    stored = training_progress(last)
+    if progress <= stored:
+        return None
+    return newest, f"{os.path.basename(last)} is at update {stored[0]} but {name} is newer and intact"
 
 
 def training_progress(path: str) -> Tuple[int, int]:

@@ -107,7 +107,7 @@ FINETUNE_WITH_RESETS = ("--finetune-from-model can not be set together with eith
 # The checkpoint options load_checkpoint reads, with the defaults a partial config falls back to.
 _RESUME_DEFAULTS = {"reset_optimizer": False, "reset_lr_scheduler": False, "reset_meters": False,
                     "reset_dataloader": False, "restore_file": "checkpoint_last.pt", "save_dir": "checkpoints",
-                    "finetune_from_model": None, "optimizer_overrides": "{}"}
+                    "finetune_from_model": None, "optimizer_overrides": "{}", "no_last_checkpoints": False}
 
 
 def load_checkpoint(cfg, trainer, **passthrough_args):

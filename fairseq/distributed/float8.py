@@ -59,9 +59,13 @@ def check_float8_environment(cfg, device: torch.device) -> None:
         raise ValueError("--fp8 needs torchao, which is not installed: pip install torchao "
                          "(or the project's fp8 extra: pip install 'fairseq[fp8]')")
     if device.type != "cuda":
-        if not _cpu_float8_matmul():
+        if not cpu_float8_matmul():
             raise ValueError("--fp8 needs a CUDA GPU (float8 matmuls; this torch has none on the CPU): drop --fp8 "
                              "or --cpu")
+        if cfg.common.fp8_recipe != "tensorwise" and not cpu_float8_matmul(rowwise=True):
+            raise ValueError(f"--fp8-recipe {cfg.common.fp8_recipe} on the CPU needs float8 matmuls with one scale per "
+                             f"row, which torch {torch.__version__} has only on CUDA GPUs: use --fp8-recipe "
+                             "tensorwise, a GPU, or a newer torch (2.13 has them on the CPU)")
         return
     capability = torch.cuda.get_device_capability(device)
     if capability < MIN_CAPABILITY:
@@ -70,12 +74,14 @@ def check_float8_environment(cfg, device: torch.device) -> None:
                          f"{capability[0]}.{capability[1]}: drop --fp8")
 
 
-def _cpu_float8_matmul() -> bool:
-    """Whether this torch multiplies float8 matrices on the CPU (torch._scaled_mm, what torchao calls)."""
+def cpu_float8_matmul(rowwise: bool = False) -> bool:
+    """Whether this torch multiplies float8 matrices on the CPU (torch._scaled_mm, what torchao calls), with
+    one scale per tensor or (`rowwise`) per row: torch 2.11 has only the first on the CPU, 2.13 both."""
     a = torch.ones(16, 16).to(torch.float8_e4m3fn)
-    one = torch.ones((), dtype=torch.float32)
+    shapes = ((16, 1), (1, 16)) if rowwise else ((), ())
+    scale_a, scale_b = (torch.ones(shape, dtype=torch.float32) for shape in shapes)
     try:
-        torch._scaled_mm(a, a.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
+        torch._scaled_mm(a, a.t(), scale_a=scale_a, scale_b=scale_b, out_dtype=torch.bfloat16)
     except (RuntimeError, NotImplementedError):
         return False
     return True

@@ -8,6 +8,7 @@ from fairseq.checkpoint.paths import (
     checkpoint_stems,
     enters_kept_best,
     existing_checkpoint,
+    newer_than_last,
     prune_checkpoints,
     resolve_restore_path,
 )
@@ -283,3 +284,39 @@ def test_existing_checkpoint_real_file_content(tmp_path):
     torch.save({"model": {"w": torch.ones(2)}}, path)
     found = existing_checkpoint(str(path))
     assert torch.equal(torch.load(found, weights_only=True)["model"]["w"], torch.ones(2))
+
+
+# ----------------------------------------------------------------------------- what a resume continues from
+
+
+def sharded_checkpoint(path, updates):
+    """A sharded checkpoint directory as far as choosing one reads it: DCP's index and metadata.pt's progress."""
+    os.makedirs(path)
+    open(os.path.join(path, ".metadata"), "wb").close()
+    torch.save({"extra_state": {"trainer": {"num_updates": updates}, "train_iterator": {"epoch": 1}}},
+               os.path.join(path, "metadata.pt"))
+
+
+def test_a_sharded_checkpoint_newer_than_checkpoint_last_is_chosen_by_stored_progress(tmp_path):
+    d = str(tmp_path)
+    sharded_checkpoint(os.path.join(d, "checkpoint_last"), 8)
+    sharded_checkpoint(os.path.join(d, "checkpoint_1_10"), 10)
+    sharded_checkpoint(os.path.join(d, "checkpoint_1_99"), 4)  # the name says 99, what it stores 4
+    sharded_checkpoint(os.path.join(d, "checkpoint_1_12-other"), 12)  # another --checkpoint-suffix's
+    os.makedirs(os.path.join(d, "checkpoint_1_14.tmp"))  # a killed save's temporary
+    last = os.path.join(d, "checkpoint_last")
+    assert newer_than_last(d, "", last) == (
+        os.path.join(d, "checkpoint_1_10"), "checkpoint_last is at update 8 but checkpoint_1_10 (update 10) is newer "
+                                            "and intact")
+    assert newer_than_last(d, "-other", None) == (
+        os.path.join(d, "checkpoint_1_12-other"), "there is no checkpoint_last-other but checkpoint_1_12-other "
+                                                  "(update 12) is intact")
+    sharded_checkpoint(os.path.join(d, "checkpoint_best"), 8)
+    os.remove(os.path.join(d, "checkpoint_1_10", ".metadata"))  # incomplete: not a candidate
+    assert newer_than_last(d, "", last) is None  # nothing intact beyond update 8
+
+
+def test_a_damaged_checkpoint_last_is_left_to_the_error_that_names_the_intact_ones(tmp_path):
+    sharded_checkpoint(str(tmp_path / "checkpoint_1_10"), 10)
+    (tmp_path / "checkpoint_last.pt").write_bytes(b"garbage, not a checkpoint")
+    assert newer_than_last(str(tmp_path), "", str(tmp_path / "checkpoint_last.pt")) is None

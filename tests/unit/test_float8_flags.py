@@ -2,6 +2,7 @@
 converted (the output projection stays bf16). The float8 training itself runs in tests/gpu/test_float8_gpu.py."""
 
 import importlib.util
+import re
 import sys
 
 import pytest
@@ -84,3 +85,18 @@ def test_only_decoder_layer_linears_with_float8_sized_dims_are_converted():
     # fc1/fc2 (64 x 200: 200 is no multiple of 16) and the output projection stay in bf16
     assert chosen == [f"decoder.layers.0.self_attn.{p}_proj" for p in ("k", "out", "q", "v")]
     assert isinstance(model.decoder.output_projection, torch.nn.Linear)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("torchao") is None, reason="needs torchao (the dev extra has it)")
+def test_rowwise_on_a_cpu_without_per_row_float8_matmuls_is_one_line():
+    """torch 2.11 multiplies float8 on the CPU with one scale per tensor only (scripts/test.sh runs this file on
+    it): the rowwise recipes are refused there before any work; on 2.13 they run (test_tensor_parallel_compose)."""
+    from fairseq.distributed.float8 import cpu_float8_matmul
+
+    cfg = config("--fp8", "--bf16", "--fp8-recipe", "rowwise", "--cpu")
+    if cpu_float8_matmul(rowwise=True):
+        validate(cfg)
+        return
+    with pytest.raises(ValueError, match=re.escape(f"--fp8-recipe rowwise on the CPU needs float8 matmuls with one "
+                                                   f"scale per row, which torch {torch.__version__} has only on CUDA")):
+        validate(cfg)
