@@ -57,7 +57,8 @@ def test_a_background_write_is_polled_then_waited_for_and_logged(caplog):
     with caplog.at_level(logging.INFO, logger="fairseq.checkpoint.writer"):
         seconds = writer.wait("before the next save")
     assert threads[0] is not threading.main_thread()
-    assert seconds >= 0.2 and writer.in_flight is None and 0.1 < writer.waited <= seconds
+    # The waiter wakes after the write thread's last timestamp (thread hand-off, ms under load): 0.1 s of slack.
+    assert seconds >= 0.2 and writer.in_flight is None and 0.1 < writer.waited <= seconds + 0.1
     [line] = [r.getMessage() for r in caplog.records if "waited" in r.getMessage()]
     assert line.startswith("waited 0.") and line.endswith("for the background write of ck/checkpoint_1_2.pt before "
                                                           "the next save")
