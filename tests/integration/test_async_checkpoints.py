@@ -76,10 +76,29 @@ def start(argv, slow=None):
                             stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True)
 
 
-def act_during_write(proc, save_dir, name, act, timeout=180, wait_for_temporary=True):
-    """Once the log says checkpoint `name` (a file `x.pt` or a sharded directory `x`) is being written in the
-    background and (`wait_for_temporary`) its temporary exists, call `act(proc)`; returns (exit status, the whole
+def act_after_update(proc, update, act, timeout=180):
+    """Once the log's train_inner line of `update` is printed, call `act(proc)`; returns (exit status, the whole
     log)."""
+    lines = []
+    try:
+        for line in proc.stdout:
+            lines.append(line)
+            if "train_inner" in line and f'"num_updates": "{update}"' in line:
+                break
+        else:
+            pytest.fail(f"update {update} never ended:\n{''.join(lines)[-4000:]}")
+        act(proc)
+        rest = proc.communicate(timeout=timeout)[0]
+        return proc.returncode, "".join(lines) + rest
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def act_during_write(proc, save_dir, name, act, timeout=180):
+    """Once the log says checkpoint `name` (a file `x.pt` or a sharded directory `x`) is being written in the
+    background and its temporary exists, call `act(proc)`; returns (exit status, the whole log)."""
     lines = []
     try:
         for line in proc.stdout:
@@ -91,7 +110,7 @@ def act_during_write(proc, save_dir, name, act, timeout=180, wait_for_temporary=
         temporary = f".{name}.*.tmp" if name.endswith(".pt") else f"{name}.tmp"
         pattern = os.path.join(glob.escape(str(save_dir)), temporary)
         deadline = time.time() + 30
-        while wait_for_temporary and not glob.glob(pattern):
+        while not glob.glob(pattern):
             assert time.time() < deadline and proc.poll() is None, "".join(lines)[-4000:]
             time.sleep(0.005)
         act(proc)
@@ -218,14 +237,13 @@ def sharded_runs(tiny_data, tmp_path_factory):
     status, log = act_during_write(start(argv, slow=3), async_dir, "checkpoint_1_4", kill_9)
     assert status == -signal.SIGKILL, log[-4000:]
     left = sorted(os.listdir(async_dir))
-    # The restarted job: SIGUSR1 (to the launcher, which forwards it) while checkpoint_1_4 is in flight again. The
-    # write sleeps 5 s: the ranks agree on the stop within two updates, and the preemption checkpoint waits for it
-    # (a checkpoint every 4 updates here: no interval save comes between). The signal goes as soon as the write is
-    # handed to the background (not once its temporary exists): the tiny model's next updates take milliseconds,
-    # and a signal sent later could arrive after update 8 (seen once in CI on torch 2.11).
+    # The restarted job: SIGUSR1 (to the launcher, which forwards it) once update 3 is logged, so that it lands
+    # while checkpoint_1_4 is in flight. The ranks agree on a stop one update after they see the signal, and an
+    # interval save at 8 would come first: the tiny model's updates take milliseconds, so the signal is sent a
+    # whole update ahead of the write (sent when the write started, it once arrived after update 7 in CI). The
+    # write sleeps 5 s, so the preemption checkpoint (at update 4 to 7) waits for it.
     argv[argv.index("--save-interval-updates") + 1] = "4"
-    restart = act_during_write(start(argv, slow=5), async_dir, "checkpoint_1_4",
-                               lambda proc: proc.send_signal(signal.SIGUSR1), wait_for_temporary=False)
+    restart = act_after_update(start(argv, slow=5), 3, lambda proc: proc.send_signal(signal.SIGUSR1))
     return sync_dir, async_dir, left, restart
 
 
@@ -259,6 +277,7 @@ def test_sigusr1_during_a_sharded_background_write_waits_for_it_then_saves_and_r
     assert log.index("saved checkpoint " + str(async_dir / "checkpoint_1_4")) < log.index(
         "saved checkpoint " + str(async_dir / "checkpoint_last"))
     assert_same_sharded_checkpoint(sync_dir / "checkpoint_1_4", async_dir / "checkpoint_1_4", resumed=True)
+    assert f"writing checkpoint {async_dir / 'checkpoint_1_4'} (epoch 1 @ 4 updates" in log  # in the background
     last = load(async_dir / "checkpoint_last" / "metadata.pt")["extra_state"]["trainer"]["num_updates"]
-    assert 4 < last < 8
+    assert 4 <= last < 8
     assert not [n for n in os.listdir(async_dir) if n.endswith(".tmp")]
