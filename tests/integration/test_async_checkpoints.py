@@ -76,17 +76,19 @@ def start(argv, slow=None):
                             stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True)
 
 
-def act_after_update(proc, update, act, timeout=180):
-    """Once the log's train_inner line of `update` is printed, call `act(proc)`; returns (exit status, the whole
-    log)."""
+def act_when(proc, seen, what, act, ready=lambda lines: None, timeout=180):
+    """Read the log until a line makes `seen(line)` true (else fail: `what` never happened), call `ready(lines)`
+    (a wait before acting), then `act(proc)`; returns (exit status, the whole log). The process group is killed
+    if it is still running when this returns or fails."""
     lines = []
     try:
         for line in proc.stdout:
             lines.append(line)
-            if "train_inner" in line and f'"num_updates": "{update}"' in line:
+            if seen(line):
                 break
         else:
-            pytest.fail(f"update {update} never ended:\n{''.join(lines)[-4000:]}")
+            pytest.fail(f"{what} never happened:\n{''.join(lines)[-4000:]}")
+        ready(lines)
         act(proc)
         rest = proc.communicate(timeout=timeout)[0]
         return proc.returncode, "".join(lines) + rest
@@ -96,30 +98,26 @@ def act_after_update(proc, update, act, timeout=180):
             proc.wait()
 
 
-def act_during_write(proc, save_dir, name, act, timeout=180):
+def act_after_update(proc, update, act):
+    """Once the log's train_inner line of `update` is printed, call `act(proc)`."""
+    return act_when(proc, lambda line: "train_inner" in line and f'"num_updates": "{update}"' in line,
+                    f"the end of update {update}", act)
+
+
+def act_during_write(proc, save_dir, name, act):
     """Once the log says checkpoint `name` (a file `x.pt` or a sharded directory `x`) is being written in the
-    background and its temporary exists, call `act(proc)`; returns (exit status, the whole log)."""
-    lines = []
-    try:
-        for line in proc.stdout:
-            lines.append(line)
-            if f"{os.path.join(str(save_dir), name)} (epoch" in line and "in the background" in line:
-                break
-        else:
-            pytest.fail(f"the write of {name} never started:\n{''.join(lines)[-4000:]}")
-        temporary = f".{name}.*.tmp" if name.endswith(".pt") else f"{name}.tmp"
-        pattern = os.path.join(glob.escape(str(save_dir)), temporary)
+    background and its temporary exists, call `act(proc)`."""
+    temporary = f".{name}.*.tmp" if name.endswith(".pt") else f"{name}.tmp"
+    pattern = os.path.join(glob.escape(str(save_dir)), temporary)
+
+    def temporary_exists(lines):
         deadline = time.time() + 30
         while not glob.glob(pattern):
             assert time.time() < deadline and proc.poll() is None, "".join(lines)[-4000:]
             time.sleep(0.005)
-        act(proc)
-        rest = proc.communicate(timeout=timeout)[0]
-        return proc.returncode, "".join(lines) + rest
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+
+    return act_when(proc, lambda line: f"{os.path.join(str(save_dir), name)} (epoch" in line
+                    and "in the background" in line, f"the write of {name}", act, temporary_exists)
 
 
 def kill_9(proc):
