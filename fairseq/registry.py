@@ -44,8 +44,10 @@ class Registry:
                 raise ValueError(f"cannot register duplicate {self.kind} {name!r}")
             base = self.base_class
             if base is not None and not (isinstance(cls, type) and issubclass(cls, base)):
-                raise ValueError(f"{self.kind} {name!r} ({getattr(cls, '__name__', cls)}) must extend "
-                                 f"{base.__module__}.{base.__name__}")
+                raise ValueError(
+                    f"{self.kind} {name!r} ({getattr(cls, '__name__', cls)}) must extend "
+                    f"{base.__module__}.{base.__name__}"
+                )
             if dataclass is not None and not is_dataclass(dataclass):
                 raise ValueError(f"{self.kind} {name!r}: {dataclass} is not a dataclass")
             self._classes[name] = cls
@@ -105,8 +107,9 @@ def import_package_modules(package: str):
 
 
 TASK_REGISTRY = Registry("task", ("fairseq.tasks",), "--task")
-MODEL_REGISTRY = Registry("model", ("fairseq.models",), "--arch",
-                          base_class="fairseq.models.fairseq_model.BaseFairseqModel")
+MODEL_REGISTRY = Registry(
+    "model", ("fairseq.models",), "--arch", base_class="fairseq.models.fairseq_model.BaseFairseqModel"
+)
 CRITERION_REGISTRY = Registry("criterion", ("fairseq.criterions",), "--criterion")
 OPTIMIZER_REGISTRY = Registry("optimizer", ("fairseq.optim",), "--optimizer")
 LR_SCHEDULER_REGISTRY = Registry("lr_scheduler", ("fairseq.optim.lr_scheduler",), "--lr-scheduler")

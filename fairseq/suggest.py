@@ -13,7 +13,7 @@ def close_match(word, candidates: Iterable) -> Optional[str]:
 
 
 def did_you_mean(word, candidates: Iterable, shown: Optional[Callable[[str], str]] = None) -> str:
-    """" (did you mean 'X'?)" for the closest candidate X, or "" when none is close; `shown` writes X
+    """ " (did you mean 'X'?)" for the closest candidate X, or "" when none is close; `shown` writes X
     (default: quoted)."""
     match = close_match(word, candidates)
     if match is None:

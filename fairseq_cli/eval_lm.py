@@ -42,8 +42,10 @@ def bpe_continuation(post_process: Optional[str]) -> Optional[str]:
     if post_process == "subword_nmt":
         return "@@"
     if post_process in ("sentencepiece", "letter", "wordpiece", "_EOW", "none"):  # not marker schemes
-        raise ValueError(f"--post-process {post_process}: eval-lm joins words for --remove-bpe sentencepiece, for "
-                         "the --bpe scheme's pieces, or for continuation markers (--remove-bpe, --remove-bpe '@@ ')")
+        raise ValueError(
+            f"--post-process {post_process}: eval-lm joins words for --remove-bpe sentencepiece, for "
+            "the --bpe scheme's pieces, or for continuation markers (--remove-bpe, --remove-bpe '@@ ')"
+        )
     return post_process.rstrip()
 
 
@@ -67,8 +69,17 @@ class WordStat:
             self.next_word_prob += next_word_prob
 
     def __str__(self) -> str:
-        return "\t".join(str(v) for v in (self.word, self.count, self.log_prob, self.is_bpe, self.next_word_prob,
-                                           self.count - self.missing_next_words))
+        return "\t".join(
+            str(v)
+            for v in (
+                self.word,
+                self.count,
+                self.log_prob,
+                self.is_bpe,
+                self.next_word_prob,
+                self.count - self.missing_next_words,
+            )
+        )
 
 
 class BPE:
@@ -104,10 +115,12 @@ class BPE:
         begun, continued or ended a word, which its id cannot tell. None when the scored text has none."""
         if not self.unknown:
             return None
-        return (f"--remove-bpe: the scored text holds {self.unknown:,} <unk> tokens (pieces not in dict.txt); "
-                f"the word count, and so the per-word perplexity, may differ from the raw text's by up to "
-                f"{self.unknown:,} words. Fix: build dict.txt from the tokenizer's whole vocabulary (for "
-                "sentencepiece its .vocab, examples/large_lm/README.md) and binarize with it (--srcdict)")
+        return (
+            f"--remove-bpe: the scored text holds {self.unknown:,} <unk> tokens (pieces not in dict.txt); "
+            f"the word count, and so the per-word perplexity, may differ from the raw text's by up to "
+            f"{self.unknown:,} words. Fix: build dict.txt from the tokenizer's whole vocabulary (for "
+            "sentencepiece its .vocab, examples/large_lm/README.md) and binarize with it (--srcdict)"
+        )
 
 
 SPM_SPACE = "\u2581"  # sentencepiece's word-boundary mark
@@ -137,15 +150,24 @@ def word_boundaries(post_process: Optional[str], dictionary, bpe_encoder=None, b
     if post_process == "sentencepiece":
         starts = [i in specials or s.startswith(SPM_SPACE) for i, s in enumerate(symbols)]
         starts[dictionary.unk()] = False
-        return BPE(dictionary, starts, [s == SPM_SPACE for s in symbols],
-                   lambda pieces: "".join(pieces).replace(SPM_SPACE, " ").strip())
+        return BPE(
+            dictionary,
+            starts,
+            [s == SPM_SPACE for s in symbols],
+            lambda pieces: "".join(pieces).replace(SPM_SPACE, " ").strip(),
+        )
     if post_process == "gpt2":
-        raise ValueError("--remove-bpe gpt2: word boundaries come from the encoder; pass --bpe gpt2 "
-                         "--gpt2-encoder-json encoder.json --gpt2-vocab-bpe vocab.bpe")
+        raise ValueError(
+            "--remove-bpe gpt2: word boundaries come from the encoder; pass --bpe gpt2 "
+            "--gpt2-encoder-json encoder.json --gpt2-vocab-bpe vocab.bpe"
+        )
     marker = bpe_continuation(post_process)
-    return BPE(dictionary, [True] * len(symbols), [i not in specials and s.endswith(marker)
-                                                     for i, s in enumerate(symbols)],
-               lambda pieces: "".join(p[: len(p) - len(marker)] if p.endswith(marker) else p for p in pieces))
+    return BPE(
+        dictionary,
+        [True] * len(symbols),
+        [i not in specials and s.endswith(marker) for i, s in enumerate(symbols)],
+        lambda pieces: "".join(p[: len(p) - len(marker)] if p.endswith(marker) else p for p in pieces),
+    )
 
 
 def _scheme_starts(bpe_encoder, i: int, symbol: str, specials: set) -> bool:
@@ -180,8 +202,14 @@ class WordOutput:
         self.stats: Dict[str, WordStat] = {}
         self.samples: Dict[int, tuple] = {}  # id -> (pieces before its first word, [[pieces, log p], ...])
 
-    def add_batch(self, ids: torch.Tensor, target: torch.Tensor, lprobs: torch.Tensor, mask: torch.Tensor,
-                  begins: Optional[torch.Tensor] = None) -> None:
+    def add_batch(
+        self,
+        ids: torch.Tensor,
+        target: torch.Tensor,
+        lprobs: torch.Tensor,
+        mask: torch.Tensor,
+        begins: Optional[torch.Tensor] = None,
+    ) -> None:
         for row in range(target.size(0)):
             head, groups = [[], 0.0], []
             starts = begins[row][mask[row]].tolist() if begins is not None else None
@@ -217,8 +245,16 @@ class WordOutput:
 
 
 @torch.no_grad()
-def evaluate(model, batches, pad: int, device, dtype, bos: Optional[int] = None, bpe: Optional[BPE] = None,
-             words: Optional[WordOutput] = None) -> tuple:
+def evaluate(
+    model,
+    batches,
+    pad: int,
+    device,
+    dtype,
+    bos: Optional[int] = None,
+    bpe: Optional[BPE] = None,
+    words: Optional[WordOutput] = None,
+) -> tuple:
     """(sum of -log2 p over counted target tokens, number of counted tokens, number of words: with `bpe`
     the counted tokens that begin a word (BPE.word_beginnings), else the same as tokens).
 
@@ -252,8 +288,13 @@ def evaluate(model, batches, pad: int, device, dtype, bos: Optional[int] = None,
             word_count += int((begins & mask).sum())
             bpe.unknown += int((target.eq(bpe.dictionary.unk()) & mask).sum())
         if words is not None:
-            words.add_batch(sample["id"], target.cpu(), -token_nll.view_as(target).cpu(), mask.cpu(),
-                            None if begins is None else begins.cpu())
+            words.add_batch(
+                sample["id"],
+                target.cpu(),
+                -token_nll.view_as(target).cpu(),
+                mask.cpu(),
+                None if begins is None else begins.cpu(),
+            )
     if words is not None:
         words.finish()
     return float(nll_sum) / math.log(2), count, word_count if bpe is not None else count
@@ -286,8 +327,9 @@ def main(cfg, **unused_kwargs) -> dict:
 
     overrides = ast.literal_eval(cfg.common_eval.model_overrides)
     # (the task gets --add-bos-token from the checkpoint: a model trained with it expects <s> first)
-    model, loaded_cfg, saved_cfg, task, vocabulary = load_model(path, task_cfg=task_cfg, overrides=overrides,
-                                                                trust_legacy=cfg.common.trust_legacy_checkpoint)
+    model, loaded_cfg, saved_cfg, task, vocabulary = load_model(
+        path, task_cfg=task_cfg, overrides=overrides, trust_legacy=cfg.common.trust_legacy_checkpoint
+    )
     model.to(device).eval()
     logger.info(f"loaded {path}: {sum(p.numel() for p in model.parameters()):,} parameters")
     logger.info(model_config_line(model, loaded_cfg.model))
@@ -300,28 +342,40 @@ def main(cfg, **unused_kwargs) -> dict:
     if context_window > 0:
         dataset = InCorpusOrder(dataset)
     itr = task.get_batch_iterator(
-        dataset=dataset, max_tokens=max_tokens, max_sentences=cfg.dataset.batch_size,
-        max_positions=max_positions, ignore_invalid_inputs=cfg.dataset.skip_invalid_size_inputs_valid_test,
+        dataset=dataset,
+        max_tokens=max_tokens,
+        max_sentences=cfg.dataset.batch_size,
+        max_positions=max_positions,
+        ignore_invalid_inputs=cfg.dataset.skip_invalid_size_inputs_valid_test,
         seed=cfg.common.seed,
-        num_shards=cfg.dataset.num_shards, shard_id=cfg.dataset.shard_id, num_workers=cfg.dataset.num_workers,
+        num_shards=cfg.dataset.num_shards,
+        shard_id=cfg.dataset.shard_id,
+        num_workers=cfg.dataset.num_workers,
         epoch=1,
     ).next_epoch_itr(shuffle=False)
     pad = task.source_dictionary.pad()
-    bos = task.source_dictionary.bos() if getattr(task.cfg, "add_bos_token", False) else None  # plug-in tasks may lack it
+    bos = (
+        task.source_dictionary.bos() if getattr(task.cfg, "add_bos_token", False) else None
+    )  # plug-in tasks may lack it
     batches = with_context_window(itr, context_window, pad, bos) if context_window > 0 else itr
-    bpe = word_boundaries(cfg.common_eval.post_process, task.source_dictionary,
-                          *_bpe_encoder(cfg, saved_cfg, vocabulary, path))
+    bpe = word_boundaries(
+        cfg.common_eval.post_process, task.source_dictionary, *_bpe_encoder(cfg, saved_cfg, vocabulary, path)
+    )
     words = None
     if cfg.eval_lm.output_word_probs or cfg.eval_lm.output_word_stats:
         words = WordOutput(task.source_dictionary, bpe, log_words=cfg.eval_lm.output_word_probs)
     start = time.perf_counter()
-    nll_bits, count, words_count = evaluate(model, batches, pad, device, compute_dtype(cfg.common), bos=bos,
-                                            bpe=bpe, words=words)
+    nll_bits, count, words_count = evaluate(
+        model, batches, pad, device, compute_dtype(cfg.common), bos=bos, bpe=bpe, words=words
+    )
     elapsed = time.perf_counter() - start
     if count == 0:
-        skipped = (" --skip-invalid-size-inputs-valid-test skipped every block that does not fit the model: lower "
-                   "--tokens-per-sample, or drop the flag to see the first such block" if
-                   cfg.dataset.skip_invalid_size_inputs_valid_test else "")
+        skipped = (
+            " --skip-invalid-size-inputs-valid-test skipped every block that does not fit the model: lower "
+            "--tokens-per-sample, or drop the flag to see the first such block"
+            if cfg.dataset.skip_invalid_size_inputs_valid_test
+            else ""
+        )
         raise ValueError(f"split {cfg.dataset.gen_subset!r} has no tokens to evaluate.{skipped}")
     loss = nll_bits / words_count  # per token, or per word with --remove-bpe (as upstream)
     ppl = 2**loss
@@ -352,11 +406,14 @@ def _windowed_task_config(cfg, context_window: int):
     if context_window <= 0:
         return cfg.task
     if context_window >= cfg.task.tokens_per_sample:
-        raise ValueError(f"--context-window {context_window} must be smaller than --tokens-per-sample "
-                         f"{cfg.task.tokens_per_sample}")
+        raise ValueError(
+            f"--context-window {context_window} must be smaller than --tokens-per-sample {cfg.task.tokens_per_sample}"
+        )
     if cfg.dataset.num_shards > 1:  # the context is the previous batch of the corpus, not of the shard
-        raise ValueError(f"--num-shards {cfg.dataset.num_shards} cannot be combined with --context-window; "
-                         "evaluate the whole split (drop --num-shards/--shard-id)")
+        raise ValueError(
+            f"--num-shards {cfg.dataset.num_shards} cannot be combined with --context-window; "
+            "evaluate the whole split (drop --num-shards/--shard-id)"
+        )
     task_cfg = copy.copy(cfg.task)
     task_cfg.tokens_per_sample -= context_window
     return task_cfg
@@ -375,9 +432,11 @@ def _blocks_as_trained(cfg, task, model, context_window: int) -> None:
     if given is None or given != default or positions is None or given <= positions or positions <= context_window:
         return
     window = f" (read after up to --context-window {context_window} tokens of context)" if context_window else ""
-    logger.info(f"--tokens-per-sample {given} (its default) is more than the model's {positions} positions: "
-                f"evaluating blocks of {positions - context_window} tokens{window}, the length it was trained with; "
-                "pass --tokens-per-sample to choose another")
+    logger.info(
+        f"--tokens-per-sample {given} (its default) is more than the model's {positions} positions: "
+        f"evaluating blocks of {positions - context_window} tokens{window}, the length it was trained with; "
+        "pass --tokens-per-sample to choose another"
+    )
     task.cfg = dataclasses.replace(task.cfg, tokens_per_sample=positions - context_window)
 
 

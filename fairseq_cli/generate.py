@@ -57,8 +57,10 @@ def load_ensemble(cfg):
     and --bpe, else the first checkpoint's (checkpoint_tokenizer). With --quantize the models' Linear weights
     are quantized once they are on the device and cast (fairseq.generation.quantize)."""
     if not cfg.common_eval.path:
-        raise ValueError("no checkpoint given: pass --path CHECKPOINT.pt (or a sharded checkpoint directory; "
-                         "several joined by ':' for an ensemble)")
+        raise ValueError(
+            "no checkpoint given: pass --path CHECKPOINT.pt (or a sharded checkpoint directory; "
+            "several joined by ':' for an ensemble)"
+        )
     paths = [p for p in cfg.common_eval.path.split(os.pathsep) if p]
     for path in paths:
         if not os.path.exists(path):
@@ -80,8 +82,10 @@ def load_ensemble(cfg):
         if device.type == "cuda":  # one q/k/v GEMM per layer call (the CPU keeps its three: nothing to gain)
             fuse_qkv_(models[-1])
         quantize_for_generation(models[-1], cfg.generation.quantize, device)
-        logger.info(f"loaded {path}: {sum(p.numel() for p in loaded.model.parameters()):,} parameters, "
-                    f"{str(dtype).replace('torch.', '')} on {device}")
+        logger.info(
+            f"loaded {path}: {sum(p.numel() for p in loaded.model.parameters()):,} parameters, "
+            f"{str(dtype).replace('torch.', '')} on {device}"
+        )
         logger.info(model_config_line(loaded.model, loaded.cfg.model))
     return models, task, device, TextCodec(*checkpoint_tokenizer(cfg, first, paths[0]))
 
@@ -90,15 +94,19 @@ def _load_model(cfg, path: str, task, task_cfg, overrides: dict):
     """load_model; with no DATA the dictionary's directory is the one saved in the checkpoint (as given when
     it was trained, often relative to another directory): its absence is told as such, with DATA as the fix."""
     try:
-        return load_model(path, task=task, task_cfg=task_cfg, overrides=overrides,
-                          trust_legacy=cfg.common.trust_legacy_checkpoint)
+        return load_model(
+            path, task=task, task_cfg=task_cfg, overrides=overrides, trust_legacy=cfg.common.trust_legacy_checkpoint
+        )
     except MissingDictionary as e:
         if task is not None or task_cfg is not None:
             raise
         where = os.path.abspath(e.data_dir)
-        raise MissingDictionary(f"no dict.txt in {e.data_dir} ({where}), the data directory saved in {path} when "
-                                "it was trained: pass the data directory that holds the model's dict.txt as DATA "
-                                f"(the first argument, before --path)", e.data_dir) from None
+        raise MissingDictionary(
+            f"no dict.txt in {e.data_dir} ({where}), the data directory saved in {path} when "
+            "it was trained: pass the data directory that holds the model's dict.txt as DATA "
+            f"(the first argument, before --path)",
+            e.data_dir,
+        ) from None
 
 
 def checkpoint_tokenizer(cfg, loaded, path: str) -> tuple:
@@ -108,8 +116,10 @@ def checkpoint_tokenizer(cfg, loaded, path: str) -> tuple:
     bpe, tokenizer = cfg.bpe, cfg.tokenizer
     saved = (loaded.saved_cfg.get("bpe") or {}).get("_name")
     if bpe is None and saved and cfg.common_eval.post_process:  # D- would decode joined words again
-        logger.info(f"--remove-bpe given: the checkpoint's --bpe {saved} is not applied (pass --bpe {saved} for "
-                    "decoded D- lines instead)")
+        logger.info(
+            f"--remove-bpe given: the checkpoint's --bpe {saved} is not applied (pass --bpe {saved} for "
+            "decoded D- lines instead)"
+        )
     elif bpe is None and saved:
         bpe = resolve_bpe(None, loaded.saved_cfg["bpe"], loaded.vocabulary, path)
         logger.info(f"text is encoded and decoded with the checkpoint's --bpe {saved}")
@@ -134,8 +144,11 @@ def check_batches_fit(cfg, models, batches, widths, max_positions: Optional[int]
     if device.type != "cuda":
         return
     gen = cfg.generation
-    rows = [(len(b), decode_positions(int(np.max(widths[b])), gen.max_len_a, gen.max_len_b, max_positions))
-            for b in batches if len(b)]
+    rows = [
+        (len(b), decode_positions(int(np.max(widths[b])), gen.max_len_a, gen.max_len_b, max_positions))
+        for b in batches
+        if len(b)
+    ]
     if rows:
         sentences, positions = max(rows, key=lambda r: r[0] * r[1])
         check_decode_memory(models, sentences, gen.beam, positions, device)
@@ -146,8 +159,17 @@ def symbols_to_strip(generator, tgt_dict) -> set:
     return set(getattr(generator, "symbols_to_strip_from_output", None) or {tgt_dict.eos()})
 
 
-def print_hypotheses(sample_id: int, hypos: list, nbest: int, tgt_dict, post_process: Optional[str], codec,
-                     strip: set, out: TextIO, text_only: bool = False) -> None:
+def print_hypotheses(
+    sample_id: int,
+    hypos: list,
+    nbest: int,
+    tgt_dict,
+    post_process: Optional[str],
+    codec,
+    strip: set,
+    out: TextIO,
+    text_only: bool = False,
+) -> None:
     """Upstream's H- (tokens), D- (decoded text) and P- (per-token) lines of the `nbest` best hypotheses;
     scores in base 2 (the generator's are natural logs). `text_only` (--text-only): the decoded text alone."""
     for hypo in hypos[:nbest]:
@@ -204,22 +226,31 @@ def _main(cfg, out: TextIO) -> dict:
     if max_tokens is None and cfg.dataset.batch_size is None:
         max_tokens = 12000  # upstream's default
     if _data_dir(cfg) is None:
-        raise ValueError("fairseq-generate reads a binarized split: pass the data directory (DATA) and "
-                         "--gen-subset (use fairseq-interactive for prompts given as text)")
+        raise ValueError(
+            "fairseq-generate reads a binarized split: pass the data directory (DATA) and "
+            "--gen-subset (use fairseq-interactive for prompts given as text)"
+        )
     models, task, device, codec = load_ensemble(cfg)
     split = cfg.dataset.gen_subset
     load_split(task, split)
     dataset = task.dataset(split)
     max_positions = _prompt_limit(cfg, getattr(task, "cfg", cfg.task), dataset, max_positions_of(task, models))
     epoch_itr = task.get_batch_iterator(
-        dataset=dataset, max_tokens=max_tokens, max_sentences=cfg.dataset.batch_size,
-        max_positions=max_positions, ignore_invalid_inputs=cfg.dataset.skip_invalid_size_inputs_valid_test,
-        required_batch_size_multiple=cfg.dataset.required_batch_size_multiple, seed=cfg.common.seed,
-        num_shards=cfg.dataset.num_shards, shard_id=cfg.dataset.shard_id, num_workers=cfg.dataset.num_workers,
+        dataset=dataset,
+        max_tokens=max_tokens,
+        max_sentences=cfg.dataset.batch_size,
+        max_positions=max_positions,
+        ignore_invalid_inputs=cfg.dataset.skip_invalid_size_inputs_valid_test,
+        required_batch_size_multiple=cfg.dataset.required_batch_size_multiple,
+        seed=cfg.common.seed,
+        num_shards=cfg.dataset.num_shards,
+        shard_id=cfg.dataset.shard_id,
+        num_workers=cfg.dataset.num_workers,
         data_buffer_size=cfg.dataset.data_buffer_size,
     )
-    check_batches_fit(cfg, models, epoch_itr.frozen_batches, np.asarray(dataset.sizes), max_positions_of(task, models),
-                      device)
+    check_batches_fit(
+        cfg, models, epoch_itr.frozen_batches, np.asarray(dataset.sizes), max_positions_of(task, models), device
+    )
     itr = epoch_itr.next_epoch_itr(shuffle=False)
     generator = task.build_generator(models, cfg.generation)
     src_dict, tgt_dict = task.source_dictionary, task.target_dictionary
@@ -247,15 +278,22 @@ def _main(cfg, out: TextIO) -> dict:
             if not text_only:
                 print(f"S-{sample_id}\t{codec.decode(src_dict.string(src_tokens, post_process))}", file=out)
                 if target is not None:
-                    target_str = tgt_dict.string(_strip_pad(target[i], tgt_dict.pad()).int().cpu(), post_process,
-                                                 escape_unk=True, extra_symbols_to_ignore=strip)
+                    target_str = tgt_dict.string(
+                        _strip_pad(target[i], tgt_dict.pad()).int().cpu(),
+                        post_process,
+                        escape_unk=True,
+                        extra_symbols_to_ignore=strip,
+                    )
                     print(f"T-{sample_id}\t{codec.decode(target_str)}", file=out)
-            print_hypotheses(sample_id, hypos[i], cfg.generation.nbest, tgt_dict, post_process, codec, strip, out,
-                             text_only)
+            print_hypotheses(
+                sample_id, hypos[i], cfg.generation.nbest, tgt_dict, post_process, codec, strip, out, text_only
+            )
         sentences += len(hypos)
     logger.info("NOTE: hypothesis and token scores are output in base 2")
-    logger.info(f"Translated {sentences:,} sentences ({generated:,} tokens) in {elapsed:.1f}s "
-                f"({sentences / max(elapsed, 1e-9):.2f} sentences/s, {generated / max(elapsed, 1e-9):.2f} tokens/s)")
+    logger.info(
+        f"Translated {sentences:,} sentences ({generated:,} tokens) in {elapsed:.1f}s "
+        f"({sentences / max(elapsed, 1e-9):.2f} sentences/s, {generated / max(elapsed, 1e-9):.2f} tokens/s)"
+    )
     return {"sentences": sentences, "tokens": generated}
 
 
@@ -267,13 +305,21 @@ def _prompt_limit(cfg, task_cfg, dataset, max_positions: Optional[int]) -> Optio
     prefix_size = cfg.generation.prefix_size
     if prefix_size > 0:
         if max_positions is not None and prefix_size + 1 > max_positions and len(dataset):
-            raise ValueError(f"--prefix-size {prefix_size} makes prompts that need {prefix_size + 1} positions "
-                             f"with the </s> generation starts from, more than the model's {max_positions}: "
-                             f"pass --prefix-size {max_positions - 1} or less")
+            raise ValueError(
+                f"--prefix-size {prefix_size} makes prompts that need {prefix_size + 1} positions "
+                f"with the </s> generation starts from, more than the model's {max_positions}: "
+                f"pass --prefix-size {max_positions - 1} or less"
+            )
         return None
     if not cfg.dataset.skip_invalid_size_inputs_valid_test:
-        check_blocks_fit(dataset.sizes, max_positions, cfg.dataset.gen_subset, task_cfg, generation=True,
-                         other_fix=", or --prefix-size N to prompt with each sample's first N tokens")
+        check_blocks_fit(
+            dataset.sizes,
+            max_positions,
+            cfg.dataset.gen_subset,
+            task_cfg,
+            generation=True,
+            other_fix=", or --prefix-size N to prompt with each sample's first N tokens",
+        )
     return block_limit(max_positions, generation_start_positions(task_cfg))
 
 

@@ -36,7 +36,12 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from fairseq.frontend.hydra import (
-    as_hydra_overrides, fairseq_config_from_dict, recipe_update_freq, resolve_paths, split_recipe, to_plain_dict,
+    as_hydra_overrides,
+    fairseq_config_from_dict,
+    recipe_update_freq,
+    resolve_paths,
+    split_recipe,
+    to_plain_dict,
     without_group_package_headers,
 )
 from fairseq.dataclass.flag_values import task_block_options
@@ -57,8 +62,11 @@ _LOGGING_CONSOLE = "fairseq_console"
 def _job_logging(with_file: bool) -> dict:
     handlers = {"console": {"class": "logging.StreamHandler", "formatter": "fairseq", "stream": "ext://sys.stdout"}}
     if with_file:
-        handlers["file"] = {"class": "logging.FileHandler", "formatter": "fairseq",
-                            "filename": "${hydra.runtime.output_dir}/${hydra.job.name}.log"}
+        handlers["file"] = {
+            "class": "logging.FileHandler",
+            "formatter": "fairseq",
+            "filename": "${hydra.runtime.output_dir}/${hydra.job.name}.log",
+        }
     return {
         "version": 1,
         "formatters": {"fairseq": {"format": LOG_FORMAT, "datefmt": DATE_FORMAT}},
@@ -97,9 +105,16 @@ def _register_upstream_groups() -> None:
         model_name = model_names.get(registry.arch_model(arch))
         if model_name is not None:
             store.store(group=f"model/{model_name}", name=arch, node={"_name": arch})
-    defaults = ["_self_"] + [{attr: default} for attr, default in (
-        ("task", None), ("model", None), ("criterion", "cross_entropy"), ("optimizer", None),
-        ("lr_scheduler", "fixed"))]
+    defaults = ["_self_"] + [
+        {attr: default}
+        for attr, default in (
+            ("task", None),
+            ("model", None),
+            ("criterion", "cross_entropy"),
+            ("optimizer", None),
+            ("lr_scheduler", "fixed"),
+        )
+    ]
     store.store(name=DEFAULT_CONFIG_NAME, node={"defaults": defaults, "hydra": {"run": {"dir": "."}}})
 
 
@@ -145,8 +160,9 @@ def _readable_config_dir(argv: List[str]):
     parsed = get_args_parser().parse_args(argv)
     # hydra reads a relative --config-path against this module's directory, so only an absolute one is a
     # directory this process can copy
-    given = parsed.config_dir or (parsed.config_path if parsed.config_path and os.path.isabs(parsed.config_path)
-                                  else None)
+    given = parsed.config_dir or (
+        parsed.config_path if parsed.config_path and os.path.isabs(parsed.config_path) else None
+    )
     if not given or not os.path.isdir(given):
         yield argv
         return
@@ -307,7 +323,7 @@ def _describe_yaml_error(err, readable_dir: Optional[str], given_dir: Optional[s
     problem = err.problem or "invalid YAML"
     duplicate = "found duplicate key "
     if problem.startswith(duplicate) and err.context_mark is not None and mark is not None:
-        key = problem[len(duplicate):]
+        key = problem[len(duplicate) :]
         dotted, first_line = _first_key_line(path, err.context_mark, key)
         first = f" (first set at line {first_line})" if first_line else ""
         return f"{shown}, line {mark.line + 1}: duplicate key '{dotted}'{first}; each key may appear only once"
@@ -330,14 +346,26 @@ def _one_line_hydra_error(err: BaseException, argv: List[str], given_dir: Option
         return ValueError(_describe_yaml_error(yaml_error, _config_dir_of(argv), given_dir))
     os_error = _error_in(err, OSError)
     config_dirs = [d for d in (given_dir, _config_dir_of(argv)) if d]
-    if os_error is not None and os_error.filename is not None and not any(  # not a config file hydra read
-            os.path.abspath(str(os_error.filename)).startswith(d + os.sep) for d in config_dirs):
+    if (
+        os_error is not None
+        and os_error.filename is not None
+        and not any(  # not a config file hydra read
+            os.path.abspath(str(os_error.filename)).startswith(d + os.sep) for d in config_dirs
+        )
+    ):
         # hydra's outputs/ (or hydra.run.dir) in a read-only directory, under a file, ...
-        return OutputError(os_error_message(os_error.filename, os_error, "cannot write hydra's run directory",
-                                            "directory to run from, or pass hydra.run.dir=DIR"))
+        return OutputError(
+            os_error_message(
+                os_error.filename,
+                os_error,
+                "cannot write hydra's run directory",
+                "directory to run from, or pass hydra.run.dir=DIR",
+            )
+        )
     missing = _error_in(err, (MissingConfigException, SearchPathException))
-    if missing is not None and str(missing).startswith(("Cannot find primary config", "Primary config directory",
-                                                        "Additional config directory")):
+    if missing is not None and str(missing).startswith(
+        ("Cannot find primary config", "Primary config directory", "Additional config directory")
+    ):
         return ValueError(_missing_config_message(argv, given_dir))
     return None
 
@@ -349,15 +377,19 @@ def _missing_config_message(argv: List[str], given_dir: Optional[str]) -> str:
 
     name = get_args_parser().parse_args(argv).config_name
     if given_dir is None:
-        return (f"--config-name {name}: no such config; name the directory that holds {name}.yaml with "
-                "--config-dir DIR (e.g. --config-dir examples/large_lm/config --config-name 125m)")
+        return (
+            f"--config-name {name}: no such config; name the directory that holds {name}.yaml with "
+            "--config-dir DIR (e.g. --config-dir examples/large_lm/config --config-name 125m)"
+        )
     if not os.path.isdir(given_dir):
         return f"--config-dir {given_dir}: no such directory; pass the directory that holds {name}.yaml"
-    names = sorted(f[:-len(".yaml")] for f in os.listdir(given_dir) if f.endswith(".yaml"))
+    names = sorted(f[: -len(".yaml")] for f in os.listdir(given_dir) if f.endswith(".yaml"))
     if not names:
         return f"--config-dir {given_dir} holds no .yaml file; pass the directory that holds {name}.yaml"
-    return (f"--config-name {name}: no {name}.yaml in {given_dir}{did_you_mean(name, names)}; the configs "
-            f"there, closest first: {', '.join(closest_first(name, names))}")
+    return (
+        f"--config-name {name}: no {name}.yaml in {given_dir}{did_you_mean(name, names)}; the configs "
+        f"there, closest first: {', '.join(closest_first(name, names))}"
+    )
 
 
 def _config_dir_of(argv: List[str]) -> Optional[str]:
@@ -383,8 +415,10 @@ def _hydra_task(composed: DictConfig) -> None:
         hydra_cfg = HydraConfig.get()
         values = to_plain_dict(composed)
         if not values:
-            raise ValueError("the config is empty: name one with --config-dir DIR --config-name NAME "
-                             "(e.g. --config-dir examples/large_lm/config --config-name 125m)")
+            raise ValueError(
+                "the config is empty: name one with --config-dir DIR --config-name NAME "
+                "(e.g. --config-dir examples/large_lm/config --config-name 125m)"
+            )
         values = resolve_paths(values, hydra_cfg.runtime.cwd)
         values, recipe = split_recipe(values)
         cfg = fairseq_config_from_dict(values)

@@ -26,8 +26,14 @@ from fairseq.frontend import options
 from fairseq.dataclass.generation import check_generation_config
 from fairseq.generation.hub_utils import TextPieces, check_prompt_lengths, first_streamed_hypothesis, move_to
 from fairseq_cli.console import run_console_script
-from fairseq_cli.generate import (check_batches_fit, load_ensemble, max_positions_of, print_hypotheses, setup,
-                                  symbols_to_strip)
+from fairseq_cli.generate import (
+    check_batches_fit,
+    load_ensemble,
+    max_positions_of,
+    print_hypotheses,
+    setup,
+    symbols_to_strip,
+)
 
 logger = logging.getLogger("fairseq_cli.interactive")
 
@@ -44,11 +50,14 @@ def _open_input(path: str):
     except FileNotFoundError:
         raise FileNotFoundError(f"--input {path}: no such file (pass '-' to read standard input)") from None
     except IsADirectoryError:
-        raise ValueError(f"--input {path} is a directory: pass a text file, one prompt a line, or '-' to read "
-                         "standard input") from None
+        raise ValueError(
+            f"--input {path} is a directory: pass a text file, one prompt a line, or '-' to read standard input"
+        ) from None
     except OSError as err:
-        raise ValueError(f"--input {path}: cannot read it: {err.strerror or err}; pass a readable text file or "
-                         "'-' to read standard input") from None
+        raise ValueError(
+            f"--input {path}: cannot read it: {err.strerror or err}; pass a readable text file or "
+            "'-' to read standard input"
+        ) from None
     with handle:
         yield handle
 
@@ -79,18 +88,26 @@ def buffered_read(path: str, buffer_size: int) -> Iterator[List[str]]:
         yield buffer
 
 
-def make_batches(lines: List[str], cfg, task, max_positions: Optional[int], codec, first_id: int,
-                 check_fit: Optional[Callable] = None):
+def make_batches(
+    lines: List[str],
+    cfg,
+    task,
+    max_positions: Optional[int],
+    codec,
+    first_id: int,
+    check_fit: Optional[Callable] = None,
+):
     """(batches of the encoded `lines`, the index in `lines` of each batch id): upstream's make_batches. Too
     long prompts are an error, or with --skip-invalid-size-inputs-valid-test left out with a warning naming
     them by their number in the input. `check_fit(batches, widths)` sees the batches before any is decoded.
     --stream: one prompt per batch."""
     for i, line in enumerate(lines):
         if not line:
-            raise ValueError(f"prompt {first_id + i} is an empty line; give each prompt some text (blank lines "
-                             "are not prompts: remove them from the input)")
-    tokens = [task.source_dictionary.encode_line(codec.encode(line), add_if_not_exist=False).long()
-              for line in lines]
+            raise ValueError(
+                f"prompt {first_id + i} is an empty line; give each prompt some text (blank lines "
+                "are not prompts: remove them from the input)"
+            )
+    tokens = [task.source_dictionary.encode_line(codec.encode(line), add_if_not_exist=False).long() for line in lines]
     lengths = [t.numel() for t in tokens]
     if not cfg.dataset.skip_invalid_size_inputs_valid_test:
         check_prompt_lengths(lengths, max_positions, SKIP_HINT, first_id=first_id)
@@ -101,12 +118,17 @@ def make_batches(lines: List[str], cfg, task, max_positions: Optional[int], code
     elif max_tokens is None and batch_size is None:
         batch_size = 1  # upstream's default: one prompt per batch
     for i in sorted(set(range(len(lines))) - set(kept)):  # named here: the task's warning counts within `lines`
-        logger.warning(f"prompt {first_id + i} is {lengths[i]} tokens long (with the </s> it starts from), more "
-                       f"than the model's {max_positions} positions: skipped (--skip-invalid-size-inputs-valid-test)")
+        logger.warning(
+            f"prompt {first_id + i} is {lengths[i]} tokens long (with the </s> it starts from), more "
+            f"than the model's {max_positions} positions: skipped (--skip-invalid-size-inputs-valid-test)"
+        )
     epoch_itr = task.get_batch_iterator(
         dataset=task.build_dataset_for_inference([tokens[i] for i in kept], [lengths[i] for i in kept]),
-        max_tokens=max_tokens, max_sentences=batch_size, max_positions=max_positions,
-        ignore_invalid_inputs=cfg.dataset.skip_invalid_size_inputs_valid_test, disable_iterator_cache=True,
+        max_tokens=max_tokens,
+        max_sentences=batch_size,
+        max_positions=max_positions,
+        ignore_invalid_inputs=cfg.dataset.skip_invalid_size_inputs_valid_test,
+        disable_iterator_cache=True,
     )
     if check_fit is not None:
         check_fit(epoch_itr.frozen_batches, np.asarray([lengths[i] for i in kept], dtype=np.int64))
@@ -177,18 +199,32 @@ def main(cfg) -> int:
                 continue
             for i, (sample_id, sample_hypos) in enumerate(zip(batch["id"].tolist(), hypos)):
                 src_tokens = batch["net_input"]["src_tokens"][i]
-                results.append((start_id + kept[sample_id], src_tokens[src_tokens.ne(tgt_dict.pad())], sample_hypos,
-                                seconds / len(hypos)))
+                results.append(
+                    (
+                        start_id + kept[sample_id],
+                        src_tokens[src_tokens.ne(tgt_dict.pad())],
+                        sample_hypos,
+                        seconds / len(hypos),
+                    )
+                )
         for sample_id, src_tokens, sample_hypos, seconds in sorted(results, key=lambda r: r[0]):
             if not cfg.generation.text_only:
                 print(f"S-{sample_id}\t{src_dict.string(src_tokens, post_process)}")
                 print(f"W-{sample_id}\t{seconds:.3f}\tseconds")
-            print_hypotheses(sample_id, sample_hypos, cfg.generation.nbest, tgt_dict, post_process, codec, strip,
-                             sys.stdout, cfg.generation.text_only)
+            print_hypotheses(
+                sample_id,
+                sample_hypos,
+                cfg.generation.nbest,
+                tgt_dict,
+                post_process,
+                codec,
+                strip,
+                sys.stdout,
+                cfg.generation.text_only,
+            )
         sys.stdout.flush()
         start_id += len(lines)
-    logger.info(f"Total time: {time.perf_counter() - start_time:.3f} seconds; translation time: "
-                f"{generate_time:.3f}")
+    logger.info(f"Total time: {time.perf_counter() - start_time:.3f} seconds; translation time: {generate_time:.3f}")
     return start_id
 
 

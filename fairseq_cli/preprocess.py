@@ -124,8 +124,10 @@ def _bpe_spec(args: Namespace):
         return spec
     cfg = config_from_namespace(dc, args, args.bpe)
     if args.bpe == "sentencepiece" and cfg.sentencepiece_enable_sampling:  # that scheme's own option
-        raise PreprocessError("--sentencepiece-enable-sampling: sampled encodings differ from run to run; "
-                              "fairseq-preprocess --bpe sentencepiece encodes deterministically (drop the flag)")
+        raise PreprocessError(
+            "--sentencepiece-enable-sampling: sampled encodings differ from run to run; "
+            "fairseq-preprocess --bpe sentencepiece encodes deterministically (drop the flag)"
+        )
     bpe = build_bpe(cfg)
     spec = binarizer.bpe_spec(cfg)
     binarizer.register_line_encoder(spec, bpe)
@@ -147,8 +149,10 @@ def main(args: Namespace) -> None:
     check_args(args)
     _announce_upstream_options(args)
     if getattr(args, "tokenizer", None):
-        logger.warning(f"--tokenizer {args.tokenizer} is accepted for upstream compatibility and not applied by "
-                       "fairseq-preprocess (as upstream); tokenize the text first")
+        logger.warning(
+            f"--tokenizer {args.tokenizer} is accepted for upstream compatibility and not applied by "
+            "fairseq-preprocess (as upstream); tokenize the text first"
+        )
     spec = _bpe_spec(args)  # before the pool forks: the workers inherit the encoder
     with _writing(args.destdir):
         os.makedirs(args.destdir, exist_ok=True)
@@ -202,9 +206,13 @@ def _text_from_jsonl(args: Namespace) -> None:
                                     doc = parse_document(raw.rstrip(b"\r\n"), args.json_key, path, lineno)
                                     out.write("".join(line + "\n" for line in doc) + "\n" if doc else "")
             except CorpusError as e:
-                raise PreprocessError(str(e).replace(", or pass --skip-invalid-documents to skip such lines", "")) from None
-            logger.info(f"--{flag} {source}: {len(files)} JSONL file(s) read as {os.path.basename(text)} "
-                        f"(--json-key {args.json_key})")
+                raise PreprocessError(
+                    str(e).replace(", or pass --skip-invalid-documents to skip such lines", "")
+                ) from None
+            logger.info(
+                f"--{flag} {source}: {len(files)} JSONL file(s) read as {os.path.basename(text)} "
+                f"(--json-key {args.json_key})"
+            )
             texts.append(text)
         setattr(args, flag, ",".join(texts))
 
@@ -243,19 +251,31 @@ def _run_splits(args: Namespace, pool, spec, caches: list) -> None:
     if _given_dictionary(args):
         vocab = Dictionary.load(_given_dictionary(args))
     elif spec is not None and len(dictionary_inputs) > 1:
-        raise PreprocessError(f"--joined-dictionary with --bpe builds the dictionary from one train file; encode "
-                              f"{' and '.join(dictionary_inputs)} into one and pass it as --trainpref")
+        raise PreprocessError(
+            f"--joined-dictionary with --bpe builds the dictionary from one train file; encode "
+            f"{' and '.join(dictionary_inputs)} into one and pass it as --trainpref"
+        )
     elif spec is not None:
         stem = os.path.join(args.destdir, f".encoded.{os.getpid()}")
         vocab, cached = binarizer.build_dictionary_encoded(
-            train_path, spec, stem, num_workers=args.workers, threshold=args.thresholdsrc, nwords=args.nwordssrc,
-            padding_factor=args.padding_factor, pool=pool,
+            train_path,
+            spec,
+            stem,
+            num_workers=args.workers,
+            threshold=args.thresholdsrc,
+            nwords=args.nwordssrc,
+            padding_factor=args.padding_factor,
+            pool=pool,
         )
         caches.extend(cached)
     else:
         vocab = binarizer.build_dictionary(
-            dictionary_inputs, num_workers=args.workers, threshold=args.thresholdsrc,
-            nwords=args.nwordssrc, padding_factor=args.padding_factor, pool=pool,
+            dictionary_inputs,
+            num_workers=args.workers,
+            threshold=args.thresholdsrc,
+            nwords=args.nwordssrc,
+            padding_factor=args.padding_factor,
+            pool=pool,
         )
     dict_path = _dict_path(args, lang)
     tmp = os.path.join(args.destdir, f".{os.path.basename(dict_path)}.{os.getpid()}.part")
@@ -272,9 +292,15 @@ def _run_splits(args: Namespace, pool, spec, caches: list) -> None:
                 summary = binarizer.binarize_file(input_file, vocab, out_prefix, num_workers=args.workers, pool=pool)
             else:
                 use_cache = caches and input_file == train_path and out_prefix == _dest_prefix(args, "train", lang)
-                summary = binarizer.binarize_file_encoded(input_file, vocab, out_prefix, spec, pool=pool,
-                                                          num_workers=args.workers,
-                                                          caches=list(caches) if use_cache else None)
+                summary = binarizer.binarize_file_encoded(
+                    input_file,
+                    vocab,
+                    out_prefix,
+                    spec,
+                    pool=pool,
+                    num_workers=args.workers,
+                    caches=list(caches) if use_cache else None,
+                )
         if summary.num_replaced and spec is not None:
             replaced.append(f"{summary.num_replaced} in {input_file}")
         logger.info(f"[{lang}] {input_file}: {summary} (by {vocab.unk_word})")
@@ -295,8 +321,10 @@ def parse_args(argv: Optional[List[str]] = None) -> Namespace:
 
 def cli_main(argv: Optional[List[str]] = None) -> None:
     logging.basicConfig(
-        format="%(asctime)s | %(levelname)s | %(name)s | %(message)s", datefmt="%Y-%m-%d %H:%M:%S",
-        level=os.environ.get("LOGLEVEL", "INFO").upper(), stream=sys.stdout,
+        format="%(asctime)s | %(levelname)s | %(name)s | %(message)s",
+        datefmt="%Y-%m-%d %H:%M:%S",
+        level=os.environ.get("LOGLEVEL", "INFO").upper(),
+        stream=sys.stdout,
     )
     args = parse_args(argv)
     try:
@@ -308,8 +336,10 @@ def cli_main(argv: Optional[List[str]] = None) -> None:
         print(f"fairseq-preprocess: error: {e}", file=sys.stderr)
         sys.exit(2)
     except OSError as e:  # an unwritable, read-only or full --destdir
-        print(f"fairseq-preprocess: error: {os_error_message(e.filename or args.destdir, e, flag='--destdir')}",
-              file=sys.stderr)
+        print(
+            f"fairseq-preprocess: error: {os_error_message(e.filename or args.destdir, e, flag='--destdir')}",
+            file=sys.stderr,
+        )
         sys.exit(2)
 
 

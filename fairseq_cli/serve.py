@@ -41,8 +41,9 @@ def read_api_keys(path: Optional[str]) -> List[str]:
             with open(path, encoding="utf-8") as f:
                 keys = [line.strip() for line in f if line.strip() and not line.lstrip().startswith("#")]
         except OSError as err:
-            raise ValueError(f"--api-keys {path}: cannot read it ({err.strerror or err}); pass a text file with one "
-                             "key a line") from None
+            raise ValueError(
+                f"--api-keys {path}: cannot read it ({err.strerror or err}); pass a text file with one key a line"
+            ) from None
         if not keys:
             raise ValueError(f"--api-keys {path} holds no key: write one key a line")
         return keys
@@ -85,15 +86,18 @@ def start_model(server, cfg) -> None:
     # free memory): that is the batch's KV capacity, which --max-batch-tokens may lower
     backend = make_backend(model, serve.max_running, cuda_graphs=not cfg.generation.no_cuda_graphs)
     capacity = backend.kv_capacity_tokens or serve.max_running * positions
-    limits = Limits(max_prompt_tokens=serve.max_prompt_tokens or positions - 1,
-                    max_tokens=serve.max_tokens if serve.max_tokens is not None else positions,
-                    max_batch_tokens=min(serve.max_batch_tokens or capacity, capacity))
-    scheduler = Scheduler(model, backend, serve.max_running, limits.max_batch_tokens, serve.max_queue,
-                          server.metrics)
+    limits = Limits(
+        max_prompt_tokens=serve.max_prompt_tokens or positions - 1,
+        max_tokens=serve.max_tokens if serve.max_tokens is not None else positions,
+        max_batch_tokens=min(serve.max_batch_tokens or capacity, capacity),
+    )
+    scheduler = Scheduler(model, backend, serve.max_running, limits.max_batch_tokens, serve.max_queue, server.metrics)
     scheduler.start()
     server.ready(model, scheduler, limits)
-    logger.info(f"serving {model.name} ({positions} positions) on {model.device}: --max-running "
-                f"{serve.max_running}, --max-batch-tokens {limits.max_batch_tokens}")
+    logger.info(
+        f"serving {model.name} ({positions} positions) on {model.device}: --max-running "
+        f"{serve.max_running}, --max-batch-tokens {limits.max_batch_tokens}"
+    )
 
 
 def main(cfg) -> None:
@@ -104,13 +108,14 @@ def main(cfg) -> None:
     setup(cfg)
     check_serve_config(cfg.serve)
     if cfg.distributed_training.model_parallel_size > 1:
-        raise ValueError(f"--model-parallel-size {cfg.distributed_training.model_parallel_size}: tensor-parallel "
-                         "serving is not implemented yet (docs/serving.md); serve the model on one device (a "
-                         "consolidated checkpoint: scripts/consolidate_fsdp_shards.py)")
+        raise ValueError(
+            f"--model-parallel-size {cfg.distributed_training.model_parallel_size}: tensor-parallel "
+            "serving is not implemented yet (docs/serving.md); serve the model on one device (a "
+            "consolidated checkpoint: scripts/consolidate_fsdp_shards.py)"
+        )
     keys = read_api_keys(cfg.serve.api_keys)
     if cfg.serve.host not in ("127.0.0.1", "localhost", "::1") and not keys:
-        logger.warning(f"--host {cfg.serve.host} without --api-keys: anyone who reaches this address can use the "
-                       "model")
+        logger.warning(f"--host {cfg.serve.host} without --api-keys: anyone who reaches this address can use the model")
     server = Server(cfg.serve, keys)
     app = build_app(server)
     failed = []
@@ -122,9 +127,18 @@ def main(cfg) -> None:
             failed.append(err)
             http.should_exit = True
 
-    http = draining_server(uvicorn.Config(app, host=cfg.serve.host, port=cfg.serve.port, access_log=False,
-                                          log_config=None, timeout_graceful_shutdown=cfg.serve.drain_timeout,
-                                          timeout_keep_alive=5), server)
+    http = draining_server(
+        uvicorn.Config(
+            app,
+            host=cfg.serve.host,
+            port=cfg.serve.port,
+            access_log=False,
+            log_config=None,
+            timeout_graceful_shutdown=cfg.serve.drain_timeout,
+            timeout_keep_alive=5,
+        ),
+        server,
+    )
     threading.Thread(target=load, name="fairseq-serve-load", daemon=True).start()
     http.run()
     if server.scheduler is not None:

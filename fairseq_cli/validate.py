@@ -50,14 +50,20 @@ def main(cfg, override_args: Optional[argparse.Namespace] = None) -> Dict[str, D
     check_batch_flags(cfg, required=True)
     if not cfg.common_eval.path:
         raise ValueError("no checkpoint given: pass --path CHECKPOINT.pt (or a sharded checkpoint directory)")
-    device = torch.device("cpu") if cfg.common.cpu or not torch.cuda.is_available() else \
-        torch.device("cuda", cfg.distributed_training.device_id)
+    device = (
+        torch.device("cpu")
+        if cfg.common.cpu or not torch.cuda.is_available()
+        else torch.device("cuda", cfg.distributed_training.device_id)
+    )
     overrides = _overrides(cfg, override_args)
 
     logger.info(f"loading model(s) from {cfg.common_eval.path}")
     models, saved_cfg, task = load_model_ensemble_and_task(
-        [cfg.common_eval.path], arg_overrides=overrides, suffix=cfg.checkpoint.checkpoint_suffix,
-        trust_legacy_checkpoint=cfg.common.trust_legacy_checkpoint)
+        [cfg.common_eval.path],
+        arg_overrides=overrides,
+        suffix=cfg.checkpoint.checkpoint_suffix,
+        trust_legacy_checkpoint=cfg.common.trust_legacy_checkpoint,
+    )
     model = models[0].to(device).eval()
     criterion = task.build_criterion(saved_cfg.criterion if saved_cfg.criterion is not None else cfg.criterion)
     criterion.to(device).eval()
@@ -87,22 +93,31 @@ def validate_subset(cfg, task, model, criterion, subset: str, device: torch.devi
     Blocks longer than the model are refused by eval-lm's rule (block_positions), naming the fix."""
     task_cfg = getattr(task, "cfg", None)
     if not cfg.dataset.skip_invalid_size_inputs_valid_test and task_block_options(task_cfg)[0] is not None:
-        check_blocks_fit(task.dataset(subset).sizes, resolve_limit(task.max_positions(), model.max_positions()),
-                         subset, task_cfg)
+        check_blocks_fit(
+            task.dataset(subset).sizes, resolve_limit(task.max_positions(), model.max_positions()), subset, task_cfg
+        )
     batches = task.get_batch_iterator(
-        dataset=task.dataset(subset), max_tokens=cfg.dataset.max_tokens, max_sentences=cfg.dataset.batch_size,
+        dataset=task.dataset(subset),
+        max_tokens=cfg.dataset.max_tokens,
+        max_sentences=cfg.dataset.batch_size,
         max_positions=resolve_max_positions(task.max_positions(), model.max_positions()),
         ignore_invalid_inputs=cfg.dataset.skip_invalid_size_inputs_valid_test,
-        required_batch_size_multiple=cfg.dataset.required_batch_size_multiple, seed=cfg.common.seed,
-        num_shards=dist_utils.get_world_size(), shard_id=dist_utils.get_rank(),
-        num_workers=cfg.dataset.num_workers, data_buffer_size=cfg.dataset.data_buffer_size,
+        required_batch_size_multiple=cfg.dataset.required_batch_size_multiple,
+        seed=cfg.common.seed,
+        num_shards=dist_utils.get_world_size(),
+        shard_id=dist_utils.get_rank(),
+        num_workers=cfg.dataset.num_workers,
+        data_buffer_size=cfg.dataset.data_buffer_size,
     )
     if len(batches.frozen_batches) == 0:
         raise ValueError(task.no_batches_message(subset, batches, "validation"))
     itr = batches.next_epoch_itr(shuffle=False)
     progress = progress_bar.progress_bar(
-        itr, log_format=cfg.common.log_format, log_interval=cfg.common.log_interval,
-        prefix=f"valid on '{subset}' subset", default_log_format="simple" if cfg.common.no_progress_bar else "tqdm",
+        itr,
+        log_format=cfg.common.log_format,
+        log_interval=cfg.common.log_interval,
+        prefix=f"valid on '{subset}' subset",
+        default_log_format="simple" if cfg.common.no_progress_bar else "tqdm",
     )
     dtype = compute_dtype(cfg.common)
     sums, step, started = LoggingOutputSums(), 0, time.perf_counter()

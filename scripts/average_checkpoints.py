@@ -76,13 +76,17 @@ def _check_same_parameters(first_path: str, first: Dict, path: str, model: Dict)
     if differing:
         key = differing[0]
         has, lacks = (first_path, path) if key in first else (path, first_path)
-        raise ValueError(f"{path} and {first_path} hold different parameters: {has} has {key!r}, {lacks} does not; "
-                         "average checkpoints of one model only")
+        raise ValueError(
+            f"{path} and {first_path} hold different parameters: {has} has {key!r}, {lacks} does not; "
+            "average checkpoints of one model only"
+        )
     for key, total in first.items():
         if tuple(model[key].shape) != tuple(total.shape):
-            raise ValueError(f"{path} and {first_path} hold different parameters: {key!r} is "
-                             f"{list(model[key].shape)} in {path} but {list(total.shape)} in {first_path}; "
-                             "average checkpoints of one model only")
+            raise ValueError(
+                f"{path} and {first_path} hold different parameters: {key!r} is "
+                f"{list(model[key].shape)} in {path} but {list(total.shape)} in {first_path}; "
+                "average checkpoints of one model only"
+            )
 
 
 def _model_config(state: Dict) -> Dict:
@@ -96,17 +100,24 @@ def _check_same_model(first_path: str, first: Dict, path: str, state: Dict) -> N
     function computed (the model class's `architecture_options`, as resume compares them): parameters of the
     same names and shapes can still mean other words or another network. One ValueError naming both files."""
     ours, theirs = carried(first) or {}, carried(state) or {}
-    if ours.get("dictionary_sha256") and theirs.get("dictionary_sha256") \
-            and ours["dictionary_sha256"] != theirs["dictionary_sha256"]:
-        raise ValueError(f"{path} and {first_path} were trained with different dictionaries (dictionary_sha256 "
-                         f"{theirs['dictionary_sha256'][:12]}... in {path}, {ours['dictionary_sha256'][:12]}... in "
-                         f"{first_path}), so the same ids are other words; average checkpoints of one model only")
+    if (
+        ours.get("dictionary_sha256")
+        and theirs.get("dictionary_sha256")
+        and ours["dictionary_sha256"] != theirs["dictionary_sha256"]
+    ):
+        raise ValueError(
+            f"{path} and {first_path} were trained with different dictionaries (dictionary_sha256 "
+            f"{theirs['dictionary_sha256'][:12]}... in {path}, {ours['dictionary_sha256'][:12]}... in "
+            f"{first_path}), so the same ids are other words; average checkpoints of one model only"
+        )
     saved, other = _model_config(first), _model_config(state)
     name = differing_option(architecture_options(saved.get("_name")), saved, other)
     if name is not None:
-        raise ValueError(f"{path} and {first_path} are different models: --{name.replace('_', '-')} is "
-                         f"{other[name]!r} in {path} but {saved[name]!r} in {first_path}; average checkpoints of one "
-                         "model only")
+        raise ValueError(
+            f"{path} and {first_path} are different models: --{name.replace('_', '-')} is "
+            f"{other[name]!r} in {path} but {saved[name]!r} in {first_path}; average checkpoints of one "
+            "model only"
+        )
 
 
 def last_n_checkpoints(paths: List[str], n: int, update_based: bool, upper_bound: Optional[int] = None) -> List[str]:
@@ -124,13 +135,16 @@ def last_n_checkpoints(paths: List[str], n: int, update_based: bool, upper_bound
             if upper_bound is None or key <= upper_bound:
                 entries.append((key, name))
     if len(entries) < n:
-        raise ValueError(f"found {len(entries)} {'update' if update_based else 'epoch'} checkpoints in {directory} "
-                         f"but --num-{'update' if update_based else 'epoch'}-checkpoints asks for {n}")
+        raise ValueError(
+            f"found {len(entries)} {'update' if update_based else 'epoch'} checkpoints in {directory} "
+            f"but --num-{'update' if update_based else 'epoch'}-checkpoints asks for {n}"
+        )
     return [os.path.join(directory, name) for _, name in sorted(entries, reverse=True)[:n]]
 
 
 def best_n_checkpoints(paths: List[str], n: int) -> List[str]:
     """The `n` best of --keep-best-checkpoints' files (checkpoint.best_METRIC_VALUE.pt), lowest value first."""
+
     def value(path: str) -> float:
         name = os.path.basename(path.rstrip(os.sep))
         try:
@@ -143,26 +157,48 @@ def best_n_checkpoints(paths: List[str], n: int) -> List[str]:
 
 def main(argv: Optional[List[str]] = None) -> None:
     parser = argparse.ArgumentParser(description="average the weights of checkpoints into a new checkpoint")
-    parser.add_argument("--inputs", required=True, nargs="+", help="checkpoint files, or the directory of them with "
-                        "--num-epoch-checkpoints / --num-update-checkpoints")
+    parser.add_argument(
+        "--inputs",
+        required=True,
+        nargs="+",
+        help="checkpoint files, or the directory of them with --num-epoch-checkpoints / --num-update-checkpoints",
+    )
     parser.add_argument("--output", required=True, metavar="FILE", help="where to write the averaged checkpoint")
     count = parser.add_mutually_exclusive_group()
-    count.add_argument("--num-epoch-checkpoints", type=int,
-                       help="average the last N epoch checkpoints (checkpointN.pt) in the --inputs directory")
-    count.add_argument("--num-update-checkpoints", type=int,
-                       help="average the last N update checkpoints (checkpoint_E_U.pt) in the --inputs directory")
-    count.add_argument("--num-best-checkpoints", type=int, default=0,
-                       help="average the N best of the --inputs files named checkpoint.best_METRIC_VALUE.pt "
-                            "(lowest value first)")
-    parser.add_argument("--checkpoint-upper-bound", type=int,
-                        help="with --num-epoch-checkpoints or --num-update-checkpoints: the last epoch or update to "
-                             "use, e.g. --num-epoch-checkpoints 10 --checkpoint-upper-bound 50 averages 41..50")
-    parser.add_argument("--trust-legacy-checkpoint", action="store_true",
-                        help="allow upstream fairseq checkpoints, which contain pickled Python objects (only for "
-                             "files you trust: unpickling can run code)")
+    count.add_argument(
+        "--num-epoch-checkpoints",
+        type=int,
+        help="average the last N epoch checkpoints (checkpointN.pt) in the --inputs directory",
+    )
+    count.add_argument(
+        "--num-update-checkpoints",
+        type=int,
+        help="average the last N update checkpoints (checkpoint_E_U.pt) in the --inputs directory",
+    )
+    count.add_argument(
+        "--num-best-checkpoints",
+        type=int,
+        default=0,
+        help="average the N best of the --inputs files named checkpoint.best_METRIC_VALUE.pt (lowest value first)",
+    )
+    parser.add_argument(
+        "--checkpoint-upper-bound",
+        type=int,
+        help="with --num-epoch-checkpoints or --num-update-checkpoints: the last epoch or update to "
+        "use, e.g. --num-epoch-checkpoints 10 --checkpoint-upper-bound 50 averages 41..50",
+    )
+    parser.add_argument(
+        "--trust-legacy-checkpoint",
+        action="store_true",
+        help="allow upstream fairseq checkpoints, which contain pickled Python objects (only for "
+        "files you trust: unpickling can run code)",
+    )
     args = parser.parse_args(argv)
-    if args.checkpoint_upper_bound is not None and args.num_epoch_checkpoints is None \
-            and args.num_update_checkpoints is None:
+    if (
+        args.checkpoint_upper_bound is not None
+        and args.num_epoch_checkpoints is None
+        and args.num_update_checkpoints is None
+    ):
         parser.error("--checkpoint-upper-bound requires --num-epoch-checkpoints or --num-update-checkpoints")
     inputs = args.inputs
     if args.num_update_checkpoints is not None:
@@ -173,8 +209,10 @@ def main(argv: Optional[List[str]] = None) -> None:
         inputs = best_n_checkpoints(inputs, args.num_best_checkpoints)
     for path in inputs:  # the output replaces its file: never an input (also as another name of the same file)
         if os.path.exists(args.output) and os.path.samefile(args.output, path):
-            raise ValueError(f"--output {args.output} is the input {path}: writing the average would replace "
-                             "that checkpoint; choose another --output")
+            raise ValueError(
+                f"--output {args.output} is the input {path}: writing the average would replace "
+                "that checkpoint; choose another --output"
+            )
     print(f"averaging checkpoints: {inputs}")
     atomic_torch_save(average_checkpoints(inputs, args.trust_legacy_checkpoint), args.output, flag="--output")
     print(f"Finished writing averaged checkpoint to {args.output}.")

@@ -173,8 +173,9 @@ def reference_main(argv):
     _keep_empty = args.keep_empty
     with contextlib.ExitStack() as stack:
         inputs = [stack.enter_context(open(x, "r", encoding="utf-8")) if x != "-" else sys.stdin for x in args.inputs]
-        outputs = [stack.enter_context(open(x, "w", encoding="utf-8")) if x != "-" else sys.stdout
-                   for x in args.outputs]
+        outputs = [
+            stack.enter_context(open(x, "w", encoding="utf-8")) if x != "-" else sys.stdout for x in args.outputs
+        ]
         pool = Pool(args.workers, initializer=_reference_init, initargs=(args.encoder_json, args.vocab_bpe))
         encoded_lines = pool.imap(_reference_encode_lines, zip(*inputs), 100)
         stats = Counter()
@@ -193,8 +194,32 @@ def reference_main(argv):
 
 
 # ---- corpus and BPE files ------------------------------------------------------------------------------------
-SYLLABLES = ["ka", "lo", "mi", "ne", "ru", "sa", "ti", "vo", "ze", "bra", "sto", "pli", "qua", "ench", "ow",
-             "ish", "tr", "an", "el", "um", "ix", "or", "ath", "ung"]
+SYLLABLES = [
+    "ka",
+    "lo",
+    "mi",
+    "ne",
+    "ru",
+    "sa",
+    "ti",
+    "vo",
+    "ze",
+    "bra",
+    "sto",
+    "pli",
+    "qua",
+    "ench",
+    "ow",
+    "ish",
+    "tr",
+    "an",
+    "el",
+    "um",
+    "ix",
+    "or",
+    "ath",
+    "ung",
+]
 
 
 def synthetic_word(index: int) -> str:
@@ -249,8 +274,9 @@ def train_bpe_files(corpus: str, directory: str, vocab_size: int, train_mb: floa
     prefix_file(corpus, sample, int(train_mb * 1e6))
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                  show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False
+    )
     tok.train([sample], trainer=trainer)
     model = json.loads(tok.to_str())["model"]
     merges = [tuple(m) if isinstance(m, list) else tuple(m.split(" ")) for m in model["merges"]]
@@ -331,8 +357,15 @@ def run_measured(cmd):
     done.set()
     sampler.join()
     peak_rss = max(peak_hwm.values(), default=0)
-    return (wall, usage.ru_utime + usage.ru_stime, peak_rss / 1024, peak_pss[0] / 1024, proc.returncode,
-            stderr.decode(errors="replace"), (min(loads), max(loads)))
+    return (
+        wall,
+        usage.ru_utime + usage.ru_stime,
+        peak_rss / 1024,
+        peak_pss[0] / 1024,
+        proc.returncode,
+        stderr.decode(errors="replace"),
+        (min(loads), max(loads)),
+    )
 
 
 def count_tokens(path: str) -> int:
@@ -347,15 +380,22 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sizes-mb", type=float, nargs="+", default=[2.5, 40.0])
     parser.add_argument("--workers", type=int, default=2)
-    parser.add_argument("--vocab-size", type=int, default=50257,
-                        help="of the BPE trained when no files are given (GPT-2's size by default)")
+    parser.add_argument(
+        "--vocab-size",
+        type=int,
+        default=50257,
+        help="of the BPE trained when no files are given (GPT-2's size by default)",
+    )
     parser.add_argument("--bpe-train-mb", type=float, default=10.0, help="train that BPE on this much of the corpus")
     parser.add_argument("--encoder-json", help="GPT-2's encoder.json (default: train a BPE on the corpus)")
     parser.add_argument("--vocab-bpe", help="GPT-2's vocab.bpe")
     parser.add_argument("--workdir", help="keep the corpus, BPE files and outputs here (default: a temp dir)")
     parser.add_argument("--skip-reference", action="store_true", help="time only multiprocessing_bpe_encoder.py")
-    parser.add_argument("--reference-child", nargs=argparse.REMAINDER,
-                        help="run the reference encoder with upstream's script flags (what the benchmark times)")
+    parser.add_argument(
+        "--reference-child",
+        nargs=argparse.REMAINDER,
+        help="run the reference encoder with upstream's script flags (what the benchmark times)",
+    )
     args = parser.parse_args(argv)
     if args.reference_child is not None:
         return reference_main(args.reference_child)
@@ -372,11 +412,15 @@ def main(argv=None):
             vocab_desc = f"{len(json.load(f))} tokens from {enc}"
     else:
         enc, bpe, n_vocab, n_merges = train_bpe_files(full, work, args.vocab_size, args.bpe_train_mb)
-        vocab_desc = (f"byte-level BPE trained on the first {args.bpe_train_mb:g} MB: {n_vocab} tokens, "
-                      f"{n_merges} merges")
+        vocab_desc = (
+            f"byte-level BPE trained on the first {args.bpe_train_mb:g} MB: {n_vocab} tokens, {n_merges} merges"
+        )
     engine = _load_encoder_module().get_encoder(enc, bpe).engine
-    print(f"# corpus: {full}; BPE: {vocab_desc}; workers: {args.workers}; engine: {engine}; "
-          f"load average at the start: {' '.join(f'{x:.2f}' for x in os.getloadavg())}", flush=True)
+    print(
+        f"# corpus: {full}; BPE: {vocab_desc}; workers: {args.workers}; engine: {engine}; "
+        f"load average at the start: {' '.join(f'{x:.2f}' for x in os.getloadavg())}",
+        flush=True,
+    )
 
     rows = []
     for size_mb in args.sizes_mb:
@@ -385,20 +429,49 @@ def main(argv=None):
         nbytes = os.path.getsize(corpus)
         impls = [(f"multiprocessing_bpe_encoder.py ({engine})", [sys.executable, ENCODER_SCRIPT])]
         if not args.skip_reference:
-            impls.append(("pure-Python reference, upstream's script", [sys.executable, os.path.abspath(__file__),
-                                                                        "--reference-child"]))
+            impls.append(
+                (
+                    "pure-Python reference, upstream's script",
+                    [sys.executable, os.path.abspath(__file__), "--reference-child"],
+                )
+            )
         outputs = []
         for name, cmd in impls:
             out = os.path.join(work, f"out_{size_mb:g}MB_{len(outputs)}.bpe")
-            flags = ["--encoder-json", enc, "--vocab-bpe", bpe, "--inputs", corpus, "--outputs", out,
-                     "--keep-empty", "--workers", str(args.workers)]
+            flags = [
+                "--encoder-json",
+                enc,
+                "--vocab-bpe",
+                bpe,
+                "--inputs",
+                corpus,
+                "--outputs",
+                out,
+                "--keep-empty",
+                "--workers",
+                str(args.workers),
+            ]
             wall, cpu, rss, pss, rc, err, load = run_measured(cmd + flags)
             if rc != 0:
                 sys.exit(f"{name} failed ({rc}):\n{err[-3000:]}")
             tokens = count_tokens(out)
             outputs.append(out)
-            rows.append((nbytes / 1e6, name, args.workers, wall, nbytes / 1e6 / wall, tokens / wall, cpu,
-                         nbytes / 1e6 / cpu, rss, pss, tokens, load))
+            rows.append(
+                (
+                    nbytes / 1e6,
+                    name,
+                    args.workers,
+                    wall,
+                    nbytes / 1e6 / wall,
+                    tokens / wall,
+                    cpu,
+                    nbytes / 1e6 / cpu,
+                    rss,
+                    pss,
+                    tokens,
+                    load,
+                )
+            )
             print(f"# {size_mb:g} MB {name}: {wall:.1f} s, load {load[0]:.2f}-{load[1]:.2f}", flush=True)
         if len(outputs) == 2:
             with open(outputs[0], "rb") as a, open(outputs[1], "rb") as b:
@@ -406,17 +479,23 @@ def main(argv=None):
                     sys.exit(f"outputs differ: {outputs[0]} vs {outputs[1]}")
 
     print()
-    print("| corpus MB | implementation | workers | wall s | MB/s | tokens/s | CPU s | MB per CPU s "
-          "| peak RSS MB (largest process) | peak PSS MB (all processes) | tokens | load avg (1 min) |")
+    print(
+        "| corpus MB | implementation | workers | wall s | MB/s | tokens/s | CPU s | MB per CPU s "
+        "| peak RSS MB (largest process) | peak PSS MB (all processes) | tokens | load avg (1 min) |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for mb, name, w, wall, mbs, tps, cpu, mbc, rss, pss, tokens, load in rows:
-        print(f"| {mb:.1f} | {name} | {w} | {wall:.2f} | {mbs:.2f} | {tps / 1e3:.0f}k | {cpu:.2f} | {mbc:.2f} "
-              f"| {rss:.0f} | {pss:.0f} | {tokens} | {load[0]:.2f}-{load[1]:.2f} |")
+        print(
+            f"| {mb:.1f} | {name} | {w} | {wall:.2f} | {mbs:.2f} | {tps / 1e3:.0f}k | {cpu:.2f} | {mbc:.2f} "
+            f"| {rss:.0f} | {pss:.0f} | {tokens} | {load[0]:.2f}-{load[1]:.2f} |"
+        )
     if not args.skip_reference:
         print()
         for i in range(0, len(rows), 2):
-            print(f"{rows[i][0]:.1f} MB: {rows[i][4] / rows[i + 1][4]:.2f}x the reference's MB/s, "
-                  f"{rows[i][7] / rows[i + 1][7]:.2f}x its MB per CPU second; outputs identical")
+            print(
+                f"{rows[i][0]:.1f} MB: {rows[i][4] / rows[i + 1][4]:.2f}x the reference's MB/s, "
+                f"{rows[i][7] / rows[i + 1][7]:.2f}x its MB per CPU second; outputs identical"
+            )
     print(f"load average at the end: {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
     return 0
 

@@ -41,23 +41,81 @@ def train_command(args, save_dir, max_update, extra):
         launch = [sys.executable, "-m", "fairseq_cli.train"]
         where = ["--cpu"] + (["--distributed-world-size", str(args.nproc)] if args.nproc > 1 else [])
     else:
-        launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
-                  str(args.nproc), "-m", "fairseq_cli.train"]
+        launch = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node",
+            str(args.nproc),
+            "-m",
+            "fairseq_cli.train",
+        ]
         where = ["--bf16"]
     return [
-        *launch, "--task", "dummy_lm", "--dict-size", str(args.vocab - 4), "--tokens-per-sample", str(args.seq),
-        "--batch-size", str(args.batch), "--arch", "transformer_lm_gpt", "--decoder-layers", str(args.layers),
-        "--decoder-embed-dim", str(args.embed_dim), "--decoder-ffn-embed-dim", str(4 * args.embed_dim),
-        "--decoder-attention-heads", str(args.heads), "--share-decoder-input-output-embed",
-        "--dropout", "0", "--attention-dropout", "0", "--optimizer", "adam", "--adam-betas", "(0.9, 0.95)",
-        "--lr", "1e-4", "--lr-scheduler", "fixed", "--clip-norm", "1.0", "--ddp-backend", "fully_sharded",
-        "--disable-validation", "--max-update", str(max_update), "--log-format", "json",
-        "--log-interval", "1", "--log-file", os.path.join(save_dir, "train.log"), "--save-dir", save_dir,
-        "--num-workers", "0", "--seed", "1", "--required-batch-size-multiple", "1", "--no-epoch-checkpoints",
+        *launch,
+        "--task",
+        "dummy_lm",
+        "--dict-size",
+        str(args.vocab - 4),
+        "--tokens-per-sample",
+        str(args.seq),
+        "--batch-size",
+        str(args.batch),
+        "--arch",
+        "transformer_lm_gpt",
+        "--decoder-layers",
+        str(args.layers),
+        "--decoder-embed-dim",
+        str(args.embed_dim),
+        "--decoder-ffn-embed-dim",
+        str(4 * args.embed_dim),
+        "--decoder-attention-heads",
+        str(args.heads),
+        "--share-decoder-input-output-embed",
+        "--dropout",
+        "0",
+        "--attention-dropout",
+        "0",
+        "--optimizer",
+        "adam",
+        "--adam-betas",
+        "(0.9, 0.95)",
+        "--lr",
+        "1e-4",
+        "--lr-scheduler",
+        "fixed",
+        "--clip-norm",
+        "1.0",
+        "--ddp-backend",
+        "fully_sharded",
+        "--disable-validation",
+        "--max-update",
+        str(max_update),
+        "--log-format",
+        "json",
+        "--log-interval",
+        "1",
+        "--log-file",
+        os.path.join(save_dir, "train.log"),
+        "--save-dir",
+        save_dir,
+        "--num-workers",
+        "0",
+        "--seed",
+        "1",
+        "--required-batch-size-multiple",
+        "1",
+        "--no-epoch-checkpoints",
         # One name per save (the old one removed once the new one is whole): two copies on disk at most, and the
         # synchronous figure is one write, not a write and a copy to checkpoint_last.
-        "--no-last-checkpoints", "--keep-interval-updates", "1",
-        "--heartbeat-timeout", "1800", *where, *(["--no-save-optimizer-state"] if args.no_optimizer_state else []),
+        "--no-last-checkpoints",
+        "--keep-interval-updates",
+        "1",
+        "--heartbeat-timeout",
+        "1800",
+        *where,
+        *(["--no-save-optimizer-state"] if args.no_optimizer_state else []),
         *extra,
     ]
 
@@ -77,8 +135,11 @@ def run(args, name, max_update, extra):
         raise SystemExit(f"{name} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
     rows = read_json_log(os.path.join(save_dir, "train.log"), "train_inner")
     params = [line.split("| ")[-1] for line in proc.stdout.splitlines() if "num. model params" in line]
-    print(f"  {name}: {len(rows)} updates in {time.time() - start:.0f} s; {params[0] if params else ''}",
-          file=sys.stderr, flush=True)
+    print(
+        f"  {name}: {len(rows)} updates in {time.time() - start:.0f} s; {params[0] if params else ''}",
+        file=sys.stderr,
+        flush=True,
+    )
     if not args.keep_checkpoints:
         shutil.rmtree(save_dir, ignore_errors=True)
     return rows, proc.stdout + proc.stderr
@@ -119,19 +180,27 @@ def blocked_table(args):
     for layout in args.layouts:
         results, logs = {}, {}
         for mode, extra in (("synchronous", []), ("asynchronous", [ASYNC])):
-            rows, logs[mode] = run(args, f"blocked_{layout}_{mode[:5]}", max_update,
-                                   ["--save-interval-updates", str(every), *LAYOUTS[layout], *extra])
+            rows, logs[mode] = run(
+                args,
+                f"blocked_{layout}_{mode[:5]}",
+                max_update,
+                ["--save-interval-updates", str(every), *LAYOUTS[layout], *extra],
+            )
             results[mode] = save_times(rows)
         sync_blocked = results["synchronous"][0]
         print(f"\n{layout}: time training is blocked per save ({saves} saves, one every {every} updates; seconds):\n")
-        print("| mode | " + " | ".join(f"save {i + 1}" for i in range(saves)) + " | mean | mean after the first | "
-              "write time (mean) | vs synchronous (after the first) |")
+        print(
+            "| mode | " + " | ".join(f"save {i + 1}" for i in range(saves)) + " | mean | mean after the first | "
+            "write time (mean) | vs synchronous (after the first) |"
+        )
         print("|---" * (saves + 5) + "|")
         for mode, (blocked, written) in results.items():
             later = blocked[1:] or blocked
             ratio = statistics.mean(later) / statistics.mean(sync_blocked[1:] or sync_blocked)
-            print(f"| {mode} | " + " | ".join(f"{b:.2f}" for b in blocked) + f" | {statistics.mean(blocked):.2f} | "
-                  f"{statistics.mean(later):.2f} | {statistics.mean(written) if written else 0:.2f} | {ratio:.1%} |")
+            print(
+                f"| {mode} | " + " | ".join(f"{b:.2f}" for b in blocked) + f" | {statistics.mean(blocked):.2f} | "
+                f"{statistics.mean(later):.2f} | {statistics.mean(written) if written else 0:.2f} | {ratio:.1%} |"
+            )
         phase_table(layout, *phases(logs["asynchronous"]))
 
 
@@ -140,8 +209,10 @@ def phase_table(layout, saves, copies):
     if not saves:
         return
     names = list(saves[0][1])
-    print(f"\n{layout}: phases of each asynchronous save's blocked time (seconds; the device-to-host copy runs on a "
-          "side stream while training goes on):\n")
+    print(
+        f"\n{layout}: phases of each asynchronous save's blocked time (seconds; the device-to-host copy runs on a "
+        "side stream while training goes on):\n"
+    )
     print("| save | blocked | " + " | ".join(names) + " | device-to-host copy (overlapped) |")
     print("|---" * (len(names) + 3) + "|")
     for i, (blocked, parts) in enumerate(saves):
@@ -155,11 +226,16 @@ def throughput_table(args):
     updates, every = args.throughput_updates, args.throughput_save_every
     modes = [("--no-save", ["--no-save"])]
     for layout in args.layouts:
-        modes.append((f"{layout}: asynchronous save every {every}",
-                      ["--save-interval-updates", str(every), *LAYOUTS[layout], ASYNC]))
+        modes.append(
+            (
+                f"{layout}: asynchronous save every {every}",
+                ["--save-interval-updates", str(every), *LAYOUTS[layout], ASYNC],
+            )
+        )
         if args.with_sync_throughput:
-            modes.append((f"{layout}: synchronous save every {every}",
-                          ["--save-interval-updates", str(every), *LAYOUTS[layout]]))
+            modes.append(
+                (f"{layout}: synchronous save every {every}", ["--save-interval-updates", str(every), *LAYOUTS[layout]])
+            )
     results = {mode: [] for mode, _ in modes}
     for repeat in range(args.repeats):
         for mode, extra in modes:
@@ -168,21 +244,27 @@ def throughput_table(args):
             rows, _ = run(args, f"tps_{name}_{repeat}", updates, extra)
             results[mode].append((tokens_per_s(rows, args.warmup), save_times(rows)[0], load))
     base = statistics.median(tps for tps, _, _ in results["--no-save"])
-    print(f"\nTokens/s over updates {args.warmup + 1}-{updates} (saves inside that range included; median of "
-          f"{args.repeats} alternating runs):\n")
-    print("| run | tokens/s (median) | vs --no-save | each run's tokens/s | blocked per save (s) | load average at "
-          "each start |")
+    print(
+        f"\nTokens/s over updates {args.warmup + 1}-{updates} (saves inside that range included; median of "
+        f"{args.repeats} alternating runs):\n"
+    )
+    print(
+        "| run | tokens/s (median) | vs --no-save | each run's tokens/s | blocked per save (s) | load average at "
+        "each start |"
+    )
     print("|---|---|---|---|---|---|")
     for mode, runs in results.items():
         tps = statistics.median(t for t, _, _ in runs)
         blocked = ", ".join(f"{b:.2f}" for _, bs, _ in runs for b in bs) or "-"
-        print(f"| {mode} | {tps:.1f} | {tps / base:.3f}x | {', '.join(f'{t:.1f}' for t, _, _ in runs)} | {blocked} | "
-              f"{', '.join(f'{load:.1f}' for _, _, load in runs)} |")
+        print(
+            f"| {mode} | {tps:.1f} | {tps / base:.3f}x | {', '.join(f'{t:.1f}' for t, _, _ in runs)} | {blocked} | "
+            f"{', '.join(f'{load:.1f}' for _, _, load in runs)} |"
+        )
 
 
 def parameters(args) -> int:
     emb = args.vocab * args.embed_dim
-    layer = 12 * args.embed_dim ** 2 + 13 * args.embed_dim
+    layer = 12 * args.embed_dim**2 + 13 * args.embed_dim
     return emb + args.layers * layer + 2 * args.embed_dim  # tied embeddings, sinusoidal positions
 
 
@@ -198,30 +280,46 @@ def main(argv=None):
     p.add_argument("--batch", type=int, default=1, help="sequences per process and update")
     p.add_argument("--saves", type=int, default=3, help="saves of the blocked-time part")
     p.add_argument("--save-every", type=int, default=2, help="updates between saves of the blocked-time part")
-    p.add_argument("--throughput-updates", type=int, default=41,
-                   help="updates of a tokens/s run (41: saves at 20 and 40, each followed by a measured update)")
+    p.add_argument(
+        "--throughput-updates",
+        type=int,
+        default=41,
+        help="updates of a tokens/s run (41: saves at 20 and 40, each followed by a measured update)",
+    )
     p.add_argument("--repeats", type=int, default=1, help="alternating runs of each mode in the tokens/s part")
     p.add_argument("--throughput-save-every", type=int, default=20)
     p.add_argument("--warmup", type=int, default=2, help="updates left out of tokens/s")
     p.add_argument("--with-sync-throughput", action="store_true", help="also the synchronous run in tokens/s")
     p.add_argument("--skip", choices=["blocked", "throughput"], action="append", default=[])
-    p.add_argument("--layouts", default="single,sharded",
-                   help="checkpoint layouts to measure, comma-separated: single (one file), sharded (DCP)")
-    p.add_argument("--work-dir", default=os.path.join(tempfile.gettempdir(), "benchmark_checkpoint"),
-                   help="where the runs' --save-dir go: a file system with room for two checkpoints")
+    p.add_argument(
+        "--layouts",
+        default="single,sharded",
+        help="checkpoint layouts to measure, comma-separated: single (one file), sharded (DCP)",
+    )
+    p.add_argument(
+        "--work-dir",
+        default=os.path.join(tempfile.gettempdir(), "benchmark_checkpoint"),
+        help="where the runs' --save-dir go: a file system with room for two checkpoints",
+    )
     p.add_argument("--keep-checkpoints", action="store_true")
-    p.add_argument("--no-optimizer-state", action="store_true",
-                   help="checkpoints without Adam's state (a third of the size), where the disk holds less than two")
+    p.add_argument(
+        "--no-optimizer-state",
+        action="store_true",
+        help="checkpoints without Adam's state (a third of the size), where the disk holds less than two",
+    )
     args = p.parse_args(argv)
     args.layouts = [layout for layout in args.layouts.split(",") if layout]
     unknown = sorted(set(args.layouts) - set(LAYOUTS))
     if unknown or not args.layouts:
         p.error(f"--layouts {','.join(unknown) or '(none)'}: choose from {', '.join(LAYOUTS)}")
     params = parameters(args)
-    print(f"model: transformer_lm_gpt {args.layers} x {args.embed_dim}, vocab {args.vocab}: {params / 1e6:.1f}M "
-          f"parameters; with Adam a checkpoint holds {params * 12 / 1e9:.2f} GB (fp32 weights and two moments), "
-          f"{params * 12 / args.nproc / 1e9:.2f} GB per process; {args.nproc} process(es), "
-          f"{'CPU' if args.cpu else 'GPU'}", flush=True)
+    print(
+        f"model: transformer_lm_gpt {args.layers} x {args.embed_dim}, vocab {args.vocab}: {params / 1e6:.1f}M "
+        f"parameters; with Adam a checkpoint holds {params * 12 / 1e9:.2f} GB (fp32 weights and two moments), "
+        f"{params * 12 / args.nproc / 1e9:.2f} GB per process; {args.nproc} process(es), "
+        f"{'CPU' if args.cpu else 'GPU'}",
+        flush=True,
+    )
     if "blocked" not in args.skip:
         blocked_table(args)
     if "throughput" not in args.skip:

@@ -39,18 +39,61 @@ def model_flags(args):
 
 def train_command(args, extra, log_file, save_dir):
     cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(args.nproc),
-        "-m", "fairseq_cli.train", "--task", "dummy_lm", "--dict-size", str(args.vocab - 4),
-        "--tokens-per-sample", str(args.seq), "--batch-size", str(args.batch), *model_flags(args),
-        "--dropout", "0", "--attention-dropout", "0", "--optimizer", "adam", "--adam-betas", "(0.9, 0.95)",
-        "--lr", "1e-4", "--lr-scheduler", "fixed", "--clip-norm", "1.0", "--ddp-backend", "fully_sharded",
-        "--max-update", str(args.log_interval * (args.intervals + 1)), "--log-format", "json",
-        "--log-interval", str(args.log_interval), "--log-file", log_file, "--no-save", "--disable-validation",
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        str(args.nproc),
+        "-m",
+        "fairseq_cli.train",
+        "--task",
+        "dummy_lm",
+        "--dict-size",
+        str(args.vocab - 4),
+        "--tokens-per-sample",
+        str(args.seq),
+        "--batch-size",
+        str(args.batch),
+        *model_flags(args),
+        "--dropout",
+        "0",
+        "--attention-dropout",
+        "0",
+        "--optimizer",
+        "adam",
+        "--adam-betas",
+        "(0.9, 0.95)",
+        "--lr",
+        "1e-4",
+        "--lr-scheduler",
+        "fixed",
+        "--clip-norm",
+        "1.0",
+        "--ddp-backend",
+        "fully_sharded",
+        "--max-update",
+        str(args.log_interval * (args.intervals + 1)),
+        "--log-format",
+        "json",
+        "--log-interval",
+        str(args.log_interval),
+        "--log-file",
+        log_file,
+        "--no-save",
+        "--disable-validation",
         # --no-save writes nothing (but a preempted run does), and a checkpoint_last in the default --save-dir
         # would be resumed: each run gets an empty directory of its own (run_fairseq empties it)
-        "--save-dir", save_dir,
-        "--num-workers", str(args.num_workers), "--seed", "1", "--required-batch-size-multiple", "1",
-        "--max-tokens", str(args.seq * args.batch),
+        "--save-dir",
+        save_dir,
+        "--num-workers",
+        str(args.num_workers),
+        "--seed",
+        "1",
+        "--required-batch-size-multiple",
+        "1",
+        "--max-tokens",
+        str(args.seq * args.batch),
     ]
     cmd += ["--cpu"] if args.cpu else ["--bf16"]
     return cmd + extra
@@ -126,11 +169,20 @@ def run_reference(args, compile_layers, env):
     name = "plain FSDP2 loop" + (" + compile" if compile_layers else "")
     result_file = os.path.join(args.out, f"reference{'_compile' if compile_layers else ''}.json")
     # The worker's settings travel in the environment: torchrun would try to parse flags placed after the script.
-    worker_args = dict(vars(args), compile=compile_layers, result_file=result_file,
-                       profile_dir=os.path.join(args.out, slug_of(name)))
+    worker_args = dict(
+        vars(args), compile=compile_layers, result_file=result_file, profile_dir=os.path.join(args.out, slug_of(name))
+    )
     env = dict(env, FAIRSEQ_BENCHMARK_ARGS=json.dumps(worker_args))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(args.nproc),
-           os.path.abspath(__file__), "--reference-worker"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        str(args.nproc),
+        os.path.abspath(__file__),
+        "--reference-worker",
+    ]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
     with open(os.path.join(args.out, f"{slug_of(name)}.output"), "w") as f:  # kept: TORCH_LOGS output lands here
         f.write(proc.stdout + proc.stderr)
@@ -166,8 +218,20 @@ def reference_worker(args):
     dist.init_process_group("gloo" if cpu else "nccl")
 
     parser = options.get_training_parser()
-    targs = options.parse_args_and_arch(parser, ["--task", "dummy_lm", "--tokens-per-sample", str(args.seq),
-                                                 *model_flags(args), "--dropout", "0", "--attention-dropout", "0"])
+    targs = options.parse_args_and_arch(
+        parser,
+        [
+            "--task",
+            "dummy_lm",
+            "--tokens-per-sample",
+            str(args.seq),
+            *model_flags(args),
+            "--dropout",
+            "0",
+            "--attention-dropout",
+            "0",
+        ],
+    )
     cfg = options.convert_namespace_to_config(targs)
     torch.manual_seed(1)
     with torch.device("meta"):
@@ -232,11 +296,17 @@ def reference_worker(args):
         result["step_ms"] = [round(a.elapsed_time(b), 1) for a, b in zip(step_events, step_events[1:])]
     if not cpu:
         stats = torch.cuda.memory_stats(device)
-        values = torch.tensor([stats["allocated_bytes.all.peak"], stats["reserved_bytes.all.peak"],
-                               stats.get("num_alloc_retries", 0)], dtype=torch.float64, device=device)
+        values = torch.tensor(
+            [stats["allocated_bytes.all.peak"], stats["reserved_bytes.all.peak"], stats.get("num_alloc_retries", 0)],
+            dtype=torch.float64,
+            device=device,
+        )
         dist.all_reduce(values, op=dist.ReduceOp.MAX)
-        result.update(peak_alloc_gib=round(values[0].item() / GIB, 1), peak_reserved_gib=round(values[1].item() / GIB, 1),
-                      alloc_retries=int(values[2].item()))
+        result.update(
+            peak_alloc_gib=round(values[0].item() / GIB, 1),
+            peak_reserved_gib=round(values[1].item() / GIB, 1),
+            alloc_retries=int(values[2].item()),
+        )
     if dist.get_rank() == 0:
         with open(args.result_file, "w") as f:
             json.dump(result, f)
@@ -250,10 +320,14 @@ def fmt(value, spec):
 
 def print_table(args, results, reference):
     ref_tps = reference.get("tokens_per_s_per_gpu") if reference else None
-    header = ("| run | tokens/s/GPU | vs plain loop | MFU % | peak alloc GiB | peak reserved GiB | reserved/alloc "
-              "| alloc retries | last loss |")
-    print(f"\nmodel: {' '.join(model_flags(args))}, seq {args.seq}, batch {args.batch}/GPU, {args.nproc} "
-          f"{'CPU processes' if args.cpu else 'GPUs'}, bf16={not args.cpu}")
+    header = (
+        "| run | tokens/s/GPU | vs plain loop | MFU % | peak alloc GiB | peak reserved GiB | reserved/alloc "
+        "| alloc retries | last loss |"
+    )
+    print(
+        f"\nmodel: {' '.join(model_flags(args))}, seq {args.seq}, batch {args.batch}/GPU, {args.nproc} "
+        f"{'CPU processes' if args.cpu else 'GPUs'}, bf16={not args.cpu}"
+    )
     print(header)
     print("|" + "---|" * 9)
     for r in results:
@@ -262,10 +336,12 @@ def print_table(args, results, reference):
             continue
         tps = r.get("tokens_per_s_per_gpu")
         alloc, res = r.get("peak_alloc_gib"), r.get("peak_reserved_gib")
-        print(f"| {r['name']} | {fmt(tps, ',.0f')} | "
-              f"{fmt(tps / ref_tps if tps and ref_tps else None, '.3f')}x | {fmt(r.get('mfu'), '.1f')} | "
-              f"{fmt(alloc, '.1f')} | {fmt(res, '.1f')} | {fmt(res / alloc if alloc and res else None, '.2f')} | "
-              f"{fmt(r.get('alloc_retries'), '.0f')} | {r.get('loss', '-')} |")
+        print(
+            f"| {r['name']} | {fmt(tps, ',.0f')} | "
+            f"{fmt(tps / ref_tps if tps and ref_tps else None, '.3f')}x | {fmt(r.get('mfu'), '.1f')} | "
+            f"{fmt(alloc, '.1f')} | {fmt(res, '.1f')} | {fmt(res / alloc if alloc and res else None, '.2f')} | "
+            f"{fmt(r.get('alloc_retries'), '.0f')} | {r.get('loss', '-')} |"
+        )
 
 
 def print_profiles(results):
@@ -281,8 +357,10 @@ def print_profiles(results):
     print("|" + "---|" * (6 + len(categories)))
     for name, p in profiled:
         cells = [fmt(p["category_ms"].get(c), ".1f") for c in categories]
-        print(f"| {name} | {p['wall_ms']:.1f} | {p['gpu_busy_ms']:.1f} | {fmt(p['gpu_idle_ms'], '.1f')} | "
-              f"{p['kernels']:.0f} | {p.get('kernel_sum_ms', 0):.1f} |" + "".join(f" {c} |" for c in cells))
+        print(
+            f"| {name} | {p['wall_ms']:.1f} | {p['gpu_busy_ms']:.1f} | {fmt(p['gpu_idle_ms'], '.1f')} | "
+            f"{p['kernels']:.0f} | {p.get('kernel_sum_ms', 0):.1f} |" + "".join(f" {c} |" for c in cells)
+        )
     base_name, base = profiled[0]
     for name, p in profiled[1:]:
         print(f"\nkernels that differ most, {name} minus {base_name} (ms per update, calls per update):")
@@ -321,25 +399,45 @@ def main(argv=None):
     parser.add_argument("--intervals", type=int, default=2, help="measured log intervals after the warm-up one")
     parser.add_argument("--num-workers", type=int, default=1)
     parser.add_argument("--compile", action="store_true", help="also run --compile (and the compiled loop)")
-    parser.add_argument("--no-compile-rows", action="store_true",
-                        help="with --compile: compile only the --fp8 rows (no compiled loop or bf16 --compile row)")
-    parser.add_argument("--combos", default="all",
-                        help="flag combinations to run: 'all' (the four), or a comma-separated list of none, "
-                             "prefetch, sync-free, both; '' for none of them (only --fp8 rows)")
-    parser.add_argument("--fp8", default="", metavar="RECIPES",
-                        help="also run fairseq-train --fp8 with these comma-separated recipes (tensorwise, rowwise, "
-                             "rowwise_with_gw_hp; tensorwise+ag adds --fp8-fsdp-all-gather), without FSDP flags")
-    parser.add_argument("--tp-mesh-of-one", action="store_true",
-                        help="run every --fp8 row a second time through the tensor-parallel plan on a one-rank mesh "
-                             "(FAIRSEQ_TP_MESH_OF_ONE=1): the TP code path's cost on one GPU")
-    parser.add_argument("--profile", action="store_true",
-                        help="also record a torch.profiler trace of two measured updates of every run "
-                             "(fairseq-train --profile-updates) and print per-update GPU busy/idle time and kernel "
-                             "time by category; the profiled updates are the warm-up interval's last two, so "
-                             "tokens/s are not affected (needs --log-interval >= 3)")
-    parser.add_argument("--fairseq-flags", default="", metavar="FLAGS",
-                        help="more fairseq-train flags for every fairseq-train row, e.g. --fairseq-flags=--no-reshard-after-forward "
-                             "(the plain loop is not changed)")
+    parser.add_argument(
+        "--no-compile-rows",
+        action="store_true",
+        help="with --compile: compile only the --fp8 rows (no compiled loop or bf16 --compile row)",
+    )
+    parser.add_argument(
+        "--combos",
+        default="all",
+        help="flag combinations to run: 'all' (the four), or a comma-separated list of none, "
+        "prefetch, sync-free, both; '' for none of them (only --fp8 rows)",
+    )
+    parser.add_argument(
+        "--fp8",
+        default="",
+        metavar="RECIPES",
+        help="also run fairseq-train --fp8 with these comma-separated recipes (tensorwise, rowwise, "
+        "rowwise_with_gw_hp; tensorwise+ag adds --fp8-fsdp-all-gather), without FSDP flags",
+    )
+    parser.add_argument(
+        "--tp-mesh-of-one",
+        action="store_true",
+        help="run every --fp8 row a second time through the tensor-parallel plan on a one-rank mesh "
+        "(FAIRSEQ_TP_MESH_OF_ONE=1): the TP code path's cost on one GPU",
+    )
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="also record a torch.profiler trace of two measured updates of every run "
+        "(fairseq-train --profile-updates) and print per-update GPU busy/idle time and kernel "
+        "time by category; the profiled updates are the warm-up interval's last two, so "
+        "tokens/s are not affected (needs --log-interval >= 3)",
+    )
+    parser.add_argument(
+        "--fairseq-flags",
+        default="",
+        metavar="FLAGS",
+        help="more fairseq-train flags for every fairseq-train row, e.g. --fairseq-flags=--no-reshard-after-forward "
+        "(the plain loop is not changed)",
+    )
     parser.add_argument("--no-reference", action="store_true")
     parser.add_argument("--cpu", action="store_true", help="gloo on CPU, fp32 (to test this script)")
     parser.add_argument("--out", default="benchmark_out")
@@ -348,8 +446,10 @@ def main(argv=None):
     if args.reference_worker:
         return reference_worker(argparse.Namespace(**json.loads(os.environ["FAIRSEQ_BENCHMARK_ARGS"])))
     if args.profile and args.log_interval < 3:
-        parser.error("--profile records updates LOG_INTERVAL-1 and LOG_INTERVAL (after the first, compiling one): "
-                     "pass --log-interval 3 or more")
+        parser.error(
+            "--profile records updates LOG_INTERVAL-1 and LOG_INTERVAL (after the first, compiling one): "
+            "pass --log-interval 3 or more"
+        )
     named = {"none": (False, False), "prefetch": (True, False), "sync-free": (False, True), "both": (True, True)}
     names = list(named) if args.combos == "all" else [n for n in args.combos.split(",") if n]
     unknown = [n for n in names if n not in named]
@@ -381,15 +481,19 @@ def main(argv=None):
         results.append(run_fairseq(args, name, extra, env))
         print_table(args, results, reference)
         if args.tp_mesh_of_one:
-            results.append(run_fairseq(args, name + " (TP plan, 1-rank mesh)", extra,
-                                       dict(env, FAIRSEQ_TP_MESH_OF_ONE="1")))
+            results.append(
+                run_fairseq(args, name + " (TP plan, 1-rank mesh)", extra, dict(env, FAIRSEQ_TP_MESH_OF_ONE="1"))
+            )
             print_table(args, results, reference)
     if args.compile and not args.no_compile_rows:
         if not args.no_reference:
             results.append(run_reference(args, True, env))
         for prefetch, sync_free in combos[-1:]:
-            extra = ["--compile"] + (["--fsdp-forward-prefetch"] if prefetch else []) + (
-                ["--fsdp-sync-free"] if sync_free else [])
+            extra = (
+                ["--compile"]
+                + (["--fsdp-forward-prefetch"] if prefetch else [])
+                + (["--fsdp-sync-free"] if sync_free else [])
+            )
             results.append(run_fairseq(args, "fairseq-train " + " ".join(extra).replace("--fsdp-", ""), extra, env))
     print_table(args, results, reference)
     for r in results:
@@ -401,8 +505,10 @@ def main(argv=None):
         json.dump(results, f, indent=1)
     failed = [r["name"] for r in results if "error" in r]
     if failed:  # the table says so too; a script driving the benchmark must see it in the exit status
-        sys.stderr.write(f"benchmark_fsdp.py: {len(failed)} run(s) failed ({', '.join(failed)}); their output is above "
-                         f"and in {args.out}\n")
+        sys.stderr.write(
+            f"benchmark_fsdp.py: {len(failed)} run(s) failed ({', '.join(failed)}); their output is above "
+            f"and in {args.out}\n"
+        )
         return 1
     return 0
 

@@ -62,9 +62,12 @@ from fairseq.generation import search  # noqa: E402
 from fairseq.generation.decode_memory import attention_shape, kv_cache_bytes, model_bytes  # noqa: E402
 from fairseq.generation.quantize import Int8WeightOnlyLinear, check_quantize, quantize_for_generation  # noqa: E402
 from fairseq.generation.sequence_generator import SequenceGenerator  # noqa: E402
-from fairseq.kernels.decode_attention import (decode_attention_available, decode_attention_enabled,  # noqa: E402
-                                              decode_attention_kernel as split_kv_attention,
-                                              set_decode_attention_kernel)
+from fairseq.kernels.decode_attention import (
+    decode_attention_available,
+    decode_attention_enabled,  # noqa: E402
+    decode_attention_kernel as split_kv_attention,
+    set_decode_attention_kernel,
+)
 from fairseq.modules.causal_attention import fuse_qkv_  # noqa: E402
 from fairseq.models.transformer_lm import TransformerLanguageModel, preset_config  # noqa: E402
 
@@ -94,8 +97,11 @@ def get_parser():
     p.add_argument("--no-cuda-graphs", action="store_true", help="the fork's decode steps eagerly")
     p.add_argument("--no-int8-matmuls", action="store_true", help="skip the table of one Linear's int8 paths")
     p.add_argument("--no-attention-calls", action="store_true", help="skip the table of one decode attention call")
-    p.add_argument("--profile", action="store_true",
-                   help="also profile greedy decoding (torch.profiler): kernels per step and the top 10 kernels")
+    p.add_argument(
+        "--profile",
+        action="store_true",
+        help="also profile greedy decoding (torch.profiler): kernels per step and the top 10 kernels",
+    )
     p.add_argument("--json", default=None, help="also write the results here")
     p.add_argument("--seed", type=int, default=1)
     return p
@@ -118,8 +124,10 @@ def export_to_transformers(model, cfg, dictionary, directory, dtype):
     ckpt_dir = os.path.join(directory, "ckpt")
     os.makedirs(ckpt_dir)
     path = os.path.join(ckpt_dir, "checkpoint_best.pt")
-    atomic_torch_save({"cfg": {"model": config_to_dict(cfg), "task": {"_name": "language_modeling"}},
-                       "model": model.state_dict()}, path)
+    atomic_torch_save(
+        {"cfg": {"model": config_to_dict(cfg), "task": {"_name": "language_modeling"}}, "model": model.state_dict()},
+        path,
+    )
     dictionary.save(os.path.join(ckpt_dir, "dict.txt"))
     out = os.path.join(directory, "hf")
     hf.export(path, out, dtype=dtype, tokenizer=False)
@@ -157,15 +165,27 @@ def copy_bandwidth(device: str, mib: int) -> float:
 def fork_generate(model, dictionary, prompts, args, row, new_tokens=None):
     total = args.prompt_len + (args.new_tokens if new_tokens is None else new_tokens)
     strategy = search.Sampling(dictionary, sampling_topk=50, sampling_topp=0.9) if row == "sample" else None
-    generator = SequenceGenerator([model], dictionary, beam_size=BEAM[row], max_len_a=0, max_len_b=total,
-                                  min_len=total, search_strategy=strategy, cuda_graphs=not args.no_cuda_graphs)
-    sample = {"net_input": {"src_tokens": prompts,
-                            "src_lengths": torch.full((prompts.size(0),), prompts.size(1), device=prompts.device)}}
+    generator = SequenceGenerator(
+        [model],
+        dictionary,
+        beam_size=BEAM[row],
+        max_len_a=0,
+        max_len_b=total,
+        min_len=total,
+        search_strategy=strategy,
+        cuda_graphs=not args.no_cuda_graphs,
+    )
+    sample = {
+        "net_input": {
+            "src_tokens": prompts,
+            "src_lengths": torch.full((prompts.size(0),), prompts.size(1), device=prompts.device),
+        }
+    }
 
     def run():
         torch.manual_seed(args.seed)
         hypos = generator.generate([model], sample, prefix_tokens=prompts)
-        return torch.stack([h[0]["tokens"][args.prompt_len:total] for h in hypos])
+        return torch.stack([h[0]["tokens"][args.prompt_len : total] for h in hypos])
 
     return run
 
@@ -177,10 +197,17 @@ def hf_generate(hf_model, prompts, args, eos, static: bool):
     cache = {"cache_implementation": "static"} if static else {}
 
     def run():
-        out = hf_model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=args.new_tokens,
-                                min_new_tokens=args.new_tokens, do_sample=False, num_beams=1, use_cache=True,
-                                **cache)
-        return out[:, ids.size(1):]
+        out = hf_model.generate(
+            input_ids=ids,
+            attention_mask=mask,
+            max_new_tokens=args.new_tokens,
+            min_new_tokens=args.new_tokens,
+            do_sample=False,
+            num_beams=1,
+            use_cache=True,
+            **cache,
+        )
+        return out[:, ids.size(1) :]
 
     return run
 
@@ -191,7 +218,7 @@ def uncached_step_time(model, dictionary, args, device):
     generated token costs without the cache."""
     lengths = torch.linspace(args.prompt_len, args.prompt_len + args.new_tokens, args.uncached_samples).long()
     tokens = torch.randint(dictionary.nspecial, len(dictionary), (1, int(lengths[-1])), device=device)
-    model(tokens[:, :int(lengths[0])])  # warm-up
+    model(tokens[:, : int(lengths[0])])  # warm-up
     total = 0.0
     for n in lengths.tolist():
         sync(device)
@@ -216,11 +243,17 @@ def fork_rows(model, dictionary, prompts_by_batch, args, device, rows):
     for row in rows:
         for batch, prompts in prompts_by_batch.items():
             with torch.no_grad(), decode_attention_kernel(False if row == "greedy-sdpa" else None):
-                seconds, tokens = best_time(fork_generate(model, dictionary, prompts, args, row), args.repeats,
-                                            device)
-            out.append({"row": row, "batch": batch, "seconds": seconds, "tokens": tokens,
-                        "tokens_per_s": batch * args.new_tokens / seconds,
-                        **step_bytes(model, batch * BEAM[row], args)})
+                seconds, tokens = best_time(fork_generate(model, dictionary, prompts, args, row), args.repeats, device)
+            out.append(
+                {
+                    "row": row,
+                    "batch": batch,
+                    "seconds": seconds,
+                    "tokens": tokens,
+                    "tokens_per_s": batch * args.new_tokens / seconds,
+                    **step_bytes(model, batch * BEAM[row], args),
+                }
+            )
     return out
 
 
@@ -241,8 +274,15 @@ def hf_rows(hf_model, prompts_by_batch, args, device, eos):
         for batch, prompts in prompts_by_batch.items():
             with torch.no_grad():
                 seconds, tokens = best_time(hf_generate(hf_model, prompts, args, eos, static), args.repeats, device)
-            out.append({"row": "static" if static else "default", "batch": batch, "seconds": seconds,
-                        "tokens": tokens, "tokens_per_s": batch * args.new_tokens / seconds})
+            out.append(
+                {
+                    "row": "static" if static else "default",
+                    "batch": batch,
+                    "seconds": seconds,
+                    "tokens": tokens,
+                    "tokens_per_s": batch * args.new_tokens / seconds,
+                }
+            )
     return out
 
 
@@ -272,10 +312,12 @@ def int8_matmul_rows(model, batches, args, device) -> list:
         ours = Int8WeightOnlyLinear(linear)
         for rows in batches:
             x = torch.randn(rows, shape[1], dtype=dtype, device=device)
-            paths = {"bf16": lambda: torch.nn.functional.linear(x, weight),
-                     "fairseq int8": lambda: ours(x),
-                     "torchao eager": lambda: torch.nn.functional.linear(x, quantized),
-                     "_weight_int8pack_mm": lambda: torch._weight_int8pack_mm(x, qdata, scale)}
+            paths = {
+                "bf16": lambda: torch.nn.functional.linear(x, weight),
+                "fairseq int8": lambda: ours(x),
+                "torchao eager": lambda: torch.nn.functional.linear(x, quantized),
+                "_weight_int8pack_mm": lambda: torch._weight_int8pack_mm(x, qdata, scale),
+            }
             if device.startswith("cuda"):
                 paths["torchao compiled"] = lambda: compiled_linear()(x, quantized)
             times = {}
@@ -317,13 +359,13 @@ def call_time(fn, device: str, calls: int = 50) -> float:
 
 def print_int8_matmuls(rows) -> None:
     paths = ("bf16", "fairseq int8", "torchao eager", "torchao compiled", "_weight_int8pack_mm")
-    print("\n| Linear weight (out x in) | rows | " + " | ".join(f"{p} us" for p in paths)
-          + " | best int8 / bf16 time |")
+    print(
+        "\n| Linear weight (out x in) | rows | " + " | ".join(f"{p} us" for p in paths) + " | best int8 / bf16 time |"
+    )
     print("| --- | ---: |" + " ---: |" * (len(paths) + 1))
     for r in rows:
         t = r["seconds"]
-        cells = [f"{1e6 * t[p]:,.1f}" if isinstance(t.get(p), float) else ("-" if p not in t else t[p])
-                 for p in paths]
+        cells = [f"{1e6 * t[p]:,.1f}" if isinstance(t.get(p), float) else ("-" if p not in t else t[p]) for p in paths]
         int8 = [t[p] for p in paths[1:] if isinstance(t.get(p), float)]
         ratio = f"{min(int8) / t['bf16']:.2f}" if int8 and isinstance(t["bf16"], float) else "-"
         print(f"| {r['shape'][0]} x {r['shape'][1]} | {r['rows']} | " + " | ".join(cells) + f" | {ratio} |")
@@ -334,8 +376,11 @@ def kernel_events(prof, device: str) -> list:
     aten ops called from outside another aten op)."""
     if device.startswith("cuda"):
         return [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-    return [e for e in prof.events() if e.name.startswith("aten::")
-            and (e.cpu_parent is None or not e.cpu_parent.name.startswith("aten::"))]
+    return [
+        e
+        for e in prof.events()
+        if e.name.startswith("aten::") and (e.cpu_parent is None or not e.cpu_parent.name.startswith("aten::"))
+    ]
 
 
 def profile_rows(model, dictionary, prompts_by_batch, args, device) -> list:
@@ -368,10 +413,23 @@ def profile_rows(model, dictionary, prompts_by_batch, args, device) -> list:
             per_kernel = {name: (calls, max(micros, 0.0)) for name, (calls, micros) in per_kernel.items()}
             total = sum(micros for _, micros in per_kernel.values())
             top = sorted(per_kernel.items(), key=lambda item: -item[1][1])[:10]
-            out.append({"row": row, "batch": batch, "kernels_per_step": sum(c for c, _ in per_kernel.values()) / steps,
-                        "kernel_us_per_step": total / steps,
-                        "top": [{"kernel": name, "calls_per_step": calls / steps, "us_per_step": micros / steps,
-                                 "share": micros / total if total else 0.0} for name, (calls, micros) in top]})
+            out.append(
+                {
+                    "row": row,
+                    "batch": batch,
+                    "kernels_per_step": sum(c for c, _ in per_kernel.values()) / steps,
+                    "kernel_us_per_step": total / steps,
+                    "top": [
+                        {
+                            "kernel": name,
+                            "calls_per_step": calls / steps,
+                            "us_per_step": micros / steps,
+                            "share": micros / total if total else 0.0,
+                        }
+                        for name, (calls, micros) in top
+                    ],
+                }
+            )
     return out
 
 
@@ -392,8 +450,10 @@ def print_profile(rows, device: str) -> None:
     print("| --- | ---: | --- | ---: | ---: | ---: |")
     for r in rows:
         for k in r["top"]:
-            print(f"| {r['row']} | {r['batch']} | {k['kernel'][:90]} | {k['calls_per_step']:,.2f} | "
-                  f"{k['us_per_step']:,.1f} | {100 * k['share']:.1f}% |")
+            print(
+                f"| {r['row']} | {r['batch']} | {k['kernel'][:90]} | {k['calls_per_step']:,.2f} | "
+                f"{k['us_per_step']:,.1f} | {100 * k['share']:.1f}% |"
+            )
 
 
 @torch.no_grad()
@@ -416,13 +476,25 @@ def attention_call_rows(model, batches, args, device) -> list:
         mask = torch.zeros(window, dtype=dtype, device=device)
         mask[live:] = -float("inf")
         lengths = torch.tensor([live], dtype=torch.int32, device=device)
-        paths = {"sdpa": lambda: torch.nn.functional.scaled_dot_product_attention(
-            q, keys[:, :, :window], values[:, :, :window], attn_mask=mask.view(1, 1, 1, window))}
+        paths = {
+            "sdpa": lambda: torch.nn.functional.scaled_dot_product_attention(
+                q, keys[:, :, :window], values[:, :, :window], attn_mask=mask.view(1, 1, 1, window)
+            )
+        }
         if decode_attention_available(q):
             paths["split-KV kernel"] = lambda: split_kv_attention(q, keys, values, lengths, max_length=window)
         times = {path: graphed_call_time(fn, device) for path, fn in paths.items()}
-        out.append({"batch": batch, "heads": heads, "head_dim": dim, "live": live, "window": window,
-                    "kv_bytes": 2 * batch * heads * live * dim * q.element_size(), "seconds": times})
+        out.append(
+            {
+                "batch": batch,
+                "heads": heads,
+                "head_dim": dim,
+                "live": live,
+                "window": window,
+                "kv_bytes": 2 * batch * heads * live * dim * q.element_size(),
+                "seconds": times,
+            }
+        )
     return out
 
 
@@ -454,16 +526,24 @@ def graphed_call_time(fn, device: str, calls: int = 20, replays: int = 20) -> fl
 
 
 def print_attention_calls(rows) -> None:
-    print("\n| decode attention, one layer call | batch | heads x head dim | live keys (window) | sdpa us | "
-          "split-KV kernel us | kernel GB/s of live KV |")
+    print(
+        "\n| decode attention, one layer call | batch | heads x head dim | live keys (window) | sdpa us | "
+        "split-KV kernel us | kernel GB/s of live KV |"
+    )
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
     for r in rows:
         t = r["seconds"]
         kernel = t.get("split-KV kernel")
-        cells = [f"{1e6 * t['sdpa']:,.1f}", f"{1e6 * kernel:,.1f}" if kernel else "-",
-                 f"{r['kv_bytes'] / kernel / 1e9:,.0f}" if kernel else "-"]
-        print(f"| | {r['batch']} | {r['heads']} x {r['head_dim']} | {r['live']} ({r['window']}) | "
-              + " | ".join(cells) + " |")
+        cells = [
+            f"{1e6 * t['sdpa']:,.1f}",
+            f"{1e6 * kernel:,.1f}" if kernel else "-",
+            f"{r['kv_bytes'] / kernel / 1e9:,.0f}" if kernel else "-",
+        ]
+        print(
+            f"| | {r['batch']} | {r['heads']} x {r['head_dim']} | {r['live']} ({r['window']}) | "
+            + " | ".join(cells)
+            + " |"
+        )
 
 
 def int8_reason(args, device):
@@ -477,50 +557,65 @@ def int8_reason(args, device):
 
 def print_tables(fork, hf, args, bandwidth, uncached, name, skipped):
     greedy = {r["batch"]: r["tokens"] for r in fork if r["row"] == "greedy"}
-    print(f"{args.arch}, {args.dtype}, {name}, torch {torch.__version__}, prompt {args.prompt_len}, "
-          f"{args.new_tokens} new tokens, best of {args.repeats}, "
-          f"{'eager decode steps' if args.no_cuda_graphs or name == 'cpu' else 'CUDA-graph decode steps'}; "
-          f"copy bandwidth {bandwidth / 1e9:.0f} GB/s")
-    print(f"decode attention: {'split-KV kernel' if args.attention_kernel else 'SDPA over a masked window'} "
-          "(the greedy-sdpa row: SDPA)")
+    print(
+        f"{args.arch}, {args.dtype}, {name}, torch {torch.__version__}, prompt {args.prompt_len}, "
+        f"{args.new_tokens} new tokens, best of {args.repeats}, "
+        f"{'eager decode steps' if args.no_cuda_graphs or name == 'cpu' else 'CUDA-graph decode steps'}; "
+        f"copy bandwidth {bandwidth / 1e9:.0f} GB/s"
+    )
+    print(
+        f"decode attention: {'split-KV kernel' if args.attention_kernel else 'SDPA over a masked window'} "
+        "(the greedy-sdpa row: SDPA)"
+    )
     print()
-    print("| batch | fork rows | tokens/s | ms per step | weights MB | KV cache MB read per step | GB/s read "
-          "| % of copy bandwidth | tokens as greedy bf16 |")
+    print(
+        "| batch | fork rows | tokens/s | ms per step | weights MB | KV cache MB read per step | GB/s read "
+        "| % of copy bandwidth | tokens as greedy bf16 |"
+    )
     print("| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for r in sorted(fork, key=lambda r: (r["batch"], ROWS.index(r["row"]))):
         step_s = r["seconds"] / args.new_tokens
         rate = (r["weight_bytes"] + r["kv_bytes"]) / step_s
-        agreement = (f"{float((r['tokens'] == greedy[r['batch']]).float().mean()):.1%}" if r["batch"] in greedy
-                     else "-")
+        agreement = f"{float((r['tokens'] == greedy[r['batch']]).float().mean()):.1%}" if r["batch"] in greedy else "-"
         same = {"greedy": "(reference)", "int8": agreement, "greedy-sdpa": agreement}.get(r["row"], "-")
         r.update(step_ms=1000 * step_s, gb_per_s=rate / 1e9, bandwidth_fraction=rate / bandwidth)
-        print(f"| {r['batch']} | {r['row']} | {r['tokens_per_s']:,.0f} | {1000 * step_s:.2f} | "
-              f"{r['weight_bytes'] / 1e6:,.1f} | {r['kv_bytes'] / 1e6:,.1f} | {rate / 1e9:,.1f} | "
-              f"{100 * rate / bandwidth:.1f}% | {same} |")
+        print(
+            f"| {r['batch']} | {r['row']} | {r['tokens_per_s']:,.0f} | {1000 * step_s:.2f} | "
+            f"{r['weight_bytes'] / 1e6:,.1f} | {r['kv_bytes'] / 1e6:,.1f} | {rate / 1e9:,.1f} | "
+            f"{100 * rate / bandwidth:.1f}% | {same} |"
+        )
     for row, reason in skipped.items():
         print(f"\n{row}: not run ({reason})")
     if hf:
         print()
-        print("| batch | fork greedy tokens/s | transformers default | transformers static cache | fork / best "
-              "transformers | identical rows (default, static) |")
+        print(
+            "| batch | fork greedy tokens/s | transformers default | transformers static cache | fork / best "
+            "transformers | identical rows (default, static) |"
+        )
         print("| ---: | ---: | ---: | ---: | ---: | ---: |")
         for batch, tokens in greedy.items():
             fork_rate = next(r["tokens_per_s"] for r in fork if r["row"] == "greedy" and r["batch"] == batch)
             theirs = {r["row"]: r for r in hf if r["batch"] == batch}
             best = max(r["tokens_per_s"] for r in theirs.values())
             cells = [f"{theirs[k]['tokens_per_s']:,.0f}" if k in theirs else "-" for k in ("default", "static")]
-            same = [f"{int((theirs[k]['tokens'] == tokens).all(dim=1).sum())}/{batch}" if k in theirs else "-"
-                    for k in ("default", "static")]
-            print(f"| {batch} | {fork_rate:,.0f} | {cells[0]} | {cells[1]} | {fork_rate / best:.2f}x | "
-                  f"{', '.join(same)} |")
+            same = [
+                f"{int((theirs[k]['tokens'] == tokens).all(dim=1).sum())}/{batch}" if k in theirs else "-"
+                for k in ("default", "static")
+            ]
+            print(
+                f"| {batch} | {fork_rate:,.0f} | {cells[0]} | {cells[1]} | {fork_rate / best:.2f}x | "
+                f"{', '.join(same)} |"
+            )
         compiled = "compiled by transformers (reduce-overhead)" if args.device.startswith("cuda") else "uncompiled"
         print(f"\ntransformers static cache: {compiled}")
     if not fork:
         return
     first = next(r for r in fork if r["row"] == "greedy") if greedy else fork[0]
-    print(f"\ntime per token at batch {first['batch']} ({first['row']}): "
-          f"{1000 * first['seconds'] / args.new_tokens:.2f} ms with the cache, {1000 * uncached:.2f} ms without "
-          "(one full forward over the prefix)")
+    print(
+        f"\ntime per token at batch {first['batch']} ({first['row']}): "
+        f"{1000 * first['seconds'] / args.new_tokens:.2f} ms with the cache, {1000 * uncached:.2f} ms without "
+        "(one full forward over the prefix)"
+    )
 
 
 def main(argv=None):
@@ -539,12 +634,16 @@ def main(argv=None):
 
         out = export_to_transformers(model.cpu(), cfg, dictionary, tmp.name, args.dtype)
         model.to(device)
-        hf_model = transformers.AutoModelForCausalLM.from_pretrained(
-            out, dtype=DTYPES[args.dtype], attn_implementation="sdpa").to(device).eval()
+        hf_model = (
+            transformers.AutoModelForCausalLM.from_pretrained(out, dtype=DTYPES[args.dtype], attn_implementation="sdpa")
+            .to(device)
+            .eval()
+        )
     g = torch.Generator().manual_seed(args.seed)
     prompts_by_batch = {
         batch: torch.randint(dictionary.nspecial, len(dictionary), (batch, args.prompt_len), generator=g).to(device)
-        for batch in (int(b) for b in args.batch_sizes.split(","))}
+        for batch in (int(b) for b in args.batch_sizes.split(","))
+    }
     bandwidth = copy_bandwidth(device, args.copy_mib)
     if device.startswith("cuda"):  # as fairseq-generate loads a model: one q/k/v GEMM per layer call
         fuse_qkv_(model)
@@ -554,10 +653,13 @@ def main(argv=None):
         skipped["int8"] = int8
     args.attention_kernel = decode_attention_available(model_probe(model))
     if "greedy-sdpa" in rows and not args.attention_kernel:
-        skipped["greedy-sdpa"] = ("the split-KV decode attention kernel runs on CUDA with Triton only (or is "
-                                  "turned off): the greedy row is SDPA already")
-    fork = fork_rows(model, dictionary, prompts_by_batch, args, device,
-                     [r for r in rows if r != "int8" and r not in skipped])
+        skipped["greedy-sdpa"] = (
+            "the split-KV decode attention kernel runs on CUDA with Triton only (or is "
+            "turned off): the greedy row is SDPA already"
+        )
+    fork = fork_rows(
+        model, dictionary, prompts_by_batch, args, device, [r for r in rows if r != "int8" and r not in skipped]
+    )
     profiled = profile_rows(model, dictionary, prompts_by_batch, args, device) if args.profile else []
     hf = hf_rows(hf_model, prompts_by_batch, args, device, dictionary.eos()) if hf_model is not None else []
     del hf_model
@@ -567,8 +669,9 @@ def main(argv=None):
         fork += fork_rows(model, dictionary, prompts_by_batch, args, device, ["int8"])
     name = torch.cuda.get_device_name() if device.startswith("cuda") else "cpu"
     print_tables(fork, hf, args, bandwidth, uncached, name, skipped)
-    matmuls = [] if args.no_int8_matmuls or args.dtype != "bf16" else int8_matmul_rows(model, prompts_by_batch, args,
-                                                                                      device)
+    matmuls = (
+        [] if args.no_int8_matmuls or args.dtype != "bf16" else int8_matmul_rows(model, prompts_by_batch, args, device)
+    )
     if matmuls:
         print_int8_matmuls(matmuls)
     attention = [] if args.no_attention_calls else attention_call_rows(model, list(prompts_by_batch), args, device)
@@ -577,15 +680,27 @@ def main(argv=None):
     if profiled:
         print_profile(profiled, device)
     if args.json:
-        save_json(args, fork + hf, copy_bytes_per_s=bandwidth, uncached_step_s=uncached, device=name,
-                  skipped=skipped, int8_matmuls=matmuls, attention_calls=attention, profile=profiled)
+        save_json(
+            args,
+            fork + hf,
+            copy_bytes_per_s=bandwidth,
+            uncached_step_s=uncached,
+            device=name,
+            skipped=skipped,
+            int8_matmuls=matmuls,
+            attention_calls=attention,
+            profile=profiled,
+        )
     tmp.cleanup()
 
 
 def save_json(args, rows, **results) -> None:
     with open(args.json, "w") as f:
-        json.dump({"args": vars(args), "rows": [{k: v for k, v in r.items() if k != "tokens"} for r in rows],
-                   **results}, f, indent=1)
+        json.dump(
+            {"args": vars(args), "rows": [{k: v for k, v in r.items() if k != "tokens"} for r in rows], **results},
+            f,
+            indent=1,
+        )
 
 
 if __name__ == "__main__":

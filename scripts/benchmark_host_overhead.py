@@ -25,9 +25,22 @@ TOKENS, VOCAB = 8, 512
 
 
 def model_flags(layers):
-    return ["--arch", "transformer_lm_gpt", "--decoder-layers", str(layers), "--decoder-embed-dim", "16",
-            "--decoder-ffn-embed-dim", "64", "--decoder-attention-heads", "2", "--dropout", "0",
-            "--attention-dropout", "0"]
+    return [
+        "--arch",
+        "transformer_lm_gpt",
+        "--decoder-layers",
+        str(layers),
+        "--decoder-embed-dim",
+        "16",
+        "--decoder-ffn-embed-dim",
+        "64",
+        "--decoder-attention-heads",
+        "2",
+        "--dropout",
+        "0",
+        "--attention-dropout",
+        "0",
+    ]
 
 
 def plain_loop_ms(layers, updates):
@@ -38,8 +51,9 @@ def plain_loop_ms(layers, updates):
     from fairseq.models.transformer_lm import TransformerLanguageModel
 
     parser = options.get_training_parser()
-    args = options.parse_args_and_arch(parser, ["--task", "dummy_lm", "--tokens-per-sample", str(TOKENS),
-                                                *model_flags(layers)])
+    args = options.parse_args_and_arch(
+        parser, ["--task", "dummy_lm", "--tokens-per-sample", str(TOKENS), *model_flags(layers)]
+    )
     model = TransformerLanguageModel.build(options.convert_namespace_to_config(args).model, VOCAB, 1)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     tokens = torch.randint(4, VOCAB, (updates, 1, TOKENS + 1), generator=torch.Generator().manual_seed(1))
@@ -63,12 +77,47 @@ def fairseq_train_ms(layers, updates):
     interval = max(updates // 4, 1)
     with tempfile.TemporaryDirectory() as tmp:
         log_file = os.path.join(tmp, "train.log")
-        cmd = [sys.executable, "-m", "fairseq_cli.train", "--task", "dummy_lm", "--dict-size", str(VOCAB - 4),
-               "--tokens-per-sample", str(TOKENS), "--batch-size", "1", "--max-tokens", str(TOKENS),
-               "--required-batch-size-multiple", "1", *model_flags(layers), "--optimizer", "adam", "--lr", "1e-4",
-               "--lr-scheduler", "fixed", "--clip-norm", "1.0", "--max-update", str(updates), "--cpu",
-               "--log-format", "json", "--log-interval", str(interval), "--no-save", "--disable-validation",
-               "--save-dir", os.path.join(tmp, "checkpoints"), "--log-file", log_file, "--num-workers", "1"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "fairseq_cli.train",
+            "--task",
+            "dummy_lm",
+            "--dict-size",
+            str(VOCAB - 4),
+            "--tokens-per-sample",
+            str(TOKENS),
+            "--batch-size",
+            "1",
+            "--max-tokens",
+            str(TOKENS),
+            "--required-batch-size-multiple",
+            "1",
+            *model_flags(layers),
+            "--optimizer",
+            "adam",
+            "--lr",
+            "1e-4",
+            "--lr-scheduler",
+            "fixed",
+            "--clip-norm",
+            "1.0",
+            "--max-update",
+            str(updates),
+            "--cpu",
+            "--log-format",
+            "json",
+            "--log-interval",
+            str(interval),
+            "--no-save",
+            "--disable-validation",
+            "--save-dir",
+            os.path.join(tmp, "checkpoints"),
+            "--log-file",
+            log_file,
+            "--num-workers",
+            "1",
+        ]
         env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
         proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=tmp)
         if proc.returncode != 0:

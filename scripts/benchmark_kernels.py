@@ -31,8 +31,9 @@ def mean_ms(fn):
 
 def attention_rows(batch, heads, seq, head_dim):
     shape = (batch, seq, heads, head_dim)  # the layer's [B, T, H, D] view, transposed as the model does
-    q, k, v = (torch.randn(shape, device="cuda", dtype=torch.bfloat16).transpose(1, 2).requires_grad_()
-               for _ in range(3))
+    q, k, v = (
+        torch.randn(shape, device="cuda", dtype=torch.bfloat16).transpose(1, 2).requires_grad_() for _ in range(3)
+    )
     grad = torch.randn(batch, heads, seq, head_dim, device="cuda", dtype=torch.bfloat16)
 
     def step():
@@ -40,8 +41,12 @@ def attention_rows(batch, heads, seq, head_dim):
         out.backward(grad)
         q.grad = k.grad = v.grad = None
 
-    rows = [("default (what training runs)", None), ("flash", SDPBackend.FLASH_ATTENTION),
-            ("cuDNN", SDPBackend.CUDNN_ATTENTION), ("memory-efficient", SDPBackend.EFFICIENT_ATTENTION)]
+    rows = [
+        ("default (what training runs)", None),
+        ("flash", SDPBackend.FLASH_ATTENTION),
+        ("cuDNN", SDPBackend.CUDNN_ATTENTION),
+        ("memory-efficient", SDPBackend.EFFICIENT_ATTENTION),
+    ]
     for name, backend in rows:
         try:
             if backend is None:
@@ -98,8 +103,10 @@ def main():
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("benchmark_kernels.py measures CUDA kernels; no CUDA device is visible")
-    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; d={args.embed_dim}, heads={args.heads}, "
-          f"batch={args.batch}, seq={args.seq}")
+    print(
+        f"{torch.cuda.get_device_name()}, torch {torch.__version__}; d={args.embed_dim}, heads={args.heads}, "
+        f"batch={args.batch}, seq={args.seq}"
+    )
     print("| what (one layer, forward and backward) | ms per call |\n|---|---:|")
     attention_rows(args.batch, args.heads, args.seq, args.embed_dim // args.heads)
     projection_rows(args.batch, args.seq, args.embed_dim)

@@ -85,7 +85,9 @@ def optimizer_rows(device, only_clip: bool):
     print(f"foreach AdamW step: {mean_ms(foreach.step):.2f} ms")
     start = time.time()
     compiled_step = torch.compile(foreach.step)
-    print(f"compiled foreach AdamW step: {mean_ms(compiled_step):.2f} ms (compile and warm-up {time.time() - start:.0f} s)")
+    print(
+        f"compiled foreach AdamW step: {mean_ms(compiled_step):.2f} ms (compile and warm-up {time.time() - start:.0f} s)"
+    )
 
 
 def loss_rows(device):
@@ -98,6 +100,7 @@ def loss_rows(device):
         "compiled fp32 cross-entropy (inductor)": lambda x, t, fn=compiled_fp32_cross_entropy(): fn(x, t, -100),
     }
     for name, loss_fn in losses.items():
+
         def step():
             loss_fn(logits, target).sum().backward()
             logits.grad = None
@@ -111,9 +114,12 @@ def loss_rows(device):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--only", choices=("loss", "optimizer", "clip"),
-                        help="run one part (the compiled optimizer step alone takes about two minutes to compile; "
-                             "clip: the fused step and the clipping rows only)")
+    parser.add_argument(
+        "--only",
+        choices=("loss", "optimizer", "clip"),
+        help="run one part (the compiled optimizer step alone takes about two minutes to compile; "
+        "clip: the fused step and the clipping rows only)",
+    )
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         sys.exit("benchmark_loss_optimizer.py needs a CUDA GPU")

@@ -35,8 +35,11 @@ UPSTREAM_TOKENS_PER_S = 0.24e6  # upstream fairseq-preprocess, 2 workers, this 2
 
 def build_corpus(workdir: str, size_mb: float) -> str:
     sample_dir = os.path.join(workdir, "sample")
-    subprocess.run([sys.executable, os.path.join(REPO, "examples/language_model/prepare_sample_corpus.py"),
-                    sample_dir], check=True, stdout=subprocess.DEVNULL)
+    subprocess.run(
+        [sys.executable, os.path.join(REPO, "examples/language_model/prepare_sample_corpus.py"), sample_dir],
+        check=True,
+        stdout=subprocess.DEVNULL,
+    )
     with open(os.path.join(sample_dir, "train.txt"), "rb") as f:
         sample = f.read()
     path = os.path.join(workdir, f"corpus_{size_mb:g}mb.txt")
@@ -56,12 +59,16 @@ def child(argv):
     start = time.perf_counter()
     preprocess.main(args)
     elapsed = time.perf_counter() - start
-    print(json.dumps({
-        "main_s": elapsed,
-        "import_rss_kb": import_rss,
-        "self_rss_kb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,
-        "workers_rss_kb": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss,
-    }))
+    print(
+        json.dumps(
+            {
+                "main_s": elapsed,
+                "import_rss_kb": import_rss,
+                "self_rss_kb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,
+                "workers_rss_kb": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss,
+            }
+        )
+    )
 
 
 def best_of(repeat: int, corpus: str, workers: int, workdir: str) -> dict:
@@ -78,14 +85,21 @@ def run_config(corpus: str, workers: int, workdir: str) -> dict:
     shutil.rmtree(dest, ignore_errors=True)
     argv = ["--only-source", "--trainpref", corpus, "--destdir", dest, "--workers", str(workers)]
     start = time.perf_counter()
-    proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", *argv],
-                          check=True, capture_output=True, text=True)
+    proc = subprocess.run(
+        [sys.executable, os.path.abspath(__file__), "--child", *argv], check=True, capture_output=True, text=True
+    )
     wall = time.perf_counter() - start
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     with open(os.path.join(dest, "preprocess.log"), encoding="utf-8") as f:
         m = re.search(r": (\d+) sents, (\d+) tokens", f.read())
-    result.update(workers=workers, process_s=wall, sents=int(m.group(1)), tokens=int(m.group(2)),
-                  corpus_mb=os.path.getsize(corpus) / 1e6, dest=dest)
+    result.update(
+        workers=workers,
+        process_s=wall,
+        sents=int(m.group(1)),
+        tokens=int(m.group(2)),
+        corpus_mb=os.path.getsize(corpus) / 1e6,
+        dest=dest,
+    )
     return result
 
 
@@ -101,8 +115,12 @@ def main():
     parser.add_argument("--size-mb", type=float, default=40.0)
     parser.add_argument("--workers", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--repeat", type=int, default=3, help="runs per configuration; the fastest is shown")
-    parser.add_argument("--memory-scale", type=float, default=4.0,
-                        help="also run the largest worker count on a corpus this many times larger (0: skip)")
+    parser.add_argument(
+        "--memory-scale",
+        type=float,
+        default=4.0,
+        help="also run the largest worker count on a corpus this many times larger (0: skip)",
+    )
     parser.add_argument("--workdir", default=None, help="scratch directory (default: a temporary one, removed)")
     args = parser.parse_args()
 
@@ -112,24 +130,30 @@ def main():
         import numpy
         import torch
 
-        print(f"python {platform.python_version()}, torch {torch.__version__}, numpy {numpy.__version__}, "
-              f"{os.cpu_count()} CPUs ({platform.machine()}), {platform.platform()}")
+        print(
+            f"python {platform.python_version()}, torch {torch.__version__}, numpy {numpy.__version__}, "
+            f"{os.cpu_count()} CPUs ({platform.machine()}), {platform.platform()}"
+        )
         corpus = build_corpus(workdir, args.size_mb)
         runs = [best_of(args.repeat, corpus, w, workdir) for w in args.workers]
         if args.memory_scale > 0:
             big = build_corpus(workdir, args.size_mb * args.memory_scale)
             runs.append(best_of(1, big, max(args.workers), workdir))
-        header = ("| corpus MB | workers | sents | tokens | main s | process s | tok/s (main) | "
-                  "vs upstream 0.24M | RSS MB import / main / worker |")
+        header = (
+            "| corpus MB | workers | sents | tokens | main s | process s | tok/s (main) | "
+            "vs upstream 0.24M | RSS MB import / main / worker |"
+        )
         print(header)
         print("|" + "---|" * 9)
         for r in runs:
             tps = r["tokens"] / r["main_s"]
-            print(f"| {r['corpus_mb']:.1f} | {r['workers']} | {r['sents']} | {r['tokens']} | {r['main_s']:.2f} | "
-                  f"{r['process_s']:.2f} | {tps / 1e6:.2f}M | {tps / UPSTREAM_TOKENS_PER_S:.1f}x | "
-                  f"{r['import_rss_kb'] / 1024:.0f} / {r['self_rss_kb'] / 1024:.0f} / "
-                  f"{r['workers_rss_kb'] / 1024:.0f} |")
-        same = [same_outputs(runs[0]["dest"], r["dest"]) for r in runs[1:len(args.workers)]]
+            print(
+                f"| {r['corpus_mb']:.1f} | {r['workers']} | {r['sents']} | {r['tokens']} | {r['main_s']:.2f} | "
+                f"{r['process_s']:.2f} | {tps / 1e6:.2f}M | {tps / UPSTREAM_TOKENS_PER_S:.1f}x | "
+                f"{r['import_rss_kb'] / 1024:.0f} / {r['self_rss_kb'] / 1024:.0f} / "
+                f"{r['workers_rss_kb'] / 1024:.0f} |"
+            )
+        same = [same_outputs(runs[0]["dest"], r["dest"]) for r in runs[1 : len(args.workers)]]
         print(f"outputs identical across --workers {args.workers}: {all(same)}")
     finally:
         if args.workdir is None:

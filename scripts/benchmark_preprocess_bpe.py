@@ -26,8 +26,19 @@ PY = sys.executable
 
 
 def preprocess_cmd(train, dest, workers, extra=()):
-    return [PY, "-m", "fairseq_cli.preprocess", "--only-source", "--trainpref", train, "--destdir", dest,
-            "--workers", str(workers), *extra]
+    return [
+        PY,
+        "-m",
+        "fairseq_cli.preprocess",
+        "--only-source",
+        "--trainpref",
+        train,
+        "--destdir",
+        dest,
+        "--workers",
+        str(workers),
+        *extra,
+    ]
 
 
 def measure(cmd):
@@ -67,9 +78,21 @@ def main():
             flags = ["--bpe", "gpt2", "--gpt2-encoder-json", w("encoder.json"), "--gpt2-vocab-bpe", w("vocab.bpe")]
 
             def encode_cmd(out, workers):
-                return [PY, os.path.join(ROOT, "examples", "roberta", "multiprocessing_bpe_encoder.py"),
-                        "--encoder-json", w("encoder.json"), "--vocab-bpe", w("vocab.bpe"), "--inputs", text,
-                        "--outputs", out, "--keep-empty", "--workers", str(workers)]
+                return [
+                    PY,
+                    os.path.join(ROOT, "examples", "roberta", "multiprocessing_bpe_encoder.py"),
+                    "--encoder-json",
+                    w("encoder.json"),
+                    "--vocab-bpe",
+                    w("vocab.bpe"),
+                    "--inputs",
+                    text,
+                    "--outputs",
+                    out,
+                    "--keep-empty",
+                    "--workers",
+                    str(workers),
+                ]
         else:
             text = w("train.noempty.raw")
             if not os.path.exists(text):
@@ -79,13 +102,24 @@ def main():
                 import sentencepiece as spm
 
                 bb.prefix_file(text, w("spm_train.txt"), int(args.spm_train_mb * 1e6))
-                spm.SentencePieceTrainer.Train(f"--input={w('spm_train.txt')} --model_prefix={w('spm')} "
-                                               f"--vocab_size={args.spm_vocab_size} --model_type=bpe --minloglevel=2")
+                spm.SentencePieceTrainer.Train(
+                    f"--input={w('spm_train.txt')} --model_prefix={w('spm')} "
+                    f"--vocab_size={args.spm_vocab_size} --model_type=bpe --minloglevel=2"
+                )
             flags = ["--bpe", "sentencepiece", "--sentencepiece-model", w("spm.model")]
 
             def encode_cmd(out, workers):  # spm_encode.py has no --workers
-                return [PY, os.path.join(ROOT, "scripts", "spm_encode.py"), "--model", w("spm.model"),
-                        "--inputs", text, "--outputs", out]
+                return [
+                    PY,
+                    os.path.join(ROOT, "scripts", "spm_encode.py"),
+                    "--model",
+                    w("spm.model"),
+                    "--inputs",
+                    text,
+                    "--outputs",
+                    out,
+                ]
+
         for workers in args.workers:
             enc = w(f"{scheme}.encoded")
             two, one = w(f"{scheme}.two.{workers}"), w(f"{scheme}.one.{workers}")
@@ -99,8 +133,15 @@ def main():
             seq = (e[0] + b[0], e[1] + b[1], max(e[2], b[2]), (min(e[3][0], b[3][0]), max(e[3][1], b[3][1])))
             rows.append((scheme, workers, mb, "**two steps in sequence**", seq))
             rows.append((scheme, workers, mb, f"**one pass: fairseq-preprocess {flags[0]} {flags[1]}**", o))
-            rows.append((scheme, workers, mb, f"identical outputs: {ok}; speed-up {seq[0] / o[0]:.2f}x wall, "
-                                              f"{seq[1] / o[1]:.2f}x CPU", None))
+            rows.append(
+                (
+                    scheme,
+                    workers,
+                    mb,
+                    f"identical outputs: {ok}; speed-up {seq[0] / o[0]:.2f}x wall, {seq[1] / o[1]:.2f}x CPU",
+                    None,
+                )
+            )
             if not ok:
                 raise SystemExit("outputs differ")
     print(f"date {time.strftime('%Y-%m-%d %H:%M')}, nproc {os.cpu_count()}")
@@ -110,8 +151,10 @@ def main():
         if m is None:
             print(f"| {scheme} | {workers} | {mb:.1f} | {route} | | | | |")
         else:
-            print(f"| {scheme} | {workers} | {mb:.1f} | {route} | {m[0]:.1f} | {m[1]:.1f} | {m[2]:.0f} | "
-                  f"{m[3][0]:.1f}-{m[3][1]:.1f} |")
+            print(
+                f"| {scheme} | {workers} | {mb:.1f} | {route} | {m[0]:.1f} | {m[1]:.1f} | {m[2]:.0f} | "
+                f"{m[3][0]:.1f}-{m[3][1]:.1f} |"
+            )
 
 
 if __name__ == "__main__":

@@ -30,8 +30,9 @@ sys.path.insert(0, ROOT)
 
 
 def get_parser():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--path", help="checkpoint to serve (default: a random-weight model written here)")
     parser.add_argument("--data", help="directory of its dict.txt (DATA of fairseq-serve)")
     parser.add_argument("--arch", default="transformer_lm_gpt", help="architecture of the random model")
@@ -63,23 +64,46 @@ def write_random_model(args, directory: str) -> tuple:
     for i in range(args.vocab_size - dictionary.nspecial):
         dictionary.add_symbol(f"w{i}")
     dim = args.decoder_embed_dim
-    cfg = preset_config(args.arch, tokens_per_sample=args.positions, decoder_layers=args.decoder_layers,
-                        decoder_embed_dim=dim, decoder_ffn_embed_dim=4 * dim,
-                        decoder_attention_heads=max(dim // 64, 1))
+    cfg = preset_config(
+        args.arch,
+        tokens_per_sample=args.positions,
+        decoder_layers=args.decoder_layers,
+        decoder_embed_dim=dim,
+        decoder_ffn_embed_dim=4 * dim,
+        decoder_attention_heads=max(dim // 64, 1),
+    )
     torch.manual_seed(args.seed)
     model = TransformerLanguageModel.build(cfg, len(dictionary), dictionary.pad())
     path = os.path.join(directory, "checkpoint.pt")
-    atomic_torch_save({"cfg": {"model": config_to_dict(cfg), "task": {"_name": "language_modeling",
-                                                                     "data": directory,
-                                                                     "tokens_per_sample": args.positions}},
-                       "model": model.state_dict()}, path)
+    atomic_torch_save(
+        {
+            "cfg": {
+                "model": config_to_dict(cfg),
+                "task": {"_name": "language_modeling", "data": directory, "tokens_per_sample": args.positions},
+            },
+            "model": model.state_dict(),
+        },
+        path,
+    )
     dictionary.save(os.path.join(directory, "dict.txt"))
     return path, directory, len(dictionary)
 
 
 def start_server(args, path: str, data: str):
-    argv = [sys.executable, "-m", "fairseq_cli.serve", data, "--path", path, "--port", "0",
-            "--max-running", str(args.max_running), "--max-queue", str(args.requests + 1)]
+    argv = [
+        sys.executable,
+        "-m",
+        "fairseq_cli.serve",
+        data,
+        "--path",
+        path,
+        "--port",
+        "0",
+        "--max-running",
+        str(args.max_running),
+        "--max-queue",
+        str(args.requests + 1),
+    ]
     argv += ["--cpu"] if args.cpu else []
     argv += ["--bf16"] if args.bf16 else []
     env = dict(os.environ, PYTHONPATH=ROOT)
@@ -138,8 +162,13 @@ def bodies(args, vocab: int) -> list:
     out = []
     for i in range(args.requests):
         prompt = " ".join(rng.choices(words, k=rng.randint(8, args.prompt_len)))
-        body = {"prompt": prompt, "max_tokens": args.new_tokens, "stream": True,
-                "stream_options": {"include_usage": True}, "temperature": 0}
+        body = {
+            "prompt": prompt,
+            "max_tokens": args.new_tokens,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+            "temperature": 0,
+        }
         if args.sample:
             body.update(temperature=0.8, top_p=0.9, seed=i)
         out.append(body)
@@ -152,10 +181,17 @@ def run_row(host, port, requests: list, clients: int) -> dict:
         results = list(pool.map(lambda body: one_request(host, port, body), requests))
     wall = time.monotonic() - started
     latencies, ttfts, tokens = zip(*results)
-    return {"clients": clients, "requests": len(requests), "tokens": sum(tokens), "wall_s": wall,
-            "tokens_per_s": sum(tokens) / wall, "p50_s": percentile(latencies, 50),
-            "p99_s": percentile(latencies, 99), "ttft_p50_s": percentile(ttfts, 50),
-            "ttft_p99_s": percentile(ttfts, 99)}
+    return {
+        "clients": clients,
+        "requests": len(requests),
+        "tokens": sum(tokens),
+        "wall_s": wall,
+        "tokens_per_s": sum(tokens) / wall,
+        "p50_s": percentile(latencies, 50),
+        "p99_s": percentile(latencies, 99),
+        "ttft_p50_s": percentile(ttfts, 50),
+        "ttft_p99_s": percentile(ttfts, 99),
+    }
 
 
 def main(argv=None) -> list:
@@ -179,13 +215,17 @@ def main(argv=None) -> list:
             proc.terminate()
             proc.wait(timeout=120)
     base = rows[0]["tokens_per_s"]
-    print(f"| clients | requests | tokens | wall s | tokens/s | vs {rows[0]['clients']} client(s) | latency p50 s | "
-          "p99 s | TTFT p50 s | TTFT p99 s |")
+    print(
+        f"| clients | requests | tokens | wall s | tokens/s | vs {rows[0]['clients']} client(s) | latency p50 s | "
+        "p99 s | TTFT p50 s | TTFT p99 s |"
+    )
     print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for row in rows:
-        print(f"| {row['clients']} | {row['requests']} | {row['tokens']} | {row['wall_s']:.2f} | "
-              f"{row['tokens_per_s']:.1f} | {row['tokens_per_s'] / base:.2f}x | {row['p50_s']:.3f} | "
-              f"{row['p99_s']:.3f} | {row['ttft_p50_s']:.3f} | {row['ttft_p99_s']:.3f} |")
+        print(
+            f"| {row['clients']} | {row['requests']} | {row['tokens']} | {row['wall_s']:.2f} | "
+            f"{row['tokens_per_s']:.1f} | {row['tokens_per_s'] / base:.2f}x | {row['p50_s']:.3f} | "
+            f"{row['p99_s']:.3f} | {row['ttft_p50_s']:.3f} | {row['ttft_p99_s']:.3f} |"
+        )
     return rows
 
 

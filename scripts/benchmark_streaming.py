@@ -42,17 +42,21 @@ def scheme_files(scheme: str, raw: str, workdir: str, args):
     """(--bpe flags for fairseq-preprocess, option values for the streaming spec)."""
     if scheme == "gpt2":
         enc, vocab, _, _ = bb.train_bpe_files(raw, workdir, args.vocab_size, args.bpe_train_mb)
-        return ["--bpe", "gpt2", "--gpt2-encoder-json", enc, "--gpt2-vocab-bpe", vocab], \
-            {"gpt2_encoder_json": enc, "gpt2_vocab_bpe": vocab}
+        return ["--bpe", "gpt2", "--gpt2-encoder-json", enc, "--gpt2-vocab-bpe", vocab], {
+            "gpt2_encoder_json": enc,
+            "gpt2_vocab_bpe": vocab,
+        }
     import sentencepiece as spm
 
     model = os.path.join(workdir, "spm")
     sample = os.path.join(workdir, "spm_train.txt")
     bb.prefix_file(raw, sample, int(args.spm_train_mb * 1e6))
-    spm.SentencePieceTrainer.Train(input=sample, model_prefix=model, vocab_size=args.spm_vocab_size,
-                                   model_type="bpe", minloglevel=2)
-    return ["--bpe", "sentencepiece", "--sentencepiece-model", model + ".model"], \
-        {"sentencepiece_model": model + ".model"}
+    spm.SentencePieceTrainer.Train(
+        input=sample, model_prefix=model, vocab_size=args.spm_vocab_size, model_type="bpe", minloglevel=2
+    )
+    return ["--bpe", "sentencepiece", "--sentencepiece-model", model + ".model"], {
+        "sentencepiece_model": model + ".model"
+    }
 
 
 def stream_pass(jsonl: str, spec, eos: int):
@@ -104,16 +108,32 @@ def bench_scheme(scheme: str, raw: str, args) -> None:
     flags, files = scheme_files(scheme, raw, workdir, args)
     bin_dir = os.path.join(workdir, "bin")
     start = time.perf_counter()
-    preprocess.main(preprocess.parse_args(["--only-source", "--json-key", "text", "--trainpref", jsonl,
-                                           "--destdir", bin_dir, "--workers", "1", *flags]))
+    preprocess.main(
+        preprocess.parse_args(
+            [
+                "--only-source",
+                "--json-key",
+                "text",
+                "--trainpref",
+                jsonl,
+                "--destdir",
+                bin_dir,
+                "--workers",
+                "1",
+                *flags,
+            ]
+        )
+    )
     prep = time.perf_counter() - start
     dict_path = os.path.join(bin_dir, "dict.txt")
     spec = TokenizerSpec("fairseq", (dict_path,), bpe=bpe_spec_of(scheme, files))
     eos = Dictionary.load(dict_path).eos()
     tokens, seconds, states = stream_pass(jsonl, spec, eos)
     bin_tokens, bin_seconds = data_bin_pass(bin_dir)
-    print(f"{scheme}: {os.path.getsize(jsonl) / 1e6:.1f} MB JSONL, {tokens:,} tokens "
-          f"(data-bin: {bin_tokens:,}); fairseq-preprocess --json-key --workers 1: {prep:.1f} s")
+    print(
+        f"{scheme}: {os.path.getsize(jsonl) / 1e6:.1f} MB JSONL, {tokens:,} tokens "
+        f"(data-bin: {bin_tokens:,}); fairseq-preprocess --json-key --workers 1: {prep:.1f} s"
+    )
     print(f"  stream (one process: read, parse, tokenize, pack): {tokens / seconds:,.0f} tokens/s ({seconds:.1f} s)")
     print(f"  data-bin (TokenBlockDataset reads): {bin_tokens / bin_seconds:,.0f} tokens/s ({bin_seconds:.2f} s)")
     for mark in MARKS:

@@ -27,20 +27,45 @@ PACKAGES = ("fairseq", "fairseq_cli")
 
 # Upstream's module names that are faces over the core (`sys.modules[__name__] = <the real module>`) or the
 # compat wing: they belong to the top layer, whatever folder they sit in.
-UPSTREAM_FACES = ("fairseq.checkpoint_utils", "fairseq.utils", "fairseq.distributed_utils", "fairseq.file_io",
-                  "fairseq.metrics", "fairseq.tokenizer", "fairseq.trainer", "fairseq.hub_utils", "fairseq.binarizer",
-                  "fairseq.file_chunker_utils", "fairseq.search", "fairseq.sequence_generator",
-                  "fairseq.sequence_scorer", "fairseq.incremental_decoding_utils", "fairseq.plan_memory",
-                  "fairseq.models.fairseq_decoder", "fairseq.models.fairseq_incremental_decoder", "fairseq.options")
+UPSTREAM_FACES = (
+    "fairseq.checkpoint_utils",
+    "fairseq.utils",
+    "fairseq.distributed_utils",
+    "fairseq.file_io",
+    "fairseq.metrics",
+    "fairseq.tokenizer",
+    "fairseq.trainer",
+    "fairseq.hub_utils",
+    "fairseq.binarizer",
+    "fairseq.file_chunker_utils",
+    "fairseq.search",
+    "fairseq.sequence_generator",
+    "fairseq.sequence_scorer",
+    "fairseq.incremental_decoding_utils",
+    "fairseq.plan_memory",
+    "fairseq.models.fairseq_decoder",
+    "fairseq.models.fairseq_incremental_decoder",
+    "fairseq.options",
+)
 
 # Layers, lowest first: a module may import its own layer and those below, never one above. The most specific
 # prefix wins. docs/ARCHITECTURE.md draws the same table.
 LAYERS: List[Tuple[str, Tuple[str, ...]]] = [
     # what every layer reads: config dataclasses, the flat-values config builder and flag generator, the
     # registries (components are found by name, imported by package), log lines, kernels, the launch environment
-    ("config, utilities", ("fairseq", "fairseq.registry", "fairseq.upstream_absent", "fairseq.dataclass",
-                           "fairseq.logging", "fairseq.kernels", "fairseq.distributed.env",
-                           "fairseq.distributed.dtensor")),
+    (
+        "config, utilities",
+        (
+            "fairseq",
+            "fairseq.registry",
+            "fairseq.upstream_absent",
+            "fairseq.dataclass",
+            "fairseq.logging",
+            "fairseq.kernels",
+            "fairseq.distributed.env",
+            "fairseq.distributed.dtensor",
+        ),
+    ),
     # the dictionary, datasets, batching, text encoders; fairseq-preprocess's binarizer over them
     ("data, preprocessing", ("fairseq.data", "fairseq.preprocessing")),
     # layers of a network, optimizers and schedulers, losses
@@ -53,8 +78,10 @@ LAYERS: List[Tuple[str, Tuple[str, ...]]] = [
     # applied to a built model and its state: mesh, TP/FSDP/DDP, float8, launch; checkpoint files and resume
     ("distributed, checkpoint", ("fairseq.distributed", "fairseq.checkpoint")),
     # what runs a job: the trainer and its loop, the hub, export, the planner
-    ("training, generation, export, planning",
-     ("fairseq.training", "fairseq.generation.hub_utils", "fairseq.export", "fairseq.planning")),
+    (
+        "training, generation, export, planning",
+        ("fairseq.training", "fairseq.generation.hub_utils", "fairseq.export", "fairseq.planning"),
+    ),
     # fairseq-serve's server: HTTP, the scheduler over the decode engine, the served model through the hub
     ("serving", ("fairseq.serving",)),
     # the flag and YAML front ends and validate(cfg), which collects every component's checks
@@ -68,7 +95,7 @@ LAYERS: List[Tuple[str, Tuple[str, ...]]] = [
 EXCEPTIONS: Dict[Tuple[str, str], str] = {
     # upstream's API puts the hub's constructor on the model class; the import runs only when it is called
     ("fairseq.models.fairseq_model", "fairseq.generation.hub_utils"): "BaseFairseqModel.from_pretrained, "
-                                                                      "upstream's hub entry point",
+    "upstream's hub entry point",
     # upstream's names inside the core's packages whose code is the wing's (fairseq.modules.MultiheadAttention,
     # fairseq.data.language_pair_dataset, ...): the packages' __getattr__ and the module finder resolve them from
     # fairseq.upstream_absent's tables on first use, through this one import; the core's own work never reaches it
@@ -76,13 +103,30 @@ EXCEPTIONS: Dict[Tuple[str, str], str] = {
 }
 
 # Each limit is what the tree holds now where it is above its target (a ratchet: it may only go down); TARGETS
-# are issue 40's goals, printed beside the counts so that the table says how far each is.
-LIMITS = {"circles": 0, "upward imports": 4, "folders importing up": 7, "folders importing each other": 2,
-          "root modules over 40 lines": 8, "files over 600 lines": 0, "files over 500 lines": 5,
-          "functions over 80 lines": 0, "functions over 60 lines": 7, "config getattr/hasattr probes": 32,
-          "imports inside functions": 193}
-TARGETS = {"folders importing up": 4, "folders importing each other": 0, "files over 500 lines": 0,
-           "functions over 60 lines": 0, "config getattr/hasattr probes": 10, "imports inside functions": 60}
+# are issue 40's goals, printed beside the counts so that the table says how far each is. The length limits
+# were raised once, when `ruff format` (line length 120) first ran over the tree: it rewraps hanging-indent
+# continuations into black's style, which added ~11,000 lines; they are ratchets again from those counts.
+LIMITS = {
+    "circles": 0,
+    "upward imports": 4,
+    "folders importing up": 7,
+    "folders importing each other": 2,
+    "root modules over 40 lines": 8,
+    "files over 600 lines": 4,
+    "files over 500 lines": 9,
+    "functions over 80 lines": 7,
+    "functions over 60 lines": 23,
+    "config getattr/hasattr probes": 32,
+    "imports inside functions": 193,
+}
+TARGETS = {
+    "folders importing up": 4,
+    "folders importing each other": 0,
+    "files over 500 lines": 0,
+    "functions over 60 lines": 0,
+    "config getattr/hasattr probes": 10,
+    "imports inside functions": 60,
+}
 # Names of the objects that hold configuration: a getattr/hasattr on them for a literal name probes a field
 # that a typed config declares (or a namespace that may lack it).
 CONFIG_NAMES = ("cfg", "args", "config", "saved_cfg", "model_cfg", "task_cfg")
@@ -213,9 +257,15 @@ def _is_config(target: ast.AST) -> bool:
 def config_probes(path: str, tree: ast.AST) -> Iterator[str]:
     """getattr(<config>, "literal", ...) and hasattr(<config>, "literal") calls."""
     for node in ast.walk(tree):
-        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("getattr", "hasattr")
-                and len(node.args) >= 2 and isinstance(node.args[1], ast.Constant)
-                and isinstance(node.args[1].value, str) and _is_config(node.args[0])):
+        if (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Name)
+            and node.func.id in ("getattr", "hasattr")
+            and len(node.args) >= 2
+            and isinstance(node.args[1], ast.Constant)
+            and isinstance(node.args[1].value, str)
+            and _is_config(node.args[0])
+        ):
             yield f"{path}:{node.lineno} {node.func.id}({ast.unparse(node.args[0])}, {node.args[1].value!r})"
 
 
@@ -285,7 +335,8 @@ def measure(root: str = ROOT) -> Dict[str, List[str]]:
                 why = exception_for(module, target)
                 findings["upward imports"].append(
                     f"{rel}:{line} {module} ({LAYERS[layer_of(module)][0]}) -> {target} "
-                    f"({LAYERS[layer_of(target)][0]}): " + (f"declared, {why}" if why else "UNDECLARED"))
+                    f"({LAYERS[layer_of(target)][0]}): " + (f"declared, {why}" if why else "UNDECLARED")
+                )
         loose = module.count(".") == 1 and module.startswith("fairseq.") and not path.endswith("__init__.py")
         if loose and lines > 40:
             findings["root modules over 40 lines"].append(f"{rel} ({lines} lines)")
@@ -305,8 +356,9 @@ def measure(root: str = ROOT) -> Dict[str, List[str]]:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--root", default=ROOT, help="the checkout to measure (default: this one)")
     args = parser.parse_args(argv)
     findings = measure(args.root)

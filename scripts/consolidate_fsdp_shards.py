@@ -24,16 +24,21 @@ def main(argv=None):
     parser.add_argument("output", help="single-file checkpoint to write (.pt)")
     parser.add_argument("--no-optimizer", action="store_true", help="leave the optimizer state out")
     parser.add_argument(
-        "--trust-legacy-checkpoint", action="store_true",
+        "--trust-legacy-checkpoint",
+        action="store_true",
         help="read the directory with plain pickle, which can run arbitrary code: only for files you trust "
-             "(by default anything beyond torch.distributed.checkpoint's own metadata and plain values is refused)",
+        "(by default anything beyond torch.distributed.checkpoint's own metadata and plain values is refused)",
     )
     args = parser.parse_args(argv)
     if not os.path.isdir(args.checkpoint_dir):
         parser.error(f"{args.checkpoint_dir} is not a directory (expected a sharded checkpoint)")
     logging.basicConfig(format="%(asctime)s | %(levelname)s | %(name)s | %(message)s", level=logging.WARNING)
-    consolidate(args.checkpoint_dir, args.output, include_optimizer=not args.no_optimizer,
-                trust_legacy=args.trust_legacy_checkpoint)
+    consolidate(
+        args.checkpoint_dir,
+        args.output,
+        include_optimizer=not args.no_optimizer,
+        trust_legacy=args.trust_legacy_checkpoint,
+    )
     print(f"wrote {args.output}")
 
 

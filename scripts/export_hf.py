@@ -22,35 +22,66 @@ def build_parser() -> argparse.ArgumentParser:
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[1])
     parser.add_argument("checkpoint", help="checkpoint file (.pt) or sharded checkpoint directory")
-    parser.add_argument("output", metavar="OUTPUT",
-                        help="directory to write: absent or empty, or this script's earlier output with --overwrite")
-    parser.add_argument("--dict", dest="dict_path", metavar="DICT_TXT",
-                        help="the dictionary the model was trained with (default: dict.txt beside the checkpoint, "
-                             "else in the checkpoint's data directory)")
-    parser.add_argument("--model-type", choices=MODEL_TYPES, default="auto",
-                        help="transformers architecture: opt (OPTForCausalLM), xglm (XGLMForCausalLM), or auto: OPT "
-                             "for learned positions, XGLM for sinusoidal ones where it fits, else OPT")
-    parser.add_argument("--dtype", choices=sorted(DTYPES), default=None,
-                        help="weights' dtype in the export (default: as stored in the checkpoint)")
-    parser.add_argument("--max-shard-size", default="5GB",
-                        help="largest safetensors file before the weights are split into shards (default: 5GB)")
-    parser.add_argument("--bpe", choices=("gpt2", "sentencepiece"), default=None,
-                        help="the BPE the data was encoded with (default: the one saved in the checkpoint)")
+    parser.add_argument(
+        "output",
+        metavar="OUTPUT",
+        help="directory to write: absent or empty, or this script's earlier output with --overwrite",
+    )
+    parser.add_argument(
+        "--dict",
+        dest="dict_path",
+        metavar="DICT_TXT",
+        help="the dictionary the model was trained with (default: dict.txt beside the checkpoint, "
+        "else in the checkpoint's data directory)",
+    )
+    parser.add_argument(
+        "--model-type",
+        choices=MODEL_TYPES,
+        default="auto",
+        help="transformers architecture: opt (OPTForCausalLM), xglm (XGLMForCausalLM), or auto: OPT "
+        "for learned positions, XGLM for sinusoidal ones where it fits, else OPT",
+    )
+    parser.add_argument(
+        "--dtype",
+        choices=sorted(DTYPES),
+        default=None,
+        help="weights' dtype in the export (default: as stored in the checkpoint)",
+    )
+    parser.add_argument(
+        "--max-shard-size",
+        default="5GB",
+        help="largest safetensors file before the weights are split into shards (default: 5GB)",
+    )
+    parser.add_argument(
+        "--bpe",
+        choices=("gpt2", "sentencepiece"),
+        default=None,
+        help="the BPE the data was encoded with (default: the one saved in the checkpoint)",
+    )
     parser.add_argument("--gpt2-encoder-json", help="GPT-2 BPE encoder.json (with --bpe gpt2)")
     parser.add_argument("--gpt2-vocab-bpe", help="GPT-2 BPE vocab.bpe (with --bpe gpt2)")
     parser.add_argument("--sentencepiece-model", help="sentencepiece .model file (with --bpe sentencepiece)")
     parser.add_argument("--no-tokenizer", action="store_true", help="write the model only, no tokenizer files")
-    parser.add_argument("--overwrite", action="store_true",
-                        help="replace OUTPUT when it holds an earlier output of this script (its "
-                             "fairseq_manifest.json lists the files; nothing else is ever deleted)")
-    parser.add_argument("--trust-legacy-checkpoint", action="store_true",
-                        help="read an upstream fairseq checkpoint with plain pickle (only for files you trust)")
+    parser.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace OUTPUT when it holds an earlier output of this script (its "
+        "fairseq_manifest.json lists the files; nothing else is ever deleted)",
+    )
+    parser.add_argument(
+        "--trust-legacy-checkpoint",
+        action="store_true",
+        help="read an upstream fairseq checkpoint with plain pickle (only for files you trust)",
+    )
     return parser
 
 
 def bpe_from_args(args, parser) -> dict:
-    given = {"gpt2_encoder_json": args.gpt2_encoder_json, "gpt2_vocab_bpe": args.gpt2_vocab_bpe,
-             "sentencepiece_model": args.sentencepiece_model}
+    given = {
+        "gpt2_encoder_json": args.gpt2_encoder_json,
+        "gpt2_vocab_bpe": args.gpt2_vocab_bpe,
+        "sentencepiece_model": args.sentencepiece_model,
+    }
     if args.bpe is None:
         stray = [f"--{k.replace('_', '-')}" for k, v in given.items() if v]
         if stray:
@@ -70,10 +101,18 @@ def main(argv=None):
     from fairseq.export import hf
 
     try:
-        result = hf.export(args.checkpoint, args.output, dict_path=args.dict_path, model_type=args.model_type,
-                           dtype=args.dtype, max_shard_size=args.max_shard_size, bpe=bpe,
-                           tokenizer=not args.no_tokenizer, overwrite=args.overwrite,
-                           trust_legacy=args.trust_legacy_checkpoint)
+        result = hf.export(
+            args.checkpoint,
+            args.output,
+            dict_path=args.dict_path,
+            model_type=args.model_type,
+            dtype=args.dtype,
+            max_shard_size=args.max_shard_size,
+            bpe=bpe,
+            tokenizer=not args.no_tokenizer,
+            overwrite=args.overwrite,
+            trust_legacy=args.trust_legacy_checkpoint,
+        )
     except ImportError as e:  # transformers / safetensors not installed: one line, like the other errors
         raise ValueError(str(e)) from None
     print(f"wrote {args.output} ({result['architecture']}; tokenizer: {result['tokenizer'] or 'none'})")

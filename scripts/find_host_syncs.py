@@ -59,15 +59,20 @@ class SyncRecorder:
         if SYNC_WARNING not in str(message):
             return self._saved[0](message, category, filename, lineno, file, line)
         stack = traceback.extract_stack()[:-2]  # without this method and the warnings module's caller
-        where = [f"{os.path.relpath(f.filename, ROOT) if f.filename.startswith(ROOT) else f.filename}:{f.lineno} "
-                 f"in {f.name}: {f.line}" for f in stack[-self.frames:]]
+        where = [
+            f"{os.path.relpath(f.filename, ROOT) if f.filename.startswith(ROOT) else f.filename}:{f.lineno} "
+            f"in {f.name}: {f.line}"
+            for f in stack[-self.frames :]
+        ]
         self.stacks["\n".join(where)] += 1
 
     def report(self, updates: str) -> str:
         total = sum(self.stacks.values())
         if not self.watched_steps:
-            return (f"updates {updates}: none of them ran (the training ended or resumed outside them): raise "
-                    "--max-update or choose --updates inside the run\n")
+            return (
+                f"updates {updates}: none of them ran (the training ended or resumed outside them): raise "
+                "--max-update or choose --updates inside the run\n"
+            )
         if not total:
             return f"updates {updates}: no synchronizing CUDA operation\n"
         lines = [f"updates {updates}: {total} synchronizing CUDA operation(s) at {len(self.stacks)} place(s)"]
@@ -97,8 +102,9 @@ def record_updates(recorder: SyncRecorder, start: int, end: int):
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                     usage="%(prog)s --updates A:B -- FAIRSEQ_TRAIN_FLAGS...")
+    parser = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0], usage="%(prog)s --updates A:B -- FAIRSEQ_TRAIN_FLAGS..."
+    )
     parser.add_argument("--updates", default="3:5", help="first and last update to watch, 1-based (default 3:5)")
     parser.add_argument("--frames", type=int, default=10, help="innermost stack frames shown per place")
     parser.add_argument("train_flags", nargs=argparse.REMAINDER, help="fairseq-train's flags, after --")

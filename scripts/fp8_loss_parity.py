@@ -39,10 +39,13 @@ def main():
     p.add_argument("--seeds", default="1", help="comma-separated --seed values (default 1)")
     p.add_argument("--log-interval", type=int, default=50)
     p.add_argument("--curve", action="store_true", help="print the train loss at every log interval")
-    p.add_argument("--tp-mesh-of-one", action="store_true",
-                   help="every run (bf16 too) through the tensor-parallel plan on a one-rank mesh "
-                        "(FAIRSEQ_TP_MESH_OF_ONE=1, --criterion vocab_parallel_cross_entropy): the TP code path "
-                        "on one GPU")
+    p.add_argument(
+        "--tp-mesh-of-one",
+        action="store_true",
+        help="every run (bf16 too) through the tensor-parallel plan on a one-rank mesh "
+        "(FAIRSEQ_TP_MESH_OF_ONE=1, --criterion vocab_parallel_cross_entropy): the TP code path "
+        "on one GPU",
+    )
     args = p.parse_args()
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     tp = []
@@ -52,8 +55,23 @@ def main():
     text, data = os.path.join(args.out, "text"), os.path.join(args.out, "data-bin")
     if not os.path.exists(os.path.join(data, "dict.txt")):
         run([sys.executable, os.path.join(ROOT, "examples/language_model/prepare_sample_corpus.py"), text], env)
-        run([sys.executable, "-m", "fairseq_cli.preprocess", "--only-source", "--trainpref", f"{text}/train.txt",
-             "--validpref", f"{text}/valid.txt", "--destdir", data, "--workers", "4"], env)
+        run(
+            [
+                sys.executable,
+                "-m",
+                "fairseq_cli.preprocess",
+                "--only-source",
+                "--trainpref",
+                f"{text}/train.txt",
+                "--validpref",
+                f"{text}/valid.txt",
+                "--destdir",
+                data,
+                "--workers",
+                "4",
+            ],
+            env,
+        )
     names = ["bf16"] + (["bf16+compile"] if args.compile else []) + [r for r in args.recipes.split(",") if r]
     seeds = [int(x) for x in args.seeds.split(",")]
     rows = {}
@@ -68,12 +86,18 @@ def main():
         rel_t = r["train_loss"] / base["train_loss"] - 1
         rel_v = r["valid_loss"] / base["valid_loss"] - 1
         rel.setdefault(name, []).append((rel_t, rel_v))
-        print(f"| {name} | {seed} | {r['train_loss']:.3f} | {100 * rel_t:+.2f}% | {r['valid_loss']:.3f} | "
-              f"{100 * rel_v:+.2f}% | {r['wps']:,.0f} |")
+        print(
+            f"| {name} | {seed} | {r['train_loss']:.3f} | {100 * rel_t:+.2f}% | {r['valid_loss']:.3f} | "
+            f"{100 * rel_v:+.2f}% | {r['wps']:,.0f} |"
+        )
     if len(seeds) > 1:
-        print("\nmean over seeds: " + ", ".join(
-            f"{name} train {100 * sum(t for t, _ in v) / len(v):+.2f}% valid {100 * sum(x for _, x in v) / len(v):+.2f}%"
-            for name, v in rel.items()))
+        print(
+            "\nmean over seeds: "
+            + ", ".join(
+                f"{name} train {100 * sum(t for t, _ in v) / len(v):+.2f}% valid {100 * sum(x for _, x in v) / len(v):+.2f}%"
+                for name, v in rel.items()
+            )
+        )
     if args.curve:
         for seed in seeds:
             print(f"\ntrain loss per interval, seed {seed}: update | " + " | ".join(names))
@@ -99,18 +123,63 @@ def train_run(args, name: str, seed: int, tp: list, data: str, env: dict) -> dic
     recipe = name.split("+")[0]
     extra = tp + ([] if recipe == "bf16" else ["--fp8", "--fp8-recipe", recipe])
     extra += ["--compile"] if args.compile and name != "bf16" else []
-    run([sys.executable, "-m", "fairseq_cli.train", data, "--task", "language_modeling",
-         "--arch", "transformer_lm_gpt3_small", "--tokens-per-sample", "512", "--batch-size", "16",
-         "--optimizer", "adam", "--adam-betas", "(0.9, 0.98)", "--clip-norm", "1.0", "--lr", "6e-4",
-         "--lr-scheduler", "inverse_sqrt", "--warmup-updates", "50", "--max-update", str(args.updates),
-         "--bf16", "--seed", str(seed), "--log-format", "json", "--log-interval", str(args.log_interval),
-         "--log-file", log, "--save-dir", save, "--no-save", "--validate-interval-updates", str(args.updates),
-         "--num-workers", "1", *extra], env)
+    run(
+        [
+            sys.executable,
+            "-m",
+            "fairseq_cli.train",
+            data,
+            "--task",
+            "language_modeling",
+            "--arch",
+            "transformer_lm_gpt3_small",
+            "--tokens-per-sample",
+            "512",
+            "--batch-size",
+            "16",
+            "--optimizer",
+            "adam",
+            "--adam-betas",
+            "(0.9, 0.98)",
+            "--clip-norm",
+            "1.0",
+            "--lr",
+            "6e-4",
+            "--lr-scheduler",
+            "inverse_sqrt",
+            "--warmup-updates",
+            "50",
+            "--max-update",
+            str(args.updates),
+            "--bf16",
+            "--seed",
+            str(seed),
+            "--log-format",
+            "json",
+            "--log-interval",
+            str(args.log_interval),
+            "--log-file",
+            log,
+            "--save-dir",
+            save,
+            "--no-save",
+            "--validate-interval-updates",
+            str(args.updates),
+            "--num-workers",
+            "1",
+            *extra,
+        ],
+        env,
+    )
     inner = read_json_log(log, "train_inner")
     valid = read_json_log(log, "valid")[-1]
-    return {"train_loss": float(inner[-1]["loss"]), "valid_loss": float(valid.get("valid_loss", valid.get("loss"))),
-            "wps": float(inner[-1]["wps"]), "curve": [float(r["loss"]) for r in inner],
-            "curve_updates": [int(r["num_updates"]) for r in inner]}
+    return {
+        "train_loss": float(inner[-1]["loss"]),
+        "valid_loss": float(valid.get("valid_loss", valid.get("loss"))),
+        "wps": float(inner[-1]["wps"]),
+        "curve": [float(r["loss"]) for r in inner],
+        "curve_updates": [int(r["num_updates"]) for r in inner],
+    }
 
 
 if __name__ == "__main__":

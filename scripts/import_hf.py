@@ -23,13 +23,23 @@ def build_parser() -> argparse.ArgumentParser:
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[1])
     parser.add_argument("hf_dir", metavar="HF_DIR", help="transformers model directory (OPT or XGLM)")
-    parser.add_argument("output", metavar="OUT_DIR",
-                        help="directory to write: absent or empty, or this script's earlier output with --overwrite")
-    parser.add_argument("--dtype", choices=sorted(DTYPES), default=None,
-                        help="weights' dtype in the checkpoint (default: as stored in HF_DIR)")
-    parser.add_argument("--overwrite", action="store_true",
-                        help="replace OUT_DIR when it holds an earlier output of this script (its "
-                             "fairseq_manifest.json lists the files; nothing else is ever deleted)")
+    parser.add_argument(
+        "output",
+        metavar="OUT_DIR",
+        help="directory to write: absent or empty, or this script's earlier output with --overwrite",
+    )
+    parser.add_argument(
+        "--dtype",
+        choices=sorted(DTYPES),
+        default=None,
+        help="weights' dtype in the checkpoint (default: as stored in HF_DIR)",
+    )
+    parser.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace OUT_DIR when it holds an earlier output of this script (its "
+        "fairseq_manifest.json lists the files; nothing else is ever deleted)",
+    )
     return parser
 
 
@@ -45,11 +55,26 @@ def main(argv=None):
     # A command that runs as printed once DATA is a data directory made with OUT_DIR's dict.txt (and --bpe files):
     # the model's flags (its positions as --tokens-per-sample), a batch of one block, an optimizer at a small
     # fine-tuning rate; docs/finetune_opt.md has a whole recipe.
-    command = ["fairseq-train", "DATA", "--task", "language_modeling", *result["flags"], *result["bpe_flags"],
-               "--optimizer", "adam", "--lr", "2e-05", "--max-tokens", str(result["positions"]),
-               "--finetune-from-model", result["checkpoint"]]
-    print(f"wrote {result['checkpoint']} ({result['architecture']}; --bpe {result['bpe'] or 'none'}); fine-tune with: "
-          f"{shlex.join(command)}")
+    command = [
+        "fairseq-train",
+        "DATA",
+        "--task",
+        "language_modeling",
+        *result["flags"],
+        *result["bpe_flags"],
+        "--optimizer",
+        "adam",
+        "--lr",
+        "2e-05",
+        "--max-tokens",
+        str(result["positions"]),
+        "--finetune-from-model",
+        result["checkpoint"],
+    ]
+    print(
+        f"wrote {result['checkpoint']} ({result['architecture']}; --bpe {result['bpe'] or 'none'}); fine-tune with: "
+        f"{shlex.join(command)}"
+    )
 
 
 if __name__ == "__main__":

@@ -27,9 +27,16 @@ LINE_WIDTH = 96  # flags per line, not counting the indent
 
 # (config section, flag that selects the component or None) in the order the lines are printed.
 SECTIONS = (
-    ("task", "--task"), ("model", "--arch"), ("criterion", "--criterion"), ("optimizer", "--optimizer"),
-    ("lr_scheduler", "--lr-scheduler"), ("optimization", None), ("dataset", None),
-    ("distributed_training", None), ("common", None), ("checkpoint", None),
+    ("task", "--task"),
+    ("model", "--arch"),
+    ("criterion", "--criterion"),
+    ("optimizer", "--optimizer"),
+    ("lr_scheduler", "--lr-scheduler"),
+    ("optimization", None),
+    ("dataset", None),
+    ("distributed_training", None),
+    ("common", None),
+    ("checkpoint", None),
 )
 
 

@@ -40,10 +40,17 @@ PLACEHOLDER = re.compile(r"@([A-Z_]+)@")
 # environment, with defaults; a script rendered for a submission has them written in (an exported SIZE or
 # DATA in the submitting shell must not change what was asked for).
 STATIC_VALUES = {
-    "JOB_NAME": "lm-125m", "NODES": "1", "GPUS_PER_NODE": "8", "CPUS_PER_TASK": "8", "TIME": "48:00:00",
-    "LOG_DIR": "checkpoints/125m", "SIZE": "${SIZE:-125m}", "DATA": "${DATA:-}",
+    "JOB_NAME": "lm-125m",
+    "NODES": "1",
+    "GPUS_PER_NODE": "8",
+    "CPUS_PER_TASK": "8",
+    "TIME": "48:00:00",
+    "LOG_DIR": "checkpoints/125m",
+    "SIZE": "${SIZE:-125m}",
+    "DATA": "${DATA:-}",
     "SAVE_DIR": "${SAVE_DIR:-checkpoints/$SIZE}",
-    "CONFIG_DIR": '${CONFIG_DIR:-"$SLURM_SUBMIT_DIR"/examples/large_lm/config}', "OVERRIDES": "",
+    "CONFIG_DIR": '${CONFIG_DIR:-"$SLURM_SUBMIT_DIR"/examples/large_lm/config}',
+    "OVERRIDES": "",
     "EXTRA_SBATCH_LINES": "",
 }
 
@@ -76,28 +83,37 @@ def _override_value(overrides, key):
 DATA_FROM_ENVIRONMENT = '${DATA:?"set DATA to the data directory (or render the script with --data DIR)"}'
 
 
-def plan_overrides(size: str, nodes: int, gpus_per_node: int, data, overrides, config_dir: Path = CONFIG_DIR,
-                   model_parallel_size: int = 1):
+def plan_overrides(
+    size: str,
+    nodes: int,
+    gpus_per_node: int,
+    data,
+    overrides,
+    config_dir: Path = CONFIG_DIR,
+    model_parallel_size: int = 1,
+):
     """(overrides to write into the script, whether the task needs DATA from the environment, notes).
 
     Adds optimization.update_freq when the data-parallel rank count changes the global batch, and the
     model-parallel size. Composes and checks the whole config first; raises ValueError with the fix.
     """
     if model_parallel_size < 1 or gpus_per_node % model_parallel_size:
-        raise ValueError(f"--model-parallel-size {model_parallel_size} must divide --gpus-per-node {gpus_per_node}: "
-                         "tensor parallelism stays inside a node")
+        raise ValueError(
+            f"--model-parallel-size {model_parallel_size} must divide --gpus-per-node {gpus_per_node}: "
+            "tensor parallelism stays inside a node"
+        )
     if model_parallel_size > 1:
         overrides = [f"distributed_training.model_parallel_size={model_parallel_size}"] + list(overrides)
-    from fairseq.frontend.hydra import (
-        MISSING, compose_dict, fairseq_config_from_dict, recipe_update_freq, split_recipe,
-    )
+    from fairseq.frontend.hydra import MISSING, compose_dict, fairseq_config_from_dict, recipe_update_freq, split_recipe
 
     overrides, notes = list(overrides), []
     probe = overrides + ["checkpoint.save_dir=/probe", "distributed_training.distributed_port=1"]
     values, recipe = split_recipe(compose_dict(str(config_dir), size, probe))
     task = dict(values.get("task") or {})
     needs_data = task.get("data") == MISSING and task.get("_name", "language_modeling") in (
-        "language_modeling", "streaming_language_modeling")
+        "language_modeling",
+        "streaming_language_modeling",
+    )
     data_from_env = needs_data and data is None
     if data_from_env:
         notes.append("no --data: the job reads the data directory from $DATA when it starts")
@@ -105,8 +121,10 @@ def plan_overrides(size: str, nodes: int, gpus_per_node: int, data, overrides, c
         task["data"] = str(data) if data is not None else "/data/from/environment"
     cfg = fairseq_config_from_dict(dict(values, task=task))
     from fairseq.distributed.mesh import ParallelLayout
-    from fairseq.distributed.tensor_parallel_checks import check_tensor_parallel_config, \
-        check_tensor_parallel_dictionary
+    from fairseq.distributed.tensor_parallel_checks import (
+        check_tensor_parallel_config,
+        check_tensor_parallel_dictionary,
+    )
 
     check_tensor_parallel_config(cfg)
     check_tensor_parallel_dictionary(cfg)  # when --data is readable here
@@ -116,8 +134,10 @@ def plan_overrides(size: str, nodes: int, gpus_per_node: int, data, overrides, c
         if [wanted] != cfg.optimization.update_freq:
             overrides = [f"optimization.update_freq=[{wanted}]"] + overrides
             ranks = f"{world} data-parallel ranks" if model_parallel_size > 1 else f"{world} GPUs"
-            notes.append(f"{ranks} instead of the recipe's {recipe.get('gpus')} GPUs: optimization.update_freq="
-                         f"[{wanted}] keeps the global batch at {recipe['global_batch_tokens']:,} tokens")
+            notes.append(
+                f"{ranks} instead of the recipe's {recipe.get('gpus')} GPUs: optimization.update_freq="
+                f"[{wanted}] keeps the global batch at {recipe['global_batch_tokens']:,} tokens"
+            )
     return overrides, data_from_env, notes
 
 
@@ -132,11 +152,19 @@ def render_sbatch(args, overrides, data_from_env: bool = False) -> str:
     extra += [f"#SBATCH {option}" for option in args.sbatch_option]
     values = {
         "JOB_NAME": args.job_name or f"lm-{args.size}",
-        "NODES": args.nodes, "GPUS_PER_NODE": args.gpus_per_node, "CPUS_PER_TASK": args.cpus_per_task,
-        "TIME": args.time, "LOG_DIR": save_dir, "SIZE": shlex.quote(args.size),
-        "DATA": (DATA_FROM_ENVIRONMENT if data_from_env
-                 else shlex.quote(str(Path(args.data).expanduser().resolve()) if args.data else "")),
-        "SAVE_DIR": shlex.quote(str(save_dir)), "CONFIG_DIR": shlex.quote(str(Path(args.config_dir).resolve())),
+        "NODES": args.nodes,
+        "GPUS_PER_NODE": args.gpus_per_node,
+        "CPUS_PER_TASK": args.cpus_per_task,
+        "TIME": args.time,
+        "LOG_DIR": save_dir,
+        "SIZE": shlex.quote(args.size),
+        "DATA": (
+            DATA_FROM_ENVIRONMENT
+            if data_from_env
+            else shlex.quote(str(Path(args.data).expanduser().resolve()) if args.data else "")
+        ),
+        "SAVE_DIR": shlex.quote(str(save_dir)),
+        "CONFIG_DIR": shlex.quote(str(Path(args.config_dir).resolve())),
         "OVERRIDES": " ".join(shlex.quote(o) for o in overrides),
         "EXTRA_SBATCH_LINES": "\n".join(extra),
     }
@@ -146,8 +174,10 @@ def render_sbatch(args, overrides, data_from_env: bool = False) -> str:
 def submit(script_path: Path) -> int:
     sbatch = shutil.which("sbatch")
     if sbatch is None:
-        raise ValueError("sbatch is not on PATH: run this on a SLURM login node, or pass --dry-run to print the "
-                         f"script (it was written to {script_path})")
+        raise ValueError(
+            "sbatch is not on PATH: run this on a SLURM login node, or pass --dry-run to print the "
+            f"script (it was written to {script_path})"
+        )
     result = subprocess.run([sbatch, str(script_path)], capture_output=True, text=True)
     sys.stdout.write(result.stdout)
     sys.stderr.write(result.stderr)
@@ -171,14 +201,24 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--account", help="SLURM account")
     parser.add_argument("--qos", help="SLURM quality of service")
     parser.add_argument("--constraint", help="SLURM node features, e.g. a100")
-    parser.add_argument("--time", default="48:00:00",
-                        help="time limit per run; requeued runs continue (default: %(default)s)")
+    parser.add_argument(
+        "--time", default="48:00:00", help="time limit per run; requeued runs continue (default: %(default)s)"
+    )
     parser.add_argument("--cpus-per-task", type=int, default=8, help="CPUs per GPU task (default: %(default)s)")
-    parser.add_argument("--model-parallel-size", type=int, default=1,
-                        help="tensor parallelism over this many GPUs of a node (default: %(default)s)")
+    parser.add_argument(
+        "--model-parallel-size",
+        type=int,
+        default=1,
+        help="tensor parallelism over this many GPUs of a node (default: %(default)s)",
+    )
     parser.add_argument("--job-name", help="SLURM job name (default: lm-SIZE)")
-    parser.add_argument("--sbatch-option", action="append", default=[], metavar="OPTION",
-                        help="another #SBATCH line, e.g. --sbatch-option=--exclusive (repeatable)")
+    parser.add_argument(
+        "--sbatch-option",
+        action="append",
+        default=[],
+        metavar="OPTION",
+        help="another #SBATCH line, e.g. --sbatch-option=--exclusive (repeatable)",
+    )
     parser.add_argument("--config-dir", default=str(CONFIG_DIR), help="directory of the recipes")
     parser.add_argument("--dry-run", action="store_true", help="print the script; write and submit nothing")
     parser.add_argument("overrides", nargs="*", help="hydra overrides for the recipe, e.g. optimization.lr=[1e-4]")
@@ -195,7 +235,12 @@ def main(argv=None) -> int:
     args.save_dir = args.save_dir or os.path.join("checkpoints", args.size)
     try:
         overrides, data_from_env, notes = plan_overrides(
-            args.size, args.nodes, args.gpus_per_node, args.data, args.overrides, Path(args.config_dir),
+            args.size,
+            args.nodes,
+            args.gpus_per_node,
+            args.data,
+            args.overrides,
+            Path(args.config_dir),
             model_parallel_size=args.model_parallel_size,
         )
         script = render_sbatch(args, overrides, data_from_env)

@@ -22,8 +22,9 @@ CHUNK = 1024
 
 
 def get_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--model", required=True, help="sentencepiece model to use for decoding")
     parser.add_argument("--input", required=True, help="input file to decode")
     parser.add_argument("--input_format", choices=["piece", "id"], default="piece")
@@ -36,8 +37,10 @@ def _tok2int(tok: str, lineno: int, name: str) -> int:
     try:
         return int(tok)
     except ValueError:
-        raise script_io.ScriptError(f"{name}, line {lineno}: {tok!r} is not an id (--input_format id expects "
-                                    "space-separated integers; use --input_format piece for pieces)") from None
+        raise script_io.ScriptError(
+            f"{name}, line {lineno}: {tok!r} is not an id (--input_format id expects "
+            "space-separated integers; use --input_format piece for pieces)"
+        ) from None
 
 
 def main(argv=None) -> None:
@@ -54,8 +57,10 @@ def main(argv=None) -> None:
                 tokens = [_tok2int(t, lineno, name) for t in tokens]
                 for t in tokens:
                     if not 0 <= t < size:
-                        raise script_io.ScriptError(f"{name}, line {lineno}: id {t} is out of range for {args.model} "
-                                                    f"({size} pieces); was it encoded with another model?")
+                        raise script_io.ScriptError(
+                            f"{name}, line {lineno}: id {t} is out of range for {args.model} "
+                            f"({size} pieces); was it encoded with another model?"
+                        )
             batch.append(tokens)
             if len(batch) >= CHUNK:
                 _write(sp, batch)

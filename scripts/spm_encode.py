@@ -23,8 +23,9 @@ import _script_io as script_io  # noqa: E402
 
 
 def get_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--model", required=True, help="sentencepiece model to use for encoding")
     parser.add_argument("--inputs", nargs="+", default=["-"], help="input files to filter/encode")
     parser.add_argument("--outputs", nargs="+", default=["-"], help="path to save encoded outputs")

@@ -34,8 +34,10 @@ def train(paths, vocab_size: int, min_frequency: int = 2):
     try:
         from tokenizers import Tokenizer, models, pre_tokenizers, trainers
     except ImportError:
-        raise SystemExit("train_gpt2_bpe.py needs the `tokenizers` library: pip install tokenizers "
-                         "(or pip install 'fairseq[export]', which brings it with transformers)") from None
+        raise SystemExit(
+            "train_gpt2_bpe.py needs the `tokenizers` library: pip install tokenizers "
+            "(or pip install 'fairseq[export]', which brings it with transformers)"
+        ) from None
 
     def lines():
         for path in paths:
@@ -47,8 +49,13 @@ def train(paths, vocab_size: int, min_frequency: int = 2):
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=min_frequency, show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), special_tokens=[ENDOFTEXT])
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        min_frequency=min_frequency,
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        special_tokens=[ENDOFTEXT],
+    )
     tok.train_from_iterator(lines(), trainer=trainer)
     model = json.loads(tok.to_str())["model"]
     merges = [tuple(m) if isinstance(m, list) else tuple(m.split(" ")) for m in model["merges"]]
@@ -75,12 +82,20 @@ def write(outdir, vocab, merges, pad_to: int = 16):
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("inputs", nargs="+", help="UTF-8 text files, one line per paragraph or document")
-    parser.add_argument("--vocab-size", type=int, required=True,
-                        help="tokens in encoder.json, <|endoftext|> and the 256 bytes included (GPT-2: 50257)")
+    parser.add_argument(
+        "--vocab-size",
+        type=int,
+        required=True,
+        help="tokens in encoder.json, <|endoftext|> and the 256 bytes included (GPT-2: 50257)",
+    )
     parser.add_argument("--outdir", required=True, help="where encoder.json, vocab.bpe and dict.txt go")
     parser.add_argument("--min-frequency", type=int, default=2, help="merge pairs seen at least this often")
-    parser.add_argument("--pad-to", type=int, default=16,
-                        help="dictionary size (4 specials + ids + padding) a multiple of this (GPT-2: 50272)")
+    parser.add_argument(
+        "--pad-to",
+        type=int,
+        default=16,
+        help="dictionary size (4 specials + ids + padding) a multiple of this (GPT-2: 50272)",
+    )
     args = parser.parse_args(argv)
     if args.vocab_size < 257:
         parser.error(f"--vocab-size {args.vocab_size}: at least 257 (the 256 bytes and <|endoftext|>)")
@@ -97,11 +112,9 @@ def main(argv=None) -> int:
         print(f"train_gpt2_bpe.py: error: {e}", file=sys.stderr)
         return 1
     size = 4 + len(vocab) + (-(4 + len(vocab)) % args.pad_to)
-    print(f"{len(vocab)} tokens, {len(merges)} merges; dictionary of {size} symbols: "
-          + ", ".join(files.values()))
+    print(f"{len(vocab)} tokens, {len(merges)} merges; dictionary of {size} symbols: " + ", ".join(files.values()))
     if len(vocab) < args.vocab_size:
-        print(f"note: the text has fewer distinct merges than --vocab-size {args.vocab_size} asks for",
-              file=sys.stderr)
+        print(f"note: the text has fewer distinct merges than --vocab-size {args.vocab_size} asks for", file=sys.stderr)
     return 0
 
 

@@ -31,12 +31,21 @@ DICT_SIZE = 50268  # dummy_lm adds the 4 specials: the recipes' 50272
 
 def overrides(args, out: Path):
     """The hydra overrides of the run; the ones of the config (not hydra's) are also what the planner composes."""
-    config = ["task._name=dummy_lm", f"task.dict_size={DICT_SIZE}", f"model.decoder_layers={args.layers}",
-              "distributed_training.model_parallel_size=1", "distributed_training.distributed_world_size=1",
-              f"optimization.max_update={args.updates}", "optimization.update_freq=[1]", "checkpoint.no_save=true",
-              "dataset.disable_validation=true",  # dummy_lm's validation split is 100,000 samples
-              "common.log_interval=1", "common.log_format=json", f"common.log_file={out / 'train.log'}",
-              *args.overrides]
+    config = [
+        "task._name=dummy_lm",
+        f"task.dict_size={DICT_SIZE}",
+        f"model.decoder_layers={args.layers}",
+        "distributed_training.model_parallel_size=1",
+        "distributed_training.distributed_world_size=1",
+        f"optimization.max_update={args.updates}",
+        "optimization.update_freq=[1]",
+        "checkpoint.no_save=true",
+        "dataset.disable_validation=true",  # dummy_lm's validation split is 100,000 samples
+        "common.log_interval=1",
+        "common.log_format=json",
+        f"common.log_file={out / 'train.log'}",
+        *args.overrides,
+    ]
     return config, [f"hydra.run.dir={out / 'run'}"]
 
 
@@ -59,9 +68,12 @@ def measured(log_file: Path):
     rows = [r for r in read_json_log(log_file, "train_inner") if "max_cuda_gb_allocated" in r]
     if not rows:
         raise SystemExit(f"{log_file}: no train_inner line with max_cuda_gb_allocated (was it a GPU run?)")
-    return (max(float(r["max_cuda_gb_allocated"]) for r in rows),
-            max(float(r.get("max_cuda_gb_reserved", 0)) for r in rows),
-            sum(float(r.get("cuda_alloc_retries", 0)) for r in rows), len(rows))
+    return (
+        max(float(r["max_cuda_gb_allocated"]) for r in rows),
+        max(float(r.get("max_cuda_gb_reserved", 0)) for r in rows),
+        sum(float(r.get("cuda_alloc_retries", 0)) for r in rows),
+        len(rows),
+    )
 
 
 def report(plan, gpu_gib, measurement) -> str:
@@ -94,8 +106,11 @@ def main(argv=None) -> int:
 
     parser.add_argument("--gpu", default="h200", choices=sorted(GPUS), help="the GPU, for its memory (default: h200)")
     parser.add_argument("--out", type=Path, default=Path("work/validate_memory_plan"), help="run directory")
-    parser.add_argument("--no-tp-mesh-of-one", action="store_true",
-                        help="run without FAIRSEQ_TP_MESH_OF_ONE (the plain FSDP path at model_parallel_size 1)")
+    parser.add_argument(
+        "--no-tp-mesh-of-one",
+        action="store_true",
+        help="run without FAIRSEQ_TP_MESH_OF_ONE (the plain FSDP path at model_parallel_size 1)",
+    )
     parser.add_argument("--log", type=Path, help="compare this json log of an earlier run instead of running")
     parser.add_argument("--dry-run", action="store_true", help="print the command and the prediction only")
     parser.add_argument("overrides", nargs="*", help="hydra overrides for both, after --")
@@ -110,8 +125,17 @@ def main(argv=None) -> int:
     if not args.no_tp_mesh_of_one:
         env[TP_MESH_OF_ONE] = "1"
     plan, gpu_gib = predict(args, config_overrides, env)
-    command = [sys.executable, "-m", "fairseq_cli.hydra_train", "--config-dir", str(args.config_dir),
-               "--config-name", args.config_name, *config_overrides, *hydra_overrides]
+    command = [
+        sys.executable,
+        "-m",
+        "fairseq_cli.hydra_train",
+        "--config-dir",
+        str(args.config_dir),
+        "--config-name",
+        args.config_name,
+        *config_overrides,
+        *hydra_overrides,
+    ]
     knob = "" if args.no_tp_mesh_of_one else f"{TP_MESH_OF_ONE}=1 "
     print(f"command: {knob}{' '.join(command)}", flush=True)
     if args.dry_run:

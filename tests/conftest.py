@@ -78,10 +78,21 @@ def tiny_data(tmp_path_factory):
     write_corpus(text / "valid.txt", 40, seed=2)
     write_corpus(text / "test.txt", 40, seed=3)
     dest = root / "data-bin"
-    cli_main([
-        "--only-source", "--trainpref", str(text / "train.txt"), "--validpref", str(text / "valid.txt"),
-        "--testpref", str(text / "test.txt"), "--destdir", str(dest), "--workers", "1",
-    ])
+    cli_main(
+        [
+            "--only-source",
+            "--trainpref",
+            str(text / "train.txt"),
+            "--validpref",
+            str(text / "valid.txt"),
+            "--testpref",
+            str(text / "test.txt"),
+            "--destdir",
+            str(dest),
+            "--workers",
+            "1",
+        ]
+    )
     return dest
 
 
@@ -119,7 +130,7 @@ def user_dir(tmp_path):
     return lambda name, source: write_plugin(tmp_path / name, source)
 
 
-FAULTY_CRITERION = '''
+FAULTY_CRITERION = """
 import torch.distributed as dist
 from fairseq.registry import register_criterion
 from fairseq.criterions.cross_entropy import CrossEntropyCriterion, CrossEntropyCriterionConfig
@@ -145,7 +156,7 @@ class FaultyCrossEntropy(CrossEntropyCriterion):
             if ALSO_LOGGED:
                 log = dict(log, loss=log["loss"] * float(FACTOR))
         return loss, size, log
-'''
+"""
 
 
 @pytest.fixture

@@ -4,15 +4,17 @@ import json
 import random
 
 
-def write_jsonl_corpora(root, corpora=("web", "books"), docs=200, valid_docs=10, seed=0, vocab=40, max_lines=4,
-                        max_words=12):
+def write_jsonl_corpora(
+    root, corpora=("web", "books"), docs=200, valid_docs=10, seed=0, vocab=40, max_lines=4, max_words=12
+):
     """Documents of 1..max_lines lines of w<i> words; also DATA/dict.txt listing the words (no --bpe)."""
     rng = random.Random(seed)
     words = [f"w{i}" for i in range(vocab)]
 
     def doc():
-        return "\n".join(" ".join(rng.choices(words, k=rng.randint(1, max_words)))
-                         for _ in range(rng.randint(1, max_lines)))
+        return "\n".join(
+            " ".join(rng.choices(words, k=rng.randint(1, max_words))) for _ in range(rng.randint(1, max_lines))
+        )
 
     for split, n in (("train", docs), ("valid", valid_docs)):
         (root / split / "00").mkdir(parents=True, exist_ok=True)

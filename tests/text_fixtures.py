@@ -16,8 +16,9 @@ def train_byte_level_bpe(text: str, vocab_size: int):
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                  show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False
+    )
     tok.train_from_iterator(text.split("\n\n"), trainer=trainer)
     model = json.loads(tok.to_str())["model"]
     merges = [tuple(m) if isinstance(m, list) else tuple(m.split(" ")) for m in model["merges"]]
@@ -60,6 +61,8 @@ def train_spm_model(directory, text: str = None, vocab_size: int = 300):
     import sentencepiece as spm
 
     (directory / "spm_train.txt").write_text(sample_text() if text is None else text, encoding="utf-8")
-    spm.SentencePieceTrainer.Train(f"--input={directory / 'spm_train.txt'} --model_prefix={directory / 'spm'} "
-                                   f"--vocab_size={vocab_size} --model_type=bpe --minloglevel=2")
+    spm.SentencePieceTrainer.Train(
+        f"--input={directory / 'spm_train.txt'} --model_prefix={directory / 'spm'} "
+        f"--vocab_size={vocab_size} --model_type=bpe --minloglevel=2"
+    )
     return directory / "spm.model"

@@ -26,15 +26,39 @@ def write_corpus(path, num_lines, seed, vocab=60, min_len=3, max_len=25):
 # "transformer_lm_gpt" of 32), with the learning rate and batch shape the tests train them with by default.
 TINY_MODELS = {
     "transformer_lm": {
-        "model": ["--arch", "transformer_lm", "--decoder-layers", "2", "--decoder-embed-dim", "32",
-                  "--decoder-ffn-embed-dim", "64", "--decoder-attention-heads", "2", "--decoder-input-dim", "32",
-                  "--decoder-output-dim", "32", "--share-decoder-input-output-embed"],
+        "model": [
+            "--arch",
+            "transformer_lm",
+            "--decoder-layers",
+            "2",
+            "--decoder-embed-dim",
+            "32",
+            "--decoder-ffn-embed-dim",
+            "64",
+            "--decoder-attention-heads",
+            "2",
+            "--decoder-input-dim",
+            "32",
+            "--decoder-output-dim",
+            "32",
+            "--share-decoder-input-output-embed",
+        ],
         "lr": "0.002",
         "batch": ["--max-tokens", "256"],
     },
     "transformer_lm_gpt": {
-        "model": ["--arch", "transformer_lm_gpt", "--decoder-layers", "2", "--decoder-embed-dim", "32",
-                  "--decoder-ffn-embed-dim", "64", "--decoder-attention-heads", "2"],
+        "model": [
+            "--arch",
+            "transformer_lm_gpt",
+            "--decoder-layers",
+            "2",
+            "--decoder-embed-dim",
+            "32",
+            "--decoder-ffn-embed-dim",
+            "64",
+            "--decoder-attention-heads",
+            "2",
+        ],
         "lr": "0.003",
         "batch": ["--batch-size", "4"],
     },
@@ -42,23 +66,50 @@ TINY_MODELS = {
 
 # What `train_args` adds: regularisation and a warmed-up schedule, blocks across sentence boundaries.
 TRAIN_RECIPE = [
-    "--dropout", "0.1", "--adam-betas", "(0.9, 0.98)", "--weight-decay", "0.01", "--clip-norm", "1.0",
-    "--lr-scheduler", "inverse_sqrt", "--warmup-updates", "4", "--sample-break-mode", "none",
+    "--dropout",
+    "0.1",
+    "--adam-betas",
+    "(0.9, 0.98)",
+    "--weight-decay",
+    "0.01",
+    "--clip-norm",
+    "1.0",
+    "--lr-scheduler",
+    "inverse_sqrt",
+    "--warmup-updates",
+    "4",
+    "--sample-break-mode",
+    "none",
 ]
 
 
-def tiny_train_argv(data, save_dir, *extra, max_update, arch="transformer_lm", lr=None, seed="3", json_log=True,
-                    log_file=True):
+def tiny_train_argv(
+    data, save_dir, *extra, max_update, arch="transformer_lm", lr=None, seed="3", json_log=True, log_file=True
+):
     """fairseq-train's arguments (no program name) for the tiny `arch` on `data`, on the CPU: adam at `lr`
     (default: the model's), --tokens-per-sample 32, the model's --max-tokens or --batch-size, --num-workers 0,
     --seed `seed` (None: no --seed), with json_log --log-format json --log-interval 1, with log_file
     --log-file SAVE_DIR/train.log; then `extra`."""
     preset = TINY_MODELS[arch]
     argv = [
-        "--task", "language_modeling", str(data), "--save-dir", str(save_dir), *preset["model"],
-        "--optimizer", "adam", "--lr", preset["lr"] if lr is None else lr, "--tokens-per-sample", "32",
-        *preset["batch"], "--max-update", str(max_update),
-        "--num-workers", "0", "--cpu",
+        "--task",
+        "language_modeling",
+        str(data),
+        "--save-dir",
+        str(save_dir),
+        *preset["model"],
+        "--optimizer",
+        "adam",
+        "--lr",
+        preset["lr"] if lr is None else lr,
+        "--tokens-per-sample",
+        "32",
+        *preset["batch"],
+        "--max-update",
+        str(max_update),
+        "--num-workers",
+        "0",
+        "--cpu",
     ]
     if seed is not None:
         argv += ["--seed", seed]
@@ -143,8 +194,9 @@ def _scenario_worker(rank, world, port, timeout_s, out_dir, make_scenarios, args
     import torch
     import torch.distributed as dist
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=timeout_s))
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s)
+    )
     torch.set_num_threads(1)
     results = {}
     try:
@@ -167,8 +219,12 @@ def spawn_scenarios(make_scenarios, out_dir, world, *args, timeout_s=60):
 
     from fairseq.distributed.env import get_free_port
 
-    mp.spawn(_scenario_worker, nprocs=world, join=True,
-             args=(world, get_free_port("127.0.0.1"), timeout_s, str(out_dir), make_scenarios, args))
+    mp.spawn(
+        _scenario_worker,
+        nprocs=world,
+        join=True,
+        args=(world, get_free_port("127.0.0.1"), timeout_s, str(out_dir), make_scenarios, args),
+    )
     return [torch.load(os.path.join(str(out_dir), f"rank{r}.pt"), weights_only=False) for r in range(world)]
 
 

@@ -65,14 +65,16 @@ def encode_chunk(args):
     """(encoded text per output, line tuples dropped as empty, line tuples read) for a chunk of line tuples."""
     rows, keep_empty = args
     kept, dropped = _drop_empty(rows, keep_empty)
-    texts = [_bpe.encode_lines([row[column] for row in kept], check=False)
-             for column in range(len(rows[0]) if rows else 0)]
+    texts = [
+        _bpe.encode_lines([row[column] for row in kept], check=False) for column in range(len(rows[0]) if rows else 0)
+    ]
     return texts, dropped, len(rows)
 
 
 def get_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--encoder-json", help="path to encoder.json")
     parser.add_argument("--vocab-bpe", type=str, help="path to vocab.bpe")
     parser.add_argument("--inputs", nargs="+", default=["-"], help="input files to filter/encode")
@@ -107,8 +109,9 @@ def main(argv=None) -> None:
             rows = script_io.iter_line_tuples(args.inputs, streams)
             chunks = ((chunk, args.keep_empty) for chunk in script_io.chunked(rows))
         lines = dropped = 0
-        results = script_io.ordered_map(func, chunks, args.workers, initializer=_init_worker,
-                                        initargs=(args.encoder_json, args.vocab_bpe))
+        results = script_io.ordered_map(
+            func, chunks, args.workers, initializer=_init_worker, initargs=(args.encoder_json, args.vocab_bpe)
+        )
         with script_io.AtomicOutputs(args.outputs) as outputs, contextlib.closing(results):  # workers ended on exit
             for texts, n_dropped, n_rows in results:
                 for i, text in enumerate(texts):

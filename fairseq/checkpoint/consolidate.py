@@ -29,14 +29,14 @@ def read_full_state(path: str, keys: Optional[List[str]] = None, trust_legacy: b
     return full
 
 
-def consolidate(checkpoint_dir: str, output: str, include_optimizer: bool = True,
-                trust_legacy: bool = False) -> None:
+def consolidate(checkpoint_dir: str, output: str, include_optimizer: bool = True, trust_legacy: bool = False) -> None:
     path = sharded.resolve_sharded(checkpoint_dir)
     if path is None:
         raise FileNotFoundError(f"{checkpoint_dir} is not a complete sharded checkpoint (no {sharded.METADATA})")
     state = sharded.read_metadata(path, trust_legacy=trust_legacy)
-    full = read_full_state(path, keys=None if include_optimizer else ["model"] + list(EXTRA_SHARDS),
-                           trust_legacy=trust_legacy)
+    full = read_full_state(
+        path, keys=None if include_optimizer else ["model"] + list(EXTRA_SHARDS), trust_legacy=trust_legacy
+    )
     state["model"] = full["model"]
     for group in EXTRA_SHARDS:  # --store-ema's weights: extra_state, as in a single-file checkpoint
         if group in full:

@@ -69,8 +69,10 @@ def _how_to_resume(name: str, saved: Mapping[str, Any], here) -> str:
             return f"Resume with {flag}"
         if getattr(model_config(here._name, {}), name) == value:  # the preset leaves it unset without the flag
             return f"Resume without {flag}"
-        return (f"Resume with fairseq-hydra-train and model.{name}={'null' if value is None else 'false'} (the "
-                f"--arch {here._name} preset sets {flag}, and no flag unsets it)")
+        return (
+            f"Resume with fairseq-hydra-train and model.{name}={'null' if value is None else 'false'} (the "
+            f"--arch {here._name} preset sets {flag}, and no flag unsets it)"
+        )
     shown = value if isinstance(value, (int, float, str)) else repr(value)
     return f"Resume with {flag} {shown}"
 

@@ -66,11 +66,13 @@ def refuse_transformers_directory(path: str) -> None:
             f"{path} is {'' if directory == path else 'a file of '}a transformers model directory (config.json of "
             f"model_type {model_type}), not a fairseq checkpoint: import it with `python scripts/import_hf.py "
             f"{directory} OUT_DIR` and pass --path OUT_DIR/checkpoint_best.pt, or load it in Python with "
-            f"TransformerLanguageModel.from_pretrained({directory!r})")
+            f"TransformerLanguageModel.from_pretrained({directory!r})"
+        )
 
 
-def read_checkpoint_config(path: str, trust_legacy: bool = False
-                           ) -> Tuple[Dict[str, Any], Union[Dict, ShardedCheckpoint]]:
+def read_checkpoint_config(
+    path: str, trust_legacy: bool = False
+) -> Tuple[Dict[str, Any], Union[Dict, ShardedCheckpoint]]:
     """(saved cfg as a plain dict, full state of a file or a ShardedCheckpoint for a sharded directory)."""
     refuse_transformers_directory(path)
     if os.path.isdir(path):
@@ -94,9 +96,11 @@ def read_checkpoint_state(path: str, trust_legacy: bool = False) -> Dict[str, An
 
     resolved = _resolve_directory(path)
     index = safe_dcp.read_dcp_metadata(resolved, trust_legacy=trust_legacy).state_dict_metadata
-    model_state = {key[len("model."):]: torch.empty(tuple(meta.size), dtype=meta.properties.dtype)
-                   for key, meta in index.items()
-                   if key.startswith("model.") and isinstance(meta, TensorStorageMetadata)}
+    model_state = {
+        key[len("model.") :]: torch.empty(tuple(meta.size), dtype=meta.properties.dtype)
+        for key, meta in index.items()
+        if key.startswith("model.") and isinstance(meta, TensorStorageMetadata)
+    }
     return sharded.load_sharded(resolved, model_state, trust_legacy=trust_legacy)
 
 
@@ -119,8 +123,11 @@ def _group_types() -> Dict[str, type]:
     from fairseq.dataclass.configs import FairseqConfig
     from fairseq.dataclass.generation import GenerationConfig, InteractiveConfig
 
-    types = {f.name: f.default_factory for f in dataclasses.fields(FairseqConfig)
-             if f.default_factory is not dataclasses.MISSING}
+    types = {
+        f.name: f.default_factory
+        for f in dataclasses.fields(FairseqConfig)
+        if f.default_factory is not dataclasses.MISSING
+    }
     types.update(generation=GenerationConfig, interactive=InteractiveConfig)
     return types
 
@@ -146,13 +153,16 @@ def _component_registry(attr: str):
         from fairseq.data.encoders import BPE_REGISTRY, TOKENIZER_REGISTRY
 
         return BPE_REGISTRY if attr == "bpe" else TOKENIZER_REGISTRY
-    return {"task": registry.TASK_REGISTRY, "criterion": registry.CRITERION_REGISTRY,
-            "optimizer": registry.OPTIMIZER_REGISTRY, "lr_scheduler": registry.LR_SCHEDULER_REGISTRY}[attr]
+    return {
+        "task": registry.TASK_REGISTRY,
+        "criterion": registry.CRITERION_REGISTRY,
+        "optimizer": registry.OPTIMIZER_REGISTRY,
+        "lr_scheduler": registry.LR_SCHEDULER_REGISTRY,
+    }[attr]
 
 
 def _option_names(attr: str, group: Dict[str, Any]) -> set:
-    dc = (component_dataclass(attr, group.get("_name")) if attr in COMPONENT_GROUPS
-          else _group_types().get(attr))
+    dc = component_dataclass(attr, group.get("_name")) if attr in COMPONENT_GROUPS else _group_types().get(attr)
     names = {f.name for f in dataclasses.fields(dc)} if dc is not None else set()
     return {n for n in names | set(group) if not n.startswith("_")}
 
@@ -191,8 +201,10 @@ def apply_overrides(saved_cfg: Dict[str, Any], overrides: Optional[Dict[str, Any
                 used.add(key)
     unknown = sorted(set(overrides) - used)
     if unknown:
-        raise ValueError(f"override {unknown[0]!r} is no option of the checkpoint's configuration (nor of its "
-                         "--bpe/--tokenizer); check the name, e.g. {'data': 'data-bin'} or {'bpe': 'gpt2'}")
+        raise ValueError(
+            f"override {unknown[0]!r} is no option of the checkpoint's configuration (nor of its "
+            "--bpe/--tokenizer); check the name, e.g. {'data': 'data-bin'} or {'bpe': 'gpt2'}"
+        )
     return out
 
 
@@ -220,8 +232,9 @@ def config_from_saved(saved_cfg: Dict[str, Any]):
 # ---------------------------------------------------------------------------------------- models
 
 
-def load_model_weights(model: torch.nn.Module, path: str, state: Union[Dict, ShardedCheckpoint, None],
-                       strict: bool = True) -> None:
+def load_model_weights(
+    model: torch.nn.Module, path: str, state: Union[Dict, ShardedCheckpoint, None], strict: bool = True
+) -> None:
     """Fill `model` from a single-file state or from the shards of directory `path` (any world size; None
     stands for ShardedCheckpoint(path), read without trusting pickles). With `strict`, a checkpoint of another
     architecture is a CheckpointError naming the first difference."""
@@ -244,9 +257,15 @@ class LoadedModel(NamedTuple):
     vocabulary: Optional[Dict[str, Any]] = None  # what it carries about its text (resolve_bpe's `record`)
 
 
-def load_model(path: str, task=None, task_cfg=None, overrides: Optional[Dict[str, Any]] = None,
-               trust_legacy: bool = False, strict: bool = True, state: Optional[Dict[str, Any]] = None
-               ) -> LoadedModel:
+def load_model(
+    path: str,
+    task=None,
+    task_cfg=None,
+    overrides: Optional[Dict[str, Any]] = None,
+    trust_legacy: bool = False,
+    strict: bool = True,
+    state: Optional[Dict[str, Any]] = None,
+) -> LoadedModel:
     """Load the model saved at `path` (a .pt file or a sharded checkpoint directory).
 
     The task is `task` if given, else set up from `task_cfg` (a command line's task config), else from the
@@ -262,9 +281,11 @@ def load_model(path: str, task=None, task_cfg=None, overrides: Optional[Dict[str
     saved = apply_overrides(saved or {}, overrides)
     arch = (saved.get("model") or {}).get("_name")
     if arch not in registry.architectures():
-        raise CheckpointError(f"{path} holds a model of architecture {arch!r}, which is not registered here "
-                              f"(architectures: {', '.join(registry.architectures())}); load its plug-in with "
-                              "--user-dir, or pass a checkpoint of a language model trained with this fairseq")
+        raise CheckpointError(
+            f"{path} holds a model of architecture {arch!r}, which is not registered here "
+            f"(architectures: {', '.join(registry.architectures())}); load its plug-in with "
+            "--user-dir, or pass a checkpoint of a language model trained with this fairseq"
+        )
     cfg = config_from_saved(saved)
     if task is None:
         if task_cfg is None:
@@ -285,8 +306,12 @@ def load_model(path: str, task=None, task_cfg=None, overrides: Optional[Dict[str
 # (fairseq.checkpoint_utils re-exports them; fairseq-validate and the hub call them here)
 
 
-def load_checkpoint_to_cpu(path: str, arg_overrides: Optional[Dict[str, Any]] = None,
-                           load_on_all_ranks: bool = False, trust_legacy_checkpoint: bool = False) -> Dict[str, Any]:
+def load_checkpoint_to_cpu(
+    path: str,
+    arg_overrides: Optional[Dict[str, Any]] = None,
+    load_on_all_ranks: bool = False,
+    trust_legacy_checkpoint: bool = False,
+) -> Dict[str, Any]:
     """The checkpoint's state in upstream's layout: "cfg" (a plain dict of config groups, `arg_overrides`
     applied), "model" (the full state dict, also of a sharded directory), and the training state that was
     saved with it. `load_on_all_ranks` is accepted for upstream compatibility: every caller reads the file."""
@@ -300,10 +325,16 @@ def _checkpoint_path(filename: str, suffix: str) -> str:
     return filename[: -len(".pt")] + suffix + ".pt" if suffix and filename.endswith(".pt") else filename + suffix
 
 
-def load_model_ensemble_and_task(filenames: List[str], arg_overrides: Optional[Dict[str, Any]] = None, task=None,
-                                 strict: bool = True, suffix: str = "", num_shards: int = 1,
-                                 state: Optional[Dict[str, Any]] = None, trust_legacy_checkpoint: bool = False
-                                 ) -> Tuple[list, Any, Any]:
+def load_model_ensemble_and_task(
+    filenames: List[str],
+    arg_overrides: Optional[Dict[str, Any]] = None,
+    task=None,
+    strict: bool = True,
+    suffix: str = "",
+    num_shards: int = 1,
+    state: Optional[Dict[str, Any]] = None,
+    trust_legacy_checkpoint: bool = False,
+) -> Tuple[list, Any, Any]:
     """(models, cfg, task) for the checkpoints `filenames` (an ensemble of one model per file).
 
     `cfg` is the first checkpoint's config (a FairseqConfig with `generation` and `interactive` groups) after
@@ -313,8 +344,10 @@ def load_model_ensemble_and_task(filenames: List[str], arg_overrides: Optional[D
     `num_shards` > 1 (upstream's one-file-per-rank checkpoints) does not exist here: a sharded checkpoint is a
     directory, passed as the path."""
     if num_shards != 1:
-        raise ValueError(f"num_shards={num_shards}: checkpoints split into one file per rank are upstream's "
-                         "format; a sharded checkpoint here is one directory (--use-sharded-state): pass its path")
+        raise ValueError(
+            f"num_shards={num_shards}: checkpoints split into one file per rank are upstream's "
+            "format; a sharded checkpoint here is one directory (--use-sharded-state): pass its path"
+        )
     if isinstance(filenames, str):
         filenames = [filenames]
     if state is not None and len(filenames) != 1:
@@ -324,8 +357,9 @@ def load_model_ensemble_and_task(filenames: List[str], arg_overrides: Optional[D
         path = _checkpoint_path(filename, suffix)
         if not os.path.exists(path):
             raise FileNotFoundError(f"Model file not found: {path}")
-        loaded = load_model(path, task=task, overrides=arg_overrides, trust_legacy=trust_legacy_checkpoint,
-                            strict=strict, state=state)
+        loaded = load_model(
+            path, task=task, overrides=arg_overrides, trust_legacy=trust_legacy_checkpoint, strict=strict, state=state
+        )
         loaded.model.eval()
         models.append(loaded.model)
         task = loaded.task  # every member of an ensemble shares the first one's task (its dictionary)
@@ -333,13 +367,20 @@ def load_model_ensemble_and_task(filenames: List[str], arg_overrides: Optional[D
     return models, cfg, task
 
 
-def load_model_ensemble(filenames: List[str], arg_overrides: Optional[Dict[str, Any]] = None, task=None,
-                        strict: bool = True, suffix: str = "", num_shards: int = 1,
-                        state: Optional[Dict[str, Any]] = None, trust_legacy_checkpoint: bool = False
-                        ) -> Tuple[list, Any]:
+def load_model_ensemble(
+    filenames: List[str],
+    arg_overrides: Optional[Dict[str, Any]] = None,
+    task=None,
+    strict: bool = True,
+    suffix: str = "",
+    num_shards: int = 1,
+    state: Optional[Dict[str, Any]] = None,
+    trust_legacy_checkpoint: bool = False,
+) -> Tuple[list, Any]:
     """(models, cfg): load_model_ensemble_and_task without the task."""
-    models, cfg, _ = load_model_ensemble_and_task(filenames, arg_overrides, task, strict, suffix, num_shards,
-                                                  state, trust_legacy_checkpoint)
+    models, cfg, _ = load_model_ensemble_and_task(
+        filenames, arg_overrides, task, strict, suffix, num_shards, state, trust_legacy_checkpoint
+    )
     return models, cfg
 
 
@@ -366,5 +407,6 @@ def with_ema_as_model(state: Dict[str, Any], ema: Optional[Dict[str, Any]], fpat
     if not ema:
         raise ValueError(f"{fpath} holds no EMA weights (extra_state['ema']); was the model trained with --store-ema?")
     state["model"] = collections.OrderedDict(
-        (key, (value.float() if value.dtype == torch.float16 else value).clone()) for key, value in ema.items())
+        (key, (value.float() if value.dtype == torch.float16 else value).clone()) for key, value in ema.items()
+    )
     return state

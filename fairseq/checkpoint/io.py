@@ -69,8 +69,13 @@ def default_file_mode() -> int:
     return 0o666 & ~mask
 
 
-def save_error(path: str, err: OSError, previous_intact: bool = True,
-               what: str = "cannot write checkpoint", flag: str = "--save-dir") -> CheckpointSaveError:
+def save_error(
+    path: str,
+    err: OSError,
+    previous_intact: bool = True,
+    what: str = "cannot write checkpoint",
+    flag: str = "--save-dir",
+) -> CheckpointSaveError:
     """A failed checkpoint write as one CheckpointSaveError (os_error_message; `flag` names the path's option)."""
     kept = "; the checkpoint previously at that path is intact" if previous_intact else ""
     return CheckpointSaveError(os_error_message(path, err, what, flag, kept))
@@ -212,7 +217,8 @@ def check_plain(state: Any, path: str, where: str = "state") -> None:
         raise CheckpointSaveError(
             f"cannot save {path}: {'; '.join(bad)}. A checkpoint holds tensors, dict/list/tuple and "
             "int/float/bool/str/bytes/None only (it loads with weights_only=True): the state_dict() that returned "
-            "these entries must return plain values")
+            "these entries must return plain values"
+        )
 
 
 def atomic_torch_save(obj: Any, path: str, flag: str = "--save-dir"):
@@ -305,8 +311,10 @@ def load_checkpoint_file(path: str, trust_legacy: bool = False) -> Dict[str, Any
     head = _head(path)
     if head == ZIP_MAGIC:
         if not zipfile.is_zipfile(path):  # the central directory is written last: a truncated archive lacks it
-            raise _corrupt(path, "the file is truncated (its zip archive has no end); it was cut short by a "
-                                 "failed copy or a full disk")
+            raise _corrupt(
+                path,
+                "the file is truncated (its zip archive has no end); it was cut short by a failed copy or a full disk",
+            )
     elif not head.startswith(PICKLE_MAGIC):
         raise NotACheckpointError(
             f"{path} is not a checkpoint: it starts with bytes {head!r}, neither a zip archive (torch.save since "
@@ -322,8 +330,9 @@ def load_checkpoint_file(path: str, trust_legacy: bool = False) -> Dict[str, Any
                 f"(torch said: {str(e).splitlines()[0]})"
             ) from None
     except (RuntimeError, EOFError, OSError, KeyError, ValueError, zipfile.BadZipFile) as e:
-        raise _corrupt(path, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}. The file is "
-                             "damaged or truncated") from e
+        raise _corrupt(
+            path, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}. The file is damaged or truncated"
+        ) from e
     logger.warning(f"loading {path} with pickle because --trust-legacy-checkpoint was given")
     try:
         return torch.load(path, map_location="cpu", weights_only=False)

@@ -90,13 +90,16 @@ def upgrade_transformer_lm(state_dict: dict, cfg=None) -> dict:
     adaptive_softmax = any(k.startswith("decoder.adaptive_softmax.") for k in out)
     if "decoder.embed_out" in out:
         out["decoder.output_projection.weight"] = out.pop("decoder.embed_out")
-    elif "decoder.output_projection.weight" not in out and "decoder.embed_tokens.weight" in out \
-            and not adaptive_softmax:
+    elif (
+        "decoder.output_projection.weight" not in out and "decoder.embed_tokens.weight" in out and not adaptive_softmax
+    ):
         out["decoder.output_projection.weight"] = out["decoder.embed_tokens.weight"]
     if adaptive_softmax:
         if "decoder.adaptive_softmax.version" not in out:
-            raise ValueError("decoder.adaptive_softmax has no version: an adaptive softmax from before upstream's "
-                             "version 1 (a different tail layout), which upstream fairseq no longer loads either")
+            raise ValueError(
+                "decoder.adaptive_softmax has no version: an adaptive softmax from before upstream's "
+                "version 1 (a different tail layout), which upstream fairseq no longer loads either"
+            )
         if "decoder.adaptive_softmax.head.class_proj.weight" in out:
             out.setdefault("decoder.adaptive_softmax.head._float_tensor", torch.zeros(1))
     if "decoder.embed_tokens.embeddings.0.0.weight" in out:
@@ -134,8 +137,10 @@ def _final_norm_version(out: dict, cfg) -> None:
         out["decoder.version"] = torch.tensor([3.0])  # only the buffer was dropped by whoever saved it
     elif version is None or float(version.flatten()[0]) <= 2:
         if has_final_norm:
-            raise ValueError("decoder.version <= 2 says this checkpoint has no final layer norm, yet it holds "
-                             "decoder.layer_norm.*; the file is inconsistent (upstream refuses it too)")
+            raise ValueError(
+                "decoder.version <= 2 says this checkpoint has no final layer norm, yet it holds "
+                "decoder.layer_norm.*; the file is inconsistent (upstream refuses it too)"
+            )
         out["decoder.version"] = torch.tensor([1.0])
         if cfg is not None:
             if isinstance(cfg, dict):

@@ -26,12 +26,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple
 
 from fairseq.checkpoint import sharded
-from fairseq.checkpoint.io import (
-    CheckpointError,
-    CorruptCheckpointError,
-    NotACheckpointError,
-    load_checkpoint_file,
-)
+from fairseq.checkpoint.io import CheckpointError, CorruptCheckpointError, NotACheckpointError, load_checkpoint_file
 from fairseq.checkpoint.fit import check_architecture, check_same_model_options, model_state_for_checking
 from fairseq.checkpoint.legacy import is_legacy_checkpoint, upgrade_legacy_checkpoint
 from fairseq.checkpoint.paths import (
@@ -86,8 +81,12 @@ class Resets:
 
     @classmethod
     def from_config(cls, ckpt_cfg) -> "Resets":
-        return cls(optimizer=ckpt_cfg.reset_optimizer, lr_scheduler=ckpt_cfg.reset_lr_scheduler,
-                   meters=ckpt_cfg.reset_meters, dataloader=ckpt_cfg.reset_dataloader)
+        return cls(
+            optimizer=ckpt_cfg.reset_optimizer,
+            lr_scheduler=ckpt_cfg.reset_lr_scheduler,
+            meters=ckpt_cfg.reset_meters,
+            dataloader=ckpt_cfg.reset_dataloader,
+        )
 
 
 @dataclass
@@ -117,7 +116,8 @@ class CheckpointManager:
         # --write-checkpoints-asynchronously: saves write in the background (fairseq.checkpoint.writer)
         self.writer = CheckpointWriter(
             AsyncMode.for_run(self.ckpt_cfg.write_checkpoints_asynchronously, cuda=not cfg.common.cpu),
-            timeout=process_group_timeout(cfg.distributed_training))
+            timeout=process_group_timeout(cfg.distributed_training),
+        )
         self._previous_save: Optional[Tuple[int, float]] = None  # (update, time) of the last save: for the advice
         self._advised = False
 
@@ -181,8 +181,9 @@ class CheckpointManager:
         return False
 
     # ------------------------------------------------------------------ save
-    def save(self, trainer, epoch_itr, val_loss: Optional[float], end_of_epoch: bool,
-             metrics_state: Optional[dict] = None) -> List[str]:
+    def save(
+        self, trainer, epoch_itr, val_loss: Optional[float], end_of_epoch: bool, metrics_state: Optional[dict] = None
+    ) -> List[str]:
         """Write the checkpoints due at this point; every rank must call this (state gathering is collective).
         With --write-checkpoints-asynchronously the files are written in the background: the paths returned
         are complete once `wait_for_write` returns."""
@@ -198,9 +199,11 @@ class CheckpointManager:
         among_kept_best = False
         if self.ckpt_cfg.keep_best_checkpoints > 0 and val_loss is not None:  # the same on every rank
             among_kept_best = broadcast_from_master(
-                enters_kept_best(self.ckpt_cfg, self.ckpt_cfg.save_dir, val_loss) if get_rank() == 0 else None)
-        stems = checkpoint_stems(self.ckpt_cfg, epoch_itr.epoch, trainer.num_updates, end_of_epoch, is_best,
-                                 val_loss, among_kept_best)
+                enters_kept_best(self.ckpt_cfg, self.ckpt_cfg.save_dir, val_loss) if get_rank() == 0 else None
+            )
+        stems = checkpoint_stems(
+            self.ckpt_cfg, epoch_itr.epoch, trainer.num_updates, end_of_epoch, is_best, val_loss, among_kept_best
+        )
         if stems:
             self._advise_interval(written, trainer.num_updates, started)
         return self._write(stems, trainer, epoch_itr, val_loss, metrics_state, started)
@@ -210,8 +213,15 @@ class CheckpointManager:
         restarted job needs it to continue. After the write in flight, written before returning."""
         started = time.perf_counter()
         self.wait_for_write("before the preemption checkpoint")
-        return self._write([f"checkpoint_last{self.ckpt_cfg.checkpoint_suffix}"], trainer, epoch_itr, None,
-                           metrics_state, started, now=True)
+        return self._write(
+            [f"checkpoint_last{self.ckpt_cfg.checkpoint_suffix}"],
+            trainer,
+            epoch_itr,
+            None,
+            metrics_state,
+            started,
+            now=True,
+        )
 
     def poll_write(self) -> None:
         """At every update: a background write that completed is counted in the log line (save_wall); the error
@@ -232,11 +242,18 @@ class CheckpointManager:
         if self._advised or previous is None or written is None or self.writer.waited <= 0:
             return
         self._advised = True
-        logger.warning(wait_advice(written, update - previous[0], started - previous[1],
-                                   interval_flag=self.ckpt_cfg.save_interval_updates > 0))
+        logger.warning(
+            wait_advice(
+                written,
+                update - previous[0],
+                started - previous[1],
+                interval_flag=self.ckpt_cfg.save_interval_updates > 0,
+            )
+        )
 
-    def _write(self, stems, trainer, epoch_itr, val_loss, metrics_state, started: float,
-               now: bool = False) -> List[str]:
+    def _write(
+        self, stems, trainer, epoch_itr, val_loss, metrics_state, started: float, now: bool = False
+    ) -> List[str]:
         """Write `stems`: the state is staged now, the files are written by the writer (now, or in its thread;
         `now`: in the loop whatever the mode); `started`: when this save began (what training is blocked for is
         measured from there)."""
@@ -265,15 +282,18 @@ class CheckpointManager:
                     logger.info(f"removed old checkpoint {removed}")
                 copied = staged.copy_seconds()
                 copy_note = "" if copied is None else f"; device-to-host copy {copied:.2f} s"
-                logger.info(f"saved checkpoint {what} (writing took {time.perf_counter() - begun:.2f} seconds"
-                            f"{copy_note})")
+                logger.info(
+                    f"saved checkpoint {what} (writing took {time.perf_counter() - begun:.2f} seconds{copy_note})"
+                )
 
         written = self.writer.run(Write(write.bytes, publish), paths[0], begun, now=now)
         blocked = time.perf_counter() - started
         if written is None:
             phases = {"wait": waited, "compose": composed, **staged.times.as_dict()}
-            logger.info(f"writing checkpoint {what} in the background; training was blocked {blocked:.2f} seconds "
-                        f"({', '.join(f'{name} {seconds:.2f}' for name, seconds in phases.items())})")
+            logger.info(
+                f"writing checkpoint {what} in the background; training was blocked {blocked:.2f} seconds "
+                f"({', '.join(f'{name} {seconds:.2f}' for name, seconds in phases.items())})"
+            )
         else:
             barrier()
         # A background write's time is counted when it completes (poll_write); 0 now keeps the meters the same
@@ -288,13 +308,15 @@ class CheckpointManager:
         return {
             "cfg": config_to_dict(self.cfg),
             "criterion": {},
-            "optimizer_history": [{
-                "criterion_name": names["criterion"],
-                "optimizer_name": names["optimizer"],
-                # upstream's places for two of the trainer's values (extra_state.trainer), for upstream's tools
-                "lr_scheduler_state": copy.deepcopy(trainer_state["lr_scheduler"]),
-                "num_updates": trainer_state["num_updates"],
-            }],
+            "optimizer_history": [
+                {
+                    "criterion_name": names["criterion"],
+                    "optimizer_name": names["optimizer"],
+                    # upstream's places for two of the trainer's values (extra_state.trainer), for upstream's tools
+                    "lr_scheduler_state": copy.deepcopy(trainer_state["lr_scheduler"]),
+                    "num_updates": trainer_state["num_updates"],
+                }
+            ],
             "task_state": trainer.task.state_dict(),
             "extra_state": {
                 "train_iterator": epoch_itr.state_dict(),
@@ -328,11 +350,17 @@ class CheckpointManager:
         epoch_itr = make_iterator(1 if position is None else position["epoch"])
         if position is not None:
             epoch_itr.load_state_dict(
-                iterator_state_for_world_size(position, saved.data_parallel_size, get_data_parallel_world_size()))
+                iterator_state_for_world_size(position, saved.data_parallel_size, get_data_parallel_world_size())
+            )
         restore_meters = restore_saved_meters(saved, meters)
         at_epoch_end = written_at_epoch_end(position, saved.val_loss)
-        return Resumed(epoch_itr, meters_restored=restore_meters, best=self.best, at_epoch_end=at_epoch_end,
-                       val_loss=saved.val_loss)
+        return Resumed(
+            epoch_itr,
+            meters_restored=restore_meters,
+            best=self.best,
+            at_epoch_end=at_epoch_end,
+            val_loss=saved.val_loss,
+        )
 
     def _restore(self, trainer) -> Optional[SavedState]:
         """Load the checkpoint to resume into model, optimizer and trainer (or --finetune-from-model's weights
@@ -349,8 +377,9 @@ class CheckpointManager:
             logger.info(f"found {path}: resuming it and ignoring --finetune-from-model")
         return self.restore(trainer, path, choice.resets, parse_optimizer_overrides(ck.optimizer_overrides))
 
-    def restore(self, trainer, path: str, resets: Resets, optimizer_overrides: Optional[Dict[str, Any]] = None
-                ) -> SavedState:
+    def restore(
+        self, trainer, path: str, resets: Resets, optimizer_overrides: Optional[Dict[str, Any]] = None
+    ) -> SavedState:
         """Load the checkpoint `path` (an existing file or sharded directory) into model, optimizer and trainer,
         leaving out what `resets` names, then sets `optimizer_overrides` (--optimizer-overrides, e.g.
         {"weight_decay": ...}) in every parameter group of the restored optimizer; returns the states left for the other
@@ -380,8 +409,10 @@ class CheckpointManager:
             known = sorted(k for k in trainer.optimizer.param_groups[0] if k != "params")
             unknown = sorted(set(optimizer_overrides) - set(known))
             if unknown:  # a misspelt key would be added to every group and read by nothing
-                raise ValueError(f"--optimizer-overrides: {', '.join(unknown)} is not an option of the optimizer's "
-                                 f"parameter groups ({', '.join(known)})")
+                raise ValueError(
+                    f"--optimizer-overrides: {', '.join(unknown)} is not an option of the optimizer's "
+                    f"parameter groups ({', '.join(known)})"
+                )
             for group in trainer.optimizer.param_groups:
                 group.update(optimizer_overrides)
         # after the weights: without a saved EMA, it restarts from them (upstream's rule)
@@ -409,8 +440,10 @@ class CheckpointManager:
             return f"No other intact checkpoint is in {self.ckpt_cfg.save_dir}: start again with another --save-dir"
         names = [os.path.basename(p) for p in intact[:5]]
         more = f" and {len(intact) - 5} more" if len(intact) > 5 else ""
-        return (f"Intact checkpoints in {self.ckpt_cfg.save_dir}, the most trained first: {', '.join(names)}{more}; "
-                f"resume from one with --restore-file {names[0]}")
+        return (
+            f"Intact checkpoints in {self.ckpt_cfg.save_dir}, the most trained first: {', '.join(names)}{more}; "
+            f"resume from one with --restore-file {names[0]}"
+        )
 
     def read(self, path: str, trainer, resuming: bool = False, load_optimizer: Optional[bool] = None) -> Dict[str, Any]:
         """Read a checkpoint file or sharded directory and check it fits the model (`resuming`: and that the
@@ -421,9 +454,13 @@ class CheckpointManager:
             load_optimizer = not self.ckpt_cfg.reset_optimizer
         if os.path.isdir(path):
             model_state, optim_state = trainer.model_and_optimizer_state(full=False)
-            state = sharded.load_sharded(path, model_state, optim_state if load_optimizer else None,
-                                         trust_legacy=trust_legacy,
-                                         extra_shards=trainer.ema.state_dict() if trainer.ema is not None else None)
+            state = sharded.load_sharded(
+                path,
+                model_state,
+                optim_state if load_optimizer else None,
+                trust_legacy=trust_legacy,
+                extra_shards=trainer.ema.state_dict() if trainer.ema is not None else None,
+            )
         else:
             state = load_checkpoint_file(path, trust_legacy=trust_legacy)
             if is_legacy_checkpoint(state):
@@ -486,23 +523,35 @@ def choose_restore(ck, first_launch: Optional[bool] = None) -> RestoreChoice:
 def saved_state(state: Dict[str, Any]) -> SavedState:
     """The parts' states in a checkpoint's `state` (upstream's layout)."""
     extra = state.get("extra_state") or {}
-    return SavedState(trainer=_saved_trainer_state(state, extra), train_iterator=extra.get("train_iterator"),
-                      data_parallel_size=extra.get("data_parallel_size"), metrics=extra.get("metrics"),
-                      best=extra.get("best"), val_loss=extra.get("val_loss"), extra_state=extra)
+    return SavedState(
+        trainer=_saved_trainer_state(state, extra),
+        train_iterator=extra.get("train_iterator"),
+        data_parallel_size=extra.get("data_parallel_size"),
+        metrics=extra.get("metrics"),
+        best=extra.get("best"),
+        val_loss=extra.get("val_loss"),
+        extra_state=extra,
+    )
 
 
 def missing_restore_file(restore_file: str, looked_for: str) -> FileNotFoundError:
     """The error for a --restore-file that names no checkpoint (a fresh start would silently drop it)."""
-    return FileNotFoundError(f"--restore-file {restore_file}: no such checkpoint (looked for {looked_for}); check "
-                             "the path or drop the flag to start from scratch")
+    return FileNotFoundError(
+        f"--restore-file {restore_file}: no such checkpoint (looked for {looked_for}); check "
+        "the path or drop the flag to start from scratch"
+    )
 
 
 def written_at_epoch_end(train_iterator: Optional[Dict[str, Any]], val_loss: Optional[float]) -> bool:
     """Whether the checkpoint with this data position was written at an epoch's end (the iterator at the next
     epoch's start, with that end's validation value): the epoch-end scheduler step `step(epoch - 1, val_loss)`
     is still to be taken after loading it. save_last, at an epoch start, writes no val_loss."""
-    return (bool(train_iterator) and train_iterator.get("iterations_in_epoch", 0) == 0
-            and train_iterator["epoch"] > 1 and val_loss is not None)
+    return (
+        bool(train_iterator)
+        and train_iterator.get("iterations_in_epoch", 0) == 0
+        and train_iterator["epoch"] > 1
+        and val_loss is not None
+    )
 
 
 def parse_optimizer_overrides(text) -> Dict[str, Any]:
@@ -514,11 +563,14 @@ def parse_optimizer_overrides(text) -> Dict[str, Any]:
     except (ValueError, SyntaxError):
         overrides = None
     if not isinstance(overrides, dict):
-        raise ValueError(f"--optimizer-overrides {text!r}: expected a Python dict literal such as "
-                         "\"{'weight_decay': 0.1}\"")
+        raise ValueError(
+            f"--optimizer-overrides {text!r}: expected a Python dict literal such as \"{{'weight_decay': 0.1}}\""
+        )
     if "lr" in overrides:  # the scheduler sets every group's lr again at once (upstream loses it the same way)
-        raise ValueError(f"--optimizer-overrides {text!r}: 'lr' would be replaced by the learning-rate scheduler at "
-                         "the next update; change the learning rate with --lr and --reset-lr-scheduler instead")
+        raise ValueError(
+            f"--optimizer-overrides {text!r}: 'lr' would be replaced by the learning-rate scheduler at "
+            "the next update; change the learning rate with --lr and --reset-lr-scheduler instead"
+        )
     return overrides
 
 
@@ -539,8 +591,11 @@ def _saved_trainer_state(state: Dict[str, Any], extra: Dict[str, Any]) -> Option
         return extra["trainer"]
     history = state.get("optimizer_history") or [{}]
     last = history[-1] if isinstance(history[-1], dict) else {}
-    places = (("num_updates", last, "num_updates"), ("lr_scheduler", last, "lr_scheduler_state"),
-              ("train_time", extra, "previous_training_time"))
+    places = (
+        ("num_updates", last, "num_updates"),
+        ("lr_scheduler", last, "lr_scheduler_state"),
+        ("train_time", extra, "previous_training_time"),
+    )
     found = {key: where[name] for key, where, name in places if name in where}
     return found or None
 
@@ -553,8 +608,10 @@ def iterator_state_for_world_size(state: Dict[str, Any], saved_world: Optional[i
     saved_world = world_size if saved_world is None else saved_world
     if state.get("streaming") is not None:  # --task streaming_language_modeling: a global sample index
         if saved_world != world_size:
-            _train_logger.warning(f"resuming a checkpoint saved by {saved_world} ranks on {world_size}: the streaming "
-                                  f"data continues its global sequence at sample {state['streaming']['sample']:,}")
+            _train_logger.warning(
+                f"resuming a checkpoint saved by {saved_world} ranks on {world_size}: the streaming "
+                f"data continues its global sequence at sample {state['streaming']['sample']:,}"
+            )
         return state
     if saved_world != world_size:
         consumed = state["iterations_in_epoch"] * saved_world
@@ -565,5 +622,6 @@ def iterator_state_for_world_size(state: Dict[str, Any], saved_world: Optional[i
             _train_logger.warning(
                 f"resuming a checkpoint saved by {saved_world} ranks on {world_size}: continuing after batch "
                 f"{consumed} of the epoch. Keep --batch-size/--max-tokens x --update-freq x ranks the same to keep "
-                f"the same global batch{skipped}")
+                f"the same global batch{skipped}"
+            )
     return state

@@ -11,8 +11,15 @@ import shutil
 from typing import List, Optional, Tuple
 
 
-def checkpoint_stems(ckpt_cfg, epoch: int, updates: int, end_of_epoch: bool, is_best: bool,
-                     val_loss: Optional[float] = None, among_kept_best: bool = False) -> List[str]:
+def checkpoint_stems(
+    ckpt_cfg,
+    epoch: int,
+    updates: int,
+    end_of_epoch: bool,
+    is_best: bool,
+    val_loss: Optional[float] = None,
+    among_kept_best: bool = False,
+) -> List[str]:
     """Stems (names without `.pt`) to write for this save point, most specific first.
 
     `among_kept_best`: `val_loss` ranks among the --keep-best-checkpoints best (see `enters_kept_best`)."""
@@ -20,8 +27,7 @@ def checkpoint_stems(ckpt_cfg, epoch: int, updates: int, end_of_epoch: bool, is_
     stems = []
     if end_of_epoch and not ckpt_cfg.no_epoch_checkpoints and epoch % ckpt_cfg.save_interval == 0:
         stems.append(f"checkpoint{epoch}{suffix}")
-    if (not end_of_epoch and ckpt_cfg.save_interval_updates > 0
-            and updates % ckpt_cfg.save_interval_updates == 0):
+    if not end_of_epoch and ckpt_cfg.save_interval_updates > 0 and updates % ckpt_cfg.save_interval_updates == 0:
         stems.append(f"checkpoint_{epoch}_{updates}{suffix}")
     if is_best:
         stems.append(f"checkpoint_best{suffix}")
@@ -49,8 +55,10 @@ def _kept_best_entries(ckpt_cfg, save_dir: str):
     """(value, path) of the --keep-best-checkpoints files in `save_dir`, best first."""
     metric = re.escape(ckpt_cfg.best_checkpoint_metric)
     suffix = re.escape(ckpt_cfg.checkpoint_suffix)
-    entries = [(float(m.group(1)), path)
-               for m, path in _entries(save_dir, rf"checkpoint\.best_{metric}_(-?\d+(?:\.\d+)?){suffix}")]
+    entries = [
+        (float(m.group(1)), path)
+        for m, path in _entries(save_dir, rf"checkpoint\.best_{metric}_(-?\d+(?:\.\d+)?){suffix}")
+    ]
     entries.sort(key=lambda e: e[0], reverse=ckpt_cfg.maximize_best_checkpoint_metric)
     return entries
 
@@ -89,13 +97,13 @@ def prune_checkpoints(ckpt_cfg, save_dir: str) -> List[str]:
         if pattern > 0:  # multiples of the pattern are kept apart from the newest N (upstream's rule)
             entries = [e for e in entries if int(e[0].group(1)) % pattern != 0]
         entries.sort(key=lambda e: int(e[0].group(1)), reverse=True)
-        removed += [path for _, path in entries[ckpt_cfg.keep_interval_updates:]]
+        removed += [path for _, path in entries[ckpt_cfg.keep_interval_updates :]]
     if ckpt_cfg.keep_last_epochs > 0:
         entries = _entries(save_dir, rf"checkpoint(\d+){suffix}")
         entries.sort(key=lambda e: int(e[0].group(1)), reverse=True)
-        removed += [path for _, path in entries[ckpt_cfg.keep_last_epochs:]]
+        removed += [path for _, path in entries[ckpt_cfg.keep_last_epochs :]]
     if ckpt_cfg.keep_best_checkpoints > 0:
-        removed += [path for _, path in _kept_best_entries(ckpt_cfg, save_dir)[ckpt_cfg.keep_best_checkpoints:]]
+        removed += [path for _, path in _kept_best_entries(ckpt_cfg, save_dir)[ckpt_cfg.keep_best_checkpoints :]]
     for path in removed:
         remove_checkpoint(path)
     return removed
@@ -114,9 +122,13 @@ def resolve_restore_path(ckpt_cfg) -> str:
 def intact_checkpoints(save_dir: str, exclude: Optional[str] = None) -> List[str]:
     """Checkpoints in `save_dir` that pass a cheap integrity check (`looks_intact`), the most trained first: what
     a user can resume from when checkpoint_last is damaged."""
-    found = [path for _, path in _entries(save_dir, r"checkpoint.*?")
-             if not path.endswith((".tmp", ".old")) and looks_intact(path)
-             and not (exclude and os.path.abspath(path) == os.path.abspath(exclude))]
+    found = [
+        path
+        for _, path in _entries(save_dir, r"checkpoint.*?")
+        if not path.endswith((".tmp", ".old"))
+        and looks_intact(path)
+        and not (exclude and os.path.abspath(path) == os.path.abspath(exclude))
+    ]
     # By training progress, not modification time (a `touch` or a copy of the directory changes that); among
     # checkpoints of the same progress, by name (checkpoint_E_U before the aliases best/last).
     progress = {path: training_progress(path) for path in found}
@@ -143,8 +155,11 @@ def newer_than_last(save_dir: str, suffix: str, last: Optional[str]) -> Optional
     if last is not None and not last.endswith(".old") and not looks_intact(last):
         return None
     own = re.compile(r"checkpoint(\d+|_\d+_\d+|_best|_last|\.best_.+)" + re.escape(suffix) + r"(\.pt)?")
-    candidates = [path for path in intact_checkpoints(save_dir)
-                  if own.fullmatch(os.path.basename(path)) and "checkpoint_last" not in os.path.basename(path)]
+    candidates = [
+        path
+        for path in intact_checkpoints(save_dir)
+        if own.fullmatch(os.path.basename(path)) and "checkpoint_last" not in os.path.basename(path)
+    ]
     if not candidates:
         return None
     newest = candidates[0]
@@ -168,8 +183,12 @@ def training_progress(path: str) -> Tuple[int, int]:
 
     updates = epoch = -1
     try:
-        state = torch.load(os.path.join(path, METADATA) if os.path.isdir(path) else path, map_location="cpu",
-                           weights_only=True, mmap=True)
+        state = torch.load(
+            os.path.join(path, METADATA) if os.path.isdir(path) else path,
+            map_location="cpu",
+            weights_only=True,
+            mmap=True,
+        )
         extra = state.get("extra_state") or {}
         history = state.get("optimizer_history") or [{}]
         trainer = extra.get("trainer") or (history[-1] if isinstance(history[-1], dict) else {})

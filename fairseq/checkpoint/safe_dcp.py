@@ -42,8 +42,14 @@ INDEX = ".metadata"  # DCP's file name for the index (filesystem._metadata_fn)
 # torch.serialization._get_layout, memory format as _MEM_FORMAT_ENCODING), torch.Size and
 # ChunkStorageMetadata.
 _DCP_METADATA_CLASSES = (
-    "Metadata", "StorageMeta", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
-    "TensorProperties", "MetadataIndex", "_MEM_FORMAT_ENCODING",
+    "Metadata",
+    "StorageMeta",
+    "TensorStorageMetadata",
+    "BytesStorageMetadata",
+    "ChunkStorageMetadata",
+    "TensorProperties",
+    "MetadataIndex",
+    "_MEM_FORMAT_ENCODING",
 )
 # Constructors pickle itself uses for plain values under some protocol (none appears under DCP's protocol 4/5,
 # they are admitted so that the reader does not depend on the protocol); nothing that imports, calls
@@ -77,8 +83,10 @@ def allowed_globals() -> Dict[Tuple[str, str], Any]:
     # other OS family cannot be instantiated here, so it becomes the pure path of that family.
     posix, windows = os.name != "nt", os.name == "nt"
     paths = {
-        "PurePath": pathlib.PurePath, "PurePosixPath": pathlib.PurePosixPath,
-        "PureWindowsPath": pathlib.PureWindowsPath, "Path": pathlib.Path,
+        "PurePath": pathlib.PurePath,
+        "PurePosixPath": pathlib.PurePosixPath,
+        "PureWindowsPath": pathlib.PureWindowsPath,
+        "Path": pathlib.Path,
         "PosixPath": pathlib.PosixPath if posix else pathlib.PurePosixPath,
         "WindowsPath": pathlib.WindowsPath if windows else pathlib.PureWindowsPath,
     }

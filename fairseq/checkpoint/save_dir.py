@@ -41,7 +41,7 @@ def check_writable(save_dir: str) -> None:
         try:
             data = memoryview(b"fairseq write probe\n" * 64)
             while data:  # a write can stop short at a limit; the next one then reports the errno
-                data = data[os.write(fd, data):]
+                data = data[os.write(fd, data) :]
             os.fsync(fd)
         finally:
             os.close(fd)
@@ -66,8 +66,9 @@ class SaveDirLock:
             os.makedirs(os.path.dirname(self.path), exist_ok=True)
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         except OSError as err:
-            raise save_error(os.path.dirname(self.path), err, previous_intact=False,
-                             what="--save-dir is not writable:") from None
+            raise save_error(
+                os.path.dirname(self.path), err, previous_intact=False, what="--save-dir is not writable:"
+            ) from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as err:
@@ -81,8 +82,7 @@ class SaveDirLock:
             # A file system without flock (some network mounts): run unlocked rather than not at all.
             logger.warning(f"cannot lock {self.path} ({err.strerror}); not protected against a second run")
             return
-        holder = {"pid": os.getpid(), "host": socket.gethostname(),
-                  "started": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
+        holder = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
         os.ftruncate(fd, 0)
         os.pwrite(fd, (json.dumps(holder) + "\n").encode(), 0)
         self._fd = fd

@@ -29,8 +29,9 @@ def _staged_tensors(writer: CheckpointWriter, path: str, trainer, single_file: b
     return staged
 
 
-def sharded_checkpoint_write(writer: CheckpointWriter, paths: List[str], trainer, metadata: Dict[str, Any],
-                             with_optimizer: bool) -> Tuple[Staged, Write]:
+def sharded_checkpoint_write(
+    writer: CheckpointWriter, paths: List[str], trainer, metadata: Dict[str, Any], with_optimizer: bool
+) -> Tuple[Staged, Write]:
     """Collective: each rank's shards staged (or, synchronously, as they are) and the write of the directory
     `paths[0]` with `metadata` (rank 0's metadata.pt), then its copies to the other paths."""
     check_plain(metadata, paths[0], where=sharded.METADATA)
@@ -50,8 +51,9 @@ def sharded_checkpoint_write(writer: CheckpointWriter, paths: List[str], trainer
     return staged, Write(write_bytes, publish)
 
 
-def single_file_checkpoint_write(writer: CheckpointWriter, paths: List[str], trainer, state: Dict[str, Any],
-                                 with_optimizer: bool) -> Tuple[Staged, Write]:
+def single_file_checkpoint_write(
+    writer: CheckpointWriter, paths: List[str], trainer, state: Dict[str, Any], with_optimizer: bool
+) -> Tuple[Staged, Write]:
     """Collective (sharded state is gathered to rank 0): the tensors staged in host memory and rank 0's write of
     `state` with them (model, last_optimizer_state, the EMA's groups in extra_state) to `paths[0]`, then its
     copies to the other paths."""

@@ -17,7 +17,13 @@ import torch
 # torch.distributed.checkpoint (and safe_dcp, built on it) are imported by the functions that read or write
 # shards: importing it costs ~1.5 s, which every process importing fairseq.checkpoint.manager would pay.
 from fairseq.checkpoint.io import (
-    CheckpointError, CheckpointSaveError, _fsync_dir, atomic_copy, atomic_torch_save, load_checkpoint_file, save_error,
+    CheckpointError,
+    CheckpointSaveError,
+    _fsync_dir,
+    atomic_copy,
+    atomic_torch_save,
+    load_checkpoint_file,
+    save_error,
 )
 from fairseq.checkpoint.writer import Write
 from fairseq.distributed.mesh import ParallelLayout
@@ -156,8 +162,9 @@ def read_metadata(path: str, trust_legacy: bool = False) -> Dict[str, Any]:
     return load_checkpoint_file(meta, trust_legacy=trust_legacy)
 
 
-def load_sharded(path: str, model_state, optim_state=None, trust_legacy: bool = False,
-                 extra_shards: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
+def load_sharded(
+    path: str, model_state, optim_state=None, trust_legacy: bool = False, extra_shards: Optional[Dict[str, Any]] = None
+) -> Dict[str, Any]:
     """Fill `model_state` (and `optim_state`, and the groups of `extra_shards` that the checkpoint has, which
     go to metadata["extra_state"]) in place from the shards; works on any world size.
 
@@ -178,8 +185,9 @@ def load_sharded(path: str, model_state, optim_state=None, trust_legacy: bool = 
         state["optimizer"] = optim_state
         if not any(k.startswith("optimizer") for k in stored):
             raise FileNotFoundError(f"{path} has no optimizer state; pass --reset-optimizer to start a new one")
-    present = {name: group for name, group in (extra_shards or {}).items()
-               if any(k.startswith(name + ".") for k in stored)}
+    present = {
+        name: group for name, group in (extra_shards or {}).items() if any(k.startswith(name + ".") for k in stored)
+    }
     state.update(present)
     safe_dcp.dcp_load(state, reader)
     metadata["model"] = state["model"]
@@ -199,18 +207,24 @@ def check_readable(path: str, index, model_state) -> None:
     for key, value in model_state.items():
         meta = stored.get(f"model.{key}")
         if meta is None:
-            raise CheckpointError(f"{path} has no parameter {key}: it holds another architecture; resume from a "
-                                  "checkpoint of this model, or pass --reset-optimizer --finetune-from-model")
+            raise CheckpointError(
+                f"{path} has no parameter {key}: it holds another architecture; resume from a "
+                "checkpoint of this model, or pass --reset-optimizer --finetune-from-model"
+            )
         size = getattr(meta, "size", None)
         if size is not None and isinstance(value, torch.Tensor) and tuple(size) != tuple(value.shape):
-            raise CheckpointError(f"{path}: {key} is stored as {list(size)} but this model's is {list(value.shape)}"
-                                  " (another model size or dictionary); train with the flags and data it was saved "
-                                  "with")
+            raise CheckpointError(
+                f"{path}: {key} is stored as {list(size)} but this model's is {list(value.shape)}"
+                " (another model size or dictionary); train with the flags and data it was saved "
+                "with"
+            )
     names = {info.relative_path for info in (index.storage_data or {}).values()}
     missing = sorted(name for name in names if not os.path.isfile(os.path.join(path, name)))
     if missing:
-        raise CheckpointError(f"{path} is incomplete: shard file(s) {', '.join(missing[:3])} named by its index are "
-                              "missing; copy the whole directory, or resume from another checkpoint")
+        raise CheckpointError(
+            f"{path} is incomplete: shard file(s) {', '.join(missing[:3])} named by its index are "
+            "missing; copy the whole directory, or resume from another checkpoint"
+        )
 
 
 def _saved_layout(metadata: Dict[str, Any]) -> Optional[str]:
@@ -220,8 +234,9 @@ def _saved_layout(metadata: Dict[str, Any]) -> Optional[str]:
     if not world:
         return None
     try:
-        layout = ParallelLayout.from_flags(world, dt.get("model_parallel_size") or 1,
-                                           dt.get("fsdp_shard_group_size") or 0, dt.get("ddp_backend"))
+        layout = ParallelLayout.from_flags(
+            world, dt.get("model_parallel_size") or 1, dt.get("fsdp_shard_group_size") or 0, dt.get("ddp_backend")
+        )
         return f"{world} rank(s) ({layout.describe()})"
     except ValueError:
         return None

@@ -132,8 +132,10 @@ class HostStaging:
         if self.pin:
             result = int(torch.cuda.cudart().cudaHostRegister(buffer.data_ptr(), nbytes, 0))
             if result != 0:
-                raise RuntimeError(f"pinning {nbytes} bytes of host memory for the checkpoint failed (CUDA error "
-                                   f"{result}); save synchronously (drop --write-checkpoints-asynchronously)")
+                raise RuntimeError(
+                    f"pinning {nbytes} bytes of host memory for the checkpoint failed (CUDA error "
+                    f"{result}); save synchronously (drop --write-checkpoints-asynchronously)"
+                )
             self._registered.append(buffer.data_ptr())
         return buffer
 
@@ -285,8 +287,14 @@ def _alias_key(value: torch.Tensor) -> Optional[Tuple]:
     """The same memory seen through the same view (a tied weight under two names), for non-empty tensors."""
     if value.numel() == 0:
         return None
-    return (value.device, value.untyped_storage().data_ptr(), value.storage_offset(), tuple(value.shape),
-            tuple(value.stride()), value.dtype)
+    return (
+        value.device,
+        value.untyped_storage().data_ptr(),
+        value.storage_offset(),
+        tuple(value.shape),
+        tuple(value.stride()),
+        value.dtype,
+    )
 
 
 def _whole_locally(value) -> bool:

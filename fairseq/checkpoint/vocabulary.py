@@ -61,8 +61,10 @@ def _read(path: str, what: str) -> bytes:
         with open(path, "rb") as f:
             return f.read()
     except FileNotFoundError:
-        raise FileNotFoundError(f"{what}: no such file (relative paths are read from {os.getcwd()}); "
-                                "pass the file the data was encoded with") from None
+        raise FileNotFoundError(
+            f"{what}: no such file (relative paths are read from {os.getcwd()}); "
+            "pass the file the data was encoded with"
+        ) from None
     except OSError as e:
         raise ValueError(f"{what}: cannot be read ({e.strerror}); pass a readable file") from None
 
@@ -87,8 +89,10 @@ def check_bpe_files(cfg) -> None:
         _read(str(path), f"{flag(option)} {path}")
         problem = bpe_file_problem(option, str(path))
         if problem:
-            raise ValueError(f"{flag(option)} {path}: not a usable {WHAT[option]}: {problem}; pass the "
-                             f"{WHAT[option]} the data was encoded with")
+            raise ValueError(
+                f"{flag(option)} {path}: not a usable {WHAT[option]}: {problem}; pass the "
+                f"{WHAT[option]} the data was encoded with"
+            )
 
 
 def _sha256(data: bytes) -> str:
@@ -117,8 +121,11 @@ def make_record(dictionary, bpe_cfg) -> Dict[str, Any]:
         files = {}
         for option in BPE_FILES[name]:
             path = str(_get(bpe_cfg, option))
-            files[option] = {"name": os.path.basename(path), "path": os.path.abspath(path),
-                             "content": _read(path, f"{flag(option)} {path}")}
+            files[option] = {
+                "name": os.path.basename(path),
+                "path": os.path.abspath(path),
+                "content": _read(path, f"{flag(option)} {path}"),
+            }
         record["bpe"] = {"_name": name, "files": files}
     return record
 
@@ -138,11 +145,16 @@ def check_dictionary(checkpoint: str, record: Optional[Dict[str, Any]], dictiona
     from fairseq.checkpoint.io import CheckpointError
 
     size, here = record.get("dictionary_size"), len(dictionary)
-    detail = (f"both have {here:,} entries, but the symbols or their order differ" if size == here
-              else f"{size:,} entries there, {here:,} here")
+    detail = (
+        f"both have {here:,} entries, but the symbols or their order differ"
+        if size == here
+        else f"{size:,} entries there, {here:,} here"
+    )
     where = getattr(dictionary, "path", None) or "the dictionary given"
-    raise CheckpointError(f"{where} is not the dictionary {checkpoint} was trained with ({detail}), so its ids "
-                          "would name other words; use the dict.txt the model was trained with")
+    raise CheckpointError(
+        f"{where} is not the dictionary {checkpoint} was trained with ({detail}), so its ids "
+        "would name other words; use the dict.txt the model was trained with"
+    )
 
 
 # ------------------------------------------------------------------------------------------ the one fallback
@@ -155,8 +167,14 @@ def _how_to_pass(name: str, keywords: bool) -> str:
     return " ".join([f"--bpe {name}"] + [f"{flag(o)} PATH" for o in options])
 
 
-def resolve_bpe(given, saved_bpe, record: Optional[Dict[str, Any]], checkpoint: str, keywords: bool = False,
-                also_look_in: Iterable[str] = ()) -> Optional[Dict[str, Any]]:
+def resolve_bpe(
+    given,
+    saved_bpe,
+    record: Optional[Dict[str, Any]],
+    checkpoint: str,
+    keywords: bool = False,
+    also_look_in: Iterable[str] = (),
+) -> Optional[Dict[str, Any]]:
     """The --bpe (a dict: `_name` and options) a consumer of `checkpoint` uses: `given` (the command line's or
     keyword arguments) when set; else the checkpoint's saved --bpe `saved_bpe` with the files it carries
     (`record`), else (older checkpoints) with its saved paths; None when it has none. Every file named exists,
@@ -180,7 +198,8 @@ def resolve_bpe(given, saved_bpe, record: Optional[Dict[str, Any]], checkpoint: 
         elif not path or not os.path.isfile(str(path)):
             raise FileNotFoundError(
                 f"{checkpoint} was trained with --bpe {name} and {flag(option)} {path}, which is not found from "
-                f"{os.getcwd()} (the checkpoint stores its path, not the file); pass {_how_to_pass(name, keywords)}")
+                f"{os.getcwd()} (the checkpoint stores its path, not the file); pass {_how_to_pass(name, keywords)}"
+            )
     return saved
 
 
@@ -189,9 +208,11 @@ def _check_carried(checkpoint: str, option: str, entry: Dict[str, Any], path: st
 
     problem = bpe_file_problem(option, path)
     if problem:
-        raise ValueError(f"{checkpoint} carries a bad {flag(option)} file ({entry.get('name')}, from "
-                         f"{entry.get('path')} at training: {problem}), so its copy cannot be used; "
-                         f"override it: pass {how} (the {WHAT[option]} the data was encoded with)")
+        raise ValueError(
+            f"{checkpoint} carries a bad {flag(option)} file ({entry.get('name')}, from "
+            f"{entry.get('path')} at training: {problem}), so its copy cannot be used; "
+            f"override it: pass {how} (the {WHAT[option]} the data was encoded with)"
+        )
 
 
 _private_dir: Optional[str] = None

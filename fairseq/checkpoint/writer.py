@@ -214,5 +214,7 @@ def wait_advice(write_seconds: float, updates_apart: int, seconds_apart: float, 
     # one update more than the write lasts: a save that comes just as the write ends would still wait
     enough = math.ceil(write_seconds / per_update - 1e-9) + 1 if per_update > 0 else updates_apart + 1
     would = f"--save-interval-updates >= {enough}" if interval_flag else f"saves at least {enough} updates apart"
-    return (f"checkpoint write took {write_seconds:.1f} s; saves every {updates_apart} updates (~{seconds_apart:.0f} "
-            f"s) wait for it; {would} would not")
+    return (
+        f"checkpoint write took {write_seconds:.1f} s; saves every {updates_apart} updates (~{seconds_apart:.0f} "
+        f"s) wait for it; {would} would not"
+    )

@@ -80,12 +80,17 @@ def _read_checkpoint_file(path: str, trust_legacy: bool) -> dict:
     return load_checkpoint_file(path, trust_legacy=trust_legacy)
 
 
-def load_checkpoint_to_cpu(path: str, arg_overrides: Optional[dict] = None, load_on_all_ranks: bool = False,
-                           trust_legacy_checkpoint: bool = False) -> dict:
+def load_checkpoint_to_cpu(
+    path: str,
+    arg_overrides: Optional[dict] = None,
+    load_on_all_ranks: bool = False,
+    trust_legacy_checkpoint: bool = False,
+) -> dict:
     """fairseq.checkpoint.inference.load_checkpoint_to_cpu on `PathManager.get_local_path(path)` (a registered
     handler's file is fetched first, as upstream's)."""
-    return _inference.load_checkpoint_to_cpu(PathManager.get_local_path(path), arg_overrides, load_on_all_ranks,
-                                             trust_legacy_checkpoint)
+    return _inference.load_checkpoint_to_cpu(
+        PathManager.get_local_path(path), arg_overrides, load_on_all_ranks, trust_legacy_checkpoint
+    )
 
 
 def load_ema_from_checkpoint(fpath: str, trust_legacy_checkpoint: bool = False) -> dict:
@@ -100,14 +105,24 @@ def load_ema_from_checkpoint(fpath: str, trust_legacy_checkpoint: bool = False) 
 
 # ----------------------------------------------------------------------------- resuming and saving training
 
-FINETUNE_WITH_RESETS = ("--finetune-from-model can not be set together with either --reset-optimizer or "
-                        "reset_lr_scheduler or reset_meters or reset_dataloader")  # upstream's words (its test)
+FINETUNE_WITH_RESETS = (
+    "--finetune-from-model can not be set together with either --reset-optimizer or "
+    "reset_lr_scheduler or reset_meters or reset_dataloader"
+)  # upstream's words (its test)
 
 
 # The checkpoint options load_checkpoint reads, with the defaults a partial config falls back to.
-_RESUME_DEFAULTS = {"reset_optimizer": False, "reset_lr_scheduler": False, "reset_meters": False,
-                    "reset_dataloader": False, "restore_file": "checkpoint_last.pt", "save_dir": "checkpoints",
-                    "finetune_from_model": None, "optimizer_overrides": "{}", "no_last_checkpoints": False}
+_RESUME_DEFAULTS = {
+    "reset_optimizer": False,
+    "reset_lr_scheduler": False,
+    "reset_meters": False,
+    "reset_dataloader": False,
+    "restore_file": "checkpoint_last.pt",
+    "save_dir": "checkpoints",
+    "finetune_from_model": None,
+    "optimizer_overrides": "{}",
+    "no_last_checkpoints": False,
+}
 
 
 def load_checkpoint(cfg, trainer, **passthrough_args):
@@ -122,20 +137,28 @@ def load_checkpoint(cfg, trainer, **passthrough_args):
     checkpoint written at an epoch's end gets the scheduler step `trainer.lr_step(epoch, val_loss)` that the
     uninterrupted run took after writing it (upstream steps with the next epoch and no loss instead). Which
     checkpoint, with which resets, is fairseq-train's rule (`fairseq.checkpoint.manager.choose_restore`)."""
-    from fairseq.checkpoint.manager import (choose_restore, iterator_state_for_world_size, parse_optimizer_overrides,
-                                            written_at_epoch_end)
+    from fairseq.checkpoint.manager import (
+        choose_restore,
+        iterator_state_for_world_size,
+        parse_optimizer_overrides,
+        written_at_epoch_end,
+    )
     from fairseq.checkpoint.paths import existing_checkpoint
     from fairseq.distributed.utils import get_data_parallel_world_size
 
     # the options choose_restore reads, from a config that may lack them (upstream's test passes a partial one)
-    ck = types.SimpleNamespace(**{name: getattr(cfg, name, default) for name, default in _RESUME_DEFAULTS.items()},
-                               checkpoint_suffix=trainer.checkpoint_suffix)
+    ck = types.SimpleNamespace(
+        **{name: getattr(cfg, name, default) for name, default in _RESUME_DEFAULTS.items()},
+        checkpoint_suffix=trainer.checkpoint_suffix,
+    )
     finetune, restore_file = ck.finetune_from_model, ck.restore_file
     if finetune is not None and (ck.reset_optimizer or ck.reset_lr_scheduler or ck.reset_meters or ck.reset_dataloader):
         raise ValueError(f"{FINETUNE_WITH_RESETS}: fine-tuning resets them all; drop the --reset-* flags")
     if restore_file != "checkpoint_last.pt" and finetune:
-        raise ValueError(f"--finetune-from-model and --restore-file (non-default value) can not be specified "
-                         f"together (--restore-file {restore_file}, --finetune-from-model {finetune}): drop one")
+        raise ValueError(
+            f"--finetune-from-model and --restore-file (non-default value) can not be specified "
+            f"together (--restore-file {restore_file}, --finetune-from-model {finetune}): drop one"
+        )
 
     first_launch = None
     if restore_file == "checkpoint_last.pt":
@@ -143,26 +166,39 @@ def load_checkpoint(cfg, trainer, **passthrough_args):
         # checkpoint_last.old/ after an interrupted save)
         last_file = os.path.join(ck.save_dir, f"checkpoint_last{trainer.checkpoint_suffix}.pt")
         last_dir = os.path.join(ck.save_dir, f"checkpoint_last{trainer.checkpoint_suffix}")
-        first_launch = not (PathManager.exists(last_file) or PathManager.exists(last_dir)
-                            or PathManager.exists(last_dir + ".old"))
+        first_launch = not (
+            PathManager.exists(last_file) or PathManager.exists(last_dir) or PathManager.exists(last_dir + ".old")
+        )
     choice = choose_restore(ck, first_launch)
     checkpoint_path, resets = choice.path, choice.resets
     if choice.finetune:
         checkpoint_path = existing_checkpoint(finetune)
         if checkpoint_path is None:
-            raise FileNotFoundError(f"--finetune-from-model {finetune}: no such checkpoint (a .pt file or a "
-                                    "complete sharded checkpoint directory)")
-        logger.info(f"loading pretrained model from {finetune}: optimizer, lr scheduler, meters, dataloader "
-                    "will be reset")
+            raise FileNotFoundError(
+                f"--finetune-from-model {finetune}: no such checkpoint (a .pt file or a "
+                "complete sharded checkpoint directory)"
+            )
+        logger.info(
+            f"loading pretrained model from {finetune}: optimizer, lr scheduler, meters, dataloader will be reset"
+        )
 
-    extra_state = trainer.load_checkpoint(checkpoint_path, resets.optimizer, resets.lr_scheduler,
-                                          parse_optimizer_overrides(ck.optimizer_overrides), reset_meters=resets.meters)
+    extra_state = trainer.load_checkpoint(
+        checkpoint_path,
+        resets.optimizer,
+        resets.lr_scheduler,
+        parse_optimizer_overrides(ck.optimizer_overrides),
+        reset_meters=resets.meters,
+    )
     position = None if extra_state is None or resets.dataloader else extra_state.get("train_iterator")
-    epoch_itr = trainer.get_train_iterator(epoch=1 if position is None else position["epoch"], load_dataset=True,
-                                           **passthrough_args)
+    epoch_itr = trainer.get_train_iterator(
+        epoch=1 if position is None else position["epoch"], load_dataset=True, **passthrough_args
+    )
     if position is not None:
-        epoch_itr.load_state_dict(iterator_state_for_world_size(
-            position, extra_state.get("data_parallel_size"), get_data_parallel_world_size()))
+        epoch_itr.load_state_dict(
+            iterator_state_for_world_size(
+                position, extra_state.get("data_parallel_size"), get_data_parallel_world_size()
+            )
+        )
         if written_at_epoch_end(position, extra_state.get("val_loss")):
             trainer.lr_step(epoch_itr.epoch - 1, extra_state["val_loss"])
     return extra_state, epoch_itr
@@ -183,8 +219,9 @@ def save_checkpoint(cfg, trainer, epoch_itr, val_loss: Optional[float]) -> List[
     manager = trainer.checkpoint_manager
     options = _checkpoint_options(cfg, manager.ckpt_cfg)
     writer = manager if options is manager.ckpt_cfg else manager.with_checkpoint_config(options)
-    paths = writer.save(trainer, epoch_itr, val_loss, end_of_epoch=epoch_itr.end_of_epoch(),
-                        metrics_state=metrics.state_dict())
+    paths = writer.save(
+        trainer, epoch_itr, val_loss, end_of_epoch=epoch_itr.end_of_epoch(), metrics_state=metrics.state_dict()
+    )
     writer.wait_for_write("before save_checkpoint returns")  # the views share the run's one background writer
     if writer is not manager:
         manager.best = writer.best  # one best value across calls, whatever the options (upstream's)

@@ -20,12 +20,12 @@ from fairseq.modules.fairseq_decoder import FairseqDecoder
 class EncoderOut(NamedTuple):
     """Upstream's encoder output record (field names and order as upstream's; shapes as upstream documents)."""
 
-    encoder_out: Tensor                          # T x B x C
-    encoder_padding_mask: Optional[Tensor]       # B x T
-    encoder_embedding: Optional[Tensor]          # B x T x C
-    encoder_states: Optional[List[Tensor]]       # a T x B x C tensor per layer
-    src_tokens: Optional[Tensor]                 # B x T
-    src_lengths: Optional[Tensor]                # B x 1
+    encoder_out: Tensor  # T x B x C
+    encoder_padding_mask: Optional[Tensor]  # B x T
+    encoder_embedding: Optional[Tensor]  # B x T x C
+    encoder_states: Optional[List[Tensor]]  # a T x B x C tensor per layer
+    src_tokens: Optional[Tensor]  # B x T
+    src_lengths: Optional[Tensor]  # B x 1
 
 
 class FairseqEncoder(nn.Module):
@@ -77,21 +77,23 @@ class FairseqEncoderDecoderModel(BaseFairseqModel):
     def __init__(self, encoder: nn.Module, decoder: nn.Module):
         super().__init__()
         if not isinstance(encoder, FairseqEncoder) or not isinstance(decoder, FairseqDecoder):
-            raise TypeError(f"{type(self).__name__} takes a fairseq.models.FairseqEncoder and a FairseqDecoder, "
-                            f"got {type(encoder).__name__} and {type(decoder).__name__}")
+            raise TypeError(
+                f"{type(self).__name__} takes a fairseq.models.FairseqEncoder and a FairseqDecoder, "
+                f"got {type(encoder).__name__} and {type(decoder).__name__}"
+            )
         self.encoder = encoder
         self.decoder = decoder
 
-    def forward(self, src_tokens: torch.Tensor, src_lengths: torch.Tensor, prev_output_tokens: torch.Tensor,
-                **kwargs):
+    def forward(self, src_tokens: torch.Tensor, src_lengths: torch.Tensor, prev_output_tokens: torch.Tensor, **kwargs):
         encoder_out = self.encoder(src_tokens, src_lengths=src_lengths, **kwargs)
         return self.decoder(prev_output_tokens, encoder_out=encoder_out, **kwargs)
 
     def forward_decoder(self, prev_output_tokens: torch.Tensor, **kwargs):
         return self.decoder(prev_output_tokens, **kwargs)
 
-    def extract_features(self, src_tokens: torch.Tensor, src_lengths: torch.Tensor,
-                         prev_output_tokens: torch.Tensor, **kwargs):
+    def extract_features(
+        self, src_tokens: torch.Tensor, src_lengths: torch.Tensor, prev_output_tokens: torch.Tensor, **kwargs
+    ):
         """The decoder's `(features, extra)` before its output layer."""
         encoder_out = self.encoder(src_tokens, src_lengths=src_lengths, **kwargs)
         return self.decoder.extract_features(prev_output_tokens, encoder_out=encoder_out, **kwargs)

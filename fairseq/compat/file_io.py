@@ -21,11 +21,18 @@ class PathManager:
     """Static methods with upstream's names and arguments."""
 
     @staticmethod
-    def open(path: str, mode: str = "r", buffering: int = -1, encoding: Optional[str] = None,
-             errors: Optional[str] = None, newline: Optional[str] = None):
+    def open(
+        path: str,
+        mode: str = "r",
+        buffering: int = -1,
+        encoding: Optional[str] = None,
+        errors: Optional[str] = None,
+        newline: Optional[str] = None,
+    ):
         if IOPathManager is not None:
-            return IOPathManager.open(path=path, mode=mode, buffering=buffering, encoding=encoding, errors=errors,
-                                      newline=newline)
+            return IOPathManager.open(
+                path=path, mode=mode, buffering=buffering, encoding=encoding, errors=errors, newline=newline
+            )
         return open(path, mode=mode, buffering=buffering, encoding=encoding, errors=errors, newline=newline)
 
     @staticmethod
@@ -84,8 +91,9 @@ class PathManager:
     @staticmethod
     def copy_from_local(local_path: str, dst_path: str, overwrite: bool = False, **kwargs) -> None:
         if IOPathManager is not None:
-            return IOPathManager.copy_from_local(local_path=local_path, dst_path=dst_path, overwrite=overwrite,
-                                                 **kwargs)
+            return IOPathManager.copy_from_local(
+                local_path=local_path, dst_path=dst_path, overwrite=overwrite, **kwargs
+            )
         shutil.copyfile(local_path, dst_path)
 
     @staticmethod
@@ -104,12 +112,19 @@ class PathManager:
         os.rename(src, dst)
 
     @staticmethod
-    def opena(path: str, mode: str = "r", buffering: int = -1, encoding: Optional[str] = None,
-              errors: Optional[str] = None, newline: Optional[str] = None):
+    def opena(
+        path: str,
+        mode: str = "r",
+        buffering: int = -1,
+        encoding: Optional[str] = None,
+        errors: Optional[str] = None,
+        newline: Optional[str] = None,
+    ):
         """Upstream's asynchronous open (iopath's); without iopath, a plain open."""
         if IOPathManager is not None:
-            return IOPathManager.opena(path=path, mode=mode, buffering=buffering, encoding=encoding,
-                                       errors=errors, newline=newline)
+            return IOPathManager.opena(
+                path=path, mode=mode, buffering=buffering, encoding=encoding, errors=errors, newline=newline
+            )
         return PathManager.open(path, mode, buffering, encoding, errors, newline)
 
     @staticmethod

@@ -35,9 +35,13 @@ def _loss_scaler(common_cfg, data_parallel_size: int = 1, update_freq: int = 1) 
     window = get("fp16_scale_window", None)
     if window is None:
         window = max(int(2**14 / data_parallel_size / update_freq), 1)
-    return DynamicLossScaler(init_scale=get("fp16_init_scale", 2.0**7), scale_window=window,
-                             tolerance=get("fp16_scale_tolerance", 0.0), threshold=get("threshold_loss_scale", None),
-                             min_loss_scale=get("min_loss_scale", 1e-4))
+    return DynamicLossScaler(
+        init_scale=get("fp16_init_scale", 2.0**7),
+        scale_window=window,
+        tolerance=get("fp16_scale_tolerance", 0.0),
+        threshold=get("threshold_loss_scale", None),
+        min_loss_scale=get("min_loss_scale", 1e-4),
+    )
 
 
 class _FP16OptimizerMixin:
@@ -58,8 +62,10 @@ class _FP16OptimizerMixin:
         params = [p for p in params if p.requires_grad]
         half = [p for p in params if p.dtype != torch.float32 and p.is_floating_point()]
         if half:
-            raise ValueError(f"{cls.__name__}: this fork keeps parameters in fp32 and trains --fp16 under autocast; "
-                             f"got {half[0].dtype} parameters: build the model in fp32 (do not call .half())")
+            raise ValueError(
+                f"{cls.__name__}: this fork keeps parameters in fp32 and trains --fp16 under autocast; "
+                f"got {half[0].dtype} parameters: build the model in fp32 (do not call .half())"
+            )
         return cls(cfg, params, build_optimizer(cfg.optimizer, params, cfg.optimization), **kwargs)
 
     # ---- the wrapped optimizer

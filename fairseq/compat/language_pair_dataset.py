@@ -27,9 +27,16 @@ def _lengths(tensors: List[torch.Tensor], pad_idx: int) -> torch.Tensor:
     return torch.tensor([int(t.ne(pad_idx).sum()) for t in tensors], dtype=torch.long)
 
 
-def collate(samples: List[dict], pad_idx: int, eos_idx: int, left_pad_source: bool = True,
-            left_pad_target: bool = False, input_feeding: bool = True,
-            pad_to_length: Optional[Dict[str, int]] = None, pad_to_multiple: int = 1) -> dict:
+def collate(
+    samples: List[dict],
+    pad_idx: int,
+    eos_idx: int,
+    left_pad_source: bool = True,
+    left_pad_target: bool = False,
+    input_feeding: bool = True,
+    pad_to_length: Optional[Dict[str, int]] = None,
+    pad_to_multiple: int = 1,
+) -> dict:
     """Upstream's pair collater over items `{"id", "source", "target"(optional), "prev_output_tokens"(optional)}`.
 
     `pad_to_length` ({"source": S, "target": T}) sets minimum widths; widths round up to `pad_to_multiple`.
@@ -40,10 +47,15 @@ def collate(samples: List[dict], pad_idx: int, eos_idx: int, left_pad_source: bo
     pad_to_length = pad_to_length or {}
 
     def merge(key: str, left_pad: bool, move_eos_to_beginning: bool = False, width_key: Optional[str] = None):
-        return data_utils.collate_tokens([s[key] for s in samples], pad_idx, eos_idx, left_pad=left_pad,
-                                         move_eos_to_beginning=move_eos_to_beginning,
-                                         pad_to_length=pad_to_length.get(width_key),
-                                         pad_to_multiple=pad_to_multiple)
+        return data_utils.collate_tokens(
+            [s[key] for s in samples],
+            pad_idx,
+            eos_idx,
+            left_pad=left_pad,
+            move_eos_to_beginning=move_eos_to_beginning,
+            pad_to_length=pad_to_length.get(width_key),
+            pad_to_multiple=pad_to_multiple,
+        )
 
     src_lengths, order = _lengths([s["source"] for s in samples], pad_idx).sort(descending=True, stable=True)
     batch = {
@@ -81,20 +93,39 @@ class LanguagePairDataset(FairseqDataset):
     `net_input["src_lang_id"]` / `"tgt_lang_id"` ([B, 1]) to every batch.
     """
 
-    def __init__(self, src, src_sizes, src_dict, tgt=None, tgt_sizes=None, tgt_dict=None,
-                 left_pad_source: bool = True, left_pad_target: bool = False, shuffle: bool = True,
-                 input_feeding: bool = True, remove_eos_from_source: bool = False,
-                 append_eos_to_target: bool = False, append_bos: bool = False, eos: Optional[int] = None,
-                 src_lang_id: Optional[int] = None, tgt_lang_id: Optional[int] = None, pad_to_multiple: int = 1):
+    def __init__(
+        self,
+        src,
+        src_sizes,
+        src_dict,
+        tgt=None,
+        tgt_sizes=None,
+        tgt_dict=None,
+        left_pad_source: bool = True,
+        left_pad_target: bool = False,
+        shuffle: bool = True,
+        input_feeding: bool = True,
+        remove_eos_from_source: bool = False,
+        append_eos_to_target: bool = False,
+        append_bos: bool = False,
+        eos: Optional[int] = None,
+        src_lang_id: Optional[int] = None,
+        tgt_lang_id: Optional[int] = None,
+        pad_to_multiple: int = 1,
+    ):
         if tgt_dict is not None:
             for symbol in ("pad", "eos", "unk"):
                 if getattr(src_dict, symbol)() != getattr(tgt_dict, symbol)():
-                    raise ValueError(f"LanguagePairDataset: the source and target dictionaries must share the "
-                                     f"{symbol} index (source {getattr(src_dict, symbol)()}, target "
-                                     f"{getattr(tgt_dict, symbol)()})")
+                    raise ValueError(
+                        f"LanguagePairDataset: the source and target dictionaries must share the "
+                        f"{symbol} index (source {getattr(src_dict, symbol)()}, target "
+                        f"{getattr(tgt_dict, symbol)()})"
+                    )
         if tgt is not None and len(src) != len(tgt):
-            raise ValueError(f"LanguagePairDataset: source and target must hold the same number of items "
-                             f"(source {len(src)}, target {len(tgt)})")
+            raise ValueError(
+                f"LanguagePairDataset: source and target must hold the same number of items "
+                f"(source {len(src)}, target {len(tgt)})"
+            )
         if (tgt is None) != (tgt_sizes is None):
             raise ValueError("LanguagePairDataset: give tgt and tgt_sizes together (or neither)")
         self.src, self.tgt = src, tgt
@@ -115,7 +146,11 @@ class LanguagePairDataset(FairseqDataset):
         src_item = self.src[index]
         tgt_item = self.tgt[index] if self.tgt is not None else None
         tgt_dict = self.tgt_dict if self.tgt_dict is not None else self.src_dict
-        if tgt_item is not None and self.append_eos_to_target and (len(tgt_item) == 0 or tgt_item[-1] != tgt_dict.eos()):
+        if (
+            tgt_item is not None
+            and self.append_eos_to_target
+            and (len(tgt_item) == 0 or tgt_item[-1] != tgt_dict.eos())
+        ):
             tgt_item = torch.cat([tgt_item, tgt_item.new_tensor([tgt_dict.eos()])])
         if self.append_bos:
             if tgt_item is not None and (len(tgt_item) == 0 or tgt_item[0] != tgt_dict.bos()):
@@ -130,10 +165,16 @@ class LanguagePairDataset(FairseqDataset):
         return len(self.src)
 
     def collater(self, samples: List[dict], pad_to_length: Optional[Dict[str, int]] = None) -> dict:
-        batch = collate(samples, pad_idx=self.src_dict.pad(), eos_idx=self.eos,
-                        left_pad_source=self.left_pad_source, left_pad_target=self.left_pad_target,
-                        input_feeding=self.input_feeding, pad_to_length=pad_to_length,
-                        pad_to_multiple=self.pad_to_multiple)
+        batch = collate(
+            samples,
+            pad_idx=self.src_dict.pad(),
+            eos_idx=self.eos,
+            left_pad_source=self.left_pad_source,
+            left_pad_target=self.left_pad_target,
+            input_feeding=self.input_feeding,
+            pad_to_length=pad_to_length,
+            pad_to_multiple=self.pad_to_multiple,
+        )
         if batch:
             src_tokens = batch["net_input"]["src_tokens"]
             rows = src_tokens.size(0)
@@ -182,7 +223,8 @@ class LanguagePairDataset(FairseqDataset):
     @property
     def supports_prefetch(self) -> bool:
         return getattr(self.src, "supports_prefetch", False) and (
-            self.tgt is None or getattr(self.tgt, "supports_prefetch", False))
+            self.tgt is None or getattr(self.tgt, "supports_prefetch", False)
+        )
 
     def prefetch(self, indices) -> None:
         self.src.prefetch(indices)

@@ -59,16 +59,32 @@ class MultiheadAttention(FairseqIncrementalState, AttentionProjections):
     """Multi-headed attention ("Attention Is All You Need") with upstream's constructor and call (module
     docstring)."""
 
-    def __init__(self, embed_dim: int, num_heads: int, kdim: Optional[int] = None, vdim: Optional[int] = None,
-                 dropout: float = 0.0, bias: bool = True, add_bias_kv: bool = False, add_zero_attn: bool = False,
-                 self_attention: bool = False, encoder_decoder_attention: bool = False, dictionary=None,
-                 q_noise: float = 0.0, qn_block_size: int = 8, xformers_att_config: Optional[str] = None,
-                 xformers_blocksparse_layout: Optional[Tensor] = None, xformers_blocksparse_blocksize: int = 16):
+    def __init__(
+        self,
+        embed_dim: int,
+        num_heads: int,
+        kdim: Optional[int] = None,
+        vdim: Optional[int] = None,
+        dropout: float = 0.0,
+        bias: bool = True,
+        add_bias_kv: bool = False,
+        add_zero_attn: bool = False,
+        self_attention: bool = False,
+        encoder_decoder_attention: bool = False,
+        dictionary=None,
+        q_noise: float = 0.0,
+        qn_block_size: int = 8,
+        xformers_att_config: Optional[str] = None,
+        xformers_blocksparse_layout: Optional[Tensor] = None,
+        xformers_blocksparse_blocksize: int = 16,
+    ):
         quant_noise(None, q_noise, qn_block_size)  # refuses q_noise > 0
         super().__init__(embed_dim, num_heads, dropout=dropout, bias=bias, kdim=kdim, vdim=vdim)
         if self_attention and not self.qkv_same_dim:
-            raise ValueError(f"self-attention needs query, key and value of one width (embed_dim {embed_dim}, "
-                             f"kdim {self.kdim}, vdim {self.vdim})")
+            raise ValueError(
+                f"self-attention needs query, key and value of one width (embed_dim {embed_dim}, "
+                f"kdim {self.kdim}, vdim {self.vdim})"
+            )
         self.dropout_module = FairseqDropout(dropout, module_name=type(self).__name__)
         self.scaling = self.head_dim**-0.5
         self.self_attention = self_attention
@@ -106,11 +122,19 @@ class MultiheadAttention(FairseqIncrementalState, AttentionProjections):
         self.skip_embed_dim_check = True
 
     # ------------------------------------------------------------------------------------------------ forward
-    def forward(self, query: Tensor, key: Optional[Tensor], value: Optional[Tensor],
-                key_padding_mask: Optional[Tensor] = None,
-                incremental_state: Optional[Dict[str, Dict[str, Optional[Tensor]]]] = None,
-                need_weights: bool = True, static_kv: bool = False, attn_mask: Optional[Tensor] = None,
-                before_softmax: bool = False, need_head_weights: bool = False) -> Tuple[Tensor, Optional[Tensor]]:
+    def forward(
+        self,
+        query: Tensor,
+        key: Optional[Tensor],
+        value: Optional[Tensor],
+        key_padding_mask: Optional[Tensor] = None,
+        incremental_state: Optional[Dict[str, Dict[str, Optional[Tensor]]]] = None,
+        need_weights: bool = True,
+        static_kv: bool = False,
+        attn_mask: Optional[Tensor] = None,
+        before_softmax: bool = False,
+        need_head_weights: bool = False,
+    ) -> Tuple[Tensor, Optional[Tensor]]:
         need_weights = need_weights or need_head_weights
         tgt_len, bsz, embed_dim = query.size()
         if not self.skip_embed_dim_check and embed_dim != self.embed_dim:
@@ -167,8 +191,14 @@ class MultiheadAttention(FairseqIncrementalState, AttentionProjections):
         attn = attn.permute(2, 0, 1, 3).reshape(tgt_len, bsz, heads * head_dim)
         return self.out_proj(attn), weights
 
-    def _project(self, query: Tensor, key: Optional[Tensor], value: Optional[Tensor],
-                 key_padding_mask: Optional[Tensor], bsz: int):
+    def _project(
+        self,
+        query: Tensor,
+        key: Optional[Tensor],
+        value: Optional[Tensor],
+        key_padding_mask: Optional[Tensor],
+        bsz: int,
+    ):
         """(q, k, v, key_padding_mask), time first; k and v None when the cache holds them."""
         q = self.q_proj(query)
         if self.self_attention:
@@ -185,22 +215,41 @@ class MultiheadAttention(FairseqIncrementalState, AttentionProjections):
             raise ValueError("MultiheadAttention: pass key and value (or build it with self_attention=True)")
         return q, self.k_proj(key), self.v_proj(value), key_padding_mask
 
-    def _cache(self, incremental_state, saved: dict, k: Optional[Tensor], v: Optional[Tensor],
-               key_padding_mask: Optional[Tensor], static_kv: bool):
+    def _cache(
+        self,
+        incremental_state,
+        saved: dict,
+        k: Optional[Tensor],
+        v: Optional[Tensor],
+        key_padding_mask: Optional[Tensor],
+        static_kv: bool,
+    ):
         """Keys and values [B, H, S, D] with the cached ones in front (or the cached ones, static_kv), stored."""
         if "prev_key" in saved:
             prev_key, prev_value = saved["prev_key"], saved["prev_value"]
             k = prev_key if static_kv else torch.cat([prev_key, k], dim=2)
             v = prev_value if static_kv else torch.cat([prev_value, v], dim=2)
         key_padding_mask = self._append_prev_key_padding_mask(
-            key_padding_mask, saved.get("prev_key_padding_mask"), batch_size=k.size(0), src_len=k.size(2),
-            static_kv=static_kv)
+            key_padding_mask,
+            saved.get("prev_key_padding_mask"),
+            batch_size=k.size(0),
+            src_len=k.size(2),
+            static_kv=static_kv,
+        )
         saved["prev_key"], saved["prev_value"], saved["prev_key_padding_mask"] = k, v, key_padding_mask
         self._set_input_buffer(incremental_state, saved)
         return k, v, key_padding_mask
 
-    def _additive_mask(self, attn_mask: Optional[Tensor], key_padding_mask: Optional[Tensor], bsz: int,
-                       tgt_len: int, src_len: int, dtype: torch.dtype, device) -> Optional[Tensor]:
+    def _additive_mask(
+        self,
+        attn_mask: Optional[Tensor],
+        key_padding_mask: Optional[Tensor],
+        bsz: int,
+        tgt_len: int,
+        src_len: int,
+        dtype: torch.dtype,
+        device,
+    ) -> Optional[Tensor]:
         """attn_mask, key_padding_mask and the block-sparse layout as one mask added to the scores
         [B or 1, H or 1, T, S]; None without any."""
         mask = None
@@ -209,12 +258,19 @@ class MultiheadAttention(FairseqIncrementalState, AttentionProjections):
                 mask = attn_mask.to(dtype)
             else:
                 mask = torch.zeros(attn_mask.shape, dtype=dtype, device=device).masked_fill(
-                    attn_mask.to(torch.bool), float("-inf"))
-            mask = mask.view(bsz, self.num_heads, tgt_len, src_len) if mask.dim() == 3 else mask.view(
-                1, 1, tgt_len, src_len)
+                    attn_mask.to(torch.bool), float("-inf")
+                )
+            mask = (
+                mask.view(bsz, self.num_heads, tgt_len, src_len)
+                if mask.dim() == 3
+                else mask.view(1, 1, tgt_len, src_len)
+            )
         if key_padding_mask is not None:
-            padding = torch.zeros(key_padding_mask.shape, dtype=dtype, device=device).masked_fill(
-                key_padding_mask.to(torch.bool), float("-inf")).view(bsz, 1, 1, src_len)
+            padding = (
+                torch.zeros(key_padding_mask.shape, dtype=dtype, device=device)
+                .masked_fill(key_padding_mask.to(torch.bool), float("-inf"))
+                .view(bsz, 1, 1, src_len)
+            )
             mask = padding if mask is None else mask + padding
         if self.blocksparse_layout is not None:
             blocks = self._blocksparse_mask(tgt_len, src_len, dtype, device)
@@ -225,16 +281,23 @@ class MultiheadAttention(FairseqIncrementalState, AttentionProjections):
         size = self.blocksparse_blocksize
         layout = self.blocksparse_layout.to(device)
         if layout.size(-2) * size < tgt_len or layout.size(-1) * size < src_len:
-            raise ValueError(f"xformers_blocksparse_layout {tuple(layout.shape)} of blocks of {size} does not cover "
-                             f"{tgt_len} queries x {src_len} keys")
+            raise ValueError(
+                f"xformers_blocksparse_layout {tuple(layout.shape)} of blocks of {size} does not cover "
+                f"{tgt_len} queries x {src_len} keys"
+            )
         keep = torch.kron(layout.ne(0).to(torch.int32), torch.ones(size, size, dtype=torch.int32, device=device))
         keep = keep[..., :tgt_len, :src_len].to(torch.bool)
         return torch.zeros(keep.shape, dtype=dtype, device=device).masked_fill(~keep, float("-inf"))
 
     # ------------------------------------------------------------------------------- upstream's helpers
     @staticmethod
-    def _append_prev_key_padding_mask(key_padding_mask: Optional[Tensor], prev_key_padding_mask: Optional[Tensor],
-                                      batch_size: int, src_len: int, static_kv: bool) -> Optional[Tensor]:
+    def _append_prev_key_padding_mask(
+        key_padding_mask: Optional[Tensor],
+        prev_key_padding_mask: Optional[Tensor],
+        batch_size: int,
+        src_len: int,
+        static_kv: bool,
+    ) -> Optional[Tensor]:
         """The padding mask [B, src_len] of the cached keys followed by the new ones (float, 1 = padding): a
         missing part counts as no padding; with `static_kv` the cached mask as it is."""
         if prev_key_padding_mask is not None and static_kv:
@@ -257,11 +320,13 @@ class MultiheadAttention(FairseqIncrementalState, AttentionProjections):
             attn_mask = torch.cat([attn_mask, attn_mask.new_zeros(attn_mask.shape[:-1] + (1,))], dim=-1)
         if key_padding_mask is not None:
             key_padding_mask = torch.cat(
-                [key_padding_mask, key_padding_mask.new_zeros(key_padding_mask.size(0), 1)], dim=1)
+                [key_padding_mask, key_padding_mask.new_zeros(key_padding_mask.size(0), 1)], dim=1
+            )
         return key_padding_mask, attn_mask
 
-    def _add_bias(self, k: Tensor, v: Tensor, key_padding_mask: Optional[Tensor], attn_mask: Optional[Tensor],
-                  bsz: int):
+    def _add_bias(
+        self, k: Tensor, v: Tensor, key_padding_mask: Optional[Tensor], attn_mask: Optional[Tensor], bsz: int
+    ):
         """`add_bias_kv`: the learned key and value appended to every row ([S, B, C] in, [S + 1, B, C] out)."""
         k = torch.cat([k, self.bias_k.repeat(1, bsz, 1)])
         v = torch.cat([v, self.bias_v.repeat(1, bsz, 1)])
@@ -276,6 +341,7 @@ class MultiheadAttention(FairseqIncrementalState, AttentionProjections):
     def _get_reserve_head_index(self, num_heads_to_keep: int) -> List[Tuple[int, int]]:
         """(start, end) rows of the `num_heads_to_keep` heads with the largest summed |weights| + |biases| of
         q, k and v, largest first."""
+
         def norm(proj, rows):
             total = proj.weight[rows].abs().sum()
             return (total + (proj.bias[rows].abs().sum() if proj.bias is not None else 0)).item()

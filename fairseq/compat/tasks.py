@@ -22,8 +22,9 @@ class LegacyFairseqTask(FairseqTask):
         return cls(args, **kwargs)
 
     @classmethod
-    def build_dictionary(cls, filenames, workers: int = 1, threshold: int = -1, nwords: int = -1,
-                         padding_factor: int = 8) -> Dictionary:
+    def build_dictionary(
+        cls, filenames, workers: int = 1, threshold: int = -1, nwords: int = -1, padding_factor: int = 8
+    ) -> Dictionary:
         """Upstream's hook: a dictionary counted over the words of text files, finalized (fairseq-preprocess
         counts through fairseq.preprocessing.binarizer instead)."""
         d = Dictionary()

@@ -38,9 +38,14 @@ class UpstreamTrainerMethods:
         self.step_epoch_end(epoch, val_loss)
         return self.get_lr()
 
-    def load_checkpoint(self, filename: str, reset_optimizer: bool = False, reset_lr_scheduler: bool = False,
-                        optimizer_overrides: Optional[Dict[str, Any]] = None, reset_meters: bool = False
-                        ) -> Optional[Dict[str, Any]]:
+    def load_checkpoint(
+        self,
+        filename: str,
+        reset_optimizer: bool = False,
+        reset_lr_scheduler: bool = False,
+        optimizer_overrides: Optional[Dict[str, Any]] = None,
+        reset_meters: bool = False,
+    ) -> Optional[Dict[str, Any]]:
         """Upstream's: load the checkpoint `filename` (a file or sharded directory) into model, optimizer and
         this trainer (the --reset-* semantics of fairseq-train) and, when it was written mid-epoch and
         `reset_meters` is off, the meters. Returns its extra_state ("train_iterator", "val_loss", "best", ...;
@@ -55,22 +60,41 @@ class UpstreamTrainerMethods:
             logger.info(f"no existing checkpoint found {filename}")
             return None
         manager = self.checkpoint_manager
-        saved = manager.restore(self, path, Resets(optimizer=reset_optimizer, lr_scheduler=reset_lr_scheduler,
-                                                   meters=reset_meters), optimizer_overrides)
+        saved = manager.restore(
+            self,
+            path,
+            Resets(optimizer=reset_optimizer, lr_scheduler=reset_lr_scheduler, meters=reset_meters),
+            optimizer_overrides,
+        )
         if reset_optimizer or reset_meters:  # upstream's rule: a fine-tuning start does not inherit the best value
             manager.best = None
         restore_saved_meters(saved, metrics)  # (reset_meters: restore left them out)
         return saved.extra_state
 
-    def get_train_iterator(self, epoch: int, combine: bool = True, load_dataset: bool = True, data_selector=None,
-                           shard_batch_itr: bool = True, disable_iterator_cache: bool = False):
+    def get_train_iterator(
+        self,
+        epoch: int,
+        combine: bool = True,
+        load_dataset: bool = True,
+        data_selector=None,
+        shard_batch_itr: bool = True,
+        disable_iterator_cache: bool = False,
+    ):
         """Upstream's: the training batch iterator of `epoch` (fairseq.training.batch_iterators.trainer_iterator, as
         fairseq-train builds it; `combine` reads train, train1, ... as one split)."""
         from fairseq.training.batch_iterators import trainer_iterator
 
-        return trainer_iterator(self.cfg, self.task, self, epoch, combine=combine, load_dataset=load_dataset,
-                                data_selector=data_selector, shard=shard_batch_itr,
-                                disable_iterator_cache=disable_iterator_cache)
+        return trainer_iterator(
+            self.cfg,
+            self.task,
+            self,
+            epoch,
+            combine=combine,
+            load_dataset=load_dataset,
+            data_selector=data_selector,
+            shard=shard_batch_itr,
+            disable_iterator_cache=disable_iterator_cache,
+        )
 
 
 class Trainer(UpstreamTrainerMethods, _core.Trainer):

@@ -35,6 +35,7 @@ def item(value):
 
 # ------------------------------------------------------------------------------------------ tensors
 
+
 def make_positions(tensor: torch.Tensor, padding_idx: int, onnx_trace: bool = False) -> torch.Tensor:
     """Position ids: padding_idx + 1, + 2, ... over non-pad tokens, padding_idx at pads (upstream's rule)."""
     from fairseq.modules.positional_embedding import make_positions as positions
@@ -51,8 +52,9 @@ def buffered_arange(max: int) -> torch.Tensor:
     return torch.arange(max)
 
 
-def convert_padding_direction(src_tokens: torch.Tensor, padding_idx: int, right_to_left: bool = False,
-                              left_to_right: bool = False) -> torch.Tensor:
+def convert_padding_direction(
+    src_tokens: torch.Tensor, padding_idx: int, right_to_left: bool = False, left_to_right: bool = False
+) -> torch.Tensor:
     """Move each row's padding from the left to the right (`left_to_right`) or the other way."""
     if right_to_left == left_to_right:
         raise ValueError("convert_padding_direction: pass exactly one of right_to_left, left_to_right")
@@ -67,8 +69,11 @@ def convert_padding_direction(src_tokens: torch.Tensor, padding_idx: int, right_
     num_pads = pad_mask.long().sum(dim=1, keepdim=True)
     positions = torch.arange(max_len, device=src_tokens.device).expand_as(src_tokens)
     # a row rotates by its number of pads: left pads move to the end, or right pads to the front
-    index = torch.remainder(positions + num_pads, max_len) if left_to_right else \
-        torch.remainder(positions - num_pads, max_len)
+    index = (
+        torch.remainder(positions + num_pads, max_len)
+        if left_to_right
+        else torch.remainder(positions - num_pads, max_len)
+    )
     return src_tokens.gather(1, index)
 
 
@@ -113,6 +118,7 @@ def has_parameters(module: torch.nn.Module) -> bool:
 
 # ------------------------------------------------------------------------------------------ samples
 
+
 def apply_to_sample(f: Callable, sample):
     """`f` applied to every tensor of a (nested dict / list / tuple / set) sample; an empty one is kept."""
     if hasattr(sample, "__len__") and len(sample) == 0:
@@ -141,11 +147,11 @@ def move_to_cuda(sample, device: Optional[torch.device] = None):
 
 def move_to_cpu(sample):
     # fp16 tensors become fp32 on the CPU, as upstream (CPU half ops are slow or missing)
-    return apply_to_sample(lambda t: t.cpu().float() if t.dtype in (torch.float16, torch.bfloat16) else t.cpu(),
-                           sample)
+    return apply_to_sample(lambda t: t.cpu().float() if t.dtype in (torch.float16, torch.bfloat16) else t.cpu(), sample)
 
 
 # ----------------------------------------------------------------------------------- random state
+
 
 def get_rng_state() -> dict:
     state = {"torch_rng_state": torch.get_rng_state()}
@@ -179,6 +185,7 @@ class set_torch_seed:
 
 
 # ------------------------------------------------------------------------------ positions, configs
+
 
 def split_paths(paths: str, separator: str = os.pathsep) -> List[str]:
     """DATA's directories (`path1:path2`); a URL (`s3://...`) is split on `|` instead, as upstream."""

@@ -29,9 +29,11 @@ def adaptive_softmax_of(model):
     """The adaptive softmax of `model`, or a ValueError saying how to get one."""
     adaptive_softmax = getattr(getattr(model, "decoder", None), "adaptive_softmax", None)
     if adaptive_softmax is None:
-        raise ValueError("--criterion adaptive_loss needs a model with an adaptive softmax: pass "
-                         "--adaptive-softmax-cutoff (e.g. 20000,60000) or --arch transformer_lm_wiki103, or use "
-                         "--criterion cross_entropy")
+        raise ValueError(
+            "--criterion adaptive_loss needs a model with an adaptive softmax: pass "
+            "--adaptive-softmax-cutoff (e.g. 20000,60000) or --arch transformer_lm_wiki103, or use "
+            "--criterion cross_entropy"
+        )
     return adaptive_softmax
 
 

@@ -93,8 +93,9 @@ def chunk_rows(vocab_size: int, chunk_elements: int = FP32_CHUNK_ELEMENTS) -> in
     return max(1, chunk_elements // vocab_size)
 
 
-def token_cross_entropy(logits: torch.Tensor, target: torch.Tensor, ignore_index: int,
-                        chunk_elements: int = FP32_CHUNK_ELEMENTS) -> torch.Tensor:
+def token_cross_entropy(
+    logits: torch.Tensor, target: torch.Tensor, ignore_index: int, chunk_elements: int = FP32_CHUNK_ELEMENTS
+) -> torch.Tensor:
     """Per-token cross-entropy in nats (fp32, 0 at `ignore_index`) of [N, V] logits in any float dtype: the
     values of `F.cross_entropy(logits.float(), target, reduction="none")` without an fp32 [N, V] tensor.
 
@@ -109,8 +110,9 @@ def token_cross_entropy(logits: torch.Tensor, target: torch.Tensor, ignore_index
     return chunked_token_cross_entropy(logits, target, ignore_index, chunk_elements)
 
 
-def chunked_token_cross_entropy(logits: torch.Tensor, target: torch.Tensor, ignore_index: int,
-                                chunk_elements: int = FP32_CHUNK_ELEMENTS) -> torch.Tensor:
+def chunked_token_cross_entropy(
+    logits: torch.Tensor, target: torch.Tensor, ignore_index: int, chunk_elements: int = FP32_CHUNK_ELEMENTS
+) -> torch.Tensor:
     """token_cross_entropy's eager path, on any device (see there)."""
     return _ChunkedCrossEntropy.apply(logits, target, ignore_index, chunk_rows(logits.size(-1), chunk_elements))
 

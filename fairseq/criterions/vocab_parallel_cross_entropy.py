@@ -49,14 +49,20 @@ class _LossParallelCrossEntropy(torch.autograd.Function):
         total = torch.zeros((), dtype=torch.float32, device=grad.device if want_grad else target.device)
         with torch.enable_grad(), loss_parallel():
             for start in range(0, logits.size(0), rows):
-                chunk = logits[start:start + rows].detach().requires_grad_(want_grad)
-                loss = F.cross_entropy(chunk.float(), target[start:start + rows], ignore_index=ignore_index,
-                                       reduction="sum")
+                chunk = logits[start : start + rows].detach().requires_grad_(want_grad)
+                loss = F.cross_entropy(
+                    chunk.float(), target[start : start + rows], ignore_index=ignore_index, reduction="sum"
+                )
                 if want_grad:
-                    grad[start:start + rows] = torch.autograd.grad(loss, chunk)[0].to_local()
+                    grad[start : start + rows] = torch.autograd.grad(loss, chunk)[0].to_local()
                 total += loss.detach().to_local()
-        ctx.grad = None if grad is None else DTensor.from_local(
-            grad, logits.device_mesh, logits.placements, shape=logits.shape, stride=logits.stride())
+        ctx.grad = (
+            None
+            if grad is None
+            else DTensor.from_local(
+                grad, logits.device_mesh, logits.placements, shape=logits.shape, stride=logits.stride()
+            )
+        )
         return total
 
     @staticmethod
@@ -65,8 +71,12 @@ class _LossParallelCrossEntropy(torch.autograd.Function):
 
         grad, ctx.grad = ctx.grad, None
         local = grad.to_local().mul_(grad_loss.to(grad.dtype))
-        return (DTensor.from_local(local, grad.device_mesh, grad.placements, shape=grad.shape, stride=grad.stride()),
-                None, None, None)
+        return (
+            DTensor.from_local(local, grad.device_mesh, grad.placements, shape=grad.shape, stride=grad.stride()),
+            None,
+            None,
+            None,
+        )
 
 
 def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, ignore_index: int) -> torch.Tensor:
@@ -96,6 +106,10 @@ class VocabParallelCrossEntropyCriterion(CrossEntropyCriterion):
         nsentences = target.size(0)
         ntokens = sample["ntokens"]
         sample_size = nsentences if self.sentence_avg else ntokens
-        logging_output = {"loss": loss.detach(), "ntokens": ntokens, "nsentences": nsentences,
-                          "sample_size": sample_size}
+        logging_output = {
+            "loss": loss.detach(),
+            "ntokens": ntokens,
+            "nsentences": nsentences,
+            "sample_size": sample_size,
+        }
         return loss, sample_size, logging_output

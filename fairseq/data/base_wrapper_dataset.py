@@ -49,8 +49,12 @@ class BaseWrapperDataset(FairseqDataset):
         return self.dataset.get_batch_shapes()
 
     def batch_by_size(self, indices, max_tokens=None, max_sentences=None, required_batch_size_multiple=1):
-        return self.dataset.batch_by_size(indices, max_tokens=max_tokens, max_sentences=max_sentences,
-                                          required_batch_size_multiple=required_batch_size_multiple)
+        return self.dataset.batch_by_size(
+            indices,
+            max_tokens=max_tokens,
+            max_sentences=max_sentences,
+            required_batch_size_multiple=required_batch_size_multiple,
+        )
 
     def filter_indices_by_size(self, indices, max_sizes):
         return self.dataset.filter_indices_by_size(indices, max_sizes)

@@ -46,7 +46,7 @@ class Batches:
         if not -len(self) <= i < len(self):
             raise IndexError(f"batch {i} out of range ({len(self)} batches)")
         i %= len(self)
-        return self.indices[self.bounds[i]: self.bounds[i + 1]]
+        return self.indices[self.bounds[i] : self.bounds[i + 1]]
 
     def __iter__(self) -> Iterator[np.ndarray]:
         for i in range(len(self)):
@@ -76,7 +76,7 @@ def _fit_counts(sizes: np.ndarray, max_tokens: int, max_sentences: int) -> np.nd
     counts = np.zeros(n, dtype=np.int64)
     for a in range(0, n, _CHUNK):
         b = min(n, a + _CHUNK)
-        segment = sizes[a: min(n, b + window)].astype(np.int64)
+        segment = sizes[a : min(n, b + window)].astype(np.int64)
         tables = [segment]  # tables[j][p] = max(segment[p : p + 2**j])
         for j in range(1, levels):
             prev, half = tables[-1], 1 << (j - 1)
@@ -100,8 +100,13 @@ def _fit_counts(sizes: np.ndarray, max_tokens: int, max_sentences: int) -> np.nd
     return counts
 
 
-def batch_by_size(indices, num_tokens, max_tokens: Optional[int] = None, max_sentences: Optional[int] = None,
-                  required_batch_size_multiple: int = 1) -> Batches:
+def batch_by_size(
+    indices,
+    num_tokens,
+    max_tokens: Optional[int] = None,
+    max_sentences: Optional[int] = None,
+    required_batch_size_multiple: int = 1,
+) -> Batches:
     """Group `indices` (in the given order) into batches; `num_tokens[k]` is the size of `indices[k]`.
 
     Items larger than `max_tokens` must have been filtered out before (see `filter_by_size`).
@@ -118,8 +123,10 @@ def batch_by_size(indices, num_tokens, max_tokens: Optional[int] = None, max_sen
         return Batches(indices, np.zeros(1, dtype=np.int64))
     if max_tokens > 0 and sizes.max() > max_tokens:
         k = int(np.argmax(sizes > max_tokens))
-        raise ValueError(f"item {int(indices[k])} has {int(sizes[k])} tokens, more than --max-tokens {max_tokens}; "
-                         "raise --max-tokens or pass --skip-invalid-size-inputs-valid-test to skip such items")
+        raise ValueError(
+            f"item {int(indices[k])} has {int(sizes[k])} tokens, more than --max-tokens {max_tokens}; "
+            "raise --max-tokens or pass --skip-invalid-size-inputs-valid-test to skip such items"
+        )
     fit = _fit_counts(sizes, max_tokens, max_sentences)
     take = np.where(fit < multiple, fit, fit - fit % multiple)
     next_start = np.arange(n, dtype=np.int64) + take
@@ -135,8 +142,9 @@ def batch_by_size(indices, num_tokens, max_tokens: Optional[int] = None, max_sen
 POSITIONS_FLAGS = "--tokens-per-sample / --max-target-positions"
 
 
-def filter_by_size(indices, sizes, limit: Optional[int], ignore_invalid: bool,
-                   flag: str = POSITIONS_FLAGS) -> Tuple[np.ndarray, np.ndarray]:
+def filter_by_size(
+    indices, sizes, limit: Optional[int], ignore_invalid: bool, flag: str = POSITIONS_FLAGS
+) -> Tuple[np.ndarray, np.ndarray]:
     """Drop indices whose size exceeds `limit`; without `ignore_invalid`, fail naming `flag` instead.
 
     Returns (kept indices, dropped indices). `sizes` is indexed by dataset index.
@@ -167,9 +175,15 @@ def collect_filtered(function: Callable, iterable, filtered: list):
             filtered.append(item)
 
 
-def upstream_batch_by_size(indices, num_tokens_fn: Optional[Callable[[int], int]] = None, num_tokens_vec=None,
-                           max_tokens: Optional[int] = None, max_sentences: Optional[int] = None,
-                           required_batch_size_multiple: int = 1, fixed_shapes=None) -> List[np.ndarray]:
+def upstream_batch_by_size(
+    indices,
+    num_tokens_fn: Optional[Callable[[int], int]] = None,
+    num_tokens_vec=None,
+    max_tokens: Optional[int] = None,
+    max_sentences: Optional[int] = None,
+    required_batch_size_multiple: int = 1,
+    fixed_shapes=None,
+) -> List[np.ndarray]:
     """Upstream's signature over `fairseq.data.batching.batch_by_size` (the same batches): a list of index
     arrays. `num_tokens_vec` (sizes of `indices`, in their order) or else `num_tokens_fn(index)` gives sizes."""
     if fixed_shapes is not None:
@@ -179,10 +193,14 @@ def upstream_batch_by_size(indices, num_tokens_fn: Optional[Callable[[int], int]
         if num_tokens_fn is None:
             raise ValueError("batch_by_size needs num_tokens_fn or num_tokens_vec")
         num_tokens_vec = np.fromiter((num_tokens_fn(int(i)) for i in indices), dtype=np.int64, count=len(indices))
-    batches = batch_by_size(indices.astype(np.int64), np.asarray(num_tokens_vec, dtype=np.int64),
-                            max_tokens=max_tokens, max_sentences=max_sentences,
-                            required_batch_size_multiple=required_batch_size_multiple)
-    return [indices[batches.bounds[b]: batches.bounds[b + 1]] for b in range(len(batches))]
+    batches = batch_by_size(
+        indices.astype(np.int64),
+        np.asarray(num_tokens_vec, dtype=np.int64),
+        max_tokens=max_tokens,
+        max_sentences=max_sentences,
+        required_batch_size_multiple=required_batch_size_multiple,
+    )
+    return [indices[batches.bounds[b] : batches.bounds[b + 1]] for b in range(len(batches))]
 
 
 def _fits(size, limit) -> bool:
@@ -209,8 +227,7 @@ def filter_by_size_limits(indices, dataset, max_sizes) -> Tuple[np.ndarray, list
         too_long = sizes[indices] > max_sizes
         return indices[~too_long], indices[too_long].tolist()
     ignored: list = []
-    kept = np.fromiter(collect_filtered(lambda i: _fits(dataset.size(i), max_sizes), indices, ignored),
-                       dtype=np.int64)
+    kept = np.fromiter(collect_filtered(lambda i: _fits(dataset.size(i), max_sizes), indices, ignored), dtype=np.int64)
     return kept, ignored
 
 
@@ -260,9 +277,11 @@ class SizeFilterReport:
         that gave the token budget (e.g. --max-tokens-valid)."""
         if self.flag == "--max-tokens":
             return f"raise {token_flag} to at least {self.longest} (the longest item)"
-        return (f"let the model take longer items (--max-target-positions at least {self.longest}, the longest "
-                f"item) or make the items shorter (--tokens-per-sample at most {self.limit}, or --shorten-method "
-                "truncate)")
+        return (
+            f"let the model take longer items (--max-target-positions at least {self.longest}, the longest "
+            f"item) or make the items shorter (--tokens-per-sample at most {self.limit}, or --shorten-method "
+            "truncate)"
+        )
 
 
 def resolve_limit(*limits: Union[int, None, Tuple]) -> Optional[int]:
@@ -278,6 +297,7 @@ def resolve_limit(*limits: Union[int, None, Tuple]) -> Optional[int]:
 
 def _match_types(a, b):
     """A number next to a tuple (or dict) becomes one of the same shape."""
+
     def upgrade(number, structure):
         if isinstance(structure, tuple):
             return tuple([number] * len(structure))
@@ -295,6 +315,7 @@ def _match_types(a, b):
 def resolve_max_positions(*args):
     """The tightest of several max-positions limits (None: no limit), in the type of the limits given:
     numbers take the minimum, tuples the element-wise minimum, dicts per key (upstream's rule)."""
+
     def nullsafe_min(values):
         present = [v for v in values if v is not None]
         return min(present) if present else None

@@ -34,8 +34,15 @@ def generation_start_positions(task_cfg) -> int:
     return 1 if mode == "none" or task_adds_bos(task_cfg) else 0
 
 
-def check_blocks_fit(sizes, max_positions: Optional[int], split: str, task_cfg, context_window: int = 0,
-                     other_fix: str = "", generation: bool = False) -> None:
+def check_blocks_fit(
+    sizes,
+    max_positions: Optional[int],
+    split: str,
+    task_cfg,
+    context_window: int = 0,
+    other_fix: str = "",
+    generation: bool = False,
+) -> None:
     """ValueError when the longest block of `split` (`sizes`: tokens per block, `<s>` not counted, as in
     training) plus `context_window` is longer than `max_positions`. `task_cfg` holds the --tokens-per-sample
     the blocks were cut with (without the context window) and --sample-break-mode; `other_fix` is a further
@@ -53,8 +60,14 @@ def check_blocks_fit(sizes, max_positions: Optional[int], split: str, task_cfg, 
     if mode != "eos" and tokens_per_sample is not None and block <= tokens_per_sample:
         # the block is as long as --tokens-per-sample made it
         given = tokens_per_sample + context_window
-        window = (f" (blocks of {tokens_per_sample} tokens read after up to --context-window {context_window} "
-                  "tokens of context)") if context_window else ""
+        window = (
+            (
+                f" (blocks of {tokens_per_sample} tokens read after up to --context-window {context_window} "
+                "tokens of context)"
+            )
+            if context_window
+            else ""
+        )
         smaller = ", with a --context-window smaller than it" if context_window else ""
         index = f"sample {longest} of {split!r} has {block} tokens"
         if start:
@@ -63,9 +76,12 @@ def check_blocks_fit(sizes, max_positions: Optional[int], split: str, task_cfg, 
                 f"--tokens-per-sample {given} makes prompts that need {block + start} positions with the {token} "
                 f"generation starts from ({index}; a prompt is the token before its block and all of the block but "
                 f"its last token), more than {model}: pass --tokens-per-sample {max_positions - start} or "
-                f"less{other_fix}, or --skip-invalid-size-inputs-valid-test to skip such samples")
-        raise ValueError(f"--tokens-per-sample {given}{window} is more than {model}: {index}; pass "
-                         f"--tokens-per-sample {max_positions} or less{smaller}{other_fix}")
+                f"less{other_fix}, or --skip-invalid-size-inputs-valid-test to skip such samples"
+            )
+        raise ValueError(
+            f"--tokens-per-sample {given}{window} is more than {model}: {index}; pass "
+            f"--tokens-per-sample {max_positions} or less{smaller}{other_fix}"
+        )
     # a line longer than the block size: --sample-break-mode keeps it whole
     context = f" plus --context-window {context_window} tokens of context" if context_window else ""
     context += " plus the token generation starts from" if start else ""
@@ -74,4 +90,5 @@ def check_blocks_fit(sizes, max_positions: Optional[int], split: str, task_cfg, 
         f"sample {longest} of {split!r} is one line of {block} tokens{context} (--sample-break-mode {mode} keeps "
         f"lines whole), more than {model}: pass --sample-break-mode none to cut the text into blocks of "
         f"--tokens-per-sample {blocks} or less{other_fix}, or "
-        "--skip-invalid-size-inputs-valid-test to skip such lines")
+        "--skip-invalid-size-inputs-valid-test to skip such lines"
+    )

@@ -36,8 +36,9 @@ SAMPLE_WINDOW_TOKENS = 1 << 18
 UINT16_MAX_VOCAB = 65500
 
 
-def load_indexed_dataset(path: str, dictionary=None, dataset_impl: Optional[str] = None,
-                         combine: bool = False, expect_all_ids: bool = False):
+def load_indexed_dataset(
+    path: str, dictionary=None, dataset_impl: Optional[str] = None, combine: bool = False, expect_all_ids: bool = False
+):
     """Open the MMIDIDX dataset at prefix `path` (`path.bin` + `path.idx`), or return None if absent.
     With `combine` (--combine-valid-subsets), `path1`, `path2`, ... follow it as one ConcatDataset.
 
@@ -73,12 +74,12 @@ def _token_windows(tokens: np.ndarray):
     n = len(tokens)
     if n <= FULL_SCAN_MAX_TOKENS:
         for start in range(0, n, 1 << 24):
-            yield tokens[start: start + (1 << 24)]
+            yield tokens[start : start + (1 << 24)]
         return
     last = n - SAMPLE_WINDOW_TOKENS
     for k in range(SAMPLE_WINDOWS):
         start = last * k // (SAMPLE_WINDOWS - 1)
-        yield tokens[start: start + SAMPLE_WINDOW_TOKENS]
+        yield tokens[start : start + SAMPLE_WINDOW_TOKENS]
 
 
 def _file_key(bin_path: str) -> Tuple[str, int, int]:
@@ -98,8 +99,9 @@ def _scan_ids(dataset: MMapIndexedDataset, key) -> Tuple[int, int, bool]:
     return _scanned_datasets[key]
 
 
-def check_dictionary_matches(dataset: MMapIndexedDataset, dictionary, dict_name: Optional[str] = None,
-                             expect_all_ids: bool = False) -> None:
+def check_dictionary_matches(
+    dataset: MMapIndexedDataset, dictionary, dict_name: Optional[str] = None, expect_all_ids: bool = False
+) -> None:
     """Raise if `dataset` cannot have been binarized with `dictionary`; with `expect_all_ids`, warn if the
     dictionary looks larger than the one it was binarized with.
 
@@ -168,10 +170,16 @@ def _warn_if_unused_entries(bin_path: str, max_id: int, dictionary, where: str) 
     )
 
 
-def collate_tokens(values: Sequence[torch.Tensor], pad_idx: int, eos_idx: Optional[int] = None,
-                   left_pad: bool = False, move_eos_to_beginning: bool = False,
-                   pad_to_length: Optional[int] = None, pad_to_multiple: int = 1,
-                   pad_to_bsz: Optional[int] = None) -> torch.Tensor:
+def collate_tokens(
+    values: Sequence[torch.Tensor],
+    pad_idx: int,
+    eos_idx: Optional[int] = None,
+    left_pad: bool = False,
+    move_eos_to_beginning: bool = False,
+    pad_to_length: Optional[int] = None,
+    pad_to_multiple: int = 1,
+    pad_to_bsz: Optional[int] = None,
+) -> torch.Tensor:
     """Stack 1-D tensors into a [B, T] tensor filled with `pad_idx` (right padding unless `left_pad`).
 
     `move_eos_to_beginning` rotates each row's last token (or `eos_idx`) to the front, as for
@@ -188,7 +196,7 @@ def collate_tokens(values: Sequence[torch.Tensor], pad_idx: int, eos_idx: Option
     out = values[0].new_full((rows, width), pad_idx)
     for i, v in enumerate(values):
         n = v.size(0)
-        dst = out[i, width - n:] if left_pad else out[i, :n]
+        dst = out[i, width - n :] if left_pad else out[i, :n]
         if move_eos_to_beginning:
             if n == 0:
                 continue
@@ -222,7 +230,10 @@ def numpy_seed(seed: Optional[int], *addl_seeds: int):
 
 # Upstream's batching and size-filtering helpers live with the batcher, below FairseqDataset, which uses them.
 from fairseq.data.batching import (  # noqa: E402,F401
-    collect_filtered, filter_by_size_limits, upstream_batch_by_size as batch_by_size)
+    collect_filtered,
+    filter_by_size_limits,
+    upstream_batch_by_size as batch_by_size,
+)
 
 
 # Upstream's pattern for extra validation splits ("valid1.bin", "valid_2.idx", ...) next to the data.
@@ -248,6 +259,8 @@ def raise_if_valid_subsets_unintentionally_ignored(train_cfg) -> None:
     specified = set(ds.valid_subset.split(","))
     ignored = sorted(p for p in find_extra_valid_paths(data) if p not in specified)
     if ignored:
-        raise ValueError(f"validation splits {ignored} in DATA are not in --valid-subset {ds.valid_subset} and would "
-                         "be ignored; pass --combine-valid-subsets to validate on them together with each subset, "
-                         "add them to --valid-subset, or pass --ignore-unused-valid-subsets")
+        raise ValueError(
+            f"validation splits {ignored} in DATA are not in --valid-subset {ds.valid_subset} and would "
+            "be ignored; pass --combine-valid-subsets to validate on them together with each subset, "
+            "add them to --valid-subset, or pass --ignore-unused-valid-subsets"
+        )

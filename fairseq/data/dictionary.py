@@ -31,8 +31,15 @@ def tokenize_line(line: str) -> List[str]:
 class Dictionary:
     """A mapping from symbols to consecutive integers, with upstream fairseq's special symbols."""
 
-    def __init__(self, *, bos: str = "<s>", pad: str = "<pad>", eos: str = "</s>", unk: str = "<unk>",
-                 extra_special_symbols: Optional[Iterable[str]] = None):
+    def __init__(
+        self,
+        *,
+        bos: str = "<s>",
+        pad: str = "<pad>",
+        eos: str = "</s>",
+        unk: str = "<unk>",
+        extra_special_symbols: Optional[Iterable[str]] = None,
+    ):
         self.bos_word, self.pad_word, self.eos_word, self.unk_word = bos, pad, eos, unk
         self.symbols: List[str] = []
         self.count: List[int] = []
@@ -129,7 +136,7 @@ class Dictionary:
         new_count = self.count[: self.nspecial]
         new_indices = {s: i for i, s in enumerate(new_symbols)}
         # dict() over (symbol, count) pairs sorted by symbol: a duplicated symbol keeps its last entry.
-        counts = Counter(dict(sorted(zip(self.symbols[self.nspecial:], self.count[self.nspecial:]))))
+        counts = Counter(dict(sorted(zip(self.symbols[self.nspecial :], self.count[self.nspecial :]))))
         for symbol, count in counts.most_common(nwords - self.nspecial):
             if count < threshold:
                 break  # most_common is sorted, so every later count is below the threshold too
@@ -140,8 +147,7 @@ class Dictionary:
         self.pad_to_multiple_(padding_factor)
 
     @staticmethod
-    def add_file_to_dictionary(filename: str, dict: "Dictionary", tokenize=tokenize_line,
-                               num_workers: int = 1) -> None:
+    def add_file_to_dictionary(filename: str, dict: "Dictionary", tokenize=tokenize_line, num_workers: int = 1) -> None:
         """Upstream's: add the words of a text file to `dict` (one `</s>` per line), counted by
         `num_workers` processes; symbols are added in sorted order, as upstream adds each count."""
         if tokenize is tokenize_line:  # the fast counter of fairseq-preprocess (the same whitespace split)
@@ -218,14 +224,21 @@ class Dictionary:
             return
         seen = set(self.symbols[: self.nspecial])
         lines = []
-        for word, count in zip(self.symbols[self.nspecial:], self.count[self.nspecial:]):
+        for word, count in zip(self.symbols[self.nspecial :], self.count[self.nspecial :]):
             lines.append(f"{word} {count} {OVERWRITE_FLAG}\n" if word in seen else f"{word} {count}\n")
             seen.add(word)
         f.write("".join(lines))
 
     # ---- encoding -----------------------------------------------------------------------------------
-    def encode_line(self, line: str, line_tokenizer=tokenize_line, add_if_not_exist: bool = False,
-                    consumer=None, append_eos: bool = True, reverse_order: bool = False) -> torch.IntTensor:
+    def encode_line(
+        self,
+        line: str,
+        line_tokenizer=tokenize_line,
+        add_if_not_exist: bool = False,
+        consumer=None,
+        append_eos: bool = True,
+        reverse_order: bool = False,
+    ) -> torch.IntTensor:
         """Token ids of a line split on whitespace, followed by `</s>`; unknown words become `<unk>`
         (or are added, with `add_if_not_exist`). `consumer(word, idx)` is called for every word."""
         words = line_tokenizer(line)
@@ -243,9 +256,16 @@ class Dictionary:
             ids.append(self.eos_index)
         return torch.tensor(ids, dtype=torch.int32)
 
-    def string(self, tensor, bpe_symbol: Optional[str] = None, escape_unk: bool = False,
-               extra_symbols_to_ignore: Optional[Iterable[int]] = None, unk_string: Optional[str] = None,
-               include_eos: bool = False, separator: str = " ") -> str:
+    def string(
+        self,
+        tensor,
+        bpe_symbol: Optional[str] = None,
+        escape_unk: bool = False,
+        extra_symbols_to_ignore: Optional[Iterable[int]] = None,
+        unk_string: Optional[str] = None,
+        include_eos: bool = False,
+        separator: str = " ",
+    ) -> str:
         """Symbols of a 1-D tensor/list of ids joined by `separator` (rows joined by newlines for 2-D).
         `<s>` and, unless `include_eos`, `</s>` are dropped; `bpe_symbol` is removed as upstream's
         post-processing does (e.g. "@@ " joins subword pieces)."""

@@ -79,8 +79,13 @@ class FairseqDataset(torch.utils.data.Dataset, EpochListening):
         """Fixed batch shapes [(bsz, len), ...] to batch into, or None (upstream's TPU option: unsupported)."""
         return None
 
-    def batch_by_size(self, indices, max_tokens: Optional[int] = None, max_sentences: Optional[int] = None,
-                      required_batch_size_multiple: int = 1) -> List[np.ndarray]:
+    def batch_by_size(
+        self,
+        indices,
+        max_tokens: Optional[int] = None,
+        max_sentences: Optional[int] = None,
+        required_batch_size_multiple: int = 1,
+    ) -> List[np.ndarray]:
         """Batches of `indices` (in their order): at most `max_tokens` tokens (count x longest item) and
         `max_sentences` items each, sized in multiples of `required_batch_size_multiple` (upstream's rule)."""
         if self.get_batch_shapes() is not None:
@@ -90,9 +95,14 @@ class FairseqDataset(torch.utils.data.Dataset, EpochListening):
             num_tokens_vec = self.num_tokens_vec(indices).astype(np.int64)
         except NotImplementedError:
             num_tokens_vec = None
-        return upstream_batch_by_size(indices, num_tokens_fn=self.num_tokens, num_tokens_vec=num_tokens_vec,
-                                        max_tokens=max_tokens, max_sentences=max_sentences,
-                                        required_batch_size_multiple=required_batch_size_multiple)
+        return upstream_batch_by_size(
+            indices,
+            num_tokens_fn=self.num_tokens,
+            num_tokens_vec=num_tokens_vec,
+            max_tokens=max_tokens,
+            max_sentences=max_sentences,
+            required_batch_size_multiple=required_batch_size_multiple,
+        )
 
     def filter_indices_by_size(self, indices, max_sizes):
         """(kept indices, ignored indices as a list): items whose size exceeds `max_sizes` are dropped."""

@@ -22,9 +22,16 @@ HEADER_SIZE = struct.calcsize(HEADER_FORMAT)  # 26
 
 # Upstream's codes; 6 and 7 are both float64 (upstream's np.float / np.double), 6 is written for it.
 CODE_TO_DTYPE = {
-    1: np.dtype(np.uint8), 2: np.dtype(np.int8), 3: np.dtype(np.int16), 4: np.dtype(np.int32),
-    5: np.dtype(np.int64), 6: np.dtype(np.float64), 7: np.dtype(np.float64), 8: np.dtype(np.uint16),
-    9: np.dtype(np.uint32), 10: np.dtype(np.uint64),
+    1: np.dtype(np.uint8),
+    2: np.dtype(np.int8),
+    3: np.dtype(np.int16),
+    4: np.dtype(np.int32),
+    5: np.dtype(np.int64),
+    6: np.dtype(np.float64),
+    7: np.dtype(np.float64),
+    8: np.dtype(np.uint16),
+    9: np.dtype(np.uint32),
+    10: np.dtype(np.uint64),
 }
 
 # Streaming chunk (items) for index writing and scans: bounded memory on any dataset size.
@@ -37,8 +44,10 @@ def dtype_code(dtype) -> int:
     for code, dt in CODE_TO_DTYPE.items():
         if dt == dtype:
             return code
-    raise ValueError(f"dtype {dtype} cannot be stored in an MMIDIDX dataset; use one of "
-                     f"{sorted({str(d) for d in CODE_TO_DTYPE.values()})}")
+    raise ValueError(
+        f"dtype {dtype} cannot be stored in an MMIDIDX dataset; use one of "
+        f"{sorted({str(d) for d in CODE_TO_DTYPE.values()})}"
+    )
 
 
 def best_fitting_dtype(vocab_size) -> np.dtype:
@@ -77,7 +86,9 @@ class MMapIndex:
             with open(path, "rb") as f:
                 header = f.read(HEADER_SIZE)
         except FileNotFoundError:
-            raise FileNotFoundError(f"dataset index {path} does not exist; run fairseq-preprocess to create it") from None
+            raise FileNotFoundError(
+                f"dataset index {path} does not exist; run fairseq-preprocess to create it"
+            ) from None
         if len(header) < HEADER_SIZE:
             if not HDR_MAGIC.startswith(header[:9]):
                 raise CorruptDatasetError(f"{path}: not an MMIDIDX index (wrong magic {header[:9]!r})")
@@ -126,9 +137,12 @@ class MMapIndex:
             if bad_sizes.size or bad_ptrs.size:
                 i = start + int(min(bad_sizes[:1].tolist() + bad_ptrs[:1].tolist()))
                 size, ptr = int(self.sizes[i]), int(self.pointers[i])
-                what = (f"item {i} has size {size}" if size < 0 else
-                        f"item {i} (pointer {ptr}, size {size}) ends at byte {ptr + size * itemsize} but item "
-                        f"{i + 1}'s pointer is {int(self.pointers[i + 1])}")
+                what = (
+                    f"item {i} has size {size}"
+                    if size < 0
+                    else f"item {i} (pointer {ptr}, size {size}) ends at byte {ptr + size * itemsize} but item "
+                    f"{i + 1}'s pointer is {int(self.pointers[i + 1])}"
+                )
                 raise CorruptDatasetError(f"{self.path}: corrupt index: {what}; re-run fairseq-preprocess")
 
     def __len__(self) -> int:
@@ -154,8 +168,9 @@ class MMapIndexedDataset(torch.utils.data.Dataset):
         try:
             bin_size = os.path.getsize(bin_path)
         except FileNotFoundError:
-            raise FileNotFoundError(f"dataset data file {bin_path} does not exist (its index does); "
-                                    "re-run fairseq-preprocess") from None
+            raise FileNotFoundError(
+                f"dataset data file {bin_path} does not exist (its index does); re-run fairseq-preprocess"
+            ) from None
         needed = self._index.data_nbytes()
         first_ok = len(self._index) == 0 or self._index.pointers[0] == 0
         if bin_size != needed or not first_ok:
@@ -206,12 +221,12 @@ class MMapIndexedDataset(torch.utils.data.Dataset):
         if not 0 <= i < n:
             raise IndexError(f"index {i} out of range for dataset {self._path} with {n} items")
         begin = int(self._index.pointers[i]) // self.dtype.itemsize
-        return torch.from_numpy(self._data[begin: begin + int(self._index.sizes[i])].astype(np.int64))
+        return torch.from_numpy(self._data[begin : begin + int(self._index.sizes[i])].astype(np.int64))
 
     def get_numpy(self, i: int) -> np.ndarray:
         """Item i in its stored dtype (a view into the memmap: no copy)."""
         begin = int(self._index.pointers[i]) // self.dtype.itemsize
-        return self._data[begin: begin + int(self._index.sizes[i])]
+        return self._data[begin : begin + int(self._index.sizes[i])]
 
     @property
     def tokens(self) -> np.ndarray:
@@ -343,7 +358,7 @@ def check_dataset_impl(impl: Optional[str], name: str = "--dataset-impl") -> Non
 
 
 def infer_dataset_impl(path: str) -> Optional[str]:
-    """"mmap" when `path.idx` starts with the MMIDIDX magic, else None (upstream also recognizes its others)."""
+    """ "mmap" when `path.idx` starts with the MMIDIDX magic, else None (upstream also recognizes its others)."""
     try:
         with open(index_file_path(path), "rb") as f:
             return "mmap" if f.read(len(HDR_MAGIC)) == HDR_MAGIC else None

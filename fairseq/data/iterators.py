@@ -103,8 +103,7 @@ class ShardedIterator(CountingIterator):
     """Items `shard_id, shard_id + num_shards, ...` of a sized iterable, padded with `fill_value` to
     ceil(len / num_shards) items, so that every shard has as many."""
 
-    def __init__(self, iterable, num_shards: int, shard_id: int, fill_value: Any = None,
-                 skip_remainder_batch=None):
+    def __init__(self, iterable, num_shards: int, shard_id: int, fill_value: Any = None, skip_remainder_batch=None):
         if not 0 <= shard_id < num_shards:
             raise ValueError(f"shard_id {shard_id} must lie in [0, {num_shards}) (num_shards {num_shards})")
         per_shard = math.ceil(len(iterable) / num_shards)
@@ -212,8 +211,7 @@ class EpochBatchIterating:
     def next_epoch_idx(self) -> int:
         raise NotImplementedError
 
-    def next_epoch_itr(self, shuffle: bool = True, fix_batches_to_gpus: bool = False,
-                       set_dataset_epoch: bool = True):
+    def next_epoch_itr(self, shuffle: bool = True, fix_batches_to_gpus: bool = False, set_dataset_epoch: bool = True):
         raise NotImplementedError
 
     def end_of_epoch(self) -> bool:
@@ -256,12 +254,25 @@ class EpochBatchIterator(EpochBatchIterating):
         pin_memory: pin batches in page-locked memory (only done when CUDA is available)
     """
 
-    def __init__(self, dataset, collate_fn: Callable,
-                 batch_sampler: Union[Batches, Sequence[Sequence[int]], Callable[[Any, int], Sequence]],
-                 seed: int = 1, num_shards: int = 1, shard_id: int = 0, num_workers: int = 0, epoch: int = 1,
-                 buffer_size: int = 0, timeout: float = 0, disable_shuffling: bool = False,
-                 skip_remainder_batch: bool = False, grouped_shuffling: bool = False,
-                 reuse_dataloader: bool = False, persistent_workers: bool = False, pin_memory: bool = False):
+    def __init__(
+        self,
+        dataset,
+        collate_fn: Callable,
+        batch_sampler: Union[Batches, Sequence[Sequence[int]], Callable[[Any, int], Sequence]],
+        seed: int = 1,
+        num_shards: int = 1,
+        shard_id: int = 0,
+        num_workers: int = 0,
+        epoch: int = 1,
+        buffer_size: int = 0,
+        timeout: float = 0,
+        disable_shuffling: bool = False,
+        skip_remainder_batch: bool = False,
+        grouped_shuffling: bool = False,
+        reuse_dataloader: bool = False,
+        persistent_workers: bool = False,
+        pin_memory: bool = False,
+    ):
         if not 0 <= shard_id < num_shards:
             raise ValueError(f"shard_id {shard_id} must lie in [0, {num_shards})")
         if num_workers < 0:
@@ -320,8 +331,9 @@ class EpochBatchIterator(EpochBatchIterating):
             return self.epoch + 1
         return self.epoch
 
-    def next_epoch_itr(self, shuffle: bool = True, fix_batches_to_gpus: bool = False,
-                       set_dataset_epoch: bool = True) -> CountingIterator:
+    def next_epoch_itr(
+        self, shuffle: bool = True, fix_batches_to_gpus: bool = False, set_dataset_epoch: bool = True
+    ) -> CountingIterator:
         """An iterator over the next epoch's batches (the rest of the epoch after `load_state_dict`).
 
         `fix_batches_to_gpus` is accepted for upstream callers; it has no effect (nothing is prefetched).
@@ -399,8 +411,13 @@ class EpochBatchIterator(EpochBatchIterating):
             if self.num_workers > 0 and self.buffer_size > 0:
                 extra["prefetch_factor"] = self.buffer_size
             loader = torch.utils.data.DataLoader(
-                self.dataset, batch_sampler=sampler, collate_fn=self.collate_fn, num_workers=self.num_workers,
-                pin_memory=self.pin_memory, timeout=self.timeout, persistent_workers=self.persistent_workers,
+                self.dataset,
+                batch_sampler=sampler,
+                collate_fn=self.collate_fn,
+                num_workers=self.num_workers,
+                pin_memory=self.pin_memory,
+                timeout=self.timeout,
+                persistent_workers=self.persistent_workers,
                 **extra,
             )
             if self.reuse_dataloader:
@@ -409,4 +426,3 @@ class EpochBatchIterator(EpochBatchIterating):
         if self.skip_remainder_batch:  # upstream drops the last batch whether or not it is full
             itr.take(max(len(order) - 1, 0))
         return itr
-

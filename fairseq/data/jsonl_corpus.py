@@ -46,8 +46,10 @@ def find_corpora(split_dir: str) -> Dict[str, List[str]]:
     """{corpus: its files in shard order} of `split_dir` (`NN/<corpus>.jsonl[.gz|.zst]` or `<corpus>.jsonl...`);
     CorpusError when there is none."""
     if not os.path.isdir(split_dir):
-        raise CorpusError(f"{split_dir} is not a directory: --task streaming_language_modeling reads "
-                          f"DATA/<split>/NN/<corpus>.jsonl files")
+        raise CorpusError(
+            f"{split_dir} is not a directory: --task streaming_language_modeling reads "
+            f"DATA/<split>/NN/<corpus>.jsonl files"
+        )
     corpora: Dict[str, List[str]] = {}
     entries = sorted(os.listdir(split_dir))
     shards = [e for e in entries if os.path.isdir(os.path.join(split_dir, e))]
@@ -58,8 +60,10 @@ def find_corpora(split_dir: str) -> Dict[str, List[str]]:
             if stem is not None and os.path.isfile(path):
                 corpora.setdefault(stem, []).append(path)
     if not corpora:
-        raise CorpusError(f"{split_dir} has no {'/'.join('*' + s for s in SUFFIXES)} file (in it or in its NN/ "
-                          "shard directories): put one document per line as {\"text\": ...} there")
+        raise CorpusError(
+            f"{split_dir} has no {'/'.join('*' + s for s in SUFFIXES)} file (in it or in its NN/ "
+            'shard directories): put one document per line as {"text": ...} there'
+        )
     return corpora
 
 
@@ -71,8 +75,10 @@ def open_shard(path: str):
         try:
             import zstandard
         except ImportError:
-            raise CorpusError(f"{path}: reading .jsonl.zst needs the zstandard package: pip install "
-                              "'fairseq[zstd]' (or decompress the file)") from None
+            raise CorpusError(
+                f"{path}: reading .jsonl.zst needs the zstandard package: pip install "
+                "'fairseq[zstd]' (or decompress the file)"
+            ) from None
         return io.BufferedReader(zstandard.ZstdDecompressor().stream_reader(open(path, "rb"), closefd=True))
     return open(path, "rb")
 
@@ -101,17 +107,23 @@ def parse_document(raw: bytes, key: str, path: str, lineno: int) -> List[str]:
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
-        raise InvalidDocument(f"{where}: not valid UTF-8 ({e.reason} at byte {e.start}); convert the file to "
-                              "UTF-8, or pass --skip-invalid-documents to skip such lines") from None
+        raise InvalidDocument(
+            f"{where}: not valid UTF-8 ({e.reason} at byte {e.start}); convert the file to "
+            "UTF-8, or pass --skip-invalid-documents to skip such lines"
+        ) from None
     try:
         doc = json.loads(text)
     except ValueError as e:
-        raise InvalidDocument(f"{where}: not a JSON object ({e}); each line must be one document like "
-                              '{"text": "..."}, or pass --skip-invalid-documents to skip such lines') from None
+        raise InvalidDocument(
+            f"{where}: not a JSON object ({e}); each line must be one document like "
+            '{"text": "..."}, or pass --skip-invalid-documents to skip such lines'
+        ) from None
     if not isinstance(doc, dict) or not isinstance(doc.get(key), str):
         found = f"keys {sorted(doc)[:5]}" if isinstance(doc, dict) else type(doc).__name__
-        raise InvalidDocument(f"{where}: no string under key {key!r} (found {found}); pass --json-key KEY naming "
-                              "the text field, or --skip-invalid-documents to skip such lines")
+        raise InvalidDocument(
+            f"{where}: no string under key {key!r} (found {found}); pass --json-key KEY naming "
+            "the text field, or --skip-invalid-documents to skip such lines"
+        )
     return document_lines(doc[key])
 
 
@@ -139,8 +151,11 @@ def fingerprint(path: str, offset: int) -> Dict[str, object]:
         if not path.endswith((".gz", ".zst")) and offset > 0:
             f.seek(max(0, offset - FINGERPRINT_BYTES))
             before = f.read(min(offset, FINGERPRINT_BYTES))
-    return {"size": os.path.getsize(path), "head": hashlib.sha1(head).hexdigest(),
-            "before": hashlib.sha1(before).hexdigest()}
+    return {
+        "size": os.path.getsize(path),
+        "head": hashlib.sha1(head).hexdigest(),
+        "before": hashlib.sha1(before).hexdigest(),
+    }
 
 
 def check_fingerprint(path: str, offset: int, saved: Dict[str, object]) -> Optional[str]:

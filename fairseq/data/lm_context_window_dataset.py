@@ -33,8 +33,9 @@ class InCorpusOrder:
         return np.arange(len(self.dataset))
 
 
-def with_context_window(batches, context_window: int, pad: int, bos: Optional[int] = None,
-                        width_with_window: bool = False):
+def with_context_window(
+    batches, context_window: int, pad: int, bos: Optional[int] = None, width_with_window: bool = False
+):
     """Give each block up to `context_window` tokens of the text before it as left context.
 
     Blocks must come in corpus order. With `bos` (--add-bos-token), only the first block keeps its leading <s>:
@@ -62,7 +63,8 @@ def with_context_window(batches, context_window: int, pad: int, bos: Optional[in
             new_src[i, : len(s)] = s
             new_tgt[i, : len(t)] = t
         sample = dict(sample)
-        sample["net_input"] = dict(sample["net_input"], src_tokens=new_src,
-                                   src_lengths=torch.tensor([len(r) for r in rows_src]))
+        sample["net_input"] = dict(
+            sample["net_input"], src_tokens=new_src, src_lengths=torch.tensor([len(r) for r in rows_src])
+        )
         sample["target"] = new_tgt
         yield sample

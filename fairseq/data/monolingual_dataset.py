@@ -20,16 +20,21 @@ from fairseq.data.data_utils import collate_tokens
 from fairseq.data.fairseq_dataset import FairseqDataset
 
 
-def collate(samples: List[dict], pad_idx: int, fixed_pad_length: Optional[int] = None,
-            pad_to_bsz: Optional[int] = None) -> dict:
+def collate(
+    samples: List[dict], pad_idx: int, fixed_pad_length: Optional[int] = None, pad_to_bsz: Optional[int] = None
+) -> dict:
     if len(samples) == 0:
         return {}
     sources = [s["source"] for s in samples]
-    src_tokens = collate_tokens(sources, pad_idx, left_pad=False, pad_to_length=fixed_pad_length,
-                                pad_to_bsz=pad_to_bsz)
+    src_tokens = collate_tokens(sources, pad_idx, left_pad=False, pad_to_length=fixed_pad_length, pad_to_bsz=pad_to_bsz)
     if samples[0]["target"] is not None:
-        target = collate_tokens([s["target"] for s in samples], pad_idx, left_pad=False,
-                                pad_to_length=fixed_pad_length, pad_to_bsz=pad_to_bsz)
+        target = collate_tokens(
+            [s["target"] for s in samples],
+            pad_idx,
+            left_pad=False,
+            pad_to_length=fixed_pad_length,
+            pad_to_bsz=pad_to_bsz,
+        )
     else:
         target = src_tokens
     lengths = torch.tensor([len(s) for s in sources], dtype=torch.long)
@@ -58,12 +63,25 @@ class MonolingualDataset(FairseqDataset):
             (targets None or ["future"])
     """
 
-    def __init__(self, dataset, sizes, src_vocab, tgt_vocab=None, shuffle: bool = True,
-                 add_bos_token: bool = False, fixed_pad_length: Optional[int] = None,
-                 pad_to_bsz: Optional[int] = None, *, targets=None, add_eos_for_other_targets: bool = False):
+    def __init__(
+        self,
+        dataset,
+        sizes,
+        src_vocab,
+        tgt_vocab=None,
+        shuffle: bool = True,
+        add_bos_token: bool = False,
+        fixed_pad_length: Optional[int] = None,
+        pad_to_bsz: Optional[int] = None,
+        *,
+        targets=None,
+        add_eos_for_other_targets: bool = False,
+    ):
         if targets not in (None, [], ["future"]):
-            raise ValueError(f"MonolingualDataset(targets={targets!r}): only next-token targets (['future']) are "
-                             "supported; self and past targets are not part of this fork")
+            raise ValueError(
+                f"MonolingualDataset(targets={targets!r}): only next-token targets (['future']) are "
+                "supported; self and past targets are not part of this fork"
+            )
         self.dataset = dataset
         self.sizes = np.asarray(sizes)
         self.vocab = src_vocab

@@ -16,8 +16,16 @@ class ResamplingDataset(BaseWrapperDataset):
     """Args: dataset; weights (one per item, normalized; None: uniform); replace (sample with replacement);
     size_ratio (epoch size / dataset size; < 1 without replacement); batch_by_size; seed; epoch."""
 
-    def __init__(self, dataset, weights=None, replace: bool = True, size_ratio: float = 1.0,
-                 batch_by_size: bool = True, seed: int = 0, epoch: int = 1):
+    def __init__(
+        self,
+        dataset,
+        weights=None,
+        replace: bool = True,
+        size_ratio: float = 1.0,
+        batch_by_size: bool = True,
+        seed: int = 0,
+        epoch: int = 1,
+    ):
         super().__init__(dataset)
         if weights is None:
             self.weights = None

@@ -114,8 +114,18 @@ class _Now:
 class CorpusStream:
     """Blocks of one corpus, read and tokenized ahead (see the module docstring)."""
 
-    def __init__(self, name: str, files: List[str], spec: TokenizerSpec, block_size: int, break_mode: str,
-                 eos: int, pool=None, ahead: int = 2, endless: bool = True):
+    def __init__(
+        self,
+        name: str,
+        files: List[str],
+        spec: TokenizerSpec,
+        block_size: int,
+        break_mode: str,
+        eos: int,
+        pool=None,
+        ahead: int = 2,
+        endless: bool = True,
+    ):
         self.name, self.files, self.spec, self.pool, self.endless = name, files, spec, pool, endless
         self.ahead = max(1, ahead)
         self.packer = BlockPacker(block_size, break_mode, eos)
@@ -172,8 +182,10 @@ class CorpusStream:
             for message in skipped:
                 self.skipped += 1
                 message = message.split(", or pass --skip-invalid-documents")[0]
-                logger.warning(f"skipped an invalid document ({self.skipped} so far in corpus {self.name!r}, "
-                               f"--skip-invalid-documents): {message}")
+                logger.warning(
+                    f"skipped an invalid document ({self.skipped} so far in corpus {self.name!r}, "
+                    f"--skip-invalid-documents): {message}"
+                )
             self._docs.extend((index, pos, doc) for pos, doc in zip(positions, docs))
             while len(self._pending) < self.ahead and not self._files_done:
                 self._submit()  # keep the workers busy while this chunk is packed
@@ -196,8 +208,10 @@ class CorpusStream:
             if block is not None:
                 return block
             if self.docs_in_pass == 0:
-                raise CorpusError(f"corpus {self.name!r} has no document in {', '.join(self.files)} (empty files, "
-                                  "or every line skipped); remove it or add documents")
+                raise CorpusError(
+                    f"corpus {self.name!r} has no document in {', '.join(self.files)} (empty files, "
+                    "or every line skipped); remove it or add documents"
+                )
             if not self.endless:
                 return None
             self.passes += 1
@@ -213,9 +227,16 @@ class CorpusStream:
 
     def state(self, with_fingerprint: bool = False) -> Dict[str, object]:
         index, offset, lineno = self.position
-        state = {"files": list(self.files), "file_index": index, "offset": offset, "line": lineno,
-                 "passes": self.passes, "docs_in_pass": self.docs_in_pass, "skipped": self.skipped,
-                 "carry": self.packer.state()}
+        state = {
+            "files": list(self.files),
+            "file_index": index,
+            "offset": offset,
+            "line": lineno,
+            "passes": self.passes,
+            "docs_in_pass": self.docs_in_pass,
+            "skipped": self.skipped,
+            "carry": self.packer.state(),
+        }
         if with_fingerprint:
             state["fingerprint"] = fingerprint(self.files[index], offset)
         return state
@@ -228,14 +249,19 @@ class CorpusStream:
             if saved_files != self.files:
                 gone = [f for f in saved_files if f not in self.files]
                 new = [f for f in self.files if f not in saved_files]
-                problem = (f"{gone[0]} was removed" if gone else f"{new[0]} was added") if gone or new else \
-                    "its files are in another order"
+                problem = (
+                    (f"{gone[0]} was removed" if gone else f"{new[0]} was added")
+                    if gone or new
+                    else "its files are in another order"
+                )
             elif "fingerprint" in state:
                 problem = check_fingerprint(self.files[state["file_index"]], state["offset"], state["fingerprint"])
             if problem:
-                raise CorpusError(f"corpus {self.name!r}: {problem}; the checkpoint's data position no longer "
-                                  "matches the data. Restore the files, or pass --ignore-data-changes to continue "
-                                  "anyway (from the saved offset in the current files)")
+                raise CorpusError(
+                    f"corpus {self.name!r}: {problem}; the checkpoint's data position no longer "
+                    "matches the data. Restore the files, or pass --ignore-data-changes to continue "
+                    "anyway (from the saved offset in the current files)"
+                )
         index = int(state["file_index"])
         if index >= len(self.files) or self.files[index] != saved_files[index]:
             index, offset, lineno = 0, 0, 0  # that file is gone: this pass restarts

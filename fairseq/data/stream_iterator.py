@@ -43,7 +43,7 @@ def corpus_draws(seed: int, first: int, count: int) -> np.ndarray:
         block, within = divmod(g, DRAWS_PER_BLOCK)
         draws = np.random.default_rng([seed, block]).random(DRAWS_PER_BLOCK)[within:]
         n = min(len(draws), count - filled)
-        out[filled: filled + n] = draws[:n]
+        out[filled : filled + n] = draws[:n]
         filled, g = filled + n, g + n
     return out
 
@@ -76,8 +76,13 @@ class GlobalStream:
         return items
 
     def state(self, with_fingerprint: bool = False) -> dict:
-        return {"sample": self.sample, "seed": self.seed, "rates": dict(self.rates), "tokens": dict(self.tokens),
-                "corpora": {c.name: c.state(with_fingerprint) for c in self.corpora}}
+        return {
+            "sample": self.sample,
+            "seed": self.seed,
+            "rates": dict(self.rates),
+            "tokens": dict(self.tokens),
+            "corpora": {c.name: c.state(with_fingerprint) for c in self.corpora},
+        }
 
     def load_state(self, state: dict, check_files: bool = True) -> None:
         saved = state["corpora"]
@@ -85,8 +90,10 @@ class GlobalStream:
         gone = [name for name in saved if name not in self.tokens]
         if gone and check_files:
             files = ", ".join(saved[gone[0]]["files"][:2])
-            raise CorpusError(f"corpus {gone[0]!r} of the checkpoint is no longer in the data ({files} removed); "
-                              "restore it, or pass --ignore-data-changes to continue without it")
+            raise CorpusError(
+                f"corpus {gone[0]!r} of the checkpoint is no longer in the data ({files} removed); "
+                "restore it, or pass --ignore-data-changes to continue without it"
+            )
         for c in self.corpora:
             if c.name in saved:
                 c.load_state(saved[c.name], check_files)
@@ -95,8 +102,10 @@ class GlobalStream:
         self.sample = int(state["sample"])
         self.tokens.update({k: int(v) for k, v in state["tokens"].items() if k in self.tokens})
         if state["rates"] != self.rates:
-            logger.warning(f"data rates changed on resume at sample {self.sample:,}: {format_rates(state['rates'])}"
-                           f" -> {format_rates(self.rates)}")
+            logger.warning(
+                f"data rates changed on resume at sample {self.sample:,}: {format_rates(state['rates'])}"
+                f" -> {format_rates(self.rates)}"
+            )
 
     def close(self) -> None:
         for c in self.corpora:
@@ -113,8 +122,17 @@ class StreamingEpochIterator(EpochBatchIterating):
     batch); `batch_size` samples per rank and batch; rank `shard_id` of `num_shards`; `buffer_size` batches
     are made ahead by a background thread (--data-buffer-size)."""
 
-    def __init__(self, make_stream: Callable[[], GlobalStream], batch_size: int, pad: int, num_shards: int = 1,
-                 shard_id: int = 0, buffer_size: int = 2, check_files: bool = True, log_tokens: bool = True):
+    def __init__(
+        self,
+        make_stream: Callable[[], GlobalStream],
+        batch_size: int,
+        pad: int,
+        num_shards: int = 1,
+        shard_id: int = 0,
+        buffer_size: int = 2,
+        check_files: bool = True,
+        log_tokens: bool = True,
+    ):
         self.make_stream, self.batch_size, self.pad = make_stream, batch_size, pad
         self.num_shards, self.shard_id = num_shards, shard_id
         self.buffer_size, self.check_files, self.log_tokens = max(1, buffer_size), check_files, log_tokens
@@ -153,8 +171,7 @@ class StreamingEpochIterator(EpochBatchIterating):
     def _batches(self):
         results: "queue.Queue" = queue.Queue(self.buffer_size)
         stop = self._stop = threading.Event()  # this generator's: a later one gets its own
-        self._thread = threading.Thread(target=self._produce, args=(results, stop), daemon=True,
-                                        name="streaming-data")
+        self._thread = threading.Thread(target=self._produce, args=(results, stop), daemon=True, name="streaming-data")
         self._thread.start()
         try:
             while True:
@@ -182,7 +199,7 @@ class StreamingEpochIterator(EpochBatchIterating):
             width = self.batch_size * self.num_shards
             while not stop.is_set():
                 items = stream.take(width)
-                mine = items[self.shard_id * self.batch_size: (self.shard_id + 1) * self.batch_size]
+                mine = items[self.shard_id * self.batch_size : (self.shard_id + 1) * self.batch_size]
                 _put(results, (collate(mine, self.pad), stream.state()), stop)
         except BaseException as e:  # handed to the training thread, which raises it
             _put(results, e, stop)
@@ -194,8 +211,13 @@ class StreamingEpochIterator(EpochBatchIterating):
         state = self._consumed if self._consumed is not None else self._resume
         if state is not None:
             state = with_fingerprints(state)
-        return {"version": 2, "epoch": self.epoch, "iterations_in_epoch": self.iterations_in_epoch,
-                "shuffle": True, "streaming": state}
+        return {
+            "version": 2,
+            "epoch": self.epoch,
+            "iterations_in_epoch": self.iterations_in_epoch,
+            "shuffle": True,
+            "streaming": state,
+        }
 
     def load_state_dict(self, state_dict: dict) -> None:
         self.epoch = int(state_dict.get("epoch", 1))
@@ -254,8 +276,9 @@ def parse_weights(text: str, corpora: List[str]) -> Dict[str, float]:
         if not sep or not math.isfinite(weight):
             raise ValueError(f"--data-weights {text!r}: {part!r} is not CORPUS=WEIGHT (e.g. web=0.6,books=0.4)")
         if name not in rates:
-            raise ValueError(f"--data-weights names corpus {name!r}, which the data does not have (corpora: "
-                             f"{', '.join(corpora)})")
+            raise ValueError(
+                f"--data-weights names corpus {name!r}, which the data does not have (corpora: {', '.join(corpora)})"
+            )
         if weight < 0:
             raise ValueError(f"--data-weights {name}={value}: a weight must be >= 0")
         rates[name] = weight

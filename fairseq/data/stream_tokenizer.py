@@ -21,8 +21,7 @@ from tokenizers import ByteLevelBPETokenizer, Tokenizer
 from fairseq.data.dictionary import Dictionary
 from fairseq.data.encoders import BPE_REGISTRY, build_bpe
 from fairseq.data.jsonl_corpus import CorpusError, InvalidDocument, parse_document
-from fairseq.preprocessing.binarizer import (LineEncoder, LocalIdTable, bpe_spec, make_line_encoder,
-                                             map_local_ids)
+from fairseq.preprocessing.binarizer import LineEncoder, LocalIdTable, bpe_spec, make_line_encoder, map_local_ids
 
 _SPECIALS = ("<s>", "<pad>", "</s>", "<unk>")  # the Dictionary's ids 0-3
 
@@ -72,8 +71,9 @@ def load_hf_tokenizer(spec: TokenizerSpec):
             return Tokenizer.from_file(spec.files[0])
         return ByteLevelBPETokenizer.from_file(*spec.files)
     except Exception as e:  # the library's own errors say little about which file; name it
-        raise CorpusError(f"{', '.join(spec.files)}: not a loadable tokenizer ({str(e).splitlines()[0][:200]})") \
-            from None
+        raise CorpusError(
+            f"{', '.join(spec.files)}: not a loadable tokenizer ({str(e).splitlines()[0][:200]})"
+        ) from None
 
 
 def build_dictionary(spec: TokenizerSpec) -> Dictionary:
@@ -81,16 +81,20 @@ def build_dictionary(spec: TokenizerSpec) -> Dictionary:
     if spec.kind == "fairseq":
         path = spec.files[0]
         if not os.path.isfile(path):
-            raise CorpusError(f"no dictionary {path}: --task streaming_language_modeling with --bpe (or none) reads "
-                              "DATA/dict.txt (the one fairseq-preprocess wrote, or --srcdict's); or pass "
-                              "--hf-tokenizer tokenizer.json")
+            raise CorpusError(
+                f"no dictionary {path}: --task streaming_language_modeling with --bpe (or none) reads "
+                "DATA/dict.txt (the one fairseq-preprocess wrote, or --srcdict's); or pass "
+                "--hf-tokenizer tokenizer.json"
+            )
         return Dictionary.load(path)
     tok = load_hf_tokenizer(spec)
     size = tok.get_vocab_size()
     found = tuple(tok.id_to_token(i) for i in range(min(4, size)))
     if found != _SPECIALS:
-        raise CorpusError(f"{', '.join(spec.files)}: the tokenizer's ids 0-3 are {found}, not {_SPECIALS} (the "
-                          "model's <s> <pad> </s> <unk>); use a tokenizer with those first, or --bpe with dict.txt")
+        raise CorpusError(
+            f"{', '.join(spec.files)}: the tokenizer's ids 0-3 are {found}, not {_SPECIALS} (the "
+            "model's <s> <pad> </s> <unk>); use a tokenizer with those first, or --bpe with dict.txt"
+        )
     d = Dictionary()
     for i in range(4, size):
         d.add_symbol(tok.id_to_token(i) or f"<id{i}>", overwrite=True)
@@ -114,8 +118,10 @@ class _Encoder:
             self.tok = load_hf_tokenizer(spec)
             self.eos, eod = self.tok.token_to_id("</s>"), self.tok.token_to_id(spec.end_of_document)
         if eod is None:
-            raise CorpusError(f"--end-of-document-symbol {spec.end_of_document!r} is not in the vocabulary "
-                              f"({spec.files[0]}); name a symbol it has (default </s>)")
+            raise CorpusError(
+                f"--end-of-document-symbol {spec.end_of_document!r} is not in the vocabulary "
+                f"({spec.files[0]}); name a symbol it has (default </s>)"
+            )
         self.eod = eod
 
     def encode_lines(self, lines: List[str]) -> Tuple[np.ndarray, np.ndarray]:
@@ -159,8 +165,8 @@ def encode_chunk(spec: TokenizerSpec, raw_lines: List[bytes], path: str, first_l
         if not lines:
             docs.append(None)
             continue
-        doc_sizes = sizes[line_pos: line_pos + len(lines)]
+        doc_sizes = sizes[line_pos : line_pos + len(lines)]
         n = int(doc_sizes.sum())
-        docs.append((np.append(ids[tok_pos: tok_pos + n], enc.eod), np.append(doc_sizes, 1)))
+        docs.append((np.append(ids[tok_pos : tok_pos + n], enc.eod), np.append(doc_sizes, 1)))
         tok_pos, line_pos = tok_pos + n, line_pos + len(lines)
     return docs, skipped

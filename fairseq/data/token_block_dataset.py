@@ -30,8 +30,9 @@ from fairseq.data.indexed_dataset import MMapIndexedDataset
 BREAK_MODES = ("none", "complete", "complete_doc", "eos")
 
 
-def _greedy_blocks(sizes: np.ndarray, offsets: np.ndarray, block_size: int,
-                   document_sep_len: Optional[int]) -> Tuple[np.ndarray, np.ndarray]:
+def _greedy_blocks(
+    sizes: np.ndarray, offsets: np.ndarray, block_size: int, document_sep_len: Optional[int]
+) -> Tuple[np.ndarray, np.ndarray]:
     """Blocks of whole items for `complete` (document_sep_len None) and `complete_doc`, as item ranges.
 
     From item i a block takes every following item while its total stays <= block_size, and at least up to
@@ -64,8 +65,9 @@ def _greedy_blocks(sizes: np.ndarray, offsets: np.ndarray, block_size: int,
     return np.asarray(first_items, dtype=np.int64), np.asarray(end_items, dtype=np.int64)
 
 
-def block_slices(sizes, block_size: Optional[int], break_mode: str = "none",
-                 document_sep_len: int = 1) -> Tuple[np.ndarray, np.ndarray]:
+def block_slices(
+    sizes, block_size: Optional[int], break_mode: str = "none", document_sep_len: int = 1
+) -> Tuple[np.ndarray, np.ndarray]:
     """Token-stream `[start, end)` of every block, as two int64 arrays, for items of lengths `sizes`."""
     sizes = np.asarray(sizes, dtype=np.int64)
     if break_mode is None:
@@ -73,8 +75,9 @@ def block_slices(sizes, block_size: Optional[int], break_mode: str = "none",
     if break_mode not in BREAK_MODES:
         raise ValueError(f"--sample-break-mode {break_mode!r} is not one of {', '.join(BREAK_MODES)}")
     if break_mode != "eos" and (block_size is None or block_size <= 0):
-        raise ValueError(f"--tokens-per-sample must be a positive number for --sample-break-mode "
-                         f"{break_mode}, got {block_size}")
+        raise ValueError(
+            f"--tokens-per-sample must be a positive number for --sample-break-mode {break_mode}, got {block_size}"
+        )
     n = len(sizes)
     offsets = np.zeros(n + 1, dtype=np.int64)  # offsets[i]: stream position where item i starts
     np.cumsum(sizes, out=offsets[1:])
@@ -93,8 +96,9 @@ def block_slices(sizes, block_size: Optional[int], break_mode: str = "none",
     return starts[keep], ends[keep]
 
 
-def final_block_slices(sizes, block_size: Optional[int], break_mode: str, document_sep_len: int = 1,
-                       at_end: bool = False) -> Tuple[np.ndarray, np.ndarray, int]:
+def final_block_slices(
+    sizes, block_size: Optional[int], break_mode: str, document_sep_len: int = 1, at_end: bool = False
+) -> Tuple[np.ndarray, np.ndarray, int]:
     """`block_slices` of a stream known only up to its last item (the streaming task's window): the blocks that
     no later item can change, and the stream position to continue from (the end of the last of them, 0 if
     none). All but the last block are final (a greedy block ends at an item that did not fit, a `none` block at
@@ -123,8 +127,17 @@ class TokenBlockDataset(FairseqDataset):
         document_sep_len: length of the items that separate documents (complete_doc)
     """
 
-    def __init__(self, dataset, sizes, block_size: Optional[int], pad: int, eos: int,
-                 break_mode: Optional[str] = "none", include_targets: bool = False, document_sep_len: int = 1):
+    def __init__(
+        self,
+        dataset,
+        sizes,
+        block_size: Optional[int],
+        pad: int,
+        eos: int,
+        break_mode: Optional[str] = "none",
+        include_targets: bool = False,
+        document_sep_len: int = 1,
+    ):
         super().__init__()
         self.dataset = dataset
         self.pad = pad
@@ -161,8 +174,10 @@ class TokenBlockDataset(FairseqDataset):
         if self.break_mode == "eos":
             items = np.arange(len(self.sizes), dtype=np.int64)
             return np.stack([items, np.zeros_like(items), items], axis=1)
-        return np.stack([self._first_item.astype(np.int64), self._first_offset.astype(np.int64),
-                         self._last_item.astype(np.int64)], axis=1)
+        return np.stack(
+            [self._first_item.astype(np.int64), self._first_offset.astype(np.int64), self._last_item.astype(np.int64)],
+            axis=1,
+        )
 
     @property
     def slice_indices(self) -> np.ndarray:
@@ -179,15 +194,14 @@ class TokenBlockDataset(FairseqDataset):
         if isinstance(self.dataset, MMapIndexedDataset):
             # Views of the first and last items (only the needed tokens are copied, however long the
             # items), and one contiguous read for the items in between.
-            head = self.dataset.get_numpy(first)[begin: begin + length]
+            head = self.dataset.get_numpy(first)[begin : begin + length]
             if first == last:
                 return torch.from_numpy(head.astype(np.int64))
-            middle = self.dataset[first + 1: last]
+            middle = self.dataset[first + 1 : last]
             tail = self.dataset.get_numpy(last)[: length - len(head) - len(middle)]
-            return torch.cat([torch.from_numpy(head.astype(np.int64)), middle,
-                              torch.from_numpy(tail.astype(np.int64))])
+            return torch.cat([torch.from_numpy(head.astype(np.int64)), middle, torch.from_numpy(tail.astype(np.int64))])
         buffer = torch.cat([torch.as_tensor(self.dataset[k]).long() for k in range(first, last + 1)])
-        return buffer[begin: begin + length]
+        return buffer[begin : begin + length]
 
     def __getitem__(self, index: int):
         index = int(index)
@@ -256,11 +270,12 @@ class RandomCropDataset(TruncateDataset):
         if excess <= 0:
             return item
         start = int(np.random.default_rng([self.seed, self.epoch, int(index)]).integers(0, excess + 1))
-        return item[start: start + self.truncation_length]
+        return item[start : start + self.truncation_length]
 
 
-def maybe_shorten_dataset(dataset, split: str, shorten_data_split_list: str, shorten_method: str,
-                          tokens_per_sample: int, seed: int):
+def maybe_shorten_dataset(
+    dataset, split: str, shorten_data_split_list: str, shorten_method: str, tokens_per_sample: int, seed: int
+):
     """Apply `--shorten-method` to `split` if it is in `--shorten-data-split-list` (empty list: all splits)."""
     splits = [s for s in (shorten_data_split_list or "").split(",") if s]
     if shorten_method in (None, "none") or (splits and split not in splits):

@@ -23,9 +23,11 @@ class FairseqArgumentParser(argparse.ArgumentParser):
     def _unrecognized(self, extra: List[str]) -> str:
         message = f"unrecognized arguments: {' '.join(extra)}"
         if "--quantize" in extra:  # a generation flag given to a command that trains or evaluates
-            return (f"{message} (--quantize is a generation option: fairseq-generate, fairseq-interactive and the "
-                    "hub quantize a trained model's weights when they load it for generation; this command does "
-                    "not: drop it)")
+            return (
+                f"{message} (--quantize is a generation option: fairseq-generate, fairseq-interactive and the "
+                "hub quantize a trained model's weights when they load it for generation; this command does "
+                "not: drop it)"
+            )
         flags = [a for a in extra if a.startswith("-") and not _is_number(a)]
         hints = [(flag, close_flag(flag, self._option_string_actions)) for flag in flags]
         hints = [(flag, match) for flag, match in hints if match is not None]
@@ -39,12 +41,16 @@ class FairseqArgumentParser(argparse.ArgumentParser):
         if action.choices is not None and value not in action.choices:
             choices = ", ".join(map(repr, action.choices))
             raise argparse.ArgumentError(
-                action, f"invalid choice: {value!r}{did_you_mean(value, action.choices)}; choose from {choices}")
+                action, f"invalid choice: {value!r}{did_you_mean(value, action.choices)}; choose from {choices}"
+            )
 
     def format_help(self):
         # The usage line names the positional arguments only: --help lists every flag once, below it.
-        positionals = [f"[{a.metavar or a.dest}]" if a.nargs == "?" else (a.metavar or a.dest)
-                       for a in self._get_positional_actions() if a.help is not argparse.SUPPRESS]
+        positionals = [
+            f"[{a.metavar or a.dest}]" if a.nargs == "?" else (a.metavar or a.dest)
+            for a in self._get_positional_actions()
+            if a.help is not argparse.SUPPRESS
+        ]
         usage, self.usage = self.usage, self.usage or " ".join(["%(prog)s [options]"] + positionals)
         try:
             return super().format_help()

@@ -26,15 +26,17 @@ def _check_count(value, name: str, least: int, meaning: str) -> None:
 def check_max_tokens(value: Optional[int], name: str = "--max-tokens") -> None:
     """None (not given) or an integer of at least 1."""
     if value is not None:
-        _check_count(value, name, 1, "the most tokens in one batch (leave it out to batch by the number of "
-                                     "sentences alone)")
+        _check_count(
+            value, name, 1, "the most tokens in one batch (leave it out to batch by the number of sentences alone)"
+        )
 
 
 def check_batch_size(value: Optional[int], name: str = "--batch-size") -> None:
     """None (not given) or an integer of at least 1."""
     if value is not None:
-        _check_count(value, name, 1, "the most sentences in one batch (leave it out to batch by the number of "
-                                     "tokens alone)")
+        _check_count(
+            value, name, 1, "the most sentences in one batch (leave it out to batch by the number of tokens alone)"
+        )
 
 
 def check_update_freq(values: Optional[Sequence[int]], name: str = "--update-freq") -> None:
@@ -49,8 +51,10 @@ def check_update_freq(values: Optional[Sequence[int]], name: str = "--update-fre
         raise ValueError(f"{name} is empty: give the batches accumulated into one update, e.g. {name} 4")
     for value in values:
         if isinstance(value, bool) or not isinstance(value, Integral) or value < 1:
-            raise ValueError(f"{_label(name, shown)}: every value must be an integer of at least 1 (the batches "
-                             "whose gradients make one update; one value per epoch, e.g. 4 or 4,2)")
+            raise ValueError(
+                f"{_label(name, shown)}: every value must be an integer of at least 1 (the batches "
+                "whose gradients make one update; one value per epoch, e.g. 4 or 4,2)"
+            )
 
 
 def check_buffer_size(value: Optional[int], name: str = "--buffer-size") -> None:

@@ -19,8 +19,16 @@ from fairseq.dataclass import configs, legacy
 from fairseq.dataclass.fields import unwrap_optional
 
 # The plain groups of FairseqConfig (one dataclass each, always present).
-PLAIN_GROUPS = ("common", "dataset", "distributed_training", "optimization", "checkpoint", "eval_lm", "common_eval",
-                "ema")
+PLAIN_GROUPS = (
+    "common",
+    "dataset",
+    "distributed_training",
+    "optimization",
+    "checkpoint",
+    "eval_lm",
+    "common_eval",
+    "ema",
+)
 
 # The chosen components besides the model (--arch): each is selected by the flag of its own name.
 COMPONENTS = ("task", "criterion", "optimizer", "lr_scheduler", "bpe", "tokenizer")
@@ -44,7 +52,7 @@ def check_precision(common) -> None:
 
 
 def interpolation_of(f: dataclasses.Field) -> Optional[str]:
-    """"group.key" for a field whose value is another group's option: declared with this project's
+    """ "group.key" for a field whose value is another group's option: declared with this project's
     `configs.II(...)`, or defaulting to omegaconf's "${group.key}" string (upstream plug-ins); else None."""
     if "interpolate" in f.metadata:
         return f.metadata["interpolate"]
@@ -58,8 +66,9 @@ def is_interpolated(f: dataclasses.Field) -> bool:
 
 def component_config(dc, values: Mapping[str, Any], name: Optional[str] = None):
     """Dataclass `dc` from the values named as its own (not interpolated) fields; defaults for the rest."""
-    kwargs = {f.name: values[f.name] for f in dataclasses.fields(dc)
-              if f.init and f.name in values and not is_interpolated(f)}
+    kwargs = {
+        f.name: values[f.name] for f in dataclasses.fields(dc) if f.init and f.name in values and not is_interpolated(f)
+    }
     cfg = dc(**kwargs)
     if name is not None:
         cfg._name = name
@@ -75,8 +84,9 @@ def model_config(arch: str, values: Mapping[str, Any], owners: Optional[configs.
         return legacy.legacy_model_config(arch, values)
     model_dc = registry.dataclass_of(registry.arch_model(arch))
     fields = dataclasses.fields(model_dc)
-    preset_args = argparse.Namespace(**{f.name: values[f.name] for f in fields
-                                        if f.name in values and not is_interpolated(f)})
+    preset_args = argparse.Namespace(
+        **{f.name: values[f.name] for f in fields if f.name in values and not is_interpolated(f)}
+    )
     if owners is not None:
         for f in fields:
             owner_value = _owner_value(owners, f) if is_interpolated(f) else None
@@ -123,9 +133,14 @@ def build_config(values: Mapping[str, Any], components: Mapping[str, Optional[st
     cfg.common.fp16 = cfg.common.fp16 or cfg.common.memory_efficient_fp16
     cfg.common.bf16 = cfg.common.bf16 or cfg.common.memory_efficient_bf16
     legacy_components = []
-    for attr, reg in (("task", registry.TASK_REGISTRY), ("criterion", registry.CRITERION_REGISTRY),
-                      ("optimizer", registry.OPTIMIZER_REGISTRY), ("lr_scheduler", registry.LR_SCHEDULER_REGISTRY),
-                      ("bpe", registry.BPE_REGISTRY), ("tokenizer", registry.TOKENIZER_REGISTRY)):
+    for attr, reg in (
+        ("task", registry.TASK_REGISTRY),
+        ("criterion", registry.CRITERION_REGISTRY),
+        ("optimizer", registry.OPTIMIZER_REGISTRY),
+        ("lr_scheduler", registry.LR_SCHEDULER_REGISTRY),
+        ("bpe", registry.BPE_REGISTRY),
+        ("tokenizer", registry.TOKENIZER_REGISTRY),
+    ):
         name = components.get(attr)
         if name is not None:
             dc = reg.dataclass(name)
@@ -155,8 +170,9 @@ def _is_legacy_model(components: Mapping[str, Optional[str]]) -> bool:
     return components.get("model") is not None and legacy.is_legacy_arch(components["model"])
 
 
-def _all_option_values(cfg: configs.FairseqConfig, values: Mapping[str, Any],
-                       components: Mapping[str, Optional[str]]) -> Dict[str, Any]:
+def _all_option_values(
+    cfg: configs.FairseqConfig, values: Mapping[str, Any], components: Mapping[str, Optional[str]]
+) -> Dict[str, Any]:
     """`values` over the value of every option of the groups and dataclass components built so far, and the
     components' names (`arch`, `task`, `optimizer`, ...), as a parsed command line holds them."""
     namespace: Dict[str, Any] = {"arch": components.get("model")}
@@ -198,8 +214,10 @@ def resolve_interpolated_defaults(cfg: configs.FairseqConfig) -> None:
             elif not declared and _is_optional(type(section), f.name):
                 setattr(section, f.name, None)
             elif not declared:
-                raise ValueError(f"{section_name}.{f.name} defaults to {value}, but there is no option {group}.{key}; "
-                                 f"set {section_name}.{f.name} in the config, or give the field a plain default")
+                raise ValueError(
+                    f"{section_name}.{f.name} defaults to {value}, but there is no option {group}.{key}; "
+                    f"set {section_name}.{f.name} in the config, or give the field a plain default"
+                )
 
 
 def _is_optional(dc, name: str) -> bool:

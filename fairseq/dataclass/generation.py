@@ -22,35 +22,50 @@ from fairseq.upstream_absent import refused_options
 class GenerationConfig:
     beam: int = opt(5, "beam size (1: greedy decoding)")
     nbest: int = opt(1, "number of hypotheses to output per input")
-    max_len_a: float = opt(0, "generate at most a*x + b tokens, where x is the input length (the prompt "
-                               "counts as generated text for a language model)")
+    max_len_a: float = opt(
+        0,
+        "generate at most a*x + b tokens, where x is the input length (the prompt "
+        "counts as generated text for a language model)",
+    )
     max_len_b: int = opt(200, "generate at most a*x + b tokens, where x is the input length")
     min_len: int = opt(1, "minimum generation length (</s> is not allowed before)")
     match_source_len: bool = opt(False, "generate exactly as many tokens as the input has")
     unnormalized: bool = opt(False, "compare hypotheses by their summed scores, not per token")
     no_early_stop: bool = opt(False, "deprecated upstream, where it does nothing either")
-    no_beamable_mm: bool = opt(False, "same as the default here: upstream's BeamableMM (an encoder-"
-                                             "attention speed-up) does not exist")
-    lenpen: float = opt(1, "length penalty: the score is divided by length**lenpen (<1 favours shorter, "
-                            ">1 longer hypotheses)")
+    no_beamable_mm: bool = opt(
+        False, "same as the default here: upstream's BeamableMM (an encoder-attention speed-up) does not exist"
+    )
+    lenpen: float = opt(
+        1, "length penalty: the score is divided by length**lenpen (<1 favours shorter, >1 longer hypotheses)"
+    )
     unkpen: float = opt(0, "unknown-word penalty subtracted from <unk>'s log probability (<0: more <unk>)")
-    replace_unk: Optional[str] = opt(None, "not supported: unknown-word replacement needs source alignments",
-                                      const="@@ ")
-    sacrebleu: bool = opt(False, "upstream: score the output with sacrebleu; here generated text is not "
-                                       "scored (a start-up notice says so)")
+    replace_unk: Optional[str] = opt(
+        None, "not supported: unknown-word replacement needs source alignments", const="@@ "
+    )
+    sacrebleu: bool = opt(
+        False,
+        "upstream: score the output with sacrebleu; here generated text is not scored (a start-up notice says so)",
+    )
     score_reference: bool = opt(False, "score the given text instead of generating (the hub's score())")
-    prefix_size: int = opt(0, "fairseq-generate: prompt each sample with its first N tokens (0: the whole "
-                               "sample but its last token)")
+    prefix_size: int = opt(
+        0, "fairseq-generate: prompt each sample with its first N tokens (0: the whole sample but its last token)"
+    )
     no_repeat_ngram_size: int = opt(0, "never repeat an n-gram of this size (0: no blocking)")
     sampling: bool = opt(False, "sample each next token instead of beam search")
     sampling_topk: int = opt(-1, "sample from the K most likely next tokens (-1: all)")
-    sampling_topp: float = opt(-1.0, "sample from the smallest set of next tokens whose probability exceeds "
-                                      "p (-1: all)")
+    sampling_topp: float = opt(
+        -1.0, "sample from the smallest set of next tokens whose probability exceeds p (-1: all)"
+    )
     constraints: Optional[Literal["ordered", "unordered"]] = opt(
-        None, "not supported with --task language_modeling (as upstream): lexically constrained decoding",
-        const="ordered")
-    temperature: float = opt(1.0, "divide the logits by this before the softmax (sampling and beam search); at "
-                                  "least 0.0113, below which float32 gives every token but the likeliest probability 0")
+        None,
+        "not supported with --task language_modeling (as upstream): lexically constrained decoding",
+        const="ordered",
+    )
+    temperature: float = opt(
+        1.0,
+        "divide the logits by this before the softmax (sampling and beam search); at "
+        "least 0.0113, below which float32 gives every token but the likeliest probability 0",
+    )
     diverse_beam_groups: int = opt(-1, "not supported: number of groups for diverse beam search")
     diverse_beam_strength: float = opt(0.5, "not supported: diversity penalty of diverse beam search")
     diversity_rate: float = opt(-1.0, "not supported: diversity penalty of diverse siblings search")
@@ -59,21 +74,35 @@ class GenerationConfig:
     lm_path: Optional[str] = opt(None, "not supported: a second language model for shallow fusion")
     lm_weight: float = opt(0.0, "not supported: weight of the --lm-path model")
     retain_dropout: bool = opt(False, "keep dropout active while generating")
-    retain_dropout_modules: Optional[List[str]] = opt(None, "upstream: keep dropout only in these modules; here "
-                                                             "--retain-dropout keeps every module's dropout (a "
-                                                             "start-up notice says so)")
+    retain_dropout_modules: Optional[List[str]] = opt(
+        None,
+        "upstream: keep dropout only in these modules; here "
+        "--retain-dropout keeps every module's dropout (a "
+        "start-up notice says so)",
+    )
     no_seed_provided: bool = opt(False, "do not seed the random generators from --seed")
-    text_only: bool = opt(False, "fairseq-generate/-interactive: print only each hypothesis' detokenized text (the "
-                                 "D- line's text), one line per hypothesis (--nbest per prompt, best first); the log goes to stderr")
-    stream: bool = opt(False, "fairseq-interactive: print each prompt's text while it is generated, a piece every "
-                              "16 tokens (the --text-only line; the log goes to stderr); needs --beam 1 (greedy "
-                              "or --sampling)")
-    no_cuda_graphs: bool = opt(False, "decode each step eagerly instead of replaying it from a CUDA graph (on "
-                                       "CUDA, this fork's decoders; see docs/incremental_decoding.md)")
+    text_only: bool = opt(
+        False,
+        "fairseq-generate/-interactive: print only each hypothesis' detokenized text (the "
+        "D- line's text), one line per hypothesis (--nbest per prompt, best first); the log goes to stderr",
+    )
+    stream: bool = opt(
+        False,
+        "fairseq-interactive: print each prompt's text while it is generated, a piece every "
+        "16 tokens (the --text-only line; the log goes to stderr); needs --beam 1 (greedy "
+        "or --sampling)",
+    )
+    no_cuda_graphs: bool = opt(
+        False,
+        "decode each step eagerly instead of replaying it from a CUDA graph (on "
+        "CUDA, this fork's decoders; see docs/incremental_decoding.md)",
+    )
     quantize: Literal["none", "int8-weight-only"] = opt(
-        "none", "int8-weight-only: the Linear weights in int8 (weight-only, one scale per row, a fused int8 "
-                "matmul) after the model is loaded: half the weight bytes read per decoded token; needs CUDA and "
-                "--bf16; see docs/generation.md")
+        "none",
+        "int8-weight-only: the Linear weights in int8 (weight-only, one scale per row, a fused int8 "
+        "matmul) after the model is loaded: half the weight bytes read per decoded token; needs CUDA and "
+        "--bf16; see docs/generation.md",
+    )
 
 
 @dataclass
@@ -138,9 +167,11 @@ def check_option_values(generation, keyword: bool = False) -> None:
     a, b = getattr(generation, "max_len_a", None), getattr(generation, "max_len_b", None)
     if a is not None and b is not None and a <= 0 and b < 0:  # no prompt length gives an output room
         a_name, b_name = ("max_len_a=", "max_len_b=") if keyword else ("--max-len-a ", "--max-len-b ")
-        raise ValueError(f"{b_name}{b} is out of range: outputs have at most {a_name.strip(' =')} * input length + "
-                         f"{b_name.strip(' =')} tokens (the prompt included), below 0 with {a_name}{a}; give "
-                         f"{b_name}0 or more")
+        raise ValueError(
+            f"{b_name}{b} is out of range: outputs have at most {a_name.strip(' =')} * input length + "
+            f"{b_name.strip(' =')} tokens (the prompt included), below 0 with {a_name}{a}; give "
+            f"{b_name}0 or more"
+        )
 
 
 # The largest value of the dtypes log-probabilities are computed in (torch.finfo(...).max): float32 at least, as
@@ -156,9 +187,14 @@ def smallest_temperature(dtype: str = "float32") -> float:
     return 1 / math.log(FLOAT_MAX[dtype])
 
 
-def check_sampling_range(sampling_topk: Optional[int] = -1, sampling_topp: Optional[float] = -1.0,
-                         temperature: Optional[float] = 1.0, vocab_size: Optional[int] = None,
-                         keyword: bool = False, probability_dtype: str = "float32") -> None:
+def check_sampling_range(
+    sampling_topk: Optional[int] = -1,
+    sampling_topp: Optional[float] = -1.0,
+    temperature: Optional[float] = 1.0,
+    vocab_size: Optional[int] = None,
+    keyword: bool = False,
+    probability_dtype: str = "float32",
+) -> None:
     """Upstream's ranges: --sampling-topk -1 (off) or 1.. (at most `vocab_size` when known), --sampling-topp -1
     (off) or in (0, 1], --temperature > 0 (the generator's rule, checked here before any model is loaded), and
     --temperature at least smallest_temperature(`probability_dtype`), the dtype the probabilities are computed
@@ -170,14 +206,18 @@ def check_sampling_range(sampling_topk: Optional[int] = -1, sampling_topp: Optio
 
     top = f"1 to the vocabulary size {vocab_size}" if vocab_size else "at least 1"
     if topk is not None and not (topk == -1 or 1 <= topk <= (vocab_size or topk)):
-        raise ValueError(f"{name('sampling_topk')}{topk} is out of range: -1 (off: all tokens) or a number of "
-                         f"tokens, {top}")
+        raise ValueError(
+            f"{name('sampling_topk')}{topk} is out of range: -1 (off: all tokens) or a number of tokens, {top}"
+        )
     if topp is not None and not (topp == -1 or 0 < topp <= 1):
-        raise ValueError(f"{name('sampling_topp')}{topp} is out of range: -1 (off: all tokens) or a probability "
-                         "mass in (0, 1]")
+        raise ValueError(
+            f"{name('sampling_topp')}{topp} is out of range: -1 (off: all tokens) or a probability mass in (0, 1]"
+        )
     if temperature is not None and not temperature > 0:  # NaN too
-        raise ValueError(f"{name('temperature')}{temperature} is out of range: the logits are divided by it, so it "
-                         "must be greater than 0 (1: the model's distribution; below 1 sharper, above 1 flatter)")
+        raise ValueError(
+            f"{name('temperature')}{temperature} is out of range: the logits are divided by it, so it "
+            "must be greater than 0 (1: the model's distribution; below 1 sharper, above 1 flatter)"
+        )
     least = smallest_temperature(probability_dtype)
     if temperature is not None and temperature < least:
         greedy = "beam=1 without sampling=True" if keyword else "--beam 1 without --sampling"
@@ -185,7 +225,8 @@ def check_sampling_range(sampling_topk: Optional[int] = -1, sampling_topp: Optio
             f"{name('temperature')}{temperature:g} is below {least:.4f} (1/ln of {FLOAT_MAX[probability_dtype]:.4g}, "
             f"the largest {probability_dtype}, which the probabilities are computed in): divided by it, logits one "
             f"apart give probabilities whose ratio no {probability_dtype} holds, so every token but the likeliest "
-            f"gets probability 0 (scores near -1e9); pass at least {least:.4f}, or {greedy} for greedy decoding")
+            f"gets probability 0 (scores near -1e9); pass at least {least:.4f}, or {greedy} for greedy decoding"
+        )
 
 
 def check_generation_config(generation: GenerationConfig, dataset=None, interactive=None) -> None:
@@ -204,19 +245,28 @@ def check_generation_config(generation: GenerationConfig, dataset=None, interact
     if generation.nbest < 1:
         raise ValueError(f"--nbest must be at least 1, got {generation.nbest}")
     if generation.sampling and generation.nbest != generation.beam:
-        raise ValueError(f"--sampling requires --nbest to be equal to --beam (got --nbest {generation.nbest}, "
-                         f"--beam {generation.beam}): --beam N --nbest N draws N samples per prompt")
+        raise ValueError(
+            f"--sampling requires --nbest to be equal to --beam (got --nbest {generation.nbest}, "
+            f"--beam {generation.beam}): --beam N --nbest N draws N samples per prompt"
+        )
     if generation.nbest > generation.beam >= 1:
-        raise ValueError(f"--nbest {generation.nbest} is larger than --beam {generation.beam}: a beam search "
-                         "returns at most --beam hypotheses; raise --beam or lower --nbest")
+        raise ValueError(
+            f"--nbest {generation.nbest} is larger than --beam {generation.beam}: a beam search "
+            "returns at most --beam hypotheses; raise --beam or lower --nbest"
+        )
     if generation.stream and (interactive is None or generation.beam != 1):
-        raise ValueError("--stream is fairseq-interactive's, with --beam 1 (greedy or --sampling): drop --stream, "
-                         "or use fairseq-interactive --beam 1" if interactive is None else
-                         f"--stream needs --beam 1 (greedy or --sampling), got --beam {generation.beam}")
+        raise ValueError(
+            "--stream is fairseq-interactive's, with --beam 1 (greedy or --sampling): drop --stream, "
+            "or use fairseq-interactive --beam 1"
+            if interactive is None
+            else f"--stream needs --beam 1 (greedy or --sampling), got --beam {generation.beam}"
+        )
     if generation.prefix_size < 0:
         raise ValueError(f"--prefix-size must be >= 0, got {generation.prefix_size}")
     if interactive is not None and dataset is not None and dataset.batch_size:
         if dataset.batch_size > max(interactive.buffer_size, 1):
-            raise ValueError(f"--batch-size/--max-sentences {dataset.batch_size} cannot be larger than "
-                             f"--buffer-size {interactive.buffer_size}; raise --buffer-size to at least "
-                             f"{dataset.batch_size}")
+            raise ValueError(
+                f"--batch-size/--max-sentences {dataset.batch_size} cannot be larger than "
+                f"--buffer-size {interactive.buffer_size}; raise --buffer-size to at least "
+                f"{dataset.batch_size}"
+            )

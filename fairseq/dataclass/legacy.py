@@ -75,8 +75,10 @@ def coerce_option(where: str, action: argparse.Action, value: Any) -> Any:
         elif action.type is float and isinstance(item, int):
             item = float(item)
         if action.choices is not None and item not in action.choices:
-            raise ValueError(f"{where}={item!r} is not a valid choice for {flag}; choose one of: "
-                             f"{', '.join(map(str, action.choices))}")
+            raise ValueError(
+                f"{where}={item!r} is not a valid choice for {flag}; choose one of: "
+                f"{', '.join(map(str, action.choices))}"
+            )
         return item
 
     if action.nargs in ("+", "*") or isinstance(action.nargs, int):
@@ -120,4 +122,3 @@ def inherited_dataclass(model_cls) -> Optional[type]:
         if dc is not None:
             return dc
     return None
-

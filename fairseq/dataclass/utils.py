@@ -28,8 +28,9 @@ def flag_name(field_name: str) -> str:
     return "--" + field_name.replace("_", "-")
 
 
-def add_dataclass_to_parser(parser, dc, suppress_defaults: bool = False, positional=("data",),
-                            prefix: Optional[str] = None):
+def add_dataclass_to_parser(
+    parser, dc, suppress_defaults: bool = False, positional=("data",), prefix: Optional[str] = None
+):
     """Add one flag per field of dataclass `dc` to `parser` (an ArgumentParser or argument group).
 
     Flags that the parser already has are skipped, so a field shared by two groups is one flag.
@@ -44,8 +45,9 @@ def add_dataclass_to_parser(parser, dc, suppress_defaults: bool = False, positio
         name = flag_name(f.name) if not prefix else f"{prefix}-{f.name.replace('_', '-')}"
         dest = f.name if not prefix else name[2:].replace("-", "_")
         if dataclasses.is_dataclass(hints[f.name]):
-            add_dataclass_to_parser(parser, hints[f.name], suppress_defaults, positional,
-                                    prefix=name if prefix is not None else None)
+            add_dataclass_to_parser(
+                parser, hints[f.name], suppress_defaults, positional, prefix=name if prefix is not None else None
+            )
             continue
         if name in parser._option_string_actions:
             continue
@@ -53,8 +55,10 @@ def add_dataclass_to_parser(parser, dc, suppress_defaults: bool = False, positio
             continue  # II("group.key"): a value another group's flag sets
         tp, optional = unwrap_optional(hints[f.name])
         kwargs = {"help": f.metadata.get("help", "")}
-        default = f.default if f.default is not dataclasses.MISSING else (
-            f.default_factory() if f.default_factory is not dataclasses.MISSING else None
+        default = (
+            f.default
+            if f.default is not dataclasses.MISSING
+            else (f.default_factory() if f.default_factory is not dataclasses.MISSING else None)
         )
         if f.name in positional and not prefix:
             parser.add_argument(f.name, nargs="?", default=default, help=kwargs["help"])
@@ -122,8 +126,9 @@ def config_from_dict(dc, values: dict, name: Optional[str] = None):
 # ----------------------------------------------------------------------------- upstream's names
 
 
-def gen_parser_from_dataclass(parser, dataclass_instance, delete_default: bool = False,
-                              with_prefix: Optional[str] = None) -> None:
+def gen_parser_from_dataclass(
+    parser, dataclass_instance, delete_default: bool = False, with_prefix: Optional[str] = None
+) -> None:
     """Upstream's name for `add_dataclass_to_parser` (plug-ins' `add_args`): one flag per field of the
     instance's dataclass, nested dataclass fields flattened. `delete_default` leaves unset flags out of the
     namespace; `with_prefix` (upstream's) names nested fields `<prefix>-<field>-<subfield>` ("" at the root:

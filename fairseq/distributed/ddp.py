@@ -32,7 +32,8 @@ def apply_ddp(model: nn.Module, cfg, device: torch.device) -> DistributedDataPar
     if dt.ddp_backend in LEGACY_BACKENDS:
         logger.warning(
             "--ddp-backend %s: upstream's legacy implementation is not reproduced; using "
-            "DistributedDataParallel, which computes the same gradients", dt.ddp_backend,
+            "DistributedDataParallel, which computes the same gradients",
+            dt.ddp_backend,
         )
     device_ids = None
     if device.type == "cuda":

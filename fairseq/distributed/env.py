@@ -198,7 +198,10 @@ def _explicit_plan(cfg, gpus: int) -> LaunchPlan:
         nprocs = 1  # on CPU each invocation is one rank: start one per rank with its --distributed-rank
     if cfg.distributed_no_spawn or nprocs <= 1:
         return LaunchPlan(
-            "explicit", rank=base_rank, local_rank=cfg.device_id, world_size=world,
+            "explicit",
+            rank=base_rank,
+            local_rank=cfg.device_id,
+            world_size=world,
             init_method=cfg.distributed_init_method,
         )
     if base_rank + nprocs > world:
@@ -208,8 +211,12 @@ def _explicit_plan(cfg, gpus: int) -> LaunchPlan:
             "the rank of its first process and --distributed-num-procs"
         )
     return LaunchPlan(
-        "explicit", rank=base_rank, local_rank=0, world_size=world,
-        init_method=cfg.distributed_init_method, nprocs_to_spawn=nprocs,
+        "explicit",
+        rank=base_rank,
+        local_rank=0,
+        world_size=world,
+        init_method=cfg.distributed_init_method,
+        nprocs_to_spawn=nprocs,
     )
 
 
@@ -265,7 +272,8 @@ def _slurm_plan(cfg, environ: Mapping[str, str], gpus: int) -> Optional[LaunchPl
     if cfg.distributed_world_size not in (1, world):
         logger.warning(
             "--distributed-world-size %d ignored: the SLURM allocation gives %d processes",
-            cfg.distributed_world_size, world,
+            cfg.distributed_world_size,
+            world,
         )
 
     port = cfg.distributed_port if cfg.distributed_port and cfg.distributed_port > 0 else None
@@ -281,8 +289,14 @@ def _slurm_plan(cfg, environ: Mapping[str, str], gpus: int) -> Optional[LaunchPl
             port = _port_from_job_id(environ["SLURM_JOB_ID"], environ.get("SLURM_STEP_ID"))
     master = hosts[0]
     return LaunchPlan(
-        mode, rank=rank, local_rank=local_rank, world_size=world, init_method=f"tcp://{master}:{port}",
-        nprocs_to_spawn=nprocs, master_addr=master, master_port=port,
+        mode,
+        rank=rank,
+        local_rank=local_rank,
+        world_size=world,
+        init_method=f"tcp://{master}:{port}",
+        nprocs_to_spawn=nprocs,
+        master_addr=master,
+        master_port=port,
     )
 
 
@@ -300,17 +314,19 @@ def _spawn_plan(cfg, gpus: int) -> LaunchPlan:
         )
     port = cfg.distributed_port if cfg.distributed_port and cfg.distributed_port > 0 else get_free_port()
     return LaunchPlan(
-        "spawn", rank=0, local_rank=0, world_size=world, init_method=f"tcp://localhost:{port}",
-        nprocs_to_spawn=world, master_addr="localhost", master_port=port,
+        "spawn",
+        rank=0,
+        local_rank=0,
+        world_size=world,
+        init_method=f"tcp://localhost:{port}",
+        nprocs_to_spawn=world,
+        master_addr="localhost",
+        master_port=port,
     )
 
 
 def detect_launch(
-    cfg_distributed,
-    environ: Mapping[str, str] = os.environ,
-    *,
-    cpu: bool = False,
-    gpu_count: Optional[int] = None,
+    cfg_distributed, environ: Mapping[str, str] = os.environ, *, cpu: bool = False, gpu_count: Optional[int] = None
 ) -> LaunchPlan:
     """Decide how this process takes part in the job (see the module docstring for the order).
 

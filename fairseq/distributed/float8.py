@@ -30,8 +30,14 @@ MIN_CAPABILITY = (8, 9)
 HIGH_PRECISION_MODULES = ("output_projection",)
 
 
-def check_float8_flags(fp8: bool, fp16: bool = False, bf16: bool = False, fp8_recipe: str = "tensorwise",
-                       fp8_fsdp_all_gather: bool = False, ddp_backend: str = "fully_sharded") -> None:
+def check_float8_flags(
+    fp8: bool,
+    fp16: bool = False,
+    bf16: bool = False,
+    fp8_recipe: str = "tensorwise",
+    fp8_fsdp_all_gather: bool = False,
+    ddp_backend: str = "fully_sharded",
+) -> None:
     """The --fp8 rules that need no GPU (run by validate(cfg) and the memory planner)."""
     if not fp8:
         if fp8_fsdp_all_gather:
@@ -45,8 +51,10 @@ def check_float8_flags(fp8: bool, fp16: bool = False, bf16: bool = False, fp8_re
         raise ValueError(f"--fp8-recipe {fp8_recipe!r}: choose one of {', '.join(RECIPES)}")
     if fp8_fsdp_all_gather:
         if fp8_recipe != "tensorwise":
-            raise ValueError(f"--fp8-fsdp-all-gather works with --fp8-recipe tensorwise only "
-                             f"(got {fp8_recipe}); drop the flag or use tensorwise")
+            raise ValueError(
+                f"--fp8-fsdp-all-gather works with --fp8-recipe tensorwise only "
+                f"(got {fp8_recipe}); drop the flag or use tensorwise"
+            )
         if ddp_backend != "fully_sharded":
             raise ValueError("--fp8-fsdp-all-gather needs --ddp-backend fully_sharded")
 
@@ -56,22 +64,29 @@ def check_float8_environment(cfg, device: torch.device) -> None:
     if not cfg.common.fp8:
         return
     if importlib.util.find_spec("torchao") is None:
-        raise ValueError("--fp8 needs torchao, which is not installed: pip install torchao "
-                         "(or the project's fp8 extra: pip install 'fairseq[fp8]')")
+        raise ValueError(
+            "--fp8 needs torchao, which is not installed: pip install torchao "
+            "(or the project's fp8 extra: pip install 'fairseq[fp8]')"
+        )
     if device.type != "cuda":
         if not cpu_float8_matmul():
-            raise ValueError("--fp8 needs a CUDA GPU (float8 matmuls; this torch has none on the CPU): drop --fp8 "
-                             "or --cpu")
+            raise ValueError(
+                "--fp8 needs a CUDA GPU (float8 matmuls; this torch has none on the CPU): drop --fp8 or --cpu"
+            )
         if cfg.common.fp8_recipe != "tensorwise" and not cpu_float8_matmul(rowwise=True):
-            raise ValueError(f"--fp8-recipe {cfg.common.fp8_recipe} on the CPU needs float8 matmuls with one scale per "
-                             f"row, which torch {torch.__version__} has only on CUDA GPUs: use --fp8-recipe "
-                             "tensorwise, a GPU, or a newer torch (2.13 has them on the CPU)")
+            raise ValueError(
+                f"--fp8-recipe {cfg.common.fp8_recipe} on the CPU needs float8 matmuls with one scale per "
+                f"row, which torch {torch.__version__} has only on CUDA GPUs: use --fp8-recipe "
+                "tensorwise, a GPU, or a newer torch (2.13 has them on the CPU)"
+            )
         return
     capability = torch.cuda.get_device_capability(device)
     if capability < MIN_CAPABILITY:
-        raise ValueError(f"--fp8 needs a GPU of compute capability {MIN_CAPABILITY[0]}.{MIN_CAPABILITY[1]} or "
-                         f"higher (Ada, Hopper, Blackwell); {torch.cuda.get_device_name(device)} is "
-                         f"{capability[0]}.{capability[1]}: drop --fp8")
+        raise ValueError(
+            f"--fp8 needs a GPU of compute capability {MIN_CAPABILITY[0]}.{MIN_CAPABILITY[1]} or "
+            f"higher (Ada, Hopper, Blackwell); {torch.cuda.get_device_name(device)} is "
+            f"{capability[0]}.{capability[1]}: drop --fp8"
+        )
 
 
 def cpu_float8_matmul(rowwise: bool = False) -> bool:
@@ -120,13 +135,19 @@ def apply_float8(model: nn.Module, cfg) -> int:
 
     convert_to_float8_training(model, config=_float8_config(cfg.common), module_filter_fn=keep)
     if cfg.common.cpu or not torch.cuda.is_available():
-        logger.warning("--fp8 on the CPU runs torch's reference float8 matmuls: for checking a configuration "
-                       "(tests, small runs), far slower than training without --fp8")
+        logger.warning(
+            "--fp8 on the CPU runs torch's reference float8 matmuls: for checking a configuration "
+            "(tests, small runs), far slower than training without --fp8"
+        )
     elif not cfg.distributed_training.compile:
-        logger.warning("--fp8 without --compile: torchao's scaling and casts run as separate kernels, which made "
-                       "training slower than bf16 (0.43x at 32 x 2560 on one H200, docs/fp8.md); add --compile")
-    logger.info(f"float8 ({cfg.common.fp8_recipe}{', float8 all-gather' if cfg.common.fp8_fsdp_all_gather else ''}): "
-                f"{len(converted)} Linear layers converted; kept in bf16: the output projection and the embeddings")
+        logger.warning(
+            "--fp8 without --compile: torchao's scaling and casts run as separate kernels, which made "
+            "training slower than bf16 (0.43x at 32 x 2560 on one H200, docs/fp8.md); add --compile"
+        )
+    logger.info(
+        f"float8 ({cfg.common.fp8_recipe}{', float8 all-gather' if cfg.common.fp8_fsdp_all_gather else ''}): "
+        f"{len(converted)} Linear layers converted; kept in bf16: the output projection and the embeddings"
+    )
     return len(converted)
 
 
@@ -142,8 +163,9 @@ def casts_tensorwise(module: nn.Module) -> bool:
 
     linears = [module] if isinstance(module, nn.Linear) else [m for m in module.modules() if isinstance(m, nn.Linear)]
     return bool(linears) and all(
-        isinstance(m, Float8Linear)
-        and m.config.cast_config_input.scaling_granularity is ScalingGranularity.TENSORWISE for m in linears)
+        isinstance(m, Float8Linear) and m.config.cast_config_input.scaling_granularity is ScalingGranularity.TENSORWISE
+        for m in linears
+    )
 
 
 def needs_scale_precompute(cfg) -> bool:

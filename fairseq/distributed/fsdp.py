@@ -52,12 +52,20 @@ FSDP_ONLY_FLAGS = (
 IMPLICIT_BACKWARD_PREFETCH = 1
 
 
-def check_fsdp_flags(ddp_backend: str, fsdp_forward_prefetch: bool = False, fsdp_sync_free: bool = False,
-                     cpu_offload: bool = False, fsdp_prefetch_depth: int = 1) -> None:
+def check_fsdp_flags(
+    ddp_backend: str,
+    fsdp_forward_prefetch: bool = False,
+    fsdp_sync_free: bool = False,
+    cpu_offload: bool = False,
+    fsdp_prefetch_depth: int = 1,
+) -> None:
     """Reject FSDP-only flags under another --ddp-backend, and a prefetch depth below one."""
     if ddp_backend != "fully_sharded":
-        values = {"fsdp_forward_prefetch": fsdp_forward_prefetch, "fsdp_sync_free": fsdp_sync_free,
-                  "cpu_offload": cpu_offload}
+        values = {
+            "fsdp_forward_prefetch": fsdp_forward_prefetch,
+            "fsdp_sync_free": fsdp_sync_free,
+            "cpu_offload": cpu_offload,
+        }
         for field_name, flag in FSDP_ONLY_FLAGS:
             if values[field_name]:
                 raise ValueError(f"{flag} needs --ddp-backend fully_sharded (got --ddp-backend {ddp_backend})")
@@ -79,9 +87,13 @@ class FSDPSettings:
     @classmethod
     def from_flags(cls, flags) -> "FSDPSettings":
         """From the distributed_training group (or any object with its field names, as the planner's flags)."""
-        return cls(reshard_after_forward=not flags.no_reshard_after_forward,
-                   forward_prefetch=flags.fsdp_forward_prefetch, prefetch_depth=flags.fsdp_prefetch_depth,
-                   sync_free=flags.fsdp_sync_free, cpu_offload=flags.cpu_offload)
+        return cls(
+            reshard_after_forward=not flags.no_reshard_after_forward,
+            forward_prefetch=flags.fsdp_forward_prefetch,
+            prefetch_depth=flags.fsdp_prefetch_depth,
+            sync_free=flags.fsdp_sync_free,
+            cpu_offload=flags.cpu_offload,
+        )
 
     @property
     def forward_prefetch_layers(self) -> int:
@@ -187,8 +199,9 @@ class AllocatorPressure:
     def __init__(self, device: torch.device):
         # torch.device("cuda") names no GPU; the allocator's per-process limit is per GPU
         self.device = torch.device("cuda", torch.cuda.current_device() if device.index is None else device.index)
-        self.capacity = (torch.cuda.get_device_properties(self.device).total_memory
-                         * torch.cuda.get_per_process_memory_fraction(self.device))
+        self.capacity = torch.cuda.get_device_properties(
+            self.device
+        ).total_memory * torch.cuda.get_per_process_memory_fraction(self.device)
         self._retries = 0
 
     def __call__(self) -> bool:
@@ -227,12 +240,19 @@ class ReshardEventLimiter:
     None (CPU: no streams) only the bookkeeping runs and nothing is ever waited on.
     """
 
-    def __init__(self, max_in_flight: int = 2, event_factory: Optional[Callable[[], object]] = None,
-                 relaxed_in_flight: Optional[int] = None, pressure_probe: Optional[Callable[[], bool]] = None):
+    def __init__(
+        self,
+        max_in_flight: int = 2,
+        event_factory: Optional[Callable[[], object]] = None,
+        relaxed_in_flight: Optional[int] = None,
+        pressure_probe: Optional[Callable[[], bool]] = None,
+    ):
         if max_in_flight < 1:
             raise ValueError(f"max_in_flight must be at least 1 (got {max_in_flight})")
         if relaxed_in_flight is not None and relaxed_in_flight < max_in_flight:
-            raise ValueError(f"relaxed_in_flight ({relaxed_in_flight}) must be at least max_in_flight ({max_in_flight})")
+            raise ValueError(
+                f"relaxed_in_flight ({relaxed_in_flight}) must be at least max_in_flight ({max_in_flight})"
+            )
         self.max_in_flight = max_in_flight
         self.relaxed_in_flight = relaxed_in_flight
         self.event_factory = event_factory
@@ -246,8 +266,9 @@ class ReshardEventLimiter:
         self._freed: Dict[int, Tuple[int, object]] = {}  # sequence number -> (recording order, event)
 
     @classmethod
-    def for_device(cls, device: torch.device, max_in_flight: int = 2,
-                   relaxed_in_flight: Optional[int] = None) -> "ReshardEventLimiter":
+    def for_device(
+        cls, device: torch.device, max_in_flight: int = 2, relaxed_in_flight: Optional[int] = None
+    ) -> "ReshardEventLimiter":
         if device.type == "cuda":
             probe = AllocatorPressure(device) if relaxed_in_flight is not None else None
             return cls(max_in_flight, torch.cuda.Event, relaxed_in_flight, probe)
@@ -273,7 +294,8 @@ class ReshardEventLimiter:
                 logger.info(
                     "--fsdp-sync-free: the CUDA allocator is under pressure (an allocation retry, or reserved "
                     "memory near the limit): waiting %d layers back while it lasts (%d otherwise)",
-                    self.max_in_flight, self.relaxed_in_flight,
+                    self.max_in_flight,
+                    self.relaxed_in_flight,
                 )
             self.pressured_passes += 1
         self.window = self.max_in_flight if pressured else self.relaxed_in_flight
@@ -366,9 +388,7 @@ class SyncFreeHooks:
         self.handles.append(root.register_forward_hook(self._root_post_forward))
         for index, layer in enumerate(layers):
             self.handles.append(
-                layer.register_forward_pre_hook(
-                    partial(self._layer_pre_forward, index), prepend=True, with_kwargs=True
-                )
+                layer.register_forward_pre_hook(partial(self._layer_pre_forward, index), prepend=True, with_kwargs=True)
             )
             self.handles.append(layer.register_forward_hook(partial(self._layer_post_forward, index)))
         return self
@@ -426,9 +446,7 @@ class SyncFreeHooks:
 # ------------------------------------------------------------------------------------------- apply_fsdp
 
 
-def apply_fsdp(
-    model: nn.Module, cfg, mesh: DeviceMesh, limiter: Optional[ReshardEventLimiter] = None
-) -> nn.Module:
+def apply_fsdp(model: nn.Module, cfg, mesh: DeviceMesh, limiter: Optional[ReshardEventLimiter] = None) -> nn.Module:
     """Shard `model` in place with FSDP2: every decoder layer, then the root (embeddings, final norm,
     output projection and anything else left). Returns the model.
 
@@ -443,12 +461,16 @@ def apply_fsdp(
     settings = FSDPSettings.from_flags(cfg.distributed_training)
     layers = transformer_layers(model)
     mp_policy = mixed_precision_policy(cfg.common)
-    offload_policy = CPUOffloadPolicy(pin_memory=mesh.device_type == "cuda") if settings.cpu_offload \
-        else OffloadPolicy()
+    offload_policy = (
+        CPUOffloadPolicy(pin_memory=mesh.device_type == "cuda") if settings.cpu_offload else OffloadPolicy()
+    )
     for layer in layers:
         fully_shard(
-            layer, mesh=mesh, reshard_after_forward=settings.reshard_after_forward,
-            mp_policy=mp_policy, offload_policy=offload_policy,
+            layer,
+            mesh=mesh,
+            reshard_after_forward=settings.reshard_after_forward,
+            mp_policy=mp_policy,
+            offload_policy=offload_policy,
         )
     fully_shard(model, mesh=mesh, reshard_after_forward=False, mp_policy=mp_policy, offload_policy=offload_policy)
 
@@ -461,10 +483,12 @@ def apply_fsdp(
         if limiter.max_in_flight > 2:
             logger.info(
                 "--fsdp-sync-free with --fsdp-prefetch-depth %d: up to %d layers' full parameters at once",
-                settings.prefetch_depth, limiter.max_in_flight,
+                settings.prefetch_depth,
+                limiter.max_in_flight,
             )
         model._fsdp_sync_free_hooks = SyncFreeHooks(limiter, plan, settings.reshard_after_forward).install(
-            model, layers)
+            model, layers
+        )
     return model
 
 

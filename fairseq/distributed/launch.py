@@ -129,8 +129,7 @@ def init_distributed(cfg, plan: LaunchPlan) -> Tuple[int, int]:
             )
     else:
         options = dict(
-            backend=backend, init_method=plan.init_method, rank=plan.rank, world_size=plan.world_size,
-            timeout=timeout,
+            backend=backend, init_method=plan.init_method, rank=plan.rank, world_size=plan.world_size, timeout=timeout
         )
         if backend == "nccl":
             options["device_id"] = device  # binds the group to this GPU and creates the communicator now
@@ -156,7 +155,12 @@ def init_distributed(cfg, plan: LaunchPlan) -> Tuple[int, int]:
     dt.device_id = plan.local_rank
     logger.info(
         "rank %d of %d ready (%s launch, %s backend, device %s, init method %s)",
-        plan.rank, plan.world_size, plan.mode, backend, device, plan.init_method,
+        plan.rank,
+        plan.world_size,
+        plan.mode,
+        backend,
+        device,
+        plan.init_method,
     )
     return plan.rank, plan.world_size
 
@@ -278,8 +282,14 @@ def _write_failure_report(report_dir: str, rank: int, how: str = "failed", with_
     failure may be the consequence of its death, noticed by the launcher only later."""
     ended_peers = _ended_peers(report_dir, rank)  # looked at before the time stamp: they ended before it
     error = _checkpoint_error_line() if with_traceback else None
-    report = {"rank": rank, "time_ns": time.time_ns(), "how": how, "ended_peers": ended_peers, "error": error,
-              "traceback": traceback.format_exc() if with_traceback and error is None else None}
+    report = {
+        "rank": rank,
+        "time_ns": time.time_ns(),
+        "how": how,
+        "ended_peers": ended_peers,
+        "error": error,
+        "traceback": traceback.format_exc() if with_traceback and error is None else None,
+    }
     path = os.path.join(report_dir, f"rank{rank}.json")
     with open(path + ".tmp", "w") as f:
         json.dump(report, f)
@@ -335,8 +345,9 @@ def _run_spawned_process(index: int, cfg, main_fn: Callable, kwargs: dict, plan:
         status = _exit_status(exc)
         if status != 0:
             detail = "" if isinstance(exc.code, int) else f" ({exc.code})"
-            _write_failure_report(report_dir, own_plan.rank, f"exited with status {status}{detail}",
-                                  with_traceback=False)
+            _write_failure_report(
+                report_dir, own_plan.rank, f"exited with status {status}{detail}", with_traceback=False
+            )
         if not _shutdown_process_group():
             _exit_now(own_plan.rank, f"exiting with status {status}", status=status)
         raise
@@ -404,8 +415,7 @@ class _Watch:
         for sig, then_wait_s in ((signal.SIGINT, grace_s), (signal.SIGKILL, 60.0)):
             for index in self.running():
                 self.stopped.add(index)
-                logger.warning("stopping rank process %d (pid %d) with %s", index, self.processes[index].pid,
-                               sig.name)
+                logger.warning("stopping rank process %d (pid %d) with %s", index, self.processes[index].pid, sig.name)
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(self.processes[index].pid, sig)
             self.wait_all(then_wait_s)
@@ -458,7 +468,11 @@ def _failure_message(watch: _Watch, reports: List[dict], plan: LaunchPlan) -> st
 def _spawn(cfg, main_fn: Callable, kwargs: dict, plan: LaunchPlan):
     logger.info(
         "spawning %d processes (%s launch, ranks %d-%d of %d, init method %s)",
-        plan.nprocs_to_spawn, plan.mode, plan.rank, plan.rank + plan.nprocs_to_spawn - 1, plan.world_size,
+        plan.nprocs_to_spawn,
+        plan.mode,
+        plan.rank,
+        plan.rank + plan.nprocs_to_spawn - 1,
+        plan.world_size,
         plan.init_method,
     )
     with tempfile.TemporaryDirectory(prefix="fairseq-rank-failures-") as report_dir:

@@ -71,12 +71,21 @@ class ParallelLayout:
     @classmethod
     def from_config(cls, cfg_distributed, world_size: int) -> "ParallelLayout":
         """`from_flags` of the distributed_training group (or any object with its field names)."""
-        return cls.from_flags(world_size, cfg_distributed.model_parallel_size,
-                              cfg_distributed.fsdp_shard_group_size, cfg_distributed.ddp_backend)
+        return cls.from_flags(
+            world_size,
+            cfg_distributed.model_parallel_size,
+            cfg_distributed.fsdp_shard_group_size,
+            cfg_distributed.ddp_backend,
+        )
 
     @classmethod
-    def from_flags(cls, world_size: int, model_parallel_size: int = 1, fsdp_shard_group_size: int = 0,
-                   ddp_backend: str = "fully_sharded") -> "ParallelLayout":
+    def from_flags(
+        cls,
+        world_size: int,
+        model_parallel_size: int = 1,
+        fsdp_shard_group_size: int = 0,
+        ddp_backend: str = "fully_sharded",
+    ) -> "ParallelLayout":
         """The layout the flags ask for on `world_size` ranks; ValueError (the flag, the value to use) if none.
 
         Under a replicated --ddp-backend (pytorch_ddp, c10d) with tensor parallelism the data-parallel ranks
@@ -113,8 +122,7 @@ def check_layout_flags(model_parallel_size: int, fsdp_shard_group_size: int, ddp
     if group < 0:
         raise ValueError(f"--fsdp-shard-group-size must be 0 (all data-parallel ranks) or positive (got {group})")
     if group > 0 and ddp_backend != "fully_sharded":
-        raise ValueError(f"--fsdp-shard-group-size needs --ddp-backend fully_sharded (got --ddp-backend "
-                         f"{ddp_backend})")
+        raise ValueError(f"--fsdp-shard-group-size needs --ddp-backend fully_sharded (got --ddp-backend {ddp_backend})")
 
 
 def _largest_divisor_up_to(n: int, limit: int) -> int:
@@ -190,15 +198,22 @@ def init_parallel_mesh(layout: ParallelLayout, device_type: str) -> ParallelMesh
         backend = "nccl" if device_type == "cuda" else "gloo"
         dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1)
     if dist.get_world_size() != layout.world:
-        raise RuntimeError(f"the {layout.describe()} layout has {layout.world} ranks, the process group "
-                           f"{dist.get_world_size()}")
+        raise RuntimeError(
+            f"the {layout.describe()} layout has {layout.world} ranks, the process group {dist.get_world_size()}"
+        )
     group = dist.distributed_c10d._get_default_group()
-    if (_current is not None and _current.layout == layout and _current.mesh.device_type == device_type
-            and _current.default_group is group and ("tp" in _current.dims) == has_tp_dim(layout)):
+    if (
+        _current is not None
+        and _current.layout == layout
+        and _current.mesh.device_type == device_type
+        and _current.default_group is group
+        and ("tp" in _current.dims) == has_tp_dim(layout)
+    ):
         return _current
     sizes = {"dp_replicate": layout.replicate, "dp_shard": layout.shard, "tp": layout.tp}
-    names = tuple(name for name in MESH_DIMS
-                  if sizes[name] > 1 or name == "dp_shard" or (name == "tp" and has_tp_dim(layout)))
+    names = tuple(
+        name for name in MESH_DIMS if sizes[name] > 1 or name == "dp_shard" or (name == "tp" and has_tp_dim(layout))
+    )
     mesh = init_device_mesh(device_type, tuple(sizes[n] for n in names), mesh_dim_names=names)
     _current = ParallelMesh(layout, mesh, default_group=group)
     _current._make_data_parallel_group()

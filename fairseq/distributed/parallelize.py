@@ -106,8 +106,10 @@ def parallelize_model(model: nn.Module, cfg, device: torch.device, world_mesh: O
         return model
     if split:
         if layout.dp > 1:
-            logger.info(f"--ddp-backend {dt.ddp_backend} with --model-parallel-size {layout.tp}: {layout.dp} "
-                        "data-parallel replicas kept by FSDP2 without sharding (all-reduced gradients, as DDP)")
+            logger.info(
+                f"--ddp-backend {dt.ddp_backend} with --model-parallel-size {layout.tp}: {layout.dp} "
+                "data-parallel replicas kept by FSDP2 without sharding (all-reduced gradients, as DDP)"
+            )
             apply_fsdp_replicas(model, mesh.fsdp_mesh)
         else:
             from fairseq.distributed.tensor_parallel import reduce_partial_gradients
@@ -266,8 +268,12 @@ def _reduce_over_shards(value: torch.Tensor, mesh: Optional[DeviceMesh], dims, o
 
 
 @torch.no_grad()
-def clip_grad_norm_(params, max_norm: float, foreach: Optional[bool] = None,
-                    aggregate_norm_fn: Optional[Callable[[torch.Tensor], torch.Tensor]] = None) -> torch.Tensor:
+def clip_grad_norm_(
+    params,
+    max_norm: float,
+    foreach: Optional[bool] = None,
+    aggregate_norm_fn: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
+) -> torch.Tensor:
     """Clip gradients to a global L2 norm of `max_norm` and return the norm before clipping (`aggregate_norm_fn`,
     upstream's, maps the norm before the clip coefficient is computed).
 

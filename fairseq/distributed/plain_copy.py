@@ -23,11 +23,22 @@ from torch.distributed.tensor import DTensor
 _DISTRIBUTED_MODULES = ("torch.distributed", "fairseq.distributed")
 _FSDP_FLAGS = ("_is_fsdp_managed_module", "_fsdp_use_orig_params")  # set by fully_shard on every module
 _COMPOSABLE_STATE = "__composable_api_state_key"  # prefix of the attributes holding FSDP's per-module state
-_HOOKS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks", "_state_dict_hooks",
-          "_state_dict_pre_hooks", "_load_state_dict_pre_hooks", "_load_state_dict_post_hooks")
+_HOOKS = (
+    "_forward_pre_hooks",
+    "_forward_hooks",
+    "_backward_pre_hooks",
+    "_backward_hooks",
+    "_state_dict_hooks",
+    "_state_dict_pre_hooks",
+    "_load_state_dict_pre_hooks",
+    "_load_state_dict_post_hooks",
+)
 # Per-hook flags, keyed by the hook's id in the named dict: kept for the hooks kept.
-_HOOK_FLAGS = {"_forward_pre_hooks_with_kwargs": "_forward_pre_hooks", "_forward_hooks_with_kwargs": "_forward_hooks",
-               "_forward_hooks_always_called": "_forward_hooks"}
+_HOOK_FLAGS = {
+    "_forward_pre_hooks_with_kwargs": "_forward_pre_hooks",
+    "_forward_hooks_with_kwargs": "_forward_hooks",
+    "_forward_hooks_always_called": "_forward_hooks",
+}
 
 
 def _defined_in_distributed(obj) -> bool:

@@ -52,7 +52,8 @@ class ReplicateParallel(ParallelStyle):
         def inputs_replicated(mod, inputs, mesh):
             return tuple(
                 DTensor.from_local(x, mesh, [Replicate()], run_check=False)
-                if isinstance(x, torch.Tensor) and not isinstance(x, DTensor) else x
+                if isinstance(x, torch.Tensor) and not isinstance(x, DTensor)
+                else x
                 for x in inputs
             )
 
@@ -114,8 +115,9 @@ def build_style(name: str, loss_parallel: bool = False, float8: bool = False) ->
     if name == "vocab_embedding":
         return RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
     if name == "vocab_output":
-        return ColwiseParallel(output_layouts=Shard(-1) if loss_parallel else Replicate(),
-                               use_local_output=not loss_parallel)
+        return ColwiseParallel(
+            output_layouts=Shard(-1) if loss_parallel else Replicate(), use_local_output=not loss_parallel
+        )
     if name == "replicate":
         return ReplicateParallel()
     raise ValueError(f"unknown tensor-parallel style {name!r} (one of {', '.join(TENSOR_PARALLEL_STYLES)})")
@@ -151,8 +153,10 @@ def model_plan(model: nn.Module):
     plan = plan_of() if plan_of is not None else None
     if plan is None:
         decoder = getattr(model, "decoder", None)
-        raise TypeError(f"--model-parallel-size has a plan for fairseq's TransformerDecoder only, not for "
-                        f"{type(decoder).__name__} of {type(model).__name__}")
+        raise TypeError(
+            f"--model-parallel-size has a plan for fairseq's TransformerDecoder only, not for "
+            f"{type(decoder).__name__} of {type(model).__name__}"
+        )
     return plan
 
 
@@ -198,11 +202,14 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, loss_parallel: 
         model.get_submodule(last).register_forward_hook(region.leave)
     left = [name for name, p in model.named_parameters() if not isinstance(p, DTensor)]
     if left:
-        raise TypeError(f"the tensor-parallel plan does not cover parameter(s) {', '.join(left[:5])} of "
-                        f"{type(model).__name__}")
-    logger.info(f"tensor parallelism over {tp} ranks: {plan.description}"
-                f"{' (logits kept split for the loss)' if loss_parallel else ''}"
-                f"{f'; {len(float8)} modules all-gather their input in float8' if float8 else ''}")
+        raise TypeError(
+            f"the tensor-parallel plan does not cover parameter(s) {', '.join(left[:5])} of {type(model).__name__}"
+        )
+    logger.info(
+        f"tensor parallelism over {tp} ranks: {plan.description}"
+        f"{' (logits kept split for the loss)' if loss_parallel else ''}"
+        f"{f'; {len(float8)} modules all-gather their input in float8' if float8 else ''}"
+    )
     return model
 
 
@@ -225,6 +232,7 @@ def reduce_partial_gradients(model: nn.Module) -> None:
 def split_dims(model: nn.Module) -> dict:
     """{parameter name: the dim --model-parallel-size splits it along, or None if replicated} for a model
     with a plan, read from the plan itself (the memory planner uses it)."""
+
     def dim(style, module, param_name):
         if isinstance(style, ColwiseParallel):
             return 1 if isinstance(module, nn.Embedding) else 0

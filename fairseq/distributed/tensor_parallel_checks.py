@@ -30,15 +30,21 @@ def check_tensor_parallel_shape(tp: int, heads: int, ffn: int, vocab: Optional[i
     dims = [heads, ffn] + ([vocab] if vocab else [])
     use = suggested_size(tp, dims)
     if heads % tp:
-        raise ValueError(f"--model-parallel-size {tp} does not divide --decoder-attention-heads {heads}: use "
-                         f"--model-parallel-size {use} (it divides the heads, the FFN width and the vocabulary)")
+        raise ValueError(
+            f"--model-parallel-size {tp} does not divide --decoder-attention-heads {heads}: use "
+            f"--model-parallel-size {use} (it divides the heads, the FFN width and the vocabulary)"
+        )
     if ffn % tp:
-        raise ValueError(f"--model-parallel-size {tp} does not divide --decoder-ffn-embed-dim {ffn}: use "
-                         f"--model-parallel-size {use} (it divides the heads, the FFN width and the vocabulary)")
+        raise ValueError(
+            f"--model-parallel-size {tp} does not divide --decoder-ffn-embed-dim {ffn}: use "
+            f"--model-parallel-size {use} (it divides the heads, the FFN width and the vocabulary)"
+        )
     if vocab and vocab % tp:
         source = f" of {vocab_source}" if vocab_source else ""
-        raise ValueError(f"--model-parallel-size {tp} does not divide the vocabulary of {vocab} symbols{source}: use "
-                         f"--model-parallel-size {use}, or binarize with fairseq-preprocess --padding-factor {tp}")
+        raise ValueError(
+            f"--model-parallel-size {tp} does not divide the vocabulary of {vocab} symbols{source}: use "
+            f"--model-parallel-size {use}, or binarize with fairseq-preprocess --padding-factor {tp}"
+        )
 
 
 def _model_sizes(cfg):
@@ -46,8 +52,9 @@ def _model_sizes(cfg):
     tp = cfg.distributed_training.model_parallel_size
     sizes = registry.arch_model(cfg.model._name).tensor_parallel_sizes(cfg.model)
     if sizes is None:
-        raise ValueError(f"--model-parallel-size {tp} needs a transformer_lm architecture (got --arch "
-                         f"{cfg.model._name})")
+        raise ValueError(
+            f"--model-parallel-size {tp} needs a transformer_lm architecture (got --arch {cfg.model._name})"
+        )
     return sizes
 
 

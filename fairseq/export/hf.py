@@ -34,16 +34,32 @@ import torch
 from fairseq import registry
 from fairseq.data.dictionary import Dictionary
 from fairseq.dataclass.utils import config_from_dict
-from fairseq.export.hf_names import (ACTIVATIONS, CONFIG_FIELDS, EMBED, FORK_TOKENIZER_FILES, HF_ARCHITECTURES, PAD,
-                                     POSITIONS, PROJECT_IN, PROJECT_OUT, weight_names)
+from fairseq.export.hf_names import (
+    ACTIVATIONS,
+    CONFIG_FIELDS,
+    EMBED,
+    FORK_TOKENIZER_FILES,
+    HF_ARCHITECTURES,
+    PAD,
+    POSITIONS,
+    PROJECT_IN,
+    PROJECT_OUT,
+    weight_names,
+)
 from fairseq.export.output_dir import assembled, check_output
 from fairseq.export.safetensors_shards import TensorSpec, parse_size, write_shards
 
 logger = logging.getLogger(__name__)
 
 MODEL_TYPES = ("auto", "opt", "xglm")
-DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16,
-          "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+}
 
 
 def require_transformers(what: str = "exporting to transformers"):
@@ -51,8 +67,10 @@ def require_transformers(what: str = "exporting to transformers"):
         import transformers  # noqa: F401
         import safetensors  # noqa: F401
     except ImportError as e:
-        raise ImportError(f"{what} needs the transformers and safetensors packages ({e}); "
-                          "install them with: pip install 'fairseq[export]'") from None
+        raise ImportError(
+            f"{what} needs the transformers and safetensors packages ({e}); "
+            "install them with: pip install 'fairseq[export]'"
+        ) from None
 
 
 # ------------------------------------------------------------------------------------------------ the source
@@ -105,8 +123,10 @@ def find_dictionary(path: str, saved_cfg: dict, dict_path: Optional[str]) -> str
     for candidate in candidates:
         if os.path.isfile(candidate):
             return candidate
-    raise FileNotFoundError(f"no dict.txt found for {path} (looked in: {', '.join(candidates)}); pass --dict "
-                            "PATH/dict.txt, the dictionary of the data the model was trained on")
+    raise FileNotFoundError(
+        f"no dict.txt found for {path} (looked in: {', '.join(candidates)}); pass --dict "
+        "PATH/dict.txt, the dictionary of the data the model was trained on"
+    )
 
 
 def load_source(path: str, dict_path: Optional[str] = None, trust_legacy: bool = False) -> Source:
@@ -124,8 +144,10 @@ def load_source(path: str, dict_path: Optional[str] = None, trust_legacy: bool =
     model_values = dict(saved_cfg.get("model") or {})
     arch = model_values.get("_name") or model_values.get("arch")
     if not arch or registry.arch_model(arch) is not TransformerLanguageModel:
-        raise ValueError(f"{path}: --arch {arch} is not a transformer_lm architecture; only transformer_lm "
-                         "language models can be exported to transformers")
+        raise ValueError(
+            f"{path}: --arch {arch} is not a transformer_lm architecture; only transformer_lm "
+            "language models can be exported to transformers"
+        )
     cfg = config_from_dict(registry.dataclass_of(TransformerLanguageModel), model_values, name=arch)
     cfg.max_target_positions = resolve_max_target_positions(cfg)
     vocabulary = carried(state)
@@ -140,8 +162,12 @@ def load_source(path: str, dict_path: Optional[str] = None, trust_legacy: bool =
     dictionary = Dictionary.load(dict_path)
     output_size = (saved_cfg.get("task") or {}).get("output_dictionary_size", -1)  # --output-dictionary-size
     with torch.device("meta"):  # the shapes the config and dictionary imply, without allocating them
-        expected = TransformerLanguageModel.build(cfg, len(dictionary), dictionary.pad(), output_vocab_size=(
-            output_size if output_size is not None and output_size >= 0 else None)).state_dict()
+        expected = TransformerLanguageModel.build(
+            cfg,
+            len(dictionary),
+            dictionary.pad(),
+            output_vocab_size=(output_size if output_size is not None and output_size >= 0 else None),
+        ).state_dict()
     check_architecture(path, {"model": model_state, "cfg": saved_cfg}, expected)
     check_dictionary(path, vocabulary, dictionary)
     return Source(path, cfg, model_state, dictionary, dict_path, saved_cfg, vocabulary)
@@ -157,8 +183,10 @@ def _embed_scale(cfg) -> float:
 def _common_problems(src: Source) -> List[str]:
     cfg = src.cfg
     if cfg.adaptive_input or cfg.adaptive_softmax_cutoff is not None:
-        return ["--adaptive-input / --adaptive-softmax-cutoff (banded embeddings and softmax) have no equivalent "
-                "in OPT or XGLM"]
+        return [
+            "--adaptive-input / --adaptive-softmax-cutoff (banded embeddings and softmax) have no equivalent "
+            "in OPT or XGLM"
+        ]
     problems = []
     if src.dictionary.pad() != PAD:
         problems.append(f"the dictionary's padding index is {src.dictionary.pad()}, not {PAD}")
@@ -166,15 +194,27 @@ def _common_problems(src: Source) -> List[str]:
         problems.append(f"--activation-fn {cfg.activation_fn} has no transformers equivalent")
     if cfg.layernorm_embedding:
         problems.append("--layernorm-embedding (a layer norm after the embeddings) has no equivalent in OPT or XGLM")
-    normformer = [flag for flag, on in (("--scale-attn", cfg.scale_attn), ("--scale-fc", cfg.scale_fc),
-                                        ("--scale-heads", cfg.scale_heads), ("--scale-resids", cfg.scale_resids)) if on]
+    normformer = [
+        flag
+        for flag, on in (
+            ("--scale-attn", cfg.scale_attn),
+            ("--scale-fc", cfg.scale_fc),
+            ("--scale-heads", cfg.scale_heads),
+            ("--scale-resids", cfg.scale_resids),
+        )
+        if on
+    ]
     if normformer:
-        problems.append(f"NormFormer's {' '.join(normformer)} (extra norms and learned scales in each layer) have no "
-                        "equivalent in OPT or XGLM")
+        problems.append(
+            f"NormFormer's {' '.join(normformer)} (extra norms and learned scales in each layer) have no "
+            "equivalent in OPT or XGLM"
+        )
     rows = src.state["decoder.output_projection.weight"].size(0)
     if rows != len(src.dictionary):
-        problems.append(f"the output projection has {rows} rows for a dictionary of {len(src.dictionary)} "
-                        "(--output-dictionary-size): transformers predicts the whole vocabulary")
+        problems.append(
+            f"the output projection has {rows} rows for a dictionary of {len(src.dictionary)} "
+            "(--output-dictionary-size): transformers predicts the whole vocabulary"
+        )
     return problems
 
 
@@ -183,8 +223,10 @@ def opt_problems(src: Source) -> List[str]:
     cfg = src.cfg
     problems = _common_problems(src)
     if cfg.decoder_input_dim != cfg.decoder_output_dim:
-        problems.append(f"--decoder-input-dim {cfg.decoder_input_dim} differs from --decoder-output-dim "
-                        f"{cfg.decoder_output_dim}: OPT projects in and out through one word_embed_proj_dim")
+        problems.append(
+            f"--decoder-input-dim {cfg.decoder_input_dim} differs from --decoder-output-dim "
+            f"{cfg.decoder_output_dim}: OPT projects in and out through one word_embed_proj_dim"
+        )
     return problems
 
 
@@ -201,9 +243,11 @@ def xglm_problems(src: Source) -> List[str]:
     elif cfg.no_decoder_final_norm:
         problems.append("--no-decoder-final-norm: XGLM always applies a final layer norm")
     if cfg.decoder_input_dim != cfg.decoder_embed_dim or cfg.decoder_output_dim != cfg.decoder_embed_dim:
-        problems.append(f"--decoder-input-dim/--decoder-output-dim ({cfg.decoder_input_dim}/"
-                        f"{cfg.decoder_output_dim}) differ from --decoder-embed-dim {cfg.decoder_embed_dim}: XGLM "
-                        "has no input/output projections")
+        problems.append(
+            f"--decoder-input-dim/--decoder-output-dim ({cfg.decoder_input_dim}/"
+            f"{cfg.decoder_output_dim}) differ from --decoder-embed-dim {cfg.decoder_embed_dim}: XGLM "
+            "has no input/output projections"
+        )
     return problems
 
 
@@ -237,17 +281,33 @@ def hf_config(src: Source, model_type: str, dtype: torch.dtype):
     from transformers import OPTConfig, XGLMConfig
 
     cfg = src.cfg
-    common = dict(vocab_size=len(src.dictionary), activation_function=ACTIVATIONS[cfg.activation_fn],
-                  layerdrop=0.0, use_cache=True, pad_token_id=PAD, bos_token_id=src.begin_token,
-                  eos_token_id=src.dictionary.eos(), architectures=[HF_ARCHITECTURES[model_type]], dtype=dtype)
+    common = dict(
+        vocab_size=len(src.dictionary),
+        activation_function=ACTIVATIONS[cfg.activation_fn],
+        layerdrop=0.0,
+        use_cache=True,
+        pad_token_id=PAD,
+        bos_token_id=src.begin_token,
+        eos_token_id=src.dictionary.eos(),
+        architectures=[HF_ARCHITECTURES[model_type]],
+        dtype=dtype,
+    )
     common.update({hf_name: getattr(cfg, name) for name, hf_name in CONFIG_FIELDS[model_type]})
     if model_type == "opt":
         return OPTConfig(
             _remove_final_layer_norm=bool(cfg.decoder_normalize_before and cfg.no_decoder_final_norm),
-            enable_bias=True, layer_norm_elementwise_affine=True, tie_word_embeddings=_opt_ties(src), **common)
+            enable_bias=True,
+            layer_norm_elementwise_affine=True,
+            tie_word_embeddings=_opt_ties(src),
+            **common,
+        )
     return XGLMConfig(
-        scale_embedding=not cfg.no_scale_embedding, activation_dropout=cfg.activation_dropout or cfg.relu_dropout
-        or 0.0, decoder_start_token_id=src.begin_token, tie_word_embeddings=src.tied, **common)
+        scale_embedding=not cfg.no_scale_embedding,
+        activation_dropout=cfg.activation_dropout or cfg.relu_dropout or 0.0,
+        decoder_start_token_id=src.begin_token,
+        tie_word_embeddings=src.tied,
+        **common,
+    )
 
 
 def _opt_ties(src: Source) -> bool:
@@ -260,9 +320,15 @@ def hf_tensors(src: Source, model_type: str) -> List[TensorSpec]:
     when written."""
     state, cfg = src.state, src.cfg
     opt = model_type == "opt"
-    pairs = weight_names(model_type, cfg.decoder_layers, positions=opt, project_in=PROJECT_IN in state,
-                         project_out=PROJECT_OUT in state, final_norm="decoder.layer_norm.weight" in state,
-                         head=not (_opt_ties(src) if opt else src.tied))
+    pairs = weight_names(
+        model_type,
+        cfg.decoder_layers,
+        positions=opt,
+        project_in=PROJECT_IN in state,
+        project_out=PROJECT_OUT in state,
+        final_norm="decoder.layer_norm.weight" in state,
+        head=not (_opt_ties(src) if opt else src.tied),
+    )
     embed, scale = state[EMBED], _embed_scale(cfg)
     specs = []
     for key, hf_name in pairs:
@@ -270,11 +336,11 @@ def hf_tensors(src: Source, model_type: str) -> List[TensorSpec]:
             specs.append(_opt_positions(src, hf_name))
         elif key == EMBED and opt and scale != 1.0:
             # folded in fp32 (fairseq multiplies the looked-up fp32 rows by the same number)
-            specs.append(TensorSpec(hf_name, tuple(embed.shape), embed.dtype,
-                                    lambda: (embed.float() * scale).to(embed.dtype)))
+            specs.append(
+                TensorSpec(hf_name, tuple(embed.shape), embed.dtype, lambda: (embed.float() * scale).to(embed.dtype))
+            )
         else:
-            specs.append(TensorSpec(hf_name, tuple(state[key].shape), state[key].dtype,
-                                    lambda key=key: state[key]))
+            specs.append(TensorSpec(hf_name, tuple(state[key].shape), state[key].dtype, lambda key=key: state[key]))
     return specs
 
 
@@ -288,8 +354,10 @@ def _opt_positions(src: Source, name: str) -> TensorSpec:
     if src.learned_positions:
         table = state["decoder.embed_positions.weight"]
         if tuple(table.shape) != (rows, dim):
-            raise ValueError(f"{src.path}: decoder.embed_positions.weight is {tuple(table.shape)}, expected "
-                             f"({rows}, {dim}) for --max-target-positions {cfg.max_target_positions}")
+            raise ValueError(
+                f"{src.path}: decoder.embed_positions.weight is {tuple(table.shape)}, expected "
+                f"({rows}, {dim}) for --max-target-positions {cfg.max_target_positions}"
+            )
         return TensorSpec(name, (rows, dim), table.dtype, lambda: table)
     dtype = src.state["decoder.embed_tokens.weight"].dtype
     if not src.has_positions:
@@ -300,9 +368,18 @@ def _opt_positions(src: Source, name: str) -> TensorSpec:
 # ------------------------------------------------------------------------------------------------ the export
 
 
-def export(checkpoint: str, out_dir: str, dict_path: Optional[str] = None, model_type: str = "auto",
-           dtype: Optional[str] = None, max_shard_size: str = "5GB", bpe: Optional[dict] = None,
-           tokenizer: bool = True, overwrite: bool = False, trust_legacy: bool = False) -> Dict[str, object]:
+def export(
+    checkpoint: str,
+    out_dir: str,
+    dict_path: Optional[str] = None,
+    model_type: str = "auto",
+    dtype: Optional[str] = None,
+    max_shard_size: str = "5GB",
+    bpe: Optional[dict] = None,
+    tokenizer: bool = True,
+    overwrite: bool = False,
+    trust_legacy: bool = False,
+) -> Dict[str, object]:
     """Write the transformers directory `out_dir` for `checkpoint`; returns what was written.
 
     `bpe` is {"_name": "gpt2", "gpt2_encoder_json": ..., "gpt2_vocab_bpe": ...} or {"_name": "sentencepiece",
@@ -322,8 +399,12 @@ def export(checkpoint: str, out_dir: str, dict_path: Optional[str] = None, model
     chosen = choose_model_type(src, model_type)
     bpe_cfg = export_bpe(bpe, src) if tokenizer else None
     # and the files found (dict.txt beside the checkpoint, the checkpoint's --bpe files): none may be replaced
-    check_output(out_dir, overwrite, "export_hf", [src.dict_path] + [
-        v for k, v in (bpe_cfg or {}).items() if k != "_name" and isinstance(v, str)])
+    check_output(
+        out_dir,
+        overwrite,
+        "export_hf",
+        [src.dict_path] + [v for k, v in (bpe_cfg or {}).items() if k != "_name" and isinstance(v, str)],
+    )
     # Build the tokenizer before writing anything: its refusal must not leave a half-written export.
     hf_tok = build_hf_tokenizer(bpe_cfg, src) if bpe_cfg is not None else None
     target_dtype = DTYPES[dtype] if dtype else None
@@ -332,10 +413,16 @@ def export(checkpoint: str, out_dir: str, dict_path: Optional[str] = None, model
     # One line for an OSError; an earlier export is kept until the new one is complete.
     with assembled(out_dir, "cannot write the export", "export_hf", "OUTPUT") as tmp:
         files = _write_export(src, chosen, config, hf_tok, bpe_cfg, tmp, target_dtype, max_shard_bytes)
-    logger.info(f"wrote {out_dir}: {HF_ARCHITECTURES[chosen]}, {len(files)} weight file(s)"
-                + (f", tokenizer ({bpe_cfg['_name']})" if hf_tok is not None else ", no tokenizer"))
-    return {"model_type": chosen, "architecture": HF_ARCHITECTURES[chosen], "weights": files,
-            "tokenizer": bpe_cfg["_name"] if hf_tok is not None else None}
+    logger.info(
+        f"wrote {out_dir}: {HF_ARCHITECTURES[chosen]}, {len(files)} weight file(s)"
+        + (f", tokenizer ({bpe_cfg['_name']})" if hf_tok is not None else ", no tokenizer")
+    )
+    return {
+        "model_type": chosen,
+        "architecture": HF_ARCHITECTURES[chosen],
+        "weights": files,
+        "tokenizer": bpe_cfg["_name"] if hf_tok is not None else None,
+    }
 
 
 def _write_export(src, chosen, config, hf_tok, bpe_cfg, tmp, target_dtype, max_shard_bytes) -> List[str]:
@@ -357,4 +444,3 @@ def _generation_config(src: Source):
     from transformers import GenerationConfig
 
     return GenerationConfig(bos_token_id=src.begin_token, eos_token_id=src.dictionary.eos(), pad_token_id=PAD)
-

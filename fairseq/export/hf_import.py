@@ -33,8 +33,17 @@ import torch
 
 from fairseq.dataclass.utils import config_to_dict, flag_name
 from fairseq.export.hf_import_vocab import Vocabulary, read_vocabulary
-from fairseq.export.hf_names import (CONFIG_FIELDS, EMBED, FORK_ACTIVATIONS, FORK_TOKENIZER_FILES, HF_ARCHITECTURES,
-                                     OUTPUT, PAD, POSITIONS, weight_names)
+from fairseq.export.hf_names import (
+    CONFIG_FIELDS,
+    EMBED,
+    FORK_ACTIVATIONS,
+    FORK_TOKENIZER_FILES,
+    HF_ARCHITECTURES,
+    OUTPUT,
+    PAD,
+    POSITIONS,
+    weight_names,
+)
 from fairseq.export.output_dir import assembled, check_output
 from fairseq.export.safetensors_shards import read_weights
 
@@ -44,11 +53,24 @@ CHECKPOINT_NAME = "checkpoint_best.pt"
 FLAGS_NAME = "model_flags.txt"
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 # The options model_flags writes (the others are transformer_lm's defaults, which the import keeps).
-_FLAG_OPTIONS = ("decoder_layers", "decoder_embed_dim", "decoder_input_dim", "decoder_output_dim",
-                 "decoder_ffn_embed_dim", "decoder_attention_heads", "decoder_normalize_before",
-                 "no_decoder_final_norm", "no_token_positional_embeddings", "decoder_learned_pos", "no_scale_embedding",
-                 "share_decoder_input_output_embed", "activation_fn", "dropout", "attention_dropout",
-                 "activation_dropout")
+_FLAG_OPTIONS = (
+    "decoder_layers",
+    "decoder_embed_dim",
+    "decoder_input_dim",
+    "decoder_output_dim",
+    "decoder_ffn_embed_dim",
+    "decoder_attention_heads",
+    "decoder_normalize_before",
+    "no_decoder_final_norm",
+    "no_token_positional_embeddings",
+    "decoder_learned_pos",
+    "no_scale_embedding",
+    "share_decoder_input_output_embed",
+    "activation_fn",
+    "dropout",
+    "attention_dropout",
+    "activation_dropout",
+)
 
 
 @dataclass
@@ -72,12 +94,16 @@ def read_hf(hf_dir: str) -> HFModel:
     from fairseq.export.hf import require_transformers
 
     if not os.path.isdir(hf_dir):
-        raise FileNotFoundError(f"{hf_dir}: no such directory; pass a transformers model directory (config.json and "
-                                "the weights save_pretrained wrote)")
+        raise FileNotFoundError(
+            f"{hf_dir}: no such directory; pass a transformers model directory (config.json and "
+            "the weights save_pretrained wrote)"
+        )
     path = os.path.join(hf_dir, "config.json")
     if not os.path.isfile(path):
-        raise FileNotFoundError(f"{path}: no such file; pass a transformers model directory (config.json and the "
-                                "weights save_pretrained wrote)")
+        raise FileNotFoundError(
+            f"{path}: no such file; pass a transformers model directory (config.json and the "
+            "weights save_pretrained wrote)"
+        )
     try:
         with open(path, encoding="utf-8") as f:
             raw = json.load(f)
@@ -86,9 +112,11 @@ def read_hf(hf_dir: str) -> HFModel:
     model_type = raw.get("model_type") if isinstance(raw, dict) else None
     if model_type not in HF_ARCHITECTURES:
         names = ", ".join((raw.get("architectures") or []) if isinstance(raw, dict) else []) or "no architectures"
-        raise ValueError(f"{path}: model_type {model_type!r} ({names}) is not OPT or XGLM; the import maps "
-                         "OPTForCausalLM and XGLMForCausalLM (the models fairseq and metaseq trained) only; convert "
-                         "other architectures with their own project's tools")
+        raise ValueError(
+            f"{path}: model_type {model_type!r} ({names}) is not OPT or XGLM; the import maps "
+            "OPTForCausalLM and XGLMForCausalLM (the models fairseq and metaseq trained) only; convert "
+            "other architectures with their own project's tools"
+        )
     check_config_types(raw, path)
     require_transformers("importing from transformers")
     import transformers
@@ -100,11 +128,24 @@ def read_hf(hf_dir: str) -> HFModel:
 
 # The config.json keys the import reads, by what their values must be (absent: transformers' default).
 _COUNTS = ("num_hidden_layers", "num_layers")  # 0 layers is a model (embeddings and output only)
-_SIZES = ("hidden_size", "d_model", "ffn_dim", "num_attention_heads", "attention_heads", "max_position_embeddings",
-          "vocab_size")
+_SIZES = (
+    "hidden_size",
+    "d_model",
+    "ffn_dim",
+    "num_attention_heads",
+    "attention_heads",
+    "max_position_embeddings",
+    "vocab_size",
+)
 _IDS = ("pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id")
-_SWITCHES = ("do_layer_norm_before", "_remove_final_layer_norm", "enable_bias", "layer_norm_elementwise_affine",
-             "tie_word_embeddings", "scale_embedding")
+_SWITCHES = (
+    "do_layer_norm_before",
+    "_remove_final_layer_norm",
+    "enable_bias",
+    "layer_norm_elementwise_affine",
+    "tie_word_embeddings",
+    "scale_embedding",
+)
 _PROBABILITIES = ("dropout", "attention_dropout", "activation_dropout")
 
 
@@ -134,10 +175,15 @@ def check_config_types(raw: Dict[str, Any], path: str) -> None:
     for key, value in raw.items():
         expected = _expected(key, value)
         if expected is not None:
-            kind = {bool: "a boolean", int: "an integer", float: "a number", str: "a string", list: "a list",
-                    dict: "an object"}.get(type(value))
-            raise ValueError(f"{path}: {key} is {json.dumps(value)}{f' ({kind})' if kind else ''}; expected "
-                             f"{expected}")
+            kind = {
+                bool: "a boolean",
+                int: "an integer",
+                float: "a number",
+                str: "a string",
+                list: "a list",
+                dict: "an object",
+            }.get(type(value))
+            raise ValueError(f"{path}: {key} is {json.dumps(value)}{f' ({kind})' if kind else ''}; expected {expected}")
 
 
 def _with_model_prefix(weights: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
@@ -155,26 +201,44 @@ def fork_values(model: HFModel) -> Dict[str, Any]:
     hf, path = model.hf, os.path.join(model.directory, "config.json")
     values = {name: getattr(hf, hf_name) for name, hf_name in CONFIG_FIELDS[model.model_type]}
     if hf.activation_function not in FORK_ACTIVATIONS:
-        raise ValueError(f"{path}: activation_function {hf.activation_function!r} has no --activation-fn here "
-                         f"(known: {', '.join(sorted(FORK_ACTIVATIONS))})")
+        raise ValueError(
+            f"{path}: activation_function {hf.activation_function!r} has no --activation-fn here "
+            f"(known: {', '.join(sorted(FORK_ACTIVATIONS))})"
+        )
     dim = values["decoder_embed_dim"]
     if model.model_type == "opt":
         proj = values["decoder_input_dim"] or dim
-        values.update(decoder_input_dim=proj, decoder_output_dim=proj, decoder_learned_pos=True,
-                      no_scale_embedding=True, activation_dropout=0.0,
-                      no_decoder_final_norm=bool(hf.do_layer_norm_before and hf._remove_final_layer_norm))
+        values.update(
+            decoder_input_dim=proj,
+            decoder_output_dim=proj,
+            decoder_learned_pos=True,
+            no_scale_embedding=True,
+            activation_dropout=0.0,
+            no_decoder_final_norm=bool(hf.do_layer_norm_before and hf._remove_final_layer_norm),
+        )
         begin = hf.bos_token_id
     else:
-        values.update(decoder_input_dim=dim, decoder_output_dim=dim, decoder_normalize_before=True,
-                      decoder_learned_pos=False, no_decoder_final_norm=False, no_scale_embedding=not hf.scale_embedding,
-                      activation_dropout=hf.activation_dropout)
+        values.update(
+            decoder_input_dim=dim,
+            decoder_output_dim=dim,
+            decoder_normalize_before=True,
+            decoder_learned_pos=False,
+            no_decoder_final_norm=False,
+            no_scale_embedding=not hf.scale_embedding,
+            activation_dropout=hf.activation_dropout,
+        )
         begin = hf.decoder_start_token_id
     if begin not in (0, 2):
-        raise ValueError(f"{path}: sequences start with id {begin}; fairseq's start with </s> (2), or <s> (0) "
-                         "with --add-bos-token")
-    values.update(activation_fn=FORK_ACTIVATIONS[hf.activation_function], layernorm_embedding=False,
-                  share_decoder_input_output_embed=bool(hf.tie_word_embeddings),
-                  tokens_per_sample=values["max_target_positions"], add_bos_token=begin == 0)
+        raise ValueError(
+            f"{path}: sequences start with id {begin}; fairseq's start with </s> (2), or <s> (0) with --add-bos-token"
+        )
+    values.update(
+        activation_fn=FORK_ACTIVATIONS[hf.activation_function],
+        layernorm_embedding=False,
+        share_decoder_input_output_embed=bool(hf.tie_word_embeddings),
+        tokens_per_sample=values["max_target_positions"],
+        add_bos_token=begin == 0,
+    )
     return values
 
 
@@ -204,22 +268,33 @@ def fork_state(model: HFModel, values: Dict[str, Any], from_export: bool) -> Dic
     layers, tied = values["decoder_layers"], values["share_decoder_input_output_embed"]
     final_norm = values["decoder_normalize_before"] and not values["no_decoder_final_norm"]
     projections = values["decoder_input_dim"] != values["decoder_embed_dim"]
-    pairs = weight_names(model.model_type, layers, positions=opt, project_in=projections, project_out=projections,
-                         final_norm=final_norm, head=not tied)
+    pairs = weight_names(
+        model.model_type,
+        layers,
+        positions=opt,
+        project_in=projections,
+        project_out=projections,
+        final_norm=final_norm,
+        head=not tied,
+    )
     if opt:
         _materialize_optional(weights, pairs, hf, model)
     state = {}
     for key, hf_name in pairs:
         if hf_name not in weights:
-            raise ValueError(f"{model.where} has no tensor {hf_name}, which {HF_ARCHITECTURES[model.model_type]} "
-                             "with this config.json has: the weights are not this config's model")
+            raise ValueError(
+                f"{model.where} has no tensor {hf_name}, which {HF_ARCHITECTURES[model.model_type]} "
+                "with this config.json has: the weights are not this config's model"
+            )
         state[key] = weights.pop(hf_name)
     weights.pop("model.embed_positions.weights", None)  # XGLM's sinusoidal buffer, in older files
     if tied:
         weights.pop("lm_head.weight", None)  # transformers ties it to the input embeddings
     if weights:
-        raise ValueError(f"{model.where}: {len(weights)} tensor(s) the import does not map (e.g. {sorted(weights)[0]}):"
-                         f" not an {HF_ARCHITECTURES[model.model_type]} as transformers builds it from config.json")
+        raise ValueError(
+            f"{model.where}: {len(weights)} tensor(s) the import does not map (e.g. {sorted(weights)[0]}):"
+            f" not an {HF_ARCHITECTURES[model.model_type]} as transformers builds it from config.json"
+        )
     if opt and from_export:
         _fork_layout_of_export(state, values)
     return state
@@ -228,9 +303,15 @@ def fork_state(model: HFModel, values: Dict[str, Any], from_export: bool) -> Dic
 def _materialize_optional(weights, pairs, hf, model: HFModel) -> None:
     """OPT without biases or without the norms' scale and shift: zeros and ones, the same function."""
     norms = ("layer_norm.weight", "layer_norm.bias")
-    missing = [hf_name for _, hf_name in pairs if hf_name not in weights and (
-        (not hf.enable_bias and hf_name.endswith(".bias") and not hf_name.endswith(norms))
-        or (not hf.layer_norm_elementwise_affine and hf_name.endswith(norms)))]
+    missing = [
+        hf_name
+        for _, hf_name in pairs
+        if hf_name not in weights
+        and (
+            (not hf.enable_bias and hf_name.endswith(".bias") and not hf_name.endswith(norms))
+            or (not hf.layer_norm_elementwise_affine and hf_name.endswith(norms))
+        )
+    ]
     for hf_name in missing:
         module = hf_name.rsplit(".", 1)[0]
         like = weights.get(module + ".weight")
@@ -241,9 +322,11 @@ def _materialize_optional(weights, pairs, hf, model: HFModel) -> None:
         fill = 1.0 if hf_name.endswith("layer_norm.weight") else 0.0
         weights[hf_name] = torch.full((size,), fill, dtype=dtype)
     if missing:
-        logger.warning(f"{model.directory}: enable_bias={hf.enable_bias}, layer_norm_elementwise_affine="
-                       f"{hf.layer_norm_elementwise_affine}: {len(missing)} bias / norm tensors written as zeros and "
-                       "ones (the same function; fine-tuning trains them, and the export writes them back)")
+        logger.warning(
+            f"{model.directory}: enable_bias={hf.enable_bias}, layer_norm_elementwise_affine="
+            f"{hf.layer_norm_elementwise_affine}: {len(missing)} bias / norm tensors written as zeros and "
+            "ones (the same function; fine-tuning trains them, and the export writes them back)"
+        )
 
 
 def _fork_layout_of_export(state: Dict[str, torch.Tensor], values: Dict[str, Any]) -> None:
@@ -252,8 +335,11 @@ def _fork_layout_of_export(state: Dict[str, torch.Tensor], values: Dict[str, Any
 
     scale = math.sqrt(values["decoder_embed_dim"])
     out = state.get(OUTPUT)
-    if out is not None and out.shape == state[EMBED].shape and torch.equal(state[EMBED], (out.float() * scale).to(
-            out.dtype)):
+    if (
+        out is not None
+        and out.shape == state[EMBED].shape
+        and torch.equal(state[EMBED], (out.float() * scale).to(out.dtype))
+    ):
         state[EMBED] = state.pop(OUTPUT)
         values.update(share_decoder_input_output_embed=True, no_scale_embedding=False)
     table = state[POSITIONS]
@@ -285,8 +371,10 @@ def complete_state(state: Dict[str, torch.Tensor], cfg, rows: int) -> Dict[str, 
         else:
             raise RuntimeError(f"import: no value for {key}")
         if tuple(out[key].shape) != tuple(meta.shape):
-            raise ValueError(f"import: {key} is {tuple(out[key].shape)} but the model config.json describes has "
-                             f"{tuple(meta.shape)} there; the weights do not fit config.json")
+            raise ValueError(
+                f"import: {key} is {tuple(out[key].shape)} but the model config.json describes has "
+                f"{tuple(meta.shape)} there; the weights do not fit config.json"
+            )
     extra = sorted(set(state) - set(out))
     if extra:
         raise RuntimeError(f"import: {extra[0]} has no place in the model")
@@ -309,8 +397,10 @@ def import_hf(hf_dir: str, out_dir: str, dtype: Optional[str] = None, overwrite:
     embed = model.weights.get(("model.decoder." if model.model_type == "opt" else "model.") + "embed_tokens.weight")
     rows = embed.size(0) if embed is not None else model.hf.vocab_size
     if rows != model.hf.vocab_size:
-        raise ValueError(f"{model.where}: the token embedding has {rows:,} rows but config.json says vocab_size "
-                         f"{model.hf.vocab_size:,}; the weights are not this config's model")
+        raise ValueError(
+            f"{model.where}: the token embedding has {rows:,} rows but config.json says vocab_size "
+            f"{model.hf.vocab_size:,}; the weights are not this config's model"
+        )
     vocab = read_vocabulary(hf_dir, model.model_type, rows, model.hf.pad_token_id, model.hf.eos_token_id)
     state = fork_state(model, values, from_export=os.path.isfile(os.path.join(hf_dir, "dict.txt")))
     if dtype is not None:
@@ -321,14 +411,29 @@ def import_hf(hf_dir: str, out_dir: str, dtype: Optional[str] = None, overwrite:
     with assembled(out_dir, "cannot write the import", "import_hf", "OUT_DIR") as tmp:
         _write(tmp, out_dir, cfg, state, vocab, add_bos)
     architecture = HF_ARCHITECTURES[model.model_type]
-    logger.info(f"wrote {out_dir}: {architecture} as transformer_lm ({cfg.decoder_layers} layers, {rows:,} rows; "
-                f"tokenizer from {vocab.source})")
-    bpe_flags = [] if vocab.bpe is None else ["--bpe", vocab.bpe] + [
-        f for name, option in FORK_TOKENIZER_FILES.items() if name in vocab.files
-        for f in (flag_name(option), os.path.join(out_dir, name))]
-    return {"checkpoint": os.path.join(out_dir, CHECKPOINT_NAME), "architecture": architecture, "bpe": vocab.bpe,
-            "flags": model_flags(cfg) + (["--add-bos-token"] if add_bos else []), "bpe_flags": bpe_flags,
-            "positions": cfg.max_target_positions}
+    logger.info(
+        f"wrote {out_dir}: {architecture} as transformer_lm ({cfg.decoder_layers} layers, {rows:,} rows; "
+        f"tokenizer from {vocab.source})"
+    )
+    bpe_flags = (
+        []
+        if vocab.bpe is None
+        else ["--bpe", vocab.bpe]
+        + [
+            f
+            for name, option in FORK_TOKENIZER_FILES.items()
+            if name in vocab.files
+            for f in (flag_name(option), os.path.join(out_dir, name))
+        ]
+    )
+    return {
+        "checkpoint": os.path.join(out_dir, CHECKPOINT_NAME),
+        "architecture": architecture,
+        "bpe": vocab.bpe,
+        "flags": model_flags(cfg) + (["--add-bos-token"] if add_bos else []),
+        "bpe_flags": bpe_flags,
+        "positions": cfg.max_target_positions,
+    }
 
 
 def _write(tmp: str, out_dir: str, cfg, state, vocab: Vocabulary, add_bos: bool) -> None:
@@ -341,17 +446,26 @@ def _write(tmp: str, out_dir: str, cfg, state, vocab: Vocabulary, add_bos: bool)
             f.write(content)
     bpe = None
     if vocab.bpe is not None:
-        bpe = {"_name": vocab.bpe, **{option: os.path.join(tmp, name) for name, option in FORK_TOKENIZER_FILES.items()
-                                      if name in vocab.files}}
+        bpe = {
+            "_name": vocab.bpe,
+            **{option: os.path.join(tmp, name) for name, option in FORK_TOKENIZER_FILES.items() if name in vocab.files},
+        }
     record = make_record(vocab.dictionary, bpe)
     final = os.path.abspath(out_dir)
     for option in list(bpe or ()):  # the paths the files will have once the directory is in place
         if option != "_name":
             bpe[option] = os.path.join(final, os.path.basename(bpe[option]))
             record["bpe"]["files"][option]["path"] = bpe[option]
-    task = {"_name": "language_modeling", "data": final, "tokens_per_sample": cfg.max_target_positions,
-            "max_target_positions": cfg.max_target_positions, "add_bos_token": add_bos}
-    torch_save_raising_os_errors({"cfg": {"model": config_to_dict(cfg), "task": task, "bpe": bpe}, "model": state,
-                                  KEY: record}, os.path.join(tmp, CHECKPOINT_NAME))
+    task = {
+        "_name": "language_modeling",
+        "data": final,
+        "tokens_per_sample": cfg.max_target_positions,
+        "max_target_positions": cfg.max_target_positions,
+        "add_bos_token": add_bos,
+    }
+    torch_save_raising_os_errors(
+        {"cfg": {"model": config_to_dict(cfg), "task": task, "bpe": bpe}, "model": state, KEY: record},
+        os.path.join(tmp, CHECKPOINT_NAME),
+    )
     with open(os.path.join(tmp, FLAGS_NAME), "w", encoding="utf-8") as f:
         f.write(" ".join(model_flags(cfg) + (["--add-bos-token"] if add_bos else [])) + "\n")

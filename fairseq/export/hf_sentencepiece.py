@@ -53,14 +53,14 @@ def _fields(data: bytes):
         if wire == 0:
             yield number, wire, varint()
         elif wire == 1:
-            yield number, wire, data[i:i + 8]
+            yield number, wire, data[i : i + 8]
             i += 8
         elif wire == 2:
             size = varint()
-            yield number, wire, data[i:i + size]
+            yield number, wire, data[i : i + size]
             i += size
         elif wire == 5:
-            yield number, wire, data[i:i + 4]
+            yield number, wire, data[i : i + 4]
             i += 4
         else:
             raise ValueError(f"unsupported protobuf wire type {wire}")
@@ -70,8 +70,16 @@ def read_model(path: str) -> dict:
     """The fields of a sentencepiece .model file that the tokenizer needs."""
     with open(path, "rb") as f:
         data = f.read()
-    model = {"pieces": [], "model_type": UNIGRAM, "byte_fallback": False, "whitespace_suffix": False,
-             "charsmap": b"", "dummy_prefix": True, "remove_extra_whitespaces": True, "escape_whitespaces": True}
+    model = {
+        "pieces": [],
+        "model_type": UNIGRAM,
+        "byte_fallback": False,
+        "whitespace_suffix": False,
+        "charsmap": b"",
+        "dummy_prefix": True,
+        "remove_extra_whitespaces": True,
+        "escape_whitespaces": True,
+    }
     try:
         for number, _, value in _fields(data):
             if number == 1:
@@ -105,8 +113,9 @@ def read_model(path: str) -> dict:
 
 
 def _refuse(path: str, what: str) -> ValueError:
-    return ValueError(f"--sentencepiece-model {path}: {what} has no exact transformers tokenizer here; "
-                      "export with --no-tokenizer")
+    return ValueError(
+        f"--sentencepiece-model {path}: {what} has no exact transformers tokenizer here; export with --no-tokenizer"
+    )
 
 
 def sentencepiece_tokenizer(path: str, dictionary: Dictionary):
@@ -119,13 +128,18 @@ def sentencepiece_tokenizer(path: str, dictionary: Dictionary):
 
     model = read_model(path)
     if model["model_type"] == UNIGRAM:
-        raise _refuse(path, "a unigram model (transformers' Unigram breaks ties between equally scored "
-                            "segmentations differently from sentencepiece, e.g. in runs of one character)")
+        raise _refuse(
+            path,
+            "a unigram model (transformers' Unigram breaks ties between equally scored "
+            "segmentations differently from sentencepiece, e.g. in runs of one character)",
+        )
     if model["model_type"] != BPE:
         raise _refuse(path, f"model type {model['model_type']} (word or char)")
-    for flag, refused in (("--byte_fallback", model["byte_fallback"]),
-                          ("--treat_whitespace_as_suffix", model["whitespace_suffix"]),
-                          ("escape_whitespaces off", not model["escape_whitespaces"])):
+    for flag, refused in (
+        ("--byte_fallback", model["byte_fallback"]),
+        ("--treat_whitespace_as_suffix", model["whitespace_suffix"]),
+        ("escape_whitespaces off", not model["escape_whitespaces"]),
+    ):
         if refused:
             raise _refuse(path, flag)
     if any(kind == USER_DEFINED for _, _, kind in model["pieces"]):
@@ -146,10 +160,12 @@ def sentencepiece_tokenizer(path: str, dictionary: Dictionary):
         raise missing_error("the sentencepiece model", missing, len(normal), dictionary.path)
     strays = [s for s in dictionary.symbols if s not in ids and s not in specials]
     if strays:
-        raise ValueError(f"dict.txt entry {strays[0]!r} ({len(strays)} in all) is no piece of {path}: fairseq gives "
-                         "such text (unknown characters sentencepiece passes through) its own id, a transformers "
-                         "tokenizer gives <unk>; export with --no-tokenizer, or use a dict.txt made from the "
-                         "model's pieces")
+        raise ValueError(
+            f"dict.txt entry {strays[0]!r} ({len(strays)} in all) is no piece of {path}: fairseq gives "
+            "such text (unknown characters sentencepiece passes through) its own id, a transformers "
+            "tokenizer gives <unk>; export with --no-tokenizer, or use a dict.txt made from the "
+            "model's pieces"
+        )
     for symbol in specials:  # in the vocabulary so that they decode; never produced from text
         ids[symbol] = dictionary.index(symbol)
     unk = dictionary[dictionary.unk()]  # sentencepiece's unknown piece: fairseq finds no such entry
@@ -161,8 +177,9 @@ def sentencepiece_tokenizer(path: str, dictionary: Dictionary):
             if left in normal and right in normal:
                 ranked.append((-score, left, right))
     merges = [(left, right) for _, left, right in sorted(ranked)]
-    tokenizer = Tokenizer(models.BPE(vocab=ids, merges=merges, unk_token=unk, fuse_unk=True, dropout=None,
-                                     byte_fallback=False))
+    tokenizer = Tokenizer(
+        models.BPE(vocab=ids, merges=merges, unk_token=unk, fuse_unk=True, dropout=None, byte_fallback=False)
+    )
 
     steps = []
     if model["charsmap"]:

@@ -34,15 +34,21 @@ def export_bpe(bpe: Optional[dict], src) -> Optional[dict]:
         return None
     if name not in BPE_SCHEMES:
         source = "--bpe" if bpe is not None else "the checkpoint's --bpe"
-        raise ValueError(f"{source} {name}: a transformers tokenizer is written for --bpe gpt2 or sentencepiece "
-                         "only; pass --no-tokenizer to export the model alone")
+        raise ValueError(
+            f"{source} {name}: a transformers tokenizer is written for --bpe gpt2 or sentencepiece "
+            "only; pass --no-tokenizer to export the model alone"
+        )
     return resolve_bpe(bpe, saved, src.vocabulary, src.path)
 
 
 def build_hf_tokenizer(bpe_cfg: dict, src):
     """The PreTrainedTokenizerFast for `src` (a fairseq.export.hf.Source) and the BPE `bpe_cfg`."""
-    return wrap(bpe_tokenizer(bpe_cfg, src.dictionary, src.begin_token), src.dictionary, src.begin_token,
-                src.cfg.max_target_positions)
+    return wrap(
+        bpe_tokenizer(bpe_cfg, src.dictionary, src.begin_token),
+        src.dictionary,
+        src.begin_token,
+        src.cfg.max_target_positions,
+    )
 
 
 def bpe_tokenizer(bpe_cfg: dict, dictionary: Dictionary, begin_token: int):
@@ -59,9 +65,15 @@ def wrap(tokenizer, dictionary: Dictionary, begin_token: int, max_positions: int
     from transformers import PreTrainedTokenizerFast
 
     hf = PreTrainedTokenizerFast(
-        tokenizer_object=tokenizer, bos_token=dictionary[begin_token], eos_token=dictionary[dictionary.eos()],
-        unk_token=dictionary[dictionary.unk()], pad_token=dictionary[dictionary.pad()],
-        model_max_length=max_positions, split_special_tokens=True, clean_up_tokenization_spaces=False)
+        tokenizer_object=tokenizer,
+        bos_token=dictionary[begin_token],
+        eos_token=dictionary[dictionary.eos()],
+        unk_token=dictionary[dictionary.unk()],
+        pad_token=dictionary[dictionary.pad()],
+        model_max_length=max_positions,
+        split_special_tokens=True,
+        clean_up_tokenization_spaces=False,
+    )
     # transformers 5 names its class TokenizersBackend; this name loads in 4.x and 5.x alike.
     hf.init_kwargs["tokenizer_class"] = "PreTrainedTokenizerFast"
     return hf
@@ -75,8 +87,10 @@ def _finish(tokenizer, dictionary: Dictionary, specials: List[str], begin_token:
     tokenizer.encode_special_tokens = True
     begin, eos = dictionary[begin_token], dictionary[dictionary.eos()]
     tokenizer.post_processor = processors.TemplateProcessing(
-        single=f"{begin} $A", pair=f"{begin} $A {eos} $B",
-        special_tokens=sorted({(begin, begin_token), (eos, dictionary.eos())}, key=lambda t: t[1]))
+        single=f"{begin} $A",
+        pair=f"{begin} $A {eos} $B",
+        special_tokens=sorted({(begin, begin_token), (eos, dictionary.eos())}, key=lambda t: t[1]),
+    )
 
 
 # ------------------------------------------------------------------------------------------------ GPT-2
@@ -90,24 +104,33 @@ def gpt2_tokenizer(encoder_json: str, vocab_bpe: str, dictionary: Dictionary):
     its last rank, as upstream)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
-    from fairseq.data.encoders.gpt2_bpe_utils import (bytes_to_unicode, load_encoder_json, load_vocab_bpe,
-                                                      merge_order_is_safe, producible_tokens)
+    from fairseq.data.encoders.gpt2_bpe_utils import (
+        bytes_to_unicode,
+        load_encoder_json,
+        load_vocab_bpe,
+        merge_order_is_safe,
+        producible_tokens,
+    )
 
     encoder = load_encoder_json(encoder_json)
     ranks = {tuple(m): r for r, m in enumerate(load_vocab_bpe(vocab_bpe))}
     merges = sorted(ranks, key=ranks.__getitem__)
     if not merge_order_is_safe(merges):
-        raise ValueError(f"{vocab_bpe}: some merge uses a token before a merge that produces it; fairseq encodes "
-                         "this vocabulary with its Python BPE loop, which transformers' BPE does not reproduce "
-                         "exactly; export with --no-tokenizer")
+        raise ValueError(
+            f"{vocab_bpe}: some merge uses a token before a merge that produces it; fairseq encodes "
+            "this vocabulary with its Python BPE loop, which transformers' BPE does not reproduce "
+            "exactly; export with --no-tokenizer"
+        )
     alphabet = list(bytes_to_unicode().values())
     outputs = alphabet + list(producible_tokens(ranks, merges, alphabet))
     vocab: Dict[str, int] = {}
     missing = []
     for token in outputs:
         if token not in encoder:
-            raise ValueError(f"{encoder_json} has no id for {token!r}, which {vocab_bpe} can output (fairseq fails "
-                             "on text that produces it); export with --no-tokenizer")
+            raise ValueError(
+                f"{encoder_json} has no id for {token!r}, which {vocab_bpe} can output (fairseq fails "
+                "on text that produces it); export with --no-tokenizer"
+            )
         entry = str(encoder[token])
         if entry in dictionary.indices:
             vocab[token] = dictionary.index(entry)
@@ -129,13 +152,24 @@ def gpt2_tokenizer(encoder_json: str, vocab_bpe: str, dictionary: Dictionary):
         else:
             token = token_of_gpt2_id[symbol]  # a GPT-2 token the BPE never outputs: decodes as its text
         if token in vocab:
-            raise ValueError(f"dict.txt entry {symbol!r} (id {idx}) has the text of the BPE token {token!r} (id "
-                             f"{vocab[token]}); a tokenizer cannot tell them apart; export with --no-tokenizer")
+            raise ValueError(
+                f"dict.txt entry {symbol!r} (id {idx}) has the text of the BPE token {token!r} (id "
+                f"{vocab[token]}); a tokenizer cannot tell them apart; export with --no-tokenizer"
+            )
         vocab[token] = idx
     # A merge whose tokens are not all in the vocabulary never applies (its result is never formed).
     kept = [m for m in merges if m[0] in vocab and m[1] in vocab and m[0] + m[1] in vocab]
-    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=kept, dropout=None, unk_token=None, fuse_unk=False,
-                                     byte_fallback=False, ignore_merges=False))
+    tokenizer = Tokenizer(
+        models.BPE(
+            vocab=vocab,
+            merges=kept,
+            dropout=None,
+            unk_token=None,
+            fuse_unk=False,
+            byte_fallback=False,
+            ignore_merges=False,
+        )
+    )
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tokenizer.decoder = decoders.ByteLevel()
     return tokenizer, specials

@@ -27,26 +27,39 @@ def check_output(out_dir: str, overwrite: bool, tool: str, inputs: Iterable[Opti
     if not os.path.lexists(out_dir):
         return
     if os.path.islink(out_dir):
-        raise ValueError(f"output {out_dir} is a symbolic link, which scripts/{tool}.py never replaces; give the "
-                         "directory it points to, or another output")
+        raise ValueError(
+            f"output {out_dir} is a symbolic link, which scripts/{tool}.py never replaces; give the "
+            "directory it points to, or another output"
+        )
     if not os.path.isdir(out_dir):
-        raise ValueError(f"output {out_dir} exists and is not a directory, which scripts/{tool}.py never replaces; "
-                         "choose another output")
+        raise ValueError(
+            f"output {out_dir} exists and is not a directory, which scripts/{tool}.py never replaces; "
+            "choose another output"
+        )
     entries = os.listdir(out_dir)
     if not entries:
         return
     written = _written_by(out_dir, tool)
     if written is None:
-        raise ValueError(f"output {out_dir} already exists and holds files scripts/{tool}.py did not write (it has no "
-                         f"{MANIFEST} of {tool}); choose a new or empty directory")
-    foreign = sorted(name for name in entries if name != MANIFEST and not (
-        name in written and stat.S_ISREG(os.lstat(os.path.join(out_dir, name)).st_mode)))
+        raise ValueError(
+            f"output {out_dir} already exists and holds files scripts/{tool}.py did not write (it has no "
+            f"{MANIFEST} of {tool}); choose a new or empty directory"
+        )
+    foreign = sorted(
+        name
+        for name in entries
+        if name != MANIFEST and not (name in written and stat.S_ISREG(os.lstat(os.path.join(out_dir, name)).st_mode))
+    )
     if foreign:
-        raise ValueError(f"output {out_dir} holds {foreign[0]}, which scripts/{tool}.py did not write (its {MANIFEST} "
-                         "lists what it wrote); move it out or choose another output")
+        raise ValueError(
+            f"output {out_dir} holds {foreign[0]}, which scripts/{tool}.py did not write (its {MANIFEST} "
+            "lists what it wrote); move it out or choose another output"
+        )
     if not overwrite:
-        raise ValueError(f"output {out_dir} holds an earlier output of scripts/{tool}.py; pass --overwrite to "
-                         "replace it, or choose another output")
+        raise ValueError(
+            f"output {out_dir} holds an earlier output of scripts/{tool}.py; pass --overwrite to "
+            "replace it, or choose another output"
+        )
 
 
 def _check_apart_from_inputs(out_dir: str, inputs: Iterable[Optional[str]]) -> None:
@@ -63,8 +76,10 @@ def _check_apart_from_inputs(out_dir: str, inputs: Iterable[Optional[str]]) -> N
             where = "is inside the input"
         else:
             continue
-        raise ValueError(f"output {out_dir} {where} {given}: writing it would replace what is read; choose an "
-                         "output apart from the inputs")
+        raise ValueError(
+            f"output {out_dir} {where} {given}: writing it would replace what is read; choose an "
+            "output apart from the inputs"
+        )
 
 
 def _written_by(out_dir: str, tool: str) -> Optional[Set[str]]:

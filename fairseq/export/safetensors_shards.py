@@ -21,8 +21,18 @@ INDEX_NAME = "model.safetensors.index.json"
 PICKLE_NAME = "pytorch_model.bin"  # transformers' older format, read with weights_only=True only
 PICKLE_INDEX_NAME = "pytorch_model.bin.index.json"
 
-_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+_UNITS = {
+    "": 1,
+    "B": 1,
+    "KB": 10**3,
+    "MB": 10**6,
+    "GB": 10**9,
+    "TB": 10**12,
+    "KIB": 2**10,
+    "MIB": 2**20,
+    "GIB": 2**30,
+    "TIB": 2**40,
+}
 
 
 @dataclass
@@ -44,8 +54,9 @@ def parse_size(text: str) -> int:
     return int(float(match.group(1)) * _UNITS[unit])
 
 
-def plan_shards(specs: Sequence[TensorSpec], dtype: Optional[torch.dtype], max_shard_bytes: int
-                ) -> List[List[TensorSpec]]:
+def plan_shards(
+    specs: Sequence[TensorSpec], dtype: Optional[torch.dtype], max_shard_bytes: int
+) -> List[List[TensorSpec]]:
     """Consecutive groups of tensors of at most `max_shard_bytes` each (a bigger tensor gets a shard alone)."""
     shards: List[List[TensorSpec]] = [[]]
     size = 0
@@ -74,8 +85,9 @@ def _own_storage(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
-def write_shards(out_dir: str, specs: Sequence[TensorSpec], dtype: Optional[torch.dtype], max_shard_bytes: int
-                 ) -> List[str]:
+def write_shards(
+    out_dir: str, specs: Sequence[TensorSpec], dtype: Optional[torch.dtype], max_shard_bytes: int
+) -> List[str]:
     """Write `specs` (cast to `dtype` when given) under `out_dir`; the names of the files written."""
     from safetensors.torch import save_file
 
@@ -134,12 +146,16 @@ def read_weights(directory: str) -> Tuple[Dict[str, torch.Tensor], List[str]]:
         for name in files:
             path = os.path.join(directory, name)
             if not os.path.isfile(path):
-                raise FileNotFoundError(f"{index} names {name}, which is not in {directory}; copy every weight file "
-                                        "of the model into the directory")
+                raise FileNotFoundError(
+                    f"{index} names {name}, which is not in {directory}; copy every weight file "
+                    "of the model into the directory"
+                )
             state.update(_read_safetensors(path) if name.endswith(".safetensors") else _read_pickle(path))
         return state, files
-    raise FileNotFoundError(f"{directory} holds no weights (looked for {WEIGHTS_NAME}, {INDEX_NAME}, {PICKLE_NAME}, "
-                            f"{PICKLE_INDEX_NAME}); pass the directory transformers' save_pretrained wrote")
+    raise FileNotFoundError(
+        f"{directory} holds no weights (looked for {WEIGHTS_NAME}, {INDEX_NAME}, {PICKLE_NAME}, "
+        f"{PICKLE_INDEX_NAME}); pass the directory transformers' save_pretrained wrote"
+    )
 
 
 def _indexed_files(index: str) -> List[str]:
@@ -150,12 +166,16 @@ def _indexed_files(index: str) -> List[str]:
             weight_map = json.load(f)["weight_map"]
         names = sorted(set(weight_map.values()))
     except (ValueError, KeyError, TypeError, AttributeError) as e:
-        raise ValueError(f"{index} is not a weight index ({type(e).__name__}: {e}); expected "
-                         '{"weight_map": {tensor name: file name}} as transformers writes it') from None
+        raise ValueError(
+            f"{index} is not a weight index ({type(e).__name__}: {e}); expected "
+            '{"weight_map": {tensor name: file name}} as transformers writes it'
+        ) from None
     for name in names:
         if not isinstance(name, str) or not name or os.path.isabs(name) or ".." in name.replace("\\", "/").split("/"):
-            raise ValueError(f"{index} names the weight file {json.dumps(name)}, outside {os.path.dirname(index)}; an "
-                             "index names files of its own directory: copy the model's files into one directory")
+            raise ValueError(
+                f"{index} names the weight file {json.dumps(name)}, outside {os.path.dirname(index)}; an "
+                "index names files of its own directory: copy the model's files into one directory"
+            )
     return names
 
 
@@ -180,12 +200,14 @@ def _read_pickle(path: str) -> Dict[str, torch.Tensor]:
                 raise
             state = torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
-        raise ValueError(f"{path} holds pickled Python objects besides tensors, which are not loaded (they can run "
-                         f"code); save the model as safetensors with transformers first ({str(e).splitlines()[0]})"
-                         ) from None
+        raise ValueError(
+            f"{path} holds pickled Python objects besides tensors, which are not loaded (they can run "
+            f"code); save the model as safetensors with transformers first ({str(e).splitlines()[0]})"
+        ) from None
     except (RuntimeError, EOFError, OSError) as e:
-        raise ValueError(f"{path} is not a readable PyTorch weights file ({type(e).__name__}: {e}); copy it "
-                         "again") from None
+        raise ValueError(
+            f"{path} is not a readable PyTorch weights file ({type(e).__name__}: {e}); copy it again"
+        ) from None
     if not isinstance(state, dict) or not all(torch.is_tensor(v) for v in state.values()):
         raise ValueError(f"{path} is not a state dict of tensors; pass a transformers model directory")
     return state

@@ -231,8 +231,10 @@ def _coerce(where: str, value, tp, default):
     if origin is Literal:
         choices = get_args(inner)
         if value not in choices:
-            raise ValueError(f"{where}={value!r} is not a valid choice{did_you_mean(value, choices)}; choose one of: "
-                             f"{', '.join(map(str, choices))}")
+            raise ValueError(
+                f"{where}={value!r} is not a valid choice{did_you_mean(value, choices)}; choose one of: "
+                f"{', '.join(map(str, choices))}"
+            )
         return value
     if origin in (list, typing.List):
         (item_type,) = get_args(inner) or (Any,)
@@ -300,8 +302,10 @@ def _check_legacy_component(where: str, values, cls, owner: str) -> Dict[str, An
             continue
         if key not in options:
             hint = did_you_mean(key, options, lambda match: f"'{where}.{match}'")
-            raise ValueError(f"unknown key '{where}.{key}'{hint}: {owner} is a legacy plug-in whose add_args declares "
-                             f"{', '.join(sorted(options)) or 'no options'}")
+            raise ValueError(
+                f"unknown key '{where}.{key}'{hint}: {owner} is a legacy plug-in whose add_args declares "
+                f"{', '.join(sorted(options)) or 'no options'}"
+            )
         checked[key] = legacy.coerce_option(f"{where}.{key}", options[key], value)
     return checked
 
@@ -327,15 +331,19 @@ def _component_class(attr: str, name: str):
 def _component_dataclass(attr: str, name: str):
     if attr == "model":
         if name not in registry.architectures():
-            raise ValueError(f"model._name={name!r} is not an architecture"
-                             f"{did_you_mean(name, registry.architectures())}; choose one of: "
-                             f"{', '.join(registry.architectures())} (or load a plug-in with common.user_dir)")
+            raise ValueError(
+                f"model._name={name!r} is not an architecture"
+                f"{did_you_mean(name, registry.architectures())}; choose one of: "
+                f"{', '.join(registry.architectures())} (or load a plug-in with common.user_dir)"
+            )
         return registry.dataclass_of(registry.arch_model(name))
     reg = COMPONENT_REGISTRIES[attr]
     if name not in reg:
-        raise ValueError(f"{attr}._name={name!r} is not a registered {reg.kind}{did_you_mean(name, reg.choices())}; "
-                         "choose one of: "
-                         f"{', '.join(reg.choices())} (or load a plug-in with common.user_dir)")
+        raise ValueError(
+            f"{attr}._name={name!r} is not a registered {reg.kind}{did_you_mean(name, reg.choices())}; "
+            "choose one of: "
+            f"{', '.join(reg.choices())} (or load a plug-in with common.user_dir)"
+        )
     return reg.dataclass(name)
 
 
@@ -360,9 +368,11 @@ def _without_unused_upstream_groups(values: Dict[str, Any]) -> Dict[str, Any]:
             continue
         value = out.pop(key)
         if not _is_unset(value):
-            raise ValueError(f"'{key}' is set to {value!r}, but fairseq-hydra-train here has no {key} "
-                             f"options (language-model training does not use them): remove '{key}' or set it "
-                             "to null")
+            raise ValueError(
+                f"'{key}' is set to {value!r}, but fairseq-hydra-train here has no {key} "
+                f"options (language-model training does not use them): remove '{key}' or set it "
+                "to null"
+            )
     return out
 
 
@@ -430,8 +440,10 @@ def resolve_paths(values: Dict[str, Any], base_dir: str) -> Dict[str, Any]:
         path = os.path.expanduser(path)
         return path if os.path.isabs(path) else os.path.normpath(os.path.join(base_dir, path))
 
-    for group, keys in (("checkpoint", ("save_dir", "finetune_from_model")),
-                        ("common", ("log_file", "tensorboard_logdir", "user_dir"))):
+    for group, keys in (
+        ("checkpoint", ("save_dir", "finetune_from_model")),
+        ("common", ("log_file", "tensorboard_logdir", "user_dir")),
+    ):
         section = out.get(group)
         for key in keys if isinstance(section, dict) else ():
             if section.get(key) is not None:

@@ -50,35 +50,69 @@ class _HelpFormatter(argparse.HelpFormatter):
 
 ALL = "all"  # HELP_SHOWN: every flag of the group
 _EVAL_COMMON = frozenset({"log_file", "seed", "cpu", "fp16", "bf16", "user_dir", "trust_legacy_checkpoint"})
-_EVAL_DATASET = frozenset({"max_tokens", "batch_size", "num_workers", "skip_invalid_size_inputs_valid_test",
-                           "gen_subset", "num_shards", "shard_id"})
+_EVAL_DATASET = frozenset(
+    {
+        "max_tokens",
+        "batch_size",
+        "num_workers",
+        "skip_invalid_size_inputs_valid_test",
+        "gen_subset",
+        "num_shards",
+        "shard_id",
+    }
+)
 # What --help lists for the tools that read a trained model: per group, the fields the tool reads
 # ("components": the selectors it uses); groups not named are left out. The flags left out still parse, as
 # upstream's command lines pass training flags to these tools.
 HELP_SHOWN = {
     "generate": {
-        "common": _EVAL_COMMON, "dataset": _EVAL_DATASET | {"required_batch_size_multiple", "data_buffer_size"},
-        "common_eval": {"path", "quiet", "model_overrides", "results_path", "post_process"}, "generation": ALL,
-        "components": {"task", "bpe", "tokenizer"}},
+        "common": _EVAL_COMMON,
+        "dataset": _EVAL_DATASET | {"required_batch_size_multiple", "data_buffer_size"},
+        "common_eval": {"path", "quiet", "model_overrides", "results_path", "post_process"},
+        "generation": ALL,
+        "components": {"task", "bpe", "tokenizer"},
+    },
     "interactive": {
-        "common": _EVAL_COMMON, "dataset": {"max_tokens", "batch_size", "skip_invalid_size_inputs_valid_test"},
-        "common_eval": {"path", "model_overrides", "post_process"}, "generation": ALL, "interactive": ALL,
-        "components": {"task", "bpe", "tokenizer"}},
+        "common": _EVAL_COMMON,
+        "dataset": {"max_tokens", "batch_size", "skip_invalid_size_inputs_valid_test"},
+        "common_eval": {"path", "model_overrides", "post_process"},
+        "generation": ALL,
+        "interactive": ALL,
+        "components": {"task", "bpe", "tokenizer"},
+    },
     "serve": {
-        "common": _EVAL_COMMON, "common_eval": {"path", "model_overrides"},
-        "generation": {"quantize", "no_cuda_graphs"}, "distributed_training": {"model_parallel_size"}, "serve": ALL,
-        "components": {"task", "bpe", "tokenizer"}},
+        "common": _EVAL_COMMON,
+        "common_eval": {"path", "model_overrides"},
+        "generation": {"quantize", "no_cuda_graphs"},
+        "distributed_training": {"model_parallel_size"},
+        "serve": ALL,
+        "components": {"task", "bpe", "tokenizer"},
+    },
     "eval_lm": {
-        "common": _EVAL_COMMON, "dataset": _EVAL_DATASET,
-        "common_eval": {"path", "model_overrides", "results_path", "post_process"}, "eval_lm": ALL,
-        "components": {"task", "bpe", "tokenizer"}},
+        "common": _EVAL_COMMON,
+        "dataset": _EVAL_DATASET,
+        "common_eval": {"path", "model_overrides", "results_path", "post_process"},
+        "eval_lm": ALL,
+        "components": {"task", "bpe", "tokenizer"},
+    },
     "validate": {
         "common": _EVAL_COMMON | {"log_format", "log_interval", "no_progress_bar"},
-        "dataset": {"max_tokens", "batch_size", "num_workers", "skip_invalid_size_inputs_valid_test",
-                    "required_batch_size_multiple", "data_buffer_size", "valid_subset", "combine_valid_subsets",
-                    "max_valid_steps"},
-        "distributed_training": {"device_id"}, "checkpoint": {"checkpoint_suffix"},
-        "common_eval": {"path", "model_overrides"}, "components": {"task", "criterion"}},
+        "dataset": {
+            "max_tokens",
+            "batch_size",
+            "num_workers",
+            "skip_invalid_size_inputs_valid_test",
+            "required_batch_size_multiple",
+            "data_buffer_size",
+            "valid_subset",
+            "combine_valid_subsets",
+            "max_valid_steps",
+        },
+        "distributed_training": {"device_id"},
+        "checkpoint": {"checkpoint_suffix"},
+        "common_eval": {"path", "model_overrides"},
+        "components": {"task", "criterion"},
+    },
 }
 
 
@@ -88,8 +122,9 @@ def _hide_in_help(actions, shown) -> None:
             action.help = argparse.SUPPRESS
 
 
-def _base_parser(description: str, groups: dict, default_task: str, components=("task",),
-                 help_shown: Optional[dict] = None):
+def _base_parser(
+    description: str, groups: dict, default_task: str, components=("task",), help_shown: Optional[dict] = None
+):
     """The parser of `groups` and the `components` selectors; with `help_shown` (a HELP_SHOWN entry) --help
     lists only the flags it names."""
     # A pre-pass reads --user-dir before anything else, so plug-ins can register choices.
@@ -112,7 +147,10 @@ def _base_parser(description: str, groups: dict, default_task: str, components=(
             continue
         d = default_task if attr == "task" else default
         action = parser.add_argument(
-            f"--{dest.replace('_', '-')}", dest=dest, default=d, metavar=dest.upper(),
+            f"--{dest.replace('_', '-')}",
+            dest=dest,
+            default=d,
+            metavar=dest.upper(),
             help=f"{reg.kind} to use: {', '.join(reg.choices())}" + (f" (default: {d})" if d else ""),
         )
         if help_shown is not None:
@@ -123,17 +161,21 @@ def _base_parser(description: str, groups: dict, default_task: str, components=(
 def get_preprocessing_parser(default_task: str = "translation"):
     groups = {"common": configs.CommonConfig, "preprocess": configs.PreprocessConfig}
     # Every component selector, as upstream's parser has them (only --bpe / --tokenizer are used here).
-    return _base_parser("fairseq-preprocess: build a dictionary and binarize text", groups, default_task,
-                        components=tuple(c[0] for c in COMPONENTS))
+    return _base_parser(
+        "fairseq-preprocess: build a dictionary and binarize text",
+        groups,
+        default_task,
+        components=tuple(c[0] for c in COMPONENTS),
+    )
 
 
 def get_training_parser(default_task: str = "language_modeling"):
     parser = _base_parser(
-        "fairseq-train: train a model", TRAIN_GROUPS, default_task,
-        components=tuple(c[0] for c in COMPONENTS),
+        "fairseq-train: train a model", TRAIN_GROUPS, default_task, components=tuple(c[0] for c in COMPONENTS)
     )
-    parser.add_argument("--arch", "-a", metavar="ARCH", default=None,
-                        help=f"model architecture: {', '.join(registry.architectures())}")
+    parser.add_argument(
+        "--arch", "-a", metavar="ARCH", default=None, help=f"model architecture: {', '.join(registry.architectures())}"
+    )
     return parser
 
 
@@ -142,12 +184,22 @@ def get_eval_lm_parser(default_task: str = "language_modeling"):
     groups["common_eval"] = configs.CommonEvalConfig
     groups["eval_lm"] = configs.EvalLMConfig
     # Every component flag (--criterion, --optimizer, --lr-scheduler, --bpe, --tokenizer), as upstream's parser.
-    return _base_parser("fairseq-eval-lm: evaluate a language model", groups, default_task,
-                        components=tuple(c[0] for c in COMPONENTS), help_shown=HELP_SHOWN["eval_lm"])
+    return _base_parser(
+        "fairseq-eval-lm: evaluate a language model",
+        groups,
+        default_task,
+        components=tuple(c[0] for c in COMPONENTS),
+        help_shown=HELP_SHOWN["eval_lm"],
+    )
 
 
-def parse_args_and_arch(parser: argparse.ArgumentParser, input_args: Optional[List[str]] = None,
-                        parse_known: bool = False, suppress_defaults: bool = False, modify_parser=None):
+def parse_args_and_arch(
+    parser: argparse.ArgumentParser,
+    input_args: Optional[List[str]] = None,
+    parse_known: bool = False,
+    suppress_defaults: bool = False,
+    modify_parser=None,
+):
     """Parse flags, adding the chosen components' flags and applying the architecture preset.
 
     Upstream's options: `suppress_defaults` returns only the flags given on the command line (for
@@ -237,30 +289,47 @@ def _add_component_flags(parser, first, only=None, arch=True):
     if legacy.is_legacy_arch(first.arch):  # upstream's add_args plug-ins
         legacy.add_model_args(parser, model_cls)
     else:
-        add_dataclass_to_parser(parser.add_argument_group("model-specific configuration"),
-                                registry.dataclass_of(model_cls), suppress_defaults=True)
+        add_dataclass_to_parser(
+            parser.add_argument_group("model-specific configuration"),
+            registry.dataclass_of(model_cls),
+            suppress_defaults=True,
+        )
     return True
 
 
 # ----------------------------------------------------------------------------- validation
 
+
 def get_validation_parser(default_task: Optional[str] = "language_modeling"):
     """fairseq-validate's parser (upstream's groups): the loss of a trained model (--path) on --valid-subset
     splits; --model-overrides and the task flags given change the checkpoint's saved config."""
-    groups = {"common": configs.CommonConfig, "dataset": configs.DatasetConfig,
-              "distributed_training": configs.DistributedTrainingConfig, "checkpoint": configs.CheckpointConfig,
-              "common_eval": configs.CommonEvalConfig}
-    return _base_parser("fairseq-validate: validate a trained model", groups, default_task or "language_modeling",
-                        components=tuple(c[0] for c in COMPONENTS), help_shown=HELP_SHOWN["validate"])
+    groups = {
+        "common": configs.CommonConfig,
+        "dataset": configs.DatasetConfig,
+        "distributed_training": configs.DistributedTrainingConfig,
+        "checkpoint": configs.CheckpointConfig,
+        "common_eval": configs.CommonEvalConfig,
+    }
+    return _base_parser(
+        "fairseq-validate: validate a trained model",
+        groups,
+        default_task or "language_modeling",
+        components=tuple(c[0] for c in COMPONENTS),
+        help_shown=HELP_SHOWN["validate"],
+    )
 
 
 # ----------------------------------------------------------------------------- generation
 
+
 def _generation_groups(interactive: bool) -> dict:
     groups = {
-        "common": configs.CommonConfig, "dataset": configs.DatasetConfig,
-        "distributed_training": configs.DistributedTrainingConfig, "checkpoint": configs.CheckpointConfig,
-        "common_eval": configs.CommonEvalConfig, "generation": GenerationConfig,
+        "common": configs.CommonConfig,
+        "dataset": configs.DatasetConfig,
+        "distributed_training": configs.DistributedTrainingConfig,
+        "checkpoint": configs.CheckpointConfig,
+        "common_eval": configs.CommonEvalConfig,
+        "generation": GenerationConfig,
     }
     if interactive:
         groups["interactive"] = InteractiveConfig
@@ -271,9 +340,13 @@ def get_generation_parser(interactive: bool = False, default_task: str = "langua
     """fairseq-generate's parser (fairseq-interactive's with `interactive`): upstream's groups; the model and
     its flags come from the checkpoint (--path), changed only through --model-overrides."""
     name = "fairseq-interactive: generate from prompts" if interactive else "fairseq-generate: generate for a split"
-    return _base_parser(name, _generation_groups(interactive), default_task,
-                        components=("task",) + ENCODER_COMPONENTS,
-                        help_shown=HELP_SHOWN["interactive" if interactive else "generate"])
+    return _base_parser(
+        name,
+        _generation_groups(interactive),
+        default_task,
+        components=("task",) + ENCODER_COMPONENTS,
+        help_shown=HELP_SHOWN["interactive" if interactive else "generate"],
+    )
 
 
 def get_interactive_generation_parser(default_task: str = "language_modeling"):
@@ -288,8 +361,13 @@ def get_serve_parser(default_task: str = "language_modeling"):
     its own options; --max-tokens is the serve group's per-request limit), plus the serve group."""
     groups = {name: dc for name, dc in _generation_groups(False).items() if name != "dataset"}
     groups["serve"] = ServeConfig
-    return _base_parser("fairseq-serve: an OpenAI-compatible completions server", groups, default_task,
-                        components=("task",) + ENCODER_COMPONENTS, help_shown=HELP_SHOWN["serve"])
+    return _base_parser(
+        "fairseq-serve: an OpenAI-compatible completions server",
+        groups,
+        default_task,
+        components=("task",) + ENCODER_COMPONENTS,
+        help_shown=HELP_SHOWN["serve"],
+    )
 
 
 def convert_namespace_to_generation_config(args: argparse.Namespace) -> configs.FairseqConfig:

@@ -30,8 +30,10 @@ from fairseq.training.ema import check_ema_config
 def check_shard(dataset) -> None:
     """--num-shards / --shard-id of fairseq-generate and fairseq-eval-lm: shard SHARD_ID of NUM_SHARDS."""
     if dataset.num_shards < 1 or not 0 <= dataset.shard_id < dataset.num_shards:
-        raise ValueError(f"--shard-id {dataset.shard_id} must lie in [0, --num-shards {dataset.num_shards}) "
-                         "(and --num-shards be at least 1)")
+        raise ValueError(
+            f"--shard-id {dataset.shard_id} must lie in [0, --num-shards {dataset.num_shards}) "
+            "(and --num-shards be at least 1)"
+        )
 
 
 def check_sharded_state(distributed) -> None:
@@ -62,11 +64,13 @@ def validate(cfg) -> None:
     check_precision(cfg.common)
     check_seed(cfg.common)
     common, dt = cfg.common, cfg.distributed_training
-    check_float8_flags(common.fp8, common.fp16, common.bf16, common.fp8_recipe, common.fp8_fsdp_all_gather,
-                       dt.ddp_backend)
+    check_float8_flags(
+        common.fp8, common.fp16, common.bf16, common.fp8_recipe, common.fp8_fsdp_all_gather, dt.ddp_backend
+    )
     check_float8_environment(cfg, _training_device(cfg))
-    check_fsdp_flags(dt.ddp_backend, dt.fsdp_forward_prefetch, dt.fsdp_sync_free, dt.cpu_offload,
-                     dt.fsdp_prefetch_depth)
+    check_fsdp_flags(
+        dt.ddp_backend, dt.fsdp_forward_prefetch, dt.fsdp_sync_free, dt.cpu_offload, dt.fsdp_prefetch_depth
+    )
     check_layout_flags(dt.model_parallel_size, dt.fsdp_shard_group_size, dt.ddp_backend)
     check_tensor_parallel_config(cfg)
     check_sharded_state(cfg.distributed_training)

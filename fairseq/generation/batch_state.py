@@ -19,8 +19,9 @@ class FinishedHypotheses:
     """Per sentence, up to `beam` hypotheses in the order they ended (upstream's `finalized`), as output dicts
     `{"tokens", "score", "attention", "alignment", "positional_scores"}`; which sentences are done."""
 
-    def __init__(self, sentences: int, beam: int, eos: int, normalize_scores: bool, len_penalty: float,
-                 match_source_len: bool):
+    def __init__(
+        self, sentences: int, beam: int, eos: int, normalize_scores: bool, len_penalty: float, match_source_len: bool
+    ):
         self.beam, self.eos = beam, eos
         self.normalize_scores, self.len_penalty, self.match_source_len = normalize_scores, len_penalty, match_source_len
         self.hypotheses: List[List[Dict[str, Tensor]]] = [[] for _ in range(sentences)]
@@ -28,31 +29,50 @@ class FinishedHypotheses:
         self.done = [False] * sentences
         self.remaining = sentences
 
-    def store(self, step: int, rows: Tensor, eos_scores: Tensor, tokens: Tensor, scores: Tensor,
-              sent_of_row: List[int], src_lengths: Tensor, max_len: int,
-              host_eos_scores: Optional[Tensor] = None) -> List[int]:
+    def store(
+        self,
+        step: int,
+        rows: Tensor,
+        eos_scores: Tensor,
+        tokens: Tensor,
+        scores: Tensor,
+        sent_of_row: List[int],
+        src_lengths: Tensor,
+        max_len: int,
+        host_eos_scores: Optional[Tensor] = None,
+    ) -> List[int]:
         """Store the hypotheses of rows `rows` of `tokens` / `scores` (laid out as BatchState's: the begin token
         first; cumulative scores per step) that end with </s> at `step` (score `eos_scores`); row r belongs to
         batch sentence r // beam, original sentence `sent_of_row[r // beam]`. Returns the batch indices of the
         sentences now done (beam hypotheses, or the last step). The device loops pass `rows` and the same scores
         (`host_eos_scores`) on the host, read once for every end step: the bookkeeping then reads no device value."""
         device_rows = rows.to(tokens.device)
-        ended = tokens.index_select(0, device_rows)[:, 1:step + 2]  # without the begin-of-sentence token
+        ended = tokens.index_select(0, device_rows)[:, 1 : step + 2]  # without the begin-of-sentence token
         ended[:, step] = self.eos
-        pos_scores = scores.index_select(0, device_rows)[:, :step + 1]
+        pos_scores = scores.index_select(0, device_rows)[:, : step + 1]
         pos_scores[:, step] = eos_scores
         pos_scores[:, 1:] = pos_scores[:, 1:] - pos_scores[:, :-1]  # cumulative -> per token
         batch_rows = torch.div(rows, self.beam, rounding_mode="trunc")
         eos_scores = self._ranking_scores(step, eos_scores, batch_rows, src_lengths)
-        values = eos_scores if host_eos_scores is None else self._ranking_scores(step, host_eos_scores, batch_rows,
-                                                                                 src_lengths)
+        values = (
+            eos_scores
+            if host_eos_scores is None
+            else self._ranking_scores(step, host_eos_scores, batch_rows, src_lengths)
+        )
         seen = {}
         for i, (row, value) in enumerate(zip(batch_rows.tolist(), values.tolist())):
             sent = sent_of_row[row]
             seen[sent] = row
             if len(self.hypotheses[sent]) < self.beam:
-                self.hypotheses[sent].append({"tokens": ended[i], "score": eos_scores[i], "attention": None,
-                                              "alignment": torch.empty(0), "positional_scores": pos_scores[i]})
+                self.hypotheses[sent].append(
+                    {
+                        "tokens": ended[i],
+                        "score": eos_scores[i],
+                        "attention": None,
+                        "alignment": torch.empty(0),
+                        "positional_scores": pos_scores[i],
+                    }
+                )
                 self.scores[sent].append(value)
         now_done = []
         for sent, row in seen.items():
@@ -132,11 +152,19 @@ class BatchState:
         self.forced_rows = None if prefix is None else prefix.repeat_interleave(self.beam, dim=0)
         self.forced_eos_steps = forced_eos_steps
 
-    def store_ended(self, step: int, rows: Tensor, eos_scores: Tensor, tokens: Tensor, scores: Tensor,
-                    host_eos_scores: Optional[Tensor] = None) -> List[int]:
+    def store_ended(
+        self,
+        step: int,
+        rows: Tensor,
+        eos_scores: Tensor,
+        tokens: Tensor,
+        scores: Tensor,
+        host_eos_scores: Optional[Tensor] = None,
+    ) -> List[int]:
         """`finished.store` for this batch (see FinishedHypotheses.store)."""
-        return self.finished.store(step, rows, eos_scores, tokens, scores, self.sent_of_row, self.src_lengths,
-                                   self.max_len, host_eos_scores)
+        return self.finished.store(
+            step, rows, eos_scores, tokens, scores, self.sent_of_row, self.src_lengths, self.max_len, host_eos_scores
+        )
 
     def keep_sentences(self, keep: List[int]) -> Tensor:
         """Keep batch sentences `keep` (in order): every per-sentence and per-row field follows; returns them

@@ -70,8 +70,9 @@ def _attention_kernels():
 class GraphedDecodeStep:
     """Incremental states and CUDA graphs of one-token steps for the models of an `EnsembleModel`."""
 
-    def __init__(self, ensemble, step_fn: Callable[[Tensor, Tensor, List[dict], int], Tensor], width: int,
-                 capture: bool = True):
+    def __init__(
+        self, ensemble, step_fn: Callable[[Tensor, Tensor, List[dict], int], Tensor], width: int, capture: bool = True
+    ):
         """`step_fn(tokens, slot, states, window)`: log-probabilities [R, width] of tokens [R, 1] at index
         `slot`, attending over the first `window` cache slots; `capture=False`: run it eagerly on the same
         buffers (no GPU needed)."""
@@ -166,10 +167,14 @@ class GraphedDecodeStep:
             graph = torch.cuda.CUDAGraph()
             try:
                 # thread_local: CUDA calls of other threads (a data loader's) do not invalidate this capture.
-                with _attention_kernels(), torch.cuda.graph(graph, pool=self.pool, stream=stream,
-                                                            capture_error_mode="thread_local"):
+                with (
+                    _attention_kernels(),
+                    torch.cuda.graph(graph, pool=self.pool, stream=stream, capture_error_mode="thread_local"),
+                ):
                     fn()
             except RuntimeError as error:
-                raise RuntimeError(f"capturing the decoder step in a CUDA graph failed ({error}); decode "
-                                   "without: --no-cuda-graphs (SequenceGenerator(..., cuda_graphs=False))") from error
+                raise RuntimeError(
+                    f"capturing the decoder step in a CUDA graph failed ({error}); decode "
+                    "without: --no-cuda-graphs (SequenceGenerator(..., cuda_graphs=False))"
+                ) from error
         return graph

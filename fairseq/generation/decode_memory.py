@@ -24,7 +24,7 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from fairseq.modules import CausalSelfAttention
 
-GiB = 1024 ** 3
+GiB = 1024**3
 
 
 def tensor_bytes(tensor: torch.Tensor) -> int:
@@ -69,17 +69,22 @@ def longest_output(prompt_width: int, max_len_a: float, max_len_b: int, max_posi
     return longest if max_positions is None else min(longest, max_positions - 1)
 
 
-def check_output_length(longest: int, min_len: int, prompt_width: int, max_len_a: float, max_len_b: int,
-                        max_positions: int) -> None:
+def check_output_length(
+    longest: int, min_len: int, prompt_width: int, max_len_a: float, max_len_b: int, max_positions: int
+) -> None:
     """ValueError when no output can be generated: the length rule (longest_output, here `longest`) gives fewer
     than 0 tokens (--max-len-b's fault), or fewer than --min-len."""
     rule = f"--max-len-a {max_len_a} * {prompt_width} + --max-len-b {max_len_b}"
     if longest < 0:
-        raise ValueError(f"--max-len-b {max_len_b} makes the longest output {longest} tokens ({rule}), below 0; raise "
-                         f"--max-len-b to at least {math.ceil(max(min_len, 0) - max_len_a * prompt_width)}")
+        raise ValueError(
+            f"--max-len-b {max_len_b} makes the longest output {longest} tokens ({rule}), below 0; raise "
+            f"--max-len-b to at least {math.ceil(max(min_len, 0) - max_len_a * prompt_width)}"
+        )
     if min_len > longest:
-        raise ValueError(f"--min-len {min_len} is larger than the longest output allowed, {longest} tokens "
-                         f"(min({rule}, {max_positions - 1})); lower --min-len or raise --max-len-b")
+        raise ValueError(
+            f"--min-len {min_len} is larger than the longest output allowed, {longest} tokens "
+            f"(min({rule}, {max_positions - 1})); lower --min-len or raise --max-len-b"
+        )
 
 
 def decode_positions(prompt_width: int, max_len_a: float, max_len_b: int, max_positions: Optional[int]) -> int:
@@ -98,8 +103,9 @@ def decode_bytes(models: Iterable[nn.Module], rows: int, positions: int) -> int:
     return total
 
 
-def decode_memory_error(models, sentences: int, beam: int, positions: int, available: int, where: str,
-                        fix: str) -> Optional[str]:
+def decode_memory_error(
+    models, sentences: int, beam: int, positions: int, available: int, where: str, fix: str
+) -> Optional[str]:
     """The one-line error when `sentences x beam` rows of `positions` and the models' weights need more than
     `available` bytes on device `where`; None when they fit."""
     models = list(models)
@@ -108,14 +114,22 @@ def decode_memory_error(models, sentences: int, beam: int, positions: int, avail
     if weights + cache <= available:
         return None
     layers, width = attention_shape(models[0])
-    return (f"a batch of {sentences} prompt(s) x beam {beam} x {positions} positions needs {cache / GiB:.2f} GiB of "
-            f"KV cache ({layers} layers x 2 x {width} values per position) besides {weights / GiB:.2f} GiB of "
-            f"weights, more than the {available / GiB:.2f} GiB {where} has for this process (free + held by torch); "
-            f"{fix}")
+    return (
+        f"a batch of {sentences} prompt(s) x beam {beam} x {positions} positions needs {cache / GiB:.2f} GiB of "
+        f"KV cache ({layers} layers x 2 x {width} values per position) besides {weights / GiB:.2f} GiB of "
+        f"weights, more than the {available / GiB:.2f} GiB {where} has for this process (free + held by torch); "
+        f"{fix}"
+    )
 
 
-def check_decode_memory(models, sentences: int, beam: int, positions: int, device: torch.device,
-                        fix: str = "lower --batch-size / --max-tokens, --beam or --max-len-b") -> None:
+def check_decode_memory(
+    models,
+    sentences: int,
+    beam: int,
+    positions: int,
+    device: torch.device,
+    fix: str = "lower --batch-size / --max-tokens, --beam or --max-len-b",
+) -> None:
     """ValueError, one line, when `sentences x beam` rows of `positions` do not fit on CUDA `device` with the
     models' weights (see the module doc); nothing on other devices."""
     if device.type != "cuda":

@@ -43,9 +43,14 @@ def applies(generator, beam: int) -> bool:
     """Whether this loop can decode `generator`'s batches (the generator chooses, see its `device_loop`): beam
     search (`BeamSearch` itself) with 2 or more beams, this fork's decoders, and no option the loop does not
     implement (--no-repeat-ngram-size, --match-source-len)."""
-    return (generator.device_loop is not False and beam >= 2 and type(generator.search) is search.BeamSearch
-            and generator.model.can_feed_prompts and not generator.no_repeat_ngram_size
-            and not generator.match_source_len)
+    return (
+        generator.device_loop is not False
+        and beam >= 2
+        and type(generator.search) is search.BeamSearch
+        and generator.model.can_feed_prompts
+        and not generator.no_repeat_ngram_size
+        and not generator.match_source_len
+    )
 
 
 class _BeamBuffers(_Buffers):
@@ -104,21 +109,29 @@ class DeviceBeamSearch(DeviceLoop):
 
         # The next hypotheses: the first beam candidates that did not end (ended and ignored ones sort last).
         ended = torch.cat([top_ends | ignore, ends[:, beam:]], dim=1)
-        rank = ended.long() * buf.cand_offsets.size(0) + buf.cand_offsets[:ended.size(1)]
+        rank = ended.long() * buf.cand_offsets.size(0) + buf.cand_offsets[: ended.size(1)]
         ranks, chosen = torch.topk(rank, k=beam, dim=1, largest=False)
         going_on = ~sentence_done
         buf.ignore[:sentences] = torch.where(going_on.unsqueeze(1), ranks.ge(buf.cand_offsets.size(0)), ignore)
-        self._extend(buf, rows, b, window, going_on.unsqueeze(1).expand(sentences, beam).reshape(rows),
-                     parents.gather(1, chosen).view(rows), cand_tokens.gather(1, chosen).view(rows),
-                     cand_scores.gather(1, chosen).view(rows))
+        self._extend(
+            buf,
+            rows,
+            b,
+            window,
+            going_on.unsqueeze(1).expand(sentences, beam).reshape(rows),
+            parents.gather(1, chosen).view(rows),
+            cand_tokens.gather(1, chosen).view(rows),
+            cand_scores.gather(1, chosen).view(rows),
+        )
         buf.slot += 1
 
-    def _store_ended(self, buf: _BeamBuffers, rows: int, ending: Tensor, cand_scores: Tensor, parents: Tensor,
-                     window: int) -> None:
+    def _store_ended(
+        self, buf: _BeamBuffers, rows: int, ending: Tensor, cand_scores: Tensor, parents: Tensor, window: int
+    ) -> None:
         """Copy the hypotheses ending now (`ending` [S, beam]: among the top beam candidates) to their sentence's
         next free places, in candidate order, while places are left."""
         beam, step = self.beam, buf.slot
-        count = buf.count[:rows // beam]
+        count = buf.count[: rows // beam]
         place = count.unsqueeze(1) + ending.long().cumsum(dim=1) - 1  # where each ending candidate goes
         stored = ending & place.lt(beam)
         # For each place of each sentence, the candidate stored there (if any): [S, place, candidate].
@@ -128,23 +141,32 @@ class DeviceBeamSearch(DeviceLoop):
         parent = parents[:, :beam].gather(1, source).view(rows)
         # The parent's tokens up to its last (index step) and cumulative scores up to the step before: the live
         # window covers both (window >= step + 1).
-        tokens, scores = buf.final_tokens[:rows, :window + 1], buf.final_scores[:rows, :window]
-        tokens.copy_(torch.where(filled, buf.tokens[:rows, :window + 1].index_select(0, parent), tokens))
+        tokens, scores = buf.final_tokens[:rows, : window + 1], buf.final_scores[:rows, :window]
+        tokens.copy_(torch.where(filled, buf.tokens[:rows, : window + 1].index_select(0, parent), tokens))
         scores.copy_(torch.where(filled, buf.scores[:rows, :window].index_select(0, parent), scores))
         eos_score = cand_scores[:, :beam].gather(1, source).view(rows, 1)
         column = buf.final_scores[:rows].index_select(1, step)
         buf.final_scores[:rows].scatter_(1, step.expand(rows, 1), torch.where(filled, eos_score, column))
         buf.end_step[:rows] = torch.where(filled.squeeze(1), step, buf.end_step[:rows])
-        buf.count[:rows // beam] = count + stored.sum(dim=1)
+        buf.count[: rows // beam] = count + stored.sum(dim=1)
 
-    def _extend(self, buf: _BeamBuffers, rows: int, b, window: int, going_on: Tensor, parent: Tensor,
-                token: Tensor, score: Tensor) -> None:
+    def _extend(
+        self,
+        buf: _BeamBuffers,
+        rows: int,
+        b,
+        window: int,
+        going_on: Tensor,
+        parent: Tensor,
+        token: Tensor,
+        score: Tensor,
+    ) -> None:
         """Rows of sentences that go on continue `parent` with `token` (cumulative score `score`): their tokens
         and scores histories and caches are reordered (over the live window), the new token and score written.
         The other rows keep theirs."""
         step = buf.slot
         order = torch.where(going_on, parent, buf.row_ids[:rows])
-        tokens, scores = buf.tokens[:rows, :window + 1], buf.scores[:rows, :window]
+        tokens, scores = buf.tokens[:rows, : window + 1], buf.scores[:rows, :window]
         tokens.copy_(tokens.index_select(0, order))
         scores.copy_(scores.index_select(0, order))
         buf.tokens[:rows].scatter_(1, (step + 1).expand(rows, 1), torch.where(going_on, token, self.pad).unsqueeze(1))

@@ -47,9 +47,14 @@ def applies(generator, beam: int) -> bool:
     greedy or sampling, this fork's decoders, and no option the loop does not implement (--no-repeat-ngram-size,
     --match-source-len)."""
     kind = type(generator.search)
-    return (generator.device_loop is not False and beam == 1 and kind in (search.BeamSearch, search.Sampling)
-            and generator.model.can_feed_prompts and not generator.no_repeat_ngram_size
-            and not generator.match_source_len)
+    return (
+        generator.device_loop is not False
+        and beam == 1
+        and kind in (search.BeamSearch, search.Sampling)
+        and generator.model.can_feed_prompts
+        and not generator.no_repeat_ngram_size
+        and not generator.match_source_len
+    )
 
 
 class _Buffers:
@@ -126,10 +131,10 @@ class DeviceLoop:
         width = b.tokens.size(1)
         buf.tokens[:graph_rows].fill_(self.pad)
         buf.tokens[:rows, :width] = b.tokens
-        buf.scores[:rows, :width - 1] = b.scores
+        buf.scores[:rows, : width - 1] = b.scores
         buf.forced[:graph_rows].fill_(self.pad)
         if b.forced_rows is not None:
-            buf.forced[:rows, :b.forced_rows.size(1)] = b.forced_rows
+            buf.forced[:rows, : b.forced_rows.size(1)] = b.forced_rows
         buf.done[:graph_rows] = True
         buf.done[:rows] = False
         buf.end_step[:graph_rows] = -1
@@ -145,8 +150,9 @@ class DeviceLoop:
             buf.keys[:rows] = sampling.sentence_keys(seed, ids)
         return buf
 
-    def decode(self, b: BatchState, lprobs: Tensor, sample: dict,
-               on_tokens: Optional[Callable[[Tensor, Tensor], None]] = None) -> List[List[dict]]:
+    def decode(
+        self, b: BatchState, lprobs: Tensor, sample: dict, on_tokens: Optional[Callable[[Tensor, Tensor], None]] = None
+    ) -> List[List[dict]]:
         """Decode the batch `b` set up by SequenceGenerator._begin (prompts fed, `lprobs` the log-probabilities
         of step b.start); returns each sentence's hypotheses as the step-by-step loop stores them, best first.
         `on_tokens(tokens, done)`: called after every chunk with the tokens so far [B, T] (host, the begin-of-
@@ -165,7 +171,7 @@ class DeviceLoop:
                 step += 1
             finished = int(buf.done[:rows].sum())  # the host sync of this chunk
             if shown is not None:
-                on_tokens(*shown.update(b.sent_of_row, buf.tokens[:rows, :step + 1], buf.done[:rows]))
+                on_tokens(*shown.update(b.sent_of_row, buf.tokens[:rows, : step + 1], buf.done[:rows]))
             if finished == rows:
                 break
             if finished:
@@ -179,8 +185,9 @@ class DeviceLoop:
         if b.graphed is not None:
             b.graphed.set_length(length)
 
-    def _drop_finished(self, b: BatchState, buf: _Buffers, rows: int, graph_rows: int, finished: int,
-                       step: int) -> Tuple[int, int]:
+    def _drop_finished(
+        self, b: BatchState, buf: _Buffers, rows: int, graph_rows: int, finished: int, step: int
+    ) -> Tuple[int, int]:
         """Store the sentences that are done (`finished` rows) and take them (their `beam` rows) out of the
         batch, as the step-by-step loop drops them but once per chunk, when that saves work: always when
         decoding eagerly, with graphs when the row count rounds down. Returns the new (rows, graph rows)."""
@@ -196,7 +203,7 @@ class DeviceLoop:
         for tensor in self._row_buffers(buf):
             tensor[:new_rows] = tensor[:rows].index_select(0, keep)
         for tensor in self._sentence_buffers(buf):
-            tensor[:live.numel()] = tensor[:rows // beam].index_select(0, sentences)
+            tensor[: live.numel()] = tensor[: rows // beam].index_select(0, sentences)
         buf.done[new_rows:graph_rows] = True  # rows past the live ones write nothing
         b.sent_of_row = [b.sent_of_row[i] for i in live.tolist()]
         b.src_lengths = b.src_lengths.index_select(0, sentences)
@@ -256,8 +263,14 @@ class DeviceLoop:
         host_end_steps, host_end_scores = end_steps.cpu(), end_scores.cpu()
         for step in sorted(set(host_end_steps.tolist()) - {-1}):
             rows_ending = host_end_steps.eq(step).nonzero().squeeze(1)
-            b.store_ended(step, rows_ending, end_scores.index_select(0, rows_ending.to(scores.device)), tokens, scores,
-                          host_end_scores.index_select(0, rows_ending))
+            b.store_ended(
+                step,
+                rows_ending,
+                end_scores.index_select(0, rows_ending.to(scores.device)),
+                tokens,
+                scores,
+                host_end_scores.index_select(0, rows_ending),
+            )
 
 
 class DeviceDecodeLoop(DeviceLoop):
@@ -276,8 +289,7 @@ class DeviceDecodeLoop(DeviceLoop):
             token, score = cand_tokens[:, 0], cand_scores[:, 0]
         live = ~buf.done[:rows]
         ends = live & token.eq(self.eos) & score.ne(-math.inf)
-        buf.tokens[:rows].scatter_(1, (step + 1).expand(rows, 1),
-                                   torch.where(live, token, self.pad).unsqueeze(1))
+        buf.tokens[:rows].scatter_(1, (step + 1).expand(rows, 1), torch.where(live, token, self.pad).unsqueeze(1))
         column = buf.scores[:rows].index_select(1, step).squeeze(1)
         buf.scores[:rows].scatter_(1, step.expand(rows, 1), torch.where(live, score, column).unsqueeze(1))
         buf.cum[:rows] = torch.where(live, score, cum)
@@ -300,6 +312,6 @@ class _StreamedBatch:
 
     def update(self, sent_of_row: List[int], tokens: Tensor, done: Tensor) -> Tuple[Tensor, Tensor]:
         sentences = torch.tensor(sent_of_row)
-        self.tokens[sentences, :tokens.size(1)] = tokens.cpu()
+        self.tokens[sentences, : tokens.size(1)] = tokens.cpu()
         self.done[sentences] = done.cpu()
-        return self.tokens[:, :tokens.size(1)].clone(), self.done.clone()
+        return self.tokens[:, : tokens.size(1)].clone(), self.done.clone()

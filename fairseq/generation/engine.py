@@ -116,16 +116,38 @@ class _Buffers:
 
     def per_row(self) -> Tuple[Tensor, ...]:
         """The buffers with a row per live row, which follow their rows when rows leave."""
-        return (self.tokens, self.slot, self.generated, self.max_new, self.min_new, self.temperature, self.top_p,
-                self.top_k, self.keys, self.sampled, self.stop, self.done, self.reason)
+        return (
+            self.tokens,
+            self.slot,
+            self.generated,
+            self.max_new,
+            self.min_new,
+            self.temperature,
+            self.top_p,
+            self.top_k,
+            self.keys,
+            self.sampled,
+            self.stop,
+            self.done,
+            self.reason,
+        )
 
 
 class DecodeEngine:
     """A running batch of up to `max_rows` rows of up to `max_positions` tokens each (see the module doc)."""
 
-    def __init__(self, model, dictionary, *, max_rows: int = 16, max_positions: Optional[int] = None,
-                 device=None, dtype: Optional[torch.dtype] = None, bos: Optional[int] = None,
-                 cuda_graphs: bool = True):
+    def __init__(
+        self,
+        model,
+        dictionary,
+        *,
+        max_rows: int = 16,
+        max_positions: Optional[int] = None,
+        device=None,
+        dtype: Optional[torch.dtype] = None,
+        bos: Optional[int] = None,
+        cuda_graphs: bool = True,
+    ):
         """`model`: a language model of this fork (or a list: an ensemble); moved to `device` / `dtype` when
         given. `max_positions`: tokens per row, the prompt and its begin token included (default and cap: the
         model's). The caches of `max_rows` x `max_positions` are reserved now (on CUDA: checked against free
@@ -135,16 +157,19 @@ class DecodeEngine:
             models = [m.to(device=device, dtype=dtype) for m in models]
         self.model = EnsembleModel(models).eval()
         if not self.model.can_static_step:
-            raise ValueError("the decode engine needs this fork's decoders (a static one-token step over reserved "
-                             "caches); decode this model with SequenceGenerator")
+            raise ValueError(
+                "the decode engine needs this fork's decoders (a static one-token step over reserved "
+                "caches); decode this model with SequenceGenerator"
+            )
         if max_rows < 1:
             raise ValueError(f"max_rows must be at least 1, got {max_rows}")
         limit = self.model.max_decoder_positions()
         self.max_positions = min(max_positions or limit, limit)
         parameter = next(models[0].parameters())
         self.device = parameter.device
-        decode_memory.check_decode_memory(models, max_rows, 1, self.max_positions, self.device,
-                                          fix="lower max_rows or max_positions")
+        decode_memory.check_decode_memory(
+            models, max_rows, 1, self.max_positions, self.device, fix="lower max_rows or max_positions"
+        )
         self.max_rows = max_rows
         self.dictionary = dictionary
         self.pad, self.eos = dictionary.pad(), dictionary.eos()
@@ -196,9 +221,11 @@ class DecodeEngine:
         naming the field) for options out of range or a prompt that does not fit."""
         self._check(request)
         if any(r.id == request.id for r in self._queue) or any(
-                row.request.id == request.id and not (row.finished or row.cancelled) for row in self._rows):
-            raise ValueError(f"a request with id {request.id!r} is already in the engine: ids name events, give each "
-                             "request its own")
+            row.request.id == request.id and not (row.finished or row.cancelled) for row in self._rows
+        ):
+            raise ValueError(
+                f"a request with id {request.id!r} is already in the engine: ids name events, give each request its own"
+            )
         if request.seed is None:
             request.seed = int(torch.randint(2**31, (1,)))
         self._queue.append(request)
@@ -242,8 +269,10 @@ class DecodeEngine:
         self._buf.column.zero_()
         for k in range(steps):
             window = self._window(first_slot + k)
-            self._graphed.replay(("engine", graph_rows, window, sampled, top_n),
-                                 lambda: self._device_step(graph_rows, window, sampled, top_n))
+            self._graphed.replay(
+                ("engine", graph_rows, window, sampled, top_n),
+                lambda: self._device_step(graph_rows, window, sampled, top_n),
+            )
         return self._events(steps, top_n)
 
     def _window(self, slot: int) -> int:
@@ -322,9 +351,9 @@ class DecodeEngine:
         if keep:
             index = torch.tensor(keep, device=self.device)
             for tensor in b.per_row():
-                tensor[:len(keep)] = tensor.index_select(0, index)
+                tensor[: len(keep)] = tensor.index_select(0, index)
             self.step_model.drop_rows(self.states, index, self._window(max(self._rows[i].slot for i in keep)))
-        b.done[len(keep):] = True  # rows past the live ones write nothing
+        b.done[len(keep) :] = True  # rows past the live ones write nothing
         self._rows = [self._rows[i] for i in keep]
 
     def _admit(self) -> None:
@@ -363,8 +392,10 @@ class DecodeEngine:
         if request.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be at least 1, got {request.max_new_tokens}")
         if not 0 <= request.min_new_tokens <= request.max_new_tokens:
-            raise ValueError(f"min_new_tokens must be in 0 .. max_new_tokens ({request.max_new_tokens}), got "
-                             f"{request.min_new_tokens}")
+            raise ValueError(
+                f"min_new_tokens must be in 0 .. max_new_tokens ({request.max_new_tokens}), got "
+                f"{request.min_new_tokens}"
+            )
         if request.temperature < 0 or not math.isfinite(request.temperature):
             raise ValueError(f"temperature must be >= 0, got {request.temperature}")
         if not 0 < request.top_p <= 1:
@@ -377,10 +408,12 @@ class DecodeEngine:
             raise ValueError(f"stop ids must be in 0 .. {self.vocab_size - 1}, got {list(request.stop)}")
         needed = _positions(request)
         if needed > self.max_positions:
-            raise ValueError(f"a prompt of {prompt.numel()} tokens and max_new_tokens {request.max_new_tokens} need "
-                             f"{needed} positions (the begin token, the prompt, the new tokens but the last) and rows "
-                             f"have {self.max_positions}; shorten the prompt or ask for at most "
-                             f"{max(self.max_positions - prompt.numel(), 0)} tokens")
+            raise ValueError(
+                f"a prompt of {prompt.numel()} tokens and max_new_tokens {request.max_new_tokens} need "
+                f"{needed} positions (the begin token, the prompt, the new tokens but the last) and rows "
+                f"have {self.max_positions}; shorten the prompt or ask for at most "
+                f"{max(self.max_positions - prompt.numel(), 0)} tokens"
+            )
 
 
 def _positions(request: DecodeRequest) -> int:

@@ -37,17 +37,23 @@ def prompt_list(prompts) -> Tuple[List[torch.Tensor], bool]:
         for i, prompt in enumerate(prompts):
             if not (torch.is_tensor(prompt) and prompt.dim() == 1):
                 what = f"a {prompt.dim()}-D tensor" if torch.is_tensor(prompt) else _describe(prompt)
-                raise TypeError(f"generate(): {name}[{i}] is {what}; each prompt is a 1-D tensor of ids (encode() "
-                                "gives one; encode() a string first)")
+                raise TypeError(
+                    f"generate(): {name}[{i}] is {what}; each prompt is a 1-D tensor of ids (encode() "
+                    "gives one; encode() a string first)"
+                )
     else:
         what = f"a {prompts.dim()}-D tensor" if torch.is_tensor(prompts) else _describe(prompts)
-        raise TypeError(f"generate(): {name} must be a 1-D tensor of ids or a list of them (encode() gives one per "
-                        f"sentence; sample() takes text), got {what}")
+        raise TypeError(
+            f"generate(): {name} must be a 1-D tensor of ids or a list of them (encode() gives one per "
+            f"sentence; sample() takes text), got {what}"
+        )
     for i, prompt in enumerate(prompts):
         if prompt.dtype == torch.bool or prompt.is_floating_point() or prompt.is_complex():
             where = "" if single else f"[{i}]"
-            raise TypeError(f"generate(): {name}{where} holds {prompt.dtype} values; ids are integers (a "
-                            "LongTensor, as encode() gives)")
+            raise TypeError(
+                f"generate(): {name}{where} holds {prompt.dtype} values; ids are integers (a "
+                "LongTensor, as encode() gives)"
+            )
     return [prompt.long() for prompt in prompts], single
 
 
@@ -68,24 +74,31 @@ def check_prompt_ids(prompts: Sequence[torch.Tensor], vocab_size: int, pad: int,
     value = int(ids[first])
     where = f"tokenized_sentences{'' if single else f'[{row}]'}"
     if value == pad:
-        raise ValueError(f"generate(): {where} holds the padding id {pad} at position {position}: a prompt cannot "
-                         "hold <pad> (batches are padded for you); remove it")
-    raise ValueError(f"generate(): {where} holds id {value} at position {position}, outside this model's "
-                     f"dictionary (ids 0 to {vocab_size - 1}); encode() gives ids of this dictionary")
+        raise ValueError(
+            f"generate(): {where} holds the padding id {pad} at position {position}: a prompt cannot "
+            "hold <pad> (batches are padded for you); remove it"
+        )
+    raise ValueError(
+        f"generate(): {where} holds id {value} at position {position}, outside this model's "
+        f"dictionary (ids 0 to {vocab_size - 1}); encode() gives ids of this dictionary"
+    )
 
 
 def check_seed(seed: Optional[int], method: str) -> None:
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, Integral)):
-        raise TypeError(f"{method}(): seed={seed!r} must be an integer (the sampling draws' seed) or None (a new one "
-                        "per call)")
+        raise TypeError(
+            f"{method}(): seed={seed!r} must be an integer (the sampling draws' seed) or None (a new one per call)"
+        )
 
 
 def check_stream_beam(beam) -> None:
     """stream() decodes one hypothesis as it grows: beam 1 (greedy, or sampling=True), as fairseq-interactive
     --stream, whose line this is in the keywords' names."""
     if beam != 1:
-        raise ValueError(f"stream(): beam={beam!r}: streaming needs beam=1 (greedy, or sampling=True); use "
-                         "sample() or generate() for a beam search")
+        raise ValueError(
+            f"stream(): beam={beam!r}: streaming needs beam=1 (greedy, or sampling=True); use "
+            "sample() or generate() for a beam search"
+        )
 
 
 def _describe(value) -> str:

@@ -27,14 +27,17 @@ from fairseq.checkpoint.inference import load_checkpoint_to_cpu, load_model_ense
 from fairseq.data import encoders
 from fairseq.data.batching import resolve_limit
 from fairseq.dataclass.batch_flags import check_batch_size, check_max_tokens
-from fairseq.dataclass.generation import (GenerationConfig, check_option_values, check_sampling_range,
-                                         check_unsupported_options)
+from fairseq.dataclass.generation import (
+    GenerationConfig,
+    check_option_values,
+    check_sampling_range,
+    check_unsupported_options,
+)
 from fairseq.generation.decode_memory import check_decode_memory, decode_positions
 from fairseq.generation.quantize import check_mode, quantize_for_generation
 from fairseq.export.hf_names import FORK_TOKENIZER_FILES
 from fairseq.generation import device_decoding
-from fairseq.generation.hub_inputs import (check_prompt_ids, check_seed, check_stream_beam, prompt_list,
-                                           sentence_list)
+from fairseq.generation.hub_inputs import check_prompt_ids, check_seed, check_stream_beam, prompt_list, sentence_list
 from fairseq.generation.search import Sampling
 from fairseq.generation.sequence_generator import SequenceGenerator
 
@@ -47,8 +50,13 @@ logger = logging.getLogger("fairseq.hub_utils")  # upstream's logger name: log l
 MODEL_DIR_FILES = FORK_TOKENIZER_FILES
 
 
-def from_pretrained(model_name_or_path: str, checkpoint_file: str = "model.pt", data_name_or_path: str = ".",
-                    archive_map: Optional[Dict[str, Any]] = None, **kwargs) -> Dict[str, Any]:
+def from_pretrained(
+    model_name_or_path: str,
+    checkpoint_file: str = "model.pt",
+    data_name_or_path: str = ".",
+    archive_map: Optional[Dict[str, Any]] = None,
+    **kwargs,
+) -> Dict[str, Any]:
     """{"args": cfg, "task": task, "models": [model, ...]} for the checkpoint(s) `checkpoint_file`
     (':'-separated for an ensemble) in directory `model_name_or_path`.
 
@@ -85,8 +93,8 @@ def from_pretrained(model_name_or_path: str, checkpoint_file: str = "model.pt", 
     state = load_checkpoint_to_cpu(paths[0], trust_legacy_checkpoint=trust_legacy)
     kwargs.update(_bpe_files(state, kwargs, model_path, paths[0]))
     models, cfg, task = load_model_ensemble_and_task(
-        paths, arg_overrides=kwargs, state=state if len(paths) == 1 else None,
-        trust_legacy_checkpoint=trust_legacy)
+        paths, arg_overrides=kwargs, state=state if len(paths) == 1 else None, trust_legacy_checkpoint=trust_legacy
+    )
     return {"args": cfg, "task": task, "models": models}
 
 
@@ -94,8 +102,11 @@ def _is_transformers_directory(model_path: str, checkpoint_file: str, data_name_
     """A transformers model directory (config.json with a model_type) that holds no `checkpoint_file`."""
     from fairseq.checkpoint.inference import transformers_model_type
 
-    return (data_name_or_path == "." and not os.path.exists(os.path.join(model_path, checkpoint_file.split(
-        os.pathsep)[0])) and transformers_model_type(model_path) is not None)
+    return (
+        data_name_or_path == "."
+        and not os.path.exists(os.path.join(model_path, checkpoint_file.split(os.pathsep)[0]))
+        and transformers_model_type(model_path) is not None
+    )
 
 
 def _from_transformers_directory(model_path: str, kwargs: Dict[str, Any]) -> Dict[str, Any]:
@@ -111,8 +122,9 @@ def _from_transformers_directory(model_path: str, kwargs: Dict[str, Any]) -> Dic
     work = tempfile.mkdtemp(prefix="fairseq-from-transformers-")
     atexit.register(shutil.rmtree, work, True)
     imported = os.path.join(work, "model")
-    logger.info(f"{model_path} is a transformers directory: importing it (scripts/import_hf.py does the same once, "
-                "to disk)")
+    logger.info(
+        f"{model_path} is a transformers directory: importing it (scripts/import_hf.py does the same once, to disk)"
+    )
     import_hf(model_path, imported)
     try:
         return from_pretrained(imported, CHECKPOINT_NAME, ".", **kwargs)
@@ -129,15 +141,28 @@ def _bpe_files(state, kwargs: Dict[str, Any], model_path: str, checkpoint: str) 
     saved = state["cfg"].get("bpe") or {}
     name = kwargs.get("bpe", saved.get("_name"))
     options = BPE_FILES.get(name, ())
-    found = {option: os.path.join(model_path, filename) for filename, option in MODEL_DIR_FILES.items()
-             if option in options and os.path.isfile(os.path.join(model_path, filename))}
+    found = {
+        option: os.path.join(model_path, filename)
+        for filename, option in MODEL_DIR_FILES.items()
+        if option in options and os.path.isfile(os.path.join(model_path, filename))
+    }
     if any(option in kwargs for option in options) or name != saved.get("_name"):  # the caller's choice
-        given = {"_name": name, **(saved if name == saved.get("_name") else {}), **found,
-                 **{option: kwargs[option] for option in options if option in kwargs}}
+        given = {
+            "_name": name,
+            **(saved if name == saved.get("_name") else {}),
+            **found,
+            **{option: kwargs[option] for option in options if option in kwargs},
+        }
         chosen = resolve_bpe(given, None, None, checkpoint, keywords=True)
     else:
-        chosen = resolve_bpe(None, dict(saved, **found) if saved else None, carried(state), checkpoint,
-                             keywords=True, also_look_in=found.values())
+        chosen = resolve_bpe(
+            None,
+            dict(saved, **found) if saved else None,
+            carried(state),
+            checkpoint,
+            keywords=True,
+            also_look_in=found.values(),
+        )
     return {option: chosen[option] for option in options if chosen and chosen.get(option)}
 
 
@@ -145,10 +170,14 @@ def _local_directory(path: str, argument: str, expected: str) -> str:
     if os.path.isdir(path):
         return path
     if os.path.isfile(path) and path.endswith((".tar.gz", ".tgz", ".tar", ".zip")):
-        raise ValueError(f"from_pretrained: {argument}={path!r} is an archive; extract it and pass the directory "
-                         f"that holds {expected}")
-    raise ValueError(f"from_pretrained: {argument}={path!r} is not a local directory; this fairseq loads models "
-                     f"from disk only (no downloads): pass the directory that holds {expected}")
+        raise ValueError(
+            f"from_pretrained: {argument}={path!r} is an archive; extract it and pass the directory "
+            f"that holds {expected}"
+        )
+    raise ValueError(
+        f"from_pretrained: {argument}={path!r} is not a local directory; this fairseq loads models "
+        f"from disk only (no downloads): pass the directory that holds {expected}"
+    )
 
 
 def check_prompt_lengths(lengths: List[int], max_positions: Optional[int], skip_hint: str, first_id: int = 0) -> None:
@@ -161,7 +190,8 @@ def check_prompt_lengths(lengths: List[int], max_positions: Optional[int], skip_
             raise ValueError(
                 f"prompt {first_id + i} is {n} tokens long (with the </s> it starts from), more than the model's "
                 f"{max_positions} positions (the --tokens-per-sample / --max-target-positions it was trained "
-                f"with); shorten the prompt, or {skip_hint}")
+                f"with); shorten the prompt, or {skip_hint}"
+            )
 
 
 class TextCodec:
@@ -224,9 +254,11 @@ class GeneratorHubInterface(nn.Module):
 
     def _apply(self, fn, *args, **kwargs):
         if self.quantized != "none":
-            raise ValueError(f"this interface's models are quantized ({self.quantized}): move and cast them before "
-                             "quantizing, e.g. from_pretrained(..., quantize=...).cuda().to(torch.bfloat16), then "
-                             "generate")
+            raise ValueError(
+                f"this interface's models are quantized ({self.quantized}): move and cast them before "
+                "quantizing, e.g. from_pretrained(..., quantize=...).cuda().to(torch.bfloat16), then "
+                "generate"
+            )
         # .to() / .cuda() / .half() ...: the kept generators' caches and graphs belong to the old tensors.
         self._generators.clear()
         return super()._apply(fn, *args, **kwargs)
@@ -237,8 +269,10 @@ class GeneratorHubInterface(nn.Module):
         if mode in (None, "none") or mode == self.quantized:
             return self
         if self.quantized != "none":
-            raise ValueError(f"quantize={mode!r}: the models are quantized already ({self.quantized}); load the "
-                             "checkpoint again for another mode")
+            raise ValueError(
+                f"quantize={mode!r}: the models are quantized already ({self.quantized}); load the "
+                "checkpoint again for another mode"
+            )
         for model in self.models:
             quantize_for_generation(model, mode, self.device, keyword=True)
         self.quantized = mode
@@ -277,8 +311,9 @@ class GeneratorHubInterface(nn.Module):
 
     # ---- generation -------------------------------------------------------------------------------
     # beam defaults: GenerationConfig's (upstream's 5), written there only
-    def translate(self, sentences: List[str], beam: int = GenerationConfig.beam, verbose: bool = False,
-                  **kwargs) -> List[str]:
+    def translate(
+        self, sentences: List[str], beam: int = GenerationConfig.beam, verbose: bool = False, **kwargs
+    ) -> List[str]:
         return self.sample(sentences, beam, verbose, **kwargs)
 
     def sample(self, sentences: List[str], beam: int = 1, verbose: bool = False, **kwargs) -> List[str]:
@@ -306,10 +341,17 @@ class GeneratorHubInterface(nn.Module):
         scored = [hypos[0] for hypos in self.generate(tokenized, score_reference=True, **kwargs)]
         return scored[0] if single else scored
 
-    def generate(self, tokenized_sentences: List[torch.LongTensor], beam: int = GenerationConfig.beam,
-                 verbose: bool = False, skip_invalid_size_inputs: bool = False,
-                 inference_step_args: Optional[Dict[str, Any]] = None, prefix_allowed_tokens_fn=None,
-                 seed: Optional[int] = None, **kwargs) -> List[List[Dict[str, torch.Tensor]]]:
+    def generate(
+        self,
+        tokenized_sentences: List[torch.LongTensor],
+        beam: int = GenerationConfig.beam,
+        verbose: bool = False,
+        skip_invalid_size_inputs: bool = False,
+        inference_step_args: Optional[Dict[str, Any]] = None,
+        prefix_allowed_tokens_fn=None,
+        seed: Optional[int] = None,
+        **kwargs,
+    ) -> List[List[Dict[str, torch.Tensor]]]:
         """Per input (ids from `encode`), its hypotheses, best first: dicts with "tokens" (the prompt and its
         continuation), "score", "positional_scores" (natural log), "attention", "alignment". Keyword
         arguments set generation options (upstream's names: sampling=True, sampling_topk=10, temperature=0.8,
@@ -324,8 +366,11 @@ class GeneratorHubInterface(nn.Module):
         check_seed(seed, "generate")
         generator = self.generator_for(beam, prefix_allowed_tokens_fn=prefix_allowed_tokens_fn, **kwargs)
         options = None if kwargs.get("score_reference") else self._generation_options(beam, **kwargs)
-        if isinstance(generator, SequenceGenerator) and isinstance(generator.search, Sampling) and \
-                device_decoding.applies(generator, generator.beam_size):
+        if (
+            isinstance(generator, SequenceGenerator)
+            and isinstance(generator.search, Sampling)
+            and device_decoding.applies(generator, generator.beam_size)
+        ):
             # counter-based draws: one seed per call, the ids are the inputs' indices (other sampling draws
             # from torch's RNG, which this must then leave as it is)
             generator.search.seed = int(torch.randint(2**31, (1,))) if seed is None else seed
@@ -358,8 +403,11 @@ class GeneratorHubInterface(nn.Module):
 
         def decode_all() -> None:
             try:
-                produced.put(self.generate(self.encode(sentence), beam=1, seed=seed,
-                                           inference_step_args={"on_tokens": on_tokens}, **kwargs))
+                produced.put(
+                    self.generate(
+                        self.encode(sentence), beam=1, seed=seed, inference_step_args={"on_tokens": on_tokens}, **kwargs
+                    )
+                )
             except BaseException as error:  # raised in the caller's thread
                 produced.put(error)
 
@@ -392,8 +440,9 @@ class GeneratorHubInterface(nn.Module):
         key = (repr(sorted(vars(gen_args).items())), prefix_allowed_tokens_fn)
         generator = self._generators.pop(key, None)
         if generator is None:
-            generator = self.task.build_generator(self.models, gen_args,
-                                                  prefix_allowed_tokens_fn=prefix_allowed_tokens_fn)
+            generator = self.task.build_generator(
+                self.models, gen_args, prefix_allowed_tokens_fn=prefix_allowed_tokens_fn
+            )
         elif hasattr(getattr(generator, "model", None), "set_decoder_beam_size"):
             # What building it told the (shared) decoders, which a generator of another beam may have changed.
             generator.model.set_decoder_beam_size(generator.beam_size)
@@ -409,26 +458,39 @@ class GeneratorHubInterface(nn.Module):
         gen_args.beam = beam
         for key, value in kwargs.items():
             if key == "quantize":
-                raise ValueError(f"generate(): quantize={value!r} applies to the models, not to one call: pass it to "
-                                 f"from_pretrained or call lm.quantize({value!r}) once")
+                raise ValueError(
+                    f"generate(): quantize={value!r} applies to the models, not to one call: pass it to "
+                    f"from_pretrained or call lm.quantize({value!r}) once"
+                )
             if not hasattr(gen_args, key):
-                raise ValueError(f"generate(): {key}={value!r} is no generation option (options: "
-                                 f"{', '.join(sorted(vars(gen_args)))})")
+                raise ValueError(
+                    f"generate(): {key}={value!r} is no generation option (options: "
+                    f"{', '.join(sorted(vars(gen_args)))})"
+                )
             setattr(gen_args, key, value)
         check_unsupported_options(gen_args)
         check_option_values(gen_args, keyword=True)
         # the log-probabilities are float32, or float64 for models cast to it (get_normalized_probs upcasts)
         probabilities = "float64" if self._float_tensor.dtype == torch.float64 else "float32"
-        check_sampling_range(gen_args.sampling_topk, gen_args.sampling_topp, gen_args.temperature,
-                             vocab_size=len(self.tgt_dict), keyword=True, probability_dtype=probabilities)
+        check_sampling_range(
+            gen_args.sampling_topk,
+            gen_args.sampling_topp,
+            gen_args.temperature,
+            vocab_size=len(self.tgt_dict),
+            keyword=True,
+            probability_dtype=probabilities,
+        )
         for key in ("sampling_topk", "sampling_topp"):  # build_generator's rule, in the keywords' names
             if getattr(gen_args, key) >= 0 and not gen_args.sampling:
-                raise ValueError(f"generate(): {key}={getattr(gen_args, key)!r} needs sampling=True (it restricts "
-                                 "the tokens sampling draws from); pass sampling=True or drop it")
+                raise ValueError(
+                    f"generate(): {key}={getattr(gen_args, key)!r} needs sampling=True (it restricts "
+                    "the tokens sampling draws from); pass sampling=True or drop it"
+                )
         return gen_args
 
-    def _build_batches(self, tokens: List[torch.Tensor], skip_invalid_size_inputs: bool,
-                       options=None) -> Iterator[Dict[str, Any]]:
+    def _build_batches(
+        self, tokens: List[torch.Tensor], skip_invalid_size_inputs: bool, options=None
+    ) -> Iterator[Dict[str, Any]]:
         """Batches of `tokens`; with generation `options`, the largest one's KV cache is checked against the
         device's memory first (decode_memory.check_decode_memory, CUDA only)."""
         lengths = [t.numel() for t in tokens]
@@ -439,18 +501,34 @@ class GeneratorHubInterface(nn.Module):
         check_batch_size(batch_size, "batch_size=")
         epoch_itr = self.task.get_batch_iterator(
             dataset=self.task.build_dataset_for_inference(tokens, lengths),
-            max_tokens=max_tokens, max_sentences=batch_size if (max_tokens or batch_size) else 1,
-            max_positions=self.max_positions, ignore_invalid_inputs=skip_invalid_size_inputs,
+            max_tokens=max_tokens,
+            max_sentences=batch_size if (max_tokens or batch_size) else 1,
+            max_positions=self.max_positions,
+            ignore_invalid_inputs=skip_invalid_size_inputs,
             disable_iterator_cache=True,
         )
         if options is not None and self.device.type == "cuda":
-            rows = [(len(b), decode_positions(max(lengths[i] for i in b), options.max_len_a, options.max_len_b,
-                                              self.max_positions)) for b in epoch_itr.frozen_batches if len(b)]
+            rows = [
+                (
+                    len(b),
+                    decode_positions(
+                        max(lengths[i] for i in b), options.max_len_a, options.max_len_b, self.max_positions
+                    ),
+                )
+                for b in epoch_itr.frozen_batches
+                if len(b)
+            ]
             if rows:
                 sentences, positions = max(rows, key=lambda r: r[0] * r[1])
-                check_decode_memory(self.models, sentences, options.beam, positions, self.device,
-                                    fix="generate fewer sentences per call (or a smaller max_tokens/batch_size "
-                                        "in from_pretrained), a smaller beam or max_len_b")
+                check_decode_memory(
+                    self.models,
+                    sentences,
+                    options.beam,
+                    positions,
+                    self.device,
+                    fix="generate fewer sentences per call (or a smaller max_tokens/batch_size "
+                    "in from_pretrained), a smaller beam or max_len_b",
+                )
         return epoch_itr.next_epoch_itr(shuffle=False)
 
 
@@ -470,7 +548,7 @@ class TextPieces:
         self.shown = ""
 
     def extend(self, text: str, final: bool = False) -> str:
-        piece = text[len(self.shown):]
+        piece = text[len(self.shown) :]
         if not piece or not text.startswith(self.shown) or (not final and "\ufffd" in piece):
             return ""
         self.shown = text

@@ -52,14 +52,22 @@ def check_quantize(mode: Optional[str], device: torch.device, dtype: torch.dtype
     if mode == "none":
         return
     if torch.device(device).type != "cuda":
-        fix = ("move the model to a GPU before generating (lm.cuda()) or drop quantize=" if keyword
-               else "run on a GPU (drop --cpu) or drop --quantize")
-        raise ValueError(f"{flag} is a CUDA decoding feature (int8 weights save GPU memory bandwidth; on the CPU "
-                         f"they are only slower): {fix}")
+        fix = (
+            "move the model to a GPU before generating (lm.cuda()) or drop quantize="
+            if keyword
+            else "run on a GPU (drop --cpu) or drop --quantize"
+        )
+        raise ValueError(
+            f"{flag} is a CUDA decoding feature (int8 weights save GPU memory bandwidth; on the CPU "
+            f"they are only slower): {fix}"
+        )
     if dtype != torch.bfloat16:
         cast = "lm.to(torch.bfloat16)" if keyword else "--bf16"
-        why = ("int8 decoding is built and measured for bf16 models" if dtype == torch.float16
-               else "an fp32 model gains nothing from int8 weights")
+        why = (
+            "int8 decoding is built and measured for bf16 models"
+            if dtype == torch.float16
+            else "an fp32 model gains nothing from int8 weights"
+        )
         raise ValueError(f"{flag} needs a bf16 model ({why}): {'cast it with ' if keyword else 'pass '}{cast}")
 
 
@@ -69,12 +77,14 @@ def quantizable_linears(model: nn.Module) -> list:
     for name, module in model.named_modules():
         for param in module.parameters(recurse=False):
             owners.setdefault(id(param), set()).add(name)
-    return [name for name, module in model.named_modules()
-            if isinstance(module, nn.Linear) and len(owners.get(id(module.weight), ())) == 1]
+    return [
+        name
+        for name, module in model.named_modules()
+        if isinstance(module, nn.Linear) and len(owners.get(id(module.weight), ())) == 1
+    ]
 
 
-def quantize_for_generation(model: nn.Module, mode: Optional[str], device: torch.device,
-                            keyword: bool = False) -> int:
+def quantize_for_generation(model: nn.Module, mode: Optional[str], device: torch.device, keyword: bool = False) -> int:
     """Quantize `model` (on `device`, cast already) in place for generation; returns how many Linear weights
     became int8 (0 for mode "none" or None). Raises ValueError (check_quantize) when it cannot."""
     mode = mode or "none"
@@ -84,8 +94,10 @@ def quantize_for_generation(model: nn.Module, mode: Optional[str], device: torch
         return 0
     names = quantizable_linears(model)
     if not names:  # e.g. fconv_lm, whose weight-normed layers are not nn.Linear
-        raise ValueError(f"{_flag(mode, keyword)}: {type(model).__name__} has no nn.Linear weight of its own to "
-                         "quantize; drop it for this model")
+        raise ValueError(
+            f"{_flag(mode, keyword)}: {type(model).__name__} has no nn.Linear weight of its own to "
+            "quantize; drop it for this model"
+        )
     quantize_linears_(model, names)
     logger.info(f"{_flag(mode, keyword)}: {len(names)} Linear weights are int8")
     return len(names)

@@ -21,8 +21,9 @@ _MASK32 = 0xFFFFFFFF
 _HASH_MULTIPLIER = 0x45D9F3B  # a 32-bit integer hash's multiplier (< 2**27: products stay inside int64)
 
 
-def top_k_top_p(lprobs: Tensor, top_k: Union[int, Tensor], top_p: Union[float, Tensor]
-                ) -> Tuple[Tensor, Optional[Tensor]]:
+def top_k_top_p(
+    lprobs: Tensor, top_k: Union[int, Tensor], top_p: Union[float, Tensor]
+) -> Tuple[Tensor, Optional[Tensor]]:
     """The candidates of a draw over the last dimension of `lprobs` (log-probabilities): (their log-probabilities,
     -inf for those filtered out; their token ids, None when they are the whole vocabulary in order).
 

@@ -41,8 +41,14 @@ class Search(nn.Module):
         self.supports_constraints = False
         self.stop_on_max_len = False
 
-    def step(self, step: int, lprobs: Tensor, scores: Tensor, prev_output_tokens: Optional[Tensor] = None,
-             original_batch_idxs: Optional[Tensor] = None):
+    def step(
+        self,
+        step: int,
+        lprobs: Tensor,
+        scores: Tensor,
+        prev_output_tokens: Optional[Tensor] = None,
+        original_batch_idxs: Optional[Tensor] = None,
+    ):
         raise NotImplementedError(f"{type(self).__name__} must implement step")
 
     def set_src_lengths(self, src_lengths: Tensor) -> None:
@@ -66,8 +72,14 @@ class BeamSearch(Search):
         super().__init__(tgt_dict)
         self.constraint_states = None
 
-    def step(self, step: int, lprobs: Tensor, scores: Optional[Tensor], prev_output_tokens: Optional[Tensor] = None,
-             original_batch_idxs: Optional[Tensor] = None):
+    def step(
+        self,
+        step: int,
+        lprobs: Tensor,
+        scores: Optional[Tensor],
+        prev_output_tokens: Optional[Tensor] = None,
+        original_batch_idxs: Optional[Tensor] = None,
+    ):
         bsz, beam_size, vocab_size = lprobs.size()
         if step == 0:
             # Every hypothesis is the same empty one: expanding only the first avoids duplicates.
@@ -92,8 +104,14 @@ class LengthConstrainedBeamSearch(Search):
         self.beam = BeamSearch(tgt_dict)
         self.needs_src_lengths = True
 
-    def step(self, step: int, lprobs: Tensor, scores: Tensor, prev_output_tokens: Optional[Tensor] = None,
-             original_batch_idxs: Optional[Tensor] = None):
+    def step(
+        self,
+        step: int,
+        lprobs: Tensor,
+        scores: Tensor,
+        prev_output_tokens: Optional[Tensor] = None,
+        original_batch_idxs: Optional[Tensor] = None,
+    ):
         min_lens = self.min_len_a * self.src_lengths + self.min_len_b
         max_lens = self.max_len_a * self.src_lengths + self.max_len_b
         lprobs[step < min_lens, :, self.eos] = -math.inf
@@ -119,8 +137,14 @@ class Sampling(Search):
         self.sampling_topp = sampling_topp
         self.seed = seed
 
-    def step(self, step: int, lprobs: Tensor, scores: Tensor, prev_output_tokens: Optional[Tensor] = None,
-             original_batch_idxs: Optional[Tensor] = None):
+    def step(
+        self,
+        step: int,
+        lprobs: Tensor,
+        scores: Tensor,
+        prev_output_tokens: Optional[Tensor] = None,
+        original_batch_idxs: Optional[Tensor] = None,
+    ):
         bsz, beam_size, vocab_size = lprobs.size()
         if step == 0:
             lprobs = lprobs[:, ::beam_size, :].contiguous()

@@ -48,12 +48,27 @@ logger = logging.getLogger("fairseq.sequence_generator")  # upstream's module na
 
 
 class SequenceGenerator(nn.Module):
-    def __init__(self, models, tgt_dict, beam_size: int = 1, max_len_a: float = 0, max_len_b: int = 200,
-                 max_len: int = 0, min_len: int = 1, normalize_scores: bool = True, len_penalty: float = 1.0,
-                 unk_penalty: float = 0.0, temperature: float = 1.0, match_source_len: bool = False,
-                 no_repeat_ngram_size: int = 0, search_strategy: Optional[search.Search] = None,
-                 eos: Optional[int] = None, symbols_to_strip_from_output=None, cuda_graphs: bool = True,
-                 device_loop: Optional[bool] = None):
+    def __init__(
+        self,
+        models,
+        tgt_dict,
+        beam_size: int = 1,
+        max_len_a: float = 0,
+        max_len_b: int = 200,
+        max_len: int = 0,
+        min_len: int = 1,
+        normalize_scores: bool = True,
+        len_penalty: float = 1.0,
+        unk_penalty: float = 0.0,
+        temperature: float = 1.0,
+        match_source_len: bool = False,
+        no_repeat_ngram_size: int = 0,
+        search_strategy: Optional[search.Search] = None,
+        eos: Optional[int] = None,
+        symbols_to_strip_from_output=None,
+        cuda_graphs: bool = True,
+        device_loop: Optional[bool] = None,
+    ):
         """`max_len`: cap on the total length (default: the models' positions); the output of a sentence has at
         most min(max_len_a * src_len + max_len_b, max_len - 1) tokens before </s>, src_len the width of
         `src_tokens`, the prompt included, as upstream counts it. `cuda_graphs`: replay the one-token steps
@@ -71,8 +86,8 @@ class SequenceGenerator(nn.Module):
         self.unk = tgt_dict.unk()
         self.eos = tgt_dict.eos() if eos is None else eos
         self.symbols_to_strip_from_output = (
-            set(symbols_to_strip_from_output) | {self.eos} if symbols_to_strip_from_output is not None
-            else {self.eos})
+            set(symbols_to_strip_from_output) | {self.eos} if symbols_to_strip_from_output is not None else {self.eos}
+        )
         self.vocab_size = len(tgt_dict)
         if beam_size < 1:
             raise ValueError(f"--beam must be at least 1, got {beam_size}")
@@ -96,8 +111,9 @@ class SequenceGenerator(nn.Module):
         self.search = search.BeamSearch(tgt_dict) if search_strategy is None else search_strategy
         self.should_set_src_lengths = getattr(self.search, "needs_src_lengths", False)
         self.cuda_graphs = cuda_graphs
-        self.step_model = StepModel(self.model, self.vocab_size, self.pad, self.unk, unk_penalty, temperature,
-                                    cuda_graphs)
+        self.step_model = StepModel(
+            self.model, self.vocab_size, self.pad, self.unk, unk_penalty, temperature, cuda_graphs
+        )
         self.device_loop = device_loop
         loop = device_beam_search.DeviceBeamSearch if self.beam_size > 1 else device_decoding.DeviceDecodeLoop
         self._device_loop = loop(self.step_model, self.search, self.beam_size, self.eos, self.pad)
@@ -112,8 +128,15 @@ class SequenceGenerator(nn.Module):
         return self._generate(sample, prefix_tokens, bos_token)
 
     @torch.no_grad()
-    def generate(self, models, sample: Dict, prefix_tokens: Optional[Tensor] = None,
-                 bos_token: Optional[int] = None, on_tokens=None, **kwargs) -> List[List[Dict[str, Tensor]]]:
+    def generate(
+        self,
+        models,
+        sample: Dict,
+        prefix_tokens: Optional[Tensor] = None,
+        bos_token: Optional[int] = None,
+        on_tokens=None,
+        **kwargs,
+    ) -> List[List[Dict[str, Tensor]]]:
         """Hypotheses for `sample["net_input"]["src_tokens"]`'s sentences (see the module doc). `models` is
         accepted for upstream's signature; the generator's own (given at construction) decode.
         `on_tokens(tokens, done)`: stream the tokens as they are produced (greedy or sampling at beam 1 with
@@ -123,9 +146,11 @@ class SequenceGenerator(nn.Module):
         if kwargs:
             raise TypeError(f"generate() got unexpected keyword arguments: {', '.join(sorted(kwargs))}")
         if on_tokens is not None and not device_decoding.applies(self, self.beam_size):
-            raise ValueError("streaming tokens (--stream, on_tokens) needs greedy search or sampling with --beam 1, "
-                             "this fork's decoders and no --no-repeat-ngram-size / --match-source-len; drop it or "
-                             "those options")
+            raise ValueError(
+                "streaming tokens (--stream, on_tokens) needs greedy search or sampling with --beam 1, "
+                "this fork's decoders and no --no-repeat-ngram-size / --match-source-len; drop it or "
+                "those options"
+            )
         return self._generate(sample, prefix_tokens, bos_token, on_tokens)
 
     # ---- setup --------------------------------------------------------------------------------------------
@@ -134,12 +159,12 @@ class SequenceGenerator(nn.Module):
             max_len = int(src_lengths.max())
         else:
             max_len = decode_memory.longest_output(src_len, self.max_len_a, self.max_len_b, self.max_len)
-        decode_memory.check_output_length(max_len, self.min_len, src_len, self.max_len_a, self.max_len_b,
-                                          self.max_len)
+        decode_memory.check_output_length(max_len, self.min_len, src_len, self.max_len_a, self.max_len_b, self.max_len)
         return max_len
 
-    def _prompts(self, prefix_tokens: Optional[Tensor], bsz: int, max_len: int,
-                 device: torch.device) -> Tuple[Optional[Tensor], int, Set[int]]:
+    def _prompts(
+        self, prefix_tokens: Optional[Tensor], bsz: int, max_len: int, device: torch.device
+    ) -> Tuple[Optional[Tensor], int, Set[int]]:
         """(the prompts [bsz, width] on `device` without all-pad columns, or None; how many leading tokens every
         row has, up to the first </s> of any row; the steps at which a prompt forces </s>). The prompts are read
         on the host: one copy of a device prompt instead of a host sync per question asked of it."""
@@ -153,16 +178,20 @@ class SequenceGenerator(nn.Module):
         width = int(columns.max()) + 1 if columns.numel() else 0
         positions = self.model.max_decoder_positions()
         if width >= positions:
-            raise ValueError(f"a prompt of {width} tokens does not fit the model: with the begin-of-sentence token "
-                             f"it needs {width + 1} positions and the model has {positions}; shorten the prompts to "
-                             f"{positions - 1} tokens or less (fairseq-generate: a smaller --tokens-per-sample, "
-                             "or --prefix-size N)")
+            raise ValueError(
+                f"a prompt of {width} tokens does not fit the model: with the begin-of-sentence token "
+                f"it needs {width + 1} positions and the model has {positions}; shorten the prompts to "
+                f"{positions - 1} tokens or less (fairseq-generate: a smaller --tokens-per-sample, "
+                "or --prefix-size N)"
+            )
         if width > max_len:  # upstream's rule: the prompt is forced until the output is that long, then </s>
             if not self._warned_long_prompt:
-                logger.warning(f"a prompt of {width} tokens is longer than the longest output allowed, {max_len} "
-                               f"tokens (--max-len-a {self.max_len_a} * source length + --max-len-b "
-                               f"{self.max_len_b}): the output is its first {max_len} tokens, as upstream's "
-                               "generator gives (said once); raise --max-len-b to continue the prompts")
+                logger.warning(
+                    f"a prompt of {width} tokens is longer than the longest output allowed, {max_len} "
+                    f"tokens (--max-len-a {self.max_len_a} * source length + --max-len-b "
+                    f"{self.max_len_b}): the output is its first {max_len} tokens, as upstream's "
+                    "generator gives (said once); raise --max-len-b to continue the prompts"
+                )
                 self._warned_long_prompt = True
             width = max_len
         if width == 0:
@@ -173,8 +202,16 @@ class SequenceGenerator(nn.Module):
             shared = eos_columns[0]
         return prefix_tokens[:, :width].to(device=device, dtype=torch.long), shared, set(eos_columns)
 
-    def _feed_prompts(self, tokens: Tensor, scores: Tensor, prefix: Optional[Tensor], shared: int,
-                      states: List[dict], bsz: int, beam: int) -> Tensor:
+    def _feed_prompts(
+        self,
+        tokens: Tensor,
+        scores: Tensor,
+        prefix: Optional[Tensor],
+        shared: int,
+        states: List[dict],
+        bsz: int,
+        beam: int,
+    ) -> Tensor:
         """Feed <bos> and the first `shared` prompt tokens of every sentence in one forward (one row per
         sentence); fill `tokens` and `scores` of steps 0 .. shared-1 as that many forced steps of the search
         would; return the log-probabilities of step `shared` for every hypothesis row."""
@@ -186,7 +223,7 @@ class SequenceGenerator(nn.Module):
             forced = forced.nan_to_num_(nan=-math.inf, posinf=math.inf, neginf=-math.inf)
             if self.unk_penalty:
                 forced = forced - self.unk_penalty * prefix[:, :shared].eq(self.unk)
-            tokens[:, 1:shared + 1] = prefix[:, :shared].repeat_interleave(beam, dim=0)
+            tokens[:, 1 : shared + 1] = prefix[:, :shared].repeat_interleave(beam, dim=0)
             scores[:, :shared] = forced.cumsum(dim=1).repeat_interleave(beam, dim=0)
             if beam > 1 and self.search.forced_beams == "first":
                 scores.view(bsz, beam, -1)[:, 1:, :shared] = -math.inf
@@ -199,19 +236,24 @@ class SequenceGenerator(nn.Module):
     def _no_hypothesis_can_end(self, step: int, max_len: int, forced_eos_steps: set) -> bool:
         """</s> is -inf for every hypothesis at `step` (--min-len; not the last step; no prompt forces </s>)
         and the search gives -inf tokens no finite score: no hypothesis ends, so there is nothing to check."""
-        return (step < self.min_len and step < max_len and step not in forced_eos_steps
-                and self.search.respects_masked_tokens)
+        return (
+            step < self.min_len
+            and step < max_len
+            and step not in forced_eos_steps
+            and self.search.respects_masked_tokens
+        )
 
-    def _constrain(self, lprobs: Tensor, step: int, max_len: int, tokens: Tensor,
-                   forced_rows: Optional[Tensor]) -> Tensor:
+    def _constrain(
+        self, lprobs: Tensor, step: int, max_len: int, tokens: Tensor, forced_rows: Optional[Tensor]
+    ) -> Tensor:
         """Apply the length limits, --no-repeat-ngram-size and the forced prompt (`forced_rows`: each row's
         prompt, <pad> after it) to lprobs, masked already by `StepModel.mask_special`."""
         if step >= max_len:  # only </s> is left
-            lprobs[:, :self.eos] = -math.inf
-            lprobs[:, self.eos + 1:] = -math.inf
+            lprobs[:, : self.eos] = -math.inf
+            lprobs[:, self.eos + 1 :] = -math.inf
         forced = None
         if forced_rows is not None and step < forced_rows.size(1) and step < max_len:
-            forced = forced_rows[:, step:step + 1]
+            forced = forced_rows[:, step : step + 1]
             forced_lprobs = lprobs.gather(1, forced)
         if step < self.min_len:
             lprobs[:, self.eos] = -math.inf
@@ -228,9 +270,9 @@ class SequenceGenerator(nn.Module):
         n = self.no_repeat_ngram_size
         if step + 1 < n:
             return
-        seen = tokens[:, :step + 1]
+        seen = tokens[:, : step + 1]
         ngrams = seen.unfold(1, n, 1)  # [rows, step + 2 - n, n]
-        suffix = seen[:, step + 2 - n:]  # the last n - 1 tokens
+        suffix = seen[:, step + 2 - n :]  # the last n - 1 tokens
         repeats = (ngrams[:, :, :-1] == suffix.unsqueeze(1)).all(dim=2)
         # Non-repeats point at pad, which is -inf already.
         lprobs.scatter_(1, ngrams[:, :, -1].masked_fill(~repeats, self.pad), -math.inf)
@@ -245,8 +287,9 @@ class SequenceGenerator(nn.Module):
             return streaming or isinstance(self.search, search.Sampling)
         return True
 
-    def _generate(self, sample: Dict, prefix_tokens: Optional[Tensor] = None, bos_token: Optional[int] = None,
-                  on_tokens=None) -> List[List[Dict[str, Tensor]]]:
+    def _generate(
+        self, sample: Dict, prefix_tokens: Optional[Tensor] = None, bos_token: Optional[int] = None, on_tokens=None
+    ) -> List[List[Dict[str, Tensor]]]:
         """Decode one batch: the set-up and prefill, then per step the candidates, the hypotheses that end, the
         sentences that leave the batch and the hypotheses extended; each sentence's hypotheses best first.
         Greedy search, sampling at beam 1 and beam search run on the device instead (device_decoding, ...)."""
@@ -259,8 +302,12 @@ class SequenceGenerator(nn.Module):
                 lprobs = self.step_model.next_log_probs(b.tokens, step, b.states, b.graphed)
             lprobs = self._constrain(lprobs, step, max_len, b.tokens, b.forced_rows)
             cand_scores, cand_indices, cand_beams = self.search.step(
-                step, lprobs.view(b.bsz, -1, self.vocab_size), b.scores.view(b.bsz, beam, -1)[:, :, :step],
-                b.tokens[:, :step + 1], b.original_batch_idxs)
+                step,
+                lprobs.view(b.bsz, -1, self.vocab_size),
+                b.scores.view(b.bsz, beam, -1)[:, :, :step],
+                b.tokens[:, : step + 1],
+                b.original_batch_idxs,
+            )
             lprobs = None
 
             eos_mask, any_top_eos, done = self._end_hypotheses(b, step, cand_scores, cand_indices, cand_beams)
@@ -274,14 +321,17 @@ class SequenceGenerator(nn.Module):
             self._extend(b, step, eos_mask, any_top_eos, cand_scores, cand_indices, cand_beams, batch_idxs)
         return b.finished.best_first()
 
-    def _begin(self, sample: Dict, prefix_tokens: Optional[Tensor],
-               bos_token: Optional[int]) -> Tuple[BatchState, Optional[Tensor]]:
+    def _begin(
+        self, sample: Dict, prefix_tokens: Optional[Tensor], bos_token: Optional[int]
+    ) -> Tuple[BatchState, Optional[Tensor]]:
         """The batch before its first step (buffers, caches, search state), with the prompts fed when the
         decoders take them at once (prefill): then also the log-probabilities of the first step to take."""
         net_input = sample["net_input"]
         if "src_tokens" not in net_input:
-            raise ValueError("sample['net_input'] has no 'src_tokens': language-model generation reads the batch "
-                             "size and source length from it (see task.build_dataset_for_inference)")
+            raise ValueError(
+                "sample['net_input'] has no 'src_tokens': language-model generation reads the batch "
+                "size and source length from it (see task.build_dataset_for_inference)"
+            )
         src_tokens = net_input["src_tokens"]
         device, (bsz, src_len), beam = src_tokens.device, src_tokens.size()[:2], self.beam_size
         src_lengths = (src_tokens.ne(self.eos) & src_tokens.ne(self.pad)).long().sum(dim=1)
@@ -290,12 +340,19 @@ class SequenceGenerator(nn.Module):
         if self.search.forced_beams is None:
             shared = 0  # an unknown search sees every forced step
         rows = bsz * beam
-        b = BatchState(device=device, bsz=bsz, beam=beam, max_len=max_len, min_len=self.min_len,
-                       src_lengths=src_lengths,
-                       tokens=torch.full((rows, max_len + 2), self.pad, dtype=torch.long, device=device),
-                       scores=torch.zeros(rows, max_len + 1, device=device),  # cumulative, per step
-                       finished=FinishedHypotheses(bsz, beam, self.eos, self.normalize_scores, self.len_penalty,
-                                                   self.match_source_len))
+        b = BatchState(
+            device=device,
+            bsz=bsz,
+            beam=beam,
+            max_len=max_len,
+            min_len=self.min_len,
+            src_lengths=src_lengths,
+            tokens=torch.full((rows, max_len + 2), self.pad, dtype=torch.long, device=device),
+            scores=torch.zeros(rows, max_len + 1, device=device),  # cumulative, per step
+            finished=FinishedHypotheses(
+                bsz, beam, self.eos, self.normalize_scores, self.len_penalty, self.match_source_len
+            ),
+        )
         b.tokens[:, 0] = self.eos if bos_token is None else bos_token
         b.states, b.graphed = self.step_model.begin(bsz, beam, max_len + 1, device)
         if self.should_set_src_lengths:
@@ -307,8 +364,9 @@ class SequenceGenerator(nn.Module):
         b.set_prompts(prefix, forced_eos_steps)
         return b, lprobs
 
-    def _end_hypotheses(self, b: BatchState, step: int, cand_scores: Tensor, cand_indices: Tensor,
-                        cand_beams: Tensor) -> Tuple[Optional[Tensor], bool, List[int]]:
+    def _end_hypotheses(
+        self, b: BatchState, step: int, cand_scores: Tensor, cand_indices: Tensor, cand_beams: Tensor
+    ) -> Tuple[Optional[Tensor], bool, List[int]]:
         """Hypotheses ending with </s> among the top beam candidates are done (not -inf, not ignored): store
         them. Returns (the candidates that end with </s>, or None when none can; whether a top one did; the
         batch indices of the sentences now done)."""
@@ -324,8 +382,9 @@ class SequenceGenerator(nn.Module):
             any_top_eos = bool(top_eos.any())  # the host sync of this step
         if any_top_eos:
             cand_bbsz_idx = cand_beams + b.bbsz_offsets
-            done = b.store_ended(step, cand_bbsz_idx[:, :beam][top_eos], cand_scores[:, :beam][top_eos],
-                                 b.tokens, b.scores)
+            done = b.store_ended(
+                step, cand_bbsz_idx[:, :beam][top_eos], cand_scores[:, :beam][top_eos], b.tokens, b.scores
+            )
         return eos_mask, any_top_eos, done
 
     def _drop_sentences(self, b: BatchState, done: List[int]) -> Tensor:
@@ -337,8 +396,17 @@ class SequenceGenerator(nn.Module):
             self.search.set_src_lengths(b.src_lengths)
         return batch_idxs
 
-    def _extend(self, b: BatchState, step: int, eos_mask: Optional[Tensor], any_top_eos: bool, cand_scores: Tensor,
-                cand_indices: Tensor, cand_beams: Tensor, batch_idxs: Optional[Tensor]) -> None:
+    def _extend(
+        self,
+        b: BatchState,
+        step: int,
+        eos_mask: Optional[Tensor],
+        any_top_eos: bool,
+        cand_scores: Tensor,
+        cand_indices: Tensor,
+        cand_beams: Tensor,
+        batch_idxs: Optional[Tensor],
+    ) -> None:
         """The beam best candidates that did not end become the hypotheses (token step + 1 and its score);
         the caches follow their rows (and the sentences dropped at this step, `batch_idxs`)."""
         beam, bsz, tokens, scores = self.beam_size, b.bsz, b.tokens, b.scores
@@ -351,7 +419,7 @@ class SequenceGenerator(nn.Module):
             # The beam best candidates that did not end continue (finished or ignored ones sort last).
             cand_size = b.cand_offsets.size(0)
             eos_mask[:, :beam] |= b.cands_to_ignore
-            active_mask = eos_mask.to(b.cand_offsets.dtype) * cand_size + b.cand_offsets[:eos_mask.size(1)]
+            active_mask = eos_mask.to(b.cand_offsets.dtype) * cand_size + b.cand_offsets[: eos_mask.size(1)]
             new_cands_to_ignore, active_hypos = torch.topk(active_mask, k=beam, dim=1, largest=False)
             b.cands_to_ignore = new_cands_to_ignore.ge(cand_size)[:, :beam]
             active_bbsz_idx = torch.gather(cand_beams + b.bbsz_offsets, 1, active_hypos).view(-1)
@@ -359,7 +427,7 @@ class SequenceGenerator(nn.Module):
             next_scores = torch.gather(cand_scores, 1, active_hypos)
             b.may_ignore = beam > 1
         if beam > 1:  # with one beam every row continues itself
-            tokens[:, :step + 1] = tokens[:, :step + 1].index_select(0, active_bbsz_idx)
+            tokens[:, : step + 1] = tokens[:, : step + 1].index_select(0, active_bbsz_idx)
             if step > 0:
                 scores[:, :step] = scores[:, :step].index_select(0, active_bbsz_idx)
         tokens.view(bsz, beam, -1)[:, :, step + 1] = next_tokens

@@ -14,13 +14,14 @@ import torch
 
 
 class SequenceScorer:
-    def __init__(self, tgt_dict, softmax_batch=None, compute_alignment: bool = False, eos=None,
-                 symbols_to_strip_from_output=None):
+    def __init__(
+        self, tgt_dict, softmax_batch=None, compute_alignment: bool = False, eos=None, symbols_to_strip_from_output=None
+    ):
         if compute_alignment:
             raise ValueError("compute_alignment: a language model has no source to align to")
         self.pad = tgt_dict.pad()
         self.eos = tgt_dict.eos() if eos is None else eos
-        self.symbols_to_strip_from_output = (set(symbols_to_strip_from_output or ()) | {self.eos})
+        self.symbols_to_strip_from_output = set(symbols_to_strip_from_output or ()) | {self.eos}
 
     @torch.no_grad()
     def generate(self, models, sample: Dict, **kwargs) -> List[List[Dict[str, torch.Tensor]]]:
@@ -46,9 +47,15 @@ class SequenceScorer:
         for i in range(target.size(0)):
             keep = target[i].ne(self.pad)
             scores = avg_probs[i][keep]
-            hypos.append([{
-                "tokens": target[i][keep], "score": scores.sum() / scores.numel(), "attention": None,
-                "alignment": None, "positional_scores": scores,
-            }])
+            hypos.append(
+                [
+                    {
+                        "tokens": target[i][keep],
+                        "score": scores.sum() / scores.numel(),
+                        "attention": None,
+                        "alignment": None,
+                        "positional_scores": scores,
+                    }
+                ]
+            )
         return hypos
-

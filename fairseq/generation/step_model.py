@@ -48,14 +48,13 @@ class EnsembleModel(nn.Module):
         self.models_size = len(models)
         self.single_model = models[0]
         self.models = nn.ModuleList(models)
-        self.has_incremental = all(isinstance(getattr(m, "decoder", None), FairseqIncrementalDecoder)
-                                   for m in models)
+        self.has_incremental = all(isinstance(getattr(m, "decoder", None), FairseqIncrementalDecoder) for m in models)
         # Decoders of this fork take several new tokens per call and preallocate their caches.
         self.can_feed_prompts = self.has_incremental and all(
-            hasattr(m.decoder, "reserve_incremental_state") for m in models)
+            hasattr(m.decoder, "reserve_incremental_state") for m in models
+        )
         # ... and have a static one-token step, which CUDA graphs capture (fairseq.generation.cuda_graph_decoding).
-        self.can_static_step = self.can_feed_prompts and all(
-            hasattr(m.decoder, "forward_static_step") for m in models)
+        self.can_static_step = self.can_feed_prompts and all(hasattr(m.decoder, "forward_static_step") for m in models)
 
     def has_incremental_states(self) -> bool:
         return self.has_incremental
@@ -63,8 +62,11 @@ class EnsembleModel(nn.Module):
     def max_decoder_positions(self) -> int:
         limits = []
         for m in self.models:
-            limit = m.max_decoder_positions() if hasattr(m, "max_decoder_positions") else (
-                m.max_positions() if hasattr(m, "max_positions") else None)
+            limit = (
+                m.max_decoder_positions()
+                if hasattr(m, "max_decoder_positions")
+                else (m.max_positions() if hasattr(m, "max_positions") else None)
+            )
             if limit is not None:
                 limits.append(int(limit))
         return min(limits + [sys.maxsize])
@@ -141,32 +143,45 @@ class EnsembleModel(nn.Module):
             log_probs.append(self._log_probs(m, logits[:, -1:, :], extra, temperature)[:, -1, :])
         return self._average(log_probs)
 
-    def forward_static_step(self, tokens: Tensor, slot: Tensor, states: List[dict], temperature: float,
-                            window: Optional[int] = None) -> Tensor:
+    def forward_static_step(
+        self, tokens: Tensor, slot: Tensor, states: List[dict], temperature: float, window: Optional[int] = None
+    ) -> Tensor:
         """Log-probabilities [rows, V] of the token after `tokens` [rows, 1], at index `slot` (a device tensor),
         through each decoder's `forward_static_step` (static shapes, no host sync: CUDA graphs capture it),
         attention over the caches' first `window` slots (default: all)."""
-        return self._average([self._log_probs(m, m.decoder.forward_static_step(tokens, slot, state, window), None,
-                                              temperature)[:, -1, :] for m, state in zip(self.models, states)])
+        return self._average(
+            [
+                self._log_probs(m, m.decoder.forward_static_step(tokens, slot, state, window), None, temperature)[
+                    :, -1, :
+                ]
+                for m, state in zip(self.models, states)
+            ]
+        )
 
-    def feed_prompts(self, tokens: Tensor, states: List[dict], temperature: float,
-                     vocab_size: int) -> Tuple[Tensor, Tensor]:
+    def feed_prompts(
+        self, tokens: Tensor, states: List[dict], temperature: float, vocab_size: int
+    ) -> Tuple[Tensor, Tensor]:
         """Feed `tokens` [B, T] into empty caches in one forward per model: (log-probabilities [B, T-1] of
         tokens[:, 1:], each given the tokens before it; log-probabilities [B, V] of the token after them)."""
-        features = [m.decoder(tokens, incremental_state=state, features_only=True)[0]
-                    for m, state in zip(self.models, states)]
+        features = [
+            m.decoder(tokens, incremental_state=state, features_only=True)[0] for m, state in zip(self.models, states)
+        ]
         batch, length = tokens.shape
         forced = torch.empty(batch, length - 1, device=tokens.device)
         chunk = max(1, _LOGITS_CHUNK // (batch * vocab_size))
         next_lprobs = None
         for begin in range(0, length, chunk):
             end = min(length, begin + chunk)
-            lprobs = self._average([self._log_probs(m, m.decoder.output_layer(f[:, begin:end]), None, temperature)
-                                    for m, f in zip(self.models, features)])
+            lprobs = self._average(
+                [
+                    self._log_probs(m, m.decoder.output_layer(f[:, begin:end]), None, temperature)
+                    for m, f in zip(self.models, features)
+                ]
+            )
             scored = min(end, length - 1) - begin  # positions that predict a given token
             if scored > 0:
-                targets = tokens[:, begin + 1:begin + 1 + scored].unsqueeze(-1)
-                forced[:, begin:begin + scored] = lprobs[:, :scored].gather(2, targets).squeeze(-1)
+                targets = tokens[:, begin + 1 : begin + 1 + scored].unsqueeze(-1)
+                forced[:, begin : begin + scored] = lprobs[:, :scored].gather(2, targets).squeeze(-1)
             if end == length:
                 next_lprobs = lprobs[:, -1]
         return forced, next_lprobs
@@ -178,8 +193,16 @@ class StepModel:
     CUDA-graph runner of the static one-token steps (fairseq.generation.cuda_graph_decoding), which holds the
     caches it replays over."""
 
-    def __init__(self, ensemble: EnsembleModel, vocab_size: int, pad: int, unk: int, unk_penalty: float = 0.0,
-                 temperature: float = 1.0, cuda_graphs: bool = True):
+    def __init__(
+        self,
+        ensemble: EnsembleModel,
+        vocab_size: int,
+        pad: int,
+        unk: int,
+        unk_penalty: float = 0.0,
+        temperature: float = 1.0,
+        cuda_graphs: bool = True,
+    ):
         self.model = ensemble
         self.vocab_size, self.pad, self.unk = vocab_size, pad, unk
         self.unk_penalty, self.temperature = unk_penalty, temperature
@@ -207,8 +230,9 @@ class StepModel:
         if not (usable and self.model.can_static_step and not any(m.training for m in self.model.modules())):
             return None
         if self.graphed is None:
-            self.graphed = GraphedDecodeStep(self.model, self.static_step, self.vocab_size,
-                                             capture=not self.eager_graphs)
+            self.graphed = GraphedDecodeStep(
+                self.model, self.static_step, self.vocab_size, capture=not self.eager_graphs
+            )
         return self.graphed
 
     def begin(self, bsz: int, beam: int, max_length: int, device: torch.device):
@@ -230,7 +254,7 @@ class StepModel:
         or the graph runner's one-token step)."""
         if graphed is not None:
             return graphed(tokens[:, step], step)
-        return self.mask_special(self.model.forward_decoder(tokens[:, :step + 1], states, self.temperature))
+        return self.mask_special(self.model.forward_decoder(tokens[:, : step + 1], states, self.temperature))
 
     def reorder(self, states: Optional[List[dict]], order: Tensor, window: Optional[int] = None) -> None:
         """Row i of the caches continues row order[i] (beams follow their parents, finished rows leave)."""

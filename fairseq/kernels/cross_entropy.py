@@ -26,8 +26,13 @@ NUM_WARPS = 8
 def fused_cross_entropy_available(logits: torch.Tensor) -> bool:
     """Whether `logits` can take the kernels: a plain (not subclassed) CUDA tensor of a float dtype, with
     Triton importable."""
-    return (type(logits) is torch.Tensor and logits.is_cuda and logits.dim() == 2
-            and logits.dtype in (torch.float32, torch.float16, torch.bfloat16) and _kernels() is not None)
+    return (
+        type(logits) is torch.Tensor
+        and logits.is_cuda
+        and logits.dim() == 2
+        and logits.dtype in (torch.float32, torch.float16, torch.bfloat16)
+        and _kernels() is not None
+    )
 
 
 def fused_token_cross_entropy(logits: torch.Tensor, target: torch.Tensor, ignore_index: int) -> torch.Tensor:
@@ -40,8 +45,9 @@ def _kernels(triton, tl):
     """The two jitted kernels, built on first use; None without Triton."""
 
     @triton.jit
-    def forward_kernel(logits_ptr, row_stride, target_ptr, loss_ptr, lse_ptr, ignore_index,
-                       n_cols: tl.constexpr, BLOCK: tl.constexpr):
+    def forward_kernel(
+        logits_ptr, row_stride, target_ptr, loss_ptr, lse_ptr, ignore_index, n_cols: tl.constexpr, BLOCK: tl.constexpr
+    ):
         row = tl.program_id(0).to(tl.int64)
         row_ptr = logits_ptr + row * row_stride
         running_max = float("-inf")
@@ -61,8 +67,18 @@ def _kernels(triton, tl):
         tl.store(lse_ptr + row, tl.where(ignored, float("inf"), lse))
 
     @triton.jit
-    def backward_kernel(logits_ptr, row_stride, grad_ptr, target_ptr, lse_ptr, grad_loss_ptr, grad_loss_stride,
-                        ignore_index, n_cols: tl.constexpr, BLOCK: tl.constexpr):
+    def backward_kernel(
+        logits_ptr,
+        row_stride,
+        grad_ptr,
+        target_ptr,
+        lse_ptr,
+        grad_loss_ptr,
+        grad_loss_stride,
+        ignore_index,
+        n_cols: tl.constexpr,
+        BLOCK: tl.constexpr,
+    ):
         row = tl.program_id(0).to(tl.int64)
         row_ptr = logits_ptr + row * row_stride
         grad_row_ptr = grad_ptr + row * n_cols
@@ -92,8 +108,9 @@ class _FusedCrossEntropy(torch.autograd.Function):
         loss = torch.empty(rows, dtype=torch.float32, device=logits.device)
         lse = torch.empty(rows, dtype=torch.float32, device=logits.device)
         if rows:
-            forward_kernel[(rows,)](logits, logits.stride(0), target, loss, lse, ignore_index,
-                                    n_cols=cols, BLOCK=BLOCK, num_warps=NUM_WARPS)
+            forward_kernel[(rows,)](
+                logits, logits.stride(0), target, loss, lse, ignore_index, n_cols=cols, BLOCK=BLOCK, num_warps=NUM_WARPS
+            )
         ctx.save_for_backward(logits, target, lse)
         ctx.ignore_index = ignore_index
         return loss
@@ -106,6 +123,17 @@ class _FusedCrossEntropy(torch.autograd.Function):
         rows, cols = logits.shape
         grad = torch.empty((rows, cols), dtype=logits.dtype, device=logits.device)
         if rows:
-            backward_kernel[(rows,)](logits, logits.stride(0), grad, target, lse, grad_loss, grad_loss.stride(0),
-                                     ctx.ignore_index, n_cols=cols, BLOCK=BLOCK, num_warps=NUM_WARPS)
+            backward_kernel[(rows,)](
+                logits,
+                logits.stride(0),
+                grad,
+                target,
+                lse,
+                grad_loss,
+                grad_loss.stride(0),
+                ctx.ignore_index,
+                n_cols=cols,
+                BLOCK=BLOCK,
+                num_warps=NUM_WARPS,
+            )
         return grad, None, None

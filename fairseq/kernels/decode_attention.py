@@ -47,8 +47,13 @@ def decode_attention_available(q: torch.Tensor) -> bool:
     interpreter, TRITON_INTERPRET=1, which the CPU tests use), with Triton importable and the kernels not
     turned off (`set_decode_attention_kernel`, FAIRSEQ_DECODE_ATTENTION_KERNEL=0). A host check: nothing is
     read from the device."""
-    return (_enabled[0] and type(q) is torch.Tensor and (q.is_cuda or _interpreted())
-            and q.dtype in (torch.float32, torch.float16, torch.bfloat16) and _kernels() is not None)
+    return (
+        _enabled[0]
+        and type(q) is torch.Tensor
+        and (q.is_cuda or _interpreted())
+        and q.dtype in (torch.float32, torch.float16, torch.bfloat16)
+        and _kernels() is not None
+    )
 
 
 # Whether decoding may use the kernels: on unless FAIRSEQ_DECODE_ATTENTION_KERNEL=0 (read once, at import).
@@ -71,9 +76,15 @@ def _interpreted() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def decode_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, lengths: torch.Tensor,
-                     row_map: Optional[torch.Tensor] = None, scale: Optional[float] = None,
-                     max_length: Optional[int] = None) -> torch.Tensor:
+def decode_attention(
+    q: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    lengths: torch.Tensor,
+    row_map: Optional[torch.Tensor] = None,
+    scale: Optional[float] = None,
+    max_length: Optional[int] = None,
+) -> torch.Tensor:
     """Attention output [B, H, 1, D] in q's dtype (see the module doc); the kernels where
     `decode_attention_available(q)`, else the PyTorch reference."""
     if decode_attention_available(q):
@@ -81,9 +92,15 @@ def decode_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torc
     return decode_attention_reference(q, key_cache, value_cache, lengths, row_map, scale, max_length)
 
 
-def decode_attention_reference(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                               lengths: torch.Tensor, row_map: Optional[torch.Tensor] = None,
-                               scale: Optional[float] = None, max_length: Optional[int] = None) -> torch.Tensor:
+def decode_attention_reference(
+    q: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    lengths: torch.Tensor,
+    row_map: Optional[torch.Tensor] = None,
+    scale: Optional[float] = None,
+    max_length: Optional[int] = None,
+) -> torch.Tensor:
     """The same values in plain PyTorch (fp32 scores and softmax over the first `max_length` slots, the slots
     at or past each row's length masked), any device, no host sync."""
     _check(q, key_cache, value_cache, lengths, row_map)
@@ -125,13 +142,21 @@ def _window(key_cache: torch.Tensor, max_length: Optional[int]) -> int:
 def _check(q, key_cache, value_cache, lengths, row_map) -> None:
     if q.dim() != 4 or q.size(2) != 1:
         raise ValueError(f"decode attention takes one query per row, q [B, H, 1, D]; got {tuple(q.shape)}")
-    if key_cache.shape != value_cache.shape or key_cache.dim() != 4 or key_cache.shape[1] != q.shape[1] \
-            or key_cache.shape[3] != q.shape[3]:
-        raise ValueError(f"decode attention: caches {tuple(key_cache.shape)} / {tuple(value_cache.shape)} do not "
-                         f"match q {tuple(q.shape)} (expected [rows, H, capacity, D])")
+    if (
+        key_cache.shape != value_cache.shape
+        or key_cache.dim() != 4
+        or key_cache.shape[1] != q.shape[1]
+        or key_cache.shape[3] != q.shape[3]
+    ):
+        raise ValueError(
+            f"decode attention: caches {tuple(key_cache.shape)} / {tuple(value_cache.shape)} do not "
+            f"match q {tuple(q.shape)} (expected [rows, H, capacity, D])"
+        )
     if lengths.numel() not in (1, q.size(0)) or lengths.is_floating_point():
-        raise ValueError(f"decode attention: lengths must be integers, [B] or [1]; got {lengths.dtype} "
-                         f"{tuple(lengths.shape)} for B = {q.size(0)}")
+        raise ValueError(
+            f"decode attention: lengths must be integers, [B] or [1]; got {lengths.dtype} "
+            f"{tuple(lengths.shape)} for B = {q.size(0)}"
+        )
     if row_map is not None and row_map.shape != (q.size(0),):
         raise ValueError(f"decode attention: row_map must be [B] = [{q.size(0)}]; got {tuple(row_map.shape)}")
     if q.stride(-1) != 1 or key_cache.stride(-1) != 1 or value_cache.stride(-1) != 1:
@@ -140,10 +165,16 @@ def _check(q, key_cache, value_cache, lengths, row_map) -> None:
         raise ValueError(f"decode attention: {q.size(0)} query rows but the caches hold {key_cache.size(0)}")
 
 
-def decode_attention_kernel(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                            lengths: torch.Tensor, row_map: Optional[torch.Tensor] = None,
-                            scale: Optional[float] = None, max_length: Optional[int] = None,
-                            splits: Optional[int] = None) -> torch.Tensor:
+def decode_attention_kernel(
+    q: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    lengths: torch.Tensor,
+    row_map: Optional[torch.Tensor] = None,
+    scale: Optional[float] = None,
+    max_length: Optional[int] = None,
+    splits: Optional[int] = None,
+) -> torch.Tensor:
     """The Triton path (CUDA, or the interpreter under TRITON_INTERPRET=1); `splits` overrides splits_for."""
     _check(q, key_cache, value_cache, lengths, row_map)
     split_kernel, combine_kernel = _kernels()
@@ -167,15 +198,40 @@ def decode_attention_kernel(q: torch.Tensor, key_cache: torch.Tensor, value_cach
         partial_sum = torch.empty(batch, heads, splits, dtype=torch.float32, device=q.device)
     rows = row_map if row_map is not None else lengths  # a placeholder pointer when there is no row map
     split_kernel[(batch * heads, splits)](
-        q, key_cache, value_cache, lengths, rows, out, partial_out, partial_max, partial_sum,
-        q.stride(0), q.stride(1), key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
-        value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
-        0 if lengths.numel() == 1 else lengths.stride(0), scale * 1.4426950408889634, window, split_size,
-        HEADS=heads, DIM=dim, BLOCK_D=block_d, BLOCK_N=BLOCK_N, SPLITS=splits,
-        HAS_ROW_MAP=row_map is not None, DIRECT=direct, num_warps=4)
+        q,
+        key_cache,
+        value_cache,
+        lengths,
+        rows,
+        out,
+        partial_out,
+        partial_max,
+        partial_sum,
+        q.stride(0),
+        q.stride(1),
+        key_cache.stride(0),
+        key_cache.stride(1),
+        key_cache.stride(2),
+        value_cache.stride(0),
+        value_cache.stride(1),
+        value_cache.stride(2),
+        0 if lengths.numel() == 1 else lengths.stride(0),
+        scale * 1.4426950408889634,
+        window,
+        split_size,
+        HEADS=heads,
+        DIM=dim,
+        BLOCK_D=block_d,
+        BLOCK_N=BLOCK_N,
+        SPLITS=splits,
+        HAS_ROW_MAP=row_map is not None,
+        DIRECT=direct,
+        num_warps=4,
+    )
     if not direct:
-        combine_kernel[(batch * heads,)](partial_out, partial_max, partial_sum, out, DIM=dim, BLOCK_D=block_d,
-                                         SPLITS=splits, num_warps=4)
+        combine_kernel[(batch * heads,)](
+            partial_out, partial_max, partial_sum, out, DIM=dim, BLOCK_D=block_d, SPLITS=splits, num_warps=4
+        )
     return out
 
 
@@ -189,11 +245,36 @@ def _kernels():
 def _split_kernel(triton, tl):
 
     @triton.jit
-    def split_kernel(q_ptr, k_ptr, v_ptr, lengths_ptr, row_map_ptr, out_ptr, part_out_ptr, part_max_ptr,
-                     part_sum_ptr, q_stride_b, q_stride_h, k_stride_b, k_stride_h, k_stride_n, v_stride_b,
-                     v_stride_h, v_stride_n, length_stride, scale_log2, window, split_size, HEADS: tl.constexpr,
-                     DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-                     SPLITS: tl.constexpr, HAS_ROW_MAP: tl.constexpr, DIRECT: tl.constexpr):
+    def split_kernel(
+        q_ptr,
+        k_ptr,
+        v_ptr,
+        lengths_ptr,
+        row_map_ptr,
+        out_ptr,
+        part_out_ptr,
+        part_max_ptr,
+        part_sum_ptr,
+        q_stride_b,
+        q_stride_h,
+        k_stride_b,
+        k_stride_h,
+        k_stride_n,
+        v_stride_b,
+        v_stride_h,
+        v_stride_n,
+        length_stride,
+        scale_log2,
+        window,
+        split_size,
+        HEADS: tl.constexpr,
+        DIM: tl.constexpr,
+        BLOCK_D: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        SPLITS: tl.constexpr,
+        HAS_ROW_MAP: tl.constexpr,
+        DIRECT: tl.constexpr,
+    ):
         pid = tl.program_id(0)
         split = tl.program_id(1)
         b = pid // HEADS
@@ -244,8 +325,15 @@ def _split_kernel(triton, tl):
 @built_with_triton
 def _combine_kernel(triton, tl):
     @triton.jit
-    def combine_kernel(part_out_ptr, part_max_ptr, part_sum_ptr, out_ptr, DIM: tl.constexpr,
-                       BLOCK_D: tl.constexpr, SPLITS: tl.constexpr):
+    def combine_kernel(
+        part_out_ptr,
+        part_max_ptr,
+        part_sum_ptr,
+        out_ptr,
+        DIM: tl.constexpr,
+        BLOCK_D: tl.constexpr,
+        SPLITS: tl.constexpr,
+    ):
         pid = tl.program_id(0).to(tl.int64)
         s = tl.arange(0, SPLITS)
         d = tl.arange(0, BLOCK_D)

@@ -29,12 +29,17 @@ BLOCK_K = 128
 
 def int8_kernel_available(x: torch.Tensor) -> bool:
     """Whether `x` can take the Triton kernel (a host check)."""
-    return (type(x) is torch.Tensor and (x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1")
-            and x.dtype in (torch.bfloat16, torch.float16) and _kernel() is not None)
+    return (
+        type(x) is torch.Tensor
+        and (x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1")
+        and x.dtype in (torch.bfloat16, torch.float16)
+        and _kernel() is not None
+    )
 
 
-def int8_linear(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
-                bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+def int8_linear(
+    x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, bias: Optional[torch.Tensor] = None
+) -> torch.Tensor:
     """x [..., K] times the int8 weight [N, K] with fp32 row scales [N], plus bias [N]: [..., N] in x's dtype."""
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
@@ -48,8 +53,9 @@ def int8_linear(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
     return out.reshape(*shape[:-1], qweight.size(0))
 
 
-def int8_matmul_kernel(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
-                       bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+def int8_matmul_kernel(
+    x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, bias: Optional[torch.Tensor] = None
+) -> torch.Tensor:
     """The Triton path for x [M, K] (any M; int8_linear sends it the small ones)."""
     kernel = _kernel()
     rows, depth = x.shape
@@ -61,9 +67,23 @@ def int8_matmul_kernel(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tens
         return out
     block_m = max(16, min(64, 1 << (rows - 1).bit_length()))  # tl.dot takes 16 rows at least
     grid = (-(-columns // BLOCK_N), -(-rows // block_m))
-    kernel[grid](x, qweight, scale, bias if bias is not None else scale, out, rows, columns, depth,
-                 x.stride(0), qweight.stride(0), HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=BLOCK_N,
-                 BLOCK_K=BLOCK_K, num_warps=4)
+    kernel[grid](
+        x,
+        qweight,
+        scale,
+        bias if bias is not None else scale,
+        out,
+        rows,
+        columns,
+        depth,
+        x.stride(0),
+        qweight.stride(0),
+        HAS_BIAS=bias is not None,
+        BLOCK_M=block_m,
+        BLOCK_N=BLOCK_N,
+        BLOCK_K=BLOCK_K,
+        num_warps=4,
+    )
     return out
 
 
@@ -72,8 +92,22 @@ def _kernel(triton, tl):
     """The jitted kernel, built on first use; None without Triton."""
 
     @triton.jit
-    def int8_matmul(x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, rows, columns, depth, x_stride, w_stride,
-                    HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    def int8_matmul(
+        x_ptr,
+        w_ptr,
+        scale_ptr,
+        bias_ptr,
+        out_ptr,
+        rows,
+        columns,
+        depth,
+        x_stride,
+        w_stride,
+        HAS_BIAS: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+    ):
         m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
         n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         m_ok, n_ok = m < rows, n < columns
@@ -81,17 +115,22 @@ def _kernel(triton, tl):
         for first in range(0, depth, BLOCK_K):
             k = first + tl.arange(0, BLOCK_K)
             k_ok = k < depth
-            x = tl.load(x_ptr + m[:, None].to(tl.int64) * x_stride + k[None, :], mask=m_ok[:, None] & k_ok[None, :],
-                        other=0.0)
-            w = tl.load(w_ptr + n[None, :].to(tl.int64) * w_stride + k[:, None], mask=n_ok[None, :] & k_ok[:, None],
-                        other=0)
+            x = tl.load(
+                x_ptr + m[:, None].to(tl.int64) * x_stride + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0
+            )
+            w = tl.load(
+                w_ptr + n[None, :].to(tl.int64) * w_stride + k[:, None], mask=n_ok[None, :] & k_ok[:, None], other=0
+            )
             # In fp32 (on the GPU tf32, whose 10-bit mantissa holds int8 values and bf16 ones exactly): the same
             # products as a bf16 dot, and Triton's interpreter (the CPU tests) computes bf16 dots wrongly.
             acc += tl.dot(x.to(tl.float32), w.to(tl.float32))
         acc = acc * tl.load(scale_ptr + n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
         if HAS_BIAS:
             acc += tl.load(bias_ptr + n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-        tl.store(out_ptr + m[:, None].to(tl.int64) * columns + n[None, :], acc.to(out_ptr.dtype.element_ty),
-                 mask=m_ok[:, None] & n_ok[None, :])
+        tl.store(
+            out_ptr + m[:, None].to(tl.int64) * columns + n[None, :],
+            acc.to(out_ptr.dtype.element_ty),
+            mask=m_ok[:, None] & n_ok[None, :],
+        )
 
     return int8_matmul

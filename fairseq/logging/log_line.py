@@ -17,11 +17,21 @@ from fairseq.logging import metrics
 
 # key -> priority: meters print in increasing priority (ties in the order they were first logged).
 ORDER: Dict[str, int] = {
-    "wps": 30, "ups": 40, "wpb": 50, "bsz": 60, "num_updates": 70, "lr": 80, "gnorm": 90, "clip": 100,
-    "loss_scale": 110, "train_wall": 120,
+    "wps": 30,
+    "ups": 40,
+    "wpb": 50,
+    "bsz": 60,
+    "num_updates": 70,
+    "lr": 80,
+    "gnorm": 90,
+    "clip": 100,
+    "loss_scale": 110,
+    "train_wall": 120,
     # seconds of checkpoint saves (fairseq.checkpoint.manager): training blocked, and the write from start to end
-    "save_blocked": 122, "save_wall": 123,
-    "tflops": 130, "mfu": 131,
+    "save_blocked": 122,
+    "save_wall": 123,
+    "tflops": 130,
+    "mfu": 131,
     # CUDA memory (fairseq.logging.memory): gb_free is upstream's key and place; the others sit beside it
     "memory": 1500,
     "ema_decay": 10000,  # --store-ema: upstream's priority, after memory (wall is appended after everything)
@@ -34,8 +44,10 @@ RUN_ONLY_METERS = ("save_blocked", "save_wall")
 
 def without_run_only_meters(state: Dict[str, list]) -> Dict[str, list]:
     """`metrics.state_dict()`'s {aggregator: [(priority, key, class, state), ...]} without RUN_ONLY_METERS."""
-    return {name: [m for m in meters if not (isinstance(m, (list, tuple)) and len(m) > 1 and m[1] in RUN_ONLY_METERS)]
-            for name, meters in state.items()}
+    return {
+        name: [m for m in meters if not (isinstance(m, (list, tuple)) and len(m) > 1 and m[1] in RUN_ONLY_METERS)]
+        for name, meters in state.items()
+    }
 
 
 def start_wall_clock() -> None:
@@ -59,8 +71,7 @@ def log_train_interval(trainer, sums: Dict[str, float], elapsed: float) -> None:
     metrics.log_scalar("num_updates", trainer.num_updates, weight=0, priority=ORDER["num_updates"])
     metrics.log_scalar("lr", trainer.get_lr(), weight=0, priority=ORDER["lr"])
     if trainer.precision.scaler is not None:
-        metrics.log_scalar("loss_scale", trainer.precision.loss_scale, weight=0, priority=ORDER["loss_scale"],
-                           round=4)
+        metrics.log_scalar("loss_scale", trainer.precision.loss_scale, weight=0, priority=ORDER["loss_scale"], round=4)
     metrics.log_scalar_sum("train_wall", sums.get("train_wall", 0.0), priority=ORDER["train_wall"], round=0)
     if trainer.throughput is not None and elapsed > 0 and updates > 0:
         for key, value in trainer.throughput.interval_values(sums.get("ntokens", 0.0), elapsed).items():

@@ -48,8 +48,9 @@ class LoggingOutputSums:
                 self._integral[key] = integral
         self.num_steps += 1
 
-    def reduce(self, group: Optional[dist.ProcessGroup] = None, all_reduce: bool = False,
-               device: Optional[torch.device] = None) -> Dict[str, Any]:
+    def reduce(
+        self, group: Optional[dist.ProcessGroup] = None, all_reduce: bool = False, device: Optional[torch.device] = None
+    ) -> Dict[str, Any]:
         """Return {key: sum} as Python numbers (ints where every value was integral) and start over.
 
         One host transfer for all keys. With `all_reduce=True` (and torch.distributed initialized) the

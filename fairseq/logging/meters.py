@@ -275,10 +275,7 @@ class DerivedMeter(Meter):
         pass
 
 
-METER_CLASSES = {
-    cls.__name__: cls
-    for cls in (AverageMeter, SumMeter, MaxMeter, MinMeter, TimeMeter, StopwatchMeter)
-}
+METER_CLASSES = {cls.__name__: cls for cls in (AverageMeter, SumMeter, MaxMeter, MinMeter, TimeMeter, StopwatchMeter)}
 
 
 class MetersDict(dict):

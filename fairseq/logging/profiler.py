@@ -64,20 +64,22 @@ def gpu_activities(records) -> list:
         return [e for e in records if e.device_type() == cuda and e.activity_type() in GPU_ACTIVITIES]
     # torch < 2.12 names no activity type. record_function ranges are mirrored on the device as user
     # annotations; names do not tell them from kernels, as inductor names a launch's range after its kernel.
-    return [e for e in records
-            if e.device_type() == cuda and not e.is_user_annotation() and e.name() not in CUPTI_MARKERS]
+    return [
+        e for e in records if e.device_type() == cuda and not e.is_user_annotation() and e.name() not in CUPTI_MARKERS
+    ]
 
 
 def parse_update_range(spec: str) -> Tuple[int, int]:
-    """"A:B" (or "A") -> (A, B), 1-based and inclusive."""
+    """ "A:B" (or "A") -> (A, B), 1-based and inclusive."""
     parts = str(spec).split(":")
     try:
         start, end = (int(parts[0]), int(parts[-1])) if len(parts) <= 2 else (None, None)
     except ValueError:
         start = end = None
     if start is None or start < 1 or end < start:
-        raise ValueError(f"--profile-updates {spec!r}: expected START:END with 1 <= START <= END, e.g. 10:12 "
-                         "(updates 10, 11 and 12)")
+        raise ValueError(
+            f"--profile-updates {spec!r}: expected START:END with 1 <= START <= END, e.g. 10:12 (updates 10, 11 and 12)"
+        )
     return start, end
 
 
@@ -176,8 +178,10 @@ class UpdateProfiler:
             self._stop()
 
     def summary(self) -> Dict:
-        kernels = [(e.name(), e.start_ns() / 1e3, e.duration_ns() / 1e3)
-                   for e in gpu_activities(self._profiler.profiler.kineto_results.events())]
+        kernels = [
+            (e.name(), e.start_ns() / 1e3, e.duration_ns() / 1e3)
+            for e in gpu_activities(self._profiler.profiler.kineto_results.events())
+        ]
         updates = max(self.updates, 1)
         busy_us = _union_length([(start, start + duration) for _, start, duration in kernels])
         categories: Dict[str, float] = {}
@@ -196,25 +200,37 @@ class UpdateProfiler:
             if avg.key in CUPTI_MARKERS:
                 continue
             device_us = getattr(avg, "self_device_time_total", 0.0) or 0.0
-            ops.append({"name": avg.key, "count": avg.count / updates, "device_ms": device_us / 1e3 / updates,
-                        "cpu_ms": avg.self_cpu_time_total / 1e3 / updates,
-                        "cpu_total_ms": avg.cpu_time_total / 1e3 / updates})
+            ops.append(
+                {
+                    "name": avg.key,
+                    "count": avg.count / updates,
+                    "device_ms": device_us / 1e3 / updates,
+                    "cpu_ms": avg.self_cpu_time_total / 1e3 / updates,
+                    "cpu_total_ms": avg.cpu_time_total / 1e3 / updates,
+                }
+            )
         by_cpu = sorted(ops, key=lambda o: o["cpu_ms"], reverse=True)
         # Inclusive host time of the named ranges (FSDP's hooks, compiled regions, the optimizer step, ...):
         # which part of the update the host's time went to; aten ops nest, so these overlap.
-        ranges = sorted((o for o in ops if not o["name"].startswith(("aten::", "cuda", "cu"))),
-                        key=lambda o: o["cpu_total_ms"], reverse=True)
+        ranges = sorted(
+            (o for o in ops if not o["name"].startswith(("aten::", "cuda", "cu"))),
+            key=lambda o: o["cpu_total_ms"],
+            reverse=True,
+        )
         ops.sort(key=lambda o: (o["device_ms"], o["cpu_ms"]), reverse=True)
         busy_ms = busy_us / 1e3 / updates
         return {
-            "updates": self.updates, "wall_ms": wall_ms, "gpu_busy_ms": busy_ms,
+            "updates": self.updates,
+            "wall_ms": wall_ms,
+            "gpu_busy_ms": busy_ms,
             "gpu_idle_ms": max(wall_ms - busy_ms, 0.0) if self.cuda else None,
             "kernels": len(kernels) / updates,
             # kernel time summed over streams; sum - busy is the time kernels ran concurrently
             "kernel_sum_ms": kernel_sum_ms,
             "category_ms": dict(sorted(categories.items(), key=lambda kv: -kv[1])),
-            "kernels_by_name": {name: {"count": c, "ms": ms}
-                                for name, (c, ms) in sorted(by_name.items(), key=lambda kv: -kv[1][1])},
+            "kernels_by_name": {
+                name: {"count": c, "ms": ms} for name, (c, ms) in sorted(by_name.items(), key=lambda kv: -kv[1][1])
+            },
             "top_ops": ops[:40],
             # where the host spent its time (self time): CUDA runtime calls that block (cudaStreamSynchronize,
             # cudaEventSynchronize, pageable cudaMemcpyAsync) show up here
@@ -231,24 +247,35 @@ class UpdateProfiler:
             json.dump(summary, f, indent=1)
         with open(prefix % ("summary", "txt"), "w") as f:
             f.write(format_summary(summary))
-        logger.info(f"profiled updates {self.start}-{self.end}: {summary['wall_ms']:.1f} ms per update, "
-                    f"trace and summary in {self.out_dir}")
+        logger.info(
+            f"profiled updates {self.start}-{self.end}: {summary['wall_ms']:.1f} ms per update, "
+            f"trace and summary in {self.out_dir}"
+        )
 
 
 def format_summary(summary: Dict) -> str:
-    lines = [f"per update, mean of {summary['updates']}:",
-             f"  wall {summary['wall_ms']:.2f} ms, GPU busy {summary['gpu_busy_ms']:.2f} ms"
-             + (f", GPU idle {summary['gpu_idle_ms']:.2f} ms" if summary["gpu_idle_ms"] is not None else "")
-             + f", {summary['kernels']:.0f} kernels ({summary['kernel_sum_ms']:.2f} ms summed over streams)", "",
-             "kernel time by category (ms per update):"]
+    lines = [
+        f"per update, mean of {summary['updates']}:",
+        f"  wall {summary['wall_ms']:.2f} ms, GPU busy {summary['gpu_busy_ms']:.2f} ms"
+        + (f", GPU idle {summary['gpu_idle_ms']:.2f} ms" if summary["gpu_idle_ms"] is not None else "")
+        + f", {summary['kernels']:.0f} kernels ({summary['kernel_sum_ms']:.2f} ms summed over streams)",
+        "",
+        "kernel time by category (ms per update):",
+    ]
     lines += [f"  {name:<24} {ms:10.2f}" for name, ms in summary["category_ms"].items()]
     lines += ["", f"  {'kernel':<90} {'calls':>8} {'ms':>9}"]
-    lines += [f"  {name[:90]:<90} {k['count']:8.1f} {k['ms']:9.2f}"
-              for name, k in list(summary["kernels_by_name"].items())[:40]]
-    for title, key, cpu_key in (("ops by device time", "top_ops", "cpu_ms"),
-                                ("ops by host (self) time", "top_host_ops", "cpu_ms"),
-                                ("ranges by host (inclusive) time", "top_host_ranges", "cpu_total_ms")):
+    lines += [
+        f"  {name[:90]:<90} {k['count']:8.1f} {k['ms']:9.2f}"
+        for name, k in list(summary["kernels_by_name"].items())[:40]
+    ]
+    for title, key, cpu_key in (
+        ("ops by device time", "top_ops", "cpu_ms"),
+        ("ops by host (self) time", "top_host_ops", "cpu_ms"),
+        ("ranges by host (inclusive) time", "top_host_ranges", "cpu_total_ms"),
+    ):
         lines += ["", f"  {title:<70} {'calls':>8} {'device ms':>10} {'cpu ms':>9}"]
-        lines += [f"  {o['name'][:70]:<70} {o['count']:8.1f} {o['device_ms']:10.2f} {o.get(cpu_key, 0.0):9.2f}"
-                  for o in summary.get(key, [])]
+        lines += [
+            f"  {o['name'][:70]:<70} {o['count']:8.1f} {o['device_ms']:10.2f} {o.get(cpu_key, 0.0):9.2f}"
+            for o in summary.get(key, [])
+        ]
     return "\n".join(lines) + "\n"

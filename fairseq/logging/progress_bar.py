@@ -44,8 +44,9 @@ def add_log_file(log_file: str) -> logging.FileHandler:
     return handler
 
 
-def setup_logging(log_file: Optional[str] = None, level: Optional[str] = None,
-                  stream=None) -> Optional[logging.FileHandler]:
+def setup_logging(
+    log_file: Optional[str] = None, level: Optional[str] = None, stream=None
+) -> Optional[logging.FileHandler]:
     """Configure the root logger as upstream's command-line tools do: the line format above, on stdout (or
     `stream`), at level INFO (or $LOGLEVEL); plus `log_file` when given (its handler is returned). A root logger
     that already has handlers keeps them (as `logging.basicConfig` would)."""

@@ -38,12 +38,12 @@ TENSOR_PARALLEL_STYLES = {
     "colwise": "a Linear split by output features (columns); its input whole on every rank",
     "colwise_from_sequence": "colwise, its input arriving split along the sequence (gathered first)",
     "rowwise_to_sequence": "a Linear split by input features (rows); its partial sums reduce-scattered along "
-                           "the sequence",
+    "the sequence",
     "sequence_norm": "a norm on an input split along the sequence (parameters replicated)",
     "gather_sequence": "a module whose first input arrives split along the sequence, gathered whole for it",
     "vocab_embedding": "an Embedding split by rows (the vocabulary), its output summed over the ranks",
     "vocab_output": "an output projection split by the vocabulary: logits kept split for a vocabulary-parallel "
-                    "loss, gathered otherwise",
+    "loss, gathered otherwise",
     "replicate": "parameters replicated on every rank, computed alike",
 }
 
@@ -142,8 +142,9 @@ class BaseFairseqModel(nn.Module):
         return sample["target"]
 
     @classmethod
-    def from_pretrained(cls, model_name_or_path: str, checkpoint_file: str = "model.pt",
-                        data_name_or_path: str = ".", **kwargs):
+    def from_pretrained(
+        cls, model_name_or_path: str, checkpoint_file: str = "model.pt", data_name_or_path: str = ".", **kwargs
+    ):
         """Upstream's hub entry point for a local directory: a GeneratorHubInterface (encode / decode / sample /
         score / generate) over the checkpoint(s); see fairseq.generation.hub_utils.from_pretrained."""
         # The one upward import of the model contract (declared in scripts/check_structure.py): upstream's API
@@ -159,8 +160,11 @@ def model_config_line(model: nn.Module, cfg) -> str:
     describe = getattr(type(model), "describe_config", None)
     details = describe(cfg) if describe is not None else ""
     params = sum(p.numel() for p in model.parameters())
-    return (f"model config: --arch {config_name(cfg) or type(model).__name__}"
-            + (f", {details}" if details else "") + f", {params:,} parameters")
+    return (
+        f"model config: --arch {config_name(cfg) or type(model).__name__}"
+        + (f", {details}" if details else "")
+        + f", {params:,} parameters"
+    )
 
 
 class FairseqLanguageModel(BaseFairseqModel):

@@ -62,14 +62,22 @@ LayerSpec = Tuple[int, int, int]  # (dim, kernel_size, residual)
 class FConvLanguageModelConfig:
     dropout: float = opt(0.1, "dropout probability")
     decoder_embed_dim: int = opt(128, "decoder embedding dimension")
-    decoder_layers: str = opt("[(1268, 4)] * 13", "decoder layers [(dim, kernel_size[, residual]), ...], a "
-                              "list expression such as '[(850, 6)] * 3 + [(1024, 4)]'")
-    decoder_out_embed_dim: Optional[int] = opt(None, "accepted for upstream command lines and unused, as in "
-                                               "upstream's fconv_lm (fc2 has --decoder-embed-dim outputs)")
+    decoder_layers: str = opt(
+        "[(1268, 4)] * 13",
+        "decoder layers [(dim, kernel_size[, residual]), ...], a "
+        "list expression such as '[(850, 6)] * 3 + [(1024, 4)]'",
+    )
+    decoder_out_embed_dim: Optional[int] = opt(
+        None,
+        "accepted for upstream command lines and unused, as in "
+        "upstream's fconv_lm (fc2 has --decoder-embed-dim outputs)",
+    )
     decoder_attention: str = opt("False", "decoder attention [True, ...]: only False (no encoder to attend to)")
     adaptive_softmax_cutoff: Optional[str] = opt(
-        None, "comma separated list of adaptive softmax cutoffs, e.g. 10000,20000,200000 (used with "
-              "--criterion adaptive_loss only, as upstream)")
+        None,
+        "comma separated list of adaptive softmax cutoffs, e.g. 10000,20000,200000 (used with "
+        "--criterion adaptive_loss only, as upstream)",
+    )
     adaptive_softmax_dropout: float = opt(0.0, "dropout of the adaptive softmax's input and tail projections")
     # This fork's (transformer_lm has them too); parallelize applies them to each convolution.
     checkpoint_activations: bool = opt(False, "checkpoint activations at each convolution (recompute in backward)")
@@ -99,8 +107,10 @@ def _literal(node: ast.AST, spec: str):
             return left + right if isinstance(node.op, ast.Add) else left * right
         except TypeError:
             pass
-    raise ValueError(f"--decoder-layers {spec!r}: expected a list of (dim, kernel_size[, residual]) tuples, "
-                     "combined with + and *, e.g. '[(850, 6)] * 3 + [(1024, 4)]'")
+    raise ValueError(
+        f"--decoder-layers {spec!r}: expected a list of (dim, kernel_size[, residual]) tuples, "
+        "combined with + and *, e.g. '[(850, 6)] * 3 + [(1024, 4)]'"
+    )
 
 
 def parse_decoder_layers(spec) -> List[LayerSpec]:
@@ -110,8 +120,9 @@ def parse_decoder_layers(spec) -> List[LayerSpec]:
         try:
             tree = ast.parse(spec.strip(), mode="eval")
         except SyntaxError:
-            raise ValueError(f"--decoder-layers {spec!r} is not a list expression; e.g. '[(850, 6)] * 3 + "
-                             "[(1024, 4)]'") from None
+            raise ValueError(
+                f"--decoder-layers {spec!r} is not a list expression; e.g. '[(850, 6)] * 3 + [(1024, 4)]'"
+            ) from None
         value = _literal(tree.body, spec)
     else:
         value = spec
@@ -119,16 +130,23 @@ def parse_decoder_layers(spec) -> List[LayerSpec]:
         raise ValueError(f"--decoder-layers {spec!r}: expected a non-empty list of (dim, kernel_size) tuples")
     layers = []
     for i, layer in enumerate(value):
-        if not isinstance(layer, (list, tuple)) or len(layer) not in (2, 3) or not all(
-                isinstance(v, int) and not isinstance(v, bool) for v in layer):
-            raise ValueError(f"--decoder-layers: layer {i} is {layer!r}; each layer is (dim, kernel_size) or "
-                             "(dim, kernel_size, residual) of integers")
+        if (
+            not isinstance(layer, (list, tuple))
+            or len(layer) not in (2, 3)
+            or not all(isinstance(v, int) and not isinstance(v, bool) for v in layer)
+        ):
+            raise ValueError(
+                f"--decoder-layers: layer {i} is {layer!r}; each layer is (dim, kernel_size) or "
+                "(dim, kernel_size, residual) of integers"
+            )
         dim, kernel, residual = (*layer, 1) if len(layer) == 2 else layer
         if dim < 1 or kernel < 1:
             raise ValueError(f"--decoder-layers: layer {i} is {tuple(layer)}; dim and kernel_size must be >= 1")
         if not 0 <= residual <= i + 1:
-            raise ValueError(f"--decoder-layers: layer {i} takes its residual from {residual} layers back, but only "
-                             f"{i + 1} outputs precede it (fc1's and {i} layers'); use 0 <= residual <= {i + 1}")
+            raise ValueError(
+                f"--decoder-layers: layer {i} takes its residual from {residual} layers back, but only "
+                f"{i + 1} outputs precede it (fc1's and {i} layers'); use 0 <= residual <= {i + 1}"
+            )
         layers.append((dim, kernel, residual))
     return layers
 
@@ -143,8 +161,10 @@ def parse_decoder_attention(value, num_layers: int) -> None:
     if not isinstance(parsed, bool) and len(flags) != num_layers:
         raise ValueError(f"--decoder-attention {value!r} has {len(flags)} entries for {num_layers} layers")
     if any(flags):
-        raise ValueError(f"--decoder-attention {value!r} is not supported: fconv_lm's attention layers attend over "
-                         "an encoder's output, which a language model has not; leave --decoder-attention False")
+        raise ValueError(
+            f"--decoder-attention {value!r} is not supported: fconv_lm's attention layers attend over "
+            "an encoder's output, which a language model has not; leave --decoder-attention False"
+        )
 
 
 def uses_adaptive_softmax(cfg) -> bool:
@@ -162,19 +182,27 @@ def check_config(cfg) -> None:
         if not 0.0 <= getattr(cfg, name) < 1.0:
             raise ValueError(f"{flag_name(name)} must be in [0, 1), got {getattr(cfg, name)}")
     if cfg.fp8:
-        raise ValueError("--fp8 is not supported by fconv_lm (its convolutions are not Linear layers torchao "
-                         "converts); drop --fp8 or use --arch transformer_lm*")
+        raise ValueError(
+            "--fp8 is not supported by fconv_lm (its convolutions are not Linear layers torchao "
+            "converts); drop --fp8 or use --arch transformer_lm*"
+        )
     if cfg.criterion == "adaptive_loss":
         if cfg.adaptive_softmax_cutoff is None:
-            raise ValueError("--criterion adaptive_loss needs --adaptive-softmax-cutoff (e.g. 10000,20000,200000) "
-                             "with --arch fconv_lm; or use --criterion cross_entropy")
+            raise ValueError(
+                "--criterion adaptive_loss needs --adaptive-softmax-cutoff (e.g. 10000,20000,200000) "
+                "with --arch fconv_lm; or use --criterion cross_entropy"
+            )
         parse_cutoffs(cfg.adaptive_softmax_cutoff, "--adaptive-softmax-cutoff")
     elif cfg.adaptive_softmax_cutoff is not None:
-        logger.warning(f"--adaptive-softmax-cutoff {cfg.adaptive_softmax_cutoff} is unused: fconv_lm builds its "
-                       f"adaptive softmax only with --criterion adaptive_loss (as upstream), not {cfg.criterion}")
+        logger.warning(
+            f"--adaptive-softmax-cutoff {cfg.adaptive_softmax_cutoff} is unused: fconv_lm builds its "
+            f"adaptive softmax only with --criterion adaptive_loss (as upstream), not {cfg.criterion}"
+        )
     if cfg.decoder_out_embed_dim is not None and cfg.decoder_out_embed_dim != cfg.decoder_embed_dim:
-        logger.warning(f"--decoder-out-embed-dim {cfg.decoder_out_embed_dim} has no effect: fconv_lm's fc2 has "
-                       f"--decoder-embed-dim ({cfg.decoder_embed_dim}) outputs, as in upstream fairseq")
+        logger.warning(
+            f"--decoder-out-embed-dim {cfg.decoder_out_embed_dim} has no effect: fconv_lm's fc2 has "
+            f"--decoder-embed-dim ({cfg.decoder_embed_dim}) outputs, as in upstream fairseq"
+        )
 
 
 # -------------------------------------------------------------------------------------------- decoder
@@ -188,9 +216,17 @@ class FConvDecoder(FairseqIncrementalDecoder):
     has another width), `convolutions.N.{weight_g,weight_v,bias}`, `fc2.*` and `fc3.*`, or
     `adaptive_softmax.*` (fairseq.modules.adaptive_softmax's names)."""
 
-    def __init__(self, vocab_size: int, padding_idx: int, embed_dim: int, layers: List[LayerSpec], dropout: float,
-                 adaptive_softmax_cutoff: Optional[List[int]] = None, adaptive_softmax_dropout: float = 0.0,
-                 output_vocab_size: Optional[int] = None):
+    def __init__(
+        self,
+        vocab_size: int,
+        padding_idx: int,
+        embed_dim: int,
+        layers: List[LayerSpec],
+        dropout: float,
+        adaptive_softmax_cutoff: Optional[List[int]] = None,
+        adaptive_softmax_dropout: float = 0.0,
+        output_vocab_size: Optional[int] = None,
+    ):
         super().__init__(dictionary=None)  # built from sizes; the task holds the dictionary
         self.register_buffer("version", torch.tensor([2.0]))
         self.padding_idx = padding_idx
@@ -207,7 +243,8 @@ class FConvDecoder(FairseqIncrementalDecoder):
         for out_channels, kernel_size, residual in layers:
             residual_dim = out_channels if residual == 0 else layer_in_channels[-residual]
             self.projections.append(
-                WeightNormLinear(residual_dim, out_channels) if residual_dim != out_channels else None)
+                WeightNormLinear(residual_dim, out_channels) if residual_dim != out_channels else None
+            )
             self.convolutions.append(GatedCausalConv(in_channels, out_channels, kernel_size, dropout=dropout))
             self.residuals.append(residual)
             in_channels = out_channels
@@ -217,10 +254,13 @@ class FConvDecoder(FairseqIncrementalDecoder):
         self.fc2 = self.fc3 = None
         if adaptive_softmax_cutoff is not None:
             if adaptive_softmax_cutoff[0] <= padding_idx:
-                raise ValueError(f"--adaptive-softmax-cutoff {','.join(map(str, adaptive_softmax_cutoff))}: the first "
-                                 f"cutoff must be larger than the padding index {padding_idx}")
-            self.adaptive_softmax = AdaptiveSoftmax(out_size, in_channels, adaptive_softmax_cutoff,
-                                                    dropout=adaptive_softmax_dropout)
+                raise ValueError(
+                    f"--adaptive-softmax-cutoff {','.join(map(str, adaptive_softmax_cutoff))}: the first "
+                    f"cutoff must be larger than the padding index {padding_idx}"
+                )
+            self.adaptive_softmax = AdaptiveSoftmax(
+                out_size, in_channels, adaptive_softmax_cutoff, dropout=adaptive_softmax_dropout
+            )
         else:
             self.fc2 = WeightNormLinear(in_channels, embed_dim)
             self.fc3 = WeightNormLinear(embed_dim, out_size, dropout=dropout)
@@ -243,13 +283,15 @@ class FConvDecoder(FairseqIncrementalDecoder):
     def max_positions(self) -> Optional[int]:
         return None  # no positional embeddings: any length (upstream says float("inf"))
 
-    def extract_features(self, prev_output_tokens: torch.Tensor, encoder_out=None,
-                         incremental_state: Optional[IncrementalState] = None) -> torch.Tensor:
+    def extract_features(
+        self, prev_output_tokens: torch.Tensor, encoder_out=None, incremental_state: Optional[IncrementalState] = None
+    ) -> torch.Tensor:
         """Outputs of the last convolution, [B, T, last dim]; with `incremental_state`, of the tokens past the
         cached ones only."""
         if encoder_out is not None:
-            raise ValueError("FConvDecoder is a language model's decoder and has no encoder attention; "
-                             "pass encoder_out=None")
+            raise ValueError(
+                "FConvDecoder is a language model's decoder and has no encoder attention; pass encoder_out=None"
+            )
         check_token_input(prev_output_tokens)
         histories = None
         tokens = prev_output_tokens
@@ -257,15 +299,16 @@ class FConvDecoder(FairseqIncrementalDecoder):
             entry = self._state_entry(incremental_state)
             start = entry["length"]
             if tokens.size(1) <= start:
-                raise ValueError(f"incremental decoding: {tokens.size(1)} tokens given but {start} are cached "
-                                 "already; pass the whole sequence so far plus at least one new token")
+                raise ValueError(
+                    f"incremental decoding: {tokens.size(1)} tokens given but {start} are cached "
+                    "already; pass the whole sequence so far plus at least one new token"
+                )
             tokens, histories = tokens[:, start:], entry["histories"]
             entry["length"] = prev_output_tokens.size(1)
         x = F.dropout(self.embed_tokens(tokens), self.dropout, self.training)
         x = self.fc1(x)
         outputs = [x]  # fc1's output, then every layer's: where residuals come from
-        for i, (projection, conv, residual_from) in enumerate(zip(self.projections, self.convolutions,
-                                                                  self.residuals)):
+        for i, (projection, conv, residual_from) in enumerate(zip(self.projections, self.convolutions, self.residuals)):
             residual = None
             if residual_from > 0:
                 residual = outputs[-residual_from]
@@ -290,9 +333,14 @@ class FConvDecoder(FairseqIncrementalDecoder):
         x = F.dropout(self.fc2(features), self.dropout, self.training)
         return self.fc3(x)
 
-    def forward(self, prev_output_tokens: torch.Tensor, encoder_out=None,
-                incremental_state: Optional[IncrementalState] = None, features_only: bool = False,
-                src_lengths: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, None]:
+    def forward(
+        self,
+        prev_output_tokens: torch.Tensor,
+        encoder_out=None,
+        incremental_state: Optional[IncrementalState] = None,
+        features_only: bool = False,
+        src_lengths: Optional[torch.Tensor] = None,
+    ) -> Tuple[torch.Tensor, None]:
         """Upstream's `(logits [B, T, V], attention)` (the features with `features_only`); the attention is
         None, as upstream's for a language model (no encoder to attend to)."""
         features = self.extract_features(prev_output_tokens, encoder_out, incremental_state)
@@ -311,8 +359,9 @@ class FConvDecoder(FairseqIncrementalDecoder):
             self.set_incremental_state(incremental_state, _STATE_KEY, entry)
         return entry
 
-    def reserve_incremental_state(self, incremental_state: IncrementalState, max_length: int,
-                                  max_batch: int = 0) -> None:
+    def reserve_incremental_state(
+        self, incremental_state: IncrementalState, max_length: int, max_batch: int = 0
+    ) -> None:
         """The caches have a fixed size (kernel - 1 inputs per layer), whatever the length: nothing to reserve.
         Having this method tells the generator that one call may take several new tokens (a whole prompt)."""
         self._state_entry(incremental_state)
@@ -322,8 +371,7 @@ class FConvDecoder(FairseqIncrementalDecoder):
         entry = self._state_entry(incremental_state)
         entry["histories"] = [h.index_select(0, new_order) if h is not None else None for h in entry["histories"]]
 
-    def reorder_incremental_state_scripting(self, incremental_state: IncrementalState,
-                                            new_order: torch.Tensor) -> None:
+    def reorder_incremental_state_scripting(self, incremental_state: IncrementalState, new_order: torch.Tensor) -> None:
         self.reorder_incremental_state(incremental_state, new_order)
 
 
@@ -346,22 +394,45 @@ class FConvLanguageModel(FairseqLanguageModel):
 
     @classmethod
     def build_model(cls, cfg, task) -> "FConvLanguageModel":
-        return cls.build(cfg, len(task.source_dictionary), task.source_dictionary.pad(),
-                         output_vocab_size=len(task.target_dictionary))
+        return cls.build(
+            cfg,
+            len(task.source_dictionary),
+            task.source_dictionary.pad(),
+            output_vocab_size=len(task.target_dictionary),
+        )
 
     @classmethod
-    def build(cls, cfg, vocab_size: int, padding_idx: int = 1,
-              output_vocab_size: Optional[int] = None) -> "FConvLanguageModel":
+    def build(
+        cls, cfg, vocab_size: int, padding_idx: int = 1, output_vocab_size: Optional[int] = None
+    ) -> "FConvLanguageModel":
         """Build from a config and a vocabulary size. Works under `with torch.device("meta"):`."""
         check_config(cfg)
-        cutoffs = (parse_cutoffs(cfg.adaptive_softmax_cutoff, "--adaptive-softmax-cutoff")
-                   if uses_adaptive_softmax(cfg) else None)
+        cutoffs = (
+            parse_cutoffs(cfg.adaptive_softmax_cutoff, "--adaptive-softmax-cutoff")
+            if uses_adaptive_softmax(cfg)
+            else None
+        )
         layers = parse_decoder_layers(cfg.decoder_layers)
-        return cls(FConvDecoder(vocab_size, padding_idx, cfg.decoder_embed_dim, layers, cfg.dropout, cutoffs,
-                                cfg.adaptive_softmax_dropout, output_vocab_size))
+        return cls(
+            FConvDecoder(
+                vocab_size,
+                padding_idx,
+                cfg.decoder_embed_dim,
+                layers,
+                cfg.dropout,
+                cutoffs,
+                cfg.adaptive_softmax_dropout,
+                output_vocab_size,
+            )
+        )
 
-    def forward(self, src_tokens: torch.Tensor, src_lengths: Optional[torch.Tensor] = None,
-                features_only: bool = False, incremental_state: Optional[dict] = None) -> Tuple[torch.Tensor, None]:
+    def forward(
+        self,
+        src_tokens: torch.Tensor,
+        src_lengths: Optional[torch.Tensor] = None,
+        features_only: bool = False,
+        incremental_state: Optional[dict] = None,
+    ) -> Tuple[torch.Tensor, None]:
         return self.decoder(src_tokens, incremental_state=incremental_state, features_only=features_only)
 
     def transformer_layers(self) -> nn.ModuleList:
@@ -390,29 +461,50 @@ class FConvLanguageModel(FairseqLanguageModel):
 
 @registry.register_model_architecture("fconv_lm", "fconv_lm")
 def base_lm_architecture(args) -> None:
-    fill_missing(args, dropout=0.1, decoder_embed_dim=128, decoder_layers="[(1268, 4)] * 13", decoder_attention="False",
-                 adaptive_softmax_cutoff=None, adaptive_softmax_dropout=0.0)
+    fill_missing(
+        args,
+        dropout=0.1,
+        decoder_embed_dim=128,
+        decoder_layers="[(1268, 4)] * 13",
+        decoder_attention="False",
+        adaptive_softmax_cutoff=None,
+        adaptive_softmax_dropout=0.0,
+    )
 
 
-WIKITEXT103_LAYERS = ("[(850, 6)] * 3 + [(850, 1)] * 1 + [(850, 5)] * 4 + [(850, 1)] * 1 + [(850, 4)] * 3"
-                      " + [(1024, 4)] * 1 + [(2048, 4)] * 1")
-GBW_LAYERS = ("[(512, 5)] + [(128, 1, 0), (128, 5, 0), (512, 1, 3)] * 3"
-              " + [(512, 1, 0), (512, 5, 0), (1024, 1, 3)] * 3"
-              " + [(1024, 1, 0), (1024, 5, 0), (2048, 1, 3)] * 6"
-              " + [(1024, 1, 0), (1024, 5, 0), (4096, 1, 3)]")
+WIKITEXT103_LAYERS = (
+    "[(850, 6)] * 3 + [(850, 1)] * 1 + [(850, 5)] * 4 + [(850, 1)] * 1 + [(850, 4)] * 3"
+    " + [(1024, 4)] * 1 + [(2048, 4)] * 1"
+)
+GBW_LAYERS = (
+    "[(512, 5)] + [(128, 1, 0), (128, 5, 0), (512, 1, 3)] * 3"
+    " + [(512, 1, 0), (512, 5, 0), (1024, 1, 3)] * 3"
+    " + [(1024, 1, 0), (1024, 5, 0), (2048, 1, 3)] * 6"
+    " + [(1024, 1, 0), (1024, 5, 0), (4096, 1, 3)]"
+)
 
 
 @registry.register_model_architecture("fconv_lm", "fconv_lm_dauphin_wikitext103")
 def fconv_lm_dauphin_wikitext103(args) -> None:
-    fill_missing(args, decoder_embed_dim=280, decoder_layers=WIKITEXT103_LAYERS, decoder_attention="False",
-                 adaptive_softmax_cutoff="10000,20000,200000")
+    fill_missing(
+        args,
+        decoder_embed_dim=280,
+        decoder_layers=WIKITEXT103_LAYERS,
+        decoder_attention="False",
+        adaptive_softmax_cutoff="10000,20000,200000",
+    )
     base_lm_architecture(args)
 
 
 @registry.register_model_architecture("fconv_lm", "fconv_lm_dauphin_gbw")
 def fconv_lm_dauphin_gbw(args) -> None:
-    fill_missing(args, decoder_embed_dim=128, decoder_layers=GBW_LAYERS, decoder_attention="False",
-                 adaptive_softmax_cutoff="10000,50000,200000")
+    fill_missing(
+        args,
+        decoder_embed_dim=128,
+        decoder_layers=GBW_LAYERS,
+        decoder_attention="False",
+        adaptive_softmax_cutoff="10000,50000,200000",
+    )
     base_lm_architecture(args)
 
 
@@ -441,7 +533,7 @@ def upgrade_state_dict(state_dict: dict, cfg=None) -> dict:
     version = out.get("decoder.version")
     if version is None or float(version.flatten()[0]) < 2:
         for key in [k for k in out if k.startswith("decoder.convolutions.") and k.endswith(".weight_g")]:
-            prefix = key[:-len("weight_g")]
+            prefix = key[: -len("weight_g")]
             g, v = out[key], out[prefix + "weight_v"]
             if tuple(g.shape) == (v.size(0), 1, 1):  # today's is (1, 1, channels), never that shape
                 weight = weight_normalized(g, v, dim=0)
@@ -452,8 +544,10 @@ def upgrade_state_dict(state_dict: dict, cfg=None) -> dict:
         values = cfg if isinstance(cfg, dict) else vars(cfg)
         constant = values.get("normalization_constant", 0.5)
         if constant is not None and float(constant) != 0.5:
-            raise ValueError(f"this fconv_lm checkpoint scales its residuals by sqrt({constant}) "
-                             "(--normalization-constant); only upstream's sqrt(0.5) is supported")
+            raise ValueError(
+                f"this fconv_lm checkpoint scales its residuals by sqrt({constant}) "
+                "(--normalization-constant); only upstream's sqrt(0.5) is supported"
+            )
         has_adaptive = any(k.startswith("decoder.adaptive_softmax.") for k in out)
         if has_adaptive:
             _set(cfg, "criterion", "adaptive_loss")

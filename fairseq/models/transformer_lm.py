@@ -67,11 +67,15 @@ class TransformerLanguageModelConfig:
     relu_dropout: float = opt(0.0, "old name of --activation-dropout, used when that is 0")
     decoder_embed_dim: int = opt(512, "decoder embedding dimension")
     decoder_output_dim: int = opt(
-        512, "decoder output dimension (the presets but bare transformer_lm default it to --decoder-embed-dim; "
-             "another value than the embed dim adds project_out_dim)")
+        512,
+        "decoder output dimension (the presets but bare transformer_lm default it to --decoder-embed-dim; "
+        "another value than the embed dim adds project_out_dim)",
+    )
     decoder_input_dim: int = opt(
-        512, "decoder input dimension (the presets but bare transformer_lm default it to --decoder-embed-dim; "
-             "another value than the embed dim adds project_in_dim)")
+        512,
+        "decoder input dimension (the presets but bare transformer_lm default it to --decoder-embed-dim; "
+        "another value than the embed dim adds project_in_dim)",
+    )
     decoder_ffn_embed_dim: int = opt(2048, "decoder embedding dimension for FFN")
     decoder_layers: int = opt(6, "number of decoder layers")
     decoder_attention_heads: int = opt(8, "number of decoder attention heads")
@@ -90,7 +94,8 @@ class TransformerLanguageModelConfig:
     tokens_per_sample: Optional[int] = II("task.tokens_per_sample")
     max_target_positions: Optional[int] = II("task.max_target_positions")
     adaptive_softmax_cutoff: Optional[str] = opt(
-        None, "comma separated list of adaptive softmax cutoffs, e.g. 20000,60000 (use with --criterion adaptive_loss)")
+        None, "comma separated list of adaptive softmax cutoffs, e.g. 20000,60000 (use with --criterion adaptive_loss)"
+    )
     adaptive_softmax_dropout: float = opt(0.0, "dropout of the adaptive softmax's input and tail projections")
     adaptive_softmax_factor: float = opt(4.0, "adaptive softmax: tail i projects to dim // factor**(i+1)")
     adaptive_input: bool = opt(False, "adaptive input embeddings (bands of the vocabulary at smaller widths)")
@@ -122,10 +127,16 @@ def check_config(cfg) -> None:
     for name, is_set, _ in _UNSUPPORTED:
         value = getattr(cfg, name, None)
         if value is not None and is_set(value):
-            raise ValueError(f"{flag_name(name)} {value!r} is not supported by this fairseq; "
-                             f"leave {flag_name(name)} at its default")
-    for name in ("decoder_embed_dim", "decoder_input_dim", "decoder_output_dim", "decoder_ffn_embed_dim",
-                 "decoder_attention_heads"):
+            raise ValueError(
+                f"{flag_name(name)} {value!r} is not supported by this fairseq; leave {flag_name(name)} at its default"
+            )
+    for name in (
+        "decoder_embed_dim",
+        "decoder_input_dim",
+        "decoder_output_dim",
+        "decoder_ffn_embed_dim",
+        "decoder_attention_heads",
+    ):
         if getattr(cfg, name) <= 0:
             raise ValueError(f"{flag_name(name)} must be positive, got {getattr(cfg, name)}")
     if cfg.decoder_layers < 0:
@@ -158,38 +169,58 @@ def check_adaptive_config(cfg) -> None:
         raise ValueError("--adaptive-input needs --adaptive-input-cutoff (e.g. 20000,60000)")
     if input_cutoffs is not None and not cfg.adaptive_input:
         logger.warning(f"--adaptive-input-cutoff {cfg.adaptive_input_cutoff} has no effect without --adaptive-input")
-    for name, used in (("adaptive_input_factor", cfg.adaptive_input),
-                       ("adaptive_softmax_factor", softmax_cutoffs is not None)):
+    for name, used in (
+        ("adaptive_input_factor", cfg.adaptive_input),
+        ("adaptive_softmax_factor", softmax_cutoffs is not None),
+    ):
         if used and getattr(cfg, name) <= 0:
             raise ValueError(f"{flag_name(name)} must be positive, got {getattr(cfg, name)}")
     if not 0.0 <= cfg.adaptive_softmax_dropout < 1.0:
         raise ValueError(f"--adaptive-softmax-dropout must be in [0, 1), got {cfg.adaptive_softmax_dropout}")
     if cfg.share_decoder_input_output_embed and (cfg.adaptive_input or softmax_cutoffs is not None):
-        raise ValueError("--share-decoder-input-output-embed shares a full embedding matrix, which adaptive input "
-                         "/ softmax do not have; use --tie-adaptive-weights (and --tie-adaptive-proj) instead")
+        raise ValueError(
+            "--share-decoder-input-output-embed shares a full embedding matrix, which adaptive input "
+            "/ softmax do not have; use --tie-adaptive-weights (and --tie-adaptive-proj) instead"
+        )
     if cfg.tie_adaptive_weights:
         if not cfg.adaptive_input or softmax_cutoffs is None:
             raise ValueError("--tie-adaptive-weights needs both --adaptive-input and --adaptive-softmax-cutoff")
         if input_cutoffs != softmax_cutoffs:
-            raise ValueError(f"--tie-adaptive-weights needs --adaptive-input-cutoff ({cfg.adaptive_input_cutoff}) "
-                             f"equal to --adaptive-softmax-cutoff ({cfg.adaptive_softmax_cutoff})")
+            raise ValueError(
+                f"--tie-adaptive-weights needs --adaptive-input-cutoff ({cfg.adaptive_input_cutoff}) "
+                f"equal to --adaptive-softmax-cutoff ({cfg.adaptive_softmax_cutoff})"
+            )
         if cfg.adaptive_input_factor != cfg.adaptive_softmax_factor:
-            raise ValueError(f"--tie-adaptive-weights needs --adaptive-input-factor ({cfg.adaptive_input_factor}) "
-                             f"equal to --adaptive-softmax-factor ({cfg.adaptive_softmax_factor})")
+            raise ValueError(
+                f"--tie-adaptive-weights needs --adaptive-input-factor ({cfg.adaptive_input_factor}) "
+                f"equal to --adaptive-softmax-factor ({cfg.adaptive_softmax_factor})"
+            )
         if cfg.decoder_input_dim != cfg.decoder_output_dim:
-            raise ValueError("--tie-adaptive-weights needs --decoder-input-dim == --decoder-output-dim "
-                             f"(got {cfg.decoder_input_dim} and {cfg.decoder_output_dim})")
+            raise ValueError(
+                "--tie-adaptive-weights needs --decoder-input-dim == --decoder-output-dim "
+                f"(got {cfg.decoder_input_dim} and {cfg.decoder_output_dim})"
+            )
         if cfg.decoder_output_dim != cfg.decoder_embed_dim:
             # The tails start from the adaptive input's projections, whose rows are the embed dim.
-            raise ValueError("--tie-adaptive-weights needs --decoder-output-dim == --decoder-embed-dim "
-                             f"(got {cfg.decoder_output_dim} and {cfg.decoder_embed_dim})")
+            raise ValueError(
+                "--tie-adaptive-weights needs --decoder-output-dim == --decoder-embed-dim "
+                f"(got {cfg.decoder_output_dim} and {cfg.decoder_embed_dim})"
+            )
     elif cfg.tie_adaptive_proj:
         logger.warning("--tie-adaptive-proj has no effect without --tie-adaptive-weights (as in upstream)")
 
 
 def _normformer(cfg) -> str:
-    flags = [flag for flag, on in (("--scale-attn", cfg.scale_attn), ("--scale-fc", cfg.scale_fc),
-                                   ("--scale-heads", cfg.scale_heads), ("--scale-resids", cfg.scale_resids)) if on]
+    flags = [
+        flag
+        for flag, on in (
+            ("--scale-attn", cfg.scale_attn),
+            ("--scale-fc", cfg.scale_fc),
+            ("--scale-heads", cfg.scale_heads),
+            ("--scale-resids", cfg.scale_resids),
+        )
+        if on
+    ]
     return f", NormFormer ({' '.join(flags)})" if flags else ""
 
 
@@ -212,12 +243,31 @@ class TransformerLanguageModel(FairseqLanguageModel):
     # checkpoint's config; several change no parameter shape, so the state dict alone would not tell). Tying
     # (--share-decoder-input-output-embed) may change with --reset-optimizer: the same weights, untied.
     architecture_options = (
-        "decoder_layers", "decoder_embed_dim", "decoder_input_dim", "decoder_output_dim", "decoder_ffn_embed_dim",
-        "decoder_attention_heads", "decoder_normalize_before", "no_decoder_final_norm",
-        "no_token_positional_embeddings", "decoder_learned_pos", "layernorm_embedding", "no_scale_embedding",
-        "activation_fn", "max_target_positions", "adaptive_input", "adaptive_input_factor", "adaptive_input_cutoff",
-        "adaptive_softmax_cutoff", "adaptive_softmax_factor", "tie_adaptive_weights", "tie_adaptive_proj",
-        "scale_fc", "scale_attn", "scale_heads", "scale_resids",
+        "decoder_layers",
+        "decoder_embed_dim",
+        "decoder_input_dim",
+        "decoder_output_dim",
+        "decoder_ffn_embed_dim",
+        "decoder_attention_heads",
+        "decoder_normalize_before",
+        "no_decoder_final_norm",
+        "no_token_positional_embeddings",
+        "decoder_learned_pos",
+        "layernorm_embedding",
+        "no_scale_embedding",
+        "activation_fn",
+        "max_target_positions",
+        "adaptive_input",
+        "adaptive_input_factor",
+        "adaptive_input_cutoff",
+        "adaptive_softmax_cutoff",
+        "adaptive_softmax_factor",
+        "tie_adaptive_weights",
+        "tie_adaptive_proj",
+        "scale_fc",
+        "scale_attn",
+        "scale_heads",
+        "scale_resids",
     )
 
     def __init__(self, decoder: TransformerDecoder):
@@ -229,17 +279,24 @@ class TransformerLanguageModel(FairseqLanguageModel):
 
     @classmethod
     def describe_config(cls, cfg) -> str:
-        positions = ("no positions" if cfg.no_token_positional_embeddings else
-                     f"{'learned' if cfg.decoder_learned_pos else 'sinusoidal'} positions "
-                     f"({resolve_max_target_positions(cfg)})")
+        positions = (
+            "no positions"
+            if cfg.no_token_positional_embeddings
+            else f"{'learned' if cfg.decoder_learned_pos else 'sinusoidal'} positions "
+            f"({resolve_max_target_positions(cfg)})"
+        )
         adaptive = (f", adaptive input {cfg.adaptive_input_cutoff}" if cfg.adaptive_input else "") + (
-            f", adaptive softmax {cfg.adaptive_softmax_cutoff}" if cfg.adaptive_softmax_cutoff else "")
-        return (f"{cfg.decoder_layers} layers, embed dim {cfg.decoder_embed_dim} (input {cfg.decoder_input_dim}, "
-                f"output {cfg.decoder_output_dim}), ffn {cfg.decoder_ffn_embed_dim}, "
-                f"{cfg.decoder_attention_heads} heads, {positions}, "
-                f"{'pre' if cfg.decoder_normalize_before else 'post'}-norm, {cfg.activation_fn}"
-                + (", shared input/output embeddings" if cfg.share_decoder_input_output_embed else "") + adaptive
-                + _normformer(cfg))
+            f", adaptive softmax {cfg.adaptive_softmax_cutoff}" if cfg.adaptive_softmax_cutoff else ""
+        )
+        return (
+            f"{cfg.decoder_layers} layers, embed dim {cfg.decoder_embed_dim} (input {cfg.decoder_input_dim}, "
+            f"output {cfg.decoder_output_dim}), ffn {cfg.decoder_ffn_embed_dim}, "
+            f"{cfg.decoder_attention_heads} heads, {positions}, "
+            f"{'pre' if cfg.decoder_normalize_before else 'post'}-norm, {cfg.activation_fn}"
+            + (", shared input/output embeddings" if cfg.share_decoder_input_output_embed else "")
+            + adaptive
+            + _normformer(cfg)
+        )
 
     @classmethod
     def config_notice(cls, cfg) -> str:
@@ -251,10 +308,12 @@ class TransformerLanguageModel(FairseqLanguageModel):
         if not sides:
             return ""
         dim = cfg.decoder_embed_dim
-        return (f"{'/'.join(sides)} dim{'s' if len(sides) > 1 else ''} 512 (upstream's default) with embed dim {dim}: "
-                f"adds project_{'/'.join({'input': 'in', 'output': 'out'}[side] for side in sides)}; pass "
-                f"{' '.join(f'--decoder-{side}-dim {dim}' for side in sides)} to drop "
-                f"{'them' if len(sides) > 1 else 'it'}")
+        return (
+            f"{'/'.join(sides)} dim{'s' if len(sides) > 1 else ''} 512 (upstream's default) with embed dim {dim}: "
+            f"adds project_{'/'.join({'input': 'in', 'output': 'out'}[side] for side in sides)}; pass "
+            f"{' '.join(f'--decoder-{side}-dim {dim}' for side in sides)} to drop "
+            f"{'them' if len(sides) > 1 else 'it'}"
+        )
 
     @classmethod
     def build_model(cls, cfg, task) -> "TransformerLanguageModel":
@@ -262,8 +321,9 @@ class TransformerLanguageModel(FairseqLanguageModel):
         return cls.build(cfg, len(dictionary), dictionary.pad(), output_vocab_size=len(task.target_dictionary))
 
     @classmethod
-    def build(cls, cfg, vocab_size: int, padding_idx: int = 1,
-              output_vocab_size: Optional[int] = None) -> "TransformerLanguageModel":
+    def build(
+        cls, cfg, vocab_size: int, padding_idx: int = 1, output_vocab_size: Optional[int] = None
+    ) -> "TransformerLanguageModel":
         """Build from a config and a vocabulary size. Works under `with torch.device("meta"):`.
 
         As upstream, an unset `cfg.max_target_positions` is filled in place from --tokens-per-sample, so
@@ -273,9 +333,14 @@ class TransformerLanguageModel(FairseqLanguageModel):
         cfg.max_target_positions = resolve_max_target_positions(cfg)
         return cls(TransformerDecoder(cfg, vocab_size, padding_idx, output_vocab_size))
 
-    def forward(self, src_tokens: torch.Tensor, src_lengths: Optional[torch.Tensor] = None,
-                features_only: bool = False, incremental_state: Optional[dict] = None,
-                return_all_hiddens: bool = False) -> Tuple[torch.Tensor, dict]:
+    def forward(
+        self,
+        src_tokens: torch.Tensor,
+        src_lengths: Optional[torch.Tensor] = None,
+        features_only: bool = False,
+        incremental_state: Optional[dict] = None,
+        return_all_hiddens: bool = False,
+    ) -> Tuple[torch.Tensor, dict]:
         """Upstream's `(logits [B, T, V], extra)` (the features with `features_only`); `extra` is
         `{"attn": [None], "inner_states": [...]}` (TransformerDecoder.extract_features says what they hold).
         `src_lengths` is accepted and unused.
@@ -284,8 +349,12 @@ class TransformerLanguageModel(FairseqLanguageModel):
         With `incremental_state` (a dict kept across calls) only the tokens past the cached ones are computed
         and their logits returned (see TransformerDecoder).
         """
-        return self.decoder(src_tokens, incremental_state=incremental_state, features_only=features_only,
-                            return_all_hiddens=return_all_hiddens)
+        return self.decoder(
+            src_tokens,
+            incremental_state=incremental_state,
+            features_only=features_only,
+            return_all_hiddens=return_all_hiddens,
+        )
 
     def reserve_incremental_state(self, incremental_state: dict, max_length: int, max_batch: int = 0) -> None:
         """Allocate the decoder's KV cache once, for up to `max_length` tokens of `max_batch` rows."""
@@ -316,11 +385,14 @@ class TransformerLanguageModel(FairseqLanguageModel):
     # Options that add parameters or a softmax the tensor-parallel plan does not split. (NormFormer's
     # --scale-attn is a norm of the sequence-split stream, in the plan; --scale-fc normalizes over the FFN dim,
     # which the plan splits, and the per-head / residual scales are parameters of the layer itself.)
-    TENSOR_PARALLEL_REFUSED = (("adaptive_input", "--adaptive-input"),
-                               ("adaptive_softmax_cutoff", "--adaptive-softmax-cutoff"),
-                               ("character_embeddings", "--character-embeddings"),
-                               ("scale_fc", "--scale-fc"), ("scale_heads", "--scale-heads"),
-                               ("scale_resids", "--scale-resids"))
+    TENSOR_PARALLEL_REFUSED = (
+        ("adaptive_input", "--adaptive-input"),
+        ("adaptive_softmax_cutoff", "--adaptive-softmax-cutoff"),
+        ("character_embeddings", "--character-embeddings"),
+        ("scale_fc", "--scale-fc"),
+        ("scale_heads", "--scale-heads"),
+        ("scale_resids", "--scale-resids"),
+    )
 
     @classmethod
     def tensor_parallel_sizes(cls, cfg) -> TensorParallelSizes:
@@ -337,12 +409,15 @@ class TransformerLanguageModel(FairseqLanguageModel):
         layers = decoder.layers
         last = len(layers) - 1
         return TensorParallelPlan(
-            styles, sequence_parallel=("decoder.layers.0", f"decoder.layers.{last}") if len(layers) else None,
+            styles,
+            sequence_parallel=("decoder.layers.0", f"decoder.layers.{last}") if len(layers) else None,
             heads=layers[0].self_attn.num_heads if len(layers) else 0,
             ffn=layers[0].fc1.out_features if len(layers) else 0,
-            vocab=decoder.embed_tokens.num_embeddings, output_vocab=decoder.output_projection.out_features,
+            vocab=decoder.embed_tokens.num_embeddings,
+            output_vocab=decoder.output_projection.out_features,
             description=f"{len(layers)} layers split (q/k/v/fc1 by columns, out_proj/fc2 by rows, norms "
-                        "sequence-parallel), vocabulary-parallel embedding and output")
+            "sequence-parallel), vocabulary-parallel embedding and output",
+        )
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -353,8 +428,10 @@ def _force(args, name: str, value) -> None:
     # Upstream sets a few values whatever the command line says; mirrored so that the same command
     # line builds the same model, but never silently.
     if hasattr(args, name) and getattr(args, name) != value:
-        logger.warning(f"{flag_name(name)} {getattr(args, name)!r} is overridden to {value!r} by the "
-                       f"architecture preset (as in upstream fairseq)")
+        logger.warning(
+            f"{flag_name(name)} {getattr(args, name)!r} is overridden to {value!r} by the "
+            f"architecture preset (as in upstream fairseq)"
+        )
     setattr(args, name, value)
 
 
@@ -366,37 +443,79 @@ def transformer_lm(args) -> None:
 
 
 def base_lm_architecture(args) -> None:
-    fill_missing(args, dropout=0.1, attention_dropout=0.0, decoder_embed_dim=512, decoder_ffn_embed_dim=2048,
-                 decoder_layers=6, decoder_attention_heads=8, adaptive_softmax_cutoff=None,
-                 adaptive_softmax_dropout=0.0,
-                 adaptive_softmax_factor=4.0, decoder_learned_pos=False, activation_fn="relu", decoder_layerdrop=0.0,
-                 decoder_layers_to_keep=None, quant_noise_pq=0.0, quant_noise_pq_block_size=8, quant_noise_scalar=0.0,
-                 base_layers=0, add_bos_token=False, no_token_positional_embeddings=False,
-                 share_decoder_input_output_embed=False, character_embeddings=False)
+    fill_missing(
+        args,
+        dropout=0.1,
+        attention_dropout=0.0,
+        decoder_embed_dim=512,
+        decoder_ffn_embed_dim=2048,
+        decoder_layers=6,
+        decoder_attention_heads=8,
+        adaptive_softmax_cutoff=None,
+        adaptive_softmax_dropout=0.0,
+        adaptive_softmax_factor=4.0,
+        decoder_learned_pos=False,
+        activation_fn="relu",
+        decoder_layerdrop=0.0,
+        decoder_layers_to_keep=None,
+        quant_noise_pq=0.0,
+        quant_noise_pq_block_size=8,
+        quant_noise_scalar=0.0,
+        base_layers=0,
+        add_bos_token=False,
+        no_token_positional_embeddings=False,
+        share_decoder_input_output_embed=False,
+        character_embeddings=False,
+    )
     fill_missing(args, decoder_output_dim=args.decoder_embed_dim, decoder_input_dim=args.decoder_embed_dim)
     _force(args, "decoder_normalize_before", True)  # upstream: "training is not stable without this"
-    fill_missing(args, no_decoder_final_norm=False, adaptive_input=False, adaptive_input_factor=4.0,
-                 adaptive_input_cutoff=None, tie_adaptive_weights=False, tie_adaptive_proj=False,
-                 no_scale_embedding=False, layernorm_embedding=False, checkpoint_activations=False,
-                 offload_activations=False, scale_fc=False, scale_attn=False, scale_heads=False, scale_resids=False)
+    fill_missing(
+        args,
+        no_decoder_final_norm=False,
+        adaptive_input=False,
+        adaptive_input_factor=4.0,
+        adaptive_input_cutoff=None,
+        tie_adaptive_weights=False,
+        tie_adaptive_proj=False,
+        no_scale_embedding=False,
+        layernorm_embedding=False,
+        checkpoint_activations=False,
+        offload_activations=False,
+        scale_fc=False,
+        scale_attn=False,
+        scale_heads=False,
+        scale_resids=False,
+    )
     if args.offload_activations:
         args.checkpoint_activations = True
 
 
 @registry.register_model_architecture("transformer_lm", "transformer_lm_big")
 def transformer_lm_big(args) -> None:
-    fill_missing(args, decoder_layers=12, decoder_embed_dim=1024, decoder_ffn_embed_dim=4096,
-                 decoder_attention_heads=16)
+    fill_missing(
+        args, decoder_layers=12, decoder_embed_dim=1024, decoder_ffn_embed_dim=4096, decoder_attention_heads=16
+    )
     base_lm_architecture(args)
 
 
 @registry.register_model_architecture("transformer_lm", "transformer_lm_wiki103")
 @registry.register_model_architecture("transformer_lm", "transformer_lm_baevski_wiki103")
 def transformer_lm_baevski_wiki103(args) -> None:
-    fill_missing(args, decoder_layers=16, decoder_attention_heads=8, dropout=0.3, adaptive_input=True,
-                 tie_adaptive_weights=True, adaptive_input_cutoff="20000,60000", adaptive_softmax_cutoff="20000,60000",
-                 adaptive_softmax_dropout=0.2, attention_dropout=0.1, activation_dropout=0.1,
-                 no_decoder_final_norm=True, tie_adaptive_proj=True)
+    fill_missing(
+        args,
+        decoder_layers=16,
+        decoder_attention_heads=8,
+        dropout=0.3,
+        adaptive_input=True,
+        tie_adaptive_weights=True,
+        adaptive_input_cutoff="20000,60000",
+        adaptive_softmax_cutoff="20000,60000",
+        adaptive_softmax_dropout=0.2,
+        attention_dropout=0.1,
+        activation_dropout=0.1,
+        no_decoder_final_norm=True,
+        tie_adaptive_proj=True,
+    )
     transformer_lm_big(args)
 
 
@@ -409,8 +528,16 @@ def transformer_lm_baevski_gbw(args) -> None:
 
 def _gpt_family(args, embed_dim: int, ffn_dim: int, layers: int, heads: int) -> None:
     # Upstream's GPT / GPT-2 presets differ only in these four numbers.
-    fill_missing(args, decoder_embed_dim=embed_dim, decoder_ffn_embed_dim=ffn_dim, decoder_layers=layers,
-                 decoder_attention_heads=heads, dropout=0.1, attention_dropout=0.1, activation_fn="gelu")
+    fill_missing(
+        args,
+        decoder_embed_dim=embed_dim,
+        decoder_ffn_embed_dim=ffn_dim,
+        decoder_layers=layers,
+        decoder_attention_heads=heads,
+        dropout=0.1,
+        attention_dropout=0.1,
+        activation_fn="gelu",
+    )
     base_lm_architecture(args)
 
 
@@ -428,8 +555,14 @@ _GPT_SIZES = {  # name: (embed dim, ffn dim, layers, heads)
 def base_gpt3_architecture(args) -> None:
     _force(args, "decoder_input_dim", args.decoder_embed_dim)
     _force(args, "decoder_output_dim", args.decoder_embed_dim)
-    fill_missing(args, decoder_ffn_embed_dim=args.decoder_embed_dim * 4, decoder_learned_pos=True, dropout=0.0,
-                 attention_dropout=0.0, activation_fn="gelu")
+    fill_missing(
+        args,
+        decoder_ffn_embed_dim=args.decoder_embed_dim * 4,
+        decoder_learned_pos=True,
+        dropout=0.0,
+        attention_dropout=0.0,
+        activation_fn="gelu",
+    )
     _force(args, "share_decoder_input_output_embed", True)
     base_lm_architecture(args)
 
@@ -450,12 +583,14 @@ _GPT3_SIZES = {  # name: (layers, embed dim, heads); _30 and _66 are OPT sizes u
 
 def _register_sized_presets():
     for arch, (embed_dim, ffn_dim, layers, heads) in _GPT_SIZES.items():
+
         def gpt_preset(args, _dims=(embed_dim, ffn_dim, layers, heads)):
             _gpt_family(args, *_dims)
 
         gpt_preset.__name__ = gpt_preset.__qualname__ = arch
         registry.register_model_architecture("transformer_lm", arch)(gpt_preset)
     for arch, (layers, embed_dim, heads) in _GPT3_SIZES.items():
+
         def gpt3_preset(args, _dims=(layers, embed_dim, heads)):
             fill_missing(args, decoder_layers=_dims[0], decoder_embed_dim=_dims[1], decoder_attention_heads=_dims[2])
             base_gpt3_architecture(args)
@@ -472,15 +607,31 @@ _register_sized_presets()
 # base_lm_architecture (pre-norm, sinusoidal positions). megatron_11b is upstream's 11B recipe (ffn 6 x d).
 @registry.register_model_architecture("transformer_lm", "transformer_lm_megatron")
 def transformer_lm_megatron(args) -> None:
-    fill_missing(args, decoder_embed_dim=3072, decoder_ffn_embed_dim=3072 * 4, decoder_layers=72,
-                 decoder_attention_heads=32, dropout=0.1, attention_dropout=0.1, activation_fn="gelu")
+    fill_missing(
+        args,
+        decoder_embed_dim=3072,
+        decoder_ffn_embed_dim=3072 * 4,
+        decoder_layers=72,
+        decoder_attention_heads=32,
+        dropout=0.1,
+        attention_dropout=0.1,
+        activation_fn="gelu",
+    )
     base_lm_architecture(args)
 
 
 @registry.register_model_architecture("transformer_lm", "transformer_lm_megatron_11b")
 def transformer_lm_megatron_11b(args) -> None:
-    fill_missing(args, decoder_embed_dim=3072, decoder_ffn_embed_dim=3072 * 6, decoder_layers=72,
-                 decoder_attention_heads=32, dropout=0.1, attention_dropout=0.1, activation_fn="gelu")
+    fill_missing(
+        args,
+        decoder_embed_dim=3072,
+        decoder_ffn_embed_dim=3072 * 6,
+        decoder_layers=72,
+        decoder_attention_heads=32,
+        dropout=0.1,
+        attention_dropout=0.1,
+        activation_fn="gelu",
+    )
     base_lm_architecture(args)
 
 

@@ -25,8 +25,11 @@ def parse_cutoffs(value: Union[str, int, Sequence[int], None], flag: str) -> Opt
     parsed = literal_or_none(value)
     if isinstance(parsed, int) and not isinstance(parsed, bool):
         parsed = [parsed]
-    if not isinstance(parsed, (list, tuple)) or not parsed or not all(
-            isinstance(c, int) and not isinstance(c, bool) for c in parsed):
+    if (
+        not isinstance(parsed, (list, tuple))
+        or not parsed
+        or not all(isinstance(c, int) and not isinstance(c, bool) for c in parsed)
+    ):
         raise ValueError(f"{flag} {value!r} is not a list of integers; pass it as {flag} 20000,60000")
     cutoffs = [int(c) for c in parsed]
     if cutoffs[0] <= 0 or any(b <= a for a, b in zip(cutoffs, cutoffs[1:])):
@@ -39,8 +42,10 @@ def band_edges(cutoffs: Sequence[int], vocab_size: int, flag: str) -> List[int]:
     and a last cutoff equal to it is allowed); a cutoff beyond the vocabulary is a ValueError naming `flag`."""
     cutoffs = list(cutoffs)
     if cutoffs[-1] > vocab_size:
-        raise ValueError(f"{flag} {','.join(map(str, cutoffs))}: the last cutoff is larger than the vocabulary "
-                         f"({vocab_size} symbols); pass cutoffs below the dictionary size")
+        raise ValueError(
+            f"{flag} {','.join(map(str, cutoffs))}: the last cutoff is larger than the vocabulary "
+            f"({vocab_size} symbols); pass cutoffs below the dictionary size"
+        )
     return cutoffs if cutoffs[-1] == vocab_size else cutoffs + [vocab_size]
 
 
@@ -49,23 +54,36 @@ def band_dims(initial_dim: int, factor: float, count: int, first_power: int, fla
     below 1 is a ValueError naming `flag` (the factor)."""
     dims = [int(initial_dim // factor ** (first_power + i)) for i in range(count)]
     if factor <= 0 or min(dims) < 1:
-        raise ValueError(f"{flag} {factor}: the bands' widths {dims} (dim // factor**i) must be at least 1; "
-                         "pass a smaller factor or fewer cutoffs")
+        raise ValueError(
+            f"{flag} {factor}: the bands' widths {dims} (dim // factor**i) must be at least 1; "
+            "pass a smaller factor or fewer cutoffs"
+        )
     return dims
 
 
 class AdaptiveInput(nn.Module):
     """Token ids [*] -> embeddings [*, output_dim]; `embedding_dim` is `output_dim`, as for nn.Embedding."""
 
-    def __init__(self, vocab_size: int, padding_idx: int, initial_dim: int, factor: float, output_dim: int,
-                 cutoff: List[int], q_noise: float = 0, qn_block_size: int = 8):
+    def __init__(
+        self,
+        vocab_size: int,
+        padding_idx: int,
+        initial_dim: int,
+        factor: float,
+        output_dim: int,
+        cutoff: List[int],
+        q_noise: float = 0,
+        qn_block_size: int = 8,
+    ):
         super().__init__()
         if q_noise:
             raise ValueError("--quant-noise-pq is not supported by this fairseq; leave it at 0")
         self.cutoff = band_edges(cutoff, vocab_size, "--adaptive-input-cutoff")
         if padding_idx is not None and padding_idx >= self.cutoff[0]:
-            raise ValueError(f"--adaptive-input-cutoff {','.join(map(str, cutoff))}: the first cutoff must be larger "
-                             f"than the padding index {padding_idx} (the first band holds the padding symbol)")
+            raise ValueError(
+                f"--adaptive-input-cutoff {','.join(map(str, cutoff))}: the first cutoff must be larger "
+                f"than the padding index {padding_idx} (the first band holds the padding symbol)"
+            )
         self.embedding_dim = output_dim
         self.padding_idx = padding_idx
         dims = band_dims(initial_dim, factor, len(self.cutoff), 0, "--adaptive-input-factor")
@@ -73,10 +91,11 @@ class AdaptiveInput(nn.Module):
         for i, dim in enumerate(dims):
             size = self.cutoff[i] - (self.cutoff[i - 1] if i > 0 else 0)
             # Only band 0 holds the padding symbol (its row gets no gradient), as upstream.
-            self.embeddings.append(nn.Sequential(
-                nn.Embedding(size, dim, padding_idx if i == 0 else None),
-                nn.Linear(dim, output_dim, bias=False),
-            ))
+            self.embeddings.append(
+                nn.Sequential(
+                    nn.Embedding(size, dim, padding_idx if i == 0 else None), nn.Linear(dim, output_dim, bias=False)
+                )
+            )
         # Unused here; kept so that the state dict has upstream's keys (and upstream can load ours).
         self.register_buffer("_float_tensor", torch.zeros(1))
         self.reset_parameters()

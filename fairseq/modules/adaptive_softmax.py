@@ -60,8 +60,18 @@ class TiedHeadModule(nn.Module):
 
 
 class AdaptiveSoftmax(nn.Module):
-    def __init__(self, vocab_size: int, input_dim: int, cutoff: List[int], dropout: float, factor: float = 4.0,
-                 adaptive_inputs=None, tie_proj: bool = False, q_noise: float = 0, qn_block_size: int = 8):
+    def __init__(
+        self,
+        vocab_size: int,
+        input_dim: int,
+        cutoff: List[int],
+        dropout: float,
+        factor: float = 4.0,
+        adaptive_inputs=None,
+        tie_proj: bool = False,
+        q_noise: float = 0,
+        qn_block_size: int = 8,
+    ):
         super().__init__()
         if q_noise:
             raise ValueError("--quant-noise-pq is not supported by this fairseq; leave it at 0")
@@ -73,8 +83,10 @@ class AdaptiveSoftmax(nn.Module):
         num_tails = len(self.cutoff) - 1
         if adaptive_inputs is not None:
             if len(adaptive_inputs.cutoff) != len(self.cutoff) or adaptive_inputs.cutoff != self.cutoff:
-                raise ValueError("--tie-adaptive-weights needs --adaptive-input-cutoff equal to "
-                                 "--adaptive-softmax-cutoff (the tied bands must be the same words)")
+                raise ValueError(
+                    "--tie-adaptive-weights needs --adaptive-input-cutoff equal to "
+                    "--adaptive-softmax-cutoff (the tied bands must be the same words)"
+                )
             self.head = TiedHeadModule(adaptive_inputs.weights_for_band(0), input_dim, num_tails)
         else:
             self.head = nn.Linear(input_dim, self.cutoff[0] + num_tails, bias=False)
@@ -84,8 +96,11 @@ class AdaptiveSoftmax(nn.Module):
             size = self.cutoff[i + 1] - self.cutoff[i]
             if adaptive_inputs is not None:
                 table, projection = adaptive_inputs.weights_for_band(i + 1)  # [size, d_i], [output_dim, d_i]
-                proj = (TiedLinear(projection, transpose=True) if tie_proj
-                        else nn.Linear(projection.size(0), projection.size(1), bias=False))
+                proj = (
+                    TiedLinear(projection, transpose=True)
+                    if tie_proj
+                    else nn.Linear(projection.size(0), projection.size(1), bias=False)
+                )
                 out_proj = TiedLinear(table, transpose=False)
             else:
                 proj = nn.Linear(input_dim, dim, bias=False)
@@ -144,7 +159,7 @@ class AdaptiveSoftmax(nn.Module):
         bsz, length, dim = input.size()
         x = input.reshape(-1, dim)
         head = F.log_softmax(_at_least_fp32(self.head(x)), dim=-1)
-        parts = [head[:, :self.cutoff[0]]]
+        parts = [head[:, : self.cutoff[0]]]
         for i, tail in enumerate(self.tail):
             cluster = head[:, self.cutoff[0] + i].unsqueeze(1)
             parts.append(F.log_softmax(_at_least_fp32(tail(x)), dim=-1) + cluster)
@@ -152,8 +167,10 @@ class AdaptiveSoftmax(nn.Module):
 
     def upgrade_state_dict_named(self, state_dict: dict, name: str) -> dict:
         if f"{name}.version" not in state_dict:
-            raise ValueError(f"{name}: this adaptive softmax predates upstream's version 1 (no {name}.version) "
-                             "and cannot be loaded, as in upstream fairseq")
+            raise ValueError(
+                f"{name}: this adaptive softmax predates upstream's version 1 (no {name}.version) "
+                "and cannot be loaded, as in upstream fairseq"
+            )
         return state_dict
 
     def tie_to(self, adaptive_inputs) -> None:
@@ -162,8 +179,12 @@ class AdaptiveSoftmax(nn.Module):
         pairs = []
         if isinstance(self.head, TiedHeadModule):
             word_proj = self.head.word_proj
-            pairs.append((word_proj[-1] if isinstance(word_proj, nn.Sequential) else word_proj,
-                          adaptive_inputs.weights_for_band(0)[0]))
+            pairs.append(
+                (
+                    word_proj[-1] if isinstance(word_proj, nn.Sequential) else word_proj,
+                    adaptive_inputs.weights_for_band(0)[0],
+                )
+            )
         for i, (proj, _, out_proj) in enumerate(self.tail):
             table, projection = adaptive_inputs.weights_for_band(i + 1)
             pairs += [(out_proj, table), (proj, projection)]

@@ -55,8 +55,10 @@ def _write_slot(buffer: torch.Tensor, slot: torch.Tensor, new: torch.Tensor) -> 
 
 def check_heads(embed_dim: int, num_heads: int, dim_name: str = "embed_dim", heads_name: str = "num_heads") -> None:
     if num_heads <= 0 or embed_dim % num_heads != 0:
-        raise ValueError(f"{dim_name} {embed_dim} is not divisible by {heads_name} {num_heads}; pick a head count "
-                         "that divides the embedding dim")
+        raise ValueError(
+            f"{dim_name} {embed_dim} is not divisible by {heads_name} {num_heads}; pick a head count "
+            "that divides the embedding dim"
+        )
 
 
 class AttentionProjections(nn.Module):
@@ -64,8 +66,15 @@ class AttentionProjections(nn.Module):
     `out_proj`; keys and values may come from inputs of other widths, `kdim` / `vdim`) and upstream's
     initialization; `dropout` is the attention probabilities' dropout."""
 
-    def __init__(self, embed_dim: int, num_heads: int, dropout: float = 0.0, bias: bool = True,
-                 kdim: Optional[int] = None, vdim: Optional[int] = None):
+    def __init__(
+        self,
+        embed_dim: int,
+        num_heads: int,
+        dropout: float = 0.0,
+        bias: bool = True,
+        kdim: Optional[int] = None,
+        vdim: Optional[int] = None,
+    ):
         super().__init__()
         check_heads(embed_dim, num_heads)
         self.embed_dim = embed_dim
@@ -127,8 +136,12 @@ class CausalSelfAttention(FairseqIncrementalState, AttentionProjections):
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         return self._split_heads(q), self._split_heads(k), self._split_heads(v)
 
-    def forward(self, x: torch.Tensor, incremental_state: Optional[IncrementalState] = None,
-                static_step: Optional[StaticStep] = None) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        incremental_state: Optional[IncrementalState] = None,
+        static_step: Optional[StaticStep] = None,
+    ) -> torch.Tensor:
         """Causal self-attention over x [B, T, C] -> [B, T, C]; with `incremental_state`, x holds the tokens
         that follow the cached ones; with `static_step` too, x [B, 1, C] is the token at `static_step.slot`."""
         if static_step is not None:
@@ -137,9 +150,7 @@ class CausalSelfAttention(FairseqIncrementalState, AttentionProjections):
             return self._forward_incremental(x, incremental_state)
         batch, length, _ = x.shape
         q, k, v = self._qkv(x)
-        attn = F.scaled_dot_product_attention(
-            q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True
-        )
+        attn = F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True)
         attn = attn.transpose(1, 2).reshape(batch, length, -1)  # -1: this rank's heads (see _split_heads)
         return self.out_proj(attn)
 
@@ -154,13 +165,20 @@ class CausalSelfAttention(FairseqIncrementalState, AttentionProjections):
             return True
         projections = (self.q_proj, self.k_proj, self.v_proj)
         params = [p for proj in projections for p in proj.parameters(recurse=False)]
-        if (any(type(proj) is not nn.Linear for proj in projections)
-                or any(type(p.data) is not torch.Tensor for p in params)
-                or len({(p.dtype, p.device) for p in params}) != 1):
+        if (
+            any(type(proj) is not nn.Linear for proj in projections)
+            or any(type(p.data) is not torch.Tensor for p in params)
+            or len({(p.dtype, p.device) for p in params}) != 1
+        ):
             return False
         weight = self.q_proj.weight
-        fused = nn.Linear(weight.size(1), 3 * weight.size(0), bias=self.q_proj.bias is not None,
-                          device=weight.device, dtype=weight.dtype)
+        fused = nn.Linear(
+            weight.size(1),
+            3 * weight.size(0),
+            bias=self.q_proj.bias is not None,
+            device=weight.device,
+            dtype=weight.dtype,
+        )
         with torch.no_grad():
             fused.weight.copy_(torch.cat([proj.weight for proj in projections]))
             if fused.bias is not None:
@@ -191,8 +209,9 @@ class CausalSelfAttention(FairseqIncrementalState, AttentionProjections):
             self.set_incremental_state(incremental_state, _CACHE_KEY, entry)
         return entry
 
-    def reserve_incremental_state(self, incremental_state: IncrementalState, max_length: int,
-                                  max_batch: int = 0) -> None:
+    def reserve_incremental_state(
+        self, incremental_state: IncrementalState, max_length: int, max_batch: int = 0
+    ) -> None:
         """Say how many tokens (and batch rows) this state will hold, so the cache is allocated once."""
         entry = self._cache_entry(incremental_state)
         entry["reserved"] = (max(entry["reserved"][0], max_batch), max(entry["reserved"][1], max_length))
@@ -242,12 +261,14 @@ class CausalSelfAttention(FairseqIncrementalState, AttentionProjections):
         self._ensure_capacity(entry, rows, entry["length"], like)
         capacity = entry["key_buffer"].size(2)
         if capacity == 0:
-            raise ValueError("a static decode step needs a cache: call reserve_incremental_state(state, max_length, "
-                             "max_batch) first")
+            raise ValueError(
+                "a static decode step needs a cache: call reserve_incremental_state(state, max_length, max_batch) first"
+            )
         return capacity
 
-    def _forward_static_step(self, x: torch.Tensor, incremental_state: IncrementalState,
-                             step: StaticStep) -> torch.Tensor:
+    def _forward_static_step(
+        self, x: torch.Tensor, incremental_state: IncrementalState, step: StaticStep
+    ) -> torch.Tensor:
         batch, length, _ = x.shape
         entry = self._cache_entry(incremental_state)
         keys, values = entry["key_buffer"][:batch], entry["value_buffer"][:batch]
@@ -264,21 +285,23 @@ class CausalSelfAttention(FairseqIncrementalState, AttentionProjections):
         attn = attn.transpose(1, 2).reshape(batch, length, -1)
         return self.out_proj(attn)
 
-    def copy_incremental_rows(self, incremental_state: IncrementalState, source_state: IncrementalState,
-                              rows: torch.Tensor, length: int) -> None:
+    def copy_incremental_rows(
+        self, incremental_state: IncrementalState, source_state: IncrementalState, rows: torch.Tensor, length: int
+    ) -> None:
         """Cache rows `rows` (a long tensor) take the first `length` slots of `source_state`'s rows 0, 1, ...:
         a prompt prefilled in a state of its own joins a running batch's caches."""
         entry, source = self._cache_entry(incremental_state), self._cache_entry(source_state)
         self._ensure_capacity(entry, int(rows.max()) + 1, length, source["key_buffer"])
         for name in ("key_buffer", "value_buffer"):
-            entry[name][rows, :, :length] = source[name][:rows.numel(), :, :length]
+            entry[name][rows, :, :length] = source[name][: rows.numel(), :, :length]
 
     def set_incremental_length(self, incremental_state: IncrementalState, length: int) -> None:
         """Say that `length` tokens are cached: after static steps, or 0 to reuse the buffers for new text."""
         self._cache_entry(incremental_state)["length"] = length
 
-    def reorder_incremental_state(self, incremental_state: IncrementalState, new_order: torch.Tensor,
-                                  window: Optional[int] = None):
+    def reorder_incremental_state(
+        self, incremental_state: IncrementalState, new_order: torch.Tensor, window: Optional[int] = None
+    ):
         """Row i of the cache continues row `new_order[i]` (beams reordered, finished sentences dropped).
 
         Done in place in the allocated buffers: only the filled part is copied, or with `window` the first

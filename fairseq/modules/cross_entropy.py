@@ -5,7 +5,8 @@ import torch
 import torch.nn.functional as F
 
 
-def cross_entropy(logits: torch.Tensor, target: torch.Tensor, ignore_index: int = -100,
-                  reduction: str = "mean") -> torch.Tensor:
+def cross_entropy(
+    logits: torch.Tensor, target: torch.Tensor, ignore_index: int = -100, reduction: str = "mean"
+) -> torch.Tensor:
     lprobs = F.log_softmax(logits, dim=-1, dtype=torch.float32)
     return F.nll_loss(lprobs, target, ignore_index=ignore_index, reduction=reduction)

@@ -24,8 +24,9 @@ class FairseqDropout(nn.Module):
             return F.dropout(x, p=self.p, training=True, inplace=inplace)
         return x
 
-    def make_generation_fast_(self, name: str, retain_dropout: bool = False,
-                              retain_dropout_modules: Optional[List[str]] = None, **kwargs) -> None:
+    def make_generation_fast_(
+        self, name: str, retain_dropout: bool = False, retain_dropout_modules: Optional[List[str]] = None, **kwargs
+    ) -> None:
         if not retain_dropout:
             return
         if retain_dropout_modules is None or self.module_name in retain_dropout_modules:

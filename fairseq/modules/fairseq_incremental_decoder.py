@@ -22,20 +22,32 @@ def check_token_input(tokens: Tensor) -> None:
     not an error about a reshape deep inside (a shape check: no host sync)."""
     if tokens.dim() != 2 or tokens.numel() == 0:
         what = "empty" if tokens.numel() == 0 else f"{tokens.dim()}-D"
-        raise ValueError(f"the model's input tokens are {what} (shape {list(tokens.shape)}): pass ids of shape "
-                         "[batch, length] with at least one sentence of at least one token")
+        raise ValueError(
+            f"the model's input tokens are {what} (shape {list(tokens.shape)}): pass ids of shape "
+            "[batch, length] with at least one sentence of at least one token"
+        )
 
 
 class FairseqIncrementalDecoder(FairseqIncrementalState, FairseqDecoder):
     def __init__(self, dictionary):
         super().__init__(dictionary)
 
-    def forward(self, prev_output_tokens: Tensor, encoder_out=None,
-                incremental_state: Optional[IncrementalState] = None, **kwargs):
+    def forward(
+        self,
+        prev_output_tokens: Tensor,
+        encoder_out=None,
+        incremental_state: Optional[IncrementalState] = None,
+        **kwargs,
+    ):
         raise NotImplementedError(f"{type(self).__name__} must implement forward")
 
-    def extract_features(self, prev_output_tokens: Tensor, encoder_out=None,
-                         incremental_state: Optional[IncrementalState] = None, **kwargs):
+    def extract_features(
+        self,
+        prev_output_tokens: Tensor,
+        encoder_out=None,
+        incremental_state: Optional[IncrementalState] = None,
+        **kwargs,
+    ):
         raise NotImplementedError(f"{type(self).__name__} must implement extract_features")
 
     def reorder_incremental_state(self, incremental_state: IncrementalState, new_order: Tensor):

@@ -38,8 +38,9 @@ def weight_normalized(weight_g: torch.Tensor, weight_v: torch.Tensor, dim: int) 
     return (v * (weight_g.float() / norm_except_dim(v, dim))).to(weight_v.dtype)
 
 
-def _init_weight_norm_(weight_g: nn.Parameter, weight_v: nn.Parameter, bias: nn.Parameter, std: float,
-                       dim: int) -> None:
+def _init_weight_norm_(
+    weight_g: nn.Parameter, weight_v: nn.Parameter, bias: nn.Parameter, std: float, dim: int
+) -> None:
     # Whole-tensor ops, so that it also initializes FSDP2's sharded parameters (DTensors, after a meta-device
     # build) in place. A convolution's norm spans the kernel dim, which FSDP2 shards: the value is a pending
     # reduction that an in-place copy will not redistribute, so it is brought to weight_g's placement first.
@@ -123,8 +124,7 @@ class GatedCausalConv(nn.Module):
             return None
         if history is None:
             history = x.new_zeros(x.size(0), self.kernel_size - 1, x.size(2))
-        return torch.cat([history.to(x.dtype), x], dim=1)[:, -(self.kernel_size - 1):]
+        return torch.cat([history.to(x.dtype), x], dim=1)[:, -(self.kernel_size - 1) :]
 
     def extra_repr(self) -> str:
-        return (f"{self.in_channels}, {self.out_channels}, kernel_size={self.kernel_size}, "
-                f"dropout={self.dropout}")
+        return f"{self.in_channels}, {self.out_channels}, kernel_size={self.kernel_size}, dropout={self.dropout}"

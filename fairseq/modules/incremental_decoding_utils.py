@@ -29,15 +29,17 @@ class FairseqIncrementalState(object):
     def _get_full_incremental_state_key(self, key: str) -> str:
         return f"{self._incremental_state_id}.{key}"
 
-    def get_incremental_state(self, incremental_state: Optional[IncrementalState],
-                              key: str) -> Optional[Dict[str, Optional[Tensor]]]:
+    def get_incremental_state(
+        self, incremental_state: Optional[IncrementalState], key: str
+    ) -> Optional[Dict[str, Optional[Tensor]]]:
         """This module's entry `key`, or None when there is none (or no state at all)."""
         if incremental_state is None:
             return None
         return incremental_state.get(self._get_full_incremental_state_key(key))
 
-    def set_incremental_state(self, incremental_state: Optional[IncrementalState], key: str,
-                              value: Dict[str, Optional[Tensor]]) -> Optional[IncrementalState]:
+    def set_incremental_state(
+        self, incremental_state: Optional[IncrementalState], key: str, value: Dict[str, Optional[Tensor]]
+    ) -> Optional[IncrementalState]:
         """Store this module's entry `key` (a no-op without a state); returns the state."""
         if incremental_state is not None:
             incremental_state[self._get_full_incremental_state_key(key)] = value

@@ -28,8 +28,9 @@ def make_positions(tokens: torch.Tensor, padding_idx: int) -> torch.Tensor:
     return torch.cumsum(not_pad, dim=1) * not_pad + padding_idx
 
 
-def sinusoidal_table(num_embeddings: int, embedding_dim: int, padding_idx: Optional[int] = None,
-                     device=None) -> torch.Tensor:
+def sinusoidal_table(
+    num_embeddings: int, embedding_dim: int, padding_idx: Optional[int] = None, device=None
+) -> torch.Tensor:
     """Upstream's sinusoidal table [num_embeddings, embedding_dim] (float32).
 
     Row p is [sin(p * f_0) .. sin(p * f_{h-1}), cos(p * f_0) .. cos(p * f_{h-1})] with h = dim // 2 and
@@ -78,8 +79,9 @@ class LearnedPositionalEmbedding(nn.Embedding):
                 "lower --tokens-per-sample or build the model with a larger --max-target-positions"
             )
 
-    def forward(self, tokens: torch.Tensor, incremental_state: Optional[dict] = None,
-                positions: Optional[Tensor] = None) -> torch.Tensor:
+    def forward(
+        self, tokens: torch.Tensor, incremental_state: Optional[dict] = None, positions: Optional[Tensor] = None
+    ) -> torch.Tensor:
         if positions is not None:
             return F.embedding(positions, self.weight, self.padding_idx)
         if incremental_state is not None:
@@ -91,7 +93,7 @@ class LearnedPositionalEmbedding(nn.Embedding):
         """[length, dim]: the positions of tokens start .. start + length - 1 of an unpadded sequence."""
         self._check_length(start + length)
         first = self.padding_idx + 1 + start
-        return self.weight[first:first + length]
+        return self.weight[first : first + length]
 
     def embed_slots(self, slots: torch.Tensor) -> torch.Tensor:
         """[n, dim]: the positions of tokens at indices `slots` (a long tensor) of an unpadded sequence. Not
@@ -118,12 +120,14 @@ class SinusoidalPositionalEmbedding(nn.Module):
 
     def reset_parameters(self):
         with torch.no_grad():
-            self.table.copy_(sinusoidal_table(self.init_size, self.embedding_dim, self.padding_idx,
-                                              device=self.table.device))
+            self.table.copy_(
+                sinusoidal_table(self.init_size, self.embedding_dim, self.padding_idx, device=self.table.device)
+            )
             self._float_tensor.zero_()
 
-    def forward(self, tokens: torch.Tensor, incremental_state: Optional[dict] = None,
-                positions: Optional[Tensor] = None) -> torch.Tensor:
+    def forward(
+        self, tokens: torch.Tensor, incremental_state: Optional[dict] = None, positions: Optional[Tensor] = None
+    ) -> torch.Tensor:
         if incremental_state is not None and positions is None:
             return _last_position(self, tokens)
         table = self.table
@@ -131,8 +135,9 @@ class SinusoidalPositionalEmbedding(nn.Module):
         if positions is not None:
             rows_needed = max(rows_needed, int(positions.max()) + 1)
         if rows_needed > table.size(0):  # longer than the precomputed table: compute a bigger one
-            table = sinusoidal_table(rows_needed, self.embedding_dim, self.padding_idx,
-                                     device=tokens.device).to(table.dtype)
+            table = sinusoidal_table(rows_needed, self.embedding_dim, self.padding_idx, device=tokens.device).to(
+                table.dtype
+            )
         if positions is None:
             positions = make_positions(tokens, self.padding_idx)
         return F.embedding(positions, table)
@@ -143,9 +148,10 @@ class SinusoidalPositionalEmbedding(nn.Module):
         if first + length > self.table.size(0):
             # Decoding past the table: keep a larger one (doubling), so later steps slice it again.
             rows = max(first + length, 2 * self.table.size(0))
-            self.table = sinusoidal_table(rows, self.embedding_dim, self.padding_idx,
-                                          device=self.table.device).to(self.table.dtype)
-        return self.table[first:first + length]
+            self.table = sinusoidal_table(rows, self.embedding_dim, self.padding_idx, device=self.table.device).to(
+                self.table.dtype
+            )
+        return self.table[first : first + length]
 
     def embed_slots(self, slots: torch.Tensor) -> torch.Tensor:
         """[n, dim]: the positions of tokens at indices `slots` (a long tensor) of an unpadded sequence. The table

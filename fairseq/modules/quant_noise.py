@@ -6,5 +6,7 @@ back unchanged; p > 0 is refused."""
 def quant_noise(module, p: float, block_size: int):
     if p <= 0:
         return module
-    raise ValueError(f"quant_noise(p={p}): quantization noise (iterative product quantization) is not part of this "
-                     "fairseq fork; pass p=0 (upstream's default)")
+    raise ValueError(
+        f"quant_noise(p={p}): quantization noise (iterative product quantization) is not part of this "
+        "fairseq fork; pass p=0 (upstream's default)"
+    )

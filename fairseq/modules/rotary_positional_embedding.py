@@ -39,6 +39,6 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 def apply_rotary_pos_emb(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, offset: int = 0):
     """Rotate q and k (time first) by the tables' rows offset .. offset + T - 1."""
-    cos = cos[offset:offset + q.shape[0], ...]
-    sin = sin[offset:offset + q.shape[0], ...]
+    cos = cos[offset : offset + q.shape[0], ...]
+    sin = sin[offset : offset + q.shape[0], ...]
     return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin

@@ -66,7 +66,11 @@ class TransformerDecoder(FairseqIncrementalDecoder):
 
         if cfg.adaptive_input:  # bands of --decoder-input-dim // factor**i, each projected to the embed dim
             self.embed_tokens = AdaptiveInput(
-                vocab_size, padding_idx, cfg.decoder_input_dim, cfg.adaptive_input_factor, self.embed_dim,
+                vocab_size,
+                padding_idx,
+                cfg.decoder_input_dim,
+                cfg.adaptive_input_factor,
+                self.embed_dim,
                 parse_cutoffs(cfg.adaptive_input_cutoff, "--adaptive-input-cutoff"),
             )
         else:
@@ -74,12 +78,15 @@ class TransformerDecoder(FairseqIncrementalDecoder):
         self.input_embed_dim = self.embed_tokens.embedding_dim
         self.project_in_dim = (
             nn.Linear(self.input_embed_dim, self.embed_dim, bias=False)
-            if self.input_embed_dim != self.embed_dim else None
+            if self.input_embed_dim != self.embed_dim
+            else None
         )
         self.embed_positions = (
-            build_positional_embedding(self.max_target_positions, self.embed_dim, padding_idx,
-                                       learned=cfg.decoder_learned_pos)
-            if not cfg.no_token_positional_embeddings else None
+            build_positional_embedding(
+                self.max_target_positions, self.embed_dim, padding_idx, learned=cfg.decoder_learned_pos
+            )
+            if not cfg.no_token_positional_embeddings
+            else None
         )
         self.layernorm_embedding = nn.LayerNorm(self.embed_dim) if cfg.layernorm_embedding else None
 
@@ -87,32 +94,45 @@ class TransformerDecoder(FairseqIncrementalDecoder):
         activation_dropout = cfg.activation_dropout or cfg.relu_dropout or 0.0
         self.layers = nn.ModuleList(
             TransformerDecoderLayer(
-                self.embed_dim, cfg.decoder_attention_heads, cfg.decoder_ffn_embed_dim,
-                dropout=cfg.dropout, attention_dropout=cfg.attention_dropout,
-                activation_dropout=activation_dropout, activation_fn=cfg.activation_fn,
-                normalize_before=cfg.decoder_normalize_before, scale_attn=cfg.scale_attn, scale_fc=cfg.scale_fc,
-                scale_heads=cfg.scale_heads, scale_resids=cfg.scale_resids,
+                self.embed_dim,
+                cfg.decoder_attention_heads,
+                cfg.decoder_ffn_embed_dim,
+                dropout=cfg.dropout,
+                attention_dropout=cfg.attention_dropout,
+                activation_dropout=activation_dropout,
+                activation_fn=cfg.activation_fn,
+                normalize_before=cfg.decoder_normalize_before,
+                scale_attn=cfg.scale_attn,
+                scale_fc=cfg.scale_fc,
+                scale_heads=cfg.scale_heads,
+                scale_resids=cfg.scale_resids,
             )
             for _ in range(cfg.decoder_layers)
         )
         self.layer_norm = (
-            nn.LayerNorm(self.embed_dim)
-            if cfg.decoder_normalize_before and not cfg.no_decoder_final_norm else None
+            nn.LayerNorm(self.embed_dim) if cfg.decoder_normalize_before and not cfg.no_decoder_final_norm else None
         )
         self.project_out_dim = (
             nn.Linear(self.embed_dim, self.output_embed_dim, bias=False)
-            if self.embed_dim != self.output_embed_dim else None
+            if self.embed_dim != self.output_embed_dim
+            else None
         )
         self.adaptive_softmax = None
         out_size = vocab_size if output_vocab_size is None else output_vocab_size
         if cfg.adaptive_softmax_cutoff is not None:
             cutoffs = parse_cutoffs(cfg.adaptive_softmax_cutoff, "--adaptive-softmax-cutoff")
             if cutoffs[0] <= padding_idx:
-                raise ValueError(f"--adaptive-softmax-cutoff {cfg.adaptive_softmax_cutoff}: the first cutoff must be "
-                                 f"larger than the padding index {padding_idx} (the head holds the padding symbol)")
+                raise ValueError(
+                    f"--adaptive-softmax-cutoff {cfg.adaptive_softmax_cutoff}: the first cutoff must be "
+                    f"larger than the padding index {padding_idx} (the head holds the padding symbol)"
+                )
             self.adaptive_softmax = AdaptiveSoftmax(
-                out_size, self.output_embed_dim, cutoffs, cfg.adaptive_softmax_dropout,
-                factor=cfg.adaptive_softmax_factor, tie_proj=cfg.tie_adaptive_proj,
+                out_size,
+                self.output_embed_dim,
+                cutoffs,
+                cfg.adaptive_softmax_dropout,
+                factor=cfg.adaptive_softmax_factor,
+                tie_proj=cfg.tie_adaptive_proj,
                 adaptive_inputs=self.embed_tokens if cfg.tie_adaptive_weights else None,
             )
             self.output_projection = None
@@ -175,8 +195,10 @@ class TransformerDecoder(FairseqIncrementalDecoder):
                 styles[name] = "replicate"
         for index, layer in enumerate(self.layers):
             if type(layer) is not TransformerDecoderLayer:
-                raise TypeError(f"decoder layer {index} is a {type(layer).__name__}: the tensor-parallel plan covers "
-                                "TransformerDecoderLayer (apply it before checkpointing, compile and FSDP)")
+                raise TypeError(
+                    f"decoder layer {index} is a {type(layer).__name__}: the tensor-parallel plan covers "
+                    "TransformerDecoderLayer (apply it before checkpointing, compile and FSDP)"
+                )
             styles.update({f"layers.{index}.{path}": style for path, style in layer.tensor_parallel_styles().items()})
         return styles
 
@@ -185,8 +207,9 @@ class TransformerDecoder(FairseqIncrementalDecoder):
             return self.max_target_positions
         return min(self.max_target_positions, self.embed_positions.max_positions)
 
-    def embed(self, tokens: torch.Tensor, start: Optional[int] = None,
-              slot: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def embed(
+        self, tokens: torch.Tensor, start: Optional[int] = None, slot: Optional[torch.Tensor] = None
+    ) -> torch.Tensor:
         """Scaled token embeddings plus positions, [B, T] -> [B, T, embed_dim], before the layers.
 
         `start`: the tokens follow `start` cached ones (incremental decoding), positions continue from there;
@@ -207,9 +230,13 @@ class TransformerDecoder(FairseqIncrementalDecoder):
             x = self.layernorm_embedding(x)
         return F.dropout(x, self.dropout, self.training)
 
-    def extract_features(self, prev_output_tokens: torch.Tensor, encoder_out=None,
-                         incremental_state: Optional[IncrementalState] = None,
-                         return_all_hiddens: bool = False) -> Tuple[torch.Tensor, dict]:
+    def extract_features(
+        self,
+        prev_output_tokens: torch.Tensor,
+        encoder_out=None,
+        incremental_state: Optional[IncrementalState] = None,
+        return_all_hiddens: bool = False,
+    ) -> Tuple[torch.Tensor, dict]:
         """(hidden states after the last layer and the final norm / output-dim projection [B, T, output_dim],
         extra) as upstream; with `incremental_state`, of the tokens past the cached ones only. `extra`:
         "attn": [None] (SDPA computes no attention weights), "inner_states": the last layer's output before the
@@ -241,16 +268,23 @@ class TransformerDecoder(FairseqIncrementalDecoder):
         entry = self._decoder_entry(incremental_state)
         start = entry["length"]
         if tokens.size(1) <= start:
-            raise ValueError(f"incremental decoding: {tokens.size(1)} tokens given but {start} are cached already; "
-                             "pass the whole sequence so far plus at least one new token")
+            raise ValueError(
+                f"incremental decoding: {tokens.size(1)} tokens given but {start} are cached already; "
+                "pass the whole sequence so far plus at least one new token"
+            )
         x = self.embed(tokens[:, start:], start=start)
         for layer in self.layers:
             x = layer(x, incremental_state=incremental_state)
         entry["length"] = tokens.size(1)
         return x
 
-    def forward_static_step(self, tokens: torch.Tensor, slot: torch.Tensor,
-                            incremental_state: IncrementalState, window: Optional[int] = None) -> torch.Tensor:
+    def forward_static_step(
+        self,
+        tokens: torch.Tensor,
+        slot: torch.Tensor,
+        incremental_state: IncrementalState,
+        window: Optional[int] = None,
+    ) -> torch.Tensor:
         """Logits [R, 1, V] of `tokens` [R, 1], the tokens at index `slot` (a long tensor on the model's device, [1], or
         [R, 1]: one index per row) of R sequences whose first `slot` tokens are cached in `incremental_state`: the same
         logits as `self(prefix, incremental_state=state)` would give, from shapes and kernels that do not depend on
@@ -265,8 +299,10 @@ class TransformerDecoder(FairseqIncrementalDecoder):
         attentions = self._decoder_entry(incremental_state)["attentions"]
         capacities = {a.static_step_capacity(incremental_state, tokens.size(0), x) for a in attentions}
         if len(capacities) > 1:
-            raise ValueError(f"the layers' caches have different capacities {sorted(capacities)}; reserve them "
-                             "together with reserve_incremental_state")
+            raise ValueError(
+                f"the layers' caches have different capacities {sorted(capacities)}; reserve them "
+                "together with reserve_incremental_state"
+            )
         step = None
         if capacities:
             capacity = capacities.pop()
@@ -300,14 +336,18 @@ class TransformerDecoder(FairseqIncrementalDecoder):
         logits = net_output[0] if isinstance(net_output, (tuple, list)) else net_output
         return F.log_softmax(logits.float(), dim=-1) if log_probs else F.softmax(logits.float(), dim=-1)
 
-    def forward(self, prev_output_tokens: torch.Tensor, encoder_out=None,
-                incremental_state: Optional[IncrementalState] = None, features_only: bool = False,
-                src_lengths: Optional[torch.Tensor] = None,
-                return_all_hiddens: bool = False) -> Tuple[torch.Tensor, dict]:
+    def forward(
+        self,
+        prev_output_tokens: torch.Tensor,
+        encoder_out=None,
+        incremental_state: Optional[IncrementalState] = None,
+        features_only: bool = False,
+        src_lengths: Optional[torch.Tensor] = None,
+        return_all_hiddens: bool = False,
+    ) -> Tuple[torch.Tensor, dict]:
         """Upstream's `(logits [B, T, V], extra)` (the features with `features_only`); `extra` as in
         `extract_features`. `src_lengths` is accepted for upstream callers and unused."""
-        features, extra = self.extract_features(prev_output_tokens, encoder_out, incremental_state,
-                                                return_all_hiddens)
+        features, extra = self.extract_features(prev_output_tokens, encoder_out, incremental_state, return_all_hiddens)
         return (features if features_only else self.output_layer(features)), extra
 
     # ---- incremental state ------------------------------------------------------------------------------
@@ -324,8 +364,9 @@ class TransformerDecoder(FairseqIncrementalDecoder):
     def _attention_modules(self):
         return [m for m in self.modules() if isinstance(m, CausalSelfAttention)]
 
-    def reserve_incremental_state(self, incremental_state: IncrementalState, max_length: int,
-                                  max_batch: int = 0) -> None:
+    def reserve_incremental_state(
+        self, incremental_state: IncrementalState, max_length: int, max_batch: int = 0
+    ) -> None:
         """Say, before the first call, that `incremental_state` will hold up to `max_length` tokens of up to
         `max_batch` rows: every layer's cache is then allocated once, at that size, on the first call."""
         for attention in self._decoder_entry(incremental_state)["attentions"]:
@@ -340,15 +381,17 @@ class TransformerDecoder(FairseqIncrementalDecoder):
         for attention in entry["attentions"]:
             attention.set_incremental_length(incremental_state, length)
 
-    def copy_incremental_rows(self, incremental_state: IncrementalState, source_state: IncrementalState,
-                              rows: torch.Tensor, length: int) -> None:
+    def copy_incremental_rows(
+        self, incremental_state: IncrementalState, source_state: IncrementalState, rows: torch.Tensor, length: int
+    ) -> None:
         """Rows `rows` of every cache take the first `length` slots of `source_state`'s first rows (a prompt
         prefilled apart joins a running batch; static steps then continue them at their own slots)."""
         for attention in self._decoder_entry(incremental_state)["attentions"]:
             attention.copy_incremental_rows(incremental_state, source_state, rows, length)
 
-    def reorder_incremental_state(self, incremental_state: IncrementalState, new_order: torch.Tensor,
-                                  window: Optional[int] = None) -> None:
+    def reorder_incremental_state(
+        self, incremental_state: IncrementalState, new_order: torch.Tensor, window: Optional[int] = None
+    ) -> None:
         """Row i of every cache continues row `new_order[i]` (a LongTensor on the model's device); with `window`,
         over the caches' first `window` slots, with static shapes and no length read (after static steps)."""
         # Upstream's two-argument call where no window is asked for: subclasses may override it so.
@@ -356,7 +399,6 @@ class TransformerDecoder(FairseqIncrementalDecoder):
         for attention in self._decoder_entry(incremental_state)["attentions"]:
             attention.reorder_incremental_state(incremental_state, new_order, *extra)
 
-    def reorder_incremental_state_scripting(self, incremental_state: IncrementalState,
-                                            new_order: torch.Tensor) -> None:
+    def reorder_incremental_state_scripting(self, incremental_state: IncrementalState, new_order: torch.Tensor) -> None:
         # The base class visits every submodule; here reorder_incremental_state already covers them all.
         self.reorder_incremental_state(incremental_state, new_order)

@@ -49,10 +49,21 @@ class TransformerDecoderLayer(nn.Module):
         "fc2": "rowwise_to_sequence",
     }
 
-    def __init__(self, embed_dim: int, num_heads: int, ffn_embed_dim: int, dropout: float = 0.1,
-                 attention_dropout: float = 0.0, activation_dropout: float = 0.0,
-                 activation_fn: str = "relu", normalize_before: bool = False, scale_attn: bool = False,
-                 scale_fc: bool = False, scale_heads: bool = False, scale_resids: bool = False):
+    def __init__(
+        self,
+        embed_dim: int,
+        num_heads: int,
+        ffn_embed_dim: int,
+        dropout: float = 0.1,
+        attention_dropout: float = 0.0,
+        activation_dropout: float = 0.0,
+        activation_fn: str = "relu",
+        normalize_before: bool = False,
+        scale_attn: bool = False,
+        scale_fc: bool = False,
+        scale_heads: bool = False,
+        scale_resids: bool = False,
+    ):
         super().__init__()
         self.embed_dim = embed_dim
         self.dropout = dropout
@@ -72,14 +83,23 @@ class TransformerDecoderLayer(nn.Module):
 
     def tensor_parallel_styles(self) -> dict:
         """{path: style} of the modules this layer has (TENSOR_PARALLEL_STYLES)."""
-        return {path: style for path, style in self.TENSOR_PARALLEL_STYLES.items()
-                if path != "attn_ln" or self.attn_ln is not None}
+        return {
+            path: style
+            for path, style in self.TENSOR_PARALLEL_STYLES.items()
+            if path != "attn_ln" or self.attn_ln is not None
+        }
 
     def reset_parameters(self):
         # fc1/fc2 keep nn.Linear's default init, as upstream's layers do.
         self.self_attn.reset_parameters()
-        for module in (self.self_attn_layer_norm, self.attn_ln, self.ffn_layernorm, self.fc1, self.fc2,
-                       self.final_layer_norm):
+        for module in (
+            self.self_attn_layer_norm,
+            self.attn_ln,
+            self.ffn_layernorm,
+            self.fc1,
+            self.fc2,
+            self.final_layer_norm,
+        ):
             if module is not None:
                 module.reset_parameters()
         with torch.no_grad():
@@ -87,8 +107,12 @@ class TransformerDecoderLayer(nn.Module):
                 if scale is not None:
                     scale.fill_(1.0)
 
-    def forward(self, x: torch.Tensor, incremental_state: Optional[IncrementalState] = None,
-                static_step: Optional[StaticStep] = None) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        incremental_state: Optional[IncrementalState] = None,
+        static_step: Optional[StaticStep] = None,
+    ) -> torch.Tensor:
         residual = x
         if self.normalize_before:
             x = self.self_attn_layer_norm(x)

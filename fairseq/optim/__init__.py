@@ -58,17 +58,24 @@ def check_optimizer_overrides(optimizer_cfg, optimization_cfg, overrides: dict) 
     kind = f"--optimizer {component_name(optimizer_cfg, OPTIMIZER_REGISTRY)} ({type(optimizer).__name__})"
     for key, value in overrides.items():
         if key not in current:
-            raise ValueError(f"--optimizer-overrides {key!r}: not an option of {kind}" + did_you_mean(key, current)
-                             + f"; its options are {', '.join(sorted(current))}")
+            raise ValueError(
+                f"--optimizer-overrides {key!r}: not an option of {kind}"
+                + did_you_mean(key, current)
+                + f"; its options are {', '.join(sorted(current))}"
+            )
         if not _all_finite(value):  # inf/nan: the optimizer accepts some (weight_decay, eps), training does not
-            raise ValueError(f"--optimizer-overrides {{{key!r}: {value!r}}}: not a finite number; {key} takes "
-                             + _ALLOWED.get(key, f"a finite value like its current {current[key]!r}"))
+            raise ValueError(
+                f"--optimizer-overrides {{{key!r}: {value!r}}}: not a finite number; {key} takes "
+                + _ALLOWED.get(key, f"a finite value like its current {current[key]!r}")
+            )
         try:
             _try_override(optimizer, probe, current, key, value)
         except Exception as err:  # any refusal of the optimizer's own code is the user's value
             allowed = _ALLOWED.get(key, f"a value like its current {current[key]!r}")
-            raise ValueError(f"--optimizer-overrides {{{key!r}: {value!r}}} is refused by {kind} "
-                             f"({type(err).__name__}: {err}); {key} takes {allowed}") from None
+            raise ValueError(
+                f"--optimizer-overrides {{{key!r}: {value!r}}} is refused by {kind} "
+                f"({type(err).__name__}: {err}); {key} takes {allowed}"
+            ) from None
 
 
 def _try_override(optimizer, probe, current: dict, key: str, value) -> None:

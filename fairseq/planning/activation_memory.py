@@ -7,6 +7,7 @@ from fairseq.criterions.cross_entropy import chunk_rows
 from fairseq.planning.memory_calibration import FLASH_DQ_ACCUM_BYTES, FLOAT8_BYTES, LOSS_FP32_CHUNK_COPIES
 from fairseq.planning.shapes import ModelShape, TrainingSetup
 
+
 def _ffn_saved_tensors(activation_fn: str, activation_dropout: bool) -> int:
     """How many ffn-wide tensors one layer saves: fc1's output if the activation needs its input (gelu),
     the activation's output if it needs that (relu, tanh), and fc2's input (often one of those)."""

@@ -127,7 +127,7 @@ def step_traffic(shape: mm.ModelShape, setup: mm.TrainingSetup, gpus_per_node: i
     x = step_transfers(shape, setup, gpus_per_node)
     u, layers = setup.update_freq, shape.num_layers
     float8_weights = setup.float8_all_gather and any(shape.float8_params(setup.tensor_parallel))
-    gather_what = (f"float8 weights, {setup.dtype} others" if float8_weights else f"{setup.dtype} parameters")
+    gather_what = f"float8 weights, {setup.dtype} others" if float8_weights else f"{setup.dtype} parameters"
     tp_what = f"float8 all-gathers, {setup.dtype} reduce-scatters" if float8_activation_gathers(setup) else setup.dtype
 
     def total(per_layer: Transfer, per_layer_count: int, root: Transfer, what: str) -> Collective:

@@ -39,8 +39,9 @@ def _powers_of_two_dividing(n: int, limit: int) -> Iterator[int]:
         k *= 2
 
 
-def candidate_layouts(shape: mm.ModelShape, setup: mm.TrainingSetup, hardware: Hardware,
-                      gpus_per_node: int = 8) -> List[Candidate]:
+def candidate_layouts(
+    shape: mm.ModelShape, setup: mm.TrainingSetup, hardware: Hardware, gpus_per_node: int = 8
+) -> List[Candidate]:
     """Every layout of setup.gpus GPUs (TP inside a node, in powers of two that divide the heads, FFN and
     vocabulary; any power-of-two shard group) at the global batch of `setup` (sequences per update), each with
     the largest micro-batch that fits and the --update-freq that keeps the batch; fitting ones, fastest first."""
@@ -54,14 +55,25 @@ def candidate_layouts(shape: mm.ModelShape, setup: mm.TrainingSetup, hardware: H
             continue
         per_rank = sequences // dp
         for shard in _powers_of_two_dividing(dp, dp):
-            base = dataclasses.replace(setup, tensor_parallel=tp, shard_group=0 if shard == dp else shard,
-                                       fully_sharded=True, tp_plan_on_one_rank=False)
+            base = dataclasses.replace(
+                setup,
+                tensor_parallel=tp,
+                shard_group=0 if shard == dp else shard,
+                fully_sharded=True,
+                tp_plan_on_one_rank=False,
+            )
             best = _largest_micro_batch(shape, base, per_rank, hardware.memory_gib)
             if best is None:
                 continue
             candidate = dataclasses.replace(base, batch_size=best, update_freq=per_rank // best)
-            found.append(Candidate(candidate, mm.plan(shape, candidate), cm.step_traffic(shape, candidate, gpus_per_node),
-                                   step_time(shape, candidate, hardware, gpus_per_node)))
+            found.append(
+                Candidate(
+                    candidate,
+                    mm.plan(shape, candidate),
+                    cm.step_traffic(shape, candidate, gpus_per_node),
+                    step_time(shape, candidate, hardware, gpus_per_node),
+                )
+            )
     if not found:
         return []
     fastest = min(c.time.total for c in found)
@@ -82,6 +94,7 @@ def _divisors(n: int) -> List[int]:
 def _largest_micro_batch(shape, setup, per_rank: int, gpu_memory_gib: float) -> Optional[int]:
     for batch in _divisors(per_rank):
         if mm.plan(shape, dataclasses.replace(setup, batch_size=batch, update_freq=per_rank // batch)).fits(
-                gpu_memory_gib):
+            gpu_memory_gib
+        ):
             return batch
     return None

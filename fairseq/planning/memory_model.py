@@ -24,14 +24,29 @@ from typing import Callable, Dict, List, Optional, Tuple
 # The shapes, the activation terms and the calibration constants, under the names plan_memory and the tests read
 # as mm.NAME (each is defined once, in its own module).
 from fairseq.planning.activation_memory import (  # noqa: F401
-    backward_workspace_bytes, checkpointed_layer_bytes, layer_activation_bytes, logits_bytes, root_activation_bytes,
+    backward_workspace_bytes,
+    checkpointed_layer_bytes,
+    layer_activation_bytes,
+    logits_bytes,
+    root_activation_bytes,
     saved_layer_bytes,
 )
 from fairseq.planning.memory_calibration import (  # noqa: F401
-    ADAM_STATE_BYTES, ALLOCATOR_MARGIN_FRACTION, DDP_GRADIENT_BUCKET_COPY, DTYPE_BYTES, FLASH_DQ_ACCUM_BYTES,
-    FLOAT8_BYTES, FLOAT8_SCALE_BYTES, FSDP_FORWARD_BUFFERS,
-    FSDP_RETAINED_REDUCE_BUFFERS, GIB, GRAD_BYTES, LOSS_FP32_CHUNK_COPIES, MASTER_PARAM_BYTES,
-    NON_PYTORCH_OVERHEAD_GIB, REDUCE_BYTES,
+    ADAM_STATE_BYTES,
+    ALLOCATOR_MARGIN_FRACTION,
+    DDP_GRADIENT_BUCKET_COPY,
+    DTYPE_BYTES,
+    FLASH_DQ_ACCUM_BYTES,
+    FLOAT8_BYTES,
+    FLOAT8_SCALE_BYTES,
+    FSDP_FORWARD_BUFFERS,
+    FSDP_RETAINED_REDUCE_BUFFERS,
+    GIB,
+    GRAD_BYTES,
+    LOSS_FP32_CHUNK_COPIES,
+    MASTER_PARAM_BYTES,
+    NON_PYTORCH_OVERHEAD_GIB,
+    REDUCE_BYTES,
 )
 from fairseq.planning.shapes import ModelShape, TrainingSetup, local_shape, model_shape  # noqa: F401
 
@@ -114,8 +129,11 @@ def gathered_layer_bytes(shape: ModelShape, setup: TrainingSetup) -> int:
     with --fp8-fsdp-all-gather the float8 weights travel, and stay gathered, in 1 byte (torchao's
     fsdp_pre_all_gather casts each shard; its post_all_gather wraps the gathered bytes without a bf16 copy)."""
     n, c = setup.shard_ranks if setup.fully_sharded else 1, setup.compute_bytes
-    float8 = shape.float8_params(setup.tensor_parallel) if setup.float8_all_gather else \
-        (False,) * len(shape.layer_param_shapes)
+    float8 = (
+        shape.float8_params(setup.tensor_parallel)
+        if setup.float8_all_gather
+        else (False,) * len(shape.layer_param_shapes)
+    )
     weights = [s for s, is_float8 in zip(shape.layer_param_shapes, float8) if is_float8]
     others = [s for s, is_float8 in zip(shape.layer_param_shapes, float8) if not is_float8]
     return n * (FLOAT8_BYTES * sharded_numel(weights, n) + c * sharded_numel(others, n))
@@ -152,8 +170,9 @@ def _check_setup(setup: TrainingSetup) -> None:
     if setup.tensor_parallel < 1 or setup.gpus % setup.tensor_parallel:
         raise ValueError(f"--model-parallel-size {setup.tensor_parallel} must divide the {setup.gpus} GPUs")
     if setup.shard_group < 0 or (setup.shard_group and setup.data_parallel % setup.shard_group):
-        raise ValueError(f"--fsdp-shard-group-size {setup.shard_group} must divide the {setup.data_parallel} "
-                         "data-parallel ranks")
+        raise ValueError(
+            f"--fsdp-shard-group-size {setup.shard_group} must divide the {setup.data_parallel} data-parallel ranks"
+        )
 
 
 def backward_layers(layers: int, bend: int = 0) -> List[int]:
@@ -176,8 +195,11 @@ def _walk_fully_sharded(shape: ModelShape, setup: TrainingSetup):
     if setup.float8_all_gather:
         full_layer = gathered_layer_bytes(shape, setup)
     on_gpu = 0 if setup.cpu_offload else 1
-    states = dict(parameters=on_gpu * MASTER_PARAM_BYTES * all_shard,
-                  optimizer_state=on_gpu * ADAM_STATE_BYTES * all_shard, float8_scales=float8_scale_bytes(shape, setup))
+    states = dict(
+        parameters=on_gpu * MASTER_PARAM_BYTES * all_shard,
+        optimizer_state=on_gpu * ADAM_STATE_BYTES * all_shard,
+        float8_scales=float8_scale_bytes(shape, setup),
+    )
     staging = 2 * 4 * layer_shard if setup.cpu_offload else 0  # fp32 shard copied in; reduced shard copied out
 
     def grads(layers_done: int, root_done: bool) -> int:
@@ -195,13 +217,24 @@ def _walk_fully_sharded(shape: ModelShape, setup: TrainingSetup):
         forward_flight = (layers + 1) * full_layer
     kept_after_forward = 0 if setup.reshard_after_forward else layers * full_layer
     snaps = [
-        _snapshot("forward, last layer", **states, gradients=grads(0, False),
-                  layers_in_flight=forward_flight if layers else 0,
-                  root_parameters=root_full, activations=layers * saved, offload_staging=staging),
-        _snapshot("loss backward", **states, gradients=grads(0, False),
-                  layers_in_flight=kept_after_forward, root_parameters=root_full,
-                  activations=layers * saved + root_activation_bytes(shape, setup),
-                  logits=logits_bytes(shape, setup)),
+        _snapshot(
+            "forward, last layer",
+            **states,
+            gradients=grads(0, False),
+            layers_in_flight=forward_flight if layers else 0,
+            root_parameters=root_full,
+            activations=layers * saved,
+            offload_staging=staging,
+        ),
+        _snapshot(
+            "loss backward",
+            **states,
+            gradients=grads(0, False),
+            layers_in_flight=kept_after_forward,
+            root_parameters=root_full,
+            activations=layers * saved + root_activation_bytes(shape, setup),
+            logits=logits_bytes(shape, setup),
+        ),
     ]
     output_grad = c * shape.output_projection_params
     for i in backward_layers(layers, backward_prefetch if setup.reshard_after_forward else 0):
@@ -210,33 +243,49 @@ def _walk_fully_sharded(shape: ModelShape, setup: TrainingSetup):
         else:
             flight = (i + 1) * full_layer
         retained_reduce = REDUCE_BYTES * gathered * FSDP_RETAINED_REDUCE_BUFFERS if i < layers - 1 else 0
-        snaps.append(_snapshot(
-            f"backward, layer {i}", **states, gradients=grads(layers - 1 - i, False),
-            layers_in_flight=flight,
-            layer_gradients=c * gathered + retained_reduce,
-            root_parameters=root_full, root_gradients=output_grad,
-            activations=i * saved + full + backward_workspace_bytes(shape, setup),
-            offload_staging=staging,
-        ))
+        snaps.append(
+            _snapshot(
+                f"backward, layer {i}",
+                **states,
+                gradients=grads(layers - 1 - i, False),
+                layers_in_flight=flight,
+                layer_gradients=c * gathered + retained_reduce,
+                root_parameters=root_full,
+                root_gradients=output_grad,
+                activations=i * saved + full + backward_workspace_bytes(shape, setup),
+                offload_staging=staging,
+            )
+        )
     # The embedding's gradient arrives while the output projection's is still held (a second V x d tensor
     # when the two are tied, summed into one afterwards).
     tied_extra = shape.output_projection_params if shape.output_projection_tied else 0
-    snaps.append(_snapshot(
-        "embedding backward", **states, gradients=grads(layers, False),
-        layer_gradients=REDUCE_BYTES * gathered if layers else 0,
-        root_parameters=root_full,
-        root_gradients=c * (root_gathered + tied_extra),
-    ))
+    snaps.append(
+        _snapshot(
+            "embedding backward",
+            **states,
+            gradients=grads(layers, False),
+            layer_gradients=REDUCE_BYTES * gathered if layers else 0,
+            root_parameters=root_full,
+            root_gradients=c * (root_gathered + tied_extra),
+        )
+    )
     # FSDP2 frees the root's full parameters and the last layer's reduce buffer before the root reduces.
-    snaps.append(_snapshot(
-        "root reduce-scatter", **states, gradients=grads(layers, False),
-        root_gradients=(c + REDUCE_BYTES) * root_gathered,
-        offload_staging=4 * root_shard if setup.cpu_offload else 0,
-    ))
+    snaps.append(
+        _snapshot(
+            "root reduce-scatter",
+            **states,
+            gradients=grads(layers, False),
+            root_gradients=(c + REDUCE_BYTES) * root_gathered,
+            offload_staging=4 * root_shard if setup.cpu_offload else 0,
+        )
+    )
     snaps.append(_snapshot("optimizer step", **states, gradients=grads(layers, True)))
     host = (1 - on_gpu) * (MASTER_PARAM_BYTES + GRAD_BYTES + ADAM_STATE_BYTES) * all_shard
-    host += layers * checkpointed_layer_bytes(shape, dataclasses.replace(setup, offload_activations=False)) \
-        if setup.offload_activations else 0
+    host += (
+        layers * checkpointed_layer_bytes(shape, dataclasses.replace(setup, offload_activations=False))
+        if setup.offload_activations
+        else 0
+    )
     return snaps, host
 
 
@@ -244,8 +293,11 @@ def _walk_replicated(shape: ModelShape, setup: TrainingSetup):
     """DDP: every rank holds every parameter, gradient and Adam state, plus DDP's gradient buckets. With tensor
     parallelism (`shape` local) the replicas are FSDP2's, which keep no buckets."""
     c, layers, total = setup.compute_bytes, shape.num_layers, shape.total_params
-    states = dict(parameters=MASTER_PARAM_BYTES * total, optimizer_state=ADAM_STATE_BYTES * total,
-                  ddp_buckets=GRAD_BYTES * total if DDP_GRADIENT_BUCKET_COPY and setup.tensor_parallel == 1 else 0)
+    states = dict(
+        parameters=MASTER_PARAM_BYTES * total,
+        optimizer_state=ADAM_STATE_BYTES * total,
+        ddp_buckets=GRAD_BYTES * total if DDP_GRADIENT_BUCKET_COPY and setup.tensor_parallel == 1 else 0,
+    )
 
     def grads(layers_done: int, root_done: bool) -> int:
         if setup.update_freq > 1:
@@ -261,27 +313,43 @@ def _walk_replicated(shape: ModelShape, setup: TrainingSetup):
     saved = saved_layer_bytes(shape, setup)
     full = layer_activation_bytes(shape, setup)
     snaps = [
-        _snapshot("forward, last layer", **states, gradients=grads(0, False),
-                  autocast_copies=layers * layer_cast + root_cast, activations=layers * saved),
-        _snapshot("loss backward", **states, gradients=grads(0, False),
-                  autocast_copies=layers * saved_cast + root_cast,
-                  activations=layers * saved + root_activation_bytes(shape, setup),
-                  logits=logits_bytes(shape, setup)),
+        _snapshot(
+            "forward, last layer",
+            **states,
+            gradients=grads(0, False),
+            autocast_copies=layers * layer_cast + root_cast,
+            activations=layers * saved,
+        ),
+        _snapshot(
+            "loss backward",
+            **states,
+            gradients=grads(0, False),
+            autocast_copies=layers * saved_cast + root_cast,
+            activations=layers * saved + root_activation_bytes(shape, setup),
+            logits=logits_bytes(shape, setup),
+        ),
     ]
     for i in backward_layers(layers):
-        snaps.append(_snapshot(
-            f"backward, layer {i}", **states, gradients=grads(layers - 1 - i, True),
-            layer_gradients=c * shape.layer_params,
-            autocast_copies=i * saved_cast + layer_cast,
-            activations=i * saved + full + backward_workspace_bytes(shape, setup),
-        ))
+        snaps.append(
+            _snapshot(
+                f"backward, layer {i}",
+                **states,
+                gradients=grads(layers - 1 - i, True),
+                layer_gradients=c * shape.layer_params,
+                autocast_copies=i * saved_cast + layer_cast,
+                activations=i * saved + full + backward_workspace_bytes(shape, setup),
+            )
+        )
     # A tied embedding's gradient (fp32: the lookup runs in fp32 under autocast) is a second V x d tensor
     # until it is summed into the output projection's.
     tied_extra = 4 * shape.output_projection_params if shape.output_projection_tied else 0
     snaps.append(_snapshot("embedding backward", **states, gradients=grads(layers, True), root_gradients=tied_extra))
     snaps.append(_snapshot("optimizer step", **states, gradients=grads(layers, True)))
-    host = layers * checkpointed_layer_bytes(shape, dataclasses.replace(setup, offload_activations=False)) \
-        if setup.offload_activations else 0
+    host = (
+        layers * checkpointed_layer_bytes(shape, dataclasses.replace(setup, offload_activations=False))
+        if setup.offload_activations
+        else 0
+    )
     return snaps, host
 
 
@@ -314,8 +382,9 @@ def largest_layer_count(shape: ModelShape, setup: TrainingSetup, gpu_memory_gib:
     return largest_fitting(lambda n: plan(shape.with_layers(n), setup).fits(gpu_memory_gib))
 
 
-def smallest_gpu_count(shape: ModelShape, setup: TrainingSetup, gpu_memory_gib: float,
-                       limit: int = MAX_GPUS) -> Optional[int]:
+def smallest_gpu_count(
+    shape: ModelShape, setup: TrainingSetup, gpu_memory_gib: float, limit: int = MAX_GPUS
+) -> Optional[int]:
     """The fewest GPUs for which the plan fits, or None when no count up to `limit` does.
 
     Only sharded states shrink with more GPUs (DDP replicates them). The search doubles and then bisects:

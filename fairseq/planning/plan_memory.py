@@ -34,8 +34,12 @@ from fairseq.distributed.float8 import check_float8_flags
 from fairseq.distributed.fsdp import FSDPSettings, check_fsdp_flags
 from fairseq.distributed.mesh import TP_MESH_OF_ONE, ParallelLayout
 from fairseq.distributed.tensor_parallel import check_tensor_parallel_shape
-from fairseq.models.transformer_lm import (TransformerLanguageModelConfig, preset_config,
-                                           resolve_max_target_positions, uses_adaptive_modules)
+from fairseq.models.transformer_lm import (
+    TransformerLanguageModelConfig,
+    preset_config,
+    resolve_max_target_positions,
+    uses_adaptive_modules,
+)
 from fairseq.tasks.language_modeling import LanguageModelingConfig
 
 # Device totals in GiB, as PyTorch reports them (what fairseq's memory log calls GB): fairseq/planning/hardware.py
@@ -58,7 +62,9 @@ MODELED_OPTIMIZERS = ("adam", "cpu_adam")  # both are torch.optim.AdamW here (fa
 # With mm.MAX_GPUS, the largest setup the planner takes: a model whose training state alone exceeds its memory is
 # refused before it is modelled (check_model_size).
 MAX_GPU_MEMORY_GIB = 1024.0
-STATE_BYTES_PER_PARAM = mm.MASTER_PARAM_BYTES + mm.GRAD_BYTES + mm.ADAM_STATE_BYTES  # on the GPUs or, offloaded, the hosts
+STATE_BYTES_PER_PARAM = (
+    mm.MASTER_PARAM_BYTES + mm.GRAD_BYTES + mm.ADAM_STATE_BYTES
+)  # on the GPUs or, offloaded, the hosts
 
 
 def _add_fields(group, dc, names, **defaults) -> None:
@@ -82,52 +88,114 @@ def _add_fields(group, dc, names, **defaults) -> None:
 def build_parser() -> argparse.ArgumentParser:
 
     parser = FairseqArgumentParser(  # usage errors in one line, misspelt flags named
-        prog="python -m fairseq.planning.plan_memory", allow_abbrev=False,
+        prog="python -m fairseq.planning.plan_memory",
+        allow_abbrev=False,
         description="Per-GPU memory of training a transformer_lm with fairseq-train (see docs/memory_planner.md).",
     )
     parser.add_argument("--arch", "-a", required=True, metavar="ARCH", help="a transformer_lm architecture")
     planner = parser.add_argument_group("planner")
-    planner.add_argument("--gpus", "--distributed-world-size", dest="gpus", type=int, default=1,
-                         help="number of GPUs (default: 1); with --model-parallel-size N, N per data-parallel rank")
-    planner.add_argument("--gpus-per-node", type=int, default=8,
-                         help="GPUs per node, to tell which collectives cross the network (default: 8)")
-    planner.add_argument("--recommend-layout", action="store_true",
-                         help="compare every tensor-parallel x shard-group layout of --gpus at this global batch "
-                              "(memory, estimated step time) and recommend the fastest")
-    planner.add_argument("--gpu", choices=sorted(GPU_MEMORY_GIB),
-                         help="a GPU by name, for its memory: "
-                              + ", ".join(f"{k} {v} GiB" for k, v in GPU_MEMORY_GIB.items()))
-    planner.add_argument("--gpu-memory-gb", type=float, default=None,
-                         help=f"memory of one GPU in GiB, as the training log's *_gb fields count it "
-                              f"(default: the --gpu's, else {DEFAULT_GPU_MEMORY_GIB:g})")
-    for flag, field, unit in (("--achieved-tflops", "achieved_tflops", "TFLOP/s per GPU that bf16 training reaches"),
-                              ("--intra-node-gbps", "intra_node_gbps", "GB/s per GPU of collectives inside a node"),
-                              ("--inter-node-gbps", "inter_node_gbps", "GB/s per GPU of collectives across nodes")):
-        planner.add_argument(flag, type=float, default=None, metavar="X",
-                             help=f"{unit}, for the time estimates (default: the --gpu's, else "
-                                  f"{getattr(hw.DEFAULT, field):g}; fairseq/planning/hardware.py)")
-    planner.add_argument("--vocab-size", type=int, default=DEFAULT_VOCAB_SIZE,
-                         help=f"dictionary size, specials included (default: {DEFAULT_VOCAB_SIZE})")
-    planner.add_argument("--node-memory-gib", type=float, default=None, metavar="GIB",
-                         help="host RAM per node: with --write-checkpoints-asynchronously, warn when the checkpoint "
-                              "snapshots of a node's ranks need more")
-    planner.add_argument("--max-layers-that-fit", action="store_true",
-                         help="also report the largest --decoder-layers of this layer shape that fits")
+    planner.add_argument(
+        "--gpus",
+        "--distributed-world-size",
+        dest="gpus",
+        type=int,
+        default=1,
+        help="number of GPUs (default: 1); with --model-parallel-size N, N per data-parallel rank",
+    )
+    planner.add_argument(
+        "--gpus-per-node",
+        type=int,
+        default=8,
+        help="GPUs per node, to tell which collectives cross the network (default: 8)",
+    )
+    planner.add_argument(
+        "--recommend-layout",
+        action="store_true",
+        help="compare every tensor-parallel x shard-group layout of --gpus at this global batch "
+        "(memory, estimated step time) and recommend the fastest",
+    )
+    planner.add_argument(
+        "--gpu",
+        choices=sorted(GPU_MEMORY_GIB),
+        help="a GPU by name, for its memory: " + ", ".join(f"{k} {v} GiB" for k, v in GPU_MEMORY_GIB.items()),
+    )
+    planner.add_argument(
+        "--gpu-memory-gb",
+        type=float,
+        default=None,
+        help=f"memory of one GPU in GiB, as the training log's *_gb fields count it "
+        f"(default: the --gpu's, else {DEFAULT_GPU_MEMORY_GIB:g})",
+    )
+    for flag, field, unit in (
+        ("--achieved-tflops", "achieved_tflops", "TFLOP/s per GPU that bf16 training reaches"),
+        ("--intra-node-gbps", "intra_node_gbps", "GB/s per GPU of collectives inside a node"),
+        ("--inter-node-gbps", "inter_node_gbps", "GB/s per GPU of collectives across nodes"),
+    ):
+        planner.add_argument(
+            flag,
+            type=float,
+            default=None,
+            metavar="X",
+            help=f"{unit}, for the time estimates (default: the --gpu's, else "
+            f"{getattr(hw.DEFAULT, field):g}; fairseq/planning/hardware.py)",
+        )
+    planner.add_argument(
+        "--vocab-size",
+        type=int,
+        default=DEFAULT_VOCAB_SIZE,
+        help=f"dictionary size, specials included (default: {DEFAULT_VOCAB_SIZE})",
+    )
+    planner.add_argument(
+        "--node-memory-gib",
+        type=float,
+        default=None,
+        metavar="GIB",
+        help="host RAM per node: with --write-checkpoints-asynchronously, warn when the checkpoint "
+        "snapshots of a node's ranks need more",
+    )
+    planner.add_argument(
+        "--max-layers-that-fit",
+        action="store_true",
+        help="also report the largest --decoder-layers of this layer shape that fits",
+    )
     training = parser.add_argument_group("training (as fairseq-train spells them)")
     _add_fields(training, configs.DatasetConfig, ["batch_size", "max_tokens"])
-    _add_fields(training, LanguageModelingConfig, ["tokens_per_sample", "max_target_positions"],
-                tokens_per_sample=DEFAULT_TOKENS_PER_SAMPLE)
-    _add_fields(training, configs.CommonConfig, ["fp16", "bf16", "memory_efficient_fp16", "memory_efficient_bf16",
-                                                 "fp8", "fp8_recipe", "fp8_fsdp_all_gather"])
-    _add_fields(training, configs.DistributedTrainingConfig,
-                ["ddp_backend", "cpu_offload", "no_reshard_after_forward", "fsdp_forward_prefetch",
-                 "fsdp_prefetch_depth", "fsdp_sync_free", "model_parallel_size", "fsdp_shard_group_size", "compile",
-                 "use_sharded_state"],
-                ddp_backend="fully_sharded")
+    _add_fields(
+        training,
+        LanguageModelingConfig,
+        ["tokens_per_sample", "max_target_positions"],
+        tokens_per_sample=DEFAULT_TOKENS_PER_SAMPLE,
+    )
+    _add_fields(
+        training,
+        configs.CommonConfig,
+        ["fp16", "bf16", "memory_efficient_fp16", "memory_efficient_bf16", "fp8", "fp8_recipe", "fp8_fsdp_all_gather"],
+    )
+    _add_fields(
+        training,
+        configs.DistributedTrainingConfig,
+        [
+            "ddp_backend",
+            "cpu_offload",
+            "no_reshard_after_forward",
+            "fsdp_forward_prefetch",
+            "fsdp_prefetch_depth",
+            "fsdp_sync_free",
+            "model_parallel_size",
+            "fsdp_shard_group_size",
+            "compile",
+            "use_sharded_state",
+        ],
+        ddp_backend="fully_sharded",
+    )
     _add_fields(training, configs.CheckpointConfig, ["write_checkpoints_asynchronously"])
     _add_fields(training, configs.OptimizationConfig, ["update_freq"])
-    training.add_argument("--optimizer", default="adam", metavar="OPTIMIZER",
-                          help=f"optimizer: {', '.join(registry.OPTIMIZER_REGISTRY.choices())} (default: adam)")
+    training.add_argument(
+        "--optimizer",
+        default="adam",
+        metavar="OPTIMIZER",
+        help=f"optimizer: {', '.join(registry.OPTIMIZER_REGISTRY.choices())} (default: adam)",
+    )
     model = parser.add_argument_group("model (override the --arch preset)")
     add_dataclass_to_parser(model, TransformerLanguageModelConfig, suppress_defaults=True)
     return parser
@@ -161,30 +229,53 @@ def parse(argv: Optional[List[str]] = None) -> Request:
         cfg = preset_config(args.arch, **overrides)
         if uses_adaptive_modules(cfg):
             # Their outputs' sizes depend on how often each band's words occur; the planner has no such term.
-            raise ValueError(f"--arch {args.arch}: adaptive input/softmax (--adaptive-input, "
-                             "--adaptive-softmax-cutoff) are not modeled by the memory planner, which assumes a full "
-                             "output projection; plan with a plain preset of the same size (e.g. transformer_lm_big)")
+            raise ValueError(
+                f"--arch {args.arch}: adaptive input/softmax (--adaptive-input, "
+                "--adaptive-softmax-cutoff) are not modeled by the memory planner, which assumes a full "
+                "output projection; plan with a plain preset of the same size (e.g. transformer_lm_big)"
+            )
         if args.vocab_size < 2:
             raise ValueError(f"--vocab-size must be at least 2 (padding is symbol 1), got {args.vocab_size}")
         shape = mm.model_shape(cfg, args.vocab_size)
         check_model_size(shape, args.arch)
-        check_fsdp_flags(args.ddp_backend, args.fsdp_forward_prefetch, args.fsdp_sync_free, args.cpu_offload,
-                         args.fsdp_prefetch_depth)
+        check_fsdp_flags(
+            args.ddp_backend,
+            args.fsdp_forward_prefetch,
+            args.fsdp_sync_free,
+            args.cpu_offload,
+            args.fsdp_prefetch_depth,
+        )
         setup = _training_setup(args, cfg)
         if args.optimizer not in MODELED_OPTIMIZERS:
-            raise ValueError(f"--optimizer {args.optimizer} is not modeled; the planner knows "
-                             f"{', '.join(MODELED_OPTIMIZERS)} (AdamW: two fp32 states per parameter)")
+            raise ValueError(
+                f"--optimizer {args.optimizer} is not modeled; the planner knows "
+                f"{', '.join(MODELED_OPTIMIZERS)} (AdamW: two fp32 states per parameter)"
+            )
     except ValueError as err:
         parser.error(str(err))
     hardware = _hardware(parser, args)
     if args.gpus_per_node < 1:
         parser.error(f"--gpus-per-node must be at least 1, got {args.gpus_per_node}")
     if setup.float8 and not hardware.float8:
-        parser.error(f"--fp8 needs a GPU of compute capability 8.9 or higher (Ada, Hopper, Blackwell); --gpu "
-                     f"{args.gpu} has none: drop --fp8 or plan for --gpu h100 / h200")
-    return Request(args.arch, shape, setup, hardware.memory_gib, args.gpu, args.optimizer, args.max_layers_that_fit,
-                   args.gpus_per_node, args.recommend_layout, hardware, args.write_checkpoints_asynchronously,
-                   args.use_sharded_state, args.node_memory_gib)
+        parser.error(
+            f"--fp8 needs a GPU of compute capability 8.9 or higher (Ada, Hopper, Blackwell); --gpu "
+            f"{args.gpu} has none: drop --fp8 or plan for --gpu h100 / h200"
+        )
+    return Request(
+        args.arch,
+        shape,
+        setup,
+        hardware.memory_gib,
+        args.gpu,
+        args.optimizer,
+        args.max_layers_that_fit,
+        args.gpus_per_node,
+        args.recommend_layout,
+        hardware,
+        args.write_checkpoints_asynchronously,
+        args.use_sharded_state,
+        args.node_memory_gib,
+    )
 
 
 def check_model_size(shape: mm.ModelShape, arch: str) -> None:
@@ -198,22 +289,33 @@ def check_model_size(shape: mm.ModelShape, arch: str) -> None:
             f"--arch {arch} with {shape.num_layers} layers x {shape.embed_dim}, ffn {shape.ffn_dim}, vocabulary "
             f"{shape.vocab_size} has {shape.total_params:.3g} parameters, whose training state ({STATE_BYTES_PER_PARAM} "
             f"bytes each: {state / 2**50:.3g} PiB) exceeds {mm.MAX_GPUS} GPUs of {MAX_GPU_MEMORY_GIB:g} GiB, the "
-            "largest setup the planner takes; lower --decoder-layers or the widths")
+            "largest setup the planner takes; lower --decoder-layers or the widths"
+        )
 
 
 def _hardware(parser, args) -> hw.Hardware:
     """The --gpu's figures (hardware.py), with the command line's overrides; a non-positive one is a usage error."""
     gpu = hw.GPUS[args.gpu] if args.gpu else hw.DEFAULT
-    changes = {"memory_gib": args.gpu_memory_gb, "achieved_tflops": args.achieved_tflops,
-               "intra_node_gbps": args.intra_node_gbps, "inter_node_gbps": args.inter_node_gbps}
-    flags = {"memory_gib": "--gpu-memory-gb", "achieved_tflops": "--achieved-tflops",
-             "intra_node_gbps": "--intra-node-gbps", "inter_node_gbps": "--inter-node-gbps"}
+    changes = {
+        "memory_gib": args.gpu_memory_gb,
+        "achieved_tflops": args.achieved_tflops,
+        "intra_node_gbps": args.intra_node_gbps,
+        "inter_node_gbps": args.inter_node_gbps,
+    }
+    flags = {
+        "memory_gib": "--gpu-memory-gb",
+        "achieved_tflops": "--achieved-tflops",
+        "intra_node_gbps": "--intra-node-gbps",
+        "inter_node_gbps": "--inter-node-gbps",
+    }
     for field, value in changes.items():
         if value is not None and not 0 < value < math.inf:
             parser.error(f"{flags[field]} must be a positive finite number, got {value:g}")
     if args.gpu_memory_gb is not None and args.gpu_memory_gb > MAX_GPU_MEMORY_GIB:
-        parser.error(f"--gpu-memory-gb {args.gpu_memory_gb:g} is more than any GPU holds: at most "
-                     f"{MAX_GPU_MEMORY_GIB:g} (GiB of one GPU, as the training log's *_gb fields count it)")
+        parser.error(
+            f"--gpu-memory-gb {args.gpu_memory_gb:g} is more than any GPU holds: at most "
+            f"{MAX_GPU_MEMORY_GIB:g} (GiB of one GPU, as the training log's *_gb fields count it)"
+        )
     if args.node_memory_gib is not None and not 0 < args.node_memory_gib < math.inf:
         parser.error(f"--node-memory-gib must be a positive finite number, got {args.node_memory_gib:g}")
     return dataclasses.replace(gpu, **{k: v for k, v in changes.items() if v is not None})
@@ -246,8 +348,9 @@ def _training_setup(args, cfg) -> mm.TrainingSetup:
     if not 1 <= args.gpus <= mm.MAX_GPUS:
         raise ValueError(f"--gpus {args.gpus} is out of range: 1 to {mm.MAX_GPUS} (more than any job has used)")
     layout = ParallelLayout.from_config(args, args.gpus)  # the flags' own checks and messages
-    check_tensor_parallel_shape(layout.tp, cfg.decoder_attention_heads, cfg.decoder_ffn_embed_dim, args.vocab_size,
-                                "--vocab-size")
+    check_tensor_parallel_shape(
+        layout.tp, cfg.decoder_attention_heads, cfg.decoder_ffn_embed_dim, args.vocab_size, "--vocab-size"
+    )
     check_max_tokens(args.max_tokens)  # fairseq-train's checks
     check_batch_size(args.batch_size)
     check_update_freq(args.update_freq)
@@ -256,22 +359,33 @@ def _training_setup(args, cfg) -> mm.TrainingSetup:
         if args.max_tokens is not None:
             batch_size = args.max_tokens // args.tokens_per_sample
             if batch_size < 1:
-                raise ValueError(f"--max-tokens {args.max_tokens} holds no sequence of --tokens-per-sample "
-                                 f"{args.tokens_per_sample}; raise --max-tokens or pass --batch-size")
+                raise ValueError(
+                    f"--max-tokens {args.max_tokens} holds no sequence of --tokens-per-sample "
+                    f"{args.tokens_per_sample}; raise --max-tokens or pass --batch-size"
+                )
         else:
             batch_size = 1
     max_positions = resolve_max_target_positions(cfg)
     if args.tokens_per_sample > max_positions:
-        raise ValueError(f"--tokens-per-sample {args.tokens_per_sample} exceeds the model's "
-                         f"--max-target-positions {max_positions}; lower one or raise the other")
+        raise ValueError(
+            f"--tokens-per-sample {args.tokens_per_sample} exceeds the model's "
+            f"--max-target-positions {max_positions}; lower one or raise the other"
+        )
     return mm.TrainingSetup(
-        gpus=args.gpus, batch_size=batch_size, tokens_per_sample=args.tokens_per_sample, dtype=dtype,
+        gpus=args.gpus,
+        batch_size=batch_size,
+        tokens_per_sample=args.tokens_per_sample,
+        dtype=dtype,
         fully_sharded=args.ddp_backend == "fully_sharded",
         checkpoint_activations=bool(cfg.checkpoint_activations or cfg.offload_activations),
         offload_activations=bool(cfg.offload_activations),
-        **dataclasses.asdict(FSDPSettings.from_flags(args)), update_freq=args.update_freq[0],
-        tensor_parallel=layout.tp, shard_group=args.fsdp_shard_group_size,
-        float8=args.fp8, float8_recipe=args.fp8_recipe, float8_all_gather=args.fp8_fsdp_all_gather,
+        **dataclasses.asdict(FSDPSettings.from_flags(args)),
+        update_freq=args.update_freq[0],
+        tensor_parallel=layout.tp,
+        shard_group=args.fsdp_shard_group_size,
+        float8=args.fp8,
+        float8_recipe=args.fp8_recipe,
+        float8_all_gather=args.fp8_fsdp_all_gather,
         compiled=args.compile,
     )
 
@@ -280,22 +394,28 @@ def _training_setup(args, cfg) -> mm.TrainingSetup:
 
 
 def _flags(setup: mm.TrainingSetup) -> str:
-    parts = [f"--ddp-backend {'fully_sharded' if setup.fully_sharded else 'pytorch_ddp (replicated)'}",
-             {"fp32": "fp32", "bf16": "--bf16", "fp16": "--fp16"}[setup.dtype],
-             f"--batch-size {setup.batch_size} x --tokens-per-sample {setup.tokens_per_sample}"]
-    for on, flag in ((setup.checkpoint_activations and not setup.offload_activations, "--checkpoint-activations"),
-                     (setup.offload_activations, "--offload-activations"),
-                     (not setup.reshard_after_forward, "--no-reshard-after-forward"),
-                     (setup.cpu_offload, "--cpu-offload"),
-                     (setup.forward_prefetch, f"--fsdp-forward-prefetch (depth {setup.prefetch_depth})"),
-                     (setup.sync_free, "--fsdp-sync-free"),
-                     (setup.update_freq > 1, f"--update-freq {setup.update_freq}"),
-                     (setup.tensor_parallel > 1, f"--model-parallel-size {setup.tensor_parallel}"),
-                     (setup.shard_group > 0, f"--fsdp-shard-group-size {setup.shard_group}"),
-                     (setup.float8, "--fp8" + (f" --fp8-recipe {setup.float8_recipe}"
-                                                if setup.float8_recipe != "tensorwise" else "")),
-                     (setup.float8_all_gather, "--fp8-fsdp-all-gather"),
-                     (setup.compiled, "--compile")):
+    parts = [
+        f"--ddp-backend {'fully_sharded' if setup.fully_sharded else 'pytorch_ddp (replicated)'}",
+        {"fp32": "fp32", "bf16": "--bf16", "fp16": "--fp16"}[setup.dtype],
+        f"--batch-size {setup.batch_size} x --tokens-per-sample {setup.tokens_per_sample}",
+    ]
+    for on, flag in (
+        (setup.checkpoint_activations and not setup.offload_activations, "--checkpoint-activations"),
+        (setup.offload_activations, "--offload-activations"),
+        (not setup.reshard_after_forward, "--no-reshard-after-forward"),
+        (setup.cpu_offload, "--cpu-offload"),
+        (setup.forward_prefetch, f"--fsdp-forward-prefetch (depth {setup.prefetch_depth})"),
+        (setup.sync_free, "--fsdp-sync-free"),
+        (setup.update_freq > 1, f"--update-freq {setup.update_freq}"),
+        (setup.tensor_parallel > 1, f"--model-parallel-size {setup.tensor_parallel}"),
+        (setup.shard_group > 0, f"--fsdp-shard-group-size {setup.shard_group}"),
+        (
+            setup.float8,
+            "--fp8" + (f" --fp8-recipe {setup.float8_recipe}" if setup.float8_recipe != "tensorwise" else ""),
+        ),
+        (setup.float8_all_gather, "--fp8-fsdp-all-gather"),
+        (setup.compiled, "--compile"),
+    ):
         if on:
             parts.append(flag)
     return ", ".join(parts)
@@ -321,8 +441,10 @@ def render_plan(plan: mm.MemoryPlan, gpu_memory_gib: float) -> List[str]:
     width = 70
     lines = [f"per-GPU memory at the peak ({peak.phase}), GiB:"]
     lines += [f"  {label:<{width}} {mm.gib(nbytes):9.2f}" for label, nbytes in mm.breakdown_lines(peak)]
-    margin_label = (f"allocator margin ({mm.ALLOCATOR_MARGIN_FRACTION:.0%} of the peak + "
-                    f"{mm.NON_PYTORCH_OVERHEAD_GIB:g} GiB outside PyTorch)")
+    margin_label = (
+        f"allocator margin ({mm.ALLOCATOR_MARGIN_FRACTION:.0%} of the peak + "
+        f"{mm.NON_PYTORCH_OVERHEAD_GIB:g} GiB outside PyTorch)"
+    )
     free = gpu_memory_gib - mm.gib(plan.required_bytes)
     verdict = f"fits ({free:.2f} GiB to spare)" if free >= 0 else f"DOES NOT FIT ({-free:.2f} GiB over)"
     lines += [
@@ -358,54 +480,81 @@ def recommendations(request: Request) -> List[str]:
         if setup.dtype == "fp32":
             advice.append("--bf16: halves activations and the full parameters in flight")
         if not setup.checkpoint_activations and fits(checkpoint_activations=True):
-            advice.append(f"--checkpoint-activations: activations are {mm.gib(activations):.2f} GiB at the peak; "
-                          "with it each layer keeps only its input")
+            advice.append(
+                f"--checkpoint-activations: activations are {mm.gib(activations):.2f} GiB at the peak; "
+                "with it each layer keeps only its input"
+            )
         if not setup.reshard_after_forward and fits(reshard_after_forward=True):
             advice.append("drop --no-reshard-after-forward: it keeps every layer's full parameters until backward")
         if setup.forward_prefetch and setup.prefetch_depth > 1 and fits(prefetch_depth=1):
             advice.append("--fsdp-prefetch-depth 1: each extra layer of prefetch holds one more layer's parameters")
         if setup.batch_size > 1 and fits(batch_size=1):
             batch = mm.largest_batch(shape, setup, memory)
-            advice.append(f"--batch-size {batch} (the largest that fits) with --update-freq "
-                          f"{setup.update_freq * -(-setup.batch_size // batch)} to keep the tokens per update")
+            advice.append(
+                f"--batch-size {batch} (the largest that fits) with --update-freq "
+                f"{setup.update_freq * -(-setup.batch_size // batch)} to keep the tokens per update"
+            )
         if not advice or not fits(batch_size=1, checkpoint_activations=True):
-            best = dataclasses.replace(setup, batch_size=1, checkpoint_activations=True,
-                                       dtype="bf16" if setup.dtype == "fp32" else setup.dtype)
+            best = dataclasses.replace(
+                setup, batch_size=1, checkpoint_activations=True, dtype="bf16" if setup.dtype == "fp32" else setup.dtype
+            )
             if not setup.fully_sharded:
                 advice.append("--ddp-backend fully_sharded: DDP replicates 20 bytes per parameter on every GPU")
                 best = dataclasses.replace(best, fully_sharded=True)
             gpus = mm.smallest_gpu_count(shape, best, memory)
             if gpus is not None and gpus > setup.gpus:
-                advice.append(f"at least {gpus} GPUs (sharded model states shrink with the GPU count; "
-                              f"batch 1 with --checkpoint-activations)")
+                advice.append(
+                    f"at least {gpus} GPUs (sharded model states shrink with the GPU count; "
+                    f"batch 1 with --checkpoint-activations)"
+                )
             offloaded = changed(cpu_offload=True, batch_size=1, checkpoint_activations=True)
-            if setup.fully_sharded and not setup.cpu_offload and offloaded.fits(memory) and \
-                    mm.gib(offloaded.host_bytes) <= HOST_MEMORY_PER_GPU_GIB:
-                advice.append(f"--cpu-offload: sharded parameters, gradients and Adam state move to host memory "
-                              f"({mm.gib(offloaded.host_bytes):.1f} GiB per GPU; the optimizer steps on the CPU)")
+            if (
+                setup.fully_sharded
+                and not setup.cpu_offload
+                and offloaded.fits(memory)
+                and mm.gib(offloaded.host_bytes) <= HOST_MEMORY_PER_GPU_GIB
+            ):
+                advice.append(
+                    f"--cpu-offload: sharded parameters, gradients and Adam state move to host memory "
+                    f"({mm.gib(offloaded.host_bytes):.1f} GiB per GPU; the optimizer steps on the CPU)"
+                )
     else:
         headroom = 1 - current.required_bytes / (memory * mm.GIB)
         if headroom < TIGHT_HEADROOM_FRACTION:
             # Not --fsdp-sync-free: on FSDP2 it changed neither reserved memory nor retries (docs/fsdp.md).
-            advice.append(f"only {headroom:.0%} headroom: watch max_cuda_gb_reserved and cuda_alloc_retries in the "
-                          "first log lines; if retries appear, a smaller --batch-size or --checkpoint-activations")
-        if setup.checkpoint_activations and not setup.offload_activations and \
-                fits_with_headroom(checkpoint_activations=False):
-            advice.append("drop --checkpoint-activations: it fits without, which saves recomputing every layer's "
-                          "forward (about a third more compute)")
+            advice.append(
+                f"only {headroom:.0%} headroom: watch max_cuda_gb_reserved and cuda_alloc_retries in the "
+                "first log lines; if retries appear, a smaller --batch-size or --checkpoint-activations"
+            )
+        if (
+            setup.checkpoint_activations
+            and not setup.offload_activations
+            and fits_with_headroom(checkpoint_activations=False)
+        ):
+            advice.append(
+                "drop --checkpoint-activations: it fits without, which saves recomputing every layer's "
+                "forward (about a third more compute)"
+            )
         if setup.cpu_offload and fits_with_headroom(cpu_offload=False):
             advice.append("drop --cpu-offload: the states fit on the GPU, and the optimizer step is much faster there")
         traffic = cm.step_traffic(shape, setup, request.gpus_per_node)
         across = sum(item.seconds(request.hardware) for item in traffic if item.crosses_nodes)
         compute = compute_model.compute_seconds(shape, setup, request.hardware.achieved_tflops)
         if across > compute and not request.recommend_layout:
-            advice.append(f"--recommend-layout: communication across nodes (about {across:.0f} s per step) exceeds "
-                          "compute; tensor parallelism inside a node divides what FSDP sends across them")
+            advice.append(
+                f"--recommend-layout: communication across nodes (about {across:.0f} s per step) exceeds "
+                "compute; tensor parallelism inside a node divides what FSDP sends across them"
+            )
         small_layers = setup.tokens * shape.layer_params < CPU_BOUND_TOKENS_X_LAYER_PARAMS
-        if setup.fully_sharded and not setup.forward_prefetch and small_layers and \
-                fits_with_headroom(forward_prefetch=True):
-            advice.append("--fsdp-forward-prefetch: small layers are CPU-bound, and its extra layer of full "
-                          "parameters fits")
+        if (
+            setup.fully_sharded
+            and not setup.forward_prefetch
+            and small_layers
+            and fits_with_headroom(forward_prefetch=True)
+        ):
+            advice.append(
+                "--fsdp-forward-prefetch: small layers are CPU-bound, and its extra layer of full parameters fits"
+            )
     return advice
 
 
@@ -424,16 +573,21 @@ def report(request: Request) -> List[str]:
     current = mm.plan(shape, setup)
     lines += render_plan(current, memory)
     batch = mm.largest_batch(shape, setup, memory)
-    lines.append(f"largest --batch-size that fits: {batch}" if batch else
-                 "largest --batch-size that fits: none (not even 1 sequence)")
+    lines.append(
+        f"largest --batch-size that fits: {batch}"
+        if batch
+        else "largest --batch-size that fits: none (not even 1 sequence)"
+    )
     if request.max_layers_that_fit:
         layers = mm.largest_layer_count(shape, setup, memory)
         lines.append(f"largest --decoder-layers that fits (this layer shape and these flags): {layers}")
         if layers:
             deepest = mm.plan(shape.with_layers(layers), setup)
-            lines.append(f"  with {layers} layers: {deepest.shape.total_params} parameters, peak allocated "
-                         f"{mm.gib(deepest.peak_bytes):.2f} GiB, total {mm.gib(deepest.required_bytes):.2f} GiB "
-                         f"of {memory:g}")
+            lines.append(
+                f"  with {layers} layers: {deepest.shape.total_params} parameters, peak allocated "
+                f"{mm.gib(deepest.peak_bytes):.2f} GiB, total {mm.gib(deepest.required_bytes):.2f} GiB "
+                f"of {memory:g}"
+            )
     lines += communication_lines(shape, setup, request.hardware, request.gpus_per_node)
     if request.async_checkpoints:
         lines += async_checkpoint_lines(request)
@@ -451,16 +605,23 @@ def async_checkpoint_lines(request: Request) -> List[str]:
     shape, setup = request.shape, request.setup
     ranks_per_node = min(request.gpus_per_node, setup.gpus)
     shards = (setup.shard_group or setup.data_parallel) * setup.tensor_parallel if setup.fully_sharded else 1
-    per_rank = async_save_host_bytes(shape.total_params * mm.MASTER_PARAM_BYTES,
-                                     shape.total_params * mm.ADAM_STATE_BYTES, sharded=request.sharded_state,
-                                     state_shards=shards)
+    per_rank = async_save_host_bytes(
+        shape.total_params * mm.MASTER_PARAM_BYTES,
+        shape.total_params * mm.ADAM_STATE_BYTES,
+        sharded=request.sharded_state,
+        state_shards=shards,
+    )
     per_node = per_rank * (ranks_per_node if request.sharded_state else 1)  # a single file: rank 0 alone
     kind = "sharded: every rank its shards" if request.sharded_state else "single file: rank 0 the whole state"
-    lines = [f"asynchronous checkpoints ({kind}): {mm.gib(per_node):.2f} GiB of host memory per node "
-             f"({mm.gib(per_rank):.2f} GiB per rank; docs/checkpoints.md)"]
+    lines = [
+        f"asynchronous checkpoints ({kind}): {mm.gib(per_node):.2f} GiB of host memory per node "
+        f"({mm.gib(per_rank):.2f} GiB per rank; docs/checkpoints.md)"
+    ]
     if request.node_memory_gib is not None and mm.gib(per_node) > request.node_memory_gib:
-        lines.append(f"WARNING: that exceeds the node's {request.node_memory_gib:g} GiB of RAM: use "
-                     "--use-sharded-state, more GPUs, or synchronous saves")
+        lines.append(
+            f"WARNING: that exceeds the node's {request.node_memory_gib:g} GiB of RAM: use "
+            "--use-sharded-state, more GPUs, or synchronous saves"
+        )
     return lines
 
 
@@ -469,22 +630,29 @@ def _layout_name(setup: mm.TrainingSetup) -> str:
     return ParallelLayout(setup.data_parallel // shard, shard, setup.tensor_parallel).describe()
 
 
-def communication_lines(shape: mm.ModelShape, setup: mm.TrainingSetup, hardware: hw.Hardware,
-                        gpus_per_node: int) -> List[str]:
+def communication_lines(
+    shape: mm.ModelShape, setup: mm.TrainingSetup, hardware: hw.Hardware, gpus_per_node: int
+) -> List[str]:
     """Bytes per GPU per step of each collective, where it runs, and the step time they leave exposed."""
     traffic = cm.step_traffic(shape, setup, gpus_per_node)
-    lines = [f"layout: {_layout_name(setup)} on {setup.gpus} GPUs ({gpus_per_node} per node); communication per "
-             f"GPU per step ({setup.update_freq} micro-batch(es)), GiB:"]
+    lines = [
+        f"layout: {_layout_name(setup)} on {setup.gpus} GPUs ({gpus_per_node} per node); communication per "
+        f"GPU per step ({setup.update_freq} micro-batch(es)), GiB:"
+    ]
     for item in traffic:
         where = "across nodes" if item.crosses_nodes else "inside a node"
         lines.append(f"  {item.what + f' over {item.ranks} ranks, {where}':<70} {mm.gib(item.bytes):9.2f}")
     inter = sum(i.seconds(hardware) for i in traffic if i.crosses_nodes)
     intra = sum(i.seconds(hardware) for i in traffic if not i.crosses_nodes)
     time = step_time(shape, setup, hardware, gpus_per_node)
-    lines.append(f"  transfers: {intra:.2f} s inside nodes ({hardware.intra_node_gbps:g} GB/s per GPU) + {inter:.2f} s "
-                 f"across nodes ({hardware.inter_node_gbps:g} GB/s)")
-    lines.append(f"estimated step: {time.total:.2f} s = compute {time.compute:.2f} s (at {hardware.achieved_tflops:g} "
-                 f"TFLOP/s per GPU{_float8_note(setup)}) + exposed communication {time.exposed:.2f} s")
+    lines.append(
+        f"  transfers: {intra:.2f} s inside nodes ({hardware.intra_node_gbps:g} GB/s per GPU) + {inter:.2f} s "
+        f"across nodes ({hardware.inter_node_gbps:g} GB/s)"
+    )
+    lines.append(
+        f"estimated step: {time.total:.2f} s = compute {time.compute:.2f} s (at {hardware.achieved_tflops:g} "
+        f"TFLOP/s per GPU{_float8_note(setup)}) + exposed communication {time.exposed:.2f} s"
+    )
     return lines
 
 
@@ -499,31 +667,46 @@ def layout_lines(request: Request) -> List[str]:
     shape, setup = request.shape, request.setup
     sequences = setup.batch_size * setup.update_freq * setup.data_parallel
     candidates = layouts.candidate_layouts(shape, setup, request.hardware, request.gpus_per_node)
-    lines = [f"layouts of {setup.gpus} GPUs at {sequences} sequences per update, each at the largest micro-batch that "
-             "fits, fastest first (estimated step: compute + communication not hidden behind it):"]
+    lines = [
+        f"layouts of {setup.gpus} GPUs at {sequences} sequences per update, each at the largest micro-batch that "
+        "fits, fastest first (estimated step: compute + communication not hidden behind it):"
+    ]
     if not candidates:
         return lines + ["  none fits: more GPUs, or --checkpoint-activations / --bf16"]
     best = candidates[0]
     flags = [f"--model-parallel-size {best.setup.tensor_parallel}"] if best.setup.tensor_parallel > 1 else []
     flags += [f"--fsdp-shard-group-size {best.setup.shard_group}"] if best.setup.shard_group else []
     flags += [f"--batch-size {best.setup.batch_size}", f"--update-freq {best.setup.update_freq}"]
-    lines.append(f"recommended layout: {_layout_name(best.setup)}: {' '.join(flags)} ({best.time.total:.2f} s per "
-                 f"step: compute {best.time.compute:.2f} s + exposed communication {best.time.exposed:.2f} s; "
-                 f"{mm.gib(best.plan.required_bytes):.2f} GiB per GPU)")
-    lines.append(f"  {'layout':<24} {'batch x freq':>12} {'GiB needed':>11} {'compute s':>10} {'exposed s':>10} "
-                 f"{'step s':>8} {'across nodes GiB':>17} {'all comm s':>11}")
+    lines.append(
+        f"recommended layout: {_layout_name(best.setup)}: {' '.join(flags)} ({best.time.total:.2f} s per "
+        f"step: compute {best.time.compute:.2f} s + exposed communication {best.time.exposed:.2f} s; "
+        f"{mm.gib(best.plan.required_bytes):.2f} GiB per GPU)"
+    )
+    lines.append(
+        f"  {'layout':<24} {'batch x freq':>12} {'GiB needed':>11} {'compute s':>10} {'exposed s':>10} "
+        f"{'step s':>8} {'across nodes GiB':>17} {'all comm s':>11}"
+    )
     # One row per tensor-parallel size (FSDP over all its data-parallel ranks), and the HSDP layouts that beat it.
     fsdp = {c.setup.tensor_parallel: c.time.total for c in candidates if not c.setup.shard_group}
-    shown = [c for c in candidates if c is best or not c.setup.shard_group or
-             c.time.total < fsdp.get(c.setup.tensor_parallel, float("inf")) * (1 - layouts.STEP_TIME_TIE_FRACTION)]
+    shown = [
+        c
+        for c in candidates
+        if c is best
+        or not c.setup.shard_group
+        or c.time.total < fsdp.get(c.setup.tensor_parallel, float("inf")) * (1 - layouts.STEP_TIME_TIE_FRACTION)
+    ]
     for candidate in shown:
         c, time = candidate.setup, candidate.time
-        lines.append(f"  {_layout_name(c):<24} {f'{c.batch_size} x {c.update_freq}':>12} "
-                     f"{mm.gib(candidate.plan.required_bytes):11.2f} {time.compute:10.2f} {time.exposed:10.2f} "
-                     f"{time.total:8.2f} {mm.gib(candidate.inter_node_bytes):17.1f} {time.communication:11.2f}")
+        lines.append(
+            f"  {_layout_name(c):<24} {f'{c.batch_size} x {c.update_freq}':>12} "
+            f"{mm.gib(candidate.plan.required_bytes):11.2f} {time.compute:10.2f} {time.exposed:10.2f} "
+            f"{time.total:8.2f} {mm.gib(candidate.inter_node_bytes):17.1f} {time.communication:11.2f}"
+        )
     if len(shown) < len(candidates):
-        lines.append(f"  not shown: {len(candidates) - len(shown)} HSDP layouts (--fsdp-shard-group-size), none "
-                     "faster than FSDP over all data-parallel ranks at their TP size, all needing more memory")
+        lines.append(
+            f"  not shown: {len(candidates) - len(shown)} HSDP layouts (--fsdp-shard-group-size), none "
+            "faster than FSDP over all data-parallel ranks at their TP size, all needing more memory"
+        )
     return lines
 
 

@@ -82,8 +82,9 @@ def model_shape(cfg, vocab_size: int, padding_idx: int = 1) -> ModelShape:
     TransformerLanguageModel.check_config(cfg)  # the flags as given (the build below changes the layer count)
     num_layers = cfg.decoder_layers
     with torch.device("meta"):  # build() fills max_target_positions in place: a copy
-        model = TransformerLanguageModel.build(dataclasses.replace(cfg, decoder_layers=min(max(num_layers, 1), 2)),
-                                               vocab_size, padding_idx)
+        model = TransformerLanguageModel.build(
+            dataclasses.replace(cfg, decoder_layers=min(max(num_layers, 1), 2)), vocab_size, padding_idx
+        )
     layers = model.transformer_layers()
     layer_ids = {id(p) for p in layers.parameters()}
     layer_shapes = [tuple(tuple(p.shape) for p in layer.parameters()) for layer in layers]
@@ -94,21 +95,35 @@ def model_shape(cfg, vocab_size: int, padding_idx: int = 1) -> ModelShape:
     splits = split_dims(model)
     root_splits = tuple(splits[n] for n, p in model.named_parameters() if id(p) not in layer_ids)
     layer_splits = tuple(splits[f"decoder.layers.0.{n}"] for n, _ in layers[0].named_parameters())
-    float8_tp = {id(m.weight): tuple(tp for tp in range(1, FLOAT8_MAX_TP + 1) if is_float8_convertible(m, n, tp))
-                 for n, m in layers[0].named_modules() if isinstance(m, torch.nn.Linear)}
+    float8_tp = {
+        id(m.weight): tuple(tp for tp in range(1, FLOAT8_MAX_TP + 1) if is_float8_convertible(m, n, tp))
+        for n, m in layers[0].named_modules()
+        if isinstance(m, torch.nn.Linear)
+    }
     layer_float8 = tuple(float8_tp.get(id(p), ()) for p in layers[0].parameters())
-    norm_params = sum(p.numel() for m in layers[0].modules() if isinstance(m, torch.nn.LayerNorm)
-                      for p in m.parameters())
+    norm_params = sum(
+        p.numel() for m in layers[0].modules() if isinstance(m, torch.nn.LayerNorm) for p in m.parameters()
+    )
     activation_dropout = cfg.activation_dropout or cfg.relu_dropout or 0.0
     built = ModelShape(
         total_params=sum(p.numel() for p in model.parameters()),
-        num_layers=len(layers), layer_param_shapes=one_layer, layer_norm_params=norm_params,
+        num_layers=len(layers),
+        layer_param_shapes=one_layer,
+        layer_norm_params=norm_params,
         root_param_shapes=root,
-        vocab_size=vocab_size, embed_dim=cfg.decoder_embed_dim, ffn_dim=cfg.decoder_ffn_embed_dim,
-        heads=cfg.decoder_attention_heads, output_dim=cfg.decoder_output_dim,
-        output_projection_tied=bool(cfg.share_decoder_input_output_embed), activation_fn=cfg.activation_fn,
-        dropout=cfg.dropout, activation_dropout=activation_dropout, layernorm_embedding=cfg.layernorm_embedding,
-        layer_param_splits=layer_splits, root_param_splits=root_splits, layer_param_float8_tp=layer_float8,
+        vocab_size=vocab_size,
+        embed_dim=cfg.decoder_embed_dim,
+        ffn_dim=cfg.decoder_ffn_embed_dim,
+        heads=cfg.decoder_attention_heads,
+        output_dim=cfg.decoder_output_dim,
+        output_projection_tied=bool(cfg.share_decoder_input_output_embed),
+        activation_fn=cfg.activation_fn,
+        dropout=cfg.dropout,
+        activation_dropout=activation_dropout,
+        layernorm_embedding=cfg.layernorm_embedding,
+        layer_param_splits=layer_splits,
+        root_param_splits=root_splits,
+        layer_param_float8_tp=layer_float8,
     )
     assert built.total_params == built.num_layers * built.layer_params + built.root_params
     return built.with_layers(num_layers)
@@ -125,9 +140,15 @@ def local_shape(shape: ModelShape, tp: int) -> ModelShape:
 
     layer = split(shape.layer_param_shapes, shape.layer_param_splits)
     root = split(shape.root_param_shapes, shape.root_param_splits)
-    local = dataclasses.replace(shape, layer_param_shapes=layer, root_param_shapes=root,
-                                vocab_size=shape.vocab_size // tp, heads=shape.heads // tp, ffn_dim=shape.ffn_dim // tp,
-                                total_params=0)
+    local = dataclasses.replace(
+        shape,
+        layer_param_shapes=layer,
+        root_param_shapes=root,
+        vocab_size=shape.vocab_size // tp,
+        heads=shape.heads // tp,
+        ffn_dim=shape.ffn_dim // tp,
+        total_params=0,
+    )
     return dataclasses.replace(local, total_params=local.num_layers * local.layer_params + local.root_params)
 
 
@@ -168,8 +189,13 @@ class TrainingSetup:
     @property
     def fsdp(self) -> FSDPSettings:
         """The FSDP flags as fairseq.distributed.fsdp reads them: its prefetch rules, not a copy of them."""
-        return FSDPSettings(reshard_after_forward=self.reshard_after_forward, forward_prefetch=self.forward_prefetch,
-                            prefetch_depth=self.prefetch_depth, sync_free=self.sync_free, cpu_offload=self.cpu_offload)
+        return FSDPSettings(
+            reshard_after_forward=self.reshard_after_forward,
+            forward_prefetch=self.forward_prefetch,
+            prefetch_depth=self.prefetch_depth,
+            sync_free=self.sync_free,
+            cpu_offload=self.cpu_offload,
+        )
 
     @property
     def shard_ranks(self) -> int:

@@ -20,19 +20,26 @@ import numpy as np
 
 from fairseq.data.dictionary import Dictionary
 from fairseq.data.indexed_dataset import best_fitting_dtype
+
 # The reading and counting of text files are the Dictionary's too (add_file_to_dictionary); named here as before.
 from fairseq.data.text_files import count_words, count_words_range, find_offsets, iter_text_blocks  # noqa: F401
 from fairseq.data.worker_pool import make_pool, maybe_pool, settle  # noqa: F401 (make_pool: fairseq-preprocess's)
 from fairseq.preprocessing.binarizer_jobs import BinarizeSummary, run_jobs_atomically
+
 # Upstream's binarizer classes, under their upstream module name (fairseq.binarizer).
 from fairseq.preprocessing.line_binarizers import (  # noqa: F401
-    AlignmentDatasetBinarizer, Binarizer, FileBinarizer, VocabularyDatasetBinarizer)
+    AlignmentDatasetBinarizer,
+    Binarizer,
+    FileBinarizer,
+    VocabularyDatasetBinarizer,
+)
 
 _LINE_MARK = "\x00"  # stands for a line end inside a block; never whitespace, so split() keeps it a token
 
 
-def build_dictionary(paths: List[str], num_workers: int = 1, threshold: int = -1, nwords: int = -1,
-                     padding_factor: int = 8, pool=None):
+def build_dictionary(
+    paths: List[str], num_workers: int = 1, threshold: int = -1, nwords: int = -1, padding_factor: int = 8, pool=None
+):
     """A finalized Dictionary counted from text files, as upstream's task.build_dictionary builds it."""
     d = Dictionary()
     for path in paths:
@@ -44,8 +51,9 @@ def build_dictionary(paths: List[str], num_workers: int = 1, threshold: int = -1
 
 
 # ---- encoding ---------------------------------------------------------------------------------------------
-def encode_block(text: str, indices: Dict[str, int], marked: Dict[str, int], unk: int, eos: int,
-                 unk_word: str) -> Tuple[np.ndarray, np.ndarray, int]:
+def encode_block(
+    text: str, indices: Dict[str, int], marked: Dict[str, int], unk: int, eos: int, unk_word: str
+) -> Tuple[np.ndarray, np.ndarray, int]:
     """(token ids int64, sizes per line, words replaced by unk) of a block of whole lines.
 
     `marked` is `indices` plus `_LINE_MARK -> -1`: line ends become marker tokens, so one split and one
@@ -83,8 +91,9 @@ def _encode_lines(text, indices, unk, eos, unk_word):
     return np.asarray(ids, dtype=np.int64), np.asarray(sizes, dtype=np.int64), replaced
 
 
-def binarize_range(builder, path: str, start: int, end: int, indices: Dict[str, int], unk: int, eos: int,
-                   unk_word: str) -> BinarizeSummary:
+def binarize_range(
+    builder, path: str, start: int, end: int, indices: Dict[str, int], unk: int, eos: int, unk_word: str
+) -> BinarizeSummary:
     """Encode bytes [start, end) of `path` into `builder` (one job of `run_jobs_atomically`)."""
     marked = dict(indices)
     marked[_LINE_MARK] = -1
@@ -167,8 +176,9 @@ class SentencepieceLineEncoder(LineEncoder):
         super().__init__(bpe)
         sp = bpe.sp
         self._pieces = [sp.IdToPiece(i) for i in range(sp.GetPieceSize())]
-        self._safe = np.array([p.split() == [p] and not sp.IsUnknown(i) for i, p in enumerate(self._pieces)],
-                              dtype=bool)
+        self._safe = np.array(
+            [p.split() == [p] and not sp.IsUnknown(i) for i, p in enumerate(self._pieces)], dtype=bool
+        )
         self._ids.default_factory = lambda: len(self._ids) + len(self._pieces)
 
     def symbols(self) -> List[str]:
@@ -176,16 +186,22 @@ class SentencepieceLineEncoder(LineEncoder):
 
     def encoded_lines(self, lines: List[str]) -> List[str]:
         todo = [line for line in lines if line]
-        pieces = iter(self.bpe.sp.Encode(todo, out_type=str, enable_sampling=self.bpe.enable_sampling,
-                                         alpha=self.bpe.alpha) if todo else [])
+        pieces = iter(
+            self.bpe.sp.Encode(todo, out_type=str, enable_sampling=self.bpe.enable_sampling, alpha=self.bpe.alpha)
+            if todo
+            else []
+        )
         return [" ".join(next(pieces)) if line else "" for line in lines]
 
     def encode(self, lines):
         from itertools import chain
 
         todo = [line for line in lines if line]
-        encoded = self.bpe.sp.Encode(todo, out_type=int, enable_sampling=self.bpe.enable_sampling,
-                                     alpha=self.bpe.alpha) if todo else []
+        encoded = (
+            self.bpe.sp.Encode(todo, out_type=int, enable_sampling=self.bpe.enable_sampling, alpha=self.bpe.alpha)
+            if todo
+            else []
+        )
         sizes = np.zeros(len(lines), dtype=np.int64)
         nonempty = [i for i, line in enumerate(lines) if line]
         sizes[nonempty] = np.fromiter(map(len, encoded), dtype=np.int64, count=len(encoded))
@@ -273,15 +289,16 @@ class LocalIdTable:
     def update(self, symbols: Optional[List[str]] = None):
         symbols = self.encoder.symbols() if symbols is None else symbols
         if len(symbols) > len(self.index):
-            new = symbols[len(self.index):]
+            new = symbols[len(self.index) :]
             idx = np.fromiter((self.indices.get(s, self.unk) for s in new), dtype=np.int64, count=len(new))
             rep = (idx == self.unk) & np.fromiter((s != self.unk_word for s in new), dtype=bool, count=len(new))
             self.index = np.concatenate([self.index, idx])
             self.replaced = np.concatenate([self.replaced, rep])
 
 
-def map_local_ids(local: np.ndarray, sizes: np.ndarray, table: LocalIdTable,
-                  eos: int) -> Tuple[np.ndarray, np.ndarray, int]:
+def map_local_ids(
+    local: np.ndarray, sizes: np.ndarray, table: LocalIdTable, eos: int
+) -> Tuple[np.ndarray, np.ndarray, int]:
     """(dictionary indices with </s> after each line, tokens per line with it, tokens replaced by <unk>) of lines
     given as local ids (`sizes` tokens each): fairseq-preprocess's ids, also the streaming task's."""
     if len(local) and int(local.max()) >= len(table.index):
@@ -295,8 +312,9 @@ def map_local_ids(local: np.ndarray, sizes: np.ndarray, table: LocalIdTable,
     return out, out_sizes, int(np.count_nonzero(table.replaced[local]))
 
 
-def _add_mapped(builder, summary: BinarizeSummary, local: np.ndarray, sizes: np.ndarray,
-                table: LocalIdTable, eos: int) -> None:
+def _add_mapped(
+    builder, summary: BinarizeSummary, local: np.ndarray, sizes: np.ndarray, table: LocalIdTable, eos: int
+) -> None:
     """Append lines given as local ids (`sizes` tokens each, no </s>) as dictionary indices plus </s>."""
     if len(sizes) == 0:
         return
@@ -307,8 +325,9 @@ def _add_mapped(builder, summary: BinarizeSummary, local: np.ndarray, sizes: np.
     summary.num_replaced += replaced
 
 
-def encode_binarize_range(builder, path: str, start: int, end: int, spec: tuple, indices: Dict[str, int], unk: int,
-                          eos: int, unk_word: str) -> BinarizeSummary:
+def encode_binarize_range(
+    builder, path: str, start: int, end: int, spec: tuple, indices: Dict[str, int], unk: int, eos: int, unk_word: str
+) -> BinarizeSummary:
     """Raw text bytes [start, end) of `path`, encoded with `spec`'s --bpe, into `builder`."""
     encoder = _line_encoder(spec)
     table = LocalIdTable(encoder, indices, unk, unk_word)
@@ -343,14 +362,16 @@ def count_encode_range(path: str, start: int, end: int, spec: tuple, cache_prefi
 CACHE_LINES = 1 << 16  # lines of a cached range mapped at once
 
 
-def binarize_cached_range(builder, cache: tuple, spec: tuple, indices: Dict[str, int], unk: int, eos: int,
-                          unk_word: str) -> BinarizeSummary:
+def binarize_cached_range(
+    builder, cache: tuple, spec: tuple, indices: Dict[str, int], unk: int, eos: int, unk_word: str
+) -> BinarizeSummary:
     """Binarize a range cached by `count_encode_range` into `builder`."""
     cache_prefix, symbols = cache
     encoder = _line_encoder(spec)
     table = LocalIdTable(encoder, indices, unk, unk_word)
     table.update(symbols)
     summary = BinarizeSummary()
+
     def mapped(ext):  # read in slices: memory stays bounded whatever the range's size
         path = cache_prefix + ext
         return np.memmap(path, dtype=np.int32, mode="r") if os.path.getsize(path) else np.zeros(0, np.int32)
@@ -358,9 +379,9 @@ def binarize_cached_range(builder, cache: tuple, spec: tuple, indices: Dict[str,
     sizes_all, ids_all = mapped(".sizes"), mapped(".ids")
     pos = 0
     for a in range(0, len(sizes_all), CACHE_LINES):
-        sizes = np.asarray(sizes_all[a:a + CACHE_LINES], dtype=np.int64)
+        sizes = np.asarray(sizes_all[a : a + CACHE_LINES], dtype=np.int64)
         n = int(sizes.sum())
-        _add_mapped(builder, summary, np.asarray(ids_all[pos:pos + n], dtype=np.int64), sizes, table, eos)
+        _add_mapped(builder, summary, np.asarray(ids_all[pos : pos + n], dtype=np.int64), sizes, table, eos)
         pos += n
     del sizes_all, ids_all
     return summary
@@ -372,8 +393,16 @@ def remove_cache(cache: tuple) -> None:
             os.remove(cache[0] + ext)
 
 
-def build_dictionary_encoded(path: str, spec: tuple, cache_stem: str, num_workers: int = 1, threshold: int = -1,
-                             nwords: int = -1, padding_factor: int = 8, pool=None):
+def build_dictionary_encoded(
+    path: str,
+    spec: tuple,
+    cache_stem: str,
+    num_workers: int = 1,
+    threshold: int = -1,
+    nwords: int = -1,
+    padding_factor: int = 8,
+    pool=None,
+):
     """(Dictionary, caches): the dictionary of `path` as encoded by `spec` (what build_dictionary gives on the
     encoder script's output), and the encoded ranges cached for `binarize_file_encoded(caches=...)`. The
     caller removes the caches (`remove_cache`)."""
@@ -384,8 +413,9 @@ def build_dictionary_encoded(path: str, spec: tuple, cache_stem: str, num_worker
     pending = []
     try:
         with maybe_pool(pool if len(ranges) > 1 else False, len(ranges) - 1, preload=(__name__,)) as p:
-            pending = [p.apply_async(count_encode_range, (path, s, e, spec, c))
-                       for (s, e), c in zip(ranges[1:], prefixes[1:])]
+            pending = [
+                p.apply_async(count_encode_range, (path, s, e, spec, c)) for (s, e), c in zip(ranges[1:], prefixes[1:])
+            ]
             results = [count_encode_range(path, *ranges[0], spec, prefixes[0])]
             results += [r.get() for r in pending]
     except BaseException as err:
@@ -407,8 +437,15 @@ def build_dictionary_encoded(path: str, spec: tuple, cache_stem: str, num_worker
     return d, caches
 
 
-def binarize_file_encoded(path: str, dictionary, output_prefix: str, spec: tuple, num_workers: int = 1, pool=None,
-                          caches: Optional[List[tuple]] = None) -> BinarizeSummary:
+def binarize_file_encoded(
+    path: str,
+    dictionary,
+    output_prefix: str,
+    spec: tuple,
+    num_workers: int = 1,
+    pool=None,
+    caches: Optional[List[tuple]] = None,
+) -> BinarizeSummary:
     """`binarize_file` of `path` as encoded by `spec`'s --bpe (one pass, no encoded text written), or of the
     ranges `build_dictionary_encoded` cached. Byte-identical to binarizing the encoder script's output."""
     if caches is None and not os.path.isfile(path):

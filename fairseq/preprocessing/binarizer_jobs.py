@@ -54,8 +54,10 @@ def run_jobs_atomically(output_prefix: str, dtype, jobs: List[tuple], pool):
     pending = []
     try:
         with maybe_pool(pool if worker_parts else False, len(worker_parts), preload=(__name__,)) as p:
-            pending = [p.apply_async(_job_to_files, (func, args, dtype, wb, wi))
-                       for (func, args), (wb, wi) in zip(jobs[1:], worker_parts)]
+            pending = [
+                p.apply_async(_job_to_files, (func, args, dtype, wb, wi))
+                for (func, args), (wb, wi) in zip(jobs[1:], worker_parts)
+            ]
             func, args = jobs[0]
             summary = func(builder, *args)
             for r, (wb, wi) in zip(pending, worker_parts):

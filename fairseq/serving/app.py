@@ -57,16 +57,25 @@ class Server:
         for key in self.api_keys:
             matched |= hmac.compare_digest(given, key)
         if not matched:
-            raise APIError(401, "no API key given: send the header `Authorization: Bearer KEY`" if not given else
-                           "the API key is not valid", None, "invalid_api_key")
+            raise APIError(
+                401,
+                "no API key given: send the header `Authorization: Bearer KEY`"
+                if not given
+                else "the API key is not valid",
+                None,
+                "invalid_api_key",
+            )
 
     def check_available(self) -> None:
         if self.draining:
-            raise APIError(503, "the server is shutting down: send the request to another replica", None,
-                           "draining")
+            raise APIError(503, "the server is shutting down: send the request to another replica", None, "draining")
         if self.scheduler is None:
-            raise APIError(503, self.load_error or "the model is still loading: retry when GET /health answers 200",
-                           None, "loading")
+            raise APIError(
+                503,
+                self.load_error or "the model is still loading: retry when GET /health answers 200",
+                None,
+                "loading",
+            )
 
 
 def error_response(err: APIError, headers=None) -> JSONResponse:
@@ -77,8 +86,12 @@ async def read_body(request: Request, limit: int, timeout: float) -> bytes:
     """The body, refused (413) past `limit` bytes, announced or sent, and (408) when it takes over `timeout`."""
     length = request.headers.get("content-length")
     if length is not None and length.isdigit() and int(length) > limit:
-        raise APIError(413, f"the request body is {int(length)} bytes, more than this server's {limit} "
-                            "(--max-body-bytes)", None, "request_too_large")
+        raise APIError(
+            413,
+            f"the request body is {int(length)} bytes, more than this server's {limit} (--max-body-bytes)",
+            None,
+            "request_too_large",
+        )
     chunks, size = [], 0
 
     async def read():
@@ -86,8 +99,12 @@ async def read_body(request: Request, limit: int, timeout: float) -> bytes:
         async for chunk in request.stream():
             size += len(chunk)
             if size > limit:
-                raise APIError(413, f"the request body is more than this server's {limit} bytes (--max-body-bytes)",
-                               None, "request_too_large")
+                raise APIError(
+                    413,
+                    f"the request body is more than this server's {limit} bytes (--max-body-bytes)",
+                    None,
+                    "request_too_large",
+                )
             chunks.append(chunk)
 
     try:
@@ -102,16 +119,28 @@ def build_app(server: Server) -> Starlette:
         if server.draining:
             return JSONResponse({"status": "draining"}, status_code=503)
         if server.scheduler is None:
-            return JSONResponse({"status": "error" if server.load_error else "loading",
-                                 "message": server.load_error}, status_code=503)
+            return JSONResponse(
+                {"status": "error" if server.load_error else "loading", "message": server.load_error}, status_code=503
+            )
         return JSONResponse({"status": "ok"})
 
     async def models(request: Request):
         server.check_key(request)
         server.check_available()
-        return JSONResponse({"object": "list", "data": [
-            {"id": server.model.name, "object": "model", "created": 0, "owned_by": "fairseq",
-             "max_model_len": server.model.max_positions}]})
+        return JSONResponse(
+            {
+                "object": "list",
+                "data": [
+                    {
+                        "id": server.model.name,
+                        "object": "model",
+                        "created": 0,
+                        "owned_by": "fairseq",
+                        "max_model_len": server.model.max_positions,
+                    }
+                ],
+            }
+        )
 
     async def metrics(request: Request):
         return PlainTextResponse(server.metrics.text(), media_type="text/plain; version=0.0.4")
@@ -125,15 +154,23 @@ def build_app(server: Server) -> Starlette:
 
     async def not_found(request: Request, exc: HTTPException):
         status = exc.status_code
-        message = (f"no route {request.method} {request.url.path}: the API is POST /v1/completions, GET /v1/models"
-                   if status in (404, 405) else str(exc.detail))
+        message = (
+            f"no route {request.method} {request.url.path}: the API is POST /v1/completions, GET /v1/models"
+            if status in (404, 405)
+            else str(exc.detail)
+        )
         return error_response(APIError(status, message, None, "not_found" if status == 404 else None))
 
     async def api_error(request: Request, exc: APIError):
         return error_response(exc)
 
-    routes = [Route("/", playground), Route("/health", health), Route("/metrics", metrics),
-              Route("/v1/models", models), Route("/v1/completions", completions, methods=["POST"])]
+    routes = [
+        Route("/", playground),
+        Route("/health", health),
+        Route("/metrics", metrics),
+        Route("/v1/models", models),
+        Route("/v1/completions", completions, methods=["POST"]),
+    ]
     app = Starlette(routes=routes, exception_handlers={HTTPException: not_found, APIError: api_error})
     app.add_middleware(_AccessLog, server=server)
     return app
@@ -162,8 +199,11 @@ class _AccessLog:
         finally:
             seconds = time.monotonic() - started
             path = scope["path"]
-            self.server.metrics.request(path if path in ("/v1/completions", "/v1/models", "/health", "/metrics", "/")
-                                        else "other", status[0], seconds)
+            self.server.metrics.request(
+                path if path in ("/v1/completions", "/v1/models", "/health", "/metrics", "/") else "other",
+                status[0],
+                seconds,
+            )
             client = scope.get("client") or ("-", 0)
             extra = scope["state"].get("access", "")
             access_log.info(f'{client[0]} "{scope["method"]} {path}" {status[0]} {seconds:.3f}s{extra}')
@@ -186,8 +226,9 @@ async def handle_completion(server: Server, request: Request) -> Response:
     try:
         server.scheduler.submit(work)
     except QueueFull:
-        raise APIError(429, f"the server's queue is full ({cfg.max_queue} requests wait): retry later", None,
-                       "queue_full") from None
+        raise APIError(
+            429, f"the server's queue is full ({cfg.max_queue} requests wait): retry later", None, "queue_full"
+        ) from None
     except Draining:
         raise APIError(503, "the server is shutting down", None, "draining") from None
     deadline = started + cfg.request_timeout
@@ -196,8 +237,11 @@ async def handle_completion(server: Server, request: Request) -> Response:
         note += f" prompt={json.dumps(body.prompts)[:2000]}"
     request.scope["state"]["access"] = note
     if body.stream:
-        return StreamingResponse(_stream(server, job, work, events, deadline, started, request),
-                                 media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        return StreamingResponse(
+            _stream(server, job, work, events, deadline, started, request),
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache"},
+        )
     try:
         await _collect(server, job, work, events, deadline, started)
     except BaseException:
@@ -207,16 +251,18 @@ async def handle_completion(server: Server, request: Request) -> Response:
     return JSONResponse(job.response())
 
 
-async def _next(server: Server, job: CompletionJob, work, events: asyncio.Queue, deadline: float, started: float,
-                first: list):
+async def _next(
+    server: Server, job: CompletionJob, work, events: asyncio.Queue, deadline: float, started: float, first: list
+):
     """The next event taken into `job` (an APIError for a timeout or a failed decode)."""
     remaining = deadline - time.monotonic()
     try:
         event = await asyncio.wait_for(events.get(), max(remaining, 0.001))
     except asyncio.TimeoutError:
         server.scheduler.cancel(work)
-        raise APIError(504, f"the request took more than {server.cfg.request_timeout:g} s (--request-timeout)", None,
-                       "timeout") from None
+        raise APIError(
+            504, f"the request took more than {server.cfg.request_timeout:g} s (--request-timeout)", None, "timeout"
+        ) from None
     if event.error is not None:
         raise APIError(500, f"decoding failed: {event.error}", None, "server_error")
     if not first and (event.ids or event.result is not None):

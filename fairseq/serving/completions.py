@@ -53,7 +53,7 @@ class CompletionJob:
 
     @property
     def prompt_tokens(self) -> int:
-        return sum(len(s.prompt) for s in self.states[::self.request.n])
+        return sum(len(s.prompt) for s in self.states[:: self.request.n])
 
     @property
     def completion_tokens(self) -> int:
@@ -63,20 +63,34 @@ class CompletionJob:
         request, limits, positions = self.request, self.limits, self.model.max_positions
         if longest_prompt + 1 > positions or longest_prompt > limits.max_prompt_tokens:
             most = min(positions - 1, limits.max_prompt_tokens)
-            raise APIError(413, f"the prompt is {longest_prompt} tokens long, more than the {most} this server "
-                                f"accepts (the model has {positions} positions, one for the </s> it starts from); "
-                                "shorten the prompt", "prompt", "context_length_exceeded")
+            raise APIError(
+                413,
+                f"the prompt is {longest_prompt} tokens long, more than the {most} this server "
+                f"accepts (the model has {positions} positions, one for the </s> it starts from); "
+                "shorten the prompt",
+                "prompt",
+                "context_length_exceeded",
+            )
         room = positions - 1 - longest_prompt
         if request.max_tokens is None:
             return min(DEFAULT_MAX_TOKENS, room, limits.max_tokens)
         if request.max_tokens > limits.max_tokens:
-            raise APIError(400, f"max_tokens: {request.max_tokens} is more than this server's limit of "
-                                f"{limits.max_tokens} (--max-tokens)", "max_tokens", "invalid_value")
+            raise APIError(
+                400,
+                f"max_tokens: {request.max_tokens} is more than this server's limit of "
+                f"{limits.max_tokens} (--max-tokens)",
+                "max_tokens",
+                "invalid_value",
+            )
         if request.max_tokens > room:
-            raise APIError(400, f"max_tokens: {request.max_tokens} does not fit: the prompt takes {longest_prompt} "
-                                f"of the model's {positions} positions (one more for the </s> it starts from), "
-                                f"{room} are left; send max_tokens <= {room}", "max_tokens",
-                           "context_length_exceeded")
+            raise APIError(
+                400,
+                f"max_tokens: {request.max_tokens} does not fit: the prompt takes {longest_prompt} "
+                f"of the model's {positions} positions (one more for the </s> it starts from), "
+                f"{room} are left; send max_tokens <= {room}",
+                "max_tokens",
+                "context_length_exceeded",
+            )
         return request.max_tokens
 
     # ---- what the decode thread runs ------------------------------------------------------------------------
@@ -87,8 +101,21 @@ class CompletionJob:
         reserved = sum(len(s.prompt) + 1 + self.max_new for s in self.states)
         if self.scoring or request.beam > 1:
             return Work([], emit, reserved, run_whole=self._run_whole)
-        choices = [Choice(f"{self.id}-{i}", i, s.prompt, self.max_new, request.temperature, request.top_p,
-                          request.top_k, self.seed, i, request.logprobs or 0) for i, s in enumerate(self.states)]
+        choices = [
+            Choice(
+                f"{self.id}-{i}",
+                i,
+                s.prompt,
+                self.max_new,
+                request.temperature,
+                request.top_p,
+                request.top_k,
+                self.seed,
+                i,
+                request.logprobs or 0,
+            )
+            for i, s in enumerate(self.states)
+        ]
         work = Work(choices, emit, reserved)
         if request.echo and request.logprobs is not None:
             work.prologue = self._score_prompts
@@ -96,22 +123,29 @@ class CompletionJob:
 
     def _score_prompts(self, model: ServedModel) -> dict:
         """echo with logprobs: each prompt's log p (the scorer's) and top-N."""
-        return {"echo": [(model.score(s.prompt), model.top_logprobs(s.prompt, self.request.logprobs or 0))
-                         for s in self.states[::self.request.n]]}
+        return {
+            "echo": [
+                (model.score(s.prompt), model.top_logprobs(s.prompt, self.request.logprobs or 0))
+                for s in self.states[:: self.request.n]
+            ]
+        }
 
     def _run_whole(self, model: ServedModel) -> dict:
         """Scoring (max_tokens 0) or best_of's beam search, the whole request at once: per choice (ids, log p,
         top, finish reason), after the prompts' scores when echo asks for logprobs."""
         request, results = self.request, []
         echo = self._score_prompts(model) if request.echo and request.logprobs is not None else {}
-        for state in self.states[::request.n]:
+        for state in self.states[:: request.n]:
             if self.scoring:
                 hypos = [([], [], "length")] * request.n
             else:
                 hypos = model.beam(state.prompt, self.max_new, request.beam, request.n)
             for new, scores, reason in hypos:
-                top = model.top_logprobs(state.prompt + new, request.logprobs or 0)[len(state.prompt):] \
-                    if request.logprobs else []
+                top = (
+                    model.top_logprobs(state.prompt + new, request.logprobs or 0)[len(state.prompt) :]
+                    if request.logprobs
+                    else []
+                )
                 results.append((new, scores, top, reason))
         return dict(echo, choices=results)
 
@@ -141,7 +175,7 @@ class CompletionJob:
         if echo is None:
             return
         for p, (scores, top) in enumerate(echo):
-            for state in self.states[p * self.request.n:(p + 1) * self.request.n]:
+            for state in self.states[p * self.request.n : (p + 1) * self.request.n]:
                 state.echo_logprobs, state.echo_top = scores, top
 
     @property
@@ -162,8 +196,9 @@ class CompletionJob:
             out["tokens"].append(piece)
             out["token_logprobs"].append(state.logprobs[start + i] if start + i < len(state.logprobs) else None)
             top = state.top[start + i] if start + i < len(state.top) else {}
-            out["top_logprobs"].append(model.alternatives(state.prompt + state.ids[:start + i], top)
-                                       if request.logprobs else None)
+            out["top_logprobs"].append(
+                model.alternatives(state.prompt + state.ids[: start + i], top) if request.logprobs else None
+            )
             out["text_offset"].append(text_start + offset)
             offset += len(piece)
         return out
@@ -176,10 +211,15 @@ class CompletionJob:
             offsets.append(at)
             at += len(piece)
         tops = state.echo_top or [{} for _ in pieces]
-        return {"tokens": pieces, "token_logprobs": list(state.echo_logprobs or []),
-                "top_logprobs": [model.alternatives(state.prompt[:i], top) if self.request.logprobs else None
-                                 for i, top in enumerate(tops)],
-                "text_offset": offsets}
+        return {
+            "tokens": pieces,
+            "token_logprobs": list(state.echo_logprobs or []),
+            "top_logprobs": [
+                model.alternatives(state.prompt[:i], top) if self.request.logprobs else None
+                for i, top in enumerate(tops)
+            ],
+            "text_offset": offsets,
+        }
 
     def _choice_logprobs(self, state: ChoiceState) -> Optional[dict]:
         if self.request.logprobs is None:
@@ -192,17 +232,32 @@ class CompletionJob:
         return {key: echo[key] + generated[key] for key in echo}
 
     def usage(self) -> dict:
-        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
-                "total_tokens": self.prompt_tokens + self.completion_tokens}
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "total_tokens": self.prompt_tokens + self.completion_tokens,
+        }
 
     def response(self) -> dict:
         choices = []
         for index, state in enumerate(self.states):
             text = (state.prompt_text if self.request.echo else "") + state.text
-            choices.append({"text": text, "index": index, "logprobs": self._choice_logprobs(state),
-                            "finish_reason": state.finished})
-        return {"id": self.id, "object": "text_completion", "created": self.created, "model": self.model.name,
-                "choices": choices, "usage": self.usage()}
+            choices.append(
+                {
+                    "text": text,
+                    "index": index,
+                    "logprobs": self._choice_logprobs(state),
+                    "finish_reason": state.finished,
+                }
+            )
+        return {
+            "id": self.id,
+            "object": "text_completion",
+            "created": self.created,
+            "model": self.model.name,
+            "choices": choices,
+            "usage": self.usage(),
+        }
 
     def chunks(self) -> List[dict]:
         """The stream chunks for what arrived since the last call: per choice the text it adds (held back while
@@ -217,7 +272,7 @@ class CompletionJob:
             prefix = ""
             if self.request.echo and not state.echoed:
                 prefix, state.echoed = state.prompt_text, True
-            delta = state.text[state.sent:visible]
+            delta = state.text[state.sent : visible]
             finish = state.finished if visible == len(state.text) else None
             if not delta and not prefix and finish is None:
                 continue
@@ -228,15 +283,19 @@ class CompletionJob:
                 logprobs = self._stream_logprobs(state, visible, bool(prefix))
             state.sent = visible
             state.reported = finish is not None
-            out.append(self._chunk([{"text": prefix + delta, "index": index, "logprobs": logprobs,
-                                     "finish_reason": finish}]))
+            out.append(
+                self._chunk([{"text": prefix + delta, "index": index, "logprobs": logprobs, "finish_reason": finish}])
+            )
         return out
 
     def _stream_logprobs(self, state: ChoiceState, visible: int, with_echo: bool) -> dict:
         """The logprobs of the tokens whose text starts in what this chunk shows."""
         logprobs = self._logprobs(state, state.tokens_sent, 0)
-        keep = [i for i, offset in enumerate(logprobs["text_offset"]) if offset < visible or
-                (state.finished is not None and visible == len(state.text))]
+        keep = [
+            i
+            for i, offset in enumerate(logprobs["text_offset"])
+            if offset < visible or (state.finished is not None and visible == len(state.text))
+        ]
         logprobs = {key: [values[i] for i in keep] for key, values in logprobs.items()}
         if with_echo:
             echo = self._echo_logprobs(state)
@@ -247,8 +306,13 @@ class CompletionJob:
         return logprobs
 
     def _chunk(self, choices: list) -> dict:
-        return {"id": self.id, "object": "text_completion", "created": self.created, "model": self.model.name,
-                "choices": choices}
+        return {
+            "id": self.id,
+            "object": "text_completion",
+            "created": self.created,
+            "model": self.model.name,
+            "choices": choices,
+        }
 
     def usage_chunk(self) -> dict:
         return dict(self._chunk([]), usage=self.usage())

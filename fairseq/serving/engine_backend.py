@@ -18,8 +18,14 @@ class EngineBackend:
     def __init__(self, model: ServedModel, max_rows: int, cuda_graphs: bool = True):
         hub = model.hub
         bos = model.dictionary.bos() if hub.task.cfg.add_bos_token else None
-        self.engine = DecodeEngine(hub.models[0], model.dictionary, max_rows=max_rows,
-                                   max_positions=model.max_positions, bos=bos, cuda_graphs=cuda_graphs)
+        self.engine = DecodeEngine(
+            hub.models[0],
+            model.dictionary,
+            max_rows=max_rows,
+            max_positions=model.max_positions,
+            bos=bos,
+            cuda_graphs=cuda_graphs,
+        )
         self.index: Dict[str, int] = {}  # choice id -> its index in its request
 
     @property
@@ -32,10 +38,20 @@ class EngineBackend:
 
     def add(self, choice: Choice) -> None:
         self.index[choice.id] = choice.index
-        self.engine.add(DecodeRequest(
-            id=choice.id, prompt=torch.tensor(choice.prompt, dtype=torch.long), max_new_tokens=choice.max_new,
-            temperature=choice.temperature, top_k=max(choice.top_k, 0), top_p=choice.top_p, seed=choice.seed,
-            sample_index=choice.sample_id, logprobs=True, top_logprobs=choice.top_n))
+        self.engine.add(
+            DecodeRequest(
+                id=choice.id,
+                prompt=torch.tensor(choice.prompt, dtype=torch.long),
+                max_new_tokens=choice.max_new,
+                temperature=choice.temperature,
+                top_k=max(choice.top_k, 0),
+                top_p=choice.top_p,
+                seed=choice.seed,
+                sample_index=choice.sample_id,
+                logprobs=True,
+                top_logprobs=choice.top_n,
+            )
+        )
 
     def cancel(self, choice_id: str) -> None:
         self.engine.cancel(choice_id)
@@ -48,8 +64,18 @@ class EngineBackend:
             if index is None:
                 continue
             top = [dict(pairs) for pairs in event.top_logprobs] if event.top_logprobs else []
-            events.append((event.id, Event(index, list(event.tokens), list(event.logprobs or []), top,
-                                           event.finish_reason if event.finished else None)))
+            events.append(
+                (
+                    event.id,
+                    Event(
+                        index,
+                        list(event.tokens),
+                        list(event.logprobs or []),
+                        top,
+                        event.finish_reason if event.finished else None,
+                    ),
+                )
+            )
             if event.finished:
                 del self.index[event.id]
         return events

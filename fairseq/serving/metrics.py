@@ -69,23 +69,34 @@ class Metrics:
         with self.lock:
             self._forget(time.monotonic())
             rate = sum(count for _, count in self.recent) / RATE_WINDOW
-            lines = ["# HELP fairseq_requests_total Requests answered, by endpoint and HTTP status.",
-                     "# TYPE fairseq_requests_total counter"]
-            lines += [f'fairseq_requests_total{{endpoint="{endpoint}",status="{status}"}} {count}'
-                      for (endpoint, status), count in sorted(self.requests.items())]
-            lines += ["# HELP fairseq_queue_length Requests waiting for a place in the running batch.",
-                      "# TYPE fairseq_queue_length gauge", f"fairseq_queue_length {self.queue_length}",
-                      "# HELP fairseq_running_batch_size Rows (completion choices) in the running batch.",
-                      "# TYPE fairseq_running_batch_size gauge", f"fairseq_running_batch_size {self.running_rows}",
-                      "# HELP fairseq_generated_tokens_total Tokens generated.",
-                      "# TYPE fairseq_generated_tokens_total counter",
-                      f"fairseq_generated_tokens_total {self.tokens_total}",
-                      f"# HELP fairseq_tokens_per_second Tokens generated per second over the last {RATE_WINDOW:g} s.",
-                      "# TYPE fairseq_tokens_per_second gauge", f"fairseq_tokens_per_second {rate:.3f}",
-                      "# HELP fairseq_time_to_first_token_seconds From a request's arrival to its first token.",
-                      "# TYPE fairseq_time_to_first_token_seconds histogram"]
+            lines = [
+                "# HELP fairseq_requests_total Requests answered, by endpoint and HTTP status.",
+                "# TYPE fairseq_requests_total counter",
+            ]
+            lines += [
+                f'fairseq_requests_total{{endpoint="{endpoint}",status="{status}"}} {count}'
+                for (endpoint, status), count in sorted(self.requests.items())
+            ]
+            lines += [
+                "# HELP fairseq_queue_length Requests waiting for a place in the running batch.",
+                "# TYPE fairseq_queue_length gauge",
+                f"fairseq_queue_length {self.queue_length}",
+                "# HELP fairseq_running_batch_size Rows (completion choices) in the running batch.",
+                "# TYPE fairseq_running_batch_size gauge",
+                f"fairseq_running_batch_size {self.running_rows}",
+                "# HELP fairseq_generated_tokens_total Tokens generated.",
+                "# TYPE fairseq_generated_tokens_total counter",
+                f"fairseq_generated_tokens_total {self.tokens_total}",
+                f"# HELP fairseq_tokens_per_second Tokens generated per second over the last {RATE_WINDOW:g} s.",
+                "# TYPE fairseq_tokens_per_second gauge",
+                f"fairseq_tokens_per_second {rate:.3f}",
+                "# HELP fairseq_time_to_first_token_seconds From a request's arrival to its first token.",
+                "# TYPE fairseq_time_to_first_token_seconds histogram",
+            ]
             lines += self.ttft.lines("fairseq_time_to_first_token_seconds")
-            lines += ["# HELP fairseq_request_latency_seconds From a completion request's arrival to its last byte.",
-                      "# TYPE fairseq_request_latency_seconds histogram"]
+            lines += [
+                "# HELP fairseq_request_latency_seconds From a completion request's arrival to its last byte.",
+                "# TYPE fairseq_request_latency_seconds histogram",
+            ]
             lines += self.latency.lines("fairseq_request_latency_seconds")
             return "\n".join(lines) + "\n"

@@ -43,14 +43,14 @@ class ServedModel:
         if not new:
             return ""
         shown, full = self.decode(prompt), self.decode(prompt + new)
-        return full[len(shown):] if full.startswith(shown) else self.decode(new)
+        return full[len(shown) :] if full.startswith(shown) else self.decode(new)
 
     def token_pieces(self, context: List[int], ids: List[int]) -> List[str]:
         """Each token's text after `context` and the tokens before it (OpenAI's `tokens`)."""
         pieces, shown = [], self.decode(context)
         for i in range(len(ids)):
-            text = self.decode(context + ids[:i + 1])
-            pieces.append(text[len(shown):] if text.startswith(shown) else self.decode([ids[i]]))
+            text = self.decode(context + ids[: i + 1])
+            pieces.append(text[len(shown) :] if text.startswith(shown) else self.decode([ids[i]]))
             shown = text
         return pieces
 
@@ -61,7 +61,7 @@ class ServedModel:
         out = {}
         for token, logprob in top.items():
             text = self.decode(context + [token])
-            piece = text[len(shown):] if text.startswith(shown) else ""
+            piece = text[len(shown) :] if text.startswith(shown) else ""
             out[piece or self.dictionary[token]] = logprob
         return out
 
@@ -90,14 +90,15 @@ class ServedModel:
     def beam(self, prompt: List[int], max_new: int, width: int, nbest: int) -> List[Tuple[List[int], List[float], str]]:
         """The `nbest` best of a beam search of `width` (the generator's): (new ids, their log p, finish reason)."""
         tokens = torch.tensor(prompt + [self.eos], dtype=torch.long)
-        hypos = self.hub.generate([tokens], beam=width, nbest=nbest, max_len_a=0, max_len_b=len(prompt) + max_new,
-                                  min_len=0)[0][:nbest]
+        hypos = self.hub.generate(
+            [tokens], beam=width, nbest=nbest, max_len_a=0, max_len_b=len(prompt) + max_new, min_len=0
+        )[0][:nbest]
         return [self.split_hypothesis(prompt, hypo, max_new) for hypo in hypos]
 
     def split_hypothesis(self, prompt: List[int], hypo, max_new: int) -> Tuple[List[int], List[float], str]:
         """(the ids generated after the prompt without the final </s>, their log p, 'stop' or 'length')."""
         tokens, scores = hypo["tokens"].tolist(), hypo["positional_scores"].float().tolist()
-        new, new_scores = tokens[len(prompt):], scores[len(prompt):]
+        new, new_scores = tokens[len(prompt) :], scores[len(prompt) :]
         if new and new[-1] == self.eos:
             ended = len(new) - 1 < max_new
             new, new_scores = new[:-1], new_scores[:-1]
@@ -105,8 +106,7 @@ class ServedModel:
             ended = False
         return new, new_scores, "stop" if ended else "length"
 
-    def sample_alone(self, prompt: List[int], max_new: int, options: dict, seed: int, sample_id: int,
-                     on_tokens=None):
+    def sample_alone(self, prompt: List[int], max_new: int, options: dict, seed: int, sample_id: int, on_tokens=None):
         """One choice decoded alone through the hub's generator (the serial backend): its hypothesis."""
         gen_options = dict(max_len_a=0, max_len_b=len(prompt) + max_new, min_len=0, **options)
         generator = self.hub.generator_for(1, **gen_options)
@@ -117,8 +117,7 @@ class ServedModel:
         dataset = task.build_dataset_for_inference([tokens], [tokens.numel()])
         sample = dataset.collater([dataset[0]])
         sample = dict(sample, id=torch.tensor([sample_id]))
-        return task.inference_step(generator, self.hub.models, move_to(sample, self.device),
-                                   on_tokens=on_tokens)[0][0]
+        return task.inference_step(generator, self.hub.models, move_to(sample, self.device), on_tokens=on_tokens)[0][0]
 
 
 def generation_options(temperature: float, top_p: float, top_k: int) -> Optional[dict]:

@@ -60,8 +60,13 @@ class Work:
     decode thread, its return value sent as the result); `emit(event)` is called on the decode thread and must
     only hand the event over (e.g. loop.call_soon_threadsafe)."""
 
-    def __init__(self, choices: List[Choice], emit: Callable[[Event], None], reserved: int,
-                 run_whole: Optional[Callable[[ServedModel], object]] = None):
+    def __init__(
+        self,
+        choices: List[Choice],
+        emit: Callable[[Event], None],
+        reserved: int,
+        run_whole: Optional[Callable[[ServedModel], object]] = None,
+    ):
         self.choices, self.emit, self.reserved, self.run_whole = choices, emit, reserved, run_whole
         self.prologue: Optional[Callable[[ServedModel], object]] = None  # run before the choices are added
         self.rows = max(len(choices), 1)
@@ -106,13 +111,14 @@ class SerialBackend:
         options = generation_options(choice.temperature, choice.top_p, choice.top_k)
         hypo = model.sample_alone(choice.prompt, choice.max_new, options, choice.seed, choice.sample_id)
         new, scores, reason = model.split_hypothesis(choice.prompt, hypo, choice.max_new)
-        top = model.top_logprobs(choice.prompt + new, choice.top_n)[len(choice.prompt):] if choice.top_n else []
+        top = model.top_logprobs(choice.prompt + new, choice.top_n)[len(choice.prompt) :] if choice.top_n else []
         return [(choice.id, Event(choice.index, new, scores, top, reason))]
 
 
 class Scheduler:
-    def __init__(self, model: ServedModel, backend, max_running: int, max_batch_tokens: int, max_queue: int,
-                 metrics=None):
+    def __init__(
+        self, model: ServedModel, backend, max_running: int, max_batch_tokens: int, max_queue: int, metrics=None
+    ):
         self.model, self.backend, self.metrics = model, backend, metrics
         self.max_running, self.max_batch_tokens, self.max_queue = max_running, max_batch_tokens, max_queue
         self.waiting: Deque[Work] = collections.deque()
@@ -194,8 +200,9 @@ class Scheduler:
             if work.cancelled:
                 self.waiting.popleft()
                 continue
-            if self.rows and (self.rows + work.rows > self.max_running
-                              or self.reserved + work.reserved > self.max_batch_tokens):
+            if self.rows and (
+                self.rows + work.rows > self.max_running or self.reserved + work.reserved > self.max_batch_tokens
+            ):
                 break  # the oldest waits for room; nothing overtakes it
             self.waiting.popleft()
             admitted.append(work)

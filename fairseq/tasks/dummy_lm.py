@@ -47,11 +47,20 @@ def _mix64(values: np.ndarray) -> np.ndarray:
 class DummyLMDataset(torch.utils.data.Dataset):
     """`num_items` samples; sample i is `length + 1` consecutive words of the cycle, from a start hashed from i."""
 
-    def __init__(self, dictionary: Dictionary, num_words: int, num_items: int, length: int, seed: int,
-                 add_bos_token: bool = False):
+    def __init__(
+        self,
+        dictionary: Dictionary,
+        num_words: int,
+        num_items: int,
+        length: int,
+        seed: int,
+        add_bos_token: bool = False,
+    ):
         if num_words < 1 or num_items < 0 or length < 1:
-            raise ValueError(f"dummy_lm needs --dict-size >= 1, --dataset-size >= 0 and --tokens-per-sample >= 1; "
-                             f"got {num_words}, {num_items}, {length}")
+            raise ValueError(
+                f"dummy_lm needs --dict-size >= 1, --dataset-size >= 0 and --tokens-per-sample >= 1; "
+                f"got {num_words}, {num_items}, {length}"
+            )
         self.dictionary = dictionary
         self.add_bos_token = add_bos_token
         self.length = length
@@ -95,8 +104,9 @@ class DummyLMTask(FairseqTask):
 
     def load_dataset(self, split: str, epoch: int = 1, combine: bool = False, **kwargs) -> DummyLMDataset:
         cfg = self.cfg
-        self.datasets[split] = DummyLMDataset(self.dictionary, cfg.dict_size, cfg.dataset_size,
-                                              cfg.tokens_per_sample, cfg.seed, cfg.add_bos_token)
+        self.datasets[split] = DummyLMDataset(
+            self.dictionary, cfg.dict_size, cfg.dataset_size, cfg.tokens_per_sample, cfg.seed, cfg.add_bos_token
+        )
         return self.datasets[split]
 
     def max_positions(self) -> Optional[int]:

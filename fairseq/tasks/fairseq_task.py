@@ -8,8 +8,14 @@ import numpy as np
 import torch
 
 from fairseq import registry
-from fairseq.data.batching import (Batches, SizeFilterReport, batch_by_size, filter_by_size, filter_by_size_limits,
-                                   size_limit)
+from fairseq.data.batching import (
+    Batches,
+    SizeFilterReport,
+    batch_by_size,
+    filter_by_size,
+    filter_by_size_limits,
+    size_limit,
+)
 from fairseq.data.iterators import EpochBatchIterator
 from fairseq.upstream_absent import absent_name, refused_options
 
@@ -54,15 +60,18 @@ class FairseqTask:
         """The loaded dataset of `split` (after `load_dataset(split)`)."""
         if split not in self.datasets:
             loaded = ", ".join(sorted(self.datasets)) or "none"
-            raise KeyError(f"dataset split {split!r} is not loaded (loaded: {loaded}); call load_dataset({split!r}) first")
+            raise KeyError(
+                f"dataset split {split!r} is not loaded (loaded: {loaded}); call load_dataset({split!r}) first"
+            )
         return self.datasets[split]
 
     def describe_split(self, split: str) -> Optional[str]:
         """Where the loaded `split` comes from, for messages (its file, item counts); None when unknown."""
         return None
 
-    def no_batches_message(self, split: str, epoch_itr, purpose: str = "training",
-                           token_flag: str = "--max-tokens") -> str:
+    def no_batches_message(
+        self, split: str, epoch_itr, purpose: str = "training", token_flag: str = "--max-tokens"
+    ) -> str:
         """One line saying why `epoch_itr` (get_batch_iterator's, for `split`) has no batch, or skips most items
         (SizeFilterReport.mostly_dropped), and the fix.
 
@@ -75,22 +84,31 @@ class FairseqTask:
         if purpose == "training":
             what, other_fix = f"the training split {split!r}", "check DATA and --train-subset"
         else:
-            what, other_fix = (f"the validation subset {split!r}",
-                               "drop it from --valid-subset, or pass --disable-validation")
+            what, other_fix = (
+                f"the validation subset {split!r}",
+                "drop it from --valid-subset, or pass --disable-validation",
+            )
         if report is None or report.num_items == 0:
-            fix = ("binarize a non-empty text with fairseq-preprocess, or " + other_fix if purpose == "training"
-                   else other_fix)
+            fix = (
+                "binarize a non-empty text with fairseq-preprocess, or " + other_fix
+                if purpose == "training"
+                else other_fix
+            )
             return f"no {purpose} batch: {what} is empty{where}; {fix}"
         flag = token_flag if report.flag == "--max-tokens" else report.flag
         fix = report.fix(token_flag)
         if report.num_dropped >= report.num_items:
-            return (f"no {purpose} batch: all {report.num_items:,} items of {what}{where} are longer than {flag} "
-                    f"{report.limit} (the longest has {report.longest} tokens); {fix}"
-                    + ("" if purpose == "training" else f", or {other_fix}"))
+            return (
+                f"no {purpose} batch: all {report.num_items:,} items of {what}{where} are longer than {flag} "
+                f"{report.limit} (the longest has {report.longest} tokens); {fix}"
+                + ("" if purpose == "training" else f", or {other_fix}")
+            )
         if report.mostly_dropped:
-            return (f"{report.num_dropped:,} of {report.num_items:,} items of {what}{where} are longer than {flag} "
-                    f"{report.limit} (the longest has {report.longest} tokens) and would be skipped; {fix}"
-                    + ("" if purpose == "training" else f", or {other_fix}"))
+            return (
+                f"{report.num_dropped:,} of {report.num_items:,} items of {what}{where} are longer than {flag} "
+                f"{report.limit} (the longest has {report.longest} tokens) and would be skipped; {fix}"
+                + ("" if purpose == "training" else f", or {other_fix}")
+            )
         return f"no {purpose} batch in {what}{where}"  # not reached by get_batch_iterator's batching
 
     def max_positions(self) -> Optional[int]:
@@ -101,9 +119,11 @@ class FairseqTask:
         without `ignore_invalid_inputs` such an item is an error."""
         indices, ignored = filter_by_size_limits(indices, dataset, max_positions)
         if ignored and not ignore_invalid_inputs:
-            raise ValueError(f"{len(ignored)} items, e.g. item {ignored[0]} of size {dataset.size(ignored[0])}, are "
-                             f"longer than the limit {max_positions}; pass --skip-invalid-size-inputs-valid-test "
-                             "to skip them")
+            raise ValueError(
+                f"{len(ignored)} items, e.g. item {ignored[0]} of size {dataset.size(ignored[0])}, are "
+                f"longer than the limit {max_positions}; pass --skip-invalid-size-inputs-valid-test "
+                "to skip them"
+            )
         if ignored:
             logger.warning(f"{len(ignored)} items are longer than {max_positions} and skipped, e.g. {ignored[:10]}")
         return indices
@@ -116,13 +136,26 @@ class FairseqTask:
     def target_dictionary(self):
         return getattr(self, "output_dictionary", self.source_dictionary)
 
-    def get_batch_iterator(self, dataset, max_tokens: Optional[int] = None, max_sentences: Optional[int] = None,
-                           max_positions=None, ignore_invalid_inputs: bool = False,
-                           required_batch_size_multiple: int = 1, seed: int = 1, num_shards: int = 1,
-                           shard_id: int = 0, num_workers: int = 0, epoch: int = 1, data_buffer_size: int = 0,
-                           disable_iterator_cache: bool = False, skip_remainder_batch: bool = False,
-                           grouped_shuffling: bool = False, update_epoch_batch_itr: bool = False,
-                           pin_memory: bool = False) -> EpochBatchIterator:
+    def get_batch_iterator(
+        self,
+        dataset,
+        max_tokens: Optional[int] = None,
+        max_sentences: Optional[int] = None,
+        max_positions=None,
+        ignore_invalid_inputs: bool = False,
+        required_batch_size_multiple: int = 1,
+        seed: int = 1,
+        num_shards: int = 1,
+        shard_id: int = 0,
+        num_workers: int = 0,
+        epoch: int = 1,
+        data_buffer_size: int = 0,
+        disable_iterator_cache: bool = False,
+        skip_remainder_batch: bool = False,
+        grouped_shuffling: bool = False,
+        update_epoch_batch_itr: bool = False,
+        pin_memory: bool = False,
+    ) -> EpochBatchIterator:
         """Batches of `dataset` as a resumable iterator over epochs.
 
         Items are ordered by size (ties broken from `seed`), items longer than `max_positions` or
@@ -135,9 +168,21 @@ class FairseqTask:
         """
         if max_tokens is None and max_sentences is None:
             raise ValueError("set --max-tokens or --batch-size to say how large batches are")
-        key = (id(dataset), max_tokens, max_sentences, str(max_positions), ignore_invalid_inputs,
-               required_batch_size_multiple, seed, num_shards, shard_id, num_workers, pin_memory,
-               skip_remainder_batch, grouped_shuffling)
+        key = (
+            id(dataset),
+            max_tokens,
+            max_sentences,
+            str(max_positions),
+            ignore_invalid_inputs,
+            required_batch_size_multiple,
+            seed,
+            num_shards,
+            shard_id,
+            num_workers,
+            pin_memory,
+            skip_remainder_batch,
+            grouped_shuffling,
+        )
         disable_iterator_cache = disable_iterator_cache or update_epoch_batch_itr
         if not disable_iterator_cache and key in self._epoch_iterators:
             cached = self._epoch_iterators[key]
@@ -151,15 +196,28 @@ class FairseqTask:
         limit, flag = size_limit(max_positions, max_tokens)
         indices, dropped = filter_by_size(indices, sizes, limit, ignore_invalid_inputs, flag=flag)
         if len(dropped):
-            logger.warning(f"{len(dropped):,} items longer than {flag} {limit} are skipped, "
-                           f"e.g. {dropped[:10].tolist()}")
-        batches: Batches = batch_by_size(indices, sizes[indices], max_tokens=max_tokens,
-                                         max_sentences=max_sentences,
-                                         required_batch_size_multiple=required_batch_size_multiple)
+            logger.warning(
+                f"{len(dropped):,} items longer than {flag} {limit} are skipped, e.g. {dropped[:10].tolist()}"
+            )
+        batches: Batches = batch_by_size(
+            indices,
+            sizes[indices],
+            max_tokens=max_tokens,
+            max_sentences=max_sentences,
+            required_batch_size_multiple=required_batch_size_multiple,
+        )
         epoch_iter = EpochBatchIterator(
-            dataset, collate_fn=dataset.collater, batch_sampler=batches, seed=seed, num_shards=num_shards,
-            shard_id=shard_id, num_workers=num_workers, epoch=epoch, pin_memory=pin_memory,
-            buffer_size=data_buffer_size, skip_remainder_batch=skip_remainder_batch,
+            dataset,
+            collate_fn=dataset.collater,
+            batch_sampler=batches,
+            seed=seed,
+            num_shards=num_shards,
+            shard_id=shard_id,
+            num_workers=num_workers,
+            epoch=epoch,
+            pin_memory=pin_memory,
+            buffer_size=data_buffer_size,
+            skip_remainder_batch=skip_remainder_batch,
             grouped_shuffling=grouped_shuffling,
         )
         # Read by no_batches_message when no batch is left (a trainer must not run empty epochs).
@@ -187,8 +245,7 @@ class FairseqTask:
         return build_criterion(criterion_cfg, self, optimization_cfg)
 
     # ---- generation (upstream's names) --------------------------------------------------------------
-    def build_generator(self, models, args, seq_gen_cls=None, extra_gen_cls_kwargs=None,
-                        prefix_allowed_tokens_fn=None):
+    def build_generator(self, models, args, seq_gen_cls=None, extra_gen_cls_kwargs=None, prefix_allowed_tokens_fn=None):
         """A SequenceGenerator (or `seq_gen_cls`) for `models`, from the generation options in `args`: a
         GenerationConfig, or upstream's argparse Namespace / DictConfig (converted once, here; options it lacks
         take GenerationConfig's defaults). Reads beam, max_len_a, max_len_b, min_len, unnormalized, lenpen,
@@ -204,14 +261,16 @@ class FairseqTask:
 
             return SequenceScorer(self.target_dictionary, compute_alignment=gen.print_alignment)
         if prefix_allowed_tokens_fn is not None:
-            raise ValueError("prefix_allowed_tokens_fn (prefix-constrained decoding) is not supported by this "
-                             "fairseq's generator")
+            raise ValueError(
+                "prefix_allowed_tokens_fn (prefix-constrained decoding) is not supported by this fairseq's generator"
+            )
         for name, is_set, fix in refused_options("generator"):
             if is_set(getattr(gen, name) or 0):
                 raise ValueError(f"--{name.replace('_', '-')} is not supported by this fairseq's generator; {fix}")
         if gen.sampling and gen.match_source_len:  # upstream: "search parameters are mutually exclusive"
-            raise ValueError("--sampling and --match-source-len cannot be combined (they are two search "
-                             "strategies); drop one")
+            raise ValueError(
+                "--sampling and --match-source-len cannot be combined (they are two search strategies); drop one"
+            )
         if gen.sampling_topk >= 0 and not gen.sampling:
             raise ValueError(f"--sampling-topk {gen.sampling_topk} requires --sampling")
         if gen.sampling_topp >= 0 and not gen.sampling:
@@ -221,7 +280,8 @@ class FairseqTask:
         elif gen.match_source_len:
             # Outputs exactly as long as the source (upstream hard-codes these length constraints).
             search_strategy = search.LengthConstrainedBeamSearch(
-                self.target_dictionary, min_len_a=1, min_len_b=0, max_len_a=1, max_len_b=0)
+                self.target_dictionary, min_len_a=1, min_len_b=0, max_len_a=1, max_len_b=0
+            )
         else:
             search_strategy = search.BeamSearch(self.target_dictionary)
         seq_gen_cls = SequenceGenerator if seq_gen_cls is None else seq_gen_cls
@@ -229,11 +289,20 @@ class FairseqTask:
         if isinstance(seq_gen_cls, type) and issubclass(seq_gen_cls, SequenceGenerator):  # --no-cuda-graphs
             extra_gen_cls_kwargs.setdefault("cuda_graphs", not gen.no_cuda_graphs)
         generator = seq_gen_cls(
-            models, self.target_dictionary,
-            beam_size=gen.beam, max_len_a=gen.max_len_a, max_len_b=gen.max_len_b, min_len=gen.min_len,
-            normalize_scores=not gen.unnormalized, len_penalty=gen.lenpen, unk_penalty=gen.unkpen,
-            temperature=gen.temperature, match_source_len=gen.match_source_len,
-            no_repeat_ngram_size=gen.no_repeat_ngram_size, search_strategy=search_strategy, **extra_gen_cls_kwargs,
+            models,
+            self.target_dictionary,
+            beam_size=gen.beam,
+            max_len_a=gen.max_len_a,
+            max_len_b=gen.max_len_b,
+            min_len=gen.min_len,
+            normalize_scores=not gen.unnormalized,
+            len_penalty=gen.lenpen,
+            unk_penalty=gen.unkpen,
+            temperature=gen.temperature,
+            match_source_len=gen.match_source_len,
+            no_repeat_ngram_size=gen.no_repeat_ngram_size,
+            search_strategy=search_strategy,
+            **extra_gen_cls_kwargs,
         )
         if gen.retain_dropout:  # --retain-dropout: the generator's constructor put them in eval mode
             for model in models:
@@ -264,8 +333,7 @@ class FairseqTask:
             metrics.log_scalar("wpb", ntokens, priority=180, round=1)
             metrics.log_speed("wps", ntokens, priority=90, round=1)
         if any("nsentences" in log for log in logging_outputs):
-            metrics.log_scalar("bsz", sum(log.get("nsentences", 0) for log in logging_outputs), priority=190,
-                               round=1)
+            metrics.log_scalar("bsz", sum(log.get("nsentences", 0) for log in logging_outputs), priority=190, round=1)
         criterion.__class__.reduce_metrics(logging_outputs)
 
     # ---- hooks the trainer calls (upstream's): at each epoch's start and before each validation ----

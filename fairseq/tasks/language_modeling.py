@@ -76,8 +76,9 @@ def check_token_budget(cfg) -> None:
         check_block_budget(flag, value, tokens_per_sample, mode)
 
 
-def check_block_budget(flag: str, value: Optional[int], block: Optional[int], mode: Optional[str],
-                       context_window: int = 0) -> None:
+def check_block_budget(
+    flag: str, value: Optional[int], block: Optional[int], mode: Optional[str], context_window: int = 0
+) -> None:
     """ValueError when a batch budget (`flag` `value`) is below the `block` tokens that --sample-break-mode
     `mode` packs (nearly) every block to (fairseq-train, fairseq-eval-lm); `context_window`: eval-lm's blocks
     are --tokens-per-sample less --context-window tokens."""
@@ -89,7 +90,8 @@ def check_block_budget(flag: str, value: Optional[int], block: Optional[int], mo
     raise ValueError(
         f"{flag} {value} is less than {given}: with --sample-break-mode {mode} (nearly) every block has {block} "
         f"tokens and would be skipped; raise {flag} to at least {block}, or lower --tokens-per-sample to at most "
-        f"{value + context_window}")
+        f"{value + context_window}"
+    )
 
 
 def split_paths(data: str):
@@ -109,19 +111,24 @@ class LanguageModelingTask(FairseqTask):
     @classmethod
     def setup_task(cls, cfg: LanguageModelingConfig, **kwargs) -> "LanguageModelingTask":
         if cfg.self_target or cfg.past_target:
-            raise ValueError("--self-target and --past-target are not supported: language models here predict "
-                             "the next token (--future-target, the default); drop those flags")
+            raise ValueError(
+                "--self-target and --past-target are not supported: language models here predict "
+                "the next token (--future-target, the default); drop those flags"
+            )
         if not cfg.data:
-            raise ValueError("--task language_modeling needs a data directory: fairseq-train DATA_DIR ... "
-                             "(a directory written by fairseq-preprocess)")
+            raise ValueError(
+                "--task language_modeling needs a data directory: fairseq-train DATA_DIR ... "
+                "(a directory written by fairseq-preprocess)"
+            )
         dictionary = load_dictionary(split_paths(cfg.data)[0])
         output_dictionary = dictionary
         if cfg.output_dictionary_size >= 0:
             output_dictionary = TruncatedDictionary(dictionary, cfg.output_dictionary_size)
         return cls(cfg, dictionary, output_dictionary)
 
-    def load_dataset(self, split: str, epoch: int = 1, combine: bool = False, for_training: bool = False,
-                     **kwargs) -> MonolingualDataset:
+    def load_dataset(
+        self, split: str, epoch: int = 1, combine: bool = False, for_training: bool = False, **kwargs
+    ) -> MonolingualDataset:
         """Load `split` from the data directory of `epoch`, as token blocks with next-token targets.
 
         `for_training` (the trainer's training split) adds the check that the dictionary is not larger than
@@ -134,26 +141,37 @@ class LanguageModelingTask(FairseqTask):
         dataset = load_indexed_dataset(split_path, self.dictionary, combine=combine, expect_all_ids=for_training)
         if dataset is None:
             raise MissingSplit(split, split_path)
-        dataset = maybe_shorten_dataset(dataset, split, cfg.shorten_data_split_list, cfg.shorten_method,
-                                        cfg.tokens_per_sample, cfg.seed)
+        dataset = maybe_shorten_dataset(
+            dataset, split, cfg.shorten_data_split_list, cfg.shorten_method, cfg.tokens_per_sample, cfg.seed
+        )
         blocks = TokenBlockDataset(
-            dataset, dataset.sizes, cfg.tokens_per_sample, pad=self.dictionary.pad(), eos=self.dictionary.eos(),
-            break_mode=cfg.sample_break_mode, include_targets=True,
+            dataset,
+            dataset.sizes,
+            cfg.tokens_per_sample,
+            pad=self.dictionary.pad(),
+            eos=self.dictionary.eos(),
+            break_mode=cfg.sample_break_mode,
+            include_targets=True,
         )
         pad_to_bsz = None
         if cfg.pad_to_fixed_bsz:
             pad_to_bsz = cfg.batch_size_valid if "valid" in split else cfg.batch_size
         self.datasets[split] = MonolingualDataset(
-            blocks, blocks.sizes, self.dictionary, self.output_dictionary, shuffle=True,
+            blocks,
+            blocks.sizes,
+            self.dictionary,
+            self.output_dictionary,
+            shuffle=True,
             add_bos_token=cfg.add_bos_token,
             fixed_pad_length=cfg.tokens_per_sample if cfg.pad_to_fixed_length else None,
             pad_to_bsz=pad_to_bsz,
         )
-        logger.info(f"{split_path}: {len(dataset):,} sentences, {len(blocks):,} blocks "
-                    f"(--sample-break-mode {cfg.sample_break_mode}, --tokens-per-sample {cfg.tokens_per_sample})")
+        logger.info(
+            f"{split_path}: {len(dataset):,} sentences, {len(blocks):,} blocks "
+            f"(--sample-break-mode {cfg.sample_break_mode}, --tokens-per-sample {cfg.tokens_per_sample})"
+        )
         shard = f"shard {(epoch - 1) % len(paths) + 1} of {len(paths)} in DATA: " if len(paths) > 1 else ""
-        self._split_sources[split] = (f"{shard}{split_path}.bin: {len(dataset):,} sentences, "
-                                      f"{len(blocks):,} blocks")
+        self._split_sources[split] = f"{shard}{split_path}.bin: {len(dataset):,} sentences, {len(blocks):,} blocks"
         return self.datasets[split]
 
     def build_dataset_for_inference(self, src_tokens: List[torch.Tensor], src_lengths, **kwargs) -> MonolingualDataset:
@@ -169,18 +187,26 @@ class LanguageModelingTask(FairseqTask):
                 tokens = tokens[:-1]
             while len(tokens) and tokens[0] == dictionary.eos():
                 tokens = tokens[1:]
-            items.append((torch.cat([tokens.new_full((1,), start), tokens]),
-                          torch.cat([tokens, tokens.new_full((1,), dictionary.pad())]), None))
-        return MonolingualDataset(items, np.asarray(src_lengths), dictionary, self.output_dictionary,
-                                  shuffle=False, add_bos_token=False)
+            items.append(
+                (
+                    torch.cat([tokens.new_full((1,), start), tokens]),
+                    torch.cat([tokens, tokens.new_full((1,), dictionary.pad())]),
+                    None,
+                )
+            )
+        return MonolingualDataset(
+            items, np.asarray(src_lengths), dictionary, self.output_dictionary, shuffle=False, add_bos_token=False
+        )
 
     def inference_step(self, generator, models, sample, prefix_tokens=None, constraints=None, on_tokens=None):
         """Continue each prompt of `sample` (from build_dataset_for_inference): its source without the leading
         </s> (or <s>) is forced, generation starts from that token, as upstream. `on_tokens`: stream the
         tokens (SequenceGenerator.generate)."""
         if constraints is not None:
-            raise ValueError("--constraints (lexically constrained decoding) is not supported with --task "
-                             "language_modeling (upstream refuses it too)")
+            raise ValueError(
+                "--constraints (lexically constrained decoding) is not supported with --task "
+                "language_modeling (upstream refuses it too)"
+            )
         bos_token = self.source_dictionary.bos() if self.cfg.add_bos_token else self.source_dictionary.eos()
         with torch.no_grad():
             src_tokens = sample["net_input"]["src_tokens"]
@@ -191,24 +217,38 @@ class LanguageModelingTask(FairseqTask):
             streaming = {} if on_tokens is None else {"on_tokens": on_tokens}
             return generator.generate(models, sample, prefix_tokens=prefix_tokens, bos_token=bos_token, **streaming)
 
-    def eval_lm_dataloader(self, dataset, max_tokens: Optional[int] = 36000, batch_size: Optional[int] = None,
-                           max_positions=None, num_shards: int = 1, shard_id: int = 0, num_workers: int = 1,
-                           data_buffer_size: int = 10, context_window: int = 0):
+    def eval_lm_dataloader(
+        self,
+        dataset,
+        max_tokens: Optional[int] = 36000,
+        batch_size: Optional[int] = None,
+        max_positions=None,
+        num_shards: int = 1,
+        shard_id: int = 0,
+        num_workers: int = 1,
+        data_buffer_size: int = 10,
+        context_window: int = 0,
+    ):
         """Upstream's evaluation batches of `dataset` (one pass, no shuffling; too long items skipped). With
         `context_window` > 0 blocks come in corpus order, each with up to that many tokens of the text before it
         as unscored context (fairseq.data.lm_context_window_dataset, in upstream's batch layout)."""
         if context_window > 0:
             dataset = InCorpusOrder(dataset)
         batches = self.get_batch_iterator(
-            dataset=dataset, max_tokens=max_tokens, max_sentences=batch_size, max_positions=max_positions,
-            ignore_invalid_inputs=True, num_shards=num_shards, shard_id=shard_id, num_workers=num_workers,
+            dataset=dataset,
+            max_tokens=max_tokens,
+            max_sentences=batch_size,
+            max_positions=max_positions,
+            ignore_invalid_inputs=True,
+            num_shards=num_shards,
+            shard_id=shard_id,
+            num_workers=num_workers,
             data_buffer_size=data_buffer_size,
         ).next_epoch_itr(shuffle=False)
         if context_window <= 0:
             return batches
         bos = self.source_dictionary.bos() if self.cfg.add_bos_token else None
-        return with_context_window(batches, context_window, self.source_dictionary.pad(), bos,
-                                   width_with_window=True)
+        return with_context_window(batches, context_window, self.source_dictionary.pad(), bos, width_with_window=True)
 
     def describe_split(self, split: str) -> Optional[str]:
         return self._split_sources.get(split)
@@ -232,11 +272,16 @@ class MissingSplit(FileNotFoundError):
     def __init__(self, split: str, split_path: str, flag: str = "--train-subset/--valid-subset"):
         self.split, self.split_path = split, split_path
         data_dir = os.path.dirname(split_path)
-        found = sorted(name[:-len(".idx")] for name in os.listdir(data_dir) if name.endswith(".idx")) \
-            if os.path.isdir(data_dir) else []
+        found = (
+            sorted(name[: -len(".idx")] for name in os.listdir(data_dir) if name.endswith(".idx"))
+            if os.path.isdir(data_dir)
+            else []
+        )
         has = f" ({data_dir or '.'} has {', '.join(found)})" if found else ""
-        super().__init__(f"Dataset not found: {split} ({split_path}.bin/.idx){has}; check DATA and {flag} or run "
-                         "fairseq-preprocess for this split")
+        super().__init__(
+            f"Dataset not found: {split} ({split_path}.bin/.idx){has}; check DATA and {flag} or run "
+            "fairseq-preprocess for this split"
+        )
 
 
 def load_split(task, split: str, flag: str = "--gen-subset") -> None:
@@ -258,8 +303,10 @@ class MissingDictionary(FileNotFoundError):
 def load_dictionary(data_dir: str) -> Dictionary:
     path = os.path.join(data_dir, "dict.txt")
     if not os.path.isfile(path):
-        raise MissingDictionary(f"no dict.txt in {data_dir}; run fairseq-preprocess first "
-                                "(it writes dict.txt next to the binarized data)", data_dir)
+        raise MissingDictionary(
+            f"no dict.txt in {data_dir}; run fairseq-preprocess first (it writes dict.txt next to the binarized data)",
+            data_dir,
+        )
     dictionary = Dictionary.load(path)
     logger.info(f"dictionary: {len(dictionary):,} types")
     return dictionary

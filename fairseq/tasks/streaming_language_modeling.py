@@ -17,8 +17,13 @@ import numpy as np
 from fairseq.data.jsonl_corpus import CorpusError, find_corpora
 from fairseq.data.monolingual_dataset import MonolingualDataset
 from fairseq.data.stream_blocks import CorpusStream
-from fairseq.data.stream_iterator import (GlobalStream, StreamingEpochIterator, format_rates, parse_weights,
-                                          rates_from_sizes)
+from fairseq.data.stream_iterator import (
+    GlobalStream,
+    StreamingEpochIterator,
+    format_rates,
+    parse_weights,
+    rates_from_sizes,
+)
 from fairseq.data.stream_tokenizer import TokenizerSpec, bpe_spec_of, build_dictionary
 from fairseq.data.worker_pool import make_pool
 from fairseq.dataclass.configs import II, opt
@@ -31,8 +36,9 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class StreamingLanguageModelingConfig:
-    data: Optional[str] = opt(None, "data directory: DATA/train/NN/<corpus>.jsonl, DATA/valid/..., and DATA/dict.txt "
-                                    "with --bpe (or none)")
+    data: Optional[str] = opt(
+        None, "data directory: DATA/train/NN/<corpus>.jsonl, DATA/valid/..., and DATA/dict.txt with --bpe (or none)"
+    )
     hf_tokenizer: Optional[str] = opt("", "a HF tokenizers tokenizer.json (its ids are the model's)")
     vocab_filename: Optional[str] = opt("", "GPT-2 byte-level BPE vocab.json (with --merges-filename)")
     merges_filename: Optional[str] = opt("", "GPT-2 byte-level BPE merges.txt (with --vocab-filename)")
@@ -40,12 +46,17 @@ class StreamingLanguageModelingConfig:
     sample_break_mode: SAMPLE_BREAK_MODES = opt("none", "as --task language_modeling's (one definition for both)")
     tokens_per_sample: int = opt(1024, "maximum tokens per sample")
     max_target_positions: Optional[int] = opt(None, "maximum sequence length the model handles")
-    multicorpus_sampling_alpha: float = opt(1.0, "corpus rates proportional to (size share) ** alpha (metaseq's "
-                                                 "smoothing; size = bytes of a corpus's files)")
+    multicorpus_sampling_alpha: float = opt(
+        1.0,
+        "corpus rates proportional to (size share) ** alpha (metaseq's smoothing; size = bytes of a corpus's files)",
+    )
     multicorpus_sampling_maximum: float = opt(-1.0, "cap on a corpus's size in the smoothing (bytes; -1: none)")
     data_weights: str = opt("", "explicit corpus rates, e.g. web=0.6,books=0.3,code=0.1 (instead of alpha)")
-    data_subshard_count: int = opt(1, "accepted for metaseq command lines; no effect here: resume seeks by byte "
-                                      "offset, so there is nothing to fast-forward")
+    data_subshard_count: int = opt(
+        1,
+        "accepted for metaseq command lines; no effect here: resume seeks by byte "
+        "offset, so there is nothing to fast-forward",
+    )
     json_key: str = opt("text", "the JSON key holding a document's text")
     skip_invalid_documents: bool = opt(False, "skip (count and log) lines that are not valid JSON documents")
     ignore_data_changes: bool = opt(False, "resume even when a corpus's files changed since the checkpoint")
@@ -60,8 +71,9 @@ class StreamingLanguageModelingConfig:
 
 def tokenizer_spec(cfg) -> TokenizerSpec:
     """The tokenizer `cfg` names: --hf-tokenizer, --vocab-filename/--merges-filename, else --bpe + dict.txt."""
-    common = dict(end_of_document=cfg.end_of_document_symbol, json_key=cfg.json_key,
-                  skip_invalid=cfg.skip_invalid_documents)
+    common = dict(
+        end_of_document=cfg.end_of_document_symbol, json_key=cfg.json_key, skip_invalid=cfg.skip_invalid_documents
+    )
     if cfg.hf_tokenizer:
         return TokenizerSpec("hf", (cfg.hf_tokenizer,), **common)
     if cfg.vocab_filename or cfg.merges_filename:
@@ -86,11 +98,13 @@ class StreamingLanguageModelingTask(FairseqTask):
     @classmethod
     def setup_task(cls, cfg, **kwargs) -> "StreamingLanguageModelingTask":
         if not cfg.data:
-            raise ValueError("--task streaming_language_modeling needs DATA: fairseq-train DATA ... (DATA/train/NN/"
-                             "<corpus>.jsonl)")
+            raise ValueError(
+                "--task streaming_language_modeling needs DATA: fairseq-train DATA ... (DATA/train/NN/<corpus>.jsonl)"
+            )
         if cfg.data_subshard_count != 1:
-            logger.warning(f"--data-subshard-count {cfg.data_subshard_count} has no effect here (resume seeks by "
-                           "byte offset)")
+            logger.warning(
+                f"--data-subshard-count {cfg.data_subshard_count} has no effect here (resume seeks by byte offset)"
+            )
         spec = tokenizer_spec(cfg)
         dictionary = build_dictionary(spec)
         logger.info(f"dictionary: {len(dictionary):,} types ({spec.kind}: {', '.join(spec.files)})")
@@ -98,9 +112,20 @@ class StreamingLanguageModelingTask(FairseqTask):
 
     def _corpus_streams(self, split: str, pool=None, endless: bool = True):
         corpora = find_corpora(os.path.join(self.cfg.data, split))
-        return corpora, [CorpusStream(name, files, self.spec, self.cfg.tokens_per_sample, self.cfg.sample_break_mode,
-                                      self.dictionary.eos(), pool=pool, ahead=max(1, self.cfg.num_workers) + 1,
-                                      endless=endless) for name, files in corpora.items()]
+        return corpora, [
+            CorpusStream(
+                name,
+                files,
+                self.spec,
+                self.cfg.tokens_per_sample,
+                self.cfg.sample_break_mode,
+                self.dictionary.eos(),
+                pool=pool,
+                ahead=max(1, self.cfg.num_workers) + 1,
+                endless=endless,
+            )
+            for name, files in corpora.items()
+        ]
 
     def corpus_rates(self, corpora: Dict[str, list]) -> Dict[str, float]:
         cfg = self.cfg
@@ -127,12 +152,15 @@ class StreamingLanguageModelingTask(FairseqTask):
         split, _, only = subset.partition("_")
         split_dir = os.path.join(self.cfg.data, split)
         if not os.path.isdir(split_dir):
-            raise CorpusError(f"no {split_dir} for --valid-subset {subset}: put DATA/{split}/NN/<corpus>.jsonl there, "
-                              "or pass --disable-validation")
+            raise CorpusError(
+                f"no {split_dir} for --valid-subset {subset}: put DATA/{split}/NN/<corpus>.jsonl there, "
+                "or pass --disable-validation"
+            )
         corpora, streams = self._corpus_streams(split, endless=False)
         if only and only not in corpora:
-            raise CorpusError(f"--valid-subset {subset}: {split_dir} has no corpus {only!r} (it has "
-                              f"{', '.join(corpora)})")
+            raise CorpusError(
+                f"--valid-subset {subset}: {split_dir} has no corpus {only!r} (it has {', '.join(corpora)})"
+            )
         items = []
         for stream in streams:
             if only and stream.name != only:
@@ -146,16 +174,25 @@ class StreamingLanguageModelingTask(FairseqTask):
         logger.info(f"{subset}: {len(items):,} blocks from {only or ', '.join(corpora)}")
         return MonolingualDataset(items, sizes, self.dictionary, shuffle=False)
 
-    def get_batch_iterator(self, dataset, max_tokens=None, max_sentences=None, num_shards: int = 1,
-                           shard_id: int = 0, **kwargs):
+    def get_batch_iterator(
+        self, dataset, max_tokens=None, max_sentences=None, num_shards: int = 1, shard_id: int = 0, **kwargs
+    ):
         if not isinstance(dataset, _TrainSplit):
-            return super().get_batch_iterator(dataset, max_tokens=max_tokens, max_sentences=max_sentences,
-                                              num_shards=num_shards, shard_id=shard_id, **kwargs)
+            return super().get_batch_iterator(
+                dataset,
+                max_tokens=max_tokens,
+                max_sentences=max_sentences,
+                num_shards=num_shards,
+                shard_id=shard_id,
+                **kwargs,
+            )
         cfg = self.cfg
         batch_size = max_sentences or (max_tokens or 0) // cfg.tokens_per_sample
         if batch_size < 1:
-            raise ValueError(f"--max-tokens {max_tokens} holds no block of --tokens-per-sample {cfg.tokens_per_sample}: "
-                             "pass --batch-size N (samples per rank) or a larger --max-tokens")
+            raise ValueError(
+                f"--max-tokens {max_tokens} holds no block of --tokens-per-sample {cfg.tokens_per_sample}: "
+                "pass --batch-size N (samples per rank) or a larger --max-tokens"
+            )
         workers, rates, seed = cfg.num_workers, dataset.rates, kwargs.get("seed", cfg.seed)
 
         def make_stream():
@@ -163,9 +200,15 @@ class StreamingLanguageModelingTask(FairseqTask):
             _, streams = self._corpus_streams(dataset.split, pool=pool)
             return _OwningStream(streams, rates, seed, pool)
 
-        return StreamingEpochIterator(make_stream, batch_size, self.dictionary.pad(), num_shards=num_shards,
-                                      shard_id=shard_id, buffer_size=kwargs.get("data_buffer_size") or 2,
-                                      check_files=not cfg.ignore_data_changes)
+        return StreamingEpochIterator(
+            make_stream,
+            batch_size,
+            self.dictionary.pad(),
+            num_shards=num_shards,
+            shard_id=shard_id,
+            buffer_size=kwargs.get("data_buffer_size") or 2,
+            check_files=not cfg.ignore_data_changes,
+        )
 
     def max_positions(self) -> Optional[int]:
         return self.cfg.max_target_positions  # the dictionaries: FairseqTask's, from self.dictionary

@@ -6,8 +6,17 @@ from typing import List, Tuple
 from fairseq.distributed import utils as dist_utils
 
 
-def trainer_iterator(cfg, task, trainer, epoch: int, combine: bool = False, load_dataset: bool = True,
-                     data_selector=None, shard: bool = True, disable_iterator_cache: bool = False):
+def trainer_iterator(
+    cfg,
+    task,
+    trainer,
+    epoch: int,
+    combine: bool = False,
+    load_dataset: bool = True,
+    data_selector=None,
+    shard: bool = True,
+    disable_iterator_cache: bool = False,
+):
     """The training batch iterator for `epoch` (shards of `DATA` rotate by epoch).
 
     `combine`: read `train`, `train1`, ... as one split; `load_dataset=False` keeps the split already loaded;

@@ -53,8 +53,9 @@ def _copy_into(target: torch.Tensor, value: torch.Tensor) -> None:
         if not is_dtensor(value):  # a full tensor, e.g. from a single-file checkpoint: take our shard
             from torch.distributed.tensor import distribute_tensor
 
-            value = distribute_tensor(value.to(_local(target).device), target.device_mesh, target.placements,
-                                      src_data_rank=None)
+            value = distribute_tensor(
+                value.to(_local(target).device), target.device_mesh, target.placements, src_data_rank=None
+            )
         _local(target).copy_(_local(value))
     else:
         target.copy_(value.full_tensor() if is_dtensor(value) else value)
@@ -129,13 +130,15 @@ class EMA:
 
     def _plain_model(self) -> torch.nn.Module:
         """get_model()'s unsharded copy of the sharded model, its weights not yet filled."""
-        tensor_parallel = [k for k, v in self._shadow.items()
-                           if is_dtensor(v) and "tp" in (v.device_mesh.mesh_dim_names or ())]
+        tensor_parallel = [
+            k for k, v in self._shadow.items() if is_dtensor(v) and "tp" in (v.device_mesh.mesh_dim_names or ())
+        ]
         if tensor_parallel:  # "tp": fairseq.distributed.mesh's tensor-parallel dimension
             raise RuntimeError(
                 f"EMA.get_model(): the model is split by tensor parallelism (e.g. {tensor_parallel[0]}), whose "
                 "layers are changed to compute a part of the attention heads, so an unsharded copy would not "
-                "run; use EMA.full_state_dict() (the gathered weights) or EMA.reverse(model) instead")
+                "run; use EMA.full_state_dict() (the gathered weights) or EMA.reverse(model) instead"
+            )
         from fairseq.distributed.plain_copy import plain_copy
 
         model = _without_patched_forwards(plain_copy(self._sharded_model))
@@ -167,8 +170,9 @@ class EMA:
                 value = value.detach()
                 self.fp32_params[key] = value.float().clone() if torch.is_floating_point(value) else value.clone()
 
-    def restore(self, state_dict: Dict[str, torch.Tensor], build_fp32_params: bool = False,
-                strict: bool = False) -> None:
+    def restore(
+        self, state_dict: Dict[str, torch.Tensor], build_fp32_params: bool = False, strict: bool = False
+    ) -> None:
         """Load EMA weights (full tensors, or DTensors sharded like ours) into the EMA."""
         if self.sharded:
             missing = set(self._shadow) - set(state_dict)
@@ -208,8 +212,9 @@ class EMA:
             if ema_param is None:  # a weight the EMA has not seen: it starts from the weight
                 ema_param = averaged_state[key] = param.detach().float().clone() if fp32 else param.detach().clone()
             if ema_param.shape != param.shape:
-                raise ValueError(f"EMA weight {key} has shape {tuple(ema_param.shape)} but the model's has "
-                                 f"{tuple(param.shape)}")
+                raise ValueError(
+                    f"EMA weight {key} has shape {tuple(ema_param.shape)} but the model's has {tuple(param.shape)}"
+                )
             local = _local(ema_param)
             if (local.data_ptr(), local.shape) in seen:  # a tied weight under a second name: average it once
                 continue
@@ -248,16 +253,18 @@ class EMA:
 
     def full_state_dict(self) -> Dict[str, Dict[str, torch.Tensor]]:
         """state_dict() with full CPU tensors; collective when sharded (every rank must call it)."""
-        return {group: {k: (v.full_tensor() if is_dtensor(v) else v).detach().cpu()
-                        for k, v in tensors.items()}
-                for group, tensors in self.state_dict().items()}
+        return {
+            group: {k: (v.full_tensor() if is_dtensor(v) else v).detach().cpu() for k, v in tensors.items()}
+            for group, tensors in self.state_dict().items()
+        }
 
     def load_checkpoint_state(self, extra_state: Dict, model_state: Dict[str, torch.Tensor]) -> None:
         """Upstream's resume rule: the checkpoint's EMA when it has one, else the EMA restarts from the
         checkpoint's model weights."""
         if extra_state.get("ema") is None:
-            logger.warning("--store-ema: the checkpoint has no EMA (extra_state['ema']); the EMA starts from its "
-                           "model weights")
+            logger.warning(
+                "--store-ema: the checkpoint has no EMA (extra_state['ema']); the EMA starts from its model weights"
+            )
             self.restore(model_state, build_fp32_params=getattr(self.config, "ema_fp32", False))
             return
         logger.info("loading the EMA from the checkpoint")

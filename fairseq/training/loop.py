@@ -30,14 +30,12 @@ from fairseq.logging.log_line import log_train_interval, log_valid, start_wall_c
 from fairseq.logging.profiler import nvtx_profiling
 from fairseq.models.fairseq_model import model_config_line
 from fairseq.training.batch_iterators import trainer_iterator, valid_iterators
-from fairseq.training.preemption import REQUEUE_FAILED, REQUEUED, Preempted, PreemptionWatcher, \
-    requeue_after_preemption
+from fairseq.training.preemption import REQUEUE_FAILED, REQUEUED, Preempted, PreemptionWatcher, requeue_after_preemption
 from fairseq.training.trainer import Trainer
 
 logger = logging.getLogger("fairseq_cli.train")
 
-__all__ = ["REQUEUED", "REQUEUE_FAILED", "check_input_files", "train", "train_epoch", "validate",
-           "validate_and_save"]
+__all__ = ["REQUEUED", "REQUEUE_FAILED", "check_input_files", "train", "train_epoch", "validate", "validate_and_save"]
 
 
 def check_input_files(cfg) -> None:
@@ -85,20 +83,26 @@ def _start(cfg, checkpoints, task, model, criterion):
             task.load_dataset(subset, combine=bool(cfg.dataset.combine_valid_subsets), epoch=1)
     model = build_model(cfg, task) if model is None else model
     criterion = build_criterion(cfg.criterion, task, cfg.optimization) if criterion is None else criterion
-    logger.info(f"task: {type(task).__name__}, model: {type(model).__name__} ({cfg.model._name}), "
-                f"criterion: {type(criterion).__name__}")
+    logger.info(
+        f"task: {type(task).__name__}, model: {type(model).__name__} ({cfg.model._name}), "
+        f"criterion: {type(criterion).__name__}"
+    )
     notice = getattr(type(model), "config_notice", lambda _: "")(cfg.model)
     if notice:
         logger.info(notice)
     logger.info(model_config_line(model, cfg.model))
     num_params = sum(p.numel() for p in model.parameters())
-    logger.info(f"num. model params: {num_params:,} (num. trained: "
-                f"{sum(p.numel() for p in model.parameters() if p.requires_grad):,})")
+    logger.info(
+        f"num. model params: {num_params:,} (num. trained: "
+        f"{sum(p.numel() for p in model.parameters() if p.requires_grad):,})"
+    )
 
     trainer = Trainer(cfg, task, model, criterion)
-    logger.info(f"training on {dist_utils.get_world_size()} device(s) ({trainer.device.type}); "
-                f"max tokens per device = {cfg.dataset.max_tokens} and max sentences per device = "
-                f"{cfg.dataset.batch_size}")
+    logger.info(
+        f"training on {dist_utils.get_world_size()} device(s) ({trainer.device.type}); "
+        f"max tokens per device = {cfg.dataset.max_tokens} and max sentences per device = "
+        f"{cfg.dataset.batch_size}"
+    )
     return trainer, task
 
 
@@ -122,8 +126,10 @@ def _run(cfg, trainer, task, checkpoints, preemption) -> Optional[str]:
                 checkpoints.save_last(trainer, epoch_itr, metrics_state=metrics.state_dict())
                 raise Preempted()
             if trainer.get_lr() <= cfg.optimization.stop_min_lr:
-                logger.info(f"stopping training because the learning rate {trainer.get_lr()} fell to "
-                            f"--stop-min-lr {cfg.optimization.stop_min_lr}")
+                logger.info(
+                    f"stopping training because the learning rate {trainer.get_lr()} fell to "
+                    f"--stop-min-lr {cfg.optimization.stop_min_lr}"
+                )
                 break
             valid_losses, should_stop = train_epoch(cfg, trainer, task, epoch_itr, checkpoints, preemption)
             if should_stop:
@@ -193,8 +199,9 @@ def train_epoch(cfg, trainer, task, epoch_itr, checkpoints, preemption) -> Tuple
                 if num_updates % cfg.common.log_interval == 0:
                     progress.log(train_log_line("train_inner", trainer), tag="train_inner", step=num_updates)
                     metrics.reset_meters("train_inner")
-            valid_losses, should_stop = validate_and_save(cfg, trainer, task, epoch_itr, checkpoints, end_of_epoch,
-                                                          preemption)
+            valid_losses, should_stop = validate_and_save(
+                cfg, trainer, task, epoch_itr, checkpoints, end_of_epoch, preemption
+            )
             if should_stop:
                 break
             if preemption.should_stop():
@@ -234,15 +241,22 @@ def validate_and_save(cfg, trainer, task, epoch_itr, checkpoints, end_of_epoch: 
     do_save = (
         (end_of_epoch and epoch_itr.epoch % ck.save_interval == 0)
         or should_stop
-        or (ck.save_interval_updates > 0 and num_updates > 0 and num_updates % ck.save_interval_updates == 0
-            and num_updates >= ds.validate_after_updates)
+        or (
+            ck.save_interval_updates > 0
+            and num_updates > 0
+            and num_updates % ck.save_interval_updates == 0
+            and num_updates >= ds.validate_after_updates
+        )
     )
     do_validate = (
-        ((not end_of_epoch and do_save)
-         or (end_of_epoch and epoch_itr.epoch % ds.validate_interval == 0)
-         or should_stop
-         or (ds.validate_interval_updates > 0 and num_updates > 0
-             and num_updates % ds.validate_interval_updates == 0))
+        (
+            (not end_of_epoch and do_save)
+            or (end_of_epoch and epoch_itr.epoch % ds.validate_interval == 0)
+            or should_stop
+            or (
+                ds.validate_interval_updates > 0 and num_updates > 0 and num_updates % ds.validate_interval_updates == 0
+            )
+        )
         and not ds.disable_validation
         and num_updates >= ds.validate_after_updates
     )
@@ -289,8 +303,10 @@ def validate(cfg, trainer, task, epoch_itr, checkpoints, preemption=None) -> Lis
             checkpoints.save_last(trainer, epoch_itr, metrics_state=metrics.state_dict())
             raise Preempted()
         if not done:  # --max-valid-steps 0: no loss to report (rather than a NaN one)
-            logger.warning(f"validation on '{subset}' ran no batch (--max-valid-steps "
-                           f"{cfg.dataset.max_valid_steps}): no valid loss")
+            logger.warning(
+                f"validation on '{subset}' ran no batch (--max-valid-steps "
+                f"{cfg.dataset.max_valid_steps}): no valid loss"
+            )
             valid_losses.append(None)
             continue
         progress.print(stats, tag=subset, step=trainer.num_updates)

@@ -64,8 +64,11 @@ class DynamicLossScaler:
 
     def state_dict(self):
         return {
-            "loss_scale": self.loss_scale, "iter": self._iter, "last_overflow_iter": self._last_overflow_iter,
-            "last_rescale_iter": self._last_rescale_iter, "overflows_since_rescale": self._overflows_since_rescale,
+            "loss_scale": self.loss_scale,
+            "iter": self._iter,
+            "last_overflow_iter": self._last_overflow_iter,
+            "last_rescale_iter": self._last_rescale_iter,
+            "overflows_since_rescale": self._overflows_since_rescale,
         }
 
     def load_state_dict(self, state):
@@ -79,8 +82,9 @@ class DynamicLossScaler:
 class Precision:
     """Everything the train step needs to know about the numeric format."""
 
-    def __init__(self, common_cfg, device: torch.device, sharded: bool, data_parallel_size: int = 1,
-                 update_freq: int = 1):
+    def __init__(
+        self, common_cfg, device: torch.device, sharded: bool, data_parallel_size: int = 1, update_freq: int = 1
+    ):
         self.dtype = compute_dtype(common_cfg)
         if self.dtype == torch.float16 and device.type != "cuda":
             raise ValueError("--fp16 needs a CUDA device; on CPU train in fp32 or with --bf16")
@@ -93,8 +97,10 @@ class Precision:
             if window is None:  # upstream's default: 2**14 updates across all replicas and micro-batches
                 window = max(int(2**14 / data_parallel_size / update_freq), 1)
             self.scaler = DynamicLossScaler(
-                init_scale=common_cfg.fp16_init_scale, scale_window=window,
-                tolerance=common_cfg.fp16_scale_tolerance, threshold=common_cfg.threshold_loss_scale,
+                init_scale=common_cfg.fp16_init_scale,
+                scale_window=window,
+                tolerance=common_cfg.fp16_scale_tolerance,
+                threshold=common_cfg.threshold_loss_scale,
                 min_loss_scale=common_cfg.min_loss_scale,
             )
 

@@ -107,9 +107,12 @@ def exit_requeue_failed(name: str) -> NoReturn:
     if _is_first_process():
         job = " ".join(filter(None, ["the SLURM job", os.environ.get("SLURM_JOB_ID")]))
         sys.stdout.flush()
-        print(f"{name}: error: checkpoint_last was saved, but {job} could not be requeued (scontrol requeue "
-              "failed; see the log above): resubmit the job, it resumes from checkpoint_last", file=sys.stderr,
-              flush=True)
+        print(
+            f"{name}: error: checkpoint_last was saved, but {job} could not be requeued (scontrol requeue "
+            "failed; see the log above): resubmit the job, it resumes from checkpoint_last",
+            file=sys.stderr,
+            flush=True,
+        )
     sys.exit(EXIT_REQUEUE_FAILED)
 
 
@@ -134,8 +137,10 @@ def requeue_slurm_job() -> bool:
         logger.error(f"scontrol requeue {job_id} failed: {e}; resubmit the job to resume from checkpoint_last")
         return False
     if result.returncode != 0:
-        logger.error(f"scontrol requeue {job_id} failed ({result.returncode}): {result.stderr.strip()}; "
-                     "resubmit the job to resume from checkpoint_last")
+        logger.error(
+            f"scontrol requeue {job_id} failed ({result.returncode}): {result.stderr.strip()}; "
+            "resubmit the job to resume from checkpoint_last"
+        )
         return False
     logger.info(f"requeued SLURM job {job_id}")
     return True

@@ -43,9 +43,18 @@ def _sample_size(sample, sentence_avg: bool) -> int:
     return sample["nsentences"] if sentence_avg else sample["ntokens"]
 
 
-def run_update(model, criterion, optimizer, precision: Precision, samples: List[dict], stats: LoggingOutputSums,
-               clip_norm: float, sentence_avg: bool, device: torch.device,
-               data_parallel_size: int) -> Optional[torch.Tensor]:
+def run_update(
+    model,
+    criterion,
+    optimizer,
+    precision: Precision,
+    samples: List[dict],
+    stats: LoggingOutputSums,
+    clip_norm: float,
+    sentence_avg: bool,
+    device: torch.device,
+    data_parallel_size: int,
+) -> Optional[torch.Tensor]:
     """Run one update over `samples` (the micro-batches of --update-freq); returns the gradient norm
     tensor, or None when an fp16 overflow skipped the update."""
     model.train()
@@ -82,8 +91,9 @@ def run_update(model, criterion, optimizer, precision: Precision, samples: List[
     if precision.scaler is not None:
         overflow = not bool(torch.isfinite(grad_norm))  # the one host sync of an fp16 update
         if precision.scaler.update(overflow):
-            logger.info("gradient overflow detected, ignoring gradient, setting loss scale to: "
-                        f"{precision.scaler.loss_scale:g}")
+            logger.info(
+                f"gradient overflow detected, ignoring gradient, setting loss scale to: {precision.scaler.loss_scale:g}"
+            )
             optimizer.zero_grad(set_to_none=True)
             stats.add({"overflows": 1})  # the skipped update's losses and tokens are not counted (upstream)
             return None

@@ -60,7 +60,10 @@ class Trainer:
         self.data_parallel_size = get_data_parallel_world_size()
         self._float8_scales = float8.needs_scale_precompute(cfg)
         self.precision = Precision(
-            cfg.common, self.device, sharded=self.is_sharded, data_parallel_size=self.data_parallel_size,
+            cfg.common,
+            self.device,
+            sharded=self.is_sharded,
+            data_parallel_size=self.data_parallel_size,
             update_freq=cfg.optimization.update_freq[0],
         )
         params = [p for p in self.model.parameters() if p.requires_grad]
@@ -100,9 +103,16 @@ class Trainer:
         start = time.perf_counter()
         samples = [self.prepare_sample(s, batch_source) for s in samples]
         grad_norm = run_update(
-            self.model, self.criterion, self.optimizer, self.precision, samples, self.train_stats,
-            clip_norm=self.cfg.optimization.clip_norm, sentence_avg=self.cfg.optimization.sentence_avg,
-            device=self.device, data_parallel_size=self.data_parallel_size,
+            self.model,
+            self.criterion,
+            self.optimizer,
+            self.precision,
+            samples,
+            self.train_stats,
+            clip_norm=self.cfg.optimization.clip_norm,
+            sentence_avg=self.cfg.optimization.sentence_avg,
+            device=self.device,
+            data_parallel_size=self.data_parallel_size,
         )
         if grad_norm is not None and self._float8_scales:
             float8.after_optimizer_step(self.model)
@@ -200,8 +210,9 @@ class Trainer:
         if optim_state is None:
             set_model_state_dict(self.model, model_state, options=options)
         else:
-            set_state_dict(self.model, self.optimizer, model_state_dict=model_state, optim_state_dict=optim_state,
-                           options=options)
+            set_state_dict(
+                self.model, self.optimizer, model_state_dict=model_state, optim_state_dict=optim_state, options=options
+            )
 
     def state_dict(self) -> Dict[str, Any]:
         """Stateful: what an exact resume needs besides model and optimizer, each value once (plain Python

@@ -17,27 +17,85 @@ pytestmark = pytest.mark.timeout(900)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 ADAPTIVE = [
-    "--arch", "transformer_lm_wiki103", "--decoder-layers", "2", "--decoder-embed-dim", "32",
-    "--decoder-ffn-embed-dim", "64", "--decoder-attention-heads", "2", "--decoder-input-dim", "32",
-    "--decoder-output-dim", "32", "--adaptive-input-cutoff", "20,40", "--adaptive-softmax-cutoff", "20,40",
-    "--dropout", "0", "--attention-dropout", "0", "--activation-dropout", "0", "--adaptive-softmax-dropout", "0",
-    "--criterion", "adaptive_loss", "--optimizer", "nag", "--lr", "0.05", "--lr-scheduler", "reduce_lr_on_plateau",
-    "--tokens-per-sample", "32", "--batch-size", "4", "--required-batch-size-multiple", "1",
-    "--sample-break-mode", "none", "--disable-validation", "--seed", "5", "--cpu", "--num-workers", "0",
-    "--log-format", "json", "--log-interval", "1", "--heartbeat-timeout", "120",
+    "--arch",
+    "transformer_lm_wiki103",
+    "--decoder-layers",
+    "2",
+    "--decoder-embed-dim",
+    "32",
+    "--decoder-ffn-embed-dim",
+    "64",
+    "--decoder-attention-heads",
+    "2",
+    "--decoder-input-dim",
+    "32",
+    "--decoder-output-dim",
+    "32",
+    "--adaptive-input-cutoff",
+    "20,40",
+    "--adaptive-softmax-cutoff",
+    "20,40",
+    "--dropout",
+    "0",
+    "--attention-dropout",
+    "0",
+    "--activation-dropout",
+    "0",
+    "--adaptive-softmax-dropout",
+    "0",
+    "--criterion",
+    "adaptive_loss",
+    "--optimizer",
+    "nag",
+    "--lr",
+    "0.05",
+    "--lr-scheduler",
+    "reduce_lr_on_plateau",
+    "--tokens-per-sample",
+    "32",
+    "--batch-size",
+    "4",
+    "--required-batch-size-multiple",
+    "1",
+    "--sample-break-mode",
+    "none",
+    "--disable-validation",
+    "--seed",
+    "5",
+    "--cpu",
+    "--num-workers",
+    "0",
+    "--log-format",
+    "json",
+    "--log-interval",
+    "1",
+    "--heartbeat-timeout",
+    "120",
 ]
 
 
 def train_argv(data, save_dir, *extra, max_update):
-    return ["--task", "language_modeling", str(data), "--save-dir", str(save_dir), *ADAPTIVE,
-            "--max-update", str(max_update), "--log-file", str(save_dir / "train.log"), *extra]
+    return [
+        "--task",
+        "language_modeling",
+        str(data),
+        "--save-dir",
+        str(save_dir),
+        *ADAPTIVE,
+        "--max-update",
+        str(max_update),
+        "--log-file",
+        str(save_dir / "train.log"),
+        *extra,
+    ]
 
 
 def run_train(data, save_dir, *extra, max_update):
     argv = train_argv(data, save_dir, *extra, max_update=max_update)
     env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, "-m", "fairseq_cli.train", *argv], capture_output=True, text=True,
-                          timeout=600, env=env)
+    proc = subprocess.run(
+        [sys.executable, "-m", "fairseq_cli.train", *argv], capture_output=True, text=True, timeout=600, env=env
+    )
     assert proc.returncode == 0, f"fairseq-train failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
 
 

@@ -42,8 +42,14 @@ def build_model():
     from fairseq.models.transformer_lm import TransformerLanguageModel, preset_config
 
     torch.manual_seed(0)
-    cfg = preset_config("transformer_lm_gpt3_small", decoder_layers=2, decoder_embed_dim=16,
-                        decoder_attention_heads=2, dropout=0.0, tokens_per_sample=SEQ)
+    cfg = preset_config(
+        "transformer_lm_gpt3_small",
+        decoder_layers=2,
+        decoder_embed_dim=16,
+        decoder_attention_heads=2,
+        dropout=0.0,
+        tokens_per_sample=SEQ,
+    )
     return TransformerLanguageModel.build(cfg, VOCAB, PAD)
 
 
@@ -94,16 +100,21 @@ def scenario_fsdp(rank):
     reference = ema_plain.get_model()
     out["class"] = (type(copied).__name__, type(reference).__name__)
     out["layer_classes"] = [type(layer).__name__ for layer in copied.decoder.layers]
-    out["fsdp_or_wrapper"] = [name for name, m in copied.named_modules()
-                              if isinstance(m, (FSDPModule, ActivationWrapper))]
+    out["fsdp_or_wrapper"] = [
+        name for name, m in copied.named_modules() if isinstance(m, (FSDPModule, ActivationWrapper))
+    ]
     out["dtensors"] = [type(t).__name__ for t in chain(copied.parameters(), copied.buffers()) if isinstance(t, DTensor)]
-    out["hooks"] = [name for name, m in copied.named_modules()
-                    if m._forward_pre_hooks or m._forward_hooks or m._backward_hooks or m._backward_pre_hooks]
+    out["hooks"] = [
+        name
+        for name, m in copied.named_modules()
+        if m._forward_pre_hooks or m._forward_hooks or m._backward_hooks or m._backward_pre_hooks
+    ]
     out["requires_grad"] = [name for name, p in copied.named_parameters() if p.requires_grad]
     out["tied"] = copied.decoder.output_projection.weight is copied.decoder.embed_tokens.weight
     out["unequal_at_3"] = unequal(copied.state_dict(), reference.state_dict())
-    out["ema_moved"] = not torch.equal(reference.state_dict()["decoder.embed_tokens.weight"],
-                                       plain.state_dict()["decoder.embed_tokens.weight"])
+    out["ema_moved"] = not torch.equal(
+        reference.state_dict()["decoder.embed_tokens.weight"], plain.state_dict()["decoder.embed_tokens.weight"]
+    )
     copied.eval()
     reference.eval()
     with torch.no_grad():

@@ -25,12 +25,7 @@ import torch.nn.functional as F
 
 from tests.train_fixtures import spawn_scenarios
 from fairseq.dataclass.configs import FairseqConfig
-from fairseq.distributed.fsdp import (
-    ReshardEventLimiter,
-    apply_fsdp,
-    check_fsdp_flags,
-    transformer_layers,
-)
+from fairseq.distributed.fsdp import ReshardEventLimiter, apply_fsdp, check_fsdp_flags, transformer_layers
 from fairseq.distributed.parallelize import (
     apply_activation_checkpointing,
     apply_compile,
@@ -50,7 +45,6 @@ RTOL, ATOL = 1e-5, 1e-6
 CKPT = "_checkpoint_wrapped_module."
 
 
-
 def fsdp_param_groups(layer):
     """FSDP2's parameter groups of one sharded module (a list in torch >= 2.12, one group before)."""
     state = layer._get_fsdp_state()
@@ -60,11 +54,16 @@ def fsdp_param_groups(layer):
         groups = [] if group is None else [group]
     return groups
 
+
 def build_model(meta=False):
     torch.manual_seed(0)
     cfg = preset_config(
-        "transformer_lm_gpt3_small", decoder_layers=NUM_LAYERS, decoder_embed_dim=16,
-        decoder_attention_heads=2, dropout=0.0, tokens_per_sample=SEQ,
+        "transformer_lm_gpt3_small",
+        decoder_layers=NUM_LAYERS,
+        decoder_embed_dim=16,
+        decoder_attention_heads=2,
+        dropout=0.0,
+        tokens_per_sample=SEQ,
     )
     if meta:
         with torch.device("meta"):
@@ -199,8 +198,7 @@ def scenario_gradients(rank):
         norm_only = clip_grad_norm_(params, 0.0)
         unchanged = all(torch.equal(before[k], v) for k, v in named_full(model, "grad").items())
         norm = clip_grad_norm_(params, 0.25)
-        out[backend] = dict(norm_only=norm_only, norm=norm, unchanged=unchanged,
-                            clipped=named_full(model, "grad"))
+        out[backend] = dict(norm_only=norm_only, norm=norm, unchanged=unchanged, clipped=named_full(model, "grad"))
     return out
 
 
@@ -329,10 +327,18 @@ def test_training_actually_moves(reference):
     assert losses[-1] < losses[0]  # so that matching it is not trivially matching a constant
 
 
-@pytest.mark.parametrize("variant", [
-    "checkpoint", "checkpoint+offload", "offload_implies_checkpoint", "no_reshard_after_forward",
-    "cpu_offload", "prefetch_depth_2+sync_free", "compile_eager",
-])
+@pytest.mark.parametrize(
+    "variant",
+    [
+        "checkpoint",
+        "checkpoint+offload",
+        "offload_implies_checkpoint",
+        "no_reshard_after_forward",
+        "cpu_offload",
+        "prefetch_depth_2+sync_free",
+        "compile_eager",
+    ],
+)
 def test_options_that_must_not_change_the_arithmetic(runs, reference, variant):
     assert_same_training(result(runs, "variants")[variant], reference)
 
@@ -435,8 +441,11 @@ def check_wait_order(log):
 
 
 def test_fsdp_only_flags_need_fully_sharded():
-    for flag, field in [("--fsdp-forward-prefetch", "fsdp_forward_prefetch"),
-                        ("--fsdp-sync-free", "fsdp_sync_free"), ("--cpu-offload", "cpu_offload")]:
+    for flag, field in [
+        ("--fsdp-forward-prefetch", "fsdp_forward_prefetch"),
+        ("--fsdp-sync-free", "fsdp_sync_free"),
+        ("--cpu-offload", "cpu_offload"),
+    ]:
         for backend in ("pytorch_ddp", "c10d", "legacy_ddp"):
             with pytest.raises(ValueError, match=f"{flag} needs --ddp-backend fully_sharded"):
                 check_fsdp_flags(backend, **{field: True})
@@ -492,8 +501,9 @@ def test_materialize_a_meta_model():
 def _single_process_fsdp(rank, port, out_path):
     # No process group: parallelize_model creates a one-rank group itself.
     assert not dist.is_initialized()
-    model = parallelize_model(build_model(), make_cfg(fsdp_sync_free=True, fsdp_forward_prefetch=True),
-                              torch.device("cpu"))
+    model = parallelize_model(
+        build_model(), make_cfg(fsdp_sync_free=True, fsdp_forward_prefetch=True), torch.device("cpu")
+    )
     torch.save(train(model, *global_batch()), out_path)
 
 

@@ -99,8 +99,15 @@ def clean_env(**extra):
 
 def slurm_task_env(procid, ntasks, tasks_per_node, **extra):
     return clean_env(
-        SLURM_JOB_ID="4242", SLURM_PROCID=procid, SLURM_LOCALID=procid, SLURM_NODEID=0, SLURM_NTASKS=ntasks,
-        SLURM_NTASKS_PER_NODE=tasks_per_node, SLURM_NNODES=1, SLURM_JOB_NODELIST="localhost", **extra,
+        SLURM_JOB_ID="4242",
+        SLURM_PROCID=procid,
+        SLURM_LOCALID=procid,
+        SLURM_NODEID=0,
+        SLURM_NTASKS=ntasks,
+        SLURM_NTASKS_PER_NODE=tasks_per_node,
+        SLURM_NNODES=1,
+        SLURM_JOB_NODELIST="localhost",
+        **extra,
     )
 
 
@@ -146,9 +153,16 @@ def all_reduce_main(cfg, out_dir):
     dist_utils.barrier()
     dt = cfg.distributed_training
     record = dict(
-        rank=rank, world=dist_utils.get_world_size(), total=total.item(), largest=largest.item(),
-        cfg_rank=dt.distributed_rank, cfg_world=dt.distributed_world_size, device_id=dt.device_id,
-        pid=os.getpid(), master=dist_utils.is_master(), env={name: os.environ.get(name) for name in DEFAULT_ENV},
+        rank=rank,
+        world=dist_utils.get_world_size(),
+        total=total.item(),
+        largest=largest.item(),
+        cfg_rank=dt.distributed_rank,
+        cfg_world=dt.distributed_world_size,
+        device_id=dt.device_id,
+        pid=os.getpid(),
+        master=dist_utils.is_master(),
+        env={name: os.environ.get(name) for name in DEFAULT_ENV},
     )
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(record, f)
@@ -204,8 +218,16 @@ def test_simulated_slurm_one_task_per_node_spawns(worker, out_dir):
 @pytest.mark.timeout(90)
 def test_torchrun_two_processes(worker, out_dir):
     cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-        worker, str(out_dir), "ok", "heartbeat_timeout=20",
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        "2",
+        worker,
+        str(out_dir),
+        "ok",
+        "heartbeat_timeout=20",
     ]
     [(returncode, output)], _ = run_together([(cmd, clean_env())])
     assert returncode == 0, output
@@ -217,8 +239,16 @@ def test_explicit_init_method_one_rank_per_process(worker, out_dir):
     init_method = f"tcp://localhost:{dist_utils.get_free_port()}"
     commands = [
         (
-            [sys.executable, worker, str(out_dir), "ok", f"distributed_init_method={init_method}",
-             "distributed_world_size=2", f"distributed_rank={rank}", "heartbeat_timeout=20"],
+            [
+                sys.executable,
+                worker,
+                str(out_dir),
+                "ok",
+                f"distributed_init_method={init_method}",
+                "distributed_world_size=2",
+                f"distributed_rank={rank}",
+                "heartbeat_timeout=20",
+            ],
             clean_env(),
         )
         for rank in (0, 1)
@@ -352,8 +382,16 @@ def test_slurm_rank_whose_peer_never_starts_times_out(worker, out_dir):
 @pytest.mark.timeout(90)
 def test_torchrun_rank_that_raises_fails_the_job(worker, out_dir):
     cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-        worker, str(out_dir), "raise", "heartbeat_timeout=10",
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        "2",
+        worker,
+        str(out_dir),
+        "raise",
+        "heartbeat_timeout=10",
     ]
     [(returncode, output)], elapsed = run_together([(cmd, clean_env())])
     assert returncode != 0

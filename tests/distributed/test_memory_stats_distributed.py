@@ -16,10 +16,7 @@ from fairseq.logging.memory import GIB, CudaMemoryStats, RawMemoryCounters
 
 WORLD_SIZE = 2
 # per rank: (peak allocated, peak reserved, allocated, reserved, total) in GiB, and retries
-RANK_MEMORY = [
-    ((10.0, 30.0, 8.0, 30.0, 80.0), 0),
-    ((12.0, 20.0, 9.5, 18.0, 40.0), 4),
-]
+RANK_MEMORY = [((10.0, 30.0, 8.0, 30.0, 80.0), 0), ((12.0, 20.0, 9.5, 18.0, 40.0), 4)]
 
 
 class FixedReader:

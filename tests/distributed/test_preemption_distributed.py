@@ -16,17 +16,32 @@ pytestmark = pytest.mark.timeout(900)
 
 # The tiny transformer_lm_gpt (tests/conftest.py) with dropout and a decaying schedule that --total-num-update
 # fixes (not --max-update), fully_sharded, no validation.
-FLAGS = ["--dropout", "0.1", "--lr-scheduler", "polynomial_decay", "--warmup-updates", "2", "--total-num-update",
-         "40", "--required-batch-size-multiple", "1", "--disable-validation", "--ddp-backend", "fully_sharded"]
+FLAGS = [
+    "--dropout",
+    "0.1",
+    "--lr-scheduler",
+    "polynomial_decay",
+    "--warmup-updates",
+    "2",
+    "--total-num-update",
+    "40",
+    "--required-batch-size-multiple",
+    "1",
+    "--disable-validation",
+    "--ddp-backend",
+    "fully_sharded",
+]
 
 
 @pytest.fixture(scope="session")
 def preemption_args(build_train_args):
     """preemption_args(data, save_dir, max_update, *extra): this file's fairseq-train arguments (FLAGS, --seed 5,
     a json --log-file in save_dir)."""
+
     def args(data, save_dir, max_update, *extra):
-        return build_train_args(data, save_dir, *FLAGS, *extra, max_update=max_update, arch="transformer_lm_gpt",
-                                seed="5")
+        return build_train_args(
+            data, save_dir, *FLAGS, *extra, max_update=max_update, arch="transformer_lm_gpt", seed="5"
+        )
 
     return args
 
@@ -35,13 +50,29 @@ def start_slurm_ranks(train_argv, port, fake_bin, scontrol_log):
     """Two simulated SLURM tasks of one node running `python -m fairseq_cli.train *train_argv`."""
     procs = []
     for rank in range(2):
-        env = _env({
-            "SLURM_JOB_ID": "4242", "SLURM_PROCID": str(rank), "SLURM_LOCALID": str(rank), "SLURM_NTASKS": "2",
-            "SLURM_NNODES": "1", "SLURM_NTASKS_PER_NODE": "2", "SLURM_JOB_NODELIST": "localhost",
-            "PATH": f"{fake_bin}:{os.environ['PATH']}", "SCONTROL_LOG": str(scontrol_log),
-        })
-        argv = [sys.executable, "-m", "fairseq_cli.train", *train_argv, "--distributed-port", str(port),
-                "--heartbeat-timeout", "120"]
+        env = _env(
+            {
+                "SLURM_JOB_ID": "4242",
+                "SLURM_PROCID": str(rank),
+                "SLURM_LOCALID": str(rank),
+                "SLURM_NTASKS": "2",
+                "SLURM_NNODES": "1",
+                "SLURM_NTASKS_PER_NODE": "2",
+                "SLURM_JOB_NODELIST": "localhost",
+                "PATH": f"{fake_bin}:{os.environ['PATH']}",
+                "SCONTROL_LOG": str(scontrol_log),
+            }
+        )
+        argv = [
+            sys.executable,
+            "-m",
+            "fairseq_cli.train",
+            *train_argv,
+            "--distributed-port",
+            str(port),
+            "--heartbeat-timeout",
+            "120",
+        ]
         procs.append(subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     return procs
 
@@ -114,9 +145,14 @@ def test_spawned_ranks_get_the_signal_sent_to_the_launcher(tiny_data, tmp_path, 
     (fake_bin / "scontrol").chmod(0o755)
     log = tmp_path / "scontrol.log"
     env = _env({"PATH": f"{fake_bin}:{os.environ['PATH']}", "SCONTROL_LOG": str(log), "SLURM_JOB_ID": "77"})
-    argv = [sys.executable, "-m", "fairseq_cli.train",
-            *preemption_args(tiny_data, tmp_path / "ck", 400, "--distributed-world-size", "2", "--heartbeat-timeout",
-                             "120")]
+    argv = [
+        sys.executable,
+        "-m",
+        "fairseq_cli.train",
+        *preemption_args(
+            tiny_data, tmp_path / "ck", 400, "--distributed-world-size", "2", "--heartbeat-timeout", "120"
+        ),
+    ]
     proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     deadline = time.time() + 300
     while time.time() < deadline:
@@ -138,8 +174,9 @@ def _agreement_worker(rank, init_file, results):
 
     from fairseq.training.preemption import PreemptionWatcher
 
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2,
-                            timeout=datetime.timedelta(seconds=60))
+    dist.init_process_group(
+        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=60)
+    )
     watcher = PreemptionWatcher(separate_group=True)  # the path NCCL jobs take: a gloo group of its own
     assert watcher._group is not None
     decisions = []

@@ -14,8 +14,9 @@ def test_every_rank_exits_4_when_scontrol_requeue_fails(tiny_data, tmp_path, pre
     fake_bin = tmp_path / "bin"
     fake_bin.mkdir()
     scontrol = fake_bin / "scontrol"
-    scontrol.write_text('#!/bin/sh\necho "$@" >> "$SCONTROL_LOG"\necho "Requested operation is presently '
-                        'disabled" >&2\nexit 1\n')
+    scontrol.write_text(
+        '#!/bin/sh\necho "$@" >> "$SCONTROL_LOG"\necho "Requested operation is presently disabled" >&2\nexit 1\n'
+    )
     scontrol.chmod(0o755)
     scontrol_log = tmp_path / "scontrol.log"
     save_dir = tmp_path / "ck"
@@ -33,8 +34,10 @@ def test_every_rank_exits_4_when_scontrol_requeue_fails(tiny_data, tmp_path, pre
     assert scontrol_log.read_text() == "requeue 4242\n"  # rank 0 only, once
     assert (save_dir / "checkpoint_last.pt").exists()
     errors = [[line for line in out.splitlines() if "error:" in line] for out in outs]
-    expected = ("fairseq-train: error: checkpoint_last was saved, but the SLURM job 4242 could not be requeued "
-                "(scontrol requeue failed; see the log above): resubmit the job, it resumes from checkpoint_last")
+    expected = (
+        "fairseq-train: error: checkpoint_last was saved, but the SLURM job 4242 could not be requeued "
+        "(scontrol requeue failed; see the log above): resubmit the job, it resumes from checkpoint_last"
+    )
     assert errors == [[expected], []], outs  # the first process says it; the other only exits with the status
     assert "Requested operation is presently disabled" in outs[0]  # the log line says why
     assert "Traceback" not in outs[0] + outs[1]

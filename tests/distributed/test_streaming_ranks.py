@@ -16,8 +16,9 @@ def _make_stream(data):
     from fairseq.data.stream_tokenizer import TokenizerSpec
 
     spec = TokenizerSpec("fairseq", (str(data / "dict.txt"),))
-    return GlobalStream([CorpusStream("web", [str(data / "train" / "00" / "web.jsonl")], spec, 16, "complete", 2)],
-                        {"web": 1.0}, seed=1)
+    return GlobalStream(
+        [CorpusStream("web", [str(data / "train" / "00" / "web.jsonl")], spec, 16, "complete", 2)], {"web": 1.0}, seed=1
+    )
 
 
 def rank_scenarios(rank, data, steps):
@@ -26,14 +27,22 @@ def rank_scenarios(rank, data, steps):
     from fairseq.data.stream_iterator import StreamingEpochIterator
 
     def cover():
-        itr = StreamingEpochIterator(lambda: _make_stream(data), BATCH, 1, num_shards=dist.get_world_size(),
-                                     shard_id=dist.get_rank(), log_tokens=False)
+        itr = StreamingEpochIterator(
+            lambda: _make_stream(data),
+            BATCH,
+            1,
+            num_shards=dist.get_world_size(),
+            shard_id=dist.get_rank(),
+            log_tokens=False,
+        )
         batches = itr.next_epoch_itr()
         mine = []
         for _ in range(steps):
             batch = next(batches)
-            mine += [(g, [t for t in target if t != 1])  # without the padding (id 1)
-                     for g, target in zip(batch["id"].tolist(), batch["target"].tolist())]
+            mine += [
+                (g, [t for t in target if t != 1])  # without the padding (id 1)
+                for g, target in zip(batch["id"].tolist(), batch["target"].tolist())
+            ]
         gathered = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, mine)
         return gathered

@@ -44,13 +44,48 @@ PARAM_ATOL = 2e-5
 NOISE_ONLY = (".self_attn.k_proj.bias",)
 
 # The model: 2 layers of 32, 4 heads, ffn 64 (tests/conftest.py's tiny transformer_lm_gpt), no dropout.
-MODEL = ["--arch", "transformer_lm_gpt", "--decoder-layers", "2", "--decoder-embed-dim", "32",
-         "--decoder-ffn-embed-dim", "64", "--decoder-attention-heads", "4", "--dropout", "0",
-         "--attention-dropout", "0"]
-TRAINING = ["--task", "language_modeling", "--optimizer", "adam", "--lr", "0.003", "--tokens-per-sample", "32",
-            "--batch-size", "4", "--num-workers", "0", "--cpu", "--seed", "5", "--clip-norm", "0.5",
-            "--required-batch-size-multiple", "1", "--disable-validation", "--criterion",
-            "vocab_parallel_cross_entropy", "--heartbeat-timeout", "120"]
+MODEL = [
+    "--arch",
+    "transformer_lm_gpt",
+    "--decoder-layers",
+    "2",
+    "--decoder-embed-dim",
+    "32",
+    "--decoder-ffn-embed-dim",
+    "64",
+    "--decoder-attention-heads",
+    "4",
+    "--dropout",
+    "0",
+    "--attention-dropout",
+    "0",
+]
+TRAINING = [
+    "--task",
+    "language_modeling",
+    "--optimizer",
+    "adam",
+    "--lr",
+    "0.003",
+    "--tokens-per-sample",
+    "32",
+    "--batch-size",
+    "4",
+    "--num-workers",
+    "0",
+    "--cpu",
+    "--seed",
+    "5",
+    "--clip-norm",
+    "0.5",
+    "--required-batch-size-multiple",
+    "1",
+    "--disable-validation",
+    "--criterion",
+    "vocab_parallel_cross_entropy",
+    "--heartbeat-timeout",
+    "120",
+]
 TP2_FSDP2 = ["--ddp-backend", "fully_sharded", "--model-parallel-size", "2", "--update-freq", "2"]
 HSDP2x2 = ["--ddp-backend", "fully_sharded", "--fsdp-shard-group-size", "2"]
 FSDP4 = ["--ddp-backend", "fully_sharded"]
@@ -62,8 +97,9 @@ def config(data, *flags):
     from fairseq.frontend.validate import validate
 
     parser = options.get_training_parser()
-    cfg = options.convert_namespace_to_config(options.parse_args_and_arch(parser, [str(data), *TRAINING, *MODEL,
-                                                                                  *flags]))
+    cfg = options.convert_namespace_to_config(
+        options.parse_args_and_arch(parser, [str(data), *TRAINING, *MODEL, *flags])
+    )
     validate(cfg)
     return cfg
 
@@ -121,10 +157,13 @@ def scenarios(rank, data, out):  # the same scenarios on every rank
         "fsdp4": lambda: train_updates(data, *FSDP4),
         # TP 2 x DP 2 to 6 updates, keeping updates 2 and 4; from a copy of update 2, resumed to 4 on the same
         # layout and on DP 4.
-        "uninterrupted": lambda: run_main(data, out / "uninterrupted", *TP2_FSDP2, *CHECKPOINTS,
-                                          "--save-interval-updates", "2", "--max-update", "6"),
-        "copies_of_2": lambda: [_copy_checkpoint(out / "uninterrupted" / "checkpoint_1_2", out / d / "checkpoint_last")
-                                for d in ("tp2_dp2", "dp4")],
+        "uninterrupted": lambda: run_main(
+            data, out / "uninterrupted", *TP2_FSDP2, *CHECKPOINTS, "--save-interval-updates", "2", "--max-update", "6"
+        ),
+        "copies_of_2": lambda: [
+            _copy_checkpoint(out / "uninterrupted" / "checkpoint_1_2", out / d / "checkpoint_last")
+            for d in ("tp2_dp2", "dp4")
+        ],
         "resumed_tp2_dp2": lambda: run_main(data, out / "tp2_dp2", *TP2_FSDP2, *CHECKPOINTS, "--max-update", "4"),
         "resumed_dp4": lambda: run_main(data, out / "dp4", *FSDP4, *CHECKPOINTS, "--max-update", "4"),
     }
@@ -196,8 +235,11 @@ def test_resume_on_the_same_layout_is_bitwise(runs):
     for name in ("uninterrupted", "copies_of_2", "resumed_tp2_dp2"):
         result(runs, name)
     out = runs[0]
-    assert_close_states(consolidated_model(out / "tp2_dp2" / "checkpoint_last"),
-                        consolidated_model(out / "uninterrupted" / "checkpoint_1_4"), exact=True)
+    assert_close_states(
+        consolidated_model(out / "tp2_dp2" / "checkpoint_last"),
+        consolidated_model(out / "uninterrupted" / "checkpoint_1_4"),
+        exact=True,
+    )
 
 
 def test_resume_on_another_layout(runs):
@@ -205,8 +247,10 @@ def test_resume_on_another_layout(runs):
     model to the tolerance of a change of summation order (PARAM_ATOL, see the module docstring)."""
     result(runs, "resumed_dp4")
     out = runs[0]
-    assert_close_states(consolidated_model(out / "dp4" / "checkpoint_last"),
-                        consolidated_model(out / "uninterrupted" / "checkpoint_1_4"))
+    assert_close_states(
+        consolidated_model(out / "dp4" / "checkpoint_last"),
+        consolidated_model(out / "uninterrupted" / "checkpoint_1_4"),
+    )
 
 
 # ------------------------------------------------------------------ command lines: torchrun, megatron_11b
@@ -228,8 +272,7 @@ def eval_lm(data, path, *flags):
     from fairseq import options
     from fairseq_cli import eval_lm as cli
 
-    args = options.parse_args_and_arch(options.get_eval_lm_parser(), [str(data), "--path", str(path), "--cpu",
-                                                                     *flags])
+    args = options.parse_args_and_arch(options.get_eval_lm_parser(), [str(data), "--path", str(path), "--cpu", *flags])
     return cli.main(options.convert_namespace_to_config(args))
 
 
@@ -247,22 +290,60 @@ def test_torchrun_two_nodes_continue_on_tp2_dp1(runs, tiny_data, tmp_path):
     out = runs[0]
     shutil.copytree(out / "dp4" / "checkpoint_last", tmp_path / "checkpoint_last")
     port = get_free_port("127.0.0.1")
-    train = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
-             "--rdzv-backend", "c10d", "--rdzv-endpoint", f"localhost:{port}", "--rdzv-id", "tp-test",
-             "-m", "fairseq_cli.train", str(tiny_data), *TRAINING, *MODEL, "--ddp-backend", "fully_sharded",
-             "--model-parallel-size", "2", "--update-freq", "4", *CHECKPOINTS, "--max-update", "6",
-             "--save-dir", str(tmp_path), "--criterion", "cross_entropy"]
-    agents = [subprocess.Popen(train, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env())
-              for _ in range(2)]
+    train = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes",
+        "2",
+        "--nproc-per-node",
+        "1",
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        f"localhost:{port}",
+        "--rdzv-id",
+        "tp-test",
+        "-m",
+        "fairseq_cli.train",
+        str(tiny_data),
+        *TRAINING,
+        *MODEL,
+        "--ddp-backend",
+        "fully_sharded",
+        "--model-parallel-size",
+        "2",
+        "--update-freq",
+        "4",
+        *CHECKPOINTS,
+        "--max-update",
+        "6",
+        "--save-dir",
+        str(tmp_path),
+        "--criterion",
+        "cross_entropy",
+    ]
+    agents = [
+        subprocess.Popen(train, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env()) for _ in range(2)
+    ]
     for agent in agents:
         stdout, stderr = agent.communicate(timeout=300)
         _check(subprocess.CompletedProcess(train, agent.returncode, stdout, stderr), "torchrun agent")
-    assert_close_states(consolidated_model(tmp_path / "checkpoint_last"),
-                        consolidated_model(out / "uninterrupted" / "checkpoint_last"))
+    assert_close_states(
+        consolidated_model(tmp_path / "checkpoint_last"), consolidated_model(out / "uninterrupted" / "checkpoint_last")
+    )
 
     script = os.path.join(ROOT, "scripts", "consolidate_fsdp_shards.py")
-    _check(subprocess.run([sys.executable, script, str(tmp_path / "checkpoint_last"), str(tmp_path / "full.pt")],
-                          capture_output=True, text=True, timeout=120, env=_env()), "consolidate_fsdp_shards.py")
+    _check(
+        subprocess.run(
+            [sys.executable, script, str(tmp_path / "checkpoint_last"), str(tmp_path / "full.pt")],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env=_env(),
+        ),
+        "consolidate_fsdp_shards.py",
+    )
     sharded = eval_lm(tiny_data, tmp_path / "checkpoint_last", "--tokens-per-sample", "32")
     single = eval_lm(tiny_data, tmp_path / "full.pt", "--tokens-per-sample", "32")
     assert sharded == single and sharded["tokens"] > 0
@@ -272,18 +353,76 @@ def test_torchrun_two_nodes_continue_on_tp2_dp1(runs, tiny_data, tmp_path):
 # --model-parallel-size 2 on 2 processes, --max-update 4, --cpu (in place of --memory-efficient-fp16, which
 # needs a GPU: --memory-efficient-bf16) and --num-workers 0 (starting worker processes costs ~10 s each on CPU).
 MEGATRON_11B_TRAIN = [
-    "--distributed-world-size", "2", "--memory-efficient-bf16", "--num-workers", "0", "--model-parallel-size", "2",
-    "--criterion", "vocab_parallel_cross_entropy", "--task", "language_modeling", "--sample-break-mode", "none",
-    "--tokens-per-sample", "32", "--arch", "transformer_lm_megatron_11b", "--decoder-layers", "2",
-    "--decoder-embed-dim", "32", "--decoder-ffn-embed-dim", "192", "--decoder-attention-heads", "4",
-    "--share-decoder-input-output-embed", "--optimizer", "adam", "--adam-betas", "(0.9, 0.98)", "--adam-eps",
-    "1e-08", "--clip-norm", "0.0", "--lr-scheduler", "inverse_sqrt", "--lr", "0.00015", "--warmup-updates", "3000",
-    "--weight-decay", "0.01", "--dropout", "0.1", "--attention-dropout", "0.1", "--max-sentences", "2",
-    "--max-update", "4", "--cpu",
+    "--distributed-world-size",
+    "2",
+    "--memory-efficient-bf16",
+    "--num-workers",
+    "0",
+    "--model-parallel-size",
+    "2",
+    "--criterion",
+    "vocab_parallel_cross_entropy",
+    "--task",
+    "language_modeling",
+    "--sample-break-mode",
+    "none",
+    "--tokens-per-sample",
+    "32",
+    "--arch",
+    "transformer_lm_megatron_11b",
+    "--decoder-layers",
+    "2",
+    "--decoder-embed-dim",
+    "32",
+    "--decoder-ffn-embed-dim",
+    "192",
+    "--decoder-attention-heads",
+    "4",
+    "--share-decoder-input-output-embed",
+    "--optimizer",
+    "adam",
+    "--adam-betas",
+    "(0.9, 0.98)",
+    "--adam-eps",
+    "1e-08",
+    "--clip-norm",
+    "0.0",
+    "--lr-scheduler",
+    "inverse_sqrt",
+    "--lr",
+    "0.00015",
+    "--warmup-updates",
+    "3000",
+    "--weight-decay",
+    "0.01",
+    "--dropout",
+    "0.1",
+    "--attention-dropout",
+    "0.1",
+    "--max-sentences",
+    "2",
+    "--max-update",
+    "4",
+    "--cpu",
 ]
-MEGATRON_11B_EVAL = ["--task", "language_modeling", "--gen-subset", "test", "--max-sentences", "8", "--criterion",
-                     "cross_entropy", "--context-window", "16", "--distributed-world-size", "2",
-                     "--model-parallel-size", "2", "--tokens-per-sample", "32"]
+MEGATRON_11B_EVAL = [
+    "--task",
+    "language_modeling",
+    "--gen-subset",
+    "test",
+    "--max-sentences",
+    "8",
+    "--criterion",
+    "cross_entropy",
+    "--context-window",
+    "16",
+    "--distributed-world-size",
+    "2",
+    "--model-parallel-size",
+    "2",
+    "--tokens-per-sample",
+    "32",
+]
 
 
 def test_megatron_11b_command_lines(tiny_data, tmp_path):
@@ -292,10 +431,27 @@ def test_megatron_11b_command_lines(tiny_data, tmp_path):
 
     from fairseq.logging.progress_bar import read_json_log
 
-    proc = subprocess.run([sys.executable, "-m", "fairseq_cli.train", str(tiny_data), *MEGATRON_11B_TRAIN,
-                           "--save-dir", str(tmp_path), "--log-format", "json", "--log-interval", "1",
-                           "--log-file", str(tmp_path / "train.log")],
-                          capture_output=True, text=True, timeout=300, env=_env())
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "fairseq_cli.train",
+            str(tiny_data),
+            *MEGATRON_11B_TRAIN,
+            "--save-dir",
+            str(tmp_path),
+            "--log-format",
+            "json",
+            "--log-interval",
+            "1",
+            "--log-file",
+            str(tmp_path / "train.log"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=_env(),
+    )
     _check(proc, "fairseq-train (megatron_11b)")
     rows = read_json_log(tmp_path / "train.log")
     assert [int(r["num_updates"]) for r in rows] == [1, 2, 3, 4]

@@ -56,8 +56,16 @@ NO_ROWWISE_ON_CPU = f"torch {torch.__version__} has no float8 matmul with per-ro
 FP8_LOSS_RTOL = 5e-3
 COMPILE_AC = ["--compile", "--checkpoint-activations"]
 TP2_REPLICAS = ["--ddp-backend", "pytorch_ddp", "--model-parallel-size", "2", "--update-freq", "2"]
-TP2_HSDP = ["--ddp-backend", "fully_sharded", "--model-parallel-size", "2", "--fsdp-shard-group-size", "1",
-            "--update-freq", "2"]
+TP2_HSDP = [
+    "--ddp-backend",
+    "fully_sharded",
+    "--model-parallel-size",
+    "2",
+    "--fsdp-shard-group-size",
+    "1",
+    "--update-freq",
+    "2",
+]
 FP8 = ["--bf16", "--fp8"]
 FP8_ALL_GATHER = FP8 + ["--fp8-fsdp-all-gather"]
 JSON_LOG = ["--log-format", "json", "--log-interval", "1"]
@@ -80,22 +88,36 @@ def layout_scenarios(rank, data, out):  # the same scenarios on every rank
         "tp2_fsdp2_compile_ac": lambda: train_updates(data, *TP2_FSDP2, *COMPILE_AC),
         "tp2_hsdp_ac": lambda: train_updates(data, *TP2_HSDP, "--checkpoint-activations"),
         "tp2_fsdp2_fp8": lambda: train_updates(data, *TP2_FSDP2, *FP8_ALL_GATHER, "--checkpoint-activations"),
-        **({"tp2_fsdp2_fp8_rowwise": lambda: train_updates(data, *TP2_FSDP2, *FP8, "--fp8-recipe", "rowwise")}
-           if ROWWISE_ON_CPU else {}),
+        **(
+            {"tp2_fsdp2_fp8_rowwise": lambda: train_updates(data, *TP2_FSDP2, *FP8, "--fp8-recipe", "rowwise")}
+            if ROWWISE_ON_CPU
+            else {}
+        ),
     }
 
 
 def checkpoint_scenarios(rank, data, out):
     """float8 + compiled TP 2 x DP 2 to 6 updates, keeping updates 2 and 4; DP 4 resumes a copy of update 2
     with float8 and in bf16."""
+
     def main(name, *flags):
         return run_main(data, out / name, *flags, *JSON_LOG, "--log-file", str(out / f"{name}.log"))
 
     return {
-        "fp8_tp2_dp2": lambda: main("fp8_tp2_dp2", *TP2_FSDP2, *FP8_ALL_GATHER, *COMPILE_AC, *CHECKPOINTS,
-                                    "--save-interval-updates", "2", "--max-update", "6"),
-        "copies_of_2": lambda: [_copy(out / "fp8_tp2_dp2" / "checkpoint_1_2", out / d / "checkpoint_last")
-                                for d in ("fp8_dp4", "bf16_dp4")],
+        "fp8_tp2_dp2": lambda: main(
+            "fp8_tp2_dp2",
+            *TP2_FSDP2,
+            *FP8_ALL_GATHER,
+            *COMPILE_AC,
+            *CHECKPOINTS,
+            "--save-interval-updates",
+            "2",
+            "--max-update",
+            "6",
+        ),
+        "copies_of_2": lambda: [
+            _copy(out / "fp8_tp2_dp2" / "checkpoint_1_2", out / d / "checkpoint_last") for d in ("fp8_dp4", "bf16_dp4")
+        ],
         "fp8_dp4": lambda: main("fp8_dp4", *FSDP4, *FP8_ALL_GATHER, *CHECKPOINTS, "--max-update", "4"),
         "bf16_dp4": lambda: main("bf16_dp4", *FSDP4, "--bf16", *CHECKPOINTS, "--max-update", "4"),
     }
@@ -104,16 +126,35 @@ def checkpoint_scenarios(rank, data, out):
 def tp2_dp1_scenarios(rank, data, out):
     """TP 2 x DP 1 continues DP 4's float8 update-4 checkpoint (copied to out/fp8_tp2_dp1) to 6 with
     --update-freq 4 (the same global batch), float8 with compile and checkpointing."""
-    return {"fp8_tp2_dp1": lambda: run_main(
-        data, out / "fp8_tp2_dp1", "--ddp-backend", "fully_sharded", "--model-parallel-size", "2", "--update-freq",
-        "4", *FP8_ALL_GATHER, *COMPILE_AC, *CHECKPOINTS, "--max-update", "6", *JSON_LOG, "--log-file",
-        str(out / "fp8_tp2_dp1.log"))}
+    return {
+        "fp8_tp2_dp1": lambda: run_main(
+            data,
+            out / "fp8_tp2_dp1",
+            "--ddp-backend",
+            "fully_sharded",
+            "--model-parallel-size",
+            "2",
+            "--update-freq",
+            "4",
+            *FP8_ALL_GATHER,
+            *COMPILE_AC,
+            *CHECKPOINTS,
+            "--max-update",
+            "6",
+            *JSON_LOG,
+            "--log-file",
+            str(out / "fp8_tp2_dp1.log"),
+        )
+    }
 
 
 def tp2_alone_scenarios(rank, data, out):
     """TP 2 alone (no data parallelism: --ddp-backend pytorch_ddp on 2 ranks) with --compile, 5 updates."""
-    return {"tp2_compile": lambda: train_updates(data, "--ddp-backend", "pytorch_ddp", "--model-parallel-size", "2",
-                                                 "--update-freq", "4", "--compile")}
+    return {
+        "tp2_compile": lambda: train_updates(
+            data, "--ddp-backend", "pytorch_ddp", "--model-parallel-size", "2", "--update-freq", "4", "--compile"
+        )
+    }
 
 
 # One compiled model per spawn (the spawned processes are new): a second model compiled in the same process can
@@ -161,8 +202,11 @@ def one_process(tiny_data):
 
 @pytest.fixture(scope="module")
 def one_process_fp8(tiny_data):
-    return {recipe: train_updates(tiny_data, *ONE_PROCESS, *FP8, "--fp8-recipe", recipe)[0]
-            for recipe in ("tensorwise", "rowwise") if recipe == "tensorwise" or ROWWISE_ON_CPU}
+    return {
+        recipe: train_updates(tiny_data, *ONE_PROCESS, *FP8, "--fp8-recipe", recipe)[0]
+        for recipe in ("tensorwise", "rowwise")
+        if recipe == "tensorwise" or ROWWISE_ON_CPU
+    }
 
 
 def assert_trains_as(losses, state, ref, ranks):
@@ -185,8 +229,15 @@ def test_compiled_tensor_parallelism_alone_trains_as_one_process(tp2_alone, one_
     assert_trains_as(losses, state, one_process, [result(tp2_alone, "tp2_compile", 1)[0]])
 
 
-@pytest.mark.parametrize("layout, recipe", [("tp2_fsdp2_fp8", "tensorwise"), pytest.param(
-    "tp2_fsdp2_fp8_rowwise", "rowwise", marks=pytest.mark.skipif(not ROWWISE_ON_CPU, reason=NO_ROWWISE_ON_CPU))])
+@pytest.mark.parametrize(
+    "layout, recipe",
+    [
+        ("tp2_fsdp2_fp8", "tensorwise"),
+        pytest.param(
+            "tp2_fsdp2_fp8_rowwise", "rowwise", marks=pytest.mark.skipif(not ROWWISE_ON_CPU, reason=NO_ROWWISE_ON_CPU)
+        ),
+    ],
+)
 def test_float8_tensor_parallel_trains_as_one_float8_process(runs, one_process_fp8, layout, recipe):
     losses, state = result(runs, layout)
     ref = one_process_fp8[recipe]
@@ -209,8 +260,10 @@ def test_float8_compiled_tp_checkpoint_resumes_on_dp4_in_float8_and_in_bf16(chec
         assert sorted(got) == [3, 4], (name, got)
         for update in (3, 4):
             assert abs(got[update] - want[update]) <= rtol * want[update] + 1e-3, (name, got, want)
-    assert (consolidated_model(out / "fp8_dp4" / "checkpoint_last").keys()
-            == consolidated_model(out / "fp8_tp2_dp2" / "checkpoint_last").keys())
+    assert (
+        consolidated_model(out / "fp8_dp4" / "checkpoint_last").keys()
+        == consolidated_model(out / "fp8_tp2_dp2" / "checkpoint_last").keys()
+    )
 
 
 def test_float8_checkpoint_of_dp4_continues_on_tp2_dp1(checkpoints, tp2_dp1):

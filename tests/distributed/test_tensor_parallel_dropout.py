@@ -37,8 +37,17 @@ UPDATES = 20
 # mask (not reduced over the TP group, unlike the norms' and biases'), so it drifts apart if the shared stream
 # does. Two micro-batches per update: a stream left behind by the first one's layers would reach the second
 # one's embedding dropout.
-DROPOUT = ["--dropout", "0.1", "--attention-dropout", "0.1", "--activation-dropout", "0.1", "--decoder-learned-pos",
-           "--update-freq", "2"]
+DROPOUT = [
+    "--dropout",
+    "0.1",
+    "--attention-dropout",
+    "0.1",
+    "--activation-dropout",
+    "0.1",
+    "--decoder-learned-pos",
+    "--update-freq",
+    "2",
+]
 TP2_FSDP1 = ["--ddp-backend", "fully_sharded", "--model-parallel-size", "2", *DROPOUT]
 TP2_ALONE = ["--ddp-backend", "pytorch_ddp", "--model-parallel-size", "2", *DROPOUT]
 LOG = ["--log-format", "json", "--log-interval", "1"]
@@ -87,8 +96,11 @@ def split_model_step(data, streams, checkpointed=False):
     loss = F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
     loss.backward()
     # parameter names without the checkpoint wrapper's part, which the state dict leaves out too
-    return dict(masks), loss.detach(), {name.replace("._checkpoint_wrapped_module", ""): p.grad.to_local()
-                                        for name, p in model.named_parameters()}
+    return (
+        dict(masks),
+        loss.detach(),
+        {name.replace("._checkpoint_wrapped_module", ""): p.grad.to_local() for name, p in model.named_parameters()},
+    )
 
 
 def replicated_parameters(model):
@@ -112,8 +124,13 @@ def train_with_dropout(data, *flags):
         handle.remove()
     losses += [update() for _ in range(UPDATES - 1)]
     model_state, optim_state = trainer.model_and_optimizer_state(full=True)
-    return {"losses": losses, "masks": dict(masks), "replicated": replicated_parameters(trainer.model),
-            "model": {k: v.detach().clone() for k, v in model_state.items()}, "optimizer": optim_state}
+    return {
+        "losses": losses,
+        "masks": dict(masks),
+        "replicated": replicated_parameters(trainer.model),
+        "model": {k: v.detach().clone() for k, v in model_state.items()},
+        "optimizer": optim_state,
+    }
 
 
 def scenarios(rank, data, out):  # the same scenarios on every rank
@@ -125,13 +142,24 @@ def scenarios(rank, data, out):  # the same scenarios on every rank
         "tp2_fsdp1": lambda: train_with_dropout(data, *TP2_FSDP1),
         "tp2_fsdp1_checkpointed": lambda: train_with_dropout(data, *TP2_FSDP1, "--checkpoint-activations"),
         "tp2_alone": lambda: train_with_dropout(data, *TP2_ALONE),
-        "uninterrupted": lambda: run_main(data, out / "uninterrupted", *TP2_FSDP1, *resume, "--max-update", "6",
-                                          "--save-interval-updates", "3",
-                                          "--log-file", str(out / "uninterrupted.log")),
-        "copy_of_3": lambda: _copy_checkpoint(out / "uninterrupted" / "checkpoint_1_3",
-                                              out / "resumed" / "checkpoint_last"),
-        "resumed": lambda: run_main(data, out / "resumed", *TP2_FSDP1, *resume, "--max-update", "6",
-                                    "--log-file", str(out / "resumed.log")),
+        "uninterrupted": lambda: run_main(
+            data,
+            out / "uninterrupted",
+            *TP2_FSDP1,
+            *resume,
+            "--max-update",
+            "6",
+            "--save-interval-updates",
+            "3",
+            "--log-file",
+            str(out / "uninterrupted.log"),
+        ),
+        "copy_of_3": lambda: _copy_checkpoint(
+            out / "uninterrupted" / "checkpoint_1_3", out / "resumed" / "checkpoint_last"
+        ),
+        "resumed": lambda: run_main(
+            data, out / "resumed", *TP2_FSDP1, *resume, "--max-update", "6", "--log-file", str(out / "resumed.log")
+        ),
     }
 
 
@@ -199,8 +227,11 @@ def test_replicated_parameters_stay_bitwise_identical(runs, layout):
     run0, run1 = both_ranks(runs, layout)
     assert run0["losses"] == run1["losses"] and len(run0["losses"]) == UPDATES
     assert run0["replicated"].keys() == run1["replicated"].keys()
-    assert {"decoder.embed_positions.weight", "decoder.layers.0.fc2.bias",
-            "decoder.layers.1.self_attn_layer_norm.weight"} <= run0["replicated"].keys()
+    assert {
+        "decoder.embed_positions.weight",
+        "decoder.layers.0.fc2.bias",
+        "decoder.layers.1.self_attn_layer_norm.weight",
+    } <= run0["replicated"].keys()
     for name, value in run0["replicated"].items():
         assert torch.equal(value, run1["replicated"][name]), name
     # The trainer's model runs the streams: in both micro-batches of the first update, the split masks differ

@@ -32,16 +32,35 @@ CPU = ["common.cpu=true", "common.bf16=false", "common.fp8=false", "common.fp8_f
 def hydra_train(recipe, data, out):
     width, ffn = SCALED[recipe]
     overrides = [
-        f"task.data={data}", "task.tokens_per_sample=32", "model.decoder_layers=2",
-        f"model.decoder_embed_dim={width}", f"model.decoder_ffn_embed_dim={ffn}",
-        "distributed_training.distributed_world_size=4", "distributed_training.model_parallel_size=2",
-        "dataset.num_workers=0", "dataset.disable_validation=true", f"optimization.max_update={UPDATES}", "lr_scheduler.warmup_updates=1",
-        f"lr_scheduler.total_num_update={UPDATES}", "common.log_interval=1", "common.log_format=json",
-        f"common.log_file={out / 'train.log'}", f"checkpoint.save_dir={out / 'checkpoints'}",
-        f"hydra.run.dir={out / 'run'}", *CPU,
+        f"task.data={data}",
+        "task.tokens_per_sample=32",
+        "model.decoder_layers=2",
+        f"model.decoder_embed_dim={width}",
+        f"model.decoder_ffn_embed_dim={ffn}",
+        "distributed_training.distributed_world_size=4",
+        "distributed_training.model_parallel_size=2",
+        "dataset.num_workers=0",
+        "dataset.disable_validation=true",
+        f"optimization.max_update={UPDATES}",
+        "lr_scheduler.warmup_updates=1",
+        f"lr_scheduler.total_num_update={UPDATES}",
+        "common.log_interval=1",
+        "common.log_format=json",
+        f"common.log_file={out / 'train.log'}",
+        f"checkpoint.save_dir={out / 'checkpoints'}",
+        f"hydra.run.dir={out / 'run'}",
+        *CPU,
     ]
-    command = [sys.executable, "-m", "fairseq_cli.hydra_train", "--config-dir", str(CONFIG_DIR), "--config-name",
-               recipe, *overrides]
+    command = [
+        sys.executable,
+        "-m",
+        "fairseq_cli.hydra_train",
+        "--config-dir",
+        str(CONFIG_DIR),
+        "--config-name",
+        recipe,
+        *overrides,
+    ]
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
     return subprocess.run(command, capture_output=True, text=True, timeout=240, env=env)
 

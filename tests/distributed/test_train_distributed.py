@@ -34,31 +34,61 @@ def _env(extra=None):
 
 
 # The tiny transformer_lm_gpt of these runs (tests/conftest.py) with no dropout and a short decaying schedule.
-SCHEDULE = ["--dropout", "0", "--attention-dropout", "0", "--lr-scheduler", "polynomial_decay", "--warmup-updates",
-            "2", "--total-num-update", "20", "--clip-norm", "0.5", "--required-batch-size-multiple", "1"]
+SCHEDULE = [
+    "--dropout",
+    "0",
+    "--attention-dropout",
+    "0",
+    "--lr-scheduler",
+    "polynomial_decay",
+    "--warmup-updates",
+    "2",
+    "--total-num-update",
+    "20",
+    "--clip-norm",
+    "0.5",
+    "--required-batch-size-multiple",
+    "1",
+]
 
 
 def train_argv(data, save_dir, *extra, max_update=6, validate=False):
     """fairseq-train's arguments for these runs: the tiny transformer_lm_gpt with SCHEDULE, --seed 5, a json
     --log-file in save_dir, --disable-validation unless `validate`; then `extra`."""
-    return tiny_train_argv(data, save_dir, *SCHEDULE, "--heartbeat-timeout", "120",
-                           *([] if validate else ["--disable-validation"]), *extra, max_update=max_update,
-                           arch="transformer_lm_gpt", seed="5")
+    return tiny_train_argv(
+        data,
+        save_dir,
+        *SCHEDULE,
+        "--heartbeat-timeout",
+        "120",
+        *([] if validate else ["--disable-validation"]),
+        *extra,
+        max_update=max_update,
+        arch="transformer_lm_gpt",
+        seed="5",
+    )
 
 
 @pytest.fixture(scope="session")
 def run_train():
     """run_train(data, save_dir, *extra, world_size=1, max_update=6, env=None, check=True, validate=False):
     python -m fairseq_cli.train with train_argv's arguments."""
+
     def run(data, save_dir, *extra, world_size=1, max_update=6, env=None, check=True, validate=False):
         argv = train_argv(data, save_dir, *extra, max_update=max_update, validate=validate)
         if world_size > 1:
             argv += ["--distributed-world-size", str(world_size)]
-        proc = subprocess.run([sys.executable, "-m", "fairseq_cli.train", *argv], capture_output=True, text=True,
-                              timeout=600, env=_env(env))
+        proc = subprocess.run(
+            [sys.executable, "-m", "fairseq_cli.train", *argv],
+            capture_output=True,
+            text=True,
+            timeout=600,
+            env=_env(env),
+        )
         if check and proc.returncode != 0:
             raise AssertionError(
-                f"fairseq-train failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")
+                f"fairseq-train failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
+            )
         return proc
 
     return run
@@ -109,8 +139,9 @@ def single_reference(tiny_data, tmp_path_factory):
 
 def test_ddp_matches_single_process(tiny_data, tmp_path, single_reference, run_train):
     run_train(tiny_data, tmp_path, "--ddp-backend", "pytorch_ddp", world_size=2)
-    assert_states_close(model_state(tmp_path / "checkpoint_last.pt"),
-                        model_state(single_reference / "checkpoint_last.pt"))
+    assert_states_close(
+        model_state(tmp_path / "checkpoint_last.pt"), model_state(single_reference / "checkpoint_last.pt")
+    )
     ref, got = losses(single_reference / "train.log"), losses(tmp_path / "train.log")
     assert ref.keys() == got.keys() == set(range(1, 7))
     for k in ref:
@@ -128,13 +159,27 @@ def run_simulated_slurm_job(argv, port):
     CompletedProcess of task 0, with both tasks' output."""
     procs = []
     for rank in range(2):
-        env = _env({
-            "SLURM_JOB_ID": "4242", "SLURM_PROCID": str(rank), "SLURM_LOCALID": str(rank), "SLURM_NTASKS": "2",
-            "SLURM_NNODES": "1", "SLURM_NTASKS_PER_NODE": "2", "SLURM_JOB_NODELIST": "localhost",
-            "SLURM_STEP_NODELIST": "localhost",
-        })
-        procs.append(subprocess.Popen([sys.executable, "-m", "fairseq_cli.train", *argv, "--distributed-port", port],
-                                      env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+        env = _env(
+            {
+                "SLURM_JOB_ID": "4242",
+                "SLURM_PROCID": str(rank),
+                "SLURM_LOCALID": str(rank),
+                "SLURM_NTASKS": "2",
+                "SLURM_NNODES": "1",
+                "SLURM_NTASKS_PER_NODE": "2",
+                "SLURM_JOB_NODELIST": "localhost",
+                "SLURM_STEP_NODELIST": "localhost",
+            }
+        )
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, "-m", "fairseq_cli.train", *argv, "--distributed-port", port],
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+        )
     outputs = [p.communicate(timeout=600)[0] for p in procs]
     assert [p.returncode for p in procs] == [0, 0], outputs
     return subprocess.CompletedProcess(argv, 0, "\n".join(outputs), "")
@@ -145,8 +190,16 @@ def run_simulated_slurm_job(argv, port):
 SHARDED = ["--use-sharded-state", "--save-interval-updates", "3"]
 SHARDED_LAST = 10
 # fsdp_runs[(False, True)]: sharded saves and validation every 2 updates to 10, the best 2 kept.
-KEEP_BEST = ["--use-sharded-state", "--validate-interval-updates", "2", "--save-interval-updates", "2",
-             "--keep-best-checkpoints", "2", "--no-epoch-checkpoints"]
+KEEP_BEST = [
+    "--use-sharded-state",
+    "--validate-interval-updates",
+    "2",
+    "--save-interval-updates",
+    "2",
+    "--keep-best-checkpoints",
+    "2",
+    "--no-epoch-checkpoints",
+]
 
 
 @pytest.fixture(scope="module")
@@ -190,8 +243,9 @@ def fsdp_state(fsdp_runs, key):
     """(model state, {update: loss}) of fsdp_runs[key] after update 6."""
     out = fsdp_runs[key][0]
     if key[1]:  # sharded saves, to update 10
-        return sharded_model_state(out / "checkpoint_1_6"), {k: v for k, v in losses(out / "train.log").items()
-                                                                if k <= 6}
+        return sharded_model_state(out / "checkpoint_1_6"), {
+            k: v for k, v in losses(out / "train.log").items() if k <= 6
+        }
     return model_state(out / "checkpoint_last.pt"), losses(out / "train.log")
 
 
@@ -226,8 +280,20 @@ def resharded(tiny_data, tmp_path_factory, fsdp_runs, run_train):
     out = tmp_path_factory.mktemp("resharded")
     shutil.copytree(straight / "checkpoint_1_3", out / "checkpoint_last")
     sharded = ["--ddp-backend", "fully_sharded", "--fsdp-forward-prefetch", "--fsdp-sync-free", *SHARDED]
-    argv = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--master-port", str(_free_port()),
-            "--nproc_per_node", "2", "-m", "fairseq_cli.train", *train_argv(tiny_data, out, *sharded, max_update=6)]
+    argv = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes",
+        "1",
+        "--master-port",
+        str(_free_port()),
+        "--nproc_per_node",
+        "2",
+        "-m",
+        "fairseq_cli.train",
+        *train_argv(tiny_data, out, *sharded, max_update=6),
+    ]
     torchrun = subprocess.run(argv, capture_output=True, text=True, timeout=300, env=_env())
     assert torchrun.returncode == 0, torchrun.stdout[-3000:] + torchrun.stderr[-3000:]
     run_train(tiny_data, out, *sharded, "--update-freq", "2", world_size=1, max_update=8)
@@ -243,8 +309,7 @@ def test_torchrun_fairseq_train_fully_sharded_with_both_flags(resharded):
     assert (out / "checkpoint_1_6" / "metadata.pt").is_file()
 
 
-def test_sharded_checkpoint_resume_is_bitwise_and_reshards(tiny_data, tmp_path, single_reference, fsdp_runs,
-                                                           resharded):
+def test_sharded_checkpoint_resume_is_bitwise_and_reshards(tiny_data, tmp_path, single_reference, fsdp_runs, resharded):
     from fairseq.checkpoint.consolidate import consolidate
 
     straight, (resumed, _) = fsdp_runs[(True, True)][0], resharded
@@ -254,8 +319,9 @@ def test_sharded_checkpoint_resume_is_bitwise_and_reshards(tiny_data, tmp_path, 
     assert resumed_losses.keys() == set(range(4, SHARDED_LAST + 1))
     # Same world size: the resumed run logs exactly the uninterrupted run's losses and reaches its parameters.
     assert {k: resumed_losses[k] for k in (4, 5, 6)} == {k: straight_losses[k] for k in (4, 5, 6)}
-    assert_states_close(sharded_model_state(resumed / "checkpoint_1_6"),
-                        sharded_model_state(straight / "checkpoint_1_6"), exact=True)
+    assert_states_close(
+        sharded_model_state(resumed / "checkpoint_1_6"), sharded_model_state(straight / "checkpoint_1_6"), exact=True
+    )
 
     # Consolidated, the sharded checkpoint equals the single-process run's parameters...
     consolidated = tmp_path / "consolidated.pt"
@@ -267,9 +333,21 @@ def test_sharded_checkpoint_resume_is_bitwise_and_reshards(tiny_data, tmp_path, 
         from fairseq import options
         from fairseq_cli import eval_lm
 
-        args = options.parse_args_and_arch(options.get_eval_lm_parser(), [
-            str(tiny_data), "--path", str(path), "--gen-subset", "test", "--tokens-per-sample", "32",
-            "--batch-size", "4", "--cpu"])
+        args = options.parse_args_and_arch(
+            options.get_eval_lm_parser(),
+            [
+                str(tiny_data),
+                "--path",
+                str(path),
+                "--gen-subset",
+                "test",
+                "--tokens-per-sample",
+                "32",
+                "--batch-size",
+                "4",
+                "--cpu",
+            ],
+        )
         return eval_lm.main(options.convert_namespace_to_config(args))["loss"]
 
     assert eval_loss(straight / "checkpoint_1_6") == eval_loss(consolidated)
@@ -285,8 +363,10 @@ def test_a_resume_on_another_world_size_is_said_once(tiny_data, tmp_path, run_tr
     run_train(tiny_data, tmp_path, world_size=1, max_update=3)
     proc = run_train(tiny_data, tmp_path, world_size=2, max_update=4)
     lines = (proc.stdout + proc.stderr).splitlines()
-    assert len([line for line in lines if "resuming a checkpoint saved by 1 ranks on 2: continuing after batch 3"
-                in line]) == 1
+    assert (
+        len([line for line in lines if "resuming a checkpoint saved by 1 ranks on 2: continuing after batch 3" in line])
+        == 1
+    )
     assert len([line for line in lines if "loaded checkpoint" in line]) == 1
 
 
@@ -300,14 +380,26 @@ def test_keep_best_sharded_checkpoints_on_two_ranks(fsdp_runs):
     kept = sorted(n for n in os.listdir(out) if n.startswith("checkpoint.best_loss_"))
     assert len(kept) == 2
     assert all(os.path.isfile(out / n / ".metadata") for n in kept)  # complete DCP directories
-    values = sorted(float(n[len("checkpoint.best_loss_"):]) for n in kept)
+    values = sorted(float(n[len("checkpoint.best_loss_") :]) for n in kept)
     # names carry 4 decimals, the log 3: equal within the two roundings
     assert all(abs(v - w) <= 6e-4 for v, w in zip(values, sorted(valid)[:2])), (values, valid)
 
 
 def test_a_failing_rank_fails_the_whole_job(tiny_data, tmp_path, run_train, faulty_criterion):
     plugin = faulty_criterion("fail_plugin", "fails_on_rank1", call=3, rank=1, error="rank 1 broke on purpose")
-    proc = run_train(tiny_data, tmp_path / "ck", "--user-dir", str(plugin), "--criterion", "fails_on_rank1",
-                     "--heartbeat-timeout", "20", "--ddp-backend", "fully_sharded", world_size=2, check=False)
+    proc = run_train(
+        tiny_data,
+        tmp_path / "ck",
+        "--user-dir",
+        str(plugin),
+        "--criterion",
+        "fails_on_rank1",
+        "--heartbeat-timeout",
+        "20",
+        "--ddp-backend",
+        "fully_sharded",
+        world_size=2,
+        check=False,
+    )
     assert proc.returncode != 0
     assert "rank 1 broke on purpose" in proc.stdout + proc.stderr

@@ -28,8 +28,16 @@ from pathlib import Path
 from typing import List, Optional
 
 ROOT = Path(__file__).resolve().parents[2]
-SKIP_REASONS = {"needs-gpu", "needs-network", "needs-gpt2-files", "needs-slurm", "needs-your-data",
-                "benchmark", "illustration", "setup"}
+SKIP_REASONS = {
+    "needs-gpu",
+    "needs-network",
+    "needs-gpt2-files",
+    "needs-slurm",
+    "needs-your-data",
+    "benchmark",
+    "illustration",
+    "setup",
+}
 RUN_MODES = {"continues", "file"}
 CODE = {"bash": "bash", "sh": "bash", "shell": "bash", "console": "bash", "python": "python", "py": "python"}
 MARKER = re.compile(r"^\s*<!--\s*doc-test:\s*(\S+)\s*(.*?)\s*-->\s*$")
@@ -38,12 +46,12 @@ FENCE = re.compile(r"^(\s*)(```+)\s*([\w+-]*)\s*$")
 
 @dataclass
 class Block:
-    path: str          # relative to the repository root
-    line: int          # the opening fence's line number, from 1
-    lang: str          # "bash", "python", "" (none given) or another language
+    path: str  # relative to the repository root
+    line: int  # the opening fence's line number, from 1
+    lang: str  # "bash", "python", "" (none given) or another language
     text: str
-    marker: Optional[str] = None   # a reason or a run mode
-    argument: str = ""             # the marker's free text (the path of `file`)
+    marker: Optional[str] = None  # a reason or a run mode
+    argument: str = ""  # the marker's free text (the path of `file`)
 
     @property
     def id(self) -> str:
@@ -80,7 +88,7 @@ def parse(path: Path) -> List[Block]:
             j += 1
         if j == len(lines):
             raise ValueError(f"{rel}:{i + 1}: unclosed code fence")
-        body = [ln[len(indent):] if ln.startswith(indent) else ln.lstrip() for ln in lines[i + 1:j]]
+        body = [ln[len(indent) :] if ln.startswith(indent) else ln.lstrip() for ln in lines[i + 1 : j]]
         block = Block(rel, i + 1, lang, "\n".join(body) + "\n")
         k = i - 1
         while k >= 0 and not lines[k].strip():
@@ -89,8 +97,10 @@ def parse(path: Path) -> List[Block]:
         if mark:
             block.marker, block.argument = mark.group(1), mark.group(2)
             if block.marker not in SKIP_REASONS | RUN_MODES:
-                raise ValueError(f"{rel}:{k + 1}: unknown doc-test marker {block.marker!r}; one of "
-                                 f"{sorted(SKIP_REASONS | RUN_MODES)}")
+                raise ValueError(
+                    f"{rel}:{k + 1}: unknown doc-test marker {block.marker!r}; one of "
+                    f"{sorted(SKIP_REASONS | RUN_MODES)}"
+                )
             if block.marker == "file" and not block.argument:
                 raise ValueError(f"{rel}:{k + 1}: `doc-test: file` needs the path to write the block to")
         blocks.append(block)
@@ -107,8 +117,10 @@ def problems(blocks: List[Block]) -> List[str]:
     out = []
     for b in blocks:
         if not b.lang:
-            out.append(f"{b.id}: a code block without a language: write ```bash or ```python (run by "
-                       "tests/docs, or marked `<!-- doc-test: REASON -->` when it cannot run here), or ```text")
+            out.append(
+                f"{b.id}: a code block without a language: write ```bash or ```python (run by "
+                "tests/docs, or marked `<!-- doc-test: REASON -->` when it cannot run here), or ```text"
+            )
         elif b.marker and b.kind is None:
             out.append(f"{b.id}: a doc-test marker on a ```{b.lang} block, which is never run")
         elif b.marker == "continues" and b.kind != "python":

@@ -35,8 +35,13 @@ def block_env():
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
     # The tree under test, whatever the environment's editable install points at.
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
-    env.update(OMP_NUM_THREADS="1", FAIRSEQ_NO_INSTALL="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
-               PYTHONDONTWRITEBYTECODE="1")
+    env.update(
+        OMP_NUM_THREADS="1",
+        FAIRSEQ_NO_INSTALL="1",
+        HF_HUB_OFFLINE="1",
+        TRANSFORMERS_OFFLINE="1",
+        PYTHONDONTWRITEBYTECODE="1",
+    )
     env.pop("FAIRSEQ_VENV", None)
     env.pop("WORK", None)
     return env
@@ -53,14 +58,22 @@ def scratch_root(path: Path) -> Path:
 
 
 def run_bash(text: str, cwd: Path, timeout=BLOCK_TIMEOUT):
-    return subprocess.run(["bash", "-e", "-o", "pipefail", "-c", text], cwd=cwd, env=block_env(),
-                          stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        ["bash", "-e", "-o", "pipefail", "-c", text],
+        cwd=cwd,
+        env=block_env(),
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def check(result, what: str):
     out = result.stdout + result.stderr
     assert result.returncode == 0 and "Traceback (most recent call last)" not in out, (
-        f"{what} exited with status {result.returncode}:\n{out[-6000:]}")
+        f"{what} exited with status {result.returncode}:\n{out[-6000:]}"
+    )
 
 
 @pytest.fixture(scope="module")
@@ -95,8 +108,11 @@ def doc_home(quickstart, tmp_path_factory):
 def test_every_code_block_runs_or_is_marked():
     bad = problems(BLOCKS)
     assert not bad, "\n".join(bad)
-    assert {str(f.relative_to(ROOT)) for f in doc_files()} >= {"README.md", "docs/generation.md",
-                                                              "examples/large_lm/README.md"}
+    assert {str(f.relative_to(ROOT)) for f in doc_files()} >= {
+        "README.md",
+        "docs/generation.md",
+        "examples/large_lm/README.md",
+    }
 
 
 def test_markers_are_checked(tmp_path, monkeypatch):
@@ -106,11 +122,12 @@ def test_markers_are_checked(tmp_path, monkeypatch):
 
     monkeypatch.setattr(db, "ROOT", tmp_path)
     doc = tmp_path / "x.md"
-    doc.write_text("<!-- doc-test: needs-gpu -->\n\n```bash\nnvidia-smi\n```\n\n```bash\necho hi\n```\n\n"
-                   "```\nfairseq-train x\n```\n")
+    doc.write_text(
+        "<!-- doc-test: needs-gpu -->\n\n```bash\nnvidia-smi\n```\n\n```bash\necho hi\n```\n\n"
+        "```\nfairseq-train x\n```\n"
+    )
     blocks = db.parse(doc)
-    assert [(b.line, b.marker, b.runs) for b in blocks] == [(3, "needs-gpu", False), (7, None, True),
-                                                           (11, None, False)]
+    assert [(b.line, b.marker, b.runs) for b in blocks] == [(3, "needs-gpu", False), (7, None, True), (11, None, False)]
     assert len(db.problems(blocks)) == 1 and "x.md:11" in db.problems(blocks)[0]
     doc.write_text("<!-- doc-test: needs-gpus -->\n```bash\nx\n```\n")
     with pytest.raises(ValueError, match="unknown doc-test marker 'needs-gpus'"):
@@ -127,7 +144,7 @@ def python_chain(block):
     start = k
     while same[start].marker == "continues" and start > 0:
         start -= 1
-    return "\n".join(b.text for b in same[start:k + 1])
+    return "\n".join(b.text for b in same[start : k + 1])
 
 
 @pytest.mark.timeout(BLOCK_TIMEOUT + 60)

@@ -10,8 +10,12 @@ import torch.nn.functional as F
 
 from fairseq.data.dictionary import Dictionary
 from fairseq.generation.sequence_generator import SequenceGenerator
-from fairseq.kernels.decode_attention import (decode_attention_available, decode_attention_kernel,
-                                              decode_attention_reference, set_decode_attention_kernel)
+from fairseq.kernels.decode_attention import (
+    decode_attention_available,
+    decode_attention_kernel,
+    decode_attention_reference,
+    set_decode_attention_kernel,
+)
 from fairseq.models.transformer_lm import TransformerLanguageModel, TransformerLanguageModelConfig
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -23,8 +27,11 @@ BF16_ULP = 2**-7  # one unit in the last place of a bf16 value, relative: the re
 def caches(rows, dim, dtype=torch.bfloat16):
     torch.manual_seed(0)
     shape = (rows, HEADS, CAPACITY, dim)
-    return (torch.randn(rows, HEADS, 1, dim, device="cuda", dtype=dtype),
-            torch.randn(shape, device="cuda", dtype=dtype), torch.randn(shape, device="cuda", dtype=dtype))
+    return (
+        torch.randn(rows, HEADS, 1, dim, device="cuda", dtype=dtype),
+        torch.randn(shape, device="cuda", dtype=dtype),
+        torch.randn(shape, device="cuda", dtype=dtype),
+    )
 
 
 @pytest.mark.parametrize("batch", [1, 32])
@@ -44,9 +51,10 @@ def test_the_kernels_match_the_reference_and_sdpa_at_real_sizes(batch, dim):
         for b in range(batch):
             row = b if rows is None else int(rows[b])
             live = int(lengths[b])
-            sdpa = F.scaled_dot_product_attention(q[b:b + 1], keys[row:row + 1, :, :live],
-                                                  values[row:row + 1, :, :live])
-            torch.testing.assert_close(got[b:b + 1].float(), sdpa.float(), rtol=2e-2, atol=2e-2)
+            sdpa = F.scaled_dot_product_attention(
+                q[b : b + 1], keys[row : row + 1, :, :live], values[row : row + 1, :, :live]
+            )
+            torch.testing.assert_close(got[b : b + 1].float(), sdpa.float(), rtol=2e-2, atol=2e-2)
 
 
 def test_a_captured_graph_reads_the_lengths_it_is_given_at_replay():
@@ -64,8 +72,9 @@ def test_a_captured_graph_reads_the_lengths_it_is_given_at_replay():
     for new in ([5, 6, 7, 8], [2048, 1, 64, 65], [129, 257, 513, 1025]):
         lengths.copy_(torch.tensor(new, dtype=torch.int32))
         graph.replay()
-        torch.testing.assert_close(out.float(), decode_attention_reference(q, keys, values, lengths).float(),
-                                   rtol=BF16_ULP, atol=1e-3)
+        torch.testing.assert_close(
+            out.float(), decode_attention_reference(q, keys, values, lengths).float(), rtol=BF16_ULP, atol=1e-3
+        )
 
 
 @torch.no_grad()
@@ -74,9 +83,16 @@ def test_greedy_decoding_with_the_kernel_gives_the_tokens_without_it():
     for i in range(200):
         d.add_symbol(f"w{i}")
     torch.manual_seed(0)
-    cfg = TransformerLanguageModelConfig(decoder_embed_dim=128, decoder_input_dim=128, decoder_output_dim=128,
-                                         decoder_ffn_embed_dim=512, decoder_layers=3,
-                                         decoder_attention_heads=4, max_target_positions=512, dropout=0.0)
+    cfg = TransformerLanguageModelConfig(
+        decoder_embed_dim=128,
+        decoder_input_dim=128,
+        decoder_output_dim=128,
+        decoder_ffn_embed_dim=512,
+        decoder_layers=3,
+        decoder_attention_heads=4,
+        max_target_positions=512,
+        dropout=0.0,
+    )
     model = TransformerLanguageModel.build(cfg, len(d), d.pad()).eval().cuda()  # fp32: no bf16 near-ties
     prompts = torch.randint(d.nspecial, len(d), (5, 40), device="cuda")
     sample = {"net_input": {"src_tokens": prompts, "src_lengths": torch.full((5,), 40, device="cuda")}}

@@ -14,8 +14,17 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 def requests(d, options):
     torch.manual_seed(3)
     lengths = (12, 1, 30, 0, 7)
-    return [DecodeRequest(id=i, prompt=torch.randint(4, len(d), (n,)), max_new_tokens=20 + 9 * i, logprobs=True,
-                          top_logprobs=2, **options) for i, n in enumerate(lengths)]
+    return [
+        DecodeRequest(
+            id=i,
+            prompt=torch.randint(4, len(d), (n,)),
+            max_new_tokens=20 + 9 * i,
+            logprobs=True,
+            top_logprobs=2,
+            **options,
+        )
+        for i, n in enumerate(lengths)
+    ]
 
 
 def run(engine, joins):
@@ -40,17 +49,19 @@ def test_graphed_chunks_give_the_eager_tokens_and_rows_join_mid_decode(dtype, at
     graphed_engine = DecodeEngine(model, d, max_rows=4)
     graphed = run(graphed_engine, joins)
     assert graphed_engine._graphed.capture and graphed_engine._graphed.graphs
-    eager = run(DecodeEngine(model, d, max_rows=4, cuda_graphs=False), {0: requests(d, options)[:2],
-                                                                       1: requests(d, options)[2:4],
-                                                                       4: requests(d, options)[4:]})
+    eager = run(
+        DecodeEngine(model, d, max_rows=4, cuda_graphs=False),
+        {0: requests(d, options)[:2], 1: requests(d, options)[2:4], 4: requests(d, options)[4:]},
+    )
     for i, request in enumerate(requests(d, options)):
         alone = run(DecodeEngine(model, d, max_rows=1), {0: [request]})[i]
         if dtype == torch.float32:  # bf16: rounding at other batch sizes may flip a near tie
             assert graphed[i][0] == eager[i][0] == alone[0], i
         same = next((j for j, (a, b) in enumerate(zip(graphed[i][0], eager[i][0])) if a != b), len(eager[i][0]))
         assert same >= 1
-        torch.testing.assert_close(torch.tensor(graphed[i][1][:same]), torch.tensor(eager[i][1][:same]),
-                                   atol=atol, rtol=0)
+        torch.testing.assert_close(
+            torch.tensor(graphed[i][1][:same]), torch.tensor(eager[i][1][:same]), atol=atol, rtol=0
+        )
 
 
 def test_kv_positions_that_fit_bound_what_an_engine_reserves():

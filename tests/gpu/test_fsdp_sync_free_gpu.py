@@ -89,7 +89,6 @@ class SlowModel(BaseFairseqModel):
         return self.decoder.layers
 
 
-
 def fsdp_param_groups(layer):
     """FSDP2's parameter groups of one sharded module (a list in torch >= 2.12, one group before)."""
     state = layer._get_fsdp_state()
@@ -99,11 +98,18 @@ def fsdp_param_groups(layer):
         groups = [] if group is None else [group]
     return groups
 
+
 def real_model():
     from fairseq.models.transformer_lm import TransformerLanguageModel, preset_config
 
-    cfg = preset_config("transformer_lm_gpt3_small", decoder_layers=NUM_LAYERS, decoder_embed_dim=1024,
-                        decoder_attention_heads=16, dropout=0.0, tokens_per_sample=1024)
+    cfg = preset_config(
+        "transformer_lm_gpt3_small",
+        decoder_layers=NUM_LAYERS,
+        decoder_embed_dim=1024,
+        decoder_attention_heads=16,
+        dropout=0.0,
+        tokens_per_sample=1024,
+    )
     return TransformerLanguageModel.build(cfg, 50272, 1)
 
 
@@ -153,8 +159,11 @@ def run_case(kind, prefetch, mode, device):
     cfg.model = SimpleNamespace(checkpoint_activations=False, offload_activations=False)
     # The limiter --fsdp-sync-free installs (sync_free_limiter, as apply_fsdp builds it), given to apply_fsdp so
     # that the test can press it and read its counts.
-    limiter = None if mode == "off" else sync_free_limiter(FSDPSettings.from_flags(cfg.distributed_training), NUM_LAYERS,
-                                                                  device)
+    limiter = (
+        None
+        if mode == "off"
+        else sync_free_limiter(FSDPSettings.from_flags(cfg.distributed_training), NUM_LAYERS, device)
+    )
     if mode == "pressure":
         limiter.pressure_probe = lambda: True
     mesh = init_device_mesh("cuda", (dist.get_world_size(),))
@@ -174,20 +183,30 @@ def run_case(kind, prefetch, mode, device):
         loss_fn(model(inputs)).backward()
         model.zero_grad(set_to_none=True)
     torch.cuda.synchronize()
-    return dict(max_alive=counter.max_alive, history=counter.history,
-                limiter_waits=None if limiter is None else limiter.waits,
-                pressured_passes=None if limiter is None else limiter.pressured_passes)
+    return dict(
+        max_alive=counter.max_alive,
+        history=counter.history,
+        limiter_waits=None if limiter is None else limiter.waits,
+        pressured_passes=None if limiter is None else limiter.pressured_passes,
+    )
 
 
-CASES = ([("slow", p, m) for p in (False, True) for m in ("off", "pressure", "relaxed")]
-         + [("real", p, "pressure") for p in (False, True)])
+CASES = [("slow", p, m) for p in (False, True) for m in ("off", "pressure", "relaxed")] + [
+    ("real", p, "pressure") for p in (False, True)
+]
 
 
 def _worker(rank, world, port, out_dir):
     torch.cuda.set_device(rank)
     device = torch.device("cuda", rank)
-    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=60), device_id=device)
+    dist.init_process_group(
+        "nccl",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world,
+        timeout=timedelta(seconds=60),
+        device_id=device,
+    )
     results = {}
     try:
         for case in CASES:

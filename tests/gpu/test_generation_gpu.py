@@ -26,9 +26,18 @@ def dictionary(words=200):
 def build(d, device, dtype, learned=True):
     torch.manual_seed(0)
     cfg = TransformerLanguageModelConfig(
-        decoder_embed_dim=128, decoder_input_dim=128, decoder_output_dim=128, decoder_ffn_embed_dim=512,
-        decoder_layers=3, decoder_attention_heads=4, max_target_positions=256, dropout=0.0,
-        decoder_learned_pos=learned, decoder_normalize_before=learned, activation_fn="gelu")
+        decoder_embed_dim=128,
+        decoder_input_dim=128,
+        decoder_output_dim=128,
+        decoder_ffn_embed_dim=512,
+        decoder_layers=3,
+        decoder_attention_heads=4,
+        max_target_positions=256,
+        dropout=0.0,
+        decoder_learned_pos=learned,
+        decoder_normalize_before=learned,
+        activation_fn="gelu",
+    )
     return TransformerLanguageModel.build(cfg, len(d), d.pad()).eval().to(device=device, dtype=dtype)
 
 
@@ -62,7 +71,7 @@ def check_generation(device, dtype, atol):
             prompt = prompt[prompt.ne(d.pad())]
             for hypo in sentence:
                 toks = hypo["tokens"]
-                assert torch.equal(toks[:len(prompt)], prompt) and int(toks[-1]) == d.eos()
+                assert torch.equal(toks[: len(prompt)], prompt) and int(toks[-1]) == d.eos()
                 source = torch.cat([toks.new_full((1,), d.eos()), toks[:-1]])
                 with torch.no_grad():
                     lp = torch.log_softmax(model(source[None])[0][0].float(), dim=-1)
@@ -107,10 +116,18 @@ def graphed_and_eager(device, models, d, batch, beam, sampling=None, calls=2, **
         prompts[1, 3:] = d.pad()  # a shorter prompt: forced token by token after the shared three
     src = torch.cat([torch.full((batch, 1), d.eos(), device=device), prompts], dim=1)
     sample = {"net_input": {"src_tokens": src, "src_lengths": src.ne(d.pad()).sum(1)}}
-    generators = [SequenceGenerator(models, d, beam_size=beam, max_len_b=48, cuda_graphs=graphs,
-                                    search_strategy=None if sampling is None else search.Sampling(d, **sampling),
-                                    **options)
-                  for graphs in (True, False)]
+    generators = [
+        SequenceGenerator(
+            models,
+            d,
+            beam_size=beam,
+            max_len_b=48,
+            cuda_graphs=graphs,
+            search_strategy=None if sampling is None else search.Sampling(d, **sampling),
+            **options,
+        )
+        for graphs in (True, False)
+    ]
     results = []
     for call in range(calls):
         for generator in generators:
@@ -120,10 +137,16 @@ def graphed_and_eager(device, models, d, batch, beam, sampling=None, calls=2, **
 
 
 @pytest.mark.parametrize("batch", [1, 4])
-@pytest.mark.parametrize("beam,sampling,options", [
-    (1, None, {}), (1, None, dict(min_len=12)), (4, None, {}), (3, dict(sampling_topk=10), {}),
-    (2, dict(sampling_topp=0.9), dict(temperature=0.8)),
-])
+@pytest.mark.parametrize(
+    "beam,sampling,options",
+    [
+        (1, None, {}),
+        (1, None, dict(min_len=12)),
+        (4, None, {}),
+        (3, dict(sampling_topk=10), {}),
+        (2, dict(sampling_topp=0.9), dict(temperature=0.8)),
+    ],
+)
 def test_cuda_graphs_give_the_eager_paths_tokens(batch, beam, sampling, options):
     d = dictionary()
     model = eos_prone(build(d, "cuda", torch.float32), d)
@@ -153,6 +176,7 @@ def test_cuda_graphs_of_an_ensemble():
 
 # ---- the device decode loop (fairseq.generation.device_decoding): beam 1, one captured graph per step -------
 
+
 def host_syncs_of(fn):
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
         fn()
@@ -181,13 +205,19 @@ def test_the_device_loop_replays_whole_steps_without_a_host_sync_per_token(sampl
     if sampling is not None:  # a sentence's draw does not depend on its batch
         sample["id"] = torch.arange(4, device="cuda")
         together = graphed.generate(None, sample, prefix_tokens=prompts)
-        alone = graphed.generate(None, {"id": torch.tensor([2]), "net_input": {
-            "src_tokens": src[2:3], "src_lengths": sample["net_input"]["src_lengths"][2:3]}},
-            prefix_tokens=prompts[2:3])
+        alone = graphed.generate(
+            None,
+            {
+                "id": torch.tensor([2]),
+                "net_input": {"src_tokens": src[2:3], "src_lengths": sample["net_input"]["src_lengths"][2:3]},
+            },
+            prefix_tokens=prompts[2:3],
+        )
         assert together[2][0]["tokens"].tolist() == alone[0][0]["tokens"].tolist()
 
 
 # ---- beam search on the device (fairseq.generation.device_beam_search): one captured graph per step -----------
+
 
 @pytest.mark.parametrize("batch", [1, 4])
 def test_device_beam_search_replays_whole_steps_without_a_host_sync_per_step(batch):
@@ -209,8 +239,10 @@ def test_device_beam_search_replays_whole_steps_without_a_host_sync_per_step(bat
     src = torch.cat([torch.full((batch, 1), d.eos(), device="cuda"), prompts], dim=1)
     sample = {"net_input": {"src_tokens": src, "src_lengths": src.ne(d.pad()).sum(1)}}
     # --min-len at the length limit: every hypothesis runs to it
-    generators = [SequenceGenerator([model], d, beam_size=4, max_len_b=length, min_len=length, cuda_graphs=True)
-                  for length in (48, 48 + device_decoding.CHUNK)]
+    generators = [
+        SequenceGenerator([model], d, beam_size=4, max_len_b=length, min_len=length, cuda_graphs=True)
+        for length in (48, 48 + device_decoding.CHUNK)
+    ]
     for generator in generators:  # the first call captures the graphs
         generator.generate(None, sample, prefix_tokens=prompts)
     syncs = [host_syncs_of(lambda: g.generate(None, sample, prefix_tokens=prompts)) for g in generators]

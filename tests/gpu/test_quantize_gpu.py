@@ -54,9 +54,16 @@ def trained():
     d = dictionary()
     torch.manual_seed(0)
     cfg = TransformerLanguageModelConfig(
-        decoder_embed_dim=256, decoder_input_dim=256, decoder_output_dim=256, decoder_ffn_embed_dim=1024,
-        decoder_layers=4, decoder_attention_heads=4, max_target_positions=256, dropout=0.0,
-        share_decoder_input_output_embed=False)  # the output projection is quantized too
+        decoder_embed_dim=256,
+        decoder_input_dim=256,
+        decoder_output_dim=256,
+        decoder_ffn_embed_dim=1024,
+        decoder_layers=4,
+        decoder_attention_heads=4,
+        max_target_positions=256,
+        dropout=0.0,
+        share_decoder_input_output_embed=False,
+    )  # the output projection is quantized too
     model = TransformerLanguageModel.build(cfg, len(d), d.pad()).cuda()
     optimizer = torch.optim.AdamW(model.parameters(), lr=2e-3)
     for tokens in markov_batches(d, steps=300):
@@ -103,10 +110,12 @@ def test_int8_weight_only_greedy_tokens_agree_with_bf16(trained, record_property
     assert runner is not None and runner.graphs  # the steps were captured and replayed
     agree = float((graphed == reference).float().mean())
     graph_vs_eager = float((graphed == eager).float().mean())
-    print(f"\nint8-weight-only vs bf16 greedy: {agree:.1%} of {reference.numel()} tokens agree (CUDA-graph steps); "
-          f"replayed vs eager int8: {graph_vs_eager:.1%}; weights {bf16_bytes / 2**20:.2f} -> {int8_bytes / 2**20:.2f} "
-          f"MiB; {PROMPTS} x {NEW_TOKENS} tokens in {bf16_s * 1e3:.1f} ms bf16, {int8_s * 1e3:.1f} ms int8 "
-          f"(train loss {loss:.3f})")
+    print(
+        f"\nint8-weight-only vs bf16 greedy: {agree:.1%} of {reference.numel()} tokens agree (CUDA-graph steps); "
+        f"replayed vs eager int8: {graph_vs_eager:.1%}; weights {bf16_bytes / 2**20:.2f} -> {int8_bytes / 2**20:.2f} "
+        f"MiB; {PROMPTS} x {NEW_TOKENS} tokens in {bf16_s * 1e3:.1f} ms bf16, {int8_s * 1e3:.1f} ms int8 "
+        f"(train loss {loss:.3f})"
+    )
     record_property("int8_vs_bf16_token_agreement", agree)
     record_property("int8_graphed_vs_eager_agreement", graph_vs_eager)
     assert reference.numel() == 256 and agree >= 0.95
@@ -120,25 +129,52 @@ def tiny_ckpt(tiny_lm_checkpoint):
 
 
 def test_fairseq_generate_with_quantize(tiny_data, tiny_ckpt):
-    argv = [str(tiny_data), "--task", "language_modeling", "--path", str(tiny_ckpt), "--gen-subset", "test",
-            "--tokens-per-sample", "32", "--sample-break-mode", "eos", "--batch-size", "40", "--num-workers", "0",
-            "--prefix-size", "2", "--beam", "1", "--max-len-b", "8", "--bf16"]
+    argv = [
+        str(tiny_data),
+        "--task",
+        "language_modeling",
+        "--path",
+        str(tiny_ckpt),
+        "--gen-subset",
+        "test",
+        "--tokens-per-sample",
+        "32",
+        "--sample-break-mode",
+        "eos",
+        "--batch-size",
+        "40",
+        "--num-workers",
+        "0",
+        "--prefix-size",
+        "2",
+        "--beam",
+        "1",
+        "--max-len-b",
+        "8",
+        "--bf16",
+    ]
     status, plain, err = console_in_process("fairseq-generate", generate.cli_main, argv)
     assert status == 0, err
-    status, out, err = console_in_process("fairseq-generate", generate.cli_main,
-                                          argv + ["--quantize", "int8-weight-only"])
+    status, out, err = console_in_process(
+        "fairseq-generate", generate.cli_main, argv + ["--quantize", "int8-weight-only"]
+    )
     assert status == 0, err
     assert "--quantize int8-weight-only: " in out and "Linear weights are int8" in out  # the log line
     hypotheses = [line for line in out.splitlines() if line.startswith("H-")]
     assert len(hypotheses) == len([line for line in plain.splitlines() if line.startswith("H-")]) == 40
     for name, main in (("fairseq-generate", generate.cli_main), ("fairseq-interactive", interactive.cli_main)):
         no_bf16 = [a for a in argv if a != "--bf16"] + ["--quantize", "int8-weight-only"]
-        status, _, err = console_in_process(name, main, no_bf16 if name == "fairseq-generate" else
-                                            [str(tiny_data), "--path", str(tiny_ckpt), "--quantize",
-                                             "int8-weight-only"])
+        status, _, err = console_in_process(
+            name,
+            main,
+            no_bf16
+            if name == "fairseq-generate"
+            else [str(tiny_data), "--path", str(tiny_ckpt), "--quantize", "int8-weight-only"],
+        )
         assert status == 1 and err.strip().endswith(
             "--quantize int8-weight-only needs a bf16 model (an fp32 model gains nothing from int8 weights): pass "
-            "--bf16"), err
+            "--bf16"
+        ), err
 
 
 def test_a_batch_whose_kv_cache_cannot_fit_is_one_line(tmp_path, monkeypatch):
@@ -147,24 +183,54 @@ def test_a_batch_whose_kv_cache_cannot_fit_is_one_line(tmp_path, monkeypatch):
     d = Dictionary()
     for i in range(2100):
         d.add_symbol(f"w{i}")
-    cfg = preset_config("transformer_lm", decoder_embed_dim=1024, decoder_input_dim=1024, decoder_output_dim=1024,
-                        decoder_ffn_embed_dim=1024, decoder_layers=8,
-                        decoder_attention_heads=8, tokens_per_sample=4096)  # a config that names its arch
+    cfg = preset_config(
+        "transformer_lm",
+        decoder_embed_dim=1024,
+        decoder_input_dim=1024,
+        decoder_output_dim=1024,
+        decoder_ffn_embed_dim=1024,
+        decoder_layers=8,
+        decoder_attention_heads=8,
+        tokens_per_sample=4096,
+    )  # a config that names its arch
     model = TransformerLanguageModel.build(cfg, len(d), d.pad())
     path = tmp_path / "checkpoint.pt"
-    atomic_torch_save({"cfg": {"model": config_to_dict(cfg), "task": {"_name": "language_modeling",
-                                                                       "data": str(tmp_path),
-                                                                       "tokens_per_sample": 4096}},
-                       "model": model.state_dict()}, str(path))
+    atomic_torch_save(
+        {
+            "cfg": {
+                "model": config_to_dict(cfg),
+                "task": {"_name": "language_modeling", "data": str(tmp_path), "tokens_per_sample": 4096},
+            },
+            "model": model.state_dict(),
+        },
+        str(path),
+    )
     d.save(str(tmp_path / "dict.txt"))
     monkeypatch.setattr(sys, "stdin", io.StringIO("w1 w2 w3\n"))
-    status, out, err = console_in_process("fairseq-interactive", interactive.cli_main, [
-        str(tmp_path), "--path", str(path), "--bf16", "--tokens-per-sample", "4096", "--beam", "2000", "--nbest", "1",
-        "--max-len-b", "4000"])
+    status, out, err = console_in_process(
+        "fairseq-interactive",
+        interactive.cli_main,
+        [
+            str(tmp_path),
+            "--path",
+            str(path),
+            "--bf16",
+            "--tokens-per-sample",
+            "4096",
+            "--beam",
+            "2000",
+            "--nbest",
+            "1",
+            "--max-len-b",
+            "4000",
+        ],
+    )
     assert status == 1 and len(err.strip().splitlines()) == 1, err
     message = err.strip().split(": error: ", 1)[1]
-    assert message.startswith("a batch of 1 prompt(s) x beam 2000 x 4001 positions needs 244.20 GiB of KV cache "
-                              "(8 layers x 2 x 1024 values per position) besides "), message
+    assert message.startswith(
+        "a batch of 1 prompt(s) x beam 2000 x 4001 positions needs 244.20 GiB of KV cache "
+        "(8 layers x 2 x 1024 values per position) besides "
+    ), message
     assert message.endswith("; lower --batch-size / --max-tokens, --beam or --max-len-b")
     assert "H-0" not in out
 
@@ -173,6 +239,9 @@ def test_a_model_without_linears_is_refused():
     from fairseq.models.fconv_lm import FConvLanguageModel, preset_config as fconv_config
 
     model = FConvLanguageModel.build(fconv_config("fconv_lm"), 100, 1).cuda().to(torch.bfloat16)
-    with pytest.raises(ValueError, match=r"^--quantize int8-weight-only: FConvLanguageModel has no nn.Linear weight "
-                                         r"of its own to quantize; drop it for this model$"):
+    with pytest.raises(
+        ValueError,
+        match=r"^--quantize int8-weight-only: FConvLanguageModel has no nn.Linear weight "
+        r"of its own to quantize; drop it for this model$",
+    ):
         quantize_for_generation(model, "int8-weight-only", torch.device("cuda"))

@@ -73,8 +73,10 @@ def test_tp_plan_on_one_gpu_matches_plain_fsdp():
             fully_shard(model, mesh=mesh["dp_shard"])
             _train(model, tokens, 2)  # warm-up
             results[name] = _train(model, tokens, 10)
-        print(f"\ntokens/s on one GPU, fp32: plain FSDP2 {results['plain'][1]:,.0f}, "
-              f"TP plan on a 1-rank mesh {results['tp1'][1]:,.0f} ({results['tp1'][1] / results['plain'][1]:.2f}x)")
+        print(
+            f"\ntokens/s on one GPU, fp32: plain FSDP2 {results['plain'][1]:,.0f}, "
+            f"TP plan on a 1-rank mesh {results['tp1'][1]:,.0f} ({results['tp1'][1] / results['plain'][1]:.2f}x)"
+        )
         torch.testing.assert_close(results["tp1"][0], results["plain"][0], rtol=1e-4, atol=0)
     finally:
         dist.destroy_process_group()
@@ -82,24 +84,69 @@ def test_tp_plan_on_one_gpu_matches_plain_fsdp():
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 def test_tp2_on_two_gpus_matches_fsdp2(tmp_path):
-    common = ["--task", "dummy_lm", "--arch", "transformer_lm_gpt3_medium", "--decoder-layers", "8",
-              "--tokens-per-sample", "1024", "--optimizer", "adam", "--lr", "1e-4", "--max-update", "20",
-              "--bf16", "--ddp-backend", "fully_sharded", "--log-format", "json", "--log-interval", "5",
-              "--criterion", "vocab_parallel_cross_entropy", "--disable-validation", "--no-save", "--seed", "1"]
+    common = [
+        "--task",
+        "dummy_lm",
+        "--arch",
+        "transformer_lm_gpt3_medium",
+        "--decoder-layers",
+        "8",
+        "--tokens-per-sample",
+        "1024",
+        "--optimizer",
+        "adam",
+        "--lr",
+        "1e-4",
+        "--max-update",
+        "20",
+        "--bf16",
+        "--ddp-backend",
+        "fully_sharded",
+        "--log-format",
+        "json",
+        "--log-interval",
+        "5",
+        "--criterion",
+        "vocab_parallel_cross_entropy",
+        "--disable-validation",
+        "--no-save",
+        "--seed",
+        "1",
+    ]
     wps = {}
     logs = {}
-    for name, layout in (("fsdp2", ["--batch-size", "4"]),
-                         ("tp2", ["--batch-size", "8", "--model-parallel-size", "2"])):
+    for name, layout in (
+        ("fsdp2", ["--batch-size", "4"]),
+        ("tp2", ["--batch-size", "8", "--model-parallel-size", "2"]),
+    ):
         log = tmp_path / f"{name}.log"
         proc = subprocess.run(
-            [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m",
-             "fairseq_cli.train", *common, *layout, "--log-file", str(log)],
-            capture_output=True, text=True, timeout=900, env=dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])))
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--standalone",
+                "--nproc-per-node",
+                "2",
+                "-m",
+                "fairseq_cli.train",
+                *common,
+                *layout,
+                "--log-file",
+                str(log),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=900,
+            env=dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])),
+        )
         assert proc.returncode == 0, proc.stderr[-3000:]
         rows = read_json_log(log)
         logs[name] = [float(r["loss"]) for r in rows]
         wps[name] = float(rows[-1]["wps"])
-    print(f"\nwps on 2 GPUs, bf16, interval ending at update 20: FSDP2 {wps['fsdp2']:,.0f}, TP 2 {wps['tp2']:,.0f} "
-          f"({wps['tp2'] / wps['fsdp2']:.2f}x)")
+    print(
+        f"\nwps on 2 GPUs, bf16, interval ending at update 20: FSDP2 {wps['fsdp2']:,.0f}, TP 2 {wps['tp2']:,.0f} "
+        f"({wps['tp2'] / wps['fsdp2']:.2f}x)"
+    )
     for a, b in zip(logs["tp2"], logs["fsdp2"]):
         assert abs(a - b) <= 0.02 * abs(b)  # bf16 over 20 updates; both round to 3 decimals

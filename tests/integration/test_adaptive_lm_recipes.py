@@ -22,31 +22,105 @@ from tests.train_fixtures import write_corpus
 
 PAD = 1
 # What makes the README's model tiny: 2 layers of 32, and cutoffs inside the 64-symbol test dictionary.
-TINY_WIKI103 = ["--decoder-layers", "2", "--decoder-embed-dim", "32", "--decoder-ffn-embed-dim", "64",
-                "--decoder-attention-heads", "2", "--decoder-input-dim", "32", "--decoder-output-dim", "32",
-                "--adaptive-input-cutoff", "20,40", "--adaptive-softmax-cutoff", "20,40"]
+TINY_WIKI103 = [
+    "--decoder-layers",
+    "2",
+    "--decoder-embed-dim",
+    "32",
+    "--decoder-ffn-embed-dim",
+    "64",
+    "--decoder-attention-heads",
+    "2",
+    "--decoder-input-dim",
+    "32",
+    "--decoder-output-dim",
+    "32",
+    "--adaptive-input-cutoff",
+    "20,40",
+    "--adaptive-softmax-cutoff",
+    "20,40",
+]
 
 
 def readme_argv(data, save_dir):
     """README.adaptive_inputs.md's command, unchanged apart from sizes (updates, tokens, the model), --cpu."""
     return [
-        "--task", "language_modeling", str(data), "--save-dir", str(save_dir),
-        "--arch", "transformer_lm_wiki103",
-        "--max-update", "6", "--lr", "1.0", "--t-mult", "2", "--lr-period-updates", "4", "--lr-scheduler", "cosine",
-        "--lr-shrink", "0.75", "--warmup-updates", "2", "--warmup-init-lr", "1e-07", "--stop-min-lr", "1e-09",
-        "--optimizer", "nag", "--min-lr", "0.0001", "--clip-norm", "0.1",
-        "--criterion", "adaptive_loss", "--max-tokens", "64", "--update-freq", "3", "--tokens-per-sample", "32",
-        "--seed", "1", "--sample-break-mode", "none", "--skip-invalid-size-inputs-valid-test",
+        "--task",
+        "language_modeling",
+        str(data),
+        "--save-dir",
+        str(save_dir),
+        "--arch",
+        "transformer_lm_wiki103",
+        "--max-update",
+        "6",
+        "--lr",
+        "1.0",
+        "--t-mult",
+        "2",
+        "--lr-period-updates",
+        "4",
+        "--lr-scheduler",
+        "cosine",
+        "--lr-shrink",
+        "0.75",
+        "--warmup-updates",
+        "2",
+        "--warmup-init-lr",
+        "1e-07",
+        "--stop-min-lr",
+        "1e-09",
+        "--optimizer",
+        "nag",
+        "--min-lr",
+        "0.0001",
+        "--clip-norm",
+        "0.1",
+        "--criterion",
+        "adaptive_loss",
+        "--max-tokens",
+        "64",
+        "--update-freq",
+        "3",
+        "--tokens-per-sample",
+        "32",
+        "--seed",
+        "1",
+        "--sample-break-mode",
+        "none",
+        "--skip-invalid-size-inputs-valid-test",
         "--ddp-backend=no_c10d",
-        *TINY_WIKI103, "--cpu", "--num-workers", "0", "--log-format", "json", "--log-interval", "1",
-        "--log-file", str(save_dir / "train.log"),
+        *TINY_WIKI103,
+        "--cpu",
+        "--num-workers",
+        "0",
+        "--log-format",
+        "json",
+        "--log-interval",
+        "1",
+        "--log-file",
+        str(save_dir / "train.log"),
     ]
 
 
 def eval_cfg(data, path, *extra):
     parser = options.get_eval_lm_parser()
-    args = options.parse_args_and_arch(parser, [str(data), "--path", str(path), "--gen-subset", "test",
-                                                "--tokens-per-sample", "32", "--batch-size", "4", "--cpu", *extra])
+    args = options.parse_args_and_arch(
+        parser,
+        [
+            str(data),
+            "--path",
+            str(path),
+            "--gen-subset",
+            "test",
+            "--tokens-per-sample",
+            "32",
+            "--batch-size",
+            "4",
+            "--cpu",
+            *extra,
+        ],
+    )
     return options.convert_namespace_to_config(args)
 
 
@@ -106,11 +180,12 @@ def test_eval_lm_of_the_trained_model_equals_the_written_out_adaptive_softmax(re
     loaded = load_model(str(ckpt), overrides={"data": str(tiny_data), "tokens_per_sample": 32})
     model = loaded.model.double().eval()
     sm = model.decoder.adaptive_softmax
-    mean_bits, count = direct_mean_bits(loaded.task, lambda src: model(src[None], features_only=True)[0][0],
-                                        sm.head, [t for t in sm.tail], sm.cutoff)
+    mean_bits, count = direct_mean_bits(
+        loaded.task, lambda src: model(src[None], features_only=True)[0][0], sm.head, [t for t in sm.tail], sm.cutoff
+    )
     assert result["tokens"] == count
     assert result["loss"] == pytest.approx(mean_bits, rel=1e-6)  # fp32 evaluation vs float64
-    assert result["perplexity"] == pytest.approx(2 ** mean_bits, rel=1e-5)
+    assert result["perplexity"] == pytest.approx(2**mean_bits, rel=1e-5)
 
 
 # ----------------------------------------------------------------------------- an upstream checkpoint
@@ -122,13 +197,16 @@ def upstream_wiki103_checkpoint(path, kind, vocab=64, dim=32, seed=0):
     them) and its config, an argparse Namespace ("args", fairseq < 0.10) or an omegaconf DictConfig ("cfg")."""
     g = torch.Generator().manual_seed(seed)
     bands, dims = [(0, 20), (20, 40), (40, vocab)], [dim, dim // 4, dim // 16]
-    sd = {"decoder.version": torch.tensor([3.0]), "decoder.embed_tokens._float_tensor": torch.zeros(1),
-          "decoder.embed_positions._float_tensor": torch.zeros(1),
-          "decoder.adaptive_softmax.version": torch.LongTensor([1]),
-          "decoder.adaptive_softmax.head._float_tensor": torch.zeros(1),
-          "decoder.adaptive_softmax.head.class_proj.weight": torch.randn(2, dim, generator=g) * 0.3}
+    sd = {
+        "decoder.version": torch.tensor([3.0]),
+        "decoder.embed_tokens._float_tensor": torch.zeros(1),
+        "decoder.embed_positions._float_tensor": torch.zeros(1),
+        "decoder.adaptive_softmax.version": torch.LongTensor([1]),
+        "decoder.adaptive_softmax.head._float_tensor": torch.zeros(1),
+        "decoder.adaptive_softmax.head.class_proj.weight": torch.randn(2, dim, generator=g) * 0.3,
+    }
     for b, ((lo, hi), d) in enumerate(zip(bands, dims)):
-        table = torch.randn(hi - lo, d, generator=g) * d ** -0.5
+        table = torch.randn(hi - lo, d, generator=g) * d**-0.5
         projection = torch.randn(dim, d, generator=g) * 0.3
         sd[f"decoder.embed_tokens.embeddings.{b}.0.weight"] = table
         sd[f"decoder.embed_tokens.embeddings.{b}.1.weight"] = projection
@@ -137,28 +215,75 @@ def upstream_wiki103_checkpoint(path, kind, vocab=64, dim=32, seed=0):
         else:  # tie_adaptive_weights and tie_adaptive_proj
             sd[f"decoder.adaptive_softmax.tail.{b - 1}.0.weight"] = projection
             sd[f"decoder.adaptive_softmax.tail.{b - 1}.2.weight"] = table
-    model_args = config_to_dict(preset_config("transformer_lm_wiki103", decoder_layers=0, decoder_embed_dim=dim,
-                                              decoder_input_dim=dim, decoder_output_dim=dim,
-                                              decoder_ffn_embed_dim=4 * dim, decoder_attention_heads=2,
-                                              adaptive_input_cutoff="20,40", adaptive_softmax_cutoff="20,40"))
+    model_args = config_to_dict(
+        preset_config(
+            "transformer_lm_wiki103",
+            decoder_layers=0,
+            decoder_embed_dim=dim,
+            decoder_input_dim=dim,
+            decoder_output_dim=dim,
+            decoder_ffn_embed_dim=4 * dim,
+            decoder_attention_heads=2,
+            adaptive_input_cutoff="20,40",
+            adaptive_softmax_cutoff="20,40",
+        )
+    )
     model_args.pop("_name", None)
-    task_args = dict(data="data-bin/wikitext-103", tokens_per_sample=3072, sample_break_mode="none",
-                     output_dictionary_size=-1, self_target=False, future_target=False, past_target=False,
-                     add_bos_token=False, max_target_positions=None)
-    train_args = dict(criterion="adaptive_loss", optimizer="nag", lr=[1.0], momentum=0.99, weight_decay=0.0,
-                      lr_scheduler="cosine", max_update=286000, clip_norm=0.1, ddp_backend="no_c10d", seed=1)
+    task_args = dict(
+        data="data-bin/wikitext-103",
+        tokens_per_sample=3072,
+        sample_break_mode="none",
+        output_dictionary_size=-1,
+        self_target=False,
+        future_target=False,
+        past_target=False,
+        add_bos_token=False,
+        max_target_positions=None,
+    )
+    train_args = dict(
+        criterion="adaptive_loss",
+        optimizer="nag",
+        lr=[1.0],
+        momentum=0.99,
+        weight_decay=0.0,
+        lr_scheduler="cosine",
+        max_update=286000,
+        clip_norm=0.1,
+        ddp_backend="no_c10d",
+        seed=1,
+    )
     if kind == "args":
         flat = dict(model_args, **task_args, **train_args, arch="transformer_lm_wiki103", task="language_modeling")
         config = dict(args=argparse.Namespace(**flat))
     else:
-        config = dict(args=None, cfg=OmegaConf.create({
-            "model": dict(model_args, _name="transformer_lm_wiki103", arch="transformer_lm_wiki103"),
-            "task": dict(task_args, _name="language_modeling"),
-            "criterion": {"_name": "adaptive_loss", "sentence_avg": False},
-            "optimizer": {"_name": "nag", "momentum": 0.99, "weight_decay": 0.0, "lr": [1.0]}}))
-    torch.save(dict(config, model=sd, optimizer_history=[{
-        "criterion_name": "AdaptiveLoss", "optimizer_name": "FairseqNAG", "lr_scheduler_state": {"best": 3.2},
-        "num_updates": 286000}], extra_state={"epoch": 20, "val_loss": 3.2}, last_optimizer_state=None), path)
+        config = dict(
+            args=None,
+            cfg=OmegaConf.create(
+                {
+                    "model": dict(model_args, _name="transformer_lm_wiki103", arch="transformer_lm_wiki103"),
+                    "task": dict(task_args, _name="language_modeling"),
+                    "criterion": {"_name": "adaptive_loss", "sentence_avg": False},
+                    "optimizer": {"_name": "nag", "momentum": 0.99, "weight_decay": 0.0, "lr": [1.0]},
+                }
+            ),
+        )
+    torch.save(
+        dict(
+            config,
+            model=sd,
+            optimizer_history=[
+                {
+                    "criterion_name": "AdaptiveLoss",
+                    "optimizer_name": "FairseqNAG",
+                    "lr_scheduler_state": {"best": 3.2},
+                    "num_updates": 286000,
+                }
+            ],
+            extra_state={"epoch": 20, "val_loss": 3.2},
+            last_optimizer_state=None,
+        ),
+        path,
+    )
     return sd
 
 
@@ -188,16 +313,23 @@ def test_upstream_adaptive_checkpoint_evaluates_to_the_direct_perplexity(tiny_da
             rows.append(projection @ table[t - lo])
         return math.sqrt(dim) * torch.stack(rows) + sinusoidal(torch.arange(len(rows)) + PAD + 1, dim)
 
-    head_words, head_classes = sd["decoder.adaptive_softmax.head.word_proj.weight"], \
-        sd["decoder.adaptive_softmax.head.class_proj.weight"]
-    tails = [lambda x, i=i: sd[f"decoder.adaptive_softmax.tail.{i}.2.weight"]
-             @ (sd[f"decoder.adaptive_softmax.tail.{i}.0.weight"].t() @ x) for i in range(2)]
+    head_words, head_classes = (
+        sd["decoder.adaptive_softmax.head.word_proj.weight"],
+        sd["decoder.adaptive_softmax.head.class_proj.weight"],
+    )
+    tails = [
+        lambda x, i=i: (
+            sd[f"decoder.adaptive_softmax.tail.{i}.2.weight"]
+            @ (sd[f"decoder.adaptive_softmax.tail.{i}.0.weight"].t() @ x)
+        )
+        for i in range(2)
+    ]
     head = lambda x: torch.cat([head_words @ x, head_classes @ x])  # noqa: E731
     loaded = load_model(str(path), overrides={"data": str(tiny_data), "tokens_per_sample": 32}, trust_legacy=True)
     mean_bits, count = direct_mean_bits(loaded.task, features_of, head, tails, cutoffs)
     assert result["tokens"] == count
     assert result["loss"] == pytest.approx(mean_bits, rel=1e-6)
-    assert result["perplexity"] == pytest.approx(2 ** mean_bits, rel=1e-5)
+    assert result["perplexity"] == pytest.approx(2**mean_bits, rel=1e-5)
     model = loaded.model  # upstream's tying, restored
     assert model.decoder.adaptive_softmax.tail[0][2].weight is model.decoder.embed_tokens.embeddings[1][0].weight
 
@@ -221,17 +353,42 @@ def short_epochs(tmp_path_factory):
     root = tmp_path_factory.mktemp("short_epochs")
     for name, lines, seed in (("train", 60, 11), ("valid", 10, 12)):
         write_corpus(root / f"{name}.txt", lines, seed=seed)
-    preprocess(["--only-source", "--trainpref", str(root / "train.txt"), "--validpref", str(root / "valid.txt"),
-                "--destdir", str(root / "data-bin"), "--workers", "1"])
+    preprocess(
+        [
+            "--only-source",
+            "--trainpref",
+            str(root / "train.txt"),
+            "--validpref",
+            str(root / "valid.txt"),
+            "--destdir",
+            str(root / "data-bin"),
+            "--workers",
+            "1",
+        ]
+    )
     return root / "data-bin"
 
 
 def plateau_argv(build_train_args, data, save_dir, max_epoch):
     """The tiny transformer_lm (adam, --lr 0.002), one update an epoch; improving needs a 50% lower validation
     loss (never happens after the first epoch) and patience is 1: the rate halves at the end of epoch 3."""
-    return build_train_args(data, save_dir, "--lr-scheduler", "reduce_lr_on_plateau", "--lr-shrink", "0.5",
-                            "--lr-threshold", "0.5", "--lr-patience", "1", "--max-epoch", str(max_epoch),
-                            "--max-tokens", "2048", max_update=1000)
+    return build_train_args(
+        data,
+        save_dir,
+        "--lr-scheduler",
+        "reduce_lr_on_plateau",
+        "--lr-shrink",
+        "0.5",
+        "--lr-threshold",
+        "0.5",
+        "--lr-patience",
+        "1",
+        "--max-epoch",
+        str(max_epoch),
+        "--max-tokens",
+        "2048",
+        max_update=1000,
+    )
 
 
 def epoch_lrs(log):
@@ -243,8 +400,7 @@ def epoch_lrs(log):
     return [first_lr[e] for e in sorted(first_lr)], valid
 
 
-def test_plateau_is_stepped_at_epoch_ends_and_resumed_from_the_checkpoint(short_epochs, tmp_path,
-                                                                         build_train_args):
+def test_plateau_is_stepped_at_epoch_ends_and_resumed_from_the_checkpoint(short_epochs, tmp_path, build_train_args):
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     train.cli_main(plateau_argv(build_train_args, short_epochs, straight, 4))
     lrs, valid = epoch_lrs(straight / "train.log")

@@ -29,16 +29,32 @@ ASYNC = "--write-checkpoints-asynchronously"
 
 def single_file_argv(data, save_dir, *extra, max_update=4):
     """The tiny transformer_lm of tests/train_fixtures.py, a checkpoint every 2 updates, json log on stdout."""
-    return tiny_train_argv(data, save_dir, *TRAIN_RECIPE, "--save-interval-updates", "2", *extra,
-                           max_update=max_update, log_file=False)
+    return tiny_train_argv(
+        data, save_dir, *TRAIN_RECIPE, "--save-interval-updates", "2", *extra, max_update=max_update, log_file=False
+    )
 
 
 def sharded_argv(data, save_dir, *extra, max_update=4):
     """The tiny transformer_lm_gpt on 2 gloo processes, fully sharded, DCP checkpoints every 2 updates."""
-    return tiny_train_argv(data, save_dir, "--disable-validation", "--ddp-backend", "fully_sharded",
-                           "--use-sharded-state", "--save-interval-updates", "2", "--distributed-world-size", "2",
-                           "--heartbeat-timeout", "120", *extra, max_update=max_update, arch="transformer_lm_gpt",
-                           seed="5", log_file=False)
+    return tiny_train_argv(
+        data,
+        save_dir,
+        "--disable-validation",
+        "--ddp-backend",
+        "fully_sharded",
+        "--use-sharded-state",
+        "--save-interval-updates",
+        "2",
+        "--distributed-world-size",
+        "2",
+        "--heartbeat-timeout",
+        "120",
+        *extra,
+        max_update=max_update,
+        arch="transformer_lm_gpt",
+        seed="5",
+        log_file=False,
+    )
 
 
 def load(path):
@@ -72,8 +88,14 @@ def start(argv, slow=None):
     env.update(PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
     if slow is not None:
         env[SLOW_WRITE_ENV] = str(slow)
-    return subprocess.Popen([sys.executable, "-m", "fairseq_cli.train", *argv], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True)
+    return subprocess.Popen(
+        [sys.executable, "-m", "fairseq_cli.train", *argv],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+        start_new_session=True,
+    )
 
 
 def act_when(proc, seen, what, act, ready=lambda lines: None, timeout=180):
@@ -100,8 +122,12 @@ def act_when(proc, seen, what, act, ready=lambda lines: None, timeout=180):
 
 def act_after_update(proc, update, act):
     """Once the log's train_inner line of `update` is printed, call `act(proc)`."""
-    return act_when(proc, lambda line: "train_inner" in line and f'"num_updates": "{update}"' in line,
-                    f"the end of update {update}", act)
+    return act_when(
+        proc,
+        lambda line: "train_inner" in line and f'"num_updates": "{update}"' in line,
+        f"the end of update {update}",
+        act,
+    )
 
 
 def act_during_write(proc, save_dir, name, act):
@@ -116,8 +142,13 @@ def act_during_write(proc, save_dir, name, act):
             assert time.time() < deadline and proc.poll() is None, "".join(lines)[-4000:]
             time.sleep(0.005)
 
-    return act_when(proc, lambda line: f"{os.path.join(str(save_dir), name)} (epoch" in line
-                    and "in the background" in line, f"the write of {name}", act, temporary_exists)
+    return act_when(
+        proc,
+        lambda line: f"{os.path.join(str(save_dir), name)} (epoch" in line and "in the background" in line,
+        f"the write of {name}",
+        act,
+        temporary_exists,
+    )
 
 
 def kill_9(proc):
@@ -150,15 +181,18 @@ def test_background_single_file_checkpoint_is_the_synchronous_one(tiny_data, tmp
 
 def test_two_saves_in_quick_succession_each_wait_for_the_one_before(tiny_data, tmp_path, monkeypatch):
     monkeypatch.setenv(SLOW_WRITE_ENV, "0.4")  # longer than an update: every save finds the previous in flight
-    argv = single_file_argv(tiny_data, tmp_path, ASYNC, "--disable-validation", "--keep-interval-updates", "2",
-                            max_update=3)
+    argv = single_file_argv(
+        tiny_data, tmp_path, ASYNC, "--disable-validation", "--keep-interval-updates", "2", max_update=3
+    )
     argv[argv.index("--save-interval-updates") + 1] = "1"
     status, out, err = train_in_process(argv)
     assert status == 0, out[-3000:] + err[-3000:]
     waits = [line for line in out.splitlines() if "for the background write of" in line]
     assert [w.split("write of ")[1] for w in waits] == [
-        f"{tmp_path / 'checkpoint_1_1.pt'} before the next save", f"{tmp_path / 'checkpoint_1_2.pt'} before the next save",
-        f"{tmp_path / 'checkpoint_1_3.pt'} at the end of training"], waits
+        f"{tmp_path / 'checkpoint_1_1.pt'} before the next save",
+        f"{tmp_path / 'checkpoint_1_2.pt'} before the next save",
+        f"{tmp_path / 'checkpoint_1_3.pt'} at the end of training",
+    ], waits
     # both later saves waited: one warning, with the write's time and an interval that would not wait
     [advice] = [line for line in out.splitlines() if "wait for it;" in line]
     write_time = float(advice.split("checkpoint write took ")[1].split(" s;")[0])
@@ -166,13 +200,20 @@ def test_two_saves_in_quick_succession_each_wait_for_the_one_before(tiny_data, t
     interval = int(advice.split("--save-interval-updates >= ")[1].split()[0])
     assert interval >= 2 and advice.endswith(" would not"), advice
     assert sorted(n for n in os.listdir(tmp_path) if n.startswith("checkpoint")) == [
-        "checkpoint_1_2.pt", "checkpoint_1_3.pt", "checkpoint_last.pt"]
+        "checkpoint_1_2.pt",
+        "checkpoint_1_3.pt",
+        "checkpoint_last.pt",
+    ]
     assert [updates_of(tmp_path / n) for n in ("checkpoint_1_2.pt", "checkpoint_1_3.pt", "checkpoint_last.pt")] == [
-        2, 3, 3]
+        2,
+        3,
+        3,
+    ]
 
 
 def test_kill_9_during_a_background_write_keeps_the_last_whole_checkpoint_and_resumes_exactly(
-        tiny_data, tmp_path, sync_single):
+    tiny_data, tmp_path, sync_single
+):
     # --keep-interval-updates 1: checkpoint_1_2 may go only once checkpoint_1_4 is whole.
     argv = single_file_argv(tiny_data, tmp_path, ASYNC, "--keep-interval-updates", "1")
     status, log = act_during_write(start(argv, slow=3), tmp_path, "checkpoint_1_4.pt", kill_9)
@@ -185,16 +226,21 @@ def test_kill_9_during_a_background_write_keeps_the_last_whole_checkpoint_and_re
     status, out, err = train_in_process(argv)  # the restarted job
     assert status == 0, out[-3000:] + err[-3000:]
     assert "(2 updates)" in out and "left by an interrupted save" in out
-    assert_same_layout_and_tensors(load(sync_single / "checkpoint_1_4.pt"), load(tmp_path / "checkpoint_1_4.pt"),
-                                   resumed=True)
+    assert_same_layout_and_tensors(
+        load(sync_single / "checkpoint_1_4.pt"), load(tmp_path / "checkpoint_1_4.pt"), resumed=True
+    )
     assert sorted(n for n in os.listdir(tmp_path) if "checkpoint" in n) == [
-        "checkpoint_1_4.pt", "checkpoint_best.pt", "checkpoint_last.pt"]  # removed once checkpoint_1_4 was whole
+        "checkpoint_1_4.pt",
+        "checkpoint_best.pt",
+        "checkpoint_last.pt",
+    ]  # removed once checkpoint_1_4 was whole
 
 
 def test_background_write_failure_is_one_line_and_keeps_the_previous_checkpoint(tiny_data, tmp_path):
     def argv(max_update):
-        return single_file_argv(tiny_data, tmp_path, ASYNC, "--keep-interval-updates", "1", "--disable-validation",
-                                max_update=max_update)
+        return single_file_argv(
+            tiny_data, tmp_path, ASYNC, "--keep-interval-updates", "1", "--disable-validation", max_update=max_update
+        )
 
     status, out, err = train_in_process(argv(2))
     assert status == 0, out[-3000:] + err[-3000:]
@@ -204,16 +250,24 @@ def test_background_write_failure_is_one_line_and_keeps_the_previous_checkpoint(
     def limit_file_size():
         resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
 
-    result = subprocess.run([sys.executable, "-m", "fairseq_cli.train", *argv(8)],
-                            capture_output=True, text=True, timeout=300, preexec_fn=limit_file_size,
-                            env=dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1"))
+    result = subprocess.run(
+        [sys.executable, "-m", "fairseq_cli.train", *argv(8)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        preexec_fn=limit_file_size,
+        env=dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1"),
+    )
     assert result.returncode == 1, result.stdout[-3000:] + result.stderr[-3000:]
     errors = [line for line in result.stderr.splitlines() if line.strip()]
     assert len(errors) == 1 and errors[0].startswith("fairseq-train: error: cannot write checkpoint"), errors
     assert "EFBIG" in errors[0] and str(tmp_path / "checkpoint_1_4.pt") in errors[0]
     assert "previously at that path is intact" in errors[0]
-    updates = [int(line.split('"num_updates": "')[1].split('"')[0]) for line in result.stdout.splitlines()
-               if "| train_inner |" in line]
+    updates = [
+        int(line.split('"num_updates": "')[1].split('"')[0])
+        for line in result.stdout.splitlines()
+        if "| train_inner |" in line
+    ]
     assert 4 <= max(updates) < 8  # reported at an update after the failed save, not at the end of training
     assert {n: (tmp_path / n).read_bytes() for n in before} == before  # the failed write removed nothing
     assert not [n for n in os.listdir(tmp_path) if n.endswith(".tmp")]
@@ -250,8 +304,9 @@ def dcp_files(directory):
 
 
 def assert_same_sharded_checkpoint(a, b, resumed=False):
-    assert sorted(os.listdir(a)) == sorted(os.listdir(b)) == [".metadata", "__0_0.distcp", "__1_0.distcp",
-                                                                "metadata.pt"]
+    assert (
+        sorted(os.listdir(a)) == sorted(os.listdir(b)) == [".metadata", "__0_0.distcp", "__1_0.distcp", "metadata.pt"]
+    )
     assert dcp_files(a) == dcp_files(b)  # both ranks' shards of model and optimizer, bitwise
     assert_same_layout_and_tensors(load(a / "metadata.pt"), load(b / "metadata.pt"), resumed=resumed)
 
@@ -273,7 +328,8 @@ def test_sigusr1_during_a_sharded_background_write_waits_for_it_then_saves_and_r
     waited = [line for line in log.splitlines() if "for the background write of" in line]
     assert len(waited) == 1 and waited[0].endswith(f"{async_dir / 'checkpoint_1_4'} before the preemption checkpoint")
     assert log.index("saved checkpoint " + str(async_dir / "checkpoint_1_4")) < log.index(
-        "saved checkpoint " + str(async_dir / "checkpoint_last"))
+        "saved checkpoint " + str(async_dir / "checkpoint_last")
+    )
     assert_same_sharded_checkpoint(sync_dir / "checkpoint_1_4", async_dir / "checkpoint_1_4", resumed=True)
     assert f"writing checkpoint {async_dir / 'checkpoint_1_4'} (epoch 1 @ 4 updates" in log  # in the background
     last = load(async_dir / "checkpoint_last" / "metadata.pt")["extra_state"]["trainer"]["num_updates"]

@@ -17,8 +17,10 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 MAX_TOKENS = "must be at least 1: the most tokens in one batch (leave it out to batch by the number of sentences alone)"
 BATCH_SIZE = "must be at least 1: the most sentences in one batch (leave it out to batch by the number of tokens alone)"
-UPDATE_FREQ = (": every value must be an integer of at least 1 (the batches whose gradients make one update; one "
-               "value per epoch, e.g. 4 or 4,2)")
+UPDATE_FREQ = (
+    ": every value must be an integer of at least 1 (the batches whose gradients make one update; one "
+    "value per epoch, e.g. 4 or 4,2)"
+)
 BUFFER_SIZE = "must be at least 0: the input lines read before generating for them (0 or 1: one at a time)"
 
 ENTRY_POINTS = {
@@ -63,23 +65,31 @@ def test_update_freq_below_one(name, value, tiny_data, monkeypatch):
 
 def test_valid_batch_options_and_buffer_size(tiny_data, monkeypatch):
     train_argv = [tiny_data, *ENTRY_POINTS["fairseq-train"][1], "--max-tokens", "64"]
-    assert usage_error("fairseq-train", train_argv + ["--max-tokens-valid", "0"], monkeypatch) == \
-        f"--max-tokens-valid 0 {MAX_TOKENS}"
-    assert usage_error("fairseq-train", train_argv + ["--batch-size-valid", "-3"], monkeypatch) == \
-        f"--batch-size-valid -3 {BATCH_SIZE}"
+    assert (
+        usage_error("fairseq-train", train_argv + ["--max-tokens-valid", "0"], monkeypatch)
+        == f"--max-tokens-valid 0 {MAX_TOKENS}"
+    )
+    assert (
+        usage_error("fairseq-train", train_argv + ["--batch-size-valid", "-3"], monkeypatch)
+        == f"--batch-size-valid -3 {BATCH_SIZE}"
+    )
     argv = [tiny_data, *ENTRY_POINTS["fairseq-interactive"][1], "--buffer-size", "-1"]
     assert usage_error("fairseq-interactive", argv, monkeypatch) == f"--buffer-size -1 {BUFFER_SIZE}"
 
 
-@pytest.mark.parametrize("keyword, value, message", [
-    ("max_tokens", -100, f"max_tokens=-100 {MAX_TOKENS}"),
-    ("max_tokens", 0, f"max_tokens=0 {MAX_TOKENS}"),
-    ("batch_size", 0, f"batch_size=0 {BATCH_SIZE}"),
-    ("batch_size", 2.5, "batch_size=2.5 must be an integer: the most sentences in one batch"),
-])
+@pytest.mark.parametrize(
+    "keyword, value, message",
+    [
+        ("max_tokens", -100, f"max_tokens=-100 {MAX_TOKENS}"),
+        ("max_tokens", 0, f"max_tokens=0 {MAX_TOKENS}"),
+        ("batch_size", 0, f"batch_size=0 {BATCH_SIZE}"),
+        ("batch_size", 2.5, "batch_size=2.5 must be an integer: the most sentences in one batch"),
+    ],
+)
 def test_the_hub_refuses_them_as_keywords(keyword, value, message, tiny_data, tiny_lm_checkpoint):
-    lm = TransformerLanguageModel.from_pretrained(os.path.dirname(tiny_lm_checkpoint), "checkpoint_last.pt",
-                                                  data_name_or_path=str(tiny_data), **{keyword: value})
+    lm = TransformerLanguageModel.from_pretrained(
+        os.path.dirname(tiny_lm_checkpoint), "checkpoint_last.pt", data_name_or_path=str(tiny_data), **{keyword: value}
+    )
     with pytest.raises(ValueError) as error:
         lm.sample("w1 w2", max_len_b=3)
     assert str(error.value).startswith(message)

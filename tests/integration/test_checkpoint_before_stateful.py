@@ -17,13 +17,55 @@ OLD_CHECKPOINT = STORED / "checkpoint_1_3.pt"
 
 # The command that wrote the stored checkpoint (README.md), with DATA and SAVE to fill in.
 ARGS = [
-    "--task", "language_modeling", "DATA", "--save-dir", "SAVE", "--arch", "transformer_lm", "--decoder-layers", "1",
-    "--decoder-embed-dim", "16", "--decoder-ffn-embed-dim", "32", "--decoder-attention-heads", "2",
-    "--decoder-input-dim", "16", "--decoder-output-dim", "16", "--share-decoder-input-output-embed",
-    "--tokens-per-sample", "32", "--max-tokens", "256", "--update-freq", "2", "--optimizer", "adam", "--lr", "0.002",
-    "--lr-scheduler", "inverse_sqrt", "--warmup-updates", "4", "--warmup-init-lr", "1e-05", "--cpu",
-    "--num-workers", "0", "--seed", "7", "--log-format", "json", "--log-interval", "1", "--save-interval-updates", "3",
-    "--max-update", "14",
+    "--task",
+    "language_modeling",
+    "DATA",
+    "--save-dir",
+    "SAVE",
+    "--arch",
+    "transformer_lm",
+    "--decoder-layers",
+    "1",
+    "--decoder-embed-dim",
+    "16",
+    "--decoder-ffn-embed-dim",
+    "32",
+    "--decoder-attention-heads",
+    "2",
+    "--decoder-input-dim",
+    "16",
+    "--decoder-output-dim",
+    "16",
+    "--share-decoder-input-output-embed",
+    "--tokens-per-sample",
+    "32",
+    "--max-tokens",
+    "256",
+    "--update-freq",
+    "2",
+    "--optimizer",
+    "adam",
+    "--lr",
+    "0.002",
+    "--lr-scheduler",
+    "inverse_sqrt",
+    "--warmup-updates",
+    "4",
+    "--warmup-init-lr",
+    "1e-05",
+    "--cpu",
+    "--num-workers",
+    "0",
+    "--seed",
+    "7",
+    "--log-format",
+    "json",
+    "--log-interval",
+    "1",
+    "--save-interval-updates",
+    "3",
+    "--max-update",
+    "14",
 ]
 # log values that depend on the clock (save_blocked/save_wall: seconds of checkpoint saves, which the stored log of
 # the old code does not have)
@@ -54,7 +96,7 @@ def after_update_3(rows):
     """The rows logged after the checkpoint at update 3 was written (its validation line included)."""
     first_valid = next(i for i, (tag, _) in enumerate(rows) if tag == "valid")
     assert rows[first_valid][1]["valid_num_updates"] == "3"
-    return rows[first_valid + 1:]
+    return rows[first_valid + 1 :]
 
 
 # Config groups added since the stored checkpoint was written (upstream's cfg has them too); its groups must

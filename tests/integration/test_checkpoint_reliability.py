@@ -26,9 +26,11 @@ from tests.train_fixtures import train_in_process
 @pytest.fixture(scope="module")
 def train_args(build_train_args):
     """This file's runs: the tiny transformer_lm with no schedule, dropout or --log-file, 4 updates by default."""
+
     def args(data, save_dir, *extra, max_update=4):
-        return build_train_args(data, save_dir, "--sample-break-mode", "none", *extra, max_update=max_update,
-                                log_file=False)
+        return build_train_args(
+            data, save_dir, "--sample-break-mode", "none", *extra, max_update=max_update, log_file=False
+        )
 
     return args
 
@@ -44,13 +46,15 @@ def num_updates(path):
 def run_cli(args, limit_file_size=None):
     """fairseq-train in a subprocess, under a file-size limit if given (writes past it fail with EFBIG; the
     limit is the process's, hence the subprocess)."""
+
     def limit():
         if limit_file_size is not None:
             resource.setrlimit(resource.RLIMIT_FSIZE, (limit_file_size, limit_file_size))
 
     code = "import sys; from fairseq_cli.train import console_main; sys.argv[0] = 'fairseq-train'; console_main()"
-    return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=300,
-                          preexec_fn=limit)
+    return subprocess.run(
+        [sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=300, preexec_fn=limit
+    )
 
 
 # ----------------------------------------------------------------------------- aliases are independent
@@ -156,9 +160,15 @@ def test_second_run_on_a_locked_save_dir_fails_naming_the_holder(tiny_data, tmp_
 
 def test_lock_is_released_when_the_holder_is_killed(tmp_path):
     holder = subprocess.Popen(
-        [sys.executable, "-c", "import sys, time; from fairseq.checkpoint.save_dir import SaveDirLock; "
-         f"SaveDirLock({str(tmp_path)!r}).acquire(); print('held', flush=True); time.sleep(60)"],
-        stdout=subprocess.PIPE, text=True)
+        [
+            sys.executable,
+            "-c",
+            "import sys, time; from fairseq.checkpoint.save_dir import SaveDirLock; "
+            f"SaveDirLock({str(tmp_path)!r}).acquire(); print('held', flush=True); time.sleep(60)",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     assert holder.stdout.readline().strip() == "held"
     with pytest.raises(SaveDirInUse, match=f"pid {holder.pid}"):
         SaveDirLock(str(tmp_path)).acquire()
@@ -195,10 +205,23 @@ def test_temporaries_are_removed_before_the_write_probe(tiny_data, tmp_path, tra
 def sharded_run(tiny_data, tmp_path_factory, build_train_args):
     """(save dir holding checkpoint_1_1, checkpoint_1_2 and checkpoint_last as sharded directories, argv(save_dir,
     max_update)); tests copy the directory."""
+
     def argv(save_dir, max_update):
-        return build_train_args(tiny_data, save_dir, "--disable-validation", "--ddp-backend", "fully_sharded",
-                                "--use-sharded-state", "--save-interval-updates", "1", max_update=max_update,
-                                arch="transformer_lm_gpt", seed="5", json_log=False, log_file=False)
+        return build_train_args(
+            tiny_data,
+            save_dir,
+            "--disable-validation",
+            "--ddp-backend",
+            "fully_sharded",
+            "--use-sharded-state",
+            "--save-interval-updates",
+            "1",
+            max_update=max_update,
+            arch="transformer_lm_gpt",
+            seed="5",
+            json_log=False,
+            log_file=False,
+        )
 
     save_dir = tmp_path_factory.mktemp("sharded")
     status, stdout, stderr = train_in_process(argv(save_dir, 2))
@@ -264,6 +287,7 @@ def test_garbage_legacy_and_truncated_files_are_told_apart(tmp_path):
         load_checkpoint_file(str(truncated))
 
     import argparse
+
     legacy = tmp_path / "legacy.pt"
     torch.save({"args": argparse.Namespace(arch="x"), "model": {}}, str(legacy))
     with pytest.raises(CheckpointError, match="--trust-legacy-checkpoint") as info:
@@ -286,13 +310,13 @@ def test_damaged_checkpoint_last_names_the_intact_ones_to_restore(tiny_data, tmp
     assert listed[-1] == "checkpoint_1_2.pt"  # the oldest last
     suggested = message.split("--restore-file ")[1]
     assert suggested in ("checkpoint_1_4.pt", "checkpoint_best.pt")  # both hold update 4
-    train.cli_main(train_args(tiny_data, tmp_path, "--save-interval-updates", "2", "--restore-file",
-                              suggested, max_update=6))
+    train.cli_main(
+        train_args(tiny_data, tmp_path, "--save-interval-updates", "2", "--restore-file", suggested, max_update=6)
+    )
     assert num_updates(last) == 6
 
 
-def test_intact_checkpoints_are_listed_by_training_progress_not_modification_time(tiny_data, tmp_path,
-                                                                                    train_args):
+def test_intact_checkpoints_are_listed_by_training_progress_not_modification_time(tiny_data, tmp_path, train_args):
     """A `touch` of an old checkpoint (or a `cp -r` of the directory) must not make it the recommended one."""
     train.cli_main(train_args(tiny_data, tmp_path, "--save-interval-updates", "2", max_update=4))
     (tmp_path / "checkpoint_last.pt").write_bytes(b"garbage, not a checkpoint" * 40)
@@ -325,8 +349,10 @@ def test_dictionary_that_does_not_match_the_checkpoint_is_named(tiny_data, tmp_p
     assert "different architecture" not in str(info.value)
 
 
-@pytest.mark.parametrize("flag,value", [("--decoder-attention-heads", "4"), ("--decoder-ffn-embed-dim", "128"),
-                                        ("--tokens-per-sample", "16")])
+@pytest.mark.parametrize(
+    "flag,value",
+    [("--decoder-attention-heads", "4"), ("--decoder-ffn-embed-dim", "128"), ("--tokens-per-sample", "16")],
+)
 def test_changed_model_option_on_resume_is_refused_naming_it(tiny_data, tmp_path, flag, value, train_args):
     train.cli_main(train_args(tiny_data, tmp_path, max_update=1))
     args = train_args(tiny_data, tmp_path, max_update=2)
@@ -337,18 +363,25 @@ def test_changed_model_option_on_resume_is_refused_naming_it(tiny_data, tmp_path
     assert num_updates(tmp_path / "checkpoint_last.pt") == 1
 
 
-
-@pytest.mark.parametrize("first,then,fix,fixed", [
-    # another --arch preset (pre-norm, gelu, learned positions): the fix is the checkpoint's --arch
-    ([], ["--arch", "transformer_lm_gpt"],
-     "Resume with --arch transformer_lm (the checkpoint's; this run has --arch transformer_lm_gpt)", []),
-    # boolean options are store_true flags: "--decoder-normalize-before False" is no command line
-    (["--decoder-normalize-before"], [], "Resume with --decoder-normalize-before,", ["--decoder-normalize-before"]),
-    ([], ["--decoder-normalize-before"], "Resume without --decoder-normalize-before,", []),
-    ([], ["--activation-fn", "gelu"], "Resume with --activation-fn relu,", ["--activation-fn", "relu"]),
-])
-def test_changed_model_option_on_resume_names_a_fix_the_parser_accepts(tiny_data, tmp_path, train_args, first,
-                                                                       then, fix, fixed):
+@pytest.mark.parametrize(
+    "first,then,fix,fixed",
+    [
+        # another --arch preset (pre-norm, gelu, learned positions): the fix is the checkpoint's --arch
+        (
+            [],
+            ["--arch", "transformer_lm_gpt"],
+            "Resume with --arch transformer_lm (the checkpoint's; this run has --arch transformer_lm_gpt)",
+            [],
+        ),
+        # boolean options are store_true flags: "--decoder-normalize-before False" is no command line
+        (["--decoder-normalize-before"], [], "Resume with --decoder-normalize-before,", ["--decoder-normalize-before"]),
+        ([], ["--decoder-normalize-before"], "Resume without --decoder-normalize-before,", []),
+        ([], ["--activation-fn", "gelu"], "Resume with --activation-fn relu,", ["--activation-fn", "relu"]),
+    ],
+)
+def test_changed_model_option_on_resume_names_a_fix_the_parser_accepts(
+    tiny_data, tmp_path, train_args, first, then, fix, fixed
+):
     train.cli_main(train_args(tiny_data, tmp_path, *first, max_update=1))
     with pytest.raises(CheckpointError) as info:
         train.cli_main(train_args(tiny_data, tmp_path, *then, max_update=2))  # the last --arch counts
@@ -358,15 +391,16 @@ def test_changed_model_option_on_resume_names_a_fix_the_parser_accepts(tiny_data
     assert num_updates(tmp_path / "checkpoint_last.pt") == 2
 
 
-def test_checkpoint_with_the_embed_dim_as_input_and_output_dims_resumes_with_them_named(tiny_data, tmp_path,
-                                                                                        train_args):
+def test_checkpoint_with_the_embed_dim_as_input_and_output_dims_resumes_with_them_named(
+    tiny_data, tmp_path, train_args
+):
     """A bare transformer_lm run saved while unset input/output dims followed the embed dim (2026-12-04 to -06)
     stored 32 for both: the same command line now means 512 (upstream's default), and resuming names the flags
     that give the checkpoint's model back."""
     args = train_args(tiny_data, tmp_path, max_update=1)  # --decoder-input-dim 32 --decoder-output-dim 32
     train.cli_main(args)
     for flag in ("--decoder-input-dim", "--decoder-output-dim"):
-        del args[args.index(flag):args.index(flag) + 2]
+        del args[args.index(flag) : args.index(flag) + 2]
     args[args.index("--max-update") + 1] = "2"
     with pytest.raises(CheckpointError) as info:
         train.cli_main(args)

@@ -17,20 +17,34 @@ from tests.train_fixtures import console_in_process, tiny_train_argv, train_in_p
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-BPE_FLAGS = ["--bpe", "gpt2", "--gpt2-encoder-json", "gpt2_bpe/encoder.json", "--gpt2-vocab-bpe",
-             "gpt2_bpe/vocab.bpe"]  # relative: saved as given, from directory A
+BPE_FLAGS = [
+    "--bpe",
+    "gpt2",
+    "--gpt2-encoder-json",
+    "gpt2_bpe/encoder.json",
+    "--gpt2-vocab-bpe",
+    "gpt2_bpe/vocab.bpe",
+]  # relative: saved as given, from directory A
 PROMPT = "the meaning of"
 
 
 def _corpus(directory, n_train=300):
     lines = [line.strip() for line in sample_text().split("\n") if line.strip()]
     (directory / "train.txt").write_text("\n".join(lines[:n_train]) + "\n", encoding="utf-8")
-    (directory / "valid.txt").write_text("\n".join(lines[n_train:n_train + 40]) + "\n", encoding="utf-8")
+    (directory / "valid.txt").write_text("\n".join(lines[n_train : n_train + 40]) + "\n", encoding="utf-8")
 
 
 def _train(root, data, save_dir, *extra):
-    argv = tiny_train_argv(data, save_dir, "--disable-validation", *extra, max_update=3, arch="transformer_lm_gpt",
-                           json_log=False, log_file=False)
+    argv = tiny_train_argv(
+        data,
+        save_dir,
+        "--disable-validation",
+        *extra,
+        max_update=3,
+        arch="transformer_lm_gpt",
+        json_log=False,
+        log_file=False,
+    )
     status, out, err = train_in_process(argv)
     assert status == 0, err
 
@@ -50,8 +64,22 @@ def trained(tmp_path_factory):
     cwd = os.getcwd()
     os.chdir(a)
     try:
-        preprocess.cli_main(["--only-source", "--srcdict", "gpt2_bpe/dict.txt", "--trainpref", "train.txt",
-                             "--validpref", "valid.txt", "--destdir", "data-bin", "--workers", "1", *BPE_FLAGS])
+        preprocess.cli_main(
+            [
+                "--only-source",
+                "--srcdict",
+                "gpt2_bpe/dict.txt",
+                "--trainpref",
+                "train.txt",
+                "--validpref",
+                "valid.txt",
+                "--destdir",
+                "data-bin",
+                "--workers",
+                "1",
+                *BPE_FLAGS,
+            ]
+        )
         _train(a, "data-bin", "checkpoints", "--save-interval-updates", "3", *BPE_FLAGS)  # + a copy
     finally:
         os.chdir(cwd)
@@ -61,8 +89,14 @@ def trained(tmp_path_factory):
     shutil.rmtree(a / "gpt2_bpe")
     b = root / "B"
     b.mkdir()
-    return {"data": a / "data-bin", "ckpt": a / "checkpoints" / "checkpoint_last.pt", "keep": keep, "b": b,
-            "original": original, "root": root}
+    return {
+        "data": a / "data-bin",
+        "ckpt": a / "checkpoints" / "checkpoint_last.pt",
+        "keep": keep,
+        "b": b,
+        "original": original,
+        "root": root,
+    }
 
 
 def _explicit(trained):
@@ -73,8 +107,19 @@ def _explicit(trained):
 def _interactive(trained, *extra, path=None, data=None):
     prompts = trained["root"] / "prompts.txt"
     prompts.write_text(PROMPT + "\n", encoding="utf-8")
-    argv = [data or trained["data"], "--path", path or trained["ckpt"], "--cpu", "--beam", "1", "--max-len-b", "12",
-            "--input", prompts, *extra]
+    argv = [
+        data or trained["data"],
+        "--path",
+        path or trained["ckpt"],
+        "--cpu",
+        "--beam",
+        "1",
+        "--max-len-b",
+        "12",
+        "--input",
+        prompts,
+        *extra,
+    ]
     return console_in_process("fairseq-interactive", interactive.cli_main, list(map(str, argv)))
 
 
@@ -114,12 +159,31 @@ def test_interactive_and_generate_use_the_checkpoints_bpe_from_another_directory
     assert status == 0, err
     assert _lines(out, "SHDP") == _lines(flagged, "SHDP")
     # fairseq-generate decodes its S-/T-/D- lines with it too
-    args = [trained["data"], "--path", trained["ckpt"], "--cpu", "--gen-subset", "valid", "--tokens-per-sample",
-            "32", "--batch-size", "8", "--prefix-size", "4", "--beam", "1", "--max-len-b", "8", "--num-workers", "0"]
+    args = [
+        trained["data"],
+        "--path",
+        trained["ckpt"],
+        "--cpu",
+        "--gen-subset",
+        "valid",
+        "--tokens-per-sample",
+        "32",
+        "--batch-size",
+        "8",
+        "--prefix-size",
+        "4",
+        "--beam",
+        "1",
+        "--max-len-b",
+        "8",
+        "--num-workers",
+        "0",
+    ]
     status, out, err = console_in_process("fairseq-generate", generate.cli_main, list(map(str, args)))
     assert status == 0, err
-    status, flagged, err = console_in_process("fairseq-generate", generate.cli_main,
-                                              list(map(str, args + _explicit(trained))))
+    status, flagged, err = console_in_process(
+        "fairseq-generate", generate.cli_main, list(map(str, args + _explicit(trained)))
+    )
     assert status == 0, err
     assert _lines(out, "STHD") == _lines(flagged, "STHD") and _lines(out, "D")
     assert not any(line.split("\t")[-1].split()[0].isdigit() for line in _lines(out, "T"))  # text, not ids
@@ -129,26 +193,47 @@ def test_eval_lm_remove_bpe_and_from_pretrained_from_another_directory(trained, 
     from fairseq.models.transformer_lm import TransformerLanguageModel
 
     monkeypatch.chdir(trained["b"])
-    args = [trained["data"], "--path", trained["ckpt"], "--cpu", "--gen-subset", "valid", "--tokens-per-sample",
-            "32", "--batch-size", "8", "--remove-bpe", "--num-workers", "0"]
+    args = [
+        trained["data"],
+        "--path",
+        trained["ckpt"],
+        "--cpu",
+        "--gen-subset",
+        "valid",
+        "--tokens-per-sample",
+        "32",
+        "--batch-size",
+        "8",
+        "--remove-bpe",
+        "--num-workers",
+        "0",
+    ]
     status, out, err = console_in_process("fairseq-eval-lm", eval_lm.cli_main, list(map(str, args)))
     assert status == 0, err
     assert "word boundaries from the checkpoint's --bpe gpt2" in out
-    status, flagged, err = console_in_process("fairseq-eval-lm", eval_lm.cli_main,
-                                              list(map(str, args + _explicit(trained))))
+    status, flagged, err = console_in_process(
+        "fairseq-eval-lm", eval_lm.cli_main, list(map(str, args + _explicit(trained)))
+    )
     assert status == 0, err
     perplexity = [line.split("Perplexity")[1] for line in out.splitlines() if "Perplexity" in line]
-    assert perplexity and perplexity == [line.split("Perplexity")[1] for line in flagged.splitlines()
-                                         if "Perplexity" in line]
+    assert perplexity and perplexity == [
+        line.split("Perplexity")[1] for line in flagged.splitlines() if "Perplexity" in line
+    ]
 
-    lm = TransformerLanguageModel.from_pretrained(str(trained["ckpt"].parent), "checkpoint_last.pt",
-                                                  data_name_or_path=str(trained["data"]))
+    lm = TransformerLanguageModel.from_pretrained(
+        str(trained["ckpt"].parent), "checkpoint_last.pt", data_name_or_path=str(trained["data"])
+    )
     ids = lm.encode(PROMPT)
     assert lm.src_dict.unk() not in ids.tolist() and lm.decode(ids) == PROMPT
     keep = trained["keep"]
     given = TransformerLanguageModel.from_pretrained(
-        str(trained["ckpt"].parent), "checkpoint_last.pt", data_name_or_path=str(trained["data"]), bpe="gpt2",
-        gpt2_encoder_json=str(keep / "encoder.json"), gpt2_vocab_bpe=str(keep / "vocab.bpe"))
+        str(trained["ckpt"].parent),
+        "checkpoint_last.pt",
+        data_name_or_path=str(trained["data"]),
+        bpe="gpt2",
+        gpt2_encoder_json=str(keep / "encoder.json"),
+        gpt2_vocab_bpe=str(keep / "vocab.bpe"),
+    )
     assert given.encode(PROMPT).tolist() == ids.tolist()
     assert lm.sample(PROMPT, beam=1, max_len_b=10) == given.sample(PROMPT, beam=1, max_len_b=10)
 
@@ -163,9 +248,16 @@ def test_export_writes_the_carried_tokenizer_from_another_directory(trained, mon
     assert result["tokenizer"] == "gpt2"
     keep = trained["keep"]
     reference = trained["b"] / "hf_flags"
-    hf.export(str(trained["ckpt"]), str(reference), dict_path=str(trained["data"] / "dict.txt"),
-              bpe={"_name": "gpt2", "gpt2_encoder_json": str(keep / "encoder.json"),
-                   "gpt2_vocab_bpe": str(keep / "vocab.bpe")})
+    hf.export(
+        str(trained["ckpt"]),
+        str(reference),
+        dict_path=str(trained["data"] / "dict.txt"),
+        bpe={
+            "_name": "gpt2",
+            "gpt2_encoder_json": str(keep / "encoder.json"),
+            "gpt2_vocab_bpe": str(keep / "vocab.bpe"),
+        },
+    )
     assert (out / "tokenizer.json").read_bytes() == (reference / "tokenizer.json").read_bytes()
 
 
@@ -195,8 +287,19 @@ def test_a_same_size_but_different_dictionary_is_refused(trained, swapped_data):
     status, _, err = _interactive(trained, data=swapped_data)
     assert status == 1 and err.startswith("fairseq-interactive: error:")
     _one_mismatch_line(err, swapped_data, ckpt)
-    common = ["--path", ckpt, "--cpu", "--gen-subset", "valid", "--tokens-per-sample", "32", "--batch-size", "8",
-              "--num-workers", "0"]
+    common = [
+        "--path",
+        ckpt,
+        "--cpu",
+        "--gen-subset",
+        "valid",
+        "--tokens-per-sample",
+        "32",
+        "--batch-size",
+        "8",
+        "--num-workers",
+        "0",
+    ]
     for name, main in (("fairseq-generate", generate.cli_main), ("fairseq-eval-lm", eval_lm.cli_main)):
         status, _, err = console_in_process(name, main, list(map(str, [swapped_data, *common])))
         assert status == 1 and err.startswith(f"{name}: error:"), err
@@ -206,18 +309,29 @@ def test_a_same_size_but_different_dictionary_is_refused(trained, swapped_data):
     from fairseq.models.transformer_lm import TransformerLanguageModel
 
     with pytest.raises(CheckpointError, match="both have"):
-        TransformerLanguageModel.from_pretrained(str(ckpt.parent), "checkpoint_last.pt",
-                                                 data_name_or_path=str(swapped_data))
+        TransformerLanguageModel.from_pretrained(
+            str(ckpt.parent), "checkpoint_last.pt", data_name_or_path=str(swapped_data)
+        )
     with pytest.raises(CheckpointError, match="both have"):
-        hf.export(str(ckpt), str(trained["root"] / "hf_swapped"), dict_path=str(swapped_data / "dict.txt"),
-                  tokenizer=False)
+        hf.export(
+            str(ckpt), str(trained["root"] / "hf_swapped"), dict_path=str(swapped_data / "dict.txt"), tokenizer=False
+        )
 
 
 def test_resuming_or_finetuning_with_another_dictionary_is_refused(trained, swapped_data, tmp_path):
     ckpt = trained["ckpt"]
     for flag in ("--restore-file", "--finetune-from-model"):
-        argv = tiny_train_argv(swapped_data, tmp_path / flag, "--disable-validation", flag, str(ckpt),
-                               max_update=4, arch="transformer_lm_gpt", json_log=False, log_file=False)
+        argv = tiny_train_argv(
+            swapped_data,
+            tmp_path / flag,
+            "--disable-validation",
+            flag,
+            str(ckpt),
+            max_update=4,
+            arch="transformer_lm_gpt",
+            json_log=False,
+            log_file=False,
+        )
         status, _, err = train_in_process(argv)
         assert status == 1 and err.startswith("fairseq-train: error:"), err
         _one_mismatch_line(err, swapped_data, ckpt)
@@ -230,54 +344,114 @@ def test_a_missing_tokenizer_file_is_one_line_at_start_up(trained, tmp_path, mon
     from fairseq.models.transformer_lm import TransformerLanguageModel
 
     monkeypatch.chdir(tmp_path)
-    missing = ["--bpe", "gpt2", "--gpt2-encoder-json", "nope/encoder.json", "--gpt2-vocab-bpe",
-               str(trained["keep"] / "vocab.bpe")]
-    status, out, err = train_in_process(tiny_train_argv(trained["data"], tmp_path / "ck", *missing, max_update=2,
-                                                        arch="transformer_lm_gpt", json_log=False, log_file=False))
-    assert status == 1 and err.strip() == (f"fairseq-train: error: --gpt2-encoder-json nope/encoder.json: no such "
-                                           f"file (relative paths are read from {tmp_path}); pass the file the data "
-                                           "was encoded with")
+    missing = [
+        "--bpe",
+        "gpt2",
+        "--gpt2-encoder-json",
+        "nope/encoder.json",
+        "--gpt2-vocab-bpe",
+        str(trained["keep"] / "vocab.bpe"),
+    ]
+    status, out, err = train_in_process(
+        tiny_train_argv(
+            trained["data"],
+            tmp_path / "ck",
+            *missing,
+            max_update=2,
+            arch="transformer_lm_gpt",
+            json_log=False,
+            log_file=False,
+        )
+    )
+    assert status == 1 and err.strip() == (
+        f"fairseq-train: error: --gpt2-encoder-json nope/encoder.json: no such "
+        f"file (relative paths are read from {tmp_path}); pass the file the data "
+        "was encoded with"
+    )
     assert not (tmp_path / "ck").exists()  # nothing trained, nothing saved
     common = [trained["data"], "--path", trained["ckpt"], "--cpu", "--gen-subset", "valid", *missing]
     for name, main in (("fairseq-generate", generate.cli_main), ("fairseq-eval-lm", eval_lm.cli_main)):
         status, _, err = console_in_process(name, main, list(map(str, common)))
         assert status == 1 and err.strip().splitlines() == [
             f"{name}: error: --gpt2-encoder-json nope/encoder.json: no such file (relative paths are read from "
-            f"{tmp_path}); pass the file the data was encoded with"], err
+            f"{tmp_path}); pass the file the data was encoded with"
+        ], err
     status, _, err = _interactive(trained, *missing)
     assert status == 1 and "--gpt2-encoder-json nope/encoder.json: no such file" in err
     assert len(err.strip().splitlines()) == 1
     with pytest.raises(FileNotFoundError, match="--gpt2-encoder-json nope/encoder.json: no such file"):
-        TransformerLanguageModel.from_pretrained(str(trained["ckpt"].parent), "checkpoint_last.pt",
-                                                 data_name_or_path=str(trained["data"]), bpe="gpt2",
-                                                 gpt2_encoder_json="nope/encoder.json")
+        TransformerLanguageModel.from_pretrained(
+            str(trained["ckpt"].parent),
+            "checkpoint_last.pt",
+            data_name_or_path=str(trained["data"]),
+            bpe="gpt2",
+            gpt2_encoder_json="nope/encoder.json",
+        )
 
 
-@pytest.mark.parametrize("option,content,problem", [
-    ("--gpt2-encoder-json", "{not json\n", "not a usable GPT-2 BPE encoder.json: not valid JSON (Expecting property "
-                                           "name enclosed in double quotes: line 1 column 2 (char 1))"),
-    ("--gpt2-encoder-json", "", "not a usable GPT-2 BPE encoder.json: empty"),
-    ("--gpt2-vocab-bpe", "{not json\n", "not a usable GPT-2 BPE vocab.bpe: does not start with a '#version: 0.2' "
-                                        "line (got '{not json')"),
-    ("--sentencepiece-model", "{not json\n", "not a usable sentencepiece .model file: sentencepiece cannot load it "
-                                             "(INTERNAL: could not parse ModelProto from bad); a .model file written "
-                                             "by spm_train is needed, not the .vocab"),
-])
-def test_a_garbage_or_empty_tokenizer_file_is_one_line_at_start_up(trained, tmp_path, monkeypatch, option,
-                                                                    content, problem):
+@pytest.mark.parametrize(
+    "option,content,problem",
+    [
+        (
+            "--gpt2-encoder-json",
+            "{not json\n",
+            "not a usable GPT-2 BPE encoder.json: not valid JSON (Expecting property "
+            "name enclosed in double quotes: line 1 column 2 (char 1))",
+        ),
+        ("--gpt2-encoder-json", "", "not a usable GPT-2 BPE encoder.json: empty"),
+        (
+            "--gpt2-vocab-bpe",
+            "{not json\n",
+            "not a usable GPT-2 BPE vocab.bpe: does not start with a '#version: 0.2' line (got '{not json')",
+        ),
+        (
+            "--sentencepiece-model",
+            "{not json\n",
+            "not a usable sentencepiece .model file: sentencepiece cannot load it "
+            "(INTERNAL: could not parse ModelProto from bad); a .model file written "
+            "by spm_train is needed, not the .vocab",
+        ),
+    ],
+)
+def test_a_garbage_or_empty_tokenizer_file_is_one_line_at_start_up(
+    trained, tmp_path, monkeypatch, option, content, problem
+):
     """Every checkpoint would carry the file, and every consumer would then fail on it: refused before training."""
     if option == "--sentencepiece-model":
         pytest.importorskip("sentencepiece")
     monkeypatch.chdir(tmp_path)
     (tmp_path / "bad").write_text(content)
     keep = trained["keep"]
-    flags = {"--gpt2-encoder-json": ["--bpe", "gpt2", "--gpt2-encoder-json", "bad", "--gpt2-vocab-bpe",
-                                     str(keep / "vocab.bpe")],
-             "--gpt2-vocab-bpe": ["--bpe", "gpt2", "--gpt2-encoder-json", str(keep / "encoder.json"),
-                                  "--gpt2-vocab-bpe", "bad"],
-             "--sentencepiece-model": ["--bpe", "sentencepiece", "--sentencepiece-model", "bad"]}[option]
-    status, out, err = train_in_process(tiny_train_argv(trained["data"], tmp_path / "ck", *flags, max_update=2,
-                                                        arch="transformer_lm_gpt", json_log=False, log_file=False))
+    flags = {
+        "--gpt2-encoder-json": [
+            "--bpe",
+            "gpt2",
+            "--gpt2-encoder-json",
+            "bad",
+            "--gpt2-vocab-bpe",
+            str(keep / "vocab.bpe"),
+        ],
+        "--gpt2-vocab-bpe": [
+            "--bpe",
+            "gpt2",
+            "--gpt2-encoder-json",
+            str(keep / "encoder.json"),
+            "--gpt2-vocab-bpe",
+            "bad",
+        ],
+        "--sentencepiece-model": ["--bpe", "sentencepiece", "--sentencepiece-model", "bad"],
+    }[option]
+    status, out, err = train_in_process(
+        tiny_train_argv(
+            trained["data"],
+            tmp_path / "ck",
+            *flags,
+            max_update=2,
+            arch="transformer_lm_gpt",
+            json_log=False,
+            log_file=False,
+        )
+    )
     kind = problem.split(": ")[0].replace("not a usable ", "")
     assert status == 2 and len(err.strip().splitlines()) == 1  # a usage error (the parser's prog name)
     assert err.strip().split(": error: ", 1)[1] == f"{option} bad: {problem}; pass the {kind} the data was encoded with"
@@ -295,18 +469,25 @@ def test_a_checkpoint_carrying_a_bad_tokenizer_file_says_so_and_how_to_override(
     bad = tmp_path / "bad.pt"
     torch.save(state, bad)
     monkeypatch.chdir(tmp_path)
-    said = (f"{bad} carries a bad --gpt2-encoder-json file (encoder.json, from "
-            f"{files['gpt2_encoder_json']['path']} at training: not valid JSON (Expecting property name enclosed in "
-            "double quotes: line 1 column 2 (char 1))), so its copy cannot be used; override it: pass ")
-    flags = "--bpe gpt2 --gpt2-encoder-json PATH --gpt2-vocab-bpe PATH (the GPT-2 BPE encoder.json the data was " \
-            "encoded with)"
+    said = (
+        f"{bad} carries a bad --gpt2-encoder-json file (encoder.json, from "
+        f"{files['gpt2_encoder_json']['path']} at training: not valid JSON (Expecting property name enclosed in "
+        "double quotes: line 1 column 2 (char 1))), so its copy cannot be used; override it: pass "
+    )
+    flags = (
+        "--bpe gpt2 --gpt2-encoder-json PATH --gpt2-vocab-bpe PATH (the GPT-2 BPE encoder.json the data was "
+        "encoded with)"
+    )
     status, _, err = _interactive(trained, path=bad)
     assert status == 1 and err.strip() == f"fairseq-interactive: error: {said}{flags}"
     common = [trained["data"], "--path", bad, "--cpu", "--gen-subset", "valid", "--tokens-per-sample", "32"]
     status, _, err = console_in_process("fairseq-eval-lm", eval_lm.cli_main, list(map(str, common + ["--remove-bpe"])))
     assert status == 1 and err.strip() == f"fairseq-eval-lm: error: {said}{flags}"
-    with pytest.raises(ValueError, match="carries a bad --gpt2-encoder-json file .* override it: pass bpe='gpt2', "
-                                         "gpt2_encoder_json=PATH, gpt2_vocab_bpe=PATH"):
+    with pytest.raises(
+        ValueError,
+        match="carries a bad --gpt2-encoder-json file .* override it: pass bpe='gpt2', "
+        "gpt2_encoder_json=PATH, gpt2_vocab_bpe=PATH",
+    ):
         TransformerLanguageModel.from_pretrained(str(tmp_path), "bad.pt", data_name_or_path=str(trained["data"]))
     status, out, err = _interactive(trained, *_explicit(trained), path=bad)  # the override works
     assert status == 0, err
@@ -319,11 +500,17 @@ def test_the_hydra_bpe_group_is_checked_at_start_up_too(trained, tmp_path, monke
 
     monkeypatch.chdir(tmp_path)
     bpe = "++bpe={_name:gpt2,gpt2_encoder_json:nope/encoder.json,gpt2_vocab_bpe:nope/vocab.bpe}"
-    status, _, err = console_in_process("fairseq-hydra-train", hydra_train.cli_main, hydra_args(
-        f"task.data={trained['data']}", "checkpoint.save_dir=ck", "hydra.run.dir=.", "hydra/job_logging=none", bpe))
+    status, _, err = console_in_process(
+        "fairseq-hydra-train",
+        hydra_train.cli_main,
+        hydra_args(
+            f"task.data={trained['data']}", "checkpoint.save_dir=ck", "hydra.run.dir=.", "hydra/job_logging=none", bpe
+        ),
+    )
     assert status == 1 and err.strip() == (
         f"fairseq-hydra-train: error: --gpt2-encoder-json {tmp_path}/nope/encoder.json: no such file (relative "
-        f"paths are read from {tmp_path}); pass the file the data was encoded with")
+        f"paths are read from {tmp_path}); pass the file the data was encoded with"
+    )
     assert not (tmp_path / "ck").exists()
 
 
@@ -342,7 +529,8 @@ def test_checkpoints_that_hold_only_paths(trained, tmp_path, monkeypatch):
     assert status == 1 and err.strip() == (
         f"fairseq-interactive: error: {old} was trained with --bpe gpt2 and --gpt2-encoder-json "
         f"gpt2_bpe/encoder.json, which is not found from {tmp_path} (the checkpoint stores its path, not the "
-        "file); pass --bpe gpt2 --gpt2-encoder-json PATH --gpt2-vocab-bpe PATH")
+        "file); pass --bpe gpt2 --gpt2-encoder-json PATH --gpt2-vocab-bpe PATH"
+    )
     from fairseq.models.transformer_lm import TransformerLanguageModel
 
     shutil.copytree(trained["keep"], tmp_path / "gpt2_bpe")  # the paths resolve again from here
@@ -369,8 +557,20 @@ def test_sharded_checkpoint_with_sentencepiece_and_its_consolidation(tmp_path, m
     _corpus(a, n_train=150)
     monkeypatch.chdir(a)
     flags = ["--bpe", "sentencepiece", "--sentencepiece-model", "spm.model"]
-    preprocess.cli_main(["--only-source", "--trainpref", "train.txt", "--validpref", "valid.txt", "--destdir",
-                         "data-bin", "--workers", "1", *flags])
+    preprocess.cli_main(
+        [
+            "--only-source",
+            "--trainpref",
+            "train.txt",
+            "--validpref",
+            "valid.txt",
+            "--destdir",
+            "data-bin",
+            "--workers",
+            "1",
+            *flags,
+        ]
+    )
     _train(a, "data-bin", "ck", "--ddp-backend", "fully_sharded", "--use-sharded-state", *flags)
     content = model_path.read_bytes()
     os.remove(model_path)

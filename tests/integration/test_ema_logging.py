@@ -37,14 +37,14 @@ def train(data, save_dir, *flags):
 
 @pytest.fixture(scope="module")
 def ema_log(tiny_data, tmp_path_factory):
-    return train(tiny_data, tmp_path_factory.mktemp("ema_log"), "--store-ema", "--ema-decay", DECAY,
-                 "--ema-start-update", "4")
+    return train(
+        tiny_data, tmp_path_factory.mktemp("ema_log"), "--store-ema", "--ema-decay", DECAY, "--ema-start-update", "4"
+    )
 
 
 def test_train_inner_lines_show_the_decay_the_ema_used(ema_log):
     inner = [values for tag, values in ema_log if tag == "train_inner"]
-    assert [(v["num_updates"], v["ema_decay"]) for v in inner] == [("2", "0"), ("4", LOGGED_DECAY),
-                                                                   ("6", LOGGED_DECAY)]
+    assert [(v["num_updates"], v["ema_decay"]) for v in inner] == [("2", "0"), ("4", LOGGED_DECAY), ("6", LOGGED_DECAY)]
     for values in inner:  # upstream's place: after every other meter, then the wall clock
         assert list(values)[-2:] == ["ema_decay", "wall"]
 

@@ -29,8 +29,15 @@ def run(script, *args, stdin=None, cwd=None, max_file_size=None):
 
             resource.setrlimit(resource.RLIMIT_FSIZE, (max_file_size, max_file_size))
 
-    return subprocess.run([sys.executable, script, *map(str, args)], input=stdin, capture_output=True,
-                          cwd=cwd, env=env, timeout=300, preexec_fn=limit_file_size)
+    return subprocess.run(
+        [sys.executable, script, *map(str, args)],
+        input=stdin,
+        capture_output=True,
+        cwd=cwd,
+        env=env,
+        timeout=300,
+        preexec_fn=limit_file_size,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -69,8 +76,10 @@ def upstream_bpe_output(encoder, inputs, keep_empty):
     return ["".join(o) for o in outs], dropped
 
 
-AWKWARD = ("Hello world\n\n   \n  indented line  \r\nmac\rline\n\u3000ideographic space\u3000\n"
-           "tab\tinside\t\nnaïve café 日本語 😀\n\x0bvertical tab\x0c\ntrailing\u00a0\nlast line, no newline")
+AWKWARD = (
+    "Hello world\n\n   \n  indented line  \r\nmac\rline\n\u3000ideographic space\u3000\n"
+    "tab\tinside\t\nnaïve café 日本語 😀\n\x0bvertical tab\x0c\ntrailing\u00a0\nlast line, no newline"
+)
 
 
 @pytest.mark.parametrize("keep_empty", [False, True])
@@ -85,8 +94,23 @@ def test_bpe_encoder_matches_upstream_on_several_inputs_and_workers(tmp_path, gp
     for workers in (1, 2):
         oa, ob = tmp_path / f"a{workers}.bpe", tmp_path / f"b{workers}.bpe"
         flags = ["--keep-empty"] if keep_empty else []
-        proc = run(ENCODER_SCRIPT, "--encoder-json", gpt2_files[0], "--vocab-bpe", gpt2_files[1],
-                   "--inputs", a, b, "--outputs", oa, ob, "--workers", workers, *flags, cwd=tmp_path)
+        proc = run(
+            ENCODER_SCRIPT,
+            "--encoder-json",
+            gpt2_files[0],
+            "--vocab-bpe",
+            gpt2_files[1],
+            "--inputs",
+            a,
+            b,
+            "--outputs",
+            oa,
+            ob,
+            "--workers",
+            workers,
+            *flags,
+            cwd=tmp_path,
+        )
         assert proc.returncode == 0, proc.stderr.decode()
         outputs[workers] = (oa.read_text(encoding="utf-8"), ob.read_text(encoding="utf-8"))
         err = proc.stderr.decode()
@@ -102,7 +126,7 @@ def test_bpe_encoder_single_input_in_blocks_matches_upstream(tmp_path, gpt2_file
     """One input goes to the workers as blocks of bytes (split into lines there): several blocks, line ends
     \\n, \\r\\n and lone \\r, empty and blank lines, no final newline."""
     body = sample_text().split("\n")
-    data = ("\r\n".join(body) + "\n" + AWKWARD + "\r" + "\n\n".join(reversed(body)) + "\n  \n\n" + AWKWARD)
+    data = "\r\n".join(body) + "\n" + AWKWARD + "\r" + "\n\n".join(reversed(body)) + "\n  \n\n" + AWKWARD
     a = tmp_path / "a.txt"
     a.write_bytes(data.encode("utf-8"))
     assert a.stat().st_size > (1 << 19)  # two blocks at least
@@ -110,8 +134,21 @@ def test_bpe_encoder_single_input_in_blocks_matches_upstream(tmp_path, gpt2_file
     for workers in (1, 2):
         out = tmp_path / f"a{workers}.bpe"
         flags = ["--keep-empty"] if keep_empty else []
-        proc = run(ENCODER_SCRIPT, "--encoder-json", gpt2_files[0], "--vocab-bpe", gpt2_files[1],
-                   "--inputs", a, "--outputs", out, "--workers", workers, *flags, cwd=tmp_path)
+        proc = run(
+            ENCODER_SCRIPT,
+            "--encoder-json",
+            gpt2_files[0],
+            "--vocab-bpe",
+            gpt2_files[1],
+            "--inputs",
+            a,
+            "--outputs",
+            out,
+            "--workers",
+            workers,
+            *flags,
+            cwd=tmp_path,
+        )
         assert proc.returncode == 0, proc.stderr.decode()
         assert out.read_text(encoding="utf-8") == want[0]
         err = proc.stderr.decode()
@@ -120,18 +157,38 @@ def test_bpe_encoder_single_input_in_blocks_matches_upstream(tmp_path, gpt2_file
     lines = data.encode("utf-8").replace(b"\r\n", b"\n").replace(b"\r", b"\n").split(b"\n")
     lines[18000] = b"bad \xff byte"
     a.write_bytes(b"\n".join(lines))
-    proc = run(ENCODER_SCRIPT, "--encoder-json", gpt2_files[0], "--vocab-bpe", gpt2_files[1],
-               "--inputs", a, "--outputs", tmp_path / "bad.bpe", "--workers", "2")
+    proc = run(
+        ENCODER_SCRIPT,
+        "--encoder-json",
+        gpt2_files[0],
+        "--vocab-bpe",
+        gpt2_files[1],
+        "--inputs",
+        a,
+        "--outputs",
+        tmp_path / "bad.bpe",
+        "--workers",
+        "2",
+    )
     assert proc.returncode == 1 and "a.txt, line 18001: not valid UTF-8" in proc.stderr.decode()
     assert "Traceback" not in proc.stderr.decode() and not (tmp_path / "bad.bpe").exists()
 
 
 def test_bpe_encoder_stdin_stdout(gpt2_files, encoder, tmp_path):
-    proc = run(ENCODER_SCRIPT, "--encoder-json", gpt2_files[0], "--vocab-bpe", gpt2_files[1], "--workers", "1",
-               stdin="Hello world\n\n  the end  \n".encode())
+    proc = run(
+        ENCODER_SCRIPT,
+        "--encoder-json",
+        gpt2_files[0],
+        "--vocab-bpe",
+        gpt2_files[1],
+        "--workers",
+        "1",
+        stdin="Hello world\n\n  the end  \n".encode(),
+    )
     assert proc.returncode == 0, proc.stderr.decode()
-    assert proc.stdout.decode() == "".join(" ".join(map(str, encoder.encode(t))) + "\n"
-                                           for t in ["Hello world", "the end"])
+    assert proc.stdout.decode() == "".join(
+        " ".join(map(str, encoder.encode(t))) + "\n" for t in ["Hello world", "the end"]
+    )
     assert "[num_filtered_EMPTY] filtered 1 lines" in proc.stderr.decode()
 
 
@@ -141,26 +198,67 @@ def test_bpe_encoder_errors_leave_existing_outputs_alone(gpt2_files, tmp_path):
     out.write_text("previous complete output\n", encoding="utf-8")
     bad = tmp_path / "bad.txt"
     bad.write_bytes(b"line one\nline two\nline \xff three\n")
-    proc = run(ENCODER_SCRIPT, "--encoder-json", gpt2_files[0], "--vocab-bpe", gpt2_files[1],
-               "--inputs", bad, "--outputs", out, "--workers", "2")
+    proc = run(
+        ENCODER_SCRIPT,
+        "--encoder-json",
+        gpt2_files[0],
+        "--vocab-bpe",
+        gpt2_files[1],
+        "--inputs",
+        bad,
+        "--outputs",
+        out,
+        "--workers",
+        "2",
+    )
     assert proc.returncode == 1
     assert "bad.txt, line 3: not valid UTF-8" in proc.stderr.decode() and "Traceback" not in proc.stderr.decode()
     assert out.read_text(encoding="utf-8") == "previous complete output\n"
     assert not [p for p in os.listdir(tmp_path) if p.endswith(".part")]
 
-    proc = run(ENCODER_SCRIPT, "--encoder-json", tmp_path / "missing.json", "--vocab-bpe", gpt2_files[1],
-               "--inputs", good, "--outputs", out)
+    proc = run(
+        ENCODER_SCRIPT,
+        "--encoder-json",
+        tmp_path / "missing.json",
+        "--vocab-bpe",
+        gpt2_files[1],
+        "--inputs",
+        good,
+        "--outputs",
+        out,
+    )
     assert proc.returncode == 1 and "missing.json' does not exist" in proc.stderr.decode()
     assert "pass the encoder.json the data was encoded with" in proc.stderr.decode()  # not advice to fetch GPT-2s
-    proc = run(ENCODER_SCRIPT, "--encoder-json", gpt2_files[0], "--vocab-bpe", gpt2_files[1],
-               "--inputs", good, good, "--outputs", out)
+    proc = run(
+        ENCODER_SCRIPT,
+        "--encoder-json",
+        gpt2_files[0],
+        "--vocab-bpe",
+        gpt2_files[1],
+        "--inputs",
+        good,
+        good,
+        "--outputs",
+        out,
+    )
     assert proc.returncode == 2 and "number of input and output paths should match" in proc.stderr.decode()
     proc = run(ENCODER_SCRIPT, "--inputs", good, "--outputs", out)
     assert proc.returncode == 2 and "--encoder-json is required" in proc.stderr.decode()
     assert out.read_text(encoding="utf-8") == "previous complete output\n"
 
-    proc = run(ENCODER_SCRIPT, "--encoder-json", gpt2_files[0], "--vocab-bpe", gpt2_files[1],
-               "--inputs", good, "--outputs", out, "--workers", "1")
+    proc = run(
+        ENCODER_SCRIPT,
+        "--encoder-json",
+        gpt2_files[0],
+        "--vocab-bpe",
+        gpt2_files[1],
+        "--inputs",
+        good,
+        "--outputs",
+        out,
+        "--workers",
+        "1",
+    )
     assert proc.returncode == 0 and out.read_text(encoding="utf-8").count("\n") == 10
 
 
@@ -172,8 +270,11 @@ def test_outputs_named_twice_or_also_inputs_are_refused(gpt2_files, spm_model, t
     a.write_text("first split\n", encoding="utf-8")
     b.write_text("second split\n", encoding="utf-8")
     out.write_text("previous complete output\n", encoding="utf-8")
-    cmd = ((ENCODER_SCRIPT, "--encoder-json", gpt2_files[0], "--vocab-bpe", gpt2_files[1]) if script == "bpe"
-           else (os.path.join(ROOT, "scripts", "spm_encode.py"), "--model", spm_model))
+    cmd = (
+        (ENCODER_SCRIPT, "--encoder-json", gpt2_files[0], "--vocab-bpe", gpt2_files[1])
+        if script == "bpe"
+        else (os.path.join(ROOT, "scripts", "spm_encode.py"), "--model", spm_model)
+    )
     for outputs, said in (([out, tmp_path / "." / "out.txt"], "twice"), ([out, b], "is also an input")):
         proc = run(*cmd, "--inputs", a, b, "--outputs", *outputs)
         err = proc.stderr.decode().strip().splitlines()
@@ -196,10 +297,28 @@ def test_one_signal_ends_the_encoder_leaving_no_part_file(gpt2_files, tmp_path, 
             f.write(sample_text() + "\n")
     out.write_text("previous complete output\n", encoding="utf-8")
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    proc = subprocess.Popen([sys.executable, ENCODER_SCRIPT, "--encoder-json", str(gpt2_files[0]), "--vocab-bpe",
-                             str(gpt2_files[1]), "--inputs", str(big), "--outputs", str(out), "--keep-empty",
-                             "--workers", "2"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                            env=env, start_new_session=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            ENCODER_SCRIPT,
+            "--encoder-json",
+            str(gpt2_files[0]),
+            "--vocab-bpe",
+            str(gpt2_files[1]),
+            "--inputs",
+            str(big),
+            "--outputs",
+            str(out),
+            "--keep-empty",
+            "--workers",
+            "2",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        start_new_session=True,
+    )
     written = lambda: [p for p in tmp_path.glob(".out.bpe.*.part") if p.stat().st_size]  # noqa: E731
     signum, elapsed, stderr = interrupt_once(proc, sig, written, "the script")  # mid-run: text being written
     assert proc.returncode == 128 + signum and elapsed < 10, (proc.returncode, elapsed, stderr[-2000:])
@@ -214,15 +333,25 @@ def test_one_signal_ends_the_encoder_leaving_no_part_file(gpt2_files, tmp_path, 
 def spm_model(tmp_path_factory):
     d = tmp_path_factory.mktemp("spm")
     (d / "train.txt").write_text(sample_text(), encoding="utf-8")
-    proc = run(os.path.join(ROOT, "scripts", "spm_train.py"), f"--input={d / 'train.txt'}",
-               f"--model_prefix={d / 'spm'}", "--vocab_size=300", "--model_type=bpe", "--minloglevel=2")
+    proc = run(
+        os.path.join(ROOT, "scripts", "spm_train.py"),
+        f"--input={d / 'train.txt'}",
+        f"--model_prefix={d / 'spm'}",
+        "--vocab_size=300",
+        "--model_type=bpe",
+        "--minloglevel=2",
+    )
     assert proc.returncode == 0, proc.stderr.decode()
     return d / "spm.model"
 
 
 def test_spm_train_reports_trainer_errors(tmp_path):
-    proc = run(os.path.join(ROOT, "scripts", "spm_train.py"), f"--input={tmp_path / 'none.txt'}",
-               f"--model_prefix={tmp_path / 'm'}", "--vocab_size=100")
+    proc = run(
+        os.path.join(ROOT, "scripts", "spm_train.py"),
+        f"--input={tmp_path / 'none.txt'}",
+        f"--model_prefix={tmp_path / 'm'}",
+        "--vocab_size=100",
+    )
     assert proc.returncode == 1 and "none.txt" in proc.stderr.decode() and "Traceback" not in proc.stderr.decode()
     assert run(os.path.join(ROOT, "scripts", "spm_train.py")).returncode == 2
 
@@ -261,15 +390,31 @@ def test_spm_encode_and_decode_match_upstream(tmp_path, spm_model, fmt):
     b.write_text("\n".join(reversed(lines)) + "\n", encoding="utf-8")
     want, empty, filtered = upstream_spm_output(sp, [a, b], fmt, min_len=2, max_len=40)
     oa, ob = tmp_path / "a.spm", tmp_path / "b.spm"
-    proc = run(os.path.join(ROOT, "scripts", "spm_encode.py"), "--model", spm_model, "--output_format", fmt,
-               "--inputs", a, b, "--outputs", oa, ob, "--min-len", "2", "--max-len", "40")
+    proc = run(
+        os.path.join(ROOT, "scripts", "spm_encode.py"),
+        "--model",
+        spm_model,
+        "--output_format",
+        fmt,
+        "--inputs",
+        a,
+        b,
+        "--outputs",
+        oa,
+        ob,
+        "--min-len",
+        "2",
+        "--max-len",
+        "40",
+    )
     assert proc.returncode == 0, proc.stderr.decode()
     assert [oa.read_text(encoding="utf-8"), ob.read_text(encoding="utf-8")] == want
     assert f"skipped {empty} empty lines\nfiltered {filtered} lines\n" in proc.stderr.decode()
     assert empty > 0 and filtered > 0
 
-    proc = run(os.path.join(ROOT, "scripts", "spm_decode.py"), "--model", spm_model, "--input", oa,
-               "--input_format", fmt)
+    proc = run(
+        os.path.join(ROOT, "scripts", "spm_decode.py"), "--model", spm_model, "--input", oa, "--input_format", fmt
+    )
     assert proc.returncode == 0, proc.stderr.decode()
     decoded = proc.stdout.decode().split("\n")[:-1]
     if fmt == "piece":
@@ -284,12 +429,14 @@ def test_spm_scripts_stdin_and_errors(tmp_path, spm_model):
     assert proc.returncode == 0 and proc.stdout.decode().startswith("\u2581")
     ids = tmp_path / "ids.txt"
     ids.write_text("5 6 <<unk>>\n1 2 99999\n", encoding="utf-8")
-    proc = run(os.path.join(ROOT, "scripts", "spm_decode.py"), "--model", spm_model, "--input", ids,
-               "--input_format", "id")
+    proc = run(
+        os.path.join(ROOT, "scripts", "spm_decode.py"), "--model", spm_model, "--input", ids, "--input_format", "id"
+    )
     assert proc.returncode == 1 and "ids.txt, line 2: id 99999 is out of range" in proc.stderr.decode()
     ids.write_text("5 x\n", encoding="utf-8")
-    proc = run(os.path.join(ROOT, "scripts", "spm_decode.py"), "--model", spm_model, "--input", ids,
-               "--input_format", "id")
+    proc = run(
+        os.path.join(ROOT, "scripts", "spm_decode.py"), "--model", spm_model, "--input", ids, "--input_format", "id"
+    )
     assert proc.returncode == 1 and "'x' is not an id" in proc.stderr.decode()
     proc = run(os.path.join(ROOT, "scripts", "spm_encode.py"), "--model", tmp_path / "none.model")
     assert proc.returncode == 1 and "none.model does not exist" in proc.stderr.decode()
@@ -308,16 +455,39 @@ def test_readme_flow_raw_text_to_binarized_gpt2_ids(tmp_path, gpt2_files, encode
     raw = tmp_path / "train.raw"
     raw.write_text("\n".join(lines) + "\n", encoding="utf-8")
     bpe = tmp_path / "train.bpe"
-    proc = run(ENCODER_SCRIPT, "--encoder-json", gpt2_files[0], "--vocab-bpe", gpt2_files[1],
-               "--inputs", raw, "--outputs", bpe, "--keep-empty", "--workers", "2")
+    proc = run(
+        ENCODER_SCRIPT,
+        "--encoder-json",
+        gpt2_files[0],
+        "--vocab-bpe",
+        gpt2_files[1],
+        "--inputs",
+        raw,
+        "--outputs",
+        bpe,
+        "--keep-empty",
+        "--workers",
+        "2",
+    )
     assert proc.returncode == 0, proc.stderr.decode()
     ids = sorted(json.loads(gpt2_files[0].read_text(encoding="utf-8")).values())
     target = 4 + len(ids) + (-(4 + len(ids)) % 8)  # the README's rule: 4 specials + ids, padded to 8
     with open(tmp_path / "dict.txt", "w", encoding="utf-8") as f:
         f.writelines(f"{i} 1\n" for i in ids)
         f.writelines(f"madeupword{k:04d} 0\n" for k in range(target - 4 - len(ids)))
-    cli_main(["--only-source", "--srcdict", str(tmp_path / "dict.txt"), "--trainpref", str(bpe),
-              "--destdir", str(tmp_path / "bin"), "--workers", "1"])
+    cli_main(
+        [
+            "--only-source",
+            "--srcdict",
+            str(tmp_path / "dict.txt"),
+            "--trainpref",
+            str(bpe),
+            "--destdir",
+            str(tmp_path / "bin"),
+            "--workers",
+            "1",
+        ]
+    )
     d = Dictionary.load(str(tmp_path / "bin" / "dict.txt"))
     assert len(d) == target and target % 8 == 0
     data = MMapIndexedDataset(str(tmp_path / "bin" / "train"))
@@ -331,8 +501,20 @@ def test_readme_flow_raw_text_to_binarized_gpt2_ids(tmp_path, gpt2_files, encode
 
 def test_benchmark_bpe_prints_its_table(tmp_path):
     pytest.importorskip("regex")
-    proc = run(os.path.join(ROOT, "scripts", "benchmark_bpe.py"), "--sizes-mb", "0.05", "0.1", "--workers", "2",
-               "--vocab-size", "600", "--bpe-train-mb", "0.05", "--workdir", tmp_path)
+    proc = run(
+        os.path.join(ROOT, "scripts", "benchmark_bpe.py"),
+        "--sizes-mb",
+        "0.05",
+        "0.1",
+        "--workers",
+        "2",
+        "--vocab-size",
+        "600",
+        "--bpe-train-mb",
+        "0.05",
+        "--workdir",
+        tmp_path,
+    )
     assert proc.returncode == 0, proc.stderr.decode()
     out = proc.stdout.decode()
     assert "| 0.1 | multiprocessing_bpe_encoder.py (tiktoken) | 2 |" in out
@@ -349,8 +531,11 @@ def test_unwritable_output_is_one_line_naming_it(gpt2_files, spm_model, tmp_path
     text.write_text(sample_text(), encoding="utf-8")
     out = tmp_path / "out.txt"
     out.write_text("earlier\n")
-    cmd = ((ENCODER_SCRIPT, "--encoder-json", gpt2_files[0], "--vocab-bpe", gpt2_files[1], "--workers", "1")
-           if script == "bpe" else (os.path.join(ROOT, "scripts", "spm_encode.py"), "--model", spm_model))
+    cmd = (
+        (ENCODER_SCRIPT, "--encoder-json", gpt2_files[0], "--vocab-bpe", gpt2_files[1], "--workers", "1")
+        if script == "bpe"
+        else (os.path.join(ROOT, "scripts", "spm_encode.py"), "--model", spm_model)
+    )
     proc = run(*cmd, "--inputs", text, "--outputs", out, max_file_size=1000)
     stderr = proc.stderr.decode()
     name = os.path.basename(cmd[0])
@@ -365,10 +550,14 @@ def test_train_gpt2_bpe_unwritable_outdir_is_one_line(tmp_path):
     blocker = tmp_path / "a_file"
     blocker.write_text("not a directory")
     script = os.path.join(ROOT, "scripts", "train_gpt2_bpe.py")
-    for outdir, code, limit in ((blocker / "bpe", "ENOTDIR", None), (blocker, "EEXIST", None),
-                                (tmp_path / "bpe", "EFBIG", 1000)):
+    for outdir, code, limit in (
+        (blocker / "bpe", "ENOTDIR", None),
+        (blocker, "EEXIST", None),
+        (tmp_path / "bpe", "EFBIG", 1000),
+    ):
         proc = run(script, "--vocab-size", 300, "--outdir", outdir, text, max_file_size=limit)
         stderr = proc.stderr.decode()
         assert proc.returncode == 1 and "Traceback" not in stderr and len(stderr.strip().splitlines()) == 1, stderr
-        assert stderr.startswith(f"train_gpt2_bpe.py: error: cannot write {outdir}: ") and f"({code}). Fix: " in \
-            stderr, stderr
+        assert (
+            stderr.startswith(f"train_gpt2_bpe.py: error: cannot write {outdir}: ") and f"({code}). Fix: " in stderr
+        ), stderr

@@ -27,8 +27,20 @@ def _corpus(directory):
 def _prepare(root, bpe_flags):
     train_txt, test_txt = _corpus(root)
     dest = root / "data-bin"
-    preprocess.cli_main(["--only-source", "--trainpref", str(train_txt), "--validpref", str(test_txt),
-                         "--testpref", str(test_txt), "--destdir", str(dest), *map(str, bpe_flags)])
+    preprocess.cli_main(
+        [
+            "--only-source",
+            "--trainpref",
+            str(train_txt),
+            "--validpref",
+            str(test_txt),
+            "--testpref",
+            str(test_txt),
+            "--destdir",
+            str(dest),
+            *map(str, bpe_flags),
+        ]
+    )
     return dest
 
 
@@ -58,9 +70,23 @@ def _eval(data, ckpt, caplog, *extra):
     from fairseq import options
 
     parser = options.get_eval_lm_parser()
-    args = options.parse_args_and_arch(parser, [str(data), "--path", str(ckpt), "--gen-subset", "test",
-                                                "--tokens-per-sample", "32", "--batch-size", "4", "--cpu",
-                                                "--output-word-probs", *map(str, extra)])
+    args = options.parse_args_and_arch(
+        parser,
+        [
+            str(data),
+            "--path",
+            str(ckpt),
+            "--gen-subset",
+            "test",
+            "--tokens-per-sample",
+            "32",
+            "--batch-size",
+            "4",
+            "--cpu",
+            "--output-word-probs",
+            *map(str, extra),
+        ],
+    )
     cfg = options.convert_namespace_to_config(args)
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="fairseq_cli.eval_lm"):
@@ -69,8 +95,9 @@ def _eval(data, ckpt, caplog, *extra):
     for record in caplog.records:
         m = re.match(r"^(\d+) (.*)$", record.getMessage(), re.S)
         if m and "[" in m.group(2):
-            rows[int(m.group(1))] = [(w, float(s)) for w, s in re.findall(r"(.*?) \[(-?[\d.e+-]+|-?inf)\](?:\t|$)",
-                                                                          m.group(2))]
+            rows[int(m.group(1))] = [
+                (w, float(s)) for w, s in re.findall(r"(.*?) \[(-?[\d.e+-]+|-?inf)\](?:\t|$)", m.group(2))
+            ]
     return result, rows
 
 
@@ -82,8 +109,7 @@ def _check_words(token_rows, word_rows, result_tokens, result):
     assert sum(score for _, score in words) == pytest.approx(sum(score for _, score in pieces), abs=1e-3)
     assert result["words"] == len(words) < result_tokens["tokens"] == result["tokens"] == len(pieces)
     # loss per word: the same summed bits over fewer units
-    assert result["loss"] * result["words"] == pytest.approx(result_tokens["loss"] * result_tokens["tokens"],
-                                                               rel=1e-6)
+    assert result["loss"] * result["words"] == pytest.approx(result_tokens["loss"] * result_tokens["tokens"], rel=1e-6)
 
 
 def test_train_and_eval_lm_accept_bpe_flags_and_the_checkpoint_keeps_them(spm_setup, tmp_path, train_args):

@@ -24,7 +24,7 @@ def _lines():
 
 def _subword_nmt(line):
     """Words cut into pieces of 3 characters, every piece but the last marked with '@@ '."""
-    return " ".join("@@ ".join(word[i:i + 3] for i in range(0, len(word), 3)) for word in line.split())
+    return " ".join("@@ ".join(word[i : i + 3] for i in range(0, len(word), 3)) for word in line.split())
 
 
 def _route(root, name, train_lines, test_lines, bpe_flags, train_args, max_update=2, srcdict=None):
@@ -33,10 +33,23 @@ def _route(root, name, train_lines, test_lines, bpe_flags, train_args, max_updat
     (directory / "train.txt").write_text("\n".join(train_lines) + "\n", encoding="utf-8")
     (directory / "test.txt").write_text("\n".join(test_lines) + "\n", encoding="utf-8")
     data = directory / "data-bin"
-    preprocess.cli_main(["--only-source", "--trainpref", str(directory / "train.txt"), "--validpref",
-                         str(directory / "test.txt"), "--testpref", str(directory / "test.txt"), "--destdir",
-                         str(data), "--workers", "1", *map(str, bpe_flags),
-                         *(["--srcdict", str(srcdict)] if srcdict else [])])
+    preprocess.cli_main(
+        [
+            "--only-source",
+            "--trainpref",
+            str(directory / "train.txt"),
+            "--validpref",
+            str(directory / "test.txt"),
+            "--testpref",
+            str(directory / "test.txt"),
+            "--destdir",
+            str(data),
+            "--workers",
+            "1",
+            *map(str, bpe_flags),
+            *(["--srcdict", str(srcdict)] if srcdict else []),
+        ]
+    )
     train.cli_main(train_args(data, directory / "ckpt", *map(str, bpe_flags), max_update=max_update))
     return data, directory / "ckpt" / "checkpoint_last.pt"
 
@@ -55,20 +68,57 @@ def routes(tmp_path_factory, train_args):
     enc, vocab = train_gpt2_files(gpt2_dir, "\n".join(text), vocab_size=400)
     return text, {
         "plain": (*_route(root, "plain", text, text, [], train_args), ["--remove-bpe"]),
-        "subword_nmt": (*_route(root, "subword_nmt", [_subword_nmt(t) for t in text],
-                                [_subword_nmt(t) for t in text], [], train_args), ["--remove-bpe"]),
-        "sentencepiece": (*_route(root, "sentencepiece", text[:-1], text,
-                                  ["--bpe", "sentencepiece", "--sentencepiece-model", spm], train_args),
-                          ["--remove-bpe", "sentencepiece"]),
-        "gpt2": (*_route(root, "gpt2", text, text, ["--bpe", "gpt2", "--gpt2-encoder-json", enc,
-                                                    "--gpt2-vocab-bpe", vocab], train_args), ["--remove-bpe"]),
+        "subword_nmt": (
+            *_route(
+                root, "subword_nmt", [_subword_nmt(t) for t in text], [_subword_nmt(t) for t in text], [], train_args
+            ),
+            ["--remove-bpe"],
+        ),
+        "sentencepiece": (
+            *_route(
+                root,
+                "sentencepiece",
+                text[:-1],
+                text,
+                ["--bpe", "sentencepiece", "--sentencepiece-model", spm],
+                train_args,
+            ),
+            ["--remove-bpe", "sentencepiece"],
+        ),
+        "gpt2": (
+            *_route(
+                root,
+                "gpt2",
+                text,
+                text,
+                ["--bpe", "gpt2", "--gpt2-encoder-json", enc, "--gpt2-vocab-bpe", vocab],
+                train_args,
+            ),
+            ["--remove-bpe"],
+        ),
     }
 
 
 def _eval(data, ckpt, *extra):
-    status, out, err = console_in_process("fairseq-eval-lm", eval_lm.cli_main, [
-        str(data), "--path", str(ckpt), "--gen-subset", "test", "--cpu", "--num-workers", "0",
-        "--tokens-per-sample", "32", "--batch-size", "4", *map(str, extra)])
+    status, out, err = console_in_process(
+        "fairseq-eval-lm",
+        eval_lm.cli_main,
+        [
+            str(data),
+            "--path",
+            str(ckpt),
+            "--gen-subset",
+            "test",
+            "--cpu",
+            "--num-workers",
+            "0",
+            "--tokens-per-sample",
+            "32",
+            "--batch-size",
+            "4",
+            *map(str, extra),
+        ],
+    )
     assert status == 0, err
     return out
 
@@ -136,10 +186,12 @@ def test_pieces_missing_from_dict_txt_are_warned_about_and_a_dict_of_the_whole_v
     unknown = int(re.search(r"holds ([\d,]+) <unk> tokens", warnings[0]).group(1).replace(",", ""))
     words, _ = _words_and_tokens(out)
     assert 0 < expected - words <= unknown  # merged words, no more than the warning announced
-    assert warnings[0] == (f"--remove-bpe: the scored text holds {unknown:,} <unk> tokens (pieces not in dict.txt); "
-                           f"the word count, and so the per-word perplexity, may differ from the raw text's by up "
-                           f"to {unknown:,} words. Fix: build dict.txt from the tokenizer's whole vocabulary (for "
-                           "sentencepiece its .vocab, examples/large_lm/README.md) and binarize with it (--srcdict)")
+    assert warnings[0] == (
+        f"--remove-bpe: the scored text holds {unknown:,} <unk> tokens (pieces not in dict.txt); "
+        f"the word count, and so the per-word perplexity, may differ from the raw text's by up "
+        f"to {unknown:,} words. Fix: build dict.txt from the tokenizer's whole vocabulary (for "
+        "sentencepiece its .vocab, examples/large_lm/README.md) and binarize with it (--srcdict)"
+    )
     vocab_dict = _vocab_dict(spm, tmp_path / "spm_dict.txt")
     data, ckpt = _route(tmp_path, "from_vocab", train_lines, test_lines, bpe, train_args, srcdict=vocab_dict)
     out = _eval(data, ckpt, "--remove-bpe", "sentencepiece")

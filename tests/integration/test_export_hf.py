@@ -27,16 +27,29 @@ from fairseq.checkpoint.io import atomic_torch_save  # noqa: E402
 from fairseq.data.dictionary import Dictionary  # noqa: E402
 from fairseq.dataclass.utils import config_from_dict, config_to_dict  # noqa: E402
 from fairseq.export import hf  # noqa: E402
-from fairseq.models.transformer_lm import (TransformerLanguageModel, TransformerLanguageModelConfig,  # noqa: E402
-                                           preset_config)
+from fairseq.models.transformer_lm import (  # noqa: E402
+    TransformerLanguageModel,
+    TransformerLanguageModelConfig,
+    preset_config,
+)
 
 from tests.integration.test_preprocess_bpe import TRICKY  # noqa: E402
 from tests.text_fixtures import sample_text, train_gpt2_files, train_spm_model, write_full_gpt2_dict  # noqa: E402
 
 ATOL = 1e-4
-EXTRA_TEXT = ["don't you'll I'M 1234567 3.14", "  two  spaces ", " \u00a0nbsp\u3000ideographic",
-              "🙂🙂 👍🏽 é e\u0301", "<|endoftext|> </s> <s> <pad> <unk> madeupword0000",
-              "\r\n\r\n", "tab\there", "x" * 200, "form\x0cfeed \u2028 sep \x85 nel", "日本語 𝔘𝔫𝔦𝔠𝔬𝔡𝔢", ""]
+EXTRA_TEXT = [
+    "don't you'll I'M 1234567 3.14",
+    "  two  spaces ",
+    " \u00a0nbsp\u3000ideographic",
+    "🙂🙂 👍🏽 é e\u0301",
+    "<|endoftext|> </s> <s> <pad> <unk> madeupword0000",
+    "\r\n\r\n",
+    "tab\there",
+    "x" * 200,
+    "form\x0cfeed \u2028 sep \x85 nel",
+    "日本語 𝔘𝔫𝔦𝔠𝔬𝔡𝔢",
+    "",
+]
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -59,23 +72,46 @@ def word_dictionary(n=61):
     return d
 
 
-def write_checkpoint(directory, dictionary, arch="transformer_lm", seed=0, add_bos_token=False,
-                     output_dictionary_size=-1, **options):
+def write_checkpoint(
+    directory, dictionary, arch="transformer_lm", seed=0, add_bos_token=False, output_dictionary_size=-1, **options
+):
     """A checkpoint file of `arch` with `options`, every parameter perturbed (layer norms too), with dict.txt."""
     os.makedirs(directory, exist_ok=True)
-    cfg = preset_config(arch, decoder_layers=2, decoder_embed_dim=32, decoder_ffn_embed_dim=48,
-                        decoder_attention_heads=4, tokens_per_sample=24, dropout=0.1, **options)
+    cfg = preset_config(
+        arch,
+        decoder_layers=2,
+        decoder_embed_dim=32,
+        decoder_ffn_embed_dim=48,
+        decoder_attention_heads=4,
+        tokens_per_sample=24,
+        dropout=0.1,
+        **options,
+    )
     torch.manual_seed(seed)
-    model = TransformerLanguageModel.build(cfg, len(dictionary), dictionary.pad(), output_vocab_size=(
-        output_dictionary_size if output_dictionary_size >= 0 else None))
+    model = TransformerLanguageModel.build(
+        cfg,
+        len(dictionary),
+        dictionary.pad(),
+        output_vocab_size=(output_dictionary_size if output_dictionary_size >= 0 else None),
+    )
     with torch.no_grad():
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.2)
     path = os.path.join(directory, "checkpoint_best.pt")
-    atomic_torch_save({"cfg": {"model": config_to_dict(cfg),
-                               "task": {"_name": "language_modeling", "add_bos_token": add_bos_token,
-                                        "output_dictionary_size": output_dictionary_size}},
-                       "model": model.state_dict()}, path)
+    atomic_torch_save(
+        {
+            "cfg": {
+                "model": config_to_dict(cfg),
+                "task": {
+                    "_name": "language_modeling",
+                    "add_bos_token": add_bos_token,
+                    "output_dictionary_size": output_dictionary_size,
+                },
+            },
+            "model": model.state_dict(),
+        },
+        path,
+    )
     dictionary.save(os.path.join(directory, "dict.txt"))
     return path
 
@@ -85,8 +121,8 @@ def right_padded(rows, pad=1):
     ids = torch.full((len(rows), width), pad, dtype=torch.long)
     mask = torch.zeros_like(ids)
     for i, r in enumerate(rows):
-        ids[i, :len(r)] = torch.tensor(r)
-        mask[i, :len(r)] = 1
+        ids[i, : len(r)] = torch.tensor(r)
+        mask[i, : len(r)] = 1
     return ids, mask
 
 
@@ -96,8 +132,9 @@ def random_rows(vocab, lengths, begin=2, seed=0):
 
 
 def load_hf(out):
-    model, info = transformers.AutoModelForCausalLM.from_pretrained(str(out), output_loading_info=True,
-                                                                   dtype=torch.float32)
+    model, info = transformers.AutoModelForCausalLM.from_pretrained(
+        str(out), output_loading_info=True, dtype=torch.float32
+    )
     assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
     return model.eval()
 
@@ -111,7 +148,7 @@ def assert_same_logits(fork, hf_model, rows):
     assert theirs.shape == ours.shape
     assert torch.allclose(ours[real], theirs[real], atol=ATOL, rtol=0), (ours[real] - theirs[real]).abs().max()
     # Without a mask (a batch of full rows): the same.
-    full = ids[:1, :len(rows[0])]
+    full = ids[:1, : len(rows[0])]
     assert torch.allclose(fork(full)[0], hf_model(input_ids=full).logits, atol=ATOL, rtol=0)
 
 
@@ -122,18 +159,19 @@ def assert_same_greedy(fork, hf_model, rows, steps=5, eos=2):
     ids = torch.full((len(rows), width), 1, dtype=torch.long)
     mask = torch.zeros_like(ids)
     for i, r in enumerate(rows):
-        ids[i, width - len(r):] = torch.tensor(r)
-        mask[i, width - len(r):] = 1
-    out = hf_model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=steps, do_sample=False,
-                            num_beams=1)[:, width:]
+        ids[i, width - len(r) :] = torch.tensor(r)
+        mask[i, width - len(r) :] = 1
+    out = hf_model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=steps, do_sample=False, num_beams=1)[
+        :, width:
+    ]
     for i, r in enumerate(rows):
         seq = torch.tensor([r])
         for _ in range(steps):
             seq = torch.cat([seq, fork(seq)[0][:, -1].argmax(-1, keepdim=True)], dim=1)
-        expected = seq[0, len(r):].tolist()
+        expected = seq[0, len(r) :].tolist()
         if eos in expected:  # transformers stops there (and pads the rest)
-            expected = expected[:expected.index(eos) + 1]
-        assert out[i, :len(expected)].tolist() == expected, (i, out[i].tolist(), expected)
+            expected = expected[: expected.index(eos) + 1]
+        assert out[i, : len(expected)].tolist() == expected, (i, out[i].tolist(), expected)
 
 
 def fairseq_ids(bpe, dictionary, text):
@@ -157,15 +195,57 @@ def gpt2_run(tmp_path_factory):
     (root / "valid.txt").write_text("\n".join(lines[300:340]) + "\n", encoding="utf-8")
     bpe_flags = ["--bpe", "gpt2", "--gpt2-encoder-json", str(enc), "--gpt2-vocab-bpe", str(vocab)]
     data = root / "data-bin"
-    preprocess.cli_main(["--only-source", "--srcdict", str(root / "gpt2_dict.txt"), "--trainpref",
-                         str(root / "train.txt"), "--validpref", str(root / "valid.txt"), "--destdir", str(data),
-                         "--workers", "1", *bpe_flags])
+    preprocess.cli_main(
+        [
+            "--only-source",
+            "--srcdict",
+            str(root / "gpt2_dict.txt"),
+            "--trainpref",
+            str(root / "train.txt"),
+            "--validpref",
+            str(root / "valid.txt"),
+            "--destdir",
+            str(data),
+            "--workers",
+            "1",
+            *bpe_flags,
+        ]
+    )
     save_dir = root / "checkpoints"
-    train.cli_main(["--task", "language_modeling", str(data), "--save-dir", str(save_dir),
-                    "--arch", "transformer_lm_gpt3_small", "--decoder-layers", "2", "--decoder-embed-dim", "32",
-                    "--decoder-attention-heads", "2", "--optimizer", "adam", "--lr", "0.003",
-                    "--tokens-per-sample", "32", "--batch-size", "4", "--max-update", "3", "--num-workers", "0",
-                    "--cpu", "--seed", "3", "--disable-validation", *bpe_flags])
+    train.cli_main(
+        [
+            "--task",
+            "language_modeling",
+            str(data),
+            "--save-dir",
+            str(save_dir),
+            "--arch",
+            "transformer_lm_gpt3_small",
+            "--decoder-layers",
+            "2",
+            "--decoder-embed-dim",
+            "32",
+            "--decoder-attention-heads",
+            "2",
+            "--optimizer",
+            "adam",
+            "--lr",
+            "0.003",
+            "--tokens-per-sample",
+            "32",
+            "--batch-size",
+            "4",
+            "--max-update",
+            "3",
+            "--num-workers",
+            "0",
+            "--cpu",
+            "--seed",
+            "3",
+            "--disable-validation",
+            *bpe_flags,
+        ]
+    )
     checkpoint = save_dir / "checkpoint_last.pt"
     out = root / "hf"
     result = hf.export(str(checkpoint), str(out), dict_path=str(data / "dict.txt"))  # the BPE: from the checkpoint
@@ -175,9 +255,17 @@ def gpt2_run(tmp_path_factory):
 def test_opt_from_fairseq_train(gpt2_run):
     out = gpt2_run["out"]
     assert gpt2_run["result"]["architecture"] == "OPTForCausalLM" and gpt2_run["result"]["tokenizer"] == "gpt2"
-    assert sorted(os.listdir(out)) == ["config.json", "dict.txt", "encoder.json", "fairseq_manifest.json",
-                                       "generation_config.json", "model.safetensors", "tokenizer.json",
-                                       "tokenizer_config.json", "vocab.bpe"]
+    assert sorted(os.listdir(out)) == [
+        "config.json",
+        "dict.txt",
+        "encoder.json",
+        "fairseq_manifest.json",
+        "generation_config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "vocab.bpe",
+    ]
     assert (out / "encoder.json").read_bytes() == gpt2_run["enc"].read_bytes()  # the --bpe files, for the way back
     config = json.loads((out / "config.json").read_text())
     # GPT-3 presets scale embeddings by sqrt(32): folded into OPT's input matrix, so written untied.
@@ -239,17 +327,35 @@ def test_tokenizer_refuses_a_dictionary_without_every_token(gpt2_run, tmp_path):
 KINDS = {
     # name: (arch, options, expected architecture)
     "xglm_sinusoidal_prenorm": ("transformer_lm_gpt", {}, "XGLMForCausalLM"),
-    "xglm_tied_unscaled_relu": ("transformer_lm_gpt", {"share_decoder_input_output_embed": True,
-                                                       "no_scale_embedding": True, "activation_fn": "relu"},
-                                "XGLMForCausalLM"),
-    "opt_sinusoidal_postnorm": ("transformer_lm", {"decoder_input_dim": 32, "decoder_output_dim": 32,
-                                                   "share_decoder_input_output_embed": True}, "OPTForCausalLM"),
-    "opt_projections_no_final_norm": ("transformer_lm", {
-        "decoder_learned_pos": True, "decoder_normalize_before": True, "no_decoder_final_norm": True,
-        "no_scale_embedding": True, "activation_fn": "gelu_accurate", "decoder_input_dim": 16,
-        "decoder_output_dim": 16, "share_decoder_input_output_embed": True}, "OPTForCausalLM"),
-    "opt_no_positions": ("transformer_lm_gpt3_small", {"no_token_positional_embeddings": True,
-                                                       "activation_fn": "tanh"}, "OPTForCausalLM"),
+    "xglm_tied_unscaled_relu": (
+        "transformer_lm_gpt",
+        {"share_decoder_input_output_embed": True, "no_scale_embedding": True, "activation_fn": "relu"},
+        "XGLMForCausalLM",
+    ),
+    "opt_sinusoidal_postnorm": (
+        "transformer_lm",
+        {"decoder_input_dim": 32, "decoder_output_dim": 32, "share_decoder_input_output_embed": True},
+        "OPTForCausalLM",
+    ),
+    "opt_projections_no_final_norm": (
+        "transformer_lm",
+        {
+            "decoder_learned_pos": True,
+            "decoder_normalize_before": True,
+            "no_decoder_final_norm": True,
+            "no_scale_embedding": True,
+            "activation_fn": "gelu_accurate",
+            "decoder_input_dim": 16,
+            "decoder_output_dim": 16,
+            "share_decoder_input_output_embed": True,
+        },
+        "OPTForCausalLM",
+    ),
+    "opt_no_positions": (
+        "transformer_lm_gpt3_small",
+        {"no_token_positional_embeddings": True, "activation_fn": "tanh"},
+        "OPTForCausalLM",
+    ),
 }
 
 
@@ -279,9 +385,20 @@ def test_sharded_checkpoint_and_weight_shards(tiny_data, build_train_args, tmp_p
 
     was_initialized = dist.is_initialized()
     try:
-        train.cli_main(build_train_args(tiny_data, tmp_path / "ck", "--disable-validation", "--ddp-backend",
-                                        "fully_sharded", "--use-sharded-state", max_update=2,
-                                        arch="transformer_lm_gpt", json_log=False, log_file=False))
+        train.cli_main(
+            build_train_args(
+                tiny_data,
+                tmp_path / "ck",
+                "--disable-validation",
+                "--ddp-backend",
+                "fully_sharded",
+                "--use-sharded-state",
+                max_update=2,
+                arch="transformer_lm_gpt",
+                json_log=False,
+                log_file=False,
+            )
+        )
     finally:
         if dist.is_initialized() and not was_initialized:  # the one-process group FSDP made: leave none behind
             dist.destroy_process_group()
@@ -321,8 +438,10 @@ def spm_models(tmp_path_factory):
     spm = pytest.importorskip("sentencepiece")
     root = tmp_path_factory.mktemp("export_spm")
     bpe_model = train_spm_model(root)
-    spm.SentencePieceTrainer.Train(f"--input={root / 'spm_train.txt'} --model_prefix={root / 'unigram'} "
-                                   "--vocab_size=300 --model_type=unigram --minloglevel=2")
+    spm.SentencePieceTrainer.Train(
+        f"--input={root / 'spm_train.txt'} --model_prefix={root / 'unigram'} "
+        "--vocab_size=300 --model_type=unigram --minloglevel=2"
+    )
     return {"bpe": str(bpe_model), "unigram": str(root / "unigram.model")}
 
 
@@ -373,20 +492,30 @@ def test_sentencepiece_refusals(spm_models, tmp_path):
 
 REFUSED = {
     # name: (arch, options, export keyword arguments, message)
-    "layernorm_embedding": ("transformer_lm_gpt3_small", {"layernorm_embedding": True}, {},
-                            "--layernorm-embedding"),
+    "layernorm_embedding": ("transformer_lm_gpt3_small", {"layernorm_embedding": True}, {}, "--layernorm-embedding"),
     "xglm_for_learned": ("transformer_lm_gpt3_small", {}, {"model_type": "xglm"}, "--decoder-learned-pos"),
     "xglm_for_postnorm": ("transformer_lm", {}, {"model_type": "xglm"}, r"post-norm \(--decoder-normalize-before"),
-    "xglm_no_final_norm": ("transformer_lm_gpt", {"no_decoder_final_norm": True}, {"model_type": "xglm"},
-                           "--no-decoder-final-norm"),
-    "input_output_dims": ("transformer_lm", {"decoder_input_dim": 16, "decoder_output_dim": 24}, {},
-                          "--decoder-input-dim 16 differs from --decoder-output-dim 24"),
+    "xglm_no_final_norm": (
+        "transformer_lm_gpt",
+        {"no_decoder_final_norm": True},
+        {"model_type": "xglm"},
+        "--no-decoder-final-norm",
+    ),
+    "input_output_dims": (
+        "transformer_lm",
+        {"decoder_input_dim": 16, "decoder_output_dim": 24},
+        {},
+        "--decoder-input-dim 16 differs from --decoder-output-dim 24",
+    ),
     "output_dictionary_size": ("transformer_lm_gpt", {"output_dictionary_size": 40}, {}, "--output-dictionary-size"),
     "bad_dtype": ("transformer_lm_gpt", {}, {"dtype": "int8"}, "--dtype 'int8'"),
     "bad_shard_size": ("transformer_lm_gpt", {}, {"max_shard_size": "lots"}, "--max-shard-size 'lots'"),
-    "saved_bpe_missing": ("transformer_lm_gpt", {}, {"bpe": {"_name": "gpt2", "gpt2_encoder_json": "/nope.json",
-                                                            "gpt2_vocab_bpe": "/nope.bpe"}},
-                          "--gpt2-encoder-json /nope.json: no such file"),
+    "saved_bpe_missing": (
+        "transformer_lm_gpt",
+        {},
+        {"bpe": {"_name": "gpt2", "gpt2_encoder_json": "/nope.json", "gpt2_vocab_bpe": "/nope.bpe"}},
+        "--gpt2-encoder-json /nope.json: no such file",
+    ),
 }
 
 
@@ -402,8 +531,9 @@ def test_refusals_name_the_option(name, tmp_path):
 def test_cli_writes_and_refuses_in_one_line(tmp_path, capsys, gpt2_run):
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("export_hf_script", os.path.join(
-        os.path.dirname(__file__), "..", "..", "scripts", "export_hf.py"))
+    spec = importlib.util.spec_from_file_location(
+        "export_hf_script", os.path.join(os.path.dirname(__file__), "..", "..", "scripts", "export_hf.py")
+    )
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)
     from fairseq.utils import run_console_script
@@ -414,12 +544,28 @@ def test_cli_writes_and_refuses_in_one_line(tmp_path, capsys, gpt2_run):
     assert "wrote" in capsys.readouterr().out and (tmp_path / "hf" / "model.safetensors").is_file()
     cases = [
         ([ok, str(tmp_path / "hf")], "holds an earlier output of scripts/export_hf.py; pass --overwrite"),
-        ([write_checkpoint(tmp_path / "ln", dictionary, arch="transformer_lm_gpt", layernorm_embedding=True),
-          str(tmp_path / "x")], "--layernorm-embedding"),
+        (
+            [
+                write_checkpoint(tmp_path / "ln", dictionary, arch="transformer_lm_gpt", layernorm_embedding=True),
+                str(tmp_path / "x"),
+            ],
+            "--layernorm-embedding",
+        ),
         ([str(tmp_path / "missing.pt"), str(tmp_path / "x")], "checkpoint not found"),
         ([ok, str(tmp_path / "x"), "--dict", str(tmp_path / "nodict.txt")], "--dict"),
-        ([ok, str(tmp_path / "x"), "--bpe", "gpt2", "--gpt2-encoder-json", str(gpt2_run["enc"]),
-          "--gpt2-vocab-bpe", str(gpt2_run["vocab"])], "lacks"),
+        (
+            [
+                ok,
+                str(tmp_path / "x"),
+                "--bpe",
+                "gpt2",
+                "--gpt2-encoder-json",
+                str(gpt2_run["enc"]),
+                "--gpt2-vocab-bpe",
+                str(gpt2_run["vocab"]),
+            ],
+            "lacks",
+        ),
     ]
     for argv, message in cases:
         with pytest.raises(SystemExit) as exit_info:
@@ -452,8 +598,13 @@ def test_unwritable_output_is_one_line_and_keeps_an_earlier_export(tmp_path):
         resource.setrlimit(resource.RLIMIT_FSIZE, (20_000, 20_000))  # below model.safetensors' size
 
     for output, code, preexec in ((blocker / "hf", "EEXIST", None), (out, "EFBIG", limit)):
-        r = subprocess.run([sys.executable, script, ok, str(output), "--overwrite"], capture_output=True,
-                           text=True, timeout=120, preexec_fn=preexec)
+        r = subprocess.run(
+            [sys.executable, script, ok, str(output), "--overwrite"],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            preexec_fn=preexec,
+        )
         err = r.stderr.strip().splitlines()
         assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr[-2000:]
         assert err[-1].startswith(f"export_hf: error: cannot write the export {output}: ") and f"({code})" in err[-1]

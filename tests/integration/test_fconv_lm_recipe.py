@@ -23,28 +23,68 @@ PAD = 1
 LAYERS = "[(16, 3)] * 2 + [(24, 2, 0), (24, 1, 2)]"
 # What makes the README's model tiny: 4 layers of 16-24 (kernels 3, 3, 2, 1), embed dim 8, cutoffs inside the
 # 64-symbol test dictionary, 32-token blocks.
-TINY = ["--decoder-embed-dim", "8", "--decoder-layers", LAYERS, "--adaptive-softmax-cutoff", "20,40",
-        "--tokens-per-sample", "32"]
+TINY = [
+    "--decoder-embed-dim",
+    "8",
+    "--decoder-layers",
+    LAYERS,
+    "--adaptive-softmax-cutoff",
+    "20,40",
+    "--tokens-per-sample",
+    "32",
+]
 
 
 def readme_argv(data, save_dir, max_epoch, *extra):
     """README.conv.md's command, unchanged apart from sizes (epochs, the model, blocks), --cpu and logging."""
     return [
-        "--task", "language_modeling", str(data), "--save-dir", str(save_dir),
-        "--arch", "fconv_lm_dauphin_wikitext103",
-        "--max-epoch", str(max_epoch), "--optimizer", "nag",
-        "--lr", "1.0", "--lr-scheduler", "reduce_lr_on_plateau", "--lr-shrink", "0.5",
-        "--clip-norm", "0.1", "--dropout", "0.2", "--weight-decay", "5e-06", "--criterion", "adaptive_loss",
-        "--max-tokens", "1024", "--ddp-backend=no_c10d",
-        *TINY, "--cpu", "--num-workers", "0", "--log-format", "json", "--log-interval", "1",
-        "--log-file", str(save_dir / "train.log"), *extra,
+        "--task",
+        "language_modeling",
+        str(data),
+        "--save-dir",
+        str(save_dir),
+        "--arch",
+        "fconv_lm_dauphin_wikitext103",
+        "--max-epoch",
+        str(max_epoch),
+        "--optimizer",
+        "nag",
+        "--lr",
+        "1.0",
+        "--lr-scheduler",
+        "reduce_lr_on_plateau",
+        "--lr-shrink",
+        "0.5",
+        "--clip-norm",
+        "0.1",
+        "--dropout",
+        "0.2",
+        "--weight-decay",
+        "5e-06",
+        "--criterion",
+        "adaptive_loss",
+        "--max-tokens",
+        "1024",
+        "--ddp-backend=no_c10d",
+        *TINY,
+        "--cpu",
+        "--num-workers",
+        "0",
+        "--log-format",
+        "json",
+        "--log-interval",
+        "1",
+        "--log-file",
+        str(save_dir / "train.log"),
+        *extra,
     ]
 
 
 def eval_cfg(data, path, *extra):
     parser = options.get_eval_lm_parser()
-    args = options.parse_args_and_arch(parser, [str(data), "--path", str(path), "--tokens-per-sample", "32",
-                                                "--cpu", *extra])
+    args = options.parse_args_and_arch(
+        parser, [str(data), "--path", str(path), "--tokens-per-sample", "32", "--cpu", *extra]
+    )
     return options.convert_namespace_to_config(args)
 
 
@@ -135,8 +175,9 @@ def _two_rank_worker(rank, meta_port, train_port, argv, state_path):
         torch.save(state, state_path)
     dist.destroy_process_group()
 
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2",
-                      MASTER_PORT=str(train_port))
+    os.environ.update(
+        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2", MASTER_PORT=str(train_port)
+    )
     train.cli_main(argv)
 
 
@@ -159,7 +200,7 @@ def test_fully_sharded_on_two_processes(tiny_data, tmp_path):
         if key.endswith("weight_v"):
             dims = (1,) if v.dim() == 2 else (0, 1)
             torch.testing.assert_close(state[key[:-1] + "g"], v.norm(dim=dims, keepdim=True), rtol=0, atol=1e-6)
-            assert state[key[:-len("weight_v")] + "bias"].abs().sum() == 0
+            assert state[key[: -len("weight_v")] + "bias"].abs().sum() == 0
     assert state["decoder.embed_tokens.weight"][PAD].abs().sum() == 0
 
     train.cli_main(readme_argv(tiny_data, single, 1, *short, "--update-freq", "2"))
@@ -176,13 +217,20 @@ def test_fully_sharded_on_two_processes(tiny_data, tmp_path):
     assert a["tokens"] == b["tokens"] and a["loss"] == pytest.approx(b["loss"], abs=1e-4)
 
 
-@pytest.mark.parametrize("flags, message", [
-    (["--model-parallel-size", "2"], "--model-parallel-size 2 needs a transformer_lm architecture (got --arch "
-                                     "fconv_lm_dauphin_wikitext103)"),
-    (["--decoder-attention", "True"], "--decoder-attention 'True' is not supported"),
-    (["--criterion", "cross_entropy", "--decoder-layers", "[(16, 3)] * 2 + [(24, 2, 4)]"],
-     "--decoder-layers: layer 2 takes its residual from 4 layers back"),
-])
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (
+            ["--model-parallel-size", "2"],
+            "--model-parallel-size 2 needs a transformer_lm architecture (got --arch fconv_lm_dauphin_wikitext103)",
+        ),
+        (["--decoder-attention", "True"], "--decoder-attention 'True' is not supported"),
+        (
+            ["--criterion", "cross_entropy", "--decoder-layers", "[(16, 3)] * 2 + [(24, 2, 4)]"],
+            "--decoder-layers: layer 2 takes its residual from 4 layers back",
+        ),
+    ],
+)
 def test_what_does_not_apply_is_refused_in_one_line(tiny_data, tmp_path, capsys, flags, message):
     with pytest.raises(SystemExit) as exit_info:
         train.cli_main(readme_argv(tiny_data, tmp_path, 1, *flags))
@@ -208,51 +256,107 @@ def upstream_state_dict(vocab=64, embed=8, seed=0):
     sd["decoder.embed_tokens.weight"][PAD] = 0
 
     def weight_normed(name, shape_g, shape_v):
-        sd.update({f"{name}.weight_g": rand(*shape_g).abs() + 0.5, f"{name}.weight_v": rand(*shape_v),
-                   f"{name}.bias": rand(shape_v[0] if len(shape_v) == 2 else shape_v[2], scale=0.1)})
+        sd.update(
+            {
+                f"{name}.weight_g": rand(*shape_g).abs() + 0.5,
+                f"{name}.weight_v": rand(*shape_v),
+                f"{name}.bias": rand(shape_v[0] if len(shape_v) == 2 else shape_v[2], scale=0.1),
+            }
+        )
 
     weight_normed("decoder.fc1", (16, 1), (16, embed))
     for i, (n_in, n_out, kernel) in enumerate([(16, 16, 3), (16, 16, 3), (16, 24, 2), (24, 24, 1)]):
         weight_normed(f"decoder.convolutions.{i}", (1, 1, 2 * n_out), (kernel, n_in, 2 * n_out))
     weight_normed("decoder.projections.3", (24, 1), (24, 16))  # layer 3's residual: layer 1's 16-wide output
-    sd.update({"decoder.adaptive_softmax.version": torch.LongTensor([1]),
-               "decoder.adaptive_softmax.head.weight": rand(22, 24),
-               "decoder.adaptive_softmax.tail.0.0.weight": rand(6, 24),
-               "decoder.adaptive_softmax.tail.0.2.weight": rand(20, 6),
-               "decoder.adaptive_softmax.tail.1.0.weight": rand(1, 24),
-               "decoder.adaptive_softmax.tail.1.2.weight": rand(24, 1)})
+    sd.update(
+        {
+            "decoder.adaptive_softmax.version": torch.LongTensor([1]),
+            "decoder.adaptive_softmax.head.weight": rand(22, 24),
+            "decoder.adaptive_softmax.tail.0.0.weight": rand(6, 24),
+            "decoder.adaptive_softmax.tail.0.2.weight": rand(20, 6),
+            "decoder.adaptive_softmax.tail.1.0.weight": rand(1, 24),
+            "decoder.adaptive_softmax.tail.1.2.weight": rand(24, 1),
+        }
+    )
     return sd
 
 
 def write_upstream_checkpoint(path, kind, sd):
     """As upstream's fairseq-train saves it. "cfg" (fairseq 0.10-0.12): a plain dict of groups, the model's an
     argparse Namespace of every option (fconv_lm has no dataclass). "args" (fairseq < 0.10): one Namespace."""
-    model_args = dict(arch="fconv_lm_dauphin_wikitext103", dropout=0.2, decoder_embed_dim=8, decoder_layers=LAYERS,
-                      decoder_attention="False", adaptive_softmax_cutoff="20,40", adaptive_softmax_dropout=0,
-                      decoder_out_embed_dim=None, criterion="adaptive_loss", optimizer="nag", lr=[1.0],
-                      lr_scheduler="reduce_lr_on_plateau", lr_shrink=0.5, clip_norm=0.1, weight_decay=5e-06,
-                      max_tokens=1024, tokens_per_sample=1024, ddp_backend="no_c10d", task="language_modeling",
-                      data="data-bin/wikitext-103", sample_break_mode="none", seed=1, max_epoch=35)
-    task_args = dict(data="data-bin/wikitext-103", tokens_per_sample=1024, sample_break_mode="none",
-                     output_dictionary_size=-1, self_target=False, future_target=False, past_target=False,
-                     add_bos_token=False, max_target_positions=None)
+    model_args = dict(
+        arch="fconv_lm_dauphin_wikitext103",
+        dropout=0.2,
+        decoder_embed_dim=8,
+        decoder_layers=LAYERS,
+        decoder_attention="False",
+        adaptive_softmax_cutoff="20,40",
+        adaptive_softmax_dropout=0,
+        decoder_out_embed_dim=None,
+        criterion="adaptive_loss",
+        optimizer="nag",
+        lr=[1.0],
+        lr_scheduler="reduce_lr_on_plateau",
+        lr_shrink=0.5,
+        clip_norm=0.1,
+        weight_decay=5e-06,
+        max_tokens=1024,
+        tokens_per_sample=1024,
+        ddp_backend="no_c10d",
+        task="language_modeling",
+        data="data-bin/wikitext-103",
+        sample_break_mode="none",
+        seed=1,
+        max_epoch=35,
+    )
+    task_args = dict(
+        data="data-bin/wikitext-103",
+        tokens_per_sample=1024,
+        sample_break_mode="none",
+        output_dictionary_size=-1,
+        self_target=False,
+        future_target=False,
+        past_target=False,
+        add_bos_token=False,
+        max_target_positions=None,
+    )
     if kind == "args":
         config = dict(args=argparse.Namespace(**model_args))
     else:
-        config = dict(args=None, cfg={
-            "common": {"seed": 1, "cpu": False, "fp16": False}, "task": dict(task_args, _name="language_modeling"),
-            "model": argparse.Namespace(**model_args, _name="fconv_lm_dauphin_wikitext103"),
-            "criterion": {"_name": "adaptive_loss", "sentence_avg": False},
-            "optimizer": {"_name": "nag", "momentum": 0.99, "weight_decay": 5e-06, "lr": [1.0]},
-            "lr_scheduler": {"_name": "reduce_lr_on_plateau", "lr_shrink": 0.5, "lr_threshold": 1e-4}})
-    torch.save(dict(config, model=sd, optimizer_history=[{
-        "criterion_name": "AdaptiveLoss", "optimizer_name": "FairseqNAG", "lr_scheduler_state": {"best": 3.9},
-        "num_updates": 100}], extra_state={"epoch": 35, "val_loss": 3.9}, last_optimizer_state=None), path)
+        config = dict(
+            args=None,
+            cfg={
+                "common": {"seed": 1, "cpu": False, "fp16": False},
+                "task": dict(task_args, _name="language_modeling"),
+                "model": argparse.Namespace(**model_args, _name="fconv_lm_dauphin_wikitext103"),
+                "criterion": {"_name": "adaptive_loss", "sentence_avg": False},
+                "optimizer": {"_name": "nag", "momentum": 0.99, "weight_decay": 5e-06, "lr": [1.0]},
+                "lr_scheduler": {"_name": "reduce_lr_on_plateau", "lr_shrink": 0.5, "lr_threshold": 1e-4},
+            },
+        )
+    torch.save(
+        dict(
+            config,
+            model=sd,
+            optimizer_history=[
+                {
+                    "criterion_name": "AdaptiveLoss",
+                    "optimizer_name": "FairseqNAG",
+                    "lr_scheduler_state": {"best": 3.9},
+                    "num_updates": 100,
+                }
+            ],
+            extra_state={"epoch": 35, "val_loss": 3.9},
+            last_optimizer_state=None,
+        ),
+        path,
+    )
 
 
 def direct_features(sd, tokens):
     """Upstream's FConvDecoder (eval) from the tensors, float64, time-major ConvTBC as upstream runs it: padded
     by kernel - 1 on both sides and the last kernel - 1 steps cut off; GLU; residuals scaled by sqrt(0.5)."""
+
     def weight(prefix, dim):
         v, g = sd[prefix + "weight_v"], sd[prefix + "weight_g"]
         return v * (g / v.norm(dim=[d for d in range(v.dim()) if d != dim], keepdim=True))
@@ -268,7 +372,7 @@ def direct_features(sd, tokens):
             residual = linear("decoder.projections.3.", residual)
         prefix = f"decoder.convolutions.{i}."
         y = torch.conv_tbc(x.contiguous(), weight(prefix, 2), sd[prefix + "bias"], kernel - 1)
-        x = F.glu(y[:y.size(0) - (kernel - 1)], dim=2)
+        x = F.glu(y[: y.size(0) - (kernel - 1)], dim=2)
         if residual is not None:
             x = (x + residual) * math.sqrt(0.5)
         outputs.append(x)
@@ -319,7 +423,7 @@ def test_upstream_checkpoint_evaluates_to_the_direct_perplexity(upstream_files, 
     mean_bits = total / count / math.log(2)
     assert result["tokens"] == count == 596
     assert result["loss"] == pytest.approx(mean_bits, rel=1e-6)  # fp32 evaluation vs float64
-    assert result["perplexity"] == pytest.approx(2 ** mean_bits, rel=1e-5)
+    assert result["perplexity"] == pytest.approx(2**mean_bits, rel=1e-5)
 
 
 def test_upstream_checkpoint_needs_trust_legacy_checkpoint(upstream_files, tiny_data):

@@ -29,9 +29,25 @@ def ckpt(tiny_lm_checkpoint):
 
 def argv(tiny_data, path, *extra):
     # one sentence per sample (--sample-break-mode eos), each shorter than the model's 32 positions
-    return [str(tiny_data), "--task", "language_modeling", "--path", str(path), "--cpu", "--gen-subset", "test",
-            "--tokens-per-sample", "32", "--sample-break-mode", "eos", "--batch-size", "40", "--num-workers", "0",
-            *map(str, extra)]
+    return [
+        str(tiny_data),
+        "--task",
+        "language_modeling",
+        "--path",
+        str(path),
+        "--cpu",
+        "--gen-subset",
+        "test",
+        "--tokens-per-sample",
+        "32",
+        "--sample-break-mode",
+        "eos",
+        "--batch-size",
+        "40",
+        "--num-workers",
+        "0",
+        *map(str, extra),
+    ]
 
 
 def run(capsys, args):
@@ -58,8 +74,13 @@ def parse(stdout):
     for i, rows in samples.items():
         kinds = [kind for kind, _ in rows]
         assert kinds[:2] == ["S", "T"] and kinds[2:] == ["H", "D", "P"] * ((len(kinds) - 2) // 3), (i, kinds)
-        out[i] = {"S": rows[0][1], "T": rows[1][1], "H": [f for k, f in rows if k == "H"],
-                  "D": [f for k, f in rows if k == "D"], "P": [f for k, f in rows if k == "P"]}
+        out[i] = {
+            "S": rows[0][1],
+            "T": rows[1][1],
+            "H": [f for k, f in rows if k == "H"],
+            "D": [f for k, f in rows if k == "D"],
+            "P": [f for k, f in rows if k == "P"],
+        }
     return out
 
 
@@ -68,15 +89,16 @@ def test_prefix_prompts_greedy_equals_argmax_of_full_forwards(tiny_data, ckpt, c
     assert status == 0
     samples = parse(out)
     assert sorted(samples) == list(range(40))  # every sentence of the split, once
-    (model,), _, task = checkpoint_utils.load_model_ensemble_and_task([str(ckpt)],
-                                                                      arg_overrides={"data": str(tiny_data)})
+    (model,), _, task = checkpoint_utils.load_model_ensemble_and_task(
+        [str(ckpt)], arg_overrides={"data": str(tiny_data)}
+    )
     d = task.target_dictionary
     for i in range(8):
         sample = samples[i]
         assert sample["S"] == sample["T"]  # the source is the sentence shifted right: the same words
         prompt = [d.index(w) for w in sample["T"][0].split()[:3]]
         expected = greedy_by_full_forwards(model, prompt, 8, d.eos(), d.pad())
-        (score, tokens), = sample["H"]
+        ((score, tokens),) = sample["H"]
         assert tokens == d.string(torch.tensor(expected)) == sample["D"][0][1]
         positional = [float(x) for x in sample["P"][0][0].split()]
         assert len(positional) == len(expected)  # one per token, </s> included
@@ -91,8 +113,12 @@ def test_prefix_prompts_greedy_equals_argmax_of_full_forwards(tiny_data, ckpt, c
 
 def test_whole_sample_as_prompt_nbest_and_results_path(tiny_data, ckpt, capsys, tmp_path):
     # --prefix-size 0 (upstream's default): the prompt is the whole sample but its last token
-    status, out, _ = run(capsys, argv(tiny_data, ckpt, "--beam", 3, "--nbest", 2, "--max-len-a", 1, "--max-len-b", 3,
-                                      "--results-path", tmp_path))
+    status, out, _ = run(
+        capsys,
+        argv(
+            tiny_data, ckpt, "--beam", 3, "--nbest", 2, "--max-len-a", 1, "--max-len-b", 3, "--results-path", tmp_path
+        ),
+    )
     assert status == 0 and not parse(out)
     samples = parse((tmp_path / "generate-test.txt").read_text(encoding="utf-8"))
     assert len(samples) == 40
@@ -102,7 +128,7 @@ def test_whole_sample_as_prompt_nbest_and_results_path(tiny_data, ckpt, capsys, 
         assert scores == sorted(scores, reverse=True)
         source = sample["S"][0].split()
         for _, tokens in sample["H"]:
-            assert tokens.split()[:len(source)] == source
+            assert tokens.split()[: len(source)] == source
     status, out, _ = run(capsys, argv(tiny_data, ckpt, "--beam", 1, "--max-len-a", 1, "--max-len-b", 3, "--quiet"))
     assert status == 0 and not parse(out)
 
@@ -156,17 +182,23 @@ def test_on_the_gpu(tiny_data, ckpt, capsys, precision):
             assert [float(x) for x in got] == pytest.approx([float(x) for x in want], abs=0.15)
 
 
-@pytest.mark.parametrize("extra, status, message", [
-    (["--tokens-per-sample", 1024, "--sample-break-mode", "none"], 1,
-     "the model's 32 positions (the --tokens-per-sample / --max-target-positions it was trained with): pass "
-     "--tokens-per-sample 31 or less, or --prefix-size N"),
-    (["--beam", 2, "--sampling"], 2, "--sampling requires --nbest to be equal to --beam"),
-    (["--nbest", 3, "--beam", 2], 2, "--nbest 3 is larger than --beam 2"),
-    (["--model-overrides", "{'decoder_layers': 3}"], 1, "was saved from a different architecture"),
-    (["--lr", 0.1], 2, "unrecognized arguments: --lr 0.1"),
-    (["--stream", "--beam", 1], 2, "--stream is fairseq-interactive's, with --beam 1"),
-    (["--seed", -1], 1, "--seed -1 is out of range: an integer from 0 to 2**32 - 1"),
-])
+@pytest.mark.parametrize(
+    "extra, status, message",
+    [
+        (
+            ["--tokens-per-sample", 1024, "--sample-break-mode", "none"],
+            1,
+            "the model's 32 positions (the --tokens-per-sample / --max-target-positions it was trained with): pass "
+            "--tokens-per-sample 31 or less, or --prefix-size N",
+        ),
+        (["--beam", 2, "--sampling"], 2, "--sampling requires --nbest to be equal to --beam"),
+        (["--nbest", 3, "--beam", 2], 2, "--nbest 3 is larger than --beam 2"),
+        (["--model-overrides", "{'decoder_layers': 3}"], 1, "was saved from a different architecture"),
+        (["--lr", 0.1], 2, "unrecognized arguments: --lr 0.1"),
+        (["--stream", "--beam", 1], 2, "--stream is fairseq-interactive's, with --beam 1"),
+        (["--seed", -1], 1, "--seed -1 is out of range: an integer from 0 to 2**32 - 1"),
+    ],
+)
 def test_bad_input_is_one_line(tiny_data, ckpt, capsys, extra, status, message):
     got, _, err = run(capsys, argv(tiny_data, ckpt, *extra))
     assert got == status and "Traceback" not in err
@@ -183,14 +215,19 @@ def test_prompt_longer_than_the_output_allowed_is_cut_as_upstream_cuts_it(tiny_d
     for sample in samples.values():
         assert sample["H"][0][1].split() == sample["S"][0].split()[:2]
     warnings = [r.getMessage() for r in caplog.records if "longer than the longest output allowed" in r.getMessage()]
-    assert len(warnings) == 1 and warnings[0].startswith("a prompt of 3 tokens is longer than the longest output "
-                                                         "allowed, 2 tokens") and "raise --max-len-b" in warnings[0]
+    assert (
+        len(warnings) == 1
+        and warnings[0].startswith("a prompt of 3 tokens is longer than the longest output allowed, 2 tokens")
+        and "raise --max-len-b" in warnings[0]
+    )
 
 
 def test_missing_inputs(tiny_data, tmp_path, capsys):
     status, _, err = run(capsys, argv(tiny_data, tmp_path / "nope.pt"))
-    assert status == 1 and err.strip() == (f"fairseq-generate: error: --path {tmp_path / 'nope.pt'}: no such "
-                                           "checkpoint file or sharded checkpoint directory")
+    assert status == 1 and err.strip() == (
+        f"fairseq-generate: error: --path {tmp_path / 'nope.pt'}: no such "
+        "checkpoint file or sharded checkpoint directory"
+    )
     status, _, err = run(capsys, ["--task", "language_modeling", "--path", str(tmp_path / "nope.pt")])
     assert status == 1 and "pass the data directory (DATA)" in err
 

@@ -82,15 +82,18 @@ def test_export_into_the_checkpoint_directory_is_refused(exported, tmp_path, cap
     before = files(tmp_path)
     ckpt = checkpoints / "checkpoint_best.pt"
     message = refused("export_hf", [ckpt, checkpoints, "--overwrite"], capsys)
-    assert message == (f"export_hf: error: output {checkpoints} holds the input {ckpt}: writing it would replace "
-                       "what is read; choose an output apart from the inputs")
+    assert message == (
+        f"export_hf: error: output {checkpoints} holds the input {ckpt}: writing it would replace "
+        "what is read; choose an output apart from the inputs"
+    )
     # a --dict inside the output, and the dict.txt found beside the checkpoint, count as inputs too
     other = tmp_path / "other"
     other.mkdir()
     (other / "dict.txt").write_bytes((checkpoints / "dict.txt").read_bytes())
     before = files(tmp_path)
     assert f"output {other} holds the input {other / 'dict.txt'}" in refused(
-        "export_hf", [ckpt, other, "--dict", other / "dict.txt", "--overwrite"], capsys)
+        "export_hf", [ckpt, other, "--dict", other / "dict.txt", "--overwrite"], capsys
+    )
     assert files(tmp_path) == before
 
 
@@ -104,9 +107,11 @@ def test_a_directory_the_script_did_not_write_is_never_replaced(exported, tmp_pa
     for name, argv in (("export_hf", [ckpt, mine]), ("import_hf", [source, mine])):
         for overwrite in ([], ["--overwrite"]):
             message = refused(name, argv + overwrite, capsys)
-            assert message == (f"{name}: error: output {mine} already exists and holds files scripts/{name}.py did "
-                               f"not write (it has no fairseq_manifest.json of {name}); choose a new or empty "
-                               "directory"), message
+            assert message == (
+                f"{name}: error: output {mine} already exists and holds files scripts/{name}.py did "
+                f"not write (it has no fairseq_manifest.json of {name}); choose a new or empty "
+                "directory"
+            ), message
     # the export's directory is no import's earlier output (and the other way round)
     imported = tmp_path / "imported"
     hf_import.import_hf(str(source), str(imported))
@@ -121,29 +126,37 @@ def test_overwrite_replaces_an_earlier_output_and_nothing_else(exported, tmp_pat
     checkpoints, source = exported
     ckpt = checkpoints / "checkpoint_best.pt"
     manifest = json.loads((source / "fairseq_manifest.json").read_text())
-    assert manifest == {"written_by": "export_hf", "files": sorted(set(os.listdir(source)) - {
-        "fairseq_manifest.json"})}
+    assert manifest == {"written_by": "export_hf", "files": sorted(set(os.listdir(source)) - {"fairseq_manifest.json"})}
     message = refused("export_hf", [ckpt, source], capsys)
-    assert message.endswith(f"output {source} holds an earlier output of scripts/export_hf.py; pass --overwrite to "
-                            "replace it, or choose another output")
-    run_console_script("export_hf", _script("export_hf").main, [str(ckpt), str(source), "--overwrite",
-                                                                "--model-type", "opt"])
+    assert message.endswith(
+        f"output {source} holds an earlier output of scripts/export_hf.py; pass --overwrite to "
+        "replace it, or choose another output"
+    )
+    run_console_script(
+        "export_hf", _script("export_hf").main, [str(ckpt), str(source), "--overwrite", "--model-type", "opt"]
+    )
     assert json.loads((source / "config.json").read_text())["model_type"] == "opt"
     assert not [p for p in os.listdir(tmp_path) if p.startswith(".hf.")]  # nothing left beside it
 
     (source / "my_notes.md").write_text("mine")
     before = files(tmp_path)
     message = refused("export_hf", [ckpt, source, "--overwrite"], capsys)
-    assert message == (f"export_hf: error: output {source} holds my_notes.md, which scripts/export_hf.py did not "
-                       "write (its fairseq_manifest.json lists what it wrote); move it out or choose another output")
+    assert message == (
+        f"export_hf: error: output {source} holds my_notes.md, which scripts/export_hf.py did not "
+        "write (its fairseq_manifest.json lists what it wrote); move it out or choose another output"
+    )
     assert files(tmp_path) == before
 
     imported = tmp_path / "imported"
     run_console_script("import_hf", _script("import_hf").main, [str(checkpoints.parent / "hf"), str(imported)])
     (source / "my_notes.md").unlink()
     run_console_script("import_hf", _script("import_hf").main, [str(source), str(imported), "--overwrite"])
-    assert sorted(os.listdir(imported)) == ["checkpoint_best.pt", "dict.txt", "fairseq_manifest.json",
-                                            "model_flags.txt"]
+    assert sorted(os.listdir(imported)) == [
+        "checkpoint_best.pt",
+        "dict.txt",
+        "fairseq_manifest.json",
+        "model_flags.txt",
+    ]
 
 
 def test_a_failed_import_write_names_out_dir_not_save_dir(exported, tmp_path, capsys):
@@ -157,7 +170,7 @@ def test_a_failed_import_write_names_out_dir_not_save_dir(exported, tmp_path, ca
     before = files(out)
     soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
     resource.setrlimit(resource.RLIMIT_FSIZE, (20_000, hard))  # below checkpoint_best.pt's size (Python ignores
-    try:                                                        # SIGXFSZ: the write fails with EFBIG)
+    try:  # SIGXFSZ: the write fails with EFBIG)
         message = refused("import_hf", [source, out, "--overwrite"], capsys)
     finally:
         resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
@@ -165,7 +178,8 @@ def test_a_failed_import_write_names_out_dir_not_save_dir(exported, tmp_path, ca
     blocked = tmp_path / "notes.txt" / "imported"
     assert refused("import_hf", [source, blocked], capsys) == (
         f"import_hf: error: cannot write the import {blocked}: File exists (EEXIST). Fix: a file is where the "
-        "directory should be: choose another OUT_DIR")
+        "directory should be: choose another OUT_DIR"
+    )
     assert files(out) == before and sorted(os.listdir(tmp_path)) == ["ck", "hf", "imported", "notes.txt"]
 
 
@@ -175,8 +189,12 @@ def test_a_full_disk_during_the_import_names_out_dir(exported, tmp_path, capsys)
     _, source = exported
     mount = tmp_path / "small"
     mount.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(mount)], capture_output=True,
-                      timeout=30).returncode != 0:
+    if (
+        subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(mount)], capture_output=True, timeout=30
+        ).returncode
+        != 0
+    ):
         pytest.skip("mounting a tmpfs needs privileges this process lacks")
     try:
         with open(mount / "filler", "wb") as f:  # leave ~64 KiB: more than dict.txt, less than the checkpoint
@@ -184,7 +202,8 @@ def test_a_full_disk_during_the_import_names_out_dir(exported, tmp_path, capsys)
         out = mount / "imported"
         assert refused("import_hf", [source, out], capsys) == (
             f"import_hf: error: cannot write the import {out}: No space left on device (ENOSPC). Fix: free space "
-            "on that file system or point OUT_DIR at another one")
+            "on that file system or point OUT_DIR at another one"
+        )
         assert os.listdir(mount) == ["filler"]
     finally:
         subprocess.run(["umount", str(mount)], timeout=30)

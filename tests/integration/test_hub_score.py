@@ -21,8 +21,9 @@ SENTENCES = ["w1 w2 w3", "w5", "w0 w12 w1 w4 w3 w2 w1 w7 w9", "w3 w3"]
 
 
 def load(checkpoint, data, **overrides):
-    return TransformerLanguageModel.from_pretrained(str(checkpoint.parent), checkpoint.name,
-                                                    data_name_or_path=str(data), **overrides)
+    return TransformerLanguageModel.from_pretrained(
+        str(checkpoint.parent), checkpoint.name, data_name_or_path=str(data), **overrides
+    )
 
 
 @pytest.fixture(scope="module")
@@ -78,8 +79,9 @@ def test_replace_newline_with_eos_scores_the_eos_between_lines(lm):
     # lines "w1 w2", "", "w3": w1 w2 </s> </s> w3 </s>, the final </s> dropped: 5 scores, both inner </s> scored
     tokens = ids(lm, "w1 w2") + [eos, eos] + ids(lm, "w3")
     assert joined["tokens"].tolist() == tokens
-    torch.testing.assert_close(joined["positional_scores"], forward_log_probs(lm.models[0], eos, tokens),
-                               rtol=0, atol=1e-5)
+    torch.testing.assert_close(
+        joined["positional_scores"], forward_log_probs(lm.models[0], eos, tokens), rtol=0, atol=1e-5
+    )
     # without it, newlines are whitespace
     assert lm.score(text)["tokens"].tolist() == ids(lm, "w1 w2 w3")
     # a leading empty line's </s> is dropped, as upstream strips </s> at both ends
@@ -167,8 +169,9 @@ def test_same_options_reuse_the_generator_with_the_uncached_output(lm):
     torch.manual_seed(5)
     assert_same_hypotheses(lm.generate(encoded, beam=2, sampling=True, sampling_topk=5, max_len_b=12), sampled)
     torch.manual_seed(5)
-    assert_same_hypotheses(uncached_generate(lm, SENTENCES, beam=2, sampling=True, sampling_topk=5, max_len_b=12),
-                           sampled)
+    assert_same_hypotheses(
+        uncached_generate(lm, SENTENCES, beam=2, sampling=True, sampling_topk=5, max_len_b=12), sampled
+    )
 
 
 def test_other_options_give_another_generator_that_applies_them(lm):

@@ -18,11 +18,21 @@ REPO = Path(__file__).resolve().parents[2]
 CONFIG_DIR = REPO / "examples" / "large_lm" / "config"
 
 SHRINK_125M = [
-    "model.decoder_layers=2", "model.decoder_embed_dim=32", "model.decoder_ffn_embed_dim=64",
-    "model.decoder_attention_heads=2", "task.tokens_per_sample=32", "dataset.batch_size=4",
-    "dataset.num_workers=0", "optimization.update_freq=[1]", "optimization.max_update=2",
-    "lr_scheduler.warmup_updates=1", "lr_scheduler.total_num_update=2", "common.cpu=true", "common.bf16=false",
-    "common.log_interval=1", "distributed_training.ddp_backend=pytorch_ddp",
+    "model.decoder_layers=2",
+    "model.decoder_embed_dim=32",
+    "model.decoder_ffn_embed_dim=64",
+    "model.decoder_attention_heads=2",
+    "task.tokens_per_sample=32",
+    "dataset.batch_size=4",
+    "dataset.num_workers=0",
+    "optimization.update_freq=[1]",
+    "optimization.max_update=2",
+    "lr_scheduler.warmup_updates=1",
+    "lr_scheduler.total_num_update=2",
+    "common.cpu=true",
+    "common.bf16=false",
+    "common.log_interval=1",
+    "distributed_training.ddp_backend=pytorch_ddp",
 ]
 
 
@@ -62,7 +72,10 @@ def test_trains_two_updates_and_writes_run_directory(tiny_data, tmp_path, monkey
     assert checkpoint["optimizer_history"][-1]["num_updates"] == 2
     model_cfg = checkpoint["cfg"]["model"]
     assert (model_cfg["_name"], model_cfg["decoder_layers"], model_cfg["activation_fn"]) == (
-        "transformer_lm_gpt3_small", 2, "relu")
+        "transformer_lm_gpt3_small",
+        2,
+        "relu",
+    )
     assert checkpoint["cfg"]["checkpoint"]["save_dir"] == str(tmp_path / "ck")  # relative to where it ran
 
     (run_dir,) = [p for p in (tmp_path / "outputs").glob("*/*") if p.is_dir()]  # hydra's default run dir
@@ -104,8 +117,15 @@ def test_relative_paths_stay_relative_to_the_launch_directory_with_chdir(tmp_pat
     seen = []
     monkeypatch.setattr(train, "main", lambda cfg, validated=False: seen.append((cfg, os.getcwd())))
     monkeypatch.chdir(tmp_path)
-    hydra_train.cli_main(hydra_args("task.data=data-bin", "checkpoint.save_dir=ck", "hydra.job.chdir=true",
-                                    "hydra.run.dir=runs/one", "hydra/job_logging=none"))
+    hydra_train.cli_main(
+        hydra_args(
+            "task.data=data-bin",
+            "checkpoint.save_dir=ck",
+            "hydra.job.chdir=true",
+            "hydra.run.dir=runs/one",
+            "hydra/job_logging=none",
+        )
+    )
     cfg, cwd_during_training = seen[0]
     assert cwd_during_training == str(tmp_path / "runs" / "one")  # hydra did change directory
     assert cfg.checkpoint.save_dir == str(tmp_path / "ck")
@@ -116,12 +136,21 @@ def test_relative_paths_stay_relative_to_the_launch_directory_with_chdir(tmp_pat
 def test_only_the_first_process_writes_the_run_directory():
     args = ["--config-dir", "d", "--config-name", "125m", "model.decoder_layers=2", "hydra.run.dir=x"]
     first = hydra_train.hydra_argv(args, environ={"SLURM_PROCID": "0"})
-    assert first == ["--config-dir", "d", "--config-name", "125m", "++model.decoder_layers=2", "hydra.run.dir=x",
-                     "hydra/job_logging=fairseq"]
+    assert first == [
+        "--config-dir",
+        "d",
+        "--config-name",
+        "125m",
+        "++model.decoder_layers=2",
+        "hydra.run.dir=x",
+        "hydra/job_logging=fairseq",
+    ]
     later = hydra_train.hydra_argv(args, environ={"SLURM_PROCID": "5"})
     assert later[-2:] == ["hydra/job_logging=fairseq_console", "hydra.output_subdir=null"]
     assert hydra_train.hydra_argv(args + ["hydra/job_logging=none"], environ={"RANK": "1"})[-2:] == [
-        "hydra/job_logging=none", "hydra.output_subdir=null"]
+        "hydra/job_logging=none",
+        "hydra.output_subdir=null",
+    ]
 
 
 def test_overrides_may_come_before_the_options():
@@ -132,8 +161,11 @@ def test_overrides_may_come_before_the_options():
     for environ in ({"RANK": "0"}, {"RANK": "3"}):
         parsed = get_args_parser().parse_args(hydra_train.hydra_argv(args, environ=environ))  # hydra's parser
         assert parsed.config_dir == "d" and parsed.config_name == "125m"
-        assert parsed.overrides[:3] == ["++task.data=x", "++model.decoder_layers=2", "hydra/job_logging=" +
-                                        ("fairseq" if environ["RANK"] == "0" else "fairseq_console")]
+        assert parsed.overrides[:3] == [
+            "++task.data=x",
+            "++model.decoder_layers=2",
+            "hydra/job_logging=" + ("fairseq" if environ["RANK"] == "0" else "fairseq_console"),
+        ]
 
 
 UPSTREAM_STYLE_CONFIG = """# @package _group_
@@ -192,8 +224,18 @@ def test_upstream_style_yaml_with_group_package_headers(tiny_data, tmp_path, res
     original = train.main
     try:
         train.main = lambda cfg, validated=False: seen.append(cfg) or original(cfg, validated)
-        hydra_train.cli_main([f"task.data={tiny_data}", "model.decoder_layers=1", "hydra.run.dir=run",
-                              "hydra/job_logging=none", "--config-dir", str(config_dir), "--config-name", "lm"])
+        hydra_train.cli_main(
+            [
+                f"task.data={tiny_data}",
+                "model.decoder_layers=1",
+                "hydra.run.dir=run",
+                "hydra/job_logging=none",
+                "--config-dir",
+                str(config_dir),
+                "--config-name",
+                "lm",
+            ]
+        )
     finally:
         train.main = original
     (cfg,) = seen
@@ -202,8 +244,10 @@ def test_upstream_style_yaml_with_group_package_headers(tiny_data, tmp_path, res
     assert cfg.dataset.max_tokens_valid == 128  # ${dataset.max_tokens}
     assert cfg.checkpoint.keep_interval_updates == 1  # ${common.seed}: not in the file, so its default
     assert cfg.optimization.max_update == 2 and cfg.task.tokens_per_sample == 32
-    assert torch.load(tmp_path / "ck" / "checkpoint_last.pt", weights_only=True)["extra_state"]["trainer"][
-        "num_updates"] == 2
+    assert (
+        torch.load(tmp_path / "ck" / "checkpoint_last.pt", weights_only=True)["extra_state"]["trainer"]["num_updates"]
+        == 2
+    )
 
 
 def test_unused_upstream_groups_must_be_null():
@@ -225,13 +269,34 @@ def test_bpe_and_tokenizer_groups_give_the_command_lines_config(tmp_path, monkey
 
     monkeypatch.chdir(tmp_path)
     base = {"task": {"_name": "dummy_lm"}, "model": {"_name": "transformer_lm"}, "optimizer": "adam"}
-    values = resolve_paths(dict(base, bpe={"_name": "gpt2", "gpt2_encoder_json": "gpt2/encoder.json",
-                                           "gpt2_vocab_bpe": "gpt2/vocab.bpe"}, tokenizer="space"), str(tmp_path))
+    values = resolve_paths(
+        dict(
+            base,
+            bpe={"_name": "gpt2", "gpt2_encoder_json": "gpt2/encoder.json", "gpt2_vocab_bpe": "gpt2/vocab.bpe"},
+            tokenizer="space",
+        ),
+        str(tmp_path),
+    )
     from_yaml = fairseq_config_from_dict(values)
-    args = options.parse_args_and_arch(options.get_training_parser(), [
-        "--task", "dummy_lm", "--arch", "transformer_lm", "--optimizer", "adam", "--bpe", "gpt2",
-        "--gpt2-encoder-json", str(tmp_path / "gpt2/encoder.json"), "--gpt2-vocab-bpe",
-        str(tmp_path / "gpt2/vocab.bpe"), "--tokenizer", "space"])
+    args = options.parse_args_and_arch(
+        options.get_training_parser(),
+        [
+            "--task",
+            "dummy_lm",
+            "--arch",
+            "transformer_lm",
+            "--optimizer",
+            "adam",
+            "--bpe",
+            "gpt2",
+            "--gpt2-encoder-json",
+            str(tmp_path / "gpt2/encoder.json"),
+            "--gpt2-vocab-bpe",
+            str(tmp_path / "gpt2/vocab.bpe"),
+            "--tokenizer",
+            "space",
+        ],
+    )
     from_flags = options.convert_namespace_to_config(args)
     assert from_yaml.bpe._name == "gpt2" and from_yaml.bpe.gpt2_vocab_bpe == str(tmp_path / "gpt2" / "vocab.bpe")
     assert config_to_dict(from_yaml) == config_to_dict(from_flags)
@@ -246,13 +311,25 @@ def test_upstream_documented_command_with_config_groups(tiny_data, tmp_path, res
     (`task=language_modeling`, `model=transformer_lm/transformer_lm_gpt`, `optimizer=adam`); as upstream's
     bundled config does, the run directory is the current one."""
     monkeypatch.chdir(tmp_path)
-    hydra_train.cli_main([
-        "distributed_training.distributed_world_size=1", "dataset.batch_size=2", f"task.data={tiny_data}",
-        "model=transformer_lm/transformer_lm_gpt", "task=language_modeling", "optimization.max_update=2",
-        "optimizer=adam", "model.decoder_layers=1", "model.decoder_embed_dim=32", "model.decoder_ffn_embed_dim=64",
-        "model.decoder_attention_heads=2", "task.tokens_per_sample=32", "common.cpu=true", "dataset.num_workers=0",
-        "hydra/job_logging=none",
-    ])
+    hydra_train.cli_main(
+        [
+            "distributed_training.distributed_world_size=1",
+            "dataset.batch_size=2",
+            f"task.data={tiny_data}",
+            "model=transformer_lm/transformer_lm_gpt",
+            "task=language_modeling",
+            "optimization.max_update=2",
+            "optimizer=adam",
+            "model.decoder_layers=1",
+            "model.decoder_embed_dim=32",
+            "model.decoder_ffn_embed_dim=64",
+            "model.decoder_attention_heads=2",
+            "task.tokens_per_sample=32",
+            "common.cpu=true",
+            "dataset.num_workers=0",
+            "hydra/job_logging=none",
+        ]
+    )
     saved = yaml.safe_load((tmp_path / ".hydra" / "fairseq_config.yaml").read_text())
     assert saved["model"]["_name"] == "transformer_lm_gpt" and saved["model"]["decoder_layers"] == 1
     assert saved["model"]["activation_fn"] == "gelu"  # the gpt preset filled what was not set
@@ -307,10 +384,19 @@ def test_the_header_free_copy_holds_only_the_yaml_files(tmp_path):
 
 
 def run_hydra_cli(*args, cwd):
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("SLURM_", "RANK", "LOCAL_RANK", "WORLD_SIZE")) and k != "HYDRA_FULL_ERROR"}
-    return subprocess.run([sys.executable, "-m", "fairseq_cli.hydra_train", "hydra/job_logging=none", *args],
-                          cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("SLURM_", "RANK", "LOCAL_RANK", "WORLD_SIZE")) and k != "HYDRA_FULL_ERROR"
+    }
+    return subprocess.run(
+        [sys.executable, "-m", "fairseq_cli.hydra_train", "hydra/job_logging=none", *args],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 def test_duplicate_key_is_one_line_naming_file_key_and_line(tmp_path):
@@ -318,7 +404,8 @@ def test_duplicate_key_is_one_line_naming_file_key_and_line(tmp_path):
     config_dir.mkdir()
     (config_dir / "lm.yaml").write_text(
         "common:\n  cpu: true\noptimization:\n  max_update: 2\n  lr: [0.001]\n  max_update: 3\n"
-        "task:\n  _name: dummy_lm\n")
+        "task:\n  _name: dummy_lm\n"
+    )
     result = run_hydra_cli("--config-dir", str(config_dir), "--config-name", "lm", cwd=tmp_path)
     assert result.returncode == 1, result.stderr[-3000:]
     assert result.stderr.splitlines() == [
@@ -328,8 +415,9 @@ def test_duplicate_key_is_one_line_naming_file_key_and_line(tmp_path):
     assert result.stdout == ""
 
 
-def test_duplicate_key_in_an_upstream_style_group_file_names_the_users_file(tmp_path, monkeypatch, capsys,
-                                                                           restore_logging):
+def test_duplicate_key_in_an_upstream_style_group_file_names_the_users_file(
+    tmp_path, monkeypatch, capsys, restore_logging
+):
     """Files with `# @package _group_` headers are read from a header-free copy; the message names the
     user's file, and the line numbers are the user's."""
     config_dir = tmp_path / "config"
@@ -339,8 +427,9 @@ def test_duplicate_key_in_an_upstream_style_group_file_names_the_users_file(tmp_
     monkeypatch.chdir(tmp_path)
     monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
     with pytest.raises(SystemExit) as exit_info:  # in this process (the test above runs the command as one)
-        hydra_train.cli_main(["hydra/job_logging=none", "task.data=x", "--config-dir", str(config_dir),
-                              "--config-name", "lm"])
+        hydra_train.cli_main(
+            ["hydra/job_logging=none", "task.data=x", "--config-dir", str(config_dir), "--config-name", "lm"]
+        )
     assert exit_info.value.code == 1
     stderr = capsys.readouterr().err
     errors = [line for line in stderr.splitlines() if "error:" in line]
@@ -359,8 +448,10 @@ def test_yaml_syntax_error_is_one_line(tmp_path, monkeypatch, capsys, restore_lo
         hydra_train.cli_main(["--config-dir", str(tmp_path), "--config-name", "bad", "hydra/job_logging=none"])
     assert exit_info.value.code == 1
     err = capsys.readouterr().err
-    assert err.startswith(f"fairseq-hydra-train: error: {tmp_path / 'bad.yaml'}, line 3, column 1: ") and \
-        err.count("\n") == 1, err
+    assert (
+        err.startswith(f"fairseq-hydra-train: error: {tmp_path / 'bad.yaml'}, line 3, column 1: ")
+        and err.count("\n") == 1
+    ), err
     assert "HYDRA_FULL_ERROR" not in os.environ  # hydra's switch, set while composing, is put back
 
 
@@ -369,8 +460,9 @@ def test_other_hydra_errors_are_reported_as_hydra_reports_them(tmp_path, monkeyp
     monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
     (tmp_path / "lm.yaml").write_text("common:\n  cpu: true\n")
     with pytest.raises(SystemExit) as exit_info:
-        hydra_train.cli_main(["--config-dir", str(tmp_path), "--config-name", "lm", "hydra/job_logging=none",
-                              "model=nowhere"])
+        hydra_train.cli_main(
+            ["--config-dir", str(tmp_path), "--config-name", "lm", "hydra/job_logging=none", "model=nowhere"]
+        )
     assert exit_info.value.code == 1
     err = capsys.readouterr().err
     assert "Could not override 'model'" in err and "Traceback" not in err
@@ -388,15 +480,18 @@ def test_misspelt_config_name_or_missing_config_dir_is_one_line(tmp_path):
     assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
     assert result.stderr.splitlines() == [
         f"fairseq-hydra-train: error: --config-name tni: no tni.yaml in {config_dir}; the configs there, closest "
-        "first: tiny, small"], result.stderr[-3000:]
+        "first: tiny, small"
+    ], result.stderr[-3000:]
     result = run_hydra_cli("--config-dir", str(config_dir), "--config-name", "tinny", cwd=tmp_path)
     assert result.stderr.splitlines() == [
         f"fairseq-hydra-train: error: --config-name tinny: no tinny.yaml in {config_dir} (did you mean 'tiny'?); "
-        "the configs there, closest first: tiny, small"], result.stderr[-3000:]
+        "the configs there, closest first: tiny, small"
+    ], result.stderr[-3000:]
     result = run_hydra_cli("--config-dir", str(tmp_path / "nowhere"), "--config-name", "tiny", cwd=tmp_path)
     assert result.returncode == 1 and result.stderr.splitlines() == [
         f"fairseq-hydra-train: error: --config-dir {tmp_path / 'nowhere'}: no such directory; pass the directory "
-        "that holds tiny.yaml"], result.stderr[-3000:]
+        "that holds tiny.yaml"
+    ], result.stderr[-3000:]
     assert not (tmp_path / "outputs").exists()
 
 
@@ -410,8 +505,11 @@ def test_unwritable_run_directory_is_one_line(tmp_path):
     result = run_hydra_cli("--config-dir", str(config_dir), "--config-name", "lm", cwd=tmp_path)
     lines = result.stderr.strip().splitlines()
     assert result.returncode == 1 and "Traceback" not in result.stderr and len(lines) == 1, result.stderr[-3000:]
-    assert lines[0].startswith("fairseq-hydra-train: error: cannot write hydra's run directory outputs/") and \
-        "(ENOTDIR)" in lines[0] and lines[0].endswith("pass hydra.run.dir=DIR"), lines[0]
+    assert (
+        lines[0].startswith("fairseq-hydra-train: error: cannot write hydra's run directory outputs/")
+        and "(ENOTDIR)" in lines[0]
+        and lines[0].endswith("pass hydra.run.dir=DIR")
+    ), lines[0]
     assert (tmp_path / "outputs").read_text() == "not a directory"
 
 
@@ -431,8 +529,9 @@ def test_yaml_model_group_input_and_output_dims_keep_upstreams_default():
     base = {"task": {"_name": "language_modeling", "data": "data-bin"}, "optimizer": {"_name": "adam"}}
     model = fairseq_config_from_dict(dict(base, model={"_name": "transformer_lm", "decoder_embed_dim": 64})).model
     assert (model.decoder_input_dim, model.decoder_output_dim) == (512, 512)
-    model = fairseq_config_from_dict(dict(base, model={"_name": "transformer_lm", "decoder_embed_dim": 64,
-                                                       "decoder_input_dim": 128})).model
+    model = fairseq_config_from_dict(
+        dict(base, model={"_name": "transformer_lm", "decoder_embed_dim": 64, "decoder_input_dim": 128})
+    ).model
     assert (model.decoder_input_dim, model.decoder_output_dim) == (128, 512)
 
 
@@ -443,9 +542,15 @@ def test_streaming_task_with_yaml_weights(tmp_path, monkeypatch, capsys, restore
     monkeypatch.chdir(tmp_path)
     for name in [k for k in os.environ if k.startswith(("SLURM_", "RANK", "LOCAL_RANK", "WORLD_SIZE"))]:
         monkeypatch.delenv(name)
-    hydra_train.cli_main(hydra_args("task._name=streaming_language_modeling", f"task.data={data}",
-                                    "task.data_weights='web=1,books=0'", "checkpoint.save_dir=ck",
-                                    "hydra/job_logging=none"))
+    hydra_train.cli_main(
+        hydra_args(
+            "task._name=streaming_language_modeling",
+            f"task.data={data}",
+            "task.data_weights='web=1,books=0'",
+            "checkpoint.save_dir=ck",
+            "hydra/job_logging=none",
+        )
+    )
     checkpoint = torch.load(tmp_path / "ck" / "checkpoint_last.pt", map_location="cpu", weights_only=True)
     streaming = checkpoint["extra_state"]["train_iterator"]["streaming"]
     assert streaming["rates"] == {"books": 0.0, "web": 1.0}

@@ -22,8 +22,17 @@ from fairseq.data.dictionary import Dictionary  # noqa: E402
 from fairseq.export import hf, hf_import  # noqa: E402
 from fairseq.export.safetensors_shards import read_weights  # noqa: E402
 from tests.hf_fixtures import tiny_hf_model, write_opt_tokenizer, write_xglm_tokenizer  # noqa: E402
-from tests.integration.test_export_hf import (EXTRA_TEXT, KINDS, assert_same_greedy, assert_same_logits,  # noqa: E402
-                                              fork_model, load_hf, random_rows, word_dictionary, write_checkpoint)
+from tests.integration.test_export_hf import (  # noqa: E402
+    EXTRA_TEXT,
+    KINDS,
+    assert_same_greedy,
+    assert_same_logits,
+    fork_model,
+    load_hf,
+    random_rows,
+    word_dictionary,
+    write_checkpoint,
+)
 from tests.integration.test_preprocess_bpe import TRICKY  # noqa: E402
 from tests.text_fixtures import sample_text, train_gpt2_files, train_spm_model, write_full_gpt2_dict  # noqa: E402
 
@@ -34,8 +43,10 @@ pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 def tokenizers(tmp_path_factory):
     """{"opt": (directory, ids), "xglm": (directory, ids)}: the tokenizer files of the tiny models."""
     root = tmp_path_factory.mktemp("hf_tokenizers")
-    return {"opt": (root / "opt", write_opt_tokenizer(root / "opt")),
-            "xglm": (root / "xglm", write_xglm_tokenizer(root / "xglm"))}
+    return {
+        "opt": (root / "opt", write_opt_tokenizer(root / "opt")),
+        "xglm": (root / "xglm", write_xglm_tokenizer(root / "xglm")),
+    }
 
 
 def make_hf(tmp_path, tokenizers, model_type, **options):
@@ -55,14 +66,28 @@ VARIANTS = {
     # name: (model type, options); every variant is also exported back and compared bit for bit
     "opt_prenorm_tied": ("opt", {}),
     "opt_postnorm_projections": ("opt", {"do_layer_norm_before": False, "word_embed_proj_dim": 16}),  # OPT-350m's
-    "opt_untied_no_final_norm": ("opt", {"tie_word_embeddings": False, "_remove_final_layer_norm": True,
-                                         "activation_function": "gelu_new", "word_embed_proj_dim": 16}),
+    "opt_untied_no_final_norm": (
+        "opt",
+        {
+            "tie_word_embeddings": False,
+            "_remove_final_layer_norm": True,
+            "activation_function": "gelu_new",
+            "word_embed_proj_dim": 16,
+        },
+    ),
     "opt_no_bias_no_affine": ("opt", {"enable_bias": False, "layer_norm_elementwise_affine": False}),
     "opt_bf16_sharded": ("opt", {"dtype": torch.bfloat16, "max_shard_size": "30KB", "tie_word_embeddings": False}),
     "opt_pytorch_bin": ("opt", {"pickle": True}),
     "xglm_tied_scaled_legacy_pytorch_bin": ("xglm", {"pickle": "legacy"}),
-    "xglm_untied_unscaled_relu_bf16": ("xglm", {"tie_word_embeddings": False, "scale_embedding": False,
-                                                    "activation_function": "relu", "dtype": torch.bfloat16}),
+    "xglm_untied_unscaled_relu_bf16": (
+        "xglm",
+        {
+            "tie_word_embeddings": False,
+            "scale_embedding": False,
+            "activation_function": "relu",
+            "dtype": torch.bfloat16,
+        },
+    ),
 }
 
 
@@ -71,8 +96,11 @@ def test_imported_model_computes_what_transformers_computes(variant, tokenizers,
     model_type, options = VARIANTS[variant]
     source = make_hf(tmp_path, tokenizers, model_type, **options)
     files = read_weights(str(source))[1]
-    assert len(files) > 2 if "max_shard_size" in options else files == (
-        ["pytorch_model.bin"] if options.get("pickle") else ["model.safetensors"])
+    assert (
+        len(files) > 2
+        if "max_shard_size" in options
+        else files == (["pytorch_model.bin"] if options.get("pickle") else ["model.safetensors"])
+    )
     result = hf_import.import_hf(str(source), str(tmp_path / "fs"))
     assert result["architecture"] == ("OPTForCausalLM" if model_type == "opt" else "XGLMForCausalLM")
     assert result["bpe"] == ("gpt2" if model_type == "opt" else "sentencepiece")
@@ -99,8 +127,18 @@ def test_imported_model_computes_what_transformers_computes(variant, tokenizers,
             assert not options.get("enable_bias", True) and (tensor == (1 if name.endswith("norm.weight") else 0)).all()
     assert set(original) - {"lm_head.weight"} <= set(back)
     config, back_config = (json.loads((d / "config.json").read_text()) for d in (source, tmp_path / "back"))
-    for key in ("hidden_size", "d_model", "num_hidden_layers", "num_layers", "ffn_dim", "word_embed_proj_dim",
-                "do_layer_norm_before", "_remove_final_layer_norm", "scale_embedding", "tie_word_embeddings"):
+    for key in (
+        "hidden_size",
+        "d_model",
+        "num_hidden_layers",
+        "num_layers",
+        "ffn_dim",
+        "word_embed_proj_dim",
+        "do_layer_norm_before",
+        "_remove_final_layer_norm",
+        "scale_embedding",
+        "tie_word_embeddings",
+    ):
         assert config.get(key) == back_config.get(key) or key not in config, key
 
 
@@ -129,8 +167,14 @@ def test_bf16_to_float32_and_the_cli(tokenizers, tmp_path, capsys):
     assert {v.dtype for v in state.values()} == {torch.float32}
     original = hf_tensors(source)["model.decoder.layers.1.fc2.weight"]
     assert torch.equal(state["decoder.layers.1.fc2.weight"], original.float())
-    assert sorted(os.listdir(tmp_path / "fs")) == ["checkpoint_best.pt", "dict.txt", "encoder.json",
-                                                   "fairseq_manifest.json", "model_flags.txt", "vocab.bpe"]
+    assert sorted(os.listdir(tmp_path / "fs")) == [
+        "checkpoint_best.pt",
+        "dict.txt",
+        "encoder.json",
+        "fairseq_manifest.json",
+        "model_flags.txt",
+        "vocab.bpe",
+    ]
 
 
 # ----------------------------------------------------------------------------- the tokenizers
@@ -177,8 +221,11 @@ def test_xglm_tokenizer_gives_transformers_ids(tokenizers, tmp_path):
     dictionary = Dictionary.load(str(out / "dict.txt"))
     left_out = 0
     for text in _texts():
-        if any(c * 4 in text for c in set(text) - {" "}) or any(s in text for s in ("<s>", "</s>", "<pad>", "<unk>")) \
-                or any(c.isspace() and c not in " \t\n\r\x0b\x0c\u3000\xa0" for c in text):
+        if (
+            any(c * 4 in text for c in set(text) - {" "})
+            or any(s in text for s in ("<s>", "</s>", "<pad>", "<unk>"))
+            or any(c.isspace() and c not in " \t\n\r\x0b\x0c\u3000\xa0" for c in text)
+        ):
             left_out += 1
             continue
         ours = dictionary.encode_line(bpe.encode(text), append_eos=False).tolist()
@@ -209,8 +256,9 @@ def test_import_of_an_export_keeps_the_bpe_files(tmp_path):
     write_full_gpt2_dict(enc, tmp_path / "gpt2_dict.txt")
     gpt2 = Dictionary.load(str(tmp_path / "gpt2_dict.txt"))
     ckpt = write_checkpoint(tmp_path / "gpt2", gpt2, arch="transformer_lm_gpt3_small")
-    hf.export(ckpt, str(tmp_path / "hf"), bpe={"_name": "gpt2", "gpt2_encoder_json": str(enc),
-                                               "gpt2_vocab_bpe": str(vocab)})
+    hf.export(
+        ckpt, str(tmp_path / "hf"), bpe={"_name": "gpt2", "gpt2_encoder_json": str(enc), "gpt2_vocab_bpe": str(vocab)}
+    )
     hf_import.import_hf(str(tmp_path / "hf"), str(tmp_path / "fs"))
     _assert_same_checkpoint(ckpt, tmp_path / "fs" / "checkpoint_best.pt")
     for name, original in (("encoder.json", enc), ("vocab.bpe", vocab), ("dict.txt", tmp_path / "gpt2_dict.txt")):
@@ -260,9 +308,9 @@ def test_from_pretrained_on_a_transformers_directory(model_type, tokenizers, tmp
     ids = tokenizer(prompt).input_ids
     assert lm.encode(prompt).tolist() == ids[1:] + [2]  # fairseq's encode ends with </s>; transformers starts with it
     new = 6
-    out = theirs.generate(torch.tensor([ids]), max_new_tokens=new, min_new_tokens=new, do_sample=False)[0, len(ids):]
+    out = theirs.generate(torch.tensor([ids]), max_new_tokens=new, min_new_tokens=new, do_sample=False)[0, len(ids) :]
     hypo = lm.generate([lm.encode(prompt)[:-1]], beam=1, max_len_b=len(ids) - 1 + new, min_len=len(ids) - 1 + new)
-    assert hypo[0][0]["tokens"][len(ids) - 1:len(ids) - 1 + new].tolist() == out.tolist()
+    assert hypo[0][0]["tokens"][len(ids) - 1 : len(ids) - 1 + new].tolist() == out.tolist()
 
 
 def test_path_to_a_transformers_directory_says_how_to_load_it(tiny_data, tmp_path, monkeypatch):
@@ -276,16 +324,18 @@ def test_path_to_a_transformers_directory_says_how_to_load_it(tiny_data, tmp_pat
     source = tmp_path / "hf"
     hf.export(write_checkpoint(tmp_path / "ck", word_dictionary(), arch="transformer_lm_gpt"), str(source))
     monkeypatch.setattr("sys.stdin", io.StringIO("w1 w2\n"))
-    for name, cli_main, path, part in (("fairseq-interactive", interactive.cli_main, source, ""),
-                                       ("fairseq-generate", generate.cli_main, source / "model.safetensors",
-                                        "a file of "),
-                                       ("fairseq-eval-lm", eval_lm.cli_main, source / "config.json", "a file of ")):
+    for name, cli_main, path, part in (
+        ("fairseq-interactive", interactive.cli_main, source, ""),
+        ("fairseq-generate", generate.cli_main, source / "model.safetensors", "a file of "),
+        ("fairseq-eval-lm", eval_lm.cli_main, source / "config.json", "a file of "),
+    ):
         status, _, err = console_in_process(name, cli_main, [str(tiny_data), "--path", str(path), "--cpu"])
         assert status == 1 and err.strip() == (
             f"{name}: error: {path} is {part}a transformers model directory (config.json of model_type xglm), not a "
             f"fairseq checkpoint: import it with `python scripts/import_hf.py {source} OUT_DIR` and pass --path "
             f"OUT_DIR/checkpoint_best.pt, or load it in Python with TransformerLanguageModel.from_pretrained("
-            f"{str(source)!r})"), err
+            f"{str(source)!r})"
+        ), err
 
 
 # ----------------------------------------------------------------------------- bad input
@@ -294,8 +344,9 @@ def test_path_to_a_transformers_directory_says_how_to_load_it(tiny_data, tmp_pat
 def _script():
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("import_hf_script", os.path.join(
-        os.path.dirname(__file__), "..", "..", "scripts", "import_hf.py"))
+    spec = importlib.util.spec_from_file_location(
+        "import_hf_script", os.path.join(os.path.dirname(__file__), "..", "..", "scripts", "import_hf.py")
+    )
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)
     return script
@@ -350,9 +401,12 @@ def _break(case, source):
 
 
 CONFIG_VALUES = {  # case: config.json values of the wrong kind
-    "hidden_size_string": {"hidden_size": "64"}, "hidden_size_float": {"hidden_size": 2.5},
-    "hidden_size_null": {"hidden_size": None}, "hidden_size_abc": {"hidden_size": "abc"},
-    "layers_negative": {"num_hidden_layers": -1}, "dropout_switch": {"dropout": True},
+    "hidden_size_string": {"hidden_size": "64"},
+    "hidden_size_float": {"hidden_size": 2.5},
+    "hidden_size_null": {"hidden_size": None},
+    "hidden_size_abc": {"hidden_size": "abc"},
+    "layers_negative": {"num_hidden_layers": -1},
+    "dropout_switch": {"dropout": True},
 }
 
 BAD = {  # case: what the one line says (besides the file's name)
@@ -364,7 +418,7 @@ BAD = {  # case: what the one line says (besides the file's name)
     "dropout_switch": "dropout is true (a boolean); expected a number from 0 to below 1",
     "shared_id": "tokens 'dup_a' and 'dup_b' share id 10; each id names one token",
     "index_parent": 'names the weight file "../elsewhere.safetensors", outside ',
-    "index_absolute": "elsewhere.safetensors\", outside ",
+    "index_absolute": 'elsewhere.safetensors", outside ',
     "llama": "model_type 'llama' (LlamaForCausalLM) is not OPT or XGLM",
     "no_tokenizer": "has no GPT-2 tokenizer files (vocab.json + merges.txt, or tokenizer.json)",
     "vocab_bigger_than_rows": "entries but the model's embedding has",

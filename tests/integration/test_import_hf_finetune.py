@@ -30,18 +30,36 @@ def imported(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("finetune_opt")
     ids = write_opt_tokenizer(root / "tokenizer")
-    source = tiny_hf_model(root / "hf", "opt", root / "tokenizer", ids, do_layer_norm_before=False,
-                           word_embed_proj_dim=16)
+    source = tiny_hf_model(
+        root / "hf", "opt", root / "tokenizer", ids, do_layer_norm_before=False, word_embed_proj_dim=16
+    )
     fs = root / "fs"
     hf_import.import_hf(str(source), str(fs))
     lines = [line.strip() for line in sample_text().split("\n") if line.strip()]
     (root / "train.txt").write_text("\n".join(lines[:300]) + "\n", encoding="utf-8")
     (root / "valid.txt").write_text("\n".join(lines[300:340]) + "\n", encoding="utf-8")
     data = root / "data-bin"
-    preprocess.cli_main(["--only-source", "--srcdict", str(fs / "dict.txt"), "--trainpref", str(root / "train.txt"),
-                         "--validpref", str(root / "valid.txt"), "--destdir", str(data), "--workers", "1",
-                         "--bpe", "gpt2", "--gpt2-encoder-json", str(fs / "encoder.json"),
-                         "--gpt2-vocab-bpe", str(fs / "vocab.bpe")])
+    preprocess.cli_main(
+        [
+            "--only-source",
+            "--srcdict",
+            str(fs / "dict.txt"),
+            "--trainpref",
+            str(root / "train.txt"),
+            "--validpref",
+            str(root / "valid.txt"),
+            "--destdir",
+            str(data),
+            "--workers",
+            "1",
+            "--bpe",
+            "gpt2",
+            "--gpt2-encoder-json",
+            str(fs / "encoder.json"),
+            "--gpt2-vocab-bpe",
+            str(fs / "vocab.bpe"),
+        ]
+    )
     return {"fs": fs, "data": data, "source": source}
 
 
@@ -49,10 +67,36 @@ def finetune_argv(imported, save_dir, *extra):
     fs = imported["fs"]
     flags = (fs / "model_flags.txt").read_text().split()
     bpe = ["--bpe", "gpt2", "--gpt2-encoder-json", str(fs / "encoder.json"), "--gpt2-vocab-bpe", str(fs / "vocab.bpe")]
-    return ["--task", "language_modeling", str(imported["data"]), "--save-dir", str(save_dir), *flags, *bpe,
-            "--finetune-from-model", str(imported["fs"] / "checkpoint_best.pt"), "--optimizer", "adam", "--lr", "0.001",
-            "--tokens-per-sample", "32", "--batch-size", "4", "--max-update", "3", "--num-workers", "0", "--cpu",
-            "--seed", "1", "--disable-validation", "--dropout", "0", *extra]
+    return [
+        "--task",
+        "language_modeling",
+        str(imported["data"]),
+        "--save-dir",
+        str(save_dir),
+        *flags,
+        *bpe,
+        "--finetune-from-model",
+        str(imported["fs"] / "checkpoint_best.pt"),
+        "--optimizer",
+        "adam",
+        "--lr",
+        "0.001",
+        "--tokens-per-sample",
+        "32",
+        "--batch-size",
+        "4",
+        "--max-update",
+        "3",
+        "--num-workers",
+        "0",
+        "--cpu",
+        "--seed",
+        "1",
+        "--disable-validation",
+        "--dropout",
+        "0",
+        *extra,
+    ]
 
 
 def check_finetuned(imported, checkpoint, tmp_path):
@@ -64,8 +108,11 @@ def check_finetuned(imported, checkpoint, tmp_path):
 
     for option in TransformerLanguageModel.architecture_options + ("share_decoder_input_output_embed",):
         assert after["cfg"]["model"][option] == before["cfg"]["model"][option], option
-    moved = [k for k, v in before["model"].items() if v.is_floating_point() and v.numel() > 1
-             and not torch.equal(v, after["model"][k].to(v.dtype))]
+    moved = [
+        k
+        for k, v in before["model"].items()
+        if v.is_floating_point() and v.numel() > 1 and not torch.equal(v, after["model"][k].to(v.dtype))
+    ]
     assert len(moved) > len(before["model"]) // 2
     assert after["vocabulary"]["dictionary_sha256"] == before["vocabulary"]["dictionary_sha256"]
     out = tmp_path / "hf_finetuned"
@@ -105,10 +152,17 @@ def test_the_printed_command_runs_as_printed(imported, tmp_path, capsys):
     (line,) = [line for line in capsys.readouterr().out.splitlines() if "fine-tune with: " in line]
     command = shlex.split(line.split("fine-tune with: ", 1)[1])
     assert command[:2] == ["fairseq-train", "DATA"] and "--tokens-per-sample 64" in " ".join(command)
-    assert (out / "model_flags.txt").read_text().split()[-4:] == ["--max-target-positions", "64",
-                                                                    "--tokens-per-sample", "64"]
-    train.cli_main([str(imported["data"])] + command[2:] + ["--save-dir", str(tmp_path / "ck"), "--max-update", "1",
-                                                              "--cpu", "--num-workers", "0"])
+    assert (out / "model_flags.txt").read_text().split()[-4:] == [
+        "--max-target-positions",
+        "64",
+        "--tokens-per-sample",
+        "64",
+    ]
+    train.cli_main(
+        [str(imported["data"])]
+        + command[2:]
+        + ["--save-dir", str(tmp_path / "ck"), "--max-update", "1", "--cpu", "--num-workers", "0"]
+    )
     state = torch.load(tmp_path / "ck" / "checkpoint_last.pt", weights_only=True)
     assert state["extra_state"]["trainer"]["num_updates"] == 1
 
@@ -116,8 +170,9 @@ def test_the_printed_command_runs_as_printed(imported, tmp_path, capsys):
 def test_finetune_fully_sharded_on_two_processes_then_export(imported, tmp_path):
     argv = finetune_argv(imported, tmp_path / "ck", "--ddp-backend", "fully_sharded", "--distributed-world-size", "2")
     env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, "-m", "fairseq_cli.train", *argv], capture_output=True, text=True,
-                          timeout=500, env=env)
+    proc = subprocess.run(
+        [sys.executable, "-m", "fairseq_cli.train", *argv], capture_output=True, text=True, timeout=500, env=env
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "--finetune-from-model" in proc.stdout + proc.stderr or "loaded model weights" in proc.stdout + proc.stderr
     check_finetuned(imported, tmp_path / "ck" / "checkpoint_last.pt", tmp_path)

@@ -31,8 +31,17 @@ def ckpt(tiny_lm_checkpoint):
 
 
 def argv(tiny_data, ckpt, *extra):
-    return [str(tiny_data), "--task", "language_modeling", "--path", str(ckpt), "--cpu", "--num-workers", "0",
-            *map(str, extra)]
+    return [
+        str(tiny_data),
+        "--task",
+        "language_modeling",
+        "--path",
+        str(ckpt),
+        "--cpu",
+        "--num-workers",
+        "0",
+        *map(str, extra),
+    ]
 
 
 def run(monkeypatch, capsys, args, stdin_text):
@@ -60,14 +69,20 @@ def parse(stdout):
 
 
 def test_lines_in_input_order_equal_the_hub(tiny_data, ckpt, monkeypatch, capsys):
-    status, out, _ = run(monkeypatch, capsys, argv(tiny_data, ckpt, "--beam", 2, "--nbest", 2, "--max-len-b", 12,
-                                                   "--buffer-size", 3, "--batch-size", 2), "\n".join(PROMPTS) + "\n")
+    status, out, _ = run(
+        monkeypatch,
+        capsys,
+        argv(tiny_data, ckpt, "--beam", 2, "--nbest", 2, "--max-len-b", 12, "--buffer-size", 3, "--batch-size", 2),
+        "\n".join(PROMPTS) + "\n",
+    )
     assert status == 0
     rows = parse(out)
     assert [(kind, i) for kind, i, _ in rows] == [
-        (kind, i) for i in range(len(PROMPTS)) for kind in ("S", "W") + ("H", "D", "P") * 2]
-    models, cfg, task = checkpoint_utils.load_model_ensemble_and_task([str(ckpt)],
-                                                                      arg_overrides={"data": str(tiny_data)})
+        (kind, i) for i in range(len(PROMPTS)) for kind in ("S", "W") + ("H", "D", "P") * 2
+    ]
+    models, cfg, task = checkpoint_utils.load_model_ensemble_and_task(
+        [str(ckpt)], arg_overrides={"data": str(tiny_data)}
+    )
     hub = GeneratorHubInterface(cfg, task, models)
     for i, prompt in enumerate(PROMPTS):
         mine = [fields for kind, j, fields in rows if j == i]
@@ -75,7 +90,7 @@ def test_lines_in_input_order_equal_the_hub(tiny_data, ckpt, monkeypatch, capsys
         assert mine[1][1] == "seconds" and float(mine[1][0]) >= 0
         expected = hub.generate(hub.encode(prompt), beam=2, max_len_b=12)
         for k, hypo in enumerate(expected[:2]):
-            (score, tokens), (d_score, text), (positional,) = mine[2 + 3 * k: 5 + 3 * k]
+            (score, tokens), (d_score, text), (positional,) = mine[2 + 3 * k : 5 + 3 * k]
             assert tokens == text == hub.string(hypo["tokens"])
             assert tokens.startswith(prompt)
             assert float(score) == float(d_score) == pytest.approx(float(hypo["score"]) / math.log(2), abs=1e-5)
@@ -86,14 +101,26 @@ def test_lines_in_input_order_equal_the_hub(tiny_data, ckpt, monkeypatch, capsys
 def test_console_script_reads_a_pipe_and_input_files(tiny_data, ckpt, tmp_path, monkeypatch, capsys):
     args = argv(tiny_data, ckpt, "--beam", 1, "--max-len-b", 6)
     env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
-    piped = subprocess.run([sys.executable, "-m", "fairseq_cli.interactive", *args], input="w1 w2\nw3\n",
-                           capture_output=True, text=True, env=env, timeout=300)
+    piped = subprocess.run(
+        [sys.executable, "-m", "fairseq_cli.interactive", *args],
+        input="w1 w2\nw3\n",
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
     assert piped.returncode == 0, piped.stderr[-3000:]
     hypotheses = {i: fields[1] for kind, i, fields in parse(piped.stdout) if kind == "H"}
     assert hypotheses[0].startswith("w1 w2") and hypotheses[1].startswith("w3") and len(hypotheses) == 2
     # --text-only in a real process: standard output holds the text alone, the log goes to standard error
-    text_only = subprocess.run([sys.executable, "-m", "fairseq_cli.interactive", *args, "--text-only"],
-                               input="w1 w2\nw3\n", capture_output=True, text=True, env=env, timeout=300)
+    text_only = subprocess.run(
+        [sys.executable, "-m", "fairseq_cli.interactive", *args, "--text-only"],
+        input="w1 w2\nw3\n",
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
     assert text_only.returncode == 0, text_only.stderr[-3000:]
     assert text_only.stdout.splitlines() == [fields[1] for kind, _, fields in parse(piped.stdout) if kind == "D"]
     assert "| INFO | fairseq_cli.interactive |" in text_only.stderr
@@ -119,57 +146,80 @@ def test_prompt_longer_than_the_model(tiny_data, ckpt, monkeypatch, capsys, capl
     assert err.strip().splitlines()[-1] == (
         "fairseq-interactive: error: prompt 0 is 41 tokens long (with the </s> it starts from), more than the "
         "model's 32 positions (the --tokens-per-sample / --max-target-positions it was trained with); shorten the "
-        "prompt, or pass --skip-invalid-size-inputs-valid-test to skip such prompts")
+        "prompt, or pass --skip-invalid-size-inputs-valid-test to skip such prompts"
+    )
     # skipped: the warning names the prompt's number in the input (here the third, read in a buffer of its own)
     with caplog.at_level(logging.WARNING):
-        status, out, _ = run(monkeypatch, capsys, argv(tiny_data, ckpt, "--beam", 1, "--max-len-b", 5,
-                                                       "--skip-invalid-size-inputs-valid-test"),
-                             f"w2\nw3\n{long_prompt}\nw4\n")
+        status, out, _ = run(
+            monkeypatch,
+            capsys,
+            argv(tiny_data, ckpt, "--beam", 1, "--max-len-b", 5, "--skip-invalid-size-inputs-valid-test"),
+            f"w2\nw3\n{long_prompt}\nw4\n",
+        )
     assert status == 0
     assert [i for kind, i, _ in parse(out) if kind == "H"] == [0, 1, 3]
     assert [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING] == [
         "prompt 2 is 41 tokens long (with the </s> it starts from), more than the model's 32 positions: skipped "
-        "(--skip-invalid-size-inputs-valid-test)"]
+        "(--skip-invalid-size-inputs-valid-test)"
+    ]
 
 
-@pytest.mark.parametrize("extra, stdin_text, status, message", [
-    (["--beam", 5, "--sampling"], "w1\n", 2, "--sampling requires --nbest to be equal to --beam"),
-    (["--sampling-topk", 5], "w1\n", 1, "--sampling-topk 5 requires --sampling"),
-    (["--sampling-topk", -5], "w1\n", 2, "--sampling-topk -5 is out of range: -1 (off: all tokens) or a number of "
-                                          "tokens, at least 1"),
-    (["--sampling", "--beam", 1, "--sampling-topp", -0.5], "w1\n", 2, "--sampling-topp -0.5 is out of range: -1 "
-                                                                        "(off: all tokens) or a probability mass in "
-                                                                        "(0, 1]"),
-    (["--sampling", "--beam", 1, "--sampling-topp", 1.5], "w1\n", 2, "--sampling-topp 1.5 is out of range"),
-    (["--batch-size", 4, "--buffer-size", 2], "w1\n", 2, "--batch-size/--max-sentences 4 cannot be larger than "
-                                                         "--buffer-size 2"),
-    (["--beams", 2], "w1\n", 2, "unrecognized arguments: --beams 2"),
-    (["--model-overrides", "{'decoder_layers': 3}"], "w1\n", 1, "was saved from a different architecture"),
-    (["--input", "missing.txt"], "", 1, "--input missing.txt: no such file"),
-    ([], "w1\n\nw2\n", 1, "prompt 1 is an empty line"),
-])
+@pytest.mark.parametrize(
+    "extra, stdin_text, status, message",
+    [
+        (["--beam", 5, "--sampling"], "w1\n", 2, "--sampling requires --nbest to be equal to --beam"),
+        (["--sampling-topk", 5], "w1\n", 1, "--sampling-topk 5 requires --sampling"),
+        (
+            ["--sampling-topk", -5],
+            "w1\n",
+            2,
+            "--sampling-topk -5 is out of range: -1 (off: all tokens) or a number of tokens, at least 1",
+        ),
+        (
+            ["--sampling", "--beam", 1, "--sampling-topp", -0.5],
+            "w1\n",
+            2,
+            "--sampling-topp -0.5 is out of range: -1 (off: all tokens) or a probability mass in (0, 1]",
+        ),
+        (["--sampling", "--beam", 1, "--sampling-topp", 1.5], "w1\n", 2, "--sampling-topp 1.5 is out of range"),
+        (
+            ["--batch-size", 4, "--buffer-size", 2],
+            "w1\n",
+            2,
+            "--batch-size/--max-sentences 4 cannot be larger than --buffer-size 2",
+        ),
+        (["--beams", 2], "w1\n", 2, "unrecognized arguments: --beams 2"),
+        (["--model-overrides", "{'decoder_layers': 3}"], "w1\n", 1, "was saved from a different architecture"),
+        (["--input", "missing.txt"], "", 1, "--input missing.txt: no such file"),
+        ([], "w1\n\nw2\n", 1, "prompt 1 is an empty line"),
+    ],
+)
 def test_bad_input_is_one_line(tiny_data, ckpt, monkeypatch, capsys, extra, stdin_text, status, message):
     got, _, err = run(monkeypatch, capsys, argv(tiny_data, ckpt, *extra), stdin_text)
     assert got == status and "Traceback" not in err
     assert err.strip().count("\n") == 0 and ": error: " in err and message in err  # usage errors too: one line
 
 
-def test_a_prompt_longer_than_the_output_allowed_is_cut_there_with_a_warning(tiny_data, ckpt, monkeypatch, capsys,
-                                                                              caplog):
+def test_a_prompt_longer_than_the_output_allowed_is_cut_there_with_a_warning(
+    tiny_data, ckpt, monkeypatch, capsys, caplog
+):
     status, out, _ = run(monkeypatch, capsys, argv(tiny_data, ckpt, "--max-len-b", 4), " ".join(["w1"] * 10) + "\n")
     assert status == 0
     assert [fields[1] for kind, _, fields in parse(out) if kind == "H"] == ["w1 w1 w1 w1"]  # upstream's output
     assert [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING] == [
         "a prompt of 10 tokens is longer than the longest output allowed, 4 tokens (--max-len-a 0 * source length "
         "+ --max-len-b 4): the output is its first 4 tokens, as upstream's generator gives (said once); raise "
-        "--max-len-b to continue the prompts"]
+        "--max-len-b to continue the prompts"
+    ]
 
 
 def test_missing_checkpoint(tiny_data, tmp_path, monkeypatch, capsys):
     status, _, err = run(monkeypatch, capsys, argv(tiny_data, tmp_path / "nope.pt"), "w1\n")
     assert status == 1
-    assert err.strip() == f"fairseq-interactive: error: --path {tmp_path / 'nope.pt'}: no such checkpoint file or " \
-                          "sharded checkpoint directory"
+    assert (
+        err.strip() == f"fairseq-interactive: error: --path {tmp_path / 'nope.pt'}: no such checkpoint file or "
+        "sharded checkpoint directory"
+    )
 
 
 class _Terminal(io.StringIO):
@@ -192,8 +242,9 @@ def test_text_only_and_the_prompt_only_on_a_terminal(tiny_data, ckpt, monkeypatc
     caplog.clear()
     monkeypatch.setattr(sys, "stdin", _Terminal("w1\n"))
     with caplog.at_level(logging.INFO):
-        run_console_script("fairseq-interactive", interactive.cli_main, argv(tiny_data, ckpt, "--beam", 1,
-                                                                              "--max-len-b", 4))
+        run_console_script(
+            "fairseq-interactive", interactive.cli_main, argv(tiny_data, ckpt, "--beam", 1, "--max-len-b", 4)
+        )
     assert "Type the input sentence and press return:" in caplog.text
 
 
@@ -241,9 +292,10 @@ def test_carriage_returns_end_lines_as_universal_newlines_do(tiny_data, ckpt, tm
     assert status == 0 and [r for r in parse(from_file) if r[0] != "W"] == [r for r in parse(out) if r[0] != "W"]
 
 
-@pytest.mark.parametrize("extra,message", [
-    (["--stream", "--beam", 2, "--nbest", 1], "--stream needs --beam 1 (greedy or --sampling), got --beam 2"),
-])
+@pytest.mark.parametrize(
+    "extra,message",
+    [(["--stream", "--beam", 2, "--nbest", 1], "--stream needs --beam 1 (greedy or --sampling), got --beam 2")],
+)
 def test_stream_needs_beam_one(tiny_data, ckpt, monkeypatch, capsys, extra, message):
     status, _, err = run(monkeypatch, capsys, argv(tiny_data, ckpt, *extra), "w1\n")
     assert status == 2 and message in err and err.strip().count("\n") == 0

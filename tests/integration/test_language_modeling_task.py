@@ -70,14 +70,20 @@ def test_none_mode_targets_are_the_stream_and_sources_shift_it_by_one(data_dir):
 
 def test_batches_have_the_upstream_format_and_resume_exactly(data_dir):
     data, dictionary = data_dir
-    task, cfg = setup(data, "--tokens-per-sample", "4", "--sample-break-mode", "complete", "--max-tokens", "8",
-                      "--seed", "3")
+    task, cfg = setup(
+        data, "--tokens-per-sample", "4", "--sample-break-mode", "complete", "--max-tokens", "8", "--seed", "3"
+    )
     dataset = task.load_dataset("train")
     # Whole sentences of at most 4 tokens: "the cat sat </s>" | "on a mat </s>" | 6 tokens alone | "</s>" |
     # 7 tokens alone | "a cat ran </s>".
     assert dataset.sizes.tolist() == [4, 4, 6, 1, 7, 4]
-    epoch_itr = task.get_batch_iterator(dataset, max_tokens=cfg.dataset.max_tokens, seed=cfg.common.seed,
-                                        required_batch_size_multiple=1, ignore_invalid_inputs=False)
+    epoch_itr = task.get_batch_iterator(
+        dataset,
+        max_tokens=cfg.dataset.max_tokens,
+        seed=cfg.common.seed,
+        required_batch_size_multiple=1,
+        ignore_invalid_inputs=False,
+    )
     assert task.get_batch_iterator(dataset, max_tokens=8, seed=3) is epoch_itr  # cached
     samples = list(epoch_itr.next_epoch_itr(shuffle=True))
     # Ordered by size: block 3 (1 token), the three 4-token blocks (ties in seed order), 6, 7; at most 8
@@ -125,8 +131,16 @@ def test_too_long_blocks_fail_or_are_skipped(data_dir):
 
 def test_add_bos_token_and_output_dictionary_size(data_dir):
     data, dictionary = data_dir
-    task, _ = setup(data, "--tokens-per-sample", "4", "--sample-break-mode", "eos", "--add-bos-token",
-                    "--output-dictionary-size", "6")
+    task, _ = setup(
+        data,
+        "--tokens-per-sample",
+        "4",
+        "--sample-break-mode",
+        "eos",
+        "--add-bos-token",
+        "--output-dictionary-size",
+        "6",
+    )
     item = task.load_dataset("train")[0]  # "the cat sat </s>": ids 4 5 6 2
     bos, eos, unk = dictionary.bos(), dictionary.eos(), dictionary.unk()
     assert item["source"].tolist() == [bos, eos, 4, 5, 6]
@@ -136,8 +150,17 @@ def test_add_bos_token_and_output_dictionary_size(data_dir):
 
 def test_valid_split_and_truncation(data_dir):
     data, dictionary = data_dir
-    task, _ = setup(data, "--tokens-per-sample", "2", "--sample-break-mode", "eos", "--shorten-method", "truncate",
-                    "--shorten-data-split-list", "valid")
+    task, _ = setup(
+        data,
+        "--tokens-per-sample",
+        "2",
+        "--sample-break-mode",
+        "eos",
+        "--shorten-method",
+        "truncate",
+        "--shorten-data-split-list",
+        "valid",
+    )
     valid = task.load_dataset("valid")
     # "a dog sat </s>" and "the end </s>" ("end" is unknown) cut to 2 tokens
     expected = [[dictionary.index("a"), dictionary.index("dog")], [dictionary.index("the"), dictionary.unk()]]
@@ -186,8 +209,23 @@ def test_dictionary_that_does_not_match_the_data(tmp_path):
 
 def test_dummy_lm_serves_next_token_batches():
     parser = options.get_training_parser()
-    args = options.parse_args_and_arch(parser, ["--task", "dummy_lm", "--dict-size", "100", "--dataset-size", "40",
-                                                "--tokens-per-sample", "16", "--batch-size", "8", "--seed", "2"])
+    args = options.parse_args_and_arch(
+        parser,
+        [
+            "--task",
+            "dummy_lm",
+            "--dict-size",
+            "100",
+            "--dataset-size",
+            "40",
+            "--tokens-per-sample",
+            "16",
+            "--batch-size",
+            "8",
+            "--seed",
+            "2",
+        ],
+    )
     cfg = options.convert_namespace_to_config(args)
     task = tasks.setup_task(cfg.task)
     assert len(task.dictionary) == 104  # 4 specials + 100 words, already a multiple of 8

@@ -13,9 +13,11 @@ from fairseq.checkpoint.legacy import is_legacy_checkpoint, upgrade_legacy_check
 from fairseq.logging.progress_bar import read_json_log
 from fairseq_cli import eval_lm, train
 
+
 @pytest.fixture(scope="module")
 def train_argv(build_train_args):
     """This file's runs: the tiny transformer_lm at --lr 1e-3, --seed 5, 3 updates by default."""
+
     def argv(data, save_dir, *extra, max_update=3):
         return build_train_args(data, save_dir, *extra, max_update=max_update, lr="1e-3", seed="5")
 
@@ -24,8 +26,22 @@ def train_argv(build_train_args):
 
 def eval_cfg(data, path, *extra):
     parser = options.get_eval_lm_parser()
-    args = options.parse_args_and_arch(parser, [str(data), "--path", str(path), "--gen-subset", "test",
-                                                "--tokens-per-sample", "32", "--batch-size", "4", "--cpu", *extra])
+    args = options.parse_args_and_arch(
+        parser,
+        [
+            str(data),
+            "--path",
+            str(path),
+            "--gen-subset",
+            "test",
+            "--tokens-per-sample",
+            "32",
+            "--batch-size",
+            "4",
+            "--cpu",
+            *extra,
+        ],
+    )
     return options.convert_namespace_to_config(args)
 
 
@@ -68,12 +84,23 @@ def upstream_optimizer_state(ours):
 def common_upstream_keys(ours):
     return {
         "criterion": None,
-        "optimizer_history": [{"criterion_name": "CrossEntropyCriterion", "optimizer_name": "FairseqAdam",
-                               "lr_scheduler_state": {"best": None}, "num_updates": 3}],
+        "optimizer_history": [
+            {
+                "criterion_name": "CrossEntropyCriterion",
+                "optimizer_name": "FairseqAdam",
+                "lr_scheduler_state": {"best": None},
+                "num_updates": 3,
+            }
+        ],
         "task_state": {},
-        "extra_state": {"epoch": 1, "train_iterator": {"epoch": 1, "iterations_in_epoch": 3, "shuffle": True},
-                        "val_loss": 6.0, "best": 6.0, "previous_training_time": 1.0,
-                        "metrics": {"train": []}},
+        "extra_state": {
+            "epoch": 1,
+            "train_iterator": {"epoch": 1, "iterations_in_epoch": 3, "shuffle": True},
+            "val_loss": 6.0,
+            "best": 6.0,
+            "previous_training_time": 1.0,
+            "metrics": {"train": []},
+        },
         "last_optimizer_state": upstream_optimizer_state(ours["last_optimizer_state"]),
     }
 
@@ -83,8 +110,12 @@ def write_cfg_checkpoint(ours, path):
     cfg = {k: v for k, v in ours["cfg"].items() if isinstance(v, dict)}
     cfg["model"] = dict(ours["cfg"]["model"], _name="transformer_lm")
     cfg["task"] = dict(ours["cfg"]["task"], _name="language_modeling")
-    state = dict(common_upstream_keys(ours), args=None, cfg=OmegaConf.create(cfg),
-                 model=upstream_weights(ours["model"], fuse_qkv=False, drop_output_projection=False))
+    state = dict(
+        common_upstream_keys(ours),
+        args=None,
+        cfg=OmegaConf.create(cfg),
+        model=upstream_weights(ours["model"], fuse_qkv=False, drop_output_projection=False),
+    )
     assert isinstance(state["cfg"], DictConfig)
     torch.save(state, path)
 
@@ -95,8 +126,11 @@ def write_args_checkpoint(ours, path):
     for group in ("common", "dataset", "optimization", "checkpoint", "task", "model"):
         flat.update({k: v for k, v in ours["cfg"][group].items() if k != "_name"})
     flat.update(arch="transformer_lm", task="language_modeling", criterion="cross_entropy", optimizer="adam")
-    state = dict(common_upstream_keys(ours), args=argparse.Namespace(**flat),
-                 model=upstream_weights(ours["model"], fuse_qkv=True, drop_output_projection=True))
+    state = dict(
+        common_upstream_keys(ours),
+        args=argparse.Namespace(**flat),
+        model=upstream_weights(ours["model"], fuse_qkv=True, drop_output_projection=True),
+    )
     torch.save(state, path)
 
 
@@ -177,12 +211,16 @@ def finetuned_from_ours(files, tiny_data, train_argv):
     return save
 
 
-def test_finetune_from_upstream_file_starts_from_its_weights(files, tiny_data, tmp_path, finetuned_from_ours,
-                                                             train_argv):
+def test_finetune_from_upstream_file_starts_from_its_weights(
+    files, tiny_data, tmp_path, finetuned_from_ours, train_argv
+):
     save = tmp_path / "ft_legacy"
     save.mkdir()
-    train.cli_main(train_argv(tiny_data, save, "--finetune-from-model", str(files["args"]),
-                              "--trust-legacy-checkpoint", max_update=2))
+    train.cli_main(
+        train_argv(
+            tiny_data, save, "--finetune-from-model", str(files["args"]), "--trust-legacy-checkpoint", max_update=2
+        )
+    )
     log = (save / "train.log").read_text()
     assert f"loaded model weights from {files['args']}" in log
     # the same run as fine-tuning from our own file: identical losses and identical weights after 2 updates
@@ -208,15 +246,28 @@ def test_finetune_from_upstream_file_needs_trust(files, tiny_data, tmp_path, tra
 
 def test_resume_from_upstream_file_needs_reset_optimizer(files, tiny_data, tmp_path, train_argv):
     with pytest.raises(CheckpointError, match="--reset-optimizer"):
-        train.cli_main(train_argv(tiny_data, tmp_path, "--restore-file", str(files["cfg"]),
-                                  "--trust-legacy-checkpoint", max_update=4))
+        train.cli_main(
+            train_argv(
+                tiny_data, tmp_path, "--restore-file", str(files["cfg"]), "--trust-legacy-checkpoint", max_update=4
+            )
+        )
     assert not (tmp_path / "checkpoint_last.pt").exists()
 
 
-def test_resume_from_upstream_file_with_reset_optimizer_saves_a_plain_checkpoint(files, tiny_data, tmp_path,
-                                                                                 train_argv):
-    train.cli_main(train_argv(tiny_data, tmp_path, "--restore-file", str(files["cfg"]),
-                              "--trust-legacy-checkpoint", "--reset-optimizer", max_update=1))
+def test_resume_from_upstream_file_with_reset_optimizer_saves_a_plain_checkpoint(
+    files, tiny_data, tmp_path, train_argv
+):
+    train.cli_main(
+        train_argv(
+            tiny_data,
+            tmp_path,
+            "--restore-file",
+            str(files["cfg"]),
+            "--trust-legacy-checkpoint",
+            "--reset-optimizer",
+            max_update=1,
+        )
+    )
     assert f"loading checkpoint {files['cfg']}" in (tmp_path / "train.log").read_text()
     state = load(tmp_path / "checkpoint_last.pt")  # weights_only: nothing pickled is carried over
     assert isinstance(state["cfg"], dict)

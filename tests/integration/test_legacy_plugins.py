@@ -17,7 +17,7 @@ from fairseq_cli import eval_lm, train
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 # Written as upstream's "Simple LSTM" tutorial writes its plug-in (decoder-only here).
-PLUGIN = '''
+PLUGIN = """
 import math
 
 import torch.nn.functional as F
@@ -163,7 +163,7 @@ def tutorial_wrapped_lm_tiny(args):
     args.decoder_ffn_embed_dim = getattr(args, "decoder_ffn_embed_dim", 32)
     args.decoder_attention_heads = getattr(args, "decoder_attention_heads", 2)
     base_lm_architecture(args)
-'''
+"""
 
 
 @pytest.fixture(scope="module")
@@ -175,11 +175,41 @@ def plugin(tmp_path_factory):
 
 
 def lstm_train_argv(data, save_dir, plugin, *extra, max_update):
-    return [str(data), "--user-dir", plugin, "--arch", "tutorial_lstm_lm", "--lstm-hidden-dim", "20",
-            "--optimizer", "adam", "--lr", "0.01", "--max-tokens", "256", "--tokens-per-sample", "32",
-            "--sample-break-mode", "none", "--max-update", str(max_update), "--seed", "3", "--cpu",
-            "--num-workers", "0", "--save-dir", str(save_dir), "--log-format", "json", "--log-interval", "1",
-            "--log-file", str(save_dir / "train.log"), *extra]
+    return [
+        str(data),
+        "--user-dir",
+        plugin,
+        "--arch",
+        "tutorial_lstm_lm",
+        "--lstm-hidden-dim",
+        "20",
+        "--optimizer",
+        "adam",
+        "--lr",
+        "0.01",
+        "--max-tokens",
+        "256",
+        "--tokens-per-sample",
+        "32",
+        "--sample-break-mode",
+        "none",
+        "--max-update",
+        str(max_update),
+        "--seed",
+        "3",
+        "--cpu",
+        "--num-workers",
+        "0",
+        "--save-dir",
+        str(save_dir),
+        "--log-format",
+        "json",
+        "--log-interval",
+        "1",
+        "--log-file",
+        str(save_dir / "train.log"),
+        *extra,
+    ]
 
 
 def load(path):
@@ -208,9 +238,24 @@ def test_tutorial_model_trains_evaluates_and_resumes(tiny_data, plugin, straight
     # fairseq-eval-lm rebuilds the model from the checkpoint's config: its loss is training's valid loss.
     valid_loss = float(read_json_log(save_dir / "train.log", tag="valid")[-1]["valid_loss"])
     results = tmp_path / "results"
-    eval_lm.cli_main([str(tiny_data), "--user-dir", plugin, "--path", str(save_dir / "checkpoint_last.pt"),
-                      "--gen-subset", "valid", "--tokens-per-sample", "32", "--max-tokens", "256", "--cpu",
-                      "--results-path", str(results)])
+    eval_lm.cli_main(
+        [
+            str(tiny_data),
+            "--user-dir",
+            plugin,
+            "--path",
+            str(save_dir / "checkpoint_last.pt"),
+            "--gen-subset",
+            "valid",
+            "--tokens-per-sample",
+            "32",
+            "--max-tokens",
+            "256",
+            "--cpu",
+            "--results-path",
+            str(results),
+        ]
+    )
     evaluated = json.loads((results / "eval_lm.valid.json").read_text())
     assert abs(evaluated["loss"] - valid_loss) < 1e-3  # the log rounds to 3 decimals
 
@@ -233,36 +278,69 @@ def test_tutorial_model_trains_evaluates_and_resumes(tiny_data, plugin, straight
 
 
 def test_parse_args_and_arch_returns_upstreams_namespace(plugin):
-    args = options.parse_args_and_arch(options.get_training_parser(), [
-        "data-bin", "--user-dir", plugin, "--arch", "tutorial_lstm_lm", "--lstm-embed-dim", "8",
-        "--optimizer", "adam", "--lr", "0.01"])
+    args = options.parse_args_and_arch(
+        options.get_training_parser(),
+        [
+            "data-bin",
+            "--user-dir",
+            plugin,
+            "--arch",
+            "tutorial_lstm_lm",
+            "--lstm-embed-dim",
+            "8",
+            "--optimizer",
+            "adam",
+            "--lr",
+            "0.01",
+        ],
+    )
     assert isinstance(args, argparse.Namespace)
     # The flag overrides the arch function's default; the unset flag gets the arch default; the declared default.
     assert (args.lstm_embed_dim, args.lstm_hidden_dim, args.lstm_dropout) == (8, 24, 0.1)
     assert (args.arch, args.task, args.criterion, args.optimizer, args.lr, args.data) == (
-        "tutorial_lstm_lm", "language_modeling", "cross_entropy", "adam", [0.01], "data-bin")
+        "tutorial_lstm_lm",
+        "language_modeling",
+        "cross_entropy",
+        "adam",
+        [0.01],
+        "data-bin",
+    )
     cfg = options.convert_namespace_to_config(args)
     assert isinstance(cfg.model, argparse.Namespace) and cfg.model._name == "tutorial_lstm_lm"
     assert (cfg.model.lstm_embed_dim, cfg.model.lstm_hidden_dim, cfg.model.data) == (8, 24, "data-bin")
-    given = options.parse_args_and_arch(options.get_training_parser(), [
-        "data-bin", "--user-dir", plugin, "--arch", "tutorial_lstm_lm", "--lstm-hidden-dim", "7"],
-        suppress_defaults=True)
+    given = options.parse_args_and_arch(
+        options.get_training_parser(),
+        ["data-bin", "--user-dir", plugin, "--arch", "tutorial_lstm_lm", "--lstm-hidden-dim", "7"],
+        suppress_defaults=True,
+    )
     assert given.lstm_hidden_dim == 7 and not hasattr(given, "lstm_embed_dim")
 
 
 def test_help_lists_the_plugins_flags_and_bad_flags_are_usage_errors(plugin, capsys):
     with pytest.raises(SystemExit) as e:
-        train.cli_main(["--user-dir", plugin, "--arch", "tutorial_lstm_lm",
-                        "--criterion", "tutorial_weighted_cross_entropy", "--help"])
+        train.cli_main(
+            [
+                "--user-dir",
+                plugin,
+                "--arch",
+                "tutorial_lstm_lm",
+                "--criterion",
+                "tutorial_weighted_cross_entropy",
+                "--help",
+            ]
+        )
     assert e.value.code == 0
     out = capsys.readouterr().out
     for flag in ("--lstm-embed-dim", "--lstm-hidden-dim", "--lstm-dropout", "--loss-weight"):
         assert flag in out
-    for bad, message in ((["--lstm-hiden-dim", "3"], "unrecognized arguments: --lstm-hiden-dim 3"),
-                         (["--lstm-hidden-dim", "abc"], "argument --lstm-hidden-dim: invalid int value: 'abc'")):
+    for bad, message in (
+        (["--lstm-hiden-dim", "3"], "unrecognized arguments: --lstm-hiden-dim 3"),
+        (["--lstm-hidden-dim", "abc"], "argument --lstm-hidden-dim: invalid int value: 'abc'"),
+    ):
         with pytest.raises(SystemExit) as e:
-            options.parse_args_and_arch(options.get_training_parser(), [
-                "data-bin", "--user-dir", plugin, "--arch", "tutorial_lstm_lm", *bad])
+            options.parse_args_and_arch(
+                options.get_training_parser(), ["data-bin", "--user-dir", plugin, "--arch", "tutorial_lstm_lm", *bad]
+            )
         assert e.value.code == 2 and message in capsys.readouterr().err
 
 
@@ -271,17 +349,33 @@ def test_plugins_value_error_is_one_line(tiny_data, plugin, tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         run_console_script("fairseq-train", train.cli_main, argv)
     assert e.value.code == 1
-    assert capsys.readouterr().err.strip().splitlines()[-1] == \
-        "fairseq-train: error: --lstm-hidden-dim must be at least 1, got 0"
+    assert (
+        capsys.readouterr().err.strip().splitlines()[-1]
+        == "fairseq-train: error: --lstm-hidden-dim must be at least 1, got 0"
+    )
 
 
-@pytest.mark.parametrize("criterion, weight_flag", [
-    ("tutorial_weighted_cross_entropy", "--loss-weight"),  # FairseqCriterion: __init__ arguments by name
-    ("tutorial_legacy_cross_entropy", "--legacy-loss-weight"),  # LegacyFairseqCriterion: __init__(args, task)
-])
+@pytest.mark.parametrize(
+    "criterion, weight_flag",
+    [
+        ("tutorial_weighted_cross_entropy", "--loss-weight"),  # FairseqCriterion: __init__ arguments by name
+        ("tutorial_legacy_cross_entropy", "--legacy-loss-weight"),  # LegacyFairseqCriterion: __init__(args, task)
+    ],
+)
 def test_legacy_criterion_gets_its_flags(tiny_data, plugin, straight_run, tmp_path, criterion, weight_flag):
-    train.cli_main(lstm_train_argv(tiny_data, tmp_path, plugin, "--criterion", criterion, weight_flag, "2",
-                                   "--disable-validation", max_update=1))
+    train.cli_main(
+        lstm_train_argv(
+            tiny_data,
+            tmp_path,
+            plugin,
+            "--criterion",
+            criterion,
+            weight_flag,
+            "2",
+            "--disable-validation",
+            max_update=1,
+        )
+    )
     first = read_json_log(tmp_path / "train.log")[0]
     reference = read_json_log(straight_run / "train.log")[0]  # cross_entropy, same seed and batch
     assert abs(float(first["loss"]) - 2 * float(reference["loss"])) <= 2e-3  # both logs round to 3 decimals
@@ -290,9 +384,24 @@ def test_legacy_criterion_gets_its_flags(tiny_data, plugin, straight_run, tmp_pa
 
 
 def test_legacy_task_and_a_wrapper_of_transformer_lm(tiny_data, plugin):
-    args = options.parse_args_and_arch(options.get_training_parser(), [
-        str(tiny_data), "--user-dir", plugin, "--task", "tutorial_lm_with_knob", "--knob", "7",
-        "--arch", "tutorial_wrapped_lm_tiny", "--decoder-layers", "2", "--tokens-per-sample", "32"])
+    args = options.parse_args_and_arch(
+        options.get_training_parser(),
+        [
+            str(tiny_data),
+            "--user-dir",
+            plugin,
+            "--task",
+            "tutorial_lm_with_knob",
+            "--knob",
+            "7",
+            "--arch",
+            "tutorial_wrapped_lm_tiny",
+            "--decoder-layers",
+            "2",
+            "--tokens-per-sample",
+            "32",
+        ],
+    )
     cfg = options.convert_namespace_to_config(args)
     task = registry.TASK_REGISTRY.get("tutorial_lm_with_knob").setup_task(cfg.task)
     assert task.knob == 7 and isinstance(cfg.task, argparse.Namespace)
@@ -308,13 +417,42 @@ def test_legacy_task_and_a_wrapper_of_transformer_lm(tiny_data, plugin):
 
 def test_the_trainer_calls_a_tasks_epoch_hooks_as_upstream_does(tiny_data, plugin, tmp_path):
     """FairseqTask.begin_epoch(epoch, model) at each epoch's start, begin_valid_epoch before each validation."""
-    train.cli_main([str(tiny_data), "--user-dir", plugin, "--task", "tutorial_lm_with_knob", "--arch",
-                    "tutorial_wrapped_lm_tiny", "--tokens-per-sample", "32", "--optimizer", "adam", "--lr", "1e-3",
-                    "--max-tokens", "256", "--max-epoch", "2", "--cpu", "--num-workers", "0",
-                    "--save-dir", str(tmp_path), "--no-save", "--log-format", "json"])
+    train.cli_main(
+        [
+            str(tiny_data),
+            "--user-dir",
+            plugin,
+            "--task",
+            "tutorial_lm_with_knob",
+            "--arch",
+            "tutorial_wrapped_lm_tiny",
+            "--tokens-per-sample",
+            "32",
+            "--optimizer",
+            "adam",
+            "--lr",
+            "1e-3",
+            "--max-tokens",
+            "256",
+            "--max-epoch",
+            "2",
+            "--cpu",
+            "--num-workers",
+            "0",
+            "--save-dir",
+            str(tmp_path),
+            "--no-save",
+            "--log-format",
+            "json",
+        ]
+    )
     calls = registry.TASK_REGISTRY.get("tutorial_lm_with_knob").last_task.hook_calls
-    assert calls == [("begin_epoch", 1, "TutorialWrappedLM"), ("begin_valid_epoch", 1, "TutorialWrappedLM"),
-                     ("begin_epoch", 2, "TutorialWrappedLM"), ("begin_valid_epoch", 2, "TutorialWrappedLM")]
+    assert calls == [
+        ("begin_epoch", 1, "TutorialWrappedLM"),
+        ("begin_valid_epoch", 1, "TutorialWrappedLM"),
+        ("begin_epoch", 2, "TutorialWrappedLM"),
+        ("begin_valid_epoch", 2, "TutorialWrappedLM"),
+    ]
 
 
 LEGACY_YAML = {
@@ -330,14 +468,36 @@ def test_yaml_sets_a_legacy_plugins_options_as_its_flags_would(plugin, tiny_data
     result is the command line's config (values typed as the flags' `type`: "7" -> 7, 2 -> 2.0)."""
     from fairseq.frontend.hydra import fairseq_config_from_dict
 
-    values = {**LEGACY_YAML, "task": dict(LEGACY_YAML["task"], data=str(tiny_data)),
-              "common": {"user_dir": plugin}}
+    values = {**LEGACY_YAML, "task": dict(LEGACY_YAML["task"], data=str(tiny_data)), "common": {"user_dir": plugin}}
     from_yaml = fairseq_config_from_dict(values)
-    from_flags = options.convert_namespace_to_config(options.parse_args_and_arch(options.get_training_parser(), [
-        str(tiny_data), "--user-dir", plugin, "--task", "tutorial_lm_with_knob", "--knob", "7",
-        "--tokens-per-sample", "32", "--arch", "tutorial_lstm_lm", "--lstm-hidden-dim", "20",
-        "--lstm-dropout", "0.25", "--criterion", "tutorial_weighted_cross_entropy", "--loss-weight", "2",
-        "--optimizer", "adam"]))
+    from_flags = options.convert_namespace_to_config(
+        options.parse_args_and_arch(
+            options.get_training_parser(),
+            [
+                str(tiny_data),
+                "--user-dir",
+                plugin,
+                "--task",
+                "tutorial_lm_with_knob",
+                "--knob",
+                "7",
+                "--tokens-per-sample",
+                "32",
+                "--arch",
+                "tutorial_lstm_lm",
+                "--lstm-hidden-dim",
+                "20",
+                "--lstm-dropout",
+                "0.25",
+                "--criterion",
+                "tutorial_weighted_cross_entropy",
+                "--loss-weight",
+                "2",
+                "--optimizer",
+                "adam",
+            ],
+        )
+    )
     assert (from_yaml.task.knob, from_yaml.model.lstm_hidden_dim, from_yaml.model.lstm_dropout) == (7, 20, 0.25)
     assert from_yaml.model.lstm_embed_dim == 16  # the architecture function filled it
     assert from_yaml.criterion.loss_weight == 2.0 and isinstance(from_yaml.criterion.loss_weight, float)
@@ -347,20 +507,33 @@ def test_yaml_sets_a_legacy_plugins_options_as_its_flags_would(plugin, tiny_data
         assert yaml_values == flag_values, component
 
 
-@pytest.mark.parametrize("key, value, message", [
-    ("lstm_hiden_dim", 8, r"^unknown key 'model.lstm_hiden_dim' \(did you mean 'model.lstm_hidden_dim'\?\): "
-                          r"model 'tutorial_lstm_lm' is a legacy plug-in whose add_args declares lstm_dropout, "
-                          r"lstm_embed_dim, lstm_hidden_dim$"),
-    ("lstm_hidden_dim", "eight", r"^model.lstm_hidden_dim='eight': not a valid value for --lstm-hidden-dim"),
-    ("lstm_hidden_dim", 8.5, r"^model.lstm_hidden_dim=8.5: --lstm-hidden-dim takes an integer$"),
-    ("lstm_dropout", True, r"^model.lstm_dropout=True: --lstm-dropout takes a number$"),
-])
+@pytest.mark.parametrize(
+    "key, value, message",
+    [
+        (
+            "lstm_hiden_dim",
+            8,
+            r"^unknown key 'model.lstm_hiden_dim' \(did you mean 'model.lstm_hidden_dim'\?\): "
+            r"model 'tutorial_lstm_lm' is a legacy plug-in whose add_args declares lstm_dropout, "
+            r"lstm_embed_dim, lstm_hidden_dim$",
+        ),
+        ("lstm_hidden_dim", "eight", r"^model.lstm_hidden_dim='eight': not a valid value for --lstm-hidden-dim"),
+        ("lstm_hidden_dim", 8.5, r"^model.lstm_hidden_dim=8.5: --lstm-hidden-dim takes an integer$"),
+        ("lstm_dropout", True, r"^model.lstm_dropout=True: --lstm-dropout takes a number$"),
+    ],
+)
 def test_yaml_errors_for_a_legacy_plugin_name_the_key(plugin, key, value, message):
     from fairseq.frontend.hydra import fairseq_config_from_dict
 
     with pytest.raises(ValueError, match=message):
-        fairseq_config_from_dict({"task": {"_name": "dummy_lm"}, "optimizer": "adam", "common": {"user_dir": plugin},
-                                  "model": {"_name": "tutorial_lstm_lm", key: value}})
+        fairseq_config_from_dict(
+            {
+                "task": {"_name": "dummy_lm"},
+                "optimizer": "adam",
+                "common": {"user_dir": plugin},
+                "model": {"_name": "tutorial_lstm_lm", key: value},
+            }
+        )
 
 
 def test_hydra_train_trains_a_legacy_plugin(plugin, tiny_data, tmp_path, monkeypatch):
@@ -369,15 +542,28 @@ def test_hydra_train_trains_a_legacy_plugin(plugin, tiny_data, tmp_path, monkeyp
 
     from fairseq_cli import hydra_train
 
-    config = {**LEGACY_YAML, "task": dict(LEGACY_YAML["task"], data=str(tiny_data), sample_break_mode="none"),
-              "common": {"user_dir": plugin, "cpu": True, "seed": 3, "log_format": "json", "log_interval": 1},
-              "optimizer": {"_name": "adam"}, "optimization": {"lr": [0.01], "max_update": 2},
-              "dataset": {"max_tokens": 256, "num_workers": 0},
-              "checkpoint": {"save_dir": str(tmp_path / "ck")}}
+    config = {
+        **LEGACY_YAML,
+        "task": dict(LEGACY_YAML["task"], data=str(tiny_data), sample_break_mode="none"),
+        "common": {"user_dir": plugin, "cpu": True, "seed": 3, "log_format": "json", "log_interval": 1},
+        "optimizer": {"_name": "adam"},
+        "optimization": {"lr": [0.01], "max_update": 2},
+        "dataset": {"max_tokens": 256, "num_workers": 0},
+        "checkpoint": {"save_dir": str(tmp_path / "ck")},
+    }
     (tmp_path / "legacy.yaml").write_text(yaml.safe_dump(config))
     monkeypatch.chdir(tmp_path)
-    hydra_train.cli_main(["--config-dir", str(tmp_path), "--config-name", "legacy", "hydra.run.dir=run",
-                          "hydra/job_logging=none", "model.lstm_hidden_dim=12"])
+    hydra_train.cli_main(
+        [
+            "--config-dir",
+            str(tmp_path),
+            "--config-name",
+            "legacy",
+            "hydra.run.dir=run",
+            "hydra/job_logging=none",
+            "model.lstm_hidden_dim=12",
+        ]
+    )
     state = load(tmp_path / "ck" / "checkpoint_last.pt")
     assert state["extra_state"]["trainer"]["num_updates"] == 2
     saved = state["cfg"]

@@ -27,10 +27,13 @@ def run_train(argv):
 
 def run_train_process(argv, timeout=240):
     """fairseq-train in a subprocess (it spawns ranks); a hang is killed and fails."""
-    proc = subprocess.Popen([sys.executable, "-m", "fairseq_cli.train", *argv], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True,
-                            env={**{k: v for k, v in os.environ.items() if not k.startswith("SLURM_")},
-                                 "PYTHONPATH": ROOT})
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "fairseq_cli.train", *argv],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**{k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}, "PYTHONPATH": ROOT},
+    )
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -55,8 +58,19 @@ def empty_train_data(tiny_data, tmp_path_factory):
     root = tmp_path_factory.mktemp("empty_train")
     (root / "empty.txt").write_text("")
     dest = root / "bin"
-    preprocess.cli_main(["--only-source", "--srcdict", str(tiny_data / "dict.txt"), "--trainpref",
-                         str(root / "empty.txt"), "--destdir", str(dest), "--workers", "1"])
+    preprocess.cli_main(
+        [
+            "--only-source",
+            "--srcdict",
+            str(tiny_data / "dict.txt"),
+            "--trainpref",
+            str(root / "empty.txt"),
+            "--destdir",
+            str(dest),
+            "--workers",
+            "1",
+        ]
+    )
     for name in ("valid.bin", "valid.idx"):
         shutil.copy(tiny_data / name, dest / name)
     return dest
@@ -73,40 +87,45 @@ def test_empty_train_split_stops_at_once_naming_the_file(empty_train_data, tmp_p
     assert not [n for n in os.listdir(tmp_path / "ck") if n.endswith(".pt")]
 
 
-def test_max_tokens_below_tokens_per_sample_with_packed_blocks_is_refused_before_any_data(tiny_data, tmp_path,
-                                                                                         train_args):
+def test_max_tokens_below_tokens_per_sample_with_packed_blocks_is_refused_before_any_data(
+    tiny_data, tmp_path, train_args
+):
     # With --sample-break-mode none every block has --tokens-per-sample tokens: all but a last, shorter one would
     # be skipped and the run trained on almost nothing (the validation flag skipping them too) with a warning.
     for mode in ("none", "complete"):
-        argv = train_args(tiny_data, tmp_path / "ck", "--skip-invalid-size-inputs-valid-test",
-                          "--sample-break-mode", mode)
+        argv = train_args(
+            tiny_data, tmp_path / "ck", "--skip-invalid-size-inputs-valid-test", "--sample-break-mode", mode
+        )
         argv[argv.index("--max-tokens") + 1] = "16"  # blocks have 32 tokens
         rc, out, err = run_train(argv)
         assert rc == 2 and err.splitlines()[-1].split(": error: ", 1)[1] == (
             f"--max-tokens 16 is less than --tokens-per-sample 32: with --sample-break-mode {mode} (nearly) every "
             "block has 32 tokens and would be skipped; raise --max-tokens to at least 32, or lower "
-            "--tokens-per-sample to at most 16")
+            "--tokens-per-sample to at most 16"
+        )
         assert not (tmp_path / "ck").exists()  # refused before the save dir was opened
 
 
 def test_most_items_longer_than_max_tokens_is_an_error_naming_the_counts(tiny_data, tmp_path, train_args):
     # eos mode: a sentence per item, 4 to 26 tokens; --max-tokens 10 would skip 279 of the 400
-    argv = train_args(tiny_data, tmp_path / "ck", "--skip-invalid-size-inputs-valid-test", "--sample-break-mode",
-                      "eos")
+    argv = train_args(tiny_data, tmp_path / "ck", "--skip-invalid-size-inputs-valid-test", "--sample-break-mode", "eos")
     argv[argv.index("--max-tokens") + 1] = "10"
     rc, out, err = run_train(argv)
     assert rc == 1
     [line] = error_lines(err)
     train_bin = os.path.join(str(tiny_data), "train.bin")
-    assert line == (f"fairseq-train: error: 279 of 400 items of the training split 'train' ({train_bin}: 400 "
-                    "sentences, 400 blocks) are longer than --max-tokens 10 (the longest has 26 tokens) and would be "
-                    "skipped; raise --max-tokens to at least 26 (the longest item)")
+    assert line == (
+        f"fairseq-train: error: 279 of 400 items of the training split 'train' ({train_bin}: 400 "
+        "sentences, 400 blocks) are longer than --max-tokens 10 (the longest has 26 tokens) and would be "
+        "skipped; raise --max-tokens to at least 26 (the longest item)"
+    )
     assert epoch_lines(tmp_path / "ck" / "train.log") == []
 
 
 def test_a_few_long_lines_skipped_in_eos_mode_only_warn(tiny_data, tmp_path, train_args):
-    argv = train_args(tiny_data, tmp_path / "ck", "--skip-invalid-size-inputs-valid-test", "--sample-break-mode",
-                      "eos", max_update=2)
+    argv = train_args(
+        tiny_data, tmp_path / "ck", "--skip-invalid-size-inputs-valid-test", "--sample-break-mode", "eos", max_update=2
+    )
     argv[argv.index("--max-tokens") + 1] = "24"
     rc, out, err = run_train(argv)
     assert rc == 0, err[-2000:]
@@ -118,8 +137,7 @@ def test_a_few_long_lines_skipped_in_eos_mode_only_warn(tiny_data, tmp_path, tra
 def test_every_item_longer_than_max_tokens_names_the_flag_and_the_fix(tiny_data, tmp_path, train_args):
     # The validation error for too-long items suggests --skip-invalid-size-inputs-valid-test: with it,
     # every training item was skipped too and the run looped over empty epochs, ignoring SIGTERM.
-    argv = train_args(tiny_data, tmp_path / "ck", "--skip-invalid-size-inputs-valid-test", "--sample-break-mode",
-                      "eos")
+    argv = train_args(tiny_data, tmp_path / "ck", "--skip-invalid-size-inputs-valid-test", "--sample-break-mode", "eos")
     argv[argv.index("--max-tokens") + 1] = "3"  # sentences have 4 to 26 tokens
     rc, out, err = run_train(argv)
     assert rc == 1
@@ -135,8 +153,10 @@ def test_every_item_longer_than_the_model_positions_names_those_flags(tiny_data,
     rc, out, err = run_train(train_args(tiny_data, tmp_path / "ck", "--max-target-positions", "16"))
     assert rc == 1
     [line] = error_lines(err)
-    assert ("all 188 items of the training split 'train'" in line
-            and "longer than --tokens-per-sample / --max-target-positions 16 (the longest has 32 tokens)" in line)
+    assert (
+        "all 188 items of the training split 'train'" in line
+        and "longer than --tokens-per-sample / --max-target-positions 16 (the longest has 32 tokens)" in line
+    )
     assert "--max-target-positions at least 32" in line and "--tokens-per-sample at most 16" in line
 
 
@@ -171,13 +191,22 @@ def test_an_empty_validation_subset_is_an_error_before_training(tiny_data, empty
 
 
 def test_validation_items_all_skipped_is_an_error_naming_max_tokens_valid(tiny_data, tmp_path, train_args):
-    argv = train_args(tiny_data, tmp_path / "ck", "--max-tokens-valid", "3", "--sample-break-mode", "eos",
-                      "--skip-invalid-size-inputs-valid-test")
+    argv = train_args(
+        tiny_data,
+        tmp_path / "ck",
+        "--max-tokens-valid",
+        "3",
+        "--sample-break-mode",
+        "eos",
+        "--skip-invalid-size-inputs-valid-test",
+    )
     rc, out, err = run_train(argv)
     assert rc == 1
     [line] = error_lines(err)
     assert "no validation batch: all 40 items of the validation subset 'valid'" in line
-    assert "longer than --max-tokens-valid 3 (the longest has 25 tokens); raise --max-tokens-valid to at least 25" in line
+    assert (
+        "longer than --max-tokens-valid 3 (the longest has 25 tokens); raise --max-tokens-valid to at least 25" in line
+    )
     # without validation the same run trains
     rc, out, err = run_train(argv + ["--disable-validation", "--max-update", "1"])
     assert rc == 0, err[-2000:]
@@ -185,8 +214,15 @@ def test_validation_items_all_skipped_is_an_error_naming_max_tokens_valid(tiny_d
 
 @pytest.mark.timeout(300)
 def test_two_ranks_stop_together_on_no_batch(tiny_data, tmp_path, train_args):
-    argv = train_args(tiny_data, tmp_path / "ck", "--skip-invalid-size-inputs-valid-test",
-                      "--distributed-world-size", "2", "--sample-break-mode", "eos")
+    argv = train_args(
+        tiny_data,
+        tmp_path / "ck",
+        "--skip-invalid-size-inputs-valid-test",
+        "--distributed-world-size",
+        "2",
+        "--sample-break-mode",
+        "eos",
+    )
     argv[argv.index("--max-tokens") + 1] = "3"
     rc, out, err = run_train_process(argv)
     assert rc != 0

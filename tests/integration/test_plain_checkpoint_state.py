@@ -10,7 +10,7 @@ from tests.train_fixtures import tiny_train_argv, train_in_process, write_plugin
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-PLUGIN = '''
+PLUGIN = """
 import enum
 
 from torch import nn
@@ -47,7 +47,7 @@ class EnumStateLM(TransformerLanguageModel):
 @register_model_architecture("enum_state_lm", "enum_state_lm")
 def enum_state_lm(args):
     base_lm_architecture(args)
-'''
+"""
 
 
 @pytest.fixture(scope="module")
@@ -59,14 +59,17 @@ def plugin(tmp_path_factory):
 
 @pytest.mark.parametrize("mode", [[], ["--write-checkpoints-asynchronously"]], ids=["synchronous", "background"])
 def test_a_model_state_holding_an_enum_is_refused_at_the_first_save_naming_it(tiny_data, tmp_path, plugin, mode):
-    argv = tiny_train_argv(tiny_data, tmp_path, "--user-dir", plugin, "--save-interval-updates", "2", *mode,
-                           max_update=3, log_file=False)
+    argv = tiny_train_argv(
+        tiny_data, tmp_path, "--user-dir", plugin, "--save-interval-updates", "2", *mode, max_update=3, log_file=False
+    )
     argv[argv.index("--arch") + 1] = "enum_state_lm"
     status, out, err = train_in_process(argv)
     assert status == 1, out[-2000:] + err[-2000:]
     lines = [line for line in err.splitlines() if line.strip()]
-    assert lines == [f"fairseq-train: error: cannot save {tmp_path / 'checkpoint_1_2.pt'}: state.model.mode_tag."
-                     "_extra_state is of type enum_state_plugin.Mode (<Mode.TRAIN: 1>). A checkpoint holds tensors, "
-                     "dict/list/tuple and int/float/bool/str/bytes/None only (it loads with weights_only=True): the "
-                     "state_dict() that returned these entries must return plain values"], err
+    assert lines == [
+        f"fairseq-train: error: cannot save {tmp_path / 'checkpoint_1_2.pt'}: state.model.mode_tag."
+        "_extra_state is of type enum_state_plugin.Mode (<Mode.TRAIN: 1>). A checkpoint holds tensors, "
+        "dict/list/tuple and int/float/bool/str/bytes/None only (it loads with weights_only=True): the "
+        "state_dict() that returned these entries must return plain values"
+    ], err
     assert not any(p.name.startswith("checkpoint") for p in tmp_path.iterdir()), sorted(tmp_path.iterdir())

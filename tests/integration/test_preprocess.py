@@ -31,23 +31,46 @@ def files_of(dest):
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory):
     out = tmp_path_factory.mktemp("corpus")
-    subprocess.run([sys.executable, str(REPO / "examples/language_model/prepare_sample_corpus.py"), str(out)],
-                   check=True, capture_output=True)
+    subprocess.run(
+        [sys.executable, str(REPO / "examples/language_model/prepare_sample_corpus.py"), str(out)],
+        check=True,
+        capture_output=True,
+    )
     return out
 
 
 def corpus_args(corpus, dest, workers, *extra):
-    return ["--only-source", "--trainpref", corpus / "train.txt", "--validpref",
-            f"{corpus / 'valid.txt'},{corpus / 'test.txt'}", "--testpref", corpus / "test.txt",
-            "--destdir", dest, "--workers", workers, *extra]
+    return [
+        "--only-source",
+        "--trainpref",
+        corpus / "train.txt",
+        "--validpref",
+        f"{corpus / 'valid.txt'},{corpus / 'test.txt'}",
+        "--testpref",
+        corpus / "test.txt",
+        "--destdir",
+        dest,
+        "--workers",
+        workers,
+        *extra,
+    ]
 
 
 def test_workers_1_and_2_give_identical_files(corpus, tmp_path):
     run_main(*corpus_args(corpus, tmp_path / "w1", 1))
     run_main(*corpus_args(corpus, tmp_path / "w2", 2))
     one, two = files_of(tmp_path / "w1"), files_of(tmp_path / "w2")
-    assert sorted(one) == ["dict.txt", "test.bin", "test.idx", "train.bin", "train.idx",
-                           "valid.bin", "valid.idx", "valid1.bin", "valid1.idx"]
+    assert sorted(one) == [
+        "dict.txt",
+        "test.bin",
+        "test.idx",
+        "train.bin",
+        "train.idx",
+        "valid.bin",
+        "valid.idx",
+        "valid1.bin",
+        "valid1.idx",
+    ]
     assert one == two
 
 
@@ -75,7 +98,7 @@ def test_dictionary_holds_every_train_word_with_its_count(corpus, tmp_path):
     d = Dictionary.load(str(tmp_path / "dict.txt"))
     got = {s: c for s, c in zip(d.symbols[4:], d.count[4:]) if not s.startswith("madeupword")}
     assert got == counts
-    assert d.count[4:len(counts) + 4] == sorted(counts.values(), reverse=True)
+    assert d.count[4 : len(counts) + 4] == sorted(counts.values(), reverse=True)
 
 
 def test_srcdict_reuse_gives_identical_data(corpus, tmp_path):
@@ -92,8 +115,14 @@ def test_byte_exact_output_for_a_tiny_corpus(tmp_path):
     ids = [5, 4, 2, 6, 4, 5, 2, 2, 4, 2]
     sizes = [3, 4, 1, 2]
     pointers = [0, 6, 14, 16]
-    expected_idx = (b"MMIDIDX\x00\x00" + struct.pack("<Q", 1) + struct.pack("<B", 8) + struct.pack("<Q", 4)
-                    + struct.pack("<4i", *sizes) + struct.pack("<4q", *pointers))
+    expected_idx = (
+        b"MMIDIDX\x00\x00"
+        + struct.pack("<Q", 1)
+        + struct.pack("<B", 8)
+        + struct.pack("<Q", 4)
+        + struct.pack("<4i", *sizes)
+        + struct.pack("<4q", *pointers)
+    )
     assert (tmp_path / "out" / "train.idx").read_bytes() == expected_idx
     assert (tmp_path / "out" / "train.bin").read_bytes() == struct.pack("<10H", *ids)
 
@@ -101,8 +130,15 @@ def test_byte_exact_output_for_a_tiny_corpus(tmp_path):
 def test_preprocess_log_has_upstream_lines(tmp_path):
     (tmp_path / "train.txt").write_text("a b\nc\n", encoding="utf-8")
     (tmp_path / "valid.txt").write_text("a zz\n", encoding="utf-8")
-    run_main("--only-source", "--trainpref", tmp_path / "train.txt", "--validpref", tmp_path / "valid.txt",
-             "--destdir", tmp_path / "out")
+    run_main(
+        "--only-source",
+        "--trainpref",
+        tmp_path / "train.txt",
+        "--validpref",
+        tmp_path / "valid.txt",
+        "--destdir",
+        tmp_path / "out",
+    )
     lines = (tmp_path / "out" / "preprocess.log").read_text().splitlines()
     assert lines[0].startswith("Namespace(")
     assert lines[1:] == [
@@ -116,12 +152,30 @@ def test_preprocess_log_has_upstream_lines(tmp_path):
 
 def test_thresholdsrc_and_nwordssrc(tmp_path):
     (tmp_path / "train.txt").write_text("a a a b b c\n", encoding="utf-8")
-    run_main("--only-source", "--trainpref", tmp_path / "train.txt", "--destdir", tmp_path / "t",
-             "--thresholdsrc", 2, "--padding-factor", 1)
+    run_main(
+        "--only-source",
+        "--trainpref",
+        tmp_path / "train.txt",
+        "--destdir",
+        tmp_path / "t",
+        "--thresholdsrc",
+        2,
+        "--padding-factor",
+        1,
+    )
     assert (tmp_path / "t" / "dict.txt").read_text() == "a 3\nb 2\n"
     assert MMapIndexedDataset(str(tmp_path / "t" / "train"))[0].tolist() == [4, 4, 4, 5, 5, 3, 2]
-    run_main("--only-source", "--trainpref", tmp_path / "train.txt", "--destdir", tmp_path / "n",
-             "--nwordssrc", 5, "--padding-factor", 1)
+    run_main(
+        "--only-source",
+        "--trainpref",
+        tmp_path / "train.txt",
+        "--destdir",
+        tmp_path / "n",
+        "--nwordssrc",
+        5,
+        "--padding-factor",
+        1,
+    )
     assert (tmp_path / "n" / "dict.txt").read_text() == "a 3\n"
 
 
@@ -135,14 +189,24 @@ def test_without_only_source_is_refused(tmp_path):
 def test_missing_input_is_named_before_anything_is_written(tmp_path):
     (tmp_path / "train.txt").write_text("a\n")
     with pytest.raises(preprocess.PreprocessError, match=r"input file .*nope\.txt does not exist"):
-        run_main("--only-source", "--trainpref", tmp_path / "train.txt", "--validpref", tmp_path / "nope.txt",
-                 "--destdir", tmp_path / "o")
+        run_main(
+            "--only-source",
+            "--trainpref",
+            tmp_path / "train.txt",
+            "--validpref",
+            tmp_path / "nope.txt",
+            "--destdir",
+            tmp_path / "o",
+        )
     assert not (tmp_path / "o").exists()
 
 
 def test_installed_cli_reports_errors_with_exit_status(tmp_path):
-    r = subprocess.run([CLI, "--only-source", "--trainpref", str(tmp_path / "missing.txt"),
-                        "--destdir", str(tmp_path / "o")], capture_output=True, text=True)
+    r = subprocess.run(
+        [CLI, "--only-source", "--trainpref", str(tmp_path / "missing.txt"), "--destdir", str(tmp_path / "o")],
+        capture_output=True,
+        text=True,
+    )
     assert r.returncode == 2
     assert f"input file {tmp_path / 'missing.txt'} does not exist" in r.stderr
 
@@ -185,9 +249,24 @@ def test_one_signal_ends_the_run_promptly_and_removes_its_temporaries(corpus, bi
     dest = tmp_path / "out"
     run_main("--only-source", "--trainpref", corpus / "valid.txt", "--destdir", dest, "--workers", "1")
     before = {name: (dest / name).read_bytes() for name in ("train.bin", "train.idx")}
-    proc = subprocess.Popen([sys.executable, "-m", "fairseq_cli.preprocess", "--only-source", "--trainpref", str(big),
-                             "--destdir", str(dest), "--workers", "2"], stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "fairseq_cli.preprocess",
+            "--only-source",
+            "--trainpref",
+            str(big),
+            "--destdir",
+            str(dest),
+            "--workers",
+            "2",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     signum, elapsed, stderr = interrupt_once(proc, sig, lambda: part_file_written(dest), "preprocess")
     assert proc.returncode == 128 + signum and elapsed < 10, (proc.returncode, elapsed, stderr[-2000:])
     lines = stderr.strip().splitlines()
@@ -209,12 +288,20 @@ def test_unwritable_destdir_is_one_line_naming_the_path_and_errno(corpus, tmp_pa
         if limit is not None:
             resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
 
-    r = subprocess.run([sys.executable, "-m", "fairseq_cli.preprocess", *argv], capture_output=True, text=True,
-                       preexec_fn=limit_file_size, timeout=120)
+    r = subprocess.run(
+        [sys.executable, "-m", "fairseq_cli.preprocess", *argv],
+        capture_output=True,
+        text=True,
+        preexec_fn=limit_file_size,
+        timeout=120,
+    )
     lines = r.stderr.strip().splitlines()
     assert r.returncode == 2 and len(lines) == 1 and "Traceback" not in r.stderr, r.stderr[-2000:]
-    path, code = {"under a file": (dest, "ENOTDIR"), "is a file": (dest, "EEXIST"),
-                  "file-size limit": (dest / "train.bin", "EFBIG")}[how]
+    path, code = {
+        "under a file": (dest, "ENOTDIR"),
+        "is a file": (dest, "EEXIST"),
+        "file-size limit": (dest / "train.bin", "EFBIG"),
+    }[how]
     assert lines[0].startswith(f"fairseq-preprocess: error: cannot write {path}: ") and f"({code})" in lines[0]
     if how == "file-size limit":
         assert sorted(p.name for p in dest.iterdir()) == ["dict.txt", "preprocess.log"]
@@ -222,9 +309,12 @@ def test_unwritable_destdir_is_one_line_naming_the_path_and_errno(corpus, tmp_pa
 
 def test_killed_run_leaves_no_dataset(big, tmp_path):
     dest = tmp_path / "out"
-    proc = subprocess.Popen([CLI, "--only-source", "--trainpref", str(big), "--destdir", str(dest),
-                             "--workers", "2"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        [CLI, "--only-source", "--trainpref", str(big), "--destdir", str(dest), "--workers", "2"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     try:
         wait_for_part_file(proc, dest)
         os.killpg(proc.pid, signal.SIGKILL)  # the CLI and its worker processes
@@ -238,8 +328,10 @@ def forkserver_started(pid):
     """Whether multiprocessing's forkserver, a child of `pid`, has started (it then imports torch: seconds)."""
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
-            if stat.read_text().rsplit(")", 1)[1].split()[1] == str(pid) and \
-                    b"multiprocessing.forkserver" in (stat.parent / "cmdline").read_bytes():
+            if (
+                stat.read_text().rsplit(")", 1)[1].split()[1] == str(pid)
+                and b"multiprocessing.forkserver" in (stat.parent / "cmdline").read_bytes()
+            ):
                 return True
         except (OSError, IndexError):
             continue
@@ -254,8 +346,13 @@ def test_ctrl_c_while_the_workers_start_is_one_line_and_prompt(big, tmp_path, de
     starts with SIGINT blocked and then ignores it), at once; preprocess.log holds the arguments line first, as
     upstream's (never an empty file)."""
     dest = tmp_path / "out"
-    proc = subprocess.Popen([CLI, "--only-source", "--trainpref", str(big), "--destdir", str(dest), "--workers", "2"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        [CLI, "--only-source", "--trainpref", str(big), "--destdir", str(dest), "--workers", "2"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     started = []
 
     def forkserver_importing():
@@ -279,8 +376,9 @@ def test_ctrl_c_while_the_workers_start_is_one_line_and_prompt(big, tmp_path, de
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
     assert proc.returncode == 130 and elapsed < 3, (proc.returncode, elapsed, stderr[-2000:])
-    assert stderr.strip().splitlines() == ["fairseq-preprocess: interrupted by SIGINT; temporary files removed, files "
-                                           "written before are intact"], stderr[-3000:]
+    assert stderr.strip().splitlines() == [
+        "fairseq-preprocess: interrupted by SIGINT; temporary files removed, files written before are intact"
+    ], stderr[-3000:]
     assert sorted(p.name for p in dest.iterdir()) == ["preprocess.log"]
     assert (dest / "preprocess.log").read_text().startswith("Namespace(")
     assert_group_gone(proc.pid)  # the forkserver too (it ends once it sees this process gone)
@@ -291,8 +389,13 @@ def test_ctrl_c_while_the_workers_start_is_one_line_and_prompt(big, tmp_path, de
 def test_ctrl_c_while_the_command_imports_torch_is_one_line(big, tmp_path):
     """Ctrl-C before the command's main runs (torch's import takes seconds): one line, not the import's
     traceback, and the status of a death by SIGINT (fairseq_cli's exception hook)."""
-    proc = subprocess.Popen([CLI, "--only-source", "--trainpref", str(big), "--destdir", str(tmp_path / "out")],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        [CLI, "--only-source", "--trainpref", str(big), "--destdir", str(tmp_path / "out")],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     maps = Path(f"/proc/{proc.pid}/maps")
     try:
         deadline = time.time() + 60

@@ -21,9 +21,11 @@ ROOT = Path(__file__).resolve().parents[2]
 
 # Lines the two routes could treat differently: surrounding and unusual whitespace, empty lines, \r\n and a
 # lone \r, a NUL, non-ASCII, and a last line without a line end.
-TRICKY = ("  leading and trailing  \n\n\n\tTabbed\tline\t\r\nCRLF line\r\nlone\rCR\nform\x0cfeed and \u2028 sep "
-          "\x85 nel\nnul \x00 inside\nnon-ASCII: café, naïve, 日本語, emoji 🙂\n   \n<unk> </s> <s> literal\n"
-          "last line without newline")
+TRICKY = (
+    "  leading and trailing  \n\n\n\tTabbed\tline\t\r\nCRLF line\r\nlone\rCR\nform\x0cfeed and \u2028 sep "
+    "\x85 nel\nnul \x00 inside\nnon-ASCII: café, naïve, 日本語, emoji 🙂\n   \n<unk> </s> <s> literal\n"
+    "last line without newline"
+)
 
 
 def write_text(path, n_copies=1):
@@ -33,8 +35,12 @@ def write_text(path, n_copies=1):
 
 
 def run_script(relpath, argv):
-    subprocess.run([sys.executable, str(ROOT / relpath)] + [str(a) for a in argv], check=True,
-                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    subprocess.run(
+        [sys.executable, str(ROOT / relpath)] + [str(a) for a in argv],
+        check=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -70,13 +76,27 @@ def gpt2_two_step(tmp, corpus, gpt2_files, workers, extra=()):
     encoded = []
     for path in (train, valid):
         out = tmp / (path.stem + ".bpe")
-        run_script("examples/roberta/multiprocessing_bpe_encoder.py",
-                   ["--encoder-json", gpt2_files[0], "--vocab-bpe", gpt2_files[1], "--inputs", path,
-                    "--outputs", out, "--keep-empty", "--workers", workers])
+        run_script(
+            "examples/roberta/multiprocessing_bpe_encoder.py",
+            [
+                "--encoder-json",
+                gpt2_files[0],
+                "--vocab-bpe",
+                gpt2_files[1],
+                "--inputs",
+                path,
+                "--outputs",
+                out,
+                "--keep-empty",
+                "--workers",
+                workers,
+            ],
+        )
         encoded.append(out)
     dest = tmp / "two_step"
-    run_preprocess(["--trainpref", encoded[0], "--validpref", encoded[1], "--destdir", dest,
-                    "--workers", workers, *extra])
+    run_preprocess(
+        ["--trainpref", encoded[0], "--validpref", encoded[1], "--destdir", dest, "--workers", workers, *extra]
+    )
     return dest
 
 
@@ -88,8 +108,9 @@ def spm_two_step(tmp, corpus, model, workers, extra=()):
         run_script("scripts/spm_encode.py", ["--model", model, "--inputs", path, "--outputs", out])
         encoded.append(out)
     dest = tmp / "two_step"
-    run_preprocess(["--trainpref", encoded[0], "--validpref", encoded[1], "--destdir", dest,
-                    "--workers", workers, *extra])
+    run_preprocess(
+        ["--trainpref", encoded[0], "--validpref", encoded[1], "--destdir", dest, "--workers", workers, *extra]
+    )
     return dest
 
 
@@ -97,8 +118,24 @@ def spm_two_step(tmp, corpus, model, workers, extra=()):
 def test_gpt2_one_pass_equals_encoder_script_then_preprocess(tmp_path, corpus, gpt2_files, workers):
     two = gpt2_two_step(tmp_path, corpus, gpt2_files, workers)
     one = tmp_path / "one_pass"
-    run_preprocess(["--trainpref", corpus[0], "--validpref", corpus[1], "--destdir", one, "--workers", workers,
-                    "--bpe", "gpt2", "--gpt2-encoder-json", gpt2_files[0], "--gpt2-vocab-bpe", gpt2_files[1]])
+    run_preprocess(
+        [
+            "--trainpref",
+            corpus[0],
+            "--validpref",
+            corpus[1],
+            "--destdir",
+            one,
+            "--workers",
+            workers,
+            "--bpe",
+            "gpt2",
+            "--gpt2-encoder-json",
+            gpt2_files[0],
+            "--gpt2-vocab-bpe",
+            gpt2_files[1],
+        ]
+    )
     a, b = outputs(two), outputs(one)
     assert sorted(a) == sorted(b) == ["dict.txt", "train.bin", "train.idx", "valid.bin", "valid.idx"]
     for name in a:
@@ -114,9 +151,26 @@ def test_gpt2_one_pass_with_srcdict_equals_two_step(tmp_path, corpus, gpt2_files
     (tmp_path / "two_step").rename(tmp_path / "first")
     two = gpt2_two_step(tmp_path, corpus, gpt2_files, workers, extra=("--srcdict", srcdict))
     one = tmp_path / "one_pass"
-    run_preprocess(["--trainpref", corpus[0], "--validpref", corpus[1], "--destdir", one, "--workers", workers,
-                    "--srcdict", srcdict, "--bpe", "gpt2", "--gpt2-encoder-json", gpt2_files[0],
-                    "--gpt2-vocab-bpe", gpt2_files[1]])
+    run_preprocess(
+        [
+            "--trainpref",
+            corpus[0],
+            "--validpref",
+            corpus[1],
+            "--destdir",
+            one,
+            "--workers",
+            workers,
+            "--srcdict",
+            srcdict,
+            "--bpe",
+            "gpt2",
+            "--gpt2-encoder-json",
+            gpt2_files[0],
+            "--gpt2-vocab-bpe",
+            gpt2_files[1],
+        ]
+    )
     assert outputs(two) == outputs(one)
 
 
@@ -137,8 +191,22 @@ def spm_corpus(tmp_path_factory, corpus):
 def test_sentencepiece_one_pass_equals_spm_encode_then_preprocess(tmp_path, spm_corpus, spm_model, workers):
     two = spm_two_step(tmp_path, spm_corpus, spm_model, workers)
     one = tmp_path / "one_pass"
-    run_preprocess(["--trainpref", spm_corpus[0], "--validpref", spm_corpus[1], "--destdir", one,
-                    "--workers", workers, "--bpe", "sentencepiece", "--sentencepiece-model", spm_model])
+    run_preprocess(
+        [
+            "--trainpref",
+            spm_corpus[0],
+            "--validpref",
+            spm_corpus[1],
+            "--destdir",
+            one,
+            "--workers",
+            workers,
+            "--bpe",
+            "sentencepiece",
+            "--sentencepiece-model",
+            spm_model,
+        ]
+    )
     a, b = outputs(two), outputs(one)
     assert sorted(a) == ["dict.txt", "train.bin", "train.idx", "valid.bin", "valid.idx"]
     assert a == b
@@ -146,8 +214,9 @@ def test_sentencepiece_one_pass_equals_spm_encode_then_preprocess(tmp_path, spm_
 
 def test_sentencepiece_one_pass_keeps_empty_lines(tmp_path, corpus, spm_model):
     one = tmp_path / "one_pass"
-    run_preprocess(["--trainpref", corpus[0], "--destdir", one, "--bpe", "sentencepiece",
-                    "--sentencepiece-model", spm_model])
+    run_preprocess(
+        ["--trainpref", corpus[0], "--destdir", one, "--bpe", "sentencepiece", "--sentencepiece-model", spm_model]
+    )
     from fairseq.data.indexed_dataset import MMapIndexedDataset
     from fairseq.data import Dictionary
 
@@ -204,8 +273,24 @@ def test_srcdict_missing_encoder_ids_maps_to_unk_and_warns_once(tmp_path, corpus
     srcdict.write_text("".join(f"{i} 1\n" for i in range(100)), encoding="utf-8")  # ids 100+ missing
     dest = tmp_path / "out"
     with caplog.at_level(logging.WARNING, logger="fairseq_cli.preprocess"):
-        run_preprocess(["--trainpref", corpus[0], "--validpref", corpus[1], "--destdir", dest, "--srcdict", srcdict,
-                        "--bpe", "gpt2", "--gpt2-encoder-json", gpt2_files[0], "--gpt2-vocab-bpe", gpt2_files[1]])
+        run_preprocess(
+            [
+                "--trainpref",
+                corpus[0],
+                "--validpref",
+                corpus[1],
+                "--destdir",
+                dest,
+                "--srcdict",
+                srcdict,
+                "--bpe",
+                "gpt2",
+                "--gpt2-encoder-json",
+                gpt2_files[0],
+                "--gpt2-vocab-bpe",
+                gpt2_files[1],
+            ]
+        )
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1
     assert str(srcdict) in warnings[0] and "<unk>" in warnings[0] and "omit --srcdict" in warnings[0]
@@ -214,8 +299,18 @@ def test_srcdict_missing_encoder_ids_maps_to_unk_and_warns_once(tmp_path, corpus
 
 def test_undecodable_bytes_fail_naming_the_file_and_keep_the_old_output(tmp_path, capsys, corpus, gpt2_files):
     dest = tmp_path / "out"
-    args = ["--destdir", dest, "--bpe", "gpt2", "--gpt2-encoder-json", gpt2_files[0],
-            "--gpt2-vocab-bpe", gpt2_files[1], "--workers", "2"]
+    args = [
+        "--destdir",
+        dest,
+        "--bpe",
+        "gpt2",
+        "--gpt2-encoder-json",
+        gpt2_files[0],
+        "--gpt2-vocab-bpe",
+        gpt2_files[1],
+        "--workers",
+        "2",
+    ]
     run_preprocess(["--trainpref", corpus[0], "--validpref", corpus[1]] + args)
     good = outputs(dest)
     bad = tmp_path / "bad.raw"

@@ -17,11 +17,42 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 def dummy_train_argv(save_dir, *extra, max_update=4):
     return [
-        "--task", "dummy_lm", "--dict-size", "60", "--tokens-per-sample", "16", "--batch-size", "2",
-        "--arch", "transformer_lm", "--decoder-layers", "1", "--decoder-embed-dim", "16",
-        "--decoder-ffn-embed-dim", "32", "--decoder-attention-heads", "2", "--optimizer", "adam", "--lr", "1e-3",
-        "--max-update", str(max_update), "--disable-validation", "--cpu", "--num-workers", "0", "--seed", "1",
-        "--save-dir", str(save_dir), "--no-save", "--log-interval", "1", *extra,
+        "--task",
+        "dummy_lm",
+        "--dict-size",
+        "60",
+        "--tokens-per-sample",
+        "16",
+        "--batch-size",
+        "2",
+        "--arch",
+        "transformer_lm",
+        "--decoder-layers",
+        "1",
+        "--decoder-embed-dim",
+        "16",
+        "--decoder-ffn-embed-dim",
+        "32",
+        "--decoder-attention-heads",
+        "2",
+        "--optimizer",
+        "adam",
+        "--lr",
+        "1e-3",
+        "--max-update",
+        str(max_update),
+        "--disable-validation",
+        "--cpu",
+        "--num-workers",
+        "0",
+        "--seed",
+        "1",
+        "--save-dir",
+        str(save_dir),
+        "--no-save",
+        "--log-interval",
+        "1",
+        *extra,
     ]
 
 
@@ -50,12 +81,16 @@ def test_kernel_categories():
     assert kernel_category("nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_bias_TNT") == "matmul"
     assert kernel_category("cudnn_generated_fort_native_sdpa_sm90_flash_bprop_wgmma_f16") == "attention"
     assert kernel_category("ncclDevKernel_AllGather_RING_LL") == "communication"
-    assert kernel_category("void at::native::multi_tensor_apply_kernel<FusedOptimizerTensorListMetadata<4>>") == \
-        "optimizer"
+    assert (
+        kernel_category("void at::native::multi_tensor_apply_kernel<FusedOptimizerTensorListMetadata<4>>")
+        == "optimizer"
+    )
     assert kernel_category("Memcpy DtoD (Device -> Device)") == "copy"
     assert kernel_category("triton_poi_fused_gelu_view_2") == "triton (compiled)"
-    assert kernel_category("void at::native::vectorized_elementwise_kernel<8, GeluCUDAKernelImpl>") == \
-        "elementwise/reduction"
+    assert (
+        kernel_category("void at::native::vectorized_elementwise_kernel<8, GeluCUDAKernelImpl>")
+        == "elementwise/reduction"
+    )
 
 
 def test_profile_updates_writes_trace_and_summary(tmp_path):
@@ -86,7 +121,10 @@ def test_training_that_ends_inside_the_range_writes_what_it_recorded(tmp_path):
 def test_bad_profile_range_is_a_one_line_cli_error(tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "fairseq_cli.train", *dummy_train_argv(tmp_path, "--profile-updates", "4:2")],
-        capture_output=True, text=True, cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT),
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env=dict(os.environ, PYTHONPATH=ROOT),
     )
     assert proc.returncode == 2
     assert "--profile-updates '4:2'" in proc.stderr

@@ -17,8 +17,9 @@ def num_updates(path):
 
 
 def run(data, save_dir, max_update):
-    status, out, err = train_in_process(default_train_argv(data, save_dir, "--save-interval-updates", "2",
-                                                           max_update=max_update))
+    status, out, err = train_in_process(
+        default_train_argv(data, save_dir, "--save-interval-updates", "2", max_update=max_update)
+    )
     assert status == 0, out[-3000:] + err[-3000:]
     return out
 
@@ -34,8 +35,9 @@ def trained(tiny_data, tmp_path_factory):
 
 
 @pytest.mark.parametrize("left", ["older", "missing"])
-def test_a_kill_before_checkpoint_last_was_renamed_resumes_the_newest_intact_checkpoint(tiny_data, tmp_path, trained,
-                                                                                      left):
+def test_a_kill_before_checkpoint_last_was_renamed_resumes_the_newest_intact_checkpoint(
+    tiny_data, tmp_path, trained, left
+):
     source, last_at_8 = trained
     for path in source.iterdir():
         if path.name.startswith("checkpoint"):
@@ -51,8 +53,11 @@ def test_a_kill_before_checkpoint_last_was_renamed_resumes_the_newest_intact_che
         last.unlink()
     (tmp_path / ".checkpoint_last.pt.k1ll3d.tmp").write_bytes(ten[: len(ten) // 2])
     out = run(tiny_data, tmp_path, 12)
-    why = ("checkpoint_last.pt is at update 8 but checkpoint_1_10.pt (update 10) is newer and intact" if left == "older"
-           else "there is no checkpoint_last but checkpoint_1_10.pt (update 10) is intact")
+    why = (
+        "checkpoint_last.pt is at update 8 but checkpoint_1_10.pt (update 10) is newer and intact"
+        if left == "older"
+        else "there is no checkpoint_last but checkpoint_1_10.pt (update 10) is intact"
+    )
     assert out.count(f"{why}: resuming from it") == 1, out[-3000:]
     assert f"loaded checkpoint {newest} (10 updates)" in out
     assert newest.read_bytes() == ten  # training went on from 10: the checkpoint of update 10 is never rewritten

@@ -31,9 +31,19 @@ def start_server(ckpt, data, *extra, keys_file=None, env_keys=None):
     env.pop("FAIRSEQ_API_KEYS", None)
     if env_keys is not None:
         env["FAIRSEQ_API_KEYS"] = env_keys
-    argv = [sys.executable, "-m", "fairseq_cli.serve", *([str(data)] if data else []), "--path", str(ckpt), "--cpu",
-            "--port", "0",
-            *(["--api-keys", str(keys_file)] if keys_file else []), *map(str, extra)]
+    argv = [
+        sys.executable,
+        "-m",
+        "fairseq_cli.serve",
+        *([str(data)] if data else []),
+        "--path",
+        str(ckpt),
+        "--cpu",
+        "--port",
+        "0",
+        *(["--api-keys", str(keys_file)] if keys_file else []),
+        *map(str, extra),
+    ]
     proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     deadline = time.monotonic() + 60
     url = None
@@ -54,7 +64,7 @@ def start_server(ckpt, data, *extra, keys_file=None, env_keys=None):
 
 
 def request(url, method, path, body=None, headers=None, raw=None):
-    host, port = url[len("http://"):].split(":")
+    host, port = url[len("http://") :].split(":")
     conn = http.client.HTTPConnection(host, int(port), timeout=60)
     data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
     conn.request(method, path, body=data, headers={"Content-Type": "application/json", **(headers or {})})
@@ -82,8 +92,17 @@ def post(url, body, key=KEY, raw=None):
 def server(tiny_lm_checkpoint, tiny_data, tmp_path_factory):
     keys = tmp_path_factory.mktemp("keys") / "keys.txt"
     keys.write_text(f"# the test's key\n{KEY}\n")
-    proc, url = start_server(tiny_lm_checkpoint, tiny_data, "--max-queue", "64", "--request-timeout", "20",
-                             "--max-body-bytes", "65536", keys_file=keys)
+    proc, url = start_server(
+        tiny_lm_checkpoint,
+        tiny_data,
+        "--max-queue",
+        "64",
+        "--request-timeout",
+        "20",
+        "--max-body-bytes",
+        "65536",
+        keys_file=keys,
+    )
     yield url
     if proc.poll() is None:
         proc.kill()
@@ -109,9 +128,21 @@ def test_greedy_text_equals_fairseq_interactive(client, tiny_lm_checkpoint, tiny
         stdin = sys.stdin
         sys.stdin = io.StringIO(prompt + "\n")
         try:
-            status, out, err = console_in_process("fairseq-interactive", interactive.cli_main, [
-                str(tiny_data), "--path", str(tiny_lm_checkpoint), "--cpu", "--beam", "1", "--max-len-b",
-                str(length), "--text-only"])
+            status, out, err = console_in_process(
+                "fairseq-interactive",
+                interactive.cli_main,
+                [
+                    str(tiny_data),
+                    "--path",
+                    str(tiny_lm_checkpoint),
+                    "--cpu",
+                    "--beam",
+                    "1",
+                    "--max-len-b",
+                    str(length),
+                    "--text-only",
+                ],
+            )
         finally:
             sys.stdin = stdin
         assert status == 0, err
@@ -131,8 +162,9 @@ def test_stream_joined_equals_the_whole_answer(client):
     for params in ({"temperature": 0}, {"temperature": 0.9, "top_k": 20, "seed": 11}):
         extra = {"top_k": params.pop("top_k")} if "top_k" in params else {}
         whole = client.completions.create(model="x", prompt="w2 w7", max_tokens=20, extra_body=extra, **params)
-        chunks = list(client.completions.create(model="x", prompt="w2 w7", max_tokens=20, stream=True,
-                                                extra_body=extra, **params))
+        chunks = list(
+            client.completions.create(model="x", prompt="w2 w7", max_tokens=20, stream=True, extra_body=extra, **params)
+        )
         assert "".join(c.choices[0].text for c in chunks if c.choices) == whole.choices[0].text
         assert chunks[-1].choices[0].finish_reason == whole.choices[0].finish_reason
 
@@ -160,16 +192,14 @@ def test_stop_string_cuts_before_it(client):
     assert len(words) >= 3, whole
     stop = " " + words[2]
     cut = client.completions.create(model="x", prompt="w1", max_tokens=20, temperature=0, stop=[stop, "zz"])
-    assert cut.choices[0].text == whole[:whole.index(stop)] and cut.choices[0].finish_reason == "stop"
-    streamed = client.completions.create(model="x", prompt="w1", max_tokens=20, temperature=0, stop=stop,
-                                         stream=True)
+    assert cut.choices[0].text == whole[: whole.index(stop)] and cut.choices[0].finish_reason == "stop"
+    streamed = client.completions.create(model="x", prompt="w1", max_tokens=20, temperature=0, stop=stop, stream=True)
     assert "".join(c.choices[0].text for c in streamed if c.choices) == cut.choices[0].text
 
 
 def test_seeded_choices_are_reproducible(client):
     def three():
-        answer = client.completions.create(model="x", prompt="w3 w1", max_tokens=10, n=3, seed=1234,
-                                           temperature=1.0)
+        answer = client.completions.create(model="x", prompt="w3 w1", max_tokens=10, n=3, seed=1234, temperature=1.0)
         return [c.text for c in sorted(answer.choices, key=lambda c: c.index)]
 
     first = three()
@@ -197,8 +227,9 @@ def test_load_every_answer_equals_its_alone_answer(server):
         assert status == 200, answer
     for i in (0, 1, 2, 5, 13, 30, 47, 63):  # alone, one at a time: the same text for the same request
         status, answer = post(server, bodies[i])
-        assert status == 200 and [c["text"] for c in answer["choices"]] == \
-            [c["text"] for c in loaded[i][1]["choices"]], bodies[i]
+        assert status == 200 and [c["text"] for c in answer["choices"]] == [
+            c["text"] for c in loaded[i][1]["choices"]
+        ], bodies[i]
     assert all(len(a["choices"]) == b.get("n", 1) for b, (_, a) in zip(bodies, loaded))
     metrics = get(server, "/metrics")[1].decode()
     assert 'fairseq_requests_total{endpoint="/v1/completions",status="200"}' in metrics
@@ -250,15 +281,18 @@ def test_keys_routes_and_openai_errors(server):
 
 
 def test_slow_client_and_disconnect_do_not_block_others(server):
-    host, port = server[len("http://"):].split(":")
+    host, port = server[len("http://") :].split(":")
     slow = socket.create_connection((host, int(port)))
-    slow.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                 b"Authorization: Bearer " + KEY.encode() + b"\r\nContent-Length: 100\r\n\r\n{\"prompt\"")
+    slow.sendall(
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"Authorization: Bearer " + KEY.encode() + b'\r\nContent-Length: 100\r\n\r\n{"prompt"'
+    )
     gone = socket.create_connection((host, int(port)))
     body = json.dumps({"prompt": "w1", "max_tokens": 30, "stream": True, "temperature": 0}).encode()
-    gone.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                 b"Authorization: Bearer " + KEY.encode() + f"\r\nContent-Length: {len(body)}\r\n\r\n".encode()
-                 + body)
+    gone.sendall(
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"Authorization: Bearer " + KEY.encode() + f"\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body
+    )
     gone.recv(100)
     gone.close()  # mid-stream
     started = time.monotonic()
@@ -312,25 +346,30 @@ def test_a_transformers_directory_is_imported_and_served_as_the_hub_samples_it(t
     assert answer["choices"][0]["text"] == expected and answer["usage"]["prompt_tokens"] == prompt_tokens
 
 
-@pytest.mark.parametrize("flags,message", [
-    (["--api-keys", "/nonexistent/keys.txt"], "--api-keys /nonexistent/keys.txt: cannot read it"),
-    (["--model-parallel-size", "2"], "tensor-parallel serving is not implemented yet"),
-    (["--max-running", "0"], "--max-running 0: must be at least 1"),
-])
+@pytest.mark.parametrize(
+    "flags,message",
+    [
+        (["--api-keys", "/nonexistent/keys.txt"], "--api-keys /nonexistent/keys.txt: cannot read it"),
+        (["--model-parallel-size", "2"], "tensor-parallel serving is not implemented yet"),
+        (["--max-running", "0"], "--max-running 0: must be at least 1"),
+    ],
+)
 def test_start_up_errors_are_one_line(tiny_lm_checkpoint, tiny_data, flags, message):
     from fairseq_cli import serve
     from tests.train_fixtures import console_in_process
 
-    status, out, err = console_in_process("fairseq-serve", serve.cli_main,
-                                          [str(tiny_data), "--path", str(tiny_lm_checkpoint), "--cpu", *flags])
+    status, out, err = console_in_process(
+        "fairseq-serve", serve.cli_main, [str(tiny_data), "--path", str(tiny_lm_checkpoint), "--cpu", *flags]
+    )
     assert status in (1, 2) and message in err and len(err.strip().splitlines()) == 1, err
 
 
 def test_full_queue_is_429_and_a_request_past_its_timeout_is_504(tiny_lm_checkpoint, tiny_data):
     # one row at a time: A's 64 choices of 30 tokens (1,920 steps) take far more than the 0.2 s timeout; B waits
     # behind it, C and D find the queue (1) full
-    proc, url = start_server(tiny_lm_checkpoint, tiny_data, "--max-running", "1", "--max-queue", "1",
-                             "--request-timeout", "0.2")
+    proc, url = start_server(
+        tiny_lm_checkpoint, tiny_data, "--max-running", "1", "--max-queue", "1", "--request-timeout", "0.2"
+    )
     body = {"prompt": [f"w{i}" for i in range(16)], "max_tokens": 30, "n": 4, "temperature": 1.0, "seed": 1}
     try:
         with concurrent.futures.ThreadPoolExecutor(4) as pool:

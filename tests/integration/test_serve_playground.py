@@ -29,11 +29,15 @@ def test_playground_streams_shaded_tokens(tiny_lm_checkpoint, tiny_data):
             page.fill("#temperature", "1")
             page.fill("#seed", "2")
             page.click("#generate")
-            page.wait_for_function("document.getElementById('status').textContent.startsWith('done')",
-                                   timeout=30000)
+            page.wait_for_function("document.getElementById('status').textContent.startsWith('done')", timeout=30000)
             spans = page.query_selector_all("#output span")
             text = page.inner_text("#output")
-            shaded = [s for s in spans if "background" in (s.get_attribute("style") or "") and (s.get_attribute("title") or "").startswith("log p")]
+            shaded = [
+                s
+                for s in spans
+                if "background" in (s.get_attribute("style") or "")
+                and (s.get_attribute("title") or "").startswith("log p")
+            ]
             if os.environ.get("FAIRSEQ_SCREENSHOT"):
                 page.screenshot(path=os.path.join(ROOT, "docs", "img", "serve_playground.png"))
             browser.close()

@@ -19,7 +19,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 # With SIGNAL_TEST_DIR set: every validation batch is slow and leaves a mark (one file per process), and
 # loading epoch 2's training data sends this process a SIGTERM (as if SLURM's signal came then).
 # Without it, both behave as cross_entropy and language_modeling.
-PLUGIN = '''
+PLUGIN = """
 import os
 import signal
 import time
@@ -48,7 +48,7 @@ class SignalAtEpoch2(LanguageModelingTask):
         if MARKS and split == "train" and epoch == 2:
             os.kill(os.getpid(), signal.SIGTERM)
         return dataset
-'''
+"""
 
 
 @pytest.fixture(scope="module")
@@ -63,8 +63,13 @@ def start(argv, marks=None):
     env.update(PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
     if marks is not None:
         env["SIGNAL_TEST_DIR"] = str(marks)
-    return subprocess.Popen([sys.executable, "-m", "fairseq_cli.train", *argv], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, env=env)
+    return subprocess.Popen(
+        [sys.executable, "-m", "fairseq_cli.train", *argv],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+    )
 
 
 def train_here(argv):
@@ -106,8 +111,19 @@ def assert_same_weights(a, b):
 def test_sigterm_during_validation_stops_at_once_and_resumes_exactly(tiny_data, tmp_path, plugin, train_args):
     # Validation at update 3: 20 batches of one block, 0.25 s each with the marks on (5 s in all).
     def argv(save_dir):
-        return train_args(tiny_data, save_dir, "--user-dir", str(plugin), "--criterion", "slow_valid_ce",
-                          "--validate-interval-updates", "3", "--max-tokens-valid", "32", max_update=6)
+        return train_args(
+            tiny_data,
+            save_dir,
+            "--user-dir",
+            str(plugin),
+            "--criterion",
+            "slow_valid_ce",
+            "--validate-interval-updates",
+            "3",
+            "--max-tokens-valid",
+            "32",
+            max_update=6,
+        )
 
     marks = tmp_path / "marks"
     marks.mkdir()
@@ -168,9 +184,23 @@ def test_two_ranks_stop_at_the_same_validation_batch(tiny_data, tmp_path, plugin
     marks = tmp_path / "marks"
     marks.mkdir()
     run = tmp_path / "ck"
-    argv = train_args(tiny_data, run, "--user-dir", str(plugin), "--criterion", "slow_valid_ce",
-                      "--validate-interval-updates", "2", "--max-tokens-valid", "32", "--distributed-world-size",
-                      "2", "--heartbeat-timeout", "120", max_update=6)
+    argv = train_args(
+        tiny_data,
+        run,
+        "--user-dir",
+        str(plugin),
+        "--criterion",
+        "slow_valid_ce",
+        "--validate-interval-updates",
+        "2",
+        "--max-tokens-valid",
+        "32",
+        "--distributed-world-size",
+        "2",
+        "--heartbeat-timeout",
+        "120",
+        max_update=6,
+    )
     proc = start(argv, marks)
     signal_once_validating(proc, marks, sig=signal.SIGUSR1)
     rc, out = finish(proc)

@@ -14,11 +14,40 @@ import torch
 from tests.streaming_fixtures import write_jsonl_corpora
 from tests.train_fixtures import train_in_process
 
-TINY = ["--task", "streaming_language_modeling", "--arch", "transformer_lm", "--decoder-layers", "2",
-        "--decoder-embed-dim", "32", "--decoder-ffn-embed-dim", "64", "--decoder-attention-heads", "2",
-        "--decoder-input-dim", "32", "--decoder-output-dim", "32",
-        "--share-decoder-input-output-embed", "--optimizer", "adam", "--lr", "0.002", "--tokens-per-sample", "16",
-        "--batch-size", "2", "--cpu", "--seed", "3", "--log-format", "json", "--log-interval", "1"]
+TINY = [
+    "--task",
+    "streaming_language_modeling",
+    "--arch",
+    "transformer_lm",
+    "--decoder-layers",
+    "2",
+    "--decoder-embed-dim",
+    "32",
+    "--decoder-ffn-embed-dim",
+    "64",
+    "--decoder-attention-heads",
+    "2",
+    "--decoder-input-dim",
+    "32",
+    "--decoder-output-dim",
+    "32",
+    "--share-decoder-input-output-embed",
+    "--optimizer",
+    "adam",
+    "--lr",
+    "0.002",
+    "--tokens-per-sample",
+    "16",
+    "--batch-size",
+    "2",
+    "--cpu",
+    "--seed",
+    "3",
+    "--log-format",
+    "json",
+    "--log-interval",
+    "1",
+]
 
 
 @pytest.fixture()
@@ -27,8 +56,17 @@ def data(tmp_path):
 
 
 def argv(data, save_dir, *extra, max_update=4, workers="0"):
-    return [str(data), *TINY, "--save-dir", str(save_dir), "--max-update", str(max_update), "--num-workers", workers,
-            *extra]
+    return [
+        str(data),
+        *TINY,
+        "--save-dir",
+        str(save_dir),
+        "--max-update",
+        str(max_update),
+        "--num-workers",
+        workers,
+        *extra,
+    ]
 
 
 def one_error_line(status, err):
@@ -44,9 +82,13 @@ def test_kill_9_and_resume_equals_the_uninterrupted_run(data, tmp_path):
     # fairseq-train process with a tokenizing worker process (the ids do not depend on where they are made).
     assert train_in_process(argv(data, tmp_path / "whole", *common, max_update=24))[0] == 0
     env = dict(os.environ, PYTHONPATH=os.getcwd(), OMP_NUM_THREADS="1")  # one thread, as train_in_process
-    run = subprocess.Popen([sys.executable, "-m", "fairseq_cli.train"]
-                           + argv(data, tmp_path / "cut", *common, max_update=24, workers="1"), env=env,
-                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    run = subprocess.Popen(
+        [sys.executable, "-m", "fairseq_cli.train"] + argv(data, tmp_path / "cut", *common, max_update=24, workers="1"),
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     for line in run.stdout:  # killed once update 6 is logged: checkpoint_last (update 4) is on disk
         if '"num_updates": "6"' in line:
             run.send_signal(signal.SIGKILL)
@@ -105,9 +147,14 @@ def bad_line(data, text: bytes):
     return f"{data / 'train' / '00' / 'web.jsonl'}, line 61"
 
 
-@pytest.mark.parametrize("text,says", [(b'{"text": oops}\n', "not a JSON object"),
-                                       (b'{"body": "w1"}\n', "no string under key 'text'"),
-                                       (b'{"text": "\xff\xfe"}\n', "not valid UTF-8")])
+@pytest.mark.parametrize(
+    "text,says",
+    [
+        (b'{"text": oops}\n', "not a JSON object"),
+        (b'{"body": "w1"}\n', "no string under key 'text'"),
+        (b'{"text": "\xff\xfe"}\n', "not valid UTF-8"),
+    ],
+)
 def test_invalid_document_names_file_and_line_or_is_skipped(data, tmp_path, text, says):
     where = bad_line(data, text)
     run = argv(data, tmp_path / "ck", "--disable-validation", "--data-weights", "web=1", max_update=40)
@@ -118,14 +165,17 @@ def test_invalid_document_names_file_and_line_or_is_skipped(data, tmp_path, text
     assert "skipped an invalid document (1 so far in corpus 'web'" in out and where in out
 
 
-@pytest.mark.parametrize("extra,says", [
-    (["--data-weights", "web=-1"], "--data-weights web=-1: a weight must be >= 0"),
-    (["--data-weights", "web=0,books=0"], "all weights are 0"),
-    (["--data-weights", "news=1"], "names corpus 'news', which the data does not have"),
-    (["--hf-tokenizer", "/no/such/tokenizer.json"], "--hf-tokenizer /no/such/tokenizer.json: no such file"),
-    (["--vocab-filename", "v.json"], "--vocab-filename and --merges-filename go together"),
-    (["--end-of-document-symbol", "<eod>"], "--end-of-document-symbol '<eod>' is not in the vocabulary"),
-])
+@pytest.mark.parametrize(
+    "extra,says",
+    [
+        (["--data-weights", "web=-1"], "--data-weights web=-1: a weight must be >= 0"),
+        (["--data-weights", "web=0,books=0"], "all weights are 0"),
+        (["--data-weights", "news=1"], "names corpus 'news', which the data does not have"),
+        (["--hf-tokenizer", "/no/such/tokenizer.json"], "--hf-tokenizer /no/such/tokenizer.json: no such file"),
+        (["--vocab-filename", "v.json"], "--vocab-filename and --merges-filename go together"),
+        (["--end-of-document-symbol", "<eod>"], "--end-of-document-symbol '<eod>' is not in the vocabulary"),
+    ],
+)
 def test_bad_flags_are_one_line(data, tmp_path, extra, says):
     line = one_error_line(*train_in_process(argv(data, tmp_path / "ck", "--disable-validation", *extra))[::2])
     assert says in line
@@ -133,12 +183,14 @@ def test_bad_flags_are_one_line(data, tmp_path, extra, says):
 
 def test_unloadable_tokenizer_and_empty_inputs_are_one_line(data, tmp_path):
     (tmp_path / "tokenizer.json").write_text("{not a tokenizer")
-    line = one_error_line(*train_in_process(argv(data, tmp_path / "ck", "--hf-tokenizer",
-                                                 str(tmp_path / "tokenizer.json")))[::2])
+    line = one_error_line(
+        *train_in_process(argv(data, tmp_path / "ck", "--hf-tokenizer", str(tmp_path / "tokenizer.json")))[::2]
+    )
     assert "tokenizer.json: not a loadable tokenizer" in line
     (data / "train" / "00" / "web.jsonl").write_text("\n")
-    line = one_error_line(*train_in_process(argv(data, tmp_path / "ck", "--disable-validation",
-                                                 "--data-weights", "web=1"))[::2])
+    line = one_error_line(
+        *train_in_process(argv(data, tmp_path / "ck", "--disable-validation", "--data-weights", "web=1"))[::2]
+    )
     assert "corpus 'web' has no document" in line
     for path in (data / "train" / "00").iterdir():
         path.unlink()
@@ -149,8 +201,9 @@ def test_unloadable_tokenizer_and_empty_inputs_are_one_line(data, tmp_path):
 def test_changing_the_rates_on_resume_is_logged(data, tmp_path):
     save = tmp_path / "ck"
     assert train_in_process(argv(data, save, "--disable-validation", "--data-weights", "web=1,books=1"))[0] == 0
-    status, out, err = train_in_process(argv(data, save, "--disable-validation", "--data-weights", "web=3,books=1",
-                                             max_update=6))
+    status, out, err = train_in_process(
+        argv(data, save, "--disable-validation", "--data-weights", "web=3,books=1", max_update=6)
+    )
     assert status == 0, err
     assert "data rates changed on resume at sample 8: books=0.5,web=0.5 -> books=0.25,web=0.75" in out
 
@@ -161,8 +214,18 @@ def test_bpe_and_hf_tokenizer_routes_train(data, tmp_path):
 
     enc, vocab = train_gpt2_files(tmp_path, sample_text()[:50000], vocab_size=300)
     gpt2 = ["--bpe", "gpt2", "--gpt2-encoder-json", str(enc), "--gpt2-vocab-bpe", str(vocab)]
-    preprocess.cli_main(["--only-source", "--json-key", "text", "--trainpref", str(data / "train"),
-                         "--destdir", str(tmp_path / "bin"), *gpt2])
+    preprocess.cli_main(
+        [
+            "--only-source",
+            "--json-key",
+            "text",
+            "--trainpref",
+            str(data / "train"),
+            "--destdir",
+            str(tmp_path / "bin"),
+            *gpt2,
+        ]
+    )
     (data / "dict.txt").write_bytes((tmp_path / "bin" / "dict.txt").read_bytes())  # the data-bin's vocabulary
     status, out, err = train_in_process(argv(data, tmp_path / "gpt2", "--disable-validation", *gpt2))
     assert status == 0 and "dictionary: " in out and "--bpe" not in err, err
@@ -173,6 +236,7 @@ def test_bpe_and_hf_tokenizer_routes_train(data, tmp_path):
     tok = Tokenizer(models.WordLevel(words, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     tok.save(str(tmp_path / "tokenizer.json"))
-    status, out, err = train_in_process(argv(data, tmp_path / "hf", "--disable-validation", "--hf-tokenizer",
-                                             str(tmp_path / "tokenizer.json")))
+    status, out, err = train_in_process(
+        argv(data, tmp_path / "hf", "--disable-validation", "--hf-tokenizer", str(tmp_path / "tokenizer.json"))
+    )
     assert status == 0 and "dictionary: 48 types (hf" in out, err

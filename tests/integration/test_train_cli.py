@@ -11,6 +11,7 @@ from fairseq.logging.progress_bar import read_json_log
 from fairseq_cli import eval_lm, generate, train
 from tests.train_fixtures import assert_same_model_and_optimizer, console_in_process, train_in_process
 
+
 def load(path):
     return torch.load(path, map_location="cpu", weights_only=True)
 
@@ -36,8 +37,7 @@ def test_resume_is_bitwise(tiny_data, tmp_path, train_args):
 def test_checkpoint_is_plain_and_has_upstream_keys(tiny_data, tmp_path, train_args):
     train.cli_main(train_args(tiny_data, tmp_path, max_update=3))
     state = load(tmp_path / "checkpoint_last.pt")  # weights_only=True: no pickled objects inside
-    for key in ("cfg", "model", "criterion", "optimizer_history", "task_state", "extra_state",
-                "last_optimizer_state"):
+    for key in ("cfg", "model", "criterion", "optimizer_history", "task_state", "extra_state", "last_optimizer_state"):
         assert key in state
     assert state["optimizer_history"][-1]["num_updates"] == 3
     assert state["cfg"]["model"]["_name"] == "transformer_lm"
@@ -90,15 +90,29 @@ def test_loss_falls_and_eval_lm_matches_independent_computation(tiny_data, tmp_p
     mean_bits = total / count / math.log(2)
     assert result["tokens"] == count
     assert result["loss"] == pytest.approx(mean_bits, rel=1e-6)  # fp32 logits vs float64: 1e-6 relative
-    assert result["perplexity"] == pytest.approx(2 ** mean_bits, rel=1e-5)
+    assert result["perplexity"] == pytest.approx(2**mean_bits, rel=1e-5)
 
 
 def _eval_cfg(data, path, *extra):
     from fairseq import options
 
     parser = options.get_eval_lm_parser()
-    args = options.parse_args_and_arch(parser, [str(data), "--path", str(path), "--gen-subset", "test",
-                                                "--tokens-per-sample", "32", "--batch-size", "4", "--cpu", *extra])
+    args = options.parse_args_and_arch(
+        parser,
+        [
+            str(data),
+            "--path",
+            str(path),
+            "--gen-subset",
+            "test",
+            "--tokens-per-sample",
+            "32",
+            "--batch-size",
+            "4",
+            "--cpu",
+            *extra,
+        ],
+    )
     return options.convert_namespace_to_config(args)
 
 
@@ -115,14 +129,51 @@ def test_upstream_wikitext_command_line_runs(tiny_data, tmp_path):
     """FAIRSEQ_COMPAT.md's language-model example, unchanged apart from sizes, --cpu, and no --fp16
     (fp16 needs a GPU; tests/gpu covers it)."""
     argv = [
-        "--task", "language_modeling", str(tiny_data), "--save-dir", str(tmp_path),
-        "--arch", "transformer_lm", "--share-decoder-input-output-embed", "--dropout", "0.1",
-        "--optimizer", "adam", "--adam-betas", "(0.9, 0.98)", "--weight-decay", "0.01", "--clip-norm", "0.0",
-        "--lr", "0.0005", "--lr-scheduler", "inverse_sqrt", "--warmup-updates", "4000", "--warmup-init-lr",
-        "1e-07", "--tokens-per-sample", "64", "--sample-break-mode", "none", "--max-tokens", "512",
-        "--update-freq", "2", "--max-update", "2",
-        "--decoder-layers", "1", "--decoder-embed-dim", "64", "--decoder-ffn-embed-dim", "128",  # size
-        "--cpu", "--num-workers", "0",
+        "--task",
+        "language_modeling",
+        str(tiny_data),
+        "--save-dir",
+        str(tmp_path),
+        "--arch",
+        "transformer_lm",
+        "--share-decoder-input-output-embed",
+        "--dropout",
+        "0.1",
+        "--optimizer",
+        "adam",
+        "--adam-betas",
+        "(0.9, 0.98)",
+        "--weight-decay",
+        "0.01",
+        "--clip-norm",
+        "0.0",
+        "--lr",
+        "0.0005",
+        "--lr-scheduler",
+        "inverse_sqrt",
+        "--warmup-updates",
+        "4000",
+        "--warmup-init-lr",
+        "1e-07",
+        "--tokens-per-sample",
+        "64",
+        "--sample-break-mode",
+        "none",
+        "--max-tokens",
+        "512",
+        "--update-freq",
+        "2",
+        "--max-update",
+        "2",
+        "--decoder-layers",
+        "1",
+        "--decoder-embed-dim",
+        "64",
+        "--decoder-ffn-embed-dim",
+        "128",  # size
+        "--cpu",
+        "--num-workers",
+        "0",
     ]
     status, stdout, stderr = train_in_process(argv)
     assert status == 0, stderr
@@ -131,26 +182,48 @@ def test_upstream_wikitext_command_line_runs(tiny_data, tmp_path):
     # bare transformer_lm keeps upstream's input/output dims of 512: project_in/out, as upstream 0.12.2 builds
     vocab = len(Dictionary.load(str(tiny_data / "dict.txt")))
     assert {k: tuple(v.shape) for k, v in state["model"].items() if "layers" not in k} == {
-        "decoder.version": (1,), "decoder.embed_tokens.weight": (vocab, 512), "decoder.project_in_dim.weight": (64, 512),
-        "decoder.embed_positions._float_tensor": (1,), "decoder.project_out_dim.weight": (512, 64),
-        "decoder.output_projection.weight": (vocab, 512)}
+        "decoder.version": (1,),
+        "decoder.embed_tokens.weight": (vocab, 512),
+        "decoder.project_in_dim.weight": (64, 512),
+        "decoder.embed_positions._float_tensor": (1,),
+        "decoder.project_out_dim.weight": (512, 64),
+        "decoder.output_projection.weight": (vocab, 512),
+    }
     assert (state["cfg"]["model"]["decoder_input_dim"], state["cfg"]["model"]["decoder_output_dim"]) == (512, 512)
     # the resolved model config and the notice of the projections, each logged once
     lines = [line.split(" | ", 3)[3] for line in stdout.splitlines() if "model config:" in line or "dims 512" in line]
-    assert lines == ["input/output dims 512 (upstream's default) with embed dim 64: adds project_in/out; pass "
-                     "--decoder-input-dim 64 --decoder-output-dim 64 to drop them",
-                     "model config: --arch transformer_lm, 1 layers, embed dim 64 (input 512, output 512), ffn 128, "
-                     "8 heads, sinusoidal positions (64), post-norm, relu, shared input/output embeddings, "
-                     "131,776 parameters"]
+    assert lines == [
+        "input/output dims 512 (upstream's default) with embed dim 64: adds project_in/out; pass "
+        "--decoder-input-dim 64 --decoder-output-dim 64 to drop them",
+        "model config: --arch transformer_lm, 1 layers, embed dim 64 (input 512, output 512), ffn 128, "
+        "8 heads, sinusoidal positions (64), post-norm, relu, shared input/output embeddings, "
+        "131,776 parameters",
+    ]
 
 
 def test_eval_lm_and_generate_log_the_model_config(tiny_data, tiny_lm_checkpoint):
-    expected = ("model config: --arch transformer_lm, 2 layers, embed dim 32 (input 32, output 32), ffn 64, 2 heads, "
-                "sinusoidal positions (32), post-norm, relu, shared input/output embeddings, 19,136 parameters")
-    common = [str(tiny_data), "--path", str(tiny_lm_checkpoint), "--gen-subset", "test", "--cpu",
-              "--tokens-per-sample", "32", "--batch-size", "4", "--num-workers", "0"]
-    for name, cli_main, extra in (("fairseq-eval-lm", eval_lm.cli_main, []),
-                                  ("fairseq-generate", generate.cli_main, ["--sample-break-mode", "eos"])):
+    expected = (
+        "model config: --arch transformer_lm, 2 layers, embed dim 32 (input 32, output 32), ffn 64, 2 heads, "
+        "sinusoidal positions (32), post-norm, relu, shared input/output embeddings, 19,136 parameters"
+    )
+    common = [
+        str(tiny_data),
+        "--path",
+        str(tiny_lm_checkpoint),
+        "--gen-subset",
+        "test",
+        "--cpu",
+        "--tokens-per-sample",
+        "32",
+        "--batch-size",
+        "4",
+        "--num-workers",
+        "0",
+    ]
+    for name, cli_main, extra in (
+        ("fairseq-eval-lm", eval_lm.cli_main, []),
+        ("fairseq-generate", generate.cli_main, ["--sample-break-mode", "eos"]),
+    ):
         status, stdout, stderr = console_in_process(name, cli_main, common + extra)
         assert status == 0, stderr
         assert [line.split(" | ", 3)[3] for line in stdout.splitlines() if "model config:" in line] == [expected]
@@ -208,8 +281,9 @@ def test_missing_restore_file_is_a_clear_error(tiny_data, tmp_path, train_args):
 
 
 def test_nan_loss_stops_with_a_clear_error(tiny_data, tmp_path, nan_after_two, train_args):
-    argv = train_args(tiny_data, tmp_path / "ck", "--user-dir", str(nan_after_two), "--criterion", "nan_after_two",
-                      max_update=6)
+    argv = train_args(
+        tiny_data, tmp_path / "ck", "--user-dir", str(nan_after_two), "--criterion", "nan_after_two", max_update=6
+    )
     proc = _run_train(argv)
     assert proc.returncode != 0
     assert "loss became nan" in proc.stderr + proc.stdout
@@ -225,7 +299,8 @@ def test_the_config_is_validated_once_per_process(tiny_data, tmp_path, train_arg
     monkeypatch.setattr(train, "validate_config", lambda cfg: calls.append(cfg) or real(cfg))
     train.cli_main(train_args(tiny_data, tmp_path / "cli", max_update=1))
     assert len(calls) == 1
-    args = options.parse_args_and_arch(options.get_training_parser(),
-                                       train_args(tiny_data, tmp_path / "in_process", max_update=1))
+    args = options.parse_args_and_arch(
+        options.get_training_parser(), train_args(tiny_data, tmp_path / "in_process", max_update=1)
+    )
     train.main(options.convert_namespace_to_config(args))
     assert len(calls) == 2

@@ -18,8 +18,17 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 def test_no_checkpoint_is_written_with_non_finite_weights(tiny_data, tmp_path, nan_after_two, train_args):
     save_dir = tmp_path / "ck"
-    argv = train_args(tiny_data, save_dir, "--user-dir", str(nan_after_two), "--criterion", "nan_after_two",
-                      "--save-interval-updates", "4", max_update=8)
+    argv = train_args(
+        tiny_data,
+        save_dir,
+        "--user-dir",
+        str(nan_after_two),
+        "--criterion",
+        "nan_after_two",
+        "--save-interval-updates",
+        "4",
+        max_update=8,
+    )
     argv[argv.index("--log-interval") + 1] = "10"  # the NaN must be caught before the log boundary
     proc = _run_train(argv)
     assert proc.returncode != 0
@@ -61,9 +70,11 @@ def test_resuming_at_an_epoch_boundary_starts_the_epoch_meters_afresh(tiny_data,
 def test_the_saves_seconds_start_afresh_after_a_resume(tiny_data, tmp_path, train_args):
     """Mid-epoch the saved meters are restored, but not save_blocked / save_wall: they are this run's saves'
     (the save at update 6 was in the first line after the resume, at update 9, which saw none)."""
+
     def argv(max_update):
-        args = train_args(tiny_data, tmp_path, "--save-interval-updates", "2", "--disable-validation",
-                          max_update=max_update)
+        args = train_args(
+            tiny_data, tmp_path, "--save-interval-updates", "2", "--disable-validation", max_update=max_update
+        )
         args[args.index("--log-interval") + 1] = "3"
         return args
 
@@ -78,10 +89,25 @@ def test_the_saves_seconds_start_afresh_after_a_resume(tiny_data, tmp_path, trai
 
 
 def test_stop_time_hours_stops_every_rank_at_the_same_update(tiny_data, tmp_path, train_args):
-    argv = train_args(tiny_data, tmp_path, "--stop-time-hours", "0.0004", "--distributed-world-size", "2",
-                      "--max-epoch", "50", "--disable-validation", max_update=0)
-    proc = subprocess.run([sys.executable, "-m", "fairseq_cli.train", *argv], capture_output=True, text=True,
-                          timeout=300, env=dict(os.environ, PYTHONPATH=ROOT))
+    argv = train_args(
+        tiny_data,
+        tmp_path,
+        "--stop-time-hours",
+        "0.0004",
+        "--distributed-world-size",
+        "2",
+        "--max-epoch",
+        "50",
+        "--disable-validation",
+        max_update=0,
+    )
+    proc = subprocess.run(
+        [sys.executable, "-m", "fairseq_cli.train", *argv],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=dict(os.environ, PYTHONPATH=ROOT),
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "stopping training:" in proc.stdout + proc.stderr
     assert load(tmp_path / "checkpoint_last.pt")["extra_state"]["trainer"]["num_updates"] > 0
@@ -134,7 +160,7 @@ def test_eval_lm_names_an_architecture_mismatch(tiny_data, tmp_path, train_args)
         eval_lm.main(cfg)
 
 
-UPSTREAM_STYLE_PLUGIN = '''
+UPSTREAM_STYLE_PLUGIN = """
 import math
 from dataclasses import dataclass, field
 
@@ -197,7 +223,7 @@ def my_tiny_lm(args):
     args.decoder_ffn_embed_dim = getattr(args, "decoder_ffn_embed_dim", 64)
     args.decoder_attention_heads = getattr(args, "decoder_attention_heads", 2)
     base_lm_architecture(args)
-'''
+"""
 
 
 def test_a_plugin_written_for_upstream_trains(tiny_data, tmp_path, user_dir):
@@ -205,13 +231,48 @@ def test_a_plugin_written_for_upstream_trains(tiny_data, tmp_path, user_dir):
     II(...) defaults, model.get_normalized_probs/get_targets, register_model_architecture from fairseq.models)."""
     plugin = user_dir("upstream_plugin", UPSTREAM_STYLE_PLUGIN)
     save = tmp_path / "ck"
-    argv = ["--task", "language_modeling", str(tiny_data), "--save-dir", str(save), "--user-dir", str(plugin),
-            "--arch", "my_tiny_lm", "--criterion", "smoothed_lm", "--smoothing", "0.2", "--optimizer", "adam",
-            "--lr", "0.002", "--tokens-per-sample", "32", "--max-tokens", "256", "--max-update", "3", "--cpu",
-            "--log-format", "json", "--log-interval", "1", "--log-file", str(save / "train.log"),
-            "--num-workers", "0", "--no-save"]
-    proc = subprocess.run([sys.executable, "-m", "fairseq_cli.train", *argv], capture_output=True, text=True,
-                          timeout=300, env=dict(os.environ, PYTHONPATH=ROOT))
+    argv = [
+        "--task",
+        "language_modeling",
+        str(tiny_data),
+        "--save-dir",
+        str(save),
+        "--user-dir",
+        str(plugin),
+        "--arch",
+        "my_tiny_lm",
+        "--criterion",
+        "smoothed_lm",
+        "--smoothing",
+        "0.2",
+        "--optimizer",
+        "adam",
+        "--lr",
+        "0.002",
+        "--tokens-per-sample",
+        "32",
+        "--max-tokens",
+        "256",
+        "--max-update",
+        "3",
+        "--cpu",
+        "--log-format",
+        "json",
+        "--log-interval",
+        "1",
+        "--log-file",
+        str(save / "train.log"),
+        "--num-workers",
+        "0",
+        "--no-save",
+    ]
+    proc = subprocess.run(
+        [sys.executable, "-m", "fairseq_cli.train", *argv],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=dict(os.environ, PYTHONPATH=ROOT),
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = read_json_log(save / "train.log")
     assert len(rows) == 3
@@ -235,6 +296,8 @@ def test_an_index_whose_sizes_disagree_with_its_pointers_is_refused(tiny_data, t
         f.write(bytes([size - 1]))
     status, _, err = train_in_process(train_args(data, tmp_path / "ck", max_update=1))
     assert status == 1
-    assert err.strip() == (f"fairseq-train: error: {data / 'valid.idx'}: corrupt index: item 0 (pointer 0, size "
-                           f"{size - 1}) ends at byte {2 * (size - 1)} but item 1's pointer is {2 * size}; "
-                           "re-run fairseq-preprocess")
+    assert err.strip() == (
+        f"fairseq-train: error: {data / 'valid.idx'}: corrupt index: item 0 (pointer 0, size "
+        f"{size - 1}) ends at byte {2 * (size - 1)} but item 1's pointer is {2 * size}; "
+        "re-run fairseq-preprocess"
+    )

@@ -22,8 +22,16 @@ from fairseq import options
 from fairseq.dataclass.utils import convert_namespace_to_omegaconf
 from fairseq_cli import eval_lm, generate, interactive, preprocess, train, validate
 
-SMALL = ["--decoder-layers", "2", "--decoder-embed-dim", "32", "--decoder-ffn-embed-dim", "64",
-         "--decoder-attention-heads", "4"]
+SMALL = [
+    "--decoder-layers",
+    "2",
+    "--decoder-embed-dim",
+    "32",
+    "--decoder-ffn-embed-dim",
+    "64",
+    "--decoder-attention-heads",
+    "4",
+]
 LM_GENERATION = ["--task", "language_modeling", "--sample-break-mode", "eos", "--tokens-per-sample", "500"]
 
 
@@ -37,37 +45,112 @@ def create_dummy_data(data_dir, num_examples=100, maxlen=20):
 
 
 def preprocess_lm_data(data_dir):
-    args = options.get_preprocessing_parser().parse_args([
-        "--only-source", "--trainpref", os.path.join(data_dir, "train.out"), "--validpref",
-        os.path.join(data_dir, "valid.out"), "--testpref", os.path.join(data_dir, "test.out"), "--destdir", data_dir])
+    args = options.get_preprocessing_parser().parse_args(
+        [
+            "--only-source",
+            "--trainpref",
+            os.path.join(data_dir, "train.out"),
+            "--validpref",
+            os.path.join(data_dir, "valid.out"),
+            "--testpref",
+            os.path.join(data_dir, "test.out"),
+            "--destdir",
+            data_dir,
+        ]
+    )
     preprocess.main(args)
 
 
 def train_language_model(data_dir, arch, extra_flags=(), run_validation=False):
-    args = options.parse_args_and_arch(options.get_training_parser(), [
-        "--task", "language_modeling", data_dir, "--arch", arch, "--optimizer", "adam", "--lr", "0.0001",
-        "--max-tokens", "500", "--tokens-per-sample", "500", "--save-dir", data_dir, "--max-epoch", "1",
-        "--no-progress-bar", "--distributed-world-size", "1", "--ddp-backend", "no_c10d", "--num-workers", "0",
-        *extra_flags])
+    args = options.parse_args_and_arch(
+        options.get_training_parser(),
+        [
+            "--task",
+            "language_modeling",
+            data_dir,
+            "--arch",
+            arch,
+            "--optimizer",
+            "adam",
+            "--lr",
+            "0.0001",
+            "--max-tokens",
+            "500",
+            "--tokens-per-sample",
+            "500",
+            "--save-dir",
+            data_dir,
+            "--max-epoch",
+            "1",
+            "--no-progress-bar",
+            "--distributed-world-size",
+            "1",
+            "--ddp-backend",
+            "no_c10d",
+            "--num-workers",
+            "0",
+            *extra_flags,
+        ],
+    )
     distributed_utils.call_main(convert_namespace_to_omegaconf(args), train.main)
     if run_validation:
-        validate_args = options.parse_args_and_arch(options.get_validation_parser(), [
-            "--task", "language_modeling", data_dir, "--path", os.path.join(data_dir, "checkpoint_last.pt"),
-            "--valid-subset", "valid", "--max-tokens", "500", "--no-progress-bar", "--num-workers", "0"])
+        validate_args = options.parse_args_and_arch(
+            options.get_validation_parser(),
+            [
+                "--task",
+                "language_modeling",
+                data_dir,
+                "--path",
+                os.path.join(data_dir, "checkpoint_last.pt"),
+                "--valid-subset",
+                "valid",
+                "--max-tokens",
+                "500",
+                "--no-progress-bar",
+                "--num-workers",
+                "0",
+            ],
+        )
         return validate.main(validate_args)
 
 
 def eval_lm_main(data_dir, extra_flags=()):
-    args = options.parse_args_and_arch(options.get_eval_lm_parser(), [
-        data_dir, "--path", os.path.join(data_dir, "checkpoint_last.pt"), "--no-progress-bar", "--num-workers", "0",
-        *extra_flags])
+    args = options.parse_args_and_arch(
+        options.get_eval_lm_parser(),
+        [
+            data_dir,
+            "--path",
+            os.path.join(data_dir, "checkpoint_last.pt"),
+            "--no-progress-bar",
+            "--num-workers",
+            "0",
+            *extra_flags,
+        ],
+    )
     return eval_lm.main(args)
 
 
 def generate_main(data_dir, extra_flags=()):
-    args = options.parse_args_and_arch(options.get_generation_parser(), [
-        data_dir, "--path", os.path.join(data_dir, "checkpoint_last.pt"), "--beam", "3", "--batch-size", "64",
-        "--max-len-b", "5", "--gen-subset", "valid", "--no-progress-bar", "--num-workers", "0", *extra_flags])
+    args = options.parse_args_and_arch(
+        options.get_generation_parser(),
+        [
+            data_dir,
+            "--path",
+            os.path.join(data_dir, "checkpoint_last.pt"),
+            "--beam",
+            "3",
+            "--batch-size",
+            "64",
+            "--max-len-b",
+            "5",
+            "--gen-subset",
+            "valid",
+            "--no-progress-bar",
+            "--num-workers",
+            "0",
+            *extra_flags,
+        ],
+    )
     result = generate.main(args)
     args.buffer_size = 0  # upstream then runs interactive on the same namespace
     args.input = "-"
@@ -80,16 +163,48 @@ def generate_main(data_dir, extra_flags=()):
     return result, prompts
 
 
-@pytest.mark.parametrize("name, arch, flags, context_window", [
-    ("transformer_lm", "transformer_lm", ["--add-bos-token", "--nval", "1", *SMALL], True),
-    ("normformer", "transformer_lm", ["--add-bos-token", "--nval", "1", "--scale-fc", "--scale-heads",
-                                      "--scale-attn", "--scale-fc", *SMALL], True),
-    ("adaptive_softmax", "transformer_lm", ["--add-bos-token", "--criterion", "adaptive_loss",
-                                            "--adaptive-softmax-cutoff", "5,10,15", *SMALL, "--decoder-embed-dim",
-                                            "64"], False),
-    ("fconv_lm", "fconv_lm", ["--decoder-layers", "[(64, 3)] * 2 + [(128, 4)]", "--decoder-embed-dim", "32",
-                              "--optimizer", "nag", "--lr", "0.1"], False),
-])
+@pytest.mark.parametrize(
+    "name, arch, flags, context_window",
+    [
+        ("transformer_lm", "transformer_lm", ["--add-bos-token", "--nval", "1", *SMALL], True),
+        (
+            "normformer",
+            "transformer_lm",
+            ["--add-bos-token", "--nval", "1", "--scale-fc", "--scale-heads", "--scale-attn", "--scale-fc", *SMALL],
+            True,
+        ),
+        (
+            "adaptive_softmax",
+            "transformer_lm",
+            [
+                "--add-bos-token",
+                "--criterion",
+                "adaptive_loss",
+                "--adaptive-softmax-cutoff",
+                "5,10,15",
+                *SMALL,
+                "--decoder-embed-dim",
+                "64",
+            ],
+            False,
+        ),
+        (
+            "fconv_lm",
+            "fconv_lm",
+            [
+                "--decoder-layers",
+                "[(64, 3)] * 2 + [(128, 4)]",
+                "--decoder-embed-dim",
+                "32",
+                "--optimizer",
+                "nag",
+                "--lr",
+                "0.1",
+            ],
+            False,
+        ),
+    ],
+)
 def test_upstreams_lm_flow_with_namespaces(tmp_path, capsys, caplog, name, arch, flags, context_window):
     data_dir = str(tmp_path)
     torch.manual_seed(0)

@@ -14,16 +14,51 @@ def data_with_a_long_line(tmp_path_factory):
     lines = [" ".join(f"w{(i * 7 + j) % 30}" for j in range(3 + i % 8)) for i in range(300)]
     lines.insert(150, " ".join(["w1"] * 40))  # one sentence longer than any block
     (root / "train.txt").write_text("\n".join(lines) + "\n")
-    preprocess.cli_main(["--only-source", "--trainpref", str(root / "train.txt"), "--validpref",
-                         str(root / "train.txt"), "--destdir", str(root / "bin")])
+    preprocess.cli_main(
+        [
+            "--only-source",
+            "--trainpref",
+            str(root / "train.txt"),
+            "--validpref",
+            str(root / "train.txt"),
+            "--destdir",
+            str(root / "bin"),
+        ]
+    )
     return root / "bin"
 
 
 def test_items_longer_than_the_model_accepts_are_skipped_in_training(data_with_a_long_line, tmp_path, caplog):
-    argv = ["--task", "language_modeling", str(data_with_a_long_line), "--save-dir", str(tmp_path),
-            "--arch", "transformer_lm_gpt3_small", "--decoder-layers", "1", "--decoder-embed-dim", "32",
-            "--decoder-attention-heads", "2", "--optimizer", "adam", "--lr", "1e-3", "--tokens-per-sample", "16",
-            "--sample-break-mode", "eos", "--batch-size", "4", "--cpu", "--num-workers", "0", "--max-update", "3"]
+    argv = [
+        "--task",
+        "language_modeling",
+        str(data_with_a_long_line),
+        "--save-dir",
+        str(tmp_path),
+        "--arch",
+        "transformer_lm_gpt3_small",
+        "--decoder-layers",
+        "1",
+        "--decoder-embed-dim",
+        "32",
+        "--decoder-attention-heads",
+        "2",
+        "--optimizer",
+        "adam",
+        "--lr",
+        "1e-3",
+        "--tokens-per-sample",
+        "16",
+        "--sample-break-mode",
+        "eos",
+        "--batch-size",
+        "4",
+        "--cpu",
+        "--num-workers",
+        "0",
+        "--max-update",
+        "3",
+    ]
     with pytest.raises(ValueError, match="--skip-invalid-size-inputs-valid-test"):
         train.cli_main(argv)  # validation refuses it unless told to skip, as upstream
     train.cli_main(argv + ["--skip-invalid-size-inputs-valid-test"])

@@ -94,8 +94,9 @@ def test_upstream_loop_resumes_in_a_fresh_trainer_and_under_fairseq_train(tiny_d
     assert extra_state["best"] == straight_state["extra_state"]["best"] == trainer.checkpoint_manager.best
 
 
-def test_finetune_from_model_on_first_launch_resets_all_but_the_weights(tiny_lm_checkpoint, tiny_data, tmp_path,
-                                                                         train_args):
+def test_finetune_from_model_on_first_launch_resets_all_but_the_weights(
+    tiny_lm_checkpoint, tiny_data, tmp_path, train_args
+):
     cfg = config(train_args(tiny_data, tmp_path, "--finetune-from-model", str(tiny_lm_checkpoint), max_update=8))
     trainer = build_trainer(cfg)
     extra_state, epoch_itr = checkpoint_utils.load_checkpoint(cfg.checkpoint, trainer)
@@ -118,9 +119,12 @@ def tiny_trainer(tiny_data, tmp_path, train_args):
 def test_finetune_from_model_with_a_reset_flag_is_refused(tiny_trainer, tmp_path, flag):
     cfg, trainer = tiny_trainer
     options = dataclasses.replace(cfg.checkpoint, finetune_from_model=str(tmp_path / "pretrained.pt"), **{flag: True})
-    with pytest.raises(ValueError, match="--finetune-from-model can not be set together with either "
-                                         "--reset-optimizer or reset_lr_scheduler or reset_meters or "
-                                         "reset_dataloader: fine-tuning resets them all"):
+    with pytest.raises(
+        ValueError,
+        match="--finetune-from-model can not be set together with either "
+        "--reset-optimizer or reset_lr_scheduler or reset_meters or "
+        "reset_dataloader: fine-tuning resets them all",
+    ):
         checkpoint_utils.load_checkpoint(options, trainer)
 
 
@@ -130,8 +134,11 @@ def test_missing_restore_file_and_finetune_model_are_errors(tiny_trainer, tmp_pa
     with pytest.raises(FileNotFoundError, match=r"--restore-file .*nope.pt: no such checkpoint"):
         checkpoint_utils.load_checkpoint(missing, trainer)
     both = dataclasses.replace(missing, finetune_from_model=str(tmp_path / "pretrained.pt"))
-    with pytest.raises(ValueError, match=r"--finetune-from-model and --restore-file \(non-default value\) can not "
-                                         r"be specified together .*: drop one"):
+    with pytest.raises(
+        ValueError,
+        match=r"--finetune-from-model and --restore-file \(non-default value\) can not "
+        r"be specified together .*: drop one",
+    ):
         checkpoint_utils.load_checkpoint(both, trainer)
     no_model = dataclasses.replace(cfg.checkpoint, finetune_from_model=str(tmp_path / "pretrained.pt"))
     with pytest.raises(FileNotFoundError, match=r"--finetune-from-model .*pretrained.pt: no such checkpoint"):
@@ -145,8 +152,7 @@ def test_missing_restore_file_and_finetune_model_are_errors(tiny_trainer, tmp_pa
     assert trainer.get_num_updates() == 0  # nothing was loaded
 
 
-def test_a_sharded_checkpoint_last_is_resumed_not_fine_tuned_again(tiny_lm_checkpoint, tiny_trainer, tmp_path,
-                                                                    caplog):
+def test_a_sharded_checkpoint_last_is_resumed_not_fine_tuned_again(tiny_lm_checkpoint, tiny_trainer, tmp_path, caplog):
     """Second launch with --finetune-from-model: checkpoint_last is a sharded directory (--use-sharded-state),
     so this is not a first launch and the pretrained weights must not be loaded again over it."""
     cfg, trainer = tiny_trainer
@@ -164,6 +170,8 @@ def test_save_checkpoint_follows_the_checkpoint_options_it_is_given(tiny_trainer
     has other save dirs, names and retention."""
     cfg, trainer = tiny_trainer
     _, epoch_itr = checkpoint_utils.load_checkpoint(cfg.checkpoint, trainer)
-    assert checkpoint_utils.save_checkpoint(dataclasses.replace(cfg.checkpoint, no_save=True), trainer, epoch_itr,
-                                            None) == []
+    assert (
+        checkpoint_utils.save_checkpoint(dataclasses.replace(cfg.checkpoint, no_save=True), trainer, epoch_itr, None)
+        == []
+    )
     assert not list(pathlib.Path(cfg.checkpoint.save_dir).glob("checkpoint*.pt"))

@@ -17,9 +17,17 @@ from fairseq.generation.sequence_generator import SequenceGenerator
 
 VOCAB, PAD, CUTOFFS = 64, 1, [20, 40]
 TOL = dict(rtol=1e-12, atol=1e-12)
-TINY = dict(decoder_layers=2, decoder_embed_dim=32, decoder_input_dim=32, decoder_output_dim=32,
-            decoder_ffn_embed_dim=64, decoder_attention_heads=2, adaptive_input_cutoff="20,40",
-            adaptive_softmax_cutoff="20,40", tokens_per_sample=16)
+TINY = dict(
+    decoder_layers=2,
+    decoder_embed_dim=32,
+    decoder_input_dim=32,
+    decoder_output_dim=32,
+    decoder_ffn_embed_dim=64,
+    decoder_attention_heads=2,
+    adaptive_input_cutoff="20,40",
+    adaptive_softmax_cutoff="20,40",
+    tokens_per_sample=16,
+)
 
 
 def band_of(token, cutoffs):
@@ -39,9 +47,12 @@ def test_adaptive_input_names_shapes_and_upstream_init():
     shapes = {k: tuple(v.shape) for k, v in emb.state_dict().items()}
     assert shapes == {
         "_float_tensor": (1,),
-        "embeddings.0.0.weight": (20, 32), "embeddings.0.1.weight": (24, 32),
-        "embeddings.1.0.weight": (20, 8), "embeddings.1.1.weight": (24, 8),
-        "embeddings.2.0.weight": (24, 2), "embeddings.2.1.weight": (24, 2),
+        "embeddings.0.0.weight": (20, 32),
+        "embeddings.0.1.weight": (24, 32),
+        "embeddings.1.0.weight": (20, 8),
+        "embeddings.1.1.weight": (24, 8),
+        "embeddings.2.0.weight": (24, 2),
+        "embeddings.2.1.weight": (24, 2),
     }
     assert emb.cutoff == [20, 40, 64] and emb.embedding_dim == 24
     for table, _ in emb.embeddings:  # upstream zeroes row padding_idx in every band
@@ -74,11 +85,14 @@ def test_adaptive_input_gradient_stays_in_each_tokens_band():
     assert emb.embeddings[2][1].weight.grad is not None
 
 
-@pytest.mark.parametrize("value,message", [
-    ("20000;60000", "is not a list of integers"),
-    ("60000,20000", "must be positive and increasing"),
-    ("0,20", "must be positive and increasing"),
-])
+@pytest.mark.parametrize(
+    "value,message",
+    [
+        ("20000;60000", "is not a list of integers"),
+        ("60000,20000", "must be positive and increasing"),
+        ("0,20", "must be positive and increasing"),
+    ],
+)
 def test_cutoff_parsing_errors_name_the_flag(value, message):
     with pytest.raises(ValueError, match=f"--adaptive-input-cutoff '{value}'.*{message}"):
         parse_cutoffs(value, "--adaptive-input-cutoff")
@@ -116,8 +130,12 @@ def reference_log_probs(softmax, x):
 def test_adaptive_softmax_names_and_shapes_untied():
     sm = AdaptiveSoftmax(VOCAB, 32, CUTOFFS, dropout=0.0, factor=4.0)
     assert {k: tuple(v.shape) for k, v in sm.state_dict().items()} == {
-        "head.weight": (22, 32), "tail.0.0.weight": (8, 32), "tail.0.2.weight": (20, 8),
-        "tail.1.0.weight": (2, 32), "tail.1.2.weight": (24, 2), "version": (1,),
+        "head.weight": (22, 32),
+        "tail.0.0.weight": (8, 32),
+        "tail.0.2.weight": (20, 8),
+        "tail.1.0.weight": (2, 32),
+        "tail.1.2.weight": (24, 2),
+        "version": (1,),
     }
     assert torch.equal(sm.version, torch.LongTensor([1]))
 
@@ -161,8 +179,14 @@ def test_tied_adaptive_softmax_shares_the_adaptive_inputs_parameters():
         assert sm.tail[i][0].weight is emb.embeddings[i + 1][1].weight  # used transposed
         assert sm.tail[i][2].weight is emb.embeddings[i + 1][0].weight
     assert set(sm.state_dict()) == {
-        "version", "head._float_tensor", "head.word_proj.weight", "head.class_proj.weight",
-        "tail.0.0.weight", "tail.0.2.weight", "tail.1.0.weight", "tail.1.2.weight",
+        "version",
+        "head._float_tensor",
+        "head.word_proj.weight",
+        "head.class_proj.weight",
+        "tail.0.0.weight",
+        "tail.0.2.weight",
+        "tail.1.0.weight",
+        "tail.1.2.weight",
     }
     untied_proj = AdaptiveSoftmax(VOCAB, 32, CUTOFFS, 0.0, adaptive_inputs=emb, tie_proj=False)
     assert isinstance(untied_proj.tail[0][0], torch.nn.Linear)
@@ -173,7 +197,9 @@ def test_tied_head_with_other_widths_projects_first():
     emb = AdaptiveInput(VOCAB, PAD, 16, 4.0, 32, CUTOFFS)
     sm = AdaptiveSoftmax(VOCAB, 32, CUTOFFS, 0.0, adaptive_inputs=emb)
     assert {k: tuple(v.shape) for k, v in sm.state_dict().items() if k.startswith("head.word_proj")} == {
-        "head.word_proj.0.weight": (16, 32), "head.word_proj.1.weight": (20, 16)}
+        "head.word_proj.0.weight": (16, 32),
+        "head.word_proj.1.weight": (20, 16),
+    }
 
 
 # ----------------------------------------------------------------------------- the model and the criterion
@@ -188,8 +214,12 @@ def tiny_model(**overrides):
 def sample_of(tokens):
     src = tokens[:, :-1].clone()
     target = tokens[:, 1:].clone()
-    return {"net_input": {"src_tokens": src, "src_lengths": torch.full((src.size(0),), src.size(1))},
-            "target": target, "ntokens": int(target.ne(PAD).sum()), "nsentences": src.size(0)}
+    return {
+        "net_input": {"src_tokens": src, "src_lengths": torch.full((src.size(0),), src.size(1))},
+        "target": target,
+        "ntokens": int(target.ne(PAD).sum()),
+        "nsentences": src.size(0),
+    }
 
 
 class _Task:
@@ -201,8 +231,9 @@ class _Task:
 
 def test_wiki103_preset_builds_upstreams_model_with_its_parameter_count():
     with torch.device("meta"):
-        model = TransformerLanguageModel.build(preset_config("transformer_lm_wiki103", tokens_per_sample=3072),
-                                               267744, PAD)
+        model = TransformerLanguageModel.build(
+            preset_config("transformer_lm_wiki103", tokens_per_sample=3072), 267744, PAD
+        )
     d, ffn = 1024, 4096
     embeddings = 20000 * d + d * d + 40000 * 256 + d * 256 + 207744 * 64 + d * 64
     layer = 4 * d * d + 4 * d + 2 * d * ffn + ffn + d + 2 * 2 * d
@@ -222,8 +253,9 @@ def test_model_output_is_log_probabilities_and_get_normalized_probs_keeps_them()
     # log_softmax of log-probabilities returns them up to rounding: the logsumexp it subtracts is 0 give or take
     # an ulp, and an ulp of a log-probability near -20 is 1.9e-6 in fp32, so allow 2 ulps relative
     torch.testing.assert_close(model.get_normalized_probs(out, log_probs=True), out, rtol=2.5e-7, atol=1e-6)
-    torch.testing.assert_close(model.decoder.get_normalized_probs((out, None), log_probs=False), out.exp(),
-                               rtol=0, atol=1e-6)
+    torch.testing.assert_close(
+        model.decoder.get_normalized_probs((out, None), log_probs=False), out.exp(), rtol=0, atol=1e-6
+    )
 
 
 def test_adaptive_loss_is_minus_log_p_of_the_targets_and_logs_like_cross_entropy():
@@ -253,13 +285,22 @@ def test_every_parameter_gets_a_gradient_when_a_band_has_no_tokens():
     loss.backward()
     missing = [n for n, p in model.named_parameters() if p.grad is None]
     assert missing == []
-    assert torch.equal(model.decoder.adaptive_softmax.tail[1][2].weight.grad,
-                       torch.zeros_like(model.decoder.adaptive_softmax.tail[1][2].weight))
+    assert torch.equal(
+        model.decoder.adaptive_softmax.tail[1][2].weight.grad,
+        torch.zeros_like(model.decoder.adaptive_softmax.tail[1][2].weight),
+    )
 
 
 def test_adaptive_loss_needs_an_adaptive_softmax():
-    cfg = preset_config("transformer_lm", decoder_layers=1, decoder_embed_dim=16, decoder_input_dim=16,
-                        decoder_output_dim=16, decoder_ffn_embed_dim=16, decoder_attention_heads=2)
+    cfg = preset_config(
+        "transformer_lm",
+        decoder_layers=1,
+        decoder_embed_dim=16,
+        decoder_input_dim=16,
+        decoder_output_dim=16,
+        decoder_ffn_embed_dim=16,
+        decoder_attention_heads=2,
+    )
     model = TransformerLanguageModel.build(cfg, VOCAB, PAD)
     with pytest.raises(ValueError, match="--criterion adaptive_loss needs a model with an adaptive softmax"):
         AdaptiveLoss(_Task(), sentence_avg=False)(model, sample_of(torch.tensor([[2, 5, 6]])))
@@ -283,11 +324,20 @@ def test_meta_build_then_reset_reties_and_matches_a_cpu_build():
 
 
 class _Dictionary:
-    def pad(self): return PAD
-    def eos(self): return 2
-    def unk(self): return 3
-    def bos(self): return 0
-    def __len__(self): return VOCAB
+    def pad(self):
+        return PAD
+
+    def eos(self):
+        return 2
+
+    def unk(self):
+        return 3
+
+    def bos(self):
+        return 0
+
+    def __len__(self):
+        return VOCAB
 
 
 @torch.no_grad()
@@ -296,8 +346,11 @@ def test_greedy_generation_follows_the_full_forwards_argmax():
     eos, prompt, max_len = 2, [17, 33], 5
     generator = SequenceGenerator([model], _Dictionary(), beam_size=1, max_len_b=max_len, min_len=max_len)
     src = torch.tensor([[eos] + prompt])
-    hypo = generator.generate([model], {"net_input": {"src_tokens": src, "src_lengths": torch.tensor([3])}},
-                              prefix_tokens=torch.tensor([prompt]))[0][0]
+    hypo = generator.generate(
+        [model],
+        {"net_input": {"src_tokens": src, "src_lengths": torch.tensor([3])}},
+        prefix_tokens=torch.tensor([prompt]),
+    )[0][0]
     seq, expected = [eos], []
     for step in range(max_len + 1):  # prompt, then argmax of a full forward (no </s> before max_len), then </s>
         log_probs = model(torch.tensor([seq]))[0][0, -1].clone()
@@ -313,16 +366,21 @@ def test_greedy_generation_follows_the_full_forwards_argmax():
     torch.testing.assert_close(hypo["positional_scores"], torch.tensor(expected), rtol=0, atol=1e-5)
 
 
-@pytest.mark.parametrize("overrides,message", [
-    (dict(adaptive_input_cutoff="20,50"), "--tie-adaptive-weights needs --adaptive-input-cutoff"),
-    (dict(adaptive_softmax_factor=2.0), "--tie-adaptive-weights needs --adaptive-input-factor"),
-    (dict(decoder_output_dim=16), "--tie-adaptive-weights needs --decoder-input-dim == --decoder-output-dim"),
-    (dict(adaptive_softmax_cutoff="1,40", adaptive_input_cutoff="1,40"), "--adaptive-input-cutoff 1,40: the first "
-                                                                         "cutoff must be larger than the padding"),
-    (dict(adaptive_softmax_cutoff="1,40", tie_adaptive_weights=False), "--adaptive-softmax-cutoff 1,40: the first"),
-    (dict(adaptive_input_factor=8.0, adaptive_softmax_factor=8.0), "--adaptive-input-factor 8.0: the bands"),
-    (dict(share_decoder_input_output_embed=True), "use --tie-adaptive-weights"),
-])
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        (dict(adaptive_input_cutoff="20,50"), "--tie-adaptive-weights needs --adaptive-input-cutoff"),
+        (dict(adaptive_softmax_factor=2.0), "--tie-adaptive-weights needs --adaptive-input-factor"),
+        (dict(decoder_output_dim=16), "--tie-adaptive-weights needs --decoder-input-dim == --decoder-output-dim"),
+        (
+            dict(adaptive_softmax_cutoff="1,40", adaptive_input_cutoff="1,40"),
+            "--adaptive-input-cutoff 1,40: the first cutoff must be larger than the padding",
+        ),
+        (dict(adaptive_softmax_cutoff="1,40", tie_adaptive_weights=False), "--adaptive-softmax-cutoff 1,40: the first"),
+        (dict(adaptive_input_factor=8.0, adaptive_softmax_factor=8.0), "--adaptive-input-factor 8.0: the bands"),
+        (dict(share_decoder_input_output_embed=True), "use --tie-adaptive-weights"),
+    ],
+)
 def test_bad_adaptive_configs_name_the_flag(overrides, message):
     with pytest.raises(ValueError, match=message):
         tiny_model(**overrides)

@@ -17,13 +17,29 @@ def save(path, model, **extra):
 
 
 def test_mean_of_floats_and_floor_of_integers(tmp_path):
-    a = save(tmp_path / "a.pt", collections.OrderedDict(
-        [("a", torch.tensor([100.0], dtype=torch.float64)), ("b", torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]])),
-         ("c", torch.tensor([7, 8, 9], dtype=torch.int32)), ("h", torch.tensor([1.0], dtype=torch.float16))]),
-        extra_state={"epoch": 1})
-    b = save(tmp_path / "b.pt", collections.OrderedDict(
-        [("a", torch.tensor([1.0], dtype=torch.float64)), ("b", torch.ones(2, 3)),
-         ("c", torch.tensor([2, 2, 2], dtype=torch.int32)), ("h", torch.tensor([2.0], dtype=torch.float16))]))
+    a = save(
+        tmp_path / "a.pt",
+        collections.OrderedDict(
+            [
+                ("a", torch.tensor([100.0], dtype=torch.float64)),
+                ("b", torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]])),
+                ("c", torch.tensor([7, 8, 9], dtype=torch.int32)),
+                ("h", torch.tensor([1.0], dtype=torch.float16)),
+            ]
+        ),
+        extra_state={"epoch": 1},
+    )
+    b = save(
+        tmp_path / "b.pt",
+        collections.OrderedDict(
+            [
+                ("a", torch.tensor([1.0], dtype=torch.float64)),
+                ("b", torch.ones(2, 3)),
+                ("c", torch.tensor([2, 2, 2], dtype=torch.int32)),
+                ("h", torch.tensor([2.0], dtype=torch.float16)),
+            ]
+        ),
+    )
     out = average_checkpoints([a, b])
     assert list(out["model"]) == ["a", "b", "c", "h"] and out["extra_state"] == {"epoch": 1}  # the first's rest
     assert out["model"]["a"].tolist() == [50.5] and out["model"]["b"].tolist() == [[1.0, 1.5, 2.0], [2.5, 3.0, 3.5]]
@@ -48,10 +64,13 @@ def test_the_same_keys_in_another_order_average(tmp_path):
     assert list(out) == ["x", "y"] and out["x"].tolist() == [2.0, 2.0] and out["y"].tolist() == [2.0]
 
 
-@pytest.mark.parametrize("other,first_difference", [
-    ({"x": torch.zeros(2), "z": torch.zeros(1), "w": torch.zeros(1)}, "w"),  # other keys: the first, sorted
-    ({"x": torch.zeros(3), "y": torch.zeros(1)}, "x"),  # another shape
-])
+@pytest.mark.parametrize(
+    "other,first_difference",
+    [
+        ({"x": torch.zeros(2), "z": torch.zeros(1), "w": torch.zeros(1)}, "w"),  # other keys: the first, sorted
+        ({"x": torch.zeros(3), "y": torch.zeros(1)}, "x"),  # another shape
+    ],
+)
 def test_other_parameters_are_one_line_naming_both_files_and_the_key(tmp_path, capsys, other, first_difference):
     a = save(tmp_path / "a.pt", {"x": torch.zeros(2), "y": torch.zeros(1)})
     b = save(tmp_path / "b.pt", other)
@@ -64,15 +83,27 @@ def test_other_parameters_are_one_line_naming_both_files_and_the_key(tmp_path, c
 
 
 def test_choosing_the_last_or_best_checkpoints(tmp_path):
-    for name in ("checkpoint1.pt", "checkpoint2.pt", "checkpoint10.pt", "checkpoint_1_100.pt", "checkpoint_2_200.pt",
-                 "checkpoint_3_300.pt", "checkpoint_last.pt", "checkpoint_best.pt"):
+    for name in (
+        "checkpoint1.pt",
+        "checkpoint2.pt",
+        "checkpoint10.pt",
+        "checkpoint_1_100.pt",
+        "checkpoint_2_200.pt",
+        "checkpoint_3_300.pt",
+        "checkpoint_last.pt",
+        "checkpoint_best.pt",
+    ):
         (tmp_path / name).write_bytes(b"")
     (tmp_path / "checkpoint_4_400").mkdir()  # a sharded checkpoint directory counts too
     d = str(tmp_path)
-    assert last_n_checkpoints([d], 2, update_based=False) == [os.path.join(d, "checkpoint10.pt"),
-                                                              os.path.join(d, "checkpoint2.pt")]
+    assert last_n_checkpoints([d], 2, update_based=False) == [
+        os.path.join(d, "checkpoint10.pt"),
+        os.path.join(d, "checkpoint2.pt"),
+    ]
     assert last_n_checkpoints([d], 2, update_based=True, upper_bound=300) == [
-        os.path.join(d, "checkpoint_3_300.pt"), os.path.join(d, "checkpoint_2_200.pt")]
+        os.path.join(d, "checkpoint_3_300.pt"),
+        os.path.join(d, "checkpoint_2_200.pt"),
+    ]
     assert last_n_checkpoints([d], 1, update_based=True) == [os.path.join(d, "checkpoint_4_400")]
     with pytest.raises(ValueError, match="found 3 epoch checkpoints .* asks for 5"):
         last_n_checkpoints([d], 5, update_based=False)
@@ -89,7 +120,9 @@ def test_script_writes_the_average_and_refuses_pickled_files(tmp_path, capsys):
     legacy = save(tmp_path / "legacy.pt", {"w": torch.tensor([1.0])}, args=argparse.Namespace(arch="lm"))
     capsys.readouterr()
     with pytest.raises(SystemExit) as e:  # the script's entry point, as `python scripts/average_checkpoints.py`
-        run_console_script("average_checkpoints", main, ["--inputs", legacy, legacy, "--output", str(tmp_path / "x.pt")])
+        run_console_script(
+            "average_checkpoints", main, ["--inputs", legacy, legacy, "--output", str(tmp_path / "x.pt")]
+        )
     err = capsys.readouterr().err.strip().splitlines()
     assert e.value.code == 1 and len(err) == 1 and err[0].startswith("average_checkpoints: error: ")
     assert "pickled Python objects" in err[0] and "--trust-legacy-checkpoint" in err[0]
@@ -115,9 +148,15 @@ def trained(tiny_data, tmp_path_factory):
     lines = (tiny_data / "dict.txt").read_text().splitlines(keepends=True)
     lines[0], lines[1] = lines[1], lines[0]
     (swapped / "dict.txt").write_text("".join(lines))
-    runs = {"a": (tiny_data, []), "seed": (tiny_data, ["--seed", "4"]), "swapped": (swapped, []),
-            "gelu_prenorm": (tiny_data, ["--activation-fn", "gelu", "--decoder-normalize-before",
-                                          "--no-decoder-final-norm"])}
+    runs = {
+        "a": (tiny_data, []),
+        "seed": (tiny_data, ["--seed", "4"]),
+        "swapped": (swapped, []),
+        "gelu_prenorm": (
+            tiny_data,
+            ["--activation-fn", "gelu", "--decoder-normalize-before", "--no-decoder-final-norm"],
+        ),
+    }
     paths = {}
     for name, (data, extra) in runs.items():
         status, _, err = train_in_process(default_train_argv(data, root / name, *extra, max_update=1))
@@ -137,10 +176,13 @@ def _average(capsys, *argv):
     return status, capsys.readouterr().err.strip().splitlines()
 
 
-@pytest.mark.parametrize("other,differs", [
-    ("swapped", "were trained with different dictionaries (dictionary_sha256 "),
-    ("gelu_prenorm", "are different models: --decoder-normalize-before is True in {other} but False in {first}"),
-])
+@pytest.mark.parametrize(
+    "other,differs",
+    [
+        ("swapped", "were trained with different dictionaries (dictionary_sha256 "),
+        ("gelu_prenorm", "are different models: --decoder-normalize-before is True in {other} but False in {first}"),
+    ],
+)
 def test_checkpoints_of_another_dictionary_or_architecture_are_one_line(trained, tmp_path, capsys, other, differs):
     """The same parameter names and shapes, but other words for the same ids, or another function computed."""
     output = tmp_path / "avg.pt"
@@ -158,8 +200,10 @@ def test_output_that_is_an_input_is_refused(trained, tmp_path, capsys):
     os.symlink(trained["a"], tmp_path / "link.pt")
     for output in (trained["a"], os.path.relpath(trained["a"]), str(tmp_path / "link.pt")):
         status, err = _average(capsys, "--inputs", trained["a"], trained["seed"], "--output", output)
-        assert status == 1 and err == [f"average_checkpoints: error: --output {output} is the input {trained['a']}: "
-                                       "writing the average would replace that checkpoint; choose another --output"]
+        assert status == 1 and err == [
+            f"average_checkpoints: error: --output {output} is the input {trained['a']}: "
+            "writing the average would replace that checkpoint; choose another --output"
+        ]
     assert open(trained["a"], "rb").read() == before
 
 
@@ -168,6 +212,9 @@ def test_unwritable_output_names_the_output_flag(trained, tmp_path, capsys):
     blocker.write_text("not a directory")
     output = str(blocker / "avg.pt")
     status, err = _average(capsys, "--inputs", trained["a"], trained["seed"], "--output", output)
-    assert status == 1 and len(err) == 1 and err[0].startswith(f"average_checkpoints: error: cannot write "
-                                                               f"checkpoint {output}: "), err
+    assert (
+        status == 1
+        and len(err) == 1
+        and err[0].startswith(f"average_checkpoints: error: cannot write checkpoint {output}: ")
+    ), err
     assert err[0].endswith("choose another --output"), err[0]

@@ -50,7 +50,9 @@ def test_filter_by_size_drops_or_fails():
     assert kept.tolist() == [0, 2] and dropped.tolist() == [1, 3]
     kept, dropped = filter_by_size([0, 2], np.array([5, 9, 3, 12]), None, ignore_invalid=False)
     assert kept.tolist() == [0, 2] and dropped.tolist() == []
-    with pytest.raises(ValueError, match="item 1 has 9 tokens, more than --tokens-per-sample / --max-target-positions 8"):
+    with pytest.raises(
+        ValueError, match="item 1 has 9 tokens, more than --tokens-per-sample / --max-target-positions 8"
+    ):
         filter_by_size([0, 1], np.array([5, 9]), 8, ignore_invalid=False)
 
 
@@ -80,12 +82,18 @@ def reference_batches(sizes, max_tokens, max_sentences, multiple):
     return out
 
 
-@pytest.mark.parametrize("max_tokens,max_sentences,multiple", [(4096, None, 8), (3000, 40, 1), (None, 24, 8),
-                                                               (60000, None, 3)])
+@pytest.mark.parametrize(
+    "max_tokens,max_sentences,multiple", [(4096, None, 8), (3000, 40, 1), (None, 24, 8), (60000, None, 3)]
+)
 def test_vectorized_batching_matches_the_rule_across_chunk_boundaries(max_tokens, max_sentences, multiple):
     sizes = np.random.default_rng(0).integers(1, 300, 70_000)  # more than one 65,536-item chunk
-    got = batch_by_size(np.arange(len(sizes)), sizes, max_tokens=max_tokens, max_sentences=max_sentences,
-                        required_batch_size_multiple=multiple).to_list()
+    got = batch_by_size(
+        np.arange(len(sizes)),
+        sizes,
+        max_tokens=max_tokens,
+        max_sentences=max_sentences,
+        required_batch_size_multiple=multiple,
+    ).to_list()
     assert got == reference_batches(sizes.tolist(), max_tokens, max_sentences, multiple)
 
 
@@ -133,8 +141,9 @@ def test_skip_warning_names_max_tokens_when_it_set_the_limit(caplog):
     data = _Items([4, 40, 8, 40])
     with caplog.at_level("WARNING", logger="fairseq.tasks.fairseq_task"):
         # what fairseq-train passed before: min(positions, --max-tokens) as the positions limit
-        itr = task.get_batch_iterator(data, max_tokens=16, max_positions=resolve_limit(1024, 16),
-                                      ignore_invalid_inputs=True)
+        itr = task.get_batch_iterator(
+            data, max_tokens=16, max_positions=resolve_limit(1024, 16), ignore_invalid_inputs=True
+        )
     assert "2 items longer than --max-tokens 16 are skipped" in caplog.text
     assert "max positions" not in caplog.text
     assert itr.size_report.num_dropped == 2 and itr.size_report.longest == 40
@@ -152,7 +161,9 @@ def test_no_batches_message_names_the_cause_and_the_fix():
     assert len(itr.frozen_batches) == 0
     assert task.no_batches_message("train", itr) == (
         "no training batch: all 2 items of the training split 'train' are longer than --max-tokens 16 (the "
-        "longest has 40 tokens); raise --max-tokens to at least 40 (the longest item)")
+        "longest has 40 tokens); raise --max-tokens to at least 40 (the longest item)"
+    )
     empty = task.get_batch_iterator(_Items([]), max_tokens=16)
     assert task.no_batches_message("valid", empty, "validation").startswith(
-        "no validation batch: the validation subset 'valid' is empty; drop it from --valid-subset")
+        "no validation batch: the validation subset 'valid' is empty; drop it from --valid-subset"
+    )

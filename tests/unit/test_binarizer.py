@@ -57,7 +57,7 @@ def test_find_offsets_start_at_line_beginnings(tmp_path):
         assert len(offsets) == n + 1 and offsets[0] == 0 and offsets[-1] == len(data)
         assert offsets == sorted(offsets)
         for off in offsets[1:-1]:
-            assert off == len(data) or data[off - 1:off] == b"\n"
+            assert off == len(data) or data[off - 1 : off] == b"\n"
 
 
 @pytest.mark.parametrize("block", [1, 3, 7, 1 << 20])
@@ -79,8 +79,7 @@ def test_binarize_matches_upstream_line_by_line_encoding(tmp_path, small_blocks,
     assert [ds[i].tolist() for i in range(len(ds))] == expected
     assert ds.dtype == np.uint16
     # 9 lines per copy, 4 joins ("newlinethe"); zzz, qqq and newlinethe replaced, the literal <unk> not
-    assert (summary.num_seq, summary.num_tok, summary.num_replaced) == (
-        len(lines), sum(map(len, expected)), 2 * 5 + 4)
+    assert (summary.num_seq, summary.num_tok, summary.num_replaced) == (len(lines), sum(map(len, expected)), 2 * 5 + 4)
     assert len(lines) == 9 * 5 - 4
     assert sorted(os.listdir(tmp_path)) == ["out.bin", "out.idx", "t.txt"]  # no temporary files left
 

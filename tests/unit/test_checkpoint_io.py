@@ -77,8 +77,9 @@ def test_save_killed_mid_write_leaves_the_previous_checkpoint(tmp_path):
     atomic_torch_save(small_state(3.0), str(path))
     before = path.read_bytes()
 
-    proc = subprocess.Popen([sys.executable, "-c", KILLED_WRITER, str(path)], cwd=REPO,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", KILLED_WRITER, str(path)], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
     tmp_file = None
     deadline = time.monotonic() + 120
     try:

@@ -24,7 +24,9 @@ def ck(**kw):
 
 def test_end_of_epoch_writes_epoch_and_last():
     assert checkpoint_stems(ck(), epoch=3, updates=300, end_of_epoch=True, is_best=False) == [
-        "checkpoint3", "checkpoint_last"]
+        "checkpoint3",
+        "checkpoint_last",
+    ]
 
 
 def test_save_interval_skips_epochs():
@@ -35,8 +37,7 @@ def test_save_interval_skips_epochs():
 
 def test_mid_epoch_with_save_interval_updates():
     cfg = ck(save_interval_updates=100)
-    assert checkpoint_stems(cfg, 2, 300, end_of_epoch=False, is_best=False) == [
-        "checkpoint_2_300", "checkpoint_last"]
+    assert checkpoint_stems(cfg, 2, 300, end_of_epoch=False, is_best=False) == ["checkpoint_2_300", "checkpoint_last"]
     assert checkpoint_stems(cfg, 2, 350, end_of_epoch=False, is_best=False) == ["checkpoint_last"]
     # at an epoch end the epoch checkpoint is written, not an update one
     assert checkpoint_stems(cfg, 2, 400, end_of_epoch=True, is_best=False) == ["checkpoint2", "checkpoint_last"]
@@ -46,21 +47,38 @@ def test_mid_epoch_with_save_interval_updates():
 
 def test_best_comes_before_last():
     assert checkpoint_stems(ck(), 1, 10, True, is_best=True, val_loss=2.5) == [
-        "checkpoint1", "checkpoint_best", "checkpoint_last"]
+        "checkpoint1",
+        "checkpoint_best",
+        "checkpoint_last",
+    ]
     assert checkpoint_stems(ck(save_interval_updates=5), 1, 10, False, True, 2.5) == [
-        "checkpoint_1_10", "checkpoint_best", "checkpoint_last"]
+        "checkpoint_1_10",
+        "checkpoint_best",
+        "checkpoint_last",
+    ]
 
 
 def test_keep_best_naming():
     cfg = ck(keep_best_checkpoints=2)
     assert checkpoint_stems(cfg, 1, 10, True, True, val_loss=3.14159265, among_kept_best=True) == [
-        "checkpoint1", "checkpoint_best", "checkpoint.best_loss_3.1416", "checkpoint_last"]
+        "checkpoint1",
+        "checkpoint_best",
+        "checkpoint.best_loss_3.1416",
+        "checkpoint_last",
+    ]
     cfg = ck(keep_best_checkpoints=2, best_checkpoint_metric="accuracy", maximize_best_checkpoint_metric=True)
     assert checkpoint_stems(cfg, 1, 10, True, True, val_loss=71.0, among_kept_best=True) == [
-        "checkpoint1", "checkpoint_best", "checkpoint.best_accuracy_71.0000", "checkpoint_last"]
+        "checkpoint1",
+        "checkpoint_best",
+        "checkpoint.best_accuracy_71.0000",
+        "checkpoint_last",
+    ]
     # among the kept best without being the overall best: a best file, no checkpoint_best
     assert checkpoint_stems(cfg, 1, 10, True, False, val_loss=70.0, among_kept_best=True) == [
-        "checkpoint1", "checkpoint.best_accuracy_70.0000", "checkpoint_last"]
+        "checkpoint1",
+        "checkpoint.best_accuracy_70.0000",
+        "checkpoint_last",
+    ]
     # not among them: no best file
     assert checkpoint_stems(cfg, 1, 10, True, False, val_loss=71.0) == ["checkpoint1", "checkpoint_last"]
 
@@ -85,8 +103,11 @@ def test_enters_kept_best_edges(tmp_path):
     assert enters_kept_best(maximize, str(tmp_path), 75.0)
     assert not enters_kept_best(maximize, str(tmp_path), 70.0)  # a tie with the worst kept does not enter
     assert not enters_kept_best(maximize, str(tmp_path), 60.0)
-    assert enters_kept_best(ck(keep_best_checkpoints=3, best_checkpoint_metric="acc",
-                               maximize_best_checkpoint_metric=True), str(tmp_path), 1.0)  # room left
+    assert enters_kept_best(
+        ck(keep_best_checkpoints=3, best_checkpoint_metric="acc", maximize_best_checkpoint_metric=True),
+        str(tmp_path),
+        1.0,
+    )  # room left
     assert not enters_kept_best(maximize, str(tmp_path), None)
     assert not enters_kept_best(ck(), str(tmp_path), 0.1)  # --keep-best-checkpoints off
     assert enters_kept_best(ck(keep_best_checkpoints=1), str(tmp_path / "missing"), 9.0)
@@ -101,7 +122,9 @@ def test_enters_kept_best_edges(tmp_path):
 def test_no_epoch_and_no_last_checkpoints():
     assert checkpoint_stems(ck(no_epoch_checkpoints=True), 3, 300, True, False) == ["checkpoint_last"]
     assert checkpoint_stems(ck(no_epoch_checkpoints=True), 3, 300, True, True, 1.0) == [
-        "checkpoint_best", "checkpoint_last"]
+        "checkpoint_best",
+        "checkpoint_last",
+    ]
     assert checkpoint_stems(ck(no_last_checkpoints=True), 3, 300, True, False) == ["checkpoint3"]
     assert checkpoint_stems(ck(no_last_checkpoints=True, no_epoch_checkpoints=True), 3, 300, True, False) == []
 
@@ -109,7 +132,11 @@ def test_no_epoch_and_no_last_checkpoints():
 def test_checkpoint_suffix_everywhere():
     cfg = ck(checkpoint_suffix="-x", save_interval_updates=10, keep_best_checkpoints=1)
     assert checkpoint_stems(cfg, 2, 20, False, True, 1.5, among_kept_best=True) == [
-        "checkpoint_2_20-x", "checkpoint_best-x", "checkpoint.best_loss_1.5000-x", "checkpoint_last-x"]
+        "checkpoint_2_20-x",
+        "checkpoint_best-x",
+        "checkpoint.best_loss_1.5000-x",
+        "checkpoint_last-x",
+    ]
     assert checkpoint_stems(cfg, 2, 20, True, False) == ["checkpoint2-x", "checkpoint_last-x"]
 
 
@@ -133,12 +160,20 @@ def listing(save_dir):
 
 
 def test_keep_interval_updates_is_numeric_not_lexical(tmp_path):
-    make(tmp_path, ["checkpoint_1_999", "checkpoint_1_1000", "checkpoint_2_1001", "checkpoint_1_98",
-                    "checkpoint_last", "checkpoint1"])
+    make(
+        tmp_path,
+        [
+            "checkpoint_1_999",
+            "checkpoint_1_1000",
+            "checkpoint_2_1001",
+            "checkpoint_1_98",
+            "checkpoint_last",
+            "checkpoint1",
+        ],
+    )
     removed = prune_checkpoints(ck(keep_interval_updates=2), str(tmp_path))
     assert sorted(removed) == sorted(str(tmp_path / n) for n in ["checkpoint_1_999.pt", "checkpoint_1_98.pt"])
-    assert listing(tmp_path) == ["checkpoint1.pt", "checkpoint_1_1000.pt", "checkpoint_2_1001.pt",
-                                 "checkpoint_last.pt"]
+    assert listing(tmp_path) == ["checkpoint1.pt", "checkpoint_1_1000.pt", "checkpoint_2_1001.pt", "checkpoint_last.pt"]
 
 
 def test_keep_interval_updates_sorts_by_updates_not_epoch(tmp_path):
@@ -156,12 +191,20 @@ def test_keep_interval_updates_counts_files_and_sharded_directories_together(tmp
 
 
 def test_pruning_ignores_temporaries_old_copies_and_other_suffixes(tmp_path):
-    make(tmp_path, ["checkpoint_1_100", "checkpoint_1_200-x", "checkpoint_1_300"],
-         sharded=["checkpoint_1_50.tmp", "checkpoint_1_60.old"])
+    make(
+        tmp_path,
+        ["checkpoint_1_100", "checkpoint_1_200-x", "checkpoint_1_300"],
+        sharded=["checkpoint_1_50.tmp", "checkpoint_1_60.old"],
+    )
     (tmp_path / ".checkpoint_1_10.pt.abc.tmp").write_bytes(b"partial")
     prune_checkpoints(ck(keep_interval_updates=1), str(tmp_path))
-    assert listing(tmp_path) == [".checkpoint_1_10.pt.abc.tmp", "checkpoint_1_200-x.pt", "checkpoint_1_300.pt",
-                                 "checkpoint_1_50.tmp", "checkpoint_1_60.old"]
+    assert listing(tmp_path) == [
+        ".checkpoint_1_10.pt.abc.tmp",
+        "checkpoint_1_200-x.pt",
+        "checkpoint_1_300.pt",
+        "checkpoint_1_50.tmp",
+        "checkpoint_1_60.old",
+    ]
 
 
 def test_keep_interval_updates_with_suffix_touches_only_that_suffix(tmp_path):
@@ -190,35 +233,60 @@ def test_keep_interval_updates_pattern_as_upstream(tmp_path):
 
 
 def test_keep_last_epochs(tmp_path):
-    make(tmp_path, ["checkpoint9", "checkpoint10", "checkpoint11", "checkpoint_10_5", "checkpoint_last",
-                    "checkpoint_best"], sharded=["checkpoint8"])
+    make(
+        tmp_path,
+        ["checkpoint9", "checkpoint10", "checkpoint11", "checkpoint_10_5", "checkpoint_last", "checkpoint_best"],
+        sharded=["checkpoint8"],
+    )
     removed = prune_checkpoints(ck(keep_last_epochs=2), str(tmp_path))
     assert sorted(removed) == [str(tmp_path / "checkpoint8"), str(tmp_path / "checkpoint9.pt")]
-    assert listing(tmp_path) == ["checkpoint10.pt", "checkpoint11.pt", "checkpoint_10_5.pt", "checkpoint_best.pt",
-                                 "checkpoint_last.pt"]
+    assert listing(tmp_path) == [
+        "checkpoint10.pt",
+        "checkpoint11.pt",
+        "checkpoint_10_5.pt",
+        "checkpoint_best.pt",
+        "checkpoint_last.pt",
+    ]
 
 
 def test_keep_best_checkpoints_minimize(tmp_path):
-    make(tmp_path, ["checkpoint.best_loss_3.5000", "checkpoint.best_loss_10.0000", "checkpoint.best_loss_2.2500",
-                    "checkpoint_best"], sharded=["checkpoint.best_loss_3.0000"])
+    make(
+        tmp_path,
+        [
+            "checkpoint.best_loss_3.5000",
+            "checkpoint.best_loss_10.0000",
+            "checkpoint.best_loss_2.2500",
+            "checkpoint_best",
+        ],
+        sharded=["checkpoint.best_loss_3.0000"],
+    )
     prune_checkpoints(ck(keep_best_checkpoints=2), str(tmp_path))
-    assert listing(tmp_path) == ["checkpoint.best_loss_2.2500.pt", "checkpoint.best_loss_3.0000",
-                                 "checkpoint_best.pt"]
+    assert listing(tmp_path) == ["checkpoint.best_loss_2.2500.pt", "checkpoint.best_loss_3.0000", "checkpoint_best.pt"]
 
 
 def test_keep_best_checkpoints_maximize(tmp_path):
-    make(tmp_path, ["checkpoint.best_acc_9.5000", "checkpoint.best_acc_10.0000", "checkpoint.best_acc_70.2500",
-                    "checkpoint.best_loss_1.0000"])
-    prune_checkpoints(ck(keep_best_checkpoints=2, best_checkpoint_metric="acc",
-                         maximize_best_checkpoint_metric=True), str(tmp_path))
+    make(
+        tmp_path,
+        [
+            "checkpoint.best_acc_9.5000",
+            "checkpoint.best_acc_10.0000",
+            "checkpoint.best_acc_70.2500",
+            "checkpoint.best_loss_1.0000",
+        ],
+    )
+    prune_checkpoints(
+        ck(keep_best_checkpoints=2, best_checkpoint_metric="acc", maximize_best_checkpoint_metric=True), str(tmp_path)
+    )
     # numeric order (10 > 9.5), and files of another metric are left alone
-    assert listing(tmp_path) == ["checkpoint.best_acc_10.0000.pt", "checkpoint.best_acc_70.2500.pt",
-                                 "checkpoint.best_loss_1.0000.pt"]
+    assert listing(tmp_path) == [
+        "checkpoint.best_acc_10.0000.pt",
+        "checkpoint.best_acc_70.2500.pt",
+        "checkpoint.best_loss_1.0000.pt",
+    ]
 
 
 def test_nothing_is_pruned_by_default(tmp_path):
-    names = [f"checkpoint_1_{u}" for u in range(1, 6)] + ["checkpoint1", "checkpoint2",
-                                                         "checkpoint.best_loss_1.0000"]
+    names = [f"checkpoint_1_{u}" for u in range(1, 6)] + ["checkpoint1", "checkpoint2", "checkpoint.best_loss_1.0000"]
     make(tmp_path, names)
     assert prune_checkpoints(ck(), str(tmp_path)) == []
     assert len(listing(tmp_path)) == len(names)
@@ -234,14 +302,16 @@ def test_prune_on_missing_dir(tmp_path):
 def test_resolve_restore_path_default_uses_save_dir_and_suffix(tmp_path):
     assert resolve_restore_path(ck(save_dir=str(tmp_path))) == str(tmp_path / "checkpoint_last.pt")
     assert resolve_restore_path(ck(save_dir=str(tmp_path), checkpoint_suffix="-s")) == str(
-        tmp_path / "checkpoint_last-s.pt")
+        tmp_path / "checkpoint_last-s.pt"
+    )
 
 
 def test_resolve_restore_path_bare_name_is_in_save_dir(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     save = tmp_path / "ck"
     assert resolve_restore_path(ck(save_dir=str(save), restore_file="checkpoint_2_100.pt")) == str(
-        save / "checkpoint_2_100.pt")
+        save / "checkpoint_2_100.pt"
+    )
     # a bare name that exists in the working directory is that file
     (tmp_path / "here.pt").write_bytes(b"x")
     assert resolve_restore_path(ck(save_dir=str(save), restore_file="here.pt")) == "here.pt"
@@ -293,8 +363,10 @@ def sharded_checkpoint(path, updates):
     """A sharded checkpoint directory as far as choosing one reads it: DCP's index and metadata.pt's progress."""
     os.makedirs(path)
     open(os.path.join(path, ".metadata"), "wb").close()
-    torch.save({"extra_state": {"trainer": {"num_updates": updates}, "train_iterator": {"epoch": 1}}},
-               os.path.join(path, "metadata.pt"))
+    torch.save(
+        {"extra_state": {"trainer": {"num_updates": updates}, "train_iterator": {"epoch": 1}}},
+        os.path.join(path, "metadata.pt"),
+    )
 
 
 def test_a_sharded_checkpoint_newer_than_checkpoint_last_is_chosen_by_stored_progress(tmp_path):
@@ -306,11 +378,13 @@ def test_a_sharded_checkpoint_newer_than_checkpoint_last_is_chosen_by_stored_pro
     os.makedirs(os.path.join(d, "checkpoint_1_14.tmp"))  # a killed save's temporary
     last = os.path.join(d, "checkpoint_last")
     assert newer_than_last(d, "", last) == (
-        os.path.join(d, "checkpoint_1_10"), "checkpoint_last is at update 8 but checkpoint_1_10 (update 10) is newer "
-                                            "and intact")
+        os.path.join(d, "checkpoint_1_10"),
+        "checkpoint_last is at update 8 but checkpoint_1_10 (update 10) is newer and intact",
+    )
     assert newer_than_last(d, "-other", None) == (
-        os.path.join(d, "checkpoint_1_12-other"), "there is no checkpoint_last-other but checkpoint_1_12-other "
-                                                  "(update 12) is intact")
+        os.path.join(d, "checkpoint_1_12-other"),
+        "there is no checkpoint_last-other but checkpoint_1_12-other (update 12) is intact",
+    )
     sharded_checkpoint(os.path.join(d, "checkpoint_best"), 8)
     os.remove(os.path.join(d, "checkpoint_1_10", ".metadata"))  # incomplete: not a candidate
     assert newer_than_last(d, "", last) is None  # nothing intact beyond update 8

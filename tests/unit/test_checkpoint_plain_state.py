@@ -24,15 +24,18 @@ class Position:
 Pair = namedtuple("Pair", "a b")
 
 
-@pytest.mark.parametrize("value, named", [
-    (torch.float32, "state.extra_state.trainer.value is of type torch.dtype (torch.float32)"),
-    (int, "state.extra_state.trainer.value is a class (<class 'int'>)"),
-    (Mode.TRAIN, f"state.extra_state.trainer.value is of type {__name__}.Mode (<Mode.TRAIN: 1>)"),
-    (Position(), f"state.extra_state.trainer.value is of type {__name__}.Position (Position(epoch=1))"),
-    (Pair(1, 2), f"state.extra_state.trainer.value is of type {__name__}.Pair (Pair(a=1, b=2))"),
-    ({1.5: 0}, "state.extra_state.trainer.value has the key 1.5 of type float"),
-    ({1, 2}, "state.extra_state.trainer.value is of type builtins.set ({1, 2})"),
-])
+@pytest.mark.parametrize(
+    "value, named",
+    [
+        (torch.float32, "state.extra_state.trainer.value is of type torch.dtype (torch.float32)"),
+        (int, "state.extra_state.trainer.value is a class (<class 'int'>)"),
+        (Mode.TRAIN, f"state.extra_state.trainer.value is of type {__name__}.Mode (<Mode.TRAIN: 1>)"),
+        (Position(), f"state.extra_state.trainer.value is of type {__name__}.Position (Position(epoch=1))"),
+        (Pair(1, 2), f"state.extra_state.trainer.value is of type {__name__}.Pair (Pair(a=1, b=2))"),
+        ({1.5: 0}, "state.extra_state.trainer.value has the key 1.5 of type float"),
+        ({1, 2}, "state.extra_state.trainer.value is of type builtins.set ({1, 2})"),
+    ],
+)
 def test_a_state_that_is_not_plain_is_refused_naming_the_entry(value, named):
     state = {"model": OrderedDict(w=torch.zeros(2)), "extra_state": {"trainer": {"num_updates": 3, "value": value}}}
     assert non_plain_entries(state) == [named]
@@ -41,8 +44,13 @@ def test_a_state_that_is_not_plain_is_refused_naming_the_entry(value, named):
 
 
 def test_tensors_plain_containers_and_scalars_are_plain():
-    state = {"model": OrderedDict(w=torch.zeros(2)), "optimizer": {"state": {0: {"step": torch.tensor(1.0)}},
-             "param_groups": [{"betas": (0.9, 0.98), "lr": 1e-3, "amsgrad": False, "foreach": None}]},
-             "cfg": {"name": "x", "raw": b"\x00", "steps": [1, 2.5, True]}}
+    state = {
+        "model": OrderedDict(w=torch.zeros(2)),
+        "optimizer": {
+            "state": {0: {"step": torch.tensor(1.0)}},
+            "param_groups": [{"betas": (0.9, 0.98), "lr": 1e-3, "amsgrad": False, "foreach": None}],
+        },
+        "cfg": {"name": "x", "raw": b"\x00", "steps": [1, 2.5, True]},
+    }
     assert non_plain_entries(state) == []
     check_plain(state, "ck/checkpoint_last.pt")

@@ -46,15 +46,20 @@ def test_kept_buffers_are_reused_follow_no_update_and_are_reallocated_when_a_sha
     step(model, optimizer)  # training goes on: the staged copy keeps the state it was taken from
     assert torch.equal(host, weight) and first.state["optimizer"]["state"][0]["step"].item() == 1
     second = staging.stage(state_of(model, optimizer), gather=True)
-    assert (second.state["model"]["weight"].data_ptr(), second.state["optimizer"]["state"][0]["exp_avg"].data_ptr()
-            ) == buffers
+    assert (
+        second.state["model"]["weight"].data_ptr(),
+        second.state["optimizer"]["state"][0]["exp_avg"].data_ptr(),
+    ) == buffers
     assert second.times.allocate == 0  # nothing allocated for the same shapes
     assert torch.equal(second.state["model"]["weight"], model.weight) and second.state["epoch"] == [1, {"i": 2}]
     assert second.state["optimizer"]["state"][0]["step"].item() == 2
     grown = {"model": {"weight": torch.zeros(5, 8), "bias": model.bias.detach()}}
     third = staging.stage(grown, gather=True)
-    assert third.state["model"]["weight"].shape == (5, 8) and torch.equal(third.state["model"]["weight"], grown[
-        "model"]["weight"]) and third.times.allocate > 0
+    assert (
+        third.state["model"]["weight"].shape == (5, 8)
+        and torch.equal(third.state["model"]["weight"], grown["model"]["weight"])
+        and third.times.allocate > 0
+    )
     assert third.state["model"]["bias"].data_ptr() == bias  # same place, same shape: the same buffer
     staging.close()
 
@@ -115,19 +120,25 @@ def run(rank, port, out_dir):
         sharded_model, sharded_optim = get_state_dict(model, optimizer)
         staging = HostStaging(keep=True, pin=False)
         single = staging.stage({"model": sharded_model, "optim": sharded_optim}, gather=True).state
-        full_model, full_optim = get_state_dict(model, optimizer,
-                                                options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        full_model, full_optim = get_state_dict(
+            model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+        )
         if rank == 0:
-            torch.save({"staged": single, "torch": {"model": full_model, "optim": full_optim}},
-                       os.path.join(out_dir, "single.pt"))
+            torch.save(
+                {"staged": single, "torch": {"model": full_model, "optim": full_optim}},
+                os.path.join(out_dir, "single.pt"),
+            )
         else:
             result["single_on_other_rank"] = single
         shards = HostStaging(keep=True, pin=False).stage({"model": sharded_model}, gather=False).state["model"]
         weight = shards["0.weight"]
-        result["sharded"] = (isinstance(weight, DTensor), weight.placements == sharded_model["0.weight"].placements,
-                             torch.equal(weight.to_local(), sharded_model["0.weight"].to_local()),
-                             weight.to_local().data_ptr() != sharded_model["0.weight"].to_local().data_ptr(),
-                             tuple(weight.shape))
+        result["sharded"] = (
+            isinstance(weight, DTensor),
+            weight.placements == sharded_model["0.weight"].placements,
+            torch.equal(weight.to_local(), sharded_model["0.weight"].to_local()),
+            weight.to_local().data_ptr() != sharded_model["0.weight"].to_local().data_ptr(),
+            tuple(weight.shape),
+        )
     except Exception:
         result["error"] = traceback.format_exc()
     finally:

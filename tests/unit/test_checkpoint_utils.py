@@ -38,8 +38,19 @@ def sharded_dir(tiny_data, tmp_path_factory, build_train_args):
 
     save_dir = tmp_path_factory.mktemp("ckpt_utils_sharded")
     try:
-        train.cli_main(build_train_args(tiny_data, save_dir, "--disable-validation", "--ddp-backend", "fully_sharded",
-                                        "--use-sharded-state", max_update=2, json_log=False, log_file=False))
+        train.cli_main(
+            build_train_args(
+                tiny_data,
+                save_dir,
+                "--disable-validation",
+                "--ddp-backend",
+                "fully_sharded",
+                "--use-sharded-state",
+                max_update=2,
+                json_log=False,
+                log_file=False,
+            )
+        )
     finally:  # one process: fairseq-train made a one-rank process group for FSDP2; leave none behind
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -80,7 +91,8 @@ def test_ensemble_shares_one_task_and_model_overrides_reach_the_model(trained):
         checkpoint_utils.load_model_ensemble([str(ckpt)], arg_overrides={"data": str(data), "decoder_layers": 3})
     # strict=False (upstream's): the matching parameters load, the extra layer keeps its initialization
     (model,), _ = checkpoint_utils.load_model_ensemble(
-        [str(ckpt)], arg_overrides={"data": str(data), "decoder_layers": 3}, strict=False)
+        [str(ckpt)], arg_overrides={"data": str(data), "decoder_layers": 3}, strict=False
+    )
     assert len(model.decoder.layers) == 3
     assert torch.equal(model.decoder.layers[1].fc1.weight, models[0].decoder.layers[1].fc1.weight)
 
@@ -88,7 +100,8 @@ def test_ensemble_shares_one_task_and_model_overrides_reach_the_model(trained):
 def test_load_checkpoint_to_cpu_layout_and_overrides(trained):
     ckpt, data = trained
     state = checkpoint_utils.load_checkpoint_to_cpu(
-        str(ckpt), arg_overrides={"data": str(data), "bpe": "sentencepiece", "sentencepiece_model": "spm.model"})
+        str(ckpt), arg_overrides={"data": str(data), "bpe": "sentencepiece", "sentencepiece_model": "spm.model"}
+    )
     assert {"cfg", "model", "extra_state", "optimizer_history", "last_optimizer_state"} <= set(state)
     assert state["cfg"]["task"]["data"] == str(data)
     assert state["cfg"]["bpe"] == {"_name": "sentencepiece", "sentencepiece_model": "spm.model"}
@@ -99,10 +112,13 @@ def test_load_checkpoint_to_cpu_layout_and_overrides(trained):
     assert_state_equal(model.state_dict(), state["model"])
 
 
-@pytest.mark.parametrize("overrides, message", [
-    ({"dataa": "x"}, "override 'dataa' is no option"),
-    ({"bpe": "gpt2", "sentencepiece_model": "x"}, "override 'sentencepiece_model'"),  # not a gpt2 option
-])
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        ({"dataa": "x"}, "override 'dataa' is no option"),
+        ({"bpe": "gpt2", "sentencepiece_model": "x"}, "override 'sentencepiece_model'"),  # not a gpt2 option
+    ],
+)
 def test_unknown_override_is_an_error(trained, overrides, message):
     ckpt, _ = trained
     with pytest.raises(ValueError, match=message):
@@ -126,8 +142,9 @@ def test_an_architecture_not_registered_here(trained, tmp_path):
     state["cfg"]["model"]["_name"] = "transformer_iwslt_de_en"  # a translation model of upstream's
     other = tmp_path / "translation.pt"
     torch.save(state, other)
-    with pytest.raises(CheckpointError, match="architecture 'transformer_iwslt_de_en', which is not registered "
-                                              "here .*--user-dir"):
+    with pytest.raises(
+        CheckpointError, match="architecture 'transformer_iwslt_de_en', which is not registered here .*--user-dir"
+    ):
         checkpoint_utils.load_model_ensemble([str(other)], arg_overrides={"data": str(data)})
 
 
@@ -135,8 +152,7 @@ def test_pickled_upstream_file_needs_trust(trained, tmp_path):
     ckpt, data = trained
     saved = torch.load(ckpt, map_location="cpu", weights_only=True)
     legacy = tmp_path / "upstream.pt"
-    args = argparse.Namespace(**saved["cfg"]["model"], arch="transformer_lm", task="language_modeling",
-                              data=str(data))
+    args = argparse.Namespace(**saved["cfg"]["model"], arch="transformer_lm", task="language_modeling", data=str(data))
     torch.save({"args": args, "model": saved["model"]}, legacy)  # upstream < 0.10: a pickled Namespace
     with pytest.raises(CheckpointError, match="--trust-legacy-checkpoint"):
         checkpoint_utils.load_model_ensemble([str(legacy)])

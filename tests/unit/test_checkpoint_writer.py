@@ -11,7 +11,12 @@ import torch
 
 from fairseq.checkpoint.io import CheckpointSaveError
 from fairseq.checkpoint.writer import (
-    SLOW_WRITE_ENV, AsyncMode, CheckpointWriter, Write, async_save_host_bytes, wait_advice,
+    SLOW_WRITE_ENV,
+    AsyncMode,
+    CheckpointWriter,
+    Write,
+    async_save_host_bytes,
+    wait_advice,
 )
 
 GIB = 2**30
@@ -32,8 +37,10 @@ def test_the_mode_comes_from_the_flag_and_the_device():
 def test_a_synchronous_write_runs_now_and_returns_its_seconds():
     writer = CheckpointWriter(AsyncMode.DISABLED)
     done = []
-    write = Write(lambda: done.append(("bytes", threading.current_thread())),
-                  lambda: done.append(("publish", threading.current_thread())))
+    write = Write(
+        lambda: done.append(("bytes", threading.current_thread())),
+        lambda: done.append(("publish", threading.current_thread())),
+    )
     seconds = writer.run(write, "c.pt", time.perf_counter())
     assert done == [("bytes", threading.main_thread()), ("publish", threading.main_thread())]
     assert seconds >= 0 and writer.in_flight is None
@@ -60,13 +67,13 @@ def test_a_background_write_is_polled_then_waited_for_and_logged(caplog):
     # The waiter wakes after the write thread's last timestamp (thread hand-off, ms under load): 0.1 s of slack.
     assert seconds >= 0.2 and writer.in_flight is None and 0.1 < writer.waited <= seconds + 0.1
     [line] = [r.getMessage() for r in caplog.records if "waited" in r.getMessage()]
-    assert line.startswith("waited 0.") and line.endswith("for the background write of ck/checkpoint_1_2.pt before "
-                                                          "the next save")
+    assert line.startswith("waited 0.") and line.endswith(
+        "for the background write of ck/checkpoint_1_2.pt before the next save"
+    )
     assert writer.wait("at the end of training") is None and writer.waited == 0  # nothing in flight: no wait
     # `now` (the preemption checkpoint) writes in the loop whatever the mode
     order = []
-    assert writer.run(Write(lambda: order.append(threading.current_thread()), nothing), "c.pt", started,
-                      now=True) > 0
+    assert writer.run(Write(lambda: order.append(threading.current_thread()), nothing), "c.pt", started, now=True) > 0
     assert order == [threading.main_thread()]
     writer.close()
 
@@ -75,8 +82,14 @@ def test_the_seam_pauses_a_background_write_between_its_bytes_and_its_publicatio
     monkeypatch.setenv(SLOW_WRITE_ENV, "0.3")
     writer = CheckpointWriter(AsyncMode.ASYNC)
     times = {}
-    writer.run(Write(lambda: times.setdefault("bytes", time.perf_counter()),
-                     lambda: times.setdefault("publish", time.perf_counter())), "c.pt", time.perf_counter())
+    writer.run(
+        Write(
+            lambda: times.setdefault("bytes", time.perf_counter()),
+            lambda: times.setdefault("publish", time.perf_counter()),
+        ),
+        "c.pt",
+        time.perf_counter(),
+    )
     writer.wait("at the end of training")
     assert times["publish"] - times["bytes"] >= 0.3
     writer.close()
@@ -127,7 +140,8 @@ def test_a_synchronous_writer_stages_a_sharded_state_as_it_is_and_a_single_file_
 def test_wait_advice_names_the_write_time_and_an_interval_that_would_not_wait():
     assert wait_advice(18.0, 7, 9.0, interval_flag=True) == (
         "checkpoint write took 18.0 s; saves every 7 updates (~9 s) wait for it; --save-interval-updates >= 15 "
-        "would not")
+        "would not"
+    )
     assert wait_advice(2.0, 1, 0.5, interval_flag=False).endswith("saves at least 5 updates apart would not")
 
 

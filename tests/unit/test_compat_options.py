@@ -10,12 +10,28 @@ from fairseq.dataclass.notices import COMPAT_NOTICES, compat_notices
 from fairseq.frontend.validate import validate
 from tests.train_fixtures import default_train_argv, train_in_process
 
-TRAIN_BASE = ["data", "--task", "language_modeling", "--arch", "transformer_lm", "--optimizer", "adam",
-              "--max-tokens", "64", "--tokens-per-sample", "64"]
+TRAIN_BASE = [
+    "data",
+    "--task",
+    "language_modeling",
+    "--arch",
+    "transformer_lm",
+    "--optimizer",
+    "adam",
+    "--max-tokens",
+    "64",
+    "--tokens-per-sample",
+    "64",
+]
 # A non-default value for each noticed option (the flag alone for a boolean one).
-SET = {"min_params_to_wrap": ["--min-params-to-wrap", "1000"], "softmax_batch": ["--softmax-batch", "1024"],
-       "retain_dropout_modules": ["--retain-dropout-modules", "TransformerDecoderLayer"],
-       "thresholdtgt": ["--thresholdtgt", "2"], "nwordstgt": ["--nwordstgt", "5"], "tgtdict": ["--tgtdict", "d.txt"]}
+SET = {
+    "min_params_to_wrap": ["--min-params-to-wrap", "1000"],
+    "softmax_batch": ["--softmax-batch", "1024"],
+    "retain_dropout_modules": ["--retain-dropout-modules", "TransformerDecoderLayer"],
+    "thresholdtgt": ["--thresholdtgt", "2"],
+    "nwordstgt": ["--nwordstgt", "5"],
+    "tgtdict": ["--tgtdict", "d.txt"],
+}
 # The eval-lm and generation groups' flags are on their tools' parsers (given a data directory and --path).
 PARSERS = {"eval_lm": options.get_eval_lm_parser, "generation": options.get_generation_parser}
 EVAL_BASE = ["data", "--task", "language_modeling", "--path", "model.pt", "--max-tokens", "64"]
@@ -28,11 +44,11 @@ def _config(group, argv):
         from fairseq.dataclass.configs import PreprocessConfig
         from fairseq.dataclass.utils import config_from_namespace
 
-        args = options.get_preprocessing_parser().parse_args(["--only-source", *argv[len(TRAIN_BASE):]])
+        args = options.get_preprocessing_parser().parse_args(["--only-source", *argv[len(TRAIN_BASE) :]])
         return SimpleNamespace(preprocess=config_from_namespace(PreprocessConfig, args))
     parser = PARSERS.get(group, options.get_training_parser)()
     if group in PARSERS:
-        argv = EVAL_BASE + argv[len(TRAIN_BASE):]
+        argv = EVAL_BASE + argv[len(TRAIN_BASE) :]
     args = options.parse_args_and_arch(parser, argv)
     if group == "generation":  # as fairseq-generate builds its config
         return options.convert_namespace_to_generation_config(args)
@@ -45,12 +61,20 @@ def test_each_noticed_option_set_on_the_command_line_gives_its_one_line(group, n
     assert compat_notices(**vars(_config(group, TRAIN_BASE))) == []
     value = "" if len(flag) == 1 else f" {flag[1]}"
     assert compat_notices(**vars(_config(group, TRAIN_BASE + flag))) == [
-        f"{flag[0]}{value} is accepted for upstream compatibility: {instead}"]
+        f"{flag[0]}{value} is accepted for upstream compatibility: {instead}"
+    ]
 
 
 def test_notices_are_logged_once_at_training_start(tiny_data, tmp_path):
-    argv = default_train_argv(tiny_data, tmp_path, "--min-params-to-wrap", "1000", "--fix-batches-to-gpus",
-                              "--write-checkpoints-asynchronously", max_update=1)
+    argv = default_train_argv(
+        tiny_data,
+        tmp_path,
+        "--min-params-to-wrap",
+        "1000",
+        "--fix-batches-to-gpus",
+        "--write-checkpoints-asynchronously",
+        max_update=1,
+    )
     status, out, err = train_in_process(argv)
     assert status == 0, err
     notices = [line for line in out.splitlines() if "accepted for upstream compatibility" in line]
@@ -68,36 +92,62 @@ def test_bad_optimizer_overrides_fail_at_start():
     with pytest.raises(ValueError, match=r"--optimizer-overrides '\[1\]': expected a Python dict literal"):
         validate(_config("train", TRAIN_BASE + ["--optimizer-overrides", "[1]"]))
     # the scheduler would set lr again at the next update: refused, not silently lost
-    with pytest.raises(ValueError, match=r"'lr' would be replaced by the learning-rate scheduler .* --lr and "
-                                         r"--reset-lr-scheduler"):
+    with pytest.raises(
+        ValueError,
+        match=r"'lr' would be replaced by the learning-rate scheduler .* --lr and "
+        r"--reset-lr-scheduler",
+    ):
         validate(_config("train", TRAIN_BASE + ["--optimizer-overrides", "{'lr': 0.5}"]))
 
 
 def test_misspelt_optimizer_override_is_refused_at_start(tiny_data, tmp_path):
-    status, _, err = train_in_process(default_train_argv(tiny_data, tmp_path, "--optimizer-overrides",
-                                                         "{'weight_dacay': 0.5}", max_update=3))
+    status, _, err = train_in_process(
+        default_train_argv(tiny_data, tmp_path, "--optimizer-overrides", "{'weight_dacay': 0.5}", max_update=3)
+    )
     assert status == 2 and err.splitlines()[-1].split(": error: ", 1)[1:] == [
         "--optimizer-overrides 'weight_dacay': not an option of --optimizer adam (AdamW) "
         "(did you mean 'weight_decay'?); its options are amsgrad, betas, capturable, decoupled_weight_decay, "
-        "differentiable, eps, foreach, fused, lr, maximize, weight_decay"]
+        "differentiable, eps, foreach, fused, lr, maximize, weight_decay"
+    ]
     assert not (tmp_path / "checkpoint_last.pt").exists()
 
 
-@pytest.mark.parametrize("override,message", [
-    ("{'eps': -1.0}", "--optimizer-overrides {'eps': -1.0} is refused by --optimizer adam (AdamW) (ValueError: "
-                      "Invalid epsilon value: -1.0); eps takes a number >= 0, e.g. 1e-08"),
-    ("{'betas': 3}", "--optimizer-overrides {'betas': 3} is refused by --optimizer adam (AdamW) (TypeError: 'int' "
-                     "object is not subscriptable); betas takes a pair of numbers in [0, 1), e.g. (0.9, 0.98)"),
-    ("{'betas': (0.9, 0.98, 0.5)}", "--optimizer-overrides {'betas': (0.9, 0.98, 0.5)} is refused by --optimizer "
-                                    "adam (AdamW) (ValueError: too many values to unpack (expected 2)); betas takes "
-                                    "a pair of numbers in [0, 1), e.g. (0.9, 0.98)"),
-    # 1e999 is inf: accepted by torch's checks, then NaN (weight_decay) or no learning at all (eps)
-    ("{'weight_decay': 1e999}", "--optimizer-overrides {'weight_decay': inf}: not a finite number; weight_decay "
-                                "takes a number >= 0, e.g. 0.01"),
-    ("{'eps': 1e999}", "--optimizer-overrides {'eps': inf}: not a finite number; eps takes a number >= 0, e.g. 1e-08"),
-    ("{'betas': (0.9, -1e999)}", "--optimizer-overrides {'betas': (0.9, -inf)}: not a finite number; betas takes a "
-                                 "pair of numbers in [0, 1), e.g. (0.9, 0.98)"),
-])
+@pytest.mark.parametrize(
+    "override,message",
+    [
+        (
+            "{'eps': -1.0}",
+            "--optimizer-overrides {'eps': -1.0} is refused by --optimizer adam (AdamW) (ValueError: "
+            "Invalid epsilon value: -1.0); eps takes a number >= 0, e.g. 1e-08",
+        ),
+        (
+            "{'betas': 3}",
+            "--optimizer-overrides {'betas': 3} is refused by --optimizer adam (AdamW) (TypeError: 'int' "
+            "object is not subscriptable); betas takes a pair of numbers in [0, 1), e.g. (0.9, 0.98)",
+        ),
+        (
+            "{'betas': (0.9, 0.98, 0.5)}",
+            "--optimizer-overrides {'betas': (0.9, 0.98, 0.5)} is refused by --optimizer "
+            "adam (AdamW) (ValueError: too many values to unpack (expected 2)); betas takes "
+            "a pair of numbers in [0, 1), e.g. (0.9, 0.98)",
+        ),
+        # 1e999 is inf: accepted by torch's checks, then NaN (weight_decay) or no learning at all (eps)
+        (
+            "{'weight_decay': 1e999}",
+            "--optimizer-overrides {'weight_decay': inf}: not a finite number; weight_decay "
+            "takes a number >= 0, e.g. 0.01",
+        ),
+        (
+            "{'eps': 1e999}",
+            "--optimizer-overrides {'eps': inf}: not a finite number; eps takes a number >= 0, e.g. 1e-08",
+        ),
+        (
+            "{'betas': (0.9, -1e999)}",
+            "--optimizer-overrides {'betas': (0.9, -inf)}: not a finite number; betas takes a "
+            "pair of numbers in [0, 1), e.g. (0.9, 0.98)",
+        ),
+    ],
+)
 def test_bad_optimizer_override_values_are_refused_at_start(tiny_data, tmp_path, override, message):
     """Checked by the optimizer's own code (its constructor, one step) before training, not saved into
     checkpoints (eps) or failing at the first update (betas)."""
@@ -112,7 +162,8 @@ def test_optimizer_override_whose_step_gives_infinite_parameters_is_refused_at_s
     status, _, err = train_in_process(argv)
     assert status == 2 and err.splitlines()[-1].split(": error: ", 1)[1:] == [
         "--optimizer-overrides {'weight_decay': 10000000000.0} is refused by --optimizer adam (AdamW) (ValueError: "
-        "one step with it makes the parameters [-inf, -inf]); weight_decay takes a number >= 0, e.g. 0.01"]
+        "one step with it makes the parameters [-inf, -inf]); weight_decay takes a number >= 0, e.g. 0.01"
+    ]
     assert not (tmp_path / "checkpoint_last.pt").exists()
 
 
@@ -122,8 +173,9 @@ def test_optimizer_overrides_are_set_in_the_resumed_optimizer(tiny_data, tmp_pat
     assert train_in_process(default_train_argv(tiny_data, tmp_path, max_update=2))[0] == 0
     first = load_checkpoint_file(str(tmp_path / "checkpoint_last.pt"))["last_optimizer_state"]["param_groups"]
     assert [g["weight_decay"] for g in first] == [0.01] * len(first)  # TRAIN_RECIPE's --weight-decay
-    status, _, err = train_in_process(default_train_argv(tiny_data, tmp_path, "--optimizer-overrides",
-                                                         "{'weight_decay': 0.5}", max_update=3))
+    status, _, err = train_in_process(
+        default_train_argv(tiny_data, tmp_path, "--optimizer-overrides", "{'weight_decay': 0.5}", max_update=3)
+    )
     assert status == 0, err
     resumed = load_checkpoint_file(str(tmp_path / "checkpoint_last.pt"))["last_optimizer_state"]["param_groups"]
     assert [g["weight_decay"] for g in resumed] == [0.5] * len(resumed)
@@ -131,7 +183,9 @@ def test_optimizer_overrides_are_set_in_the_resumed_optimizer(tiny_data, tmp_pat
 
 def test_fixed_validation_seed_seeds_each_validation(tiny_data, tmp_path, user_dir):
     # A criterion that records one random draw per validation batch (the model is in eval mode there).
-    plugin = user_dir("seed_probe", f'''
+    plugin = user_dir(
+        "seed_probe",
+        f"""
 import torch
 from fairseq.registry import register_criterion
 from fairseq.criterions.cross_entropy import CrossEntropyCriterion, CrossEntropyCriterionConfig
@@ -144,14 +198,27 @@ class SeedProbe(CrossEntropyCriterion):
             with open({str(tmp_path / "draws.txt")!r}, "a") as f:
                 f.write(f"{{torch.randint(1 << 30, ()).item()}}\\n")
         return super().forward(model, sample, reduce)
-''')
+""",
+    )
     draws_file = tmp_path / "draws.txt"
 
     def validation_draws(*flags):
         draws_file.unlink(missing_ok=True)
-        argv = default_train_argv(tiny_data, tmp_path / "ck", "--user-dir", str(plugin), "--criterion",
-                                  "seed_probe", "--validate-interval-updates", "1", "--max-valid-steps", "1",
-                                  "--no-save", *flags, max_update=3)
+        argv = default_train_argv(
+            tiny_data,
+            tmp_path / "ck",
+            "--user-dir",
+            str(plugin),
+            "--criterion",
+            "seed_probe",
+            "--validate-interval-updates",
+            "1",
+            "--max-valid-steps",
+            "1",
+            "--no-save",
+            *flags,
+            max_update=3,
+        )
         status, _, err = train_in_process(argv)
         assert status == 0, err
         return [int(x) for x in draws_file.read_text().split()]
@@ -167,8 +234,10 @@ def _eval_lm(checkpoint, data, *extra):
     from fairseq_cli import eval_lm
 
     parser = options.get_eval_lm_parser()
-    args = options.parse_args_and_arch(parser, [str(data), "--path", str(checkpoint), "--cpu", "--batch-size",
-                                                "4", "--tokens-per-sample", "32", *extra])
+    args = options.parse_args_and_arch(
+        parser,
+        [str(data), "--path", str(checkpoint), "--cpu", "--batch-size", "4", "--tokens-per-sample", "32", *extra],
+    )
     return eval_lm.main(args)
 
 

@@ -50,10 +50,29 @@ def test_fairseq_train_prints_a_user_error_once(tmp_path):
     data.mkdir()
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "RANK", "LOCAL_RANK", "WORLD_SIZE"))}
     result = subprocess.run(
-        [sys.executable, "-m", "fairseq_cli.train", "--task", "language_modeling", str(data), "--arch",
-         "transformer_lm", "--optimizer", "adam", "--max-tokens", "64", "--tokens-per-sample", "64", "--cpu",
-         "--save-dir", str(tmp_path / "ck")],
-        env=env, capture_output=True, text=True, timeout=300,
+        [
+            sys.executable,
+            "-m",
+            "fairseq_cli.train",
+            "--task",
+            "language_modeling",
+            str(data),
+            "--arch",
+            "transformer_lm",
+            "--optimizer",
+            "adam",
+            "--max-tokens",
+            "64",
+            "--tokens-per-sample",
+            "64",
+            "--cpu",
+            "--save-dir",
+            str(tmp_path / "ck"),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert result.returncode == 1, result.stderr[-3000:]
     output = result.stdout + result.stderr

@@ -254,9 +254,28 @@ def test_trainer_compiles_the_loss_only_with_compile():
     from fairseq.training.trainer import Trainer
 
     def trainer(extra):
-        argv = ["--task", "dummy_lm", "--tokens-per-sample", "8", "--arch", "transformer_lm", "--decoder-layers", "1",
-                "--decoder-embed-dim", "8", "--decoder-ffn-embed-dim", "16", "--decoder-attention-heads", "2",
-                "--cpu", "--optimizer", "adam", "--lr", "1e-3", *extra]
+        argv = [
+            "--task",
+            "dummy_lm",
+            "--tokens-per-sample",
+            "8",
+            "--arch",
+            "transformer_lm",
+            "--decoder-layers",
+            "1",
+            "--decoder-embed-dim",
+            "8",
+            "--decoder-ffn-embed-dim",
+            "16",
+            "--decoder-attention-heads",
+            "2",
+            "--cpu",
+            "--optimizer",
+            "adam",
+            "--lr",
+            "1e-3",
+            *extra,
+        ]
         cfg = options.convert_namespace_to_config(options.parse_args_and_arch(options.get_training_parser(), argv))
         task = tasks.setup_task(cfg.task)
         return Trainer(cfg, task, task.build_model(cfg.model), build_criterion(cfg.criterion, task, cfg.optimization))

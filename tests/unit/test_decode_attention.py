@@ -13,8 +13,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fairseq.kernels.decode_attention import (decode_attention, decode_attention_available,
-                                              decode_attention_reference, splits_for)
+from fairseq.kernels.decode_attention import (
+    decode_attention,
+    decode_attention_available,
+    decode_attention_reference,
+    splits_for,
+)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -23,8 +27,9 @@ def interpret(script: str, done: str) -> None:
     pytest.importorskip("triton")
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
     env.pop("FAIRSEQ_DECODE_ATTENTION_KERNEL", None)
-    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(script)], capture_output=True, text=True, env=env,
-                          timeout=300, cwd=ROOT)
+    proc = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(script)], capture_output=True, text=True, env=env, timeout=300, cwd=ROOT
+    )
     assert proc.returncode == 0 and done in proc.stdout, proc.stdout + proc.stderr[-4000:]
 
 
@@ -130,9 +135,10 @@ def test_the_reference_is_sdpa_over_each_rows_live_keys():
     for b in range(3):
         live = slice(0, int(lengths[b]))
         row = int(row_map[b])
-        want = F.scaled_dot_product_attention(q[b:b + 1], keys[row:row + 1, :, live], values[row:row + 1, :, live],
-                                              scale=0.5)
-        torch.testing.assert_close(got[b:b + 1], want, rtol=1e-6, atol=1e-6)
+        want = F.scaled_dot_product_attention(
+            q[b : b + 1], keys[row : row + 1, :, live], values[row : row + 1, :, live], scale=0.5
+        )
+        torch.testing.assert_close(got[b : b + 1], want, rtol=1e-6, atol=1e-6)
 
 
 def test_the_cpu_takes_the_reference_and_bad_shapes_are_named():
@@ -170,19 +176,46 @@ def test_the_kernels_compile_for_an_h100():
     from fairseq.kernels.decode_attention import _kernels
 
     split_kernel, combine_kernel = _kernels()
-    pointers = dict(q_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", lengths_ptr="*i32", row_map_ptr="*i32",
-                    out_ptr="*bf16", part_out_ptr="*fp32", part_max_ptr="*fp32", part_sum_ptr="*fp32")
-    ints = ["q_stride_b", "q_stride_h", "k_stride_b", "k_stride_h", "k_stride_n", "v_stride_b", "v_stride_h",
-            "v_stride_n", "length_stride", "window", "split_size"]
+    pointers = dict(
+        q_ptr="*bf16",
+        k_ptr="*bf16",
+        v_ptr="*bf16",
+        lengths_ptr="*i32",
+        row_map_ptr="*i32",
+        out_ptr="*bf16",
+        part_out_ptr="*fp32",
+        part_max_ptr="*fp32",
+        part_sum_ptr="*fp32",
+    )
+    ints = [
+        "q_stride_b",
+        "q_stride_h",
+        "k_stride_b",
+        "k_stride_h",
+        "k_stride_n",
+        "v_stride_b",
+        "v_stride_h",
+        "v_stride_n",
+        "length_stride",
+        "window",
+        "split_size",
+    ]
     signature = {**pointers, **{name: "i32" for name in ints}, "scale_log2": "fp32"}
     for direct in (False, True):
-        constants = dict(HEADS=32, DIM=64, BLOCK_D=64, BLOCK_N=64, SPLITS=1 if direct else 16,
-                         HAS_ROW_MAP=not direct, DIRECT=direct)
+        constants = dict(
+            HEADS=32, DIM=64, BLOCK_D=64, BLOCK_N=64, SPLITS=1 if direct else 16, HAS_ROW_MAP=not direct, DIRECT=direct
+        )
         source = ASTSource(split_kernel, {**signature, **{name: "constexpr" for name in constants}}, constants)
         assert triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}).asm["cubin"]
     constants = dict(DIM=64, BLOCK_D=64, SPLITS=16)
-    signature = dict(part_out_ptr="*fp32", part_max_ptr="*fp32", part_sum_ptr="*fp32", out_ptr="*bf16",
-                     **{name: "constexpr" for name in constants})
-    compiled = triton.compile(ASTSource(combine_kernel, signature, constants), target=GPUTarget("cuda", 90, 32),
-                              options={"num_warps": 4})
+    signature = dict(
+        part_out_ptr="*fp32",
+        part_max_ptr="*fp32",
+        part_sum_ptr="*fp32",
+        out_ptr="*bf16",
+        **{name: "constexpr" for name in constants},
+    )
+    compiled = triton.compile(
+        ASTSource(combine_kernel, signature, constants), target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}
+    )
     assert compiled.asm["cubin"]

@@ -40,12 +40,18 @@ def alone(model, req, **engine_options):
     return run(DecodeEngine(model, D, max_rows=1, **engine_options), {0: [req]})[0][req.id]
 
 
-@pytest.mark.parametrize("options", [dict(), dict(temperature=0.9, seed=5), dict(temperature=1.3, top_k=3, seed=1),
-                                     dict(temperature=0.7, top_p=0.6, seed=2)])
+@pytest.mark.parametrize(
+    "options",
+    [
+        dict(),
+        dict(temperature=0.9, seed=5),
+        dict(temperature=1.3, top_k=3, seed=1),
+        dict(temperature=0.7, top_p=0.6, seed=2),
+    ],
+)
 def test_rows_joining_mid_decode_get_the_tokens_they_get_alone(options):
     model = build(seed=4)
-    make = [lambda i, p=p: request(i, p, max_new_tokens=18 + 3 * i, logprobs=True, **options)
-            for p in PROMPTS]
+    make = [lambda i, p=p: request(i, p, max_new_tokens=18 + 3 * i, logprobs=True, **options) for p in PROMPTS]
     expected = {i: alone(model, make[i](i)) for i in range(len(PROMPTS))}
     # joins at chunk 0, 1 (mid-decode), 3, and 5 (after some rows left)
     joins = {0: [make[0](0), make[1](1)], 1: [make[2](2)], 3: [make[3](3)], 5: [make[4](4)]}
@@ -61,21 +67,25 @@ def test_greedy_equals_the_generators_greedy_search():
     model = build(seed=4)
     generator = SequenceGenerator([model], D, max_len_b=24, device_loop=False)
     engine = DecodeEngine(model, D, max_rows=8)
-    got, _ = run(engine, {0: [request(i, p, max_new_tokens=24 - len(p), logprobs=True)
-                              for i, p in enumerate(PROMPTS)]}, max_steps=16)
+    got, _ = run(
+        engine,
+        {0: [request(i, p, max_new_tokens=24 - len(p), logprobs=True) for i, p in enumerate(PROMPTS)]},
+        max_steps=16,
+    )
     for i, prompt in enumerate(PROMPTS):
         sample, prefix = sample_of([prompt]) if prompt else sample_of([[W[1]]])
         if not prompt:
             sample["net_input"]["src_tokens"] = sample["net_input"]["src_tokens"][:, :1]
             prefix = None
         hypo = generator.generate([model], sample, prefix_tokens=prefix)[0][0]
-        new = hypo["tokens"][len(prompt):].tolist()
+        new = hypo["tokens"][len(prompt) :].tolist()
         tokens, lprobs, reason = got[i]
         if new[-1] == EOS and reason == "stop":
             new = new[:-1]
-        assert tokens == new[:len(tokens)] and len(tokens) >= len(new) - 1, i
-        torch.testing.assert_close(torch.tensor(lprobs[:len(new)]), hypo["positional_scores"][len(prompt):][
-            :len(lprobs)], atol=ATOL, rtol=0)
+        assert tokens == new[: len(tokens)] and len(tokens) >= len(new) - 1, i
+        torch.testing.assert_close(
+            torch.tensor(lprobs[: len(new)]), hypo["positional_scores"][len(prompt) :][: len(lprobs)], atol=ATOL, rtol=0
+        )
 
 
 def test_logprobs_and_top_n_are_the_models():
@@ -164,16 +174,19 @@ def test_prompt_scores_are_the_full_forwards():
     torch.testing.assert_close(score_prompt([model], D, torch.tensor(prompt)), scores)
 
 
-@pytest.mark.parametrize("options, message", [
-    (dict(max_new_tokens=0), "max_new_tokens must be at least 1"),
-    (dict(min_new_tokens=9, max_new_tokens=4), "min_new_tokens must be in 0 .. max_new_tokens"),
-    (dict(temperature=-1.0), "temperature must be >= 0"),
-    (dict(top_p=0.0), "top_p must be in (0, 1]"),
-    (dict(top_k=-2), "top_k must be >= 0"),
-    (dict(top_logprobs=21), "top_logprobs must be in 0 .. 20"),
-    (dict(max_new_tokens=70), "a prompt of 2 tokens and max_new_tokens 70 need 72 positions"),
-    (dict(stop=[999]), "stop ids must be in"),
-])
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        (dict(max_new_tokens=0), "max_new_tokens must be at least 1"),
+        (dict(min_new_tokens=9, max_new_tokens=4), "min_new_tokens must be in 0 .. max_new_tokens"),
+        (dict(temperature=-1.0), "temperature must be >= 0"),
+        (dict(top_p=0.0), "top_p must be in (0, 1]"),
+        (dict(top_k=-2), "top_k must be >= 0"),
+        (dict(top_logprobs=21), "top_logprobs must be in 0 .. 20"),
+        (dict(max_new_tokens=70), "a prompt of 2 tokens and max_new_tokens 70 need 72 positions"),
+        (dict(stop=[999]), "stop ids must be in"),
+    ],
+)
 def test_bad_requests_are_one_line(options, message):
     engine = DecodeEngine(build(), D, max_rows=1)
     with pytest.raises(ValueError, match="^" + message.replace("(", r"\(").replace(")", r"\)").replace(".", r"\.")):
@@ -190,8 +203,12 @@ def test_per_row_filter_equals_the_scalar_filters():
     for k, p in ((5, 0.0), (0, 0.7), (0, 0.0)):
         candidates, ids = sampling.top_k_top_p(lprobs, k, p)
         per_row, per_ids = sampling.top_k_top_p(lprobs, torch.full((3,), k), torch.full((3,), p))
-        kept = {(r, int(ids[r, j]) if ids is not None else j) for r in range(3) for j in range(candidates.size(1))
-                if candidates[r, j] > -math.inf}
+        kept = {
+            (r, int(ids[r, j]) if ids is not None else j)
+            for r in range(3)
+            for j in range(candidates.size(1))
+            if candidates[r, j] > -math.inf
+        }
         kept_per_row = {(r, int(per_ids[r, j])) for r in range(3) for j in range(40) if per_row[r, j] > -math.inf}
         assert kept == kept_per_row, (k, p)
 

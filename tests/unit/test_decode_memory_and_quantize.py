@@ -6,9 +6,16 @@ import pytest
 import torch
 from torch import nn
 
-from fairseq.generation.decode_memory import (attention_shape, check_decode_memory, decode_bytes,
-                                              decode_memory_error, decode_positions, kv_cache_bytes, model_bytes,
-                                              tensor_bytes)
+from fairseq.generation.decode_memory import (
+    attention_shape,
+    check_decode_memory,
+    decode_bytes,
+    decode_memory_error,
+    decode_positions,
+    kv_cache_bytes,
+    model_bytes,
+    tensor_bytes,
+)
 from fairseq.generation.quantize import check_quantize, int8_weight, quantizable_linears
 from fairseq.models.transformer_lm import TransformerLanguageModel, TransformerLanguageModelConfig, preset_config
 
@@ -59,19 +66,29 @@ def test_the_memory_error_on_numbers():
     assert decode_memory_error([model], 1, 1, 10, available=4 * 2**20 - 1, where="cuda:0", fix="fix") == (
         "a batch of 1 prompt(s) x beam 1 x 10 positions needs 0.00 GiB of KV cache (0 layers x 2 x 0 values per "
         "position) besides 0.00 GiB of weights, more than the 0.00 GiB cuda:0 has for this process (free + held by "
-        "torch); fix")
+        "torch); fix"
+    )
     with torch.device("meta"):
         xl = TransformerLanguageModel.build(preset_config("transformer_lm_gpt3_xl"), 50272, 1).to(torch.bfloat16)
     weights = model_bytes([xl])
     cache = 4 * 4_838_129_664  # 32 sentences x beam 4 x 769 positions in bf16
     fits = decode_memory_error([xl], 32, 4, 769, available=weights + cache, where="cuda:0", fix="fix")
     assert fits is None
-    error = decode_memory_error([xl], 32, 4, 769, available=weights + cache - 1, where="cuda:0",
-                                fix="lower --batch-size / --max-tokens, --beam or --max-len-b")
-    assert error == (f"a batch of 32 prompt(s) x beam 4 x 769 positions needs 18.02 GiB of KV cache (24 layers x 2 "
-                     f"x 2048 values per position) besides {weights / 2**30:.2f} GiB of weights, more than the "
-                     f"{(weights + cache - 1) / 2**30:.2f} GiB cuda:0 has for this process (free + held by torch); "
-                     "lower --batch-size / --max-tokens, --beam or --max-len-b")
+    error = decode_memory_error(
+        [xl],
+        32,
+        4,
+        769,
+        available=weights + cache - 1,
+        where="cuda:0",
+        fix="lower --batch-size / --max-tokens, --beam or --max-len-b",
+    )
+    assert error == (
+        f"a batch of 32 prompt(s) x beam 4 x 769 positions needs 18.02 GiB of KV cache (24 layers x 2 "
+        f"x 2048 values per position) besides {weights / 2**30:.2f} GiB of weights, more than the "
+        f"{(weights + cache - 1) / 2**30:.2f} GiB cuda:0 has for this process (free + held by torch); "
+        "lower --batch-size / --max-tokens, --beam or --max-len-b"
+    )
     # the 1.3B preset in bf16: 1,313,660,928 parameters (the tied output projection once) and a 2-byte buffer
     assert weights == 2 * 1_313_660_928 + 2
 
@@ -83,8 +100,13 @@ def test_the_memory_check_is_skipped_off_cuda():
 
 
 def tiny(share):
-    cfg = TransformerLanguageModelConfig(decoder_embed_dim=32, decoder_ffn_embed_dim=64, decoder_layers=2,
-                                         decoder_attention_heads=2, share_decoder_input_output_embed=share)
+    cfg = TransformerLanguageModelConfig(
+        decoder_embed_dim=32,
+        decoder_ffn_embed_dim=64,
+        decoder_layers=2,
+        decoder_attention_heads=2,
+        share_decoder_input_output_embed=share,
+    )
     return TransformerLanguageModel.build(cfg, 40, 1)
 
 
@@ -102,14 +124,29 @@ def test_fconv_lm_has_no_linear_to_quantize():
     assert quantizable_linears(FConvLanguageModel.build(fconv_config("fconv_lm"), 100, 1)) == []
 
 
-@pytest.mark.parametrize("dtype, keyword, message", [
-    (torch.float16, False, "--quantize int8-weight-only needs a bf16 model (int8 decoding is built and measured for "
-                           "bf16 models): pass --bf16"),
-    (torch.float32, False, "--quantize int8-weight-only needs a bf16 model (an fp32 model gains nothing from int8 "
-                           "weights): pass --bf16"),
-    (torch.float32, True, "quantize='int8-weight-only' needs a bf16 model (an fp32 model gains nothing from int8 "
-                          "weights): cast it with lm.to(torch.bfloat16)"),
-])
+@pytest.mark.parametrize(
+    "dtype, keyword, message",
+    [
+        (
+            torch.float16,
+            False,
+            "--quantize int8-weight-only needs a bf16 model (int8 decoding is built and measured for "
+            "bf16 models): pass --bf16",
+        ),
+        (
+            torch.float32,
+            False,
+            "--quantize int8-weight-only needs a bf16 model (an fp32 model gains nothing from int8 "
+            "weights): pass --bf16",
+        ),
+        (
+            torch.float32,
+            True,
+            "quantize='int8-weight-only' needs a bf16 model (an fp32 model gains nothing from int8 "
+            "weights): cast it with lm.to(torch.bfloat16)",
+        ),
+    ],
+)
 def test_quantize_needs_bf16(dtype, keyword, message):
     with pytest.raises(ValueError) as error:
         check_quantize("int8-weight-only", torch.device("cuda"), dtype, keyword=keyword)  # only its type is read

@@ -13,14 +13,37 @@ from fairseq.generation.sequence_generator import SequenceGenerator
 from fairseq.modules import CausalSelfAttention
 from test_device_decoding import MIXED, decode, record_drops
 from test_fconv_lm import tiny as fconv_lm_tiny
-from test_sequence_generator import (ATOL, D, EOS, V, W, EagerStaticGenerator, GRUDecoder, PluginLM,
-                                     StepwiseBeamSearch, assert_same_hypotheses, build, check_positional_scores,
-                                     host_syncs, logits_with, reference_beam, unigram_model)
+from test_sequence_generator import (
+    ATOL,
+    D,
+    EOS,
+    V,
+    W,
+    EagerStaticGenerator,
+    GRUDecoder,
+    PluginLM,
+    StepwiseBeamSearch,
+    assert_same_hypotheses,
+    build,
+    check_positional_scores,
+    host_syncs,
+    logits_with,
+    reference_beam,
+    unigram_model,
+)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-OPTIONS = [{}, dict(len_penalty=0.5), dict(len_penalty=2.0), dict(min_len=6), dict(unk_penalty=0.5),
-           dict(max_len_b=3), dict(max_len_b=30), dict(normalize_scores=False)]
+OPTIONS = [
+    {},
+    dict(len_penalty=0.5),
+    dict(len_penalty=2.0),
+    dict(min_len=6),
+    dict(unk_penalty=0.5),
+    dict(max_len_b=3),
+    dict(max_len_b=30),
+    dict(normalize_scores=False),
+]
 
 
 def stepwise_and_on_device(model, beam, **options):
@@ -61,7 +84,7 @@ def test_ended_candidates_taken_as_hypotheses_are_ignored_as_the_loop_ignores_th
 
     def spy(self, lp, buf, rows, b, window, first):
         original(self, lp, buf, rows, b, window, first)
-        ignored.append(bool(buf.ignore[:rows // beam].any()))
+        ignored.append(bool(buf.ignore[: rows // beam].any()))
 
     monkeypatch.setattr(device_beam_search.DeviceBeamSearch, "_choose", spy)
     stepwise, on_device = stepwise_and_on_device(build(seed=4), beam, **options)
@@ -110,8 +133,14 @@ def test_the_plain_reference_beam_search_agrees(beam):
     for prompt, options in (([W[2], W[5]], dict(len_penalty=0.5)), ([], dict(min_len=3)), ([W[1]], {})):
         generator = SequenceGenerator([model], D, beam_size=beam, max_len_b=7, device_loop=True, **options)
         hypos = decode(generator, [prompt])[0]
-        expected = reference_beam(model, prompt, beam=beam, max_len=7, lenpen=options.get("len_penalty", 1.0),
-                                  min_len=options.get("min_len", 1))
+        expected = reference_beam(
+            model,
+            prompt,
+            beam=beam,
+            max_len=7,
+            lenpen=options.get("len_penalty", 1.0),
+            min_len=options.get("min_len", 1),
+        )
         assert [h["tokens"].tolist() for h in hypos] == [e[0] for e in expected]
         for hypo, (_, score, positional) in zip(hypos, expected):
             torch.testing.assert_close(float(hypo["score"]), score, atol=ATOL, rtol=0)
@@ -137,12 +166,14 @@ def test_hypotheses_are_laid_out_as_the_loops_and_outlive_the_buffers():
 
 def test_what_the_device_loop_does_not_implement_keeps_the_step_by_step_loop():
     model = build()
-    for generator in (SequenceGenerator([model], D, beam_size=2, device_loop=False),
-                      SequenceGenerator([model], D, beam_size=2, no_repeat_ngram_size=2),
-                      SequenceGenerator([model], D, beam_size=2, match_source_len=True),
-                      SequenceGenerator([model], D, beam_size=2, search_strategy=search.Sampling(D)),
-                      SequenceGenerator([model], D, beam_size=2, search_strategy=StepwiseBeamSearch(D)),
-                      SequenceGenerator([PluginLM(GRUDecoder(D)).eval()], D, beam_size=2)):
+    for generator in (
+        SequenceGenerator([model], D, beam_size=2, device_loop=False),
+        SequenceGenerator([model], D, beam_size=2, no_repeat_ngram_size=2),
+        SequenceGenerator([model], D, beam_size=2, match_source_len=True),
+        SequenceGenerator([model], D, beam_size=2, search_strategy=search.Sampling(D)),
+        SequenceGenerator([model], D, beam_size=2, search_strategy=StepwiseBeamSearch(D)),
+        SequenceGenerator([PluginLM(GRUDecoder(D)).eval()], D, beam_size=2),
+    ):
         assert not device_beam_search.applies(generator, 2)
     beam_one = SequenceGenerator([model], D, device_loop=True)
     assert not device_beam_search.applies(beam_one, 1) and device_decoding.applies(beam_one, 1)
@@ -217,8 +248,9 @@ def test_done_sentences_leave_the_batch_between_chunks(monkeypatch, static):
     monkeypatch.setattr(cuda_graph_decoding, "ATTENTION_WINDOW", 8)
     model = build(seed=4)
     stepwise = SequenceGenerator([model], D, beam_size=2, device_loop=False, max_len_b=50)
-    generator = (EagerStaticGenerator if static else SequenceGenerator)([model], D, beam_size=2, max_len_b=50,
-                                                                        device_loop=True)
+    generator = (EagerStaticGenerator if static else SequenceGenerator)(
+        [model], D, beam_size=2, max_len_b=50, device_loop=True
+    )
     drops = record_drops(generator)
     got, expected = decode(generator, MIXED), decode(stepwise, MIXED)
     assert_same_hypotheses(got, expected)  # stored when they leave, ranked best first at the end

@@ -10,8 +10,22 @@ import torch
 
 from fairseq.generation import cuda_graph_decoding, device_decoding, sampling, search
 from fairseq.generation.sequence_generator import SequenceGenerator
-from test_sequence_generator import (ATOL, D, EOS, PAD, PROMPTS, UNK, W, EagerStaticGenerator, build,
-                                     host_syncs, logits_with, sample_of, sequence_log_probs, unigram_model)
+from test_sequence_generator import (
+    ATOL,
+    D,
+    EOS,
+    PAD,
+    PROMPTS,
+    UNK,
+    W,
+    EagerStaticGenerator,
+    build,
+    host_syncs,
+    logits_with,
+    sample_of,
+    sequence_log_probs,
+    unigram_model,
+)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -29,8 +43,10 @@ def tokens_of(hypos):
     return [[h["tokens"].tolist() for h in sentence] for sentence in hypos]
 
 
-@pytest.mark.parametrize("options", [{}, dict(unk_penalty=0.5), dict(min_len=6), dict(temperature=0.7),
-                                     dict(max_len_b=3), dict(max_len_b=30)])
+@pytest.mark.parametrize(
+    "options",
+    [{}, dict(unk_penalty=0.5), dict(min_len=6), dict(temperature=0.7), dict(max_len_b=3), dict(max_len_b=30)],
+)
 def test_greedy_equals_the_step_by_step_loop(options):
     model = build(seed=4)  # its sentences end at different steps
     options = {"max_len_b": 12, **options}
@@ -111,7 +127,7 @@ def test_finished_sentences_leave_the_batch_between_chunks(monkeypatch, static):
     assert final_done.all()
     for row, sentence in enumerate(got):  # the streamed batch keeps batch order while rows leave
         toks = sentence[0]["tokens"].tolist()
-        assert final_tokens[row, 1:1 + len(toks)].tolist() == toks
+        assert final_tokens[row, 1 : 1 + len(toks)].tolist() == toks
 
 
 def test_one_host_sync_per_chunk_not_per_token():
@@ -130,9 +146,16 @@ def test_one_host_sync_per_chunk_not_per_token():
 
 # ---- sampling --------------------------------------------------------------------------------------------
 
+
 def sampler(seed=11, beam=1, **kwargs):
-    return SequenceGenerator([build(seed=4)], D, beam_size=beam, max_len_b=10,
-                             search_strategy=search.Sampling(D, seed=seed, **kwargs), device_loop=True)
+    return SequenceGenerator(
+        [build(seed=4)],
+        D,
+        beam_size=beam,
+        max_len_b=10,
+        search_strategy=search.Sampling(D, seed=seed, **kwargs),
+        device_loop=True,
+    )
 
 
 @pytest.mark.parametrize("kwargs", [{}, dict(sampling_topk=3), dict(sampling_topp=0.6)])
@@ -152,8 +175,12 @@ def test_a_sentences_sample_depends_on_the_seed_and_the_sentence_not_the_batch(k
         all_lp = sequence_log_probs(model, [EOS] + toks[:-1])
         all_lp[:, PAD] = -math.inf
         # the score of each drawn token is the model's log-probability of it
-        torch.testing.assert_close(sentence[0]["positional_scores"],
-                                   all_lp.gather(1, torch.tensor(toks).unsqueeze(1)).squeeze(1), atol=ATOL, rtol=0)
+        torch.testing.assert_close(
+            sentence[0]["positional_scores"],
+            all_lp.gather(1, torch.tensor(toks).unsqueeze(1)).squeeze(1),
+            atol=ATOL,
+            rtol=0,
+        )
         for i in range(len([t for t in prompt if t != EOS]), len(toks) - 1):
             if "sampling_topk" in kwargs:
                 assert toks[i] in all_lp[i].topk(3).indices.tolist()
@@ -162,8 +189,9 @@ def test_a_sentences_sample_depends_on_the_seed_and_the_sentence_not_the_batch(k
 
 
 def test_sampling_seeds_default_to_torchs_initial_seed():
-    generator = SequenceGenerator([build(seed=4)], D, max_len_b=10, search_strategy=search.Sampling(D),
-                                  device_loop=True)
+    generator = SequenceGenerator(
+        [build(seed=4)], D, max_len_b=10, search_strategy=search.Sampling(D), device_loop=True
+    )
     torch.manual_seed(3)
     first = tokens_of(decode(generator, MIXED[:4]))
     torch.rand(5)  # the draws do not read torch's RNG state, only its seed
@@ -172,14 +200,17 @@ def test_sampling_seeds_default_to_torchs_initial_seed():
     assert tokens_of(decode(generator, MIXED[:4])) != first
 
 
-@pytest.mark.parametrize("kwargs,kept", [({}, ("w1", "w2", "w3")), (dict(sampling_topk=2), ("w1", "w2")),
-                                         (dict(sampling_topp=0.7), ("w1", "w2"))])
+@pytest.mark.parametrize(
+    "kwargs,kept",
+    [({}, ("w1", "w2", "w3")), (dict(sampling_topk=2), ("w1", "w2")), (dict(sampling_topp=0.7), ("w1", "w2"))],
+)
 def test_draws_follow_the_models_distribution_over_the_kept_tokens(kwargs, kept):
     logits = [-30.0] * len(D)  # every other token: p ~ 1e-13
     logits[W[1]], logits[W[2]], logits[W[3]] = 1.0, 0.5, 0.0
     model = unigram_model(logits)
-    generator = SequenceGenerator([model], D, max_len_b=1, search_strategy=search.Sampling(D, seed=5, **kwargs),
-                                  device_loop=True)
+    generator = SequenceGenerator(
+        [model], D, max_len_b=1, search_strategy=search.Sampling(D, seed=5, **kwargs), device_loop=True
+    )
     n = 4000
     drawn = [s[0]["tokens"][0].item() for s in decode(generator, [[]] * n, list(range(n)))]
     probs = torch.log_softmax(torch.tensor(logits), 0).exp()
@@ -201,8 +232,11 @@ def test_gumbel_noise_is_a_function_of_key_step_and_token():
     assert torch.equal(part, full[1:2, 10:20])
     assert not torch.equal(full, sampling.gumbel_noise(keys, torch.tensor([4]), ids))
     assert len(set(keys.tolist())) == 3 and torch.isfinite(full).all()
-    uniform = torch.exp(-torch.exp(-sampling.gumbel_noise(
-        sampling.sentence_keys(1, torch.arange(200)), torch.tensor([0]), torch.arange(500)))).flatten()
+    uniform = torch.exp(
+        -torch.exp(
+            -sampling.gumbel_noise(sampling.sentence_keys(1, torch.arange(200)), torch.tensor([0]), torch.arange(500))
+        )
+    ).flatten()
     assert abs(float(uniform.mean()) - 0.5) < 0.01 and abs(float(uniform.var()) - 1 / 12) < 0.005
 
 
@@ -215,6 +249,7 @@ def test_sampling_with_several_beams_keeps_the_step_by_step_loop():
 
 # ---- streaming -------------------------------------------------------------------------------------------
 
+
 def test_streamed_tokens_grow_by_chunks_and_end_as_the_hypotheses():
     model = unigram_model(logits_with(w1=2.0, w2=1.0, eos=-30.0))
     generator = SequenceGenerator([model], D, max_len_b=40, device_loop=True)
@@ -225,7 +260,7 @@ def test_streamed_tokens_grow_by_chunks_and_end_as_the_hypotheses():
     assert [t.size(1) for t, _ in seen] == [19, 35, 42]
     assert all(t.device.type == "cpu" for t, _ in seen)
     for earlier, later in zip(seen, seen[1:]):
-        assert torch.equal(later[0][:, :earlier[0].size(1)], earlier[0])
+        assert torch.equal(later[0][:, : earlier[0].size(1)], earlier[0])
     assert seen[-1][1].all() and not seen[0][1].any()
     for row, sentence in enumerate(hypos):
         assert seen[-1][0][row, 1:].tolist() == sentence[0]["tokens"].tolist()

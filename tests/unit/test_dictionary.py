@@ -78,9 +78,24 @@ def test_finalize_orders_by_count_then_symbol_and_pads():
     for word in "b b a a c d d d z".split():
         d.add_symbol(word)
     d.finalize()
-    assert d.symbols == ["<s>", "<pad>", "</s>", "<unk>", "d", "a", "b", "c", "z",
-                         "madeupword0000", "madeupword0001", "madeupword0002", "madeupword0003",
-                         "madeupword0004", "madeupword0005", "madeupword0006"]
+    assert d.symbols == [
+        "<s>",
+        "<pad>",
+        "</s>",
+        "<unk>",
+        "d",
+        "a",
+        "b",
+        "c",
+        "z",
+        "madeupword0000",
+        "madeupword0001",
+        "madeupword0002",
+        "madeupword0003",
+        "madeupword0004",
+        "madeupword0005",
+        "madeupword0006",
+    ]
     assert d.count[4:] == [3, 2, 2, 1, 1, 0, 0, 0, 0, 0, 0, 0]
     assert len(d) == 16 and d.index("madeupword0003") == 12
 

@@ -129,15 +129,45 @@ def test_fairseq_train_warns_about_a_larger_dict_txt(tiny_data, tmp_path):
     for i in range(40):
         own.add_symbol(f"other{i}", n=1)
     own.save(str(data / "dict.txt"))
-    argv = ["--task", "language_modeling", str(data), "--save-dir", str(tmp_path / "ck"), "--arch", "transformer_lm",
-            "--decoder-layers", "1", "--decoder-embed-dim", "16", "--decoder-ffn-embed-dim", "32",
-            "--decoder-attention-heads", "2", "--optimizer", "adam", "--lr", "0.001", "--tokens-per-sample", "32",
-            "--max-tokens", "256", "--max-update", "1", "--cpu", "--num-workers", "0",
-            "--log-file", str(tmp_path / "ck" / "train.log")]
+    argv = [
+        "--task",
+        "language_modeling",
+        str(data),
+        "--save-dir",
+        str(tmp_path / "ck"),
+        "--arch",
+        "transformer_lm",
+        "--decoder-layers",
+        "1",
+        "--decoder-embed-dim",
+        "16",
+        "--decoder-ffn-embed-dim",
+        "32",
+        "--decoder-attention-heads",
+        "2",
+        "--optimizer",
+        "adam",
+        "--lr",
+        "0.001",
+        "--tokens-per-sample",
+        "32",
+        "--max-tokens",
+        "256",
+        "--max-update",
+        "1",
+        "--cpu",
+        "--num-workers",
+        "0",
+        "--log-file",
+        str(tmp_path / "ck" / "train.log"),
+    ]
     returncode, _, stderr = train_in_process(argv)
     assert returncode == 0, stderr[-3000:]
-    warnings = [line for line in (tmp_path / "ck" / "train.log").read_text().splitlines()
-                if "may not be the one the data was binarized with" in line]
+    warnings = [
+        line
+        for line in (tmp_path / "ck" / "train.log").read_text().splitlines()
+        if "may not be the one the data was binarized with" in line
+    ]
     assert len(warnings) == 1  # the training split only, once
     assert f"{data / 'train.bin'} uses token ids up to 63" in warnings[0]
     assert f"{data / 'dict.txt'} has 104 entries, 40 of them used nowhere" in warnings[0]

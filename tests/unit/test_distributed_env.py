@@ -69,8 +69,11 @@ def test_no_launcher_world_size_one_is_single():
 
 def test_explicit_init_method_beats_torchrun_and_slurm():
     cfg = dist_cfg(
-        distributed_init_method="tcp://10.0.0.1:4000", distributed_world_size=4, distributed_rank=2,
-        distributed_no_spawn=True, device_id=1,
+        distributed_init_method="tcp://10.0.0.1:4000",
+        distributed_world_size=4,
+        distributed_rank=2,
+        distributed_no_spawn=True,
+        device_id=1,
     )
     plan = detect_launch(cfg, environ={**TORCHRUN_ENV, **slurm_env()}, gpu_count=2)
     assert (plan.mode, plan.rank, plan.local_rank, plan.world_size) == ("explicit", 2, 1, 4)
@@ -221,7 +224,9 @@ def test_apply_default_env_sets_only_what_is_unset():
 
 def test_apply_default_env_respects_legacy_spellings_and_nvls():
     environ = {
-        "NCCL_ASYNC_ERROR_HANDLING": "0", "PYTORCH_ALLOC_CONF": "x", "NCCL_NVLS_ENABLE": "0",
+        "NCCL_ASYNC_ERROR_HANDLING": "0",
+        "PYTORCH_ALLOC_CONF": "x",
+        "NCCL_NVLS_ENABLE": "0",
         "TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC": "60000",
     }
     before = dict(environ)

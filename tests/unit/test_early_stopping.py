@@ -14,7 +14,14 @@ def manager(patience, maximize=False):
 def test_stops_after_patience_validations_without_improvement():
     m = manager(2)
     assert [m.should_stop_early(v) for v in (5.0, 4.0, 4.5, 4.0, 3.9, 4.1, 4.2)] == [
-        False, False, False, True, False, False, True]
+        False,
+        False,
+        False,
+        True,
+        False,
+        False,
+        True,
+    ]
 
 
 def test_maximized_metric_and_disabled_patience():

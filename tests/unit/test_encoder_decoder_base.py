@@ -33,6 +33,7 @@ def _pairs():
 
 # ------------------------------------------------------------------------------------------------ collate
 
+
 def test_collate_sorts_by_source_length_pads_and_shifts_the_target():
     batch = collate(_pairs(), PAD, EOS)
     assert batch["id"].tolist() == [1, 0, 2]  # descending source length
@@ -63,15 +64,16 @@ def test_collate_widths_lengths_ties_and_given_decoder_inputs():
     assert batch["net_input"]["src_tokens"].shape == (3, 8) and batch["target"].shape == (3, 8)
     assert batch["net_input"]["prev_output_tokens"].shape == (3, 8)
     # Lengths count non-padding tokens; equal lengths keep the input order.
-    ties = collate([{"id": 7, "source": T([4, 2])}, {"id": 3, "source": T([1, 5, 2])},
-                    {"id": 5, "source": T([6, 2])}], PAD, EOS)
+    ties = collate(
+        [{"id": 7, "source": T([4, 2])}, {"id": 3, "source": T([1, 5, 2])}, {"id": 5, "source": T([6, 2])}], PAD, EOS
+    )
     assert ties["id"].tolist() == [7, 3, 5] and ties["net_input"]["src_lengths"].tolist() == [2, 2, 2]
-    given = collate([{"id": 0, "source": T([4, 2]), "target": T([5, 2]), "prev_output_tokens": T([9, 5])}],
-                    PAD, EOS)
+    given = collate([{"id": 0, "source": T([4, 2]), "target": T([5, 2]), "prev_output_tokens": T([9, 5])}], PAD, EOS)
     assert given["net_input"]["prev_output_tokens"].tolist() == [[9, 5]]
 
 
 # ------------------------------------------------------------------------------------ LanguagePairDataset
+
 
 def _dataset(**kwargs):
     d = _dictionary()
@@ -126,6 +128,7 @@ def test_dataset_refuses_mismatched_inputs():
 
 # ------------------------------------------------------------------------------- an encoder-decoder plug-in
 
+
 class TinyEncoder(FairseqEncoder):
     def __init__(self, dictionary, dim=16):
         super().__init__(dictionary)
@@ -134,12 +137,20 @@ class TinyEncoder(FairseqEncoder):
 
     def forward(self, src_tokens, src_lengths=None, **kwargs):
         x = self.embed(src_tokens)
-        return EncoderOut(encoder_out=x.transpose(0, 1), encoder_padding_mask=src_tokens.eq(self.dictionary.pad()),
-                          encoder_embedding=x, encoder_states=None, src_tokens=src_tokens, src_lengths=src_lengths)
+        return EncoderOut(
+            encoder_out=x.transpose(0, 1),
+            encoder_padding_mask=src_tokens.eq(self.dictionary.pad()),
+            encoder_embedding=x,
+            encoder_states=None,
+            src_tokens=src_tokens,
+            src_lengths=src_lengths,
+        )
 
     def reorder_encoder_out(self, encoder_out, new_order):
-        return encoder_out._replace(encoder_out=encoder_out.encoder_out.index_select(1, new_order),
-                                    encoder_padding_mask=encoder_out.encoder_padding_mask.index_select(0, new_order))
+        return encoder_out._replace(
+            encoder_out=encoder_out.encoder_out.index_select(1, new_order),
+            encoder_padding_mask=encoder_out.encoder_padding_mask.index_select(0, new_order),
+        )
 
 
 class Counter(nn.Module):
@@ -199,8 +210,14 @@ def test_encoder_decoder_plugin_forward_features_and_limits():
     assert torch.equal(via_dict.encoder_out, enc.encoder_out)
     reordered = model.encoder.reorder_encoder_out(enc, T([2, 0]))
     assert torch.equal(reordered.encoder_out, enc.encoder_out[:, [2, 0]])
-    assert EncoderOut._fields == ("encoder_out", "encoder_padding_mask", "encoder_embedding", "encoder_states",
-                                  "src_tokens", "src_lengths")
+    assert EncoderOut._fields == (
+        "encoder_out",
+        "encoder_padding_mask",
+        "encoder_embedding",
+        "encoder_states",
+        "src_tokens",
+        "src_lengths",
+    )
 
 
 def test_sequence_scorer_scores_the_target_under_the_plugin():

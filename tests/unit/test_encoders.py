@@ -102,17 +102,61 @@ def ref(gpt2_files):
 
 
 TRICKY = [
-    "", " ", "  ", "   ", "\t", "\n", "\n\n", "\n\n\n", " \n", "\n ", "  \n  x", "x  ", "x \n", "a\n\nb",
-    "Hello world", "Hello  world  ", "   leading spaces", "trailing spaces   ", "\t\ttabbed\tvalue\t",
-    "line one\nline two\n", "\r\n\r\n", "a\rb", "\x0b\x0c\x1c\x1d\x1e\x1f", "\x00\x01\x7f", "\u2028\u2029\x85",
-    "no\u00a0break\u00a0space", "ideographic\u3000space", "en\u2002em\u2003thin\u2009",
-    "don't I'll we've you're she'd he's I'm", "DON'T I'M 'S 'll", "it’s curly’s", "''s 'sss ' s '",
-    "12345 1,000.50 3.14e-10 007", "x²+y³ ½ ¾ Ⅻ ⅷ ٣٤ १२ 𝟘𝟙", "v1.2.3-rc4", "100%!!! ??? ... --- ***",
-    "naïve café résumé façade", "e\u0301 combining acute", "Ελληνικά Русский עברית العربية हिन्दी ไทย",
-    "日本語のテキスト、中文文本。한국어 텍스트", "𝐀𝐁𝐂 𒀀𒀁 astral letters", "😀 👍🏽 👨‍👩‍👧 🇫🇷 ❤️", "emoji😀inside",
-    "<|endoftext|>", "<s> </s> <unk> <pad>", "def f(x):\n    return x  # comment\n",
-    "<p class=\"x\">&amp;</p>", "https://example.com/a?b=c&d=e#f", "a" * 300, " " * 100 + "x",
-    "word\t \t word", "ſ ﬁ ﬂ ligatures", "\ufeffBOM", "\U0010fffd private", "\ue000 pua",
+    "",
+    " ",
+    "  ",
+    "   ",
+    "\t",
+    "\n",
+    "\n\n",
+    "\n\n\n",
+    " \n",
+    "\n ",
+    "  \n  x",
+    "x  ",
+    "x \n",
+    "a\n\nb",
+    "Hello world",
+    "Hello  world  ",
+    "   leading spaces",
+    "trailing spaces   ",
+    "\t\ttabbed\tvalue\t",
+    "line one\nline two\n",
+    "\r\n\r\n",
+    "a\rb",
+    "\x0b\x0c\x1c\x1d\x1e\x1f",
+    "\x00\x01\x7f",
+    "\u2028\u2029\x85",
+    "no\u00a0break\u00a0space",
+    "ideographic\u3000space",
+    "en\u2002em\u2003thin\u2009",
+    "don't I'll we've you're she'd he's I'm",
+    "DON'T I'M 'S 'll",
+    "it’s curly’s",
+    "''s 'sss ' s '",
+    "12345 1,000.50 3.14e-10 007",
+    "x²+y³ ½ ¾ Ⅻ ⅷ ٣٤ १२ 𝟘𝟙",
+    "v1.2.3-rc4",
+    "100%!!! ??? ... --- ***",
+    "naïve café résumé façade",
+    "e\u0301 combining acute",
+    "Ελληνικά Русский עברית العربية हिन्दी ไทย",
+    "日本語のテキスト、中文文本。한국어 텍스트",
+    "𝐀𝐁𝐂 𒀀𒀁 astral letters",
+    "😀 👍🏽 👨‍👩‍👧 🇫🇷 ❤️",
+    "emoji😀inside",
+    "<|endoftext|>",
+    "<s> </s> <unk> <pad>",
+    "def f(x):\n    return x  # comment\n",
+    '<p class="x">&amp;</p>',
+    "https://example.com/a?b=c&d=e#f",
+    "a" * 300,
+    " " * 100 + "x",
+    "word\t \t word",
+    "ſ ﬁ ﬂ ligatures",
+    "\ufeffBOM",
+    "\U0010fffd private",
+    "\ue000 pua",
 ]
 
 
@@ -158,10 +202,14 @@ def test_gpt2_results_do_not_depend_on_the_cache_or_the_batch(gpt2_files, fast):
 def code_point_probe_texts():
     """Every assigned code point of Python's Unicode database (every 61st of the big letter and private-use
     ranges) in contexts where its class (letter, number, space, other) decides the split, in blocks."""
-    cps = [cp for cp in range(0x110000) if unicodedata.category(chr(cp)) not in ("Cn", "Cs")
-           and (unicodedata.category(chr(cp)) not in ("Lo", "Co") or cp % 61 == 0)]
+    cps = [
+        cp
+        for cp in range(0x110000)
+        if unicodedata.category(chr(cp)) not in ("Cn", "Cs")
+        and (unicodedata.category(chr(cp)) not in ("Lo", "Co") or cp % 61 == 0)
+    ]
     for i in range(0, len(cps), 4000):
-        block = cps[i:i + 4000]
+        block = cps[i : i + 4000]
         text = "".join(f"a{c}\n1{c}\n {c}\n{c}a\n{c} \n {c}{c}1\n'{c}s\n{c}  x\n" for c in map(chr, block))
         yield f"code points {hex(block[0])}..{hex(block[-1])}", text
 
@@ -183,8 +231,9 @@ def test_pretokenization_matches_the_regex_on_every_kind_of_code_point(fast):
         ranks = {bytes([b]): b for b in range(256)}
         for p in pieces + [x + y for x, y in zip(pieces, pieces[1:])]:
             ranks.setdefault(p.encode("utf-8"), len(ranks))
-        probe = tiktoken.Encoding("probe", pat_str=gpt2_bpe_utils.TIKTOKEN_PATTERN, mergeable_ranks=ranks,
-                                  special_tokens={})
+        probe = tiktoken.Encoding(
+            "probe", pat_str=gpt2_bpe_utils.TIKTOKEN_PATTERN, mergeable_ranks=ranks, special_tokens={}
+        )
         assert probe.decode_tokens_bytes(probe.encode_ordinary(s)) == [p.encode("utf-8") for p in pieces], where
 
 
@@ -210,20 +259,29 @@ def test_rust_regex_whitespace_is_python_whitespace():
     separator, control, format and unassigned categories, where whitespace lives."""
     import tiktoken
 
-    candidates = [cp for cp in range(0x110000) if not (0xD800 <= cp < 0xE000) and not chr(cp).isspace()
-                  and unicodedata.category(chr(cp))[0] in "ZC" and (unicodedata.category(chr(cp)) != "Co"
-                                                                   and cp < 0x30000 or cp % 61 == 0)]
+    candidates = [
+        cp
+        for cp in range(0x110000)
+        if not (0xD800 <= cp < 0xE000)
+        and not chr(cp).isspace()
+        and unicodedata.category(chr(cp))[0] in "ZC"
+        and (unicodedata.category(chr(cp)) != "Co" and cp < 0x30000 or cp % 61 == 0)
+    ]
     assert len(candidates) > 10000
     ranks = {bytes([b]): b for b in range(256)}
     for cp in candidates:
         ranks[(chr(cp) + "\n").encode("utf-8")] = len(ranks)
-    probe = tiktoken.Encoding("probe", pat_str=gpt2_bpe_utils.TIKTOKEN_PATTERN, mergeable_ranks=ranks,
-                              special_tokens={})
+    probe = tiktoken.Encoding(
+        "probe", pat_str=gpt2_bpe_utils.TIKTOKEN_PATTERN, mergeable_ranks=ranks, special_tokens={}
+    )
     text = "".join(f"a{chr(cp)}\n{chr(cp)}b" for cp in candidates)
     assert [t for t in probe.encode_ordinary(text) if t >= 256] == []
-    control = tiktoken.Encoding("control", pat_str=gpt2_bpe_utils.TIKTOKEN_PATTERN,
-                                mergeable_ranks={**{bytes([b]): b for b in range(256)}, b"\x0b\n": 256},
-                                special_tokens={})
+    control = tiktoken.Encoding(
+        "control",
+        pat_str=gpt2_bpe_utils.TIKTOKEN_PATTERN,
+        mergeable_ranks={**{bytes([b]): b for b in range(256)}, b"\x0b\n": 256},
+        special_tokens={},
+    )
     assert 256 in control.encode_ordinary("a\x0b\n\x0bb")  # (the probe does see whitespace)
     whitespace = regex.compile(r"\s")  # compiled once: the module-level call costs ~8 us of cache lookup each
     assert all(c.isspace() for c in map(chr, range(0x110000)) if whitespace.match(c))  # and for upstream's
@@ -460,8 +518,9 @@ def test_gpt2_file_errors_name_the_file_and_the_fix(tmp_path, gpt2_files):
     with pytest.raises(ValueError, match="is a URL"):
         GPT2BPE(GPT2BPEConfig(gpt2_encoder_json=gpt2_bpe_utils.ENCODER_JSON_URL, gpt2_vocab_bpe=str(bpe)))
     missing = tmp_path / "nope" / "encoder.json"
-    with pytest.raises(FileNotFoundError, match=f"{missing}.*does not exist.*pass the encoder.json the data was "
-                                                 "encoded with") as err:
+    with pytest.raises(
+        FileNotFoundError, match=f"{missing}.*does not exist.*pass the encoder.json the data was encoded with"
+    ) as err:
         gpt2_bpe_utils.get_encoder(missing, bpe)
     assert "wget" not in str(err.value)  # the user's own file is missing: GPT-2's would encode other ids
     cases = {
@@ -504,8 +563,14 @@ def test_sentencepiece_bpe_as_upstream(spm_model):
     import sentencepiece as spm
 
     sp = spm.SentencePieceProcessor(model_file=str(spm_model))
-    bpe = build_bpe(argparse.Namespace(bpe="sentencepiece", sentencepiece_model=str(spm_model),
-                                       sentencepiece_enable_sampling=False, sentencepiece_alpha=None))
+    bpe = build_bpe(
+        argparse.Namespace(
+            bpe="sentencepiece",
+            sentencepiece_model=str(spm_model),
+            sentencepiece_enable_sampling=False,
+            sentencepiece_alpha=None,
+        )
+    )
     text = "The quick  brown fox, jumps."
     assert bpe.encode(text) == " ".join(sp.encode(text, out_type=str))
     assert bpe.decode(bpe.encode(text)) == "The quick brown fox, jumps."
@@ -569,8 +634,11 @@ def test_registry_names_and_upstream_dict_access():
     assert "gpt2" in BPE_REGISTRY and BPE_REGISTRY["gpt2"] is GPT2BPE and "gpt2" in BPE_REGISTRY.keys()
     assert BPE_REGISTRY.dataclass("gpt2") is GPT2BPEConfig
     assert build_bpe(None) is None and build_bpe(argparse.Namespace(bpe=None)) is None
-    with pytest.raises(ValueError, match=r"unknown bpe 'gpt3' for --bpe \(did you mean 'gpt2'\?\); choose one of: bytes, "
-                       "characters, gpt2"):
+    with pytest.raises(
+        ValueError,
+        match=r"unknown bpe 'gpt3' for --bpe \(did you mean 'gpt2'\?\); choose one of: bytes, "
+        "characters, gpt2",
+    ):
         build_bpe("gpt3")
 
 
@@ -600,10 +668,16 @@ def test_scheme_dataclasses_generate_upstreams_flags(gpt2_files, spm_model):
     for name in ("gpt2", "sentencepiece"):
         add_dataclass_to_parser(parser, BPE_REGISTRY.dataclass(name))
     flags = set(parser._option_string_actions)
-    assert {"--gpt2-encoder-json", "--gpt2-vocab-bpe", "--sentencepiece-model", "--sentencepiece-enable-sampling",
-            "--sentencepiece-alpha"} <= flags
-    args = parser.parse_args(["--bpe", "gpt2", "--gpt2-encoder-json", str(gpt2_files[0]),
-                              "--gpt2-vocab-bpe", str(gpt2_files[1])])
+    assert {
+        "--gpt2-encoder-json",
+        "--gpt2-vocab-bpe",
+        "--sentencepiece-model",
+        "--sentencepiece-enable-sampling",
+        "--sentencepiece-alpha",
+    } <= flags
+    args = parser.parse_args(
+        ["--bpe", "gpt2", "--gpt2-encoder-json", str(gpt2_files[0]), "--gpt2-vocab-bpe", str(gpt2_files[1])]
+    )
     assert build_bpe(args).decode(build_bpe(args).encode("x y")) == "x y"
     cfg = config_from_namespace(BPE_REGISTRY.dataclass(args.bpe), args, name=args.bpe)
     assert isinstance(build_bpe(cfg), GPT2BPE)

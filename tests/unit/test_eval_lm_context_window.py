@@ -27,11 +27,15 @@ def make_batches(layout=BATCHES):
             tgt[i, :n] = torch.tensor(tokens) + 1000
         ids = torch.arange(sample_id, sample_id + len(rows))
         sample_id += len(rows)
-        out.append({
-            "id": ids, "nsentences": len(rows), "ntokens": sum(rows),
-            "net_input": {"src_tokens": src, "src_lengths": torch.tensor(rows)},
-            "target": tgt,
-        })
+        out.append(
+            {
+                "id": ids,
+                "nsentences": len(rows),
+                "ntokens": sum(rows),
+                "net_input": {"src_tokens": src, "src_lengths": torch.tensor(rows)},
+                "target": tgt,
+            }
+        )
     return out, blocks
 
 
@@ -40,7 +44,7 @@ def expected_rows(blocks, window):
     corpus = [t for b in blocks for t in b]
     rows, start = [], 0
     for b in blocks:
-        ctx = corpus[max(0, start - window):start]
+        ctx = corpus[max(0, start - window) : start]
         rows.append((ctx + b, [PAD] * len(ctx) + [t + 1000 for t in b]))
         start += len(b)
     return rows
@@ -76,7 +80,7 @@ def test_padding_width_and_lengths():
     k = 0
     for sample in out:
         src, tgt = sample["net_input"]["src_tokens"], sample["target"]
-        lengths = [len(s) for s, _ in exp[k:k + src.size(0)]]
+        lengths = [len(s) for s, _ in exp[k : k + src.size(0)]]
         assert sample["net_input"]["src_lengths"].tolist() == lengths
         assert src.shape == tgt.shape == (len(lengths), max(lengths))
         assert src.dtype == tgt.dtype == torch.long

@@ -26,10 +26,18 @@ def test_bpe_pieces_join_into_words_with_summed_log_probs(caplog):
     d = make_dictionary()
     # sample 7: "the cat@@ s sat un@@ der@@" (a word cut off at the end) and one ignored (masked) slot;
     # sample 8 begins with "mat", which completes "undermat"
-    target = torch.stack([encode(d, ["the", "cat@@", "s", "sat", "un@@", "der@@", "mat"]),
-                          encode(d, ["mat", "the", "the", "the", "the", "the", "the"])])
-    src = torch.stack([torch.cat([torch.tensor([d.eos()]), target[0, :-1]]),
-                       torch.cat([torch.tensor([d.index("der@@")]), target[1, :-1]])])
+    target = torch.stack(
+        [
+            encode(d, ["the", "cat@@", "s", "sat", "un@@", "der@@", "mat"]),
+            encode(d, ["mat", "the", "the", "the", "the", "the", "the"]),
+        ]
+    )
+    src = torch.stack(
+        [
+            torch.cat([torch.tensor([d.eos()]), target[0, :-1]]),
+            torch.cat([torch.tensor([d.index("der@@")]), target[1, :-1]]),
+        ]
+    )
     lprobs = torch.tensor([[-1.0, -0.5, -0.25, -2.0, -0.125, -0.0625, -9.0], [-4.0] + [-1.0] * 6])
     mask = torch.tensor([[True] * 6 + [False], [True, True] + [False] * 5])
     bpe = word_boundaries("@@ ", d)
@@ -42,15 +50,19 @@ def test_bpe_pieces_join_into_words_with_summed_log_probs(caplog):
     lines = [r.getMessage() for r in caplog.records if r.name == LOGGER]
     # the sample id, then word [natural-log probability] with 6 decimals, tab-separated; "undermat" is
     # listed once, in the sample where it begins, with the log probabilities of all its pieces
-    assert lines[:2] == ["7 the [-1.000000]\tcats [-0.750000]\tsat [-2.000000]\tundermat [-4.187500]",
-                         "8 the [-1.000000]"]
+    assert lines[:2] == [
+        "7 the [-1.000000]\tcats [-0.750000]\tsat [-2.000000]\tundermat [-4.187500]",
+        "8 the [-1.000000]",
+    ]
     # word, count, summed log p, is BPE, summed log p of the next word, count with a next word
-    assert sorted(lines[2:]) == sorted([
-        "the\t2\t-2.0\tFalse\t-0.75\t1",
-        "cats\t1\t-0.75\tTrue\t-2.0\t1",
-        "sat\t1\t-2.0\tFalse\t-4.1875\t1",
-        "undermat\t1\t-4.1875\tTrue\t0.0\t0",
-    ])
+    assert sorted(lines[2:]) == sorted(
+        [
+            "the\t2\t-2.0\tFalse\t-0.75\t1",
+            "cats\t1\t-0.75\tTrue\t-2.0\t1",
+            "sat\t1\t-2.0\tFalse\t-4.1875\t1",
+            "undermat\t1\t-4.1875\tTrue\t0.0\t0",
+        ]
+    )
     assert int((begins & mask).sum()) == 5  # the words: "mat" continues sample 7's last word
 
 
@@ -66,11 +78,7 @@ def test_word_stats_accumulate_over_samples_and_sort_by_count(caplog):
     lines = [r.getMessage() for r in caplog.records if r.name == LOGGER]
     # no per-sample lines without --output-word-probs; "the" (3 times) first; the last word of a sample
     # has no next token
-    assert lines == [
-        "the\t3\t-9.0\tFalse\t-8.0\t2",
-        "sat\t2\t-6.0\tFalse\t-8.0\t2",
-        "mat\t1\t-6.0\tFalse\t0.0\t0",
-    ]
+    assert lines == ["the\t3\t-9.0\tFalse\t-8.0\t2", "sat\t2\t-6.0\tFalse\t-8.0\t2", "mat\t1\t-6.0\tFalse\t0.0\t0"]
 
 
 def test_word_beginnings_after_eos_and_a_bare_sentencepiece_mark():
@@ -83,8 +91,7 @@ def test_word_beginnings_after_eos_and_a_bare_sentencepiece_mark():
     pieces = ["\u2581the", "</s>", "1990", "\u2581", "<unk>", "\u2581", "1990", "cat", "\u2581sat"]
     target = encode(d, pieces).unsqueeze(0)
     src = torch.cat([torch.tensor([[d.eos()]]), target[:, :-1]], dim=1)
-    assert bpe.word_beginnings(src, target)[0].tolist() == [True, True, True, True, False, True, False, False,
-                                                            True]
+    assert bpe.word_beginnings(src, target)[0].tolist() == [True, True, True, True, False, True, False, False, True]
 
 
 def test_remove_bpe_values():

@@ -45,14 +45,24 @@ def tiny(seed=0, vocab=30, **overrides):
 
 def test_presets_are_upstreams():
     base = preset_config("fconv_lm")
-    assert (base.dropout, base.decoder_embed_dim, base.decoder_layers, base.decoder_attention,
-            base.adaptive_softmax_cutoff, base.adaptive_softmax_dropout) == (0.1, 128, "[(1268, 4)] * 13", "False",
-                                                                             None, 0.0)
+    assert (
+        base.dropout,
+        base.decoder_embed_dim,
+        base.decoder_layers,
+        base.decoder_attention,
+        base.adaptive_softmax_cutoff,
+        base.adaptive_softmax_dropout,
+    ) == (0.1, 128, "[(1268, 4)] * 13", "False", None, 0.0)
     wiki = preset_config("fconv_lm_dauphin_wikitext103")
     assert (wiki.decoder_embed_dim, wiki.adaptive_softmax_cutoff, wiki.dropout) == (280, "10000,20000,200000", 0.1)
     assert parse_decoder_layers(wiki.decoder_layers) == (
-        [(850, 6, 1)] * 3 + [(850, 1, 1)] + [(850, 5, 1)] * 4 + [(850, 1, 1)] + [(850, 4, 1)] * 3
-        + [(1024, 4, 1), (2048, 4, 1)])
+        [(850, 6, 1)] * 3
+        + [(850, 1, 1)]
+        + [(850, 5, 1)] * 4
+        + [(850, 1, 1)]
+        + [(850, 4, 1)] * 3
+        + [(1024, 4, 1), (2048, 4, 1)]
+    )
     gbw = preset_config("fconv_lm_dauphin_gbw")
     assert (gbw.decoder_embed_dim, gbw.adaptive_softmax_cutoff) == (128, "10000,50000,200000")
     blocks = [((128, 512), 3), ((512, 1024), 3), ((1024, 2048), 6), ((1024, 4096), 1)]
@@ -75,9 +85,13 @@ def upstream_keys(vocab, embed, adaptive=None):
         keys.update({f"{name}.weight_g": (n_out, 1), f"{name}.weight_v": (n_out, n_in), f"{name}.bias": (n_out,)})
 
     def conv(i, n_in, n_out, kernel):
-        keys.update({f"decoder.convolutions.{i}.weight_g": (1, 1, 2 * n_out),
-                     f"decoder.convolutions.{i}.weight_v": (kernel, n_in, 2 * n_out),
-                     f"decoder.convolutions.{i}.bias": (2 * n_out,)})
+        keys.update(
+            {
+                f"decoder.convolutions.{i}.weight_g": (1, 1, 2 * n_out),
+                f"decoder.convolutions.{i}.weight_v": (kernel, n_in, 2 * n_out),
+                f"decoder.convolutions.{i}.bias": (2 * n_out,),
+            }
+        )
 
     linear("decoder.fc1", embed, 16)
     conv(0, 16, 16, 3)
@@ -90,11 +104,16 @@ def upstream_keys(vocab, embed, adaptive=None):
         linear("decoder.fc2", 24, embed)
         linear("decoder.fc3", embed, vocab)
     else:  # cutoffs 10,20 over 30 words, factor 4: tails of 24 // 4 = 6 and 24 // 16 = 1
-        keys.update({"decoder.adaptive_softmax.version": (1,), "decoder.adaptive_softmax.head.weight": (12, 24),
-                     "decoder.adaptive_softmax.tail.0.0.weight": (6, 24),
-                     "decoder.adaptive_softmax.tail.0.2.weight": (10, 6),
-                     "decoder.adaptive_softmax.tail.1.0.weight": (1, 24),
-                     "decoder.adaptive_softmax.tail.1.2.weight": (10, 1)})
+        keys.update(
+            {
+                "decoder.adaptive_softmax.version": (1,),
+                "decoder.adaptive_softmax.head.weight": (12, 24),
+                "decoder.adaptive_softmax.tail.0.0.weight": (6, 24),
+                "decoder.adaptive_softmax.tail.0.2.weight": (10, 6),
+                "decoder.adaptive_softmax.tail.1.0.weight": (1, 24),
+                "decoder.adaptive_softmax.tail.1.2.weight": (10, 1),
+            }
+        )
     return keys
 
 
@@ -157,7 +176,7 @@ def upstream_forward(model, tokens):
         prefix = f"decoder.convolutions.{i}."
         y = torch.conv_tbc(x.contiguous(), weight(prefix, 2), sd[prefix + "bias"], kernel - 1)
         if kernel > 1:
-            y = y[:-(kernel - 1)]
+            y = y[: -(kernel - 1)]
         x = F.glu(y, dim=2)
         if residual is not None:
             x = (x + residual) * math.sqrt(0.5)
@@ -180,11 +199,11 @@ def test_output_at_t_depends_on_inputs_up_to_t_only():
         base = model(tokens)[0]
         for t in (0, 5, 10):
             changed = tokens.clone()
-            changed[:, t + 1:] = torch.randint(4, 30, changed[:, t + 1:].shape)
-            changed[:, t + 1:] = torch.where(changed[:, t + 1:] == tokens[:, t + 1:], 3, changed[:, t + 1:])
+            changed[:, t + 1 :] = torch.randint(4, 30, changed[:, t + 1 :].shape)
+            changed[:, t + 1 :] = torch.where(changed[:, t + 1 :] == tokens[:, t + 1 :], 3, changed[:, t + 1 :])
             out = model(changed)[0]
-            torch.testing.assert_close(out[:, :t + 1], base[:, :t + 1], rtol=0, atol=1e-6)
-            assert not torch.allclose(out[:, t + 1:], base[:, t + 1:])
+            torch.testing.assert_close(out[:, : t + 1], base[:, : t + 1], rtol=0, atol=1e-6)
+            assert not torch.allclose(out[:, t + 1 :], base[:, t + 1 :])
     # and through the gradient: d out[t] / d embedding[t'] is zero for t' > t, in training mode too
     model.train()
     emb = model.decoder.embed_tokens
@@ -239,7 +258,8 @@ def test_greedy_generation_is_the_argmax_of_full_forwards():
     src = torch.tensor([[d.eos()] + prompt])
     sample = {"net_input": {"src_tokens": src, "src_lengths": torch.tensor([3])}}
     hypo = SequenceGenerator([model], d, beam_size=1, max_len_b=6).generate(
-        [model], sample, prefix_tokens=torch.tensor([prompt]))[0][0]
+        [model], sample, prefix_tokens=torch.tensor([prompt])
+    )[0][0]
     seq = [d.eos()] + prompt
     with torch.no_grad():
         for step in range(len(prompt), 7):  # max_len_b 6: step 6 can only be </s>
@@ -281,32 +301,38 @@ def test_built_on_meta_and_materialized_as_upstream_initializes():
 # ----------------------------------------------------------------------------------- bad input
 
 
-@pytest.mark.parametrize("spec, message", [
-    ("__import__('os').system('true')", "expected a list of"),
-    ("[(850, 6)] ** 2", "expected a list of"),
-    ("[(850, 6)] * 100000", "more than 10000 layers"),
-    ("[(850, 6, 2)]", "only 1 outputs precede it"),
-    ("[(850,)]", "each layer is (dim, kernel_size)"),
-    ("[(0, 3)]", "must be >= 1"),
-    ("[]", "non-empty list"),
-    ("[(850, 6", "is not a list expression"),
-])
+@pytest.mark.parametrize(
+    "spec, message",
+    [
+        ("__import__('os').system('true')", "expected a list of"),
+        ("[(850, 6)] ** 2", "expected a list of"),
+        ("[(850, 6)] * 100000", "more than 10000 layers"),
+        ("[(850, 6, 2)]", "only 1 outputs precede it"),
+        ("[(850,)]", "each layer is (dim, kernel_size)"),
+        ("[(0, 3)]", "must be >= 1"),
+        ("[]", "non-empty list"),
+        ("[(850, 6", "is not a list expression"),
+    ],
+)
 def test_a_bad_layer_spec_is_refused_naming_the_flag(spec, message):
     with pytest.raises(ValueError, match="--decoder-layers") as err:
         check_config(preset_config("fconv_lm", decoder_layers=spec))
     assert message in str(err.value)
 
 
-@pytest.mark.parametrize("options, message", [
-    (dict(decoder_attention="True"), "--decoder-attention 'True' is not supported"),
-    (dict(decoder_attention="[False, True]", decoder_layers="[(8, 2)] * 2"), "is not supported"),
-    (dict(decoder_attention="[False]", decoder_layers="[(8, 2)] * 2"), "has 1 entries for 2 layers"),
-    (dict(criterion="adaptive_loss"), "--criterion adaptive_loss needs --adaptive-softmax-cutoff"),
-    (dict(criterion="adaptive_loss", adaptive_softmax_cutoff="20,10"), "positive and increasing"),
-    (dict(fp8=True), "--fp8 is not supported by fconv_lm"),
-    (dict(dropout=1.0), "--dropout must be in [0, 1)"),
-    (dict(decoder_embed_dim=0), "--decoder-embed-dim must be positive"),
-])
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        (dict(decoder_attention="True"), "--decoder-attention 'True' is not supported"),
+        (dict(decoder_attention="[False, True]", decoder_layers="[(8, 2)] * 2"), "is not supported"),
+        (dict(decoder_attention="[False]", decoder_layers="[(8, 2)] * 2"), "has 1 entries for 2 layers"),
+        (dict(criterion="adaptive_loss"), "--criterion adaptive_loss needs --adaptive-softmax-cutoff"),
+        (dict(criterion="adaptive_loss", adaptive_softmax_cutoff="20,10"), "positive and increasing"),
+        (dict(fp8=True), "--fp8 is not supported by fconv_lm"),
+        (dict(dropout=1.0), "--dropout must be in [0, 1)"),
+        (dict(decoder_embed_dim=0), "--decoder-embed-dim must be positive"),
+    ],
+)
 def test_unsupported_options_are_refused(options, message):
     with pytest.raises(ValueError) as err:
         check_config(preset_config("fconv_lm", **options))

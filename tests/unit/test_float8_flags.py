@@ -17,18 +17,24 @@ BASE = ["--task", "dummy_lm", "--arch", "transformer_lm_gpt2_tiny", "--optimizer
 
 
 def config(*flags):
-    return options.convert_namespace_to_config(options.parse_args_and_arch(options.get_training_parser(),
-                                                                           BASE + list(flags)))
+    return options.convert_namespace_to_config(
+        options.parse_args_and_arch(options.get_training_parser(), BASE + list(flags))
+    )
 
 
-@pytest.mark.parametrize("flags, message", [
-    (["--fp8"], "--fp8 needs --bf16"),
-    (["--fp8", "--fp16"], "use --fp8 with --bf16, not --fp16"),
-    (["--fp8-fsdp-all-gather", "--bf16"], "--fp8-fsdp-all-gather needs --fp8"),
-    (["--fp8", "--bf16", "--fp8-recipe", "rowwise", "--fp8-fsdp-all-gather", "--ddp-backend", "fully_sharded"],
-     "--fp8-fsdp-all-gather works with --fp8-recipe tensorwise only"),
-    (["--fp8", "--bf16", "--fp8-fsdp-all-gather"], "--fp8-fsdp-all-gather needs --ddp-backend fully_sharded"),
-])
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--fp8"], "--fp8 needs --bf16"),
+        (["--fp8", "--fp16"], "use --fp8 with --bf16, not --fp16"),
+        (["--fp8-fsdp-all-gather", "--bf16"], "--fp8-fsdp-all-gather needs --fp8"),
+        (
+            ["--fp8", "--bf16", "--fp8-recipe", "rowwise", "--fp8-fsdp-all-gather", "--ddp-backend", "fully_sharded"],
+            "--fp8-fsdp-all-gather works with --fp8-recipe tensorwise only",
+        ),
+        (["--fp8", "--bf16", "--fp8-fsdp-all-gather"], "--fp8-fsdp-all-gather needs --ddp-backend fully_sharded"),
+    ],
+)
 def test_flag_rules(flags, message):
     with pytest.raises(ValueError, match=message):
         validate(config(*flags))
@@ -51,8 +57,24 @@ def test_fp8_without_torchao_through_fairseq_train_is_one_line(tiny_data, tmp_pa
 
     monkeypatch.setitem(sys.modules, "torchao", None)
     with pytest.raises(SystemExit) as exit_info:
-        train.cli_main([str(tiny_data), "--arch", "transformer_lm_gpt2_tiny", "--optimizer", "adam", "--max-tokens",
-                        "64", "--tokens-per-sample", "64", "--save-dir", str(tmp_path), "--fp8", "--bf16", "--cpu"])
+        train.cli_main(
+            [
+                str(tiny_data),
+                "--arch",
+                "transformer_lm_gpt2_tiny",
+                "--optimizer",
+                "adam",
+                "--max-tokens",
+                "64",
+                "--tokens-per-sample",
+                "64",
+                "--save-dir",
+                str(tmp_path),
+                "--fp8",
+                "--bf16",
+                "--cpu",
+            ]
+        )
     assert exit_info.value.code != 0
     err = capsys.readouterr().err.strip().splitlines()
     assert "--fp8 needs torchao" in err[-1] and not any("Traceback" in line for line in err)
@@ -65,12 +87,48 @@ def test_fp8_on_the_cpu_trains_with_float8_linears(tiny_data, tmp_path, caplog):
     from fairseq.logging.progress_bar import read_json_log
     from fairseq_cli import train
 
-    train.cli_main([str(tiny_data), "--arch", "transformer_lm_gpt", "--decoder-layers", "1", "--decoder-embed-dim",
-                    "32", "--decoder-ffn-embed-dim", "64", "--decoder-attention-heads", "2", "--task",
-                    "language_modeling", "--optimizer", "adam", "--lr", "0.003", "--tokens-per-sample", "32",
-                    "--batch-size", "4", "--max-update", "8", "--num-workers", "0", "--save-dir", str(tmp_path),
-                    "--no-save", "--disable-validation", "--fp8", "--bf16", "--cpu", "--log-format", "json",
-                    "--log-interval", "1", "--log-file", str(tmp_path / "log")])
+    train.cli_main(
+        [
+            str(tiny_data),
+            "--arch",
+            "transformer_lm_gpt",
+            "--decoder-layers",
+            "1",
+            "--decoder-embed-dim",
+            "32",
+            "--decoder-ffn-embed-dim",
+            "64",
+            "--decoder-attention-heads",
+            "2",
+            "--task",
+            "language_modeling",
+            "--optimizer",
+            "adam",
+            "--lr",
+            "0.003",
+            "--tokens-per-sample",
+            "32",
+            "--batch-size",
+            "4",
+            "--max-update",
+            "8",
+            "--num-workers",
+            "0",
+            "--save-dir",
+            str(tmp_path),
+            "--no-save",
+            "--disable-validation",
+            "--fp8",
+            "--bf16",
+            "--cpu",
+            "--log-format",
+            "json",
+            "--log-interval",
+            "1",
+            "--log-file",
+            str(tmp_path / "log"),
+        ]
+    )
     assert "float8 (tensorwise): 6 Linear layers converted" in caplog.text
     assert caplog.text.count("--fp8 on the CPU runs torch's reference float8 matmuls") == 1
     losses = [float(r["loss"]) for r in read_json_log(tmp_path / "log") if "loss" in r and "num_updates" in r]
@@ -78,8 +136,14 @@ def test_fp8_on_the_cpu_trains_with_float8_linears(tiny_data, tmp_path, caplog):
 
 
 def test_only_decoder_layer_linears_with_float8_sized_dims_are_converted():
-    cfg = preset_config("transformer_lm_gpt3_small", decoder_layers=1, decoder_embed_dim=64,
-                        decoder_attention_heads=4, decoder_ffn_embed_dim=200, tokens_per_sample=32)
+    cfg = preset_config(
+        "transformer_lm_gpt3_small",
+        decoder_layers=1,
+        decoder_embed_dim=64,
+        decoder_attention_heads=4,
+        decoder_ffn_embed_dim=200,
+        tokens_per_sample=32,
+    )
     model = TransformerLanguageModel.build(cfg, 100, 1)
     chosen = sorted(name for name, m in model.named_modules() if is_float8_convertible(m, name))
     # fc1/fc2 (64 x 200: 200 is no multiple of 16) and the output projection stay in bf16
@@ -97,6 +161,11 @@ def test_rowwise_on_a_cpu_without_per_row_float8_matmuls_is_one_line():
     if cpu_float8_matmul(rowwise=True):
         validate(cfg)
         return
-    with pytest.raises(ValueError, match=re.escape(f"--fp8-recipe rowwise on the CPU needs float8 matmuls with one "
-                                                   f"scale per row, which torch {torch.__version__} has only on CUDA")):
+    with pytest.raises(
+        ValueError,
+        match=re.escape(
+            f"--fp8-recipe rowwise on the CPU needs float8 matmuls with one "
+            f"scale per row, which torch {torch.__version__} has only on CUDA"
+        ),
+    ):
         validate(cfg)

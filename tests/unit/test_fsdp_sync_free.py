@@ -14,12 +14,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from fairseq.distributed.fsdp import (
-    CPU_SYNC_FREE_NOTICE,
-    ReshardEventLimiter,
-    SyncFreeHooks,
-    prefetch_plan,
-)
+from fairseq.distributed.fsdp import CPU_SYNC_FREE_NOTICE, ReshardEventLimiter, SyncFreeHooks, prefetch_plan
 
 
 class SlowStream:
@@ -116,9 +111,14 @@ def test_four_layers_forward_then_backward_waits_on_the_layer_two_gathers_back()
     driver, _ = make()
     driver.step(4, prefetch=False)
     assert driver.log == [
-        (0, []), (1, []), (2, ["fwd0"]), (3, ["fwd1"]),  # forward: layer i waits for layer i-2
+        (0, []),
+        (1, []),
+        (2, ["fwd0"]),
+        (3, ["fwd1"]),  # forward: layer i waits for layer i-2
         (3, ["fwd2"]),  # backward: the root gathers the last layer again
-        (2, ["fwd3"]), (1, ["bwd3"]), (0, ["bwd2"]),  # then layer i waits for layer i+2's backward
+        (2, ["fwd3"]),
+        (1, ["bwd3"]),
+        (0, ["bwd2"]),  # then layer i waits for layer i+2's backward
     ]
     driver.step(4, prefetch=False)  # the sequence runs on into the next iteration
     assert driver.log[8:10] == [(0, ["bwd1"]), (1, ["bwd0"])]
@@ -130,8 +130,14 @@ def test_with_forward_prefetch_the_wait_moves_to_where_the_prefetch_is_issued():
     driver.step(4, prefetch=True)
     # Same all-gather order and waits; layer i+1's gather (and wait) now happens in layer i's pre-forward.
     assert driver.log == [
-        (0, []), (1, []), (2, ["fwd0"]), (3, ["fwd1"]),
-        (3, ["fwd2"]), (2, ["fwd3"]), (1, ["bwd3"]), (0, ["bwd2"]),
+        (0, []),
+        (1, []),
+        (2, ["fwd0"]),
+        (3, ["fwd1"]),
+        (3, ["fwd2"]),
+        (2, ["fwd3"]),
+        (1, ["bwd3"]),
+        (0, ["bwd2"]),
     ]
     assert driver.max_alive == 2
 
@@ -186,7 +192,9 @@ def relaxed(pressure_by_pass, layers=6):
     pass k (0-based), pressure_by_pass[k]."""
     stream = SlowStream()
     answers = iter(pressure_by_pass)
-    limiter = ReshardEventLimiter(2, stream.event, relaxed_in_flight=2 * layers + 2, pressure_probe=lambda: next(answers))
+    limiter = ReshardEventLimiter(
+        2, stream.event, relaxed_in_flight=2 * layers + 2, pressure_probe=lambda: next(answers)
+    )
     return Driver(limiter, stream), stream
 
 
@@ -214,9 +222,9 @@ def test_under_pressure_the_window_closes_to_two_layers_and_opens_again(caplog):
     with caplog.at_level(logging.INFO, logger="fairseq.distributed.fsdp"):
         driver.step(6, prefetch=False)  # pressure: the first gather waits for all but the last 2 to be freed
     assert driver.log[12] == (0, ["bwd1"])
-    assert [waits for _, waits in driver.log[13:24]] == [[w] for w in
-                                                        ["bwd0", "fwd0", "fwd1", "fwd2", "fwd3", "fwd4", "fwd5",
-                                                         "bwd5", "bwd4", "bwd3", "bwd2"]]
+    assert [waits for _, waits in driver.log[13:24]] == [
+        [w] for w in ["bwd0", "fwd0", "fwd1", "fwd2", "fwd3", "fwd4", "fwd5", "bwd5", "bwd4", "bwd3", "bwd2"]
+    ]
     driver.step(6, prefetch=False)  # no pressure: back to 14 gathers in flight, no wait until they build up
     assert [waits for _, waits in driver.log[24:36]] == [[]] * 12
     driver.step(6, prefetch=False)
@@ -300,8 +308,16 @@ def test_hooks_announce_gathers_before_and_frees_after_each_layer_in_backward(pr
     reference.load_state_dict(model.state_dict())
 
     out = model(x)
-    forward = [("gather", 0), ("gather", 1), ("free", 0), ("gather", 1), ("gather", 2), ("free", 1),
-               ("gather", 2), ("free", 2)]
+    forward = [
+        ("gather", 0),
+        ("gather", 1),
+        ("free", 0),
+        ("gather", 1),
+        ("gather", 2),
+        ("free", 1),
+        ("gather", 2),
+        ("free", 2),
+    ]
     if not prefetch:
         forward = [("gather", 0), ("free", 0), ("gather", 1), ("free", 1), ("gather", 2), ("free", 2)]
     else:
@@ -314,9 +330,14 @@ def test_hooks_announce_gathers_before_and_frees_after_each_layer_in_backward(pr
     # gradient, and its free is reported once the gradient has passed through it.
     assert limiter.calls == [
         ("gather", 2),  # the root's backward prefetch
-        ("gather", 2), ("gather", 1), ("free", 2),
-        ("gather", 1), ("gather", 0), ("free", 1),
-        ("gather", 0), ("free", 0),
+        ("gather", 2),
+        ("gather", 1),
+        ("free", 2),
+        ("gather", 1),
+        ("gather", 0),
+        ("free", 1),
+        ("gather", 0),
+        ("free", 0),
     ]
     # Identity in value and gradient.
     reference(x).square().sum().backward()
@@ -370,8 +391,11 @@ class StandInAllocator:
 
     def install(self, monkeypatch):
         monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
-        monkeypatch.setattr(torch.cuda, "get_device_properties",
-                            lambda d: (self._index(d), type("P", (), {"total_memory": self.total}))[1])
+        monkeypatch.setattr(
+            torch.cuda,
+            "get_device_properties",
+            lambda d: (self._index(d), type("P", (), {"total_memory": self.total}))[1],
+        )
         monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda d: (self._index(d), self.fraction)[1])
         monkeypatch.setattr(torch.cuda, "memory_stats", lambda d: (self._index(d), dict(self.stats))[1])
 

@@ -14,9 +14,15 @@ TOL = 1e-6
 
 
 def build(seed=0):
-    cfg = TransformerLanguageModelConfig(decoder_embed_dim=16, decoder_ffn_embed_dim=32, decoder_layers=2,
-                                         decoder_attention_heads=4, max_target_positions=32, dropout=0.0,
-                                         decoder_learned_pos=True)
+    cfg = TransformerLanguageModelConfig(
+        decoder_embed_dim=16,
+        decoder_ffn_embed_dim=32,
+        decoder_layers=2,
+        decoder_attention_heads=4,
+        max_target_positions=32,
+        dropout=0.0,
+        decoder_learned_pos=True,
+    )
     torch.manual_seed(seed)
     return TransformerLanguageModel.build(cfg, VOCAB, PAD).eval()
 
@@ -25,12 +31,12 @@ def steps(model, x):
     """Logits of x through a prompt forward then incremental steps, and through static steps."""
     state = {}
     out = [model(x[:, :3], incremental_state=state)[0]]
-    out += [model(x[:, :t + 1], incremental_state=state)[0] for t in range(3, x.size(1))]
+    out += [model(x[:, : t + 1], incremental_state=state)[0] for t in range(3, x.size(1))]
     static = {}
     model.decoder.reserve_incremental_state(static, 32, x.size(0))
     model(x[:, :3], incremental_state=static)
     for t in range(3, x.size(1)):
-        out.append(model.decoder.forward_static_step(x[:, t:t + 1], torch.tensor([t]), static))
+        out.append(model.decoder.forward_static_step(x[:, t : t + 1], torch.tensor([t]), static))
         model.decoder.set_incremental_length(static, t + 1)
     return torch.cat(out, dim=1)
 

@@ -49,8 +49,7 @@ INTERPRETED = textwrap.dedent("""
 
 def test_kernels_in_the_interpreter_match_fp32_cross_entropy():
     pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1",
-               PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
     proc = subprocess.run([sys.executable, "-c", INTERPRETED], capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 0 and "interpreted kernels agree" in proc.stdout, proc.stdout + proc.stderr[-4000:]
 

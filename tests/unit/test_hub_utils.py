@@ -55,11 +55,24 @@ def model_dir(tmp_path_factory, train_args):
     root = tmp_path_factory.mktemp("hub")
     write_corpus(root / "train.txt", 400, seed=1)
     write_corpus(root / "valid.txt", 40, seed=2)
-    spm.SentencePieceTrainer.Train(input=str(root / "train.txt"), model_prefix=str(root / "spm"), vocab_size=40,
-                                   model_type="bpe", minloglevel=2)
+    spm.SentencePieceTrainer.Train(
+        input=str(root / "train.txt"), model_prefix=str(root / "spm"), vocab_size=40, model_type="bpe", minloglevel=2
+    )
     bpe = ["--bpe", "sentencepiece", "--sentencepiece-model", str(root / "spm.model")]
-    preprocess.cli_main(["--only-source", "--trainpref", str(root / "train.txt"), "--validpref",
-                         str(root / "valid.txt"), "--destdir", str(root / "data"), "--workers", "1", *bpe])
+    preprocess.cli_main(
+        [
+            "--only-source",
+            "--trainpref",
+            str(root / "train.txt"),
+            "--validpref",
+            str(root / "valid.txt"),
+            "--destdir",
+            str(root / "data"),
+            "--workers",
+            "1",
+            *bpe,
+        ]
+    )
     train.cli_main(train_args(root / "data", root / "model", *bpe, max_update=8))
     return root / "model", root / "data", root / "spm.model"
 
@@ -137,8 +150,11 @@ def test_sampling_follows_the_seed_and_beam_returns_beam_hypotheses(hub):
 def test_prompt_longer_than_the_models_positions(hub):
     long_prompt = hub.encode(" ".join(["w1"] * 40))  # 80 pieces, the model has 32 positions
     short = hub.encode(PROMPTS[0])
-    with pytest.raises(ValueError, match=r"prompt 0 is 81 tokens long .* more than the model's 32 positions .*"
-                                         r"skip_invalid_size_inputs=True"):
+    with pytest.raises(
+        ValueError,
+        match=r"prompt 0 is 81 tokens long .* more than the model's 32 positions .*"
+        r"skip_invalid_size_inputs=True",
+    ):
         hub.generate([long_prompt, short], beam=1)
     kept = hub.generate([long_prompt, short], beam=1, max_len_b=10, skip_invalid_size_inputs=True)
     assert len(kept) == 1 and kept[0][0]["tokens"][: len(short) - 1].tolist() == short[:-1].tolist()
@@ -154,11 +170,17 @@ def test_bad_generation_options(hub):
     with pytest.raises(ValueError, match="--print-alignment"):
         hub.sample(PROMPTS[0], print_alignment=True)
     # out-of-range sampling options, named as the keyword arguments given (upstream's -1 means off)
-    with pytest.raises(ValueError, match=r"^sampling_topk=-5 is out of range: -1 \(off: all tokens\) or a number of "
-                                         r"tokens, 1 to the vocabulary size \d+$"):
+    with pytest.raises(
+        ValueError,
+        match=r"^sampling_topk=-5 is out of range: -1 \(off: all tokens\) or a number of "
+        r"tokens, 1 to the vocabulary size \d+$",
+    ):
         hub.sample(PROMPTS[0], sampling=True, sampling_topk=-5)
-    with pytest.raises(ValueError, match=r"^sampling_topp=-0.5 is out of range: -1 \(off: all tokens\) or a "
-                                         r"probability mass in \(0, 1\]$"):
+    with pytest.raises(
+        ValueError,
+        match=r"^sampling_topp=-0.5 is out of range: -1 \(off: all tokens\) or a "
+        r"probability mass in \(0, 1\]$",
+    ):
         hub.generate(hub.encode(PROMPTS[0]), beam=1, sampling=True, sampling_topp=-0.5)
 
 
@@ -211,13 +233,27 @@ def test_interactive_with_bpe_prints_what_the_hub_samples(hub, model_dir, monkey
     save_dir, data, spm_path = model_dir
     monkeypatch.setattr(sys, "stdin", io.StringIO("\n".join(PROMPTS) + "\n"))
     capsys.readouterr()
-    interactive.cli_main([str(data), "--path", str(save_dir / "checkpoint_last.pt"), "--cpu", "--beam", "1",
-                          "--max-len-b", "20", "--bpe", "sentencepiece", "--sentencepiece-model", str(spm_path)])
+    interactive.cli_main(
+        [
+            str(data),
+            "--path",
+            str(save_dir / "checkpoint_last.pt"),
+            "--cpu",
+            "--beam",
+            "1",
+            "--max-len-b",
+            "20",
+            "--bpe",
+            "sentencepiece",
+            "--sentencepiece-model",
+            str(spm_path),
+        ]
+    )
     lines = [line.split("\t") for line in capsys.readouterr().out.splitlines() if line[:2] in ("S-", "H-", "D-")]
     assert [fields[0] for fields in lines] == [f"{kind}-{i}" for i in range(len(PROMPTS)) for kind in "SHD"]
     hypos = hub.generate([hub.encode(p) for p in PROMPTS], beam=1, max_len_b=20)
     for i, (prompt, (hypo,)) in enumerate(zip(PROMPTS, hypos)):
-        source, hypothesis, decoded = lines[3 * i: 3 * i + 3]
+        source, hypothesis, decoded = lines[3 * i : 3 * i + 3]
         # as upstream: S- and H- show the dictionary's pieces, D- the text --bpe decodes them into
         assert source[1] == hub.string(hub.encode(prompt))
         assert hypothesis[2] == hub.string(hypo["tokens"]) and decoded[2] == hub.decode(hypo["tokens"])
@@ -249,8 +285,9 @@ def test_from_pretrained_bad_input_and_files_found_in_the_model_directory(model_
     with pytest.raises(FileNotFoundError, match="no dict.txt"):  # data_name_or_path "." is the model directory
         TransformerLanguageModel.from_pretrained(str(save_dir), "checkpoint_last.pt")
     with pytest.raises(ValueError, match="--bpe gpt2 needs --gpt2-encoder-json"):
-        TransformerLanguageModel.from_pretrained(str(save_dir), "checkpoint_last.pt", data_name_or_path=str(data),
-                                                 bpe="gpt2")
+        TransformerLanguageModel.from_pretrained(
+            str(save_dir), "checkpoint_last.pt", data_name_or_path=str(data), bpe="gpt2"
+        )
     # upstream's layout: model.pt, dict.txt and sentencepiece.bpe.model in one directory
     packed = tmp_path / "packed"
     packed.mkdir()

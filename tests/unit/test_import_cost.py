@@ -61,14 +61,15 @@ print(json.dumps({"loaded_by_torch": loaded_by_torch,
 
 
 def test_entry_points_parsers_and_validate_import_no_distributed_tensor_checkpoint_fsdp_or_dynamo():
-    proc = subprocess.run([sys.executable, "-c", CHILD % (HEAVY,)], cwd=REPO, capture_output=True, text=True,
-                          timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-c", CHILD % (HEAVY,)], cwd=REPO, capture_output=True, text=True, timeout=120
+    )
     assert proc.returncode == 0, proc.stderr
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["loaded_by_torch"] == []  # else this torch imports them itself and the test proves nothing
-    assert result["loaded_by_fairseq"] == {}, (
-        "imported at start-up (make these imports lazy): "
-        + "; ".join(f"{name} by {chain}" for name, chain in result["loaded_by_fairseq"].items()))
+    assert result["loaded_by_fairseq"] == {}, "imported at start-up (make these imports lazy): " + "; ".join(
+        f"{name} by {chain}" for name, chain in result["loaded_by_fairseq"].items()
+    )
 
 
 def test_is_dtensor_recognizes_dtensors_and_nothing_else():

@@ -21,9 +21,17 @@ pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: one intra-op 
 
 
 def build(**overrides):
-    options = dict(decoder_embed_dim=16, decoder_input_dim=16, decoder_output_dim=16, decoder_ffn_embed_dim=32,
-                   decoder_layers=2, decoder_attention_heads=4, max_target_positions=40, dropout=0.0,
-                   activation_fn="gelu")
+    options = dict(
+        decoder_embed_dim=16,
+        decoder_input_dim=16,
+        decoder_output_dim=16,
+        decoder_ffn_embed_dim=32,
+        decoder_layers=2,
+        decoder_attention_heads=4,
+        max_target_positions=40,
+        dropout=0.0,
+        activation_fn="gelu",
+    )
     options.update(overrides)
     torch.manual_seed(0)
     return TransformerLanguageModel.build(TransformerLanguageModelConfig(**options), VOCAB, PAD).eval()
@@ -35,8 +43,12 @@ CONFIGS = {
     "learned-postnorm": dict(decoder_learned_pos=True),
     "sinusoidal-prenorm-no-final-norm": dict(decoder_normalize_before=True, no_decoder_final_norm=True),
     "project-in-out": dict(decoder_input_dim=12, decoder_output_dim=20, decoder_normalize_before=True),
-    "layernorm-embedding-tied": dict(layernorm_embedding=True, share_decoder_input_output_embed=True,
-                                     decoder_learned_pos=True, decoder_normalize_before=True),
+    "layernorm-embedding-tied": dict(
+        layernorm_embedding=True,
+        share_decoder_input_output_embed=True,
+        decoder_learned_pos=True,
+        decoder_normalize_before=True,
+    ),
     "no-positions": dict(no_token_positional_embeddings=True),
 }
 
@@ -137,8 +149,10 @@ def old_layer_forward(layer, x):
     if layer.normalize_before:
         x = layer.self_attn_layer_norm(x)
     batch, length, channels = x.shape
-    q, k, v = (proj(x).view(batch, length, attn.num_heads, attn.head_dim).transpose(1, 2)
-               for proj in (attn.q_proj, attn.k_proj, attn.v_proj))
+    q, k, v = (
+        proj(x).view(batch, length, attn.num_heads, attn.head_dim).transpose(1, 2)
+        for proj in (attn.q_proj, attn.k_proj, attn.v_proj)
+    )
     a = F.scaled_dot_product_attention(q, k, v, dropout_p=attn.dropout if attn.training else 0.0, is_causal=True)
     x = attn.out_proj(a.transpose(1, 2).reshape(batch, length, channels))
     x = residual + F.dropout(x, layer.dropout, layer.training)
@@ -206,8 +220,11 @@ def test_wrapped_layers_decode_incrementally():
         model.decoder.layers[i] = checkpoint_wrapper(layer)
     state = {}
     model.reserve_incremental_state(state, max_length=9, max_batch=3)
-    steps = torch.cat([model(x[:, :5], incremental_state=state)[0]]
-                      + [model(x[:, :t], incremental_state=state)[0] for t in range(6, 10)], dim=1)
+    steps = torch.cat(
+        [model(x[:, :5], incremental_state=state)[0]]
+        + [model(x[:, :t], incremental_state=state)[0] for t in range(6, 10)],
+        dim=1,
+    )
     torch.testing.assert_close(steps, full, atol=ATOL, rtol=RTOL)
 
 
@@ -319,7 +336,7 @@ def test_base_decoder_contract():
 
 def static_step(model, x, t, state):
     """The token at index t of each row of x through the static step; then the plain-int lengths say t + 1."""
-    logits = model.decoder.forward_static_step(x[:, t:t + 1], torch.tensor([t]), state)
+    logits = model.decoder.forward_static_step(x[:, t : t + 1], torch.tensor([t]), state)
     model.decoder.set_incremental_length(state, t + 1)
     return logits
 
@@ -331,15 +348,19 @@ def test_the_static_step_gives_the_incremental_steps_logits_across_reorders(name
     x = tokens(batch=3, length=14)
     dynamic, static = {}, {}
     model.reserve_incremental_state(static, max_length=20, max_batch=5)  # more slots and rows than used
-    torch.testing.assert_close(model(x[:, :4], incremental_state=static)[0],
-                               model(x[:, :4], incremental_state=dynamic)[0], atol=ATOL, rtol=RTOL)
+    torch.testing.assert_close(
+        model(x[:, :4], incremental_state=static)[0],
+        model(x[:, :4], incremental_state=dynamic)[0],
+        atol=ATOL,
+        rtol=RTOL,
+    )
     for t in range(4, 14):
         if t in (8, 11):  # beams copied (rows repeat), then a sentence dropped: both caches reordered in place
             order = torch.tensor([2, 0, 2]) if t == 8 else torch.tensor([2, 0])
             model.reorder_incremental_state(dynamic, order)
             model.reorder_incremental_state(static, order)
             x = x[order]
-        expected = model(x[:, :t + 1], incremental_state=dynamic)[0]
+        expected = model(x[:, : t + 1], incremental_state=dynamic)[0]
         assert expected.shape == (x.size(0), 1, VOCAB)
         torch.testing.assert_close(static_step(model, x, t, static), expected, atol=ATOL, rtol=RTOL)
 
@@ -359,8 +380,9 @@ def test_the_static_step_decodes_new_text_into_the_same_buffers():
     # New text, fewer rows: what the first text left in the buffers is masked, then overwritten.
     model.decoder.set_incremental_length(state, 0)
     second = tokens(batch=2, length=10, seed=2)
-    steps = [model(second[:, :2], incremental_state=state)[0]] + [static_step(model, second, t, state)
-                                                               for t in range(2, 10)]
+    steps = [model(second[:, :2], incremental_state=state)[0]] + [
+        static_step(model, second, t, state) for t in range(2, 10)
+    ]
     torch.testing.assert_close(torch.cat(steps, dim=1), model(second)[0], atol=ATOL, rtol=RTOL)
     assert [(e["key_buffer"].data_ptr(), e["value_buffer"].data_ptr()) for e in entries] == pointers
     assert all(e["key_buffer"].shape == (4, 4, 16, 4) and e["length"] == 10 for e in entries)

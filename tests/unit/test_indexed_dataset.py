@@ -7,7 +7,10 @@ import torch
 from fairseq.data import Dictionary, data_utils, indexed_dataset
 from fairseq.data.data_utils import collate_tokens, load_indexed_dataset
 from fairseq.data.indexed_dataset import (
-    CorruptDatasetError, MMapIndexedDataset, MMapIndexedDatasetBuilder, best_fitting_dtype,
+    CorruptDatasetError,
+    MMapIndexedDataset,
+    MMapIndexedDatasetBuilder,
+    best_fitting_dtype,
 )
 
 MAGIC = b"MMIDIDX\x00\x00"
@@ -209,17 +212,22 @@ def test_unknown_dtype_code(tmp_path, code):
 def test_bin_length_does_not_match_sizes(tmp_path, delta):
     _, data = write_by_hand(str(tmp_path / "x"), 8, [[1, 2], [3]])
     (tmp_path / "x.bin").write_bytes(data + b"\x00" * delta if delta > 0 else data[:delta])
-    with pytest.raises(CorruptDatasetError, match=r"x\.bin: \d+ bytes, but the sizes and pointers in .*x\.idx describe 6"):
+    with pytest.raises(
+        CorruptDatasetError, match=r"x\.bin: \d+ bytes, but the sizes and pointers in .*x\.idx describe 6"
+    ):
         MMapIndexedDataset(str(tmp_path / "x"))
 
 
 def test_pointers_inconsistent_with_sizes(tmp_path):
     idx, _ = write_by_hand(str(tmp_path / "x"), 8, [[1, 2], [3]])
     bad = bytearray(idx)
-    bad[26 + 8: 26 + 16] = struct.pack("<q", 2)  # first pointer 2 instead of 0
+    bad[26 + 8 : 26 + 16] = struct.pack("<q", 2)  # first pointer 2 instead of 0
     (tmp_path / "x.idx").write_bytes(bytes(bad))
-    with pytest.raises(CorruptDatasetError, match=r"x\.idx: corrupt index: item 0 \(pointer 2, size 2\) ends at "
-                                                 r"byte 6 but item 1's pointer is 4; re-run fairseq-preprocess"):
+    with pytest.raises(
+        CorruptDatasetError,
+        match=r"x\.idx: corrupt index: item 0 \(pointer 2, size 2\) ends at "
+        r"byte 6 but item 1's pointer is 4; re-run fairseq-preprocess",
+    ):
         MMapIndexedDataset(str(tmp_path / "x"))
 
 
@@ -231,8 +239,11 @@ def test_one_size_changed_is_caught(tmp_path):
     assert bad[26] == 12  # item 0's size, right after the 26-byte header
     bad[26] = 5
     (tmp_path / "x.idx").write_bytes(bytes(bad))
-    with pytest.raises(CorruptDatasetError, match=r"^\S*x\.idx: corrupt index: item 0 \(pointer 0, size 5\) ends at "
-                                                 r"byte 10 but item 1's pointer is 24; re-run fairseq-preprocess$"):
+    with pytest.raises(
+        CorruptDatasetError,
+        match=r"^\S*x\.idx: corrupt index: item 0 \(pointer 0, size 5\) ends at "
+        r"byte 10 but item 1's pointer is 24; re-run fairseq-preprocess$",
+    ):
         MMapIndexedDataset(str(tmp_path / "x"))
 
 
@@ -248,7 +259,7 @@ def test_layout_is_checked_across_windows(tmp_path, monkeypatch):
         with pytest.raises(CorruptDatasetError, match=rf"corrupt index: item {item} \(pointer {4 * item}, size 3\)"):
             MMapIndexedDataset(str(tmp_path / "x"))
     bad = bytearray(idx)
-    bad[26 + 4 * 6: 26 + 4 * 7] = struct.pack("<i", -1)  # the last item: no next pointer to disagree with
+    bad[26 + 4 * 6 : 26 + 4 * 7] = struct.pack("<i", -1)  # the last item: no next pointer to disagree with
     (tmp_path / "x.idx").write_bytes(bytes(bad))
     with pytest.raises(CorruptDatasetError, match=r"corrupt index: item 6 has size -1; re-run fairseq-preprocess"):
         MMapIndexedDataset(str(tmp_path / "x"))
@@ -270,8 +281,11 @@ def test_load_indexed_dataset_checks_the_dictionary(tmp_path):
     write_by_hand(str(tmp_path / "train"), 8, [[4, 5, 2], [6, 2]])
     ds = load_indexed_dataset(str(tmp_path / "train"), small_dict(3))  # ids 0..6 fit 7 entries
     assert ds[1].tolist() == [6, 2]
-    with pytest.raises(ValueError, match=r"dictionary does not match the data: .*train\.bin holds token id 6 .*"
-                                         r"dict\.txt\) has 6 entries"):
+    with pytest.raises(
+        ValueError,
+        match=r"dictionary does not match the data: .*train\.bin holds token id 6 .*"
+        r"dict\.txt\) has 6 entries",
+    ):
         load_indexed_dataset(str(tmp_path / "train"), small_dict(2))
 
 
@@ -317,4 +331,7 @@ def test_collate_tokens():
     assert collate_tokens(values, 1, eos_idx=9, move_eos_to_beginning=True).tolist() == [[9, 5, 6], [9, 7, 1]]
     assert collate_tokens(values, 1, pad_to_multiple=4).tolist() == [[5, 6, 2, 1], [7, 2, 1, 1]]
     assert collate_tokens(values, 1, pad_to_length=4, pad_to_bsz=3).tolist() == [
-        [5, 6, 2, 1], [7, 2, 1, 1], [1, 1, 1, 1]]
+        [5, 6, 2, 1],
+        [7, 2, 1, 1],
+        [1, 1, 1, 1],
+    ]

@@ -50,11 +50,14 @@ def test_the_kernel_in_the_interpreter_matches_the_fp32_product():
     assert proc.returncode == 0 and "interpreted kernel agrees" in proc.stdout, proc.stdout + proc.stderr[-4000:]
 
 
-@pytest.mark.parametrize("depth, atol", [
-    (64, 1e-2),  # torch._weight_int8pack_mm, the scales in bf16 (as the reference takes them)
-    (50, 0.05),  # not a multiple of 16, where torch's CPU op is unsafe: the weight dequantized to bf16 (each value
-                 # rounded, 2**-9 of it) for one GEMM, outputs of order 5
-])
+@pytest.mark.parametrize(
+    "depth, atol",
+    [
+        (64, 1e-2),  # torch._weight_int8pack_mm, the scales in bf16 (as the reference takes them)
+        (50, 0.05),  # not a multiple of 16, where torch's CPU op is unsafe: the weight dequantized to bf16 (each value
+        # rounded, 2**-9 of it) for one GEMM, outputs of order 5
+    ],
+)
 def test_the_cpu_paths_match_the_fp32_product(depth, atol):
     torch.manual_seed(0)
     x = torch.randn(2, 3, depth).to(torch.bfloat16)
@@ -73,8 +76,12 @@ def test_quantized_rows_round_to_nearest_with_the_largest_at_127():
     weight = linear.weight.float()
     assert quantized.qweight.dtype == torch.int8 and quantized.scale.dtype == torch.float32
     assert torch.equal(quantized.qweight.abs().amax(dim=1), torch.full((24,), 127, dtype=torch.int8))
-    assert (quantized.qweight.float() * quantized.scale.unsqueeze(1) - weight).abs().le(
-        quantized.scale.unsqueeze(1) / 2 + 1e-7).all()
+    assert (
+        (quantized.qweight.float() * quantized.scale.unsqueeze(1) - weight)
+        .abs()
+        .le(quantized.scale.unsqueeze(1) / 2 + 1e-7)
+        .all()
+    )
     assert quantized.bias is linear.bias
     x = torch.randn(4, 64).to(torch.bfloat16)
     torch.testing.assert_close(quantized(x).float(), linear(x).float(), rtol=0.05, atol=0.05)
@@ -89,10 +96,17 @@ def markov_model(steps=150):
     g = torch.Generator().manual_seed(0)
     successor = torch.randperm(len(d) - d.nspecial, generator=g) + d.nspecial
     torch.manual_seed(0)
-    cfg = TransformerLanguageModelConfig(decoder_embed_dim=64, decoder_input_dim=64, decoder_output_dim=64,
-                                         decoder_ffn_embed_dim=128, decoder_layers=2,
-                                         decoder_attention_heads=4, max_target_positions=64, dropout=0.0,
-                                         share_decoder_input_output_embed=False)
+    cfg = TransformerLanguageModelConfig(
+        decoder_embed_dim=64,
+        decoder_input_dim=64,
+        decoder_output_dim=64,
+        decoder_ffn_embed_dim=128,
+        decoder_layers=2,
+        decoder_attention_heads=4,
+        max_target_positions=64,
+        dropout=0.0,
+        share_decoder_input_output_embed=False,
+    )
     model = TransformerLanguageModel.build(cfg, len(d), d.pad())
     with torch.enable_grad():
         train(model, d, successor, g, steps)
@@ -106,8 +120,9 @@ def train(model, d, successor, g, steps):
         tokens[:, 0] = torch.randint(d.nspecial, len(d), (16,), generator=g)
         for t in range(1, 24):
             follow = torch.rand(16, generator=g) < 0.85
-            tokens[:, t] = torch.where(follow, successor[tokens[:, t - 1] - d.nspecial],
-                                       torch.randint(d.nspecial, len(d), (16,), generator=g))
+            tokens[:, t] = torch.where(
+                follow, successor[tokens[:, t - 1] - d.nspecial], torch.randint(d.nspecial, len(d), (16,), generator=g)
+            )
         logits = model(tokens[:, :-1])[0]
         loss = nn.functional.cross_entropy(logits.reshape(-1, len(d)), tokens[:, 1:].reshape(-1))
         optimizer.zero_grad()
@@ -147,9 +162,20 @@ def test_the_kernel_compiles_for_an_h100():
 
     for rows_block, has_bias in ((16, False), (64, True)):
         constants = dict(HAS_BIAS=has_bias, BLOCK_M=rows_block, BLOCK_N=32, BLOCK_K=128)
-        signature = dict(x_ptr="*bf16", w_ptr="*i8", scale_ptr="*fp32", bias_ptr="*bf16", out_ptr="*bf16",
-                         rows="i32", columns="i32", depth="i32", x_stride="i32", w_stride="i32",
-                         **{name: "constexpr" for name in constants})
-        compiled = triton.compile(ASTSource(_kernel(), signature, constants), target=GPUTarget("cuda", 90, 32),
-                                  options={"num_warps": 4})
+        signature = dict(
+            x_ptr="*bf16",
+            w_ptr="*i8",
+            scale_ptr="*fp32",
+            bias_ptr="*bf16",
+            out_ptr="*bf16",
+            rows="i32",
+            columns="i32",
+            depth="i32",
+            x_stride="i32",
+            w_stride="i32",
+            **{name: "constexpr" for name in constants},
+        )
+        compiled = triton.compile(
+            ASTSource(_kernel(), signature, constants), target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}
+        )
         assert compiled.asm["cubin"]

@@ -13,7 +13,12 @@ from hydra import compose, initialize_config_dir
 
 from fairseq import options
 from fairseq.frontend.hydra import (
-    as_hydra_overrides, fairseq_config_from_dict, recipe_update_freq, resolve_paths, split_recipe, to_plain_dict,
+    as_hydra_overrides,
+    fairseq_config_from_dict,
+    recipe_update_freq,
+    resolve_paths,
+    split_recipe,
+    to_plain_dict,
 )
 from fairseq.dataclass.utils import config_to_dict
 from fairseq.models.transformer_lm import TransformerLanguageModel
@@ -40,13 +45,13 @@ TABLE = {
 BIG = {"13b", "30b", "66b", "175b"}  # FSDP flags and sharded checkpoints
 # The tensor-parallel variants (OPT's layout, float8, compile): each inherits its size's recipe (hydra defaults) and
 # changes exactly these keys.
-TP_VARIANTS = {
-    "66b_tp8": ("66b", {"dataset.batch_size": 16}),
-    "175b_tp8": ("175b", {"dataset.batch_size": 8}),
-}
+TP_VARIANTS = {"66b_tp8": ("66b", {"dataset.batch_size": 16}), "175b_tp8": ("175b", {"dataset.batch_size": 8})}
 TP_CHANGES = {
-    "criterion._name": "vocab_parallel_cross_entropy", "distributed_training.model_parallel_size": 8,
-    "distributed_training.compile": True, "common.fp8": True, "common.fp8_recipe": "tensorwise",
+    "criterion._name": "vocab_parallel_cross_entropy",
+    "distributed_training.model_parallel_size": 8,
+    "distributed_training.compile": True,
+    "common.fp8": True,
+    "common.fp8_recipe": "tensorwise",
     "common.fp8_fsdp_all_gather": True,
 }
 
@@ -114,8 +119,14 @@ def test_tensor_parallel_variant_is_its_size_with_the_layout_changed(variant):
     from fairseq.distributed.tensor_parallel_checks import check_tensor_parallel_shape
 
     common = cfg.common
-    check_float8_flags(common.fp8, common.fp16, common.bf16, common.fp8_recipe, common.fp8_fsdp_all_gather,
-                       cfg.distributed_training.ddp_backend)
+    check_float8_flags(
+        common.fp8,
+        common.fp16,
+        common.bf16,
+        common.fp8_recipe,
+        common.fp8_fsdp_all_gather,
+        cfg.distributed_training.ddp_backend,
+    )
     check_tensor_parallel_shape(8, cfg.model.decoder_attention_heads, cfg.model.decoder_ffn_embed_dim, VOCAB)
 
 
@@ -125,9 +136,17 @@ def test_streaming_variant_is_its_size_with_the_data_changed(variant):
     base, base_recipe = split_recipe(compose_values(size, ["task.data=/data"]))
     streaming, recipe = split_recipe(compose_values(variant, STREAMING_FILES))
     changed = {key for key, value in flat(streaming).items() if flat(base).get(key, "unset") != value}
-    assert changed == {"task._name", "task.data_weights", "task.multicorpus_sampling_alpha", "bpe._name",
-                       "bpe.gpt2_encoder_json", "bpe.gpt2_vocab_bpe", "dataset.num_workers", "dataset.valid_subset",
-                       "checkpoint.save_dir"}
+    assert changed == {
+        "task._name",
+        "task.data_weights",
+        "task.multicorpus_sampling_alpha",
+        "bpe._name",
+        "bpe.gpt2_encoder_json",
+        "bpe.gpt2_vocab_bpe",
+        "dataset.num_workers",
+        "dataset.valid_subset",
+        "checkpoint.save_dir",
+    }
     assert recipe == base_recipe
     cfg = fairseq_config_from_dict(streaming)
     assert cfg.task.tokens_per_sample == 2048 and cfg.task.bpe == "gpt2"
@@ -184,8 +203,16 @@ def test_readme_parameter_counts_match_the_built_models():
 
 
 def test_overrides_apply_and_end_learning_rate_follows_lr():
-    cfg, _ = compose_config("125m", ["task.data=/data", "optimization.lr=[0.001]", "model.decoder_layers=2",
-                                     "common.cpu=true", "dataset.batch_size=4"])
+    cfg, _ = compose_config(
+        "125m",
+        [
+            "task.data=/data",
+            "optimization.lr=[0.001]",
+            "model.decoder_layers=2",
+            "common.cpu=true",
+            "dataset.batch_size=4",
+        ],
+    )
     assert cfg.optimization.lr == [0.001]
     assert cfg.lr_scheduler.end_learning_rate == pytest.approx(1e-4)
     assert len(build_on_meta(cfg).decoder.layers) == 2
@@ -198,23 +225,31 @@ def test_dummy_lm_needs_no_data():
     assert cfg.task.tokens_per_sample == cfg.model.tokens_per_sample == 2048
 
 
-@pytest.mark.parametrize("overrides, message", [
-    (["optimization.lrr=[1]"],
-     r"unknown key 'optimization.lrr' \(did you mean 'optimization.lr'\?\).*OptimizationConfig"),
-    (["model.decoder_layer=2"], r"unknown key 'model.decoder_layer' \(did you mean 'model.decoder_layers'\?\)"),
-    (["task.dict_size=8"], r"unknown key 'task.dict_size'.*language_modeling"),
-    (["+optimisation.lr=[1]"], r"unknown top-level key 'optimisation' \(did you mean 'optimization'\?\)"),
-    (["distributed_training.ddp_backend=zero3"], r"distributed_training.ddp_backend='zero3'.*fully_sharded"),
-    (["model._name=gpt5"], r"model._name='gpt5' is not an architecture"),
-    (["optimizer._name=sgd"], r"optimizer._name='sgd' is not a registered optimizer"),
-    (["optimizer._name=adamm"], r"optimizer._name='adamm' is not a registered optimizer \(did you mean 'adam'\?\)"),
-    (["model._name=transformer_lm_gpt3_smal"], r"not an architecture \(did you mean 'transformer_lm_gpt3_small'\?\)"),
-    (["common.log_format=jsn"], r"common.log_format='jsn' is not a valid choice \(did you mean 'json'\?\)"),
-    (["dataset.batch_size=many"], r"dataset.batch_size='many': expected an integer"),
-    (["common.bf16=1"], r"common.bf16=1: expected true or false"),
-    (["common.fp16=true"], r"--fp16 and --bf16 cannot be combined"),
-    (["task.seed=7", "common.seed=8"], r"set the same option \(--seed\) to different values"),
-])
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (
+            ["optimization.lrr=[1]"],
+            r"unknown key 'optimization.lrr' \(did you mean 'optimization.lr'\?\).*OptimizationConfig",
+        ),
+        (["model.decoder_layer=2"], r"unknown key 'model.decoder_layer' \(did you mean 'model.decoder_layers'\?\)"),
+        (["task.dict_size=8"], r"unknown key 'task.dict_size'.*language_modeling"),
+        (["+optimisation.lr=[1]"], r"unknown top-level key 'optimisation' \(did you mean 'optimization'\?\)"),
+        (["distributed_training.ddp_backend=zero3"], r"distributed_training.ddp_backend='zero3'.*fully_sharded"),
+        (["model._name=gpt5"], r"model._name='gpt5' is not an architecture"),
+        (["optimizer._name=sgd"], r"optimizer._name='sgd' is not a registered optimizer"),
+        (["optimizer._name=adamm"], r"optimizer._name='adamm' is not a registered optimizer \(did you mean 'adam'\?\)"),
+        (
+            ["model._name=transformer_lm_gpt3_smal"],
+            r"not an architecture \(did you mean 'transformer_lm_gpt3_small'\?\)",
+        ),
+        (["common.log_format=jsn"], r"common.log_format='jsn' is not a valid choice \(did you mean 'json'\?\)"),
+        (["dataset.batch_size=many"], r"dataset.batch_size='many': expected an integer"),
+        (["common.bf16=1"], r"common.bf16=1: expected true or false"),
+        (["common.fp16=true"], r"--fp16 and --bf16 cannot be combined"),
+        (["task.seed=7", "common.seed=8"], r"set the same option \(--seed\) to different values"),
+    ],
+)
 def test_bad_configs_fail_naming_the_key(overrides, message):
     with pytest.raises(ValueError, match=message):
         compose_config("125m", ["task.data=/data"] + overrides)
@@ -227,14 +262,27 @@ def test_missing_data_is_an_error_naming_the_key():
 
 def test_the_preset_fills_only_what_the_config_leaves_unset():
     # A config that names the preset only: the same as fairseq-train --arch ... with no model flags.
-    values = {"task": {"data": "/data"}, "model": {"_name": "transformer_lm_gpt3_small", "decoder_embed_dim": 256},
-              "optimizer": {"_name": "adam"}, "dataset": {"batch_size": 2}}
+    values = {
+        "task": {"data": "/data"},
+        "model": {"_name": "transformer_lm_gpt3_small", "decoder_embed_dim": 256},
+        "optimizer": {"_name": "adam"},
+        "dataset": {"batch_size": 2},
+    }
     cfg = fairseq_config_from_dict(values)
     assert cfg.model.decoder_layers == 12 and cfg.model.activation_fn == "gelu"  # from the preset
     assert cfg.model.decoder_ffn_embed_dim == 1024  # derived by the preset from the set embed dim
     assert cfg.task._name == "language_modeling" and cfg.lr_scheduler._name == "fixed"  # command-line defaults
-    argv = ["/data", "--arch", "transformer_lm_gpt3_small", "--decoder-embed-dim", "256", "--optimizer", "adam",
-            "--batch-size", "2"]
+    argv = [
+        "/data",
+        "--arch",
+        "transformer_lm_gpt3_small",
+        "--decoder-embed-dim",
+        "256",
+        "--optimizer",
+        "adam",
+        "--batch-size",
+        "2",
+    ]
     from_flags = options.convert_namespace_to_config(options.parse_args_and_arch(options.get_training_parser(), argv))
     assert config_to_dict(cfg) == config_to_dict(from_flags)
 
@@ -251,14 +299,17 @@ def test_rendered_fairseq_train_command_builds_the_same_config(size):
 
 
 def test_as_hydra_overrides_lets_dotted_keys_add():
-    assert as_hydra_overrides(["a.b=1", "+a.c=2", "++a.d=3", "~a.e", "hydra.run.dir=x", "hydra/job_logging=none",
-                               "task=x", "db@pkg=y"]) == [
-        "++a.b=1", "+a.c=2", "++a.d=3", "~a.e", "hydra.run.dir=x", "hydra/job_logging=none", "task=x", "db@pkg=y"]
+    assert as_hydra_overrides(
+        ["a.b=1", "+a.c=2", "++a.d=3", "~a.e", "hydra.run.dir=x", "hydra/job_logging=none", "task=x", "db@pkg=y"]
+    ) == ["++a.b=1", "+a.c=2", "++a.d=3", "~a.e", "hydra.run.dir=x", "hydra/job_logging=none", "task=x", "db@pkg=y"]
 
 
 def test_relative_paths_resolve_against_the_given_directory(tmp_path):
-    values = {"checkpoint": {"save_dir": "ck", "restore_file": "checkpoint_last.pt"},
-              "task": {"data": "a:/abs/b"}, "common": {"log_file": "logs/train.log", "user_dir": None}}
+    values = {
+        "checkpoint": {"save_dir": "ck", "restore_file": "checkpoint_last.pt"},
+        "task": {"data": "a:/abs/b"},
+        "common": {"log_file": "logs/train.log", "user_dir": None},
+    }
     out = resolve_paths(values, str(tmp_path))
     assert out["checkpoint"]["save_dir"] == str(tmp_path / "ck")
     assert out["checkpoint"]["restore_file"] == "checkpoint_last.pt"  # a bare name is looked up in save_dir

@@ -109,8 +109,9 @@ def test_fixed_state_dict_round_trip_keeps_lr_and_best():
 
 
 def test_polynomial_decay_warmup_and_decay():
-    sched, opt = build("polynomial_decay", [1.0], warmup_updates=10, total_num_update=110,
-                       end_learning_rate=0.1, power=2.0)
+    sched, opt = build(
+        "polynomial_decay", [1.0], warmup_updates=10, total_num_update=110, end_learning_rate=0.1, power=2.0
+    )
     # As upstream: the builder's step_update(0) gives warmup factor 0, so the first update runs at lr 0.
     assert opt.param_groups[0]["lr"] == 0.0
     assert lr_at(sched, opt, 5) == 0.5
@@ -138,8 +139,7 @@ def test_polynomial_decay_total_defaults_to_max_update_and_linear_power():
 
 
 def test_polynomial_decay_zero_lr_warmup_steps():
-    sched, opt = build("polynomial_decay", [1.0], warmup_updates=10, zero_lr_warmup_steps=5,
-                       total_num_update=115)
+    sched, opt = build("polynomial_decay", [1.0], warmup_updates=10, zero_lr_warmup_steps=5, total_num_update=115)
     assert lr_at(sched, opt, 5) == 0.0
     assert lr_at(sched, opt, 10) == 0.5
     assert lr_at(sched, opt, 15) == 1.0
@@ -217,11 +217,14 @@ def test_cosine_rejects_bad_settings():
 # ---- shared behaviour ----
 
 
-@pytest.mark.parametrize("name,flags", [
-    ("inverse_sqrt", {"warmup_updates": 10}),
-    ("polynomial_decay", {"warmup_updates": 10, "total_num_update": 50}),
-    ("cosine", {"warmup_updates": 10, "lr_period_updates": 30}),
-])
+@pytest.mark.parametrize(
+    "name,flags",
+    [
+        ("inverse_sqrt", {"warmup_updates": 10}),
+        ("polynomial_decay", {"warmup_updates": 10, "total_num_update": 50}),
+        ("cosine", {"warmup_updates": 10, "lr_period_updates": 30}),
+    ],
+)
 def test_state_dict_round_trip_restores_best_and_schedule(name, flags):
     sched, opt = build(name, [0.5], **flags)
     for update in range(1, 25):
@@ -248,10 +251,12 @@ def test_flags_generated_with_upstream_defaults():
     defaults = {
         FixedLRScheduleConfig: dict(force_anneal=None, lr_shrink=0.1, warmup_updates=0),
         InverseSquareRootLRScheduleConfig: dict(warmup_updates=4000, warmup_init_lr=-1.0),
-        PolynomialDecayLRScheduleConfig: dict(warmup_updates=0, end_learning_rate=0.0, power=1.0,
-                                              total_num_update=None, zero_lr_warmup_steps=0),
-        CosineLRScheduleConfig: dict(warmup_updates=0, warmup_init_lr=-1.0, min_lr=0.0, t_mult=1.0,
-                                     lr_period_updates=-1.0, lr_shrink=0.1),
+        PolynomialDecayLRScheduleConfig: dict(
+            warmup_updates=0, end_learning_rate=0.0, power=1.0, total_num_update=None, zero_lr_warmup_steps=0
+        ),
+        CosineLRScheduleConfig: dict(
+            warmup_updates=0, warmup_init_lr=-1.0, min_lr=0.0, t_mult=1.0, lr_period_updates=-1.0, lr_shrink=0.1
+        ),
     }
     for dc, argv in expected.items():
         parser = argparse.ArgumentParser()
@@ -263,5 +268,9 @@ def test_flags_generated_with_upstream_defaults():
         assert cfg != default_cfg
     parser = argparse.ArgumentParser()
     add_dataclass_to_parser(parser, PolynomialDecayLRScheduleConfig)
-    assert config_from_namespace(PolynomialDecayLRScheduleConfig,
-                                 parser.parse_args(["--total-num-update", "10"])).total_num_update == 10.0
+    assert (
+        config_from_namespace(
+            PolynomialDecayLRScheduleConfig, parser.parse_args(["--total-num-update", "10"])
+        ).total_num_update
+        == 10.0
+    )

@@ -262,8 +262,7 @@ def test_logging_output_sums_feed_criterion_style_reduction():
         sums.add({"loss": loss, "ntokens": 500, "sample_size": 500})
     output = sums.reduce()
     with metrics.aggregate("train_inner"):
-        metrics.log_scalar("loss", output["loss"] / output["sample_size"] / math.log(2),
-                           output["sample_size"], round=3)
+        metrics.log_scalar("loss", output["loss"] / output["sample_size"] / math.log(2), output["sample_size"], round=3)
         metrics.log_derived("ppl", lambda meters: metrics.get_perplexity(meters["loss"].avg))
     assert metrics.get_smoothed_values("train_inner") == {
         "loss": round(1383.0 / 1000 / math.log(2), 3),

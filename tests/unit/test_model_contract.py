@@ -14,8 +14,14 @@ from fairseq.models.transformer_lm import TransformerLanguageModel, preset_confi
 
 
 def tiny():
-    cfg = preset_config("transformer_lm_gpt3_small", decoder_layers=2, decoder_embed_dim=16,
-                        decoder_ffn_embed_dim=32, decoder_attention_heads=2, tokens_per_sample=8)
+    cfg = preset_config(
+        "transformer_lm_gpt3_small",
+        decoder_layers=2,
+        decoder_embed_dim=16,
+        decoder_ffn_embed_dim=32,
+        decoder_attention_heads=2,
+        tokens_per_sample=8,
+    )
     return TransformerLanguageModel.build(cfg, vocab_size=40)
 
 
@@ -73,10 +79,13 @@ def test_a_forward_on_no_tokens_is_one_line_naming_the_input(arch, shape, what):
     else:
         from fairseq.models.fconv_lm import FConvLanguageModel, preset_config as fconv_config
 
-        model = FConvLanguageModel.build(fconv_config("fconv_lm", decoder_layers="[(16, 3)] * 2",
-                                                       decoder_embed_dim=8), 30, 1)
+        model = FConvLanguageModel.build(
+            fconv_config("fconv_lm", decoder_layers="[(16, 3)] * 2", decoder_embed_dim=8), 30, 1
+        )
     with pytest.raises(ValueError) as error:
         model(torch.zeros(shape, dtype=torch.long))
-    assert str(error.value) == (f"the model's input tokens are {what} (shape {list(shape)}): pass ids of shape "
-                                "[batch, length] with at least one sentence of at least one token")
+    assert str(error.value) == (
+        f"the model's input tokens are {what} (shape {list(shape)}): pass ids of shape "
+        "[batch, length] with at least one sentence of at least one token"
+    )
     assert model(torch.tensor([[4, 5]]))[0].shape[:2] == (1, 2)  # the smallest input still runs

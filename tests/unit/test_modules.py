@@ -30,7 +30,7 @@ def naive_causal_attention(attn: CausalSelfAttention, x: torch.Tensor) -> torch.
             cols = slice(h * head_dim, (h + 1) * head_dim)
             scores = q[b, :, cols] @ k[b, :, cols].T
             for i in range(length):
-                scores[i, i + 1:] = float("-inf")
+                scores[i, i + 1 :] = float("-inf")
             out[b, :, cols] = torch.softmax(scores, dim=-1) @ v[b, :, cols]
     return out @ attn.out_proj.weight.T + attn.out_proj.bias
 
@@ -123,8 +123,9 @@ def test_activations():
 @pytest.mark.parametrize("normalize_before", [False, True])
 def test_decoder_layer_matches_a_handwritten_block(normalize_before):
     torch.manual_seed(0)
-    layer = TransformerDecoderLayer(16, 2, 32, dropout=0.0, activation_fn="gelu",
-                                    normalize_before=normalize_before).eval()
+    layer = TransformerDecoderLayer(
+        16, 2, 32, dropout=0.0, activation_fn="gelu", normalize_before=normalize_before
+    ).eval()
     x = torch.randn(2, 5, 16)
     ln1, ln2 = layer.self_attn_layer_norm, layer.final_layer_norm
     with torch.no_grad():

@@ -111,10 +111,13 @@ def test_nag_state_dict_round_trip_continues_exactly():
     assert torch.equal(again, straight)
 
 
-@pytest.mark.parametrize("argv,message", [
-    (["--momentum", "1.0"], "--momentum 1.0 must be in"),
-    (["--weight-decay", "-1"], "--weight-decay -1.0 is negative"),
-])
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["--momentum", "1.0"], "--momentum 1.0 must be in"),
+        (["--weight-decay", "-1"], "--weight-decay -1.0 is negative"),
+    ],
+)
 def test_nag_bad_flags_name_the_flag(argv, message):
     with pytest.raises(ValueError, match=message):
         build_nag(torch.nn.Parameter(torch.zeros(1)), 0.1, argv)
@@ -145,8 +148,7 @@ def test_plateau_shrinks_after_an_epoch_without_relative_improvement():
 
 def test_plateau_patience_counts_bad_epochs_in_a_row():
     sched, _ = plateau(0.8, lr_shrink=0.5, lr_patience=2)
-    assert lrs_after_epochs(sched, [3.0, 3.5, 3.2, 3.1, 2.0, 2.5, 2.5, 2.5]) == \
-        [0.8, 0.8, 0.8, 0.4, 0.4, 0.4, 0.4, 0.2]
+    assert lrs_after_epochs(sched, [3.0, 3.5, 3.2, 3.1, 2.0, 2.5, 2.5, 2.5]) == [0.8, 0.8, 0.8, 0.4, 0.4, 0.4, 0.4, 0.2]
 
 
 def test_plateau_maximizes_with_maximize_best_checkpoint_metric():
@@ -193,11 +195,14 @@ def test_plateau_loads_upstreams_state():
     assert sched.step(8, 2.6) == 0.5 and sched.lr_scheduler.last_epoch == 8
 
 
-@pytest.mark.parametrize("lr,flags,message", [
-    ([1.0, 0.5], {}, "reduce_lr_on_plateau takes one learning rate"),
-    (1.0, {"lr_shrink": 1.5}, "--lr-shrink 1.5 must be in"),
-    (1.0, {"lr_patience": -1}, "--lr-patience -1 is negative"),
-])
+@pytest.mark.parametrize(
+    "lr,flags,message",
+    [
+        ([1.0, 0.5], {}, "reduce_lr_on_plateau takes one learning rate"),
+        (1.0, {"lr_shrink": 1.5}, "--lr-shrink 1.5 must be in"),
+        (1.0, {"lr_patience": -1}, "--lr-patience -1 is negative"),
+    ],
+)
 def test_plateau_bad_flags_name_the_flag(lr, flags, message):
     with pytest.raises(ValueError, match=message):
         plateau(lr, **flags)
@@ -207,12 +212,37 @@ def test_plateau_flags_come_from_the_command_line():
     from fairseq import options
 
     parser = options.get_training_parser()
-    args = options.parse_args_and_arch(parser, [
-        "data", "--arch", "transformer_lm", "--optimizer", "nag", "--momentum", "0.95", "--lr", "1.0",
-        "--lr-scheduler", "reduce_lr_on_plateau", "--lr-shrink", "0.5", "--lr-patience", "2",
-        "--lr-threshold", "0.01", "--warmup-updates", "10", "--maximize-best-checkpoint-metric"])
+    args = options.parse_args_and_arch(
+        parser,
+        [
+            "data",
+            "--arch",
+            "transformer_lm",
+            "--optimizer",
+            "nag",
+            "--momentum",
+            "0.95",
+            "--lr",
+            "1.0",
+            "--lr-scheduler",
+            "reduce_lr_on_plateau",
+            "--lr-shrink",
+            "0.5",
+            "--lr-patience",
+            "2",
+            "--lr-threshold",
+            "0.01",
+            "--warmup-updates",
+            "10",
+            "--maximize-best-checkpoint-metric",
+        ],
+    )
     cfg = options.convert_namespace_to_config(args)
-    assert (cfg.lr_scheduler.lr_shrink, cfg.lr_scheduler.lr_patience, cfg.lr_scheduler.lr_threshold,
-            cfg.lr_scheduler.warmup_updates) == (0.5, 2, 0.01, 10)
+    assert (
+        cfg.lr_scheduler.lr_shrink,
+        cfg.lr_scheduler.lr_patience,
+        cfg.lr_scheduler.lr_threshold,
+        cfg.lr_scheduler.warmup_updates,
+    ) == (0.5, 2, 0.01, 10)
     assert cfg.lr_scheduler.maximize_best_checkpoint_metric is True  # the checkpoint group's flag
     assert cfg.optimizer.momentum == 0.95 and cfg.optimizer.weight_decay == 0.0

@@ -56,8 +56,13 @@ def upstream_layer_forward(layer, x, normalize_before):
 @pytest.mark.parametrize("on", [FLAGS] + [(flag,) for flag in FLAGS])
 def test_layer_computes_upstreams_normformer(normalize_before, on):
     torch.manual_seed(0)
-    layer = TransformerDecoderLayer(C, H, FFN, dropout=0.0, normalize_before=normalize_before,
-                                    **{flag: True for flag in on}).double().eval()
+    layer = (
+        TransformerDecoderLayer(
+            C, H, FFN, dropout=0.0, normalize_before=normalize_before, **{flag: True for flag in on}
+        )
+        .double()
+        .eval()
+    )
     with torch.no_grad():  # scales and norms away from their initial values
         for name, param in layer.named_parameters():
             if name in ("c_attn", "w_resid") or "attn_ln" in name or "ffn_layernorm" in name:
@@ -72,8 +77,14 @@ def test_parameters_have_upstreams_names_and_start_at_one():
     layer = TransformerDecoderLayer(C, H, FFN, scale_attn=True, scale_fc=True, scale_heads=True, scale_resids=True)
     plain = TransformerDecoderLayer(C, H, FFN)
     shapes = {k: tuple(v.shape) for k, v in layer.state_dict().items() if k not in plain.state_dict()}
-    assert shapes == {"attn_ln.weight": (C,), "attn_ln.bias": (C,), "c_attn": (H,), "ffn_layernorm.weight": (FFN,),
-                      "ffn_layernorm.bias": (FFN,), "w_resid": (C,)}
+    assert shapes == {
+        "attn_ln.weight": (C,),
+        "attn_ln.bias": (C,),
+        "c_attn": (H,),
+        "ffn_layernorm.weight": (FFN,),
+        "ffn_layernorm.bias": (FFN,),
+        "w_resid": (C,),
+    }
     with torch.no_grad():
         layer.c_attn.zero_()
         layer.w_resid.zero_()
@@ -83,16 +94,26 @@ def test_parameters_have_upstreams_names_and_start_at_one():
 
 
 def build(**flags):
-    cfg = preset_config("transformer_lm", decoder_layers=2, decoder_embed_dim=C, decoder_ffn_embed_dim=FFN,
-                        decoder_attention_heads=H, dropout=0.0, tokens_per_sample=16, **flags)
+    cfg = preset_config(
+        "transformer_lm",
+        decoder_layers=2,
+        decoder_embed_dim=C,
+        decoder_ffn_embed_dim=FFN,
+        decoder_attention_heads=H,
+        dropout=0.0,
+        tokens_per_sample=16,
+        **flags,
+    )
     torch.manual_seed(0)
     return cfg, TransformerLanguageModel.build(cfg, 24, 1).eval()
 
 
 def test_model_decodes_incrementally_as_it_computes_in_full():
     cfg, model = build(**{flag: True for flag in FLAGS}, decoder_normalize_before=True)
-    assert "NormFormer (--scale-attn --scale-fc --scale-heads --scale-resids)" in \
-        TransformerLanguageModel.describe_config(cfg)
+    assert (
+        "NormFormer (--scale-attn --scale-fc --scale-heads --scale-resids)"
+        in TransformerLanguageModel.describe_config(cfg)
+    )
     tokens = torch.randint(4, 24, (2, 9))
     with torch.no_grad():
         full, _ = model(tokens)
@@ -104,11 +125,37 @@ def test_model_decodes_incrementally_as_it_computes_in_full():
 
 def tp_config(*flags):
     parser = options.get_training_parser()
-    return options.convert_namespace_to_config(options.parse_args_and_arch(parser, [
-        "data", "--arch", "transformer_lm_gpt", "--decoder-layers", "2", "--decoder-embed-dim", "32",
-        "--decoder-ffn-embed-dim", "64", "--decoder-attention-heads", "4", "--optimizer", "adam", "--lr", "0.001",
-        "--tokens-per-sample", "32", "--max-tokens", "64", "--ddp-backend", "fully_sharded",
-        "--model-parallel-size", "2", *flags]))
+    return options.convert_namespace_to_config(
+        options.parse_args_and_arch(
+            parser,
+            [
+                "data",
+                "--arch",
+                "transformer_lm_gpt",
+                "--decoder-layers",
+                "2",
+                "--decoder-embed-dim",
+                "32",
+                "--decoder-ffn-embed-dim",
+                "64",
+                "--decoder-attention-heads",
+                "4",
+                "--optimizer",
+                "adam",
+                "--lr",
+                "0.001",
+                "--tokens-per-sample",
+                "32",
+                "--max-tokens",
+                "64",
+                "--ddp-backend",
+                "fully_sharded",
+                "--model-parallel-size",
+                "2",
+                *flags,
+            ],
+        )
+    )
 
 
 @pytest.mark.parametrize("flag", ["--scale-fc", "--scale-heads", "--scale-resids"])
@@ -127,14 +174,21 @@ def test_trains_resumes_only_as_itself_evaluates_and_is_not_exported(tiny_data, 
     assert status == 0, err
     assert "NormFormer (--scale-attn --scale-fc --scale-heads --scale-resids)" in out
     state = torch.load(tmp_path / "checkpoint_last.pt", weights_only=True)
-    assert {"decoder.layers.1.c_attn", "decoder.layers.1.w_resid", "decoder.layers.0.attn_ln.weight",
-            "decoder.layers.0.ffn_layernorm.bias"} <= set(state["model"])
+    assert {
+        "decoder.layers.1.c_attn",
+        "decoder.layers.1.w_resid",
+        "decoder.layers.0.attn_ln.weight",
+        "decoder.layers.0.ffn_layernorm.bias",
+    } <= set(state["model"])
     assert state["cfg"]["model"]["scale_fc"] is True
     status, _, err = train_in_process(train_args(tiny_data, tmp_path, *flags[:3], max_update=4))
     assert status != 0 and "--scale-resids" in err  # another network: refused by name
-    with pytest.raises(ValueError, match=r"NormFormer's --scale-attn --scale-fc --scale-heads --scale-resids "
-                                         r"\(extra norms and learned scales in each layer\) have no equivalent in OPT "
-                                         "or XGLM"):
+    with pytest.raises(
+        ValueError,
+        match=r"NormFormer's --scale-attn --scale-fc --scale-heads --scale-resids "
+        r"\(extra norms and learned scales in each layer\) have no equivalent in OPT "
+        "or XGLM",
+    ):
         choose_model_type(load_source(str(tmp_path / "checkpoint_last.pt")), "opt")
 
 

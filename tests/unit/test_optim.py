@@ -91,19 +91,23 @@ def test_cpu_adam_is_the_same_adamw_and_accepts_param_groups():
     assert optimizer.param_groups[1]["params"] == [b]
 
 
-@pytest.mark.parametrize("text,expected", [
-    ("(0.9, 0.999)", (0.9, 0.999)),
-    ("(0.9,0.98)", (0.9, 0.98)),
-    ("0.9, 0.95", (0.9, 0.95)),
-    ("[0, 0.5]", (0.0, 0.5)),
-    ((0.8, 0.9), (0.8, 0.9)),
-])
+@pytest.mark.parametrize(
+    "text,expected",
+    [
+        ("(0.9, 0.999)", (0.9, 0.999)),
+        ("(0.9,0.98)", (0.9, 0.98)),
+        ("0.9, 0.95", (0.9, 0.95)),
+        ("[0, 0.5]", (0.0, 0.5)),
+        ((0.8, 0.9), (0.8, 0.9)),
+    ],
+)
 def test_parse_adam_betas(text, expected):
     assert parse_adam_betas(text) == expected
 
 
-@pytest.mark.parametrize("text", ["(0.9)", "0.9 0.98", "(0.9, 0.98, 0.1)", "betas", "(True, 0.9)", "('a', 0.9)",
-                                  "__import__('os')"])
+@pytest.mark.parametrize(
+    "text", ["(0.9)", "0.9 0.98", "(0.9, 0.98, 0.1)", "betas", "(True, 0.9)", "('a', 0.9)", "__import__('os')"]
+)
 def test_bad_adam_betas_name_the_flag(text):
     with pytest.raises(ValueError, match=r"--adam-betas .*pass it as --adam-betas '\(0.9, 0.98\)'"):
         parse_adam_betas(text)
@@ -111,8 +115,9 @@ def test_bad_adam_betas_name_the_flag(text):
 
 def test_adam_betas_out_of_range():
     with pytest.raises(ValueError, match=r"--adam-betas '\(0.9, 1.5\)': each beta must be in \[0, 1\)"):
-        build_optimizer(adam_cfg(["--adam-betas", "(0.9, 1.5)"]), [torch.nn.Parameter(torch.zeros(1))],
-                        OptimizationConfig())
+        build_optimizer(
+            adam_cfg(["--adam-betas", "(0.9, 1.5)"]), [torch.nn.Parameter(torch.zeros(1))], OptimizationConfig()
+        )
 
 
 def test_unsupported_and_invalid_flags_are_clear_errors():

@@ -21,8 +21,13 @@ def test_nested_and_list_defaults_are_not_shared_between_instances():
     assert a.common is not b.common
     a.optimization.update_freq.append(4)
     assert b.optimization.update_freq == [1]
-    for group in (configs.CommonConfig, configs.DatasetConfig, configs.OptimizationConfig,
-                  configs.CheckpointConfig, configs.DistributedTrainingConfig):
+    for group in (
+        configs.CommonConfig,
+        configs.DatasetConfig,
+        configs.OptimizationConfig,
+        configs.CheckpointConfig,
+        configs.DistributedTrainingConfig,
+    ):
         for f in dataclasses.fields(group):
             assert not isinstance(f.default, (list, dict, set)), (group.__name__, f.name)
 
@@ -32,8 +37,23 @@ def parse(argv):
 
 
 def test_flags_come_from_field_names_and_lists_parse_like_upstream():
-    args = parse(["data", "--arch", "transformer_lm", "--optimizer", "adam", "--lr", "0.0005",
-                  "--update-freq", "16", "--max-tokens", "2048", "--max-sentences", "3"])
+    args = parse(
+        [
+            "data",
+            "--arch",
+            "transformer_lm",
+            "--optimizer",
+            "adam",
+            "--lr",
+            "0.0005",
+            "--update-freq",
+            "16",
+            "--max-tokens",
+            "2048",
+            "--max-sentences",
+            "3",
+        ]
+    )
     cfg = options.convert_namespace_to_config(args)
     assert cfg.optimization.lr == [0.0005]
     assert cfg.optimization.update_freq == [16]
@@ -56,7 +76,10 @@ def test_unknown_flag_and_unknown_choice_are_usage_errors(capsys):
     assert "--no-such-flag" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         parse(["data", "--criterion", "nope"])
-    assert "unknown criterion 'nope' for --criterion; choose one of: adaptive_loss, cross_entropy," in capsys.readouterr().err
+    assert (
+        "unknown criterion 'nope' for --criterion; choose one of: adaptive_loss, cross_entropy,"
+        in capsys.readouterr().err
+    )
 
 
 def test_fp16_and_bf16_together_is_an_error(capsys):
@@ -73,7 +96,7 @@ def test_registry_rejects_duplicates_and_lists_choices():
         registry.arch_model("gpt9")
 
 
-PLUGIN = '''
+PLUGIN = """
 from dataclasses import dataclass
 from fairseq.dataclass.configs import opt
 from fairseq.registry import register_criterion
@@ -86,13 +109,14 @@ class ScaledConfig:
 @register_criterion("scaled_cross_entropy_for_test", dataclass=ScaledConfig)
 class Scaled(CrossEntropyCriterion):
     pass
-'''
+"""
 
 
 def test_user_dir_plugin_registers_a_component_with_its_own_flags(user_dir):
     plugin = user_dir("my_plugin_for_options_test", PLUGIN)
-    args = parse(["data", "--user-dir", str(plugin), "--criterion", "scaled_cross_entropy_for_test",
-                  "--loss-weight", "0.5"])
+    args = parse(
+        ["data", "--user-dir", str(plugin), "--criterion", "scaled_cross_entropy_for_test", "--loss-weight", "0.5"]
+    )
     cfg = options.convert_namespace_to_config(args)
     assert cfg.criterion._name == "scaled_cross_entropy_for_test" and cfg.criterion.loss_weight == 0.5
 
@@ -125,5 +149,7 @@ def test_interpolated_defaults_of_plugin_configs_take_the_named_option():
     resolve_interpolated_defaults(cfg)
     assert cfg.criterion.block == 64 and cfg.criterion.other == "set"
     cfg.criterion = PluginConfig()
-    with pytest.raises(ValueError, match=r"criterion.other defaults to \$\{common.no_such_option\}.*set criterion.other"):
+    with pytest.raises(
+        ValueError, match=r"criterion.other defaults to \$\{common.no_such_option\}.*set criterion.other"
+    ):
         resolve_interpolated_defaults(cfg)

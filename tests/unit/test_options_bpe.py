@@ -11,9 +11,10 @@ SPM = ["--bpe", "sentencepiece", "--sentencepiece-model", "spm.model"]
 
 
 def test_train_parser_stores_bpe_and_tokenizer_in_the_config():
-    args = options.parse_args_and_arch(options.get_training_parser(),
-                                       ["data", "--arch", "transformer_lm", "--optimizer", "adam", *GPT2,
-                                        "--tokenizer", "space"])
+    args = options.parse_args_and_arch(
+        options.get_training_parser(),
+        ["data", "--arch", "transformer_lm", "--optimizer", "adam", *GPT2, "--tokenizer", "space"],
+    )
     cfg = options.convert_namespace_to_config(args)
     assert cfg.bpe._name == "gpt2"
     assert (cfg.bpe.gpt2_encoder_json, cfg.bpe.gpt2_vocab_bpe) == ("enc.json", "vocab.bpe")
@@ -31,8 +32,9 @@ def test_no_bpe_by_default():
 
 
 def test_eval_lm_parser_takes_the_schemes_flags():
-    args = options.parse_args_and_arch(options.get_eval_lm_parser(),
-                                       ["data", "--path", "x.pt", *SPM, "--remove-bpe", "sentencepiece"])
+    args = options.parse_args_and_arch(
+        options.get_eval_lm_parser(), ["data", "--path", "x.pt", *SPM, "--remove-bpe", "sentencepiece"]
+    )
     cfg = options.convert_namespace_to_config(args)
     assert cfg.bpe._name == "sentencepiece" and cfg.bpe.sentencepiece_model == "spm.model"
     assert cfg.common_eval.post_process == "sentencepiece"
@@ -44,8 +46,13 @@ def test_preprocess_parser_takes_the_schemes_flags():
     assert preprocess.parse_args(["--only-source"]).bpe is None
 
 
-@pytest.mark.parametrize("argv", [["--only-source", "--gpt2-encoder-json", "e.json"],  # flag of an unchosen scheme
-                                  ["--only-source", "--bpe", "nosuch"]])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--only-source", "--gpt2-encoder-json", "e.json"],  # flag of an unchosen scheme
+        ["--only-source", "--bpe", "nosuch"],
+    ],
+)
 def test_preprocess_rejects_unknown_flags_and_schemes(argv, capsys):
     with pytest.raises(SystemExit):
         preprocess.parse_args(argv)
@@ -55,7 +62,8 @@ def test_preprocess_rejects_unknown_flags_and_schemes(argv, capsys):
 
 def test_unknown_bpe_on_train_parser_lists_the_choices(capsys):
     with pytest.raises(SystemExit):
-        options.parse_args_and_arch(options.get_training_parser(), ["data", "--arch", "transformer_lm",
-                                                                    "--bpe", "nosuch"])
+        options.parse_args_and_arch(
+            options.get_training_parser(), ["data", "--arch", "transformer_lm", "--bpe", "nosuch"]
+        )
     err = capsys.readouterr().err
     assert "nosuch" in err and "sentencepiece" in err

@@ -55,21 +55,48 @@ def test_wiki103_presets_are_refused_with_the_flag_named(capsys):
 
 
 def test_gpt3_175_parameters_line_is_exact(capsys):
-    assert plan_memory.main(["--arch", "transformer_lm_gpt3_175", "--gpus", "1024", "--gpu", "a100-80gb",
-                             "--bf16", "--checkpoint-activations", "--batch-size", "1"]) == 0
+    assert (
+        plan_memory.main(
+            [
+                "--arch",
+                "transformer_lm_gpt3_175",
+                "--gpus",
+                "1024",
+                "--gpu",
+                "a100-80gb",
+                "--bf16",
+                "--checkpoint-activations",
+                "--batch-size",
+                "1",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert f"parameters: {GPT3_175_PARAMS}\n" in out
     assert abs(GPT3_175_PARAMS - 175e9) / 175e9 < 0.005
 
 
 def test_model_flags_override_the_preset_and_with_layers_matches_a_real_build():
-    request = plan_memory.parse(["--arch", "transformer_lm_gpt3_175", "--decoder-layers", "3",
-                                 "--tokens-per-sample", "1024", "--vocab-size", "1000"])
-    assert request.shape.total_params == meta_param_count("transformer_lm_gpt3_175", vocab=1000,
-                                                          decoder_layers=3, tokens_per_sample=1024)
+    request = plan_memory.parse(
+        [
+            "--arch",
+            "transformer_lm_gpt3_175",
+            "--decoder-layers",
+            "3",
+            "--tokens-per-sample",
+            "1024",
+            "--vocab-size",
+            "1000",
+        ]
+    )
+    assert request.shape.total_params == meta_param_count(
+        "transformer_lm_gpt3_175", vocab=1000, decoder_layers=3, tokens_per_sample=1024
+    )
     deeper = request.shape.with_layers(5)
-    assert deeper.total_params == meta_param_count("transformer_lm_gpt3_175", vocab=1000,
-                                                   decoder_layers=5, tokens_per_sample=1024)
+    assert deeper.total_params == meta_param_count(
+        "transformer_lm_gpt3_175", vocab=1000, decoder_layers=5, tokens_per_sample=1024
+    )
 
 
 # ------------------------------------------------------------------------------------ hand-computed bytes
@@ -100,21 +127,32 @@ def test_fully_sharded_breakdown_in_exact_bytes(small_shape):
     plan = mm.plan(small_shape, small_setup())
     assert LAYER_ACTIVATIONS == 132096 and WORKSPACE == 57344
     assert plan.snapshot("backward, layer 1").terms == {
-        "parameters": 4 * 83136, "optimizer_state": 8 * 83136,  # 332544, 665088
+        "parameters": 4 * 83136,
+        "optimizer_state": 8 * 83136,  # 332544, 665088
         "layers_in_flight": 2 * 2 * 49984,  # its own full parameters + FSDP2's prefetch of layer 0, bf16
         "layer_gradients": 2 * 49984,  # its bf16 gradients (no reduce buffer retained yet: last layer)
-        "root_parameters": 2 * 66304, "root_gradients": 2 * 64000,  # output projection's gradient
+        "root_parameters": 2 * 66304,
+        "root_gradients": 2 * 64000,  # output projection's gradient
         "activations": 132096 + 132096 + 57344,  # layer 0 saved, layer 1 saved, its backward workspace
     }
     assert plan.snapshot("backward, layer 0").terms == {
-        "parameters": 332544, "optimizer_state": 665088, "gradients": 4 * 24992,
-        "layers_in_flight": 2 * 49984, "layer_gradients": 2 * 49984 + 4 * 49984,  # + layer 1's fp32 buffer
-        "root_parameters": 132608, "root_gradients": 128000, "activations": 132096 + 57344,
+        "parameters": 332544,
+        "optimizer_state": 665088,
+        "gradients": 4 * 24992,
+        "layers_in_flight": 2 * 49984,
+        "layer_gradients": 2 * 49984 + 4 * 49984,  # + layer 1's fp32 buffer
+        "root_parameters": 132608,
+        "root_gradients": 128000,
+        "activations": 132096 + 57344,
     }
     loss = plan.snapshot("loss backward")
-    assert loss.terms == {"parameters": 332544, "optimizer_state": 665088, "root_parameters": 132608,
-                          "activations": 2 * 132096 + 64 * (64 * 2 + 64 * 2),  # + final norm in/out
-                          "logits": 12 * 64 * 1000}
+    assert loss.terms == {
+        "parameters": 332544,
+        "optimizer_state": 665088,
+        "root_parameters": 132608,
+        "activations": 2 * 132096 + 64 * (64 * 2 + 64 * 2),  # + final norm in/out
+        "logits": 12 * 64 * 1000,
+    }
     assert loss.total == 2178816
     assert plan.snapshot("embedding backward").total == 332544 + 665088 + 199936 + 199936 + 132608 + 2 * (66304 + 64000)
     assert plan.snapshot("root reduce-scatter").total == 332544 + 665088 + 199936 + 6 * 66304
@@ -159,8 +197,12 @@ def test_flag_effects_in_exact_bytes(small_shape):
 def test_replicated_ddp_holds_every_state_on_every_gpu(small_shape):
     plan = mm.plan(small_shape, small_setup(fully_sharded=False, dtype="fp32"))
     step = plan.snapshot("optimizer step").terms
-    assert step == {"parameters": 4 * 166272, "optimizer_state": 8 * 166272, "ddp_buckets": 4 * 166272,
-                    "gradients": 4 * 166272}
+    assert step == {
+        "parameters": 4 * 166272,
+        "optimizer_state": 8 * 166272,
+        "ddp_buckets": 4 * 166272,
+        "gradients": 4 * 166272,
+    }
     assert "autocast_copies" not in plan.snapshot("loss backward").terms
     autocast = mm.plan(small_shape, small_setup(fully_sharded=False))
     # Linear weights and biases of both layers (not the norms) in bf16, and the output projection.
@@ -223,18 +265,24 @@ def test_smallest_gpu_count_and_layers_for_175b():
 # ------------------------------------------------------------------------------------ calibration
 
 
-@pytest.mark.parametrize("arch,overrides", [
-    # FSDP.md's "6.1B": an untied output projection (6,067,126,272 parameters) ...
-    ("transformer_lm_gpt", dict(decoder_learned_pos=True, dropout=0.0, attention_dropout=0.0,
-                                decoder_ffn_embed_dim=24576)),
-    # ... or tied, as the gpt3 presets build it (5,758,255,104).
-    ("transformer_lm_gpt3_6_7", {}),
-])
+@pytest.mark.parametrize(
+    "arch,overrides",
+    [
+        # FSDP.md's "6.1B": an untied output projection (6,067,126,272 parameters) ...
+        (
+            "transformer_lm_gpt",
+            dict(decoder_learned_pos=True, dropout=0.0, attention_dropout=0.0, decoder_ffn_embed_dim=24576),
+        ),
+        # ... or tied, as the gpt3 presets build it (5,758,255,104).
+        ("transformer_lm_gpt3_6_7", {}),
+    ],
+)
 def test_fsdp_md_reference_point_within_ten_percent(arch, overrides):
     """12 layers x 6144 (48 heads), 2048 tokens, batch 1 per GPU, bf16, 2 GPUs, FSDP2: 49.1 GiB peak
     allocated (../shared/design/FSDP.md)."""
-    cfg = preset_config(arch, decoder_layers=12, decoder_embed_dim=6144, decoder_attention_heads=48,
-                        tokens_per_sample=2048, **overrides)
+    cfg = preset_config(
+        arch, decoder_layers=12, decoder_embed_dim=6144, decoder_attention_heads=48, tokens_per_sample=2048, **overrides
+    )
     plan = mm.plan(mm.model_shape(cfg, 50272), mm.TrainingSetup(gpus=2, batch_size=1, dtype="bf16"))
     assert abs(mm.gib(plan.peak_bytes) - 49.1) / 49.1 < 0.10
 
@@ -243,13 +291,29 @@ def test_fsdp_md_reference_point_within_ten_percent(arch, overrides):
 
 
 def test_cli_report_and_flag_spelling(capsys):
-    args = ["--arch", "transformer_lm_gpt3_small", "--gpus", "2", "--gpu", "h200", "--max-sentences", "4",
-            "--tokens-per-sample", "1024", "--bf16", "--fsdp-sync-free", "--fsdp-forward-prefetch",
-            "--update-freq", "2", "--max-layers-that-fit"]
+    args = [
+        "--arch",
+        "transformer_lm_gpt3_small",
+        "--gpus",
+        "2",
+        "--gpu",
+        "h200",
+        "--max-sentences",
+        "4",
+        "--tokens-per-sample",
+        "1024",
+        "--bf16",
+        "--fsdp-sync-free",
+        "--fsdp-forward-prefetch",
+        "--update-freq",
+        "2",
+        "--max-layers-that-fit",
+    ]
     request = plan_memory.parse(args)
     assert request.gpu_memory_gib == plan_memory.GPU_MEMORY_GIB["h200"]
-    assert request.setup == mm.TrainingSetup(gpus=2, batch_size=4, tokens_per_sample=1024, dtype="bf16",
-                                             forward_prefetch=True, sync_free=True, update_freq=2)
+    assert request.setup == mm.TrainingSetup(
+        gpus=2, batch_size=4, tokens_per_sample=1024, dtype="bf16", forward_prefetch=True, sync_free=True, update_freq=2
+    )
     assert plan_memory.main(args) == 0
     out = capsys.readouterr().out
     assert f"parameters: {meta_param_count('transformer_lm_gpt3_small', tokens_per_sample=1024)}\n" in out
@@ -262,37 +326,56 @@ def test_cli_report_and_flag_spelling(capsys):
 
 
 def test_cli_recommends_what_fixes_a_plan_that_does_not_fit(capsys):
-    plan_memory.main(["--arch", "transformer_lm_gpt3_175", "--gpus", "2", "--gpu", "h200", "--bf16",
-                      "--checkpoint-activations", "--fsdp-sync-free"])
+    plan_memory.main(
+        [
+            "--arch",
+            "transformer_lm_gpt3_175",
+            "--gpus",
+            "2",
+            "--gpu",
+            "h200",
+            "--bf16",
+            "--checkpoint-activations",
+            "--fsdp-sync-free",
+        ]
+    )
     out = capsys.readouterr().out
     assert "DOES NOT FIT" in out and "largest --batch-size that fits: none" in out
     gpus = mm.smallest_gpu_count(
         plan_memory.parse(["--arch", "transformer_lm_gpt3_175"]).shape,
-        mm.TrainingSetup(gpus=2, dtype="bf16", checkpoint_activations=True), plan_memory.GPU_MEMORY_GIB["h200"])
+        mm.TrainingSetup(gpus=2, dtype="bf16", checkpoint_activations=True),
+        plan_memory.GPU_MEMORY_GIB["h200"],
+    )
     assert f"at least {gpus} GPUs" in out
 
 
-@pytest.mark.parametrize("args,message", [
-    (["--bf16", "--fp16"], "--fp16 and --bf16 cannot be combined"),
-    (["--ddp-backend", "pytorch_ddp", "--fsdp-sync-free"], "--fsdp-sync-free needs --ddp-backend fully_sharded"),
-    (["--optimizer", "sgd"], "--optimizer sgd is not modeled"),
-    (["--tokens-per-sample", "4096", "--max-target-positions", "2048"], "exceeds the model's --max-target-positions"),
-    (["--decoder-attention-heads", "7"], "not divisible by --decoder-attention-heads"),
-    (["--gpu-memory-gb", "0"], "--gpu-memory-gb must be a positive finite number, got 0"),
-    (["--gpu-memory-gb", "nan"], "--gpu-memory-gb must be a positive finite number, got nan"),
-    (["--gpu-memory-gb", "inf"], "--gpu-memory-gb must be a positive finite number, got inf"),
-    (["--gpu-memory-gb", "5000"], "--gpu-memory-gb 5000 is more than any GPU holds: at most 1024"),
-    (["--achieved-tflops", "nan"], "--achieved-tflops must be a positive finite number, got nan"),
-    (["--node-memory-gib", "inf"], "--node-memory-gib must be a positive finite number, got inf"),
-    (["--gpus", "1000000000"], "--gpus 1000000000 is out of range: 1 to 131072"),
-    (["--gpus", "1e9"], "argument --gpus/--distributed-world-size: invalid int value: '1e9'"),
-    (["--gpus", "0"], "--gpus 0 is out of range: 1 to 131072"),
-    # the batch options: fairseq-train's own checks (fairseq.dataclass.batch_flags), not "raise --max-tokens"
-    (["--max-tokens", "-100"], "--max-tokens -100 must be at least 1: the most tokens in one batch"),
-    (["--batch-size", "0"], "--batch-size 0 must be at least 1: the most sentences in one batch"),
-    (["--update-freq", "0"], "--update-freq 0: every value must be an integer of at least 1"),
-    (["--update-freq", "2,-1"], "--update-freq 2,-1: every value must be an integer of at least 1"),
-])
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--bf16", "--fp16"], "--fp16 and --bf16 cannot be combined"),
+        (["--ddp-backend", "pytorch_ddp", "--fsdp-sync-free"], "--fsdp-sync-free needs --ddp-backend fully_sharded"),
+        (["--optimizer", "sgd"], "--optimizer sgd is not modeled"),
+        (
+            ["--tokens-per-sample", "4096", "--max-target-positions", "2048"],
+            "exceeds the model's --max-target-positions",
+        ),
+        (["--decoder-attention-heads", "7"], "not divisible by --decoder-attention-heads"),
+        (["--gpu-memory-gb", "0"], "--gpu-memory-gb must be a positive finite number, got 0"),
+        (["--gpu-memory-gb", "nan"], "--gpu-memory-gb must be a positive finite number, got nan"),
+        (["--gpu-memory-gb", "inf"], "--gpu-memory-gb must be a positive finite number, got inf"),
+        (["--gpu-memory-gb", "5000"], "--gpu-memory-gb 5000 is more than any GPU holds: at most 1024"),
+        (["--achieved-tflops", "nan"], "--achieved-tflops must be a positive finite number, got nan"),
+        (["--node-memory-gib", "inf"], "--node-memory-gib must be a positive finite number, got inf"),
+        (["--gpus", "1000000000"], "--gpus 1000000000 is out of range: 1 to 131072"),
+        (["--gpus", "1e9"], "argument --gpus/--distributed-world-size: invalid int value: '1e9'"),
+        (["--gpus", "0"], "--gpus 0 is out of range: 1 to 131072"),
+        # the batch options: fairseq-train's own checks (fairseq.dataclass.batch_flags), not "raise --max-tokens"
+        (["--max-tokens", "-100"], "--max-tokens -100 must be at least 1: the most tokens in one batch"),
+        (["--batch-size", "0"], "--batch-size 0 must be at least 1: the most sentences in one batch"),
+        (["--update-freq", "0"], "--update-freq 0: every value must be an integer of at least 1"),
+        (["--update-freq", "2,-1"], "--update-freq 2,-1: every value must be an integer of at least 1"),
+    ],
+)
 def test_cli_errors_name_the_flag(capsys, args, message):
     with pytest.raises(SystemExit) as exit_info:
         plan_memory.main(["--arch", "transformer_lm_gpt3_small"] + args)
@@ -313,7 +396,8 @@ def test_a_model_no_setup_could_hold_is_refused_before_it_is_modelled(capsys):
         "python -m fairseq.planning.plan_memory: error: --arch transformer_lm_gpt3_175 with 1000000000 layers x "
         "12288, ffn 49152, vocabulary 50272 has 1.81e+18 parameters, whose training state (16 bytes each: "
         "2.58e+04 PiB) exceeds 131072 GPUs of 1024 GiB, the largest setup the planner takes; lower "
-        "--decoder-layers or the widths\n")
+        "--decoder-layers or the widths\n"
+    )
     assert time.perf_counter() - started < 10
 
 
@@ -324,10 +408,16 @@ def test_plans_do_not_grow_with_the_layer_count(capsys):
     assert request.shape.total_params == 1_000_000_000 * 7_087_872 + 77_219_328
     plan = mm.plan(request.shape, request.setup)
     layers = [s.phase for s in plan.snapshots if s.phase.startswith("backward, layer")]
-    assert layers == ["backward, layer 999999999", "backward, layer 999999998", "backward, layer 1",
-                      "backward, layer 0"]
-    assert plan_memory.main(["--arch", "transformer_lm_gpt", "--decoder-layers", "1000000000",
-                             "--max-layers-that-fit"]) == 0
+    assert layers == [
+        "backward, layer 999999999",
+        "backward, layer 999999998",
+        "backward, layer 1",
+        "backward, layer 0",
+    ]
+    assert (
+        plan_memory.main(["--arch", "transformer_lm_gpt", "--decoder-layers", "1000000000", "--max-layers-that-fit"])
+        == 0
+    )
     assert "parameters: 7087872077219328\n" in capsys.readouterr().out
 
 
@@ -336,17 +426,39 @@ def test_the_walk_over_a_few_layers_finds_the_peak_of_every_layer(layers, monkey
     """backward_layers' claim: the snapshots it keeps hold the peak (phase and bytes) a walk through every layer
     finds, for every FSDP / DDP flag that shapes a layer's backward."""
     shape = mm.model_shape(preset_config("transformer_lm_gpt3_small", **dict(SMALL, decoder_layers=layers)), 1000)
-    setups = [small_setup(**dict(zip(("reshard_after_forward", "forward_prefetch", "prefetch_depth", "update_freq",
-                                       "checkpoint_activations", "cpu_offload", "gpus"), values)))
-              for values in itertools.product((True, False), (True, False), (1, 3), (1, 2), (False, True),
-                                              (False, True), (2, 8))]
-    setups += [small_setup(fully_sharded=False, update_freq=u, checkpoint_activations=c, dtype=d)
-               for u in (1, 2) for c in (False, True) for d in ("bf16", "fp32")]
+    setups = [
+        small_setup(
+            **dict(
+                zip(
+                    (
+                        "reshard_after_forward",
+                        "forward_prefetch",
+                        "prefetch_depth",
+                        "update_freq",
+                        "checkpoint_activations",
+                        "cpu_offload",
+                        "gpus",
+                    ),
+                    values,
+                )
+            )
+        )
+        for values in itertools.product(
+            (True, False), (True, False), (1, 3), (1, 2), (False, True), (False, True), (2, 8)
+        )
+    ]
+    setups += [
+        small_setup(fully_sharded=False, update_freq=u, checkpoint_activations=c, dtype=d)
+        for u in (1, 2)
+        for c in (False, True)
+        for d in ("bf16", "fp32")
+    ]
     few = [mm.plan(shape, setup) for setup in setups]
     monkeypatch.setattr(mm, "backward_layers", lambda n, bend=0: list(reversed(range(n))))
     every = [mm.plan(shape, setup) for setup in setups]
-    assert [(p.peak.phase, p.peak_bytes, p.host_bytes) for p in few] == \
-        [(p.peak.phase, p.peak_bytes, p.host_bytes) for p in every]
+    assert [(p.peak.phase, p.peak_bytes, p.host_bytes) for p in few] == [
+        (p.peak.phase, p.peak_bytes, p.host_bytes) for p in every
+    ]
 
 
 def test_unknown_arch_lists_the_choices(capsys):
@@ -357,9 +469,25 @@ def test_unknown_arch_lists_the_choices(capsys):
 
 def test_module_runs_as_a_script():
     result = subprocess.run(
-        [sys.executable, "-m", "fairseq.planning.plan_memory", "--arch", "transformer_lm_gpt3_175", "--gpus", "2",
-         "--gpu", "h200", "--bf16", "--checkpoint-activations", "--fsdp-sync-free", "--max-layers-that-fit"],
-        cwd=REPO, capture_output=True, text=True, timeout=120,
+        [
+            sys.executable,
+            "-m",
+            "fairseq.planning.plan_memory",
+            "--arch",
+            "transformer_lm_gpt3_175",
+            "--gpus",
+            "2",
+            "--gpu",
+            "h200",
+            "--bf16",
+            "--checkpoint-activations",
+            "--fsdp-sync-free",
+            "--max-layers-that-fit",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert result.returncode == 0, result.stderr
     assert f"parameters: {GPT3_175_PARAMS}" in result.stdout.splitlines()
@@ -376,8 +504,13 @@ def test_the_planner_reads_fsdp_prefetch_from_the_settings_apply_fsdp_uses(prefe
 
     from fairseq.distributed.fsdp import FSDPSettings
 
-    flags = Namespace(no_reshard_after_forward=False, fsdp_forward_prefetch=prefetch, fsdp_prefetch_depth=depth,
-                      fsdp_sync_free=True, cpu_offload=False)
+    flags = Namespace(
+        no_reshard_after_forward=False,
+        fsdp_forward_prefetch=prefetch,
+        fsdp_prefetch_depth=depth,
+        fsdp_sync_free=True,
+        cpu_offload=False,
+    )
     settings = FSDPSettings.from_flags(flags)
     setup = small_setup(forward_prefetch=prefetch, prefetch_depth=depth, sync_free=True)
     assert setup.fsdp == settings

@@ -18,8 +18,15 @@ def shape_of(**overrides):
 
 
 def test_compiled_float8_layer_saves_its_matmul_inputs_in_one_byte_and_recomputes_fc2s():
-    shape = shape_of(decoder_layers=2, decoder_embed_dim=64, decoder_ffn_embed_dim=256, decoder_attention_heads=4,
-                     dropout=0.0, attention_dropout=0.0, tokens_per_sample=16)
+    shape = shape_of(
+        decoder_layers=2,
+        decoder_embed_dim=64,
+        decoder_ffn_embed_dim=256,
+        decoder_attention_heads=4,
+        dropout=0.0,
+        attention_dropout=0.0,
+        tokens_per_sample=16,
+    )
     bf16 = mm.TrainingSetup(batch_size=2, tokens_per_sample=16, dtype="bf16")
     compiled_float8 = dataclasses.replace(bf16, float8=True, compiled=True)
     tokens, d, f = 32, 64, 256
@@ -33,8 +40,13 @@ def test_compiled_float8_layer_saves_its_matmul_inputs_in_one_byte_and_recompute
 
 
 def test_float8_all_gather_halves_the_gathered_weight_matrices_only():
-    shape = shape_of(decoder_layers=3, decoder_embed_dim=64, decoder_ffn_embed_dim=256, decoder_attention_heads=4,
-                     tokens_per_sample=16)
+    shape = shape_of(
+        decoder_layers=3,
+        decoder_embed_dim=64,
+        decoder_ffn_embed_dim=256,
+        decoder_attention_heads=4,
+        tokens_per_sample=16,
+    )
     setup = mm.TrainingSetup(gpus=2, batch_size=2, tokens_per_sample=16, dtype="bf16", float8=True, compiled=True)
     gathered = dataclasses.replace(setup, float8_all_gather=True)
     matrices = [s for s in shape.layer_param_shapes if len(s) == 2]
@@ -51,8 +63,15 @@ def test_h200_measurement_32x2560_batch_8():
     """docs/benchmarks_h200.md, one H200: fairseq-train bf16 peaked at 75.4 GiB allocated,
     --fp8 tensorwise --compile at 60.5 GiB. The bf16 plan is within 1%; the float8 plan errs on the safe side by
     at most 5% (it counts 10 of the 11.8 bytes per token and embed dim that the compiled layer saved)."""
-    shape = shape_of(decoder_layers=32, decoder_embed_dim=2560, decoder_ffn_embed_dim=10240,
-                     decoder_attention_heads=32, dropout=0.0, attention_dropout=0.0, tokens_per_sample=2048)
+    shape = shape_of(
+        decoder_layers=32,
+        decoder_embed_dim=2560,
+        decoder_ffn_embed_dim=10240,
+        decoder_attention_heads=32,
+        dropout=0.0,
+        attention_dropout=0.0,
+        tokens_per_sample=2048,
+    )
     bf16 = mm.TrainingSetup(batch_size=8, dtype="bf16")
     bf16_gib = mm.gib(mm.plan(shape, bf16).peak_bytes)
     float8_gib = mm.gib(mm.plan(shape, dataclasses.replace(bf16, float8=True, compiled=True)).peak_bytes)
@@ -68,12 +87,15 @@ def test_cli_spells_the_float8_flags_as_fairseq_train(capsys):
     assert "--fp8, --fp8-fsdp-all-gather, --compile" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("args,message", [
-    (["--fp8"], "--fp8 needs --bf16"),
-    (["--fp16", "--fp8"], "use --fp8 with --bf16, not --fp16"),
-    (["--bf16", "--fp8-fsdp-all-gather"], "--fp8-fsdp-all-gather needs --fp8"),
-    (["--bf16", "--fp8", "--fp8-recipe", "rowwise", "--fp8-fsdp-all-gather"], "works with --fp8-recipe tensorwise"),
-])
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--fp8"], "--fp8 needs --bf16"),
+        (["--fp16", "--fp8"], "use --fp8 with --bf16, not --fp16"),
+        (["--bf16", "--fp8-fsdp-all-gather"], "--fp8-fsdp-all-gather needs --fp8"),
+        (["--bf16", "--fp8", "--fp8-recipe", "rowwise", "--fp8-fsdp-all-gather"], "works with --fp8-recipe tensorwise"),
+    ],
+)
 def test_cli_float8_errors_name_the_flag(capsys, args, message):
     with pytest.raises(SystemExit) as exit_info:
         plan_memory.main(["--arch", "transformer_lm_gpt3_small"] + args)
@@ -95,8 +117,16 @@ def small_tp():
     from fairseq.models.transformer_lm import preset_config as preset
 
     shape = mm.model_shape(preset("transformer_lm_gpt3_small", **SMALL), 1000)
-    setup = mm.TrainingSetup(gpus=8, batch_size=2, tokens_per_sample=32, dtype="bf16", tensor_parallel=2,
-                             float8=True, compiled=True, float8_all_gather=True)
+    setup = mm.TrainingSetup(
+        gpus=8,
+        batch_size=2,
+        tokens_per_sample=32,
+        dtype="bf16",
+        tensor_parallel=2,
+        float8=True,
+        compiled=True,
+        float8_all_gather=True,
+    )
     return shape, setup
 
 
@@ -111,8 +141,10 @@ def test_float8_all_gather_buffer_of_a_tensor_parallel_layer_in_exact_bytes(smal
     assert plan.snapshot("backward, layer 1").terms["layers_in_flight"] == 2 * 25792  # itself + layer 0 prefetched
     # torchao keeps one fp32 scale per float8 weight (6 per layer) with the float8 all-gather, and nothing else
     assert plan.snapshot("optimizer step").terms["float8_scales"] == 2 * 6 * 4
-    assert "float8_scales" not in mm.plan(shape, dataclasses.replace(setup, float8_all_gather=False)).snapshot(
-        "optimizer step").terms
+    assert (
+        "float8_scales"
+        not in mm.plan(shape, dataclasses.replace(setup, float8_all_gather=False)).snapshot("optimizer step").terms
+    )
 
 
 def test_tensor_parallel_float8_traffic_in_exact_bytes(small_tp):

@@ -19,16 +19,24 @@ H200 = hw.GPUS["h200"]
 
 
 def gpt(layers, width, heads):
-    cfg = preset_config("transformer_lm_gpt", decoder_layers=layers, decoder_embed_dim=width,
-                        decoder_ffn_embed_dim=4 * width, decoder_attention_heads=heads, dropout=0.0,
-                        attention_dropout=0.0, tokens_per_sample=2048)
+    cfg = preset_config(
+        "transformer_lm_gpt",
+        decoder_layers=layers,
+        decoder_embed_dim=width,
+        decoder_ffn_embed_dim=4 * width,
+        decoder_attention_heads=heads,
+        dropout=0.0,
+        attention_dropout=0.0,
+        tokens_per_sample=2048,
+    )
     return mm.model_shape(cfg, 50272)
 
 
 def speedup(shape, batch, **float8):
     bf16 = mm.TrainingSetup(batch_size=batch, dtype="bf16")
     return compute_model.compute_seconds(shape, bf16, 541) / compute_model.compute_seconds(
-        shape, dataclasses.replace(bf16, float8=True, **float8), 541)
+        shape, dataclasses.replace(bf16, float8=True, **float8), 541
+    )
 
 
 def test_compute_model_reproduces_the_h200_measurements():
@@ -68,8 +76,18 @@ def gpt3_66():
 def recipe_setup(gpus, batch, **changes):
     """The TP recipes' flags (examples/large_lm/config/*_tp8.yaml): bf16, float8 tensorwise with float8
     all-gather, compile, activation checkpointing."""
-    return mm.TrainingSetup(gpus=gpus, batch_size=batch, dtype="bf16", checkpoint_activations=True, float8=True,
-                            float8_all_gather=True, compiled=True, forward_prefetch=True, sync_free=True, **changes)
+    return mm.TrainingSetup(
+        gpus=gpus,
+        batch_size=batch,
+        dtype="bf16",
+        checkpoint_activations=True,
+        float8=True,
+        float8_all_gather=True,
+        compiled=True,
+        forward_prefetch=True,
+        sync_free=True,
+        **changes,
+    )
 
 
 def test_overlap_limits(gpt3_175):
@@ -102,28 +120,34 @@ def names(candidates):
     return [plan_memory._layout_name(c.setup) for c in candidates]
 
 
-@pytest.mark.parametrize("inter_gbps, fastest", [
-    (5.0, "TP 8 x FSDP 128"),  # a slow network: TP 8 sends an eighth of FSDP's bytes across nodes
-    (12.5, "TP 8 x FSDP 128"),
-    (40.0, "TP 8 x FSDP 128"),  # the H200 default (one 400 Gb/s NIC per GPU)
-    (100.0, "TP 4 x FSDP 256"),  # fast enough to hide TP 4's FSDP traffic behind a layer's compute
-    (400.0, "FSDP 1024"),  # as fast as NVLink: tensor parallelism only adds its exposed activation traffic
-])
+@pytest.mark.parametrize(
+    "inter_gbps, fastest",
+    [
+        (5.0, "TP 8 x FSDP 128"),  # a slow network: TP 8 sends an eighth of FSDP's bytes across nodes
+        (12.5, "TP 8 x FSDP 128"),
+        (40.0, "TP 8 x FSDP 128"),  # the H200 default (one 400 Gb/s NIC per GPU)
+        (100.0, "TP 4 x FSDP 256"),  # fast enough to hide TP 4's FSDP traffic behind a layer's compute
+        (400.0, "FSDP 1024"),  # as fast as NVLink: tensor parallelism only adds its exposed activation traffic
+    ],
+)
 def test_fastest_layout_of_175b_on_1024_h200_follows_the_network(gpt3_175, inter_gbps, fastest):
-    candidates = layouts.candidate_layouts(gpt3_175, recipe_setup(1024, 1),
-                                           dataclasses.replace(H200, inter_node_gbps=inter_gbps))
+    candidates = layouts.candidate_layouts(
+        gpt3_175, recipe_setup(1024, 1), dataclasses.replace(H200, inter_node_gbps=inter_gbps)
+    )
     assert names(candidates)[0] == fastest
     by_name = dict(zip(names(candidates), candidates))
     if inter_gbps <= 40:
         assert by_name["TP 8 x FSDP 128"].time.total < 0.5 * by_name["FSDP 1024"].time.total
 
 
-@pytest.mark.parametrize("inter_gbps, fastest", [
-    (5.0, "TP 8 x FSDP 32"), (22.0, "TP 4 x FSDP 64"), (40.0, "TP 2 x FSDP 128"), (100.0, "FSDP 256"),
-])
+@pytest.mark.parametrize(
+    "inter_gbps, fastest",
+    [(5.0, "TP 8 x FSDP 32"), (22.0, "TP 4 x FSDP 64"), (40.0, "TP 2 x FSDP 128"), (100.0, "FSDP 256")],
+)
 def test_fastest_layout_of_66b_on_256_h200_follows_the_network(gpt3_66, inter_gbps, fastest):
-    candidates = layouts.candidate_layouts(gpt3_66, recipe_setup(256, 4),
-                                           dataclasses.replace(H200, inter_node_gbps=inter_gbps))
+    candidates = layouts.candidate_layouts(
+        gpt3_66, recipe_setup(256, 4), dataclasses.replace(H200, inter_node_gbps=inter_gbps)
+    )
     assert names(candidates)[0] == fastest
 
 
@@ -131,36 +155,82 @@ def test_equal_layouts_rank_by_memory(gpt3_175):
     """TP 8 x FSDP 128 and its HSDP variants take the same estimated time: the one needing least memory first."""
     candidates = layouts.candidate_layouts(gpt3_175, recipe_setup(1024, 1), H200)
     tp8 = [c for c in candidates if c.setup.tensor_parallel == 8]
-    assert names(candidates)[:len(tp8)] == names(tp8)
+    assert names(candidates)[: len(tp8)] == names(tp8)
     assert [c.plan.required_bytes for c in tp8] == sorted(c.plan.required_bytes for c in tp8)
 
 
 def test_cli_recommendation_comes_first_with_its_time_split(capsys):
-    args = ["--arch", "transformer_lm_gpt3_175", "--gpus", "1024", "--gpu", "h200", "--bf16", "--fp8", "--compile",
-            "--fp8-fsdp-all-gather", "--checkpoint-activations", "--batch-size", "1", "--recommend-layout",
-            "--inter-node-gbps", "12.5"]
+    args = [
+        "--arch",
+        "transformer_lm_gpt3_175",
+        "--gpus",
+        "1024",
+        "--gpu",
+        "h200",
+        "--bf16",
+        "--fp8",
+        "--compile",
+        "--fp8-fsdp-all-gather",
+        "--checkpoint-activations",
+        "--batch-size",
+        "1",
+        "--recommend-layout",
+        "--inter-node-gbps",
+        "12.5",
+    ]
     assert plan_memory.main(args) == 0
     out = capsys.readouterr().out.splitlines()
     start = next(i for i, line in enumerate(out) if line.startswith("layouts of 1024 GPUs"))
-    assert out[start + 1].startswith("recommended layout: TP 8 x FSDP 128: --model-parallel-size 8 --batch-size 8 "
-                                     "--update-freq 1 (")
-    assert out[start + 2].split() == ["layout", "batch", "x", "freq", "GiB", "needed", "compute", "s", "exposed", "s",
-                                      "step", "s", "across", "nodes", "GiB", "all", "comm", "s"]
-    rows = [line[:26].strip() for line in out[start + 3:start + 7]]
+    assert out[start + 1].startswith(
+        "recommended layout: TP 8 x FSDP 128: --model-parallel-size 8 --batch-size 8 --update-freq 1 ("
+    )
+    assert out[start + 2].split() == [
+        "layout",
+        "batch",
+        "x",
+        "freq",
+        "GiB",
+        "needed",
+        "compute",
+        "s",
+        "exposed",
+        "s",
+        "step",
+        "s",
+        "across",
+        "nodes",
+        "GiB",
+        "all",
+        "comm",
+        "s",
+    ]
+    rows = [line[:26].strip() for line in out[start + 3 : start + 7]]
     assert rows == ["TP 8 x FSDP 128", "TP 4 x FSDP 256", "TP 2 x FSDP 512", "FSDP 1024"]  # one per TP size
-    steps = [float(line.split()[-3]) for line in out[start + 3:start + 7]]
+    steps = [float(line.split()[-3]) for line in out[start + 3 : start + 7]]
     assert steps == sorted(steps)
     assert out[start + 7].startswith("  not shown: 20 HSDP layouts (--fsdp-shard-group-size), none faster")
     assert any(line.startswith("estimated step: ") and "float8 matmuls 1.38x as fast" in line for line in out)
 
 
 def test_cli_hardware_flags(capsys):
-    request = plan_memory.parse(["--arch", "transformer_lm_gpt3_small", "--gpu", "h200", "--inter-node-gbps", "12.5",
-                                 "--achieved-tflops", "400"])
+    request = plan_memory.parse(
+        [
+            "--arch",
+            "transformer_lm_gpt3_small",
+            "--gpu",
+            "h200",
+            "--inter-node-gbps",
+            "12.5",
+            "--achieved-tflops",
+            "400",
+        ]
+    )
     assert request.hardware == dataclasses.replace(H200, inter_node_gbps=12.5, achieved_tflops=400.0)
     assert request.gpu_memory_gib == H200.memory_gib
-    for args, message in ((["--gpu", "a100-80gb", "--bf16", "--fp8"], "--fp8 needs a GPU of compute capability 8.9"),
-                          (["--inter-node-gbps", "0"], "--inter-node-gbps must be a positive finite number, got 0")):
+    for args, message in (
+        (["--gpu", "a100-80gb", "--bf16", "--fp8"], "--fp8 needs a GPU of compute capability 8.9"),
+        (["--inter-node-gbps", "0"], "--inter-node-gbps must be a positive finite number, got 0"),
+    ):
         with pytest.raises(SystemExit) as exit_info:
             plan_memory.main(["--arch", "transformer_lm_gpt3_small"] + args)
         assert exit_info.value.code == 2 and message in capsys.readouterr().err

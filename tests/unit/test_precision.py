@@ -154,8 +154,14 @@ def test_default_scale_window_is_2_pow_14_over_replicas_and_update_freq(dp, uf, 
 
 
 def test_fp16_scaler_takes_the_command_line_values():
-    cfg = common(fp16=True, fp16_scale_window=100, fp16_init_scale=8.0, fp16_scale_tolerance=0.25,
-                 threshold_loss_scale=0.5, min_loss_scale=0.01)
+    cfg = common(
+        fp16=True,
+        fp16_scale_window=100,
+        fp16_init_scale=8.0,
+        fp16_scale_tolerance=0.25,
+        threshold_loss_scale=0.5,
+        min_loss_scale=0.01,
+    )
     p = Precision(cfg, CUDA, sharded=True, data_parallel_size=8, update_freq=4)
     s = p.scaler
     assert (s.scale_window, s.loss_scale, s.tolerance, s.threshold, s.min_loss_scale) == (100, 8.0, 0.25, 0.5, 0.01)
@@ -164,10 +170,10 @@ def test_fp16_scaler_takes_the_command_line_values():
     assert p.state_dict()["loss_scale"] == 8.0
 
 
-@pytest.mark.parametrize("kw, sharded, expected", [
-    (dict(), False, False), (dict(), True, False),
-    (dict(bf16=True), False, True), (dict(bf16=True), True, False),
-])
+@pytest.mark.parametrize(
+    "kw, sharded, expected",
+    [(dict(), False, False), (dict(), True, False), (dict(bf16=True), False, True), (dict(bf16=True), True, False)],
+)
 def test_autocast_only_when_not_sharded_and_not_fp32_cpu(kw, sharded, expected):
     p = Precision(common(**kw), CPU, sharded=sharded)
     assert p.use_autocast is expected

@@ -135,10 +135,12 @@ def test_exit_code_for_failed_requeue_is_distinct():
 
 # ----------------------------------------------------------------------------- the real command line
 
+
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("scontrol_status, expected", [(0, EXIT_REQUEUED), (1, 4)])
-def test_fairseq_train_exit_status_says_whether_the_requeue_worked(tiny_data, tmp_path, monkeypatch, build_train_args,
-                                                                   scontrol_status, expected):
+def test_fairseq_train_exit_status_says_whether_the_requeue_worked(
+    tiny_data, tmp_path, monkeypatch, build_train_args, scontrol_status, expected
+):
     """SIGUSR1 inside a SLURM job: checkpoint_last is saved either way; exit 3 only if `scontrol requeue`
     worked, else exit 4 with one error line telling the user to resubmit."""
     import subprocess
@@ -151,10 +153,25 @@ def test_fairseq_train_exit_status_says_whether_the_requeue_worked(tiny_data, tm
     save_dir = tmp_path / "ck"
     log_file = save_dir / "train.log"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "fairseq_cli.train",
-         *build_train_args(tiny_data, save_dir, "--required-batch-size-multiple", "1", "--disable-validation",
-                           max_update=100000, arch="transformer_lm_gpt", seed=None)],
-        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        [
+            sys.executable,
+            "-m",
+            "fairseq_cli.train",
+            *build_train_args(
+                tiny_data,
+                save_dir,
+                "--required-batch-size-multiple",
+                "1",
+                "--disable-validation",
+                max_update=100000,
+                arch="transformer_lm_gpt",
+                seed=None,
+            ),
+        ],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
     )
     try:
         deadline = time.time() + 300

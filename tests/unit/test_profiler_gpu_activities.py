@@ -46,8 +46,7 @@ def trace(with_activity):
     ]
 
 
-EXPECTED = ["triton_red_fused_abs_max_0", "nvjet_sm90_tst_256x128", "Memcpy HtoD (Pinned -> Device)",
-            "Memset (Device)"]
+EXPECTED = ["triton_red_fused_abs_max_0", "nvjet_sm90_tst_256x128", "Memcpy HtoD (Pinned -> Device)", "Memset (Device)"]
 
 
 def test_records_with_an_activity_type():

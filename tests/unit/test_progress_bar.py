@@ -141,8 +141,10 @@ def test_an_endless_epoch_is_shown_without_its_length(log_lines):
         for i, _ in enumerate(bar):
             if i + 1 == 2:
                 bar.log({"loss": 1.5}, tag="train_inner", step=2)
-    assert [line.split(" | ", 3)[3] for line in log_lines()] == ["epoch 001:      2 loss=1.5",
-                                                                 '{"epoch": 1, "loss": "1.5"}']
+    assert [line.split(" | ", 3)[3] for line in log_lines()] == [
+        "epoch 001:      2 loss=1.5",
+        '{"epoch": 1, "loss": "1.5"}',
+    ]
 
 
 def test_none_format_iterates_and_prints_nothing(log_lines, capsys):
@@ -229,8 +231,10 @@ def test_read_json_log_gives_back_the_stats_of_one_tag_in_order(tmp_path, root_l
     valid = pb.progress_bar([], log_format="json", epoch=1, prefix="valid on 'valid' subset", log_file=str(log_file))
     valid.print({"loss": 3.75, "best_loss": 3.75}, tag="valid", step=2)
     file_handler.flush()
-    assert pb.read_json_log(str(log_file)) == [{"epoch": 1, "update": 0.5, "loss": "4", "num_updates": "1"},
-                                               {"epoch": 1, "update": 1.0, "loss": "3", "num_updates": "2"}]
+    assert pb.read_json_log(str(log_file)) == [
+        {"epoch": 1, "update": 0.5, "loss": "4", "num_updates": "1"},
+        {"epoch": 1, "update": 1.0, "loss": "3", "num_updates": "2"},
+    ]
     assert pb.read_json_log(log_file, "train") == [{"epoch": 1, "train_loss": "3.5", "train_num_updates": "2"}]
     assert pb.read_json_log(log_file, "valid") == [{"epoch": 1, "valid_loss": "3.75", "valid_best_loss": "3.75"}]
     assert pb.read_json_log(log_file, "test") == []
@@ -239,8 +243,9 @@ def test_read_json_log_gives_back_the_stats_of_one_tag_in_order(tmp_path, root_l
 def test_tensorboard_missing_warns_once_and_keeps_logging(monkeypatch, log_lines, fresh_warnings, caplog):
     monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)  # as if tensorboard were not installed
     for _ in range(2):
-        bar = pb.progress_bar(list(range(1)), log_format="json", log_interval=1, epoch=1,
-                              tensorboard_logdir="unused-dir")
+        bar = pb.progress_bar(
+            list(range(1)), log_format="json", log_interval=1, epoch=1, tensorboard_logdir="unused-dir"
+        )
         run_and_log(bar, {"loss": 1.0})
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert warnings == ["tensorboard not found: pip install tensorboard (continuing without --tensorboard-logdir)"]
@@ -261,8 +266,7 @@ def test_tensorboard_writes_scalars_per_tag(tmp_path, log_lines):
     pytest.importorskip("tensorboard")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    bar = pb.progress_bar(list(range(4)), log_format="json", log_interval=2, epoch=1,
-                          tensorboard_logdir=str(tmp_path))
+    bar = pb.progress_bar(list(range(4)), log_format="json", log_interval=2, epoch=1, tensorboard_logdir=str(tmp_path))
     assert type(bar) is pb.TensorboardProgressBarWrapper
     for i, _ in enumerate(bar):
         bar.log({"loss": 9.0 - i, "ppl": 512.0, "num_updates": i + 1}, tag="train_inner", step=i + 1)
@@ -280,8 +284,9 @@ def test_wandb_offline_run_gets_tagged_scalars(tmp_path, monkeypatch, log_lines)
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_DIR", str(tmp_path))
     monkeypatch.setenv("WANDB_SILENT", "true")
-    bar = pb.progress_bar(list(range(4)), log_format="json", log_interval=2, epoch=1,
-                          wandb_project="lm", wandb_run_name="run-a")
+    bar = pb.progress_bar(
+        list(range(4)), log_format="json", log_interval=2, epoch=1, wandb_project="lm", wandb_run_name="run-a"
+    )
     try:
         assert type(bar) is pb.WandBProgressBarWrapper
         run = wandb.run

@@ -41,9 +41,18 @@ W = [D.index(f"w{i}") for i in range(8)]
 
 
 def build(seed=0, **overrides):
-    options = dict(decoder_embed_dim=16, decoder_input_dim=16, decoder_output_dim=16, decoder_ffn_embed_dim=32,
-                   decoder_layers=2, decoder_attention_heads=2, max_target_positions=64, dropout=0.0,
-                   decoder_learned_pos=True, decoder_normalize_before=True)
+    options = dict(
+        decoder_embed_dim=16,
+        decoder_input_dim=16,
+        decoder_output_dim=16,
+        decoder_ffn_embed_dim=32,
+        decoder_layers=2,
+        decoder_attention_heads=2,
+        max_target_positions=64,
+        dropout=0.0,
+        decoder_learned_pos=True,
+        decoder_normalize_before=True,
+    )
     options.update(overrides)
     torch.manual_seed(seed)
     return TransformerLanguageModel.build(TransformerLanguageModelConfig(**options), V, PAD).eval()
@@ -78,8 +87,8 @@ def sample_of(prompts):
     prefix = torch.full((len(prompts), width - 1), PAD)
     for i, p in enumerate(prompts):
         src[i, 0] = EOS
-        src[i, 1:1 + len(p)] = torch.tensor(p, dtype=torch.long)
-        prefix[i, :len(p)] = torch.tensor(p, dtype=torch.long)
+        src[i, 1 : 1 + len(p)] = torch.tensor(p, dtype=torch.long)
+        prefix[i, : len(p)] = torch.tensor(p, dtype=torch.long)
     return {"net_input": {"src_tokens": src, "src_lengths": (src != PAD).sum(1)}}, prefix
 
 
@@ -136,7 +145,7 @@ def reference_beam(model, prompt, beam, max_len, min_len=1, lenpen=1.0):
             candidates += [(score + float(lp[t]), i, t, float(lp[t])) for t in allowed if lp[t] > -math.inf]
         candidates.sort(key=lambda c: -c[0])
         next_live = []
-        for rank, (score, i, token, lp) in enumerate(candidates[:2 * beam]):
+        for rank, (score, i, token, lp) in enumerate(candidates[: 2 * beam]):
             toks, _, pos = live[i]
             if token == EOS:
                 if rank < beam and len(done) < beam:
@@ -175,7 +184,7 @@ def test_greedy_is_the_argmax_of_full_forwards(temperature):
         hypo = sentence[0]
         tokens, scores = reference_greedy(model, prompt, max_len=12, temperature=temperature)
         assert hypo["tokens"].tolist() == tokens
-        assert hypo["tokens"][:len(prompt)].tolist() == prompt and hypo["tokens"][-1] == EOS
+        assert hypo["tokens"][: len(prompt)].tolist() == prompt and hypo["tokens"][-1] == EOS
         torch.testing.assert_close(hypo["positional_scores"], torch.tensor(scores), atol=ATOL, rtol=0)
         assert set(hypo) == {"tokens", "score", "attention", "alignment", "positional_scores"}
         assert hypo["attention"] is None and hypo["alignment"].numel() == 0
@@ -194,9 +203,9 @@ def test_beam_search_matches_a_plain_reference_beam_search(lenpen):
             torch.testing.assert_close(hypo["positional_scores"], torch.tensor(positional), atol=ATOL, rtol=0)
             check_positional_scores(model, hypo)
             # The normalized score: summed log-probabilities over len(tokens) ** lenpen; best first.
-            torch.testing.assert_close(float(hypo["score"]),
-                                       float(hypo["positional_scores"].sum()) / len(tokens) ** lenpen,
-                                       atol=ATOL, rtol=0)
+            torch.testing.assert_close(
+                float(hypo["score"]), float(hypo["positional_scores"].sum()) / len(tokens) ** lenpen, atol=ATOL, rtol=0
+            )
         assert [float(h["score"]) for h in hypos] == sorted((float(h["score"]) for h in hypos), reverse=True)
 
 
@@ -251,8 +260,11 @@ def test_prompts_that_do_not_fit_raise_one_clear_error():
     model = build(max_target_positions=8)
     generator = SequenceGenerator([model], D, max_len_b=200)
     sample, prefix = sample_of([[W[1]] * 8, [W[2]]])
-    with pytest.raises(ValueError, match=r"a prompt of 8 tokens does not fit.* shorten the prompts to 7 tokens or less "
-                                         r"\(fairseq-generate: a smaller --tokens-per-sample, or --prefix-size N\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"a prompt of 8 tokens does not fit.* shorten the prompts to 7 tokens or less "
+        r"\(fairseq-generate: a smaller --tokens-per-sample, or --prefix-size N\)",
+    ):
         generator.generate([model], sample, prefix_tokens=prefix)
     with pytest.raises(ValueError, match="--temperature must be greater than 0"):
         SequenceGenerator([model], D, temperature=0)
@@ -268,8 +280,11 @@ def test_a_prompt_longer_than_the_output_allowed_is_cut_there_as_upstream_does(c
         assert hypos[0][0]["tokens"].tolist() == [W[1]] * 3 + [D.eos()]
         assert hypos[1][0]["tokens"][:2].tolist() == [W[2], W[3]] and len(hypos[1][0]["tokens"]) <= 4
     warnings = [r.getMessage() for r in caplog.records if "longer than the longest output allowed" in r.getMessage()]
-    assert len(warnings) == 1 and warnings[0].startswith("a prompt of 5 tokens is longer than the longest output "
-                                                         "allowed, 3 tokens") and "raise --max-len-b" in warnings[0]
+    assert (
+        len(warnings) == 1
+        and warnings[0].startswith("a prompt of 5 tokens is longer than the longest output allowed, 3 tokens")
+        and "raise --max-len-b" in warnings[0]
+    )
 
 
 @pytest.mark.parametrize("beam", [1, 3])
@@ -281,7 +296,7 @@ def test_a_prompts_continuation_does_not_depend_on_its_batch(beam):
         assert [h["tokens"].tolist() for h in together] == [h["tokens"].tolist() for h in alone]
         for a, b in zip(together, alone):
             torch.testing.assert_close(a["positional_scores"], b["positional_scores"], atol=ATOL, rtol=0)
-            assert a["tokens"][:len(prompt)].tolist() == prompt
+            assert a["tokens"][: len(prompt)].tolist() == prompt
 
 
 class StepwiseBeamSearch(search.BeamSearch):
@@ -317,7 +332,7 @@ def test_sampling_is_reproducible_and_stays_in_the_top_k_or_top_p():
             for hypo in sentence:
                 check_positional_scores(model, hypo)
                 toks = hypo["tokens"].tolist()
-                assert toks[:len(prompt)] == prompt
+                assert toks[: len(prompt)] == prompt
                 all_lp = sequence_log_probs(model, [EOS] + toks[:-1])
                 for i in range(len(prompt), len(toks) - 1):
                     lp = all_lp[i].clone()
@@ -387,8 +402,9 @@ class GRUDecoder(FairseqIncrementalDecoder):
     def reorder_incremental_state(self, incremental_state, new_order):
         cached = self.get_incremental_state(incremental_state, "hidden")
         if cached is not None:
-            self.set_incremental_state(incremental_state, "hidden",
-                                       {"hidden": cached["hidden"].index_select(0, new_order)})
+            self.set_incremental_state(
+                incremental_state, "hidden", {"hidden": cached["hidden"].index_select(0, new_order)}
+            )
 
 
 class CachelessGRUDecoder(FairseqDecoder):
@@ -433,8 +449,9 @@ def test_an_ensemble_averages_probabilities():
     averaged[:, PAD] = -math.inf
     for i in range(1, len(toks)):  # greedy over the averaged distribution, </s> forced at max_len = 8
         assert toks[i] == (EOS if i == 8 else int(averaged[i].argmax()))
-    torch.testing.assert_close(hypo["positional_scores"],
-                               averaged.gather(1, torch.tensor(toks).unsqueeze(1)).squeeze(1), atol=ATOL, rtol=0)
+    torch.testing.assert_close(
+        hypo["positional_scores"], averaged.gather(1, torch.tensor(toks).unsqueeze(1)).squeeze(1), atol=ATOL, rtol=0
+    )
 
 
 # ---- the static one-token step (what CUDA graphs capture, tests/gpu), run eagerly -------------------------
@@ -461,15 +478,29 @@ def cache_pointers(states):
     return [entry["key_buffer"].data_ptr() for state in states for entry in state.values() if "key_buffer" in entry]
 
 
-@pytest.mark.parametrize("beam,sampling,options", [
-    (1, None, dict(unk_penalty=0.5)), (1, None, dict(min_len=6)), (3, None, dict(no_repeat_ngram_size=2)),
-    (2, dict(sampling_topk=4), {}), (2, dict(sampling_topp=0.8), dict(temperature=0.8)),
-])
+@pytest.mark.parametrize(
+    "beam,sampling,options",
+    [
+        (1, None, dict(unk_penalty=0.5)),
+        (1, None, dict(min_len=6)),
+        (3, None, dict(no_repeat_ngram_size=2)),
+        (2, dict(sampling_topk=4), {}),
+        (2, dict(sampling_topp=0.8), dict(temperature=0.8)),
+    ],
+)
 def test_the_static_step_path_gives_the_eager_paths_hypotheses(beam, sampling, options):
     model = build(seed=4)  # its sentences end at different steps
-    generators = [cls([model], D, beam_size=beam, max_len_b=12,
-                      search_strategy=None if sampling is None else search.Sampling(D, **sampling), **options)
-                  for cls in (SequenceGenerator, EagerStaticGenerator)]
+    generators = [
+        cls(
+            [model],
+            D,
+            beam_size=beam,
+            max_len_b=12,
+            search_strategy=None if sampling is None else search.Sampling(D, **sampling),
+            **options,
+        )
+        for cls in (SequenceGenerator, EagerStaticGenerator)
+    ]
     static = generators[1]
     # Then fewer sentences (the caches are reused, rows past the live ones computed and ignored), then more
     # (a new, larger cache; 6 sentences run as 8).
@@ -509,8 +540,9 @@ def test_one_host_sync_per_step_and_none_while_eos_is_masked():
     prompts = [[W[1]], [W[2], W[3]]]
 
     def syncs(max_len, min_len):
-        return host_syncs(SequenceGenerator([model], D, beam_size=2, max_len_b=max_len, min_len=min_len,
-                                            device_loop=False), prompts)
+        return host_syncs(
+            SequenceGenerator([model], D, beam_size=2, max_len_b=max_len, min_len=min_len, device_loop=False), prompts
+        )
 
     assert syncs(16, 1) - syncs(8, 1) == 8
     assert syncs(16, 16) == syncs(8, 8)
@@ -542,10 +574,11 @@ def test_task_inference_dataset_and_step(add_bos_token):
         hypos = task.inference_step(generator, [model], sample)
         for i, sentence in zip(sample["id"].tolist(), hypos):
             prompt = lines[i][:-1]
-            direct = generator.generate([model], sample, prefix_tokens=sample["net_input"]["src_tokens"][:, 1:],
-                                        bos_token=start)[sample["id"].tolist().index(i)]
+            direct = generator.generate(
+                [model], sample, prefix_tokens=sample["net_input"]["src_tokens"][:, 1:], bos_token=start
+            )[sample["id"].tolist().index(i)]
             assert [h["tokens"].tolist() for h in sentence] == [h["tokens"].tolist() for h in direct]
-            assert sentence[0]["tokens"][:len(prompt)].tolist() == prompt.tolist()
+            assert sentence[0]["tokens"][: len(prompt)].tolist() == prompt.tolist()
     with pytest.raises(ValueError, match="--constraints"):
         task.inference_step(generator, [model], sample, constraints=torch.zeros(1))
 
@@ -553,9 +586,20 @@ def test_task_inference_dataset_and_step(add_bos_token):
 def test_build_generator_reads_upstreams_options_and_rejects_what_upstream_rejects():
     task = lm_task()
     model = build()
-    generator = task.build_generator([model], argparse.Namespace(
-        beam=3, max_len_a=0.5, max_len_b=7, min_len=2, lenpen=0.7, unkpen=1.5, temperature=0.9,
-        no_repeat_ngram_size=3, unnormalized=True))
+    generator = task.build_generator(
+        [model],
+        argparse.Namespace(
+            beam=3,
+            max_len_a=0.5,
+            max_len_b=7,
+            min_len=2,
+            lenpen=0.7,
+            unkpen=1.5,
+            temperature=0.9,
+            no_repeat_ngram_size=3,
+            unnormalized=True,
+        ),
+    )
     assert (generator.beam_size, generator.max_len_a, generator.max_len_b, generator.min_len) == (3, 0.5, 7, 2)
     assert (generator.len_penalty, generator.unk_penalty, generator.temperature) == (0.7, 1.5, 0.9)
     assert generator.no_repeat_ngram_size == 3 and not generator.normalize_scores
@@ -564,18 +608,26 @@ def test_build_generator_reads_upstreams_options_and_rejects_what_upstream_rejec
     assert (defaults.beam_size, defaults.max_len_b, defaults.min_len, defaults.normalize_scores) == (5, 200, 1, True)
     sampler = task.build_generator([model], argparse.Namespace(sampling=True, sampling_topk=4, beam=2))
     assert isinstance(sampler.search, search.Sampling) and sampler.search.sampling_topk == 4
-    assert isinstance(task.build_generator([model], argparse.Namespace(match_source_len=True)).search,
-                      search.LengthConstrainedBeamSearch)
+    assert isinstance(
+        task.build_generator([model], argparse.Namespace(match_source_len=True)).search,
+        search.LengthConstrainedBeamSearch,
+    )
     for flags, message in (
         (dict(sampling=True, match_source_len=True), "--sampling and --match-source-len cannot be combined"),
         (dict(sampling_topk=5), "--sampling-topk 5 requires --sampling"),
         (dict(sampling_topp=0.9), "--sampling-topp 0.9 requires --sampling"),
         (dict(diverse_beam_groups=2), "--diverse-beam-groups is not supported"),
         (dict(constraints="ordered"), "--constraints is not supported"),
-        (dict(sampling=True, sampling_topk=V + 1), "--sampling-topk 13 is out of range: -1 .* 1 to the vocabulary size 12"),
+        (
+            dict(sampling=True, sampling_topk=V + 1),
+            "--sampling-topk 13 is out of range: -1 .* 1 to the vocabulary size 12",
+        ),
         (dict(sampling=True, sampling_topk=-5), "--sampling-topk -5 is out of range"),
-        (dict(sampling=True, sampling_topp=-0.5), r"--sampling-topp -0.5 is out of range: -1 \(off: all tokens\) or a "
-                                                 r"probability mass in \(0, 1\]"),
+        (
+            dict(sampling=True, sampling_topp=-0.5),
+            r"--sampling-topp -0.5 is out of range: -1 \(off: all tokens\) or a "
+            r"probability mass in \(0, 1\]",
+        ),
     ):
         with pytest.raises(ValueError, match=message):
             task.build_generator([model], argparse.Namespace(**flags))

@@ -19,23 +19,43 @@ def test_prompt_forms_and_defaults():
     assert parse({"prompt": ["a", "b"]}).prompts == ["a", "b"]
     assert parse({"prompt": [5, 6]}).prompts == [[5, 6]]
     assert parse({"prompt": [[5], [6, 7]]}).prompts == [[5], [6, 7]]
-    request = parse({"prompt": "x", "stop": "\n", "top_k": 0, "stream": True,
-                     "stream_options": {"include_usage": True}})
-    assert (request.max_tokens, request.temperature, request.n, request.stop, request.top_k, request.beam,
-            request.include_usage) == (None, 1.0, 1, ["\n"], -1, 1, True)
+    request = parse(
+        {"prompt": "x", "stop": "\n", "top_k": 0, "stream": True, "stream_options": {"include_usage": True}}
+    )
+    assert (
+        request.max_tokens,
+        request.temperature,
+        request.n,
+        request.stop,
+        request.top_k,
+        request.beam,
+        request.include_usage,
+    ) == (None, 1.0, 1, ["\n"], -1, 1, True)
     assert parse({"prompt": "x", "best_of": 3, "n": 2}).beam == 3
 
 
-@pytest.mark.parametrize("body,param", [
-    ({"prompt": "x", "n": 0}, "n"), ({"prompt": "x", "n": 17}, "n"), ({"prompt": "x", "top_p": 0}, "top_p"),
-    ({"prompt": "x", "temperature": float("nan")}, "temperature"), ({"prompt": "x", "logprobs": 21}, "logprobs"),
-    ({"prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, "stop"), ({"prompt": "x", "stop": [""]}, "stop"),
-    ({"prompt": "x", "echo": "yes"}, "echo"), ({"prompt": "x", "best_of": 1, "n": 2}, "best_of"),
-    ({"prompt": "x", "presence_penalty": 0.5}, "presence_penalty"), ({"prompt": []}, "prompt"),
-    ({"prompt": [1, "a"]}, "prompt"), ({"prompt": [[1], [100]]}, "prompt"), ({"prompt": "x", "top_k": -2}, "top_k"),
-    ({"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),
-    ({"prompt": "x", "seed": -1}, "seed"), ({"prompt": "x", "user": 5}, "user"),
-])
+@pytest.mark.parametrize(
+    "body,param",
+    [
+        ({"prompt": "x", "n": 0}, "n"),
+        ({"prompt": "x", "n": 17}, "n"),
+        ({"prompt": "x", "top_p": 0}, "top_p"),
+        ({"prompt": "x", "temperature": float("nan")}, "temperature"),
+        ({"prompt": "x", "logprobs": 21}, "logprobs"),
+        ({"prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, "stop"),
+        ({"prompt": "x", "stop": [""]}, "stop"),
+        ({"prompt": "x", "echo": "yes"}, "echo"),
+        ({"prompt": "x", "best_of": 1, "n": 2}, "best_of"),
+        ({"prompt": "x", "presence_penalty": 0.5}, "presence_penalty"),
+        ({"prompt": []}, "prompt"),
+        ({"prompt": [1, "a"]}, "prompt"),
+        ({"prompt": [[1], [100]]}, "prompt"),
+        ({"prompt": "x", "top_k": -2}, "top_k"),
+        ({"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),
+        ({"prompt": "x", "seed": -1}, "seed"),
+        ({"prompt": "x", "user": 5}, "user"),
+    ],
+)
 def test_bad_values_name_their_parameter(body, param):
     with pytest.raises(APIError) as info:
         parse(body)  # json.dumps writes nan as NaN, which json.loads reads back
@@ -49,8 +69,10 @@ def choice(name, prompt_len=3, max_new=5):
 
 def test_queue_bound_and_oldest_first_admission():
     scheduler = Scheduler(model=None, backend=None, max_running=3, max_batch_tokens=30, max_queue=3)
-    works = [Work([choice(f"{i}-{j}") for j in range(rows)], lambda event: None, reserved)
-             for i, (rows, reserved) in enumerate([(2, 18), (2, 18), (1, 9)])]
+    works = [
+        Work([choice(f"{i}-{j}") for j in range(rows)], lambda event: None, reserved)
+        for i, (rows, reserved) in enumerate([(2, 18), (2, 18), (1, 9)])
+    ]
     for work in works:
         scheduler.submit(work)
     with pytest.raises(QueueFull):

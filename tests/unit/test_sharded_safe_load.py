@@ -37,10 +37,22 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 @pytest.fixture(scope="module")
 def train_argv(build_train_args):
     """One process writing sharded checkpoints: the tiny transformer_lm_gpt, --seed 5, no validation, no json log."""
+
     def argv(data, save_dir, *extra, max_update=2):
-        return build_train_args(data, save_dir, "--disable-validation", "--ddp-backend", "fully_sharded",
-                                "--use-sharded-state", *extra, max_update=max_update, arch="transformer_lm_gpt",
-                                seed="5", json_log=False, log_file=False)
+        return build_train_args(
+            data,
+            save_dir,
+            "--disable-validation",
+            "--ddp-backend",
+            "fully_sharded",
+            "--use-sharded-state",
+            *extra,
+            max_update=max_update,
+            arch="transformer_lm_gpt",
+            seed="5",
+            json_log=False,
+            log_file=False,
+        )
 
     return argv
 
@@ -52,7 +64,7 @@ def run(module_or_script, *argv):
         spec = importlib.util.spec_from_file_location("script_under_test", module_or_script)
         script = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(script)
-        name, cli_main = os.path.basename(module_or_script)[:-len(".py")], script.main
+        name, cli_main = os.path.basename(module_or_script)[: -len(".py")], script.main
     else:
         module = importlib.import_module(module_or_script)
         name, cli_main = "fairseq-" + module_or_script.split(".")[-1].replace("_", "-"), module.cli_main
@@ -321,8 +333,20 @@ def test_consolidation_script_refuses_and_accepts_the_flag(pristine, tmp_path):
 
 
 def _eval(data, path, *extra):
-    return run("fairseq_cli.eval_lm", str(data), "--path", str(path), "--gen-subset", "test",
-               "--tokens-per-sample", "32", "--batch-size", "4", "--cpu", *extra)
+    return run(
+        "fairseq_cli.eval_lm",
+        str(data),
+        "--path",
+        str(path),
+        "--gen-subset",
+        "test",
+        "--tokens-per-sample",
+        "32",
+        "--batch-size",
+        "4",
+        "--cpu",
+        *extra,
+    )
 
 
 def _loss(proc):
@@ -366,13 +390,27 @@ def _global_pickle(module, name, opcode="STACK_GLOBAL"):
     return b"\x80\x04\x8c" + bytes([len(m)]) + m + b"\x8c" + bytes([len(n)]) + n + b"\x93."
 
 
-@pytest.mark.parametrize("module,name", [
-    ("posix", "system"), ("os", "system"), ("builtins", "eval"), ("builtins", "exec"), ("builtins", "getattr"),
-    ("builtins", "open"), ("builtins", "__import__"), ("torch", "load"), ("torch.serialization", "load"),
-    ("torch", "Tensor"), ("pathlib", "Path.write_text"), ("torch.distributed.checkpoint.metadata", "os.system"),
-    ("torch.distributed.checkpoint.metadata", "torch"), ("torch.distributed.checkpoint.filesystem", "pickle"),
-    ("collections", "OrderedDict.fromkeys"), ("subprocess", "Popen"),
-])
+@pytest.mark.parametrize(
+    "module,name",
+    [
+        ("posix", "system"),
+        ("os", "system"),
+        ("builtins", "eval"),
+        ("builtins", "exec"),
+        ("builtins", "getattr"),
+        ("builtins", "open"),
+        ("builtins", "__import__"),
+        ("torch", "load"),
+        ("torch.serialization", "load"),
+        ("torch", "Tensor"),
+        ("pathlib", "Path.write_text"),
+        ("torch.distributed.checkpoint.metadata", "os.system"),
+        ("torch.distributed.checkpoint.metadata", "torch"),
+        ("torch.distributed.checkpoint.filesystem", "pickle"),
+        ("collections", "OrderedDict.fromkeys"),
+        ("subprocess", "Popen"),
+    ],
+)
 @pytest.mark.parametrize("opcode", ["STACK_GLOBAL", "GLOBAL"])
 def test_unpickler_refuses_globals_outside_dcp_metadata(module, name, opcode):
     from fairseq.checkpoint import safe_dcp
@@ -401,14 +439,38 @@ def test_unpickler_reads_what_dcp_writes_for_every_dtype_and_value(tmp_path):
 
     from fairseq.checkpoint import safe_dcp
 
-    dtypes = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8, torch.uint8, torch.int16,
-              torch.int32, torch.int64, torch.bool, torch.complex64]
+    dtypes = [
+        torch.float32,
+        torch.float64,
+        torch.float16,
+        torch.bfloat16,
+        torch.int8,
+        torch.uint8,
+        torch.int16,
+        torch.int32,
+        torch.int64,
+        torch.bool,
+        torch.complex64,
+    ]
     dtypes += [d for d in (getattr(torch, "float8_e4m3fn", None), getattr(torch, "uint16", None)) if d is not None]
     state = {f"t_{str(d).split('.')[-1]}": (torch.arange(12) % 3).reshape(3, 4).to(d) for d in dtypes}
-    state["nested"] = {"a": torch.randn(2, 3).t(), "cl": torch.randn(1, 2, 3, 3).to(memory_format=torch.channels_last),
-                       "list": [torch.ones(2), {"deep": torch.zeros(1)}], "scalar": torch.tensor(3.5)}
-    state["plain"] = {"lr": 0.1, "betas": (0.9, 0.98), "name": "adam", "none": None, "flag": True, "n": 7,
-                      "params": ["x.weight", "y.bias"], "ordered": OrderedDict(b=1, a=2), "big": 2**70}
+    state["nested"] = {
+        "a": torch.randn(2, 3).t(),
+        "cl": torch.randn(1, 2, 3, 3).to(memory_format=torch.channels_last),
+        "list": [torch.ones(2), {"deep": torch.zeros(1)}],
+        "scalar": torch.tensor(3.5),
+    }
+    state["plain"] = {
+        "lr": 0.1,
+        "betas": (0.9, 0.98),
+        "name": "adam",
+        "none": None,
+        "flag": True,
+        "n": 7,
+        "params": ["x.weight", "y.bias"],
+        "ordered": OrderedDict(b=1, a=2),
+        "big": 2**70,
+    }
     path = tmp_path / "ckpt"
     dcp.save(state, checkpoint_id=str(path))
     globals_seen = globals_in(path / ".metadata")
@@ -417,8 +479,10 @@ def test_unpickler_reads_what_dcp_writes_for_every_dtype_and_value(tmp_path):
     target = blank(state)
     dcp.load(target, storage_reader=safe_dcp.SafeFileSystemReader(str(path)))
     assert_bitwise_equal(target, state)
-    assert safe_dcp.read_dcp_metadata(str(path)).state_dict_metadata.keys() == \
-        dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata.keys()
+    assert (
+        safe_dcp.read_dcp_metadata(str(path)).state_dict_metadata.keys()
+        == dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata.keys()
+    )
 
 
 def test_real_training_checkpoint_needs_only_the_admitted_globals(pristine):

@@ -54,14 +54,37 @@ def test_static_sbatch_is_the_template_with_defaults_and_parses(slurm_submit):
 
 
 def test_dry_run_175b_renders_the_job(slurm_submit, capsys, tmp_path):
-    code, script, err = render(slurm_submit, capsys, "175b", "--nodes", "128", "--gpus-per-node", "8", "--dry-run",
-                               "--save-dir", str(tmp_path / "ck"), "--partition", "learn", "--time", "72:00:00")
+    code, script, err = render(
+        slurm_submit,
+        capsys,
+        "175b",
+        "--nodes",
+        "128",
+        "--gpus-per-node",
+        "8",
+        "--dry-run",
+        "--save-dir",
+        str(tmp_path / "ck"),
+        "--partition",
+        "learn",
+        "--time",
+        "72:00:00",
+    )
     assert code == 0, err
     lines = sbatch_lines(script)
-    for expected in ("#SBATCH --nodes=128", "#SBATCH --ntasks-per-node=8", "#SBATCH --gpus-per-node=8",
-                     "#SBATCH --signal=B:USR1@180", "#SBATCH --open-mode=append", "#SBATCH --requeue",
-                     "#SBATCH --partition=learn", "#SBATCH --time=72:00:00", "#SBATCH --job-name=lm-175b",
-                     f"#SBATCH --output={tmp_path / 'ck'}/%x-%j.out", f"#SBATCH --error={tmp_path / 'ck'}/%x-%j.err"):
+    for expected in (
+        "#SBATCH --nodes=128",
+        "#SBATCH --ntasks-per-node=8",
+        "#SBATCH --gpus-per-node=8",
+        "#SBATCH --signal=B:USR1@180",
+        "#SBATCH --open-mode=append",
+        "#SBATCH --requeue",
+        "#SBATCH --partition=learn",
+        "#SBATCH --time=72:00:00",
+        "#SBATCH --job-name=lm-175b",
+        f"#SBATCH --output={tmp_path / 'ck'}/%x-%j.out",
+        f"#SBATCH --error={tmp_path / 'ck'}/%x-%j.err",
+    ):
         assert expected in lines
     assert "SIZE=175b" in script.splitlines()
     assert 'fairseq-hydra-train --config-dir "$CONFIG_DIR" --config-name "$SIZE"' in script
@@ -80,29 +103,48 @@ def test_dry_run_175b_renders_the_job(slurm_submit, capsys, tmp_path):
 
 def test_streaming_recipe_renders_with_its_data_and_tokenizer_files(slurm_submit, capsys):
     gpt2 = ["bpe.gpt2_encoder_json=/gpt2/encoder.json", "bpe.gpt2_vocab_bpe=/gpt2/vocab.bpe"]
-    code, script, err = render(slurm_submit, capsys, "66b_streaming", "--nodes", "64", "--gpus-per-node", "8",
-                               "--dry-run", *gpt2)
+    code, script, err = render(
+        slurm_submit, capsys, "66b_streaming", "--nodes", "64", "--gpus-per-node", "8", "--dry-run", *gpt2
+    )
     assert code == 0, err
     assert "SIZE=66b_streaming" in script.splitlines() and f"OVERRIDES=({' '.join(gpt2)})" in script
     assert "no --data" in err and "DATA=${DATA:?" in script  # the JSONL directory, from the environment
 
 
 def test_other_gpu_counts_keep_the_global_batch(slurm_submit, capsys):
-    code, script, err = render(slurm_submit, capsys, "175b", "--nodes", "32", "--gpus-per-node", "8", "--dry-run",
-                               "--data", "/data/bin", "optimization.lr=[6e-05]")
+    code, script, err = render(
+        slurm_submit,
+        capsys,
+        "175b",
+        "--nodes",
+        "32",
+        "--gpus-per-node",
+        "8",
+        "--dry-run",
+        "--data",
+        "/data/bin",
+        "optimization.lr=[6e-05]",
+    )
     assert code == 0, err
     assert "OVERRIDES=('optimization.update_freq=[4]' 'optimization.lr=[6e-05]')" in script
     assert "keeps the global batch at 2,097,152 tokens" in err
     assert "DATA=/data/bin" in script.splitlines()
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["175b", "--nodes", "3", "--gpus-per-node", "8", "--data", "/d"],
-     "no update_freq gives the recipe's global batch"),
-    (["125m", "--nodes", "1", "--gpus-per-node", "8", "--data", "/d", "optimization.lrr=[1]"],
-     "unknown key 'optimization.lrr'"),
-    (["125m", "--nodes", "1", "--gpus-per-node", "8", "--data", "/d", "--save-dir", "/a b"], "with spaces"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (
+            ["175b", "--nodes", "3", "--gpus-per-node", "8", "--data", "/d"],
+            "no update_freq gives the recipe's global batch",
+        ),
+        (
+            ["125m", "--nodes", "1", "--gpus-per-node", "8", "--data", "/d", "optimization.lrr=[1]"],
+            "unknown key 'optimization.lrr'",
+        ),
+        (["125m", "--nodes", "1", "--gpus-per-node", "8", "--data", "/d", "--save-dir", "/a b"], "with spaces"),
+    ],
+)
 def test_bad_requests_fail_before_anything_is_written(slurm_submit, capsys, argv, message):
     code, out, err = render(slurm_submit, capsys, *argv, "--dry-run")
     assert code == 1 and message in err and out == ""
@@ -127,8 +169,19 @@ def test_submission_runs_sbatch_on_the_rendered_file(slurm_submit, capsys, tmp_p
     _stand_in(bin_dir, "sbatch", f'echo "$@" > {tmp_path}/sbatch_args\necho "Submitted batch job 123"\n')
     monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
     save_dir = tmp_path / "save"
-    code, out, err = render(slurm_submit, capsys, "1.3b", "--nodes", "4", "--gpus-per-node", "8",
-                            "--data", str(tmp_path / "data"), "--save-dir", str(save_dir))
+    code, out, err = render(
+        slurm_submit,
+        capsys,
+        "1.3b",
+        "--nodes",
+        "4",
+        "--gpus-per-node",
+        "8",
+        "--data",
+        str(tmp_path / "data"),
+        "--save-dir",
+        str(save_dir),
+    )
     assert code == 0, err
     script_path = save_dir / "lm-1.3b.sbatch"
     assert (tmp_path / "sbatch_args").read_text().split() == [str(script_path)]
@@ -139,8 +192,19 @@ def test_submission_runs_sbatch_on_the_rendered_file(slurm_submit, capsys, tmp_p
 
 def test_submission_without_sbatch_says_so(slurm_submit, capsys, tmp_path, monkeypatch):
     monkeypatch.setenv("PATH", str(tmp_path))  # nothing there
-    code, _, err = render(slurm_submit, capsys, "125m", "--nodes", "1", "--gpus-per-node", "8",
-                          "--data", "/d", "--save-dir", str(tmp_path / "save"))
+    code, _, err = render(
+        slurm_submit,
+        capsys,
+        "125m",
+        "--nodes",
+        "1",
+        "--gpus-per-node",
+        "8",
+        "--data",
+        "/d",
+        "--save-dir",
+        str(tmp_path / "save"),
+    )
     assert code == 1 and "sbatch is not on PATH" in err and "--dry-run" in err
 
 
@@ -150,7 +214,10 @@ def test_batch_shell_forwards_usr1_to_srun_and_waits_for_it(tmp_path, exit_delay
     # trainer does after requeueing. The batch shell must forward the signal, wait, and exit 3 itself.
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
-    _stand_in(bin_dir, "srun", f"""echo "$@" > {tmp_path}/srun_args
+    _stand_in(
+        bin_dir,
+        "srun",
+        f"""echo "$@" > {tmp_path}/srun_args
 stop=0
 trap 'echo USR1 >> {tmp_path}/srun_signals; stop=1' USR1
 touch {tmp_path}/srun_started
@@ -158,11 +225,25 @@ while [ "$stop" = 0 ]; do sleep 0.05; done
 sleep {exit_delay}
 echo saved > {tmp_path}/srun_done
 exit 3
-""")
-    env = dict(os.environ, PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}", SLURM_JOB_ID="4242",
-               SLURM_SUBMIT_DIR=str(REPO), SAVE_DIR=str(tmp_path / "save"), DATA="/data/bin")
-    job = subprocess.Popen(["bash", str(STATIC_SBATCH), "optimization.lr=[1e-4]"], env=env, cwd=tmp_path,
-                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+""",
+    )
+    env = dict(
+        os.environ,
+        PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
+        SLURM_JOB_ID="4242",
+        SLURM_SUBMIT_DIR=str(REPO),
+        SAVE_DIR=str(tmp_path / "save"),
+        DATA="/data/bin",
+    )
+    job = subprocess.Popen(
+        ["bash", str(STATIC_SBATCH), "optimization.lr=[1e-4]"],
+        env=env,
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     try:
         deadline = time.time() + 10
         while not (tmp_path / "srun_started").exists() and time.time() < deadline:
@@ -179,11 +260,21 @@ exit 3
     assert (tmp_path / "srun_signals").read_text().split() == ["USR1"]
     assert (tmp_path / "srun_done").exists()  # the shell waited for the step to finish
     args = (tmp_path / "srun_args").read_text().split()
-    assert args[:6] == ["--kill-on-bad-exit=1", "fairseq-hydra-train", "--config-dir",
-                        f"{REPO}/examples/large_lm/config", "--config-name", "125m"]
-    assert args[6:] == [f"hydra.run.dir={tmp_path}/save/hydra/4242", f"checkpoint.save_dir={tmp_path}/save",
-                        "distributed_training.distributed_port=14242", "task.data=/data/bin",
-                        "optimization.lr=[1e-4]"]
+    assert args[:6] == [
+        "--kill-on-bad-exit=1",
+        "fairseq-hydra-train",
+        "--config-dir",
+        f"{REPO}/examples/large_lm/config",
+        "--config-name",
+        "125m",
+    ]
+    assert args[6:] == [
+        f"hydra.run.dir={tmp_path}/save/hydra/4242",
+        f"checkpoint.save_dir={tmp_path}/save",
+        "distributed_training.distributed_port=14242",
+        "task.data=/data/bin",
+        "optimization.lr=[1e-4]",
+    ]
     assert "preempted: checkpoint_last saved" in out
 
 
@@ -199,8 +290,9 @@ def test_readme_commands_are_the_rendered_ones(monkeypatch):
 
 
 def test_render_train_command_prints_the_command():
-    result = subprocess.run([sys.executable, str(REPO / "scripts" / "render_train_command.py"), "175b"],
-                            capture_output=True, text=True)
+    result = subprocess.run(
+        [sys.executable, str(REPO / "scripts" / "render_train_command.py"), "175b"], capture_output=True, text=True
+    )
     assert result.returncode == 0, result.stderr
     assert result.stdout == load_script("render_train_command").train_command("175b") + "\n"
     assert result.stdout.startswith('fairseq-train "$DATA" \\\n    --task language_modeling --tokens-per-sample 2048')

@@ -128,8 +128,18 @@ def test_loss_scaling_and_clipping_as_one_factor_give_the_unscaled_update(loss_s
         precision = Precision(CommonConfig(), torch.device("cpu"), sharded=False)
         precision.scaler = scaler
         samples = [{"net_input": {"x": torch.randn(4, 6)}, "ntokens": 4} for _ in range(2)]
-        norm = run_update(model, _SumOfSquares(), optimizer, precision, samples, LoggingOutputSums(),
-                          clip_norm=0.5, sentence_avg=False, device=torch.device("cpu"), data_parallel_size=1)
+        norm = run_update(
+            model,
+            _SumOfSquares(),
+            optimizer,
+            precision,
+            samples,
+            LoggingOutputSums(),
+            clip_norm=0.5,
+            sentence_avg=False,
+            device=torch.device("cpu"),
+            data_parallel_size=1,
+        )
         return norm, [p.detach() for p in model.parameters()]
 
     plain_norm, plain_params = update(None)

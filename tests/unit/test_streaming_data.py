@@ -114,8 +114,10 @@ def test_hf_tokenizer_ids_are_the_tokenizers(tmp_path):
 
 def test_mixture_rates_within_4_sigma_over_1e5_samples(data):
     spec = TokenizerSpec("fairseq", (str(data / "dict.txt"),))
-    corpora = [CorpusStream(name, [str(data / "train" / "00" / f"{name}.jsonl")], spec, 8, "none", 2)
-               for name in ("web", "books")]
+    corpora = [
+        CorpusStream(name, [str(data / "train" / "00" / f"{name}.jsonl")], spec, 8, "none", 2)
+        for name in ("web", "books")
+    ]
     rates = parse_weights("web=0.7,books=0.3", ["web", "books"])
     stream = GlobalStream(corpora, rates, seed=5)
     n = 100_000
@@ -132,8 +134,12 @@ def test_alpha_smoothing_and_weights():
     assert rates_from_sizes({"a": 90.0, "b": 10.0}, 0.5, -1) == pytest.approx({"a": 0.75, "b": 0.25})
     assert rates_from_sizes({"a": 90.0, "b": 10.0}, 1.0, 10) == pytest.approx({"a": 0.5, "b": 0.5})
     assert parse_weights("a=3,b=1", ["a", "b", "c"]) == {"a": 0.75, "b": 0.25, "c": 0.0}
-    for text, message in (("a=-1", "must be >= 0"), ("a=0,b=0", "all weights are 0"),
-                          ("zz=1", "corpus 'zz', which the data does not have"), ("a", "is not CORPUS=WEIGHT")):
+    for text, message in (
+        ("a=-1", "must be >= 0"),
+        ("a=0,b=0", "all weights are 0"),
+        ("zz=1", "corpus 'zz', which the data does not have"),
+        ("a", "is not CORPUS=WEIGHT"),
+    ):
         with pytest.raises(ValueError, match=message):
             parse_weights(text, ["a", "b"])
 
@@ -144,16 +150,16 @@ def global_ids(data, plan, batch_size=3):
     spec = TokenizerSpec("fairseq", (str(data / "dict.txt"),))
 
     def make_stream():
-        corpora = [CorpusStream(n, [str(data / "train" / "00" / f"{n}.jsonl")], spec, 16, "none", 2)
-                   for n in ("books", "web")]
+        corpora = [
+            CorpusStream(n, [str(data / "train" / "00" / f"{n}.jsonl")], spec, 16, "none", 2) for n in ("books", "web")
+        ]
         return GlobalStream(corpora, {"books": 0.4, "web": 0.6}, seed=1)
 
     seen, state = [], None
     for ranks, steps in plan:
         per_rank = []
         for rank in range(ranks):
-            itr = StreamingEpochIterator(make_stream, batch_size, 1, num_shards=ranks, shard_id=rank,
-                                         log_tokens=False)
+            itr = StreamingEpochIterator(make_stream, batch_size, 1, num_shards=ranks, shard_id=rank, log_tokens=False)
             if state is not None:
                 itr.load_state_dict(state)
             batches = itr.next_epoch_itr()
@@ -197,6 +203,9 @@ def test_gz_and_zst_shards_read_and_resume_as_plain_jsonl(data, tmp_path, monkey
             rest.append(b)
         assert_same_blocks(head + rest, plain)
     monkeypatch.setitem(sys.modules, "zstandard", None)  # as without the package: import fails
-    with pytest.raises(ValueError, match=r"web.jsonl.zst: reading .jsonl.zst needs the zstandard package: pip "
-                                         r"install 'fairseq\[zstd\]'"):
+    with pytest.raises(
+        ValueError,
+        match=r"web.jsonl.zst: reading .jsonl.zst needs the zstandard package: pip "
+        r"install 'fairseq\[zstd\]'",
+    ):
         stream_blocks([tmp_path / "web.jsonl.zst"], spec, 24, "none", 2)

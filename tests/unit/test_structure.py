@@ -10,7 +10,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 
 def _load_checker():
-    spec = importlib.util.spec_from_file_location("check_structure", os.path.join(ROOT, "scripts", "check_structure.py"))
+    spec = importlib.util.spec_from_file_location(
+        "check_structure", os.path.join(ROOT, "scripts", "check_structure.py")
+    )
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -50,9 +52,17 @@ def test_no_function_over_80_lines(findings):
     assert len(found) <= check.LIMITS["functions over 80 lines"], "\n".join(found)
 
 
-@pytest.mark.parametrize("key", ["folders importing up", "folders importing each other", "files over 500 lines",
-                                 "functions over 60 lines", "config getattr/hasattr probes",
-                                 "imports inside functions"])
+@pytest.mark.parametrize(
+    "key",
+    [
+        "folders importing up",
+        "folders importing each other",
+        "files over 500 lines",
+        "functions over 60 lines",
+        "config getattr/hasattr probes",
+        "imports inside functions",
+    ],
+)
 def test_counts_only_go_down(findings, key):
     """Issue 40's measures: each at most its ratchet (LIMITS), on the way to its target (TARGETS)."""
     found = findings[key]
@@ -64,20 +74,31 @@ def test_checker_counts_long_functions_config_probes_and_deferred_imports(tmp_pa
     _write(root, "fairseq/__init__.py")
     body = "".join(f"    x{i} = {i}\n" for i in range(80))
     _write(root, "fairseq/data/__init__.py")
-    probes = ("    y = hasattr(self.cfg, 'seed') or getattr(task.cfg, 'data', 0) or getattr(args, 'arch', 0)\n"
-              "    z = getattr(config.model, 'dim', 0) or getattr(self, 'not_a_config', 0) or getattr(cfg, name)\n")
-    _write(root, "fairseq/data/c.py", f"def long(cfg):\n{body}    return getattr(cfg.task, 'data', None)\n\n\n"
-                                      f"def short(self, task, args, config, name):\n{probes}"
-                                      "    import os\n    def inner():\n        from fairseq import data\n")
+    probes = (
+        "    y = hasattr(self.cfg, 'seed') or getattr(task.cfg, 'data', 0) or getattr(args, 'arch', 0)\n"
+        "    z = getattr(config.model, 'dim', 0) or getattr(self, 'not_a_config', 0) or getattr(cfg, name)\n"
+    )
+    _write(
+        root,
+        "fairseq/data/c.py",
+        f"def long(cfg):\n{body}    return getattr(cfg.task, 'data', None)\n\n\n"
+        f"def short(self, task, args, config, name):\n{probes}"
+        "    import os\n    def inner():\n        from fairseq import data\n",
+    )
     found = check.measure(root)
     assert found["functions over 80 lines"] == ["fairseq/data/c.py:1 long (82 lines)"]
     assert found["functions over 60 lines"] == ["fairseq/data/c.py:1 long (82 lines)"]
     assert found["config getattr/hasattr probes"] == [
-        "fairseq/data/c.py:82 getattr(cfg.task, 'data')", "fairseq/data/c.py:86 hasattr(self.cfg, 'seed')",
-        "fairseq/data/c.py:86 getattr(task.cfg, 'data')", "fairseq/data/c.py:86 getattr(args, 'arch')",
-        "fairseq/data/c.py:87 getattr(config.model, 'dim')"]
-    assert found["imports inside functions"] == ["fairseq/data/c.py:88 short: os",
-                                                 "fairseq/data/c.py:90 inner: fairseq"]
+        "fairseq/data/c.py:82 getattr(cfg.task, 'data')",
+        "fairseq/data/c.py:86 hasattr(self.cfg, 'seed')",
+        "fairseq/data/c.py:86 getattr(task.cfg, 'data')",
+        "fairseq/data/c.py:86 getattr(args, 'arch')",
+        "fairseq/data/c.py:87 getattr(config.model, 'dim')",
+    ]
+    assert found["imports inside functions"] == [
+        "fairseq/data/c.py:88 short: os",
+        "fairseq/data/c.py:90 inner: fairseq",
+    ]
     assert found["root modules over 40 lines"] == []
 
 

@@ -34,15 +34,18 @@ def flags(backend="fully_sharded", tp=1, group=0):
 # ------------------------------------------------------------------------------------------ layout
 
 
-@pytest.mark.parametrize("config, world, layout, name", [
-    (flags(tp=2), 4, ParallelLayout(1, 2, 2), "TP 2 x FSDP 2"),
-    (flags(group=2), 4, ParallelLayout(2, 2, 1), "HSDP 2 x 2"),
-    (flags(), 4, ParallelLayout(1, 4, 1), "FSDP 4"),
-    (flags(tp=2, group=2), 8, ParallelLayout(2, 2, 2), "TP 2 x HSDP 2 x 2"),
-    (flags("pytorch_ddp", tp=2), 4, ParallelLayout(2, 1, 2), "TP 2 x 2 replicas"),
-    (flags("pytorch_ddp", tp=2), 2, ParallelLayout(1, 1, 2), "TP 2"),
-    (flags(), 1, ParallelLayout(1, 1, 1), "1 process"),
-])
+@pytest.mark.parametrize(
+    "config, world, layout, name",
+    [
+        (flags(tp=2), 4, ParallelLayout(1, 2, 2), "TP 2 x FSDP 2"),
+        (flags(group=2), 4, ParallelLayout(2, 2, 1), "HSDP 2 x 2"),
+        (flags(), 4, ParallelLayout(1, 4, 1), "FSDP 4"),
+        (flags(tp=2, group=2), 8, ParallelLayout(2, 2, 2), "TP 2 x HSDP 2 x 2"),
+        (flags("pytorch_ddp", tp=2), 4, ParallelLayout(2, 1, 2), "TP 2 x 2 replicas"),
+        (flags("pytorch_ddp", tp=2), 2, ParallelLayout(1, 1, 2), "TP 2"),
+        (flags(), 1, ParallelLayout(1, 1, 1), "1 process"),
+    ],
+)
 def test_layout_from_flags(config, world, layout, name):
     got = ParallelLayout.from_config(config, world)
     assert got == layout and got.world == world and got.describe() == name
@@ -54,29 +57,64 @@ def test_ranks_of_a_tp_group_are_consecutive_and_share_a_data_rank():
     assert [layout.model_parallel_rank(r) for r in range(8)] == [0, 1] * 4
 
 
-@pytest.mark.parametrize("config, world, message", [
-    (flags(tp=2), 3, "--model-parallel-size 2 does not divide the world size 3: use a world size that is a "
-                     "multiple of 2, or --model-parallel-size 1"),
-    (flags(group=3), 4, "--fsdp-shard-group-size 3 does not divide the 4 data-parallel ranks (world size 4 / "
-                        "--model-parallel-size 1): use --fsdp-shard-group-size 2, or 0 to shard over all 4"),
-    (flags("pytorch_ddp", group=2), 4, "--fsdp-shard-group-size needs --ddp-backend fully_sharded (got "
-                                        "--ddp-backend pytorch_ddp)"),
-    (flags(tp=0), 4, "--model-parallel-size must be at least 1 (got 0)"),
-])
+@pytest.mark.parametrize(
+    "config, world, message",
+    [
+        (
+            flags(tp=2),
+            3,
+            "--model-parallel-size 2 does not divide the world size 3: use a world size that is a "
+            "multiple of 2, or --model-parallel-size 1",
+        ),
+        (
+            flags(group=3),
+            4,
+            "--fsdp-shard-group-size 3 does not divide the 4 data-parallel ranks (world size 4 / "
+            "--model-parallel-size 1): use --fsdp-shard-group-size 2, or 0 to shard over all 4",
+        ),
+        (
+            flags("pytorch_ddp", group=2),
+            4,
+            "--fsdp-shard-group-size needs --ddp-backend fully_sharded (got --ddp-backend pytorch_ddp)",
+        ),
+        (flags(tp=0), 4, "--model-parallel-size must be at least 1 (got 0)"),
+    ],
+)
 def test_bad_layouts_are_one_line_errors(config, world, message):
     with pytest.raises(ValueError) as err:
         ParallelLayout.from_config(config, world)
     assert str(err.value) == message
 
 
-@pytest.mark.parametrize("tp, heads, ffn, vocab, message", [
-    (8, 12, 3072, 50272, "--model-parallel-size 8 does not divide --decoder-attention-heads 12: use "
-                         "--model-parallel-size 4 (it divides the heads, the FFN width and the vocabulary)"),
-    (4, 16, 4098, 50272, "--model-parallel-size 4 does not divide --decoder-ffn-embed-dim 4098: use "
-                         "--model-parallel-size 2 (it divides the heads, the FFN width and the vocabulary)"),
-    (8, 32, 12288, 50265, "--model-parallel-size 8 does not divide the vocabulary of 50265 symbols: use "
-                          "--model-parallel-size 1, or binarize with fairseq-preprocess --padding-factor 8"),
-])
+@pytest.mark.parametrize(
+    "tp, heads, ffn, vocab, message",
+    [
+        (
+            8,
+            12,
+            3072,
+            50272,
+            "--model-parallel-size 8 does not divide --decoder-attention-heads 12: use "
+            "--model-parallel-size 4 (it divides the heads, the FFN width and the vocabulary)",
+        ),
+        (
+            4,
+            16,
+            4098,
+            50272,
+            "--model-parallel-size 4 does not divide --decoder-ffn-embed-dim 4098: use "
+            "--model-parallel-size 2 (it divides the heads, the FFN width and the vocabulary)",
+        ),
+        (
+            8,
+            32,
+            12288,
+            50265,
+            "--model-parallel-size 8 does not divide the vocabulary of 50265 symbols: use "
+            "--model-parallel-size 1, or binarize with fairseq-preprocess --padding-factor 8",
+        ),
+    ],
+)
 def test_model_dims_that_do_not_split(tp, heads, ffn, vocab, message):
     with pytest.raises(ValueError) as err:
         check_tensor_parallel_shape(tp, heads, ffn, vocab)
@@ -97,23 +135,47 @@ def test_fairseq_train_stops_before_any_process_group(tiny_data, build_train_arg
     """Each bad input is one line from fairseq-train, before a process is spawned or a group is created: the
     checks that need the world size run in call_main as soon as it is known, on every rank alike (here as
     rank 1 of a torchrun job of 3)."""
-    base = build_train_args(tiny_data, tmp_path, max_update=1, arch="transformer_lm_gpt", json_log=False,
-                            log_file=False)
+    base = build_train_args(
+        tiny_data, tmp_path, max_update=1, arch="transformer_lm_gpt", json_log=False, log_file=False
+    )
     code, line, _ = _fairseq_train(base + ["--model-parallel-size", "3", "--decoder-attention-heads", "4"], capsys)
-    assert code == 2 and "--model-parallel-size 3 does not divide --decoder-attention-heads 4: use " \
-                          "--model-parallel-size 2" in line
-    code, line, _ = _fairseq_train(base + ["--model-parallel-size", "3", "--decoder-attention-heads", "6",
-                                           "--decoder-embed-dim", "36", "--decoder-ffn-embed-dim", "72"], capsys)
-    assert code == 2 and line.endswith(f"does not divide the vocabulary of 64 symbols of {tiny_data}/dict.txt: use "
-                                       "--model-parallel-size 2, or binarize with fairseq-preprocess "
-                                       "--padding-factor 3")
-    for name, value in {"RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "3", "MASTER_ADDR": "127.0.0.1",
-                        "MASTER_PORT": "1"}.items():
+    assert (
+        code == 2
+        and "--model-parallel-size 3 does not divide --decoder-attention-heads 4: use --model-parallel-size 2" in line
+    )
+    code, line, _ = _fairseq_train(
+        base
+        + [
+            "--model-parallel-size",
+            "3",
+            "--decoder-attention-heads",
+            "6",
+            "--decoder-embed-dim",
+            "36",
+            "--decoder-ffn-embed-dim",
+            "72",
+        ],
+        capsys,
+    )
+    assert code == 2 and line.endswith(
+        f"does not divide the vocabulary of 64 symbols of {tiny_data}/dict.txt: use "
+        "--model-parallel-size 2, or binarize with fairseq-preprocess "
+        "--padding-factor 3"
+    )
+    for name, value in {
+        "RANK": "1",
+        "LOCAL_RANK": "1",
+        "WORLD_SIZE": "3",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": "1",
+    }.items():
         monkeypatch.setenv(name, value)
     code, line, lines = _fairseq_train(base + ["--model-parallel-size", "2"], capsys)
     assert (code, len(lines)) == (1, 1) and not dist.is_initialized()
-    assert line == ("fairseq-train: error: --model-parallel-size 2 does not divide the world size 3: use a world size "
-                    "that is a multiple of 2, or --model-parallel-size 1")
+    assert line == (
+        "fairseq-train: error: --model-parallel-size 2 does not divide the world size 3: use a world size "
+        "that is a multiple of 2, or --model-parallel-size 1"
+    )
 
 
 # ------------------------------------------------------------------ the plan on a one-rank mesh (DTensor path)
@@ -121,9 +183,17 @@ def test_fairseq_train_stops_before_any_process_group(tiny_data, build_train_arg
 
 def tiny_model(tied=True):
     torch.manual_seed(0)
-    cfg = preset_config("transformer_lm_megatron_11b", decoder_layers=2, decoder_embed_dim=32,
-                        decoder_ffn_embed_dim=64, decoder_attention_heads=4, dropout=0.0, attention_dropout=0.0,
-                        share_decoder_input_output_embed=tied, tokens_per_sample=16)
+    cfg = preset_config(
+        "transformer_lm_megatron_11b",
+        decoder_layers=2,
+        decoder_embed_dim=32,
+        decoder_ffn_embed_dim=64,
+        decoder_attention_heads=4,
+        dropout=0.0,
+        attention_dropout=0.0,
+        share_decoder_input_output_embed=tied,
+        tokens_per_sample=16,
+    )
     return TransformerLanguageModel.build(cfg, 64, 1)
 
 
@@ -169,8 +239,10 @@ def test_a_model_without_a_plan_is_refused(one_rank_group):
 
     with pytest.raises(TypeError) as err:
         apply_tensor_parallel(NoPlan(), init_device_mesh("cpu", (1,), mesh_dim_names=("tp",)), loss_parallel=False)
-    assert str(err.value) == "--model-parallel-size has a plan for fairseq's TransformerDecoder only, not for " \
-                             "NoneType of NoPlan"
+    assert (
+        str(err.value) == "--model-parallel-size has a plan for fairseq's TransformerDecoder only, not for "
+        "NoneType of NoPlan"
+    )
 
 
 def test_the_plan_is_the_models_data():
@@ -205,11 +277,20 @@ def test_vocab_parallel_criterion_on_plain_logits_is_cross_entropy():
 
 
 def test_megatron_presets_have_upstreams_dimensions():
-    for arch, ffn, params in (("transformer_lm_megatron", 3072 * 4, 8_313_894_912),
-                              ("transformer_lm_megatron_11b", 3072 * 6, 11_032_246_272)):
+    for arch, ffn, params in (
+        ("transformer_lm_megatron", 3072 * 4, 8_313_894_912),
+        ("transformer_lm_megatron_11b", 3072 * 6, 11_032_246_272),
+    ):
         cfg = preset_config(arch, share_decoder_input_output_embed=True)
-        assert (cfg.decoder_layers, cfg.decoder_embed_dim, cfg.decoder_ffn_embed_dim, cfg.decoder_attention_heads,
-                cfg.activation_fn, cfg.dropout, cfg.attention_dropout) == (72, 3072, ffn, 32, "gelu", 0.1, 0.1)
+        assert (
+            cfg.decoder_layers,
+            cfg.decoder_embed_dim,
+            cfg.decoder_ffn_embed_dim,
+            cfg.decoder_attention_heads,
+            cfg.activation_fn,
+            cfg.dropout,
+            cfg.attention_dropout,
+        ) == (72, 3072, ffn, 32, "gelu", 0.1, 0.1)
         assert mm.model_shape(cfg, 51200).total_params == params  # 51,200: Megatron's padded GPT-2 vocabulary
 
 
@@ -230,8 +311,9 @@ def test_tensor_parallel_splits_the_states_by_the_plan(gpt3_175):
     assert local.vocab_size * 8 == shape.vocab_size and local.heads == 12
     setup = mm.TrainingSetup(gpus=1024, batch_size=8, dtype="bf16", checkpoint_activations=True, tensor_parallel=8)
     states = mm.plan(shape, setup).snapshot("optimizer step").terms
-    assert states["parameters"] == 4 * mm.sharded_numel(local.layer_param_shapes, 128) * 96 + \
-        4 * mm.sharded_numel(local.root_param_shapes, 128)
+    assert states["parameters"] == 4 * mm.sharded_numel(local.layer_param_shapes, 128) * 96 + 4 * mm.sharded_numel(
+        local.root_param_shapes, 128
+    )
     # Sequence parallelism: a checkpointed layer keeps 1/8 of its input.
     assert mm.checkpointed_layer_bytes(local, setup) * 8 == setup.tokens * d * 2
 
@@ -257,8 +339,12 @@ def test_recommended_layout_for_175b_on_1024_a100(gpt3_175):
     communication alone, before the step-time model, TP 8 (OPT's layout) came first."""
     setup = mm.TrainingSetup(gpus=1024, batch_size=1, dtype="bf16", checkpoint_activations=True)
     best, *rest = layouts.candidate_layouts(gpt3_175, setup, hw.GPUS["a100-80gb"])
-    assert (best.setup.tensor_parallel, best.setup.shard_group, best.setup.batch_size, best.setup.update_freq) == \
-        (4, 0, 4, 1)
+    assert (best.setup.tensor_parallel, best.setup.shard_group, best.setup.batch_size, best.setup.update_freq) == (
+        4,
+        0,
+        4,
+        1,
+    )
     tp8 = next(c for c in rest if c.setup.tensor_parallel == 8 and c.setup.shard_group == 0)
     fsdp_only = next(c for c in rest if c.setup.tensor_parallel == 1 and c.setup.shard_group == 0)
     assert 7.9 < fsdp_only.inter_node_bytes / tp8.inter_node_bytes < 8.1
@@ -269,8 +355,22 @@ def test_recommended_layout_for_175b_on_1024_a100(gpt3_175):
 def test_planner_cli_prints_the_layout_and_its_traffic(capsys):
     from fairseq.planning import plan_memory
 
-    plan_memory.main(["--arch", "transformer_lm_gpt3_175", "--gpus", "1024", "--gpu", "a100-80gb", "--bf16",
-                      "--checkpoint-activations", "--batch-size", "8", "--model-parallel-size", "8"])
+    plan_memory.main(
+        [
+            "--arch",
+            "transformer_lm_gpt3_175",
+            "--gpus",
+            "1024",
+            "--gpu",
+            "a100-80gb",
+            "--bf16",
+            "--checkpoint-activations",
+            "--batch-size",
+            "8",
+            "--model-parallel-size",
+            "8",
+        ]
+    )
     out = capsys.readouterr().out
     assert "layout: TP 8 x FSDP 128 on 1024 GPUs (8 per node)" in out
     assert "TP activations (bf16) over 8 ranks, inside a node" in out
@@ -292,14 +392,16 @@ def _slurm_submit():
 
 def test_slurm_submit_with_model_parallel_size(capsys):
     submit = _slurm_submit()
-    code = submit.main(["175b", "--nodes", "128", "--gpus-per-node", "8", "--data", "/data", "--dry-run",
-                        "--model-parallel-size", "8"])
+    code = submit.main(
+        ["175b", "--nodes", "128", "--gpus-per-node", "8", "--data", "/data", "--dry-run", "--model-parallel-size", "8"]
+    )
     out, err = capsys.readouterr()
     assert code == 0
     assert "OVERRIDES=('optimization.update_freq=[8]' distributed_training.model_parallel_size=8)" in out
     assert "128 data-parallel ranks instead of the recipe's 1024 GPUs" in err
-    code = submit.main(["175b", "--nodes", "128", "--gpus-per-node", "8", "--data", "/data", "--dry-run",
-                        "--model-parallel-size", "3"])
+    code = submit.main(
+        ["175b", "--nodes", "128", "--gpus-per-node", "8", "--data", "/data", "--dry-run", "--model-parallel-size", "3"]
+    )
     assert code == 1 and "--model-parallel-size 3 must divide --gpus-per-node 8" in capsys.readouterr().err
 
 
@@ -314,17 +416,30 @@ def test_unreadable_sharded_checkpoints_are_one_line_errors(tmp_path):
 
     state = {k: v.clone() for k, v in tiny_model().state_dict().items()}
     path = str(tmp_path / "checkpoint_last")
-    write = sharded.sharded_write(path, {"model": state}, {"cfg": {"distributed_training": {
-        "distributed_world_size": 4, "model_parallel_size": 2, "ddp_backend": "fully_sharded"}}})
+    write = sharded.sharded_write(
+        path,
+        {"model": state},
+        {
+            "cfg": {
+                "distributed_training": {
+                    "distributed_world_size": 4,
+                    "model_parallel_size": 2,
+                    "ddp_backend": "fully_sharded",
+                }
+            }
+        },
+    )
     write.bytes()
     write.publish()
     assert sharded._saved_layout(sharded.read_metadata(path)) == "4 rank(s) (TP 2 x FSDP 2)"
     wider = dict(state, **{"decoder.embed_tokens.weight": torch.zeros(72, 32)})
     with pytest.raises(CheckpointError) as err:
         sharded.load_sharded(path, wider)
-    assert str(err.value) == (f"{path}: decoder.embed_tokens.weight is stored as [64, 32] but this model's is "
-                              "[72, 32] (another model size or dictionary); train with the flags and data it was "
-                              "saved with")
+    assert str(err.value) == (
+        f"{path}: decoder.embed_tokens.weight is stored as [64, 32] but this model's is "
+        "[72, 32] (another model size or dictionary); train with the flags and data it was "
+        "saved with"
+    )
     sharded.load_sharded(path, {k: torch.empty_like(v) for k, v in state.items()})  # readable as it is
     shard = next(name for name in os.listdir(path) if name.endswith(".distcp"))
     os.remove(os.path.join(path, shard))

@@ -13,9 +13,18 @@ V = 104
 
 
 def tiny(layers=2, d=32, ffn=64, in_out=32, share=True, **kw):
-    cfg = preset_config("transformer_lm", decoder_layers=layers, decoder_embed_dim=d, decoder_ffn_embed_dim=ffn,
-                        decoder_attention_heads=2, decoder_input_dim=in_out, decoder_output_dim=in_out,
-                        share_decoder_input_output_embed=share, tokens_per_sample=16, **kw)
+    cfg = preset_config(
+        "transformer_lm",
+        decoder_layers=layers,
+        decoder_embed_dim=d,
+        decoder_ffn_embed_dim=ffn,
+        decoder_attention_heads=2,
+        decoder_input_dim=in_out,
+        decoder_output_dim=in_out,
+        share_decoder_input_output_embed=share,
+        tokens_per_sample=16,
+        **kw,
+    )
     return TransformerLanguageModel.build(cfg, V, 1)
 
 
@@ -92,8 +101,16 @@ def test_log_line_time_weights_tflops_and_keeps_the_order():
 
     name = f"test_throughput_{uuid.uuid4().hex}"
     trainer = _Trainer(Throughput(model_flops_per_token=1e9, world_size=4, peak_tflops=989.0))
-    sums = {"loss": 8.0, "nll_loss": 8.0, "ntokens": 4e6, "nsentences": 8.0, "sample_size": 4e6, "updates": 1.0,
-            "gnorm": 1.5, "train_wall": 2.0}
+    sums = {
+        "loss": 8.0,
+        "nll_loss": 8.0,
+        "ntokens": 4e6,
+        "nsentences": 8.0,
+        "sample_size": 4e6,
+        "updates": 1.0,
+        "gnorm": 1.5,
+        "train_wall": 2.0,
+    }
     with metrics.aggregate(name):
         log_train_interval(trainer, sums, elapsed=2.0)  # 500 TFLOP/s per GPU
         log_train_interval(trainer, dict(sums, ntokens=1e6, sample_size=1e6), elapsed=1.0)  # 250 over 1 s
@@ -101,7 +118,7 @@ def test_log_line_time_weights_tflops_and_keeps_the_order():
     assert values["tflops"] == pytest.approx(round((500 * 2 + 250 * 1) / 3, 1)) == 416.7
     assert values["mfu"] == pytest.approx(round(100 * (500 * 2 + 250) / 3 / 989, 1))
     keys = list(values)
-    assert keys[:keys.index("wps")] == ["loss", "ppl"]  # the criterion's keys first, as upstream
+    assert keys[: keys.index("wps")] == ["loss", "ppl"]  # the criterion's keys first, as upstream
     ordered = [k for k in keys if k in ORDER]
     assert ordered == sorted(ordered, key=ORDER.get)
     assert ordered == ["wps", "ups", "wpb", "bsz", "num_updates", "lr", "gnorm", "train_wall", "tflops", "mfu"]

@@ -7,7 +7,11 @@ import torch
 
 from fairseq.data.indexed_dataset import MMapIndexedDataset, MMapIndexedDatasetBuilder
 from fairseq.data.token_block_dataset import (
-    RandomCropDataset, TokenBlockDataset, TruncateDataset, block_slices, maybe_shorten_dataset,
+    RandomCropDataset,
+    TokenBlockDataset,
+    TruncateDataset,
+    block_slices,
+    maybe_shorten_dataset,
 )
 
 EOS, PAD = 2, 1
@@ -28,8 +32,16 @@ def test_none_cuts_the_stream_every_block_size_tokens():
 
 def test_complete_packs_whole_items_and_keeps_an_oversized_item_alone():
     # 3+1 (+4 > 6) | 4+1 (+5) | 5 (+9) | 9 alone | 2 (+6) | 6 (+1) | 1+1 (+5) | 5
-    assert slices(SIZES, BLOCK, "complete") == [(0, 4), (4, 9), (9, 14), (14, 23), (23, 25), (25, 31), (31, 33),
-                                               (33, 38)]
+    assert slices(SIZES, BLOCK, "complete") == [
+        (0, 4),
+        (4, 9),
+        (9, 14),
+        (14, 23),
+        (23, 25),
+        (25, 31),
+        (31, 33),
+        (33, 38),
+    ]
 
 
 def test_complete_doc_stops_at_separators_and_skips_them():
@@ -76,8 +88,15 @@ def mmap_items(tmp_path_factory):
 
 
 def blocks_of(dataset, mode, include_targets):
-    ds = TokenBlockDataset(dataset, SIZES, BLOCK if mode != "eos" else None, pad=PAD, eos=EOS,
-                           break_mode=mode, include_targets=include_targets)
+    ds = TokenBlockDataset(
+        dataset,
+        SIZES,
+        BLOCK if mode != "eos" else None,
+        pad=PAD,
+        eos=EOS,
+        break_mode=mode,
+        include_targets=include_targets,
+    )
     return ds, [ds[i] for i in range(len(ds))]
 
 

@@ -38,7 +38,7 @@ def trained(tmp_path_factory):
 def test_files_are_gpt2_format_and_encode_any_text_losslessly(trained):
     vocab = json.loads((trained / "encoder.json").read_text(encoding="utf-8"))
     assert sorted(vocab.values()) == list(range(len(vocab))) and len(vocab) == 600
-    assert vocab["<|endoftext|>"] == len(vocab) - 1                      # last, as in GPT-2's file
+    assert vocab["<|endoftext|>"] == len(vocab) - 1  # last, as in GPT-2's file
     assert (trained / "vocab.bpe").read_text(encoding="utf-8").startswith("#version: 0.2\n")
     encoder = get_encoder(trained / "encoder.json", trained / "vocab.bpe")
     for line in ["Hello world, naïve café 日本語 🙂", "unseen ÿ 𝔘𝔫𝔦𝔠𝔬𝔡𝔢 text", "  x\ty  "]:
@@ -50,7 +50,7 @@ def test_dict_txt_is_id_order_padded_to_16(trained):
     vocab = json.loads((trained / "encoder.json").read_text(encoding="utf-8"))
     d = Dictionary.load(str(trained / "dict.txt"))
     assert len(d) % 16 == 0 and len(d) - 16 < 4 + len(vocab) <= len(d)
-    assert [d[i + 4] for i in range(len(vocab))] == [str(i) for i in range(len(vocab))]   # index = id + 4
+    assert [d[i + 4] for i in range(len(vocab))] == [str(i) for i in range(len(vocab))]  # index = id + 4
     assert all(d[i].startswith("madeupword") for i in range(4 + len(vocab), len(d)))
 
 

@@ -7,11 +7,7 @@ import pytest
 import torch
 
 from fairseq import registry
-from fairseq.models.transformer_lm import (
-    TransformerLanguageModel,
-    TransformerLanguageModelConfig,
-    preset_config,
-)
+from fairseq.models.transformer_lm import TransformerLanguageModel, TransformerLanguageModelConfig, preset_config
 from fairseq.checkpoint.legacy import upgrade_transformer_lm as upgrade_state_dict
 
 VOCAB = 100
@@ -22,14 +18,22 @@ def layer_shapes(i, d, ffn):
     """Upstream's per-layer names (fairseq TransformerDecoderLayer) with their shapes."""
     p = f"decoder.layers.{i}."
     return {
-        p + "self_attn.q_proj.weight": (d, d), p + "self_attn.q_proj.bias": (d,),
-        p + "self_attn.k_proj.weight": (d, d), p + "self_attn.k_proj.bias": (d,),
-        p + "self_attn.v_proj.weight": (d, d), p + "self_attn.v_proj.bias": (d,),
-        p + "self_attn.out_proj.weight": (d, d), p + "self_attn.out_proj.bias": (d,),
-        p + "self_attn_layer_norm.weight": (d,), p + "self_attn_layer_norm.bias": (d,),
-        p + "fc1.weight": (ffn, d), p + "fc1.bias": (ffn,),
-        p + "fc2.weight": (d, ffn), p + "fc2.bias": (d,),
-        p + "final_layer_norm.weight": (d,), p + "final_layer_norm.bias": (d,),
+        p + "self_attn.q_proj.weight": (d, d),
+        p + "self_attn.q_proj.bias": (d,),
+        p + "self_attn.k_proj.weight": (d, d),
+        p + "self_attn.k_proj.bias": (d,),
+        p + "self_attn.v_proj.weight": (d, d),
+        p + "self_attn.v_proj.bias": (d,),
+        p + "self_attn.out_proj.weight": (d, d),
+        p + "self_attn.out_proj.bias": (d,),
+        p + "self_attn_layer_norm.weight": (d,),
+        p + "self_attn_layer_norm.bias": (d,),
+        p + "fc1.weight": (ffn, d),
+        p + "fc1.bias": (ffn,),
+        p + "fc2.weight": (d, ffn),
+        p + "fc2.bias": (d,),
+        p + "final_layer_norm.weight": (d,),
+        p + "final_layer_norm.bias": (d,),
     }
 
 
@@ -64,32 +68,49 @@ def test_bare_transformer_lm_keeps_512_input_output_dims_and_adds_projections_as
     """Upstream 0.12.2's `--arch transformer_lm --decoder-embed-dim 64` (its bare arch is a no-op: the
     dataclass's 512 stay): the (V, 512) embedding, bias-free project_in_dim (512 -> 64) and project_out_dim
     (64 -> 512), the (V, 512) output matrix; and the notice training logs, naming the flags that drop them."""
-    cfg = preset_config("transformer_lm", decoder_layers=1, decoder_embed_dim=64, decoder_ffn_embed_dim=32,
-                        decoder_attention_heads=4)
+    cfg = preset_config(
+        "transformer_lm", decoder_layers=1, decoder_embed_dim=64, decoder_ffn_embed_dim=32, decoder_attention_heads=4
+    )
     model = TransformerLanguageModel.build(cfg, VOCAB, PAD)
     assert shapes(model) == {
         "decoder.version": (1,),
         "decoder.embed_tokens.weight": (100, 512),
         "decoder.project_in_dim.weight": (64, 512),
         "decoder.embed_positions._float_tensor": (1,),
-        "decoder.layers.0.self_attn.k_proj.weight": (64, 64), "decoder.layers.0.self_attn.k_proj.bias": (64,),
-        "decoder.layers.0.self_attn.v_proj.weight": (64, 64), "decoder.layers.0.self_attn.v_proj.bias": (64,),
-        "decoder.layers.0.self_attn.q_proj.weight": (64, 64), "decoder.layers.0.self_attn.q_proj.bias": (64,),
-        "decoder.layers.0.self_attn.out_proj.weight": (64, 64), "decoder.layers.0.self_attn.out_proj.bias": (64,),
-        "decoder.layers.0.self_attn_layer_norm.weight": (64,), "decoder.layers.0.self_attn_layer_norm.bias": (64,),
-        "decoder.layers.0.fc1.weight": (32, 64), "decoder.layers.0.fc1.bias": (32,),
-        "decoder.layers.0.fc2.weight": (64, 32), "decoder.layers.0.fc2.bias": (64,),
-        "decoder.layers.0.final_layer_norm.weight": (64,), "decoder.layers.0.final_layer_norm.bias": (64,),
+        "decoder.layers.0.self_attn.k_proj.weight": (64, 64),
+        "decoder.layers.0.self_attn.k_proj.bias": (64,),
+        "decoder.layers.0.self_attn.v_proj.weight": (64, 64),
+        "decoder.layers.0.self_attn.v_proj.bias": (64,),
+        "decoder.layers.0.self_attn.q_proj.weight": (64, 64),
+        "decoder.layers.0.self_attn.q_proj.bias": (64,),
+        "decoder.layers.0.self_attn.out_proj.weight": (64, 64),
+        "decoder.layers.0.self_attn.out_proj.bias": (64,),
+        "decoder.layers.0.self_attn_layer_norm.weight": (64,),
+        "decoder.layers.0.self_attn_layer_norm.bias": (64,),
+        "decoder.layers.0.fc1.weight": (32, 64),
+        "decoder.layers.0.fc1.bias": (32,),
+        "decoder.layers.0.fc2.weight": (64, 32),
+        "decoder.layers.0.fc2.bias": (64,),
+        "decoder.layers.0.final_layer_norm.weight": (64,),
+        "decoder.layers.0.final_layer_norm.bias": (64,),
         "decoder.project_out_dim.weight": (512, 64),
         "decoder.output_projection.weight": (100, 512),
     }
     assert model.decoder.project_in_dim.bias is None and model.decoder.project_out_dim.bias is None
     assert TransformerLanguageModel.config_notice(cfg) == (
         "input/output dims 512 (upstream's default) with embed dim 64: adds project_in/out; pass "
-        "--decoder-input-dim 64 --decoder-output-dim 64 to drop them")
+        "--decoder-input-dim 64 --decoder-output-dim 64 to drop them"
+    )
 
-    cfg = preset_config("transformer_lm", decoder_layers=1, decoder_embed_dim=64, decoder_ffn_embed_dim=32,
-                        decoder_attention_heads=4, decoder_input_dim=64, decoder_output_dim=64)
+    cfg = preset_config(
+        "transformer_lm",
+        decoder_layers=1,
+        decoder_embed_dim=64,
+        decoder_ffn_embed_dim=32,
+        decoder_attention_heads=4,
+        decoder_input_dim=64,
+        decoder_output_dim=64,
+    )
     keys = shapes(TransformerLanguageModel.build(cfg, VOCAB, PAD))
     assert keys["decoder.embed_tokens.weight"] == (100, 64) and not any("project_" in k for k in keys)
     assert TransformerLanguageModel.config_notice(cfg) == ""
@@ -97,7 +118,8 @@ def test_bare_transformer_lm_keeps_512_input_output_dims_and_adds_projections_as
     assert (cfg.decoder_input_dim, cfg.decoder_output_dim) == (64, 512)
     assert TransformerLanguageModel.config_notice(cfg) == (
         "output dim 512 (upstream's default) with embed dim 64: adds project_out; pass --decoder-output-dim 64 "
-        "to drop it")
+        "to drop it"
+    )
     for arch in ("transformer_lm_gpt", "transformer_lm_big"):  # presets: the dims follow, nothing to say
         assert TransformerLanguageModel.config_notice(preset_config(arch, decoder_embed_dim=64)) == ""
 
@@ -105,21 +127,35 @@ def test_bare_transformer_lm_keeps_512_input_output_dims_and_adds_projections_as
 def test_gpt_preset_input_and_output_dims_follow_the_embed_dim_as_upstream():
     """Upstream's `--arch transformer_lm_gpt --decoder-embed-dim 256` (base_lm_architecture fills both dims from
     the embed dim): 256-wide embeddings, no projections, pre-norm with the final layer norm."""
-    model = build("transformer_lm_gpt", decoder_layers=1, decoder_embed_dim=256, decoder_ffn_embed_dim=32,
-                  decoder_attention_heads=4)
+    model = build(
+        "transformer_lm_gpt",
+        decoder_layers=1,
+        decoder_embed_dim=256,
+        decoder_ffn_embed_dim=32,
+        decoder_attention_heads=4,
+    )
     assert shapes(model) == {
         "decoder.version": (1,),
         "decoder.embed_tokens.weight": (100, 256),
         "decoder.embed_positions._float_tensor": (1,),
-        "decoder.layers.0.self_attn.k_proj.weight": (256, 256), "decoder.layers.0.self_attn.k_proj.bias": (256,),
-        "decoder.layers.0.self_attn.v_proj.weight": (256, 256), "decoder.layers.0.self_attn.v_proj.bias": (256,),
-        "decoder.layers.0.self_attn.q_proj.weight": (256, 256), "decoder.layers.0.self_attn.q_proj.bias": (256,),
-        "decoder.layers.0.self_attn.out_proj.weight": (256, 256), "decoder.layers.0.self_attn.out_proj.bias": (256,),
-        "decoder.layers.0.self_attn_layer_norm.weight": (256,), "decoder.layers.0.self_attn_layer_norm.bias": (256,),
-        "decoder.layers.0.fc1.weight": (32, 256), "decoder.layers.0.fc1.bias": (32,),
-        "decoder.layers.0.fc2.weight": (256, 32), "decoder.layers.0.fc2.bias": (256,),
-        "decoder.layers.0.final_layer_norm.weight": (256,), "decoder.layers.0.final_layer_norm.bias": (256,),
-        "decoder.layer_norm.weight": (256,), "decoder.layer_norm.bias": (256,),
+        "decoder.layers.0.self_attn.k_proj.weight": (256, 256),
+        "decoder.layers.0.self_attn.k_proj.bias": (256,),
+        "decoder.layers.0.self_attn.v_proj.weight": (256, 256),
+        "decoder.layers.0.self_attn.v_proj.bias": (256,),
+        "decoder.layers.0.self_attn.q_proj.weight": (256, 256),
+        "decoder.layers.0.self_attn.q_proj.bias": (256,),
+        "decoder.layers.0.self_attn.out_proj.weight": (256, 256),
+        "decoder.layers.0.self_attn.out_proj.bias": (256,),
+        "decoder.layers.0.self_attn_layer_norm.weight": (256,),
+        "decoder.layers.0.self_attn_layer_norm.bias": (256,),
+        "decoder.layers.0.fc1.weight": (32, 256),
+        "decoder.layers.0.fc1.bias": (32,),
+        "decoder.layers.0.fc2.weight": (256, 32),
+        "decoder.layers.0.fc2.bias": (256,),
+        "decoder.layers.0.final_layer_norm.weight": (256,),
+        "decoder.layers.0.final_layer_norm.bias": (256,),
+        "decoder.layer_norm.weight": (256,),
+        "decoder.layer_norm.bias": (256,),
         "decoder.output_projection.weight": (100, 256),
     }
 
@@ -129,8 +165,9 @@ def test_saved_config_keeps_its_stored_dims():
     them, not today's default."""
     from fairseq.dataclass.utils import config_from_dict, config_to_dict
 
-    saved = config_to_dict(TransformerLanguageModelConfig(decoder_embed_dim=256, decoder_input_dim=256,
-                                                          decoder_output_dim=256))
+    saved = config_to_dict(
+        TransformerLanguageModelConfig(decoder_embed_dim=256, decoder_input_dim=256, decoder_output_dim=256)
+    )
     cfg = config_from_dict(TransformerLanguageModelConfig, saved, name="transformer_lm")
     assert (cfg.decoder_embed_dim, cfg.decoder_input_dim, cfg.decoder_output_dim) == (256, 256, 256)
     assert not any("project_" in k for k in shapes(TransformerLanguageModel.build(cfg, VOCAB, PAD)))
@@ -171,8 +208,7 @@ def test_gpt3_small_learned_positions_with_padding_offset_and_tied_output():
 
 def test_gbw_preset_has_no_final_norm_and_layernorm_embedding_adds_its_keys():
     assert "decoder.layer_norm.weight" not in shapes(build("transformer_lm_gbw", decoder_layers=1))
-    with_ln = shapes(build("transformer_lm", decoder_layers=1, decoder_normalize_before=True,
-                           layernorm_embedding=True))
+    with_ln = shapes(build("transformer_lm", decoder_layers=1, decoder_normalize_before=True, layernorm_embedding=True))
     assert with_ln["decoder.layer_norm.weight"] == (512,)
     assert with_ln["decoder.layernorm_embedding.weight"] == (512,)
 
@@ -218,41 +254,53 @@ def test_preset_values_upstream_forces_override_the_given_ones_with_a_warning(ca
     assert "--decoder-normalize-before False is overridden to True" in caplog.text
 
 
-@pytest.mark.parametrize("arch,layers,dim,heads,ffn", [
-    ("transformer_lm_gpt", 12, 768, 12, 3072),
-    ("transformer_lm_gpt2_small", 24, 1024, 16, 4096),
-    ("transformer_lm_gpt2_medium", 36, 1280, 20, 5120),
-    ("transformer_lm_gpt2_big", 48, 1600, 25, 6400),
-    ("transformer_lm_gpt3_medium", 24, 1024, 16, 4096),
-    ("transformer_lm_gpt3_large", 24, 1536, 16, 6144),
-    ("transformer_lm_gpt3_xl", 24, 2048, 32, 8192),
-    ("transformer_lm_gpt3_2_7", 32, 2560, 32, 10240),
-    ("transformer_lm_gpt3_6_7", 32, 4096, 32, 16384),
-    ("transformer_lm_gpt3_13", 40, 5120, 40, 20480),
-    ("transformer_lm_gpt3_30", 48, 7168, 56, 28672),
-    ("transformer_lm_gpt3_66", 64, 9216, 72, 36864),
-    ("transformer_lm_gpt3_175", 96, 12288, 96, 49152),
-])
+@pytest.mark.parametrize(
+    "arch,layers,dim,heads,ffn",
+    [
+        ("transformer_lm_gpt", 12, 768, 12, 3072),
+        ("transformer_lm_gpt2_small", 24, 1024, 16, 4096),
+        ("transformer_lm_gpt2_medium", 36, 1280, 20, 5120),
+        ("transformer_lm_gpt2_big", 48, 1600, 25, 6400),
+        ("transformer_lm_gpt3_medium", 24, 1024, 16, 4096),
+        ("transformer_lm_gpt3_large", 24, 1536, 16, 6144),
+        ("transformer_lm_gpt3_xl", 24, 2048, 32, 8192),
+        ("transformer_lm_gpt3_2_7", 32, 2560, 32, 10240),
+        ("transformer_lm_gpt3_6_7", 32, 4096, 32, 16384),
+        ("transformer_lm_gpt3_13", 40, 5120, 40, 20480),
+        ("transformer_lm_gpt3_30", 48, 7168, 56, 28672),
+        ("transformer_lm_gpt3_66", 64, 9216, 72, 36864),
+        ("transformer_lm_gpt3_175", 96, 12288, 96, 49152),
+    ],
+)
 def test_preset_sizes(arch, layers, dim, heads, ffn):
     cfg = preset_config(arch)
-    assert (cfg.decoder_layers, cfg.decoder_embed_dim, cfg.decoder_attention_heads,
-            cfg.decoder_ffn_embed_dim) == (layers, dim, heads, ffn)
+    assert (cfg.decoder_layers, cfg.decoder_embed_dim, cfg.decoder_attention_heads, cfg.decoder_ffn_embed_dim) == (
+        layers,
+        dim,
+        heads,
+        ffn,
+    )
     assert cfg.decoder_normalize_before and cfg._name == arch
 
 
 def test_parse_args_and_arch_applies_preset_under_the_command_line():
-    missing = [f"{reg.flag} {name}" for reg, name in (
-        (registry.TASK_REGISTRY, "language_modeling"),
-        (registry.CRITERION_REGISTRY, "cross_entropy"),
-        (registry.LR_SCHEDULER_REGISTRY, "fixed"),
-    ) if name not in reg]
+    missing = [
+        f"{reg.flag} {name}"
+        for reg, name in (
+            (registry.TASK_REGISTRY, "language_modeling"),
+            (registry.CRITERION_REGISTRY, "cross_entropy"),
+            (registry.LR_SCHEDULER_REGISTRY, "fixed"),
+        )
+        if name not in reg
+    ]
     if missing:
         pytest.skip(f"the training parser needs components not registered yet: {', '.join(missing)}")
     from fairseq import options
 
-    args = options.parse_args_and_arch(options.get_training_parser(), [
-        "data", "--arch", "transformer_lm_gpt3_small", "--decoder-layers", "2", "--tokens-per-sample", "32",
-    ])
+    args = options.parse_args_and_arch(
+        options.get_training_parser(),
+        ["data", "--arch", "transformer_lm_gpt3_small", "--decoder-layers", "2", "--tokens-per-sample", "32"],
+    )
     cfg = options.convert_namespace_to_config(args).model
     assert (cfg.decoder_layers, cfg.decoder_embed_dim, cfg.decoder_attention_heads) == (2, 768, 12)
     assert cfg.share_decoder_input_output_embed and cfg.decoder_learned_pos and cfg.tokens_per_sample == 32
@@ -260,9 +308,10 @@ def test_parse_args_and_arch_applies_preset_under_the_command_line():
     assert len(model.decoder.layers) == 2
     assert model.decoder.embed_positions.weight.shape == (32 + PAD + 1, 768)
 
-    args = options.parse_args_and_arch(options.get_training_parser(), [
-        "data", "--arch", "transformer_lm", "--decoder-embed-dim", "256", "--decoder-attention-heads", "4",
-    ])
+    args = options.parse_args_and_arch(
+        options.get_training_parser(),
+        ["data", "--arch", "transformer_lm", "--decoder-embed-dim", "256", "--decoder-attention-heads", "4"],
+    )
     cfg = options.convert_namespace_to_config(args).model
     assert (cfg.decoder_embed_dim, cfg.decoder_input_dim, cfg.decoder_output_dim) == (256, 512, 512)
 
@@ -295,8 +344,9 @@ def test_gpt3_175_param_count_on_meta():
     assert abs(count - 175e9) / 175e9 < 0.005
 
 
-@pytest.mark.parametrize("arch,layers,d,nominal", [
-    ("transformer_lm_gpt3_30", 48, 7168, 30e9), ("transformer_lm_gpt3_66", 64, 9216, 66e9)])
+@pytest.mark.parametrize(
+    "arch,layers,d,nominal", [("transformer_lm_gpt3_30", 48, 7168, 30e9), ("transformer_lm_gpt3_66", 64, 9216, 66e9)]
+)
 def test_opt_size_presets_param_counts(arch, layers, d, nominal):
     count = sum(p.numel() for p in meta_model(arch, tokens_per_sample=2048).parameters())
     assert count == gpt3_param_count(50272, 2048, layers, d)
@@ -308,8 +358,14 @@ def test_opt_size_presets_param_counts(arch, layers, d, nominal):
 
 @pytest.mark.parametrize("arch", ["transformer_lm", "transformer_lm_gpt3_small"])
 def test_causal_future_tokens_do_not_change_earlier_logits(arch):
-    model = build(arch, decoder_layers=2, decoder_embed_dim=64, decoder_attention_heads=4,
-                  decoder_ffn_embed_dim=128, tokens_per_sample=16).eval()
+    model = build(
+        arch,
+        decoder_layers=2,
+        decoder_embed_dim=64,
+        decoder_attention_heads=4,
+        decoder_ffn_embed_dim=128,
+        tokens_per_sample=16,
+    ).eval()
     tokens = torch.randint(4, VOCAB, (2, 10))
     changed = tokens.clone()
     changed[:, 6] = (changed[:, 6] + 1 - 4) % (VOCAB - 4) + 4
@@ -321,8 +377,13 @@ def test_causal_future_tokens_do_not_change_earlier_logits(arch):
 
 
 def test_right_padding_does_not_change_real_token_logits():
-    model = build("transformer_lm_gpt3_small", decoder_layers=2, decoder_embed_dim=64,
-                  decoder_attention_heads=4, tokens_per_sample=16).eval()
+    model = build(
+        "transformer_lm_gpt3_small",
+        decoder_layers=2,
+        decoder_embed_dim=64,
+        decoder_attention_heads=4,
+        tokens_per_sample=16,
+    ).eval()
     tokens = torch.randint(4, VOCAB, (1, 5))
     padded = torch.cat([tokens, torch.full((1, 3), PAD)], dim=1)
     with torch.no_grad():
@@ -330,8 +391,16 @@ def test_right_padding_does_not_change_real_token_logits():
 
 
 def test_dropout_only_in_training():
-    model = build("transformer_lm", decoder_layers=1, decoder_embed_dim=64, decoder_attention_heads=4,
-                  decoder_ffn_embed_dim=64, decoder_input_dim=64, decoder_output_dim=64, attention_dropout=0.3)
+    model = build(
+        "transformer_lm",
+        decoder_layers=1,
+        decoder_embed_dim=64,
+        decoder_attention_heads=4,
+        decoder_ffn_embed_dim=64,
+        decoder_input_dim=64,
+        decoder_output_dim=64,
+        attention_dropout=0.3,
+    )
     tokens = torch.randint(4, VOCAB, (2, 8))
     with torch.no_grad():
         model.eval()
@@ -341,41 +410,76 @@ def test_dropout_only_in_training():
 
 
 def test_embedding_is_scaled_by_sqrt_embed_dim_plus_positions():
-    model = build("transformer_lm", decoder_layers=0, decoder_embed_dim=16, decoder_input_dim=16,
-                  decoder_output_dim=16, decoder_attention_heads=2, dropout=0.0)
+    model = build(
+        "transformer_lm",
+        decoder_layers=0,
+        decoder_embed_dim=16,
+        decoder_input_dim=16,
+        decoder_output_dim=16,
+        decoder_attention_heads=2,
+        dropout=0.0,
+    )
     tokens = torch.tensor([[5, 6, 7]])
     table = model.decoder.embed_positions.table
     expected = 4.0 * model.decoder.embed_tokens.weight[tokens] + table[torch.tensor([[2, 3, 4]])]
     torch.testing.assert_close(model.decoder.embed(tokens), expected, rtol=0, atol=0)
-    unscaled = build("transformer_lm", decoder_layers=0, decoder_embed_dim=16, decoder_input_dim=16,
-                     decoder_output_dim=16, decoder_attention_heads=2, dropout=0.0, no_scale_embedding=True)
+    unscaled = build(
+        "transformer_lm",
+        decoder_layers=0,
+        decoder_embed_dim=16,
+        decoder_input_dim=16,
+        decoder_output_dim=16,
+        decoder_attention_heads=2,
+        dropout=0.0,
+        no_scale_embedding=True,
+    )
     expected = unscaled.decoder.embed_tokens.weight[tokens] + table[torch.tensor([[2, 3, 4]])]
     torch.testing.assert_close(unscaled.decoder.embed(tokens), expected, rtol=0, atol=0)
     # the scale is sqrt(--decoder-embed-dim), applied before projecting from --decoder-input-dim
-    projected = build("transformer_lm", decoder_layers=0, decoder_embed_dim=16, decoder_input_dim=64,
-                      decoder_output_dim=16, decoder_attention_heads=2, dropout=0.0)
+    projected = build(
+        "transformer_lm",
+        decoder_layers=0,
+        decoder_embed_dim=16,
+        decoder_input_dim=64,
+        decoder_output_dim=16,
+        decoder_attention_heads=2,
+        dropout=0.0,
+    )
     dec = projected.decoder
     expected = dec.project_in_dim(4.0 * dec.embed_tokens.weight[tokens]) + table[torch.tensor([[2, 3, 4]])]
     torch.testing.assert_close(dec.embed(tokens), expected, rtol=0, atol=0)
 
 
 def test_learned_positions_beyond_table_are_a_clear_error():
-    model = build("transformer_lm_gpt3_small", decoder_layers=1, decoder_embed_dim=64,
-                  decoder_attention_heads=4, tokens_per_sample=8)
+    model = build(
+        "transformer_lm_gpt3_small",
+        decoder_layers=1,
+        decoder_embed_dim=64,
+        decoder_attention_heads=4,
+        tokens_per_sample=8,
+    )
     with pytest.raises(ValueError, match="longer than the 8 learned positions"):
         model(torch.randint(4, VOCAB, (1, 9)))
 
 
 def test_sinusoidal_model_runs_past_its_precomputed_table():
-    model = build("transformer_lm", decoder_layers=1, decoder_embed_dim=64, decoder_input_dim=64,
-                  decoder_output_dim=64, decoder_attention_heads=4, tokens_per_sample=8).eval()
+    model = build(
+        "transformer_lm",
+        decoder_layers=1,
+        decoder_embed_dim=64,
+        decoder_input_dim=64,
+        decoder_output_dim=64,
+        decoder_attention_heads=4,
+        tokens_per_sample=8,
+    ).eval()
     assert model.max_positions() == 8
     assert model(torch.randint(4, VOCAB, (1, 12)))[0].shape == (1, 12, VOCAB)
 
 
 def test_bf16_model_returns_bf16_logits():
     model = build("transformer_lm", decoder_layers=1, decoder_embed_dim=64, decoder_attention_heads=4).to(
-        torch.bfloat16)
+        torch.bfloat16
+    )
     assert model(torch.randint(4, VOCAB, (1, 6)))[0].dtype == torch.bfloat16
 
 
@@ -383,8 +487,14 @@ def test_bf16_model_returns_bf16_logits():
 
 
 def test_init_follows_upstream():
-    model = build("transformer_lm", decoder_layers=1, decoder_embed_dim=256, decoder_attention_heads=4,
-                  decoder_input_dim=512, decoder_output_dim=512)
+    model = build(
+        "transformer_lm",
+        decoder_layers=1,
+        decoder_embed_dim=256,
+        decoder_attention_heads=4,
+        decoder_input_dim=512,
+        decoder_output_dim=512,
+    )
     dec = model.decoder
     assert torch.equal(dec.embed_tokens.weight[PAD], torch.zeros(512))
     assert abs(dec.embed_tokens.weight.std().item() - 512**-0.5) < 0.1 * 512**-0.5
@@ -400,8 +510,13 @@ def test_init_follows_upstream():
 
 
 def test_reset_parameters_is_deterministic_under_a_seed():
-    model = build("transformer_lm_gpt3_small", decoder_layers=2, decoder_embed_dim=64,
-                  decoder_attention_heads=4, tokens_per_sample=16)
+    model = build(
+        "transformer_lm_gpt3_small",
+        decoder_layers=2,
+        decoder_embed_dim=64,
+        decoder_attention_heads=4,
+        tokens_per_sample=16,
+    )
     torch.manual_seed(123)
     model.reset_parameters()
     first = {k: v.clone() for k, v in model.state_dict().items()}
@@ -437,16 +552,27 @@ def test_meta_build_then_to_empty_and_reset_matches_a_cpu_build(arch):
 # ----------------------------------------------------------------------------- bad input
 
 
-@pytest.mark.parametrize("overrides,message", [
-    (dict(adaptive_input=True), "--adaptive-input needs --adaptive-input-cutoff"),
-    (dict(adaptive_softmax_cutoff="20,10"), "--adaptive-softmax-cutoff '20,10': the cutoffs must be positive and"),
-    (dict(character_embeddings=True), "--character-embeddings"),
-    (dict(decoder_layerdrop=0.1), "--decoder-layerdrop"),
-    (dict(decoder_attention_heads=7), "not divisible by --decoder-attention-heads 7"),
-    (dict(share_decoder_input_output_embed=True, decoder_output_dim=256, decoder_embed_dim=256,
-          decoder_input_dim=512, decoder_attention_heads=4), "--decoder-input-dim == --decoder-output-dim"),
-    (dict(dropout=1.5), "--dropout must be in"),
-])
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        (dict(adaptive_input=True), "--adaptive-input needs --adaptive-input-cutoff"),
+        (dict(adaptive_softmax_cutoff="20,10"), "--adaptive-softmax-cutoff '20,10': the cutoffs must be positive and"),
+        (dict(character_embeddings=True), "--character-embeddings"),
+        (dict(decoder_layerdrop=0.1), "--decoder-layerdrop"),
+        (dict(decoder_attention_heads=7), "not divisible by --decoder-attention-heads 7"),
+        (
+            dict(
+                share_decoder_input_output_embed=True,
+                decoder_output_dim=256,
+                decoder_embed_dim=256,
+                decoder_input_dim=512,
+                decoder_attention_heads=4,
+            ),
+            "--decoder-input-dim == --decoder-output-dim",
+        ),
+        (dict(dropout=1.5), "--dropout must be in"),
+    ],
+)
 def test_bad_configs_name_the_flag(overrides, message):
     with pytest.raises(ValueError, match=message):
         TransformerLanguageModel.build(preset_config("transformer_lm", **overrides), VOCAB, PAD)
@@ -489,22 +615,37 @@ def legacy_variant(state):
 
 
 def test_upgrade_state_dict_maps_older_upstream_layouts():
-    model = build("transformer_lm_big", decoder_layers=2, decoder_embed_dim=64, decoder_attention_heads=4,
-                  decoder_ffn_embed_dim=32)
+    model = build(
+        "transformer_lm_big",
+        decoder_layers=2,
+        decoder_embed_dim=64,
+        decoder_attention_heads=4,
+        decoder_ffn_embed_dim=32,
+    )
     state = model.state_dict()
     old = legacy_variant(state)
     assert "decoder.layers.0.self_attn.in_proj_weight" in old and "decoder.embed_out" in old
     upgraded = upgrade_state_dict(old)
     assert upgraded.keys() == state.keys()
     assert all(torch.equal(upgraded[k], state[k]) for k in state)
-    fresh = build("transformer_lm_big", decoder_layers=2, decoder_embed_dim=64, decoder_attention_heads=4,
-                  decoder_ffn_embed_dim=32)
+    fresh = build(
+        "transformer_lm_big",
+        decoder_layers=2,
+        decoder_embed_dim=64,
+        decoder_attention_heads=4,
+        decoder_ffn_embed_dim=32,
+    )
     fresh.load_state_dict(upgraded, strict=True)
 
 
 def test_upgrade_state_dict_current_layout_is_unchanged_and_shared_output_is_filled():
-    model = build("transformer_lm_gpt3_small", decoder_layers=1, decoder_embed_dim=64,
-                  decoder_attention_heads=4, tokens_per_sample=8)
+    model = build(
+        "transformer_lm_gpt3_small",
+        decoder_layers=1,
+        decoder_embed_dim=64,
+        decoder_attention_heads=4,
+        tokens_per_sample=8,
+    )
     state = model.state_dict()
     assert upgrade_state_dict(state).keys() == state.keys()
     without_output = {k: v for k, v in state.items() if k != "decoder.output_projection.weight"}
@@ -513,8 +654,14 @@ def test_upgrade_state_dict_current_layout_is_unchanged_and_shared_output_is_fil
 
 
 def test_upgrade_state_dict_old_sinusoidal_table_and_version_without_final_norm():
-    model = build("transformer_lm", decoder_layers=1, decoder_embed_dim=64, decoder_input_dim=64,
-                  decoder_output_dim=64, decoder_attention_heads=4)
+    model = build(
+        "transformer_lm",
+        decoder_layers=1,
+        decoder_embed_dim=64,
+        decoder_input_dim=64,
+        decoder_output_dim=64,
+        decoder_attention_heads=4,
+    )
     state = dict(model.state_dict())
     del state["decoder.embed_positions._float_tensor"]
     state["decoder.embed_positions.weights"] = torch.ones(10, 64)
@@ -535,7 +682,7 @@ def test_upgrade_state_dict_old_sinusoidal_table_and_version_without_final_norm(
 
 # ----------------------------------------------------------------------------- init of a sharded (FSDP2) model
 
-SHARDED_INIT_SCRIPT = '''
+SHARDED_INIT_SCRIPT = """
 import json, os, sys
 import torch, torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
@@ -569,7 +716,7 @@ def run(rank, out_dir):
 
 if __name__ == "__main__":
     run(int(sys.argv[1]), sys.argv[2])
-'''
+"""
 
 
 def test_reset_parameters_on_fsdp2_shards_zeroes_padding_rows_and_keeps_tying(tmp_path):
@@ -579,8 +726,15 @@ def test_reset_parameters_on_fsdp2_shards_zeroes_padding_rows_and_keeps_tying(tm
 
     script = tmp_path / "sharded_init.py"
     script.write_text(SHARDED_INIT_SCRIPT)
-    ranks = [subprocess.Popen([sys.executable, str(script), str(rank), str(tmp_path)],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for rank in (0, 1)]
+    ranks = [
+        subprocess.Popen(
+            [sys.executable, str(script), str(rank), str(tmp_path)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for rank in (0, 1)
+    ]
     try:
         outputs = [rank.communicate(timeout=180) for rank in ranks]
     finally:
@@ -600,8 +754,15 @@ def test_reset_parameters_on_fsdp2_shards_zeroes_padding_rows_and_keeps_tying(tm
 
 def test_forward_returns_upstreams_logits_and_extra():
     """Upstream code does `model(x)[0]` for the logits: that must be every row's logits, not row 0."""
-    model = build("transformer_lm", decoder_layers=2, decoder_embed_dim=16, decoder_input_dim=16,
-                  decoder_output_dim=16, decoder_ffn_embed_dim=32, decoder_attention_heads=2).eval()
+    model = build(
+        "transformer_lm",
+        decoder_layers=2,
+        decoder_embed_dim=16,
+        decoder_input_dim=16,
+        decoder_output_dim=16,
+        decoder_ffn_embed_dim=32,
+        decoder_attention_heads=2,
+    ).eval()
     tokens = torch.randint(4, VOCAB, (3, 7))
     with torch.no_grad():
         logits, extra = model(tokens)

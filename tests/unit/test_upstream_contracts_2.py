@@ -21,6 +21,7 @@ from fairseq.tasks.language_modeling import LanguageModelingConfig, LanguageMode
 
 # ------------------------------------------------------------------------------------- data_utils_fast
 
+
 def greedy_batches(sizes, max_tokens, max_sentences, bsz_mult):
     """The rule written out: grow a batch while count * longest <= max_tokens and count <= max_sentences
     (<= 0: no limit); a batch of n > bsz_mult items keeps n - n % bsz_mult of them."""
@@ -29,7 +30,7 @@ def greedy_batches(sizes, max_tokens, max_sentences, bsz_mult):
         n = 1
         while start + n < len(sizes):
             grown = n + 1
-            if max_tokens > 0 and grown * max(sizes[start:start + grown]) > max_tokens:
+            if max_tokens > 0 and grown * max(sizes[start : start + grown]) > max_tokens:
                 break
             if 0 < max_sentences < grown:
                 break
@@ -51,7 +52,9 @@ def test_batch_by_size_vec_and_fn_on_spelled_out_cases():
     assert as_lists(batch_by_size_vec(idx, sizes, 10, 0, 1)) == [[0, 1], [2, 3], [4], [5]]
     assert as_lists(batch_by_size_vec(idx, sizes, 0, 3, 2)) == [[0, 1], [2, 3], [4, 5]]  # 3 fit, 2 kept
     assert as_lists(batch_by_size_vec(np.arange(10), np.ones(10, dtype=np.int64), -1, -1, 4)) == [
-        list(range(8)), [8, 9]]  # -1: no limit; a final batch smaller than the multiple stays whole
+        list(range(8)),
+        [8, 9],
+    ]  # -1: no limit; a final batch smaller than the multiple stays whole
     # the order of `indices` is kept and the sizes follow it; the fn variant looks sizes up by index
     order = np.array([5, 0, 2])
     assert as_lists(batch_by_size_vec(order, sizes[order], 10, 0, 1)) == [[5], [0, 2]]
@@ -71,6 +74,7 @@ def test_batch_by_size_vec_matches_the_rule_on_a_grid():
 
 # ------------------------------------------------------------------------------------------ dictionary
 
+
 def test_dictionary_get_count_and_duplicate_error():
     d = Dictionary()
     d.add_from_file(io.StringIO("a 7\nb 3\n"))
@@ -82,6 +86,7 @@ def test_dictionary_get_count_and_duplicate_error():
 
 
 # ---------------------------------------------------------------------------- indexed_dataset entry points
+
 
 def test_make_dataset_make_builder_and_impl_checks(tmp_path):
     prefix = str(tmp_path / "train")
@@ -96,13 +101,16 @@ def test_make_dataset_make_builder_and_impl_checks(tmp_path):
     assert indexed_dataset.make_dataset(str(tmp_path / "missing"), "mmap") is None
     assert indexed_dataset.infer_dataset_impl(str(tmp_path / "missing")) is None
     assert indexed_dataset.make_builder(str(tmp_path / "x.bin"), "mmap").dtype == np.uint32  # no vocab size
-    for call in (lambda: indexed_dataset.make_dataset(prefix, "lazy"),
-                 lambda: indexed_dataset.make_builder(prefix + ".bin", "cached", 10)):
+    for call in (
+        lambda: indexed_dataset.make_dataset(prefix, "lazy"),
+        lambda: indexed_dataset.make_builder(prefix + ".bin", "cached", 10),
+    ):
         with pytest.raises(ValueError, match="impl 'lazy' is not supported|impl 'cached' is not supported"):
             call()
 
 
 # ------------------------------------------------------------------------------------- token block views
+
 
 class Items(torch.utils.data.Dataset):
     def __init__(self, items):
@@ -115,11 +123,14 @@ class Items(torch.utils.data.Dataset):
         return self.items[i]
 
 
-@pytest.mark.parametrize("mode, block, slices, index", [
-    ("none", 3, [[0, 3], [3, 6], [6, 9], [9, 11]], [[0, 0, 0], [0, 3, 1], [1, 1, 1], [2, 0, 2]]),
-    ("complete", 6, [[0, 5], [5, 11]], [[0, 0, 0], [1, 0, 2]]),
-    ("eos", None, [[0, 5], [5, 9], [9, 11]], [[0, 0, 0], [1, 0, 1], [2, 0, 2]]),
-])
+@pytest.mark.parametrize(
+    "mode, block, slices, index",
+    [
+        ("none", 3, [[0, 3], [3, 6], [6, 9], [9, 11]], [[0, 0, 0], [0, 3, 1], [1, 1, 1], [2, 0, 2]]),
+        ("complete", 6, [[0, 5], [5, 11]], [[0, 0, 0], [1, 0, 2]]),
+        ("eos", None, [[0, 5], [5, 9], [9, 11]], [[0, 0, 0], [1, 0, 1], [2, 0, 2]]),
+    ],
+)
 def test_token_block_slice_indices_and_block_to_dataset_index(mode, block, slices, index):
     items = [[5, 4, 3, 2, 1], [8, 7, 6, 1], [9, 1]]
     ds = TokenBlockDataset(Items(items), [len(x) for x in items], block, pad=0, eos=1, break_mode=mode)
@@ -138,6 +149,7 @@ def test_slice_indices_past_four_billion_tokens_are_integers():
 
 
 # ------------------------------------------------------------------ monolingual items and eval_lm_dataloader
+
 
 def dictionary_of(n):
     d = Dictionary()
@@ -164,7 +176,9 @@ def test_eval_lm_dataloader_context_window_in_upstreams_layout():
     batches = list(task.eval_lm_dataloader(ds, batch_size=2, context_window=2, num_workers=0))
     # rows: up to 2 tokens of the text before the block, unscored (pad targets); width = batch width + 2
     assert [b["net_input"]["src_tokens"].tolist() for b in batches] == [
-        [[4, 5, 6, 1, 1], [5, 6, 7, 8, 9]], [[8, 9, 10, 11]]]
+        [[4, 5, 6, 1, 1], [5, 6, 7, 8, 9]],
+        [[8, 9, 10, 11]],
+    ]
     assert [b["target"].tolist() for b in batches] == [[[4, 5, 6, 1, 1], [1, 1, 7, 8, 9]], [[1, 1, 10, 11]]]
     assert [b["net_input"]["src_lengths"].tolist() for b in batches] == [[3, 5], [4]]
     plain = list(task.eval_lm_dataloader(ds, batch_size=2, num_workers=0))  # no window: the plain batches
@@ -173,6 +187,7 @@ def test_eval_lm_dataloader_context_window_in_upstreams_layout():
 
 
 # --------------------------------------------------------------------------- gen_parser_from_dataclass
+
 
 @dataclass
 class Layers(FairseqDataclass):
@@ -203,8 +218,24 @@ def test_gen_parser_from_dataclass_flattens_nested_dataclasses():
 def test_gen_parser_from_dataclass_with_prefix_names_nested_fields():
     parser = argparse.ArgumentParser()
     gen_parser_from_dataclass(parser, Model(), True, "")
-    args = parser.parse_args(["--encoder-arch-num-layers", "10", "--encoder-arch-data", "D", "--encoder-foo", "2",
-                              "--lr", "5", "the/data/path"])
-    assert vars(args) == {"encoder_arch_num_layers": 10, "encoder_arch_data": "D", "encoder_foo": 2, "lr": 5,
-                          "data": "the/data/path"}
+    args = parser.parse_args(
+        [
+            "--encoder-arch-num-layers",
+            "10",
+            "--encoder-arch-data",
+            "D",
+            "--encoder-foo",
+            "2",
+            "--lr",
+            "5",
+            "the/data/path",
+        ]
+    )
+    assert vars(args) == {
+        "encoder_arch_num_layers": 10,
+        "encoder_arch_data": "D",
+        "encoder_foo": 2,
+        "lr": 5,
+        "data": "the/data/path",
+    }
     assert vars(parser.parse_args([])) == {"data": "test"}  # delete_default: unset flags stay absent

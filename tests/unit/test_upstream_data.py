@@ -21,6 +21,7 @@ from fairseq.data import (
 
 # ------------------------------------------------------------------------------------------ iterators
 
+
 def test_counting_iterator_skip_take_and_length_checks():
     itr = iterators.CountingIterator(list(range(10)))
     assert (next(itr), next(itr), itr.n) == (0, 1, 2)
@@ -81,8 +82,13 @@ def _epoch_itr(items, bsz, **kwargs):
 
 def test_epoch_batch_iterator_skip_remainder_batch():
     # upstream drops the last batch of an epoch whether or not it is full
-    for items, bsz, skip, expected in [([1, 2, 3], 2, True, 1), ([1, 2, 3], 2, False, 2), ([1, 2, 3], 1, True, 2),
-                                       ([1, 2, 3], 4, True, 0), ([1, 2, 3], 4, False, 1)]:
+    for items, bsz, skip, expected in [
+        ([1, 2, 3], 2, True, 1),
+        ([1, 2, 3], 2, False, 2),
+        ([1, 2, 3], 1, True, 2),
+        ([1, 2, 3], 4, True, 0),
+        ([1, 2, 3], 4, False, 1),
+    ]:
         itr = _epoch_itr(items, bsz, skip_remainder_batch=skip).next_epoch_itr(shuffle=False)
         assert len(itr) == expected and len(list(itr)) == expected
     grouped = iterators.GroupedIterator(_epoch_itr(list(range(9)), 3).next_epoch_itr(), 2, skip_remainder_batch=True)
@@ -92,8 +98,14 @@ def test_epoch_batch_iterator_skip_remainder_batch():
 def test_epoch_batch_iterator_shuffling_options():
     items = list(range(12))
     plain = [b for b in _epoch_itr(items, 2, seed=3).next_epoch_itr(shuffle=True)]
-    assert [b for b in _epoch_itr(items, 2, seed=3, disable_shuffling=True).next_epoch_itr(shuffle=True)] == \
-           [[0, 1], [2, 3], [4, 5], [6, 7], [8, 9], [10, 11]]
+    assert [b for b in _epoch_itr(items, 2, seed=3, disable_shuffling=True).next_epoch_itr(shuffle=True)] == [
+        [0, 1],
+        [2, 3],
+        [4, 5],
+        [6, 7],
+        [8, 9],
+        [10, 11],
+    ]
     assert plain != [[0, 1], [2, 3], [4, 5], [6, 7], [8, 9], [10, 11]]
     # grouped: runs of num_shards batches shuffled together (a last incomplete run is left out)
     order = iterators.shuffled_batch_order(7, seed=3, epoch=1, group_size=2)
@@ -117,6 +129,7 @@ def test_epoch_batch_iterator_callable_batch_sampler_and_reused_dataloader():
 
 
 # ------------------------------------------------------------------------------------------ datasets
+
 
 class Sized(FairseqDataset):
     def __init__(self, sizes):
@@ -146,7 +159,7 @@ def _batch_by_size_reference(sizes, max_tokens, max_sentences, multiple):
     while start < len(sizes):
         end = start
         while end < len(sizes):
-            count, longest = end - start + 1, max(sizes[start:end + 1])
+            count, longest = end - start + 1, max(sizes[start : end + 1])
             if (max_tokens > 0 and count * longest > max_tokens) or (max_sentences > 0 and count > max_sentences):
                 break
             end += 1
@@ -165,10 +178,21 @@ def test_data_utils_batch_by_size_matches_upstreams_rule():
         max_tokens, max_sentences, multiple = int(rng.randint(9, 20)), int(rng.randint(0, 5)), int(rng.randint(1, 4))
         indices = np.arange(len(sizes))
         expected = _batch_by_size_reference(list(sizes), max_tokens, max_sentences, multiple)
-        by_fn = data_utils.batch_by_size(indices, lambda i: sizes[i], max_tokens=max_tokens,
-                                         max_sentences=max_sentences, required_batch_size_multiple=multiple)
-        by_vec = data_utils.batch_by_size(indices, None, num_tokens_vec=sizes, max_tokens=max_tokens,
-                                          max_sentences=max_sentences, required_batch_size_multiple=multiple)
+        by_fn = data_utils.batch_by_size(
+            indices,
+            lambda i: sizes[i],
+            max_tokens=max_tokens,
+            max_sentences=max_sentences,
+            required_batch_size_multiple=multiple,
+        )
+        by_vec = data_utils.batch_by_size(
+            indices,
+            None,
+            num_tokens_vec=sizes,
+            max_tokens=max_tokens,
+            max_sentences=max_sentences,
+            required_batch_size_multiple=multiple,
+        )
         assert [b.tolist() for b in by_fn] == [b.tolist() for b in by_vec] == expected
 
 
@@ -189,8 +213,9 @@ def test_numpy_seed_and_collate_tokens():
 def test_list_concat_and_resampling_datasets():
     strings = ListDataset(["ab", "c", "def", "ghij"], np.array([2, 1, 3, 4]))
     assert strings.collater([strings[0], strings[2]]) == ["ab", "def"] and strings.num_tokens(3) == 4
-    concat = ConcatDataset([ListDataset([10, 11], np.array([1, 1])), ListDataset([20, 21, 22], np.array([2, 3, 5]))],
-                           sample_ratios=[2, 1])
+    concat = ConcatDataset(
+        [ListDataset([10, 11], np.array([1, 1])), ListDataset([20, 21, 22], np.array([2, 3, 5]))], sample_ratios=[2, 1]
+    )
     assert len(concat) == 7 and [concat[i] for i in range(7)] == [10, 11, 10, 11, 20, 21, 22]
     assert concat.sizes.tolist() == [1, 1, 1, 1, 2, 3, 5] and concat.size(6) == 5
     assert concat.ordered_indices().tolist()[-1] == 6
@@ -234,8 +259,15 @@ def test_unused_numbered_valid_splits_are_an_error(tmp_path):
     from types import SimpleNamespace
 
     (tmp_path / "valid1.bin").write_bytes(b"")
-    cfg = SimpleNamespace(task=SimpleNamespace(data=str(tmp_path)), dataset=SimpleNamespace(
-        ignore_unused_valid_subsets=False, combine_valid_subsets=None, disable_validation=False, valid_subset="valid"))
+    cfg = SimpleNamespace(
+        task=SimpleNamespace(data=str(tmp_path)),
+        dataset=SimpleNamespace(
+            ignore_unused_valid_subsets=False,
+            combine_valid_subsets=None,
+            disable_validation=False,
+            valid_subset="valid",
+        ),
+    )
     with pytest.raises(ValueError, match=r"\['valid1'\].*--combine-valid-subsets.*--ignore-unused-valid-subsets"):
         data_utils.raise_if_valid_subsets_unintentionally_ignored(cfg)
     for flag in ("ignore_unused_valid_subsets", "combine_valid_subsets"):
@@ -247,6 +279,7 @@ def test_unused_numbered_valid_splits_are_an_error(tmp_path):
 
 
 # ------------------------------------------------------------------------------ files, binarizer, dictionary
+
 
 @pytest.fixture
 def text_file(tmp_path):
@@ -294,17 +327,25 @@ def test_vocabulary_binarizer_and_file_binarizer(tmp_path, text_file):
     summaries = {}
     for workers in (1, 3):
         prefix = str(tmp_path / f"out{workers}")
-        summaries[workers] = FileBinarizer.multiprocess_dataset(path, "mmap", binarizer, prefix,
-                                                                vocab_size=len(vocab), num_workers=workers)
+        summaries[workers] = FileBinarizer.multiprocess_dataset(
+            path, "mmap", binarizer, prefix, vocab_size=len(vocab), num_workers=workers
+        )
         ds = MMapIndexedDataset(prefix)
-        assert [vocab.string(ds[i]) for i in range(len(ds))] == [" ".join(w if not w.startswith("x") else "<unk>"
-                                                                          for w in line.split()) for line in lines]
+        assert [vocab.string(ds[i]) for i in range(len(ds))] == [
+            " ".join(w if not w.startswith("x") else "<unk>" for w in line.split()) for line in lines
+        ]
         assert ds.dtype == np.uint16
     assert open(str(tmp_path / "out1.bin"), "rb").read() == open(str(tmp_path / "out3.bin"), "rb").read()
     assert summaries[1].num_seq == summaries[3].num_seq == 40 and summaries[1].num_replaced == 30
-    chunk = FileBinarizer._binarize_chunk_and_finalize(binarizer, path, offset_start=0, offset_end=-1,
-                                                      output_prefix=str(tmp_path / "whole"), dataset_impl="mmap",
-                                                      vocab_size=len(vocab))
+    chunk = FileBinarizer._binarize_chunk_and_finalize(
+        binarizer,
+        path,
+        offset_start=0,
+        offset_end=-1,
+        output_prefix=str(tmp_path / "whole"),
+        dataset_impl="mmap",
+        vocab_size=len(vocab),
+    )
     assert chunk.num_tok == sum(len(line.split()) for line in lines)
     with pytest.raises(ValueError, match="dataset_impl 'lazy'"):
         FileBinarizer.multiprocess_dataset(path, "lazy", binarizer, str(tmp_path / "x"))
@@ -353,6 +394,7 @@ def test_task_get_batch_iterator_takes_upstreams_options():
     itr = task.get_batch_iterator(ds, max_sentences=2, skip_remainder_batch=True)
     assert len(list(itr.next_epoch_itr(shuffle=False))) == 2  # 3 batches, the last left out
     assert task.get_batch_iterator(ds, max_sentences=2, skip_remainder_batch=True) is itr  # cached
-    assert task.get_batch_iterator(ds, max_sentences=2, skip_remainder_batch=True, update_epoch_batch_itr=True) \
-        is not itr
+    assert (
+        task.get_batch_iterator(ds, max_sentences=2, skip_remainder_batch=True, update_epoch_batch_itr=True) is not itr
+    )
     assert task.get_batch_iterator(ds, max_sentences=2, grouped_shuffling=True, num_shards=2).grouped_shuffling

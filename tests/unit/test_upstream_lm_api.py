@@ -29,8 +29,10 @@ def test_checkpoint_utils_pathmanager_is_upstreams():
 
 
 def test_async_save_writes_through_pathmanager_opena():
-    with patch(f"{checkpoint_utils.__name__}.PathManager.opena") as opena, \
-            patch(f"{checkpoint_utils.__name__}._torch_persistent_save") as save:
+    with (
+        patch(f"{checkpoint_utils.__name__}.PathManager.opena") as opena,
+        patch(f"{checkpoint_utils.__name__}._torch_persistent_save") as save,
+    ):
         checkpoint_utils.torch_persistent_save({}, "async_checkpoint.pt", async_write=True)
     opena.assert_called_with("async_checkpoint.pt", "wb")
     save.assert_called_once_with({}, opena.return_value.__enter__.return_value)
@@ -44,8 +46,10 @@ def test_async_save_without_iopath_writes_the_file(tmp_path):
 
 def test_load_ema_reads_through_pathmanager_open_and_torch_load():
     ema = {"a": torch.tensor([1]), "b": torch.tensor([0.1]).half()}
-    with patch(f"{checkpoint_utils.__name__}.PathManager.open") as opened, \
-            patch(f"{checkpoint_utils.__name__}.torch.load") as load:
+    with (
+        patch(f"{checkpoint_utils.__name__}.PathManager.open") as opened,
+        patch(f"{checkpoint_utils.__name__}.torch.load") as load,
+    ):
         load.return_value = {"extra_state": {"ema": ema}}
         state = checkpoint_utils.load_ema_from_checkpoint("ema_checkpoint.pt")
     opened.assert_called_with("ema_checkpoint.pt", "rb")
@@ -81,8 +85,11 @@ def test_load_checkpoint_to_cpu_fetches_through_get_local_path(tmp_path):
 def trainer_of(tiny_data, tmp_path, train_args):
     """upstream's train.py before its loop: task, validation data, model, criterion, Trainer."""
     metrics.reset()
-    cfg = options.convert_namespace_to_config(options.parse_args_and_arch(
-        options.get_training_parser(), train_args(tiny_data, tmp_path / "own", max_update=8)))
+    cfg = options.convert_namespace_to_config(
+        options.parse_args_and_arch(
+            options.get_training_parser(), train_args(tiny_data, tmp_path / "own", max_update=8)
+        )
+    )
     torch.manual_seed(cfg.common.seed)
     task = tasks.setup_task(cfg.task)
     task.load_dataset("valid", combine=False, epoch=1)
@@ -95,8 +102,9 @@ def test_save_checkpoint_saves_where_and_as_the_given_options_say(trainer_of, tm
     _, epoch_itr = checkpoint_utils.load_checkpoint(cfg.checkpoint, trainer)
     train_until(cfg, trainer, epoch_itr, 2)
     other = tmp_path / "other"
-    options_given = OmegaConf.create({"save_dir": str(other), "save_interval_updates": 2, "keep_interval_updates": 1,
-                                      "no_last_checkpoints": True})  # a partial config: the rest is the trainer's
+    options_given = OmegaConf.create(
+        {"save_dir": str(other), "save_interval_updates": 2, "keep_interval_updates": 1, "no_last_checkpoints": True}
+    )  # a partial config: the rest is the trainer's
     paths = checkpoint_utils.save_checkpoint(options_given, trainer, epoch_itr, 3.5)
     assert paths == [str(other / "checkpoint_1_2.pt"), str(other / "checkpoint_best.pt")]
     assert not (tmp_path / "own").exists() or not list((tmp_path / "own").glob("checkpoint*.pt"))
@@ -110,15 +118,27 @@ def test_save_checkpoint_saves_where_and_as_the_given_options_say(trainer_of, tm
     # the trainer's own options: its save dir, checkpoint_last, the best value carried across
     paths = checkpoint_utils.save_checkpoint(cfg.checkpoint, trainer, epoch_itr, 5.0)
     assert paths == [os.path.join(cfg.checkpoint.save_dir, "checkpoint_last.pt")]
-    assert checkpoint_utils.save_checkpoint(dataclasses.replace(cfg.checkpoint, no_save=True), trainer, epoch_itr,
-                                            1.0) == []
+    assert (
+        checkpoint_utils.save_checkpoint(dataclasses.replace(cfg.checkpoint, no_save=True), trainer, epoch_itr, 1.0)
+        == []
+    )
 
 
 def test_save_checkpoint_with_a_mock_trainer_and_a_partial_config():
     """The call upstream's checkpoint tests make with a MagicMock trainer and an OmegaConf subset of options."""
-    cfg = OmegaConf.create({"checkpoint": {"save_dir": None, "no_save": False, "save_interval_updates": 0,
-                                           "no_last_checkpoints": False, "keep_interval_updates": 0,
-                                           "keep_last_epochs": 0, "keep_best_checkpoints": 0}})
+    cfg = OmegaConf.create(
+        {
+            "checkpoint": {
+                "save_dir": None,
+                "no_save": False,
+                "save_interval_updates": 0,
+                "no_last_checkpoints": False,
+                "keep_interval_updates": 0,
+                "keep_last_epochs": 0,
+                "keep_best_checkpoints": 0,
+            }
+        }
+    )
     trainer, epoch_itr = MagicMock(), MagicMock()
     checkpoint_utils.save_checkpoint(cfg.checkpoint, trainer, epoch_itr, None)
     trainer.checkpoint_manager.with_checkpoint_config.return_value.save.assert_called_once()
@@ -149,10 +169,31 @@ def dictionary_words(path):
 def test_upstreams_target_side_options_are_accepted_with_only_source(pair_text, caplog):
     dest = pair_text / "bin"
     with caplog.at_level(logging.INFO):
-        preprocessed(["--only-source", "--trainpref", str(pair_text / "train.out"), "--validpref",
-                      str(pair_text / "valid.out"), "--destdir", str(dest), "--thresholdtgt", "2", "--nwordstgt", "3",
-                      "--thresholdsrc", "0", "--tgtdict", str(pair_text / "nowhere.txt"), "--criterion",
-                      "cross_entropy", "--optimizer", "adam", "--lr-scheduler", "fixed"])
+        preprocessed(
+            [
+                "--only-source",
+                "--trainpref",
+                str(pair_text / "train.out"),
+                "--validpref",
+                str(pair_text / "valid.out"),
+                "--destdir",
+                str(dest),
+                "--thresholdtgt",
+                "2",
+                "--nwordstgt",
+                "3",
+                "--thresholdsrc",
+                "0",
+                "--tgtdict",
+                str(pair_text / "nowhere.txt"),
+                "--criterion",
+                "cross_entropy",
+                "--optimizer",
+                "adam",
+                "--lr-scheduler",
+                "fixed",
+            ]
+        )
     assert dictionary_words(dest / "dict.txt") == ["a", "x", "y", "z"]
     assert os.path.exists(dest / "train.bin") and os.path.exists(dest / "valid.idx")
     notices = [r.getMessage() for r in caplog.records if "accepted for upstream compatibility" in r.getMessage()]
@@ -163,27 +204,73 @@ def test_upstreams_target_side_options_are_accepted_with_only_source(pair_text, 
         "target dictionary; upstream ignores it there too",
         f"--tgtdict {pair_text / 'nowhere.txt'} is accepted for upstream compatibility: with --only-source there is "
         "no target dictionary: it is read only with --joined-dictionary (as the dictionary, when --srcdict is not "
-        "given), as upstream"]
+        "given), as upstream",
+    ]
 
 
 def test_joined_dictionary_covers_both_languages_or_is_the_given_one(pair_text):
-    preprocessed(["--only-source", "-s", "in", "-t", "out", "--trainpref", str(pair_text / "train"), "--destdir",
-                  str(pair_text / "joined"), "--joined-dictionary"])
+    preprocessed(
+        [
+            "--only-source",
+            "-s",
+            "in",
+            "-t",
+            "out",
+            "--trainpref",
+            str(pair_text / "train"),
+            "--destdir",
+            str(pair_text / "joined"),
+            "--joined-dictionary",
+        ]
+    )
     assert dictionary_words(pair_text / "joined" / "dict.in.txt") == ["a", "b", "c", "d", "e", "x", "y", "z"]
     assert os.path.exists(pair_text / "joined" / "train.in-out.in.bin")  # the source side only
-    preprocessed(["--only-source", "-s", "in", "--trainpref", str(pair_text / "train"), "--destdir",
-                  str(pair_text / "given"), "--joined-dictionary", "--tgtdict",
-                  str(pair_text / "joined" / "dict.in.txt")])
+    preprocessed(
+        [
+            "--only-source",
+            "-s",
+            "in",
+            "--trainpref",
+            str(pair_text / "train"),
+            "--destdir",
+            str(pair_text / "given"),
+            "--joined-dictionary",
+            "--tgtdict",
+            str(pair_text / "joined" / "dict.in.txt"),
+        ]
+    )
     assert dictionary_words(pair_text / "given" / "dict.in.txt") == dictionary_words(
-        pair_text / "joined" / "dict.in.txt")
+        pair_text / "joined" / "dict.in.txt"
+    )
     with pytest.raises(preprocess.PreprocessError, match="--joined-dictionary takes one dictionary"):
-        preprocessed(["--only-source", "--trainpref", str(pair_text / "train.in"), "--joined-dictionary",
-                      "--srcdict", "a.txt", "--tgtdict", "b.txt"])
+        preprocessed(
+            [
+                "--only-source",
+                "--trainpref",
+                str(pair_text / "train.in"),
+                "--joined-dictionary",
+                "--srcdict",
+                "a.txt",
+                "--tgtdict",
+                "b.txt",
+            ]
+        )
 
 
 @pytest.mark.parametrize("flag", ["--align-suffix", "--alignfile"])
 def test_alignment_options_are_refused_in_one_line(pair_text, flag):
-    with pytest.raises(preprocess.PreprocessError, match=f"^{flag} align: not supported by this fairseq: word "
-                                                         "alignments pair source and target tokens"):
-        preprocessed(["--only-source", "--trainpref", str(pair_text / "train.in"), "--destdir",
-                      str(pair_text / "bin"), flag, "align"])
+    with pytest.raises(
+        preprocess.PreprocessError,
+        match=f"^{flag} align: not supported by this fairseq: word alignments pair source and target tokens",
+    ):
+        preprocessed(
+            [
+                "--only-source",
+                "--trainpref",
+                str(pair_text / "train.in"),
+                "--destdir",
+                str(pair_text / "bin"),
+                flag,
+                "align",
+            ]
+        )

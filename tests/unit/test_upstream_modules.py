@@ -38,17 +38,35 @@ def torch_mha(attn, query, key, value, **kwargs):
     has no incremental state)."""
     biases = torch.cat((attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias))
     return F.multi_head_attention_forward(
-        query, key, value, attn.embed_dim, attn.num_heads, torch.empty([0]), biases, attn.bias_k, attn.bias_v,
-        attn.add_zero_attn, 0.0, attn.out_proj.weight, attn.out_proj.bias, False, use_separate_proj_weight=True,
-        q_proj_weight=attn.q_proj.weight, k_proj_weight=attn.k_proj.weight, v_proj_weight=attn.v_proj.weight,
-        **kwargs)
+        query,
+        key,
+        value,
+        attn.embed_dim,
+        attn.num_heads,
+        torch.empty([0]),
+        biases,
+        attn.bias_k,
+        attn.bias_v,
+        attn.add_zero_attn,
+        0.0,
+        attn.out_proj.weight,
+        attn.out_proj.bias,
+        False,
+        use_separate_proj_weight=True,
+        q_proj_weight=attn.q_proj.weight,
+        k_proj_weight=attn.k_proj.weight,
+        v_proj_weight=attn.v_proj.weight,
+        **kwargs,
+    )
 
 
 def inputs(kdim=C, vdim=C, seed=0):
     g = torch.Generator().manual_seed(seed)
-    return (torch.randn(T, B, C, generator=g, dtype=torch.float64), torch.randn(S, B, kdim, generator=g,
-                                                                                  dtype=torch.float64),
-            torch.randn(S, B, vdim, generator=g, dtype=torch.float64))
+    return (
+        torch.randn(T, B, C, generator=g, dtype=torch.float64),
+        torch.randn(S, B, kdim, generator=g, dtype=torch.float64),
+        torch.randn(S, B, vdim, generator=g, dtype=torch.float64),
+    )
 
 
 def masks(kind):
@@ -106,7 +124,7 @@ def test_self_attention_step_by_step_equals_the_causal_forward_and_reorders():
     full, _ = attn(x, x, x, attn_mask=causal)
     state, steps = {}, []
     for t in range(T):
-        out, _ = attn(x[t:t + 1], x[t:t + 1], x[t:t + 1], incremental_state=state)
+        out, _ = attn(x[t : t + 1], x[t : t + 1], x[t : t + 1], incremental_state=state)
         steps.append(out)
     torch.testing.assert_close(torch.cat(steps), full)
     buffer = attn._get_input_buffer(state)
@@ -127,14 +145,15 @@ def test_encoder_decoder_attention_computes_keys_once_and_shares_them_with_the_b
     state, steps = {}, []
     for t in range(T):  # the keys are computed at the first step, then read from the cache
         key = encoder_out if t == 0 else None
-        out, _ = attn(query[t:t + 1], key, key, key_padding_mask=padding, incremental_state=state, static_kv=True)
+        out, _ = attn(query[t : t + 1], key, key, key_padding_mask=padding, incremental_state=state, static_kv=True)
         steps.append(out)
     torch.testing.assert_close(torch.cat(steps), full)
     beam = 2  # each sentence's rows come `beam` at a time and share its keys
     attn.set_beam_size(beam)
     rows = torch.arange(B).repeat_interleave(beam)
-    shared, _ = attn(query[:, rows], encoder_out[:, rows], encoder_out[:, rows], key_padding_mask=padding[rows],
-                     static_kv=True)
+    shared, _ = attn(
+        query[:, rows], encoder_out[:, rows], encoder_out[:, rows], key_padding_mask=padding[rows], static_kv=True
+    )
     torch.testing.assert_close(shared, full[:, rows])
 
 
@@ -166,8 +185,13 @@ def test_xformers_config_and_blocksparse_layout():
     xformers.load_state_dict(attn.state_dict())
     torch.testing.assert_close(xformers(query, key, value)[0], attn(query, key, value)[0])
     layout = torch.tensor([[1, 0], [1, 1]], dtype=torch.int32)
-    blocks = MultiheadAttention(C, H, xformers_att_config="{}", xformers_blocksparse_layout=layout,
-                                xformers_blocksparse_blocksize=4).double().eval()
+    blocks = (
+        MultiheadAttention(
+            C, H, xformers_att_config="{}", xformers_blocksparse_layout=layout, xformers_blocksparse_blocksize=4
+        )
+        .double()
+        .eval()
+    )
     blocks.load_state_dict(attn.state_dict())
     masked = torch.kron(1 - layout, torch.ones(4, 4, dtype=torch.int32)).bool()  # the zero blocks
     torch.testing.assert_close(blocks(query, key, value)[0], attn(query, key, value, attn_mask=masked)[0])
@@ -206,20 +230,22 @@ def test_upstreams_helpers():
     assert torch.equal(_mask_for_xformers(additive), additive)
     assert _mask_for_xformers(additive, to_dtype=torch.bool).tolist() == [False, True]
     assert _mask_for_xformers(torch.tensor([1, 0], dtype=torch.uint8)).tolist() == [0, 1]
-    assert torch.equal(_mask_for_xformers(torch.tensor([False, True]), to_dtype=torch.float),
-                       torch.tensor([0.0, float("-inf")]))
+    assert torch.equal(
+        _mask_for_xformers(torch.tensor([False, True]), to_dtype=torch.float), torch.tensor([0.0, float("-inf")])
+    )
 
 
 def test_parameters_are_upstreams_and_fused_checkpoints_upgrade():
     attn = MultiheadAttention(C, H, add_bias_kv=True)
     assert sorted(attn.state_dict()) == sorted(
-        ["bias_k", "bias_v"] + [f"{p}.{w}" for p in ("q_proj", "k_proj", "v_proj", "out_proj") for w in ("weight",
-                                                                                                       "bias")])
+        ["bias_k", "bias_v"]
+        + [f"{p}.{w}" for p in ("q_proj", "k_proj", "v_proj", "out_proj") for w in ("weight", "bias")]
+    )
     fused = {"a.in_proj_weight": torch.randn(3 * C, C), "a.in_proj_bias": torch.randn(3 * C)}
     upgraded = dict(fused)
     attn.upgrade_state_dict_named(upgraded, "a")
-    assert torch.equal(upgraded["a.k_proj.weight"], fused["a.in_proj_weight"][C:2 * C])
-    assert torch.equal(upgraded["a.v_proj.bias"], fused["a.in_proj_bias"][2 * C:])
+    assert torch.equal(upgraded["a.k_proj.weight"], fused["a.in_proj_weight"][C : 2 * C])
+    assert torch.equal(upgraded["a.v_proj.bias"], fused["a.in_proj_bias"][2 * C :])
     assert "a.in_proj_weight" not in upgraded
     with pytest.raises(ValueError, match="quantization noise"):
         MultiheadAttention(C, H, q_noise=0.1)
@@ -254,8 +280,7 @@ def test_rotary_positions():
     torch.testing.assert_close(rq.norm(dim=-1), q.norm(dim=-1))  # a rotation
     # the score of a query and key depends on their distance only: shifting both by 2 keeps it
     shifted_q, shifted_k = apply_rotary_pos_emb(q[:4], k[:4], cos, sin, offset=2)
-    torch.testing.assert_close((shifted_q[3] * shifted_k[1]).sum(-1), (rq[3] * rk[1]).sum(-1), rtol=1e-5,
-                               atol=1e-5)
+    torch.testing.assert_close((shifted_q[3] * shifted_k[1]).sum(-1), (rq[3] * rk[1]).sum(-1), rtol=1e-5, atol=1e-5)
 
 
 def test_small_modules():
@@ -294,29 +319,36 @@ def test_small_modules():
 def test_upstream_module_paths_import():
     import importlib
 
-    for module, name in [("fairseq.modules.multihead_attention", "MultiheadAttention"),
-                         ("fairseq.modules.rotary_positional_embedding", "RotaryPositionalEmbedding"),
-                         ("fairseq.modules.layer_norm", "LayerNorm"), ("fairseq.modules.fairseq_dropout",
-                                                                       "FairseqDropout"),
-                         ("fairseq.modules.sinusoidal_positional_embedding", "SinusoidalPositionalEmbedding"),
-                         ("fairseq.modules.learned_positional_embedding", "LearnedPositionalEmbedding"),
-                         ("fairseq.modules.positional_embedding", "PositionalEmbedding"),
-                         ("fairseq.modules.quant_noise", "quant_noise"), ("fairseq.modules.gelu", "gelu_accurate")]:
+    for module, name in [
+        ("fairseq.modules.multihead_attention", "MultiheadAttention"),
+        ("fairseq.modules.rotary_positional_embedding", "RotaryPositionalEmbedding"),
+        ("fairseq.modules.layer_norm", "LayerNorm"),
+        ("fairseq.modules.fairseq_dropout", "FairseqDropout"),
+        ("fairseq.modules.sinusoidal_positional_embedding", "SinusoidalPositionalEmbedding"),
+        ("fairseq.modules.learned_positional_embedding", "LearnedPositionalEmbedding"),
+        ("fairseq.modules.positional_embedding", "PositionalEmbedding"),
+        ("fairseq.modules.quant_noise", "quant_noise"),
+        ("fairseq.modules.gelu", "gelu_accurate"),
+    ]:
         assert hasattr(importlib.import_module(module), name)
     assert all(hasattr(fairseq.modules, name) for name in fairseq.modules.__all__)
 
 
-@pytest.mark.parametrize("name, why", [
-    ("TransformerEncoderLayer", "no encoder or encoder-decoder architectures"),
-    ("ConvTBC", "no convolutional encoder-decoder (translation) models"),
-    ("LightweightConv", "no lightweight / dynamic convolution models"),
-    ("ConformerEncoderLayer", "no speech or audio models"),
-    ("CharacterTokenEmbedder", "refuses --character-embeddings"),
-    ("DynamicCRF", "no non-autoregressive models"),
-])
+@pytest.mark.parametrize(
+    "name, why",
+    [
+        ("TransformerEncoderLayer", "no encoder or encoder-decoder architectures"),
+        ("ConvTBC", "no convolutional encoder-decoder (translation) models"),
+        ("LightweightConv", "no lightweight / dynamic convolution models"),
+        ("ConformerEncoderLayer", "no speech or audio models"),
+        ("CharacterTokenEmbedder", "refuses --character-embeddings"),
+        ("DynamicCRF", "no non-autoregressive models"),
+    ],
+)
 def test_names_left_out_say_why(name, why):
-    with pytest.raises(ImportError, match=f"upstream's fairseq.modules.{name} is not part of this fairseq fork: .*"
-                                          f"{re.escape(why)}"):
+    with pytest.raises(
+        ImportError, match=f"upstream's fairseq.modules.{name} is not part of this fairseq fork: .*{re.escape(why)}"
+    ):
         exec(f"from fairseq.modules import {name}")
     with pytest.raises(ImportError, match="upstream module fairseq.modules.conv_tbc is not part of this fairseq fork"):
         import fairseq.modules.conv_tbc  # noqa: F401

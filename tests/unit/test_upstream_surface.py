@@ -14,34 +14,82 @@ from fairseq import options, utils
 
 # ------------------------------------------------------------------------------------------ layout
 
-@pytest.mark.parametrize("module, names", [
-    ("fairseq.file_io", ["PathManager"]),
-    ("fairseq.tokenizer", ["tokenize_line"]),
-    ("fairseq.preprocessing.file_chunker_utils", ["Chunker", "find_offsets"]),
-    ("fairseq.preprocessing.binarizer", ["BinarizeSummary", "FileBinarizer", "VocabularyDatasetBinarizer", "Binarizer"]),
-    ("fairseq.data", ["Dictionary", "FairseqDataset", "BaseWrapperDataset", "ListDataset", "TokenBlockDataset",
-                      "MonolingualDataset", "ConcatDataset", "ResamplingDataset", "TruncatedDictionary",
-                      "data_utils", "iterators"]),
-    ("fairseq.data.iterators", ["EpochBatchIterator", "ShardedIterator", "BufferedIterator", "CountingIterator",
-                                "GroupedIterator"]),
-    ("fairseq.data.data_utils", ["collate_tokens", "batch_by_size", "numpy_seed", "load_indexed_dataset"]),
-    ("fairseq.utils", ["make_positions", "resolve_max_positions", "strip_pad", "move_to_cuda", "set_torch_seed",
-                       "log_softmax", "softmax", "clip_grad_norm_", "convert_padding_direction", "item",
-                       "get_perplexity", "import_user_module"]),
-    ("fairseq.models", ["BaseFairseqModel", "FairseqLanguageModel", "FairseqDecoder", "FairseqIncrementalDecoder",
-                        "register_model", "register_model_architecture", "build_model"]),
-    ("fairseq.tasks", ["FairseqTask", "LegacyFairseqTask", "register_task", "setup_task"]),
-    ("fairseq.models.ema", ["EMA"]),
-    ("fairseq.modules.checkpoint_activations", ["checkpoint_wrapper"]),
-    ("fairseq.optim.fp16_optimizer", ["FP16Optimizer", "MemoryEfficientFP16Optimizer", "DynamicLossScaler"]),
-    ("fairseq.dataclass.utils", ["convert_namespace_to_omegaconf", "gen_parser_from_dataclass"]),
-    ("fairseq.distributed.utils", ["call_main"]),
-    ("fairseq.distributed_utils", ["call_main", "get_rank"]),
-    ("fairseq.options", ["get_training_parser", "get_validation_parser", "get_eval_lm_parser",
-                         "parse_args_and_arch"]),
-    ("fairseq.checkpoint_utils", ["torch_persistent_save", "load_ema_from_checkpoint"]),
-    ("fairseq_cli.validate", ["main", "cli_main"]),
-])
+
+@pytest.mark.parametrize(
+    "module, names",
+    [
+        ("fairseq.file_io", ["PathManager"]),
+        ("fairseq.tokenizer", ["tokenize_line"]),
+        ("fairseq.preprocessing.file_chunker_utils", ["Chunker", "find_offsets"]),
+        (
+            "fairseq.preprocessing.binarizer",
+            ["BinarizeSummary", "FileBinarizer", "VocabularyDatasetBinarizer", "Binarizer"],
+        ),
+        (
+            "fairseq.data",
+            [
+                "Dictionary",
+                "FairseqDataset",
+                "BaseWrapperDataset",
+                "ListDataset",
+                "TokenBlockDataset",
+                "MonolingualDataset",
+                "ConcatDataset",
+                "ResamplingDataset",
+                "TruncatedDictionary",
+                "data_utils",
+                "iterators",
+            ],
+        ),
+        (
+            "fairseq.data.iterators",
+            ["EpochBatchIterator", "ShardedIterator", "BufferedIterator", "CountingIterator", "GroupedIterator"],
+        ),
+        ("fairseq.data.data_utils", ["collate_tokens", "batch_by_size", "numpy_seed", "load_indexed_dataset"]),
+        (
+            "fairseq.utils",
+            [
+                "make_positions",
+                "resolve_max_positions",
+                "strip_pad",
+                "move_to_cuda",
+                "set_torch_seed",
+                "log_softmax",
+                "softmax",
+                "clip_grad_norm_",
+                "convert_padding_direction",
+                "item",
+                "get_perplexity",
+                "import_user_module",
+            ],
+        ),
+        (
+            "fairseq.models",
+            [
+                "BaseFairseqModel",
+                "FairseqLanguageModel",
+                "FairseqDecoder",
+                "FairseqIncrementalDecoder",
+                "register_model",
+                "register_model_architecture",
+                "build_model",
+            ],
+        ),
+        ("fairseq.tasks", ["FairseqTask", "LegacyFairseqTask", "register_task", "setup_task"]),
+        ("fairseq.models.ema", ["EMA"]),
+        ("fairseq.modules.checkpoint_activations", ["checkpoint_wrapper"]),
+        ("fairseq.optim.fp16_optimizer", ["FP16Optimizer", "MemoryEfficientFP16Optimizer", "DynamicLossScaler"]),
+        ("fairseq.dataclass.utils", ["convert_namespace_to_omegaconf", "gen_parser_from_dataclass"]),
+        ("fairseq.distributed.utils", ["call_main"]),
+        ("fairseq.distributed_utils", ["call_main", "get_rank"]),
+        (
+            "fairseq.options",
+            ["get_training_parser", "get_validation_parser", "get_eval_lm_parser", "parse_args_and_arch"],
+        ),
+        ("fairseq.checkpoint_utils", ["torch_persistent_save", "load_ema_from_checkpoint"]),
+        ("fairseq_cli.validate", ["main", "cli_main"]),
+    ],
+)
 def test_upstream_names_import(module, names):
     mod = importlib.import_module(module)
     for name in names:
@@ -64,17 +112,22 @@ def test_fork_classes_derive_from_upstream_bases():
     assert distributed_utils is dist_utils  # upstream's old module name is the same module
 
 
-@pytest.mark.parametrize("statement, names", [
-    ("import fairseq.tasks.translation", ["fairseq.tasks.translation", "--task language_modeling"]),
-    ("from fairseq.models.transformer import TransformerModel",
-     ["fairseq.models.transformer", "TransformerLanguageModel"]),
-    ("from fairseq.data import BacktranslationDataset", ["fairseq.data.BacktranslationDataset", "translation"]),
-    ("from fairseq.models import FairseqEncoderModel", ["FairseqEncoderModel", "encoder"]),
-    ("from fairseq.models.roberta import RobertaModel", ["fairseq.models.roberta", "masked"]),
-    ("import fairseq.tasks.speech_to_text", ["speech"]),
-    ("from fairseq.model_parallel.megatron_trainer import MegatronTrainer", ["fully_sharded"]),
-    ("from fairseq.utils import xla_device_to_cpu", ["TPU"]),
-])
+@pytest.mark.parametrize(
+    "statement, names",
+    [
+        ("import fairseq.tasks.translation", ["fairseq.tasks.translation", "--task language_modeling"]),
+        (
+            "from fairseq.models.transformer import TransformerModel",
+            ["fairseq.models.transformer", "TransformerLanguageModel"],
+        ),
+        ("from fairseq.data import BacktranslationDataset", ["fairseq.data.BacktranslationDataset", "translation"]),
+        ("from fairseq.models import FairseqEncoderModel", ["FairseqEncoderModel", "encoder"]),
+        ("from fairseq.models.roberta import RobertaModel", ["fairseq.models.roberta", "masked"]),
+        ("import fairseq.tasks.speech_to_text", ["speech"]),
+        ("from fairseq.model_parallel.megatron_trainer import MegatronTrainer", ["fully_sharded"]),
+        ("from fairseq.utils import xla_device_to_cpu", ["TPU"]),
+    ],
+)
 def test_absent_upstream_names_raise_an_import_error_that_explains(statement, names):
     with pytest.raises(ImportError) as e:
         exec(statement, {})
@@ -94,6 +147,7 @@ def test_other_missing_names_stay_attribute_errors():
 
 
 # ------------------------------------------------------------------------------------------ utils
+
 
 def test_convert_padding_direction_moves_pads_across():
     left = torch.tensor([[2, 3, 4, 5, 6], [1, 7, 8, 9, 10], [1, 1, 1, 11, 12]])
@@ -115,7 +169,7 @@ def test_clip_grad_norm_returns_the_norm_and_clips():
     params = [torch.nn.Parameter(torch.zeros(5)) for _ in range(3)]
     for p in params:
         p.grad = torch.full((5,), 2.0)
-    assert utils.clip_grad_norm_(params, 1.0).item() == pytest.approx(60 ** 0.5, rel=1e-6)  # sqrt(15 * 2^2)
+    assert utils.clip_grad_norm_(params, 1.0).item() == pytest.approx(60**0.5, rel=1e-6)  # sqrt(15 * 2^2)
     assert utils.clip_grad_norm_(params, 1.0).item() == pytest.approx(1.0, abs=1e-5)  # clipped by the first call
     doubled = utils.clip_grad_norm_(params, 0.0, aggregate_norm_fn=lambda n: 2 * n)
     assert doubled.item() == pytest.approx(2.0, abs=1e-5)
@@ -167,21 +221,55 @@ def test_import_user_module_takes_upstream_args_objects(tmp_path):
 
 # ------------------------------------------------------------------------------------------ options
 
+
 def test_validation_parser_and_suppress_defaults():
     parser = options.get_validation_parser()
-    given = options.parse_args_and_arch(parser, ["data-bin", "--path", "m.pt", "--max-tokens", "100",
-                                                 "--tokens-per-sample", "7", "--skip-invalid-size-inputs-valid-test"],
-                                        suppress_defaults=True)
-    assert vars(given) == {"data": "data-bin", "path": "m.pt", "max_tokens": 100, "tokens_per_sample": 7,
-                           "skip_invalid_size_inputs_valid_test": True}
+    given = options.parse_args_and_arch(
+        parser,
+        [
+            "data-bin",
+            "--path",
+            "m.pt",
+            "--max-tokens",
+            "100",
+            "--tokens-per-sample",
+            "7",
+            "--skip-invalid-size-inputs-valid-test",
+        ],
+        suppress_defaults=True,
+    )
+    assert vars(given) == {
+        "data": "data-bin",
+        "path": "m.pt",
+        "max_tokens": 100,
+        "tokens_per_sample": 7,
+        "skip_invalid_size_inputs_valid_test": True,
+    }
     full = options.parse_args_and_arch(parser, ["data-bin", "--path", "m.pt", "--max-tokens", "100"])
     assert full.valid_subset == "valid" and full.seed == 1  # the parser's defaults survived
 
 
 def test_eval_lm_parser_accepts_upstreams_generic_flags():
-    args = options.parse_args_and_arch(options.get_eval_lm_parser(), [
-        "data-bin", "--path", "m.pt", "--criterion", "cross_entropy", "--optimizer", "adam", "--adam-betas",
-        "(0.9, 0.98)", "--lr-scheduler", "inverse_sqrt", "--bpe", "gpt2", "--tokenizer", "space"])
+    args = options.parse_args_and_arch(
+        options.get_eval_lm_parser(),
+        [
+            "data-bin",
+            "--path",
+            "m.pt",
+            "--criterion",
+            "cross_entropy",
+            "--optimizer",
+            "adam",
+            "--adam-betas",
+            "(0.9, 0.98)",
+            "--lr-scheduler",
+            "inverse_sqrt",
+            "--bpe",
+            "gpt2",
+            "--tokenizer",
+            "space",
+        ],
+    )
     cfg = options.convert_namespace_to_config(args)
     assert cfg.criterion._name == "cross_entropy" and cfg.bpe._name == "gpt2" and cfg.tokenizer._name == "space"
     assert cfg.optimizer.adam_betas == "(0.9, 0.98)"
@@ -191,9 +279,25 @@ def test_training_flags_nval_combine_and_ema():
     from fairseq.dataclass.configs import FairseqConfig
     from fairseq.dataclass.utils import convert_namespace_to_omegaconf
 
-    args = options.parse_args_and_arch(options.get_training_parser(), [
-        "data-bin", "--arch", "transformer_lm", "--optimizer", "adam", "--nval", "3", "--combine-val",
-        "--store-ema", "--ema-decay", "0.5", "--ema-update-freq", "2", "--ema-fp32"])
+    args = options.parse_args_and_arch(
+        options.get_training_parser(),
+        [
+            "data-bin",
+            "--arch",
+            "transformer_lm",
+            "--optimizer",
+            "adam",
+            "--nval",
+            "3",
+            "--combine-val",
+            "--store-ema",
+            "--ema-decay",
+            "0.5",
+            "--ema-update-freq",
+            "2",
+            "--ema-fp32",
+        ],
+    )
     cfg = convert_namespace_to_omegaconf(args)
     assert isinstance(cfg, FairseqConfig)  # the typed config this fork's code takes
     assert cfg.dataset.max_valid_steps == 3 and cfg.dataset.combine_valid_subsets is True
@@ -210,6 +314,7 @@ def test_legacy_task_with_add_args_gets_the_whole_namespace(tmp_path):
     from fairseq.tasks import LegacyFairseqTask, register_task
 
     if "surface_legacy_task" not in TASK_REGISTRY:
+
         @register_task("surface_legacy_task")
         class SurfaceLegacyTask(LegacyFairseqTask):
             @staticmethod
@@ -217,9 +322,20 @@ def test_legacy_task_with_add_args_gets_the_whole_namespace(tmp_path):
                 parser.add_argument("data")
                 parser.add_argument("--legacy-knob", type=int, default=3)
 
-    args = options.parse_args_and_arch(options.get_training_parser(), [
-        str(tmp_path), "--task", "surface_legacy_task", "--legacy-knob", "7", "--arch", "transformer_lm",
-        "--optimizer", "adam"])
+    args = options.parse_args_and_arch(
+        options.get_training_parser(),
+        [
+            str(tmp_path),
+            "--task",
+            "surface_legacy_task",
+            "--legacy-knob",
+            "7",
+            "--arch",
+            "transformer_lm",
+            "--optimizer",
+            "adam",
+        ],
+    )
     cfg = options.convert_namespace_to_config(args)
     assert isinstance(cfg.task, argparse.Namespace) and cfg.task.legacy_knob == 7 and cfg.task.data == str(tmp_path)
     task = TASK_REGISTRY.get("surface_legacy_task").setup_task(cfg.task)
@@ -240,6 +356,7 @@ def test_gen_parser_from_dataclass_adds_upstream_flags():
 
 
 # ------------------------------------------------------------------------------------------ files
+
 
 def test_path_manager_local_files(tmp_path):
     from fairseq.file_io import PathManager
@@ -266,6 +383,7 @@ def test_tokenize_line_is_the_dictionarys():
 
 # ------------------------------------------------------------------------------ activations, fp16
 
+
 def test_checkpoint_wrapper_gives_the_same_outputs_and_gradients():
     from fairseq.modules.checkpoint_activations import checkpoint_wrapper, unwrap_checkpoint
 
@@ -290,9 +408,23 @@ def test_checkpoint_wrapper_gives_the_same_outputs_and_gradients():
 
 
 def _fp16_cfg(*flags):
-    args = options.parse_args_and_arch(options.get_training_parser(), [
-        "data-bin", "--arch", "transformer_lm", "--optimizer", "adam", "--lr", "0.1", "--max-tokens", "8",
-        "--tokens-per-sample", "8", *flags])
+    args = options.parse_args_and_arch(
+        options.get_training_parser(),
+        [
+            "data-bin",
+            "--arch",
+            "transformer_lm",
+            "--optimizer",
+            "adam",
+            "--lr",
+            "0.1",
+            "--max-tokens",
+            "8",
+            "--tokens-per-sample",
+            "8",
+            *flags,
+        ],
+    )
     return options.convert_namespace_to_config(args)
 
 
@@ -302,11 +434,12 @@ def test_fp16_optimizer_names_do_the_trainers_fp16_update():
     for cls in (FP16Optimizer, MemoryEfficientFP16Optimizer):
         model = torch.nn.Linear(1, 1)
         model.weight.data, model.bias.data = torch.tensor([[3.0]]), torch.tensor([5.0])
-        optimizer = cls.build_optimizer(_fp16_cfg("--fp16-init-scale", "1", "--fp16-scale-window", "1"),
-                                        model.parameters())
+        optimizer = cls.build_optimizer(
+            _fp16_cfg("--fp16-init-scale", "1", "--fp16-scale-window", "1"), model.parameters()
+        )
         loss = torch.nn.L1Loss()(model(torch.tensor([2.0])), torch.tensor([12.0]))
         optimizer.backward(loss)
-        assert optimizer.clip_grad_norm(0).item() == pytest.approx(5 ** 0.5, rel=1e-6)  # |grad| = (2, 1)
+        assert optimizer.clip_grad_norm(0).item() == pytest.approx(5**0.5, rel=1e-6)  # |grad| = (2, 1)
         optimizer.step()
         # Adam's first step moves each weight by lr against its gradient's sign: upstream's test values
         assert model.weight.item() == pytest.approx(3.1, abs=1e-6) and model.bias.item() == pytest.approx(5.1, abs=1e-6)

@@ -7,8 +7,22 @@ from fairseq.frontend.validate import validate
 from fairseq_cli import train
 from tests.train_fixtures import train_in_process
 
-BASE = ["--task", "language_modeling", "/nonexistent/data", "--arch", "transformer_lm", "--optimizer", "adam",
-        "--lr", "0.001", "--max-tokens", "64", "--tokens-per-sample", "16", "--cpu"]
+BASE = [
+    "--task",
+    "language_modeling",
+    "/nonexistent/data",
+    "--arch",
+    "transformer_lm",
+    "--optimizer",
+    "adam",
+    "--lr",
+    "0.001",
+    "--max-tokens",
+    "64",
+    "--tokens-per-sample",
+    "16",
+    "--cpu",
+]
 
 
 def config(*extra):
@@ -16,17 +30,22 @@ def config(*extra):
     return options.convert_namespace_to_config(options.parse_args_and_arch(parser, BASE + list(extra)))
 
 
-@pytest.mark.parametrize("extra,message", [
-    (["--use-sharded-state"], "--use-sharded-state needs --ddp-backend fully_sharded"),
-    (["--fsdp-sync-free"], "--fsdp-sync-free needs --ddp-backend fully_sharded"),
-    (["--ddp-backend", "fully_sharded", "--fsdp-forward-prefetch", "--fsdp-prefetch-depth", "0"],
-     "--fsdp-prefetch-depth must be at least 1"),
-    (["--decoder-layers", "-1"], "--decoder-layers must be >= 0"),
-    (["--use-bmuf"], "--use-bmuf"),
-    (["--batch-size", "0"], "--batch-size 0 must be at least 1"),
-    (["--seed", "-1"], r"--seed -1 is out of range: an integer from 0 to 2\*\*32 - 1"),
-    (["--seed", str(2**32)], "--seed 4294967296 is out of range"),
-])
+@pytest.mark.parametrize(
+    "extra,message",
+    [
+        (["--use-sharded-state"], "--use-sharded-state needs --ddp-backend fully_sharded"),
+        (["--fsdp-sync-free"], "--fsdp-sync-free needs --ddp-backend fully_sharded"),
+        (
+            ["--ddp-backend", "fully_sharded", "--fsdp-forward-prefetch", "--fsdp-prefetch-depth", "0"],
+            "--fsdp-prefetch-depth must be at least 1",
+        ),
+        (["--decoder-layers", "-1"], "--decoder-layers must be >= 0"),
+        (["--use-bmuf"], "--use-bmuf"),
+        (["--batch-size", "0"], "--batch-size 0 must be at least 1"),
+        (["--seed", "-1"], r"--seed -1 is out of range: an integer from 0 to 2\*\*32 - 1"),
+        (["--seed", str(2**32)], "--seed 4294967296 is out of range"),
+    ],
+)
 def test_validate_names_the_flag(extra, message):
     with pytest.raises(ValueError, match=message):
         validate(config(*extra))
@@ -55,8 +74,14 @@ def test_validate_reads_no_file_the_start_up_checks_do(tmp_path):
 
     with pytest.raises(ValueError, match="--bpe gpt2 needs --gpt2-encoder-json PATH"):
         validate(config("--bpe", "gpt2"))
-    missing = config("--bpe", "gpt2", "--gpt2-encoder-json", str(tmp_path / "encoder.json"), "--gpt2-vocab-bpe",
-                     str(tmp_path / "vocab.bpe"))
+    missing = config(
+        "--bpe",
+        "gpt2",
+        "--gpt2-encoder-json",
+        str(tmp_path / "encoder.json"),
+        "--gpt2-vocab-bpe",
+        str(tmp_path / "vocab.bpe"),
+    )
     validate(missing)
     with pytest.raises(FileNotFoundError, match="--gpt2-encoder-json .*encoder.json: no such file"):
         check_input_files(missing)

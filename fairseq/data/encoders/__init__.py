@@ -81,6 +81,4 @@ def build_tokenizer(cfg, *extra_args):
     return _build(TOKENIZER_REGISTRY, "tokenizer", cfg, *extra_args)
 
 
-__all__ = [
-    "BPE_REGISTRY", "TOKENIZER_REGISTRY", "register_bpe", "register_tokenizer", "build_bpe", "build_tokenizer",
-]
+__all__ = ["BPE_REGISTRY", "TOKENIZER_REGISTRY", "register_bpe", "register_tokenizer", "build_bpe", "build_tokenizer"]

@@ -78,8 +78,11 @@ def worker_signals() -> None:
 def interrupted_exit(prog: str, err: KeyboardInterrupt) -> None:
     """One line and the shell's status for a death by that signal (130 for SIGINT, 143 for SIGTERM)."""
     signum = getattr(err, "signum", signal.SIGINT)
-    print(f"{prog}: interrupted by {signal.Signals(signum).name}; temporary files removed, files written "
-          "before are intact", file=sys.stderr)
+    print(
+        f"{prog}: interrupted by {signal.Signals(signum).name}; temporary files removed, files written "
+        "before are intact",
+        file=sys.stderr,
+    )
     sys.exit(128 + signum)
 
 
@@ -91,8 +94,15 @@ def run_main(main: Callable[[], None], prog: str) -> None:
             main()
     except KeyboardInterrupt as e:
         interrupted_exit(prog, e)
-    except (ScriptError, ValueError, FileNotFoundError, IsADirectoryError, PermissionError, ImportError,
-            _write_errors.OutputError) as e:
+    except (
+        ScriptError,
+        ValueError,
+        FileNotFoundError,
+        IsADirectoryError,
+        PermissionError,
+        ImportError,
+        _write_errors.OutputError,
+    ) as e:
         print(f"{prog}: error: {e}", file=sys.stderr)
         sys.exit(1)
     except BrokenPipeError:  # e.g. `... | head`: stop quietly, as a filter should
@@ -124,9 +134,11 @@ def iter_lines(stream, name: str, first_lineno: int = 0) -> Iterator[str]:
         try:
             text = raw.decode("utf-8")
         except UnicodeDecodeError as e:
-            raise ScriptError(f"{name}, line {lineno}: not valid UTF-8 ({e.reason} at byte {e.start} of the line: "
-                              f"{raw[max(0, e.start - 20):e.start + 20]!r}); convert the file to UTF-8 first "
-                              "(e.g. `iconv -f latin1 -t utf-8`)") from None
+            raise ScriptError(
+                f"{name}, line {lineno}: not valid UTF-8 ({e.reason} at byte {e.start} of the line: "
+                f"{raw[max(0, e.start - 20) : e.start + 20]!r}); convert the file to UTF-8 first "
+                "(e.g. `iconv -f latin1 -t utf-8`)"
+            ) from None
         if "\r" not in text:
             yield text
             continue
@@ -184,8 +196,9 @@ def iter_line_tuples(paths: Sequence[str], streams) -> Iterator[Tuple[str, ...]]
     return zip(*(iter_lines(s, p if p != "-" else "<stdin>") for p, s in zip(paths, streams)))
 
 
-def chunked(rows: Iterable[Tuple[str, ...]], max_rows: int = CHUNK_LINES,
-            max_chars: int = CHUNK_BYTES) -> Iterator[List[Tuple[str, ...]]]:
+def chunked(
+    rows: Iterable[Tuple[str, ...]], max_rows: int = CHUNK_LINES, max_chars: int = CHUNK_BYTES
+) -> Iterator[List[Tuple[str, ...]]]:
     """Lists of consecutive rows, each at most `max_rows` rows or about `max_chars` characters."""
     chunk: List[Tuple[str, ...]] = []
     size = 0
@@ -209,11 +222,14 @@ def check_outputs(inputs: Sequence[str], outputs: Sequence[str]) -> None:
             continue
         key = os.path.realpath(path)
         if key in seen:
-            raise ScriptError(f"--outputs names one file twice ({seen[key]} and {path}): each input needs an output "
-                              "file of its own")
+            raise ScriptError(
+                f"--outputs names one file twice ({seen[key]} and {path}): each input needs an output file of its own"
+            )
         if key in sources:
-            raise ScriptError(f"output {path} is also an input ({sources[key]}): it would be replaced by its "
-                              "encoding; write to another file")
+            raise ScriptError(
+                f"output {path} is also an input ({sources[key]}): it would be replaced by its "
+                "encoding; write to another file"
+            )
         seen[key] = path
 
 
@@ -432,8 +448,10 @@ class _Worker:
             ok, value = ForkingPickler.loads(self.result_r.recv_bytes())
         except EOFError:
             self.process.join()
-            raise RuntimeError(f"worker process {self.process.pid} ended (exit code {self.process.exitcode}) "
-                               "without returning its result") from None
+            raise RuntimeError(
+                f"worker process {self.process.pid} ended (exit code {self.process.exitcode}) "
+                "without returning its result"
+            ) from None
         self.pending.popleft()._set(ok, value)
 
     def drain(self) -> None:
@@ -525,8 +543,14 @@ def _worker_main(tasks, results, initializer, initargs) -> None:
         try:
             payload = ForkingPickler.dumps(out)
         except Exception as e:
-            payload = ForkingPickler.dumps((False, RuntimeError(f"the worker's {'result' if out[0] else 'error'} "
-                                                                f"could not be pickled: {e!r}: {out[1]!r}")))
+            payload = ForkingPickler.dumps(
+                (
+                    False,
+                    RuntimeError(
+                        f"the worker's {'result' if out[0] else 'error'} could not be pickled: {e!r}: {out[1]!r}"
+                    ),
+                )
+            )
         results.send_bytes(payload)
 
 
@@ -567,9 +591,11 @@ def load_sentencepiece(path):
     """A SentencePieceProcessor for `path`, with errors that name the file."""
     path = os.fspath(path)
     if not os.path.isfile(path):
-        raise FileNotFoundError(f"sentencepiece model {path} does not exist; train one with "
-                                "`python scripts/spm_train.py --input=train.txt --model_prefix=spm --vocab_size=...`"
-                                " and pass the .model file")
+        raise FileNotFoundError(
+            f"sentencepiece model {path} does not exist; train one with "
+            "`python scripts/spm_train.py --input=train.txt --model_prefix=spm --vocab_size=...`"
+            " and pass the .model file"
+        )
     try:
         import sentencepiece as spm
     except ImportError:
@@ -578,6 +604,8 @@ def load_sentencepiece(path):
     try:
         sp.Load(path)
     except (OSError, RuntimeError) as e:
-        raise ValueError(f"sentencepiece model {path} could not be loaded ({str(e).strip()}); is it a "
-                         ".model file written by sentencepiece's trainer (not the .vocab)?") from None
+        raise ValueError(
+            f"sentencepiece model {path} could not be loaded ({str(e).strip()}); is it a "
+            ".model file written by sentencepiece's trainer (not the .vocab)?"
+        ) from None
     return sp

@@ -30,8 +30,9 @@ class OutputError(OSError):
         return self.args[0]
 
 
-def os_error_message(path: str, err: OSError, what: str = "cannot write", flag: str = "--save-dir",
-                     kept: str = "") -> str:
+def os_error_message(
+    path: str, err: OSError, what: str = "cannot write", flag: str = "--save-dir", kept: str = ""
+) -> str:
     """One line for a failed write: the path, the errno by name, what to do."""
     code = errno.errorcode.get(err.errno, str(err.errno)) if err.errno is not None else "error"
     hint = _HINTS.get(err.errno, "check the file system").format(flag=flag)

@@ -4,8 +4,11 @@ carries a copy of them), and a consumer checks the copy a checkpoint carries bef
 import json
 from typing import Optional
 
-WHAT = {"gpt2_encoder_json": "GPT-2 BPE encoder.json", "gpt2_vocab_bpe": "GPT-2 BPE vocab.bpe",
-        "sentencepiece_model": "sentencepiece .model file"}
+WHAT = {
+    "gpt2_encoder_json": "GPT-2 BPE encoder.json",
+    "gpt2_vocab_bpe": "GPT-2 BPE vocab.bpe",
+    "sentencepiece_model": "sentencepiece .model file",
+}
 
 
 def bpe_file_problem(option: str, path: str) -> Optional[str]:
@@ -51,4 +54,3 @@ def _sentencepiece_problem(path: str) -> Optional[str]:
         reason = str(e).strip() or type(e).__name__
         return f"sentencepiece cannot load it ({reason}); a .model file written by spm_train is needed, not the .vocab"
     return None
-

@@ -39,12 +39,12 @@ def smart_byte_decode(x: str) -> str:
     for i in range(1, n + 1):
         best[i], back[i] = best[i - 1], i - 1  # skip byte i-1
         for j in range(1, min(4, i) + 1):
-            if best[i - j] + 1 > best[i] and byte_decode(x[i - j:i]):
+            if best[i - j] + 1 > best[i] and byte_decode(x[i - j : i]):
                 best[i], back[i] = best[i - j] + 1, i - j
     pieces = []
     i = n
     while i > 0:
         if best[i] == best[back[i]] + 1:
-            pieces.append(byte_decode(x[back[i]:i]))
+            pieces.append(byte_decode(x[back[i] : i]))
         i = back[i]
     return "".join(reversed(pieces))

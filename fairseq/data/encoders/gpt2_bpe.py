@@ -11,9 +11,11 @@ from fairseq.dataclass import FairseqDataclass
 @dataclass
 class GPT2BPEConfig(FairseqDataclass):
     gpt2_encoder_json: Optional[str] = field(
-        default=None, metadata={"help": f"path to GPT-2's encoder.json (a local copy of {ENCODER_JSON_URL})"})
+        default=None, metadata={"help": f"path to GPT-2's encoder.json (a local copy of {ENCODER_JSON_URL})"}
+    )
     gpt2_vocab_bpe: Optional[str] = field(
-        default=None, metadata={"help": f"path to GPT-2's vocab.bpe (a local copy of {VOCAB_BPE_URL})"})
+        default=None, metadata={"help": f"path to GPT-2's vocab.bpe (a local copy of {VOCAB_BPE_URL})"}
+    )
 
 
 @register_bpe("gpt2", dataclass=GPT2BPEConfig)
@@ -21,8 +23,9 @@ class GPT2BPE:
     def __init__(self, cfg):
         for flag, value in (("--gpt2-encoder-json", cfg.gpt2_encoder_json), ("--gpt2-vocab-bpe", cfg.gpt2_vocab_bpe)):
             if not value:
-                raise ValueError(f"--bpe gpt2 needs {flag} (upstream's default URL is not fetched here): "
-                                 f"{DOWNLOAD_HINT}")
+                raise ValueError(
+                    f"--bpe gpt2 needs {flag} (upstream's default URL is not fetched here): {DOWNLOAD_HINT}"
+                )
         self.bpe = get_encoder(cfg.gpt2_encoder_json, cfg.gpt2_vocab_bpe)
 
     def encode(self, x: str) -> str:
@@ -39,8 +42,10 @@ class GPT2BPE:
             try:
                 tokens.append(int(tok))
             except ValueError:
-                raise ValueError(f"GPT-2 BPE decode: {tok!r} is not a GPT-2 id (expected space-separated "
-                                 "integers as `encode` writes them)") from None
+                raise ValueError(
+                    f"GPT-2 BPE decode: {tok!r} is not a GPT-2 id (expected space-separated "
+                    "integers as `encode` writes them)"
+                ) from None
         return self.bpe.decode(tokens)
 
     def is_beginning_of_word(self, x: str) -> bool:

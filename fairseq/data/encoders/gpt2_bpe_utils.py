@@ -56,11 +56,21 @@ logger = logging.getLogger(__name__)
 
 if __package__:
     from .gpt2_bpe_files import (  # noqa: F401 (upstream's and the scripts' names)
-        DICT_TXT_URL, DOWNLOAD_HINT, ENCODER_JSON_URL, VOCAB_BPE_URL, load_encoder_json, load_vocab_bpe,
+        DICT_TXT_URL,
+        DOWNLOAD_HINT,
+        ENCODER_JSON_URL,
+        VOCAB_BPE_URL,
+        load_encoder_json,
+        load_vocab_bpe,
     )
 else:  # loaded on its own, from a script that put fairseq/data/encoders on sys.path (no package, no torch)
     from gpt2_bpe_files import (  # noqa: F401
-        DICT_TXT_URL, DOWNLOAD_HINT, ENCODER_JSON_URL, VOCAB_BPE_URL, load_encoder_json, load_vocab_bpe,
+        DICT_TXT_URL,
+        DOWNLOAD_HINT,
+        ENCODER_JSON_URL,
+        VOCAB_BPE_URL,
+        load_encoder_json,
+        load_vocab_bpe,
     )
 
 # GPT-2's pre-tokenization pattern (\p{L}: letters, \p{N}: digits and other numbers).
@@ -107,8 +117,9 @@ def merge_order_is_safe(merges: Sequence[Tuple[str, str]]) -> bool:
     return True
 
 
-def producible_tokens(bpe_ranks: Dict[Tuple[str, str], int], merges: Sequence[Tuple[str, str]],
-                      alphabet: Iterable[str]) -> Dict[str, int]:
+def producible_tokens(
+    bpe_ranks: Dict[Tuple[str, str], int], merges: Sequence[Tuple[str, str]], alphabet: Iterable[str]
+) -> Dict[str, int]:
     """Every merge result that the published algorithm can output, with the rank of the merge producing it,
     for merges (`merges`: in rank order, without repeats; `bpe_ranks`: pair -> rank) whose order is safe
     (`merge_order_is_safe`).
@@ -172,8 +183,15 @@ class Encoder:
     `engine` says what encodes: "tiktoken", "tokenizers" or "python" (see the module's docstring).
     """
 
-    def __init__(self, encoder: Dict[str, int], bpe_merges: Sequence[Tuple[str, str]], errors: str = "replace",
-                 *, encoder_path: Optional[str] = None, vocab_path: Optional[str] = None):
+    def __init__(
+        self,
+        encoder: Dict[str, int],
+        bpe_merges: Sequence[Tuple[str, str]],
+        errors: str = "replace",
+        *,
+        encoder_path: Optional[str] = None,
+        vocab_path: Optional[str] = None,
+    ):
         self.encoder = dict(encoder)
         self.errors = errors
         self.byte_encoder = bytes_to_unicode()
@@ -233,8 +251,9 @@ class Encoder:
         try:
             import tiktoken
         except ImportError:
-            logger.warning("GPT-2 BPE: tiktoken is not installed (pip install tiktoken); encoding with the slower "
-                           "tokenizers BPE")
+            logger.warning(
+                "GPT-2 BPE: tiktoken is not installed (pip install tiktoken); encoding with the slower tokenizers BPE"
+            )
             return None
         encoder = self.encoder
         alphabet = list(self.byte_encoder.values())
@@ -261,8 +280,9 @@ class Encoder:
         ends = list(itertools.accumulate(map(len, tokens)))
         mergeable = dict(zip(map(data.__getitem__, map(slice, [0] + ends[:-1], ends)), ranks))
         self._newline_rank = ranks[alphabet.index(self.byte_encoder[ord("\n")])]
-        encoding = tiktoken.Encoding(f"gpt2-bpe:{self._where}", pat_str=TIKTOKEN_PATTERN, mergeable_ranks=mergeable,
-                                     special_tokens={})
+        encoding = tiktoken.Encoding(
+            f"gpt2-bpe:{self._where}", pat_str=TIKTOKEN_PATTERN, mergeable_ranks=mergeable, special_tokens={}
+        )
         # The Rust call itself: Encoding.encode_ordinary would replace lone surrogates silently.
         core = getattr(encoding, "_core_bpe", None)
         self._tiktoken_encode = getattr(core, "encode_ordinary", None) or self._checked_encoder(encoding)
@@ -276,6 +296,7 @@ class Encoder:
             if not text.isascii() and _SURROGATE.search(text):
                 raise UnicodeEncodeError("utf-8", text, 0, 1, "surrogates not allowed")
             return encoding.encode_ordinary(text)
+
         return encode
 
     def _build_tokenizer(self, merges, safe: bool):
@@ -301,8 +322,15 @@ class Encoder:
         self._pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
         self._vocab = vocab
         if safe:
-            model = models.BPE(vocab=vocab, merges=merges, dropout=None, unk_token=None, fuse_unk=False,
-                               byte_fallback=False, ignore_merges=False)
+            model = models.BPE(
+                vocab=vocab,
+                merges=merges,
+                dropout=None,
+                unk_token=None,
+                fuse_unk=False,
+                byte_fallback=False,
+                ignore_merges=False,
+            )
             self._tokenizer = Tokenizer(model)
             self._tokenizer.pre_tokenizer = self._pre_tokenizer
 
@@ -427,8 +455,9 @@ class Encoder:
 
         newline = self._newline_rank
         table = {(b"\n" if r == newline else b"%d " % i): r for r, i in zip(self._tt_ranks, self._tt_ids)}
-        self._line_format = tiktoken.Encoding("gpt2-ids-as-text", pat_str=r"\n", mergeable_ranks=table,
-                                              special_tokens={})
+        self._line_format = tiktoken.Encoding(
+            "gpt2-ids-as-text", pat_str=r"\n", mergeable_ranks=table, special_tokens={}
+        )
 
     def _raise_bad_text(self, texts):
         for text in texts:
@@ -437,9 +466,11 @@ class Encoder:
             try:
                 text.encode("utf-8")
             except UnicodeEncodeError as e:
-                raise ValueError(f"GPT-2 BPE: text has a lone surrogate {text[e.start]!r} at position {e.start} "
-                                 f"(not valid Unicode; was it decoded with errors='surrogateescape'?): "
-                                 f"{text[max(0, e.start - 30):e.start + 30]!r}") from None
+                raise ValueError(
+                    f"GPT-2 BPE: text has a lone surrogate {text[e.start]!r} at position {e.start} "
+                    f"(not valid Unicode; was it decoded with errors='surrogateescape'?): "
+                    f"{text[max(0, e.start - 30) : e.start + 30]!r}"
+                ) from None
 
     def _raise_missing(self, token: str, text: str):
         raise ValueError(
@@ -505,30 +536,39 @@ class Encoder:
                 try:
                     parts.append(bytes(self.byte_decoder[c] for c in t))
                 except KeyError as e:
-                    raise ValueError(f"GPT-2 BPE decode: {t!r} is neither an id nor made of GPT-2 byte characters "
-                                     f"(has {e.args[0]!r})") from None
+                    raise ValueError(
+                        f"GPT-2 BPE decode: {t!r} is neither an id nor made of GPT-2 byte characters "
+                        f"(has {e.args[0]!r})"
+                    ) from None
                 continue
             try:
                 parts.append(table[t])
             except (KeyError, TypeError):
                 if isinstance(t, int) and t in self.decoder:
-                    raise ValueError(f"GPT-2 BPE decode: id {t} ({self.decoder[t]!r} in {self._encoder_path}) "
-                                     "is not made of GPT-2 byte characters") from None
-                raise ValueError(f"GPT-2 BPE decode: id {t!r} is not in {self._encoder_path} "
-                                 f"({len(self.encoder)} tokens); was the text encoded with another vocabulary, "
-                                 "or does it hold fairseq dictionary indices instead of GPT-2 ids?") from None
+                    raise ValueError(
+                        f"GPT-2 BPE decode: id {t} ({self.decoder[t]!r} in {self._encoder_path}) "
+                        "is not made of GPT-2 byte characters"
+                    ) from None
+                raise ValueError(
+                    f"GPT-2 BPE decode: id {t!r} is not in {self._encoder_path} "
+                    f"({len(self.encoder)} tokens); was the text encoded with another vocabulary, "
+                    "or does it hold fairseq dictionary indices instead of GPT-2 ids?"
+                ) from None
         data = b"".join(parts)
         try:
             return data.decode("utf-8", errors=self.errors)
         except UnicodeDecodeError as e:
-            raise ValueError(f"GPT-2 BPE decode: the ids do not form valid UTF-8 ({e.reason} at byte {e.start} "
-                             f"of {data[max(0, e.start - 8):e.start + 8]!r}); decode whole sequences, or use "
-                             "errors='replace'") from None
+            raise ValueError(
+                f"GPT-2 BPE decode: the ids do not form valid UTF-8 ({e.reason} at byte {e.start} "
+                f"of {data[max(0, e.start - 8) : e.start + 8]!r}); decode whole sequences, or use "
+                "errors='replace'"
+            ) from None
 
 
 def get_encoder(encoder_json_path, vocab_bpe_path, errors: str = "replace") -> Encoder:
     """Load GPT-2's BPE from its two files (upstream's `get_encoder`)."""
     encoder = load_encoder_json(encoder_json_path)
     merges = load_vocab_bpe(vocab_bpe_path)
-    return Encoder(encoder, merges, errors=errors, encoder_path=os.fspath(encoder_json_path),
-                   vocab_path=os.fspath(vocab_bpe_path))
+    return Encoder(
+        encoder, merges, errors=errors, encoder_path=os.fspath(encoder_json_path), vocab_path=os.fspath(vocab_bpe_path)
+    )

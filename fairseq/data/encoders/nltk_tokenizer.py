@@ -10,8 +10,10 @@ class NLTKTokenizer:
         try:
             from nltk.tokenize import word_tokenize
         except ImportError:
-            raise ImportError("--tokenizer nltk needs nltk: pip install nltk "
-                              "(and its tokenizer data: python -m nltk.downloader punkt_tab)") from None
+            raise ImportError(
+                "--tokenizer nltk needs nltk: pip install nltk "
+                "(and its tokenizer data: python -m nltk.downloader punkt_tab)"
+            ) from None
         self.word_tokenize = word_tokenize
 
     def encode(self, x: str) -> str:

@@ -16,7 +16,8 @@ class SentencepieceConfig(FairseqDataclass):
     sentencepiece_enable_sampling: bool = field(default=False, metadata={"help": "enable sampling"})
     sentencepiece_alpha: Optional[float] = field(
         default=None,
-        metadata={"help": "smoothing parameter for unigram sampling, and merge probability for BPE-dropout"})
+        metadata={"help": "smoothing parameter for unigram sampling, and merge probability for BPE-dropout"},
+    )
 
 
 @register_bpe("sentencepiece", dataclass=SentencepieceConfig)
@@ -25,8 +26,10 @@ class SentencepieceBPE:
         self.enable_sampling = cfg.sentencepiece_enable_sampling
         self.alpha = cfg.sentencepiece_alpha
         if not cfg.sentencepiece_model:
-            raise ValueError("--bpe sentencepiece needs --sentencepiece-model PATH (a .model file written by "
-                             "scripts/spm_train.py or sentencepiece's trainer)")
+            raise ValueError(
+                "--bpe sentencepiece needs --sentencepiece-model PATH (a .model file written by "
+                "scripts/spm_train.py or sentencepiece's trainer)"
+            )
         self.sp = load_sentencepiece(cfg.sentencepiece_model)
 
     def encode(self, x: str) -> str:

@@ -32,8 +32,10 @@ class ReduceLROnPlateauLRSchedule(FairseqLRScheduler):
     def __init__(self, cfg, optimizer, lrs, max_update):
         super().__init__(cfg, optimizer, lrs, max_update)
         if len(self.lrs) > 1:
-            raise ValueError(f"--lr {','.join(map(str, self.lrs))}: reduce_lr_on_plateau takes one learning rate; "
-                             "pass one value, or use --lr-scheduler fixed for a learning rate per epoch")
+            raise ValueError(
+                f"--lr {','.join(map(str, self.lrs))}: reduce_lr_on_plateau takes one learning rate; "
+                "pass one value, or use --lr-scheduler fixed for a learning rate per epoch"
+            )
         if not 0.0 < cfg.lr_shrink < 1.0:
             raise ValueError(f"--lr-shrink {cfg.lr_shrink} must be in (0, 1), e.g. 0.5")
         if cfg.lr_patience < 0:
@@ -41,7 +43,10 @@ class ReduceLROnPlateauLRSchedule(FairseqLRScheduler):
         if cfg.warmup_updates < 0:
             raise ValueError(f"--warmup-updates {cfg.warmup_updates} is negative; pass 0 or more")
         self.plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(
-            optimizer, patience=cfg.lr_patience, factor=cfg.lr_shrink, threshold=cfg.lr_threshold,
+            optimizer,
+            patience=cfg.lr_patience,
+            factor=cfg.lr_shrink,
+            threshold=cfg.lr_threshold,
             mode="max" if cfg.maximize_best_checkpoint_metric else "min",
         )
         peak_lr = self.lrs[0]
