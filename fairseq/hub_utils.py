@@ -1,7 +1,7 @@
-"""Upstream's module name for fairseq.generation.hub_utils (the same module object, so patching either name patches both)."""
+"""Upstream's module name for fairseq.hub.hub_utils (the same module object, so patching either name patches both)."""
 
 import sys
 
-from fairseq.generation import hub_utils as _module
+from fairseq.hub import hub_utils as _module
 
 sys.modules[__name__] = _module

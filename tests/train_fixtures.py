@@ -217,7 +217,7 @@ def spawn_scenarios(make_scenarios, out_dir, world, *args, timeout_s=60):
     import torch
     import torch.multiprocessing as mp
 
-    from fairseq.distributed.env import get_free_port
+    from fairseq.runtime.env import get_free_port
 
     mp.spawn(
         _scenario_worker,

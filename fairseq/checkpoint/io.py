@@ -21,6 +21,7 @@ from typing import Any, Dict, List, Optional
 import torch
 
 from fairseq.data.encoders._write_errors import os_error_message  # noqa: F401 (its importers)
+from fairseq.runtime.errors import UserError
 
 logger = logging.getLogger(__name__)
 
@@ -28,8 +29,8 @@ ZIP_MAGIC = b"PK\x03\x04"  # torch.save's format since torch 1.6
 PICKLE_MAGIC = b"\x80"  # torch's format before 1.6 (old upstream checkpoints): a pickle, protocol >= 2
 
 
-class CheckpointError(RuntimeError):
-    pass
+class CheckpointError(UserError, RuntimeError):
+    """A checkpoint that cannot be read or written: the message names the file and what to do."""
 
 
 class CorruptCheckpointError(CheckpointError):

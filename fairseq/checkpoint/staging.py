@@ -45,7 +45,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
-from fairseq.distributed.dtensor import is_dtensor
+from fairseq.runtime.dtensor import is_dtensor
 
 logger = logging.getLogger(__name__)
 

@@ -21,7 +21,7 @@ from fairseq.criterions.cross_entropy import (
     chunk_rows,
     token_cross_entropy,
 )
-from fairseq.distributed.dtensor import is_dtensor
+from fairseq.runtime.dtensor import is_dtensor
 
 # The registry imports every criterion to list --criterion's choices: torch.distributed.tensor (~1 s) is
 # imported only where DTensor logits are at hand.

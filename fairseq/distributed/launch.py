@@ -1,7 +1,7 @@
 """Start the processes a job needs and give each its process group.
 
 `call_main(cfg, main_fn)` is what the command-line tools call: it detects the launch (see
-`fairseq.distributed.env`), then either runs `main_fn(cfg, **kwargs)` here (single process, or one rank
+`fairseq.runtime.env`), then either runs `main_fn(cfg, **kwargs)` here (single process, or one rank
 started by torchrun / srun / the user) or spawns the local processes and runs it in each.
 
 Failures never hang silently:
@@ -38,7 +38,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing
 
-from fairseq.distributed.env import PREEMPTION_SIGNALS, LaunchPlan, detect_launch
+from fairseq.runtime.env import PREEMPTION_SIGNALS, LaunchPlan, detect_launch
+from fairseq.runtime.errors import UserError
 from fairseq.distributed.mesh import ParallelLayout
 
 # Written by the first spawned rank: main_fn's return value (JSON), returned by call_main in the parent.
@@ -281,7 +282,7 @@ def _write_failure_report(report_dir: str, rank: int, how: str = "failed", with_
     names the peers that had already ended: a peer killed by a signal leaves no report, and this rank's
     failure may be the consequence of its death, noticed by the launcher only later."""
     ended_peers = _ended_peers(report_dir, rank)  # looked at before the time stamp: they ended before it
-    error = _checkpoint_error_line() if with_traceback else None
+    error = _user_error_line() if with_traceback else None
     report = {
         "rank": rank,
         "time_ns": time.time_ns(),
@@ -296,13 +297,11 @@ def _write_failure_report(report_dir: str, rank: int, how: str = "failed", with_
     os.replace(path + ".tmp", path)
 
 
-def _checkpoint_error_line() -> Optional[str]:
-    """The exception being handled as one line if it is a CheckpointError (a full disk, a damaged file): a user
-    error, told as fairseq-train tells it in one process, without a traceback."""
-    from fairseq.checkpoint.io import CheckpointError
-
+def _user_error_line() -> Optional[str]:
+    """The exception being handled as one line if it is a UserError (a full disk, a damaged checkpoint), told as
+    fairseq-train tells it in one process, without a traceback."""
     err = sys.exc_info()[1]
-    if not isinstance(err, CheckpointError):
+    if not isinstance(err, UserError):
         return None
     return " ".join(line.strip() for line in str(err).splitlines() if line.strip()) or type(err).__name__
 

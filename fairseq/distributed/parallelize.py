@@ -31,14 +31,14 @@ from torch.distributed.device_mesh import DeviceMesh  # imported by torch itself
 from torch.nn.parallel import DistributedDataParallel
 
 from fairseq.distributed.ddp import apply_ddp
-from fairseq.distributed.dtensor import is_dtensor
+from fairseq.runtime.dtensor import is_dtensor
 from fairseq.distributed.fsdp import apply_fsdp, apply_fsdp_replicas, transformer_layers
 from fairseq.distributed.mesh import ParallelLayout, forget_parallel_mesh, has_tp_dim, init_parallel_mesh
 from fairseq.distributed.tensor_parallel_rng import apply_dropout_streams
 from fairseq.modules.checkpoint_activations import checkpointed, checkpointed_offloaded
 
 # torch.distributed.tensor (behind tensor_parallel) costs ~1 s to import: it is imported only when a model is
-# split (--model-parallel-size > 1), and DTensors are recognized through fairseq.distributed.dtensor.
+# split (--model-parallel-size > 1), and DTensors are recognized through fairseq.runtime.dtensor.
 
 logger = logging.getLogger(__name__)
 

@@ -3,7 +3,7 @@
 import torch
 import torch.distributed as dist
 
-from fairseq.distributed.env import get_free_port
+from fairseq.runtime.env import get_free_port
 
 __all__ = [
     "all_reduce_max",

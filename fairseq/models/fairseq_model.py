@@ -146,10 +146,10 @@ class BaseFairseqModel(nn.Module):
         cls, model_name_or_path: str, checkpoint_file: str = "model.pt", data_name_or_path: str = ".", **kwargs
     ):
         """Upstream's hub entry point for a local directory: a GeneratorHubInterface (encode / decode / sample /
-        score / generate) over the checkpoint(s); see fairseq.generation.hub_utils.from_pretrained."""
+        score / generate) over the checkpoint(s); see fairseq.hub.hub_utils.from_pretrained."""
         # The one upward import of the model contract (declared in scripts/check_structure.py): upstream's API
         # puts the hub's constructor on the model class; it runs only when called.
-        from fairseq.generation import hub_utils
+        from fairseq.hub import hub_utils
 
         loaded = hub_utils.from_pretrained(model_name_or_path, checkpoint_file, data_name_or_path, **kwargs)
         return hub_utils.GeneratorHubInterface(loaded["args"], loaded["task"], loaded["models"])

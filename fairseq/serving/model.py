@@ -10,7 +10,7 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from fairseq.generation.hub_utils import GeneratorHubInterface, move_to
+from fairseq.hub.hub_utils import GeneratorHubInterface, move_to
 from fairseq.generation.search import Sampling
 
 

@@ -22,8 +22,8 @@ from typing import Dict, Optional
 import torch
 
 # DTensors are recognized without importing torch.distributed.tensor (~1 s, paid by every process that runs
-# validate(cfg), which imports this module): see fairseq.distributed.dtensor.
-from fairseq.distributed.dtensor import is_dtensor
+# validate(cfg), which imports this module): see fairseq.runtime.dtensor.
+from fairseq.runtime.dtensor import is_dtensor
 
 logger = logging.getLogger("fairseq.models.ema.ema")  # upstream's logger name: log lines read as its
 

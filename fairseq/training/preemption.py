@@ -25,7 +25,7 @@ from typing import NoReturn, Optional
 import torch
 import torch.distributed as dist
 
-from fairseq.distributed.env import PREEMPTION_SIGNALS
+from fairseq.runtime.env import PREEMPTION_SIGNALS
 
 logger = logging.getLogger(__name__)
 

@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from tests.train_fixtures import spawn_scenarios
-from fairseq.distributed.env import get_free_port
+from fairseq.runtime.env import get_free_port
 
 pytestmark = pytest.mark.timeout(600)
 

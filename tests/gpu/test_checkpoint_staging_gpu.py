@@ -66,7 +66,7 @@ def test_a_one_rank_fsdp_state_is_staged_for_a_single_file_without_a_second_copy
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    from fairseq.distributed.env import get_free_port
+    from fairseq.runtime.env import get_free_port
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(get_free_port()))
     dist.init_process_group("nccl", rank=0, world_size=1)

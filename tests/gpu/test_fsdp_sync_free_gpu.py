@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 
 from fairseq.dataclass.configs import FairseqConfig
-from fairseq.distributed.env import get_free_port
+from fairseq.runtime.env import get_free_port
 from fairseq.distributed.fsdp import FSDPSettings, apply_fsdp, sync_free_limiter, transformer_layers
 from fairseq.models import BaseFairseqModel
 

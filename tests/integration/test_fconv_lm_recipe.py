@@ -187,7 +187,7 @@ def test_fully_sharded_on_two_processes(tiny_data, tmp_path):
     differ only in summation order), and eval-lm of the sharded directory."""
     import torch.multiprocessing as mp
 
-    from fairseq.distributed.env import get_free_port
+    from fairseq.runtime.env import get_free_port
 
     single, sharded = tmp_path / "single", tmp_path / "sharded"
     short = ["--dropout", "0", "--max-update", "3", "--seed", "3"]

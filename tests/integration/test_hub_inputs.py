@@ -1,4 +1,4 @@
-"""The hub interface's arguments (fairseq.generation.hub_inputs): a wrong type or value is one TypeError or
+"""The hub interface's arguments (fairseq.hub.hub_inputs): a wrong type or value is one TypeError or
 ValueError naming the method, the argument and what it takes, raised before any decoding, instead of a raw
 AttributeError / IndexError from inside or a prompt silently cut at a padding id; and the generation options
 the command line refuses in a line (stream's beam, --temperature below the float32 bound, --max-len-b without

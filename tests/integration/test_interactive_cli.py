@@ -13,7 +13,7 @@ import sys
 import pytest
 
 from fairseq import checkpoint_utils
-from fairseq.generation.hub_utils import GeneratorHubInterface
+from fairseq.hub.hub_utils import GeneratorHubInterface
 from fairseq.utils import run_console_script
 from fairseq_cli import interactive
 

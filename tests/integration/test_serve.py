@@ -170,7 +170,7 @@ def test_stream_joined_equals_the_whole_answer(client):
 
 
 def test_echo_logprobs_scoring_equals_the_hub_score(client, tiny_lm_checkpoint, tiny_data):
-    from fairseq.generation.hub_utils import GeneratorHubInterface, from_pretrained
+    from fairseq.hub.hub_utils import GeneratorHubInterface, from_pretrained
 
     text = "w1 w2 w3 w0 w5"
     answer = client.completions.create(model="x", prompt=text, max_tokens=0, echo=True, logprobs=2)
@@ -327,7 +327,7 @@ def test_sigterm_finishes_the_running_request_and_exits_0(tiny_lm_checkpoint, ti
 
 def test_a_transformers_directory_is_imported_and_served_as_the_hub_samples_it(tmp_path):
     pytest.importorskip("transformers")
-    from fairseq.generation.hub_utils import GeneratorHubInterface, from_pretrained
+    from fairseq.hub.hub_utils import GeneratorHubInterface, from_pretrained
     from tests.hf_fixtures import tiny_hf_model, write_opt_tokenizer
 
     ids = write_opt_tokenizer(tmp_path / "tokenizer")

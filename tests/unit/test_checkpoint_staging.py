@@ -13,7 +13,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from fairseq.checkpoint.staging import HostStaging
-from fairseq.distributed.env import get_free_port
+from fairseq.runtime.env import get_free_port
 
 
 def trained():

@@ -3,7 +3,7 @@
 import pytest
 
 from fairseq.dataclass.configs import DistributedTrainingConfig
-from fairseq.distributed.env import LaunchPlan, detect_launch, expand_nodelist
+from fairseq.runtime.env import LaunchPlan, detect_launch, expand_nodelist
 from fairseq.distributed.launch import apply_default_env, process_group_timeout
 
 TORCHRUN_ENV = {"RANK": "3", "LOCAL_RANK": "1", "WORLD_SIZE": "8", "MASTER_ADDR": "head", "MASTER_PORT": "29511"}

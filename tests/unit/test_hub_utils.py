@@ -1,4 +1,4 @@
-"""fairseq.generation.hub_utils: TransformerLanguageModel.from_pretrained on a tiny model trained here by the real
+"""fairseq.hub.hub_utils: TransformerLanguageModel.from_pretrained on a tiny model trained here by the real
 fairseq-train on sentencepiece-encoded text (no network). encode/decode go through the checkpoint's
 sentencepiece model; score() equals the log-softmax of one full forward; greedy generation equals the argmax of
 full forwards; bad input is a clear error."""
@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fairseq.generation.hub_utils import GeneratorHubInterface
+from fairseq.hub.hub_utils import GeneratorHubInterface
 from fairseq.models.transformer_lm import TransformerLanguageModel
 from fairseq_cli import preprocess, train
 

@@ -2,7 +2,7 @@
 criterion and optimizer to list the choices) and checking a training config must not import
 torch.distributed's checkpoint, tensor or fsdp packages, nor torch._dynamo: together they cost seconds, which
 every fairseq process would pay before reading a flag (docs/testing.md). The modules that need them import
-them where they are used, and DTensors are recognized through fairseq.distributed.dtensor.
+them where they are used, and DTensors are recognized through fairseq.runtime.dtensor.
 
 Checked in a fresh interpreter, against what `import torch` itself loads (which is not fairseq's doing).
 """
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from fairseq.distributed.dtensor import is_dtensor
+from fairseq.runtime.dtensor import is_dtensor
 
 REPO = Path(__file__).resolve().parents[2]
 HEAVY = ("torch.distributed.checkpoint", "torch.distributed.tensor", "torch.distributed.fsdp", "torch._dynamo")
@@ -41,7 +41,7 @@ import fairseq
 import fairseq_cli.train, fairseq_cli.eval_lm, fairseq_cli.validate, fairseq_cli.generate
 import fairseq_cli.interactive, fairseq_cli.preprocess, fairseq_cli.serve
 from fairseq import checkpoint_utils, options
-from fairseq.generation import hub_utils
+from fairseq.hub import hub_utils
 for build in (options.get_training_parser, options.get_eval_lm_parser, options.get_validation_parser,
               options.get_generation_parser, options.get_interactive_generation_parser, options.get_serve_parser):
     build()

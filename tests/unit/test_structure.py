@@ -61,6 +61,7 @@ def test_no_function_over_80_lines(findings):
         "functions over 60 lines",
         "config getattr/hasattr probes",
         "imports inside functions",
+        "undeclared imports inside functions",
     ],
 )
 def test_counts_only_go_down(findings, key):
@@ -83,7 +84,8 @@ def test_checker_counts_long_functions_config_probes_and_deferred_imports(tmp_pa
         "fairseq/data/c.py",
         f"def long(cfg):\n{body}    return getattr(cfg.task, 'data', None)\n\n\n"
         f"def short(self, task, args, config, name):\n{probes}"
-        "    import os\n    def inner():\n        from fairseq import data\n",
+        "    import os  # deferred: startup\n    import re  # deferred: because\n"
+        "    def inner():\n        from fairseq import data\n",
     )
     found = check.measure(root)
     assert found["functions over 80 lines"] == ["fairseq/data/c.py:1 long (82 lines)"]
@@ -97,7 +99,13 @@ def test_checker_counts_long_functions_config_probes_and_deferred_imports(tmp_pa
     ]
     assert found["imports inside functions"] == [
         "fairseq/data/c.py:88 short: os",
-        "fairseq/data/c.py:90 inner: fairseq",
+        "fairseq/data/c.py:89 short: re",
+        "fairseq/data/c.py:91 inner: fairseq",
+    ]
+    # declared: `# deferred: <reason>` with a reason of DEFERRED_REASONS ("because" is not one)
+    assert found["undeclared imports inside functions"] == [
+        "fairseq/data/c.py:89 short: re",
+        "fairseq/data/c.py:91 inner: fairseq",
     ]
     assert found["root modules over 40 lines"] == []
 

@@ -37,7 +37,7 @@ from fairseq.generation.decode_memory import check_decode_memory, decode_positio
 from fairseq.generation.quantize import check_mode, quantize_for_generation
 from fairseq.export.hf_names import FORK_TOKENIZER_FILES
 from fairseq.generation import device_decoding
-from fairseq.generation.hub_inputs import check_prompt_ids, check_seed, check_stream_beam, prompt_list, sentence_list
+from fairseq.hub.hub_inputs import check_prompt_ids, check_seed, check_stream_beam, prompt_list, sentence_list
 from fairseq.generation.search import Sampling
 from fairseq.generation.sequence_generator import SequenceGenerator
 
@@ -360,7 +360,7 @@ class GeneratorHubInterface(nn.Module):
         the draws' seed, so that input i gets the same sample whatever the batches; default a new one per
         call from torch's RNG (torch.manual_seed reproduces a sequence of calls). `inference_step_args` may
         hold `on_tokens` to stream (see `stream`). A prompt holds ids of the dictionary other than <pad>;
-        anything else is one TypeError or ValueError naming the argument (fairseq.generation.hub_inputs)."""
+        anything else is one TypeError or ValueError naming the argument (fairseq.hub.hub_inputs)."""
         prompts, single = prompt_list(tokenized_sentences)
         check_prompt_ids(prompts, len(self.src_dict), self.src_dict.pad(), single)
         check_seed(seed, "generate")

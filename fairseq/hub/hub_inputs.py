@@ -1,6 +1,6 @@
 """What the hub interface's methods accept, checked before anything is encoded or decoded: one TypeError (a wrong
 type) or ValueError (a wrong value) naming the method, the argument and what it takes, instead of a raw error
-from deep inside, or a prompt silently cut at a padding id. Used by fairseq.generation.hub_utils.
+from deep inside, or a prompt silently cut at a padding id. Used by fairseq.hub.hub_utils.
 """
 
 import bisect
