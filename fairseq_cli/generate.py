@@ -17,7 +17,7 @@ import math
 import os
 import sys
 import time
-from typing import List, Optional, TextIO
+from typing import Callable, List, Optional, TextIO
 
 import numpy as np
 import torch
@@ -50,12 +50,14 @@ logger = logging.getLogger("fairseq_cli.generate")
 # ----------------------------------------------------------------------------- shared with fairseq-interactive
 
 
-def load_ensemble(cfg):
+def load_ensemble(cfg, split: Optional[Callable] = None):
     """(models on the device in the compute dtype and eval mode, task, device, codec) for --path (':'-separated
     checkpoint files or sharded directories). The task is the command line's (DATA's dictionary), or with no
     DATA the first checkpoint's, as saved at training; the codec (TextCodec) is the command line's --tokenizer
     and --bpe, else the first checkpoint's (checkpoint_tokenizer). With --quantize the models' Linear weights
-    are quantized once they are on the device and cast (fairseq.generation.quantize)."""
+    are quantized once they are on the device and cast (fairseq.generation.quantize). `split(model)`: applied
+    to each model cast on the CPU, before it moves (tensor-parallel serving: only a rank's part reaches its
+    device)."""
     if not cfg.common_eval.path:
         raise ValueError(
             "no checkpoint given: pass --path CHECKPOINT.pt (or a sharded checkpoint directory; "
@@ -78,7 +80,8 @@ def load_ensemble(cfg):
     for path in paths:
         loaded = _load_model(cfg, path, task, task_cfg, overrides)
         task, task_cfg, first = loaded.task, None, first or loaded
-        models.append(loaded.model.to(device=device, dtype=dtype).train(retain_dropout))
+        model = loaded.model if split is None else split(loaded.model.to(dtype=dtype))
+        models.append(model.to(device=device, dtype=dtype).train(retain_dropout))
         if device.type == "cuda":  # one q/k/v GEMM per layer call (the CPU keeps its three: nothing to gain)
             fuse_qkv_(models[-1])
         quantize_for_generation(models[-1], cfg.generation.quantize, device)

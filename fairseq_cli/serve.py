@@ -17,6 +17,7 @@ import tempfile
 import threading
 from typing import List, Optional
 
+from fairseq.distributed.launch import call_main
 from fairseq.frontend import options
 from fairseq.dataclass.serving import ServeConfig, check_serve_config
 from fairseq.dataclass.utils import config_from_namespace
@@ -26,6 +27,14 @@ from fairseq.serving.completions import Limits
 from fairseq.serving.engine_backend import make_backend
 from fairseq.serving.model import ServedModel
 from fairseq.serving.scheduler import Scheduler
+from fairseq.serving.tensor_parallel import (
+    Leader,
+    LeaderModel,
+    TensorParallelGroup,
+    check_tensor_parallel_launch,
+    follow,
+    tensor_parallel_group,
+)
 from fairseq_cli.console import run_console_script
 from fairseq_cli.generate import load_ensemble, setup
 
@@ -50,9 +59,10 @@ def read_api_keys(path: Optional[str]) -> List[str]:
     return [key.strip() for key in os.environ.get(KEYS_ENV, "").split(",") if key.strip()]
 
 
-def load_served_model(cfg):
+def load_served_model(cfg, split=None):
     """The ServedModel of --path (one model: no ensemble), loaded as fairseq-interactive loads it (--bf16, --fp16,
-    --quantize, --cpu), a transformers directory imported first."""
+    --quantize, --cpu), a transformers directory imported first; `split`: this rank's part of it (tensor
+    parallelism, TensorParallelGroup.split)."""
     path = cfg.common_eval.path or ""
     if os.pathsep in path:
         raise ValueError(f"--path {path}: fairseq-serve serves one model, not an ensemble; pass one checkpoint")
@@ -65,17 +75,19 @@ def load_served_model(cfg):
         cfg.common_eval.path = os.path.join(work, "model", CHECKPOINT_NAME)
         if not cfg.task.data:
             cfg.task.data = os.path.join(work, "model")
-    models, task, device, codec = load_ensemble(cfg)
+    models, task, device, codec = load_ensemble(cfg, split)
     hub = GeneratorHubInterface(cfg, task, models)
     hub.codec, hub.tokenizer, hub.bpe = codec, codec.tokenizer, codec.bpe  # the checkpoint's, as interactive's
     hub.quantized = cfg.generation.quantize  # load_ensemble quantized the weights already
     return ServedModel(hub, name)
 
 
-def start_model(server, cfg) -> None:
-    """Load the model and start the decode thread (the server answers 503 until this is done)."""
+def start_model(server, cfg, tp: Optional[TensorParallelGroup] = None) -> None:
+    """Load the model and start the decode thread (the server answers 503 until this is done). Under tensor
+    parallelism (rank 0 of `tp`) the scheduler's backend and model calls go through a Leader, which sends each
+    operation to the other ranks."""
     try:
-        model = load_served_model(cfg)
+        model = load_served_model(cfg, tp.split if tp else None)
     except Exception as err:  # told by /health and the log; the process exits
         logger.error(f"fairseq-serve: error: {err}")
         server.load_error = f"the model failed to load: {err}"
@@ -84,52 +96,65 @@ def start_model(server, cfg) -> None:
     positions = model.max_positions
     # the engine reserves the caches of --max-running rows x the positions at start (checked against the GPU's
     # free memory): that is the batch's KV capacity, which --max-batch-tokens may lower
-    backend = make_backend(model, serve.max_running, cuda_graphs=not cfg.generation.no_cuda_graphs)
+    backend = make_backend(model, serve.max_running, cuda_graphs=not cfg.generation.no_cuda_graphs and tp is None)
     capacity = backend.kv_capacity_tokens or serve.max_running * positions
     limits = Limits(
         max_prompt_tokens=serve.max_prompt_tokens or positions - 1,
         max_tokens=serve.max_tokens if serve.max_tokens is not None else positions,
         max_batch_tokens=min(serve.max_batch_tokens or capacity, capacity),
     )
-    scheduler = Scheduler(model, backend, serve.max_running, limits.max_batch_tokens, serve.max_queue, server.metrics)
+    scheduled = model
+    if tp is not None:
+        backend = server.leader = Leader(backend, model, tp.group, tp.heartbeat_s)
+        scheduled = LeaderModel(model, backend)
+    scheduler = Scheduler(
+        scheduled, backend, serve.max_running, limits.max_batch_tokens, serve.max_queue, server.metrics
+    )
     scheduler.start()
     server.ready(model, scheduler, limits)
     logger.info(
-        f"serving {model.name} ({positions} positions) on {model.device}: --max-running "
-        f"{serve.max_running}, --max-batch-tokens {limits.max_batch_tokens}"
+        f"serving {model.name} ({positions} positions) on {model.device}"
+        f"{f' (tensor parallelism over {tp.size} ranks)' if tp else ''}: --max-running {serve.max_running}, "
+        f"--max-batch-tokens {limits.max_batch_tokens}"
     )
 
 
+def follow_rank(cfg, tp: TensorParallelGroup) -> None:
+    """A rank other than 0: its part of the model and an engine over it, applying rank 0's operations until rank
+    0 stops (fairseq.serving.tensor_parallel)."""
+    model = load_served_model(cfg, tp.split)
+    backend = make_backend(model, cfg.serve.max_running, cuda_graphs=False)
+    logger.info(f"rank {tp.rank} of {tp.size}: loaded; following rank 0")
+    follow(model, backend, tp.group, tp.rank)
+
+
 def main(cfg) -> None:
-    try:  # the serve extra (starlette, uvicorn)
+    """One rank of the server (or the only process): rank 0 serves HTTP, the others follow it."""
+    try:  # deferred: optional (the serve extra: starlette, uvicorn)
         from fairseq.serving.app import Server, build_app, draining_server, uvicorn
     except ImportError:
         raise ValueError("fairseq-serve needs uvicorn and starlette: pip install 'fairseq[serve]'") from None
     setup(cfg)
     check_serve_config(cfg.serve)
-    if cfg.distributed_training.model_parallel_size > 1:
-        raise ValueError(
-            f"--model-parallel-size {cfg.distributed_training.model_parallel_size}: tensor-parallel "
-            "serving is not implemented yet (docs/serving.md); serve the model on one device (a "
-            "consolidated checkpoint: scripts/consolidate_fsdp_shards.py)"
-        )
+    tp = tensor_parallel_group(cfg)
+    if tp is not None and tp.rank != 0:
+        return follow_rank(cfg, tp)
     keys = read_api_keys(cfg.serve.api_keys)
     if cfg.serve.host not in ("127.0.0.1", "localhost", "::1") and not keys:
         logger.warning(f"--host {cfg.serve.host} without --api-keys: anyone who reaches this address can use the model")
     server = Server(cfg.serve, keys)
-    app = build_app(server)
     failed = []
 
     def load():
         try:
-            start_model(server, cfg)
+            start_model(server, cfg, tp)
         except Exception as err:
             failed.append(err)
             http.should_exit = True
 
     http = draining_server(
         uvicorn.Config(
-            app,
+            build_app(server),
             host=cfg.serve.host,
             port=cfg.serve.port,
             access_log=False,
@@ -140,12 +165,26 @@ def main(cfg) -> None:
         server,
     )
     threading.Thread(target=load, name="fairseq-serve-load", daemon=True).start()
-    http.run()
-    if server.scheduler is not None:
-        server.scheduler.stop()
+    try:
+        http.run()
+    finally:
+        stop_serving(server)
     if failed:
         raise failed[0]
     logger.info("fairseq-serve stopped")
+
+
+def stop_serving(server) -> None:
+    """The decode thread ends; under tensor parallelism the followers are then told to stop (from this thread:
+    the decode thread, which sent everything before, is gone)."""
+    if server.scheduler is None:
+        return
+    server.scheduler.stop()
+    if server.leader is not None:
+        if server.scheduler.thread.is_alive():
+            logger.error("the decode thread did not stop: the other ranks are left to the launcher")
+        else:
+            server.leader.stop()
 
 
 def cli_main(argv: Optional[List[str]] = None) -> None:
@@ -157,7 +196,8 @@ def cli_main(argv: Optional[List[str]] = None) -> None:
         check_serve_config(cfg.serve)
     except ValueError as e:
         parser.error(str(e))
-    main(cfg)
+    check_tensor_parallel_launch(cfg)
+    call_main(cfg, main)
 
 
 def console_main() -> None:

@@ -57,8 +57,9 @@ def kv_cache_bytes(rows: int, positions: int, layers: int, embed_dim: int, dtype
 
 def attention_shape(model: nn.Module) -> Tuple[int, int]:
     """(layers with a KV cache, the width of their keys): the model's causal self-attention modules (the
-    widest one's heads x head_dim); (0, 0) for a model without them (fconv_lm keeps no KV cache)."""
-    widths = [m.num_heads * m.head_dim for m in model.modules() if isinstance(m, CausalSelfAttention)]
+    widest one's cached heads x head_dim: this rank's under tensor parallelism); (0, 0) for a model without them
+    (fconv_lm keeps no KV cache)."""
+    widths = [m.cached_heads() * m.head_dim for m in model.modules() if isinstance(m, CausalSelfAttention)]
     return len(widths), max(widths, default=0)
 
 

@@ -194,9 +194,9 @@ class CausalSelfAttention(FairseqIncrementalState, AttentionProjections):
     def _cache_entry(self, incremental_state: IncrementalState) -> dict:
         """This layer's entry of the incremental state, created empty on first use:
 
-        - "key_buffer", "value_buffer": [rows, num_heads, capacity, head_dim] tensors, allocated once (at the
-          reserved size, see `reserve_incremental_state`); batch row b's keys for its first `length` tokens
-          are `key_buffer[b, :, :length]`; rows past the current batch and slots past `length` are unused;
+        - "key_buffer", "value_buffer": [rows, heads, capacity, head_dim] tensors (`cached_heads`), allocated
+          once (at the reserved size, see `reserve_incremental_state`); batch row b's keys for its first `length`
+          tokens are `key_buffer[b, :, :length]`; rows past the current batch and slots past `length` are unused;
         - "length": how many tokens are cached (a plain int, the same for every row; static steps leave it to
           their caller, see `set_incremental_length`);
         - "reserved": (rows, capacity) to allocate on the first call, when someone said.
@@ -216,6 +216,13 @@ class CausalSelfAttention(FairseqIncrementalState, AttentionProjections):
         entry = self._cache_entry(incremental_state)
         entry["reserved"] = (max(entry["reserved"][0], max_batch), max(entry["reserved"][1], max_length))
 
+    def cached_heads(self) -> int:
+        """The heads whose keys and values this module caches: every head, or under tensor parallelism (k_proj
+        split by columns over N ranks: a DTensor weight) this rank's num_heads / N."""
+        weight = getattr(self.k_proj, "weight", None) if self.qkv_proj is None else None
+        local = getattr(weight, "to_local", None)
+        return local().size(0) // self.head_dim if local is not None else self.num_heads
+
     def _ensure_capacity(self, entry: dict, rows: int, length: int, like: torch.Tensor) -> None:
         buffer = entry["key_buffer"]
         have_rows, have_length = (0, 0) if buffer is None else (buffer.size(0), buffer.size(2))
@@ -226,13 +233,13 @@ class CausalSelfAttention(FairseqIncrementalState, AttentionProjections):
         new_length = max(length, reserved_length, 2 * have_length if length > have_length else have_length)
         filled, old_rows = entry["length"], have_rows
         for name in ("key_buffer", "value_buffer"):
-            new = like.new_zeros(new_rows, self.num_heads, new_length, self.head_dim)
+            new = like.new_zeros(new_rows, self.cached_heads(), new_length, self.head_dim)
             if entry[name] is not None and filled:
                 new[:old_rows, :, :filled] = entry[name][:, :, :filled]
             entry[name] = new
 
     def _forward_incremental(self, x: torch.Tensor, incremental_state: IncrementalState) -> torch.Tensor:
-        batch, length, channels = x.shape
+        batch, length, _ = x.shape
         entry = self._cache_entry(incremental_state)
         start = entry["length"]
         end = start + length
@@ -251,7 +258,7 @@ class CausalSelfAttention(FairseqIncrementalState, AttentionProjections):
             # A chunk after cached tokens: new token i (at start + i) sees keys 0 .. start + i.
             mask = torch.ones(length, end, dtype=torch.bool, device=x.device).tril(diagonal=start)
             attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, dropout_p=dropout)
-        attn = attn.transpose(1, 2).reshape(batch, length, channels)
+        attn = attn.transpose(1, 2).reshape(batch, length, -1)  # -1: this rank's heads (see _split_heads)
         return self.out_proj(attn)
 
     def static_step_capacity(self, incremental_state: IncrementalState, rows: int, like: torch.Tensor) -> int:

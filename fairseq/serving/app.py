@@ -41,6 +41,7 @@ class Server:
         self.cfg, self.api_keys = serve_cfg, [key.encode() for key in api_keys]
         self.metrics = Metrics()
         self.model = self.scheduler = self.limits = None
+        self.leader = None  # rank 0's fairseq.serving.tensor_parallel.Leader (tensor parallelism)
         self.draining = False
         self.load_error: Optional[str] = None
 

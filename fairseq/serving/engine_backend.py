@@ -53,6 +53,9 @@ class EngineBackend:
             )
         )
 
+    def idle(self) -> None:
+        pass
+
     def cancel(self, choice_id: str) -> None:
         self.engine.cancel(choice_id)
         self.index.pop(choice_id, None)

@@ -7,9 +7,11 @@ timeout), then admits waiting requests oldest first while the running batch stay
 is never overtaken (so no request waits for ever behind smaller ones). Requests that are not a row of the running
 batch (scoring with max_tokens 0, beam search for best_of) run whole on the thread between chunks.
 
-The decode engine is reached through one backend object (`add`, `step`, `cancel`, `live`): the engine of
-fairseq.generation.engine (fairseq.serving.engine_backend), or `SerialBackend`, which decodes one choice at a time
-through the hub's generator (models the engine cannot step; the benchmark's one-at-a-time baseline).
+The decode engine is reached through one backend object (`add`, `step`, `cancel`, `live`; `idle`, called about
+once a second while nothing runs): the engine of fairseq.generation.engine (fairseq.serving.engine_backend), or
+`SerialBackend`, which decodes one choice at a time through the hub's generator (models the engine cannot step;
+the benchmark's one-at-a-time baseline). Under tensor parallelism rank 0's backend is a
+fairseq.serving.tensor_parallel.Leader over the engine's, which sends each operation to the other ranks.
 """
 
 import collections
@@ -100,6 +102,9 @@ class SerialBackend:
     def add(self, choice: Choice) -> None:
         self.waiting.append(choice)
 
+    def idle(self) -> None:
+        pass
+
     def cancel(self, choice_id: str) -> None:
         self.waiting = collections.deque(c for c in self.waiting if c.id != choice_id)
 
@@ -180,18 +185,25 @@ class Scheduler:
     def _loop(self) -> None:
         while True:
             with self.lock:
-                while not self.stopped and not self.waiting and not self.running and not self.cancels:
+                if not self._has_work():
                     self.lock.wait(timeout=1.0)
                 if self.stopped:
                     return
+                idle = not self._has_work()
                 cancels, self.cancels = self.cancels, []
                 admitted = self._admit()
+            if idle:
+                self.backend.idle()  # about once a second while nothing runs (tensor parallelism: a heartbeat)
+                continue
             for work, indices in cancels:
                 self._drop(work, indices)
             for work in admitted:
                 self._start(work)
             if self.backend.live:
                 self._step()
+
+    def _has_work(self) -> bool:
+        return bool(self.stopped or self.waiting or self.running or self.cancels)
 
     def _admit(self) -> List[Work]:
         admitted = []

@@ -1,0 +1,232 @@
+"""Tensor-parallel serving (`--model-parallel-size N` under torchrun, srun or the project's launcher): rank 0
+runs the HTTP server and the scheduler; every rank holds its part of the model (fairseq.distributed.
+tensor_parallel_decoding) and a decode engine over it; each operation rank 0 makes on its engine or model is
+broadcast to the other ranks (the followers), which apply the same operations in the same order, so the
+collectives inside every forward line up and the caches stay in step.
+
+The protocol: one message per broadcast, `torch.distributed.broadcast_object_list` from rank 0 over a gloo group
+of all ranks (the control group: no GPU work while a follower waits); a message is a list of operations, applied
+in order:
+
+    ("add", Choice)        a row joins at the next step: prompt ids, max tokens, sampling options, seed, index
+    ("cancel", choice id)  a row leaves at the next step
+    ("step",)              one chunk of decode steps for every live row
+    ("call", name, args)   a ServedModel call that runs the model outside the running batch (MODEL_CALLS)
+    ("beat",)              nothing: rank 0 is idle (sent every few seconds, so that a follower's wait never
+                           reaches the process group's timeout, --heartbeat-timeout)
+    ("stop",)              rank 0 has drained: the followers leave their loop and exit 0
+
+`add` and `cancel` change nothing before the next step, so rank 0 keeps them and sends them with the next
+operation that runs the model: one broadcast per chunk. Sampling is the same on every rank without sending any
+token: a row draws from counter-based noise keyed by its seed (sent with the row) over logits that every rank
+holds whole (the vocabulary-parallel output is all-gathered), so every rank picks the same token.
+"""
+
+import logging
+import os
+import signal
+import time
+from typing import Callable, List, Optional
+
+import torch
+import torch.distributed as dist
+
+from fairseq.checkpoint.inference import config_from_saved, read_checkpoint_config, transformers_model_type
+from fairseq.distributed.launch import process_group_timeout
+from fairseq.distributed.mesh import ParallelLayout, init_parallel_mesh
+from fairseq.distributed.tensor_parallel_checks import check_tensor_parallel_config, check_tensor_parallel_dictionary
+from fairseq.runtime.env import detect_launch
+from fairseq.runtime.errors import UserError
+from fairseq.serving.model import ServedModel
+
+logger = logging.getLogger("fairseq.serving.tensor_parallel")
+
+MODEL_CALLS = ("score", "top_logprobs", "beam")  # the ServedModel methods that run the model (decode thread)
+HEARTBEAT_S = 30.0
+
+
+class ServeError(UserError, ValueError):
+    """A flag or checkpoint that tensor-parallel serving cannot take: one line, from every entry point and from
+    the launcher (a UserError), without a traceback."""
+
+
+# ---- before the ranks start -------------------------------------------------------------------------------------
+def check_tensor_parallel_launch(cfg) -> None:
+    """What fairseq-serve checks before any rank starts: one server is one tensor-parallel group (as many ranks
+    as --model-parallel-size); with N > 1, the flags and the checkpoint's model (its plan, heads, FFN width and
+    vocabulary against N; the checkpoint's config is read for this)."""
+    tp = cfg.distributed_training.model_parallel_size
+    cpu = cfg.common.cpu or not torch.cuda.is_available()
+    world = detect_launch(cfg.distributed_training, os.environ, cpu=cpu).world_size
+    if world != tp:
+        raise ServeError(
+            f"fairseq-serve runs one tensor-parallel group: --model-parallel-size {tp} takes {tp} rank(s), this "
+            f"launch has {world}; start {tp} (torchrun --nproc-per-node {tp}, srun --ntasks {tp}, or "
+            f"--distributed-world-size {tp}), and one server per group behind a load balancer for more"
+        )
+    if tp == 1:
+        return
+    if cfg.generation.quantize not in (None, "none"):
+        raise ServeError(f"--quantize {cfg.generation.quantize} is not supported with --model-parallel-size {tp}")
+    path = cfg.common_eval.path or ""
+    if os.pathsep in path or not os.path.exists(path):
+        return  # told by the load, on every rank, as without tensor parallelism
+    if os.path.isdir(path) and transformers_model_type(path) is not None:
+        raise ServeError(
+            f"--path {path} is a transformers directory: with --model-parallel-size {tp}, import it first "
+            "(python scripts/import_hf.py) and serve the checkpoint it writes"
+        )
+    saved = config_from_saved(read_checkpoint_config(path, cfg.common.trust_legacy_checkpoint)[0])
+    saved.distributed_training.model_parallel_size = tp
+    if cfg.task.data:
+        saved.task.data = cfg.task.data
+    try:
+        check_tensor_parallel_config(saved)
+        check_tensor_parallel_dictionary(saved)
+    except ValueError as err:
+        raise ServeError(f"--path {path}: {err}") from None
+
+
+# ---- the group -----------------------------------------------------------------------------------------------
+class TensorParallelGroup:
+    """This rank's place in a tensor-parallel server: the 1-D mesh its model is split over, the gloo control
+    group the operations travel on (created by every rank together, in this order)."""
+
+    def __init__(self, cfg, device_type: str):
+        self.size, self.rank = cfg.distributed_training.model_parallel_size, dist.get_rank()
+        self.mesh = init_parallel_mesh(ParallelLayout(tp=self.size), device_type).tp_mesh
+        timeout = process_group_timeout(cfg.distributed_training)
+        self.group = dist.new_group(backend="gloo", timeout=timeout)
+        # the followers wait in a collective while rank 0 is idle: a beat well within the group's timeout
+        self.heartbeat_s = min(HEARTBEAT_S, timeout.total_seconds() / 4)
+
+    def split(self, model):
+        """This rank's part of `model` (fairseq.distributed.tensor_parallel_decoding)."""
+        # deferred: startup (torch.distributed.tensor costs ~1 s to import; one process never needs it)
+        from fairseq.distributed.tensor_parallel_decoding import split_for_decoding
+
+        try:
+            return split_for_decoding(model, self.mesh)
+        except (TypeError, ValueError) as err:
+            raise ServeError(str(err)) from None
+
+
+def tensor_parallel_group(cfg) -> Optional[TensorParallelGroup]:
+    """The group of a --model-parallel-size N > 1 rank (check_tensor_parallel_launch ran before); None for one
+    process."""
+    if cfg.distributed_training.model_parallel_size == 1:
+        return None
+    use_cuda = torch.cuda.is_available() and not cfg.common.cpu
+    return TensorParallelGroup(cfg, "cuda" if use_cuda else "cpu")
+
+
+def _broadcast(message: Optional[list], group) -> list:
+    box = [message]
+    dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0), group=group)
+    return box[0]
+
+
+class Leader:
+    """Rank 0's backend (the scheduler's `add`, `cancel`, `step`, `live`, `idle`) and the model calls of the
+    decode thread: each applied here and sent to the followers. Used from the decode thread only, and after it
+    stopped, `stop` from the main thread."""
+
+    def __init__(self, backend, model: ServedModel, group, heartbeat_s: float = HEARTBEAT_S):
+        self.backend, self.model, self.group = backend, model, group
+        self.heartbeat_s = heartbeat_s
+        self.pending: List[tuple] = []
+        self.sent_at = time.monotonic()
+
+    @property
+    def live(self):
+        return self.backend.live
+
+    @property
+    def kv_capacity_tokens(self):
+        return self.backend.kv_capacity_tokens
+
+    def add(self, choice) -> None:
+        self.backend.add(choice)  # a row the engine refuses is not sent
+        self.pending.append(("add", choice))
+
+    def cancel(self, choice_id: str) -> None:
+        self.backend.cancel(choice_id)
+        self.pending.append(("cancel", choice_id))
+
+    def step(self) -> list:
+        self._send(("step",))
+        return self.backend.step()
+
+    def idle(self) -> None:
+        if time.monotonic() - self.sent_at >= self.heartbeat_s:
+            self._send(("beat",))
+
+    def call(self, name: str, *args):
+        self._send(("call", name, args))
+        return getattr(self.model, name)(*args)
+
+    def stop(self) -> None:
+        self._send(("stop",))
+
+    def _send(self, operation: tuple) -> None:
+        message, self.pending = self.pending + [operation], []
+        _broadcast(message, self.group)
+        self.sent_at = time.monotonic()
+
+
+class LeaderModel:
+    """The ServedModel as rank 0's scheduler sees it: the calls that run the model (MODEL_CALLS) are sent to the
+    followers first; the rest (text <-> ids) is the model's own."""
+
+    def __init__(self, model: ServedModel, leader: Leader):
+        self._model, self._leader = model, leader
+
+    def score(self, ids):
+        return self._leader.call("score", ids)
+
+    def top_logprobs(self, ids, top_n):
+        return self._leader.call("top_logprobs", ids, top_n)
+
+    def beam(self, prompt, max_new, width, nbest):
+        return self._leader.call("beam", prompt, max_new, width, nbest)
+
+    def __getattr__(self, name):
+        return getattr(self._model, name)
+
+
+def follow(model: ServedModel, backend, group, rank: int) -> int:
+    """A follower's loop: apply rank 0's operations until it says stop. SIGTERM and SIGINT (torchrun, srun and
+    the launcher pass them to every rank) are logged and left to rank 0, which drains and then says stop.
+    Returns how many messages came."""
+    _keep_following_on_signals(rank)
+    handlers: dict = {
+        "add": backend.add,
+        "cancel": backend.cancel,
+        "step": backend.step,
+        "call": lambda name, args: getattr(model, name)(*args),
+        "beat": lambda: None,
+    }
+    received = 0
+    while True:
+        message = _broadcast(None, group)
+        received += 1
+        for operation, *args in message:
+            if operation == "stop":
+                logger.info(f"rank {rank}: rank 0 stopped serving ({received} messages followed)")
+                return received
+            _apply(handlers[operation], args, operation, rank)
+
+
+def _apply(handler: Callable, args, operation: str, rank: int) -> None:
+    try:
+        handler(*args)
+    except Exception as err:  # rank 0 met the same error on the same input and told its client
+        logger.warning(f"rank {rank}: {operation} failed as on rank 0: {err}")
+
+
+def _keep_following_on_signals(rank: int) -> None:
+    def note(signum, frame):
+        logger.info(f"rank {rank}: {signal.Signals(signum).name}: rank 0 drains; following it until it stops")
+
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, note)
