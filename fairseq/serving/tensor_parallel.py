@@ -58,6 +58,12 @@ def check_tensor_parallel_launch(cfg) -> None:
     tp = cfg.distributed_training.model_parallel_size
     cpu = cfg.common.cpu or not torch.cuda.is_available()
     world = detect_launch(cfg.distributed_training, os.environ, cpu=cpu).world_size
+    if tp == 1 and world > 1:
+        raise ServeError(
+            f"fairseq-serve without --model-parallel-size runs in one process, this launch has {world} ranks: start "
+            f"one process, or pass --model-parallel-size {world} to split the model over them (one server per "
+            "replica behind a load balancer for more)"
+        )
     if world != tp:
         raise ServeError(
             f"fairseq-serve runs one tensor-parallel group: --model-parallel-size {tp} takes {tp} rank(s), this "

@@ -350,7 +350,15 @@ def test_a_transformers_directory_is_imported_and_served_as_the_hub_samples_it(t
     "flags,message",
     [
         (["--api-keys", "/nonexistent/keys.txt"], "--api-keys /nonexistent/keys.txt: cannot read it"),
-        (["--model-parallel-size", "2"], "tensor-parallel serving is not implemented yet"),
+        (["--model-parallel-size", "2"], "--model-parallel-size 2 takes 2 rank(s), this launch has 1"),
+        (
+            ["--model-parallel-size", "3", "--distributed-world-size", "3"],
+            "--model-parallel-size 3 does not divide --decoder-attention-heads 2: use --model-parallel-size 2",
+        ),
+        (
+            ["--model-parallel-size", "2", "--distributed-world-size", "2", "--quantize", "int8-weight-only"],
+            "--quantize int8-weight-only is not supported with --model-parallel-size 2",
+        ),
         (["--max-running", "0"], "--max-running 0: must be at least 1"),
     ],
 )
