@@ -32,9 +32,7 @@ def answer(client, request) -> list:
     """[(text, finish reason, token log-probabilities or None)] of each choice."""
     request = dict(request)
     extra = {"top_k": request.pop("top_k")} if "top_k" in request else None  # not among OpenAI's parameters
-    choices = sorted(
-        client.completions.create(model="x", extra_body=extra, **request).choices, key=lambda c: c.index
-    )
+    choices = sorted(client.completions.create(model="x", extra_body=extra, **request).choices, key=lambda c: c.index)
     return [(c.text, c.finish_reason, c.logprobs.token_logprobs if c.logprobs else None) for c in choices]
 
 
