@@ -38,6 +38,11 @@ from fairseq.serving.tensor_parallel import (
 from fairseq_cli.console import run_console_script
 from fairseq_cli.generate import load_ensemble, setup
 
+try:  # the serve extra (starlette, uvicorn): main says how to install it when it is missing
+    from fairseq.serving.app import Server, build_app, draining_server, uvicorn
+except ImportError:
+    Server = build_app = draining_server = uvicorn = None
+
 logger = logging.getLogger("fairseq_cli.serve")
 KEYS_ENV = "FAIRSEQ_API_KEYS"
 
@@ -130,10 +135,8 @@ def follow_rank(cfg, tp: TensorParallelGroup) -> None:
 
 def main(cfg) -> None:
     """One rank of the server (or the only process): rank 0 serves HTTP, the others follow it."""
-    try:  # deferred: optional (the serve extra: starlette, uvicorn)
-        from fairseq.serving.app import Server, build_app, draining_server, uvicorn
-    except ImportError:
-        raise ValueError("fairseq-serve needs uvicorn and starlette: pip install 'fairseq[serve]'") from None
+    if uvicorn is None:
+        raise ValueError("fairseq-serve needs uvicorn and starlette: pip install 'fairseq[serve]'")
     setup(cfg)
     check_serve_config(cfg.serve)
     tp = tensor_parallel_group(cfg)

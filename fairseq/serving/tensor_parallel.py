@@ -108,8 +108,8 @@ class TensorParallelGroup:
 
     def split(self, model):
         """This rank's part of `model` (fairseq.distributed.tensor_parallel_decoding)."""
-        # deferred: startup (torch.distributed.tensor costs ~1 s to import; one process never needs it)
-        from fairseq.distributed.tensor_parallel_decoding import split_for_decoding
+        # torch.distributed.tensor costs ~1 s to import, which one process never needs
+        from fairseq.distributed.tensor_parallel_decoding import split_for_decoding  # deferred: startup
 
         try:
             return split_for_decoding(model, self.mesh)
