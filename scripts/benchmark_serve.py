@@ -4,6 +4,7 @@ latency p50/p99 and time to first token p50/p99 per row, and each row's throughp
 
     python scripts/benchmark_serve.py --concurrency 1,16 --requests 64 --new-tokens 64 --cpu
     python scripts/benchmark_serve.py --path checkpoints/checkpoint_best.pt --data data-bin --concurrency 1,8,64
+    python scripts/benchmark_serve.py --bf16 --model-parallel-size 2 --concurrency 1,8,64   # 2 GPUs, TP 2
 
 Without --path, a transformer_lm of random weights (--arch and the dimension flags, seeded) and a dictionary of
 --vocab-size words are written to a temporary directory and served. Prompts are random words of 8 to
@@ -11,6 +12,8 @@ Without --path, a transformer_lm of random weights (--arch and the dimension fla
 tokens, greedy (temperature 0) or, with --sample, top_p 0.9 at temperature 0.8 with a seed per request. A server
 process is started per run on a free port of 127.0.0.1 (--cpu: on the CPU; else the GPU if there is one); the
 first row (concurrency 1) is the one-at-a-time baseline. The server's own figures (GET /metrics) are not used.
+With --model-parallel-size N the server runs over N ranks (--distributed-world-size N: one GPU each, or N CPU
+processes with --cpu), rank 0 serving HTTP.
 """
 
 import argparse
@@ -48,17 +51,24 @@ def get_parser():
     parser.add_argument("--max-running", type=int, default=64)
     parser.add_argument("--cpu", action="store_true")
     parser.add_argument("--bf16", action="store_true")
+    parser.add_argument(
+        "--model-parallel-size",
+        type=int,
+        default=1,
+        help="serve over this many ranks (tensor parallelism; the project's launcher, one GPU each)",
+    )
     parser.add_argument("--seed", type=int, default=1)
     return parser
 
 
 def write_random_model(args, directory: str) -> tuple:
-    import torch
+    # the clients' side (this process) needs neither torch nor the model
+    import torch  # deferred: startup
 
-    from fairseq.checkpoint.io import atomic_torch_save
-    from fairseq.data.dictionary import Dictionary
-    from fairseq.dataclass.utils import config_to_dict
-    from fairseq.models.transformer_lm import TransformerLanguageModel, preset_config
+    from fairseq.checkpoint.io import atomic_torch_save  # deferred: startup
+    from fairseq.data.dictionary import Dictionary  # deferred: startup
+    from fairseq.dataclass.utils import config_to_dict  # deferred: startup
+    from fairseq.models.transformer_lm import TransformerLanguageModel, preset_config  # deferred: startup
 
     dictionary = Dictionary()
     for i in range(args.vocab_size - dictionary.nspecial):
@@ -106,6 +116,8 @@ def start_server(args, path: str, data: str):
     ]
     argv += ["--cpu"] if args.cpu else []
     argv += ["--bf16"] if args.bf16 else []
+    tp = args.model_parallel_size
+    argv += ["--model-parallel-size", str(tp), "--distributed-world-size", str(tp)] if tp > 1 else []
     env = dict(os.environ, PYTHONPATH=ROOT)
     env.pop("FAIRSEQ_API_KEYS", None)
     proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -203,7 +215,7 @@ def main(argv=None) -> list:
         else:
             path, data, vocab = write_random_model(args, directory)
         if vocab is None:
-            from fairseq.data.dictionary import Dictionary
+            from fairseq.data.dictionary import Dictionary  # deferred: startup
 
             vocab = len(Dictionary.load(os.path.join(data, "dict.txt")))
         proc, host, port = start_server(args, path, data)

@@ -33,7 +33,7 @@ from torch.distributed.tensor.parallel import (
 from torch.distributed.tensor.parallel.style import ParallelStyle
 
 from fairseq.distributed.float8 import casts_tensorwise
-from fairseq.distributed.tensor_parallel_checks import check_tensor_parallel_shape
+from fairseq.distributed.tensor_parallel_checks import check_tensor_parallel_shape, model_plan
 from fairseq.models.fairseq_model import TENSOR_PARALLEL_STYLES
 
 logger = logging.getLogger(__name__)
@@ -145,19 +145,6 @@ def _float8_style(name: str) -> ParallelStyle:
     if name == "rowwise_to_sequence":
         return Float8RowwiseParallel(output_layouts=sequence)
     return PrepareFloat8ModuleInput(input_layouts=(sequence, None), desired_input_layouts=(Replicate(), None))
-
-
-def model_plan(model: nn.Module):
-    """`model.tensor_parallel_plan()`, or the one-line refusal of a model without one."""
-    plan_of = getattr(model, "tensor_parallel_plan", None)
-    plan = plan_of() if plan_of is not None else None
-    if plan is None:
-        decoder = getattr(model, "decoder", None)
-        raise TypeError(
-            f"--model-parallel-size has a plan for fairseq's TransformerDecoder only, not for "
-            f"{type(decoder).__name__} of {type(model).__name__}"
-        )
-    return plan
 
 
 def _untie(model: nn.Module, paths) -> list:

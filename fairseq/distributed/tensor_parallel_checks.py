@@ -2,7 +2,8 @@
 module imports torch.distributed.tensor (~1 s), which a run without tensor parallelism never needs.
 `check_tensor_parallel_config` reads the config only (validate(cfg)); `check_tensor_parallel_dictionary` reads
 the task's dict.txt (at start-up, before anything is trained or saved). What a model can be split into is the
-model's to say (its `tensor_parallel_sizes(cfg)` and `tensor_parallel_plan()`).
+model's to say (its `tensor_parallel_sizes(cfg)` and `tensor_parallel_plan()`, read through `model_plan`, here so
+that decoding's split, fairseq.distributed.tensor_parallel_decoding, needs no DTensor).
 """
 
 import math
@@ -101,3 +102,16 @@ def _dictionary_size(task_cfg):
 def uses_loss_parallel(cfg) -> bool:
     criterion = cfg.criterion
     return getattr(criterion, "_name", None) in LOSS_PARALLEL_CRITERIA
+
+
+def model_plan(model):
+    """`model.tensor_parallel_plan()`, or the one-line refusal of a model without one."""
+    plan_of = getattr(model, "tensor_parallel_plan", None)
+    plan = plan_of() if plan_of is not None else None
+    if plan is None:
+        decoder = getattr(model, "decoder", None)
+        raise TypeError(
+            f"--model-parallel-size has a plan for fairseq's TransformerDecoder only, not for "
+            f"{type(decoder).__name__} of {type(model).__name__}"
+        )
+    return plan

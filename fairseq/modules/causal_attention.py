@@ -218,10 +218,13 @@ class CausalSelfAttention(FairseqIncrementalState, AttentionProjections):
 
     def cached_heads(self) -> int:
         """The heads whose keys and values this module caches: every head, or under tensor parallelism (k_proj
-        split by columns over N ranks: a DTensor weight) this rank's num_heads / N."""
+        split by output features over N ranks, fairseq.distributed.tensor_parallel_decoding) this rank's
+        num_heads / N, counted from the projection's rows as `_split_heads` counts them."""
         weight = getattr(self.k_proj, "weight", None) if self.qkv_proj is None else None
-        local = getattr(weight, "to_local", None)
-        return local().size(0) // self.head_dim if local is not None else self.num_heads
+        if weight is None:  # fused or quantized: never split
+            return self.num_heads
+        local = weight.to_local() if hasattr(weight, "to_local") else weight  # a DTensor: this rank's rows
+        return local.size(0) // self.head_dim
 
     def _ensure_capacity(self, entry: dict, rows: int, length: int, like: torch.Tensor) -> None:
         buffer = entry["key_buffer"]

@@ -35,6 +35,7 @@ from fairseq.checkpoint.inference import config_from_saved, read_checkpoint_conf
 from fairseq.distributed.launch import process_group_timeout
 from fairseq.distributed.mesh import ParallelLayout, init_parallel_mesh
 from fairseq.distributed.tensor_parallel_checks import check_tensor_parallel_config, check_tensor_parallel_dictionary
+from fairseq.distributed.tensor_parallel_decoding import split_for_decoding
 from fairseq.runtime.env import detect_launch
 from fairseq.runtime.errors import UserError
 from fairseq.serving.model import ServedModel
@@ -108,9 +109,6 @@ class TensorParallelGroup:
 
     def split(self, model):
         """This rank's part of `model` (fairseq.distributed.tensor_parallel_decoding)."""
-        # torch.distributed.tensor costs ~1 s to import, which one process never needs
-        from fairseq.distributed.tensor_parallel_decoding import split_for_decoding  # deferred: startup
-
         try:
             return split_for_decoding(model, self.mesh)
         except (TypeError, ValueError) as err:
