@@ -8,7 +8,9 @@
 first, as scripts/import_hf.py does); DATA (optional) holds the dictionary when the checkpoint's saved data
 directory is elsewhere. The HTTP port opens at once (GET /health answers 503 until the model is loaded);
 SIGTERM (or Ctrl-C) stops accepting, lets the running requests finish (--drain-timeout) and exits 0.
-docs/serving.md has the API, the limits and the metrics.
+With --model-parallel-size N under torchrun, srun or --distributed-world-size N, the model is split over the N
+ranks: rank 0 serves HTTP and the others follow its decode loop (fairseq.serving.tensor_parallel).
+docs/serving.md has the API, the limits, the metrics and tensor-parallel serving.
 """
 
 import logging
