@@ -11,8 +11,8 @@ in order:
     ("add", Choice)        a row joins at the next step: prompt ids, max tokens, sampling options, seed, index
     ("cancel", choice id)  a row leaves at the next step
     ("step",)              one chunk of decode steps for every live row
-    ("call", name, args)   a ServedModel call that runs the model outside the running batch (MODEL_CALLS)
-    ("beat",)              nothing: rank 0 is idle (sent every few seconds, so that a follower's wait never
+    ("call", name, args)   a ServedModel call that runs the model outside the running batch (LeaderModel's)
+    ("beat",)              nothing: rank 0 is idle (sent at least every 30 s, so that a follower's wait never
                            reaches the process group's timeout, --heartbeat-timeout)
     ("stop",)              rank 0 has drained: the followers leave their loop and exit 0
 
@@ -42,7 +42,6 @@ from fairseq.serving.model import ServedModel
 
 logger = logging.getLogger("fairseq.serving.tensor_parallel")
 
-MODEL_CALLS = ("score", "top_logprobs", "beam")  # the ServedModel methods that run the model (decode thread)
 HEARTBEAT_S = 30.0
 
 
@@ -179,8 +178,8 @@ class Leader:
 
 
 class LeaderModel:
-    """The ServedModel as rank 0's scheduler sees it: the calls that run the model (MODEL_CALLS) are sent to the
-    followers first; the rest (text <-> ids) is the model's own."""
+    """The ServedModel as rank 0's scheduler sees it: the calls that run the model (score, top_logprobs, beam:
+    echo, scoring and best_of) are sent to the followers first; the rest (text <-> ids) is the model's own."""
 
     def __init__(self, model: ServedModel, leader: Leader):
         self._model, self._leader = model, leader
