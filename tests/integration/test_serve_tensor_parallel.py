@@ -1,8 +1,8 @@
 """fairseq-serve with --model-parallel-size 2 on 2 gloo ranks (the project's launcher, --distributed-world-size 2:
 rank 0 serves HTTP, rank 1 follows it) against the same checkpoint served by one process, through the real `openai`
 client: greedy, seeded sampling (top-p, top-k, n), best_of's beam search and scoring give the same texts (log
-probabilities within 1e-5), also when the requests run together in one batch; SIGTERM drains rank 0, rank 1 is
-told to stop, and the job exits 0."""
+probabilities within 1e-5), also when the requests run together in one batch, and after rank 0 was idle past the
+process group's timeout; SIGTERM drains rank 0, rank 1 is told to stop, and the job exits 0."""
 
 import concurrent.futures
 import signal
@@ -51,10 +51,14 @@ def test_tensor_parallel_2_serves_what_one_process_serves_and_drains_on_sigterm(
     finally:
         one.kill()
         one.wait()
-    job, url = start_server(tiny_lm_checkpoint, tiny_data, "--model-parallel-size", "2", "--distributed-world-size", 2)
+    # a process group timeout of 6 s: rank 1 waits longer than that while rank 0 is idle (its beats keep it alive)
+    tp = ["--model-parallel-size", 2, "--distributed-world-size", 2, "--heartbeat-timeout", 6]
+    job, url = start_server(tiny_lm_checkpoint, tiny_data, *tp)
     try:
         client = client_of(url)
-        alone = [answer(client, request) for request in REQUESTS]
+        alone = [answer(client, request) for request in REQUESTS[:2]]
+        time.sleep(7)
+        alone += [answer(client, request) for request in REQUESTS[2:]]
         with concurrent.futures.ThreadPoolExecutor(len(REQUESTS)) as pool:  # rows join and leave one batch
             together = list(pool.map(lambda request: answer(client, request), REQUESTS))
         stream = client.completions.create(model="x", stream=True, **REQUESTS[1])  # no top_k
