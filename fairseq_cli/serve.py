@@ -30,6 +30,7 @@ from fairseq.serving.engine_backend import make_backend
 from fairseq.serving.model import ServedModel
 from fairseq.serving.scheduler import Scheduler
 from fairseq.serving.tensor_parallel import (
+    CUDA_GRAPHS as TP_CUDA_GRAPHS,
     Leader,
     LeaderModel,
     TensorParallelGroup,
@@ -89,6 +90,12 @@ def load_served_model(cfg, split=None):
     return ServedModel(hub, name)
 
 
+def cuda_graphs(cfg, tp: Optional[TensorParallelGroup]) -> bool:
+    """Whether the engine replays its steps from CUDA graphs (on CUDA): unless --no-cuda-graphs, and under tensor
+    parallelism only once capturing its collectives is known to work (fairseq.serving.tensor_parallel)."""
+    return not cfg.generation.no_cuda_graphs and (tp is None or TP_CUDA_GRAPHS)
+
+
 def start_model(server, cfg, tp: Optional[TensorParallelGroup] = None) -> None:
     """Load the model and start the decode thread (the server answers 503 until this is done). Under tensor
     parallelism (rank 0 of `tp`) the scheduler's backend and model calls go through a Leader, which sends each
@@ -103,7 +110,7 @@ def start_model(server, cfg, tp: Optional[TensorParallelGroup] = None) -> None:
     positions = model.max_positions
     # the engine reserves the caches of --max-running rows x the positions at start (checked against the GPU's
     # free memory): that is the batch's KV capacity, which --max-batch-tokens may lower
-    backend = make_backend(model, serve.max_running, cuda_graphs=not cfg.generation.no_cuda_graphs and tp is None)
+    backend = make_backend(model, serve.max_running, cuda_graphs=cuda_graphs(cfg, tp))
     capacity = backend.kv_capacity_tokens or serve.max_running * positions
     limits = Limits(
         max_prompt_tokens=serve.max_prompt_tokens or positions - 1,
@@ -130,7 +137,7 @@ def follow_rank(cfg, tp: TensorParallelGroup) -> None:
     """A rank other than 0: its part of the model and an engine over it, applying rank 0's operations until rank
     0 stops (fairseq.serving.tensor_parallel)."""
     model = load_served_model(cfg, tp.split)
-    backend = make_backend(model, cfg.serve.max_running, cuda_graphs=False)
+    backend = make_backend(model, cfg.serve.max_running, cuda_graphs=cuda_graphs(cfg, tp))
     logger.info(f"rank {tp.rank} of {tp.size}: loaded; following rank 0")
     follow(model, backend, tp.group, tp.rank)
 

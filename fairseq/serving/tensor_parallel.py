@@ -43,6 +43,9 @@ from fairseq.serving.model import ServedModel
 logger = logging.getLogger("fairseq.serving.tensor_parallel")
 
 HEARTBEAT_S = 30.0
+# The split model's decode steps run eagerly (the engine's device loop without CUDA graphs): capturing its NCCL
+# collectives in a graph is what tests/gpu/test_serve_tensor_parallel_gpu.py tries, not yet run on a GPU.
+CUDA_GRAPHS = False
 
 
 class ServeError(UserError, ValueError):
