@@ -36,6 +36,7 @@ from fairseq.serving.tensor_parallel import (
     TensorParallelGroup,
     check_tensor_parallel_launch,
     follow,
+    keep_following_on_signals,
     tensor_parallel_group,
 )
 from fairseq_cli.console import run_console_script
@@ -136,6 +137,7 @@ def start_model(server, cfg, tp: Optional[TensorParallelGroup] = None) -> None:
 def follow_rank(cfg, tp: TensorParallelGroup) -> None:
     """A rank other than 0: its part of the model and an engine over it, applying rank 0's operations until rank
     0 stops (fairseq.serving.tensor_parallel)."""
+    keep_following_on_signals(tp.rank)
     model = load_served_model(cfg, tp.split)
     backend = make_backend(model, cfg.serve.max_running, cuda_graphs=cuda_graphs(cfg, tp))
     logger.info(f"rank {tp.rank} of {tp.size}: loaded; following rank 0")
@@ -176,10 +178,13 @@ def main(cfg) -> None:
         ),
         server,
     )
-    threading.Thread(target=load, name="fairseq-serve-load", daemon=True).start()
+    loader = threading.Thread(target=load, name="fairseq-serve-load", daemon=True)
+    loader.start()
     try:
         http.run()
     finally:
+        if tp is not None:  # stopped while loading: the followers wait for a word, sent once it is loaded
+            loader.join()
         stop_serving(server)
     if failed:
         raise failed[0]

@@ -201,10 +201,8 @@ class LeaderModel:
 
 
 def follow(model: ServedModel, backend, group, rank: int) -> int:
-    """A follower's loop: apply rank 0's operations until it says stop. SIGTERM and SIGINT (torchrun, srun and
-    the launcher pass them to every rank) are logged and left to rank 0, which drains and then says stop.
+    """A follower's loop: apply rank 0's operations until it says stop (keep_following_on_signals first).
     Returns how many messages came."""
-    _keep_following_on_signals(rank)
     handlers: dict = {
         "add": backend.add,
         "cancel": backend.cancel,
@@ -230,7 +228,11 @@ def _apply(handler: Callable, args, operation: str, rank: int) -> None:
         logger.warning(f"rank {rank}: {operation} failed as on rank 0: {err}")
 
 
-def _keep_following_on_signals(rank: int) -> None:
+def keep_following_on_signals(rank: int) -> None:
+    """On a follower, from its start: SIGTERM and SIGINT (torchrun, srun and the launcher pass them to every rank)
+    are logged and left to rank 0, which drains and then says stop (after its model is loaded, if it was still
+    loading)."""
+
     def note(signum, frame):
         logger.info(f"rank {rank}: {signal.Signals(signum).name}: rank 0 drains; following it until it stops")
 

@@ -2,15 +2,19 @@
 rank 0 serves HTTP, rank 1 follows it) against the same checkpoint served by one process, through the real `openai`
 client: greedy, seeded sampling (top-p, top-k, n), best_of's beam search and scoring give the same texts (log
 probabilities within 1e-5), also when the requests run together in one batch, and after rank 0 was idle past the
-process group's timeout; SIGTERM drains rank 0, rank 1 is told to stop, and the job exits 0."""
+process group's timeout; SIGTERM drains rank 0, rank 1 is told to stop, and the job exits 0, also when it comes
+while the model is still loading."""
 
 import concurrent.futures
+import os
 import signal
+import subprocess
+import sys
 import time
 
 import pytest
 
-from tests.integration.test_serve import start_server
+from tests.integration.test_serve import ROOT, start_server
 
 openai = pytest.importorskip("openai")
 pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.timeout(180)]
@@ -82,3 +86,23 @@ def test_tensor_parallel_2_serves_what_one_process_serves_and_drains_on_sigterm(
     assert [streamed[i] for i in range(3)] == [text for text, _, _ in expected[1]]
     assert len(drained) == 8 and "rank 1: rank 0 stopped serving" in log
     assert "tensor-parallel decoding over 2 ranks: 1 of 2 heads" in log
+
+
+def test_sigterm_while_the_model_loads_lets_it_load_then_stops_every_rank(tiny_lm_checkpoint, tiny_data):
+    env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
+    argv = [sys.executable, "-m", "fairseq_cli.serve", str(tiny_data), "--path", str(tiny_lm_checkpoint), "--cpu"]
+    argv += ["--port", "0", "--model-parallel-size", "2", "--distributed-world-size", "2"]
+    job = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        log = []
+        while not any("listening on" in line for line in log):  # the port opens before the model is loaded
+            log.append(job.stdout.readline())
+            assert log[-1], "".join(log)
+        job.send_signal(signal.SIGTERM)
+        assert job.wait(timeout=60) == 0, "".join(log) + job.stdout.read()
+        log = "".join(log) + job.stdout.read()
+    finally:
+        if job.poll() is None:
+            job.kill()
+            job.wait()
+    assert "rank 1: rank 0 stopped serving" in log
