@@ -5,6 +5,7 @@ on one GPU (greedy and seeded sampling, rows of different lengths); the eager st
 (`pytest -s`). A second test tries the engine's CUDA graphs on the split model (capturing the NCCL collectives):
 fairseq-serve runs the split model eagerly until it passes on the lent machines."""
 
+import gc
 import os
 import time
 
@@ -79,11 +80,11 @@ def _rank(rank, port, results, cuda_graphs):
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     try:
-        model = split_for_decoding(build_model(), init_device_mesh("cuda", (2,))).cuda()
-        tokens, seconds = decode(model, cuda_graphs)
+        tokens, seconds = decode(split_for_decoding(build_model(), init_device_mesh("cuda", (2,))).cuda(), cuda_graphs)
         if rank == 0:
             torch.save((tokens, seconds), results)
     finally:
+        gc.collect()  # the engine's cycles hold the split modules and their group: freed while it exists
         dist.destroy_process_group()
 
 
