@@ -287,7 +287,7 @@ def load_sentencepiece(path):
             " and pass the .model file"
         )
     try:
-        import sentencepiece as spm  # deferred: optional (the sentencepiece extra)
+        import sentencepiece as spm  # deferred: optional (absent: an error says to install it)
     except ImportError:
         raise ImportError("needs the sentencepiece package: pip install sentencepiece") from None
     sp = spm.SentencePieceProcessor()
