@@ -98,9 +98,10 @@ def model_config(arch: str, values: Mapping[str, Any], owners: Optional[configs.
 
 def convert_namespace_to_config(args: argparse.Namespace) -> configs.FairseqConfig:
     """Structured config from parsed flags: one dataclass per group, one per chosen component."""
-    components = {attr: getattr(args, attr, None) for attr in COMPONENTS}
-    components["model"] = getattr(args, "arch", None)
-    return build_config(vars(args), components)
+    values = vars(args)
+    components = {attr: values.get(attr) for attr in COMPONENTS}
+    components["model"] = values.get("arch")
+    return build_config(values, components)
 
 
 def preset_config(arch: str, model_cls, kind: str, overrides: Mapping[str, Any]):
