@@ -16,7 +16,7 @@ from fairseq.checkpoint.manager import parse_optimizer_overrides
 from fairseq.checkpoint.vocabulary import check_bpe_flags
 from fairseq.data.indexed_dataset import check_dataset_impl
 from fairseq.dataclass.batch_flags import check_batch_flags
-from fairseq.dataclass.build import check_precision, check_seed
+from fairseq.dataclass.build import check_seed
 from fairseq.distributed.float8 import check_float8_environment, check_float8_flags
 from fairseq.distributed.fsdp import check_fsdp_flags
 from fairseq.distributed.mesh import check_layout_flags
@@ -36,8 +36,8 @@ def check_shard(dataset) -> None:
         )
 
 
-def check_sharded_state(distributed) -> None:
-    if distributed.use_sharded_state and distributed.ddp_backend != "fully_sharded":
+def check_sharded_state(use_sharded_state: bool, ddp_backend: str) -> None:
+    if use_sharded_state and ddp_backend != "fully_sharded":
         raise ValueError("--use-sharded-state needs --ddp-backend fully_sharded")
 
 
@@ -61,7 +61,7 @@ def validate(cfg) -> None:
     # a bad literal, key or value fails now, not at resume or at the first update
     overrides = parse_optimizer_overrides(cfg.checkpoint.optimizer_overrides)
     check_optimizer_overrides(cfg.optimizer, cfg.optimization, overrides)
-    check_precision(cfg.common)
+    # --fp16 with --bf16: refused once, by the front end that read them (options.parse_args_and_arch, hydra)
     check_seed(cfg.common)
     common, dt = cfg.common, cfg.distributed_training
     check_float8_flags(
@@ -73,7 +73,7 @@ def validate(cfg) -> None:
     )
     check_layout_flags(dt.model_parallel_size, dt.fsdp_shard_group_size, dt.ddp_backend)
     check_tensor_parallel_config(cfg)
-    check_sharded_state(cfg.distributed_training)
+    check_sharded_state(dt.use_sharded_state, dt.ddp_backend)
     if cfg.common.profile_updates:
         parse_update_range(cfg.common.profile_updates)
     check_ema_config(cfg.ema)
