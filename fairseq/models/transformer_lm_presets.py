@@ -188,11 +188,11 @@ def _sized_presets() -> Dict[str, Callable]:
 # Upstream's Megatron presets (its model_parallel transformer_lm; --model-parallel-size splits them here by
 # the model's tensor_parallel_plan): 72 x 3072, 32 heads, gelu, dropout 0.1 in both places, then
 # base_lm_architecture (pre-norm, sinusoidal positions). megatron_11b is upstream's 11B recipe (ffn 6 x d).
-def transformer_lm_megatron(args) -> None:
+def _megatron(args, ffn_factor: int) -> None:
     fill_missing(
         args,
         decoder_embed_dim=3072,
-        decoder_ffn_embed_dim=3072 * 4,
+        decoder_ffn_embed_dim=3072 * ffn_factor,
         decoder_layers=72,
         decoder_attention_heads=32,
         dropout=0.1,
@@ -200,20 +200,14 @@ def transformer_lm_megatron(args) -> None:
         activation_fn="gelu",
     )
     base_lm_architecture(args)
+
+
+def transformer_lm_megatron(args) -> None:
+    _megatron(args, ffn_factor=4)
 
 
 def transformer_lm_megatron_11b(args) -> None:
-    fill_missing(
-        args,
-        decoder_embed_dim=3072,
-        decoder_ffn_embed_dim=3072 * 6,
-        decoder_layers=72,
-        decoder_attention_heads=32,
-        dropout=0.1,
-        attention_dropout=0.1,
-        activation_fn="gelu",
-    )
-    base_lm_architecture(args)
+    _megatron(args, ffn_factor=6)
 
 
 # Architecture name -> preset, in upstream's order of registration.

@@ -16,7 +16,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from fairseq.modules.adaptive_softmax import AdaptiveSoftmax
-from fairseq.modules.fairseq_incremental_decoder import FairseqIncrementalDecoder, check_token_input
+from fairseq.modules.fairseq_incremental_decoder import FairseqIncrementalDecoder, check_token_input, probs_of_logits
 from fairseq.modules.gated_convolution import GatedCausalConv, WeightNormLinear
 from fairseq.modules.incremental_decoding_utils import IncrementalState
 from fairseq.modules.positional_embedding import zero_row_
@@ -164,9 +164,7 @@ class FConvDecoder(FairseqIncrementalDecoder):
         return (features if features_only else self.output_layer(features)), None
 
     def get_normalized_probs_scriptable(self, net_output, log_probs: bool, sample: Optional[dict] = None):
-        # The output is logits or the adaptive softmax's log-probabilities, never features (unlike upstream's).
-        logits = net_output[0] if isinstance(net_output, (tuple, list)) else net_output
-        return F.log_softmax(logits.float(), dim=-1) if log_probs else F.softmax(logits.float(), dim=-1)
+        return probs_of_logits(net_output, log_probs)
 
     # ---- incremental state: per convolution, its last kernel - 1 inputs --------------------------------------
     def _state_entry(self, incremental_state: IncrementalState) -> dict:

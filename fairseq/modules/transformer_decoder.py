@@ -33,7 +33,7 @@ import torch.nn.functional as F
 
 from fairseq.kernels.decode_attention import decode_attention_available
 from fairseq.modules.incremental_decoding_utils import IncrementalState
-from fairseq.modules.fairseq_incremental_decoder import FairseqIncrementalDecoder, check_token_input
+from fairseq.modules.fairseq_incremental_decoder import FairseqIncrementalDecoder, check_token_input, probs_of_logits
 from fairseq.modules.adaptive_input import AdaptiveInput, parse_cutoffs
 from fairseq.modules.adaptive_softmax import AdaptiveSoftmax
 from fairseq.modules.causal_attention import CausalSelfAttention, StaticStep
@@ -342,10 +342,7 @@ class TransformerDecoder(FairseqIncrementalDecoder):
         return self.output_projection(features)
 
     def get_normalized_probs_scriptable(self, net_output, log_probs: bool, sample: Optional[dict] = None):
-        # This decoder's output is logits, or an adaptive softmax's log-probabilities (which a log-softmax
-        # leaves as they are): never features, unlike upstream's decoders with an adaptive softmax.
-        logits = net_output[0] if isinstance(net_output, (tuple, list)) else net_output
-        return F.log_softmax(logits.float(), dim=-1) if log_probs else F.softmax(logits.float(), dim=-1)
+        return probs_of_logits(net_output, log_probs)
 
     def forward(
         self,
