@@ -34,7 +34,7 @@ from fairseq.dataclass.generation import check_generation_config
 from fairseq.dataclass.notices import announce_compat_options
 from fairseq.frontend.validate import check_shard
 from fairseq.generation.decode_memory import check_decode_memory, decode_positions
-from fairseq.hub.hub_utils import TextCodec, move_to
+from fairseq.hub.text import TextCodec, move_to
 from fairseq.generation.quantize import check_quantize, quantize_for_generation
 from fairseq.modules.causal_attention import fuse_qkv_
 from fairseq.logging import progress_bar

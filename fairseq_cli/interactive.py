@@ -24,7 +24,8 @@ import torch
 
 from fairseq.frontend import options
 from fairseq.dataclass.generation import check_generation_config
-from fairseq.hub.hub_utils import TextPieces, check_prompt_lengths, first_streamed_hypothesis, move_to
+from fairseq.hub.hub_inputs import check_prompt_lengths
+from fairseq.hub.text import TextPieces, first_streamed_hypothesis, move_to
 from fairseq_cli.console import run_console_script
 from fairseq_cli.generate import (
     check_batches_fit,

@@ -1,6 +1,6 @@
 """A transformers OPT or XGLM model directory -> a checkpoint of this fork: the export (hf.py) the other way,
 through the same name tables (hf_names). `scripts/import_hf.py HF_DIR OUT_DIR` and `from_pretrained` on such a
-directory (fairseq.hub.hub_utils) come here; docs/export_hf.md ("The way back") says what maps.
+directory (fairseq.hub.pretrained) come here; docs/export_hf.md ("The way back") says what maps.
 
 OUT_DIR gets `checkpoint_best.pt` (cfg: --arch transformer_lm with its options set, --task language_modeling,
 the --bpe; the weights; the `vocabulary` record of fairseq.checkpoint.vocabulary; it loads with
