@@ -267,28 +267,19 @@ def _dictionary(args: Namespace, pool, spec, caches: list, train_path: Optional[
             f"--joined-dictionary with --bpe builds the dictionary from one train file; encode "
             f"{' and '.join(dictionary_inputs)} into one and pass it as --trainpref"
         )
-    if spec is not None:
-        stem = os.path.join(args.destdir, f".encoded.{os.getpid()}")
-        vocab, cached = binarizer.build_dictionary_encoded(
-            train_path,
-            spec,
-            stem,
-            num_workers=args.workers,
-            threshold=args.thresholdsrc,
-            nwords=args.nwordssrc,
-            padding_factor=args.padding_factor,
-            pool=pool,
-        )
-        caches.extend(cached)
-        return vocab
-    return binarizer.build_dictionary(
-        dictionary_inputs,
+    counting = dict(
         num_workers=args.workers,
         threshold=args.thresholdsrc,
         nwords=args.nwordssrc,
         padding_factor=args.padding_factor,
         pool=pool,
     )
+    if spec is None:
+        return binarizer.build_dictionary(dictionary_inputs, **counting)
+    stem = os.path.join(args.destdir, f".encoded.{os.getpid()}")
+    vocab, cached = binarizer.build_dictionary_encoded(train_path, spec, stem, **counting)
+    caches.extend(cached)
+    return vocab
 
 
 def _binarize_splits(args: Namespace, pool, spec, caches: list, vocab: Dictionary, train_path: Optional[str]) -> None:
