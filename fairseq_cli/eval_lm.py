@@ -130,7 +130,7 @@ def _prepare(cfg) -> Optional[int]:
     if cfg.common.user_dir:
         import_user_module(cfg.common.user_dir)
     announce_compat_options(**vars(cfg))
-    check_shard(cfg.dataset)
+    check_shard(cfg.dataset.num_shards, cfg.dataset.shard_id)
     check_bpe_files(cfg.bpe)
     if not cfg.common_eval.path:
         raise ValueError("no checkpoint given: pass --path CHECKPOINT.pt (or a sharded checkpoint directory)")

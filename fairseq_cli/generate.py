@@ -194,7 +194,7 @@ def setup(cfg, interactive=None):
     check_generation_config(cfg.generation, cfg.dataset, interactive)
     check_bpe_files(cfg.bpe)
     announce_compat_options(**vars(cfg))
-    check_shard(cfg.dataset)
+    check_shard(cfg.dataset.num_shards, cfg.dataset.shard_id)
     check_seed(cfg.common)
     seed_everything(cfg)
 

@@ -27,12 +27,11 @@ from fairseq.tasks.language_modeling import check_token_budget
 from fairseq.training.ema import check_ema_config
 
 
-def check_shard(dataset) -> None:
+def check_shard(num_shards: int, shard_id: int) -> None:
     """--num-shards / --shard-id of fairseq-generate and fairseq-eval-lm: shard SHARD_ID of NUM_SHARDS."""
-    if dataset.num_shards < 1 or not 0 <= dataset.shard_id < dataset.num_shards:
+    if num_shards < 1 or not 0 <= shard_id < num_shards:
         raise ValueError(
-            f"--shard-id {dataset.shard_id} must lie in [0, --num-shards {dataset.num_shards}) "
-            "(and --num-shards be at least 1)"
+            f"--shard-id {shard_id} must lie in [0, --num-shards {num_shards}) (and --num-shards be at least 1)"
         )
 
 
