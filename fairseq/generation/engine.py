@@ -147,11 +147,13 @@ class DecodeEngine:
         dtype: Optional[torch.dtype] = None,
         bos: Optional[int] = None,
         cuda_graphs: bool = True,
+        compile_step=None,
     ):
         """`model`: a language model of this fork (or a list: an ensemble); moved to `device` / `dtype` when
         given. `max_positions`: tokens per row, the prompt and its begin token included (default and cap: the
         model's). The caches of `max_rows` x `max_positions` are reserved now (on CUDA: checked against free
-        memory first, one line when they do not fit)."""
+        memory first, one line when they do not fit). `compile_step`: the one-token steps compiled by inductor
+        (fairseq.generation.compiled_step; None: the process's setting)."""
         models = list(model) if isinstance(model, (list, tuple, torch.nn.ModuleList)) else [model]
         if device is not None or dtype is not None:
             models = [m.to(device=device, dtype=dtype) for m in models]
@@ -176,7 +178,9 @@ class DecodeEngine:
         self.bos = self.eos if bos is None else bos
         self.vocab_size = len(dictionary)
         # The model's log-probabilities at temperature 1 (what is reported), NaN -> -inf, never <pad>.
-        self.step_model = StepModel(self.model, self.vocab_size, self.pad, dictionary.unk(), cuda_graphs=cuda_graphs)
+        self.step_model = StepModel(
+            self.model, self.vocab_size, self.pad, dictionary.unk(), cuda_graphs=cuda_graphs, compile_step=compile_step
+        )
         self.step_model.eager_graphs = not (cuda_graphs and self.device.type == "cuda")
         self._graphed = self.step_model.graph_runner(self.device)  # the caches and, on CUDA, the graphs
         self.states = self._graphed.begin(max_rows, 1, self.max_positions, self.device)
@@ -260,7 +264,7 @@ class DecodeEngine:
         if not self._rows:
             return []
         rows = len(self._rows)
-        graph_rows = round_up_sentences(rows) if self._graphed.capture else rows
+        graph_rows = round_up_sentences(rows) if self._static_shapes else rows
         steps = min(max_steps, max(row.request.max_new_tokens - row.generated for row in self._rows))
         sampled = any(row.request.temperature > 0 for row in self._rows)
         # top-N computed for the chunk: 0, 5 or 20 (a graph per kind of chunk, so few kinds)
@@ -275,10 +279,15 @@ class DecodeEngine:
             )
         return self._events(steps, top_n)
 
+    @property
+    def _static_shapes(self) -> bool:
+        """Whether steps take few shapes (rows and window rounded up): each is a graph to capture or a compile."""
+        return self._graphed.capture or self.step_model.compiled_step is not None
+
     def _window(self, slot: int) -> int:
         """The cache slots a step attends over when the rows' highest slot is `slot`: the live length rounded up
-        (few graphs) on CUDA graphs, the live length itself when eager."""
-        if self._graphed.capture:
+        (few graphs, few compiles) on CUDA graphs or compiled, the live length itself when eager."""
+        if self._static_shapes:
             return attention_window(slot, self._graphed.capacity)
         return slot + 1
 

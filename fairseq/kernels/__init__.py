@@ -12,8 +12,8 @@ def built_with_triton(build):
     @functools.lru_cache(maxsize=None)
     def kernels():
         try:
-            import triton
-            import triton.language as tl
+            import triton  # deferred: optional
+            import triton.language as tl  # deferred: optional
         except ImportError:
             return None
         return build(triton, tl)

@@ -270,6 +270,8 @@ def _decode_attention_shape(q, key_cache, value_cache, lengths, row_map, scale, 
 
 def _kernels():
     """The two jitted kernels (split, combine), built on first use; None without Triton."""
+    global _ATTEND_PART
+    _ATTEND_PART = _attend_part()
     split_kernel = _split_kernel()
     return None if split_kernel is None else (split_kernel, _combine_kernel())
 
@@ -306,15 +308,13 @@ def _attend_part(triton, tl):
     return attend_part
 
 
-# The split kernel's jitted helper, a module global when the kernels are built: the kernel finds its callees in
+# The split kernel's jitted helper, a module global set by _kernels(): the kernel finds its callees in
 # the module's globals (Triton's interpreter, which the CPU tests use, sees no closure).
 _ATTEND_PART = None
 
 
 @built_with_triton
 def _split_kernel(triton, tl):
-    global _ATTEND_PART
-    _ATTEND_PART = _attend_part()
 
     @triton.jit
     def split_kernel(
