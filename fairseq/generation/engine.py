@@ -7,9 +7,9 @@ continuous batching runs on).
         for event in engine.step(max_steps=16):   # one host sync per call
             ...  # event.id, event.tokens, event.logprobs, event.top_logprobs, event.finished, event.finish_reason
 
-Each request is one row: `add` queues it; at the next call of `step` (a chunk boundary) its prompt is prefilled
-alone (one forward, `</s>` or the given `bos` first, as the generator starts a sentence) into a free row of the
-running caches, with its own options and seed. `step` then decodes up to `max_steps` tokens for every live row:
+Each request is one row: `add` queues it; at the next call of `step` (a chunk boundary) it takes a free row of the
+running caches, with its own options and seed, its prompt prefilled (`</s>` or the given `bos` first, as the
+generator starts a sentence) in one forward with the other prompts joining at that boundary. `step` then decodes up to `max_steps` tokens for every live row:
 one-token steps at each row's own position (`forward_static_step` with a slot per row: rows that joined at
 different times sit at different lengths), on CUDA replayed from CUDA graphs. It returns, per request, the
 tokens of this chunk, their log-probabilities and top-N, and whether it finished: 'stop' (a stop id was drawn:
@@ -366,20 +366,39 @@ class DecodeEngine:
         self._rows = [self._rows[i] for i in keep]
 
     def _admit(self) -> None:
-        """Queued requests take the free rows, oldest first, each prompt prefilled alone."""
-        while self._queue and len(self._rows) < self.max_rows:
-            request = self._queue.popleft()
-            self._join(request, len(self._rows))
+        """Queued requests take the free rows, oldest first: their prompts prefilled together (one forward),
+        then each row's options."""
+        joining = []
+        while self._queue and len(self._rows) + len(joining) < self.max_rows:
+            joining.append(self._queue.popleft())
+        if not joining:
+            return
+        first = len(self._rows)
+        self._prefill(joining, first)
+        for i, request in enumerate(joining):
+            self._join(request, first + i)
             self._rows.append(_Row(request, request.prompt.numel() + 1))
 
+    def _prefill(self, requests: List[DecodeRequest], first: int) -> None:
+        """Rows first, first + 1, ... take the begin token and their request's prompt but its last token in the
+        caches: one forward of the prompts right-padded to the longest (causal attention: a row's positions never
+        see the padding after them; the padded slots are overwritten before a step reads them). Empty prompts
+        have nothing to prefill."""
+        rows = [first + i for i, request in enumerate(requests) if request.prompt.numel()]
+        if not rows:
+            return
+        prompts = [request.prompt for request in requests if request.prompt.numel()]
+        tokens = torch.full((len(prompts), max(p.numel() for p in prompts)), self.pad, dtype=torch.long)
+        for i, prompt in enumerate(prompts):  # the begin token, the prompt but its last token
+            tokens[i, 0], tokens[i, 1 : prompt.numel()] = self.bos, prompt[:-1].cpu()
+        self.step_model.add_rows(self.states, torch.tensor(rows, device=self.device), tokens.to(self.device))
+
     def _join(self, request: DecodeRequest, row: int) -> None:
-        """Row `row` takes `request`: the begin token and its prompt but the last token in the caches (one
-        forward), that last token to feed at the next step, its options."""
+        """Row `row` (its caches prefilled) takes `request`: its last prompt token (the begin token for an
+        empty prompt) to feed at the next step, its options."""
         b, device, length = self._buf, self.device, request.prompt.numel()
-        sequence = torch.cat([torch.tensor([self.bos]), request.prompt.cpu()]).to(device)
-        if length:
-            self.step_model.add_rows(self.states, torch.tensor([row], device=device), sequence[None, :length])
-        b.tokens[row, 0], b.slot[row, 0] = sequence[length], length
+        b.tokens[row, 0] = int(request.prompt[-1]) if length else self.bos
+        b.slot[row, 0] = length
         b.generated[row], b.max_new[row], b.min_new[row] = 0, request.max_new_tokens, request.min_new_tokens
         sampled = request.temperature > 0
         b.sampled[row], b.temperature[row] = sampled, request.temperature if sampled else 1.0

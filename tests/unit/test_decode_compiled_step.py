@@ -19,7 +19,7 @@ from fairseq.generation.compiled_step import CompiledStep, compile_mode
 from fairseq.generation.engine import DecodeEngine
 from fairseq.generation.sequence_generator import SequenceGenerator
 from test_decode_engine import PROMPTS, request, run
-from test_sequence_generator import ATOL, D, EagerStaticGenerator, assert_same_hypotheses, build, sample_of
+from test_sequence_generator import D, EagerStaticGenerator, assert_same_hypotheses, build, sample_of
 
 pytestmark = [
     pytest.mark.usefixtures("one_thread"),
