@@ -17,8 +17,9 @@ is printed apart); `greedy-sdpa` (greedy with the split-KV decode attention kern
 SDPA over a masked window, as before the kernel; CUDA with Triton only, where the kernel runs); `beam4` (beam
 search, 4 hypotheses per sentence); `sample` (top-k 50 and top-p 0.9, seeded); `int8` (greedy after `--quantize
 int8-weight-only`, fairseq.generation.quantize: CUDA and bf16 only, run last since it quantizes the model in
-place). On CUDA the model's q/k/v projections are fused first (one GEMM, as fairseq-generate loads a model). Transformers, on the exported weights (OPTForCausalLM,
-SDPA attention), greedy only: its default dynamic cache, and the static cache (`cache_implementation="static"`,
+place; `int8-compiled`: the same with the compiled step, the int8 matmul one opaque op in it). On CUDA the
+model's q/k/v projections are fused first (one GEMM, as fairseq-generate loads a model). Transformers, on the
+exported weights (OPTForCausalLM, SDPA attention), greedy only: its default dynamic cache, and the static cache (`cache_implementation="static"`,
 with which transformers 5 compiles the forward itself on CUDA: torch.compile mode "reduce-overhead", its
 documented fastest path; on the CPU it runs uncompiled). Identical rows: sentences whose greedy tokens equal the
 fork's bf16 greedy ones.
@@ -75,10 +76,11 @@ from fairseq.modules.causal_attention import fuse_qkv_  # noqa: E402
 from fairseq.models.transformer_lm import TransformerLanguageModel, preset_config  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-ROWS = ("greedy", "greedy-compiled", "greedy-sdpa", "beam4", "sample", "int8")
-BEAM = {"greedy": 1, "greedy-compiled": 1, "greedy-sdpa": 1, "beam4": 4, "sample": 1, "int8": 1}
+ROWS = ("greedy", "greedy-compiled", "greedy-sdpa", "beam4", "sample", "int8", "int8-compiled")
+BEAM = {"greedy": 1, "greedy-compiled": 1, "greedy-sdpa": 1, "beam4": 4, "sample": 1, "int8": 1, "int8-compiled": 1}
+INT8_ROWS = ("int8", "int8-compiled")  # run last: the model is quantized in place
 # the rows greedy tokens are compared with the greedy row's, and --profile profiles
-GREEDY_ROWS = ("greedy-compiled", "greedy-sdpa", "int8")
+GREEDY_ROWS = ("greedy-compiled", "greedy-sdpa", "int8", "int8-compiled")
 MODEL_FLAGS = ("decoder_layers", "decoder_embed_dim", "decoder_ffn_embed_dim", "decoder_attention_heads")
 
 
@@ -187,7 +189,7 @@ def fork_generate(model, dictionary, prompts, args, row, new_tokens=None):
         min_len=total,
         search_strategy=strategy,
         cuda_graphs=not args.no_cuda_graphs,
-        compile_step=args.compile_mode if row == "greedy-compiled" else False,
+        compile_step=args.compile_mode if row.endswith("-compiled") else False,
     )
     sample = {
         "net_input": {
@@ -671,7 +673,7 @@ def main(argv=None):
     if device.startswith("cuda"):  # as fairseq-generate loads a model: one q/k/v GEMM per layer call
         fuse_qkv_(model)
     skipped = {}
-    int8 = "int8" in rows and int8_reason(args, device)
+    int8 = any(r in INT8_ROWS for r in rows) and int8_reason(args, device)
     if int8:
         skipped["int8"] = int8
     args.attention_kernel = decode_attention_available(model_probe(model))
@@ -681,15 +683,15 @@ def main(argv=None):
             "turned off): the greedy row is SDPA already"
         )
     fork = fork_rows(
-        model, dictionary, prompts_by_batch, args, device, [r for r in rows if r != "int8" and r not in skipped]
+        model, dictionary, prompts_by_batch, args, device, [r for r in rows if r not in INT8_ROWS and r not in skipped]
     )
     profiled = profile_rows(model, dictionary, prompts_by_batch, args, device) if args.profile else []
     hf = hf_rows(hf_model, prompts_by_batch, args, device, dictionary.eos()) if hf_model is not None else []
     del hf_model
     uncached = uncached_step_time(model, dictionary, args, device)
-    if "int8" in rows and not int8:  # last: in place
+    if any(r in INT8_ROWS for r in rows) and not int8:  # last: in place
         quantize_for_generation(model, "int8-weight-only", torch.device(device))
-        fork += fork_rows(model, dictionary, prompts_by_batch, args, device, ["int8"])
+        fork += fork_rows(model, dictionary, prompts_by_batch, args, device, [r for r in rows if r in INT8_ROWS])
     name = torch.cuda.get_device_name() if device.startswith("cuda") else "cpu"
     print_tables(fork, hf, args, bandwidth, uncached, name, skipped)
     matmuls = (

@@ -60,7 +60,7 @@ case "${1:-tests}" in
     step decode_more_tests 240 python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu/test_quantize_gpu.py \
       tests/gpu/test_generation_gpu.py -rs --basetemp "$WORK/pytest"
     step decode_more_bench 300 python3 scripts/benchmark_generate.py --arch transformer_lm_gpt3_xl --batch-sizes 1,32 \
-      --prompt-len 512 --new-tokens 256 --dtype bf16 --repeats 1 --rows greedy,greedy-compiled,greedy-sdpa,int8 \
+      --prompt-len 512 --new-tokens 256 --dtype bf16 --repeats 1 --rows greedy,greedy-compiled,greedy-sdpa,int8,int8-compiled \
       --compile-mode max-autotune-no-cudagraphs --no-transformers --json "$WORK/decode_more.json"
     ;;
   gen-bench)  # issue 33: the fork (greedy, beam 4, sampling) against transformers' default and static-cache paths

@@ -1,7 +1,7 @@
 """The decode step compiled by inductor (fairseq.generation.compiled_step) on CPU (inductor's C++ backend): greedy
 tokens equal to the eager step loop's, rows joining a running engine get the tokens they get uncompiled, one
-compile per row count and no graph break, the split-KV kernel one opaque op of the compiled graph (Triton's
-interpreter, in a subprocess), and the modes. On CUDA, inside the captured graphs: tests/gpu/test_decode_compiled_gpu.py.
+compile per row count and no graph break, the split-KV attention and int8 matmul kernels opaque ops of the
+compiled graph (Triton's interpreter, in a subprocess), and the modes. On CUDA, inside the captured graphs: tests/gpu/test_decode_compiled_gpu.py.
 Compiles take ~5-15 s each on the shared 2-core machine: each test compiles one or two shapes."""
 
 import os
@@ -102,11 +102,21 @@ KERNEL_AS_ONE_OP = """
     for graph in counter.graphs:  # one opaque call per layer, not the kernel traced
         calls = [n for n in graph.graph.nodes if n.op == "call_function" and n.target in (op, op.overloadpacket)]
         assert len(calls) == 2, graph.graph
+    # the int8 matmul kernel too (an int8 model's Linears), its values those of the kernel called eagerly
+    from fairseq.kernels.int8_matmul import int8_linear, int8_matmul_kernel
+
+    x, bias = torch.randn(3, 64).bfloat16(), torch.randn(48).bfloat16()
+    qweight, scale = torch.randint(-127, 128, (48, 64), dtype=torch.int8), torch.rand(48) / 100
+    counter = CompileCounterWithBackend("inductor")
+    linear = torch.compile(lambda x: int8_linear(x, qweight, scale, bias) * 2, backend=counter, fullgraph=True)
+    assert torch.equal(linear(x), int8_matmul_kernel(x, qweight, scale, bias) * 2)
+    op = torch.ops.fairseq.int8_matmul.default
+    assert [n.target for n in counter.graphs[0].graph.nodes if n.op == "call_function"][0] in (op, op.overloadpacket)
     print("compiled kernel ok")
 """
 
 
-def test_the_decode_attention_kernel_is_one_op_of_the_compiled_step():
+def test_the_triton_kernels_are_opaque_ops_of_the_compiled_step():
     pytest.importorskip("triton")
     env = dict(os.environ, TRITON_INTERPRET="1")
     env["PYTHONPATH"] = os.pathsep.join([ROOT, os.path.join(ROOT, "tests", "unit"), env.get("PYTHONPATH", "")])
