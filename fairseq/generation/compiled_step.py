@@ -29,6 +29,7 @@ environment (read at import), `set_compile_decode_step(...)`, or `compile_step=`
 DecodeEngine. The CUDA-graph mode of torch.compile ("reduce-overhead") is not offered: the graphs are ours.
 """
 
+import logging
 import os
 from typing import Callable, List, Optional, Union
 
@@ -36,6 +37,8 @@ import torch
 from torch import Tensor
 
 from fairseq.kernels.decode_attention import decode_attention_available
+
+logger = logging.getLogger(__name__)
 
 MODES = ("default", "max-autotune-no-cudagraphs")
 # Compiles a process may keep of the step (dynamo's limit is per function, 8 by default): row counts x windows
@@ -88,15 +91,31 @@ class CompiledStep:
         self._warm_states = None
         self._window_free: Optional[bool] = None
         self.shapes = set()  # the (rows, window or None) compiled for: one compile each
+        self.failed = False  # a compile failed: the uncompiled step from then on (said once)
 
     def __call__(self, tokens: Tensor, slot: Tensor, states: List[dict], window: int) -> Tensor:
+        if self.failed:
+            return self.step(tokens, slot, states, window)
         if self._window_free is None:  # the kernel reads live lengths: the window is no shape
             dtype = next((p.dtype for p in self.model.parameters() if p.is_floating_point()), torch.float32)
             self._window_free = decode_attention_available(torch.empty(0, dtype=dtype, device=tokens.device))
         if states is not self._warm_states:  # new caches: allocated by an eager step first (see the module doc)
             self.step(tokens, slot, states, window)
             self._warm_states = states
-        window = None if self._window_free else window
-        self.shapes.add((tokens.size(0), window))
-        with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
-            return self.compiled(tokens, slot, states, window)
+        shape = (tokens.size(0), None if self._window_free else window)
+        try:
+            with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
+                out = self.compiled(tokens, slot, states, shape[1])
+        except Exception as error:  # a compile's failure (a first call of its shape): decode on, uncompiled
+            if shape in self.shapes:
+                raise
+            cause = getattr(error, "inner_exception", None) or error  # dynamo wraps the backend's error
+            logger.warning(
+                "compiling the decode step failed (%s: %s); this generator decodes with the uncompiled step",
+                type(cause).__name__,
+                " ".join(str(cause).split())[:300],
+            )
+            self.failed = True
+            return self.step(tokens, slot, states, window)
+        self.shapes.add(shape)
+        return out

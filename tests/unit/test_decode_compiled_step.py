@@ -4,6 +4,7 @@ compile per row count and no graph break, the split-KV attention and int8 matmul
 compiled graph (Triton's interpreter, in a subprocess), and the modes. On CUDA, inside the captured graphs: tests/gpu/test_decode_compiled_gpu.py.
 Compiles take ~5-15 s each on the shared 2-core machine: each test compiles one or two shapes."""
 
+import logging
 import os
 import shutil
 import subprocess
@@ -73,6 +74,26 @@ def test_one_compile_per_row_count_and_no_graph_break():
     rows = {r for r, _ in step_model.compiled_step.shapes}
     assert rows == {4, 2, 1}  # 3 rows (rounded up: 4), rows leaving: 2, 1; the join at chunk 2 fits in 4
     assert counter.frame_count == len(step_model.compiled_step.shapes) == 3
+
+
+def test_a_failed_compile_decodes_on_uncompiled_with_one_warning(caplog):
+    model = build(seed=4)
+
+    def broken(graph, example_inputs):
+        raise RuntimeError("no compiler here")
+
+    def joins():
+        return {0: [request(i, PROMPTS[i], max_new_tokens=8) for i in range(2)]}
+
+    expected, _ = run(DecodeEngine(model, D, max_rows=2), joins())
+    engine = DecodeEngine(model, D, max_rows=2)
+    step_model = engine.step_model
+    step_model.compiled_step = CompiledStep(step_model._static_step, step_model.model, backend=broken)
+    with caplog.at_level(logging.WARNING, logger="fairseq.generation.compiled_step"):
+        got, _ = run(engine, joins())
+    assert got == expected and step_model.compiled_step.failed and not step_model.compiled_step.shapes
+    warnings = [r.getMessage() for r in caplog.records if "compiling the decode step failed" in r.getMessage()]
+    assert len(warnings) == 1 and "no compiler here" in warnings[0], warnings
 
 
 KERNEL_AS_ONE_OP = """
