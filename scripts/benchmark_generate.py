@@ -404,17 +404,20 @@ def kernel_events(prof, device: str) -> list:
 def profile_rows(model, dictionary, prompts_by_batch, args, device) -> list:
     """For greedy decoding at each batch size (and without the decode attention kernel where it runs): the
     kernels launched per decode step and the 10 kernels taking the most time. Two profiled greedy calls, the
-    prompt's forward and one step, then the whole run: their difference is new tokens - 1 decode steps."""
+    prompt's forward and one step, then the whole run: their difference is new tokens - 1 decode steps. The
+    greedy-compiled row takes the greedy row's short call (the prompt's forward is not compiled; a short call of
+    its own would compile the step again for another cache size): its one step is the uncompiled one, so its
+    kernels per step may be off by (uncompiled - compiled kernels of one step) / (new tokens - 1)."""
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.startswith("cuda") else [])
     kernel = decode_attention_available(model_probe(model))
     rows = ["greedy"] + [r for r in args.rows.split(",") if r == "greedy-compiled" or (r == "greedy-sdpa" and kernel)]
-    out = []
+    out, short = [], {}
     for row in rows:
         for batch, prompts in prompts_by_batch.items():
-            events = {}
-            for new in (1, args.new_tokens):
+            events = {1: short[batch]} if row == "greedy-compiled" else {}
+            for new in [n for n in (1, args.new_tokens) if n not in events]:
                 with torch.no_grad(), decode_attention_kernel(False if row == "greedy-sdpa" else None):
                     run = fork_generate(model, dictionary, prompts, args, row, new_tokens=new)
                     run()  # warm-up: allocations, autotuning, graph captures happen outside the profile
@@ -422,6 +425,8 @@ def profile_rows(model, dictionary, prompts_by_batch, args, device) -> list:
                         run()
                         sync(device)
                 events[new] = kernel_events(prof, device)
+            if row == "greedy":
+                short[batch] = events[1]
             steps = max(args.new_tokens - 1, 1)
             per_kernel = {}
             for sign, new in ((-1, 1), (1, args.new_tokens)):
