@@ -3,6 +3,9 @@ that one kernel makes once (the fused loss, decode attention, the int8 matmul). 
 Triton or CUDA is not available; Triton is not imported until a kernel is used."""
 
 import functools
+import os
+
+import torch
 
 
 def built_with_triton(build):
@@ -20,3 +23,10 @@ def built_with_triton(build):
 
     kernels.__doc__ = build.__doc__
     return kernels
+
+
+@torch.compiler.assume_constant_result
+def triton_interpreted() -> bool:
+    """Whether Triton runs its kernels in its interpreter (TRITON_INTERPRET=1: on CPU tensors too, as the CPU tests
+    do). A constant to torch.compile: a compiled decode step does not trace the environment."""
+    return os.environ.get("TRITON_INTERPRET") == "1"

@@ -33,7 +33,7 @@ from typing import Optional
 
 import torch
 
-from fairseq.kernels import built_with_triton
+from fairseq.kernels import built_with_triton, triton_interpreted
 
 BLOCK_N = 64  # keys a program reads per iteration
 # Programs to aim for per launch: a few per SM of an H100 (132 SMs) so that short rows or small batches still
@@ -50,7 +50,7 @@ def decode_attention_available(q: torch.Tensor) -> bool:
     return (
         _enabled[0]
         and type(q) is torch.Tensor
-        and (q.is_cuda or _interpreted())
+        and (q.is_cuda or triton_interpreted())
         and q.dtype in (torch.float32, torch.float16, torch.bfloat16)
         and _triton_ready()
     )
@@ -72,14 +72,7 @@ def decode_attention_enabled() -> bool:
     return _enabled[0]
 
 
-# Host facts that do not change in a process: a compiled decode step (torch.compile) takes them as constants
-# instead of tracing the environment and Triton's import.
-@torch.compiler.assume_constant_result
-def _interpreted() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
-
-
-@torch.compiler.assume_constant_result
+@torch.compiler.assume_constant_result  # a constant to a compiled decode step: Triton's import is not traced
 def _triton_ready() -> bool:
     return _kernels() is not None
 

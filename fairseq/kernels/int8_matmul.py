@@ -14,13 +14,12 @@ torch._weight_int8pack_mm also has a CUDA kernel since torch 2.9 (one thread per
 the whole reduction, x converted to fp32 first): not used on CUDA here, this kernel is.
 """
 
-import os
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
 
-from fairseq.kernels import built_with_triton
+from fairseq.kernels import built_with_triton, triton_interpreted
 
 MAX_KERNEL_ROWS = 256  # decode steps: batch x beam rows; more rows (prefill) take the dequantized GEMM
 BLOCK_N = 32
@@ -31,19 +30,13 @@ def int8_kernel_available(x: torch.Tensor) -> bool:
     """Whether `x` can take the Triton kernel (a host check)."""
     return (
         type(x) is torch.Tensor
-        and (x.is_cuda or _interpreted())
+        and (x.is_cuda or triton_interpreted())
         and x.dtype in (torch.bfloat16, torch.float16)
         and _triton_ready()
     )
 
 
-# Host facts that do not change in a process: a compiled decode step takes them as constants.
-@torch.compiler.assume_constant_result
-def _interpreted() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
-
-
-@torch.compiler.assume_constant_result
+@torch.compiler.assume_constant_result  # a constant to a compiled decode step: Triton's import is not traced
 def _triton_ready() -> bool:
     return _kernel() is not None
 
