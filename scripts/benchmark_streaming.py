@@ -36,7 +36,9 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import benchmark_bpe as bb  # noqa: E402
+from tests.train_fixtures import TINY_MODELS  # noqa: E402
 
 BLOCK = 2048
 MARKS = (10_000, 10_000_000)
@@ -167,23 +169,7 @@ def bench_scheme(scheme: str, raw: str, args) -> None:
 
 
 # ---- --train: training tokens/s, streaming against data-bin ------------------------------------------------
-TINY_MODEL = [
-    "--arch",
-    "transformer_lm",
-    "--decoder-layers",
-    "2",
-    "--decoder-embed-dim",
-    "32",
-    "--decoder-ffn-embed-dim",
-    "64",
-    "--decoder-attention-heads",
-    "2",
-    "--decoder-input-dim",
-    "32",
-    "--decoder-output-dim",
-    "32",
-    "--share-decoder-input-output-embed",
-]
+TINY_MODEL = TINY_MODELS["transformer_lm"]["model"]  # the tests' tiny decoder: 2 layers of 32
 
 
 def train_argv(args, updates: int) -> list:

@@ -182,11 +182,11 @@ _LINE_ENCODERS: Dict[tuple, LineEncoder] = {}  # per process: the main one regis
 
 def register_line_encoder(spec: tuple, bpe) -> None:
     """Make the encoder for `spec` (`bpe_spec`'s) available to this process (worker processes build their own
-    from `spec` on first use: `line_encoder`)."""
+    from `spec` on first use: `line_encoder_for`)."""
     _LINE_ENCODERS[spec] = make_line_encoder(bpe)
 
 
-def line_encoder(spec: tuple) -> LineEncoder:
+def line_encoder_for(spec: tuple) -> LineEncoder:
     """This process's encoder for `spec` (built from its config values the first time)."""
     if spec not in _LINE_ENCODERS:
         name, values = spec

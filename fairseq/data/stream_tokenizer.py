@@ -21,7 +21,14 @@ from tokenizers import ByteLevelBPETokenizer, Tokenizer
 from fairseq.data.dictionary import Dictionary
 from fairseq.data.encoders import BPE_REGISTRY
 from fairseq.data.jsonl_corpus import CorpusError, InvalidDocument, parse_document
-from fairseq.data.line_encoder import LocalIdTable, bpe_spec, encode_block, line_encoder, map_local_ids, marked_indices
+from fairseq.data.line_encoder import (
+    LocalIdTable,
+    bpe_spec,
+    encode_block,
+    line_encoder_for,
+    map_local_ids,
+    marked_indices,
+)
 
 _SPECIALS = ("<s>", "<pad>", "</s>", "<unk>")  # the Dictionary's ids 0-3
 
@@ -102,7 +109,7 @@ class _Encoder:
             if spec.bpe is None:
                 self.marked = marked_indices(d.indices)
             else:
-                self.table = LocalIdTable(line_encoder(spec.bpe), d.indices, d.unk_index, d.unk_word)
+                self.table = LocalIdTable(line_encoder_for(spec.bpe), d.indices, d.unk_index, d.unk_word)
             self.eos, eod = d.eos_index, d.indices.get(spec.end_of_document)
         else:
             self.tok = load_hf_tokenizer(spec)

@@ -28,7 +28,7 @@ from fairseq.data.line_encoder import (  # noqa: F401
     SentencepieceLineEncoder,
     bpe_spec,
     encode_block,
-    line_encoder,
+    line_encoder_for,
     make_line_encoder,
     map_local_ids,
     marked_indices,
@@ -128,7 +128,7 @@ def encode_binarize_range(
     builder, path: str, start: int, end: int, spec: tuple, indices: Dict[str, int], unk: int, eos: int, unk_word: str
 ) -> BinarizeSummary:
     """Raw text bytes [start, end) of `path`, encoded with `spec`'s --bpe, into `builder`."""
-    encoder = line_encoder(spec)
+    encoder = line_encoder_for(spec)
     table = LocalIdTable(encoder, indices, unk, unk_word)
     summary = BinarizeSummary()
     for local, sizes in _iter_encoded(path, start, end, encoder):
@@ -139,7 +139,7 @@ def encode_binarize_range(
 def count_encode_range(path: str, start: int, end: int, spec: tuple, cache_prefix: str):
     """Encode raw text bytes [start, end) once: the local ids and line sizes go to `cache_prefix`.ids/.sizes
     (int32, to be binarized once the dictionary exists) and the token counts come back, with the line count."""
-    encoder = line_encoder(spec)
+    encoder = line_encoder_for(spec)
     counts = np.zeros(0, dtype=np.int64)
     lines = 0
     with open(cache_prefix + ".ids", "wb") as fi, open(cache_prefix + ".sizes", "wb") as fs:
@@ -166,7 +166,7 @@ def binarize_cached_range(
 ) -> BinarizeSummary:
     """Binarize a range cached by `count_encode_range` into `builder`."""
     cache_prefix, symbols = cache
-    encoder = line_encoder(spec)
+    encoder = line_encoder_for(spec)
     table = LocalIdTable(encoder, indices, unk, unk_word)
     table.update(symbols)
     summary = BinarizeSummary()

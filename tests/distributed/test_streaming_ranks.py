@@ -7,7 +7,7 @@ import math
 import pytest
 
 from tests.streaming_fixtures import write_jsonl_corpora
-from tests.train_fixtures import spawn_scenarios
+from tests.train_fixtures import TINY_MODELS, spawn_scenarios
 
 BATCH = 3
 
@@ -81,16 +81,7 @@ TP_FLAGS = [
     "streaming_language_modeling",
     "--data-weights",
     "web=0.7,books=0.3",
-    "--arch",
-    "transformer_lm_gpt",
-    "--decoder-layers",
-    "1",
-    "--decoder-embed-dim",
-    "16",
-    "--decoder-ffn-embed-dim",
-    "32",
-    "--decoder-attention-heads",
-    "2",
+    *TINY_MODELS["transformer_lm_gpt"]["model"],
     "--optimizer",
     "adam",
     "--lr",
