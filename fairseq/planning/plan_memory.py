@@ -105,101 +105,129 @@ def render_plan(plan: mm.MemoryPlan, gpu_memory_gib: float) -> List[str]:
 
 def recommendations(request: Request) -> List[str]:
     """Flags worth changing, each with the reason; checked against the planner itself."""
-    shape, setup, memory = request.shape, request.setup, request.gpu_memory_gib
-    current = mm.plan(shape, setup)
+    variants = _Variants(request)
+    current = mm.plan(request.shape, request.setup)
+    if not current.fits(request.gpu_memory_gib):
+        return _advice_to_fit(request, current, variants)
+    return _advice_with_room(request, current, variants)
 
-    def changed(**changes) -> mm.MemoryPlan:
-        return mm.plan(shape, dataclasses.replace(setup, **changes))
 
-    def fits(**changes) -> bool:
-        return changed(**changes).fits(memory)
+class _Variants:
+    """The plan of the request's setup with some flags changed, and whether it fits."""
 
-    def fits_with_headroom(**changes) -> bool:
+    def __init__(self, request: Request):
+        self.shape, self.setup, self.memory = request.shape, request.setup, request.gpu_memory_gib
+
+    def changed(self, **changes) -> mm.MemoryPlan:
+        return mm.plan(self.shape, dataclasses.replace(self.setup, **changes))
+
+    def fits(self, **changes) -> bool:
+        return self.changed(**changes).fits(self.memory)
+
+    def fits_with_headroom(self, **changes) -> bool:
         # Advice that spends memory (dropping a saving) is only given when the result keeps the headroom
         # under which the plan warns.
-        return changed(**changes).required_bytes <= (1 - TIGHT_HEADROOM_FRACTION) * memory * mm.GIB
+        return self.changed(**changes).required_bytes <= (1 - TIGHT_HEADROOM_FRACTION) * self.memory * mm.GIB
 
+
+def _advice_to_fit(request: Request, current: mm.MemoryPlan, variants: _Variants) -> List[str]:
+    """A setup that does not fit: the flags that make it fit, else more GPUs or host memory."""
+    shape, setup, memory, fits = request.shape, request.setup, request.gpu_memory_gib, variants.fits
     advice = []
     activations = current.peak.terms.get("activations", 0)
-    if not current.fits(memory):
-        if setup.dtype == "fp32":
-            advice.append("--bf16: halves activations and the full parameters in flight")
-        if not setup.checkpoint_activations and fits(checkpoint_activations=True):
-            advice.append(
-                f"--checkpoint-activations: activations are {mm.gib(activations):.2f} GiB at the peak; "
-                "with it each layer keeps only its input"
-            )
-        if not setup.reshard_after_forward and fits(reshard_after_forward=True):
-            advice.append("drop --no-reshard-after-forward: it keeps every layer's full parameters until backward")
-        if setup.forward_prefetch and setup.prefetch_depth > 1 and fits(prefetch_depth=1):
-            advice.append("--fsdp-prefetch-depth 1: each extra layer of prefetch holds one more layer's parameters")
-        if setup.batch_size > 1 and fits(batch_size=1):
-            batch = mm.largest_batch(shape, setup, memory)
-            advice.append(
-                f"--batch-size {batch} (the largest that fits) with --update-freq "
-                f"{setup.update_freq * -(-setup.batch_size // batch)} to keep the tokens per update"
-            )
-        if not advice or not fits(batch_size=1, checkpoint_activations=True):
-            best = dataclasses.replace(
-                setup, batch_size=1, checkpoint_activations=True, dtype="bf16" if setup.dtype == "fp32" else setup.dtype
-            )
-            if not setup.fully_sharded:
-                advice.append("--ddp-backend fully_sharded: DDP replicates 20 bytes per parameter on every GPU")
-                best = dataclasses.replace(best, fully_sharded=True)
-            gpus = mm.smallest_gpu_count(shape, best, memory)
-            if gpus is not None and gpus > setup.gpus:
-                advice.append(
-                    f"at least {gpus} GPUs (sharded model states shrink with the GPU count; "
-                    f"batch 1 with --checkpoint-activations)"
-                )
-            offloaded = changed(cpu_offload=True, batch_size=1, checkpoint_activations=True)
-            if (
-                setup.fully_sharded
-                and not setup.cpu_offload
-                and offloaded.fits(memory)
-                and mm.gib(offloaded.host_bytes) <= HOST_MEMORY_PER_GPU_GIB
-            ):
-                advice.append(
-                    f"--cpu-offload: sharded parameters, gradients and Adam state move to host memory "
-                    f"({mm.gib(offloaded.host_bytes):.1f} GiB per GPU; the optimizer steps on the CPU)"
-                )
-    else:
-        headroom = 1 - current.required_bytes / (memory * mm.GIB)
-        if headroom < TIGHT_HEADROOM_FRACTION:
-            # Not --fsdp-sync-free: on FSDP2 it changed neither reserved memory nor retries (docs/fsdp.md).
-            advice.append(
-                f"only {headroom:.0%} headroom: watch max_cuda_gb_reserved and cuda_alloc_retries in the "
-                "first log lines; if retries appear, a smaller --batch-size or --checkpoint-activations"
-            )
-        if (
-            setup.checkpoint_activations
-            and not setup.offload_activations
-            and fits_with_headroom(checkpoint_activations=False)
-        ):
-            advice.append(
-                "drop --checkpoint-activations: it fits without, which saves recomputing every layer's "
-                "forward (about a third more compute)"
-            )
-        if setup.cpu_offload and fits_with_headroom(cpu_offload=False):
-            advice.append("drop --cpu-offload: the states fit on the GPU, and the optimizer step is much faster there")
-        traffic = cm.step_traffic(shape, setup, request.gpus_per_node)
-        across = sum(item.seconds(request.hardware) for item in traffic if item.crosses_nodes)
-        compute = compute_model.compute_seconds(shape, setup, request.hardware.achieved_tflops)
-        if across > compute and not request.recommend_layout:
-            advice.append(
-                f"--recommend-layout: communication across nodes (about {across:.0f} s per step) exceeds "
-                "compute; tensor parallelism inside a node divides what FSDP sends across them"
-            )
-        small_layers = setup.tokens * shape.layer_params < CPU_BOUND_TOKENS_X_LAYER_PARAMS
-        if (
-            setup.fully_sharded
-            and not setup.forward_prefetch
-            and small_layers
-            and fits_with_headroom(forward_prefetch=True)
-        ):
-            advice.append(
-                "--fsdp-forward-prefetch: small layers are CPU-bound, and its extra layer of full parameters fits"
-            )
+    if setup.dtype == "fp32":
+        advice.append("--bf16: halves activations and the full parameters in flight")
+    if not setup.checkpoint_activations and fits(checkpoint_activations=True):
+        advice.append(
+            f"--checkpoint-activations: activations are {mm.gib(activations):.2f} GiB at the peak; "
+            "with it each layer keeps only its input"
+        )
+    if not setup.reshard_after_forward and fits(reshard_after_forward=True):
+        advice.append("drop --no-reshard-after-forward: it keeps every layer's full parameters until backward")
+    if setup.forward_prefetch and setup.prefetch_depth > 1 and fits(prefetch_depth=1):
+        advice.append("--fsdp-prefetch-depth 1: each extra layer of prefetch holds one more layer's parameters")
+    if setup.batch_size > 1 and fits(batch_size=1):
+        batch = mm.largest_batch(shape, setup, memory)
+        advice.append(
+            f"--batch-size {batch} (the largest that fits) with --update-freq "
+            f"{setup.update_freq * -(-setup.batch_size // batch)} to keep the tokens per update"
+        )
+    if not advice or not fits(batch_size=1, checkpoint_activations=True):
+        advice += _advice_beyond_flags(request, variants)
+    return advice
+
+
+def _advice_beyond_flags(request: Request, variants: _Variants) -> List[str]:
+    """Where batch 1 with --checkpoint-activations does not fit either: sharding, more GPUs, --cpu-offload."""
+    shape, setup, memory = request.shape, request.setup, request.gpu_memory_gib
+    advice = []
+    best = dataclasses.replace(
+        setup, batch_size=1, checkpoint_activations=True, dtype="bf16" if setup.dtype == "fp32" else setup.dtype
+    )
+    if not setup.fully_sharded:
+        advice.append("--ddp-backend fully_sharded: DDP replicates 20 bytes per parameter on every GPU")
+        best = dataclasses.replace(best, fully_sharded=True)
+    gpus = mm.smallest_gpu_count(shape, best, memory)
+    if gpus is not None and gpus > setup.gpus:
+        advice.append(
+            f"at least {gpus} GPUs (sharded model states shrink with the GPU count; "
+            f"batch 1 with --checkpoint-activations)"
+        )
+    offloaded = variants.changed(cpu_offload=True, batch_size=1, checkpoint_activations=True)
+    if (
+        setup.fully_sharded
+        and not setup.cpu_offload
+        and offloaded.fits(memory)
+        and mm.gib(offloaded.host_bytes) <= HOST_MEMORY_PER_GPU_GIB
+    ):
+        advice.append(
+            f"--cpu-offload: sharded parameters, gradients and Adam state move to host memory "
+            f"({mm.gib(offloaded.host_bytes):.1f} GiB per GPU; the optimizer steps on the CPU)"
+        )
+    return advice
+
+
+def _advice_with_room(request: Request, current: mm.MemoryPlan, variants: _Variants) -> List[str]:
+    """A setup that fits: little headroom, savings it can drop, and flags that would make it faster."""
+    shape, setup, memory = request.shape, request.setup, request.gpu_memory_gib
+    fits_with_headroom = variants.fits_with_headroom
+    advice = []
+    headroom = 1 - current.required_bytes / (memory * mm.GIB)
+    if headroom < TIGHT_HEADROOM_FRACTION:
+        # Not --fsdp-sync-free: on FSDP2 it changed neither reserved memory nor retries (docs/fsdp.md).
+        advice.append(
+            f"only {headroom:.0%} headroom: watch max_cuda_gb_reserved and cuda_alloc_retries in the "
+            "first log lines; if retries appear, a smaller --batch-size or --checkpoint-activations"
+        )
+    if (
+        setup.checkpoint_activations
+        and not setup.offload_activations
+        and fits_with_headroom(checkpoint_activations=False)
+    ):
+        advice.append(
+            "drop --checkpoint-activations: it fits without, which saves recomputing every layer's "
+            "forward (about a third more compute)"
+        )
+    if setup.cpu_offload and fits_with_headroom(cpu_offload=False):
+        advice.append("drop --cpu-offload: the states fit on the GPU, and the optimizer step is much faster there")
+    traffic = cm.step_traffic(shape, setup, request.gpus_per_node)
+    across = sum(item.seconds(request.hardware) for item in traffic if item.crosses_nodes)
+    compute = compute_model.compute_seconds(shape, setup, request.hardware.achieved_tflops)
+    if across > compute and not request.recommend_layout:
+        advice.append(
+            f"--recommend-layout: communication across nodes (about {across:.0f} s per step) exceeds "
+            "compute; tensor parallelism inside a node divides what FSDP sends across them"
+        )
+    small_layers = setup.tokens * shape.layer_params < CPU_BOUND_TOKENS_X_LAYER_PARAMS
+    if (
+        setup.fully_sharded
+        and not setup.forward_prefetch
+        and small_layers
+        and fits_with_headroom(forward_prefetch=True)
+    ):
+        advice.append(
+            "--fsdp-forward-prefetch: small layers are CPU-bound, and its extra layer of full parameters fits"
+        )
     return advice
 
 

@@ -74,6 +74,16 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--arch", "-a", required=True, metavar="ARCH", help="a transformer_lm architecture")
     planner = parser.add_argument_group("planner")
+    _add_setup_flags(planner)
+    _add_output_flags(planner)
+    _add_training_flags(parser.add_argument_group("training (as fairseq-train spells them)"))
+    model = parser.add_argument_group("model (override the --arch preset)")
+    add_dataclass_to_parser(model, TransformerLanguageModelConfig, suppress_defaults=True)
+    return parser
+
+
+def _add_setup_flags(planner) -> None:
+    """The machines: how many GPUs, which, and their speeds."""
     planner.add_argument(
         "--gpus",
         "--distributed-world-size",
@@ -119,6 +129,10 @@ def build_parser() -> argparse.ArgumentParser:
             help=f"{unit}, for the time estimates (default: the --gpu's, else "
             f"{getattr(hw.DEFAULT, field):g}; fairseq/planning/hardware.py)",
         )
+
+
+def _add_output_flags(planner) -> None:
+    """What else the plan is computed for and reports."""
     planner.add_argument(
         "--vocab-size",
         type=int,
@@ -138,7 +152,10 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="also report the largest --decoder-layers of this layer shape that fits",
     )
-    training = parser.add_argument_group("training (as fairseq-train spells them)")
+
+
+def _add_training_flags(training) -> None:
+    """fairseq-train's flags that change the plan, generated from the same config fields."""
     _add_fields(training, configs.DatasetConfig, ["batch_size", "max_tokens"])
     _add_fields(
         training,
@@ -176,9 +193,6 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="OPTIMIZER",
         help=f"optimizer: {', '.join(registry.OPTIMIZER_REGISTRY.choices())} (default: adam)",
     )
-    model = parser.add_argument_group("model (override the --arch preset)")
-    add_dataclass_to_parser(model, TransformerLanguageModelConfig, suppress_defaults=True)
-    return parser
 
 
 @dataclasses.dataclass(frozen=True)
