@@ -21,6 +21,8 @@ import os
 import shutil
 import tempfile
 from typing import Any, Dict, Iterable, Optional
+from fairseq.data.encoders.bpe_file_check import WHAT, bpe_file_problem
+from fairseq.checkpoint.io import CheckpointError
 
 KEY = "vocabulary"
 
@@ -81,8 +83,6 @@ def check_bpe_flags(cfg) -> None:
 def check_bpe_files(cfg) -> None:
     """Start-up check of a chosen --bpe: each file it needs is named, readable and loads (checkpoints carry the
     files: a bad one would break every consumer). One-line error naming the flag, the path and the fix."""
-    from fairseq.data.encoders.bpe_file_check import WHAT, bpe_file_problem
-
     check_bpe_flags(cfg)
     for option in BPE_FILES.get(_get(cfg, "_name"), ()):
         path = _get(cfg, option)
@@ -142,7 +142,6 @@ def check_dictionary(checkpoint: str, record: Optional[Dict[str, Any]], dictiona
     expected = (record or {}).get("dictionary_sha256")
     if not expected or dictionary is None or dictionary_sha256(dictionary) == expected:
         return
-    from fairseq.checkpoint.io import CheckpointError
 
     size, here = record.get("dictionary_size"), len(dictionary)
     detail = (
@@ -204,8 +203,6 @@ def resolve_bpe(
 
 
 def _check_carried(checkpoint: str, option: str, entry: Dict[str, Any], path: str, how: str) -> None:
-    from fairseq.data.encoders.bpe_file_check import WHAT, bpe_file_problem
-
     problem = bpe_file_problem(option, path)
     if problem:
         raise ValueError(

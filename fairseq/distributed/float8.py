@@ -103,7 +103,7 @@ def cpu_float8_matmul(rowwise: bool = False) -> bool:
 
 
 def _float8_config(common):
-    from torchao.float8 import Float8LinearConfig
+    from torchao.float8 import Float8LinearConfig  # deferred: optional
 
     if common.fp8_recipe == "tensorwise":
         return Float8LinearConfig(enable_fsdp_float8_all_gather=bool(common.fp8_fsdp_all_gather))
@@ -121,7 +121,7 @@ def is_float8_convertible(module: nn.Module, name: str, tp: int = 1) -> bool:
 
 def apply_float8(model: nn.Module, cfg) -> int:
     """Swap the convertible nn.Linear modules for torchao's Float8Linear in place; returns how many."""
-    from torchao.float8 import convert_to_float8_training
+    from torchao.float8 import convert_to_float8_training  # deferred: optional
 
     converted = []
 
@@ -158,8 +158,8 @@ def casts_tensorwise(module: nn.Module) -> bool:
     the whole row, so rowwise recipes all-gather in bf16 with the plain styles."""
     if "torchao.float8" not in sys.modules:  # never converted in this process: nothing to import
         return False
-    from torchao.float8.config import ScalingGranularity
-    from torchao.float8.float8_linear import Float8Linear
+    from torchao.float8.config import ScalingGranularity  # deferred: optional
+    from torchao.float8.float8_linear import Float8Linear  # deferred: optional
 
     linears = [module] if isinstance(module, nn.Linear) else [m for m in module.modules() if isinstance(m, nn.Linear)]
     return bool(linears) and all(
@@ -174,6 +174,6 @@ def needs_scale_precompute(cfg) -> bool:
 
 def after_optimizer_step(model: nn.Module) -> None:
     """With float8 all-gather: every sharded weight's scale for the next forward, in one fused reduction."""
-    from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
+    from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp  # deferred: optional
 
     precompute_float8_dynamic_scale_for_fsdp(model)

@@ -19,6 +19,7 @@ from fairseq.distributed.fsdp_prefetch import (
     IMPLICIT_BACKWARD_PREFETCH,
 )
 from fairseq.distributed.sync_free import ReshardEventLimiter, SyncFreeHooks
+from fairseq.models.fairseq_model import BaseFairseqModel
 
 # torch.distributed.fsdp pulls in torch.distributed.tensor (~1 s to import); this module is also imported for
 # check_fsdp_flags and transformer_layers on every run, so FSDP2 itself is imported where a model is sharded.
@@ -100,8 +101,6 @@ class FSDPSettings:
 def transformer_layers(model: nn.Module) -> nn.ModuleList:
     """The repeated blocks that become one FSDP unit (and one checkpoint/compile region) each: the model
     contract's `transformer_layers()` (fairseq.models.fairseq_model)."""
-    from fairseq.models.fairseq_model import BaseFairseqModel
-
     layers = model.transformer_layers() if isinstance(model, BaseFairseqModel) else None
     if not isinstance(layers, nn.ModuleList):
         raise TypeError(
@@ -116,7 +115,7 @@ def mixed_precision_policy(common_cfg) -> "MixedPrecisionPolicy":
 
     --fp32-reduce-scatter is therefore always in effect; the flag is accepted for upstream recipes.
     """
-    from torch.distributed.fsdp import MixedPrecisionPolicy
+    from torch.distributed.fsdp import MixedPrecisionPolicy  # deferred: startup
 
     if common_cfg.fp16 or common_cfg.memory_efficient_fp16:
         return MixedPrecisionPolicy(param_dtype=torch.float16, reduce_dtype=torch.float32)
@@ -135,7 +134,7 @@ def apply_fsdp(model: nn.Module, cfg, mesh: DeviceMesh, limiter: Optional[Reshar
 
     `limiter` (only with --fsdp-sync-free) defaults to CUDA events on a CUDA mesh and to no waiting on CPU.
     """
-    from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
+    from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard  # deferred: startup
 
     settings = FSDPSettings.from_flags(cfg.distributed_training)
     layers = transformer_layers(model)
@@ -185,7 +184,7 @@ def apply_fsdp_replicas(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
     where DistributedDataParallel cannot take DTensor parameters: FSDP2 on a (replicate, shard = 1) mesh,
     which shards nothing and all-reduces the gradients (averaged), as DDP does. Parameters stay in their
     dtype: mixed precision is the trainer's autocast, as under DDP."""
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import fully_shard  # deferred: startup
 
     if mesh.ndim != 2 or mesh.size(1) != 1:
         raise ValueError(f"replicas need a (replicate, shard = 1) mesh, got shape {tuple(mesh.shape)}")

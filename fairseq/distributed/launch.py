@@ -36,6 +36,7 @@ from typing import Callable, List, MutableMapping, Optional, Tuple
 import torch
 import torch.distributed as dist
 import torch.multiprocessing
+from torch.distributed.elastic.multiprocessing.errors import get_error_handler
 
 from fairseq.runtime.env import PREEMPTION_SIGNALS, LaunchPlan, detect_launch
 from fairseq.distributed.mesh import ParallelLayout
@@ -197,8 +198,6 @@ def _record_for_torchrun(exc: BaseException) -> None:
     if not os.environ.get("TORCHELASTIC_ERROR_FILE"):
         return
     try:
-        from torch.distributed.elastic.multiprocessing.errors import get_error_handler
-
         get_error_handler().record_exception(exc)
     except Exception as err:  # reporting must not mask the original failure
         logger.debug("could not write the torchrun error file: %s", err)

@@ -36,6 +36,8 @@ from fairseq.distributed.fsdp import apply_fsdp, apply_fsdp_replicas, transforme
 from fairseq.distributed.mesh import ParallelLayout, forget_parallel_mesh, has_tp_dim, init_parallel_mesh
 from fairseq.distributed.tensor_parallel_rng import apply_dropout_streams
 from fairseq.modules.checkpoint_activations import checkpointed, checkpointed_offloaded
+from fairseq.distributed.float8 import apply_float8
+from fairseq.distributed.tensor_parallel_checks import uses_loss_parallel
 
 # torch.distributed.tensor (behind tensor_parallel) costs ~1 s to import: it is imported only when a model is
 # split (--model-parallel-size > 1), and DTensors are recognized through fairseq.runtime.dtensor.
@@ -100,12 +102,10 @@ def parallelize_model(model: nn.Module, cfg, device: torch.device, world_mesh: O
 def _convert_and_split(model: nn.Module, cfg, mesh) -> None:
     """Step 0: float8 Linears (--fp8), then tensor parallelism over `mesh`'s tp dimension (None: not split)."""
     if cfg.common.fp8:  # torchao's order: swap the Linears before splitting, compile and sharding
-        from fairseq.distributed.float8 import apply_float8
-
         apply_float8(model, cfg)
     if mesh is not None:
-        from fairseq.distributed.tensor_parallel import apply_tensor_parallel
-        from fairseq.distributed.tensor_parallel_checks import uses_loss_parallel
+        # torch.distributed.tensor: ~1 s
+        from fairseq.distributed.tensor_parallel import apply_tensor_parallel  # deferred: startup
 
         apply_tensor_parallel(model, mesh.tp_mesh, loss_parallel=uses_loss_parallel(cfg))
 
@@ -135,7 +135,7 @@ def _replicate_split_model(model: nn.Module, ddp_backend: str, layout: ParallelL
         )
         apply_fsdp_replicas(model, mesh.fsdp_mesh)
     else:
-        from fairseq.distributed.tensor_parallel import reduce_partial_gradients
+        from fairseq.distributed.tensor_parallel import reduce_partial_gradients  # deferred: startup
 
         reduce_partial_gradients(model)
 

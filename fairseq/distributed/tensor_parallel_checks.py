@@ -11,6 +11,7 @@ from typing import Optional, Sequence
 
 from fairseq import registry
 from fairseq.distributed.mesh import TP_MESH_OF_ONE
+from fairseq.data.dictionary import Dictionary
 
 LOSS_PARALLEL_CRITERIA = ("vocab_parallel_cross_entropy",)
 
@@ -85,15 +86,12 @@ def check_tensor_parallel_dictionary(cfg) -> None:
 
 def _dictionary_size(task_cfg):
     """(symbols, path) of the language-modeling task's dict.txt, or (None, '') when there is none to read."""
-    import os
-
     data = getattr(task_cfg, "data", None)  # tasks without a data directory (dummy_lm, plug-ins)
     if not isinstance(data, str) or not data:
         return None, ""
     path = os.path.join(data.split(os.pathsep)[0], "dict.txt")
     if not os.path.isfile(path):
         return None, ""
-    from fairseq.data.dictionary import Dictionary
 
     return len(Dictionary.load(path)), path
 

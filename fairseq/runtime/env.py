@@ -179,7 +179,7 @@ def _local_gpu_count(cpu: bool, gpu_count: Optional[int]) -> int:
         return 0
     if gpu_count is not None:
         return gpu_count
-    import torch  # deferred: reading a config or an environment should not pay for importing torch
+    import torch  # deferred: startup (reading a config or an environment should not pay for importing torch)
 
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 

@@ -24,6 +24,7 @@ import torch
 # DTensors are recognized without importing torch.distributed.tensor (~1 s, paid by every process that runs
 # validate(cfg), which imports this module): see fairseq.runtime.dtensor.
 from fairseq.runtime.dtensor import is_dtensor
+from fairseq.checkpoint.inference import load_ema_from_checkpoint
 
 logger = logging.getLogger("fairseq.models.ema.ema")  # upstream's logger name: log lines read as its
 
@@ -51,7 +52,7 @@ def _copy_into(target: torch.Tensor, value: torch.Tensor) -> None:
     """Copy `value` (a DTensor sharded like `target`, or the full tensor) into `target`, in place."""
     if is_dtensor(target):
         if not is_dtensor(value):  # a full tensor, e.g. from a single-file checkpoint: take our shard
-            from torch.distributed.tensor import distribute_tensor
+            from torch.distributed.tensor import distribute_tensor  # deferred: startup (~1 s to import)
 
             value = distribute_tensor(
                 value.to(_local(target).device), target.device_mesh, target.placements, src_data_rank=None
@@ -101,8 +102,6 @@ class EMA:
                 self.model = self.model.to(device=device)
         seed = getattr(config, "ema_seed_model", None)
         if seed is not None:
-            from fairseq.checkpoint.inference import load_ema_from_checkpoint
-
             self.restore(load_ema_from_checkpoint(seed)["model"], strict=True)
             logger.info(f"EMA seeded from the EMA weights of {seed} (--ema-seed-model)")
         if getattr(config, "ema_fp32", False):
@@ -139,7 +138,7 @@ class EMA:
                 "layers are changed to compute a part of the attention heads, so an unsharded copy would not "
                 "run; use EMA.full_state_dict() (the gathered weights) or EMA.reverse(model) instead"
             )
-        from fairseq.distributed.plain_copy import plain_copy
+        from fairseq.distributed.plain_copy import plain_copy  # deferred: startup (torch.distributed.fsdp: ~2 s)
 
         model = _without_patched_forwards(plain_copy(self._sharded_model))
         model.requires_grad_(False)
