@@ -98,7 +98,7 @@ class CheckpointManager:
     def carry_vocabulary(self, task) -> None:
         """Read what every checkpoint of this run carries about its text (the dictionary's fingerprint, the
         --bpe files), once, at start-up."""
-        self._vocabulary = make_record(getattr(task, "source_dictionary", None), getattr(self.cfg, "bpe", None))
+        self._vocabulary = make_record(getattr(task, "source_dictionary", None), self.cfg.bpe)
 
     def open_save_dir(self) -> None:
         """Start-up, on every rank: lock --save-dir against a second run and remove temporaries of killed saves

@@ -59,9 +59,10 @@ def check_float8_flags(
             raise ValueError("--fp8-fsdp-all-gather needs --ddp-backend fully_sharded")
 
 
-def check_float8_environment(cfg, device: torch.device) -> None:
-    """--fp8 on a machine that cannot run it: one line naming what is missing (before any work starts)."""
-    if not cfg.common.fp8:
+def check_float8_environment(fp8: bool, fp8_recipe: str, device: torch.device) -> None:
+    """--fp8 (with --fp8-recipe `fp8_recipe`) on a machine that cannot run it: one line naming what is missing
+    (before any work starts)."""
+    if not fp8:
         return
     if importlib.util.find_spec("torchao") is None:
         raise ValueError(
@@ -73,9 +74,9 @@ def check_float8_environment(cfg, device: torch.device) -> None:
             raise ValueError(
                 "--fp8 needs a CUDA GPU (float8 matmuls; this torch has none on the CPU): drop --fp8 or --cpu"
             )
-        if cfg.common.fp8_recipe != "tensorwise" and not cpu_float8_matmul(rowwise=True):
+        if fp8_recipe != "tensorwise" and not cpu_float8_matmul(rowwise=True):
             raise ValueError(
-                f"--fp8-recipe {cfg.common.fp8_recipe} on the CPU needs float8 matmuls with one scale per "
+                f"--fp8-recipe {fp8_recipe} on the CPU needs float8 matmuls with one scale per "
                 f"row, which torch {torch.__version__} has only on CUDA GPUs: use --fp8-recipe "
                 "tensorwise, a GPU, or a newer torch (2.13 has them on the CPU)"
             )
