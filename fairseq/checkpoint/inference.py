@@ -8,10 +8,10 @@ overrides to the saved config, set up the task, build the model from the saved m
 import collections
 import copy
 import dataclasses
+import json
 import os
 from dataclasses import dataclass
 from typing import Any, Dict, List, NamedTuple, Optional, Tuple, Union
-import json
 
 import torch
 

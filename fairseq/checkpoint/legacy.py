@@ -10,6 +10,7 @@ import argparse
 from typing import Any, Dict
 
 import torch
+
 from fairseq import registry
 
 

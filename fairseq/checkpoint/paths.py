@@ -9,7 +9,9 @@ import os
 import re
 import shutil
 from typing import List, Optional, Tuple
+
 import torch
+
 from fairseq.checkpoint.io import checkpoint_file_looks_intact
 from fairseq.checkpoint.sharded import METADATA, resolve_sharded
 

@@ -1,6 +1,7 @@
 """Small collective helpers that also work in a plain single process (no process group: world size 1)."""
 
 import argparse
+
 import torch
 import torch.distributed as dist
 

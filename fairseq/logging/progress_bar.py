@@ -18,8 +18,9 @@ import sys
 from numbers import Number
 from typing import Dict, Iterable, Optional
 
-from .meters import AverageMeter, StopwatchMeter, TimeMeter
 from tqdm import tqdm
+
+from .meters import AverageMeter, StopwatchMeter, TimeMeter
 
 logger = logging.getLogger(__name__)
 

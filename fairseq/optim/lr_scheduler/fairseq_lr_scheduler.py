@@ -1,8 +1,8 @@
 """Base class of the learning-rate schedulers: the interface the trainer calls."""
 
 from typing import List, Optional
-from fairseq.optim import get_lr
-from fairseq.optim import set_lr
+
+from fairseq.optim import get_lr, set_lr
 
 
 class FairseqLRScheduler:
