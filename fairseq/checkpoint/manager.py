@@ -3,7 +3,8 @@
 A checkpoint is composed here, and only here, from the states of the Stateful parts of training (each one's
 `state_dict()` read once): the trainer (update count, scheduler, loss scaler, training time), the epoch batch
 iterator (data position) and the meters (fairseq.logging.metrics), beside model, optimizer and this manager's
-best validation value. `CheckpointManager.resume` gives each part its state back.
+best validation value. `CheckpointManager.resume` gives each part its state back (what each part's state is in
+a file, and how it is given back: fairseq.checkpoint.resume_state).
 
 Layout of a single-file checkpoint (upstream's keys, plain containers only):
   cfg, criterion, optimizer_history [{criterion_name, optimizer_name, lr_scheduler_state, num_updates}],

@@ -44,7 +44,6 @@ from dataclasses import dataclass, fields
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
-from torch.distributed._functional_collectives import AsyncCollectiveTensor
 import torch.distributed as dist
 
 from fairseq.runtime.dtensor import is_dtensor
@@ -308,6 +307,7 @@ def _whole_locally(value) -> bool:
 
 def _gathered(value) -> torch.Tensor:
     """The whole tensor of a DTensor (collective), as torch's full state dict gathers it."""
+    from torch.distributed._functional_collectives import AsyncCollectiveTensor  # deferred: startup
     from torch.distributed.tensor import Replicate  # deferred: startup (~1 s to import)
 
     whole = value.redistribute(value.device_mesh, [Replicate()] * len(value.placements)).to_local()

@@ -7,7 +7,6 @@ import torch.distributed as dist
 
 from fairseq.runtime.env import get_free_port
 from fairseq.distributed.mesh import current_mesh
-from fairseq.distributed.launch import call_main as launch
 from fairseq.dataclass.build import convert_namespace_to_config
 
 __all__ = [
@@ -119,6 +118,9 @@ def call_main(cfg, main, **kwargs):
     """Upstream's `distributed_utils.call_main(cfg, main)`: run `main(cfg, **kwargs)` in every process of the
     launch (spawned, torchrun or SLURM; see fairseq.distributed.launch) and return rank 0's result. `cfg` is
     a FairseqConfig or the argparse namespace of `options.parse_args_and_arch`."""
+    # the launcher (torch.multiprocessing, torch.distributed.elastic: ~60 ms) only for this entry point
+    from fairseq.distributed.launch import call_main as launch  # deferred: startup
+
     if isinstance(cfg, argparse.Namespace):
         cfg = convert_namespace_to_config(cfg)
     return launch(cfg, main, **kwargs)
