@@ -59,9 +59,10 @@ def check_float8_flags(
             raise ValueError("--fp8-fsdp-all-gather needs --ddp-backend fully_sharded")
 
 
-def check_float8_environment(cfg, device: torch.device) -> None:
-    """--fp8 on a machine that cannot run it: one line naming what is missing (before any work starts)."""
-    if not cfg.common.fp8:
+def check_float8_environment(fp8: bool, fp8_recipe: str, device: torch.device) -> None:
+    """--fp8 (with --fp8-recipe `fp8_recipe`) on a machine that cannot run it: one line naming what is missing
+    (before any work starts)."""
+    if not fp8:
         return
     if importlib.util.find_spec("torchao") is None:
         raise ValueError(
@@ -73,9 +74,9 @@ def check_float8_environment(cfg, device: torch.device) -> None:
             raise ValueError(
                 "--fp8 needs a CUDA GPU (float8 matmuls; this torch has none on the CPU): drop --fp8 or --cpu"
             )
-        if cfg.common.fp8_recipe != "tensorwise" and not cpu_float8_matmul(rowwise=True):
+        if fp8_recipe != "tensorwise" and not cpu_float8_matmul(rowwise=True):
             raise ValueError(
-                f"--fp8-recipe {cfg.common.fp8_recipe} on the CPU needs float8 matmuls with one scale per "
+                f"--fp8-recipe {fp8_recipe} on the CPU needs float8 matmuls with one scale per "
                 f"row, which torch {torch.__version__} has only on CUDA GPUs: use --fp8-recipe "
                 "tensorwise, a GPU, or a newer torch (2.13 has them on the CPU)"
             )
@@ -103,7 +104,7 @@ def cpu_float8_matmul(rowwise: bool = False) -> bool:
 
 
 def _float8_config(common):
-    from torchao.float8 import Float8LinearConfig
+    from torchao.float8 import Float8LinearConfig  # deferred: optional
 
     if common.fp8_recipe == "tensorwise":
         return Float8LinearConfig(enable_fsdp_float8_all_gather=bool(common.fp8_fsdp_all_gather))
@@ -121,7 +122,7 @@ def is_float8_convertible(module: nn.Module, name: str, tp: int = 1) -> bool:
 
 def apply_float8(model: nn.Module, cfg) -> int:
     """Swap the convertible nn.Linear modules for torchao's Float8Linear in place; returns how many."""
-    from torchao.float8 import convert_to_float8_training
+    from torchao.float8 import convert_to_float8_training  # deferred: optional
 
     converted = []
 
@@ -158,8 +159,8 @@ def casts_tensorwise(module: nn.Module) -> bool:
     the whole row, so rowwise recipes all-gather in bf16 with the plain styles."""
     if "torchao.float8" not in sys.modules:  # never converted in this process: nothing to import
         return False
-    from torchao.float8.config import ScalingGranularity
-    from torchao.float8.float8_linear import Float8Linear
+    from torchao.float8.config import ScalingGranularity  # deferred: optional
+    from torchao.float8.float8_linear import Float8Linear  # deferred: optional
 
     linears = [module] if isinstance(module, nn.Linear) else [m for m in module.modules() if isinstance(m, nn.Linear)]
     return bool(linears) and all(
@@ -174,6 +175,6 @@ def needs_scale_precompute(cfg) -> bool:
 
 def after_optimizer_step(model: nn.Module) -> None:
     """With float8 all-gather: every sharded weight's scale for the next forward, in one fused reduction."""
-    from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
+    from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp  # deferred: optional
 
     precompute_float8_dynamic_scale_for_fsdp(model)

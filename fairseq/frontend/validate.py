@@ -13,7 +13,7 @@ import torch
 
 from fairseq import registry
 from fairseq.checkpoint.manager import parse_optimizer_overrides
-from fairseq.checkpoint.vocabulary import check_bpe_flags
+from fairseq.checkpoint.vocabulary import bpe_options, check_bpe_flags
 from fairseq.data.indexed_dataset import check_dataset_impl
 from fairseq.dataclass.batch_flags import check_batch_flags
 from fairseq.dataclass.build import check_seed
@@ -66,15 +66,15 @@ def validate(cfg) -> None:
     check_float8_flags(
         common.fp8, common.fp16, common.bf16, common.fp8_recipe, common.fp8_fsdp_all_gather, dt.ddp_backend
     )
-    check_float8_environment(cfg, _training_device(cfg))
+    check_float8_environment(common.fp8, common.fp8_recipe, _training_device(cfg))
     check_fsdp_flags(
         dt.ddp_backend, dt.fsdp_forward_prefetch, dt.fsdp_sync_free, dt.cpu_offload, dt.fsdp_prefetch_depth
     )
     check_layout_flags(dt.model_parallel_size, dt.fsdp_shard_group_size, dt.ddp_backend)
-    check_tensor_parallel_config(cfg)
+    check_tensor_parallel_config(dt.model_parallel_size, cfg.model)
     check_sharded_state(dt.use_sharded_state, dt.ddp_backend)
     if cfg.common.profile_updates:
         parse_update_range(cfg.common.profile_updates)
-    check_ema_config(cfg.ema)
-    check_bpe_flags(cfg.bpe)  # the checkpoints will carry them (read at start-up)
+    check_ema_config(cfg.ema.store_ema, cfg.ema.ema_decay, cfg.ema.ema_update_freq)
+    check_bpe_flags(bpe_options(cfg.bpe))  # the checkpoints will carry them (read at start-up)
     registry.arch_model(cfg.model._name).check_config(cfg.model)

@@ -22,6 +22,7 @@ from fairseq.logging.memory import CudaMemoryStats
 from fairseq.logging.profiler import UpdateProfiler
 from fairseq.logging.throughput import Throughput, default_peak_tflops
 from fairseq.training.train_step import run_update, run_valid_step
+from fairseq.training.ema import build_ema
 
 # torch.distributed.checkpoint.state_dict is imported by the methods that use it: importing it costs ~1.5 s,
 # which every process importing the trainer would pay before reading a flag.
@@ -83,8 +84,6 @@ class Trainer:
         # after its first update, unless --ema-seed-model gave it its start.
         self.ema = None
         if cfg.ema.store_ema:
-            from fairseq.training.ema import build_ema
-
             self.ema = build_ema(unwrap_model(self.model), cfg.ema, self.device)
         self._ema_starts_at_next_update = self.ema is not None and cfg.ema.ema_seed_model is None
 
@@ -189,7 +188,7 @@ class Trainer:
 
     # ---------------------------------------------------------------- state
     def _state_dict_options(self, full: bool) -> "StateDictOptions":
-        from torch.distributed.checkpoint.state_dict import StateDictOptions
+        from torch.distributed.checkpoint.state_dict import StateDictOptions  # deferred: startup (~1.5 s to import)
 
         return StateDictOptions(full_state_dict=full, cpu_offload=full)
 
@@ -198,12 +197,16 @@ class Trainer:
         With `full`, FSDP gathers everything to rank 0 (other ranks get empty dicts), on the CPU; otherwise the
         tensors are the training state itself (DTensors under FSDP2 or tensor parallelism), which a checkpoint
         save stages (fairseq.checkpoint.staging)."""
-        from torch.distributed.checkpoint.state_dict import get_state_dict
+        from torch.distributed.checkpoint.state_dict import get_state_dict  # deferred: startup
 
         return get_state_dict(self.model, self.optimizer, options=self._state_dict_options(full))
 
     def load_model_and_optimizer_state(self, model_state, optim_state, full: bool = True) -> None:
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_state_dict
+        from torch.distributed.checkpoint.state_dict import (  # deferred: startup
+            StateDictOptions,
+            set_model_state_dict,
+            set_state_dict,
+        )
 
         options = self._state_dict_options(full)
         options = StateDictOptions(full_state_dict=options.full_state_dict, strict=True)
