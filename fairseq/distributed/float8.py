@@ -103,12 +103,19 @@ def cpu_float8_matmul(rowwise: bool = False) -> bool:
     return True
 
 
-def _float8_config(common):
-    from torchao.float8 import Float8LinearConfig  # deferred: optional
+def _torchao_float8():
+    """torchao's float8 package (the `fp8` extra), imported where --fp8 first needs it: the one place this module
+    reaches torchao."""
+    import torchao.float8.float8_linear  # deferred: optional (loads torchao.float8 and its config too)
 
+    return torchao.float8
+
+
+def _float8_config(common):
+    config_class = _torchao_float8().Float8LinearConfig
     if common.fp8_recipe == "tensorwise":
-        return Float8LinearConfig(enable_fsdp_float8_all_gather=bool(common.fp8_fsdp_all_gather))
-    return Float8LinearConfig.from_recipe_name(common.fp8_recipe)
+        return config_class(enable_fsdp_float8_all_gather=bool(common.fp8_fsdp_all_gather))
+    return config_class.from_recipe_name(common.fp8_recipe)
 
 
 def is_float8_convertible(module: nn.Module, name: str, tp: int = 1) -> bool:
@@ -122,8 +129,6 @@ def is_float8_convertible(module: nn.Module, name: str, tp: int = 1) -> bool:
 
 def apply_float8(model: nn.Module, cfg) -> int:
     """Swap the convertible nn.Linear modules for torchao's Float8Linear in place; returns how many."""
-    from torchao.float8 import convert_to_float8_training  # deferred: optional
-
     converted = []
 
     tp = cfg.distributed_training.model_parallel_size
@@ -134,7 +139,7 @@ def apply_float8(model: nn.Module, cfg) -> int:
             converted.append(name)
         return ok
 
-    convert_to_float8_training(model, config=_float8_config(cfg.common), module_filter_fn=keep)
+    _torchao_float8().convert_to_float8_training(model, config=_float8_config(cfg.common), module_filter_fn=keep)
     if cfg.common.cpu or not torch.cuda.is_available():
         logger.warning(
             "--fp8 on the CPU runs torch's reference float8 matmuls: for checking a configuration "
@@ -159,12 +164,12 @@ def casts_tensorwise(module: nn.Module) -> bool:
     the whole row, so rowwise recipes all-gather in bf16 with the plain styles."""
     if "torchao.float8" not in sys.modules:  # never converted in this process: nothing to import
         return False
-    from torchao.float8.config import ScalingGranularity  # deferred: optional
-    from torchao.float8.float8_linear import Float8Linear  # deferred: optional
-
+    float8 = _torchao_float8()
+    tensorwise = float8.config.ScalingGranularity.TENSORWISE
     linears = [module] if isinstance(module, nn.Linear) else [m for m in module.modules() if isinstance(m, nn.Linear)]
     return bool(linears) and all(
-        isinstance(m, Float8Linear) and m.config.cast_config_input.scaling_granularity is ScalingGranularity.TENSORWISE
+        isinstance(m, float8.float8_linear.Float8Linear)
+        and m.config.cast_config_input.scaling_granularity is tensorwise
         for m in linears
     )
 
@@ -175,6 +180,4 @@ def needs_scale_precompute(cfg) -> bool:
 
 def after_optimizer_step(model: nn.Module) -> None:
     """With float8 all-gather: every sharded weight's scale for the next forward, in one fused reduction."""
-    from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp  # deferred: optional
-
-    precompute_float8_dynamic_scale_for_fsdp(model)
+    _torchao_float8().precompute_float8_dynamic_scale_for_fsdp(model)
