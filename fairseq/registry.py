@@ -10,6 +10,7 @@ import importlib
 import os
 import pkgutil
 import sys
+from collections.abc import Mapping
 from dataclasses import is_dataclass
 from typing import Callable, Dict, Optional, Type
 
@@ -19,10 +20,15 @@ from fairseq.suggest import did_you_mean
 def config_name(cfg, legacy_key: Optional[str] = None):
     """The registered name a component's config carries: its `_name`, else (for upstream's argparse namespace)
     its `legacy_key` attribute (`task`, `arch`). The one optional read of it: upstream's namespaces, legacy
-    plug-ins' configs and plug-in dataclasses that do not extend FairseqDataclass have no `_name`."""
-    name = getattr(cfg, "_name", None)
+    plug-ins' configs and plug-in dataclasses that do not extend FairseqDataclass have no `_name`. A config is
+    read as a mapping (an omegaconf DictConfig) or by the attributes its instance holds (a dataclass, whose
+    `_name` is set on the instance, or a namespace)."""
+    if cfg is None:
+        return None
+    values = cfg if isinstance(cfg, Mapping) else vars(cfg)
+    name = values.get("_name")
     if not name and legacy_key is not None:
-        name = getattr(cfg, legacy_key, None)
+        name = values.get(legacy_key)
     return name
 
 

@@ -362,7 +362,7 @@ IN_THE_WING_NAMES = {
 
 
 def _from_the_wing(module: str):
-    from fairseq import compat
+    from fairseq import compat  # deferred: upward (the wing; declared in scripts/check_structure.py)
 
     return compat.load(module)
 

@@ -34,7 +34,7 @@ from fairseq.dataclass.generation import check_generation_config
 from fairseq.dataclass.notices import announce_compat_options
 from fairseq.frontend.validate import check_shard
 from fairseq.generation.decode_memory import check_decode_memory, decode_positions
-from fairseq.hub.hub_utils import TextCodec, move_to
+from fairseq.hub.text import TextCodec, move_to
 from fairseq.generation.quantize import check_quantize, quantize_for_generation
 from fairseq.modules.causal_attention import fuse_qkv_
 from fairseq.logging import progress_bar
@@ -197,7 +197,7 @@ def setup(cfg, interactive=None):
     check_generation_config(cfg.generation, cfg.dataset, interactive)
     check_bpe_files(cfg.bpe)
     announce_compat_options(**vars(cfg))
-    check_shard(cfg.dataset)
+    check_shard(cfg.dataset.num_shards, cfg.dataset.shard_id)
     check_seed(cfg.common)
     seed_everything(cfg)
 
@@ -225,15 +225,43 @@ def main(cfg) -> dict:
 
 def _main(cfg, out: TextIO) -> dict:
     setup(cfg)
-    max_tokens = cfg.dataset.max_tokens
-    if max_tokens is None and cfg.dataset.batch_size is None:
-        max_tokens = 12000  # upstream's default
     if _data_dir(cfg) is None:
         raise ValueError(
             "fairseq-generate reads a binarized split: pass the data directory (DATA) and "
             "--gen-subset (use fairseq-interactive for prompts given as text)"
         )
     models, task, device, codec = load_ensemble(cfg)
+    itr = _batches(cfg, task, models, device)
+    generator = task.build_generator(models, cfg.generation)
+    strip = symbols_to_strip(generator, task.target_dictionary)
+    prefix_size = cfg.generation.prefix_size
+    sentences = generated = 0
+    elapsed = 0.0
+    for sample in itr:
+        if "net_input" not in sample:
+            continue
+        sample = move_to(sample, device)
+        prefix_tokens = sample["target"][:, :prefix_size] if prefix_size > 0 else None
+        start = time.perf_counter()
+        hypos = task.inference_step(generator, models, sample, prefix_tokens=prefix_tokens)
+        elapsed += time.perf_counter() - start
+        generated += sum(len(h[0]["tokens"]) for h in hypos)
+        if not cfg.common_eval.quiet:
+            _print_sample(cfg, task, sample, hypos, codec, strip, out)
+        sentences += len(hypos)
+    logger.info("NOTE: hypothesis and token scores are output in base 2")
+    logger.info(
+        f"Translated {sentences:,} sentences ({generated:,} tokens) in {elapsed:.1f}s "
+        f"({sentences / max(elapsed, 1e-9):.2f} sentences/s, {generated / max(elapsed, 1e-9):.2f} tokens/s)"
+    )
+    return {"sentences": sentences, "tokens": generated}
+
+
+def _batches(cfg, task, models, device):
+    """The batches of --gen-subset in order, each checked to fit the model's positions and the device's memory."""
+    max_tokens = cfg.dataset.max_tokens
+    if max_tokens is None and cfg.dataset.batch_size is None:
+        max_tokens = 12000  # upstream's default
     split = cfg.dataset.gen_subset
     load_split(task, split)
     dataset = task.dataset(split)
@@ -254,50 +282,29 @@ def _main(cfg, out: TextIO) -> dict:
     check_batches_fit(
         cfg, models, epoch_itr.frozen_batches, np.asarray(dataset.sizes), max_positions_of(task, models), device
     )
-    itr = epoch_itr.next_epoch_itr(shuffle=False)
-    generator = task.build_generator(models, cfg.generation)
-    src_dict, tgt_dict = task.source_dictionary, task.target_dictionary
-    strip = symbols_to_strip(generator, tgt_dict)
-    post_process = cfg.common_eval.post_process
-    prefix_size = cfg.generation.prefix_size
-    text_only = cfg.generation.text_only
+    return epoch_itr.next_epoch_itr(shuffle=False)
 
-    sentences = generated = 0
-    elapsed = 0.0
-    for sample in itr:
-        if "net_input" not in sample:
-            continue
-        sample = move_to(sample, device)
-        prefix_tokens = sample["target"][:, :prefix_size] if prefix_size > 0 else None
-        start = time.perf_counter()
-        hypos = task.inference_step(generator, models, sample, prefix_tokens=prefix_tokens)
-        elapsed += time.perf_counter() - start
-        generated += sum(len(h[0]["tokens"]) for h in hypos)
-        for i, sample_id in enumerate(sample["id"].tolist()):
+
+def _print_sample(cfg, task, sample, hypos, codec: TextCodec, strip, out: TextIO) -> None:
+    """Each sentence's lines: S- (the prompt) and T- (the sample) unless --text-only, then its hypotheses'."""
+    src_dict, tgt_dict = task.source_dictionary, task.target_dictionary
+    post_process, text_only = cfg.common_eval.post_process, cfg.generation.text_only
+    target = sample.get("target")
+    for i, sample_id in enumerate(sample["id"].tolist()):
+        if not text_only:
             src_tokens = _strip_pad(sample["net_input"]["src_tokens"][i], tgt_dict.pad())
-            target = sample.get("target")
-            if cfg.common_eval.quiet:
-                continue
-            if not text_only:
-                print(f"S-{sample_id}\t{codec.decode(src_dict.string(src_tokens, post_process))}", file=out)
-                if target is not None:
-                    target_str = tgt_dict.string(
-                        _strip_pad(target[i], tgt_dict.pad()).int().cpu(),
-                        post_process,
-                        escape_unk=True,
-                        extra_symbols_to_ignore=strip,
-                    )
-                    print(f"T-{sample_id}\t{codec.decode(target_str)}", file=out)
-            print_hypotheses(
-                sample_id, hypos[i], cfg.generation.nbest, tgt_dict, post_process, codec, strip, out, text_only
-            )
-        sentences += len(hypos)
-    logger.info("NOTE: hypothesis and token scores are output in base 2")
-    logger.info(
-        f"Translated {sentences:,} sentences ({generated:,} tokens) in {elapsed:.1f}s "
-        f"({sentences / max(elapsed, 1e-9):.2f} sentences/s, {generated / max(elapsed, 1e-9):.2f} tokens/s)"
-    )
-    return {"sentences": sentences, "tokens": generated}
+            print(f"S-{sample_id}\t{codec.decode(src_dict.string(src_tokens, post_process))}", file=out)
+            if target is not None:
+                target_str = tgt_dict.string(
+                    _strip_pad(target[i], tgt_dict.pad()).int().cpu(),
+                    post_process,
+                    escape_unk=True,
+                    extra_symbols_to_ignore=strip,
+                )
+                print(f"T-{sample_id}\t{codec.decode(target_str)}", file=out)
+        print_hypotheses(
+            sample_id, hypos[i], cfg.generation.nbest, tgt_dict, post_process, codec, strip, out, text_only
+        )
 
 
 def _prompt_limit(cfg, task_cfg, dataset, max_positions: Optional[int]) -> Optional[int]:

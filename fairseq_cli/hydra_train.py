@@ -31,10 +31,17 @@ from pathlib import Path
 from typing import Dict, List, Mapping, Optional
 
 import hydra
+import yaml
+from hydra._internal.utils import get_args_parser, run_and_report  # hydra's own parser: options read as hydra does
 from hydra.core.config_store import ConfigStore
 from hydra.core.hydra_config import HydraConfig
+from hydra.errors import MissingConfigException, SearchPathException
 from omegaconf import DictConfig, OmegaConf
 
+from fairseq import registry
+from fairseq.distributed import utils as dist_utils
+from fairseq.distributed.launch import call_main
+from fairseq.frontend import options
 from fairseq.frontend.hydra import (
     as_hydra_overrides,
     fairseq_config_from_dict,
@@ -50,6 +57,10 @@ from fairseq.frontend.validate import validate
 from fairseq.data.encoders._write_errors import OutputError, os_error_message
 from fairseq.logging import progress_bar
 from fairseq.logging.progress_bar import DATE_FORMAT, LOG_FORMAT
+from fairseq.suggest import closest_first, did_you_mean
+from fairseq.training.loop import check_input_files
+from fairseq.training.preemption import EXIT_REQUEUED, REQUEUE_FAILED, REQUEUED, exit_requeue_failed
+from fairseq_cli import train
 from fairseq_cli.console import run_console_script
 
 logger = logging.getLogger("fairseq_cli.hydra_train")
@@ -92,9 +103,6 @@ def _register_upstream_groups() -> None:
     optimizer=adam ...`. Each choice of group `task`, `criterion`, `optimizer`, `lr_scheduler` is a registered
     name; `model=ARCH` and `model=MODEL/ARCH` choose an architecture. The primary config `config` selects
     upstream's defaults (cross_entropy, fixed) and, as upstream's does, runs in the current directory."""
-    from fairseq import registry
-    from fairseq.frontend import options
-
     store = ConfigStore.instance()
     for attr, _, reg, _ in options.COMPONENTS:
         for name in reg.choices():
@@ -130,8 +138,6 @@ def is_first_process(environ: Mapping[str, str] = os.environ) -> bool:
 def hydra_argv(argv: List[str], environ: Mapping[str, str] = os.environ) -> List[str]:
     """The argument list handed to hydra: overrides made able to add keys, fairseq's log format chosen
     (unless the user chose a hydra/job_logging), and, on all but the first process, no run directory."""
-    from hydra._internal.utils import get_args_parser  # hydra's own parser, so options are read as hydra reads them
-
     overrides = get_args_parser().parse_args(argv).overrides
     rewritten, pending, after_last_override = [], list(overrides), len(argv)
     for item in argv:
@@ -155,8 +161,6 @@ def hydra_argv(argv: List[str], environ: Mapping[str, str] = os.environ) -> List
 def _readable_config_dir(argv: List[str]):
     """`argv` with --config-dir/--config-path pointing at a copy without upstream's `# @package _group_`
     headers, when the directory has any (see `without_group_package_headers`)."""
-    from hydra._internal.utils import get_args_parser
-
     parsed = get_args_parser().parse_args(argv)
     # hydra reads a relative --config-path against this module's directory, so only an absolute one is a
     # directory this process can copy
@@ -209,9 +213,6 @@ def warn_if_global_batch_differs(cfg, recipe: Dict, world_size: int) -> Optional
 
 def train_with_recipe_check(cfg, recipe: Optional[Dict] = None, validated: bool = False):
     """Runs on every rank (module level so spawned processes can import it)."""
-    from fairseq.distributed import utils as dist_utils
-    from fairseq_cli import train
-
     if recipe and dist_utils.is_master():
         progress_bar.setup_logging()  # a spawned rank has no log handler yet (train.main sets the same one)
         # Data-parallel ranks: the ranks of a tensor-parallel group share their batches.
@@ -265,8 +266,6 @@ def _restore_full_error() -> None:
 
 def _yaml_error_in(err: BaseException):
     """The YAML parsing error that `err` is or was caused by, if any."""
-    import yaml
-
     return _error_in(err, yaml.MarkedYAMLError)
 
 
@@ -284,8 +283,6 @@ def _error_in(err: BaseException, kind):
 def _first_key_line(path: str, mapping_mark, key: str):
     """(dotted path of `key`, 1-based line of its first occurrence) in the mapping that starts at `mapping_mark`
     of the YAML file `path`; (key, None) when the file cannot be read again."""
-    import yaml
-
     try:
         with open(path) as f:
             root = yaml.compose(f, Loader=yaml.SafeLoader)  # nodes only: duplicates are not checked here
@@ -339,8 +336,6 @@ def _describe_yaml_error(err, readable_dir: Optional[str], given_dir: Optional[s
 def _one_line_hydra_error(err: BaseException, argv: List[str], given_dir: Optional[str]) -> Optional[Exception]:
     """One line for what hydra itself raised, where there is a better one than hydra's report: an unreadable
     YAML file, a --config-name or --config-dir that does not exist, a run directory that cannot be written."""
-    from hydra.errors import MissingConfigException, SearchPathException
-
     yaml_error = _yaml_error_in(err)
     if yaml_error is not None:
         return ValueError(_describe_yaml_error(yaml_error, _config_dir_of(argv), given_dir))
@@ -371,10 +366,6 @@ def _one_line_hydra_error(err: BaseException, argv: List[str], given_dir: Option
 
 
 def _missing_config_message(argv: List[str], given_dir: Optional[str]) -> str:
-    from hydra._internal.utils import get_args_parser
-
-    from fairseq.suggest import closest_first, did_you_mean
-
     name = get_args_parser().parse_args(argv).config_name
     if given_dir is None:
         return (
@@ -393,8 +384,6 @@ def _missing_config_message(argv: List[str], given_dir: Optional[str]) -> str:
 
 
 def _config_dir_of(argv: List[str]) -> Optional[str]:
-    from hydra._internal.utils import get_args_parser
-
     parsed = get_args_parser().parse_args(argv)
     given = parsed.config_dir or parsed.config_path
     return os.path.abspath(given) if given else None
@@ -405,9 +394,6 @@ _OUTCOME: Dict[str, object] = {}  # what the hydra task returned or raised, read
 
 @hydra.main(version_base="1.3", config_path=None, config_name=None)
 def _hydra_task(composed: DictConfig) -> None:
-    from fairseq.distributed.launch import call_main
-    from fairseq.training.loop import check_input_files
-
     # Hydra would catch an exception here, print it and exit 1; keep it for cli_main instead, so user
     # errors read as one line (as with fairseq-train) and the requeue status comes through.
     _restore_full_error()  # the config is composed: from here on (and in spawned ranks) the user's setting
@@ -433,14 +419,9 @@ def _hydra_task(composed: DictConfig) -> None:
 
 
 def _main(argv: Optional[List[str]]) -> None:
-    from fairseq.training.preemption import EXIT_REQUEUED, REQUEUE_FAILED, exit_requeue_failed
-    from fairseq_cli.train import REQUEUED
-
     argv = sys.argv[1:] if argv is None else list(argv)
     _register_logging_configs()
     _register_upstream_groups()
-    from hydra._internal.utils import get_args_parser
-
     if get_args_parser().parse_args(argv).config_name is None:
         argv = argv + ["--config-name", DEFAULT_CONFIG_NAME]
     saved_argv = sys.argv
@@ -458,7 +439,6 @@ def _main(argv: Optional[List[str]]) -> None:
             one_line = _one_line_hydra_error(err, argv, given_dir)
             if one_line is not None:
                 raise one_line from None
-            from hydra._internal.utils import run_and_report
 
             def reraise(err=err):
                 raise err

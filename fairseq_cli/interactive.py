@@ -16,7 +16,8 @@ import re
 import sys
 import time
 from contextlib import contextmanager
-from typing import Callable, Iterable, Iterator, List, Optional
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Iterator, List, Optional
 
 import numpy as np
 
@@ -24,7 +25,8 @@ import torch
 
 from fairseq.frontend import options
 from fairseq.dataclass.generation import check_generation_config
-from fairseq.hub.hub_utils import TextPieces, check_prompt_lengths, first_streamed_hypothesis, move_to
+from fairseq.hub.hub_inputs import check_prompt_lengths
+from fairseq.hub.text import TextPieces, first_streamed_hypothesis, move_to
 from fairseq_cli.console import run_console_script
 from fairseq_cli.generate import (
     check_batches_fit,
@@ -154,6 +156,20 @@ class StreamPrinter:
         print(self.pieces.extend(self._text(hypo["tokens"].int().cpu()), final=True), flush=True)
 
 
+@dataclass
+class _Loaded:
+    """What decoding the prompts needs, loaded once: the ensemble, its task and device, the text codec, the
+    generator and the symbols its lines leave out."""
+
+    cfg: Any
+    models: list
+    task: Any
+    device: torch.device
+    codec: Any
+    generator: Any
+    strip: Any
+
+
 def main(cfg) -> int:
     """Generate for every prompt of --input; returns the number of prompts read. `cfg` is the config of
     convert_namespace_to_generation_config or, as upstream accepts, the namespace of parse_args_and_arch (of
@@ -166,9 +182,7 @@ def main(cfg) -> int:
     setup(cfg, cfg.interactive)
     models, task, device, codec = load_ensemble(cfg)
     generator = task.build_generator(models, cfg.generation)
-    src_dict, tgt_dict = task.source_dictionary, task.target_dictionary
-    strip = symbols_to_strip(generator, tgt_dict)
-    post_process = cfg.common_eval.post_process
+    loaded = _Loaded(cfg, models, task, device, codec, generator, symbols_to_strip(generator, task.target_dictionary))
     max_positions = max_positions_of(task, models)
 
     def check_fit(batches, widths):
@@ -181,51 +195,71 @@ def main(cfg) -> int:
         logger.info("Type the input sentence and press return:")
     start_id, generate_time = 0, 0.0
     for lines in buffered_read(cfg.interactive.input, buffer_size):
-        results = []
         batches, kept = make_batches(lines, cfg, task, max_positions, codec, start_id, check_fit)
-        if cfg.generation.stream:  # one prompt per batch, printed as it comes: in input order
-            batches = sorted(batches, key=lambda batch: int(batch["id"][0]))
-        for batch in batches:
-            batch = move_to(batch, device)
-            # Sampling draws are keyed by the prompt's number in the whole input (device_decoding).
-            numbered = dict(batch, id=torch.tensor([start_id + kept[i] for i in batch["id"].tolist()]))
-            on_tokens = StreamPrinter(tgt_dict, post_process, codec, strip) if cfg.generation.stream else None
-            started = time.perf_counter()
-            hypos = task.inference_step(generator, models, numbered, on_tokens=on_tokens)
-            seconds = time.perf_counter() - started  # --stream: printing the pieces included
-            generate_time += seconds
-            if on_tokens is not None:
-                on_tokens.finish(hypos[0][0])
-                continue
-            for i, (sample_id, sample_hypos) in enumerate(zip(batch["id"].tolist(), hypos)):
-                src_tokens = batch["net_input"]["src_tokens"][i]
-                results.append(
-                    (
-                        start_id + kept[sample_id],
-                        src_tokens[src_tokens.ne(tgt_dict.pad())],
-                        sample_hypos,
-                        seconds / len(hypos),
-                    )
-                )
-        for sample_id, src_tokens, sample_hypos, seconds in sorted(results, key=lambda r: r[0]):
-            if not cfg.generation.text_only:
-                print(f"S-{sample_id}\t{src_dict.string(src_tokens, post_process)}")
-                print(f"W-{sample_id}\t{seconds:.3f}\tseconds")
-            print_hypotheses(
-                sample_id,
-                sample_hypos,
-                cfg.generation.nbest,
-                tgt_dict,
-                post_process,
-                codec,
-                strip,
-                sys.stdout,
-                cfg.generation.text_only,
-            )
+        results, seconds = _generate(loaded, batches, kept, start_id)
+        generate_time += seconds
+        _print_results(loaded, results)
         sys.stdout.flush()
         start_id += len(lines)
     logger.info(f"Total time: {time.perf_counter() - start_time:.3f} seconds; translation time: {generate_time:.3f}")
     return start_id
+
+
+def _generate(loaded: _Loaded, batches, kept: List[int], start_id: int):
+    """([(prompt number, prompt tokens, hypotheses, seconds per prompt)], seconds generating) for one buffer's
+    batches; --stream prints each prompt's text as it comes instead (and returns no results)."""
+    cfg, task, tgt_dict = loaded.cfg, loaded.task, loaded.task.target_dictionary
+    results, generate_time = [], 0.0
+    if cfg.generation.stream:  # one prompt per batch, printed as it comes: in input order
+        batches = sorted(batches, key=lambda batch: int(batch["id"][0]))
+    for batch in batches:
+        batch = move_to(batch, loaded.device)
+        # Sampling draws are keyed by the prompt's number in the whole input (device_decoding).
+        numbered = dict(batch, id=torch.tensor([start_id + kept[i] for i in batch["id"].tolist()]))
+        on_tokens = (
+            StreamPrinter(tgt_dict, cfg.common_eval.post_process, loaded.codec, loaded.strip)
+            if cfg.generation.stream
+            else None
+        )
+        started = time.perf_counter()
+        hypos = task.inference_step(loaded.generator, loaded.models, numbered, on_tokens=on_tokens)
+        seconds = time.perf_counter() - started  # --stream: printing the pieces included
+        generate_time += seconds
+        if on_tokens is not None:
+            on_tokens.finish(hypos[0][0])
+            continue
+        for i, (sample_id, sample_hypos) in enumerate(zip(batch["id"].tolist(), hypos)):
+            src_tokens = batch["net_input"]["src_tokens"][i]
+            results.append(
+                (
+                    start_id + kept[sample_id],
+                    src_tokens[src_tokens.ne(tgt_dict.pad())],
+                    sample_hypos,
+                    seconds / len(hypos),
+                )
+            )
+    return results, generate_time
+
+
+def _print_results(loaded: _Loaded, results) -> None:
+    """Each prompt's lines, in input order: S- and W- unless --text-only, then its hypotheses'."""
+    cfg, post_process = loaded.cfg, loaded.cfg.common_eval.post_process
+    src_dict, tgt_dict = loaded.task.source_dictionary, loaded.task.target_dictionary
+    for sample_id, src_tokens, sample_hypos, seconds in sorted(results, key=lambda r: r[0]):
+        if not cfg.generation.text_only:
+            print(f"S-{sample_id}\t{src_dict.string(src_tokens, post_process)}")
+            print(f"W-{sample_id}\t{seconds:.3f}\tseconds")
+        print_hypotheses(
+            sample_id,
+            sample_hypos,
+            cfg.generation.nbest,
+            tgt_dict,
+            post_process,
+            loaded.codec,
+            loaded.strip,
+            sys.stdout,
+            cfg.generation.text_only,
+        )
 
 
 def cli_main(argv: Optional[List[str]] = None) -> None:

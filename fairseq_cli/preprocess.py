@@ -22,6 +22,7 @@ from fairseq.upstream_absent import refused_options
 from fairseq.preprocessing import binarizer
 from fairseq.checkpoint.io import os_error_message
 from fairseq.data import Dictionary
+from fairseq.data.encoders import BPE_REGISTRY, build_bpe
 from fairseq.data.encoders._script_io import interrupted_exit, stopping_on_signals
 from fairseq.data.indexed_dataset import data_file_path
 from fairseq.data.jsonl_corpus import CorpusError, find_corpora, open_shard, parse_document
@@ -111,11 +112,8 @@ def _announce_upstream_options(args: Namespace) -> None:
 def _bpe_spec(args: Namespace):
     """Build the --bpe scheme (errors for missing/malformed files come here, before any output) and make it
     available to the binarizer and its workers; None without --bpe."""
-    if not getattr(args, "bpe", None):
+    if not args.bpe:
         return None
-    from fairseq.data.encoders import BPE_REGISTRY, build_bpe
-    from fairseq.dataclass.utils import config_from_namespace
-
     dc = BPE_REGISTRY.dataclass(args.bpe)
     if dc is None:  # a scheme without options (bytes, characters)
         bpe = build_bpe(args.bpe)
@@ -135,7 +133,7 @@ def _bpe_spec(args: Namespace):
 
 
 def main(args: Namespace) -> None:
-    if getattr(args, "user_dir", None):
+    if args.user_dir:
         import_user_module(args.user_dir)
     if args.json_key:
         with _writing(args.destdir):
@@ -148,7 +146,7 @@ def main(args: Namespace) -> None:
         return
     check_args(args)
     _announce_upstream_options(args)
-    if getattr(args, "tokenizer", None):
+    if args.tokenizer:
         logger.warning(
             f"--tokenizer {args.tokenizer} is accepted for upstream compatibility and not applied by "
             "fairseq-preprocess (as upstream); tokenize the text first"
@@ -247,43 +245,47 @@ def _run(args: Namespace, pool, spec=None) -> None:
 def _run_splits(args: Namespace, pool, spec, caches: list) -> None:
     lang = args.source_lang
     train_path = _input_path(args.trainpref, lang) if args.trainpref else None
-    dictionary_inputs = _dictionary_inputs(args) if args.trainpref else []
-    if _given_dictionary(args):
-        vocab = Dictionary.load(_given_dictionary(args))
-    elif spec is not None and len(dictionary_inputs) > 1:
-        raise PreprocessError(
-            f"--joined-dictionary with --bpe builds the dictionary from one train file; encode "
-            f"{' and '.join(dictionary_inputs)} into one and pass it as --trainpref"
-        )
-    elif spec is not None:
-        stem = os.path.join(args.destdir, f".encoded.{os.getpid()}")
-        vocab, cached = binarizer.build_dictionary_encoded(
-            train_path,
-            spec,
-            stem,
-            num_workers=args.workers,
-            threshold=args.thresholdsrc,
-            nwords=args.nwordssrc,
-            padding_factor=args.padding_factor,
-            pool=pool,
-        )
-        caches.extend(cached)
-    else:
-        vocab = binarizer.build_dictionary(
-            dictionary_inputs,
-            num_workers=args.workers,
-            threshold=args.thresholdsrc,
-            nwords=args.nwordssrc,
-            padding_factor=args.padding_factor,
-            pool=pool,
-        )
+    vocab = _dictionary(args, pool, spec, caches, train_path)
     dict_path = _dict_path(args, lang)
     tmp = os.path.join(args.destdir, f".{os.path.basename(dict_path)}.{os.getpid()}.part")
     with _writing(dict_path):
         vocab.save(tmp)
         os.replace(tmp, dict_path)
-    if args.dict_only:
-        return
+    if not args.dict_only:
+        _binarize_splits(args, pool, spec, caches, vocab, train_path)
+        logger.info(f"Wrote preprocessed data to {args.destdir}")
+
+
+def _dictionary(args: Namespace, pool, spec, caches: list, train_path: Optional[str]) -> Dictionary:
+    """--srcdict's dictionary, or one built from the train file(s); with --bpe the train split is encoded once
+    and cached (`caches`) for binarizing."""
+    dictionary_inputs = _dictionary_inputs(args) if args.trainpref else []
+    if _given_dictionary(args):
+        return Dictionary.load(_given_dictionary(args))
+    if spec is not None and len(dictionary_inputs) > 1:
+        raise PreprocessError(
+            f"--joined-dictionary with --bpe builds the dictionary from one train file; encode "
+            f"{' and '.join(dictionary_inputs)} into one and pass it as --trainpref"
+        )
+    counting = dict(
+        num_workers=args.workers,
+        threshold=args.thresholdsrc,
+        nwords=args.nwordssrc,
+        padding_factor=args.padding_factor,
+        pool=pool,
+    )
+    if spec is None:
+        return binarizer.build_dictionary(dictionary_inputs, **counting)
+    stem = os.path.join(args.destdir, f".encoded.{os.getpid()}")
+    vocab, cached = binarizer.build_dictionary_encoded(train_path, spec, stem, **counting)
+    caches.extend(cached)
+    return vocab
+
+
+def _binarize_splits(args: Namespace, pool, spec, caches: list, vocab: Dictionary, train_path: Optional[str]) -> None:
+    """Each split's .bin/.idx, with a line per split; with --bpe and --srcdict, one warning for the tokens the
+    encoder produced that the dictionary lacks."""
+    lang = args.source_lang
     replaced = []
     for input_file, out_prefix in _splits(args, lang):
         logger.info(f"[{lang}] Dictionary: {len(vocab)} types")
@@ -311,7 +313,6 @@ def _run_splits(args: Namespace, pool, spec, caches: list) -> None:
             f"to {vocab.unk_word} ({', '.join(replaced)}). --srcdict must be the dictionary of this encoder "
             f"(e.g. the dict.txt published with its encoder.json/model), or omit --srcdict to build one from the data"
         )
-    logger.info(f"Wrote preprocessed data to {args.destdir}")
 
 
 def parse_args(argv: Optional[List[str]] = None) -> Namespace:

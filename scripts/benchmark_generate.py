@@ -11,12 +11,15 @@ Random weights (the preset's own initialization, seeded), random prompts of `--p
 until then: fork `--min-len`, transformers `min_new_tokens`) after the same first token (`</s>`, fairseq's and
 OPT's convention); tokens/s = batch x new tokens / wall time, best of `--repeats` after a warm-up.
 
-Fork rows (`--rows`): `greedy`; `greedy-sdpa` (greedy with the split-KV decode attention kernel turned off:
+Fork rows (`--rows`): `greedy`; `greedy-compiled` (greedy with the one-token step compiled by inductor inside
+the CUDA graphs, fairseq.generation.compiled_step, mode `--compile-mode`; its first call, compile and capture,
+is printed apart); `greedy-sdpa` (greedy with the split-KV decode attention kernel turned off:
 SDPA over a masked window, as before the kernel; CUDA with Triton only, where the kernel runs); `beam4` (beam
 search, 4 hypotheses per sentence); `sample` (top-k 50 and top-p 0.9, seeded); `int8` (greedy after `--quantize
 int8-weight-only`, fairseq.generation.quantize: CUDA and bf16 only, run last since it quantizes the model in
-place). On CUDA the model's q/k/v projections are fused first (one GEMM, as fairseq-generate loads a model). Transformers, on the exported weights (OPTForCausalLM,
-SDPA attention), greedy only: its default dynamic cache, and the static cache (`cache_implementation="static"`,
+place; `int8-compiled`: the same with the compiled step, the int8 matmul one opaque op in it). On CUDA the
+model's q/k/v projections are fused first (one GEMM, as fairseq-generate loads a model). Transformers, on the
+exported weights (OPTForCausalLM, SDPA attention), greedy only: its default dynamic cache, and the static cache (`cache_implementation="static"`,
 with which transformers 5 compiles the forward itself on CUDA: torch.compile mode "reduce-overhead", its
 documented fastest path; on the CPU it runs uncompiled). Identical rows: sentences whose greedy tokens equal the
 fork's bf16 greedy ones.
@@ -36,7 +39,8 @@ mean live length, per batch size: SDPA over the live length's 256-slot window wi
 kernel) and the split-KV kernel (fairseq.kernels.decode_attention), timed inside a CUDA graph of 20 calls as the
 decode step replays them; the kernel's GB/s counts the live keys and values it reads.
 
-`--profile`: torch.profiler over greedy decoding at each batch size (and the greedy-sdpa row where the kernel runs):
+`--profile`: torch.profiler over greedy decoding at each batch size (and the greedy-compiled and greedy-sdpa rows
+asked for, the latter where the kernel runs):
 a call that decodes one token and a call that decodes them all, profiled after a warm-up; their difference is
 new tokens - 1 decode steps, from which the kernels per step (CUDA: every GPU activity, kernels replayed from CUDA
 graphs included; CPU: the top-level aten ops) and the 10 kernels with the most time per step.
@@ -72,8 +76,11 @@ from fairseq.modules.causal_attention import fuse_qkv_  # noqa: E402
 from fairseq.models.transformer_lm import TransformerLanguageModel, preset_config  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-ROWS = ("greedy", "greedy-sdpa", "beam4", "sample", "int8")
-BEAM = {"greedy": 1, "greedy-sdpa": 1, "beam4": 4, "sample": 1, "int8": 1}
+ROWS = ("greedy", "greedy-compiled", "greedy-sdpa", "beam4", "sample", "int8", "int8-compiled")
+BEAM = {"greedy": 1, "greedy-compiled": 1, "greedy-sdpa": 1, "beam4": 4, "sample": 1, "int8": 1, "int8-compiled": 1}
+INT8_ROWS = ("int8", "int8-compiled")  # run last: the model is quantized in place
+# the rows greedy tokens are compared with the greedy row's, and --profile profiles
+GREEDY_ROWS = ("greedy-compiled", "greedy-sdpa", "int8", "int8-compiled")
 MODEL_FLAGS = ("decoder_layers", "decoder_embed_dim", "decoder_ffn_embed_dim", "decoder_attention_heads")
 
 
@@ -94,6 +101,8 @@ def get_parser():
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--no-transformers", action="store_true", help="time the fork only")
     p.add_argument("--no-static-cache", action="store_true", help="transformers' default cache only")
+    p.add_argument("--no-default-cache", action="store_true", help="transformers' static (compiled) cache only")
+    p.add_argument("--compile-mode", default="default", help="the greedy-compiled row's inductor mode")
     p.add_argument("--no-cuda-graphs", action="store_true", help="the fork's decode steps eagerly")
     p.add_argument("--no-int8-matmuls", action="store_true", help="skip the table of one Linear's int8 paths")
     p.add_argument("--no-attention-calls", action="store_true", help="skip the table of one decode attention call")
@@ -141,7 +150,13 @@ def sync(device):
 
 
 def best_time(fn, repeats, device):
-    fn()  # warm-up (allocator, kernels' autotuning, CUDA-graph capture, transformers' compile)
+    """(best seconds of `repeats` calls, the last result) after a warm-up call, whose seconds are kept in
+    best_time.warmup (allocator, kernels' autotuning, CUDA-graph capture, compiles)."""
+    sync(device)
+    start = time.perf_counter()
+    fn()
+    sync(device)
+    best_time.warmup = time.perf_counter() - start
     times = []
     for _ in range(repeats):
         sync(device)
@@ -174,6 +189,7 @@ def fork_generate(model, dictionary, prompts, args, row, new_tokens=None):
         min_len=total,
         search_strategy=strategy,
         cuda_graphs=not args.no_cuda_graphs,
+        compile_step=args.compile_mode if row.endswith("-compiled") else False,
     )
     sample = {
         "net_input": {
@@ -251,6 +267,7 @@ def fork_rows(model, dictionary, prompts_by_batch, args, device, rows):
                     "seconds": seconds,
                     "tokens": tokens,
                     "tokens_per_s": batch * args.new_tokens / seconds,
+                    "first_call_s": best_time.warmup,
                     **step_bytes(model, batch * BEAM[row], args),
                 }
             )
@@ -270,7 +287,7 @@ def decode_attention_kernel(enabled: Optional[bool]):
 
 def hf_rows(hf_model, prompts_by_batch, args, device, eos):
     out = []
-    for static in (False, True) if not args.no_static_cache else (False,):
+    for static in [s for s in (False, True) if not (args.no_static_cache if s else args.no_default_cache)]:
         for batch, prompts in prompts_by_batch.items():
             with torch.no_grad():
                 seconds, tokens = best_time(hf_generate(hf_model, prompts, args, eos, static), args.repeats, device)
@@ -281,6 +298,7 @@ def hf_rows(hf_model, prompts_by_batch, args, device, eos):
                     "seconds": seconds,
                     "tokens": tokens,
                     "tokens_per_s": batch * args.new_tokens / seconds,
+                    "first_call_s": best_time.warmup,
                 }
             )
     return out
@@ -386,16 +404,20 @@ def kernel_events(prof, device: str) -> list:
 def profile_rows(model, dictionary, prompts_by_batch, args, device) -> list:
     """For greedy decoding at each batch size (and without the decode attention kernel where it runs): the
     kernels launched per decode step and the 10 kernels taking the most time. Two profiled greedy calls, the
-    prompt's forward and one step, then the whole run: their difference is new tokens - 1 decode steps."""
+    prompt's forward and one step, then the whole run: their difference is new tokens - 1 decode steps. The
+    greedy-compiled row takes the greedy row's short call (the prompt's forward is not compiled; a short call of
+    its own would compile the step again for another cache size): its one step is the uncompiled one, so its
+    kernels per step may be off by (uncompiled - compiled kernels of one step) / (new tokens - 1)."""
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.startswith("cuda") else [])
-    rows = ["greedy"] + (["greedy-sdpa"] if decode_attention_available(model_probe(model)) else [])
-    out = []
+    kernel = decode_attention_available(model_probe(model))
+    rows = ["greedy"] + [r for r in args.rows.split(",") if r == "greedy-compiled" or (r == "greedy-sdpa" and kernel)]
+    out, short = [], {}
     for row in rows:
         for batch, prompts in prompts_by_batch.items():
-            events = {}
-            for new in (1, args.new_tokens):
+            events = {1: short[batch]} if row == "greedy-compiled" else {}
+            for new in [n for n in (1, args.new_tokens) if n not in events]:
                 with torch.no_grad(), decode_attention_kernel(False if row == "greedy-sdpa" else None):
                     run = fork_generate(model, dictionary, prompts, args, row, new_tokens=new)
                     run()  # warm-up: allocations, autotuning, graph captures happen outside the profile
@@ -403,6 +425,8 @@ def profile_rows(model, dictionary, prompts_by_batch, args, device) -> list:
                         run()
                         sync(device)
                 events[new] = kernel_events(prof, device)
+            if row == "greedy":
+                short[batch] = events[1]
             steps = max(args.new_tokens - 1, 1)
             per_kernel = {}
             for sign, new in ((-1, 1), (1, args.new_tokens)):
@@ -577,7 +601,7 @@ def print_tables(fork, hf, args, bandwidth, uncached, name, skipped):
         step_s = r["seconds"] / args.new_tokens
         rate = (r["weight_bytes"] + r["kv_bytes"]) / step_s
         agreement = f"{float((r['tokens'] == greedy[r['batch']]).float().mean()):.1%}" if r["batch"] in greedy else "-"
-        same = {"greedy": "(reference)", "int8": agreement, "greedy-sdpa": agreement}.get(r["row"], "-")
+        same = "(reference)" if r["row"] == "greedy" else agreement if r["row"] in GREEDY_ROWS else "-"
         r.update(step_ms=1000 * step_s, gb_per_s=rate / 1e9, bandwidth_fraction=rate / bandwidth)
         print(
             f"| {r['batch']} | {r['row']} | {r['tokens_per_s']:,.0f} | {1000 * step_s:.2f} | "
@@ -587,27 +611,7 @@ def print_tables(fork, hf, args, bandwidth, uncached, name, skipped):
     for row, reason in skipped.items():
         print(f"\n{row}: not run ({reason})")
     if hf:
-        print()
-        print(
-            "| batch | fork greedy tokens/s | transformers default | transformers static cache | fork / best "
-            "transformers | identical rows (default, static) |"
-        )
-        print("| ---: | ---: | ---: | ---: | ---: | ---: |")
-        for batch, tokens in greedy.items():
-            fork_rate = next(r["tokens_per_s"] for r in fork if r["row"] == "greedy" and r["batch"] == batch)
-            theirs = {r["row"]: r for r in hf if r["batch"] == batch}
-            best = max(r["tokens_per_s"] for r in theirs.values())
-            cells = [f"{theirs[k]['tokens_per_s']:,.0f}" if k in theirs else "-" for k in ("default", "static")]
-            same = [
-                f"{int((theirs[k]['tokens'] == tokens).all(dim=1).sum())}/{batch}" if k in theirs else "-"
-                for k in ("default", "static")
-            ]
-            print(
-                f"| {batch} | {fork_rate:,.0f} | {cells[0]} | {cells[1]} | {fork_rate / best:.2f}x | "
-                f"{', '.join(same)} |"
-            )
-        compiled = "compiled by transformers (reduce-overhead)" if args.device.startswith("cuda") else "uncompiled"
-        print(f"\ntransformers static cache: {compiled}")
+        print_transformers(fork, hf, greedy, args)
     if not fork:
         return
     first = next(r for r in fork if r["row"] == "greedy") if greedy else fork[0]
@@ -616,6 +620,32 @@ def print_tables(fork, hf, args, bandwidth, uncached, name, skipped):
         f"{1000 * first['seconds'] / args.new_tokens:.2f} ms with the cache, {1000 * uncached:.2f} ms without "
         "(one full forward over the prefix)"
     )
+    firsts = [f"{r['row']} {r['batch']}: {r['first_call_s']:.1f} s" for r in fork + hf]
+    print("first call, the warm-up (compiles, graph captures, autotuning): " + "; ".join(firsts))
+
+
+def print_transformers(fork, hf, greedy, args) -> None:
+    """The fork's greedy rows (uncompiled and compiled step) beside transformers' paths, one run, same prompts."""
+    rate = {(r["row"], r["batch"]): r["tokens_per_s"] for r in fork}
+    print(
+        "\n| batch | fork greedy tokens/s | fork greedy-compiled | transformers default | transformers static "
+        "cache | fork / best transformers (greedy, compiled) | identical rows (default, static) |"
+    )
+    print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for batch, tokens in greedy.items():
+        theirs = {r["row"]: r for r in hf if r["batch"] == batch}
+        best = max(r["tokens_per_s"] for r in theirs.values())
+        ours = [rate.get((row, batch)) for row in ("greedy", "greedy-compiled")]
+        cells = [f"{r:,.0f}" if r else "-" for r in ours]
+        cells += [f"{theirs[k]['tokens_per_s']:,.0f}" if k in theirs else "-" for k in ("default", "static")]
+        ratios = ", ".join(f"{r / best:.2f}x" if r else "-" for r in ours)
+        same = [
+            f"{int((theirs[k]['tokens'] == tokens).all(dim=1).sum())}/{batch}" if k in theirs else "-"
+            for k in ("default", "static")
+        ]
+        print(f"| {batch} | {' | '.join(cells)} | {ratios} | {', '.join(same)} |")
+    compiled = "compiled by transformers (reduce-overhead)" if args.device.startswith("cuda") else "uncompiled"
+    print(f"\ntransformers static cache: {compiled}")
 
 
 def main(argv=None):
@@ -648,7 +678,7 @@ def main(argv=None):
     if device.startswith("cuda"):  # as fairseq-generate loads a model: one q/k/v GEMM per layer call
         fuse_qkv_(model)
     skipped = {}
-    int8 = "int8" in rows and int8_reason(args, device)
+    int8 = any(r in INT8_ROWS for r in rows) and int8_reason(args, device)
     if int8:
         skipped["int8"] = int8
     args.attention_kernel = decode_attention_available(model_probe(model))
@@ -658,15 +688,15 @@ def main(argv=None):
             "turned off): the greedy row is SDPA already"
         )
     fork = fork_rows(
-        model, dictionary, prompts_by_batch, args, device, [r for r in rows if r != "int8" and r not in skipped]
+        model, dictionary, prompts_by_batch, args, device, [r for r in rows if r not in INT8_ROWS and r not in skipped]
     )
     profiled = profile_rows(model, dictionary, prompts_by_batch, args, device) if args.profile else []
     hf = hf_rows(hf_model, prompts_by_batch, args, device, dictionary.eos()) if hf_model is not None else []
     del hf_model
     uncached = uncached_step_time(model, dictionary, args, device)
-    if "int8" in rows and not int8:  # last: in place
+    if any(r in INT8_ROWS for r in rows) and not int8:  # last: in place
         quantize_for_generation(model, "int8-weight-only", torch.device(device))
-        fork += fork_rows(model, dictionary, prompts_by_batch, args, device, ["int8"])
+        fork += fork_rows(model, dictionary, prompts_by_batch, args, device, [r for r in rows if r in INT8_ROWS])
     name = torch.cuda.get_device_name() if device.startswith("cuda") else "cpu"
     print_tables(fork, hf, args, bandwidth, uncached, name, skipped)
     matmuls = (

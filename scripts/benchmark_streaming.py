@@ -12,16 +12,33 @@ then, in this one process (what one tokenizing worker does, plus the packing the
 - resume: a fresh CorpusStream restored from the state saved after 1e4 and after 1e7 tokens (when the corpus
   has them), seconds until its next block is ready (open, seek, tokenize one chunk).
 GPT-2 files are a byte-level BPE of GPT-2's size trained here (GPT-2's own cannot be downloaded).
+
+    python scripts/benchmark_streaming.py --train --size-mb 5 --schemes gpt2 --updates 40 --rounds 3
+
+`--train` measures training instead: the same tiny CPU model (tests/train_fixtures.py's transformer_lm, 2 layers
+of 32) trained for --updates updates by fairseq-train on the same text, as the data-bin (`--task
+language_modeling`) and as the JSONL (`--task streaming_language_modeling`, same dictionary and --bpe), with the
+same batch flags and --num-workers; the runs alternate (data-bin, stream, data-bin, ...) --rounds times so a
+drift of the machine's load hits both routes. Each run's figure is the median `wps` of its JSON log lines after
+the first --skip-updates; the ratio is stream / data-bin of the medians over the rounds (and the median of each
+round's ratio: a round's two runs share the machine's load). Last, the training thread's wait for the streaming
+task's batches (the iterator fairseq-train builds), with a consumer that keeps the CPU busy as long per batch as
+a data-bin update took: whether the loader is on the critical path, whatever the load.
 """
 
 import argparse
 import json
 import os
+import shutil
+import statistics
+import subprocess
 import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import benchmark_bpe as bb  # noqa: E402
+from tests.train_fixtures import TINY_MODELS  # noqa: E402
 
 BLOCK = 2048
 MARKS = (10_000, 10_000_000)
@@ -96,9 +113,8 @@ def resume_seconds(jsonl: str, spec, eos: int, state) -> float:
     return time.perf_counter() - start
 
 
-def bench_scheme(scheme: str, raw: str, args) -> None:
-    from fairseq.data import Dictionary
-    from fairseq.data.stream_tokenizer import TokenizerSpec, bpe_spec_of
+def prepare(scheme: str, raw: str, args):
+    """(JSONL file, data-bin directory, --bpe flags, the scheme's option values, fairseq-preprocess seconds)."""
     from fairseq_cli import preprocess
 
     workdir = os.path.join(args.workdir, scheme)
@@ -124,7 +140,14 @@ def bench_scheme(scheme: str, raw: str, args) -> None:
             ]
         )
     )
-    prep = time.perf_counter() - start
+    return jsonl, bin_dir, flags, files, time.perf_counter() - start
+
+
+def bench_scheme(scheme: str, raw: str, args) -> None:
+    from fairseq.data import Dictionary
+    from fairseq.data.stream_tokenizer import TokenizerSpec, bpe_spec_of
+
+    jsonl, bin_dir, _, files, prep = prepare(scheme, raw, args)
     dict_path = os.path.join(bin_dir, "dict.txt")
     spec = TokenizerSpec("fairseq", (dict_path,), bpe=bpe_spec_of(scheme, files))
     eos = Dictionary.load(dict_path).eos()
@@ -145,6 +168,120 @@ def bench_scheme(scheme: str, raw: str, args) -> None:
             print(f"  resume at {mark:,} tokens: the corpus is shorter (raise --size-mb)")
 
 
+# ---- --train: training tokens/s, streaming against data-bin ------------------------------------------------
+TINY_MODEL = TINY_MODELS["transformer_lm"]["model"]  # the tests' tiny decoder: 2 layers of 32
+
+
+def train_argv(args, updates: int) -> list:
+    """The flags both routes train with (model, optimizer, batch, logging)."""
+    return [
+        *TINY_MODEL,
+        "--optimizer",
+        "adam",
+        "--lr",
+        "0.002",
+        "--tokens-per-sample",
+        str(args.tokens_per_sample),
+        "--batch-size",
+        str(args.batch_size),
+        "--sample-break-mode",
+        "none",
+        "--max-update",
+        str(updates),
+        "--num-workers",
+        str(args.num_workers),
+        "--seed",
+        "1",
+        "--cpu",
+        "--disable-validation",
+        "--no-save",
+        "--log-format",
+        "json",
+        "--log-interval",
+        "1",
+    ]
+
+
+def run_wps(argv: list, skip: int) -> float:
+    """The median wps of fairseq-train's JSON log lines after the first `skip` updates."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "fairseq_cli.train", *argv], capture_output=True, text=True, env=dict(os.environ)
+    )
+    if proc.returncode != 0:
+        raise SystemExit(f"fairseq-train failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+    wps = []
+    for line in (proc.stdout + proc.stderr).splitlines():
+        start = line.find("{")
+        if start < 0 or '"wps"' not in line:
+            continue
+        try:
+            record = json.loads(line[start:])
+        except ValueError:
+            continue
+        if "num_updates" in record and int(record["num_updates"]) > skip:
+            wps.append(float(record["wps"]))
+    if not wps:
+        raise SystemExit(f"no wps in fairseq-train's log lines:\n{proc.stderr[-2000:]}")
+    return statistics.median(wps)
+
+
+def loader_waits(argv: list, batch_size: int, batches: int, step_s: float):
+    """(first wait, later waits: total and max, in seconds) of the training thread for the streaming task's
+    batches (the task and iterator fairseq-train builds from `argv`), while it keeps the CPU busy with torch
+    matrix products for `step_s` per batch, as a training step of that length would."""
+    import torch
+
+    from fairseq import options, registry
+
+    cfg = options.convert_namespace_to_config(options.parse_args_and_arch(options.get_training_parser(), argv))
+    task = registry.TASK_REGISTRY.get(cfg.task._name).setup_task(cfg.task)
+    task.load_dataset(cfg.dataset.train_subset, for_training=True)
+    epoch_itr = task.get_batch_iterator(task.dataset(cfg.dataset.train_subset), max_sentences=batch_size, seed=1)
+    itr, a, waits = epoch_itr.next_epoch_itr(), torch.randn(256, 256), []
+    for _ in range(batches):
+        start = time.perf_counter()
+        next(itr)
+        waits.append(time.perf_counter() - start)
+        start = time.perf_counter()
+        while time.perf_counter() - start < step_s:
+            a = (a @ a).tanh()
+    epoch_itr.close()
+    return waits[0], sum(waits[1:]), max(waits[1:])
+
+
+def bench_train(scheme: str, raw: str, args) -> None:
+    jsonl, bin_dir, flags, _, _ = prepare(scheme, raw, args)
+    data = os.path.dirname(os.path.dirname(os.path.dirname(jsonl)))  # DATA of DATA/train/00/web.jsonl
+    shutil.copyfile(os.path.join(bin_dir, "dict.txt"), os.path.join(data, "dict.txt"))
+    common = train_argv(args, args.updates)
+    routes = {
+        "data-bin": ["--task", "language_modeling", bin_dir, *common],
+        "stream": ["--task", "streaming_language_modeling", data, *flags, *common],
+    }
+    results = {name: [] for name in routes}
+    for r in range(args.rounds):
+        order = list(routes) if r % 2 == 0 else list(reversed(routes))
+        for name in order:
+            load = os.getloadavg()[0]
+            results[name].append(run_wps(routes[name], args.skip_updates))
+            print(f"  round {r + 1} {name}: {results[name][-1]:,.0f} tokens/s (load average {load:.1f})", flush=True)
+    binned, streamed = statistics.median(results["data-bin"]), statistics.median(results["stream"])
+    pairs = statistics.median(s / b for s, b in zip(results["stream"], results["data-bin"]))
+    print(
+        f"{scheme}: training tokens/s, median of {args.rounds} runs x {args.updates} updates "
+        f"(--batch-size {args.batch_size} --tokens-per-sample {args.tokens_per_sample} --num-workers "
+        f"{args.num_workers}): data-bin {binned:,.0f}, stream {streamed:,.0f}; stream / data-bin: "
+        f"{streamed / binned:.3f} of the medians, {pairs:.3f} median of the rounds' ratios"
+    )
+    step_s = args.batch_size * args.tokens_per_sample / binned
+    first, later, worst = loader_waits(routes["stream"], args.batch_size, args.wait_batches, step_s)
+    print(
+        f"  stream: the training thread waited {first:.2f} s for the first batch (workers starting), then "
+        f"{later:.3f} s in all for the next {args.wait_batches - 1} (at most {worst * 1e3:.1f} ms once) "
+        f"while busy {step_s:.2f} s per batch"
+    )
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--size-mb", type=float, default=45.0)
@@ -154,6 +291,14 @@ def main():
     p.add_argument("--spm-vocab-size", type=int, default=8000)
     p.add_argument("--spm-train-mb", type=float, default=2.0)
     p.add_argument("--workdir", default="/tmp/bench_streaming")
+    p.add_argument("--train", action="store_true", help="training tokens/s of both routes instead (module docstring)")
+    p.add_argument("--updates", type=int, default=40)
+    p.add_argument("--skip-updates", type=int, default=5, help="updates left out of the median (start-up)")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--tokens-per-sample", type=int, default=512)
+    p.add_argument("--num-workers", type=int, default=1)
+    p.add_argument("--wait-batches", type=int, default=60, help="batches of the training thread's wait probe")
     args = p.parse_args()
     os.makedirs(args.workdir, exist_ok=True)
     raw = os.path.join(args.workdir, "train.raw")
@@ -161,7 +306,7 @@ def main():
         bb.generate_corpus(raw, int(args.size_mb * 1e6))
     print(f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
     for scheme in args.schemes:
-        bench_scheme(scheme, raw, args)
+        (bench_train if args.train else bench_scheme)(scheme, raw, args)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One-call GPU validation (used with the device tool). On 2 GPUs: tests|resume|bench-a|bench-rest|175b.
 # On one H200, the open measurements of issues 31-33 (each part fits one 10-minute call):
-#   decode|gen-tests|gen-bench|gen-int8|fp8|fp8-tp-parity|fp8-bench|ckpt-blocked|ckpt-tps       (OUT=dir for logs, default gpu_out)
+#   decode|decode-more|gen-tests|gen-bench|gen-int8|fp8|fp8-tp-parity|fp8-bench|ckpt-blocked|ckpt-tps       (OUT=dir for logs, default gpu_out)
 # The lent machine lacks hydra-core, omegaconf and torchao: carry the wheels (.whl/, ignored) and first run
 #   pip install --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
 # Installs nothing: expects torch, numpy, omegaconf, hydra, sentencepiece, tqdm (puts the repo on PYTHONPATH).
@@ -47,13 +47,21 @@ case "${1:-tests}" in
     step gen_tests 540 python3 -m pytest -q -s -p no:cacheprovider -m gpu tests/gpu/test_generation_gpu.py \
       tests/gpu/test_quantize_gpu.py -rs --basetemp "$WORK/pytest"
     ;;
-  decode)  # issue 41 (kernels) and 39.3 (host syncs): the decode GPU tests, then greedy with and without the decode
-           # attention kernel, int8, and the per-step kernel profile, on the 1.3B preset (no transformers rows)
-    step decode_tests 240 python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu/test_decode_attention_gpu.py tests/gpu/test_decode_engine_gpu.py \
-      tests/gpu/test_quantize_gpu.py tests/gpu/test_generation_gpu.py -rs --basetemp "$WORK/pytest"
-    step decode_bench 300 python3 scripts/benchmark_generate.py --arch transformer_lm_gpt3_xl --batch-sizes 1,32 \
-      --prompt-len 512 --new-tokens 256 --dtype bf16 --repeats 1 --rows greedy,greedy-sdpa,int8 --no-transformers \
-      --profile --json "$WORK/decode.json"
+  decode)  # issue 41, one call on one H100 (<= 9 min with the compiles): the decode GPU tests (the compiled step first),
+           # then greedy with the eager and the compiled decode step beside transformers' static compiled path, in one
+           # run: tokens/s, % of copy bandwidth, kernels per step (--profile), each row's first call (compile, capture)
+    step decode_tests 200 python3 -m pytest -q -s -p no:cacheprovider -m gpu tests/gpu/test_decode_compiled_gpu.py \
+      tests/gpu/test_decode_attention_gpu.py tests/gpu/test_decode_engine_gpu.py -rs --basetemp "$WORK/pytest"
+    step decode_bench 330 python3 scripts/benchmark_generate.py --arch transformer_lm_gpt3_xl --batch-sizes 1,32 \
+      --prompt-len 512 --new-tokens 256 --dtype bf16 --repeats 1 --rows greedy,greedy-compiled --no-default-cache \
+      --no-int8-matmuls --no-attention-calls --profile --json "$WORK/decode.json"
+    ;;
+  decode-more)  # the rest of issue 41's rows (int8, SDPA without the kernel, max-autotune) and generation tests
+    step decode_more_tests 240 python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu/test_quantize_gpu.py \
+      tests/gpu/test_generation_gpu.py -rs --basetemp "$WORK/pytest"
+    step decode_more_bench 300 python3 scripts/benchmark_generate.py --arch transformer_lm_gpt3_xl --batch-sizes 1,32 \
+      --prompt-len 512 --new-tokens 256 --dtype bf16 --repeats 1 --rows greedy,greedy-compiled,greedy-sdpa,int8,int8-compiled \
+      --compile-mode max-autotune-no-cudagraphs --no-transformers --json "$WORK/decode_more.json"
     ;;
   gen-bench)  # issue 33: the fork (greedy, beam 4, sampling) against transformers' default and static-cache paths
     step gen_bench 580 python3 scripts/benchmark_generate.py --arch transformer_lm_gpt3_xl --batch-sizes 1,32 \

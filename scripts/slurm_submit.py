@@ -126,7 +126,7 @@ def plan_overrides(
         check_tensor_parallel_dictionary,
     )
 
-    check_tensor_parallel_config(cfg)
+    check_tensor_parallel_config(cfg.distributed_training.model_parallel_size, cfg.model)
     check_tensor_parallel_dictionary(cfg)  # when --data is readable here
     world = ParallelLayout.from_config(cfg.distributed_training, nodes * gpus_per_node).dp  # data-parallel ranks
     if _override_value(overrides, "optimization.update_freq") is None and cfg.dataset.batch_size and recipe:

@@ -52,12 +52,13 @@ def overrides(args, out: Path):
 def predict(args, config_overrides, env):
     """(plan, gpu memory GiB) of the planner for the composed config, on one GPU, in the run's environment."""
     from fairseq.frontend.hydra import compose_dict, fairseq_config_from_dict, split_recipe
-    from fairseq.planning import hardware, plan_memory
+    from fairseq.planning import hardware
+    from fairseq.planning.request import inputs_from_config
     from fairseq.planning import memory_model as mm
 
     values, _ = split_recipe(compose_dict(str(args.config_dir), args.config_name, config_overrides))
     cfg = fairseq_config_from_dict(values)
-    shape, setup = plan_memory.inputs_from_config(cfg, gpus=1, vocab_size=DICT_SIZE + 4, environ=env)
+    shape, setup = inputs_from_config(cfg, gpus=1, vocab_size=DICT_SIZE + 4, environ=env)
     return mm.plan(shape, setup), hardware.GPUS[args.gpu].memory_gib
 
 

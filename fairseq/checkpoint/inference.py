@@ -8,6 +8,7 @@ overrides to the saved config, set up the task, build the model from the saved m
 import collections
 import copy
 import dataclasses
+import json
 import os
 from dataclasses import dataclass
 from typing import Any, Dict, List, NamedTuple, Optional, Tuple, Union
@@ -21,6 +22,9 @@ from fairseq.checkpoint.legacy import is_legacy_checkpoint, upgrade_legacy_check
 from fairseq.checkpoint.fit import check_architecture
 from fairseq.checkpoint.vocabulary import carried, check_dictionary
 from fairseq.dataclass.utils import config_from_dict
+from fairseq.dataclass.configs import FairseqConfig
+from fairseq.dataclass.generation import GenerationConfig, InteractiveConfig
+from fairseq.data.encoders import BPE_REGISTRY, TOKENIZER_REGISTRY
 
 # Config groups chosen by name (`_name`), in FairseqConfig's order.
 COMPONENT_GROUPS = ("task", "model", "criterion", "optimizer", "lr_scheduler", "bpe", "tokenizer")
@@ -37,8 +41,6 @@ class ShardedCheckpoint:
 
 def transformers_model_type(directory: str) -> Optional[str]:
     """The model_type of a transformers model directory (its config.json names one); None for anything else."""
-    import json
-
     try:
         with open(os.path.join(directory, "config.json"), encoding="utf-8") as f:
             config = json.load(f)
@@ -90,9 +92,9 @@ def read_checkpoint_state(path: str, trust_legacy: bool = False) -> Dict[str, An
     if not os.path.isdir(path):
         return _upgraded(load_checkpoint_file(path, trust_legacy=trust_legacy))
     # Imported here, for sharded directories only: torch.distributed.checkpoint costs ~1.5 s to import.
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata  # deferred: startup
 
-    from fairseq.checkpoint import safe_dcp
+    from fairseq.checkpoint import safe_dcp  # deferred: startup (safe_dcp imports torch.distributed.checkpoint)
 
     resolved = _resolve_directory(path)
     index = safe_dcp.read_dcp_metadata(resolved, trust_legacy=trust_legacy).state_dict_metadata
@@ -120,9 +122,6 @@ def _upgraded(state: Dict[str, Any]) -> Dict[str, Any]:
 
 def _group_types() -> Dict[str, type]:
     """Groups of a full config that are not chosen by name: FairseqConfig's, then generation and interactive."""
-    from fairseq.dataclass.configs import FairseqConfig
-    from fairseq.dataclass.generation import GenerationConfig, InteractiveConfig
-
     types = {
         f.name: f.default_factory
         for f in dataclasses.fields(FairseqConfig)
@@ -150,8 +149,6 @@ def is_registered(attr: str, name: Optional[str]) -> bool:
 
 def _component_registry(attr: str):
     if attr in ("bpe", "tokenizer"):
-        from fairseq.data.encoders import BPE_REGISTRY, TOKENIZER_REGISTRY
-
         return BPE_REGISTRY if attr == "bpe" else TOKENIZER_REGISTRY
     return {
         "task": registry.TASK_REGISTRY,
@@ -212,8 +209,6 @@ def config_from_saved(saved_cfg: Dict[str, Any]):
     """The FairseqConfig (plus `generation` and `interactive` groups) of a saved config dict. Components whose
     names are not registered here (a plug-in not imported) stay plain dicts, except the model (an error);
     registered legacy ones (no dataclass) are argparse namespaces, as they were built."""
-    from fairseq.dataclass.configs import FairseqConfig
-
     cfg = FairseqConfig()
     for name, dc in _group_types().items():
         values = saved_cfg.get(name)
@@ -389,7 +384,8 @@ def load_ema_from_checkpoint(fpath: str, trust_legacy_checkpoint: bool = False) 
     --store-ema; fp16 weights in fp32), as upstream: e.g. to save them as a model of their own. A sharded
     directory's EMA shards are read whole."""
     if os.path.isdir(fpath):
-        from fairseq.checkpoint.consolidate import read_full_state
+        # torch.distributed.checkpoint: ~1.5 s
+        from fairseq.checkpoint.consolidate import read_full_state  # deferred: startup
 
         path = sharded.resolve_sharded(fpath)
         if path is None:

@@ -3,7 +3,8 @@
 A checkpoint is composed here, and only here, from the states of the Stateful parts of training (each one's
 `state_dict()` read once): the trainer (update count, scheduler, loss scaler, training time), the epoch batch
 iterator (data position) and the meters (fairseq.logging.metrics), beside model, optimizer and this manager's
-best validation value. `CheckpointManager.resume` gives each part its state back.
+best validation value. `CheckpointManager.resume` gives each part its state back (what each part's state is in
+a file, and how it is given back: fairseq.checkpoint.resume_state).
 
 Layout of a single-file checkpoint (upstream's keys, plain containers only):
   cfg, criterion, optimizer_history [{criterion_name, optimizer_name, lr_scheduler_state, num_updates}],
@@ -17,7 +18,6 @@ only from files without extra_state.trainer. A sharded checkpoint has the same k
 DCP shards, the others in its metadata.pt.
 """
 
-import ast
 import copy
 import logging
 import os
@@ -38,6 +38,16 @@ from fairseq.checkpoint.paths import (
     prune_checkpoints,
     resolve_restore_path,
 )
+from fairseq.checkpoint.resume_state import (
+    Resets,
+    SavedState,
+    apply_optimizer_overrides,
+    iterator_state_for_world_size,
+    parse_optimizer_overrides,
+    restore_saved_meters,
+    saved_state,
+    written_at_epoch_end,
+)
 from fairseq.checkpoint.vocabulary import KEY as VOCABULARY_KEY, carried, check_dictionary, make_record
 from fairseq.checkpoint.save_dir import SaveDirLock, check_writable, remove_stale_temporaries
 from fairseq.checkpoint.saving import sharded_checkpoint_write, single_file_checkpoint_write
@@ -46,47 +56,12 @@ from fairseq.dataclass.utils import config_to_dict
 from fairseq.distributed.utils import barrier, broadcast_from_master, get_data_parallel_world_size, get_rank
 from fairseq.distributed.launch import process_group_timeout
 from fairseq.logging import metrics
-from fairseq.logging.log_line import log_checkpoint_times, without_run_only_meters
+from fairseq.logging.log_line import log_checkpoint_times
 
 if TYPE_CHECKING:  # torch.distributed.checkpoint costs ~1.5 s to import: only where a checkpoint needs it
     from torch.distributed.checkpoint.stateful import Stateful
 
 logger = logging.getLogger(__name__)
-# fairseq-train resumed itself before resume moved here: the warning about another world size keeps its name.
-_train_logger = logging.getLogger("fairseq_cli.train")
-
-
-@dataclass
-class SavedState:
-    """The states a checkpoint holds for the Stateful parts of training (None: not in the file, or reset by a
-    --reset-* flag)."""
-
-    trainer: Optional[Dict[str, Any]] = None
-    train_iterator: Optional[Dict[str, Any]] = None
-    data_parallel_size: Optional[int] = None  # the world size whose data position train_iterator is
-    metrics: Optional[Dict[str, Any]] = None
-    best: Optional[float] = None
-    val_loss: Optional[float] = None  # the validation value the checkpoint was written with
-    extra_state: Optional[Dict[str, Any]] = None  # the file's extra_state as read (upstream's Trainer API returns it)
-
-
-@dataclass(frozen=True)
-class Resets:
-    """Which saved states a restore leaves out (the --reset-* flags; upstream's Trainer.load_checkpoint arguments)."""
-
-    optimizer: bool = False  # also the update count and the schedule (upstream: fine-tuning starts at update 0)
-    lr_scheduler: bool = False
-    meters: bool = False
-    dataloader: bool = False
-
-    @classmethod
-    def from_config(cls, ckpt_cfg) -> "Resets":
-        return cls(
-            optimizer=ckpt_cfg.reset_optimizer,
-            lr_scheduler=ckpt_cfg.reset_lr_scheduler,
-            meters=ckpt_cfg.reset_meters,
-            dataloader=ckpt_cfg.reset_dataloader,
-        )
 
 
 @dataclass
@@ -124,7 +99,7 @@ class CheckpointManager:
     def carry_vocabulary(self, task) -> None:
         """Read what every checkpoint of this run carries about its text (the dictionary's fingerprint, the
         --bpe files), once, at start-up."""
-        self._vocabulary = make_record(getattr(task, "source_dictionary", None), getattr(self.cfg, "bpe", None))
+        self._vocabulary = make_record(getattr(task, "source_dictionary", None), self.cfg.bpe)
 
     def open_save_dir(self) -> None:
         """Start-up, on every rank: lock --save-dir against a second run and remove temporaries of killed saves
@@ -406,15 +381,7 @@ class CheckpointManager:
                 "with the same flags, or pass --reset-optimizer to keep the weights and start a new optimizer"
             ) from err
         if optimizer_overrides and optim_state is not None:
-            known = sorted(k for k in trainer.optimizer.param_groups[0] if k != "params")
-            unknown = sorted(set(optimizer_overrides) - set(known))
-            if unknown:  # a misspelt key would be added to every group and read by nothing
-                raise ValueError(
-                    f"--optimizer-overrides: {', '.join(unknown)} is not an option of the optimizer's "
-                    f"parameter groups ({', '.join(known)})"
-                )
-            for group in trainer.optimizer.param_groups:
-                group.update(optimizer_overrides)
+            apply_optimizer_overrides(trainer.optimizer, optimizer_overrides)
         # after the weights: without a saved EMA, it restarts from them (upstream's rule)
         trainer.load_ema_state(state.get("extra_state") or {}, state["model"])
         if state.get("task_state"):  # the task's own state (none for the built-in tasks)
@@ -520,108 +487,9 @@ def choose_restore(ck, first_launch: Optional[bool] = None) -> RestoreChoice:
     return RestoreChoice(path, Resets.from_config(ck))
 
 
-def saved_state(state: Dict[str, Any]) -> SavedState:
-    """The parts' states in a checkpoint's `state` (upstream's layout)."""
-    extra = state.get("extra_state") or {}
-    return SavedState(
-        trainer=_saved_trainer_state(state, extra),
-        train_iterator=extra.get("train_iterator"),
-        data_parallel_size=extra.get("data_parallel_size"),
-        metrics=extra.get("metrics"),
-        best=extra.get("best"),
-        val_loss=extra.get("val_loss"),
-        extra_state=extra,
-    )
-
-
 def missing_restore_file(restore_file: str, looked_for: str) -> FileNotFoundError:
     """The error for a --restore-file that names no checkpoint (a fresh start would silently drop it)."""
     return FileNotFoundError(
         f"--restore-file {restore_file}: no such checkpoint (looked for {looked_for}); check "
         "the path or drop the flag to start from scratch"
     )
-
-
-def written_at_epoch_end(train_iterator: Optional[Dict[str, Any]], val_loss: Optional[float]) -> bool:
-    """Whether the checkpoint with this data position was written at an epoch's end (the iterator at the next
-    epoch's start, with that end's validation value): the epoch-end scheduler step `step(epoch - 1, val_loss)`
-    is still to be taken after loading it. save_last, at an epoch start, writes no val_loss."""
-    return (
-        bool(train_iterator)
-        and train_iterator.get("iterations_in_epoch", 0) == 0
-        and train_iterator["epoch"] > 1
-        and val_loss is not None
-    )
-
-
-def parse_optimizer_overrides(text) -> Dict[str, Any]:
-    """--optimizer-overrides: a Python dict literal (or a dict) of optimizer parameter-group values."""
-    if isinstance(text, dict):
-        return text
-    try:
-        overrides = ast.literal_eval(text or "{}")
-    except (ValueError, SyntaxError):
-        overrides = None
-    if not isinstance(overrides, dict):
-        raise ValueError(
-            f"--optimizer-overrides {text!r}: expected a Python dict literal such as \"{{'weight_decay': 0.1}}\""
-        )
-    if "lr" in overrides:  # the scheduler sets every group's lr again at once (upstream loses it the same way)
-        raise ValueError(
-            f"--optimizer-overrides {text!r}: 'lr' would be replaced by the learning-rate scheduler at "
-            "the next update; change the learning rate with --lr and --reset-lr-scheduler instead"
-        )
-    return overrides
-
-
-def restore_saved_meters(saved: SavedState, meters: "Stateful") -> bool:
-    """Give `meters` their saved state when the checkpoint was written mid-epoch (at an epoch boundary the saved
-    meters belong to the finished epoch, and the new one starts afresh, as upstream); True when restored."""
-    position = saved.train_iterator
-    restore = bool(position and position.get("iterations_in_epoch", 0) > 0 and saved.metrics)
-    if restore:  # the saves' seconds are counted afresh (log_line.RUN_ONLY_METERS)
-        meters.load_state_dict(without_run_only_meters(saved.metrics))
-    return restore
-
-
-def _saved_trainer_state(state: Dict[str, Any], extra: Dict[str, Any]) -> Optional[Dict[str, Any]]:
-    """extra_state.trainer; from a file without it, what upstream's places hold (optimizer_history[-1]'s
-    num_updates and lr_scheduler_state, extra_state.previous_training_time)."""
-    if "trainer" in extra:
-        return extra["trainer"]
-    history = state.get("optimizer_history") or [{}]
-    last = history[-1] if isinstance(history[-1], dict) else {}
-    places = (
-        ("num_updates", last, "num_updates"),
-        ("lr_scheduler", last, "lr_scheduler_state"),
-        ("train_time", extra, "previous_training_time"),
-    )
-    found = {key: where[name] for key, where, name in places if name in where}
-    return found or None
-
-
-def iterator_state_for_world_size(state: Dict[str, Any], saved_world: Optional[int], world_size: int) -> dict:
-    """The data position `state` saved by `saved_world` ranks (None: by this world size), re-expressed for
-    `world_size`: ranks take batches round-robin, so N ranks that each consumed k batches consumed N*k batches
-    of the epoch together."""
-    state = dict(state)
-    saved_world = world_size if saved_world is None else saved_world
-    if state.get("streaming") is not None:  # --task streaming_language_modeling: a global sample index
-        if saved_world != world_size:
-            _train_logger.warning(
-                f"resuming a checkpoint saved by {saved_world} ranks on {world_size}: the streaming "
-                f"data continues its global sequence at sample {state['streaming']['sample']:,}"
-            )
-        return state
-    if saved_world != world_size:
-        consumed = state["iterations_in_epoch"] * saved_world
-        state["iterations_in_epoch"] = consumed // world_size
-        left = consumed % world_size
-        skipped = f" ({left} batch(es) of this epoch are skipped)" if left else ""
-        if get_rank() == 0:  # one line for the job (a warning: every rank would print it)
-            _train_logger.warning(
-                f"resuming a checkpoint saved by {saved_world} ranks on {world_size}: continuing after batch "
-                f"{consumed} of the epoch. Keep --batch-size/--max-tokens x --update-freq x ranks the same to keep "
-                f"the same global batch{skipped}"
-            )
-    return state

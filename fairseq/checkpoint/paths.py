@@ -10,6 +10,11 @@ import re
 import shutil
 from typing import List, Optional, Tuple
 
+import torch
+
+from fairseq.checkpoint.io import checkpoint_file_looks_intact
+from fairseq.checkpoint.sharded import METADATA, resolve_sharded
+
 
 def checkpoint_stems(
     ckpt_cfg,
@@ -137,9 +142,6 @@ def intact_checkpoints(save_dir: str, exclude: Optional[str] = None) -> List[str
 
 def looks_intact(path: str) -> bool:
     """A complete zip file `x.pt`, or a sharded directory with both metadata files (cheap: no tensor is read)."""
-    from fairseq.checkpoint.io import checkpoint_file_looks_intact
-    from fairseq.checkpoint.sharded import METADATA, resolve_sharded
-
     if os.path.isdir(path):
         complete = resolve_sharded(path) == path and os.path.isfile(os.path.join(path, ".metadata"))
         return complete and checkpoint_file_looks_intact(os.path.join(path, METADATA))
@@ -177,10 +179,6 @@ def training_progress(path: str) -> Tuple[int, int]:
     """(updates, epoch) of a checkpoint file or sharded directory: what its state stores (extra_state's trainer
     and train_iterator, or upstream's optimizer_history), else what its name says (checkpoint_E_U,
     checkpointN); -1 for what neither tells. Reads no tensor data (the file is memory-mapped)."""
-    import torch
-
-    from fairseq.checkpoint.sharded import METADATA
-
     updates = epoch = -1
     try:
         state = torch.load(
@@ -207,7 +205,6 @@ def existing_checkpoint(path: str) -> Optional[str]:
     """The file `x.pt`, or the sharded directory `x`, whichever exists (file preferred)."""
     if os.path.isfile(path):
         return path
-    from fairseq.checkpoint.sharded import resolve_sharded
 
     stem = path[:-3] if path.endswith(".pt") else path
     return resolve_sharded(stem)

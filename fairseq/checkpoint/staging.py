@@ -44,6 +44,7 @@ from dataclasses import dataclass, fields
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
+import torch.distributed as dist
 
 from fairseq.runtime.dtensor import is_dtensor
 
@@ -230,7 +231,7 @@ class _Copier:
 
     def _dtensor(self, value, place: Tuple):
         if not self.gather:
-            from torch.distributed.tensor import DTensor
+            from torch.distributed.tensor import DTensor  # deferred: startup (~1 s to import)
 
             local = self._tensor(value.to_local(), place)
             return local if local is None else DTensor(local, value._spec, requires_grad=False)
@@ -306,14 +307,12 @@ def _whole_locally(value) -> bool:
 
 def _gathered(value) -> torch.Tensor:
     """The whole tensor of a DTensor (collective), as torch's full state dict gathers it."""
-    from torch.distributed._functional_collectives import AsyncCollectiveTensor
-    from torch.distributed.tensor import Replicate
+    from torch.distributed._functional_collectives import AsyncCollectiveTensor  # deferred: startup
+    from torch.distributed.tensor import Replicate  # deferred: startup (~1 s to import)
 
     whole = value.redistribute(value.device_mesh, [Replicate()] * len(value.placements)).to_local()
     return whole.wait() if isinstance(whole, AsyncCollectiveTensor) else whole
 
 
 def _rank() -> int:
-    import torch.distributed as dist
-
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0

@@ -20,7 +20,12 @@ import hashlib
 import os
 import shutil
 import tempfile
+from collections.abc import Mapping
 from typing import Any, Dict, Iterable, Optional
+
+from fairseq.checkpoint.io import CheckpointError
+from fairseq.registry import config_name
+from fairseq.data.encoders.bpe_file_check import WHAT, bpe_file_problem
 
 KEY = "vocabulary"
 
@@ -32,25 +37,20 @@ def flag(option: str) -> str:
     return "--" + option.replace("_", "-")
 
 
-def _get(cfg, name: str, default=None):
-    """A value of a config given as a dataclass, a namespace, a dict or a DictConfig."""
-    if cfg is None:
-        return default
-    if not dataclasses.is_dataclass(cfg) and hasattr(cfg, "keys") and hasattr(cfg, "get"):
-        return cfg.get(name, default)
-    return getattr(cfg, name, default)
-
-
 def bpe_options(cfg) -> Optional[Dict[str, Any]]:
-    """A --bpe config (dataclass, dict or namespace) as a plain dict, None when no scheme is chosen."""
-    name = _get(cfg, "_name")
-    if cfg is None or name in (None, "none"):
+    """A --bpe config as a plain dict (`_name` and its options), None when no scheme is chosen: the one reading of
+    the shapes it comes in (a config dataclass, a dict or DictConfig of keyword arguments or a saved config, an
+    argparse namespace)."""
+    if cfg is None:
         return None
     if dataclasses.is_dataclass(cfg):
-        return {**{f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}, "_name": name}
-    if hasattr(cfg, "keys"):
-        return {key: cfg.get(key) for key in cfg.keys()}
-    return {"_name": name, **{o: _get(cfg, o) for o in BPE_FILES.get(name, ())}}
+        options = {**{f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}, "_name": config_name(cfg)}
+    elif isinstance(cfg, Mapping):
+        options = {key: cfg.get(key) for key in cfg.keys()}
+    else:
+        name = config_name(cfg)
+        options = {"_name": name, **{o: vars(cfg).get(o) for o in BPE_FILES.get(name, ())}}
+    return None if options.get("_name") in (None, "none") else options
 
 
 # ------------------------------------------------------------------------------------------ files
@@ -69,23 +69,23 @@ def _read(path: str, what: str) -> bytes:
         raise ValueError(f"{what}: cannot be read ({e.strerror}); pass a readable file") from None
 
 
-def check_bpe_flags(cfg) -> None:
-    """A chosen --bpe (the command line's or keyword arguments) names each file it needs (validate(cfg): no
-    file is read). One-line error naming the flag and the fix."""
-    name = _get(cfg, "_name")
+def check_bpe_flags(bpe: Optional[Dict[str, Any]]) -> None:
+    """A chosen --bpe (`bpe_options` of the command line's or keyword arguments; None: none) names each file it
+    needs (validate(cfg): no file is read). One-line error naming the flag and the fix."""
+    name = (bpe or {}).get("_name")
     for option in BPE_FILES.get(name, ()):
-        if not _get(cfg, option):
+        if not bpe.get(option):
             raise ValueError(f"--bpe {name} needs {flag(option)} PATH (the file the data was encoded with)")
 
 
 def check_bpe_files(cfg) -> None:
-    """Start-up check of a chosen --bpe: each file it needs is named, readable and loads (checkpoints carry the
-    files: a bad one would break every consumer). One-line error naming the flag, the path and the fix."""
-    from fairseq.data.encoders.bpe_file_check import WHAT, bpe_file_problem
-
-    check_bpe_flags(cfg)
-    for option in BPE_FILES.get(_get(cfg, "_name"), ()):
-        path = _get(cfg, option)
+    """Start-up check of a chosen --bpe (a config, as `bpe_options` reads it): each file it needs is named,
+    readable and loads (checkpoints carry the files: a bad one would break every consumer). One-line error
+    naming the flag, the path and the fix."""
+    bpe = bpe_options(cfg)
+    check_bpe_flags(bpe)
+    for option in BPE_FILES.get((bpe or {}).get("_name"), ()):
+        path = bpe[option]
         _read(str(path), f"{flag(option)} {path}")
         problem = bpe_file_problem(option, str(path))
         if problem:
@@ -116,11 +116,12 @@ def make_record(dictionary, bpe_cfg) -> Dict[str, Any]:
     record: Dict[str, Any] = {"dictionary_sha256": None, "dictionary_size": None, "bpe": None}
     if dictionary is not None:
         record.update(dictionary_sha256=dictionary_sha256(dictionary), dictionary_size=len(dictionary))
-    name = _get(bpe_cfg, "_name")
+    bpe = bpe_options(bpe_cfg) or {}
+    name = bpe.get("_name")
     if name in BPE_FILES:
         files = {}
         for option in BPE_FILES[name]:
-            path = str(_get(bpe_cfg, option))
+            path = str(bpe.get(option))
             files[option] = {
                 "name": os.path.basename(path),
                 "path": os.path.abspath(path),
@@ -142,7 +143,6 @@ def check_dictionary(checkpoint: str, record: Optional[Dict[str, Any]], dictiona
     expected = (record or {}).get("dictionary_sha256")
     if not expected or dictionary is None or dictionary_sha256(dictionary) == expected:
         return
-    from fairseq.checkpoint.io import CheckpointError
 
     size, here = record.get("dictionary_size"), len(dictionary)
     detail = (
@@ -204,8 +204,6 @@ def resolve_bpe(
 
 
 def _check_carried(checkpoint: str, option: str, entry: Dict[str, Any], path: str, how: str) -> None:
-    from fairseq.data.encoders.bpe_file_check import WHAT, bpe_file_problem
-
     problem = bpe_file_problem(option, path)
     if problem:
         raise ValueError(

@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 import torch
+import torch.distributed as dist
 
 from fairseq.checkpoint.staging import HostStaging, Staged, StagingTimes
 
@@ -130,8 +131,6 @@ class CheckpointWriter:
         background writes a gloo group of their own, where DCP's collectives and the rename's run in the writer
         thread, never on the groups the training loop uses. Collective: created at the first background sharded
         save, which every rank reaches at the same update."""
-        import torch.distributed as dist
-
         if self.asynchronous and self._group is None and dist.is_available() and dist.is_initialized():
             kwargs = {"timeout": self._timeout} if self._timeout is not None else {}
             self._group = dist.new_group(backend="gloo", **kwargs)

@@ -33,7 +33,17 @@ from fairseq.checkpoint.inference import (  # noqa: F401 (upstream's names)
     load_model_ensemble,
     load_model_ensemble_and_task,
 )
+from fairseq.checkpoint.io import atomic_torch_save, load_checkpoint_file
+from fairseq.checkpoint.manager import (
+    choose_restore,
+    iterator_state_for_world_size,
+    parse_optimizer_overrides,
+    written_at_epoch_end,
+)
+from fairseq.checkpoint.paths import existing_checkpoint
 from fairseq.compat.file_io import PathManager
+from fairseq.distributed.utils import get_data_parallel_world_size
+from fairseq.logging import metrics
 
 logger = logging.getLogger("fairseq.checkpoint_utils")  # upstream's module name: log lines unchanged
 
@@ -43,8 +53,6 @@ def torch_persistent_save(obj, filename: str, async_write: bool = False) -> None
     `PathManager.opena` gives (iopath's asynchronous writer; without iopath a plain file); on a path of a
     registered iopath handler, into `PathManager.open`'s; a local file atomically (a temporary file renamed into
     place, as every checkpoint here is written)."""
-    from fairseq.checkpoint.io import atomic_torch_save
-
     if async_write:
         with PathManager.opena(filename, "wb") as f:
             _torch_persistent_save(obj, f)
@@ -75,8 +83,6 @@ def _read_checkpoint_file(path: str, trust_legacy: bool) -> dict:
     except Exception:
         if PathManager.path_requires_pathmanager(path):
             raise
-    from fairseq.checkpoint.io import load_checkpoint_file
-
     return load_checkpoint_file(path, trust_legacy=trust_legacy)
 
 
@@ -137,51 +143,11 @@ def load_checkpoint(cfg, trainer, **passthrough_args):
     checkpoint written at an epoch's end gets the scheduler step `trainer.lr_step(epoch, val_loss)` that the
     uninterrupted run took after writing it (upstream steps with the next epoch and no loss instead). Which
     checkpoint, with which resets, is fairseq-train's rule (`fairseq.checkpoint.manager.choose_restore`)."""
-    from fairseq.checkpoint.manager import (
-        choose_restore,
-        iterator_state_for_world_size,
-        parse_optimizer_overrides,
-        written_at_epoch_end,
-    )
-    from fairseq.checkpoint.paths import existing_checkpoint
-    from fairseq.distributed.utils import get_data_parallel_world_size
-
-    # the options choose_restore reads, from a config that may lack them (upstream's test passes a partial one)
-    ck = types.SimpleNamespace(
-        **{name: getattr(cfg, name, default) for name, default in _RESUME_DEFAULTS.items()},
-        checkpoint_suffix=trainer.checkpoint_suffix,
-    )
-    finetune, restore_file = ck.finetune_from_model, ck.restore_file
-    if finetune is not None and (ck.reset_optimizer or ck.reset_lr_scheduler or ck.reset_meters or ck.reset_dataloader):
-        raise ValueError(f"{FINETUNE_WITH_RESETS}: fine-tuning resets them all; drop the --reset-* flags")
-    if restore_file != "checkpoint_last.pt" and finetune:
-        raise ValueError(
-            f"--finetune-from-model and --restore-file (non-default value) can not be specified "
-            f"together (--restore-file {restore_file}, --finetune-from-model {finetune}): drop one"
-        )
-
-    first_launch = None
-    if restore_file == "checkpoint_last.pt":
-        # upstream's probe, through PathManager: a file, or a sharded directory (checkpoint_last/, or
-        # checkpoint_last.old/ after an interrupted save)
-        last_file = os.path.join(ck.save_dir, f"checkpoint_last{trainer.checkpoint_suffix}.pt")
-        last_dir = os.path.join(ck.save_dir, f"checkpoint_last{trainer.checkpoint_suffix}")
-        first_launch = not (
-            PathManager.exists(last_file) or PathManager.exists(last_dir) or PathManager.exists(last_dir + ".old")
-        )
-    choice = choose_restore(ck, first_launch)
+    ck = _resume_options(cfg, trainer.checkpoint_suffix)
+    choice = choose_restore(ck, _first_launch(ck) if ck.restore_file == "checkpoint_last.pt" else None)
     checkpoint_path, resets = choice.path, choice.resets
     if choice.finetune:
-        checkpoint_path = existing_checkpoint(finetune)
-        if checkpoint_path is None:
-            raise FileNotFoundError(
-                f"--finetune-from-model {finetune}: no such checkpoint (a .pt file or a "
-                "complete sharded checkpoint directory)"
-            )
-        logger.info(
-            f"loading pretrained model from {finetune}: optimizer, lr scheduler, meters, dataloader will be reset"
-        )
-
+        checkpoint_path = _finetune_checkpoint(ck.finetune_from_model)
     extra_state = trainer.load_checkpoint(
         checkpoint_path,
         resets.optimizer,
@@ -194,14 +160,56 @@ def load_checkpoint(cfg, trainer, **passthrough_args):
         epoch=1 if position is None else position["epoch"], load_dataset=True, **passthrough_args
     )
     if position is not None:
-        epoch_itr.load_state_dict(
-            iterator_state_for_world_size(
-                position, extra_state.get("data_parallel_size"), get_data_parallel_world_size()
-            )
-        )
-        if written_at_epoch_end(position, extra_state.get("val_loss")):
-            trainer.lr_step(epoch_itr.epoch - 1, extra_state["val_loss"])
+        _restore_position(trainer, epoch_itr, position, extra_state)
     return extra_state, epoch_itr
+
+
+def _resume_options(cfg, checkpoint_suffix: str) -> types.SimpleNamespace:
+    """The options choose_restore reads, from a config that may lack them (upstream's test passes a partial one),
+    checked: --finetune-from-model goes with no --reset-* flag and the default --restore-file only."""
+    ck = types.SimpleNamespace(
+        **{name: getattr(cfg, name, default) for name, default in _RESUME_DEFAULTS.items()},
+        checkpoint_suffix=checkpoint_suffix,
+    )
+    finetune, restore_file = ck.finetune_from_model, ck.restore_file
+    if finetune is not None and (ck.reset_optimizer or ck.reset_lr_scheduler or ck.reset_meters or ck.reset_dataloader):
+        raise ValueError(f"{FINETUNE_WITH_RESETS}: fine-tuning resets them all; drop the --reset-* flags")
+    if restore_file != "checkpoint_last.pt" and finetune:
+        raise ValueError(
+            f"--finetune-from-model and --restore-file (non-default value) can not be specified "
+            f"together (--restore-file {restore_file}, --finetune-from-model {finetune}): drop one"
+        )
+    return ck
+
+
+def _first_launch(ck: types.SimpleNamespace) -> bool:
+    """Whether save_dir holds no checkpoint_last: upstream's probe, through PathManager, of a file or a sharded
+    directory (checkpoint_last/, or checkpoint_last.old/ after an interrupted save)."""
+    last_file = os.path.join(ck.save_dir, f"checkpoint_last{ck.checkpoint_suffix}.pt")
+    last_dir = os.path.join(ck.save_dir, f"checkpoint_last{ck.checkpoint_suffix}")
+    return not (PathManager.exists(last_file) or PathManager.exists(last_dir) or PathManager.exists(last_dir + ".old"))
+
+
+def _finetune_checkpoint(finetune: str) -> str:
+    """--finetune-from-model's checkpoint (a file or a complete sharded directory), else a one-line error."""
+    checkpoint_path = existing_checkpoint(finetune)
+    if checkpoint_path is None:
+        raise FileNotFoundError(
+            f"--finetune-from-model {finetune}: no such checkpoint (a .pt file or a "
+            "complete sharded checkpoint directory)"
+        )
+    logger.info(f"loading pretrained model from {finetune}: optimizer, lr scheduler, meters, dataloader will be reset")
+    return checkpoint_path
+
+
+def _restore_position(trainer, epoch_itr, position: dict, extra_state: dict) -> None:
+    """`epoch_itr` at the saved data position (re-split for this data-parallel size), and the scheduler step the
+    uninterrupted run took after a checkpoint written at an epoch's end."""
+    epoch_itr.load_state_dict(
+        iterator_state_for_world_size(position, extra_state.get("data_parallel_size"), get_data_parallel_world_size())
+    )
+    if written_at_epoch_end(position, extra_state.get("val_loss")):
+        trainer.lr_step(epoch_itr.epoch - 1, extra_state["val_loss"])
 
 
 def save_checkpoint(cfg, trainer, epoch_itr, val_loss: Optional[float]) -> List[str]:
@@ -214,8 +222,6 @@ def save_checkpoint(cfg, trainer, epoch_itr, val_loss: Optional[float]) -> List[
     trainer's). The file holds the trainer's config, as upstream's. Every rank calls it. Returns the paths
     written, complete (with --write-checkpoints-asynchronously too: a script has no later point where a failed
     background write could be reported)."""
-    from fairseq.logging import metrics
-
     manager = trainer.checkpoint_manager
     options = _checkpoint_options(cfg, manager.ckpt_cfg)
     writer = manager if options is manager.ckpt_cfg else manager.with_checkpoint_config(options)

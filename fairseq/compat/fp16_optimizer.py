@@ -19,28 +19,42 @@ parameters are refused: autocast wants fp32 weights.
 """
 
 import math
+from collections.abc import Mapping
 from typing import Callable, Optional
 
 import torch
 
+from fairseq.dataclass.build import component_config
+from fairseq.dataclass.configs import CommonConfig, OptimizationConfig
+from fairseq.distributed.parallelize import clip_grad_norm_
+from fairseq.optim import build_optimizer, set_lr
 from fairseq.training.precision import DynamicLossScaler
 
 __all__ = ["DynamicLossScaler", "FP16Optimizer", "MemoryEfficientFP16Optimizer"]
 
 
-def _loss_scaler(common_cfg, data_parallel_size: int = 1, update_freq: int = 1) -> DynamicLossScaler:
+def _typed(group, dc):
+    """A config group as dataclass `dc`: as given when it is one, else (upstream's tests pass partial DictConfigs,
+    dicts or None) `dc` with the values it has and the defaults for the rest."""
+    if isinstance(group, dc):
+        return group
+    if group is None:
+        return dc()
+    return component_config(dc, group if isinstance(group, Mapping) else vars(group))
+
+
+def _loss_scaler(common: CommonConfig, data_parallel_size: int = 1, update_freq: int = 1) -> DynamicLossScaler:
     """The trainer's scaler for --fp16-init-scale, --fp16-scale-window (default: 2**14 updates over all
     replicas and micro-batches), --fp16-scale-tolerance, --threshold-loss-scale and --min-loss-scale."""
-    get = lambda name, default: getattr(common_cfg, name, default) if common_cfg is not None else default  # noqa
-    window = get("fp16_scale_window", None)
+    window = common.fp16_scale_window
     if window is None:
         window = max(int(2**14 / data_parallel_size / update_freq), 1)
     return DynamicLossScaler(
-        init_scale=get("fp16_init_scale", 2.0**7),
+        init_scale=common.fp16_init_scale,
         scale_window=window,
-        tolerance=get("fp16_scale_tolerance", 0.0),
-        threshold=get("threshold_loss_scale", None),
-        min_loss_scale=get("min_loss_scale", 1e-4),
+        tolerance=common.fp16_scale_tolerance,
+        threshold=common.threshold_loss_scale,
+        min_loss_scale=common.min_loss_scale,
     )
 
 
@@ -49,16 +63,13 @@ class _FP16OptimizerMixin:
         self.cfg = cfg
         self.fp32_optimizer = fp32_optimizer
         self.fp32_params = fp32_params if fp32_params is not None else self.params
-        # upstream's tests build `cfg` as a partial DictConfig: its optimization group may lack update_freq
-        update_freq = getattr(cfg.optimization, "update_freq", [1]) or [1]
-        self.scaler = _loss_scaler(cfg.common, update_freq=update_freq[0])
+        update_freq = _typed(cfg.optimization, OptimizationConfig).update_freq or [1]
+        self.scaler = _loss_scaler(_typed(cfg.common, CommonConfig), update_freq=update_freq[0])
         self._grads_unscaled = True  # no scaled backward yet
 
     @classmethod
     def build_optimizer(cls, cfg, params, **kwargs):
         """The --optimizer of `cfg` (a FairseqConfig: its optimizer and optimization groups) over `params`."""
-        from fairseq.optim import build_optimizer
-
         params = [p for p in params if p.requires_grad]
         half = [p for p in params if p.dtype != torch.float32 and p.is_floating_point()]
         if half:
@@ -85,8 +96,6 @@ class _FP16OptimizerMixin:
         return self.fp32_optimizer.param_groups[0]["lr"]
 
     def set_lr(self, lr: float) -> None:
-        from fairseq.optim import set_lr
-
         set_lr(self.fp32_optimizer, lr)
 
     def state_dict(self) -> dict:
@@ -120,8 +129,6 @@ class _FP16OptimizerMixin:
     def clip_grad_norm(self, max_norm: float, aggregate_norm_fn: Optional[Callable] = None) -> torch.Tensor:
         """Unscale, clip to `max_norm` (0: measure only) and return the norm; on inf/nan the loss scale falls and
         OverflowError is raised (skip this update), FloatingPointError below --min-loss-scale."""
-        from fairseq.distributed.parallelize import clip_grad_norm_
-
         self._unscale_grads()
         grad_norm = clip_grad_norm_(list(self.params), max_norm, aggregate_norm_fn=aggregate_norm_fn)
         if not math.isfinite(float(grad_norm)):

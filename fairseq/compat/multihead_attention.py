@@ -139,36 +139,11 @@ class MultiheadAttention(FairseqIncrementalState, AttentionProjections):
         tgt_len, bsz, embed_dim = query.size()
         if not self.skip_embed_dim_check and embed_dim != self.embed_dim:
             raise ValueError(f"query dim {embed_dim} != {self.embed_dim}")
-        saved = self._get_input_buffer(incremental_state) if incremental_state is not None else None
-        if saved is not None and static_kv and "prev_key" in saved:
-            if not self.encoder_decoder_attention or self.self_attention:
-                raise ValueError("static_kv reuses cached keys: for encoder_decoder_attention only")
-            key = value = None  # computed at the first step
-        q, k, v, key_padding_mask = self._project(query, key, value, key_padding_mask, bsz)
-        if self.bias_k is not None and k is not None:
-            k, v, key_padding_mask, attn_mask = self._add_bias(k, v, key_padding_mask, attn_mask, k.size(1))
-        heads, head_dim = self.num_heads, self.head_dim
-        q = q.reshape(tgt_len, bsz, heads, head_dim).permute(1, 2, 0, 3)  # [B, H, T, D]
-        if k is not None:
-            k = k.reshape(k.size(0), -1, heads, head_dim).permute(1, 2, 0, 3)  # [kv B, H, S, D]
-            v = v.reshape(v.size(0), -1, heads, head_dim).permute(1, 2, 0, 3)
-        if saved is not None:
-            k, v, key_padding_mask = self._cache(incremental_state, saved, k, v, key_padding_mask, static_kv)
-        if key_padding_mask is not None and key_padding_mask.dim() == 0:
-            key_padding_mask = None
-        kv_bsz, src_len = k.size(0), k.size(2)
-        if key_padding_mask is not None and tuple(key_padding_mask.shape) != (kv_bsz, src_len):
-            raise ValueError(f"key_padding_mask is {tuple(key_padding_mask.shape)}, expected {(kv_bsz, src_len)}")
-        if self.add_zero_attn:
-            k = torch.cat([k, k.new_zeros(k.shape[:2] + (1, head_dim))], dim=2)
-            v = torch.cat([v, v.new_zeros(v.shape[:2] + (1, head_dim))], dim=2)
-            key_padding_mask, attn_mask = self._pad_masks(key_padding_mask, attn_mask)
-            src_len += 1
-        if kv_bsz != bsz:  # beamable encoder-decoder attention: each sentence's keys serve its beam's rows
-            repeat = bsz // kv_bsz
-            k, v = k.repeat_interleave(repeat, dim=0), v.repeat_interleave(repeat, dim=0)
-            if key_padding_mask is not None:
-                key_padding_mask = key_padding_mask.repeat_interleave(repeat, dim=0)
+        q, k, v, key_padding_mask, attn_mask = self._heads(
+            query, key, value, key_padding_mask, attn_mask, incremental_state, static_kv
+        )
+        k, v, key_padding_mask, attn_mask = self._extend_keys(k, v, key_padding_mask, attn_mask, bsz)
+        heads, head_dim, src_len = self.num_heads, self.head_dim, k.size(2)
         mask = self._additive_mask(attn_mask, key_padding_mask, bsz, tgt_len, src_len, q.dtype, q.device)
         dropout = self.dropout_module.p if self.training or self.dropout_module.apply_during_inference else 0.0
         weights = None
@@ -190,6 +165,47 @@ class MultiheadAttention(FairseqIncrementalState, AttentionProjections):
             attn = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout)
         attn = attn.permute(2, 0, 1, 3).reshape(tgt_len, bsz, heads * head_dim)
         return self.out_proj(attn), weights
+
+    def _heads(self, query, key, value, key_padding_mask, attn_mask, incremental_state, static_kv: bool):
+        """(q, k, v, key_padding_mask, attn_mask): q [B, H, T, D]; k and v [kv B, H, S, D] with the cached ones in
+        front (the cache updated); key_padding_mask [kv B, S] or None."""
+        tgt_len, bsz, _ = query.size()
+        saved = self._get_input_buffer(incremental_state) if incremental_state is not None else None
+        if saved is not None and static_kv and "prev_key" in saved:
+            if not self.encoder_decoder_attention or self.self_attention:
+                raise ValueError("static_kv reuses cached keys: for encoder_decoder_attention only")
+            key = value = None  # computed at the first step
+        q, k, v, key_padding_mask = self._project(query, key, value, key_padding_mask, bsz)
+        if self.bias_k is not None and k is not None:
+            k, v, key_padding_mask, attn_mask = self._add_bias(k, v, key_padding_mask, attn_mask, k.size(1))
+        heads, head_dim = self.num_heads, self.head_dim
+        q = q.reshape(tgt_len, bsz, heads, head_dim).permute(1, 2, 0, 3)  # [B, H, T, D]
+        if k is not None:
+            k = k.reshape(k.size(0), -1, heads, head_dim).permute(1, 2, 0, 3)  # [kv B, H, S, D]
+            v = v.reshape(v.size(0), -1, heads, head_dim).permute(1, 2, 0, 3)
+        if saved is not None:
+            k, v, key_padding_mask = self._cache(incremental_state, saved, k, v, key_padding_mask, static_kv)
+        if key_padding_mask is not None and key_padding_mask.dim() == 0:
+            key_padding_mask = None
+        kv_bsz, src_len = k.size(0), k.size(2)
+        if key_padding_mask is not None and tuple(key_padding_mask.shape) != (kv_bsz, src_len):
+            raise ValueError(f"key_padding_mask is {tuple(key_padding_mask.shape)}, expected {(kv_bsz, src_len)}")
+        return q, k, v, key_padding_mask, attn_mask
+
+    def _extend_keys(self, k: Tensor, v: Tensor, key_padding_mask, attn_mask, bsz: int):
+        """(k, v, key_padding_mask, attn_mask) with the zero key and value of add_zero_attn, and one row per batch
+        row (beamable encoder-decoder attention: each sentence's keys serve its beam's rows)."""
+        if self.add_zero_attn:
+            k = torch.cat([k, k.new_zeros(k.shape[:2] + (1, self.head_dim))], dim=2)
+            v = torch.cat([v, v.new_zeros(v.shape[:2] + (1, self.head_dim))], dim=2)
+            key_padding_mask, attn_mask = self._pad_masks(key_padding_mask, attn_mask)
+        kv_bsz = k.size(0)
+        if kv_bsz != bsz:
+            repeat = bsz // kv_bsz
+            k, v = k.repeat_interleave(repeat, dim=0), v.repeat_interleave(repeat, dim=0)
+            if key_padding_mask is not None:
+                key_padding_mask = key_padding_mask.repeat_interleave(repeat, dim=0)
+        return k, v, key_padding_mask, attn_mask
 
     def _project(
         self,

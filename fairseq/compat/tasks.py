@@ -6,6 +6,7 @@ fairseq.upstream_absent."""
 import os
 
 from fairseq.data.dictionary import Dictionary
+from fairseq.dataclass.flag_values import task_data_dir
 from fairseq.tasks.fairseq_task import FairseqTask
 
 
@@ -35,7 +36,7 @@ class LegacyFairseqTask(FairseqTask):
 
     def has_sharded_data(self, split: str) -> bool:
         """Whether DATA names several directories (`path1:path2`), so each epoch loads a different one."""
-        return os.pathsep in (getattr(self.args, "data", None) or "")
+        return os.pathsep in (task_data_dir(self.args) or "")
 
     def logging_outputs_can_be_summed(self, criterion) -> bool:
         return criterion.logging_outputs_can_be_summed()

@@ -6,7 +6,11 @@ the core class. The core module's other names are reachable here too, as they we
 import logging
 from typing import Any, Dict, Optional
 
+from fairseq.checkpoint.manager import CheckpointManager, Resets, restore_saved_meters
+from fairseq.checkpoint.paths import existing_checkpoint
+from fairseq.logging import metrics
 from fairseq.training import trainer as _core
+from fairseq.training.batch_iterators import trainer_iterator
 
 logger = logging.getLogger("fairseq.trainer")  # upstream's logger name, as the core trainer's
 
@@ -20,8 +24,6 @@ class UpstreamTrainerMethods:
         """The CheckpointManager of this trainer's config that upstream's `checkpoint_utils.load_checkpoint` /
         `save_checkpoint` go through (it tracks the best validation value between them)."""
         if getattr(self, "_checkpoint_manager", None) is None:
-            from fairseq.checkpoint.manager import CheckpointManager
-
             self._checkpoint_manager = CheckpointManager(self.cfg)
         return self._checkpoint_manager
 
@@ -51,10 +53,6 @@ class UpstreamTrainerMethods:
         `reset_meters` is off, the meters. Returns its extra_state ("train_iterator", "val_loss", "best", ...;
         the caller positions the iterator), or None when `filename` does not exist. `optimizer_overrides`
         ({"lr": ...}) update every parameter group of the loaded optimizer."""
-        from fairseq.checkpoint.manager import Resets, restore_saved_meters
-        from fairseq.checkpoint.paths import existing_checkpoint
-        from fairseq.logging import metrics
-
         path = existing_checkpoint(filename)
         if path is None:
             logger.info(f"no existing checkpoint found {filename}")
@@ -82,8 +80,6 @@ class UpstreamTrainerMethods:
     ):
         """Upstream's: the training batch iterator of `epoch` (fairseq.training.batch_iterators.trainer_iterator, as
         fairseq-train builds it; `combine` reads train, train1, ... as one split)."""
-        from fairseq.training.batch_iterators import trainer_iterator
-
         return trainer_iterator(
             self.cfg,
             self.task,

@@ -4,6 +4,7 @@ this fork implements it. The core's own helpers live with their owners and are r
 upstream's names: import_user_module (fairseq.registry), run_console_script (fairseq_cli.console),
 literal_or_none / fill_missing (fairseq.dataclass.flag_values), resolve_max_positions (fairseq.data.batching)."""
 
+import ast
 import os
 import warnings
 from typing import Any, Callable, List, Optional
@@ -13,15 +14,17 @@ import torch.nn.functional as F
 
 from fairseq.data.batching import resolve_max_positions  # noqa: F401
 from fairseq.dataclass.flag_values import fill_missing, literal_or_none  # noqa: F401 (upstream's names)
+from fairseq.distributed import parallelize
+from fairseq.logging import metrics
+from fairseq.modules import activations, positional_embedding
 from fairseq.registry import import_user_module  # noqa: F401
+from fairseq.upstream_absent import absent_name
 from fairseq_cli.console import run_console_script  # noqa: F401
 
 
 # Upstream's `fairseq.utils` helpers that plug-in criterions call in their reduce_metrics.
 def get_perplexity(loss, round: int = 2, base: float = 2):
-    from fairseq.logging.metrics import get_perplexity as perplexity
-
-    return perplexity(loss, round=round, base=base)
+    return metrics.get_perplexity(loss, round=round, base=base)
 
 
 def item(value):
@@ -38,9 +41,7 @@ def item(value):
 
 def make_positions(tensor: torch.Tensor, padding_idx: int, onnx_trace: bool = False) -> torch.Tensor:
     """Position ids: padding_idx + 1, + 2, ... over non-pad tokens, padding_idx at pads (upstream's rule)."""
-    from fairseq.modules.positional_embedding import make_positions as positions
-
-    return positions(tensor, padding_idx)
+    return positional_embedding.make_positions(tensor, padding_idx)
 
 
 def strip_pad(tensor: torch.Tensor, pad: int) -> torch.Tensor:
@@ -92,24 +93,18 @@ def softmax(x: torch.Tensor, dim: int, onnx_trace: bool = False) -> torch.Tensor
 
 
 def get_activation_fn(activation: str) -> Callable[[torch.Tensor], torch.Tensor]:
-    from fairseq.modules.activations import get_activation_fn as activation_fn
-
-    return activation_fn(activation)
+    return activations.get_activation_fn(activation)
 
 
 def get_available_activation_fns() -> List[str]:
-    from fairseq.modules.activations import ACTIVATION_FNS
-
-    return list(ACTIVATION_FNS)
+    return list(activations.ACTIVATION_FNS)
 
 
 def clip_grad_norm_(params, max_norm: float, aggregate_norm_fn: Optional[Callable] = None) -> torch.Tensor:
     """Clip gradients to a global L2 norm of `max_norm` (<= 0: only measure); returns the norm before
     clipping. The trainer's clipping (also right for FSDP2's sharded gradients)."""
-    from fairseq.distributed.parallelize import clip_grad_norm_ as clip
-
     params = [params] if isinstance(params, torch.Tensor) else list(params)
-    return clip(params, max_norm, aggregate_norm_fn=aggregate_norm_fn)
+    return parallelize.clip_grad_norm_(params, max_norm, aggregate_norm_fn=aggregate_norm_fn)
 
 
 def has_parameters(module: torch.nn.Module) -> bool:
@@ -206,8 +201,6 @@ def eval_str_list(x, type=float):
     if x is None:
         return None
     if isinstance(x, str):
-        import ast
-
         x = ast.literal_eval(x)
     try:
         return list(map(type, x))
@@ -219,8 +212,6 @@ def eval_str_dict(x, type=dict):
     if x is None:
         return None
     if isinstance(x, str):
-        import ast
-
         x = ast.literal_eval(x)
     return x
 
@@ -229,8 +220,6 @@ def eval_bool(x, default: bool = False) -> bool:
     if x is None:
         return default
     try:
-        import ast
-
         return bool(ast.literal_eval(x))
     except (ValueError, SyntaxError, TypeError):
         return default
@@ -254,6 +243,4 @@ def set_incremental_state(module, incremental_state, key: str, value):
 
 
 def __getattr__(name):
-    from fairseq.upstream_absent import absent_name
-
     absent_name("fairseq.utils", name)

@@ -7,6 +7,7 @@ the built-in criterions.
 import logging
 
 from fairseq.registry import CRITERION_REGISTRY, register_criterion  # noqa: F401 (re-exported)
+from fairseq.optim import component_name
 
 
 def build_criterion(cfg, task, optimization_cfg=None):
@@ -16,8 +17,6 @@ def build_criterion(cfg, task, optimization_cfg=None):
     read by interpolation (without it, the criterion config's own copy is used). A criterion class
     provides `build_criterion(cfg, task, optimization_cfg=None)`.
     """
-    from fairseq.optim import component_name
-
     name = component_name(cfg, CRITERION_REGISTRY)
     criterion_cls = CRITERION_REGISTRY.get(name)
     summable = getattr(criterion_cls, "logging_outputs_can_be_summed", None)
@@ -35,7 +34,7 @@ def build_criterion(cfg, task, optimization_cfg=None):
 def __getattr__(name):
     # Upstream's `from fairseq.criterions import FairseqCriterion`, without importing torch here.
     if name in ("FairseqCriterion", "LegacyFairseqCriterion"):
-        from fairseq.criterions import fairseq_criterion
+        from fairseq.criterions import fairseq_criterion  # deferred: startup
 
         return getattr(fairseq_criterion, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

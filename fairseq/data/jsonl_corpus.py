@@ -73,7 +73,7 @@ def open_shard(path: str):
         return gzip.open(path, "rb")
     if path.endswith(".zst"):
         try:
-            import zstandard
+            import zstandard  # deferred: optional (the zstd extra)
         except ImportError:
             raise CorpusError(
                 f"{path}: reading .jsonl.zst needs the zstandard package: pip install "

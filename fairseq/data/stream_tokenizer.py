@@ -2,9 +2,9 @@
 
 Two vocabularies:
 - the fork's `--bpe gpt2|sentencepiece` (or none: whitespace words) with `DATA/dict.txt`: ids come from the
-  encoder and table fairseq-preprocess uses (fairseq.preprocessing.binarizer: `make_line_encoder`,
-  `map_local_ids`), so a JSONL corpus gives the ids `fairseq-preprocess --json-key` writes for it, and models
-  from both routes share a vocabulary;
+  text -> ids step fairseq-preprocess uses (fairseq.data.line_encoder: `encode_block` without --bpe, the line
+  encoder and `map_local_ids` with it), so a JSONL corpus gives the ids `fairseq-preprocess --json-key` writes
+  for it, and models from both routes share a vocabulary;
 - metaseq's `--hf-tokenizer tokenizer.json` or `--vocab-filename/--merges-filename` (GPT-2 byte-level BPE
   files): the tokenizer's ids are the model's; its ids 0-3 must be <s> <pad> </s> <unk> (the Dictionary's).
 
@@ -19,9 +19,16 @@ import numpy as np
 from tokenizers import ByteLevelBPETokenizer, Tokenizer
 
 from fairseq.data.dictionary import Dictionary
-from fairseq.data.encoders import BPE_REGISTRY, build_bpe
+from fairseq.data.encoders import BPE_REGISTRY
 from fairseq.data.jsonl_corpus import CorpusError, InvalidDocument, parse_document
-from fairseq.preprocessing.binarizer import LineEncoder, LocalIdTable, bpe_spec, make_line_encoder, map_local_ids
+from fairseq.data.line_encoder import (
+    LocalIdTable,
+    bpe_spec,
+    encode_block,
+    line_encoder_for,
+    map_local_ids,
+    marked_indices,
+)
 
 _SPECIALS = ("<s>", "<pad>", "</s>", "<unk>")  # the Dictionary's ids 0-3
 
@@ -42,14 +49,6 @@ def bpe_spec_of(name: str, files: dict) -> tuple:
     dc = BPE_REGISTRY.dataclass(name)
     fields = set(getattr(dc, "__dataclass_fields__", {}))
     return (name, bpe_spec(dc(**{k: v for k, v in files.items() if k in fields and v}))[1])
-
-
-class _Whitespace:
-    """The 'no --bpe' encoder: a line's words are its whitespace-separated tokens."""
-
-    @staticmethod
-    def encode(line: str) -> str:
-        return line
 
 
 _BUILT = {}
@@ -106,13 +105,11 @@ class _Encoder:
     def __init__(self, spec: TokenizerSpec):
         self.spec = spec
         if spec.kind == "fairseq":
-            d = Dictionary.load(spec.files[0])
+            d = self.dictionary = Dictionary.load(spec.files[0])
             if spec.bpe is None:
-                self.encoder = LineEncoder(_Whitespace())
+                self.marked = marked_indices(d.indices)
             else:
-                name, values = spec.bpe
-                self.encoder = make_line_encoder(build_bpe(dict(values, _name=name)))
-            self.table = LocalIdTable(self.encoder, d.indices, d.unk_index, d.unk_word)
+                self.table = LocalIdTable(line_encoder_for(spec.bpe), d.indices, d.unk_index, d.unk_word)
             self.eos, eod = d.eos_index, d.indices.get(spec.end_of_document)
         else:
             self.tok = load_hf_tokenizer(spec)
@@ -126,8 +123,12 @@ class _Encoder:
 
     def encode_lines(self, lines: List[str]) -> Tuple[np.ndarray, np.ndarray]:
         """(ids with </s> after each line, tokens per line) of stripped non-empty lines."""
+        if self.spec.kind == "fairseq" and self.spec.bpe is None:
+            d = self.dictionary
+            ids, sizes, _ = encode_block("\n".join(lines), d.indices, self.marked, d.unk_index, self.eos, d.unk_word)
+            return ids, sizes
         if self.spec.kind == "fairseq":
-            local, sizes = self.encoder.encode(lines)
+            local, sizes = self.table.encoder.encode(lines)
             if len(sizes) == 0:
                 return np.zeros(0, np.int64), np.zeros(0, np.int64)
             ids, out_sizes, _ = map_local_ids(local, sizes, self.table, self.eos)

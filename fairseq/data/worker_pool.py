@@ -9,7 +9,7 @@ result (see WorkerPool).
 
 from typing import Sequence
 
-from fairseq.data.encoders._script_io import WorkerPool
+from fairseq.data.encoders._worker_processes import WorkerPool
 
 
 def make_pool(processes: int, preload: Sequence[str] = ()) -> WorkerPool:

@@ -98,9 +98,10 @@ def model_config(arch: str, values: Mapping[str, Any], owners: Optional[configs.
 
 def convert_namespace_to_config(args: argparse.Namespace) -> configs.FairseqConfig:
     """Structured config from parsed flags: one dataclass per group, one per chosen component."""
-    components = {attr: getattr(args, attr, None) for attr in COMPONENTS}
-    components["model"] = getattr(args, "arch", None)
-    return build_config(vars(args), components)
+    values = vars(args)
+    components = {attr: values.get(attr) for attr in COMPONENTS}
+    components["model"] = values.get("arch")
+    return build_config(values, components)
 
 
 def preset_config(arch: str, model_cls, kind: str, overrides: Mapping[str, Any]):
@@ -129,7 +130,8 @@ def build_config(values: Mapping[str, Any], components: Mapping[str, Optional[st
     cfg = configs.FairseqConfig()
     for group in PLAIN_GROUPS:
         setattr(cfg, group, component_config(type(getattr(cfg, group)), values))
-    check_precision(cfg.common)  # before merging upstream's memory-efficient spellings, which mean the same here
+    # Upstream's memory-efficient spellings mean the same here. (--fp16 with --bf16 is each front end's check:
+    # parse_args_and_arch for the flags, fairseq_config_from_dict for a YAML config.)
     cfg.common.fp16 = cfg.common.fp16 or cfg.common.memory_efficient_fp16
     cfg.common.bf16 = cfg.common.bf16 or cfg.common.memory_efficient_bf16
     legacy_components = []

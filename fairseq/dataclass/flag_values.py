@@ -2,6 +2,7 @@
 that a task config may lack."""
 
 import ast
+from dataclasses import dataclass, fields
 from typing import Optional, Tuple
 
 
@@ -23,20 +24,33 @@ def fill_missing(args, **defaults) -> None:
             setattr(args, name, value)
 
 
-# A task config's options that plug-in task configs (their own dataclasses, legacy namespaces) may lack: the
-# one place they are read optionally.
+@dataclass(frozen=True)
+class TaskOptions:
+    """The options of a task config that other components read, with what they mean where a task lacks one: a
+    built-in task's config has them all, a plug-in task's (its own dataclass, a legacy namespace) may not. The
+    one place they are read optionally (`TaskOptions.of`)."""
+
+    data: Optional[str] = None  # DATA, the data directory
+    tokens_per_sample: Optional[int] = None
+    sample_break_mode: str = "none"
+    add_bos_token: bool = False
+
+    @classmethod
+    def of(cls, task_cfg) -> "TaskOptions":
+        return cls(**{f.name: getattr(task_cfg, f.name) for f in fields(cls) if hasattr(task_cfg, f.name)})
 
 
 def task_block_options(task_cfg) -> Tuple[Optional[int], str]:
     """(--tokens-per-sample, --sample-break-mode) the task cuts blocks with; (None, "none") where it lacks them."""
-    return getattr(task_cfg, "tokens_per_sample", None), getattr(task_cfg, "sample_break_mode", "none")
+    options = TaskOptions.of(task_cfg)
+    return options.tokens_per_sample, options.sample_break_mode
 
 
 def task_adds_bos(task_cfg) -> bool:
     """Whether the task prepends <s> to every sample (--add-bos-token); False where it lacks the option."""
-    return bool(getattr(task_cfg, "add_bos_token", False))
+    return bool(TaskOptions.of(task_cfg).add_bos_token)
 
 
 def task_data_dir(task_cfg) -> Optional[str]:
     """The task's data directory (DATA); None where it lacks one."""
-    return getattr(task_cfg, "data", None)
+    return TaskOptions.of(task_cfg).data

@@ -95,7 +95,7 @@ def config_to_dict(cfg) -> Any:
     """Plain nested dict of a config (keeps `_name`), safe for `torch.load(weights_only=True)`."""
     if dataclasses.is_dataclass(cfg):
         out = {f.name: config_to_dict(getattr(cfg, f.name)) for f in dataclasses.fields(cfg)}
-        if hasattr(cfg, "_name"):
+        if "_name" in vars(cfg):  # set on the instance by whoever named the component (component_config, ...)
             out["_name"] = cfg._name
         return out
     if isinstance(cfg, argparse.Namespace):  # a legacy component's config (upstream's argparse namespace)

@@ -59,9 +59,10 @@ def check_float8_flags(
             raise ValueError("--fp8-fsdp-all-gather needs --ddp-backend fully_sharded")
 
 
-def check_float8_environment(cfg, device: torch.device) -> None:
-    """--fp8 on a machine that cannot run it: one line naming what is missing (before any work starts)."""
-    if not cfg.common.fp8:
+def check_float8_environment(fp8: bool, fp8_recipe: str, device: torch.device) -> None:
+    """--fp8 (with --fp8-recipe `fp8_recipe`) on a machine that cannot run it: one line naming what is missing
+    (before any work starts)."""
+    if not fp8:
         return
     if importlib.util.find_spec("torchao") is None:
         raise ValueError(
@@ -73,9 +74,9 @@ def check_float8_environment(cfg, device: torch.device) -> None:
             raise ValueError(
                 "--fp8 needs a CUDA GPU (float8 matmuls; this torch has none on the CPU): drop --fp8 or --cpu"
             )
-        if cfg.common.fp8_recipe != "tensorwise" and not cpu_float8_matmul(rowwise=True):
+        if fp8_recipe != "tensorwise" and not cpu_float8_matmul(rowwise=True):
             raise ValueError(
-                f"--fp8-recipe {cfg.common.fp8_recipe} on the CPU needs float8 matmuls with one scale per "
+                f"--fp8-recipe {fp8_recipe} on the CPU needs float8 matmuls with one scale per "
                 f"row, which torch {torch.__version__} has only on CUDA GPUs: use --fp8-recipe "
                 "tensorwise, a GPU, or a newer torch (2.13 has them on the CPU)"
             )
@@ -102,12 +103,19 @@ def cpu_float8_matmul(rowwise: bool = False) -> bool:
     return True
 
 
-def _float8_config(common):
-    from torchao.float8 import Float8LinearConfig
+def _torchao_float8():
+    """torchao's float8 package (the `fp8` extra), imported where --fp8 first needs it: the one place this module
+    reaches torchao."""
+    import torchao.float8.float8_linear  # deferred: optional (loads torchao.float8 and its config too)
 
+    return torchao.float8
+
+
+def _float8_config(common):
+    config_class = _torchao_float8().Float8LinearConfig
     if common.fp8_recipe == "tensorwise":
-        return Float8LinearConfig(enable_fsdp_float8_all_gather=bool(common.fp8_fsdp_all_gather))
-    return Float8LinearConfig.from_recipe_name(common.fp8_recipe)
+        return config_class(enable_fsdp_float8_all_gather=bool(common.fp8_fsdp_all_gather))
+    return config_class.from_recipe_name(common.fp8_recipe)
 
 
 def is_float8_convertible(module: nn.Module, name: str, tp: int = 1) -> bool:
@@ -121,8 +129,6 @@ def is_float8_convertible(module: nn.Module, name: str, tp: int = 1) -> bool:
 
 def apply_float8(model: nn.Module, cfg) -> int:
     """Swap the convertible nn.Linear modules for torchao's Float8Linear in place; returns how many."""
-    from torchao.float8 import convert_to_float8_training
-
     converted = []
 
     tp = cfg.distributed_training.model_parallel_size
@@ -133,7 +139,7 @@ def apply_float8(model: nn.Module, cfg) -> int:
             converted.append(name)
         return ok
 
-    convert_to_float8_training(model, config=_float8_config(cfg.common), module_filter_fn=keep)
+    _torchao_float8().convert_to_float8_training(model, config=_float8_config(cfg.common), module_filter_fn=keep)
     if cfg.common.cpu or not torch.cuda.is_available():
         logger.warning(
             "--fp8 on the CPU runs torch's reference float8 matmuls: for checking a configuration "
@@ -158,12 +164,12 @@ def casts_tensorwise(module: nn.Module) -> bool:
     the whole row, so rowwise recipes all-gather in bf16 with the plain styles."""
     if "torchao.float8" not in sys.modules:  # never converted in this process: nothing to import
         return False
-    from torchao.float8.config import ScalingGranularity
-    from torchao.float8.float8_linear import Float8Linear
-
+    float8 = _torchao_float8()
+    tensorwise = float8.config.ScalingGranularity.TENSORWISE
     linears = [module] if isinstance(module, nn.Linear) else [m for m in module.modules() if isinstance(m, nn.Linear)]
     return bool(linears) and all(
-        isinstance(m, Float8Linear) and m.config.cast_config_input.scaling_granularity is ScalingGranularity.TENSORWISE
+        isinstance(m, float8.float8_linear.Float8Linear)
+        and m.config.cast_config_input.scaling_granularity is tensorwise
         for m in linears
     )
 
@@ -174,6 +180,4 @@ def needs_scale_precompute(cfg) -> bool:
 
 def after_optimizer_step(model: nn.Module) -> None:
     """With float8 all-gather: every sharded weight's scale for the next forward, in one fused reduction."""
-    from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
-
-    precompute_float8_dynamic_scale_for_fsdp(model)
+    _torchao_float8().precompute_float8_dynamic_scale_for_fsdp(model)

@@ -13,7 +13,7 @@ Failures never hang silently:
   Its peers fail right after it, and may be noticed first, so the order comes from time-stamped reports:
   a rank that raises (or calls sys.exit with a non-zero status) writes one, saying which of its peers had
   already ended; a process killed by a signal writes none and is placed by those reports, or else by when
-  this process saw it end;
+  this process saw it end (fairseq.distributed.rank_failures);
 - a rank started by torchrun or srun that fails logs its error with its rank, shuts its process group down
   (bounded wait) and exits non-zero, so torchrun tears the others down (under SLURM, run srun with
   --kill-on-bad-exit=1 to get the same).
@@ -30,7 +30,6 @@ import sys
 import tempfile
 import threading
 import time
-import traceback
 from datetime import timedelta
 from typing import Callable, List, MutableMapping, Optional, Tuple
 
@@ -39,8 +38,8 @@ import torch.distributed as dist
 import torch.multiprocessing
 
 from fairseq.runtime.env import PREEMPTION_SIGNALS, LaunchPlan, detect_launch
-from fairseq.runtime.errors import UserError
 from fairseq.distributed.mesh import ParallelLayout
+from fairseq.distributed.rank_failures import PIDS_FILE, failure_message, read_failure_reports, write_failure_report
 
 # Written by the first spawned rank: main_fn's return value (JSON), returned by call_main in the parent.
 RESULT_FILE = "main_result.txt"
@@ -106,22 +105,7 @@ def init_distributed(cfg, plan: LaunchPlan) -> Tuple[int, int]:
     device is cuda:<local rank>. Returns (rank, world_size).
     """
     dt = cfg.distributed_training
-    timeout = process_group_timeout(dt)
-    if _use_cuda(cfg):
-        visible = torch.cuda.device_count()
-        if plan.local_rank >= visible:
-            raise RuntimeError(
-                f"rank {plan.rank} has local rank {plan.local_rank} but only {visible} GPU(s) are visible "
-                f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}); start at most one "
-                "process per GPU on each node, or pass --cpu"
-            )
-        torch.cuda.set_device(plan.local_rank)
-        device = torch.device("cuda", plan.local_rank)
-        backend = dt.distributed_backend or "nccl"
-    else:
-        device = torch.device("cpu")
-        backend = "gloo"
-
+    device, backend = _device_and_backend(cfg, plan)
     if dist.is_initialized():
         if (dist.get_rank(), dist.get_world_size()) != (plan.rank, plan.world_size):
             raise RuntimeError(
@@ -129,28 +113,8 @@ def init_distributed(cfg, plan: LaunchPlan) -> Tuple[int, int]:
                 f"the launch plan says rank {plan.rank} of {plan.world_size}; destroy it before relaunching"
             )
     else:
-        options = dict(
-            backend=backend, init_method=plan.init_method, rank=plan.rank, world_size=plan.world_size, timeout=timeout
-        )
-        if backend == "nccl":
-            options["device_id"] = device  # binds the group to this GPU and creates the communicator now
-        try:
-            dist.init_process_group(**options)
-        except (RuntimeError, TimeoutError, ValueError) as err:
-            raise RuntimeError(
-                f"rank {plan.rank} of {plan.world_size} ({plan.mode} launch) could not create the {backend} "
-                f"process group at {plan.init_method} within {timeout.total_seconds():.0f} s: {err}. "
-                "Check that every rank started, that the master address and --distributed-port are "
-                "reachable from all nodes, and raise --heartbeat-timeout if start-up is just slow"
-            ) from err
-
-    # One tiny collective right away: a rank that can join the store but not reach its peers fails here,
-    # within the timeout, rather than at the first training step.
-    probe = torch.ones(1, device=device)
-    dist.all_reduce(probe)
-    if int(probe.item()) != plan.world_size:
-        raise RuntimeError(f"rank {plan.rank}: probe all-reduce gave {probe.item()}, expected {plan.world_size}")
-
+        _create_process_group(plan, backend, device, process_group_timeout(dt))
+    _probe_peers(plan, device)
     dt.distributed_rank = plan.rank
     dt.distributed_world_size = plan.world_size
     dt.device_id = plan.local_rank
@@ -164,6 +128,47 @@ def init_distributed(cfg, plan: LaunchPlan) -> Tuple[int, int]:
         plan.init_method,
     )
     return plan.rank, plan.world_size
+
+
+def _device_and_backend(cfg, plan: LaunchPlan) -> Tuple[torch.device, str]:
+    """This rank's device (cuda:<local rank>, made current; or the CPU) and its process group's backend."""
+    if not _use_cuda(cfg):
+        return torch.device("cpu"), "gloo"
+    visible = torch.cuda.device_count()
+    if plan.local_rank >= visible:
+        raise RuntimeError(
+            f"rank {plan.rank} has local rank {plan.local_rank} but only {visible} GPU(s) are visible "
+            f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}); start at most one "
+            "process per GPU on each node, or pass --cpu"
+        )
+    torch.cuda.set_device(plan.local_rank)
+    return torch.device("cuda", plan.local_rank), cfg.distributed_training.distributed_backend or "nccl"
+
+
+def _create_process_group(plan: LaunchPlan, backend: str, device: torch.device, timeout: timedelta) -> None:
+    options = dict(
+        backend=backend, init_method=plan.init_method, rank=plan.rank, world_size=plan.world_size, timeout=timeout
+    )
+    if backend == "nccl":
+        options["device_id"] = device  # binds the group to this GPU and creates the communicator now
+    try:
+        dist.init_process_group(**options)
+    except (RuntimeError, TimeoutError, ValueError) as err:
+        raise RuntimeError(
+            f"rank {plan.rank} of {plan.world_size} ({plan.mode} launch) could not create the {backend} "
+            f"process group at {plan.init_method} within {timeout.total_seconds():.0f} s: {err}. "
+            "Check that every rank started, that the master address and --distributed-port are "
+            "reachable from all nodes, and raise --heartbeat-timeout if start-up is just slow"
+        ) from err
+
+
+def _probe_peers(plan: LaunchPlan, device: torch.device) -> None:
+    """One tiny collective right away: a rank that can join the store but not reach its peers fails here,
+    within the timeout, rather than at the first training step."""
+    probe = torch.ones(1, device=device)
+    dist.all_reduce(probe)
+    if int(probe.item()) != plan.world_size:
+        raise RuntimeError(f"rank {plan.rank}: probe all-reduce gave {probe.item()}, expected {plan.world_size}")
 
 
 def _shutdown_process_group(wait_s: float = SHUTDOWN_WAIT_S) -> bool:
@@ -192,7 +197,8 @@ def _record_for_torchrun(exc: BaseException) -> None:
     if not os.environ.get("TORCHELASTIC_ERROR_FILE"):
         return
     try:
-        from torch.distributed.elastic.multiprocessing.errors import get_error_handler
+        # torch.distributed.elastic (~20 ms) only when a rank fails under torchrun
+        from torch.distributed.elastic.multiprocessing.errors import get_error_handler  # deferred: startup
 
         get_error_handler().record_exception(exc)
     except Exception as err:  # reporting must not mask the original failure
@@ -223,99 +229,6 @@ def _exit_now(rank: int, reason: str, status: int = 1) -> None:
     os._exit(status)
 
 
-# Written by the launcher once the processes are started: {rank: pid} of every spawned process, so that a
-# rank that fails can tell which of its peers had already ended (see `_ended_peers`).
-PIDS_FILE = "pids.json"
-
-
-_PF_EXITING = 0x4  # Linux's per-task flag "getting shut down", set as a process starts to die (sched.h)
-
-
-def _process_ended(pid: int) -> Optional[bool]:
-    """Whether process `pid` has ended or is ending (dying, a zombie not yet reaped, or gone); None where
-    /proc cannot tell.
-
-    "Ending" counts: a process killed by a signal closes its sockets (which is how its peers fail) only
-    after its main thread has taken the exit path, flagged PF_EXITING; becoming a zombie comes later, and
-    the dying process may be descheduled in between on a busy machine."""
-    if not os.path.isdir("/proc/self"):
-        return None
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            # the command name, in parentheses, may hold spaces; then: state ppid pgrp session tty tpgid flags
-            fields = f.read().rsplit(")", 1)[1].split()
-    except FileNotFoundError:
-        return True  # already reaped by the launcher
-    except OSError:
-        return None
-    try:
-        state, flags = fields[0], int(fields[6])
-    except (IndexError, ValueError):
-        return None
-    return state in ("Z", "X", "x") or bool(flags & _PF_EXITING)
-
-
-def _ended_peers(report_dir: str, rank: int) -> Optional[List[int]]:
-    """Ranks of the other spawned processes that have ended by now; None if that cannot be told."""
-    try:
-        with open(os.path.join(report_dir, PIDS_FILE)) as f:
-            pids = {int(r): int(pid) for r, pid in json.load(f).items()}
-    except (OSError, ValueError):
-        return None
-    ended = []
-    for peer, pid in sorted(pids.items()):
-        if peer == rank:
-            continue
-        state = _process_ended(pid)
-        if state is None:
-            return None
-        if state:
-            ended.append(peer)
-    return ended
-
-
-def _write_failure_report(report_dir: str, rank: int, how: str = "failed", with_traceback: bool = True) -> None:
-    """Leave word of this rank's failure, stamped with the time, for the launcher (call inside `except`).
-
-    `how` completes "rank R of W ..." in the launcher's message ("failed", "exited with status 7"); the
-    traceback of the exception being handled goes with it unless `with_traceback` is False. The report also
-    names the peers that had already ended: a peer killed by a signal leaves no report, and this rank's
-    failure may be the consequence of its death, noticed by the launcher only later."""
-    ended_peers = _ended_peers(report_dir, rank)  # looked at before the time stamp: they ended before it
-    error = _user_error_line() if with_traceback else None
-    report = {
-        "rank": rank,
-        "time_ns": time.time_ns(),
-        "how": how,
-        "ended_peers": ended_peers,
-        "error": error,
-        "traceback": traceback.format_exc() if with_traceback and error is None else None,
-    }
-    path = os.path.join(report_dir, f"rank{rank}.json")
-    with open(path + ".tmp", "w") as f:
-        json.dump(report, f)
-    os.replace(path + ".tmp", path)
-
-
-def _user_error_line() -> Optional[str]:
-    """The exception being handled as one line if it is a UserError (a full disk, a damaged checkpoint), told as
-    fairseq-train tells it in one process, without a traceback."""
-    err = sys.exc_info()[1]
-    if not isinstance(err, UserError):
-        return None
-    return " ".join(line.strip() for line in str(err).splitlines() if line.strip()) or type(err).__name__
-
-
-def _read_failure_reports(report_dir: str) -> List[dict]:
-    """Reports of the ranks that failed, earliest first."""
-    reports = []
-    for name in os.listdir(report_dir):
-        if name.startswith("rank") and name.endswith(".json"):
-            with open(os.path.join(report_dir, name)) as f:
-                reports.append(json.load(f))
-    return sorted(reports, key=lambda report: report["time_ns"])
-
-
 def _exit_status(exc: SystemExit) -> int:
     """The status a process leaving with `exc` ends with (as Python decides it: None 0, an int itself, else 1)."""
     if exc.code is None:
@@ -336,7 +249,7 @@ def _run_spawned_process(index: int, cfg, main_fn: Callable, kwargs: dict, plan:
     except Exception:
         # The report goes first: once this rank lets go of its peers they fail too, and the launcher must
         # still be able to tell which rank failed first.
-        _write_failure_report(report_dir, own_plan.rank)
+        write_failure_report(report_dir, own_plan.rank)
         if not _shutdown_process_group():
             _exit_now(own_plan.rank, "failed (see the launcher's report)")
         raise
@@ -344,7 +257,7 @@ def _run_spawned_process(index: int, cfg, main_fn: Callable, kwargs: dict, plan:
         status = _exit_status(exc)
         if status != 0:
             detail = "" if isinstance(exc.code, int) else f" ({exc.code})"
-            _write_failure_report(
+            write_failure_report(
                 report_dir, own_plan.rank, f"exited with status {status}{detail}", with_traceback=False
             )
         if not _shutdown_process_group():
@@ -360,21 +273,6 @@ def _run_spawned_process(index: int, cfg, main_fn: Callable, kwargs: dict, plan:
 # fairseq.training.preemption), while SIGINT ends a spawned process quietly (torch's wrapper swallows the
 # KeyboardInterrupt, and no failure report is written for it).
 STOP_GRACE_S = 2.0
-# Only where a report cannot say which peers had ended (no /proc): the launcher notices a death a little
-# after it happens (it must be woken and scheduled; up to 12 ms seen on a busy 2-core machine), while a
-# report is stamped by the failing rank itself, so a death is taken to have happened this long before it
-# was noticed.
-DEATH_NOTICE_SLACK_NS = 50_000_000
-
-
-def _how_it_ended(exitcode: int) -> str:
-    if exitcode < 0:
-        try:
-            name = signal.Signals(-exitcode).name
-        except ValueError:
-            name = f"{-exitcode} (unknown)"
-        return f"was killed by signal {name}"
-    return f"exited with status {exitcode}"
 
 
 class _Watch:
@@ -420,50 +318,6 @@ class _Watch:
             self.wait_all(then_wait_s)
 
 
-def _failure_events(watch: _Watch, reports: List[dict], first_rank: int) -> List[Tuple[int, int, dict]]:
-    """(time_ns, rank, report) of every failure, in the order they happened.
-
-    A report is stamped by its rank. A process that ended non-zero without a report (killed by a signal,
-    os._exit) gets a report here, timed by the reports that say whether it had ended when they were written,
-    or else by when the launcher noticed its end. Processes this launcher stopped are not failures."""
-    events = [(report["time_ns"], report["rank"], report) for report in reports]
-    reported = {report["rank"] for report in reports}
-    for index, noticed_ns in watch.ended_ns.items():
-        rank, exitcode = first_rank + index, watch.processes[index].exitcode
-        if rank in reported or exitcode == 0 or index in watch.stopped:
-            continue
-        told = [r for r in reports if r.get("ended_peers") is not None]
-        before = [r["time_ns"] for r in told if rank in r["ended_peers"]]  # it had ended when these were written
-        after = [r["time_ns"] for r in told if rank not in r["ended_peers"]]  # it was still running then
-        if before:
-            time_ns = min(min(before) - 1, noticed_ns)
-        elif after:
-            time_ns = max(max(after) + 1, noticed_ns - DEATH_NOTICE_SLACK_NS)
-        else:
-            time_ns = noticed_ns - DEATH_NOTICE_SLACK_NS
-        events.append((time_ns, rank, {"rank": rank, "how": _how_it_ended(exitcode), "traceback": None}))
-    return sorted(events, key=lambda event: (event[0], event[1]))
-
-
-def _failure_message(watch: _Watch, reports: List[dict], plan: LaunchPlan) -> str:
-    """Which rank failed first and how, then the others that failed before they were stopped."""
-    events = _failure_events(watch, reports, plan.rank)
-    if not events:  # not reached after a failure; kept so that the message is never empty
-        return f"a process of the {plan.world_size} failed"
-    (_, first_rank, first), later = events[0], [rank for _, rank, _ in events[1:]]
-    message = f"rank {first_rank} of {plan.world_size} {first.get('how', 'failed')}"
-    if later:
-        message += f", then rank(s) {', '.join(map(str, later))} failed too"
-    failed = {rank for _, rank, _ in events}
-    stopped = [plan.rank + i for i in sorted(watch.stopped) if plan.rank + i not in failed]
-    if stopped:
-        message += f"; rank(s) {', '.join(map(str, stopped))} {'was' if len(stopped) == 1 else 'were'} stopped"
-    message += f": {first['error']}" if first.get("error") else "."
-    if first.get("traceback"):
-        message += f" Its traceback:\n{first['traceback']}"
-    return message
-
-
 def _spawn(cfg, main_fn: Callable, kwargs: dict, plan: LaunchPlan):
     logger.info(
         "spawning %d processes (%s launch, ranks %d-%d of %d, init method %s)",
@@ -500,7 +354,7 @@ def _spawn(cfg, main_fn: Callable, kwargs: dict, plan: LaunchPlan):
                 with contextlib.suppress(OSError):
                     os.remove(error_file)
         if watch.failed():
-            raise SystemExit(_failure_message(watch, _read_failure_reports(report_dir), plan))
+            raise SystemExit(failure_message(watch, read_failure_reports(report_dir), plan))
         result_file = os.path.join(report_dir, RESULT_FILE)
         if os.path.exists(result_file):
             with open(result_file) as f:

@@ -36,6 +36,8 @@ from fairseq.distributed.fsdp import apply_fsdp, apply_fsdp_replicas, transforme
 from fairseq.distributed.mesh import ParallelLayout, forget_parallel_mesh, has_tp_dim, init_parallel_mesh
 from fairseq.distributed.tensor_parallel_rng import apply_dropout_streams
 from fairseq.modules.checkpoint_activations import checkpointed, checkpointed_offloaded
+from fairseq.distributed.float8 import apply_float8
+from fairseq.distributed.tensor_parallel_checks import uses_loss_parallel
 
 # torch.distributed.tensor (behind tensor_parallel) costs ~1 s to import: it is imported only when a model is
 # split (--model-parallel-size > 1), and DTensors are recognized through fairseq.runtime.dtensor.
@@ -79,42 +81,15 @@ def parallelize_model(model: nn.Module, cfg, device: torch.device, world_mesh: O
     mesh = init_parallel_mesh(layout, device.type) if fully_sharded or split else forget_parallel_mesh()
     if split and not on_meta:
         model.to(device)
-    if cfg.common.fp8:  # torchao's order: swap the Linears before splitting, compile and sharding
-        from fairseq.distributed.float8 import apply_float8
-
-        apply_float8(model, cfg)
-    if split:
-        from fairseq.distributed.tensor_parallel import apply_tensor_parallel
-        from fairseq.distributed.tensor_parallel_checks import uses_loss_parallel
-
-        apply_tensor_parallel(model, mesh.tp_mesh, loss_parallel=uses_loss_parallel(cfg))
-    model_cfg = cfg.model  # a plug-in model's config may have neither checkpointing option
-    offload = bool(getattr(model_cfg, "offload_activations", False))
-    if offload or getattr(model_cfg, "checkpoint_activations", False):
-        apply_activation_checkpointing(model, offload_to_cpu=offload)
-    if dt.compile:
-        # Tensor-parallel layers under autocast fail to compile with a symbolic sequence length (torch 2.13:
-        # "mul expected 2 arguments, got 3" in inductor); each new length is compiled as a static shape instead.
-        apply_compile(model, dynamic=False if split else None)
-    if split:  # around the outermost layer modules: after checkpointing
-        apply_dropout_streams(model, mesh.tp_mesh)
-
+    _convert_and_split(model, cfg, mesh if split else None)
+    _wrap_layers(model, cfg, mesh if split else None)
     if fully_sharded:
         apply_fsdp(model, cfg, world_mesh if world_mesh is not None else mesh.fsdp_mesh)
         if on_meta:
             materialize(model, device, params_on_cpu=dt.cpu_offload)
         return model
     if split:
-        if layout.dp > 1:
-            logger.info(
-                f"--ddp-backend {dt.ddp_backend} with --model-parallel-size {layout.tp}: {layout.dp} "
-                "data-parallel replicas kept by FSDP2 without sharding (all-reduced gradients, as DDP)"
-            )
-            apply_fsdp_replicas(model, mesh.fsdp_mesh)
-        else:
-            from fairseq.distributed.tensor_parallel import reduce_partial_gradients
-
-            reduce_partial_gradients(model)
+        _replicate_split_model(model, dt.ddp_backend, layout, mesh)
         return model
     if not on_meta:
         model.to(device)
@@ -122,6 +97,47 @@ def parallelize_model(model: nn.Module, cfg, device: torch.device, world_mesh: O
     if world_size == 1:
         return model
     return apply_ddp(model, cfg, device)
+
+
+def _convert_and_split(model: nn.Module, cfg, mesh) -> None:
+    """Step 0: float8 Linears (--fp8), then tensor parallelism over `mesh`'s tp dimension (None: not split)."""
+    if cfg.common.fp8:  # torchao's order: swap the Linears before splitting, compile and sharding
+        apply_float8(model, cfg)
+    if mesh is not None:
+        # torch.distributed.tensor: ~1 s
+        from fairseq.distributed.tensor_parallel import apply_tensor_parallel  # deferred: startup
+
+        apply_tensor_parallel(model, mesh.tp_mesh, loss_parallel=uses_loss_parallel(cfg))
+
+
+def _wrap_layers(model: nn.Module, cfg, mesh) -> None:
+    """Steps 1-3 around each decoder layer: activation checkpointing, torch.compile and, when split over
+    `mesh`'s tp dimension (None: not split), the per-TP-rank dropout streams."""
+    model_cfg = cfg.model  # a plug-in model's config may have neither checkpointing option
+    offload = bool(getattr(model_cfg, "offload_activations", False))
+    if offload or getattr(model_cfg, "checkpoint_activations", False):
+        apply_activation_checkpointing(model, offload_to_cpu=offload)
+    if cfg.distributed_training.compile:
+        # Tensor-parallel layers under autocast fail to compile with a symbolic sequence length (torch 2.13:
+        # "mul expected 2 arguments, got 3" in inductor); each new length is compiled as a static shape instead.
+        apply_compile(model, dynamic=False if mesh is not None else None)
+    if mesh is not None:  # around the outermost layer modules: after checkpointing
+        apply_dropout_streams(model, mesh.tp_mesh)
+
+
+def _replicate_split_model(model: nn.Module, ddp_backend: str, layout: ParallelLayout, mesh) -> None:
+    """A tensor-parallel model under a replicated --ddp-backend: FSDP2 replicas without sharding over the
+    data-parallel ranks, or with none, the partial gradients reduced over the tp ranks."""
+    if layout.dp > 1:
+        logger.info(
+            f"--ddp-backend {ddp_backend} with --model-parallel-size {layout.tp}: {layout.dp} "
+            "data-parallel replicas kept by FSDP2 without sharding (all-reduced gradients, as DDP)"
+        )
+        apply_fsdp_replicas(model, mesh.fsdp_mesh)
+    else:
+        from fairseq.distributed.tensor_parallel import reduce_partial_gradients  # deferred: startup
+
+        reduce_partial_gradients(model)
 
 
 def unwrap_model(model: nn.Module) -> nn.Module:

@@ -131,7 +131,7 @@ def _collectives_take_float8(tp_mesh: DeviceMesh) -> bool:
 
 
 def _float8_style(name: str) -> ParallelStyle:
-    from torchao.float8.float8_tensor_parallel import (
+    from torchao.float8.float8_tensor_parallel import (  # deferred: optional
         Float8ColwiseParallel,
         Float8RowwiseParallel,
         PrepareFloat8ModuleInput,

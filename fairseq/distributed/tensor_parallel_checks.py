@@ -12,6 +12,7 @@ from typing import Optional, Sequence
 
 from fairseq import registry
 from fairseq.distributed.mesh import TP_MESH_OF_ONE
+from fairseq.data.dictionary import Dictionary
 
 LOSS_PARALLEL_CRITERIA = ("vocab_parallel_cross_entropy",)
 
@@ -48,25 +49,25 @@ def check_tensor_parallel_shape(tp: int, heads: int, ffn: int, vocab: Optional[i
         )
 
 
-def _model_sizes(cfg):
-    """The model's TensorParallelSizes (its class says), or the one-line refusal of a model without a plan."""
-    tp = cfg.distributed_training.model_parallel_size
-    sizes = registry.arch_model(cfg.model._name).tensor_parallel_sizes(cfg.model)
+def _model_sizes(tp: int, model_cfg):
+    """The model's TensorParallelSizes (its class says, from its config `model_cfg`), or the one-line refusal of
+    a model without a plan."""
+    sizes = registry.arch_model(model_cfg._name).tensor_parallel_sizes(model_cfg)
     if sizes is None:
         raise ValueError(
-            f"--model-parallel-size {tp} needs a transformer_lm architecture (got --arch {cfg.model._name})"
+            f"--model-parallel-size {tp} needs a transformer_lm architecture (got --arch {model_cfg._name})"
         )
     return sizes
 
 
-def check_tensor_parallel_config(cfg) -> None:
+def check_tensor_parallel_config(model_parallel_size: int, model_cfg) -> None:
     """What validate(cfg) checks before anything starts, from the flags alone: a model with a plan, the options
-    its plan does not cover, and its dims against --model-parallel-size (also at size 1 under
-    FAIRSEQ_TP_MESH_OF_ONE=1, which applies the plan)."""
-    tp = cfg.distributed_training.model_parallel_size
+    its plan does not cover, and its dims (the model's class reads them from its config `model_cfg`) against
+    --model-parallel-size (also at size 1 under FAIRSEQ_TP_MESH_OF_ONE=1, which applies the plan)."""
+    tp = model_parallel_size
     if tp == 1 and os.environ.get(TP_MESH_OF_ONE) != "1":
         return
-    sizes = _model_sizes(cfg)
+    sizes = _model_sizes(tp, model_cfg)
     for flag in sizes.refused:
         raise ValueError(f"{flag} is not supported with --model-parallel-size {tp}: drop one of them")
     check_tensor_parallel_shape(tp, sizes.heads, sizes.ffn, None)
@@ -80,21 +81,18 @@ def check_tensor_parallel_dictionary(cfg) -> None:
         return
     vocab, source = _dictionary_size(cfg.task)
     if vocab is not None:
-        sizes = _model_sizes(cfg)
+        sizes = _model_sizes(tp, cfg.model)
         check_tensor_parallel_shape(tp, sizes.heads, sizes.ffn, vocab, source)
 
 
 def _dictionary_size(task_cfg):
     """(symbols, path) of the language-modeling task's dict.txt, or (None, '') when there is none to read."""
-    import os
-
     data = getattr(task_cfg, "data", None)  # tasks without a data directory (dummy_lm, plug-ins)
     if not isinstance(data, str) or not data:
         return None, ""
     path = os.path.join(data.split(os.pathsep)[0], "dict.txt")
     if not os.path.isfile(path):
         return None, ""
-    from fairseq.data.dictionary import Dictionary
 
     return len(Dictionary.load(path)), path
 

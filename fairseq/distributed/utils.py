@@ -1,9 +1,13 @@
 """Small collective helpers that also work in a plain single process (no process group: world size 1)."""
 
+import argparse
+
 import torch
 import torch.distributed as dist
 
 from fairseq.runtime.env import get_free_port
+from fairseq.distributed.mesh import current_mesh
+from fairseq.dataclass.build import convert_namespace_to_config
 
 __all__ = [
     "all_reduce_max",
@@ -41,8 +45,6 @@ def get_world_size() -> int:
 
 
 def _layout():
-    from fairseq.distributed.mesh import current_mesh
-
     mesh = current_mesh()
     return mesh.layout if mesh is not None else None
 
@@ -71,8 +73,6 @@ def get_model_parallel_rank() -> int:
 
 def get_data_parallel_group():
     """The process group over which per-batch sums (tokens, losses) are taken; None means the default group."""
-    from fairseq.distributed.mesh import current_mesh
-
     mesh = current_mesh()
     return mesh.data_parallel_group if mesh is not None else None
 
@@ -118,12 +118,9 @@ def call_main(cfg, main, **kwargs):
     """Upstream's `distributed_utils.call_main(cfg, main)`: run `main(cfg, **kwargs)` in every process of the
     launch (spawned, torchrun or SLURM; see fairseq.distributed.launch) and return rank 0's result. `cfg` is
     a FairseqConfig or the argparse namespace of `options.parse_args_and_arch`."""
-    import argparse
-
-    from fairseq.distributed.launch import call_main as launch
+    # the launcher (torch.multiprocessing, torch.distributed.elastic: ~60 ms) only for this entry point
+    from fairseq.distributed.launch import call_main as launch  # deferred: startup
 
     if isinstance(cfg, argparse.Namespace):
-        from fairseq.dataclass.build import convert_namespace_to_config
-
         cfg = convert_namespace_to_config(cfg)
     return launch(cfg, main, **kwargs)

@@ -32,8 +32,12 @@ from typing import Dict, List, Optional
 import torch
 
 from fairseq import registry
+from fairseq.checkpoint.fit import check_architecture
+from fairseq.checkpoint.inference import ShardedCheckpoint, read_checkpoint_config
+from fairseq.checkpoint.vocabulary import carried, check_dictionary
 from fairseq.data.dictionary import Dictionary
 from fairseq.dataclass.utils import config_from_dict
+from fairseq.export import require_transformers
 from fairseq.export.hf_names import (
     ACTIVATIONS,
     CONFIG_FIELDS,
@@ -46,8 +50,11 @@ from fairseq.export.hf_names import (
     PROJECT_OUT,
     weight_names,
 )
+from fairseq.export.hf_tokenizer import build_hf_tokenizer, export_bpe
 from fairseq.export.output_dir import assembled, check_output
 from fairseq.export.safetensors_shards import TensorSpec, parse_size, write_shards
+from fairseq.models.transformer_lm import TransformerLanguageModel, resolve_max_target_positions
+from fairseq.modules.positional_embedding import sinusoidal_table
 
 logger = logging.getLogger(__name__)
 
@@ -60,17 +67,6 @@ DTYPES = {
     "bfloat16": torch.bfloat16,
     "bf16": torch.bfloat16,
 }
-
-
-def require_transformers(what: str = "exporting to transformers"):
-    try:
-        import transformers  # noqa: F401
-        import safetensors  # noqa: F401
-    except ImportError as e:
-        raise ImportError(
-            f"{what} needs the transformers and safetensors packages ({e}); "
-            "install them with: pip install 'fairseq[export]'"
-        ) from None
 
 
 # ------------------------------------------------------------------------------------------------ the source
@@ -132,12 +128,6 @@ def find_dictionary(path: str, saved_cfg: dict, dict_path: Optional[str]) -> str
 def load_source(path: str, dict_path: Optional[str] = None, trust_legacy: bool = False) -> Source:
     """Read a checkpoint file or a sharded checkpoint directory with the project's safe loaders (one copy of the
     model weights; a single file's optimizer state is released once read)."""
-    from fairseq.checkpoint.consolidate import read_full_state
-    from fairseq.checkpoint.inference import ShardedCheckpoint, read_checkpoint_config
-    from fairseq.checkpoint.fit import check_architecture
-    from fairseq.checkpoint.vocabulary import carried, check_dictionary
-    from fairseq.models.transformer_lm import TransformerLanguageModel, resolve_max_target_positions
-
     if not os.path.exists(path):
         raise FileNotFoundError(f"checkpoint not found: {path}")
     saved_cfg, state = read_checkpoint_config(path, trust_legacy=trust_legacy)
@@ -152,6 +142,9 @@ def load_source(path: str, dict_path: Optional[str] = None, trust_legacy: bool =
     cfg.max_target_positions = resolve_max_target_positions(cfg)
     vocabulary = carried(state)
     if isinstance(state, ShardedCheckpoint):
+        # torch.distributed.checkpoint costs seconds, which the hub's importers (fairseq-serve) would pay
+        from fairseq.checkpoint.consolidate import read_full_state  # deferred: startup
+
         model_state = read_full_state(state.path, keys=["model"], trust_legacy=state.trust_legacy)["model"]
     else:
         model_state = state.pop("model")
@@ -278,7 +271,7 @@ def choose_model_type(src: Source, requested: str = "auto") -> str:
 
 def hf_config(src: Source, model_type: str, dtype: torch.dtype):
     """The transformers config object of the exported model."""
-    from transformers import OPTConfig, XGLMConfig
+    from transformers import OPTConfig, XGLMConfig  # deferred: optional (the export extra)
 
     cfg = src.cfg
     common = dict(
@@ -347,8 +340,6 @@ def hf_tensors(src: Source, model_type: str) -> List[TensorSpec]:
 def _opt_positions(src: Source, name: str) -> TensorSpec:
     """OPT's position table: fairseq's learned one as it is, or the sinusoidal rows (zeros without positions)
     for max_target_positions positions after the two offset rows."""
-    from fairseq.modules.positional_embedding import sinusoidal_table
-
     state, cfg = src.state, src.cfg
     rows, dim = cfg.max_target_positions + PAD + 1, cfg.decoder_embed_dim
     if src.learned_positions:
@@ -387,8 +378,6 @@ def export(
     tokenizer. The directory is assembled beside `out_dir` and renamed into place when complete.
     """
     require_transformers()
-    from fairseq.export.hf_tokenizer import build_hf_tokenizer, export_bpe
-
     if dtype is not None and dtype not in DTYPES:
         raise ValueError(f"--dtype {dtype!r}: choose one of {', '.join(DTYPES)}")
     max_shard_bytes = parse_size(max_shard_size)
@@ -441,6 +430,6 @@ def _write_export(src, chosen, config, hf_tok, bpe_cfg, tmp, target_dtype, max_s
 
 
 def _generation_config(src: Source):
-    from transformers import GenerationConfig
+    from transformers import GenerationConfig  # deferred: optional (the export extra)
 
     return GenerationConfig(bos_token_id=src.begin_token, eos_token_id=src.dictionary.eos(), pad_token_id=PAD)

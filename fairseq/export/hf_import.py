@@ -1,6 +1,6 @@
 """A transformers OPT or XGLM model directory -> a checkpoint of this fork: the export (hf.py) the other way,
 through the same name tables (hf_names). `scripts/import_hf.py HF_DIR OUT_DIR` and `from_pretrained` on such a
-directory (fairseq.hub.hub_utils) come here; docs/export_hf.md ("The way back") says what maps.
+directory (fairseq.hub.pretrained) come here; docs/export_hf.md ("The way back") says what maps.
 
 OUT_DIR gets `checkpoint_best.pt` (cfg: --arch transformer_lm with its options set, --task language_modeling,
 the --bpe; the weights; the `vocabulary` record of fairseq.checkpoint.vocabulary; it loads with
@@ -31,7 +31,10 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
+from fairseq.checkpoint.io import torch_save_raising_os_errors
+from fairseq.checkpoint.vocabulary import KEY as VOCABULARY_KEY, make_record
 from fairseq.dataclass.utils import config_to_dict, flag_name
+from fairseq.export import require_transformers
 from fairseq.export.hf_import_vocab import Vocabulary, read_vocabulary
 from fairseq.export.hf_names import (
     CONFIG_FIELDS,
@@ -46,6 +49,8 @@ from fairseq.export.hf_names import (
 )
 from fairseq.export.output_dir import assembled, check_output
 from fairseq.export.safetensors_shards import read_weights
+from fairseq.models.transformer_lm import TransformerLanguageModel, preset_config
+from fairseq.modules.positional_embedding import sinusoidal_table
 
 logger = logging.getLogger(__name__)
 
@@ -91,8 +96,6 @@ class HFModel:
 
 def read_hf(hf_dir: str) -> HFModel:
     """config.json (an OPT or XGLM one, else a one-line error naming its model_type) and the weights."""
-    from fairseq.export.hf import require_transformers
-
     if not os.path.isdir(hf_dir):
         raise FileNotFoundError(
             f"{hf_dir}: no such directory; pass a transformers model directory (config.json and "
@@ -119,7 +122,7 @@ def read_hf(hf_dir: str) -> HFModel:
         )
     check_config_types(raw, path)
     require_transformers("importing from transformers")
-    import transformers
+    import transformers  # deferred: optional (the export extra)
 
     hf = (transformers.OPTConfig if model_type == "opt" else transformers.XGLMConfig).from_dict(raw)
     weights, files = read_weights(hf_dir)
@@ -331,8 +334,6 @@ def _materialize_optional(weights, pairs, hf, model: HFModel) -> None:
 
 def _fork_layout_of_export(state: Dict[str, torch.Tensor], values: Dict[str, Any]) -> None:
     """Undo what the export does to fit OPT (see the module's docstring), where the tensors say it was done."""
-    from fairseq.modules.positional_embedding import sinusoidal_table
-
     scale = math.sqrt(values["decoder_embed_dim"])
     out = state.get(OUTPUT)
     if (
@@ -354,8 +355,6 @@ def _fork_layout_of_export(state: Dict[str, torch.Tensor], values: Dict[str, Any
 def complete_state(state: Dict[str, torch.Tensor], cfg, rows: int) -> Dict[str, torch.Tensor]:
     """`state` with the model's buffers (version, the sinusoidal placeholder) and the shared output matrix, in
     the model's key order; its shapes checked against the model `cfg` builds."""
-    from fairseq.models.transformer_lm import TransformerLanguageModel
-
     with torch.device("meta"):
         expected = TransformerLanguageModel.build(cfg, rows, PAD).state_dict()
     out = {}
@@ -387,8 +386,6 @@ def complete_state(state: Dict[str, torch.Tensor], cfg, rows: int) -> Dict[str, 
 def import_hf(hf_dir: str, out_dir: str, dtype: Optional[str] = None, overwrite: bool = False) -> Dict[str, Any]:
     """Write OUT_DIR (see the module's docstring) for the transformers directory `hf_dir`; returns what was
     written. `dtype` (float32, float16, bfloat16) casts the weights, else they keep the stored dtype."""
-    from fairseq.models.transformer_lm import preset_config
-
     if dtype is not None and dtype not in DTYPES:
         raise ValueError(f"--dtype {dtype!r}: choose one of {', '.join(DTYPES)}")
     check_output(out_dir, overwrite, "import_hf", [hf_dir])
@@ -437,9 +434,6 @@ def import_hf(hf_dir: str, out_dir: str, dtype: Optional[str] = None, overwrite:
 
 
 def _write(tmp: str, out_dir: str, cfg, state, vocab: Vocabulary, add_bos: bool) -> None:
-    from fairseq.checkpoint.io import torch_save_raising_os_errors
-    from fairseq.checkpoint.vocabulary import KEY, make_record
-
     vocab.dictionary.save(os.path.join(tmp, "dict.txt"))
     for name, content in vocab.files.items():
         with open(os.path.join(tmp, name), "wb") as f:
@@ -464,7 +458,7 @@ def _write(tmp: str, out_dir: str, cfg, state, vocab: Vocabulary, add_bos: bool)
         "add_bos_token": add_bos,
     }
     torch_save_raising_os_errors(
-        {"cfg": {"model": config_to_dict(cfg), "task": task, "bpe": bpe}, "model": state, KEY: record},
+        {"cfg": {"model": config_to_dict(cfg), "task": task, "bpe": bpe}, "model": state, VOCABULARY_KEY: record},
         os.path.join(tmp, CHECKPOINT_NAME),
     )
     with open(os.path.join(tmp, FLAGS_NAME), "w", encoding="utf-8") as f:

@@ -27,7 +27,9 @@ from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
 
 from fairseq.data.dictionary import Dictionary
+from fairseq.data.encoders.gpt2_bpe_utils import bytes_to_unicode, producible_tokens
 from fairseq.export.hf_names import FORK_TOKENIZER_FILES, PAD
+from fairseq.export.hf_sentencepiece import read_model
 
 SPECIALS = ("<s>", "<pad>", "</s>", "<unk>")  # fairseq's ids 0-3, the released tokenizers' too
 SPM_FILE = "sentencepiece.bpe.model"
@@ -121,8 +123,6 @@ def _gpt2_source(hf_dir: str) -> Optional[str]:
 
 
 def _gpt2_vocabulary(hf_dir: str, rows: int, dictionary: Optional[Dictionary]) -> Vocabulary:
-    from fairseq.data.encoders.gpt2_bpe_utils import bytes_to_unicode, producible_tokens
-
     source = _gpt2_source(hf_dir)
     if source is None:
         raise FileNotFoundError(
@@ -246,8 +246,6 @@ def _json(path: str):
 
 
 def _xglm_vocabulary(hf_dir: str, rows: int) -> Vocabulary:
-    from fairseq.export.hf_sentencepiece import read_model
-
     path = os.path.join(hf_dir, SPM_FILE)
     if not os.path.isfile(path):
         also = (

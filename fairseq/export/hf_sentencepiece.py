@@ -24,6 +24,8 @@ whitespace, and whitespace characters inside pieces.
 import struct
 from typing import Dict, List, Tuple
 
+from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
+
 from fairseq.data.dictionary import Dictionary
 from fairseq.export.hf_vocab import missing_error, special_symbols
 
@@ -124,9 +126,22 @@ def sentencepiece_tokenizer(path: str, dictionary: Dictionary):
     Every normal piece must be a dict.txt entry (fairseq looks pieces up there); the unknown piece is <unk>;
     dict.txt entries that are not pieces would be surface text that sentencepiece passes through for unknown
     characters, which fairseq gives their own id and a tokenizer cannot: both are refused."""
-    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
-
     model = read_model(path)
+    _check_supported(path, model)
+    specials = special_symbols(dictionary)
+    ids, normal = _piece_ids(path, model, dictionary, specials)
+    unk = dictionary[dictionary.unk()]  # sentencepiece's unknown piece: fairseq finds no such entry
+    tokenizer = Tokenizer(
+        models.BPE(vocab=ids, merges=_merges(normal), unk_token=unk, fuse_unk=True, dropout=None, byte_fallback=False)
+    )
+    _set_text_steps(tokenizer, path, model, normal)
+    # fairseq's decoding: pieces joined, U+2581 read as a space, the ends stripped.
+    tokenizer.decoder = decoders.Sequence([decoders.Replace(SPACE, " "), decoders.Fuse(), decoders.Strip(" ", 1, 1)])
+    return tokenizer, specials
+
+
+def _check_supported(path: str, model: dict) -> None:
+    """A one-line refusal for what no transformers tokenizer reproduces exactly (the module's docstring)."""
     if model["model_type"] == UNIGRAM:
         raise _refuse(
             path,
@@ -145,7 +160,10 @@ def sentencepiece_tokenizer(path: str, dictionary: Dictionary):
     if any(kind == USER_DEFINED for _, _, kind in model["pieces"]):
         raise _refuse(path, "a user-defined piece")
 
-    specials = special_symbols(dictionary)
+
+def _piece_ids(path: str, model: dict, dictionary: Dictionary, specials: List[str]):
+    """(piece or special symbol -> its dictionary id, normal piece -> its score); every normal piece must be a
+    dict.txt entry and every entry a piece or a special symbol."""
     ids: Dict[str, int] = {}
     missing: List[Tuple[str, str]] = []
     normal = {}
@@ -168,19 +186,23 @@ def sentencepiece_tokenizer(path: str, dictionary: Dictionary):
         )
     for symbol in specials:  # in the vocabulary so that they decode; never produced from text
         ids[symbol] = dictionary.index(symbol)
-    unk = dictionary[dictionary.unk()]  # sentencepiece's unknown piece: fairseq finds no such entry
+    return ids, normal
 
+
+def _merges(normal: Dict[str, float]) -> List[Tuple[str, str]]:
+    """Each piece's splits into two pieces, ranked by the piece's score (best first)."""
     ranked = []
     for piece, score in normal.items():
         for cut in range(1, len(piece)):
             left, right = piece[:cut], piece[cut:]
             if left in normal and right in normal:
                 ranked.append((-score, left, right))
-    merges = [(left, right) for _, left, right in sorted(ranked)]
-    tokenizer = Tokenizer(
-        models.BPE(vocab=ids, merges=merges, unk_token=unk, fuse_unk=True, dropout=None, byte_fallback=False)
-    )
+    return [(left, right) for _, left, right in sorted(ranked)]
 
+
+def _set_text_steps(tokenizer, path: str, model: dict, normal: Dict[str, float]) -> None:
+    """The tokenizer's normalizer (sentencepiece's, as the model's flags say) and its split at the whitespace
+    fairseq splits pieces on."""
     steps = []
     if model["charsmap"]:
         steps.append(normalizers.Precompiled(model["charsmap"]))
@@ -198,6 +220,3 @@ def sentencepiece_tokenizer(path: str, dictionary: Dictionary):
     if inside is not None:
         raise _refuse(path, f"the piece {inside!r}, which holds whitespace that fairseq splits on,")
     tokenizer.pre_tokenizer = pre_tokenizers.Split(Regex("[" + "".join(spaces) + "]"), behavior="removed")
-    # fairseq's decoding: pieces joined, U+2581 read as a space, the ends stripped.
-    tokenizer.decoder = decoders.Sequence([decoders.Replace(SPACE, " "), decoders.Fuse(), decoders.Strip(" ", 1, 1)])
-    return tokenizer, specials

@@ -16,8 +16,17 @@ fairseq does). Encoding adds the token every training sequence began with: </s> 
 
 from typing import Dict, List, Optional
 
+from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
+
 from fairseq.checkpoint.vocabulary import resolve_bpe
 from fairseq.data.dictionary import Dictionary
+from fairseq.data.encoders.gpt2_bpe_utils import (
+    bytes_to_unicode,
+    load_encoder_json,
+    load_vocab_bpe,
+    merge_order_is_safe,
+    producible_tokens,
+)
 from fairseq.export.hf_sentencepiece import sentencepiece_tokenizer
 from fairseq.export.hf_vocab import missing_error, special_symbols
 
@@ -62,7 +71,7 @@ def bpe_tokenizer(bpe_cfg: dict, dictionary: Dictionary, begin_token: int):
 
 
 def wrap(tokenizer, dictionary: Dictionary, begin_token: int, max_positions: int):
-    from transformers import PreTrainedTokenizerFast
+    from transformers import PreTrainedTokenizerFast  # deferred: optional (the export extra)
 
     hf = PreTrainedTokenizerFast(
         tokenizer_object=tokenizer,
@@ -80,8 +89,6 @@ def wrap(tokenizer, dictionary: Dictionary, begin_token: int, max_positions: int
 
 
 def _finish(tokenizer, dictionary: Dictionary, specials: List[str], begin_token: int) -> None:
-    from tokenizers import AddedToken, processors
-
     # Already in the model's vocabulary at their dictionary ids: registering them keeps those ids.
     tokenizer.add_special_tokens([AddedToken(s, special=True, normalized=False) for s in specials])
     tokenizer.encode_special_tokens = True
@@ -102,16 +109,6 @@ def gpt2_tokenizer(encoder_json: str, vocab_bpe: str, dictionary: Dictionary):
     The BPE can output the 256 byte symbols and the merge results that `producible_tokens` finds; each is
     given the id of its GPT-2 id's dict.txt entry. Merges keep their rank order (a pair listed twice keeps
     its last rank, as upstream)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-
-    from fairseq.data.encoders.gpt2_bpe_utils import (
-        bytes_to_unicode,
-        load_encoder_json,
-        load_vocab_bpe,
-        merge_order_is_safe,
-        producible_tokens,
-    )
-
     encoder = load_encoder_json(encoder_json)
     ranks = {tuple(m): r for r, m in enumerate(load_vocab_bpe(vocab_bpe))}
     merges = sorted(ranks, key=ranks.__getitem__)
@@ -123,6 +120,32 @@ def gpt2_tokenizer(encoder_json: str, vocab_bpe: str, dictionary: Dictionary):
         )
     alphabet = list(bytes_to_unicode().values())
     outputs = alphabet + list(producible_tokens(ranks, merges, alphabet))
+    vocab = _producible_ids(outputs, encoder, dictionary, encoder_json, vocab_bpe)
+    specials = special_symbols(dictionary)
+    _add_other_entries(vocab, encoder, dictionary, specials)
+    # A merge whose tokens are not all in the vocabulary never applies (its result is never formed).
+    kept = [m for m in merges if m[0] in vocab and m[1] in vocab and m[0] + m[1] in vocab]
+    tokenizer = Tokenizer(
+        models.BPE(
+            vocab=vocab,
+            merges=kept,
+            dropout=None,
+            unk_token=None,
+            fuse_unk=False,
+            byte_fallback=False,
+            ignore_merges=False,
+        )
+    )
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tokenizer.decoder = decoders.ByteLevel()
+    return tokenizer, specials
+
+
+def _producible_ids(
+    outputs: List[str], encoder: Dict[str, int], dictionary: Dictionary, encoder_json: str, vocab_bpe: str
+) -> Dict[str, int]:
+    """Each token the BPE can output -> the dictionary id of its GPT-2 id's dict.txt entry; every one must have
+    a GPT-2 id and an entry."""
     vocab: Dict[str, int] = {}
     missing = []
     for token in outputs:
@@ -138,7 +161,12 @@ def gpt2_tokenizer(encoder_json: str, vocab_bpe: str, dictionary: Dictionary):
             missing.append((token, entry))
     if missing:
         raise missing_error("GPT-2 BPE", missing, len(outputs), dictionary.path)
-    specials = special_symbols(dictionary)
+    return vocab
+
+
+def _add_other_entries(vocab: Dict[str, int], encoder: Dict[str, int], dictionary: Dictionary, specials: List[str]):
+    """The dict.txt entries the BPE never outputs, added to `vocab` so that every id decodes: a GPT-2 id as its
+    token's text, any other symbol as itself (appended to `specials`: never produced from text)."""
     token_of_gpt2_id = {str(i): t for t, i in encoder.items()}
     used = set(vocab.values())
     for idx in range(len(dictionary)):
@@ -157,19 +185,3 @@ def gpt2_tokenizer(encoder_json: str, vocab_bpe: str, dictionary: Dictionary):
                 f"{vocab[token]}); a tokenizer cannot tell them apart; export with --no-tokenizer"
             )
         vocab[token] = idx
-    # A merge whose tokens are not all in the vocabulary never applies (its result is never formed).
-    kept = [m for m in merges if m[0] in vocab and m[1] in vocab and m[0] + m[1] in vocab]
-    tokenizer = Tokenizer(
-        models.BPE(
-            vocab=vocab,
-            merges=kept,
-            dropout=None,
-            unk_token=None,
-            fuse_unk=False,
-            byte_fallback=False,
-            ignore_merges=False,
-        )
-    )
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    tokenizer.decoder = decoders.ByteLevel()
-    return tokenizer, specials

@@ -16,6 +16,8 @@ import tempfile
 from contextlib import contextmanager
 from typing import Iterable, Iterator, Optional, Set
 
+from fairseq.checkpoint.io import CheckpointSaveError, os_error_message
+
 MANIFEST = "fairseq_manifest.json"
 
 
@@ -145,6 +147,4 @@ def _replace(tmp: str, out_dir: str) -> None:
 
 
 def _one_line(out_dir: str, err: OSError, what: str, flag: str):
-    from fairseq.checkpoint.io import CheckpointSaveError, os_error_message
-
     return CheckpointSaveError(os_error_message(out_dir, err, what, flag=flag))

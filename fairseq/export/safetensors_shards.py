@@ -10,6 +10,7 @@ memory, without a serialized copy).
 
 import json
 import os
+import pickle
 import re
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
@@ -89,7 +90,7 @@ def write_shards(
     out_dir: str, specs: Sequence[TensorSpec], dtype: Optional[torch.dtype], max_shard_bytes: int
 ) -> List[str]:
     """Write `specs` (cast to `dtype` when given) under `out_dir`; the names of the files written."""
-    from safetensors.torch import save_file
+    from safetensors.torch import save_file  # deferred: optional (the export extra)
 
     shards = plan_shards(specs, dtype, max_shard_bytes)
     if len(shards) == 1:
@@ -180,8 +181,8 @@ def _indexed_files(index: str) -> List[str]:
 
 
 def _read_safetensors(path: str) -> Dict[str, torch.Tensor]:
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
+    from safetensors import SafetensorError  # deferred: optional (the export extra)
+    from safetensors.torch import load_file  # deferred: optional (the export extra)
 
     try:
         return load_file(path)
@@ -190,8 +191,6 @@ def _read_safetensors(path: str) -> Dict[str, torch.Tensor]:
 
 
 def _read_pickle(path: str) -> Dict[str, torch.Tensor]:
-    import pickle
-
     try:
         try:
             state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)

@@ -44,7 +44,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from fairseq import registry
 from fairseq.frontend import options
 from fairseq.dataclass import legacy
-from fairseq.dataclass.build import build_config
+from fairseq.dataclass.build import build_config, check_precision
 from fairseq.dataclass.configs import FairseqConfig
 from fairseq.dataclass.fields import unwrap_optional
 from fairseq.dataclass.utils import flag_name
@@ -101,7 +101,7 @@ def as_hydra_overrides(overrides: Sequence[str]) -> List[str]:
 
 def compose_dict(config_dir: str, config_name: str, overrides: Sequence[str] = ()) -> Dict[str, Any]:
     """Compose `config_dir/config_name.yaml` with `key=value` overrides (hydra's compose API), resolved."""
-    from hydra import compose, initialize_config_dir
+    from hydra import compose, initialize_config_dir  # deferred: startup (0.2 s, for YAML configs only)
 
     with without_group_package_headers(os.path.abspath(config_dir)) as readable_dir:
         with initialize_config_dir(config_dir=readable_dir, version_base="1.3"):
@@ -380,7 +380,7 @@ def fairseq_config_from_dict(values: Dict[str, Any]) -> FairseqConfig:
     """A FairseqConfig from a composed config (plain dict), as `fairseq-train` would build it from flags.
 
     Raises ValueError naming the key for unknown groups or keys, bad values, a missing required value,
-    or one option set to two different values in two groups.
+    one option set to two different values in two groups, or --fp16 with --bf16.
     """
     values, _ = split_recipe(values)
     values = _without_unused_upstream_groups(values)
@@ -421,7 +421,9 @@ def fairseq_config_from_dict(values: Dict[str, Any]) -> FairseqConfig:
         else:
             collect(attr, _check_group(attr, mapping, dataclasses_[attr], owner, skip_missing=True))
 
-    return build_config({key: value for key, (value, _) in explicit.items()}, names)  # names["model"]: the arch
+    cfg = build_config({key: value for key, (value, _) in explicit.items()}, names)  # names["model"]: the arch
+    check_precision(cfg.common)  # the YAML front end's check; parse_args_and_arch makes the flags' one
+    return cfg
 
 
 def resolve_paths(values: Dict[str, Any], base_dir: str) -> Dict[str, Any]:

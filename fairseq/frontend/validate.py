@@ -13,10 +13,10 @@ import torch
 
 from fairseq import registry
 from fairseq.checkpoint.manager import parse_optimizer_overrides
-from fairseq.checkpoint.vocabulary import check_bpe_flags
+from fairseq.checkpoint.vocabulary import bpe_options, check_bpe_flags
 from fairseq.data.indexed_dataset import check_dataset_impl
 from fairseq.dataclass.batch_flags import check_batch_flags
-from fairseq.dataclass.build import check_precision, check_seed
+from fairseq.dataclass.build import check_seed
 from fairseq.distributed.float8 import check_float8_environment, check_float8_flags
 from fairseq.distributed.fsdp import check_fsdp_flags
 from fairseq.distributed.mesh import check_layout_flags
@@ -27,17 +27,16 @@ from fairseq.tasks.language_modeling import check_token_budget
 from fairseq.training.ema import check_ema_config
 
 
-def check_shard(dataset) -> None:
+def check_shard(num_shards: int, shard_id: int) -> None:
     """--num-shards / --shard-id of fairseq-generate and fairseq-eval-lm: shard SHARD_ID of NUM_SHARDS."""
-    if dataset.num_shards < 1 or not 0 <= dataset.shard_id < dataset.num_shards:
+    if num_shards < 1 or not 0 <= shard_id < num_shards:
         raise ValueError(
-            f"--shard-id {dataset.shard_id} must lie in [0, --num-shards {dataset.num_shards}) "
-            "(and --num-shards be at least 1)"
+            f"--shard-id {shard_id} must lie in [0, --num-shards {num_shards}) (and --num-shards be at least 1)"
         )
 
 
-def check_sharded_state(distributed) -> None:
-    if distributed.use_sharded_state and distributed.ddp_backend != "fully_sharded":
+def check_sharded_state(use_sharded_state: bool, ddp_backend: str) -> None:
+    if use_sharded_state and ddp_backend != "fully_sharded":
         raise ValueError("--use-sharded-state needs --ddp-backend fully_sharded")
 
 
@@ -61,21 +60,21 @@ def validate(cfg) -> None:
     # a bad literal, key or value fails now, not at resume or at the first update
     overrides = parse_optimizer_overrides(cfg.checkpoint.optimizer_overrides)
     check_optimizer_overrides(cfg.optimizer, cfg.optimization, overrides)
-    check_precision(cfg.common)
+    # --fp16 with --bf16: refused once, by the front end that read them (options.parse_args_and_arch, hydra)
     check_seed(cfg.common)
     common, dt = cfg.common, cfg.distributed_training
     check_float8_flags(
         common.fp8, common.fp16, common.bf16, common.fp8_recipe, common.fp8_fsdp_all_gather, dt.ddp_backend
     )
-    check_float8_environment(cfg, _training_device(cfg))
+    check_float8_environment(common.fp8, common.fp8_recipe, _training_device(cfg))
     check_fsdp_flags(
         dt.ddp_backend, dt.fsdp_forward_prefetch, dt.fsdp_sync_free, dt.cpu_offload, dt.fsdp_prefetch_depth
     )
     check_layout_flags(dt.model_parallel_size, dt.fsdp_shard_group_size, dt.ddp_backend)
-    check_tensor_parallel_config(cfg)
-    check_sharded_state(cfg.distributed_training)
+    check_tensor_parallel_config(dt.model_parallel_size, cfg.model)
+    check_sharded_state(dt.use_sharded_state, dt.ddp_backend)
     if cfg.common.profile_updates:
         parse_update_range(cfg.common.profile_updates)
-    check_ema_config(cfg.ema)
-    check_bpe_flags(cfg.bpe)  # the checkpoints will carry them (read at start-up)
+    check_ema_config(cfg.ema.store_ema, cfg.ema.ema_decay, cfg.ema.ema_update_freq)
+    check_bpe_flags(bpe_options(cfg.bpe))  # the checkpoints will carry them (read at start-up)
     registry.arch_model(cfg.model._name).check_config(cfg.model)

@@ -39,6 +39,7 @@ from typing import Callable, Dict, Hashable, List, Optional
 
 import torch
 from torch import Tensor
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 # Cache capacity is rounded up to this many slots: later calls with a slightly longer limit reuse the cache
 # and graphs, and the attention mask's rows stay aligned for the fused kernels.
@@ -62,8 +63,6 @@ def attention_window(step: int, capacity: int) -> int:
 
 
 def _attention_kernels():
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
     return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
 
 

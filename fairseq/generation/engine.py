@@ -7,9 +7,9 @@ continuous batching runs on).
         for event in engine.step(max_steps=16):   # one host sync per call
             ...  # event.id, event.tokens, event.logprobs, event.top_logprobs, event.finished, event.finish_reason
 
-Each request is one row: `add` queues it; at the next call of `step` (a chunk boundary) its prompt is prefilled
-alone (one forward, `</s>` or the given `bos` first, as the generator starts a sentence) into a free row of the
-running caches, with its own options and seed. `step` then decodes up to `max_steps` tokens for every live row:
+Each request is one row: `add` queues it; at the next call of `step` (a chunk boundary) it takes a free row of the
+running caches, with its own options and seed, its prompt prefilled (`</s>` or the given `bos` first, as the
+generator starts a sentence) in one forward with the other prompts joining at that boundary. `step` then decodes up to `max_steps` tokens for every live row:
 one-token steps at each row's own position (`forward_static_step` with a slot per row: rows that joined at
 different times sit at different lengths), on CUDA replayed from CUDA graphs. It returns, per request, the
 tokens of this chunk, their log-probabilities and top-N, and whether it finished: 'stop' (a stop id was drawn:
@@ -147,11 +147,13 @@ class DecodeEngine:
         dtype: Optional[torch.dtype] = None,
         bos: Optional[int] = None,
         cuda_graphs: bool = True,
+        compile_step=None,
     ):
         """`model`: a language model of this fork (or a list: an ensemble); moved to `device` / `dtype` when
         given. `max_positions`: tokens per row, the prompt and its begin token included (default and cap: the
         model's). The caches of `max_rows` x `max_positions` are reserved now (on CUDA: checked against free
-        memory first, one line when they do not fit)."""
+        memory first, one line when they do not fit). `compile_step`: the one-token steps compiled by inductor
+        (fairseq.generation.compiled_step; None: the process's setting)."""
         models = list(model) if isinstance(model, (list, tuple, torch.nn.ModuleList)) else [model]
         if device is not None or dtype is not None:
             models = [m.to(device=device, dtype=dtype) for m in models]
@@ -176,7 +178,9 @@ class DecodeEngine:
         self.bos = self.eos if bos is None else bos
         self.vocab_size = len(dictionary)
         # The model's log-probabilities at temperature 1 (what is reported), NaN -> -inf, never <pad>.
-        self.step_model = StepModel(self.model, self.vocab_size, self.pad, dictionary.unk(), cuda_graphs=cuda_graphs)
+        self.step_model = StepModel(
+            self.model, self.vocab_size, self.pad, dictionary.unk(), cuda_graphs=cuda_graphs, compile_step=compile_step
+        )
         self.step_model.eager_graphs = not (cuda_graphs and self.device.type == "cuda")
         self._graphed = self.step_model.graph_runner(self.device)  # the caches and, on CUDA, the graphs
         self.states = self._graphed.begin(max_rows, 1, self.max_positions, self.device)
@@ -260,7 +264,7 @@ class DecodeEngine:
         if not self._rows:
             return []
         rows = len(self._rows)
-        graph_rows = round_up_sentences(rows) if self._graphed.capture else rows
+        graph_rows = round_up_sentences(rows) if self._static_shapes else rows
         steps = min(max_steps, max(row.request.max_new_tokens - row.generated for row in self._rows))
         sampled = any(row.request.temperature > 0 for row in self._rows)
         # top-N computed for the chunk: 0, 5 or 20 (a graph per kind of chunk, so few kinds)
@@ -275,10 +279,15 @@ class DecodeEngine:
             )
         return self._events(steps, top_n)
 
+    @property
+    def _static_shapes(self) -> bool:
+        """Whether steps take few shapes (rows and window rounded up): each is a graph to capture or a compile."""
+        return self._graphed.capture or self.step_model.compiled_step is not None
+
     def _window(self, slot: int) -> int:
         """The cache slots a step attends over when the rows' highest slot is `slot`: the live length rounded up
-        (few graphs) on CUDA graphs, the live length itself when eager."""
-        if self._graphed.capture:
+        (few graphs, few compiles) on CUDA graphs or compiled, the live length itself when eager."""
+        if self._static_shapes:
             return attention_window(slot, self._graphed.capacity)
         return slot + 1
 
@@ -357,20 +366,39 @@ class DecodeEngine:
         self._rows = [self._rows[i] for i in keep]
 
     def _admit(self) -> None:
-        """Queued requests take the free rows, oldest first, each prompt prefilled alone."""
-        while self._queue and len(self._rows) < self.max_rows:
-            request = self._queue.popleft()
-            self._join(request, len(self._rows))
+        """Queued requests take the free rows, oldest first: their prompts prefilled together (one forward),
+        then each row's options."""
+        joining = []
+        while self._queue and len(self._rows) + len(joining) < self.max_rows:
+            joining.append(self._queue.popleft())
+        if not joining:
+            return
+        first = len(self._rows)
+        self._prefill(joining, first)
+        for i, request in enumerate(joining):
+            self._join(request, first + i)
             self._rows.append(_Row(request, request.prompt.numel() + 1))
 
+    def _prefill(self, requests: List[DecodeRequest], first: int) -> None:
+        """Rows first, first + 1, ... take the begin token and their request's prompt but its last token in the
+        caches: one forward of the prompts right-padded to the longest (causal attention: a row's positions never
+        see the padding after them; the padded slots are overwritten before a step reads them). Empty prompts
+        have nothing to prefill."""
+        rows = [first + i for i, request in enumerate(requests) if request.prompt.numel()]
+        if not rows:
+            return
+        prompts = [request.prompt for request in requests if request.prompt.numel()]
+        tokens = torch.full((len(prompts), max(p.numel() for p in prompts)), self.pad, dtype=torch.long)
+        for i, prompt in enumerate(prompts):  # the begin token, the prompt but its last token
+            tokens[i, 0], tokens[i, 1 : prompt.numel()] = self.bos, prompt[:-1].cpu()
+        self.step_model.add_rows(self.states, torch.tensor(rows, device=self.device), tokens.to(self.device))
+
     def _join(self, request: DecodeRequest, row: int) -> None:
-        """Row `row` takes `request`: the begin token and its prompt but the last token in the caches (one
-        forward), that last token to feed at the next step, its options."""
+        """Row `row` (its caches prefilled) takes `request`: its last prompt token (the begin token for an
+        empty prompt) to feed at the next step, its options."""
         b, device, length = self._buf, self.device, request.prompt.numel()
-        sequence = torch.cat([torch.tensor([self.bos]), request.prompt.cpu()]).to(device)
-        if length:
-            self.step_model.add_rows(self.states, torch.tensor([row], device=device), sequence[None, :length])
-        b.tokens[row, 0], b.slot[row, 0] = sequence[length], length
+        b.tokens[row, 0] = int(request.prompt[-1]) if length else self.bos
+        b.slot[row, 0] = length
         b.generated[row], b.max_new[row], b.min_new[row] = 0, request.max_new_tokens, request.min_new_tokens
         sampled = request.temperature > 0
         b.sampled[row], b.temperature[row] = sampled, request.temperature if sampled else 1.0

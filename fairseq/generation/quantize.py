@@ -136,7 +136,7 @@ class Int8WeightOnlyLinear(nn.Module):
 def int8_weight(weight: torch.Tensor) -> torch.Tensor:
     """`weight` [out, in] as torchao's Int8Tensor (`Int8WeightOnlyConfig`, torchao's weight-only int8, which
     this module used before its own matmul): what scripts/benchmark_generate.py compares against."""
-    from torchao.quantization import Int8WeightOnlyConfig, quantize_
+    from torchao.quantization import Int8WeightOnlyConfig, quantize_  # deferred: optional
 
     linear = nn.Linear(weight.size(1), weight.size(0), bias=False, device=weight.device, dtype=weight.dtype)
     with torch.no_grad():

@@ -47,6 +47,16 @@ from fairseq.generation.step_model import EnsembleModel, StepModel
 logger = logging.getLogger("fairseq.sequence_generator")  # upstream's module name
 
 
+def _check_options(beam_size: int, temperature: float, no_repeat_ngram_size: int) -> None:
+    """One line for an option out of range (the flag's name)."""
+    if beam_size < 1:
+        raise ValueError(f"--beam must be at least 1, got {beam_size}")
+    if temperature <= 0:
+        raise ValueError(f"--temperature must be greater than 0, got {temperature}")
+    if no_repeat_ngram_size < 0:
+        raise ValueError(f"--no-repeat-ngram-size must be >= 0, got {no_repeat_ngram_size}")
+
+
 class SequenceGenerator(nn.Module):
     def __init__(
         self,
@@ -68,6 +78,7 @@ class SequenceGenerator(nn.Module):
         symbols_to_strip_from_output=None,
         cuda_graphs: bool = True,
         device_loop: Optional[bool] = None,
+        compile_step=None,
     ):
         """`max_len`: cap on the total length (default: the models' positions); the output of a sentence has at
         most min(max_len_a * src_len + max_len_b, max_len - 1) tokens before </s>, src_len the width of
@@ -77,42 +88,31 @@ class SequenceGenerator(nn.Module):
         search and sampling at beam 1 (fairseq.generation.device_decoding) and beam search (device_beam_search)
         on the device (no host sync per token; the same search results; sampling draws that depend on the seed
         and the sentence only); False keeps the step-by-step loop (sampling draws from torch's RNG, as upstream);
-        None (default): the device loops, but on the CPU, where the step-by-step loop is faster, for sampling
-        and streaming only (greedy and beam search give the same hypotheses either way)."""
+        None (default): the device loops, but on the CPU (where the step-by-step loop is faster) for sampling and
+        streaming only. `compile_step`: the graphs' steps compiled by inductor (fairseq.generation.compiled_step;
+        None: the process's setting, off unless FAIRSEQ_COMPILE_DECODE_STEP; True; or an inductor mode)."""
         super().__init__()
+        _check_options(beam_size, temperature, no_repeat_ngram_size)
         self.model = models if isinstance(models, EnsembleModel) else EnsembleModel(models)
         self.tgt_dict = tgt_dict
-        self.pad = tgt_dict.pad()
-        self.unk = tgt_dict.unk()
+        self.pad, self.unk = tgt_dict.pad(), tgt_dict.unk()
         self.eos = tgt_dict.eos() if eos is None else eos
-        self.symbols_to_strip_from_output = (
-            set(symbols_to_strip_from_output) | {self.eos} if symbols_to_strip_from_output is not None else {self.eos}
-        )
+        self.symbols_to_strip_from_output = set(symbols_to_strip_from_output or ()) | {self.eos}
         self.vocab_size = len(tgt_dict)
-        if beam_size < 1:
-            raise ValueError(f"--beam must be at least 1, got {beam_size}")
         self.beam_size = min(beam_size, self.vocab_size - 1)  # pad is never a candidate
         self.model.set_decoder_beam_size(self.beam_size)
-        self.max_len_a = max_len_a
-        self.max_len_b = max_len_b
+        self.max_len_a, self.max_len_b = max_len_a, max_len_b
         self._warned_long_prompt = False
         self.min_len = min_len
         self.max_len = max_len or self.model.max_decoder_positions()
-        self.normalize_scores = normalize_scores
-        self.len_penalty = len_penalty
-        self.unk_penalty = unk_penalty
-        if temperature <= 0:
-            raise ValueError(f"--temperature must be greater than 0, got {temperature}")
-        self.temperature = temperature
-        self.match_source_len = match_source_len
-        if no_repeat_ngram_size < 0:
-            raise ValueError(f"--no-repeat-ngram-size must be >= 0, got {no_repeat_ngram_size}")
+        self.normalize_scores, self.len_penalty, self.unk_penalty = normalize_scores, len_penalty, unk_penalty
+        self.temperature, self.match_source_len = temperature, match_source_len
         self.no_repeat_ngram_size = no_repeat_ngram_size
         self.search = search.BeamSearch(tgt_dict) if search_strategy is None else search_strategy
         self.should_set_src_lengths = getattr(self.search, "needs_src_lengths", False)
         self.cuda_graphs = cuda_graphs
         self.step_model = StepModel(
-            self.model, self.vocab_size, self.pad, self.unk, unk_penalty, temperature, cuda_graphs
+            self.model, self.vocab_size, self.pad, self.unk, unk_penalty, temperature, cuda_graphs, compile_step
         )
         self.device_loop = device_loop
         loop = device_beam_search.DeviceBeamSearch if self.beam_size > 1 else device_decoding.DeviceDecodeLoop

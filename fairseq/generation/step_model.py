@@ -27,6 +27,7 @@ import torch
 import torch.nn as nn
 from torch import Tensor
 
+from fairseq.generation.compiled_step import CompiledStep, compile_decode_step_mode, compile_mode
 from fairseq.generation.cuda_graph_decoding import GraphedDecodeStep
 from fairseq.modules.fairseq_incremental_decoder import FairseqIncrementalDecoder
 
@@ -191,7 +192,8 @@ class StepModel:
     """SequenceGenerator's step-model interface: the ensemble's operations (prefill, step, reorder, drop rows)
     with what every step applies (the generator's temperature; NaN -> -inf, never <pad>, --unkpen), and the
     CUDA-graph runner of the static one-token steps (fairseq.generation.cuda_graph_decoding), which holds the
-    caches it replays over."""
+    caches it replays over; `compile_step`: those steps compiled by inductor (fairseq.generation.compiled_step;
+    None: the process's setting, FAIRSEQ_COMPILE_DECODE_STEP)."""
 
     def __init__(
         self,
@@ -202,6 +204,7 @@ class StepModel:
         unk_penalty: float = 0.0,
         temperature: float = 1.0,
         cuda_graphs: bool = True,
+        compile_step=None,
     ):
         self.model = ensemble
         self.vocab_size, self.pad, self.unk = vocab_size, pad, unk
@@ -209,6 +212,8 @@ class StepModel:
         self.cuda_graphs = cuda_graphs
         self.graphed = None  # the GraphedDecodeStep, built on first use
         self.eager_graphs = False  # True: the static-step path without capture on any device (CPU tests)
+        mode = compile_decode_step_mode() if compile_step is None else compile_mode(compile_step)
+        self.compiled_step = None if mode is None else CompiledStep(self._static_step, ensemble, mode)
 
     def mask_special(self, lprobs: Tensor) -> Tensor:
         """The masks of every step: NaN -> -inf, never <pad>, --unkpen (inside the CUDA graph when one runs)."""
@@ -220,7 +225,12 @@ class StepModel:
 
     def static_step(self, tokens: Tensor, slot: Tensor, states: List[dict], window: int) -> Tensor:
         """What a CUDA graph captures: masked log-probabilities after `tokens` [R, 1], at index `slot`
-        (attending over the caches' first `window` slots)."""
+        (attending over the caches' first `window` slots); compiled with `compile_step`."""
+        if self.compiled_step is not None:
+            return self.compiled_step(tokens, slot, states, window)
+        return self._static_step(tokens, slot, states, window)
+
+    def _static_step(self, tokens: Tensor, slot: Tensor, states: List[dict], window: int) -> Tensor:
         return self.mask_special(self.model.forward_static_step(tokens, slot, states, self.temperature, window))
 
     def graph_runner(self, device: torch.device):

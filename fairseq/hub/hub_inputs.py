@@ -1,6 +1,7 @@
 """What the hub interface's methods accept, checked before anything is encoded or decoded: one TypeError (a wrong
 type) or ValueError (a wrong value) naming the method, the argument and what it takes, instead of a raw error
-from deep inside, or a prompt silently cut at a padding id. Used by fairseq.hub.hub_utils.
+from deep inside, or a prompt silently cut at a padding id. Used by fairseq.hub.hub_utils (fairseq-interactive
+checks its prompts' lengths here too).
 """
 
 import bisect
@@ -82,6 +83,20 @@ def check_prompt_ids(prompts: Sequence[torch.Tensor], vocab_size: int, pad: int,
         f"generate(): {where} holds id {value} at position {position}, outside this model's "
         f"dictionary (ids 0 to {vocab_size - 1}); encode() gives ids of this dictionary"
     )
+
+
+def check_prompt_lengths(lengths: List[int], max_positions: Optional[int], skip_hint: str, first_id: int = 0) -> None:
+    """ValueError for the first prompt longer than the model's positions. `lengths` count the prompt's
+    tokens plus the </s> (or <s>) that generation starts from."""
+    if max_positions is None:
+        return
+    for i, n in enumerate(lengths):
+        if n > max_positions:
+            raise ValueError(
+                f"prompt {first_id + i} is {n} tokens long (with the </s> it starts from), more than the model's "
+                f"{max_positions} positions (the --tokens-per-sample / --max-target-positions it was trained "
+                f"with); shorten the prompt, or {skip_hint}"
+            )
 
 
 def check_seed(seed: Optional[int], method: str) -> None:

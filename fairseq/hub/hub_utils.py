@@ -7,14 +7,14 @@
     lm.sample("Barack Obama", beam=1, sampling=True, sampling_topk=10, temperature=0.8)
     lm.score("Barack Obama is coming to Sydney")["positional_scores"]   # log p of each token (natural log)
 
-Upstream's `GeneratorHubInterface` and `from_pretrained`, for local directories only: nothing is downloaded.
-Text goes tokenizer -> BPE -> dictionary ids (`encode`) and back (`decode`); generation uses the task's
-`build_generator` / `build_dataset_for_inference` / `inference_step`, as fairseq-interactive does.
+Upstream's `GeneratorHubInterface` and `from_pretrained` (fairseq.hub.pretrained: local directories only, nothing
+is downloaded). Text goes tokenizer -> BPE -> dictionary ids (`encode`) and back (`decode`, fairseq.hub.text);
+generation uses the task's `build_generator` / `build_dataset_for_inference` / `inference_step`, as
+fairseq-interactive does.
 """
 
 import copy
 import logging
-import os
 import queue
 import threading
 from collections import OrderedDict
@@ -23,8 +23,6 @@ from typing import Any, Dict, Iterator, List, Optional
 import torch
 from torch import nn
 
-from fairseq.checkpoint.inference import load_checkpoint_to_cpu, load_model_ensemble_and_task
-from fairseq.data import encoders
 from fairseq.data.batching import resolve_limit
 from fairseq.dataclass.batch_flags import check_batch_size, check_max_tokens
 from fairseq.dataclass.generation import (
@@ -33,184 +31,25 @@ from fairseq.dataclass.generation import (
     check_sampling_range,
     check_unsupported_options,
 )
+from fairseq.generation import device_decoding
 from fairseq.generation.decode_memory import check_decode_memory, decode_positions
 from fairseq.generation.quantize import check_mode, quantize_for_generation
-from fairseq.export.hf_names import FORK_TOKENIZER_FILES
-from fairseq.generation import device_decoding
-from fairseq.hub.hub_inputs import check_prompt_ids, check_seed, check_stream_beam, prompt_list, sentence_list
 from fairseq.generation.search import Sampling
 from fairseq.generation.sequence_generator import SequenceGenerator
+from fairseq.hub.hub_inputs import (
+    check_prompt_ids,
+    check_prompt_lengths,
+    check_seed,
+    check_stream_beam,
+    prompt_list,
+    sentence_list,
+)
+
+# from_pretrained is upstream's name here; the rest are this module's names that callers import
+from fairseq.hub.pretrained import _is_transformers_directory, from_pretrained  # noqa: F401
+from fairseq.hub.text import TextCodec, TextPieces, first_streamed_hypothesis, move_to  # noqa: F401
 
 logger = logging.getLogger("fairseq.hub_utils")  # upstream's logger name: log lines read as its
-
-# Encoder files found in a model directory -> the --bpe option that names them (applied when the chosen scheme
-# has that option and it is not given; a checkpoint's carried file is used from there when the bytes are the
-# same). Upstream's sentencepiece name, and GPT-2's two files (upstream fetches those from a URL); the export to
-# transformers writes them under the same names.
-MODEL_DIR_FILES = FORK_TOKENIZER_FILES
-
-
-def from_pretrained(
-    model_name_or_path: str,
-    checkpoint_file: str = "model.pt",
-    data_name_or_path: str = ".",
-    archive_map: Optional[Dict[str, Any]] = None,
-    **kwargs,
-) -> Dict[str, Any]:
-    """{"args": cfg, "task": task, "models": [model, ...]} for the checkpoint(s) `checkpoint_file`
-    (':'-separated for an ensemble) in directory `model_name_or_path`.
-
-    `data_name_or_path` is the directory of the dictionary (dict.txt): relative to the model directory when
-    it starts with "." (upstream's convention), else a path of its own. Other keyword arguments override the
-    checkpoint's options as `arg_overrides` (`bpe="gpt2"`, `gpt2_encoder_json=...`, `tokenizer="space"`,
-    `max_tokens=...`); `trust_legacy_checkpoint=True` reads an upstream fairseq file, which unpickles code.
-    A transformers OPT or XGLM directory (config.json, no `checkpoint_file`) is imported first (hf_import)."""
-    if archive_map is not None:
-        model_name_or_path = archive_map.get(model_name_or_path, model_name_or_path)
-        if data_name_or_path is not None:
-            data_name_or_path = archive_map.get(data_name_or_path, data_name_or_path)
-        if isinstance(model_name_or_path, dict):  # upstream: an entry may also set default overrides
-            for key, value in model_name_or_path.items():
-                if key == "checkpoint_file":
-                    checkpoint_file = value
-                elif key != "path":
-                    kwargs.setdefault(key, value)
-            model_name_or_path = model_name_or_path["path"]
-    model_path = _local_directory(model_name_or_path, "model_name_or_path", checkpoint_file)
-    if _is_transformers_directory(model_path, checkpoint_file, data_name_or_path):
-        return _from_transformers_directory(model_path, kwargs)
-    if data_name_or_path.startswith("."):
-        kwargs["data"] = os.path.abspath(os.path.join(model_path, data_name_or_path))
-    else:
-        kwargs["data"] = _local_directory(data_name_or_path, "data_name_or_path", "dict.txt")
-    trust_legacy = bool(kwargs.pop("trust_legacy_checkpoint", False))
-    if kwargs.get("user_dir"):
-        from fairseq.registry import import_user_module
-
-        import_user_module(kwargs["user_dir"])
-
-    paths = [os.path.join(model_path, name) for name in checkpoint_file.split(os.pathsep)]
-    state = load_checkpoint_to_cpu(paths[0], trust_legacy_checkpoint=trust_legacy)
-    kwargs.update(_bpe_files(state, kwargs, model_path, paths[0]))
-    models, cfg, task = load_model_ensemble_and_task(
-        paths, arg_overrides=kwargs, state=state if len(paths) == 1 else None, trust_legacy_checkpoint=trust_legacy
-    )
-    return {"args": cfg, "task": task, "models": models}
-
-
-def _is_transformers_directory(model_path: str, checkpoint_file: str, data_name_or_path: str) -> bool:
-    """A transformers model directory (config.json with a model_type) that holds no `checkpoint_file`."""
-    from fairseq.checkpoint.inference import transformers_model_type
-
-    return (
-        data_name_or_path == "."
-        and not os.path.exists(os.path.join(model_path, checkpoint_file.split(os.pathsep)[0]))
-        and transformers_model_type(model_path) is not None
-    )
-
-
-def _from_transformers_directory(model_path: str, kwargs: Dict[str, Any]) -> Dict[str, Any]:
-    """from_pretrained on a transformers OPT or XGLM directory: imported (fairseq.export.hf_import) into a private
-    directory, loaded from there. The imported weights file is removed once loaded; the small files (dict.txt, the
-    --bpe files) stay until the process ends."""
-    import atexit
-    import shutil
-    import tempfile
-
-    from fairseq.export.hf_import import CHECKPOINT_NAME, import_hf
-
-    work = tempfile.mkdtemp(prefix="fairseq-from-transformers-")
-    atexit.register(shutil.rmtree, work, True)
-    imported = os.path.join(work, "model")
-    logger.info(
-        f"{model_path} is a transformers directory: importing it (scripts/import_hf.py does the same once, to disk)"
-    )
-    import_hf(model_path, imported)
-    try:
-        return from_pretrained(imported, CHECKPOINT_NAME, ".", **kwargs)
-    finally:
-        os.remove(os.path.join(imported, CHECKPOINT_NAME))
-
-
-def _bpe_files(state, kwargs: Dict[str, Any], model_path: str, checkpoint: str) -> Dict[str, str]:
-    """The --bpe file options from_pretrained passes on: the caller's keyword arguments, with files found in the
-    model directory for those not given; without either, the checkpoint's --bpe and the files it carries
-    (fairseq.checkpoint.vocabulary.resolve_bpe). Every file named exists, else a one-line error."""
-    from fairseq.checkpoint.vocabulary import BPE_FILES, carried, resolve_bpe
-
-    saved = state["cfg"].get("bpe") or {}
-    name = kwargs.get("bpe", saved.get("_name"))
-    options = BPE_FILES.get(name, ())
-    found = {
-        option: os.path.join(model_path, filename)
-        for filename, option in MODEL_DIR_FILES.items()
-        if option in options and os.path.isfile(os.path.join(model_path, filename))
-    }
-    if any(option in kwargs for option in options) or name != saved.get("_name"):  # the caller's choice
-        given = {
-            "_name": name,
-            **(saved if name == saved.get("_name") else {}),
-            **found,
-            **{option: kwargs[option] for option in options if option in kwargs},
-        }
-        chosen = resolve_bpe(given, None, None, checkpoint, keywords=True)
-    else:
-        chosen = resolve_bpe(
-            None,
-            dict(saved, **found) if saved else None,
-            carried(state),
-            checkpoint,
-            keywords=True,
-            also_look_in=found.values(),
-        )
-    return {option: chosen[option] for option in options if chosen and chosen.get(option)}
-
-
-def _local_directory(path: str, argument: str, expected: str) -> str:
-    if os.path.isdir(path):
-        return path
-    if os.path.isfile(path) and path.endswith((".tar.gz", ".tgz", ".tar", ".zip")):
-        raise ValueError(
-            f"from_pretrained: {argument}={path!r} is an archive; extract it and pass the directory "
-            f"that holds {expected}"
-        )
-    raise ValueError(
-        f"from_pretrained: {argument}={path!r} is not a local directory; this fairseq loads models "
-        f"from disk only (no downloads): pass the directory that holds {expected}"
-    )
-
-
-def check_prompt_lengths(lengths: List[int], max_positions: Optional[int], skip_hint: str, first_id: int = 0) -> None:
-    """ValueError for the first prompt longer than the model's positions. `lengths` count the prompt's
-    tokens plus the </s> (or <s>) that generation starts from."""
-    if max_positions is None:
-        return
-    for i, n in enumerate(lengths):
-        if n > max_positions:
-            raise ValueError(
-                f"prompt {first_id + i} is {n} tokens long (with the </s> it starts from), more than the model's "
-                f"{max_positions} positions (the --tokens-per-sample / --max-target-positions it was trained "
-                f"with); shorten the prompt, or {skip_hint}"
-            )
-
-
-class TextCodec:
-    """Text <-> the dictionary's symbols: --tokenizer, then --bpe (and back in the reverse order), as upstream's
-    commands and hub interface apply them. `tokenizer_cfg`/`bpe_cfg`: anything build_tokenizer/build_bpe take."""
-
-    def __init__(self, tokenizer_cfg=None, bpe_cfg=None):
-        self.tokenizer = encoders.build_tokenizer(tokenizer_cfg)
-        self.bpe = encoders.build_bpe(bpe_cfg)
-
-    def encode(self, text: str) -> str:
-        if self.tokenizer is not None:
-            text = self.tokenizer.encode(text)
-        return self.bpe.encode(text) if self.bpe is not None else text
-
-    def decode(self, text: str) -> str:
-        if self.bpe is not None:
-            text = self.bpe.decode(text)
-        return self.tokenizer.decode(text) if self.tokenizer is not None else text
 
 
 class GeneratorHubInterface(nn.Module):
@@ -530,37 +369,3 @@ class GeneratorHubInterface(nn.Module):
                     "in from_pretrained), a smaller beam or max_len_b",
                 )
         return epoch_itr.next_epoch_itr(shuffle=False)
-
-
-def first_streamed_hypothesis(tokens: torch.Tensor, pad: int) -> torch.Tensor:
-    """The first sentence's tokens of a streamed batch (`on_tokens`' [B, T]): without the begin-of-sentence
-    token and the <pad> after its end."""
-    row = tokens[0, 1:]
-    return row[row.ne(pad)]
-
-
-class TextPieces:
-    """The text of a hypothesis shown in pieces as its tokens arrive (hub.stream, fairseq-interactive --stream):
-    `extend(text)` gives what `text` adds to what was shown, or "" when it does not extend it or, before the
-    end, ends inside a multi-byte character (U+FFFD); joined, the pieces are the final text."""
-
-    def __init__(self):
-        self.shown = ""
-
-    def extend(self, text: str, final: bool = False) -> str:
-        piece = text[len(self.shown) :]
-        if not piece or not text.startswith(self.shown) or (not final and "\ufffd" in piece):
-            return ""
-        self.shown = text
-        return piece
-
-
-def move_to(sample, device: torch.device):
-    """A batch (nested dicts, lists and tensors) with every tensor on `device`."""
-    if torch.is_tensor(sample):
-        return sample.to(device)
-    if isinstance(sample, dict):
-        return {key: move_to(value, device) for key, value in sample.items()}
-    if isinstance(sample, (list, tuple)):
-        return type(sample)(move_to(value, device) for value in sample)
-    return sample

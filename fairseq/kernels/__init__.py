@@ -3,6 +3,9 @@ that one kernel makes once (the fused loss, decode attention, the int8 matmul). 
 Triton or CUDA is not available; Triton is not imported until a kernel is used."""
 
 import functools
+import os
+
+import torch
 
 
 def built_with_triton(build):
@@ -12,11 +15,18 @@ def built_with_triton(build):
     @functools.lru_cache(maxsize=None)
     def kernels():
         try:
-            import triton
-            import triton.language as tl
+            import triton  # deferred: optional
+            import triton.language as tl  # deferred: optional
         except ImportError:
             return None
         return build(triton, tl)
 
     kernels.__doc__ = build.__doc__
     return kernels
+
+
+@torch.compiler.assume_constant_result
+def triton_interpreted() -> bool:
+    """Whether Triton runs its kernels in its interpreter (TRITON_INTERPRET=1: on CPU tensors too, as the CPU tests
+    do). A constant to torch.compile: a compiled decode step does not trace the environment."""
+    return os.environ.get("TRITON_INTERPRET") == "1"

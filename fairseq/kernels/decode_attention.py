@@ -33,7 +33,7 @@ from typing import Optional
 
 import torch
 
-from fairseq.kernels import built_with_triton
+from fairseq.kernels import built_with_triton, triton_interpreted
 
 BLOCK_N = 64  # keys a program reads per iteration
 # Programs to aim for per launch: a few per SM of an H100 (132 SMs) so that short rows or small batches still
@@ -50,9 +50,9 @@ def decode_attention_available(q: torch.Tensor) -> bool:
     return (
         _enabled[0]
         and type(q) is torch.Tensor
-        and (q.is_cuda or _interpreted())
+        and (q.is_cuda or triton_interpreted())
         and q.dtype in (torch.float32, torch.float16, torch.bfloat16)
-        and _kernels() is not None
+        and _triton_ready()
     )
 
 
@@ -72,8 +72,9 @@ def decode_attention_enabled() -> bool:
     return _enabled[0]
 
 
-def _interpreted() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
+@torch.compiler.assume_constant_result  # a constant to a compiled decode step: Triton's import is not traced
+def _triton_ready() -> bool:
+    return _kernels() is not None
 
 
 def decode_attention(
@@ -88,6 +89,8 @@ def decode_attention(
     """Attention output [B, H, 1, D] in q's dtype (see the module doc); the kernels where
     `decode_attention_available(q)`, else the PyTorch reference."""
     if decode_attention_available(q):
+        if torch.compiler.is_compiling():  # one opaque op in inductor's graph (see _decode_attention_op)
+            return _decode_attention_op(q, key_cache, value_cache, lengths, row_map, scale, max_length)
         return decode_attention_kernel(q, key_cache, value_cache, lengths, row_map, scale, max_length)
     return decode_attention_reference(q, key_cache, value_cache, lengths, row_map, scale, max_length)
 
@@ -177,25 +180,34 @@ def decode_attention_kernel(
 ) -> torch.Tensor:
     """The Triton path (CUDA, or the interpreter under TRITON_INTERPRET=1); `splits` overrides splits_for."""
     _check(q, key_cache, value_cache, lengths, row_map)
-    split_kernel, combine_kernel = _kernels()
     batch, heads, _, dim = q.shape
     window = _window(key_cache, max_length)
-    scale = 1.0 / math.sqrt(dim) if scale is None else scale
     if splits is None:
         splits = splits_for(batch * heads, window, q.device)
-    # Each part covers whole blocks; the last ones may lie past the window (they read nothing).
-    split_size = -(-(-(-window // splits)) // BLOCK_N) * BLOCK_N
-    block_d = 1 << (dim - 1).bit_length()
     out = torch.empty(batch, heads, 1, dim, dtype=q.dtype, device=q.device)
     if batch == 0:
         return out
-    direct = splits == 1
-    if direct:  # placeholders: the one part writes the output
-        partial_out = partial_max = partial_sum = out
-    else:
-        partial_out = torch.empty(batch, heads, splits, dim, dtype=torch.float32, device=q.device)
-        partial_max = torch.empty(batch, heads, splits, dtype=torch.float32, device=q.device)
-        partial_sum = torch.empty(batch, heads, splits, dtype=torch.float32, device=q.device)
+    if splits == 1:  # placeholders: the one part writes the output
+        parts = (out, out, out)
+    else:  # per part: the unnormalized output, the running maximum, the sum of exponentials (fp32)
+        parts = tuple(
+            torch.empty(batch, heads, splits, *size, dtype=torch.float32, device=q.device) for size in ((dim,), (), ())
+        )
+    scale = 1.0 / math.sqrt(dim) if scale is None else scale
+    _launch_split(q, key_cache, value_cache, lengths, row_map, out, parts, scale, window, splits)
+    if splits > 1:
+        _, combine_kernel = _kernels()
+        block_d = 1 << (dim - 1).bit_length()
+        combine_kernel[(batch * heads,)](*parts, out, DIM=dim, BLOCK_D=block_d, SPLITS=splits, num_warps=4)
+    return out
+
+
+def _launch_split(q, key_cache, value_cache, lengths, row_map, out, parts, scale, window, splits) -> None:
+    """The first kernel over (row, head) x part; each part covers whole blocks (the last ones may lie past the
+    window: they read nothing)."""
+    split_kernel, _ = _kernels()
+    batch, heads, _, dim = q.shape
+    split_size = -(-(-(-window // splits)) // BLOCK_N) * BLOCK_N
     rows = row_map if row_map is not None else lengths  # a placeholder pointer when there is no row map
     split_kernel[(batch * heads, splits)](
         q,
@@ -204,9 +216,7 @@ def decode_attention_kernel(
         lengths,
         rows,
         out,
-        partial_out,
-        partial_max,
-        partial_sum,
+        *parts,
         q.stride(0),
         q.stride(1),
         key_cache.stride(0),
@@ -216,29 +226,84 @@ def decode_attention_kernel(
         value_cache.stride(1),
         value_cache.stride(2),
         0 if lengths.numel() == 1 else lengths.stride(0),
-        scale * 1.4426950408889634,
+        scale * 1.4426950408889634,  # log2(e): the kernel takes exp2
         window,
         split_size,
         HEADS=heads,
         DIM=dim,
-        BLOCK_D=block_d,
+        BLOCK_D=1 << (dim - 1).bit_length(),
         BLOCK_N=BLOCK_N,
         SPLITS=splits,
         HAS_ROW_MAP=row_map is not None,
-        DIRECT=direct,
+        DIRECT=splits == 1,
         num_warps=4,
     )
-    if not direct:
-        combine_kernel[(batch * heads,)](
-            partial_out, partial_max, partial_sum, out, DIM=dim, BLOCK_D=block_d, SPLITS=splits, num_warps=4
-        )
-    return out
+
+
+# In a compiled decode step (torch.compile), the kernels are one opaque op: inductor schedules around it and
+# neither traces nor re-generates them (the cache writes before it stay in place, see fairseq.generation
+# .compiled_step).
+@torch.library.custom_op("fairseq::decode_attention", mutates_args=())
+def _decode_attention_op(
+    q: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    lengths: torch.Tensor,
+    row_map: Optional[torch.Tensor],
+    scale: Optional[float],
+    max_length: Optional[int],
+) -> torch.Tensor:
+    return decode_attention_kernel(q, key_cache, value_cache, lengths, row_map, scale, max_length)
+
+
+@_decode_attention_op.register_fake
+def _decode_attention_shape(q, key_cache, value_cache, lengths, row_map, scale, max_length):
+    return q.new_empty(q.shape)
 
 
 def _kernels():
     """The two jitted kernels (split, combine), built on first use; None without Triton."""
+    global _ATTEND_PART
+    _ATTEND_PART = _attend_part()
     split_kernel = _split_kernel()
     return None if split_kernel is None else (split_kernel, _combine_kernel())
+
+
+@built_with_triton
+def _attend_part(triton, tl):
+    """The split kernel's loop over a part's blocks (a jitted function it calls)."""
+
+    @triton.jit
+    def attend_part(
+        q, k_base, v_base, k_stride_n, v_stride_n, start, end, d, d_ok, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr
+    ):
+        """A part's keys start .. end - 1 (live blocks only: none past the length): its unnormalized output,
+        running maximum and sum of exponentials (exp2 of scores pre-multiplied by log2(e))."""
+        running_max = float("-inf")
+        running_sum = 0.0
+        acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+        for first in range(start, end, BLOCK_N):
+            n = first + tl.arange(0, BLOCK_N)
+            live = n < end
+            mask = live[:, None] & d_ok[None, :]
+            k = tl.load(k_base + n[:, None].to(tl.int64) * k_stride_n + d[None, :], mask=mask, other=0.0)
+            scores = tl.sum(k.to(tl.float32) * q[None, :], axis=1)
+            scores = tl.where(live, scores, float("-inf"))
+            new_max = tl.maximum(running_max, tl.max(scores, axis=0))  # finite: the block has a live key
+            p = tl.exp2(scores - new_max)
+            alpha = tl.exp2(running_max - new_max)
+            v = tl.load(v_base + n[:, None].to(tl.int64) * v_stride_n + d[None, :], mask=mask, other=0.0)
+            acc = acc * alpha + tl.sum(p[:, None] * v.to(tl.float32), axis=0)
+            running_sum = running_sum * alpha + tl.sum(p, axis=0)
+            running_max = new_max
+        return acc, running_max, running_sum
+
+    return attend_part
+
+
+# The split kernel's jitted helper, a module global set by _kernels(): the kernel finds its callees in
+# the module's globals (Triton's interpreter, which the CPU tests use, sees no closure).
+_ATTEND_PART = None
 
 
 @built_with_triton
@@ -279,37 +344,18 @@ def _split_kernel(triton, tl):
         split = tl.program_id(1)
         b = pid // HEADS
         h = pid % HEADS
-        cache_row = b
-        if HAS_ROW_MAP:
-            cache_row = tl.load(row_map_ptr + b)
-        cache_row = cache_row.to(tl.int64)
+        cache_row = tl.load(row_map_ptr + b).to(tl.int64) if HAS_ROW_MAP else b.to(tl.int64)
         length = tl.minimum(tl.load(lengths_ptr + b * length_stride).to(tl.int32), window)
         start = split * split_size
-        end = tl.minimum(start + split_size, length)
         d = tl.arange(0, BLOCK_D)
         d_ok = d < DIM
-        # exp2 of scores pre-multiplied by log2(e): the softmax of the scaled scores
         q = tl.load(q_ptr + b.to(tl.int64) * q_stride_b + h * q_stride_h + d, mask=d_ok, other=0.0).to(tl.float32)
-        q = q * scale_log2
         k_base = k_ptr + cache_row * k_stride_b + h * k_stride_h
         v_base = v_ptr + cache_row * v_stride_b + h * v_stride_h
-        running_max = float("-inf")
-        running_sum = 0.0
-        acc = tl.zeros([BLOCK_D], dtype=tl.float32)
-        for first in range(start, end, BLOCK_N):  # the live blocks of this part only: none past the length
-            n = first + tl.arange(0, BLOCK_N)
-            live = n < end
-            mask = live[:, None] & d_ok[None, :]
-            k = tl.load(k_base + n[:, None].to(tl.int64) * k_stride_n + d[None, :], mask=mask, other=0.0)
-            scores = tl.sum(k.to(tl.float32) * q[None, :], axis=1)
-            scores = tl.where(live, scores, float("-inf"))
-            new_max = tl.maximum(running_max, tl.max(scores, axis=0))  # finite: the block has a live key
-            p = tl.exp2(scores - new_max)
-            alpha = tl.exp2(running_max - new_max)
-            v = tl.load(v_base + n[:, None].to(tl.int64) * v_stride_n + d[None, :], mask=mask, other=0.0)
-            acc = acc * alpha + tl.sum(p[:, None] * v.to(tl.float32), axis=0)
-            running_sum = running_sum * alpha + tl.sum(p, axis=0)
-            running_max = new_max
+        end = tl.minimum(start + split_size, length)
+        acc, running_max, running_sum = _ATTEND_PART(
+            q * scale_log2, k_base, v_base, k_stride_n, v_stride_n, start, end, d, d_ok, BLOCK_N, BLOCK_D
+        )
         if DIRECT:
             result = tl.where(running_sum > 0, acc / running_sum, 0.0)
             tl.store(out_ptr + pid.to(tl.int64) * DIM + d, result.to(out_ptr.dtype.element_ty), mask=d_ok)

@@ -14,13 +14,12 @@ torch._weight_int8pack_mm also has a CUDA kernel since torch 2.9 (one thread per
 the whole reduction, x converted to fp32 first): not used on CUDA here, this kernel is.
 """
 
-import os
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
 
-from fairseq.kernels import built_with_triton
+from fairseq.kernels import built_with_triton, triton_interpreted
 
 MAX_KERNEL_ROWS = 256  # decode steps: batch x beam rows; more rows (prefill) take the dequantized GEMM
 BLOCK_N = 32
@@ -31,10 +30,15 @@ def int8_kernel_available(x: torch.Tensor) -> bool:
     """Whether `x` can take the Triton kernel (a host check)."""
     return (
         type(x) is torch.Tensor
-        and (x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1")
+        and (x.is_cuda or triton_interpreted())
         and x.dtype in (torch.bfloat16, torch.float16)
-        and _kernel() is not None
+        and _triton_ready()
     )
+
+
+@torch.compiler.assume_constant_result  # a constant to a compiled decode step: Triton's import is not traced
+def _triton_ready() -> bool:
+    return _kernel() is not None
 
 
 def int8_linear(
@@ -44,13 +48,27 @@ def int8_linear(
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
     if x2.size(0) <= MAX_KERNEL_ROWS and int8_kernel_available(x):
-        out = int8_matmul_kernel(x2, qweight, scale, bias)
+        # in a compiled decode step (torch.compile) one opaque op, as the decode attention kernel
+        matmul = _int8_matmul_op if torch.compiler.is_compiling() else int8_matmul_kernel
+        out = matmul(x2, qweight, scale, bias)
     elif x.device.type == "cpu" and x2.size(1) % 16 == 0 and x2.size(0) > 0:
         out = torch._weight_int8pack_mm(x2.contiguous(), qweight, scale.to(x.dtype))
         out = out if bias is None else out + bias
     else:
         out = F.linear(x2, qweight.to(x.dtype) * scale.to(x.dtype).unsqueeze(1), bias)
     return out.reshape(*shape[:-1], qweight.size(0))
+
+
+@torch.library.custom_op("fairseq::int8_matmul", mutates_args=())
+def _int8_matmul_op(
+    x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, bias: Optional[torch.Tensor]
+) -> torch.Tensor:
+    return int8_matmul_kernel(x, qweight, scale, bias)
+
+
+@_int8_matmul_op.register_fake
+def _int8_matmul_shape(x, qweight, scale, bias):
+    return x.new_empty(x.size(0), qweight.size(0))
 
 
 def int8_matmul_kernel(

@@ -25,6 +25,7 @@ import time
 from typing import Dict, List, Optional, Tuple
 
 import torch
+from torch.profiler import ProfilerActivity, profile
 
 logger = logging.getLogger(__name__)
 
@@ -140,8 +141,6 @@ class UpdateProfiler:
         if self.done or not self.start <= update <= self.end:
             return
         if self._profiler is None:
-            from torch.profiler import ProfilerActivity, profile
-
             activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.cuda else [])
             self._profiler = profile(activities=activities, record_shapes=False, with_stack=False)
             self._sync()

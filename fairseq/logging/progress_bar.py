@@ -18,6 +18,8 @@ import sys
 from numbers import Number
 from typing import Dict, Iterable, Optional
 
+from tqdm import tqdm
+
 from .meters import AverageMeter, StopwatchMeter, TimeMeter
 
 logger = logging.getLogger(__name__)
@@ -60,7 +62,7 @@ def setup_logging(
 
 
 def _is_rank_zero() -> bool:
-    import torch.distributed as dist
+    import torch.distributed as dist  # deferred: startup (keeps fairseq.logging torch-free)
 
     return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
 
@@ -260,7 +262,6 @@ class TqdmProgressBar(BaseProgressBar):
 
     def __init__(self, iterable, epoch=None, prefix=None):
         super().__init__(iterable, epoch, prefix)
-        from tqdm import tqdm
 
         self.tqdm = tqdm(
             iterable,
@@ -377,7 +378,7 @@ class TensorboardProgressBarWrapper(_WrapperBar):
         super().__init__(wrapped_bar)
         self.tensorboard_logdir = tensorboard_logdir
         try:
-            from torch.utils.tensorboard import SummaryWriter
+            from torch.utils.tensorboard import SummaryWriter  # deferred: optional
         except ImportError:
             SummaryWriter = None
             _warn_once("tensorboard not found: pip install tensorboard (continuing without --tensorboard-logdir)")
@@ -411,7 +412,7 @@ class WandBProgressBarWrapper(_WrapperBar):
     def __init__(self, wrapped_bar, wandb_project: str, run_name: Optional[str] = None):
         super().__init__(wrapped_bar)
         try:
-            import wandb
+            import wandb  # deferred: optional
         except ImportError:
             wandb = None
             _warn_once("wandb not found: pip install wandb (continuing without --wandb-project)")

@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fairseq.dataclass.utils import add_dataclass_to_parser
 from fairseq.registry import config_name
 from fairseq.upstream_absent import absent_name as _absent_name
 
@@ -84,8 +85,6 @@ class BaseFairseqModel(nn.Module):
     def add_args(cls, parser) -> None:
         """Upstream's hook: add this model's flags (its config dataclass's fields, without defaults, so that an
         architecture preset can fill the unset ones) to an argparse parser; plug-ins extend it."""
-        from fairseq.dataclass.utils import add_dataclass_to_parser
-
         dc = getattr(cls, "config_class", None)
         if dc is not None:
             add_dataclass_to_parser(parser, dc, suppress_defaults=True)
@@ -149,7 +148,7 @@ class BaseFairseqModel(nn.Module):
         score / generate) over the checkpoint(s); see fairseq.hub.hub_utils.from_pretrained."""
         # The one upward import of the model contract (declared in scripts/check_structure.py): upstream's API
         # puts the hub's constructor on the model class; it runs only when called.
-        from fairseq.hub import hub_utils
+        from fairseq.hub import hub_utils  # deferred: upward
 
         loaded = hub_utils.from_pretrained(model_name_or_path, checkpoint_file, data_name_or_path, **kwargs)
         return hub_utils.GeneratorHubInterface(loaded["args"], loaded["task"], loaded["models"])

@@ -45,10 +45,9 @@ class StaticStep(NamedTuple):
 
 
 def _write_slot(buffer: torch.Tensor, slot: torch.Tensor, new: torch.Tensor) -> None:
-    """buffer [rows, H, C, D] takes new [B, H, 1, D] at slot `slot` ([1]: the same for every row, or [B, 1])."""
-    if slot.dim() == 1:
-        buffer.index_copy_(2, slot, new)
-        return
+    """The whole cache buffer [rows, H, C, D] takes new [B, H, 1, D] in its rows 0 .. B-1 at slot `slot` ([1]: the
+    same for every row, or [B, 1]). One index_put on the buffer itself, not on a slice of its rows: a compiled
+    step (torch.compile) then writes in place, where a slice's write is copied out and back (the whole cache)."""
     rows = torch.arange(new.size(0), device=new.device)
     buffer.transpose(1, 2).index_put_((rows, slot.view(-1)), new[:, :, 0])
 
@@ -281,10 +280,10 @@ class CausalSelfAttention(FairseqIncrementalState, AttentionProjections):
     ) -> torch.Tensor:
         batch, length, _ = x.shape
         entry = self._cache_entry(incremental_state)
-        keys, values = entry["key_buffer"][:batch], entry["value_buffer"][:batch]
         q, k, v = self._qkv(x)
-        _write_slot(keys, step.slot, k)
-        _write_slot(values, step.slot, v)
+        _write_slot(entry["key_buffer"], step.slot, k)
+        _write_slot(entry["value_buffer"], step.slot, v)
+        keys, values = entry["key_buffer"][:batch], entry["value_buffer"][:batch]
         if step.lengths is not None:  # the split-KV kernel: reads each row's live keys only
             attn = decode_attention(q, keys, values, step.lengths, max_length=step.window)
         else:

@@ -11,6 +11,7 @@ having `reserve_incremental_state` (see fairseq.generation.sequence_generator).
 
 from typing import Optional
 
+import torch.nn.functional as F
 from torch import Tensor
 
 from fairseq.modules.incremental_decoding_utils import FairseqIncrementalState, IncrementalState
@@ -26,6 +27,14 @@ def check_token_input(tokens: Tensor) -> None:
             f"the model's input tokens are {what} (shape {list(tokens.shape)}): pass ids of shape "
             "[batch, length] with at least one sentence of at least one token"
         )
+
+
+def probs_of_logits(net_output, log_probs: bool) -> Tensor:
+    """`get_normalized_probs` of a decoder whose output (`net_output`, or its first item) is logits or an adaptive
+    softmax's log-probabilities (which a log-softmax leaves as they are), never features as upstream's decoders
+    with an adaptive softmax return: the (log-)softmax over the vocabulary, in fp32."""
+    logits = net_output[0] if isinstance(net_output, (tuple, list)) else net_output
+    return F.log_softmax(logits.float(), dim=-1) if log_probs else F.softmax(logits.float(), dim=-1)
 
 
 class FairseqIncrementalDecoder(FairseqIncrementalState, FairseqDecoder):

@@ -33,7 +33,7 @@ import torch.nn.functional as F
 
 from fairseq.kernels.decode_attention import decode_attention_available
 from fairseq.modules.incremental_decoding_utils import IncrementalState
-from fairseq.modules.fairseq_incremental_decoder import FairseqIncrementalDecoder, check_token_input
+from fairseq.modules.fairseq_incremental_decoder import FairseqIncrementalDecoder, check_token_input, probs_of_logits
 from fairseq.modules.adaptive_input import AdaptiveInput, parse_cutoffs
 from fairseq.modules.adaptive_softmax import AdaptiveSoftmax
 from fairseq.modules.causal_attention import CausalSelfAttention, StaticStep
@@ -63,7 +63,16 @@ class TransformerDecoder(FairseqIncrementalDecoder):
         self.output_embed_dim = cfg.decoder_output_dim
         self.max_target_positions = cfg.max_target_positions
         self.embed_scale = 1.0 if cfg.no_scale_embedding else math.sqrt(self.embed_dim)
+        # In this order: the modules draw their initial weights from the torch RNG as they are built.
+        self._build_embeddings(cfg, vocab_size, padding_idx)
+        self._build_layers(cfg)
+        self._build_output(cfg, vocab_size, padding_idx, output_vocab_size)
+        self.tie_weights()
+        # The layers initialized themselves when built; the rest differs from PyTorch's defaults.
+        self._init_outside_layers()
 
+    def _build_embeddings(self, cfg, vocab_size: int, padding_idx: int) -> None:
+        """Token embeddings (or an adaptive input), the projection to the embed dim, positions and their norm."""
         if cfg.adaptive_input:  # bands of --decoder-input-dim // factor**i, each projected to the embed dim
             self.embed_tokens = AdaptiveInput(
                 vocab_size,
@@ -90,6 +99,8 @@ class TransformerDecoder(FairseqIncrementalDecoder):
         )
         self.layernorm_embedding = nn.LayerNorm(self.embed_dim) if cfg.layernorm_embedding else None
 
+    def _build_layers(self, cfg) -> None:
+        """The decoder layers and the final layer norm (pre-norm only)."""
         # Upstream: a dropout of 0 after the activation falls back to --relu-dropout.
         activation_dropout = cfg.activation_dropout or cfg.relu_dropout or 0.0
         self.layers = nn.ModuleList(
@@ -112,6 +123,9 @@ class TransformerDecoder(FairseqIncrementalDecoder):
         self.layer_norm = (
             nn.LayerNorm(self.embed_dim) if cfg.decoder_normalize_before and not cfg.no_decoder_final_norm else None
         )
+
+    def _build_output(self, cfg, vocab_size: int, padding_idx: int, output_vocab_size: Optional[int]) -> None:
+        """The projection to the output dim, then an adaptive softmax or the output projection (tied or not)."""
         self.project_out_dim = (
             nn.Linear(self.embed_dim, self.output_embed_dim, bias=False)
             if self.embed_dim != self.output_embed_dim
@@ -146,9 +160,6 @@ class TransformerDecoder(FairseqIncrementalDecoder):
             self.output_projection = nn.Linear(self.output_embed_dim, vocab_size, bias=False, device="meta")
         else:
             self.output_projection = nn.Linear(self.output_embed_dim, out_size, bias=False)
-        self.tie_weights()
-        # The layers initialized themselves when built; the rest differs from PyTorch's defaults.
-        self._init_outside_layers()
 
     def tie_weights(self):
         """Share the output projection with the token embeddings when configured to.
@@ -331,10 +342,7 @@ class TransformerDecoder(FairseqIncrementalDecoder):
         return self.output_projection(features)
 
     def get_normalized_probs_scriptable(self, net_output, log_probs: bool, sample: Optional[dict] = None):
-        # This decoder's output is logits, or an adaptive softmax's log-probabilities (which a log-softmax
-        # leaves as they are): never features, unlike upstream's decoders with an adaptive softmax.
-        logits = net_output[0] if isinstance(net_output, (tuple, list)) else net_output
-        return F.log_softmax(logits.float(), dim=-1) if log_probs else F.softmax(logits.float(), dim=-1)
+        return probs_of_logits(net_output, log_probs)
 
     def forward(
         self,

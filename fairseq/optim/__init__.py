@@ -50,7 +50,7 @@ def check_optimizer_overrides(optimizer_cfg, optimization_cfg, overrides: dict) 
     what is allowed."""
     if not overrides:
         return
-    import torch  # here: this package stays cheap to import
+    import torch  # deferred: startup (here: this package stays cheap to import)
 
     probe = torch.zeros(2, requires_grad=True)
     optimizer = build_optimizer(optimizer_cfg, [probe], optimization_cfg)
@@ -81,7 +81,7 @@ def check_optimizer_overrides(optimizer_cfg, optimization_cfg, overrides: dict) 
 def _try_override(optimizer, probe, current: dict, key: str, value) -> None:
     # The constructor's checks (when the key is one of its arguments), then one step with the value in place,
     # from parameters of 1 (a step must leave them finite).
-    import torch
+    import torch  # deferred: startup (this package stays cheap to import)
 
     accepted = inspect.signature(type(optimizer)).parameters
     if key in accepted:

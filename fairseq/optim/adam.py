@@ -105,13 +105,21 @@ class FairseqAdam:
     @classmethod
     def build_optimizer(cls, cfg, params: Iterable, lr: float) -> torch.optim.Optimizer:
         _check_hyperparameters(cfg, lr)
-        if getattr(cfg, "use_old_adam", False):  # cpu_adam's config has no such flag
-            logger.info("--use-old-adam is accepted for upstream compatibility and ignored: using torch.optim.AdamW")
+        cls._note_ignored_flags(cfg)
         betas = parse_adam_betas(cfg.adam_betas)
         return build_adamw(params, lr, betas, cfg.adam_eps, cfg.weight_decay)
+
+    @classmethod
+    def _note_ignored_flags(cls, cfg) -> None:
+        if cfg.use_old_adam:
+            logger.info("--use-old-adam is accepted for upstream compatibility and ignored: using torch.optim.AdamW")
 
 
 @register_optimizer("cpu_adam", dataclass=CPUAdamConfig)
 class FairseqCPUAdam(FairseqAdam):
     """Upstream's recipe name for DeepSpeed's CPU Adam; here the same AdamW, stepping on the parameters'
     device, which is the CPU when --cpu-offload keeps the sharded parameters there."""
+
+    @classmethod
+    def _note_ignored_flags(cls, cfg) -> None:
+        """cpu_adam's config has no --use-old-adam."""

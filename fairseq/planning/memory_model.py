@@ -185,108 +185,131 @@ def backward_layers(layers: int, bend: int = 0) -> List[int]:
 
 
 def _walk_fully_sharded(shape: ModelShape, setup: TrainingSetup):
-    n, c, layers = setup.shard_ranks, setup.compute_bytes, shape.num_layers
-    layer_shard = sharded_numel(shape.layer_param_shapes, n)
-    root_shard = sharded_numel(shape.root_param_shapes, n)
-    all_shard = layers * layer_shard + root_shard
-    gathered = n * layer_shard  # one layer's padded all-gather / reduce-scatter buffer, in elements
-    root_gathered = n * root_shard
-    full_layer = c * gathered  # bytes of one layer's gathered parameters
-    if setup.float8_all_gather:
-        full_layer = gathered_layer_bytes(shape, setup)
-    on_gpu = 0 if setup.cpu_offload else 1
-    states = dict(
-        parameters=on_gpu * MASTER_PARAM_BYTES * all_shard,
-        optimizer_state=on_gpu * ADAM_STATE_BYTES * all_shard,
-        float8_scales=float8_scale_bytes(shape, setup),
-    )
-    staging = 2 * 4 * layer_shard if setup.cpu_offload else 0  # fp32 shard copied in; reduced shard copied out
+    walk = _FullyShardedWalk(shape, setup)
+    return walk.forward() + walk.backward() + walk.root_and_step(), walk.host_bytes()
 
-    def grads(layers_done: int, root_done: bool) -> int:
-        if setup.update_freq > 1:  # earlier micro-batches' gradients stay for the whole update
-            layers_done, root_done = layers, True
-        return on_gpu * GRAD_BYTES * (layers_done * layer_shard + (root_shard if root_done else 0))
 
-    saved = saved_layer_bytes(shape, setup)
-    full = layer_activation_bytes(shape, setup)
-    root_full = c * root_gathered
-    depth, backward_prefetch = setup.fsdp.forward_prefetch_layers, setup.fsdp.backward_prefetch_layers
-    if setup.reshard_after_forward:
-        forward_flight = (FSDP_FORWARD_BUFFERS + depth) * full_layer
-    else:  # every layer's parameters stay gathered, plus the last flat all-gather buffer
-        forward_flight = (layers + 1) * full_layer
-    kept_after_forward = 0 if setup.reshard_after_forward else layers * full_layer
-    snaps = [
-        _snapshot(
-            "forward, last layer",
-            **states,
-            gradients=grads(0, False),
-            layers_in_flight=forward_flight if layers else 0,
-            root_parameters=root_full,
-            activations=layers * saved,
-            offload_staging=staging,
-        ),
-        _snapshot(
-            "loss backward",
-            **states,
-            gradients=grads(0, False),
-            layers_in_flight=kept_after_forward,
-            root_parameters=root_full,
-            activations=layers * saved + root_activation_bytes(shape, setup),
-            logits=logits_bytes(shape, setup),
-        ),
-    ]
-    output_grad = c * shape.output_projection_params
-    for i in backward_layers(layers, backward_prefetch if setup.reshard_after_forward else 0):
+class _FullyShardedWalk:
+    """The snapshots of one FSDP2 step, from the sizes every phase shares (shards, gathered buffers, states)."""
+
+    def __init__(self, shape: ModelShape, setup: TrainingSetup):
+        self.shape, self.setup = shape, setup
+        n, c, self.layers = setup.shard_ranks, setup.compute_bytes, shape.num_layers
+        self.layer_shard = sharded_numel(shape.layer_param_shapes, n)
+        self.root_shard = sharded_numel(shape.root_param_shapes, n)
+        self.all_shard = self.layers * self.layer_shard + self.root_shard
+        self.gathered = n * self.layer_shard  # one layer's padded all-gather / reduce-scatter buffer, in elements
+        self.root_gathered = n * self.root_shard
+        self.full_layer = c * self.gathered  # bytes of one layer's gathered parameters
+        if setup.float8_all_gather:
+            self.full_layer = gathered_layer_bytes(shape, setup)
+        self.on_gpu = 0 if setup.cpu_offload else 1
+        self.states = dict(
+            parameters=self.on_gpu * MASTER_PARAM_BYTES * self.all_shard,
+            optimizer_state=self.on_gpu * ADAM_STATE_BYTES * self.all_shard,
+            float8_scales=float8_scale_bytes(shape, setup),
+        )
+        # fp32 shard copied in; reduced shard copied out
+        self.staging = 2 * 4 * self.layer_shard if setup.cpu_offload else 0
+        self.saved = saved_layer_bytes(shape, setup)
+        self.root_full = c * self.root_gathered
+
+    def grads(self, layers_done: int, root_done: bool) -> int:
+        if self.setup.update_freq > 1:  # earlier micro-batches' gradients stay for the whole update
+            layers_done, root_done = self.layers, True
+        return self.on_gpu * GRAD_BYTES * (layers_done * self.layer_shard + (self.root_shard if root_done else 0))
+
+    def forward(self) -> List[Snapshot]:
+        shape, setup, layers, full_layer = self.shape, self.setup, self.layers, self.full_layer
+        depth = setup.fsdp.forward_prefetch_layers
         if setup.reshard_after_forward:
-            flight = (1 + min(backward_prefetch, i)) * full_layer
-        else:
-            flight = (i + 1) * full_layer
-        retained_reduce = REDUCE_BYTES * gathered * FSDP_RETAINED_REDUCE_BUFFERS if i < layers - 1 else 0
-        snaps.append(
+            forward_flight = (FSDP_FORWARD_BUFFERS + depth) * full_layer
+        else:  # every layer's parameters stay gathered, plus the last flat all-gather buffer
+            forward_flight = (layers + 1) * full_layer
+        kept_after_forward = 0 if setup.reshard_after_forward else layers * full_layer
+        return [
             _snapshot(
-                f"backward, layer {i}",
-                **states,
-                gradients=grads(layers - 1 - i, False),
-                layers_in_flight=flight,
-                layer_gradients=c * gathered + retained_reduce,
-                root_parameters=root_full,
-                root_gradients=output_grad,
-                activations=i * saved + full + backward_workspace_bytes(shape, setup),
-                offload_staging=staging,
+                "forward, last layer",
+                **self.states,
+                gradients=self.grads(0, False),
+                layers_in_flight=forward_flight if layers else 0,
+                root_parameters=self.root_full,
+                activations=layers * self.saved,
+                offload_staging=self.staging,
+            ),
+            _snapshot(
+                "loss backward",
+                **self.states,
+                gradients=self.grads(0, False),
+                layers_in_flight=kept_after_forward,
+                root_parameters=self.root_full,
+                activations=layers * self.saved + root_activation_bytes(shape, setup),
+                logits=logits_bytes(shape, setup),
+            ),
+        ]
+
+    def backward(self) -> List[Snapshot]:
+        shape, setup, layers, full_layer = self.shape, self.setup, self.layers, self.full_layer
+        c, backward_prefetch = setup.compute_bytes, setup.fsdp.backward_prefetch_layers
+        full = layer_activation_bytes(shape, setup)
+        output_grad = c * shape.output_projection_params
+        snaps = []
+        for i in backward_layers(layers, backward_prefetch if setup.reshard_after_forward else 0):
+            if setup.reshard_after_forward:
+                flight = (1 + min(backward_prefetch, i)) * full_layer
+            else:
+                flight = (i + 1) * full_layer
+            retained_reduce = REDUCE_BYTES * self.gathered * FSDP_RETAINED_REDUCE_BUFFERS if i < layers - 1 else 0
+            snaps.append(
+                _snapshot(
+                    f"backward, layer {i}",
+                    **self.states,
+                    gradients=self.grads(layers - 1 - i, False),
+                    layers_in_flight=flight,
+                    layer_gradients=c * self.gathered + retained_reduce,
+                    root_parameters=self.root_full,
+                    root_gradients=output_grad,
+                    activations=i * self.saved + full + backward_workspace_bytes(shape, setup),
+                    offload_staging=self.staging,
+                )
             )
-        )
-    # The embedding's gradient arrives while the output projection's is still held (a second V x d tensor
-    # when the two are tied, summed into one afterwards).
-    tied_extra = shape.output_projection_params if shape.output_projection_tied else 0
-    snaps.append(
-        _snapshot(
-            "embedding backward",
-            **states,
-            gradients=grads(layers, False),
-            layer_gradients=REDUCE_BYTES * gathered if layers else 0,
-            root_parameters=root_full,
-            root_gradients=c * (root_gathered + tied_extra),
-        )
-    )
-    # FSDP2 frees the root's full parameters and the last layer's reduce buffer before the root reduces.
-    snaps.append(
-        _snapshot(
-            "root reduce-scatter",
-            **states,
-            gradients=grads(layers, False),
-            root_gradients=(c + REDUCE_BYTES) * root_gathered,
-            offload_staging=4 * root_shard if setup.cpu_offload else 0,
-        )
-    )
-    snaps.append(_snapshot("optimizer step", **states, gradients=grads(layers, True)))
-    host = (1 - on_gpu) * (MASTER_PARAM_BYTES + GRAD_BYTES + ADAM_STATE_BYTES) * all_shard
-    host += (
-        layers * checkpointed_layer_bytes(shape, dataclasses.replace(setup, offload_activations=False))
-        if setup.offload_activations
-        else 0
-    )
-    return snaps, host
+        return snaps
+
+    def root_and_step(self) -> List[Snapshot]:
+        shape, layers, c = self.shape, self.layers, self.setup.compute_bytes
+        # The embedding's gradient arrives while the output projection's is still held (a second V x d tensor
+        # when the two are tied, summed into one afterwards).
+        tied_extra = shape.output_projection_params if shape.output_projection_tied else 0
+        return [
+            _snapshot(
+                "embedding backward",
+                **self.states,
+                gradients=self.grads(layers, False),
+                layer_gradients=REDUCE_BYTES * self.gathered if layers else 0,
+                root_parameters=self.root_full,
+                root_gradients=c * (self.root_gathered + tied_extra),
+            ),
+            # FSDP2 frees the root's full parameters and the last layer's reduce buffer before the root reduces.
+            _snapshot(
+                "root reduce-scatter",
+                **self.states,
+                gradients=self.grads(layers, False),
+                root_gradients=(c + REDUCE_BYTES) * self.root_gathered,
+                offload_staging=4 * self.root_shard if self.setup.cpu_offload else 0,
+            ),
+            _snapshot("optimizer step", **self.states, gradients=self.grads(layers, True)),
+        ]
+
+    def host_bytes(self) -> int:
+        host = (1 - self.on_gpu) * (MASTER_PARAM_BYTES + GRAD_BYTES + ADAM_STATE_BYTES) * self.all_shard
+        return host + _offloaded_activation_bytes(self.shape, self.setup)
+
+
+def _offloaded_activation_bytes(shape: ModelShape, setup: TrainingSetup) -> int:
+    """Host memory of --offload-activations: every layer's checkpointed input."""
+    if not setup.offload_activations:
+        return 0
+    return shape.num_layers * checkpointed_layer_bytes(shape, dataclasses.replace(setup, offload_activations=False))
 
 
 def _walk_replicated(shape: ModelShape, setup: TrainingSetup):
@@ -345,12 +368,7 @@ def _walk_replicated(shape: ModelShape, setup: TrainingSetup):
     tied_extra = 4 * shape.output_projection_params if shape.output_projection_tied else 0
     snaps.append(_snapshot("embedding backward", **states, gradients=grads(layers, True), root_gradients=tied_extra))
     snaps.append(_snapshot("optimizer step", **states, gradients=grads(layers, True)))
-    host = (
-        layers * checkpointed_layer_bytes(shape, dataclasses.replace(setup, offload_activations=False))
-        if setup.offload_activations
-        else 0
-    )
-    return snaps, host
+    return snaps, _offloaded_activation_bytes(shape, setup)
 
 
 # ------------------------------------------------------------------------------------------ searches

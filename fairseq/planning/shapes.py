@@ -14,6 +14,7 @@ from fairseq.distributed.float8 import is_float8_convertible
 from fairseq.distributed.fsdp import FSDPSettings
 from fairseq.distributed.tensor_parallel import split_dims
 from fairseq.planning.memory_calibration import DTYPE_BYTES
+from fairseq.models.transformer_lm import TransformerLanguageModel
 
 FLOAT8_MAX_TP = 64  # the largest --model-parallel-size whose float8 conversion is worked out
 
@@ -77,8 +78,6 @@ def model_shape(cfg, vocab_size: int, padding_idx: int = 1) -> ModelShape:
     the time and memory this takes do not grow with --decoder-layers. `padding_idx` 1 is what fairseq's
     Dictionary gives; it sets the learned position table's offset rows.
     """
-    from fairseq.models.transformer_lm import TransformerLanguageModel
-
     TransformerLanguageModel.check_config(cfg)  # the flags as given (the build below changes the layer count)
     num_layers = cfg.decoder_layers
     with torch.device("meta"):  # build() fills max_target_positions in place: a copy

@@ -13,13 +13,27 @@ complete, the `.idx` last; an interrupted run never leaves a `<prefix>.bin`/`.id
 
 import os
 from collections import Counter
-from itertools import repeat
 from typing import Dict, Iterator, List, Optional, Tuple
 
 import numpy as np
 
 from fairseq.data.dictionary import Dictionary
 from fairseq.data.indexed_dataset import best_fitting_dtype
+
+# The text -> ids step, shared with the streaming task; its names stay importable from here (and fairseq.binarizer).
+from fairseq.data.line_encoder import (  # noqa: F401
+    GPT2LineEncoder,
+    LineEncoder,
+    LocalIdTable,
+    SentencepieceLineEncoder,
+    bpe_spec,
+    encode_block,
+    line_encoder_for,
+    make_line_encoder,
+    map_local_ids,
+    marked_indices,
+    register_line_encoder,
+)
 
 # The reading and counting of text files are the Dictionary's too (add_file_to_dictionary); named here as before.
 from fairseq.data.text_files import count_words, count_words_range, find_offsets, iter_text_blocks  # noqa: F401
@@ -33,8 +47,6 @@ from fairseq.preprocessing.line_binarizers import (  # noqa: F401
     FileBinarizer,
     VocabularyDatasetBinarizer,
 )
-
-_LINE_MARK = "\x00"  # stands for a line end inside a block; never whitespace, so split() keeps it a token
 
 
 def build_dictionary(
@@ -50,54 +62,12 @@ def build_dictionary(
     return d
 
 
-# ---- encoding ---------------------------------------------------------------------------------------------
-def encode_block(
-    text: str, indices: Dict[str, int], marked: Dict[str, int], unk: int, eos: int, unk_word: str
-) -> Tuple[np.ndarray, np.ndarray, int]:
-    """(token ids int64, sizes per line, words replaced by unk) of a block of whole lines.
-
-    `marked` is `indices` plus `_LINE_MARK -> -1`: line ends become marker tokens, so one split and one
-    lookup pass encode the whole block, and the markers give both the line sizes and the </s> slots.
-    """
-    if not text:
-        return np.zeros(0, np.int64), np.zeros(0, np.int64), 0
-    if not text.endswith("\n"):
-        text += "\n"
-    if _LINE_MARK in text:  # the marker would be ambiguous: encode line by line
-        return _encode_lines(text, indices, unk, eos, unk_word)
-    words = text.replace("\n", " \x00 ").split()
-    ids = np.fromiter(map(marked.get, words, repeat(unk)), dtype=np.int64, count=len(words))
-    ends = np.flatnonzero(ids < 0)
-    sizes = np.diff(ends, prepend=-1)
-    ids[ends] = eos
-    replaced = int(np.count_nonzero(ids == unk))
-    if marked.get(unk_word) == unk:  # the literal <unk> token maps to <unk> but was not replaced
-        replaced -= words.count(unk_word)
-    return ids, sizes, replaced
-
-
-def _encode_lines(text, indices, unk, eos, unk_word):
-    ids: List[int] = []
-    sizes = []
-    replaced = 0
-    get = indices.get
-    for line in text[:-1].split("\n"):
-        words = line.split()
-        line_ids = [get(w, unk) for w in words]
-        replaced += sum(1 for w, i in zip(words, line_ids) if i == unk and w != unk_word)
-        ids.extend(line_ids)
-        ids.append(eos)
-        sizes.append(len(words) + 1)
-    return np.asarray(ids, dtype=np.int64), np.asarray(sizes, dtype=np.int64), replaced
-
-
+# ---- no --bpe: the block encoder (fairseq.data.line_encoder.encode_block) ----------------------------------
 def binarize_range(
     builder, path: str, start: int, end: int, indices: Dict[str, int], unk: int, eos: int, unk_word: str
 ) -> BinarizeSummary:
     """Encode bytes [start, end) of `path` into `builder` (one job of `run_jobs_atomically`)."""
-    marked = dict(indices)
-    marked[_LINE_MARK] = -1
-    return _encode_into(builder, path, start, end, indices, marked, unk, eos, unk_word)
+    return _encode_into(builder, path, start, end, indices, marked_indices(indices), unk, eos, unk_word)
 
 
 def _encode_into(builder, path, start, end, indices, marked, unk, eos, unk_word) -> BinarizeSummary:
@@ -128,144 +98,7 @@ def binarize_file(path: str, dictionary, output_prefix: str, num_workers: int = 
 
 # ---- one pass: raw text -> --bpe -> token ids ------------------------------------------------------------
 # `fairseq-preprocess --bpe NAME` equals the two-step route (the encoder script with --keep-empty, then
-# fairseq-preprocess on its output): each line is stripped and encoded, an empty line stays an empty line
-# (`</s>` alone), and the encoded line is split on whitespace exactly as `encode_block` splits the encoded
-# text. An encoder gives, per block of lines, "local" ids of the tokens that split yields and the token of each
-# local id (`symbols`); local ids become dictionary indices through a lookup table, so GPT-2 ids never become
-# text at all, and building the dictionary counts local ids (np.bincount) instead of strings.
-
-_LINE_ENCODERS: Dict[tuple, "LineEncoder"] = {}  # per process: the main one registers, workers build on demand
-
-
-class LineEncoder:
-    """Generic: `bpe.encode(line)` per line, tokens split on whitespace, local ids in order of appearance."""
-
-    def __init__(self, bpe):
-        from collections import defaultdict
-
-        self.bpe = bpe
-        self._ids: Dict[str, int] = defaultdict()
-        self._ids.default_factory = self._ids.__len__
-
-    def symbols(self) -> List[str]:
-        return list(self._ids)
-
-    def _local_ids(self, words: List[str]) -> np.ndarray:
-        # A missing word gets the next id: the table's default factory is its own length.
-        return np.fromiter(map(self._ids.__getitem__, words), dtype=np.int64, count=len(words))
-
-    def encoded_lines(self, lines: List[str]) -> List[str]:
-        return [self.bpe.encode(line) if line else "" for line in lines]
-
-    def encode(self, lines: List[str]) -> Tuple[np.ndarray, np.ndarray]:
-        """(local ids of all lines' tokens, number of tokens per line) of stripped lines."""
-        encoded = self.encoded_lines(lines)
-        per_line = [e.split() for e in encoded]
-        sizes = np.fromiter(map(len, per_line), dtype=np.int64, count=len(per_line))
-        words = [w for ws in per_line for w in ws]
-        return self._local_ids(words), sizes
-
-
-class SentencepieceLineEncoder(LineEncoder):
-    """--bpe sentencepiece: spm_encode.py's pieces (`sp.Encode(lines, out_type=str)`), as the two-step route
-    joins and splits them. Lines are encoded to sentencepiece ids (local ids 0..V-1: the pieces); a line with
-    an id whose text is not that piece alone (an unknown piece, shown as its surface text, or a piece that
-    holds whitespace, which the two-step route splits) is encoded again as text, its tokens getting ids from V."""
-
-    def __init__(self, bpe):
-        super().__init__(bpe)
-        sp = bpe.sp
-        self._pieces = [sp.IdToPiece(i) for i in range(sp.GetPieceSize())]
-        self._safe = np.array(
-            [p.split() == [p] and not sp.IsUnknown(i) for i, p in enumerate(self._pieces)], dtype=bool
-        )
-        self._ids.default_factory = lambda: len(self._ids) + len(self._pieces)
-
-    def symbols(self) -> List[str]:
-        return self._pieces + list(self._ids)
-
-    def encoded_lines(self, lines: List[str]) -> List[str]:
-        todo = [line for line in lines if line]
-        pieces = iter(
-            self.bpe.sp.Encode(todo, out_type=str, enable_sampling=self.bpe.enable_sampling, alpha=self.bpe.alpha)
-            if todo
-            else []
-        )
-        return [" ".join(next(pieces)) if line else "" for line in lines]
-
-    def encode(self, lines):
-        from itertools import chain
-
-        todo = [line for line in lines if line]
-        encoded = (
-            self.bpe.sp.Encode(todo, out_type=int, enable_sampling=self.bpe.enable_sampling, alpha=self.bpe.alpha)
-            if todo
-            else []
-        )
-        sizes = np.zeros(len(lines), dtype=np.int64)
-        nonempty = [i for i, line in enumerate(lines) if line]
-        sizes[nonempty] = np.fromiter(map(len, encoded), dtype=np.int64, count=len(encoded))
-        ids = np.fromiter(chain.from_iterable(encoded), dtype=np.int64, count=int(sizes.sum()))
-        if self._safe[ids].all():
-            return ids, sizes
-        # Some lines need their text: re-encode those as spm_encode.py writes them and split.
-        per_line = np.split(ids, np.cumsum(sizes)[:-1])
-        for k, line_ids in enumerate(per_line):
-            if not self._safe[line_ids].all():
-                words = self.encoded_lines([lines[k]])[0].split()
-                per_line[k] = self._local_ids(words)
-                sizes[k] = len(words)
-        return np.concatenate(per_line) if per_line else ids, sizes
-
-
-class GPT2LineEncoder(LineEncoder):
-    """--bpe gpt2: local ids are GPT-2 ids (their tokens are the ids' decimal forms, as the encoder script
-    writes them)."""
-
-    def __init__(self, bpe):
-        super().__init__(bpe)
-        self.encoder = bpe.bpe
-        self._n = max(self.encoder.encoder.values()) + 1
-
-    def symbols(self) -> List[str]:
-        return [str(i) for i in range(self._n)]
-
-    def encode(self, lines):
-        return self.encoder.encode_lines_to_ids(lines, check=False)
-
-
-def make_line_encoder(bpe) -> LineEncoder:
-    from fairseq.data.encoders.gpt2_bpe import GPT2BPE
-    from fairseq.data.encoders.sentencepiece_bpe import SentencepieceBPE
-
-    if isinstance(bpe, GPT2BPE):
-        return GPT2LineEncoder(bpe)
-    if isinstance(bpe, SentencepieceBPE):
-        return SentencepieceLineEncoder(bpe)
-    return LineEncoder(bpe)
-
-
-def register_line_encoder(spec: tuple, bpe) -> None:
-    """Make the encoder for `spec` (hashable: the scheme's name and config values) available to this process
-    (workers build their own from `spec` on first use)."""
-    _LINE_ENCODERS[spec] = make_line_encoder(bpe)
-
-
-def _line_encoder(spec: tuple) -> LineEncoder:
-    if spec not in _LINE_ENCODERS:  # a worker: build it from the config values
-        from fairseq.data.encoders import build_bpe
-
-        name, values = spec
-        _LINE_ENCODERS[spec] = make_line_encoder(build_bpe(dict(values, _name=name)))
-    return _LINE_ENCODERS[spec]
-
-
-def bpe_spec(bpe_cfg) -> tuple:
-    """Hashable description of a --bpe config (its name and field values)."""
-    import dataclasses as dc
-
-    values = tuple(sorted((f.name, getattr(bpe_cfg, f.name)) for f in dc.fields(bpe_cfg) if not f.name.startswith("_")))
-    return (bpe_cfg._name, values)
+# fairseq-preprocess on its output); the line encoders and the local-id table are fairseq.data.line_encoder's.
 
 
 def _iter_encoded(path: str, start: int, end: int, encoder: LineEncoder) -> Iterator[Tuple[np.ndarray, np.ndarray]]:
@@ -276,40 +109,6 @@ def _iter_encoded(path: str, start: int, end: int, encoder: LineEncoder) -> Iter
         if lines[-1] == "":
             lines.pop()
         yield encoder.encode([line.strip() for line in lines])
-
-
-class LocalIdTable:
-    """local id -> dictionary index (and whether that is a replacement by <unk>), grown as symbols appear."""
-
-    def __init__(self, encoder: LineEncoder, indices: Dict[str, int], unk: int, unk_word: str):
-        self.encoder, self.indices, self.unk, self.unk_word = encoder, indices, unk, unk_word
-        self.index = np.zeros(0, dtype=np.int64)
-        self.replaced = np.zeros(0, dtype=bool)
-
-    def update(self, symbols: Optional[List[str]] = None):
-        symbols = self.encoder.symbols() if symbols is None else symbols
-        if len(symbols) > len(self.index):
-            new = symbols[len(self.index) :]
-            idx = np.fromiter((self.indices.get(s, self.unk) for s in new), dtype=np.int64, count=len(new))
-            rep = (idx == self.unk) & np.fromiter((s != self.unk_word for s in new), dtype=bool, count=len(new))
-            self.index = np.concatenate([self.index, idx])
-            self.replaced = np.concatenate([self.replaced, rep])
-
-
-def map_local_ids(
-    local: np.ndarray, sizes: np.ndarray, table: LocalIdTable, eos: int
-) -> Tuple[np.ndarray, np.ndarray, int]:
-    """(dictionary indices with </s> after each line, tokens per line with it, tokens replaced by <unk>) of lines
-    given as local ids (`sizes` tokens each): fairseq-preprocess's ids, also the streaming task's."""
-    if len(local) and int(local.max()) >= len(table.index):
-        table.update()
-    out_sizes = sizes + 1
-    ends = np.cumsum(out_sizes) - 1
-    out = np.full(int(ends[-1]) + 1 if len(ends) else 0, eos, dtype=np.int64)
-    keep = np.ones(len(out), dtype=bool)
-    keep[ends] = False
-    out[keep] = table.index[local]
-    return out, out_sizes, int(np.count_nonzero(table.replaced[local]))
 
 
 def _add_mapped(
@@ -329,7 +128,7 @@ def encode_binarize_range(
     builder, path: str, start: int, end: int, spec: tuple, indices: Dict[str, int], unk: int, eos: int, unk_word: str
 ) -> BinarizeSummary:
     """Raw text bytes [start, end) of `path`, encoded with `spec`'s --bpe, into `builder`."""
-    encoder = _line_encoder(spec)
+    encoder = line_encoder_for(spec)
     table = LocalIdTable(encoder, indices, unk, unk_word)
     summary = BinarizeSummary()
     for local, sizes in _iter_encoded(path, start, end, encoder):
@@ -340,7 +139,7 @@ def encode_binarize_range(
 def count_encode_range(path: str, start: int, end: int, spec: tuple, cache_prefix: str):
     """Encode raw text bytes [start, end) once: the local ids and line sizes go to `cache_prefix`.ids/.sizes
     (int32, to be binarized once the dictionary exists) and the token counts come back, with the line count."""
-    encoder = _line_encoder(spec)
+    encoder = line_encoder_for(spec)
     counts = np.zeros(0, dtype=np.int64)
     lines = 0
     with open(cache_prefix + ".ids", "wb") as fi, open(cache_prefix + ".sizes", "wb") as fs:
@@ -367,7 +166,7 @@ def binarize_cached_range(
 ) -> BinarizeSummary:
     """Binarize a range cached by `count_encode_range` into `builder`."""
     cache_prefix, symbols = cache
-    encoder = _line_encoder(spec)
+    encoder = line_encoder_for(spec)
     table = LocalIdTable(encoder, indices, unk, unk_word)
     table.update(symbols)
     summary = BinarizeSummary()

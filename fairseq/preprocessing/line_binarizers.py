@@ -8,6 +8,7 @@ atomic `.bin`/`.idx` writing). fairseq-preprocess itself uses the faster block e
 from abc import ABC, abstractmethod
 from typing import Callable, List, Optional, Tuple
 
+import numpy as np
 import torch
 
 from fairseq.data.dictionary import tokenize_line
@@ -152,8 +153,6 @@ class FileBinarizer:
 
 
 def _numpy_dtype(vocab_size: Optional[int]):
-    import numpy as np
-
     return best_fitting_dtype(vocab_size) if vocab_size is not None else np.dtype(np.int32)
 
 

@@ -179,7 +179,7 @@ def _local_gpu_count(cpu: bool, gpu_count: Optional[int]) -> int:
         return 0
     if gpu_count is not None:
         return gpu_count
-    import torch  # deferred: reading a config or an environment should not pay for importing torch
+    import torch  # deferred: startup (reading a config or an environment should not pay for importing torch)
 
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
@@ -251,12 +251,7 @@ def _slurm_plan(cfg, environ: Mapping[str, str], gpus: int) -> Optional[LaunchPl
     procid = _env_int(environ, "SLURM_PROCID")
 
     # With one task per node, that task spawns the node's processes: one per GPU, or as many as asked for.
-    if cfg.distributed_num_procs:
-        procs_per_node = cfg.distributed_num_procs
-    elif gpus > 0:
-        procs_per_node = gpus
-    else:
-        procs_per_node = max(1, cfg.distributed_world_size // nnodes)
+    procs_per_node = cfg.distributed_num_procs or (gpus if gpus > 0 else max(1, cfg.distributed_world_size // nnodes))
     per_node = tasks_per_node == 1 and procs_per_node > 1 and not cfg.distributed_no_spawn
 
     if per_node:
@@ -276,17 +271,7 @@ def _slurm_plan(cfg, environ: Mapping[str, str], gpus: int) -> Optional[LaunchPl
             world,
         )
 
-    port = cfg.distributed_port if cfg.distributed_port and cfg.distributed_port > 0 else None
-    if port is None:
-        if nnodes > 1:
-            raise ValueError(
-                f"SLURM job {environ['SLURM_JOB_ID']} spans {nnodes} nodes: pass --distributed-port PORT "
-                f"(a free TCP port on {hosts[0]}, the same on every node) so the ranks can meet"
-            )
-        if per_node:
-            port = get_free_port()  # only this process picks it and hands it to its children
-        else:
-            port = _port_from_job_id(environ["SLURM_JOB_ID"], environ.get("SLURM_STEP_ID"))
+    port = _slurm_port(cfg, environ, nnodes, hosts[0], per_node)
     master = hosts[0]
     return LaunchPlan(
         mode,
@@ -298,6 +283,21 @@ def _slurm_plan(cfg, environ: Mapping[str, str], gpus: int) -> Optional[LaunchPl
         master_addr=master,
         master_port=port,
     )
+
+
+def _slurm_port(cfg, environ: Mapping[str, str], nnodes: int, master: str, per_node: bool) -> int:
+    """--distributed-port; without it (one node only) a free port when this task spawns the node's processes,
+    else one derived from the job and step ids, the same in every task."""
+    if cfg.distributed_port and cfg.distributed_port > 0:
+        return cfg.distributed_port
+    if nnodes > 1:
+        raise ValueError(
+            f"SLURM job {environ['SLURM_JOB_ID']} spans {nnodes} nodes: pass --distributed-port PORT "
+            f"(a free TCP port on {master}, the same on every node) so the ranks can meet"
+        )
+    if per_node:
+        return get_free_port()  # only this process picks it and hands it to its children
+    return _port_from_job_id(environ["SLURM_JOB_ID"], environ.get("SLURM_STEP_ID"))
 
 
 def _spawn_plan(cfg, gpus: int) -> LaunchPlan:

@@ -8,6 +8,7 @@ import numpy as np
 import torch
 
 from fairseq import registry
+from fairseq.criterions import build_criterion
 from fairseq.data.batching import (
     Batches,
     SizeFilterReport,
@@ -16,7 +17,14 @@ from fairseq.data.batching import (
     filter_by_size_limits,
     size_limit,
 )
+from fairseq.data.dictionary import Dictionary
 from fairseq.data.iterators import EpochBatchIterator
+from fairseq.dataclass.generation import as_generation_config
+from fairseq.dataclass.utils import gen_parser_from_dataclass
+from fairseq.generation import search
+from fairseq.generation.sequence_generator import SequenceGenerator
+from fairseq.generation.sequence_scorer import SequenceScorer
+from fairseq.logging import metrics
 from fairseq.upstream_absent import absent_name, refused_options
 
 logger = logging.getLogger(__name__)
@@ -37,8 +45,6 @@ class FairseqTask:
     @classmethod
     def add_args(cls, parser) -> None:
         """Upstream's hook: add this task's flags (its config dataclass's fields) to an argparse parser."""
-        from fairseq.dataclass.utils import gen_parser_from_dataclass
-
         dc = getattr(cls, "config_class", None)
         if dc is not None:
             gen_parser_from_dataclass(parser, dc())
@@ -46,8 +52,6 @@ class FairseqTask:
     @classmethod
     def load_dictionary(cls, filename: str):
         """Upstream's hook: the dictionary stored in `filename` (a dict.txt)."""
-        from fairseq.data.dictionary import Dictionary
-
         return Dictionary.load(filename)
 
     # ---- data ---------------------------------------------------------------------------------------
@@ -168,66 +172,38 @@ class FairseqTask:
         """
         if max_tokens is None and max_sentences is None:
             raise ValueError("set --max-tokens or --batch-size to say how large batches are")
-        key = (
-            id(dataset),
-            max_tokens,
-            max_sentences,
-            str(max_positions),
-            ignore_invalid_inputs,
-            required_batch_size_multiple,
-            seed,
-            num_shards,
-            shard_id,
-            num_workers,
-            pin_memory,
-            skip_remainder_batch,
-            grouped_shuffling,
-        )
-        disable_iterator_cache = disable_iterator_cache or update_epoch_batch_itr
-        if not disable_iterator_cache and key in self._epoch_iterators:
-            cached = self._epoch_iterators[key]
-            if cached.dataset is dataset:
-                return cached
+        sizing = (max_tokens, max_sentences, max_positions, ignore_invalid_inputs, required_batch_size_multiple, seed)
+        loading = dict(num_shards=num_shards, shard_id=shard_id, num_workers=num_workers, pin_memory=pin_memory)
+        loading.update(skip_remainder_batch=skip_remainder_batch, grouped_shuffling=grouped_shuffling)
+        # Cached by everything that shapes the batches; max_positions by its text (a dict is unhashable).
+        key = (id(dataset), *sizing[:2], str(max_positions), *sizing[3:], *loading.values())
+        use_cache = not (disable_iterator_cache or update_epoch_batch_itr)
+        cached = self._epoch_iterators.get(key) if use_cache else None
+        if cached is not None and cached.dataset is dataset:
+            return cached
         if hasattr(dataset, "set_epoch"):
             dataset.set_epoch(epoch)
-        sizes = np.asarray(dataset.sizes)
-        indices = dataset.ordered_indices(seed=seed) if _takes_seed(dataset) else dataset.ordered_indices()
-        # One limit, named after the flag that really set it (the positions limit or --max-tokens).
-        limit, flag = size_limit(max_positions, max_tokens)
-        indices, dropped = filter_by_size(indices, sizes, limit, ignore_invalid_inputs, flag=flag)
-        if len(dropped):
-            logger.warning(
-                f"{len(dropped):,} items longer than {flag} {limit} are skipped, e.g. {dropped[:10].tolist()}"
-            )
-        batches: Batches = batch_by_size(
-            indices,
-            sizes[indices],
-            max_tokens=max_tokens,
-            max_sentences=max_sentences,
-            required_batch_size_multiple=required_batch_size_multiple,
-        )
+        batches, size_report = _batches_by_size(dataset, *sizing)
         epoch_iter = EpochBatchIterator(
             dataset,
             collate_fn=dataset.collater,
             batch_sampler=batches,
             seed=seed,
-            num_shards=num_shards,
-            shard_id=shard_id,
-            num_workers=num_workers,
             epoch=epoch,
-            pin_memory=pin_memory,
             buffer_size=data_buffer_size,
-            skip_remainder_batch=skip_remainder_batch,
-            grouped_shuffling=grouped_shuffling,
+            **loading,
         )
         # Read by no_batches_message when no batch is left (a trainer must not run empty epochs).
-        epoch_iter.size_report = SizeFilterReport.of(sizes, len(dropped), limit, flag)
-        if not disable_iterator_cache:
-            # Forget iterators of datasets since replaced (sharded data loads a new one each epoch).
-            live = {id(d) for d in self.datasets.values()} | {id(dataset)}
-            self._epoch_iterators = {k: v for k, v in self._epoch_iterators.items() if k[0] in live}
-            self._epoch_iterators[key] = epoch_iter
+        epoch_iter.size_report = size_report
+        if use_cache:
+            self._remember_iterator(key, dataset, epoch_iter)
         return epoch_iter
+
+    def _remember_iterator(self, key: tuple, dataset, epoch_iter: EpochBatchIterator) -> None:
+        # Forget iterators of datasets since replaced (sharded data loads a new one each epoch).
+        live = {id(d) for d in self.datasets.values()} | {id(dataset)}
+        self._epoch_iterators = {k: v for k, v in self._epoch_iterators.items() if k[0] in live}
+        self._epoch_iterators[key] = epoch_iter
 
     # ---- model and criterion ------------------------------------------------------------------------
     def build_model(self, model_cfg, from_checkpoint: bool = False):
@@ -240,8 +216,6 @@ class FairseqTask:
 
     def build_criterion(self, criterion_cfg, optimization_cfg=None):
         """The criterion `criterion_cfg` names (--criterion); `optimization_cfg` supplies --sentence-avg."""
-        from fairseq.criterions import build_criterion
-
         return build_criterion(criterion_cfg, self, optimization_cfg)
 
     # ---- generation (upstream's names) --------------------------------------------------------------
@@ -251,39 +225,14 @@ class FairseqTask:
         take GenerationConfig's defaults). Reads beam, max_len_a, max_len_b, min_len, unnormalized, lenpen,
         unkpen, temperature, match_source_len, no_repeat_ngram_size, sampling, sampling_topk, sampling_topp,
         retain_dropout; and this fork's no_cuda_graphs."""
-        from fairseq.dataclass.generation import as_generation_config
-        from fairseq.generation import search
-        from fairseq.generation.sequence_generator import SequenceGenerator
-
         gen = as_generation_config(args)
         if gen.score_reference:  # score the given text instead (upstream's choice, made here too)
-            from fairseq.generation.sequence_scorer import SequenceScorer
-
             return SequenceScorer(self.target_dictionary, compute_alignment=gen.print_alignment)
         if prefix_allowed_tokens_fn is not None:
             raise ValueError(
                 "prefix_allowed_tokens_fn (prefix-constrained decoding) is not supported by this fairseq's generator"
             )
-        for name, is_set, fix in refused_options("generator"):
-            if is_set(getattr(gen, name) or 0):
-                raise ValueError(f"--{name.replace('_', '-')} is not supported by this fairseq's generator; {fix}")
-        if gen.sampling and gen.match_source_len:  # upstream: "search parameters are mutually exclusive"
-            raise ValueError(
-                "--sampling and --match-source-len cannot be combined (they are two search strategies); drop one"
-            )
-        if gen.sampling_topk >= 0 and not gen.sampling:
-            raise ValueError(f"--sampling-topk {gen.sampling_topk} requires --sampling")
-        if gen.sampling_topp >= 0 and not gen.sampling:
-            raise ValueError(f"--sampling-topp {gen.sampling_topp} requires --sampling")
-        if gen.sampling:
-            search_strategy = search.Sampling(self.target_dictionary, gen.sampling_topk, gen.sampling_topp)
-        elif gen.match_source_len:
-            # Outputs exactly as long as the source (upstream hard-codes these length constraints).
-            search_strategy = search.LengthConstrainedBeamSearch(
-                self.target_dictionary, min_len_a=1, min_len_b=0, max_len_a=1, max_len_b=0
-            )
-        else:
-            search_strategy = search.BeamSearch(self.target_dictionary)
+        search_strategy = _search_strategy(gen, self.target_dictionary)
         seq_gen_cls = SequenceGenerator if seq_gen_cls is None else seq_gen_cls
         extra_gen_cls_kwargs = dict(extra_gen_cls_kwargs or {})
         if isinstance(seq_gen_cls, type) and issubclass(seq_gen_cls, SequenceGenerator):  # --no-cuda-graphs
@@ -326,8 +275,6 @@ class FairseqTask:
     def reduce_metrics(self, logging_outputs, criterion) -> None:
         """Upstream's: log wpb (tokens) and bsz (sentences) summed over `logging_outputs`, and wps, then the
         criterion's own metrics."""
-        from fairseq.logging import metrics
-
         if any("ntokens" in log for log in logging_outputs):
             ntokens = sum(log.get("ntokens", 0) for log in logging_outputs)
             metrics.log_scalar("wpb", ntokens, priority=180, round=1)
@@ -348,6 +295,50 @@ class FairseqTask:
 
     def load_state_dict(self, state_dict: dict) -> None:
         pass
+
+
+def _search_strategy(gen, dictionary) -> search.Search:
+    """The search that the generation options ask for (sampling, length-constrained or beam search), after
+    refusing the options this generator lacks and the combinations upstream refuses."""
+    for name, is_set, fix in refused_options("generator"):
+        if is_set(getattr(gen, name) or 0):
+            raise ValueError(f"--{name.replace('_', '-')} is not supported by this fairseq's generator; {fix}")
+    if gen.sampling and gen.match_source_len:  # upstream: "search parameters are mutually exclusive"
+        raise ValueError(
+            "--sampling and --match-source-len cannot be combined (they are two search strategies); drop one"
+        )
+    if gen.sampling_topk >= 0 and not gen.sampling:
+        raise ValueError(f"--sampling-topk {gen.sampling_topk} requires --sampling")
+    if gen.sampling_topp >= 0 and not gen.sampling:
+        raise ValueError(f"--sampling-topp {gen.sampling_topp} requires --sampling")
+    if gen.sampling:
+        return search.Sampling(dictionary, gen.sampling_topk, gen.sampling_topp)
+    if gen.match_source_len:
+        # Outputs exactly as long as the source (upstream hard-codes these length constraints).
+        return search.LengthConstrainedBeamSearch(dictionary, min_len_a=1, min_len_b=0, max_len_a=1, max_len_b=0)
+    return search.BeamSearch(dictionary)
+
+
+def _batches_by_size(
+    dataset, max_tokens, max_sentences, max_positions, ignore_invalid_inputs, required_batch_size_multiple, seed
+):
+    """(batches, SizeFilterReport): `dataset`'s items ordered by size (ties broken from `seed`), those over the
+    size limit dropped (an error without `ignore_invalid_inputs`), cut into batches."""
+    sizes = np.asarray(dataset.sizes)
+    indices = dataset.ordered_indices(seed=seed) if _takes_seed(dataset) else dataset.ordered_indices()
+    # One limit, named after the flag that really set it (the positions limit or --max-tokens).
+    limit, flag = size_limit(max_positions, max_tokens)
+    indices, dropped = filter_by_size(indices, sizes, limit, ignore_invalid_inputs, flag=flag)
+    if len(dropped):
+        logger.warning(f"{len(dropped):,} items longer than {flag} {limit} are skipped, e.g. {dropped[:10].tolist()}")
+    batches: Batches = batch_by_size(
+        indices,
+        sizes[indices],
+        max_tokens=max_tokens,
+        max_sentences=max_sentences,
+        required_batch_size_multiple=required_batch_size_multiple,
+    )
+    return batches, SizeFilterReport.of(sizes, len(dropped), limit, flag)
 
 
 def _takes_seed(dataset) -> bool:

@@ -24,18 +24,19 @@ import torch
 # DTensors are recognized without importing torch.distributed.tensor (~1 s, paid by every process that runs
 # validate(cfg), which imports this module): see fairseq.runtime.dtensor.
 from fairseq.runtime.dtensor import is_dtensor
+from fairseq.checkpoint.inference import load_ema_from_checkpoint
 
 logger = logging.getLogger("fairseq.models.ema.ema")  # upstream's logger name: log lines read as its
 
 
-def check_ema_config(ema_cfg) -> None:
+def check_ema_config(store_ema: bool, ema_decay: float, ema_update_freq: int) -> None:
     """The --ema-* checks that need nothing but the flags (run by validate(cfg))."""
-    if ema_cfg is None or not ema_cfg.store_ema:
+    if not store_ema:
         return
-    if not 0.0 <= ema_cfg.ema_decay <= 1.0:
-        raise ValueError(f"--ema-decay must lie in [0, 1], got {ema_cfg.ema_decay}")
-    if ema_cfg.ema_update_freq < 1:
-        raise ValueError(f"--ema-update-freq must be at least 1, got {ema_cfg.ema_update_freq}")
+    if not 0.0 <= ema_decay <= 1.0:
+        raise ValueError(f"--ema-decay must lie in [0, 1], got {ema_decay}")
+    if ema_update_freq < 1:
+        raise ValueError(f"--ema-update-freq must be at least 1, got {ema_update_freq}")
 
 
 def build_ema(model, cfg, device=None, skip_keys=None) -> "EMA":
@@ -51,7 +52,7 @@ def _copy_into(target: torch.Tensor, value: torch.Tensor) -> None:
     """Copy `value` (a DTensor sharded like `target`, or the full tensor) into `target`, in place."""
     if is_dtensor(target):
         if not is_dtensor(value):  # a full tensor, e.g. from a single-file checkpoint: take our shard
-            from torch.distributed.tensor import distribute_tensor
+            from torch.distributed.tensor import distribute_tensor  # deferred: startup (~1 s to import)
 
             value = distribute_tensor(
                 value.to(_local(target).device), target.device_mesh, target.placements, src_data_rank=None
@@ -99,13 +100,11 @@ class EMA:
             self.model.requires_grad_(False)
             if device is not None:
                 self.model = self.model.to(device=device)
-        seed = getattr(config, "ema_seed_model", None)
+        seed = config.ema_seed_model
         if seed is not None:
-            from fairseq.checkpoint.inference import load_ema_from_checkpoint
-
             self.restore(load_ema_from_checkpoint(seed)["model"], strict=True)
             logger.info(f"EMA seeded from the EMA weights of {seed} (--ema-seed-model)")
-        if getattr(config, "ema_fp32", False):
+        if config.ema_fp32:
             self.build_fp32_params()
 
     # ---- upstream's accessors
@@ -139,7 +138,7 @@ class EMA:
                 "layers are changed to compute a part of the attention heads, so an unsharded copy would not "
                 "run; use EMA.full_state_dict() (the gathered weights) or EMA.reverse(model) instead"
             )
-        from fairseq.distributed.plain_copy import plain_copy
+        from fairseq.distributed.plain_copy import plain_copy  # deferred: startup (torch.distributed.fsdp: ~2 s)
 
         model = _without_patched_forwards(plain_copy(self._sharded_model))
         model.requires_grad_(False)
@@ -157,7 +156,7 @@ class EMA:
 
     def build_fp32_params(self, state_dict: Optional[Dict[str, torch.Tensor]] = None) -> None:
         """(Re)fill the fp32 copy of the EMA from `state_dict` (default: the EMA itself); --ema-fp32 only."""
-        if not getattr(self.config, "ema_fp32", False):
+        if not self.config.ema_fp32:
             raise RuntimeError("build_fp32_params needs ema_fp32=True (--ema-fp32)")
         source = state_dict if state_dict is not None else self._state()
         for key, value in source.items():
@@ -202,7 +201,7 @@ class EMA:
 
     @torch.no_grad()
     def _step_internal(self, new_model: torch.nn.Module, updates: Optional[int] = None) -> None:
-        fp32 = getattr(self.config, "ema_fp32", False)
+        fp32 = self.config.ema_fp32
         averaged_state = self.fp32_params if fp32 else self._state()
         averaged, weights, seen = [], [], set()
         for key, param in new_model.state_dict().items():
@@ -247,7 +246,7 @@ class EMA:
     def state_dict(self) -> Dict[str, Dict[str, torch.Tensor]]:
         """{"ema": weights[, "ema_fp32_params": fp32 copy]} as held (DTensors when sharded: for DCP)."""
         state = {"ema": dict(self._state())}
-        if getattr(self.config, "ema_fp32", False):
+        if self.config.ema_fp32:
             state["ema_fp32_params"] = dict(self.fp32_params)
         return state
 
@@ -265,9 +264,9 @@ class EMA:
             logger.warning(
                 "--store-ema: the checkpoint has no EMA (extra_state['ema']); the EMA starts from its model weights"
             )
-            self.restore(model_state, build_fp32_params=getattr(self.config, "ema_fp32", False))
+            self.restore(model_state, build_fp32_params=self.config.ema_fp32)
             return
         logger.info("loading the EMA from the checkpoint")
         self.restore(extra_state["ema"], build_fp32_params=False)
-        if getattr(self.config, "ema_fp32", False):
+        if self.config.ema_fp32:
             self.build_fp32_params(extra_state.get("ema_fp32_params"))

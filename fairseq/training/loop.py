@@ -32,6 +32,7 @@ from fairseq.models.fairseq_model import model_config_line
 from fairseq.training.batch_iterators import trainer_iterator, valid_iterators
 from fairseq.training.preemption import REQUEUE_FAILED, REQUEUED, Preempted, PreemptionWatcher, requeue_after_preemption
 from fairseq.training.trainer import Trainer
+from fairseq.data.iterators import GroupedIterator
 
 logger = logging.getLogger("fairseq_cli.train")
 
@@ -165,8 +166,6 @@ def _progress(cfg, itr, epoch=None, prefix=None):
 
 def train_epoch(cfg, trainer, task, epoch_itr, checkpoints, preemption) -> Tuple[List[Optional[float]], bool]:
     """One epoch of updates (or until a stop decision); returns (the last validation losses, should stop)."""
-    from fairseq.data.iterators import GroupedIterator
-
     epoch = epoch_itr.next_epoch_idx
     itr = epoch_itr.next_epoch_itr(shuffle=epoch > cfg.dataset.curriculum)
     freqs = cfg.optimization.update_freq

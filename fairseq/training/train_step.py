@@ -4,7 +4,7 @@ No host synchronization happens here except the fp16 overflow check (the update 
 skipped). Statistics are added to a `LoggingOutputSums` as device tensors and read at log intervals.
 """
 
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 import logging
 
@@ -63,31 +63,9 @@ def run_update(
     # the factor data_parallel_size.
     normalizer = data_parallel_size / _global_sample_size(samples, sentence_avg, device).clamp(min=1.0)
     loss_scale = precision.loss_scale
-    outputs = []
-    for i, sample in enumerate(samples):
-        is_dummy = sample.get("is_dummy", False)
-        with gradient_sync(model, i == len(samples) - 1), precision.autocast():
-            loss, sample_size, logging_output = criterion(model, sample)
-        if is_dummy:  # keeps collectives in step on ranks with fewer batches; contributes nothing
-            loss = loss * 0.0
-        (loss * (normalizer * loss_scale)).backward()
-        if is_dummy:  # zeros keep every rank's keys identical for the interval all-reduce
-            logging_output = {k: v * 0 for k, v in logging_output.items()}
-        outputs.append(logging_output)
-
+    outputs = _forward_backward(model, criterion, precision, samples, normalizer * loss_scale)
     params = [p for p in model.parameters() if p.grad is not None]
-    # Unscaling (fp16) and clipping become one factor, applied by the optimizer step as it reads the
-    # gradients (see step_with_grad_factor). The norm of the scaled gradients over the scale is the norm of
-    # the unscaled ones: exactly for power-of-two scales (the default), to an fp32 rounding otherwise.
-    grad_norm = total_grad_norm(params)
-    grad_factor = None
-    if loss_scale != 1.0:
-        grad_norm = grad_norm / loss_scale
-        grad_factor = torch.full_like(grad_norm, 1.0 / loss_scale)
-    if clip_norm > 0:
-        coefficient = clip_coefficient(grad_norm, clip_norm)
-        grad_factor = coefficient if grad_factor is None else coefficient * grad_factor
-
+    grad_norm, grad_factor = _norm_and_factor(params, loss_scale, clip_norm)
     if precision.scaler is not None:
         overflow = not bool(torch.isfinite(grad_norm))  # the one host sync of an fp16 update
         if precision.scaler.update(overflow):
@@ -106,6 +84,40 @@ def run_update(
         update_stats["clip"] = (grad_norm > clip_norm).float()
     stats.add(update_stats)
     return grad_norm
+
+
+def _forward_backward(model, criterion, precision: Precision, samples: List[dict], scale) -> List[dict]:
+    """Forward and backward of each micro-batch, its loss multiplied by `scale` (the normalizer times the loss
+    scale); the gradient all-reduce runs after the last one only. Returns the micro-batches' logging outputs."""
+    outputs = []
+    for i, sample in enumerate(samples):
+        is_dummy = sample.get("is_dummy", False)
+        with gradient_sync(model, i == len(samples) - 1), precision.autocast():
+            loss, sample_size, logging_output = criterion(model, sample)
+        if is_dummy:  # keeps collectives in step on ranks with fewer batches; contributes nothing
+            loss = loss * 0.0
+        (loss * scale).backward()
+        if is_dummy:  # zeros keep every rank's keys identical for the interval all-reduce
+            logging_output = {k: v * 0 for k, v in logging_output.items()}
+        outputs.append(logging_output)
+    return outputs
+
+
+def _norm_and_factor(params, loss_scale: float, clip_norm: float) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """The unscaled gradients' norm, and the one factor (unscaling and clipping; None: 1) the step applies.
+
+    Unscaling (fp16) and clipping become one factor, applied by the optimizer step as it reads the
+    gradients (see step_with_grad_factor). The norm of the scaled gradients over the scale is the norm of
+    the unscaled ones: exactly for power-of-two scales (the default), to an fp32 rounding otherwise."""
+    grad_norm = total_grad_norm(params)
+    grad_factor = None
+    if loss_scale != 1.0:
+        grad_norm = grad_norm / loss_scale
+        grad_factor = torch.full_like(grad_norm, 1.0 / loss_scale)
+    if clip_norm > 0:
+        coefficient = clip_coefficient(grad_norm, clip_norm)
+        grad_factor = coefficient if grad_factor is None else coefficient * grad_factor
+    return grad_norm, grad_factor
 
 
 def step_with_grad_factor(optimizer, params, grad_factor: Optional[torch.Tensor]) -> None:

@@ -5,7 +5,7 @@ update (fairseq.training.train_step), parallelism (fairseq.distributed.paralleli
 import logging
 import math
 import time
-from typing import TYPE_CHECKING, Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional
 
 import torch
 
@@ -22,11 +22,7 @@ from fairseq.logging.memory import CudaMemoryStats
 from fairseq.logging.profiler import UpdateProfiler
 from fairseq.logging.throughput import Throughput, default_peak_tflops
 from fairseq.training.train_step import run_update, run_valid_step
-
-# torch.distributed.checkpoint.state_dict is imported by the methods that use it: importing it costs ~1.5 s,
-# which every process importing the trainer would pay before reading a flag.
-if TYPE_CHECKING:
-    from torch.distributed.checkpoint.state_dict import StateDictOptions
+from fairseq.training.ema import build_ema
 
 logger = logging.getLogger("fairseq.trainer")  # upstream's logger name: log lines read as its
 
@@ -38,6 +34,13 @@ def select_device(cfg) -> torch.device:
     if cfg.common.cpu or not torch.cuda.is_available():
         return torch.device("cpu")
     return torch.device("cuda", cfg.distributed_training.device_id)
+
+
+def _state_dict_api():
+    """torch.distributed.checkpoint.state_dict (~1.5 s to import), loaded at the first save or load."""
+    import torch.distributed.checkpoint.state_dict as api  # deferred: startup
+
+    return api
 
 
 class Trainer:
@@ -83,8 +86,6 @@ class Trainer:
         # after its first update, unless --ema-seed-model gave it its start.
         self.ema = None
         if cfg.ema.store_ema:
-            from fairseq.training.ema import build_ema
-
             self.ema = build_ema(unwrap_model(self.model), cfg.ema, self.device)
         self._ema_starts_at_next_update = self.ema is not None and cfg.ema.ema_seed_model is None
 
@@ -188,29 +189,24 @@ class Trainer:
         self.task.begin_valid_epoch(epoch, self.model)
 
     # ---------------------------------------------------------------- state
-    def _state_dict_options(self, full: bool) -> "StateDictOptions":
-        from torch.distributed.checkpoint.state_dict import StateDictOptions
-
-        return StateDictOptions(full_state_dict=full, cpu_offload=full)
+    def _state_dict_options(self, full: bool):
+        return _state_dict_api().StateDictOptions(full_state_dict=full, cpu_offload=full)
 
     def model_and_optimizer_state(self, full: bool = True):
         """Model and optimizer state keyed by parameter names (so they load on any world size).
         With `full`, FSDP gathers everything to rank 0 (other ranks get empty dicts), on the CPU; otherwise the
         tensors are the training state itself (DTensors under FSDP2 or tensor parallelism), which a checkpoint
         save stages (fairseq.checkpoint.staging)."""
-        from torch.distributed.checkpoint.state_dict import get_state_dict
-
-        return get_state_dict(self.model, self.optimizer, options=self._state_dict_options(full))
+        return _state_dict_api().get_state_dict(self.model, self.optimizer, options=self._state_dict_options(full))
 
     def load_model_and_optimizer_state(self, model_state, optim_state, full: bool = True) -> None:
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_state_dict
-
+        api = _state_dict_api()
         options = self._state_dict_options(full)
-        options = StateDictOptions(full_state_dict=options.full_state_dict, strict=True)
+        options = api.StateDictOptions(full_state_dict=options.full_state_dict, strict=True)
         if optim_state is None:
-            set_model_state_dict(self.model, model_state, options=options)
+            api.set_model_state_dict(self.model, model_state, options=options)
         else:
-            set_state_dict(
+            api.set_state_dict(
                 self.model, self.optimizer, model_state_dict=model_state, optim_state_dict=optim_state, options=options
             )
 

@@ -25,7 +25,8 @@ import torch.nn.functional as F
 
 from tests.train_fixtures import spawn_scenarios
 from fairseq.dataclass.configs import FairseqConfig
-from fairseq.distributed.fsdp import ReshardEventLimiter, apply_fsdp, check_fsdp_flags, transformer_layers
+from fairseq.distributed.fsdp import apply_fsdp, check_fsdp_flags, transformer_layers
+from fairseq.distributed.sync_free import ReshardEventLimiter
 from fairseq.distributed.parallelize import (
     apply_activation_checkpointing,
     apply_compile,

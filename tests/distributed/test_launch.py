@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from fairseq.dataclass.configs import FairseqConfig
-from fairseq.distributed import launch
+from fairseq.distributed import rank_failures
 from fairseq.distributed import utils as dist_utils
 from fairseq.distributed.launch import call_main
 
@@ -320,7 +320,7 @@ def test_spawned_rank_killed_by_a_signal_is_named_first(monkeypatch, slack_ns):
     if slack_ns is not None:
         if not os.path.isdir("/proc/self"):
             pytest.skip("the reports tell which peers had ended only where /proc exists")
-        monkeypatch.setattr(launch, "DEATH_NOTICE_SLACK_NS", slack_ns)
+        monkeypatch.setattr(rank_failures, "DEATH_NOTICE_SLACK_NS", slack_ns)
     message, elapsed = spawn_two(monkeypatch, kill_or_exit_main, how="sigkill")
     assert message.startswith("rank 1 of 2 was killed by signal SIGKILL, then rank(s) 0 failed too."), message
     assert "Traceback" not in message  # rank 0's connection error is not what went wrong

@@ -269,7 +269,7 @@ def test_without_allocator_pressure_sync_free_lets_the_cpu_run_up_to_one_update_
 
 PROBE_SCRIPT = """
 import torch
-from fairseq.distributed.fsdp import AllocatorPressure
+from fairseq.distributed.sync_free import AllocatorPressure
 
 device = torch.device("cuda", 0)
 total = torch.cuda.get_device_properties(device).total_memory

@@ -228,19 +228,22 @@ def test_benchmark_generate_prints_its_tables_on_the_cpu(tmp_path, capsys):
     lines = out.splitlines()
     fork = [line.split("|")[1:-1] for line in lines if line.startswith("| 1 |") or line.startswith("| 3 |")]
     rows = [(cells[0].strip(), cells[1].strip()) for cells in fork if len(cells) == 9]
-    assert rows == [("1", "greedy"), ("1", "beam4"), ("1", "sample"), ("3", "greedy"), ("3", "beam4"), ("3", "sample")]
+    assert rows == [(batch, row) for batch in "13" for row in ("greedy", "greedy-compiled", "beam4", "sample")]
     assert "int8: not run (--quantize int8-weight-only is a CUDA decoding feature" in out
-    assert "| batch | fork greedy tokens/s | transformers default | transformers static cache |" in out
-    versus = [cells for cells in fork if len(cells) == 6]
+    assert "| batch | fork greedy tokens/s | fork greedy-compiled | transformers default | transformers static" in out
+    versus = [cells for cells in fork if len(cells) == 7]
     assert [cells[0].strip() for cells in versus] == ["1", "3"]
-    assert [cells[5].strip().count("/") for cells in versus] == [2, 2]  # identical rows: default, static
+    assert [cells[6].strip().count("/") for cells in versus] == [2, 2]  # identical rows: default, static
+    assert "first call, the warm-up (compiles, graph captures, autotuning): greedy 1: " in out
     assert "transformers static cache: uncompiled" in out and "eager decode steps" in out
     results = json.loads((tmp_path / "out.json").read_text())
     assert results["skipped"].keys() == {"int8", "greedy-sdpa"} and results["copy_bytes_per_s"] > 0
     assert "greedy-sdpa: not run (the split-KV decode attention kernel runs on CUDA with Triton only" in out
     by_row = {(r["row"], r["batch"]): r for r in results["rows"]}
     assert set(by_row) == {
-        (row, batch) for row in ("greedy", "beam4", "sample", "default", "static") for batch in (1, 3)
+        (row, batch)
+        for row in ("greedy", "greedy-compiled", "beam4", "sample", "default", "static")
+        for batch in (1, 3)
     }
     greedy, beam = by_row["greedy", 3], by_row["beam4", 3]
     # the bytes a step reads: the same weights; 4 hypotheses' caches at the mean live length 8 + 6 / 2 + 1 = 12

@@ -4,7 +4,8 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from fairseq.data import text_files
+from fairseq import binarizer as upstream_name
+from fairseq.data import line_encoder, stream_tokenizer, text_files
 from fairseq.preprocessing import binarizer
 from fairseq.preprocessing.binarizer import BinarizeSummary, binarize_file, build_dictionary, count_words, find_offsets
 from fairseq.data import Dictionary, MMapIndexedDataset
@@ -168,3 +169,14 @@ def test_failing_worker_leaves_no_files_and_keeps_the_old_dataset(tmp_path):
 def test_missing_input_file(tmp_path):
     with pytest.raises(FileNotFoundError, match=r"input file .*nope\.txt does not exist"):
         binarize_file(str(tmp_path / "nope.txt"), make_dict([]), str(tmp_path / "o"))
+
+
+def test_the_line_encoders_are_one_definition_under_every_name():
+    """fairseq-preprocess and the streaming task share the text -> ids step (fairseq.data.line_encoder); the
+    binarizer's names for it (and upstream's module name, fairseq.binarizer) are the same objects."""
+    names = ["LineEncoder", "GPT2LineEncoder", "SentencepieceLineEncoder", "LocalIdTable", "map_local_ids"]
+    names += ["make_line_encoder", "register_line_encoder", "line_encoder_for", "bpe_spec", "encode_block"]
+    for name in names:
+        assert getattr(binarizer, name) is getattr(line_encoder, name) is getattr(upstream_name, name), name
+    assert stream_tokenizer.encode_block is binarizer.encode_block
+    assert stream_tokenizer.map_local_ids is binarizer.map_local_ids

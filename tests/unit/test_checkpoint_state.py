@@ -6,7 +6,8 @@ import logging
 
 from torch.distributed.checkpoint.stateful import Stateful
 
-from fairseq.checkpoint.manager import CheckpointManager, iterator_state_for_world_size, saved_state
+from fairseq.checkpoint.manager import CheckpointManager
+from fairseq.checkpoint.resume_state import iterator_state_for_world_size, saved_state
 from fairseq.data.iterators import EpochBatchIterator
 from fairseq.dataclass.configs import FairseqConfig
 from fairseq.logging import metrics

@@ -63,6 +63,19 @@ def test_rows_joining_mid_decode_get_the_tokens_they_get_alone(options):
     assert len({len(v[0]) for v in got.values()}) > 1  # they ended at different steps
 
 
+def test_rows_joining_at_one_boundary_are_prefilled_in_one_forward():
+    model = build(seed=4)
+    fed = []
+    hook = model.decoder.register_forward_pre_hook(lambda module, args: fed.append(args[0].tolist()))
+    engine = DecodeEngine(model, D, max_rows=4)
+    for i, prompt in enumerate(PROMPTS[:4]):  # 2, 1, 4 and 0 tokens
+        engine.add(request(i, prompt, max_new_tokens=3))
+    engine.step(1)
+    hook.remove()
+    # one forward: each non-empty prompt's begin token and all but its last token, right-padded
+    assert fed == [[[EOS, W[1], PAD, PAD], [EOS, PAD, PAD, PAD], [EOS, W[4], W[5], W[6]]]]
+
+
 def test_greedy_equals_the_generators_greedy_search():
     model = build(seed=4)
     generator = SequenceGenerator([model], D, max_len_b=24, device_loop=False)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from fairseq.data.dictionary import Dictionary
-from fairseq_cli.eval_lm import WordOutput, bpe_continuation, word_boundaries
+from fairseq_cli.eval_lm_words import WordOutput, bpe_continuation, word_boundaries
 
 LOGGER = "fairseq_cli.eval_lm"
 

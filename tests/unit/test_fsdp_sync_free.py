@@ -14,7 +14,8 @@ import pytest
 import torch
 import torch.nn as nn
 
-from fairseq.distributed.fsdp import CPU_SYNC_FREE_NOTICE, ReshardEventLimiter, SyncFreeHooks, prefetch_plan
+from fairseq.distributed.fsdp_prefetch import prefetch_plan
+from fairseq.distributed.sync_free import CPU_SYNC_FREE_NOTICE, ReshardEventLimiter, SyncFreeHooks
 
 
 class SlowStream:
@@ -219,7 +220,7 @@ def test_under_pressure_the_window_closes_to_two_layers_and_opens_again(caplog):
     driver, stream = relaxed([False, True, False, True])
     driver.step(6, prefetch=False)
     assert stream.waits == []  # 12 gathers: none is 14 back yet
-    with caplog.at_level(logging.INFO, logger="fairseq.distributed.fsdp"):
+    with caplog.at_level(logging.INFO, logger="fairseq.distributed.sync_free"):
         driver.step(6, prefetch=False)  # pressure: the first gather waits for all but the last 2 to be freed
     assert driver.log[12] == (0, ["bwd1"])
     assert [waits for _, waits in driver.log[13:24]] == [
@@ -245,7 +246,7 @@ def test_max_in_flight_must_be_positive():
 
 
 def test_cpu_limiter_waits_for_nothing_and_says_so_once(caplog):
-    with caplog.at_level(logging.INFO, logger="fairseq.distributed.fsdp"):
+    with caplog.at_level(logging.INFO, logger="fairseq.distributed.sync_free"):
         limiter = ReshardEventLimiter.for_device(torch.device("cpu"))
         stream = SlowStream()
         driver = Driver(limiter, stream)
@@ -401,7 +402,7 @@ class StandInAllocator:
 
 
 def test_allocator_pressure_reads_retries_and_reserved_memory_of_the_current_gpu(monkeypatch):
-    from fairseq.distributed.fsdp import AllocatorPressure
+    from fairseq.distributed.sync_free import AllocatorPressure
 
     allocator = StandInAllocator(total=1000, fraction=0.5)
     allocator.install(monkeypatch)

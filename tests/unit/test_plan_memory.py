@@ -14,6 +14,7 @@ import torch
 from fairseq.planning import memory_model as mm
 from fairseq import registry
 from fairseq.planning import plan_memory
+from fairseq.planning.request import GPU_MEMORY_GIB
 from fairseq.models.transformer_lm import TransformerLanguageModel, preset_config
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -250,7 +251,7 @@ def test_largest_batch_is_the_boundary(small_shape):
 def test_smallest_gpu_count_and_layers_for_175b():
     shape = mm.model_shape(preset_config("transformer_lm_gpt3_175", tokens_per_sample=2048), 50272)
     setup = mm.TrainingSetup(gpus=2, batch_size=1, dtype="bf16", checkpoint_activations=True, sync_free=True)
-    h200 = plan_memory.GPU_MEMORY_GIB["h200"]
+    h200 = GPU_MEMORY_GIB["h200"]
     gpus = mm.smallest_gpu_count(shape, setup, h200)
     assert mm.plan(shape, dataclasses.replace(setup, gpus=gpus)).fits(h200)
     assert not mm.plan(shape, dataclasses.replace(setup, gpus=gpus - 1)).fits(h200)
@@ -310,7 +311,7 @@ def test_cli_report_and_flag_spelling(capsys):
         "--max-layers-that-fit",
     ]
     request = plan_memory.parse(args)
-    assert request.gpu_memory_gib == plan_memory.GPU_MEMORY_GIB["h200"]
+    assert request.gpu_memory_gib == GPU_MEMORY_GIB["h200"]
     assert request.setup == mm.TrainingSetup(
         gpus=2, batch_size=4, tokens_per_sample=1024, dtype="bf16", forward_prefetch=True, sync_free=True, update_freq=2
     )
@@ -344,7 +345,7 @@ def test_cli_recommends_what_fixes_a_plan_that_does_not_fit(capsys):
     gpus = mm.smallest_gpu_count(
         plan_memory.parse(["--arch", "transformer_lm_gpt3_175"]).shape,
         mm.TrainingSetup(gpus=2, dtype="bf16", checkpoint_activations=True),
-        plan_memory.GPU_MEMORY_GIB["h200"],
+        GPU_MEMORY_GIB["h200"],
     )
     assert f"at least {gpus} GPUs" in out
 

@@ -458,6 +458,25 @@ def test_fp16_optimizer_overflow_skips_and_halves_the_scale():
         FP16Optimizer.build_optimizer(_fp16_cfg(), torch.nn.Linear(2, 2).half().parameters())
 
 
+def test_fp16_optimizer_reads_upstreams_partial_configs():
+    """Upstream's tests construct the optimizer with partial DictConfigs: the options they lack take the
+    trainer's defaults (window 2**14 over --update-freq), the ones they give are used."""
+    from omegaconf import OmegaConf
+
+    from fairseq.optim.fp16_optimizer import FP16Optimizer
+
+    def scaler(optimization, common):
+        cfg = OmegaConf.create({"optimization": optimization, "common": common})
+        model = torch.nn.Linear(1, 1)
+        s = FP16Optimizer(cfg, list(model.parameters()), torch.optim.SGD(model.parameters(), lr=0.1)).scaler
+        return s.loss_scale, s.scale_window, s.tolerance, s.threshold, s.min_loss_scale
+
+    given = {"fp16_init_scale": 1, "fp16_scale_window": 1, "fp16_scale_tolerance": 1, "threshold_loss_scale": 1}
+    assert scaler({"lr": [0.1]}, given) == (1.0, 1, 1, 1, 1e-4)
+    assert scaler({"lr": [0.1]}, {}) == (128.0, 16384, 0.0, None, 1e-4)
+    assert scaler({"lr": [0.1], "update_freq": [4]}, {}) == (128.0, 4096, 0.0, None, 1e-4)
+
+
 def test_the_core_never_loads_the_wing_and_upstreams_names_find_it():
     """Every registry loaded (each package's modules imported) and the trainer, loop and training entry point
     imported: no fairseq.compat module is loaded. Upstream's names in the core's packages then load the wing's

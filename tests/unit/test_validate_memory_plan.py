@@ -11,6 +11,7 @@ import pytest
 from fairseq.frontend.hydra import compose_dict, fairseq_config_from_dict, split_recipe
 from fairseq.planning import memory_model as mm
 from fairseq.planning import plan_memory
+from fairseq.planning.request import inputs_from_config
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIG_DIR = REPO / "examples" / "large_lm" / "config"
@@ -29,7 +30,7 @@ def load_script():
 )
 def test_a_recipe_plans_as_its_command_line(recipe, arch, gpus, batch):
     values, _ = split_recipe(compose_dict(str(CONFIG_DIR), recipe, ["task.data=/data"]))
-    shape, setup = plan_memory.inputs_from_config(fairseq_config_from_dict(values), gpus=gpus, environ={})
+    shape, setup = inputs_from_config(fairseq_config_from_dict(values), gpus=gpus, environ={})
     request = plan_memory.parse(
         [
             "--arch",
@@ -56,9 +57,9 @@ def test_a_recipe_plans_as_its_command_line(recipe, arch, gpus, batch):
     )
     assert (shape, setup) == (request.shape, request.setup)
     # FAIRSEQ_TP_MESH_OF_ONE applies only where the tensor-parallel size is 1
-    assert not plan_memory.inputs_from_config(
-        fairseq_config_from_dict(values), gpus, environ={"FAIRSEQ_TP_MESH_OF_ONE": "1"}
-    )[1].tp_plan_on_one_rank
+    assert not inputs_from_config(fairseq_config_from_dict(values), gpus, environ={"FAIRSEQ_TP_MESH_OF_ONE": "1"})[
+        1
+    ].tp_plan_on_one_rank
 
 
 def test_dry_run_prints_the_one_gpu_command_and_the_prediction(capsys, tmp_path):
@@ -89,7 +90,7 @@ def test_dry_run_prints_the_one_gpu_command_and_the_prediction(capsys, tmp_path)
             ],
         )
     )
-    shape, setup = plan_memory.inputs_from_config(
+    shape, setup = inputs_from_config(
         fairseq_config_from_dict(values), 1, 50272, environ={"FAIRSEQ_TP_MESH_OF_ONE": "1"}
     )
     assert setup.tp_plan_on_one_rank and setup.batch_size == 8 and setup.float8_all_gather and setup.compiled

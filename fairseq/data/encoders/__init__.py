@@ -27,8 +27,10 @@ register_tokenizer = TOKENIZER_REGISTRY.register
 
 
 def _field(cfg, name, default=None):
-    if isinstance(cfg, Mapping) or (hasattr(cfg, "keys") and hasattr(cfg, "get") and not dataclasses.is_dataclass(cfg)):
-        return cfg.get(name, default)  # dict or omegaconf DictConfig
+    """A field of a mapping (a dict or an omegaconf DictConfig, both Mappings) by key, of anything else by
+    attribute."""
+    if isinstance(cfg, Mapping):
+        return cfg.get(name, default)
     return getattr(cfg, name, default)
 
 
@@ -42,7 +44,7 @@ def _build(registry: EncoderRegistry, attr: str, cfg, *extra_args):
         name, source = cfg, None
     elif dataclasses.is_dataclass(cfg) and not isinstance(cfg, type) and not hasattr(cfg, attr):
         name, source = config_name(cfg) or registry.name_of_config(cfg), cfg
-    elif isinstance(cfg, Mapping) or hasattr(cfg, "keys"):
+    elif isinstance(cfg, Mapping):
         name, source = _field(cfg, "_name"), cfg
         if name is None and _field(cfg, attr) is not None:
             return _build(registry, attr, _field(cfg, attr), *extra_args)

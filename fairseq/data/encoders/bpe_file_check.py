@@ -4,6 +4,8 @@ carries a copy of them), and a consumer checks the copy a checkpoint carries bef
 import json
 from typing import Optional
 
+from fairseq.data.encoders.gpt2_bpe_files import load_encoder_json, load_vocab_bpe
+
 WHAT = {
     "gpt2_encoder_json": "GPT-2 BPE encoder.json",
     "gpt2_vocab_bpe": "GPT-2 BPE vocab.bpe",
@@ -18,8 +20,6 @@ def bpe_file_problem(option: str, path: str) -> Optional[str]:
         return _sentencepiece_problem(path)
     if option not in ("gpt2_encoder_json", "gpt2_vocab_bpe"):
         return None
-    from fairseq.data.encoders.gpt2_bpe_files import load_encoder_json, load_vocab_bpe
-
     with open(path, "rb") as f:
         data = f.read()
     try:
@@ -45,7 +45,7 @@ def bpe_file_problem(option: str, path: str) -> Optional[str]:
 
 def _sentencepiece_problem(path: str) -> Optional[str]:
     try:
-        import sentencepiece as spm
+        import sentencepiece as spm  # deferred: optional (absent: the encoder's loader says to install it)
     except ImportError:  # the encoder's own loader says how to install it
         return None
     try:

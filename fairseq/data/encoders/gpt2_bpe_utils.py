@@ -63,6 +63,7 @@ if __package__:
         load_encoder_json,
         load_vocab_bpe,
     )
+    from .gpt2_bpe_merges import bytes_to_unicode, get_pairs, merge_order_is_safe, producible_tokens  # noqa: F401
 else:  # loaded on its own, from a script that put fairseq/data/encoders on sys.path (no package, no torch)
     from gpt2_bpe_files import (  # noqa: F401
         DICT_TXT_URL,
@@ -72,6 +73,7 @@ else:  # loaded on its own, from a script that put fairseq/data/encoders on sys.
         load_encoder_json,
         load_vocab_bpe,
     )
+    from gpt2_bpe_merges import bytes_to_unicode, get_pairs, merge_order_is_safe, producible_tokens  # noqa: F401
 
 # GPT-2's pre-tokenization pattern (\p{L}: letters, \p{N}: digits and other numbers).
 PRETOKENIZE_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
@@ -81,94 +83,6 @@ PRETOKENIZE_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\
 # twice as fast in fancy-regex, which hands the lookahead-free group to the regex crate in one piece
 # instead of trying eleven branches in its backtracking VM.
 TIKTOKEN_PATTERN = r"""(?:'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+)|\s+(?!\S)|\s+"""
-
-
-def bytes_to_unicode() -> Dict[int, str]:
-    """GPT-2's byte -> character table: printable Latin-1 bytes stand for themselves, the other 68 bytes
-    (controls, space, 0x7F-0xA0, 0xAD) take the characters 256, 257, ... in byte order."""
-    printable = set(range(0x21, 0x7F)) | set(range(0xA1, 0xAD)) | set(range(0xAE, 0x100))
-    table = {}
-    extra = 0
-    for b in range(256):
-        if b in printable:
-            table[b] = chr(b)
-        else:
-            table[b] = chr(256 + extra)
-            extra += 1
-    return table
-
-
-def get_pairs(word: Sequence[str]) -> set:
-    """The set of adjacent symbol pairs of a word (upstream's helper of the same name)."""
-    return set(zip(word, word[1:]))
-
-
-# ---- which tokens the published algorithm can produce ---------------------------------------------------------
-def merge_order_is_safe(merges: Sequence[Tuple[str, str]]) -> bool:
-    """True when every merge using a token ranks after every merge producing it (merges in rank order, without
-    repeats). Then the published algorithm applies the merges in rank order, each to all its occurrences, and
-    merging one occurrence at a time (lowest rank, leftmost first) gives the same result."""
-    used = set()
-    for a, b in merges:
-        if a + b in used:  # produced after a merge that uses it
-            return False
-        used.add(a)
-        used.add(b)
-    return True
-
-
-def producible_tokens(
-    bpe_ranks: Dict[Tuple[str, str], int], merges: Sequence[Tuple[str, str]], alphabet: Iterable[str]
-) -> Dict[str, int]:
-    """Every merge result that the published algorithm can output, with the rank of the merge producing it,
-    for merges (`merges`: in rank order, without repeats; `bpe_ranks`: pair -> rank) whose order is safe
-    (`merge_order_is_safe`).
-
-    With a safe order the merges apply in rank order, so the symbols over a span of a piece evolve as the
-    span alone would while no merge joins a symbol inside it with one outside. Hence t = a + b (rank r) is
-    output for some byte string iff it is for t alone, iff a and b are themselves producible (or bytes) and
-    no merge ranked below r joins the symbol that ends a's side with the one that starts b's side while
-    both exist (at one rank the leftmost occurrence goes first). Those two symbols run through the
-    suffixes and prefixes that a's and b's own encodings build over time, recorded below; the pairs
-    current at the same time are walked in time order. A later merge with the same result never applies
-    (two adjacent symbols that form t are always the pair that t's own encoding merges last)."""
-    get = bpe_ranks.get
-    # token -> (symbols, ranks): the last (first) symbol of the token's own encoding, and from which rank on
-    suffixes = {c: ((c,), (-1,)) for c in alphabet}
-    prefixes = dict(suffixes)
-    live: Dict[str, int] = {}
-    for a, b in merges:
-        t = a + b
-        if t in live:
-            continue
-        left = suffixes.get(a)
-        right = prefixes.get(b)
-        if left is None or right is None:
-            continue
-        r = bpe_ranks[a, b]
-        ls, lf = left
-        rs, rf = right
-        nl, nr = len(ls) - 1, len(rs) - 1
-        i = j = 0
-        while i < nl or j < nr:  # (a, b) themselves, current last, are the merge of rank r
-            s_to = lf[i + 1] if i < nl else r
-            p_to = rf[j + 1] if j < nr else r
-            k = get((ls[i], rs[j]))
-            # At a tie (one merge y+y also turning b's first y into a longer prefix, or a's last y into a
-            # longer suffix) the leftmost occurrence merges first: across the boundary before b's, after a's.
-            if k is not None and lf[i] < k < s_to and rf[j] < k <= p_to:
-                break  # crossed: t is never output
-            if s_to <= p_to:
-                i += 1
-            if p_to <= s_to:
-                j += 1
-        else:
-            live[t] = r
-            ss, sf = suffixes[b]
-            suffixes[t] = (ss + (t,), sf + (r,))
-            ps, pf = prefixes[a]
-            prefixes[t] = (ps + (t,), pf + (r,))
-    return live
 
 
 # ---- the encoder ------------------------------------------------------------------------------------------
@@ -249,7 +163,7 @@ class Encoder:
         vocabulary needs the tokenizers path (a byte or a producible token without an id in encoder.json:
         upstream's KeyError, reported there; ids not distinct)."""
         try:
-            import tiktoken
+            import tiktoken  # deferred: optional (without it, the tokenizers engine)
         except ImportError:
             logger.warning(
                 "GPT-2 BPE: tiktoken is not installed (pip install tiktoken); encoding with the slower tokenizers BPE"
@@ -301,7 +215,7 @@ class Encoder:
 
     def _build_tokenizer(self, merges, safe: bool):
         try:
-            from tokenizers import Tokenizer, models, pre_tokenizers
+            from tokenizers import Tokenizer, models, pre_tokenizers  # deferred: optional (an error says to install it)
         except ImportError:
             raise ImportError("GPT-2 BPE needs the `tokenizers` package: pip install tokenizers") from None
         # The Rust BPE needs every base symbol, merge operand and merge result in its vocabulary (a missing
@@ -410,7 +324,7 @@ class Encoder:
         line; the same ids as `encode_lines` writes (stripped lines, an empty line has none). Used by
         fairseq-preprocess --bpe gpt2, which maps ids to dictionary indices without going through text.
         `check=False` skips checking that the lines are stripped (for callers that just stripped them)."""
-        import numpy as np
+        import numpy as np  # deferred: startup (the scripts load this module on its own; only this path needs numpy)
 
         if self.engine != "tiktoken":
             encoded = self.encode_batch(lines)
@@ -451,7 +365,7 @@ class Encoder:
         """Build `encode_lines`' id -> text table now (else on first use)."""
         if self.engine != "tiktoken" or self._line_format is not None:
             return
-        import tiktoken
+        import tiktoken  # deferred: optional (present: the tiktoken engine is in use)
 
         newline = self._newline_rank
         table = {(b"\n" if r == newline else b"%d " % i): r for r, i in zip(self._tt_ranks, self._tt_ids)}

@@ -8,7 +8,7 @@ from fairseq.dataclass import FairseqDataclass
 class NLTKTokenizer:
     def __init__(self, *unused):
         try:
-            from nltk.tokenize import word_tokenize
+            from nltk.tokenize import word_tokenize  # deferred: optional (not a dependency; an error says so)
         except ImportError:
             raise ImportError(
                 "--tokenizer nltk needs nltk: pip install nltk "

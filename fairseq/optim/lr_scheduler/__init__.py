@@ -6,6 +6,7 @@ the built-in schedulers.
 
 from fairseq.optim.lr_scheduler.fairseq_lr_scheduler import FairseqLRScheduler  # noqa: F401 (re-exported)
 from fairseq.registry import LR_SCHEDULER_REGISTRY, register_lr_scheduler  # noqa: F401 (re-exported)
+from fairseq.optim import component_name
 
 
 def build_lr_scheduler(cfg, optimizer, optimization_cfg):
@@ -15,8 +16,6 @@ def build_lr_scheduler(cfg, optimizer, optimization_cfg):
     which upstream's scheduler configs read by interpolation. As upstream's trainer does right after
     building, the learning rate of update 0 is set on the optimizer before returning.
     """
-    from fairseq.optim import component_name
-
     name = component_name(cfg, LR_SCHEDULER_REGISTRY)
     scheduler_cls = LR_SCHEDULER_REGISTRY.get(name)
     lrs = optimization_cfg.lr

@@ -2,6 +2,8 @@
 
 from typing import List, Optional
 
+from fairseq.optim import get_lr, set_lr
+
 
 class FairseqLRScheduler:
     """Sets the learning rate of a torch optimizer as training advances.
@@ -32,13 +34,9 @@ class FairseqLRScheduler:
         self.best = state_dict.get("best")
 
     def get_lr(self) -> float:
-        from fairseq.optim import get_lr
-
         return get_lr(self.optimizer)
 
     def set_lr(self, lr: float):
-        from fairseq.optim import set_lr
-
         set_lr(self.optimizer, lr)
 
     def step_begin_epoch(self, epoch: int) -> float:

@@ -1,0 +1,164 @@
+"""The decode step compiled by inductor (fairseq.generation.compiled_step) on CPU (inductor's C++ backend): greedy
+tokens equal to the eager step loop's, rows joining a running engine get the tokens they get uncompiled, one
+compile per row count and no graph break, the split-KV attention and int8 matmul kernels opaque ops of the
+compiled graph (Triton's interpreter, in a subprocess), and the modes. On CUDA, inside the captured graphs: tests/gpu/test_decode_compiled_gpu.py.
+Compiles take ~5-15 s each on the shared 2-core machine: each test compiles one or two shapes."""
+
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from torch._dynamo.testing import CompileCounter
+
+from fairseq.generation import compiled_step
+from fairseq.generation.compiled_step import CompiledStep, compile_mode
+from fairseq.generation.engine import DecodeEngine
+from fairseq.generation.sequence_generator import SequenceGenerator
+from test_decode_engine import PROMPTS, request, run
+from test_sequence_generator import D, EagerStaticGenerator, assert_same_hypotheses, build, sample_of
+
+pytestmark = [
+    pytest.mark.usefixtures("one_thread"),
+    pytest.mark.skipif(
+        shutil.which("g++") is None and shutil.which("c++") is None, reason="inductor needs a C++ compiler"
+    ),
+]
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def test_compiled_greedy_equals_the_eager_step_by_step_loop():
+    model = build(seed=4)
+    prompts = [p or [D.index("w1")] for p in PROMPTS]  # 5 rows (8 rounded up), none ending early: one compile
+    sample, prefix = sample_of(prompts)
+    options = dict(max_len_b=20, min_len=20)
+    expected = SequenceGenerator([model], D, device_loop=False, **options).generate(None, sample, prefix_tokens=prefix)
+    generator = EagerStaticGenerator([model], D, compile_step=True, **options)
+    got = generator.generate(None, sample, prefix_tokens=prefix)
+    assert_same_hypotheses(got, expected)  # the same tokens; scores to ATOL
+    assert generator.step_model.compiled_step.shapes == {(8, 64)}  # (rows, window): the capacity caps the window
+
+
+def test_rows_joining_a_compiled_engine_get_their_uncompiled_tokens():
+    model = build(seed=4)
+
+    def joins():
+        return {
+            0: [request(0, PROMPTS[0], max_new_tokens=14, logprobs=True)],
+            2: [request(1, PROMPTS[2], max_new_tokens=9, logprobs=True, temperature=0.8, seed=3)],
+        }
+
+    expected, _ = run(DecodeEngine(model, D, max_rows=2), joins())
+    engine = DecodeEngine(model, D, max_rows=2, compile_step=True)
+    got, _ = run(engine, joins())
+    for i in expected:
+        assert got[i][0] == expected[i][0], i
+        torch.testing.assert_close(torch.tensor(got[i][1]), torch.tensor(expected[i][1]), atol=1e-5, rtol=0)
+        assert got[i][2] == expected[i][2]
+    assert engine.step_model.compiled_step.shapes == {(1, 64), (2, 64)}  # rows 1, then 2 when the second joined
+
+
+def test_one_compile_per_row_count_and_no_graph_break():
+    model = build(seed=4)
+    engine = DecodeEngine(model, D, max_rows=8)
+    counter = CompileCounter()  # counts the graphs dynamo makes: a graph break would make two per shape
+    step_model = engine.step_model
+    step_model.compiled_step = CompiledStep(step_model._static_step, step_model.model, backend=counter)
+    joins = {0: [request(i, PROMPTS[i], max_new_tokens=6 + 5 * i) for i in range(3)], 2: [request(9, PROMPTS[3])]}
+    run(engine, joins, max_steps=3)
+    rows = {r for r, _ in step_model.compiled_step.shapes}
+    assert rows == {4, 2, 1}  # 3 rows (rounded up: 4), rows leaving: 2, 1; the join at chunk 2 fits in 4
+    assert counter.frame_count == len(step_model.compiled_step.shapes) == 3
+
+
+def test_a_failed_compile_decodes_on_uncompiled_with_one_warning(caplog):
+    model = build(seed=4)
+
+    def broken(graph, example_inputs):
+        raise RuntimeError("no compiler here")
+
+    def joins():
+        return {0: [request(i, PROMPTS[i], max_new_tokens=8) for i in range(2)]}
+
+    expected, _ = run(DecodeEngine(model, D, max_rows=2), joins())
+    engine = DecodeEngine(model, D, max_rows=2)
+    step_model = engine.step_model
+    step_model.compiled_step = CompiledStep(step_model._static_step, step_model.model, backend=broken)
+    with caplog.at_level(logging.WARNING, logger="fairseq.generation.compiled_step"):
+        got, _ = run(engine, joins())
+    assert got == expected and step_model.compiled_step.failed and not step_model.compiled_step.shapes
+    warnings = [r.getMessage() for r in caplog.records if "compiling the decode step failed" in r.getMessage()]
+    assert len(warnings) == 1 and "no compiler here" in warnings[0], warnings
+
+
+KERNEL_AS_ONE_OP = """
+    import torch
+    from torch._dynamo.testing import CompileCounterWithBackend
+    from fairseq.generation.compiled_step import CompiledStep
+    from fairseq.generation.engine import DecodeEngine
+    from test_decode_engine import PROMPTS, request, run
+    from test_sequence_generator import D, build
+
+    torch.set_num_threads(1)
+    model = build(seed=4)
+    joins = lambda: {0: [request(i, PROMPTS[i], max_new_tokens=10, logprobs=True) for i in range(2)]}
+    expected, _ = run(DecodeEngine(model, D, max_rows=2), joins())  # the kernels, uncompiled
+    engine = DecodeEngine(model, D, max_rows=2)
+    counter = CompileCounterWithBackend("inductor")
+    step_model = engine.step_model
+    step_model.compiled_step = CompiledStep(step_model._static_step, step_model.model, backend=counter)
+    got, _ = run(engine, joins())
+    for i in expected:
+        assert got[i][0] == expected[i][0], i
+        torch.testing.assert_close(torch.tensor(got[i][1]), torch.tensor(expected[i][1]), atol=1e-5, rtol=0)
+    # the live lengths go to the kernel: the window is no shape, one compile per row count
+    assert step_model.compiled_step.shapes == {(2, None), (1, None)}, step_model.compiled_step.shapes
+    assert counter.frame_count == 2
+    op = torch.ops.fairseq.decode_attention.default
+    for graph in counter.graphs:  # one opaque call per layer, not the kernel traced
+        calls = [n for n in graph.graph.nodes if n.op == "call_function" and n.target in (op, op.overloadpacket)]
+        assert len(calls) == 2, graph.graph
+    # the int8 matmul kernel too (an int8 model's Linears), its values those of the kernel called eagerly
+    from fairseq.kernels.int8_matmul import int8_linear, int8_matmul_kernel
+
+    x, bias = torch.randn(3, 64).bfloat16(), torch.randn(48).bfloat16()
+    qweight, scale = torch.randint(-127, 128, (48, 64), dtype=torch.int8), torch.rand(48) / 100
+    counter = CompileCounterWithBackend("inductor")
+    linear = torch.compile(lambda x: int8_linear(x, qweight, scale, bias) * 2, backend=counter, fullgraph=True)
+    assert torch.equal(linear(x), int8_matmul_kernel(x, qweight, scale, bias) * 2)
+    op = torch.ops.fairseq.int8_matmul.default
+    assert [n.target for n in counter.graphs[0].graph.nodes if n.op == "call_function"][0] in (op, op.overloadpacket)
+    print("compiled kernel ok")
+"""
+
+
+def test_the_triton_kernels_are_opaque_ops_of_the_compiled_step():
+    pytest.importorskip("triton")
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    env["PYTHONPATH"] = os.pathsep.join([ROOT, os.path.join(ROOT, "tests", "unit"), env.get("PYTHONPATH", "")])
+    env.pop("FAIRSEQ_DECODE_ATTENTION_KERNEL", None)
+    script = textwrap.dedent(KERNEL_AS_ONE_OP)
+    proc = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300, cwd=ROOT
+    )
+    assert proc.returncode == 0 and "compiled kernel ok" in proc.stdout, proc.stdout + proc.stderr[-4000:]
+
+
+def test_modes():
+    assert [compile_mode(v) for v in (None, False, "", "0")] == [None] * 4
+    assert [compile_mode(v) for v in (True, "1", "default")] == ["default"] * 3
+    assert compile_mode("max-autotune") == compile_mode("max-autotune-no-cudagraphs") == "max-autotune-no-cudagraphs"
+    with pytest.raises(ValueError, match="'reduce-overhead' is not a mode; use 0"):
+        compile_mode("reduce-overhead")
+    previous = compiled_step.set_compile_decode_step(True)
+    try:
+        assert SequenceGenerator([build()], D).step_model.compiled_step.mode == "default"
+        assert SequenceGenerator([build()], D, compile_step=False).step_model.compiled_step is None
+    finally:
+        compiled_step.set_compile_decode_step(previous)
+    assert SequenceGenerator([build()], D).step_model.compiled_step is None  # off by default
