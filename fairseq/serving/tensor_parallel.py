@@ -90,7 +90,7 @@ def check_tensor_parallel_launch(cfg) -> None:
     if cfg.task.data:
         saved.task.data = cfg.task.data
     try:
-        check_tensor_parallel_config(saved)
+        check_tensor_parallel_config(tp, saved.model)
         check_tensor_parallel_dictionary(saved)
     except ValueError as err:
         raise ServeError(f"--path {path}: {err}") from None
