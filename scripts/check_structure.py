@@ -102,23 +102,22 @@ EXCEPTIONS: Dict[Tuple[str, str], str] = {
     ("fairseq.upstream_absent", "fairseq.compat"): "upstream's names in the core's packages, served by the wing",
 }
 
-# Each limit is what the tree holds now where it is above its target (a ratchet: it may only go down); TARGETS
-# are issue 40's goals, printed beside the counts so that the table says how far each is. The length limits
-# were raised once, when `ruff format` (line length 120) first ran over the tree: it rewraps hanging-indent
-# continuations into black's style, which added ~11,000 lines; they are ratchets again from those counts.
+# Each limit is what the tree holds (a ratchet: it may only go down); TARGETS are issue 40's goals, printed
+# beside the counts, all met since 2026-12-06. (The length limits were raised once that day, when `ruff format`
+# first rewrapped the tree, then brought to 0 by splitting files and functions along their seams.)
 LIMITS = {
     "circles": 0,
-    "upward imports": 4,
+    "upward imports": 2,
     "folders importing up": 1,
-    "folders importing each other": 1,
-    "root modules over 40 lines": 8,
-    "files over 600 lines": 4,
-    "files over 500 lines": 9,
-    "functions over 80 lines": 7,
-    "functions over 60 lines": 23,
-    "config getattr/hasattr probes": 32,
-    "imports inside functions": 192,
-    "undeclared imports inside functions": 192,
+    "folders importing each other": 0,
+    "root modules over 40 lines": 2,
+    "files over 600 lines": 0,
+    "files over 500 lines": 0,
+    "functions over 80 lines": 0,
+    "functions over 60 lines": 0,
+    "config getattr/hasattr probes": 4,
+    "imports inside functions": 56,
+    "undeclared imports inside functions": 0,
 }
 TARGETS = {
     "folders importing up": 4,

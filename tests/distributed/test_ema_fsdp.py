@@ -5,6 +5,7 @@ through a sharded (DCP) checkpoint's extra groups.
 Exactness: the EMA update is element-wise (ema * decay + weight * (1 - decay)), so a shard's values are
 computed by the same fp32 operations as the same elements of the whole tensor: bitwise equal."""
 
+import gc
 import os
 import traceback
 
@@ -86,6 +87,7 @@ def run(rank, port, out_dir):
         # both ranks leave together: a rank that tore gloo down while its peer still used the connection once
         # aborted the other ("terminate called without an active exception", SIGABRT) in CI
         dist.barrier()
+        gc.collect()  # cycles holding the group go before it (as the launcher does)
         dist.destroy_process_group()
 
 
