@@ -24,7 +24,8 @@ from fairseq.frontend import options
 from fairseq.dataclass.serving import ServeConfig, check_serve_config
 from fairseq.dataclass.utils import config_from_namespace
 from fairseq.export.hf_import import CHECKPOINT_NAME, import_hf
-from fairseq.hub.hub_utils import GeneratorHubInterface, _is_transformers_directory
+from fairseq.hub.hub_utils import GeneratorHubInterface
+from fairseq.hub.pretrained import _is_transformers_directory
 from fairseq.serving.completions import Limits
 from fairseq.serving.engine_backend import make_backend
 from fairseq.serving.model import ServedModel

@@ -46,8 +46,8 @@ from fairseq.hub.hub_inputs import (
 )
 
 # from_pretrained is upstream's name here; the rest are this module's names that callers import
-from fairseq.hub.pretrained import _is_transformers_directory, from_pretrained  # noqa: F401
-from fairseq.hub.text import TextCodec, TextPieces, first_streamed_hypothesis, move_to  # noqa: F401
+from fairseq.hub.pretrained import from_pretrained  # noqa: F401 (upstream's fairseq.hub_utils.from_pretrained)
+from fairseq.hub.text import TextCodec, TextPieces, first_streamed_hypothesis, move_to
 
 logger = logging.getLogger("fairseq.hub_utils")  # upstream's logger name: log lines read as its
 

@@ -10,7 +10,8 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from fairseq.hub.hub_utils import GeneratorHubInterface, move_to
+from fairseq.hub.hub_utils import GeneratorHubInterface
+from fairseq.hub.text import move_to
 from fairseq.generation.search import Sampling
 
 
