@@ -36,6 +36,7 @@ from typing import Callable, List, Optional, Union
 import torch
 from torch import Tensor
 
+from fairseq.kernels import mark_constant_results
 from fairseq.kernels.decode_attention import decode_attention_available
 
 logger = logging.getLogger(__name__)
@@ -86,6 +87,7 @@ class CompiledStep:
         torch.compile's (tests pass a counting one; `mode` applies to inductor only)."""
         self.step, self.model = step, model
         options = {"mode": mode} if backend == "inductor" else {}
+        mark_constant_results()
         self.compiled = torch.compile(step, backend=backend, dynamic=False, **options)
         self.mode = mode
         self._warm_states = None

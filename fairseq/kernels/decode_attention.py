@@ -33,7 +33,7 @@ from typing import Optional
 
 import torch
 
-from fairseq.kernels import built_with_triton, triton_interpreted
+from fairseq.kernels import built_with_triton, constant_result, triton_interpreted
 
 BLOCK_N = 64  # keys a program reads per iteration
 # Programs to aim for per launch: a few per SM of an H100 (132 SMs) so that short rows or small batches still
@@ -72,7 +72,7 @@ def decode_attention_enabled() -> bool:
     return _enabled[0]
 
 
-@torch.compiler.assume_constant_result  # a constant to a compiled decode step: Triton's import is not traced
+@constant_result  # a constant to a compiled decode step: Triton's import is not traced
 def _triton_ready() -> bool:
     return _kernels() is not None
 

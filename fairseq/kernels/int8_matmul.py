@@ -19,7 +19,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from fairseq.kernels import built_with_triton, triton_interpreted
+from fairseq.kernels import built_with_triton, constant_result, triton_interpreted
 
 MAX_KERNEL_ROWS = 256  # decode steps: batch x beam rows; more rows (prefill) take the dequantized GEMM
 BLOCK_N = 32
@@ -36,7 +36,7 @@ def int8_kernel_available(x: torch.Tensor) -> bool:
     )
 
 
-@torch.compiler.assume_constant_result  # a constant to a compiled decode step: Triton's import is not traced
+@constant_result  # a constant to a compiled decode step: Triton's import is not traced
 def _triton_ready() -> bool:
     return _kernel() is not None
 
