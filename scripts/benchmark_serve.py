@@ -49,6 +49,11 @@ def get_parser():
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--sample", action="store_true", help="sample (top_p 0.9, temperature 0.8) instead of greedy")
     parser.add_argument("--max-running", type=int, default=64)
+    parser.add_argument(
+        "--hub-baseline",
+        action="store_true",
+        help="also send the same prompts to the hub one at a time (the served model's own generator, no server)",
+    )
     parser.add_argument("--cpu", action="store_true")
     parser.add_argument("--bf16", action="store_true")
     parser.add_argument(
@@ -100,24 +105,7 @@ def write_random_model(args, directory: str) -> tuple:
 
 
 def start_server(args, path: str, data: str):
-    argv = [
-        sys.executable,
-        "-m",
-        "fairseq_cli.serve",
-        data,
-        "--path",
-        path,
-        "--port",
-        "0",
-        "--max-running",
-        str(args.max_running),
-        "--max-queue",
-        str(args.requests + 1),
-    ]
-    argv += ["--cpu"] if args.cpu else []
-    argv += ["--bf16"] if args.bf16 else []
-    tp = args.model_parallel_size
-    argv += ["--model-parallel-size", str(tp), "--distributed-world-size", str(tp)] if tp > 1 else []
+    argv = [sys.executable, "-m", "fairseq_cli.serve", "--port", "0", *server_argv(args, path, data)]
     env = dict(os.environ, PYTHONPATH=ROOT)
     env.pop("FAIRSEQ_API_KEYS", None)
     proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -206,6 +194,61 @@ def run_row(host, port, requests: list, clients: int) -> dict:
     }
 
 
+def server_argv(args, path: str, data: str) -> list:
+    """fairseq-serve's arguments for `path` (also how the hub row loads the same model)."""
+    argv = [data, "--path", path, "--max-running", str(args.max_running), "--max-queue", str(args.requests + 1)]
+    argv += ["--cpu"] if args.cpu else []
+    argv += ["--bf16"] if args.bf16 else []
+    tp = args.model_parallel_size
+    argv += ["--model-parallel-size", str(tp), "--distributed-world-size", str(tp)] if tp > 1 else []
+    return argv
+
+
+def hub_row(args, path: str, data: str, requests: list) -> dict:
+    """The same prompts through the served model's hub, one at a time, in this process (what a user of
+    from_pretrained gets without the server): the baseline the issue asks the server's rows against."""
+    from fairseq.frontend import options  # deferred: startup (the benchmark's server rows need none of it)
+    from fairseq.serving.model import generation_options  # deferred: startup
+    from fairseq.dataclass.serving import ServeConfig  # deferred: startup
+    from fairseq.dataclass.utils import config_from_namespace  # deferred: startup
+    from fairseq_cli.serve import load_served_model  # deferred: startup
+
+    namespace = options.parse_args_and_arch(options.get_serve_parser(), server_argv(args, path, data))
+    cfg = options.convert_namespace_to_generation_config(namespace)
+    cfg.serve = config_from_namespace(ServeConfig, namespace)  # as fairseq-serve's cli_main builds it
+    served = load_served_model(cfg)
+    latencies, ttfts, tokens = [], [], 0
+    started = time.monotonic()
+    for i, body in enumerate(requests):
+        prompt = served.encode(body["prompt"])
+        gen = generation_options(body["temperature"], body.get("top_p", 1.0), 0) or {}
+        first = []
+        begin = time.monotonic()
+        hypo = served.sample_alone(
+            prompt,
+            body["max_tokens"],
+            gen,
+            body.get("seed", 0),
+            i,
+            on_tokens=lambda *a: first or first.append(time.monotonic()),
+        )
+        latencies.append(time.monotonic() - begin)
+        ttfts.append((first[0] if first else time.monotonic()) - begin)
+        tokens += len(served.split_hypothesis(prompt, hypo, body["max_tokens"])[0])
+    wall = time.monotonic() - started
+    return {
+        "clients": "hub, 1 at a time",
+        "requests": len(requests),
+        "tokens": tokens,
+        "wall_s": wall,
+        "tokens_per_s": tokens / wall,
+        "p50_s": percentile(latencies, 50),
+        "p99_s": percentile(latencies, 99),
+        "ttft_p50_s": percentile(ttfts, 50),
+        "ttft_p99_s": percentile(ttfts, 99),
+    }
+
+
 def main(argv=None) -> list:
     args = get_parser().parse_args(argv)
     concurrency = [int(c) for c in args.concurrency.split(",")]
@@ -226,6 +269,8 @@ def main(argv=None) -> list:
         finally:
             proc.terminate()
             proc.wait(timeout=120)
+        if args.hub_baseline:  # after the server has exited: the device is this process's alone
+            rows.append(hub_row(args, path, data, requests))
     base = rows[0]["tokens_per_s"]
     print(
         f"| clients | requests | tokens | wall s | tokens/s | vs {rows[0]['clients']} client(s) | latency p50 s | "

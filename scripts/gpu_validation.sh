@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One-call GPU validation (used with the device tool). On 2 GPUs: tests|resume|bench-a|bench-rest|175b.
 # On one H200, the open measurements of issues 31-33 (each part fits one 10-minute call):
-#   decode|decode-more|gen-tests|gen-bench|gen-int8|fp8|fp8-tp-parity|fp8-bench|ckpt-blocked|ckpt-tps       (OUT=dir for logs, default gpu_out)
+#   decode|decode-more|gen-tests|gen-bench|gen-int8|fp8|fp8-tp-parity|fp8-bench|ckpt-blocked|ckpt-tps|serve       (OUT=dir for logs, default gpu_out)
 # The lent machine lacks hydra-core, omegaconf and torchao: carry the wheels (.whl/, ignored) and first run
 #   pip install --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
 # Installs nothing: expects torch, numpy, omegaconf, hydra, sentencepiece, tqdm (puts the repo on PYTHONPATH).
@@ -96,6 +96,12 @@ case "${1:-tests}" in
     step ckpt_tps 540 python3 scripts/benchmark_checkpoint.py --nproc 1 --layers 32 --embed-dim 2560 --heads 32 \
       --vocab 50000 --seq 2048 --batch 8 --skip blocked --throughput-updates 100 --throughput-save-every 20 \
       --warmup 5 --no-optimizer-state --layouts single,sharded --work-dir "$WORK/ckbench"
+    ;;
+  serve)  # issue 43: fairseq-serve at 1, 8 and 64 clients on the 1.3B preset (random weights), against the hub one
+           # at a time; the image lacks starlette and uvicorn: carry their wheels in .whl/ too
+    step serve_bench 560 python3 scripts/benchmark_serve.py --bf16 --arch transformer_lm_gpt3_xl --vocab-size 50272 \
+      --decoder-layers 24 --decoder-embed-dim 2048 --positions 2048 --prompt-len 256 --new-tokens 128 \
+      --concurrency 1,8,64 --requests 64 --hub-baseline
     ;;
   175b)
     layers="${LAYERS:-2}"
