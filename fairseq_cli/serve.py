@@ -85,6 +85,9 @@ def load_served_model(cfg, split=None):
         cfg.common_eval.path = os.path.join(work, "model", CHECKPOINT_NAME)
         if not cfg.task.data:
             cfg.task.data = os.path.join(work, "model")
+    if split is not None and not TP_CUDA_GRAPHS:
+        # the hub's generators (best_of, beam) would capture the split model's collectives in CUDA graphs too
+        cfg.generation.no_cuda_graphs = True
     models, task, device, codec = load_ensemble(cfg, split)
     hub = GeneratorHubInterface(cfg, task, models)
     hub.codec, hub.tokenizer, hub.bpe = codec, codec.tokenizer, codec.bpe  # the checkpoint's, as interactive's

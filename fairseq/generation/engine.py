@@ -374,10 +374,26 @@ class DecodeEngine:
         if not joining:
             return
         first = len(self._rows)
-        self._prefill(joining, first)
+        for start, group in self._prefill_groups(joining):
+            self._prefill(group, first + start)
         for i, request in enumerate(joining):
             self._join(request, first + i)
             self._rows.append(_Row(request, request.prompt.numel() + 1))
+
+    def _prefill_groups(self, requests: List[DecodeRequest]):
+        """(index of the first, requests) of consecutive groups prefilled in one forward each: a group's prompts
+        padded to its longest hold at most max_positions tokens (or one row), so that the prefill's temporary
+        caches and activations are never larger than one full-length prompt's, the most the decode memory check
+        leaves room for (rows joining one at a time needed no more)."""
+        groups, start, longest = [], 0, 0
+        for i, request in enumerate(requests):
+            width = request.prompt.numel()  # the begin token and the prompt but its last token
+            if i > start and (i - start + 1) * max(longest, width) > self.max_positions:
+                groups.append((start, requests[start:i]))
+                start, longest = i, 0
+            longest = max(longest, width)
+        groups.append((start, requests[start:]))
+        return groups
 
     def _prefill(self, requests: List[DecodeRequest], first: int) -> None:
         """Rows first, first + 1, ... take the begin token and their request's prompt but its last token in the

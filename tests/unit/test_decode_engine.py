@@ -76,6 +76,19 @@ def test_rows_joining_at_one_boundary_are_prefilled_in_one_forward():
     assert fed == [[[EOS, W[1], PAD, PAD], [EOS, PAD, PAD, PAD], [EOS, W[4], W[5], W[6]]]]
 
 
+def test_a_joining_group_is_prefilled_in_forwards_no_larger_than_the_models_positions():
+    # the prefill's temporary caches: at most one full-length prompt's (the decode memory check's headroom)
+    model = build(seed=4)
+    fed = []
+    hook = model.decoder.register_forward_pre_hook(lambda module, args: fed.append(args[0].tolist()))
+    engine = DecodeEngine(model, D, max_rows=4, max_positions=8)
+    for i, prompt in enumerate(PROMPTS[:4]):  # 2, 1, 4 and 0 tokens: 3 x 4 padded tokens would exceed 8
+        engine.add(request(i, prompt, max_new_tokens=3))
+    engine.step(1)
+    hook.remove()
+    assert fed == [[[EOS, W[1]], [EOS, PAD]], [[EOS, W[4], W[5], W[6]]]]
+
+
 def test_greedy_equals_the_generators_greedy_search():
     model = build(seed=4)
     generator = SequenceGenerator([model], D, max_len_b=24, device_loop=False)
