@@ -21,14 +21,17 @@ def config_name(cfg, legacy_key: Optional[str] = None):
     """The registered name a component's config carries: its `_name`, else (for upstream's argparse namespace)
     its `legacy_key` attribute (`task`, `arch`). The one optional read of it: upstream's namespaces, legacy
     plug-ins' configs and plug-in dataclasses that do not extend FairseqDataclass have no `_name`. A config is
-    read as a mapping (an omegaconf DictConfig) or by the attributes its instance holds (a dataclass, whose
-    `_name` is set on the instance, or a namespace)."""
+    read as a mapping (an omegaconf DictConfig) or by attribute (a dataclass, a namespace; a plug-in's `_name`
+    may be a class attribute, or its dataclass may use slots)."""
     if cfg is None:
         return None
-    values = cfg if isinstance(cfg, Mapping) else vars(cfg)
-    name = values.get("_name")
+
+    def read(key):
+        return cfg.get(key) if isinstance(cfg, Mapping) else getattr(cfg, key, None)
+
+    name = read("_name")
     if not name and legacy_key is not None:
-        name = values.get(legacy_key)
+        name = read(legacy_key)
     return name
 
 

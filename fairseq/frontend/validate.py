@@ -16,7 +16,7 @@ from fairseq.checkpoint.manager import parse_optimizer_overrides
 from fairseq.checkpoint.vocabulary import bpe_options, check_bpe_flags
 from fairseq.data.indexed_dataset import check_dataset_impl
 from fairseq.dataclass.batch_flags import check_batch_flags
-from fairseq.dataclass.build import check_seed
+from fairseq.dataclass.build import check_precision, check_seed
 from fairseq.distributed.float8 import check_float8_environment, check_float8_flags
 from fairseq.distributed.fsdp import check_fsdp_flags
 from fairseq.distributed.mesh import check_layout_flags
@@ -60,7 +60,9 @@ def validate(cfg) -> None:
     # a bad literal, key or value fails now, not at resume or at the first update
     overrides = parse_optimizer_overrides(cfg.checkpoint.optimizer_overrides)
     check_optimizer_overrides(cfg.optimizer, cfg.optimization, overrides)
-    # --fp16 with --bf16: refused once, by the front end that read them (options.parse_args_and_arch, hydra)
+    # --fp16 with --bf16: the front ends refuse it as they read the flags; again here for configs built in code
+    # (fairseq_cli.train.main(cfg), convert_namespace_to_config), which no front end read
+    check_precision(cfg.common)
     check_seed(cfg.common)
     common, dt = cfg.common, cfg.distributed_training
     check_float8_flags(

@@ -51,6 +51,14 @@ def test_validate_names_the_flag(extra, message):
         validate(config(*extra))
 
 
+def test_a_config_built_in_code_with_fp16_and_bf16_is_refused():
+    # the front ends refuse the flags together as they read them; a config set in code reaches validate() only
+    cfg = config("--bf16")
+    cfg.common.fp16 = True
+    with pytest.raises(ValueError, match="--fp16 and --bf16 cannot be combined"):
+        validate(cfg)
+
+
 def test_a_valid_config_passes():
     validate(config())
 
