@@ -208,7 +208,8 @@ def stop_serving(server) -> None:
             server.leader.stop()
 
 
-def cli_main(argv: Optional[List[str]] = None) -> None:
+def serve_config(argv: Optional[List[str]] = None):
+    """The config fairseq-serve runs with for the flags `argv` (a bad flag exits as a usage error)."""
     parser = options.get_serve_parser()
     args = options.parse_args_and_arch(parser, argv)
     cfg = options.convert_namespace_to_generation_config(args)
@@ -217,6 +218,11 @@ def cli_main(argv: Optional[List[str]] = None) -> None:
         check_serve_config(cfg.serve)
     except ValueError as e:
         parser.error(str(e))
+    return cfg
+
+
+def cli_main(argv: Optional[List[str]] = None) -> None:
+    cfg = serve_config(argv)
     check_tensor_parallel_launch(cfg)
     call_main(cfg, main)
 

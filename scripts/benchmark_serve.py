@@ -179,11 +179,15 @@ def run_row(host, port, requests: list, clients: int) -> dict:
     started = time.monotonic()
     with concurrent.futures.ThreadPoolExecutor(clients) as pool:
         results = list(pool.map(lambda body: one_request(host, port, body), requests))
-    wall = time.monotonic() - started
+    return summary(clients, results, time.monotonic() - started)
+
+
+def summary(clients, results: list, wall: float) -> dict:
+    """A row of the table from each request's (latency, time to first token, tokens)."""
     latencies, ttfts, tokens = zip(*results)
     return {
         "clients": clients,
-        "requests": len(requests),
+        "requests": len(results),
         "tokens": sum(tokens),
         "wall_s": wall,
         "tokens_per_s": sum(tokens) / wall,
@@ -207,19 +211,13 @@ def server_argv(args, path: str, data: str) -> list:
 def hub_row(args, path: str, data: str, requests: list) -> dict:
     """The same prompts through the served model's hub, one at a time, in this process (what a user of
     from_pretrained gets without the server): the baseline the issue asks the server's rows against."""
-    from fairseq.frontend import options  # deferred: startup (the benchmark's server rows need none of it)
-    from fairseq.serving.model import generation_options  # deferred: startup
-    from fairseq.dataclass.serving import ServeConfig  # deferred: startup
-    from fairseq.dataclass.utils import config_from_namespace  # deferred: startup
-    from fairseq_cli.serve import load_served_model  # deferred: startup
+    from fairseq.serving.model import generation_options  # deferred: startup (the server rows need none of it)
+    from fairseq_cli.serve import load_served_model, serve_config  # deferred: startup
 
-    namespace = options.parse_args_and_arch(options.get_serve_parser(), server_argv(args, path, data))
-    cfg = options.convert_namespace_to_generation_config(namespace)
-    cfg.serve = config_from_namespace(ServeConfig, namespace)  # as fairseq-serve's cli_main builds it
-    served = load_served_model(cfg)
-    latencies, ttfts, tokens = [], [], 0
-    started = time.monotonic()
-    for i, body in enumerate(requests):
+    served = load_served_model(serve_config(server_argv(args, path, data)))
+
+    def alone(i, body):
+        """(latency, time to first token, tokens) of request i through the hub, as one_request's."""
         prompt = served.encode(body["prompt"])
         gen = generation_options(body["temperature"], body.get("top_p", 1.0), 0) or {}
         first = []
@@ -232,21 +230,13 @@ def hub_row(args, path: str, data: str, requests: list) -> dict:
             i,
             on_tokens=lambda *a: first or first.append(time.monotonic()),
         )
-        latencies.append(time.monotonic() - begin)
-        ttfts.append((first[0] if first else time.monotonic()) - begin)
-        tokens += len(served.split_hypothesis(prompt, hypo, body["max_tokens"])[0])
-    wall = time.monotonic() - started
-    return {
-        "clients": "hub, 1 at a time",
-        "requests": len(requests),
-        "tokens": tokens,
-        "wall_s": wall,
-        "tokens_per_s": tokens / wall,
-        "p50_s": percentile(latencies, 50),
-        "p99_s": percentile(latencies, 99),
-        "ttft_p50_s": percentile(ttfts, 50),
-        "ttft_p99_s": percentile(ttfts, 99),
-    }
+        done = time.monotonic()
+        new = served.split_hypothesis(prompt, hypo, body["max_tokens"])[0]
+        return done - begin, (first[0] if first else done) - begin, len(new)
+
+    started = time.monotonic()
+    results = [alone(i, body) for i, body in enumerate(requests)]
+    return summary("hub, 1 at a time", results, time.monotonic() - started)
 
 
 def main(argv=None) -> list:
