@@ -274,7 +274,9 @@ class AtomicOutputs:
 def progress(count_before: int, count_after: int, every: int = 10000) -> None:
     """Upstream's "processed N lines" on stderr for every multiple of `every` passed."""
     for k in range(count_before // every + 1, count_after // every + 1):
-        print(f"processed {k * every} lines", file=sys.stderr)
+        # one write with its newline: print writes the text and the newline apart, and a signal's
+        # KeyboardInterrupt between the two put the interruption message on the progress line
+        sys.stderr.write(f"processed {k * every} lines\n")
 
 
 def load_sentencepiece(path):
