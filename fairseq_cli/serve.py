@@ -37,7 +37,6 @@ from fairseq.serving.tensor_parallel import (
     TensorParallelGroup,
     check_tensor_parallel_launch,
     follow,
-    keep_following_on_signals,
     tensor_parallel_group,
 )
 from fairseq_cli.console import run_console_script
@@ -140,8 +139,7 @@ def start_model(server, cfg, tp: Optional[TensorParallelGroup] = None) -> None:
 
 def follow_rank(cfg, tp: TensorParallelGroup) -> None:
     """A rank other than 0: its part of the model and an engine over it, applying rank 0's operations until rank
-    0 stops (fairseq.serving.tensor_parallel)."""
-    keep_following_on_signals(tp.rank)
+    0 stops (fairseq.serving.tensor_parallel; the group's construction made it keep following on signals)."""
     model = load_served_model(cfg, tp.split)
     backend = make_backend(model, cfg.serve.max_running, cuda_graphs=cuda_graphs(cfg, tp))
     logger.info(f"rank {tp.rank} of {tp.size}: loaded; following rank 0")

@@ -103,6 +103,8 @@ class TensorParallelGroup:
 
     def __init__(self, cfg, device_type: str):
         self.size, self.rank = cfg.distributed_training.model_parallel_size, dist.get_rank()
+        if self.rank != 0:  # before the groups: rank 0 can open its port (and get a SIGTERM) only once they exist
+            keep_following_on_signals(self.rank)
         self.mesh = init_parallel_mesh(ParallelLayout(tp=self.size), device_type).tp_mesh
         timeout = process_group_timeout(cfg.distributed_training)
         self.group = dist.new_group(backend="gloo", timeout=timeout)
@@ -201,7 +203,7 @@ class LeaderModel:
 
 
 def follow(model: ServedModel, backend, group, rank: int) -> int:
-    """A follower's loop: apply rank 0's operations until it says stop (keep_following_on_signals first).
+    """A follower's loop: apply rank 0's operations until it says stop (the group installed keep_following_on_signals).
     Returns how many messages came."""
     handlers: dict = {
         "add": backend.add,
