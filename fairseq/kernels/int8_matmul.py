@@ -3,27 +3,82 @@
 `int8_linear(x [..., K], qweight [N, K] int8, scale [N] fp32, bias [N] or None) -> [..., N]` in x's dtype:
 
 - CUDA with Triton (or anywhere under TRITON_INTERPRET=1), decode-sized inputs (at most MAX_KERNEL_ROWS rows):
-  one Triton kernel reads each int8 weight tile once, converts it to x's dtype in registers, accumulates the
-  products in fp32 (tl.dot), and applies the row scale and the bias at the end; the weight bytes read are the
-  int8 ones, half of bf16's: what decoding a few rows, bound by memory bandwidth, gains;
+  Triton kernels that read each int8 weight tile once, convert it in registers, accumulate in fp32 and apply the
+  row scale and the bias at the end: the weight bytes read are the int8 ones, half of bf16's, which is what
+  decoding a few rows, bound by memory bandwidth, gains. The launch shape (a `Config`) is chosen per (row
+  bucket, N, K) at first use by timing a few candidates (`config_for`, below);
+- inside a compiled decode step (torch.compile) the same kernels as one opaque op (fairseq::int8_matmul), or,
+  with FAIRSEQ_INT8_MATMUL=inductor, plain tensor code that inductor fuses (`inductor_int8_linear`);
 - elsewhere, or more rows (a prompt's forward, bound by arithmetic): `torch._weight_int8pack_mm` where it is
   safe (the CPU, the reduction length a multiple of 16: torch 2.13's CPU kernel returns NaN or crashes for
   others, unchecked), else the weight dequantized to x's dtype for one F.linear.
 
+The kernel (one program per BLOCK_N output columns x BLOCK_M rows x one of SPLIT_K slices of the reduction):
+- one row (batch-1 greedy): the GEMV form, BLOCK_M = 1, no tensor-core dot (tl.dot needs 16 rows: 15 of them
+  would be padding), products summed elementwise in an fp32 [BLOCK_N, BLOCK_K] tile reduced once at the end;
+- more rows: tl.dot over [BLOCK_M, BLOCK_K] x [BLOCK_K, BLOCK_N] tiles in x's dtype (int8 values are exact in
+  bf16 and fp16) with fp32 accumulation; in Triton's interpreter in fp32 (it computes bf16 dots wrongly);
+- split-K: a 2048 x 2048 weight at batch 1 is 64 tiles of 32 columns, too few programs in flight on a 132-SM
+  GPU to reach its bandwidth; with SPLIT_K > 1 each program sums one slice of K and writes its fp32 partial
+  sums to a [SPLIT_K, M, N] workspace, and a second small kernel adds the slices, applies scale and bias and
+  casts. Not atomics: fp32 atomic adds would need a zeroed buffer and a cast kernel anyway (three kernels
+  instead of two), and their order, so the result, would change from run to run; this way a step's output is
+  the same on every run (eager and replayed from a CUDA graph alike).
+
 torch._weight_int8pack_mm also has a CUDA kernel since torch 2.9 (one thread per output value looping over
-the whole reduction, x converted to fp32 first): not used on CUDA here, this kernel is.
+the whole reduction, x converted to fp32 first): not used on CUDA here (the benchmark times it).
 """
 
-from typing import Optional
+import logging
+import os
+from typing import List, NamedTuple, Optional
 
 import torch
 import torch.nn.functional as F
 
 from fairseq.kernels import built_with_triton, constant_result, triton_interpreted
 
+logger = logging.getLogger(__name__)
+
 MAX_KERNEL_ROWS = 256  # decode steps: batch x beam rows; more rows (prefill) take the dequantized GEMM
-BLOCK_N = 32
-BLOCK_K = 128
+PATHS = ("triton", "inductor")  # FAIRSEQ_INT8_MATMUL: what a compiled decode step runs
+
+
+class Config(NamedTuple):
+    """A launch shape of the kernel. `gemv`: the one-row form (BLOCK_M = 1, no tl.dot); else tl.dot with BLOCK_M
+    rows (16, 32 or 64, from the row count)."""
+
+    block_n: int
+    block_k: int
+    split_k: int = 1
+    num_warps: int = 4
+    gemv: bool = False
+
+
+LEGACY = Config(32, 128)  # the one launch shape before tuning (0.87x bf16 at batch 1, H100): the benchmark's baseline
+
+_path: List[str] = [os.environ.get("FAIRSEQ_INT8_MATMUL", "triton")]
+
+
+def check_int8_matmul_path() -> str:
+    """The path set by FAIRSEQ_INT8_MATMUL or set_int8_matmul; ValueError, one line, for one not in PATHS."""
+    if _path[0] not in PATHS:
+        raise ValueError(
+            f"FAIRSEQ_INT8_MATMUL={_path[0]!r} is not an int8 matmul path: use one of {', '.join(PATHS)} "
+            "(or unset it: triton)"
+        )
+    return _path[0]
+
+
+def set_int8_matmul(path: str) -> str:
+    """Make compiled steps traced from now on use `path` (one of PATHS); returns the previous one."""
+    previous, _path[0] = _path[0], path
+    try:
+        check_int8_matmul_path()
+    except ValueError:
+        _path[0] = previous
+        raise
+    return previous
 
 
 def int8_kernel_available(x: torch.Tensor) -> bool:
@@ -38,7 +93,7 @@ def int8_kernel_available(x: torch.Tensor) -> bool:
 
 @constant_result  # a constant to a compiled decode step: Triton's import is not traced
 def _triton_ready() -> bool:
-    return _kernel() is not None
+    return _kernels() is not None
 
 
 def int8_linear(
@@ -47,7 +102,9 @@ def int8_linear(
     """x [..., K] times the int8 weight [N, K] with fp32 row scales [N], plus bias [N]: [..., N] in x's dtype."""
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
-    if x2.size(0) <= MAX_KERNEL_ROWS and int8_kernel_available(x):
+    if torch.compiler.is_compiling() and _path[0] == "inductor":
+        out = inductor_int8_linear(x2, qweight, scale, bias)
+    elif x2.size(0) <= MAX_KERNEL_ROWS and int8_kernel_available(x):
         # in a compiled decode step (torch.compile) one opaque op, as the decode attention kernel
         matmul = _int8_matmul_op if torch.compiler.is_compiling() else int8_matmul_kernel
         out = matmul(x2, qweight, scale, bias)
@@ -57,6 +114,23 @@ def int8_linear(
     else:
         out = F.linear(x2, qweight.to(x.dtype) * scale.to(x.dtype).unsqueeze(1), bias)
     return out.reshape(*shape[:-1], qweight.size(0))
+
+
+def inductor_int8_linear(
+    x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, bias: Optional[torch.Tensor] = None
+) -> torch.Tensor:
+    """x [M, K] times the int8 weight as tensor code for inductor to fuse (eagerly it would materialize what
+    inductor fuses away: compiled code only). One row: the products in fp32 summed over K, one reduction kernel
+    that reads the int8 weight (what inductor's own decomposition of a one-row mm makes, which it applies only
+    with coordinate-descent tuning on); more rows: F.linear on the weight converted to x's dtype, a conversion
+    inductor fuses into its Triton matmul templates (max-autotune modes; the default mode's cuBLAS call reads a
+    converted bf16 copy instead). Then the row scales and the bias in fp32."""
+    if x.size(0) == 1:
+        out = (x.float() * qweight.float()).sum(dim=1).unsqueeze(0)
+    else:
+        out = F.linear(x, qweight.to(x.dtype)).float()
+    out = out * scale
+    return (out if bias is None else out + bias.float()).to(x.dtype)
 
 
 @torch.library.custom_op("fairseq::int8_matmul", mutates_args=())
@@ -71,43 +145,200 @@ def _int8_matmul_shape(x, qweight, scale, bias):
     return x.new_empty(x.size(0), qweight.size(0))
 
 
+def row_block(rows: int, config: Config) -> int:
+    """BLOCK_M: 1 for the GEMV form, else the rows rounded up to a power of two within [16, 64] (tl.dot takes
+    16 rows at least)."""
+    return 1 if config.gemv else max(16, min(64, 1 << (rows - 1).bit_length()))
+
+
 def int8_matmul_kernel(
-    x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, bias: Optional[torch.Tensor] = None
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scale: torch.Tensor,
+    bias: Optional[torch.Tensor] = None,
+    config: Optional[Config] = None,
 ) -> torch.Tensor:
-    """The Triton path for x [M, K] (any M; int8_linear sends it the small ones)."""
-    kernel = _kernel()
-    rows, depth = x.shape
-    columns = qweight.size(0)
+    """The Triton path for x [M, K] (any M; int8_linear sends it the small ones). `config`: the launch shape;
+    None: the one chosen for this shape (config_for: timed at first use on CUDA)."""
     if qweight.stride(1) != 1 or x.stride(1) != 1:
         raise ValueError("int8 matmul: x and the int8 weight must be contiguous in their last dim")
+    return launch(x, qweight, scale, bias, config or config_for(x, qweight, bias))
+
+
+def launch(
+    x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, bias: Optional[torch.Tensor], config: Config
+) -> torch.Tensor:
+    """Run `config`'s kernel(s) on x [M, K] (contiguous last dims): [M, N] in x's dtype."""
+    matmul, split_k_sum = _kernels()
+    rows, depth = x.shape
+    columns = qweight.size(0)
     out = torch.empty(rows, columns, dtype=x.dtype, device=x.device)
     if rows == 0:
         return out
-    block_m = max(16, min(64, 1 << (rows - 1).bit_length()))  # tl.dot takes 16 rows at least
-    grid = (-(-columns // BLOCK_N), -(-rows // block_m))
-    kernel[grid](
+    if config.gemv and rows != 1:
+        raise ValueError(f"int8 matmul: the GEMV launch shape takes one row, not {rows}")
+    block_m = row_block(rows, config)
+    # each slice of K a whole number of BLOCK_K; no more slices than that allows
+    blocks = -(-depth // config.block_k)
+    split = max(1, min(config.split_k, blocks))
+    k_per_split = -(-blocks // split) * config.block_k
+    split = -(-depth // k_per_split)
+    partial = out if split == 1 else torch.empty(split, rows, columns, dtype=torch.float32, device=x.device)
+    bias_arg = bias if bias is not None else scale
+    matmul[(-(-columns // config.block_n), -(-rows // block_m), split)](
         x,
         qweight,
         scale,
-        bias if bias is not None else scale,
-        out,
+        bias_arg,
+        partial,
         rows,
         columns,
         depth,
         x.stride(0),
         qweight.stride(0),
+        k_per_split,
         HAS_BIAS=bias is not None,
+        PARTIAL=split > 1,
         BLOCK_M=block_m,
-        BLOCK_N=BLOCK_N,
-        BLOCK_K=BLOCK_K,
-        num_warps=4,
+        BLOCK_N=config.block_n,
+        BLOCK_K=config.block_k,
+        DOT_FP32=triton_interpreted(),
+        num_warps=config.num_warps,
     )
+    if split > 1:
+        block = 1024
+        split_k_sum[(-(-(rows * columns) // block),)](
+            partial,
+            scale,
+            bias_arg,
+            out,
+            rows * columns,
+            columns,
+            HAS_BIAS=bias is not None,
+            SPLIT_K=split,
+            SPLIT_BLOCK=1 << (split - 1).bit_length(),
+            BLOCK=block,
+            num_warps=4,
+        )
     return out
 
 
+# Launch shapes timed at first use of a shape (every one also gets LEGACY and the heuristic's). One row: GEMV
+# tiles of 8-64 columns, K slices of 128-512, split-K 1-8; more rows: tl.dot tiles.
+GEMV_CANDIDATES = tuple(
+    Config(n, k, split, warps, gemv=True)
+    for n, k, split, warps in (
+        (8, 512, 1, 4),
+        (8, 512, 2, 4),
+        (16, 256, 1, 4),
+        (16, 256, 2, 4),
+        (16, 256, 4, 4),
+        (16, 512, 4, 4),
+        (32, 256, 1, 4),
+        (32, 256, 2, 4),
+        (32, 256, 4, 4),
+        (32, 256, 8, 8),
+        (64, 128, 2, 4),
+        (64, 128, 4, 8),
+    )
+)
+DOT_CANDIDATES = tuple(
+    Config(n, k, split, warps)
+    for n, k, split, warps in (
+        (16, 128, 4, 4),
+        (32, 128, 2, 4),
+        (32, 128, 4, 4),
+        (32, 256, 2, 4),
+        (32, 256, 4, 8),
+        (64, 64, 1, 4),
+        (64, 128, 1, 4),
+        (64, 128, 2, 4),
+        (64, 128, 4, 4),
+        (64, 256, 2, 8),
+        (128, 64, 1, 4),
+        (128, 128, 1, 8),
+    )
+)
+PROGRAMS = 512  # the programs the heuristic aims for: ~4 per SM of a 132-SM H100
+TIMED_CALLS = 10  # per candidate, after 2 warm-up calls, each after a flush of the L2 cache
+_chosen = {}  # (row bucket, N, K, dtype, bias?) -> the Config timed fastest
+
+
+def row_bucket(rows: int) -> int:
+    """The rows a chosen launch shape is shared by: 1 (GEMV), then up to 16, 32, 64, MAX_KERNEL_ROWS."""
+    return next(b for b in (1, 16, 32, 64, MAX_KERNEL_ROWS) if rows <= b) if rows <= MAX_KERNEL_ROWS else rows
+
+
+def heuristic(rows: int, columns: int, depth: int) -> Config:
+    """An untimed launch shape (Triton's interpreter, under CUDA-graph capture): tiles of 16 columns (GEMV) or
+    32, K slices of 256 or 128, split-K doubled up to 8 while there are fewer than PROGRAMS programs and each
+    slice keeps two K blocks."""
+    config = Config(16, 256, gemv=True) if rows == 1 else Config(32, 128)
+    programs = -(-columns // config.block_n) * -(-rows // row_block(rows, config))
+    split = 1
+    while split < 8 and programs * split < PROGRAMS and depth >= 4 * split * config.block_k:
+        split *= 2
+    return config._replace(split_k=split)
+
+
+def candidates(rows: int, columns: int, depth: int) -> list:
+    """The launch shapes timed for this shape: those whose tiles and K slices are not mostly padding."""
+    fits = [
+        c
+        for c in (GEMV_CANDIDATES if rows == 1 else DOT_CANDIDATES)
+        if c.block_n <= max(16, 2 * columns) and c.block_k <= max(64, 2 * depth) and depth >= c.split_k * c.block_k
+    ]
+    return list(dict.fromkeys([LEGACY, heuristic(rows, columns, depth)] + fits))
+
+
+def config_for(x: torch.Tensor, qweight: torch.Tensor, bias: Optional[torch.Tensor]) -> Config:
+    """The launch shape for x [M, K] and this weight: timed among `candidates` at the first call of its key
+    (row bucket, N, K, dtype, bias), on CUDA and outside CUDA-graph capture; the heuristic's otherwise (and
+    under capture, not kept: the next eager call times them). A CUDA graph captures what its warm-up chose."""
+    rows, depth = x.shape
+    key = (row_bucket(rows), qweight.size(0), depth, x.dtype, bias is not None)
+    config = _chosen.get(key)
+    if config is None:
+        if not x.is_cuda or torch.cuda.is_current_stream_capturing():
+            return heuristic(rows, qweight.size(0), depth)
+        config = _chosen[key] = fastest(x, qweight, bias, candidates(rows, qweight.size(0), depth))
+        logger.info("int8 matmul %s rows x %s x %s: %s", rows, qweight.size(0), depth, config)
+    return config
+
+
+def fastest(x: torch.Tensor, qweight: torch.Tensor, bias: Optional[torch.Tensor], configs) -> Config:
+    """The config of `configs` with the lowest median CUDA time (weights re-read from memory each call, as in a
+    decode step, where a layer's weights are long gone from L2 by the next step)."""
+    scale = torch.ones(qweight.size(0), dtype=torch.float32, device=x.device)
+    flush = torch.empty(256 * 2**20, dtype=torch.int8, device=x.device)  # larger than any GPU's L2 cache
+    times = {}
+    for config in configs:
+        try:
+            for _ in range(2):  # compile, warm
+                launch(x, qweight, scale, bias, config)
+        except Exception:  # a launch shape this GPU cannot run (Triton's OutOfResources): not a candidate
+            continue
+        events = [
+            (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(TIMED_CALLS)
+        ]
+        for start, end in events:
+            flush.zero_()
+            start.record()
+            launch(x, qweight, scale, bias, config)
+            end.record()
+        torch.cuda.synchronize(x.device)
+        times[config] = sorted(start.elapsed_time(end) for start, end in events)[TIMED_CALLS // 2]
+    return min(times, key=times.get)
+
+
+def tuned_configs() -> dict:
+    """The launch shapes chosen so far, by (row bucket, N, K, dtype, bias?)."""
+    return dict(_chosen)
+
+
 @built_with_triton
-def _kernel(triton, tl):
-    """The jitted kernel, built on first use; None without Triton."""
+def _kernels(triton, tl):
+    """(the matmul kernel, the split-K sum kernel), jitted on first use; None without Triton."""
 
     @triton.jit
     def int8_matmul(
@@ -121,34 +352,83 @@ def _kernel(triton, tl):
         depth,
         x_stride,
         w_stride,
+        k_per_split,
         HAS_BIAS: tl.constexpr,
+        PARTIAL: tl.constexpr,
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
+        DOT_FP32: tl.constexpr,
     ):
         m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
         n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         m_ok, n_ok = m < rows, n < columns
-        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        for first in range(0, depth, BLOCK_K):
-            k = first + tl.arange(0, BLOCK_K)
-            k_ok = k < depth
-            x = tl.load(
-                x_ptr + m[:, None].to(tl.int64) * x_stride + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0
-            )
-            w = tl.load(
-                w_ptr + n[None, :].to(tl.int64) * w_stride + k[:, None], mask=n_ok[None, :] & k_ok[:, None], other=0
-            )
-            # In fp32 (on the GPU tf32, whose 10-bit mantissa holds int8 values and bf16 ones exactly): the same
-            # products as a bf16 dot, and Triton's interpreter (the CPU tests) computes bf16 dots wrongly.
-            acc += tl.dot(x.to(tl.float32), w.to(tl.float32))
-        acc = acc * tl.load(scale_ptr + n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-        if HAS_BIAS:
-            acc += tl.load(bias_ptr + n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-        tl.store(
-            out_ptr + m[:, None].to(tl.int64) * columns + n[None, :],
-            acc.to(out_ptr.dtype.element_ty),
-            mask=m_ok[:, None] & n_ok[None, :],
-        )
+        first = tl.program_id(2) * k_per_split
+        end = tl.minimum(first + k_per_split, depth)
+        if BLOCK_M == 1:  # GEMV: elementwise products in an fp32 tile, reduced over K once
+            tile = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+            for start in range(first, end, BLOCK_K):
+                k = start + tl.arange(0, BLOCK_K)
+                k_ok = k < end
+                x = tl.load(x_ptr + m.to(tl.int64) * x_stride + k, mask=k_ok & m_ok, other=0.0)
+                w = tl.load(
+                    w_ptr + n[:, None].to(tl.int64) * w_stride + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0
+                )
+                tile += w.to(tl.float32) * x.to(tl.float32)[None, :]
+            acc = tl.sum(tile, axis=1)[None, :]
+        else:
+            acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            for start in range(first, end, BLOCK_K):
+                k = start + tl.arange(0, BLOCK_K)
+                k_ok = k < end
+                x = tl.load(
+                    x_ptr + m[:, None].to(tl.int64) * x_stride + k[None, :],
+                    mask=m_ok[:, None] & k_ok[None, :],
+                    other=0.0,
+                )
+                w = tl.load(
+                    w_ptr + n[None, :].to(tl.int64) * w_stride + k[:, None], mask=n_ok[None, :] & k_ok[:, None], other=0
+                )
+                if DOT_FP32:
+                    acc += tl.dot(x.to(tl.float32), w.to(tl.float32))
+                else:  # int8 values are exact in bf16 / fp16: the products are, and the sums are fp32
+                    acc += tl.dot(x, w.to(x.dtype))
+        mask = m_ok[:, None] & n_ok[None, :]
+        if PARTIAL:  # one slice's fp32 sums, unscaled: split_k_sum finishes them
+            offsets = (tl.program_id(2) * rows + m[:, None]).to(tl.int64) * columns + n[None, :]
+            tl.store(out_ptr + offsets, acc, mask=mask)
+        else:
+            acc = acc * tl.load(scale_ptr + n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+            if HAS_BIAS:
+                acc += tl.load(bias_ptr + n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+            offsets = m[:, None].to(tl.int64) * columns + n[None, :]
+            tl.store(out_ptr + offsets, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
-    return int8_matmul
+    @triton.jit
+    def split_k_sum(
+        partial_ptr,
+        scale_ptr,
+        bias_ptr,
+        out_ptr,
+        size,
+        columns,
+        HAS_BIAS: tl.constexpr,
+        SPLIT_K: tl.constexpr,
+        SPLIT_BLOCK: tl.constexpr,
+        BLOCK: tl.constexpr,
+    ):
+        i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        s = tl.arange(0, SPLIT_BLOCK)
+        ok = i < size
+        parts = tl.load(
+            partial_ptr + s[:, None].to(tl.int64) * size + i[None, :],
+            mask=(s[:, None] < SPLIT_K) & ok[None, :],
+            other=0.0,
+        )
+        n = i % columns
+        acc = tl.sum(parts, axis=0) * tl.load(scale_ptr + n, mask=ok, other=0.0).to(tl.float32)
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + n, mask=ok, other=0.0).to(tl.float32)
+        tl.store(out_ptr + i, acc.to(out_ptr.dtype.element_ty), mask=ok)
+
+    return int8_matmul, split_k_sum
