@@ -206,7 +206,7 @@ def launch(
         num_warps=config.num_warps,
     )
     if split > 1:
-        block = 1024
+        block = 256  # several programs even at one row: the sum is latency, not bandwidth
         split_k_sum[(-(-(rows * columns) // block),)](
             partial,
             scale,
@@ -336,10 +336,79 @@ def tuned_configs() -> dict:
     return dict(_chosen)
 
 
-@built_with_triton
-def _kernels(triton, tl):
+def _kernels():
     """(the matmul kernel, the split-K sum kernel), jitted on first use; None without Triton."""
+    global _GEMV_SUMS, _DOT_SUMS
+    sums = _sums()
+    if sums is None:
+        return None
+    _GEMV_SUMS, _DOT_SUMS = sums
+    return _matmul(), _split_k_sum()
 
+
+# The matmul kernel's jitted helpers, module globals set by _kernels(): the kernel finds its callees in the
+# module's globals (Triton's interpreter, which the CPU tests use, sees no closure).
+_GEMV_SUMS = _DOT_SUMS = None
+
+
+@built_with_triton
+def _sums(triton, tl):
+    """The matmul kernel's loops over its slice of K: (GEMV form, tl.dot form), each the fp32 sums [BLOCK_M,
+    BLOCK_N] of the products, unscaled."""
+
+    @triton.jit
+    def gemv_sums(
+        x_ptr, w_ptr, m, n, m_ok, n_ok, first, end, x_stride, w_stride, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr
+    ):
+        tile = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)  # elementwise products, reduced over K once
+        for start in range(first, end, BLOCK_K):
+            k = start + tl.arange(0, BLOCK_K)
+            k_ok = k < end
+            x = tl.load(x_ptr + m.to(tl.int64) * x_stride + k, mask=k_ok & m_ok, other=0.0)
+            w = tl.load(
+                w_ptr + n[:, None].to(tl.int64) * w_stride + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0
+            )
+            tile += w.to(tl.float32) * x.to(tl.float32)[None, :]
+        return tl.sum(tile, axis=1)[None, :]
+
+    @triton.jit
+    def dot_sums(
+        x_ptr,
+        w_ptr,
+        m,
+        n,
+        m_ok,
+        n_ok,
+        first,
+        end,
+        x_stride,
+        w_stride,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+        DOT_FP32: tl.constexpr,
+    ):
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for start in range(first, end, BLOCK_K):
+            k = start + tl.arange(0, BLOCK_K)
+            k_ok = k < end
+            x = tl.load(
+                x_ptr + m[:, None].to(tl.int64) * x_stride + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0
+            )
+            w = tl.load(
+                w_ptr + n[None, :].to(tl.int64) * w_stride + k[:, None], mask=n_ok[None, :] & k_ok[:, None], other=0
+            )
+            if DOT_FP32:
+                acc += tl.dot(x.to(tl.float32), w.to(tl.float32))
+            else:  # int8 values are exact in bf16 / fp16: the products are, and the sums are fp32
+                acc += tl.dot(x, w.to(x.dtype))
+        return acc
+
+    return gemv_sums, dot_sums
+
+
+@built_with_triton
+def _matmul(triton, tl):
     @triton.jit
     def int8_matmul(
         x_ptr,
@@ -365,34 +434,12 @@ def _kernels(triton, tl):
         m_ok, n_ok = m < rows, n < columns
         first = tl.program_id(2) * k_per_split
         end = tl.minimum(first + k_per_split, depth)
-        if BLOCK_M == 1:  # GEMV: elementwise products in an fp32 tile, reduced over K once
-            tile = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-            for start in range(first, end, BLOCK_K):
-                k = start + tl.arange(0, BLOCK_K)
-                k_ok = k < end
-                x = tl.load(x_ptr + m.to(tl.int64) * x_stride + k, mask=k_ok & m_ok, other=0.0)
-                w = tl.load(
-                    w_ptr + n[:, None].to(tl.int64) * w_stride + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0
-                )
-                tile += w.to(tl.float32) * x.to(tl.float32)[None, :]
-            acc = tl.sum(tile, axis=1)[None, :]
+        if BLOCK_M == 1:
+            acc = _GEMV_SUMS(x_ptr, w_ptr, m, n, m_ok, n_ok, first, end, x_stride, w_stride, BLOCK_N, BLOCK_K)
         else:
-            acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-            for start in range(first, end, BLOCK_K):
-                k = start + tl.arange(0, BLOCK_K)
-                k_ok = k < end
-                x = tl.load(
-                    x_ptr + m[:, None].to(tl.int64) * x_stride + k[None, :],
-                    mask=m_ok[:, None] & k_ok[None, :],
-                    other=0.0,
-                )
-                w = tl.load(
-                    w_ptr + n[None, :].to(tl.int64) * w_stride + k[:, None], mask=n_ok[None, :] & k_ok[:, None], other=0
-                )
-                if DOT_FP32:
-                    acc += tl.dot(x.to(tl.float32), w.to(tl.float32))
-                else:  # int8 values are exact in bf16 / fp16: the products are, and the sums are fp32
-                    acc += tl.dot(x, w.to(x.dtype))
+            acc = _DOT_SUMS(
+                x_ptr, w_ptr, m, n, m_ok, n_ok, first, end, x_stride, w_stride, BLOCK_M, BLOCK_N, BLOCK_K, DOT_FP32
+            )
         mask = m_ok[:, None] & n_ok[None, :]
         if PARTIAL:  # one slice's fp32 sums, unscaled: split_k_sum finishes them
             offsets = (tl.program_id(2) * rows + m[:, None]).to(tl.int64) * columns + n[None, :]
@@ -404,6 +451,11 @@ def _kernels(triton, tl):
             offsets = m[:, None].to(tl.int64) * columns + n[None, :]
             tl.store(out_ptr + offsets, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
+    return int8_matmul
+
+
+@built_with_triton
+def _split_k_sum(triton, tl):
     @triton.jit
     def split_k_sum(
         partial_ptr,
@@ -417,6 +469,7 @@ def _kernels(triton, tl):
         SPLIT_BLOCK: tl.constexpr,
         BLOCK: tl.constexpr,
     ):
+        """out = (the sum of SPLIT_K partial sums [SPLIT_K, size]) x scale (+ bias), in out's dtype."""
         i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         s = tl.arange(0, SPLIT_BLOCK)
         ok = i < size
@@ -431,4 +484,4 @@ def _kernels(triton, tl):
             acc += tl.load(bias_ptr + n, mask=ok, other=0.0).to(tl.float32)
         tl.store(out_ptr + i, acc.to(out_ptr.dtype.element_ty), mask=ok)
 
-    return int8_matmul, split_k_sum
+    return split_k_sum

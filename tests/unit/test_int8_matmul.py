@@ -255,7 +255,7 @@ def test_the_kernels_compile_for_an_h100():
         )
         compiled = triton.compile(ASTSource(matmul, signature, constants), target=target, options={"num_warps": warps})
         assert compiled.asm["cubin"]
-    constants = dict(HAS_BIAS=True, SPLIT_K=3, SPLIT_BLOCK=4, BLOCK=1024)
+    constants = dict(HAS_BIAS=True, SPLIT_K=3, SPLIT_BLOCK=4, BLOCK=256)
     signature = dict(
         partial_ptr="*fp32",
         scale_ptr="*fp32",
