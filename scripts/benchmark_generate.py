@@ -388,7 +388,7 @@ def int8_matmul_rows(model, batches, args, device) -> list:
                     times[path] = graphed_call_time(cycled(fn, copies), device)
                 except (RuntimeError, NotImplementedError) as e:  # a path this torch / device lacks
                     times[path] = f"{type(e).__name__}: {str(e).splitlines()[0][:60]}"
-            tuned = tuned_configs().get((row_bucket(rows), shape[0], shape[1], dtype, False))
+            tuned = tuned_configs().get((row_bucket(rows), shape[0], shape[1], dtype, False, x.device))
             out.append({"shape": list(shape), "rows": rows, "seconds": times, "tuned": tuned and tuned._asdict()})
     return out
 

@@ -20,10 +20,12 @@ The kernel (one program per BLOCK_N output columns x BLOCK_M rows x one of SPLIT
   bf16 and fp16) with fp32 accumulation; in Triton's interpreter in fp32 (it computes bf16 dots wrongly);
 - split-K: a 2048 x 2048 weight at batch 1 is 64 tiles of 32 columns, too few programs in flight on a 132-SM
   GPU to reach its bandwidth; with SPLIT_K > 1 each program sums one slice of K and writes its fp32 partial
-  sums to a [SPLIT_K, M, N] workspace, and a second small kernel adds the slices, applies scale and bias and
-  casts. Not atomics: fp32 atomic adds would need a zeroed buffer and a cast kernel anyway (three kernels
-  instead of two), and their order, so the result, would change from run to run; this way a step's output is
-  the same on every run (eager and replayed from a CUDA graph alike).
+  sums to a [SPLIT_K, M, N] workspace, then takes a ticket from its tile's counter (an atomic add): the tile's
+  last program adds the slices in order 0, 1, ..., applies scale and bias, casts, and resets the counter. One
+  launch, and the same result on every run (eager or replayed from a CUDA graph), whichever program finishes
+  last. Not fp32 atomic adds into the output: those need a zeroed buffer and a cast kernel (three launches),
+  and their order, so the result, changes from run to run. Where the counters cannot be had (first needed
+  under CUDA-graph capture) a second small kernel adds the slices instead (`sum_in_kernel=False`, the same sum).
 
 torch._weight_int8pack_mm also has a CUDA kernel since torch 2.9 (one thread per output value looping over
 the whole reduction, x converted to fp32 first): not used on CUDA here (the benchmark times it).
@@ -46,13 +48,15 @@ PATHS = ("triton", "inductor")  # FAIRSEQ_INT8_MATMUL: what a compiled decode st
 
 class Config(NamedTuple):
     """A launch shape of the kernel. `gemv`: the one-row form (BLOCK_M = 1, no tl.dot); else tl.dot with BLOCK_M
-    rows (16, 32 or 64, from the row count)."""
+    rows (16, 32 or 64, from the row count). `sum_in_kernel` (split-K): the last program of a tile adds the slices
+    (one launch), else the split-K sum kernel does (two)."""
 
     block_n: int
     block_k: int
     split_k: int = 1
     num_warps: int = 4
     gemv: bool = False
+    sum_in_kernel: bool = True
 
 
 LEGACY = Config(32, 128)  # the one launch shape before tuning (0.87x bf16 at batch 1, H100): the benchmark's baseline
@@ -184,13 +188,17 @@ def launch(
     k_per_split = -(-blocks // split) * config.block_k
     split = -(-depth // k_per_split)
     partial = out if split == 1 else torch.empty(split, rows, columns, dtype=torch.float32, device=x.device)
+    grid = (-(-columns // config.block_n), -(-rows // block_m), split)
+    counters = _tile_counters(x.device, grid[0] * grid[1]) if split > 1 and config.sum_in_kernel else None
     bias_arg = bias if bias is not None else scale
-    matmul[(-(-columns // config.block_n), -(-rows // block_m), split)](
+    matmul[grid](
         x,
         qweight,
         scale,
         bias_arg,
         partial,
+        out,
+        counters if counters is not None else scale,
         rows,
         columns,
         depth,
@@ -199,13 +207,14 @@ def launch(
         k_per_split,
         HAS_BIAS=bias is not None,
         PARTIAL=split > 1,
+        SUM_HERE=counters is not None,
         BLOCK_M=block_m,
         BLOCK_N=config.block_n,
         BLOCK_K=config.block_k,
         DOT_FP32=triton_interpreted(),
         num_warps=config.num_warps,
     )
-    if split > 1:
+    if split > 1 and counters is None:
         block = 256  # several programs even at one row: the sum is latency, not bandwidth
         split_k_sum[(-(-(rows * columns) // block),)](
             partial,
@@ -221,6 +230,24 @@ def launch(
             num_warps=4,
         )
     return out
+
+
+# Split-K summed in the kernel: one int32 counter per output tile, per device, allocated once (zeros) outside
+# CUDA-graph capture and never freed (graphs hold its address); the last program of a tile resets its counter.
+# Launches on one device are assumed not to run concurrently on two streams (the decode loops use one).
+TILE_COUNTERS = 1 << 20
+_counters = {}
+
+
+def _tile_counters(device: torch.device, tiles: int) -> Optional[torch.Tensor]:
+    """The device's tile counters, or None (the two-kernel sum) when more tiles than TILE_COUNTERS, or first
+    needed under CUDA-graph capture."""
+    counters = _counters.get(device)
+    if counters is None and tiles <= TILE_COUNTERS:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None
+        counters = _counters[device] = torch.zeros(TILE_COUNTERS, dtype=torch.int32, device=device)
+    return counters if tiles <= TILE_COUNTERS else None
 
 
 # Launch shapes timed at first use of a shape (every one also gets LEGACY and the heuristic's). One row: GEMV
@@ -261,7 +288,7 @@ DOT_CANDIDATES = tuple(
 )
 PROGRAMS = 512  # the programs the heuristic aims for: ~4 per SM of a 132-SM H100
 TIMED_CALLS = 10  # per candidate, after 2 warm-up calls, each after a flush of the L2 cache
-_chosen = {}  # (row bucket, N, K, dtype, bias?) -> the Config timed fastest
+_chosen = {}  # (row bucket, N, K, dtype, bias?, device) -> the Config timed fastest
 
 
 def row_bucket(rows: int) -> int:
@@ -296,7 +323,7 @@ def config_for(x: torch.Tensor, qweight: torch.Tensor, bias: Optional[torch.Tens
     (row bucket, N, K, dtype, bias), on CUDA and outside CUDA-graph capture; the heuristic's otherwise (and
     under capture, not kept: the next eager call times them). A CUDA graph captures what its warm-up chose."""
     rows, depth = x.shape
-    key = (row_bucket(rows), qweight.size(0), depth, x.dtype, bias is not None)
+    key = (row_bucket(rows), qweight.size(0), depth, x.dtype, bias is not None, x.device)
     config = _chosen.get(key)
     if config is None:
         if not x.is_cuda or torch.cuda.is_current_stream_capturing():
@@ -310,7 +337,10 @@ def fastest(x: torch.Tensor, qweight: torch.Tensor, bias: Optional[torch.Tensor]
     """The config of `configs` with the lowest median CUDA time (weights re-read from memory each call, as in a
     decode step, where a layer's weights are long gone from L2 by the next step)."""
     scale = torch.ones(qweight.size(0), dtype=torch.float32, device=x.device)
-    flush = torch.empty(256 * 2**20, dtype=torch.int8, device=x.device)  # larger than any GPU's L2 cache
+    try:
+        flush = torch.empty(256 * 2**20, dtype=torch.int8, device=x.device)  # larger than any GPU's L2 cache
+    except torch.cuda.OutOfMemoryError:  # a GPU filled by the KV cache: timed without the flush
+        flush = torch.empty(0, dtype=torch.int8, device=x.device)
     times = {}
     for config in configs:
         try:
@@ -328,33 +358,33 @@ def fastest(x: torch.Tensor, qweight: torch.Tensor, bias: Optional[torch.Tensor]
             end.record()
         torch.cuda.synchronize(x.device)
         times[config] = sorted(start.elapsed_time(end) for start, end in events)[TIMED_CALLS // 2]
-    return min(times, key=times.get)
+    return min(times, key=times.get) if times else configs[0]  # none ran: the first's launch says why
 
 
 def tuned_configs() -> dict:
-    """The launch shapes chosen so far, by (row bucket, N, K, dtype, bias?)."""
+    """The launch shapes chosen so far, by (row bucket, N, K, dtype, bias?, device)."""
     return dict(_chosen)
 
 
 def _kernels():
     """(the matmul kernel, the split-K sum kernel), jitted on first use; None without Triton."""
-    global _GEMV_SUMS, _DOT_SUMS
-    sums = _sums()
-    if sums is None:
+    global _GEMV_SUMS, _DOT_SUMS, _FINISH
+    helpers = _sums()
+    if helpers is None:
         return None
-    _GEMV_SUMS, _DOT_SUMS = sums
+    _GEMV_SUMS, _DOT_SUMS, _FINISH = helpers
     return _matmul(), _split_k_sum()
 
 
 # The matmul kernel's jitted helpers, module globals set by _kernels(): the kernel finds its callees in the
 # module's globals (Triton's interpreter, which the CPU tests use, sees no closure).
-_GEMV_SUMS = _DOT_SUMS = None
+_GEMV_SUMS = _DOT_SUMS = _FINISH = None
 
 
 @built_with_triton
 def _sums(triton, tl):
-    """The matmul kernel's loops over its slice of K: (GEMV form, tl.dot form), each the fp32 sums [BLOCK_M,
-    BLOCK_N] of the products, unscaled."""
+    """The matmul kernel's helpers: its loops over its slice of K (GEMV form, tl.dot form), each the fp32 sums
+    [BLOCK_M, BLOCK_N] of the products, unscaled; and its epilogue."""
 
     @triton.jit
     def gemv_sums(
@@ -404,7 +434,15 @@ def _sums(triton, tl):
                 acc += tl.dot(x, w.to(x.dtype))
         return acc
 
-    return gemv_sums, dot_sums
+    @triton.jit
+    def finish(acc, scale_ptr, bias_ptr, out_ptr, n, n_ok, offsets, mask, HAS_BIAS: tl.constexpr):
+        """out = the sums x the row scales (+ bias), in out's dtype."""
+        acc = acc * tl.load(scale_ptr + n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        tl.store(out_ptr + offsets, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+    return gemv_sums, dot_sums, finish
 
 
 @built_with_triton
@@ -415,7 +453,9 @@ def _matmul(triton, tl):
         w_ptr,
         scale_ptr,
         bias_ptr,
+        partial_ptr,
         out_ptr,
+        counter_ptr,
         rows,
         columns,
         depth,
@@ -424,6 +464,7 @@ def _matmul(triton, tl):
         k_per_split,
         HAS_BIAS: tl.constexpr,
         PARTIAL: tl.constexpr,
+        SUM_HERE: tl.constexpr,
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
@@ -441,15 +482,23 @@ def _matmul(triton, tl):
                 x_ptr, w_ptr, m, n, m_ok, n_ok, first, end, x_stride, w_stride, BLOCK_M, BLOCK_N, BLOCK_K, DOT_FP32
             )
         mask = m_ok[:, None] & n_ok[None, :]
-        if PARTIAL:  # one slice's fp32 sums, unscaled: split_k_sum finishes them
-            offsets = (tl.program_id(2) * rows + m[:, None]).to(tl.int64) * columns + n[None, :]
-            tl.store(out_ptr + offsets, acc, mask=mask)
+        offsets = m[:, None].to(tl.int64) * columns + n[None, :]
+        if PARTIAL:  # one slice's fp32 sums, unscaled: the tile's last program (or split_k_sum) adds the slices
+            slice_size = rows.to(tl.int64) * columns
+            tl.store(partial_ptr + tl.program_id(2) * slice_size + offsets, acc, mask=mask)
+            if SUM_HERE:
+                tl.debug_barrier()  # every thread's partial sums stored before the tile's counter says so
+                tile = tl.program_id(1) * tl.num_programs(0) + tl.program_id(0)
+                if tl.atomic_add(counter_ptr + tile, 1, sem="acq_rel") == tl.num_programs(2) - 1:
+                    # the last of the tile's programs: the slices in order 0, 1, ... (the same sum on every run),
+                    # read from L2 (.cg), where the other programs' stores are
+                    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+                    for part in range(0, tl.num_programs(2)):
+                        acc += tl.load(partial_ptr + part * slice_size + offsets, mask=mask, cache_modifier=".cg")
+                    tl.store(counter_ptr + tile, 0)  # ready for the next launch
+                    _FINISH(acc, scale_ptr, bias_ptr, out_ptr, n, n_ok, offsets, mask, HAS_BIAS)
         else:
-            acc = acc * tl.load(scale_ptr + n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-            if HAS_BIAS:
-                acc += tl.load(bias_ptr + n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-            offsets = m[:, None].to(tl.int64) * columns + n[None, :]
-            tl.store(out_ptr + offsets, acc.to(out_ptr.dtype.element_ty), mask=mask)
+            _FINISH(acc, scale_ptr, bias_ptr, out_ptr, n, n_ok, offsets, mask, HAS_BIAS)
 
     return int8_matmul
 

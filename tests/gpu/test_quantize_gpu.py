@@ -253,7 +253,8 @@ def test_a_model_without_linears_is_refused():
 @pytest.mark.parametrize("rows", [1, 5, 32])
 def test_every_int8_launch_shape_matches_the_fp32_product(rows):
     """The 1.3B preset's Linear shapes (d 2048, FFN 8192; q/k/v fused: 6144) plus one with N and K no multiple of
-    any block: each candidate launch shape, then the one timed at first use, within one rounding to bf16 (2**-8
+    any block: each candidate launch shape (split-K summed in the kernel and by the second kernel), then the one
+    timed at first use, within one rounding to bf16 (2**-8
     relative: the GPU rounds to nearest) and the fp32 sums' error; a CUDA graph replays the timed one."""
     torch.manual_seed(0)
     for columns, depth in ((6144, 2048), (2048, 8192), (8192, 2048), (1000, 1100)):
@@ -264,10 +265,12 @@ def test_every_int8_launch_shape_matches_the_fp32_product(rows):
         want = x.float() @ qweight.float().t() * scale + bias.float()
         # one rounding of the output, plus the fp32 sums' error in any order (2**-20 of the sum of |products|)
         bound = 2**-8 * want.abs() + 2**-20 * (x.float().abs() @ qweight.float().abs().t() * scale)
-        for config in int8_matmul.candidates(rows, columns, depth) + [None]:
+        shapes = int8_matmul.candidates(rows, columns, depth)
+        shapes += [c._replace(sum_in_kernel=False) for c in shapes if c.split_k > 1] + [None]  # two launches; timed
+        for config in shapes:
             got = int8_matmul.int8_matmul_kernel(x, qweight, scale, bias, config).float()
             assert ((got - want).abs() <= bound).all(), (rows, columns, depth, config, (got - want).abs().max())
-        key = (int8_matmul.row_bucket(rows), columns, depth, torch.bfloat16, True)
+        key = (int8_matmul.row_bucket(rows), columns, depth, torch.bfloat16, True, x.device)
         assert key in int8_matmul.tuned_configs()  # the None call timed them
         eager = int8_matmul.int8_matmul_kernel(x, qweight, scale, bias)
         graph, out = torch.cuda.CUDAGraph(), None

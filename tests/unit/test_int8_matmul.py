@@ -48,7 +48,9 @@ INTERPRETED = textwrap.dedent("""
         bias = torch.randn(columns).to(torch.bfloat16)
         for b in (None, bias):
             want = x.float() @ qweight.float().t() * scale + (0 if b is None else b.float())
-            for config in im.candidates(rows, columns, depth) + [None]:  # None: the untimed choice (CPU)
+            shapes = im.candidates(rows, columns, depth) + [None]  # None: the untimed choice (CPU)
+            shapes += [c._replace(sum_in_kernel=False) for c in shapes if c and c.split_k > 1]  # two launches
+            for config in shapes:
                 got = im.int8_matmul_kernel(x, qweight, scale, b, config)
                 assert got.dtype == torch.bfloat16 and got.shape == (rows, columns)
                 # exact products summed in fp32, then one conversion to bf16: within one bf16 ulp (2**-7 relative;
@@ -56,6 +58,7 @@ INTERPRETED = textwrap.dedent("""
                 torch.testing.assert_close(got.float(), want, rtol=2**-7, atol=1e-3, msg=str((rows, config)))
                 configs += 1
     assert im.int8_kernel_available(x) and not im.int8_kernel_available(x.float())
+    assert list(im._counters) == [torch.device("cpu")] and not im._counters[x.device].any()  # all reset
     try:
         im.int8_matmul_kernel(x, qweight, scale, None, im.Config(16, 256, gemv=True))
     except ValueError as e:
@@ -239,17 +242,21 @@ def test_the_kernels_compile_for_an_h100():
 
     matmul, split_k_sum = _kernels()
     target = GPUTarget("cuda", 90, 32)
-    pointers = dict(x_ptr="*bf16", w_ptr="*i8", scale_ptr="*fp32", bias_ptr="*bf16")
-    for block_m, partial, has_bias, warps in (
-        (1, True, True, 8),
-        (1, False, False, 4),
-        (16, True, False, 4),
-        (64, False, True, 4),
+    pointers = dict(x_ptr="*bf16", w_ptr="*i8", scale_ptr="*fp32", bias_ptr="*bf16", partial_ptr="*fp32")
+    for block_m, partial, here, has_bias, warps in (
+        (1, True, True, True, 8),
+        (1, True, False, False, 4),
+        (1, False, False, False, 4),
+        (16, True, True, False, 4),
+        (64, False, False, True, 4),
     ):
-        constants = dict(HAS_BIAS=has_bias, PARTIAL=partial, BLOCK_M=block_m, BLOCK_N=32, BLOCK_K=256, DOT_FP32=False)
+        constants = dict(
+            HAS_BIAS=has_bias, PARTIAL=partial, SUM_HERE=here, BLOCK_M=block_m, BLOCK_N=32, BLOCK_K=256, DOT_FP32=False
+        )
         signature = dict(
             **pointers,
-            out_ptr="*fp32" if partial else "*bf16",
+            out_ptr="*bf16",
+            counter_ptr="*i32",
             **dict.fromkeys(("rows", "columns", "depth", "x_stride", "w_stride", "k_per_split"), "i32"),
             **dict.fromkeys(constants, "constexpr"),
         )
