@@ -74,16 +74,13 @@ from fairseq.generation.decode_memory import attention_shape, kv_cache_bytes, mo
 from fairseq.generation.quantize import Int8WeightOnlyLinear, check_quantize, quantize_for_generation  # noqa: E402
 from fairseq.generation.sequence_generator import SequenceGenerator  # noqa: E402
 from fairseq.kernels.int8_matmul import (  # noqa: E402
-    LEGACY,
     check_int8_matmul_path,
-    heuristic,
     inductor_int8_linear,
     int8_kernel_available,
     int8_matmul_kernel,
-    row_bucket,
     set_int8_matmul,
-    tuned_configs,
 )
+from fairseq.kernels.int8_tuning import LEGACY, heuristic, row_bucket, tuned_configs  # noqa: E402
 from fairseq.kernels.decode_attention import (
     decode_attention_available,
     decode_attention_enabled,  # noqa: E402

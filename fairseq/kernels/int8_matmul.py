@@ -6,7 +6,7 @@
   Triton kernels that read each int8 weight tile once, convert it in registers, accumulate in fp32 and apply the
   row scale and the bias at the end: the weight bytes read are the int8 ones, half of bf16's, which is what
   decoding a few rows, bound by memory bandwidth, gains. The launch shape (a `Config`) is chosen per (row
-  bucket, N, K) at first use by timing a few candidates (`config_for`, below);
+  bucket, N, K) at first use by timing a few candidates (fairseq.kernels.int8_tuning);
 - inside a compiled decode step (torch.compile) the same kernels as one opaque op (fairseq::int8_matmul), or,
   with FAIRSEQ_INT8_MATMUL=inductor, plain tensor code that inductor fuses (`inductor_int8_linear`);
 - elsewhere, or more rows (a prompt's forward, bound by arithmetic): `torch._weight_int8pack_mm` where it is
@@ -31,35 +31,18 @@ torch._weight_int8pack_mm also has a CUDA kernel since torch 2.9 (one thread per
 the whole reduction, x converted to fp32 first): not used on CUDA here (the benchmark times it).
 """
 
-import logging
 import os
-from typing import List, NamedTuple, Optional
+from typing import List, Optional
 
 import torch
 import torch.nn.functional as F
 
 from fairseq.kernels import built_with_triton, constant_result, triton_interpreted
+from fairseq.kernels.int8_tuning import MAX_KERNEL_ROWS, Config, config_for, row_block
 
-logger = logging.getLogger(__name__)
 
-MAX_KERNEL_ROWS = 256  # decode steps: batch x beam rows; more rows (prefill) take the dequantized GEMM
 PATHS = ("triton", "inductor")  # FAIRSEQ_INT8_MATMUL: what a compiled decode step runs
 
-
-class Config(NamedTuple):
-    """A launch shape of the kernel. `gemv`: the one-row form (BLOCK_M = 1, no tl.dot); else tl.dot with BLOCK_M
-    rows (16, 32 or 64, from the row count). `sum_in_kernel` (split-K): the last program of a tile adds the slices
-    (one launch), else the split-K sum kernel does (two)."""
-
-    block_n: int
-    block_k: int
-    split_k: int = 1
-    num_warps: int = 4
-    gemv: bool = False
-    sum_in_kernel: bool = True
-
-
-LEGACY = Config(32, 128)  # the one launch shape before tuning (0.87x bf16 at batch 1, H100): the benchmark's baseline
 
 _path: List[str] = [os.environ.get("FAIRSEQ_INT8_MATMUL", "triton")]
 
@@ -149,12 +132,6 @@ def _int8_matmul_shape(x, qweight, scale, bias):
     return x.new_empty(x.size(0), qweight.size(0))
 
 
-def row_block(rows: int, config: Config) -> int:
-    """BLOCK_M: 1 for the GEMV form, else the rows rounded up to a power of two within [16, 64] (tl.dot takes
-    16 rows at least)."""
-    return 1 if config.gemv else max(16, min(64, 1 << (rows - 1).bit_length()))
-
-
 def int8_matmul_kernel(
     x: torch.Tensor,
     qweight: torch.Tensor,
@@ -163,10 +140,11 @@ def int8_matmul_kernel(
     config: Optional[Config] = None,
 ) -> torch.Tensor:
     """The Triton path for x [M, K] (any M; int8_linear sends it the small ones). `config`: the launch shape;
-    None: the one chosen for this shape (config_for: timed at first use on CUDA)."""
+    None: the one chosen for this shape (int8_tuning.config_for: timed at first use on CUDA)."""
     if qweight.stride(1) != 1 or x.stride(1) != 1:
         raise ValueError("int8 matmul: x and the int8 weight must be contiguous in their last dim")
-    return launch(x, qweight, scale, bias, config or config_for(x, qweight, bias))
+    config = config or config_for(x, qweight, bias, lambda c: launch(x, qweight, scale, bias, c))
+    return launch(x, qweight, scale, bias, config)
 
 
 def launch(
@@ -215,21 +193,27 @@ def launch(
         num_warps=config.num_warps,
     )
     if split > 1 and counters is None:
-        block = 256  # several programs even at one row: the sum is latency, not bandwidth
-        split_k_sum[(-(-(rows * columns) // block),)](
-            partial,
-            scale,
-            bias_arg,
-            out,
-            rows * columns,
-            columns,
-            HAS_BIAS=bias is not None,
-            SPLIT_K=split,
-            SPLIT_BLOCK=1 << (split - 1).bit_length(),
-            BLOCK=block,
-            num_warps=4,
-        )
+        _sum_slices(split_k_sum, partial, scale, bias, out)
     return out
+
+
+def _sum_slices(split_k_sum, partial: torch.Tensor, scale, bias: Optional[torch.Tensor], out: torch.Tensor) -> None:
+    """out = the sum of partial's slices [S, M, N] x scale (+ bias): split-K's second launch."""
+    split, rows, columns = partial.shape
+    block = 256  # several programs even at one row: the sum is latency, not bandwidth
+    split_k_sum[(-(-(rows * columns) // block),)](
+        partial,
+        scale,
+        bias if bias is not None else scale,
+        out,
+        rows * columns,
+        columns,
+        HAS_BIAS=bias is not None,
+        SPLIT_K=split,
+        SPLIT_BLOCK=1 << (split - 1).bit_length(),
+        BLOCK=block,
+        num_warps=4,
+    )
 
 
 # Split-K summed in the kernel: one int32 counter per output tile, per device, allocated once (zeros) outside
@@ -250,129 +234,14 @@ def _tile_counters(device: torch.device, tiles: int) -> Optional[torch.Tensor]:
     return counters if tiles <= TILE_COUNTERS else None
 
 
-# Launch shapes timed at first use of a shape (every one also gets LEGACY and the heuristic's). One row: GEMV
-# tiles of 8-64 columns, K slices of 128-512, split-K 1-8; more rows: tl.dot tiles.
-GEMV_CANDIDATES = tuple(
-    Config(n, k, split, warps, gemv=True)
-    for n, k, split, warps in (
-        (8, 512, 1, 4),
-        (8, 512, 2, 4),
-        (16, 256, 1, 4),
-        (16, 256, 2, 4),
-        (16, 256, 4, 4),
-        (16, 512, 4, 4),
-        (32, 256, 1, 4),
-        (32, 256, 2, 4),
-        (32, 256, 4, 4),
-        (32, 256, 8, 8),
-        (64, 128, 2, 4),
-        (64, 128, 4, 8),
-    )
-)
-DOT_CANDIDATES = tuple(
-    Config(n, k, split, warps)
-    for n, k, split, warps in (
-        (16, 128, 4, 4),
-        (32, 128, 2, 4),
-        (32, 128, 4, 4),
-        (32, 256, 2, 4),
-        (32, 256, 4, 8),
-        (64, 64, 1, 4),
-        (64, 128, 1, 4),
-        (64, 128, 2, 4),
-        (64, 128, 4, 4),
-        (64, 256, 2, 8),
-        (128, 64, 1, 4),
-        (128, 128, 1, 8),
-    )
-)
-PROGRAMS = 512  # the programs the heuristic aims for: ~4 per SM of a 132-SM H100
-TIMED_CALLS = 10  # per candidate, after 2 warm-up calls, each after a flush of the L2 cache
-_chosen = {}  # (row bucket, N, K, dtype, bias?, device) -> the Config timed fastest
-
-
-def row_bucket(rows: int) -> int:
-    """The rows a chosen launch shape is shared by: 1 (GEMV), then up to 16, 32, 64, MAX_KERNEL_ROWS."""
-    return next(b for b in (1, 16, 32, 64, MAX_KERNEL_ROWS) if rows <= b) if rows <= MAX_KERNEL_ROWS else rows
-
-
-def heuristic(rows: int, columns: int, depth: int) -> Config:
-    """An untimed launch shape (Triton's interpreter, under CUDA-graph capture): tiles of 16 columns (GEMV) or
-    32, K slices of 256 or 128, split-K doubled up to 8 while there are fewer than PROGRAMS programs and each
-    slice keeps two K blocks."""
-    config = Config(16, 256, gemv=True) if rows == 1 else Config(32, 128)
-    programs = -(-columns // config.block_n) * -(-rows // row_block(rows, config))
-    split = 1
-    while split < 8 and programs * split < PROGRAMS and depth >= 4 * split * config.block_k:
-        split *= 2
-    return config._replace(split_k=split)
-
-
-def candidates(rows: int, columns: int, depth: int) -> list:
-    """The launch shapes timed for this shape: those whose tiles and K slices are not mostly padding."""
-    fits = [
-        c
-        for c in (GEMV_CANDIDATES if rows == 1 else DOT_CANDIDATES)
-        if c.block_n <= max(16, 2 * columns) and c.block_k <= max(64, 2 * depth) and depth >= c.split_k * c.block_k
-    ]
-    return list(dict.fromkeys([LEGACY, heuristic(rows, columns, depth)] + fits))
-
-
-def config_for(x: torch.Tensor, qweight: torch.Tensor, bias: Optional[torch.Tensor]) -> Config:
-    """The launch shape for x [M, K] and this weight: timed among `candidates` at the first call of its key
-    (row bucket, N, K, dtype, bias), on CUDA and outside CUDA-graph capture; the heuristic's otherwise (and
-    under capture, not kept: the next eager call times them). A CUDA graph captures what its warm-up chose."""
-    rows, depth = x.shape
-    key = (row_bucket(rows), qweight.size(0), depth, x.dtype, bias is not None, x.device)
-    config = _chosen.get(key)
-    if config is None:
-        if not x.is_cuda or torch.cuda.is_current_stream_capturing():
-            return heuristic(rows, qweight.size(0), depth)
-        config = _chosen[key] = fastest(x, qweight, bias, candidates(rows, qweight.size(0), depth))
-        logger.info("int8 matmul %s rows x %s x %s: %s", rows, qweight.size(0), depth, config)
-    return config
-
-
-def fastest(x: torch.Tensor, qweight: torch.Tensor, bias: Optional[torch.Tensor], configs) -> Config:
-    """The config of `configs` with the lowest median CUDA time (weights re-read from memory each call, as in a
-    decode step, where a layer's weights are long gone from L2 by the next step)."""
-    scale = torch.ones(qweight.size(0), dtype=torch.float32, device=x.device)
-    try:
-        flush = torch.empty(256 * 2**20, dtype=torch.int8, device=x.device)  # larger than any GPU's L2 cache
-    except torch.cuda.OutOfMemoryError:  # a GPU filled by the KV cache: timed without the flush
-        flush = torch.empty(0, dtype=torch.int8, device=x.device)
-    times = {}
-    for config in configs:
-        try:
-            for _ in range(2):  # compile, warm
-                launch(x, qweight, scale, bias, config)
-        except Exception:  # a launch shape this GPU cannot run (Triton's OutOfResources): not a candidate
-            continue
-        events = [
-            (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(TIMED_CALLS)
-        ]
-        for start, end in events:
-            flush.zero_()
-            start.record()
-            launch(x, qweight, scale, bias, config)
-            end.record()
-        torch.cuda.synchronize(x.device)
-        times[config] = sorted(start.elapsed_time(end) for start, end in events)[TIMED_CALLS // 2]
-    return min(times, key=times.get) if times else configs[0]  # none ran: the first's launch says why
-
-
-def tuned_configs() -> dict:
-    """The launch shapes chosen so far, by (row bucket, N, K, dtype, bias?, device)."""
-    return dict(_chosen)
-
-
 def _kernels():
     """(the matmul kernel, the split-K sum kernel), jitted on first use; None without Triton."""
     global _GEMV_SUMS, _DOT_SUMS, _FINISH
     helpers = _sums()
     if helpers is None:
         return None
-    _GEMV_SUMS, _DOT_SUMS, _FINISH = helpers
+    _GEMV_SUMS, _DOT_SUMS = helpers
+    _FINISH = _epilogue()
     return _matmul(), _split_k_sum()
 
 
@@ -384,7 +253,7 @@ _GEMV_SUMS = _DOT_SUMS = _FINISH = None
 @built_with_triton
 def _sums(triton, tl):
     """The matmul kernel's helpers: its loops over its slice of K (GEMV form, tl.dot form), each the fp32 sums
-    [BLOCK_M, BLOCK_N] of the products, unscaled; and its epilogue."""
+    [BLOCK_M, BLOCK_N] of the products, unscaled."""
 
     @triton.jit
     def gemv_sums(
@@ -434,6 +303,11 @@ def _sums(triton, tl):
                 acc += tl.dot(x, w.to(x.dtype))
         return acc
 
+    return gemv_sums, dot_sums
+
+
+@built_with_triton
+def _epilogue(triton, tl):
     @triton.jit
     def finish(acc, scale_ptr, bias_ptr, out_ptr, n, n_ok, offsets, mask, HAS_BIAS: tl.constexpr):
         """out = the sums x the row scales (+ bias), in out's dtype."""
@@ -442,7 +316,7 @@ def _sums(triton, tl):
             acc += tl.load(bias_ptr + n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
         tl.store(out_ptr + offsets, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
-    return gemv_sums, dot_sums, finish
+    return finish
 
 
 @built_with_triton

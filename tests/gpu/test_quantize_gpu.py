@@ -20,7 +20,7 @@ from fairseq.dataclass.utils import config_to_dict
 from fairseq.generation.decode_memory import model_bytes
 from fairseq.generation.quantize import quantize_for_generation
 from fairseq.generation.sequence_generator import SequenceGenerator
-from fairseq.kernels import int8_matmul
+from fairseq.kernels import int8_matmul, int8_tuning
 from fairseq.models.transformer_lm import TransformerLanguageModel, TransformerLanguageModelConfig, preset_config
 from fairseq_cli import generate, interactive
 from tests.train_fixtures import console_in_process
@@ -265,13 +265,13 @@ def test_every_int8_launch_shape_matches_the_fp32_product(rows):
         want = x.float() @ qweight.float().t() * scale + bias.float()
         # one rounding of the output, plus the fp32 sums' error in any order (2**-20 of the sum of |products|)
         bound = 2**-8 * want.abs() + 2**-20 * (x.float().abs() @ qweight.float().abs().t() * scale)
-        shapes = int8_matmul.candidates(rows, columns, depth)
+        shapes = int8_tuning.candidates(rows, columns, depth)
         shapes += [c._replace(sum_in_kernel=False) for c in shapes if c.split_k > 1] + [None]  # two launches; timed
         for config in shapes:
             got = int8_matmul.int8_matmul_kernel(x, qweight, scale, bias, config).float()
             assert ((got - want).abs() <= bound).all(), (rows, columns, depth, config, (got - want).abs().max())
-        key = (int8_matmul.row_bucket(rows), columns, depth, torch.bfloat16, True, x.device)
-        assert key in int8_matmul.tuned_configs()  # the None call timed them
+        key = (int8_tuning.row_bucket(rows), columns, depth, torch.bfloat16, True, x.device)
+        assert key in int8_tuning.tuned_configs()  # the None call timed them
         eager = int8_matmul.int8_matmul_kernel(x, qweight, scale, bias)
         graph, out = torch.cuda.CUDAGraph(), None
         with torch.cuda.graph(graph):

@@ -16,17 +16,8 @@ import torch.nn as nn
 from fairseq.data.dictionary import Dictionary
 from fairseq.generation.quantize import Int8WeightOnlyLinear, quantizable_linears, quantize_linears_
 from fairseq.generation.sequence_generator import SequenceGenerator
-from fairseq.kernels.int8_matmul import (
-    LEGACY,
-    Config,
-    candidates,
-    config_for,
-    heuristic,
-    int8_linear,
-    row_bucket,
-    set_int8_matmul,
-    tuned_configs,
-)
+from fairseq.kernels.int8_matmul import int8_linear, set_int8_matmul
+from fairseq.kernels.int8_tuning import LEGACY, Config, candidates, config_for, heuristic, row_bucket, tuned_configs
 from fairseq.models.transformer_lm import TransformerLanguageModel, TransformerLanguageModelConfig
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -35,6 +26,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 INTERPRETED = textwrap.dedent("""
     import torch
     from fairseq.kernels import int8_matmul as im
+    from fairseq.kernels.int8_tuning import candidates
 
     torch.manual_seed(0)
     # K and N not multiples of any block; K 600 split in 2, 3 (4 asked: 5 blocks of 128 in slices of 256) or 4
@@ -48,7 +40,7 @@ INTERPRETED = textwrap.dedent("""
         bias = torch.randn(columns).to(torch.bfloat16)
         for b in (None, bias):
             want = x.float() @ qweight.float().t() * scale + (0 if b is None else b.float())
-            shapes = im.candidates(rows, columns, depth) + [None]  # None: the untimed choice (CPU)
+            shapes = candidates(rows, columns, depth) + [None]  # None: the untimed choice (CPU)
             shapes += [c._replace(sum_in_kernel=False) for c in shapes if c and c.split_k > 1]  # two launches
             for config in shapes:
                 got = im.int8_matmul_kernel(x, qweight, scale, b, config)
@@ -91,7 +83,7 @@ def test_the_launch_shapes_a_decode_step_gets_untimed():
         assert all(c.gemv == (rows == 1) for c in shapes[1:])
     assert all(c.split_k * c.block_k <= 300 for c in candidates(1, 64, 300))
     x = torch.zeros(1, 300, dtype=torch.bfloat16)  # on the CPU: the heuristic's, nothing timed or kept
-    assert config_for(x, torch.zeros(64, 300, dtype=torch.int8), None) == heuristic(1, 64, 300)
+    assert config_for(x, torch.zeros(64, 300, dtype=torch.int8), None, run=None) == heuristic(1, 64, 300)
     assert tuned_configs() == {}
 
 
