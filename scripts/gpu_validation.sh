@@ -68,12 +68,12 @@ case "${1:-tests}" in
                 # shapes timed at first use) with the table of one Linear's int8 paths at rows 1 and 32 (its inductor
                 # column compiled in the default mode); then the compiled steps, max-autotune: bf16, int8 through
                 # the Triton op (FAIRSEQ_INT8_MATMUL=triton) and through inductor's fusion (=inductor)
-    step decode_int8_tests 150 python3 -m pytest -q -s -p no:cacheprovider -m gpu tests/gpu/test_quantize_gpu.py \
+    step decode_int8_tests 170 python3 -m pytest -q -s -p no:cacheprovider -m gpu tests/gpu/test_quantize_gpu.py \
       -rs --basetemp "$WORK/pytest"
-    step decode_int8_bench 200 python3 scripts/benchmark_generate.py --arch transformer_lm_gpt3_xl --batch-sizes 1,32 \
+    step decode_int8_bench 190 python3 scripts/benchmark_generate.py --arch transformer_lm_gpt3_xl --batch-sizes 1,32 \
       --prompt-len 512 --new-tokens 256 --dtype bf16 --repeats 1 --rows greedy,int8 --no-transformers \
       --no-attention-calls --json "$WORK/decode_int8.json"
-    step decode_int8_compiled 230 python3 scripts/benchmark_generate.py --arch transformer_lm_gpt3_xl \
+    step decode_int8_compiled 220 python3 scripts/benchmark_generate.py --arch transformer_lm_gpt3_xl \
       --batch-sizes 1,32 --prompt-len 512 --new-tokens 256 --dtype bf16 --repeats 1 \
       --rows greedy,greedy-compiled,int8-compiled,int8-inductor --compile-mode max-autotune-no-cudagraphs \
       --no-transformers --no-attention-calls --no-int8-matmuls --json "$WORK/decode_int8_compiled.json"
