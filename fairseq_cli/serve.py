@@ -38,6 +38,7 @@ from fairseq.serving.tensor_parallel import (
     TensorParallelGroup,
     check_tensor_parallel_launch,
     follow,
+    keep_stopping_on_sigterm,
     tensor_parallel_group,
 )
 from fairseq_cli.console import run_console_script
@@ -194,6 +195,7 @@ def main(cfg) -> None:
         http.run()
     finally:
         if tp is not None:  # stopped while loading: the followers wait for a word, sent once it is loaded
+            keep_stopping_on_sigterm()
             loader.join()
         stop_serving(server)
     if failed:
@@ -213,9 +215,10 @@ def stop_serving(server) -> None:
     if leader is None:
         scheduler.stop()
         return
+    scheduler.stop(1.0)
     if scheduler.thread.is_alive():
         logger.info("waiting for the running operation to end, then the other ranks are told to stop")
-    scheduler.stop(leader.stop_wait_s)
+        scheduler.thread.join(leader.stop_wait_s)
     if scheduler.failed is not None:  # the ranks are out of step: nothing more is sent
         return
     if scheduler.thread.is_alive():

@@ -348,3 +348,15 @@ def keep_following_on_signals(rank: int) -> None:
 
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, note)
+
+
+def keep_stopping_on_sigterm() -> None:
+    """On rank 0 once its HTTP side has stopped (uvicorn has put the default handlers back): a further SIGTERM
+    (the user's, a supervisor's) is logged instead of killing rank 0 while it waits for the model to load or for
+    the running operation to end, which would leave the followers to the process group's timeout. SIGINT (a
+    second Ctrl-C) still ends it."""
+
+    def note(signum, frame):
+        logger.info("rank 0: SIGTERM: already stopping; the other ranks are told once the running operation ends")
+
+    signal.signal(signal.SIGTERM, note)

@@ -1,11 +1,11 @@
 """fairseq-serve --model-parallel-size 2 on 2 gloo ranks (the project's launcher) when a rank stalls: rank 1 is
 stopped (SIGSTOP, as a rank whose host or GPU hangs), so that rank 0's best_of call waits for it in its
 collectives. A drain whose timeout ends while that call runs (longer than the 10 s rank 0 once waited for its
-decode thread) still tells rank 1 to stop once the call is done, and every rank exits 0; a rank that does not
-take the next operation within the process group's timeout (--heartbeat-timeout 6) stops the server with one
-line naming the rank and the cause, its client answered with that line (rank 0 once answered 500 and served on
-with its ranks out of step). tests/unit/test_serve_agreement.py has the ranks' agreement on a failure inside
-an operation."""
+decode thread), and a second SIGTERM while rank 0 waits for it, still tell rank 1 to stop once the call is done,
+and every rank exits 0; a rank that does not take the next operation within the process group's timeout
+(--heartbeat-timeout 6) stops the server with one line naming the rank and the cause, its client answered with
+that line (rank 0 once answered 500 and served on with its ranks out of step). tests/unit/test_serve_agreement.py
+has the ranks' agreement on a failure inside an operation."""
 
 import concurrent.futures
 import contextlib
@@ -74,8 +74,9 @@ def test_a_drain_that_ends_while_a_long_best_of_call_runs_still_stops_every_rank
             running = post_async(pool, url, BEST_OF)
             time.sleep(1.0)
             job.send_signal(signal.SIGTERM)  # the launcher passes it to both ranks
-            # the drain's 1 s ends; the call runs on past the 10 s rank 0 gave its decode thread after it before
-            time.sleep(12)
+            time.sleep(3)  # the drain's 1 s ends; rank 0 waits for the call
+            job.send_signal(signal.SIGTERM)  # a second one (it killed rank 0, its HTTP side gone, before)
+            time.sleep(9)  # the call runs on past the 10 s rank 0 gave its decode thread after the drain before
             os.kill(follower, signal.SIGCONT)
             with contextlib.suppress(ConnectionError):  # cut by the drain's timeout, or answered
                 running.result(timeout=60)

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from fairseq.serving.tensor_parallel import OutOfStep, run_call, run_step
 from tests.train_fixtures import spawn_scenarios
 
-AGREE_S, MODEL_TIMEOUT_S = 2.0, 4.0
+AGREE_S, MODEL_TIMEOUT_S = 2.0, 10.0
 
 
 class Model:
@@ -123,7 +123,7 @@ def test_a_step_that_fails_on_one_rank_stops_every_rank(ranks):
 
 def test_a_rank_that_fails_before_a_collective_stops_within_the_agreements_wait(ranks):
     kind, message, seconds = ranks[1]["one_fails_before"][0]
-    assert kind == OutOfStep.__name__ and AGREE_S <= seconds < AGREE_S + 1.5, (kind, message, seconds)
+    assert kind == OutOfStep.__name__ and AGREE_S <= seconds < AGREE_S + 4, (kind, message, seconds)  # not 10 s
     assert message.startswith(
         f"rank 1: beam failed here (OutOfMemoryError: out of memory), and the other ranks did not answer within "
         f"{AGREE_S:g} s after the beam"
