@@ -31,11 +31,12 @@ DecodeEngine. The CUDA-graph mode of torch.compile ("reduce-overhead") is not of
 
 import logging
 import os
-from typing import Callable, List, Optional, Union
+from typing import Callable, List, Optional, Tuple, Union
 
 import torch
 from torch import Tensor
 
+from fairseq.generation.cuda_graph_decoding import ATTENTION_WINDOW, round_up_sentences
 from fairseq.kernels import mark_constant_results
 from fairseq.kernels.decode_attention import decode_attention_available
 
@@ -45,6 +46,8 @@ MODES = ("default", "max-autotune-no-cudagraphs")
 # Compiles a process may keep of the step (dynamo's limit is per function, 8 by default): row counts x windows
 # x the generators alive.
 RECOMPILE_LIMIT = 64
+# The shortest length a compiled prefill runs at (see prefill_length).
+PREFILL_MIN_LENGTH = 64
 
 _setting: List[Optional[str]] = [None]
 
@@ -79,45 +82,120 @@ def compile_decode_step_mode() -> Optional[str]:
 _setting[0] = compile_mode(os.environ.get("FAIRSEQ_COMPILE_DECODE_STEP", "0"))
 
 
-class CompiledStep:
-    """`step(tokens, slot, states, window)` compiled (see the module doc); called as the step itself."""
+class _Compiled:
+    """`fn` compiled by torch.compile with static shapes; a compile that fails, or torch's recompile limit
+    reached, leaves `fn` uncompiled from then on, said in one warning (`what` names it)."""
 
-    def __init__(self, step: Callable, model: torch.nn.Module, mode: str = "default", backend="inductor"):
-        """`model`: what the step runs (its dtype says whether the decode attention kernel runs); `backend`:
-        torch.compile's (tests pass a counting one; `mode` applies to inductor only)."""
-        self.step, self.model = step, model
+    def __init__(self, fn: Callable, what: str, mode: str, backend):
         options = {"mode": mode} if backend == "inductor" else {}
         mark_constant_results()
-        self.compiled = torch.compile(step, backend=backend, dynamic=False, **options)
-        self.mode = mode
-        self._warm_states = None
-        self._window_free: Optional[bool] = None
-        self.shapes = set()  # the (rows, window or None) compiled for: one compile each
-        self.failed = False  # a compile failed: the uncompiled step from then on (said once)
+        self.fn, self.what, self.mode = fn, what, mode
+        self.compiled = torch.compile(fn, backend=backend, dynamic=False, **options)
+        self.shapes = set()  # the shapes compiled for: one compile each
+        self.failed = False  # a compile failed or the limit was reached: the uncompiled fn from then on
 
-    def __call__(self, tokens: Tensor, slot: Tensor, states: List[dict], window: int) -> Tensor:
+    def _run(self, shape, *args):
         if self.failed:
-            return self.step(tokens, slot, states, window)
-        if self._window_free is None:  # the kernel reads live lengths: the window is no shape
-            dtype = next((p.dtype for p in self.model.parameters() if p.is_floating_point()), torch.float32)
-            self._window_free = decode_attention_available(torch.empty(0, dtype=dtype, device=tokens.device))
-        if states is not self._warm_states:  # new caches: allocated by an eager step first (see the module doc)
-            self.step(tokens, slot, states, window)
-            self._warm_states = states
-        shape = (tokens.size(0), None if self._window_free else window)
+            return self.fn(*args)
         try:
-            with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
-                out = self.compiled(tokens, slot, states, shape[1])
+            # Past the limit dynamo would run the function uncompiled without a word; failing, it is said here.
+            with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT, fail_on_recompile_limit_hit=True):
+                out = self.compiled(*args)
+        except torch._dynamo.exc.FailOnRecompileLimitHit:
+            logger.warning(
+                "the compiled %s reached torch.compile's recompile limit (%d compiles of it in this process, "
+                "generators and engines together); this generator runs it uncompiled from now on",
+                self.what,
+                RECOMPILE_LIMIT,
+            )
+            self.failed = True
+            return self.fn(*args)
         except Exception as error:  # a compile's failure (a first call of its shape): decode on, uncompiled
             if shape in self.shapes:
                 raise
             cause = getattr(error, "inner_exception", None) or error  # dynamo wraps the backend's error
             logger.warning(
-                "compiling the decode step failed (%s: %s); this generator decodes with the uncompiled step",
+                "compiling the %s failed (%s: %s); this generator runs it uncompiled",
+                self.what,
                 type(cause).__name__,
                 " ".join(str(cause).split())[:300],
             )
             self.failed = True
-            return self.step(tokens, slot, states, window)
+            return self.fn(*args)
         self.shapes.add(shape)
         return out
+
+
+class CompiledStep(_Compiled):
+    """`step(tokens, slot, states, window)` compiled (see the module doc); called as the step itself."""
+
+    def __init__(self, step: Callable, model: torch.nn.Module, mode: str = "default", backend="inductor"):
+        """`model`: what the step runs (its dtype says whether the decode attention kernel runs); `backend`:
+        torch.compile's (tests pass a counting one; `mode` applies to inductor only)."""
+        super().__init__(step, "decode step", mode, backend)
+        self.step, self.model = step, model
+        self._warm_states = None
+        self._window_free: Optional[bool] = None
+
+    def __call__(self, tokens: Tensor, slot: Tensor, states: List[dict], window: int) -> Tensor:
+        if self.failed:
+            return self.step(tokens, slot, states, window)
+        if self._window_free is None:  # the kernel reads live lengths: the window is no shape
+            self._window_free = decode_attention_available(
+                torch.empty(0, dtype=model_dtype(self.model), device=tokens.device)
+            )
+        if states is not self._warm_states:  # new caches: allocated by an eager step first (see the module doc)
+            self.step(tokens, slot, states, window)
+            self._warm_states = states
+        shape = (tokens.size(0), None if self._window_free else window)
+        return self._run(shape, tokens, slot, states, shape[1])
+
+
+def model_dtype(model: torch.nn.Module) -> torch.dtype:
+    """The dtype of `model`'s first floating-point parameter (its activations'), float32 without one."""
+    return next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+
+
+def prefill_length(length: int, limit: int) -> int:
+    """The length a prefill of `length` tokens is padded to: 64, 128, 256, then multiples of 256 (the step's
+    attention windows), at most `limit` (the caches' capacity, the model's positions) and at least `length`."""
+    if length <= ATTENTION_WINDOW:
+        padded = max(PREFILL_MIN_LENGTH, 1 << (length - 1).bit_length())
+    else:
+        padded = -(-length // ATTENTION_WINDOW) * ATTENTION_WINDOW
+    return max(length, min(padded, limit))
+
+
+class CompiledPrefill(_Compiled):
+    """The ensemble's static prefill (`static_prefill(tokens [B, T], states) -> features`, one forward of the
+    prompts into empty caches) compiled over padded shapes: rows rounded up as the graphs' (1, 2, 4, 8, then
+    multiples of 8), lengths by `prefill_length`, <pad> after the prompts. Causal attention: a prompt's positions
+    never see the padding after them, so the features of its own positions and the keys and values of its slots
+    are the unpadded forward's (up to the compiled kernels' rounding); the padded slots and rows of the caches hold
+    finite values that the steps overwrite or never read."""
+
+    def __init__(self, ensemble, pad: int, mode: str = "default", backend="inductor"):
+        super().__init__(ensemble.static_prefill, "prefill", mode, backend)
+        self.ensemble, self.pad = ensemble, pad
+
+    def padded_shape(self, rows: int, length: int, cache_rows: int = 0, capacity: int = 0) -> Tuple[int, int]:
+        """(rows, length) a prefill of `rows` x `length` tokens runs at: within the caches' rows and capacity
+        when given, and the model's positions."""
+        padded_rows = round_up_sentences(rows)
+        limit = self.ensemble.max_decoder_positions()
+        return (
+            min(padded_rows, cache_rows) if cache_rows else padded_rows,
+            prefill_length(length, min(limit, capacity) if capacity else limit),
+        )
+
+    def __call__(self, tokens: Tensor, states: List[dict]) -> List[Tensor]:
+        """Feed `tokens` [B, T] into the empty caches `states` (their first T slots of rows 0 .. B-1): each
+        model's features [B, T, C] (views of the padded forward's); the caches then say T tokens are cached."""
+        rows, length = tokens.shape
+        cache_rows, capacity = self.ensemble.static_cache_shape(states, rows, tokens.device)  # allocated eagerly
+        shape = self.padded_shape(rows, length, cache_rows, capacity)
+        padded = tokens.new_full(shape, self.pad)
+        padded[:rows, :length] = tokens
+        features = self._run(shape, padded, states)
+        self.ensemble.set_incremental_length(states, length)
+        return [f[:rows, :length] for f in features]

@@ -27,7 +27,13 @@ import torch
 import torch.nn as nn
 from torch import Tensor
 
-from fairseq.generation.compiled_step import CompiledStep, compile_decode_step_mode, compile_mode
+from fairseq.generation.compiled_step import (
+    CompiledPrefill,
+    CompiledStep,
+    compile_decode_step_mode,
+    compile_mode,
+    model_dtype,
+)
 from fairseq.generation.cuda_graph_decoding import GraphedDecodeStep
 from fairseq.modules.fairseq_incremental_decoder import FairseqIncrementalDecoder
 
@@ -159,6 +165,23 @@ class EnsembleModel(nn.Module):
             ]
         )
 
+    def static_cache_shape(self, states: List[dict], rows: int, device: torch.device) -> Tuple[int, int]:
+        """(rows, capacity) every model's caches have, allocated first where nothing is cached yet (at their
+        reserved size, at least `rows` rows)."""
+        like = torch.empty(0, dtype=model_dtype(self), device=device)
+        shapes = [m.decoder.static_cache_shape(state, rows, like) for m, state in zip(self.models, states)]
+        return min(r for r, _ in shapes), min(c for _, c in shapes)
+
+    def static_prefill(self, tokens: Tensor, states: List[dict]) -> List[Tensor]:
+        """Each model's features [B, T, C] of `tokens` [B, T] fed into empty caches, through its decoder's
+        `forward_static_prefill` (no plain-int length read: what fairseq.generation.compiled_step compiles)."""
+        return [m.decoder.forward_static_prefill(tokens, state) for m, state in zip(self.models, states)]
+
+    def set_incremental_length(self, states: List[dict], length: int) -> None:
+        """Say that the caches hold `length` tokens (static steps and prefills leave the plain-int lengths)."""
+        for m, state in zip(self.models, states):
+            m.decoder.set_incremental_length(state, length)
+
     def feed_prompts(
         self, tokens: Tensor, states: List[dict], temperature: float, vocab_size: int
     ) -> Tuple[Tensor, Tensor]:
@@ -167,6 +190,13 @@ class EnsembleModel(nn.Module):
         features = [
             m.decoder(tokens, incremental_state=state, features_only=True)[0] for m, state in zip(self.models, states)
         ]
+        return self.prompt_scores(tokens, features, temperature, vocab_size)
+
+    def prompt_scores(
+        self, tokens: Tensor, features: List[Tensor], temperature: float, vocab_size: int
+    ) -> Tuple[Tensor, Tensor]:
+        """`feed_prompts`' log-probabilities from each model's features [B, T, C] of `tokens` [B, T], computed
+        over a few positions at a time (at most _LOGITS_CHUNK logits exist at once)."""
         batch, length = tokens.shape
         forced = torch.empty(batch, length - 1, device=tokens.device)
         chunk = max(1, _LOGITS_CHUNK // (batch * vocab_size))
@@ -214,6 +244,9 @@ class StepModel:
         self.eager_graphs = False  # True: the static-step path without capture on any device (CPU tests)
         mode = compile_decode_step_mode() if compile_step is None else compile_mode(compile_step)
         self.compiled_step = None if mode is None else CompiledStep(self._static_step, ensemble, mode)
+        # The prompts' forward compiled too, over the caches the static steps run on (the graph runner's).
+        compiles_prefill = mode is not None and ensemble.can_static_step
+        self.compiled_prefill = CompiledPrefill(ensemble, pad, mode) if compiles_prefill else None
 
     def mask_special(self, lprobs: Tensor) -> Tensor:
         """The masks of every step: NaN -> -inf, never <pad>, --unkpen (inside the CUDA graph when one runs)."""
@@ -255,9 +288,21 @@ class StepModel:
 
     def prefill(self, tokens: Tensor, states: List[dict]) -> Tuple[Tensor, Tensor]:
         """Prompts `tokens` [B, T] into empty caches: (log-probabilities [B, T-1] of tokens[:, 1:]; the masked
-        log-probabilities [B, V] of the token after them)."""
-        forced, next_lprobs = self.model.feed_prompts(tokens, states, self.temperature, self.vocab_size)
+        log-probabilities [B, V] of the token after them). Compiled (`compile_step`) over the graph runner's
+        caches: the models' forward padded to few shapes (fairseq.generation.compiled_step.CompiledPrefill)."""
+        if self.compiled_prefill is not None and self.graphed is not None and states is self.graphed.states:
+            features = self.compiled_prefill(tokens, states)
+            forced, next_lprobs = self.model.prompt_scores(tokens, features, self.temperature, self.vocab_size)
+        else:
+            forced, next_lprobs = self.model.feed_prompts(tokens, states, self.temperature, self.vocab_size)
         return forced, self.mask_special(next_lprobs)
+
+    def prefill_shape(self, rows: int, length: int) -> Tuple[int, int]:
+        """(rows, length) a prefill of `rows` prompts of `length` tokens runs at, padding included (at most
+        the model's positions long)."""
+        if self.compiled_prefill is None:
+            return rows, length
+        return self.compiled_prefill.padded_shape(rows, length)
 
     def next_log_probs(self, tokens: Tensor, step: int, states: Optional[List[dict]], graphed) -> Tensor:
         """Masked log-probabilities [rows, V] of the token after tokens[:, :step + 1] (the dynamic cached forward,
@@ -277,6 +322,10 @@ class StepModel:
     def add_rows(self, states: List[dict], rows: Tensor, tokens: Tensor) -> None:
         """Cache rows `rows` take `tokens` [len(rows), T]: prefilled in a state of their own (one forward), copied
         into the running caches' first T slots of those rows."""
-        source = self.model.new_incremental_states(max_batch=tokens.size(0), max_length=tokens.size(1))
-        self.model.prefill(tokens, source)
+        padded_rows, padded_length = self.prefill_shape(*tokens.shape)
+        source = self.model.new_incremental_states(max_batch=padded_rows, max_length=padded_length)
+        if self.compiled_prefill is not None:
+            self.compiled_prefill(tokens, source)
+        else:
+            self.model.prefill(tokens, source)
         self.model.add_rows(states, rows, source, tokens.size(1))
