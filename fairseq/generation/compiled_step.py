@@ -31,12 +31,11 @@ DecodeEngine. The CUDA-graph mode of torch.compile ("reduce-overhead") is not of
 
 import logging
 import os
-from typing import Callable, List, Optional, Tuple, Union
+from typing import Callable, List, Optional, Union
 
 import torch
 from torch import Tensor
 
-from fairseq.generation.cuda_graph_decoding import ATTENTION_WINDOW, round_up_sentences
 from fairseq.kernels import mark_constant_results
 from fairseq.kernels.decode_attention import decode_attention_available
 
@@ -46,8 +45,8 @@ MODES = ("default", "max-autotune-no-cudagraphs")
 # Compiles a process may keep of the step (dynamo's limit is per function, 8 by default): row counts x windows
 # x the generators alive.
 RECOMPILE_LIMIT = 64
-# The shortest length a compiled prefill runs at (see prefill_length).
-PREFILL_MIN_LENGTH = 64
+# A compiled prefill's length is rounded up to a multiple of this (see prefill_length).
+PREFILL_MULTIPLE = 64
 
 _setting: List[Optional[str]] = [None]
 
@@ -86,11 +85,11 @@ class _Compiled:
     """`fn` compiled by torch.compile with static shapes; a compile that fails, or torch's recompile limit
     reached, leaves `fn` uncompiled from then on, said in one warning (`what` names it)."""
 
-    def __init__(self, fn: Callable, what: str, mode: str, backend):
+    def __init__(self, fn: Callable, what: str, mode: str, backend, dynamic: Optional[bool] = False):
         options = {"mode": mode} if backend == "inductor" else {}
         mark_constant_results()
         self.fn, self.what, self.mode = fn, what, mode
-        self.compiled = torch.compile(fn, backend=backend, dynamic=False, **options)
+        self.compiled = torch.compile(fn, backend=backend, dynamic=dynamic, **options)
         self.shapes = set()  # the shapes compiled for: one compile each
         self.failed = False  # a compile failed or the limit was reached: the uncompiled fn from then on
 
@@ -157,45 +156,40 @@ def model_dtype(model: torch.nn.Module) -> torch.dtype:
 
 
 def prefill_length(length: int, limit: int) -> int:
-    """The length a prefill of `length` tokens is padded to: 64, 128, 256, then multiples of 256 (the step's
-    attention windows), at most `limit` (the caches' capacity, the model's positions) and at least `length`."""
-    if length <= ATTENTION_WINDOW:
-        padded = max(PREFILL_MIN_LENGTH, 1 << (length - 1).bit_length())
-    else:
-        padded = -(-length // ATTENTION_WINDOW) * ATTENTION_WINDOW
-    return max(length, min(padded, limit))
+    """The length a prefill of `length` tokens runs at: rounded up to a multiple of PREFILL_MULTIPLE, at most
+    `limit` (the caches' capacity, the model's positions) and at least `length`."""
+    return max(length, min(-(-length // PREFILL_MULTIPLE) * PREFILL_MULTIPLE, limit))
 
 
 class CompiledPrefill(_Compiled):
-    """The ensemble's static prefill (`static_prefill(tokens [B, T], states) -> features`, one forward of the
-    prompts into empty caches) compiled over padded shapes: rows rounded up as the graphs' (1, 2, 4, 8, then
-    multiples of 8), lengths by `prefill_length`, <pad> after the prompts. Causal attention: a prompt's positions
-    never see the padding after them, so the features of its own positions and the keys and values of its slots
-    are the unpadded forward's (up to the compiled kernels' rounding); the padded slots and rows of the caches hold
-    finite values that the steps overwrite or never read."""
+    """The ensemble's static prefill (`static_prefill(tokens [B, T], rows, states) -> features`: one forward of
+    prompts into the caches' rows `rows`, slots 0 .. T-1) compiled with the rows and the length as dynamic
+    dimensions, the prompts right-padded with <pad> to a multiple of PREFILL_MULTIPLE (`prefill_length`): two
+    compiles (one row; more rows) for every prompt length and batch, per size of the caches. Causal attention: a
+    prompt's positions never see the padding after them, so its features and the keys and values of its slots are
+    the unpadded forward's (up to the kernels' rounding: attention reduces over more, masked, keys); the padded
+    slots hold finite values that the steps overwrite before they read them."""
 
     def __init__(self, ensemble, pad: int, mode: str = "default", backend="inductor"):
-        super().__init__(ensemble.static_prefill, "prefill", mode, backend)
+        super().__init__(ensemble.static_prefill, "prefill", mode, backend, dynamic=None)
         self.ensemble, self.pad = ensemble, pad
 
-    def padded_shape(self, rows: int, length: int, cache_rows: int = 0, capacity: int = 0) -> Tuple[int, int]:
-        """(rows, length) a prefill of `rows` x `length` tokens runs at: within the caches' rows and capacity
-        when given, and the model's positions."""
-        padded_rows = round_up_sentences(rows)
+    def padded_length(self, length: int, capacity: int = 0) -> int:
+        """The length a prefill of `length` tokens runs at, within the caches' `capacity` when given."""
         limit = self.ensemble.max_decoder_positions()
-        return (
-            min(padded_rows, cache_rows) if cache_rows else padded_rows,
-            prefill_length(length, min(limit, capacity) if capacity else limit),
-        )
+        return prefill_length(length, min(limit, capacity) if capacity else limit)
 
-    def __call__(self, tokens: Tensor, states: List[dict]) -> List[Tensor]:
-        """Feed `tokens` [B, T] into the empty caches `states` (their first T slots of rows 0 .. B-1): each
-        model's features [B, T, C] (views of the padded forward's); the caches then say T tokens are cached."""
-        rows, length = tokens.shape
-        cache_rows, capacity = self.ensemble.static_cache_shape(states, rows, tokens.device)  # allocated eagerly
-        shape = self.padded_shape(rows, length, cache_rows, capacity)
-        padded = tokens.new_full(shape, self.pad)
-        padded[:rows, :length] = tokens
-        features = self._run(shape, padded, states)
-        self.ensemble.set_incremental_length(states, length)
-        return [f[:rows, :length] for f in features]
+    def __call__(self, tokens: Tensor, states: List[dict], rows: Optional[Tensor] = None) -> List[Tensor]:
+        """Feed `tokens` [B, T] into the caches `states`, slots 0 .. T-1 of rows `rows` (a long tensor [B] on the
+        device; default: rows 0 .. B-1): each model's features [B, T, C] (views of the padded forward's). The
+        plain-int lengths are left alone (the caller says what is cached)."""
+        count, length = tokens.shape
+        if rows is None:
+            rows = torch.arange(count, device=tokens.device)
+        capacity = self.ensemble.static_cache_shape(states, count, tokens.device)[1]  # allocated eagerly
+        padded = tokens.new_full((count, self.padded_length(length, capacity)), self.pad)
+        padded[:, :length] = tokens
+        for tensor, dim in ((padded, 0), (padded, 1), (rows, 0)):  # few compiles; one row is its own
+            torch._dynamo.maybe_mark_dynamic(tensor, dim)
+        features = self._run(tuple(padded.shape), padded, rows, states)
+        return [f[:, :length] for f in features]

@@ -382,15 +382,14 @@ class DecodeEngine:
 
     def _prefill_groups(self, requests: List[DecodeRequest]):
         """(index of the first, requests) of consecutive groups prefilled in one forward each: a group's prompts
-        padded to its longest (and to the compiled prefill's shape, `compile_step`) hold at most max_positions
+        padded to its longest (and the compiled prefill's multiple, `compile_step`) hold at most max_positions
         tokens (or one row), so that the prefill's temporary caches and activations are never larger than one
         full-length prompt's, the most the decode memory check leaves room for (rows joining one at a time
         needed no more)."""
         groups, start, longest = [], 0, 0
         for i, request in enumerate(requests):
             width = request.prompt.numel()  # the begin token and the prompt but its last token
-            rows, length = self.step_model.prefill_shape(i - start + 1, max(longest, width))
-            if i > start and rows * length > self.max_positions:
+            if i > start and (i - start + 1) * self.step_model.prefill_length(max(longest, width)) > self.max_positions:
                 groups.append((start, requests[start:i]))
                 start, longest = i, 0
             longest = max(longest, width)

@@ -172,10 +172,11 @@ class EnsembleModel(nn.Module):
         shapes = [m.decoder.static_cache_shape(state, rows, like) for m, state in zip(self.models, states)]
         return min(r for r, _ in shapes), min(c for _, c in shapes)
 
-    def static_prefill(self, tokens: Tensor, states: List[dict]) -> List[Tensor]:
-        """Each model's features [B, T, C] of `tokens` [B, T] fed into empty caches, through its decoder's
-        `forward_static_prefill` (no plain-int length read: what fairseq.generation.compiled_step compiles)."""
-        return [m.decoder.forward_static_prefill(tokens, state) for m, state in zip(self.models, states)]
+    def static_prefill(self, tokens: Tensor, rows: Tensor, states: List[dict]) -> List[Tensor]:
+        """Each model's features [B, T, C] of `tokens` [B, T] fed into the caches' rows `rows` ([B]), slots
+        0 .. T-1, through its decoder's `forward_static_prefill` (no plain-int length read: what
+        fairseq.generation.compiled_step compiles)."""
+        return [m.decoder.forward_static_prefill(tokens, rows, state) for m, state in zip(self.models, states)]
 
     def set_incremental_length(self, states: List[dict], length: int) -> None:
         """Say that the caches hold `length` tokens (static steps and prefills leave the plain-int lengths)."""
@@ -292,17 +293,16 @@ class StepModel:
         caches: the models' forward padded to few shapes (fairseq.generation.compiled_step.CompiledPrefill)."""
         if self.compiled_prefill is not None and self.graphed is not None and states is self.graphed.states:
             features = self.compiled_prefill(tokens, states)
+            self.model.set_incremental_length(states, tokens.size(1))
             forced, next_lprobs = self.model.prompt_scores(tokens, features, self.temperature, self.vocab_size)
         else:
             forced, next_lprobs = self.model.feed_prompts(tokens, states, self.temperature, self.vocab_size)
         return forced, self.mask_special(next_lprobs)
 
-    def prefill_shape(self, rows: int, length: int) -> Tuple[int, int]:
-        """(rows, length) a prefill of `rows` prompts of `length` tokens runs at, padding included (at most
-        the model's positions long)."""
-        if self.compiled_prefill is None:
-            return rows, length
-        return self.compiled_prefill.padded_shape(rows, length)
+    def prefill_length(self, length: int) -> int:
+        """The length a prefill of prompts `length` tokens long runs at, padding included (compiled: a multiple of
+        64, at most the model's positions)."""
+        return length if self.compiled_prefill is None else self.compiled_prefill.padded_length(length)
 
     def next_log_probs(self, tokens: Tensor, step: int, states: Optional[List[dict]], graphed) -> Tensor:
         """Masked log-probabilities [rows, V] of the token after tokens[:, :step + 1] (the dynamic cached forward,
@@ -320,12 +320,11 @@ class StepModel:
         self.model.drop_rows(states, keep, window)
 
     def add_rows(self, states: List[dict], rows: Tensor, tokens: Tensor) -> None:
-        """Cache rows `rows` take `tokens` [len(rows), T]: prefilled in a state of their own (one forward), copied
-        into the running caches' first T slots of those rows."""
-        padded_rows, padded_length = self.prefill_shape(*tokens.shape)
-        source = self.model.new_incremental_states(max_batch=padded_rows, max_length=padded_length)
-        if self.compiled_prefill is not None:
-            self.compiled_prefill(tokens, source)
-        else:
-            self.model.prefill(tokens, source)
+        """Cache rows `rows` take `tokens` [len(rows), T] in their first T slots: prefilled in a state of their
+        own (one forward), copied into the running caches; compiled (`compile_step`), written there directly."""
+        if self.compiled_prefill is not None:  # straight into the running caches' rows, one compiled forward
+            self.compiled_prefill(tokens, states, rows)
+            return
+        source = self.model.new_incremental_states(max_batch=tokens.size(0), max_length=tokens.size(1))
+        self.model.prefill(tokens, source)
         self.model.add_rows(states, rows, source, tokens.size(1))

@@ -37,13 +37,14 @@ class StaticStep(NamedTuple):
     [1 or rows, 1, 1, window] (the activations' dtype) is 0 for slots 0 .. slot and -inf after (SDPA), or
     `lengths` (integers on the device, [1] or one per row) are the live lengths the decode attention kernel
     reads (fairseq.kernels.decode_attention: only the live keys, no mask). `slot` and `mask` None: a static
-    prefill, the first T tokens of each row [B, T] into empty caches (slots 0 .. T-1), attending causally among
-    themselves (fairseq.generation.compiled_step's compiled prefill)."""
+    prefill, the first T tokens [B, T] of sequences written to the caches' rows `rows` (a long tensor [B]) at
+    slots 0 .. T-1, attending causally among themselves (fairseq.generation.compiled_step's compiled prefill)."""
 
-    slot: torch.Tensor
+    slot: Optional[torch.Tensor]
     mask: Optional[torch.Tensor]
     lengths: Optional[torch.Tensor] = None
     window: int = 0
+    rows: Optional[torch.Tensor] = None
 
 
 def _write_slot(buffer: torch.Tensor, slot: torch.Tensor, new: torch.Tensor) -> None:
@@ -54,12 +55,11 @@ def _write_slot(buffer: torch.Tensor, slot: torch.Tensor, new: torch.Tensor) -> 
     buffer.transpose(1, 2).index_put_((rows, slot.view(-1)), new[:, :, 0])
 
 
-def _write_prefix(buffer: torch.Tensor, new: torch.Tensor) -> None:
-    """The whole cache buffer [rows, H, C, D] takes new [B, H, T, D] in its rows 0 .. B-1 at slots 0 .. T-1: one
-    index_put on the buffer itself, in place when compiled (see _write_slot)."""
-    rows = torch.arange(new.size(0), device=new.device).unsqueeze(1)
+def _write_prefix(buffer: torch.Tensor, rows: torch.Tensor, new: torch.Tensor) -> None:
+    """The whole cache buffer [rows, H, C, D] takes new [B, H, T, D] in its rows `rows` ([B]) at slots 0 .. T-1:
+    one index_put on the buffer itself, in place when compiled (see _write_slot)."""
     slots = torch.arange(new.size(2), device=new.device)
-    buffer.transpose(1, 2).index_put_((rows, slots), new.transpose(1, 2))
+    buffer.transpose(1, 2).index_put_((rows.unsqueeze(1), slots), new.transpose(1, 2))
 
 
 def check_heads(embed_dim: int, num_heads: int, dim_name: str = "embed_dim", heads_name: str = "num_heads") -> None:
@@ -297,8 +297,8 @@ class CausalSelfAttention(FairseqIncrementalState, AttentionProjections):
         q, k, v = self._qkv(x)
         dropout = self.dropout if self.training else 0.0
         if step.slot is None:  # a static prefill (see StaticStep): the chunk is all there is
-            _write_prefix(entry["key_buffer"], k)
-            _write_prefix(entry["value_buffer"], v)
+            _write_prefix(entry["key_buffer"], step.rows, k)
+            _write_prefix(entry["value_buffer"], step.rows, v)
             attn = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True)
             return self.out_proj(attn.transpose(1, 2).reshape(batch, length, -1))
         _write_slot(entry["key_buffer"], step.slot, k)

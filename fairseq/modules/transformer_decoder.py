@@ -316,22 +316,23 @@ class TransformerDecoder(FairseqIncrementalDecoder):
             x = layer(x, incremental_state=incremental_state, static_step=step)
         return self.output_layer(self._final_norm_and_projection(x))
 
-    def forward_static_prefill(self, tokens: torch.Tensor, incremental_state: IncrementalState) -> torch.Tensor:
+    def forward_static_prefill(
+        self, tokens: torch.Tensor, rows: torch.Tensor, incremental_state: IncrementalState
+    ) -> torch.Tensor:
         """Features [B, T, output_dim] of `tokens` [B, T], the first T tokens of B sequences, their keys and values
-        written to slots 0 .. T-1 of rows 0 .. B-1 of the caches (reserved, or allocated by an earlier call):
-        what `self(tokens, incremental_state=state, features_only=True)` gives over empty caches, from code that
-        reads no plain-int length (a compiled prefill compiles once per shape). Every row is T tokens long (a
-        prompt right-padded: causal attention keeps its positions from seeing the padding); the plain-int lengths
-        are left alone, as by `forward_static_step`."""
+        written to slots 0 .. T-1 of the caches' rows `rows` (a long tensor [B]; the caches reserved, or allocated
+        by an earlier call): what `self(tokens, incremental_state=state, features_only=True)` gives over empty
+        caches, from code that reads no plain-int length (a compiled prefill compiles once for many shapes). Every
+        row is T tokens long (a prompt right-padded: causal attention keeps its positions from seeing the padding);
+        the plain-int lengths are left alone, as by `forward_static_step`."""
         x = self.embed(tokens, start=0)
-        length = tokens.size(1)
         capacity = self.static_cache_shape(incremental_state, tokens.size(0), x)[1]
-        if capacity < length:
+        if capacity < tokens.size(1):
             raise ValueError(
-                f"a static prefill of {length} tokens does not fit caches of {capacity} slots; reserve them "
-                "longer with reserve_incremental_state"
+                f"a static prefill of {tokens.size(1)} tokens does not fit caches of {capacity} slots; reserve "
+                "them longer with reserve_incremental_state"
             )
-        step = StaticStep(None, None, window=length)
+        step = StaticStep(None, None, window=tokens.size(1), rows=rows)
         for layer in self.layers:
             x = layer(x, incremental_state=incremental_state, static_step=step)
         return self._final_norm_and_projection(x)

@@ -1,5 +1,5 @@
-"""The prompts' forward compiled (fairseq.generation.compiled_step.CompiledPrefill), padded to few shapes: one
-compile per (rows, length) bucket whatever the prompts, greedy and beam tokens equal to the eager prefill's with the
+"""The prompts' forward compiled (fairseq.generation.compiled_step.CompiledPrefill), lengths padded to a multiple of
+64 and dynamic, like the rows: one compile for every prompt width (two with one row and several), greedy and beam tokens equal to the eager prefill's with the
 forced and positional scores to a tolerance (padding lengthens SDPA's reduction over masked keys: not bitwise on
 the CPU, measured <= 2e-6), rows joining an engine in groups, a failed compile said once. A counting backend runs the
 traced graphs with eager ops (fast); inductor itself compiles the prefill in tests/unit/test_decode_compiled_step.py
@@ -20,20 +20,8 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def test_prefill_lengths():
-    assert [prefill_length(n, 2048) for n in (1, 64, 65, 128, 129, 256, 257, 512, 513, 2000)] == [
-        64,
-        64,
-        128,
-        128,
-        256,
-        256,
-        512,
-        512,
-        768,
-        2048,
-    ]
+    assert [prefill_length(n, 2048) for n in (1, 64, 65, 128, 129, 513, 2000)] == [64, 64, 128, 128, 192, 576, 2048]
     assert prefill_length(40, 48) == 48 and prefill_length(300, 320) == 320  # the capacity or positions cap it
-    assert len({prefill_length(n, 2048) for n in range(1, 2049)}) == 10  # the bound on compiles per row count
 
 
 def compiling(generator):
@@ -51,27 +39,31 @@ def test_prompts_of_every_width_compile_the_prefill_once(beam):
     expected = EagerStaticGenerator([model], D, **options)  # the eager prefill, unpadded
     generator = EagerStaticGenerator([model], D, **options)
     prefill, counter = compiling(generator)
-    for width in range(2, 9):
-        sample, prefix = sample_of([W[:width], W[8 - width :][::-1]])
-        want = expected.generate(None, sample, prefix_tokens=prefix)
-        assert_same_hypotheses(generator.generate(None, sample, prefix_tokens=prefix), want)  # scores to ATOL
-    assert prefill.shapes == {(2, 64)} and counter.frame_count == 1  # 2 rows, padded to 64 positions
+    for sentences in (5, 3, 2):  # the most first: the caches it reserves are kept for the others
+        for width in range(2, 9):
+            prompts = [W[:width], W[8 - width :][::-1], W[1:width], [W[width - 1]] * width, W[::2]][:sentences]
+            sample, prefix = sample_of(prompts)
+            want = expected.generate(None, sample, prefix_tokens=prefix)
+            assert_same_hypotheses(generator.generate(None, sample, prefix_tokens=prefix), want)  # scores to ATOL
+    assert prefill.shapes == {(5, 64), (3, 64), (2, 64)}  # padded to 64 positions (the model's)
+    assert counter.frame_count == 1  # the rows and the length are dynamic dimensions
 
 
-def test_prompt_lengths_compile_once_per_bucket_capped_by_the_caches():
+def test_prompt_lengths_compile_once_for_caches_of_one_size():
     model = build(seed=4, max_target_positions=600)
     options = dict(max_len_a=1, max_len_b=4, min_len=4)  # outputs of the prompt and 4 tokens
     expected = EagerStaticGenerator([model], D, **options)
     generator = EagerStaticGenerator([model], D, **options)
     prefill, counter = compiling(generator)
     g = torch.Generator().manual_seed(0)
-    for width in (10, 50, 70, 300, 290):
+    for width in (300, 290, 70, 50, 10):  # the longest first: the caches it reserves are kept for the others
         prompt = torch.randint(D.nspecial, len(D), (width,), generator=g).tolist()
         sample, prefix = sample_of([prompt])
         want = expected.generate(None, sample, prefix_tokens=prefix)
         assert_same_hypotheses(generator.generate(None, sample, prefix_tokens=prefix), want)
-    # 10 and 50 tokens (with the begin token): 64; 70: 128; 300 and 290: 512, capped at the caches' 320 slots
-    assert prefill.shapes == {(1, 64), (1, 128), (1, 320)} and counter.frame_count == 3
+    # the begin token and 300 or 290 tokens: 320 (the caches' capacity); 70: 128; 50, 10: 64. The length is a
+    # dynamic dimension: one compile
+    assert prefill.shapes == {(1, 320), (1, 128), (1, 64)} and counter.frame_count == 1
 
 
 def test_rows_joining_an_engine_with_a_compiled_prefill_get_their_eager_tokens():
@@ -91,9 +83,9 @@ def test_rows_joining_an_engine_with_a_compiled_prefill_get_their_eager_tokens()
     for i in expected:
         assert got[i][0] == expected[i][0] and got[i][2] == expected[i][2], i
         torch.testing.assert_close(torch.tensor(got[i][1]), torch.tensor(expected[i][1]), atol=ATOL, rtol=0)
-    # three prompts at once (the empty one has nothing to prefill): 4 rows x 64 = the 256 positions, one forward;
-    # the one joining later alone
-    assert prefill.shapes == {(4, 64), (1, 64)} and counter.frame_count == 2
+    # three prompts at once (the empty one has nothing to prefill: 3 x 64 <= the 256 positions), one forward,
+    # written to the running caches' rows; the one joining later alone: a second compile (one row), the last
+    assert prefill.shapes == {(3, 64), (1, 64)} and counter.frame_count == 2
 
 
 def test_a_failed_prefill_compile_prefills_eagerly_with_one_warning(caplog):

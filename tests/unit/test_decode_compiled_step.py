@@ -43,7 +43,7 @@ def test_compiled_greedy_equals_the_eager_step_by_step_loop():
     got = generator.generate(None, sample, prefix_tokens=prefix)
     assert_same_hypotheses(got, expected)  # the same tokens; scores to ATOL
     assert generator.step_model.compiled_step.shapes == {(8, 64)}  # (rows, window): the capacity caps the window
-    assert generator.step_model.compiled_prefill.shapes == {(8, 64)}  # (rows, length): the prompts, padded
+    assert generator.step_model.compiled_prefill.shapes == {(5, 64)}  # (rows, length): 5 prompts, padded
 
 
 def test_prompts_of_every_width_compile_the_step_once():
