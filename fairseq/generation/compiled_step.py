@@ -1,4 +1,5 @@
-"""The one-token decode step compiled by inductor (torch.compile), run inside the captured CUDA graphs.
+"""The one-token decode step compiled by inductor (torch.compile), run inside the captured CUDA graphs; and the
+prompts' forward (the prefill) compiled behind the same switch.
 
 A decode step of the 1.3B preset is ~400 small kernels (24 layers of layer norms, GEMMs, bias, GELU, residual
 adds, cache writes and the log-softmax); the CUDA graphs (fairseq.generation.cuda_graph_decoding) removed the
@@ -15,7 +16,8 @@ through the graph runner: SequenceGenerator's device loops and step-by-step loop
   kernel runs (CUDA), attention reads each row's live length from the device whatever the window, so the window
   is left out of the compiled call (the whole capacity is the kernel's bound, which sizes its grid only): one
   compile per row count, shared by every window's graph. Elsewhere (SDPA over a window: the CPU) the window is a
-  shape, so one compile per row count and window.
+  shape, so one compile per row count and window. The step reads no plain-int length (positions come from
+  `slot`, a device tensor): prompts of any width share the compile.
 - A compile happens at the first step of its shapes, which the graph runner always runs before capturing (its
   warm-up, outside capture): no compile under capture.
 - The first step over new caches runs eagerly before the compiled one: the caches are allocated on a first call,
@@ -24,9 +26,17 @@ through the graph runner: SequenceGenerator's device loops and step-by-step loop
 - The split-KV kernels enter inductor's graph as one opaque op (fairseq::decode_attention); the cache writes
   are in place (causal_attention._write_slot writes the whole buffer).
 
+The prefill (`CompiledPrefill`): the prompts' forward into the caches (the decoders' forward_static_prefill) with
+the rows and the length as dynamic dimensions, the length padded to a multiple of PREFILL_MULTIPLE: one compile
+(two: one row, several) for every prompt width and batch, per size of the caches. SequenceGenerator's prompts over
+the graph runner's caches and the decode engine's joining rows (written straight into the running caches) run
+through it; the scores of the prompt tokens are computed from its features as the eager prefill computes them.
+
 Off by default: `FAIRSEQ_COMPILE_DECODE_STEP=1` (inductor's default mode) or `=max-autotune-no-cudagraphs` in the
 environment (read at import), `set_compile_decode_step(...)`, or `compile_step=` of SequenceGenerator and
-DecodeEngine. The CUDA-graph mode of torch.compile ("reduce-overhead") is not offered: the graphs are ours.
+DecodeEngine. The CUDA-graph mode of torch.compile ("reduce-overhead") is not offered: the graphs are ours. A
+compile that fails, and torch's recompile limit reached (RECOMPILE_LIMIT, counted over the process), are each
+said in one warning, and that generator goes on uncompiled.
 """
 
 import logging
@@ -42,8 +52,8 @@ from fairseq.kernels.decode_attention import decode_attention_available
 logger = logging.getLogger(__name__)
 
 MODES = ("default", "max-autotune-no-cudagraphs")
-# Compiles a process may keep of the step (dynamo's limit is per function, 8 by default): row counts x windows
-# x the generators alive.
+# Compiles a process may keep of the step, and of the prefill (dynamo's limit is per function, 8 by default): row
+# counts x windows x the generators alive.
 RECOMPILE_LIMIT = 64
 # A compiled prefill's length is rounded up to a multiple of this (see prefill_length).
 PREFILL_MULTIPLE = 64

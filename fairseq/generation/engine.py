@@ -389,7 +389,8 @@ class DecodeEngine:
         groups, start, longest = [], 0, 0
         for i, request in enumerate(requests):
             width = request.prompt.numel()  # the begin token and the prompt but its last token
-            if i > start and (i - start + 1) * self.step_model.prefill_length(max(longest, width)) > self.max_positions:
+            padded = self.step_model.prefill_length(max(longest, width))
+            if i > start and (i - start + 1) * padded > self.max_positions:
                 groups.append((start, requests[start:i]))
                 start, longest = i, 0
             longest = max(longest, width)
@@ -398,9 +399,9 @@ class DecodeEngine:
 
     def _prefill(self, requests: List[DecodeRequest], first: int) -> None:
         """Rows first, first + 1, ... take the begin token and their request's prompt but its last token in the
-        caches: one forward of the prompts right-padded to the longest (causal attention: a row's positions never
-        see the padding after them; the padded slots are overwritten before a step reads them). Empty prompts
-        have nothing to prefill."""
+        caches: one forward of the prompts right-padded to the longest (compiled: further, to a multiple of 64;
+        causal attention: a row's positions never see the padding after them; the padded slots are overwritten
+        before a step reads them). Empty prompts have nothing to prefill."""
         rows = [first + i for i, request in enumerate(requests) if request.prompt.numel()]
         if not rows:
             return

@@ -4,7 +4,8 @@
 in probability space, as upstream) and offers the loops these operations on a batch of rows:
 
 - `new_incremental_states(max_batch, max_length)`: the caches, reserved once at that size;
-- prefill: `feed_prompts(tokens, states, ...)`, a batch of prompts into empty caches in one forward;
+- prefill: `feed_prompts(tokens, states, ...)`, a batch of prompts into empty caches in one forward (or
+  `static_prefill`, the same forward with no plain-int length read, which a compiled prefill compiles);
 - step: `forward_decoder` (the dynamic cached forward: upstream-style decoders too) or `forward_static_step`
   (one token per row at a slot held in a device tensor, [1] for every row or [rows, 1] one per row: what CUDA
   graphs capture, and what rows at different lengths need);
@@ -223,8 +224,8 @@ class StepModel:
     """SequenceGenerator's step-model interface: the ensemble's operations (prefill, step, reorder, drop rows)
     with what every step applies (the generator's temperature; NaN -> -inf, never <pad>, --unkpen), and the
     CUDA-graph runner of the static one-token steps (fairseq.generation.cuda_graph_decoding), which holds the
-    caches it replays over; `compile_step`: those steps compiled by inductor (fairseq.generation.compiled_step;
-    None: the process's setting, FAIRSEQ_COMPILE_DECODE_STEP)."""
+    caches it replays over; `compile_step`: those steps, and the prefill over the runner's caches, compiled by
+    inductor (fairseq.generation.compiled_step; None: the process's setting, FAIRSEQ_COMPILE_DECODE_STEP)."""
 
     def __init__(
         self,
