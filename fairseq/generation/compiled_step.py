@@ -27,7 +27,8 @@ through the graph runner: SequenceGenerator's device loops and step-by-step loop
   are in place (causal_attention._write_slot writes the whole buffer).
 
 The prefill (`CompiledPrefill`): the prompts' forward into the caches (the decoders' forward_static_prefill) with
-the rows and the length as dynamic dimensions, the length padded to a multiple of PREFILL_MULTIPLE: one compile
+the rows and the length as dynamic dimensions, the length padded to a multiple of PREFILL_MULTIPLE (inductor's
+default mode whatever the step's: autotuning its GEMMs lengthens every compile): one compile
 (two: one row, several) for every prompt width and batch, per size of the caches. SequenceGenerator's prompts over
 the graph runner's caches and the decode engine's joining rows (written straight into the running caches) run
 through it; the scores of the prompt tokens are computed from its features as the eager prefill computes them.

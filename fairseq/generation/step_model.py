@@ -246,9 +246,10 @@ class StepModel:
         self.eager_graphs = False  # True: the static-step path without capture on any device (CPU tests)
         mode = compile_decode_step_mode() if compile_step is None else compile_mode(compile_step)
         self.compiled_step = None if mode is None else CompiledStep(self._static_step, ensemble, mode)
-        # The prompts' forward compiled too, over the caches the static steps run on (the graph runner's).
+        # The prompts' forward compiled too, over the caches the static steps run on (the graph runner's), in
+        # inductor's default mode whatever the step's: autotuning its GEMMs lengthens every compile.
         compiles_prefill = mode is not None and ensemble.can_static_step
-        self.compiled_prefill = CompiledPrefill(ensemble, pad, mode) if compiles_prefill else None
+        self.compiled_prefill = CompiledPrefill(ensemble, pad) if compiles_prefill else None
 
     def mask_special(self, lprobs: Tensor) -> Tensor:
         """The masks of every step: NaN -> -inf, never <pad>, --unkpen (inside the CUDA graph when one runs)."""

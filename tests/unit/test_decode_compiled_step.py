@@ -200,6 +200,12 @@ def test_modes():
     try:
         assert SequenceGenerator([build()], D).step_model.compiled_step.mode == "default"
         assert SequenceGenerator([build()], D, compile_step=False).step_model.compiled_step is None
+        autotuned = SequenceGenerator([build()], D, compile_step="max-autotune").step_model
+        assert (autotuned.compiled_step.mode, autotuned.compiled_prefill.mode) == (
+            "max-autotune-no-cudagraphs",
+            "default",
+        )
     finally:
         compiled_step.set_compile_decode_step(previous)
-    assert SequenceGenerator([build()], D).step_model.compiled_step is None  # off by default
+    step_model = SequenceGenerator([build()], D).step_model
+    assert step_model.compiled_step is None and step_model.compiled_prefill is None  # off by default
