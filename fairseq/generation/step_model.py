@@ -63,6 +63,10 @@ class EnsembleModel(nn.Module):
         )
         # ... and have a static one-token step, which CUDA graphs capture (fairseq.generation.cuda_graph_decoding).
         self.can_static_step = self.can_feed_prompts and all(hasattr(m.decoder, "forward_static_step") for m in models)
+        # ... and a static prefill (what a compiled prefill compiles).
+        self.can_static_prefill = self.can_static_step and all(
+            hasattr(m.decoder, "forward_static_prefill") for m in models
+        )
 
     def has_incremental_states(self) -> bool:
         return self.has_incremental
@@ -248,7 +252,7 @@ class StepModel:
         self.compiled_step = None if mode is None else CompiledStep(self._static_step, ensemble, mode)
         # The prompts' forward compiled too, over the caches the static steps run on (the graph runner's), in
         # inductor's default mode whatever the step's: autotuning its GEMMs lengthens every compile.
-        compiles_prefill = mode is not None and ensemble.can_static_step
+        compiles_prefill = mode is not None and ensemble.can_static_prefill
         self.compiled_prefill = CompiledPrefill(ensemble, pad) if compiles_prefill else None
 
     def mask_special(self, lprobs: Tensor) -> Tensor:
