@@ -255,7 +255,7 @@ def test_benchmark_generate_prints_its_tables_on_the_cpu(tmp_path, capsys):
     assert greedy["kv_bytes"] == 3 * 12 * 2 * 2 * 64 * 2 and beam["kv_bytes"] == 4 * greedy["kv_bytes"]
     assert greedy["bandwidth_fraction"] == pytest.approx(greedy["gb_per_s"] * 1e9 / results["copy_bytes_per_s"])
     # one Linear's int8 paths per weight shape (q/k/v/out 64 x 64, fc1 128 x 64, fc2 64 x 128; the output projection
-    # is tied to the embeddings, so not quantized) and row count; no compiled path on the CPU
+    # is tied to the embeddings, so not quantized) and row count
     matmuls = results["int8_matmuls"]
     assert [(tuple(r["shape"]), r["rows"]) for r in matmuls] == [
         ((64, 64), 1),
@@ -265,11 +265,15 @@ def test_benchmark_generate_prints_its_tables_on_the_cpu(tmp_path, capsys):
         ((128, 64), 1),
         ((128, 64), 3),
     ]
-    assert all(set(r["seconds"]) == {"bf16", "fairseq int8", "torchao eager", "_weight_int8pack_mm"} for r in matmuls)
-    assert (
-        "| Linear weight (out x in) | rows | bf16 us | fairseq int8 us | torchao eager us | torchao compiled us |"
-        in out
+    # on the CPU: no Triton kernel (fairseq int8 is torch's CPU op), no compiled path, no launch shape timed
+    assert all(
+        set(r["seconds"]) == {"bf16", "fairseq int8", "_weight_int8pack_mm"} and r["tuned"] is None for r in matmuls
     )
+    assert (
+        "| Linear weight (out x in) | rows | bf16 us | fairseq int8 us | triton 32x128 us | triton heuristic us | "
+        "inductor us | _weight_int8pack_mm us | best int8 / bf16 time | fairseq int8's launch shape (timed) |" in out
+    )
+    assert results["int8_launch_shapes"] == []
 
 
 def test_benchmark_generate_profiles_decode_steps_on_the_cpu(capsys):
