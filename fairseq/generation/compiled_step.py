@@ -93,8 +93,9 @@ _setting[0] = compile_mode(os.environ.get("FAIRSEQ_COMPILE_DECODE_STEP", "0"))
 
 
 class _Compiled:
-    """`fn` compiled by torch.compile with static shapes; a compile that fails, or torch's recompile limit
-    reached, leaves `fn` uncompiled from then on, said in one warning (`what` names it)."""
+    """`fn` compiled by torch.compile (static shapes unless `dynamic` says otherwise: torch.compile's); a compile
+    that fails, or torch's recompile limit reached, leaves `fn` uncompiled from then on, said in one warning
+    (`what` names it)."""
 
     def __init__(self, fn: Callable, what: str, mode: str, backend, dynamic: Optional[bool] = False):
         options = {"mode": mode} if backend == "inductor" else {}

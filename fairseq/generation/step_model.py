@@ -183,11 +183,6 @@ class EnsembleModel(nn.Module):
         fairseq.generation.compiled_step compiles)."""
         return [m.decoder.forward_static_prefill(tokens, rows, state) for m, state in zip(self.models, states)]
 
-    def set_incremental_length(self, states: List[dict], length: int) -> None:
-        """Say that the caches hold `length` tokens (static steps and prefills leave the plain-int lengths)."""
-        for m, state in zip(self.models, states):
-            m.decoder.set_incremental_length(state, length)
-
     def feed_prompts(
         self, tokens: Tensor, states: List[dict], temperature: float, vocab_size: int
     ) -> Tuple[Tensor, Tensor]:
@@ -296,10 +291,10 @@ class StepModel:
     def prefill(self, tokens: Tensor, states: List[dict]) -> Tuple[Tensor, Tensor]:
         """Prompts `tokens` [B, T] into empty caches: (log-probabilities [B, T-1] of tokens[:, 1:]; the masked
         log-probabilities [B, V] of the token after them). Compiled (`compile_step`) over the graph runner's
-        caches: the models' forward padded to few shapes (fairseq.generation.compiled_step.CompiledPrefill)."""
+        caches: the models' forward, its length padded to a multiple of 64 (fairseq.generation.compiled_step)."""
         if self.compiled_prefill is not None and self.graphed is not None and states is self.graphed.states:
             features = self.compiled_prefill(tokens, states)
-            self.model.set_incremental_length(states, tokens.size(1))
+            self.graphed.set_length(tokens.size(1))  # the static prefill leaves the plain-int lengths
             forced, next_lprobs = self.model.prompt_scores(tokens, features, self.temperature, self.vocab_size)
         else:
             forced, next_lprobs = self.model.feed_prompts(tokens, states, self.temperature, self.vocab_size)
