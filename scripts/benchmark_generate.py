@@ -50,6 +50,11 @@ asked for, the latter where the kernel runs):
 a call that decodes one token and a call that decodes them all, profiled after a warm-up; their difference is
 new tokens - 1 decode steps, from which the kernels per step (CUDA: every GPU activity, kernels replayed from CUDA
 graphs included; CPU: the top-level aten ops) and the 10 kernels with the most time per step.
+
+Prefill: every fork row's prompt forward (one batched forward of the begin token and the prompt, and the scores
+of the prompt's tokens; compiled in the `-compiled` rows, fairseq.generation.compiled_step.CompiledPrefill) is
+timed apart within its calls, the device synchronized around it: its first call (the compile) and its best later
+call, with the prompt tokens per second.
 """
 
 import argparse
@@ -220,7 +225,25 @@ def fork_generate(model, dictionary, prompts, args, row, new_tokens=None):
         hypos = generator.generate([model], sample, prefix_tokens=prompts)
         return torch.stack([h[0]["tokens"][args.prompt_len : total] for h in hypos])
 
+    run.prefill_seconds = time_prefills(generator.step_model, args.device)
     return run
+
+
+def time_prefills(step_model, device: str) -> list:
+    """The seconds of each prefill (the prompts' forward and their scores) `step_model` runs from now on, the
+    device synchronized before and after (a list that fills as it runs)."""
+    seconds, prefill = [], step_model.prefill
+
+    def timed(*args):
+        sync(device)
+        start = time.perf_counter()
+        out = prefill(*args)
+        sync(device)
+        seconds.append(time.perf_counter() - start)
+        return out
+
+    step_model.prefill = timed
+    return seconds
 
 
 def hf_generate(hf_model, prompts, args, eos, static: bool):
@@ -280,7 +303,9 @@ def fork_rows(model, dictionary, prompts_by_batch, args, device, rows):
                 decode_attention_kernel(False if row == "greedy-sdpa" else None),
                 int8_matmul_path(INT8_PATHS.get(row)),
             ):
-                seconds, tokens = best_time(fork_generate(model, dictionary, prompts, args, row), args.repeats, device)
+                run = fork_generate(model, dictionary, prompts, args, row)
+                seconds, tokens = best_time(run, args.repeats, device)
+            prefills = run.prefill_seconds  # the warm-up's (compiles), then one per timed call
             out.append(
                 {
                     "row": row,
@@ -289,6 +314,8 @@ def fork_rows(model, dictionary, prompts_by_batch, args, device, rows):
                     "tokens": tokens,
                     "tokens_per_s": batch * args.new_tokens / seconds,
                     "first_call_s": best_time.warmup,
+                    "prefill_first_s": prefills[0],
+                    "prefill_s": min(prefills[1:] or prefills),
                     **step_bytes(model, batch * BEAM[row], args),
                 }
             )
@@ -462,9 +489,9 @@ def profile_rows(model, dictionary, prompts_by_batch, args, device) -> list:
     """For greedy decoding at each batch size (and without the decode attention kernel where it runs): the
     kernels launched per decode step and the 10 kernels taking the most time. Two profiled greedy calls, the
     prompt's forward and one step, then the whole run: their difference is new tokens - 1 decode steps. The
-    greedy-compiled row takes the greedy row's short call (the prompt's forward is not compiled; a short call of
-    its own would compile the step again for another cache size): its one step is the uncompiled one, so its
-    kernels per step may be off by (uncompiled - compiled kernels of one step) / (new tokens - 1)."""
+    greedy-compiled row takes the greedy row's short call (a short call of its own would compile the step again
+    for another cache size): its prompt's forward and one step are the uncompiled ones, so its kernels per step
+    may be off by (uncompiled - compiled kernels of the prefill and one step) / (new tokens - 1)."""
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.startswith("cuda") else [])
@@ -679,6 +706,19 @@ def print_tables(fork, hf, args, bandwidth, uncached, name, skipped):
     )
     firsts = [f"{r['row']} {r['batch']}: {r['first_call_s']:.1f} s" for r in fork + hf]
     print("first call, the warm-up (compiles, graph captures, autotuning): " + "; ".join(firsts))
+    print_prefills(fork, args)
+
+
+def print_prefills(fork, args) -> None:
+    """The fork rows' prefill (the prompts' forward, the scores of their tokens): the first call's (the compiled
+    rows' compile) and the best later call's, within the rows' times above."""
+    print("\n| batch | fork rows | prefill ms, later calls | prompt tokens/s | prefill first call s |")
+    print("| ---: | --- | ---: | ---: | ---: |")
+    for r in sorted(fork, key=lambda r: (r["batch"], ROWS.index(r["row"]))):
+        rate = r["batch"] * (args.prompt_len + 1) / r["prefill_s"]
+        print(
+            f"| {r['batch']} | {r['row']} | {1000 * r['prefill_s']:,.2f} | {rate:,.0f} | {r['prefill_first_s']:.2f} |"
+        )
 
 
 def print_transformers(fork, hf, greedy, args) -> None:

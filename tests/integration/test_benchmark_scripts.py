@@ -236,6 +236,9 @@ def test_benchmark_generate_prints_its_tables_on_the_cpu(tmp_path, capsys):
     assert [cells[6].strip().count("/") for cells in versus] == [2, 2]  # identical rows: default, static
     assert "first call, the warm-up (compiles, graph captures, autotuning): greedy 1: " in out
     assert "transformers static cache: uncompiled" in out and "eager decode steps" in out
+    prefills = [cells for cells in fork if len(cells) == 5]  # every fork row's prefill, timed apart
+    assert [(cells[0].strip(), cells[1].strip()) for cells in prefills] == rows
+    assert all(float(cells[2].replace(",", "")) > 0 for cells in prefills)
     results = json.loads((tmp_path / "out.json").read_text())
     assert results["skipped"].keys() == {"int8", "greedy-sdpa"} and results["copy_bytes_per_s"] > 0
     assert "greedy-sdpa: not run (the split-KV decode attention kernel runs on CUDA with Triton only" in out
@@ -246,6 +249,7 @@ def test_benchmark_generate_prints_its_tables_on_the_cpu(tmp_path, capsys):
         for batch in (1, 3)
     }
     greedy, beam = by_row["greedy", 3], by_row["beam4", 3]
+    assert 0 < greedy["prefill_s"] < greedy["seconds"] and greedy["prefill_first_s"] > 0
     # the bytes a step reads: the same weights; 4 hypotheses' caches at the mean live length 8 + 6 / 2 + 1 = 12
     assert greedy["weight_bytes"] == beam["weight_bytes"] > 0
     assert greedy["kv_bytes"] == 3 * 12 * 2 * 2 * 64 * 2 and beam["kv_bytes"] == 4 * greedy["kv_bytes"]
