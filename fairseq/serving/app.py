@@ -246,11 +246,23 @@ async def handle_completion(server: Server, request: Request) -> Response:
         )
     try:
         await _collect(server, job, work, events, deadline, started)
-    except BaseException:
+    except BaseException as err:
         server.scheduler.cancel(work)  # the client went away, or the request failed: free its rows
+        if isinstance(err, asyncio.CancelledError) and server.draining:  # uvicorn ends it: --drain-timeout ended
+            raise drain_ended(server) from None
         raise
     request.scope["state"]["access"] = note + f" completion_tokens={job.completion_tokens}"
     return JSONResponse(job.response())
+
+
+def drain_ended(server: Server) -> APIError:
+    return APIError(
+        503,
+        f"the server stopped before this request finished (--drain-timeout {server.cfg.drain_timeout:g} s ended): "
+        "send it again to another replica",
+        None,
+        "draining",
+    )
 
 
 async def _next(
@@ -295,6 +307,11 @@ async def _stream(server, job, work, events, deadline, started, request: Request
             except APIError as err:
                 yield _sse(err.body())
                 break
+            except asyncio.CancelledError:
+                if not server.draining:
+                    raise
+                yield _sse(drain_ended(server).body())  # sent if the connection is still open
+                raise
             for chunk in job.chunks():
                 yield _sse(chunk)
         else:

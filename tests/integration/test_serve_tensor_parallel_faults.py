@@ -78,8 +78,7 @@ def test_a_drain_that_ends_while_a_long_best_of_call_runs_still_stops_every_rank
             job.send_signal(signal.SIGTERM)  # a second one (it killed rank 0, its HTTP side gone, before)
             time.sleep(9)  # the call runs on past the 10 s rank 0 gave its decode thread after the drain before
             os.kill(follower, signal.SIGCONT)
-            with contextlib.suppress(ConnectionError):  # cut by the drain's timeout, or answered
-                running.result(timeout=60)
+            status, payload, _ = running.result(timeout=60)  # answered when the drain's timeout ended
         assert job.wait(timeout=60) == 0, output.text()
     finally:
         with contextlib.suppress(ProcessLookupError):
@@ -87,6 +86,8 @@ def test_a_drain_that_ends_while_a_long_best_of_call_runs_still_stops_every_rank
         stop_job(job)
     output.thread.join(timeout=10)
     assert "rank 1: rank 0 stopped serving" in output.text()
+    assert status == 503 and "(--drain-timeout 1 s ended): send it again" in payload.decode(), payload
+    assert "Exception in ASGI application" not in output.text(), output.text()
 
 
 def test_a_rank_that_stalls_stops_the_server_with_one_line_naming_it(tiny_lm_checkpoint, tiny_data):
