@@ -4,7 +4,7 @@ collectives. A drain whose timeout ends while that call runs (longer than the 10
 decode thread), and a second SIGTERM while rank 0 waits for it, still tell rank 1 to stop once the call is done,
 and every rank exits 0; a rank that does not take the next operation within the process group's timeout
 (--heartbeat-timeout 6) stops the server with one line naming the rank and the cause, its client answered with
-that line (rank 0 once answered 500 and served on with its ranks out of step). tests/unit/test_serve_agreement.py
+that line (rank 0 once answered 500 and served on with its ranks out of step). tests/distributed/test_serve_agreement.py
 has the ranks' agreement on a failure inside an operation."""
 
 import concurrent.futures
