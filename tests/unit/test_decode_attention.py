@@ -38,6 +38,7 @@ KERNELS = """
     from fairseq.kernels import decode_attention as da
 
     da.BLOCK_N = 16  # rows of up to 70 keys take several blocks; lengths sit on and beside block boundaries
+    da.CACHE_BLOCK = 32  # block tables of 3 blocks over the 80 slots; lengths cross their edges too
     torch.manual_seed(0)
     B, H, CAPACITY, ROWS = 7, 2, 80, 9
     lengths = torch.tensor([1, 15, 16, 17, 32, 33, 70], dtype=torch.int32)
@@ -48,8 +49,19 @@ KERNELS = """
         q = torch.randn(B, H, 1, dim).to(dtype)
         keys = (torch.randn(ROWS, H, CAPACITY, dim) * 2).to(dtype)
         values = torch.randn(ROWS, H, CAPACITY, dim).to(dtype)
+        # one cache row per query row ([B]); a block table [B, 3] of random rows, blocks shared by several rows
         row_map = torch.tensor([8, 0, 3, 3, 1, 6, 2], dtype=torch.int32)
-        cases = [dict(), dict(row_map=row_map), dict(max_length=72), dict(row_map=row_map, scale=0.3)]
+        table = torch.randint(0, ROWS, (B, 3), dtype=torch.int32)
+        table[1:4, 0] = table[0, 0]
+        table[5, :2] = table[6, :2]
+        cases = [
+            dict(),
+            dict(block_rows=row_map),
+            dict(max_length=72),
+            dict(block_rows=row_map, scale=0.3),
+            dict(block_rows=table),
+            dict(block_rows=table, max_length=40),
+        ]
         for number, case in enumerate(cases):
             want = da.decode_attention_reference(q, keys, values, lengths, **case)
             # one part; 8 parts of 16 keys (the last ones past every row's length); what splits_for says
@@ -58,6 +70,10 @@ KERNELS = """
                 assert got.dtype == dtype and got.shape == (B, H, 1, dim)
                 tol = tolerance[dtype]
                 torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=1e-5)
+        # through a table, each key is the one its block's row holds (the reference's own check)
+        gathered = da.gather_blocks(keys, table, CAPACITY)
+        for b, t in ((0, 5), (2, 31), (3, 32), (5, 63), (6, 79)):
+            assert torch.equal(gathered[b, :, t], keys[table[b, t // 32], :, t])
         # one length for every row ([1], as the static step passes it), int64; the caches' row views
         one = torch.tensor([33])
         got = da.decode_attention_kernel(q, keys[:B], values[:B], one, splits=4)
@@ -132,6 +148,8 @@ def test_the_reference_is_sdpa_over_each_rows_live_keys():
     q, keys, values = torch.randn(3, 2, 1, 8), torch.randn(4, 2, 20, 8), torch.randn(4, 2, 20, 8)
     lengths, row_map = torch.tensor([1, 7, 20], dtype=torch.int32), torch.tensor([3, 0, 1], dtype=torch.int32)
     got = decode_attention_reference(q, keys, values, lengths, row_map, scale=0.5)
+    # the same rows as a block table (one block: the capacity 20 is under CACHE_BLOCK)
+    assert torch.equal(got, decode_attention_reference(q, keys, values, lengths, row_map.view(3, 1), scale=0.5))
     for b in range(3):
         live = slice(0, int(lengths[b]))
         row = int(row_map[b])
@@ -150,8 +168,10 @@ def test_the_cpu_takes_the_reference_and_bad_shapes_are_named():
         decode_attention(torch.randn(2, 2, 3, 8), cache, cache, lengths)
     with pytest.raises(ValueError, match="lengths must be integers"):
         decode_attention(q, cache, cache, torch.tensor([3.0, 4.0]))
-    with pytest.raises(ValueError, match="row_map must be"):
-        decode_attention(q, cache, cache, lengths, row_map=torch.tensor([0], dtype=torch.int32))
+    with pytest.raises(ValueError, match="block_rows must be"):
+        decode_attention(q, cache, cache, lengths, block_rows=torch.tensor([0], dtype=torch.int32))
+    with pytest.raises(ValueError, match="block_rows must be"):  # a table narrower than the capacity
+        decode_attention(q, torch.randn(2, 2, 130, 8), torch.randn(2, 2, 130, 8), lengths, torch.zeros(2, 2).int())
     with pytest.raises(ValueError, match="3 query rows but the caches hold 2"):
         decode_attention(torch.randn(3, 2, 1, 8), cache, cache, torch.tensor([1]))
 
@@ -181,7 +201,7 @@ def test_the_kernels_compile_for_an_h100():
         k_ptr="*bf16",
         v_ptr="*bf16",
         lengths_ptr="*i32",
-        row_map_ptr="*i32",
+        block_rows_ptr="*i32",
         out_ptr="*bf16",
         part_out_ptr="*fp32",
         part_max_ptr="*fp32",
@@ -197,13 +217,22 @@ def test_the_kernels_compile_for_an_h100():
         "v_stride_h",
         "v_stride_n",
         "length_stride",
+        "rows_stride_b",
+        "rows_stride_n",
         "window",
         "split_size",
     ]
     signature = {**pointers, **{name: "i32" for name in ints}, "scale_log2": "fp32"}
     for direct in (False, True):
         constants = dict(
-            HEADS=32, DIM=64, BLOCK_D=64, BLOCK_N=64, SPLITS=1 if direct else 16, HAS_ROW_MAP=not direct, DIRECT=direct
+            HEADS=32,
+            DIM=64,
+            BLOCK_D=64,
+            BLOCK_N=64,
+            SPLITS=1 if direct else 16,
+            CACHE_BLOCK=64,
+            HAS_BLOCK_ROWS=not direct,
+            DIRECT=direct,
         )
         source = ASTSource(split_kernel, {**signature, **{name: "constexpr" for name in constants}}, constants)
         assert triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}).asm["cubin"]
