@@ -143,6 +143,43 @@ def test_the_static_step_through_the_kernels_gives_the_sdpa_paths_hypotheses():
     interpret(STEPS, "kernel steps agree")
 
 
+BEAMS = """
+    import sys
+    import torch
+    sys.path.insert(0, "tests/unit")
+    import test_sequence_generator as t
+    from test_beam_block_table import CopyReorder, assert_equal_hypotheses
+    from test_device_decoding import MIXED
+    from fairseq.generation import device_beam_search, step_model
+    from fairseq.kernels import decode_attention as da
+    from fairseq.modules import causal_attention
+
+    # blocks of 4 slots: outputs of ~16 tokens fill and share three of them (the block size is read where it is
+    # used: the kernel, the table's width, the reorder, the block copy); two sentences: the interpreter is slow
+    da.BLOCK_N, da.MAX_SPLITS = 4, 2  # two parts a row (with the combining kernel), not one per block
+    for module in (da, device_beam_search, step_model, causal_attention):
+        module.CACHE_BLOCK = 4
+    model = t.build(seed=4)
+    sample, prefix = t.sample_of([MIXED[0], MIXED[2]])
+    results = {}
+    for kernel, reorder in ((True, "table"), (True, "copy"), (False, "table")):
+        da.set_decode_attention_kernel(kernel)
+        generator = t.EagerStaticGenerator([model], t.D, beam_size=2, max_len_b=16, min_len=14)
+        if reorder == "copy":
+            generator.step_model.__class__ = CopyReorder
+        results[kernel, reorder] = generator.generate([model], sample, prefix_tokens=prefix)
+    # the kernel through the table reads the values the copied caches hold, in the same order: equal
+    assert_equal_hypotheses(results[True, "table"], results[True, "copy"])
+    t.assert_same_hypotheses(results[True, "table"], results[False, "table"])  # SDPA: its own summation order
+    assert max(len(h["tokens"]) for s in results[True, "table"] for h in s) > 3 * 4
+    print("beams through block tables agree")
+"""
+
+
+def test_beam_search_through_block_tables_in_the_kernels_equals_the_copy_reorder():
+    interpret(BEAMS, "beams through block tables agree")
+
+
 def test_the_reference_is_sdpa_over_each_rows_live_keys():
     torch.manual_seed(0)
     q, keys, values = torch.randn(3, 2, 1, 8), torch.randn(4, 2, 20, 8), torch.randn(4, 2, 20, 8)
