@@ -91,8 +91,13 @@ class DeviceBeamSearch(DeviceLoop):
         sentences = graph_rows // self.beam
         buf.ignore[:sentences] = False
         buf.count[:sentences] = 0
-        if b.graphed is not None:  # every row reads its own cache row until the first reorder
-            buf.block_rows.copy_(torch.arange(buf.rows, device=b.device, dtype=torch.int32).view(-1, 1))
+        if b.graphed is not None:
+            # The prompt was copied to every beam's row: the beams read it from their sentence's first row
+            # (one copy read by `beam` rows: the GPU's cache serves the others). The first reorder gives each
+            # row its own block from the one its next step writes on; rows past the batch read their own.
+            table = torch.arange(buf.rows, device=b.device, dtype=torch.int32)
+            table[:rows] = table[:rows] // self.beam * self.beam
+            buf.block_rows.copy_(table.view(-1, 1))
             self.step_model.use_block_table(b.states, buf.block_rows)
         return buf
 

@@ -16,7 +16,7 @@ from fairseq.generation.step_model import StepModel
 from fairseq.kernels.decode_attention import CACHE_BLOCK
 from fairseq.modules import CausalSelfAttention
 from test_device_decoding import MIXED, decode, record_drops
-from test_sequence_generator import D, EagerStaticGenerator, assert_same_hypotheses, build
+from test_sequence_generator import D, W, EagerStaticGenerator, assert_same_hypotheses, build
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -159,3 +159,24 @@ def test_the_table_shares_full_blocks_and_keeps_the_writing_block_own():
     assert table[:2].tolist() == [[0, 1, 0, 0], [0, 1, 1, 1]]
     generator.step_model.use_block_table(states, None)
     assert all(e.get("block_rows") is None for s in states for e in s.values() if "key_buffer" in e)
+
+
+def test_a_long_prompts_full_blocks_are_read_from_the_sentences_first_row():
+    model = build(seed=4, max_target_positions=POSITIONS)
+    table, copy = static_generators(model, 3, max_len_b=90)
+    first_tables = []
+    original = StepModel.reorder_blocks
+
+    def spied(self, states, parents, slot):
+        original(self, states, parents, slot)
+        if not first_tables:
+            first_tables.append(self.block_table.clone())
+
+    table.step_model.reorder_blocks = spied.__get__(table.step_model)
+    prompts = [[W[i % 6 + 1] for i in range(CACHE_BLOCK + 10)], [W[2]] * (2 * CACHE_BLOCK + 3)]
+    assert_equal_hypotheses(decode(table, prompts), decode(copy, prompts))
+    # after the first step (the prompts are fed up to the shorter one's length, 75 tokens): the rows of each
+    # sentence read block 0 from its first row (0, 3); each row's later blocks are its own
+    first = first_tables[0]
+    assert first[:6, 0].tolist() == [0, 0, 0, 3, 3, 3]
+    assert first[:6, 1:].tolist() == [[row] * (first.size(1) - 1) for row in range(6)]
