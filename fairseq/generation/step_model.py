@@ -293,9 +293,9 @@ class StepModel:
     def use_block_table(self, states: List[dict], block_rows: Optional[Tensor]) -> None:
         """From now on static steps read the caches of `states` through the block table `block_rows` [rows, n]
         (int32 on the device, n * CACHE_BLOCK slots at least the capacity; it starts as each row's own: row b
-        in every column) and `reorder_blocks` reorders through it; None: back to each row's own rows (the
-        caches then hold what the table pointed to only through it: say 0 cached tokens before reusing them).
-        The caller keeps the table's memory (a CUDA graph reads its address)."""
+        in every column) and `reorder_blocks` reorders through it; None: each row reads its own cache row again
+        (which no longer holds that row's whole history: the caches are then for new text, from slot 0). The
+        caller keeps the table's memory (a CUDA graph reads its address)."""
         self.block_table = block_rows
         self.model.set_block_table(states, block_rows)
 

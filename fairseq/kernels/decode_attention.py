@@ -184,8 +184,11 @@ def _check(q, key_cache, value_cache, lengths, block_rows) -> None:
             f"decode attention: block_rows must be [B] or [B, n] with n * {CACHE_BLOCK} >= the capacity "
             f"{key_cache.size(2)}, B = {q.size(0)}; got {tuple(block_rows.shape)}"
         )
-    if q.stride(-1) != 1 or key_cache.stride(-1) != 1 or value_cache.stride(-1) != 1:
-        raise ValueError("decode attention: q and the caches must be contiguous in their last (head) dim")
+    if q.stride(-1) != 1 or key_cache.stride(-1) != 1 or key_cache.stride() != value_cache.stride():
+        raise ValueError(
+            "decode attention: q and the caches must be contiguous in their last (head) dim, and the key and "
+            f"value caches laid out alike (strides {key_cache.stride()} and {value_cache.stride()})"
+        )
     if block_rows is None and key_cache.size(0) < q.size(0):
         raise ValueError(f"decode attention: {q.size(0)} query rows but the caches hold {key_cache.size(0)}")
 
@@ -231,27 +234,19 @@ def _launch_split(q, key_cache, value_cache, lengths, block_rows, out, parts, sc
     batch, heads, _, dim = q.shape
     split_size = -(-(-(-window // splits)) // BLOCK_N) * BLOCK_N
     assert CACHE_BLOCK % BLOCK_N == 0, (CACHE_BLOCK, BLOCK_N)  # an iteration's keys lie in one cache row
-    if block_rows is None:  # a placeholder pointer when there is no block table
-        rows, rows_strides = lengths, (0, 0)
-    else:
+    rows, rows_strides = lengths, (0, 0)  # a placeholder pointer when there is no block table
+    if block_rows is not None:  # [B] reads as [B, 1] with a column stride of 0
         rows = block_rows.view(batch, 1) if block_rows.dim() == 1 else block_rows
-        rows_strides = (rows.stride(0), 0 if block_rows.dim() == 1 else rows.stride(1))
+        rows_strides = (rows.stride(0), 0 if rows.size(1) == 1 else rows.stride(1))
     split_kernel[(batch * heads, splits)](
-        q,
+        q.contiguous(),  # a no-op for the decoder's [B, H, 1, D] view of its projection
         key_cache,
         value_cache,
         lengths,
         rows,
         out,
         *parts,
-        q.stride(0),
-        q.stride(1),
-        key_cache.stride(0),
-        key_cache.stride(1),
-        key_cache.stride(2),
-        value_cache.stride(0),
-        value_cache.stride(1),
-        value_cache.stride(2),
+        *key_cache.stride()[:3],  # the value cache's too (checked)
         0 if lengths.numel() == 1 else lengths.stride(0),
         *rows_strides,
         scale * 1.4426950408889634,  # log2(e): the kernel takes exp2
@@ -305,45 +300,44 @@ def _attend_part(triton, tl):
     @triton.jit
     def attend_part(
         q,
-        k_head,
-        v_head,
-        k_stride_b,
-        v_stride_b,
-        k_stride_n,
-        v_stride_n,
-        rows_base,
-        rows_stride_n,
-        row,
-        start,
-        end,
-        d,
-        d_ok,
+        heads,
+        strides,
+        table,
+        keys,
+        DIM: tl.constexpr,
         BLOCK_N: tl.constexpr,
         BLOCK_D: tl.constexpr,
         CACHE_BLOCK: tl.constexpr,
         HAS_BLOCK_ROWS: tl.constexpr,
     ):
-        """A part's keys start .. end - 1 (live blocks only: none past the length): its unnormalized output,
-        running maximum and sum of exponentials (exp2 of scores pre-multiplied by log2(e)). The keys of an
-        iteration lie in one cache block: the cache row `row`, or with a block table the row it names."""
+        """A part's keys `keys` = (start, end) (live blocks only: none past the length) of one head's caches
+        (`heads`: the key and value pointers at the head, `strides`: a row's and a slot's, the same for keys and
+        values): its unnormalized output, running maximum and sum of exponentials (exp2 of scores pre-multiplied
+        by log2(e)). The keys of an iteration lie in one cache block: `table` = (the block table's row, its
+        stride, the cache row read without one)."""
+        k_head, v_head = heads
+        stride_b, stride_n = strides
+        rows, rows_stride, row = table
+        start, end = keys
+        d = tl.arange(0, BLOCK_D)
+        d_ok = d < DIM
         running_max = float("-inf")
         running_sum = 0.0
         acc = tl.zeros([BLOCK_D], dtype=tl.float32)
         for first in range(start, end, BLOCK_N):
             if HAS_BLOCK_ROWS:
-                row = tl.load(rows_base + (first // CACHE_BLOCK) * rows_stride_n).to(tl.int64)
+                row = tl.load(rows + (first // CACHE_BLOCK) * rows_stride).to(tl.int64)
             n = first + tl.arange(0, BLOCK_N)
             live = n < end
             mask = live[:, None] & d_ok[None, :]
-            k_rows = k_head + row * k_stride_b
-            k = tl.load(k_rows + n[:, None].to(tl.int64) * k_stride_n + d[None, :], mask=mask, other=0.0)
+            offsets = row * stride_b + n[:, None].to(tl.int64) * stride_n + d[None, :]
+            k = tl.load(k_head + offsets, mask=mask, other=0.0)
             scores = tl.sum(k.to(tl.float32) * q[None, :], axis=1)
             scores = tl.where(live, scores, float("-inf"))
             new_max = tl.maximum(running_max, tl.max(scores, axis=0))  # finite: the block has a live key
             p = tl.exp2(scores - new_max)
             alpha = tl.exp2(running_max - new_max)
-            v_rows = v_head + row * v_stride_b
-            v = tl.load(v_rows + n[:, None].to(tl.int64) * v_stride_n + d[None, :], mask=mask, other=0.0)
+            v = tl.load(v_head + offsets, mask=mask, other=0.0)
             acc = acc * alpha + tl.sum(p[:, None] * v.to(tl.float32), axis=0)
             running_sum = running_sum * alpha + tl.sum(p, axis=0)
             running_max = new_max
@@ -371,14 +365,9 @@ def _split_kernel(triton, tl):
         part_out_ptr,
         part_max_ptr,
         part_sum_ptr,
-        q_stride_b,
-        q_stride_h,
-        k_stride_b,
-        k_stride_h,
-        k_stride_n,
-        v_stride_b,
-        v_stride_h,
-        v_stride_n,
+        stride_b,
+        stride_h,
+        stride_n,
         length_stride,
         rows_stride_b,
         rows_stride_n,
@@ -394,31 +383,20 @@ def _split_kernel(triton, tl):
         HAS_BLOCK_ROWS: tl.constexpr,
         DIRECT: tl.constexpr,
     ):
-        pid = tl.program_id(0)
-        split = tl.program_id(1)
-        b = pid // HEADS
-        h = pid % HEADS
+        pid, split = tl.program_id(0), tl.program_id(1)
+        b, h = pid // HEADS, pid % HEADS
         length = tl.minimum(tl.load(lengths_ptr + b * length_stride).to(tl.int32), window)
         start = split * split_size
         d = tl.arange(0, BLOCK_D)
         d_ok = d < DIM
-        q = tl.load(q_ptr + b.to(tl.int64) * q_stride_b + h * q_stride_h + d, mask=d_ok, other=0.0).to(tl.float32)
-        end = tl.minimum(start + split_size, length)
+        q = tl.load(q_ptr + pid.to(tl.int64) * DIM + d, mask=d_ok, other=0.0).to(tl.float32)  # q is contiguous
         acc, running_max, running_sum = _ATTEND_PART(
             q * scale_log2,
-            k_ptr + h * k_stride_h,
-            v_ptr + h * v_stride_h,
-            k_stride_b,
-            v_stride_b,
-            k_stride_n,
-            v_stride_n,
-            block_rows_ptr + b.to(tl.int64) * rows_stride_b,
-            rows_stride_n,
-            b.to(tl.int64),
-            start,
-            end,
-            d,
-            d_ok,
+            (k_ptr + h * stride_h, v_ptr + h * stride_h),
+            (stride_b, stride_n),
+            (block_rows_ptr + b.to(tl.int64) * rows_stride_b, rows_stride_n, b.to(tl.int64)),
+            (start, tl.minimum(start + split_size, length)),
+            DIM,
             BLOCK_N,
             BLOCK_D,
             CACHE_BLOCK,

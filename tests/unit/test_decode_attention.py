@@ -238,38 +238,24 @@ def test_the_kernels_compile_for_an_h100():
         k_ptr="*bf16",
         v_ptr="*bf16",
         lengths_ptr="*i32",
-        block_rows_ptr="*i32",
         out_ptr="*bf16",
         part_out_ptr="*fp32",
         part_max_ptr="*fp32",
         part_sum_ptr="*fp32",
     )
-    ints = [
-        "q_stride_b",
-        "q_stride_h",
-        "k_stride_b",
-        "k_stride_h",
-        "k_stride_n",
-        "v_stride_b",
-        "v_stride_h",
-        "v_stride_n",
-        "length_stride",
-        "rows_stride_b",
-        "rows_stride_n",
-        "window",
-        "split_size",
-    ]
-    signature = {**pointers, **{name: "i32" for name in ints}, "scale_log2": "fp32"}
-    for direct in (False, True):
+    ints = ["stride_b", "stride_h", "stride_n", "length_stride", "rows_stride_b", "rows_stride_n", "window"]
+    signature = {**pointers, **{name: "i32" for name in ints + ["split_size"]}, "scale_log2": "fp32"}
+    signature["block_rows_ptr"] = "*i32"
+    for table in (True, False):  # with a block table and parts; without one, the one part writing the output
         constants = dict(
             HEADS=32,
             DIM=64,
             BLOCK_D=64,
             BLOCK_N=64,
-            SPLITS=1 if direct else 16,
+            SPLITS=16 if table else 1,
             CACHE_BLOCK=64,
-            HAS_BLOCK_ROWS=not direct,
-            DIRECT=direct,
+            HAS_BLOCK_ROWS=table,
+            DIRECT=not table,
         )
         source = ASTSource(split_kernel, {**signature, **{name: "constexpr" for name in constants}}, constants)
         assert triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}).asm["cubin"]
