@@ -16,7 +16,9 @@ on the device and, on CUDA, inside one captured graph (the key `name`, per row c
   it has `beam` of them or at the last step;
 - the next hypotheses, as SequenceGenerator._extend takes them: the first `beam` candidates that did not end
   (ended or ignored ones sort last, and become ignored when they must be taken); the tokens and scores
-  histories and the KV caches follow the chosen parent rows, over the live window only;
+  histories follow the chosen parent rows, over the live window only, and so do the KV caches: by index
+  through a block table on the static step (StepModel.reorder_blocks: full 64-slot blocks shared, one block
+  copied per row and layer; docs/generation.md), copied on the dynamic one;
 - the slot of the next step.
 
 Sentences that are done write nothing more. The host replays CHUNK steps, then reads which sentences are done;

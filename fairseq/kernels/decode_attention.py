@@ -5,20 +5,21 @@
 
 - q [B, H, 1, D], the new token of each row (bf16, fp16 or fp32);
 - key_cache, value_cache [rows, H, capacity, D] (the layout of CausalSelfAttention's static cache: row b's
-  keys of its first L tokens are key_cache[b, :, :L]; rows may outnumber B, strides are read);
+  keys of its first L tokens are key_cache[b, :, :L]; rows may outnumber B, strides are read, the same for
+  both);
 - lengths: int32 (or int64) on the device, [B] (each row's live length) or [1] (the same for every row);
   query row b attends over keys 0 .. lengths[b] - 1 of its cache row; a length of 0 gives zeros;
 - block_rows: int32 [B, n] or [B], or None: a block table. Key t of query row b is slot t of cache row
   block_rows[b, t // CACHE_BLOCK] (n * CACHE_BLOCK covers the window); [B] is one cache row for all of query
   row b's keys; None reads row b. Beam search reorders its hypotheses by index through it: full blocks are
-  shared by the rows that descend from one hypothesis, and a reorder copies at most one block per row
-  (fairseq.generation.device_beam_search, `reorder_block_table`);
+  shared by the rows that descend from one hypothesis, and a reorder copies one block per row
+  (fairseq.generation.step_model.StepModel.reorder_blocks);
 - scale: the softmax scale, default 1 / sqrt(D); max_length: a host bound on the lengths (the attention window
   the caller knows, default the capacity), which sizes the grid and nothing else.
 
 On CUDA with Triton, two kernels: the first splits each (row, head)'s key range into `splits` parts of whole
 BLOCK_N blocks, one program a part, which reads its live blocks once (a part past the row's length reads
-nothing) and writes its running maximum, sum of exponentials and unnormalized output in fp32; the second
+nothing; through a block table, one int per block names the cache row a block is read from) and writes its running maximum, sum of exponentials and unnormalized output in fp32; the second
 combines a (row, head)'s parts. With one part the first kernel writes the output itself. The number of parts
 follows from the shapes alone (enough programs to fill the GPU), so a graph replays the same launches whatever
 the lengths. Accumulation is fp32 throughout; the output is q's dtype.
