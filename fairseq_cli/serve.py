@@ -34,9 +34,11 @@ from fairseq.serving.tensor_parallel import (
     CUDA_GRAPHS as TP_CUDA_GRAPHS,
     Leader,
     LeaderModel,
+    OutOfStep,
     TensorParallelGroup,
     check_tensor_parallel_launch,
     follow,
+    keep_stopping_on_sigterm,
     tensor_parallel_group,
 )
 from fairseq_cli.console import run_console_script
@@ -123,11 +125,12 @@ def start_model(server, cfg, tp: Optional[TensorParallelGroup] = None) -> None:
     )
     scheduled = model
     if tp is not None:
-        backend = server.leader = Leader(backend, model, tp.group, tp.heartbeat_s)
+        backend = server.leader = Leader(backend, model, tp)
         scheduled = LeaderModel(model, backend)
     scheduler = Scheduler(
         scheduled, backend, serve.max_running, limits.max_batch_tokens, serve.max_queue, server.metrics
     )
+    scheduler.on_fatal = server.on_fatal
     scheduler.start()
     server.ready(model, scheduler, limits)
     logger.info(
@@ -142,8 +145,8 @@ def follow_rank(cfg, tp: TensorParallelGroup) -> None:
     0 stops (fairseq.serving.tensor_parallel; the group's construction made it keep following on signals)."""
     model = load_served_model(cfg, tp.split)
     backend = make_backend(model, cfg.serve.max_running, cuda_graphs=cuda_graphs(cfg, tp))
-    logger.info(f"rank {tp.rank} of {tp.size}: loaded; following rank 0")
-    follow(model, backend, tp.group, tp.rank)
+    logger.info(f"rank {tp.rank} of {tp.size} (pid {os.getpid()}): loaded; following rank 0")
+    follow(model, backend, tp)
 
 
 def main(cfg) -> None:
@@ -160,6 +163,12 @@ def main(cfg) -> None:
         logger.warning(f"--host {cfg.serve.host} without --api-keys: anyone who reaches this address can use the model")
     server = Server(cfg.serve, keys)
     failed = []
+
+    def fatal(err):  # the decode thread can serve no more (the ranks are out of step): the server stops
+        failed.append(err)
+        http.should_exit = True
+
+    server.on_fatal = fatal
 
     def load():
         try:
@@ -186,6 +195,7 @@ def main(cfg) -> None:
         http.run()
     finally:
         if tp is not None:  # stopped while loading: the followers wait for a word, sent once it is loaded
+            keep_stopping_on_sigterm()
             loader.join()
         stop_serving(server)
     if failed:
@@ -195,15 +205,28 @@ def main(cfg) -> None:
 
 def stop_serving(server) -> None:
     """The decode thread ends; under tensor parallelism the followers are then told to stop (from this thread:
-    the decode thread, which sent everything before, is gone)."""
-    if server.scheduler is None:
+    the decode thread, which sent everything before, is gone). The decode thread ends after the operation it
+    runs, which the followers run too: under tensor parallelism that is waited for however long it takes (a
+    best_of call can outlast the drain), up to its collectives' and the agreement's timeouts (then the ranks are
+    out of step and the launcher stops them)."""
+    scheduler, leader = server.scheduler, server.leader
+    if scheduler is None:
         return
-    server.scheduler.stop()
-    if server.leader is not None:
-        if server.scheduler.thread.is_alive():
-            logger.error("the decode thread did not stop: the other ranks are left to the launcher")
-        else:
-            server.leader.stop()
+    if leader is None:
+        scheduler.stop()
+        return
+    scheduler.stop(1.0)
+    if scheduler.thread.is_alive():
+        logger.info("waiting for the running operation to end, then the other ranks are told to stop")
+        scheduler.thread.join(leader.stop_wait_s)
+    if scheduler.failed is not None:  # the ranks are out of step: nothing more is sent
+        return
+    if scheduler.thread.is_alive():
+        raise OutOfStep(
+            f"rank 0: the decode thread did not end within {leader.stop_wait_s:g} s of the drain: the other ranks "
+            "are left to the launcher"
+        )
+    leader.stop()
 
 
 def serve_config(argv: Optional[List[str]] = None):

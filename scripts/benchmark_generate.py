@@ -17,7 +17,10 @@ is printed apart); `greedy-sdpa` (greedy with the split-KV decode attention kern
 SDPA over a masked window, as before the kernel; CUDA with Triton only, where the kernel runs); `beam4` (beam
 search, 4 hypotheses per sentence); `sample` (top-k 50 and top-p 0.9, seeded); `int8` (greedy after `--quantize
 int8-weight-only`, fairseq.generation.quantize: CUDA and bf16 only, run last since it quantizes the model in
-place; `int8-compiled`: the same with the compiled step, the int8 matmul one opaque op in it). On CUDA the
+place; `int8-compiled`: the same with the compiled step, the int8 matmul one opaque op in it (the Triton kernels,
+FAIRSEQ_INT8_MATMUL=triton); `int8-inductor`: the compiled step with FAIRSEQ_INT8_MATMUL=inductor, the int8 matmul
+tensor code inductor fuses). The Triton kernels' launch shapes, timed at each shape's first call (the warm-up), are
+printed after the tables. On CUDA the
 model's q/k/v projections are fused first (one GEMM, as fairseq-generate loads a model). Transformers, on the
 exported weights (OPTForCausalLM, SDPA attention), greedy only: its default dynamic cache, and the static cache (`cache_implementation="static"`,
 with which transformers 5 compiles the forward itself on CUDA: torch.compile mode "reduce-overhead", its
@@ -29,10 +32,13 @@ of every row up to the live length (mean over the run: prompt + new tokens / 2 +
 new tokens / wall time (so the prompt's forward counts against it); the limit is the device's own copy bandwidth,
 measured here by a large device-to-device copy (bytes read + written / time).
 
-Int8 matmuls: for each weight shape the int8 row quantizes and each batch size, one Linear's time per call in bf16,
-through fairseq's Int8WeightOnlyLinear (what the int8 row runs: fairseq.kernels.int8_matmul), with torchao's
-Int8Tensor eagerly (the int8 weight converted to bf16, then a bf16 matmul) and compiled (CUDA: inductor can fuse the
-conversion), and through torch's `torch._weight_int8pack_mm` on torchao's int8 values and scales.
+Int8 matmuls: for each weight shape the int8 row quantizes and each batch size, one Linear's time per call (on
+CUDA inside a CUDA graph, each call reading another of 20 copies of the weights, more than the L2 cache holds, as a
+decode step reads weights from memory) in bf16; through fairseq's Int8WeightOnlyLinear (what the int8 row runs:
+fairseq.kernels.int8_matmul, its launch shape timed at first use); on CUDA the same Triton kernels with the launch
+shape before tuning (`triton 32x128`: BLOCK_N 32, BLOCK_K 128, no split-K) and with the untimed heuristic's, and
+FAIRSEQ_INT8_MATMUL=inductor's form compiled in `--compile-mode`; and torch's `torch._weight_int8pack_mm` on the
+same int8 values and scales.
 
 Decode attention calls (not with --no-attention-calls): one layer's attention of one new token per row at the run's
 mean live length, per batch size: SDPA over the live length's 256-slot window with a mask (the path without the
@@ -45,10 +51,16 @@ asked for, the latter where the kernel runs):
 a call that decodes one token and a call that decodes them all, profiled after a warm-up; their difference is
 new tokens - 1 decode steps, from which the kernels per step (CUDA: every GPU activity, kernels replayed from CUDA
 graphs included; CPU: the top-level aten ops) and the 10 kernels with the most time per step.
+
+Prefill: every fork row's prompt forward (one batched forward of the begin token and the prompt, and the scores
+of the prompt's tokens; compiled in the `-compiled` rows, fairseq.generation.compiled_step.CompiledPrefill) is
+timed apart within its calls, the device synchronized around it: its first call (the compile) and its best later
+call, with the prompt tokens per second.
 """
 
 import argparse
 import contextlib
+import itertools
 import json
 import os
 import sys
@@ -67,6 +79,14 @@ from fairseq.generation import search  # noqa: E402
 from fairseq.generation.decode_memory import attention_shape, kv_cache_bytes, model_bytes  # noqa: E402
 from fairseq.generation.quantize import Int8WeightOnlyLinear, check_quantize, quantize_for_generation  # noqa: E402
 from fairseq.generation.sequence_generator import SequenceGenerator  # noqa: E402
+from fairseq.kernels.int8_matmul import (  # noqa: E402
+    check_int8_matmul_path,
+    inductor_int8_linear,
+    int8_kernel_available,
+    int8_matmul_kernel,
+    set_int8_matmul,
+)
+from fairseq.kernels.int8_tuning import LEGACY, heuristic, row_bucket, tuned_configs  # noqa: E402
 from fairseq.kernels.decode_attention import (
     CACHE_BLOCK,
     decode_attention_available,
@@ -78,11 +98,13 @@ from fairseq.modules.causal_attention import fuse_qkv_  # noqa: E402
 from fairseq.models.transformer_lm import TransformerLanguageModel, preset_config  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-ROWS = ("greedy", "greedy-compiled", "greedy-sdpa", "beam4", "sample", "int8", "int8-compiled")
-BEAM = {"greedy": 1, "greedy-compiled": 1, "greedy-sdpa": 1, "beam4": 4, "sample": 1, "int8": 1, "int8-compiled": 1}
-INT8_ROWS = ("int8", "int8-compiled")  # run last: the model is quantized in place
+ROWS = ("greedy", "greedy-compiled", "greedy-sdpa", "beam4", "sample", "int8", "int8-compiled", "int8-inductor")
+BEAM = {row: 4 if row == "beam4" else 1 for row in ROWS}
+INT8_ROWS = ("int8", "int8-compiled", "int8-inductor")  # run last: the model is quantized in place
+COMPILED_ROWS = ("greedy-compiled", "int8-compiled", "int8-inductor")  # the step compiled, mode --compile-mode
+INT8_PATHS = {"int8-compiled": "triton", "int8-inductor": "inductor"}  # FAIRSEQ_INT8_MATMUL of a compiled int8 row
 # the rows greedy tokens are compared with the greedy row's, and --profile profiles
-GREEDY_ROWS = ("greedy-compiled", "greedy-sdpa", "int8", "int8-compiled")
+GREEDY_ROWS = ("greedy-compiled", "greedy-sdpa", "int8", "int8-compiled", "int8-inductor")
 MODEL_FLAGS = ("decoder_layers", "decoder_embed_dim", "decoder_ffn_embed_dim", "decoder_attention_heads")
 
 
@@ -191,7 +213,7 @@ def fork_generate(model, dictionary, prompts, args, row, new_tokens=None):
         min_len=total,
         search_strategy=strategy,
         cuda_graphs=not args.no_cuda_graphs,
-        compile_step=args.compile_mode if row.endswith("-compiled") else False,
+        compile_step=args.compile_mode if row in COMPILED_ROWS else False,
     )
     sample = {
         "net_input": {
@@ -205,7 +227,25 @@ def fork_generate(model, dictionary, prompts, args, row, new_tokens=None):
         hypos = generator.generate([model], sample, prefix_tokens=prompts)
         return torch.stack([h[0]["tokens"][args.prompt_len : total] for h in hypos])
 
+    run.prefill_seconds = time_prefills(generator.step_model, args.device)
     return run
+
+
+def time_prefills(step_model, device: str) -> list:
+    """The seconds of each prefill (the prompts' forward and their scores) `step_model` runs from now on, the
+    device synchronized before and after (a list that fills as it runs)."""
+    seconds, prefill = [], step_model.prefill
+
+    def timed(*args):
+        sync(device)
+        start = time.perf_counter()
+        out = prefill(*args)
+        sync(device)
+        seconds.append(time.perf_counter() - start)
+        return out
+
+    step_model.prefill = timed
+    return seconds
 
 
 def hf_generate(hf_model, prompts, args, eos, static: bool):
@@ -260,8 +300,14 @@ def fork_rows(model, dictionary, prompts_by_batch, args, device, rows):
     out = []
     for row in rows:
         for batch, prompts in prompts_by_batch.items():
-            with torch.no_grad(), decode_attention_kernel(False if row == "greedy-sdpa" else None):
-                seconds, tokens = best_time(fork_generate(model, dictionary, prompts, args, row), args.repeats, device)
+            with (
+                torch.no_grad(),
+                decode_attention_kernel(False if row == "greedy-sdpa" else None),
+                int8_matmul_path(INT8_PATHS.get(row)),
+            ):
+                run = fork_generate(model, dictionary, prompts, args, row)
+                seconds, tokens = best_time(run, args.repeats, device)
+            prefills = run.prefill_seconds  # the warm-up's (compiles), then one per timed call
             out.append(
                 {
                     "row": row,
@@ -270,6 +316,8 @@ def fork_rows(model, dictionary, prompts_by_batch, args, device, rows):
                     "tokens": tokens,
                     "tokens_per_s": batch * args.new_tokens / seconds,
                     "first_call_s": best_time.warmup,
+                    "prefill_first_s": prefills[0],
+                    "prefill_s": min(prefills[1:] or prefills),
                     **step_bytes(model, batch * BEAM[row], args),
                 }
             )
@@ -285,6 +333,17 @@ def decode_attention_kernel(enabled: Optional[bool]):
         yield
     finally:
         set_decode_attention_kernel(previous)
+
+
+@contextlib.contextmanager
+def int8_matmul_path(path: Optional[str]):
+    """The int8 path (FAIRSEQ_INT8_MATMUL's) that steps compiled inside use (None: as set): read when a step is
+    traced, which the rows' warm-up calls do inside."""
+    previous = set_int8_matmul(path or check_int8_matmul_path())
+    try:
+        yield
+    finally:
+        set_int8_matmul(previous)
 
 
 def hf_rows(hf_model, prompts_by_batch, args, device, eos):
@@ -316,53 +375,66 @@ def linear_shapes(model) -> list:
 
 @torch.no_grad()
 def int8_matmul_rows(model, batches, args, device) -> list:
-    """One Linear's time per call, for each weight shape of the model and row count (batch x beam 1): bf16
-    F.linear; fairseq's Int8WeightOnlyLinear (what --quantize makes); torchao's Int8Tensor eagerly, and compiled on
-    CUDA; torch's _weight_int8pack_mm over torchao's int8 values and scales. What int8 gains per matmul."""
-    from fairseq.generation.quantize import int8_weight
-
+    """One Linear's time per call, for each weight shape of the model and row count (batch x beam 1), the weights
+    read from memory as in a decode step (CUDA: each of a graph's 20 calls reads its own copy, 20 copies being
+    more than the L2 cache holds; launches replayed from the graph): bf16 F.linear; fairseq's
+    Int8WeightOnlyLinear (what --quantize makes: the Triton kernels with the launch shape timed at first use);
+    on CUDA also the Triton kernels with the untuned launch shape before issue 41 (BLOCK_N 32, BLOCK_K 128, no
+    split-K) and with the heuristic's (under capture), and FAIRSEQ_INT8_MATMUL=inductor's form compiled
+    (--compile-mode); torch's _weight_int8pack_mm on the same int8 values and scales. What int8 gains per matmul."""
     dtype = DTYPES[args.dtype]
+    cuda = device.startswith("cuda")
+    copies = 20 if cuda else 1
     out = []
     for shape in linear_shapes(model):
-        weight = torch.randn(shape, dtype=dtype, device=device) * shape[1] ** -0.5
-        quantized = int8_weight(weight)
-        qdata, scale = quantized.qdata, quantized.scale.reshape(-1).to(dtype)
-        linear = torch.nn.Linear(shape[1], shape[0], bias=False, device=device, dtype=dtype)
-        linear.weight.copy_(weight)
-        ours = Int8WeightOnlyLinear(linear)
+        weights = [torch.randn(shape, dtype=dtype, device=device) * shape[1] ** -0.5 for _ in range(copies)]
+        ours = []
+        for weight in weights:
+            linear = torch.nn.Linear(shape[1], shape[0], bias=False, device=device, dtype=dtype)
+            linear.weight.copy_(weight)
+            ours.append(Int8WeightOnlyLinear(linear))
         for rows in batches:
             x = torch.randn(rows, shape[1], dtype=dtype, device=device)
             paths = {
-                "bf16": lambda: torch.nn.functional.linear(x, weight),
-                "fairseq int8": lambda: ours(x),
-                "torchao eager": lambda: torch.nn.functional.linear(x, quantized),
-                "_weight_int8pack_mm": lambda: torch._weight_int8pack_mm(x, qdata, scale),
+                "bf16": lambda i: torch.nn.functional.linear(x, weights[i]),
+                "fairseq int8": lambda i: ours[i](x),
+                "_weight_int8pack_mm": lambda i: torch._weight_int8pack_mm(x, ours[i].qweight, ours[i].scale.to(dtype)),
             }
-            if device.startswith("cuda"):
-                paths["torchao compiled"] = lambda: compiled_linear()(x, quantized)
+            if int8_kernel_available(x):
+                untimed = heuristic(rows, *shape)
+                paths["triton 32x128"] = lambda i: int8_matmul_kernel(x, ours[i].qweight, ours[i].scale, None, LEGACY)
+                paths["triton heuristic"] = lambda i: int8_matmul_kernel(
+                    x, ours[i].qweight, ours[i].scale, None, untimed
+                )
+            if cuda:
+                paths["inductor"] = lambda i: compiled_int8(args.compile_mode)(x, ours[i].qweight, ours[i].scale)
             times = {}
             for path, fn in paths.items():
                 try:
-                    times[path] = call_time(fn, device)
+                    times[path] = graphed_call_time(cycled(fn, copies), device)
                 except (RuntimeError, NotImplementedError) as e:  # a path this torch / device lacks
                     times[path] = f"{type(e).__name__}: {str(e).splitlines()[0][:60]}"
-            out.append({"shape": list(shape), "rows": rows, "seconds": times})
+            tuned = tuned_configs().get((row_bucket(rows), shape[0], shape[1], dtype, False, x.device))
+            out.append({"shape": list(shape), "rows": rows, "seconds": times, "tuned": tuned and tuned._asdict()})
     return out
 
 
-def _linear(x, weight):
-    return torch.nn.functional.linear(x, weight)
+def cycled(fn, copies: int):
+    """`fn(i)` as a call of no arguments, i going round 0 .. copies - 1 (each call another copy of the weights)."""
+    calls = itertools.count()
+    return lambda: fn(next(calls) % copies)
 
 
-_COMPILED = []
+_COMPILED = {}
 
 
-def compiled_linear():
-    """_linear under torch.compile, compiled once per process (a recompile per weight shape and row count)."""
-    if not _COMPILED:
+def compiled_int8(mode: str):
+    """inductor_int8_linear (FAIRSEQ_INT8_MATMUL=inductor's form) compiled in `mode`, once per process (a
+    recompile per weight shape and row count)."""
+    if mode not in _COMPILED:
         torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
-        _COMPILED.append(torch.compile(_linear, dynamic=False))
-    return _COMPILED[0]
+        _COMPILED[mode] = torch.compile(inductor_int8_linear, dynamic=False, mode=mode)
+    return _COMPILED[mode]
 
 
 def call_time(fn, device: str, calls: int = 50) -> float:
@@ -377,18 +449,30 @@ def call_time(fn, device: str, calls: int = 50) -> float:
     return (time.perf_counter() - start) / calls
 
 
+INT8_MATMUL_PATHS = ("bf16", "fairseq int8", "triton 32x128", "triton heuristic", "inductor", "_weight_int8pack_mm")
+
+
 def print_int8_matmuls(rows) -> None:
-    paths = ("bf16", "fairseq int8", "torchao eager", "torchao compiled", "_weight_int8pack_mm")
+    paths = INT8_MATMUL_PATHS
     print(
-        "\n| Linear weight (out x in) | rows | " + " | ".join(f"{p} us" for p in paths) + " | best int8 / bf16 time |"
+        "\n| Linear weight (out x in) | rows | "
+        + " | ".join(f"{p} us" for p in paths)
+        + " | best int8 / bf16 time | fairseq int8's launch shape (timed) |"
     )
-    print("| --- | ---: |" + " ---: |" * (len(paths) + 1))
+    print("| --- | ---: |" + " ---: |" * (len(paths) + 1) + " --- |")
     for r in rows:
         t = r["seconds"]
         cells = [f"{1e6 * t[p]:,.1f}" if isinstance(t.get(p), float) else ("-" if p not in t else t[p]) for p in paths]
         int8 = [t[p] for p in paths[1:] if isinstance(t.get(p), float)]
         ratio = f"{min(int8) / t['bf16']:.2f}" if int8 and isinstance(t["bf16"], float) else "-"
-        print(f"| {r['shape'][0]} x {r['shape'][1]} | {r['rows']} | " + " | ".join(cells) + f" | {ratio} |")
+        tuned = r["tuned"]
+        shape = (
+            "-"
+            if not tuned
+            else f"{'GEMV' if tuned['gemv'] else 'dot'} {tuned['block_n']}x{tuned['block_k']}, split-K "
+            f"{tuned['split_k']}, {tuned['num_warps']} warps"
+        )
+        print(f"| {r['shape'][0]} x {r['shape'][1]} | {r['rows']} | " + " | ".join(cells) + f" | {ratio} | {shape} |")
 
 
 def kernel_events(prof, device: str) -> list:
@@ -407,9 +491,9 @@ def profile_rows(model, dictionary, prompts_by_batch, args, device) -> list:
     """For greedy decoding at each batch size (and without the decode attention kernel where it runs): the
     kernels launched per decode step and the 10 kernels taking the most time. Two profiled greedy calls, the
     prompt's forward and one step, then the whole run: their difference is new tokens - 1 decode steps. The
-    greedy-compiled row takes the greedy row's short call (the prompt's forward is not compiled; a short call of
-    its own would compile the step again for another cache size): its one step is the uncompiled one, so its
-    kernels per step may be off by (uncompiled - compiled kernels of one step) / (new tokens - 1)."""
+    greedy-compiled row takes the greedy row's short call (a short call of its own would compile the step again
+    for another cache size): its prompt's forward and one step are the uncompiled ones, so its kernels per step
+    may be off by (uncompiled - compiled kernels of the prefill and one step) / (new tokens - 1)."""
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.startswith("cuda") else [])
@@ -628,6 +712,19 @@ def print_tables(fork, hf, args, bandwidth, uncached, name, skipped):
     )
     firsts = [f"{r['row']} {r['batch']}: {r['first_call_s']:.1f} s" for r in fork + hf]
     print("first call, the warm-up (compiles, graph captures, autotuning): " + "; ".join(firsts))
+    print_prefills(fork, args)
+
+
+def print_prefills(fork, args) -> None:
+    """The fork rows' prefill (the prompts' forward, the scores of their tokens): the first call's (the compiled
+    rows' compile) and the best later call's, within the rows' times above."""
+    print("\n| batch | fork rows | prefill ms, later calls | prompt tokens/s | prefill first call s |")
+    print("| ---: | --- | ---: | ---: | ---: |")
+    for r in sorted(fork, key=lambda r: (r["batch"], ROWS.index(r["row"]))):
+        rate = r["batch"] * (args.prompt_len + 1) / r["prefill_s"]
+        print(
+            f"| {r['batch']} | {r['row']} | {1000 * r['prefill_s']:,.2f} | {rate:,.0f} | {r['prefill_first_s']:.2f} |"
+        )
 
 
 def print_transformers(fork, hf, greedy, args) -> None:
@@ -710,6 +807,18 @@ def main(argv=None):
     )
     if matmuls:
         print_int8_matmuls(matmuls)
+    launch_shapes = [
+        {"rows": k[0], "n": k[1], "k": k[2], "bias": k[4], **c._asdict()} for k, c in tuned_configs().items()
+    ]
+    if launch_shapes:
+        print(
+            "\nint8 launch shapes timed (row bucket, N x K, bias: shape): "
+            + "; ".join(
+                f"{c['rows']}, {c['n']} x {c['k']}, {c['bias']}: {'GEMV' if c['gemv'] else 'dot'} {c['block_n']}x"
+                f"{c['block_k']} split-K {c['split_k']} {c['num_warps']} warps"
+                for c in launch_shapes
+            )
+        )
     attention = [] if args.no_attention_calls else attention_call_rows(model, list(prompts_by_batch), args, device)
     if attention:
         print_attention_calls(attention)
@@ -724,6 +833,7 @@ def main(argv=None):
             device=name,
             skipped=skipped,
             int8_matmuls=matmuls,
+            int8_launch_shapes=launch_shapes,
             attention_calls=attention,
             profile=profiled,
         )

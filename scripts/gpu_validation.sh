@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One-call GPU validation (used with the device tool). On 2 GPUs: tests|resume|bench-a|bench-rest|175b.
 # On one H200, the open measurements of issues 31-33 (each part fits one 10-minute call):
-#   decode|decode-more|gen-tests|gen-bench|gen-int8|fp8|fp8-tp-parity|fp8-bench|ckpt-blocked|ckpt-tps|serve       (OUT=dir for logs, default gpu_out)
+#   decode|decode-more|decode-int8|gen-tests|gen-bench|gen-int8|fp8|fp8-tp-parity|fp8-bench|ckpt-blocked|ckpt-tps|serve       (OUT=dir for logs, default gpu_out)
 # The lent machine lacks hydra-core, omegaconf and torchao: carry the wheels (.whl/, ignored) and first run
 #   pip install --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
 # Installs nothing: expects torch, numpy, omegaconf, hydra, sentencepiece, tqdm (puts the repo on PYTHONPATH).
@@ -49,7 +49,8 @@ case "${1:-tests}" in
     ;;
   decode)  # issue 41, one call on one H100 (<= 9 min with the compiles): the decode GPU tests (the compiled step first),
            # then greedy with the eager and the compiled decode step beside transformers' static compiled path, in one
-           # run: tokens/s, % of copy bandwidth, kernels per step (--profile), each row's first call (compile, capture)
+           # run: tokens/s, % of copy bandwidth, kernels per step (--profile), each row's first call (compile, capture),
+           # each row's prefill apart (the compiled row compiles its prompts' forward too: 2 more compiles, rows 1 and 32)
     step decode_tests 200 python3 -m pytest -q -s -p no:cacheprovider -m gpu tests/gpu/test_decode_compiled_gpu.py \
       tests/gpu/test_decode_attention_gpu.py tests/gpu/test_beam_block_table_gpu.py tests/gpu/test_decode_engine_gpu.py \
       -rs --basetemp "$WORK/pytest"
@@ -57,12 +58,27 @@ case "${1:-tests}" in
       --prompt-len 512 --new-tokens 256 --dtype bf16 --repeats 1 --rows greedy,greedy-compiled --no-default-cache \
       --no-int8-matmuls --no-attention-calls --profile --json "$WORK/decode.json"
     ;;
-  decode-more)  # the rest of issue 41's rows (int8, SDPA without the kernel, max-autotune) and generation tests
-    step decode_more_tests 240 python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu/test_quantize_gpu.py \
-      tests/gpu/test_generation_gpu.py -rs --basetemp "$WORK/pytest"
+  decode-more)  # the rest of issue 41's rows (SDPA without the kernel, max-autotune) and generation tests; int8: decode-int8
+    step decode_more_tests 240 python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu/test_generation_gpu.py \
+      -rs --basetemp "$WORK/pytest"
     step decode_more_bench 300 python3 scripts/benchmark_generate.py --arch transformer_lm_gpt3_xl --batch-sizes 1,32 \
-      --prompt-len 512 --new-tokens 256 --dtype bf16 --repeats 1 --rows greedy,greedy-compiled,greedy-sdpa,int8,int8-compiled \
-      --compile-mode max-autotune-no-cudagraphs --no-transformers --json "$WORK/decode_more.json"
+      --prompt-len 512 --new-tokens 256 --dtype bf16 --repeats 1 --rows greedy,greedy-compiled,greedy-sdpa \
+      --compile-mode max-autotune-no-cudagraphs --no-transformers --no-int8-matmuls --json "$WORK/decode_more.json"
+    ;;
+  decode-int8)  # issue 41.4, one call on one H100 (step limits set from estimates, not yet measured): the int8 GPU
+                # tests (every launch shape, greedy agreement); bf16 greedy beside int8 (the Triton kernels, launch
+                # shapes timed at first use) with the table of one Linear's int8 paths at rows 1 and 32 (its inductor
+                # column compiled in the default mode); then the compiled steps, max-autotune: bf16, int8 through
+                # the Triton op (FAIRSEQ_INT8_MATMUL=triton) and through inductor's fusion (=inductor)
+    step decode_int8_tests 170 python3 -m pytest -q -s -p no:cacheprovider -m gpu tests/gpu/test_quantize_gpu.py \
+      -rs --basetemp "$WORK/pytest"
+    step decode_int8_bench 190 python3 scripts/benchmark_generate.py --arch transformer_lm_gpt3_xl --batch-sizes 1,32 \
+      --prompt-len 512 --new-tokens 256 --dtype bf16 --repeats 1 --rows greedy,int8 --no-transformers \
+      --no-attention-calls --json "$WORK/decode_int8.json"
+    step decode_int8_compiled 220 python3 scripts/benchmark_generate.py --arch transformer_lm_gpt3_xl \
+      --batch-sizes 1,32 --prompt-len 512 --new-tokens 256 --dtype bf16 --repeats 1 \
+      --rows greedy,greedy-compiled,int8-compiled,int8-inductor --compile-mode max-autotune-no-cudagraphs \
+      --no-transformers --no-attention-calls --no-int8-matmuls --json "$WORK/decode_int8_compiled.json"
     ;;
   gen-bench)  # issue 33: the fork (greedy, beam 4, sampling) against transformers' default and static-cache paths
     step gen_bench 580 python3 scripts/benchmark_generate.py --arch transformer_lm_gpt3_xl --batch-sizes 1,32 \

@@ -382,13 +382,15 @@ class DecodeEngine:
 
     def _prefill_groups(self, requests: List[DecodeRequest]):
         """(index of the first, requests) of consecutive groups prefilled in one forward each: a group's prompts
-        padded to its longest hold at most max_positions tokens (or one row), so that the prefill's temporary
-        caches and activations are never larger than one full-length prompt's, the most the decode memory check
-        leaves room for (rows joining one at a time needed no more)."""
+        padded to its longest (and the compiled prefill's multiple, `compile_step`) hold at most max_positions
+        tokens (or one row), so that the prefill's temporary caches and activations are never larger than one
+        full-length prompt's, the most the decode memory check leaves room for (rows joining one at a time
+        needed no more)."""
         groups, start, longest = [], 0, 0
         for i, request in enumerate(requests):
             width = request.prompt.numel()  # the begin token and the prompt but its last token
-            if i > start and (i - start + 1) * max(longest, width) > self.max_positions:
+            padded = self.step_model.prefill_length(max(longest, width))
+            if i > start and (i - start + 1) * padded > self.max_positions:
                 groups.append((start, requests[start:i]))
                 start, longest = i, 0
             longest = max(longest, width)
@@ -397,9 +399,9 @@ class DecodeEngine:
 
     def _prefill(self, requests: List[DecodeRequest], first: int) -> None:
         """Rows first, first + 1, ... take the begin token and their request's prompt but its last token in the
-        caches: one forward of the prompts right-padded to the longest (causal attention: a row's positions never
-        see the padding after them; the padded slots are overwritten before a step reads them). Empty prompts
-        have nothing to prefill."""
+        caches: one forward of the prompts right-padded to the longest (compiled: further, to a multiple of 64;
+        causal attention: a row's positions never see the padding after them; the padded slots are overwritten
+        before a step reads them). Empty prompts have nothing to prefill."""
         rows = [first + i for i, request in enumerate(requests) if request.prompt.numel()]
         if not rows:
             return

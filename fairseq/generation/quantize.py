@@ -10,14 +10,16 @@ to the token embeddings, `--share-decoder-input-output-embed`) is left alone: qu
 
 Where it helps: decoding a few rows at a time reads every weight once per token, so the step is bound by memory
 bandwidth and half the weight bytes is the gain to be had. The matmul (fairseq.kernels.int8_matmul) reads the
-int8 weight and converts it in registers, in one kernel (Triton) on CUDA for decode-sized inputs; a prompt's
-forward (many rows, bound by arithmetic) dequantizes the weight for one bf16 GEMM. No bf16 copy of a weight is
+int8 weight and converts it in registers: Triton kernels on CUDA for decode-sized inputs, their launch shape timed
+at first use (or, in a compiled step with FAIRSEQ_INT8_MATMUL=inductor, code inductor fuses); a prompt's forward
+(many rows, bound by arithmetic) dequantizes the weight for one bf16 GEMM. No bf16 copy of a weight is
 kept. Measure it with `scripts/benchmark_generate.py` (its `int8` row and its table of one Linear's paths).
 
 The rules, each an error naming the flag and the fix, checked before anything is loaded (`check_quantize`): the
-device must be CUDA (weight-only int8 is a GPU decoding feature here: on the CPU it would only be slower), and the
-model bf16 (`--bf16`): what the int8 path is built and measured for; in fp32 there is nothing to gain. Training with quantized weights is not supported
-(fairseq-train has no such flag).
+device must be CUDA (weight-only int8 is a GPU decoding feature here: on the CPU it would only be slower),
+the model bf16 (`--bf16`): what the int8 path is built and measured for; in fp32 there is nothing to gain; and
+FAIRSEQ_INT8_MATMUL, where set, one of its paths. Training with quantized weights is not supported (fairseq-train
+has no such flag).
 """
 
 import logging
@@ -26,7 +28,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from fairseq.kernels.int8_matmul import int8_linear
+from fairseq.kernels.int8_matmul import check_int8_matmul_path, int8_linear
 
 logger = logging.getLogger(__name__)
 
@@ -51,6 +53,7 @@ def check_quantize(mode: Optional[str], device: torch.device, dtype: torch.dtype
     check_mode(mode, keyword)
     if mode == "none":
         return
+    check_int8_matmul_path()
     if torch.device(device).type != "cuda":
         fix = (
             "move the model to a GPU before generating (lm.cuda()) or drop quantize="
@@ -131,15 +134,3 @@ class Int8WeightOnlyLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
-
-
-def int8_weight(weight: torch.Tensor) -> torch.Tensor:
-    """`weight` [out, in] as torchao's Int8Tensor (`Int8WeightOnlyConfig`, torchao's weight-only int8, which
-    this module used before its own matmul): what scripts/benchmark_generate.py compares against."""
-    from torchao.quantization import Int8WeightOnlyConfig, quantize_  # deferred: optional
-
-    linear = nn.Linear(weight.size(1), weight.size(0), bias=False, device=weight.device, dtype=weight.dtype)
-    with torch.no_grad():
-        linear.weight.copy_(weight)
-    quantize_(linear, Int8WeightOnlyConfig(set_inductor_config=False))
-    return linear.weight.detach()

@@ -4,7 +4,8 @@
 in probability space, as upstream) and offers the loops these operations on a batch of rows:
 
 - `new_incremental_states(max_batch, max_length)`: the caches, reserved once at that size;
-- prefill: `feed_prompts(tokens, states, ...)`, a batch of prompts into empty caches in one forward;
+- prefill: `feed_prompts(tokens, states, ...)`, a batch of prompts into empty caches in one forward (or
+  `static_prefill`, the same forward with no plain-int length read, which a compiled prefill compiles);
 - step: `forward_decoder` (the dynamic cached forward: upstream-style decoders too) or `forward_static_step`
   (one token per row at a slot held in a device tensor, [1] for every row or [rows, 1] one per row: what CUDA
   graphs capture, and what rows at different lengths need);
@@ -29,7 +30,13 @@ import torch
 import torch.nn as nn
 from torch import Tensor
 
-from fairseq.generation.compiled_step import CompiledStep, compile_decode_step_mode, compile_mode
+from fairseq.generation.compiled_step import (
+    CompiledPrefill,
+    CompiledStep,
+    compile_decode_step_mode,
+    compile_mode,
+    model_dtype,
+)
 from fairseq.generation.cuda_graph_decoding import GraphedDecodeStep
 from fairseq.kernels.decode_attention import CACHE_BLOCK
 from fairseq.modules.fairseq_incremental_decoder import FairseqIncrementalDecoder
@@ -61,6 +68,10 @@ class EnsembleModel(nn.Module):
         # reading their caches through a block table when beam search asks.
         self.can_static_step = self.can_feed_prompts and all(
             hasattr(m.decoder, "forward_static_step") and hasattr(m.decoder, "take_parent_blocks") for m in models
+        )
+        # ... and a static prefill (what a compiled prefill compiles).
+        self.can_static_prefill = self.can_static_step and all(
+            hasattr(m.decoder, "forward_static_prefill") for m in models
         )
 
     def has_incremental_states(self) -> bool:
@@ -176,6 +187,19 @@ class EnsembleModel(nn.Module):
             ]
         )
 
+    def static_cache_shape(self, states: List[dict], rows: int, device: torch.device) -> Tuple[int, int]:
+        """(rows, capacity) every model's caches have, allocated first where nothing is cached yet (at their
+        reserved size, at least `rows` rows)."""
+        like = torch.empty(0, dtype=model_dtype(self), device=device)
+        shapes = [m.decoder.static_cache_shape(state, rows, like) for m, state in zip(self.models, states)]
+        return min(r for r, _ in shapes), min(c for _, c in shapes)
+
+    def static_prefill(self, tokens: Tensor, rows: Tensor, states: List[dict]) -> List[Tensor]:
+        """Each model's features [B, T, C] of `tokens` [B, T] fed into the caches' rows `rows` ([B]), slots
+        0 .. T-1, through its decoder's `forward_static_prefill` (no plain-int length read: what
+        fairseq.generation.compiled_step compiles)."""
+        return [m.decoder.forward_static_prefill(tokens, rows, state) for m, state in zip(self.models, states)]
+
     def feed_prompts(
         self, tokens: Tensor, states: List[dict], temperature: float, vocab_size: int
     ) -> Tuple[Tensor, Tensor]:
@@ -184,6 +208,13 @@ class EnsembleModel(nn.Module):
         features = [
             m.decoder(tokens, incremental_state=state, features_only=True)[0] for m, state in zip(self.models, states)
         ]
+        return self.prompt_scores(tokens, features, temperature, vocab_size)
+
+    def prompt_scores(
+        self, tokens: Tensor, features: List[Tensor], temperature: float, vocab_size: int
+    ) -> Tuple[Tensor, Tensor]:
+        """`feed_prompts`' log-probabilities from each model's features [B, T, C] of `tokens` [B, T], computed
+        over a few positions at a time (at most _LOGITS_CHUNK logits exist at once)."""
         batch, length = tokens.shape
         forced = torch.empty(batch, length - 1, device=tokens.device)
         chunk = max(1, _LOGITS_CHUNK // (batch * vocab_size))
@@ -209,8 +240,8 @@ class StepModel:
     """SequenceGenerator's step-model interface: the ensemble's operations (prefill, step, reorder, drop rows)
     with what every step applies (the generator's temperature; NaN -> -inf, never <pad>, --unkpen), and the
     CUDA-graph runner of the static one-token steps (fairseq.generation.cuda_graph_decoding), which holds the
-    caches it replays over; `compile_step`: those steps compiled by inductor (fairseq.generation.compiled_step;
-    None: the process's setting, FAIRSEQ_COMPILE_DECODE_STEP)."""
+    caches it replays over; `compile_step`: those steps, and the prefill over the runner's caches, compiled by
+    inductor (fairseq.generation.compiled_step; None: the process's setting, FAIRSEQ_COMPILE_DECODE_STEP)."""
 
     def __init__(
         self,
@@ -232,6 +263,10 @@ class StepModel:
         self.eager_graphs = False  # True: the static-step path without capture on any device (CPU tests)
         mode = compile_decode_step_mode() if compile_step is None else compile_mode(compile_step)
         self.compiled_step = None if mode is None else CompiledStep(self._static_step, ensemble, mode)
+        # The prompts' forward compiled too, over the caches the static steps run on (the graph runner's), in
+        # inductor's default mode whatever the step's: autotuning its GEMMs lengthens every compile.
+        compiles_prefill = mode is not None and ensemble.can_static_prefill
+        self.compiled_prefill = CompiledPrefill(ensemble, pad) if compiles_prefill else None
 
     def mask_special(self, lprobs: Tensor) -> Tensor:
         """The masks of every step: NaN -> -inf, never <pad>, --unkpen (inside the CUDA graph when one runs)."""
@@ -273,9 +308,20 @@ class StepModel:
 
     def prefill(self, tokens: Tensor, states: List[dict]) -> Tuple[Tensor, Tensor]:
         """Prompts `tokens` [B, T] into empty caches: (log-probabilities [B, T-1] of tokens[:, 1:]; the masked
-        log-probabilities [B, V] of the token after them)."""
-        forced, next_lprobs = self.model.feed_prompts(tokens, states, self.temperature, self.vocab_size)
+        log-probabilities [B, V] of the token after them). Compiled (`compile_step`) over the graph runner's
+        caches: the models' forward, its length padded to a multiple of 64 (fairseq.generation.compiled_step)."""
+        if self.compiled_prefill is not None and self.graphed is not None and states is self.graphed.states:
+            features = self.compiled_prefill(tokens, states)
+            self.graphed.set_length(tokens.size(1))  # the static prefill leaves the plain-int lengths
+            forced, next_lprobs = self.model.prompt_scores(tokens, features, self.temperature, self.vocab_size)
+        else:
+            forced, next_lprobs = self.model.feed_prompts(tokens, states, self.temperature, self.vocab_size)
         return forced, self.mask_special(next_lprobs)
+
+    def prefill_length(self, length: int) -> int:
+        """The length a prefill of prompts `length` tokens long runs at, padding included (compiled: a multiple of
+        64, at most the model's positions)."""
+        return length if self.compiled_prefill is None else self.compiled_prefill.padded_length(length)
 
     def next_log_probs(self, tokens: Tensor, step: int, states: Optional[List[dict]], graphed) -> Tensor:
         """Masked log-probabilities [rows, V] of the token after tokens[:, :step + 1] (the dynamic cached forward,
@@ -328,8 +374,11 @@ class StepModel:
             table[: keep.numel()] = moved_to[table.index_select(0, keep).long()]
 
     def add_rows(self, states: List[dict], rows: Tensor, tokens: Tensor) -> None:
-        """Cache rows `rows` take `tokens` [len(rows), T]: prefilled in a state of their own (one forward), copied
-        into the running caches' first T slots of those rows."""
+        """Cache rows `rows` take `tokens` [len(rows), T] in their first T slots: prefilled in a state of their
+        own (one forward), copied into the running caches; compiled (`compile_step`), written there directly."""
+        if self.compiled_prefill is not None:  # straight into the running caches' rows, one compiled forward
+            self.compiled_prefill(tokens, states, rows)
+            return
         source = self.model.new_incremental_states(max_batch=tokens.size(0), max_length=tokens.size(1))
         self.model.prefill(tokens, source)
         self.model.add_rows(states, rows, source, tokens.size(1))

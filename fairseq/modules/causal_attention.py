@@ -36,12 +36,15 @@ class StaticStep(NamedTuple):
     times); the token attends over the cache's first `window` slots, masked in one of two ways: `mask`
     [1 or rows, 1, 1, window] (the activations' dtype) is 0 for slots 0 .. slot and -inf after (SDPA), or
     `lengths` (integers on the device, [1] or one per row) are the live lengths the decode attention kernel
-    reads (fairseq.kernels.decode_attention: only the live keys, no mask)."""
+    reads (fairseq.kernels.decode_attention: only the live keys, no mask). `slot` and `mask` None: a static
+    prefill, the first T tokens [B, T] of sequences written to the caches' rows `rows` (a long tensor [B]) at
+    slots 0 .. T-1, attending causally among themselves (fairseq.generation.compiled_step's compiled prefill)."""
 
-    slot: torch.Tensor
+    slot: Optional[torch.Tensor]
     mask: Optional[torch.Tensor]
     lengths: Optional[torch.Tensor] = None
     window: int = 0
+    rows: Optional[torch.Tensor] = None
 
 
 def _write_slot(buffer: torch.Tensor, slot: torch.Tensor, new: torch.Tensor) -> None:
@@ -50,6 +53,13 @@ def _write_slot(buffer: torch.Tensor, slot: torch.Tensor, new: torch.Tensor) -> 
     step (torch.compile) then writes in place, where a slice's write is copied out and back (the whole cache)."""
     rows = torch.arange(new.size(0), device=new.device)
     buffer.transpose(1, 2).index_put_((rows, slot.view(-1)), new[:, :, 0])
+
+
+def _write_prefix(buffer: torch.Tensor, rows: torch.Tensor, new: torch.Tensor) -> None:
+    """The whole cache buffer [rows, H, C, D] takes new [B, H, T, D] in its rows `rows` ([B]) at slots 0 .. T-1:
+    one index_put on the buffer itself, in place when compiled (see _write_slot)."""
+    slots = torch.arange(new.size(2), device=new.device)
+    buffer.transpose(1, 2).index_put_((rows.unsqueeze(1), slots), new.transpose(1, 2))
 
 
 def check_heads(embed_dim: int, num_heads: int, dim_name: str = "embed_dim", heads_name: str = "num_heads") -> None:
@@ -263,17 +273,21 @@ class CausalSelfAttention(FairseqIncrementalState, AttentionProjections):
         attn = attn.transpose(1, 2).reshape(batch, length, -1)  # -1: this rank's heads (see _split_heads)
         return self.out_proj(attn)
 
-    def static_step_capacity(self, incremental_state: IncrementalState, rows: int, like: torch.Tensor) -> int:
-        """The slots a static step attends over: the cache's capacity, allocated first (at the reserved size)
-        when nothing is cached yet."""
+    def static_cache_shape(self, incremental_state: IncrementalState, rows: int, like: torch.Tensor):
+        """(rows, slots) of the cache the static steps write: allocated first (at the reserved size, at least
+        `rows` rows) when nothing is cached yet. The plain-int length is read only then: a compiled step
+        (torch.compile) would guard on it and recompile for every prompt width (static steps take their
+        positions from `slot`, a device tensor)."""
         entry = self._cache_entry(incremental_state)
-        self._ensure_capacity(entry, rows, entry["length"], like)
-        capacity = entry["key_buffer"].size(2)
-        if capacity == 0:
+        buffer = entry["key_buffer"]
+        if buffer is None or buffer.size(0) < rows:
+            self._ensure_capacity(entry, rows, entry["length"], like)
+            buffer = entry["key_buffer"]
+        if buffer.size(2) == 0:
             raise ValueError(
                 "a static decode step needs a cache: call reserve_incremental_state(state, max_length, max_batch) first"
             )
-        return capacity
+        return buffer.size(0), buffer.size(2)
 
     def _forward_static_step(
         self, x: torch.Tensor, incremental_state: IncrementalState, step: StaticStep
@@ -281,6 +295,12 @@ class CausalSelfAttention(FairseqIncrementalState, AttentionProjections):
         batch, length, _ = x.shape
         entry = self._cache_entry(incremental_state)
         q, k, v = self._qkv(x)
+        dropout = self.dropout if self.training else 0.0
+        if step.slot is None:  # a static prefill (see StaticStep): the chunk is all there is
+            _write_prefix(entry["key_buffer"], step.rows, k)
+            _write_prefix(entry["value_buffer"], step.rows, v)
+            attn = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True)
+            return self.out_proj(attn.transpose(1, 2).reshape(batch, length, -1))
         _write_slot(entry["key_buffer"], step.slot, k)
         _write_slot(entry["value_buffer"], step.slot, v)
         keys, values = entry["key_buffer"][:batch], entry["value_buffer"][:batch]
@@ -295,7 +315,6 @@ class CausalSelfAttention(FairseqIncrementalState, AttentionProjections):
                 keys, values = gather_blocks(keys, block_rows, window), gather_blocks(values, block_rows, window)
             else:
                 keys, values = keys[:, :, :window], values[:, :, :window]
-            dropout = self.dropout if self.training else 0.0
             attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=step.mask, dropout_p=dropout)
         attn = attn.transpose(1, 2).reshape(batch, length, -1)
         return self.out_proj(attn)

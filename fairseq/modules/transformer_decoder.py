@@ -307,21 +307,50 @@ class TransformerDecoder(FairseqIncrementalDecoder):
         lengths are left as they were: say how many tokens are cached with `set_incremental_length` before
         calling anything that reads them (the dynamic forward, `reorder_incremental_state`)."""
         x = self.embed(tokens, slot=slot)
-        attentions = self._decoder_entry(incremental_state)["attentions"]
-        capacities = {a.static_step_capacity(incremental_state, tokens.size(0), x) for a in attentions}
-        if len(capacities) > 1:
-            raise ValueError(
-                f"the layers' caches have different capacities {sorted(capacities)}; reserve them "
-                "together with reserve_incremental_state"
-            )
         step = None
-        if capacities:
-            capacity = capacities.pop()
+        capacity = self.static_cache_shape(incremental_state, tokens.size(0), x)[1]
+        if capacity:
             window = capacity if window is None else min(window, capacity)
             step = self._static_step_attention(x, slot, window)
         for layer in self.layers:
             x = layer(x, incremental_state=incremental_state, static_step=step)
         return self.output_layer(self._final_norm_and_projection(x))
+
+    def forward_static_prefill(
+        self, tokens: torch.Tensor, rows: torch.Tensor, incremental_state: IncrementalState
+    ) -> torch.Tensor:
+        """Features [B, T, output_dim] of `tokens` [B, T], the first T tokens of B sequences, their keys and values
+        written to slots 0 .. T-1 of the caches' rows `rows` (a long tensor [B]; the caches reserved, or allocated
+        by an earlier call): what `self(tokens, incremental_state=state, features_only=True)` gives over empty
+        caches, from code that reads no plain-int length (a compiled prefill compiles once for many shapes). Every
+        row is T tokens long (a prompt right-padded: causal attention keeps its positions from seeing the padding);
+        the plain-int lengths are left alone, as by `forward_static_step`."""
+        x = self.embed(tokens, start=0)
+        capacity = self.static_cache_shape(incremental_state, tokens.size(0), x)[1]
+        if capacity < tokens.size(1):
+            raise ValueError(
+                f"a static prefill of {tokens.size(1)} tokens does not fit caches of {capacity} slots; reserve "
+                "them longer with reserve_incremental_state"
+            )
+        step = StaticStep(None, None, window=tokens.size(1), rows=rows)
+        for layer in self.layers:
+            x = layer(x, incremental_state=incremental_state, static_step=step)
+        return self._final_norm_and_projection(x)
+
+    def static_cache_shape(self, incremental_state: IncrementalState, rows: int, like: torch.Tensor):
+        """(rows, capacity) of the caches the static steps write, allocated first (at the reserved size, at least
+        `rows` rows, `like`'s dtype and device) when nothing is cached yet; (0, 0) without attention layers."""
+        shapes = set()
+        # A loop, not a set comprehension: through a comprehension dynamo (torch 2.13, Python 3.11) guarded on
+        # this decoder's plain-int length, and a compiled step recompiled for every prompt width.
+        for attention in self._decoder_entry(incremental_state)["attentions"]:
+            shapes.add(attention.static_cache_shape(incremental_state, rows, like))
+        if len(shapes) > 1:
+            raise ValueError(
+                f"the layers' caches have different (rows, capacity) {sorted(shapes)}; reserve them "
+                "together with reserve_incremental_state"
+            )
+        return shapes.pop() if shapes else (0, 0)
 
     def _static_step_attention(self, x: torch.Tensor, slot: torch.Tensor, window: int) -> StaticStep:
         """How a static step's attention sees the cache: the live length for the decode attention kernel where

@@ -42,6 +42,7 @@ class Server:
         self.metrics = Metrics()
         self.model = self.scheduler = self.limits = None
         self.leader = None  # rank 0's fairseq.serving.tensor_parallel.Leader (tensor parallelism)
+        self.on_fatal = None  # what the decode thread calls when it can serve no more (the server stops)
         self.draining = False
         self.load_error: Optional[str] = None
 

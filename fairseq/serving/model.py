@@ -10,6 +10,7 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
+from fairseq.generation.decode_memory import check_decode_memory, decode_positions
 from fairseq.hub.hub_utils import GeneratorHubInterface
 from fairseq.hub.text import move_to
 from fairseq.generation.search import Sampling
@@ -87,6 +88,23 @@ class ServedModel:
         lprobs = model.get_normalized_probs(model(src), log_probs=True)[0].float()
         values, indices = lprobs.topk(min(top_n, lprobs.size(-1)), dim=-1)
         return [dict(zip(i.tolist(), v.tolist())) for i, v in zip(indices.cpu(), values.cpu())]
+
+    def precheck(self, name: str, args: tuple) -> Optional[str]:
+        """The error line the call `name(*args)` would raise on this process before it runs the model, or None:
+        the decode memory check of beam's batch (the hub's, on this GPU's free memory; nothing on the CPU).
+        Tensor-parallel ranks compare theirs before any of them runs the call (fairseq.serving.tensor_parallel)."""
+        if name != "beam":
+            return None
+        prompt, max_new, width, _ = args
+        # the batch hub.generate checks in beam(): one prompt and its </s>, outputs of at most prompt + max_new
+        positions = decode_positions(len(prompt) + 1, 0, len(prompt) + max_new, self.hub.max_positions)
+        try:
+            check_decode_memory(
+                self.hub.models, 1, width, positions, self.device, fix="send a smaller best_of or max_tokens"
+            )
+        except ValueError as err:
+            return str(err)
+        return None
 
     def beam(self, prompt: List[int], max_new: int, width: int, nbest: int) -> List[Tuple[List[int], List[float], str]]:
         """The `nbest` best of a beam search of `width` (the generator's): (new ids, their log p, finish reason)."""

@@ -85,6 +85,11 @@ class Draining(Exception):
     pass
 
 
+class Fatal(Exception):
+    """Raised by a backend that can serve no more (under tensor parallelism: the ranks are out of step): the
+    decode thread answers every request with it and ends, then calls `on_fatal` (the server stops)."""
+
+
 class SerialBackend:
     """The engine's interface over the hub's generator, one choice decoded alone per step (the stand-in while no
     fairseq.generation.engine is importable): each choice's text is what it gets alone."""
@@ -132,6 +137,9 @@ class Scheduler:
         self.cancels: List[tuple] = []  # (request, its choices to stop or None: all)
         self.lock = threading.Condition()
         self.draining = self.stopped = False
+        self.failed: Optional[Fatal] = None
+        self.on_fatal: Optional[Callable[[Fatal], None]] = None
+        self.starting: List[Work] = []  # admitted, not yet started (a Fatal error answers them too)
         self.thread = threading.Thread(target=self._loop, name="fairseq-serve-decode", daemon=True)
 
     # ---- the HTTP side ----------------------------------------------------------------------------------------
@@ -171,11 +179,12 @@ class Scheduler:
         with self.lock:
             return not self.waiting and not self.running
 
-    def stop(self) -> None:
+    def stop(self, wait_s: float = 10.0) -> None:
+        """End the decode thread once its current operation is done (waiting at most `wait_s`)."""
         with self.lock:
             self.stopped = True
             self.lock.notify()
-        self.thread.join(timeout=10)
+        self.thread.join(timeout=wait_s)
 
     @property
     def queue_length(self) -> int:
@@ -183,6 +192,21 @@ class Scheduler:
 
     # ---- the decode thread ------------------------------------------------------------------------------------
     def _loop(self) -> None:
+        try:
+            self._run()
+        except Fatal as err:
+            logger.error(f"fairseq-serve: error: {err}")
+            with self.lock:
+                self.failed, self.draining = err, True
+                works = self.starting + list(self.waiting) + list({id(w): w for w in self.running.values()}.values())
+                self.waiting.clear()
+                self.running.clear()
+            for work in works:
+                work.emit(Event(error=err))
+            if self.on_fatal is not None:
+                self.on_fatal(err)
+
+    def _run(self) -> None:
         while True:
             with self.lock:
                 if not self._has_work():
@@ -197,8 +221,10 @@ class Scheduler:
                 continue
             for work, indices in cancels:
                 self._drop(work, indices)
-            for work in admitted:
-                self._start(work)
+            self.starting = admitted
+            while self.starting:
+                self._start(self.starting[0])
+                self.starting.pop(0)
             if self.backend.live:
                 self._step()
 
@@ -227,6 +253,8 @@ class Scheduler:
         if work.run_whole is not None:
             try:
                 work.emit(Event(result=work.run_whole(self.model)))
+            except Fatal:
+                raise
             except Exception as err:  # the request's, not the server's: told to its client
                 logger.exception("a request failed")
                 work.emit(Event(error=err))
@@ -235,6 +263,8 @@ class Scheduler:
         if work.prologue is not None:
             try:
                 work.emit(Event(result=work.prologue(self.model)))
+            except Fatal:
+                raise
             except Exception as err:
                 logger.exception("a request failed")
                 work.emit(Event(error=err))
@@ -247,6 +277,8 @@ class Scheduler:
     def _step(self) -> None:
         try:
             events = self.backend.step()
+        except Fatal:
+            raise
         except Exception as err:
             logger.exception("the decode step failed: the running requests are answered with an error")
             for work in {id(w): w for w in self.running.values()}.values():

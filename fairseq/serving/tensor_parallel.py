@@ -16,6 +16,17 @@ in order:
                            reaches the process group's timeout, --heartbeat-timeout)
     ("stop",)              rank 0 has drained: the followers leave their loop and exit 0
 
+An error that only some ranks meet must not leave the others in a collective that never completes. So the ranks
+agree, on a second gloo group whose collectives wait at most --heartbeat-timeout / 2 (30 s at most: `agree_s`):
+before a call runs the model, on each rank's check of it (`ServedModel.precheck`: the decode memory check of a
+best_of request, which reads each GPU's own free memory), and all refuse it together when one rank's check fails
+(rank 0's client gets that rank's line); after each call and each step, on each rank's outcome. A call that
+failed on some ranks fails on all (it changed no state; its client gets the first failing rank's line); a step
+that failed on some ranks only (their engines are no longer in step) stops the server, as does a rank that does
+not answer in time (it failed inside the model and left the others in one of its collectives, or it stalls):
+`OutOfStep`, one line naming the rank and the cause, every rank exits non-zero (the launcher stops the ranks
+still waiting). An error that every rank meets alike (the same input) fails the request and the server goes on.
+
 `add` and `cancel` change nothing before the next step, so rank 0 keeps them and sends them with the next
 operation that runs the model: one broadcast per chunk. Sampling is the same on every rank without sending any
 token: a row draws from counter-based noise keyed by its seed (sent with the row) over logits that every rank
@@ -24,9 +35,11 @@ holds whole (the vocabulary-parallel output is all-gathered), so every rank pick
 
 import logging
 import os
+import re
 import signal
 import time
-from typing import Callable, List, Optional
+from datetime import timedelta
+from typing import Callable, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -39,10 +52,12 @@ from fairseq.distributed.tensor_parallel_decoding import split_for_decoding
 from fairseq.runtime.env import detect_launch
 from fairseq.runtime.errors import UserError
 from fairseq.serving.model import ServedModel
+from fairseq.serving.scheduler import Fatal
 
 logger = logging.getLogger("fairseq.serving.tensor_parallel")
 
 HEARTBEAT_S = 30.0
+AGREE_S = 30.0  # the most a rank waits for the others' check or outcome (they run the same work in step)
 # The split model's decode steps run eagerly (the engine's device loop without CUDA graphs): capturing its NCCL
 # collectives in a graph is what tests/gpu/test_serve_tensor_parallel_gpu.py tries, not yet run on a GPU.
 CUDA_GRAPHS = False
@@ -51,6 +66,11 @@ CUDA_GRAPHS = False
 class ServeError(UserError, ValueError):
     """A flag or checkpoint that tensor-parallel serving cannot take: one line, from every entry point and from
     the launcher (a UserError), without a traceback."""
+
+
+class OutOfStep(Fatal, UserError):
+    """The ranks are no longer in step (a step failed on some of them, or a rank did not answer): the server
+    stops; told in one line naming the rank and the cause, on every rank and by the launcher."""
 
 
 # ---- before the ranks start -------------------------------------------------------------------------------------
@@ -107,9 +127,12 @@ class TensorParallelGroup:
             keep_following_on_signals(self.rank)
         self.mesh = init_parallel_mesh(ParallelLayout(tp=self.size), device_type).tp_mesh
         timeout = process_group_timeout(cfg.distributed_training)
+        self.timeout_s = timeout.total_seconds()
         self.group = dist.new_group(backend="gloo", timeout=timeout)
         # the followers wait in a collective while rank 0 is idle: a beat well within the group's timeout
         self.heartbeat_s = min(HEARTBEAT_S, timeout.total_seconds() / 4)
+        self.agree_s = min(AGREE_S, timeout.total_seconds() / 2)
+        self.agreement = dist.new_group(backend="gloo", timeout=timedelta(seconds=self.agree_s))
 
     def split(self, model):
         """This rank's part of `model` (fairseq.distributed.tensor_parallel_decoding)."""
@@ -134,16 +157,87 @@ def _broadcast(message: Optional[list], group) -> list:
     return box[0]
 
 
+def _first_line(err: BaseException) -> str:
+    """The error's type and first line (gloo's `[file.cc:129] ` prefix left out)."""
+    lines = str(err).strip().splitlines()
+    first = re.sub(r"^\[[^]]*\] ", "", lines[0]) if lines else ""
+    return f"{type(err).__name__}: {first}"
+
+
+def agree(tp, what: str, error: Optional[str]) -> List[Tuple[int, str]]:
+    """Every rank's outcome of the same `what` (its error line, or None), on the agreement group: [(rank, error)]
+    of the ranks that failed, the same list on every rank. OutOfStep when a rank does not answer within
+    tp.agree_s (it failed inside the model and left the others in a collective, it stalls, or it is gone)."""
+    failed = torch.tensor([0 if error is None else 1], dtype=torch.int64)
+    try:
+        dist.all_reduce(failed, group=tp.agreement)
+        if failed.item() == 0:
+            return []
+        errors: list = [None] * tp.size
+        dist.all_gather_object(errors, error, group=tp.agreement)
+    except Exception as err:
+        mine = f"{what} failed here ({error}), and " if error else ""
+        raise OutOfStep(
+            f"rank {tp.rank}: {mine}the other ranks did not answer within {tp.agree_s:g} s after the {what} (a "
+            f"rank failed inside the model, stalls or is gone; {_first_line(err)}): the ranks are out of step, "
+            "stopping the server"
+        ) from None
+    return [(rank, line) for rank, line in enumerate(errors) if line is not None]
+
+
+def _named(failed: List[Tuple[int, str]]) -> str:
+    rank, error = failed[0]
+    others = f" (and on {len(failed) - 1} more rank(s))" if len(failed) > 1 else ""
+    return f"rank {rank}: {error}{others}"
+
+
+def run_call(tp, model: ServedModel, name: str, args: tuple):
+    """A ServedModel call that runs the model, on this rank in step with the others: refused on every rank when
+    one rank's check of it fails (before anything runs), failed on every rank when it failed on one (after every
+    rank ran it). Raises the error (this rank's own, else a RuntimeError naming the first rank that failed)."""
+    refused = agree(tp, f"check of {name}", model.precheck(name, args))
+    if refused:
+        raise RuntimeError(_named(refused))
+    try:
+        result, error = getattr(model, name)(*args), None
+    except Exception as err:
+        result, error = None, err
+    failed = agree(tp, name, None if error is None else _first_line(error))
+    if error is not None:
+        raise error
+    if failed:
+        raise RuntimeError(_named(failed))
+    return result
+
+
+def run_step(tp, backend) -> list:
+    """One chunk of decode steps on this rank, in step with the others. A step that failed alike on every rank
+    raises its error (the running requests fail, the engines stay alike); one that failed on some ranks only, or
+    differently, leaves their engines out of step: OutOfStep."""
+    try:
+        events, error = backend.step(), None
+    except Exception as err:
+        events, error = None, err
+    failed = agree(tp, "decode step", None if error is None else _first_line(error))
+    if failed and (len(failed) < tp.size or len({line for _, line in failed}) > 1):
+        raise OutOfStep(f"{_named(failed)}: a decode step failed on some ranks only, stopping the server") from error
+    if error is not None:
+        raise error
+    return events
+
+
 class Leader:
     """Rank 0's backend (the scheduler's `add`, `cancel`, `step`, `live`, `idle`) and the model calls of the
     decode thread: each applied here and sent to the followers. Used from the decode thread only, and after it
     stopped, `stop` from the main thread."""
 
-    def __init__(self, backend, model: ServedModel, group, heartbeat_s: float = HEARTBEAT_S):
-        self.backend, self.model, self.group = backend, model, group
-        self.heartbeat_s = heartbeat_s
+    def __init__(self, backend, model: ServedModel, tp: TensorParallelGroup):
+        self.backend, self.model, self.tp = backend, model, tp
         self.pending: List[tuple] = []
         self.sent_at = time.monotonic()
+        # the longest a running operation can take when a rank is stuck: its collectives' timeout, then the
+        # agreement's (the drain waits this long for the decode thread before the followers are told to stop)
+        self.stop_wait_s = tp.timeout_s + tp.agree_s + 5
 
     @property
     def live(self):
@@ -163,22 +257,28 @@ class Leader:
 
     def step(self) -> list:
         self._send(("step",))
-        return self.backend.step()
+        return run_step(self.tp, self.backend)
 
     def idle(self) -> None:
-        if time.monotonic() - self.sent_at >= self.heartbeat_s:
+        if time.monotonic() - self.sent_at >= self.tp.heartbeat_s:
             self._send(("beat",))
 
     def call(self, name: str, *args):
         self._send(("call", name, args))
-        return getattr(self.model, name)(*args)
+        return run_call(self.tp, self.model, name, args)
 
     def stop(self) -> None:
         self._send(("stop",))
 
     def _send(self, operation: tuple) -> None:
         message, self.pending = self.pending + [operation], []
-        _broadcast(message, self.group)
+        try:
+            _broadcast(message, self.tp.group)
+        except Exception as err:
+            raise OutOfStep(
+                f"rank 0: the other ranks did not take the next operation ({_first_line(err)}): a rank is gone or "
+                "stalls, stopping the server"
+            ) from None
         self.sent_at = time.monotonic()
 
 
@@ -202,32 +302,40 @@ class LeaderModel:
         return getattr(self._model, name)
 
 
-def follow(model: ServedModel, backend, group, rank: int) -> int:
-    """A follower's loop: apply rank 0's operations until it says stop (the group installed keep_following_on_signals).
-    Returns how many messages came."""
+def follow(model: ServedModel, backend, tp: TensorParallelGroup) -> int:
+    """A follower's loop: apply rank 0's operations until it says stop (the group installed
+    keep_following_on_signals). Returns how many messages came; OutOfStep when the ranks fell out of step or
+    rank 0 is gone."""
     handlers: dict = {
         "add": backend.add,
         "cancel": backend.cancel,
-        "step": backend.step,
-        "call": lambda name, args: getattr(model, name)(*args),
+        "step": lambda: run_step(tp, backend),
+        "call": lambda name, args: run_call(tp, model, name, args),
         "beat": lambda: None,
     }
     received = 0
     while True:
-        message = _broadcast(None, group)
+        try:
+            message = _broadcast(None, tp.group)
+        except Exception as err:  # rank 0 died, or stalled past the group's timeout
+            raise OutOfStep(
+                f"rank {tp.rank}: rank 0 is gone or stalls ({_first_line(err)}), stopping after {received} messages"
+            ) from None
         received += 1
         for operation, *args in message:
             if operation == "stop":
-                logger.info(f"rank {rank}: rank 0 stopped serving ({received} messages followed)")
+                logger.info(f"rank {tp.rank}: rank 0 stopped serving ({received} messages followed)")
                 return received
-            _apply(handlers[operation], args, operation, rank)
+            _apply(handlers[operation], args, operation, tp.rank)
 
 
 def _apply(handler: Callable, args, operation: str, rank: int) -> None:
     try:
         handler(*args)
-    except Exception as err:  # rank 0 met the same error on the same input and told its client
-        logger.warning(f"rank {rank}: {operation} failed as on rank 0: {err}")
+    except Fatal:
+        raise
+    except Exception as err:  # every rank learned it (run_call, run_step): rank 0 told its client
+        logger.warning(f"rank {rank}: {operation} failed, as the ranks agreed: {err}")
 
 
 def keep_following_on_signals(rank: int) -> None:
@@ -240,3 +348,15 @@ def keep_following_on_signals(rank: int) -> None:
 
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, note)
+
+
+def keep_stopping_on_sigterm() -> None:
+    """On rank 0 once its HTTP side has stopped (uvicorn has put the default handlers back): a further SIGTERM
+    (the user's, a supervisor's) is logged instead of killing rank 0 while it waits for the model to load or for
+    the running operation to end, which would leave the followers to the process group's timeout. SIGINT (a
+    second Ctrl-C) still ends it."""
+
+    def note(signum, frame):
+        logger.info("rank 0: SIGTERM: already stopping; the other ranks are told once the running operation ends")
+
+    signal.signal(signal.SIGTERM, note)

@@ -1,13 +1,16 @@
 """The decode step compiled by inductor (fairseq.generation.compiled_step) on CUDA, inside the captured CUDA graphs:
 greedy and beam search give the uncompiled graphs' tokens (fp32; bf16 to a near tie), a running engine's joining
-rows too, one compile per row count (the split-KV kernel reads live lengths: the window is no shape), and fewer
+rows too, one compile per row count (the split-KV kernel reads live lengths: the window is no shape), the prompts'
+forward compiled once for prompts of several widths and row counts with the eager prefill's tokens, and fewer
 kernels per decode step than the uncompiled step (torch.profiler, kernels replayed from the graphs included).
 The CPU side (inductor's C++ backend, Triton's interpreter): tests/unit/test_decode_compiled_step.py."""
 
 import pytest
 import torch
+from torch._dynamo.testing import CompileCounterWithBackend
 from torch.profiler import ProfilerActivity, profile
 
+from fairseq.generation.compiled_step import CompiledPrefill
 from fairseq.generation.engine import DecodeEngine, DecodeRequest
 from fairseq.generation.sequence_generator import SequenceGenerator
 from fairseq.modules.causal_attention import fuse_qkv_
@@ -83,6 +86,39 @@ def test_compiled_beam_search_and_engine_give_the_uncompiled_tokens():
     engine = DecodeEngine(model, d, max_rows=4, compile_step=True)
     assert run(engine) == run(DecodeEngine(model, d, max_rows=4))
     assert {rows for rows, _ in engine.step_model.compiled_step.shapes} <= {1, 2, 4}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_compiled_prefill_gives_the_eager_prefill_tokens_with_one_compile(dtype):
+    # Prompts of 3 widths and 2 row counts over caches of one size: the rows and the length are dynamic
+    # dimensions of the compiled forward (one row would be a second compile). Scores: the compiled kernels and
+    # the padding (attention reduces over more, masked, keys) round differently from the eager prefill. The
+    # step stays uncompiled (one compile in this test).
+    d = dictionary()
+    model = build(d, "cuda", dtype)
+    fuse_qkv_(model)
+    options = dict(max_len_a=0, max_len_b=72, min_len=72)  # one cache size for every call
+    eager = SequenceGenerator([model], d, compile_step=False, **options)
+    generator = SequenceGenerator([model], d, compile_step=False, **options)
+    counter = CompileCounterWithBackend("inductor")
+    step_model = generator.step_model
+    step_model.compiled_prefill = CompiledPrefill(step_model.model, d.pad(), backend=counter)
+    for rows, length in ((3, 40), (2, 24), (3, 9), (2, 70)):
+        batch, prompts = sample(d, rows, length=length, seed=length)
+        want = eager.generate([model], batch, prefix_tokens=prompts)
+        got = generator.generate([model], batch, prefix_tokens=prompts)
+        for a, b in zip(got, want):
+            if dtype == torch.float32:
+                assert torch.equal(a[0]["tokens"], b[0]["tokens"]), (rows, length)
+            else:  # bf16: the first new tokens (a near tie may flip later)
+                assert torch.equal(a[0]["tokens"][: length + 4], b[0]["tokens"][: length + 4]), (rows, length)
+            # the prompt's scores (bf16: log-probabilities of magnitude ~5 rounded to 8 bits, then fused otherwise)
+            atol = 1e-4 if dtype == torch.float32 else 0.25
+            torch.testing.assert_close(
+                a[0]["positional_scores"][:length], b[0]["positional_scores"][:length], atol=atol, rtol=0
+            )
+    assert step_model.compiled_prefill.shapes == {(3, 64), (2, 64), (2, 128)}  # the begin token, then the prompt
+    assert counter.frame_count == 1, counter.frame_count
 
 
 def kernels_per_step(model, d, compile_step, new=33):

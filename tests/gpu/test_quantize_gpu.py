@@ -2,7 +2,9 @@
 int8 weights (Int8WeightOnlyLinear: the Triton int8 matmul in the decode steps) to the bf16 model's tokens on
 >= 95% of 256 tokens, with the decode steps replayed from CUDA graphs (the int8 weights and scales are ordinary
 CUDA buffers the graphs read) as eagerly; fairseq-generate runs with the flag; a batch whose KV cache cannot fit is one line before any
-decoding. Run: python -m pytest -s -m gpu tests/gpu/test_quantize_gpu.py (the figures are printed)."""
+decoding; every launch shape of the int8 kernels, the one timed at first use (and replayed from a CUDA graph) and
+FAIRSEQ_INT8_MATMUL=inductor's compiled form against the fp32 product on the 1.3B preset's Linear shapes. Run:
+python -m pytest -s -m gpu tests/gpu/test_quantize_gpu.py (the figures are printed)."""
 
 import io
 import sys
@@ -18,6 +20,7 @@ from fairseq.dataclass.utils import config_to_dict
 from fairseq.generation.decode_memory import model_bytes
 from fairseq.generation.quantize import quantize_for_generation
 from fairseq.generation.sequence_generator import SequenceGenerator
+from fairseq.kernels import int8_matmul, int8_tuning
 from fairseq.models.transformer_lm import TransformerLanguageModel, TransformerLanguageModelConfig, preset_config
 from fairseq_cli import generate, interactive
 from tests.train_fixtures import console_in_process
@@ -245,3 +248,51 @@ def test_a_model_without_linears_is_refused():
         r"of its own to quantize; drop it for this model$",
     ):
         quantize_for_generation(model, "int8-weight-only", torch.device("cuda"))
+
+
+@pytest.mark.parametrize("rows", [1, 5, 32])
+def test_every_int8_launch_shape_matches_the_fp32_product(rows):
+    """The 1.3B preset's Linear shapes (d 2048, FFN 8192; q/k/v fused: 6144) plus one with N and K no multiple of
+    any block: each candidate launch shape (split-K summed in the kernel and by the second kernel), then the one
+    timed at first use, within one rounding to bf16 (2**-8
+    relative: the GPU rounds to nearest) and the fp32 sums' error; a CUDA graph replays the timed one."""
+    torch.manual_seed(0)
+    for columns, depth in ((6144, 2048), (2048, 8192), (8192, 2048), (1000, 1100)):
+        x = torch.randn(rows, depth, device="cuda").to(torch.bfloat16)
+        qweight = torch.randint(-127, 128, (columns, depth), dtype=torch.int8, device="cuda")
+        scale = torch.rand(columns, device="cuda") / 1000
+        bias = torch.randn(columns, device="cuda").to(torch.bfloat16)
+        want = x.float() @ qweight.float().t() * scale + bias.float()
+        # one rounding of the output, plus the fp32 sums' error in any order (2**-20 of the sum of |products|)
+        bound = 2**-8 * want.abs() + 2**-20 * (x.float().abs() @ qweight.float().abs().t() * scale)
+        shapes = int8_tuning.candidates(rows, columns, depth)
+        two_launches = [c._replace(sum_in_kernel=False) for c in shapes if c.split_k > 1][:2]  # (fewer compiles)
+        shapes += two_launches + [None]  # None: the timed one
+        for config in shapes:
+            got = int8_matmul.int8_matmul_kernel(x, qweight, scale, bias, config).float()
+            assert ((got - want).abs() <= bound).all(), (rows, columns, depth, config, (got - want).abs().max())
+        key = (int8_tuning.row_bucket(rows), columns, depth, torch.bfloat16, True, x.device)
+        assert key in int8_tuning.tuned_configs()  # the None call timed them
+        eager = int8_matmul.int8_matmul_kernel(x, qweight, scale, bias)
+        graph, out = torch.cuda.CUDAGraph(), None
+        with torch.cuda.graph(graph):
+            out = int8_matmul.int8_matmul_kernel(x, qweight, scale, bias)
+        graph.replay()
+        assert torch.equal(out, eager)  # the same launch shape, a deterministic sum (no atomics)
+
+
+def test_the_inductor_form_compiled_on_cuda_matches_the_fp32_product():
+    torch.manual_seed(0)
+    qweight = torch.randint(-127, 128, (2048, 2048), dtype=torch.int8, device="cuda")
+    scale, bias = torch.rand(2048, device="cuda") / 1000, torch.randn(2048, device="cuda").to(torch.bfloat16)
+    previous = int8_matmul.set_int8_matmul("inductor")
+    try:
+        linear = torch.compile(lambda x: int8_matmul.int8_linear(x, qweight, scale, bias), fullgraph=True)
+        for rows in (1, 32):
+            x = torch.randn(rows, 2048, device="cuda").to(torch.bfloat16)
+            product = x.float() @ qweight.float().t() * scale
+            got, want = linear(x).float(), product + bias.float()
+            # one row: fp32 sums, one rounding; more: F.linear's bf16 output rounded, then the bias, rounded again
+            assert ((got - want).abs() <= 2**-8 * (product.abs() + want.abs()) + 1e-3).all(), rows
+    finally:
+        int8_matmul.set_int8_matmul(previous)

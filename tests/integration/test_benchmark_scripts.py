@@ -236,6 +236,9 @@ def test_benchmark_generate_prints_its_tables_on_the_cpu(tmp_path, capsys):
     assert [cells[6].strip().count("/") for cells in versus] == [2, 2]  # identical rows: default, static
     assert "first call, the warm-up (compiles, graph captures, autotuning): greedy 1: " in out
     assert "transformers static cache: uncompiled" in out and "eager decode steps" in out
+    prefills = [cells for cells in fork if len(cells) == 5]  # every fork row's prefill, timed apart
+    assert [(cells[0].strip(), cells[1].strip()) for cells in prefills] == rows
+    assert all(float(cells[2].replace(",", "")) > 0 for cells in prefills)
     results = json.loads((tmp_path / "out.json").read_text())
     assert results["skipped"].keys() == {"int8", "greedy-sdpa"} and results["copy_bytes_per_s"] > 0
     assert "greedy-sdpa: not run (the split-KV decode attention kernel runs on CUDA with Triton only" in out
@@ -246,12 +249,13 @@ def test_benchmark_generate_prints_its_tables_on_the_cpu(tmp_path, capsys):
         for batch in (1, 3)
     }
     greedy, beam = by_row["greedy", 3], by_row["beam4", 3]
+    assert 0 < greedy["prefill_s"] < greedy["seconds"] and greedy["prefill_first_s"] > 0
     # the bytes a step reads: the same weights; 4 hypotheses' caches at the mean live length 8 + 6 / 2 + 1 = 12
     assert greedy["weight_bytes"] == beam["weight_bytes"] > 0
     assert greedy["kv_bytes"] == 3 * 12 * 2 * 2 * 64 * 2 and beam["kv_bytes"] == 4 * greedy["kv_bytes"]
     assert greedy["bandwidth_fraction"] == pytest.approx(greedy["gb_per_s"] * 1e9 / results["copy_bytes_per_s"])
     # one Linear's int8 paths per weight shape (q/k/v/out 64 x 64, fc1 128 x 64, fc2 64 x 128; the output projection
-    # is tied to the embeddings, so not quantized) and row count; no compiled path on the CPU
+    # is tied to the embeddings, so not quantized) and row count
     matmuls = results["int8_matmuls"]
     assert [(tuple(r["shape"]), r["rows"]) for r in matmuls] == [
         ((64, 64), 1),
@@ -261,11 +265,15 @@ def test_benchmark_generate_prints_its_tables_on_the_cpu(tmp_path, capsys):
         ((128, 64), 1),
         ((128, 64), 3),
     ]
-    assert all(set(r["seconds"]) == {"bf16", "fairseq int8", "torchao eager", "_weight_int8pack_mm"} for r in matmuls)
-    assert (
-        "| Linear weight (out x in) | rows | bf16 us | fairseq int8 us | torchao eager us | torchao compiled us |"
-        in out
+    # on the CPU: no Triton kernel (fairseq int8 is torch's CPU op), no compiled path, no launch shape timed
+    assert all(
+        set(r["seconds"]) == {"bf16", "fairseq int8", "_weight_int8pack_mm"} and r["tuned"] is None for r in matmuls
     )
+    assert (
+        "| Linear weight (out x in) | rows | bf16 us | fairseq int8 us | triton 32x128 us | triton heuristic us | "
+        "inductor us | _weight_int8pack_mm us | best int8 / bf16 time | fairseq int8's launch shape (timed) |" in out
+    )
+    assert results["int8_launch_shapes"] == []
 
 
 def test_benchmark_generate_profiles_decode_steps_on_the_cpu(capsys):

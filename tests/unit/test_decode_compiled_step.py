@@ -1,6 +1,7 @@
 """The decode step compiled by inductor (fairseq.generation.compiled_step) on CPU (inductor's C++ backend): greedy
-tokens equal to the eager step loop's, rows joining a running engine get the tokens they get uncompiled, one
-compile per row count and no graph break, the split-KV attention and int8 matmul kernels opaque ops of the
+tokens equal to the eager step loop's (the prompts' forward compiled too: tests/unit/test_decode_compiled_prefill.py),
+rows joining a running engine get the tokens they get uncompiled, one compile per row count (whatever the prompt
+widths) and no graph break, torch's recompile limit said once, the split-KV attention and int8 matmul kernels opaque ops of the
 compiled graph (Triton's interpreter, in a subprocess), and the modes. On CUDA, inside the captured graphs: tests/gpu/test_decode_compiled_gpu.py.
 Compiles take ~5-15 s each on the shared 2-core machine: each test compiles one or two shapes."""
 
@@ -20,7 +21,7 @@ from fairseq.generation.compiled_step import CompiledStep, compile_mode
 from fairseq.generation.engine import DecodeEngine
 from fairseq.generation.sequence_generator import SequenceGenerator
 from test_decode_engine import PROMPTS, request, run
-from test_sequence_generator import D, EagerStaticGenerator, assert_same_hypotheses, build, sample_of
+from test_sequence_generator import D, W, EagerStaticGenerator, assert_same_hypotheses, build, sample_of
 
 pytestmark = [
     pytest.mark.usefixtures("one_thread"),
@@ -42,6 +43,45 @@ def test_compiled_greedy_equals_the_eager_step_by_step_loop():
     got = generator.generate(None, sample, prefix_tokens=prefix)
     assert_same_hypotheses(got, expected)  # the same tokens; scores to ATOL
     assert generator.step_model.compiled_step.shapes == {(8, 64)}  # (rows, window): the capacity caps the window
+    assert generator.step_model.compiled_prefill.shapes == {(5, 64)}  # (rows, length): 5 prompts, padded
+
+
+def test_prompts_of_every_width_compile_the_step_once():
+    # The step reads no plain-int length (it did: one compile per prompt width); greedy and beam search, both
+    # loops. The counting backend runs the traced graph with the same ops: bitwise the uncompiled step's.
+    model = build(seed=4)
+    for options in (dict(), dict(device_loop=False), dict(beam_size=2)):
+        expected = EagerStaticGenerator([model], D, max_len_b=12, min_len=12, **options)
+        generator = EagerStaticGenerator([model], D, max_len_b=12, min_len=12, **options)
+        counter = CompileCounter()
+        step_model = generator.step_model
+        step_model.compiled_step = CompiledStep(step_model._static_step, step_model.model, backend=counter)
+        for width in range(2, 9):
+            sample, prefix = sample_of([W[:width]])
+            want = expected.generate(None, sample, prefix_tokens=prefix)[0]
+            got = generator.generate(None, sample, prefix_tokens=prefix)[0]
+            assert [h["tokens"].tolist() for h in got] == [h["tokens"].tolist() for h in want], (options, width)
+            assert all(torch.equal(a["positional_scores"], b["positional_scores"]) for a, b in zip(got, want))
+        assert counter.frame_count == 1, options
+
+
+def test_the_recompile_limit_is_said_once_and_decoding_goes_on(monkeypatch, caplog):
+    torch._dynamo.reset()  # the limit counts every compile of the step in the process
+    monkeypatch.setattr(compiled_step, "RECOMPILE_LIMIT", 1)
+    model = build(seed=4)
+    joins = {0: [request(0, PROMPTS[0], max_new_tokens=12)], 1: [request(1, PROMPTS[2], max_new_tokens=6)]}
+    expected, _ = run(DecodeEngine(model, D, max_rows=2), joins)
+    engine = DecodeEngine(model, D, max_rows=2)
+    step_model = engine.step_model
+    step_model.compiled_step = CompiledStep(step_model._static_step, step_model.model, backend=CompileCounter())
+    with caplog.at_level(logging.WARNING, logger="fairseq.generation.compiled_step"):
+        got, _ = run(engine, joins)  # rows 1, then 2: a second compile, past the limit
+    assert got == expected and step_model.compiled_step.failed and step_model.compiled_step.shapes == {(1, 64)}
+    warnings = [r.getMessage() for r in caplog.records if "recompile limit" in r.getMessage()]
+    assert warnings == [
+        "the compiled decode step reached torch.compile's recompile limit (1 compiles of it in this process, "
+        "generators and engines together); this generator runs it uncompiled from now on"
+    ]
 
 
 def test_rows_joining_a_compiled_engine_get_their_uncompiled_tokens():
@@ -61,6 +101,7 @@ def test_rows_joining_a_compiled_engine_get_their_uncompiled_tokens():
         torch.testing.assert_close(torch.tensor(got[i][1]), torch.tensor(expected[i][1]), atol=1e-5, rtol=0)
         assert got[i][2] == expected[i][2]
     assert engine.step_model.compiled_step.shapes == {(1, 64), (2, 64)}  # rows 1, then 2 when the second joined
+    assert engine.step_model.compiled_prefill.shapes == {(1, 64)}  # each joined alone, padded to 64 positions
 
 
 def test_one_compile_per_row_count_and_no_graph_break():
@@ -159,6 +200,12 @@ def test_modes():
     try:
         assert SequenceGenerator([build()], D).step_model.compiled_step.mode == "default"
         assert SequenceGenerator([build()], D, compile_step=False).step_model.compiled_step is None
+        autotuned = SequenceGenerator([build()], D, compile_step="max-autotune").step_model
+        assert (autotuned.compiled_step.mode, autotuned.compiled_prefill.mode) == (
+            "max-autotune-no-cudagraphs",
+            "default",
+        )
     finally:
         compiled_step.set_compile_decode_step(previous)
-    assert SequenceGenerator([build()], D).step_model.compiled_step is None  # off by default
+    step_model = SequenceGenerator([build()], D).step_model
+    assert step_model.compiled_step is None and step_model.compiled_prefill is None  # off by default

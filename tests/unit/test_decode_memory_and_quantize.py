@@ -16,7 +16,7 @@ from fairseq.generation.decode_memory import (
     model_bytes,
     tensor_bytes,
 )
-from fairseq.generation.quantize import check_quantize, int8_weight, quantizable_linears
+from fairseq.generation.quantize import check_quantize, quantizable_linears
 from fairseq.models.transformer_lm import TransformerLanguageModel, TransformerLanguageModelConfig, preset_config
 
 
@@ -153,18 +153,3 @@ def test_quantize_needs_bf16(dtype, keyword, message):
     assert str(error.value) == message
     assert check_quantize("int8-weight-only", torch.device("cuda"), torch.bfloat16) is None
     assert check_quantize("none", torch.device("cpu"), torch.float32) is None
-
-
-def test_int8_weight_is_what_torchs_fused_int8_matmul_computes():
-    """torchao's Int8Tensor (the flag's weights) and torch._weight_int8pack_mm over its int8 values and row scales
-    compute the same product (the benchmark times both), close to the bf16 one."""
-    pytest.importorskip("torchao")
-    torch.manual_seed(0)
-    weight = (torch.randn(48, 64) / 8).to(torch.bfloat16)
-    x = torch.randn(3, 64).to(torch.bfloat16)
-    quantized = int8_weight(weight)
-    assert quantized.qdata.dtype == torch.int8 and quantized.qdata.abs().max() == 127
-    torchao_out = torch.nn.functional.linear(x, quantized).float()
-    fused = torch._weight_int8pack_mm(x, quantized.qdata, quantized.scale.reshape(-1).to(torch.bfloat16)).float()
-    torch.testing.assert_close(fused, torchao_out, atol=0.05, rtol=0.02)
-    torch.testing.assert_close(torchao_out, torch.nn.functional.linear(x, weight).float(), atol=0.1, rtol=0.05)
