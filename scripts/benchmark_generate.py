@@ -43,7 +43,8 @@ same int8 values and scales.
 Decode attention calls (not with --no-attention-calls): one layer's attention of one new token per row at the run's
 mean live length, per batch size: SDPA over the live length's 256-slot window with a mask (the path without the
 kernel) and the split-KV kernel (fairseq.kernels.decode_attention), timed inside a CUDA graph of 20 calls as the
-decode step replays them; the kernel's GB/s counts the live keys and values it reads.
+decode step replays them; the kernel's GB/s counts the live keys and values it reads; the kernel again through a
+block table of random rows (beam search's path, docs/generation.md).
 
 `--profile`: torch.profiler over greedy decoding at each batch size (and the greedy-compiled and greedy-sdpa rows
 asked for, the latter where the kernel runs):
@@ -87,6 +88,7 @@ from fairseq.kernels.int8_matmul import (  # noqa: E402
 )
 from fairseq.kernels.int8_tuning import LEGACY, heuristic, row_bucket, tuned_configs  # noqa: E402
 from fairseq.kernels.decode_attention import (
+    CACHE_BLOCK,
     decode_attention_available,
     decode_attention_enabled,  # noqa: E402
     decode_attention_kernel as split_kv_attention,
@@ -591,6 +593,9 @@ def attention_call_rows(model, batches, args, device) -> list:
         }
         if decode_attention_available(q):
             paths["split-KV kernel"] = lambda: split_kv_attention(q, keys, values, lengths, max_length=window)
+            # beam search's path: each 64-slot block read from the row a block table names (here a random row)
+            table = torch.randint(0, batch, (batch, -(-capacity // CACHE_BLOCK)), dtype=torch.int32, device=device)
+            paths["block table"] = lambda: split_kv_attention(q, keys, values, lengths, table, max_length=window)
         times = {path: graphed_call_time(fn, device) for path, fn in paths.items()}
         out.append(
             {
@@ -636,9 +641,9 @@ def graphed_call_time(fn, device: str, calls: int = 20, replays: int = 20) -> fl
 def print_attention_calls(rows) -> None:
     print(
         "\n| decode attention, one layer call | batch | heads x head dim | live keys (window) | sdpa us | "
-        "split-KV kernel us | kernel GB/s of live KV |"
+        "split-KV kernel us | kernel GB/s of live KV | kernel through a block table us |"
     )
-    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for r in rows:
         t = r["seconds"]
         kernel = t.get("split-KV kernel")
@@ -646,6 +651,7 @@ def print_attention_calls(rows) -> None:
             f"{1e6 * t['sdpa']:,.1f}",
             f"{1e6 * kernel:,.1f}" if kernel else "-",
             f"{r['kv_bytes'] / kernel / 1e9:,.0f}" if kernel else "-",
+            f"{1e6 * t['block table']:,.1f}" if "block table" in t else "-",
         ]
         print(
             f"| | {r['batch']} | {r['heads']} x {r['head_dim']} | {r['live']} ({r['window']}) | "

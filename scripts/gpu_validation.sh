@@ -52,7 +52,8 @@ case "${1:-tests}" in
            # run: tokens/s, % of copy bandwidth, kernels per step (--profile), each row's first call (compile, capture),
            # each row's prefill apart (the compiled row compiles its prompts' forward too: 2 more compiles, rows 1 and 32)
     step decode_tests 200 python3 -m pytest -q -s -p no:cacheprovider -m gpu tests/gpu/test_decode_compiled_gpu.py \
-      tests/gpu/test_decode_attention_gpu.py tests/gpu/test_decode_engine_gpu.py -rs --basetemp "$WORK/pytest"
+      tests/gpu/test_decode_attention_gpu.py tests/gpu/test_beam_block_table_gpu.py tests/gpu/test_decode_engine_gpu.py \
+      -rs --basetemp "$WORK/pytest"
     step decode_bench 330 python3 scripts/benchmark_generate.py --arch transformer_lm_gpt3_xl --batch-sizes 1,32 \
       --prompt-len 512 --new-tokens 256 --dtype bf16 --repeats 1 --rows greedy,greedy-compiled --no-default-cache \
       --no-int8-matmuls --no-attention-calls --profile --json "$WORK/decode.json"

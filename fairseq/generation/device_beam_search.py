@@ -16,7 +16,9 @@ on the device and, on CUDA, inside one captured graph (the key `name`, per row c
   it has `beam` of them or at the last step;
 - the next hypotheses, as SequenceGenerator._extend takes them: the first `beam` candidates that did not end
   (ended or ignored ones sort last, and become ignored when they must be taken); the tokens and scores
-  histories and the KV caches follow the chosen parent rows, over the live window only;
+  histories follow the chosen parent rows, over the live window only, and so do the KV caches: by index
+  through a block table on the static step (StepModel.reorder_blocks: full 64-slot blocks shared, one block
+  copied per row and layer; docs/generation.md), copied on the dynamic one;
 - the slot of the next step.
 
 Sentences that are done write nothing more. The host replays CHUNK steps, then reads which sentences are done;
@@ -37,6 +39,7 @@ from torch import Tensor
 
 from fairseq.generation import search
 from fairseq.generation.device_decoding import DeviceLoop, _Buffers
+from fairseq.kernels.decode_attention import CACHE_BLOCK
 
 
 def applies(generator, beam: int) -> bool:
@@ -72,6 +75,9 @@ class _BeamBuffers(_Buffers):
         self.first_rows = torch.arange(sentences, device=device) * beam  # each sentence's first row
         self.places = torch.arange(beam, device=device)
         self.cand_offsets = torch.arange(2 * beam, device=device)
+        # The caches' block table (static steps: `capacity` is the caches'): row r's keys of block j are in
+        # cache row block_rows[r, j] (StepModel.reorder_blocks).
+        self.block_rows = torch.zeros(rows, -(-capacity // CACHE_BLOCK), dtype=torch.int32, device=device)
 
 
 class DeviceBeamSearch(DeviceLoop):
@@ -87,7 +93,22 @@ class DeviceBeamSearch(DeviceLoop):
         sentences = graph_rows // self.beam
         buf.ignore[:sentences] = False
         buf.count[:sentences] = 0
+        if b.graphed is not None:
+            # The prompt was copied to every beam's row: the beams read it from their sentence's first row
+            # (one copy read by `beam` rows: the GPU's cache serves the others). The first reorder gives each
+            # row its own block from the one its next step writes on; rows past the batch read their own.
+            table = torch.arange(buf.rows, device=b.device, dtype=torch.int32)
+            table[:rows] = table[:rows] // self.beam * self.beam
+            buf.block_rows.copy_(table.view(-1, 1))
+            self.step_model.use_block_table(b.states, buf.block_rows)
         return buf
+
+    def decode(self, b, lprobs: Tensor, sample: dict, on_tokens=None):
+        try:
+            return super().decode(b, lprobs, sample, on_tokens)
+        finally:  # the caches' next users (a step-by-step loop, a new batch's prompts) read rows as they are
+            if b.graphed is not None:
+                self.step_model.use_block_table(b.states, None)
 
     def _choose(self, lp: Tensor, buf: _BeamBuffers, rows: int, b, window: int, first: bool) -> None:
         beam = self.beam
@@ -173,8 +194,10 @@ class DeviceBeamSearch(DeviceLoop):
         column = buf.scores[:rows].index_select(1, step).squeeze(1)
         buf.scores[:rows].scatter_(1, step.expand(rows, 1), torch.where(going_on, score, column).unsqueeze(1))
         buf.cum[:rows] = torch.where(going_on, score, buf.cum[:rows])
-        # Static steps' caches: the live window, with fixed shapes; the dynamic caches know their live length.
-        self.step_model.reorder(b.states, order, window if b.graphed is not None else None)
+        if b.graphed is not None:  # static steps: by index, through the block table (one block copied a row)
+            self.step_model.reorder_blocks(b.states, order, step)
+        else:  # the dynamic caches: their live slots copied
+            self.step_model.reorder(b.states, order)
 
     @staticmethod
     def _row_buffers(buf: _BeamBuffers):

@@ -9,7 +9,9 @@ in probability space, as upstream) and offers the loops these operations on a ba
 - step: `forward_decoder` (the dynamic cached forward: upstream-style decoders too) or `forward_static_step`
   (one token per row at a slot held in a device tensor, [1] for every row or [rows, 1] one per row: what CUDA
   graphs capture, and what rows at different lengths need);
-- reorder: `reorder_incremental_state(states, order)` (beams follow their parents);
+- reorder: `reorder_incremental_state(states, order)` (beams follow their parents, the caches copied); after
+  static steps, by index through a block table (`set_block_table`, `take_parent_blocks`: one block copied per
+  row and layer, see `StepModel.reorder_blocks`);
 - drop rows: `drop_rows(states, keep)` (finished sentences leave the batch, the rest move up, in place);
 - add rows: `add_rows(states, rows, source, length)` (a prompt prefilled in a state of its own joins a running
   batch at cache rows `rows`; static steps then continue each row at its own slot).
@@ -36,6 +38,7 @@ from fairseq.generation.compiled_step import (
     model_dtype,
 )
 from fairseq.generation.cuda_graph_decoding import GraphedDecodeStep
+from fairseq.kernels.decode_attention import CACHE_BLOCK
 from fairseq.modules.fairseq_incremental_decoder import FairseqIncrementalDecoder
 
 # When a prompt is fed in one forward, logits of at most this many values exist at once.
@@ -61,8 +64,11 @@ class EnsembleModel(nn.Module):
         self.can_feed_prompts = self.has_incremental and all(
             hasattr(m.decoder, "reserve_incremental_state") for m in models
         )
-        # ... and have a static one-token step, which CUDA graphs capture (fairseq.generation.cuda_graph_decoding).
-        self.can_static_step = self.can_feed_prompts and all(hasattr(m.decoder, "forward_static_step") for m in models)
+        # ... and have a static one-token step, which CUDA graphs capture (fairseq.generation.cuda_graph_decoding),
+        # reading their caches through a block table when beam search asks.
+        self.can_static_step = self.can_feed_prompts and all(
+            hasattr(m.decoder, "forward_static_step") and hasattr(m.decoder, "take_parent_blocks") for m in models
+        )
         # ... and a static prefill (what a compiled prefill compiles).
         self.can_static_prefill = self.can_static_step and all(
             hasattr(m.decoder, "forward_static_prefill") for m in models
@@ -107,6 +113,17 @@ class EnsembleModel(nn.Module):
                 m.decoder.reorder_incremental_state(state, new_order, window)
             else:
                 m.decoder.reorder_incremental_state_scripting(state, new_order)
+
+    def set_block_table(self, states: List[dict], block_rows: Optional[Tensor]) -> None:
+        """Static steps of every model read their caches through `block_rows` (one table: the models' rows
+        are reordered together), or each row its own (None)."""
+        for m, state in zip(self.models, states):
+            m.decoder.set_block_table(state, block_rows)
+
+    def take_parent_blocks(self, states: List[dict], parents: Tensor, slot: Tensor) -> None:
+        """Row i of every cache takes row parents[i]'s block that holds `slot` (a [1] device tensor)."""
+        for m, state in zip(self.models, states):
+            m.decoder.take_parent_blocks(state, parents, slot)
 
     def prefill(self, tokens: Tensor, states: List[dict]) -> None:
         """Feed `tokens` [B, T] into empty caches, one forward per model, no logits (a prompt whose next
@@ -242,6 +259,7 @@ class StepModel:
         self.unk_penalty, self.temperature = unk_penalty, temperature
         self.cuda_graphs = cuda_graphs
         self.graphed = None  # the GraphedDecodeStep, built on first use
+        self.block_table: Optional[Tensor] = None  # the caches' block table while beam search uses one
         self.eager_graphs = False  # True: the static-step path without capture on any device (CPU tests)
         mode = compile_decode_step_mode() if compile_step is None else compile_mode(compile_step)
         self.compiled_step = None if mode is None else CompiledStep(self._static_step, ensemble, mode)
@@ -312,13 +330,48 @@ class StepModel:
             return graphed(tokens[:, step], step)
         return self.mask_special(self.model.forward_decoder(tokens[:, : step + 1], states, self.temperature))
 
-    def reorder(self, states: Optional[List[dict]], order: Tensor, window: Optional[int] = None) -> None:
-        """Row i of the caches continues row order[i] (beams follow their parents, finished rows leave)."""
-        self.model.reorder_incremental_state(states, order, window)
+    def reorder(self, states: Optional[List[dict]], order: Tensor) -> None:
+        """Row i of the caches continues row order[i] (beams follow their parents, finished rows leave): the
+        caches' filled slots copied."""
+        self.model.reorder_incremental_state(states, order)
+
+    # ---- beam search's reorder by index ---------------------------------------------------------------------
+    def use_block_table(self, states: List[dict], block_rows: Optional[Tensor]) -> None:
+        """From now on static steps read the caches of `states` through the block table `block_rows` [rows, n]
+        (int32 on the device, n * CACHE_BLOCK slots at least the capacity; it starts as each row's own: row b
+        in every column) and `reorder_blocks` reorders through it; None: each row reads its own cache row again
+        (which no longer holds that row's whole history: the caches are then for new text, from slot 0). The
+        caller keeps the table's memory (a CUDA graph reads its address)."""
+        self.block_table = block_rows
+        self.model.set_block_table(states, block_rows)
+
+    def reorder_blocks(self, states: List[dict], parents: Tensor, slot: Tensor) -> None:
+        """Rows 0 .. len(parents) - 1 continue rows `parents` after the step at `slot` (a [1] device tensor:
+        their caches hold slots 0 .. slot), through the block table of `use_block_table`, with static shapes.
+
+        The table's blocks before the one the next step writes (slot + 1) are full and never written again:
+        row i takes its parent's entries for them (ints, shared blocks). The block slot + 1 falls in, and every
+        later one, stays row i's own (each row writes its own row, in the block its step is in, so a block
+        that other rows read is never overwritten): row i copies that block's slots from its parent's row.
+        Per row and layer one block of CACHE_BLOCK slots is copied, whatever the length (the copy reorder
+        copied every live slot)."""
+        table, rows = self.block_table, parents.numel()
+        blocks = torch.arange(table.size(1), device=table.device)
+        own = torch.arange(rows, device=table.device, dtype=table.dtype).view(-1, 1)
+        next_block = (slot + 1) // CACHE_BLOCK
+        table[:rows] = torch.where(blocks >= next_block, own, table[:rows].index_select(0, parents))
+        self.model.take_parent_blocks(states, parents, slot + 1)
 
     def drop_rows(self, states: List[dict], keep: Tensor, window: Optional[int] = None) -> None:
-        """Keep cache rows `keep` (increasing), moved up to the first rows, in place (over `window` slots)."""
+        """Keep cache rows `keep` (increasing), moved up to the first rows, in place (over `window` slots).
+        Through a block table (`use_block_table`) its entries follow the rows they name (a row's table names
+        only rows of its own sentence, which are kept or dropped with it)."""
         self.model.drop_rows(states, keep, window)
+        table = self.block_table
+        if table is not None:
+            moved_to = torch.full((table.size(0),), -1, dtype=table.dtype, device=table.device)
+            moved_to[keep] = torch.arange(keep.numel(), dtype=table.dtype, device=table.device)
+            table[: keep.numel()] = moved_to[table.index_select(0, keep).long()]
 
     def add_rows(self, states: List[dict], rows: Tensor, tokens: Tensor) -> None:
         """Cache rows `rows` take `tokens` [len(rows), T] in their first T slots: prefilled in a state of their

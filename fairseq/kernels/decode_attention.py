@@ -1,21 +1,25 @@
 """Attention of one new token per row over a static KV cache, reading only each row's live keys (split-KV, the
 "flash-decoding" scheme): no mask, no host sync, shapes fixed by the cache (a CUDA graph captures it).
 
-`decode_attention(q, key_cache, value_cache, lengths, row_map=None, scale=None, max_length=None)`:
+`decode_attention(q, key_cache, value_cache, lengths, block_rows=None, scale=None, max_length=None)`:
 
 - q [B, H, 1, D], the new token of each row (bf16, fp16 or fp32);
 - key_cache, value_cache [rows, H, capacity, D] (the layout of CausalSelfAttention's static cache: row b's
-  keys of its first L tokens are key_cache[b, :, :L]; rows may outnumber B, strides are read);
+  keys of its first L tokens are key_cache[b, :, :L]; rows may outnumber B, strides are read, the same for
+  both);
 - lengths: int32 (or int64) on the device, [B] (each row's live length) or [1] (the same for every row);
   query row b attends over keys 0 .. lengths[b] - 1 of its cache row; a length of 0 gives zeros;
-- row_map: int32 [B] or None: the cache row query row b reads (beams reordered by index instead of copying
-  the caches); None reads row b;
+- block_rows: int32 [B, n] or [B], or None: a block table. Key t of query row b is slot t of cache row
+  block_rows[b, t // CACHE_BLOCK] (n * CACHE_BLOCK covers the window); [B] is one cache row for all of query
+  row b's keys; None reads row b. Beam search reorders its hypotheses by index through it: full blocks are
+  shared by the rows that descend from one hypothesis, and a reorder copies one block per row
+  (fairseq.generation.step_model.StepModel.reorder_blocks);
 - scale: the softmax scale, default 1 / sqrt(D); max_length: a host bound on the lengths (the attention window
   the caller knows, default the capacity), which sizes the grid and nothing else.
 
 On CUDA with Triton, two kernels: the first splits each (row, head)'s key range into `splits` parts of whole
 BLOCK_N blocks, one program a part, which reads its live blocks once (a part past the row's length reads
-nothing) and writes its running maximum, sum of exponentials and unnormalized output in fp32; the second
+nothing; through a block table, one int per block names the cache row a block is read from) and writes its running maximum, sum of exponentials and unnormalized output in fp32; the second
 combines a (row, head)'s parts. With one part the first kernel writes the output itself. The number of parts
 follows from the shapes alone (enough programs to fill the GPU), so a graph replays the same launches whatever
 the lengths. Accumulation is fp32 throughout; the output is q's dtype.
@@ -35,7 +39,8 @@ import torch
 
 from fairseq.kernels import built_with_triton, constant_result, triton_interpreted
 
-BLOCK_N = 64  # keys a program reads per iteration
+BLOCK_N = 64  # keys a program reads per iteration (it divides CACHE_BLOCK: an iteration reads one cache row)
+CACHE_BLOCK = 64  # the slots of one entry of a block table
 # Programs to aim for per launch: a few per SM of an H100 (132 SMs) so that short rows or small batches still
 # spread the cache read over the whole GPU.
 TARGET_PROGRAMS = 4 * 132
@@ -82,7 +87,7 @@ def decode_attention(
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
     lengths: torch.Tensor,
-    row_map: Optional[torch.Tensor] = None,
+    block_rows: Optional[torch.Tensor] = None,
     scale: Optional[float] = None,
     max_length: Optional[int] = None,
 ) -> torch.Tensor:
@@ -90,9 +95,9 @@ def decode_attention(
     `decode_attention_available(q)`, else the PyTorch reference."""
     if decode_attention_available(q):
         if torch.compiler.is_compiling():  # one opaque op in inductor's graph (see _decode_attention_op)
-            return _decode_attention_op(q, key_cache, value_cache, lengths, row_map, scale, max_length)
-        return decode_attention_kernel(q, key_cache, value_cache, lengths, row_map, scale, max_length)
-    return decode_attention_reference(q, key_cache, value_cache, lengths, row_map, scale, max_length)
+            return _decode_attention_op(q, key_cache, value_cache, lengths, block_rows, scale, max_length)
+        return decode_attention_kernel(q, key_cache, value_cache, lengths, block_rows, scale, max_length)
+    return decode_attention_reference(q, key_cache, value_cache, lengths, block_rows, scale, max_length)
 
 
 def decode_attention_reference(
@@ -100,26 +105,37 @@ def decode_attention_reference(
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
     lengths: torch.Tensor,
-    row_map: Optional[torch.Tensor] = None,
+    block_rows: Optional[torch.Tensor] = None,
     scale: Optional[float] = None,
     max_length: Optional[int] = None,
 ) -> torch.Tensor:
     """The same values in plain PyTorch (fp32 scores and softmax over the first `max_length` slots, the slots
     at or past each row's length masked), any device, no host sync."""
-    _check(q, key_cache, value_cache, lengths, row_map)
+    _check(q, key_cache, value_cache, lengths, block_rows)
     batch, _, _, dim = q.shape
     window = _window(key_cache, max_length)
     scale = 1.0 / math.sqrt(dim) if scale is None else scale
-    keys, values = key_cache[:, :, :window], value_cache[:, :, :window]
-    if row_map is not None:
-        keys, values = keys.index_select(0, row_map.long()), values.index_select(0, row_map.long())
+    if block_rows is not None:
+        keys, values = gather_blocks(key_cache, block_rows, window), gather_blocks(value_cache, block_rows, window)
     else:
-        keys, values = keys[:batch], values[:batch]
+        keys, values = key_cache[:batch, :, :window], value_cache[:batch, :, :window]
     scores = torch.matmul(q.float(), keys.float().transpose(-1, -2)) * scale  # [B, H, 1, window]
     dead = torch.arange(window, device=q.device) >= lengths.long().view(-1, 1, 1, 1)
     scores = scores.masked_fill(dead, -math.inf)
     probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # a length of 0: every slot dead, zeros
     return torch.matmul(probs, values.float()).to(q.dtype)
+
+
+def gather_blocks(cache: torch.Tensor, block_rows: torch.Tensor, window: int) -> torch.Tensor:
+    """The first `window` keys (or values) of each query row, read through the block table `block_rows` ([B, n]
+    or [B], see the module doc) from `cache` [rows, H, capacity, D]: [B, H, window, D], as a cache without a
+    table holds them (a copy)."""
+    slots = torch.arange(window, device=cache.device)
+    if block_rows.dim() == 1:
+        rows = block_rows.long().view(-1, 1).expand(-1, window)
+    else:
+        rows = block_rows.long().index_select(1, slots // CACHE_BLOCK)  # [B, window]
+    return cache.transpose(1, 2)[rows, slots].transpose(1, 2)
 
 
 def splits_for(rows_heads: int, window: int, device: Optional[torch.device] = None) -> int:
@@ -142,7 +158,7 @@ def _window(key_cache: torch.Tensor, max_length: Optional[int]) -> int:
     return capacity if max_length is None else max(1, min(max_length, capacity))
 
 
-def _check(q, key_cache, value_cache, lengths, row_map) -> None:
+def _check(q, key_cache, value_cache, lengths, block_rows) -> None:
     if q.dim() != 4 or q.size(2) != 1:
         raise ValueError(f"decode attention takes one query per row, q [B, H, 1, D]; got {tuple(q.shape)}")
     if (
@@ -160,11 +176,21 @@ def _check(q, key_cache, value_cache, lengths, row_map) -> None:
             f"decode attention: lengths must be integers, [B] or [1]; got {lengths.dtype} "
             f"{tuple(lengths.shape)} for B = {q.size(0)}"
         )
-    if row_map is not None and row_map.shape != (q.size(0),):
-        raise ValueError(f"decode attention: row_map must be [B] = [{q.size(0)}]; got {tuple(row_map.shape)}")
-    if q.stride(-1) != 1 or key_cache.stride(-1) != 1 or value_cache.stride(-1) != 1:
-        raise ValueError("decode attention: q and the caches must be contiguous in their last (head) dim")
-    if row_map is None and key_cache.size(0) < q.size(0):
+    if block_rows is not None and (
+        block_rows.dim() not in (1, 2)
+        or block_rows.size(0) != q.size(0)
+        or (block_rows.dim() == 2 and block_rows.size(1) * CACHE_BLOCK < _window(key_cache, None))
+    ):
+        raise ValueError(
+            f"decode attention: block_rows must be [B] or [B, n] with n * {CACHE_BLOCK} >= the capacity "
+            f"{key_cache.size(2)}, B = {q.size(0)}; got {tuple(block_rows.shape)}"
+        )
+    if q.stride(-1) != 1 or key_cache.stride(-1) != 1 or key_cache.stride() != value_cache.stride():
+        raise ValueError(
+            "decode attention: q and the caches must be contiguous in their last (head) dim, and the key and "
+            f"value caches laid out alike (strides {key_cache.stride()} and {value_cache.stride()})"
+        )
+    if block_rows is None and key_cache.size(0) < q.size(0):
         raise ValueError(f"decode attention: {q.size(0)} query rows but the caches hold {key_cache.size(0)}")
 
 
@@ -173,13 +199,13 @@ def decode_attention_kernel(
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
     lengths: torch.Tensor,
-    row_map: Optional[torch.Tensor] = None,
+    block_rows: Optional[torch.Tensor] = None,
     scale: Optional[float] = None,
     max_length: Optional[int] = None,
     splits: Optional[int] = None,
 ) -> torch.Tensor:
     """The Triton path (CUDA, or the interpreter under TRITON_INTERPRET=1); `splits` overrides splits_for."""
-    _check(q, key_cache, value_cache, lengths, row_map)
+    _check(q, key_cache, value_cache, lengths, block_rows)
     batch, heads, _, dim = q.shape
     window = _window(key_cache, max_length)
     if splits is None:
@@ -194,7 +220,7 @@ def decode_attention_kernel(
             torch.empty(batch, heads, splits, *size, dtype=torch.float32, device=q.device) for size in ((dim,), (), ())
         )
     scale = 1.0 / math.sqrt(dim) if scale is None else scale
-    _launch_split(q, key_cache, value_cache, lengths, row_map, out, parts, scale, window, splits)
+    _launch_split(q, key_cache, value_cache, lengths, block_rows, out, parts, scale, window, splits)
     if splits > 1:
         _, combine_kernel = _kernels()
         block_d = 1 << (dim - 1).bit_length()
@@ -202,30 +228,28 @@ def decode_attention_kernel(
     return out
 
 
-def _launch_split(q, key_cache, value_cache, lengths, row_map, out, parts, scale, window, splits) -> None:
+def _launch_split(q, key_cache, value_cache, lengths, block_rows, out, parts, scale, window, splits) -> None:
     """The first kernel over (row, head) x part; each part covers whole blocks (the last ones may lie past the
     window: they read nothing)."""
     split_kernel, _ = _kernels()
     batch, heads, _, dim = q.shape
     split_size = -(-(-(-window // splits)) // BLOCK_N) * BLOCK_N
-    rows = row_map if row_map is not None else lengths  # a placeholder pointer when there is no row map
+    assert CACHE_BLOCK % BLOCK_N == 0, (CACHE_BLOCK, BLOCK_N)  # an iteration's keys lie in one cache row
+    rows, rows_strides = lengths, (0, 0)  # a placeholder pointer when there is no block table
+    if block_rows is not None:  # [B] reads as [B, 1] with a column stride of 0
+        rows = block_rows.view(batch, 1) if block_rows.dim() == 1 else block_rows
+        rows_strides = (rows.stride(0), 0 if rows.size(1) == 1 else rows.stride(1))
     split_kernel[(batch * heads, splits)](
-        q,
+        q.contiguous(),  # a no-op for the decoder's [B, H, 1, D] view of its projection
         key_cache,
         value_cache,
         lengths,
         rows,
         out,
         *parts,
-        q.stride(0),
-        q.stride(1),
-        key_cache.stride(0),
-        key_cache.stride(1),
-        key_cache.stride(2),
-        value_cache.stride(0),
-        value_cache.stride(1),
-        value_cache.stride(2),
+        *key_cache.stride()[:3],  # the value cache's too (checked)
         0 if lengths.numel() == 1 else lengths.stride(0),
+        *rows_strides,
         scale * 1.4426950408889634,  # log2(e): the kernel takes exp2
         window,
         split_size,
@@ -234,7 +258,8 @@ def _launch_split(q, key_cache, value_cache, lengths, row_map, out, parts, scale
         BLOCK_D=1 << (dim - 1).bit_length(),
         BLOCK_N=BLOCK_N,
         SPLITS=splits,
-        HAS_ROW_MAP=row_map is not None,
+        CACHE_BLOCK=CACHE_BLOCK,
+        HAS_BLOCK_ROWS=block_rows is not None,
         DIRECT=splits == 1,
         num_warps=4,
     )
@@ -249,15 +274,15 @@ def _decode_attention_op(
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
     lengths: torch.Tensor,
-    row_map: Optional[torch.Tensor],
+    block_rows: Optional[torch.Tensor],
     scale: Optional[float],
     max_length: Optional[int],
 ) -> torch.Tensor:
-    return decode_attention_kernel(q, key_cache, value_cache, lengths, row_map, scale, max_length)
+    return decode_attention_kernel(q, key_cache, value_cache, lengths, block_rows, scale, max_length)
 
 
 @_decode_attention_op.register_fake
-def _decode_attention_shape(q, key_cache, value_cache, lengths, row_map, scale, max_length):
+def _decode_attention_shape(q, key_cache, value_cache, lengths, block_rows, scale, max_length):
     return q.new_empty(q.shape)
 
 
@@ -275,24 +300,45 @@ def _attend_part(triton, tl):
 
     @triton.jit
     def attend_part(
-        q, k_base, v_base, k_stride_n, v_stride_n, start, end, d, d_ok, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr
+        q,
+        heads,
+        strides,
+        table,
+        keys,
+        DIM: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_D: tl.constexpr,
+        CACHE_BLOCK: tl.constexpr,
+        HAS_BLOCK_ROWS: tl.constexpr,
     ):
-        """A part's keys start .. end - 1 (live blocks only: none past the length): its unnormalized output,
-        running maximum and sum of exponentials (exp2 of scores pre-multiplied by log2(e))."""
+        """A part's keys `keys` = (start, end) (live blocks only: none past the length) of one head's caches
+        (`heads`: the key and value pointers at the head, `strides`: a row's and a slot's, the same for keys and
+        values): its unnormalized output, running maximum and sum of exponentials (exp2 of scores pre-multiplied
+        by log2(e)). The keys of an iteration lie in one cache block: `table` = (the block table's row, its
+        stride, the cache row read without one)."""
+        k_head, v_head = heads
+        stride_b, stride_n = strides
+        rows, rows_stride, row = table
+        start, end = keys
+        d = tl.arange(0, BLOCK_D)
+        d_ok = d < DIM
         running_max = float("-inf")
         running_sum = 0.0
         acc = tl.zeros([BLOCK_D], dtype=tl.float32)
         for first in range(start, end, BLOCK_N):
+            if HAS_BLOCK_ROWS:
+                row = tl.load(rows + (first // CACHE_BLOCK) * rows_stride).to(tl.int64)
             n = first + tl.arange(0, BLOCK_N)
             live = n < end
             mask = live[:, None] & d_ok[None, :]
-            k = tl.load(k_base + n[:, None].to(tl.int64) * k_stride_n + d[None, :], mask=mask, other=0.0)
+            offsets = row * stride_b + n[:, None].to(tl.int64) * stride_n + d[None, :]
+            k = tl.load(k_head + offsets, mask=mask, other=0.0)
             scores = tl.sum(k.to(tl.float32) * q[None, :], axis=1)
             scores = tl.where(live, scores, float("-inf"))
             new_max = tl.maximum(running_max, tl.max(scores, axis=0))  # finite: the block has a live key
             p = tl.exp2(scores - new_max)
             alpha = tl.exp2(running_max - new_max)
-            v = tl.load(v_base + n[:, None].to(tl.int64) * v_stride_n + d[None, :], mask=mask, other=0.0)
+            v = tl.load(v_head + offsets, mask=mask, other=0.0)
             acc = acc * alpha + tl.sum(p[:, None] * v.to(tl.float32), axis=0)
             running_sum = running_sum * alpha + tl.sum(p, axis=0)
             running_max = new_max
@@ -315,20 +361,17 @@ def _split_kernel(triton, tl):
         k_ptr,
         v_ptr,
         lengths_ptr,
-        row_map_ptr,
+        block_rows_ptr,
         out_ptr,
         part_out_ptr,
         part_max_ptr,
         part_sum_ptr,
-        q_stride_b,
-        q_stride_h,
-        k_stride_b,
-        k_stride_h,
-        k_stride_n,
-        v_stride_b,
-        v_stride_h,
-        v_stride_n,
+        stride_b,
+        stride_h,
+        stride_n,
         length_stride,
+        rows_stride_b,
+        rows_stride_n,
         scale_log2,
         window,
         split_size,
@@ -337,24 +380,28 @@ def _split_kernel(triton, tl):
         BLOCK_D: tl.constexpr,
         BLOCK_N: tl.constexpr,
         SPLITS: tl.constexpr,
-        HAS_ROW_MAP: tl.constexpr,
+        CACHE_BLOCK: tl.constexpr,
+        HAS_BLOCK_ROWS: tl.constexpr,
         DIRECT: tl.constexpr,
     ):
-        pid = tl.program_id(0)
-        split = tl.program_id(1)
-        b = pid // HEADS
-        h = pid % HEADS
-        cache_row = tl.load(row_map_ptr + b).to(tl.int64) if HAS_ROW_MAP else b.to(tl.int64)
+        pid, split = tl.program_id(0), tl.program_id(1)
+        b, h = pid // HEADS, pid % HEADS
         length = tl.minimum(tl.load(lengths_ptr + b * length_stride).to(tl.int32), window)
         start = split * split_size
         d = tl.arange(0, BLOCK_D)
         d_ok = d < DIM
-        q = tl.load(q_ptr + b.to(tl.int64) * q_stride_b + h * q_stride_h + d, mask=d_ok, other=0.0).to(tl.float32)
-        k_base = k_ptr + cache_row * k_stride_b + h * k_stride_h
-        v_base = v_ptr + cache_row * v_stride_b + h * v_stride_h
-        end = tl.minimum(start + split_size, length)
+        q = tl.load(q_ptr + pid.to(tl.int64) * DIM + d, mask=d_ok, other=0.0).to(tl.float32)  # q is contiguous
         acc, running_max, running_sum = _ATTEND_PART(
-            q * scale_log2, k_base, v_base, k_stride_n, v_stride_n, start, end, d, d_ok, BLOCK_N, BLOCK_D
+            q * scale_log2,
+            (k_ptr + h * stride_h, v_ptr + h * stride_h),
+            (stride_b, stride_n),
+            (block_rows_ptr + b.to(tl.int64) * rows_stride_b, rows_stride_n, b.to(tl.int64)),
+            (start, tl.minimum(start + split_size, length)),
+            DIM,
+            BLOCK_N,
+            BLOCK_D,
+            CACHE_BLOCK,
+            HAS_BLOCK_ROWS,
         )
         if DIRECT:
             result = tl.where(running_sum > 0, acc / running_sum, 0.0)

@@ -23,7 +23,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from fairseq.kernels.decode_attention import decode_attention
+from fairseq.kernels.decode_attention import CACHE_BLOCK, decode_attention, gather_blocks
 from fairseq.modules.incremental_decoding_utils import FairseqIncrementalState, IncrementalState
 
 _CACHE_KEY = "attn_state"
@@ -304,14 +304,44 @@ class CausalSelfAttention(FairseqIncrementalState, AttentionProjections):
         _write_slot(entry["key_buffer"], step.slot, k)
         _write_slot(entry["value_buffer"], step.slot, v)
         keys, values = entry["key_buffer"][:batch], entry["value_buffer"][:batch]
+        block_rows = entry.get("block_rows")  # beam search's block table (see set_block_table)
+        if block_rows is not None:
+            block_rows, keys, values = block_rows[:batch], entry["key_buffer"], entry["value_buffer"]
         if step.lengths is not None:  # the split-KV kernel: reads each row's live keys only
-            attn = decode_attention(q, keys, values, step.lengths, max_length=step.window)
+            attn = decode_attention(q, keys, values, step.lengths, block_rows, max_length=step.window)
         else:
             window = step.mask.size(-1)
-            keys, values = keys[:, :, :window], values[:, :, :window]
+            if block_rows is not None:  # each row's keys in order, as a cache without a table holds them
+                keys, values = gather_blocks(keys, block_rows, window), gather_blocks(values, block_rows, window)
+            else:
+                keys, values = keys[:, :, :window], values[:, :, :window]
             attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=step.mask, dropout_p=dropout)
         attn = attn.transpose(1, 2).reshape(batch, length, -1)
         return self.out_proj(attn)
+
+    # ---- a block table: beam search reorders its rows by index -------------------------------------------
+    def set_block_table(self, incremental_state: IncrementalState, block_rows: Optional[torch.Tensor]) -> None:
+        """Static steps read row b's key at slot t from cache row `block_rows[b, t // CACHE_BLOCK]` (an int32
+        [rows, capacity / CACHE_BLOCK] device tensor, one for every layer; see fairseq.kernels.decode_attention),
+        and still write row b's new key in row b; None: each row reads its own row. The caller keeps the table
+        (fairseq.generation.step_model.StepModel.reorder_blocks)."""
+        self._cache_entry(incremental_state)["block_rows"] = block_rows
+
+    def take_parent_blocks(
+        self, incremental_state: IncrementalState, parents: torch.Tensor, slot: torch.Tensor
+    ) -> None:
+        """Cache row i takes the CACHE_BLOCK slots of row `parents[i]` in the block that holds `slot` (a [1]
+        device tensor: the next step's), read first, then written (a row can be a parent and a child): the one
+        block a reorder through a block table copies. Static shapes, no host sync."""
+        entry = self._cache_entry(incremental_state)
+        rows = parents.numel()
+        capacity = entry["key_buffer"].size(2)
+        first = slot // CACHE_BLOCK * CACHE_BLOCK
+        slots = (first + torch.arange(CACHE_BLOCK, device=slot.device)).clamp_(max=capacity - 1).view(1, -1)
+        children = torch.arange(rows, device=slot.device).view(-1, 1)
+        for name in ("key_buffer", "value_buffer"):
+            buffer = entry[name].transpose(1, 2)  # [rows, capacity, H, D]
+            buffer.index_put_((children, slots), buffer[parents.view(-1, 1), slots])
 
     def copy_incremental_rows(
         self, incremental_state: IncrementalState, source_state: IncrementalState, rows: torch.Tensor, length: int

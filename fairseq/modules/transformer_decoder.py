@@ -426,6 +426,19 @@ class TransformerDecoder(FairseqIncrementalDecoder):
         for attention in self._decoder_entry(incremental_state)["attentions"]:
             attention.copy_incremental_rows(incremental_state, source_state, rows, length)
 
+    def set_block_table(self, incremental_state: IncrementalState, block_rows: Optional[torch.Tensor]) -> None:
+        """Static steps read every layer's cache through the block table `block_rows` (None: each row its own;
+        see CausalSelfAttention.set_block_table)."""
+        for attention in self._decoder_entry(incremental_state)["attentions"]:
+            attention.set_block_table(incremental_state, block_rows)
+
+    def take_parent_blocks(
+        self, incremental_state: IncrementalState, parents: torch.Tensor, slot: torch.Tensor
+    ) -> None:
+        """Row i of every cache takes row `parents[i]`'s block that holds `slot` (a [1] device tensor)."""
+        for attention in self._decoder_entry(incremental_state)["attentions"]:
+            attention.take_parent_blocks(incremental_state, parents, slot)
+
     def reorder_incremental_state(
         self, incremental_state: IncrementalState, new_order: torch.Tensor, window: Optional[int] = None
     ) -> None:

@@ -1,7 +1,8 @@
 """The split-KV decode attention kernels (fairseq.kernels.decode_attention) compiled on CUDA at real sizes: bf16,
-batch 1 and 32, 32 heads, a 2,048-slot cache, against the fp32 reference and against SDPA over each row's live
-keys; replayed from a CUDA graph while the lengths change in place; greedy decoding with the kernel gives the
-tokens decoding without it gives. The interpreter tests on the CPU: tests/unit/test_decode_attention.py. The
+batch 1 and 32, 32 heads, a 2,048-slot cache, read row by row, through a row map and through a block table,
+against the fp32 reference and against SDPA over each row's live keys; replayed from a CUDA graph while the
+lengths change in place; greedy decoding with the kernel gives the tokens decoding without it gives (beam search
+through block tables: tests/gpu/test_beam_block_table_gpu.py). The interpreter tests on the CPU: tests/unit/test_decode_attention.py. The
 time per call: scripts/benchmark_generate.py's decode attention table."""
 
 import pytest
@@ -11,9 +12,11 @@ import torch.nn.functional as F
 from fairseq.data.dictionary import Dictionary
 from fairseq.generation.sequence_generator import SequenceGenerator
 from fairseq.kernels.decode_attention import (
+    CACHE_BLOCK,
     decode_attention_available,
     decode_attention_kernel,
     decode_attention_reference,
+    gather_blocks,
     set_decode_attention_kernel,
 )
 from fairseq.models.transformer_lm import TransformerLanguageModel, TransformerLanguageModelConfig
@@ -43,16 +46,20 @@ def test_the_kernels_match_the_reference_and_sdpa_at_real_sizes(batch, dim):
     lengths[0] = 1 if batch > 1 else 777
     lengths[-1] = CAPACITY if batch > 1 else lengths[-1]
     row_map = torch.randperm(batch, device="cuda").to(torch.int32)
-    for rows in (None, row_map):
+    # a block table: each 64-slot block of a row from a random row (blocks shared by several rows)
+    table = torch.randint(0, batch, (batch, CAPACITY // CACHE_BLOCK), device="cuda", dtype=torch.int32)
+    for rows in (None, row_map, table):
         got = decode_attention_kernel(q, keys, values, lengths, rows)
         want = decode_attention_reference(q, keys, values, lengths, rows)
         torch.testing.assert_close(got.float(), want.float(), rtol=BF16_ULP, atol=1e-3)
         # SDPA in bf16 over each row's live keys (its own rounding of scores and probabilities: looser)
+        row_keys, row_values = keys[:batch], values[:batch]
+        if rows is not None:
+            row_keys, row_values = gather_blocks(keys, rows, CAPACITY), gather_blocks(values, rows, CAPACITY)
         for b in range(batch):
-            row = b if rows is None else int(rows[b])
             live = int(lengths[b])
             sdpa = F.scaled_dot_product_attention(
-                q[b : b + 1], keys[row : row + 1, :, :live], values[row : row + 1, :, :live]
+                q[b : b + 1], row_keys[b : b + 1, :, :live], row_values[b : b + 1, :, :live]
             )
             torch.testing.assert_close(got[b : b + 1].float(), sdpa.float(), rtol=2e-2, atol=2e-2)
 

@@ -316,10 +316,10 @@ def test_benchmark_generate_profiles_decode_steps_on_the_cpu(capsys):
     assert all(row[2].startswith("aten::") for row in top)
     calls = table(
         "| decode attention, one layer call | batch | heads x head dim | live keys (window) | sdpa us | "
-        "split-KV kernel us | kernel GB/s of live KV |"
+        "split-KV kernel us | kernel GB/s of live KV | kernel through a block table us |"
     )
     assert [row[1:4] for row in calls] == [["1", "2 x 32", "9 (64)"], ["2", "2 x 32", "9 (64)"]]
-    assert [row[5:] for row in calls] == [["-", "-"]] * 2  # no kernel on the CPU
+    assert [row[5:] for row in calls] == [["-", "-", "-"]] * 2  # no kernel on the CPU
 
 
 def test_benchmark_serve_prints_a_row_per_concurrency(capsys):

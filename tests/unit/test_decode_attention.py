@@ -38,6 +38,7 @@ KERNELS = """
     from fairseq.kernels import decode_attention as da
 
     da.BLOCK_N = 16  # rows of up to 70 keys take several blocks; lengths sit on and beside block boundaries
+    da.CACHE_BLOCK = 32  # block tables of 3 blocks over the 80 slots; lengths cross their edges too
     torch.manual_seed(0)
     B, H, CAPACITY, ROWS = 7, 2, 80, 9
     lengths = torch.tensor([1, 15, 16, 17, 32, 33, 70], dtype=torch.int32)
@@ -48,8 +49,19 @@ KERNELS = """
         q = torch.randn(B, H, 1, dim).to(dtype)
         keys = (torch.randn(ROWS, H, CAPACITY, dim) * 2).to(dtype)
         values = torch.randn(ROWS, H, CAPACITY, dim).to(dtype)
+        # one cache row per query row ([B]); a block table [B, 3] of random rows, blocks shared by several rows
         row_map = torch.tensor([8, 0, 3, 3, 1, 6, 2], dtype=torch.int32)
-        cases = [dict(), dict(row_map=row_map), dict(max_length=72), dict(row_map=row_map, scale=0.3)]
+        table = torch.randint(0, ROWS, (B, 3), dtype=torch.int32)
+        table[1:4, 0] = table[0, 0]
+        table[5, :2] = table[6, :2]
+        cases = [
+            dict(),
+            dict(block_rows=row_map),
+            dict(max_length=72),
+            dict(block_rows=row_map, scale=0.3),
+            dict(block_rows=table),
+            dict(block_rows=table, max_length=40),
+        ]
         for number, case in enumerate(cases):
             want = da.decode_attention_reference(q, keys, values, lengths, **case)
             # one part; 8 parts of 16 keys (the last ones past every row's length); what splits_for says
@@ -58,6 +70,10 @@ KERNELS = """
                 assert got.dtype == dtype and got.shape == (B, H, 1, dim)
                 tol = tolerance[dtype]
                 torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=1e-5)
+        # through a table, each key is the one its block's row holds (the reference's own check)
+        gathered = da.gather_blocks(keys, table, CAPACITY)
+        for b, t in ((0, 5), (2, 31), (3, 32), (5, 63), (6, 79)):
+            assert torch.equal(gathered[b, :, t], keys[table[b, t // 32], :, t])
         # one length for every row ([1], as the static step passes it), int64; the caches' row views
         one = torch.tensor([33])
         got = da.decode_attention_kernel(q, keys[:B], values[:B], one, splits=4)
@@ -127,11 +143,50 @@ def test_the_static_step_through_the_kernels_gives_the_sdpa_paths_hypotheses():
     interpret(STEPS, "kernel steps agree")
 
 
+BEAMS = """
+    import sys
+    import torch
+    sys.path.insert(0, "tests/unit")
+    import test_sequence_generator as t
+    from test_beam_block_table import CopyReorder, assert_equal_hypotheses
+    from test_device_decoding import MIXED
+    from fairseq.generation import device_beam_search, step_model
+    from fairseq.kernels import decode_attention as da
+    from fairseq.modules import causal_attention
+
+    # blocks of 4 slots: outputs of ~16 tokens fill and share three of them (the block size is read where it is
+    # used: the kernel, the table's width, the reorder, the block copy); two sentences: the interpreter is slow
+    da.BLOCK_N, da.MAX_SPLITS = 4, 2  # two parts a row (with the combining kernel), not one per block
+    for module in (da, device_beam_search, step_model, causal_attention):
+        module.CACHE_BLOCK = 4
+    model = t.build(seed=4)
+    sample, prefix = t.sample_of([MIXED[0], MIXED[2]])
+    results = {}
+    for kernel, reorder in ((True, "table"), (True, "copy"), (False, "table")):
+        da.set_decode_attention_kernel(kernel)
+        generator = t.EagerStaticGenerator([model], t.D, beam_size=2, max_len_b=16, min_len=14)
+        if reorder == "copy":
+            generator.step_model.__class__ = CopyReorder
+        results[kernel, reorder] = generator.generate([model], sample, prefix_tokens=prefix)
+    # the kernel through the table reads the values the copied caches hold, in the same order: equal
+    assert_equal_hypotheses(results[True, "table"], results[True, "copy"])
+    t.assert_same_hypotheses(results[True, "table"], results[False, "table"])  # SDPA: its own summation order
+    assert max(len(h["tokens"]) for s in results[True, "table"] for h in s) > 3 * 4
+    print("beams through block tables agree")
+"""
+
+
+def test_beam_search_through_block_tables_in_the_kernels_equals_the_copy_reorder():
+    interpret(BEAMS, "beams through block tables agree")
+
+
 def test_the_reference_is_sdpa_over_each_rows_live_keys():
     torch.manual_seed(0)
     q, keys, values = torch.randn(3, 2, 1, 8), torch.randn(4, 2, 20, 8), torch.randn(4, 2, 20, 8)
     lengths, row_map = torch.tensor([1, 7, 20], dtype=torch.int32), torch.tensor([3, 0, 1], dtype=torch.int32)
     got = decode_attention_reference(q, keys, values, lengths, row_map, scale=0.5)
+    # the same rows as a block table (one block: the capacity 20 is under CACHE_BLOCK)
+    assert torch.equal(got, decode_attention_reference(q, keys, values, lengths, row_map.view(3, 1), scale=0.5))
     for b in range(3):
         live = slice(0, int(lengths[b]))
         row = int(row_map[b])
@@ -150,8 +205,10 @@ def test_the_cpu_takes_the_reference_and_bad_shapes_are_named():
         decode_attention(torch.randn(2, 2, 3, 8), cache, cache, lengths)
     with pytest.raises(ValueError, match="lengths must be integers"):
         decode_attention(q, cache, cache, torch.tensor([3.0, 4.0]))
-    with pytest.raises(ValueError, match="row_map must be"):
-        decode_attention(q, cache, cache, lengths, row_map=torch.tensor([0], dtype=torch.int32))
+    with pytest.raises(ValueError, match="block_rows must be"):
+        decode_attention(q, cache, cache, lengths, block_rows=torch.tensor([0], dtype=torch.int32))
+    with pytest.raises(ValueError, match="block_rows must be"):  # a table narrower than the capacity
+        decode_attention(q, torch.randn(2, 2, 130, 8), torch.randn(2, 2, 130, 8), lengths, torch.zeros(2, 2).int())
     with pytest.raises(ValueError, match="3 query rows but the caches hold 2"):
         decode_attention(torch.randn(3, 2, 1, 8), cache, cache, torch.tensor([1]))
 
@@ -181,29 +238,24 @@ def test_the_kernels_compile_for_an_h100():
         k_ptr="*bf16",
         v_ptr="*bf16",
         lengths_ptr="*i32",
-        row_map_ptr="*i32",
         out_ptr="*bf16",
         part_out_ptr="*fp32",
         part_max_ptr="*fp32",
         part_sum_ptr="*fp32",
     )
-    ints = [
-        "q_stride_b",
-        "q_stride_h",
-        "k_stride_b",
-        "k_stride_h",
-        "k_stride_n",
-        "v_stride_b",
-        "v_stride_h",
-        "v_stride_n",
-        "length_stride",
-        "window",
-        "split_size",
-    ]
-    signature = {**pointers, **{name: "i32" for name in ints}, "scale_log2": "fp32"}
-    for direct in (False, True):
+    ints = ["stride_b", "stride_h", "stride_n", "length_stride", "rows_stride_b", "rows_stride_n", "window"]
+    signature = {**pointers, **{name: "i32" for name in ints + ["split_size"]}, "scale_log2": "fp32"}
+    signature["block_rows_ptr"] = "*i32"
+    for table in (True, False):  # with a block table and parts; without one, the one part writing the output
         constants = dict(
-            HEADS=32, DIM=64, BLOCK_D=64, BLOCK_N=64, SPLITS=1 if direct else 16, HAS_ROW_MAP=not direct, DIRECT=direct
+            HEADS=32,
+            DIM=64,
+            BLOCK_D=64,
+            BLOCK_N=64,
+            SPLITS=16 if table else 1,
+            CACHE_BLOCK=64,
+            HAS_BLOCK_ROWS=table,
+            DIRECT=not table,
         )
         source = ASTSource(split_kernel, {**signature, **{name: "constexpr" for name in constants}}, constants)
         assert triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}).asm["cubin"]

@@ -1,7 +1,8 @@
 """Beam search on the device (fairseq.generation.device_beam_search) on tiny real models, on CPU: the step-by-step
 loop's hypotheses (equal for one sentence, the same tokens for a batch), the static-step (CUDA-graph) path run
-eagerly over attention windows smaller than the cache, the window-bounded cache reorder, a host sync per chunk
-instead of per step, and the plain reference beam search of test_sequence_generator."""
+eagerly over attention windows smaller than the cache, the window-bounded cache reorder (the decode engine's), a
+host sync per chunk instead of per step, and the plain reference beam search of test_sequence_generator. The
+static path's reorder through a block table: tests/unit/test_beam_block_table.py."""
 
 import math
 
@@ -183,29 +184,16 @@ def test_what_the_device_loop_does_not_implement_keeps_the_step_by_step_loop():
 @pytest.mark.parametrize("beam", [2, 3])
 def test_the_static_step_loop_over_attention_windows_gives_the_same_tokens(monkeypatch, beam, window):
     monkeypatch.setattr(cuda_graph_decoding, "ATTENTION_WINDOW", window)
-    reorders = []
-    original = CausalSelfAttention.reorder_incremental_state
-
-    def spy(self, state, new_order, window=None):
-        reorders.append(window)
-        return original(self, state, new_order, window)
-
-    monkeypatch.setattr(CausalSelfAttention, "reorder_incremental_state", spy)
     model = build(seed=4)
     stepwise = SequenceGenerator([model], D, beam_size=beam, device_loop=False, max_len_b=20)
     static = EagerStaticGenerator([model], D, beam_size=beam, max_len_b=20)  # the CUDA-graph path, run eagerly
     # Then fewer sentences (the caches are reused), then more (a new, larger cache; 9 sentences run as 16).
     for prompts in (MIXED, MIXED[1:3], MIXED + [[W[5]] * 6]):
-        reorders.clear()
         expected, got = decode(stepwise, prompts), decode(static, prompts)
         assert_same_hypotheses(got, expected)
-        static_windows = [w for w in reorders if w is not None]  # the prompt's copy to the beams has none
         capacity = static.step_model.graphed.capacity
         assert capacity == 64 and "beam" in static.step_model.graphed.extra
-        if window == 4:  # the live length rounded up to 4, not the capacity
-            assert min(static_windows) == 4 and max(static_windows) < capacity
-        else:
-            assert set(static_windows) == {capacity}
+        assert static.step_model.block_table is None  # the caches are read row by row again after the call
     assert static.step_model.graphed.rows == 16 * beam
 
 
