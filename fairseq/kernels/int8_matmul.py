@@ -36,6 +36,7 @@ from typing import List, Optional
 
 import torch
 import torch.nn.functional as F
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from fairseq.kernels import built_with_triton, constant_result, triton_interpreted
 from fairseq.kernels.int8_tuning import MAX_KERNEL_ROWS, Config, config_for, row_block
@@ -91,7 +92,8 @@ def int8_linear(
     x2 = x.reshape(-1, shape[-1])
     if torch.compiler.is_compiling() and _path[0] == "inductor":
         out = inductor_int8_linear(x2, qweight, scale, bias)
-    elif x2.size(0) <= MAX_KERNEL_ROWS and int8_kernel_available(x):
+    elif statically_known_true(x2.size(0) <= MAX_KERNEL_ROWS) and int8_kernel_available(x):
+        # a dynamic row count (the compiled prefill: many rows) takes the GEMM below, without a guard on it
         # in a compiled decode step (torch.compile) one opaque op, as the decode attention kernel
         matmul = _int8_matmul_op if torch.compiler.is_compiling() else int8_matmul_kernel
         out = matmul(x2, qweight, scale, bias)

@@ -13,7 +13,9 @@ from torch._dynamo.testing import CompileCounter
 
 from fairseq.generation.compiled_step import CompiledPrefill, prefill_length
 from fairseq.generation.engine import DecodeEngine
+from fairseq.generation.quantize import quantizable_linears, quantize_linears_
 from test_decode_engine import PROMPTS, request, run
+from test_int8_matmul import markov_model
 from test_sequence_generator import ATOL, D, PAD, W, EagerStaticGenerator, assert_same_hypotheses, build, sample_of
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -104,3 +106,23 @@ def test_a_failed_prefill_compile_prefills_eagerly_with_one_warning(caplog):
     assert prefill.failed and not prefill.shapes
     warnings = [r.getMessage() for r in caplog.records if "compiling the prefill failed" in r.getMessage()]
     assert len(warnings) == 1 and "no compiler here" in warnings[0], warnings
+
+
+def test_an_int8_models_prefill_compiles_once_whatever_its_token_count():
+    """int8 Linears choose their kernel by row count (at most MAX_KERNEL_ROWS: the decode kernel): in the
+    prefill the rows are the dynamic batch x length, and testing them there guarded the compile on
+    rows x length <= 256, a second compile when a batch crossed it."""
+    d, model = markov_model()  # positions 64: every prompt padded to 64; trained: clear greedy choices
+    quantize_linears_(model, quantizable_linears(model))
+    options = dict(beam_size=1, max_len_b=8, min_len=8)
+    expected = EagerStaticGenerator([model], d, **options)
+    generator = EagerStaticGenerator([model], d, **options)
+    prefill, counter = compiling(generator)
+    with torch.no_grad():
+        for rows in (8, 2, 5, 3):  # 512, 128, 320 and 192 prompt tokens
+            prompts = torch.randint(d.nspecial, len(d), (rows, 5), generator=torch.Generator().manual_seed(rows))
+            sample = {"net_input": {"src_tokens": prompts, "src_lengths": torch.full((rows,), 5)}}
+            want = expected.generate([model], sample, prefix_tokens=prompts)
+            got = generator.generate([model], sample, prefix_tokens=prompts)
+            assert [h[0]["tokens"].tolist() for h in got] == [h[0]["tokens"].tolist() for h in want]
+    assert prefill.shapes == {(8, 64), (2, 64), (5, 64), (3, 64)} and counter.frame_count == 1
