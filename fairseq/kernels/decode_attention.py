@@ -9,9 +9,9 @@
   both);
 - lengths: int32 (or int64) on the device, [B] (each row's live length) or [1] (the same for every row);
   query row b attends over keys 0 .. lengths[b] - 1 of its cache row; a length of 0 gives zeros;
-- block_rows: int32 [B, n] or [B], or None: a block table. Key t of query row b is slot t of cache row
-  block_rows[b, t // CACHE_BLOCK] (n * CACHE_BLOCK covers the window); [B] is one cache row for all of query
-  row b's keys; None reads row b. Beam search reorders its hypotheses by index through it: full blocks are
+- block_rows: int32 [B, n] or None: a block table. Key t of query row b is slot t of cache row
+  block_rows[b, t // CACHE_BLOCK] (n * CACHE_BLOCK covers the window; strides are read, so one cache row for
+  all of a query row's keys is a [B, 1] column expanded to [B, n]); None reads row b. Beam search reorders its hypotheses by index through it: full blocks are
   shared by the rows that descend from one hypothesis, and a reorder copies one block per row
   (fairseq.generation.step_model.StepModel.reorder_blocks);
 - scale: the softmax scale, default 1 / sqrt(D); max_length: a host bound on the lengths (the attention window
@@ -127,14 +127,11 @@ def decode_attention_reference(
 
 
 def gather_blocks(cache: torch.Tensor, block_rows: torch.Tensor, window: int) -> torch.Tensor:
-    """The first `window` keys (or values) of each query row, read through the block table `block_rows` ([B, n]
-    or [B], see the module doc) from `cache` [rows, H, capacity, D]: [B, H, window, D], as a cache without a
+    """The first `window` keys (or values) of each query row, read through the block table `block_rows` ([B, n],
+    see the module doc) from `cache` [rows, H, capacity, D]: [B, H, window, D], as a cache without a
     table holds them (a copy)."""
     slots = torch.arange(window, device=cache.device)
-    if block_rows.dim() == 1:
-        rows = block_rows.long().view(-1, 1).expand(-1, window)
-    else:
-        rows = block_rows.long().index_select(1, slots // CACHE_BLOCK)  # [B, window]
+    rows = block_rows.long().index_select(1, slots // CACHE_BLOCK)  # [B, window]
     return cache.transpose(1, 2)[rows, slots].transpose(1, 2)
 
 
@@ -177,12 +174,12 @@ def _check(q, key_cache, value_cache, lengths, block_rows) -> None:
             f"{tuple(lengths.shape)} for B = {q.size(0)}"
         )
     if block_rows is not None and (
-        block_rows.dim() not in (1, 2)
+        block_rows.dim() != 2
         or block_rows.size(0) != q.size(0)
-        or (block_rows.dim() == 2 and block_rows.size(1) * CACHE_BLOCK < _window(key_cache, None))
+        or block_rows.size(1) * CACHE_BLOCK < _window(key_cache, None)
     ):
         raise ValueError(
-            f"decode attention: block_rows must be [B] or [B, n] with n * {CACHE_BLOCK} >= the capacity "
+            f"decode attention: block_rows must be [B, n] with n * {CACHE_BLOCK} >= the capacity "
             f"{key_cache.size(2)}, B = {q.size(0)}; got {tuple(block_rows.shape)}"
         )
     if q.stride(-1) != 1 or key_cache.stride(-1) != 1 or key_cache.stride() != value_cache.stride():
@@ -236,11 +233,12 @@ def _launch_split(q, key_cache, value_cache, lengths, block_rows, out, parts, sc
     split_size = -(-(-(-window // splits)) // BLOCK_N) * BLOCK_N
     assert CACHE_BLOCK % BLOCK_N == 0, (CACHE_BLOCK, BLOCK_N)  # an iteration's keys lie in one cache row
     rows, rows_strides = lengths, (0, 0)  # a placeholder pointer when there is no block table
-    if block_rows is not None:  # [B] reads as [B, 1] with a column stride of 0
-        rows = block_rows.view(batch, 1) if block_rows.dim() == 1 else block_rows
-        rows_strides = (rows.stride(0), 0 if rows.size(1) == 1 else rows.stride(1))
+    if block_rows is not None:
+        rows, rows_strides = block_rows, block_rows.stride()
+    if q.stride(-1) != 1:
+        q = q.contiguous()
     split_kernel[(batch * heads, splits)](
-        q.contiguous(),  # a no-op for the decoder's [B, H, 1, D] view of its projection
+        q,  # read through its strides: fused q/k/v make q a strided view of one projection at batch > 1
         key_cache,
         value_cache,
         lengths,
@@ -249,7 +247,8 @@ def _launch_split(q, key_cache, value_cache, lengths, block_rows, out, parts, sc
         *parts,
         *key_cache.stride()[:3],  # the value cache's too (checked)
         0 if lengths.numel() == 1 else lengths.stride(0),
-        *rows_strides,
+        rows_strides,
+        (q.stride(0), q.stride(1)),
         scale * 1.4426950408889634,  # log2(e): the kernel takes exp2
         window,
         split_size,
@@ -370,8 +369,8 @@ def _split_kernel(triton, tl):
         stride_h,
         stride_n,
         length_stride,
-        rows_stride_b,
-        rows_stride_n,
+        rows_strides,
+        q_strides,
         scale_log2,
         window,
         split_size,
@@ -390,12 +389,13 @@ def _split_kernel(triton, tl):
         start = split * split_size
         d = tl.arange(0, BLOCK_D)
         d_ok = d < DIM
-        q = tl.load(q_ptr + pid.to(tl.int64) * DIM + d, mask=d_ok, other=0.0).to(tl.float32)  # q is contiguous
+        q = tl.load(q_ptr + b.to(tl.int64) * q_strides[0] + h * q_strides[1] + d, mask=d_ok, other=0.0)
+        q = q.to(tl.float32)
         acc, running_max, running_sum = _ATTEND_PART(
             q * scale_log2,
             (k_ptr + h * stride_h, v_ptr + h * stride_h),
             (stride_b, stride_n),
-            (block_rows_ptr + b.to(tl.int64) * rows_stride_b, rows_stride_n, b.to(tl.int64)),
+            (block_rows_ptr + b.to(tl.int64) * rows_strides[0], rows_strides[1], b.to(tl.int64)),
             (start, tl.minimum(start + split_size, length)),
             DIM,
             BLOCK_N,

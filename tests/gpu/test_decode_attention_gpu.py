@@ -45,7 +45,8 @@ def test_the_kernels_match_the_reference_and_sdpa_at_real_sizes(batch, dim):
     lengths = torch.randint(1, CAPACITY + 1, (batch,), device="cuda", dtype=torch.int32)
     lengths[0] = 1 if batch > 1 else 777
     lengths[-1] = CAPACITY if batch > 1 else lengths[-1]
-    row_map = torch.randperm(batch, device="cuda").to(torch.int32)
+    # one cache row per query row (a column expanded over the blocks: a column stride of 0)
+    row_map = torch.randperm(batch, device="cuda").to(torch.int32).view(batch, 1).expand(batch, CAPACITY // CACHE_BLOCK)
     # a block table: each 64-slot block of a row from a random row (blocks shared by several rows)
     table = torch.randint(0, batch, (batch, CAPACITY // CACHE_BLOCK), device="cuda", dtype=torch.int32)
     for rows in (None, row_map, table):

@@ -49,8 +49,9 @@ KERNELS = """
         q = torch.randn(B, H, 1, dim).to(dtype)
         keys = (torch.randn(ROWS, H, CAPACITY, dim) * 2).to(dtype)
         values = torch.randn(ROWS, H, CAPACITY, dim).to(dtype)
-        # one cache row per query row ([B]); a block table [B, 3] of random rows, blocks shared by several rows
-        row_map = torch.tensor([8, 0, 3, 3, 1, 6, 2], dtype=torch.int32)
+        # one cache row per query row (a [B, 1] column expanded: column stride 0); a block table [B, 3] of random
+        # rows, blocks shared by several rows
+        row_map = torch.tensor([8, 0, 3, 3, 1, 6, 2], dtype=torch.int32).view(B, 1).expand(B, 3)
         table = torch.randint(0, ROWS, (B, 3), dtype=torch.int32)
         table[1:4, 0] = table[0, 0]
         table[5, :2] = table[6, :2]
@@ -79,6 +80,15 @@ KERNELS = """
         got = da.decode_attention_kernel(q, keys[:B], values[:B], one, splits=4)
         want = da.decode_attention_reference(q, keys[:B], values[:B], one.expand(B))
         torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=1e-5)
+    # q as fused q/k/v give it at batch > 1: a strided view of one projection, read through its strides
+    qkv = torch.randn(B, 1, 3 * H * 16)
+    q = qkv[..., : H * 16].view(B, 1, H, 16).transpose(1, 2)
+    assert not q.is_contiguous() and q.stride(-1) == 1
+    keys, values = torch.randn(B, H, CAPACITY, 16), torch.randn(B, H, CAPACITY, 16)
+    for splits in (1, 8):
+        got = da.decode_attention_kernel(q, keys, values, lengths, splits=splits)
+        want = da.decode_attention_reference(q.contiguous(), keys, values, lengths)
+        torch.testing.assert_close(got, want, rtol=2e-6, atol=1e-5)
     # a length of 0 reads nothing and gives zeros, in both
     q = torch.randn(2, 1, 1, 16)
     keys = values = torch.randn(2, 1, 40, 16)
@@ -184,9 +194,8 @@ def test_the_reference_is_sdpa_over_each_rows_live_keys():
     torch.manual_seed(0)
     q, keys, values = torch.randn(3, 2, 1, 8), torch.randn(4, 2, 20, 8), torch.randn(4, 2, 20, 8)
     lengths, row_map = torch.tensor([1, 7, 20], dtype=torch.int32), torch.tensor([3, 0, 1], dtype=torch.int32)
-    got = decode_attention_reference(q, keys, values, lengths, row_map, scale=0.5)
-    # the same rows as a block table (one block: the capacity 20 is under CACHE_BLOCK)
-    assert torch.equal(got, decode_attention_reference(q, keys, values, lengths, row_map.view(3, 1), scale=0.5))
+    # one cache row per query row: a one-block table (the capacity 20 is under CACHE_BLOCK)
+    got = decode_attention_reference(q, keys, values, lengths, row_map.view(3, 1), scale=0.5)
     for b in range(3):
         live = slice(0, int(lengths[b]))
         row = int(row_map[b])
@@ -243,8 +252,9 @@ def test_the_kernels_compile_for_an_h100():
         part_max_ptr="*fp32",
         part_sum_ptr="*fp32",
     )
-    ints = ["stride_b", "stride_h", "stride_n", "length_stride", "rows_stride_b", "rows_stride_n", "window"]
+    ints = ["stride_b", "stride_h", "stride_n", "length_stride", "window"]
     signature = {**pointers, **{name: "i32" for name in ints + ["split_size"]}, "scale_log2": "fp32"}
+    signature.update(rows_strides=("i32", "i32"), q_strides=("i32", "i32"))  # tuple arguments
     signature["block_rows_ptr"] = "*i32"
     for table in (True, False):  # with a block table and parts; without one, the one part writing the output
         constants = dict(
