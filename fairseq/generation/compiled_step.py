@@ -121,8 +121,8 @@ class _Compiled:
             )
             self.failed = True
             return self.fn(*args)
-        except Exception as error:  # a compile's failure (a first call of its shape): decode on, uncompiled
-            if shape in self.shapes:
+        except torch._dynamo.exc.TorchDynamoException as error:  # a compile's failure: decode on, uncompiled
+            if shape in self.shapes:  # compiled for already: an error of the run's, not the compile's
                 raise
             cause = getattr(error, "inner_exception", None) or error  # dynamo wraps the backend's error
             logger.warning(

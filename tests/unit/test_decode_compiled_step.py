@@ -137,6 +137,22 @@ def test_a_failed_compile_decodes_on_uncompiled_with_one_warning(caplog):
     assert len(warnings) == 1 and "no compiler here" in warnings[0], warnings
 
 
+def test_an_error_of_the_run_at_a_new_shape_is_raised_and_leaves_the_compile_on():
+    """Only torch.compile's own failures turn compiling off: an error the function itself raises (a prompt that
+    does not fit the caches, an out-of-memory) reaches the caller, and the next call is compiled again."""
+
+    def doubled_when_it_fits(x, n):
+        if n > 3:
+            raise ValueError("does not fit the caches")
+        return x * 2
+
+    compiled = compiled_step._Compiled(doubled_when_it_fits, "test function", "default", CompileCounter())
+    assert torch.equal(compiled._run((1,), torch.ones(2), 1), torch.full((2,), 2.0))
+    with pytest.raises(ValueError, match="does not fit the caches"):
+        compiled._run((2,), torch.ones(3), 5)
+    assert not compiled.failed and torch.equal(compiled._run((2,), torch.ones(3), 2), torch.full((3,), 2.0))
+
+
 KERNEL_AS_ONE_OP = """
     import torch
     from torch._dynamo.testing import CompileCounterWithBackend
