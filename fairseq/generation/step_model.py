@@ -65,9 +65,11 @@ class EnsembleModel(nn.Module):
             hasattr(m.decoder, "reserve_incremental_state") for m in models
         )
         # ... and have a static one-token step, which CUDA graphs capture (fairseq.generation.cuda_graph_decoding),
-        # reading their caches through a block table when beam search asks.
+        # reading their caches through a block table when beam search asks (the three methods go together:
+        # docs/incremental_decoding.md).
+        static_methods = ("forward_static_step", "set_block_table", "take_parent_blocks")
         self.can_static_step = self.can_feed_prompts and all(
-            hasattr(m.decoder, "forward_static_step") and hasattr(m.decoder, "take_parent_blocks") for m in models
+            hasattr(m.decoder, name) for m in models for name in static_methods
         )
         # ... and a static prefill (what a compiled prefill compiles).
         self.can_static_prefill = self.can_static_step and all(

@@ -525,6 +525,16 @@ def test_cuda_graphs_are_for_cuda_and_this_forks_decoders_only():
     assert generator.model.can_static_step and generator.cuda_graphs
     assert generator.step_model.graph_runner(torch.device("cpu")) is None
     assert not SequenceGenerator([PluginLM(GRUDecoder(D)).eval()], D).model.can_static_step
+    # a decoder with the static step but without both block-table methods (beam search reorders through them)
+    # keeps the path without graphs (only take_parent_blocks was checked: set_block_table failed at a beam batch)
+    model = build()
+
+    def absent(self):
+        raise AttributeError("set_block_table")
+
+    model.decoder.__class__ = type("NoBlockTable", (type(model.decoder),), {"set_block_table": property(absent)})
+    assert hasattr(model.decoder, "take_parent_blocks") and not hasattr(model.decoder, "set_block_table")
+    assert not SequenceGenerator([model], D).model.can_static_step
 
 
 def host_syncs(generator, prompts):
