@@ -334,7 +334,10 @@ def _apply(handler: Callable, args, operation: str, rank: int) -> None:
         handler(*args)
     except Fatal:
         raise
-    except Exception as err:  # every rank learned it (run_call, run_step): rank 0 told its client
+    except Exception as err:
+        if operation in ("add", "cancel"):  # rank 0 sends only what its own engine took: the engines now differ
+            raise OutOfStep(f"rank {rank}: {operation} failed here but not on rank 0 ({_first_line(err)})") from None
+        # run_call and run_step: every rank learned it, and rank 0 told its client
         logger.warning(f"rank {rank}: {operation} failed, as the ranks agreed: {err}")
 
 

@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from fairseq.serving.tensor_parallel import OutOfStep, run_call, run_step
+from fairseq.serving.tensor_parallel import OutOfStep, _apply, run_call, run_step
 from tests.train_fixtures import spawn_scenarios
 
 AGREE_S, MODEL_TIMEOUT_S = 2.0, 10.0
@@ -130,3 +130,17 @@ def test_a_rank_that_fails_before_a_collective_stops_within_the_agreements_wait(
     ), message
     # rank 0 waited in the model's collective, for rank 1, which has left: it stops too
     assert ranks[0]["one_fails_before"][0][0] == OutOfStep.__name__, ranks[0]["one_fails_before"]
+
+
+def test_a_follower_whose_engine_refuses_what_rank_0s_took_is_out_of_step(caplog):
+    """Rank 0 sends an add or a cancel only once its own engine took it: failing on a follower, the engines
+    differ and the server must stop; a call or step error was agreed on by the ranks and is only logged."""
+
+    def refuses(*args):
+        raise ValueError("prompt longer than this engine's rows")
+
+    for operation in ("add", "cancel"):
+        with pytest.raises(OutOfStep, match=rf"rank 1: {operation} failed here but not on rank 0 \(ValueError: "):
+            _apply(refuses, ("row",), operation, 1)
+    _apply(refuses, (), "call", 1)  # agreed: logged
+    assert "rank 1: call failed, as the ranks agreed: prompt longer" in caplog.text
