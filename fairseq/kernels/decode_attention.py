@@ -389,8 +389,7 @@ def _split_kernel(triton, tl):
         start = split * split_size
         d = tl.arange(0, BLOCK_D)
         d_ok = d < DIM
-        q = tl.load(q_ptr + b.to(tl.int64) * q_strides[0] + h * q_strides[1] + d, mask=d_ok, other=0.0)
-        q = q.to(tl.float32)
+        q = tl.load(q_ptr + b.to(tl.int64) * q_strides[0] + h * q_strides[1] + d, mask=d_ok, other=0.0).to(tl.float32)
         acc, running_max, running_sum = _ATTEND_PART(
             q * scale_log2,
             (k_ptr + h * stride_h, v_ptr + h * stride_h),
