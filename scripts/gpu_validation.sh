@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One-call GPU validation (used with the device tool). On 2 GPUs: tests|resume|bench-a|bench-rest|175b.
-# On one H200, the open measurements of issues 31-33 (each part fits one 10-minute call):
+# On one H100/H200, the open measurements (issue 41: decode, decode-int8, gen-bench, decode-more; 43: serve;
+# 39: ckpt-blocked, ckpt-tps, fp8-tp-parity; older: gen-*, fp8*), each part one 10-minute call:
 #   decode|decode-more|decode-int8|gen-tests|gen-bench|gen-int8|fp8|fp8-tp-parity|fp8-bench|ckpt-blocked|ckpt-tps|serve       (OUT=dir for logs, default gpu_out)
 # The lent machine lacks hydra-core, omegaconf and torchao: carry the wheels (.whl/, ignored) and first run
 #   pip install --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
