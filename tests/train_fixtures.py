@@ -139,9 +139,12 @@ def write_plugin(directory, source):
 def console_in_process(name, cli_main, argv):
     """What the console script `name` (`cli_main` under fairseq.utils.run_console_script) does with `argv`: the
     log on stdout, a user error as one `NAME: error:` line on stderr and exit status 1, a usage error status 2;
-    run in this process on one intra-op thread. Returns (exit status, stdout, stderr). Starting a Python
-    process with torch costs seconds, more than the tiny runs of the tests; tests that are about the process
-    itself (signals, spawned ranks, resource limits, the installed script) start one instead."""
+    run in this process on one intra-op thread (ranks it spawns get OMP_NUM_THREADS=1, as the tests' own
+    processes do). Returns (exit status, stdout, stderr). Starting a Python process with torch costs seconds,
+    more than the tiny runs of the tests; tests that are about the process itself (signals, torchrun/SLURM
+    launches, resource limits, the installed script) start one instead. --distributed-world-size N spawns its
+    N ranks from this process: real gloo processes, without a launcher process of their own (their log is
+    not in the stdout returned: read their --log-file)."""
     import contextlib
     import io
     import logging
@@ -158,8 +161,9 @@ def console_in_process(name, cli_main, argv):
     log = logging.StreamHandler(out)  # where the process's root logger writes (progress_bar.setup_logging)
     log.setFormatter(make_formatter())
     root = logging.getLogger()
-    threads, level = torch.get_num_threads(), root.level
+    threads, level, omp = torch.get_num_threads(), root.level, os.environ.get("OMP_NUM_THREADS")
     torch.set_num_threads(1)
+    os.environ["OMP_NUM_THREADS"] = "1"
     root.addHandler(log)
     try:
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
@@ -173,6 +177,10 @@ def console_in_process(name, cli_main, argv):
         root.removeHandler(log)
         root.setLevel(level)
         torch.set_num_threads(threads)
+        if omp is None:
+            del os.environ["OMP_NUM_THREADS"]
+        else:
+            os.environ["OMP_NUM_THREADS"] = omp
         if not had_process_group and dist.is_initialized():  # the process would have ended with its group
             gc.collect()  # cycles still holding the group first, as the launcher does (else gloo may abort the exit)
             dist.destroy_process_group()
@@ -217,21 +225,51 @@ def _scenario_worker(rank, world, port, timeout_s, out_dir, make_scenarios, args
 
 
 def spawn_scenarios(make_scenarios, out_dir, world, *args, timeout_s=60):
-    """Spawn `world` gloo ranks once; each runs the scenarios of `make_scenarios(rank, *args)` ({name: callable
-    without arguments}, in order) and saves their results (or the exception of a failed one). Returns each
-    rank's {name: result}. `make_scenarios` must be a module-level function (the ranks are spawned)."""
-    import torch
-    import torch.multiprocessing as mp
-
+    """Spawn `world` gloo ranks once (spawn_ranks); each runs the scenarios of `make_scenarios(rank, *args)`
+    ({name: callable without arguments}, in order) and saves their results (or the exception of a failed one).
+    Returns each rank's {name: result}. `make_scenarios` must be a module-level function (the ranks are new
+    processes)."""
     from fairseq.runtime.env import get_free_port
 
-    mp.spawn(
-        _scenario_worker,
-        nprocs=world,
-        join=True,
-        args=(world, get_free_port("127.0.0.1"), timeout_s, str(out_dir), make_scenarios, args),
+    spawn_ranks(
+        _scenario_worker, world, world, get_free_port("127.0.0.1"), timeout_s, str(out_dir), make_scenarios, args
     )
     return [torch.load(os.path.join(str(out_dir), f"rank{r}.pt"), weights_only=False) for r in range(world)]
+
+
+# What the ranks import, imported once by multiprocessing's forkserver (one per test process): a rank forked
+# from it starts at once, where a spawned interpreter spends ~2-3 s of CPU importing torch, fairseq, and what
+# training loads on first use (dynamo, FSDP2, DCP, DTensor), more than the tiny scenarios themselves cost.
+FORKSERVER_PRELOAD = [
+    "torch",
+    "fairseq_cli.train",
+    "torch._dynamo",
+    "torch.distributed.fsdp",
+    "torch.distributed.checkpoint",
+    "torch.distributed.tensor",
+    "tests.train_fixtures",
+]
+
+
+def _in_environment(rank, env, fn, args):
+    os.environ.clear()  # the forkserver's is the environment of the test process when it started
+    os.environ.update(env)
+    fn(rank, *args)
+
+
+def spawn_ranks(fn, nprocs, *args):
+    """What torch.multiprocessing.spawn(fn, args, nprocs) does (fn(rank, *args) in `nprocs` new processes,
+    joined, a failure raised here), with the processes forked from a forkserver that has imported
+    FORKSERVER_PRELOAD, and this process's environment as theirs (os.environ now, as a spawned process gets).
+    `fn` must be a module-level function."""
+    import multiprocessing
+
+    import torch.multiprocessing as mp
+
+    multiprocessing.set_forkserver_preload(FORKSERVER_PRELOAD)  # no effect once the forkserver runs
+    mp.start_processes(
+        _in_environment, args=(dict(os.environ), fn, args), nprocs=nprocs, join=True, start_method="forkserver"
+    )
 
 
 def assert_same_model_and_optimizer(a, b):

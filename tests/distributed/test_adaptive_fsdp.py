@@ -2,20 +2,16 @@
 --ddp-backend fully_sharded (FSDP2) on 2 CPU processes (gloo), with sharded checkpoints and a resume, against
 one process taking the same global batch as two micro-batches. Dropout is 0, so only summation order differs."""
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 
 from fairseq.checkpoint.inference import load_model
 from fairseq.logging.progress_bar import read_json_log
 from fairseq_cli import train
+from tests.train_fixtures import train_in_process
 
 pytestmark = pytest.mark.timeout(900)
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 ADAPTIVE = [
     "--arch",
     "transformer_lm_wiki103",
@@ -91,12 +87,9 @@ def train_argv(data, save_dir, *extra, max_update):
 
 
 def run_train(data, save_dir, *extra, max_update):
-    argv = train_argv(data, save_dir, *extra, max_update=max_update)
-    env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
-    proc = subprocess.run(
-        [sys.executable, "-m", "fairseq_cli.train", *argv], capture_output=True, text=True, timeout=600, env=env
-    )
-    assert proc.returncode == 0, f"fairseq-train failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    """fairseq-train's entry point in this process; the ranks of --distributed-world-size are spawned from it."""
+    status, out, err = train_in_process(train_argv(data, save_dir, *extra, max_update=max_update))
+    assert status == 0, f"fairseq-train failed:\n{out[-3000:]}\n{err[-3000:]}"
 
 
 def losses(save_dir):

@@ -12,9 +12,9 @@ import traceback
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from fairseq.runtime.env import get_free_port
+from tests.train_fixtures import spawn_ranks
 
 WORLD = 2
 STEPS = 3
@@ -94,7 +94,7 @@ def run(rank, port, out_dir):
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     out = tmp_path_factory.mktemp("ema_fsdp")
-    mp.start_processes(run, args=(get_free_port(), str(out)), nprocs=WORLD, start_method="spawn")
+    spawn_ranks(run, WORLD, get_free_port(), str(out))
     return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
 
 

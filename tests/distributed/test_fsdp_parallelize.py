@@ -20,10 +20,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 
-from tests.train_fixtures import spawn_scenarios
+from tests.train_fixtures import spawn_ranks, spawn_scenarios
 from fairseq.dataclass.configs import FairseqConfig
 from fairseq.distributed.fsdp import apply_fsdp, check_fsdp_flags, transformer_layers
 from fairseq.distributed.sync_free import ReshardEventLimiter
@@ -510,5 +509,5 @@ def _single_process_fsdp(rank, port, out_path):
 
 def test_fully_sharded_on_one_process(tmp_path, reference):
     out_path = str(tmp_path / "single.pt")
-    mp.spawn(_single_process_fsdp, args=(0, out_path), nprocs=1, join=True)
+    spawn_ranks(_single_process_fsdp, 1, 0, out_path)
     assert_same_training(torch.load(out_path, weights_only=False), reference)

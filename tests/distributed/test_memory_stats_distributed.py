@@ -9,10 +9,10 @@ from datetime import timedelta
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from fairseq.logging.logging_outputs import LoggingOutputSums
 from fairseq.logging.memory import GIB, CudaMemoryStats, RawMemoryCounters
+from tests.train_fixtures import spawn_ranks
 
 WORLD_SIZE = 2
 # per rank: (peak allocated, peak reserved, allocated, reserved, total) in GiB, and retries
@@ -65,7 +65,7 @@ def worker(rank, port, out_dir):
 def rank_results(tmp_path_factory):
     """Both ranks' results; the processes are started once for the module (starting one costs seconds)."""
     out_dir = tmp_path_factory.mktemp("ranks")
-    mp.spawn(worker, args=(free_port(), str(out_dir)), nprocs=WORLD_SIZE, join=True)
+    spawn_ranks(worker, WORLD_SIZE, free_port(), str(out_dir))
     results = []
     for rank in range(WORLD_SIZE):
         with open(out_dir / f"rank{rank}.json") as f:

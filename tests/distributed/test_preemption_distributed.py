@@ -11,6 +11,7 @@ import pytest
 
 from fairseq.logging.progress_bar import read_json_log
 from test_train_distributed import _env, _free_port, losses
+from tests.train_fixtures import spawn_ranks
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -191,11 +192,11 @@ def _agreement_worker(rank, init_file, results):
 
 
 def test_ranks_agree_on_the_stop_through_a_separate_cpu_group(tmp_path):
-    import torch.multiprocessing as mp
+    import multiprocessing
 
-    with mp.Manager() as manager:
+    with multiprocessing.Manager() as manager:
         results = manager.dict()
-        mp.spawn(_agreement_worker, args=(str(tmp_path / "init"), results), nprocs=2, join=True)
+        spawn_ranks(_agreement_worker, 2, str(tmp_path / "init"), results)
         got = dict(results)
     # rank 1 sets its flag before boundary 2; the all-reduce of boundary 2 is read at boundary 3
     assert got[0] == got[1] == [False, False, False, True, True, True]

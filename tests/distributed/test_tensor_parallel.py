@@ -32,7 +32,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.train_fixtures import spawn_scenarios
+from tests.train_fixtures import spawn_scenarios, train_in_process
 from fairseq.runtime.env import get_free_port
 
 pytestmark = pytest.mark.timeout(600)
@@ -426,33 +426,12 @@ MEGATRON_11B_EVAL = [
 
 
 def test_megatron_11b_command_lines(tiny_data, tmp_path):
-    import subprocess
-    import sys
-
     from fairseq.logging.progress_bar import read_json_log
 
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "fairseq_cli.train",
-            str(tiny_data),
-            *MEGATRON_11B_TRAIN,
-            "--save-dir",
-            str(tmp_path),
-            "--log-format",
-            "json",
-            "--log-interval",
-            "1",
-            "--log-file",
-            str(tmp_path / "train.log"),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=_env(),
-    )
-    _check(proc, "fairseq-train (megatron_11b)")
+    argv = [str(tiny_data), *MEGATRON_11B_TRAIN, "--save-dir", str(tmp_path), "--log-format", "json"]
+    argv += ["--log-interval", "1", "--log-file", str(tmp_path / "train.log")]
+    status, out, err = train_in_process(argv)  # the 2 ranks spawned from this process
+    assert status == 0, f"fairseq-train (megatron_11b) failed:\n{out[-3000:]}\n{err[-3000:]}"
     rows = read_json_log(tmp_path / "train.log")
     assert [int(r["num_updates"]) for r in rows] == [1, 2, 3, 4]
     state = torch.load(tmp_path / "checkpoint_last.pt", map_location="cpu", weights_only=True)

@@ -1,9 +1,10 @@
 """fairseq-train on 2 CPU processes (gloo): DDP and fully_sharded against one process, the FSDP flags,
 sharded checkpoints (resume on the same and on another world size), consolidation, simulated SLURM, torchrun.
 
-Each distributed run is a real `python -m fairseq_cli.train` subprocess (the one-process reference trains in
-this process). Starting the processes of a run costs more than its training, so runs that train the same thing
-are shared between tests (fsdp_runs, resharded). Dropout is 0 so that the only differences between layouts are
+The runs whose output the tests read, the SLURM tasks and torchrun are real `python -m fairseq_cli.train`
+processes; the others run fairseq-train's entry point in this process, which spawns their ranks (the
+one-process reference trains in this process too). Starting the processes of a run costs more than its
+training, so runs that train the same thing are shared between tests (fsdp_runs, resharded). Dropout is 0 so that the only differences between layouts are
 floating-point summation order.
 """
 
@@ -17,7 +18,7 @@ import pytest
 import torch
 
 from fairseq.logging.progress_bar import read_json_log
-from tests.train_fixtures import tiny_train_argv
+from tests.train_fixtures import tiny_train_argv, train_in_process
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -71,20 +72,25 @@ def train_argv(data, save_dir, *extra, max_update=6, validate=False):
 
 @pytest.fixture(scope="session")
 def run_train():
-    """run_train(data, save_dir, *extra, world_size=1, max_update=6, env=None, check=True, validate=False):
-    python -m fairseq_cli.train with train_argv's arguments."""
+    """run_train(data, save_dir, *extra, world_size=1, max_update=6, env=None, check=True, validate=False,
+    process=True): python -m fairseq_cli.train with train_argv's arguments; with process=False its entry point
+    in this process (train_in_process: the ranks are spawned from here, their output is not returned)."""
 
-    def run(data, save_dir, *extra, world_size=1, max_update=6, env=None, check=True, validate=False):
+    def run(data, save_dir, *extra, world_size=1, max_update=6, env=None, check=True, validate=False, process=True):
         argv = train_argv(data, save_dir, *extra, max_update=max_update, validate=validate)
         if world_size > 1:
             argv += ["--distributed-world-size", str(world_size)]
-        proc = subprocess.run(
-            [sys.executable, "-m", "fairseq_cli.train", *argv],
-            capture_output=True,
-            text=True,
-            timeout=600,
-            env=_env(env),
-        )
+        if process:
+            proc = subprocess.run(
+                [sys.executable, "-m", "fairseq_cli.train", *argv],
+                capture_output=True,
+                text=True,
+                timeout=600,
+                env=_env(env),
+            )
+        else:
+            assert env is None, "the environment is this process's"
+            proc = subprocess.CompletedProcess(argv, *train_in_process(argv))
         if check and proc.returncode != 0:
             raise AssertionError(
                 f"fairseq-train failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
@@ -138,7 +144,7 @@ def single_reference(tiny_data, tmp_path_factory):
 
 
 def test_ddp_matches_single_process(tiny_data, tmp_path, single_reference, run_train):
-    run_train(tiny_data, tmp_path, "--ddp-backend", "pytorch_ddp", world_size=2)
+    run_train(tiny_data, tmp_path, "--ddp-backend", "pytorch_ddp", world_size=2, process=False)
     assert_states_close(
         model_state(tmp_path / "checkpoint_last.pt"), model_state(single_reference / "checkpoint_last.pt")
     )
@@ -228,7 +234,7 @@ def fsdp_runs(tiny_data, tmp_path_factory, run_train):
             elif (prefetch, sync_free) == (True, True):
                 proc = run_train(tiny_data, out, *flags, *SHARDED, world_size=2, max_update=SHARDED_LAST)
             else:
-                proc = run_train(tiny_data, out, *flags, world_size=2)
+                proc = run_train(tiny_data, out, *flags, world_size=2, process=False)
             runs[(prefetch, sync_free)] = (out, proc)
     return runs
 
@@ -296,8 +302,8 @@ def resharded(tiny_data, tmp_path_factory, fsdp_runs, run_train):
     ]
     torchrun = subprocess.run(argv, capture_output=True, text=True, timeout=300, env=_env())
     assert torchrun.returncode == 0, torchrun.stdout[-3000:] + torchrun.stderr[-3000:]
-    run_train(tiny_data, out, *sharded, "--update-freq", "2", world_size=1, max_update=8)
-    run_train(tiny_data, out, *sharded, world_size=2, max_update=SHARDED_LAST)
+    run_train(tiny_data, out, *sharded, "--update-freq", "2", world_size=1, max_update=8, process=False)
+    run_train(tiny_data, out, *sharded, world_size=2, max_update=SHARDED_LAST, process=False)
     return out, torchrun
 
 
@@ -360,8 +366,8 @@ def test_sharded_checkpoint_resume_is_bitwise_and_reshards(tiny_data, tmp_path, 
 
 def test_a_resume_on_another_world_size_is_said_once(tiny_data, tmp_path, run_train):
     """The resume lines come from rank 0 alone (the world-size warning came from every rank)."""
-    run_train(tiny_data, tmp_path, world_size=1, max_update=3)
-    proc = run_train(tiny_data, tmp_path, world_size=2, max_update=4)
+    run_train(tiny_data, tmp_path, world_size=1, max_update=3, process=False)
+    proc = run_train(tiny_data, tmp_path, world_size=2, max_update=4)  # every rank's output
     lines = (proc.stdout + proc.stderr).splitlines()
     assert (
         len([line for line in lines if "resuming a checkpoint saved by 1 ranks on 2: continuing after batch 3" in line])

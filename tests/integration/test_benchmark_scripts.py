@@ -1,5 +1,6 @@
 """The benchmark and plotting scripts run end to end (on CPU with gloo and tiny dimensions)."""
 
+import importlib
 import json
 import os
 import subprocess
@@ -64,6 +65,16 @@ def test_benchmark_fsdp_prints_a_table_for_fairseq_and_the_plain_loop(tmp_path):
     assert (out / "fairseq_train_forward_prefetch_sync_free.output").exists()
 
 
+def script_module(name):
+    """scripts/NAME.py imported as a module (its directory on sys.path while it imports, as when run as a
+    script), for its main in this process: the tests below are about what the scripts print, not their process."""
+    sys.path.insert(0, os.path.join(ROOT, "scripts"))
+    try:
+        return importlib.import_module(name)
+    finally:
+        sys.path.pop(0)
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message a machine without CUDA gets")
 def test_benchmark_kernels_says_it_needs_cuda():
     proc = subprocess.run(
@@ -78,30 +89,18 @@ def test_benchmark_kernels_says_it_needs_cuda():
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message a machine without CUDA gets")
-def test_find_host_syncs_says_it_needs_cuda_and_checks_its_range():
-    script = os.path.join(ROOT, "scripts", "find_host_syncs.py")
-    env = dict(os.environ, PYTHONPATH=ROOT)
-    proc = subprocess.run(
-        [sys.executable, script, "--updates", "3:5", "--", "--task", "dummy_lm"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env=env,
-    )
-    assert proc.returncode == 2 and "needs a CUDA GPU" in proc.stderr, proc.stderr
-    proc = subprocess.run(
-        [sys.executable, script, "--updates", "5:3"], capture_output=True, text=True, timeout=120, env=env
-    )
-    assert proc.returncode == 2 and "--updates '5:3': expected START:END" in proc.stderr, proc.stderr
+def test_find_host_syncs_says_it_needs_cuda_and_checks_its_range(capsys):
+    find_host_syncs = script_module("find_host_syncs")
+    assert find_host_syncs.main(["--updates", "3:5", "--", "--task", "dummy_lm"]) == 2
+    assert "needs a CUDA GPU" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_info:
+        find_host_syncs.main(["--updates", "5:3"])
+    stderr = capsys.readouterr().err
+    assert exit_info.value.code == 2 and "--updates '5:3': expected START:END" in stderr, stderr
 
 
 def test_find_host_syncs_report_says_when_no_watched_update_ran():
-    sys.path.insert(0, os.path.join(ROOT, "scripts"))
-    try:
-        import find_host_syncs
-    finally:
-        sys.path.pop(0)
-    recorder = find_host_syncs.SyncRecorder()
+    recorder = script_module("find_host_syncs").SyncRecorder()
     assert "none of them ran" in recorder.report("3:5")  # not "no synchronizing CUDA operation"
     recorder.watched_steps = 3
     assert recorder.report("3:5") == "updates 3:5: no synchronizing CUDA operation\n"
@@ -137,13 +136,9 @@ def test_plot_log_draws_a_png_from_a_json_log(tmp_path):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     empty = tmp_path / "empty.log"
     empty.write_text("nothing here\n")
-    proc = subprocess.run(
-        [sys.executable, os.path.join(ROOT, "scripts", "plot_log.py"), str(empty), str(png)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert proc.returncode != 0 and "no train_inner lines" in proc.stderr
+    with pytest.raises(SystemExit) as exit_info:  # in this process: a message, status 1 on stderr
+        script_module("plot_log").main([str(empty), str(png)])
+    assert "no train_inner lines" in str(exit_info.value.code)
 
 
 @pytest.mark.timeout(300)
@@ -196,11 +191,7 @@ TINY_GENERATE = [
 
 def benchmark_generate_output(capsys, *argv) -> str:
     """What scripts/benchmark_generate.py prints for TINY_GENERATE + argv, run in this process."""
-    sys.path.insert(0, os.path.join(ROOT, "scripts"))
-    try:
-        import benchmark_generate
-    finally:
-        sys.path.pop(0)
+    benchmark_generate = script_module("benchmark_generate")
     capsys.readouterr()
     benchmark_generate.main([*TINY_GENERATE, *argv])
     return capsys.readouterr().out
@@ -325,12 +316,7 @@ def test_benchmark_generate_profiles_decode_steps_on_the_cpu(capsys):
 def test_benchmark_serve_prints_a_row_per_concurrency(capsys):
     """scripts/benchmark_serve.py with a tiny random model: one row per client count, every request's tokens."""
     pytest.importorskip("uvicorn")
-    sys.path.insert(0, os.path.join(ROOT, "scripts"))
-    try:
-        import benchmark_serve
-    finally:
-        sys.path.pop(0)
-    rows = benchmark_serve.main(
+    rows = script_module("benchmark_serve").main(
         [
             "--cpu",
             "--concurrency",

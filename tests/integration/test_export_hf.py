@@ -12,9 +12,13 @@ tricky text. One checkpoint comes from the real fairseq-train (data from fairseq
 written in the checkpoint file layout. Refusals are one-line errors naming the option.
 """
 
+import importlib.util
 import json
 import os
 import random
+import resource
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -32,6 +36,7 @@ from fairseq.models.transformer_lm import (  # noqa: E402
     TransformerLanguageModelConfig,
     preset_config,
 )
+from fairseq.utils import run_console_script  # noqa: E402
 
 from tests.integration.test_preprocess_bpe import TRICKY  # noqa: E402
 from tests.text_fixtures import sample_text, train_gpt2_files, train_spm_model, write_full_gpt2_dict  # noqa: E402
@@ -528,15 +533,19 @@ def test_refusals_name_the_option(name, tmp_path):
     assert not (tmp_path / "out").exists()
 
 
-def test_cli_writes_and_refuses_in_one_line(tmp_path, capsys, gpt2_run):
-    import importlib.util
+EXPORT_SCRIPT = os.path.join(os.path.dirname(__file__), "..", "..", "scripts", "export_hf.py")
 
-    spec = importlib.util.spec_from_file_location(
-        "export_hf_script", os.path.join(os.path.dirname(__file__), "..", "..", "scripts", "export_hf.py")
-    )
+
+def export_script():
+    """scripts/export_hf.py as a module, for its main in this process."""
+    spec = importlib.util.spec_from_file_location("export_hf_script", EXPORT_SCRIPT)
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)
-    from fairseq.utils import run_console_script
+    return script
+
+
+def test_cli_writes_and_refuses_in_one_line(tmp_path, capsys, gpt2_run):
+    script = export_script()
 
     dictionary = word_dictionary()
     ok = write_checkpoint(tmp_path / "ok", dictionary, arch="transformer_lm_gpt")
@@ -579,14 +588,10 @@ def test_cli_writes_and_refuses_in_one_line(tmp_path, capsys, gpt2_run):
     assert json.loads((tmp_path / "hf" / "config.json").read_text())["model_type"] == "opt"
 
 
-def test_unwritable_output_is_one_line_and_keeps_an_earlier_export(tmp_path):
-    """OUTPUT under a file (ENOTDIR/EEXIST) and a file-size limit (EFBIG, in a subprocess: the limit is the
-    process's) are one line naming OUTPUT and the errno; an export already at OUTPUT is left as it was."""
-    import resource
-    import subprocess
-    import sys
-
-    script = os.path.join(os.path.dirname(__file__), "..", "..", "scripts", "export_hf.py")
+def test_unwritable_output_is_one_line_and_keeps_an_earlier_export(tmp_path, capsys):
+    """OUTPUT under a file (ENOTDIR/EEXIST, in this process) and a file-size limit (EFBIG, in a subprocess: the
+    limit is the process's) are one line naming OUTPUT and the errno; an export already at OUTPUT is left as it
+    was."""
     ok = write_checkpoint(tmp_path / "ok", word_dictionary(), arch="transformer_lm_gpt")
     blocker = tmp_path / "a_file"
     blocker.write_text("not a directory")
@@ -597,16 +602,23 @@ def test_unwritable_output_is_one_line_and_keeps_an_earlier_export(tmp_path):
     def limit():
         resource.setrlimit(resource.RLIMIT_FSIZE, (20_000, 20_000))  # below model.safetensors' size
 
-    for output, code, preexec in ((blocker / "hf", "EEXIST", None), (out, "EFBIG", limit)):
-        r = subprocess.run(
-            [sys.executable, script, ok, str(output), "--overwrite"],
-            capture_output=True,
-            text=True,
-            timeout=120,
-            preexec_fn=preexec,
-        )
-        err = r.stderr.strip().splitlines()
-        assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr[-2000:]
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_info:
+        run_console_script("export_hf", export_script().main, [ok, str(blocker / "hf"), "--overwrite"])
+    in_process = capsys.readouterr().err
+    r = subprocess.run(
+        [sys.executable, EXPORT_SCRIPT, ok, str(out), "--overwrite"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        preexec_fn=limit,
+    )
+    for status, stderr, output, code in (
+        (exit_info.value.code, in_process, blocker / "hf", "EEXIST"),
+        (r.returncode, r.stderr, out, "EFBIG"),
+    ):
+        err = stderr.strip().splitlines()
+        assert status == 1 and "Traceback" not in stderr, stderr[-2000:]
         assert err[-1].startswith(f"export_hf: error: cannot write the export {output}: ") and f"({code})" in err[-1]
     assert {name: (out / name).read_bytes() for name in os.listdir(out)} == before
     assert sorted(os.listdir(tmp_path)) == ["a_file", "hf", "ok"]

@@ -16,6 +16,7 @@ from fairseq.checkpoint.inference import load_model
 from fairseq.checkpoint.io import CheckpointError
 from fairseq.logging.progress_bar import read_json_log
 from fairseq_cli import eval_lm, train
+from tests.train_fixtures import spawn_ranks
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -185,15 +186,13 @@ def test_fully_sharded_on_two_processes(tiny_data, tmp_path):
     """2 gloo ranks: a meta-device build initialized on its shards as upstream initializes; fairseq-train with
     sharded checkpoints against one process taking the same batches as two micro-batches (dropout 0: the runs
     differ only in summation order), and eval-lm of the sharded directory."""
-    import torch.multiprocessing as mp
-
     from fairseq.runtime.env import get_free_port
 
     single, sharded = tmp_path / "single", tmp_path / "sharded"
     short = ["--dropout", "0", "--max-update", "3", "--seed", "3"]
     argv = readme_argv(tiny_data, sharded, 1, *short, "--ddp-backend", "fully_sharded", "--use-sharded-state")
     ports = get_free_port("127.0.0.1"), get_free_port("127.0.0.1")
-    mp.spawn(_two_rank_worker, args=(*ports, argv, str(tmp_path / "meta.pt")), nprocs=2, join=True)
+    spawn_ranks(_two_rank_worker, 2, *ports, argv, str(tmp_path / "meta.pt"))
 
     state = torch.load(tmp_path / "meta.pt", weights_only=True)
     for key, v in state.items():  # weight_g is weight_v's norm (a convolution's spans both ranks' shards)

@@ -469,42 +469,56 @@ def test_other_hydra_errors_are_reported_as_hydra_reports_them(tmp_path, monkeyp
     assert "HYDRA_FULL_ERROR" not in os.environ
 
 
-def test_misspelt_config_name_or_missing_config_dir_is_one_line(tmp_path):
+def hydra_in_process(capsys, *args):
+    """fairseq-hydra-train's entry point in this process (the command line's own process is
+    test_duplicate_key_is_one_line_naming_file_key_and_line's): (exit status, stderr)."""
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_info:
+        hydra_train.cli_main(["hydra/job_logging=none", *args])
+    return exit_info.value.code, capsys.readouterr().err
+
+
+def test_misspelt_config_name_or_missing_config_dir_is_one_line(tmp_path, monkeypatch, capsys, restore_logging):
     """hydra's 9-line 'Cannot find primary config' (and its 'Additional config directory ... not found') become
     one line: the closest config name and the configs the directory holds."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
     config_dir = tmp_path / "config"
     config_dir.mkdir()
     for name in ("tiny", "small"):
         (config_dir / f"{name}.yaml").write_text("common:\n  cpu: true\n")
-    result = run_hydra_cli("--config-dir", str(config_dir), "--config-name", "tni", cwd=tmp_path)
-    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
-    assert result.stderr.splitlines() == [
+    status, err = hydra_in_process(capsys, "--config-dir", str(config_dir), "--config-name", "tni")
+    assert status == 1 and "Traceback" not in err, err[-3000:]
+    assert err.splitlines() == [
         f"fairseq-hydra-train: error: --config-name tni: no tni.yaml in {config_dir}; the configs there, closest "
         "first: tiny, small"
-    ], result.stderr[-3000:]
-    result = run_hydra_cli("--config-dir", str(config_dir), "--config-name", "tinny", cwd=tmp_path)
-    assert result.stderr.splitlines() == [
+    ], err[-3000:]
+    status, err = hydra_in_process(capsys, "--config-dir", str(config_dir), "--config-name", "tinny")
+    assert err.splitlines() == [
         f"fairseq-hydra-train: error: --config-name tinny: no tinny.yaml in {config_dir} (did you mean 'tiny'?); "
         "the configs there, closest first: tiny, small"
-    ], result.stderr[-3000:]
-    result = run_hydra_cli("--config-dir", str(tmp_path / "nowhere"), "--config-name", "tiny", cwd=tmp_path)
-    assert result.returncode == 1 and result.stderr.splitlines() == [
+    ], err[-3000:]
+    status, err = hydra_in_process(capsys, "--config-dir", str(tmp_path / "nowhere"), "--config-name", "tiny")
+    assert status == 1 and err.splitlines() == [
         f"fairseq-hydra-train: error: --config-dir {tmp_path / 'nowhere'}: no such directory; pass the directory "
         "that holds tiny.yaml"
-    ], result.stderr[-3000:]
+    ], err[-3000:]
     assert not (tmp_path / "outputs").exists()
+    assert "HYDRA_FULL_ERROR" not in os.environ
 
 
-def test_unwritable_run_directory_is_one_line(tmp_path):
+def test_unwritable_run_directory_is_one_line(tmp_path, monkeypatch, capsys, restore_logging):
     """hydra's outputs/ under the directory run from cannot be made (a file is in the way: the same for root,
     whom a read-only mode does not stop): one line naming the path, the errno and the fix."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
     config_dir = tmp_path / "config"
     config_dir.mkdir()
     (config_dir / "lm.yaml").write_text("common:\n  cpu: true\n")
     (tmp_path / "outputs").write_text("not a directory")
-    result = run_hydra_cli("--config-dir", str(config_dir), "--config-name", "lm", cwd=tmp_path)
-    lines = result.stderr.strip().splitlines()
-    assert result.returncode == 1 and "Traceback" not in result.stderr and len(lines) == 1, result.stderr[-3000:]
+    status, err = hydra_in_process(capsys, "--config-dir", str(config_dir), "--config-name", "lm")
+    lines = err.strip().splitlines()
+    assert status == 1 and "Traceback" not in err and len(lines) == 1, err[-3000:]
     assert (
         lines[0].startswith("fairseq-hydra-train: error: cannot write hydra's run directory outputs/")
         and "(ENOTDIR)" in lines[0]

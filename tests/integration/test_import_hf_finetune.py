@@ -4,8 +4,6 @@ on 2 gloo processes), then the fine-tuned checkpoint exported and loaded in tran
 logits. The tiny model is OPT-350m's kind (post-norm, word_embed_proj_dim projections, tied)."""
 
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -18,6 +16,7 @@ from fairseq.export import hf, hf_import  # noqa: E402
 from tests.hf_fixtures import tiny_hf_model, write_opt_tokenizer  # noqa: E402
 from tests.integration.test_export_hf import assert_same_logits, fork_model, load_hf, random_rows  # noqa: E402
 from tests.text_fixtures import sample_text  # noqa: E402
+from tests.train_fixtures import train_in_process  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 pytestmark = [pytest.mark.timeout(600), pytest.mark.filterwarnings("ignore::UserWarning")]
@@ -168,11 +167,9 @@ def test_the_printed_command_runs_as_printed(imported, tmp_path, capsys):
 
 
 def test_finetune_fully_sharded_on_two_processes_then_export(imported, tmp_path):
+    log = tmp_path / "train.log"  # the ranks' log
     argv = finetune_argv(imported, tmp_path / "ck", "--ddp-backend", "fully_sharded", "--distributed-world-size", "2")
-    env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
-    proc = subprocess.run(
-        [sys.executable, "-m", "fairseq_cli.train", *argv], capture_output=True, text=True, timeout=500, env=env
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "--finetune-from-model" in proc.stdout + proc.stderr or "loaded model weights" in proc.stdout + proc.stderr
+    status, out, err = train_in_process(argv + ["--log-file", str(log)])  # the 2 ranks spawned from this process
+    assert status == 0, out[-3000:] + err[-3000:]
+    assert "--finetune-from-model" in log.read_text() or "loaded model weights" in log.read_text()
     check_finetuned(imported, tmp_path / "ck" / "checkpoint_last.pt", tmp_path)

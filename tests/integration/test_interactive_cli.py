@@ -100,35 +100,28 @@ def test_lines_in_input_order_equal_the_hub(tiny_data, ckpt, monkeypatch, capsys
 
 def test_console_script_reads_a_pipe_and_input_files(tiny_data, ckpt, tmp_path, monkeypatch, capsys):
     args = argv(tiny_data, ckpt, "--beam", 1, "--max-len-b", 6)
-    env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
-    piped = subprocess.run(
-        [sys.executable, "-m", "fairseq_cli.interactive", *args],
-        input="w1 w2\nw3\n",
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=300,
-    )
-    assert piped.returncode == 0, piped.stderr[-3000:]
-    hypotheses = {i: fields[1] for kind, i, fields in parse(piped.stdout) if kind == "H"}
+    status, piped, _ = run(monkeypatch, capsys, args, "w1 w2\nw3\n")
+    assert status == 0
+    hypotheses = {i: fields[1] for kind, i, fields in parse(piped) if kind == "H"}
     assert hypotheses[0].startswith("w1 w2") and hypotheses[1].startswith("w3") and len(hypotheses) == 2
-    # --text-only in a real process: standard output holds the text alone, the log goes to standard error
+    # the real process reading a pipe, with --text-only: standard output holds the text alone, the log goes to
+    # standard error
     text_only = subprocess.run(
         [sys.executable, "-m", "fairseq_cli.interactive", *args, "--text-only"],
         input="w1 w2\nw3\n",
         capture_output=True,
         text=True,
-        env=env,
+        env=dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1"),
         timeout=300,
     )
     assert text_only.returncode == 0, text_only.stderr[-3000:]
-    assert text_only.stdout.splitlines() == [fields[1] for kind, _, fields in parse(piped.stdout) if kind == "D"]
+    assert text_only.stdout.splitlines() == [fields[1] for kind, _, fields in parse(piped) if kind == "D"]
     assert "| INFO | fairseq_cli.interactive |" in text_only.stderr
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("w1 w2\nw3\n", encoding="utf-8")
     status, out, _ = run(monkeypatch, capsys, args + ["--input", str(prompts)], "")
     assert status == 0
-    assert [r for r in parse(out) if r[0] != "W"] == [r for r in parse(piped.stdout) if r[0] != "W"]
+    assert [r for r in parse(out) if r[0] != "W"] == [r for r in parse(piped) if r[0] != "W"]
 
 
 def test_without_data_the_checkpoints_dictionary_is_used(tiny_data, ckpt, monkeypatch, capsys):

@@ -4,17 +4,12 @@ epochs forever."""
 
 import os
 import shutil
-import subprocess
-import sys
 
 import pytest
 
 from fairseq.logging.progress_bar import read_json_log
 from fairseq_cli import preprocess
 from tests.train_fixtures import train_in_process
-
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
 
 # A hang (the bug this file guards against) fails the test instead of blocking the suite.
 pytestmark = pytest.mark.timeout(120)
@@ -23,24 +18,6 @@ pytestmark = pytest.mark.timeout(120)
 def run_train(argv):
     """fairseq-train's console entry point, in this process: (exit status, stdout, stderr)."""
     return train_in_process(argv)
-
-
-def run_train_process(argv, timeout=240):
-    """fairseq-train in a subprocess (it spawns ranks); a hang is killed and fails."""
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "fairseq_cli.train", *argv],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env={**{k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}, "PYTHONPATH": ROOT},
-    )
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        out, err = proc.communicate()
-        pytest.fail(f"fairseq-train did not stop within {timeout} s:\n{(out + err)[-2000:]}")
-    return proc.returncode, out, err
 
 
 def epoch_lines(log_file):
@@ -224,7 +201,7 @@ def test_two_ranks_stop_together_on_no_batch(tiny_data, tmp_path, train_args):
         "eos",
     )
     argv[argv.index("--max-tokens") + 1] = "3"
-    rc, out, err = run_train_process(argv)
+    rc, out, err = run_train(argv)  # the 2 ranks spawned from this process
     assert rc != 0
     assert "no training batch: all 400 items of the training split 'train'" in out + err
     assert epoch_lines(tmp_path / "ck" / "train.log") == []

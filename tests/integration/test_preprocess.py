@@ -14,7 +14,7 @@ import pytest
 
 from fairseq.data import Dictionary, MMapIndexedDataset
 from fairseq_cli import preprocess
-from tests.train_fixtures import assert_group_gone, interrupt_once
+from tests.train_fixtures import assert_group_gone, console_in_process, interrupt_once
 
 REPO = Path(__file__).resolve().parents[2]
 CLI = shutil.which("fairseq-preprocess", path=os.path.dirname(sys.executable)) or "fairseq-preprocess"
@@ -285,18 +285,21 @@ def test_unwritable_destdir_is_one_line_naming_the_path_and_errno(corpus, tmp_pa
     limit = 100_000 if how == "file-size limit" else None  # dict.txt (35 kB) fits, train.bin (184 kB) does not
 
     def limit_file_size():
-        if limit is not None:
-            resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
 
-    r = subprocess.run(
-        [sys.executable, "-m", "fairseq_cli.preprocess", *argv],
-        capture_output=True,
-        text=True,
-        preexec_fn=limit_file_size,
-        timeout=120,
-    )
-    lines = r.stderr.strip().splitlines()
-    assert r.returncode == 2 and len(lines) == 1 and "Traceback" not in r.stderr, r.stderr[-2000:]
+    if limit is None:  # the command's entry point in this process
+        returncode, _, stderr = console_in_process("fairseq-preprocess", preprocess.cli_main, argv)
+    else:  # the limit is a process's: a process of its own
+        r = subprocess.run(
+            [sys.executable, "-m", "fairseq_cli.preprocess", *argv],
+            capture_output=True,
+            text=True,
+            preexec_fn=limit_file_size,
+            timeout=120,
+        )
+        returncode, stderr = r.returncode, r.stderr
+    lines = stderr.strip().splitlines()
+    assert returncode == 2 and len(lines) == 1 and "Traceback" not in stderr, stderr[-2000:]
     path, code = {
         "under a file": (dest, "ENOTDIR"),
         "is a file": (dest, "EEXIST"),

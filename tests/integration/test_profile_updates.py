@@ -3,12 +3,12 @@ the profiler's own arithmetic."""
 
 import json
 import os
-import subprocess
 import sys
 
 import pytest
 
 from fairseq.logging.profiler import _union_length, kernel_category, parse_update_range
+from tests.train_fixtures import train_in_process
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -119,16 +119,10 @@ def test_training_that_ends_inside_the_range_writes_what_it_recorded(tmp_path):
 
 
 def test_bad_profile_range_is_a_one_line_cli_error(tmp_path):
-    proc = subprocess.run(
-        [sys.executable, "-m", "fairseq_cli.train", *dummy_train_argv(tmp_path, "--profile-updates", "4:2")],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        env=dict(os.environ, PYTHONPATH=ROOT),
-    )
-    assert proc.returncode == 2
-    assert "--profile-updates '4:2'" in proc.stderr
-    assert "Traceback" not in proc.stderr
+    status, _, stderr = train_in_process(dummy_train_argv(tmp_path, "--profile-updates", "4:2"))
+    assert status == 2
+    assert "--profile-updates '4:2'" in stderr
+    assert "Traceback" not in stderr
 
 
 def test_benchmark_refuses_profile_with_a_short_warm_up_and_unknown_combos():

@@ -3,8 +3,6 @@
 import json
 import math
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -12,8 +10,7 @@ import torch
 from fairseq.logging.progress_bar import read_json_log
 from fairseq_cli import eval_lm, train
 from test_train_cli import _eval_cfg, _run_train, load
-
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tests.train_fixtures import train_in_process
 
 
 def test_no_checkpoint_is_written_with_non_finite_weights(tiny_data, tmp_path, nan_after_two, train_args):
@@ -101,15 +98,9 @@ def test_stop_time_hours_stops_every_rank_at_the_same_update(tiny_data, tmp_path
         "--disable-validation",
         max_update=0,
     )
-    proc = subprocess.run(
-        [sys.executable, "-m", "fairseq_cli.train", *argv],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=dict(os.environ, PYTHONPATH=ROOT),
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "stopping training:" in proc.stdout + proc.stderr
+    status, out, err = train_in_process(argv)  # the 2 ranks spawned from this process
+    assert status == 0, out[-3000:] + err[-3000:]
+    assert "stopping training:" in (tmp_path / "train.log").read_text()  # the ranks' log (--log-file)
     assert load(tmp_path / "checkpoint_last.pt")["extra_state"]["trainer"]["num_updates"] > 0
 
 
@@ -266,14 +257,8 @@ def test_a_plugin_written_for_upstream_trains(tiny_data, tmp_path, user_dir):
         "0",
         "--no-save",
     ]
-    proc = subprocess.run(
-        [sys.executable, "-m", "fairseq_cli.train", *argv],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=dict(os.environ, PYTHONPATH=ROOT),
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    status, out, err = train_in_process(argv)  # the plug-in imported in this process, as fairseq-train imports it
+    assert status == 0, out[-3000:] + err[-3000:]
     rows = read_json_log(save / "train.log")
     assert len(rows) == 3
     # smoothing spreads 20% of the target mass over the vocabulary: the loss is above the plain NLL
@@ -284,8 +269,6 @@ def test_a_plugin_written_for_upstream_trains(tiny_data, tmp_path, user_dir):
 def test_an_index_whose_sizes_disagree_with_its_pointers_is_refused(tiny_data, tmp_path, train_args):
     """One byte of valid.idx changed (item 0's size): the .bin's length still matches, the pointers do not."""
     import shutil
-
-    from tests.train_fixtures import train_in_process
 
     data = tmp_path / "data-bin"
     shutil.copytree(tiny_data, data)

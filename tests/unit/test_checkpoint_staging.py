@@ -10,10 +10,10 @@ import traceback
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from fairseq.checkpoint.staging import HostStaging
 from fairseq.runtime.env import get_free_port
+from tests.train_fixtures import spawn_ranks
 
 
 def trained():
@@ -150,7 +150,7 @@ def run(rank, port, out_dir):
 @pytest.fixture(scope="module")
 def fsdp_results(tmp_path_factory):
     out = tmp_path_factory.mktemp("staging_fsdp")
-    mp.spawn(run, args=(get_free_port(), str(out)), nprocs=WORLD, join=True)
+    spawn_ranks(run, WORLD, get_free_port(), str(out))
     results = [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
     for r in results:
         assert "error" not in r, r.get("error")

@@ -1,7 +1,9 @@
 """transformer_lm: upstream parameter names and shapes, presets, sizes, causality, init, legacy state dicts."""
 
 import argparse
+import json
 import math
+import os
 
 import pytest
 import torch
@@ -9,6 +11,7 @@ import torch
 from fairseq import registry
 from fairseq.models.transformer_lm import TransformerLanguageModel, TransformerLanguageModelConfig, preset_config
 from fairseq.checkpoint.legacy import upgrade_transformer_lm as upgrade_state_dict
+from tests.train_fixtures import spawn_ranks
 
 VOCAB = 100
 PAD = 1
@@ -682,19 +685,25 @@ def test_upgrade_state_dict_old_sinusoidal_table_and_version_without_final_norm(
 
 # ----------------------------------------------------------------------------- init of a sharded (FSDP2) model
 
-SHARDED_INIT_SCRIPT = """
-import json, os, sys
-import torch, torch.distributed as dist
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
 
-def run(rank, out_dir):
+def _sharded_init(rank, out_dir):
+    """One of 2 ranks: the model built on the meta device, sharded by FSDP2, materialized and initialized; what
+    its initialization left, saved as out_dir/rank{rank}.json."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
     # A file rendezvous: no port to race other tests for.
-    dist.init_process_group("gloo", init_method="file://" + os.path.join(out_dir, "rendezvous"),
-                            rank=rank, world_size=2)
-    from fairseq.models.transformer_lm import TransformerLanguageModel, preset_config
-    cfg = preset_config("transformer_lm_gpt3_small", decoder_layers=1, decoder_embed_dim=32,
-                        decoder_attention_heads=2, tokens_per_sample=8)
+    dist.init_process_group(
+        "gloo", init_method="file://" + os.path.join(out_dir, "rendezvous"), rank=rank, world_size=2
+    )
+    cfg = preset_config(
+        "transformer_lm_gpt3_small",
+        decoder_layers=1,
+        decoder_embed_dim=32,
+        decoder_attention_heads=2,
+        tokens_per_sample=8,
+    )
     with torch.device("meta"):
         model = TransformerLanguageModel.build(cfg, 64, 1)
     mesh = init_device_mesh("cpu", (2,))
@@ -714,34 +723,10 @@ def run(rank, out_dir):
         json.dump(record, f)
     dist.destroy_process_group()
 
-if __name__ == "__main__":
-    run(int(sys.argv[1]), sys.argv[2])
-"""
 
-
+@pytest.mark.timeout(180)
 def test_reset_parameters_on_fsdp2_shards_zeroes_padding_rows_and_keeps_tying(tmp_path):
-    import json
-    import subprocess
-    import sys
-
-    script = tmp_path / "sharded_init.py"
-    script.write_text(SHARDED_INIT_SCRIPT)
-    ranks = [
-        subprocess.Popen(
-            [sys.executable, str(script), str(rank), str(tmp_path)],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for rank in (0, 1)
-    ]
-    try:
-        outputs = [rank.communicate(timeout=180) for rank in ranks]
-    finally:
-        for rank in ranks:
-            rank.kill()
-    for rank, (_, stderr) in zip(ranks, outputs):
-        assert rank.returncode == 0, stderr[-3000:]
+    spawn_ranks(_sharded_init, 2, str(tmp_path))
     for rank in (0, 1):
         record = json.loads((tmp_path / f"rank{rank}.json").read_text())
         assert record["tied"]
